@@ -1,0 +1,91 @@
+"""Per-request state of the autoregressive engine.
+
+A sequence owes `num_tokens - num_computed_tokens` tokens to the model. There is no separate
+prefill phase: a fresh prompt, a chunk of a long prompt, a prompt after a prefix-cache hit and a
+decode step are all "compute the tokens still owed". The last token of a fully computed sequence
+yields the logits for the next one.
+
+    |<------------- prompt (P) ------------>|<--- output --->|
+    | cached (prefix hit) | computed | owed ...                |
+    0                     num_cached          num_computed    num_tokens
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from omnistage.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # back in the waiting queue, recomputed from scratch
+    FINISHED = enum.auto()
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # eos, stop token id or stop string
+    LENGTH = "length"    # max_tokens or the model's maximum length
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # (P, hidden): replaces the embeddings of the prompt positions; prompt_token_ids then holds
+    # P placeholder ids (used for penalties and hashing only; such prompts skip prefix caching).
+    prompt_embeds: torch.Tensor | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    eos_token_ids: tuple[int, ...] = ()
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0          # prompt tokens served by the prefix cache (last admission)
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    num_hidden_emitted: int = 0         # positions whose hidden states were already sent
+    generator: torch.Generator | None = None  # per-request RNG when sampling_params.seed is set
+    first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_id_at(self, idx: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[idx] if idx < p else self.output_token_ids[idx - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def has_embeds(self) -> bool:
+        return self.prompt_embeds is not None
+
+    @property
+    def wants_hidden(self) -> bool:
+        return bool(self.sampling_params.output_hidden_layers)
