@@ -1,0 +1,218 @@
+"""The autoregressive stage engine: `step()` = schedule, execute, update.
+
+It owns one model, its KV cache, a scheduler and a runner, and speaks in per-step deltas
+(`StepOutput`): new token ids, new text, new hidden states, and whether the request finished.
+It knows nothing of processes or of other stages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from omnistage.ar.detokenizer import IncrementalDetokenizer
+from omnistage.ar.kv_cache import BlockManager, KVCacheLayout
+from omnistage.ar.memory import determine_kv_layout
+from omnistage.ar.model_runner import ModelRunner
+from omnistage.ar.sampler import TokenLogprobs
+from omnistage.ar.scheduler import Scheduler
+from omnistage.ar.sequence import FinishReason, Sequence
+from omnistage.configs.schema import ARConfig
+from omnistage.models.loader import load_model, resolve_model_path
+from omnistage.outputs import RequestMetrics
+from omnistage.sampling_params import SamplingParams
+from omnistage.utils.device import resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one request (deltas, not totals)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str = ""
+    logprobs: list[TokenLogprobs] | None = None
+    hidden_states: dict[int, Tensor] | None = None  # layer -> (n, hidden) for new positions
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    metrics: RequestMetrics | None = None           # set when the request finished
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class AREngine:
+    def __init__(self, config: ARConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        path = resolve_model_path(config.model)
+        self.model, self.model_config, self.hf_config = load_model(
+            path, self.device, resolve_dtype(config.dtype, path, self.device))
+        self.dtype = next(self.model.parameters()).dtype
+        self.tokenizer = _load_tokenizer(path)
+
+        sched = config.scheduler
+        self.max_model_len = min(sched.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.kv_layout: KVCacheLayout = determine_kv_layout(
+            self.model, self.model_config, config.kv_cache, self.device, self.dtype,
+            sched.max_num_batched_tokens, self.max_model_len, sched.max_num_seqs)
+        # A request alone must always fit, or preemption could never make room for it.
+        capacity = self.kv_layout.num_blocks * self.kv_layout.block_size
+        if capacity < self.max_model_len:
+            logger.warning("KV cache holds %d tokens: max_model_len lowered from %d",
+                           capacity, self.max_model_len)
+            self.max_model_len = capacity
+        self.block_manager = BlockManager(self.kv_layout.num_blocks, self.kv_layout.block_size,
+                                          config.kv_cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv_layout, self.device, self.dtype,
+                                  config.attention_backend, config.seed)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.runner.eos_token_ids = self.eos_token_ids
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.num_computed_tokens_total = 0  # tokens run through the model, all requests
+
+    # -- requests ----------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int] | None, params: SamplingParams,
+                 prompt_embeds: Tensor | None = None) -> None:
+        """Raise ValueError naming the problem; nothing is scheduled for a bad request."""
+        params.validate()
+        cfg = self.model_config
+        if prompt_embeds is not None:
+            if prompt_embeds.dim() != 2 or prompt_embeds.shape[1] != cfg.hidden_size:
+                raise ValueError(f"prompt_embeds has shape {tuple(prompt_embeds.shape)}, "
+                                 f"expected (num_tokens, {cfg.hidden_size})")
+            num = prompt_embeds.shape[0]
+        else:
+            if prompt_token_ids is None:
+                raise ValueError("a request needs prompt_token_ids or prompt_embeds")
+            num = len(prompt_token_ids)
+            bad = [t for t in prompt_token_ids if not 0 <= t < cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_token_ids contains ids outside the vocabulary "
+                                 f"[0, {cfg.vocab_size}): {bad[:5]}")
+        if num == 0:
+            raise ValueError("prompt is empty")
+        if num >= self.max_model_len:
+            raise ValueError(f"prompt has {num} tokens, but the model's maximum length is "
+                             f"{self.max_model_len} (room for at least one new token needed)")
+        top = max(params.output_hidden_layers, default=0)
+        if top > cfg.num_hidden_layers:
+            raise ValueError(f"output_hidden_layers asks for layer {top}, the model has "
+                             f"{cfg.num_hidden_layers} (0 = embeddings .. "
+                             f"{cfg.num_hidden_layers} = final)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | None,
+                    params: SamplingParams, prompt_embeds: Tensor | None = None,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.validate(prompt_token_ids, params, prompt_embeds)
+        if prompt_embeds is not None:
+            prompt_token_ids = [0] * prompt_embeds.shape[0]  # placeholders (see Sequence)
+        seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                       sampling_params=params, prompt_embeds=prompt_embeds,
+                       eos_token_ids=self.eos_token_ids)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
+        if params.detokenize and self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, params)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> StepOutput | None:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        return self._finish_output(seq, [])
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # -- one step ----------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        try:
+            result = self.runner.execute(batch)
+        except Exception as exc:  # a failing batch fails its requests, not the engine
+            logger.exception("model step failed for %d requests", len(batch.seqs))
+            outs = []
+            for seq in batch.seqs:
+                self.scheduler.finish(seq, FinishReason.ERROR)
+                outs.append(self._finish_output(seq, [], error=f"{type(exc).__name__}: {exc}"))
+            return outs
+        self.num_computed_tokens_total += batch.num_tokens
+        finished = set(id(s) for s in self.scheduler.update(batch, result.sampled))
+
+        outputs: list[StepOutput] = []
+        for i, seq in enumerate(batch.seqs):
+            token = result.sampled[i]
+            new_ids = [] if token is None else [token]
+            hidden = result.hidden_states[i]
+            if not new_ids and hidden is None:
+                continue
+            text, stop_hit = "", False
+            detok = self._detokenizers.get(seq.request_id)
+            if detok is not None and new_ids:
+                text, stop_hit = detok.step(new_ids)
+                if stop_hit and id(seq) not in finished:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                    finished.add(id(seq))
+            logprobs = [result.logprobs[i]] if result.logprobs[i] is not None else None
+            if id(seq) in finished:
+                if detok is not None and not stop_hit:
+                    text += detok.finish()
+                out = self._finish_output(seq, new_ids, text=text)
+                out.logprobs, out.hidden_states = logprobs, hidden
+            else:
+                out = StepOutput(seq.request_id, new_ids, text, logprobs, hidden)
+            outputs.append(out)
+        return outputs
+
+    def _finish_output(self, seq: Sequence, new_ids: list[int], text: str = "",
+                       error: str | None = None) -> StepOutput:
+        self._detokenizers.pop(seq.request_id, None)
+        metrics = RequestMetrics(
+            arrival_time=seq.arrival_time, first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time, finished_time=time.monotonic(),
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions)
+        return StepOutput(seq.request_id, new_ids, text, finish_reason=seq.finish_reason,
+                          error=error, metrics=metrics)
+
+
+def _load_tokenizer(path: Path) -> "PreTrainedTokenizerBase | None":
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as exc:
+        logger.warning("no tokenizer in %s (%s): text output disabled", path, exc)
+        return None
+
+
+__all__ = ["AREngine", "StepOutput"]

@@ -1,0 +1,89 @@
+"""How many KV blocks fit: measured once at start-up, returned as a `KVCacheLayout`.
+
+CUDA: the stage may use `memory_fraction` of the device. From that we subtract what the weights
+take and the activation peak of a profiling forward pass over a full step (`max_num_batched_tokens`
+tokens, no cache); the rest is KV cache. CPU: a byte budget from the config.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from omnistage.ar.kv_cache import KVCacheLayout, bytes_per_block
+from omnistage.configs.schema import KVCacheConfig
+from omnistage.layers.attention import AttentionMetadata, forward_context
+from omnistage.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _layout(cfg: ModelConfig, kv: KVCacheConfig, dtype: torch.dtype, num_blocks: int
+            ) -> KVCacheLayout:
+    per_block = bytes_per_block(kv.block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                cfg.head_dim, dtype.itemsize)
+    return KVCacheLayout(num_blocks=num_blocks, block_size=kv.block_size,
+                         num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+                         head_dim=cfg.head_dim, dtype=str(dtype).removeprefix("torch."),
+                         bytes_per_block=per_block)
+
+
+@torch.inference_mode()
+def profile_peak_activation(model: nn.Module, num_tokens: int, max_model_len: int,
+                            device: torch.device) -> int:
+    """Run one cache-less forward over `num_tokens` dummy tokens (as sequences of at most
+    max_model_len) and return the peak bytes allocated above the weights."""
+    lens = [max_model_len] * (num_tokens // max_model_len)
+    if num_tokens % max_model_len:
+        lens.append(num_tokens % max_model_len)
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    positions = torch.cat([torch.arange(n, device=device) for n in lens])
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    md = AttentionMetadata(
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=torch.zeros((len(lens), 1), dtype=torch.int32, device=device),
+        query_start_loc_cpu=qsl, seq_lens_cpu=lens, max_query_len=max(lens),
+        max_seq_len=max(lens))
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    with forward_context(md):
+        hidden, _ = model(input_ids, positions, None, ())
+        model.compute_logits(hidden[-min(len(lens), 256):])
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def determine_kv_layout(model: nn.Module, cfg: ModelConfig, kv: KVCacheConfig,
+                        device: torch.device, dtype: torch.dtype, max_num_batched_tokens: int,
+                        max_model_len: int, max_num_seqs: int) -> KVCacheLayout:
+    one = _layout(cfg, kv, dtype, 1)
+    if kv.num_blocks is not None:
+        return _layout(cfg, kv, dtype, kv.num_blocks)
+    if device.type == "cuda":
+        weights = torch.cuda.memory_allocated(device)
+        peak = profile_peak_activation(model, max_num_batched_tokens, max_model_len, device)
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(device).total_memory
+        free_now = torch.cuda.mem_get_info(device)[0]
+        available = min(kv.memory_fraction * total - weights - peak, free_now - peak)
+        num_blocks = int(available // one.bytes_per_block)
+        logger.info("memory: total %.2f GiB, weights %.2f GiB, activation peak %.2f GiB, "
+                    "KV cache %d blocks (%.2f GiB)", total / 2**30, weights / 2**30,
+                    peak / 2**30, num_blocks, num_blocks * one.bytes_per_block / 2**30)
+    else:
+        # Host memory is not reserved up front the way device memory is: take no more than
+        # every seat filled to max_model_len could use.
+        enough = max_num_seqs * -(-max_model_len // kv.block_size)
+        num_blocks = min(kv.cpu_kv_cache_bytes // one.bytes_per_block, enough)
+    if num_blocks < 1:
+        raise RuntimeError(
+            f"no memory left for the KV cache (one block needs {one.bytes_per_block} bytes): "
+            "raise memory_fraction / cpu_kv_cache_bytes or lower max_num_batched_tokens")
+    return _layout(cfg, kv, dtype, num_blocks)

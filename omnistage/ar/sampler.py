@@ -1,0 +1,208 @@
+"""Logits to token ids: min-tokens mask, penalties, logprobs, greedy, temperature/top-k/top-p/min-p.
+
+Pure tensor code, vectorised over the batch. The order follows vLLM's sampler:
+
+    logits (B, V) --float32--> raw
+      1. min_tokens   eos / stop token ids -> -inf while a row has < min_tokens outputs
+      2. penalties    repetition (HF rule), frequency and presence (OpenAI rule)
+      3. logprobs     log_softmax(raw): the model's own distribution, before steps 1-2 and 5
+      4. greedy rows  argmax of the penalised logits
+      5. other rows   / temperature -> top-k -> top-p -> min-p -> exponential race
+
+Sampling uses the exponential race `argmax(probs / q)`, `q ~ Exponential(1)` per vocab entry,
+which picks token i with probability probs[i]. A seeded request draws its q from its own
+generator (`seq.generator`), V values per sampled step, so its tokens depend only on its seed
+and its logits, never on what else shares the batch. Unseeded rows share the engine generator.
+Greedy rows draw nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from omnistage.ar.sequence import Sequence
+
+TokenLogprobs = dict[int, float]  # top-N token id -> logprob, always including the sampled token
+
+# Below this a temperature is treated as greedy: dividing by it would overflow float32 logits.
+GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]                   # one per row
+    logprobs: list[TokenLogprobs | None]   # None where the request did not ask for logprobs
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}  # engine-wide, per device
+
+    def __call__(self, logits: Tensor, seqs: list[Sequence],
+                 eos_token_ids: tuple[int, ...]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(seqs), \
+            f"logits {tuple(logits.shape)} vs {len(seqs)} sequences"
+        raw = logits.to(torch.float32, copy=True)                        # (B, V)
+        x = raw.clone()
+        apply_min_tokens(x, seqs, eos_token_ids)
+        apply_penalties(x, seqs)
+        x.nan_to_num_(nan=float("-inf"))
+
+        temps = [s.sampling_params.temperature for s in seqs]
+        is_greedy = [t < GREEDY_EPS for t in temps]
+        token_ids = x.argmax(dim=-1)                                      # (B,)
+        sample_rows = [i for i, g in enumerate(is_greedy) if not g]
+        if sample_rows:
+            rows = torch.tensor(sample_rows, device=x.device)
+            sampled = self._sample(x[rows], [seqs[i] for i in sample_rows])
+            token_ids[rows] = sampled
+
+        token_list: list[int] = token_ids.tolist()
+        return SamplerOutput(token_list, _gather_logprobs(raw, seqs, token_list))
+
+    def _sample(self, x: Tensor, seqs: list[Sequence]) -> Tensor:
+        """Temperature, top-k, top-p, min-p, then the exponential race.
+
+        x: (S, V) penalised logits of the non-greedy rows. Returns (S,) token ids."""
+        dev, vocab_size = x.device, x.shape[1]
+        ps = [s.sampling_params for s in seqs]
+        temp = torch.tensor([p.temperature for p in ps], device=dev)[:, None]
+        x = x / temp
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
+        top_p = [p.top_p for p in ps]
+        if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
+            x = apply_top_k_top_p(x, torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev))
+        probs = torch.softmax(x, dim=-1).nan_to_num_(nan=0.0)             # (S, V)
+        min_p = [p.min_p for p in ps]
+        if any(m > 0.0 for m in min_p):
+            threshold = torch.tensor(min_p, device=dev)[:, None] * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+
+        q = self._exponential(seqs, vocab_size, dev).clamp_min_(torch.finfo(torch.float32).tiny)
+        scores = torch.where(probs > 0, probs / q, -1.0)                   # prob 0 never wins
+        token_ids = scores.argmax(dim=-1)
+        # A row whose distribution degenerated (all -inf or NaN logits) falls back to argmax.
+        dead = probs.sum(dim=-1) <= 0
+        return torch.where(dead, x.argmax(dim=-1), token_ids)
+
+    def _exponential(self, seqs: list[Sequence], vocab_size: int, dev: torch.device) -> Tensor:
+        """(S, V) Exponential(1) draws: seeded rows from their own generator, the rest in one call."""
+        q = torch.empty(len(seqs), vocab_size, device=dev)
+        unseeded = [i for i, s in enumerate(seqs) if s.sampling_params.seed is None]
+        if unseeded:
+            draws = torch.empty(len(unseeded), vocab_size, device=dev)
+            draws.exponential_(generator=self._engine_generator(dev))
+            q[torch.tensor(unseeded, device=dev)] = draws
+        for i, seq in enumerate(seqs):
+            seed = seq.sampling_params.seed
+            if seed is None:
+                continue
+            if seq.generator is None:
+                seq.generator = torch.Generator(device=dev).manual_seed(seed)
+            q[i].exponential_(generator=seq.generator)
+        return q
+
+    def _engine_generator(self, dev: torch.device) -> torch.Generator:
+        gen = self._generators.get(dev)
+        if gen is None:
+            gen = self._generators[dev] = torch.Generator(device=dev).manual_seed(self.seed)
+        return gen
+
+
+def apply_min_tokens(x: Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> None:
+    """In place: -inf on eos and stop token ids of rows that have fewer than min_tokens outputs."""
+    vocab_size = x.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, seq in enumerate(seqs):
+        p = seq.sampling_params
+        if len(seq.output_token_ids) >= p.min_tokens:
+            continue
+        banned = {*eos_token_ids, *seq.eos_token_ids, *p.stop_token_ids}
+        for t in banned:
+            if 0 <= t < vocab_size:
+                rows.append(i)
+                cols.append(t)
+    if rows:
+        x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = float("-inf")
+
+
+def apply_penalties(x: Tensor, seqs: list[Sequence]) -> None:
+    """In place: repetition penalty (prompt and output tokens), frequency and presence penalties
+    (output tokens only), on the rows that ask for any."""
+    rows = [i for i, s in enumerate(seqs) if _has_penalty(s)]
+    if not rows:
+        return
+    dev, vocab_size = x.device, x.shape[1]
+    ps = [seqs[i].sampling_params for i in rows]
+    rep = torch.tensor([p.repetition_penalty for p in ps], device=dev)[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in ps], device=dev)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None]
+    output_counts = _token_counts([seqs[i].output_token_ids for i in rows], vocab_size, dev)
+    prompt_counts = _token_counts([seqs[i].prompt_token_ids for i in rows], vocab_size, dev)
+    idx = torch.tensor(rows, device=dev)
+    sub = x[idx]                                                      # (R, V)
+    seen = (prompt_counts > 0) | (output_counts > 0)
+    scaled = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, scaled, sub)
+    sub = sub - freq * output_counts - pres * (output_counts > 0).float()
+    x[idx] = sub
+
+
+def _has_penalty(seq: Sequence) -> bool:
+    p = seq.sampling_params
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, dev: torch.device) -> Tensor:
+    """(R, V) float counts of each token id per row, via scatter_add over a padded id tensor.
+
+    Padding and out-of-range ids (e.g. placeholder ids of embedding prompts) land in an extra
+    bin V that is dropped.
+    """
+    width = max((len(t) for t in token_lists), default=0)
+    padded = [t + [vocab_size] * (width - len(t)) for t in token_lists]
+    ids = torch.tensor(padded, dtype=torch.long, device=dev).view(len(token_lists), width)
+    ids = torch.where((ids < 0) | (ids >= vocab_size), vocab_size, ids)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, device=dev)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def apply_top_k_top_p(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Mask (-inf) all but each row's top_k logits, then all but the smallest set of tokens whose
+    cumulative probability reaches top_p. The top token always survives. x: (S, V)."""
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)        # (S, V)
+    pos = torch.arange(x.shape[1], device=x.device)[None, :]
+    sorted_x = sorted_x.masked_fill(pos >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_x, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs                            # mass of better tokens
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0) & (pos > 0)
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+
+def _gather_logprobs(raw: Tensor, seqs: list[Sequence],
+                     token_ids: list[int]) -> list[TokenLogprobs | None]:
+    """Top-N logprobs of the raw (unprocessed) logits, plus the sampled token's."""
+    out: list[TokenLogprobs | None] = [None] * len(seqs)
+    rows = [i for i, s in enumerate(seqs) if s.sampling_params.logprobs is not None]
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=raw.device)
+    logprobs = torch.log_softmax(raw[idx], dim=-1)                        # (R, V)
+    n = max(seqs[i].sampling_params.logprobs or 0 for i in rows)
+    top_vals, top_ids = logprobs.topk(min(n, raw.shape[1]), dim=-1)
+    sampled = torch.tensor([token_ids[i] for i in rows], device=raw.device)
+    sampled_vals = logprobs.gather(1, sampled[:, None])[:, 0].tolist()
+    top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+    for r, i in enumerate(rows):
+        k = seqs[i].sampling_params.logprobs or 0
+        entry = dict(zip(top_ids_l[r][:k], top_vals_l[r][:k]))
+        entry.setdefault(token_ids[i], sampled_vals[r])
+        out[i] = entry
+    return out

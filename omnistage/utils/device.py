@@ -1,0 +1,34 @@
+"""Device and dtype choice from the user's words ("auto", "cpu", "cuda", "bfloat16", ...)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r}: CUDA is not available on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={name!r}: choose auto, cpu or cuda[:N]")
+    return device
+
+
+def resolve_dtype(name: str, model_path: Path, device: torch.device) -> torch.dtype:
+    """"auto": the checkpoint's dtype on CUDA; float32 on CPU, where half precision is slow."""
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"dtype={name!r}: choose auto, {', '.join(_DTYPES)}")
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    config = json.loads((model_path / "config.json").read_text())
+    declared = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return _DTYPES.get(str(declared).removeprefix("torch."), torch.float32)
