@@ -65,11 +65,12 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
         assert num_blocks >= 1 and block_size >= 1, (num_blocks, block_size)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # block id, oldest first
         self.hash_to_block_id: dict[int, int] = {}
@@ -138,7 +139,8 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow seq.block_table to cover positions [0, num_computed_tokens + num_new_tokens)."""
         num_needed = self.num_blocks_needed(seq, num_new_tokens)
-        assert num_needed <= self.num_free_blocks, (seq.request_id, num_needed, self.num_free_blocks)
+        assert num_needed <= self.num_free_blocks, (
+            seq.request_id, num_needed, self.num_free_blocks)
         for _ in range(num_needed):
             if self.free_block_ids:
                 block = self.blocks[self.free_block_ids.popleft()]
@@ -154,7 +156,7 @@ class BlockManager:
             seq.block_table.append(block.block_id)
 
     def cache_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Register the hashes of the blocks that are full once K/V of [0, num_computed_tokens) exist."""
+        """Hash the blocks that are full once K/V of positions [0, num_computed_tokens) exist."""
         if not self.is_cacheable(seq):
             return
         bs = self.block_size

@@ -1,0 +1,89 @@
+"""Rotary position embedding (neox / rotate-half layout, as Qwen and Llama use).
+
+cos/sin are precomputed in float32 for every position up to max_position; a forward pass gathers
+the rows for `positions` (T,) and rotates q (T, H, D) and k (T, Hkv, D):
+
+    x * cos + rotate_half(x) * sin,   rotate_half(| x1 | x2 |) = | -x2 | x1 |
+
+The inverse frequencies and the attention scaling of scaled variants (linear, yarn, llama3,
+longrope, ...) come from transformers' own ROPE_INIT_FUNCTIONS, so they match HF exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, cos: Tensor, sin: Tensor) -> None:
+        super().__init__()
+        assert cos.shape == sin.shape and cos.shape[1] == head_dim, (cos.shape, head_dim)
+        self.head_dim = head_dim
+        self.register_buffer("cos_cache", cos, persistent=False)   # (max_position, D) float32
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)   # (T, 1, D)
+        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_position={self.cos_cache.shape[0]}"
+
+
+def _cos_sin(inv_freq: Tensor, positions: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]   # (P, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)                          # (P, D)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def get_rope(head_dim: int, max_position: int, rope_parameters: dict[str, Any]) -> RotaryEmbedding:
+    """Build the rotary table. `rope_parameters` is HF's dict: {"rope_type", "rope_theta", ...}."""
+    rope_type = rope_parameters.get("rope_type", "default")
+    positions = torch.arange(max_position)
+    if rope_type == "default":
+        theta = rope_parameters["rope_theta"]
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        cos, sin = _cos_sin(inv_freq, positions, 1.0)
+        return RotaryEmbedding(head_dim, cos, sin)
+    if rope_type == "dynamic":
+        raise NotImplementedError(
+            "rope_type 'dynamic' (dynamic NTK scaling) changes the frequencies with the sequence "
+            "length and cannot use a precomputed cache; it is not supported")
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type {rope_type!r}: unknown (known: default, "
+                         f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+
+    # The HF init functions read a config; give them one that holds only what they need.
+    # hidden_size / num_attention_heads are read (eagerly) as a fallback for head_dim.
+    hf_config = PretrainedConfig(head_dim=head_dim, hidden_size=head_dim, num_attention_heads=1,
+                                 max_position_embeddings=max_position,
+                                 rope_parameters=dict(rope_parameters))
+    init_fn = ROPE_INIT_FUNCTIONS[rope_type]
+    inv_freq, scaling = init_fn(hf_config, None)
+    if inv_freq.numel() * 2 != head_dim:
+        raise NotImplementedError(
+            f"rope_parameters {rope_parameters}: rotary dim {inv_freq.numel() * 2} != head_dim "
+            f"{head_dim} (partial rotary embedding is not supported)")
+    cos, sin = _cos_sin(inv_freq, positions, scaling)
+    if rope_type == "longrope":
+        # Positions past the pretraining window use the long factors. (HF switches the whole
+        # sequence once it grows past the window; with a KV cache, earlier keys keep theirs.)
+        original = rope_parameters["original_max_position_embeddings"]
+        if max_position > original:
+            long_inv_freq, _ = init_fn(hf_config, None, max_position)
+            cos_long, sin_long = _cos_sin(long_inv_freq, positions, scaling)
+            cos[original:], sin[original:] = cos_long[original:], sin_long[original:]
+    return RotaryEmbedding(head_dim, cos, sin)

@@ -1,0 +1,177 @@
+"""Engine-level golden tests: our continuous batching vs transformers' generate, prompt by prompt."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from omnistage import Omni, SamplingParams
+
+PROMPT_LENS = [1, 3, 17, 40, 64, 99, 150, 200]
+MAX_TOKENS = 12
+
+
+def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(64)]
+    prompts = []
+    for n in PROMPT_LENS:
+        if n >= 64 and n != 99:  # several prompts share a 64-token prefix: prefix hits happen
+            prompts.append(shared + [rng.randrange(vocab) for _ in range(n - 64)])
+        else:
+            prompts.append([rng.randrange(vocab) for _ in range(n)])
+    return prompts
+
+
+_REF_CACHE: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+
+
+def reference(path: Path, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    key = (str(path), tuple(prompt))
+    if key not in _REF_CACHE:
+        model = _hf_model(path)
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_tokens, pad_token_id=0)
+        _REF_CACHE[key] = out[0, len(prompt):].tolist()
+    return _REF_CACHE[key]
+
+
+_HF: dict[str, torch.nn.Module] = {}
+
+
+def _hf_model(path: Path) -> torch.nn.Module:
+    if str(path) not in _HF:
+        _HF[str(path)] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return _HF[str(path)]
+
+
+def run_batch(path: Path, prompts: list[list[int]], **engine_kw: object) -> tuple[Omni, list]:
+    omni = Omni(str(path), device="cpu", **engine_kw)
+    outs = omni.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    return omni, outs
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_tied", "tiny_qwen2"])
+def test_golden_batch_chunked_prefix_cached(fixture: str, request: pytest.FixtureRequest) -> None:
+    path = request.getfixturevalue(fixture)
+    prompts = make_prompts(omni_vocab(path))
+    omni, outs = run_batch(path, prompts, max_num_batched_tokens=64, enable_prefix_caching=True)
+    for prompt, out in zip(prompts, outs):
+        expected = reference(path, prompt)
+        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens"
+        assert out.finish_reason in ("length", "stop")
+    # Every prompt's full blocks are in the cache now: the same batch again hits them.
+    again = omni.generate([{"prompt_token_ids": p} for p in prompts],
+                          SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    assert sum(o.metrics.num_cached_tokens for o in again) > 0
+
+
+def test_golden_under_preemption(tiny_qwen3: Path) -> None:
+    prompts = make_prompts(omni_vocab(tiny_qwen3), seed=1)
+    omni, outs = run_batch(tiny_qwen3, prompts, max_num_batched_tokens=64, num_kv_blocks=20)
+    assert omni.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference(tiny_qwen3, prompt), f"prompt of {len(prompt)} tokens"
+    assert omni.engine.block_manager.num_free_blocks == 20
+
+
+def test_prefix_cache_computes_only_the_tail(tiny_qwen3: Path) -> None:
+    rng = random.Random(3)
+    vocab = omni_vocab(tiny_qwen3)
+    prefix = [rng.randrange(vocab) for _ in range(64)]
+    first = prefix + [rng.randrange(vocab) for _ in range(10)]
+    second = prefix + [rng.randrange(vocab) for _ in range(7)]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+
+    omni = Omni(str(tiny_qwen3), device="cpu", block_size=16)
+    omni.generate({"prompt_token_ids": first}, params)
+    before = omni.engine.num_computed_tokens_total
+    (out,) = omni.generate({"prompt_token_ids": second}, params)
+    computed = omni.engine.num_computed_tokens_total - before
+    assert out.metrics.num_cached_tokens == 64
+    assert computed == len(second) - 64 + (8 - 1)  # the tail, then one token per decode step
+
+    plain = Omni(str(tiny_qwen3), device="cpu", enable_prefix_caching=False)
+    (ref,) = plain.generate({"prompt_token_ids": second}, params)
+    assert ref.metrics.num_cached_tokens == 0
+    assert out.token_ids == ref.token_ids == reference(tiny_qwen3, second, 8)
+
+
+def test_seeded_request_is_batch_invariant(tiny_qwen3: Path) -> None:
+    omni = Omni(str(tiny_qwen3), device="cpu")
+    vocab = omni_vocab(tiny_qwen3)
+    rng = random.Random(5)
+    target = {"prompt_token_ids": [rng.randrange(vocab) for _ in range(20)]}
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    (alone,) = omni.generate(target, seeded)
+
+    engine = omni.engine
+    for i in range(15):
+        other = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        engine.add_request(f"other{i}", other,
+                           SamplingParams(temperature=0.8, max_tokens=rng.randrange(4, 30),
+                                          seed=i if i % 2 else None))
+    (batched,) = omni.generate(target, seeded)
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert batched.token_ids == alone.token_ids
+    (other_seed,) = omni.generate(target, SamplingParams(temperature=1.0, top_p=0.9, seed=99,
+                                                         max_tokens=16, ignore_eos=True))
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_hidden_states_and_prompt_embeds(tiny_qwen3: Path) -> None:
+    """A request can emit hidden states of chosen layers and take prompt embeddings."""
+    omni = Omni(str(tiny_qwen3), device="cpu", max_num_batched_tokens=16)
+    prompt = list(range(5, 45))
+    layers = (0, 1, omni.engine.model_config.num_hidden_layers)
+    (out,) = omni.generate({"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=6, output_hidden_layers=layers))
+    hf = _hf_model(tiny_qwen3)
+    full = torch.tensor([prompt + out.token_ids[:-1]])
+    with torch.no_grad():
+        ref = hf(full, output_hidden_states=True).hidden_states
+    for layer in layers:
+        got = out.hidden_states[layer]
+        assert got.shape[0] == full.shape[1]  # every computed position exactly once
+        torch.testing.assert_close(got, ref[layer][0], atol=1e-4, rtol=1e-4)
+
+    # prompt embeddings equal to the token embeddings give the same tokens, mixed in one batch
+    embeds = hf.get_input_embeddings()(torch.tensor(prompt)).detach()
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    a, b = omni.generate([{"prompt_embeds": embeds}, {"prompt_token_ids": prompt}], params)
+    assert a.token_ids == b.token_ids == out.token_ids
+
+
+def test_step_failure_fails_only_that_batch(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    omni = Omni(str(tiny_qwen3), device="cpu")
+    engine = omni.engine
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return real(batch)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    (failed,) = omni.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0))
+    assert failed.finish_reason == "error" and "boom" in failed.error
+    assert engine.block_manager.num_free_blocks == engine.kv_layout.num_blocks
+    (ok,) = omni.generate({"prompt_token_ids": [1, 2, 3]},
+                          SamplingParams(temperature=0, max_tokens=4))
+    assert ok.finish_reason in ("length", "stop") and ok.error is None
+
+
+def omni_vocab(path: Path) -> int:
+    import json
+
+    return json.loads((path / "config.json").read_text())["vocab_size"]
