@@ -70,7 +70,8 @@ def test_defaults_are_vllm_like() -> None:
 
 
 def test_list_inputs_are_normalised_to_tuples() -> None:
-    p = SamplingParams(stop=["a", "b"], stop_token_ids=[1, 2], output_hidden_layers=[3])  # type: ignore[arg-type]
+    p = SamplingParams(stop=["a", "b"], stop_token_ids=[1, 2],  # type: ignore[arg-type]
+                       output_hidden_layers=[3])  # type: ignore[arg-type]
     assert (p.stop, p.stop_token_ids, p.output_hidden_layers) == (("a", "b"), (1, 2), (3,))
     assert SamplingParams(stop="END").stop == ("END",)  # type: ignore[arg-type]
     assert p == SamplingParams(stop=("a", "b"), stop_token_ids=(1, 2), output_hidden_layers=(3,))

@@ -75,7 +75,8 @@ class Sampler:
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
         top_p = [p.top_p for p in ps]
         if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
-            x = apply_top_k_top_p(x, torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev))
+            x = apply_top_k_top_p(x, torch.tensor(top_k, device=dev),
+                                  torch.tensor(top_p, device=dev))
         probs = torch.softmax(x, dim=-1).nan_to_num_(nan=0.0)             # (S, V)
         min_p = [p.min_p for p in ps]
         if any(m > 0.0 for m in min_p):
@@ -90,7 +91,7 @@ class Sampler:
         return torch.where(dead, x.argmax(dim=-1), token_ids)
 
     def _exponential(self, seqs: list[Sequence], vocab_size: int, dev: torch.device) -> Tensor:
-        """(S, V) Exponential(1) draws: seeded rows from their own generator, the rest in one call."""
+        """(S, V) Exponential(1) draws: seeded rows from their own generator, others in one call."""
         q = torch.empty(len(seqs), vocab_size, device=dev)
         unseeded = [i for i, s in enumerate(seqs) if s.sampling_params.seed is None]
         if unseeded:

@@ -98,7 +98,8 @@ def test_stop_string_across_tokens_and_inside_a_token(tokenizer: PreTrainedToken
     text = "café crème brûlée"
     output = tokenizer.encode(text)
     # "è" is split over two byte tokens; "ème b" spans several tokens.
-    for stop, expected in [("ème b", "café cr"), ("è", "café cr"), ("fé", "ca"), ("e", "café crèm")]:
+    cases = [("ème b", "café cr"), ("è", "café cr"), ("fé", "ca"), ("e", "café crèm")]
+    for stop, expected in cases:
         deltas, stopped, detok = stream(tokenizer, [], output, SamplingParams(stop=(stop,)))
         assert stopped, stop
         assert "".join(deltas) == detok.text == expected, stop

@@ -160,7 +160,8 @@ def test_min_tokens_masks_eos_and_stop_token_ids() -> None:
 
 def fake_logits(seq: Sequence, vocab_size: int = 64) -> torch.Tensor:
     """Logits that depend only on the sequence's own history, like a real model's."""
-    gen = torch.Generator().manual_seed(1000 + 31 * len(seq.output_token_ids) + sum(seq.output_token_ids))
+    history = seq.output_token_ids
+    gen = torch.Generator().manual_seed(1000 + 31 * len(history) + sum(history))
     return torch.randn(vocab_size, generator=gen)
 
 
@@ -177,7 +178,8 @@ def test_seeded_request_is_batch_invariant() -> None:
 
     others: list[Sequence] = []
     for j in range(15):
-        kinds = [{"seed": 77 + j}, {}, {"temperature": 0.0}, {"top_k": 5, "seed": 9}, {"top_p": 0.8}]
+        kinds = [{"seed": 77 + j}, {}, {"temperature": 0.0}, {"top_k": 5, "seed": 9},
+                 {"top_p": 0.8}]
         others.append(make_seq(request_id=f"o{j}", **kinds[j % len(kinds)]))
     batched = make_seq(seed=1234, temperature=1.0)
     batch = others[:7] + [batched] + others[7:]

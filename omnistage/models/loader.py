@@ -1,0 +1,177 @@
+"""Find a checkpoint, build its model, stream the safetensors weights in.
+
+    resolve_model_path("Qwen/Qwen3-0.6B" or "/ckpt/dir") -> folder with config.json
+    load_model(folder, device, dtype) -> (model, ModelConfig, HF config)
+
+Loading is strict, as nanoGPT's weight import is: a checkpoint tensor with no parameter, a
+parameter with no checkpoint tensor, or a tensor of the wrong shape fails with its name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping
+
+import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+from safetensors import safe_open
+from torch import Tensor, nn
+from tqdm import tqdm
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+from omnistage.layers.linear import default_weight_loader
+from omnistage.models.config import ModelConfig
+from omnistage.models.registry import get_model_class
+
+PackedModules = Mapping[str, tuple[str, int | str]]
+
+# Buffers some checkpoints carry that we recompute instead of loading.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_model_path(model: str, cache_dir: str | Path | None = None) -> Path:
+    """A local folder holding config.json, else an HF repo id already in the local HF cache.
+    Never downloads."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model {model!r}: folder {path} has no config.json")
+        return path
+    try:
+        snapshot = Path(snapshot_download(model, local_files_only=True, cache_dir=cache_dir))
+    except (LocalEntryNotFoundError, HFValidationError) as e:
+        raise FileNotFoundError(
+            f"model {model!r}: neither a local folder nor a model in the local Hugging Face cache "
+            f"(nothing is downloaded; fetch it first, e.g. `hf download {model}`)") from e
+    if not (snapshot / "config.json").is_file():
+        raise FileNotFoundError(f"model {model!r}: cached snapshot {snapshot} has no config.json")
+    return snapshot
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
+    """(name, CPU tensor) for every tensor of `model.safetensors` or of the shards listed in
+    `model.safetensors.index.json`."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    for file in tqdm(files, desc="Loading safetensors", unit="file", disable=None):
+        with safe_open(path / file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]],
+                        packed_modules: PackedModules) -> set[str]:
+    """Copy checkpoint tensors into `model`'s parameters, routing the ones named in
+    `packed_modules` (e.g. `q_proj` -> shard "q" of `qkv_proj`) to their fused parameter.
+    Returns the parameter names loaded; names that map to no parameter are skipped (the caller
+    decides whether that is an error). A shape mismatch raises ValueError naming the tensor."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        parts = name.split(".")
+        shard_id = None
+        for i, part in enumerate(parts):
+            if part in packed_modules:
+                parts[i], shard_id = packed_modules[part]
+                break
+        param_name = ".".join(parts)
+        param = params.get(param_name)
+        if param is None:
+            continue
+        weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard_id is None:
+                weight_loader(param, tensor)
+            else:
+                weight_loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+        loaded.add(param_name)
+    return loaded
+
+
+def checkpoint_names(model: nn.Module, packed_modules: PackedModules) -> set[str]:
+    """The checkpoint tensor names `model` expects: its parameter names with every fused
+    parameter expanded back into the tensors it is packed from."""
+    sources: dict[str, list[str]] = {}
+    for src, (dst, _) in packed_modules.items():
+        sources.setdefault(dst, []).append(src)
+    names: set[str] = set()
+    for param_name, _ in model.named_parameters():
+        parts = param_name.split(".")
+        idx = next((i for i, p in enumerate(parts) if p in sources), None)
+        if idx is None:
+            names.add(param_name)
+            continue
+        for src in sources[parts[idx]]:
+            names.add(".".join([*parts[:idx], src, *parts[idx + 1:]]))
+    return names
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def _name_list(names: Iterable[str], limit: int = 10) -> str:
+    names = sorted(names)
+    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype | None = None
+               ) -> tuple[nn.Module, ModelConfig, PretrainedConfig]:
+    """Build the model named by `path`/config.json on `device` in `dtype` (None: the
+    checkpoint's dtype) and load its weights."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model folder)")
+    hf_config = AutoConfig.from_pretrained(path)
+    generation_config = None
+    if (path / "generation_config.json").is_file():
+        generation_config = GenerationConfig.from_pretrained(path)
+    cfg = ModelConfig.from_hf(hf_config, generation_config)
+    model_cls = get_model_class(cfg.architecture)
+    dtype = dtype or getattr(torch, cfg.torch_dtype)
+
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(cfg)
+
+    seen: list[str] = []
+
+    def recorded(weights: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in weights:
+            seen.append(name)
+            yield name, tensor
+
+    loaded = model.load_weights(recorded(iter_safetensors(path)))
+
+    expected = checkpoint_names(model, model.packed_modules)
+    ignored = {n for n in seen if n.endswith(_IGNORED_SUFFIXES)}
+    if cfg.tie_word_embeddings:
+        ignored.add("lm_head.weight")   # the embedding is the head; a saved copy is redundant
+    missing = expected - set(seen)
+    unexpected = set(seen) - expected - ignored
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_name_list(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors (no parameter takes them): {_name_list(unexpected)}")
+    if problems:
+        raise ValueError(f"{path} does not match {cfg.architecture}: " + "; ".join(problems))
+    not_loaded = {n for n, _ in model.named_parameters()} - loaded
+    assert not not_loaded, f"parameters not loaded although the checkpoint has them: {not_loaded}"
+    return model.eval(), cfg, hf_config

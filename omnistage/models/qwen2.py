@@ -1,0 +1,135 @@
+"""Qwen2 (and, with per-head q/k RMSNorm, Qwen3): a pre-norm decoder with GQA attention.
+
+Parameter names match the HF checkpoint except for the fused projections listed in
+`packed_modules` (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from omnistage.layers.activation import SiluAndMul
+from omnistage.layers.attention import Attention
+from omnistage.layers.linear import Linear, MergedLinear, QKVLinear
+from omnistage.layers.norm import RMSNorm
+from omnistage.layers.rotary import RotaryEmbedding, get_rope
+from omnistage.models.config import ModelConfig
+from omnistage.models.loader import load_packed_weights
+
+
+class Qwen2Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.qkv_sizes = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
+        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads,
+                                  self.num_kv_heads, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.has_qk_norm = cfg.has_qk_norm
+        if self.has_qk_norm:   # Qwen3: normalise each head before rotary
+            self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.rotary_emb = rotary_emb   # one table shared by all layers
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads)
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # x: (T, hidden)
+        q = q.view(-1, self.num_heads, self.head_dim)              # (T, H, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)           # (T, Hkv, D)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v).flatten(1))          # (T, hidden)
+
+
+class Qwen2MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.act_fn = SiluAndMul()
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # (T, 2I) -> (T, I) -> (T, hid)
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Qwen2Attention(cfg, rotary_emb)
+        self.mlp = Qwen2MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, positions: Tensor, h: Tensor) -> Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen2Model(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.sliding_window is not None:
+            raise NotImplementedError(f"{cfg.architecture}: sliding-window attention layers "
+                                      "(use_sliding_window) are not supported")
+        self.num_layers = cfg.num_hidden_layers
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary_emb = get_rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_parameters)
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg, rotary_emb)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, inputs_embeds: Tensor | None = None,
+                capture_layers: tuple[int, ...] = ()) -> tuple[Tensor, dict[int, Tensor]]:
+        """Hidden states are numbered as HF's `output_hidden_states`: 0 = embeddings,
+        i = output of decoder layer i, num_layers = after the final norm."""
+        assert all(0 <= i <= self.num_layers for i in capture_layers), \
+            f"capture_layers {capture_layers} outside [0, {self.num_layers}]"
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (T, hidden)
+        captured: dict[int, Tensor] = {}
+        if 0 in capture_layers:
+            captured[0] = h
+        for i, layer in enumerate(self.layers, start=1):
+            h = layer(positions, h)
+            if i in capture_layers and i < self.num_layers:
+                captured[i] = h
+        h = self.norm(h)
+        if self.num_layers in capture_layers:
+            captured[self.num_layers] = h
+        return h, captured
+
+
+class Qwen2ForCausalLM(nn.Module):
+    # checkpoint name -> (our fused parameter, shard id); read by the weight loader
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+                      "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
+                      "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen2Model(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed_input_ids(self, input_ids: Tensor) -> Tensor:
+        return self.model.embed_tokens(input_ids)                   # (T,) -> (T, hidden)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, inputs_embeds: Tensor | None = None,
+                capture_layers: tuple[int, ...] = ()) -> tuple[Tensor, dict[int, Tensor]]:
+        return self.model(input_ids, positions, inputs_embeds, capture_layers)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()                         # (N, hidden) -> (N, vocab)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        return load_packed_weights(self, weights, self.packed_modules)
