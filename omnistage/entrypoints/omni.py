@@ -77,6 +77,8 @@ class Omni:
         pending = set(order)
         while pending:
             for step_out in self.engine.step():
+                if step_out.request_id not in outputs:
+                    continue  # a request someone else added to the engine
                 _merge(outputs[step_out.request_id], step_out)
                 if step_out.finished:
                     pending.discard(step_out.request_id)

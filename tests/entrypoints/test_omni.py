@@ -23,7 +23,11 @@ def test_prompt_forms_and_outputs(omni: Omni) -> None:
                              {"prompt_token_ids": ids}], params)
     assert a.token_ids == b.token_ids == c.token_ids and len(a.token_ids) <= 5
     assert a.prompt == "hello world" and a.prompt_token_ids == ids
-    assert a.text == omni.tokenizer.decode(a.token_ids, skip_special_tokens=True)
+    # Text equals decode(), except that bytes of a character left incomplete at the very end
+    # are dropped instead of shown as U+FFFD (test_detokenizer covers this in detail).
+    decoded = omni.tokenizer.decode(a.token_ids, skip_special_tokens=True)
+    assert decoded.startswith(a.text) and "\ufffd" not in a.text
+    assert set(decoded[len(a.text):]) <= {"\ufffd"} or "\ufffd" in decoded
     assert len(a.logprobs) == len(a.token_ids)
     for tok, lp in zip(a.token_ids, a.logprobs):
         assert tok in lp and len(lp) in (3, 4)
