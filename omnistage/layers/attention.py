@@ -69,28 +69,33 @@ class AttentionBackend(Protocol):
 
 class TorchPagedAttention:
     """Pure-PyTorch paged attention: correct for any mix of prefill chunks and decodes, on any
-    device. One SDPA call per sequence; GPU kernels replace this for speed."""
+    device. Decodes (one query each) go through one batched SDPA over their gathered, padded
+    context; prefill chunks through one SDPA each. GPU kernels replace this for speed."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor | None,
                 v_cache: Tensor | None, md: AttentionMetadata, scale: float) -> Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         if k_cache is not None:
-            block_size = k_cache.shape[1]
             k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k)
             v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v)
         out = torch.empty_like(q)
         qsl = md.query_start_loc_cpu
+        decodes = [i for i in range(md.num_seqs) if qsl[i + 1] - qsl[i] == 1]
+        if k_cache is not None and len(decodes) > 1:
+            self._decode_batch(q, k_cache, v_cache, md, scale, decodes, out)
+            done = set(decodes)
+        else:
+            done = set()
         for i, seq_len in enumerate(md.seq_lens_cpu):
+            if i in done:
+                continue
             start, end = qsl[i], qsl[i + 1]
             num_q = end - start
             if k_cache is None:  # profiling run without a cache: the context is the new tokens
                 assert num_q == seq_len, (num_q, seq_len)
                 k_ctx, v_ctx = k[start:end], v[start:end]
             else:
-                num_blocks = -(-seq_len // block_size)
-                blocks = md.block_tables[i, :num_blocks].long()
-                k_ctx = k_cache[blocks].flatten(0, 1)[:seq_len]   # (S, Hkv, D)
-                v_ctx = v_cache[blocks].flatten(0, 1)[:seq_len]
+                k_ctx, v_ctx = _gather(k_cache, v_cache, md.block_tables[i], seq_len)
             qi = q[start:end].transpose(0, 1).unsqueeze(0)         # (1, H, Lq, D)
             ki = k_ctx.transpose(0, 1).unsqueeze(0)                # (1, Hkv, S, D)
             vi = v_ctx.transpose(0, 1).unsqueeze(0)
@@ -103,6 +108,33 @@ class TorchPagedAttention:
                                                 enable_gqa=ki.shape[1] != qi.shape[1])
             out[start:end] = oi.squeeze(0).transpose(0, 1)
         return out
+
+    @staticmethod
+    def _decode_batch(q: Tensor, k_cache: Tensor, v_cache: Tensor, md: AttentionMetadata,
+                      scale: float, rows: list[int], out: Tensor) -> None:
+        block_size = k_cache.shape[1]
+        lens = [md.seq_lens_cpu[i] for i in rows]
+        num_blocks = -(-max(lens) // block_size)
+        dev = q.device
+        rows_t = torch.tensor(rows, device=dev)
+        tables = md.block_tables[rows_t, :num_blocks].long()                  # (B, nb)
+        kc = k_cache[tables].flatten(1, 2).transpose(1, 2)                    # (B, Hkv, S, D)
+        vc = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        q_idx = md.query_start_loc[rows_t].long()
+        qd = q[q_idx].unsqueeze(2)                                            # (B, H, 1, D)
+        span = torch.arange(kc.shape[2], device=dev)
+        mask = (span[None, :] < md.seq_lens[rows_t, None])[:, None, None, :]  # (B, 1, 1, S)
+        od = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale,
+                                            enable_gqa=kc.shape[1] != qd.shape[1])
+        out[q_idx] = od.squeeze(2)
+
+
+def _gather(k_cache: Tensor, v_cache: Tensor, table: Tensor, seq_len: int
+            ) -> tuple[Tensor, Tensor]:
+    """One sequence's cached K/V, (S, Hkv, D) each, from its block table."""
+    num_blocks = -(-seq_len // k_cache.shape[1])
+    blocks = table[:num_blocks].long()
+    return k_cache[blocks].flatten(0, 1)[:seq_len], v_cache[blocks].flatten(0, 1)[:seq_len]
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
