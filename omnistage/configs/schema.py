@@ -6,8 +6,16 @@ their own result objects (`omnistage.ar.kv_cache.KVCacheLayout`).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
+
+from omnistage.configs.parse import from_dict
+from omnistage.sampling_params import SamplingParams
+
+StageKind = Literal["ar", "diffusion", "generation"]
+OutputKind = Literal["text", "audio", "image", "video", "tensor"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +60,144 @@ class ARConfig:
     model: str = ""
     component: str | None = None  # sub-model of a multi-part checkpoint (issue 3+)
     device: Literal["auto", "cpu", "cuda"] | str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: DType = "auto"
     seed: int = 0
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: Literal["auto", "torch"] = "auto"
+
+
+# ---- the stage graph --------------------------------------------------------------------------
+# `__post_init__` errors start with the offending field name; the parser prepends the path, e.g.
+# "stages[1].memory_fraction: must be in (0, 1], got 1.5".
+
+_STAGE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class StageInput:
+    """One edge into a stage. YAML: `{from: thinker, adapter: qwen3_omni.thinker_to_talker}`."""
+
+    source: str = field(metadata={"alias": "from"})  # `from` is a Python keyword
+    adapter: str  # registry key in omnistage.engine.adapters.ADAPTERS
+    chunked: bool = False  # the upstream output is streamed through in chunks
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise ValueError("from: must name a stage")
+        if not self.adapter:
+            raise ValueError("adapter: must name a registered adapter")
+
+
+@dataclass(frozen=True, slots=True)
+class StageConfig:
+    name: str
+    kind: StageKind
+    component: str | None = None  # which part of the checkpoint this stage loads
+    model: str | None = None  # checkpoint for this stage; None = the graph's model
+    inputs: tuple[StageInput, ...] = ()
+    final: OutputKind | None = None  # this stage's output goes to the client
+    devices: tuple[int, ...] = (0,)
+    memory_fraction: float = 0.9
+    dtype: DType = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    cpu_kv_cache_bytes: int = 1 << 30
+    num_kv_blocks: int | None = None
+    output_hidden_layers: tuple[int, ...] = ()  # hidden states this stage emits downstream
+    # Default SamplingParams fields of this stage; checked here, built by default_sampling().
+    sampling: dict[str, object] = field(default_factory=dict, hash=False)
+    startup_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        # Normalise list inputs (direct construction) so that the object compares and hashes.
+        for name in ("inputs", "devices", "output_hidden_layers"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "sampling", dict(self.sampling))
+
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+
+        if not _STAGE_NAME.fullmatch(self.name):
+            bad("name", "must be letters, digits, '_' or '-' (overrides say NAME.KEY=VALUE)")
+        if not self.devices or any(d < 0 for d in self.devices):
+            bad("devices", "must be a non-empty list of device indices >= 0")
+        if len(set(self.devices)) != len(self.devices):
+            bad("devices", "must not repeat a device")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            bad("memory_fraction", "must be in (0, 1]")
+        if self.max_num_seqs < 1:
+            bad("max_num_seqs", "must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            bad("max_num_batched_tokens", "must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            bad("max_model_len", "must be >= 1")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            bad("block_size", "must be a power of two")
+        if self.cpu_kv_cache_bytes < 1:
+            bad("cpu_kv_cache_bytes", "must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            bad("num_kv_blocks", "must be >= 1")
+        if any(i < 0 for i in self.output_hidden_layers):
+            bad("output_hidden_layers", "layer indices must be >= 0")
+        if not self.startup_timeout_s > 0:
+            bad("startup_timeout_s", "must be > 0")
+        if "output_hidden_layers" in self.sampling:
+            raise ValueError("sampling.output_hidden_layers: set output_hidden_layers on the "
+                             "stage, not in its sampling defaults")
+        self.default_sampling()  # raises "sampling.<field>: ..." if the defaults are bad
+
+    def default_sampling(self) -> SamplingParams:
+        """This stage's default SamplingParams: `sampling`, plus the hidden layers it emits."""
+        fields = dict(self.sampling)
+        if self.output_hidden_layers:
+            fields["output_hidden_layers"] = list(self.output_hidden_layers)
+        return from_dict(SamplingParams, fields, "sampling")
+
+    def ar_config(self, model: str, device: str) -> ARConfig:
+        """The AR engine config of this (ar) stage. `model` is the graph's checkpoint, used when
+        the stage names none; `device` is where the engine runs ("cpu", "cuda", "cuda:1")."""
+        if self.kind != "ar":
+            raise ValueError(f"stage {self.name!r} is a {self.kind} stage, not ar")
+        return ARConfig(
+            model=self.model if self.model is not None else model,
+            component=self.component, device=device, dtype=self.dtype,
+            kv_cache=KVCacheConfig(block_size=self.block_size,
+                                   enable_prefix_caching=self.enable_prefix_caching,
+                                   memory_fraction=self.memory_fraction,
+                                   cpu_kv_cache_bytes=self.cpu_kv_cache_bytes,
+                                   num_blocks=self.num_kv_blocks),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      enable_chunked_prefill=self.enable_chunked_prefill,
+                                      max_model_len=self.max_model_len))
+
+
+@dataclass(frozen=True, slots=True)
+class GraphConfig:
+    """The whole stage graph as written. Graph-level rules (unique names, no cycles, registered
+    adapters) are checked by `omnistage.configs.graph.validate_graph`."""
+
+    stages: tuple[StageConfig, ...]
+    connector: Literal["inproc", "shm", "tcp"] = "shm"
+    # process: one process per stage; inproc: every stage in the caller's process (tests, debug).
+    backend: Literal["process", "inproc"] = "process"
+    model: str | None = None  # checkpoint of stages that name none
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+
+    def stage(self, name: str) -> StageConfig:
+        """The stage called `name`; KeyError if there is none."""
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"no stage named {name!r} (stages: {', '.join(self.stage_names)})")
+
+    @property
+    def stage_names(self) -> list[str]:
+        return [s.name for s in self.stages]
