@@ -1,0 +1,56 @@
+"""InprocConnector: producer and consumer in one process; the payload waits in a dict.
+
+Used when stages run in-process (tests, debugging). `put` clones each tensor (contiguous, on the
+device it came from), so the producer may reuse its buffers at once; `get` pops the clones and
+moves them to the requested device (CPU by default), so a same-device hand-off costs one copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from omnistage.connectors.base import ChunkKey, Connector, TensorHandle
+from omnistage.connectors.packing import plan
+
+
+class InprocConnector(Connector):
+    kind = "inproc"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunks: dict[ChunkKey, dict[str, Tensor]] = {}
+
+    def put(self, key: ChunkKey, tensors: Mapping[str, Tensor]) -> TensorHandle:
+        start = time.perf_counter()
+        assert key not in self.chunks, f"chunk {key} was put twice"
+        metas, nbytes = plan(tensors)
+        self.chunks[key] = {name: t.detach().clone(memory_format=torch.contiguous_format)
+                            for name, t in tensors.items()}
+        self.stats.add_put(nbytes, time.perf_counter() - start)
+        return TensorHandle(key=key, kind=self.kind, tensors=metas, nbytes=nbytes)
+
+    def get(self, handle: TensorHandle,
+            device: torch.device | str | None = None) -> dict[str, Tensor]:
+        start = time.perf_counter()
+        self.check_handle(handle)
+        tensors = self.chunks.pop(handle.key, None)
+        if tensors is None:
+            raise KeyError(f"inproc connector holds no chunk {handle.key} "
+                           "(already consumed or released)")
+        target = torch.device("cpu" if device is None else device)
+        out = {name: t.to(target) for name, t in tensors.items()}
+        self.stats.add_get(handle.nbytes, time.perf_counter() - start)
+        return out
+
+    def release(self, request_id: str) -> int:
+        keys = [key for key in self.chunks if key.request_id == request_id]
+        for key in keys:
+            del self.chunks[key]
+        return len(keys)
+
+    def close(self) -> None:
+        self.chunks.clear()
