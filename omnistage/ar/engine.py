@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from omnistage.ar.detokenizer import IncrementalDetokenizer
@@ -21,7 +22,7 @@ from omnistage.ar.memory import determine_kv_layout
 from omnistage.ar.model_runner import ModelRunner
 from omnistage.ar.sampler import TokenLogprobs
 from omnistage.ar.scheduler import Scheduler
-from omnistage.ar.sequence import FinishReason, Sequence
+from omnistage.ar.sequence import FinishReason, Sequence, SequenceStatus
 from omnistage.configs.schema import ARConfig
 from omnistage.models.loader import load_model, resolve_model_path
 from omnistage.outputs import RequestMetrics
@@ -85,6 +86,7 @@ class AREngine:
         self.eos_token_ids = tuple(sorted(eos))
         self.runner.eos_token_ids = self.eos_token_ids
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._parked: dict[str, Sequence] = {}  # streamed requests with no input yet
         self.num_computed_tokens_total = 0  # tokens run through the model, all requests
 
     # -- requests ----------------------------------------------------------------------------
@@ -121,23 +123,82 @@ class AREngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None,
                     params: SamplingParams, prompt_embeds: Tensor | None = None,
-                    arrival_time: float | None = None) -> None:
-        if request_id in self.scheduler.requests:
+                    arrival_time: float | None = None, prompt_open: bool = False,
+                    stream_open: bool = False) -> None:
+        """Queue a request. With `prompt_open` its prompt may still grow (and may be empty now:
+        the request is parked until `extend_request` brings input); with `stream_open` its
+        decodes wait for upstream stream embeddings (see Sequence)."""
+        if request_id in self.scheduler.requests or request_id in self._parked:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.validate(prompt_token_ids, params, prompt_embeds)
+        empty = prompt_embeds is None and not prompt_token_ids
+        if not (prompt_open and empty):
+            self.validate(prompt_token_ids, params, prompt_embeds)
+        else:
+            self.validate([0], params)
         if prompt_embeds is not None:
             prompt_token_ids = [0] * prompt_embeds.shape[0]  # placeholders (see Sequence)
-        seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+        seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids or []),
                        sampling_params=params, prompt_embeds=prompt_embeds,
-                       eos_token_ids=self.eos_token_ids)
+                       eos_token_ids=self.eos_token_ids, prompt_open=prompt_open,
+                       stream_open=stream_open)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
-        if params.detokenize and self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, seq.prompt_token_ids, params)
-        self.scheduler.add(seq)
+        if empty:
+            self._parked[request_id] = seq
+        else:
+            self.scheduler.add(seq)
+
+    def extend_request(self, request_id: str, prompt_token_ids: list[int] | None = None,
+                       prompt_embeds: Tensor | None = None, close_prompt: bool = False,
+                       stream_embeds: Tensor | None = None, close_stream: bool = False) -> None:
+        """Feed streamed input to a request added with prompt_open / stream_open."""
+        seq = self._parked.get(request_id) or self.scheduler.requests.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not running")
+        hidden = self.model_config.hidden_size
+        if prompt_token_ids or prompt_embeds is not None:
+            if not seq.prompt_open:
+                raise ValueError(f"request {request_id!r}: its prompt is already closed")
+            if prompt_embeds is not None:
+                if prompt_embeds.dim() != 2 or prompt_embeds.shape[1] != hidden:
+                    raise ValueError(f"prompt_embeds has shape {tuple(prompt_embeds.shape)}, "
+                                     f"expected (num_tokens, {hidden})")
+                if seq.prompt_token_ids and seq.prompt_embeds is None:
+                    raise ValueError("a streamed prompt is either token ids or embeddings")
+                seq.prompt_embeds = (prompt_embeds if seq.prompt_embeds is None
+                                     else torch.cat([seq.prompt_embeds, prompt_embeds]))
+                seq.prompt_token_ids.extend([0] * prompt_embeds.shape[0])
+            else:
+                if seq.prompt_embeds is not None:
+                    raise ValueError("a streamed prompt is either token ids or embeddings")
+                self.validate(list(prompt_token_ids), seq.sampling_params)
+                seq.prompt_token_ids.extend(prompt_token_ids)
+            if seq.num_prompt_tokens >= self.max_model_len:
+                raise ValueError(f"prompt has {seq.num_prompt_tokens} tokens, but the model's "
+                                 f"maximum length is {self.max_model_len}")
+        if stream_embeds is not None:
+            if stream_embeds.dim() != 2 or stream_embeds.shape[1] != hidden:
+                raise ValueError(f"stream_embeds has shape {tuple(stream_embeds.shape)}, "
+                                 f"expected (num_tokens, {hidden})")
+            if not seq.stream_open:
+                raise ValueError(f"request {request_id!r}: its input stream is already closed")
+            seq.stream_embeds = (stream_embeds if seq.stream_embeds is None
+                                 else torch.cat([seq.stream_embeds, stream_embeds]))
+        if close_prompt:
+            seq.prompt_open = False
+        if close_stream:
+            seq.stream_open = False
+        if request_id in self._parked and seq.num_prompt_tokens > 0:
+            del self._parked[request_id]
+            self.scheduler.add(seq)
+        elif request_id in self._parked and not seq.prompt_open:
+            raise ValueError(f"request {request_id!r}: prompt closed while empty")
 
     def abort_request(self, request_id: str) -> StepOutput | None:
+        seq = self._parked.pop(request_id, None)
+        if seq is not None:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+            return self._finish_output(seq, [])
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None
@@ -145,11 +206,11 @@ class AREngine:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._parked)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
+        return len(self.scheduler.requests) + len(self._parked)
 
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -176,7 +237,7 @@ class AREngine:
             if not new_ids and hidden is None:
                 continue
             text, stop_hit = "", False
-            detok = self._detokenizers.get(seq.request_id)
+            detok = self._detokenizer(seq)
             if detok is not None and new_ids:
                 text, stop_hit = detok.step(new_ids)
                 if stop_hit and id(seq) not in finished:
@@ -192,6 +253,15 @@ class AREngine:
                 out = StepOutput(seq.request_id, new_ids, text, logprobs, hidden)
             outputs.append(out)
         return outputs
+
+    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer | None:
+        """Made at the first token, when the prompt (context for decoding) is complete."""
+        detok = self._detokenizers.get(seq.request_id)
+        if detok is None and seq.sampling_params.detokenize and self.tokenizer is not None:
+            context = [] if seq.has_embeds else seq.prompt_token_ids
+            detok = IncrementalDetokenizer(self.tokenizer, context, seq.sampling_params)
+            self._detokenizers[seq.request_id] = detok
+        return detok
 
     def _finish_output(self, seq: Sequence, new_ids: list[int], text: str = "",
                        error: str | None = None) -> StepOutput:

@@ -71,7 +71,8 @@ class ModelRunner:
         slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
-        embed_rows: list[tuple[int, Tensor]] = []  # (first row in batch, (n, hidden) slice)
+        embed_rows: list[tuple[int, Tensor]] = []   # (first row in batch, (n, hidden)): replace
+        stream_rows: list[tuple[int, Tensor]] = []  # (first row in batch, (n, hidden)): add
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             table = seq.block_table
@@ -79,9 +80,17 @@ class ModelRunner:
                 ids.append(seq.token_id_at(p))
                 pos.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
-            if seq.prompt_embeds is not None and start < seq.num_prompt_tokens:
-                stop = min(start + n, seq.num_prompt_tokens)
+            num_prompt = seq.num_prompt_tokens
+            if seq.prompt_embeds is not None and start < num_prompt:
+                stop = min(start + n, num_prompt)
                 embed_rows.append((qsl[-1], seq.prompt_embeds[start:stop]))
+            if seq.stream_embeds is not None and start + n > num_prompt:
+                # decode inputs P + t get upstream's t-th stream embedding added
+                t0 = max(start, num_prompt) - num_prompt
+                t1 = min(start + n - num_prompt, seq.stream_embeds.shape[0])
+                if t1 > t0:
+                    row = qsl[-1] + (t0 + num_prompt - start)
+                    stream_rows.append((row, seq.stream_embeds[t0:t1]))
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
 
@@ -98,10 +107,12 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         embeds = None
-        if embed_rows:
+        if embed_rows or stream_rows:
             embeds = self.model.embed_input_ids(input_ids)
             for row, e in embed_rows:
                 embeds[row:row + e.shape[0]] = e.to(device=dev, dtype=embeds.dtype)
+            for row, e in stream_rows:
+                embeds[row:row + e.shape[0]] += e.to(device=dev, dtype=embeds.dtype)
         return input_ids, positions, md, embeds
 
     @staticmethod

@@ -41,7 +41,8 @@ class ScheduledBatch:
     def samples(self, i: int) -> bool:
         """Whether seqs[i] reaches its last token this step, so its logits give a new token."""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        return (not seq.prompt_open
+                and seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens)
 
 
 class Scheduler:
@@ -94,8 +95,10 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            assert num_new > 0, (seq.request_id, seq.num_tokens, seq.num_computed_tokens)
+            num_new = min(seq.num_schedulable_tokens, budget)
+            if num_new == 0:  # waiting for upstream input; keeps its blocks
+                idx += 1
+                continue
             while not bm.can_allocate(seq, num_new):
                 victim = self.running.pop()  # the newest running sequence
                 self._preempt(victim)
@@ -114,7 +117,11 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_computed_tokens == 0:
                 bm.get_computed_blocks(seq)
-            num_new = seq.num_tokens - seq.num_computed_tokens
+            num_new = seq.num_schedulable_tokens
+            if num_new == 0:  # nothing computable yet (a preempted, input-starved sequence)
+                bm.free(seq)
+                seq.num_computed_tokens = 0
+                break
             if num_new > budget:
                 if not self.config.enable_chunked_prefill and self.running:
                     bm.free(seq)

@@ -8,6 +8,12 @@ yields the logits for the next one.
     |<------------- prompt (P) ------------>|<--- output --->|
     | cached (prefix hit) | computed | owed ...                |
     0                     num_cached          num_computed    num_tokens
+
+Streaming input (a chunked edge from an upstream stage) adds two things: the prompt may still
+grow (`prompt_open`: prefill what has arrived, sample nothing yet), and decode inputs may carry
+an extra embedding from upstream (`stream_embeds[t]` is added to the input embedding of position
+P + t, the t-th output token fed back). While the stream is open, a decode waits for its
+embedding; once closed, positions past its end get nothing added.
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ class Sequence:
     generator: torch.Generator | None = None  # per-request RNG when sampling_params.seed is set
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
+    prompt_open: bool = False                # more prompt may arrive: no sampling yet
+    stream_embeds: torch.Tensor | None = None  # (n, hidden) added to decode inputs P, P+1, ...
+    stream_open: bool = False                # more stream embeddings may arrive
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,7 +93,21 @@ class Sequence:
 
     @property
     def has_embeds(self) -> bool:
-        return self.prompt_embeds is not None
+        """Inputs that token ids do not describe: such sequences skip prefix caching."""
+        return (self.prompt_embeds is not None or self.stream_embeds is not None
+                or self.stream_open)
+
+    @property
+    def num_schedulable_tokens(self) -> int:
+        """Tokens the model can compute now: owed tokens, less those still waiting for
+        upstream input (an open prompt has no outputs; an open stream limits decodes)."""
+        end = self.num_tokens
+        if self.prompt_open:  # keep the last prompt token back: its logits give the first token
+            end = self.num_prompt_tokens - 1
+        if self.stream_open:
+            num_stream = 0 if self.stream_embeds is None else self.stream_embeds.shape[0]
+            end = min(end, self.num_prompt_tokens + num_stream)
+        return max(0, end - self.num_computed_tokens)
 
     @property
     def wants_hidden(self) -> bool:
