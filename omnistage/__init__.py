@@ -2,12 +2,20 @@
 
 from omnistage.sampling_params import SamplingParams
 
-__all__ = ["Omni", "SamplingParams", "OmniOutput"]
+__all__ = ["AsyncOmni", "Omni", "OmniOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):  # lazy: importing the package must not import torch-heavy modules
-    if name in ("Omni", "OmniOutput"):
-        from omnistage.entrypoints import omni
+    if name == "Omni":
+        from omnistage.entrypoints.omni import Omni
 
-        return getattr(omni, name)
+        return Omni
+    if name == "AsyncOmni":
+        from omnistage.engine.async_omni import AsyncOmni
+
+        return AsyncOmni
+    if name == "OmniOutput":
+        from omnistage.outputs import OmniOutput
+
+        return OmniOutput
     raise AttributeError(name)

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from omnistage.engine.orchestrator import RequestEvent
 
 
 @dataclass(slots=True)
 class RequestMetrics:
+    """Times are wall-clock seconds (time.time()), comparable across stage processes."""
+
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -55,17 +62,34 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class OmniOutput:
+    """A request's output. Totals: text, token_ids, logprobs, and (once finished) `tensors`,
+    the final tensor outputs concatenated. Streaming updates also carry what they added."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finished: bool = False
+    finish_reason: str | None = None   # stop | length | abort | error
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
-    hidden_states: dict[int, Tensor] | None = None
+    tensors: dict[str, Tensor] = field(default_factory=dict)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    stage_metrics: dict[str, dict] = field(default_factory=dict)
+    # what the latest update added (streaming)
+    stage: str | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_tensors: dict[str, Tensor] = field(default_factory=dict)
+    tensor_chunks: dict[str, list[Tensor]] = field(default_factory=dict, repr=False)
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    def snapshot(self, ev: RequestEvent) -> OmniOutput:
+        snap = copy.copy(self)
+        snap.token_ids = list(self.token_ids)
+        snap.metrics = copy.copy(self.metrics)
+        snap.stage = ev.stage or None
+        snap.delta_text = ev.text
+        snap.delta_token_ids = list(ev.token_ids)
+        snap.delta_tensors = dict(ev.tensors or {})
+        return snap

@@ -44,6 +44,8 @@ class StepOutput:
     text_delta: str = ""
     logprobs: list[TokenLogprobs] | None = None
     hidden_states: dict[int, Tensor] | None = None  # layer -> (n, hidden) for new positions
+    hidden_start: int = 0                           # position of the first hidden-state row
+    num_prompt_tokens: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None           # set when the request finished
@@ -251,6 +253,9 @@ class AREngine:
                 out.logprobs, out.hidden_states = logprobs, hidden
             else:
                 out = StepOutput(seq.request_id, new_ids, text, logprobs, hidden)
+            if hidden is not None:
+                out.hidden_start = seq.num_hidden_emitted - next(iter(hidden.values())).shape[0]
+            out.num_prompt_tokens = seq.num_prompt_tokens
             outputs.append(out)
         return outputs
 

@@ -30,6 +30,8 @@ def validate_graph(graph: GraphConfig, *, check_adapters: bool = True) -> None:
             raise ConfigError(f"stages[{i}].name: {s.name!r} is already the name of "
                               f"stages[{index[s.name]}]")
         index[s.name] = i
+    if check_adapters:
+        adapters.load_adapter_modules()
     for i, s in enumerate(graph.stages):
         _check_inputs(graph, i, s, index, check_adapters)
     cycle = find_cycle(graph)

@@ -112,6 +112,7 @@ class StageConfig:
     # Default SamplingParams fields of this stage; checked here, built by default_sampling().
     sampling: dict[str, object] = field(default_factory=dict, hash=False)
     startup_timeout_s: float = 120.0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         # Normalise list inputs (direct construction) so that the object compares and hashes.
@@ -165,7 +166,7 @@ class StageConfig:
             raise ValueError(f"stage {self.name!r} is a {self.kind} stage, not ar")
         return ARConfig(
             model=self.model if self.model is not None else model,
-            component=self.component, device=device, dtype=self.dtype,
+            component=self.component, device=device, dtype=self.dtype, seed=self.seed,
             kv_cache=KVCacheConfig(block_size=self.block_size,
                                    enable_prefix_caching=self.enable_prefix_caching,
                                    memory_fraction=self.memory_fraction,

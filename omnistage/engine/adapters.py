@@ -1,18 +1,61 @@
 """Edge adapters: registered functions that turn an upstream stage's output (or one chunk of it)
-into the downstream stage's input. YAML names them by registry key (`adapter: thinker_to_talker`).
+into the downstream stage's input. YAML names them by registry key (`adapter: hidden_to_embeds`).
+
+An adapter runs in the downstream stage's worker, once per chunk, with a `state` dict that lives
+as long as the request on that edge:
+
+    EdgeData (token ids, text, tensors of one chunk)  --adapter(data, state)-->  StageFeed
+
+A whole edge calls it once, with everything and `is_last=True`; a chunked edge calls it per
+chunk. After the last chunk the worker closes the downstream request's input in any case.
 """
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
 
-F = TypeVar("F", bound=Callable)
+import torch
+from torch import Tensor
 
-ADAPTERS: dict[str, Callable] = {}
+
+@dataclass(slots=True)
+class EdgeData:
+    request_id: str
+    source: str
+    chunk_idx: int
+    is_last: bool
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    tensors: dict[str, Tensor] = field(default_factory=dict)
 
 
-def register_adapter(name: str) -> Callable[[F], F]:
-    def wrap(fn: F) -> F:
+@dataclass(slots=True)
+class StageFeed:
+    """Input for the downstream stage. AR stages read the prompt/stream fields (see
+    `AREngine.extend_request`); generation stages read `tensors`."""
+
+    prompt_token_ids: list[int] | None = None
+    prompt_embeds: Tensor | None = None
+    close_prompt: bool = False
+    stream_embeds: Tensor | None = None
+    close_stream: bool = False
+    tensors: dict[str, Tensor] | None = None
+
+
+Adapter = Callable[[EdgeData, dict], "StageFeed | None"]
+
+ADAPTERS: dict[str, Adapter] = {}
+# Modules that register adapters when imported: a key "prefix.name" imports the module of its
+# prefix on first use, so YAML can name adapters of model packages not yet imported.
+ADAPTER_MODULES: dict[str, str] = {
+    "testing": "omnistage.testing.toy_pipeline",
+}
+
+
+def register_adapter(name: str) -> Callable[[Adapter], Adapter]:
+    def wrap(fn: Adapter) -> Adapter:
         if name in ADAPTERS and ADAPTERS[name] is not fn:
             raise ValueError(f"adapter {name!r} is registered twice")
         ADAPTERS[name] = fn
@@ -20,9 +63,54 @@ def register_adapter(name: str) -> Callable[[F], F]:
     return wrap
 
 
-def get_adapter(name: str) -> Callable:
+def get_adapter(name: str) -> Adapter:
+    if name not in ADAPTERS:
+        prefix = name.split(".", 1)[0]
+        if prefix in ADAPTER_MODULES:
+            importlib.import_module(ADAPTER_MODULES[prefix])
     try:
         return ADAPTERS[name]
     except KeyError:
         known = ", ".join(sorted(ADAPTERS)) or "none"
         raise ValueError(f"adapter {name!r} is not registered (known: {known})") from None
+
+
+def load_adapter_modules() -> None:
+    """Import every module that registers adapters (before validating a graph's adapters)."""
+    for module in ADAPTER_MODULES.values():
+        importlib.import_module(module)
+
+
+# ---- generic adapters ---------------------------------------------------------------------------
+@register_adapter("tokens_to_prompt")
+def tokens_to_prompt(data: EdgeData, state: dict) -> StageFeed:
+    """Upstream's generated tokens become the downstream prompt, complete when upstream ends."""
+    return StageFeed(prompt_token_ids=list(data.token_ids), close_prompt=data.is_last)
+
+
+@register_adapter("tokens_to_tensor")
+def tokens_to_tensor(data: EdgeData, state: dict) -> StageFeed:
+    """Upstream's generated tokens, as an int64 tensor, for a generation stage."""
+    return StageFeed(tensors={"token_ids": torch.tensor(data.token_ids, dtype=torch.int64)})
+
+
+@register_adapter("hidden_to_embeds")
+def hidden_to_embeds(data: EdgeData, state: dict) -> StageFeed | None:
+    """Upstream hidden states (its highest captured layer) drive the downstream AR stage: rows of
+    upstream prompt positions become the prompt embeddings; rows of generated positions become
+    stream embeddings, added one per downstream decode step. The prompt is complete as soon as
+    a generated position arrives."""
+    layers = sorted(int(k.split(".", 1)[1]) for k in data.tensors if k.startswith("hidden."))
+    if not layers:
+        return None
+    hidden = data.tensors[f"hidden.{layers[-1]}"]                 # (n, hidden)
+    positions = data.tensors["hidden_positions"]                  # (n,) ascending
+    num_prompt = int(data.tensors["num_prompt_tokens"])
+    split = int((positions < num_prompt).sum())
+    feed = StageFeed()
+    if split > 0:
+        feed.prompt_embeds = hidden[:split]
+    if split < hidden.shape[0]:
+        feed.close_prompt = True
+        feed.stream_embeds = hidden[split:]
+    return feed

@@ -1,154 +1,78 @@
 """The offline API: `Omni(model=...).generate(prompts, sampling_params_list)`.
 
-A prompt is a string (tokenized as is, no chat template) or a dict with `prompt`,
-`prompt_token_ids` or `prompt_embeds`. `sampling_params_list` has one entry per stage (None:
-that stage's default); a single `SamplingParams` is accepted for one-stage models.
+Built on `AsyncOmni`: the same checks, the same stage graph and orchestrator; `generate` submits
+every prompt, then waits for all of them. A prompt is a string (tokenized as is, no chat
+template) or a dict with `prompt`, `prompt_token_ids` or `prompt_embeds`.
+`sampling_params_list` has one entry per stage (None: that stage's default); a single
+`SamplingParams` applies to the entry stage.
 """
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import replace
-from typing import Any, Union
+import queue
+from pathlib import Path
+from types import TracebackType
 
-import torch
 from tqdm import tqdm
 
-from omnistage.ar.engine import AREngine, StepOutput
-from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig
+from omnistage.configs.schema import GraphConfig, OutputKind
+from omnistage.engine.async_omni import AsyncOmni, ParamsList, accumulate
+from omnistage.engine.inputs import PromptType
+from omnistage.engine.orchestrator import RequestEvent
 from omnistage.outputs import OmniOutput
-from omnistage.sampling_params import SamplingParams
-
-PromptType = Union[str, dict[str, Any]]
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "multi_modal_data",
-                "negative_prompt"}
 
 
 class Omni:
-    def __init__(self, model: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 cpu_kv_cache_bytes: int = 1 << 30, memory_fraction: float = 0.9,
-                 num_kv_blocks: int | None = None, config: ARConfig | None = None) -> None:
-        if config is None:
-            config = ARConfig(
-                model=model, device=device, dtype=dtype, seed=seed,
-                kv_cache=KVCacheConfig(block_size=block_size,
-                                       enable_prefix_caching=enable_prefix_caching,
-                                       memory_fraction=memory_fraction,
-                                       cpu_kv_cache_bytes=cpu_kv_cache_bytes,
-                                       num_blocks=num_kv_blocks),
-                scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                          max_num_batched_tokens=max_num_batched_tokens,
-                                          enable_chunked_prefill=enable_chunked_prefill,
-                                          max_model_len=max_model_len))
-        elif model and model != config.model:
-            config = replace(config, model=model)
-        self.config = config
-        self.engine = AREngine(config)
+    def __init__(self, model: str | None = None, *, stage_config: str | Path | None = None,
+                 stage_overrides: list[str] | tuple[str, ...] = (), device: str = "auto",
+                 graph: GraphConfig | None = None, **engine_kw: object) -> None:
+        if model is None and stage_config is None and graph is None:
+            raise ValueError("Omni needs a model (a local checkpoint folder or a cached HF id)")
+        self.engine = AsyncOmni(model, stage_config=stage_config,
+                                stage_overrides=stage_overrides, device=device, graph=graph,
+                                **engine_kw)
         self.tokenizer = self.engine.tokenizer
-        self.default_sampling = SamplingParams()
-        self._ids = itertools.count()
 
     def generate(self, prompts: PromptType | list[PromptType],
-                 sampling_params_list: SamplingParams | list[SamplingParams | None] | None = None,
+                 sampling_params_list: ParamsList = None,
+                 output_modalities: set[OutputKind] | None = None,
                  use_tqdm: bool = False) -> list[OmniOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        params = self._stage_params(sampling_params_list)
-        # Validate every prompt first: a bad one raises before anything is scheduled.
-        parsed = [self._parse(p) for p in prompts]
-        for ids, embeds in parsed:
-            self.engine.validate(ids, params, embeds)
-
+        for prompt in prompts:  # every prompt is checked before any is scheduled
+            self.engine.prepare(prompt, sampling_params_list)
+        events: queue.Queue[RequestEvent] = queue.Queue()
         outputs: dict[str, OmniOutput] = {}
-        order: list[str] = []
-        for prompt, (ids, embeds) in zip(prompts, parsed):
-            rid = str(next(self._ids))
-            text = prompt if isinstance(prompt, str) else prompt.get("prompt")
-            self.engine.add_request(rid, ids, params, embeds)
-            outputs[rid] = OmniOutput(request_id=rid, prompt=text,
-                                      prompt_token_ids=list(ids) if ids is not None else [],
-                                      logprobs=[] if params.logprobs is not None else None)
-            order.append(rid)
+        try:
+            for prompt in prompts:
+                out = self.engine.submit(prompt, sampling_params_list, None, output_modalities,
+                                         events.put)
+                outputs[out.request_id] = out
+            pending = set(outputs)
+            with tqdm(total=len(pending), desc="generate", disable=not use_tqdm) as bar:
+                while pending:
+                    ev = events.get()
+                    accumulate(outputs[ev.request_id], ev)
+                    if ev.done:
+                        pending.discard(ev.request_id)
+                        bar.update(1)
+        except BaseException:  # interrupted: leave nothing running behind
+            for rid, out in outputs.items():
+                if not out.finished:
+                    self.engine.abort(rid)
+            raise
+        return list(outputs.values())
 
-        bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm)
-        pending = set(order)
-        while pending:
-            for step_out in self.engine.step():
-                if step_out.request_id not in outputs:
-                    continue  # a request someone else added to the engine
-                _merge(outputs[step_out.request_id], step_out)
-                if step_out.finished:
-                    pending.discard(step_out.request_id)
-                    bar.update(1)
-        bar.close()
-        return [outputs[rid] for rid in order]
+    @property
+    def is_healthy(self) -> bool:
+        return self.engine.is_healthy
 
-    def _stage_params(self, given: SamplingParams | list[SamplingParams | None] | None
-                      ) -> SamplingParams:
-        if given is None:
-            return self.default_sampling
-        if isinstance(given, SamplingParams):
-            return given
-        given = list(given)
-        if len(given) != 1:
-            raise ValueError(f"sampling_params_list has {len(given)} entries, this model has "
-                             "1 stage")
-        return given[0] or self.default_sampling
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
-    def _parse(self, prompt: PromptType) -> tuple[list[int] | None, torch.Tensor | None]:
-        if isinstance(prompt, str):
-            return self._encode(prompt), None
-        if not isinstance(prompt, dict):
-            raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
-        unknown = set(prompt) - _PROMPT_KEYS
-        if unknown:
-            raise ValueError(f"prompt has unknown keys {sorted(unknown)}; "
-                             f"known: {sorted(_PROMPT_KEYS)}")
-        if prompt.get("multi_modal_data"):
-            raise ValueError("multi_modal_data: this model takes text only")
-        given = [k for k in ("prompt", "prompt_token_ids", "prompt_embeds") if k in prompt]
-        if len(given) != 1:
-            raise ValueError("a prompt dict needs exactly one of prompt, prompt_token_ids, "
-                             f"prompt_embeds (got {given or 'none'})")
-        if "prompt" in prompt:
-            if not isinstance(prompt["prompt"], str):
-                raise ValueError("prompt['prompt'] must be a string")
-            return self._encode(prompt["prompt"]), None
-        if "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of ints")
-            return list(ids), None
-        embeds = prompt["prompt_embeds"]
-        if not isinstance(embeds, torch.Tensor):
-            raise ValueError("prompt_embeds must be a torch.Tensor of shape (num_tokens, hidden)")
-        return None, embeds
+    def __enter__(self) -> Omni:
+        return self
 
-    def _encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompt_token_ids")
-        return self.tokenizer(text, add_special_tokens=True)["input_ids"] if text else []
-
-
-def _merge(out: OmniOutput, step: StepOutput) -> None:
-    out.token_ids.extend(step.new_token_ids)
-    out.text += step.text_delta
-    if step.logprobs is not None and out.logprobs is not None:
-        out.logprobs.extend(step.logprobs)
-    if step.hidden_states is not None:
-        if out.hidden_states is None:
-            out.hidden_states = {k: v.clone() for k, v in step.hidden_states.items()}
-        else:
-            out.hidden_states = {k: torch.cat([out.hidden_states[k], v])
-                                 for k, v in step.hidden_states.items()}
-    if step.finished:
-        out.finish_reason = step.finish_reason.value
-        out.error = step.error
-        if step.metrics is not None:
-            out.metrics = step.metrics
-
-
-__all__ = ["Omni", "OmniOutput", "PromptType"]
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()

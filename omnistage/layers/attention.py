@@ -18,6 +18,7 @@ of its own sequence up to and including its own position (causal).
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
@@ -42,22 +43,23 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
 
-_CURRENT: AttentionMetadata | None = None
+# Thread-local: with the inproc backend several stages run forward passes in one process.
+_LOCAL = threading.local()
 
 
 @contextlib.contextmanager
 def forward_context(metadata: AttentionMetadata | None) -> Iterator[None]:
     """Publish the batch metadata to every Attention layer for one forward pass."""
-    global _CURRENT
-    prev, _CURRENT = _CURRENT, metadata
+    prev = getattr(_LOCAL, "metadata", None)
+    _LOCAL.metadata = metadata
     try:
         yield
     finally:
-        _CURRENT = prev
+        _LOCAL.metadata = prev
 
 
 def get_forward_context() -> AttentionMetadata | None:
-    return _CURRENT
+    return getattr(_LOCAL, "metadata", None)
 
 
 class AttentionBackend(Protocol):

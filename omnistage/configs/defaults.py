@@ -1,0 +1,61 @@
+"""Which stage graph a model runs: the model type's default, or the user's own file, plus
+command-line overrides. Engine keyword arguments (`max_num_seqs=8`, ...) become overrides of
+every stage that has such a field."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from omnistage.configs.graph import load_graph
+from omnistage.configs.schema import GraphConfig, StageConfig
+
+# HF architecture -> default graph file shipped in omnistage/configs/
+DEFAULT_GRAPHS: dict[str, str] = {
+    "Qwen3ForCausalLM": "llm.yaml",
+    "Qwen2ForCausalLM": "llm.yaml",
+}
+_STAGE_FIELDS = {f.name for f in fields(StageConfig)}
+
+
+def default_graph_text(model_path: Path) -> str:
+    config = json.loads((model_path / "config.json").read_text())
+    archs = config.get("architectures") or []
+    for arch in archs:
+        if arch in DEFAULT_GRAPHS:
+            return resources.files("omnistage.configs").joinpath(DEFAULT_GRAPHS[arch]).read_text()
+    raise ValueError(f"{model_path}: architecture {', '.join(archs) or '(none)'} is not supported "
+                     f"(supported: {', '.join(sorted(DEFAULT_GRAPHS))})")
+
+
+def resolve_graph(model: str | None, model_path: Path | None, stage_config: str | Path | None,
+                  overrides: list[str] | tuple[str, ...] = (),
+                  **engine_kw: object) -> GraphConfig:
+    """The graph to run: `stage_config` (a file or YAML text) or the model type's default, with
+    `model` set, engine keyword arguments applied to every stage, then `overrides`."""
+    if stage_config is not None:
+        text = Path(stage_config).read_text() if Path(str(stage_config)).is_file() else str(
+            stage_config)
+    elif model_path is not None:
+        text = default_graph_text(model_path)
+    else:
+        raise ValueError("no model and no stage config given")
+    doc = yaml.safe_load(text) or {}
+    stage_names = [s.get("name") for s in doc.get("stages", []) if isinstance(s, dict)]
+    extra: list[str] = []
+    if model is not None:
+        extra.append(f"model={json.dumps(model)}")
+    for key, value in engine_kw.items():
+        if value is None:
+            continue
+        if key in ("connector", "backend"):
+            extra.append(f"{key}={value}")
+        elif key in _STAGE_FIELDS:
+            extra += [f"{name}.{key}={json.dumps(value)}" for name in stage_names]
+        else:
+            raise ValueError(f"unknown engine option {key!r}")
+    return load_graph(text, [*extra, *overrides])

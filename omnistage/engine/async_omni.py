@@ -1,0 +1,163 @@
+"""`AsyncOmni`: the asynchronous front door. `generate()` is an async iterator of outputs.
+
+Each yielded `OmniOutput` holds the request's totals so far (text, token ids) and what this
+update added (`delta_text`, `delta_token_ids`, `delta_tensors`); the last one has
+`finished=True`, the concatenated final tensors, and the metrics of every stage it touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+import torch
+
+from omnistage.configs.defaults import resolve_graph
+from omnistage.configs.schema import GraphConfig, OutputKind
+from omnistage.engine.inputs import PromptType, check_params, check_prompt, parse_prompt
+from omnistage.engine.orchestrator import Orchestrator, RequestEvent
+from omnistage.models.loader import resolve_model_path
+from omnistage.outputs import OmniOutput, RequestMetrics
+from omnistage.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ParamsList = SamplingParams | list[SamplingParams | None] | None
+
+
+class AsyncOmni:
+    def __init__(self, model: str | None = None, *, stage_config: str | Path | None = None,
+                 stage_overrides: list[str] | tuple[str, ...] = (), device: str = "auto",
+                 graph: GraphConfig | None = None, **engine_kw: object) -> None:
+        model_path = resolve_model_path(model) if model is not None else None
+        if graph is None:
+            graph = resolve_graph(str(model_path) if model_path else None, model_path,
+                                  stage_config, list(stage_overrides), **engine_kw)
+        self.graph = graph
+        self.tokenizer = _load_tokenizer(model_path or (Path(graph.model) if graph.model else None))
+        self.orchestrator = Orchestrator(graph, device)
+        self.entry = [s.name for s in graph.stages if not s.inputs]
+        self._ids = itertools.count()
+
+    # -- requests ------------------------------------------------------------------------------
+    def prepare(self, prompt: PromptType, sampling_params_list: ParamsList = None
+                ) -> tuple[object, dict[str, SamplingParams | None]]:
+        """Parse and check a prompt and its per-stage params; ValueError on bad input."""
+        parsed = parse_prompt(prompt, self.tokenizer)
+        for name in self.entry:
+            check_prompt(parsed, self.orchestrator.stage_info.get(name, {}))
+        params = self._stage_params(sampling_params_list)
+        for name, p in params.items():
+            if p is not None:
+                check_params(p, self.orchestrator.stage_info.get(name, {}))
+        return parsed, params
+
+    def _stage_params(self, given: ParamsList) -> dict[str, SamplingParams | None]:
+        names = [s.name for s in self.graph.stages]
+        if given is None:
+            return dict.fromkeys(names)
+        if isinstance(given, SamplingParams):
+            return {n: (given if n in self.entry else None) for n in names}
+        given = list(given)
+        if len(given) != len(names):
+            raise ValueError(f"sampling_params_list has {len(given)} entries, this model has "
+                             f"{len(names)} stage{'s' if len(names) > 1 else ''} "
+                             f"({', '.join(names)})")
+        for p in given:
+            if p is not None and not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params_list entries must be SamplingParams or "
+                                 f"None, got {type(p).__name__}")
+        return dict(zip(names, given))
+
+    def submit(self, prompt: PromptType, sampling_params_list: ParamsList = None,
+               request_id: str | None = None, output_modalities: set[OutputKind] | None = None,
+               sink: Callable[[RequestEvent], None] | None = None) -> OmniOutput:
+        """Check and submit; events go to `sink` (from the router thread). Returns the output
+        object that `accumulate` fills in."""
+        parsed, params = self.prepare(prompt, sampling_params_list)
+        rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
+        out = OmniOutput(request_id=rid, prompt=parsed.text,
+                         prompt_token_ids=list(parsed.token_ids or []))
+        out.metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=parsed.num_tokens)
+        assert sink is not None, "submit needs a sink for the request's events"
+        self.orchestrator.add_request(rid, parsed.token_ids, params, sink, output_modalities,
+                                      parsed.embeds)
+        return out
+
+    async def generate(self, prompt: PromptType, sampling_params_list: ParamsList = None,
+                       request_id: str | None = None,
+                       output_modalities: set[OutputKind] | None = None
+                       ) -> AsyncIterator[OmniOutput]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        out = self.submit(prompt, sampling_params_list, request_id, output_modalities,
+                          lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        try:
+            while True:
+                ev = await queue.get()
+                snapshot = accumulate(out, ev)
+                yield snapshot
+                if ev.done:
+                    return
+        finally:
+            if not out.finished:  # the caller went away (disconnect, cancel): abort everywhere
+                self.orchestrator.abort(out.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.orchestrator.abort(request_id)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.orchestrator.healthy
+
+    def shutdown(self) -> None:
+        self.orchestrator.shutdown()
+
+
+def accumulate(out: OmniOutput, ev: RequestEvent) -> OmniOutput:
+    """Fold one event into the request's totals; return a snapshot carrying the deltas."""
+    now = time.time()
+    m = out.metrics
+    if ev.token_ids:
+        out.token_ids.extend(ev.token_ids)
+        m.first_token_time = m.first_token_time or now
+        m.num_output_tokens = len(out.token_ids)
+    out.text += ev.text
+    if ev.logprobs:
+        out.logprobs = (out.logprobs or []) + ev.logprobs
+    if ev.tensors:
+        m.first_token_time = m.first_token_time or now
+        for k, v in ev.tensors.items():
+            out.tensor_chunks.setdefault(k, []).append(v)
+    if ev.stage_finished and ev.finish_reason and out.finish_reason is None:
+        out.finish_reason = ev.finish_reason     # the first final stage to finish says why
+    if ev.done:
+        out.finished = True
+        out.finish_reason = out.finish_reason or ev.finish_reason or "stop"
+        if ev.error:
+            out.finish_reason, out.error = "error", ev.error
+        if ev.finish_reason == "abort":
+            out.finish_reason = "abort"
+        m.finished_time = now
+        out.stage_metrics = ev.stage_metrics or {}
+        for sm in out.stage_metrics.values():
+            m.num_cached_tokens += int(sm.get("num_cached_tokens") or 0)
+            m.num_preemptions += int(sm.get("num_preemptions") or 0)
+        out.tensors = {k: torch.cat(v) for k, v in out.tensor_chunks.items()}
+    return out.snapshot(ev)
+
+
+def _load_tokenizer(path: Path | None) -> object | None:
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        return None

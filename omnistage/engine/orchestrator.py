@@ -1,0 +1,364 @@
+"""The orchestrator: holds the stage graph and every request's route through it.
+
+It starts the stages, submits each request to its entry stages (and pre-registers it on the
+downstream stages it needs, parked until their input arrives), routes every StageOutput along
+the graph's edges as EdgeChunks, hands final outputs to the request's sink, and propagates
+aborts and errors to every stage a request touched. Tensors never pass through it, except the
+final ones it hands to the caller.
+
+    caller thread: add_request / abort ----> stage inboxes (PUSH, bound here)
+    router thread: outputs (PULL) -> route -> stage inboxes, sinks; watches stage liveness
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq
+from torch import Tensor
+
+from omnistage.configs.graph import downstream, stages_needed, topological_order, validate_graph
+from omnistage.configs.schema import GraphConfig, OutputKind
+from omnistage.connectors.base import Connector, make_connector
+from omnistage.connectors.shm import new_namespace, sweep
+from omnistage.sampling_params import SamplingParams
+from omnistage.stages import messages as m
+from omnistage.stages.process import StageRunner, WorkerSpec, stage_device
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 50
+
+
+@dataclass(slots=True)
+class RequestEvent:
+    """What the orchestrator tells a request's sink: one stage's output, and whether the whole
+    request is now done (finished, failed or aborted)."""
+
+    request_id: str
+    stage: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    tensors: dict[str, Tensor] | None = None
+    logprobs: list[dict[int, float]] | None = None
+    stage_finished: bool = False
+    finish_reason: str | None = None
+    done: bool = False
+    error: str | None = None
+    stage_metrics: dict[str, dict] | None = None
+
+
+Sink = Callable[[RequestEvent], None]
+
+
+@dataclass(slots=True)
+class Route:
+    request_id: str
+    sink: Sink
+    needed: set[str]
+    open_stages: set[str]
+    finals: set[str]
+    whole_text: dict[str, str] = field(default_factory=dict)
+    chunk_idx: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, dict] = field(default_factory=dict)
+    finish_reason: str | None = None
+
+
+class Orchestrator:
+    def __init__(self, graph: GraphConfig, device: str = "auto") -> None:
+        validate_graph(graph)
+        if graph.backend == "process" and graph.connector == "inproc":
+            raise ValueError("connector: inproc needs backend: inproc (stages in one process)")
+        self.graph = graph
+        self.order = topological_order(graph)
+        self.healthy = True
+        self.dead_reason: str | None = None
+        self.stage_info: dict[str, dict] = {}
+        self._routes: dict[str, Route] = {}
+        self._stats: dict[str, m.StageStats] = {}
+        self._stats_ready = threading.Event()
+        self._lock = threading.RLock()
+        self._closed = False
+        self._run_dir = tempfile.mkdtemp(prefix="omnistage-")
+        self._shm_ns = new_namespace()
+        self._ctx = zmq.Context()
+        ipc = graph.backend == "process"
+        addr = (lambda n: f"ipc://{self._run_dir}/{n}") if ipc else (
+            lambda n: f"inproc://omnistage-{id(self)}-{n}")
+        self._outputs = self._ctx.socket(zmq.PULL)
+        self._outputs.bind(addr("out"))
+        self._inboxes: dict[str, zmq.Socket] = {}
+        self._connector = self._make_connector()
+        shared = self._connector if graph.connector == "inproc" else None
+        self._runners: dict[str, StageRunner] = {}
+        try:
+            for s in graph.stages:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.bind(addr(s.name))
+                self._inboxes[s.name] = sock
+                spec = WorkerSpec(s.name, graph, addr(s.name), addr("out"),
+                                  stage_device(device, s.devices), self._shm_ns)
+                self._runners[s.name] = StageRunner(spec, graph.backend, self._ctx, shared)
+            self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._router = threading.Thread(target=self._route_loop, name="omnistage-router",
+                                        daemon=True)
+        self._router.start()
+
+    def _make_connector(self) -> Connector:
+        kind = self.graph.connector
+        if kind == "shm":
+            return make_connector("shm", namespace=self._shm_ns)
+        if kind == "tcp":
+            return make_connector("tcp", listen="tcp://127.0.0.1:0")
+        return make_connector("inproc")
+
+    def _wait_ready(self) -> None:
+        pending = set(self._runners)
+        deadline = time.monotonic() + max(s.startup_timeout_s for s in self.graph.stages)
+        addresses: dict[str, str] = {}
+        while pending:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"stage(s) {', '.join(sorted(pending))} did not start within "
+                                   "the start-up timeout")
+            if self._outputs.poll(POLL_MS):
+                msg = m.decode_from_stage(self._outputs.recv())
+                if isinstance(msg, m.StartupFailed):
+                    raise RuntimeError(f"stage {msg.stage!r} failed to start: {msg.error}")
+                if isinstance(msg, m.Ready):
+                    pending.discard(msg.stage)
+                    addresses[msg.stage] = msg.connector_address
+                    self.stage_info[msg.stage] = dict(msg.info)
+                continue
+            for name in pending:
+                if not self._runners[name].is_alive():
+                    raise RuntimeError(f"stage {name!r} failed to start: its process "
+                                       f"{self._runners[name].exit_description()}")
+        if self.graph.connector == "tcp":
+            client = getattr(self._connector, "address")
+            for s in self.graph.stages:
+                peers = {m.edge_name(s.name, d.name): addresses[d.name]
+                         for d, _ in downstream(self.graph, s.name)}
+                if s.final not in (None, "text"):
+                    peers[m.edge_name(s.name, m.CLIENT)] = client
+                self._inboxes[s.name].send(m.encode(m.SetPeers(peers)))
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | None,
+                    params: dict[str, SamplingParams | None], sink: Sink,
+                    outputs: set[OutputKind] | None = None,
+                    prompt_embeds: Tensor | None = None) -> set[str]:
+        """Submit a request; returns the stages it will pass through."""
+        if not self.healthy:
+            raise RuntimeError(f"engine is unhealthy: {self.dead_reason}")
+        finals = {s.final for s in self.graph.stages if s.final}
+        wanted = set(outputs) if outputs else finals
+        needed = stages_needed(self.graph, wanted)
+        route = Route(request_id, sink, needed, set(needed),
+                      {s.name for s in self.graph.stages if s.name in needed and s.final in wanted})
+        now = time.time()
+        with self._lock:
+            if request_id in self._routes:
+                raise ValueError(f"request id {request_id!r} is already running")
+            self._routes[request_id] = route
+            for name in reversed(self.order):  # downstream first: parked before input arrives
+                if name not in needed:
+                    continue
+                stage = self.graph.stage(name)
+                ups = [i for i in stage.inputs if i.source in needed]
+                downs = [d.name for d, _ in downstream(self.graph, name) if d.name in needed]
+                embeds = None
+                if not ups and prompt_embeds is not None:
+                    embeds = self._connector_put_embeds(request_id, name, prompt_embeds)
+                msg = m.AddRequest(request_id, params.get(name),
+                                   None if ups or embeds else list(prompt_token_ids or []),
+                                   embeds, len(ups), downs, now)
+                self._inboxes[name].send(m.encode(msg))
+        return needed
+
+    def _connector_put_embeds(self, request_id: str, stage: str, embeds: Tensor
+                              ) -> m.TensorHandle:
+        if self.graph.connector == "tcp":
+            raise ValueError("prompt_embeds over the tcp connector are not supported yet")
+        from omnistage.connectors.base import ChunkKey
+
+        return self._connector.put(ChunkKey(request_id, f"client->{stage}", 0),
+                                   {"prompt_embeds": embeds})
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            route = self._routes.pop(request_id, None)
+            if route is None:
+                return
+            self._free(request_id, route.needed)
+        route.sink(RequestEvent(request_id, "", done=True, finish_reason="abort",
+                                stage_metrics=route.metrics))
+
+    def _free(self, request_id: str, stages: set[str]) -> None:
+        """Abort (or, once finished, free) a request in these stages: engine state, parked
+        chunks and connector segments are released there."""
+        for name in stages:
+            self._inboxes[name].send(m.encode(m.AbortRequest(request_id)))
+        self._connector.release(request_id)
+
+    def stage_stats(self, timeout_s: float = 10.0) -> dict[str, m.StageStats]:
+        """Ask every stage for its resource state (requests held, free KV blocks, ...)."""
+        with self._lock:
+            self._stats = {}
+            for sock in self._inboxes.values():
+                sock.send(m.encode(m.GetStats()))
+        deadline = time.monotonic() + timeout_s
+        while len(self._stats) < len(self._inboxes):
+            self._stats_ready.wait(0.05)
+            self._stats_ready.clear()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stage stats: no answer from "
+                                   f"{sorted(set(self._inboxes) - set(self._stats))}")
+        return dict(self._stats)
+
+    def stage_pids(self) -> dict[str, int]:
+        return {name: r.pid for name, r in self._runners.items()}
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._routes)
+
+    # -- routing -------------------------------------------------------------------------------
+    def _route_loop(self) -> None:
+        while not self._closed:
+            try:
+                if self._outputs.poll(POLL_MS):
+                    while True:
+                        try:
+                            raw = self._outputs.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        msg = m.decode_from_stage(raw)
+                        if isinstance(msg, m.StageOutput):
+                            self._route(msg)
+                        elif isinstance(msg, m.StageStats):
+                            self._stats[msg.stage] = msg
+                            self._stats_ready.set()
+                self._check_liveness()
+            except zmq.ContextTerminated:
+                return
+            except Exception:  # routing must survive anything one message does
+                if self._closed:
+                    return
+                logger.exception("orchestrator: routing failed")
+
+    def _route(self, out: m.StageOutput) -> None:
+        with self._lock:
+            route = self._routes.get(out.request_id)
+            if route is None:  # aborted or failed meanwhile; the stage was told to free it
+                for h in out.handles.values():
+                    if h.key.edge.endswith(f"->{m.CLIENT}"):
+                        self._connector.release(out.request_id)
+                return
+            if out.error is not None:
+                self._fail(route, f"stage {out.stage!r}: {out.error}", out.stage)
+                return
+            tensors = None
+            client = out.handles.get(m.edge_name(out.stage, m.CLIENT))
+            if client is not None:
+                tensors = self._connector.get(client)
+            for dest, inp in downstream(self.graph, out.stage):
+                if dest.name not in route.needed:
+                    continue
+                edge = m.edge_name(out.stage, dest.name)
+                handle = out.handles.get(edge)
+                if not inp.chunked:
+                    route.whole_text[edge] = route.whole_text.get(edge, "") + out.text
+                    if not out.finished:
+                        continue
+                    text = route.whole_text.pop(edge)
+                elif handle is None and not out.text and not out.finished:
+                    continue
+                else:
+                    text = out.text
+                idx = route.chunk_idx.get(edge, 0)
+                route.chunk_idx[edge] = idx + 1
+                self._inboxes[dest.name].send(m.encode(m.EdgeChunk(
+                    out.request_id, out.stage, idx, out.finished, text=text, handle=handle)))
+            if out.finished:
+                route.open_stages.discard(out.stage)
+                route.metrics[out.stage] = dict(out.metrics)
+                if out.stage in route.finals:
+                    route.finish_reason = route.finish_reason or out.finish_reason
+            is_final = out.stage in route.finals
+            done = not route.open_stages
+            if done:
+                del self._routes[out.request_id]
+                self._free(out.request_id, route.needed)
+        if is_final or done:
+            route.sink(RequestEvent(
+                out.request_id, out.stage, out.token_ids if is_final else [],
+                out.text if is_final else "", tensors, out.logprobs if is_final else None,
+                out.finished and is_final,
+                out.finish_reason if is_final else None, done,
+                stage_metrics=route.metrics if done else None))
+
+    def _fail(self, route: Route, error: str, stage: str) -> None:
+        del self._routes[route.request_id]
+        self._free(route.request_id, route.needed)
+        route.sink(RequestEvent(route.request_id, stage, done=True, finish_reason="error",
+                                error=error, stage_metrics=route.metrics))
+
+    def _check_liveness(self) -> None:
+        if not self.healthy or self._closed:
+            return
+        for name, runner in self._runners.items():
+            if runner.is_alive():
+                continue
+            self.healthy = False
+            self.dead_reason = f"stage {name!r} {runner.exit_description()}"
+            logger.error("orchestrator: %s; failing its requests", self.dead_reason)
+            with self._lock:
+                for route in list(self._routes.values()):
+                    if name in route.needed:
+                        self._fail(route, f"stage {name!r} died ({runner.exit_description()})",
+                                   name)
+            return
+
+    # -- shutdown ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            routes, self._routes = list(self._routes.values()), {}
+        for route in routes:
+            route.sink(RequestEvent(route.request_id, "", done=True, finish_reason="abort",
+                                    error="engine shut down"))
+        for name, sock in self._inboxes.items():
+            try:
+                sock.send(m.encode(m.Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        for runner in getattr(self, "_runners", {}).values():
+            runner.stop()
+        router = getattr(self, "_router", None)
+        if router is not None:
+            router.join(2.0)
+        self._connector.close()
+        if self.graph.connector == "shm":
+            sweep(self._shm_ns)
+        self._ctx.destroy(linger=0)
+        shutil.rmtree(self._run_dir, ignore_errors=True)
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+

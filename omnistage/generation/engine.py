@@ -1,0 +1,115 @@
+"""The generation stage engine: non-autoregressive decoders (code2wav, vocoders, toy models),
+batched over whatever input chunks are ready.
+
+A request collects input chunks (dicts of tensors). Each step takes the requests with pending
+input (FIFO, at most max_num_seqs), hands their new input to the model in one call, and emits
+one output chunk per request. A request finishes once its input is closed and consumed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str
+    arrival_time: float
+    pending: list[dict[str, Tensor]] = field(default_factory=list)
+    input_closed: bool = False
+    state: dict = field(default_factory=dict)     # the model's per-request memory (left context)
+    num_chunks_out: int = 0
+    first_scheduled_time: float | None = None
+    first_output_time: float | None = None
+
+    def take_input(self) -> dict[str, Tensor]:
+        """All pending chunks, concatenated along dim 0 per key."""
+        chunks, self.pending = self.pending, []
+        keys = chunks[0].keys()
+        return {k: torch.cat([c[k] for c in chunks]) for k in keys}
+
+
+class GenerationModel(Protocol):
+    """One call over a batch: for each request, its new input, its state and whether this is its
+    last input; returns one output dict per request (may be empty)."""
+
+    def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],
+                 is_last: list[bool]) -> list[dict[str, Tensor]]: ...
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    tensors: dict[str, Tensor]
+    finished: bool
+    error: str | None = None
+    request: GenerationRequest | None = None
+
+
+class GenerationEngine:
+    def __init__(self, model: GenerationModel, max_num_seqs: int = 64) -> None:
+        self.model = model
+        self.max_num_seqs = max_num_seqs
+        self.requests: OrderedDict[str, GenerationRequest] = OrderedDict()
+
+    def add_request(self, request_id: str, arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.requests[request_id] = GenerationRequest(request_id, arrival_time or time.time())
+
+    def feed(self, request_id: str, tensors: dict[str, Tensor] | None, close: bool) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not running")
+        if req.input_closed:
+            raise ValueError(f"request {request_id!r}: its input is already closed")
+        if tensors:
+            if req.pending and req.pending[0].keys() != tensors.keys():
+                raise ValueError(f"request {request_id!r}: chunk keys {sorted(tensors)} differ "
+                                 f"from earlier {sorted(req.pending[0])}")
+            req.pending.append(tensors)
+        req.input_closed = req.input_closed or close
+
+    def abort(self, request_id: str) -> GenerationRequest | None:
+        return self.requests.pop(request_id, None)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[GenerationResult]:
+        ready = [r for r in self.requests.values() if r.pending or r.input_closed]
+        ready = ready[:self.max_num_seqs]
+        if not ready:
+            return []
+        now = time.time()
+        for r in ready:
+            r.first_scheduled_time = r.first_scheduled_time or now
+        inputs = [r.take_input() if r.pending else {} for r in ready]
+        is_last = [r.input_closed for r in ready]
+        try:
+            with torch.inference_mode():
+                outs = self.model.generate(inputs, [r.state for r in ready], is_last)
+        except Exception as exc:  # a failing batch fails its requests, not the engine
+            results = []
+            for r in ready:
+                del self.requests[r.request_id]
+                results.append(GenerationResult(r.request_id, {}, True,
+                                                f"{type(exc).__name__}: {exc}", r))
+            return results
+        done = time.time()
+        results = []
+        for r, out, last in zip(ready, outs, is_last):
+            if out:
+                r.num_chunks_out += 1
+                r.first_output_time = r.first_output_time or done
+            if last:
+                del self.requests[r.request_id]
+            results.append(GenerationResult(r.request_id, out, last, None, r))
+        return results

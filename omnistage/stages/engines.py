@@ -1,0 +1,147 @@
+"""One face for every stage kind, as the worker sees it: add a request, feed it adapted input,
+close its input, abort it, step. Results are kind-neutral `StageResult`s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from omnistage.ar.engine import AREngine
+from omnistage.configs.schema import StageConfig
+from omnistage.engine.adapters import StageFeed
+from omnistage.generation.engine import GenerationEngine
+from omnistage.generation.registry import get_generation_model_class
+from omnistage.sampling_params import SamplingParams
+from omnistage.utils.device import resolve_device, resolve_dtype
+
+
+@dataclass(slots=True)
+class StageResult:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    tensors: dict[str, Tensor] = field(default_factory=dict)  # payload for edges / the client
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    engine_metrics: dict[str, float | int | None] | None = None
+
+
+class StageEngine(Protocol):
+    def add(self, request_id: str, params: SamplingParams | None,
+            prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
+            streamed: bool, arrival_time: float) -> None: ...
+    def feed(self, request_id: str, feed: StageFeed) -> None: ...
+    def close_input(self, request_id: str) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def step(self) -> list[StageResult]: ...
+    @property
+    def has_unfinished_requests(self) -> bool: ...
+
+
+class ARStage:
+    def __init__(self, stage: StageConfig, model: str, device: str) -> None:
+        self.stage = stage
+        self.engine = AREngine(stage.ar_config(model, device))
+        self.defaults = stage.default_sampling()
+
+    def add(self, request_id: str, params: SamplingParams | None,
+            prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
+            streamed: bool, arrival_time: float) -> None:
+        params = params or self.defaults
+        if self.stage.output_hidden_layers and not params.output_hidden_layers:
+            # what the downstream edges need is the stage's business, not the caller's
+            params = replace(params, output_hidden_layers=self.stage.output_hidden_layers)
+        self.engine.add_request(request_id, prompt_token_ids, params, prompt_embeds,
+                                prompt_open=streamed, stream_open=streamed)
+
+    def feed(self, request_id: str, feed: StageFeed) -> None:
+        self.engine.extend_request(request_id, feed.prompt_token_ids, feed.prompt_embeds,
+                                   feed.close_prompt, feed.stream_embeds, feed.close_stream)
+
+    def close_input(self, request_id: str) -> None:
+        self.engine.extend_request(request_id, close_prompt=True, close_stream=True)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests
+
+    def step(self) -> list[StageResult]:
+        results = []
+        for out in self.engine.step():
+            tensors: dict[str, Tensor] = {}
+            if out.new_token_ids:
+                tensors["token_ids"] = torch.tensor(out.new_token_ids, dtype=torch.int64)
+            if out.hidden_states:
+                for layer, h in out.hidden_states.items():
+                    tensors[f"hidden.{layer}"] = h
+                num_rows = next(iter(out.hidden_states.values())).shape[0]
+                tensors["hidden_positions"] = torch.arange(out.hidden_start,
+                                                           out.hidden_start + num_rows)
+                tensors["num_prompt_tokens"] = torch.tensor(out.num_prompt_tokens)
+            engine_metrics = None
+            if out.metrics is not None:
+                engine_metrics = {"num_prompt_tokens": out.metrics.num_prompt_tokens,
+                                  "num_cached_tokens": out.metrics.num_cached_tokens,
+                                  "num_preemptions": out.metrics.num_preemptions}
+            results.append(StageResult(
+                out.request_id, out.new_token_ids, out.text_delta, tensors, out.finished,
+                out.finish_reason.value if out.finish_reason else None, out.error,
+                out.logprobs, engine_metrics))
+        return results
+
+
+class GenerationStage:
+    def __init__(self, stage: StageConfig, model: str | None, device: str) -> None:
+        if not stage.component:
+            raise ValueError(f"stage {stage.name!r}: a generation stage needs a component")
+        dev = resolve_device(device)
+        cls = get_generation_model_class(stage.component)
+        path = stage.model or model
+        dtype = None if stage.dtype == "auto" else resolve_dtype(stage.dtype, None, dev)
+        self.engine = GenerationEngine(cls.from_pretrained(path, stage.component, dev, dtype),
+                                       stage.max_num_seqs)
+
+    def add(self, request_id: str, params: SamplingParams | None,
+            prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
+            streamed: bool, arrival_time: float) -> None:
+        self.engine.add_request(request_id, arrival_time)
+        if not streamed:
+            ids = torch.tensor(prompt_token_ids or [], dtype=torch.int64)
+            self.engine.feed(request_id, {"token_ids": ids}, close=True)
+
+    def feed(self, request_id: str, feed: StageFeed) -> None:
+        self.engine.feed(request_id, feed.tensors, close=False)
+
+    def close_input(self, request_id: str) -> None:
+        self.engine.feed(request_id, None, close=True)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests
+
+    def step(self) -> list[StageResult]:
+        return [StageResult(r.request_id, tensors=r.tensors, finished=r.finished,
+                            finish_reason=("error" if r.error else "stop") if r.finished else None,
+                            error=r.error)
+                for r in self.engine.step()]
+
+
+def build_stage_engine(stage: StageConfig, model: str | None, device: str) -> StageEngine:
+    if stage.kind == "ar":
+        if not (stage.model or model):
+            raise ValueError(f"stage {stage.name!r}: no model (set the graph's or the stage's)")
+        return ARStage(stage, model or "", device)
+    if stage.kind == "generation":
+        return GenerationStage(stage, model, device)
+    raise ValueError(f"stage {stage.name!r}: kind {stage.kind!r} has no engine yet")

@@ -1,0 +1,120 @@
+"""Typed messages between the orchestrator and stage workers (msgspec msgpack over zmq).
+
+    orchestrator -> stage:  AddRequest, EdgeChunk, AbortRequest, SetPeers, GetStats, Shutdown
+    stage -> orchestrator:  Ready, StartupFailed, StageOutput, StageStats
+
+Bulk tensors never ride in these messages: a `TensorHandle` from the connector does.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from omnistage.connectors.base import TensorHandle
+from omnistage.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
+    request_id: str
+    params: SamplingParams | None = None           # ar stages
+    prompt_token_ids: list[int] | None = None      # entry stages
+    prompt_embeds: TensorHandle | None = None
+    num_upstream: int = 0                          # edges that will feed it (parked until then)
+    downstream: list[str] = []                     # stages this request flows to from here
+    arrival_time: float = 0.0                      # wall clock (comparable across processes)
+
+
+class EdgeChunk(msgspec.Struct, tag="chunk", omit_defaults=True):
+    """One chunk of an upstream stage's output along one edge (a whole edge sends one)."""
+
+    request_id: str
+    source: str                     # upstream stage name
+    chunk_idx: int
+    is_last: bool
+    token_ids: list[int] = []
+    text: str = ""
+    handle: TensorHandle | None = None
+
+
+class AbortRequest(msgspec.Struct, tag="abort"):
+    request_id: str
+
+
+class SetPeers(msgspec.Struct, tag="peers"):
+    """tcp connector: edge name -> consumer address, known once every stage is up."""
+
+    peers: dict[str, str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class GetStats(msgspec.Struct, tag="get_stats"):
+    pass
+
+
+class StageStats(msgspec.Struct, tag="stats"):
+    """A stage's resource state: requests it holds, free KV blocks, connector counters."""
+
+    stage: str
+    num_requests: int
+    num_engine_requests: int
+    num_free_blocks: int | None = None
+    num_blocks: int | None = None
+    connector: dict[str, float | int] = {}
+
+
+class Ready(msgspec.Struct, tag="ready", omit_defaults=True):
+    stage: str
+    pid: int
+    connector_address: str = ""     # tcp: where this stage receives chunks
+    info: dict[str, str | int | float] = {}
+
+
+class StartupFailed(msgspec.Struct, tag="failed"):
+    stage: str
+    error: str
+
+
+class StageOutput(msgspec.Struct, tag="out", omit_defaults=True):
+    """What one stage step produced for one request: the client part (text, final tensors) and
+    one handle per downstream edge (edge name "src->dst", or "src->client" for final tensors)."""
+
+    stage: str
+    request_id: str
+    token_ids: list[int] = []
+    text: str = ""
+    handles: dict[str, TensorHandle] = {}
+    logprobs: list[dict[int, float]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    metrics: dict[str, float | int | None] = {}
+
+
+ToStage = AddRequest | EdgeChunk | AbortRequest | SetPeers | Shutdown | GetStats
+FromStage = Ready | StartupFailed | StageOutput | StageStats
+
+_encoder = msgspec.msgpack.Encoder()
+_to_stage = msgspec.msgpack.Decoder(ToStage)
+_from_stage = msgspec.msgpack.Decoder(FromStage)
+
+
+def encode(msg: ToStage | FromStage) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_stage(data: bytes) -> ToStage:
+    return _to_stage.decode(data)
+
+
+def decode_from_stage(data: bytes) -> FromStage:
+    return _from_stage.decode(data)
+
+
+def edge_name(source: str, dest: str) -> str:
+    return f"{source}->{dest}"
+
+
+CLIENT = "client"

@@ -1,0 +1,186 @@
+"""Starting stage workers: one spawned process each (process backend) or one thread each
+(inproc backend), with the same worker code behind the same kind of sockets.
+
+Process lifecycle:
+- ready handshake: a worker sends Ready (or StartupFailed with the reason) once its model is
+  loaded; the orchestrator waits up to the stage's start-up timeout;
+- parent death: PR_SET_PDEATHSIG plus a watchdog thread that polls the parent pid, so a stage
+  exits within a fraction of a second even when the parent is SIGKILLed;
+- SIGTERM ends a worker cleanly (connector closed, segments freed); SIGINT is ignored, since
+  Ctrl-C belongs to the parent, which then shuts the stages down.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from omnistage.configs.schema import GraphConfig
+from omnistage.connectors.base import Connector, make_connector
+from omnistage.stages import messages as m
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_PERIOD_S = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    stage: str
+    graph: GraphConfig
+    inbox: str               # zmq address the worker PULLs from (the orchestrator binds it)
+    outbox: str              # zmq address the worker PUSHes to (the orchestrator binds it)
+    device: str              # "cpu" or "cuda:N"
+    shm_namespace: str
+    tcp_host: str = "127.0.0.1"
+
+
+def stage_device(device: str, devices: tuple[int, ...]) -> str:
+    """The torch device of a stage: the graph's device kind on the stage's first device."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and ":" not in device:
+        return f"cuda:{devices[0]}"
+    return device
+
+
+def make_stage_connector(spec: WorkerSpec) -> Connector:
+    kind = spec.graph.connector
+    if kind == "shm":
+        return make_connector("shm", namespace=spec.shm_namespace)
+    if kind == "tcp":
+        return make_connector("tcp", listen=f"tcp://{spec.tcp_host}:0")
+    raise ValueError(f"connector {kind!r} cannot cross processes (use shm or tcp)")
+
+
+def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector) -> None:
+    """Build the stage, say Ready (or why not), serve until Shutdown. Closes what it opened."""
+    from omnistage.stages.worker import StageWorker
+
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 1000)
+    outbox.connect(spec.outbox)
+    inbox = ctx.socket(zmq.PULL)
+    inbox.setsockopt(zmq.LINGER, 0)
+    inbox.connect(spec.inbox)
+    try:
+        try:
+            worker = StageWorker(spec.graph.stage(spec.stage), spec.graph, connector, spec.device)
+        except BaseException as exc:
+            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            logger.error("stage %s failed to start:\n%s", spec.stage, traceback.format_exc())
+            outbox.send(m.encode(m.StartupFailed(spec.stage, detail)))
+            return
+        info = _engine_info(worker)
+        outbox.send(m.encode(m.Ready(spec.stage, os.getpid(),
+                                     getattr(connector, "address", ""), info)))
+        worker.serve(inbox, outbox)
+    finally:
+        connector.close()
+        inbox.close()
+        outbox.close()
+
+
+def _engine_info(worker: object) -> dict[str, str | int | float]:
+    engine = getattr(worker.engine, "engine", None)  # type: ignore[attr-defined]
+    cfg = getattr(engine, "model_config", None)
+    if cfg is None:
+        return {}
+    return {"max_model_len": engine.max_model_len, "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+            "num_kv_blocks": engine.kv_layout.num_blocks}
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(WATCHDOG_PERIOD_S)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def _process_main(spec: WorkerSpec, parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    logging.basicConfig(level=logging.WARNING, format=f"[stage {spec.stage}] %(message)s")
+    ctx = zmq.Context()
+    try:
+        run_worker(spec, ctx, make_stage_connector(spec))
+    except SystemExit:
+        pass
+    finally:
+        ctx.destroy(linger=0)
+
+
+class StageRunner:
+    """The orchestrator's hold on one running stage: its process or thread."""
+
+    def __init__(self, spec: WorkerSpec, backend: str, ctx: zmq.Context,
+                 shared_connector: Connector | None) -> None:
+        self.spec = spec
+        self.name = spec.stage
+        self.process: mp.process.BaseProcess | None = None
+        self.thread: threading.Thread | None = None
+        if backend == "process":
+            self.process = mp.get_context("spawn").Process(
+                target=_process_main, args=(spec, os.getpid()), name=f"omnistage-{spec.stage}",
+                daemon=True)
+            self.process.start()
+        else:
+            conn = shared_connector if shared_connector is not None else make_stage_connector(spec)
+            self.thread = threading.Thread(target=run_worker, args=(spec, ctx, conn),
+                                           name=f"omnistage-{spec.stage}", daemon=True)
+            self.thread.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid if self.process is not None else os.getpid()
+
+    def is_alive(self) -> bool:
+        if self.process is not None:
+            return self.process.is_alive()
+        return self.thread is not None and self.thread.is_alive()
+
+    def exit_description(self) -> str:
+        if self.process is not None and self.process.exitcode is not None:
+            code = self.process.exitcode
+            return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return "stopped"
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Wait for a worker told to shut down; terminate, then kill, a process that lingers."""
+        if self.process is not None:
+            self.process.join(timeout_s)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(2.0)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(2.0)
+        elif self.thread is not None:
+            self.thread.join(timeout_s)

@@ -1,0 +1,248 @@
+"""The stage worker: one stage's engine, connector and edges, and the busy loop around them.
+
+    loop:  take every pending message (add / chunk / abort / free / peers / shutdown)
+           step() the engine once
+           send one StageOutput per request that moved (client part + a handle per edge)
+
+The same worker runs in its own process (process backend) or in a thread of the caller
+(inproc backend); only the sockets' addresses differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+from torch import Tensor
+
+from omnistage.configs.graph import downstream
+from omnistage.configs.schema import GraphConfig, StageConfig
+from omnistage.connectors.base import ChunkKey, Connector
+from omnistage.engine.adapters import EdgeData, get_adapter
+from omnistage.stages import messages as m
+from omnistage.stages.engines import StageEngine, StageResult, build_stage_engine
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 5
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the worker keeps per request besides the engine's own state."""
+
+    request_id: str
+    downstream: list[str]                       # stages this request flows to from here
+    open_sources: set[str]                      # upstream edges not finished yet
+    adapter_state: dict[str, dict] = field(default_factory=dict)
+    chunk_idx: dict[str, int] = field(default_factory=dict)
+    whole: dict[str, list[dict[str, Tensor]]] = field(default_factory=dict)  # whole-edge buffers
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_output_time: float | None = None
+    num_tokens: int = 0
+    num_outputs: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    connector_seconds: float = 0.0
+
+
+class StageWorker:
+    def __init__(self, stage: StageConfig, graph: GraphConfig, connector: Connector,
+                 device: str) -> None:
+        self.stage = stage
+        self.name = stage.name
+        self.connector = connector
+        self.engine: StageEngine = build_stage_engine(stage, graph.model, device)
+        self.out_edges = {dst.name: inp.chunked for dst, inp in downstream(graph, stage.name)}
+        self.adapters = {inp.source: get_adapter(inp.adapter) for inp in stage.inputs}
+        self.final = stage.final
+        self.requests: dict[str, RequestState] = {}
+
+    # -- messages ------------------------------------------------------------------------------
+    def handle(self, msg: m.ToStage) -> list[m.StageOutput | m.StageStats]:
+        """Apply one message; a request-level failure becomes an error output, never a raise."""
+        rid = getattr(msg, "request_id", None)
+        try:
+            if isinstance(msg, m.AddRequest):
+                self._add(msg)
+            elif isinstance(msg, m.EdgeChunk):
+                self._chunk(msg)
+            elif isinstance(msg, m.AbortRequest):
+                self._drop(msg.request_id, abort=True)
+            elif isinstance(msg, m.GetStats):
+                return [self.stats()]
+            elif isinstance(msg, m.SetPeers):
+                for edge, address in msg.peers.items():
+                    self.connector.add_peer(edge, address)  # type: ignore[attr-defined]
+            return []
+        except Exception as exc:
+            if rid is None or rid not in self.requests:
+                if isinstance(msg, m.AddRequest):
+                    return [m.StageOutput(self.name, msg.request_id, finished=True,
+                                          finish_reason="error", error=_describe(exc))]
+                logger.exception("stage %s: message %s failed", self.name, type(msg).__name__)
+                return []
+            self._drop(rid, abort=True)
+            return [m.StageOutput(self.name, rid, finished=True, finish_reason="error",
+                                  error=_describe(exc))]
+
+    def _add(self, msg: m.AddRequest) -> None:
+        if msg.request_id in self.requests:
+            raise ValueError(f"request id {msg.request_id!r} is already in stage {self.name}")
+        embeds = None
+        unknown = [d for d in msg.downstream if d not in self.out_edges]
+        assert not unknown, f"stage {self.name} has no edge to {unknown}"
+        state = RequestState(request_id=msg.request_id, downstream=list(msg.downstream),
+                             open_sources=set(self.adapters) if msg.num_upstream else set(),
+                             arrival_time=msg.arrival_time or time.time())
+        if msg.prompt_embeds is not None:
+            embeds = self._get(state, msg.prompt_embeds)["prompt_embeds"]
+        self.engine.add(msg.request_id, msg.params, msg.prompt_token_ids, embeds,
+                        streamed=msg.num_upstream > 0, arrival_time=state.arrival_time)
+        self.requests[msg.request_id] = state
+
+    def _chunk(self, msg: m.EdgeChunk) -> None:
+        state = self.requests.get(msg.request_id)
+        if state is None:
+            if msg.handle is not None:  # aborted meanwhile: drop the data
+                self.connector.release(msg.request_id)
+            return
+        tensors = self._get(state, msg.handle) if msg.handle is not None else {}
+        token_ids = tensors["token_ids"].tolist() if "token_ids" in tensors else []
+        data = EdgeData(msg.request_id, msg.source, msg.chunk_idx, msg.is_last, token_ids,
+                        msg.text, tensors)
+        feed = self.adapters[msg.source](data, state.adapter_state.setdefault(msg.source, {}))
+        if feed is not None:
+            self.engine.feed(msg.request_id, feed)
+        if msg.is_last:
+            state.open_sources.discard(msg.source)
+            if not state.open_sources:
+                self.engine.close_input(msg.request_id)
+
+    def _get(self, state: RequestState, handle: m.TensorHandle) -> dict[str, Tensor]:
+        t0 = time.perf_counter()
+        tensors = self.connector.get(handle)
+        state.connector_seconds += time.perf_counter() - t0
+        state.bytes_in += handle.nbytes
+        return tensors
+
+    def _drop(self, request_id: str, abort: bool) -> None:
+        if abort:
+            self.engine.abort(request_id)
+        self.requests.pop(request_id, None)
+        self.connector.release(request_id)
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> list[m.StageOutput]:
+        outputs = []
+        for res in self.engine.step():
+            state = self.requests.get(res.request_id)
+            if state is None:
+                continue
+            outputs.append(self._output(res, state))
+            if res.finished:
+                del self.requests[res.request_id]
+        return outputs
+
+    def _output(self, res: StageResult, state: RequestState) -> m.StageOutput:
+        now = time.time()
+        state.first_scheduled_time = state.first_scheduled_time or now
+        if res.token_ids or res.tensors:
+            state.first_output_time = state.first_output_time or now
+            state.num_outputs += 1
+        state.num_tokens += len(res.token_ids)
+        out = m.StageOutput(self.name, res.request_id, token_ids=res.token_ids, text=res.text,
+                            logprobs=res.logprobs, finished=res.finished,
+                            finish_reason=res.finish_reason, error=res.error)
+        if res.error is None:
+            payload = res.tensors
+            for dest in state.downstream:
+                edge = m.edge_name(self.name, dest)
+                if self.out_edges[dest]:   # chunked: every step's payload travels now
+                    if payload:
+                        out.handles[edge] = self._put(state, edge, payload)
+                else:                      # whole: collected, sent once at the end
+                    if payload:
+                        state.whole.setdefault(dest, []).append(payload)
+                    if res.finished and state.whole.get(dest):
+                        out.handles[edge] = self._put(state, edge, _concat(state.whole.pop(dest)))
+            if self.final not in (None, "text") and payload:
+                edge = m.edge_name(self.name, m.CLIENT)
+                out.handles[edge] = self._put(state, edge, payload)
+        if res.finished:
+            out.metrics = {
+                "arrival_time": state.arrival_time,
+                "first_scheduled_time": state.first_scheduled_time,
+                "first_output_time": state.first_output_time, "finished_time": now,
+                "num_tokens": state.num_tokens, "num_outputs": state.num_outputs,
+                "connector_bytes_in": state.bytes_in, "connector_bytes_out": state.bytes_out,
+                "connector_seconds": state.connector_seconds, **(res.engine_metrics or {})}
+        return out
+
+    def _put(self, state: RequestState, edge: str, tensors: dict[str, Tensor]) -> m.TensorHandle:
+        idx = state.chunk_idx.get(edge, 0)
+        state.chunk_idx[edge] = idx + 1
+        t0 = time.perf_counter()
+        handle = self.connector.put(ChunkKey(state.request_id, edge, idx), tensors)
+        state.connector_seconds += time.perf_counter() - t0
+        state.bytes_out += handle.nbytes
+        return handle
+
+    def stats(self) -> m.StageStats:
+        engine = getattr(self.engine, "engine", None)
+        bm = getattr(engine, "block_manager", None)
+        num = getattr(engine, "num_unfinished_requests", None)
+        if num is None:
+            num = len(getattr(engine, "requests", {}))
+        st = self.connector.stats
+        return m.StageStats(
+            self.name, len(self.requests), num,
+            bm.num_free_blocks if bm is not None else None,
+            bm.num_blocks if bm is not None else None,
+            {"bytes_put": st.bytes_put, "bytes_got": st.bytes_got, "num_put": st.num_put,
+             "num_get": st.num_get, "put_seconds": st.put_seconds,
+             "get_seconds": st.get_seconds})
+
+    @property
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests
+
+    # -- the loop --------------------------------------------------------------------------------
+    def serve(self, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+        """Run until Shutdown: messages first, then one step."""
+        idle = True
+        while True:
+            timeout = IDLE_POLL_MS if idle or not self.has_work else 0
+            if inbox.poll(timeout):
+                while True:
+                    try:
+                        raw = inbox.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    msg = m.decode_to_stage(raw)
+                    if isinstance(msg, m.Shutdown):
+                        return
+                    for out in self.handle(msg):
+                        outbox.send(m.encode(out))
+            outs = self.step() if self.has_work else []
+            for out in outs:
+                outbox.send(m.encode(out))
+            idle = not outs
+
+
+def _concat(chunks: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Join a request's step payloads: rows concatenate; 0-d tensors keep their last value."""
+    keys = list(dict.fromkeys(k for c in chunks for k in c))
+    out: dict[str, Tensor] = {}
+    for key in keys:
+        parts = [c[key] for c in chunks if key in c]
+        out[key] = parts[-1] if parts[0].dim() == 0 else torch.cat(parts)
+    return out
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

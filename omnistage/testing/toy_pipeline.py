@@ -1,0 +1,60 @@
+"""A toy generation model and the stage graph used to test the runtime: a tiny Qwen3 emitting
+hidden states, a second tiny Qwen3 fed those as prompt and stream embeddings, and a generation
+stage turning the second one's tokens into vectors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+
+class TokenEmbedder(nn.Module):
+    """Token ids -> fixed random vectors (seeded): a stand-in for a codec decoder. Its output
+    for a token never depends on chunking, so chunked and whole edges must agree exactly."""
+
+    def __init__(self, vocab_size: int = 512, dim: int = 8, seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.table = nn.Parameter(torch.randn(vocab_size, dim, generator=gen),
+                                  requires_grad=False)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None, component: str,
+                        device: torch.device, dtype: torch.dtype | None) -> TokenEmbedder:
+        return cls().to(device)
+
+    def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],
+                 is_last: list[bool]) -> list[dict[str, Tensor]]:
+        # one lookup over the whole batch, split back per request
+        ids = [x.get("token_ids", torch.empty(0, dtype=torch.int64)) for x in inputs]
+        flat = torch.cat(ids).to(self.table.device)
+        vecs = self.table[flat].split([len(i) for i in ids])
+        return [{"vectors": v.cpu()} if len(v) else {} for v in vecs]
+
+
+def toy_graph_yaml(model: str | Path, *, chunked: bool, connector: str = "shm",
+                   backend: str = "process", max_tokens: int = 16) -> str:
+    c = "true" if chunked else "false"
+    return f"""
+model: {model}
+connector: {connector}
+backend: {backend}
+stages:
+  - name: first
+    kind: ar
+    final: text
+    output_hidden_layers: [2]
+    max_num_batched_tokens: 32
+    sampling: {{temperature: 0.0, max_tokens: {max_tokens}, ignore_eos: true}}
+  - name: second
+    kind: ar
+    inputs: [{{from: first, adapter: hidden_to_embeds, chunked: {c}}}]
+    sampling: {{temperature: 0.0, max_tokens: {max_tokens}, ignore_eos: true}}
+  - name: vectors
+    kind: generation
+    component: token_embedder
+    inputs: [{{from: second, adapter: tokens_to_tensor, chunked: {c}}}]
+    final: tensor
+"""

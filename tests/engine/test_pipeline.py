@@ -1,0 +1,217 @@
+"""The stage-graph runtime end to end on a three-stage toy pipeline (tiny Qwen3 -> tiny Qwen3
+fed its hidden states -> a generation stage turning tokens into vectors), over every backend,
+connector and edge kind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from omnistage import AsyncOmni, Omni, SamplingParams
+from omnistage.testing.toy_pipeline import TokenEmbedder, toy_graph_yaml
+
+PROMPTS = [{"prompt_token_ids": list(range(5, 25))}, {"prompt_token_ids": [7, 3, 99, 42]},
+           {"prompt_token_ids": list(range(100, 160))}]
+MAX_TOKENS = 12
+
+COMBOS = [("inproc", "inproc", False), ("inproc", "inproc", True),
+          ("inproc", "shm", False), ("inproc", "shm", True),
+          ("inproc", "tcp", False), ("inproc", "tcp", True),
+          ("process", "shm", False), ("process", "shm", True),
+          ("process", "tcp", False), ("process", "tcp", True)]
+
+
+def shm_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("os")}
+
+
+def run(model: Path, backend: str, connector: str, chunked: bool) -> tuple[list, dict]:
+    yaml_text = toy_graph_yaml(model, chunked=chunked, connector=connector, backend=backend,
+                               max_tokens=MAX_TOKENS)
+    with Omni(stage_config=yaml_text, device="cpu") as omni:
+        outs = omni.generate(PROMPTS)
+        stats = omni.engine.orchestrator.stage_stats()
+    return outs, stats
+
+
+@pytest.fixture(scope="module")
+def results(tiny_qwen3: Path) -> dict:
+    before = shm_segments()
+    res = {combo: run(tiny_qwen3, *combo) for combo in COMBOS}
+    assert shm_segments() == before, "shared-memory segments left behind"
+    return res
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(map(str, c)))
+def test_outputs_equal_across_backends_connectors_and_edges(results: dict, combo: tuple,
+                                                            tiny_qwen3: Path) -> None:
+    outs, stats = results[combo]
+    base, _ = results[COMBOS[0]]
+    for out, ref in zip(outs, base):
+        assert out.error is None and out.finished
+        assert out.token_ids == ref.token_ids and out.text == ref.text
+        assert torch.equal(out.tensors["vectors"], ref.tensors["vectors"])
+        assert out.tensors["vectors"].shape == (MAX_TOKENS, 8)
+        assert set(out.stage_metrics) == {"first", "second", "vectors"}
+    for name, st in stats.items():  # every stage released every request
+        assert st.num_requests == 0 and st.num_engine_requests == 0, name
+        if st.num_blocks is not None:
+            assert st.num_free_blocks == st.num_blocks, name
+
+
+def test_first_stage_matches_transformers(results: dict, tiny_qwen3: Path) -> None:
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+    outs, _ = results[COMBOS[0]]
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([prompt["prompt_token_ids"]])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, pad_token_id=0)
+        assert out.token_ids == ref[0, ids.shape[1]:].tolist()
+
+
+def test_vectors_are_the_second_stage_tokens_embedded(results: dict) -> None:
+    table = TokenEmbedder().table
+    outs, _ = results[COMBOS[0]]
+    for out in outs:
+        vecs = out.tensors["vectors"]
+        # every row is some token's vector: recover the tokens and check they embed back
+        tokens = torch.cdist(vecs, table).argmin(dim=1)
+        assert torch.equal(table[tokens], vecs)
+
+
+@pytest.mark.parametrize("backend, connector", [("inproc", "inproc"), ("process", "shm")])
+def test_chunked_final_output_starts_before_entry_stage_finishes(results: dict, backend: str,
+                                                                 connector: str) -> None:
+    outs, _ = results[(backend, connector, True)]
+    for out in outs:
+        sm = out.stage_metrics
+        assert sm["vectors"]["first_output_time"] < sm["first"]["finished_time"]
+        assert sm["second"]["first_output_time"] < sm["first"]["finished_time"]
+    whole, _ = results[(backend, connector, False)]
+    for out in whole:  # whole edges: downstream only starts after upstream finished
+        sm = out.stage_metrics
+        assert sm["vectors"]["first_output_time"] >= sm["first"]["finished_time"]
+
+
+def test_text_only_request_never_enters_downstream(tiny_qwen3: Path) -> None:
+    yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, connector="inproc", backend="inproc")
+    with Omni(stage_config=yaml_text, device="cpu") as omni:
+        (out,) = omni.generate(PROMPTS[0], output_modalities={"text"})
+        assert set(out.stage_metrics) == {"first"}
+        assert out.tensors == {} and len(out.token_ids) == 16
+        with pytest.raises(ValueError, match="audio"):
+            omni.generate(PROMPTS[0], output_modalities={"audio"})
+
+
+@pytest.mark.parametrize("backend, connector", [("inproc", "inproc"), ("process", "shm")])
+def test_abort_mid_stream_releases_everything(tiny_qwen3: Path, backend: str,
+                                              connector: str) -> None:
+    before = shm_segments()
+    yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, connector=connector, backend=backend,
+                               max_tokens=400)
+    engine = AsyncOmni(stage_config=yaml_text, device="cpu")
+    try:
+        async def go() -> list:
+            seen = []
+            async for out in engine.generate(PROMPTS[2]):
+                seen.append(out)
+                if out.delta_tensors:  # the final stage has started: leave mid-stream
+                    break
+            return seen
+
+        seen = asyncio.run(go())
+        assert seen and not seen[-1].finished
+        deadline = time.monotonic() + 10
+        while True:
+            stats = engine.orchestrator.stage_stats()
+            if all(s.num_requests == 0 and s.num_engine_requests == 0 for s in stats.values()):
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+        for st in stats.values():
+            if st.num_blocks is not None:
+                assert st.num_free_blocks == st.num_blocks
+        assert engine.orchestrator.num_requests == 0
+        if connector == "shm":
+            time.sleep(0.2)
+            assert shm_segments() <= before
+        # the engine keeps serving
+        (out,) = Omni.__new__(Omni).__class__.generate(_wrap(engine), PROMPTS[1])
+        assert out.finished and out.error is None
+    finally:
+        engine.shutdown()
+    assert shm_segments() <= before
+
+
+def _wrap(engine: AsyncOmni) -> Omni:
+    omni = Omni.__new__(Omni)
+    omni.engine, omni.tokenizer = engine, engine.tokenizer
+    return omni
+
+
+def test_killed_stage_fails_its_requests(tiny_qwen3: Path) -> None:
+    yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, connector="shm", backend="process",
+                               max_tokens=400)
+    with Omni(stage_config=yaml_text, device="cpu") as omni:
+        pid = omni.engine.orchestrator.stage_pids()["second"]
+        events = []
+        omni.engine.submit(PROMPTS[2], None, "victim", None, events.append)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not (events and events[-1].done):
+            assert time.monotonic() < deadline, events[-3:]
+            time.sleep(0.05)
+        assert events[-1].error is not None and "'second'" in events[-1].error
+        assert not omni.is_healthy
+        with pytest.raises(RuntimeError, match="unhealthy"):
+            omni.generate(PROMPTS[0])
+
+
+def test_parent_sigkill_leaves_no_stage_alive(tiny_qwen3: Path, tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        from omnistage import Omni
+        from omnistage.testing.toy_pipeline import toy_graph_yaml
+        if __name__ == "__main__":
+            omni = Omni(stage_config=toy_graph_yaml({str(tiny_qwen3)!r}, chunked=True),
+                        device="cpu")
+            print(" ".join(map(str, omni.engine.orchestrator.stage_pids().values())), flush=True)
+            time.sleep(60)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 3 and all(_alive(p) for p in pids)
+        proc.kill()
+        proc.wait()
+        time.sleep(2.0)
+        assert not [p for p in pids if _alive(p)]
+    finally:
+        proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_stage_startup_failure_names_the_stage(tmp_path: Path, tiny_qwen3: Path) -> None:
+    yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, backend="process").replace(
+        "component: token_embedder", "component: no_such_decoder")
+    with pytest.raises(RuntimeError, match="'vectors' failed to start.*no_such_decoder"):
+        Omni(stage_config=yaml_text, device="cpu")
