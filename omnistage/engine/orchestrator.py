@@ -12,11 +12,13 @@ final ones it hands to the caller.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import shutil
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -34,6 +36,15 @@ from omnistage.stages.process import StageRunner, WorkerSpec, stage_device
 logger = logging.getLogger(__name__)
 
 POLL_MS = 50
+SEND_TIMEOUT_MS = 1000
+_LIVE: weakref.WeakSet[Orchestrator] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    """Stop every stage at interpreter exit, before multiprocessing reaps its children."""
+    for orchestrator in list(_LIVE):
+        orchestrator.shutdown()
 
 
 @dataclass(slots=True)
@@ -101,6 +112,8 @@ class Orchestrator:
             for s in graph.stages:
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 0)          # never block on a busy stage ...
+                sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # ... nor on a dead one
                 sock.bind(addr(s.name))
                 self._inboxes[s.name] = sock
                 spec = WorkerSpec(s.name, graph, addr(s.name), addr("out"),
@@ -113,6 +126,7 @@ class Orchestrator:
         self._router = threading.Thread(target=self._route_loop, name="omnistage-router",
                                         daemon=True)
         self._router.start()
+        _LIVE.add(self)
 
     def _make_connector(self) -> Connector:
         kind = self.graph.connector
@@ -150,7 +164,19 @@ class Orchestrator:
                          for d, _ in downstream(self.graph, s.name)}
                 if s.final not in (None, "text"):
                     peers[m.edge_name(s.name, m.CLIENT)] = client
-                self._inboxes[s.name].send(m.encode(m.SetPeers(peers)))
+                self._send(s.name, m.SetPeers(peers))
+
+    def _send(self, stage: str, msg: m.ToStage) -> None:
+        """Send to a stage. A dead stage fails its requests at once, and the message is dropped
+        rather than left blocking the router."""
+        if not self._runners[stage].is_alive():
+            self._check_liveness()
+            return
+        try:
+            self._inboxes[stage].send(m.encode(msg))
+        except zmq.Again:
+            logger.warning("orchestrator: stage %r is not taking messages; dropped %s",
+                           stage, type(msg).__name__)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None,
@@ -182,7 +208,7 @@ class Orchestrator:
                 msg = m.AddRequest(request_id, params.get(name),
                                    None if ups or embeds else list(prompt_token_ids or []),
                                    embeds, len(ups), downs, now)
-                self._inboxes[name].send(m.encode(msg))
+                self._send(name, msg)
         return needed
 
     def _connector_put_embeds(self, request_id: str, stage: str, embeds: Tensor
@@ -207,15 +233,15 @@ class Orchestrator:
         """Abort (or, once finished, free) a request in these stages: engine state, parked
         chunks and connector segments are released there."""
         for name in stages:
-            self._inboxes[name].send(m.encode(m.AbortRequest(request_id)))
+            self._send(name, m.AbortRequest(request_id))
         self._connector.release(request_id)
 
     def stage_stats(self, timeout_s: float = 10.0) -> dict[str, m.StageStats]:
         """Ask every stage for its resource state (requests held, free KV blocks, ...)."""
         with self._lock:
             self._stats = {}
-            for sock in self._inboxes.values():
-                sock.send(m.encode(m.GetStats()))
+            for name in self._inboxes:
+                self._send(name, m.GetStats())
         deadline = time.monotonic() + timeout_s
         while len(self._stats) < len(self._inboxes):
             self._stats_ready.wait(0.05)
@@ -287,8 +313,10 @@ class Orchestrator:
                     text = out.text
                 idx = route.chunk_idx.get(edge, 0)
                 route.chunk_idx[edge] = idx + 1
-                self._inboxes[dest.name].send(m.encode(m.EdgeChunk(
-                    out.request_id, out.stage, idx, out.finished, text=text, handle=handle)))
+                self._send(dest.name, m.EdgeChunk(out.request_id, out.stage, idx, out.finished,
+                                                  text=text, handle=handle))
+            if out.request_id not in self._routes:  # a dead downstream stage failed it
+                return
             if out.finished:
                 route.open_stages.discard(out.stage)
                 route.metrics[out.stage] = dict(out.metrics)
@@ -308,7 +336,8 @@ class Orchestrator:
                 stage_metrics=route.metrics if done else None))
 
     def _fail(self, route: Route, error: str, stage: str) -> None:
-        del self._routes[route.request_id]
+        if self._routes.pop(route.request_id, None) is None:
+            return
         self._free(route.request_id, route.needed)
         route.sink(RequestEvent(route.request_id, stage, done=True, finish_reason="error",
                                 error=error, stage_metrics=route.metrics))

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from omnistage import Omni, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def omni(tiny_qwen3: Path) -> Omni:
-    return Omni(str(tiny_qwen3), device="cpu")
+    with Omni(str(tiny_qwen3), device="cpu", backend="inproc", connector="inproc") as omni:
+        yield omni
 
 
 def test_prompt_forms_and_outputs(omni: Omni) -> None:
@@ -62,9 +66,12 @@ def test_bad_sampling_params(kwargs: dict, field: str) -> None:
 
 
 def test_bad_prompts_raise_before_scheduling_and_engine_keeps_serving(omni: Omni) -> None:
-    engine = omni.engine
-    engine.add_request("bystander", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4))
-    too_long = list(range(5)) * (engine.max_model_len // 5 + 1)
+    events: list = []
+    omni.engine.submit({"prompt_token_ids": [1, 2, 3]},
+                       SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                       "bystander", None, events.append)
+    info = omni.engine.orchestrator.stage_info["llm"]
+    too_long = list(range(5)) * (info["max_model_len"] // 5 + 1)
     cases = [
         ("", "empty"),
         ({"prompt_token_ids": []}, "empty"),
@@ -73,20 +80,25 @@ def test_bad_prompts_raise_before_scheduling_and_engine_keeps_serving(omni: Omni
         ({"prompt_token_ids": "abc"}, "list of ints"),
         ({"prompt": "x", "prompt_token_ids": [1]}, "exactly one"),
         ({"text": "x"}, "unknown keys"),
+        ({"prompt_embeds": torch.zeros(3, 7)}, "prompt_embeds has shape"),
         (42, "string or a dict"),
     ]
     for prompt, message in cases:
         with pytest.raises(ValueError, match=message):
             omni.generate(["fine prompt", prompt], SamplingParams(temperature=0))
-        assert set(engine.scheduler.requests) == {"bystander"}  # nothing else was scheduled
+        # nothing but the bystander was ever scheduled
+        assert omni.engine.orchestrator.num_requests <= 1
     with pytest.raises(ValueError, match="output_hidden_layers"):
         omni.generate("x", SamplingParams(output_hidden_layers=(99,)))
     with pytest.raises(ValueError, match="1 stage"):
         omni.generate("x", [None, None])
-    outs = []
-    while engine.has_unfinished_requests:
-        outs += [o for o in engine.step() if o.finished]
-    assert [o.request_id for o in outs] == ["bystander"] and outs[0].error is None
+    deadline = time.monotonic() + 30
+    while not (events and events[-1].done):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert events[-1].error is None and sum(len(e.token_ids) for e in events) == 30
+    stats = omni.engine.orchestrator.stage_stats()["llm"]
+    assert stats.num_requests == 0 and stats.num_free_blocks == stats.num_blocks
 
 
 def test_unknown_model_path_and_architecture(tmp_path: Path, tiny_qwen3: Path) -> None:
@@ -104,11 +116,28 @@ def test_unknown_model_path_and_architecture(tmp_path: Path, tiny_qwen3: Path) -
 
 
 def test_abort_mid_generation(omni: Omni) -> None:
-    engine = omni.engine
-    engine.add_request("victim", list(range(1, 40)),
-                       SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-    engine.step()
-    out = engine.abort_request("victim")
-    assert out.finish_reason.value == "abort"
-    assert engine.block_manager.num_free_blocks == engine.kv_layout.num_blocks
-    assert engine.abort_request("victim") is None
+    async def first_then_leave() -> None:
+        async for out in omni.engine.generate(
+                {"prompt_token_ids": list(range(1, 40))},
+                SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)):
+            assert out.delta_token_ids
+            break
+
+    asyncio.run(first_then_leave())
+    deadline = time.monotonic() + 10
+    while True:
+        stats = omni.engine.orchestrator.stage_stats()["llm"]
+        if stats.num_engine_requests == 0:
+            break
+        assert time.monotonic() < deadline
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_process_backend_matches_inproc(omni: Omni, tiny_qwen3: Path) -> None:
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompts = ["hello world", {"prompt_token_ids": [5, 6, 7, 8]}]
+    ref = omni.generate(prompts, params)
+    with Omni(str(tiny_qwen3), device="cpu") as proc:  # the default: a stage process, shm
+        got = proc.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.text for o in got] == [o.text for o in ref]
