@@ -36,7 +36,8 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.eos_token_ids: tuple[int, ...] = ()
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        backend = get_attention_backend(attention_backend, device)
+        self.backend = get_attention_backend(attention_backend, device, layout.block_size)
+        backend = self.backend
         shape = (layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         for layer in self.attn_layers:
             layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -47,6 +48,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         input_ids, positions, md, embeds = self._prepare(batch)
         capture = sorted({i for s in batch.seqs for i in s.sampling_params.output_hidden_layers})
+        self.backend.prepare(md, has_cache=True)
         with forward_context(md):
             hidden, captured = self.model(input_ids, positions, embeds, tuple(capture))
 

@@ -117,7 +117,7 @@ class Orchestrator:
                 sock.bind(addr(s.name))
                 self._inboxes[s.name] = sock
                 spec = WorkerSpec(s.name, graph, addr(s.name), addr("out"),
-                                  stage_device(device, s.devices), self._shm_ns)
+                                  stage_device(device, s.devices), self._shm_ns, self._run_dir)
                 self._runners[s.name] = StageRunner(spec, graph.backend, self._ctx, shared)
             self._wait_ready()
         except BaseException:
@@ -250,6 +250,11 @@ class Orchestrator:
                 raise TimeoutError(f"stage stats: no answer from "
                                    f"{sorted(set(self._inboxes) - set(self._stats))}")
         return dict(self._stats)
+
+    @property
+    def resources(self) -> dict[str, str]:
+        """Names of what this engine holds on the host: its ipc folder, its shm prefix."""
+        return {"run_dir": self._run_dir, "shm_namespace": self._shm_ns}
 
     def stage_pids(self) -> dict[str, int]:
         return {name: r.pid for name, r in self._runners.items()}

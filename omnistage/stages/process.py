@@ -4,8 +4,9 @@
 Process lifecycle:
 - ready handshake: a worker sends Ready (or StartupFailed with the reason) once its model is
   loaded; the orchestrator waits up to the stage's start-up timeout;
-- parent death: PR_SET_PDEATHSIG plus a watchdog thread that polls the parent pid, so a stage
-  exits within a fraction of a second even when the parent is SIGKILLed;
+- parent death: PR_SET_PDEATHSIG (SIGTERM) plus a watchdog thread that polls the parent pid,
+  so a stage exits within a second even when the parent is SIGKILLed, and frees what the
+  parent can no longer free (shared-memory segments, the ipc socket folder);
 - SIGTERM ends a worker cleanly (connector closed, segments freed); SIGINT is ignored, since
   Ctrl-C belongs to the parent, which then shuts the stages down.
 """
@@ -16,6 +17,7 @@ import ctypes
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -42,6 +44,7 @@ class WorkerSpec:
     outbox: str              # zmq address the worker PUSHes to (the orchestrator binds it)
     device: str              # "cpu" or "cuda:N"
     shm_namespace: str
+    run_dir: str             # the orchestrator's folder of ipc sockets
     tcp_host: str = "127.0.0.1"
 
 
@@ -103,27 +106,51 @@ def _engine_info(worker: object) -> dict[str, str | int | float]:
             "num_kv_blocks": engine.kv_layout.num_blocks}
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _clean_after_parent(spec: WorkerSpec) -> None:
+    """The parent is gone and cannot clean up: free what it would have freed."""
+    from omnistage.connectors.shm import sweep
+
+    sweep(spec.shm_namespace)
+    shutil.rmtree(spec.run_dir, ignore_errors=True)
+
+
+def _parent_alive(parent_pid: int) -> bool:
+    """Whether the parent still runs (a zombie does not). Read from /proc rather than getppid:
+    the death signal can arrive before the kernel has reparented us."""
+    try:
+        with open(f"/proc/{parent_pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: fall back on the parent pid
+        return os.getppid() == parent_pid
+
+
+def _die_with_parent(spec: WorkerSpec, parent_pid: int) -> None:
+    """SIGTERM on parent death (the handler exits cleanly), and a watchdog for the case where
+    that signal cannot be delivered or handled in time."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
     def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
+        while os.getppid() == parent_pid:
             time.sleep(WATCHDOG_PERIOD_S)
+        time.sleep(WATCHDOG_PERIOD_S * 5)  # give the SIGTERM path its chance first
+        _clean_after_parent(spec)
+        os._exit(1)
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def _process_main(spec: WorkerSpec, parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
+    _die_with_parent(spec, parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def on_term(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: let the clean-up run
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_term)
@@ -134,7 +161,10 @@ def _process_main(spec: WorkerSpec, parent_pid: int) -> None:
     except SystemExit:
         pass
     finally:
+        if not _parent_alive(parent_pid):
+            _clean_after_parent(spec)
         ctx.destroy(linger=0)
+        os._exit(0)
 
 
 class StageRunner:

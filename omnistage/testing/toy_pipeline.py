@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from omnistage.engine.adapters import EdgeData, StageFeed, hidden_to_embeds, register_adapter
+
 
 class TokenEmbedder(nn.Module):
     """Token ids -> fixed random vectors (seeded): a stand-in for a codec decoder. Its output
@@ -35,7 +37,8 @@ class TokenEmbedder(nn.Module):
 
 
 def toy_graph_yaml(model: str | Path, *, chunked: bool, connector: str = "shm",
-                   backend: str = "process", max_tokens: int = 16) -> str:
+                   backend: str = "process", max_tokens: int = 16,
+                   adapter: str = "hidden_to_embeds") -> str:
     c = "true" if chunked else "false"
     return f"""
 model: {model}
@@ -50,7 +53,7 @@ stages:
     sampling: {{temperature: 0.0, max_tokens: {max_tokens}, ignore_eos: true}}
   - name: second
     kind: ar
-    inputs: [{{from: first, adapter: hidden_to_embeds, chunked: {c}}}]
+    inputs: [{{from: first, adapter: {adapter}, chunked: {c}}}]
     sampling: {{temperature: 0.0, max_tokens: {max_tokens}, ignore_eos: true}}
   - name: vectors
     kind: generation
@@ -58,3 +61,12 @@ stages:
     inputs: [{{from: second, adapter: tokens_to_tensor, chunked: {c}}}]
     final: tensor
 """
+
+
+@register_adapter("testing.fail_marked")
+def fail_marked(data: EdgeData, state: dict) -> StageFeed | None:
+    """hidden_to_embeds, except that requests whose id starts with "fail-" raise here: a stage
+    error for one request, to test that it fails alone and names its stage."""
+    if data.request_id.startswith("fail-"):
+        raise ValueError(f"request {data.request_id} is marked to fail")
+    return hidden_to_embeds(data, state)

@@ -185,19 +185,32 @@ def test_parent_sigkill_leaves_no_stage_alive(tiny_qwen3: Path, tmp_path: Path) 
         from omnistage import Omni
         from omnistage.testing.toy_pipeline import toy_graph_yaml
         if __name__ == "__main__":
-            omni = Omni(stage_config=toy_graph_yaml({str(tiny_qwen3)!r}, chunked=True),
-                        device="cpu")
-            print(" ".join(map(str, omni.engine.orchestrator.stage_pids().values())), flush=True)
+            omni = Omni(stage_config=toy_graph_yaml({str(tiny_qwen3)!r}, chunked=True,
+                                                    max_tokens=400), device="cpu")
+            orch = omni.engine.orchestrator
+            print(" ".join(map(str, orch.stage_pids().values())), flush=True)
+            print(orch.resources["run_dir"], orch.resources["shm_namespace"], flush=True)
+            events = []
+            omni.engine.submit({{"prompt_token_ids": list(range(5, 60))}}, None, "r", None,
+                               events.append)
+            while not any(e.tensors for e in events):  # data is in flight between stages
+                time.sleep(0.01)
+            print("streaming", flush=True)
             time.sleep(60)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
+        run_dir, namespace = proc.stdout.readline().split()
+        assert proc.stdout.readline().strip() == "streaming"
         assert len(pids) == 3 and all(_alive(p) for p in pids)
+        assert Path(run_dir).is_dir()
         proc.kill()
         proc.wait()
         time.sleep(2.0)
         assert not [p for p in pids if _alive(p)]
+        assert not Path(run_dir).exists()
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(namespace)]
     finally:
         proc.kill()
 
@@ -215,3 +228,24 @@ def test_stage_startup_failure_names_the_stage(tmp_path: Path, tiny_qwen3: Path)
         "component: token_embedder", "component: no_such_decoder")
     with pytest.raises(RuntimeError, match="'vectors' failed to start.*no_such_decoder"):
         Omni(stage_config=yaml_text, device="cpu")
+
+
+@pytest.mark.parametrize("backend, connector", [("inproc", "inproc"), ("process", "shm")])
+def test_stage_error_fails_only_that_request(tiny_qwen3: Path, backend: str,
+                                             connector: str) -> None:
+    yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, connector=connector, backend=backend,
+                               adapter="testing.fail_marked")
+    with Omni(stage_config=yaml_text, device="cpu") as omni:
+        events: list = []
+        omni.engine.submit(PROMPTS[0], None, "fail-1", None, events.append)
+        (ok,) = omni.generate(PROMPTS[1])
+        deadline = time.monotonic() + 10
+        while not (events and events[-1].done):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert events[-1].finish_reason == "error"
+        assert "stage 'second'" in events[-1].error and "marked to fail" in events[-1].error
+        assert ok.error is None and ok.tensors["vectors"].shape == (16, 8)
+        assert omni.is_healthy
+        for st in omni.engine.orchestrator.stage_stats().values():
+            assert st.num_requests == 0

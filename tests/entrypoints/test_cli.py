@@ -26,3 +26,19 @@ def test_generate_bad_input_is_a_clear_error(tiny_qwen3: Path,
     assert "max_tokens" in capsys.readouterr().err
     rc = main(["generate", "/nonexistent/model", "--prompt", "x"])
     assert rc == 2
+
+
+def test_generate_with_stage_config_and_overrides(tiny_qwen3: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    cfg = tmp_path / "graph.yaml"
+    cfg.write_text(f"model: {tiny_qwen3}\nbackend: inproc\nconnector: inproc\n"
+                   "stages:\n  - {name: llm, kind: ar, final: text}\n")
+    rc = main(["generate", "--stage-config", str(cfg), "--stage-override", "llm.max_num_seqs=2",
+               "--prompt", "hi", "--max-tokens", "3", "--device", "cpu", "--json"])
+    assert rc == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert 1 <= len(json.loads(line)["token_ids"]) <= 3
+    rc = main(["generate", "--stage-config", str(cfg), "--stage-override", "llm.max_num_seq=2",
+               "--prompt", "hi"])
+    assert rc == 2
+    assert "did you mean max_num_seqs" in capsys.readouterr().err
