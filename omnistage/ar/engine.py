@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -28,9 +26,7 @@ from omnistage.models.loader import load_model, resolve_model_path
 from omnistage.outputs import RequestMetrics
 from omnistage.sampling_params import SamplingParams
 from omnistage.utils.device import resolve_device, resolve_dtype
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+from omnistage.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +59,7 @@ class AREngine:
         self.model, self.model_config, self.hf_config = load_model(
             path, self.device, resolve_dtype(config.dtype, path, self.device))
         self.dtype = next(self.model.parameters()).dtype
-        self.tokenizer = _load_tokenizer(path)
+        self.tokenizer = load_tokenizer(path)
 
         sched = config.scheduler
         self.max_model_len = min(sched.max_model_len or self.model_config.max_position_embeddings,
@@ -278,16 +274,3 @@ class AREngine:
             num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions)
         return StepOutput(seq.request_id, new_ids, text, finish_reason=seq.finish_reason,
                           error=error, metrics=metrics)
-
-
-def _load_tokenizer(path: Path) -> "PreTrainedTokenizerBase | None":
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as exc:
-        logger.warning("no tokenizer in %s (%s): text output disabled", path, exc)
-        return None
-
-
-__all__ = ["AREngine", "StepOutput"]

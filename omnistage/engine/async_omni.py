@@ -24,6 +24,7 @@ from omnistage.engine.orchestrator import Orchestrator, RequestEvent
 from omnistage.models.loader import resolve_model_path
 from omnistage.outputs import OmniOutput, RequestMetrics
 from omnistage.sampling_params import SamplingParams
+from omnistage.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class AsyncOmni:
             graph = resolve_graph(str(model_path) if model_path else None, model_path,
                                   stage_config, list(stage_overrides), **engine_kw)
         self.graph = graph
-        self.tokenizer = _load_tokenizer(model_path or (Path(graph.model) if graph.model else None))
+        self.tokenizer = load_tokenizer(model_path or (Path(graph.model) if graph.model else None))
         self.orchestrator = Orchestrator(graph, device)
         self.entry = [s.name for s in graph.stages if not s.inputs]
         self._ids = itertools.count()
@@ -150,14 +151,3 @@ def accumulate(out: OmniOutput, ev: RequestEvent) -> OmniOutput:
             m.num_preemptions += int(sm.get("num_preemptions") or 0)
         out.tensors = {k: torch.cat(v) for k, v in out.tensor_chunks.items()}
     return out.snapshot(ev)
-
-
-def _load_tokenizer(path: Path | None) -> object | None:
-    if path is None:
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        return None
