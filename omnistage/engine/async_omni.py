@@ -149,5 +149,7 @@ def accumulate(out: OmniOutput, ev: RequestEvent) -> OmniOutput:
         for sm in out.stage_metrics.values():
             m.num_cached_tokens += int(sm.get("num_cached_tokens") or 0)
             m.num_preemptions += int(sm.get("num_preemptions") or 0)
+            if m.first_scheduled_time is None and sm.get("queue_time") is not None:
+                m.first_scheduled_time = sm["arrival_time"] + sm["queue_time"]  # entry stage
         out.tensors = {k: torch.cat(v) for k, v in out.tensor_chunks.items()}
     return out.snapshot(ev)

@@ -88,7 +88,8 @@ class ARStage:
                 tensors["num_prompt_tokens"] = torch.tensor(out.num_prompt_tokens)
             engine_metrics = None
             if out.metrics is not None:
-                engine_metrics = {"num_prompt_tokens": out.metrics.num_prompt_tokens,
+                engine_metrics = {"queue_time": out.metrics.queue_time,
+                                  "num_prompt_tokens": out.metrics.num_prompt_tokens,
                                   "num_cached_tokens": out.metrics.num_cached_tokens,
                                   "num_preemptions": out.metrics.num_preemptions}
             results.append(StageResult(
@@ -131,10 +132,17 @@ class GenerationStage:
         return self.engine.has_unfinished_requests
 
     def step(self) -> list[StageResult]:
-        return [StageResult(r.request_id, tensors=r.tensors, finished=r.finished,
-                            finish_reason=("error" if r.error else "stop") if r.finished else None,
-                            error=r.error)
-                for r in self.engine.step()]
+        results = []
+        for r in self.engine.step():
+            metrics = None
+            if r.finished and r.request is not None and r.request.first_scheduled_time:
+                metrics = {"queue_time": r.request.first_scheduled_time - r.request.arrival_time,
+                           "num_chunks": r.request.num_chunks_out}
+            results.append(StageResult(
+                r.request_id, tensors=r.tensors, finished=r.finished,
+                finish_reason=("error" if r.error else "stop") if r.finished else None,
+                error=r.error, engine_metrics=metrics))
+        return results
 
 
 def build_stage_engine(stage: StageConfig, model: str | None, device: str) -> StageEngine:

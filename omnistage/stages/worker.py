@@ -41,7 +41,6 @@ class RequestState:
     chunk_idx: dict[str, int] = field(default_factory=dict)
     whole: dict[str, list[dict[str, Tensor]]] = field(default_factory=dict)  # whole-edge buffers
     arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
     first_output_time: float | None = None
     num_tokens: int = 0
     num_outputs: int = 0
@@ -150,7 +149,6 @@ class StageWorker:
 
     def _output(self, res: StageResult, state: RequestState) -> m.StageOutput:
         now = time.time()
-        state.first_scheduled_time = state.first_scheduled_time or now
         if res.token_ids or res.tensors:
             state.first_output_time = state.first_output_time or now
             state.num_outputs += 1
@@ -174,10 +172,12 @@ class StageWorker:
                 edge = m.edge_name(self.name, m.CLIENT)
                 out.handles[edge] = self._put(state, edge, payload)
         if res.finished:
+            # wall-clock times (comparable across processes) and durations in seconds
+            first = state.first_output_time
             out.metrics = {
-                "arrival_time": state.arrival_time,
-                "first_scheduled_time": state.first_scheduled_time,
-                "first_output_time": state.first_output_time, "finished_time": now,
+                "arrival_time": state.arrival_time, "first_output_time": first,
+                "finished_time": now, "time_in_stage": now - state.arrival_time,
+                "time_to_first_output": None if first is None else first - state.arrival_time,
                 "num_tokens": state.num_tokens, "num_outputs": state.num_outputs,
                 "connector_bytes_in": state.bytes_in, "connector_bytes_out": state.bytes_out,
                 "connector_seconds": state.connector_seconds, **(res.engine_metrics or {})}

@@ -1,0 +1,1 @@
+"""Diffusion-transformer engine: step-level batching of denoising requests, solvers, pipelines."""

@@ -1,0 +1,1 @@
+"""Noise schedules and ODE solvers, one file each, as pure functions of `(sigmas, step_idx)`."""
