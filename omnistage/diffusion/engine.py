@@ -1,0 +1,123 @@
+"""The diffusion stage engine: step-level continuous batching of denoising requests.
+
+Each request carries its own latents, schedule, step index and generator. Every `step()` takes
+the compatible running requests (same latent shape), whatever step each is at, into one
+transformer forward, advances each by one solver step, and decodes those that reached the end.
+New requests join between steps; an abort takes effect before the next one.
+
+    step():  group by batch key (oldest request's group first) -> velocity() once
+             -> solver step per request -> done? decode -> DiffusionResult
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipeline import DiffusionPipeline
+from omnistage.diffusion.request import DiffusionRequest
+from omnistage.diffusion.solvers import flow_match_euler as solver
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DiffusionResult:
+    request_id: str
+    images: Tensor | None             # uint8 (num_images, H, W, C) once finished
+    finished: bool
+    progress: float
+    error: str | None = None
+    metrics: dict[str, float | int | None] | None = None
+
+
+class DiffusionEngine:
+    def __init__(self, pipeline: DiffusionPipeline, max_num_seqs: int = 16) -> None:
+        self.pipeline = pipeline
+        self.max_num_seqs = max_num_seqs
+        self.requests: OrderedDict[str, DiffusionRequest] = OrderedDict()
+        self.num_steps_run = 0          # transformer forwards, all requests
+
+    def validate(self, prompt: str, params: DiffusionParams) -> None:
+        params.validate()
+        self.pipeline.validate(prompt, params)
+
+    def add_request(self, request_id: str, prompt: str, params: DiffusionParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.validate(prompt, params)
+        seed = params.seed if params.seed is not None else int(torch.seed() % 2**63)
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        latents, sigmas, cond = self.pipeline.prepare(prompt, params, generator)
+        req = DiffusionRequest(request_id, prompt, params, latents, sigmas, cond, generator)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        self.requests[request_id] = req
+
+    def abort(self, request_id: str) -> DiffusionRequest | None:
+        return self.requests.pop(request_id, None)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def progress(self, request_id: str) -> float | None:
+        req = self.requests.get(request_id)
+        return None if req is None else req.progress
+
+    def step(self) -> list[DiffusionResult]:
+        if not self.requests:
+            return []
+        oldest = next(iter(self.requests.values()))
+        batch = [r for r in self.requests.values()
+                 if r.batch_key == oldest.batch_key][:self.max_num_seqs]
+        now = time.time()
+        for r in batch:
+            r.first_step_time = r.first_step_time or now
+        try:
+            with torch.inference_mode():
+                self._denoise(batch)
+        except Exception as exc:  # a failing batch fails its requests, not the engine
+            logger.exception("diffusion step failed for %d requests", len(batch))
+            for r in batch:
+                del self.requests[r.request_id]
+            return [DiffusionResult(r.request_id, None, True, r.progress,
+                                    f"{type(exc).__name__}: {exc}") for r in batch]
+        results = []
+        for r in batch:
+            if not r.is_done:
+                continue
+            del self.requests[r.request_id]
+            try:
+                with torch.inference_mode():
+                    images = self.pipeline.decode(r.latents, r.params)
+            except Exception as exc:
+                results.append(DiffusionResult(r.request_id, None, True, 1.0,
+                                               f"{type(exc).__name__}: {exc}"))
+                continue
+            done = time.time()
+            results.append(DiffusionResult(r.request_id, images, True, 1.0, metrics={
+                "queue_time": r.first_step_time - r.arrival_time,
+                "num_steps": r.num_steps, "num_steps_skipped": r.num_steps_skipped,
+                "denoise_time": done - r.first_step_time}))
+        return results
+
+    def _denoise(self, batch: list[DiffusionRequest]) -> None:
+        """One solver step for every request of the batch, in one model call."""
+        dev = self.pipeline.device
+        counts = [r.latents.shape[0] for r in batch]
+        latents = torch.cat([r.latents for r in batch]).to(dev)            # (R, ...)
+        sigma = torch.cat([r.sigmas[r.step_idx].expand(n) for r, n in zip(batch, counts)])
+        velocity = self.pipeline.velocity(latents, sigma.to(dev), [r.cond for r in batch],
+                                          [r.params for r in batch], counts)
+        self.num_steps_run += 1
+        for r, v, x in zip(batch, velocity.split(counts), latents.split(counts)):
+            r.latents = solver.step(v, x, r.sigmas.to(dev), r.step_idx).to(x.dtype)
+            r.step_idx += 1

@@ -1,0 +1,47 @@
+"""Per-request parameters of a diffusion stage, checked at the boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_STEPS = 200
+MAX_IMAGES = 10
+
+
+@dataclass(frozen=True, slots=True)
+class DiffusionParams:
+    """height/width None: the pipeline's default size. guidance_scale: classifier-free guidance
+    (or FLUX's distilled guidance); true_cfg_scale: Qwen-Image's true CFG with a negative
+    prompt. cache_threshold: step caching (TeaCache-style), None = off."""
+
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int = 20
+    guidance_scale: float = 2.0
+    true_cfg_scale: float = 1.0
+    negative_prompt: str | None = None
+    seed: int | None = None
+    num_images: int = 1
+    cache_threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"DiffusionParams.{name}={getattr(self, name)!r}: {why}")
+
+        if not 1 <= self.num_inference_steps <= MAX_STEPS:
+            bad("num_inference_steps", f"must be in [1, {MAX_STEPS}]")
+        if not 1 <= self.num_images <= MAX_IMAGES:
+            bad("num_images", f"must be in [1, {MAX_IMAGES}]")
+        if not self.guidance_scale >= 0.0:
+            bad("guidance_scale", "must be >= 0")
+        if not self.true_cfg_scale >= 0.0:
+            bad("true_cfg_scale", "must be >= 0")
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                bad(name, "must be > 0")
+        if self.cache_threshold is not None and not self.cache_threshold >= 0.0:
+            bad("cache_threshold", "must be >= 0")

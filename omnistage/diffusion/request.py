@@ -1,0 +1,44 @@
+"""Per-request state of the diffusion engine. The step index lives here, not in a solver, so
+one batch can hold requests at different steps (see solvers/flow_match_euler.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from omnistage.diffusion.params import DiffusionParams
+
+
+@dataclass(slots=True)
+class DiffusionRequest:
+    request_id: str
+    prompt: str
+    params: DiffusionParams
+    latents: Tensor                 # (num_images, *latent_shape)
+    sigmas: Tensor                  # (num_steps + 1,) decreasing to 0
+    cond: dict[str, Tensor]         # what the pipeline's denoiser needs (embeddings, labels)
+    generator: torch.Generator
+    step_idx: int = 0
+    arrival_time: float = field(default_factory=time.time)
+    first_step_time: float | None = None
+    num_steps_skipped: int = 0      # step caching
+
+    @property
+    def num_steps(self) -> int:
+        return self.sigmas.shape[0] - 1
+
+    @property
+    def is_done(self) -> bool:
+        return self.step_idx >= self.num_steps
+
+    @property
+    def batch_key(self) -> tuple:
+        """Requests with equal keys can share one transformer forward."""
+        return (tuple(self.latents.shape[1:]), self.latents.dtype)
+
+    @property
+    def progress(self) -> float:
+        return self.step_idx / self.num_steps
