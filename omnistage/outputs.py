@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from PIL import Image
+
     from omnistage.engine.orchestrator import RequestEvent
 
 
@@ -83,6 +85,17 @@ class OmniOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_tensors: dict[str, Tensor] = field(default_factory=dict)
     tensor_chunks: dict[str, list[Tensor]] = field(default_factory=dict, repr=False)
+
+    @property
+    def images(self) -> list[Image.Image]:
+        """The final images as PIL images (from `tensors["images"]`, uint8 (n, H, W, C))."""
+        from PIL import Image
+
+        pixels = self.tensors.get("images")
+        if pixels is None:
+            return []
+        arrays = pixels.numpy()
+        return [Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a) for a in arrays]
 
     def snapshot(self, ev: RequestEvent) -> OmniOutput:
         snap = copy.copy(self)

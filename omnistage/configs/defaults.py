@@ -19,6 +19,7 @@ DEFAULT_GRAPHS: dict[str, str] = {
     "Qwen3ForCausalLM": "llm.yaml",
     "Qwen2ForCausalLM": "llm.yaml",
 }
+DEMO_GRAPH = "digits.yaml"
 _STAGE_FIELDS = {f.name for f in fields(StageConfig)}
 
 
@@ -42,8 +43,8 @@ def resolve_graph(model: str | None, model_path: Path | None, stage_config: str 
             stage_config)
     elif model_path is not None:
         text = default_graph_text(model_path)
-    else:
-        raise ValueError("no model and no stage config given")
+    else:  # no model named: the built-in demo
+        text = resources.files("omnistage.configs").joinpath(DEMO_GRAPH).read_text()
     doc = yaml.safe_load(text) or {}
     stage_names = [s.get("name") for s in doc.get("stages", []) if isinstance(s, dict)]
     extra: list[str] = []

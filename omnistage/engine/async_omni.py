@@ -19,7 +19,9 @@ import torch
 
 from omnistage.configs.defaults import resolve_graph
 from omnistage.configs.schema import GraphConfig, OutputKind
-from omnistage.engine.inputs import PromptType, check_params, check_prompt, parse_prompt
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.engine.inputs import (ParsedPrompt, PromptType, check_params, check_prompt,
+                                     parse_prompt)
 from omnistage.engine.orchestrator import Orchestrator, RequestEvent
 from omnistage.models.loader import resolve_model_path
 from omnistage.outputs import OmniOutput, RequestMetrics
@@ -28,7 +30,8 @@ from omnistage.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-ParamsList = SamplingParams | list[SamplingParams | None] | None
+StageParams = SamplingParams | DiffusionParams | None
+ParamsList = SamplingParams | DiffusionParams | list[StageParams] | None
 
 
 class AsyncOmni:
@@ -43,37 +46,48 @@ class AsyncOmni:
         self.tokenizer = load_tokenizer(model_path or (Path(graph.model) if graph.model else None))
         self.orchestrator = Orchestrator(graph, device)
         self.entry = [s.name for s in graph.stages if not s.inputs]
+        # entry stages that read the prompt as text (diffusion), not as token ids
+        self.text_entry = any(graph.stage(n).kind == "diffusion" for n in self.entry)
         self._ids = itertools.count()
 
     # -- requests ------------------------------------------------------------------------------
     def prepare(self, prompt: PromptType, sampling_params_list: ParamsList = None
-                ) -> tuple[object, dict[str, SamplingParams | None]]:
+                ) -> tuple[ParsedPrompt, dict[str, StageParams]]:
         """Parse and check a prompt and its per-stage params; ValueError on bad input."""
-        parsed = parse_prompt(prompt, self.tokenizer)
+        parsed = parse_prompt(prompt, self.tokenizer, tokenize=not self.text_entry)
         for name in self.entry:
             check_prompt(parsed, self.orchestrator.stage_info.get(name, {}))
         params = self._stage_params(sampling_params_list)
         for name, p in params.items():
-            if p is not None:
+            if isinstance(p, SamplingParams):
                 check_params(p, self.orchestrator.stage_info.get(name, {}))
+            elif isinstance(p, DiffusionParams):
+                p.validate()
         return parsed, params
 
-    def _stage_params(self, given: ParamsList) -> dict[str, SamplingParams | None]:
-        names = [s.name for s in self.graph.stages]
+    def _stage_params(self, given: ParamsList) -> dict[str, StageParams]:
+        kinds = {s.name: s.kind for s in self.graph.stages}
+        wants = {"ar": SamplingParams, "diffusion": DiffusionParams}
         if given is None:
-            return dict.fromkeys(names)
-        if isinstance(given, SamplingParams):
-            return {n: (given if n in self.entry else None) for n in names}
+            return dict.fromkeys(kinds)
+        if isinstance(given, (SamplingParams, DiffusionParams)):
+            targets = [n for n in self.entry if wants.get(kinds[n]) is type(given)]
+            if not targets:
+                raise ValueError(f"{type(given).__name__} given, but no entry stage takes it "
+                                 f"(entry stages: {', '.join(self.entry)})")
+            return {n: (given if n in targets else None) for n in kinds}
         given = list(given)
-        if len(given) != len(names):
+        if len(given) != len(kinds):
             raise ValueError(f"sampling_params_list has {len(given)} entries, this model has "
-                             f"{len(names)} stage{'s' if len(names) > 1 else ''} "
-                             f"({', '.join(names)})")
-        for p in given:
-            if p is not None and not isinstance(p, SamplingParams):
-                raise ValueError(f"sampling_params_list entries must be SamplingParams or "
-                                 f"None, got {type(p).__name__}")
-        return dict(zip(names, given))
+                             f"{len(kinds)} stage{'s' if len(kinds) > 1 else ''} "
+                             f"({', '.join(kinds)})")
+        for (name, kind), p in zip(kinds.items(), given):
+            want = wants.get(kind)
+            if p is not None and (want is None or not isinstance(p, want)):
+                raise ValueError(f"sampling_params_list entry for stage {name!r} ({kind}) must "
+                                 f"be {want.__name__ if want else 'None'} or None, got "
+                                 f"{type(p).__name__}")
+        return dict(zip(kinds, given))
 
     def submit(self, prompt: PromptType, sampling_params_list: ParamsList = None,
                request_id: str | None = None, output_modalities: set[OutputKind] | None = None,
@@ -87,7 +101,7 @@ class AsyncOmni:
         out.metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=parsed.num_tokens)
         assert sink is not None, "submit needs a sink for the request's events"
         self.orchestrator.add_request(rid, parsed.token_ids, params, sink, output_modalities,
-                                      parsed.embeds)
+                                      parsed.embeds, parsed.text)
         return out
 
     async def generate(self, prompt: PromptType, sampling_params_list: ParamsList = None,

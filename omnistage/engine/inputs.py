@@ -22,11 +22,25 @@ class ParsedPrompt:
 
     @property
     def num_tokens(self) -> int:
-        return self.embeds.shape[0] if self.embeds is not None else len(self.token_ids or [])
+        if self.embeds is not None:
+            return self.embeds.shape[0]
+        return len(self.token_ids or [])
 
 
-def parse_prompt(prompt: PromptType, tokenizer: object | None) -> ParsedPrompt:
-    """Raise ValueError naming the problem for any malformed prompt."""
+def parse_prompt(prompt: PromptType, tokenizer: object | None, tokenize: bool = True
+                 ) -> ParsedPrompt:
+    """Raise ValueError naming the problem for any malformed prompt. With `tokenize` False
+    (the entry stage reads text, as a diffusion stage does) the prompt must be text."""
+    if not tokenize:
+        text = prompt if isinstance(prompt, str) else (
+            prompt.get("prompt") if isinstance(prompt, dict) else None)
+        if not isinstance(text, str):
+            raise ValueError("this model takes a text prompt: a string or {'prompt': ...}")
+        if isinstance(prompt, dict) and set(prompt) - {"prompt", "negative_prompt"}:
+            raise ValueError(f"prompt has unsupported keys "
+                             f"{sorted(set(prompt) - {'prompt', 'negative_prompt'})} for this "
+                             "model (it takes prompt, negative_prompt)")
+        return ParsedPrompt(text, None, None)
     if isinstance(prompt, str):
         return ParsedPrompt(prompt, _encode(prompt, tokenizer), None)
     if not isinstance(prompt, dict):
@@ -64,6 +78,10 @@ def _encode(text: str, tokenizer: Any) -> list[int]:
 
 def check_prompt(parsed: ParsedPrompt, info: dict) -> None:
     """Checks against the entry stage's facts (from its Ready handshake)."""
+    if parsed.token_ids is None and parsed.embeds is None:  # text for a text-reading stage
+        if not (parsed.text or "").strip():
+            raise ValueError("prompt is empty")
+        return
     n = parsed.num_tokens
     if n == 0:
         raise ValueError("prompt is empty")

@@ -29,6 +29,7 @@ from omnistage.configs.graph import downstream, stages_needed, topological_order
 from omnistage.configs.schema import GraphConfig, OutputKind
 from omnistage.connectors.base import Connector, make_connector
 from omnistage.connectors.shm import new_namespace, sweep
+from omnistage.diffusion.params import DiffusionParams
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages import messages as m
 from omnistage.stages.process import StageRunner, WorkerSpec, stage_device
@@ -180,9 +181,10 @@ class Orchestrator:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None,
-                    params: dict[str, SamplingParams | None], sink: Sink,
+                    params: dict[str, SamplingParams | DiffusionParams | None], sink: Sink,
                     outputs: set[OutputKind] | None = None,
-                    prompt_embeds: Tensor | None = None) -> set[str]:
+                    prompt_embeds: Tensor | None = None,
+                    prompt_text: str | None = None) -> set[str]:
         """Submit a request; returns the stages it will pass through."""
         if not self.healthy:
             raise RuntimeError(f"engine is unhealthy: {self.dead_reason}")
@@ -205,9 +207,12 @@ class Orchestrator:
                 embeds = None
                 if not ups and prompt_embeds is not None:
                     embeds = self._connector_put_embeds(request_id, name, prompt_embeds)
-                msg = m.AddRequest(request_id, params.get(name),
-                                   None if ups or embeds else list(prompt_token_ids or []),
-                                   embeds, len(ups), downs, now)
+                p = params.get(name)
+                entry_ids = None if ups or embeds else list(prompt_token_ids or [])
+                msg = m.AddRequest(
+                    request_id, p if isinstance(p, SamplingParams) else None,
+                    p if isinstance(p, DiffusionParams) else None,
+                    None if ups else prompt_text, entry_ids, embeds, len(ups), downs, now)
                 self._send(name, msg)
         return needed
 

@@ -4,7 +4,8 @@ Built on `AsyncOmni`: the same checks, the same stage graph and orchestrator; `g
 every prompt, then waits for all of them. A prompt is a string (tokenized as is, no chat
 template) or a dict with `prompt`, `prompt_token_ids` or `prompt_embeds`.
 `sampling_params_list` has one entry per stage (None: that stage's default); a single
-`SamplingParams` applies to the entry stage.
+`SamplingParams` (or `DiffusionParams`) applies to the entry stage. With no model, the
+built-in demo model runs (handwritten digits from a small diffusion transformer).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ class Omni:
     def __init__(self, model: str | None = None, *, stage_config: str | Path | None = None,
                  stage_overrides: list[str] | tuple[str, ...] = (), device: str = "auto",
                  graph: GraphConfig | None = None, **engine_kw: object) -> None:
-        if model is None and stage_config is None and graph is None:
-            raise ValueError("Omni needs a model (a local checkpoint folder or a cached HF id)")
         self.engine = AsyncOmni(model, stage_config=stage_config,
                                 stage_overrides=stage_overrides, device=device, graph=graph,
                                 **engine_kw)

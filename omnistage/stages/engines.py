@@ -11,6 +11,9 @@ from torch import Tensor
 
 from omnistage.ar.engine import AREngine
 from omnistage.configs.schema import StageConfig
+from omnistage.diffusion.engine import DiffusionEngine
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.registry import get_pipeline_class
 from omnistage.engine.adapters import StageFeed
 from omnistage.generation.engine import GenerationEngine
 from omnistage.generation.registry import get_generation_model_class
@@ -34,7 +37,8 @@ class StageResult:
 class StageEngine(Protocol):
     def add(self, request_id: str, params: SamplingParams | None,
             prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
-            streamed: bool, arrival_time: float) -> None: ...
+            streamed: bool, arrival_time: float, prompt: str | None = None,
+            diffusion: DiffusionParams | None = None) -> None: ...
     def feed(self, request_id: str, feed: StageFeed) -> None: ...
     def close_input(self, request_id: str) -> None: ...
     def abort(self, request_id: str) -> None: ...
@@ -51,7 +55,8 @@ class ARStage:
 
     def add(self, request_id: str, params: SamplingParams | None,
             prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
-            streamed: bool, arrival_time: float) -> None:
+            streamed: bool, arrival_time: float, prompt: str | None = None,
+            diffusion: DiffusionParams | None = None) -> None:
         params = params or self.defaults
         if self.stage.output_hidden_layers and not params.output_hidden_layers:
             # what the downstream edges need is the stage's business, not the caller's
@@ -112,7 +117,8 @@ class GenerationStage:
 
     def add(self, request_id: str, params: SamplingParams | None,
             prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
-            streamed: bool, arrival_time: float) -> None:
+            streamed: bool, arrival_time: float, prompt: str | None = None,
+            diffusion: DiffusionParams | None = None) -> None:
         self.engine.add_request(request_id, arrival_time)
         if not streamed:
             ids = torch.tensor(prompt_token_ids or [], dtype=torch.int64)
@@ -145,6 +151,47 @@ class GenerationStage:
         return results
 
 
+class DiffusionStage:
+    def __init__(self, stage: StageConfig, model: str | None, device: str) -> None:
+        if not stage.component:
+            raise ValueError(f"stage {stage.name!r}: a diffusion stage needs a component")
+        dev = resolve_device(device)
+        cls = get_pipeline_class(stage.component)
+        dtype = None if stage.dtype == "auto" else resolve_dtype(stage.dtype, None, dev)
+        pipeline = cls.from_pretrained(stage.model or model, stage.component, dev, dtype)
+        self.engine = DiffusionEngine(pipeline, stage.max_num_seqs)
+
+    def add(self, request_id: str, params: SamplingParams | None,
+            prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
+            streamed: bool, arrival_time: float, prompt: str | None = None,
+            diffusion: DiffusionParams | None = None) -> None:
+        if streamed or prompt is None:
+            raise ValueError("a diffusion stage takes a text prompt from the request")
+        self.engine.add_request(request_id, prompt, diffusion or DiffusionParams(),
+                                arrival_time)
+
+    def feed(self, request_id: str, feed: StageFeed) -> None:
+        raise ValueError("diffusion stages take no streamed input yet")
+
+    def close_input(self, request_id: str) -> None:
+        pass
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests
+
+    def step(self) -> list[StageResult]:
+        return [StageResult(r.request_id,
+                            tensors={"images": r.images} if r.images is not None else {},
+                            finished=r.finished,
+                            finish_reason="error" if r.error else "stop", error=r.error,
+                            engine_metrics=r.metrics)
+                for r in self.engine.step()]
+
+
 def build_stage_engine(stage: StageConfig, model: str | None, device: str) -> StageEngine:
     if stage.kind == "ar":
         if not (stage.model or model):
@@ -152,4 +199,6 @@ def build_stage_engine(stage: StageConfig, model: str | None, device: str) -> St
         return ARStage(stage, model or "", device)
     if stage.kind == "generation":
         return GenerationStage(stage, model, device)
+    if stage.kind == "diffusion":
+        return DiffusionStage(stage, model, device)
     raise ValueError(f"stage {stage.name!r}: kind {stage.kind!r} has no engine yet")

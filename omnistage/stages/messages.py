@@ -11,12 +11,15 @@ from __future__ import annotations
 import msgspec
 
 from omnistage.connectors.base import TensorHandle
+from omnistage.diffusion.params import DiffusionParams
 from omnistage.sampling_params import SamplingParams
 
 
 class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     request_id: str
     params: SamplingParams | None = None           # ar stages
+    diffusion: DiffusionParams | None = None       # diffusion stages
+    prompt: str | None = None                      # entry stages that take text (diffusion)
     prompt_token_ids: list[int] | None = None      # entry stages
     prompt_embeds: TensorHandle | None = None
     num_upstream: int = 0                          # edges that will feed it (parked until then)

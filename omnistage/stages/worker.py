@@ -101,7 +101,8 @@ class StageWorker:
         if msg.prompt_embeds is not None:
             embeds = self._get(state, msg.prompt_embeds)["prompt_embeds"]
         self.engine.add(msg.request_id, msg.params, msg.prompt_token_ids, embeds,
-                        streamed=msg.num_upstream > 0, arrival_time=state.arrival_time)
+                        streamed=msg.num_upstream > 0, arrival_time=state.arrival_time,
+                        prompt=msg.prompt, diffusion=msg.diffusion)
         self.requests[msg.request_id] = state
 
     def _chunk(self, msg: m.EdgeChunk) -> None:

@@ -26,6 +26,7 @@ def test_generate_bad_input_is_a_clear_error(tiny_qwen3: Path,
     assert "max_tokens" in capsys.readouterr().err
     rc = main(["generate", "/nonexistent/model", "--prompt", "x"])
     assert rc == 2
+    assert "/nonexistent/model" in capsys.readouterr().err
 
 
 def test_generate_with_stage_config_and_overrides(tiny_qwen3: Path, tmp_path: Path,

@@ -1,0 +1,113 @@
+"""The diffusion engine: step-level batching, seeds, abort and bad input, on the digits DiT
+with random weights (the shipped weights are checked for quality in test_digits_dit.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipelines.digits import DigitsPipeline
+from omnistage.models.digits_dit import DigitsDiT, DigitsDiTConfig, sample
+
+
+@pytest.fixture(scope="module")
+def pipeline() -> DigitsPipeline:
+    torch.manual_seed(0)
+    model = DigitsDiT(DigitsDiTConfig(hidden_size=64, num_layers=2, num_heads=4))
+    with torch.no_grad():
+        for p in model.parameters():  # adaLN-Zero starts at zero: make every path matter
+            p.normal_(0.0, 0.2)
+    return DigitsPipeline(model, torch.device("cpu"))
+
+
+def run(engine: DiffusionEngine) -> dict[str, DiffusionResult]:
+    done = {}
+    while engine.has_unfinished_requests:
+        for r in engine.step():
+            done[r.request_id] = r
+    return done
+
+
+def test_matches_the_reference_sampler(pipeline: DigitsPipeline) -> None:
+    engine = DiffusionEngine(pipeline)
+    params = DiffusionParams(num_inference_steps=6, guidance_scale=3.0, seed=7, num_images=2)
+    engine.add_request("a", "a handwritten 4", params)
+    (res,) = run(engine).values()
+    ref = sample(pipeline.model, torch.tensor([4, 4]), num_steps=6, guidance_scale=3.0,
+                 generator=torch.Generator().manual_seed(7))
+    assert res.error is None and res.images.shape == (2, 64, 64, 1)
+    assert torch.equal(res.images, pipeline.decode(ref, params))
+
+
+def test_same_image_alone_and_in_a_batch_joined_at_different_steps(
+        pipeline: DigitsPipeline) -> None:
+    target = DiffusionParams(num_inference_steps=8, seed=123)
+    alone = DiffusionEngine(pipeline)
+    alone.add_request("t", "seven", target)
+    ref = run(alone)["t"].images
+
+    engine = DiffusionEngine(pipeline, max_num_seqs=4)
+    engine.add_request("o1", "one", DiffusionParams(num_inference_steps=12, seed=1))
+    engine.step()
+    engine.step()
+    engine.add_request("t", "seven", target)               # joins o1 at its step 2
+    engine.step()
+    engine.add_request("o2", "two", DiffusionParams(num_inference_steps=5, seed=2,
+                                                    guidance_scale=1.0, num_images=3))
+    engine.add_request("o3", "three", DiffusionParams(num_inference_steps=20))
+    steps_before = engine.num_steps_run
+    done = run(engine)
+    assert set(done) == {"o1", "t", "o2", "o3"}
+    assert torch.equal(done["t"].images, ref)
+    # four requests shared forwards: far fewer than the sum of their remaining steps
+    assert engine.num_steps_run - steps_before < 9 + 7 + 5 + 20
+
+
+def test_seed_decides_the_image(pipeline: DigitsPipeline) -> None:
+    engine = DiffusionEngine(pipeline)
+    for rid, seed in (("a", 5), ("b", 5), ("c", 6)):
+        engine.add_request(rid, "eight", DiffusionParams(num_inference_steps=4, seed=seed))
+    done = run(engine)
+    assert torch.equal(done["a"].images, done["b"].images)
+    assert not torch.equal(done["a"].images, done["c"].images)
+
+
+def test_abort_frees_the_request(pipeline: DigitsPipeline) -> None:
+    engine = DiffusionEngine(pipeline)
+    engine.add_request("a", "zero", DiffusionParams(num_inference_steps=50))
+    engine.add_request("b", "nine", DiffusionParams(num_inference_steps=3))
+    engine.step()
+    assert engine.progress("a") == pytest.approx(1 / 50)
+    assert engine.abort("a") is not None
+    assert engine.abort("a") is None
+    done = run(engine)
+    assert set(done) == {"b"} and not engine.has_unfinished_requests
+
+
+@pytest.mark.parametrize("prompt, kwargs, message", [
+    ("a cat", {}, "names no digit"),
+    ("seven", {"height": 60}, "multiple of 8"),
+    ("seven", {"width": 1024}, "maximum is 512"),
+])
+def test_bad_input_is_a_clear_error(pipeline: DigitsPipeline, prompt: str, kwargs: dict,
+                                    message: str) -> None:
+    engine = DiffusionEngine(pipeline)
+    engine.add_request("ok", "one", DiffusionParams(num_inference_steps=2))
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, DiffusionParams(**kwargs))
+    assert set(engine.requests) == {"ok"}
+    assert run(engine)["ok"].error is None
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"num_inference_steps": 0}, "num_inference_steps"),
+    ({"num_inference_steps": 201}, "num_inference_steps"),
+    ({"num_images": 11}, "num_images"),
+    ({"guidance_scale": -1.0}, "guidance_scale"),
+    ({"height": -8}, "height"),
+])
+def test_bad_params(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        DiffusionParams(**kwargs)
