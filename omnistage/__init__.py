@@ -2,7 +2,7 @@
 
 from omnistage.sampling_params import SamplingParams
 
-__all__ = ["AsyncOmni", "Omni", "OmniOutput", "SamplingParams"]
+__all__ = ["AsyncOmni", "DiffusionParams", "Omni", "OmniOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):  # lazy: importing the package must not import torch-heavy modules
@@ -14,6 +14,10 @@ def __getattr__(name: str):  # lazy: importing the package must not import torch
         from omnistage.engine.async_omni import AsyncOmni
 
         return AsyncOmni
+    if name == "DiffusionParams":
+        from omnistage.diffusion.params import DiffusionParams
+
+        return DiffusionParams
     if name == "OmniOutput":
         from omnistage.outputs import OmniOutput
 

@@ -111,3 +111,14 @@ def test_bad_input_is_a_clear_error(pipeline: DigitsPipeline, prompt: str, kwarg
 def test_bad_params(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         DiffusionParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"negative_prompt": "a six"}, "negative_prompt"),
+    ({"true_cfg_scale": 4.0}, "true_cfg_scale"),
+    ({"cache_threshold": 0.1}, "cache_threshold"),
+])
+def test_options_the_demo_lacks_are_refused(pipeline: DigitsPipeline, kwargs: dict,
+                                            field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        DiffusionEngine(pipeline).add_request("x", "seven", DiffusionParams(**kwargs))

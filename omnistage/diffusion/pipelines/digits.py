@@ -33,6 +33,12 @@ class DigitsPipeline:
 
     def validate(self, prompt: str, params: DiffusionParams) -> None:
         parse_digit(prompt)
+        if params.negative_prompt is not None or params.true_cfg_scale != 1.0:
+            raise ValueError("negative_prompt / true_cfg_scale: the demo model guides against "
+                             "its null class only")
+        if params.cache_threshold is not None:
+            raise ValueError("cache_threshold: step caching is not available for the demo "
+                             "model")
         for name, value in zip(("height", "width"), self._size(params)):
             if value % self.image_size:
                 raise ValueError(f"{name}={value}: must be a multiple of {self.image_size} "
