@@ -79,6 +79,7 @@ class OmniOutput:
     tensors: dict[str, Tensor] = field(default_factory=dict)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     stage_metrics: dict[str, dict] = field(default_factory=dict)
+    progress: float | None = None      # share of the work done (diffusion steps), when known
     # what the latest update added (streaming)
     stage: str | None = None
     delta_text: str = ""

@@ -92,7 +92,8 @@ class DiffusionEngine:
                                     f"{type(exc).__name__}: {exc}") for r in batch]
         results = []
         for r in batch:
-            if not r.is_done:
+            if not r.is_done:  # a progress signal: one per request per step it took part in
+                results.append(DiffusionResult(r.request_id, None, False, r.progress))
                 continue
             del self.requests[r.request_id]
             try:

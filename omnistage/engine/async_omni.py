@@ -143,6 +143,8 @@ def accumulate(out: OmniOutput, ev: RequestEvent) -> OmniOutput:
         m.first_token_time = m.first_token_time or now
         m.num_output_tokens = len(out.token_ids)
     out.text += ev.text
+    if ev.progress is not None:
+        out.progress = ev.progress
     if ev.logprobs:
         out.logprobs = (out.logprobs or []) + ev.logprobs
     if ev.tensors:

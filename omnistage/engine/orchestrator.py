@@ -59,6 +59,7 @@ class RequestEvent:
     text: str = ""
     tensors: dict[str, Tensor] | None = None
     logprobs: list[dict[int, float]] | None = None
+    progress: float | None = None
     stage_finished: bool = False
     finish_reason: str | None = None
     done: bool = False
@@ -341,7 +342,7 @@ class Orchestrator:
             route.sink(RequestEvent(
                 out.request_id, out.stage, out.token_ids if is_final else [],
                 out.text if is_final else "", tensors, out.logprobs if is_final else None,
-                out.finished and is_final,
+                out.progress if is_final else None, out.finished and is_final,
                 out.finish_reason if is_final else None, done,
                 stage_metrics=route.metrics if done else None))
 

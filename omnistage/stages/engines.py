@@ -32,6 +32,7 @@ class StageResult:
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
     engine_metrics: dict[str, float | int | None] | None = None
+    progress: float | None = None     # share of the work done (diffusion steps)
 
 
 class StageEngine(Protocol):
@@ -187,8 +188,8 @@ class DiffusionStage:
         return [StageResult(r.request_id,
                             tensors={"images": r.images} if r.images is not None else {},
                             finished=r.finished,
-                            finish_reason="error" if r.error else "stop", error=r.error,
-                            engine_metrics=r.metrics)
+                            finish_reason=("error" if r.error else "stop") if r.finished else None,
+                            error=r.error, engine_metrics=r.metrics, progress=r.progress)
                 for r in self.engine.step()]
 
 

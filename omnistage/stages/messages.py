@@ -90,6 +90,7 @@ class StageOutput(msgspec.Struct, tag="out", omit_defaults=True):
     text: str = ""
     handles: dict[str, TensorHandle] = {}
     logprobs: list[dict[int, float]] | None = None
+    progress: float | None = None
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None

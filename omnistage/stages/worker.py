@@ -155,7 +155,8 @@ class StageWorker:
             state.num_outputs += 1
         state.num_tokens += len(res.token_ids)
         out = m.StageOutput(self.name, res.request_id, token_ids=res.token_ids, text=res.text,
-                            logprobs=res.logprobs, finished=res.finished,
+                            logprobs=res.logprobs, progress=res.progress,
+                            finished=res.finished,
                             finish_reason=res.finish_reason, error=res.error)
         if res.error is None:
             payload = res.tensors

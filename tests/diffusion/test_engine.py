@@ -26,7 +26,8 @@ def run(engine: DiffusionEngine) -> dict[str, DiffusionResult]:
     done = {}
     while engine.has_unfinished_requests:
         for r in engine.step():
-            done[r.request_id] = r
+            if r.finished:
+                done[r.request_id] = r
     return done
 
 
@@ -78,7 +79,8 @@ def test_abort_frees_the_request(pipeline: DigitsPipeline) -> None:
     engine = DiffusionEngine(pipeline)
     engine.add_request("a", "zero", DiffusionParams(num_inference_steps=50))
     engine.add_request("b", "nine", DiffusionParams(num_inference_steps=3))
-    engine.step()
+    progress = {r.request_id: r.progress for r in engine.step()}
+    assert progress == {"a": pytest.approx(1 / 50), "b": pytest.approx(1 / 3)}
     assert engine.progress("a") == pytest.approx(1 / 50)
     assert engine.abort("a") is not None
     assert engine.abort("a") is None

@@ -3,12 +3,13 @@ stage process, with images out and clear errors for bad requests."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 import torch
 
-from omnistage import Omni, SamplingParams
+from omnistage import AsyncOmni, Omni, SamplingParams
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.digits import DigitsPipeline
@@ -58,3 +59,18 @@ def test_images_out_equal_the_engine_alone(random_digits: Path, backend: str) ->
             omni.generate("   ")
         (again,) = omni.generate("seven", DiffusionParams(num_inference_steps=2))
         assert again.error is None and again.images[0].size == (64, 64)
+
+
+def test_progress_streams_to_the_caller(random_digits: Path) -> None:
+    engine = AsyncOmni(stage_config=graph(random_digits, "inproc"), device="cpu")
+    try:
+        async def collect() -> list:
+            return [out async for out in engine.generate(
+                "four", DiffusionParams(num_inference_steps=4, seed=1))]
+
+        outs = asyncio.run(collect())
+    finally:
+        engine.shutdown()
+    progress = [o.progress for o in outs]
+    assert progress == [0.25, 0.5, 0.75, 1.0]
+    assert outs[-1].finished and outs[-1].images and not outs[0].delta_tensors
