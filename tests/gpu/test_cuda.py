@@ -48,3 +48,12 @@ def test_stage_process_on_cuda(tiny_qwen3: Path) -> None:
                              SamplingParams(temperature=0, max_tokens=10))
     for p, out in zip(PROMPTS, outs):
         assert out.error is None and out.token_ids == reference(tiny_qwen3, p, 10)
+
+
+def test_demo_model_on_cuda() -> None:
+    from omnistage import DiffusionParams
+
+    with Omni(device="cuda") as omni:
+        (out,) = omni.generate("a handwritten 5", DiffusionParams(num_images=4, seed=0))
+    assert out.error is None and len(out.images) == 4
+    assert out.tensors["images"].shape == (4, 64, 64, 1)
