@@ -43,3 +43,20 @@ def test_generate_with_stage_config_and_overrides(tiny_qwen3: Path, tmp_path: Pa
                "--prompt", "hi"])
     assert rc == 2
     assert "did you mean max_num_seqs" in capsys.readouterr().err
+
+
+def test_generate_demo_writes_pngs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from PIL import Image
+
+    rc = main(["generate", "--prompt", "a handwritten 3", "--num-images", "2", "--steps", "8",
+               "--device", "cpu", "--output-dir", str(tmp_path), "--stage-override",
+               "backend=inproc", "--stage-override", "connector=inproc"])
+    assert rc == 0
+    paths = capsys.readouterr().out.split()
+    assert len(paths) == 2
+    assert all(Image.open(p).size == (64, 64) for p in paths)
+    rc = main(["generate", "--prompt", "a cat", "--device", "cpu", "--output-dir",
+               str(tmp_path), "--stage-override", "backend=inproc", "--stage-override",
+               "connector=inproc"])
+    assert rc == 1
+    assert "names no digit" in capsys.readouterr().err

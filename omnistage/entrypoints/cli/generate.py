@@ -8,6 +8,10 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omnistage.outputs import OmniOutput
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -73,14 +77,16 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _save_images(out: object, folder: Path) -> list[str]:
-    images = out.images  # type: ignore[attr-defined]
-    if not images:
+def _save_images(out: OmniOutput, folder: Path) -> list[str]:
+    from omnistage.utils.images import encode_image
+
+    pixels = out.tensors.get("images")
+    if pixels is None:
         return []
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for i, image in enumerate(images):
-        path = folder / f"{out.request_id}-{i}.png"  # type: ignore[attr-defined]
-        image.save(path)
+    for i, image in enumerate(pixels):
+        path = folder / f"{out.request_id}-{i}.png"
+        path.write_bytes(encode_image(image, "png"))
         paths.append(str(path))
     return paths
