@@ -116,8 +116,7 @@ class DiffusionEngine:
         counts = [r.latents.shape[0] for r in batch]
         latents = torch.cat([r.latents for r in batch]).to(dev)            # (R, ...)
         sigma = torch.cat([r.sigmas[r.step_idx].expand(n) for r, n in zip(batch, counts)])
-        velocity = self.pipeline.velocity(latents, sigma.to(dev), [r.cond for r in batch],
-                                          [r.params for r in batch], counts)
+        velocity = self.pipeline.velocity(latents, sigma.to(dev), batch)
         self.num_steps_run += 1
         for r, v, x in zip(batch, velocity.split(counts), latents.split(counts)):
             r.latents = solver.step(v, x, r.sigmas.to(dev), r.step_idx).to(x.dtype)

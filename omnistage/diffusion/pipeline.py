@@ -2,7 +2,7 @@
 `__call__`, split so the engine can batch the middle one across requests at different steps.
 
     1. prepare(prompt, params, generator) -> initial latents, schedule, conditioning
-    2. velocity(latents, timesteps, conds, params) -> model output for a batch   (every step)
+    2. velocity(latents, sigmas, requests) -> model output for a batch           (every step)
     3. decode(latents, params) -> images, uint8 (n, H, W, C)
 """
 
@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.request import DiffusionRequest
 
 
 class DiffusionPipeline(Protocol):
@@ -24,7 +25,9 @@ class DiffusionPipeline(Protocol):
     def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
                 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]: ...
 
-    def velocity(self, latents: Tensor, sigmas: Tensor, conds: list[dict[str, Tensor]],
-                 params: list[DiffusionParams], rows: list[int]) -> Tensor: ...
+    def velocity(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
+                 ) -> Tensor:
+        """latents (R, ...) are the requests' rows in order, sigmas (R,) their current sigma;
+        each request brings its conditioning, params and step-cache state."""
 
     def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor: ...

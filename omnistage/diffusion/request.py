@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from omnistage.diffusion.cache import StepCacheState
 from omnistage.diffusion.params import DiffusionParams
 
 
@@ -24,7 +25,7 @@ class DiffusionRequest:
     step_idx: int = 0
     arrival_time: float = field(default_factory=time.time)
     first_step_time: float | None = None
-    num_steps_skipped: int = 0      # step caching
+    cache: dict[str, StepCacheState] = field(default_factory=dict)  # per branch (cond, uncond)
 
     @property
     def num_steps(self) -> int:
@@ -38,6 +39,17 @@ class DiffusionRequest:
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one transformer forward."""
         return (tuple(self.latents.shape[1:]), self.latents.dtype)
+
+    @property
+    def num_steps_skipped(self) -> int:
+        """Steps whose conditional branch reused the cached residual."""
+        state = self.cache.get("cond")
+        return 0 if state is None else state.num_skipped
+
+    @property
+    def must_compute(self) -> bool:
+        """Step caching never skips the first or the last step."""
+        return self.step_idx == 0 or self.step_idx == self.num_steps - 1
 
     @property
     def progress(self) -> float:

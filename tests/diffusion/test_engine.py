@@ -118,9 +118,37 @@ def test_bad_params(kwargs: dict, field: str) -> None:
 @pytest.mark.parametrize("kwargs, field", [
     ({"negative_prompt": "a six"}, "negative_prompt"),
     ({"true_cfg_scale": 4.0}, "true_cfg_scale"),
-    ({"cache_threshold": 0.1}, "cache_threshold"),
 ])
 def test_options_the_demo_lacks_are_refused(pipeline: DigitsPipeline, kwargs: dict,
                                             field: str) -> None:
     with pytest.raises(ValueError, match=field):
         DiffusionEngine(pipeline).add_request("x", "seven", DiffusionParams(**kwargs))
+
+
+@pytest.fixture(scope="module")
+def shipped() -> DigitsPipeline:
+    return DigitsPipeline(DigitsDiT.from_pretrained(None), torch.device("cpu"))
+
+
+def test_step_caching(shipped: DigitsPipeline) -> None:
+    def run_all(threshold: float | None) -> dict[str, DiffusionResult]:
+        engine = DiffusionEngine(shipped)
+        for d in range(3):
+            engine.add_request(f"c{d}", str(d), DiffusionParams(
+                num_inference_steps=20, seed=d, num_images=4, cache_threshold=threshold))
+        engine.add_request("plain", "eight", DiffusionParams(num_inference_steps=20, seed=9))
+        return run(engine)
+
+    base, zero, cached = run_all(None), run_all(0.0), run_all(0.1)
+    for rid in base:
+        # threshold 0 never skips and equals no caching exactly
+        assert torch.equal(zero[rid].images, base[rid].images)
+        assert zero[rid].metrics["num_steps_skipped"] == 0
+    for d in range(3):
+        res = cached[f"c{d}"]
+        assert 5 <= res.metrics["num_steps_skipped"] <= 18  # first and last steps always run
+        diff = (res.images.float() - base[f"c{d}"].images.float()).abs().mean()
+        assert diff < 8.0, diff                               # mean over 0..255 pixels
+    # a request without caching in the same batches is untouched
+    assert torch.equal(cached["plain"].images, base["plain"].images)
+    assert cached["plain"].metrics["num_steps_skipped"] == 0

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from omnistage.diffusion.cache import StepCacheState
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.request import DiffusionRequest
 from omnistage.models.digits_dit import DigitsDiT, parse_digit
 
 DEFAULT_SIZE = 64   # pixels: the 8x8 image upscaled 8x
@@ -36,9 +38,7 @@ class DigitsPipeline:
         if params.negative_prompt is not None or params.true_cfg_scale != 1.0:
             raise ValueError("negative_prompt / true_cfg_scale: the demo model guides against "
                              "its null class only")
-        if params.cache_threshold is not None:
-            raise ValueError("cache_threshold: step caching is not available for the demo "
-                             "model")
+
         for name, value in zip(("height", "width"), self._size(params)):
             if value % self.image_size:
                 raise ValueError(f"{name}={value}: must be a multiple of {self.image_size} "
@@ -53,16 +53,28 @@ class DigitsPipeline:
         sigmas = torch.linspace(1.0, 0.0, params.num_inference_steps + 1)   # as in training
         return latents, sigmas, {"labels": torch.full((n,), parse_digit(prompt))}
 
-    def velocity(self, latents: Tensor, sigmas: Tensor, conds: list[dict[str, Tensor]],
-                 params: list[DiffusionParams], counts: list[int]) -> Tensor:
-        """Conditional and null-label halves in one forward; per-row guidance scales."""
-        labels = torch.cat([c["labels"] for c in conds]).to(self.device)   # (R,)
-        scale = torch.cat([torch.full((n,), p.guidance_scale) for p, n in zip(params, counts)])
+    def velocity(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
+                 ) -> Tensor:
+        """Conditional and null-label halves in one forward; per-row guidance scales; step
+        caching per request and branch when the request asks for it."""
+        counts = [r.latents.shape[0] for r in requests]
+        labels = torch.cat([r.cond["labels"] for r in requests]).to(self.device)  # (R,)
+        scale = torch.cat([torch.full((n,), r.params.guidance_scale)
+                           for r, n in zip(requests, counts)]).to(self.device)
         null = torch.full_like(labels, self.model.null_label)
-        v_cond, v_null = self.model(torch.cat([latents, latents]), sigmas.repeat(2),
-                                    torch.cat([labels, null])).chunk(2)
-        scale = scale.to(self.device).view(-1, 1, 1, 1)
-        return v_null + scale * (v_cond - v_null)
+        x, t, y = torch.cat([latents, latents]), sigmas.repeat(2), torch.cat([labels, null])
+        if any(r.params.cache_threshold is not None for r in requests):
+            groups, start = [], 0
+            for branch in ("cond", "uncond"):
+                for r, n in zip(requests, counts):
+                    state = r.cache.setdefault(branch, StepCacheState())
+                    groups.append((slice(start, start + n), state, r.params.cache_threshold,
+                                   r.must_compute))
+                    start += n
+            v_cond, v_null = self.model.forward_cached(x, t, y, groups).chunk(2)
+        else:
+            v_cond, v_null = self.model(x, t, y).chunk(2)
+        return v_null + scale.view(-1, 1, 1, 1) * (v_cond - v_null)
 
     def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
         """(n, 1, 8, 8) in [-1, 1] -> uint8 (n, H, W, 1), nearest-neighbour upscaled."""

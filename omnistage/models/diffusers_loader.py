@@ -1,0 +1,86 @@
+"""Strict weight import for diffusers model folders (e.g. a pipeline's `transformer/`).
+
+    folder/config.json
+    folder/diffusion_pytorch_model.safetensors                      one file, or
+    folder/diffusion_pytorch_model.safetensors.index.json + shards  sharded
+
+Names map one-to-one onto our parameters (no fused projections). As in `loader.py`, a
+missing, unexpected or mis-shaped tensor fails with its name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from omnistage.models.loader import _name_list, checkpoint_names, load_packed_weights
+
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F64": torch.float64}
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """config.json without diffusers' private keys (`_class_name`, `_diffusers_version`, ...)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{path}: no config.json (not a diffusers model folder)")
+    return {k: v for k, v in json.loads(config.read_text()).items() if not k.startswith("_")}
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    path = Path(path)
+    if (path / INDEX_NAME).is_file():
+        weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    if (path / WEIGHTS_NAME).is_file():
+        return [path / WEIGHTS_NAME]
+    raise FileNotFoundError(f"{path}: no {WEIGHTS_NAME} or {INDEX_NAME}")
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
+    """(name, CPU tensor) for every tensor of the folder, one at a time."""
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def checkpoint_dtype(path: Path) -> torch.dtype:
+    """The dtype of the folder's first stored floating-point tensor (float32 if none)."""
+    with safe_open(safetensors_files(path)[0], framework="pt", device="cpu") as f:
+        for name in f.keys():
+            dtype = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+            if dtype is not None:
+                return dtype
+    return torch.float32
+
+
+def load_weights_strict(model: nn.Module, path: Path) -> None:
+    """Copy every tensor of `path` into the parameter of the same name; raise ValueError
+    naming missing, unexpected or mis-shaped tensors."""
+    seen: list[str] = []
+
+    def recorded() -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in iter_safetensors(path):
+            seen.append(name)
+            yield name, tensor
+
+    with torch.no_grad():
+        loaded = load_packed_weights(model, recorded(), {})
+    expected = checkpoint_names(model, {})
+    missing, unexpected = expected - set(seen), set(seen) - expected
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_name_list(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors (no parameter takes them): {_name_list(unexpected)}")
+    if problems:
+        raise ValueError(f"{path} does not match {type(model).__name__}: " + "; ".join(problems))
+    assert loaded == expected, f"parameters not loaded: {expected - loaded}"

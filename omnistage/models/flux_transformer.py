@@ -1,0 +1,328 @@
+"""FLUX.1 (dev / schnell) transformer: diffusers' `FluxTransformer2DModel` in plain PyTorch.
+
+Module and parameter names follow diffusers, so a diffusers `transformer/` folder loads by
+name (`FluxTransformer2DModel.from_pretrained`); numerics follow
+`diffusers/models/transformers/transformer_flux.py` op for op.
+
+    img (B,N_img,in_ch) -> x_embedder ----------+     txt (B,N_txt,joint) -> context_embedder
+    t*1000, guidance*1000, pooled -> temb (B,D) |     txt_ids ++ img_ids -> 3-axis rope (S,hd)
+    num_layers x FluxTransformerBlock          two streams, joint attention over [txt, img]
+    num_single_layers x FluxSingleTransformerBlock   one stream: parallel attention + MLP
+    norm_out (AdaLayerNormContinuous) -> proj_out -> (B,N_img,out_ch)
+
+D = num_attention_heads * attention_head_dim. The pipeline passes timestep and guidance
+divided by 1000; the model scales them back, as diffusers does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from omnistage.models.diffusers_loader import checkpoint_dtype, load_weights_strict, read_config
+from omnistage.models.loader import _default_dtype
+
+Rope = tuple[Tensor, Tensor]   # cos, sin: (S, head_dim) each, float32
+
+
+@dataclass(frozen=True, slots=True)
+class FluxTransformerConfig:
+    patch_size: int = 1
+    in_channels: int = 64
+    out_channels: int | None = None
+    num_layers: int = 19
+    num_single_layers: int = 38
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 4096
+    pooled_projection_dim: int = 768
+    guidance_embeds: bool = False
+    axes_dims_rope: tuple[int, ...] = (16, 56, 56)
+
+    def __post_init__(self) -> None:
+        if sum(self.axes_dims_rope) != self.attention_head_dim:
+            raise ValueError(f"axes_dims_rope {self.axes_dims_rope} must sum to "
+                             f"attention_head_dim {self.attention_head_dim}")
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> FluxTransformerConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"FLUX transformer config: unknown keys {unknown}")
+        raw = dict(raw)
+        if "axes_dims_rope" in raw:
+            raw["axes_dims_rope"] = tuple(raw["axes_dims_rope"])
+        return cls(**raw)
+
+
+# ---- embeddings ----------------------------------------------------------------------------
+
+def timestep_embedding(t: Tensor, dim: int = 256, max_period: float = 10000.0) -> Tensor:
+    """Sinusoid, cos first (diffusers Timesteps(flip_sin_to_cos=True, downscale_freq_shift=0))."""
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device)
+    freqs = torch.exp(exponent / half)                               # (half,)
+    args = t[:, None].float() * freqs[None, :]                       # (B, half)
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)     # (B, dim)
+
+
+class TimestepEmbedding(nn.Module):
+    """linear_1 -> SiLU -> linear_2; also serves as diffusers' PixArtAlphaTextProjection."""
+
+    def __init__(self, in_dim: int, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class CombinedTimestepGuidanceTextProjEmbeddings(nn.Module):
+    """temb = mlp(sin(t)) [+ mlp(sin(guidance))] + mlp(pooled text); the guidance branch
+    exists only for guidance-distilled checkpoints (FLUX.1-dev)."""
+
+    def __init__(self, dim: int, pooled_dim: int, has_guidance: bool) -> None:
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedding(256, dim)
+        self.guidance_embedder = TimestepEmbedding(256, dim) if has_guidance else None
+        self.text_embedder = TimestepEmbedding(pooled_dim, dim)
+
+    def forward(self, timestep: Tensor, guidance: Tensor | None, pooled: Tensor) -> Tensor:
+        temb = self.timestep_embedder(timestep_embedding(timestep).to(pooled.dtype))   # (B, D)
+        if self.guidance_embedder is not None:
+            if guidance is None:
+                raise ValueError("this FLUX checkpoint has guidance_embeds: pass `guidance`")
+            temb = temb + self.guidance_embedder(timestep_embedding(guidance).to(pooled.dtype))
+        return temb + self.text_embedder(pooled)                                         # (B, D)
+
+
+def flux_rope(ids: Tensor, axes_dim: tuple[int, ...], theta: float = 10000.0) -> Rope:
+    """3-axis rotary tables from position ids (S, n_axes): each axis gets its slice of the head
+    dim, frequencies in float64 as diffusers' FluxPosEmbed, each value repeated twice."""
+    pos = ids.float()
+    cos_out, sin_out = [], []
+    for i, dim in enumerate(axes_dim):
+        exponent = torch.arange(0, dim, 2, dtype=torch.float64, device=ids.device) / dim
+        freqs = 1.0 / theta ** exponent                                                # (dim/2,)
+        angles = torch.outer(pos[:, i], freqs)                                         # (S, dim/2)
+        cos_out.append(angles.cos().repeat_interleave(2, dim=1).float())               # (S, dim)
+        sin_out.append(angles.sin().repeat_interleave(2, dim=1).float())
+    return torch.cat(cos_out, dim=-1), torch.cat(sin_out, dim=-1)                      # (S, hd) x2
+
+
+def apply_rope(x: Tensor, rope: Rope) -> Tensor:
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x: (B, S, H, hd)."""
+    cos, sin = rope[0][None, :, None, :], rope[1][None, :, None, :]                   # (1,S,1,hd)
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)                       # (B,S,H,hd/2)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(3)                            # (B,S,H,hd)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+# ---- norms and MLP -------------------------------------------------------------------------
+
+class AdaLayerNormZero(nn.Module):
+    """LayerNorm modulated by temb; returns the normed x and the remaining chunks (gates,
+    shifts, scales) in diffusers' order. num_chunks 6 (double block) or 3 (single block)."""
+
+    def __init__(self, dim: int, num_chunks: int = 6) -> None:
+        super().__init__()
+        self.num_chunks = num_chunks
+        self.linear = nn.Linear(dim, num_chunks * dim)
+
+    def forward(self, x: Tensor, temb: Tensor) -> tuple[Tensor, ...]:
+        shift, scale, *rest = self.linear(F.silu(temb)).chunk(self.num_chunks, dim=1)  # (B, D) each
+        x = F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+        return (x, *rest)
+
+
+class AdaLayerNormContinuous(nn.Module):
+    """Output norm: note the (scale, shift) order, unlike AdaLayerNormZero's (shift, scale)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x: Tensor, temb: Tensor) -> Tensor:
+        scale, shift = self.linear(F.silu(temb).to(x.dtype)).chunk(2, dim=1)          # (B, D) each
+        return F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+
+
+class GELU(nn.Module):
+    def __init__(self, dim_in: int, dim_out: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(self.proj(x), approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    """net.0.proj -> gelu(tanh) -> net.2 (net.1 is diffusers' dropout: no weights)."""
+
+    def __init__(self, dim: int, mult: int = 4) -> None:
+        super().__init__()
+        self.net = nn.ModuleList([GELU(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.net:
+            x = layer(x)
+        return x
+
+
+# ---- attention and blocks ------------------------------------------------------------------
+
+class FluxAttention(nn.Module):
+    """Multi-head attention with RMS qk-norm and rope. With `context_dim`, text tokens get their
+    own projections (add_*_proj) and attend jointly with image tokens as [txt, img]."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, context_dim: int | None = None,
+                 has_out_proj: bool = True) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inner = num_heads * head_dim
+        self.norm_q = nn.RMSNorm(head_dim, eps=1e-6)
+        self.norm_k = nn.RMSNorm(head_dim, eps=1e-6)
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, inner) for _ in range(3))
+        if has_out_proj:
+            self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Identity()])
+        if context_dim is not None:
+            self.norm_added_q = nn.RMSNorm(head_dim, eps=1e-6)
+            self.norm_added_k = nn.RMSNorm(head_dim, eps=1e-6)
+            self.add_q_proj, self.add_k_proj, self.add_v_proj = (
+                nn.Linear(context_dim, inner) for _ in range(3))
+            self.to_add_out = nn.Linear(inner, dim)
+
+    def _heads(self, x: Tensor) -> Tensor:
+        return x.unflatten(-1, (-1, self.head_dim))                       # (B, S, H, hd)
+
+    def forward(self, x: Tensor, rope: Rope, context: Tensor | None = None
+                ) -> Tensor | tuple[Tensor, Tensor]:
+        q = self.norm_q(self._heads(self.to_q(x)))                          # (B, N, H, hd)
+        k = self.norm_k(self._heads(self.to_k(x)))
+        v = self._heads(self.to_v(x))
+        if context is not None:
+            q = torch.cat([self.norm_added_q(self._heads(self.add_q_proj(context))), q], dim=1)
+            k = torch.cat([self.norm_added_k(self._heads(self.add_k_proj(context))), k], dim=1)
+            v = torch.cat([self._heads(self.add_v_proj(context)), v], dim=1)  # (B, T+N, H, hd)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))                    # (B, H, S, hd)
+        out = F.scaled_dot_product_attention(q, k, v)
+        out = out.transpose(1, 2).flatten(2).to(q.dtype)                    # (B, S, H*hd)
+        if context is None:
+            return out
+        txt, img = out.split_with_sizes([context.shape[1], x.shape[1]], dim=1)
+        return self.to_out[0](img.contiguous()), self.to_add_out(txt.contiguous())
+
+
+class FluxTransformerBlock(nn.Module):
+    """Double-stream block: image and text keep separate weights, share one attention."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.norm1 = AdaLayerNormZero(dim)
+        self.norm1_context = AdaLayerNormZero(dim)
+        self.attn = FluxAttention(dim, num_heads, head_dim, context_dim=dim)
+        self.ff = FeedForward(dim)
+        self.ff_context = FeedForward(dim)
+
+    @staticmethod
+    def _mlp(ff: FeedForward, x: Tensor, shift: Tensor, scale: Tensor, gate: Tensor) -> Tensor:
+        h = F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+        return x + gate.unsqueeze(1) * ff(h)
+
+    def forward(self, img: Tensor, txt: Tensor, temb: Tensor, rope: Rope) -> tuple[Tensor, Tensor]:
+        img_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(img, temb)   # (B, N, D)
+        txt_h, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(txt, temb)
+        img_attn, txt_attn = self.attn(img_h, rope, context=txt_h)
+        img = self._mlp(self.ff, img + gate_msa.unsqueeze(1) * img_attn,
+                        shift_mlp, scale_mlp, gate_mlp)
+        txt = self._mlp(self.ff_context, txt + c_gate_msa.unsqueeze(1) * txt_attn,
+                        c_shift_mlp, c_scale_mlp, c_gate_mlp)
+        if txt.dtype == torch.float16:
+            txt = txt.clip(-65504, 65504)
+        return txt, img
+
+
+class FluxSingleTransformerBlock(nn.Module):
+    """Single-stream block over [txt, img]: attention and MLP in parallel, one output proj."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, mlp_ratio: float = 4.0) -> None:
+        super().__init__()
+        mlp_dim = int(dim * mlp_ratio)
+        self.norm = AdaLayerNormZero(dim, num_chunks=3)
+        self.proj_mlp = nn.Linear(dim, mlp_dim)
+        self.proj_out = nn.Linear(dim + mlp_dim, dim)
+        self.attn = FluxAttention(dim, num_heads, head_dim, has_out_proj=False)
+
+    def forward(self, img: Tensor, txt: Tensor, temb: Tensor, rope: Rope) -> tuple[Tensor, Tensor]:
+        num_txt = txt.shape[1]
+        x = torch.cat([txt, img], dim=1)                                                 # (B, S, D)
+        h, gate = self.norm(x, temb)
+        mlp = F.gelu(self.proj_mlp(h), approximate="tanh")                         # (B, S, 4D)
+        h = torch.cat([self.attn(h, rope), mlp], dim=2)                            # (B, S, 5D)
+        x = x + gate.unsqueeze(1) * self.proj_out(h)
+        if x.dtype == torch.float16:
+            x = x.clip(-65504, 65504)
+        return x[:, :num_txt], x[:, num_txt:]
+
+
+# ---- model ---------------------------------------------------------------------------------
+
+class FluxTransformer2DModel(nn.Module):
+    def __init__(self, cfg: FluxTransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        dim, heads, head_dim = cfg.inner_dim, cfg.num_attention_heads, cfg.attention_head_dim
+        out_channels = cfg.out_channels or cfg.in_channels
+        self.time_text_embed = CombinedTimestepGuidanceTextProjEmbeddings(
+            dim, cfg.pooled_projection_dim, cfg.guidance_embeds)
+        self.context_embedder = nn.Linear(cfg.joint_attention_dim, dim)
+        self.x_embedder = nn.Linear(cfg.in_channels, dim)
+        self.transformer_blocks = nn.ModuleList(
+            [FluxTransformerBlock(dim, heads, head_dim) for _ in range(cfg.num_layers)])
+        self.single_transformer_blocks = nn.ModuleList(
+            [FluxSingleTransformerBlock(dim, heads, head_dim)
+             for _ in range(cfg.num_single_layers)])
+        self.norm_out = AdaLayerNormContinuous(dim)
+        self.proj_out = nn.Linear(dim, cfg.patch_size ** 2 * out_channels)
+
+    def forward(self, hidden_states: Tensor, encoder_hidden_states: Tensor,
+                pooled_projections: Tensor, timestep: Tensor, img_ids: Tensor, txt_ids: Tensor,
+                guidance: Tensor | None = None) -> Tensor:
+        img = self.x_embedder(hidden_states)                                             # (B, N, D)
+        timestep = timestep.to(img.dtype) * 1000                                         # (B,)
+        if guidance is not None:
+            guidance = guidance.to(img.dtype) * 1000
+        temb = self.time_text_embed(timestep, guidance, pooled_projections)              # (B, D)
+        txt = self.context_embedder(encoder_hidden_states)                               # (B, T, D)
+        rope = flux_rope(torch.cat([txt_ids, img_ids], dim=0), self.cfg.axes_dims_rope)  # (T+N, hd)
+        for block in self.transformer_blocks:
+            txt, img = block(img, txt, temb, rope)
+        for block in self.single_transformer_blocks:
+            txt, img = block(img, txt, temb, rope)
+        return self.proj_out(self.norm_out(img, temb))                             # (B, N, out)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | None = None) -> FluxTransformer2DModel:
+        """Build from a diffusers folder (config.json + safetensors, maybe sharded) in `dtype`
+        (None: the checkpoint's). Missing, unexpected or mis-shaped tensors raise ValueError."""
+        path = Path(path)
+        cfg = FluxTransformerConfig.from_dict(read_config(path))
+        dtype = dtype or checkpoint_dtype(path)
+        with _default_dtype(dtype), torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device)   # no random init: the loader fills every tensor
+        load_weights_strict(model, path)
+        return model.eval().requires_grad_(False)
