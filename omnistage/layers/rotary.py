@@ -31,10 +31,16 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.register_buffer("cos_cache", cos, persistent=False)   # (max_position, D) float32
         self.register_buffer("sin_cache", sin, persistent=False)
+        self._rows: tuple[Tensor, torch.dtype, Tensor, Tensor] | None = None
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)   # (T, 1, D)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        # Every layer shares this module and the step's `positions`: gather the rows once.
+        key = (positions, q.dtype)
+        if self._rows is None or self._rows[0] is not positions or self._rows[1] != q.dtype:
+            cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)   # (T, 1, D)
+            sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+            self._rows = (*key, cos, sin)
+        cos, sin = self._rows[2], self._rows[3]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         return q, k

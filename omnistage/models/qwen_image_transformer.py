@@ -1,0 +1,305 @@
+"""Qwen-Image transformer: diffusers' `QwenImageTransformer2DModel` in plain PyTorch.
+
+Module and parameter names follow diffusers, so a diffusers `transformer/` folder loads by
+name (`QwenImageTransformer2DModel.from_pretrained`); numerics follow
+`diffusers/models/transformers/transformer_qwenimage.py` op for op.
+
+    img (B,N,in_ch) -> img_in ------------------+   txt (B,T,joint) -> txt_norm -> txt_in
+    timestep -> sin(t*1000) -> mlp -> temb (B,D) |   img_shapes -> complex rope: img (N,hd/2),
+                                                 |                               txt (T,hd/2)
+    num_layers x QwenImageTransformerBlock    two streams, joint attention over [txt, img]
+    norm_out (AdaLayerNormContinuous) -> proj_out -> (B,N,patch^2*out_ch)
+
+D = num_attention_heads * attention_head_dim. Unlike FLUX, the pipeline passes timestep in
+[0, 1]; the sinusoid scales it by 1000. The text mask (B,T) hides padded text keys.
+Not supported: `use_layer3d_rope` (Qwen-Image-Layered), ControlNet residuals. diffusers' own
+`guidance` path cannot run (and `guidance_embeds` adds no weights), so there is no `guidance`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from omnistage.models.diffusers_loader import checkpoint_dtype, load_weights_strict, read_config
+from omnistage.models.flux_transformer import (AdaLayerNormContinuous, FeedForward,
+                                               TimestepEmbedding)
+from omnistage.models.loader import _default_dtype
+
+Rope = tuple[Tensor, Tensor]     # img (N, hd/2), txt (T, hd/2): complex64 rotations
+ImgShapes = list[list[tuple[int, int, int]]] | list[tuple[int, int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class QwenImageTransformerConfig:
+    patch_size: int = 2
+    in_channels: int = 64
+    out_channels: int | None = 16
+    num_layers: int = 60
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 3584
+    guidance_embeds: bool = False      # accepted for config compatibility; no weights
+    axes_dims_rope: tuple[int, ...] = (16, 56, 56)
+    zero_cond_t: bool = False          # Qwen-Image-Edit-2511: condition images see t = 0
+    use_additional_t_cond: bool = False
+    use_layer3d_rope: bool = False
+
+    def __post_init__(self) -> None:
+        if sum(self.axes_dims_rope) != self.attention_head_dim:
+            raise ValueError(f"axes_dims_rope {self.axes_dims_rope} must sum to "
+                             f"attention_head_dim {self.attention_head_dim}")
+        if self.use_layer3d_rope:
+            raise ValueError("use_layer3d_rope (Qwen-Image-Layered) is not supported")
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> QwenImageTransformerConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"Qwen-Image transformer config: unknown keys {unknown}")
+        raw = dict(raw)
+        if "axes_dims_rope" in raw:
+            raw["axes_dims_rope"] = tuple(raw["axes_dims_rope"])
+        return cls(**raw)
+
+
+# ---- embeddings ----------------------------------------------------------------------------
+
+def timestep_embedding(t: Tensor, dim: int = 256, scale: float = 1000.0) -> Tensor:
+    """diffusers Timesteps(flip_sin_to_cos=True, downscale_freq_shift=0, scale=1000): the scale
+    multiplies t*freq (not t first), as diffusers does, so rounding matches."""
+    half = dim // 2
+    exponent = -math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device)
+    freqs = torch.exp(exponent / half)                               # (half,)
+    args = scale * (t[:, None].float() * freqs[None, :])             # (B, half)
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)     # (B, dim)
+
+
+class QwenTimestepProjEmbeddings(nn.Module):
+    def __init__(self, dim: int, use_additional_t_cond: bool) -> None:
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedding(256, dim)
+        if use_additional_t_cond:
+            self.addition_t_embedding = nn.Embedding(2, dim)
+
+    def forward(self, timestep: Tensor, dtype: torch.dtype, t_cond: Tensor | None) -> Tensor:
+        temb = self.timestep_embedder(timestep_embedding(timestep).to(dtype))      # (B, D)
+        if hasattr(self, "addition_t_embedding"):
+            if t_cond is None:
+                raise ValueError("this checkpoint has use_additional_t_cond: pass additional_t_cond")
+            temb = temb + self.addition_t_embedding(t_cond).to(dtype)
+        return temb
+
+
+def _axis_freqs(pos: Tensor, dim: int, theta: float = 10000.0) -> Tensor:
+    """(len(pos), dim/2) complex64 e^{i*pos*freq}, computed as diffusers' rope_params."""
+    inv = 1.0 / torch.pow(theta, torch.arange(0, dim, 2).to(torch.float32).div(dim))
+    angles = torch.outer(pos, inv)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def _centered(n: int) -> Tensor:
+    """scale_rope positions -(n - n//2) .. n//2 - 1: image rows/cols centred on zero."""
+    return torch.arange(-(n - n // 2), n // 2)
+
+
+def qwen_rope(img_shapes: ImgShapes, num_txt: int, axes_dim: tuple[int, ...],
+              device: torch.device) -> Rope:
+    """diffusers' QwenEmbedRope (scale_rope=True). One sample's shape list is used for the
+    whole batch: images [target, cond_1, ...] get frame index 0, 1, ...; text positions start
+    after the largest half-extent, on the diagonal."""
+    shapes = img_shapes[0]
+    if any(s != shapes for s in img_shapes):
+        raise ValueError(f"img_shapes must be the same for every sample, got {img_shapes}")
+    if not isinstance(shapes, list):
+        shapes = [shapes]
+    img, max_idx = [], 0
+    for idx, (frame, height, width) in enumerate(shapes):
+        f = _axis_freqs(torch.arange(idx, idx + frame), axes_dim[0])           # (F, a0/2)
+        h = _axis_freqs(_centered(height), axes_dim[1])                       # (Hh, a1/2)
+        w = _axis_freqs(_centered(width), axes_dim[2])                        # (Ww, a2/2)
+        img.append(torch.cat([f[:, None, None].expand(frame, height, width, -1),
+                              h[None, :, None].expand(frame, height, width, -1),
+                              w[None, None, :].expand(frame, height, width, -1)], dim=-1)
+                   .reshape(frame * height * width, -1))                     # (FHW, hd/2)
+        max_idx = max(height // 2, width // 2, max_idx)
+    txt_pos = torch.arange(max_idx, max_idx + num_txt)
+    txt = torch.cat([_axis_freqs(txt_pos, d) for d in axes_dim], dim=-1)      # (T, hd/2)
+    return torch.cat(img, dim=0).to(device), txt.to(device)
+
+
+def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
+    """Rotate interleaved pairs of x: (B, S, H, hd) by complex freqs (S, hd/2)."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))     # (B, S, H, hd/2)
+    return torch.view_as_real(xc * freqs.unsqueeze(1)).flatten(3).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    """diffusers' RMSNorm (weight, no bias): fp32 statistics, cast only for half weights."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x * torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            x = x.to(self.weight.dtype)
+        return x * self.weight
+
+
+# ---- attention and block -------------------------------------------------------------------
+
+class QwenImageAttention(nn.Module):
+    """Joint attention: image and text keep separate q/k/v/out projections and qk-norms, and
+    attend together as [txt, img]; padded text keys are masked out."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inner = num_heads * head_dim
+        self.norm_q, self.norm_k = RMSNorm(head_dim), RMSNorm(head_dim)
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, inner) for _ in range(3))
+        self.add_k_proj, self.add_v_proj, self.add_q_proj = (nn.Linear(dim, inner) for _ in range(3))
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Identity()])
+        self.to_add_out = nn.Linear(inner, dim)
+        self.norm_added_q, self.norm_added_k = RMSNorm(head_dim), RMSNorm(head_dim)
+
+    def _heads(self, x: Tensor) -> Tensor:
+        return x.unflatten(-1, (-1, self.head_dim))                           # (B, S, H, hd)
+
+    def forward(self, img: Tensor, txt: Tensor, txt_mask: Tensor | None, rope: Rope
+                ) -> tuple[Tensor, Tensor]:
+        img_rope, txt_rope = rope
+        q = apply_rope(self.norm_q(self._heads(self.to_q(img))), img_rope)     # (B, N, H, hd)
+        k = apply_rope(self.norm_k(self._heads(self.to_k(img))), img_rope)
+        txt_q = apply_rope(self.norm_added_q(self._heads(self.add_q_proj(txt))), txt_rope)
+        txt_k = apply_rope(self.norm_added_k(self._heads(self.add_k_proj(txt))), txt_rope)
+        q = torch.cat([txt_q, q], dim=1)                                        # (B, T+N, H, hd)
+        k = torch.cat([txt_k, k], dim=1)
+        v = torch.cat([self._heads(self.add_v_proj(txt)), self._heads(self.to_v(img))], dim=1)
+        mask = None
+        if txt_mask is not None:                                               # keys only
+            img_mask = txt_mask.new_ones(img.shape[:2])
+            mask = torch.cat([txt_mask, img_mask], dim=1)[:, None, None, :]    # (B, 1, 1, T+N)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))                        # (B, H, S, hd)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = out.transpose(1, 2).flatten(2).to(q.dtype)                        # (B, S, H*hd)
+        txt_out, img_out = out.split_with_sizes([txt.shape[1], img.shape[1]], dim=1)
+        return self.to_out[0](img_out.contiguous()), self.to_add_out(txt_out.contiguous())
+
+
+def _modulate(x: Tensor, params: Tensor, index: Tensor | None) -> tuple[Tensor, Tensor]:
+    """LayerNorm(x) * (1 + scale) + shift, and the gate. params: (B, 3D), or with zero_cond_t
+    (2B, 3D) = [t rows, t=0 rows] picked per token by index (B, N): 0 target, 1 condition."""
+    shift, scale, gate = (p.unsqueeze(1) for p in params.chunk(3, dim=-1))    # (B|2B, 1, D)
+    if index is not None:
+        b, pick = shift.shape[0] // 2, index.unsqueeze(-1) == 0               # pick: (B, N, 1)
+        shift, scale, gate = (torch.where(pick, p[:b], p[b:]) for p in (shift, scale, gate))
+    x = F.layer_norm(x, x.shape[-1:], eps=1e-6)
+    return x * (1 + scale) + shift, gate
+
+
+class QwenImageTransformerBlock(nn.Module):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, zero_cond_t: bool) -> None:
+        super().__init__()
+        self.zero_cond_t = zero_cond_t
+        self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.attn = QwenImageAttention(dim, num_heads, head_dim)
+        self.img_mlp = FeedForward(dim)
+        self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.txt_mlp = FeedForward(dim)
+
+    def forward(self, img: Tensor, txt: Tensor, txt_mask: Tensor | None, temb: Tensor, rope: Rope,
+                mod_index: Tensor | None) -> tuple[Tensor, Tensor]:
+        img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)               # (B|2B, 3D) each
+        txt_temb = temb.chunk(2, dim=0)[0] if self.zero_cond_t else temb
+        txt_mod1, txt_mod2 = self.txt_mod(txt_temb).chunk(2, dim=-1)            # (B, 3D) each
+        img_h, img_gate1 = _modulate(img, img_mod1, mod_index)                  # (B, N, D)
+        txt_h, txt_gate1 = _modulate(txt, txt_mod1, None)                       # (B, T, D)
+        img_attn, txt_attn = self.attn(img_h, txt_h, txt_mask, rope)
+        img = img + img_gate1 * img_attn
+        txt = txt + txt_gate1 * txt_attn
+        img_h, img_gate2 = _modulate(img, img_mod2, mod_index)
+        img = img + img_gate2 * self.img_mlp(img_h)
+        txt_h, txt_gate2 = _modulate(txt, txt_mod2, None)
+        txt = txt + txt_gate2 * self.txt_mlp(txt_h)
+        if txt.dtype == torch.float16:
+            txt = txt.clip(-65504, 65504)
+        if img.dtype == torch.float16:
+            img = img.clip(-65504, 65504)
+        return txt, img
+
+
+# ---- model ---------------------------------------------------------------------------------
+
+class QwenImageTransformer2DModel(nn.Module):
+    def __init__(self, cfg: QwenImageTransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        dim, heads, head_dim = cfg.inner_dim, cfg.num_attention_heads, cfg.attention_head_dim
+        out_channels = cfg.out_channels or cfg.in_channels
+        self.time_text_embed = QwenTimestepProjEmbeddings(dim, cfg.use_additional_t_cond)
+        self.txt_norm = RMSNorm(cfg.joint_attention_dim)
+        self.img_in = nn.Linear(cfg.in_channels, dim)
+        self.txt_in = nn.Linear(cfg.joint_attention_dim, dim)
+        self.transformer_blocks = nn.ModuleList(
+            [QwenImageTransformerBlock(dim, heads, head_dim, cfg.zero_cond_t)
+             for _ in range(cfg.num_layers)])
+        self.norm_out = AdaLayerNormContinuous(dim)
+        self.proj_out = nn.Linear(dim, cfg.patch_size ** 2 * out_channels)
+
+    def forward(self, hidden_states: Tensor, encoder_hidden_states: Tensor,
+                encoder_hidden_states_mask: Tensor | None, timestep: Tensor,
+                img_shapes: ImgShapes, additional_t_cond: Tensor | None = None) -> Tensor:
+        """hidden_states (B, N, in_ch) packed latents, N = sum of f*h*w over img_shapes[0];
+        encoder_hidden_states (B, T, joint); mask (B, T), 1 = real token (any pattern);
+        timestep (B,) in [0, 1]. Returns (B, N, patch^2 * out_ch)."""
+        batch, num_txt = encoder_hidden_states.shape[:2]
+        img = self.img_in(hidden_states)                                         # (B, N, D)
+        timestep = timestep.to(img.dtype)
+        mod_index = None
+        if self.cfg.zero_cond_t:   # first image of each sample is the target, the rest conditions
+            timestep = torch.cat([timestep, timestep * 0], dim=0)                 # (2B,)
+            mod_index = torch.tensor(
+                [[0] * math.prod(s[0]) + [1] * sum(math.prod(x) for x in s[1:]) for s in img_shapes],
+                device=timestep.device, dtype=torch.int)                          # (B, N)
+        txt = self.txt_in(self.txt_norm(encoder_hidden_states))                  # (B, T, D)
+        mask = encoder_hidden_states_mask
+        if mask is not None:
+            if mask.shape[:2] != (batch, num_txt):
+                raise ValueError(f"encoder_hidden_states_mask shape {tuple(mask.shape)} must be "
+                                 f"(batch, text_len) = ({batch}, {num_txt})")
+            mask = mask.to(torch.bool)
+        temb = self.time_text_embed(timestep, img.dtype, additional_t_cond)       # (B|2B, D)
+        rope = qwen_rope(img_shapes, num_txt, self.cfg.axes_dims_rope, img.device)
+        for block in self.transformer_blocks:
+            txt, img = block(img, txt, mask, temb, rope, mod_index)
+        if self.cfg.zero_cond_t:
+            temb = temb.chunk(2, dim=0)[0]
+        return self.proj_out(self.norm_out(img, temb))                           # (B, N, out)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | None = None) -> QwenImageTransformer2DModel:
+        """Build from a diffusers folder (config.json + safetensors, maybe sharded) in `dtype`
+        (None: the checkpoint's). Missing, unexpected or mis-shaped tensors raise ValueError."""
+        path = Path(path)
+        cfg = QwenImageTransformerConfig.from_dict(read_config(path))
+        dtype = dtype or checkpoint_dtype(path)
+        with _default_dtype(dtype), torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device)   # no random init: the loader fills every tensor
+        load_weights_strict(model, path)
+        return model.eval().requires_grad_(False)
