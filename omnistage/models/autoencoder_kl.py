@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.models.diffusers_loader import checkpoint_dtype, load_weights_strict, read_config
-from omnistage.models.loader import _default_dtype
+from omnistage.models.diffusers_loader import build_from_folder, read_config
 
 EPS = 1e-6   # every GroupNorm of the VAE
 
@@ -285,13 +284,8 @@ class AutoencoderKL(nn.Module):
         """Build from a diffusers `vae/` folder in `dtype` (None: the checkpoint's). Missing,
         unexpected or mis-shaped tensors raise ValueError naming them."""
         path = Path(path)
-        cfg = AutoencoderKLConfig.from_dict(read_config(path))
-        dtype = dtype or checkpoint_dtype(path)
-        with _default_dtype(dtype), torch.device("meta"):
-            model = cls(cfg)
-        model = model.to_empty(device=device)   # no random init: the loader fills every tensor
-        load_weights_strict(model, path)
-        return model.eval().requires_grad_(False)
+        return build_from_folder(cls, AutoencoderKLConfig.from_dict(read_config(path)), path, device,
+                                 dtype)
 
 
 def _blend(a: Tensor, b: Tensor, extent: int, dim: int) -> None:

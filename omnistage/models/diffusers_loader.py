@@ -18,7 +18,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from omnistage.models.loader import _name_list, checkpoint_names, load_packed_weights
+from omnistage.models.loader import (_default_dtype, _name_list, checkpoint_names,
+                                     load_packed_weights)
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
@@ -84,3 +85,15 @@ def load_weights_strict(model: nn.Module, path: Path) -> None:
     if problems:
         raise ValueError(f"{path} does not match {type(model).__name__}: " + "; ".join(problems))
     assert loaded == expected, f"parameters not loaded: {expected - loaded}"
+
+
+def build_from_folder(model_cls: type[nn.Module], config: object, path: Path,
+                      device: torch.device | str = "cpu",
+                      dtype: torch.dtype | None = None) -> nn.Module:
+    """`model_cls(config)` in `dtype` (None: the checkpoint's) on `device`, with every tensor
+    from the folder and no random initialisation on the way (built on the meta device)."""
+    with _default_dtype(dtype or checkpoint_dtype(path)), torch.device("meta"):
+        model = model_cls(config)
+    model = model.to_empty(device=device)
+    load_weights_strict(model, path)
+    return model.eval().requires_grad_(False)

@@ -26,10 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.models.diffusers_loader import checkpoint_dtype, load_weights_strict, read_config
+from omnistage.models.diffusers_loader import build_from_folder, read_config
 from omnistage.models.flux_transformer import (AdaLayerNormContinuous, FeedForward,
                                                TimestepEmbedding)
-from omnistage.models.loader import _default_dtype
 
 Rope = tuple[Tensor, Tensor]     # img (N, hd/2), txt (T, hd/2): complex64 rotations
 ImgShapes = list[list[tuple[int, int, int]]] | list[tuple[int, int, int]]
@@ -296,10 +295,5 @@ class QwenImageTransformer2DModel(nn.Module):
         """Build from a diffusers folder (config.json + safetensors, maybe sharded) in `dtype`
         (None: the checkpoint's). Missing, unexpected or mis-shaped tensors raise ValueError."""
         path = Path(path)
-        cfg = QwenImageTransformerConfig.from_dict(read_config(path))
-        dtype = dtype or checkpoint_dtype(path)
-        with _default_dtype(dtype), torch.device("meta"):
-            model = cls(cfg)
-        model = model.to_empty(device=device)   # no random init: the loader fills every tensor
-        load_weights_strict(model, path)
-        return model.eval().requires_grad_(False)
+        return build_from_folder(cls, QwenImageTransformerConfig.from_dict(read_config(path)), path, device,
+                                 dtype)
