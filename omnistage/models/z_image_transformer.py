@@ -19,16 +19,16 @@ per-token noise masks) raises NotImplementedError.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
+
+from omnistage.models.diffusers_loader import build_from_folder, read_config
 
 ARCHITECTURE = "ZImageTransformer2DModel"
 ADALN_EMBED_DIM = 256
@@ -337,43 +337,9 @@ class ZImageTransformer2DModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.bfloat16) -> ZImageTransformer2DModel:
-        """Load a diffusers `transformer/` folder: config.json plus
-        diffusion_pytorch_model.safetensors, or its shards listed in the .index.json. Strict:
-        every tensor must exist, be expected and have the parameter's shape."""
+                        dtype: torch.dtype | None = torch.bfloat16) -> ZImageTransformer2DModel:
+        """Load a diffusers `transformer/` folder (config.json plus one safetensors file or
+        shards with an index). Strict: every tensor must exist, be expected and fit."""
         path = Path(path)
-        cfg = ZImageConfig.from_dict(json.loads((path / "config.json").read_text()))
-        with torch.device("meta"):
-            model = cls(cfg)
-        expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-        files = _weight_files(path)
-        shapes: dict[str, tuple[int, ...]] = {}
-        for file in files:
-            with safe_open(file, framework="pt") as f:
-                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
-        missing = sorted(expected.keys() - shapes.keys())
-        unexpected = sorted(shapes.keys() - expected.keys())
-        if missing or unexpected:
-            raise ValueError(f"{path}: checkpoint does not match {ARCHITECTURE}"
-                             f"{f'; missing tensors {missing}' if missing else ''}"
-                             f"{f'; unexpected tensors {unexpected}' if unexpected else ''}")
-        for name, shape in shapes.items():
-            if shape != expected[name]:
-                raise ValueError(f"{path}: tensor {name!r} has shape {shape}, "
-                                 f"{ARCHITECTURE} expects {expected[name]}")
-        state = {}
-        for file in files:
-            with safe_open(file, framework="pt") as f:
-                state.update({n: f.get_tensor(n).to(device=device, dtype=dtype) for n in f.keys()})
-        model.load_state_dict(state, strict=True, assign=True)
-        return model.requires_grad_(False).eval()
-
-
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "diffusion_pytorch_model.safetensors.index.json"
-    if index.is_file():
-        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    single = path / "diffusion_pytorch_model.safetensors"
-    if single.is_file():
-        return [single]
-    raise FileNotFoundError(f"{path}: no diffusion_pytorch_model.safetensors[.index.json]")
+        return build_from_folder(cls, ZImageConfig.from_dict(read_config(path)), path, device,
+                                 dtype)

@@ -95,7 +95,7 @@ def test_misshaped_tensor_is_named(reference_and_folder, tmp_path: Path) -> None
     name = "layers.1.attention.to_k.weight"
     bad = _copy_folder(folder, tmp_path / "bad",
                        lambda t: t.__setitem__(name, torch.zeros(32, 16)))
-    with pytest.raises(ValueError, match=rf"{name}.*\(32, 16\).*\(32, 32\)"):
+    with pytest.raises(ValueError, match=rf"{name}.*expected shape \(32, 32\), got \(32, 16\)"):
         ZImageTransformer2DModel.from_pretrained(bad, dtype=torch.float32)
 
 
@@ -105,8 +105,8 @@ def test_missing_and_unexpected_tensors_are_named(reference_and_folder, tmp_path
     def edit(t: dict) -> None:
         t["cap_pad_tokn"] = t.pop("cap_pad_token")
     bad = _copy_folder(folder, tmp_path / "bad", edit)
-    with pytest.raises(ValueError, match=r"missing tensors \['cap_pad_token'\].*unexpected "
-                                         r"tensors \['cap_pad_tokn'\]"):
+    with pytest.raises(ValueError, match=r"missing tensors: cap_pad_token; unexpected "
+                                         r"tensors \(no parameter takes them\): cap_pad_tokn"):
         ZImageTransformer2DModel.from_pretrained(bad, dtype=torch.float32)
 
 
