@@ -7,6 +7,7 @@ import importlib
 # component -> (module, class); the class has `from_pretrained(path, component, device, dtype)`
 DIFFUSION_PIPELINES: dict[str, tuple[str, str]] = {
     "digits_dit": ("omnistage.diffusion.pipelines.digits", "DigitsPipeline"),
+    "flux": ("omnistage.diffusion.pipelines.flux", "FluxPipeline"),
 }
 
 

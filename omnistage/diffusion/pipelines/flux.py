@@ -1,0 +1,214 @@
+"""FLUX.1 text-to-image (dev / schnell): diffusers' `FluxPipeline.__call__` split into the
+engine's phases (omnistage/diffusion/pipeline.py), numerics kept step for step.
+
+    prepare:  CLIP pooled (77 tokens) + T5 sequence (max_sequence_length tokens), text_ids 0
+              randn (n, C, 2*(H//16), 2*(W//16)) on the request's CPU generator -> pack 2x2
+              sigmas linspace(1, 1/N, N) shifted by mu(image_seq_len)
+    velocity: one transformer forward over all rows; timestep = (sigma * 1000) / 1000 as
+              diffusers feeds it; distilled guidance embedding per row (FLUX.1-dev)
+    decode:   unpack -> z / scaling + shift -> VAE -> (x/2 + 0.5).clamp(0, 1) -> uint8
+
+Text encoders and tokenizers come from transformers; the transformer and VAE are ours.
+No true CFG (negative prompt) yet.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.request import DiffusionRequest
+from omnistage.diffusion.solvers import flow_match_euler as solver
+from omnistage.models.autoencoder_kl import AutoencoderKL
+from omnistage.models.flux_transformer import FluxTransformer2DModel
+
+MAX_SIZE = 2048
+DEFAULT_SAMPLE_SIZE = 128           # latent pixels: 1024 px with the 8x FLUX VAE
+MAX_SEQUENCE_LENGTH = 512           # T5 tokens, diffusers' default and maximum
+CLIP_MAX_LENGTH = 77
+
+
+class FluxPipeline:
+    def __init__(self, transformer: FluxTransformer2DModel, vae: AutoencoderKL,
+                 text_encoder: CLIPTextModel, tokenizer, text_encoder_2: T5EncoderModel,
+                 tokenizer_2, scheduler: solver.FlowMatchEulerConfig, device: torch.device,
+                 max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> None:
+        if not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
+            raise ValueError(f"max_sequence_length={max_sequence_length}: must be in "
+                             f"[1, {MAX_SEQUENCE_LENGTH}]")
+        self.transformer = transformer.to(device).eval()
+        self.vae = vae.to(device).eval()
+        self.text_encoder = text_encoder.to(device).eval()
+        self.text_encoder_2 = text_encoder_2.to(device).eval()
+        self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
+        self.scheduler = scheduler
+        self.device = device
+        self.dtype = next(transformer.parameters()).dtype
+        self.max_sequence_length = max_sequence_length
+        self.vae_scale_factor = vae.cfg.downscale                 # 8 for FLUX.1
+        self.multiple = self.vae_scale_factor * 2                 # latents are packed 2x2
+        self.num_channels_latents = transformer.cfg.in_channels // 4
+        # diffusers: tokenizer.model_max_length (77 for CLIP)
+        self.clip_max_length = min(getattr(tokenizer, "model_max_length", CLIP_MAX_LENGTH),
+                                   text_encoder.config.max_position_embeddings)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, component: str, device: torch.device,
+                        dtype: torch.dtype | None) -> FluxPipeline:
+        path = Path(path)
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
+        transformer = FluxTransformer2DModel.from_pretrained(path / "transformer", device, dtype)
+        dtype = dtype or next(transformer.parameters()).dtype
+        vae = AutoencoderKL.from_pretrained(path / "vae", device, dtype)
+        text_encoder = CLIPTextModel.from_pretrained(path / "text_encoder", dtype=dtype)
+        text_encoder_2 = T5EncoderModel.from_pretrained(path / "text_encoder_2", dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+        tokenizer_2 = AutoTokenizer.from_pretrained(path / "tokenizer_2")
+        scheduler = solver.FlowMatchEulerConfig.from_dict(
+            json.loads((path / "scheduler" / "scheduler_config.json").read_text()))
+        return cls(transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2,
+                   scheduler, device)
+
+    # ---- request boundary ------------------------------------------------------------------
+
+    def _size(self, params: DiffusionParams) -> tuple[int, int]:
+        default = DEFAULT_SAMPLE_SIZE * self.vae_scale_factor
+        return params.height or default, params.width or default
+
+    def validate(self, prompt: str, params: DiffusionParams) -> None:
+        if not prompt or not prompt.strip():
+            raise ValueError("prompt: must be non-empty")
+        if params.negative_prompt is not None or params.true_cfg_scale != 1.0:
+            raise ValueError("negative_prompt / true_cfg_scale: true CFG is not supported by the "
+                             "FLUX pipeline yet (use guidance_scale, the distilled guidance)")
+        if params.cache_threshold is not None:
+            raise ValueError("cache_threshold: step caching is not available for FLUX yet")
+        for name, value in zip(("height", "width"), self._size(params)):
+            if value % self.multiple:
+                raise ValueError(f"{name}={value}: must be a multiple of {self.multiple} "
+                                 f"(VAE factor {self.vae_scale_factor} x 2x2 packing)")
+            if value > MAX_SIZE:
+                raise ValueError(f"{name}={value}: the maximum is {MAX_SIZE}")
+
+    # ---- 1. prepare ------------------------------------------------------------------------
+
+    def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
+                ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        n = params.num_images
+        height, width = self._size(params)
+        prompt_embeds, pooled = self.encode_prompt(prompt)                  # (1, T, J), (1, P)
+
+        # prepare_latents: noise in latent space, then 2x2 patches packed into tokens
+        h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
+        c = self.num_channels_latents
+        noise = torch.randn((n, c, h, w), generator=generator, device=generator.device,
+                            dtype=self.dtype)                                # (n, C, h, w)
+        latents = pack_latents(noise).to(self.device)                       # (n, h/2*w/2, 4C)
+
+        # timesteps: FLUX's custom sigmas, shifted by the number of image tokens
+        num_steps = params.num_inference_steps
+        cfg = self.scheduler
+        mu = solver.calculate_shift(latents.shape[1], cfg.base_image_seq_len,
+                                    cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
+        sigmas, _ = solver.make_sigmas(cfg, num_steps, mu=mu,
+                                       sigmas=np.linspace(1.0, 1 / num_steps, num_steps))
+        cond = {"prompt_embeds": prompt_embeds, "pooled": pooled,
+                "grid": torch.tensor([h // 2, w // 2])}                    # packed token grid
+        return latents, sigmas, cond
+
+    @torch.inference_mode()
+    def encode_prompt(self, prompt: str) -> tuple[Tensor, Tensor]:
+        """-> T5 sequence (1, max_sequence_length, joint_dim), CLIP pooled (1, pooled_dim)."""
+        clip_ids = self.tokenizer([prompt], padding="max_length", max_length=self.clip_max_length,
+                                  truncation=True, return_tensors="pt").input_ids
+        pooled = self.text_encoder(clip_ids.to(self.device)).pooler_output
+        t5_ids = self.tokenizer_2([prompt], padding="max_length",
+                                  max_length=self.max_sequence_length, truncation=True,
+                                  return_tensors="pt").input_ids
+        embeds = self.text_encoder_2(t5_ids.to(self.device))[0]
+        return embeds.to(self.dtype), pooled.to(self.dtype)
+
+    # ---- 2. velocity -----------------------------------------------------------------------
+
+    def velocity(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
+                 ) -> Tensor:
+        """latents (R, N, 4C) -> (R, N, 4C). One forward per latent grid: sizes such as 32x64
+        and 64x32 pack to the same N (one engine batch) but need different image rope ids."""
+        rows = torch.arange(latents.shape[0]).split([r.latents.shape[0] for r in requests])
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(tuple(r.cond["grid"].tolist()), []).append(i)
+        if len(groups) == 1:
+            return self._forward(latents, sigmas, requests)
+        out = torch.empty_like(latents)
+        for members in groups.values():
+            idx = torch.cat([rows[i] for i in members]).to(latents.device)
+            out[idx] = self._forward(latents[idx], sigmas[idx], [requests[i] for i in members])
+        return out
+
+    def _forward(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
+                 ) -> Tensor:
+        """Requests on one latent grid, all their images in one transformer call."""
+        counts = [r.latents.shape[0] for r in requests]
+        embeds = torch.cat([r.cond["prompt_embeds"].expand(n, -1, -1)
+                            for r, n in zip(requests, counts)])              # (R, T, J)
+        pooled = torch.cat([r.cond["pooled"].expand(n, -1)
+                            for r, n in zip(requests, counts)])              # (R, P)
+        guidance = None
+        if self.transformer.cfg.guidance_embeds:                             # FLUX.1-dev
+            guidance = torch.cat([torch.full((n,), r.params.guidance_scale, dtype=torch.float32)
+                                  for r, n in zip(requests, counts)]).to(self.device)
+        # diffusers feeds timesteps = sigmas * 1000 and divides by 1000 at the call
+        timestep = (sigmas * self.scheduler.num_train_timesteps).to(latents.dtype) / 1000
+        h, w = requests[0].cond["grid"].tolist()
+        img_ids = latent_image_ids(h, w).to(self.device, self.dtype)        # (N, 3)
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
+        return self.transformer(latents, embeds, pooled, timestep, img_ids=img_ids,
+                                txt_ids=txt_ids, guidance=guidance)
+
+    # ---- 3. decode -------------------------------------------------------------------------
+
+    def decode_float(self, latents: Tensor, params: DiffusionParams) -> Tensor:
+        """packed latents (n, N, 4C) -> float32 images (n, 3, H, W) in [0, 1], what diffusers
+        returns for output_type="pt" (before the quantization of `decode`)."""
+        height, width = self._size(params)
+        h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
+        z = self.vae.denormalize(unpack_latents(latents, h, w))             # (n, C, h, w)
+        images = self.vae.decode(z.to(self.device))                          # (n, 3, H, W)
+        return (images / 2 + 0.5).clamp(0, 1).float()
+
+    def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
+        """-> uint8 (n, H, W, 3)."""
+        images = self.decode_float(latents, params)
+        return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+
+# ---- latent layout (diffusers' FluxPipeline static methods) ----------------------------------
+
+def pack_latents(latents: Tensor) -> Tensor:
+    """(B, C, h, w) -> (B, h/2 * w/2, 4C): each 2x2 patch becomes one token (c, dy, dx)."""
+    b, c, h, w = latents.shape
+    latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return latents.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(latents: Tensor, h: int, w: int) -> Tensor:
+    """(B, h/2 * w/2, 4C) -> (B, C, h, w), the inverse of `pack_latents`."""
+    b, _, ch = latents.shape
+    latents = latents.view(b, h // 2, w // 2, ch // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return latents.reshape(b, ch // 4, h, w)
+
+
+def latent_image_ids(h: int, w: int) -> Tensor:
+    """(h*w, 3) rope positions of the packed tokens: (0, row, col)."""
+    ids = torch.zeros(h, w, 3)
+    ids[..., 1] = ids[..., 1] + torch.arange(h)[:, None]
+    ids[..., 2] = ids[..., 2] + torch.arange(w)[None, :]
+    return ids.reshape(h * w, 3)

@@ -1,0 +1,172 @@
+"""FluxPipeline in our engine against diffusers' FluxPipeline on a tiny random pipeline folder
+(float32, with and without the guidance embedding): same packed latents and images, the same
+image alone or batched with other requests, and bad requests refused at the boundary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipelines.flux import FluxPipeline
+from omnistage.diffusion.registry import get_pipeline_class
+from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+
+SEQ = 16                        # T5 max_sequence_length
+SIZE = 32                       # pixels; the tiny VAE downsamples 2x, so 8x8 packed tokens
+PROMPT = "a photo of the sea shore"
+
+
+def build_reference(path: Path, guidance_embeds: bool) -> diffusers.FluxPipeline:
+    """diffusers' FluxPipeline from tiny random components, saved to `path`."""
+    torch.manual_seed(0)
+    tokenizer = build_tiny_tokenizer(path / "tok")
+    tokenizer.model_max_length = 77                     # CLIP's; diffusers pads to it
+    vocab = len(tokenizer)
+    text_encoder = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=37, num_attention_heads=4,
+        num_hidden_layers=2, max_position_embeddings=77, projection_dim=32, hidden_act="gelu",
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    text_encoder_2 = transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=vocab, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=2,
+        decoder_start_token_id=0)).eval()
+    transformer = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8], guidance_embeds=guidance_embeds).eval()
+    vae = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+        latent_channels=4, norm_num_groups=4, sample_size=32, use_quant_conv=False,
+        use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035).eval()
+    with torch.no_grad():   # diffusers zero-inits some layers: make every path count
+        for model in (transformer, vae):
+            for p in model.parameters():
+                p.normal_(0.0, 0.1)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(   # FLUX.1's scheduler config
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096)
+    pipe = diffusers.FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                                  tokenizer=tokenizer, text_encoder_2=text_encoder_2,
+                                  tokenizer_2=tokenizer, transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(path)
+    return pipe
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["dev", "schnell"])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> tuple[diffusers.FluxPipeline, FluxPipeline]:
+    path = tmp_path_factory.mktemp("flux")
+    ref = build_reference(path, guidance_embeds=request.param)
+    ours = get_pipeline_class("flux").from_pretrained(path, "flux", torch.device("cpu"),
+                                                      torch.float32)
+    ours.max_sequence_length = SEQ
+    return ref, ours
+
+
+def run(engine: DiffusionEngine) -> dict[str, DiffusionResult]:
+    done = {}
+    while engine.has_unfinished_requests:
+        for r in engine.step():
+            if r.finished:
+                assert r.error is None, r.error
+                done[r.request_id] = r
+    return done
+
+
+def capture_latents(pipe: FluxPipeline, monkeypatch: pytest.MonkeyPatch) -> dict[str, Tensor]:
+    """Final packed latents per request size, recorded as the engine decodes them."""
+    seen: dict[str, Tensor] = {}
+    decode = pipe.decode
+
+    def spy(latents: Tensor, params: DiffusionParams) -> Tensor:
+        seen[f"{params.height}x{params.width}:{params.seed}"] = latents.clone()
+        return decode(latents, params)
+
+    monkeypatch.setattr(pipe, "decode", spy)
+    return seen
+
+
+def reference(ref: diffusers.FluxPipeline, prompt: str, height: int, width: int, seed: int,
+              output_type: str, num_images: int = 1) -> Tensor:
+    out = ref(prompt, height=height, width=width, num_inference_steps=4, guidance_scale=3.5,
+              generator=torch.Generator().manual_seed(seed), output_type=output_type,
+              max_sequence_length=SEQ, num_images_per_prompt=num_images, return_dict=False)
+    return out[0]
+
+
+def test_matches_diffusers(pair: tuple[diffusers.FluxPipeline, FluxPipeline],
+                           monkeypatch: pytest.MonkeyPatch) -> None:
+    ref, ours = pair
+    seen = capture_latents(ours, monkeypatch)
+    engine = DiffusionEngine(ours)
+    params = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=3.5,
+                             seed=0, num_images=2)
+    engine.add_request("a", PROMPT, params)
+    (res,) = run(engine).values()
+
+    with torch.no_grad():
+        ref_latents = reference(ref, PROMPT, SIZE, SIZE, 0, "latent", num_images=2)
+        ref_images = reference(ref, PROMPT, SIZE, SIZE, 0, "pt", num_images=2)  # (2,3,H,W) [0,1]
+    latents = seen[f"{SIZE}x{SIZE}:0"]
+    assert latents.shape == ref_latents.shape == (2, (SIZE // 4) ** 2, 16)
+    torch.testing.assert_close(latents, ref_latents, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        images = ours.decode_float(latents, params)
+    torch.testing.assert_close(images, ref_images, atol=1e-4, rtol=0)
+
+    assert res.images.dtype == torch.uint8 and res.images.shape == (2, SIZE, SIZE, 3)
+    expected = (ref_images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+    assert (res.images.int() - expected.int()).abs().max() <= 1
+    assert res.images.float().std() > 1.0, "the tiny pipeline should not draw a flat image"
+
+
+def test_same_image_alone_or_batched(pair: tuple[diffusers.FluxPipeline, FluxPipeline]) -> None:
+    _, ours = pair
+    a = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=3.5,
+                        seed=3)
+    alone = DiffusionEngine(ours)
+    alone.add_request("a", PROMPT, a)
+    expected = run(alone)["a"].images
+
+    batched = DiffusionEngine(ours)
+    batched.add_request("b", "the weather today is sunny", DiffusionParams(
+        height=SIZE, width=SIZE, num_inference_steps=5, guidance_scale=1.0, seed=4))
+    batched.step()                                       # "a" joins one step behind "b"
+    batched.add_request("a", PROMPT, a)
+    # same token count, other grid: one engine batch, its own rope ids
+    batched.add_request("c", "hello world", DiffusionParams(
+        height=SIZE // 2, width=SIZE * 2, num_inference_steps=4, seed=5))
+    done = run(batched)
+    assert batched.num_steps_run == 5                    # every step shared one batch
+    assert (done["a"].images.int() - expected.int()).abs().max() <= 1
+    assert done["c"].images.shape == (1, SIZE // 2, SIZE * 2, 3)
+
+    c_alone = DiffusionEngine(ours)
+    c_alone.add_request("c", "hello world", DiffusionParams(
+        height=SIZE // 2, width=SIZE * 2, num_inference_steps=4, seed=5))
+    assert (run(c_alone)["c"].images.int() - done["c"].images.int()).abs().max() <= 1
+
+
+@pytest.mark.parametrize("params, prompt, match", [
+    (DiffusionParams(height=34, width=32), PROMPT, "multiple of 4"),
+    (DiffusionParams(height=4096, width=32), PROMPT, "maximum is 2048"),
+    (DiffusionParams(height=32, width=32, negative_prompt="blurry"), PROMPT, "true CFG"),
+    (DiffusionParams(height=32, width=32, true_cfg_scale=4.0), PROMPT, "true CFG"),
+    (DiffusionParams(height=32, width=32), "  ", "non-empty"),
+])
+def test_refuses_bad_requests(pair: tuple[diffusers.FluxPipeline, FluxPipeline],
+                              params: DiffusionParams, prompt: str, match: str) -> None:
+    engine = DiffusionEngine(pair[1])
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("x", prompt, params)
+    assert not engine.has_unfinished_requests
