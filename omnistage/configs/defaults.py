@@ -23,7 +23,21 @@ DEMO_GRAPH = "digits.yaml"
 _STAGE_FIELDS = {f.name for f in fields(StageConfig)}
 
 
+# diffusers pipeline class (model_index.json's _class_name) -> default graph
+DEFAULT_DIFFUSERS_GRAPHS: dict[str, str] = {
+    "FluxPipeline": "flux.yaml",
+}
+
+
 def default_graph_text(model_path: Path) -> str:
+    index = model_path / "model_index.json"
+    if index.is_file():
+        name = json.loads(index.read_text()).get("_class_name", "")
+        if name not in DEFAULT_DIFFUSERS_GRAPHS:
+            raise ValueError(f"{model_path}: diffusers pipeline {name or '(none)'} is not "
+                             f"supported (supported: {', '.join(sorted(DEFAULT_DIFFUSERS_GRAPHS))})")
+        graph = DEFAULT_DIFFUSERS_GRAPHS[name]
+        return resources.files("omnistage.configs").joinpath(graph).read_text()
     config = json.loads((model_path / "config.json").read_text())
     archs = config.get("architectures") or []
     for arch in archs:

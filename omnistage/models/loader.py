@@ -33,12 +33,13 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def resolve_model_path(model: str, cache_dir: str | Path | None = None) -> Path:
-    """A local folder holding config.json, else an HF repo id already in the local HF cache.
-    Never downloads."""
+    """A local folder holding config.json (transformers) or model_index.json (diffusers), else
+    an HF repo id already in the local HF cache. Never downloads."""
     path = Path(model).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model {model!r}: folder {path} has no config.json")
+        if not _is_model_folder(path):
+            raise FileNotFoundError(f"model {model!r}: folder {path} has no config.json or "
+                                    "model_index.json")
         return path
     try:
         snapshot = Path(snapshot_download(model, local_files_only=True, cache_dir=cache_dir))
@@ -46,9 +47,14 @@ def resolve_model_path(model: str, cache_dir: str | Path | None = None) -> Path:
         raise FileNotFoundError(
             f"model {model!r}: neither a local folder nor a model in the local Hugging Face cache "
             f"(nothing is downloaded; fetch it first, e.g. `hf download {model}`)") from e
-    if not (snapshot / "config.json").is_file():
-        raise FileNotFoundError(f"model {model!r}: cached snapshot {snapshot} has no config.json")
+    if not _is_model_folder(snapshot):
+        raise FileNotFoundError(f"model {model!r}: cached snapshot {snapshot} has no config.json "
+                                "or model_index.json")
     return snapshot
+
+
+def _is_model_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() or (path / "model_index.json").is_file()
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:

@@ -170,3 +170,18 @@ def test_refuses_bad_requests(pair: tuple[diffusers.FluxPipeline, FluxPipeline],
     with pytest.raises(ValueError, match=match):
         engine.add_request("x", prompt, params)
     assert not engine.has_unfinished_requests
+
+
+def test_served_through_omni_by_its_default_graph(
+        pair: tuple[diffusers.FluxPipeline, FluxPipeline], tmp_path: Path) -> None:
+    from omnistage import Omni
+
+    ref, ours = pair
+    folder = tmp_path / "flux"
+    ref.save_pretrained(folder)
+    with Omni(str(folder), device="cpu", backend="inproc", connector="inproc") as omni:
+        (out,) = omni.generate("a red cube", DiffusionParams(height=32, width=32,
+                                                             num_inference_steps=2, seed=1))
+        assert out.error is None and out.images[0].size == (32, 32)
+        (bad,) = omni.generate("a red cube", DiffusionParams(height=33, width=32))
+        assert bad.finish_reason == "error" and "multiple of" in bad.error
