@@ -11,13 +11,13 @@ MAX_IMAGES = 10
 @dataclass(frozen=True, slots=True)
 class DiffusionParams:
     """height/width None: the pipeline's default size. guidance_scale: classifier-free guidance
-    (or FLUX's distilled guidance); true_cfg_scale: Qwen-Image's true CFG with a negative
+    (or FLUX's distilled guidance), None: the pipeline's default; true_cfg_scale: Qwen-Image's true CFG with a negative
     prompt. cache_threshold: step caching (TeaCache-style), None = off."""
 
     height: int | None = None
     width: int | None = None
     num_inference_steps: int = 20
-    guidance_scale: float = 2.0
+    guidance_scale: float | None = None
     true_cfg_scale: float = 1.0
     negative_prompt: str | None = None
     seed: int | None = None
@@ -27,6 +27,9 @@ class DiffusionParams:
     def __post_init__(self) -> None:
         self.validate()
 
+    def guidance(self, default: float) -> float:
+        return default if self.guidance_scale is None else self.guidance_scale
+
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"DiffusionParams.{name}={getattr(self, name)!r}: {why}")
@@ -35,7 +38,7 @@ class DiffusionParams:
             bad("num_inference_steps", f"must be in [1, {MAX_STEPS}]")
         if not 1 <= self.num_images <= MAX_IMAGES:
             bad("num_images", f"must be in [1, {MAX_IMAGES}]")
-        if not self.guidance_scale >= 0.0:
+        if self.guidance_scale is not None and not self.guidance_scale >= 0.0:
             bad("guidance_scale", "must be >= 0")
         if not self.true_cfg_scale >= 0.0:
             bad("true_cfg_scale", "must be >= 0")

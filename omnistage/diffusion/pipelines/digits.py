@@ -16,6 +16,7 @@ from omnistage.diffusion.request import DiffusionRequest
 from omnistage.models.digits_dit import DigitsDiT, parse_digit
 
 DEFAULT_SIZE = 64   # pixels: the 8x8 image upscaled 8x
+DEFAULT_GUIDANCE = 2.0
 MAX_SIZE = 512
 
 
@@ -59,7 +60,7 @@ class DigitsPipeline:
         caching per request and branch when the request asks for it."""
         counts = [r.latents.shape[0] for r in requests]
         labels = torch.cat([r.cond["labels"] for r in requests]).to(self.device)  # (R,)
-        scale = torch.cat([torch.full((n,), r.params.guidance_scale)
+        scale = torch.cat([torch.full((n,), r.params.guidance(DEFAULT_GUIDANCE))
                            for r, n in zip(requests, counts)]).to(self.device)
         null = torch.full_like(labels, self.model.null_label)
         x, t, y = torch.cat([latents, latents]), sigmas.repeat(2), torch.cat([labels, null])

@@ -29,6 +29,7 @@ from omnistage.models.autoencoder_kl import AutoencoderKL
 from omnistage.models.flux_transformer import FluxTransformer2DModel
 
 MAX_SIZE = 2048
+DEFAULT_GUIDANCE = 3.5              # FLUX.1-dev's distilled guidance, as in diffusers
 DEFAULT_SAMPLE_SIZE = 128           # latent pixels: 1024 px with the 8x FLUX VAE
 MAX_SEQUENCE_LENGTH = 512           # T5 tokens, diffusers' default and maximum
 CLIP_MAX_LENGTH = 77
@@ -163,7 +164,7 @@ class FluxPipeline:
                             for r, n in zip(requests, counts)])              # (R, P)
         guidance = None
         if self.transformer.cfg.guidance_embeds:                             # FLUX.1-dev
-            guidance = torch.cat([torch.full((n,), r.params.guidance_scale, dtype=torch.float32)
+            guidance = torch.cat([torch.full((n,), r.params.guidance(DEFAULT_GUIDANCE), dtype=torch.float32)
                                   for r, n in zip(requests, counts)]).to(self.device)
         # diffusers feeds timesteps = sigmas * 1000 and divides by 1000 at the call
         timestep = (sigmas * self.scheduler.num_train_timesteps).to(latents.dtype) / 1000

@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     text.add_argument("--max-model-len", type=int, default=None)
     image = p.add_argument_group("image models")
     image.add_argument("--steps", type=int, default=20)
-    image.add_argument("--guidance-scale", type=float, default=2.0)
+    image.add_argument("--guidance-scale", type=float, default=None,
+                       help="default: the model's own")
     image.add_argument("--num-images", type=int, default=1)
     image.add_argument("--height", type=int, default=None)
     image.add_argument("--width", type=int, default=None)
