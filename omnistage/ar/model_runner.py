@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from omnistage.ar.kv_cache import KVCacheLayout
 from omnistage.ar.sampler import Sampler, TokenLogprobs
 from omnistage.ar.scheduler import ScheduledBatch
-from omnistage.layers.attention import Attention, AttentionMetadata, forward_context, get_attention_backend
+from omnistage.layers.attention import (Attention, AttentionMetadata, forward_context,
+                                        get_attention_backend)
 
 
 @dataclass(slots=True)

@@ -34,8 +34,9 @@ def default_graph_text(model_path: Path) -> str:
     if index.is_file():
         name = json.loads(index.read_text()).get("_class_name", "")
         if name not in DEFAULT_DIFFUSERS_GRAPHS:
+            supported = ", ".join(sorted(DEFAULT_DIFFUSERS_GRAPHS))
             raise ValueError(f"{model_path}: diffusers pipeline {name or '(none)'} is not "
-                             f"supported (supported: {', '.join(sorted(DEFAULT_DIFFUSERS_GRAPHS))})")
+                             f"supported (supported: {supported})")
         graph = DEFAULT_DIFFUSERS_GRAPHS[name]
         return resources.files("omnistage.configs").joinpath(graph).read_text()
     config = json.loads((model_path / "config.json").read_text())

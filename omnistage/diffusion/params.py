@@ -10,9 +10,10 @@ MAX_IMAGES = 10
 
 @dataclass(frozen=True, slots=True)
 class DiffusionParams:
-    """height/width None: the pipeline's default size. guidance_scale: classifier-free guidance
-    (or FLUX's distilled guidance), None: the pipeline's default; true_cfg_scale: Qwen-Image's true CFG with a negative
-    prompt. cache_threshold: step caching (TeaCache-style), None = off."""
+    """height/width None: the pipeline's default size. guidance_scale: classifier-free
+    guidance (or FLUX's distilled guidance), None: the pipeline's default. true_cfg_scale:
+    Qwen-Image's true CFG with a negative prompt. cache_threshold: step caching (TeaCache-
+    style), None = off."""
 
     height: int | None = None
     width: int | None = None

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from omnistage import AsyncOmni, Omni, SamplingParams
+from omnistage import AsyncOmni, Omni
 from omnistage.testing.toy_pipeline import TokenEmbedder, toy_graph_yaml
 
 PROMPTS = [{"prompt_token_ids": list(range(5, 25))}, {"prompt_token_ids": [7, 3, 99, 42]},

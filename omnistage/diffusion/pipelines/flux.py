@@ -164,7 +164,8 @@ class FluxPipeline:
                             for r, n in zip(requests, counts)])              # (R, P)
         guidance = None
         if self.transformer.cfg.guidance_embeds:                             # FLUX.1-dev
-            guidance = torch.cat([torch.full((n,), r.params.guidance(DEFAULT_GUIDANCE), dtype=torch.float32)
+            guidance = torch.cat([torch.full((n,), r.params.guidance(DEFAULT_GUIDANCE),
+                                             dtype=torch.float32)
                                   for r, n in zip(requests, counts)]).to(self.device)
         # diffusers feeds timesteps = sigmas * 1000 and divides by 1000 at the call
         timestep = (sigmas * self.scheduler.num_train_timesteps).to(latents.dtype) / 1000
