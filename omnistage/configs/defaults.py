@@ -26,6 +26,7 @@ _STAGE_FIELDS = {f.name for f in fields(StageConfig)}
 # diffusers pipeline class (model_index.json's _class_name) -> default graph
 DEFAULT_DIFFUSERS_GRAPHS: dict[str, str] = {
     "FluxPipeline": "flux.yaml",
+    "ZImagePipeline": "z_image.yaml",
 }
 
 

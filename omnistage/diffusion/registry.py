@@ -8,6 +8,7 @@ import importlib
 DIFFUSION_PIPELINES: dict[str, tuple[str, str]] = {
     "digits_dit": ("omnistage.diffusion.pipelines.digits", "DigitsPipeline"),
     "flux": ("omnistage.diffusion.pipelines.flux", "FluxPipeline"),
+    "z_image": ("omnistage.diffusion.pipelines.z_image", "ZImagePipeline"),
 }
 
 

@@ -1,0 +1,182 @@
+"""Z-Image / Z-Image-Turbo text-to-image: diffusers' `ZImagePipeline.__call__` split into the
+engine's phases (omnistage/diffusion/pipeline.py), numerics kept step for step.
+
+    prepare:  chat template -> Qwen3 (padded to max_sequence_length) -> hidden_states[-2], the
+              real (attention-mask) tokens only: (L, cap_feat_dim), one per prompt; the negative
+              prompt ("" by default) the same way when CFG is on (guidance_scale > 0)
+              randn (n, C, 2*(H//16), 2*(W//16)) float32 on the request's CPU generator, unpacked
+              sigmas torch.linspace(1, 1/N, N) through the scheduler (shift, or mu when dynamic)
+    velocity: one transformer call over all rows, cond rows then uncond rows;
+              timestep = (1000 - sigma*1000) / 1000; pred = pos + g * (pos - neg); v = -pred
+    decode:   z / scaling + shift -> VAE -> (x/2 + 0.5).clamp(0, 1) -> uint8
+
+The text encoder and tokenizer come from transformers; the transformer and VAE are ours.
+Not ported: cfg_normalization and cfg_truncation < 1 (diffusers' defaults, off, are what runs).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import AutoModel, AutoTokenizer
+
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.request import DiffusionRequest
+from omnistage.diffusion.solvers import flow_match_euler as solver
+from omnistage.models.autoencoder_kl import AutoencoderKL
+from omnistage.models.z_image_transformer import ZImageTransformer2DModel
+
+MAX_SIZE = 2048
+DEFAULT_SIZE = 1024                 # pixels, diffusers' `height or 1024`
+DEFAULT_GUIDANCE = 5.0              # diffusers' default; Z-Image-Turbo is run with 0.0
+MAX_SEQUENCE_LENGTH = 512           # Qwen3 tokens, diffusers' default
+
+
+class ZImagePipeline:
+    def __init__(self, transformer: ZImageTransformer2DModel, vae: AutoencoderKL, text_encoder,
+                 tokenizer, scheduler: solver.FlowMatchEulerConfig, device: torch.device,
+                 max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> None:
+        if max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length={max_sequence_length}: must be >= 1")
+        self.transformer = transformer.to(device).eval()
+        self.vae = vae.to(device).eval()
+        self.text_encoder = text_encoder.to(device).eval()
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.device = device
+        self.dtype = next(transformer.parameters()).dtype
+        self.max_sequence_length = max_sequence_length
+        self.vae_scale_factor = vae.cfg.downscale                 # 8 for the FLUX VAE
+        self.multiple = self.vae_scale_factor * 2                 # transformer patches are 2x2
+        self.num_channels_latents = transformer.cfg.in_channels
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, component: str, device: torch.device,
+                        dtype: torch.dtype | None) -> ZImagePipeline:
+        path = Path(path)
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
+        transformer = ZImageTransformer2DModel.from_pretrained(path / "transformer", device, dtype)
+        dtype = dtype or next(transformer.parameters()).dtype
+        vae = AutoencoderKL.from_pretrained(path / "vae", device, dtype)
+        # Qwen3Model (or a Qwen3ForCausalLM checkpoint, whose base model AutoModel keeps)
+        text_encoder = AutoModel.from_pretrained(path / "text_encoder", dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+        scheduler = solver.FlowMatchEulerConfig.from_dict(
+            json.loads((path / "scheduler" / "scheduler_config.json").read_text()))
+        return cls(transformer, vae, text_encoder, tokenizer, scheduler, device)
+
+    # ---- request boundary ------------------------------------------------------------------
+
+    def _size(self, params: DiffusionParams) -> tuple[int, int]:
+        return params.height or DEFAULT_SIZE, params.width or DEFAULT_SIZE
+
+    def validate(self, prompt: str, params: DiffusionParams) -> None:
+        if not prompt or not prompt.strip():
+            raise ValueError("prompt: must be non-empty")
+        if params.true_cfg_scale != 1.0:
+            raise ValueError("true_cfg_scale: Z-Image has no separate true CFG; use "
+                             "guidance_scale (> 0 turns on CFG with negative_prompt)")
+        if params.negative_prompt is not None and params.guidance(DEFAULT_GUIDANCE) <= 0:
+            raise ValueError("negative_prompt: has no effect with guidance_scale=0 (CFG off)")
+        if params.cache_threshold is not None:
+            raise ValueError("cache_threshold: step caching is not available for Z-Image yet")
+        for name, value in zip(("height", "width"), self._size(params)):
+            if value % self.multiple:
+                raise ValueError(f"{name}={value}: must be a multiple of {self.multiple} "
+                                 f"(VAE factor {self.vae_scale_factor} x 2x2 patches)")
+            if value > MAX_SIZE:
+                raise ValueError(f"{name}={value}: the maximum is {MAX_SIZE}")
+
+    # ---- 1. prepare ------------------------------------------------------------------------
+
+    def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
+                ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        n = params.num_images
+        height, width = self._size(params)
+        cond = {"prompt_embeds": self.encode_prompt(prompt)}                 # (L, J)
+        if params.guidance(DEFAULT_GUIDANCE) > 0:                            # diffusers' CFG test
+            cond["negative_prompt_embeds"] = self.encode_prompt(params.negative_prompt or "")
+
+        # prepare_latents: float32 noise whatever the model dtype, kept (n, C, h, w)
+        h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
+        latents = torch.randn((n, self.num_channels_latents, h, w), generator=generator,
+                              device=generator.device, dtype=torch.float32).to(self.device)
+
+        # timesteps: linspace(1, 1/N, N) in torch float32, then the scheduler's shift
+        num_steps = params.num_inference_steps
+        cfg = self.scheduler
+        mu = solver.calculate_shift((h // 2) * (w // 2), cfg.base_image_seq_len,
+                                    cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
+        sigmas, _ = solver.make_sigmas(
+            cfg, num_steps, mu=mu, sigmas=torch.linspace(1.0, 1 / num_steps, num_steps).tolist())
+        return latents, sigmas, cond
+
+    @torch.inference_mode()
+    def encode_prompt(self, prompt: str) -> Tensor:
+        """-> Qwen3 hidden_states[-2] of the prompt's real tokens (L, hidden_size)."""
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True,
+            enable_thinking=True)
+        inputs = self.tokenizer([text], padding="max_length", max_length=self.max_sequence_length,
+                                truncation=True, return_tensors="pt")
+        mask = inputs.attention_mask.to(self.device).bool()                 # (1, S)
+        hidden = self.text_encoder(input_ids=inputs.input_ids.to(self.device),
+                                   attention_mask=mask, output_hidden_states=True
+                                   ).hidden_states[-2]                       # (1, S, J)
+        return hidden[0][mask[0]].to(self.dtype)
+
+    # ---- 2. velocity -----------------------------------------------------------------------
+
+    def velocity(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
+                 ) -> Tensor:
+        """latents (R, C, h, w) float32 -> (R, C, h, w) float32. All rows' conditional passes,
+        then the unconditional passes of rows with CFG, in one transformer call (captions and
+        images may differ in length; the transformer masks)."""
+        counts = [r.latents.shape[0] for r in requests]
+        scales, caps, uncond_rows, uncond_caps = [], [], [], []
+        row = 0
+        for r, n in zip(requests, counts):
+            g = r.params.guidance(DEFAULT_GUIDANCE)
+            for _ in range(n):
+                scales.append(g)
+                caps.append(r.cond["prompt_embeds"])
+                if g > 0:
+                    uncond_rows.append(row)
+                    uncond_caps.append(r.cond["negative_prompt_embeds"])
+                row += 1
+        # diffusers: t = sigma * 1000 (the scheduler's timesteps), fed as (1000 - t) / 1000
+        timestep = (1000 - sigmas.float() * self.scheduler.num_train_timesteps) / 1000   # (R,)
+        x = latents.to(self.dtype).unsqueeze(2)                              # (R, C, 1, h, w)
+        idx = torch.tensor(uncond_rows, dtype=torch.long, device=latents.device)
+        out = self.transformer(list(x.unbind(0)) + list(x[idx].unbind(0)),
+                               torch.cat([timestep, timestep[idx]]), caps + uncond_caps)
+        pred = torch.stack([o.float() for o in out]).squeeze(2)              # (R + U, C, h, w)
+        pos, neg = pred[:len(scales)], pred[len(scales):]
+        if len(uncond_rows):
+            g = torch.tensor(scales, dtype=torch.float32, device=pred.device)[idx]
+            g = g.reshape(-1, 1, 1, 1)
+            pos = pos.clone()
+            pos[idx] = pos[idx] + g * (pos[idx] - neg)
+        return -pos
+
+    # ---- 3. decode -------------------------------------------------------------------------
+
+    def decode_float(self, latents: Tensor, params: DiffusionParams) -> Tensor:
+        """latents (n, C, h, w) -> float32 images (n, 3, H, W) in [0, 1], what diffusers
+        returns for output_type="pt" (before the quantization of `decode`)."""
+        z = self.vae.denormalize(latents.to(self.device, self.vae_dtype))   # (n, C, h, w)
+        images = self.vae.decode(z)                                          # (n, 3, H, W)
+        return (images / 2 + 0.5).clamp(0, 1).float()
+
+    def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
+        """-> uint8 (n, H, W, 3)."""
+        images = self.decode_float(latents, params)
+        return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+    @property
+    def vae_dtype(self) -> torch.dtype:
+        return next(self.vae.parameters()).dtype

@@ -1,0 +1,203 @@
+"""ZImagePipeline in our engine against diffusers' ZImagePipeline on a tiny random pipeline folder
+(float32, with and without classifier-free guidance): same latents and images, the same image
+alone or batched with other requests, and bad requests refused at the boundary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipelines.z_image import ZImagePipeline
+from omnistage.diffusion.registry import get_pipeline_class
+from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+
+SEQ = 64                        # Qwen3 max_sequence_length
+SIZE = 32                       # pixels; the tiny VAE downsamples 2x: 16x16 latents, 8x8 patches
+PROMPT = "a photo of the sea shore"
+NEGATIVE = "blurry, low quality"
+
+
+def build_reference(path: Path) -> diffusers.ZImagePipeline:
+    """diffusers' ZImagePipeline from tiny random components, saved to `path`."""
+    torch.manual_seed(0)
+    tokenizer = build_tiny_tokenizer(path / "tok")
+    text_encoder = transformers.Qwen3Model(transformers.Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=128,
+        pad_token_id=0)).eval()
+    transformer = diffusers.ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2,
+        n_refiner_layers=1, n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True,
+        cap_feat_dim=16, rope_theta=256.0, t_scale=1000.0, axes_dims=[4, 6, 6],
+        axes_lens=[128, 32, 32]).eval()
+    vae = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+        latent_channels=4, norm_num_groups=4, sample_size=32, use_quant_conv=False,
+        use_post_quant_conv=False, shift_factor=0.1159, scaling_factor=0.3611).eval()
+    with torch.no_grad():   # diffusers zero-inits some layers: make every path count
+        for model in (transformer, vae):
+            for p in model.parameters():
+                p.normal_(0.0, 0.1)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(   # Z-Image-Turbo's scheduler config
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+    pipe = diffusers.ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                                    tokenizer=tokenizer, transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(path)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory
+         ) -> tuple[diffusers.ZImagePipeline, ZImagePipeline]:
+    path = tmp_path_factory.mktemp("z_image")
+    ref = build_reference(path)
+    ours = get_pipeline_class("z_image").from_pretrained(path, "z_image", torch.device("cpu"),
+                                                         torch.float32)
+    ours.max_sequence_length = SEQ
+    return ref, ours
+
+
+def run(engine: DiffusionEngine) -> dict[str, DiffusionResult]:
+    done = {}
+    while engine.has_unfinished_requests:
+        for r in engine.step():
+            if r.finished:
+                assert r.error is None, r.error
+                done[r.request_id] = r
+    return done
+
+
+def capture_latents(pipe: ZImagePipeline, monkeypatch: pytest.MonkeyPatch) -> dict[str, Tensor]:
+    """Final latents per request, recorded as the engine decodes them."""
+    seen: dict[str, Tensor] = {}
+    decode = pipe.decode
+
+    def spy(latents: Tensor, params: DiffusionParams) -> Tensor:
+        seen[f"{params.height}x{params.width}:{params.seed}"] = latents.clone()
+        return decode(latents, params)
+
+    monkeypatch.setattr(pipe, "decode", spy)
+    return seen
+
+
+def reference(ref: diffusers.ZImagePipeline, prompt: str, guidance: float,
+              negative: str | None, seed: int, output_type: str, num_images: int) -> Tensor:
+    out = ref(prompt, height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=guidance,
+              negative_prompt=negative, generator=torch.Generator().manual_seed(seed),
+              output_type=output_type, max_sequence_length=SEQ,
+              num_images_per_prompt=num_images, return_dict=False)
+    return out[0]
+
+
+@pytest.mark.parametrize("guidance, negative", [(0.0, None), (4.0, NEGATIVE), (2.5, None)],
+                         ids=["no-cfg", "cfg-negative", "cfg-empty-negative"])
+def test_matches_diffusers(pair: tuple[diffusers.ZImagePipeline, ZImagePipeline],
+                           monkeypatch: pytest.MonkeyPatch, guidance: float,
+                           negative: str | None) -> None:
+    ref, ours = pair
+    seen = capture_latents(ours, monkeypatch)
+    engine = DiffusionEngine(ours)
+    params = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=4,
+                             guidance_scale=guidance, negative_prompt=negative, seed=0,
+                             num_images=2)
+    engine.add_request("a", PROMPT, params)
+    (res,) = run(engine).values()
+
+    with torch.no_grad():
+        ref_latents = reference(ref, PROMPT, guidance, negative, 0, "latent", 2)
+        ref_images = reference(ref, PROMPT, guidance, negative, 0, "pt", 2)  # (2,3,H,W) [0,1]
+    latents = seen[f"{SIZE}x{SIZE}:0"]
+    assert latents.shape == ref_latents.shape == (2, 4, SIZE // 2, SIZE // 2)
+    assert latents.dtype == torch.float32
+    torch.testing.assert_close(latents, ref_latents, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        images = ours.decode_float(latents, params)
+    torch.testing.assert_close(images, ref_images, atol=1e-4, rtol=0)
+
+    assert res.images.dtype == torch.uint8 and res.images.shape == (2, SIZE, SIZE, 3)
+    expected = (ref_images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+    assert (res.images.int() - expected.int()).abs().max() <= 1
+    assert res.images.float().std() > 1.0, "the tiny pipeline should not draw a flat image"
+
+
+def test_guidance_changes_the_image(pair: tuple[diffusers.ZImagePipeline, ZImagePipeline]
+                                    ) -> None:
+    """CFG is live: the negative prompt and the scale both move the result."""
+    _, ours = pair
+    images = {}
+    for name, g, neg in [("off", 0.0, None), ("empty", 4.0, None), ("neg", 4.0, NEGATIVE)]:
+        engine = DiffusionEngine(ours)
+        engine.add_request(name, PROMPT, DiffusionParams(
+            height=SIZE, width=SIZE, num_inference_steps=2, guidance_scale=g,
+            negative_prompt=neg, seed=7))
+        images[name] = run(engine)[name].images.float()
+    assert (images["off"] - images["empty"]).abs().max() > 2
+    assert (images["empty"] - images["neg"]).abs().max() > 2
+
+
+def test_same_image_alone_or_batched(pair: tuple[diffusers.ZImagePipeline, ZImagePipeline]
+                                     ) -> None:
+    _, ours = pair
+    a = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=4.0,
+                        negative_prompt=NEGATIVE, seed=3)
+    alone = DiffusionEngine(ours)
+    alone.add_request("a", PROMPT, a)
+    expected = run(alone)["a"].images
+
+    batched = DiffusionEngine(ours)
+    batched.add_request("b", "the weather today is sunny", DiffusionParams(
+        height=SIZE, width=SIZE, num_inference_steps=5, guidance_scale=0.0, seed=4))
+    batched.step()                                       # "a" joins one step behind "b"
+    batched.add_request("a", PROMPT, a)
+    batched.add_request("c", "hello world", DiffusionParams(   # default guidance: CFG on
+        height=SIZE, width=SIZE, num_inference_steps=4, seed=5, num_images=2))
+    done = run(batched)
+    assert batched.num_steps_run == 5                    # every step shared one batch
+    assert (done["a"].images.int() - expected.int()).abs().max() <= 1
+
+    c_alone = DiffusionEngine(ours)
+    c_alone.add_request("c", "hello world", DiffusionParams(
+        height=SIZE, width=SIZE, num_inference_steps=4, seed=5, num_images=2))
+    assert (run(c_alone)["c"].images.int() - done["c"].images.int()).abs().max() <= 1
+
+
+@pytest.mark.parametrize("params, prompt, match", [
+    (DiffusionParams(height=34, width=32), PROMPT, "multiple of 4"),
+    (DiffusionParams(height=4096, width=32), PROMPT, "maximum is 2048"),
+    (DiffusionParams(height=32, width=32, true_cfg_scale=4.0), PROMPT, "true_cfg_scale"),
+    (DiffusionParams(height=32, width=32, cache_threshold=0.1), PROMPT, "cache_threshold"),
+    (DiffusionParams(height=32, width=32, guidance_scale=0.0, negative_prompt="blurry"), PROMPT,
+     "no effect"),
+    (DiffusionParams(height=32, width=32), "  ", "non-empty"),
+])
+def test_refuses_bad_requests(pair: tuple[diffusers.ZImagePipeline, ZImagePipeline],
+                              params: DiffusionParams, prompt: str, match: str) -> None:
+    engine = DiffusionEngine(pair[1])
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("x", prompt, params)
+    assert not engine.has_unfinished_requests
+
+
+def test_served_through_omni_by_its_default_graph(
+        pair: tuple[diffusers.ZImagePipeline, ZImagePipeline], tmp_path: Path) -> None:
+    from omnistage import Omni
+
+    ref, _ = pair
+    folder = tmp_path / "z_image"
+    ref.save_pretrained(folder)
+    with Omni(str(folder), device="cpu", backend="inproc", connector="inproc") as omni:
+        (out,) = omni.generate("a red cube", DiffusionParams(height=32, width=32,
+                                                             num_inference_steps=2, seed=1))
+        assert out.error is None and out.images[0].size == (32, 32)
+        (bad,) = omni.generate("a red cube", DiffusionParams(height=33, width=32))
+        assert bad.finish_reason == "error" and "multiple of" in bad.error
