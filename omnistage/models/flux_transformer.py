@@ -16,7 +16,6 @@ divided by 1000; the model scales them back, as diffusers does.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -24,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omnistage.layers.dit import (AdaLayerNormContinuous, AdaLayerNormZero, FeedForward,
+                                  TimestepEmbedding, timestep_embedding)
 from omnistage.models.diffusers_loader import build_from_folder, read_config
 
 Rope = tuple[Tensor, Tensor]   # cos, sin: (S, head_dim) each, float32
@@ -66,27 +67,6 @@ class FluxTransformerConfig:
 
 # ---- embeddings ----------------------------------------------------------------------------
 
-def timestep_embedding(t: Tensor, dim: int = 256, max_period: float = 10000.0) -> Tensor:
-    """Sinusoid, cos first (diffusers Timesteps(flip_sin_to_cos=True, downscale_freq_shift=0))."""
-    half = dim // 2
-    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device)
-    freqs = torch.exp(exponent / half)                               # (half,)
-    args = t[:, None].float() * freqs[None, :]                       # (B, half)
-    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)     # (B, dim)
-
-
-class TimestepEmbedding(nn.Module):
-    """linear_1 -> SiLU -> linear_2; also serves as diffusers' PixArtAlphaTextProjection."""
-
-    def __init__(self, in_dim: int, dim: int) -> None:
-        super().__init__()
-        self.linear_1 = nn.Linear(in_dim, dim)
-        self.linear_2 = nn.Linear(dim, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.linear_2(F.silu(self.linear_1(x)))
-
-
 class CombinedTimestepGuidanceTextProjEmbeddings(nn.Module):
     """temb = mlp(sin(t)) [+ mlp(sin(guidance))] + mlp(pooled text); the guidance branch
     exists only for guidance-distilled checkpoints (FLUX.1-dev)."""
@@ -126,57 +106,6 @@ def apply_rope(x: Tensor, rope: Rope) -> Tensor:
     real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)                       # (B,S,H,hd/2)
     rotated = torch.stack([-imag, real], dim=-1).flatten(3)                            # (B,S,H,hd)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-# ---- norms and MLP -------------------------------------------------------------------------
-
-class AdaLayerNormZero(nn.Module):
-    """LayerNorm modulated by temb; returns the normed x and the remaining chunks (gates,
-    shifts, scales) in diffusers' order. num_chunks 6 (double block) or 3 (single block)."""
-
-    def __init__(self, dim: int, num_chunks: int = 6) -> None:
-        super().__init__()
-        self.num_chunks = num_chunks
-        self.linear = nn.Linear(dim, num_chunks * dim)
-
-    def forward(self, x: Tensor, temb: Tensor) -> tuple[Tensor, ...]:
-        shift, scale, *rest = self.linear(F.silu(temb)).chunk(self.num_chunks, dim=1)  # (B, D) each
-        x = F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
-        return (x, *rest)
-
-
-class AdaLayerNormContinuous(nn.Module):
-    """Output norm: note the (scale, shift) order, unlike AdaLayerNormZero's (shift, scale)."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(dim, 2 * dim)
-
-    def forward(self, x: Tensor, temb: Tensor) -> Tensor:
-        scale, shift = self.linear(F.silu(temb).to(x.dtype)).chunk(2, dim=1)          # (B, D) each
-        return F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
-
-
-class GELU(nn.Module):
-    def __init__(self, dim_in: int, dim_out: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim_in, dim_out)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(self.proj(x), approximate="tanh")
-
-
-class FeedForward(nn.Module):
-    """net.0.proj -> gelu(tanh) -> net.2 (net.1 is diffusers' dropout: no weights)."""
-
-    def __init__(self, dim: int, mult: int = 4) -> None:
-        super().__init__()
-        self.net = nn.ModuleList([GELU(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)])
-
-    def forward(self, x: Tensor) -> Tensor:
-        for layer in self.net:
-            x = layer(x)
-        return x
 
 
 # ---- attention and blocks ------------------------------------------------------------------

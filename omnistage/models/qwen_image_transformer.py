@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omnistage.layers.dit import AdaLayerNormContinuous, FeedForward, TimestepEmbedding
 from omnistage.models.diffusers_loader import build_from_folder, read_config
-from omnistage.models.flux_transformer import (AdaLayerNormContinuous, FeedForward,
-                                               TimestepEmbedding)
 
 Rope = tuple[Tensor, Tensor]     # img (N, hd/2), txt (T, hd/2): complex64 rotations
 ImgShapes = list[list[tuple[int, int, int]]] | list[tuple[int, int, int]]
