@@ -49,3 +49,13 @@ class DiffusionParams:
                 bad(name, "must be > 0")
         if self.cache_threshold is not None and not self.cache_threshold >= 0.0:
             bad("cache_threshold", "must be >= 0")
+
+
+def check_size(height: int, width: int, multiple: int, max_size: int, why: str) -> None:
+    """A pipeline's size rule: both sides a multiple of `multiple` (`why` says whence) and at
+    most `max_size`; ValueError naming the side otherwise."""
+    for name, value in (("height", height), ("width", width)):
+        if value % multiple:
+            raise ValueError(f"{name}={value}: must be a multiple of {multiple} ({why})")
+        if value > max_size:
+            raise ValueError(f"{name}={value}: the maximum is {max_size}")

@@ -91,10 +91,12 @@ class AsyncOmni:
 
     def submit(self, prompt: PromptType, sampling_params_list: ParamsList = None,
                request_id: str | None = None, output_modalities: set[OutputKind] | None = None,
-               sink: Callable[[RequestEvent], None] | None = None) -> OmniOutput:
+               sink: Callable[[RequestEvent], None] | None = None,
+               prepared: tuple[ParsedPrompt, dict[str, StageParams]] | None = None
+               ) -> OmniOutput:
         """Check and submit; events go to `sink` (from the router thread). Returns the output
-        object that `accumulate` fills in."""
-        parsed, params = self.prepare(prompt, sampling_params_list)
+        object that `accumulate` fills in. `prepared`: what `prepare` already returned."""
+        parsed, params = prepared or self.prepare(prompt, sampling_params_list)
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
         out = OmniOutput(request_id=rid, prompt=parsed.text,
                          prompt_token_ids=list(parsed.token_ids or []))

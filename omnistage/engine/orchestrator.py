@@ -90,6 +90,7 @@ class Orchestrator:
             raise ValueError("connector: inproc needs backend: inproc (stages in one process)")
         self.graph = graph
         self.order = topological_order(graph)
+        self._downstream = {s.name: downstream(graph, s.name) for s in graph.stages}
         self.healthy = True
         self.dead_reason: str | None = None
         self.stage_info: dict[str, dict] = {}
@@ -163,7 +164,7 @@ class Orchestrator:
             client = getattr(self._connector, "address")
             for s in self.graph.stages:
                 peers = {m.edge_name(s.name, d.name): addresses[d.name]
-                         for d, _ in downstream(self.graph, s.name)}
+                         for d, _ in self._downstream[s.name]}
                 if s.final not in (None, "text"):
                     peers[m.edge_name(s.name, m.CLIENT)] = client
                 self._send(s.name, m.SetPeers(peers))
@@ -204,7 +205,7 @@ class Orchestrator:
                     continue
                 stage = self.graph.stage(name)
                 ups = [i for i in stage.inputs if i.source in needed]
-                downs = [d.name for d, _ in downstream(self.graph, name) if d.name in needed]
+                downs = [d.name for d, _ in self._downstream[name] if d.name in needed]
                 embeds = None
                 if not ups and prompt_embeds is not None:
                     embeds = self._connector_put_embeds(request_id, name, prompt_embeds)
@@ -308,7 +309,7 @@ class Orchestrator:
             client = out.handles.get(m.edge_name(out.stage, m.CLIENT))
             if client is not None:
                 tensors = self._connector.get(client)
-            for dest, inp in downstream(self.graph, out.stage):
+            for dest, inp in self._downstream[out.stage]:
                 if dest.name not in route.needed:
                     continue
                 edge = m.edge_name(out.stage, dest.name)

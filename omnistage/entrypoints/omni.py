@@ -38,14 +38,14 @@ class Omni:
                  use_tqdm: bool = False) -> list[OmniOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        for prompt in prompts:  # every prompt is checked before any is scheduled
-            self.engine.prepare(prompt, sampling_params_list)
+        # every prompt is checked before any is scheduled
+        prepared = [self.engine.prepare(p, sampling_params_list) for p in prompts]
         events: queue.Queue[RequestEvent] = queue.Queue()
         outputs: dict[str, OmniOutput] = {}
         try:
-            for prompt in prompts:
+            for prompt, ready in zip(prompts, prepared):
                 out = self.engine.submit(prompt, sampling_params_list, None, output_modalities,
-                                         events.put)
+                                         events.put, ready)
                 outputs[out.request_id] = out
             pending = set(outputs)
             with tqdm(total=len(pending), desc="generate", disable=not use_tqdm) as bar:

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from omnistage.models.loader import (_default_dtype, _name_list, checkpoint_names,
+from omnistage.models.loader import (_default_dtype, check_tensor_names, checkpoint_names,
                                      load_packed_weights)
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -76,14 +76,7 @@ def load_weights_strict(model: nn.Module, path: Path) -> None:
     with torch.no_grad():
         loaded = load_packed_weights(model, recorded(), {})
     expected = checkpoint_names(model, {})
-    missing, unexpected = expected - set(seen), set(seen) - expected
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {_name_list(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors (no parameter takes them): {_name_list(unexpected)}")
-    if problems:
-        raise ValueError(f"{path} does not match {type(model).__name__}: " + "; ".join(problems))
+    check_tensor_names(path, type(model).__name__, expected, set(seen))
     assert loaded == expected, f"parameters not loaded: {expected - loaded}"
 
 

@@ -132,6 +132,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(prev)
 
 
+def check_tensor_names(path: Path, model_name: str, expected: set[str], found: set[str]
+                       ) -> None:
+    """Raise ValueError naming missing and unexpected checkpoint tensors."""
+    missing, unexpected = expected - found, found - expected
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_name_list(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors (no parameter takes them): {_name_list(unexpected)}")
+    if problems:
+        raise ValueError(f"{path} does not match {model_name}: " + "; ".join(problems))
+
+
 def _name_list(names: Iterable[str], limit: int = 10) -> str:
     names = sorted(names)
     more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
@@ -169,15 +182,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype | None = Non
     ignored = {n for n in seen if n.endswith(_IGNORED_SUFFIXES)}
     if cfg.tie_word_embeddings:
         ignored.add("lm_head.weight")   # the embedding is the head; a saved copy is redundant
-    missing = expected - set(seen)
-    unexpected = set(seen) - expected - ignored
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {_name_list(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors (no parameter takes them): {_name_list(unexpected)}")
-    if problems:
-        raise ValueError(f"{path} does not match {cfg.architecture}: " + "; ".join(problems))
+    check_tensor_names(path, cfg.architecture, expected, set(seen) - ignored)
     not_loaded = {n for n, _ in model.named_parameters()} - loaded
     assert not not_loaded, f"parameters not loaded although the checkpoint has them: {not_loaded}"
     return model.eval(), cfg, hf_config

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from omnistage.diffusion.cache import StepCacheState
-from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.models.digits_dit import DigitsDiT, parse_digit
 
@@ -39,13 +39,8 @@ class DigitsPipeline:
         if params.negative_prompt is not None or params.true_cfg_scale != 1.0:
             raise ValueError("negative_prompt / true_cfg_scale: the demo model guides against "
                              "its null class only")
-
-        for name, value in zip(("height", "width"), self._size(params)):
-            if value % self.image_size:
-                raise ValueError(f"{name}={value}: must be a multiple of {self.image_size} "
-                                 "(the demo draws 8x8 digits, shown upscaled)")
-            if value > MAX_SIZE:
-                raise ValueError(f"{name}={value}: the maximum is {MAX_SIZE}")
+        check_size(*self._size(params), self.image_size, MAX_SIZE,
+                   "the demo draws 8x8 digits, shown upscaled")
 
     def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
                 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:

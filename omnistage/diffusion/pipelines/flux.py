@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
-from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.models.autoencoder_kl import AutoencoderKL
@@ -91,12 +91,8 @@ class FluxPipeline:
                              "FLUX pipeline yet (use guidance_scale, the distilled guidance)")
         if params.cache_threshold is not None:
             raise ValueError("cache_threshold: step caching is not available for FLUX yet")
-        for name, value in zip(("height", "width"), self._size(params)):
-            if value % self.multiple:
-                raise ValueError(f"{name}={value}: must be a multiple of {self.multiple} "
-                                 f"(VAE factor {self.vae_scale_factor} x 2x2 packing)")
-            if value > MAX_SIZE:
-                raise ValueError(f"{name}={value}: the maximum is {MAX_SIZE}")
+        check_size(*self._size(params), self.multiple, MAX_SIZE,
+                   f"VAE factor {self.vae_scale_factor} x 2x2 packing")
 
     # ---- 1. prepare ------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModel, AutoTokenizer
 
-from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.models.autoencoder_kl import AutoencoderKL
@@ -84,12 +84,8 @@ class ZImagePipeline:
             raise ValueError("negative_prompt: has no effect with guidance_scale=0 (CFG off)")
         if params.cache_threshold is not None:
             raise ValueError("cache_threshold: step caching is not available for Z-Image yet")
-        for name, value in zip(("height", "width"), self._size(params)):
-            if value % self.multiple:
-                raise ValueError(f"{name}={value}: must be a multiple of {self.multiple} "
-                                 f"(VAE factor {self.vae_scale_factor} x 2x2 patches)")
-            if value > MAX_SIZE:
-                raise ValueError(f"{name}={value}: the maximum is {MAX_SIZE}")
+        check_size(*self._size(params), self.multiple, MAX_SIZE,
+                   f"VAE factor {self.vae_scale_factor} x 2x2 patches")
 
     # ---- 1. prepare ------------------------------------------------------------------------
 
