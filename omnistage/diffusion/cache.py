@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 
@@ -47,3 +48,58 @@ def should_skip(state: StepCacheState, modulated: Tensor, threshold: float | Non
         return True
     state.accumulated = 0.0
     return False
+
+
+@dataclass(slots=True)
+class CacheGroup:
+    """Rows of one request's branch in a batch: they skip or compute together."""
+    rows: slice
+    state: StepCacheState
+    threshold: float | None
+    force_compute: bool
+    length: int | None = None          # real tokens per row when the batch is padded
+
+
+def cache_groups(requests: list, counts: list[int], branches: list[tuple[str, list[bool]]]
+                 ) -> list[CacheGroup]:
+    """Groups for a batch laid out branch after branch (e.g. all conditional rows, then the
+    unconditional rows of requests with CFG): `branches` = (name, which requests have rows in
+    it), requests in order, each contributing its `counts` rows."""
+    groups, start = [], 0
+    for name, present in branches:
+        for r, n, here in zip(requests, counts, present):
+            if here:
+                groups.append(CacheGroup(slice(start, start + n),
+                                         r.cache.setdefault(name, StepCacheState()),
+                                         r.params.cache_threshold, r.must_compute))
+                start += n
+    return groups
+
+
+def run_cached(x: Tensor, modulated: Tensor, groups: list[CacheGroup],
+               coefficients: tuple[float, ...], run_blocks) -> Tensor:
+    """The blocks' output for every row of `x` (B, N, D): groups whose input changed enough
+    run `run_blocks(row_index) -> (len(index), N, D)` (one call for all of them) and refresh
+    their residual; the others get `x + residual`. `modulated` is the first block's modulated
+    input (B, N, D). With `length` set, only a group's first `length` tokens count (padded
+    batches whose padding differs from step to step)."""
+    def real(t: Tensor, g: CacheGroup) -> Tensor:
+        return t[g.rows] if g.length is None else t[g.rows, :g.length]
+
+    skip = [should_skip(g.state, real(modulated, g), g.threshold, coefficients, g.force_compute)
+            for g in groups]
+    out = x.clone()
+    run = [g for g, s in zip(groups, skip) if not s]
+    if run:
+        idx = torch.cat([torch.arange(g.rows.start, g.rows.stop) for g in run]).to(x.device)
+        h = run_blocks(idx)
+        out[idx] = h
+        for g in run:
+            g.state.residual = real(out, g) - real(x, g)
+    for g, s in zip(groups, skip):
+        if s:
+            if g.length is None:
+                out[g.rows] = x[g.rows] + g.state.residual
+            else:
+                out[g.rows, :g.length] = x[g.rows, :g.length] + g.state.residual
+    return out

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_STEPS = 200
 MAX_IMAGES = 10
+DEFAULT_STRENGTH = 0.6          # diffusers' img2img pipelines' default
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,7 +14,8 @@ class DiffusionParams:
     """height/width None: the pipeline's default size. guidance_scale: classifier-free
     guidance (or FLUX's distilled guidance), None: the pipeline's default. true_cfg_scale:
     Qwen-Image's true CFG with a negative prompt. cache_threshold: step caching (TeaCache-
-    style), None = off."""
+    style), None = off. image: an encoded image file (PNG, JPEG, WebP, ...) to start from
+    (image-to-image / edit); strength: how much of its schedule runs, 1.0 = from pure noise."""
 
     height: int | None = None
     width: int | None = None
@@ -24,6 +26,8 @@ class DiffusionParams:
     seed: int | None = None
     num_images: int = 1
     cache_threshold: float | None = None
+    image: bytes | None = field(default=None, repr=False)
+    strength: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -49,6 +53,21 @@ class DiffusionParams:
                 bad(name, "must be > 0")
         if self.cache_threshold is not None and not self.cache_threshold >= 0.0:
             bad("cache_threshold", "must be >= 0")
+        if self.image is not None and not isinstance(self.image, bytes):
+            raise ValueError("DiffusionParams.image: must be the bytes of an encoded image file "
+                             f"(PNG, JPEG, WebP, ...), got {type(self.image).__name__}")
+        if self.image is not None and not self.image:
+            raise ValueError("DiffusionParams.image: empty")
+        if self.strength is not None:
+            if self.image is None:
+                bad("strength", "applies to image-to-image only (no image given)")
+            if not 0.0 < self.strength <= 1.0:
+                bad("strength", "must be in (0, 1]")
+
+    @property
+    def image_strength(self) -> float:
+        """The strength an image-to-image request runs with (diffusers' default 0.6)."""
+        return DEFAULT_STRENGTH if self.strength is None else self.strength
 
 
 def check_size(height: int, width: int, multiple: int, max_size: int, why: str) -> None:

@@ -34,7 +34,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from omnistage.diffusion.cache import StepCacheState, should_skip
+from omnistage.diffusion.cache import CacheGroup, run_cached
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -216,32 +216,22 @@ class DigitsDiT(nn.Module):
     step_cache_coefficients: tuple[float, ...] = (1.0, 0.0)
 
     def forward_cached(self, x: Tensor, t: Tensor, labels: Tensor,
-                       groups: list[tuple[slice, StepCacheState, float | None, bool]]) -> Tensor:
-        """forward() with step caching (diffusion/cache.py). `groups` splits the batch rows:
-        (rows, that branch's cache state, threshold, whether this step must compute)."""
+                       groups: list[CacheGroup]) -> Tensor:
+        """forward() with step caching (diffusion/cache.py); `groups` split the batch rows by
+        request and branch, each with its cache state."""
         tokens = self.patch_embed(self.patchify(x)) + self.pos_embed       # (B, N, hidden)
         c = self.t_embed(timestep_embedding(t * _T_SCALE, _FREQ_DIM)) + self.label_embed(labels)
         first = self.blocks[0]
         shift1, scale1 = first.modulation(F.silu(c)).chunk(6, -1)[:2]
         modulated = modulate(first.norm1(tokens), shift1, scale1)          # (B, N, hidden)
-        skip = [should_skip(state, modulated[rows], threshold, self.step_cache_coefficients,
-                            force) for rows, state, threshold, force in groups]
-        out = tokens.clone()
-        run = [g for g, s in zip(groups, skip) if not s]
-        if run:
-            idx = torch.cat([torch.arange(g[0].start, g[0].stop) for g in run]).to(x.device)
+
+        def run_blocks(idx: Tensor) -> Tensor:
             h = tokens[idx]
             for block in self.blocks:
                 h = block(h, c[idx])
-            out[idx] = h
-            offset = 0
-            for rows, state, _, _ in run:
-                n = rows.stop - rows.start
-                state.residual = h[offset:offset + n] - tokens[rows]
-                offset += n
-        for (rows, state, _, _), s in zip(groups, skip):
-            if s:
-                out[rows] = tokens[rows] + state.residual
+            return h
+
+        out = run_cached(tokens, modulated, groups, self.step_cache_coefficients, run_blocks)
         return self.unpatchify(self.final(out, c))                           # (B, C, H, W)
 
     @classmethod

@@ -185,3 +185,86 @@ def test_served_through_omni_by_its_default_graph(
         assert out.error is None and out.images[0].size == (32, 32)
         (bad,) = omni.generate("a red cube", DiffusionParams(height=33, width=32))
         assert bad.finish_reason == "error" and "multiple of" in bad.error
+
+
+def test_image_to_image_matches_diffusers(pair: tuple[diffusers.FluxPipeline, FluxPipeline],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An input image (48x40, resized to the asked 32x32 with Lanczos) encoded with a posterior
+    draw, noised to the strength-shortened schedule, denoised: FluxImg2ImgPipeline's latents."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    ref, ours = pair
+    pixels = np.random.default_rng(3).integers(0, 256, (40, 48, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    seen = capture_latents(ours, monkeypatch)
+    engine = DiffusionEngine(ours)
+    engine.add_request("a", PROMPT, DiffusionParams(
+        height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=3.5, seed=5,
+        image=buf.getvalue(), strength=0.7))
+    (res,) = run(engine).values()
+    assert res.metrics["num_steps"] == 3 and res.images.shape == (1, SIZE, SIZE, 3)
+
+    img2img = diffusers.FluxImg2ImgPipeline(**ref.components)
+    img2img.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        expected = img2img(PROMPT, image=Image.fromarray(pixels), strength=0.7, height=SIZE,
+                           width=SIZE, num_inference_steps=4, guidance_scale=3.5,
+                           generator=torch.Generator().manual_seed(5), output_type="latent",
+                           max_sequence_length=SEQ, return_dict=False)[0]
+    torch.testing.assert_close(seen[f"{SIZE}x{SIZE}:5"], expected, atol=1e-4, rtol=0)
+
+
+def test_step_caching(pair: tuple[diffusers.FluxPipeline, FluxPipeline]) -> None:
+    """Threshold 0 equals no caching exactly; a positive threshold skips steps (counted) and
+    stays close to the uncached image; a neighbour without caching is unaffected."""
+    _, ours = pair
+
+    def generate(threshold: float | None, with_neighbour: bool = False
+                 ) -> dict[str, DiffusionResult]:
+        engine = DiffusionEngine(ours)
+        engine.add_request("a", PROMPT, DiffusionParams(
+            height=SIZE, width=SIZE, num_inference_steps=12, seed=9, cache_threshold=threshold))
+        if with_neighbour:
+            engine.add_request("b", "hello world", DiffusionParams(
+                height=SIZE, width=SIZE, num_inference_steps=12, seed=1))
+        return run(engine)
+
+    plain = generate(None)["a"]
+    zero = generate(0.0)["a"]
+    assert zero.metrics["num_steps_skipped"] == 0 and torch.equal(zero.images, plain.images)
+    cached = generate(0.3, with_neighbour=True)
+    skipped = cached["a"].metrics["num_steps_skipped"]
+    diff = (cached["a"].images.float() - plain.images.float()).abs().mean()
+    assert 0 < skipped < 10, skipped
+    assert diff < 5, f"mean pixel change {diff}"
+    alone_b = DiffusionEngine(ours)
+    alone_b.add_request("b", "hello world", DiffusionParams(
+        height=SIZE, width=SIZE, num_inference_steps=12, seed=1))
+    assert (run(alone_b)["b"].images.int() - cached["b"].images.int()).abs().max() <= 1
+
+
+def test_large_images_decode_in_tiles(pair: tuple[diffusers.FluxPipeline, FluxPipeline],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image larger than the VAE's sample_size (32 px here) is decoded in overlapping tiles,
+    equal to diffusers' pipeline with `vae.enable_tiling()`."""
+    ref, ours = pair
+    seen = capture_latents(ours, monkeypatch)
+    engine = DiffusionEngine(ours)
+    params = DiffusionParams(height=64, width=48, num_inference_steps=2, seed=4)
+    engine.add_request("a", PROMPT, params)
+    run(engine)
+    ref.vae.enable_tiling()
+    try:
+        with torch.no_grad():
+            expected = ref(PROMPT, height=64, width=48, num_inference_steps=2,
+                           guidance_scale=3.5, generator=torch.Generator().manual_seed(4),
+                           output_type="pt", max_sequence_length=SEQ, return_dict=False)[0]
+    finally:
+        ref.vae.disable_tiling()
+    with torch.no_grad():
+        images = ours.decode_float(seen["64x48:4"], params)
+    torch.testing.assert_close(images, expected, atol=1e-4, rtol=0)

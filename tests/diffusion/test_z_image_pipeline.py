@@ -175,7 +175,6 @@ def test_same_image_alone_or_batched(pair: tuple[diffusers.ZImagePipeline, ZImag
     (DiffusionParams(height=34, width=32), PROMPT, "multiple of 4"),
     (DiffusionParams(height=4096, width=32), PROMPT, "maximum is 2048"),
     (DiffusionParams(height=32, width=32, true_cfg_scale=4.0), PROMPT, "true_cfg_scale"),
-    (DiffusionParams(height=32, width=32, cache_threshold=0.1), PROMPT, "cache_threshold"),
     (DiffusionParams(height=32, width=32, guidance_scale=0.0, negative_prompt="blurry"), PROMPT,
      "no effect"),
     (DiffusionParams(height=32, width=32), "  ", "non-empty"),
@@ -201,3 +200,95 @@ def test_served_through_omni_by_its_default_graph(
         assert out.error is None and out.images[0].size == (32, 32)
         (bad,) = omni.generate("a red cube", DiffusionParams(height=33, width=32))
         assert bad.finish_reason == "error" and "multiple of" in bad.error
+
+
+def png_bytes(size: tuple[int, int], seed: int = 0) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("strength, guidance", [(0.6, 0.0), (1.0, 4.0), (0.3, 4.0)])
+def test_image_to_image_matches_diffusers(pair: tuple[diffusers.ZImagePipeline, ZImagePipeline],
+                                          monkeypatch: pytest.MonkeyPatch, strength: float,
+                                          guidance: float) -> None:
+    """An input image encoded, noised to the strength-shortened schedule and denoised: the
+    final latents equal ZImageImg2ImgPipeline's (the output size is the image's)."""
+    from PIL import Image
+    import io
+
+    ref, ours = pair
+    data = png_bytes((SIZE, SIZE), seed=1)
+    seen = capture_latents(ours, monkeypatch)
+    engine = DiffusionEngine(ours)
+    params = DiffusionParams(num_inference_steps=4, guidance_scale=guidance, seed=2,
+                             image=data, strength=strength, num_images=2)
+    engine.add_request("a", PROMPT, params)
+    (res,) = run(engine).values()
+    assert res.metrics["num_steps"] == 4 - int(4 - 4 * strength)
+
+    img2img = diffusers.ZImageImg2ImgPipeline(**ref.components)
+    img2img.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        expected = img2img(PROMPT, image=Image.open(io.BytesIO(data)), strength=strength,
+                           num_inference_steps=4, guidance_scale=guidance,
+                           generator=torch.Generator().manual_seed(2), output_type="latent",
+                           max_sequence_length=SEQ, num_images_per_prompt=2,
+                           return_dict=False)[0]
+    torch.testing.assert_close(seen["NonexNone:2"], expected, atol=1e-4,
+                               rtol=0)
+    assert res.images.shape == (2, SIZE, SIZE, 3)
+
+
+def test_image_to_image_bad_input(pair: tuple[diffusers.ZImagePipeline, ZImagePipeline]) -> None:
+    engine = DiffusionEngine(pair[1])
+    engine.add_request("ok", PROMPT, DiffusionParams(num_inference_steps=1, seed=0,
+                                                     image=png_bytes((SIZE, SIZE))))
+    with pytest.raises(ValueError, match="cannot be decoded"):
+        engine.add_request("x", PROMPT, DiffusionParams(image=b"not an image at all"))
+    with pytest.raises(ValueError, match="smaller than"):
+        engine.add_request("y", PROMPT, DiffusionParams(image=png_bytes((2, 2))))
+    with pytest.raises(ValueError, match="strength"):
+        DiffusionParams(strength=0.5)
+    with pytest.raises(ValueError, match="strength"):
+        DiffusionParams(image=png_bytes((SIZE, SIZE)), strength=0.0)
+    assert list(engine.requests) == ["ok"]          # the good request is undisturbed
+    assert run(engine)["ok"].images.shape == (1, SIZE, SIZE, 3)
+
+
+@pytest.mark.parametrize("guidance", [0.0, 4.0], ids=["no-cfg", "cfg"])
+def test_step_caching(pair: tuple[diffusers.ZImagePipeline, ZImagePipeline],
+                      guidance: float) -> None:
+    """Threshold 0 equals no caching exactly; a positive threshold skips steps (counted), keeps
+    close to the uncached image, and does not change what other requests in the batch get."""
+    _, ours = pair
+
+    def generate(threshold: float | None, with_neighbour: bool = False) -> DiffusionResult:
+        engine = DiffusionEngine(ours)
+        engine.add_request("a", PROMPT, DiffusionParams(
+            height=SIZE, width=SIZE, num_inference_steps=12, guidance_scale=guidance, seed=9,
+            cache_threshold=threshold))
+        if with_neighbour:
+            engine.add_request("b", "hello world", DiffusionParams(
+                height=SIZE, width=SIZE, num_inference_steps=12, guidance_scale=4.0, seed=1))
+        return run(engine)
+
+    plain = generate(None)["a"]
+    zero = generate(0.0)["a"]
+    assert zero.metrics["num_steps_skipped"] == 0
+    assert torch.equal(zero.images, plain.images)
+    cached = generate(1.2, with_neighbour=True)   # the tiny model moves ~0.5-1.1 per step
+    skipped = cached["a"].metrics["num_steps_skipped"]
+    assert 0 < skipped < 10, skipped
+    diff = (cached["a"].images.float() - plain.images.float()).abs().mean()
+    assert diff < 5, f"mean pixel change {diff}"           # ~0.2 / 255 with 5 of 12 skipped
+    alone_b = DiffusionEngine(ours)
+    alone_b.add_request("b", "hello world", DiffusionParams(
+        height=SIZE, width=SIZE, num_inference_steps=12, guidance_scale=4.0, seed=1))
+    assert (run(alone_b)["b"].images.int() - cached["b"].images.int()).abs().max() <= 1

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from omnistage.diffusion.cache import StepCacheState
+from omnistage.diffusion.cache import cache_groups
 from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.models.digits_dit import DigitsDiT, parse_digit
@@ -60,13 +60,8 @@ class DigitsPipeline:
         null = torch.full_like(labels, self.model.null_label)
         x, t, y = torch.cat([latents, latents]), sigmas.repeat(2), torch.cat([labels, null])
         if any(r.params.cache_threshold is not None for r in requests):
-            groups, start = [], 0
-            for branch in ("cond", "uncond"):
-                for r, n in zip(requests, counts):
-                    state = r.cache.setdefault(branch, StepCacheState())
-                    groups.append((slice(start, start + n), state, r.params.cache_threshold,
-                                   r.must_compute))
-                    start += n
+            every = [True] * len(requests)
+            groups = cache_groups(requests, counts, [("cond", every), ("uncond", every)])
             v_cond, v_null = self.model.forward_cached(x, t, y, groups).chunk(2)
         else:
             v_cond, v_null = self.model(x, t, y).chunk(2)

@@ -6,10 +6,11 @@ engine's phases (omnistage/diffusion/pipeline.py), numerics kept step for step.
               sigmas linspace(1, 1/N, N) shifted by mu(image_seq_len)
     velocity: one transformer forward over all rows; timestep = (sigma * 1000) / 1000 as
               diffusers feeds it; distilled guidance embedding per row (FLUX.1-dev)
-    decode:   unpack -> z / scaling + shift -> VAE -> (x/2 + 0.5).clamp(0, 1) -> uint8
+    decode:   unpack -> z / scaling + shift -> VAE (in tiles when larger than its sample_size,
+              as diffusers with enable_tiling()) -> (x/2 + 0.5).clamp(0, 1) -> uint8
 
 Text encoders and tokenizers come from transformers; the transformer and VAE are ours.
-No true CFG (negative prompt) yet.
+No true CFG (negative prompt) yet. Step caching per request (TeaCache's FLUX polynomial).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 from torch import Tensor
 from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
+from omnistage.diffusion.cache import cache_groups
+from omnistage.diffusion.image_input import decode_image, output_size, preprocess
 from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
@@ -80,8 +83,8 @@ class FluxPipeline:
     # ---- request boundary ------------------------------------------------------------------
 
     def _size(self, params: DiffusionParams) -> tuple[int, int]:
-        default = DEFAULT_SAMPLE_SIZE * self.vae_scale_factor
-        return params.height or default, params.width or default
+        return output_size(params.height, params.width, params.image, self.multiple,
+                           DEFAULT_SAMPLE_SIZE * self.vae_scale_factor)
 
     def validate(self, prompt: str, params: DiffusionParams) -> None:
         if not prompt or not prompt.strip():
@@ -89,10 +92,10 @@ class FluxPipeline:
         if params.negative_prompt is not None or params.true_cfg_scale != 1.0:
             raise ValueError("negative_prompt / true_cfg_scale: true CFG is not supported by the "
                              "FLUX pipeline yet (use guidance_scale, the distilled guidance)")
-        if params.cache_threshold is not None:
-            raise ValueError("cache_threshold: step caching is not available for FLUX yet")
         check_size(*self._size(params), self.multiple, MAX_SIZE,
                    f"VAE factor {self.vae_scale_factor} x 2x2 packing")
+        if params.image is not None:
+            decode_image(params.image)
 
     # ---- 1. prepare ------------------------------------------------------------------------
 
@@ -102,20 +105,29 @@ class FluxPipeline:
         height, width = self._size(params)
         prompt_embeds, pooled = self.encode_prompt(prompt)                  # (1, T, J), (1, P)
 
-        # prepare_latents: noise in latent space, then 2x2 patches packed into tokens
-        h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
-        c = self.num_channels_latents
-        noise = torch.randn((n, c, h, w), generator=generator, device=generator.device,
-                            dtype=self.dtype)                                # (n, C, h, w)
-        latents = pack_latents(noise).to(self.device)                       # (n, h/2*w/2, 4C)
-
         # timesteps: FLUX's custom sigmas, shifted by the number of image tokens
+        h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
         num_steps = params.num_inference_steps
         cfg = self.scheduler
-        mu = solver.calculate_shift(latents.shape[1], cfg.base_image_seq_len,
+        mu = solver.calculate_shift((h // 2) * (w // 2), cfg.base_image_seq_len,
                                     cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
         sigmas, _ = solver.make_sigmas(cfg, num_steps, mu=mu,
                                        sigmas=np.linspace(1.0, 1 / num_steps, num_steps))
+
+        # prepare_latents: noise in latent space (image-to-image: the encoded image noised to
+        # the first sigma of the strength-shortened schedule), then 2x2 patches packed
+        image_latents = None
+        if params.image is not None:        # FluxImg2ImgPipeline: encode draws first, then noise
+            sigmas = sigmas[solver.timesteps_for_strength(num_steps, params.image_strength):]
+            image = preprocess(decode_image(params.image), height, width)
+            image_latents = self.vae.normalize(self.vae.sample_latents(
+                image.to(self.device, self.dtype), generator))              # (1, C, h, w)
+        c = self.num_channels_latents
+        noise = torch.randn((n, c, h, w), generator=generator, device=generator.device,
+                            dtype=self.dtype).to(self.device)               # (n, C, h, w)
+        if image_latents is not None:
+            noise = solver.scale_noise(image_latents.expand(n, -1, -1, -1), sigmas[0], noise)
+        latents = pack_latents(noise)                                        # (n, h/2*w/2, 4C)
         cond = {"prompt_embeds": prompt_embeds, "pooled": pooled,
                 "grid": torch.tensor([h // 2, w // 2])}                    # packed token grid
         return latents, sigmas, cond
@@ -168,8 +180,11 @@ class FluxPipeline:
         h, w = requests[0].cond["grid"].tolist()
         img_ids = latent_image_ids(h, w).to(self.device, self.dtype)        # (N, 3)
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
+        step_cache = None
+        if any(r.params.cache_threshold is not None for r in requests):
+            step_cache = cache_groups(requests, counts, [("cond", [True] * len(requests))])
         return self.transformer(latents, embeds, pooled, timestep, img_ids=img_ids,
-                                txt_ids=txt_ids, guidance=guidance)
+                                txt_ids=txt_ids, guidance=guidance, step_cache=step_cache)
 
     # ---- 3. decode -------------------------------------------------------------------------
 
@@ -179,7 +194,7 @@ class FluxPipeline:
         height, width = self._size(params)
         h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
         z = self.vae.denormalize(unpack_latents(latents, h, w))             # (n, C, h, w)
-        images = self.vae.decode(z.to(self.device))                          # (n, 3, H, W)
+        images = self.vae.decode_tiled(z.to(self.device))   # (n, 3, H, W); tiles if large
         return (images / 2 + 0.5).clamp(0, 1).float()
 
     def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:

@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 from transformers import AutoModel, AutoTokenizer
 
+from omnistage.diffusion.cache import cache_groups
+from omnistage.diffusion.image_input import decode_image, output_size, preprocess
 from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
@@ -72,7 +74,8 @@ class ZImagePipeline:
     # ---- request boundary ------------------------------------------------------------------
 
     def _size(self, params: DiffusionParams) -> tuple[int, int]:
-        return params.height or DEFAULT_SIZE, params.width or DEFAULT_SIZE
+        return output_size(params.height, params.width, params.image, self.multiple,
+                           DEFAULT_SIZE)
 
     def validate(self, prompt: str, params: DiffusionParams) -> None:
         if not prompt or not prompt.strip():
@@ -82,10 +85,10 @@ class ZImagePipeline:
                              "guidance_scale (> 0 turns on CFG with negative_prompt)")
         if params.negative_prompt is not None and params.guidance(DEFAULT_GUIDANCE) <= 0:
             raise ValueError("negative_prompt: has no effect with guidance_scale=0 (CFG off)")
-        if params.cache_threshold is not None:
-            raise ValueError("cache_threshold: step caching is not available for Z-Image yet")
         check_size(*self._size(params), self.multiple, MAX_SIZE,
                    f"VAE factor {self.vae_scale_factor} x 2x2 patches")
+        if params.image is not None:
+            decode_image(params.image)
 
     # ---- 1. prepare ------------------------------------------------------------------------
 
@@ -97,18 +100,30 @@ class ZImagePipeline:
         if params.guidance(DEFAULT_GUIDANCE) > 0:                            # diffusers' CFG test
             cond["negative_prompt_embeds"] = self.encode_prompt(params.negative_prompt or "")
 
-        # prepare_latents: float32 noise whatever the model dtype, kept (n, C, h, w)
-        h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
-        latents = torch.randn((n, self.num_channels_latents, h, w), generator=generator,
-                              device=generator.device, dtype=torch.float32).to(self.device)
-
         # timesteps: linspace(1, 1/N, N) in torch float32, then the scheduler's shift
+        h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
         num_steps = params.num_inference_steps
         cfg = self.scheduler
         mu = solver.calculate_shift((h // 2) * (w // 2), cfg.base_image_seq_len,
                                     cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
         sigmas, _ = solver.make_sigmas(
             cfg, num_steps, mu=mu, sigmas=torch.linspace(1.0, 1 / num_steps, num_steps).tolist())
+
+        # prepare_latents, kept (n, C, h, w): text-to-image draws float32 noise whatever the
+        # model dtype; image-to-image (ZImageImg2ImgPipeline) encodes the image first, then
+        # draws noise in the model dtype and noises the image to the shortened schedule's start
+        shape = (n, self.num_channels_latents, h, w)
+        if params.image is None:
+            latents = torch.randn(shape, generator=generator, device=generator.device,
+                                  dtype=torch.float32).to(self.device)
+            return latents, sigmas, cond
+        sigmas = sigmas[solver.timesteps_for_strength(num_steps, params.image_strength):]
+        image = preprocess(decode_image(params.image), height, width)
+        image_latents = self.vae.normalize(self.vae.sample_latents(
+            image.to(self.device, self.vae_dtype), generator)).to(self.dtype)  # (1, C, h, w)
+        noise = torch.randn(shape, generator=generator, device=generator.device,
+                            dtype=self.dtype).to(self.device)
+        latents = solver.scale_noise(image_latents.expand(n, -1, -1, -1), sigmas[0], noise)
         return latents, sigmas, cond
 
     @torch.inference_mode()
@@ -148,8 +163,14 @@ class ZImagePipeline:
         timestep = (1000 - sigmas.float() * self.scheduler.num_train_timesteps) / 1000   # (R,)
         x = latents.to(self.dtype).unsqueeze(2)                              # (R, C, 1, h, w)
         idx = torch.tensor(uncond_rows, dtype=torch.long, device=latents.device)
+        step_cache = None
+        if any(r.params.cache_threshold is not None for r in requests):
+            cfg_on = [r.params.guidance(DEFAULT_GUIDANCE) > 0 for r in requests]
+            step_cache = cache_groups(requests, counts, [("cond", [True] * len(requests)),
+                                                         ("uncond", cfg_on)])
         out = self.transformer(list(x.unbind(0)) + list(x[idx].unbind(0)),
-                               torch.cat([timestep, timestep[idx]]), caps + uncond_caps)
+                               torch.cat([timestep, timestep[idx]]), caps + uncond_caps,
+                               step_cache=step_cache)
         pred = torch.stack([o.float() for o in out]).squeeze(2)              # (R + U, C, h, w)
         pos, neg = pred[:len(scales)], pred[len(scales):]
         if len(uncond_rows):
@@ -165,7 +186,7 @@ class ZImagePipeline:
         """latents (n, C, h, w) -> float32 images (n, 3, H, W) in [0, 1], what diffusers
         returns for output_type="pt" (before the quantization of `decode`)."""
         z = self.vae.denormalize(latents.to(self.device, self.vae_dtype))   # (n, C, h, w)
-        images = self.vae.decode(z)                                          # (n, 3, H, W)
+        images = self.vae.decode_tiled(z)                   # (n, 3, H, W); tiles if large
         return (images / 2 + 0.5).clamp(0, 1).float()
 
     def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:

@@ -1,0 +1,82 @@
+"""Input images of image-to-image / edit requests: bytes -> checked PIL image -> the tensor a
+VAE encodes, as diffusers' `VaeImageProcessor.preprocess` makes it (PIL Lanczos resize to the
+target size, [0, 255] -> [-1, 1]).
+
+A request's image arrives as encoded bytes (PNG, JPEG, WebP, ...) so that it crosses process
+boundaries small and is decoded where it is used; `decode_image` is also what the front door
+calls to reject an undecodable file before anything is scheduled.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+MAX_INPUT_PIXELS = 4096 * 4096       # decompression-bomb guard for input images
+
+
+def decode_image(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> Image.Image:
+    """Encoded image bytes -> an RGB PIL image; ValueError naming `image` if it cannot be
+    decoded or is larger than `max_pixels`."""
+    if not data:
+        raise ValueError("image: empty")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ValueError(f"image: {width}x{height} is larger than the maximum of "
+                                 f"{max_pixels} pixels")
+            image.load()
+    except ValueError:
+        raise
+    except Exception as exc:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ...
+        raise ValueError(f"image: cannot be decoded as an image file ({type(exc).__name__}: "
+                         f"{exc})") from None
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    return image
+
+
+def default_size(image: Image.Image, multiple: int) -> tuple[int, int]:
+    """(height, width) of an input image rounded down to `multiple`: the output size of an
+    image-to-image request that gives none."""
+    width, height = image.size
+    if width < multiple or height < multiple:
+        raise ValueError(f"image: {width}x{height} is smaller than the model's minimum "
+                         f"{multiple}x{multiple}")
+    return height - height % multiple, width - width % multiple
+
+
+def preprocess(image: Image.Image, height: int, width: int) -> Tensor:
+    """PIL image -> (1, 3, height, width) float32 in [-1, 1]; resized with Lanczos when its
+    size differs (diffusers' default `resample`)."""
+    if image.size != (width, height):
+        image = image.resize((width, height), resample=Image.Resampling.LANCZOS)
+    pixels = np.asarray(image, dtype=np.float32) / 255.0                  # (H, W, 3)
+    return torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0) * 2.0 - 1.0
+
+
+def output_size(height: int | None, width: int | None, image: bytes | None, multiple: int,
+                default: int) -> tuple[int, int]:
+    """A request's output (height, width): as asked; else, with an input image, the image's
+    size rounded down to `multiple`; else the pipeline's `default`."""
+    if image is not None and (height is None or width is None):
+        image_h, image_w = default_size(_peek(image), multiple)
+        return height or image_h, width or image_w
+    return height or default, width or default
+
+
+def _peek(data: bytes) -> Image.Image:
+    """Open without decoding the pixels (the header gives the size)."""
+    try:
+        return Image.open(io.BytesIO(data))
+    except Exception as exc:
+        raise ValueError(f"image: cannot be decoded as an image file ({type(exc).__name__}: "
+                         f"{exc})") from None
