@@ -76,6 +76,7 @@ class OmniOutput:
     finish_reason: str | None = None   # stop | length | abort | error
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
+    invalid_input: bool = False        # the error: a stage refused the request's input
     tensors: dict[str, Tensor] = field(default_factory=dict)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     stage_metrics: dict[str, dict] = field(default_factory=dict)

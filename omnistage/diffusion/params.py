@@ -15,7 +15,7 @@ class DiffusionParams:
     guidance (or FLUX's distilled guidance), None: the pipeline's default. true_cfg_scale:
     Qwen-Image's true CFG with a negative prompt. cache_threshold: step caching (TeaCache-
     style), None = off. image: an encoded image file (PNG, JPEG, WebP, ...) to start from
-    (image-to-image / edit); strength: how much of its schedule runs, 1.0 = from pure noise."""
+    (image-to-image / edit), or a PIL image (kept as PNG); strength: how much of its schedule runs, 1.0 = from pure noise."""
 
     height: int | None = None
     width: int | None = None
@@ -30,6 +30,15 @@ class DiffusionParams:
     strength: float | None = None
 
     def __post_init__(self) -> None:
+        if self.image is not None and not isinstance(self.image, (bytes, bytearray)) \
+                and hasattr(self.image, "save"):                      # a PIL image: as PNG
+            import io
+
+            buf = io.BytesIO()
+            self.image.save(buf, format="PNG")
+            object.__setattr__(self, "image", buf.getvalue())
+        elif isinstance(self.image, bytearray):
+            object.__setattr__(self, "image", bytes(self.image))
         self.validate()
 
     def guidance(self, default: float) -> float:

@@ -19,6 +19,7 @@ import torch
 
 from omnistage.configs.defaults import resolve_graph
 from omnistage.configs.schema import GraphConfig, OutputKind
+from omnistage.diffusion.image_input import decode_image
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.engine.inputs import (ParsedPrompt, PromptType, check_params, check_prompt,
                                      parse_prompt)
@@ -63,6 +64,8 @@ class AsyncOmni:
                 check_params(p, self.orchestrator.stage_info.get(name, {}))
             elif isinstance(p, DiffusionParams):
                 p.validate()
+                if p.image is not None:
+                    decode_image(p.image)     # an undecodable image is refused here
         return parsed, params
 
     def _stage_params(self, given: ParamsList) -> dict[str, StageParams]:
@@ -160,6 +163,7 @@ def accumulate(out: OmniOutput, ev: RequestEvent) -> OmniOutput:
         out.finish_reason = out.finish_reason or ev.finish_reason or "stop"
         if ev.error:
             out.finish_reason, out.error = "error", ev.error
+            out.invalid_input = ev.invalid_input
         if ev.finish_reason == "abort":
             out.finish_reason = "abort"
         m.finished_time = now

@@ -64,6 +64,7 @@ class RequestEvent:
     finish_reason: str | None = None
     done: bool = False
     error: str | None = None
+    invalid_input: bool = False        # the error is the request's fault (a stage refused it)
     stage_metrics: dict[str, dict] | None = None
 
 
@@ -303,7 +304,8 @@ class Orchestrator:
                         self._connector.release(out.request_id)
                 return
             if out.error is not None:
-                self._fail(route, f"stage {out.stage!r}: {out.error}", out.stage)
+                self._fail(route, f"stage {out.stage!r}: {out.error}", out.stage,
+                           out.invalid_input)
                 return
             tensors = None
             client = out.handles.get(m.edge_name(out.stage, m.CLIENT))
@@ -347,12 +349,13 @@ class Orchestrator:
                 out.finish_reason if is_final else None, done,
                 stage_metrics=route.metrics if done else None))
 
-    def _fail(self, route: Route, error: str, stage: str) -> None:
+    def _fail(self, route: Route, error: str, stage: str, invalid_input: bool = False) -> None:
         if self._routes.pop(route.request_id, None) is None:
             return
         self._free(route.request_id, route.needed)
         route.sink(RequestEvent(route.request_id, stage, done=True, finish_reason="error",
-                                error=error, stage_metrics=route.metrics))
+                                error=error, invalid_input=invalid_input,
+                                stage_metrics=route.metrics))
 
     def _check_liveness(self) -> None:
         if not self.healthy or self._closed:

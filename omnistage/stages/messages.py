@@ -94,6 +94,7 @@ class StageOutput(msgspec.Struct, tag="out", omit_defaults=True):
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    invalid_input: bool = False       # the error is the request's fault (bad input), not ours
     metrics: dict[str, float | int | None] = {}
 
 

@@ -80,9 +80,10 @@ class StageWorker:
             return []
         except Exception as exc:
             if rid is None or rid not in self.requests:
-                if isinstance(msg, m.AddRequest):
+                if isinstance(msg, m.AddRequest):   # refused at the door: bad input if ValueError
                     return [m.StageOutput(self.name, msg.request_id, finished=True,
-                                          finish_reason="error", error=_describe(exc))]
+                                          finish_reason="error", error=_describe(exc),
+                                          invalid_input=isinstance(exc, ValueError))]
                 logger.exception("stage %s: message %s failed", self.name, type(msg).__name__)
                 return []
             self._drop(rid, abort=True)

@@ -74,3 +74,34 @@ def test_progress_streams_to_the_caller(random_digits: Path) -> None:
     progress = [o.progress for o in outs]
     assert progress == [0.25, 0.5, 0.75, 1.0]
     assert outs[-1].finished and outs[-1].images and not outs[0].delta_tensors
+
+
+def test_image_to_image_and_bad_images(random_digits: Path) -> None:
+    """An input image (a PIL image or encoded bytes) shortens the schedule by its strength; an
+    undecodable image is refused before anything is scheduled (ValueError); a request a stage
+    refuses comes back marked as bad input; the engine keeps serving throughout."""
+    import io
+
+    from PIL import Image
+
+    start = Image.new("RGB", (24, 24))
+    start.paste((255, 255, 255), (8, 2, 16, 22))              # a light bar on black: a "1"
+    with Omni(stage_config=graph(random_digits, "inproc"), device="cpu") as omni:
+        (out,) = omni.generate("one", DiffusionParams(num_inference_steps=10, seed=2,
+                                                      image=start, strength=0.5))
+        assert out.error is None and out.images[0].size == (64, 64)
+        assert out.stage_metrics["dit"]["num_steps"] == 5
+        buf = io.BytesIO()
+        start.save(buf, format="JPEG")
+        (same,) = omni.generate("one", DiffusionParams(num_inference_steps=10, seed=2,
+                                                       image=buf.getvalue(), strength=1.0))
+        assert same.stage_metrics["dit"]["num_steps"] == 10
+
+        for bad in (b"\x89PNG\r\n\x1a\n truncated", b"GIF89a", b"hello"):
+            with pytest.raises(ValueError, match="image: cannot be decoded"):
+                omni.generate("one", DiffusionParams(image=bad))
+        (refused,) = omni.generate("one", DiffusionParams(height=12, width=64))
+        assert refused.finish_reason == "error" and refused.invalid_input
+        assert "multiple of 8" in refused.error
+        (again,) = omni.generate("seven", DiffusionParams(num_inference_steps=2, seed=0))
+        assert again.error is None and not again.invalid_input and again.images

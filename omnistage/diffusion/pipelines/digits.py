@@ -1,18 +1,24 @@
 """The built-in demo: handwritten digits from a class-conditional flow-matching DiT
 (omnistage/models/digits_dit.py), 8x8 pixels shown upscaled. "a handwritten 7" or "seven"
-chooses the digit; classifier-free guidance against the null class."""
+chooses the digit; classifier-free guidance against the null class. Image-to-image: an input
+image, greyed and reduced to 8x8 (light strokes on dark, as the training digits), is noised to
+the strength's point of the schedule and redrawn as the digit asked for."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import Tensor
 
 from omnistage.diffusion.cache import cache_groups
+from omnistage.diffusion.image_input import decode_image
 from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.request import DiffusionRequest
+from omnistage.diffusion.solvers.flow_match_euler import scale_noise, timesteps_for_strength
 from omnistage.models.digits_dit import DigitsDiT, parse_digit
 
 DEFAULT_SIZE = 64   # pixels: the 8x8 image upscaled 8x
@@ -41,12 +47,20 @@ class DigitsPipeline:
                              "its null class only")
         check_size(*self._size(params), self.image_size, MAX_SIZE,
                    "the demo draws 8x8 digits, shown upscaled")
+        if params.image is not None:
+            decode_image(params.image)
 
     def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
                 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         n, s = params.num_images, self.image_size
         latents = torch.randn(n, 1, s, s, generator=generator)             # (n, 1, 8, 8)
         sigmas = torch.linspace(1.0, 0.0, params.num_inference_steps + 1)   # as in training
+        if params.image is not None:   # image-to-image: the 8x8 grey image is the latent
+            start = timesteps_for_strength(params.num_inference_steps, params.image_strength)
+            sigmas = sigmas[start:]
+            grey = decode_image(params.image).convert("L").resize((s, s), Image.Resampling.BOX)
+            x0 = torch.from_numpy(np.asarray(grey, dtype=np.float32) / 127.5 - 1.0)
+            latents = scale_noise(x0.expand(n, 1, s, s), sigmas[0], latents)
         return latents, sigmas, {"labels": torch.full((n,), parse_digit(prompt))}
 
     def velocity(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
