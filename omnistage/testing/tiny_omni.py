@@ -64,8 +64,8 @@ def tiny_omni_config(tokenizer: PreTrainedTokenizerFast, **overrides: Any):
             "interleaved": True}
     thinker = {
         "audio_config": dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=2,
-                             encoder_ffn_dim=64, d_model=32, output_dim=64, n_window=4,
-                             n_window_infer=16, conv_chunksize=500, downsample_hidden_size=8,
+                             encoder_ffn_dim=64, d_model=32, output_dim=64, n_window=50,
+                             n_window_infer=200, conv_chunksize=500, downsample_hidden_size=8,
                              max_source_positions=1500),
         "vision_config": dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
                               in_channels=3, patch_size=4, spatial_merge_size=2,

@@ -9,7 +9,8 @@ engine's phases (omnistage/diffusion/pipeline.py), numerics kept step for step.
     decode:   unpack -> z / scaling + shift -> VAE (in tiles when larger than its sample_size,
               as diffusers with enable_tiling()) -> (x/2 + 0.5).clamp(0, 1) -> uint8
 
-Text encoders and tokenizers come from transformers; the transformer and VAE are ours.
+Every network is ours (CLIP and T5 text encoders, transformer, VAE); tokenizers come from
+transformers.
 No true CFG (negative prompt) yet. Step caching per request (TeaCache's FLUX polynomial).
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor
-from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+from transformers import AutoTokenizer
 
 from omnistage.diffusion.cache import cache_groups
 from omnistage.diffusion.image_input import decode_image, output_size, preprocess
@@ -30,6 +31,7 @@ from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.models.autoencoder_kl import AutoencoderKL
 from omnistage.models.flux_transformer import FluxTransformer2DModel
+from omnistage.models.text_encoders import CLIPTextEncoder, T5Encoder
 
 MAX_SIZE = 2048
 DEFAULT_GUIDANCE = 3.5              # FLUX.1-dev's distilled guidance, as in diffusers
@@ -40,7 +42,7 @@ CLIP_MAX_LENGTH = 77
 
 class FluxPipeline:
     def __init__(self, transformer: FluxTransformer2DModel, vae: AutoencoderKL,
-                 text_encoder: CLIPTextModel, tokenizer, text_encoder_2: T5EncoderModel,
+                 text_encoder: CLIPTextEncoder, tokenizer, text_encoder_2: T5Encoder,
                  tokenizer_2, scheduler: solver.FlowMatchEulerConfig, device: torch.device,
                  max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> None:
         if not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
@@ -71,8 +73,8 @@ class FluxPipeline:
         transformer = FluxTransformer2DModel.from_pretrained(path / "transformer", device, dtype)
         dtype = dtype or next(transformer.parameters()).dtype
         vae = AutoencoderKL.from_pretrained(path / "vae", device, dtype)
-        text_encoder = CLIPTextModel.from_pretrained(path / "text_encoder", dtype=dtype)
-        text_encoder_2 = T5EncoderModel.from_pretrained(path / "text_encoder_2", dtype=dtype)
+        text_encoder = CLIPTextEncoder.from_pretrained(path / "text_encoder", device, dtype)
+        text_encoder_2 = T5Encoder.from_pretrained(path / "text_encoder_2", device, dtype)
         tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
         tokenizer_2 = AutoTokenizer.from_pretrained(path / "tokenizer_2")
         scheduler = solver.FlowMatchEulerConfig.from_dict(
@@ -137,11 +139,11 @@ class FluxPipeline:
         """-> T5 sequence (1, max_sequence_length, joint_dim), CLIP pooled (1, pooled_dim)."""
         clip_ids = self.tokenizer([prompt], padding="max_length", max_length=self.clip_max_length,
                                   truncation=True, return_tensors="pt").input_ids
-        pooled = self.text_encoder(clip_ids.to(self.device)).pooler_output
+        _, pooled = self.text_encoder(clip_ids.to(self.device))
         t5_ids = self.tokenizer_2([prompt], padding="max_length",
                                   max_length=self.max_sequence_length, truncation=True,
                                   return_tensors="pt").input_ids
-        embeds = self.text_encoder_2(t5_ids.to(self.device))[0]
+        embeds = self.text_encoder_2(t5_ids.to(self.device))
         return embeds.to(self.dtype), pooled.to(self.dtype)
 
     # ---- 2. velocity -----------------------------------------------------------------------

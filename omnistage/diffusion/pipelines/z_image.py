@@ -10,7 +10,8 @@ engine's phases (omnistage/diffusion/pipeline.py), numerics kept step for step.
               timestep = (1000 - sigma*1000) / 1000; pred = pos + g * (pos - neg); v = -pred
     decode:   z / scaling + shift -> VAE -> (x/2 + 0.5).clamp(0, 1) -> uint8
 
-The text encoder and tokenizer come from transformers; the transformer and VAE are ours.
+Every network is ours (Qwen3 text encoder, transformer, VAE); the tokenizer comes from
+transformers.
 Not ported: cfg_normalization and cfg_truncation < 1 (diffusers' defaults, off, are what runs).
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoTokenizer
 
 from omnistage.diffusion.cache import cache_groups
 from omnistage.diffusion.image_input import decode_image, output_size, preprocess
@@ -29,6 +30,7 @@ from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.models.autoencoder_kl import AutoencoderKL
+from omnistage.models.text_encoders import QwenTextEncoder
 from omnistage.models.z_image_transformer import ZImageTransformer2DModel
 
 MAX_SIZE = 2048
@@ -64,8 +66,8 @@ class ZImagePipeline:
         transformer = ZImageTransformer2DModel.from_pretrained(path / "transformer", device, dtype)
         dtype = dtype or next(transformer.parameters()).dtype
         vae = AutoencoderKL.from_pretrained(path / "vae", device, dtype)
-        # Qwen3Model (or a Qwen3ForCausalLM checkpoint, whose base model AutoModel keeps)
-        text_encoder = AutoModel.from_pretrained(path / "text_encoder", dtype=dtype)
+        # a Qwen3Model or Qwen3ForCausalLM checkpoint, run as an encoder
+        text_encoder = QwenTextEncoder.from_pretrained(path / "text_encoder", device, dtype)
         tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
         scheduler = solver.FlowMatchEulerConfig.from_dict(
             json.loads((path / "scheduler" / "scheduler_config.json").read_text()))
@@ -135,9 +137,8 @@ class ZImagePipeline:
         inputs = self.tokenizer([text], padding="max_length", max_length=self.max_sequence_length,
                                 truncation=True, return_tensors="pt")
         mask = inputs.attention_mask.to(self.device).bool()                 # (1, S)
-        hidden = self.text_encoder(input_ids=inputs.input_ids.to(self.device),
-                                   attention_mask=mask, output_hidden_states=True
-                                   ).hidden_states[-2]                       # (1, S, J)
+        hidden = self.text_encoder(inputs.input_ids.to(self.device), mask,
+                                   output_layers=(-2,))[-2]                  # (1, S, J)
         return hidden[0][mask[0]].to(self.dtype)
 
     # ---- 2. velocity -----------------------------------------------------------------------

@@ -1,0 +1,189 @@
+"""The sparse mixture-of-experts block of Qwen3-Omni's thinker and talker.
+
+    router:  p = softmax(x W_gate^T) in float32 -> top-k experts per token
+             (-> renormalised to sum 1 if norm_topk_prob)
+    experts: y = sum_k  p_k * down_e(silu(gate_e(x)) * up_e(x))     e = k-th chosen expert
+    talker:  y += sigmoid(x w_shared_gate) * shared_expert(x)         a dense SwiGLU MLP
+
+The experts live in two 3D parameters, `experts.gate_up_proj` (E, 2I, H) with rows | gate | up |
+and `experts.down_proj` (E, H, I), as transformers 5 holds them. Checkpoints (the Hub's and what
+transformers' `save_pretrained` writes) store one 2D tensor per expert and projection,
+`experts.{e}.gate_proj.weight`; `load_expert_weight` copies each into its slice.
+
+The expert compute runs over the flattened batch without per-token loops: the T*k
+(token, expert) pairs are sorted by expert, each active expert runs one matmul pair on its
+contiguous slice, and the weighted results are added back to their tokens with one index_add.
+(The per-expert counts come to the host once per layer to size the slices; a fused-MoE GPU
+kernel would replace `FusedExperts.forward` without changing the weights' layout.)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+
+from omnistage.layers.activation import SiluAndMul
+from omnistage.layers.linear import Linear, MergedLinear, copy_checked
+
+# experts.{e}.{gate,up,down}_proj.weight, as checkpoints store them
+_EXPERT_TENSOR = re.compile(r"(?P<base>.+\.experts)\.(?P<idx>\d+)\."
+                            r"(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+# our fused parameters, as `loader.checkpoint_names` spells them after un-packing gate_up_proj
+_FUSED_NAME = re.compile(r"(?P<base>.+\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)")
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0   # 0: no shared expert (the thinker)
+
+    @classmethod
+    def from_hf(cls, text_config: PretrainedConfig, has_shared_expert: bool) -> MoeConfig:
+        hidden_act = getattr(text_config, "hidden_act", "silu")
+        if hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {hidden_act!r}: only silu is supported")
+        cfg = cls(
+            num_experts=text_config.num_experts,
+            num_experts_per_tok=text_config.num_experts_per_tok,
+            moe_intermediate_size=text_config.moe_intermediate_size,
+            norm_topk_prob=bool(text_config.norm_topk_prob),
+            shared_expert_intermediate_size=(text_config.shared_expert_intermediate_size
+                                             if has_shared_expert else 0),
+        )
+        if not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
+            raise ValueError(f"num_experts_per_tok {cfg.num_experts_per_tok} must be in "
+                             f"[1, num_experts={cfg.num_experts}]")
+        return cfg
+
+
+class FusedExperts(nn.Module):
+    """E SwiGLU experts in two 3D weights; runs the (token, expert) pairs routed to them."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(                                  # rows | gate | up |
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.gate_up_proj.weight_loader = self.weight_loader
+        self.down_proj.weight_loader = self.weight_loader
+        self.act_fn = SiluAndMul()
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor,
+                      shard_id: tuple[int, int | None] | None = None) -> None:
+        """shard_id None: the whole 3D tensor; (e, None): expert e of down_proj;
+        (e, 0 | 1): the gate / up rows of expert e of gate_up_proj."""
+        if shard_id is None:
+            return copy_checked(param.data, loaded_weight)
+        expert, half = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range (num_experts={self.num_experts})")
+        dst = param.data[expert]
+        if half is not None:
+            dst = dst.narrow(0, half * self.intermediate_size, self.intermediate_size)
+        copy_checked(dst, loaded_weight)
+
+    def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """x: (T, H); topk_ids, topk_weights: (T, k) -> (T, H)."""
+        top_k = topk_ids.shape[1]
+        flat_ids = topk_ids.flatten()                                       # (T*k,)
+        order = flat_ids.argsort(stable=True)                               # pairs by expert
+        token_idx = order // top_k                                          # (T*k,)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        xs = x[token_idx]                                                   # (T*k, H)
+        out = torch.empty_like(xs)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            h = self.act_fn(F.linear(xs[start:start + n], self.gate_up_proj[expert]))  # (n, I)
+            out[start:start + n] = F.linear(h, self.down_proj[expert])              # (n, H)
+            start += n
+        out = out * topk_weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, token_idx, out)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ the talker's gated shared expert). Parameter names follow HF:
+    gate.weight, experts.{gate_up_proj,down_proj}, shared_expert.*, shared_expert_gate.weight."""
+
+    def __init__(self, hidden_size: int, cfg: MoeConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = Linear(hidden_size, cfg.num_experts)                   # the router
+        self.experts = FusedExperts(cfg.num_experts, hidden_size, cfg.moe_intermediate_size)
+        self.has_shared_expert = cfg.shared_expert_intermediate_size > 0
+        if self.has_shared_expert:
+            self.shared_expert = SharedExpert(hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(hidden_size, 1)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x: (T, H) -> expert ids (T, k) and their weights (T, k) in x's dtype."""
+        router_logits = self.gate(x)                                        # (T, E)
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        return topk_ids, topk_weights.to(router_logits.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:                                 # (T, H) -> (T, H)
+        topk_ids, topk_weights = self.route(x)
+        y = self.experts(x, topk_ids, topk_weights)
+        if self.has_shared_expert:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2)
+        self.act_fn = SiluAndMul()
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+def load_expert_weight(params: dict[str, nn.Parameter], name: str, tensor: Tensor) -> str | None:
+    """If `name` is a per-expert checkpoint tensor (`...experts.{e}.gate_proj.weight`), copy it
+    into its slice of the fused parameter and return that parameter's name; else None."""
+    m = _EXPERT_TENSOR.fullmatch(name)
+    if m is None:
+        return None
+    proj = m["proj"]
+    param_name = f"{m['base']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+    param = params.get(param_name)
+    if param is None:
+        return None
+    half = {"gate_proj": 0, "up_proj": 1, "down_proj": None}[proj]
+    try:
+        param.weight_loader(param, tensor, (int(m["idx"]), half))
+    except ValueError as e:
+        raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+    return param_name
+
+
+def expand_expert_names(names: set[str], num_experts: int) -> set[str]:
+    """Checkpoint names with every fused expert name (`...experts.gate_proj`, as
+    `loader.checkpoint_names` un-packs our `experts.gate_up_proj`) replaced by the per-expert
+    tensors a checkpoint stores."""
+    out: set[str] = set()
+    for name in names:
+        m = _FUSED_NAME.fullmatch(name)
+        if m is None:
+            out.add(name)
+        else:
+            out.update(f"{m['base']}.{e}.{m['proj']}.weight" for e in range(num_experts))
+    return out

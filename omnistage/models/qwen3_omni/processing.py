@@ -1,0 +1,552 @@
+"""Chat request -> Qwen3-Omni thinker inputs, without transformers' `Qwen3OmniMoeProcessor`
+(it needs torchvision): transformers' WhisperFeatureExtractor and PIL Qwen2-VL image processor
+built from the checkpoint's preprocessor_config.json, plus our own placeholder expansion and
+multimodal rotary positions.
+
+    messages -> text with one placeholder per item, through the tokenizer's chat template:
+        "<|im_start|>user\\n<|audio_start|><|audio_pad|><|audio_end|>What is ...<|im_end|>..."
+    tokenize, then repeat every placeholder to its encoder's token count:
+        <|audio_pad|> x output_lengths(mel frames)    between <|audio_start|> .. <|audio_end|>
+        <|image_pad|> x t*h*w / merge^2               between <|vision_start|> .. <|vision_end|>
+        <|video_pad|> x t*h*w / merge^2               between <|vision_start|> .. <|vision_end|>
+    mrope_positions(ids) -> (3, L) positions: text and audio count up on all three axes; an
+        image / video block gets (t, row, col) offsets from where it starts, and the text after
+        it resumes at the block's largest position + 1.
+
+Like the reference processor, all audios of one request go through the feature extractor in
+one call (padded to the longest). n_window comes from the model config (the reference
+processor has its own default, 50, the released value). Videos are frames the caller already
+sampled, given with their fps; each frame goes through the image processor and
+`temporal_patch_size` consecutive frames form one temporal patch (the layout of transformers'
+Qwen2-VL video processor; its torchvision resize is not reproduced bit for bit). Audio tracks
+of videos (`use_audio_in_video`) are not supported.
+
+Audio at another sample rate is resampled to the feature extractor's (16 kHz) by `resample`, our
+windowed-sinc resampler (Hann window, 6 zero crossings, 0.99 roll-off: torchaudio's default).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import Tensor
+
+from omnistage.models.qwen3_omni.audio_encoder import output_lengths, read_thinker_config
+
+DEFAULT_MAX_IMAGE_PIXELS = 1 << 25      # 33.5 M: an 8K UHD frame (7680 x 4320) still fits
+DEFAULT_VIDEO_FPS = 2.0
+
+
+# ---- audio helpers ------------------------------------------------------------------------------
+
+def load_audio(data: bytes) -> tuple[np.ndarray, int]:
+    """Decode an audio file's bytes (wav, flac, ogg, mp3, ... as libsndfile reads them) to a
+    mono float32 waveform and its sample rate."""
+    import soundfile
+
+    if not data:
+        raise ValueError("audio: no bytes to decode")
+    try:
+        waveform, sample_rate = soundfile.read(io.BytesIO(data), dtype="float32",
+                                               always_2d=True)
+    except (soundfile.SoundFileError, RuntimeError, TypeError) as e:
+        raise ValueError(f"audio: cannot decode {len(data)} bytes as an audio file ({e})") from None
+    return waveform.mean(axis=1), int(sample_rate)              # (frames, ch) -> (frames,)
+
+
+def resample(waveform: np.ndarray, orig_sr: int, target_sr: int, zero_crossings: int = 6,
+             rolloff: float = 0.99) -> np.ndarray:
+    """Band-limited resampling of a 1-D waveform: a Hann-windowed sinc low-pass at
+    rolloff * min(orig_sr, target_sr) / 2, evaluated as a polyphase filter bank (one filter per
+    output phase, applied with a strided conv). Output length ceil(len * target / orig)."""
+    if orig_sr <= 0 or target_sr <= 0:
+        raise ValueError(f"sample rates must be positive, got {orig_sr} -> {target_sr}")
+    if orig_sr == target_sr:
+        return waveform.astype(np.float32, copy=False)
+    g = math.gcd(orig_sr, target_sr)
+    up, down = target_sr // g, orig_sr // g        # every `down` inputs make `up` outputs
+    cutoff = min(up, down) * rolloff               # in units of the reduced input rate
+    half_width = math.ceil(zero_crossings * down / cutoff)   # filter half-length, input samples
+
+    # phase p (output sample p of each block) sits at input offset p * down / up
+    taps = torch.arange(-half_width, half_width + down, dtype=torch.float64) / down
+    t = (taps[None, :] - torch.arange(up, dtype=torch.float64)[:, None] / up) * cutoff
+    t = t.clamp(-zero_crossings, zero_crossings)
+    window = torch.cos(t * math.pi / zero_crossings / 2) ** 2
+    t = t * math.pi
+    sinc = torch.where(t == 0, torch.ones_like(t), torch.sin(t) / torch.where(t == 0, 1, t))
+    kernels = (sinc * window * cutoff / down).float()          # (up, taps)
+
+    x = torch.from_numpy(np.ascontiguousarray(waveform, dtype=np.float32))
+    x = F.pad(x[None, None], (half_width, half_width + down))   # (1, 1, n + pad)
+    y = F.conv1d(x, kernels[:, None, :], stride=down)            # (1, up, blocks)
+    y = y[0].T.reshape(-1)                                       # interleave the phases
+    return y[: math.ceil(up * waveform.shape[0] / down)].numpy()
+
+
+# ---- positions ----------------------------------------------------------------------------------
+
+def mrope_positions(input_ids: Sequence[int] | Tensor, *, image_token_id: int,
+                    video_token_id: int, spatial_merge_size: int, position_id_per_seconds: float,
+                    image_grid_thw: Tensor | None = None, video_grid_thw: Tensor | None = None,
+                    video_second_per_grid: Sequence[float] | Tensor | None = None
+                    ) -> tuple[Tensor, int]:
+    """The thinker's 3-axis rotary positions (3, L) int64 and the rope delta (decode step n of
+    a prompt of L tokens sits at position L + n + delta on every axis), equal to HF's
+    `get_rope_index` for text, audio, image and video prompts (audio-in-video excepted).
+
+    Every run of image (video) placeholder tokens is one image (video), in grid order. Its
+    positions are start + (t * seconds_per_grid * position_id_per_seconds, row, col) over the
+    merged grid (images: one second per grid), where start is the position its first token
+    would have had as text; the next token continues at the block's largest position + 1."""
+    ids = input_ids.tolist() if isinstance(input_ids, Tensor) else list(input_ids)
+    grids = {image_token_id: image_grid_thw.tolist() if image_grid_thw is not None else [],
+             video_token_id: video_grid_thw.tolist() if video_grid_thw is not None else []}
+    seconds = {image_token_id: [1.0] * len(grids[image_token_id]),
+               video_token_id: [float(s) for s in (video_second_per_grid if
+                                video_second_per_grid is not None else [])]}
+    if len(seconds[video_token_id]) != len(grids[video_token_id]):
+        raise ValueError(f"video_second_per_grid has {len(seconds[video_token_id])} entries for "
+                         f"{len(grids[video_token_id])} videos")
+    used = {image_token_id: 0, video_token_id: 0}
+    pieces: list[Tensor] = []
+    next_pos = text_start = i = 0
+
+    def text_until(end: int) -> None:                            # text / audio: count up
+        nonlocal next_pos
+        if end > text_start:
+            pieces.append(torch.arange(next_pos, next_pos + end - text_start).expand(3, -1))
+            next_pos += end - text_start
+
+    while i < len(ids):
+        token = ids[i]
+        if token not in grids:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(ids) and ids[j] == token:
+            j += 1
+        text_until(i)
+        kind = "image" if token == image_token_id else "video"
+        k = used[token]
+        if k >= len(grids[token]):
+            raise ValueError(f"input_ids: more {kind} placeholder runs than {kind} grids "
+                             f"({len(grids[token])})")
+        t, h, w = (int(x) for x in grids[token][k])
+        h, w = h // spatial_merge_size, w // spatial_merge_size
+        if j - i != t * h * w:
+            raise ValueError(f"input_ids: {kind} {k} has {j - i} placeholder tokens, its grid "
+                             f"{grids[token][k]} needs {t * h * w}")
+        step = seconds[token][k] * position_id_per_seconds
+        if step != int(step):
+            raise ValueError(f"{kind} {k}: {seconds[token][k]} s per grid x "
+                             f"{position_id_per_seconds} positions/s is not a whole number")
+        t_idx = (torch.arange(t) * int(step)).view(t, 1, 1).expand(t, h, w)
+        h_idx = torch.arange(h).view(1, h, 1).expand(t, h, w)
+        w_idx = torch.arange(w).view(1, 1, w).expand(t, h, w)
+        block = torch.stack([t_idx, h_idx, w_idx]).reshape(3, -1) + next_pos
+        pieces.append(block)
+        next_pos = int(block.max()) + 1
+        used[token] += 1
+        text_start = i = j
+    text_until(len(ids))
+    for token, kind in ((image_token_id, "image"), (video_token_id, "video")):
+        if used[token] != len(grids[token]):
+            raise ValueError(f"input_ids: {used[token]} {kind} placeholder runs for "
+                             f"{len(grids[token])} {kind} grids")
+    positions = torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long)
+    return positions, (next_pos - len(ids))
+
+
+# ---- special tokens, inputs, merged embeddings ---------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class SpecialTokens:
+    audio_start: int
+    audio_pad: int
+    audio_end: int
+    vision_start: int
+    image_pad: int
+    video_pad: int
+    vision_end: int
+
+    @classmethod
+    def from_hf(cls, thinker_config, tokenizer) -> SpecialTokens:
+        """Placeholder ids from the thinker config; the end tokens (not in the config) by name."""
+        def by_name(token: str) -> int:
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            if token_id is None or token_id == tokenizer.unk_token_id:
+                raise ValueError(f"tokenizer has no {token} token")
+            return token_id
+        return cls(audio_start=thinker_config.audio_start_token_id,
+                   audio_pad=thinker_config.audio_token_id, audio_end=by_name("<|audio_end|>"),
+                   vision_start=thinker_config.vision_start_token_id,
+                   image_pad=thinker_config.image_token_id,
+                   video_pad=thinker_config.video_token_id, vision_end=by_name("<|vision_end|>"))
+
+
+@dataclass(slots=True)
+class ThinkerInputs:
+    """One request's thinker inputs, placeholders expanded."""
+    input_ids: Tensor                              # (L,) int64
+    positions: Tensor                              # (3, L) int64: mrope t / h / w
+    rope_delta: int                                # decode positions: L + n + rope_delta
+    prompt: str                                    # templated text, one placeholder per item
+    input_features: Tensor | None = None           # (num_mel, total_frames) f32, back to back
+    audio_feature_lens: Tensor | None = None       # (num_audios,) int64 mel frames
+    pixel_values: Tensor | None = None             # (num_patches, C*tp*p*p) f32
+    image_grid_thw: Tensor | None = None           # (num_images, 3) int64
+    pixel_values_videos: Tensor | None = None      # (num_video_patches, C*tp*p*p) f32
+    video_grid_thw: Tensor | None = None           # (num_videos, 3) int64
+    video_second_per_grid: Tensor | None = None    # (num_videos,) f32
+
+    def hf_kwargs(self) -> dict[str, Tensor]:
+        """The same inputs as HF's thinker `forward` takes them (a batch of one; audio padded
+        to (num_audios, num_mel, max_frames) with `feature_attention_mask`)."""
+        out: dict[str, Tensor] = {"input_ids": self.input_ids[None],
+                                  "attention_mask": torch.ones_like(self.input_ids)[None]}
+        if self.input_features is not None:
+            lens = self.audio_feature_lens.tolist()
+            chunks = self.input_features.split(lens, dim=1)
+            out["input_features"] = torch.nn.utils.rnn.pad_sequence(
+                [c.T for c in chunks], batch_first=True).transpose(1, 2)
+            out["feature_attention_mask"] = (torch.arange(max(lens))[None, :]
+                                             < self.audio_feature_lens[:, None]).long()
+        for name in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                     "video_second_per_grid"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+
+@dataclass(slots=True)
+class MultimodalEmbeddings:
+    inputs_embeds: Tensor                # (L, hidden): encoder outputs at their placeholders
+    visual_mask: Tensor | None           # (L,) bool: image and video placeholder positions
+    # per deepstack layer (num_visual, hidden), visual tokens in sequence order; the thinker
+    # adds layer i's to the visual rows after its decoder layer i
+    deepstack: list[Tensor] = field(default_factory=list)
+
+    def deepstack_rows(self, offset: int = 0) -> tuple[Tensor, Tensor] | None:
+        """(rows (K,), features (num_deepstack, K, hidden)), the thinker's `deepstack`
+        argument; `offset` is this request's first row in the flattened batch."""
+        if self.visual_mask is None or not self.deepstack:
+            return None
+        rows = self.visual_mask.nonzero().squeeze(1) + offset
+        return rows, torch.stack(self.deepstack)
+
+
+def merge_multimodal_embeddings(input_ids: Tensor, inputs_embeds: Tensor, tokens: SpecialTokens,
+                                audio_embeds: Tensor | None = None,
+                                image_embeds: Tensor | None = None,
+                                video_embeds: Tensor | None = None,
+                                image_deepstack: Sequence[Tensor] = (),
+                                video_deepstack: Sequence[Tensor] = ()) -> MultimodalEmbeddings:
+    """Scatter encoder outputs into the text embeddings (L, hidden) at their placeholder tokens,
+    in order, and gather the deepstack features of all visual tokens in sequence order."""
+    out = inputs_embeds.clone()
+    masks: dict[str, Tensor] = {}
+    for kind, token, embeds in (("audio", tokens.audio_pad, audio_embeds),
+                                ("image", tokens.image_pad, image_embeds),
+                                ("video", tokens.video_pad, video_embeds)):
+        mask = input_ids == token
+        if embeds is None:
+            if mask.any():
+                raise ValueError(f"input_ids have {int(mask.sum())} {kind} placeholders but no "
+                                 f"{kind} embeddings were given")
+            continue
+        if int(mask.sum()) != embeds.shape[0]:
+            raise ValueError(f"{kind}: {int(mask.sum())} placeholder tokens but "
+                             f"{embeds.shape[0]} embeddings")
+        out[mask] = embeds.to(out.dtype)
+        masks[kind] = mask
+    if "image" not in masks and "video" not in masks:
+        return MultimodalEmbeddings(out, None)
+    visual = masks.get("image", torch.zeros_like(input_ids, dtype=torch.bool)) | \
+        masks.get("video", torch.zeros_like(input_ids, dtype=torch.bool))
+    num_layers = max(len(image_deepstack), len(video_deepstack))
+    deepstack = []
+    for layer in range(num_layers):
+        joint = out.new_zeros(int(visual.sum()), out.shape[-1])
+        for kind, features in (("image", image_deepstack), ("video", video_deepstack)):
+            if kind in masks:
+                if len(features) != num_layers:
+                    raise ValueError(f"{kind}_deepstack has {len(features)} layers, expected "
+                                     f"{num_layers}")
+                joint[masks[kind][visual]] = features[layer].to(out.dtype)
+        deepstack.append(joint)
+    return MultimodalEmbeddings(out, visual, deepstack)
+
+
+# ---- the processor -------------------------------------------------------------------------------
+
+class InputProcessor:
+    """`processor(messages) -> ThinkerInputs` for OpenAI-like chat messages whose content is a
+    string or a list of parts:
+
+        {"type": "text", "text": str}
+        {"type": "audio", "audio": (waveform, sample_rate) | bytes of an audio file}
+            (or "audio": waveform with "sample_rate": int; waveform 1-D float, any rate)
+        {"type": "image", "image": PIL.Image.Image | bytes of an image file}
+        {"type": "video", "video": [PIL.Image.Image, ...], "fps": float (default 2)}
+    """
+
+    def __init__(self, tokenizer, feature_extractor, image_processor, tokens: SpecialTokens, *,
+                 n_window: int, spatial_merge_size: int, position_id_per_seconds: float,
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+        self.tokenizer = tokenizer
+        self.feature_extractor = feature_extractor
+        self.image_processor = image_processor
+        self.tokens = tokens
+        self.n_window = n_window
+        self.spatial_merge_size = spatial_merge_size
+        self.position_id_per_seconds = position_id_per_seconds
+        self.max_image_pixels = max_image_pixels
+        if image_processor.merge_size != spatial_merge_size:
+            raise ValueError(f"preprocessor merge_size {image_processor.merge_size} != vision "
+                             f"spatial_merge_size {spatial_merge_size}")
+        self.placeholders = {
+            "audio": self._token(tokens.audio_start) + self._token(tokens.audio_pad)
+            + self._token(tokens.audio_end),
+            "image": self._token(tokens.vision_start) + self._token(tokens.image_pad)
+            + self._token(tokens.vision_end),
+            "video": self._token(tokens.vision_start) + self._token(tokens.video_pad)
+            + self._token(tokens.vision_end)}
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *,
+                        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> InputProcessor:
+        from transformers import AutoTokenizer, WhisperFeatureExtractor
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil)
+
+        path = Path(path)
+        if not (path / "preprocessor_config.json").is_file():
+            raise FileNotFoundError(f"{path}: no preprocessor_config.json")
+        thinker = read_thinker_config(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(tokenizer, WhisperFeatureExtractor.from_pretrained(path),
+                   Qwen2VLImageProcessorPil.from_pretrained(path),
+                   SpecialTokens.from_hf(thinker, tokenizer),
+                   n_window=thinker.audio_config.n_window,
+                   spatial_merge_size=thinker.vision_config.spatial_merge_size,
+                   position_id_per_seconds=thinker.position_id_per_seconds,
+                   max_image_pixels=max_image_pixels)
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.convert_ids_to_tokens(token_id)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def __call__(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                 **chat_template_kwargs: Any) -> ThinkerInputs:
+        """Render `messages` with the tokenizer's chat template and process them."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: expected a non-empty list of {role, content} dicts")
+        conversation = []
+        audios: list[np.ndarray] = []
+        images: list[Image.Image] = []
+        videos: list[tuple[list[Image.Image], float]] = []
+        for i, message in enumerate(messages):
+            where = f"messages[{i}]"
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ValueError(f"{where}: expected a dict with a string 'role'")
+            content = message.get("content")
+            if isinstance(content, str):
+                conversation.append({"role": message["role"], "content": content})
+                continue
+            if not isinstance(content, list):
+                raise ValueError(f"{where}.content: expected a string or a list of parts")
+            text = []
+            for j, part in enumerate(content):
+                text.append(self._part(part, f"{where}.content[{j}]", audios, images, videos))
+            conversation.append({"role": message["role"], "content": "".join(text)})
+        prompt = self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **chat_template_kwargs)
+        return self.process(prompt, audios=audios, images=images, videos=videos)
+
+    def _part(self, part: Any, where: str, audios: list, images: list, videos: list) -> str:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"{where}.text: expected a string")
+            return part["text"]
+        if kind == "audio":
+            audios.append(self._audio(part, where))
+        elif kind == "image":
+            images.append(self._image(part.get("image"), f"{where}.image"))
+        elif kind == "video":
+            frames = part.get("video")
+            if not isinstance(frames, (list, tuple)) or not frames:
+                raise ValueError(f"{where}.video: expected a non-empty list of PIL images")
+            fps = float(part.get("fps", DEFAULT_VIDEO_FPS))
+            if not fps > 0:
+                raise ValueError(f"{where}.fps: must be positive, got {fps}")
+            videos.append(([self._image(f, f"{where}.video[{k}]") for k, f in enumerate(frames)],
+                           fps))
+        else:
+            raise ValueError(f"{where}.type: expected 'text', 'audio', 'image' or 'video', got "
+                             f"{kind!r}")
+        return self.placeholders[kind]
+
+    def _audio(self, part: dict[str, Any], where: str) -> np.ndarray:
+        """A part's audio as a mono float32 waveform at the feature extractor's rate."""
+        audio = part.get("audio")
+        sample_rate = part.get("sample_rate", part.get("sampling_rate"))
+        if isinstance(audio, (bytes, bytearray)):
+            try:
+                audio, sample_rate = load_audio(bytes(audio))
+            except ValueError as e:
+                raise ValueError(f"{where}.{e}") from None
+        elif isinstance(audio, tuple) and len(audio) == 2:
+            audio, sample_rate = audio
+        if sample_rate is None:
+            raise ValueError(f"{where}.sample_rate: needed with a raw waveform")
+        if not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
+            raise ValueError(f"{where}.sample_rate: expected a positive int, got {sample_rate!r}")
+        if isinstance(audio, Tensor):
+            audio = audio.detach().cpu().numpy()
+        try:
+            waveform = np.asarray(audio, dtype=np.float32)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}.audio: expected a float waveform, (waveform, sample_rate) "
+                             f"or audio file bytes, got {type(audio).__name__}") from None
+        if waveform.ndim != 1:
+            raise ValueError(f"{where}.audio: expected a 1-D (mono) waveform, got shape "
+                             f"{waveform.shape}")
+        if waveform.size == 0:
+            raise ValueError(f"{where}.audio: empty waveform")
+        if not np.isfinite(waveform).all():
+            raise ValueError(f"{where}.audio: waveform has NaN or infinite samples")
+        target = self.feature_extractor.sampling_rate
+        waveform = resample(waveform, int(sample_rate), target)
+        min_samples = self.feature_extractor.n_fft
+        if waveform.shape[0] < min_samples:
+            raise ValueError(f"{where}.audio: too short ({waveform.shape[0]} samples at {target} "
+                             f"Hz, need at least {min_samples})")
+        return waveform
+
+    def _image(self, image: Any, where: str) -> Image.Image:
+        encoded = isinstance(image, (bytes, bytearray))
+        if encoded:
+            try:
+                image = Image.open(io.BytesIO(bytes(image)))    # reads the header only
+            except (OSError, Image.DecompressionBombError) as e:
+                raise ValueError(f"{where}: cannot decode {len(image)} bytes as an image "
+                                 f"({e})") from None
+        if not isinstance(image, Image.Image):
+            raise ValueError(f"{where}: expected a PIL image or image file bytes, got "
+                             f"{type(image).__name__}")
+        width, height = image.size
+        if width * height == 0:
+            raise ValueError(f"{where}: empty image ({width}x{height})")
+        if width * height > self.max_image_pixels:
+            raise ValueError(f"{where}: image too large ({width}x{height} = {width * height} "
+                             f"pixels, max_image_pixels is {self.max_image_pixels})")
+        if max(width, height) / min(width, height) > 200:
+            raise ValueError(f"{where}: aspect ratio of {width}x{height} is over 200")
+        if encoded:
+            try:
+                image.load()                                    # decode after the size check
+            except OSError as e:
+                raise ValueError(f"{where}: cannot decode the image ({e})") from None
+        return image
+
+    # -- templated prompts ---------------------------------------------------------------------
+
+    def process(self, prompt: str, audios: Sequence[np.ndarray] = (),
+                images: Sequence[Image.Image] = (),
+                videos: Sequence[tuple[Sequence[Image.Image], float]] = ()) -> ThinkerInputs:
+        """A templated prompt holding one placeholder triple per item, in order
+        ("<|audio_start|><|audio_pad|><|audio_end|>", "<|vision_start|><|image_pad|>
+        <|vision_end|>", "...<|video_pad|>..."); audios at the feature extractor's rate."""
+        tokens = self.tokens
+        ids = self.tokenizer(prompt)["input_ids"]
+        self._check_placeholders(ids, len(audios), len(images), len(videos))
+        inputs: dict[str, Tensor] = {}
+        counts: dict[int, list[int]] = {tokens.audio_pad: [], tokens.image_pad: [],
+                                        tokens.video_pad: []}   # tokens of every item, in order
+        if audios:
+            features = self.feature_extractor(
+                list(audios), sampling_rate=self.feature_extractor.sampling_rate, padding=True,
+                truncation=False, return_attention_mask=True, return_tensors="pt")
+            lens = features["attention_mask"].sum(-1).long()            # (num_audios,)
+            inputs["input_features"] = torch.cat(
+                [f[:, :n] for f, n in zip(features["input_features"], lens.tolist())], dim=1)
+            inputs["audio_feature_lens"] = lens
+            counts[tokens.audio_pad] = output_lengths(lens, self.n_window).tolist()
+        merge2 = self.spatial_merge_size ** 2
+        if images:
+            processed = self.image_processor(list(images), return_tensors="pt")
+            inputs["pixel_values"] = processed["pixel_values"]
+            inputs["image_grid_thw"] = processed["image_grid_thw"]
+            counts[tokens.image_pad] = (processed["image_grid_thw"].prod(-1) // merge2).tolist()
+        if videos:
+            pixels, grids = zip(*(self._video_patches(frames) for frames, _ in videos))
+            tp = self.image_processor.temporal_patch_size
+            inputs["pixel_values_videos"] = torch.cat(pixels)
+            inputs["video_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+            inputs["video_second_per_grid"] = torch.tensor([tp / fps for _, fps in videos])
+            counts[tokens.video_pad] = (inputs["video_grid_thw"].prod(-1) // merge2).tolist()
+
+        expanded: list[int] = []
+        seen = dict.fromkeys(counts, 0)
+        for token_id in ids:
+            if token_id in counts:
+                expanded += [token_id] * counts[token_id][seen[token_id]]
+                seen[token_id] += 1
+            else:
+                expanded.append(token_id)
+        input_ids = torch.tensor(expanded, dtype=torch.long)
+        positions, rope_delta = mrope_positions(
+            input_ids, image_token_id=tokens.image_pad, video_token_id=tokens.video_pad,
+            spatial_merge_size=self.spatial_merge_size,
+            position_id_per_seconds=self.position_id_per_seconds,
+            image_grid_thw=inputs.get("image_grid_thw"),
+            video_grid_thw=inputs.get("video_grid_thw"),
+            video_second_per_grid=inputs.get("video_second_per_grid"))
+        return ThinkerInputs(input_ids, positions, rope_delta, prompt, **inputs)
+
+    def _check_placeholders(self, ids: list[int], num_audios: int, num_images: int,
+                            num_videos: int) -> None:
+        t = self.tokens
+        for name, (start, pad, end), expected in (
+                ("audio", (t.audio_start, t.audio_pad, t.audio_end), num_audios),
+                ("image", (t.vision_start, t.image_pad, t.vision_end), num_images),
+                ("video", (t.vision_start, t.video_pad, t.vision_end), num_videos)):
+            where = [i for i, token_id in enumerate(ids) if token_id == pad]
+            if len(where) != expected:
+                raise ValueError(f"prompt has {len(where)} {self._token(pad)} placeholders for "
+                                 f"{expected} {name} inputs (placeholder tokens in the text?)")
+            for i in where:
+                if i == 0 or i + 1 == len(ids) or ids[i - 1] != start or ids[i + 1] != end:
+                    raise ValueError(f"prompt: {self._token(pad)} must stand alone between "
+                                     f"{self._token(start)} and {self._token(end)}")
+
+    def _video_patches(self, frames: Sequence[Image.Image]) -> tuple[Tensor, list[int]]:
+        """Frames -> (grid_t * grid_h * grid_w, C*tp*p*p) patches and [grid_t, grid_h,
+        grid_w]: each frame through the image processor, then `tp` consecutive frames (the last
+        repeated to fill) side by side in every patch's temporal slot."""
+        sizes = {frame.size for frame in frames}
+        if len(sizes) != 1:
+            raise ValueError(f"video: all frames must have the same size, got {sorted(sizes)}")
+        tp = self.image_processor.temporal_patch_size
+        frames = list(frames) + [frames[-1]] * (-len(frames) % tp)
+        processed = self.image_processor(frames, return_tensors="pt")
+        _, grid_h, grid_w = processed["image_grid_thw"][0].tolist()
+        p = self.image_processor.patch_size
+        # every frame's patch rows are (C, tp, p, p) with the frame repeated over tp: keep one
+        per_frame = processed["pixel_values"].view(len(frames), grid_h * grid_w, -1, tp, p, p)
+        per_frame = per_frame[:, :, :, 0]                              # (F, hw, C, p, p)
+        grid_t = len(frames) // tp
+        patches = per_frame.view(grid_t, tp, grid_h * grid_w, -1, p, p).permute(0, 2, 3, 1, 4, 5)
+        return patches.reshape(grid_t * grid_h * grid_w, -1), [grid_t, grid_h, grid_w]

@@ -1,0 +1,330 @@
+"""Qwen3-Omni talker: an MoE decoder that speaks in codec frames, and its code predictor.
+
+One talker step produces one frame of `num_code_groups` (G) codes:
+
+    inputs_embeds (T, H) --talker MoE decoder (paged KV cache)--> hidden (T, H)
+    codec_head(hidden[last]) --sample--> code 0                  (the engine samples it)
+    code predictor, a small dense decoder run per frame, outside the paged cache:
+
+        position:   0            1                 2                     G-1
+        input:      hidden[last] emb_talker(c0)    emb_cp[0](c1)   ...   emb_cp[G-3](c_{G-2})
+        predicts:                c1 = head[0]      c2 = head[1]    ...   c_{G-1} = head[G-2]
+
+    next talker input = emb_talker(c0) + sum_g emb_cp[g-1](c_g)   (+ the thinker's text part,
+                                                                   added by the caller)
+
+The talker decoder is the thinker's (thinker.py) with a gated shared expert in every layer,
+`model.codec_embedding` as input embedding and `codec_head` as head. `text_projection` and
+`hidden_projection` map thinker embeddings / hidden states (thinker_hidden_size) into the
+talker's width. Parameter names follow the checkpoint's `talker.*` one-to-one (after the
+fused q/k/v, gate/up and expert weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import AutoConfig, PretrainedConfig
+
+from omnistage.ar.sampler import GREEDY_EPS, apply_top_k_top_p
+from omnistage.layers.linear import Linear, QKVLinear
+from omnistage.layers.norm import RMSNorm
+from omnistage.layers.rotary import RotaryEmbedding, get_rope
+from omnistage.models.config import ModelConfig
+from omnistage.models.loader import checkpoint_names
+from omnistage.models.qwen2 import Qwen2MLP
+from omnistage.models.qwen3_omni.moe import expand_expert_names
+from omnistage.models.qwen3_omni.thinker import (PACKED_MODULES, Qwen3OmniMoeDecoder,
+                                                 Qwen3OmniTextConfig, _model_config,
+                                                 build_and_load, load_moe_model_weights)
+
+
+@dataclass(frozen=True, slots=True)
+class Qwen3OmniTalkerConfig:
+    text: Qwen3OmniTextConfig        # the MoE decoder
+    code_predictor: ModelConfig      # the small dense decoder
+    num_code_groups: int
+    thinker_hidden_size: int
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.text.model
+
+    @classmethod
+    def from_hf(cls, hf_config: PretrainedConfig) -> Qwen3OmniTalkerConfig:
+        text = Qwen3OmniTextConfig.talker(hf_config)
+        talker = hf_config.talker_config
+        cp = talker.code_predictor_config
+        num_groups = talker.num_code_groups
+        if cp.num_code_groups != num_groups:
+            raise ValueError(f"talker_config.code_predictor_config.num_code_groups "
+                             f"{cp.num_code_groups} != talker_config.num_code_groups {num_groups}")
+        if cp.hidden_size != text.model.hidden_size:
+            raise ValueError(f"talker_config.code_predictor_config.hidden_size {cp.hidden_size}"
+                             f" != talker text hidden_size {text.model.hidden_size}")
+        if getattr(cp, "tie_word_embeddings", False):
+            raise NotImplementedError("code_predictor_config.tie_word_embeddings is not supported")
+        window = getattr(cp, "sliding_window", None)
+        if "sliding_attention" in (getattr(cp, "layer_types", None) or ()) and window is not None \
+                and window < num_groups + 1:
+            raise NotImplementedError(f"code predictor sliding_window {window} < a frame's "
+                                      f"{num_groups + 1} positions is not supported")
+        return cls(text=text, code_predictor=_model_config(hf_config, cp, (), False),
+                   num_code_groups=num_groups, thinker_hidden_size=talker.thinker_hidden_size)
+
+
+# -- the code predictor ------------------------------------------------------------------------
+
+class CodePredictorAttention(nn.Module):
+    """Causal GQA attention with q/k norm over a per-frame KV cache (B, Hkv, S, D), S <= G+1."""
+
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.qkv_sizes = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
+        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads,
+                                  self.num_kv_heads, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.rotary_emb = rotary_emb
+
+    def forward(self, positions: Tensor, x: Tensor, kv: tuple[Tensor, Tensor],
+                start: int) -> Tensor:
+        b, n, _ = x.shape                                          # x: (B, L, hidden)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = self.q_norm(q.view(b, n, self.num_heads, self.head_dim))   # (B, L, H, D)
+        k = self.k_norm(k.view(b, n, self.num_kv_heads, self.head_dim))
+        v = v.view(b, n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)                    # cos (L, 1, D) broadcasts
+        k_cache, v_cache = kv
+        end = start + n
+        k_cache[:, :, start:end] = k.transpose(1, 2)
+        v_cache[:, :, start:end] = v.transpose(1, 2)
+        # Several queries only in the first call of a frame (start 0), where causal is exact.
+        assert n == 1 or start == 0, f"{n} queries at start {start}"
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k_cache[:, :, :end], v_cache[:, :, :end], is_causal=n > 1,
+            scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(o.transpose(1, 2).flatten(2))          # (B, L, hidden)
+
+
+class CodePredictorDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = CodePredictorAttention(cfg, rotary_emb)
+        self.mlp = Qwen2MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, positions: Tensor, h: Tensor, kv: tuple[Tensor, Tensor],
+                start: int) -> Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), kv, start)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CodePredictorModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, num_code_groups: int) -> None:
+        super().__init__()
+        rotary_emb = get_rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_parameters)
+        self.layers = nn.ModuleList(CodePredictorDecoderLayer(cfg, rotary_emb)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        # embeddings of codes 1 .. G-1 (code 0 is embedded by the talker's codec_embedding)
+        self.codec_embedding = nn.ModuleList(
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+            for _ in range(num_code_groups - 1))
+        for emb in self.codec_embedding:
+            emb.weight.requires_grad_(False)
+
+    def forward(self, x: Tensor, start: int, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """x: (B, L, hidden) at positions start .. start+L-1 -> normed hidden (B, L, hidden)."""
+        positions = torch.arange(start, start + x.shape[1], device=x.device)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv, start)
+        return self.norm(x)
+
+
+class CodePredictor(nn.Module):
+    """Fills codes 1 .. G-1 of a frame from the talker's last hidden state and code 0; batched
+    over B frames (requests), one forward per code group."""
+
+    def __init__(self, cfg: ModelConfig, num_code_groups: int) -> None:
+        super().__init__()
+        assert num_code_groups >= 2, f"num_code_groups {num_code_groups} < 2"
+        self.cfg = cfg
+        self.num_code_groups = num_code_groups
+        self.model = CodePredictorModel(cfg, num_code_groups)
+        self.lm_head = nn.ModuleList(Linear(cfg.hidden_size, cfg.vocab_size)
+                                     for _ in range(num_code_groups - 1))
+
+    @torch.no_grad()
+    def predict(self, past_hidden: Tensor, code0: Tensor, code0_embeds: Tensor, *,
+                greedy: bool = True, temperature: float | Tensor = 1.0,
+                top_k: int | Tensor = 50, top_p: float | Tensor = 0.8,
+                generators: Sequence[torch.Generator | None] | None = None
+                ) -> tuple[Tensor, Tensor]:
+        """past_hidden (B, H): the talker's final (normed) hidden state of the frame's last
+        position; code0 (B,) and its talker embedding code0_embeds (B, H).
+
+        greedy: argmax at every group (the reference with do_sample=False). Otherwise each row
+        samples with its temperature / top_k (0: off) / top_p (scalars or (B,) tensors; a row
+        with temperature < 1e-5 is greedy) from its own generator (None: torch's global one).
+        The reference samples the code predictor with top_k=50, top_p=0.8, the defaults here.
+
+        Returns codes (B, G) with code0 first, and next_input_embeds (B, H) = the sum of the G
+        codes' embeddings (talker's for code 0, the predictor's own for the others)."""
+        b, dev = past_hidden.shape[0], past_hidden.device
+        assert code0.shape == (b,) and code0_embeds.shape == past_hidden.shape, \
+            f"past_hidden {tuple(past_hidden.shape)}, code0 {tuple(code0.shape)}, " \
+            f"code0_embeds {tuple(code0_embeds.shape)}"
+        if generators is not None and len(generators) != b:
+            raise ValueError(f"generators: {len(generators)} for {b} rows")
+        cfg, num_groups = self.cfg, self.num_code_groups
+        kv_shape = (b, cfg.num_key_value_heads, num_groups + 1, cfg.head_dim)
+        kv_caches = [(past_hidden.new_empty(kv_shape), past_hidden.new_empty(kv_shape))
+                     for _ in self.model.layers]
+        sampling = None if greedy else _row_params(b, dev, temperature, top_k, top_p)
+
+        codes, embeds = [code0], [code0_embeds]
+        x = torch.stack([past_hidden, code0_embeds], dim=1)                  # (B, 2, H)
+        start = 0
+        for g in range(1, num_groups):
+            h = self.model(x, start, kv_caches)[:, -1]                        # (B, H)
+            logits = self.lm_head[g - 1](h).float()                          # (B, V)
+            code = logits.argmax(dim=-1) if sampling is None else \
+                _sample(logits, *sampling, generators)
+            codes.append(code)
+            embeds.append(self.model.codec_embedding[g - 1](code))
+            start += x.shape[1]
+            x = embeds[-1][:, None]                                          # (B, 1, H)
+        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(dim=1)
+
+
+def _row_params(b: int, dev: torch.device, temperature: float | Tensor, top_k: int | Tensor,
+                top_p: float | Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def per_row(value: float | int | Tensor, dtype: torch.dtype, name: str) -> Tensor:
+        t = torch.as_tensor(value, dtype=dtype, device=dev)
+        if t.dim() == 0:
+            t = t.expand(b)
+        if t.shape != (b,):
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected a scalar or ({b},)")
+        return t
+    return (per_row(temperature, torch.float32, "temperature"),
+            per_row(top_k, torch.int64, "top_k"), per_row(top_p, torch.float32, "top_p"))
+
+
+def _sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+            generators: Sequence[torch.Generator | None] | None) -> Tensor:
+    """(B, V) float32 logits -> (B,) codes: temperature, top-k, top-p, then the exponential
+    race argmax(probs / q), q ~ Exp(1), as the engine's sampler draws (one q row per row)."""
+    b, vocab = logits.shape
+    is_greedy = temperature < GREEDY_EPS
+    x = logits / torch.where(is_greedy, 1.0, temperature)[:, None]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    x = apply_top_k_top_p(x, k, top_p)
+    probs = torch.softmax(x, dim=-1)
+    q = torch.empty_like(probs)
+    for i in range(b):
+        q[i].exponential_(generator=None if generators is None else generators[i])
+    sampled = (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+    return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+
+
+# -- the talker --------------------------------------------------------------------------------
+
+class Qwen3OmniTalkerModel(Qwen3OmniMoeDecoder):
+    def __init__(self, cfg: Qwen3OmniTextConfig) -> None:
+        super().__init__(cfg)
+        mc = cfg.model
+        self.codec_embedding = nn.Embedding(mc.vocab_size, mc.hidden_size,
+                                            _weight=torch.empty(mc.vocab_size, mc.hidden_size))
+        self.codec_embedding.weight.requires_grad_(False)
+
+
+class ResizeMLP(nn.Module):
+    """thinker width -> talker width: fc2(silu(fc1(x))), both with bias."""
+
+    def __init__(self, in_features: int, intermediate_size: int, out_features: int) -> None:
+        super().__init__()
+        self.linear_fc1 = Linear(in_features, intermediate_size, bias=True)
+        self.linear_fc2 = Linear(intermediate_size, out_features, bias=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+
+
+class Qwen3OmniTalkerForCausalLM(nn.Module):
+    packed_modules = PACKED_MODULES
+    checkpoint_prefix = "talker."   # all of it: decoder, heads, projections, code predictor
+    checkpoint_exclude: tuple[str, ...] = ()
+
+    def __init__(self, config: Qwen3OmniTalkerConfig) -> None:
+        super().__init__()
+        self.config = config
+        mc = config.model
+        self.model = Qwen3OmniTalkerModel(config.text)
+        self.codec_head = Linear(mc.hidden_size, mc.vocab_size)
+        if mc.tie_word_embeddings:
+            self.codec_head.weight = self.model.codec_embedding.weight
+        self.text_projection = ResizeMLP(config.thinker_hidden_size, mc.intermediate_size,
+                                         mc.hidden_size)
+        self.hidden_projection = ResizeMLP(config.thinker_hidden_size, mc.intermediate_size,
+                                           mc.hidden_size)
+        self.code_predictor = CodePredictor(config.code_predictor, config.num_code_groups)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | None = None) -> Qwen3OmniTalkerForCausalLM:
+        """Build from config.json (talker_config) and load every `talker.*` tensor strictly;
+        dtype None: the checkpoint's."""
+        path = Path(path)
+        config = Qwen3OmniTalkerConfig.from_hf(AutoConfig.from_pretrained(path))
+        return build_and_load(cls, config, config.model, path, device, dtype)
+
+    def embed_input_ids(self, input_ids: Tensor) -> Tensor:
+        return self.model.codec_embedding(input_ids)                # (T,) -> (T, hidden)
+
+    def project_text(self, thinker_embeds: Tensor) -> Tensor:
+        """Thinker token embeddings (N, thinker_hidden) -> (N, hidden)."""
+        return self.text_projection(thinker_embeds)
+
+    def project_hidden(self, thinker_hidden: Tensor) -> Tensor:
+        """Thinker hidden states (N, thinker_hidden) -> (N, hidden)."""
+        return self.hidden_projection(thinker_hidden)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, inputs_embeds: Tensor | None = None,
+                capture_layers: tuple[int, ...] = ()) -> tuple[Tensor, dict[int, Tensor]]:
+        """input_ids (T,) codec ids (ignored where inputs_embeds (T, hidden) is given);
+        positions (T,) or (3, T). Returns the final normed hidden (T, hidden)."""
+        h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        return self.model.decode(h, positions, capture_layers)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.codec_head(hidden).float()                      # (N, hidden) -> (N, vocab)
+
+    def predict_codes(self, past_hidden: Tensor, code0: Tensor, **sampling: object
+                      ) -> tuple[Tensor, Tensor]:
+        """`CodePredictor.predict` with code 0 embedded by the talker: -> codes (B, G),
+        next_input_embeds (B, hidden)."""
+        return self.code_predictor.predict(past_hidden, code0, self.embed_input_ids(code0),
+                                           **sampling)  # type: ignore[arg-type]
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        return load_moe_model_weights(self, weights, self.packed_modules)
+
+    def checkpoint_names(self) -> set[str]:
+        return expand_expert_names(checkpoint_names(self, self.packed_modules),
+                                   self.config.text.moe.num_experts)

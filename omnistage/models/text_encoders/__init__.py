@@ -1,0 +1,14 @@
+"""Prompt encoders of the diffusion pipelines, loaded from a pipeline's `text_encoder*/`
+folders (transformers layout) into our own modules:
+
+    CLIPTextEncoder   CLIPTextModel      (FLUX text_encoder)    -> last hidden, pooled
+    T5Encoder         T5EncoderModel     (FLUX text_encoder_2)  -> last hidden
+    QwenTextEncoder   Qwen2 / Qwen3 / Qwen2.5-VL text decoder   -> chosen hidden states
+                      (Z-Image: hidden_states[-2]; Qwen-Image: hidden_states[-1])
+"""
+
+from omnistage.models.text_encoders.clip import CLIPTextEncoder
+from omnistage.models.text_encoders.qwen import QwenTextEncoder
+from omnistage.models.text_encoders.t5 import T5Encoder
+
+__all__ = ["CLIPTextEncoder", "QwenTextEncoder", "T5Encoder"]

@@ -1,0 +1,178 @@
+"""CLIP text encoder: transformers' `CLIPTextModel` in plain PyTorch (FLUX's `text_encoder/`).
+
+    input_ids (B,S) -> token + position embedding -> num_layers x pre-LN block (causal SDPA,
+    fc1 -> quick_gelu / gelu -> fc2) -> final_layer_norm -> last_hidden_state (B,S,D)
+    pooled (B,D) = last_hidden_state at each row's end-of-text token
+
+Which token is the end of text follows transformers: configs that still say eos_token_id=2
+(the original OpenAI conversions, FLUX's included) take the position of the largest id (the
+end-of-text token has the largest id in CLIP's vocabulary); other configs take the first
+position holding `eos_token_id`. Parameter names are HF's; checkpoints written before
+transformers 5 prefix them with "text_model.", which loading drops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+
+from omnistage.layers.linear import Linear, QKVLinear
+from omnistage.models.text_encoders.common import (attention_mask_4d, build_on, checkpoint_dtype,
+                                                   get_activation, load_weights_strict,
+                                                   read_hf_config, strip_prefix)
+
+# Checkpoint tensors we do not load: old transformers saved the position-ids buffer (an arange).
+IGNORED = ("embeddings.position_ids",)
+
+
+@dataclass(frozen=True, slots=True)
+class CLIPTextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    max_position_embeddings: int
+    hidden_act: str
+    layer_norm_eps: float
+    eos_token_id: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, hf_config: PretrainedConfig) -> CLIPTextConfig:
+        hf = hf_config.get_text_config()   # a full CLIPConfig holds the text part in text_config
+        if hf.model_type != "clip_text_model":
+            raise ValueError(f"config.json model_type {hf.model_type!r}: not a CLIP text model")
+        if hf.hidden_size % hf.num_attention_heads:
+            raise ValueError(f"config.json hidden_size={hf.hidden_size} is not a multiple of "
+                             f"num_attention_heads={hf.num_attention_heads}")
+        if not isinstance(hf.eos_token_id, int):
+            raise ValueError(f"config.json eos_token_id={hf.eos_token_id!r}: need one token id "
+                             "to find the pooled position")
+        get_activation(hf.hidden_act, "hidden_act")
+        return cls(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+                   intermediate_size=hf.intermediate_size,
+                   num_hidden_layers=hf.num_hidden_layers,
+                   num_attention_heads=hf.num_attention_heads,
+                   max_position_embeddings=hf.max_position_embeddings, hidden_act=hf.hidden_act,
+                   layer_norm_eps=hf.layer_norm_eps, eos_token_id=hf.eos_token_id)
+
+
+class CLIPAttention(nn.Module):
+    def __init__(self, cfg: CLIPTextConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                  cfg.num_attention_heads, bias=True)
+        self.out_proj = Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        B, S, _ = x.shape                                                   # x: (B, S, D)
+        qkv = self.qkv_proj(x).view(B, S, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)                                # (B, H, S, hd) x3
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             scale=self.scale)
+        return self.out_proj(out.transpose(1, 2).reshape(B, S, -1))        # (B, S, D)
+
+
+class CLIPMLP(nn.Module):
+    def __init__(self, cfg: CLIPTextConfig) -> None:
+        super().__init__()
+        self.act = get_activation(cfg.hidden_act, "hidden_act")
+        self.fc1 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.fc2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))                              # (B, S, D)
+
+
+class CLIPEncoderLayer(nn.Module):
+    def __init__(self, cfg: CLIPTextConfig) -> None:
+        super().__init__()
+        self.self_attn = CLIPAttention(cfg)
+        self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.mlp = CLIPMLP(cfg)
+        self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, h: Tensor, mask: Tensor | None) -> Tensor:
+        h = h + self.self_attn(self.layer_norm1(h), mask)
+        return h + self.mlp(self.layer_norm2(h))
+
+
+class CLIPTextEmbeddings(nn.Module):
+    def __init__(self, cfg: CLIPTextConfig) -> None:
+        super().__init__()
+        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                            _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        num_pos = cfg.max_position_embeddings
+        self.position_embedding = nn.Embedding(num_pos, cfg.hidden_size,
+                                               _weight=torch.empty(num_pos, cfg.hidden_size))
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        seq_len = input_ids.shape[1]
+        positions = torch.arange(seq_len, device=input_ids.device)
+        return self.token_embedding(input_ids) + self.position_embedding(positions)  # (B, S, D)
+
+
+class CLIPEncoder(nn.Module):
+    def __init__(self, cfg: CLIPTextConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CLIPEncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+
+    def forward(self, h: Tensor, mask: Tensor | None) -> Tensor:
+        for layer in self.layers:
+            h = layer(h, mask)
+        return h
+
+
+class CLIPTextEncoder(nn.Module):
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+                      "v_proj": ("qkv_proj", "v")}
+
+    def __init__(self, config: CLIPTextConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = CLIPTextEmbeddings(config)
+        self.encoder = CLIPEncoder(config)
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
+        """input_ids (B, S) [, attention_mask (B, S), 1 = token] -> last_hidden_state (B, S, D),
+        pooled (B, D). Attention is causal, so padding after the end-of-text token changes
+        nothing before it whether or not the mask is passed (FLUX passes none)."""
+        seq_len = input_ids.shape[1]
+        if seq_len > self.config.max_position_embeddings:
+            raise ValueError(f"input_ids: {seq_len} tokens, more than max_position_embeddings="
+                             f"{self.config.max_position_embeddings}")
+        h = self.embeddings(input_ids)                                      # (B, S, D)
+        h = self.encoder(h, attention_mask_4d(attention_mask, seq_len, causal=True))
+        h = self.final_layer_norm(h)
+        if self.config.eos_token_id == 2:   # legacy configs: the end-of-text id is the largest
+            eos_idx = input_ids.to(torch.int).argmax(dim=-1)
+        else:                               # first occurrence (padding may reuse the eos id)
+            eos_idx = (input_ids == self.config.eos_token_id).to(torch.int).argmax(dim=-1)
+        pooled = h[torch.arange(h.shape[0], device=h.device), eos_idx]     # (B, D)
+        return h, pooled
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | None = None) -> CLIPTextEncoder:
+        """Build from a transformers folder (config.json + safetensors, maybe sharded) in
+        `dtype` (None: the checkpoint's). Missing, unexpected or mis-shaped tensors raise
+        ValueError; only the tensors in `IGNORED` are skipped."""
+        path = Path(path)
+        config = CLIPTextConfig.from_hf(read_hf_config(path))
+        model = build_on(cls, config, device, dtype or checkpoint_dtype(path))
+        load_weights_strict(model, path, lambda n: strip_prefix(n, ("text_model.",)),
+                            ignored_prefixes=IGNORED, packed_modules=cls.packed_modules)
+        return model.eval().requires_grad_(False)
