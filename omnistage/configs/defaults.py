@@ -27,6 +27,7 @@ _STAGE_FIELDS = {f.name for f in fields(StageConfig)}
 DEFAULT_DIFFUSERS_GRAPHS: dict[str, str] = {
     "FluxPipeline": "flux.yaml",
     "ZImagePipeline": "z_image.yaml",
+    "QwenImagePipeline": "qwen_image.yaml",
 }
 
 

@@ -9,6 +9,7 @@ DIFFUSION_PIPELINES: dict[str, tuple[str, str]] = {
     "digits_dit": ("omnistage.diffusion.pipelines.digits", "DigitsPipeline"),
     "flux": ("omnistage.diffusion.pipelines.flux", "FluxPipeline"),
     "z_image": ("omnistage.diffusion.pipelines.z_image", "ZImagePipeline"),
+    "qwen_image": ("omnistage.diffusion.pipelines.qwen_image", "QwenImagePipeline"),
 }
 
 

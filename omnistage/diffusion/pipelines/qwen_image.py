@@ -1,0 +1,265 @@
+"""Qwen-Image text-to-image and image-to-image: diffusers' `QwenImagePipeline.__call__` and
+`QwenImageImg2ImgPipeline.__call__` split into the engine's phases
+(omnistage/diffusion/pipeline.py), numerics kept step for step.
+
+    prepare:  prompt template -> Qwen2.5-VL -> hidden_states[-1] of the real tokens, less the
+              template's first 34 (system prompt), at most max_sequence_length: (L, hidden) per
+              prompt; the negative prompt the same way when true CFG is on
+              randn (n, C, 2*(H//16), 2*(W//16)) in the model dtype on the request's CPU
+              generator -> pack 2x2 -> (n, N, 4C)
+              sigmas linspace(1, 1/N, N) shifted by mu(image tokens), as FLUX
+              image-to-image: the schedule starts at the strength's step; the input image,
+              encoded (a posterior draw, before the noise) and normalized, is noised to it
+    velocity: one transformer call over all rows: every row with its prompt, then the rows of
+              requests with true CFG again with their negative prompt; captions zero-padded
+              to the longest and masked; timestep = (sigma * 1000 in the latents' dtype) / 1000
+              true CFG: comb = neg + s * (pos - neg), rescaled per token to the norm of pos
+    decode:   unpack -> z * std + mean per channel -> causal VAE (one frame) -> (x/2 + 0.5)
+              .clamp(0, 1) -> uint8
+
+Every network is ours: the Qwen2.5-VL text model run as an encoder (its vision tower is not
+loaded), the transformer and the VAE; the tokenizer comes from transformers.
+Qwen-Image is not guidance-distilled: `guidance_scale` is refused, true CFG is the guidance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from transformers import AutoTokenizer
+
+from omnistage.diffusion.image_input import decode_image, output_size, preprocess
+from omnistage.diffusion.params import DiffusionParams, check_size
+from omnistage.diffusion.pipelines.flux import pack_latents, unpack_latents
+from omnistage.diffusion.request import DiffusionRequest
+from omnistage.diffusion.solvers import flow_match_euler as solver
+from omnistage.models.text_encoders import QwenTextEncoder
+from omnistage.models.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
+from omnistage.models.qwen_image_transformer import QwenImageTransformer2DModel
+
+MAX_SIZE = 2048
+DEFAULT_SAMPLE_SIZE = 128           # latent pixels: 1024 px with the 8x VAE, as diffusers
+MAX_SEQUENCE_LENGTH = 1024          # caption tokens after the template; diffusers' maximum
+DEFAULT_SEQUENCE_LENGTH = 512       # diffusers' default
+PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
+    "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
+    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+PROMPT_TEMPLATE_DROP = 34           # leading template tokens whose states are dropped
+
+
+class QwenImagePipeline:
+    def __init__(self, transformer: QwenImageTransformer2DModel, vae: AutoencoderKLQwenImage,
+                 text_encoder: QwenTextEncoder, tokenizer,
+                 scheduler: solver.FlowMatchEulerConfig, device: torch.device,
+                 max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH) -> None:
+        if not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
+            raise ValueError(f"max_sequence_length={max_sequence_length}: must be in "
+                             f"[1, {MAX_SEQUENCE_LENGTH}]")
+        if transformer.cfg.guidance_embeds:
+            raise ValueError("transformer guidance_embeds=True: guidance-distilled Qwen-Image "
+                             "checkpoints are not supported (diffusers cannot run them either)")
+        self.transformer = transformer.to(device).eval()
+        self.vae = vae.to(device).eval()
+        self.text_encoder = text_encoder.to(device).eval()
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.device = device
+        self.dtype = next(transformer.parameters()).dtype
+        self.max_sequence_length = max_sequence_length
+        self.vae_scale_factor = vae.cfg.downscale                 # 8 for Qwen-Image
+        self.multiple = self.vae_scale_factor * 2                 # latents are packed 2x2
+        self.num_channels_latents = transformer.cfg.in_channels // 4
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, component: str, device: torch.device,
+                        dtype: torch.dtype | None) -> QwenImagePipeline:
+        path = Path(path)
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
+        transformer = QwenImageTransformer2DModel.from_pretrained(path / "transformer", device,
+                                                                  dtype)
+        dtype = dtype or next(transformer.parameters()).dtype
+        vae = AutoencoderKLQwenImage.from_pretrained(path / "vae", device, dtype)
+        text_encoder = QwenTextEncoder.from_pretrained(path / "text_encoder", device, dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+        scheduler = solver.FlowMatchEulerConfig.from_json(
+            path / "scheduler" / "scheduler_config.json")
+        return cls(transformer, vae, text_encoder, tokenizer, scheduler, device)
+
+    # ---- request boundary ------------------------------------------------------------------
+
+    def _size(self, params: DiffusionParams) -> tuple[int, int]:
+        """As asked; else the input image's size (rounded down); else 1024 x 1024."""
+        return output_size(params.height, params.width, params.image, self.multiple,
+                           DEFAULT_SAMPLE_SIZE * self.vae_scale_factor)
+
+    def validate(self, prompt: str, params: DiffusionParams) -> None:
+        if not prompt or not prompt.strip():
+            raise ValueError("prompt: must be non-empty")
+        if params.negative_prompt is not None and params.true_cfg_scale <= 1.0:
+            raise ValueError(f"negative_prompt: has no effect without true CFG (true_cfg_scale="
+                             f"{params.true_cfg_scale}; set it > 1, e.g. 4.0)")
+        if params.negative_prompt is None and params.true_cfg_scale != 1.0:
+            raise ValueError(f"true_cfg_scale={params.true_cfg_scale}: true CFG needs a "
+                             "negative_prompt (even \" \" turns it on, as in diffusers)")
+        if params.guidance_scale is not None:
+            raise ValueError("guidance_scale: Qwen-Image is not guidance-distilled; use "
+                             "true_cfg_scale > 1 with a negative_prompt")
+        if params.cache_threshold is not None:
+            raise ValueError("cache_threshold: step caching is not available for Qwen-Image yet")
+        check_size(*self._size(params), self.multiple, MAX_SIZE,
+                   f"VAE factor {self.vae_scale_factor} x 2x2 packing")
+        if params.image is not None:
+            decode_image(params.image)
+
+    @staticmethod
+    def has_true_cfg(params: DiffusionParams) -> bool:
+        """diffusers' `do_true_cfg` (validate has refused the cases where it differs)."""
+        return params.true_cfg_scale > 1.0 and params.negative_prompt is not None
+
+    # ---- 1. prepare ------------------------------------------------------------------------
+
+    def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
+                ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        n = params.num_images
+        height, width = self._size(params)
+        cond = {"prompt_embeds": self.encode_prompt(prompt)}                 # (L, J)
+        if self.has_true_cfg(params):
+            cond["negative_prompt_embeds"] = self.encode_prompt(params.negative_prompt)
+
+        # timesteps: linspace(1, 1/N, N), shifted by the number of image tokens
+        h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
+        num_steps = params.num_inference_steps
+        cfg = self.scheduler
+        mu = solver.calculate_shift((h // 2) * (w // 2), cfg.base_image_seq_len,
+                                    cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
+        sigmas, _ = solver.make_sigmas(cfg, num_steps, mu=mu,
+                                       sigmas=np.linspace(1.0, 1 / num_steps, num_steps))
+
+        # prepare_latents: noise in the model dtype (diffusers' (n, 1, C, h, w) draws the same
+        # numbers); image-to-image draws the image's posterior sample first, then the noise,
+        # and noises the image to the first sigma of the strength-shortened schedule
+        image_latents = None
+        if params.image is not None:
+            sigmas = sigmas[solver.timesteps_for_strength(num_steps, params.image_strength):]
+            image = preprocess(decode_image(params.image), height, width)  # (1, 3, H, W)
+            image = image.unsqueeze(2).to(self.device, self.vae_dtype)       # (1, 3, 1, H, W)
+            image_latents = self.vae.normalize(self.vae.sample_latents(image, generator))
+            image_latents = image_latents[:, :, 0].to(self.dtype)            # (1, C, h, w)
+        noise = torch.randn((n, self.num_channels_latents, h, w), generator=generator,
+                            device=generator.device, dtype=self.dtype).to(self.device)
+        if image_latents is not None:
+            noise = solver.scale_noise(image_latents.expand(n, -1, -1, -1), sigmas[0], noise)
+        latents = pack_latents(noise)                                        # (n, h/2*w/2, 4C)
+        cond["grid"] = torch.tensor([h // 2, w // 2])                       # packed token grid
+        return latents, sigmas, cond
+
+    @torch.inference_mode()
+    def encode_prompt(self, prompt: str) -> Tensor:
+        """-> the caption's text-encoder states (L, hidden): hidden_states[-1] of the templated
+        prompt, less the template's first PROMPT_TEMPLATE_DROP tokens, at most
+        max_sequence_length. The one place that knows the text encoder."""
+        inputs = self.tokenizer([PROMPT_TEMPLATE.format(prompt)],
+                                max_length=MAX_SEQUENCE_LENGTH + PROMPT_TEMPLATE_DROP,
+                                truncation=True, return_tensors="pt")
+        mask = inputs.attention_mask.to(self.device)                        # (1, S)
+        hidden = self.text_encoder(inputs.input_ids.to(self.device), mask,
+                                   output_layers=(-1,))[-1]                  # (1, S, J)
+        states = hidden[0][mask[0].bool()][PROMPT_TEMPLATE_DROP:]           # (L, J)
+        return states[:self.max_sequence_length].to(self.dtype)
+
+    # ---- 2. velocity -----------------------------------------------------------------------
+
+    def velocity(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
+                 ) -> Tensor:
+        """latents (R, N, 4C) -> (R, N, 4C). One forward per latent grid: sizes such as 32x64
+        and 64x32 pack to the same N (one engine batch) but need different image rope."""
+        rows = torch.arange(latents.shape[0]).split([r.latents.shape[0] for r in requests])
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(tuple(r.cond["grid"].tolist()), []).append(i)
+        if len(groups) == 1:
+            return self._forward(latents, sigmas, requests)
+        out = torch.empty_like(latents)
+        for members in groups.values():
+            idx = torch.cat([rows[i] for i in members]).to(latents.device)
+            out[idx] = self._forward(latents[idx], sigmas[idx], [requests[i] for i in members])
+        return out
+
+    def _forward(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
+                 ) -> Tensor:
+        """Requests on one latent grid: the conditional pass of every row and the
+        unconditional pass of the true-CFG rows in one transformer call.
+
+            rows:  | r0 img0 | r0 img1 | r1 img0 | ... |  r0 img0 | r0 img1 |   (r1: no CFG)
+                   |<------ prompt, R rows -------->|  |<-- negative, U -->|
+        """
+        counts = [r.latents.shape[0] for r in requests]
+        captions, neg_captions, cfg_spans = [], [], []      # cfg_spans: (first row, rows, scale)
+        start = 0
+        for r, n in zip(requests, counts):
+            captions += [r.cond["prompt_embeds"]] * n
+            if "negative_prompt_embeds" in r.cond:
+                neg_captions += [r.cond["negative_prompt_embeds"]] * n
+                cfg_spans.append((start, n, r.params.true_cfg_scale))
+            start += n
+        num_rows = latents.shape[0]
+        # diffusers: t = sigma * 1000 (the scheduler's timesteps) in the latents' dtype, / 1000
+        timestep = (sigmas * self.scheduler.num_train_timesteps).to(latents.dtype) / 1000
+        if cfg_spans:
+            idx = torch.cat([torch.arange(s, s + n) for s, n, _ in cfg_spans]).to(latents.device)
+            latents, timestep = torch.cat([latents, latents[idx]]), torch.cat([timestep,
+                                                                                timestep[idx]])
+        embeds, mask = pad_captions(captions + neg_captions)                # (R+U, T, J)
+        h, w = requests[0].cond["grid"].tolist()
+        out = self.transformer(latents, embeds, mask, timestep,
+                               img_shapes=[[(1, h, w)]] * latents.shape[0])  # (R+U, N, 4C)
+        pred, neg = out[:num_rows], out[num_rows:]
+        k = 0
+        for s, n, scale in cfg_spans:                       # per request: its scale, as a float
+            pos, uncond = pred[s:s + n], neg[k:k + n]
+            comb = uncond + scale * (pos - uncond)
+            pred[s:s + n] = comb * (torch.norm(pos, dim=-1, keepdim=True)
+                                    / torch.norm(comb, dim=-1, keepdim=True))
+            k += n
+        return pred
+
+    # ---- 3. decode -------------------------------------------------------------------------
+
+    def decode_float(self, latents: Tensor, params: DiffusionParams) -> Tensor:
+        """packed latents (n, N, 4C) -> float32 images (n, 3, H, W) in [0, 1], what diffusers
+        returns for output_type="pt" (before the quantization of `decode`)."""
+        height, width = self._size(params)
+        h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
+        z = unpack_latents(latents, h, w).unsqueeze(2)                      # (n, C, 1, h, w)
+        z = self.vae.denormalize(z.to(self.device, self.vae_dtype))
+        images = self.vae.decode(z)[:, :, 0]                                # (n, 3, H, W)
+        return (images / 2 + 0.5).clamp(0, 1).float()
+
+    def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
+        """-> uint8 (n, H, W, 3)."""
+        images = self.decode_float(latents, params)
+        return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+    @property
+    def vae_dtype(self) -> torch.dtype:
+        return next(self.vae.parameters()).dtype
+
+
+def pad_captions(captions: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+    """[(L_i, J)] -> zero-padded (B, max L, J) and its mask (B, max L), True on real tokens;
+    no mask when every caption has the same length (what diffusers passes for one prompt)."""
+    lengths = [c.shape[0] for c in captions]
+    longest = max(lengths)
+    if all(n == longest for n in lengths):
+        return torch.stack(captions), None
+    embeds = captions[0].new_zeros(len(captions), longest, captions[0].shape[1])
+    mask = torch.zeros(len(captions), longest, dtype=torch.bool, device=embeds.device)
+    for i, c in enumerate(captions):
+        embeds[i, :c.shape[0]] = c
+        mask[i, :c.shape[0]] = True
+    return embeds, mask

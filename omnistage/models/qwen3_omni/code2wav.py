@@ -1,0 +1,568 @@
+"""Qwen3-Omni code2wav: codec frames -> 24 kHz waveform, whole, chunked, or streamed.
+
+HF's `Qwen3OmniMoeCode2Wav` in plain PyTorch; module names follow the checkpoint's
+`code2wav.*` tensors one-to-one (q/k/v and gate/up are fused on load), numerics follow
+`modeling_qwen3_omni_moe.py` op for op.
+
+    codes (B, Q, T) ─ embed(code + q * codebook_size), mean over Q ─> (B, T, hidden)
+      ─ pre-transformer: sliding-window causal attention + SwiGLU, layer-scaled residuals
+      ─ upsample: per ratio, causal transposed conv (k = s = ratio) + causal ConvNeXt block
+      ─ decoder: causal conv -> per rate, SnakeBeta + causal transposed conv (k = 2s) + three
+        dilated residual units -> SnakeBeta -> causal conv to 1 channel -> clamp to [-1, 1]
+      ─> wav (B, 1, T * total_upsample - num_lost)
+
+Every layer is causal except the decoder's transposed convs (k = 2s), which trim `k - s`
+samples on both sides: each output sample then mixes its own input step with the next one, and
+the last `s` samples (which the missing next step would complete) are dropped. So each decode of T frames yields
+`num_samples(T)` = T * total_upsample - num_lost samples, and samples never depend on frames to
+their right beyond what the trimming keeps. Two consequences used below:
+
+- Chunked decode (HF's `chunked_decode`, used by `generate(return_audio=True)` with chunk 300,
+  left context 25) decodes `| ctx | chunk |` windows and keeps the chunk's samples:
+
+      frames   | chunk 0      | chunk 1      | chunk 2 |
+      window 1        | ctx   | chunk 1      |            ctx = min(left_context, start)
+      samples  keep wav[ctx * total_upsample : num_samples(ctx + n)]
+
+- Right padding is harmless: a window padded on the right with any codes gives the same first
+  `num_samples(n)` samples, so windows of different lengths batch into one forward
+  (`decode_windows`), e.g. one request's first chunk (no context) with others' later ones.
+
+`Code2WavStream` is the per-request state of the serving stage: frames arrive in any pieces,
+every complete chunk is decoded with its left context as soon as it is there, and the
+concatenated output equals `chunked_decode(all frames, chunk_frames, left_context)`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import Tensor, nn
+from transformers import AutoConfig, PretrainedConfig
+
+from omnistage.layers.linear import Linear, MergedLinear, QKVLinear
+from omnistage.layers.norm import RMSNorm
+from omnistage.layers.rotary import RotaryEmbedding, get_rope
+from omnistage.models.loader import (_default_dtype, check_tensor_names, checkpoint_names,
+                                     load_packed_weights)
+
+CHECKPOINT_PREFIX = "code2wav."
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F64": torch.float64}
+
+
+@dataclass(frozen=True, slots=True)
+class Code2WavConfig:
+    codebook_size: int = 2048
+    num_quantizers: int = 16
+    hidden_size: int = 1024
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 16
+    head_dim: int = 64
+    intermediate_size: int = 3072
+    attention_bias: bool = False
+    sliding_window: int = 72
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 8000
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)      # decoder blocks
+    upsampling_ratios: tuple[int, ...] = (2, 2)         # ConvNeXt upsampling after the transformer
+    decoder_dim: int = 1536
+
+    @classmethod
+    def from_hf(cls, hf: PretrainedConfig) -> Code2WavConfig:
+        """From the checkpoint's `Qwen3OmniMoeConfig` or its `code2wav_config`."""
+        hf = getattr(hf, "code2wav_config", hf)
+        act = getattr(hf, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"code2wav_config.hidden_act {act!r}: only 'silu' is supported")
+        rope = dict(getattr(hf, "rope_parameters", None)
+                    or {"rope_type": "default", "rope_theta": getattr(hf, "rope_theta", 10000.0)})
+        return cls(
+            codebook_size=hf.codebook_size, num_quantizers=hf.num_quantizers,
+            hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
+            num_attention_heads=hf.num_attention_heads,
+            num_key_value_heads=hf.num_key_value_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            intermediate_size=hf.intermediate_size, attention_bias=hf.attention_bias,
+            sliding_window=hf.sliding_window, rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=hf.max_position_embeddings, rope_parameters=rope,
+            upsample_rates=tuple(hf.upsample_rates),
+            upsampling_ratios=tuple(hf.upsampling_ratios), decoder_dim=hf.decoder_dim)
+
+    @property
+    def total_upsample(self) -> int:
+        """Samples per codec frame (1920 for the real model: 24 kHz at 12.5 Hz)."""
+        return math.prod(self.upsample_rates + self.upsampling_ratios)
+
+    def num_samples(self, num_frames: int) -> int:
+        """Waveform length of one decode of `num_frames` frames (each decoder block's
+        transposed conv, k = 2s trimmed by s on both sides, maps L to (L - 1) * s)."""
+        length = num_frames * math.prod(self.upsampling_ratios)
+        for rate in self.upsample_rates:
+            length = (length - 1) * rate
+        return length
+
+
+# ---- convolutions and activations -----------------------------------------------------------
+
+class CausalConv1d(nn.Module):
+    """Stride-1 conv padded on the left only: output t sees inputs t - (k-1)*dilation .. t."""
+
+    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, dilation: int = 1,
+                 groups: int = 1) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(in_ch, out_ch, kernel_size, dilation=dilation, groups=groups)
+        self.left_pad = (kernel_size - 1) * dilation
+
+    def forward(self, x: Tensor) -> Tensor:                       # (B, C, L) -> (B, C', L)
+        return self.conv(F.pad(x, (self.left_pad, 0)))
+
+
+class CausalConvTranspose1d(nn.Module):
+    """Transposed conv with `kernel - stride` samples cut from both ends:
+    L -> (L - 1) * stride + 2 * stride - kernel."""
+
+    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int) -> None:
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(in_ch, out_ch, kernel_size, stride=stride)
+        self.trim = kernel_size - stride
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.conv(x)                                          # (B, C', (L-1)*s + k)
+        return y[..., self.trim:y.shape[-1] - self.trim]
+
+
+class SnakeBeta(nn.Module):
+    """x + sin(x * e^alpha)^2 / e^beta, per channel (alpha, beta stored as logs)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(channels))
+        self.beta = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: Tensor) -> Tensor:                       # (B, C, L)
+        alpha = self.alpha.exp()[None, :, None]
+        inv_beta = 1.0 / (self.beta.exp()[None, :, None] + 1e-9)
+        return x + inv_beta * torch.sin(x * alpha).pow(2)
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dwconv = CausalConv1d(dim, dim, 7, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:                       # (B, C, L)
+        h = self.norm(self.dwconv(x).transpose(1, 2))             # (B, L, C)
+        h = self.pwconv2(F.gelu(self.pwconv1(h)))                 # (B, L, 4C) -> (B, L, C)
+        return x + (self.gamma * h).transpose(1, 2)
+
+
+class DecoderResidualUnit(nn.Module):
+    def __init__(self, dim: int, dilation: int) -> None:
+        super().__init__()
+        self.act1 = SnakeBeta(dim)
+        self.conv1 = CausalConv1d(dim, dim, 7, dilation=dilation)
+        self.act2 = SnakeBeta(dim)
+        self.conv2 = CausalConv1d(dim, dim, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.conv2(self.act2(self.conv1(self.act1(x))))
+
+
+class DecoderBlock(nn.Module):
+    """SnakeBeta, upsampling by `rate` (in_dim -> in_dim / 2 channels), residual units."""
+
+    def __init__(self, in_dim: int, rate: int) -> None:
+        super().__init__()
+        out_dim = in_dim // 2
+        self.block = nn.ModuleList([SnakeBeta(in_dim),
+                                    CausalConvTranspose1d(in_dim, out_dim, 2 * rate, rate),
+                                    *(DecoderResidualUnit(out_dim, d) for d in (1, 3, 9))])
+
+    def forward(self, x: Tensor) -> Tensor:                       # (B, C, L) -> (B, C/2, (L-1)*r)
+        for layer in self.block:
+            x = layer(x)
+        return x
+
+
+# ---- pre-transformer ------------------------------------------------------------------------
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.scale * x
+
+
+class Code2WavAttention(nn.Module):
+    def __init__(self, cfg: Code2WavConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.qkv_sizes = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
+        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads,
+                                  self.num_kv_heads, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size,
+                             bias=cfg.attention_bias)
+        self.rotary = rotary
+
+    def forward(self, positions: Tensor, x: Tensor, mask: Tensor) -> Tensor:
+        B, T, _ = x.shape                                         # x: (B, T, hidden)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(B, T, self.num_heads, self.head_dim)           # (B, T, H, D)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)        # (B, T, Hkv, D)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            enable_gqa=self.num_kv_heads != self.num_heads)       # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class Code2WavMLP(nn.Module):
+    def __init__(self, cfg: Code2WavConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)          # (B, T, I) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Code2WavTransformerLayer(nn.Module):
+    def __init__(self, cfg: Code2WavConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = Code2WavAttention(cfg, rotary)
+        self.self_attn_layer_scale = LayerScale(cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = Code2WavMLP(cfg)
+        self.mlp_layer_scale = LayerScale(cfg.hidden_size)
+
+    def forward(self, positions: Tensor, h: Tensor, mask: Tensor) -> Tensor:
+        h = h + self.self_attn_layer_scale(self.self_attn(positions, self.input_layernorm(h), mask))
+        return h + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(h)))
+
+
+class Code2WavTransformer(nn.Module):
+    def __init__(self, cfg: Code2WavConfig) -> None:
+        super().__init__()
+        self.sliding_window = cfg.sliding_window
+        rotary = get_rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_parameters)
+        self.layers = nn.ModuleList(Code2WavTransformerLayer(cfg, rotary)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, h: Tensor) -> Tensor:                       # (B, T, hidden)
+        T = h.shape[1]
+        positions = torch.arange(T, device=h.device)              # every window starts at 0
+        offset = positions[:, None] - positions[None, :]          # (T, T): query - key
+        mask = (offset >= 0) & (offset < self.sliding_window)     # causal, `window` keys wide
+        for layer in self.layers:
+            h = layer(positions, h, mask)
+        return self.norm(h)
+
+
+# ---- model ----------------------------------------------------------------------------------
+
+class Code2Wav(nn.Module):
+    # checkpoint name -> (our fused parameter, shard id); read by the weight loader
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+                      "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
+                      "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: Code2WavConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.total_upsample = cfg.total_upsample
+        h = cfg.hidden_size
+        num_codes = cfg.codebook_size * cfg.num_quantizers
+        self.code_embedding = nn.Embedding(num_codes, h, _weight=torch.empty(num_codes, h))
+        self.pre_transformer = Code2WavTransformer(cfg)
+        self.upsample = nn.ModuleList(
+            nn.ModuleList([CausalConvTranspose1d(h, h, r, r), ConvNeXtBlock(h)])
+            for r in cfg.upsampling_ratios)
+        dims = [cfg.decoder_dim // 2 ** i for i in range(len(cfg.upsample_rates) + 1)]
+        self.decoder = nn.ModuleList([
+            CausalConv1d(h, dims[0], 7),
+            *(DecoderBlock(dims[i], rate) for i, rate in enumerate(cfg.upsample_rates)),
+            SnakeBeta(dims[-1]),
+            CausalConv1d(dims[-1], 1, 7)])
+
+    @property
+    def device(self) -> torch.device:
+        return self.code_embedding.weight.device
+
+    @property
+    def num_lost(self) -> int:
+        """Samples a decode yields fewer than frames * total_upsample."""
+        return self.total_upsample - self.cfg.num_samples(1)
+
+    def forward(self, codes: Tensor) -> Tensor:
+        """Unchecked decode: codes (B, Q, T) -> wav (B, 1, num_samples(T))."""
+        cfg = self.cfg
+        offsets = torch.arange(cfg.num_quantizers, device=codes.device) * cfg.codebook_size
+        h = self.code_embedding(codes + offsets[:, None]).mean(1)  # (B, Q, T, hid) -> (B, T, hid)
+        h = self.pre_transformer(h).transpose(1, 2)               # (B, hidden, T)
+        for up_conv, convnext in self.upsample:
+            h = convnext(up_conv(h))                              # (B, hidden, T * ratio)
+        for layer in self.decoder:
+            h = layer(h)                                          # ... -> (B, 1, num_samples(T))
+        return h.clamp(-1.0, 1.0)
+
+    @torch.inference_mode()
+    def decode(self, codes: Tensor) -> Tensor:
+        """codes (B, num_quantizers, T) -> wav (B, 1, T * total_upsample - num_lost), as HF's
+        `code2wav(codes)`."""
+        self.check_codes(codes, "codes", batched=True)
+        return self(codes.to(self.device))
+
+    @torch.inference_mode()
+    def chunked_decode(self, codes: Tensor, chunk_size: int = 300, left_context_size: int = 25
+                       ) -> Tensor:
+        """As HF's `chunked_decode`: windows of `chunk_size` frames, each decoded with up to
+        `left_context_size` earlier frames, context samples dropped; (B, 1, samples)."""
+        self.check_codes(codes, "codes", batched=True)
+        _check_chunking(self.cfg, chunk_size, left_context_size)
+        codes = codes.to(self.device)
+        wavs = []
+        for start in range(0, codes.shape[-1], chunk_size):
+            ctx = min(left_context_size, start)
+            wav = self(codes[..., start - ctx:start + chunk_size])
+            wavs.append(wav[..., ctx * self.total_upsample:])
+        return torch.cat(wavs, dim=-1)
+
+    @torch.inference_mode()
+    def decode_windows(self, windows: Sequence[tuple[Tensor, int]]) -> list[Tensor]:
+        """Decode windows `(codes (Q, ctx + n), ctx)` of any lengths in one forward, right-
+        padded to the longest (harmless, see the module docstring); each returns its chunk's
+        samples (num_samples(ctx + n) - ctx * total_upsample,) in float32."""
+        if not windows:
+            return []
+        lengths = [codes.shape[-1] for codes, _ in windows]
+        batch = torch.zeros(len(windows), self.cfg.num_quantizers, max(lengths),
+                            dtype=torch.long, device=self.device)  # code 0 pads
+        for i, (codes, _) in enumerate(windows):
+            batch[i, :, :lengths[i]] = codes
+        wav = self(batch)[:, 0].float()                           # (B, num_samples(max_len))
+        return [wav[i, ctx * self.total_upsample:self.cfg.num_samples(n)]
+                for i, ((_, ctx), n) in enumerate(zip(windows, lengths))]
+
+    def check_codes(self, codes: Tensor, name: str, batched: bool) -> None:
+        """Raise ValueError unless `codes` is an integer (B,) Q, T tensor of valid codes."""
+        shape = "(B, num_quantizers, T)" if batched else "(num_quantizers, T)"
+        q = self.cfg.num_quantizers
+        if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+            raise ValueError(f"{name}: expected an integer tensor, got {codes.dtype}")
+        if codes.ndim != (3 if batched else 2) or codes.shape[-2] != q:
+            raise ValueError(f"{name}: expected shape {shape} with num_quantizers={q}, "
+                             f"got {tuple(codes.shape)}")
+        if batched and codes.shape[-1] == 0:
+            raise ValueError(f"{name}: no frames (T = 0)")
+        if batched and codes.shape[-1] > self.cfg.max_position_embeddings:
+            raise ValueError(f"{name}: {codes.shape[-1]} frames exceed max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings} of one decode; use "
+                             "chunked_decode")
+        size = self.cfg.codebook_size
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= size):
+            raise ValueError(f"{name}: codes must lie in [0, codebook_size={size}), got values "
+                             f"in [{int(codes.min())}, {int(codes.max())}]")
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | None = None, prefix: str = CHECKPOINT_PREFIX
+                        ) -> Code2Wav:
+        """Build from a Qwen3-Omni checkpoint folder (config.json + safetensors, single or
+        sharded), loading only the tensors named `prefix*`, in `dtype` (None: the
+        checkpoint's). Missing, unexpected or mis-shaped tensors raise ValueError."""
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model folder)")
+        cfg = Code2WavConfig.from_hf(AutoConfig.from_pretrained(path))
+        files = prefixed_tensor_files(path, prefix)
+        if not files:
+            raise ValueError(f"{path}: the checkpoint has no {prefix}* tensors (a checkpoint "
+                             "without audio output?)")
+        dtype = dtype or _stored_dtype(files)
+        with _default_dtype(dtype), torch.device(device):
+            model = cls(cfg)
+        seen: list[str] = []
+
+        def recorded() -> Iterator[tuple[str, Tensor]]:
+            for name, tensor in iter_prefixed_tensors(files, prefix):
+                seen.append(name)
+                yield name, tensor
+
+        with torch.no_grad():
+            try:
+                loaded = load_packed_weights(model, recorded(), cls.packed_modules)
+            except ValueError as e:
+                raise ValueError(f"{path} ({prefix}*): {e}") from None
+        expected = {prefix + n for n in checkpoint_names(model, cls.packed_modules)}
+        check_tensor_names(path, "Code2Wav", expected, {prefix + n for n in seen})
+        not_loaded = {n for n, _ in model.named_parameters()} - loaded
+        assert not not_loaded, f"parameters not loaded: {sorted(not_loaded)}"
+        return model.eval().requires_grad_(False)
+
+
+def _check_chunking(cfg: Code2WavConfig, chunk_size: int, left_context: int) -> None:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size {chunk_size}: must be at least 1")
+    if left_context < 0:
+        raise ValueError(f"left_context {left_context}: must be >= 0")
+    if chunk_size + left_context > cfg.max_position_embeddings:
+        raise ValueError(f"chunk_size {chunk_size} + left_context {left_context} exceed "
+                         f"max_position_embeddings {cfg.max_position_embeddings}")
+
+
+# ---- streaming ------------------------------------------------------------------------------
+
+class Code2WavStream:
+    """One request's streaming decode. Frames arrive in any pieces (`append`); every complete
+    `chunk_frames` chunk is decoded with up to `left_context` earlier frames; `finish` makes
+    the last partial chunk ready. The buffer holds the context still needed and what is not
+    decoded yet:
+
+        _frames   | context (<= left_context decoded) | pending (< chunk_frames after a step) |
+
+    Everything returned, concatenated, equals `model.chunked_decode(all frames, chunk_frames,
+    left_context)`. Samples come back as float32 1-D tensors on the model's device.
+    """
+
+    def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int = 25) -> None:
+        _check_chunking(model.cfg, chunk_frames, left_context)
+        self.model = model
+        self.chunk_frames = chunk_frames
+        self.left_context = left_context
+        self._frames = torch.empty(model.cfg.num_quantizers, 0, dtype=torch.long,
+                                   device=model.device)
+        self._num_context = 0          # leading frames of _frames already decoded
+        self.num_frames = 0            # frames received
+        self.num_decoded_frames = 0
+        self.is_finished = False
+
+    @property
+    def has_ready_chunk(self) -> bool:
+        pending = self._frames.shape[1] - self._num_context
+        return pending >= self.chunk_frames or (self.is_finished and pending > 0)
+
+    def append(self, frames: Tensor) -> None:
+        """Buffer frames (num_quantizers, n); decodes nothing."""
+        if self.is_finished:
+            raise ValueError("frames: the stream is already finished")
+        self.model.check_codes(frames, "frames", batched=False)
+        self._frames = torch.cat([self._frames, frames.to(self.model.device)], dim=1)
+        self.num_frames += frames.shape[1]
+
+    def finish(self) -> None:
+        """No more frames: the last partial chunk becomes ready."""
+        self.is_finished = True
+
+    def take_windows(self) -> list[tuple[Tensor, int]]:
+        """Remove every ready chunk from the buffer as a window (codes (Q, ctx + n), ctx)."""
+        windows = []
+        start, end_all = self._num_context, self._frames.shape[1]
+        while end_all - start >= self.chunk_frames or (self.is_finished and end_all > start):
+            end = min(start + self.chunk_frames, end_all)
+            ctx = min(self.left_context, self.num_decoded_frames)
+            assert start >= ctx, f"buffer lost context: start {start} < ctx {ctx}"
+            windows.append((self._frames[:, start - ctx:end], ctx))
+            self.num_decoded_frames += end - start
+            start = end
+        keep = min(self.left_context, self.num_decoded_frames)
+        self._frames = self._frames[:, start - keep:]
+        self._num_context = keep
+        return windows
+
+    def push(self, frames: Tensor) -> Tensor:
+        """Append frames (num_quantizers, n); the samples of every chunk now complete."""
+        return push_streams([(self, frames)])[0]
+
+    def flush(self) -> Tensor:
+        """Finish the stream; the samples of the last partial chunk (maybe none)."""
+        self.finish()
+        return decode_streams([self])[0]
+
+
+def decode_streams(streams: Sequence[Code2WavStream]) -> list[Tensor]:
+    """Decode the ready chunks of all `streams` (one model) in one forward; per stream, the
+    new samples (float32, 1-D, possibly empty)."""
+    if not streams:
+        return []
+    model = streams[0].model
+    assert all(s.model is model for s in streams), "streams of different models in one batch"
+    windows = [s.take_windows() for s in streams]
+    wavs = iter(model.decode_windows([w for ws in windows for w in ws]))
+    empty = torch.empty(0, dtype=torch.float32, device=model.device)
+    return [torch.cat([next(wavs) for _ in ws]) if ws else empty for ws in windows]
+
+
+def push_streams(items: Sequence[tuple[Code2WavStream, Tensor]]) -> list[Tensor]:
+    """Append each stream's frames, then decode all ready chunks in one forward. Frames are
+    checked first: a ValueError leaves every stream as it was."""
+    for stream, frames in items:
+        if stream.is_finished:
+            raise ValueError("frames: the stream is already finished")
+        stream.model.check_codes(frames, "frames", batched=False)
+    for stream, frames in items:
+        stream.append(frames)
+    return decode_streams([stream for stream, _ in items])
+
+
+# ---- loading part of one checkpoint ---------------------------------------------------------
+
+def prefixed_tensor_files(path: Path, prefix: str) -> dict[Path, list[str]]:
+    """{safetensors file: names of its tensors starting with `prefix`} for `model.safetensors`
+    or the shards of `model.safetensors.index.json`; shards without such tensors are never
+    opened."""
+    index = path / "model.safetensors.index.json"
+    files: dict[Path, list[str]] = defaultdict(list)
+    if index.is_file():
+        for name, file in json.loads(index.read_text())["weight_map"].items():
+            if name.startswith(prefix):
+                files[path / file].append(name)
+    elif (path / "model.safetensors").is_file():
+        with safe_open(path / "model.safetensors", framework="pt", device="cpu") as f:
+            files[path / "model.safetensors"] = [n for n in f.keys() if n.startswith(prefix)]
+    else:
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    return {file: sorted(names) for file, names in files.items() if names}
+
+
+def iter_prefixed_tensors(files: dict[Path, list[str]], prefix: str
+                          ) -> Iterator[tuple[str, Tensor]]:
+    """(name without `prefix`, CPU tensor), one at a time."""
+    for file, names in files.items():
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in names:
+                yield name[len(prefix):], f.get_tensor(name)
+
+
+def _stored_dtype(files: dict[Path, list[str]]) -> torch.dtype:
+    """The dtype of the first floating-point tensor among `files` (float32 if none)."""
+    for file, names in files.items():
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in names:
+                dtype = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+                if dtype is not None:
+                    return dtype
+    return torch.float32
+
