@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -30,6 +32,8 @@ from omnistage.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
+ModelLoader = Callable[[Path, torch.device, "torch.dtype | None"], tuple]
+
 
 @dataclass(slots=True)
 class StepOutput:
@@ -45,6 +49,7 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None           # set when the request finished
+    extra: dict[str, Tensor] | None = None          # the model's per-token extras (n, ...)
 
     @property
     def finished(self) -> bool:
@@ -52,11 +57,13 @@ class StepOutput:
 
 
 class AREngine:
-    def __init__(self, config: ARConfig) -> None:
+    def __init__(self, config: ARConfig, loader: ModelLoader | None = None) -> None:
+        """`loader(path, device, dtype) -> (model, ModelConfig, hf_config)` loads a model that
+        is one component of a larger checkpoint (default: the architecture's model class)."""
         self.config = config
         self.device = resolve_device(config.device)
         path = resolve_model_path(config.model)
-        self.model, self.model_config, self.hf_config = load_model(
+        self.model, self.model_config, self.hf_config = (loader or load_model)(
             path, self.device, resolve_dtype(config.dtype, path, self.device))
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = load_tokenizer(path)
@@ -122,10 +129,16 @@ class AREngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None,
                     params: SamplingParams, prompt_embeds: Tensor | None = None,
                     arrival_time: float | None = None, prompt_open: bool = False,
-                    stream_open: bool = False) -> None:
+                    stream_open: bool = False, *, mrope_positions: Tensor | None = None,
+                    rope_delta: int = 0, deepstack: tuple[Tensor, Tensor] | None = None,
+                    stream_pad: Tensor | None = None) -> None:
         """Queue a request. With `prompt_open` its prompt may still grow (and may be empty now:
         the request is parked until `extend_request` brings input); with `stream_open` its
-        decodes wait for upstream stream embeddings (see Sequence)."""
+        decodes wait for upstream stream embeddings (see Sequence). Token ids given together
+        with `prompt_embeds` (same length) are kept as the prompt's real ids (for penalties
+        and for what downstream stages see). Models with multimodal rotary positions take the
+        prompt's (3, P) positions and the decode offset; deepstack = (positions (K,),
+        features (L, K, hidden)); stream_pad is added to decodes past a closed stream."""
         if request_id in self.scheduler.requests or request_id in self._parked:
             raise ValueError(f"request id {request_id!r} is already running")
         empty = prompt_embeds is None and not prompt_token_ids
@@ -133,12 +146,21 @@ class AREngine:
             self.validate(prompt_token_ids, params, prompt_embeds)
         else:
             self.validate([0], params)
-        if prompt_embeds is not None:
+        real_ids = (prompt_embeds is not None and prompt_token_ids is not None
+                    and len(prompt_token_ids) == prompt_embeds.shape[0])
+        if prompt_embeds is not None and not real_ids:
             prompt_token_ids = [0] * prompt_embeds.shape[0]  # placeholders (see Sequence)
+        if mrope_positions is not None and (
+                mrope_positions.dim() != 2 or mrope_positions.shape[0] != 3
+                or mrope_positions.shape[1] != len(prompt_token_ids or [])):
+            raise ValueError(f"mrope_positions has shape {tuple(mrope_positions.shape)}, "
+                             f"expected (3, {len(prompt_token_ids or [])})")
         seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids or []),
                        sampling_params=params, prompt_embeds=prompt_embeds,
                        eos_token_ids=self.eos_token_ids, prompt_open=prompt_open,
-                       stream_open=stream_open)
+                       stream_open=stream_open, stream_pad=stream_pad, prompt_ids_real=real_ids,
+                       mrope_positions=mrope_positions, rope_delta=rope_delta,
+                       deepstack=deepstack)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         if empty:
@@ -148,11 +170,20 @@ class AREngine:
 
     def extend_request(self, request_id: str, prompt_token_ids: list[int] | None = None,
                        prompt_embeds: Tensor | None = None, close_prompt: bool = False,
-                       stream_embeds: Tensor | None = None, close_stream: bool = False) -> None:
-        """Feed streamed input to a request added with prompt_open / stream_open."""
+                       stream_embeds: Tensor | None = None, close_stream: bool = False,
+                       stream_pad: Tensor | None = None, mrope_positions: Tensor | None = None,
+                       rope_delta: int | None = None) -> None:
+        """Feed streamed input to a request added with prompt_open / stream_open (stream_pad:
+        added to decodes past the stream's end once it is closed)."""
         seq = self._parked.get(request_id) or self.scheduler.requests.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id!r} is not running")
+        if stream_pad is not None:
+            seq.stream_pad = stream_pad
+        if mrope_positions is not None:   # the whole prompt's, given with its last part
+            seq.mrope_positions = mrope_positions
+        if rope_delta is not None:
+            seq.rope_delta = rope_delta
         hidden = self.model_config.hidden_size
         if prompt_token_ids or prompt_embeds is not None:
             if not seq.prompt_open:
@@ -174,6 +205,10 @@ class AREngine:
             if seq.num_prompt_tokens >= self.max_model_len:
                 raise ValueError(f"prompt has {seq.num_prompt_tokens} tokens, but the model's "
                                  f"maximum length is {self.max_model_len}")
+        if seq.mrope_positions is not None and \
+                seq.mrope_positions.shape[-1] != seq.num_prompt_tokens:
+            raise ValueError(f"mrope_positions cover {seq.mrope_positions.shape[-1]} positions, "
+                             f"the prompt has {seq.num_prompt_tokens}")
         if stream_embeds is not None:
             if stream_embeds.dim() != 2 or stream_embeds.shape[1] != hidden:
                 raise ValueError(f"stream_embeds has shape {tuple(stream_embeds.shape)}, "
@@ -242,13 +277,16 @@ class AREngine:
                     self.scheduler.finish(seq, FinishReason.STOP)
                     finished.add(id(seq))
             logprobs = [result.logprobs[i]] if result.logprobs[i] is not None else None
+            extra = result.extras[i] if result.extras is not None else None
             if id(seq) in finished:
                 if detok is not None and not stop_hit:
                     text += detok.finish()
                 out = self._finish_output(seq, new_ids, text=text)
                 out.logprobs, out.hidden_states = logprobs, hidden
+                extra = None    # the last token is never fed back: its extras are not kept
             else:
                 out = StepOutput(seq.request_id, new_ids, text, logprobs, hidden)
+            out.extra = extra
             if hidden is not None:
                 out.hidden_start = seq.num_hidden_emitted - next(iter(hidden.values())).shape[0]
             out.num_prompt_tokens = seq.num_prompt_tokens

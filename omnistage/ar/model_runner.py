@@ -25,6 +25,7 @@ class RunnerOutput:
     sampled: list[int | None]                      # per batch row: new token or None (mid-prompt)
     logprobs: list[TokenLogprobs | None]
     hidden_states: list[dict[int, Tensor] | None]  # per row: layer -> (n, hidden) new positions
+    extras: list[dict[str, Tensor] | None] | None = None  # per row: the feedback hook's outputs
 
 
 class ModelRunner:
@@ -47,11 +48,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        input_ids, positions, md, embeds = self._prepare(batch)
+        input_ids, positions, md, embeds, extra = self._prepare(batch)
         capture = sorted({i for s in batch.seqs for i in s.sampling_params.output_hidden_layers})
         self.backend.prepare(md, has_cache=True)
         with forward_context(md):
-            hidden, captured = self.model(input_ids, positions, embeds, tuple(capture))
+            hidden, captured = self.model(input_ids, positions, embeds, tuple(capture), **extra)
 
         rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         sampled: list[int | None] = [None] * len(batch.seqs)
@@ -64,10 +65,21 @@ class ModelRunner:
             for j, i in enumerate(rows):
                 sampled[i] = out.token_ids[j]
                 logprobs[i] = out.logprobs[j]
-        return RunnerOutput(sampled, logprobs, self._slice_hidden(batch, md, captured))
+        extras = None
+        feedback = getattr(self.model, "feedback", None)
+        if rows and feedback is not None:
+            # the model decides what its sampled tokens feed back (and may emit more per row)
+            seqs = [batch.seqs[i] for i in rows]
+            embeds_out, extra_rows = feedback(hidden[last_idx], torch.tensor(
+                [sampled[i] for i in rows], device=self.device), seqs)
+            extras = [None] * len(batch.seqs)
+            for j, i in enumerate(rows):
+                batch.seqs[i].output_embeds.append(embeds_out[j])
+                extras[i] = extra_rows[j]
+        return RunnerOutput(sampled, logprobs, self._slice_hidden(batch, md, captured), extras)
 
     def _prepare(self, batch: ScheduledBatch
-                 ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor | None]:
+                 ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor | None, dict]:
         bs = self.layout.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -76,6 +88,10 @@ class ModelRunner:
         seq_lens: list[int] = []
         embed_rows: list[tuple[int, Tensor]] = []   # (first row in batch, (n, hidden)): replace
         stream_rows: list[tuple[int, Tensor]] = []  # (first row in batch, (n, hidden)): add
+        mrope = getattr(self.model, "uses_mrope", False)
+        pos3: list[Tensor] = []                     # (3, n) per row when the model uses M-RoPE
+        deep_rows: list[Tensor] = []                # deepstack: batch rows and their features
+        deep_feats: list[Tensor] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             table = seq.block_table
@@ -87,13 +103,42 @@ class ModelRunner:
             if seq.prompt_embeds is not None and start < num_prompt:
                 stop = min(start + n, num_prompt)
                 embed_rows.append((qsl[-1], seq.prompt_embeds[start:stop]))
-            if seq.stream_embeds is not None and start + n > num_prompt:
-                # decode inputs P + t get upstream's t-th stream embedding added
+            if seq.output_embeds and start + n > num_prompt:
+                # fed-back outputs the model embedded itself (its feedback hook)
                 t0 = max(start, num_prompt) - num_prompt
-                t1 = min(start + n - num_prompt, seq.stream_embeds.shape[0])
+                t1 = min(start + n - num_prompt, len(seq.output_embeds))
+                if t1 > t0:
+                    embed_rows.append((qsl[-1] + (t0 + num_prompt - start),
+                                       torch.stack(seq.output_embeds[t0:t1])))
+            if start + n > num_prompt and (seq.stream_embeds is not None
+                                           or seq.stream_pad is not None):
+                # decode inputs P + t get upstream's t-th stream embedding added (past a
+                # closed stream's end: its pad embedding)
+                num_stream = 0 if seq.stream_embeds is None else seq.stream_embeds.shape[0]
+                t0 = max(start, num_prompt) - num_prompt
+                t1 = min(start + n - num_prompt, num_stream)
                 if t1 > t0:
                     row = qsl[-1] + (t0 + num_prompt - start)
                     stream_rows.append((row, seq.stream_embeds[t0:t1]))
+                if seq.stream_pad is not None and not seq.stream_open:
+                    p0 = max(t0, num_stream)
+                    p1 = start + n - num_prompt
+                    if p1 > p0:
+                        row = qsl[-1] + (p0 + num_prompt - start)
+                        stream_rows.append((row, seq.stream_pad.expand(p1 - p0, -1)))
+            if mrope:
+                p = torch.arange(start, start + n)
+                rows3 = (p + seq.rope_delta).expand(3, n).clone()
+                if seq.mrope_positions is not None and start < num_prompt:
+                    stop = min(start + n, num_prompt)
+                    rows3[:, :stop - start] = seq.mrope_positions[:, start:stop]
+                pos3.append(rows3)
+            if seq.deepstack is not None and start < num_prompt:
+                at, feats = seq.deepstack                         # (K,), (L, K, hidden)
+                keep = (at >= start) & (at < start + n)
+                if bool(keep.any()):
+                    deep_rows.append(at[keep] - start + qsl[-1])
+                    deep_feats.append(feats[:, keep])
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
 
@@ -109,6 +154,12 @@ class ModelRunner:
             max_query_len=max(batch.num_new_tokens), max_seq_len=max(seq_lens))
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        if mrope:
+            positions = torch.cat(pos3, dim=1).to(dev)                     # (3, T)
+        extra: dict = {}
+        if deep_rows:
+            extra["deepstack"] = (torch.cat(deep_rows).to(dev),
+                                  torch.cat(deep_feats, dim=1).to(dev, self.dtype))
         embeds = None
         if embed_rows or stream_rows:
             embeds = self.model.embed_input_ids(input_ids)
@@ -116,7 +167,7 @@ class ModelRunner:
                 embeds[row:row + e.shape[0]] = e.to(device=dev, dtype=embeds.dtype)
             for row, e in stream_rows:
                 embeds[row:row + e.shape[0]] += e.to(device=dev, dtype=embeds.dtype)
-        return input_ids, positions, md, embeds
+        return input_ids, positions, md, embeds, extra
 
     @staticmethod
     def _slice_hidden(batch: ScheduledBatch, md: AttentionMetadata,

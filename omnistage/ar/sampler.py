@@ -144,7 +144,7 @@ def apply_penalties(x: Tensor, seqs: list[Sequence]) -> None:
     freq = torch.tensor([p.frequency_penalty for p in ps], device=dev)[:, None]
     pres = torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None]
     output_counts = _token_counts([seqs[i].output_token_ids for i in rows], vocab_size, dev)
-    prompt_counts = _token_counts([seqs[i].prompt_token_ids for i in rows], vocab_size, dev)
+    prompt_counts = _token_counts([seqs[i].penalty_prompt_ids for i in rows], vocab_size, dev)
     idx = torch.tensor(rows, device=dev)
     sub = x[idx]                                                      # (R, V)
     seen = (prompt_counts > 0) | (output_counts > 0)

@@ -13,7 +13,12 @@ Streaming input (a chunked edge from an upstream stage) adds two things: the pro
 grow (`prompt_open`: prefill what has arrived, sample nothing yet), and decode inputs may carry
 an extra embedding from upstream (`stream_embeds[t]` is added to the input embedding of position
 P + t, the t-th output token fed back). While the stream is open, a decode waits for its
-embedding; once closed, positions past its end get nothing added.
+embedding; once closed, positions past its end get `stream_pad` added (if set).
+
+Models with extra inputs (Qwen3-Omni) add: multimodal rotary positions of the prompt (3, P)
+with the decode offset `rope_delta`, deepstack features at prompt positions, and fed-back
+embeddings that replace an output token's own (`output_embeds`, from the model's feedback
+hook: a talker feeds back the sum of a frame's codebook embeddings).
 """
 
 from __future__ import annotations
@@ -66,6 +71,20 @@ class Sequence:
     prompt_open: bool = False                # more prompt may arrive: no sampling yet
     stream_embeds: torch.Tensor | None = None  # (n, hidden) added to decode inputs P, P+1, ...
     stream_open: bool = False                # more stream embeddings may arrive
+    stream_pad: torch.Tensor | None = None   # (hidden,) added past the stream once closed
+    # prompt_token_ids are real ids even though prompt_embeds replaces their embeddings
+    prompt_ids_real: bool = False
+    mrope_positions: torch.Tensor | None = None  # (3, P) rotary positions of the prompt
+    rope_delta: int = 0                          # decode position p runs at p + rope_delta
+    deepstack: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions (K,), (L, K, H))
+    output_embeds: list[torch.Tensor] = field(default_factory=list)  # (hidden,) per output
+
+    @property
+    def penalty_prompt_ids(self) -> list[int]:
+        """Prompt ids that count for repetition penalties (not placeholders)."""
+        if self.prompt_embeds is not None and not self.prompt_ids_real:
+            return []
+        return self.prompt_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,6 +18,7 @@ from omnistage.configs.schema import GraphConfig, StageConfig
 DEFAULT_GRAPHS: dict[str, str] = {
     "Qwen3ForCausalLM": "llm.yaml",
     "Qwen2ForCausalLM": "llm.yaml",
+    "Qwen3OmniMoeForConditionalGeneration": "qwen3_omni.yaml",
 }
 DEMO_GRAPH = "digits.yaml"
 _STAGE_FIELDS = {f.name for f in fields(StageConfig)}
@@ -50,14 +51,36 @@ def default_graph_text(model_path: Path) -> str:
                      f"(supported: {', '.join(sorted(DEFAULT_GRAPHS))})")
 
 
+def packaged_graphs() -> list[str]:
+    """Names of the graphs shipped in omnistage/configs/ (`flux`, `flux_split`, ...)."""
+    return sorted(f.name.removesuffix(".yaml") for f in resources.files("omnistage.configs")
+                  .iterdir() if f.name.endswith(".yaml"))
+
+
+def stage_config_text(stage_config: str | Path) -> str:
+    """`--stage-config` / `stage_config=` as YAML text: a file; else a packaged graph by name
+    ("z_image_split" or "z_image_split.yaml", an existing file of that name wins); else YAML
+    text itself. A one-line value without ':' is a name, never YAML: unknown, it is refused."""
+    if Path(str(stage_config)).is_file():
+        return Path(stage_config).read_text()
+    text = str(stage_config)
+    if "\n" in text or ":" in text:
+        return text
+    name = text.removesuffix(".yaml")
+    if name in packaged_graphs():
+        return resources.files("omnistage.configs").joinpath(f"{name}.yaml").read_text()
+    raise ValueError(f"stage_config {text!r}: no such file, and no packaged graph of that name "
+                     f"(packaged: {', '.join(packaged_graphs())})")
+
+
 def resolve_graph(model: str | None, model_path: Path | None, stage_config: str | Path | None,
                   overrides: list[str] | tuple[str, ...] = (),
                   **engine_kw: object) -> GraphConfig:
-    """The graph to run: `stage_config` (a file or YAML text) or the model type's default, with
-    `model` set, engine keyword arguments applied to every stage, then `overrides`."""
+    """The graph to run: `stage_config` (a file, the name of a packaged graph, or YAML text) or
+    the model type's default, with `model` set, engine keyword arguments applied to every
+    stage, then `overrides`."""
     if stage_config is not None:
-        text = Path(stage_config).read_text() if Path(str(stage_config)).is_file() else str(
-            stage_config)
+        text = stage_config_text(stage_config)
     elif model_path is not None:
         text = default_graph_text(model_path)
     else:  # no model named: the built-in demo

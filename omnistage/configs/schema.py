@@ -113,12 +113,15 @@ class StageConfig:
     sampling: dict[str, object] = field(default_factory=dict, hash=False)
     startup_timeout_s: float = 120.0
     seed: int = 0
+    # Component-specific options passed to its constructor (e.g. code2wav's chunk_frames).
+    options: dict[str, object] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         # Normalise list inputs (direct construction) so that the object compares and hashes.
         for name in ("inputs", "devices", "output_hidden_layers"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "sampling", dict(self.sampling))
+        object.__setattr__(self, "options", dict(self.options))
 
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")

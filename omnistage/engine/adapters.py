@@ -88,6 +88,13 @@ def tokens_to_prompt(data: EdgeData, state: dict) -> StageFeed:
     return StageFeed(prompt_token_ids=list(data.token_ids), close_prompt=data.is_last)
 
 
+@register_adapter("tensors")
+def tensors(data: EdgeData, state: dict) -> StageFeed:
+    """Upstream's tensors as they are (an AR stage's include `token_ids`), for stages that
+    build their own input from them (Qwen3-Omni's talker and code2wav)."""
+    return StageFeed(tensors=dict(data.tensors))
+
+
 @register_adapter("tokens_to_tensor")
 def tokens_to_tensor(data: EdgeData, state: dict) -> StageFeed:
     """Upstream's generated tokens, as an int64 tensor, for a generation stage."""

@@ -22,7 +22,7 @@ from omnistage.configs.schema import GraphConfig, OutputKind
 from omnistage.diffusion.image_input import decode_image
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.engine.inputs import (ParsedPrompt, PromptType, check_params, check_prompt,
-                                     parse_prompt)
+                                     load_input_processor, parse_prompt, parse_with_processor)
 from omnistage.engine.orchestrator import Orchestrator, RequestEvent
 from omnistage.models.loader import resolve_model_path
 from omnistage.outputs import OmniOutput, RequestMetrics
@@ -45,6 +45,8 @@ class AsyncOmni:
                                   stage_config, list(stage_overrides), **engine_kw)
         self.graph = graph
         self.tokenizer = load_tokenizer(model_path or (Path(graph.model) if graph.model else None))
+        # multimodal models: chat templates, audio features, image patches at the front door
+        self.processor = load_input_processor(model_path)
         self.orchestrator = Orchestrator(graph, device)
         self.entry = [s.name for s in graph.stages if not s.inputs]
         # entry stages that read the prompt as text (diffusion), not as token ids
@@ -55,7 +57,10 @@ class AsyncOmni:
     def prepare(self, prompt: PromptType, sampling_params_list: ParamsList = None
                 ) -> tuple[ParsedPrompt, dict[str, StageParams]]:
         """Parse and check a prompt and its per-stage params; ValueError on bad input."""
-        parsed = parse_prompt(prompt, self.tokenizer, tokenize=not self.text_entry)
+        if self.processor is not None:
+            parsed = parse_with_processor(prompt, self.processor)
+        else:
+            parsed = parse_prompt(prompt, self.tokenizer, tokenize=not self.text_entry)
         for name in self.entry:
             check_prompt(parsed, self.orchestrator.stage_info.get(name, {}))
         params = self._stage_params(sampling_params_list)
@@ -74,7 +79,10 @@ class AsyncOmni:
         if given is None:
             return dict.fromkeys(kinds)
         if isinstance(given, (SamplingParams, DiffusionParams)):
-            targets = [n for n in self.entry if wants.get(kinds[n]) is type(given)]
+            # SamplingParams go to the entry stages; DiffusionParams to every diffusion stage
+            # (a split graph's text-encoder stage and the denoiser it feeds serve one request)
+            pool = self.entry if isinstance(given, SamplingParams) else list(kinds)
+            targets = [n for n in pool if wants.get(kinds[n]) is type(given)]
             if not targets:
                 raise ValueError(f"{type(given).__name__} given, but no entry stage takes it "
                                  f"(entry stages: {', '.join(self.entry)})")
@@ -106,7 +114,7 @@ class AsyncOmni:
         out.metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=parsed.num_tokens)
         assert sink is not None, "submit needs a sink for the request's events"
         self.orchestrator.add_request(rid, parsed.token_ids, params, sink, output_modalities,
-                                      parsed.embeds, parsed.text)
+                                      parsed.embeds, parsed.text, parsed.multimodal)
         return out
 
     async def generate(self, prompt: PromptType, sampling_params_list: ParamsList = None,

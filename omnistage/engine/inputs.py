@@ -19,6 +19,7 @@ class ParsedPrompt:
     text: str | None
     token_ids: list[int] | None
     embeds: torch.Tensor | None
+    multimodal: dict[str, torch.Tensor] | None = None   # the entry model's other inputs
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +69,46 @@ def parse_prompt(prompt: PromptType, tokenizer: object | None, tokenize: bool = 
     if not isinstance(embeds, torch.Tensor) or embeds.dim() != 2:
         raise ValueError("prompt_embeds must be a torch.Tensor of shape (num_tokens, hidden)")
     return ParsedPrompt(None, None, embeds)
+
+
+# HF architecture -> (module, class) of the input processor its entry stage needs (chat
+# templates, audio features, image patches): `from_pretrained(path)`, `parse_request(prompt)`
+INPUT_PROCESSORS: dict[str, tuple[str, str]] = {
+    "Qwen3OmniMoeForConditionalGeneration": ("omnistage.models.qwen3_omni.processing",
+                                             "InputProcessor"),
+}
+
+
+def load_input_processor(model_path: Any) -> Any | None:
+    """The model's input processor, or None for models whose prompts are plain text / ids."""
+    import importlib
+    import json
+    from pathlib import Path
+
+    config = Path(model_path) / "config.json" if model_path is not None else None
+    if config is None or not config.is_file():
+        return None
+    for arch in json.loads(config.read_text()).get("architectures") or []:
+        if arch in INPUT_PROCESSORS:
+            module, name = INPUT_PROCESSORS[arch]
+            return getattr(importlib.import_module(module), name).from_pretrained(model_path)
+    return None
+
+
+def parse_with_processor(prompt: PromptType, processor: Any) -> ParsedPrompt:
+    """A multimodal model's prompt -> token ids with placeholders expanded, plus its feature
+    tensors and rotary positions (for the entry stage)."""
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return parse_prompt(prompt, None)
+    inputs = processor.parse_request(prompt)
+    mm = {name: value for name in ("input_features", "audio_feature_lens", "pixel_values",
+                                   "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                                   "video_second_per_grid")
+          if (value := getattr(inputs, name)) is not None}
+    if mm:   # rotary positions matter only when placeholders break the 1-D count
+        mm["positions"] = inputs.positions
+        mm["rope_delta"] = torch.tensor(inputs.rope_delta)
+    return ParsedPrompt(inputs.prompt, inputs.input_ids.tolist(), None, mm or None)
 
 
 def _encode(text: str, tokenizer: Any) -> list[int]:

@@ -187,8 +187,10 @@ class Orchestrator:
                     params: dict[str, SamplingParams | DiffusionParams | None], sink: Sink,
                     outputs: set[OutputKind] | None = None,
                     prompt_embeds: Tensor | None = None,
-                    prompt_text: str | None = None) -> set[str]:
-        """Submit a request; returns the stages it will pass through."""
+                    prompt_text: str | None = None,
+                    multimodal: dict[str, Tensor] | None = None) -> set[str]:
+        """Submit a request; returns the stages it will pass through. `multimodal`: tensors
+        the entry stage's model takes besides the prompt (audio features, pixels, ...)."""
         if not self.healthy:
             raise RuntimeError(f"engine is unhealthy: {self.dead_reason}")
         finals = {s.final for s in self.graph.stages if s.final}
@@ -208,10 +210,14 @@ class Orchestrator:
                 ups = [i for i in stage.inputs if i.source in needed]
                 downs = [d.name for d, _ in self._downstream[name] if d.name in needed]
                 embeds = None
-                if not ups and prompt_embeds is not None:
-                    embeds = self._connector_put_embeds(request_id, name, prompt_embeds)
+                client: dict[str, Tensor] = {f"mm.{k}": v for k, v in (multimodal or {}).items()}
+                if prompt_embeds is not None:
+                    client["prompt_embeds"] = prompt_embeds
+                if not ups and client:
+                    embeds = self._connector_put_inputs(request_id, name, client)
                 p = params.get(name)
-                entry_ids = None if ups or embeds else list(prompt_token_ids or [])
+                entry_ids = None if ups or prompt_embeds is not None else list(
+                    prompt_token_ids or [])
                 msg = m.AddRequest(
                     request_id, p if isinstance(p, SamplingParams) else None,
                     p if isinstance(p, DiffusionParams) else None,
@@ -219,14 +225,14 @@ class Orchestrator:
                 self._send(name, msg)
         return needed
 
-    def _connector_put_embeds(self, request_id: str, stage: str, embeds: Tensor
+    def _connector_put_inputs(self, request_id: str, stage: str, tensors: dict[str, Tensor]
                               ) -> m.TensorHandle:
         if self.graph.connector == "tcp":
-            raise ValueError("prompt_embeds over the tcp connector are not supported yet")
+            raise ValueError("prompt_embeds and multimodal inputs over the tcp connector are "
+                             "not supported yet")
         from omnistage.connectors.base import ChunkKey
 
-        return self._connector.put(ChunkKey(request_id, f"client->{stage}", 0),
-                                   {"prompt_embeds": embeds})
+        return self._connector.put(ChunkKey(request_id, f"client->{stage}", 0), tensors)
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -3,6 +3,7 @@ close its input, abort it, step. Results are kind-neutral `StageResult`s."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -39,7 +40,7 @@ class StageEngine(Protocol):
     def add(self, request_id: str, params: SamplingParams | None,
             prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
             streamed: bool, arrival_time: float, prompt: str | None = None,
-            diffusion: DiffusionParams | None = None) -> None: ...
+            diffusion: DiffusionParams | None = None, **_: object) -> None: ...
     def feed(self, request_id: str, feed: StageFeed) -> None: ...
     def close_input(self, request_id: str) -> None: ...
     def abort(self, request_id: str) -> None: ...
@@ -57,7 +58,7 @@ class ARStage:
     def add(self, request_id: str, params: SamplingParams | None,
             prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
             streamed: bool, arrival_time: float, prompt: str | None = None,
-            diffusion: DiffusionParams | None = None) -> None:
+            diffusion: DiffusionParams | None = None, **_: object) -> None:
         params = params or self.defaults
         if self.stage.output_hidden_layers and not params.output_hidden_layers:
             # what the downstream edges need is the stage's business, not the caller's
@@ -113,13 +114,14 @@ class GenerationStage:
         cls = get_generation_model_class(stage.component)
         path = stage.model or model
         dtype = None if stage.dtype == "auto" else resolve_dtype(stage.dtype, None, dev)
-        self.engine = GenerationEngine(cls.from_pretrained(path, stage.component, dev, dtype),
+        self.engine = GenerationEngine(cls.from_pretrained(path, stage.component, dev, dtype,
+                                                           **stage.options),
                                        stage.max_num_seqs)
 
     def add(self, request_id: str, params: SamplingParams | None,
             prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
             streamed: bool, arrival_time: float, prompt: str | None = None,
-            diffusion: DiffusionParams | None = None) -> None:
+            diffusion: DiffusionParams | None = None, **_: object) -> None:
         self.engine.add_request(request_id, arrival_time)
         if not streamed:
             ids = torch.tensor(prompt_token_ids or [], dtype=torch.int64)
@@ -165,7 +167,7 @@ class DiffusionStage:
     def add(self, request_id: str, params: SamplingParams | None,
             prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
             streamed: bool, arrival_time: float, prompt: str | None = None,
-            diffusion: DiffusionParams | None = None) -> None:
+            diffusion: DiffusionParams | None = None, **_: object) -> None:
         if streamed or prompt is None:
             raise ValueError("a diffusion stage takes a text prompt from the request")
         self.engine.add_request(request_id, prompt, diffusion or DiffusionParams(),
@@ -193,10 +195,24 @@ class DiffusionStage:
                 for r in self.engine.step()]
 
 
+# AR stages whose model is one component of a larger checkpoint, with its own input handling:
+# component -> (module, function(stage, model, device) -> stage engine)
+AR_COMPONENTS: dict[str, tuple[str, str]] = {
+    "qwen3_omni_thinker": ("omnistage.models.qwen3_omni.stages", "build_stage"),
+    "qwen3_omni_talker": ("omnistage.models.qwen3_omni.stages", "build_stage"),
+}
+
+
 def build_stage_engine(stage: StageConfig, model: str | None, device: str) -> StageEngine:
     if stage.kind == "ar":
         if not (stage.model or model):
             raise ValueError(f"stage {stage.name!r}: no model (set the graph's or the stage's)")
+        if stage.component is not None:
+            if stage.component not in AR_COMPONENTS:
+                raise ValueError(f"stage {stage.name!r}: ar component {stage.component!r} is not "
+                                 f"registered (known: {', '.join(sorted(AR_COMPONENTS))})")
+            module, fn = AR_COMPONENTS[stage.component]
+            return getattr(importlib.import_module(module), fn)(stage, model or "", device)
         return ARStage(stage, model or "", device)
     if stage.kind == "generation":
         return GenerationStage(stage, model, device)

@@ -99,11 +99,17 @@ class StageWorker:
         state = RequestState(request_id=msg.request_id, downstream=list(msg.downstream),
                              open_sources=set(self.adapters) if msg.num_upstream else set(),
                              arrival_time=msg.arrival_time or time.time())
-        if msg.prompt_embeds is not None:
-            embeds = self._get(state, msg.prompt_embeds)["prompt_embeds"]
+        extra: dict = {}
+        if msg.prompt_embeds is not None:   # the client's tensors: embeddings, "mm.*" inputs
+            tensors = self._get(state, msg.prompt_embeds)
+            embeds = tensors.pop("prompt_embeds", None)
+            if tensors:
+                extra["multimodal"] = {k.removeprefix("mm."): v for k, v in tensors.items()}
+        if getattr(self.engine, "takes_downstream", False):
+            extra["downstream"] = list(msg.downstream)
         self.engine.add(msg.request_id, msg.params, msg.prompt_token_ids, embeds,
                         streamed=msg.num_upstream > 0, arrival_time=state.arrival_time,
-                        prompt=msg.prompt, diffusion=msg.diffusion)
+                        prompt=msg.prompt, diffusion=msg.diffusion, **extra)
         self.requests[msg.request_id] = state
 
     def _chunk(self, msg: m.EdgeChunk) -> None:

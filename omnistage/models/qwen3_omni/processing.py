@@ -461,6 +461,46 @@ class InputProcessor:
                 raise ValueError(f"{where}: cannot decode the image ({e})") from None
         return image
 
+    def parse_request(self, prompt: str | dict[str, Any]) -> ThinkerInputs:
+        """The front door's prompt forms: a string (tokenized as is), {"messages": [...]}
+        (chat, parts as in the class docstring), or {"prompt": templated text,
+        "multi_modal_data": {"audio": [...], "image": [...], "video": [...]}} with one
+        placeholder triple in the text per item, in order."""
+        if isinstance(prompt, str):
+            return self.process(prompt)
+        if not isinstance(prompt, dict):
+            raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
+        unknown = set(prompt) - {"messages", "prompt", "multi_modal_data"}
+        if unknown:
+            raise ValueError(f"prompt has unknown keys {sorted(unknown)}; this model takes "
+                             "messages, or prompt with multi_modal_data")
+        if "messages" in prompt:
+            if "prompt" in prompt or "multi_modal_data" in prompt:
+                raise ValueError("prompt: give messages, or prompt (+ multi_modal_data), not both")
+            return self(prompt["messages"])
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
+            raise ValueError("prompt['prompt'] must be a string")
+        mm = prompt.get("multi_modal_data") or {}
+        if not isinstance(mm, dict) or set(mm) - {"audio", "image", "video"}:
+            raise ValueError("multi_modal_data: expected a dict with keys audio, image, video")
+
+        def items(kind: str) -> list:
+            value = mm.get(kind) or []
+            return list(value) if isinstance(value, list) else [value]
+
+        audios = [self._audio({"audio": a}, f"multi_modal_data.audio[{i}]")
+                  for i, a in enumerate(items("audio"))]
+        images = [self._image(im, f"multi_modal_data.image[{i}]")
+                  for i, im in enumerate(items("image"))]
+        videos = []
+        for i, frames in enumerate(items("video")):
+            if not isinstance(frames, (list, tuple)) or not frames:
+                raise ValueError(f"multi_modal_data.video[{i}]: expected a list of PIL images")
+            videos.append(([self._image(f, f"multi_modal_data.video[{i}][{k}]")
+                            for k, f in enumerate(frames)], DEFAULT_VIDEO_FPS))
+        return self.process(text, audios=audios, images=images, videos=videos)
+
     # -- templated prompts ---------------------------------------------------------------------
 
     def process(self, prompt: str, audios: Sequence[np.ndarray] = (),

@@ -266,6 +266,9 @@ class Qwen3OmniTalkerForCausalLM(nn.Module):
     packed_modules = PACKED_MODULES
     checkpoint_prefix = "talker."   # all of it: decoder, heads, projections, code predictor
     checkpoint_exclude: tuple[str, ...] = ()
+    uses_mrope = True               # the runner passes (3, T) positions
+    # The reference never samples the top 1024 codec ids (specials, speakers) except EOS.
+    NUM_SUPPRESSED = 1024
 
     def __init__(self, config: Qwen3OmniTalkerConfig) -> None:
         super().__init__()
@@ -280,6 +283,10 @@ class Qwen3OmniTalkerForCausalLM(nn.Module):
         self.hidden_projection = ResizeMLP(config.thinker_hidden_size, mc.intermediate_size,
                                            mc.hidden_size)
         self.code_predictor = CodePredictor(config.code_predictor, config.num_code_groups)
+        suppressed = torch.zeros(mc.vocab_size, dtype=torch.bool)
+        suppressed[max(0, mc.vocab_size - self.NUM_SUPPRESSED):] = True
+        suppressed[list(mc.eos_token_ids)] = False
+        self.register_buffer("suppressed", suppressed, persistent=False)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -313,7 +320,24 @@ class Qwen3OmniTalkerForCausalLM(nn.Module):
         return self.model.decode(h, positions, capture_layers)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        return self.codec_head(hidden).float()                      # (N, hidden) -> (N, vocab)
+        """(N, hidden) -> (N, vocab), suppressed ids at -inf (the reference's suppress_tokens
+        of `generate(return_audio=True)`)."""
+        logits = self.codec_head(hidden).float()
+        return logits.masked_fill(self.suppressed, float("-inf"))
+
+    def feedback(self, last_hidden: Tensor, code0: Tensor, seqs: list) -> tuple[Tensor, list]:
+        """The AR runner's hook after sampling: each sampled code 0 and its position's hidden
+        state run the code predictor for the frame's other groups; the sum of the frame's
+        codebook embeddings is what the next step feeds back. Greedy rows (temperature 0)
+        predict greedily; sampling rows draw with the reference's top_k=50, top_p=0.8 from the
+        request's own generator. -> next_input_embeds (B, H), [{"codes": (G,)}] per row."""
+        temps = torch.tensor([s.sampling_params.temperature for s in seqs],
+                             device=last_hidden.device)
+        greedy = bool((temps < 1e-5).all())
+        codes, embeds = self.predict_codes(
+            last_hidden, code0, greedy=greedy, temperature=temps.clamp_min(0.0),
+            generators=[s.generator for s in seqs])
+        return embeds, [{"codes": c} for c in codes.unbind(0)]
 
     def predict_codes(self, past_hidden: Tensor, code0: Tensor, **sampling: object
                       ) -> tuple[Tensor, Tensor]:

@@ -221,6 +221,7 @@ class Qwen3OmniThinkerForCausalLM(nn.Module):
     # the part of the checkpoint this model loads: thinker.* except the encoders
     checkpoint_prefix = "thinker."
     checkpoint_exclude = ("audio_tower.", "visual.")
+    uses_mrope = True               # the runner passes (3, T) positions
 
     def __init__(self, config: Qwen3OmniTextConfig) -> None:
         super().__init__()

@@ -275,7 +275,10 @@ def test_talker_prefill_and_decode_match_hf(hf: Qwen3OmniMoeForConditionalGenera
                             dim=1)
             ref_h = hf.talker.model(inputs_embeds=full[None],
                                     position_ids=pos[:, None, :]).last_hidden_state[0]
-            ref_l = hf.talker.codec_head(ref_h)
+            # generate(return_audio=True) suppresses the top 1024 codec ids but EOS
+            ref_l = hf.talker.codec_head(ref_h).masked_fill(talker.suppressed, float("-inf"))
+        assert talker.suppressed.sum() == min(1024, ref_l.shape[-1]) - 1
+        assert not talker.suppressed[hf.config.talker_config.codec_eos_token_id]
         torch.testing.assert_close(torch.cat(ours_h[i]), ref_h, atol=ATOL, rtol=0)
         torch.testing.assert_close(torch.cat(ours_l[i]), ref_l, atol=ATOL, rtol=0)
         assert codes[i] == ref_l[lens[i] - 1:].argmax(dim=-1).tolist()

@@ -1,0 +1,368 @@
+"""Qwen3-Omni as three stages of the runtime: what `Qwen3OmniMoeForConditionalGeneration.
+generate(return_audio=True)` does in one process, split so that speech streams out while the
+thinker is still writing.
+
+    thinker (ar)   prompt (+ audio / image / video features) -> text; emits, per position,
+                   its input embedding (layer 0) and the talker's `accept_hidden_layer`
+    talker (ar)    prefill = the user turns (thinker embeddings / hidden states projected) +
+                   the assistant opening (text, tts specials, the speaker's codec tokens);
+                   every decode adds the next thinker token's projected embedding ("trailing
+                   text"), then tts_eos, then tts_pad; each sampled code 0 runs the code
+                   predictor for the frame's other codebooks (the model's feedback hook)
+    code2wav (gen) codec frames -> 24 kHz audio, chunk by chunk with left context
+
+The talker's input is built here (`TalkerStage.feed`), not in an edge adapter: it needs the
+talker's projections and codec embeddings. The edges pass tensors through unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import AutoConfig
+
+from omnistage.ar.engine import AREngine
+from omnistage.configs.schema import StageConfig
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.engine.adapters import StageFeed
+from omnistage.models.loader import resolve_model_path
+from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavStream, decode_streams
+from omnistage.models.qwen3_omni.processing import (SpecialTokens, merge_multimodal_embeddings,
+                                                    mrope_positions)
+from omnistage.models.qwen3_omni.talker import Qwen3OmniTalkerForCausalLM
+from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM
+from omnistage.sampling_params import SamplingParams
+from omnistage.stages.engines import ARStage, StageResult
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SPEAKER = "ethan"           # the reference's `speaker="Ethan"`
+
+
+def _load(cls: type, path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple:
+    model = cls.from_pretrained(path, device, dtype)
+    return model, model.model_config, AutoConfig.from_pretrained(path)
+
+
+# ---- thinker --------------------------------------------------------------------------------
+
+class ThinkerStage(ARStage):
+    """The thinker's AR engine plus its audio and vision encoders, run when a request brings
+    multimodal features: their outputs replace the placeholder embeddings, the multimodal
+    rotary positions and deepstack features ride with the prompt. Requests that go on to the
+    talker emit layer 0 and `accept_hidden_layer`, and their first chunk carries the prompt ids
+    and the thinker embeddings of the tts special tokens."""
+
+    takes_downstream = True
+
+    def __init__(self, stage: StageConfig, model: str, device: str) -> None:
+        self.stage = stage
+        self.defaults = stage.default_sampling()
+        self.engine = AREngine(stage.ar_config(model, device),
+                               loader=lambda p, d, t: _load(Qwen3OmniThinkerForCausalLM, p, d, t))
+        self.path = resolve_model_path(stage.model or model)
+        hf = self.engine.hf_config
+        self.tokens = SpecialTokens.from_hf(hf.thinker_config, self.engine.tokenizer)
+        self.talker_layers = (0, hf.talker_config.accept_hidden_layer)
+        self._encoders: dict[str, torch.nn.Module] = {}
+        ids = torch.tensor([hf.tts_bos_token_id, hf.tts_eos_token_id, hf.tts_pad_token_id],
+                           device=self.engine.device)
+        with torch.inference_mode():
+            self.tts_embeds = self.engine.model.embed_input_ids(ids).float().cpu()   # (3, H)
+        # requests owing their first chunk's extras: prompt ids, visual grids
+        self._first: dict[str, tuple[list[int], dict[str, Tensor]]] = {}
+
+    def _encoder(self, name: str) -> torch.nn.Module:
+        """Audio / vision encoders, loaded when first needed."""
+        if name not in self._encoders:
+            from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
+            from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder
+
+            cls = AudioEncoder if name == "audio" else VisionEncoder
+            self._encoders[name] = cls.from_pretrained(self.path, self.engine.device,
+                                                       self.engine.dtype).eval()
+        return self._encoders[name]
+
+    def add(self, request_id: str, params: SamplingParams | None,
+            prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
+            streamed: bool, arrival_time: float, prompt: str | None = None,
+            diffusion: DiffusionParams | None = None, multimodal: dict[str, Tensor] | None = None,
+            downstream: list[str] | tuple[str, ...] = ()) -> None:
+        params = params or self.defaults
+        if downstream and not params.output_hidden_layers:
+            params = replace(params, output_hidden_layers=self.talker_layers)
+        if streamed:
+            raise ValueError("the thinker is an entry stage")
+        mm = multimodal or {}
+        extra: dict = {}
+        if prompt_token_ids is not None and mm:
+            ids = torch.tensor(prompt_token_ids, dtype=torch.long)
+            if "positions" in mm:
+                extra["mrope_positions"] = mm["positions"].long()
+                extra["rope_delta"] = int(mm["rope_delta"])
+            if any(k in mm for k in ("input_features", "pixel_values", "pixel_values_videos")):
+                prompt_embeds, deepstack = self._embed(ids, mm)
+                extra["deepstack"] = deepstack
+        self.engine.add_request(request_id, prompt_token_ids, params, prompt_embeds,
+                                arrival_time=None, **extra)
+        if downstream:
+            grids = {k: v for k, v in mm.items()
+                     if k in ("image_grid_thw", "video_grid_thw", "video_second_per_grid")}
+            self._first[request_id] = (list(prompt_token_ids or []), grids)
+
+    @torch.inference_mode()
+    def _embed(self, ids: Tensor, mm: dict[str, Tensor]
+               ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        dev, dtype = self.engine.device, self.engine.dtype
+        text = self.engine.model.embed_input_ids(ids.to(dev))                 # (L, H)
+        kw: dict[str, object] = {}
+        if "input_features" in mm:
+            kw["audio_embeds"] = self._encoder("audio")(
+                mm["input_features"].to(dev, dtype), mm["audio_feature_lens"].to(dev))
+        if "pixel_values" in mm:
+            kw["image_embeds"], kw["image_deepstack"] = self._encoder("vision")(
+                mm["pixel_values"].to(dev, dtype), mm["image_grid_thw"].to(dev))
+        if "pixel_values_videos" in mm:
+            kw["video_embeds"], kw["video_deepstack"] = self._encoder("vision")(
+                mm["pixel_values_videos"].to(dev, dtype), mm["video_grid_thw"].to(dev))
+        merged = merge_multimodal_embeddings(ids.to(dev), text, self.tokens, **kw)
+        rows = merged.deepstack_rows(0)
+        deepstack = None if rows is None else (rows[0].cpu(), rows[1])
+        return merged.inputs_embeds, deepstack
+
+    def abort(self, request_id: str) -> None:
+        self._first.pop(request_id, None)
+        super().abort(request_id)
+
+    def step(self) -> list[StageResult]:
+        results = super().step()
+        for r in results:
+            first = self._first.get(r.request_id)
+            if first is not None and "hidden_positions" in r.tensors:
+                del self._first[r.request_id]
+                r.tensors["prompt_token_ids"] = torch.tensor(first[0], dtype=torch.long)
+                r.tensors["tts_embeds"] = self.tts_embeds
+                r.tensors.update({f"grid.{k}": v for k, v in first[1].items()})
+            if r.finished:
+                self._first.pop(r.request_id, None)
+        return results
+
+
+# ---- talker ---------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _TalkerInput:
+    """What the talker has received of one request from the thinker (thinker space)."""
+    speaker_id: int
+    prompt_ids: list[int] | None = None
+    tts: Tensor | None = None                       # (3, H_thinker): tts_bos, tts_eos, tts_pad
+    grids: dict[str, Tensor] = field(default_factory=dict)   # the prompt's visual grids
+    embeds: list[Tensor] = field(default_factory=list)     # layer 0 rows, by position
+    hidden: list[Tensor] = field(default_factory=list)     # accept_hidden_layer rows
+    num_rows: int = 0
+    generated: list[int] = field(default_factory=list)
+    prefilled: bool = False
+    num_streamed: int = 0                           # trailing-text rows sent as stream embeds
+
+
+class TalkerStage(ARStage):
+    """The talker's AR engine, fed by the thinker's chunks (see the module docstring). Emits
+    the codec frames (num_code_groups codes each) of every step but the last, as the reference
+    (its final code 0 is EOS, or the length limit cut it before the code predictor ran)."""
+
+    def __init__(self, stage: StageConfig, model: str, device: str) -> None:
+        self.stage = stage
+        self.defaults = stage.default_sampling()
+        self.engine = AREngine(stage.ar_config(model, device),
+                               loader=lambda p, d, t: _load(Qwen3OmniTalkerForCausalLM, p, d, t))
+        hf = self.engine.hf_config
+        self.hf = hf
+        self.talker_cfg = hf.talker_config
+        self.accept_layer = self.talker_cfg.accept_hidden_layer
+        self.speakers = {k.lower(): v for k, v in (self.talker_cfg.speaker_id or {}).items()}
+        self.mm_token_ids = {hf.thinker_config.audio_token_id, hf.thinker_config.image_token_id,
+                             hf.thinker_config.video_token_id}
+        self.inputs: dict[str, _TalkerInput] = {}
+
+    @property
+    def model(self) -> Qwen3OmniTalkerForCausalLM:
+        return self.engine.model
+
+    def add(self, request_id: str, params: SamplingParams | None,
+            prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
+            streamed: bool, arrival_time: float, prompt: str | None = None,
+            diffusion: DiffusionParams | None = None, **_: object) -> None:
+        params = params or self.defaults
+        if not streamed:
+            raise ValueError("the talker takes its input from the thinker")
+        speaker = str(params.extra.get("speaker") or DEFAULT_SPEAKER).lower()
+        if speaker not in self.speakers:
+            raise ValueError(f"speaker {speaker!r} is unknown (this model has: "
+                             f"{', '.join(sorted(self.speakers))})")
+        self.engine.add_request(request_id, None, params, prompt_open=True, stream_open=True)
+        self.inputs[request_id] = _TalkerInput(self.speakers[speaker])
+
+    def abort(self, request_id: str) -> None:
+        self.inputs.pop(request_id, None)
+        super().abort(request_id)
+
+    @torch.inference_mode()
+    def feed(self, request_id: str, feed: StageFeed) -> None:
+        state = self.inputs[request_id]
+        t = feed.tensors or {}
+        if "prompt_token_ids" in t:
+            state.prompt_ids = t["prompt_token_ids"].tolist()
+            state.tts = t["tts_embeds"]
+            state.grids = {k[5:]: v for k, v in t.items() if k.startswith("grid.")}
+        if "hidden.0" in t:
+            positions = t["hidden_positions"].tolist()
+            assert positions[0] == state.num_rows, "thinker rows arrive in order, once each"
+            state.embeds.extend(t["hidden.0"].unbind(0))
+            state.hidden.extend(t[f"hidden.{self.accept_layer}"].unbind(0))
+            state.num_rows += len(positions)
+        if "token_ids" in t:
+            state.generated.extend(t["token_ids"].tolist())
+        self._advance(request_id, state, closed=False)
+
+    def close_input(self, request_id: str) -> None:
+        state = self.inputs.get(request_id)
+        if state is not None:
+            with torch.inference_mode():
+                self._advance(request_id, state, closed=True)
+
+    def _advance(self, request_id: str, state: _TalkerInput, closed: bool) -> None:
+        """Prefill once the prompt rows and the first generated token's row are in; then
+        stream the trailing text rows; at the end tts_eos, and tts_pad for ever after."""
+        if state.prompt_ids is None:
+            if closed:   # the thinker produced nothing usable
+                self.engine.extend_request(request_id, close_prompt=True, close_stream=True)
+            return
+        num_prompt = len(state.prompt_ids)
+        if not state.prefilled and (state.num_rows > num_prompt or closed):
+            embeds, positions, delta = self._prefill(state)
+            state.prefilled = True
+            state.num_streamed = num_prompt + 1
+            self.engine.extend_request(request_id, prompt_embeds=embeds, close_prompt=True,
+                                       mrope_positions=positions, rope_delta=delta)
+        if state.prefilled and state.num_rows > state.num_streamed:
+            rows = torch.stack(state.embeds[state.num_streamed:state.num_rows])
+            state.num_streamed = state.num_rows
+            self.engine.extend_request(request_id, stream_embeds=self._project_text(rows))
+        if closed:
+            tts = self._project_text(state.tts)                             # (3, H)
+            self.engine.extend_request(request_id, stream_embeds=tts[1:2], close_stream=True,
+                                       stream_pad=tts[2])
+            self.inputs.pop(request_id, None)
+
+    def _project_text(self, rows: Tensor) -> Tensor:
+        p = next(self.model.parameters())
+        return self.model.project_text(rows.to(p.device, p.dtype))
+
+    def _prefill(self, state: _TalkerInput) -> tuple[Tensor, Tensor | None, int | None]:
+        """The reference's talker prompt: user turns, then the assistant opening (9 rows);
+        with visual inputs, its multimodal rotary positions (over the user turns' ids and
+        tts_pad ids for the opening, as the reference computes them)."""
+        cfg, hf = self.talker_cfg, self.hf
+        ids = state.prompt_ids
+        embeds = torch.stack(state.embeds)                                  # (rows, H_thinker)
+        hidden = torch.stack(state.hidden)
+        # user turns: every position whose turn (the token after the last <|im_start|>) is user
+        parts = []
+        role = None
+        for i, tok in enumerate(ids):
+            if tok == hf.im_start_token_id and i + 1 < len(ids):
+                role = ids[i + 1]
+            if role == hf.user_token_id:
+                parts.append((i, tok in self.mm_token_ids))
+        rows = []
+        for i, is_mm in parts:
+            rows.append(self.model.project_hidden(hidden[i:i + 1].to(self._p().device,
+                                                                     self._p().dtype))
+                        if is_mm else self._project_text(embeds[i:i + 1]))
+        starts = [i for i in range(len(ids) - 1)
+                  if ids[i] == hf.im_start_token_id and ids[i + 1] == hf.assistant_token_id]
+        if not starts:
+            raise ValueError("the prompt has no assistant turn (<|im_start|>assistant): the "
+                             "talker speaks the assistant's answer")
+        a = starts[-1]
+        assistant = self._project_text(embeds[a:a + 4])                    # 3 prompt + 1st token
+        tts = self._project_text(state.tts)                                 # bos, eos, pad
+        text = torch.cat([assistant[:3], tts[2:3].expand(4, -1), tts[0:1], assistant[3:4]])
+        codec_ids = torch.tensor([cfg.codec_nothink_id, cfg.codec_think_bos_id,
+                                  cfg.codec_think_eos_id, state.speaker_id, cfg.codec_pad_id,
+                                  cfg.codec_bos_id], device=self._p().device)
+        codec = torch.cat([text.new_zeros(3, text.shape[1]),
+                           self.model.embed_input_ids(codec_ids)])[:text.shape[0]]
+        embeds = torch.cat(rows + [text + codec]) if rows else text + codec
+        if not state.grids:
+            return embeds, None, None
+        talker_ids = [ids[i] for i, _ in parts] + [hf.tts_pad_token_id] * text.shape[0]
+        positions, delta = mrope_positions(
+            torch.tensor(talker_ids), image_token_id=cfg.image_token_id,
+            video_token_id=cfg.video_token_id, spatial_merge_size=cfg.spatial_merge_size,
+            position_id_per_seconds=cfg.position_id_per_seconds,
+            image_grid_thw=state.grids.get("image_grid_thw"),
+            video_grid_thw=state.grids.get("video_grid_thw"),
+            video_second_per_grid=state.grids.get("video_second_per_grid"))
+        return embeds, positions, int(delta)
+
+    def _p(self) -> Tensor:
+        return next(self.model.parameters())
+
+    def step(self) -> list[StageResult]:
+        results = []
+        for out in self.engine.step():
+            tensors: dict[str, Tensor] = {}
+            if out.extra is not None:
+                tensors["codes"] = out.extra["codes"].reshape(1, -1).cpu()   # (1, G)
+            results.append(StageResult(
+                out.request_id, out.new_token_ids, "", tensors, out.finished,
+                out.finish_reason.value if out.finish_reason else None, out.error))
+            if out.finished:
+                self.inputs.pop(out.request_id, None)
+        return results
+
+
+# ---- code2wav -------------------------------------------------------------------------------
+
+class Code2WavGenerator:
+    """The generation stage's model: codec frames in (any number per chunk), audio out as soon
+    as a chunk of `chunk_frames` frames is complete, each decoded with `left_context` frames
+    before it; all ready chunks of all requests in one forward."""
+
+    def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int = 25) -> None:
+        self.model = model
+        self.chunk_frames = chunk_frames
+        self.left_context = left_context
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None, component: str, device: torch.device,
+                        dtype: torch.dtype | None, **options: int) -> Code2WavGenerator:
+        model = Code2Wav.from_pretrained(resolve_model_path(str(path)), device, dtype)
+        return cls(model.eval(), **options)
+
+    def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],
+                 is_last: list[bool]) -> list[dict[str, Tensor]]:
+        streams = []
+        for x, state, last in zip(inputs, states, is_last):
+            stream = state.get("stream")
+            if stream is None:
+                stream = state["stream"] = Code2WavStream(self.model, self.chunk_frames,
+                                                          self.left_context)
+            if "codes" in x and x["codes"].numel():
+                stream.append(x["codes"].T.to(torch.long))                  # (Q, n)
+            if last:
+                stream.finish()
+            streams.append(stream)
+        audio = decode_streams(streams)
+        return [{"audio": a.float().cpu()} if a.numel() else {} for a in audio]
+
+
+def build_stage(stage: StageConfig, model: str, device: str) -> ARStage:
+    if stage.component == "qwen3_omni_thinker":
+        return ThinkerStage(stage, model, device)
+    return TalkerStage(stage, model, device)
