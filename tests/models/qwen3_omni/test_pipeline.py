@@ -189,3 +189,19 @@ def test_bad_requests_fail_alone(omni: Omni) -> None:
     assert "speaker 'nobody' is unknown" in outs[0].error
     (after,) = omni.generate({"messages": CHAT}, greedy(speaker="Chelsie"))
     assert after.error is None and after.tensors["audio"].numel() > 0
+
+
+def test_default_graph_with_stage_processes(ckpt: Path, hf, processor: InputProcessor) -> None:
+    """The shipped graph as is (each stage a process, shm between them): image features and
+    hidden states cross process boundaries; the same text and audio as the reference."""
+    rng = np.random.default_rng(1)
+    image = Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8))
+    chat = [{"role": "user", "content": [{"type": "image", "image": image},
+                                         {"type": "text", "text": "Describe it."}]}]
+    expected_ids, expected_wav = reference(hf, processor, {"messages": chat})
+    with Omni(str(ckpt), device="cpu",
+              stage_overrides=["code2wav.options.chunk_frames=300"]) as engine:
+        (out,) = engine.generate({"messages": chat}, greedy())
+    assert out.error is None, out.error
+    assert out.token_ids == expected_ids
+    assert (out.tensors["audio"] - expected_wav).abs().max() <= 1e-4
