@@ -136,6 +136,20 @@ class AsyncOmni:
             if not out.finished:  # the caller went away (disconnect, cancel): abort everywhere
                 self.orchestrator.abort(out.request_id)
 
+    @property
+    def output_modalities(self) -> set[str]:
+        """What this model can answer with (the graph's final outputs)."""
+        return {s.final for s in self.graph.stages if s.final is not None}
+
+    @property
+    def audio_sample_rate(self) -> int | None:
+        """Sample rate of the audio the model writes (None: it writes none)."""
+        for stage in self.graph.stages:
+            if stage.final == "audio":
+                rate = self.orchestrator.stage_info.get(stage.name, {}).get("sample_rate")
+                return None if rate is None else int(rate)
+        return None
+
     def abort(self, request_id: str) -> None:
         self.orchestrator.abort(request_id)
 

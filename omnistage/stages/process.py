@@ -97,13 +97,16 @@ def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector) -> None
 
 
 def _engine_info(worker: object) -> dict[str, str | int | float]:
+    """Facts the front door checks requests against (from the Ready handshake); a model may
+    add its own through an `info` dict (e.g. the sample rate of the audio it writes)."""
     engine = getattr(worker.engine, "engine", None)  # type: ignore[attr-defined]
+    model_info = dict(getattr(getattr(engine, "model", None), "info", None) or {})
     cfg = getattr(engine, "model_config", None)
     if cfg is None:
-        return {}
+        return model_info
     return {"max_model_len": engine.max_model_len, "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-            "num_kv_blocks": engine.kv_layout.num_blocks}
+            "num_kv_blocks": engine.kv_layout.num_blocks, **model_info}
 
 
 def _clean_after_parent(spec: WorkerSpec) -> None:

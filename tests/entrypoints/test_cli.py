@@ -60,3 +60,27 @@ def test_generate_demo_writes_pngs(tmp_path: Path, capsys: pytest.CaptureFixture
                "connector=inproc"])
     assert rc == 1
     assert "names no digit" in capsys.readouterr().err
+
+
+def test_generate_speech_writes_wav(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A Qwen3-Omni checkpoint: the prompt goes through the chat template, the answer's text is
+    printed and its speech written as a 24 kHz WAV file; --modalities text writes none."""
+    import soundfile
+
+    from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
+
+    ckpt = build_tiny_qwen3_omni(tmp_path / "omni")
+    common = ["generate", str(ckpt), "--prompt", "Hello world", "--max-tokens", "6",
+              "--device", "cpu", "--output-dir", str(tmp_path / "out"), "--json",
+              "--stage-override", "backend=inproc", "--stage-override", "connector=inproc"]
+    assert main(common + ["--speaker", "chelsie"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    result = json.loads(line)
+    assert len(result["token_ids"]) == 6 and result["prompt"] == "Hello world"
+    (wav,) = result["files"]
+    audio, rate = soundfile.read(wav)
+    assert rate == 24000 and audio.ndim == 1 and len(audio) > 0
+    assert main(common + ["--modalities", "text"]) == 0
+    assert json.loads(capsys.readouterr().out)["files"] == []
+    assert main(common + ["--speaker", "nobody"]) == 1
+    assert "speaker 'nobody' is unknown" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """`omnistage generate [MODEL] --prompt ...`: offline generation. Text is printed; images are
-written as PNG files. With no MODEL, the built-in demo model draws handwritten digits."""
+written as PNG files and speech as WAV files. With no MODEL, the built-in demo model draws
+handwritten digits."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +30,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stage-override", action="append", default=[], metavar="STAGE.KEY=VALUE",
                    help="change one field of the graph, e.g. llm.max_num_seqs=8 (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap each prompt as a user chat message (chat template); default: on "
+                        "for multimodal chat models (Qwen3-Omni), off otherwise")
+    p.add_argument("--modalities", default=None,
+                   help="comma-separated outputs to produce, e.g. text or text,audio "
+                        "(default: all the model has)")
+    p.add_argument("--speaker", default=None, help="voice of speech output (Qwen3-Omni: "
+                                                   "ethan, chelsie, ...)")
     text = p.add_argument_group("text models")
     text.add_argument("--max-tokens", type=int, default=64)
     text.add_argument("--temperature", type=float, default=0.0)
@@ -41,7 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     image.add_argument("--num-images", type=int, default=1)
     image.add_argument("--height", type=int, default=None)
     image.add_argument("--width", type=int, default=None)
-    image.add_argument("--output-dir", default="omnistage-out", help="where images are written")
+    image.add_argument("--output-dir", default="omnistage-out",
+                       help="where images and audio are written")
     p.set_defaults(func=run)
 
 
@@ -61,18 +72,27 @@ def run(args: argparse.Namespace) -> int:
         else:
             params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                     top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens)
-        outs = omni.generate(args.prompt, params)
+            if args.speaker is not None:   # entry stage as asked, the others: their defaults
+                params = [params if not s.inputs else replace(
+                    s.default_sampling(), extra={"speaker": args.speaker})
+                    if s.kind == "ar" else None for s in omni.engine.graph.stages]
+        chat = args.chat if args.chat is not None else omni.engine.processor is not None
+        prompts = [{"messages": [{"role": "user", "content": p}]} if chat else p
+                   for p in args.prompt]
+        modalities = set(args.modalities.split(",")) if args.modalities else None
+        outs = omni.generate(prompts, params, output_modalities=modalities)
+        sample_rate = omni.engine.audio_sample_rate
     failed = [o for o in outs if o.error]
-    for out in outs:
-        files = _save_images(out, Path(args.output_dir)) if not out.error else []
+    for prompt, out in zip(args.prompt, outs):
+        out.prompt = prompt
+        files = [] if out.error else (_save_images(out, Path(args.output_dir))
+                                      + _save_audio(out, Path(args.output_dir), sample_rate))
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
-                              "images": files, "finish_reason": out.finish_reason,
+                              "files": files, "finish_reason": out.finish_reason,
                               "metrics": out.metrics.as_dict()}))
-        elif files:
-            print("\n".join(files))
         elif not out.error:
-            print(out.text)
+            print("\n".join(([out.text] if out.text else []) + files))
     for out in failed:
         print(f"omnistage generate: {out.prompt!r} failed: {out.error}", file=sys.stderr)
     return 1 if failed else 0
@@ -91,3 +111,15 @@ def _save_images(out: OmniOutput, folder: Path) -> list[str]:
         path.write_bytes(encode_image(image, "png"))
         paths.append(str(path))
     return paths
+
+
+def _save_audio(out: OmniOutput, folder: Path, sample_rate: int | None) -> list[str]:
+    from omnistage.utils.audio import encode_audio
+
+    audio = out.tensors.get("audio")
+    if audio is None or sample_rate is None:
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{out.request_id}.wav"
+    path.write_bytes(encode_audio(audio, sample_rate, "wav"))
+    return [str(path)]

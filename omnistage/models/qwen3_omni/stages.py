@@ -334,10 +334,16 @@ class Code2WavGenerator:
     as a chunk of `chunk_frames` frames is complete, each decoded with `left_context` frames
     before it; all ready chunks of all requests in one forward."""
 
+    SAMPLE_RATE = 24000             # Qwen3-Omni's codec speaks at 24 kHz
+
     def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int = 25) -> None:
+        if chunk_frames < 1 or left_context < 0:
+            raise ValueError(f"code2wav options: chunk_frames={chunk_frames} must be >= 1, "
+                             f"left_context={left_context} >= 0")
         self.model = model
         self.chunk_frames = chunk_frames
         self.left_context = left_context
+        self.info = {"sample_rate": self.SAMPLE_RATE}
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, component: str, device: torch.device,
