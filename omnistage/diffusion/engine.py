@@ -5,6 +5,13 @@ the compatible running requests (same latent shape), whatever step each is at, i
 transformer forward, advances each by one solver step, and decodes those that reached the end.
 New requests join between steps; an abort takes effect before the next one.
 
+A request whose text conditioning comes from an upstream stage (a split graph's text-encoder
+stage; prompt None) is prepared at once (latents, schedule) and parked; `set_conditioning`
+checks what arrived and lets it join the running requests. An abort frees it in either state.
+
+    add(prompt) -------------------------------> running --step() x N--> decoded
+    add(None) --> parked --set_conditioning()--^
+
     step():  group by batch key (oldest request's group first) -> velocity() once
              -> solver step per request -> done? decode -> DiffusionResult
 """
@@ -20,7 +27,7 @@ import torch
 from torch import Tensor
 
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.pipeline import DiffusionPipeline
+from omnistage.diffusion.pipeline import DiffusionPipeline, is_split_pipeline
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
 
@@ -41,35 +48,67 @@ class DiffusionEngine:
     def __init__(self, pipeline: DiffusionPipeline, max_num_seqs: int = 16) -> None:
         self.pipeline = pipeline
         self.max_num_seqs = max_num_seqs
-        self.requests: OrderedDict[str, DiffusionRequest] = OrderedDict()
+        self.requests: OrderedDict[str, DiffusionRequest] = OrderedDict()   # running
+        self.parked: dict[str, DiffusionRequest] = {}       # waiting for their conditioning
         self.num_steps_run = 0          # transformer forwards, all requests
 
-    def validate(self, prompt: str, params: DiffusionParams) -> None:
+    def validate(self, prompt: str | None, params: DiffusionParams) -> None:
         params.validate()
         self.pipeline.validate(prompt, params)
 
-    def add_request(self, request_id: str, prompt: str, params: DiffusionParams,
+    def add_request(self, request_id: str, prompt: str | None, params: DiffusionParams,
                     arrival_time: float | None = None) -> None:
-        if request_id in self.requests:
+        """prompt None: the text conditioning comes from an upstream stage; the request waits
+        for it (`set_conditioning`) after its latents and schedule are prepared."""
+        if request_id in self.requests or request_id in self.parked:
             raise ValueError(f"request id {request_id!r} is already running")
+        if prompt is None and not is_split_pipeline(type(self.pipeline)):
+            raise ValueError(f"{type(self.pipeline).__name__} encodes its own prompts: it "
+                             "cannot take conditioning from an upstream stage")
         self.validate(prompt, params)
         seed = params.seed if params.seed is not None else int(torch.seed() % 2**63)
         generator = torch.Generator(device="cpu").manual_seed(seed)
-        latents, sigmas, cond = self.pipeline.prepare(prompt, params, generator)
+        if prompt is None:
+            latents, sigmas, cond = self.pipeline.prepare_latents(params, generator)
+        else:
+            latents, sigmas, cond = self.pipeline.prepare(prompt, params, generator)
         req = DiffusionRequest(request_id, prompt, params, latents, sigmas, cond, generator)
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        self.requests[request_id] = req
+        if prompt is None:
+            self.parked[request_id] = req
+        else:
+            self.requests[request_id] = req
+
+    def set_conditioning(self, request_id: str, tensors: dict[str, Tensor]) -> None:
+        """A parked request's text conditioning (prompt_embeds, ...): checked against its
+        params by the pipeline; then the request runs from the next step."""
+        req = self.parked.get(request_id)
+        if req is None:
+            if request_id in self.requests:
+                raise ValueError(f"request {request_id!r} already has its conditioning")
+            raise KeyError(f"request {request_id!r} is not waiting for conditioning")
+        req.cond.update(self.pipeline.check_conditioning(tensors, req.params))
+        req.conditioning_time = time.time()
+        self.requests[request_id] = self.parked.pop(request_id)
+
+    def is_parked(self, request_id: str) -> bool:
+        return request_id in self.parked
 
     def abort(self, request_id: str) -> DiffusionRequest | None:
-        return self.requests.pop(request_id, None)
+        req = self.requests.pop(request_id, None)
+        return req if req is not None else self.parked.pop(request_id, None)
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.parked)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests) + len(self.parked)
 
     def progress(self, request_id: str) -> float | None:
-        req = self.requests.get(request_id)
+        req = self.requests.get(request_id) or self.parked.get(request_id)
         return None if req is None else req.progress
 
     def step(self) -> list[DiffusionResult]:
@@ -104,10 +143,12 @@ class DiffusionEngine:
                                                f"{type(exc).__name__}: {exc}"))
                 continue
             done = time.time()
-            results.append(DiffusionResult(r.request_id, images, True, 1.0, metrics={
-                "queue_time": r.first_step_time - r.arrival_time,
-                "num_steps": r.num_steps, "num_steps_skipped": r.num_steps_skipped,
-                "denoise_time": done - r.first_step_time}))
+            metrics = {"queue_time": r.first_step_time - r.arrival_time,
+                       "num_steps": r.num_steps, "num_steps_skipped": r.num_steps_skipped,
+                       "denoise_time": done - r.first_step_time}
+            if r.conditioning_time is not None:   # part of queue_time: upstream encoding
+                metrics["conditioning_wait_time"] = r.conditioning_time - r.arrival_time
+            results.append(DiffusionResult(r.request_id, images, True, 1.0, metrics=metrics))
         return results
 
     def _denoise(self, batch: list[DiffusionRequest]) -> None:

@@ -1,9 +1,21 @@
-"""What a diffusion pipeline provides to the engine: the three phases of a diffusers
-`__call__`, split so the engine can batch the middle one across requests at different steps.
+"""What a diffusion pipeline provides to the engine: the phases of a diffusers `__call__`, split
+so the engine can batch the denoising across requests at different steps, and so the text
+encoders can run in a stage of their own.
 
-    1. prepare(prompt, params, generator) -> initial latents, schedule, conditioning
-    2. velocity(latents, sigmas, requests) -> model output for a batch           (every step)
-    3. decode(latents, params) -> images, uint8 (n, H, W, C)
+    1. encode(prompts, params) -> text conditioning per request     (PromptEncoder, batched)
+    2. prepare_latents(params, generator) -> initial latents, schedule, other conditioning
+    3. velocity(latents, sigmas, requests) -> model output for a batch           (every step)
+    4. decode(latents, params) -> images, uint8 (n, H, W, C)
+
+`prepare(prompt, params, generator)` is 1 + 2 for one request: what a single-stage graph runs.
+In a split graph (configs/*_split.yaml) a text-encoder stage runs 1 alone, batched over
+requests, and the diffusion stage, loaded without text encoders, runs 2 at once and parks the
+request until its conditioning arrives (`check_conditioning`), then denoises it:
+
+    single stage:   prompt --[ encode + prepare_latents | velocity x N | decode ]--> images
+    split:          prompt --[ encode ]--conditioning--> [ prepare_latents ... decode ]-->
+
+A pipeline without text encoders of its own (the digits demo) has only `prepare`.
 """
 
 from __future__ import annotations
@@ -20,7 +32,8 @@ from omnistage.diffusion.request import DiffusionRequest
 class DiffusionPipeline(Protocol):
     device: torch.device
 
-    def validate(self, prompt: str, params: DiffusionParams) -> None: ...
+    def validate(self, prompt: str | None, params: DiffusionParams) -> None:
+        """ValueError naming the field. prompt None: the conditioning comes from upstream."""
 
     def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
                 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]: ...
@@ -31,3 +44,58 @@ class DiffusionPipeline(Protocol):
         each request brings its conditioning, params and step-cache state."""
 
     def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor: ...
+
+
+class PromptEncoder(Protocol):
+    """A pipeline's text encoders and tokenizers: the text part of its `prepare`."""
+
+    device: torch.device
+
+    def validate(self, prompt: str, params: DiffusionParams) -> None: ...
+
+    def encode(self, prompts: list[str], params: list[DiffusionParams]
+               ) -> list[dict[str, Tensor]]:
+        """One conditioning dict per request (prompt_embeds, and pooled / negative_prompt_embeds
+        as the pipeline needs them for these params), all requests in one batched call."""
+
+
+class SplitPipeline(DiffusionPipeline, Protocol):
+    """A pipeline whose text encoding may run in its own stage."""
+
+    prompt_encoder: PromptEncoder | None       # None: loaded without text encoders
+
+    @classmethod
+    def load_prompt_encoder(cls, path: str, device: torch.device, dtype: torch.dtype | None
+                            ) -> PromptEncoder: ...
+
+    def prepare_latents(self, params: DiffusionParams, generator: torch.Generator
+                        ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """Initial latents, sigmas and the conditioning that is not text (e.g. the grid)."""
+
+    def check_conditioning(self, tensors: dict[str, Tensor], params: DiffusionParams
+                           ) -> dict[str, Tensor]:
+        """An encoder's output for this request, checked, on the device in the model dtype."""
+
+
+def is_split_pipeline(cls: type) -> bool:
+    return all(hasattr(cls, name) for name in
+               ("load_prompt_encoder", "prepare_latents", "check_conditioning"))
+
+
+def check_conditioning(tensors: dict[str, Tensor], expected: dict[str, tuple[int, int]],
+                       device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Text conditioning from an upstream stage: exactly the `expected` keys, each with
+    (ndim, last dim) as given; returned on `device` in `dtype`. ValueError naming the key."""
+    missing = sorted(expected.keys() - tensors.keys())
+    unexpected = sorted(tensors.keys() - expected.keys())
+    if missing or unexpected:
+        raise ValueError(f"conditioning: expected tensors {sorted(expected)}, got "
+                         f"{sorted(tensors)} (missing {missing}, unexpected {unexpected})")
+    out = {}
+    for key, (ndim, last) in expected.items():
+        t = tensors[key]
+        if t.dim() != ndim or t.shape[-1] != last or not t.is_floating_point():
+            raise ValueError(f"conditioning[{key!r}]: expected a float tensor of {ndim} "
+                             f"dimensions, the last {last}, got {t.dtype} {tuple(t.shape)}")
+        out[key] = t.to(device, dtype)
+    return out

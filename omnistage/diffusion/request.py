@@ -16,7 +16,7 @@ from omnistage.diffusion.params import DiffusionParams
 @dataclass(slots=True)
 class DiffusionRequest:
     request_id: str
-    prompt: str
+    prompt: str | None              # None: encoded by an upstream text-encoder stage
     params: DiffusionParams
     latents: Tensor                 # (num_images, *latent_shape)
     sigmas: Tensor                  # (num_steps + 1,) decreasing to 0
@@ -24,6 +24,7 @@ class DiffusionRequest:
     generator: torch.Generator
     step_idx: int = 0
     arrival_time: float = field(default_factory=time.time)
+    conditioning_time: float | None = None   # when an upstream stage's conditioning arrived
     first_step_time: float | None = None
     cache: dict[str, StepCacheState] = field(default_factory=dict)  # per branch (cond, uncond)
 

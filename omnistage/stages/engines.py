@@ -14,7 +14,9 @@ from omnistage.ar.engine import AREngine
 from omnistage.configs.schema import StageConfig
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipeline import is_split_pipeline
 from omnistage.diffusion.registry import get_pipeline_class
+from omnistage.diffusion.text_encoding import TEXT_ENCODER_PART, TextEncodingEngine
 from omnistage.engine.adapters import StageFeed
 from omnistage.generation.engine import GenerationEngine
 from omnistage.generation.registry import get_generation_model_class
@@ -155,29 +157,69 @@ class GenerationStage:
 
 
 class DiffusionStage:
+    """A stage of a diffusion pipeline; its component says which part it runs:
+
+        flux               the whole pipeline: prompt in, images out. With an input edge (a
+                           split graph) it loads no text encoder: each request is prepared and
+                           parked until its conditioning arrives on the edge, then denoised
+        flux.text_encoder  the pipeline's text encoders alone (TextEncodingEngine): prompt in,
+                           conditioning out, batched over requests; an entry stage
+
+    The second form keeps the kind (`diffusion`): its requests are a diffusion stage's, a text
+    prompt with DiffusionParams, which the front door already routes to diffusion entry stages.
+    """
+
     def __init__(self, stage: StageConfig, model: str | None, device: str) -> None:
         if not stage.component:
             raise ValueError(f"stage {stage.name!r}: a diffusion stage needs a component")
+        name, _, part = stage.component.partition(".")
+        if part not in ("", TEXT_ENCODER_PART):
+            raise ValueError(f"stage {stage.name!r}: component {stage.component!r}: the part "
+                             f"after {name!r} can only be {TEXT_ENCODER_PART!r}")
         dev = resolve_device(device)
-        cls = get_pipeline_class(stage.component)
+        cls = get_pipeline_class(name)
         dtype = None if stage.dtype == "auto" else resolve_dtype(stage.dtype, None, dev)
-        pipeline = cls.from_pretrained(stage.model or model, stage.component, dev, dtype)
+        path = stage.model or model
+        self.conditioned = bool(stage.inputs)          # conditioning comes along an edge
+        if (part or self.conditioned) and not is_split_pipeline(cls):
+            raise ValueError(f"stage {stage.name!r}: the {name!r} pipeline encodes its own "
+                             "prompts; its text encoding cannot run in another stage")
+        self.engine: DiffusionEngine | TextEncodingEngine
+        if part:
+            if self.conditioned:
+                raise ValueError(f"stage {stage.name!r}: a text-encoder stage reads the "
+                                 "request's prompt; it takes no input edge")
+            self.engine = TextEncodingEngine(cls.load_prompt_encoder(path, dev, dtype),
+                                             stage.max_num_seqs)
+            return
+        extra = {"text_encoders": False} if self.conditioned else {}
+        pipeline = cls.from_pretrained(path, name, dev, dtype, **extra)
         self.engine = DiffusionEngine(pipeline, stage.max_num_seqs)
 
     def add(self, request_id: str, params: SamplingParams | None,
             prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
             streamed: bool, arrival_time: float, prompt: str | None = None,
             diffusion: DiffusionParams | None = None, **_: object) -> None:
+        diffusion = diffusion or DiffusionParams()
+        if self.conditioned:          # the prompt was encoded upstream
+            if not streamed:
+                raise ValueError("this diffusion stage takes its conditioning from its input "
+                                 "edge, but the request has no upstream stage")
+            self.engine.add_request(request_id, None, diffusion, arrival_time)
+            return
         if streamed or prompt is None:
             raise ValueError("a diffusion stage takes a text prompt from the request")
-        self.engine.add_request(request_id, prompt, diffusion or DiffusionParams(),
-                                arrival_time)
+        self.engine.add_request(request_id, prompt, diffusion, arrival_time)
 
     def feed(self, request_id: str, feed: StageFeed) -> None:
-        raise ValueError("diffusion stages take no streamed input yet")
+        if not self.conditioned:
+            raise ValueError("this diffusion stage takes no streamed input (no input edge)")
+        if feed.tensors:
+            self.engine.set_conditioning(request_id, feed.tensors)
 
     def close_input(self, request_id: str) -> None:
-        pass
+        if self.conditioned and self.engine.is_parked(request_id):
+            raise ValueError("conditioning: the upstream stage finished without sending any")
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -187,6 +229,11 @@ class DiffusionStage:
         return self.engine.has_unfinished_requests
 
     def step(self) -> list[StageResult]:
+        if isinstance(self.engine, TextEncodingEngine):
+            return [StageResult(r.request_id, tensors=r.tensors, finished=True,
+                                finish_reason="error" if r.error else "stop", error=r.error,
+                                engine_metrics=r.metrics)
+                    for r in self.engine.step()]
         return [StageResult(r.request_id,
                             tensors={"images": r.images} if r.images is not None else {},
                             finished=r.finished,

@@ -69,7 +69,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     ref = build_reference(path, guidance_embeds=request.param)
     ours = get_pipeline_class("flux").from_pretrained(path, "flux", torch.device("cpu"),
                                                       torch.float32)
-    ours.max_sequence_length = SEQ
+    ours.prompt_encoder.max_sequence_length = SEQ
     return ref, ours
 
 
@@ -268,3 +268,27 @@ def test_large_images_decode_in_tiles(pair: tuple[diffusers.FluxPipeline, FluxPi
     with torch.no_grad():
         images = ours.decode_float(seen["64x48:4"], params)
     torch.testing.assert_close(images, expected, atol=1e-4, rtol=0)
+
+
+def test_text_encoders_in_their_own_stage(pair: tuple[diffusers.FluxPipeline, FluxPipeline],
+                                          tmp_path: Path) -> None:
+    """flux_split.yaml: CLIP and T5 in a text-encoder stage, the diffusion stage without them;
+    the same images as the default single-stage graph, prompts encoded in one batch."""
+    from omnistage import Omni
+
+    ref, _ = pair
+    folder = tmp_path / "flux"
+    ref.save_pretrained(folder)
+    prompts = ["a red cube", "the weather today is sunny with a light breeze"]
+    params = DiffusionParams(height=32, width=32, num_inference_steps=2, seed=1, num_images=2)
+    images = {}
+    for graph in (None, "flux_split"):
+        with Omni(str(folder), stage_config=graph, device="cpu", backend="inproc",
+                  connector="inproc") as omni:
+            outs = omni.generate(prompts, params)
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        images[graph] = [o.tensors["images"] for o in outs]
+    assert list(outs[0].stage_metrics) == ["text_encoder", "dit"]
+    for split, single in zip(images["flux_split"], images[None]):
+        assert split.shape == (2, 32, 32, 3)
+        assert (split.int() - single.int()).abs().max() <= 1

@@ -29,6 +29,7 @@ SIZE = 64                       # pixels; the tiny VAE downsamples 8x: 8x8 laten
 C = 4                           # latent channels
 PROMPT = "a photo of the sea shore"
 NEGATIVE = "blurry, low quality"
+THRESHOLD = 0.3                 # step caching: the tiny model's input moves ~0.12-0.2 a step
 
 
 def build_reference(path: Path) -> diffusers.QwenImagePipeline:
@@ -158,10 +159,13 @@ def test_encode_prompt_drops_the_template(pair: tuple[diffusers.QwenImagePipelin
     ref, ours = pair
     with torch.no_grad():
         expected, mask = ref.encode_prompt(PROMPT, device=torch.device("cpu"))
-    got = ours.encode_prompt(PROMPT)                                      # (L, hidden)
+    encoder = ours.prompt_encoder
+    (got,) = encoder.encode_texts([PROMPT])                               # (L, hidden)
     assert mask is None and got.shape == expected.shape[1:]
     torch.testing.assert_close(got, expected[0], atol=1e-6, rtol=0)
-    assert ours.encode_prompt("a much longer prompt " * 3).shape[0] > got.shape[0]
+    longer, again = encoder.encode_texts(["a much longer prompt " * 3, PROMPT])  # one batch
+    assert longer.shape[0] > got.shape[0]
+    torch.testing.assert_close(again, got, atol=1e-6, rtol=0)    # right padding changes nothing
 
 
 def test_true_cfg_changes_the_image(pair: tuple[diffusers.QwenImagePipeline, QwenImagePipeline]
@@ -275,8 +279,6 @@ def test_image_to_image_size_and_bad_input(
      "negative_prompt: has no effect"),
     (DiffusionParams(height=64, width=64, true_cfg_scale=4.0), PROMPT, "needs a negative_prompt"),
     (DiffusionParams(height=64, width=64, guidance_scale=3.5), PROMPT, "not guidance-distilled"),
-    (DiffusionParams(height=64, width=64, cache_threshold=0.1), PROMPT,
-     "not available for Qwen-Image yet"),
     (DiffusionParams(height=64, width=64), "  ", "non-empty"),
 ])
 def test_refuses_bad_requests(pair: tuple[diffusers.QwenImagePipeline, QwenImagePipeline],
@@ -299,3 +301,88 @@ def test_served_through_omni_by_its_default_graph(
         assert out.error is None and out.images[0].size == (SIZE, SIZE)
         (bad,) = omni.generate("a red cube", DiffusionParams(height=65, width=64))
         assert bad.finish_reason == "error" and "multiple of" in bad.error
+
+
+@pytest.mark.parametrize("negative, cfg", [(None, 1.0), (NEGATIVE, 4.0)],
+                         ids=["no-cfg", "true-cfg"])
+def test_step_caching(pair: tuple[diffusers.QwenImagePipeline, QwenImagePipeline],
+                      negative: str | None, cfg: float) -> None:
+    """Threshold 0 equals no caching exactly; a positive threshold skips steps (counted), keeps
+    close to the uncached image, and does not change what other requests in the batch get (a
+    neighbour with true CFG and a longer caption: other caption padding every step)."""
+    _, ours = pair
+
+    def params(threshold: float | None) -> DiffusionParams:
+        return DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=12, seed=9,
+                               true_cfg_scale=cfg, negative_prompt=negative,
+                               cache_threshold=threshold)
+
+    neighbour = ("the weather today is sunny with a light breeze", DiffusionParams(
+        height=SIZE, width=SIZE, num_inference_steps=12, true_cfg_scale=3.0,
+        negative_prompt="dark", seed=1))
+
+    def generate(threshold: float | None, with_neighbour: bool = False
+                 ) -> dict[str, DiffusionResult]:
+        engine = DiffusionEngine(ours)
+        engine.add_request("a", PROMPT, params(threshold))
+        if with_neighbour:
+            engine.add_request("b", *neighbour)
+        return run(engine)
+
+    plain = generate(None)["a"]
+    zero = generate(0.0)["a"]
+    assert zero.metrics["num_steps_skipped"] == 0
+    assert torch.equal(zero.images, plain.images)
+    cached = generate(THRESHOLD, with_neighbour=True)
+    skipped = cached["a"].metrics["num_steps_skipped"]
+    assert 0 < skipped < 10, skipped
+    assert cached["b"].metrics["num_steps_skipped"] == 0
+    diff = (cached["a"].images.float() - plain.images.float()).abs().mean()
+    assert diff < 5, f"mean pixel change {diff}"           # ~0.7 / 255 with 5 of 12 skipped
+    alone_b = DiffusionEngine(ours)
+    alone_b.add_request("b", *neighbour)
+    assert (run(alone_b)["b"].images.int() - cached["b"].images.int()).abs().max() <= 1
+
+
+def test_step_caching_keeps_branches_apart(
+        pair: tuple[diffusers.QwenImagePipeline, QwenImagePipeline]) -> None:
+    """With true CFG the conditional and unconditional passes keep their own cache state: each
+    reuses its own residual (the image stream's modulated input is the same for both, so they
+    skip the same steps)."""
+    _, ours = pair
+    engine = DiffusionEngine(ours)
+    engine.add_request("a", PROMPT, DiffusionParams(
+        height=SIZE, width=SIZE, num_inference_steps=12, seed=9, true_cfg_scale=4.0,
+        negative_prompt=NEGATIVE, cache_threshold=THRESHOLD))
+    req = engine.requests["a"]
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert set(req.cache) == {"cond", "uncond"}
+    cond, uncond = req.cache["cond"], req.cache["uncond"]
+    assert not torch.equal(cond.residual, uncond.residual)
+    assert cond.num_skipped == uncond.num_skipped > 0
+
+
+@pytest.mark.parametrize("negative, cfg", [(None, 1.0), (NEGATIVE, 4.0)],
+                         ids=["no-cfg", "true-cfg"])
+def test_text_encoder_in_its_own_stage(folder: tuple[Path, diffusers.QwenImagePipeline],
+                                       negative: str | None, cfg: float) -> None:
+    """qwen_image_split.yaml: Qwen2.5-VL in a text-encoder stage (captions of different
+    lengths encoded in one right-padded batch), the diffusion stage without it: the same
+    images as the default single-stage graph."""
+    from omnistage import Omni
+
+    path, _ = folder
+    prompts = ["a red cube", "the weather today is sunny with a light breeze"]
+    params = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=2, seed=1,
+                             true_cfg_scale=cfg, negative_prompt=negative)
+    images = {}
+    for graph in (None, "qwen_image_split"):
+        with Omni(str(path), stage_config=graph, device="cpu", backend="inproc",
+                  connector="inproc") as omni:
+            outs = omni.generate(prompts, params)
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        images[graph] = [o.tensors["images"] for o in outs]
+    assert list(outs[0].stage_metrics) == ["text_encoder", "dit"]
+    for split, single in zip(images["qwen_image_split"], images[None]):
+        assert (split.int() - single.int()).abs().max() <= 1

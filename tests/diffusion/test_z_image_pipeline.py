@@ -63,7 +63,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory
     ref = build_reference(path)
     ours = get_pipeline_class("z_image").from_pretrained(path, "z_image", torch.device("cpu"),
                                                          torch.float32)
-    ours.max_sequence_length = SEQ
+    ours.prompt_encoder.max_sequence_length = SEQ
     return ref, ours
 
 

@@ -1,8 +1,9 @@
 """FLUX.1 text-to-image (dev / schnell): diffusers' `FluxPipeline.__call__` split into the
 engine's phases (omnistage/diffusion/pipeline.py), numerics kept step for step.
 
-    prepare:  CLIP pooled (77 tokens) + T5 sequence (max_sequence_length tokens), text_ids 0
-              randn (n, C, 2*(H//16), 2*(W//16)) on the request's CPU generator -> pack 2x2
+    encode:   CLIP pooled (77 tokens) + T5 sequence (max_sequence_length tokens), every prompt
+              of a batch of requests in one call of each encoder (FluxPromptEncoder)
+    prepare:  randn (n, C, 2*(H//16), 2*(W//16)) on the request's CPU generator -> pack 2x2
               sigmas linspace(1, 1/N, N) shifted by mu(image_seq_len)
     velocity: one transformer forward over all rows; timestep = (sigma * 1000) / 1000 as
               diffusers feeds it; distilled guidance embedding per row (FLUX.1-dev)
@@ -10,7 +11,8 @@ engine's phases (omnistage/diffusion/pipeline.py), numerics kept step for step.
               as diffusers with enable_tiling()) -> (x/2 + 0.5).clamp(0, 1) -> uint8
 
 Every network is ours (CLIP and T5 text encoders, transformer, VAE); tokenizers come from
-transformers.
+transformers. The text encoders may run in a stage of their own (configs/flux_split.yaml; see
+diffusion/pipeline.py).
 No true CFG (negative prompt) yet. Step caching per request (TeaCache's FLUX polynomial).
 """
 
@@ -27,6 +29,7 @@ from transformers import AutoTokenizer
 from omnistage.diffusion.cache import cache_groups
 from omnistage.diffusion.image_input import decode_image, output_size, preprocess
 from omnistage.diffusion.params import DiffusionParams, check_size
+from omnistage.diffusion.pipeline import check_conditioning
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.models.autoencoder_kl import AutoencoderKL
@@ -40,47 +43,102 @@ MAX_SEQUENCE_LENGTH = 512           # T5 tokens, diffusers' default and maximum
 CLIP_MAX_LENGTH = 77
 
 
-class FluxPipeline:
-    def __init__(self, transformer: FluxTransformer2DModel, vae: AutoencoderKL,
-                 text_encoder: CLIPTextEncoder, tokenizer, text_encoder_2: T5Encoder,
-                 tokenizer_2, scheduler: solver.FlowMatchEulerConfig, device: torch.device,
+def check_text_params(prompt: str | None, params: DiffusionParams) -> None:
+    """The request's text and guidance fields (prompt None: encoded upstream, not checked)."""
+    if prompt is not None and not prompt.strip():
+        raise ValueError("prompt: must be non-empty")
+    if params.negative_prompt is not None or params.true_cfg_scale != 1.0:
+        raise ValueError("negative_prompt / true_cfg_scale: true CFG is not supported by the "
+                         "FLUX pipeline yet (use guidance_scale, the distilled guidance)")
+
+
+class FluxPromptEncoder:
+    """CLIP (pooled) and T5 (sequence): the text part of `FluxPipeline.prepare`, batched over
+    requests."""
+
+    def __init__(self, text_encoder: CLIPTextEncoder, tokenizer, text_encoder_2: T5Encoder,
+                 tokenizer_2, device: torch.device,
                  max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> None:
         if not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
             raise ValueError(f"max_sequence_length={max_sequence_length}: must be in "
                              f"[1, {MAX_SEQUENCE_LENGTH}]")
-        self.transformer = transformer.to(device).eval()
-        self.vae = vae.to(device).eval()
         self.text_encoder = text_encoder.to(device).eval()
         self.text_encoder_2 = text_encoder_2.to(device).eval()
         self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
-        self.scheduler = scheduler
         self.device = device
-        self.dtype = next(transformer.parameters()).dtype
         self.max_sequence_length = max_sequence_length
-        self.vae_scale_factor = vae.cfg.downscale                 # 8 for FLUX.1
-        self.multiple = self.vae_scale_factor * 2                 # latents are packed 2x2
-        self.num_channels_latents = transformer.cfg.in_channels // 4
         # diffusers: tokenizer.model_max_length (77 for CLIP)
         self.clip_max_length = min(getattr(tokenizer, "model_max_length", CLIP_MAX_LENGTH),
                                    text_encoder.config.max_position_embeddings)
 
     @classmethod
+    def from_pretrained(cls, path: str | Path, device: torch.device,
+                        dtype: torch.dtype | None) -> FluxPromptEncoder:
+        """The pipeline folder's text_encoder*/ (in `dtype`; None: their own) and tokenizers."""
+        path = Path(path)
+        return cls(CLIPTextEncoder.from_pretrained(path / "text_encoder", device, dtype),
+                   AutoTokenizer.from_pretrained(path / "tokenizer"),
+                   T5Encoder.from_pretrained(path / "text_encoder_2", device, dtype),
+                   AutoTokenizer.from_pretrained(path / "tokenizer_2"), device)
+
+    def validate(self, prompt: str, params: DiffusionParams) -> None:
+        check_text_params(prompt, params)
+
+    @torch.inference_mode()
+    def encode(self, prompts: list[str], params: list[DiffusionParams]
+               ) -> list[dict[str, Tensor]]:
+        """Per request: prompt_embeds, the T5 sequence (1, max_sequence_length, joint_dim), and
+        pooled, CLIP's pooled output (1, pooled_dim)."""
+        assert len(prompts) == len(params), (len(prompts), len(params))
+        clip_ids = self.tokenizer(prompts, padding="max_length", max_length=self.clip_max_length,
+                                  truncation=True, return_tensors="pt").input_ids
+        _, pooled = self.text_encoder(clip_ids.to(self.device))            # (B, P)
+        t5_ids = self.tokenizer_2(prompts, padding="max_length",
+                                  max_length=self.max_sequence_length, truncation=True,
+                                  return_tensors="pt").input_ids
+        embeds = self.text_encoder_2(t5_ids.to(self.device))                # (B, T, J)
+        return [{"prompt_embeds": e[None], "pooled": p[None]} for e, p in zip(embeds, pooled)]
+
+
+class FluxPipeline:
+    def __init__(self, transformer: FluxTransformer2DModel, vae: AutoencoderKL,
+                 prompt_encoder: FluxPromptEncoder | None,
+                 scheduler: solver.FlowMatchEulerConfig, device: torch.device) -> None:
+        """prompt_encoder None: the conditioning comes from an upstream text-encoder stage."""
+        self.transformer = transformer.to(device).eval()
+        self.vae = vae.to(device).eval()
+        self.prompt_encoder = prompt_encoder
+        self.scheduler = scheduler
+        self.device = device
+        self.dtype = next(transformer.parameters()).dtype
+        self.vae_scale_factor = vae.cfg.downscale                 # 8 for FLUX.1
+        self.multiple = self.vae_scale_factor * 2                 # latents are packed 2x2
+        self.num_channels_latents = transformer.cfg.in_channels // 4
+
+    @classmethod
     def from_pretrained(cls, path: str | Path, component: str, device: torch.device,
-                        dtype: torch.dtype | None) -> FluxPipeline:
+                        dtype: torch.dtype | None, text_encoders: bool = True) -> FluxPipeline:
+        """text_encoders False: no text encoder is loaded (a split graph's diffusion stage)."""
         path = Path(path)
         if not (path / "model_index.json").is_file():
             raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
         transformer = FluxTransformer2DModel.from_pretrained(path / "transformer", device, dtype)
         dtype = dtype or next(transformer.parameters()).dtype
         vae = AutoencoderKL.from_pretrained(path / "vae", device, dtype)
-        text_encoder = CLIPTextEncoder.from_pretrained(path / "text_encoder", device, dtype)
-        text_encoder_2 = T5Encoder.from_pretrained(path / "text_encoder_2", device, dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
-        tokenizer_2 = AutoTokenizer.from_pretrained(path / "tokenizer_2")
+        prompt_encoder = (FluxPromptEncoder.from_pretrained(path, device, dtype)
+                          if text_encoders else None)
         scheduler = solver.FlowMatchEulerConfig.from_dict(
             json.loads((path / "scheduler" / "scheduler_config.json").read_text()))
-        return cls(transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2,
-                   scheduler, device)
+        return cls(transformer, vae, prompt_encoder, scheduler, device)
+
+    @classmethod
+    def load_prompt_encoder(cls, path: str | Path, device: torch.device,
+                            dtype: torch.dtype | None) -> FluxPromptEncoder:
+        """The text encoders alone, for a text-encoder stage."""
+        path = Path(path)
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
+        return FluxPromptEncoder.from_pretrained(path, device, dtype)
 
     # ---- request boundary ------------------------------------------------------------------
 
@@ -88,12 +146,9 @@ class FluxPipeline:
         return output_size(params.height, params.width, params.image, self.multiple,
                            DEFAULT_SAMPLE_SIZE * self.vae_scale_factor)
 
-    def validate(self, prompt: str, params: DiffusionParams) -> None:
-        if not prompt or not prompt.strip():
-            raise ValueError("prompt: must be non-empty")
-        if params.negative_prompt is not None or params.true_cfg_scale != 1.0:
-            raise ValueError("negative_prompt / true_cfg_scale: true CFG is not supported by the "
-                             "FLUX pipeline yet (use guidance_scale, the distilled guidance)")
+    def validate(self, prompt: str | None, params: DiffusionParams) -> None:
+        """prompt None: encoded by an upstream stage (which checked it)."""
+        check_text_params(prompt, params)
         check_size(*self._size(params), self.multiple, MAX_SIZE,
                    f"VAE factor {self.vae_scale_factor} x 2x2 packing")
         if params.image is not None:
@@ -103,9 +158,27 @@ class FluxPipeline:
 
     def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
                 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """Encode the prompt, then the latents: a single-stage graph's request."""
+        if self.prompt_encoder is None:
+            raise ValueError("this FLUX stage loads no text encoder: its conditioning comes "
+                             "from an upstream text-encoder stage")
+        (encoded,) = self.prompt_encoder.encode([prompt], [params])
+        latents, sigmas, cond = self.prepare_latents(params, generator)
+        return latents, sigmas, {**self.check_conditioning(encoded, params), **cond}
+
+    def check_conditioning(self, tensors: dict[str, Tensor], params: DiffusionParams
+                           ) -> dict[str, Tensor]:
+        """prompt_embeds (1, T, joint_dim) and pooled (1, pooled_dim)."""
+        cfg = self.transformer.cfg
+        return check_conditioning(tensors, {"prompt_embeds": (3, cfg.joint_attention_dim),
+                                            "pooled": (2, cfg.pooled_projection_dim)},
+                                  self.device, self.dtype)
+
+    def prepare_latents(self, params: DiffusionParams, generator: torch.Generator
+                        ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """-> packed latents (n, N, 4C), sigmas, {"grid": packed token grid (2,)}."""
         n = params.num_images
         height, width = self._size(params)
-        prompt_embeds, pooled = self.encode_prompt(prompt)                  # (1, T, J), (1, P)
 
         # timesteps: FLUX's custom sigmas, shifted by the number of image tokens
         h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
@@ -130,21 +203,7 @@ class FluxPipeline:
         if image_latents is not None:
             noise = solver.scale_noise(image_latents.expand(n, -1, -1, -1), sigmas[0], noise)
         latents = pack_latents(noise)                                        # (n, h/2*w/2, 4C)
-        cond = {"prompt_embeds": prompt_embeds, "pooled": pooled,
-                "grid": torch.tensor([h // 2, w // 2])}                    # packed token grid
-        return latents, sigmas, cond
-
-    @torch.inference_mode()
-    def encode_prompt(self, prompt: str) -> tuple[Tensor, Tensor]:
-        """-> T5 sequence (1, max_sequence_length, joint_dim), CLIP pooled (1, pooled_dim)."""
-        clip_ids = self.tokenizer([prompt], padding="max_length", max_length=self.clip_max_length,
-                                  truncation=True, return_tensors="pt").input_ids
-        _, pooled = self.text_encoder(clip_ids.to(self.device))
-        t5_ids = self.tokenizer_2([prompt], padding="max_length",
-                                  max_length=self.max_sequence_length, truncation=True,
-                                  return_tensors="pt").input_ids
-        embeds = self.text_encoder_2(t5_ids.to(self.device))
-        return embeds.to(self.dtype), pooled.to(self.dtype)
+        return latents, sigmas, {"grid": torch.tensor([h // 2, w // 2])}   # packed token grid
 
     # ---- 2. velocity -----------------------------------------------------------------------
 

@@ -2,10 +2,11 @@
 `QwenImageImg2ImgPipeline.__call__` split into the engine's phases
 (omnistage/diffusion/pipeline.py), numerics kept step for step.
 
-    prepare:  prompt template -> Qwen2.5-VL -> hidden_states[-1] of the real tokens, less the
+    encode:   prompt template -> Qwen2.5-VL -> hidden_states[-1] of the real tokens, less the
               template's first 34 (system prompt), at most max_sequence_length: (L, hidden) per
-              prompt; the negative prompt the same way when true CFG is on
-              randn (n, C, 2*(H//16), 2*(W//16)) in the model dtype on the request's CPU
+              prompt; the negative prompt the same way when true CFG is on; all prompts of a
+              batch of requests in one call, right-padded and masked (QwenImagePromptEncoder)
+    prepare:  randn (n, C, 2*(H//16), 2*(W//16)) in the model dtype on the request's CPU
               generator -> pack 2x2 -> (n, N, 4C)
               sigmas linspace(1, 1/N, N) shifted by mu(image tokens), as FLUX
               image-to-image: the schedule starts at the strength's step; the input image,
@@ -18,8 +19,10 @@
               .clamp(0, 1) -> uint8
 
 Every network is ours: the Qwen2.5-VL text model run as an encoder (its vision tower is not
-loaded), the transformer and the VAE; the tokenizer comes from transformers.
+loaded), the transformer and the VAE; the tokenizer comes from transformers. The encoder may
+run in a stage of its own (configs/qwen_image_split.yaml; see diffusion/pipeline.py).
 Qwen-Image is not guidance-distilled: `guidance_scale` is refused, true CFG is the guidance.
+Step caching per request and CFG branch (identity rescaling: see qwen_image_transformer.py).
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ import torch
 from torch import Tensor
 from transformers import AutoTokenizer
 
+from omnistage.diffusion.cache import cache_groups
 from omnistage.diffusion.image_input import decode_image, output_size, preprocess
 from omnistage.diffusion.params import DiffusionParams, check_size
+from omnistage.diffusion.pipeline import check_conditioning
 from omnistage.diffusion.pipelines.flux import pack_latents, unpack_latents
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
@@ -51,32 +56,105 @@ PROMPT_TEMPLATE = (
 PROMPT_TEMPLATE_DROP = 34           # leading template tokens whose states are dropped
 
 
-class QwenImagePipeline:
-    def __init__(self, transformer: QwenImageTransformer2DModel, vae: AutoencoderKLQwenImage,
-                 text_encoder: QwenTextEncoder, tokenizer,
-                 scheduler: solver.FlowMatchEulerConfig, device: torch.device,
+def has_true_cfg(params: DiffusionParams) -> bool:
+    """diffusers' `do_true_cfg` (validation refuses the cases where it differs)."""
+    return params.true_cfg_scale > 1.0 and params.negative_prompt is not None
+
+
+def check_text_params(prompt: str | None, params: DiffusionParams) -> None:
+    """The request's text and guidance fields (prompt None: encoded upstream, not checked)."""
+    if prompt is not None and not prompt.strip():
+        raise ValueError("prompt: must be non-empty")
+    if params.negative_prompt is not None and params.true_cfg_scale <= 1.0:
+        raise ValueError(f"negative_prompt: has no effect without true CFG (true_cfg_scale="
+                         f"{params.true_cfg_scale}; set it > 1, e.g. 4.0)")
+    if params.negative_prompt is None and params.true_cfg_scale != 1.0:
+        raise ValueError(f"true_cfg_scale={params.true_cfg_scale}: true CFG needs a "
+                         "negative_prompt (even \" \" turns it on, as in diffusers)")
+    if params.guidance_scale is not None:
+        raise ValueError("guidance_scale: Qwen-Image is not guidance-distilled; use "
+                         "true_cfg_scale > 1 with a negative_prompt")
+
+
+class QwenImagePromptEncoder:
+    """Qwen2.5-VL over the templated prompts: the text part of `QwenImagePipeline.prepare`,
+    batched over requests. The one place that knows the text encoder."""
+
+    def __init__(self, text_encoder: QwenTextEncoder, tokenizer, device: torch.device,
                  max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH) -> None:
         if not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
             raise ValueError(f"max_sequence_length={max_sequence_length}: must be in "
                              f"[1, {MAX_SEQUENCE_LENGTH}]")
+        self.text_encoder = text_encoder.to(device).eval()
+        self.tokenizer = tokenizer
+        self.device = device
+        self.max_sequence_length = max_sequence_length
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: torch.device,
+                        dtype: torch.dtype | None) -> QwenImagePromptEncoder:
+        """The pipeline folder's text_encoder/ (in `dtype`; None: its own) and tokenizer/."""
+        path = Path(path)
+        text_encoder = QwenTextEncoder.from_pretrained(path / "text_encoder", device, dtype)
+        return cls(text_encoder, AutoTokenizer.from_pretrained(path / "tokenizer"), device)
+
+    def validate(self, prompt: str, params: DiffusionParams) -> None:
+        check_text_params(prompt, params)
+
+    def encode(self, prompts: list[str], params: list[DiffusionParams]
+               ) -> list[dict[str, Tensor]]:
+        """Per request: prompt_embeds (L, hidden), and negative_prompt_embeds with true CFG."""
+        texts = []
+        for prompt, p in zip(prompts, params, strict=True):
+            texts += [prompt, p.negative_prompt] if has_true_cfg(p) else [prompt]
+        states = iter(self.encode_texts(texts))
+        out = []
+        for p in params:
+            cond = {"prompt_embeds": next(states)}
+            if has_true_cfg(p):
+                cond["negative_prompt_embeds"] = next(states)
+            out.append(cond)
+        return out
+
+    @torch.inference_mode()
+    def encode_texts(self, texts: list[str]) -> list[Tensor]:
+        """-> per text, the caption's states (L, hidden): hidden_states[-1] of the templated
+        text, less the template's first PROMPT_TEMPLATE_DROP tokens, at most
+        max_sequence_length. Right padding: causal attention leaves the real tokens alone."""
+        inputs = self.tokenizer([PROMPT_TEMPLATE.format(t) for t in texts],
+                                max_length=MAX_SEQUENCE_LENGTH + PROMPT_TEMPLATE_DROP,
+                                truncation=True, padding=True, padding_side="right",
+                                return_tensors="pt")
+        mask = inputs.attention_mask.to(self.device)                        # (B, S)
+        hidden = self.text_encoder(inputs.input_ids.to(self.device), mask,
+                                   output_layers=(-1,))[-1]                  # (B, S, J)
+        return [h[m.bool()][PROMPT_TEMPLATE_DROP:][:self.max_sequence_length]
+                for h, m in zip(hidden, mask)]                               # (L_i, J) each
+
+
+class QwenImagePipeline:
+    def __init__(self, transformer: QwenImageTransformer2DModel, vae: AutoencoderKLQwenImage,
+                 prompt_encoder: QwenImagePromptEncoder | None,
+                 scheduler: solver.FlowMatchEulerConfig, device: torch.device) -> None:
+        """prompt_encoder None: the conditioning comes from an upstream text-encoder stage."""
         if transformer.cfg.guidance_embeds:
             raise ValueError("transformer guidance_embeds=True: guidance-distilled Qwen-Image "
                              "checkpoints are not supported (diffusers cannot run them either)")
         self.transformer = transformer.to(device).eval()
         self.vae = vae.to(device).eval()
-        self.text_encoder = text_encoder.to(device).eval()
-        self.tokenizer = tokenizer
+        self.prompt_encoder = prompt_encoder
         self.scheduler = scheduler
         self.device = device
         self.dtype = next(transformer.parameters()).dtype
-        self.max_sequence_length = max_sequence_length
         self.vae_scale_factor = vae.cfg.downscale                 # 8 for Qwen-Image
         self.multiple = self.vae_scale_factor * 2                 # latents are packed 2x2
         self.num_channels_latents = transformer.cfg.in_channels // 4
 
     @classmethod
     def from_pretrained(cls, path: str | Path, component: str, device: torch.device,
-                        dtype: torch.dtype | None) -> QwenImagePipeline:
+                        dtype: torch.dtype | None, text_encoders: bool = True
+                        ) -> QwenImagePipeline:
+        """text_encoders False: no text encoder is loaded (a split graph's diffusion stage)."""
         path = Path(path)
         if not (path / "model_index.json").is_file():
             raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
@@ -84,11 +162,20 @@ class QwenImagePipeline:
                                                                   dtype)
         dtype = dtype or next(transformer.parameters()).dtype
         vae = AutoencoderKLQwenImage.from_pretrained(path / "vae", device, dtype)
-        text_encoder = QwenTextEncoder.from_pretrained(path / "text_encoder", device, dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+        prompt_encoder = (QwenImagePromptEncoder.from_pretrained(path, device, dtype)
+                          if text_encoders else None)
         scheduler = solver.FlowMatchEulerConfig.from_json(
             path / "scheduler" / "scheduler_config.json")
-        return cls(transformer, vae, text_encoder, tokenizer, scheduler, device)
+        return cls(transformer, vae, prompt_encoder, scheduler, device)
+
+    @classmethod
+    def load_prompt_encoder(cls, path: str | Path, device: torch.device,
+                            dtype: torch.dtype | None) -> QwenImagePromptEncoder:
+        """The text encoder alone, for a text-encoder stage."""
+        path = Path(path)
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
+        return QwenImagePromptEncoder.from_pretrained(path, device, dtype)
 
     # ---- request boundary ------------------------------------------------------------------
 
@@ -97,39 +184,40 @@ class QwenImagePipeline:
         return output_size(params.height, params.width, params.image, self.multiple,
                            DEFAULT_SAMPLE_SIZE * self.vae_scale_factor)
 
-    def validate(self, prompt: str, params: DiffusionParams) -> None:
-        if not prompt or not prompt.strip():
-            raise ValueError("prompt: must be non-empty")
-        if params.negative_prompt is not None and params.true_cfg_scale <= 1.0:
-            raise ValueError(f"negative_prompt: has no effect without true CFG (true_cfg_scale="
-                             f"{params.true_cfg_scale}; set it > 1, e.g. 4.0)")
-        if params.negative_prompt is None and params.true_cfg_scale != 1.0:
-            raise ValueError(f"true_cfg_scale={params.true_cfg_scale}: true CFG needs a "
-                             "negative_prompt (even \" \" turns it on, as in diffusers)")
-        if params.guidance_scale is not None:
-            raise ValueError("guidance_scale: Qwen-Image is not guidance-distilled; use "
-                             "true_cfg_scale > 1 with a negative_prompt")
-        if params.cache_threshold is not None:
-            raise ValueError("cache_threshold: step caching is not available for Qwen-Image yet")
+    def validate(self, prompt: str | None, params: DiffusionParams) -> None:
+        """prompt None: encoded by an upstream stage (which checked it)."""
+        check_text_params(prompt, params)
         check_size(*self._size(params), self.multiple, MAX_SIZE,
                    f"VAE factor {self.vae_scale_factor} x 2x2 packing")
         if params.image is not None:
             decode_image(params.image)
 
-    @staticmethod
-    def has_true_cfg(params: DiffusionParams) -> bool:
-        """diffusers' `do_true_cfg` (validate has refused the cases where it differs)."""
-        return params.true_cfg_scale > 1.0 and params.negative_prompt is not None
-
     # ---- 1. prepare ------------------------------------------------------------------------
 
     def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
                 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """Encode the prompt(s), then the latents: a single-stage graph's request."""
+        if self.prompt_encoder is None:
+            raise ValueError("this Qwen-Image stage loads no text encoder: its conditioning "
+                             "comes from an upstream text-encoder stage")
+        (encoded,) = self.prompt_encoder.encode([prompt], [params])
+        latents, sigmas, cond = self.prepare_latents(params, generator)
+        return latents, sigmas, {**self.check_conditioning(encoded, params), **cond}
+
+    def check_conditioning(self, tensors: dict[str, Tensor], params: DiffusionParams
+                           ) -> dict[str, Tensor]:
+        """prompt_embeds (L, J) [and negative_prompt_embeds (L', J) with true CFG]."""
+        joint = (2, self.transformer.cfg.joint_attention_dim)
+        expected = {"prompt_embeds": joint}
+        if has_true_cfg(params):
+            expected["negative_prompt_embeds"] = joint
+        return check_conditioning(tensors, expected, self.device, self.dtype)
+
+    def prepare_latents(self, params: DiffusionParams, generator: torch.Generator
+                        ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """-> packed latents (n, N, 4C), sigmas, {"grid": packed token grid (2,)}."""
         n = params.num_images
         height, width = self._size(params)
-        cond = {"prompt_embeds": self.encode_prompt(prompt)}                 # (L, J)
-        if self.has_true_cfg(params):
-            cond["negative_prompt_embeds"] = self.encode_prompt(params.negative_prompt)
 
         # timesteps: linspace(1, 1/N, N), shifted by the number of image tokens
         h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
@@ -140,7 +228,7 @@ class QwenImagePipeline:
         sigmas, _ = solver.make_sigmas(cfg, num_steps, mu=mu,
                                        sigmas=np.linspace(1.0, 1 / num_steps, num_steps))
 
-        # prepare_latents: noise in the model dtype (diffusers' (n, 1, C, h, w) draws the same
+        # latents: noise in the model dtype (diffusers' (n, 1, C, h, w) draws the same
         # numbers); image-to-image draws the image's posterior sample first, then the noise,
         # and noises the image to the first sigma of the strength-shortened schedule
         image_latents = None
@@ -155,22 +243,7 @@ class QwenImagePipeline:
         if image_latents is not None:
             noise = solver.scale_noise(image_latents.expand(n, -1, -1, -1), sigmas[0], noise)
         latents = pack_latents(noise)                                        # (n, h/2*w/2, 4C)
-        cond["grid"] = torch.tensor([h // 2, w // 2])                       # packed token grid
-        return latents, sigmas, cond
-
-    @torch.inference_mode()
-    def encode_prompt(self, prompt: str) -> Tensor:
-        """-> the caption's text-encoder states (L, hidden): hidden_states[-1] of the templated
-        prompt, less the template's first PROMPT_TEMPLATE_DROP tokens, at most
-        max_sequence_length. The one place that knows the text encoder."""
-        inputs = self.tokenizer([PROMPT_TEMPLATE.format(prompt)],
-                                max_length=MAX_SEQUENCE_LENGTH + PROMPT_TEMPLATE_DROP,
-                                truncation=True, return_tensors="pt")
-        mask = inputs.attention_mask.to(self.device)                        # (1, S)
-        hidden = self.text_encoder(inputs.input_ids.to(self.device), mask,
-                                   output_layers=(-1,))[-1]                  # (1, S, J)
-        states = hidden[0][mask[0].bool()][PROMPT_TEMPLATE_DROP:]           # (L, J)
-        return states[:self.max_sequence_length].to(self.dtype)
+        return latents, sigmas, {"grid": torch.tensor([h // 2, w // 2])}   # packed token grid
 
     # ---- 2. velocity -----------------------------------------------------------------------
 
@@ -216,8 +289,14 @@ class QwenImagePipeline:
                                                                                 timestep[idx]])
         embeds, mask = pad_captions(captions + neg_captions)                # (R+U, T, J)
         h, w = requests[0].cond["grid"].tolist()
+        step_cache = None
+        if any(r.params.cache_threshold is not None for r in requests):
+            cfg_on = ["negative_prompt_embeds" in r.cond for r in requests]
+            step_cache = cache_groups(requests, counts, [("cond", [True] * len(requests)),
+                                                         ("uncond", cfg_on)])
         out = self.transformer(latents, embeds, mask, timestep,
-                               img_shapes=[[(1, h, w)]] * latents.shape[0])  # (R+U, N, 4C)
+                               img_shapes=[[(1, h, w)]] * latents.shape[0],
+                               step_cache=step_cache)                        # (R+U, N, 4C)
         pred, neg = out[:num_rows], out[num_rows:]
         k = 0
         for s, n, scale in cfg_spans:                       # per request: its scale, as a float

@@ -1,17 +1,19 @@
 """Z-Image / Z-Image-Turbo text-to-image: diffusers' `ZImagePipeline.__call__` split into the
 engine's phases (omnistage/diffusion/pipeline.py), numerics kept step for step.
 
-    prepare:  chat template -> Qwen3 (padded to max_sequence_length) -> hidden_states[-2], the
+    encode:   chat template -> Qwen3 (padded to max_sequence_length) -> hidden_states[-2], the
               real (attention-mask) tokens only: (L, cap_feat_dim), one per prompt; the negative
-              prompt ("" by default) the same way when CFG is on (guidance_scale > 0)
-              randn (n, C, 2*(H//16), 2*(W//16)) float32 on the request's CPU generator, unpacked
+              prompt ("" by default) the same way when CFG is on (guidance_scale > 0); all
+              prompts of a batch of requests in one call (ZImagePromptEncoder)
+    prepare:  randn (n, C, 2*(H//16), 2*(W//16)) float32 on the request's CPU generator, unpacked
               sigmas torch.linspace(1, 1/N, N) through the scheduler (shift, or mu when dynamic)
     velocity: one transformer call over all rows, cond rows then uncond rows;
               timestep = (1000 - sigma*1000) / 1000; pred = pos + g * (pos - neg); v = -pred
     decode:   z / scaling + shift -> VAE -> (x/2 + 0.5).clamp(0, 1) -> uint8
 
 Every network is ours (Qwen3 text encoder, transformer, VAE); the tokenizer comes from
-transformers.
+transformers. The text encoder may run in a stage of its own (configs/z_image_split.yaml; see
+diffusion/pipeline.py).
 Not ported: cfg_normalization and cfg_truncation < 1 (diffusers' defaults, off, are what runs).
 """
 
@@ -27,6 +29,7 @@ from transformers import AutoTokenizer
 from omnistage.diffusion.cache import cache_groups
 from omnistage.diffusion.image_input import decode_image, output_size, preprocess
 from omnistage.diffusion.params import DiffusionParams, check_size
+from omnistage.diffusion.pipeline import check_conditioning
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.models.autoencoder_kl import AutoencoderKL
@@ -39,39 +42,115 @@ DEFAULT_GUIDANCE = 5.0              # diffusers' default; Z-Image-Turbo is run w
 MAX_SEQUENCE_LENGTH = 512           # Qwen3 tokens, diffusers' default
 
 
-class ZImagePipeline:
-    def __init__(self, transformer: ZImageTransformer2DModel, vae: AutoencoderKL, text_encoder,
-                 tokenizer, scheduler: solver.FlowMatchEulerConfig, device: torch.device,
+def has_cfg(params: DiffusionParams) -> bool:
+    """diffusers' `do_classifier_free_guidance`: guidance_scale > 0 (5.0 by default)."""
+    return params.guidance(DEFAULT_GUIDANCE) > 0
+
+
+def check_text_params(prompt: str | None, params: DiffusionParams) -> None:
+    """The request's text and guidance fields (prompt None: encoded upstream, not checked)."""
+    if prompt is not None and not prompt.strip():
+        raise ValueError("prompt: must be non-empty")
+    if params.true_cfg_scale != 1.0:
+        raise ValueError("true_cfg_scale: Z-Image has no separate true CFG; use "
+                         "guidance_scale (> 0 turns on CFG with negative_prompt)")
+    if params.negative_prompt is not None and not has_cfg(params):
+        raise ValueError("negative_prompt: has no effect with guidance_scale=0 (CFG off)")
+
+
+class ZImagePromptEncoder:
+    """Qwen3 over the chat-templated prompts: the text part of `ZImagePipeline.prepare`,
+    batched over requests."""
+
+    def __init__(self, text_encoder: QwenTextEncoder, tokenizer, device: torch.device,
                  max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> None:
         if max_sequence_length < 1:
             raise ValueError(f"max_sequence_length={max_sequence_length}: must be >= 1")
-        self.transformer = transformer.to(device).eval()
-        self.vae = vae.to(device).eval()
         self.text_encoder = text_encoder.to(device).eval()
         self.tokenizer = tokenizer
+        self.device = device
+        self.max_sequence_length = max_sequence_length
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: torch.device,
+                        dtype: torch.dtype | None) -> ZImagePromptEncoder:
+        """The pipeline folder's text_encoder/ (a Qwen3Model or Qwen3ForCausalLM checkpoint,
+        run as an encoder; in `dtype`, None: its own) and tokenizer/."""
+        path = Path(path)
+        text_encoder = QwenTextEncoder.from_pretrained(path / "text_encoder", device, dtype)
+        return cls(text_encoder, AutoTokenizer.from_pretrained(path / "tokenizer"), device)
+
+    def validate(self, prompt: str, params: DiffusionParams) -> None:
+        check_text_params(prompt, params)
+
+    def encode(self, prompts: list[str], params: list[DiffusionParams]
+               ) -> list[dict[str, Tensor]]:
+        """Per request: prompt_embeds (L, hidden), and negative_prompt_embeds with CFG."""
+        texts = []
+        for prompt, p in zip(prompts, params, strict=True):
+            texts += [prompt, p.negative_prompt or ""] if has_cfg(p) else [prompt]
+        states = iter(self.encode_texts(texts))
+        out = []
+        for p in params:
+            cond = {"prompt_embeds": next(states)}
+            if has_cfg(p):
+                cond["negative_prompt_embeds"] = next(states)
+            out.append(cond)
+        return out
+
+    @torch.inference_mode()
+    def encode_texts(self, texts: list[str]) -> list[Tensor]:
+        """-> per text, Qwen3 hidden_states[-2] of its real tokens (L_i, hidden)."""
+        chats = [self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True,
+            enable_thinking=True) for t in texts]
+        inputs = self.tokenizer(chats, padding="max_length", max_length=self.max_sequence_length,
+                                truncation=True, return_tensors="pt")
+        mask = inputs.attention_mask.to(self.device).bool()                 # (B, S)
+        hidden = self.text_encoder(inputs.input_ids.to(self.device), mask,
+                                   output_layers=(-2,))[-2]                  # (B, S, J)
+        return [h[m] for h, m in zip(hidden, mask)]
+
+
+class ZImagePipeline:
+    def __init__(self, transformer: ZImageTransformer2DModel, vae: AutoencoderKL,
+                 prompt_encoder: ZImagePromptEncoder | None,
+                 scheduler: solver.FlowMatchEulerConfig, device: torch.device) -> None:
+        """prompt_encoder None: the conditioning comes from an upstream text-encoder stage."""
+        self.transformer = transformer.to(device).eval()
+        self.vae = vae.to(device).eval()
+        self.prompt_encoder = prompt_encoder
         self.scheduler = scheduler
         self.device = device
         self.dtype = next(transformer.parameters()).dtype
-        self.max_sequence_length = max_sequence_length
         self.vae_scale_factor = vae.cfg.downscale                 # 8 for the FLUX VAE
         self.multiple = self.vae_scale_factor * 2                 # transformer patches are 2x2
         self.num_channels_latents = transformer.cfg.in_channels
 
     @classmethod
     def from_pretrained(cls, path: str | Path, component: str, device: torch.device,
-                        dtype: torch.dtype | None) -> ZImagePipeline:
+                        dtype: torch.dtype | None, text_encoders: bool = True) -> ZImagePipeline:
+        """text_encoders False: no text encoder is loaded (a split graph's diffusion stage)."""
         path = Path(path)
         if not (path / "model_index.json").is_file():
             raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
         transformer = ZImageTransformer2DModel.from_pretrained(path / "transformer", device, dtype)
         dtype = dtype or next(transformer.parameters()).dtype
         vae = AutoencoderKL.from_pretrained(path / "vae", device, dtype)
-        # a Qwen3Model or Qwen3ForCausalLM checkpoint, run as an encoder
-        text_encoder = QwenTextEncoder.from_pretrained(path / "text_encoder", device, dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+        prompt_encoder = (ZImagePromptEncoder.from_pretrained(path, device, dtype)
+                          if text_encoders else None)
         scheduler = solver.FlowMatchEulerConfig.from_dict(
             json.loads((path / "scheduler" / "scheduler_config.json").read_text()))
-        return cls(transformer, vae, text_encoder, tokenizer, scheduler, device)
+        return cls(transformer, vae, prompt_encoder, scheduler, device)
+
+    @classmethod
+    def load_prompt_encoder(cls, path: str | Path, device: torch.device,
+                            dtype: torch.dtype | None) -> ZImagePromptEncoder:
+        """The text encoder alone, for a text-encoder stage."""
+        path = Path(path)
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
+        return ZImagePromptEncoder.from_pretrained(path, device, dtype)
 
     # ---- request boundary ------------------------------------------------------------------
 
@@ -79,14 +158,9 @@ class ZImagePipeline:
         return output_size(params.height, params.width, params.image, self.multiple,
                            DEFAULT_SIZE)
 
-    def validate(self, prompt: str, params: DiffusionParams) -> None:
-        if not prompt or not prompt.strip():
-            raise ValueError("prompt: must be non-empty")
-        if params.true_cfg_scale != 1.0:
-            raise ValueError("true_cfg_scale: Z-Image has no separate true CFG; use "
-                             "guidance_scale (> 0 turns on CFG with negative_prompt)")
-        if params.negative_prompt is not None and params.guidance(DEFAULT_GUIDANCE) <= 0:
-            raise ValueError("negative_prompt: has no effect with guidance_scale=0 (CFG off)")
+    def validate(self, prompt: str | None, params: DiffusionParams) -> None:
+        """prompt None: encoded by an upstream stage (which checked it)."""
+        check_text_params(prompt, params)
         check_size(*self._size(params), self.multiple, MAX_SIZE,
                    f"VAE factor {self.vae_scale_factor} x 2x2 patches")
         if params.image is not None:
@@ -96,11 +170,29 @@ class ZImagePipeline:
 
     def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
                 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """Encode the prompt(s), then the latents: a single-stage graph's request."""
+        if self.prompt_encoder is None:
+            raise ValueError("this Z-Image stage loads no text encoder: its conditioning comes "
+                             "from an upstream text-encoder stage")
+        (encoded,) = self.prompt_encoder.encode([prompt], [params])
+        latents, sigmas, cond = self.prepare_latents(params, generator)
+        return latents, sigmas, {**self.check_conditioning(encoded, params), **cond}
+
+    def check_conditioning(self, tensors: dict[str, Tensor], params: DiffusionParams
+                           ) -> dict[str, Tensor]:
+        """prompt_embeds (L, cap_feat_dim) [and negative_prompt_embeds (L', cap_feat_dim) with
+        CFG]."""
+        caption = (2, self.transformer.cfg.cap_feat_dim)
+        expected = {"prompt_embeds": caption}
+        if has_cfg(params):
+            expected["negative_prompt_embeds"] = caption
+        return check_conditioning(tensors, expected, self.device, self.dtype)
+
+    def prepare_latents(self, params: DiffusionParams, generator: torch.Generator
+                        ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """-> latents (n, C, h, w), sigmas, {} (no other conditioning)."""
         n = params.num_images
         height, width = self._size(params)
-        cond = {"prompt_embeds": self.encode_prompt(prompt)}                 # (L, J)
-        if params.guidance(DEFAULT_GUIDANCE) > 0:                            # diffusers' CFG test
-            cond["negative_prompt_embeds"] = self.encode_prompt(params.negative_prompt or "")
 
         # timesteps: linspace(1, 1/N, N) in torch float32, then the scheduler's shift
         h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
@@ -118,7 +210,7 @@ class ZImagePipeline:
         if params.image is None:
             latents = torch.randn(shape, generator=generator, device=generator.device,
                                   dtype=torch.float32).to(self.device)
-            return latents, sigmas, cond
+            return latents, sigmas, {}
         sigmas = sigmas[solver.timesteps_for_strength(num_steps, params.image_strength):]
         image = preprocess(decode_image(params.image), height, width)
         image_latents = self.vae.normalize(self.vae.sample_latents(
@@ -126,20 +218,7 @@ class ZImagePipeline:
         noise = torch.randn(shape, generator=generator, device=generator.device,
                             dtype=self.dtype).to(self.device)
         latents = solver.scale_noise(image_latents.expand(n, -1, -1, -1), sigmas[0], noise)
-        return latents, sigmas, cond
-
-    @torch.inference_mode()
-    def encode_prompt(self, prompt: str) -> Tensor:
-        """-> Qwen3 hidden_states[-2] of the prompt's real tokens (L, hidden_size)."""
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True,
-            enable_thinking=True)
-        inputs = self.tokenizer([text], padding="max_length", max_length=self.max_sequence_length,
-                                truncation=True, return_tensors="pt")
-        mask = inputs.attention_mask.to(self.device).bool()                 # (1, S)
-        hidden = self.text_encoder(inputs.input_ids.to(self.device), mask,
-                                   output_layers=(-2,))[-2]                  # (1, S, J)
-        return hidden[0][mask[0]].to(self.dtype)
+        return latents, sigmas, {}
 
     # ---- 2. velocity -----------------------------------------------------------------------
 
@@ -156,7 +235,7 @@ class ZImagePipeline:
             for _ in range(n):
                 scales.append(g)
                 caps.append(r.cond["prompt_embeds"])
-                if g > 0:
+                if has_cfg(r.params):
                     uncond_rows.append(row)
                     uncond_caps.append(r.cond["negative_prompt_embeds"])
                 row += 1
@@ -166,7 +245,7 @@ class ZImagePipeline:
         idx = torch.tensor(uncond_rows, dtype=torch.long, device=latents.device)
         step_cache = None
         if any(r.params.cache_threshold is not None for r in requests):
-            cfg_on = [r.params.guidance(DEFAULT_GUIDANCE) > 0 for r in requests]
+            cfg_on = [has_cfg(r.params) for r in requests]
             step_cache = cache_groups(requests, counts, [("cond", [True] * len(requests)),
                                                          ("uncond", cfg_on)])
         out = self.transformer(list(x.unbind(0)) + list(x[idx].unbind(0)),

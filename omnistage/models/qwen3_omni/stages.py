@@ -317,8 +317,9 @@ class TalkerStage(ARStage):
         results = []
         for out in self.engine.step():
             tensors: dict[str, Tensor] = {}
-            if out.extra is not None:
-                tensors["codes"] = out.extra["codes"].reshape(1, -1).cpu()   # (1, G)
+            codes = None if out.extra is None else out.extra["codes"]
+            if codes is not None and int(codes[0]) not in self.engine.eos_token_ids:
+                tensors["codes"] = codes.reshape(1, -1).cpu()               # (1, G)
             results.append(StageResult(
                 out.request_id, out.new_token_ids, "", tensors, out.finished,
                 out.finish_reason.value if out.finish_reason else None, out.error))

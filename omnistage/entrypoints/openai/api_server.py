@@ -1,0 +1,299 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine, config)` makes the FastAPI app over an
+`AsyncOmni`, `run_server(args)` starts the engine and serves it with uvicorn.
+
+    client ─> CORS ─> metrics (status per route) ─> body size limit ─> API key ─> routes
+                                                                                  │
+              serving_chat / _completions / _images ──> EngineClient ──> AsyncOmni
+
+Routes hold no engine logic: they check the model name and hand the parsed body to a serving
+object. Every route exists whatever the model; one whose output the model cannot make answers
+400 saying so. /health is 503 once a stage is dead; /metrics is Prometheus text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+import signal
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from omnistage.entrypoints.openai.client import EngineClient
+from omnistage.entrypoints.openai.errors import APIError, install_error_handlers
+from omnistage.entrypoints.openai.media import MediaLoader, MediaPolicy
+from omnistage.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from omnistage.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                                   CompletionRequest, CompletionResponse,
+                                                   ErrorResponse, ImageFormat,
+                                                   ImageGenerationRequest, ImagesResponse,
+                                                   ModelCard, ModelList)
+from omnistage.entrypoints.openai.serving_chat import ChatServing
+from omnistage.entrypoints.openai.serving_completions import CompletionServing
+from omnistage.entrypoints.openai.serving_images import ImageServing
+
+if TYPE_CHECKING:
+    from omnistage.engine.async_omni import AsyncOmni
+
+logger = logging.getLogger(__name__)
+DEMO_MODEL_NAME = "omnistage-demo"
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    model: str | None = None
+    served_model_name: str | None = None      # None: the model as given, or "omnistage-demo"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int = 256                      # requests in flight before 429
+    allowed_media_dirs: tuple[str, ...] = ()
+    allow_remote_media: bool = False
+    max_body_bytes: int = 64 << 20
+    max_media_bytes: int = 20 << 20
+    allowed_origins: tuple[str, ...] = ()     # CORS; empty: no CORS headers
+    chat_template: str | None = None          # template text (the CLI reads the file)
+    log_level: str = "info"
+    stats_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue={self.max_queue}: must be >= 1")
+        if self.max_body_bytes < 1 or self.max_media_bytes < 1:
+            raise ValueError("max_body_bytes / max_media_bytes: must be >= 1")
+        for d in self.allowed_media_dirs:
+            if not Path(d).is_dir():
+                raise ValueError(f"allowed_media_dirs: {d} is not a folder")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model or DEMO_MODEL_NAME
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> ServerConfig:
+        names = {f.name for f in fields(cls)}
+        kw = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+        for n in ("allowed_media_dirs", "allowed_origins"):
+            if n in kw:
+                kw[n] = tuple(kw[n])
+        return cls(**kw)
+
+
+# ---- middleware ------------------------------------------------------------------------------
+
+class BodyLimit:
+    """413 for a body over the limit: at once from Content-Length, else while it streams in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = APIError(413, f"the request body is larger than {self.max_bytes} bytes",
+                             code="request_too_large")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await too_large.response()(scope, receive, send)
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:  # FastAPI passes HTTPExceptions from body reading on
+                    raise StarletteHTTPException(413, too_large.message)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+class APIKeyCheck:
+    """With an API key set, /v1/* needs `Authorization: Bearer KEY`."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (self.api_key is None or scope["type"] != "http" or scope["method"] == "OPTIONS"
+                or not scope["path"].startswith("/v1")):
+            return await self.app(scope, receive, send)
+        auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 self.api_key.encode()):
+            err = APIError(401, "missing or wrong API key: send Authorization: Bearer KEY",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await err.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class CountRequests:
+    """omnistage_http_requests_total{route, status}; unknown paths share one label."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: set[str]) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope["path"] if scope["path"] in self.routes else "other"
+            self.metrics.requests.labels(route, str(status)).inc()
+
+
+# ---- the app ---------------------------------------------------------------------------------
+
+def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> FastAPI:
+    config = args if isinstance(args, ServerConfig) else ServerConfig.from_namespace(args)
+    metrics = ServerMetrics()
+    client = EngineClient(engine, config.max_queue, metrics)
+    media = MediaLoader(MediaPolicy(tuple(Path(d) for d in config.allowed_media_dirs),
+                                    config.allow_remote_media, config.max_media_bytes))
+    name = config.model_name
+    chat = ChatServing(client, media, name, config.chat_template)
+    completions = CompletionServing(client, name)
+    images = ImageServing(client, media, name)
+    started = int(time.time())
+
+    app = FastAPI(title="omnistage", version="0.1.0",
+                  description="OpenAI-compatible server for omni-modality models")
+    app.state.client = client
+    app.state.config = config
+    install_error_handlers(app)
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != name:
+            raise APIError(404, f"The model `{model}` does not exist (this server serves "
+                                f"`{name}`)", param="model", code="model_not_found")
+
+    @app.get("/health", responses=ERRORS)
+    async def health() -> dict[str, str]:
+        client.check_healthy()
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus() -> Response:
+        stats = None
+        if client.is_healthy:
+            try:
+                stats = await run_in_threadpool(client.stage_stats, config.stats_timeout_s)
+            except TimeoutError as exc:
+                logger.warning("metrics: %s", exc)
+        body = metrics.render(stats, client.is_healthy, client.num_in_flight)
+        return Response(body, media_type=CONTENT_TYPE)
+
+    def card() -> ModelCard:
+        return ModelCard(id=name, created=started, root=config.model,
+                         max_model_len=client.max_model_len, modalities=sorted(client.outputs))
+
+    @app.get("/v1/models", responses=ERRORS)
+    async def list_models() -> ModelList:
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}", responses=ERRORS)
+    async def get_model(model_id: str) -> ModelCard:
+        check_model(model_id)
+        return card()
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        return await chat.create(body, request)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        return await completions.create(body, request)
+
+    @app.post("/v1/images/generations", responses=ERRORS)
+    async def images_generations(body: ImageGenerationRequest, request: Request
+                                 ) -> ImagesResponse:
+        check_model(body.model)
+        return await images.generate(body, request)
+
+    @app.post("/v1/images/edits", responses=ERRORS)
+    async def images_edits(
+            request: Request,
+            image: Annotated[list[UploadFile], File(description="image(s) to edit")],
+            prompt: Annotated[str, Form(min_length=1, max_length=32000)],
+            mask: Annotated[UploadFile | None, File()] = None,
+            model: Annotated[str | None, Form()] = None,
+            n: Annotated[int, Form(ge=1, le=10)] = 1,
+            size: Annotated[str | None, Form()] = None,
+            response_format: Annotated[Literal["b64_json", "url"], Form()] = "b64_json",
+            output_format: Annotated[ImageFormat, Form()] = "png",
+            output_compression: Annotated[int | None, Form(ge=0, le=100)] = None,
+            negative_prompt: Annotated[str | None, Form()] = None,
+            num_inference_steps: Annotated[int | None, Form(ge=1, le=200)] = None,
+            guidance_scale: Annotated[float | None, Form(ge=0.0)] = None,
+            strength: Annotated[float | None, Form(gt=0.0, le=1.0)] = None,
+            seed: Annotated[int | None, Form(ge=0, lt=2**63)] = None) -> ImagesResponse:
+        check_model(model)
+        body = ImageGenerationRequest(
+            prompt=prompt, model=model, n=n, size=size, response_format=response_format,
+            output_format=output_format, output_compression=output_compression,
+            negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale, seed=seed)
+        return await images.edit(body, image, mask, strength, request)
+
+    routes = {r.path for r in app.routes if hasattr(r, "path")}
+    app.add_middleware(APIKeyCheck, api_key=config.api_key)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(CountRequests, metrics=metrics, routes=routes)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"])
+    return app
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Start the engine, serve until SIGINT/SIGTERM, shut the engine down."""
+    import uvicorn
+
+    from omnistage.engine.async_omni import AsyncOmni
+
+    config = ServerConfig.from_namespace(args)
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = AsyncOmni(config.model, stage_config=getattr(args, "stage_config", None),
+                       stage_overrides=getattr(args, "stage_override", ()) or (),
+                       device=getattr(args, "device", "auto"),
+                       dtype=None if getattr(args, "dtype", "auto") == "auto" else args.dtype,
+                       max_model_len=getattr(args, "max_model_len", None))
+    try:
+        app = build_app(engine, config)
+        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                               log_level=config.log_level.lower(),
+                                               timeout_graceful_shutdown=5))
+        logger.info("serving %s on http://%s:%d", config.model_name, config.host, config.port)
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under
+        # the handlers it found; these let that pass so that the engine is shut down below
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,249 @@
+"""The server's one door to the engine: admission, submission, the stream of outputs, and the
+abort when the caller goes away.
+
+    route:  check -> client.prepare(...)      ValueError from the engine      -> 400
+                  -> client.admit(n)           more than max_queue in flight   -> 429 + Retry-After
+                  -> client.submit(...)        engine dead                     -> 503
+                  -> async for out in handle.outputs(): ...
+                  -> handle.close()            (always) abort if unfinished, release the slot
+
+`submit` is synchronous, so every error that can be told before the first byte of the answer
+is told with its own status. A `RequestHandle` is closed exactly once, by whoever ends the
+request: the route, the streaming response (even one never started), or the disconnect watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import uuid
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
+
+from omnistage.engine.async_omni import accumulate
+from omnistage.engine.inputs import ParsedPrompt, PromptType
+from omnistage.entrypoints.openai.errors import APIError, from_value_error
+from omnistage.outputs import OmniOutput
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from omnistage.configs.schema import OutputKind
+    from omnistage.engine.async_omni import AsyncOmni, StageParams
+    from omnistage.engine.orchestrator import RequestEvent
+    from omnistage.entrypoints.openai.metrics import ServerMetrics
+
+Prepared = tuple[ParsedPrompt, dict[str, "StageParams"]]
+# how a stage's refusal reads: "stage 'dit': ValueError: prompt names no digit ..."
+_STAGE_ERROR = re.compile(r"stage '[^']+': (?:ValueError: )?(.*)", re.S)
+RETRY_AFTER_S = 1
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+class Ticket:
+    """One admitted request's slots in the bounded queue; released once."""
+
+    def __init__(self, client: EngineClient, n: int) -> None:
+        self.client, self.n, self.released = client, n, False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.client.num_in_flight -= self.n
+
+
+class RequestHandle:
+    """One submitted request: its events arrive from the router thread into an asyncio queue."""
+
+    def __init__(self, client: EngineClient, request_id: str) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        self.out: OmniOutput | None = None
+        self.closed = False
+        self.seen_audio = False
+        self._first: OmniOutput | None = None
+
+    def sink(self, ev: RequestEvent) -> None:  # router thread (or this one, on abort)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            pass
+
+    async def _next(self) -> OmniOutput:
+        assert self.out is not None, "outputs before submit"
+        snap = accumulate(self.out, await self.queue.get())
+        metrics = self.client.metrics
+        if metrics is not None:
+            if not self.seen_audio and "audio" in snap.delta_tensors:
+                self.seen_audio = True
+                metrics.observe_first_audio(self.out)
+            if snap.finished:
+                metrics.observe_finished(snap)
+        return snap
+
+    async def first(self) -> OmniOutput:
+        """Wait for the first update (kept for `outputs`): a stream starts only once the
+        engine has taken the request, so an input the stages reject still gets its 400."""
+        if self._first is None:
+            self._first = await self._next()
+        return self._first
+
+    async def outputs(self) -> AsyncIterator[OmniOutput]:
+        """Snapshots with the deltas of each update; the last one has finished=True."""
+        snap = await self.first()
+        yield snap
+        while not snap.finished:
+            snap = await self._next()
+            yield snap
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.out is not None and not self.out.finished:
+            self.client.engine.abort(self.request_id)
+            if self.client.metrics is not None:
+                self.client.metrics.finished.labels("abort").inc()
+
+
+class EngineClient:
+    def __init__(self, engine: AsyncOmni, max_queue: int,
+                 metrics: ServerMetrics | None = None) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue={max_queue}: must be >= 1")
+        self.engine = engine
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.num_in_flight = 0
+        self.graph = engine.graph
+        self.tokenizer = engine.tokenizer
+        self.processor = getattr(engine, "processor", None)   # multimodal input processor
+        self.outputs: set[str] = {s.final for s in engine.graph.stages if s.final}
+        self.entry: list[str] = list(engine.entry)
+        self.text_entry: bool = engine.text_entry
+        self._stats_lock = threading.Lock()
+
+    # -- facts -----------------------------------------------------------------------------------
+    @property
+    def is_healthy(self) -> bool:
+        return self.engine.is_healthy
+
+    @property
+    def dead_reason(self) -> str | None:
+        return getattr(self.engine.orchestrator, "dead_reason", None)
+
+    @property
+    def max_model_len(self) -> int | None:
+        info = self.engine.orchestrator.stage_info
+        lens = [info[n]["max_model_len"] for n in self.entry if "max_model_len" in info.get(n, {})]
+        return int(min(lens)) if lens else None
+
+    def stage_stats(self, timeout_s: float = 2.0) -> dict[str, object]:
+        """Each stage's resource state (blocking: call from a worker thread)."""
+        with self._stats_lock:  # the orchestrator gathers one round of answers at a time
+            return dict(self.engine.orchestrator.stage_stats(timeout_s))
+
+    # -- a request's life ------------------------------------------------------------------------
+    def check_healthy(self) -> None:
+        if not self.is_healthy:
+            raise APIError(503, f"the engine is not serving: {self.dead_reason}",
+                           code="engine_dead")
+
+    def prepare(self, prompt: PromptType, params: list[StageParams] | None,
+                param: str | None = None) -> Prepared:
+        """The engine's own input checks; a ValueError is the client's (400, naming `param`
+        when the message does not name a field itself)."""
+        try:
+            return self.engine.prepare(prompt, params)
+        except ValueError as exc:
+            raise from_value_error(exc, param) from None
+
+    def admit(self, n: int = 1) -> Ticket:
+        self.check_healthy()
+        if self.num_in_flight + n > self.max_queue:
+            raise APIError(429, f"the server is at its limit of {self.max_queue} requests in "
+                                f"flight; retry in {RETRY_AFTER_S} s", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.num_in_flight += n
+        return Ticket(self, n)
+
+    def submit(self, prompt: PromptType, prepared: Prepared,
+               modalities: set[OutputKind] | None, prefix: str) -> RequestHandle:
+        handle = RequestHandle(self, f"{prefix}-{uuid.uuid4().hex[:16]}")
+        try:
+            handle.out = self.engine.submit(prompt, None, handle.request_id, modalities,
+                                            handle.sink, prepared)
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+        except RuntimeError as exc:  # the orchestrator refuses: a stage is dead
+            raise APIError(503, str(exc), code="engine_dead") from None
+        return handle
+
+    def check(self, out: OmniOutput, param: str | None = None) -> None:
+        """Raise the APIError for a finished output that failed or was cut short."""
+        if failed(out):
+            raise self.failure(out, param)
+
+    async def open_stream(self, request: Request, handles: list[RequestHandle],
+                          closers: list[Callable[[], None]], param: str | None) -> None:
+        """Before a 200 and its event stream go out: wait for each request's first update,
+        so that a request the stages reject on arrival still gets its own status."""
+        try:
+            for handle in handles:
+                self.check(await unless_disconnected(request, handle.first), param)
+        except BaseException:
+            for close in closers:
+                close()
+            raise
+
+    def failure(self, out: OmniOutput, param: str | None = None) -> APIError:
+        """The error for a request the engine failed (finish_reason "error") or dropped
+        (shut down); `param` names the request field when a stage rejected the input without
+        naming one."""
+        error = out.error or "unknown error"
+        if out.finish_reason == "abort":
+            return APIError(503, f"the request was aborted: {out.error or 'engine shut down'}",
+                            code="engine_shutdown")
+        if out.invalid_input:   # a stage refused the request's input
+            m = _STAGE_ERROR.fullmatch(error)
+            err = from_value_error(ValueError(m.group(1) if m else error), None)
+            err.param, err.code = err.param or param, "invalid_input"
+            return err
+        if not self.is_healthy:
+            return APIError(503, f"the engine is not serving: {error}", code="engine_dead")
+        return APIError(500, f"the request failed in the engine: {error}", code="engine_error")
+
+
+def failed(out: OmniOutput) -> bool:
+    return out.finished and (out.finish_reason in ("error", "abort") or out.error is not None)
+
+
+async def until_disconnected(request: Request) -> None:
+    """Return once the client has gone (the body was read already, so only the disconnect
+    message can arrive)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """Run `work()`; if the client disconnects first, cancel it (its handles close, which
+    aborts their requests in every stage) and raise a 499 nobody will read."""
+    task = asyncio.ensure_future(work())
+    watch = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # let its cleanup run
+    if task.cancelled():
+        logger.info("client disconnected: request cancelled")
+        raise APIError(499, "the client closed the request", code="client_closed")
+    return task.result()

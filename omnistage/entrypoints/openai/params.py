@@ -1,0 +1,156 @@
+"""OpenAI request fields -> the engine's per-stage parameters.
+
+The parameters a stage gets are built in three layers, later ones winning:
+
+    the stage's YAML `sampling` defaults  <  the OpenAI fields (entry stages only)
+                                          <  `sampling_params_list[i]` (the extension)
+
+The graph's own wiring (`output_hidden_layers` of a stage that feeds another) is always kept,
+and a client cannot set it. Every bad value is a 400 naming the field it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from omnistage.configs.parse import from_dict
+from omnistage.configs.schema import GraphConfig, StageConfig
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.entrypoints.openai.errors import APIError, bad_request, from_value_error
+from omnistage.entrypoints.openai.protocol import SamplingExtras
+from omnistage.sampling_params import SamplingParams
+
+StageParams = SamplingParams | DiffusionParams | None
+# SamplingParams fields that belong to the graph, not to a request
+_GRAPH_ONLY = {"output_hidden_layers", "extra", "detokenize"}
+_SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
+MAX_SEED = 2**63
+
+
+def openai_sampling_fields(req: SamplingExtras, max_tokens: int | None,
+                           logprobs: int | None) -> dict[str, Any]:
+    """The SamplingParams fields a chat or completion request sets explicitly."""
+    if req.n != 1:
+        raise bad_request(f"n={req.n}: this server returns one choice per prompt (n=1); send "
+                          "several requests instead", "n")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server", "logit_bias")
+    fields: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                 "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+                 "skip_special_tokens", "include_stop_str_in_output"):
+        value = getattr(req, name)
+        if value is not None:
+            fields[name] = value
+    if req.stop is not None:
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+        if any(not s for s in stops):
+            raise bad_request("stop: stop strings must be non-empty", "stop")
+        fields["stop"] = stops
+    if req.stop_token_ids is not None:
+        fields["stop_token_ids"] = list(req.stop_token_ids)
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
+    if logprobs is not None:
+        fields["logprobs"] = logprobs
+    if (fields.get("min_tokens") or 0) > (fields.get("max_tokens") or float("inf")):
+        raise bad_request(f"min_tokens={fields['min_tokens']}: must be <= max_tokens "
+                          f"({fields['max_tokens']})", "min_tokens")
+    return fields
+
+
+def parse_size(size: str | None, param: str = "size") -> tuple[int | None, int | None]:
+    """"WxH" -> (height, width); None or "auto" -> the model's default."""
+    if size is None or size == "auto":
+        return None, None
+    m = _SIZE.fullmatch(size.strip())
+    if not m or not all(0 < int(v) <= 16384 for v in m.groups()):
+        raise bad_request(f"{param}={size!r}: expected WIDTHxHEIGHT in pixels, e.g. 512x512, "
+                          "or auto", param)
+    width, height = int(m.group(1)), int(m.group(2))
+    return height, width
+
+
+def stage_params(graph: GraphConfig, entry: list[str], entry_fields: dict[str, Any],
+                 extension: list[dict[str, Any] | None] | None,
+                 image: bytes | None = None) -> list[StageParams]:
+    """One params object per stage of `graph`, in graph order (what AsyncOmni takes as
+    `sampling_params_list`). `entry_fields` are the OpenAI fields for the entry stages;
+    `image` the input image of an image-to-image request (diffusion entry stages)."""
+    if extension is not None and len(extension) != len(graph.stages):
+        names = ", ".join(graph.stage_names)
+        raise bad_request(f"sampling_params_list has {len(extension)} entries; this model has "
+                          f"{len(graph.stages)} stage(s) ({names}): give one dict or null each",
+                          "sampling_params_list")
+    out: list[StageParams] = []
+    for i, stage in enumerate(graph.stages):
+        given = (extension or [None] * len(graph.stages))[i]
+        path = f"sampling_params_list[{i}]"
+        if given is not None and not isinstance(given, dict):
+            raise bad_request(f"{path}: expected an object or null", path)
+        own = dict(entry_fields) if stage.name in entry else {}
+        if stage.kind == "ar":
+            out.append(_sampling(stage, own, given or {}, path))
+        elif stage.kind == "diffusion":
+            # every diffusion stage of a split graph (text encoder -> transformer) needs the
+            # request's image fields: the text encoder for CFG, the transformer for the rest
+            out.append(_diffusion(dict(entry_fields), given or {}, path, image))
+        elif given:
+            raise bad_request(f"{path}: stage {stage.name!r} ({stage.kind}) takes no parameters; "
+                              "send null", path)
+        else:
+            out.append(None)
+    return out
+
+
+def _sampling(stage: StageConfig, openai: dict[str, Any], given: dict[str, Any],
+              path: str) -> SamplingParams:
+    blocked = _GRAPH_ONLY & set(given)
+    if blocked:
+        raise bad_request(f"{path}.{sorted(blocked)[0]}: set by the stage graph, not by requests",
+                          f"{path}.{sorted(blocked)[0]}")
+    try:
+        params = from_dict(SamplingParams, {**stage.sampling, **openai}, "")
+        if given:
+            params = from_dict(SamplingParams, {**stage.sampling, **openai, **given}, path)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+    _check_seed(params.seed, f"{path}.seed" if "seed" in given else "seed")
+    if stage.output_hidden_layers:
+        params = dataclasses.replace(params, output_hidden_layers=stage.output_hidden_layers)
+    return params
+
+
+def _diffusion(openai: dict[str, Any], given: dict[str, Any], path: str,
+               image: bytes | None) -> DiffusionParams:
+    # the input image (bytes) and its strength go in last: strength needs the image
+    if "image" in given:
+        raise bad_request(f"{path}.image: send the image as an image part (chat) or a file "
+                          "(/v1/images/edits)", f"{path}.image")
+    strength = given.get("strength", openai.get("strength"))
+    where = f"{path}.strength" if "strength" in given else "strength"
+    openai = {k: v for k, v in openai.items() if k != "strength"}
+    given = {k: v for k, v in given.items() if k != "strength"}
+    try:
+        params = from_dict(DiffusionParams, openai, "")
+        if given:
+            params = from_dict(DiffusionParams, {**openai, **given}, path)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+    if image is not None or strength is not None:
+        if strength is not None and (isinstance(strength, bool)
+                                     or not isinstance(strength, (int, float))):
+            raise bad_request(f"{where}: expected a number", where)
+        try:
+            params = dataclasses.replace(params, image=image, strength=strength)
+        except ValueError as exc:
+            raise from_value_error(exc, where if "strength" in str(exc) else "image") from None
+    _check_seed(params.seed, f"{path}.seed" if "seed" in given else "seed")
+    return params
+
+
+def _check_seed(seed: int | None, param: str) -> None:
+    if seed is not None and not 0 <= seed < MAX_SEED:
+        raise APIError(400, f"{param}={seed}: must be in [0, 2**63)", param=param)

@@ -1,0 +1,299 @@
+"""Request and response bodies of the OpenAI-compatible routes (pydantic v2).
+
+Requests are strict: an unknown field is a 400 naming it (as OpenAI does), ranges are checked
+here so that the error names the field, and OpenAI fields this server cannot honour (`tools`,
+`logit_bias`, ...) are declared so that the answer says "not supported" rather than "unknown".
+Extensions beyond OpenAI are vLLM's sampling extras (`top_k`, `min_p`, `ignore_eos`, ...),
+the image parameters of diffusion models, and `sampling_params_list`: one dict (or null) per
+stage of the served graph, fields of that stage's SamplingParams or DiffusionParams.
+
+Responses follow OpenAI's shapes; fields that are absent in OpenAI's answers stay absent.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+AudioFormat = Literal["wav", "pcm16", "flac", "mp3", "opus"]
+ImageFormat = Literal["png", "jpeg", "webp"]
+Modality = Literal["text", "audio", "image"]
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- shared pieces ---------------------------------------------------------------------------
+
+class StreamOptions(Request):
+    include_usage: bool = False
+
+
+class SamplingExtras(Request):
+    """OpenAI's sampling fields shared by chat and completions, plus vLLM's extras."""
+
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extras
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    # omnistage: per-stage parameters, one entry per stage of the served graph
+    sampling_params_list: list[dict[str, Any] | None] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+# ---- chat ------------------------------------------------------------------------------------
+
+class TextPart(Request):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(Request):
+    url: Annotated[str, Field(min_length=1)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(Request):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class InputAudio(Request):
+    data: Annotated[str, Field(min_length=1)]   # base64
+    format: Literal["wav", "mp3", "flac"]
+
+
+class AudioPart(Request):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class VideoURL(Request):
+    url: Annotated[str, Field(min_length=1)]
+
+
+class VideoPart(Request):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart | VideoPart, Field(discriminator="type")]
+
+
+class ChatMessage(Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[ContentPart], Field(min_length=1)] | None = None
+    name: str | None = None
+
+
+class AudioOutput(Request):
+    voice: Annotated[str, Field(min_length=1)]
+    format: AudioFormat = "wav"
+
+
+class ChatCompletionRequest(SamplingExtras):
+    model: str
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    modalities: Annotated[list[Modality], Field(min_length=1)] | None = None
+    audio: AudioOutput | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # declared so that the answer is "not supported" (400) rather than "unknown field"
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class AudioData(BaseModel):
+    id: str
+    data: str               # base64 of the encoded audio
+    expires_at: int
+    transcript: str
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | list[dict[str, Any]] | None = None
+    audio: AudioData | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    finish_reason: str | None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# ---- completions -----------------------------------------------------------------------------
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(SamplingExtras):
+    model: str
+    prompt: (Annotated[str, Field(min_length=1)] | TokenIds
+             | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1,
+                                                                           max_length=64)]
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=64)])
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    suffix: str | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# ---- images ----------------------------------------------------------------------------------
+
+class ImageGenerationRequest(Request):
+    prompt: Annotated[str, Field(min_length=1, max_length=32000)]
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=10)] = 1
+    size: str | None = None             # "WxH" or "auto"; checked in params.parse_size
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    output_format: ImageFormat = "png"
+    output_compression: Annotated[int, Field(ge=0, le=100)] | None = None
+    user: str | None = None
+    # diffusion extras
+    negative_prompt: str | None = None
+    num_inference_steps: Annotated[int, Field(ge=1, le=200)] | None = None
+    guidance_scale: Annotated[float, Field(ge=0.0)] | None = None
+    true_cfg_scale: Annotated[float, Field(ge=0.0)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+
+
+class ImageData(BaseModel):
+    b64_json: str
+    revised_prompt: str | None = None
+
+
+class ImagesResponse(BaseModel):
+    created: int = Field(default_factory=lambda: int(time.time()))
+    data: list[ImageData]
+    output_format: ImageFormat
+    size: str
+
+
+# ---- models, errors --------------------------------------------------------------------------
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "omnistage"
+    root: str | None = None
+    max_model_len: int | None = None
+    modalities: list[str] = Field(default_factory=list)   # what the model can output
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

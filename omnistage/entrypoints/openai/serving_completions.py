@@ -1,0 +1,196 @@
+"""POST /v1/completions: raw prompts (no chat template) for models that produce text.
+
+A prompt is a string, a list of token ids, or a batch of either (up to 64): a batch is one
+engine request per prompt, admitted together, answered as choices in prompt order (streamed
+chunks carry their choice's `index` and may interleave).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from omnistage.entrypoints.openai.client import (EngineClient, RequestHandle, failed,
+                                                 unless_disconnected)
+from omnistage.entrypoints.openai.errors import bad_request
+from omnistage.entrypoints.openai.params import openai_sampling_fields, stage_params
+from omnistage.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
+                                                   CompletionRequest, CompletionResponse, Usage)
+from omnistage.entrypoints.openai.streaming import DONE, EventStream, sse, sse_error
+from omnistage.outputs import OmniOutput
+
+_END = object()
+
+
+class CompletionServing:
+    def __init__(self, client: EngineClient, model_name: str) -> None:
+        self.client = client
+        self.model_name = model_name
+
+    async def create(self, req: CompletionRequest, request: Request
+                     ) -> CompletionResponse | Response:
+        if "text" not in self.client.outputs or self.client.text_entry:
+            raise bad_request("this model does not complete text (it produces "
+                              f"{', '.join(sorted(self.client.outputs))}); use "
+                              "/v1/images/generations or /v1/chat/completions", "model",
+                              "unsupported_endpoint")
+        if req.suffix:
+            raise bad_request("suffix (insertion) is not supported by this server", "suffix")
+        if req.best_of not in (None, 1):
+            raise bad_request(f"best_of={req.best_of}: only 1 is supported", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (prompt logprobs are not "
+                              "computed)", "echo")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options: only allowed with stream: true", "stream_options")
+        entry = openai_sampling_fields(req, req.max_tokens, req.logprobs)
+        params = stage_params(self.client.graph, self.client.entry, entry,
+                              req.sampling_params_list)
+        prompts = _prompts(req.prompt)
+        prepared = [self.client.prepare(p, params, "prompt" if len(prompts) == 1
+                                        else f"prompt[{i}]") for i, p in enumerate(prompts)]
+        ticket = self.client.admit(len(prompts))
+        handles: list[RequestHandle] = []
+        try:
+            for p, ready in zip(prompts, prepared):
+                handles.append(self.client.submit(p, ready, {"text"}, "cmpl"))
+        except BaseException:
+            for h in handles:
+                h.close()
+            ticket.release()
+            raise
+        closers = [h.close for h in handles] + [ticket.release]
+        if req.stream:
+            await self.client.open_stream(request, handles, closers,
+                                          "prompt" if len(handles) == 1 else None)
+            return EventStream(self._stream(req, handles), closers)
+        try:
+            return await unless_disconnected(request, lambda: self._full(req, handles))
+        finally:
+            for close in closers:
+                close()
+
+    async def _full(self, req: CompletionRequest, handles: list[RequestHandle]
+                    ) -> CompletionResponse:
+        finals: list[OmniOutput] = [None] * len(handles)  # type: ignore[list-item]
+        async for i, out in _merged(handles):
+            finals[i] = out
+        for out in finals:
+            self.client.check(out, "prompt")
+        choices = [CompletionChoice(index=i, text=(self._prompt_text(out) if req.echo else "")
+                                    + out.text, finish_reason=_finish(out),
+                                    logprobs=self._logprobs(out.token_ids, out.logprobs or [])
+                                    if req.logprobs is not None else None)
+                   for i, out in enumerate(finals)]
+        return CompletionResponse(id=handles[0].request_id, model=self.model_name,
+                                  choices=choices, usage=_usage(finals))
+
+    async def _stream(self, req: CompletionRequest, handles: list[RequestHandle]
+                      ) -> AsyncIterator[str]:
+        rid = handles[0].request_id
+        finals: list[OmniOutput] = []
+
+        def chunk(index: int, text: str, finish: str | None = None,
+                  logprobs: CompletionLogprobs | None = None) -> str:
+            return sse(CompletionResponse(id=rid, model=self.model_name, choices=[
+                CompletionChoice(index=index, text=text, finish_reason=finish,
+                                 logprobs=logprobs)]))
+
+        started: set[int] = set()
+        async for i, out in _merged(handles):
+            if failed(out):
+                yield sse_error(self.client.failure(out, "prompt"))
+                yield DONE
+                return
+            text = out.delta_text
+            if req.echo and i not in started:
+                text = self._prompt_text(out) + text
+            started.add(i)
+            lp = None
+            if req.logprobs is not None and out.delta_token_ids:
+                new = (out.logprobs or [])[-len(out.delta_token_ids):]
+                lp = self._logprobs(out.delta_token_ids, new)
+            if text or lp is not None:
+                yield chunk(i, text, logprobs=lp)
+            if out.finished:
+                finals.append(out)
+                yield chunk(i, "", finish=_finish(out))
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield sse({"id": rid, "object": "text_completion", "created": 0,
+                       "model": self.model_name, "choices": [],
+                       "usage": _usage(finals).model_dump()})
+        yield DONE
+
+    def _prompt_text(self, out: OmniOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        tok = self.client.tokenizer
+        return tok.decode(out.prompt_token_ids) if tok is not None else ""
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]
+                  ) -> CompletionLogprobs:
+        tok = self.client.tokenizer
+        text = (lambda t: tok.decode([t])) if tok is not None else str
+        tokens, offsets, offset = [], [], 0
+        for t in token_ids:
+            tokens.append(text(t))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return CompletionLogprobs(
+            tokens=tokens, text_offset=offsets,
+            token_logprobs=[lp.get(t, float("-inf")) for t, lp in zip(token_ids, logprobs)],
+            top_logprobs=[{text(k): v for k, v in sorted(lp.items(), key=lambda kv: -kv[1])}
+                          for lp in logprobs])
+
+
+def _prompts(prompt: Any) -> list[str | dict[str, list[int]]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [{"prompt_token_ids": list(p)} for p in prompt]
+
+
+async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, OmniOutput]]:
+    """Every handle's outputs as (handle index, output), as they come."""
+    if len(handles) == 1:
+        async for out in handles[0].outputs():
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, handle: RequestHandle) -> None:
+        try:
+            async for out in handle.outputs():
+                queue.put_nowait((i, out))
+        finally:
+            queue.put_nowait((i, _END))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out = await queue.get()
+            if out is _END:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _usage(finals: list[OmniOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) or o.metrics.num_prompt_tokens for o in finals)
+    completion = sum(len(o.token_ids) for o in finals)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion)
+
+
+def _finish(out: OmniOutput) -> str:
+    return "length" if out.finish_reason == "length" else "stop"

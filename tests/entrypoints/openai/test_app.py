@@ -1,0 +1,201 @@
+"""The app in process with a stand-in engine: a graph whose finals are text (a thinker) and
+audio (a code2wav stage), emitting a known waveform in chunks. This pins down the HTTP side of
+speech without a speech model: message.audio when not streamed, delta.content + delta.audio
+(pcm16 chunks) when streamed, the voice reaching the AR stages; and the app's plumbing: /health
+503 when the engine is dead, CORS, the body limit on a chunked upload, the OpenAPI schema."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from omnistage.configs.schema import GraphConfig, StageConfig, StageInput
+from omnistage.engine.inputs import parse_prompt
+from omnistage.engine.orchestrator import RequestEvent
+from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
+from omnistage.outputs import OmniOutput, RequestMetrics
+from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+from omnistage.utils.audio import decode_audio
+
+RATE = 16000
+CHUNKS = [0.5 * torch.sin(torch.arange(i * 800, (i + 1) * 800) * 2 * torch.pi * 440 / RATE)
+          for i in range(4)]                                     # 4 chunks of (800,)
+WAVE = torch.cat(CHUNKS).numpy()
+
+
+class FakeOmni:
+    """What the server uses of AsyncOmni, answering every request with "Hi there" and, when
+    audio is asked for, the four chunks of a 440 Hz tone."""
+
+    def __init__(self, tokenizer_dir: Path) -> None:
+        self.graph = GraphConfig(stages=(
+            StageConfig(name="thinker", kind="ar", final="text"),
+            StageConfig(name="code2wav", kind="generation", component="vocoder", final="audio",
+                        inputs=(StageInput(source="thinker", adapter="codes"),))))
+        self.tokenizer = build_tiny_tokenizer(tokenizer_dir)
+        self.entry, self.text_entry, self.is_healthy = ["thinker"], False, True
+        self.audio_sample_rate = None     # the chunks carry their own rate
+        self.orchestrator = SimpleNamespace(stage_info={"thinker": {"max_model_len": 64}},
+                                            dead_reason=None, stage_stats=lambda timeout: {})
+        self.params: list = []
+
+    def prepare(self, prompt, params):
+        self.params.append(params)
+        return parse_prompt(prompt, self.tokenizer), dict(zip(["thinker", "code2wav"], params))
+
+    def submit(self, prompt, params, request_id, modalities, sink, prepared) -> OmniOutput:
+        parsed, _ = prepared
+        out = OmniOutput(request_id, parsed.text, list(parsed.token_ids or []),
+                         metrics=RequestMetrics(arrival_time=time.time()))
+        ids = self.tokenizer("Hi there")["input_ids"]
+
+        def play() -> None:
+            for i, t in enumerate(ids):
+                sink(RequestEvent(request_id, "thinker", [t], self.tokenizer.decode([t]),
+                                  stage_finished=i == len(ids) - 1,
+                                  finish_reason="stop" if i == len(ids) - 1 else None))
+            if "audio" in modalities:
+                for i, chunk in enumerate(CHUNKS):
+                    last = i == len(CHUNKS) - 1
+                    sink(RequestEvent(request_id, "code2wav", tensors={
+                        "audio": chunk, "sample_rate": torch.tensor([RATE])},
+                        stage_finished=last, finish_reason="stop" if last else None))
+            sink(RequestEvent(request_id, "code2wav", done=True, finish_reason="stop",
+                              stage_metrics={}))
+
+        threading.Thread(target=play, daemon=True).start()
+        return out
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> FakeOmni:
+    return FakeOmni(tmp_path_factory.mktemp("tok"))
+
+
+def call(engine: FakeOmni, method: str, path: str, config: ServerConfig | None = None,
+         **kw: object) -> httpx.Response:
+    async def go() -> httpx.Response:
+        app = build_app(engine, config or ServerConfig(served_model_name="omni"))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.request(method, path, timeout=30, **kw)
+
+    return asyncio.run(go())
+
+
+def post(engine: FakeOmni, body: dict) -> httpx.Response:
+    return call(engine, "POST", "/v1/chat/completions", json=body)
+
+
+AUDIO_CHAT = {"model": "omni", "messages": [{"role": "user", "content": "say hi"}],
+              "modalities": ["text", "audio"]}
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "pcm16"])
+def test_audio_answer_not_streamed(engine: FakeOmni, fmt: str) -> None:
+    r = post(engine, {**AUDIO_CHAT, "audio": {"voice": "ethan", "format": fmt}})
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] is None and message["audio"]["transcript"] == "Hi there"
+    wave, rate = decode_audio(base64.b64decode(message["audio"]["data"]), fmt, RATE)
+    assert rate == RATE and wave.shape == (1, len(WAVE))
+    np.testing.assert_allclose(wave[0], WAVE, atol=1 / 32767 + 1e-6)
+    assert engine.params[-1][0].extra["speaker"] == "ethan"   # the talker hears the voice
+
+
+def test_audio_answer_streamed_as_pcm16_chunks(engine: FakeOmni) -> None:
+    r = post(engine, {**AUDIO_CHAT, "audio": {"voice": "ethan", "format": "pcm16"},
+                      "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "Hi there"
+    audio = [d["audio"] for d in deltas if "audio" in d]
+    data = [a["data"] for a in audio if "data" in a]
+    assert len(data) == len(CHUNKS) and len({a["id"] for a in audio}) == 1
+    assert audio[-1]["transcript"] == "Hi there"
+    pcm = b"".join(base64.b64decode(d) for d in data)
+    wave, _ = decode_audio(pcm, "pcm16", RATE)
+    np.testing.assert_allclose(wave[0], WAVE, atol=1 / 32767 + 1e-6)
+    assert events[-1]["usage"]["completion_tokens"] == len(engine.tokenizer("Hi there")
+                                                            ["input_ids"])
+    assert r.text.rstrip().endswith("data: [DONE]")
+
+
+def test_audio_requests_checked(engine: FakeOmni) -> None:
+    cases = [({**AUDIO_CHAT}, "audio"),                                     # no audio params
+             ({**AUDIO_CHAT, "audio": {"voice": "ethan", "format": "wav"}, "stream": True},
+              "audio.format"),                                              # streams are pcm16
+             ({**AUDIO_CHAT, "modalities": ["image"]}, "modalities")]
+    for body, param in cases:
+        r = post(engine, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    text_only = post(engine, {**AUDIO_CHAT, "modalities": ["text"]})
+    message = text_only.json()["choices"][0]["message"]
+    assert message["content"] == "Hi there" and message["audio"] is None
+
+
+def test_health_is_503_when_the_engine_is_dead(engine: FakeOmni) -> None:
+    assert call(engine, "GET", "/health").status_code == 200
+    engine.is_healthy, engine.orchestrator.dead_reason = False, "stage 'code2wav' was killed"
+    try:
+        r = call(engine, "GET", "/health")
+        assert r.status_code == 503 and "code2wav" in r.json()["error"]["message"]
+        r = post(engine, {**AUDIO_CHAT, "modalities": ["text"]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    finally:
+        engine.is_healthy, engine.orchestrator.dead_reason = True, None
+
+
+def test_cors_is_off_by_default_and_configurable(engine: FakeOmni) -> None:
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    r = call(engine, "OPTIONS", "/v1/chat/completions", headers=preflight)
+    assert "access-control-allow-origin" not in r.headers
+    config = ServerConfig(served_model_name="omni", allowed_origins=("https://app.example",),
+                          api_key="k")
+    r = call(engine, "OPTIONS", "/v1/chat/completions", config, headers=preflight)
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == "https://app.example"
+    r = call(engine, "GET", "/v1/models", config, headers={"Origin": "https://app.example"})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"]
+    r = call(engine, "OPTIONS", "/v1/models", config,
+             headers={**preflight, "Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_body_limit_holds_for_chunked_uploads(engine: FakeOmni) -> None:
+    config = ServerConfig(served_model_name="omni", max_body_bytes=1000)
+
+    async def chunks():
+        for _ in range(20):
+            yield b"x" * 100
+
+    r = call(engine, "POST", "/v1/chat/completions", config, content=chunks(),
+             headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    ok = call(engine, "POST", "/v1/chat/completions", config,
+              json={**AUDIO_CHAT, "modalities": ["text"]})
+    assert ok.status_code == 200
+
+
+def test_openapi_schema_lists_every_route(engine: FakeOmni) -> None:
+    schema = call(engine, "GET", "/openapi.json").json()
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/images/generations",
+            "/v1/images/edits", "/v1/models", "/health", "/metrics"} <= set(schema["paths"])
+    chat = schema["paths"]["/v1/chat/completions"]["post"]
+    assert {"200", "400", "429"} <= set(chat["responses"])

@@ -1,0 +1,143 @@
+"""Media loading for chat parts: data URLs, files under the allowed folders only (symlinks
+resolved), remote URLs only when allowed, size limits, and decoding of images, audio and video
+with errors that name the request field."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from omnistage.entrypoints.openai.errors import APIError
+from omnistage.entrypoints.openai.media import MediaLoader, MediaPolicy
+from omnistage.utils.audio import encode_audio
+
+
+def png(size: tuple[int, int] = (12, 8)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, (1, 2, 3)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def mp4(num_frames: int = 20, fps: int = 10) -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = 32, 16, "yuv420p"
+        for i in range(num_frames):
+            frame = av.VideoFrame.from_ndarray(np.full((16, 32, 3), 10 * i, np.uint8),
+                                               format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def refused(fn, *args: object) -> APIError:
+    with pytest.raises(APIError) as err:
+        fn(*args)
+    assert err.value.param == "p" and err.value.message.startswith("p: ")
+    return err.value
+
+
+@pytest.fixture
+def folders(tmp_path: Path) -> tuple[Path, Path]:
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    (allowed / "cat.png").write_bytes(png())
+    (outside / "secret.png").write_bytes(png())
+    (allowed / "escape.png").symlink_to(outside / "secret.png")
+    return allowed, outside
+
+
+def test_data_urls_decode_and_are_checked() -> None:
+    loader = MediaLoader(MediaPolicy(max_bytes=1000))
+    image, raw = loader.image(data_url(png()), "p")
+    assert image.size == (12, 8) and raw == png()
+    assert refused(loader.fetch, "data:image/png,notbase64", "p").code == "invalid_media_url"
+    assert refused(loader.fetch, "data:image/png;base64,@@@", "p").code == "invalid_base64"
+    assert refused(loader.image, data_url(b"not an image"), "p").code == "invalid_image"
+    too_big = refused(loader.fetch, data_url(bytes(2000)), "p")
+    assert too_big.status == 413 and too_big.code == "media_too_large"
+    assert refused(loader.fetch, "ftp://host/x.png", "p").code == "invalid_media_url"
+
+
+def test_files_only_under_allowed_folders(folders: tuple[Path, Path]) -> None:
+    allowed, outside = folders
+    assert refused(MediaLoader(MediaPolicy()).fetch, f"file://{allowed}/cat.png",
+                   "p").code == "media_not_allowed"
+    loader = MediaLoader(MediaPolicy(allowed_dirs=(allowed,)))
+    assert loader.fetch(f"file://{allowed}/cat.png", "p") == png()
+    for url in (f"file://{outside}/secret.png", f"file://{allowed}/../outside/secret.png",
+                f"file://{allowed}/escape.png"):             # a symlink out is still out
+        assert refused(loader.fetch, url, "p").code == "media_not_allowed", url
+    assert refused(loader.fetch, f"file://{allowed}/none.png", "p").code == "media_not_found"
+    small = MediaLoader(MediaPolicy(allowed_dirs=(allowed,), max_bytes=10))
+    assert refused(small.fetch, f"file://{allowed}/cat.png", "p").status == 413
+
+
+@pytest.fixture
+def http_server(folders: tuple[Path, Path]) -> Iterator[str]:
+    allowed, _ = folders
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: object, **kw: object) -> None:
+            super().__init__(*args, directory=str(allowed), **kw)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_remote_urls_only_when_allowed(http_server: str) -> None:
+    url = f"{http_server}/cat.png"
+    assert refused(MediaLoader(MediaPolicy()).fetch, url, "p").code == "media_not_allowed"
+    loader = MediaLoader(MediaPolicy(allow_remote=True, timeout_s=5))
+    assert loader.fetch(url, "p") == png()
+    assert refused(loader.fetch, f"{http_server}/missing.png", "p").code == "media_fetch_failed"
+    small = MediaLoader(MediaPolicy(allow_remote=True, max_bytes=10))
+    assert refused(small.fetch, url, "p").status == 413
+
+
+def test_audio_parts_decode_to_mono_waveforms() -> None:
+    loader = MediaLoader(MediaPolicy())
+    t = np.arange(8000) / 16000
+    stereo = np.stack([np.sin(2 * np.pi * 300 * t), np.sin(2 * np.pi * 300 * t)]) * 0.5
+    for fmt in ("wav", "flac", "mp3"):
+        b64 = base64.b64encode(encode_audio(stereo, 16000, fmt)).decode()
+        wave, rate = loader.audio(b64, fmt, "p")
+        assert wave.ndim == 1 and rate == 16000 and len(wave) >= 8000
+        assert abs(np.sqrt(np.mean(wave ** 2)) - 0.5 / np.sqrt(2)) < 0.05
+    assert refused(loader.audio, base64.b64encode(b"nope").decode(), "wav",
+                   "p").code == "invalid_audio"
+
+
+def test_video_parts_are_sampled_at_two_frames_per_second() -> None:
+    loader = MediaLoader(MediaPolicy())
+    frames, fps = loader.video(data_url(mp4(20, 10), "video/mp4"), "p")   # 2 s of video
+    assert fps == 2.0 and len(frames) == 4
+    assert all(f.size == (32, 16) for f in frames)
+    levels = [np.asarray(f).mean() for f in frames]       # frames 0, 5, 10, 15: brighter
+    assert levels == sorted(levels) and levels[-1] > levels[0] + 50
+    assert refused(loader.video, data_url(b"not a video at all", "video/mp4"),
+                   "p").code == "invalid_video"

@@ -1,0 +1,139 @@
+"""Text and speech from a real server serving the tiny random Qwen3-Omni (thinker -> talker ->
+code2wav): chat answers with message.audio, streams pcm16 chunks in delta.audio beside the
+text in delta.content, takes image parts through the model's input processor, and names
+audio.voice when the talker does not know the voice."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+from typing import TYPE_CHECKING, Callable
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from omnistage.utils.audio import decode_audio
+
+if TYPE_CHECKING:
+    from tests.entrypoints.openai.conftest import Server
+
+MODEL = "tiny-omni"
+RATE = 24000          # Qwen3-Omni's code2wav rate
+USER = [{"role": "user", "content": "Hello, who are you?"}]
+
+
+@pytest.fixture(scope="module")
+def omni_server(start_server: Callable[..., Server],
+                tmp_path_factory: pytest.TempPathFactory) -> Server:
+    from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
+
+    path = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny_omni"))
+    return start_server([str(path), "--served-model-name", MODEL])
+
+
+def test_text_only_chat_skips_speech(omni_server: Server) -> None:
+    out = omni_server.openai().chat.completions.create(model=MODEL, messages=USER,
+                                                       max_tokens=6, temperature=0)
+    message = out.choices[0].message
+    assert isinstance(message.content, str) and message.audio is None
+    assert out.usage.completion_tokens == 6 or out.choices[0].finish_reason == "stop"
+
+
+def test_chat_with_audio_returns_a_decodable_waveform(omni_server: Server) -> None:
+    out = omni_server.openai().chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=6, temperature=0,
+        modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
+    message = out.choices[0].message
+    assert message.content is None and message.audio.transcript
+    wave, rate = decode_audio(base64.b64decode(message.audio.data), "wav")
+    assert rate == RATE and wave.shape[0] == 1 and wave.shape[1] > 0
+    assert np.isfinite(wave).all() and np.abs(wave).max() <= 1.0
+
+
+def test_streamed_speech_comes_as_pcm16_chunks(omni_server: Server) -> None:
+    body = {"model": MODEL, "messages": USER, "max_tokens": 6, "temperature": 0,
+            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"},
+            "stream": True}
+    with httpx.stream("POST", f"{omni_server.url}/v1/chat/completions", json=body,
+                      timeout=120) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    text = "".join(d.get("content") or "" for d in deltas)
+    chunks = [d["audio"]["data"] for d in deltas if "data" in d.get("audio", {})]
+    assert chunks, "no audio chunk streamed"
+    pcm = b"".join(base64.b64decode(c) for c in chunks)
+    assert len(pcm) % 2 == 0 and len(pcm) > 0
+    transcript = [d["audio"]["transcript"] for d in deltas if "transcript" in d.get("audio", {})]
+    assert transcript == [text]
+    m = omni_server.metrics()
+    assert m[("omnistage_time_to_first_audio_seconds_count", ())] >= 1
+
+
+def test_image_parts_reach_the_model(omni_server: Server) -> None:
+    buf = io.BytesIO()
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    body = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}]}]}
+    with_image = omni_server.post("/v1/chat/completions", json=body)
+    assert with_image.status_code == 200, with_image.text
+    text_only = omni_server.post("/v1/chat/completions", json={
+        **body, "messages": [{"role": "user", "content": "What?"}]})
+    # the image's patches are in the prompt
+    assert (with_image.json()["usage"]["prompt_tokens"]
+            > text_only.json()["usage"]["prompt_tokens"] + 1)
+
+
+def test_unknown_voice_names_audio_voice(omni_server: Server) -> None:
+    body = {"model": MODEL, "messages": USER, "max_tokens": 4,
+            "modalities": ["text", "audio"], "audio": {"voice": "nobody", "format": "pcm16"}}
+    for stream in (False, True):
+        r = omni_server.post("/v1/chat/completions", json={**body, "stream": stream})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "audio.voice"
+
+
+def test_disconnect_mid_speech_aborts_in_every_stage(omni_server: Server) -> None:
+    def state() -> dict[str, float]:
+        m = omni_server.metrics()
+        out = {f"{stage}.{what}": m.get((name, tuple(sorted(labels.items()))), -1.0)
+               for stage in ("thinker", "talker", "code2wav")
+               for what, name, labels in (
+                   ("queued", "omnistage_stage_queue_length", {"stage": stage}),
+                   ("free", "omnistage_stage_kv_blocks", {"stage": stage, "state": "free"}),
+                   ("total", "omnistage_stage_kv_blocks", {"stage": stage, "state": "total"}))}
+        out["aborts"] = m.get(("omnistage_requests_finished_total",
+                               (("finish_reason", "abort"),)), 0.0)
+        return out
+
+    before = state()
+    body = {"model": MODEL, "messages": USER, "max_tokens": 300, "ignore_eos": True,
+            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"},
+            "stream": True,   # the random talker must not stop at once: min_tokens
+            "sampling_params_list": [None, {"min_tokens": 400, "max_tokens": 1000}, None]}
+    held: dict[str, float] = {}
+    with httpx.stream("POST", f"{omni_server.url}/v1/chat/completions", json=body,
+                      timeout=120) as r:
+        seen = []
+        for line in r.iter_lines():
+            seen.append(line)
+            if '"audio"' in line:     # speech has started: every stage holds the request
+                held = state()
+                break
+    assert held, ("the stream ended before any audio", [x for x in seen if x][-3:])
+    assert all(held[f"{s}.queued"] == 1 for s in ("thinker", "talker", "code2wav")), held
+    deadline = time.monotonic() + 30
+    while True:
+        now = state()
+        if (all(now[f"{s}.queued"] == 0 for s in ("thinker", "talker", "code2wav"))
+                and all(now[f"{s}.free"] == now[f"{s}.total"] for s in ("thinker", "talker"))
+                and now["aborts"] == before["aborts"] + 1):
+            break
+        assert time.monotonic() < deadline, now
+        time.sleep(0.1)
