@@ -54,6 +54,30 @@ def test_chat_with_audio_returns_a_decodable_waveform(omni_server: Server) -> No
     assert np.isfinite(wave).all() and np.abs(wave).max() <= 1.0
 
 
+@pytest.mark.parametrize("fmt", ["pcm16", "flac", "mp3", "opus"])
+def test_every_audio_format_decodes_to_the_same_speech(omni_server: Server, fmt: str) -> None:
+    """The same greedy answer in each format: lossless ones equal the WAV's samples (16-bit
+    steps), lossy ones keep its length and loudness (within codec tolerance)."""
+    def speech(fmt: str) -> tuple[np.ndarray, int]:
+        out = omni_server.openai().chat.completions.create(   # a greedy talker as well
+            model=MODEL, messages=USER, max_tokens=6, temperature=0,
+            modalities=["text", "audio"], audio={"voice": "ethan", "format": fmt},
+            extra_body={"sampling_params_list": [None, {"temperature": 0.0}, None]})
+        data = base64.b64decode(out.choices[0].message.audio.data)
+        return decode_audio(data, fmt, RATE if fmt == "pcm16" else None)
+
+    ref, _ = speech("wav")
+    wave, rate = speech(fmt)
+    if fmt in ("pcm16", "flac"):
+        assert rate == RATE and wave.shape == ref.shape
+        assert np.abs(wave - ref).max() <= 2 / 32767
+    else:
+        mono = wave.mean(axis=0)
+        assert rate in (RATE, 48000)
+        assert abs(len(mono) / rate - ref.shape[1] / RATE) <= 0.1   # codec padding, frames
+        assert 0.3 < np.sqrt((mono ** 2).mean()) / np.sqrt((ref ** 2).mean()) < 3.0
+
+
 def test_streamed_speech_comes_as_pcm16_chunks(omni_server: Server) -> None:
     body = {"model": MODEL, "messages": USER, "max_tokens": 6, "temperature": 0,
             "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"},

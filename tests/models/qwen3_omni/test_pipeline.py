@@ -102,7 +102,8 @@ def test_two_requests_together_equal_alone(omni: Omni) -> None:
     (alone,) = omni.generate({"messages": CHAT}, greedy())
     both = omni.generate([{"messages": other}, {"messages": CHAT}], greedy())
     assert both[1].token_ids == alone.token_ids
-    assert torch.equal(both[1].tensors["audio"], alone.tensors["audio"])
+    a, b = both[1].tensors["audio"], alone.tensors["audio"]
+    assert a.shape == b.shape and (a - b).abs().max() <= 1e-4   # batched float sums differ
     assert both[0].token_ids != alone.token_ids
 
 

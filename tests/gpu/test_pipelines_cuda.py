@@ -1,0 +1,96 @@
+"""GPU-only checks (skipped without CUDA): the multi-network pipelines on CUDA against their
+references on CUDA, float32 with TF32 off: Qwen3-Omni (thinker -> talker -> code2wav, stage
+processes) against transformers' generate(return_audio=True), and the Qwen-Image / FLUX.1
+pipelines against diffusers. What these catch is placement (a tensor left on the CPU, a
+generator on the wrong device), not numerics, which the CPU golden tests pin down."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnistage import DiffusionParams, Omni, SamplingParams
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+CHAT = [{"role": "user", "content": "Hello world, what is the weather today?"}]
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def _load_test_module(name: str):
+    path = Path(__file__).parents[1] / "diffusion" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_gpu_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_qwen3_omni_on_cuda_equals_transformers(tmp_path: Path) -> None:
+    import transformers
+
+    from omnistage.models.qwen3_omni.processing import InputProcessor
+    from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
+
+    ckpt = build_tiny_qwen3_omni(tmp_path / "omni")
+    processor = InputProcessor.from_pretrained(ckpt)
+    inputs = {k: v.cuda() for k, v in processor.parse_request({"messages": CHAT}).hf_kwargs()
+              .items()}
+    hf = transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(ckpt).cuda().eval()
+    eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():
+        seq, wav = hf.generate(**inputs, return_audio=True, thinker_do_sample=False,
+                               thinker_max_new_tokens=12, thinker_eos_token_id=eos,
+                               talker_do_sample=False, talker_max_new_tokens=40)
+    expected_ids = seq[0, inputs["input_ids"].shape[1]:].tolist()
+    del hf
+    params = [SamplingParams(temperature=0.0, max_tokens=12),
+              SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=40), None]
+    with Omni(str(ckpt), device="cuda", dtype="float32",
+              stage_overrides=["code2wav.options.chunk_frames=300"]) as omni:
+        (out,) = omni.generate({"messages": CHAT}, params)
+    assert out.error is None, out.error
+    assert out.token_ids == expected_ids
+    audio = out.tensors["audio"]
+    assert audio.shape == wav.reshape(-1).shape
+    # the stage processes keep PyTorch's default TF32 cuDNN convolutions (code2wav): ~1e-2
+    assert (audio - wav.reshape(-1).cpu()).abs().max() <= 2e-2
+    assert (audio - wav.reshape(-1).cpu()).abs().mean() <= 1e-3
+
+
+@pytest.mark.parametrize("name", ["qwen_image", "flux"])
+def test_diffusion_pipeline_on_cuda_equals_diffusers(name: str, tmp_path: Path) -> None:
+    pytest.importorskip("diffusers")
+    mod = _load_test_module(f"test_{name}_pipeline")
+    args = (tmp_path / name,) if name == "qwen_image" else (tmp_path / name, True)
+    ref = mod.build_reference(*args)
+    ref.to("cuda")
+    size = mod.SIZE
+    kwargs = dict(height=size, width=size, num_inference_steps=4, output_type="pt",
+                  generator=torch.Generator().manual_seed(0), return_dict=False)
+    if name == "qwen_image":
+        kwargs.update(negative_prompt=mod.NEGATIVE, true_cfg_scale=4.0)
+        params = DiffusionParams(height=size, width=size, num_inference_steps=4, seed=0,
+                                 negative_prompt=mod.NEGATIVE, true_cfg_scale=4.0)
+    else:
+        kwargs.update(guidance_scale=3.5)
+        params = DiffusionParams(height=size, width=size, num_inference_steps=4, seed=0,
+                                 guidance_scale=3.5)
+    with torch.no_grad():
+        expected = ref(mod.PROMPT, **kwargs)[0]                          # (1, 3, H, W) [0, 1]
+    expected = (expected * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+    with Omni(str(tmp_path / name), device="cuda", dtype="float32",
+              stage_overrides=["backend=inproc", "connector=inproc"]) as omni:
+        (out,) = omni.generate(mod.PROMPT, params)
+    assert out.error is None, out.error
+    assert (out.tensors["images"].int() - expected.int()).abs().max() <= 2
