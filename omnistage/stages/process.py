@@ -158,6 +158,12 @@ def _process_main(spec: WorkerSpec, parent_pid: int) -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     logging.basicConfig(level=logging.WARNING, format=f"[stage {spec.stage}] %(message)s")
+    if spec.graph.stage(spec.stage).dtype == "float32":
+        # asked for float32: mean it (PyTorch lets cuDNN convolutions use TF32 by default)
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     ctx = zmq.Context()
     try:
         run_worker(spec, ctx, make_stage_connector(spec))

@@ -63,9 +63,8 @@ def test_qwen3_omni_on_cuda_equals_transformers(tmp_path: Path) -> None:
     assert out.token_ids == expected_ids
     audio = out.tensors["audio"]
     assert audio.shape == wav.reshape(-1).shape
-    # the stage processes keep PyTorch's default TF32 cuDNN convolutions (code2wav): ~1e-2
-    assert (audio - wav.reshape(-1).cpu()).abs().max() <= 2e-2
-    assert (audio - wav.reshape(-1).cpu()).abs().mean() <= 1e-3
+    # the stage processes turn TF32 off for dtype float32, as the reference runs here
+    assert (audio - wav.reshape(-1).cpu()).abs().max() <= 1e-3
 
 
 @pytest.mark.parametrize("name", ["qwen_image", "flux"])
