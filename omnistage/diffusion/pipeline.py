@@ -20,12 +20,14 @@ A pipeline without text encoders of its own (the digits demo) has only `prepare`
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.image_input import decode_image, output_size
+from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.request import DiffusionRequest
 
 
@@ -99,3 +101,71 @@ def check_conditioning(tensors: dict[str, Tensor], expected: dict[str, tuple[int
                              f"dimensions, the last {last}, got {t.dtype} {tuple(t.shape)}")
         out[key] = t.to(device, dtype)
     return out
+
+
+class LatentPipelineBase:
+    """What the FLUX, Z-Image and Qwen-Image pipelines share around their model-specific
+    phases (`prepare_latents`, `check_conditioning`, `velocity`, `decode_float`): the size
+    rule, the request checks, prepare = encode + prepare_latents, and the uint8 decode.
+
+    A subclass sets `label` (for messages), `prompt_encoder_cls`, `max_size`, `size_rule`,
+    `default_size` (pixels, per side) and `check_text_params(prompt, params)`; its instances
+    have `multiple` (pixels per latent token side), `vae`, `device` and `prompt_encoder`."""
+
+    label: str
+    prompt_encoder_cls: type
+    max_size: int = 2048
+    size_rule: str = ""
+    multiple: int
+    vae: torch.nn.Module
+    device: torch.device
+    prompt_encoder: PromptEncoder | None
+
+    @property
+    def default_size(self) -> int:
+        raise NotImplementedError
+
+    @staticmethod
+    def check_text_params(prompt: str | None, params: DiffusionParams) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def load_prompt_encoder(cls, path: str | Path, device: torch.device,
+                            dtype: torch.dtype | None) -> PromptEncoder:
+        """The text encoders alone, for a text-encoder stage."""
+        path = Path(path)
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
+        return cls.prompt_encoder_cls.from_pretrained(path, device, dtype)
+
+    def _size(self, params: DiffusionParams) -> tuple[int, int]:
+        """As asked; else the input image's size (rounded down); else the default."""
+        return output_size(params.height, params.width, params.image, self.multiple,
+                           self.default_size)
+
+    def validate(self, prompt: str | None, params: DiffusionParams) -> None:
+        """prompt None: encoded by an upstream stage (which checked it)."""
+        self.check_text_params(prompt, params)
+        check_size(*self._size(params), self.multiple, self.max_size, self.size_rule)
+        if params.image is not None:
+            decode_image(params.image)
+
+    def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
+                ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """Encode the prompt(s), then the latents: a single-stage graph's request."""
+        if self.prompt_encoder is None:
+            raise ValueError(f"this {self.label} stage loads no text encoder: its conditioning "
+                             "comes from an upstream text-encoder stage")
+        (encoded,) = self.prompt_encoder.encode([prompt], [params])
+        latents, sigmas, cond = self.prepare_latents(params, generator)    # type: ignore
+        return latents, sigmas, {**self.check_conditioning(encoded, params),  # type: ignore
+                                 **cond}
+
+    def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
+        """-> uint8 (n, H, W, 3)."""
+        images = self.decode_float(latents, params)                        # type: ignore
+        return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+    @property
+    def vae_dtype(self) -> torch.dtype:
+        return next(self.vae.parameters()).dtype

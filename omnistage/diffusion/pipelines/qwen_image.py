@@ -35,8 +35,9 @@ from torch import Tensor
 from transformers import AutoTokenizer
 
 from omnistage.diffusion.cache import cache_groups
-from omnistage.diffusion.image_input import decode_image, output_size, preprocess
-from omnistage.diffusion.params import DiffusionParams, check_size
+from omnistage.diffusion.image_input import decode_image, preprocess
+from omnistage.diffusion.pipeline import LatentPipelineBase
+from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import check_conditioning
 from omnistage.diffusion.pipelines.flux import pack_latents, unpack_latents
 from omnistage.diffusion.request import DiffusionRequest
@@ -132,7 +133,12 @@ class QwenImagePromptEncoder:
                 for h, m in zip(hidden, mask)]                               # (L_i, J) each
 
 
-class QwenImagePipeline:
+class QwenImagePipeline(LatentPipelineBase):
+    label = "Qwen-Image"
+    prompt_encoder_cls = QwenImagePromptEncoder
+    max_size = MAX_SIZE
+    check_text_params = staticmethod(check_text_params)
+
     def __init__(self, transformer: QwenImageTransformer2DModel, vae: AutoencoderKLQwenImage,
                  prompt_encoder: QwenImagePromptEncoder | None,
                  scheduler: solver.FlowMatchEulerConfig, device: torch.device) -> None:
@@ -168,41 +174,15 @@ class QwenImagePipeline:
             path / "scheduler" / "scheduler_config.json")
         return cls(transformer, vae, prompt_encoder, scheduler, device)
 
-    @classmethod
-    def load_prompt_encoder(cls, path: str | Path, device: torch.device,
-                            dtype: torch.dtype | None) -> QwenImagePromptEncoder:
-        """The text encoder alone, for a text-encoder stage."""
-        path = Path(path)
-        if not (path / "model_index.json").is_file():
-            raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
-        return QwenImagePromptEncoder.from_pretrained(path, device, dtype)
+    @property
+    def default_size(self) -> int:
+        return DEFAULT_SAMPLE_SIZE * self.vae_scale_factor
 
-    # ---- request boundary ------------------------------------------------------------------
+    @property
+    def size_rule(self) -> str:
+        return f"VAE factor {self.vae_scale_factor} x 2x2 packing"
 
-    def _size(self, params: DiffusionParams) -> tuple[int, int]:
-        """As asked; else the input image's size (rounded down); else 1024 x 1024."""
-        return output_size(params.height, params.width, params.image, self.multiple,
-                           DEFAULT_SAMPLE_SIZE * self.vae_scale_factor)
-
-    def validate(self, prompt: str | None, params: DiffusionParams) -> None:
-        """prompt None: encoded by an upstream stage (which checked it)."""
-        check_text_params(prompt, params)
-        check_size(*self._size(params), self.multiple, MAX_SIZE,
-                   f"VAE factor {self.vae_scale_factor} x 2x2 packing")
-        if params.image is not None:
-            decode_image(params.image)
-
-    # ---- 1. prepare ------------------------------------------------------------------------
-
-    def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
-                ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """Encode the prompt(s), then the latents: a single-stage graph's request."""
-        if self.prompt_encoder is None:
-            raise ValueError("this Qwen-Image stage loads no text encoder: its conditioning "
-                             "comes from an upstream text-encoder stage")
-        (encoded,) = self.prompt_encoder.encode([prompt], [params])
-        latents, sigmas, cond = self.prepare_latents(params, generator)
-        return latents, sigmas, {**self.check_conditioning(encoded, params), **cond}
+    # ---- 1. prepare (encode: the base class) ---------------------------------------------
 
     def check_conditioning(self, tensors: dict[str, Tensor], params: DiffusionParams
                            ) -> dict[str, Tensor]:
@@ -319,14 +299,6 @@ class QwenImagePipeline:
         images = self.vae.decode(z)[:, :, 0]                                # (n, 3, H, W)
         return (images / 2 + 0.5).clamp(0, 1).float()
 
-    def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
-        """-> uint8 (n, H, W, 3)."""
-        images = self.decode_float(latents, params)
-        return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
-
-    @property
-    def vae_dtype(self) -> torch.dtype:
-        return next(self.vae.parameters()).dtype
 
 
 def pad_captions(captions: list[Tensor]) -> tuple[Tensor, Tensor | None]:

@@ -27,8 +27,9 @@ from torch import Tensor
 from transformers import AutoTokenizer
 
 from omnistage.diffusion.cache import cache_groups
-from omnistage.diffusion.image_input import decode_image, output_size, preprocess
-from omnistage.diffusion.params import DiffusionParams, check_size
+from omnistage.diffusion.image_input import decode_image, preprocess
+from omnistage.diffusion.pipeline import LatentPipelineBase
+from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import check_conditioning
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
@@ -112,7 +113,12 @@ class ZImagePromptEncoder:
         return [h[m] for h, m in zip(hidden, mask)]
 
 
-class ZImagePipeline:
+class ZImagePipeline(LatentPipelineBase):
+    label = "Z-Image"
+    prompt_encoder_cls = ZImagePromptEncoder
+    max_size = MAX_SIZE
+    check_text_params = staticmethod(check_text_params)
+
     def __init__(self, transformer: ZImageTransformer2DModel, vae: AutoencoderKL,
                  prompt_encoder: ZImagePromptEncoder | None,
                  scheduler: solver.FlowMatchEulerConfig, device: torch.device) -> None:
@@ -143,40 +149,15 @@ class ZImagePipeline:
             json.loads((path / "scheduler" / "scheduler_config.json").read_text()))
         return cls(transformer, vae, prompt_encoder, scheduler, device)
 
-    @classmethod
-    def load_prompt_encoder(cls, path: str | Path, device: torch.device,
-                            dtype: torch.dtype | None) -> ZImagePromptEncoder:
-        """The text encoder alone, for a text-encoder stage."""
-        path = Path(path)
-        if not (path / "model_index.json").is_file():
-            raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
-        return ZImagePromptEncoder.from_pretrained(path, device, dtype)
+    @property
+    def default_size(self) -> int:
+        return DEFAULT_SIZE
 
-    # ---- request boundary ------------------------------------------------------------------
+    @property
+    def size_rule(self) -> str:
+        return f"VAE factor {self.vae_scale_factor} x 2x2 patches"
 
-    def _size(self, params: DiffusionParams) -> tuple[int, int]:
-        return output_size(params.height, params.width, params.image, self.multiple,
-                           DEFAULT_SIZE)
-
-    def validate(self, prompt: str | None, params: DiffusionParams) -> None:
-        """prompt None: encoded by an upstream stage (which checked it)."""
-        check_text_params(prompt, params)
-        check_size(*self._size(params), self.multiple, MAX_SIZE,
-                   f"VAE factor {self.vae_scale_factor} x 2x2 patches")
-        if params.image is not None:
-            decode_image(params.image)
-
-    # ---- 1. prepare ------------------------------------------------------------------------
-
-    def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
-                ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """Encode the prompt(s), then the latents: a single-stage graph's request."""
-        if self.prompt_encoder is None:
-            raise ValueError("this Z-Image stage loads no text encoder: its conditioning comes "
-                             "from an upstream text-encoder stage")
-        (encoded,) = self.prompt_encoder.encode([prompt], [params])
-        latents, sigmas, cond = self.prepare_latents(params, generator)
-        return latents, sigmas, {**self.check_conditioning(encoded, params), **cond}
+    # ---- 1. prepare (encode: the base class) ---------------------------------------------
 
     def check_conditioning(self, tensors: dict[str, Tensor], params: DiffusionParams
                            ) -> dict[str, Tensor]:
@@ -269,11 +250,3 @@ class ZImagePipeline:
         images = self.vae.decode_tiled(z)                   # (n, 3, H, W); tiles if large
         return (images / 2 + 0.5).clamp(0, 1).float()
 
-    def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
-        """-> uint8 (n, H, W, 3)."""
-        images = self.decode_float(latents, params)
-        return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
-
-    @property
-    def vae_dtype(self) -> torch.dtype:
-        return next(self.vae.parameters()).dtype
