@@ -186,3 +186,55 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype | None = Non
     not_loaded = {n for n, _ in model.named_parameters()} - loaded
     assert not not_loaded, f"parameters not loaded although the checkpoint has them: {not_loaded}"
     return model.eval(), cfg, hf_config
+
+
+# ---- one component of a multi-part checkpoint (Qwen3-Omni's thinker, talker, code2wav, ...) --
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F64": torch.float64}
+
+
+def component_tensor_files(path: Path, prefix: str, exclude: tuple[str, ...] = ()
+                           ) -> dict[Path, list[str]]:
+    """{safetensors file: its tensor names under `prefix`, less `prefix + e` for e in
+    `exclude`} for `model.safetensors` or the shards of `model.safetensors.index.json`;
+    shards holding none are never opened."""
+    path = Path(path)
+
+    def wanted(name: str) -> bool:
+        return name.startswith(prefix) and not name[len(prefix):].startswith(exclude)
+
+    index = path / "model.safetensors.index.json"
+    files: dict[Path, list[str]] = {}
+    if index.is_file():
+        for name, file in json.loads(index.read_text())["weight_map"].items():
+            if wanted(name):
+                files.setdefault(path / file, []).append(name)
+    elif (path / "model.safetensors").is_file():
+        with safe_open(path / "model.safetensors", framework="pt", device="cpu") as f:
+            files[path / "model.safetensors"] = [n for n in f.keys() if wanted(n)]
+    else:
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    return {file: sorted(names) for file, names in files.items() if names}
+
+
+def iter_component_tensors(path: Path | dict[Path, list[str]], prefix: str,
+                           exclude: tuple[str, ...] = ()) -> Iterator[tuple[str, Tensor]]:
+    """(name without `prefix`, CPU tensor), one at a time, for the component's tensors
+    (`path`: a checkpoint folder, or what `component_tensor_files` returned for it)."""
+    files = path if isinstance(path, dict) else component_tensor_files(path, prefix, exclude)
+    for file, names in files.items():
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in names:
+                yield name[len(prefix):], f.get_tensor(name)
+
+
+def component_dtype(files: dict[Path, list[str]]) -> torch.dtype:
+    """The dtype of the component's first floating-point tensor (float32 if none)."""
+    for file, names in files.items():
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in names:
+                dtype = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+                if dtype is not None:
+                    return dtype
+    return torch.float32

@@ -25,22 +25,16 @@ component's tensors out of the whole checkpoint).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import Tensor, nn
 
-from omnistage.models.loader import _default_dtype, check_tensor_names
-
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "F64": torch.float64}
-
+from omnistage.models.loader import (_default_dtype, check_tensor_names, component_dtype,
+                                     component_tensor_files, iter_component_tensors)
 
 # ---- checkpoint helpers (shared with vision_encoder.py) -------------------------------------
 
@@ -56,47 +50,13 @@ def read_thinker_config(path: Path):
     return getattr(hf_config, "thinker_config", hf_config)
 
 
-def _shard_files(path: Path, prefix: str) -> list[Path]:
-    """The safetensors files of `path` that hold at least one tensor named `prefix`*."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return [path / f for f in sorted({f for n, f in weight_map.items()
-                                          if n.startswith(prefix)})]
-    if (path / "model.safetensors").is_file():
-        return [path / "model.safetensors"]
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-
-
-def iter_prefixed_tensors(path: Path, prefix: str) -> Iterator[tuple[str, Tensor]]:
-    """(name without `prefix`, CPU tensor) for every checkpoint tensor named `prefix`*; other
-    components' tensors are never read."""
-    for file in _shard_files(Path(path), prefix):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.startswith(prefix):
-                    yield name[len(prefix):], f.get_tensor(name)
-
-
-def prefixed_dtype(path: Path, prefix: str) -> torch.dtype:
-    """The dtype of the first floating-point tensor named `prefix`* (float32 if none)."""
-    for file in _shard_files(Path(path), prefix):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.startswith(prefix):
-                    dtype = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
-                    if dtype is not None:
-                        return dtype
-    return torch.float32
-
-
 def load_prefixed_weights(model: nn.Module, path: Path, prefix: str) -> None:
     """Copy every checkpoint tensor `prefix`+name into `model`'s parameter `name`. Missing,
     unexpected or mis-shaped tensors raise ValueError naming them (with the prefix)."""
     params = dict(model.named_parameters())
     seen: set[str] = set()
     with torch.no_grad():
-        for name, tensor in iter_prefixed_tensors(path, prefix):
+        for name, tensor in iter_component_tensors(path, prefix):
             seen.add(prefix + name)
             param = params.get(name)
             if param is None:
@@ -113,7 +73,8 @@ def build_component(model_cls: type[nn.Module], config: object, path: Path, pref
                     device: torch.device | str, dtype: torch.dtype | None) -> nn.Module:
     """`model_cls(config)` on `device` in `dtype` (None: the checkpoint's), built on the meta
     device and filled from the `prefix`* tensors of `path`."""
-    with _default_dtype(dtype or prefixed_dtype(path, prefix)), torch.device("meta"):
+    files = component_tensor_files(path, prefix)
+    with _default_dtype(dtype or component_dtype(files)), torch.device("meta"):
         model = model_cls(config)
     model = model.to_empty(device=device)
     load_prefixed_weights(model, path, prefix)

@@ -35,16 +35,13 @@ concatenated output equals `chunked_decode(all frames, chunk_frames, left_contex
 
 from __future__ import annotations
 
-import json
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig
 
@@ -52,13 +49,10 @@ from omnistage.layers.linear import Linear, MergedLinear, QKVLinear
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding, get_rope
 from omnistage.models.loader import (_default_dtype, check_tensor_names, checkpoint_names,
-                                     load_packed_weights)
+                                     component_dtype, component_tensor_files,
+                                     iter_component_tensors, load_packed_weights)
 
 CHECKPOINT_PREFIX = "code2wav."
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "F64": torch.float64}
-
-
 @dataclass(frozen=True, slots=True)
 class Code2WavConfig:
     codebook_size: int = 2048
@@ -397,17 +391,17 @@ class Code2Wav(nn.Module):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model folder)")
         cfg = Code2WavConfig.from_hf(AutoConfig.from_pretrained(path))
-        files = prefixed_tensor_files(path, prefix)
+        files = component_tensor_files(path, prefix)
         if not files:
             raise ValueError(f"{path}: the checkpoint has no {prefix}* tensors (a checkpoint "
                              "without audio output?)")
-        dtype = dtype or _stored_dtype(files)
+        dtype = dtype or component_dtype(files)
         with _default_dtype(dtype), torch.device(device):
             model = cls(cfg)
         seen: list[str] = []
 
         def recorded() -> Iterator[tuple[str, Tensor]]:
-            for name, tensor in iter_prefixed_tensors(files, prefix):
+            for name, tensor in iter_component_tensors(files, prefix):
                 seen.append(name)
                 yield name, tensor
 
@@ -528,41 +522,4 @@ def push_streams(items: Sequence[tuple[Code2WavStream, Tensor]]) -> list[Tensor]
 
 
 # ---- loading part of one checkpoint ---------------------------------------------------------
-
-def prefixed_tensor_files(path: Path, prefix: str) -> dict[Path, list[str]]:
-    """{safetensors file: names of its tensors starting with `prefix`} for `model.safetensors`
-    or the shards of `model.safetensors.index.json`; shards without such tensors are never
-    opened."""
-    index = path / "model.safetensors.index.json"
-    files: dict[Path, list[str]] = defaultdict(list)
-    if index.is_file():
-        for name, file in json.loads(index.read_text())["weight_map"].items():
-            if name.startswith(prefix):
-                files[path / file].append(name)
-    elif (path / "model.safetensors").is_file():
-        with safe_open(path / "model.safetensors", framework="pt", device="cpu") as f:
-            files[path / "model.safetensors"] = [n for n in f.keys() if n.startswith(prefix)]
-    else:
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    return {file: sorted(names) for file, names in files.items() if names}
-
-
-def iter_prefixed_tensors(files: dict[Path, list[str]], prefix: str
-                          ) -> Iterator[tuple[str, Tensor]]:
-    """(name without `prefix`, CPU tensor), one at a time."""
-    for file, names in files.items():
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in names:
-                yield name[len(prefix):], f.get_tensor(name)
-
-
-def _stored_dtype(files: dict[Path, list[str]]) -> torch.dtype:
-    """The dtype of the first floating-point tensor among `files` (float32 if none)."""
-    for file, names in files.items():
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in names:
-                dtype = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
-                if dtype is not None:
-                    return dtype
-    return torch.float32
 

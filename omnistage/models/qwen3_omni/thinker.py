@@ -19,13 +19,11 @@ This file also holds what the talker shares with the thinker: the MoE decoder it
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, TypeVar
 
 import torch
-from safetensors import safe_open
 from torch import Tensor, nn
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
@@ -34,7 +32,7 @@ from omnistage.layers.mrope import MRotaryEmbedding
 from omnistage.layers.norm import RMSNorm
 from omnistage.models.config import ModelConfig
 from omnistage.models.loader import (_default_dtype, check_tensor_names, checkpoint_names,
-                                     load_packed_weights)
+                                     iter_component_tensors, load_packed_weights)
 from omnistage.models.qwen2 import Qwen2Attention, Qwen2MLP
 from omnistage.models.qwen3_omni.moe import (MoeConfig, SparseMoeBlock, expand_expert_names,
                                              load_expert_weight)
@@ -290,29 +288,6 @@ def load_moe_model_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor
                 loaded.add(param_name)
 
     return loaded | load_packed_weights(model, dense(), packed_modules)
-
-
-def iter_component_tensors(path: Path, prefix: str, exclude: tuple[str, ...] = ()
-                           ) -> Iterator[tuple[str, Tensor]]:
-    """(name without `prefix`, CPU tensor) for the checkpoint tensors under `prefix` that do not
-    start with `prefix + e` for e in `exclude`. Reads those tensors only, and only the shards
-    of `model.safetensors.index.json` that hold any."""
-    def wanted(name: str) -> bool:
-        return name.startswith(prefix) and not name[len(prefix):].startswith(exclude)
-
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = sorted({f for name, f in weight_map.items() if wanted(name)})
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    for file in files:
-        with safe_open(path / file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if wanted(name):
-                    yield name[len(prefix):], f.get_tensor(name)
 
 
 M = TypeVar("M", bound=nn.Module)
