@@ -14,7 +14,7 @@ from omnistage.ar.engine import AREngine
 from omnistage.configs.schema import StageConfig
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.pipeline import is_split_pipeline
+from omnistage.diffusion.pipeline import compile_blocks, is_split_pipeline
 from omnistage.diffusion.registry import get_pipeline_class
 from omnistage.diffusion.text_encoding import TEXT_ENCODER_PART, TextEncodingEngine
 from omnistage.engine.adapters import StageFeed
@@ -193,7 +193,15 @@ class DiffusionStage:
                                              stage.max_num_seqs)
             return
         extra = {"text_encoders": False} if self.conditioned else {}
+        unknown = set(stage.options) - {"compile"}
+        if unknown:
+            raise ValueError(f"stage {stage.name!r}: unknown diffusion options {sorted(unknown)} "
+                             "(known: compile)")
         pipeline = cls.from_pretrained(path, name, dev, dtype, **extra)
+        if stage.options.get("compile"):
+            backend = stage.options["compile"]
+            compile_blocks(getattr(pipeline, "transformer", None) or pipeline.model,
+                           backend if isinstance(backend, str) else "inductor")
         self.engine = DiffusionEngine(pipeline, stage.max_num_seqs)
 
     def add(self, request_id: str, params: SamplingParams | None,

@@ -105,3 +105,19 @@ def test_image_to_image_and_bad_images(random_digits: Path) -> None:
         assert "multiple of 8" in refused.error
         (again,) = omni.generate("seven", DiffusionParams(num_inference_steps=2, seed=0))
         assert again.error is None and not again.invalid_input and again.images
+
+
+def test_compiled_blocks_draw_the_same_images(random_digits: Path) -> None:
+    """`options: {compile: ...}` compiles the transformer's blocks (the eager backend here, so
+    the test needs no C++ toolchain): the same image as without; unknown options refused."""
+    def images(options: str) -> torch.Tensor:
+        text = (f"model: {random_digits}\nbackend: inproc\nconnector: inproc\nstages:\n"
+                "  - {name: dit, kind: diffusion, component: digits_dit, final: image, "
+                f"options: {options}}}\n")
+        with Omni(stage_config=text, device="cpu") as omni:
+            (out,) = omni.generate("three", DiffusionParams(num_inference_steps=3, seed=4))
+        return out.tensors["images"]
+
+    assert torch.equal(images("{compile: eager}"), images("{}"))
+    with pytest.raises(RuntimeError, match="unknown diffusion options"):
+        images("{fast: true}")
