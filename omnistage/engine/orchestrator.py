@@ -157,10 +157,11 @@ class Orchestrator:
                     addresses[msg.stage] = msg.connector_address
                     self.stage_info[msg.stage] = dict(msg.info)
                 continue
-            for name in pending:
-                if not self._runners[name].is_alive():
-                    raise RuntimeError(f"stage {name!r} failed to start: its process "
-                                       f"{self._runners[name].exit_description()}")
+            dead = [name for name in pending if not self._runners[name].is_alive()]
+            if dead and not self._outputs.poll(POLL_MS):   # its last words may be in flight
+                name = dead[0]
+                raise RuntimeError(f"stage {name!r} failed to start: its process "
+                                   f"{self._runners[name].exit_description()}")
         if self.graph.connector == "tcp":
             client = getattr(self._connector, "address")
             for s in self.graph.stages:
