@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
@@ -122,14 +123,21 @@ def checkpoint_names(model: nn.Module, packed_modules: PackedModules) -> set[str
     return names
 
 
+_DEFAULT_DTYPE_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(prev)
+    """Build a model in `dtype`. The default dtype is process-wide: stages that load in
+    threads of one process (backend: inproc) take turns, or one could restore another's
+    setting and leave the process in bfloat16."""
+    with _DEFAULT_DTYPE_LOCK:
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(prev)
 
 
 def check_tensor_names(path: Path, model_name: str, expected: set[str], found: set[str]

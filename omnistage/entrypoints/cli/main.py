@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from omnistage.entrypoints.cli import generate, serve
+from omnistage.entrypoints.cli import bench, generate, serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Serve and run omni-modality models.")
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
+    bench.add_parser(sub)
     serve.add_parser(sub)
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,146 @@
+"""What every benchmark shares: the environment record, a synchronizing clock, device memory
+bandwidth, seeded random weights that two implementations of one architecture can both load,
+and the JSON writer."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import platform
+import statistics
+import time
+import zlib
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from omnistage.models.loader import _default_dtype
+
+
+def environment(device: torch.device) -> dict[str, object]:
+    """Where the numbers come from: device name, library versions, Python."""
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else platform.processor() or platform.machine())
+    return {"device": str(device), "gpu": name if device.type == "cuda" else None,
+            "device_name": name, "torch": torch.__version__,
+            "cuda": torch.version.cuda if device.type == "cuda" else None,
+            "transformers": version("transformers"), "diffusers": version("diffusers"),
+            "omnistage": version("omnistage"), "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def now(device: torch.device) -> float:
+    """Host clock after the device has caught up."""
+    sync(device)
+    return time.perf_counter()
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summary(values: list[float]) -> dict[str, float | None]:
+    """median / p90 / mean of a list of seconds (None when empty)."""
+    if not values:
+        return {"median": None, "p90": None, "mean": None}
+    ordered = sorted(values)
+    p90 = ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+    return {"median": statistics.median(ordered), "p90": p90, "mean": statistics.fmean(ordered)}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def memory_bandwidth(device: torch.device, num_bytes: int = 1 << 30, repeats: int = 20
+                     ) -> float:
+    """Device memory bandwidth in bytes/s: a large device-to-device copy, bytes read plus bytes
+    written, median over `repeats` copies (the ceiling that single-stream decoding of a model
+    whose weights do not fit in cache can reach)."""
+    src = torch.randn(num_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)                                      # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = now(device)
+        dst.copy_(src)
+        times.append(now(device) - t0)
+    del src, dst
+    return 2 * num_bytes / statistics.median(times)
+
+
+def default_dtype(dtype: torch.dtype) -> contextlib.AbstractContextManager[None]:
+    """Build modules directly in `dtype` (a 20B-parameter model never exists in float32)."""
+    return _default_dtype(dtype)
+
+
+@torch.no_grad()
+def seeded_init(model: nn.Module, seed: int = 0) -> int:
+    """Fill every parameter from a generator seeded by (seed, its name), on its own device:
+    two modules with the same parameter names and shapes get the same weights without ever
+    being in memory together. Scales of normalization layers near 1 (whatever their shape);
+    other weights N(0, 1/fan_in), so activations stay O(1) through depth; biases small.
+    Returns the number of parameters."""
+    count = 0
+    for module_name, module in model.named_modules():
+        is_norm = "norm" in type(module).__name__.lower()
+        for leaf, p in module.named_parameters(recurse=False):
+            name = f"{module_name}.{leaf}" if module_name else leaf
+            gen = torch.Generator(device=p.device).manual_seed(
+                seed * 1_000_003 + zlib.crc32(name.encode()))
+            noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
+            if is_norm and leaf != "bias":
+                p.copy_(1.0 + 0.1 * noise)
+            elif p.ndim == 1:
+                p.copy_(0.02 * noise)
+            else:
+                p.copy_(noise / math.sqrt(p[0].numel()))
+            count += p.numel()
+    return count
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the distinct parameters (a tied embedding counts once)."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(seen.values())
+
+
+def free_device_memory(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _finite(value: object) -> object:
+    """JSON has no inf / nan: they become null (a PSNR of null means identical outputs)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_result(result: dict, out_dir: str | Path, name: str) -> Path:
+    """`out_dir/name.json`, pretty-printed, strict JSON; returns the path."""
+    path = Path(out_dir) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(result), indent=2, allow_nan=False) + "\n")
+    return path

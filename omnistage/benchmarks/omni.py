@@ -1,0 +1,321 @@
+"""Qwen3-Omni (thinker -> talker -> code2wav) on our stage runtime against transformers'
+`generate(return_audio=True)`, on a random-weight checkpoint built in the run.
+
+    transformers:  one request at a time (its generate takes one conversation); the waveform
+                   comes back whole, so its first audio = its end-to-end time; a queue of c
+                   requests takes c times as long (estimated from `reference_requests` runs)
+    ours:          the default graph (stage processes, shm connector, streamed edges): at
+                   concurrency 1 requests one after another, at c all submitted at once;
+                   per request: first audio chunk (time to the first event carrying audio),
+                   end-to-end latency, real-time factor = latency / seconds of audio
+
+Both sides: greedy thinker and talker (repetition penalty 1.05, the reference's default),
+exactly `thinker_tokens` text tokens and `talker_tokens` codec frames (eos ignored / min new
+tokens), speaker Ethan, text-only prompts (chat template applied).
+
+Sizes ("bench"): Qwen3-Omni-30B-A3B's layer structure (MoE thinker and talker, 5-layer code
+predictor, code2wav with its real upsampling to 24 kHz) scaled to fit one GPU and run in
+seconds: thinker 12 of 48 layers and 32 of 128 experts (hidden 2048, 32 heads, 4 KV heads,
+top-8, expert width 768, as the real one), talker 8 of 20 layers and 32 of 128 experts
+(hidden 1024, shared expert), 16 codebooks, code2wav at the transformers defaults. Vocabulary:
+the tiny test tokenizer's (424 ids, not 152k); audio / vision encoders tiny (text prompts do not
+use them). Weights: transformers' own init.
+"""
+
+from __future__ import annotations
+
+import queue
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from omnistage.benchmarks.common import (default_dtype, environment, free_device_memory, now,
+                                         parameter_bytes, ratio, summary)
+from omnistage.utils.device import resolve_device
+
+SAMPLE_RATE = 24000
+PROMPTS = ("Hello, what is the weather like today in the city?",
+           "Please tell me a short story about the sea and a boat.",
+           "What is the capital of France, and why is it famous?",
+           "Describe a sunny morning in the mountains in a few words.",
+           "How do I cook rice so that it does not stick together?",
+           "Tell me something interesting about the moon and the stars.",
+           "What should I take with me on a long walk in the forest?",
+           "Explain in simple words how a bicycle keeps its balance.")
+
+# Size changes against omnistage.testing.tiny_omni's config (which carries the token ids).
+BENCH_SIZES = {
+    "thinker_text": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
+                         num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                         moe_intermediate_size=768, num_experts=32, num_experts_per_tok=8,
+                         max_position_embeddings=32768,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                          "mrope_section": [24, 20, 20], "interleaved": True}),
+    "audio": dict(output_dim=2048),
+    "vision": dict(out_hidden_size=2048),
+    "talker_text": dict(vocab_size=3072, hidden_size=1024, intermediate_size=2048,
+                        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2,
+                        head_dim=128, moe_intermediate_size=384,
+                        shared_expert_intermediate_size=768, num_experts=32,
+                        num_experts_per_tok=8, max_position_embeddings=32768,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                         "mrope_section": [24, 20, 20], "interleaved": True}),
+    "code_predictor": dict(vocab_size=2048, hidden_size=1024, intermediate_size=3072,
+                           num_hidden_layers=5, num_attention_heads=16, num_key_value_heads=8,
+                           head_dim=128, num_code_groups=16, max_position_embeddings=32768),
+    # codec ids: 0..2047 codes, specials and speakers in the top 1024 of the talker's 3072
+    "talker": dict(num_code_groups=16, thinker_hidden_size=2048, accept_hidden_layer=6,
+                   codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150,
+                   codec_nothink_id=2155, codec_think_bos_id=2156, codec_think_eos_id=2157,
+                   speaker_id={"ethan": 2302, "chelsie": 2301}),
+    "code2wav": dict(codebook_size=2048, hidden_size=1024, num_attention_heads=16,
+                     num_key_value_heads=16, intermediate_size=3072, num_hidden_layers=8,
+                     num_quantizers=16, sliding_window=72, upsample_rates=[8, 5, 4, 3],
+                     upsampling_ratios=[2, 2], decoder_dim=1536, max_position_embeddings=8000),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class OmniBenchConfig:
+    sizes: str = "bench"                  # bench | tiny
+    thinker_tokens: int = 64
+    talker_tokens: int = 100              # codec frames; 12.5 a second of audio
+    concurrency: tuple[int, ...] = (1, 8)
+    reference_requests: int = 3
+    device: str = "auto"
+    backend: str = "process"              # stage backend of our runtime
+    chunk_frames: int = 25                # code2wav's streaming chunk (the default graph's)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sizes not in ("bench", "tiny"):
+            raise ValueError(f"sizes={self.sizes!r}: choose bench or tiny")
+        if self.thinker_tokens < 1 or self.talker_tokens < 2:
+            raise ValueError(f"thinker_tokens={self.thinker_tokens}, talker_tokens="
+                             f"{self.talker_tokens}: need >= 1 and >= 2")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(f"concurrency={self.concurrency}: need values >= 1")
+        if self.reference_requests < 1:
+            raise ValueError(f"reference_requests={self.reference_requests}: must be >= 1")
+        if self.chunk_frames < 1:
+            raise ValueError(f"chunk_frames={self.chunk_frames}: must be >= 1")
+        if self.backend not in ("process", "inproc"):
+            raise ValueError(f"backend={self.backend!r}: choose process or inproc")
+
+    @classmethod
+    def preset(cls, sizes: str, *, thinker_tokens: int | None = None,
+               talker_tokens: int | None = None, backend: str | None = None,
+               chunk_frames: int | None = None, **kw: object) -> OmniBenchConfig:
+        tiny = sizes == "tiny"
+        return cls(sizes=sizes, thinker_tokens=thinker_tokens or (6 if tiny else 64),
+                   talker_tokens=talker_tokens or (12 if tiny else 100),
+                   backend=backend or ("inproc" if tiny else "process"),
+                   chunk_frames=chunk_frames or (8 if tiny else 25), **kw)
+
+
+def _bench_config(tokenizer):
+    """tiny_omni's config (token ids, structure) with BENCH_SIZES applied."""
+    from transformers import Qwen3OmniMoeConfig
+
+    from omnistage.testing.tiny_omni import tiny_omni_config
+
+    raw = tiny_omni_config(tokenizer).to_dict()
+    thinker, talker = raw["thinker_config"], raw["talker_config"]
+    thinker["text_config"].update(BENCH_SIZES["thinker_text"])
+    thinker["audio_config"].update(BENCH_SIZES["audio"])
+    thinker["vision_config"].update(BENCH_SIZES["vision"])
+    talker["text_config"].pop("num_local_experts", None)     # to_dict's name of num_experts
+    talker["text_config"].update(BENCH_SIZES["talker_text"])
+    talker["code_predictor_config"].update(BENCH_SIZES["code_predictor"])
+    talker["code_predictor_config"].pop("layer_types", None)   # derived from the layer count
+    talker.update(BENCH_SIZES["talker"])
+    raw["code2wav_config"].update(BENCH_SIZES["code2wav"])
+    return Qwen3OmniMoeConfig(**{k: v for k, v in raw.items()
+                                 if k not in ("architectures", "transformers_version")})
+
+
+def build_checkpoint(sizes: str, path: Path, device: torch.device, dtype: torch.dtype):
+    """Save a random Qwen3-Omni checkpoint (+ tokenizer, processor) to `path`; return the
+    transformers model, on `device` in `dtype`."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from omnistage.testing.tiny_omni import (_randomize, build_tiny_omni_tokenizer,
+                                             save_tiny_omni_processor, tiny_omni_config)
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_omni_tokenizer(path)
+    torch.manual_seed(0)
+    if sizes == "tiny":     # the test checkpoint, weights drawn so every path matters
+        model = Qwen3OmniMoeForConditionalGeneration(tiny_omni_config(tokenizer)).eval()
+        _randomize(model, 0)
+        model = model.to(device, dtype)
+    else:                   # built on the device in dtype: transformers' init, in seconds
+        with torch.device(device), default_dtype(dtype):
+            model = Qwen3OmniMoeForConditionalGeneration(_bench_config(tokenizer)).eval()
+    model.config.dtype = dtype
+    model.save_pretrained(str(path), safe_serialization=True)
+    save_tiny_omni_processor(path, tokenizer)
+    return model
+
+
+def _prompt(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]}
+
+
+# ---- transformers -------------------------------------------------------------------------
+
+def bench_transformers(model, path: Path, cfg: OmniBenchConfig, device: torch.device
+                       ) -> dict[str, object]:
+    from omnistage.models.qwen3_omni.processing import InputProcessor
+
+    processor = InputProcessor.from_pretrained(path)
+    eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def one(i: int, thinker_tokens: int, talker_tokens: int) -> tuple[float, int, int]:
+        inputs = {k: v.to(device) for k, v in processor.parse_request(_prompt(i))
+                  .hf_kwargs().items()}
+        t0 = now(device)
+        with torch.no_grad():
+            seq, wav = model.generate(
+                **inputs, return_audio=True, thinker_do_sample=False,
+                thinker_max_new_tokens=thinker_tokens, thinker_min_new_tokens=thinker_tokens,
+                thinker_eos_token_id=eos, talker_do_sample=False,
+                talker_max_new_tokens=talker_tokens, talker_min_new_tokens=talker_tokens)
+        seconds = now(device) - t0
+        return seconds, seq.shape[1] - inputs["input_ids"].shape[1], wav.numel()
+
+    one(0, cfg.thinker_tokens, cfg.talker_tokens)         # warm-up, at full length
+    runs = [one(i, cfg.thinker_tokens, cfg.talker_tokens) for i in range(cfg.reference_requests)]
+    e2e = [r[0] for r in runs]
+    audio_s = [r[2] / SAMPLE_RATE for r in runs]
+    mean_e2e = sum(e2e) / len(e2e)
+    by_c = {}
+    for c in cfg.concurrency:    # one at a time: the k-th of c waits for the k-1 before it
+        by_c[str(c)] = {"makespan_s_estimated": c * mean_e2e,
+                        "mean_latency_s_estimated": (c + 1) / 2 * mean_e2e,
+                        "audio_s_per_s": sum(audio_s) / sum(e2e)}
+    return {"requests": len(runs), "e2e_s": summary(e2e),
+            "first_audio_s": summary(e2e),     # the waveform comes back whole
+            "rtf": summary([t / a for t, a in zip(e2e, audio_s)]),
+            "text_tokens": [r[1] for r in runs], "audio_s": audio_s, "by_concurrency": by_c}
+
+
+# ---- ours ---------------------------------------------------------------------------------
+
+def _run_ours(omni, prompts: list[dict], params: list, tag: str, timeout_s: float = 600.0
+              ) -> list[dict[str, float]]:
+    """Submit all `prompts` at once and wait; per request: first audio, e2e, audio seconds,
+    text tokens (stamped in the router thread as events arrive)."""
+    events: queue.Queue = queue.Queue()
+    start: dict[str, float] = {}
+    for i, p in enumerate(prompts):
+        rid = f"{tag}-{i}"
+        start[rid] = time.perf_counter()
+        omni.engine.submit(p, params, request_id=rid,
+                           sink=lambda ev: events.put((time.perf_counter(), ev)))
+    stats = {rid: {"first_audio_s": None, "e2e_s": None, "audio_samples": 0, "text_tokens": 0}
+             for rid in start}
+    pending = set(start)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        t, ev = events.get(timeout=max(1.0, deadline - time.monotonic()))
+        s = stats[ev.request_id]
+        if ev.error:
+            raise RuntimeError(f"omnistage request {ev.request_id} failed: {ev.error}")
+        if ev.stage == "thinker":
+            s["text_tokens"] += len(ev.token_ids)
+        audio = (ev.tensors or {}).get("audio")
+        if audio is not None and audio.numel():
+            s["audio_samples"] += audio.numel()
+            if s["first_audio_s"] is None:
+                s["first_audio_s"] = t - start[ev.request_id]
+        if ev.done:
+            s["e2e_s"] = t - start[ev.request_id]
+            pending.discard(ev.request_id)
+    return list(stats.values())
+
+
+def bench_ours(path: Path, cfg: OmniBenchConfig, device: torch.device, dtype: torch.dtype
+               ) -> dict[str, object]:
+    from omnistage import Omni, SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=cfg.thinker_tokens, ignore_eos=True),
+              SamplingParams(temperature=0.0, repetition_penalty=1.05,
+                             max_tokens=cfg.talker_tokens, ignore_eos=True), None]
+    kw: dict[str, object] = {"backend": "inproc", "connector": "inproc"} \
+        if cfg.backend == "inproc" else {}
+    overrides = [f"code2wav.options.chunk_frames={cfg.chunk_frames}"]
+    t0 = time.perf_counter()
+    with Omni(str(path), device=str(device), dtype=str(dtype).removeprefix("torch."),
+              stage_overrides=overrides, **kw) as omni:
+        startup = time.perf_counter() - t0
+        _run_ours(omni, [_prompt(0)], params, "warm")           # at full length
+        warm = [replace(params[0], max_tokens=2), replace(params[1], max_tokens=4), None]
+        _run_ours(omni, [_prompt(i) for i in range(max(cfg.concurrency))], warm, "warm-batch")
+        by_c = {}
+        for c in cfg.concurrency:
+            if c == 1:        # one after another, as many as transformers ran
+                stats = [s for i in range(cfg.reference_requests)
+                         for s in _run_ours(omni, [_prompt(i)], params, f"c1-{i}")]
+                makespan = sum(s["e2e_s"] for s in stats)
+            else:
+                t1 = time.perf_counter()
+                stats = _run_ours(omni, [_prompt(i) for i in range(c)], params, f"c{c}")
+                makespan = time.perf_counter() - t1
+            audio_s = [s["audio_samples"] / SAMPLE_RATE for s in stats]
+            by_c[str(c)] = {
+                "requests": len(stats), "makespan_s": makespan,
+                "first_audio_s": summary([s["first_audio_s"] for s in stats
+                                          if s["first_audio_s"] is not None]),
+                "e2e_s": summary([s["e2e_s"] for s in stats]),
+                "rtf": summary([s["e2e_s"] / a for s, a in zip(stats, audio_s) if a > 0]),
+                "audio_s_per_s": sum(audio_s) / makespan,
+                "audio_s": audio_s, "text_tokens": [s["text_tokens"] for s in stats]}
+    return {"startup_s": startup, "by_concurrency": by_c}
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+def run(cfg: OmniBenchConfig) -> dict[str, object]:
+    device = resolve_device(cfg.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with tempfile.TemporaryDirectory(prefix="omnistage-bench-omni-") as tmp:
+        path = Path(tmp) / "qwen3-omni"
+        model = build_checkpoint(cfg.sizes, path, device, dtype)
+        params = {"thinker": parameter_bytes(model.thinker) // model.dtype.itemsize,
+                  "talker": parameter_bytes(model.talker) // model.dtype.itemsize,
+                  "code2wav": parameter_bytes(model.code2wav) // model.dtype.itemsize}
+        hf = bench_transformers(model, path, cfg, device)
+        del model
+        free_device_memory(device)
+        ours = bench_ours(path, cfg, device, dtype)
+        free_device_memory(device)
+
+    one = ours["by_concurrency"].get("1")
+    ratios: dict[str, float | None] = {}
+    if one is not None:
+        ratios["first_audio_over_transformers_e2e_c1"] = ratio(one["first_audio_s"]["median"],
+                                                              hf["e2e_s"]["median"])
+        ratios["e2e_speedup_c1"] = ratio(hf["e2e_s"]["median"], one["e2e_s"]["median"])
+    for c in cfg.concurrency:
+        mine, ref = ours["by_concurrency"][str(c)], hf["by_concurrency"][str(c)]
+        ratios[f"audio_throughput_ratio_c{c}"] = ratio(mine["audio_s_per_s"],
+                                                       ref["audio_s_per_s"])
+        if c > 1:
+            ratios[f"first_audio_over_transformers_queue_latency_c{c}"] = ratio(
+                mine["first_audio_s"]["median"], ref["mean_latency_s_estimated"])
+    return {
+        "benchmark": "omni", **environment(device), "dtype": str(dtype).removeprefix("torch."),
+        "config": {**asdict(cfg), "sizes_changed": BENCH_SIZES if cfg.sizes == "bench" else
+                   "omnistage.testing.tiny_omni", "parameters": params},
+        "reference": hf, "omnistage": ours, "ratios": ratios,
+        "notes": "reference: transformers' generate(return_audio=True). first_audio: "
+                 "seconds from submission to the first audio chunk (transformers returns the "
+                 "waveform whole: its end-to-end time). rtf: end-to-end seconds per second of "
+                 "audio (below 1: faster than real time). transformers at concurrency c: "
+                 "requests run one by one, makespan and mean latency estimated from the "
+                 "measured per-request time.",
+    }

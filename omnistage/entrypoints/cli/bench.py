@@ -1,0 +1,131 @@
+"""`omnistage bench {ar,omni,diffusion}`: our engine and the reference (transformers /
+diffusers) in one process, on the same random-weight model of a real architecture built in the
+run; one JSON file per benchmark (omnistage/benchmarks/ has the method of each).
+
+    omnistage bench ar                      # Qwen3-0.6B shape, concurrency 1 / 8 / 64
+    omnistage bench omni                    # Qwen3-Omni shape (scaled), concurrency 1 / 8
+    omnistage bench diffusion               # Qwen-Image transformer, 1024x1024, 20 steps
+    omnistage bench ar --tiny --device cpu  # toy sizes: seconds on a CPU (CI), no measurement
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers")
+    return values
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark our engines against transformers / diffusers")
+    kinds = p.add_subparsers(dest="benchmark", required=True)
+
+    def common(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--tiny", action="store_true",
+                       help="toy sizes that run in seconds on a CPU (keeps the command working; "
+                            "the numbers mean nothing)")
+        q.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+        q.add_argument("--out-dir", default="benchmarks/results",
+                       help="where the JSON result is written")
+        q.add_argument("--name", default=None,
+                       help="file name of the result, without .json (default: by benchmark)")
+        q.add_argument("--seed", type=int, default=0)
+        q.set_defaults(func=run)
+
+    ar = kinds.add_parser("ar", help="AR engine vs transformers generate (Qwen3-0.6B shape)")
+    common(ar)
+    ar.add_argument("--input-len", type=int, default=128)
+    ar.add_argument("--output-len", type=int, default=128)
+    ar.add_argument("--concurrency", type=_ints, default=(1, 8, 64),
+                    help="comma-separated, e.g. 1,8,64")
+    ar.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ar.add_argument("--checkpoint-dir", default=None,
+                    help="keep the random checkpoint here (default: a temporary folder)")
+
+    omni = kinds.add_parser("omni", help="Qwen3-Omni pipeline vs transformers "
+                                         "generate(return_audio=True)")
+    common(omni)
+    omni.add_argument("--thinker-tokens", type=int, default=None,
+                      help="text tokens per request (default 64; tiny 6)")
+    omni.add_argument("--talker-tokens", type=int, default=None,
+                      help="codec frames per request (default 100 = 8 s of audio; tiny 12)")
+    omni.add_argument("--concurrency", type=_ints, default=(1, 8))
+    omni.add_argument("--reference-requests", type=int, default=3,
+                      help="requests transformers runs, one by one (its latency per request "
+                           "does not depend on the others)")
+    omni.add_argument("--chunk-frames", type=int, default=None,
+                      help="codec frames per code2wav chunk: the first audio waits for this "
+                           "many (default: the graph's 25; tiny 8)")
+    omni.add_argument("--backend", choices=["process", "inproc"], default=None,
+                      help="stage backend (default: process; inproc with --tiny)")
+
+    diff = kinds.add_parser("diffusion", help="Qwen-Image transformer vs diffusers")
+    common(diff)
+    diff.add_argument("--size", type=int, default=None, help="pixels (default 1024; tiny 64)")
+    diff.add_argument("--steps", type=int, default=None, help="default 20; tiny 4")
+    diff.add_argument("--num-layers", type=int, default=None,
+                      help="transformer blocks (default: the real 60; tiny 2)")
+    diff.add_argument("--text-len", type=int, default=64, help="caption tokens")
+    diff.add_argument("--cache-thresholds", type=_floats, default=None,
+                      help="step-cache thresholds to try, comma-separated")
+    diff.add_argument("--concurrency", type=int, default=4)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    from omnistage.benchmarks.common import write_result
+
+    if args.benchmark == "ar":
+        from omnistage.benchmarks import ar
+
+        cfg = ar.ARBenchConfig(
+            preset="tiny" if args.tiny else "qwen3-0.6b",
+            input_len=min(args.input_len, 16) if args.tiny else args.input_len,
+            output_len=min(args.output_len, 8) if args.tiny else args.output_len,
+            concurrency=args.concurrency, device=args.device,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            checkpoint_dir=args.checkpoint_dir, seed=args.seed)
+        result = ar.run(cfg)
+        name = args.name or f"ar_{cfg.preset}_c{'-'.join(map(str, cfg.concurrency))}"
+        headline = {c: r["throughput_ratio"] for c, r in result["by_concurrency"].items()}
+    elif args.benchmark == "omni":
+        from omnistage.benchmarks import omni
+
+        cfg = omni.OmniBenchConfig.preset(
+            "tiny" if args.tiny else "bench", device=args.device, seed=args.seed,
+            concurrency=args.concurrency, reference_requests=args.reference_requests,
+            thinker_tokens=args.thinker_tokens, talker_tokens=args.talker_tokens,
+            backend=args.backend, chunk_frames=args.chunk_frames)
+        result = omni.run(cfg)
+        name = args.name or f"omni_qwen3-omni-{cfg.sizes}"
+        headline = result["ratios"]
+    else:
+        from omnistage.benchmarks import diffusion
+
+        cfg = diffusion.DiffusionBenchConfig.preset(
+            "tiny" if args.tiny else "qwen-image", device=args.device, seed=args.seed,
+            size=args.size, steps=args.steps, num_layers=args.num_layers,
+            text_len=args.text_len, cache_thresholds=args.cache_thresholds,
+            concurrency=args.concurrency)
+        result = diffusion.run(cfg)
+        name = args.name or f"diffusion_{cfg.sizes}_{cfg.size}px"
+        headline = result["ratios"]
+    path = write_result(result, Path(args.out_dir), name)
+    print(json.dumps({"benchmark": args.benchmark, "device_name": result["device_name"],
+                      "ratios": headline, "result": str(path)}, indent=2))
+    return 0

@@ -1,0 +1,107 @@
+"""`omnistage bench {ar,omni,diffusion} --tiny` on the CPU: each runs our engine and the
+reference on a toy model and writes a well-formed JSON result. What is checked is the shape of
+the result and that both sides produced the same amount of work, never a timing."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnistage.benchmarks.common import seeded_init
+from omnistage.entrypoints.cli.main import main
+
+
+def bench(tmp_path: Path, kind: str, *extra: str) -> dict:
+    rc = main(["bench", kind, "--tiny", "--device", "cpu", "--out-dir", str(tmp_path),
+               "--name", kind, *extra])
+    assert rc == 0
+    doc = json.loads((tmp_path / f"{kind}.json").read_text())   # strict JSON: no inf / nan
+    assert doc["benchmark"] == kind
+    assert doc["device"] == "cpu" and doc["gpu"] is None
+    assert doc["torch"] == torch.__version__ and isinstance(doc["transformers"], str)
+    return doc
+
+
+def positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_ar(tmp_path: Path) -> None:
+    doc = bench(tmp_path, "ar", "--concurrency", "1,3")
+    assert doc["config"]["model"]["num_hidden_layers"] == 2
+    assert set(doc["by_concurrency"]) == {"1", "3"}
+    for row in doc["by_concurrency"].values():
+        for side in ("omnistage", "transformers"):
+            r = row[side]
+            assert positive(r["output_tokens_per_s"]) and positive(r["seconds"])
+            assert positive(r["ttft_s"]["median"]) and positive(r["tpot_s"]["median"])
+        assert positive(row["throughput_ratio"])
+        assert math.isclose(row["throughput_ratio"], row["omnistage"]["output_tokens_per_s"]
+                            / row["transformers"]["output_tokens_per_s"])
+    ws = doc["weight_streaming"]
+    assert positive(ws["memory_bandwidth_gb_s"]) and positive(ws["limit_tokens_per_s"])
+    # tiny preset: 2 layers of 64 wide, tied 256-row embedding, float32
+    assert ws["decode_weight_bytes"] == 4 * (256 * 64 + 64 + 2 * (
+        64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64 + 2 * 16))
+    assert math.isclose(ws["omnistage_share_of_limit"],
+                        ws["omnistage_tokens_per_s"] / ws["limit_tokens_per_s"])
+
+
+def test_bench_omni(tmp_path: Path) -> None:
+    doc = bench(tmp_path, "omni", "--concurrency", "1,2", "--reference-requests", "1")
+    hf, ours = doc["reference"], doc["omnistage"]
+    assert hf["requests"] == 1 and hf["text_tokens"] == [6]
+    assert positive(hf["e2e_s"]["median"]) and positive(hf["audio_s"][0])
+    for c, n in (("1", 1), ("2", 2)):
+        row = ours["by_concurrency"][c]
+        assert row["requests"] == n and row["text_tokens"] == [6] * n
+        assert all(positive(a) for a in row["audio_s"])
+        assert positive(row["first_audio_s"]["median"]) and positive(row["rtf"]["median"])
+        assert row["first_audio_s"]["median"] <= row["e2e_s"]["median"]
+    assert set(doc["ratios"]) >= {"first_audio_over_transformers_e2e_c1", "e2e_speedup_c1",
+                                  "audio_throughput_ratio_c2"}
+    assert doc["config"]["parameters"]["thinker"] > 0
+
+
+def test_bench_diffusion(tmp_path: Path) -> None:
+    doc = bench(tmp_path, "diffusion", "--cache-thresholds", "0.5", "--concurrency", "2")
+    tr, eng = doc["transformer"], doc["engine"]
+    assert positive(tr["diffusers_s"]) and positive(tr["omnistage_s"])
+    assert tr["latents_rel_diff"] < 1e-4            # float32: same function, same weights
+    assert positive(eng["seconds_per_image"])
+    (cached,) = eng["step_cache"]
+    assert cached["threshold"] == 0.5 and 0 <= cached["steps_skipped"] <= 2
+    assert eng["batching"]["concurrency"] == 2 and positive(eng["batching"]["speedup"])
+    assert set(doc["ratios"]) >= {"transformer_speedup_vs_diffusers", "batching_speedup"}
+
+
+def test_seeded_init_is_by_name() -> None:
+    """Two modules with the same names and shapes get the same weights, whatever order they
+    were built in; another seed gives others."""
+    def net() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+
+    a, b, c = net(), net(), net()
+    seeded_init(a, 3)
+    seeded_init(b, 3)
+    seeded_init(c, 4)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        assert not torch.equal(pa, pc), name
+    assert (a[1].weight - 1).abs().max() < 0.5          # norm scales near 1
+
+
+def test_bench_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rc = main(["bench", "ar", "--tiny", "--device", "cpu", "--concurrency", "0",
+               "--out-dir", str(tmp_path)])
+    assert rc == 2
+    assert "concurrency" in capsys.readouterr().err
+    rc = main(["bench", "diffusion", "--tiny", "--device", "cpu", "--size", "100",
+               "--out-dir", str(tmp_path)])
+    assert rc == 2
+    assert "size=100" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
