@@ -439,12 +439,18 @@ class Code2WavStream:
 
     Everything returned, concatenated, equals `model.chunked_decode(all frames, chunk_frames,
     left_context)`. Samples come back as float32 1-D tensors on the model's device.
+    `first_chunk_frames` (default: chunk_frames) makes the first chunk shorter, so that the
+    first audio leaves sooner; the chunks after it are `chunk_frames` long.
     """
 
-    def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int = 25) -> None:
+    def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int = 25,
+                 first_chunk_frames: int | None = None) -> None:
         _check_chunking(model.cfg, chunk_frames, left_context)
+        if first_chunk_frames is not None:
+            _check_chunking(model.cfg, first_chunk_frames, left_context)
         self.model = model
         self.chunk_frames = chunk_frames
+        self.first_chunk_frames = first_chunk_frames or chunk_frames
         self.left_context = left_context
         self._frames = torch.empty(model.cfg.num_quantizers, 0, dtype=torch.long,
                                    device=model.device)
@@ -453,10 +459,14 @@ class Code2WavStream:
         self.num_decoded_frames = 0
         self.is_finished = False
 
+    def _chunk_size(self, num_decoded: int) -> int:
+        return self.first_chunk_frames if num_decoded == 0 else self.chunk_frames
+
     @property
     def has_ready_chunk(self) -> bool:
         pending = self._frames.shape[1] - self._num_context
-        return pending >= self.chunk_frames or (self.is_finished and pending > 0)
+        return (pending >= self._chunk_size(self.num_decoded_frames)
+                or (self.is_finished and pending > 0))
 
     def append(self, frames: Tensor) -> None:
         """Buffer frames (num_quantizers, n); decodes nothing."""
@@ -474,8 +484,9 @@ class Code2WavStream:
         """Remove every ready chunk from the buffer as a window (codes (Q, ctx + n), ctx)."""
         windows = []
         start, end_all = self._num_context, self._frames.shape[1]
-        while end_all - start >= self.chunk_frames or (self.is_finished and end_all > start):
-            end = min(start + self.chunk_frames, end_all)
+        while (end_all - start >= self._chunk_size(self.num_decoded_frames)
+               or (self.is_finished and end_all > start)):
+            end = min(start + self._chunk_size(self.num_decoded_frames), end_all)
             ctx = min(self.left_context, self.num_decoded_frames)
             assert start >= ctx, f"buffer lost context: start {start} < ctx {ctx}"
             windows.append((self._frames[:, start - ctx:end], ctx))

@@ -332,17 +332,21 @@ class TalkerStage(ARStage):
 
 class Code2WavGenerator:
     """The generation stage's model: codec frames in (any number per chunk), audio out as soon
-    as a chunk of `chunk_frames` frames is complete, each decoded with `left_context` frames
-    before it; all ready chunks of all requests in one forward."""
+    as a chunk of `chunk_frames` frames is complete (the first one: `first_chunk_frames`, for
+    an early first audio), each decoded with `left_context` frames before it; all ready chunks
+    of all requests in one forward."""
 
     SAMPLE_RATE = 24000             # Qwen3-Omni's codec speaks at 24 kHz
 
-    def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int = 25) -> None:
-        if chunk_frames < 1 or left_context < 0:
-            raise ValueError(f"code2wav options: chunk_frames={chunk_frames} must be >= 1, "
+    def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int = 25,
+                 first_chunk_frames: int | None = None) -> None:
+        if chunk_frames < 1 or left_context < 0 or (first_chunk_frames or 1) < 1:
+            raise ValueError(f"code2wav options: chunk_frames={chunk_frames} and "
+                             f"first_chunk_frames={first_chunk_frames} must be >= 1, "
                              f"left_context={left_context} >= 0")
         self.model = model
         self.chunk_frames = chunk_frames
+        self.first_chunk_frames = first_chunk_frames
         self.left_context = left_context
         self.info = {"sample_rate": self.SAMPLE_RATE}
 
@@ -359,7 +363,8 @@ class Code2WavGenerator:
             stream = state.get("stream")
             if stream is None:
                 stream = state["stream"] = Code2WavStream(self.model, self.chunk_frames,
-                                                          self.left_context)
+                                                          self.left_context,
+                                                          self.first_chunk_frames)
             if "codes" in x and x["codes"].numel():
                 stream.append(x["codes"].T.to(torch.long))                  # (Q, n)
             if last:

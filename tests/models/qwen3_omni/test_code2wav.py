@@ -111,6 +111,23 @@ def test_stream_equals_chunked_decode(ref: torch.nn.Module, ours: Code2Wav) -> N
 
 
 @torch.no_grad()
+def test_short_first_chunk(ours: Code2Wav) -> None:
+    """first_chunk_frames: the first audio leaves after that many frames; then chunk_frames
+    chunks, each with its left context: the same as decoding those windows one by one."""
+    q, first, chunk, ctx = ours.cfg.num_quantizers, 4, 10, 6
+    codes = random_codes(ours, q, 27, seed=5)
+    stream = Code2WavStream(ours, chunk_frames=chunk, left_context=ctx, first_chunk_frames=first)
+    assert stream.push(codes[:, :3]).numel() == 0
+    early = stream.push(codes[:, 3:5])                          # 5 frames: the first 4 decode
+    assert early.numel() > 0 and stream.num_decoded_frames == first
+    rest = [stream.push(codes[:, 5:27]), stream.flush()]        # then 10-frame chunks
+    bounds = [(0, 4), (4, 14), (14, 24), (24, 27)]
+    expected = [ours.decode_windows([(codes[:, max(0, a - ctx):b], min(ctx, a))])[0]
+                for a, b in bounds]
+    assert_close(torch.cat([early, *rest]), torch.cat(expected))
+
+
+@torch.no_grad()
 def test_streams_batched_in_one_forward(ours: Code2Wav, monkeypatch: pytest.MonkeyPatch
                                         ) -> None:
     """Requests at different points (first chunk without context, later ones with it, two

@@ -81,7 +81,8 @@ def reference(hf, processor: InputProcessor, prompt: dict, capture: dict | None 
 def omni(ckpt: Path):
     # one code2wav chunk of 300 frames with 25 of context: what the reference decodes with
     with Omni(str(ckpt), device="cpu", backend="inproc", connector="inproc",
-              stage_overrides=["code2wav.options.chunk_frames=300"]) as engine:
+              stage_overrides=["code2wav.options.chunk_frames=300",
+                                "code2wav.options.first_chunk_frames=300"]) as engine:
         yield engine
 
 
@@ -136,6 +137,7 @@ def test_audio_and_image_inputs_equal_transformers(omni: Omni, hf,
 def stream(ckpt: Path, params: list, chunk_frames: int, left_context: int) -> list:
     engine = AsyncOmni(str(ckpt), device="cpu", backend="inproc", connector="inproc",
                        stage_overrides=[f"code2wav.options.chunk_frames={chunk_frames}",
+                                        f"code2wav.options.first_chunk_frames={chunk_frames}",
                                         f"code2wav.options.left_context={left_context}"])
     try:
         async def run() -> list:
@@ -201,7 +203,8 @@ def test_default_graph_with_stage_processes(ckpt: Path, hf, processor: InputProc
                                          {"type": "text", "text": "Describe it."}]}]
     expected_ids, expected_wav = reference(hf, processor, {"messages": chat})
     with Omni(str(ckpt), device="cpu",
-              stage_overrides=["code2wav.options.chunk_frames=300"]) as engine:
+              stage_overrides=["code2wav.options.chunk_frames=300",
+                                "code2wav.options.first_chunk_frames=300"]) as engine:
         (out,) = engine.generate({"messages": chat}, greedy())
     assert out.error is None, out.error
     assert out.token_ids == expected_ids
