@@ -3,10 +3,20 @@ process, on the same random-weight checkpoint of a real architecture (no downloa
 
     python benchmarks/bench_ar.py --preset qwen3-0.6b --num-prompts 64 --input-len 256 \
         --output-len 128 --out benchmarks/results/ar_qwen3-0.6b.json
+    python benchmarks/bench_ar.py --single-stream --output-len 256     # batch 1 decode speed
 
 Both sides generate exactly output-len greedy tokens per prompt (eos ignored). Baseline: HF
-`generate` over the whole batch at once (equal prompt lengths, so no padding). Ours: every
-prompt submitted at once to the AR engine (continuous batching, chunked prefill).
+`generate` over the prompts, `concurrency` at a time (equal prompt lengths, so no padding).
+Ours: every prompt submitted at once to the AR engine, at most `concurrency` running together
+(continuous batching, chunked prefill).
+
+--single-stream: one prompt; the result is the decode speed (tokens/s after the first token)
+of both sides, and ours as a share of the weight-streaming limit: measured device-to-device
+copy bandwidth / bytes of weights read per decode step.
+
+--skip-hf runs ours only (an older omnistage on PYTHONPATH measures the previous version with
+the same script); --enforce-eager, --no-fused and --attention-backend switch the new paths off
+one by one.
 """
 
 from __future__ import annotations
@@ -44,20 +54,24 @@ def build_checkpoint(preset: str, path: Path) -> Path:
     return path
 
 
-def bench_hf(path: Path, prompts: list[list[int]], output_len: int) -> dict:
+def bench_hf(path: Path, prompts: list[list[int]], output_len: int,
+             concurrency: int | None = None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    ids = torch.tensor(prompts, device="cuda")
     kw = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len,
               pad_token_id=0, eos_token_id=None)
-    model.generate(ids[:2, :16], attention_mask=torch.ones_like(ids[:2, :16]), **{
+    warm = torch.tensor([p[:16] for p in prompts[:2]], device="cuda")
+    model.generate(warm, attention_mask=torch.ones_like(warm), **{
         **kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    step = concurrency or len(prompts)
     t0 = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    for lo in range(0, len(prompts), step):
+        ids = torch.tensor(prompts[lo:lo + step], device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        assert out.shape[1] == ids.shape[1] + output_len, out.shape
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    assert out.shape[1] == ids.shape[1] + output_len, out.shape
     peak = torch.cuda.max_memory_allocated()
     del model
     torch.cuda.empty_cache()
@@ -65,69 +79,182 @@ def bench_hf(path: Path, prompts: list[list[int]], output_len: int) -> dict:
             "peak_memory_gib": peak / 2**30}
 
 
-def bench_ours(path: Path, prompts: list[list[int]], output_len: int,
-               max_num_batched_tokens: int) -> dict:
+def hf_decode_speed(path: Path, prompt: list[int], output_len: int) -> dict:
+    """Batch-1 decode tokens/s of HF generate: (time of n tokens - time of 1) / (n - 1)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor([prompt], device="cuda")
+
+    def timed(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                       max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    timed(4)  # warm-up
+    per_token = (timed(output_len) - timed(1)) / (output_len - 1)
+    return {"decode_s_per_token": per_token, "decode_tokens_per_s": 1 / per_token}
+
+
+def make_engine(path: Path, max_num_seqs: int, max_num_batched_tokens: int,
+                enforce_eager: bool = False, attention_backend: str = "auto"):  # -> AREngine
     from omnistage.ar.engine import AREngine
     from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig
-    from omnistage.sampling_params import SamplingParams
 
-    engine = AREngine(ARConfig(
+    # Only name the newer options when they differ from the defaults, so that an older
+    # omnistage (the "before" of a comparison) runs under this script too.
+    extra = {}
+    if enforce_eager:
+        extra["enforce_eager"] = True
+    if attention_backend != "auto":
+        extra["attention_backend"] = attention_backend
+    return AREngine(ARConfig(
         model=str(path), device="cuda", dtype="bfloat16",
         kv_cache=KVCacheConfig(memory_fraction=0.5),
-        scheduler=SchedulerConfig(max_num_seqs=max(len(prompts), 1),
-                                  max_num_batched_tokens=max_num_batched_tokens)))
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens), **extra))
+
+
+def run_engine(engine, prompts: list[list[int]], output_len: int, tag: str
+               ) -> tuple[float, dict[str, list[float]], int]:
+    """Submit all prompts, step to the end: (seconds, token times per request, tokens)."""
+    from omnistage.sampling_params import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
                             detokenize=False)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", p, params)
+    times: dict[str, list[float]] = {}
+    num_tokens = 0
+    while engine.has_unfinished_requests:
+        for o in engine.step():
+            if o.new_token_ids:
+                times.setdefault(o.request_id, []).append(time.perf_counter() - t0)
+            num_tokens += len(o.new_token_ids)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, times, num_tokens
 
-    def run(batch: list[list[int]], tag: str) -> tuple[float, list[float], int]:
-        t0 = time.perf_counter()
-        for i, p in enumerate(batch):
-            engine.add_request(f"{tag}{i}", p, params)
-        first: dict[str, float] = {}
-        num_tokens = 0
-        while engine.has_unfinished_requests:
-            for o in engine.step():
-                if o.new_token_ids and o.request_id not in first:
-                    first[o.request_id] = time.perf_counter() - t0
-                num_tokens += len(o.new_token_ids)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0, sorted(first.values()), num_tokens
 
-    run([p[:16] for p in prompts[:2]], "warm")
+def bench_ours(path: Path, prompts: list[list[int]], output_len: int,
+               max_num_batched_tokens: int, concurrency: int | None = None,
+               enforce_eager: bool = False, attention_backend: str = "auto") -> dict:
+    engine = make_engine(path, concurrency or max(len(prompts), 1), max_num_batched_tokens,
+                         enforce_eager, attention_backend)
+    run_engine(engine, [p[:16] for p in prompts[:2]], 8, "warm")
     torch.cuda.reset_peak_memory_stats()
-    elapsed, ttfts, num_tokens = run(prompts, "r")
+    elapsed, times, num_tokens = run_engine(engine, prompts, output_len, "r")
     assert num_tokens == len(prompts) * output_len, num_tokens
+    ttfts = sorted(t[0] for t in times.values())
     return {"seconds": elapsed, "output_tokens_per_s": num_tokens / elapsed,
             "ttft_median_s": ttfts[len(ttfts) // 2], "kv_blocks": engine.kv_layout.num_blocks,
+            "cuda_graphs": getattr(getattr(engine.runner, "graphs", None), "sizes", None),
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def ours_decode_speed(path: Path, prompt: list[int], output_len: int,
+                      enforce_eager: bool = False, attention_backend: str = "auto") -> dict:
+    engine = make_engine(path, 1, 4096, enforce_eager, attention_backend)
+    run_engine(engine, [prompt[:16]], 8, "warm")
+    _, times, _ = run_engine(engine, [prompt], output_len, "s")
+    (t,) = times.values()
+    per_token = (t[-1] - t[0]) / (len(t) - 1)
+    return {"ttft_s": t[0], "decode_s_per_token": per_token, "decode_tokens_per_s": 1 / per_token}
+
+
+def weight_streaming_limit(path: Path) -> dict:
+    """Tokens/s at which a batch-1 decode step only streams the weights once from memory."""
+    from safetensors import safe_open
+
+    num_bytes = 0
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for name in st.keys():
+                t = st.get_slice(name)
+                n = 1
+                for d in t.get_shape():
+                    n *= d
+                num_bytes += n * 2                       # bf16
+    buf = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(buf)
+    for _ in range(3):
+        dst.copy_(buf)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(buf)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    bandwidth = 2 * buf.numel() / sorted(times)[len(times) // 2]   # read + write
+    del buf, dst
+    torch.cuda.empty_cache()
+    return {"weight_bytes": num_bytes, "copy_bandwidth_gb_s": bandwidth / 1e9,
+            "limit_tokens_per_s": bandwidth / num_bytes}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(PRESETS))
     ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=None,
+                    help="sequences in flight at once (default: all prompts)")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--single-stream", action="store_true",
+                    help="batch-1 decode speed against the weight-streaming limit")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--no-fused", action="store_true", help="no fused Triton norm/rope/act")
+    ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--checkpoint-dir", default="/tmp/omnistage-bench")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
+    if args.no_fused:
+        from omnistage.layers import fused
+        fused.set_enabled(False)
     path = build_checkpoint(args.preset, Path(args.checkpoint_dir) / args.preset)
     rng = random.Random(0)
     vocab = PRESETS[args.preset]["vocab_size"]
+    num_prompts = 1 if args.single_stream else args.num_prompts
     prompts = [[rng.randrange(vocab) for _ in range(args.input_len)]
-               for _ in range(args.num_prompts)]
-    ours = bench_ours(path, prompts, args.output_len, args.max_num_batched_tokens)
-    hf = bench_hf(path, prompts, args.output_len)
+               for _ in range(num_prompts)]
+    import omnistage
+
     result = {
-        "benchmark": "ar_offline_throughput", "preset": args.preset,
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "benchmark": "ar_single_stream" if args.single_stream else "ar_offline_throughput",
+        "preset": args.preset, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "python": platform.python_version(), "dtype": "bfloat16",
-        "num_prompts": args.num_prompts, "input_len": args.input_len,
-        "output_len": args.output_len, "omnistage": ours, "transformers": hf,
-        "throughput_ratio": ours["output_tokens_per_s"] / hf["output_tokens_per_s"],
+        "omnistage_path": str(Path(omnistage.__file__).parent),
+        "num_prompts": num_prompts, "concurrency": args.concurrency or num_prompts,
+        "input_len": args.input_len, "output_len": args.output_len,
+        "options": {"enforce_eager": args.enforce_eager, "no_fused": args.no_fused,
+                    "attention_backend": args.attention_backend},
     }
+    if args.single_stream:
+        ours = ours_decode_speed(path, prompts[0], args.output_len, args.enforce_eager,
+                                 args.attention_backend)
+        limit = weight_streaming_limit(path)
+        ours["share_of_weight_streaming_limit"] = (ours["decode_tokens_per_s"]
+                                                   / limit["limit_tokens_per_s"])
+        result.update(omnistage=ours, weight_streaming=limit)
+        if not args.skip_hf:
+            hf = hf_decode_speed(path, prompts[0], args.output_len)
+            result.update(transformers=hf, decode_speed_ratio=(
+                ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"]))
+    else:
+        ours = bench_ours(path, prompts, args.output_len, args.max_num_batched_tokens,
+                          args.concurrency, args.enforce_eager, args.attention_backend)
+        result["omnistage"] = ours
+        if not args.skip_hf:
+            hf = bench_hf(path, prompts, args.output_len, args.concurrency)
+            result.update(transformers=hf, throughput_ratio=(
+                ours["output_tokens_per_s"] / hf["output_tokens_per_s"]))
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -84,7 +84,10 @@ class AREngine:
                                           config.kv_cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_layout, self.device, self.dtype,
-                                  config.attention_backend, config.seed)
+                                  config.attention_backend, config.seed,
+                                  max_num_seqs=sched.max_num_seqs,
+                                  max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

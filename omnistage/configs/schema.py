@@ -64,7 +64,9 @@ class ARConfig:
     seed: int = 0
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    attention_backend: Literal["auto", "torch"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # Never replay decode steps from CUDA graphs (debugging, or models that change per step).
+    enforce_eager: bool = False
 
 
 # ---- the stage graph --------------------------------------------------------------------------
@@ -113,6 +115,7 @@ class StageConfig:
     sampling: dict[str, object] = field(default_factory=dict, hash=False)
     startup_timeout_s: float = 120.0
     seed: int = 0
+    enforce_eager: bool = False  # ar: no CUDA graphs for decode steps
     # Component-specific options passed to its constructor (e.g. code2wav's chunk_frames).
     options: dict[str, object] = field(default_factory=dict, hash=False)
 
@@ -170,6 +173,7 @@ class StageConfig:
         return ARConfig(
             model=self.model if self.model is not None else model,
             component=self.component, device=device, dtype=self.dtype, seed=self.seed,
+            enforce_eager=self.enforce_eager,
             kv_cache=KVCacheConfig(block_size=self.block_size,
                                    enable_prefix_caching=self.enable_prefix_caching,
                                    memory_fraction=self.memory_fraction,

@@ -12,7 +12,9 @@ Flattened batch of B sequences (prefill chunks and decodes mixed), T tokens in a
     slot_mapping[t] = block_id * block_size + offset where token t's K/V is written
 
 A backend first writes the new K/V into the cache, then attends each query to every cached key
-of its own sequence up to and including its own position (causal).
+of its own sequence up to and including its own position (causal). Backends: `TorchPagedAttention`
+here (any device, the reference), `TritonPagedAttention` in triton_attention.py (CUDA kernels
+over the paged cache, chosen by "auto" on CUDA, and safe inside CUDA graphs).
 """
 
 from __future__ import annotations
@@ -155,11 +157,31 @@ class TorchPagedAttention:
         return out
 
 
-def get_attention_backend(name: str, device: torch.device, block_size: int = 16
+def triton_available() -> bool:
+    """Whether the Triton kernels can run here (triton importable and a CUDA device)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def get_attention_backend(name: str, device: torch.device, block_size: int = 16,
+                          num_queries_per_kv: int = 1, num_kv_heads: int | None = None
                           ) -> AttentionBackend:
+    """auto: the Triton kernels on CUDA where triton is installed, else pure PyTorch.
+    num_queries_per_kv (H / Hkv) and num_kv_heads help the Triton backend plan its launches."""
+    if name == "triton" or (name == "auto" and device.type == "cuda" and triton_available()):
+        if device.type != "cuda":
+            raise ValueError(f"attention_backend='triton' needs a CUDA device, got {device}")
+        from omnistage.layers.triton_attention import TritonPagedAttention
+
+        return TritonPagedAttention(block_size, num_queries_per_kv, num_kv_heads)
     if name in ("auto", "torch"):
         return TorchPagedAttention(block_size)
-    raise ValueError(f"attention_backend={name!r}: unknown (choose from auto, torch)")
+    raise ValueError(f"attention_backend={name!r}: unknown (choose from auto, torch, triton)")
 
 
 class Attention(nn.Module):

@@ -15,7 +15,7 @@ from omnistage.layers.activation import SiluAndMul
 from omnistage.layers.attention import Attention
 from omnistage.layers.linear import Linear, MergedLinear, QKVLinear
 from omnistage.layers.norm import RMSNorm
-from omnistage.layers.rotary import RotaryEmbedding, get_rope
+from omnistage.layers.rotary import RotaryEmbedding, get_rope, norm_and_rotate
 from omnistage.models.config import ModelConfig
 from omnistage.models.loader import load_packed_weights
 
@@ -42,9 +42,10 @@ class Qwen2Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)              # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)           # (T, Hkv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.has_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        # Qwen3's per-head q/k norm and rotary: one fused kernel on CUDA
+        q, k = norm_and_rotate(self.rotary_emb, positions, q, k,
+                               self.q_norm if self.has_qk_norm else None,
+                               self.k_norm if self.has_qk_norm else None)
         return self.o_proj(self.attn(q, k, v).flatten(1))          # (T, hidden)
 
 
@@ -67,9 +68,18 @@ class Qwen2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def forward(self, positions: Tensor, h: Tensor) -> Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions: Tensor, h: Tensor, residual: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
+        """The layer's input is h + residual (just h for the first layer); returns (mlp out,
+        residual) whose sum is its output, so that the next layer's norm does the add (one
+        fused kernel on CUDA instead of an add and a norm)."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        attn = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm.add_forward(attn, residual)
+        return self.mlp(x), residual
 
 
 class Qwen2Model(nn.Module):
@@ -97,11 +107,12 @@ class Qwen2Model(nn.Module):
         captured: dict[int, Tensor] = {}
         if 0 in capture_layers:
             captured[0] = h
+        residual = None
         for i, layer in enumerate(self.layers, start=1):
-            h = layer(positions, h)
+            h, residual = layer(positions, h, residual)
             if i in capture_layers and i < self.num_layers:
-                captured[i] = h
-        h = self.norm(h)
+                captured[i] = h + residual                                  # the layer's output
+        h, _ = self.norm.add_forward(h, residual)
         if self.num_layers in capture_layers:
             captured[self.num_layers] = h
         return h, captured

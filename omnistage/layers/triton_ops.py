@@ -1,0 +1,168 @@
+"""Fused Triton kernels for the small ops of a decoder layer (CUDA; Triton's interpreter on CPU).
+
+Each replaces a chain of PyTorch kernels that would each read and write the activations:
+
+    rms_norm         x -> float32 -> normalise -> back to x's dtype -> * weight       (4 -> 1)
+    add_rms_norm     the residual add in front of it, returning the sum as well       (5 -> 1)
+    silu_and_mul     | gate | up | -> silu(gate) * up                                (2 -> 1)
+    qk_norm_rope     per-head RMSNorm of q and k (Qwen3), then the rotate-half RoPE,
+                     cos/sin rows gathered from the table by position inside the kernel (~25 -> 1)
+
+Numerics follow the Hugging Face modules they replace: the normalised value is rounded to the
+input dtype before the weight multiplies it, the residual sum is rounded to the input dtype, and
+silu(gate) is rounded before the product. The rotary rotation is done in float32 with float32
+cos/sin (HF rounds cos/sin to the input dtype first), so in bfloat16 it is slightly closer to
+the exact value than the reference; in float32 it is the same arithmetic.
+
+Callers go through omnistage/layers/fused.py, which decides when these can run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _rms_norm_kernel(X, R, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, N, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=mask, other=0.0
+                                         ).to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(Sum + row * stride_s + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+    normed = (xf * inv).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, (normed * w).to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(X, Out, stride_x, stride_o, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, (act * up).to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_rope_heads(X, W, Out, t, stride_t, stride_h, c1, c2, s1, s2, eps,
+                     H: tl.constexpr, HALF: tl.constexpr, H_P2: tl.constexpr,
+                     HALF_P2: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Rows of one token's H heads: optional RMSNorm over each head, then rotate-half RoPE."""
+    h = tl.arange(0, H_P2)[:, None]
+    j = tl.arange(0, HALF_P2)[None, :]
+    mask = (h < H) & (j < HALF)
+    src = X + t * stride_t + h * stride_h + j
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)             # (H, D/2) first half
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)      # second half
+    if HAS_NORM:
+        inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(W + j, mask=j < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(W + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
+        dt = X.dtype.element_ty
+        x1 = ((x1 * inv).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * inv).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    dst = Out + t * (H * 2 * HALF) + h * (2 * HALF) + j
+    tl.store(dst, (x1 * c1 - x2 * s1).to(Out.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * c2 + x1 * s2).to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(Q, K, QW, KW, Cos, Sin, Pos, QOut, KOut,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, eps,
+                         HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
+                         HQ_P2: tl.constexpr, HK_P2: tl.constexpr, HALF_P2: tl.constexpr,
+                         HAS_NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Pos + t).to(tl.int64)
+    j = tl.arange(0, HALF_P2)[None, :]
+    jm = j < HALF
+    row = pos * stride_cos
+    c1 = tl.load(Cos + row + j, mask=jm, other=0.0)
+    c2 = tl.load(Cos + row + HALF + j, mask=jm, other=0.0)
+    s1 = tl.load(Sin + row + j, mask=jm, other=0.0)
+    s2 = tl.load(Sin + row + HALF + j, mask=jm, other=0.0)
+    _norm_rope_heads(Q, QW, QOut, t, stride_qt, stride_qh, c1, c2, s1, s2, eps,
+                     HQ, HALF, HQ_P2, HALF_P2, HAS_NORM)
+    _norm_rope_heads(K, KW, KOut, t, stride_kt, stride_kh, c1, c2, s1, s2, eps,
+                     HK, HALF, HK_P2, HALF_P2, HAS_NORM)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x as (rows, last) with a row stride (a copy only if the rows are not evenly strided)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim of x (..., N) -> (..., N) in x's dtype (HF numerics)."""
+    xr = _rows(x)
+    out = torch.empty(xr.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
+                      device=x.device)
+    if xr.shape[0]:
+        _rms_norm_kernel[(xr.shape[0],)](
+            xr, xr, weight, out, out, xr.stride(0), 0, out.stride(0), 0, xr.shape[1], eps,
+            HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(xr.shape[1]))
+    return out.view(x.shape)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float
+                 ) -> tuple[Tensor, Tensor]:
+    """s = x + residual (rounded to x's dtype); returns (rms_norm(s), s). x, residual: (T, N)."""
+    assert x.shape == residual.shape and x.dim() == 2, (x.shape, residual.shape)
+    xr, rr = _rows(x), _rows(residual)
+    out = torch.empty(xr.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
+                      device=x.device)
+    total = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
+    if xr.shape[0]:
+        _rms_norm_kernel[(xr.shape[0],)](
+            xr, rr, weight, out, total, xr.stride(0), rr.stride(0), out.stride(0),
+            total.stride(0), xr.shape[1], eps, HAS_RESIDUAL=True,
+            BLOCK=triton.next_power_of_2(xr.shape[1]))
+    return out, total
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """(T, 2I) laid out | gate | up | -> silu(gate) * up, (T, I)."""
+    xr = _rows(x)
+    inter = xr.shape[1] // 2
+    out = torch.empty(xr.shape[0], inter, dtype=x.dtype, device=x.device)
+    if xr.shape[0]:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(xr.shape[0], triton.cdiv(inter, block))](
+            xr, out, xr.stride(0), out.stride(0), inter, BLOCK=block)
+    return out.view(*x.shape[:-1], inter)
+
+
+def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None,
+                 eps: float, cos_cache: Tensor, sin_cache: Tensor, positions: Tensor
+                 ) -> tuple[Tensor, Tensor]:
+    """q (T, H, D), k (T, Hkv, D) (rows may be strided views of a fused qkv output) ->
+    contiguous rotated q, k. With weights: RMSNorm over each head first (Qwen3's q/k norm).
+    cos_cache/sin_cache: (max_position, D) float32; positions (T,)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and head_dim % 2 == 0, (q.stride(), k.stride())
+    assert cos_cache.stride(-1) == 1 and cos_cache.stride() == sin_cache.stride()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    has_norm = q_weight is not None
+    if num_tokens:
+        half = head_dim // 2
+        _qk_norm_rope_kernel[(num_tokens,)](
+            q, k, q_weight if has_norm else q, k_weight if has_norm else k, cos_cache,
+            sin_cache, positions, q_out, k_out, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), cos_cache.stride(0), eps, HQ=num_heads, HK=num_kv_heads, HALF=half,
+            HQ_P2=triton.next_power_of_2(num_heads), HK_P2=triton.next_power_of_2(num_kv_heads),
+            HALF_P2=triton.next_power_of_2(half), HAS_NORM=has_norm)
+    return q_out, k_out
