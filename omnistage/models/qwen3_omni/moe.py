@@ -99,8 +99,17 @@ class FusedExperts(nn.Module):
         flat_ids = topk_ids.flatten()                                       # (T*k,)
         order = flat_ids.argsort(stable=True)                               # pairs by expert
         token_idx = order // top_k                                          # (T*k,)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         xs = x[token_idx]                                                   # (T*k, H)
+        if _use_grouped_mm(x):
+            out = self._grouped(xs, flat_ids)
+        else:
+            out = self._looped(xs, flat_ids)
+        out = out * topk_weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, token_idx, out)
+
+    def _looped(self, xs: Tensor, flat_ids: Tensor) -> Tensor:
+        """One matmul pair per expert that has tokens (the counts come to the host)."""
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         out = torch.empty_like(xs)
         start = 0
         for expert, n in enumerate(counts):
@@ -109,8 +118,22 @@ class FusedExperts(nn.Module):
             h = self.act_fn(F.linear(xs[start:start + n], self.gate_up_proj[expert]))  # (n, I)
             out[start:start + n] = F.linear(h, self.down_proj[expert])              # (n, H)
             start += n
-        out = out * topk_weights.flatten()[order, None]
-        return torch.zeros_like(x).index_add_(0, token_idx, out)
+        return out
+
+    def _grouped(self, xs: Tensor, flat_ids: Tensor) -> Tensor:
+        """Both projections as grouped GEMMs over the expert-sorted pairs, with the group ends
+        computed on the device: nothing comes to the host, so the step can be a CUDA graph."""
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=xs.device)
+        counts.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)                          # group ends
+        h = torch._grouped_mm(xs, self.gate_up_proj.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(self.act_fn(h), self.down_proj.transpose(-2, -1), offs=offs)
+
+
+def _use_grouped_mm(x: Tensor) -> bool:
+    """Grouped GEMMs where torch has them (bf16 on Hopper-class CUDA devices)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
 class SparseMoeBlock(nn.Module):
