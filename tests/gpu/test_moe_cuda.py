@@ -58,4 +58,7 @@ def test_grouped_experts_capture_in_a_cuda_graph() -> None:
             out = experts(x, ids, weights)
         graph.replay()
     torch.cuda.synchronize()
-    assert torch.isfinite(expected).all() and torch.equal(out, expected)
+    # index_add_ accumulates with atomics: the replay may round differently in the last bit
+    assert torch.isfinite(out).all()
+    err = (out.float() - expected.float()).norm() / expected.float().norm()
+    assert err < 1e-2, err
