@@ -48,6 +48,24 @@ class WorkerSpec:
     tcp_host: str = "127.0.0.1"
 
 
+def check_gpu_budgets(graph: GraphConfig, device: str) -> None:
+    """AR stages on one GPU each size their KV cache to `memory_fraction` of the whole device:
+    the fractions of the stages that share a GPU must leave room for each other (the sum at
+    most 1), or the first to start takes the memory the others need. ValueError naming them."""
+    shares: dict[str, list[tuple[str, float]]] = {}
+    for stage in graph.stages:
+        where = stage_device(device, stage.devices)
+        if stage.kind == "ar" and where.startswith("cuda"):
+            shares.setdefault(where, []).append((stage.name, stage.memory_fraction))
+    for where, stages in shares.items():
+        total = sum(f for _, f in stages)
+        if len(stages) > 1 and total > 1.0 + 1e-9:
+            listed = ", ".join(f"{n} {f:g}" for n, f in stages)
+            raise ValueError(f"stages {listed} share {where}: their memory_fraction add up to "
+                             f"{total:g} of the device; lower them (each is a share of the "
+                             "whole GPU) or put stages on other devices")
+
+
 def stage_device(device: str, devices: tuple[int, ...]) -> str:
     """The torch device of a stage: the graph's device kind on the stage's first device."""
     if device == "auto":
