@@ -23,11 +23,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from omnistage.diffusion.image_input import decode_image, output_size
 from omnistage.diffusion.params import DiffusionParams, check_size
+from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.diffusion.request import DiffusionRequest
 
 
@@ -160,6 +162,17 @@ class LatentPipelineBase:
         latents, sigmas, cond = self.prepare_latents(params, generator)    # type: ignore
         return latents, sigmas, {**self.check_conditioning(encoded, params),  # type: ignore
                                  **cond}
+
+    def shifted_sigmas(self, h: int, w: int, num_steps: int, float32_linspace: bool = False
+                       ) -> Tensor:
+        """The flow-match schedule of an (h, w) latent: linspace(1, 1/N, N) (numpy float64, or
+        torch float32 as Z-Image builds it), shifted by the image's packed token count."""
+        cfg = self.scheduler                                               # type: ignore
+        mu = solver.calculate_shift((h // 2) * (w // 2), cfg.base_image_seq_len,
+                                    cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
+        base = (torch.linspace(1.0, 1 / num_steps, num_steps).tolist() if float32_linspace
+                else np.linspace(1.0, 1 / num_steps, num_steps))
+        return solver.make_sigmas(cfg, num_steps, mu=mu, sigmas=base)[0]
 
     def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
         """-> uint8 (n, H, W, 3)."""

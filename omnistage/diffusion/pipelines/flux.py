@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 from transformers import AutoTokenizer
@@ -164,11 +163,7 @@ class FluxPipeline(LatentPipelineBase):
         # timesteps: FLUX's custom sigmas, shifted by the number of image tokens
         h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
         num_steps = params.num_inference_steps
-        cfg = self.scheduler
-        mu = solver.calculate_shift((h // 2) * (w // 2), cfg.base_image_seq_len,
-                                    cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
-        sigmas, _ = solver.make_sigmas(cfg, num_steps, mu=mu,
-                                       sigmas=np.linspace(1.0, 1 / num_steps, num_steps))
+        sigmas = self.shifted_sigmas(h, w, num_steps)
 
         # prepare_latents: noise in latent space (image-to-image: the encoded image noised to
         # the first sigma of the strength-shortened schedule), then 2x2 patches packed

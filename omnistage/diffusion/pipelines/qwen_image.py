@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 from transformers import AutoTokenizer
@@ -202,11 +201,7 @@ class QwenImagePipeline(LatentPipelineBase):
         # timesteps: linspace(1, 1/N, N), shifted by the number of image tokens
         h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
         num_steps = params.num_inference_steps
-        cfg = self.scheduler
-        mu = solver.calculate_shift((h // 2) * (w // 2), cfg.base_image_seq_len,
-                                    cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
-        sigmas, _ = solver.make_sigmas(cfg, num_steps, mu=mu,
-                                       sigmas=np.linspace(1.0, 1 / num_steps, num_steps))
+        sigmas = self.shifted_sigmas(h, w, num_steps)
 
         # latents: noise in the model dtype (diffusers' (n, 1, C, h, w) draws the same
         # numbers); image-to-image draws the image's posterior sample first, then the noise,

@@ -178,11 +178,7 @@ class ZImagePipeline(LatentPipelineBase):
         # timesteps: linspace(1, 1/N, N) in torch float32, then the scheduler's shift
         h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
         num_steps = params.num_inference_steps
-        cfg = self.scheduler
-        mu = solver.calculate_shift((h // 2) * (w // 2), cfg.base_image_seq_len,
-                                    cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
-        sigmas, _ = solver.make_sigmas(
-            cfg, num_steps, mu=mu, sigmas=torch.linspace(1.0, 1 / num_steps, num_steps).tolist())
+        sigmas = self.shifted_sigmas(h, w, num_steps, float32_linspace=True)
 
         # prepare_latents, kept (n, C, h, w): text-to-image draws float32 noise whatever the
         # model dtype; image-to-image (ZImageImg2ImgPipeline) encodes the image first, then
