@@ -66,7 +66,14 @@ class AsyncOmni:
         params = self._stage_params(sampling_params_list)
         for name, p in params.items():
             if isinstance(p, SamplingParams):
-                check_params(p, self.orchestrator.stage_info.get(name, {}))
+                info = self.orchestrator.stage_info.get(name, {})
+                check_params(p, info)
+                speaker = p.extra.get("speaker")
+                known = info.get("speakers")
+                if speaker is not None and known is not None \
+                        and str(speaker).lower() not in str(known).split(","):
+                    raise ValueError(f"speaker {speaker!r} is unknown (this model has: "
+                                     f"{str(known).replace(',', ', ')})")
             elif isinstance(p, DiffusionParams):
                 p.validate()
                 if p.image is not None:

@@ -82,5 +82,5 @@ def test_generate_speech_writes_wav(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert rate == 24000 and audio.ndim == 1 and len(audio) > 0
     assert main(common + ["--modalities", "text"]) == 0
     assert json.loads(capsys.readouterr().out)["files"] == []
-    assert main(common + ["--speaker", "nobody"]) == 1
+    assert main(common + ["--speaker", "nobody"]) == 2
     assert "speaker 'nobody' is unknown" in capsys.readouterr().err

@@ -97,7 +97,10 @@ class ChatServing:
         if req.audio is not None:
             params = [dataclasses.replace(p, extra={**p.extra, "speaker": req.audio.voice})
                       if isinstance(p, SamplingParams) else p for p in params]
-        prepared = self.client.prepare(prompt, params, "messages")
+        try:
+            prepared = self.client.prepare(prompt, params, "messages")
+        except APIError as err:
+            raise _voice_param(err) from None
         ticket = self.client.admit()
         try:
             handle = self.client.submit(prompt, prepared, wanted, "chatcmpl")
@@ -365,7 +368,7 @@ class ChatServing:
 
 def _voice_param(err: APIError) -> APIError:
     """A talker's refusal of the speaker ("speaker 'x' is unknown ...") names audio.voice."""
-    if err.code == "invalid_input" and err.message.startswith("speaker"):
+    if err.message.startswith("speaker"):
         err.param = "audio.voice"
     return err
 

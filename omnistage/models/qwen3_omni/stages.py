@@ -184,6 +184,8 @@ class TalkerStage(ARStage):
         self.talker_cfg = hf.talker_config
         self.accept_layer = self.talker_cfg.accept_hidden_layer
         self.speakers = {k.lower(): v for k, v in (self.talker_cfg.speaker_id or {}).items()}
+        # reported at the handshake, so the front door refuses an unknown voice at once
+        self.engine.model.info = {"speakers": ",".join(sorted(self.speakers))}
         self.mm_token_ids = {hf.thinker_config.audio_token_id, hf.thinker_config.image_token_id,
                              hf.thinker_config.video_token_id}
         self.inputs: dict[str, _TalkerInput] = {}
