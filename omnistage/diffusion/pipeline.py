@@ -115,6 +115,8 @@ class LatentPipelineBase:
     have `multiple` (pixels per latent token side), `vae`, `device` and `prompt_encoder`."""
 
     label: str
+    transformer_cls: type
+    vae_cls: type
     prompt_encoder_cls: type
     max_size: int = 2048
     size_rule: str = ""
@@ -132,13 +134,26 @@ class LatentPipelineBase:
         raise NotImplementedError
 
     @classmethod
+    def from_pretrained(cls, path: str | Path, component: str, device: torch.device,
+                        dtype: torch.dtype | None, text_encoders: bool = True):
+        """A diffusers folder: transformer/, vae/, the text encoders, scheduler/, in `dtype`
+        (None: the transformer's). text_encoders False: none is loaded (a split graph's
+        diffusion stage)."""
+        path = _pipeline_folder(path)
+        transformer = cls.transformer_cls.from_pretrained(path / "transformer", device, dtype)
+        dtype = dtype or next(transformer.parameters()).dtype
+        vae = cls.vae_cls.from_pretrained(path / "vae", device, dtype)
+        prompt_encoder = (cls.prompt_encoder_cls.from_pretrained(path, device, dtype)
+                          if text_encoders else None)
+        scheduler = solver.FlowMatchEulerConfig.from_json(
+            path / "scheduler" / "scheduler_config.json")
+        return cls(transformer, vae, prompt_encoder, scheduler, device)
+
+    @classmethod
     def load_prompt_encoder(cls, path: str | Path, device: torch.device,
                             dtype: torch.dtype | None) -> PromptEncoder:
         """The text encoders alone, for a text-encoder stage."""
-        path = Path(path)
-        if not (path / "model_index.json").is_file():
-            raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
-        return cls.prompt_encoder_cls.from_pretrained(path, device, dtype)
+        return cls.prompt_encoder_cls.from_pretrained(_pipeline_folder(path), device, dtype)
 
     def _size(self, params: DiffusionParams) -> tuple[int, int]:
         """As asked; else the input image's size (rounded down); else the default."""
@@ -198,3 +213,10 @@ def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
                     module[i] = torch.compile(block, backend=backend, dynamic=True)
                     count += 1
     return count
+
+
+def _pipeline_folder(path: str | Path) -> Path:
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
+    return path

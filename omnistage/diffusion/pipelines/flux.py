@@ -18,7 +18,6 @@ No true CFG (negative prompt) yet. Step caching per request (TeaCache's FLUX pol
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -102,6 +101,8 @@ class FluxPromptEncoder:
 
 class FluxPipeline(LatentPipelineBase):
     label = "FLUX"
+    transformer_cls = FluxTransformer2DModel
+    vae_cls = AutoencoderKL
     prompt_encoder_cls = FluxPromptEncoder
     max_size = MAX_SIZE
     check_text_params = staticmethod(check_text_params)
@@ -119,22 +120,6 @@ class FluxPipeline(LatentPipelineBase):
         self.vae_scale_factor = vae.cfg.downscale                 # 8 for FLUX.1
         self.multiple = self.vae_scale_factor * 2                 # latents are packed 2x2
         self.num_channels_latents = transformer.cfg.in_channels // 4
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, component: str, device: torch.device,
-                        dtype: torch.dtype | None, text_encoders: bool = True) -> FluxPipeline:
-        """text_encoders False: no text encoder is loaded (a split graph's diffusion stage)."""
-        path = Path(path)
-        if not (path / "model_index.json").is_file():
-            raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
-        transformer = FluxTransformer2DModel.from_pretrained(path / "transformer", device, dtype)
-        dtype = dtype or next(transformer.parameters()).dtype
-        vae = AutoencoderKL.from_pretrained(path / "vae", device, dtype)
-        prompt_encoder = (FluxPromptEncoder.from_pretrained(path, device, dtype)
-                          if text_encoders else None)
-        scheduler = solver.FlowMatchEulerConfig.from_dict(
-            json.loads((path / "scheduler" / "scheduler_config.json").read_text()))
-        return cls(transformer, vae, prompt_encoder, scheduler, device)
 
     @property
     def default_size(self) -> int:

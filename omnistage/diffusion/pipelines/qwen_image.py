@@ -134,6 +134,8 @@ class QwenImagePromptEncoder:
 
 class QwenImagePipeline(LatentPipelineBase):
     label = "Qwen-Image"
+    transformer_cls = QwenImageTransformer2DModel
+    vae_cls = AutoencoderKLQwenImage
     prompt_encoder_cls = QwenImagePromptEncoder
     max_size = MAX_SIZE
     check_text_params = staticmethod(check_text_params)
@@ -154,24 +156,6 @@ class QwenImagePipeline(LatentPipelineBase):
         self.vae_scale_factor = vae.cfg.downscale                 # 8 for Qwen-Image
         self.multiple = self.vae_scale_factor * 2                 # latents are packed 2x2
         self.num_channels_latents = transformer.cfg.in_channels // 4
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, component: str, device: torch.device,
-                        dtype: torch.dtype | None, text_encoders: bool = True
-                        ) -> QwenImagePipeline:
-        """text_encoders False: no text encoder is loaded (a split graph's diffusion stage)."""
-        path = Path(path)
-        if not (path / "model_index.json").is_file():
-            raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
-        transformer = QwenImageTransformer2DModel.from_pretrained(path / "transformer", device,
-                                                                  dtype)
-        dtype = dtype or next(transformer.parameters()).dtype
-        vae = AutoencoderKLQwenImage.from_pretrained(path / "vae", device, dtype)
-        prompt_encoder = (QwenImagePromptEncoder.from_pretrained(path, device, dtype)
-                          if text_encoders else None)
-        scheduler = solver.FlowMatchEulerConfig.from_json(
-            path / "scheduler" / "scheduler_config.json")
-        return cls(transformer, vae, prompt_encoder, scheduler, device)
 
     @property
     def default_size(self) -> int:

@@ -19,7 +19,6 @@ Not ported: cfg_normalization and cfg_truncation < 1 (diffusers' defaults, off, 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -115,6 +114,8 @@ class ZImagePromptEncoder:
 
 class ZImagePipeline(LatentPipelineBase):
     label = "Z-Image"
+    transformer_cls = ZImageTransformer2DModel
+    vae_cls = AutoencoderKL
     prompt_encoder_cls = ZImagePromptEncoder
     max_size = MAX_SIZE
     check_text_params = staticmethod(check_text_params)
@@ -132,22 +133,6 @@ class ZImagePipeline(LatentPipelineBase):
         self.vae_scale_factor = vae.cfg.downscale                 # 8 for the FLUX VAE
         self.multiple = self.vae_scale_factor * 2                 # transformer patches are 2x2
         self.num_channels_latents = transformer.cfg.in_channels
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, component: str, device: torch.device,
-                        dtype: torch.dtype | None, text_encoders: bool = True) -> ZImagePipeline:
-        """text_encoders False: no text encoder is loaded (a split graph's diffusion stage)."""
-        path = Path(path)
-        if not (path / "model_index.json").is_file():
-            raise FileNotFoundError(f"{path}: no model_index.json (not a diffusers pipeline)")
-        transformer = ZImageTransformer2DModel.from_pretrained(path / "transformer", device, dtype)
-        dtype = dtype or next(transformer.parameters()).dtype
-        vae = AutoencoderKL.from_pretrained(path / "vae", device, dtype)
-        prompt_encoder = (ZImagePromptEncoder.from_pretrained(path, device, dtype)
-                          if text_encoders else None)
-        scheduler = solver.FlowMatchEulerConfig.from_dict(
-            json.loads((path / "scheduler" / "scheduler_config.json").read_text()))
-        return cls(transformer, vae, prompt_encoder, scheduler, device)
 
     @property
     def default_size(self) -> int:
