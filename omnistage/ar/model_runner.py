@@ -94,7 +94,8 @@ class ModelRunner:
         logprobs: list[TokenLogprobs | None] = [None] * len(batch.seqs)
         if rows:
             logits = self.model.compute_logits(last)
-            out = self.sampler(logits, [batch.seqs[i] for i in rows], self.eos_token_ids)
+            out = self.sampler(logits, [batch.seqs[i] for i in rows], self.eos_token_ids,
+                               inplace=True)
             for j, i in enumerate(rows):
                 sampled[i] = out.token_ids[j]
                 logprobs[i] = out.logprobs[j]

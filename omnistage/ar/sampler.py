@@ -42,12 +42,17 @@ class Sampler:
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}  # engine-wide, per device
 
-    def __call__(self, logits: Tensor, seqs: list[Sequence],
-                 eos_token_ids: tuple[int, ...]) -> SamplerOutput:
+    def __call__(self, logits: Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...],
+                 inplace: bool = False) -> SamplerOutput:
+        """logits (B, V). inplace: they are the caller's fresh float32 logits, which the
+        sampler may change (the runner's); otherwise it works on a copy."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), \
             f"logits {tuple(logits.shape)} vs {len(seqs)} sequences"
-        raw = logits.to(torch.float32, copy=True)                        # (B, V)
-        x = raw.clone()
+        # Each pass reads and writes B x V floats (39 MB at 64 rows of a 152k vocabulary), so
+        # the unprocessed logits are copied aside only when a request asked for logprobs.
+        x = logits.float() if inplace else logits.to(torch.float32, copy=True)   # (B, V)
+        wants_logprobs = any(s.sampling_params.logprobs is not None for s in seqs)
+        raw = x.clone() if wants_logprobs else x
         apply_min_tokens(x, seqs, eos_token_ids)
         apply_penalties(x, seqs)
         x.nan_to_num_(nan=float("-inf"))

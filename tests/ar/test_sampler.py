@@ -236,3 +236,26 @@ def test_logprobs_are_raw_before_penalties() -> None:
     assert out.token_ids == [1]
     assert out.logprobs[0] == {0: pytest.approx(raw[0]), 1: pytest.approx(raw[1])}
     assert list(out.logprobs[0]) == [0, 1]
+
+
+def test_inplace_equals_copy_and_keeps_raw_logprobs() -> None:
+    """The runner lets the sampler work on its logits in place: the same tokens and logprobs
+    as on a copy, with penalties, min_tokens, sampling and raw logprobs in one batch."""
+    torch.manual_seed(3)
+    logits = torch.randn(4, 40)
+
+    def batch() -> list[Sequence]:
+        return [make_seq([1, 2], [7], temperature=0.0, repetition_penalty=1.5, logprobs=3),
+                make_seq(temperature=0.8, seed=11, min_tokens=5, logprobs=2),
+                make_seq(temperature=0.0),
+                make_seq([4], [9, 9], temperature=1.0, seed=5, frequency_penalty=0.5)]
+
+    expected = Sampler(seed=1)(logits, batch(), (EOS,))
+    mine = logits.clone()
+    got = Sampler(seed=1)(mine, batch(), (EOS,), inplace=True)
+    assert got.token_ids == expected.token_ids
+    assert got.logprobs == expected.logprobs
+    raw = torch.log_softmax(logits[0], dim=-1)               # logprobs are of the raw logits
+    tok = got.token_ids[0]
+    assert got.logprobs[0][tok] == pytest.approx(raw[tok].item(), abs=1e-5)
+    assert not torch.equal(mine, logits)                     # worked in place (penalised)
