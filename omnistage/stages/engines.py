@@ -52,10 +52,21 @@ class StageEngine(Protocol):
 
 
 class ARStage:
+    options: frozenset[str] = frozenset()   # the stage options a subclass understands
+
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
+        self.check_options(stage)
         self.stage = stage
         self.engine = AREngine(stage.ar_config(model, device))
         self.defaults = stage.default_sampling()
+
+    @classmethod
+    def check_options(cls, stage: StageConfig) -> None:
+        unknown = set(stage.options) - cls.options
+        if unknown:
+            known = ", ".join(sorted(cls.options)) or "none"
+            raise ValueError(f"stage {stage.name!r}: unknown options {sorted(unknown)} "
+                             f"(this stage takes: {known})")
 
     def add(self, request_id: str, params: SamplingParams | None,
             prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,

@@ -240,6 +240,15 @@ def test_stage_startup_failure_names_the_stage(tmp_path: Path, tiny_qwen3: Path)
         Omni(stage_config=yaml_text, device="cpu")
 
 
+def test_unknown_ar_stage_options_are_refused(tiny_qwen3: Path) -> None:
+    yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, backend="inproc").replace(
+        "    max_num_batched_tokens: 32\n", "    max_num_batched_tokens: 32\n"
+        "    options: {chunk_frames: 4}\n")
+    with pytest.raises(RuntimeError, match=r"'first'.*unknown options \['chunk_frames'\] "
+                                           r"\(this stage takes: none\)"):
+        Omni(stage_config=yaml_text, device="cpu")
+
+
 @pytest.mark.parametrize("backend, connector", [("inproc", "inproc"), ("process", "shm")])
 def test_stage_error_fails_only_that_request(tiny_qwen3: Path, backend: str,
                                              connector: str) -> None:

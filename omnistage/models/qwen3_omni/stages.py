@@ -33,7 +33,8 @@ from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavStream, decode_streams
 from omnistage.models.qwen3_omni.processing import (SpecialTokens, merge_multimodal_embeddings,
                                                     mrope_positions)
-from omnistage.models.qwen3_omni.talker import Qwen3OmniTalkerForCausalLM
+from omnistage.models.qwen3_omni.talker import (CodePredictorGraphs,
+                                              Qwen3OmniTalkerForCausalLM)
 from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages.engines import ARStage, StageResult
@@ -60,6 +61,7 @@ class ThinkerStage(ARStage):
     takes_downstream = True
 
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
+        self.check_options(stage)
         self.stage = stage
         self.defaults = stage.default_sampling()
         self.engine = AREngine(stage.ar_config(model, device),
@@ -169,16 +171,53 @@ class _TalkerInput:
     num_streamed: int = 0                           # trailing-text rows sent as stream embeds
 
 
+def code_predictor_graphs(talker: Qwen3OmniTalkerForCausalLM, max_batch: int,
+                          device: torch.device, dtype: torch.dtype) -> CodePredictorGraphs | None:
+    """CUDA graphs for the talker's code predictor, if one frame replayed through them equals
+    the eager run (greedy and sampled); otherwise None, and the predictor runs eagerly."""
+    predictor = talker.code_predictor
+    graphs = CodePredictorGraphs(predictor, max_batch, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    past = torch.randn(2, predictor.cfg.hidden_size, device=device, generator=gen).to(dtype)
+    code0 = torch.randint(0, predictor.cfg.vocab_size, (2,), device=device, generator=gen)
+    try:
+        for greedy in (True, False):
+            results = []
+            for use in (None, graphs):
+                predictor.graphs = use
+                gens = [torch.Generator(device=device).manual_seed(i) for i in range(2)]
+                results.append(talker.predict_codes(past, code0, greedy=greedy, generators=gens))
+            (eager, _), (replayed, _) = results
+            if not torch.equal(eager, replayed):
+                raise RuntimeError(f"codes differ (greedy={greedy}): {eager.tolist()} vs "
+                                   f"{replayed.tolist()}")
+    except Exception as exc:   # capture not possible here: keep the eager path
+        logger.warning("code predictor runs without CUDA graphs: %s", exc)
+        return None
+    finally:
+        predictor.graphs = None
+    return graphs
+
+
 class TalkerStage(ARStage):
     """The talker's AR engine, fed by the thinker's chunks (see the module docstring). Emits
     the codec frames (num_code_groups codes each) of every step but the last, as the reference
     (its final code 0 is EOS, or the length limit cut it before the code predictor ran)."""
 
+    # code_predictor_cuda_graphs (default true): on CUDA, replay the code predictor's rounds
+    # of a frame as one CUDA graph per batch-size bucket (checked against eager at start-up)
+    options = frozenset({"code_predictor_cuda_graphs"})
+
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
+        self.check_options(stage)
         self.stage = stage
         self.defaults = stage.default_sampling()
         self.engine = AREngine(stage.ar_config(model, device),
                                loader=lambda p, d, t: _load(Qwen3OmniTalkerForCausalLM, p, d, t))
+        if (self.engine.device.type == "cuda" and not stage.enforce_eager
+                and stage.options.get("code_predictor_cuda_graphs", True)):
+            self.model.code_predictor.graphs = code_predictor_graphs(
+                self.model, stage.max_num_seqs, self.engine.device, self.engine.dtype)
         hf = self.engine.hf_config
         self.hf = hf
         self.talker_cfg = hf.talker_config

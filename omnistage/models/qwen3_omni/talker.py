@@ -155,7 +155,12 @@ class CodePredictorModel(nn.Module):
 
 class CodePredictor(nn.Module):
     """Fills codes 1 .. G-1 of a frame from the talker's last hidden state and code 0; batched
-    over B frames (requests), one forward per code group."""
+    over B frames (requests), one forward per code group.
+
+    `predict` draws every random number a frame needs first (per row, from the row's own
+    generator), then `run_groups` is tensor work only, with no host synchronisation: on CUDA
+    `CodePredictorGraphs` replays it as one graph per batch-size bucket instead of G-1 rounds
+    of small kernel launches (`graphs`, set by the talker stage when asked)."""
 
     def __init__(self, cfg: ModelConfig, num_code_groups: int) -> None:
         super().__init__()
@@ -165,6 +170,7 @@ class CodePredictor(nn.Module):
         self.model = CodePredictorModel(cfg, num_code_groups)
         self.lm_head = nn.ModuleList(Linear(cfg.hidden_size, cfg.vocab_size)
                                      for _ in range(num_code_groups - 1))
+        self.graphs: CodePredictorGraphs | None = None
 
     @torch.no_grad()
     def predict(self, past_hidden: Tensor, code0: Tensor, code0_embeds: Tensor, *,
@@ -188,12 +194,33 @@ class CodePredictor(nn.Module):
             f"code0_embeds {tuple(code0_embeds.shape)}"
         if generators is not None and len(generators) != b:
             raise ValueError(f"generators: {len(generators)} for {b} rows")
-        cfg, num_groups = self.cfg, self.num_code_groups
+        sampling = None
+        if not greedy:
+            sampling = (*_row_params(b, dev, temperature, top_k, top_p),
+                        self.draw_noise(b, dev, generators))
+        if self.graphs is not None and past_hidden.is_cuda and b <= self.graphs.max_batch:
+            return self.graphs.run(past_hidden, code0, code0_embeds, sampling)
+        return self.run_groups(past_hidden, code0, code0_embeds, sampling)
+
+    def draw_noise(self, b: int, dev: torch.device,
+                   generators: Sequence[torch.Generator | None] | None) -> Tensor:
+        """(G-1, B, V) Exponential(1) draws for the exponential race of every group: row i's
+        from its own generator (None: torch's global one), so a row's codes depend only on its
+        seed, never on the batch it shares."""
+        q = torch.empty(b, self.num_code_groups - 1, self.cfg.vocab_size, device=dev)
+        for i in range(b):
+            q[i].exponential_(generator=None if generators is None else generators[i])
+        return q.transpose(0, 1)
+
+    def run_groups(self, past_hidden: Tensor, code0: Tensor, code0_embeds: Tensor,
+                   sampling: tuple[Tensor, Tensor, Tensor, Tensor] | None
+                   ) -> tuple[Tensor, Tensor]:
+        """The G-1 rounds of `predict` on tensors alone. sampling: None (greedy) or (B,)
+        temperature, top_k, top_p and the (G-1, B, V) noise of `draw_noise`."""
+        cfg, num_groups, b = self.cfg, self.num_code_groups, past_hidden.shape[0]
         kv_shape = (b, cfg.num_key_value_heads, num_groups + 1, cfg.head_dim)
         kv_caches = [(past_hidden.new_empty(kv_shape), past_hidden.new_empty(kv_shape))
                      for _ in self.model.layers]
-        sampling = None if greedy else _row_params(b, dev, temperature, top_k, top_p)
-
         codes, embeds = [code0], [code0_embeds]
         x = torch.stack([past_hidden, code0_embeds], dim=1)                  # (B, 2, H)
         start = 0
@@ -201,12 +228,77 @@ class CodePredictor(nn.Module):
             h = self.model(x, start, kv_caches)[:, -1]                        # (B, H)
             logits = self.lm_head[g - 1](h).float()                          # (B, V)
             code = logits.argmax(dim=-1) if sampling is None else \
-                _sample(logits, *sampling, generators)
+                _sample(logits, *sampling[:3], sampling[3][g - 1])
             codes.append(code)
             embeds.append(self.model.codec_embedding[g - 1](code))
             start += x.shape[1]
             x = embeds[-1][:, None]                                          # (B, 1, H)
         return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(dim=1)
+
+
+class CodePredictorGraphs:
+    """CUDA graphs of `CodePredictor.run_groups`: one per (batch-size bucket, greedy or not),
+    captured on first use over static input buffers. A frame of B rows is copied into the
+    first B rows of the buffers, the bucket's graph replays, and the first B rows of its
+    outputs are copied out; padding rows keep whatever they held (their codes are dropped)."""
+
+    def __init__(self, predictor: CodePredictor, max_batch: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        from omnistage.ar.model_runner import graph_batch_sizes
+
+        self.predictor = predictor
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_batch = n = self.sizes[-1]
+        cfg, groups = predictor.cfg, predictor.num_code_groups
+        self.past_hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
+        self.code0_embeds = torch.zeros_like(self.past_hidden)
+        self.code0 = torch.zeros(n, dtype=torch.int64, device=device)
+        self.temperature = torch.ones(n, device=device)
+        self.top_k = torch.zeros(n, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(n, device=device)
+        self.noise = torch.ones(groups - 1, n, cfg.vocab_size, device=device)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
+        self.pool: tuple[int, int] | None = None
+        self.num_replays = 0
+
+    def _inputs(self, bs: int, greedy: bool) -> tuple:
+        sampling = None if greedy else (self.temperature[:bs], self.top_k[:bs],
+                                        self.top_p[:bs], self.noise[:, :bs])
+        return self.past_hidden[:bs], self.code0[:bs], self.code0_embeds[:bs], sampling
+
+    def _capture(self, bs: int, greedy: bool) -> None:
+        stream = torch.cuda.Stream()                   # warm-up off the capture, as torch asks
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.predictor.run_groups(*self._inputs(bs, greedy))
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            codes, embeds = self.predictor.run_groups(*self._inputs(bs, greedy))
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[(bs, greedy)] = (graph, codes, embeds)
+
+    def run(self, past_hidden: Tensor, code0: Tensor, code0_embeds: Tensor,
+            sampling: tuple[Tensor, Tensor, Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+        b = past_hidden.shape[0]
+        bs = next(s for s in self.sizes if s >= b)
+        self.past_hidden[:b].copy_(past_hidden)
+        self.code0[:b].copy_(code0)
+        self.code0_embeds[:b].copy_(code0_embeds)
+        if sampling is not None:
+            temperature, top_k, top_p, noise = sampling
+            self.temperature[:b].copy_(temperature)
+            self.top_k[:b].copy_(top_k)
+            self.top_p[:b].copy_(top_p)
+            self.noise[:, :b].copy_(noise)
+        key = (bs, sampling is None)
+        if key not in self.graphs:
+            self._capture(*key)
+        graph, codes, embeds = self.graphs[key]
+        graph.replay()
+        self.num_replays += 1
+        return codes[:b].clone(), embeds[:b].clone()
 
 
 def _row_params(b: int, dev: torch.device, temperature: float | Tensor, top_k: int | Tensor,
@@ -223,19 +315,16 @@ def _row_params(b: int, dev: torch.device, temperature: float | Tensor, top_k: i
 
 
 def _sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
-            generators: Sequence[torch.Generator | None] | None) -> Tensor:
+            noise: Tensor) -> Tensor:
     """(B, V) float32 logits -> (B,) codes: temperature, top-k, top-p, then the exponential
-    race argmax(probs / q), q ~ Exp(1), as the engine's sampler draws (one q row per row)."""
-    b, vocab = logits.shape
+    race argmax(probs / q), q ~ Exp(1) from `noise` (B, V), as the engine's sampler draws."""
+    vocab = logits.shape[1]
     is_greedy = temperature < GREEDY_EPS
     x = logits / torch.where(is_greedy, 1.0, temperature)[:, None]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     x = apply_top_k_top_p(x, k, top_p)
     probs = torch.softmax(x, dim=-1)
-    q = torch.empty_like(probs)
-    for i in range(b):
-        q[i].exponential_(generator=None if generators is None else generators[i])
-    sampled = (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+    sampled = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
     return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
 
