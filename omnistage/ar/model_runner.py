@@ -7,8 +7,10 @@ downstream stage asked for.
 
 On CUDA, steps where every sequence decodes one output token replay a CUDA graph instead
 (`DecodeGraphs`): one graph per batch-size bucket, captured at start-up over static input
-buffers, the batch padded up to the bucket. Sampling stays outside the graph. Steps a graph
-cannot express (prefill chunks, inputs given as embeddings, streamed inputs) run eagerly.
+buffers, the batch padded up to the bucket. Decodes fed embeddings (stream rows added, the
+model's feedback embeddings) build their input rows eagerly and replay a variant that reads
+them from a static buffer. Sampling and the feedback hook stay outside the graph. Steps with
+prompt rows (prefill chunks) run eagerly.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import Tensor, nn
 from omnistage.ar.kv_cache import KVCacheLayout
 from omnistage.ar.sampler import Sampler, TokenLogprobs
 from omnistage.ar.scheduler import ScheduledBatch
+from omnistage.ar.sequence import Sequence
 from omnistage.layers.attention import (Attention, AttentionBackend, AttentionMetadata,
                                         forward_context, get_attention_backend)
 
@@ -76,7 +79,10 @@ class ModelRunner:
         rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         graphed = None
         if self.graphs is not None and self.graphs.can_run(batch):
-            graphed = self.graphs.run(batch, capture)
+            # decodes fed embeddings (a talker's stream rows, feedback embeddings) replay the
+            # graph variant that reads a static embedding buffer, built here eagerly
+            embeds = self._decode_embeds(batch) if DecodeGraphs.needs_embeds(batch) else None
+            graphed = self.graphs.run(batch, capture, embeds)
         if graphed is not None:
             hidden, captured = graphed                          # (B, hidden): one row a seq
             qsl = list(range(len(batch.seqs) + 1))
@@ -144,32 +150,7 @@ class ModelRunner:
                 first = table[block_idx] * bs + offset
                 slots.extend(range(first, first + run))
                 p += run
-            if seq.prompt_embeds is not None and start < num_prompt:
-                stop = min(start + n, num_prompt)
-                embed_rows.append((qsl[-1], seq.prompt_embeds[start:stop]))
-            if seq.output_embeds and start + n > num_prompt:
-                # fed-back outputs the model embedded itself (its feedback hook)
-                t0 = max(start, num_prompt) - num_prompt
-                t1 = min(start + n - num_prompt, len(seq.output_embeds))
-                if t1 > t0:
-                    embed_rows.append((qsl[-1] + (t0 + num_prompt - start),
-                                       torch.stack(seq.output_embeds[t0:t1])))
-            if start + n > num_prompt and (seq.stream_embeds is not None
-                                           or seq.stream_pad is not None):
-                # decode inputs P + t get upstream's t-th stream embedding added (past a
-                # closed stream's end: its pad embedding)
-                num_stream = 0 if seq.stream_embeds is None else seq.stream_embeds.shape[0]
-                t0 = max(start, num_prompt) - num_prompt
-                t1 = min(start + n - num_prompt, num_stream)
-                if t1 > t0:
-                    row = qsl[-1] + (t0 + num_prompt - start)
-                    stream_rows.append((row, seq.stream_embeds[t0:t1]))
-                if seq.stream_pad is not None and not seq.stream_open:
-                    p0 = max(t0, num_stream)
-                    p1 = start + n - num_prompt
-                    if p1 > p0:
-                        row = qsl[-1] + (p0 + num_prompt - start)
-                        stream_rows.append((row, seq.stream_pad.expand(p1 - p0, -1)))
+            _embed_rows(seq, start, n, qsl[-1], embed_rows, stream_rows)
             if mrope:
                 p = torch.arange(start, start + n)
                 rows3 = (p + seq.rope_delta).expand(3, n).clone()
@@ -206,12 +187,31 @@ class ModelRunner:
                                   torch.cat(deep_feats, dim=1).to(dev, self.dtype))
         embeds = None
         if embed_rows or stream_rows:
-            embeds = self.model.embed_input_ids(input_ids)
-            for row, e in embed_rows:
-                embeds[row:row + e.shape[0]] = e.to(device=dev, dtype=embeds.dtype)
-            for row, e in stream_rows:
-                embeds[row:row + e.shape[0]] += e.to(device=dev, dtype=embeds.dtype)
+            embeds = self._embed(input_ids, embed_rows, stream_rows)
         return input_ids, positions, md, embeds, extra
+
+    def _embed(self, input_ids: Tensor, embed_rows: list[tuple[int, Tensor]],
+               stream_rows: list[tuple[int, Tensor]]) -> Tensor:
+        """The token embeddings of input_ids with `embed_rows` replacing and `stream_rows`
+        added to the rows they start at."""
+        embeds = self.model.embed_input_ids(input_ids)
+        for row, e in embed_rows:
+            embeds[row:row + e.shape[0]] = e.to(device=embeds.device, dtype=embeds.dtype)
+        for row, e in stream_rows:
+            embeds[row:row + e.shape[0]] += e.to(device=embeds.device, dtype=embeds.dtype)
+        return embeds
+
+    def _decode_embeds(self, batch: ScheduledBatch) -> Tensor:
+        """(B, hidden) input embeddings of a decode-only batch, as `_prepare` builds them."""
+        ids: list[int] = []
+        embed_rows: list[tuple[int, Tensor]] = []
+        stream_rows: list[tuple[int, Tensor]] = []
+        for i, seq in enumerate(batch.seqs):
+            p = seq.num_computed_tokens
+            ids.append(seq.output_token_ids[p - seq.num_prompt_tokens])
+            _embed_rows(seq, p, 1, i, embed_rows, stream_rows)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return self._embed(input_ids, embed_rows, stream_rows)
 
     @staticmethod
     def _slice_hidden(batch: ScheduledBatch, qsl: list[int], captured: dict[int, Tensor],
@@ -237,6 +237,39 @@ class ModelRunner:
         return out
 
 
+def _embed_rows(seq: Sequence, start: int, n: int, row0: int,
+                embed_rows: list[tuple[int, Tensor]], stream_rows: list[tuple[int, Tensor]]
+                ) -> None:
+    """Where positions start .. start+n-1 of seq (batch rows row0 ..) take embeddings other
+    than their tokens': (row, rows) appended to embed_rows (replace) and stream_rows (add)."""
+    num_prompt = seq.num_prompt_tokens
+    if seq.prompt_embeds is not None and start < num_prompt:
+        stop = min(start + n, num_prompt)
+        embed_rows.append((row0, seq.prompt_embeds[start:stop]))
+    if start + n <= num_prompt:
+        return
+    t0 = max(start, num_prompt) - num_prompt      # output index of the first decode input
+    if seq.output_embeds:
+        # fed-back outputs the model embedded itself (its feedback hook)
+        t1 = min(start + n - num_prompt, len(seq.output_embeds))
+        if t1 > t0:
+            embed_rows.append((row0 + (t0 + num_prompt - start),
+                               torch.stack(seq.output_embeds[t0:t1])))
+    if seq.stream_embeds is not None or seq.stream_pad is not None:
+        # decode inputs P + t get upstream's t-th stream embedding added (past a closed
+        # stream's end: its pad embedding)
+        num_stream = 0 if seq.stream_embeds is None else seq.stream_embeds.shape[0]
+        t1 = min(start + n - num_prompt, num_stream)
+        if t1 > t0:
+            stream_rows.append((row0 + (t0 + num_prompt - start), seq.stream_embeds[t0:t1]))
+        if seq.stream_pad is not None and not seq.stream_open:
+            p0 = max(t0, num_stream)
+            p1 = start + n - num_prompt
+            if p1 > p0:
+                stream_rows.append((row0 + (p0 + num_prompt - start),
+                                    seq.stream_pad.expand(p1 - p0, -1)))
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Batch-size buckets: 1, 2, 4, 8, then every 16 up to max_num_seqs (which is always one)."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
@@ -256,12 +289,16 @@ class DecodeGraphs:
         block_tables              (N, max_blocks) int32; only [:B, :width] is rewritten, the
                                   kernel never reads past a row's own blocks
         query_start_loc           (N+1,) = 0, 1, ..., N (one query each)
+        embeds                    (N, hidden)     only for batches fed embeddings (a talker's
+                                  stream rows and feedback): the runner builds the rows
+                                  eagerly, the graph variant that reads them replays the layers
 
     Graphs share one memory pool and are captured largest first. A model whose forward pass
     synchronises with the host (an MoE layer that reads expert counts) cannot be captured:
     `capture_all` finds that out in a warm-up pass run in torch's sync-debug "error" mode and
     returns False. Graphs that also return hidden states of some layers (a downstream stage
-    asked for them) are captured on first use.
+    asked for them) and the embedding-fed variants are captured on first use; an embedding-fed
+    capture that fails leaves those batches eager.
     """
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int,
@@ -282,8 +319,11 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.slot_mapping.fill_(-1)
-        # (bucket, captured layers) -> graph, its metadata, hidden (bucket, H), captured states
-        self.graphs: dict[tuple[int, tuple[int, ...]],
+        self.embeds: Tensor | None = None    # allocated at the first embedding-fed batch
+        self.embeds_ok = True
+        # (bucket, captured layers, embedding-fed) -> graph, its metadata, hidden (bucket, H),
+        # captured states
+        self.graphs: dict[tuple[int, tuple[int, ...], bool],
                           tuple[torch.cuda.CUDAGraph, AttentionMetadata, Tensor,
                                 dict[int, Tensor]]] = {}
         self.pool: tuple[int, int] | None = None
@@ -296,11 +336,12 @@ class DecodeGraphs:
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs, max_query_len=1,
             max_seq_len=self.max_blocks * self.block_size)
 
-    def _forward(self, bs: int, md: AttentionMetadata, capture: tuple[int, ...]
-                 ) -> tuple[Tensor, dict[int, Tensor]]:
+    def _forward(self, bs: int, md: AttentionMetadata, capture: tuple[int, ...],
+                 embeds: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
         positions = self.positions[:, :bs] if self.mrope else self.positions[:bs]
         with forward_context(md):
-            return self.model(self.input_ids[:bs], positions, None, capture)
+            return self.model(self.input_ids[:bs], positions,
+                              self.embeds[:bs] if embeds else None, capture)
 
     def capture_all(self) -> bool:
         """Capture every bucket without hidden-state outputs; False if the model can't be."""
@@ -322,38 +363,63 @@ class DecodeGraphs:
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
         return True
 
-    def _capture(self, bs: int, capture: tuple[int, ...]) -> None:
+    def _capture(self, bs: int, capture: tuple[int, ...], embeds: bool = False) -> None:
         md = self._metadata(bs)
         self.backend.prepare(md, has_cache=True)
-        self._forward(bs, md, capture)                # warm-up outside the graph
+        # The warm-up really runs: with the last replay's slots still in the buffer it would
+        # write K/V over positions that may since belong to other sequences. Slot -1 writes
+        # nothing; `run` fills the real slots before every replay.
+        self.slot_mapping.fill_(-1)
+        self._forward(bs, md, capture, embeds)        # warm-up outside the graph
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden, captured = self._forward(bs, md, capture)
+            hidden, captured = self._forward(bs, md, capture, embeds)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[(bs, capture)] = (graph, md, hidden, captured)
+        self.graphs[(bs, capture, embeds)] = (graph, md, hidden, captured)
+
+    @staticmethod
+    def needs_embeds(batch: ScheduledBatch) -> bool:
+        """Whether some decode input is not just its token's embedding."""
+        return any(seq.output_embeds or seq.stream_embeds is not None
+                   or seq.stream_pad is not None for seq in batch.seqs)
 
     def can_run(self, batch: ScheduledBatch) -> bool:
-        """Every sequence feeds back one sampled token, from its token id alone."""
+        """Every sequence decodes one token past its prompt."""
         if len(batch.seqs) > self.sizes[-1]:
             return False
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if (n != 1 or seq.num_computed_tokens < seq.num_prompt_tokens or seq.output_embeds
-                    or seq.stream_embeds is not None or seq.stream_pad is not None
+            if (n != 1 or seq.num_computed_tokens < seq.num_prompt_tokens
                     or len(seq.block_table) > self.max_blocks):
                 return False
-        return True
+        return self.embeds_ok or not self.needs_embeds(batch)
 
-    def run(self, batch: ScheduledBatch, capture: tuple[int, ...]
-            ) -> tuple[Tensor, dict[int, Tensor]]:
-        """Replay the bucket's graph on this batch: -> hidden (B, H), captured layers (B, H)
-        (views of the graph's output buffers, valid until the next replay)."""
+    def run(self, batch: ScheduledBatch, capture: tuple[int, ...], embeds: Tensor | None = None
+            ) -> tuple[Tensor, dict[int, Tensor]] | None:
+        """Replay the bucket's graph on this batch (embeds (B, H): the inputs' embeddings, for
+        the embedding-fed variant): -> hidden (B, H), captured layers (B, H) (views of the
+        graph's output buffers, valid until the next replay); None if that variant could not
+        be captured (the caller runs the batch eagerly)."""
         num_seqs = len(batch.seqs)
         bs = next(s for s in self.sizes if s >= num_seqs)
-        if (bs, capture) not in self.graphs:
-            self._capture(bs, capture)
-        graph, _, hidden, captured = self.graphs[(bs, capture)]
+        key = (bs, capture, embeds is not None)
+        if embeds is not None:
+            if self.embeds is None:
+                self.embeds = torch.zeros(self.sizes[-1], embeds.shape[1], dtype=embeds.dtype,
+                                          device=embeds.device)
+            self.embeds[:num_seqs].copy_(embeds)
+        if key not in self.graphs:
+            try:
+                self._capture(*key)
+            except Exception:
+                if embeds is None:
+                    raise
+                logger.warning("decodes fed embeddings run without CUDA graphs: capture "
+                               "failed", exc_info=True)
+                self.embeds_ok = False
+                return None
+        graph, _, hidden, captured = self.graphs[key]
 
         n, page = self.sizes[-1], self.block_size
         ids = [0] * n

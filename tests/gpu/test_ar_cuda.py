@@ -184,6 +184,44 @@ def test_cuda_graph_with_hidden_state_outputs(tiny_qwen3: Path) -> None:
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_cuda_graph_decode_fed_embeddings_equals_eager(tiny_qwen3: Path) -> None:
+    """Decodes whose inputs get stream embeddings added (how a talker follows a thinker), then
+    a stream pad once the stream is closed, replay the embedding-fed graph variant: the same
+    tokens and logprobs as eager. Three requests: bucket 4 with a padding row; the requests
+    join at different times, so buckets 1, 2 and 4 are captured mid-run."""
+    def run_fed(enforce_eager: bool) -> tuple[dict[str, list], AREngine]:
+        engine = make_engine(tiny_qwen3, "float32", enforce_eager=enforce_eager)
+        hidden = engine.model_config.hidden_size
+        gen = torch.Generator().manual_seed(0)
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
+        got: dict[str, list] = {}
+        for i in range(3):
+            prompt = [5 + i, 9, 11, 2 + i]
+            engine.add_request(f"s{i}", prompt, params, stream_open=True,
+                               stream_pad=torch.randn(hidden, generator=gen))
+            engine.extend_request(f"s{i}", stream_embeds=torch.randn(8, hidden, generator=gen),
+                                  close_stream=True)
+            for _ in range(3):                   # the next request joins a few steps later
+                for o in engine.step():
+                    got.setdefault(o.request_id, []).append((o.new_token_ids, o.logprobs))
+        while engine.has_unfinished_requests:
+            for o in engine.step():
+                got.setdefault(o.request_id, []).append((o.new_token_ids, o.logprobs))
+        return got, engine
+
+    want, _ = run_fed(True)
+    got, engine = run_fed(False)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.embeds_ok
+    assert {key[0] for key in graphs.graphs if key[2]} >= {1, 2, 4}
+    assert set(got) == set(want)
+    for rid in want:
+        assert [ids for ids, _ in got[rid]] == [ids for ids, _ in want[rid]], rid
+        for (_, lp), (_, ref) in zip(got[rid], want[rid]):
+            for tok, value in (lp[0] if lp else {}).items():
+                assert abs(value - ref[0][tok]) < 1e-4, (rid, tok)
+
+
 def test_model_that_synchronises_decodes_eagerly(tiny_qwen3: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A forward pass that reads a device value on the host cannot be captured: no graphs."""
