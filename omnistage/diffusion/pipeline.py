@@ -110,24 +110,37 @@ class LatentPipelineBase:
     phases (`prepare_latents`, `check_conditioning`, `velocity`, `decode_float`): the size
     rule, the request checks, prepare = encode + prepare_latents, and the uint8 decode.
 
-    A subclass sets `label` (for messages), `prompt_encoder_cls`, `max_size`, `size_rule`,
-    `default_size` (pixels, per side) and `check_text_params(prompt, params)`; its instances
-    have `multiple` (pixels per latent token side), `vae`, `device` and `prompt_encoder`."""
+    A subclass sets `label` (for messages), its network classes, `max_size`, `packed` (2x2
+    latent patches packed into the channels of one token, FLUX / Qwen-Image; else the
+    transformer patches them itself, Z-Image), `default_size` (pixels per side; None: 128
+    latent pixels, 1024 px with an 8x VAE) and `check_text_params(prompt, params)`."""
 
     label: str
     transformer_cls: type
     vae_cls: type
     prompt_encoder_cls: type
     max_size: int = 2048
-    size_rule: str = ""
-    multiple: int
-    vae: torch.nn.Module
-    device: torch.device
-    prompt_encoder: PromptEncoder | None
+    packed: bool = True
+    default_size: int | None = None
 
-    @property
-    def default_size(self) -> int:
-        raise NotImplementedError
+    def __init__(self, transformer: torch.nn.Module, vae: torch.nn.Module,
+                 prompt_encoder: PromptEncoder | None, scheduler: solver.FlowMatchEulerConfig,
+                 device: torch.device) -> None:
+        """prompt_encoder None: the conditioning comes from an upstream text-encoder stage."""
+        self.transformer = transformer.to(device).eval()
+        self.vae = vae.to(device).eval()
+        self.prompt_encoder = prompt_encoder
+        self.scheduler = scheduler
+        self.device = device
+        self.dtype = next(transformer.parameters()).dtype
+        self.vae_scale_factor = vae.cfg.downscale                  # 8 for all three
+        self.multiple = self.vae_scale_factor * 2                  # pixels per token side
+        channels = transformer.cfg.in_channels
+        self.num_channels_latents = channels // 4 if self.packed else channels
+        if self.default_size is None:
+            self.default_size = 128 * self.vae_scale_factor   # latent pixels, as diffusers
+        how = "packing" if self.packed else "patches"
+        self.size_rule = f"VAE factor {self.vae_scale_factor} x 2x2 {how}"
 
     @staticmethod
     def check_text_params(prompt: str | None, params: DiffusionParams) -> None:

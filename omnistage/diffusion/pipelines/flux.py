@@ -37,7 +37,6 @@ from omnistage.models.text_encoders import CLIPTextEncoder, T5Encoder
 
 MAX_SIZE = 2048
 DEFAULT_GUIDANCE = 3.5              # FLUX.1-dev's distilled guidance, as in diffusers
-DEFAULT_SAMPLE_SIZE = 128           # latent pixels: 1024 px with the 8x FLUX VAE
 MAX_SEQUENCE_LENGTH = 512           # T5 tokens, diffusers' default and maximum
 CLIP_MAX_LENGTH = 77
 
@@ -106,28 +105,6 @@ class FluxPipeline(LatentPipelineBase):
     prompt_encoder_cls = FluxPromptEncoder
     max_size = MAX_SIZE
     check_text_params = staticmethod(check_text_params)
-
-    def __init__(self, transformer: FluxTransformer2DModel, vae: AutoencoderKL,
-                 prompt_encoder: FluxPromptEncoder | None,
-                 scheduler: solver.FlowMatchEulerConfig, device: torch.device) -> None:
-        """prompt_encoder None: the conditioning comes from an upstream text-encoder stage."""
-        self.transformer = transformer.to(device).eval()
-        self.vae = vae.to(device).eval()
-        self.prompt_encoder = prompt_encoder
-        self.scheduler = scheduler
-        self.device = device
-        self.dtype = next(transformer.parameters()).dtype
-        self.vae_scale_factor = vae.cfg.downscale                 # 8 for FLUX.1
-        self.multiple = self.vae_scale_factor * 2                 # latents are packed 2x2
-        self.num_channels_latents = transformer.cfg.in_channels // 4
-
-    @property
-    def default_size(self) -> int:
-        return DEFAULT_SAMPLE_SIZE * self.vae_scale_factor
-
-    @property
-    def size_rule(self) -> str:
-        return f"VAE factor {self.vae_scale_factor} x 2x2 packing"
 
     # ---- 1. prepare (encode: the base class) ---------------------------------------------
 

@@ -46,7 +46,6 @@ from omnistage.models.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
 from omnistage.models.qwen_image_transformer import QwenImageTransformer2DModel
 
 MAX_SIZE = 2048
-DEFAULT_SAMPLE_SIZE = 128           # latent pixels: 1024 px with the 8x VAE, as diffusers
 MAX_SEQUENCE_LENGTH = 1024          # caption tokens after the template; diffusers' maximum
 DEFAULT_SEQUENCE_LENGTH = 512       # diffusers' default
 PROMPT_TEMPLATE = (
@@ -139,31 +138,6 @@ class QwenImagePipeline(LatentPipelineBase):
     prompt_encoder_cls = QwenImagePromptEncoder
     max_size = MAX_SIZE
     check_text_params = staticmethod(check_text_params)
-
-    def __init__(self, transformer: QwenImageTransformer2DModel, vae: AutoencoderKLQwenImage,
-                 prompt_encoder: QwenImagePromptEncoder | None,
-                 scheduler: solver.FlowMatchEulerConfig, device: torch.device) -> None:
-        """prompt_encoder None: the conditioning comes from an upstream text-encoder stage."""
-        if transformer.cfg.guidance_embeds:
-            raise ValueError("transformer guidance_embeds=True: guidance-distilled Qwen-Image "
-                             "checkpoints are not supported (diffusers cannot run them either)")
-        self.transformer = transformer.to(device).eval()
-        self.vae = vae.to(device).eval()
-        self.prompt_encoder = prompt_encoder
-        self.scheduler = scheduler
-        self.device = device
-        self.dtype = next(transformer.parameters()).dtype
-        self.vae_scale_factor = vae.cfg.downscale                 # 8 for Qwen-Image
-        self.multiple = self.vae_scale_factor * 2                 # latents are packed 2x2
-        self.num_channels_latents = transformer.cfg.in_channels // 4
-
-    @property
-    def default_size(self) -> int:
-        return DEFAULT_SAMPLE_SIZE * self.vae_scale_factor
-
-    @property
-    def size_rule(self) -> str:
-        return f"VAE factor {self.vae_scale_factor} x 2x2 packing"
 
     # ---- 1. prepare (encode: the base class) ---------------------------------------------
 

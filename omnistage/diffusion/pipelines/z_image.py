@@ -119,28 +119,8 @@ class ZImagePipeline(LatentPipelineBase):
     prompt_encoder_cls = ZImagePromptEncoder
     max_size = MAX_SIZE
     check_text_params = staticmethod(check_text_params)
-
-    def __init__(self, transformer: ZImageTransformer2DModel, vae: AutoencoderKL,
-                 prompt_encoder: ZImagePromptEncoder | None,
-                 scheduler: solver.FlowMatchEulerConfig, device: torch.device) -> None:
-        """prompt_encoder None: the conditioning comes from an upstream text-encoder stage."""
-        self.transformer = transformer.to(device).eval()
-        self.vae = vae.to(device).eval()
-        self.prompt_encoder = prompt_encoder
-        self.scheduler = scheduler
-        self.device = device
-        self.dtype = next(transformer.parameters()).dtype
-        self.vae_scale_factor = vae.cfg.downscale                 # 8 for the FLUX VAE
-        self.multiple = self.vae_scale_factor * 2                 # transformer patches are 2x2
-        self.num_channels_latents = transformer.cfg.in_channels
-
-    @property
-    def default_size(self) -> int:
-        return DEFAULT_SIZE
-
-    @property
-    def size_rule(self) -> str:
-        return f"VAE factor {self.vae_scale_factor} x 2x2 patches"
+    packed = False
+    default_size = DEFAULT_SIZE
 
     # ---- 1. prepare (encode: the base class) ---------------------------------------------
 
