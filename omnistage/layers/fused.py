@@ -5,6 +5,10 @@ activation.py and rotary.py: on CUDA tensors, where triton is installed, unless 
     ops = fused.ops_for(x)       # the triton_ops module, or None: use the PyTorch path
     fused.set_enabled(False)     # everything back to PyTorch (benchmarks measure both ways)
 
+`norm_linear` and `silu_linear` run an RMSNorm (with its residual add) or a SiLU-and-mul and
+the matmul after it; with `set_gemv(True)` (experimental, off by default: not yet measured
+against cuBLAS) batches of a few rows on CUDA take one kernel for both (triton_gemv.py).
+
 The PyTorch paths stay the reference on every device; tests compare the two.
 """
 
@@ -12,9 +16,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from torch import Tensor
+from torch import Tensor, nn
 
 _enabled = True
+_gemv = False
 _ops: ModuleType | None | bool = False   # False: not looked up yet; None: triton missing
 
 
@@ -25,6 +30,12 @@ def set_enabled(enabled: bool) -> None:
 
 def is_enabled() -> bool:
     return _enabled
+
+
+def set_gemv(enabled: bool) -> None:
+    """Fused matmul-vector kernels for decode batches of a few rows (experimental)."""
+    global _gemv
+    _gemv = enabled
 
 
 def _load() -> ModuleType | None:
@@ -44,3 +55,35 @@ def ops_for(x: Tensor) -> ModuleType | None:
     if not (_enabled and x.is_cuda):
         return None
     return _load()
+
+
+def _gemv_for(x: Tensor, weight: Tensor, interpret: bool = False) -> ModuleType | None:
+    if not (_gemv and _enabled and (x.is_cuda or interpret) and _load() is not None):
+        return None
+    from omnistage.layers import triton_gemv
+
+    return triton_gemv if triton_gemv.applies(x, weight) else None
+
+
+def norm_linear(norm: nn.Module, linear: nn.Module, x: Tensor, residual: Tensor | None
+                ) -> tuple[Tensor, Tensor]:
+    """linear(norm(x + residual)) and the sum x + residual (x alone without a residual): what
+    a pre-norm layer runs in front of its attention and its MLP. x, residual: (T, K)."""
+    gemv = _gemv_for(x, linear.weight, _interpret)
+    if gemv is not None and norm.weight.dtype == x.dtype:
+        return gemv.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
+    if residual is None:
+        return linear(norm(x)), x
+    normed, total = norm.add_forward(x, residual)
+    return linear(normed), total
+
+
+def silu_linear(act: nn.Module, linear: nn.Module, x: Tensor) -> Tensor:
+    """linear(act(x)) for x (T, 2I) laid out | gate | up | and act the SiLU-and-mul."""
+    gemv = _gemv_for(x, linear.weight, _interpret)
+    if gemv is not None:
+        return gemv.silu_linear(x, linear.weight, linear.bias)
+    return linear(act(x))
+
+
+_interpret = False   # tests: run the gemv kernels on CPU tensors (Triton's interpreter)

@@ -11,6 +11,7 @@ from typing import Iterable
 import torch
 from torch import Tensor, nn
 
+from omnistage.layers import fused
 from omnistage.layers.activation import SiluAndMul
 from omnistage.layers.attention import Attention
 from omnistage.layers.linear import Linear, MergedLinear, QKVLinear
@@ -38,7 +39,11 @@ class Qwen2Attention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # x: (T, hidden)
+        return self.attend(positions, self.qkv_proj(x))            # x: (T, hidden)
+
+    def attend(self, positions: Tensor, qkv: Tensor) -> Tensor:
+        """The rest after the q/k/v projection: qkv (T, (H + 2 Hkv) D) -> (T, hidden)."""
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)              # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)           # (T, Hkv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -57,7 +62,11 @@ class Qwen2MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # (T, 2I) -> (T, I) -> (T, hid)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: Tensor) -> Tensor:
+        """(T, 2I) -> silu(gate) * up (T, I) -> (T, hidden)."""
+        return fused.silu_linear(self.act_fn, self.down_proj, gate_up)
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -73,13 +82,14 @@ class Qwen2DecoderLayer(nn.Module):
         """The layer's input is h + residual (just h for the first layer); returns (mlp out,
         residual) whose sum is its output, so that the next layer's norm does the add (one
         fused kernel on CUDA instead of an add and a norm)."""
-        if residual is None:
-            x, residual = self.input_layernorm(h), h
-        else:
-            x, residual = self.input_layernorm.add_forward(h, residual)
-        attn = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm.add_forward(attn, residual)
-        return self.mlp(x), residual
+        # each norm and the matmul after it: one kernel at decode batches of a few rows
+        # where fused.set_gemv is on, else the norm (with the add) and cuBLAS
+        qkv, residual = fused.norm_linear(self.input_layernorm, self.self_attn.qkv_proj, h,
+                                          residual)
+        attn = self.self_attn.attend(positions, qkv)
+        gate_up, residual = fused.norm_linear(self.post_attention_layernorm,
+                                              self.mlp.gate_up_proj, attn, residual)
+        return self.mlp.down(gate_up), residual
 
 
 class Qwen2Model(nn.Module):

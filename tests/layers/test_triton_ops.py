@@ -123,3 +123,120 @@ def test_qk_norm_rope(dtype: torch.dtype, qk_norm: bool) -> None:
     assert got_q.is_contiguous() and got_k.is_contiguous()
     torch.testing.assert_close(got_q, ref_q, **TOL[dtype])
     torch.testing.assert_close(got_k, ref_k, **TOL[dtype])
+
+
+# -- fused matmul-vector kernels (fused.set_gemv, experimental) --------------------------------
+
+@pytest.fixture
+def gemv_on():
+    fused.set_gemv(True)
+    fused._interpret = DEVICE.type == "cpu"
+    yield
+    fused.set_gemv(False)
+    fused._interpret = False
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_norm_linear(gemv_on, dtype: torch.dtype, rows: int, with_residual: bool,
+                     bias: bool) -> None:
+    """K = 300 (a partial K tile), N = 37 (a partial N block)."""
+    from omnistage.layers.linear import Linear
+
+    torch.manual_seed(4)
+    norm = RMSNorm(300, eps=1e-6).to(DEVICE, dtype)
+    norm.weight.copy_(1 + 0.1 * torch.randn(300))
+    linear = Linear(300, 37, bias=bias).to(DEVICE, dtype)
+    linear.weight.copy_(torch.randn(37, 300) * 0.05)
+    if bias:
+        linear.bias.copy_(torch.randn(37))
+    x = torch.randn(rows, 300).to(DEVICE, dtype)
+    residual = torch.randn(rows, 300).to(DEVICE, dtype) if with_residual else None
+
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return linear(norm(x)), x
+        normed, total = norm.add_forward(x, residual)
+        return linear(normed), total
+
+    fused.set_gemv(False)
+    want, want_total = _torch_path(reference)
+    fused.set_gemv(True)
+    got, got_total = fused.norm_linear(norm, linear, x, residual)
+    assert got.shape == (rows, 37)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(got_total, want_total, atol=0, rtol=0)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_linear(gemv_on, dtype: torch.dtype) -> None:
+    from omnistage.layers.linear import Linear
+
+    torch.manual_seed(5)
+    act = SiluAndMul()
+    linear = Linear(300, 21).to(DEVICE, dtype)
+    linear.weight.copy_(torch.randn(21, 300) * 0.05)
+    x = torch.randn(2, 600).to(DEVICE, dtype)
+    fused.set_gemv(False)
+    want = _torch_path(lambda: linear(act(x)))
+    fused.set_gemv(True)
+    torch.testing.assert_close(fused.silu_linear(act, linear, x), want, **TOL[dtype])
+
+
+@kernel_test
+def test_decoder_with_gemv_equals_without(gemv_on, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3 forward pass of 3 rows (decode-sized: the fused kernels) and of 9 rows (the
+    usual path) with set_gemv on equals it with set_gemv off."""
+    from transformers import Qwen3Config
+
+    from omnistage.layers.attention import TorchPagedAttention, AttentionMetadata, \
+        forward_context
+    from omnistage.models.config import ModelConfig
+    from omnistage.models.qwen3 import Qwen3ForCausalLM
+
+    hf = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     vocab_size=128, max_position_embeddings=64,
+                     architectures=["Qwen3ForCausalLM"])
+    torch.manual_seed(6)
+    model = Qwen3ForCausalLM(ModelConfig.from_hf(hf)).to(DEVICE, torch.float32)
+    for p in model.parameters():
+        p.data.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    from omnistage.layers import triton_gemv
+
+    calls: list[int] = []
+    real = triton_gemv._launch
+
+    def counted(x, *args):  # type: ignore[no-untyped-def]
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(triton_gemv, "_launch", counted)
+    for num_tokens in (3, 9):
+        ids = torch.randint(0, 128, (num_tokens,), device=DEVICE)
+        positions = torch.arange(num_tokens, device=DEVICE)
+        md = AttentionMetadata(
+            slot_mapping=positions, query_start_loc=torch.tensor([0, num_tokens], device=DEVICE,
+                                                                 dtype=torch.int32),
+            seq_lens=torch.tensor([num_tokens], device=DEVICE, dtype=torch.int32),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
+            query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens],
+            max_query_len=num_tokens, max_seq_len=num_tokens)
+
+        def forward() -> torch.Tensor:
+            for layer in model.modules():
+                if hasattr(layer, "backend"):
+                    layer.backend = TorchPagedAttention()
+            md.backend_state = None
+            with forward_context(md), torch.no_grad():
+                return model(ids, positions)[0]
+
+        fused.set_gemv(False)
+        want = forward()
+        fused.set_gemv(True)
+        torch.testing.assert_close(forward(), want, atol=1e-5, rtol=1e-5)
+    assert calls == [3] * 6   # 2 layers x (norm + qkv, norm + gate_up, silu + down); 9 rows: none
