@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omnistage.layers.rotary import fused_rope_args, norm_and_rotate
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -203,3 +205,25 @@ class Attention(nn.Module):
         if md is None:
             raise RuntimeError("Attention called outside forward_context(...)")
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, md, self.scale)
+
+    def rotate_and_attend(self, rotary: nn.Module, positions: Tensor, q: Tensor, k: Tensor,
+                          v: Tensor, q_norm: nn.Module | None = None,
+                          k_norm: nn.Module | None = None) -> Tensor:
+        """Per-head q/k RMSNorm (if given), rotary, then attention. Where the fused kernels
+        and a backend that reads K/V from the cache allow it, one kernel normalises, rotates
+        and writes k and v into the cache (the backend's own K/V store is skipped)."""
+        md = get_forward_context()
+        if md is None:
+            raise RuntimeError("Attention called outside forward_context(...)")
+        args = (fused_rope_args(rotary, positions, q, q_norm, k_norm)
+                if self.k_cache is not None and getattr(self.backend, "accepts_stored_kv", False)
+                else None)
+        if args is None:
+            q, k = norm_and_rotate(rotary, positions, q, k, q_norm, k_norm)
+            return self.backend.forward(q, k, v, self.k_cache, self.v_cache, md, self.scale)
+        from omnistage.layers import triton_ops
+
+        q = triton_ops.qk_norm_rope_store(q, k, v, *args, self.k_cache, self.v_cache,
+                                          md.slot_mapping)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, md, self.scale,
+                                    kv_stored=True)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 _enabled = True
 _gemv = False
+_interpret = False   # tests: the kernels on CPU tensors too (Triton's interpreter)
 _ops: ModuleType | None | bool = False   # False: not looked up yet; None: triton missing
 
 
@@ -52,13 +53,13 @@ def _load() -> ModuleType | None:
 
 def ops_for(x: Tensor) -> ModuleType | None:
     """The fused kernels if they should run on x, else None."""
-    if not (_enabled and x.is_cuda):
+    if not (_enabled and (x.is_cuda or _interpret)):
         return None
     return _load()
 
 
-def _gemv_for(x: Tensor, weight: Tensor, interpret: bool = False) -> ModuleType | None:
-    if not (_gemv and _enabled and (x.is_cuda or interpret) and _load() is not None):
+def _gemv_for(x: Tensor, weight: Tensor) -> ModuleType | None:
+    if not (_gemv and ops_for(x) is not None):
         return None
     from omnistage.layers import triton_gemv
 
@@ -69,7 +70,7 @@ def norm_linear(norm: nn.Module, linear: nn.Module, x: Tensor, residual: Tensor 
                 ) -> tuple[Tensor, Tensor]:
     """linear(norm(x + residual)) and the sum x + residual (x alone without a residual): what
     a pre-norm layer runs in front of its attention and its MLP. x, residual: (T, K)."""
-    gemv = _gemv_for(x, linear.weight, _interpret)
+    gemv = _gemv_for(x, linear.weight)
     if gemv is not None and norm.weight.dtype == x.dtype:
         return gemv.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
     if residual is None:
@@ -80,10 +81,7 @@ def norm_linear(norm: nn.Module, linear: nn.Module, x: Tensor, residual: Tensor 
 
 def silu_linear(act: nn.Module, linear: nn.Module, x: Tensor) -> Tensor:
     """linear(act(x)) for x (T, 2I) laid out | gate | up | and act the SiLU-and-mul."""
-    gemv = _gemv_for(x, linear.weight, _interpret)
+    gemv = _gemv_for(x, linear.weight)
     if gemv is not None:
         return gemv.silu_linear(x, linear.weight, linear.bias)
     return linear(act(x))
-
-
-_interpret = False   # tests: run the gemv kernels on CPU tensors (Triton's interpreter)

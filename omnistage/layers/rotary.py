@@ -8,9 +8,11 @@ the rows for `positions` (T,) and rotates q (T, H, D) and k (T, Hkv, D):
 The inverse frequencies and the attention scaling of scaled variants (linear, yarn, llama3,
 longrope, ...) come from transformers' own ROPE_INIT_FUNCTIONS, so they match HF exactly.
 
-`norm_and_rotate` is what attention layers call: the optional per-head q/k RMSNorm (Qwen3) and
-the rotation, done by one Triton kernel on CUDA for this table (fused.py), reading the cos/sin
-rows by position itself. Other rotary modules (M-RoPE) take the unfused path.
+`norm_and_rotate` is what attention layers call (through `Attention.rotate_and_attend`): the
+optional per-head q/k RMSNorm (Qwen3) and the rotation, done by one Triton kernel on CUDA for
+this table (fused.py), reading the cos/sin rows by position itself; with the Triton attention
+backend that kernel also writes k and v into the KV cache. Other rotary modules (M-RoPE) take
+the unfused path.
 """
 
 from __future__ import annotations
@@ -56,19 +58,27 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, max_position={self.cos_cache.shape[0]}"
 
 
+def fused_rope_args(rotary: nn.Module, positions: Tensor, q: Tensor, q_norm: RMSNorm | None,
+                    k_norm: RMSNorm | None) -> tuple | None:
+    """(q weight, k weight, eps, cos, sin, positions) for the fused q/k norm + rotary kernels
+    of triton_ops, where they apply (CUDA, this module's table, 1-D positions); else None."""
+    if (fused.ops_for(q) is None or type(rotary) is not RotaryEmbedding or positions.dim() != 1
+            or (q_norm is None) != (k_norm is None)
+            or (q_norm is not None and q_norm.eps != k_norm.eps)):  # type: ignore[union-attr]
+        return None
+    return (None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,  # type: ignore[union-attr]
+            1e-6 if q_norm is None else q_norm.eps, rotary.cos_cache, rotary.sin_cache,
+            positions)
+
+
 def norm_and_rotate(rotary: nn.Module, positions: Tensor, q: Tensor, k: Tensor,
                     q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
                     ) -> tuple[Tensor, Tensor]:
     """q (T, H, D), k (T, Hkv, D): RMSNorm over each head (if given), then `rotary`."""
-    ops = fused.ops_for(q)
-    if ops is not None and type(rotary) is RotaryEmbedding and positions.dim() == 1 \
-            and (q_norm is None) == (k_norm is None) \
-            and (q_norm is None or q_norm.eps == k_norm.eps):  # type: ignore[union-attr]
-        return ops.qk_norm_rope(
-            q, k, None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight,  # type: ignore[union-attr]
-            1e-6 if q_norm is None else q_norm.eps, rotary.cos_cache, rotary.sin_cache,
-            positions)
+    args = fused_rope_args(rotary, positions, q, q_norm, k_norm)
+    if args is not None:
+        return fused.ops_for(q).qk_norm_rope(q, k, *args)  # type: ignore[union-attr]
     if q_norm is not None and k_norm is not None:
         q, k = q_norm(q), k_norm(k)
     return rotary(positions, q, k)

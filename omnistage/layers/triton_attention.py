@@ -215,6 +215,7 @@ class TritonPagedAttention:
     CPU tensors). Graph-safe: `forward` only launches kernels on tensors fixed by `prepare`."""
 
     supports_cuda_graphs = True
+    accepts_stored_kv = True     # forward(..., kv_stored=True): the new K/V are in the cache
 
     def __init__(self, block_size: int = 16, num_queries_per_kv: int = 1,
                  num_kv_heads: int | None = None, num_sms: int | None = None) -> None:
@@ -267,7 +268,10 @@ class TritonPagedAttention:
         return _TritonState(group, launches)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor | None,
-                v_cache: Tensor | None, md: AttentionMetadata, scale: float) -> Tensor:
+                v_cache: Tensor | None, md: AttentionMetadata, scale: float,
+                kv_stored: bool = False) -> Tensor:
+        """kv_stored: the caller already wrote the new k/v into the caches (then k and v
+        are only read for their shapes)."""
         if k_cache is None or v_cache is None:   # cache-less passes (memory profiling)
             return self._fallback.forward(q, k, v, None, None, md, scale)
         num_heads, head_dim = q.shape[1], q.shape[2]
@@ -277,7 +281,8 @@ class TritonPagedAttention:
         if not isinstance(state, _TritonState) or state.group != group:
             self.num_queries_per_kv = group
             state = md.backend_state = self._plan(md, group)
-        store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, md.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         assert q.stride(-1) == 1, "q rows must be contiguous in head_dim"
         ieee = q.dtype == torch.float32

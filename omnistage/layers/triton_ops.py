@@ -7,6 +7,9 @@ Each replaces a chain of PyTorch kernels that would each read and write the acti
     silu_and_mul     | gate | up | -> silu(gate) * up                                (2 -> 1)
     qk_norm_rope     per-head RMSNorm of q and k (Qwen3), then the rotate-half RoPE,
                      cos/sin rows gathered from the table by position inside the kernel (~25 -> 1)
+    qk_norm_rope_store  the same, writing k and v straight into their paged-cache slots
+                     (slot -1: nothing) instead of returning k: the attention's K/V store
+                     kernel is saved (the attention then reads them from the cache)
 
 Numerics follow the Hugging Face modules they replace: the normalised value is rounded to the
 input dtype before the weight multiplies it, the residual sum is rounded to the input dtype, and
@@ -55,13 +58,14 @@ def _silu_and_mul_kernel(X, Out, stride_x, stride_o, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_heads(X, W, Out, t, stride_t, stride_h, c1, c2, s1, s2, eps,
-                     H: tl.constexpr, HALF: tl.constexpr, H_P2: tl.constexpr,
+def _norm_rope_heads(X, W, Dst, t, stride_t, stride_h, dst_stride_h, c1, c2, s1, s2, eps,
+                     valid, H: tl.constexpr, HALF: tl.constexpr, H_P2: tl.constexpr,
                      HALF_P2: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Rows of one token's H heads: optional RMSNorm over each head, then rotate-half RoPE."""
+    """Rows of one token's H heads: optional RMSNorm over each head, then rotate-half RoPE,
+    stored at Dst (this token's row) + head * dst_stride_h, where `valid`."""
     h = tl.arange(0, H_P2)[:, None]
     j = tl.arange(0, HALF_P2)[None, :]
-    mask = (h < H) & (j < HALF)
+    mask = (h < H) & (j < HALF) & valid
     src = X + t * stride_t + h * stride_h + j
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)             # (H, D/2) first half
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)      # second half
@@ -72,17 +76,20 @@ def _norm_rope_heads(X, W, Out, t, stride_t, stride_h, c1, c2, s1, s2, eps,
         dt = X.dtype.element_ty
         x1 = ((x1 * inv).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
         x2 = ((x2 * inv).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    dst = Out + t * (H * 2 * HALF) + h * (2 * HALF) + j
-    tl.store(dst, (x1 * c1 - x2 * s1).to(Out.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * c2 + x1 * s2).to(Out.dtype.element_ty), mask=mask)
+    dst = Dst + h * dst_stride_h + j
+    tl.store(dst, (x1 * c1 - x2 * s1).to(Dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * c2 + x1 * s2).to(Dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _qk_norm_rope_kernel(Q, K, QW, KW, Cos, Sin, Pos, QOut, KOut,
-                         stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, eps,
+def _qk_norm_rope_kernel(Q, K, V, QW, KW, Cos, Sin, Pos, QOut, KOut, VOut, Slots,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_cos, stride_cs, stride_ch, eps,
                          HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
                          HQ_P2: tl.constexpr, HK_P2: tl.constexpr, HALF_P2: tl.constexpr,
-                         HAS_NORM: tl.constexpr):
+                         HAS_NORM: tl.constexpr, STORE: tl.constexpr):
+    """STORE: KOut / VOut are the paged caches, row slot_mapping[t] (stride_cs, stride_ch per
+    head); else KOut is a contiguous (T, HK, D) output and V is untouched."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
     j = tl.arange(0, HALF_P2)[None, :]
@@ -92,10 +99,21 @@ def _qk_norm_rope_kernel(Q, K, QW, KW, Cos, Sin, Pos, QOut, KOut,
     c2 = tl.load(Cos + row + HALF + j, mask=jm, other=0.0)
     s1 = tl.load(Sin + row + j, mask=jm, other=0.0)
     s2 = tl.load(Sin + row + HALF + j, mask=jm, other=0.0)
-    _norm_rope_heads(Q, QW, QOut, t, stride_qt, stride_qh, c1, c2, s1, s2, eps,
-                     HQ, HALF, HQ_P2, HALF_P2, HAS_NORM)
-    _norm_rope_heads(K, KW, KOut, t, stride_kt, stride_kh, c1, c2, s1, s2, eps,
-                     HK, HALF, HK_P2, HALF_P2, HAS_NORM)
+    _norm_rope_heads(Q, QW, QOut + t * (HQ * 2 * HALF), t, stride_qt, stride_qh, 2 * HALF,
+                     c1, c2, s1, s2, eps, True, HQ, HALF, HQ_P2, HALF_P2, HAS_NORM)
+    if STORE:
+        slot = tl.load(Slots + t)
+        k_dst = KOut + slot * stride_cs
+        _norm_rope_heads(K, KW, k_dst, t, stride_kt, stride_kh, stride_ch, c1, c2, s1, s2,
+                         eps, slot >= 0, HK, HALF, HK_P2, HALF_P2, HAS_NORM)
+        h = tl.arange(0, HK_P2)[:, None]
+        d = tl.arange(0, 2 * HALF_P2)[None, :]
+        v_mask = (h < HK) & (d < 2 * HALF) & (slot >= 0)
+        v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=v_mask)
+        tl.store(VOut + slot * stride_cs + h * stride_ch + d, v, mask=v_mask)
+    else:
+        _norm_rope_heads(K, KW, KOut + t * (HK * 2 * HALF), t, stride_kt, stride_kh, 2 * HALF,
+                         c1, c2, s1, s2, eps, True, HK, HALF, HK_P2, HALF_P2, HAS_NORM)
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -150,19 +168,46 @@ def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor
     """q (T, H, D), k (T, Hkv, D) (rows may be strided views of a fused qkv output) ->
     contiguous rotated q, k. With weights: RMSNorm over each head first (Qwen3's q/k norm).
     cos_cache/sin_cache: (max_position, D) float32; positions (T,)."""
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out = _qk_norm_rope(q, k, None, q_weight, k_weight, eps, cos_cache, sin_cache, positions,
+                          k_out, None, None)
+    return q_out, k_out
+
+
+def qk_norm_rope_store(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor | None,
+                       k_weight: Tensor | None, eps: float, cos_cache: Tensor,
+                       sin_cache: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       slot_mapping: Tensor) -> Tensor:
+    """`qk_norm_rope`, with the rotated k and v (T, Hkv, D) written into the paged caches
+    (num_blocks, block_size, Hkv, D) at slot_mapping (T,) (-1: skipped) -> rotated q."""
+    assert v.stride(-1) == 1 and v.shape == k.shape, (v.shape, v.stride())
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    assert k_cache.shape[2:] == k.shape[1:], (k_cache.shape, k.shape)
+    return _qk_norm_rope(q, k, v, q_weight, k_weight, eps, cos_cache, sin_cache, positions,
+                         k_cache, v_cache, slot_mapping)
+
+
+def _qk_norm_rope(q: Tensor, k: Tensor, v: Tensor | None, q_weight: Tensor | None,
+                  k_weight: Tensor | None, eps: float, cos_cache: Tensor, sin_cache: Tensor,
+                  positions: Tensor, k_out: Tensor, v_cache: Tensor | None,
+                  slot_mapping: Tensor | None) -> Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and head_dim % 2 == 0, (q.stride(), k.stride())
     assert cos_cache.stride(-1) == 1 and cos_cache.stride() == sin_cache.stride()
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     has_norm = q_weight is not None
+    store = v_cache is not None
     if num_tokens:
         half = head_dim // 2
+        v_ = v if v is not None else k
         _qk_norm_rope_kernel[(num_tokens,)](
-            q, k, q_weight if has_norm else q, k_weight if has_norm else k, cos_cache,
-            sin_cache, positions, q_out, k_out, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), cos_cache.stride(0), eps, HQ=num_heads, HK=num_kv_heads, HALF=half,
+            q, k, v_, q_weight if has_norm else q, k_weight if has_norm else k, cos_cache,
+            sin_cache, positions, q_out, k_out, v_cache if store else k_out,
+            slot_mapping if store else positions, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v_.stride(0), v_.stride(1), cos_cache.stride(0),
+            k_out.stride(1) if store else 0, k_out.stride(2) if store else 0, eps,
+            HQ=num_heads, HK=num_kv_heads, HALF=half,
             HQ_P2=triton.next_power_of_2(num_heads), HK_P2=triton.next_power_of_2(num_kv_heads),
-            HALF_P2=triton.next_power_of_2(half), HAS_NORM=has_norm)
-    return q_out, k_out
+            HALF_P2=triton.next_power_of_2(half), HAS_NORM=has_norm, STORE=store)
+    return q_out

@@ -16,7 +16,7 @@ from omnistage.layers.activation import SiluAndMul
 from omnistage.layers.attention import Attention
 from omnistage.layers.linear import Linear, MergedLinear, QKVLinear
 from omnistage.layers.norm import RMSNorm
-from omnistage.layers.rotary import RotaryEmbedding, get_rope, norm_and_rotate
+from omnistage.layers.rotary import RotaryEmbedding, get_rope
 from omnistage.models.config import ModelConfig
 from omnistage.models.loader import load_packed_weights
 
@@ -47,11 +47,11 @@ class Qwen2Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)              # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)           # (T, Hkv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        # Qwen3's per-head q/k norm and rotary: one fused kernel on CUDA
-        q, k = norm_and_rotate(self.rotary_emb, positions, q, k,
-                               self.q_norm if self.has_qk_norm else None,
-                               self.k_norm if self.has_qk_norm else None)
-        return self.o_proj(self.attn(q, k, v).flatten(1))          # (T, hidden)
+        # Qwen3's per-head q/k norm, rotary and the K/V cache store: one fused kernel on CUDA
+        out = self.attn.rotate_and_attend(self.rotary_emb, positions, q, k, v,
+                                          self.q_norm if self.has_qk_norm else None,
+                                          self.k_norm if self.has_qk_norm else None)
+        return self.o_proj(out.flatten(1))                         # (T, hidden)
 
 
 class Qwen2MLP(nn.Module):

@@ -240,3 +240,95 @@ def test_decoder_with_gemv_equals_without(gemv_on, monkeypatch: pytest.MonkeyPat
         fused.set_gemv(True)
         torch.testing.assert_close(forward(), want, atol=1e-5, rtol=1e-5)
     assert calls == [3] * 6   # 2 layers x (norm + qkv, norm + gate_up, silu + down); 9 rows: none
+
+
+# -- q/k norm + rotary + K/V cache store in one kernel -----------------------------------------
+
+@kernel_test
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_rope_store_equals_rope_then_store(qk_norm: bool) -> None:
+    from omnistage.layers.triton_attention import store_kv
+
+    torch.manual_seed(7)
+    num_heads, num_kv_heads, head_dim, T = 4, 2, 16, 5
+    rope = get_rope(head_dim, 64, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
+    qkv = torch.randn(T, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=-1)
+    q = q.view(T, num_heads, head_dim)
+    k, v = k.view(T, num_kv_heads, head_dim), v.view(T, num_kv_heads, head_dim)
+    positions = torch.tensor([3, 4, 5, 9, 0], device=DEVICE)
+    slots = torch.tensor([7, 2, -1, 12, 0], device=DEVICE)          # -1: a padding row
+    qw = (1 + 0.1 * torch.randn(head_dim, device=DEVICE)) if qk_norm else None
+    kw = (1 + 0.1 * torch.randn(head_dim, device=DEVICE)) if qk_norm else None
+    caches = [torch.full((4, 4, num_kv_heads, head_dim), 5.0, device=DEVICE) for _ in range(4)]
+    ref_q, ref_k = triton_ops.qk_norm_rope(q, k, qw, kw, 1e-6, rope.cos_cache, rope.sin_cache,
+                                           positions)
+    store_kv(ref_k, v, caches[0], caches[1], slots)
+    got_q = triton_ops.qk_norm_rope_store(q, k, v, qw, kw, 1e-6, rope.cos_cache,
+                                          rope.sin_cache, positions, caches[2], caches[3], slots)
+    assert torch.equal(got_q, ref_q)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert (caches[2] == 5.0).sum() == caches[2].numel() - 4 * num_kv_heads * head_dim
+
+
+@kernel_test
+def test_decoder_with_fused_kv_store_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3 model over the Triton paged attention: prefill then two decodes with every
+    fused kernel (q/k norm + rotary writing the cache itself) equal the PyTorch ops with the
+    attention's own K/V store; the caches end up equal too."""
+    from transformers import Qwen3Config
+
+    from omnistage.layers.attention import Attention, AttentionMetadata, forward_context
+    from omnistage.layers.triton_attention import TritonPagedAttention
+    from omnistage.models.config import ModelConfig
+    from omnistage.models.qwen3 import Qwen3ForCausalLM
+
+    hf = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     vocab_size=128, max_position_embeddings=64,
+                     architectures=["Qwen3ForCausalLM"])
+    torch.manual_seed(8)
+    model = Qwen3ForCausalLM(ModelConfig.from_hf(hf)).to(DEVICE, torch.float32)
+    for p in model.parameters():
+        p.data.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    ids = torch.randint(0, 128, (11,), device=DEVICE)
+
+    def run(fused_ops: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        backend = TritonPagedAttention(4, 2, 2, num_sms=1)
+        for layer in layers:
+            layer.backend = backend
+            layer.k_cache = torch.zeros(6, 4, 2, 16, device=DEVICE)
+            layer.v_cache = torch.zeros(6, 4, 2, 16, device=DEVICE)
+        table = torch.tensor([[3, 0, 5]], dtype=torch.int32, device=DEVICE)
+        outs = []
+        fused._interpret = fused_ops
+        try:
+            for start, end in ((0, 9), (9, 10), (10, 11)):
+                positions = torch.arange(start, end, device=DEVICE)
+                slots = table[0, positions // 4].long() * 4 + positions % 4
+                md = AttentionMetadata(
+                    slot_mapping=slots,
+                    query_start_loc=torch.tensor([0, end - start], dtype=torch.int32,
+                                                 device=DEVICE),
+                    seq_lens=torch.tensor([end], dtype=torch.int32, device=DEVICE),
+                    block_tables=table, query_start_loc_cpu=[0, end - start],
+                    seq_lens_cpu=[end], max_query_len=end - start, max_seq_len=end)
+                backend.prepare(md, has_cache=True)
+                with forward_context(md), torch.no_grad():
+                    outs.append(model(ids[start:end], positions)[0])
+        finally:
+            fused._interpret = False
+        return outs, [t for layer in layers for t in (layer.k_cache, layer.v_cache)]
+
+    calls: list[int] = []
+    real = triton_ops.qk_norm_rope_store
+    monkeypatch.setattr(triton_ops, "qk_norm_rope_store",
+                        lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    want, want_caches = run(False)
+    assert calls == []
+    got, got_caches = run(True)
+    assert calls == [9, 9, 1, 1, 1, 1]          # 2 layers x (prefill, decode, decode)
+    for a, b in zip(got + got_caches, want + want_caches):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
