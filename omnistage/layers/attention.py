@@ -20,6 +20,7 @@ over the paged cache, chosen by "auto" on CUDA, and safe inside CUDA graphs).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Protocol
@@ -29,6 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omnistage.layers.rotary import fused_rope_args, norm_and_rotate
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -215,15 +218,23 @@ class Attention(nn.Module):
         md = get_forward_context()
         if md is None:
             raise RuntimeError("Attention called outside forward_context(...)")
+        global _fused_store_ok
         args = (fused_rope_args(rotary, positions, q, q_norm, k_norm)
-                if self.k_cache is not None and getattr(self.backend, "accepts_stored_kv", False)
-                else None)
-        if args is None:
-            q, k = norm_and_rotate(rotary, positions, q, k, q_norm, k_norm)
-            return self.backend.forward(q, k, v, self.k_cache, self.v_cache, md, self.scale)
-        from omnistage.layers import triton_ops
+                if _fused_store_ok and self.k_cache is not None
+                and getattr(self.backend, "accepts_stored_kv", False) else None)
+        if args is not None:
+            from omnistage.layers import triton_ops
+            try:
+                q_rot = triton_ops.qk_norm_rope_store(q, k, v, *args, self.k_cache,
+                                                      self.v_cache, md.slot_mapping)
+            except Exception:   # the kernel does not build here: the separate kernels do
+                logger.warning("fused q/k norm + rotary + K/V store unavailable", exc_info=True)
+                _fused_store_ok = False
+            else:
+                return self.backend.forward(q_rot, k, v, self.k_cache, self.v_cache, md,
+                                            self.scale, kv_stored=True)
+        q, k = norm_and_rotate(rotary, positions, q, k, q_norm, k_norm)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, md, self.scale)
 
-        q = triton_ops.qk_norm_rope_store(q, k, v, *args, self.k_cache, self.v_cache,
-                                          md.slot_mapping)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, md, self.scale,
-                                    kv_stored=True)
+
+_fused_store_ok = True     # until the fused store kernel fails to build (see rotate_and_attend)

@@ -100,7 +100,7 @@ def _qk_norm_rope_kernel(Q, K, V, QW, KW, Cos, Sin, Pos, QOut, KOut, VOut, Slots
     s1 = tl.load(Sin + row + j, mask=jm, other=0.0)
     s2 = tl.load(Sin + row + HALF + j, mask=jm, other=0.0)
     _norm_rope_heads(Q, QW, QOut + t * (HQ * 2 * HALF), t, stride_qt, stride_qh, 2 * HALF,
-                     c1, c2, s1, s2, eps, True, HQ, HALF, HQ_P2, HALF_P2, HAS_NORM)
+                     c1, c2, s1, s2, eps, t >= 0, HQ, HALF, HQ_P2, HALF_P2, HAS_NORM)
     if STORE:
         slot = tl.load(Slots + t)
         k_dst = KOut + slot * stride_cs
@@ -113,7 +113,7 @@ def _qk_norm_rope_kernel(Q, K, V, QW, KW, Cos, Sin, Pos, QOut, KOut, VOut, Slots
         tl.store(VOut + slot * stride_cs + h * stride_ch + d, v, mask=v_mask)
     else:
         _norm_rope_heads(K, KW, KOut + t * (HK * 2 * HALF), t, stride_kt, stride_kh, 2 * HALF,
-                         c1, c2, s1, s2, eps, True, HK, HALF, HK_P2, HALF_P2, HAS_NORM)
+                         c1, c2, s1, s2, eps, t >= 0, HK, HALF, HK_P2, HALF_P2, HAS_NORM)
 
 
 def _rows(x: Tensor) -> Tensor:
