@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine (device tool): the GPU tests, then the AR benchmarks with
+# and without the experimental fused matmul-vector kernels, results under $OUT. The machine's
+# image has torch, triton and transformers; the rest travels as wheels in .whl/ (git-ignored:
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl msgspec pyzmq diffusers
+# soundfile cffi pycparser importlib_metadata zipp`), named in the call's `carry`:
+#
+#     run(command="bash benchmarks/device_session.sh", carry=[".whl"], timeout_s=600)
+#
+# Stages: tests (about 2 min), single stream (3 runs), concurrency 1/8/64 latency (bench ar).
+# STAGES="tests single" picks some.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+STAGES=${STAGES:-"tests single latency"}
+if [[ $STAGES == *tests* ]]; then
+    python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" -q \
+        tests/gpu tests/layers 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
+fi
+if [[ $STAGES == *single* ]]; then
+    for flags in "" "--fused-gemv" "--enforce-eager"; do
+        name=single${flags//-/_}
+        python3 benchmarks/bench_ar.py --single-stream --output-len 256 --skip-hf $flags \
+            --out "$OUT/$name.json" 2>&1 | tail -3
+    done
+fi
+if [[ $STAGES == *latency* ]]; then
+    python3 -m omnistage.entrypoints.cli.main bench ar --out-dir "$OUT" --name ar_latency 2>&1 \
+        | tail -12
+fi
