@@ -373,7 +373,9 @@ class DecodeGraphs:
         self._forward(bs, md, capture, embeds)        # warm-up outside the graph
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: stages of the inproc backend launch work from other threads while
+        # a graph is captured mid-run (lazily); only this thread's calls are checked
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             hidden, captured = self._forward(bs, md, capture, embeds)
         if self.pool is None:
             self.pool = graph.pool()

@@ -273,7 +273,9 @@ class CodePredictorGraphs:
             self.predictor.run_groups(*self._inputs(bs, greedy))
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: stages of the inproc backend launch work from other threads while
+        # a graph is captured mid-run (lazily); only this thread's calls are checked
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             codes, embeds = self.predictor.run_groups(*self._inputs(bs, greedy))
         if self.pool is None:
             self.pool = graph.pool()
