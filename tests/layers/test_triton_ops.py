@@ -127,6 +127,24 @@ def test_qk_norm_rope(dtype: torch.dtype, qk_norm: bool) -> None:
 
 # -- fused matmul-vector kernels (fused.set_gemv, experimental) --------------------------------
 
+def _tiny_qwen3(seed: int) -> torch.nn.Module:
+    """A 2-layer float32 Qwen3 of ours with random weights (norm weights around 1)."""
+    from transformers import Qwen3Config
+
+    from omnistage.models.config import ModelConfig
+    from omnistage.models.qwen3 import Qwen3ForCausalLM
+
+    hf = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     vocab_size=128, max_position_embeddings=64,
+                     architectures=["Qwen3ForCausalLM"])
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(ModelConfig.from_hf(hf)).to(DEVICE, torch.float32)
+    for p in model.parameters():
+        p.data.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    return model
+
+
 @pytest.fixture
 def gemv_on():
     fused.set_gemv(True)
@@ -191,21 +209,10 @@ def test_silu_linear(gemv_on, dtype: torch.dtype) -> None:
 def test_decoder_with_gemv_equals_without(gemv_on, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Qwen3 forward pass of 3 rows (decode-sized: the fused kernels) and of 9 rows (the
     usual path) with set_gemv on equals it with set_gemv off."""
-    from transformers import Qwen3Config
-
-    from omnistage.layers.attention import TorchPagedAttention, AttentionMetadata, \
+    from omnistage.layers.attention import AttentionMetadata, TorchPagedAttention, \
         forward_context
-    from omnistage.models.config import ModelConfig
-    from omnistage.models.qwen3 import Qwen3ForCausalLM
 
-    hf = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                     vocab_size=128, max_position_embeddings=64,
-                     architectures=["Qwen3ForCausalLM"])
-    torch.manual_seed(6)
-    model = Qwen3ForCausalLM(ModelConfig.from_hf(hf)).to(DEVICE, torch.float32)
-    for p in model.parameters():
-        p.data.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    model = _tiny_qwen3(seed=6)
     from omnistage.layers import triton_gemv
 
     calls: list[int] = []
@@ -277,21 +284,10 @@ def test_decoder_with_fused_kv_store_equals_unfused(monkeypatch: pytest.MonkeyPa
     """A Qwen3 model over the Triton paged attention: prefill then two decodes with every
     fused kernel (q/k norm + rotary writing the cache itself) equal the PyTorch ops with the
     attention's own K/V store; the caches end up equal too."""
-    from transformers import Qwen3Config
-
     from omnistage.layers.attention import Attention, AttentionMetadata, forward_context
     from omnistage.layers.triton_attention import TritonPagedAttention
-    from omnistage.models.config import ModelConfig
-    from omnistage.models.qwen3 import Qwen3ForCausalLM
 
-    hf = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                     vocab_size=128, max_position_embeddings=64,
-                     architectures=["Qwen3ForCausalLM"])
-    torch.manual_seed(8)
-    model = Qwen3ForCausalLM(ModelConfig.from_hf(hf)).to(DEVICE, torch.float32)
-    for p in model.parameters():
-        p.data.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    model = _tiny_qwen3(seed=8)
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     ids = torch.randint(0, 128, (11,), device=DEVICE)
 
