@@ -198,3 +198,4 @@ def test_hidden_layers_and_sampling_only_on_ar_stages() -> None:
     g = graph(base, {"name": "v", "kind": "diffusion", "inputs": [edge("a")], "final": "image",
                      "sampling": {"temperature": 0.5}})
     assert invalid(g).startswith("stages[1].sampling: only ar stages take sampling defaults")
+

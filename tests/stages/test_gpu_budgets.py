@@ -3,10 +3,13 @@ share of the whole device) add up to at most 1, checked before any stage starts.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from omnistage.configs.defaults import stage_config_text
 from omnistage.configs.graph import load_graph
-from omnistage.stages.process import check_gpu_budgets
+from omnistage.stages.process import check_gpu_budgets, stage_device
 
 GRAPH = """
 model: /models/m
@@ -37,3 +40,17 @@ def test_shared_gpu_fractions_over_one_are_refused() -> None:
 ])
 def test_budgets_that_fit_are_accepted(a: float, b: float, device_b: int, device: str) -> None:
     check_gpu_budgets(graph(a, b, device_b), device)
+
+
+def test_packaged_two_gpu_qwen3_omni_graph() -> None:
+    """qwen3_omni_2gpu: the default Qwen3-Omni graph with the thinker alone on GPU 0 and the
+    talker and code2wav on GPU 1; everything else as the default graph."""
+    two = load_graph(stage_config_text("qwen3_omni_2gpu"))
+    one = load_graph(stage_config_text("qwen3_omni"))
+    check_gpu_budgets(two, "cuda")
+    check_gpu_budgets(one, "cuda")
+    assert {s.name: stage_device("cuda", s.devices) for s in two.stages} == {
+        "thinker": "cuda:0", "talker": "cuda:1", "code2wav": "cuda:1"}
+    for a, b in zip(two.stages, one.stages):
+        keep = dict(devices=b.devices, memory_fraction=b.memory_fraction)
+        assert replace(a, **keep) == b, a.name
