@@ -60,6 +60,29 @@ def profile_peak_activation(model: nn.Module, num_tokens: int, max_model_len: in
     return torch.cuda.max_memory_allocated(device) - base
 
 
+def gpu_kv_blocks(memory_fraction: float, total: int, weights: int, peak: int, free_now: int,
+                  bytes_per_block: int) -> int:
+    """KV blocks that fit in `memory_fraction` of a GPU of `total` bytes after this stage's
+    weights and activation peak, and in what is free now (other processes). RuntimeError with
+    the numbers when not one block fits."""
+    budget = memory_fraction * total
+    available = min(budget - weights - peak, free_now - peak)
+    num_blocks = max(0, int(available // bytes_per_block))
+    gib = 2**30
+    numbers = (f"memory_fraction {memory_fraction:g} of {total / gib:.1f} GiB = "
+               f"{budget / gib:.1f} GiB; weights {weights / gib:.2f} GiB, activation peak "
+               f"{peak / gib:.2f} GiB, free on the device now {free_now / gib:.1f} GiB")
+    if num_blocks < 1:
+        raise RuntimeError(
+            f"no memory left for the KV cache ({numbers}; one block needs "
+            f"{bytes_per_block / 2**20:.2f} MiB): raise memory_fraction (lowering that of "
+            "stages sharing this GPU), lower max_num_batched_tokens, or put stages on other "
+            "GPUs")
+    logger.info("memory: %s; KV cache %d blocks (%.2f GiB)", numbers, num_blocks,
+                num_blocks * bytes_per_block / gib)
+    return num_blocks
+
+
 def determine_kv_layout(model: nn.Module, cfg: ModelConfig, kv: KVCacheConfig,
                         device: torch.device, dtype: torch.dtype, max_num_batched_tokens: int,
                         max_model_len: int, max_num_seqs: int) -> KVCacheLayout:
@@ -72,11 +95,8 @@ def determine_kv_layout(model: nn.Module, cfg: ModelConfig, kv: KVCacheConfig,
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(device).total_memory
         free_now = torch.cuda.mem_get_info(device)[0]
-        available = min(kv.memory_fraction * total - weights - peak, free_now - peak)
-        num_blocks = int(available // one.bytes_per_block)
-        logger.info("memory: total %.2f GiB, weights %.2f GiB, activation peak %.2f GiB, "
-                    "KV cache %d blocks (%.2f GiB)", total / 2**30, weights / 2**30,
-                    peak / 2**30, num_blocks, num_blocks * one.bytes_per_block / 2**30)
+        num_blocks = gpu_kv_blocks(kv.memory_fraction, total, weights, peak, free_now,
+                                   one.bytes_per_block)
     else:
         # Host memory is not reserved up front the way device memory is: take no more than
         # every seat filled to max_model_len could use.
