@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnistage.models.qwen3_omni.talker import CodePredictorGraphs, Qwen3OmniTalkerForCausalLM
+from omnistage.models.qwen3_omni.code_predictor import CodePredictorGraphs
+from omnistage.models.qwen3_omni.talker import Qwen3OmniTalkerForCausalLM
 from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
 
 pytestmark = [pytest.mark.gpu,

@@ -33,8 +33,8 @@ from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavStream, decode_streams
 from omnistage.models.qwen3_omni.processing import (SpecialTokens, merge_multimodal_embeddings,
                                                     mrope_positions)
-from omnistage.models.qwen3_omni.talker import (CodePredictorGraphs,
-                                              Qwen3OmniTalkerForCausalLM)
+from omnistage.models.qwen3_omni.code_predictor import CodePredictorGraphs
+from omnistage.models.qwen3_omni.talker import Qwen3OmniTalkerForCausalLM
 from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages.engines import ARStage, StageResult

@@ -1,4 +1,5 @@
-"""Qwen3-Omni talker: an MoE decoder that speaks in codec frames, and its code predictor.
+"""Qwen3-Omni talker: an MoE decoder that speaks in codec frames, and its code predictor
+(code_predictor.py).
 
 One talker step produces one frame of `num_code_groups` (G) codes:
 
@@ -24,20 +25,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig
 
-from omnistage.ar.sampler import GREEDY_EPS, apply_top_k_top_p
-from omnistage.layers.linear import Linear, QKVLinear
-from omnistage.layers.norm import RMSNorm
-from omnistage.layers.rotary import RotaryEmbedding, get_rope
+from omnistage.layers.linear import Linear
 from omnistage.models.config import ModelConfig
 from omnistage.models.loader import checkpoint_names
-from omnistage.models.qwen2 import Qwen2MLP
+from omnistage.models.qwen3_omni.code_predictor import CodePredictor
 from omnistage.models.qwen3_omni.moe import expand_expert_names
 from omnistage.models.qwen3_omni.thinker import (PACKED_MODULES, Qwen3OmniMoeDecoder,
                                                  Qwen3OmniTextConfig, _model_config,
@@ -76,258 +74,6 @@ class Qwen3OmniTalkerConfig:
                                       f"{num_groups + 1} positions is not supported")
         return cls(text=text, code_predictor=_model_config(hf_config, cp, (), False),
                    num_code_groups=num_groups, thinker_hidden_size=talker.thinker_hidden_size)
-
-
-# -- the code predictor ------------------------------------------------------------------------
-
-class CodePredictorAttention(nn.Module):
-    """Causal GQA attention with q/k norm over a per-frame KV cache (B, Hkv, S, D), S <= G+1."""
-
-    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.qkv_sizes = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
-        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads,
-                                  self.num_kv_heads, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
-        self.rotary_emb = rotary_emb
-
-    def forward(self, positions: Tensor, x: Tensor, kv: tuple[Tensor, Tensor],
-                start: int) -> Tensor:
-        b, n, _ = x.shape                                          # x: (B, L, hidden)
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q = self.q_norm(q.view(b, n, self.num_heads, self.head_dim))   # (B, L, H, D)
-        k = self.k_norm(k.view(b, n, self.num_kv_heads, self.head_dim))
-        v = v.view(b, n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)                    # cos (L, 1, D) broadcasts
-        k_cache, v_cache = kv
-        end = start + n
-        k_cache[:, :, start:end] = k.transpose(1, 2)
-        v_cache[:, :, start:end] = v.transpose(1, 2)
-        # Several queries only in the first call of a frame (start 0), where causal is exact.
-        assert n == 1 or start == 0, f"{n} queries at start {start}"
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k_cache[:, :, :end], v_cache[:, :, :end], is_causal=n > 1,
-            scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(o.transpose(1, 2).flatten(2))          # (B, L, hidden)
-
-
-class CodePredictorDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__()
-        self.self_attn = CodePredictorAttention(cfg, rotary_emb)
-        self.mlp = Qwen2MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-
-    def forward(self, positions: Tensor, h: Tensor, kv: tuple[Tensor, Tensor],
-                start: int) -> Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv, start)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class CodePredictorModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_code_groups: int) -> None:
-        super().__init__()
-        rotary_emb = get_rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_parameters)
-        self.layers = nn.ModuleList(CodePredictorDecoderLayer(cfg, rotary_emb)
-                                    for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        # embeddings of codes 1 .. G-1 (code 0 is embedded by the talker's codec_embedding)
-        self.codec_embedding = nn.ModuleList(
-            nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-            for _ in range(num_code_groups - 1))
-        for emb in self.codec_embedding:
-            emb.weight.requires_grad_(False)
-
-    def forward(self, x: Tensor, start: int, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """x: (B, L, hidden) at positions start .. start+L-1 -> normed hidden (B, L, hidden)."""
-        positions = torch.arange(start, start + x.shape[1], device=x.device)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv, start)
-        return self.norm(x)
-
-
-class CodePredictor(nn.Module):
-    """Fills codes 1 .. G-1 of a frame from the talker's last hidden state and code 0; batched
-    over B frames (requests), one forward per code group.
-
-    `predict` draws every random number a frame needs first (per row, from the row's own
-    generator), then `run_groups` is tensor work only, with no host synchronisation: on CUDA
-    `CodePredictorGraphs` replays it as one graph per batch-size bucket instead of G-1 rounds
-    of small kernel launches (`graphs`, set by the talker stage when asked)."""
-
-    def __init__(self, cfg: ModelConfig, num_code_groups: int) -> None:
-        super().__init__()
-        assert num_code_groups >= 2, f"num_code_groups {num_code_groups} < 2"
-        self.cfg = cfg
-        self.num_code_groups = num_code_groups
-        self.model = CodePredictorModel(cfg, num_code_groups)
-        self.lm_head = nn.ModuleList(Linear(cfg.hidden_size, cfg.vocab_size)
-                                     for _ in range(num_code_groups - 1))
-        self.graphs: CodePredictorGraphs | None = None
-
-    @torch.no_grad()
-    def predict(self, past_hidden: Tensor, code0: Tensor, code0_embeds: Tensor, *,
-                greedy: bool = True, temperature: float | Tensor = 1.0,
-                top_k: int | Tensor = 50, top_p: float | Tensor = 0.8,
-                generators: Sequence[torch.Generator | None] | None = None
-                ) -> tuple[Tensor, Tensor]:
-        """past_hidden (B, H): the talker's final (normed) hidden state of the frame's last
-        position; code0 (B,) and its talker embedding code0_embeds (B, H).
-
-        greedy: argmax at every group (the reference with do_sample=False). Otherwise each row
-        samples with its temperature / top_k (0: off) / top_p (scalars or (B,) tensors; a row
-        with temperature < 1e-5 is greedy) from its own generator (None: torch's global one).
-        The reference samples the code predictor with top_k=50, top_p=0.8, the defaults here.
-
-        Returns codes (B, G) with code0 first, and next_input_embeds (B, H) = the sum of the G
-        codes' embeddings (talker's for code 0, the predictor's own for the others)."""
-        b, dev = past_hidden.shape[0], past_hidden.device
-        assert code0.shape == (b,) and code0_embeds.shape == past_hidden.shape, \
-            f"past_hidden {tuple(past_hidden.shape)}, code0 {tuple(code0.shape)}, " \
-            f"code0_embeds {tuple(code0_embeds.shape)}"
-        if generators is not None and len(generators) != b:
-            raise ValueError(f"generators: {len(generators)} for {b} rows")
-        sampling = None
-        if not greedy:
-            sampling = (*_row_params(b, dev, temperature, top_k, top_p),
-                        self.draw_noise(b, dev, generators))
-        if self.graphs is not None and past_hidden.is_cuda and b <= self.graphs.max_batch:
-            return self.graphs.run(past_hidden, code0, code0_embeds, sampling)
-        return self.run_groups(past_hidden, code0, code0_embeds, sampling)
-
-    def draw_noise(self, b: int, dev: torch.device,
-                   generators: Sequence[torch.Generator | None] | None) -> Tensor:
-        """(G-1, B, V) Exponential(1) draws for the exponential race of every group: row i's
-        from its own generator (None: torch's global one), so a row's codes depend only on its
-        seed, never on the batch it shares."""
-        q = torch.empty(b, self.num_code_groups - 1, self.cfg.vocab_size, device=dev)
-        for i in range(b):
-            q[i].exponential_(generator=None if generators is None else generators[i])
-        return q.transpose(0, 1)
-
-    def run_groups(self, past_hidden: Tensor, code0: Tensor, code0_embeds: Tensor,
-                   sampling: tuple[Tensor, Tensor, Tensor, Tensor] | None
-                   ) -> tuple[Tensor, Tensor]:
-        """The G-1 rounds of `predict` on tensors alone. sampling: None (greedy) or (B,)
-        temperature, top_k, top_p and the (G-1, B, V) noise of `draw_noise`."""
-        cfg, num_groups, b = self.cfg, self.num_code_groups, past_hidden.shape[0]
-        kv_shape = (b, cfg.num_key_value_heads, num_groups + 1, cfg.head_dim)
-        kv_caches = [(past_hidden.new_empty(kv_shape), past_hidden.new_empty(kv_shape))
-                     for _ in self.model.layers]
-        codes, embeds = [code0], [code0_embeds]
-        x = torch.stack([past_hidden, code0_embeds], dim=1)                  # (B, 2, H)
-        start = 0
-        for g in range(1, num_groups):
-            h = self.model(x, start, kv_caches)[:, -1]                        # (B, H)
-            logits = self.lm_head[g - 1](h).float()                          # (B, V)
-            code = logits.argmax(dim=-1) if sampling is None else \
-                _sample(logits, *sampling[:3], sampling[3][g - 1])
-            codes.append(code)
-            embeds.append(self.model.codec_embedding[g - 1](code))
-            start += x.shape[1]
-            x = embeds[-1][:, None]                                          # (B, 1, H)
-        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(dim=1)
-
-
-class CodePredictorGraphs:
-    """CUDA graphs of `CodePredictor.run_groups`: one per (batch-size bucket, greedy or not),
-    captured on first use over static input buffers. A frame of B rows is copied into the
-    first B rows of the buffers, the bucket's graph replays, and the first B rows of its
-    outputs are copied out; padding rows keep whatever they held (their codes are dropped)."""
-
-    def __init__(self, predictor: CodePredictor, max_batch: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        from omnistage.ar.model_runner import graph_batch_sizes
-
-        self.predictor = predictor
-        self.sizes = graph_batch_sizes(max_batch)
-        self.max_batch = n = self.sizes[-1]
-        cfg, groups = predictor.cfg, predictor.num_code_groups
-        self.past_hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
-        self.code0_embeds = torch.zeros_like(self.past_hidden)
-        self.code0 = torch.zeros(n, dtype=torch.int64, device=device)
-        self.temperature = torch.ones(n, device=device)
-        self.top_k = torch.zeros(n, dtype=torch.int64, device=device)
-        self.top_p = torch.ones(n, device=device)
-        self.noise = torch.ones(groups - 1, n, cfg.vocab_size, device=device)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
-        self.pool: tuple[int, int] | None = None
-        self.num_replays = 0
-
-    def _inputs(self, bs: int, greedy: bool) -> tuple:
-        sampling = None if greedy else (self.temperature[:bs], self.top_k[:bs],
-                                        self.top_p[:bs], self.noise[:, :bs])
-        return self.past_hidden[:bs], self.code0[:bs], self.code0_embeds[:bs], sampling
-
-    def _capture(self, bs: int, greedy: bool) -> None:
-        stream = torch.cuda.Stream()                   # warm-up off the capture, as torch asks
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.predictor.run_groups(*self._inputs(bs, greedy))
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: stages of the inproc backend launch work from other threads while
-        # a graph is captured mid-run (lazily); only this thread's calls are checked
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            codes, embeds = self.predictor.run_groups(*self._inputs(bs, greedy))
-        if self.pool is None:
-            self.pool = graph.pool()
-        self.graphs[(bs, greedy)] = (graph, codes, embeds)
-
-    def run(self, past_hidden: Tensor, code0: Tensor, code0_embeds: Tensor,
-            sampling: tuple[Tensor, Tensor, Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
-        b = past_hidden.shape[0]
-        bs = next(s for s in self.sizes if s >= b)
-        self.past_hidden[:b].copy_(past_hidden)
-        self.code0[:b].copy_(code0)
-        self.code0_embeds[:b].copy_(code0_embeds)
-        if sampling is not None:
-            temperature, top_k, top_p, noise = sampling
-            self.temperature[:b].copy_(temperature)
-            self.top_k[:b].copy_(top_k)
-            self.top_p[:b].copy_(top_p)
-            self.noise[:, :b].copy_(noise)
-        key = (bs, sampling is None)
-        if key not in self.graphs:
-            self._capture(*key)
-        graph, codes, embeds = self.graphs[key]
-        graph.replay()
-        self.num_replays += 1
-        return codes[:b].clone(), embeds[:b].clone()
-
-
-def _row_params(b: int, dev: torch.device, temperature: float | Tensor, top_k: int | Tensor,
-                top_p: float | Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    def per_row(value: float | int | Tensor, dtype: torch.dtype, name: str) -> Tensor:
-        t = torch.as_tensor(value, dtype=dtype, device=dev)
-        if t.dim() == 0:
-            t = t.expand(b)
-        if t.shape != (b,):
-            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected a scalar or ({b},)")
-        return t
-    return (per_row(temperature, torch.float32, "temperature"),
-            per_row(top_k, torch.int64, "top_k"), per_row(top_p, torch.float32, "top_p"))
-
-
-def _sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
-            noise: Tensor) -> Tensor:
-    """(B, V) float32 logits -> (B,) codes: temperature, top-k, top-p, then the exponential
-    race argmax(probs / q), q ~ Exp(1) from `noise` (B, V), as the engine's sampler draws."""
-    vocab = logits.shape[1]
-    is_greedy = temperature < GREEDY_EPS
-    x = logits / torch.where(is_greedy, 1.0, temperature)[:, None]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    x = apply_top_k_top_p(x, k, top_p)
-    probs = torch.softmax(x, dim=-1)
-    sampled = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
-    return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
 
 # -- the talker --------------------------------------------------------------------------------

@@ -1,0 +1,195 @@
+"""CUDA graphs of decode steps (`DecodeGraphs`), replayed by the model runner.
+
+A decode-only step (every sequence one token past its prompt) runs the same kernels at every
+step but for its batch size: one graph per batch-size bucket (`graph_batch_sizes`), captured
+over static input buffers that each step rewrites, the batch padded up to its bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor, nn
+
+from omnistage.ar.scheduler import ScheduledBatch
+from omnistage.layers.attention import AttentionBackend, AttentionMetadata, forward_context
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Batch-size buckets: 1, 2, 4, 8, then every 16 up to max_num_seqs (which is always one)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode-only forward pass, one per batch-size bucket.
+
+    Static device buffers hold what the forward pass reads; a step writes its rows into them,
+    pads the batch up to the next bucket and replays that bucket's graph:
+
+        input_ids, slot_mapping   (N,) int64      padding rows: id 0, slot -1 (no cache write)
+        positions                 (N,) or (3, N)  int64 (M-RoPE models: rows t, h, w)
+        seq_lens                  (N,) int32      padding rows: 0 (attend to nothing)
+        block_tables              (N, max_blocks) int32; only [:B, :width] is rewritten, the
+                                  kernel never reads past a row's own blocks
+        query_start_loc           (N+1,) = 0, 1, ..., N (one query each)
+        embeds                    (N, hidden)     only for batches fed embeddings (a talker's
+                                  stream rows and feedback): the runner builds the rows
+                                  eagerly, the graph variant that reads them replays the layers
+
+    Graphs share one memory pool and are captured largest first. A model whose forward pass
+    synchronises with the host (an MoE layer that reads expert counts) cannot be captured:
+    `capture_all` finds that out in a warm-up pass run in torch's sync-debug "error" mode and
+    returns False. Graphs that also return hidden states of some layers (a downstream stage
+    asked for them) and the embedding-fed variants are captured on first use; an embedding-fed
+    capture that fails leaves those batches eager.
+    """
+
+    def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int,
+                 max_num_seqs: int, max_blocks: int, device: torch.device, mrope: bool) -> None:
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.mrope = mrope
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        n = self.sizes[-1]
+        num_pos = 3 * n if mrope else n
+        self._ints = torch.zeros(2 * n + num_pos, dtype=torch.int64, device=device)
+        self.input_ids = self._ints[:n]
+        self.slot_mapping = self._ints[n:2 * n]
+        self.positions = self._ints[2 * n:].view(3, n) if mrope else self._ints[2 * n:]
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.slot_mapping.fill_(-1)
+        self.embeds: Tensor | None = None    # allocated at the first embedding-fed batch
+        self.embeds_ok = True
+        # (bucket, captured layers, embedding-fed) -> graph, its metadata, hidden (bucket, H),
+        # captured states
+        self.graphs: dict[tuple[int, tuple[int, ...], bool],
+                          tuple[torch.cuda.CUDAGraph, AttentionMetadata, Tensor,
+                                dict[int, Tensor]]] = {}
+        self.pool: tuple[int, int] | None = None
+        self.num_replays = 0
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
+            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
+            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs, max_query_len=1,
+            max_seq_len=self.max_blocks * self.block_size)
+
+    def _forward(self, bs: int, md: AttentionMetadata, capture: tuple[int, ...],
+                 embeds: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
+        positions = self.positions[:, :bs] if self.mrope else self.positions[:bs]
+        with forward_context(md):
+            return self.model(self.input_ids[:bs], positions,
+                              self.embeds[:bs] if embeds else None, capture)
+
+    def capture_all(self) -> bool:
+        """Capture every bucket without hidden-state outputs; False if the model can't be."""
+        md = self._metadata(self.sizes[-1])
+        self.backend.prepare(md, has_cache=True)
+        self._forward(self.sizes[-1], md, ())         # compiles kernels, plans the backend
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            self._forward(self.sizes[-1], md, ())
+        except RuntimeError as exc:
+            logger.info("no CUDA graphs: the forward pass synchronises with the host (%s)",
+                        str(exc).splitlines()[0])
+            return False
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        for bs in reversed(self.sizes):
+            self._capture(bs, ())
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        return True
+
+    def _capture(self, bs: int, capture: tuple[int, ...], embeds: bool = False) -> None:
+        md = self._metadata(bs)
+        self.backend.prepare(md, has_cache=True)
+        # The warm-up really runs: with the last replay's slots still in the buffer it would
+        # write K/V over positions that may since belong to other sequences. Slot -1 writes
+        # nothing; `run` fills the real slots before every replay.
+        self.slot_mapping.fill_(-1)
+        self._forward(bs, md, capture, embeds)        # warm-up outside the graph
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: stages of the inproc backend launch work from other threads while
+        # a graph is captured mid-run (lazily); only this thread's calls are checked
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            hidden, captured = self._forward(bs, md, capture, embeds)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[(bs, capture, embeds)] = (graph, md, hidden, captured)
+
+    @staticmethod
+    def needs_embeds(batch: ScheduledBatch) -> bool:
+        """Whether some decode input is not just its token's embedding."""
+        return any(seq.output_embeds or seq.stream_embeds is not None
+                   or seq.stream_pad is not None for seq in batch.seqs)
+
+    def can_run(self, batch: ScheduledBatch) -> bool:
+        """Every sequence decodes one token past its prompt."""
+        if len(batch.seqs) > self.sizes[-1]:
+            return False
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if (n != 1 or seq.num_computed_tokens < seq.num_prompt_tokens
+                    or len(seq.block_table) > self.max_blocks):
+                return False
+        return self.embeds_ok or not self.needs_embeds(batch)
+
+    def run(self, batch: ScheduledBatch, capture: tuple[int, ...], embeds: Tensor | None = None
+            ) -> tuple[Tensor, dict[int, Tensor]] | None:
+        """Replay the bucket's graph on this batch (embeds (B, H): the inputs' embeddings, for
+        the embedding-fed variant): -> hidden (B, H), captured layers (B, H) (views of the
+        graph's output buffers, valid until the next replay); None if that variant could not
+        be captured (the caller runs the batch eagerly)."""
+        num_seqs = len(batch.seqs)
+        bs = next(s for s in self.sizes if s >= num_seqs)
+        key = (bs, capture, embeds is not None)
+        if embeds is not None:
+            if self.embeds is None:
+                self.embeds = torch.zeros(self.sizes[-1], embeds.shape[1], dtype=embeds.dtype,
+                                          device=embeds.device)
+            self.embeds[:num_seqs].copy_(embeds)
+        if key not in self.graphs:
+            try:
+                self._capture(*key)
+            except Exception:
+                if embeds is None:
+                    raise
+                logger.warning("decodes fed embeddings run without CUDA graphs: capture "
+                               "failed", exc_info=True)
+                self.embeds_ok = False
+                return None
+        graph, _, hidden, captured = self.graphs[key]
+
+        n, page = self.sizes[-1], self.block_size
+        ids = [0] * n
+        slots = [-1] * n
+        pos = [0] * n
+        lens = [0] * n
+        width = 0
+        for i, seq in enumerate(batch.seqs):
+            p = seq.num_computed_tokens
+            ids[i] = seq.output_token_ids[p - seq.num_prompt_tokens]
+            slots[i] = seq.block_table[p // page] * page + p % page
+            pos[i] = p + seq.rope_delta if self.mrope else p
+            lens[i] = p + 1
+            width = max(width, len(seq.block_table))
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        host = torch.tensor(ids + slots + (pos * 3 if self.mrope else pos), dtype=torch.int64)
+        self._ints.copy_(host, non_blocking=True)
+        self.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:num_seqs, :width].copy_(torch.tensor(tables, dtype=torch.int32),
+                                                   non_blocking=True)
+        graph.replay()
+        self.num_replays += 1
+        return hidden[:num_seqs], {layer: h[:num_seqs] for layer, h in captured.items()}
