@@ -8,6 +8,7 @@ over static input buffers that each step rewrites, the batch padded up to its bu
 from __future__ import annotations
 
 import logging
+from typing import Callable, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -16,6 +17,23 @@ from omnistage.ar.scheduler import ScheduledBatch
 from omnistage.layers.attention import AttentionBackend, AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def capture_graph(fn: Callable[[], T], pool: tuple[int, int] | None
+                  ) -> tuple[torch.cuda.CUDAGraph, T]:
+    """fn's kernels recorded as a CUDA graph in memory pool `pool` (None: a new one, read back
+    with graph.pool()), after one warm-up run outside it (kernels built, workspaces allocated).
+    The tensors fn returned belong to the graph: every replay rewrites them. thread_local:
+    stages of the inproc backend launch work from other threads while a graph is captured
+    mid-run; only this thread's calls are checked. (CPU tests replace this function with a
+    stand-in whose replay reruns fn.)"""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -118,13 +136,8 @@ class DecodeGraphs:
         # write K/V over positions that may since belong to other sequences. Slot -1 writes
         # nothing; `run` fills the real slots before every replay.
         self.slot_mapping.fill_(-1)
-        self._forward(bs, md, capture, embeds)        # warm-up outside the graph
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: stages of the inproc backend launch work from other threads while
-        # a graph is captured mid-run (lazily); only this thread's calls are checked
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            hidden, captured = self._forward(bs, md, capture, embeds)
+        graph, (hidden, captured) = capture_graph(
+            lambda: self._forward(bs, md, capture, embeds), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[(bs, capture, embeds)] = (graph, md, hidden, captured)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.ar.cuda_graphs import graph_batch_sizes
+from omnistage.ar import cuda_graphs
 from omnistage.ar.sampler import GREEDY_EPS, apply_top_k_top_p
 from omnistage.layers.linear import Linear, QKVLinear
 from omnistage.layers.norm import RMSNorm
@@ -137,7 +137,7 @@ class CodePredictor(nn.Module):
         if not greedy:
             sampling = (*_row_params(b, dev, temperature, top_k, top_p),
                         self.draw_noise(b, dev, generators))
-        if self.graphs is not None and past_hidden.is_cuda and b <= self.graphs.max_batch:
+        if self.graphs is not None and b <= self.graphs.max_batch:
             return self.graphs.run(past_hidden, code0, code0_embeds, sampling)
         return self.run_groups(past_hidden, code0, code0_embeds, sampling)
 
@@ -184,7 +184,7 @@ class CodePredictorGraphs:
     def __init__(self, predictor: CodePredictor, max_batch: int, device: torch.device,
                  dtype: torch.dtype) -> None:
         self.predictor = predictor
-        self.sizes = graph_batch_sizes(max_batch)
+        self.sizes = cuda_graphs.graph_batch_sizes(max_batch)
         self.max_batch = n = self.sizes[-1]
         cfg, groups = predictor.cfg, predictor.num_code_groups
         self.past_hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
@@ -204,16 +204,8 @@ class CodePredictorGraphs:
         return self.past_hidden[:bs], self.code0[:bs], self.code0_embeds[:bs], sampling
 
     def _capture(self, bs: int, greedy: bool) -> None:
-        stream = torch.cuda.Stream()                   # warm-up off the capture, as torch asks
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.predictor.run_groups(*self._inputs(bs, greedy))
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: stages of the inproc backend launch work from other threads while
-        # a graph is captured mid-run (lazily); only this thread's calls are checked
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            codes, embeds = self.predictor.run_groups(*self._inputs(bs, greedy))
+        graph, (codes, embeds) = cuda_graphs.capture_graph(
+            lambda: self.predictor.run_groups(*self._inputs(bs, greedy)), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[(bs, greedy)] = (graph, codes, embeds)

@@ -453,3 +453,46 @@ def test_load_in_bfloat16(omni_path: Path, thinker: Qwen3OmniThinkerForCausalLM,
         torch.testing.assert_close(out[0], out[1], atol=0.5, rtol=0.1)
     codes, embeds = bf16.predict_codes(torch.randn(2, 48).bfloat16(), torch.tensor([1, 2]))
     assert codes.shape == (2, 4) and embeds.dtype == torch.bfloat16
+
+
+def test_code_predictor_graphs_buffers(talker: Qwen3OmniTalkerForCausalLM,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CodePredictorGraphs` on CPU with a stand-in capture whose replay reruns the rounds on
+    the static buffers (tests/gpu replays real graphs): frames of 1, 3 (bucket 4, a padding
+    row) and 8 rows, greedy and sampled, equal the eager predictor."""
+    from omnistage.ar import cuda_graphs
+    from omnistage.models.qwen3_omni.code_predictor import CodePredictorGraphs
+
+    class Rerun:
+        def __init__(self, fn) -> None:  # type: ignore[no-untyped-def]
+            self.fn, self.out = fn, fn()
+
+        def replay(self) -> None:
+            for dst, src in zip(self.out, self.fn()):
+                dst.copy_(src)
+
+        def pool(self) -> None:
+            return None
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", lambda fn, pool: (g := Rerun(fn), g.out))
+    predictor = talker.code_predictor
+    graphs = CodePredictorGraphs(predictor, 8, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(9)
+    try:
+        for b in (1, 3, 8, 3):
+            past = torch.randn(b, 48, generator=gen)
+            code0 = torch.randint(0, 64, (b,), generator=gen)
+            for greedy in (True, False):
+                results = []
+                for use in (None, graphs):
+                    predictor.graphs = use
+                    gens = [torch.Generator().manual_seed(i) for i in range(b)]
+                    results.append(talker.predict_codes(past, code0, greedy=greedy,
+                                                        temperature=1.3, generators=gens))
+                (codes, embeds), (graph_codes, graph_embeds) = results
+                assert torch.equal(graph_codes, codes), (b, greedy)
+                torch.testing.assert_close(graph_embeds, embeds, atol=1e-5, rtol=1e-5)
+    finally:
+        predictor.graphs = None
+    assert graphs.num_replays == 8 and set(graphs.graphs) == {
+        (1, True), (1, False), (4, True), (4, False), (8, True), (8, False)}

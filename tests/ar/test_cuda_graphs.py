@@ -1,0 +1,199 @@
+"""`DecodeGraphs` on CPU: everything but the capture itself. `capture_graph` is replaced by a
+stand-in whose replay reruns the captured forward pass on the static buffers and copies its
+outputs into the tensors the capture returned, and the attention is the Triton kernels in
+Triton's interpreter (they read lengths and slots from the buffers, as a replayed graph does).
+So the buffer handling (padding rows, buckets, lazily captured variants, the embedding-fed
+variant, hidden-state outputs) is checked against eager steps here; tests/gpu checks real
+graphs. The interpreter must be on before `import torch`: the tests run in a child process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from omnistage.ar import cuda_graphs  # noqa: E402
+from omnistage.ar.engine import AREngine  # noqa: E402
+from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig  # noqa: E402
+from omnistage.sampling_params import SamplingParams  # noqa: E402
+
+HERE = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+in_child = pytest.mark.skipif(not HERE, reason="runs in the interpreter child")
+BLOCK_SIZE = 4
+
+if HERE:
+    from triton.runtime import interpreter as _interp
+
+    _patch_tensor = _interp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope) -> None:  # type: ignore[no-untyped-def]
+        _patch_tensor(tensor, scope)   # numpy 2 refuses int() of the 1-element scalars
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    _interp._patch_lang_tensor = _patch_lang_tensor
+
+
+@pytest.mark.skipif(HERE or torch.cuda.is_available(), reason="the child itself / a real GPU")
+def test_in_triton_interpreter() -> None:
+    """Re-run this file with TRITON_INTERPRET=1 in a child process (CPU only)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-p", "no:cacheprovider", "-p",
+         "no:warnings", "-q"], env={**os.environ, "TRITON_INTERPRET": "1"},
+        cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and " passed" in proc.stdout, \
+        proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def _copy_into(dst: object, src: object) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)  # type: ignore[arg-type]
+    elif isinstance(dst, dict):
+        for key in dst:
+            _copy_into(dst[key], src[key])  # type: ignore[index]
+    else:
+        for d, s in zip(dst, src):  # type: ignore[call-overload]
+            _copy_into(d, s)
+
+
+class _Rerun:
+    """A captured graph's stand-in: replay reruns fn into the outputs of the capture."""
+
+    def __init__(self, fn, out) -> None:  # type: ignore[no-untyped-def]
+        self.fn, self.out = fn, out
+
+    def replay(self) -> None:
+        _copy_into(self.out, self.fn())
+
+    def pool(self) -> None:
+        return None
+
+
+def _capture(fn, pool):  # type: ignore[no-untyped-def]
+    fn()                  # the warm-up, as on CUDA
+    out = fn()            # on CUDA only recorded; here it runs (slots are -1: it writes nothing)
+    return _Rerun(fn, out), out
+
+
+def make_engine(path: Path, graphs: bool, max_num_seqs: int = 8) -> AREngine:
+    from omnistage.layers.triton_attention import TritonPagedAttention
+
+    engine = AREngine(ARConfig(
+        model=str(path), device="cpu", dtype="float32",
+        kv_cache=KVCacheConfig(block_size=BLOCK_SIZE, num_blocks=40),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64)))
+    runner = engine.runner
+    layout = engine.kv_layout
+    group = runner.attn_layers[0].num_heads // layout.num_kv_heads
+    runner.backend = TritonPagedAttention(BLOCK_SIZE, group, layout.num_kv_heads, num_sms=8)
+    for layer in runner.attn_layers:
+        layer.backend = runner.backend
+    if graphs:
+        runner.graphs = cuda_graphs.DecodeGraphs(
+            engine.model, runner.backend, BLOCK_SIZE, max_num_seqs, 32, torch.device("cpu"),
+            False)
+    return engine
+
+
+def drive(engine: AREngine, waves: list[list[tuple[str, list[int], SamplingParams]]],
+          steps_between: int = 3) -> dict[str, list]:
+    """Add each wave of requests, step a few times, the next wave... then to the end.
+    -> request id -> [(token ids, logprobs, hidden states)] per step output."""
+    got: dict[str, list] = {}
+
+    def step() -> None:
+        for o in engine.step():
+            got.setdefault(o.request_id, []).append((o.new_token_ids, o.logprobs,
+                                                     o.hidden_states))
+
+    for wave in waves:
+        for rid, prompt, params in wave:
+            engine.add_request(rid, prompt, params)
+        for _ in range(steps_between):
+            step()
+    while engine.has_unfinished_requests:
+        step()
+    return got
+
+
+def assert_same(got: dict[str, list], want: dict[str, list]) -> None:
+    assert set(got) == set(want)
+    for rid in want:
+        assert [g[0] for g in got[rid]] == [w[0] for w in want[rid]], rid
+        for (_, lp, hidden), (_, ref_lp, ref_hidden) in zip(got[rid], want[rid]):
+            for tok, value in (lp[0] if lp else {}).items():
+                assert abs(value - ref_lp[0][tok]) < 1e-5, (rid, tok)
+            for layer, h in (hidden or {}).items():
+                torch.testing.assert_close(h, ref_hidden[layer], atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def emulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cuda_graphs, "capture_graph", _capture)
+
+
+@in_child
+def test_decode_graphs_equal_eager_as_requests_come_and_go(emulated, tiny_qwen3: Path) -> None:
+    """Waves of requests: buckets are captured lazily after other buckets replayed and after
+    finished requests' blocks went to new ones (a warm-up that wrote K/V into the last
+    replay's slots would corrupt them); padding rows; logprobs."""
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
+
+    waves = [[(f"a{i}", list(range(3 + i, 9 + 2 * i)), params(6)) for i in range(3)],
+             [("b0", [7, 8, 9, 10, 11], params(14))],
+             [(f"c{i}", list(range(20 + i, 23 + 3 * i)), params(8 + i)) for i in range(4)]]
+    want = drive(make_engine(tiny_qwen3, graphs=False), waves)
+    engine = make_engine(tiny_qwen3, graphs=True)
+    got = drive(engine, waves)
+    assert_same(got, want)
+    graphs = engine.runner.graphs
+    assert graphs.num_replays > 10 and {key[0] for key in graphs.graphs} == {2, 4, 8}
+
+
+@in_child
+def test_hidden_state_outputs_from_graphs(emulated, tiny_qwen3: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                            output_hidden_layers=[1, 2])
+    waves = [[("h0", [4, 5, 6, 7], params), ("h1", [9, 8, 7, 6, 5, 4], params)]]
+    want = drive(make_engine(tiny_qwen3, graphs=False), waves)
+    engine = make_engine(tiny_qwen3, graphs=True)
+    assert_same(drive(engine, waves), want)
+    assert any(key[1] == (1, 2) for key in engine.runner.graphs.graphs)
+
+
+@in_child
+def test_embedding_fed_decodes_use_the_graphs(emulated, tiny_qwen3: Path) -> None:
+    """Stream embeddings added to the decode inputs, then a pad once the stream closed: the
+    embedding-fed variant, equal to eager."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = 64
+    streams = [(torch.randn(6, hidden, generator=gen), torch.randn(hidden, generator=gen))
+               for _ in range(3)]
+
+    def run(graphs: bool) -> tuple[dict[str, list], AREngine]:
+        engine = make_engine(tiny_qwen3, graphs)
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+        got: dict[str, list] = {}
+        for i, (stream, pad) in enumerate(streams):
+            engine.add_request(f"s{i}", [5 + i, 9, 11, 2 + i], params, stream_open=True,
+                               stream_pad=pad)
+            engine.extend_request(f"s{i}", stream_embeds=stream, close_stream=True)
+            for _ in range(2):
+                for o in engine.step():
+                    got.setdefault(o.request_id, []).append((o.new_token_ids, o.logprobs, None))
+        while engine.has_unfinished_requests:
+            for o in engine.step():
+                got.setdefault(o.request_id, []).append((o.new_token_ids, o.logprobs, None))
+        return got, engine
+
+    want, _ = run(False)
+    got, engine = run(True)
+    assert_same(got, want)
+    graphs = engine.runner.graphs
+    assert graphs.embeds_ok and any(key[2] for key in graphs.graphs)
