@@ -44,7 +44,7 @@ def test_in_triton_interpreter() -> None:
     """Re-run this file with TRITON_INTERPRET=1 in a child process (CPU only)."""
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", __file__, "-p", "no:cacheprovider", "-p",
-         "no:warnings", "-q"], env={**os.environ, "TRITON_INTERPRET": "1"},
+         "no:warnings"], env={**os.environ, "TRITON_INTERPRET": "1"},
         cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and " passed" in proc.stdout, \
         proc.stdout[-4000:] + proc.stderr[-2000:]
