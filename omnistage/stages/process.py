@@ -49,12 +49,24 @@ class WorkerSpec:
 
 
 def check_gpu_budgets(graph: GraphConfig, device: str) -> None:
-    """AR stages on one GPU each size their KV cache to `memory_fraction` of the whole device:
-    the fractions of the stages that share a GPU must leave room for each other (the sum at
-    most 1), or the first to start takes the memory the others need. ValueError naming them."""
+    """Every stage's GPU exists, and AR stages on one GPU, which each size their KV cache to
+    `memory_fraction` of the whole device, leave room for each other (the fractions of the
+    stages that share a GPU add up to at most 1), or the first to start takes the memory the
+    others need. ValueError naming the stages."""
     shares: dict[str, list[tuple[str, float]]] = {}
+    num_gpus: int | None = None
     for stage in graph.stages:
         where = stage_device(device, stage.devices)
+        if where.startswith("cuda"):
+            if num_gpus is None:
+                import torch
+
+                num_gpus = torch.cuda.device_count()
+            index = int(where.partition(":")[2] or 0)
+            if index >= num_gpus:
+                raise ValueError(f"stage {stage.name!r} is placed on {where}, but this machine "
+                                 f"has {num_gpus} GPU{'s' if num_gpus != 1 else ''}: change the "
+                                 "stage's devices (or pick a graph for fewer GPUs)")
         if stage.kind == "ar" and where.startswith("cuda"):
             shares.setdefault(where, []).append((stage.name, stage.memory_fraction))
     for where, stages in shares.items():

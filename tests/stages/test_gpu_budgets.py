@@ -1,5 +1,6 @@
-"""AR stages that share a GPU must leave room for each other: their memory_fraction (each a
-share of the whole device) add up to at most 1, checked before any stage starts."""
+"""Checked before any stage starts: every stage's GPU exists, and AR stages that share a GPU
+leave room for each other (their memory_fraction, each a share of the whole device, add up to
+at most 1). The tests pretend the machine has two GPUs."""
 
 from __future__ import annotations
 
@@ -26,6 +27,27 @@ stages:
 
 def graph(a: float, b: float, device_b: int = 0):
     return load_graph(GRAPH.format(a=a, b=b, device_b=device_b))
+
+
+@pytest.fixture(autouse=True)
+def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+@pytest.mark.parametrize("num_gpus, device, message", [
+    (2, "cuda", r"stage 'b' is placed on cuda:2, but this machine has 2 GPUs"),
+    (0, "cuda", r"stage 'a' is placed on cuda:0, but this machine has 0 GPUs"),
+    (1, "cuda:1", r"stage 'a' is placed on cuda:1, but this machine has 1 GPU:"),
+])
+def test_a_stage_on_a_missing_gpu_is_refused(num_gpus: int, device: str, message: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: num_gpus)
+    with pytest.raises(ValueError, match=message):
+        check_gpu_budgets(graph(0.5, 0.4, device_b=2), device)
 
 
 def test_shared_gpu_fractions_over_one_are_refused() -> None:
