@@ -64,9 +64,10 @@ def check_gpu_budgets(graph: GraphConfig, device: str) -> None:
                 num_gpus = torch.cuda.device_count()
             index = int(where.partition(":")[2] or 0)
             if index >= num_gpus:
+                fix = ("run on the CPU (device cpu)" if num_gpus == 0 else
+                       "change the stage's devices (or pick a graph for fewer GPUs)")
                 raise ValueError(f"stage {stage.name!r} is placed on {where}, but this machine "
-                                 f"has {num_gpus} GPU{'s' if num_gpus != 1 else ''}: change the "
-                                 "stage's devices (or pick a graph for fewer GPUs)")
+                                 f"has {num_gpus} GPU{'s' if num_gpus != 1 else ''}: {fix}")
         if stage.kind == "ar" and where.startswith("cuda"):
             shares.setdefault(where, []).append((stage.name, stage.memory_fraction))
     for where, stages in shares.items():

@@ -38,7 +38,7 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("num_gpus, device, message", [
     (2, "cuda", r"stage 'b' is placed on cuda:2, but this machine has 2 GPUs"),
-    (0, "cuda", r"stage 'a' is placed on cuda:0, but this machine has 0 GPUs"),
+    (0, "cuda", r"stage 'a' is placed on cuda:0, but this machine has 0 GPUs: run on the CPU"),
     (1, "cuda:1", r"stage 'a' is placed on cuda:1, but this machine has 1 GPU:"),
 ])
 def test_a_stage_on_a_missing_gpu_is_refused(num_gpus: int, device: str, message: str,
