@@ -60,16 +60,24 @@ class RotaryEmbedding(nn.Module):
 
 def fused_rope_args(rotary: nn.Module, positions: Tensor, q: Tensor, q_norm: RMSNorm | None,
                     k_norm: RMSNorm | None) -> tuple | None:
-    """(q weight, k weight, eps, cos, sin, positions) for the fused q/k norm + rotary kernels
-    of triton_ops, where they apply (CUDA, this module's table, 1-D positions); else None."""
-    if (fused.ops_for(q) is None or type(rotary) is not RotaryEmbedding or positions.dim() != 1
-            or (q_norm is None) != (k_norm is None)
+    """(q weight, k weight, eps, cos, sin, positions, axis) for the fused q/k norm + rotary
+    kernels of triton_ops, where they apply (CUDA; this module's table with 1-D positions, or
+    M-RoPE's (mrope.py) with axis its frequencies' position rows); else None."""
+    from omnistage.layers.mrope import MRotaryEmbedding
+
+    if (fused.ops_for(q) is None or (q_norm is None) != (k_norm is None)
             or (q_norm is not None and q_norm.eps != k_norm.eps)):  # type: ignore[union-attr]
+        return None
+    if type(rotary) is RotaryEmbedding and positions.dim() == 1:
+        axis = None
+    elif type(rotary) is MRotaryEmbedding:
+        axis = rotary.axis
+    else:
         return None
     return (None if q_norm is None else q_norm.weight,
             None if k_norm is None else k_norm.weight,  # type: ignore[union-attr]
             1e-6 if q_norm is None else q_norm.eps, rotary.cos_cache, rotary.sin_cache,
-            positions)
+            positions, axis)
 
 
 def norm_and_rotate(rotary: nn.Module, positions: Tensor, q: Tensor, k: Tensor,

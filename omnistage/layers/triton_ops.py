@@ -6,7 +6,8 @@ Each replaces a chain of PyTorch kernels that would each read and write the acti
     add_rms_norm     the residual add in front of it, returning the sum as well       (5 -> 1)
     silu_and_mul     | gate | up | -> silu(gate) * up                                (2 -> 1)
     qk_norm_rope     per-head RMSNorm of q and k (Qwen3), then the rotate-half RoPE,
-                     cos/sin rows gathered from the table by position inside the kernel (~25 -> 1)
+                     cos/sin rows gathered from the table by position inside the kernel (~25 -> 1);
+                     M-RoPE too (each frequency's angle from its axis's position row)
     qk_norm_rope_store  the same, writing k and v straight into their paged-cache slots
                      (slot -1: nothing) instead of returning k: the attention's K/V store
                      kernel is saved (the attention then reads them from the cache)
@@ -82,23 +83,32 @@ def _norm_rope_heads(X, W, Dst, t, stride_t, stride_h, dst_stride_h, c1, c2, s1,
 
 
 @triton.jit
-def _qk_norm_rope_kernel(Q, K, V, QW, KW, Cos, Sin, Pos, QOut, KOut, VOut, Slots,
+def _qk_norm_rope_kernel(Q, K, V, QW, KW, Cos, Sin, Pos, Axis, QOut, KOut, VOut, Slots,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                         stride_cos, stride_cs, stride_ch, eps,
+                         stride_cos, stride_pos, stride_cs, stride_ch, eps,
                          HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
                          HQ_P2: tl.constexpr, HK_P2: tl.constexpr, HALF_P2: tl.constexpr,
-                         HAS_NORM: tl.constexpr, STORE: tl.constexpr):
+                         HAS_NORM: tl.constexpr, STORE: tl.constexpr, MROPE: tl.constexpr):
     """STORE: KOut / VOut are the paged caches, row slot_mapping[t] (stride_cs, stride_ch per
-    head); else KOut is a contiguous (T, HK, D) output and V is untouched."""
+    head); else KOut is a contiguous (T, HK, D) output and V is untouched. MROPE: the tables
+    hold D/2 frequencies, and frequency j takes its angle from position row Axis[j] of Pos
+    (rows stride_pos apart; 0 for 1-D positions: every row is the same)."""
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(Pos + t).to(tl.int64)
     j = tl.arange(0, HALF_P2)[None, :]
     jm = j < HALF
-    row = pos * stride_cos
-    c1 = tl.load(Cos + row + j, mask=jm, other=0.0)
-    c2 = tl.load(Cos + row + HALF + j, mask=jm, other=0.0)
-    s1 = tl.load(Sin + row + j, mask=jm, other=0.0)
-    s2 = tl.load(Sin + row + HALF + j, mask=jm, other=0.0)
+    if MROPE:
+        axis = tl.load(Axis + j, mask=jm, other=0).to(tl.int64)
+        row = tl.load(Pos + axis * stride_pos + t, mask=jm, other=0).to(tl.int64) * stride_cos
+        c1 = tl.load(Cos + row + j, mask=jm, other=0.0)
+        s1 = tl.load(Sin + row + j, mask=jm, other=0.0)
+        c2 = c1
+        s2 = s1
+    else:
+        row = tl.load(Pos + t).to(tl.int64) * stride_cos
+        c1 = tl.load(Cos + row + j, mask=jm, other=0.0)
+        c2 = tl.load(Cos + row + HALF + j, mask=jm, other=0.0)
+        s1 = tl.load(Sin + row + j, mask=jm, other=0.0)
+        s2 = tl.load(Sin + row + HALF + j, mask=jm, other=0.0)
     _norm_rope_heads(Q, QW, QOut + t * (HQ * 2 * HALF), t, stride_qt, stride_qh, 2 * HALF,
                      c1, c2, s1, s2, eps, t >= 0, HQ, HALF, HQ_P2, HALF_P2, HAS_NORM)
     if STORE:
@@ -163,34 +173,35 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None,
-                 eps: float, cos_cache: Tensor, sin_cache: Tensor, positions: Tensor
-                 ) -> tuple[Tensor, Tensor]:
+                 eps: float, cos_cache: Tensor, sin_cache: Tensor, positions: Tensor,
+                 axis: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """q (T, H, D), k (T, Hkv, D) (rows may be strided views of a fused qkv output) ->
     contiguous rotated q, k. With weights: RMSNorm over each head first (Qwen3's q/k norm).
-    cos_cache/sin_cache: (max_position, D) float32; positions (T,)."""
+    cos_cache/sin_cache: (max_position, D) float32; positions (T,). M-RoPE (axis given, (D/2,)
+    the position row of each frequency): tables (max_position, D/2), positions (3, T) or (T,)."""
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     q_out = _qk_norm_rope(q, k, None, q_weight, k_weight, eps, cos_cache, sin_cache, positions,
-                          k_out, None, None)
+                          axis, k_out, None, None)
     return q_out, k_out
 
 
 def qk_norm_rope_store(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor | None,
                        k_weight: Tensor | None, eps: float, cos_cache: Tensor,
-                       sin_cache: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
-                       slot_mapping: Tensor) -> Tensor:
+                       sin_cache: Tensor, positions: Tensor, axis: Tensor | None,
+                       k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> Tensor:
     """`qk_norm_rope`, with the rotated k and v (T, Hkv, D) written into the paged caches
     (num_blocks, block_size, Hkv, D) at slot_mapping (T,) (-1: skipped) -> rotated q."""
     assert v.stride(-1) == 1 and v.shape == k.shape, (v.shape, v.stride())
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
     assert k_cache.shape[2:] == k.shape[1:], (k_cache.shape, k.shape)
     return _qk_norm_rope(q, k, v, q_weight, k_weight, eps, cos_cache, sin_cache, positions,
-                         k_cache, v_cache, slot_mapping)
+                         axis, k_cache, v_cache, slot_mapping)
 
 
 def _qk_norm_rope(q: Tensor, k: Tensor, v: Tensor | None, q_weight: Tensor | None,
                   k_weight: Tensor | None, eps: float, cos_cache: Tensor, sin_cache: Tensor,
-                  positions: Tensor, k_out: Tensor, v_cache: Tensor | None,
-                  slot_mapping: Tensor | None) -> Tensor:
+                  positions: Tensor, axis: Tensor | None, k_out: Tensor,
+                  v_cache: Tensor | None, slot_mapping: Tensor | None) -> Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and head_dim % 2 == 0, (q.stride(), k.stride())
@@ -201,13 +212,19 @@ def _qk_norm_rope(q: Tensor, k: Tensor, v: Tensor | None, q_weight: Tensor | Non
     if num_tokens:
         half = head_dim // 2
         v_ = v if v is not None else k
+        mrope = axis is not None
+        if mrope:
+            assert cos_cache.shape[1] == half and axis.shape == (half,), \
+                (cos_cache.shape, None if axis is None else axis.shape)
+            assert positions.stride(-1) == 1, positions.stride()
+        stride_pos = positions.stride(0) if positions.dim() == 2 else 0
         _qk_norm_rope_kernel[(num_tokens,)](
             q, k, v_, q_weight if has_norm else q, k_weight if has_norm else k, cos_cache,
-            sin_cache, positions, q_out, k_out, v_cache if store else k_out,
-            slot_mapping if store else positions, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), v_.stride(0), v_.stride(1), cos_cache.stride(0),
-            k_out.stride(1) if store else 0, k_out.stride(2) if store else 0, eps,
-            HQ=num_heads, HK=num_kv_heads, HALF=half,
+            sin_cache, positions, axis if mrope else positions, q_out, k_out,
+            v_cache if store else k_out, slot_mapping if store else positions, q.stride(0),
+            q.stride(1), k.stride(0), k.stride(1), v_.stride(0), v_.stride(1),
+            cos_cache.stride(0), stride_pos, k_out.stride(1) if store else 0,
+            k_out.stride(2) if store else 0, eps, HQ=num_heads, HK=num_kv_heads, HALF=half,
             HQ_P2=triton.next_power_of_2(num_heads), HK_P2=triton.next_power_of_2(num_kv_heads),
-            HALF_P2=triton.next_power_of_2(half), HAS_NORM=has_norm, STORE=store)
+            HALF_P2=triton.next_power_of_2(half), HAS_NORM=has_norm, STORE=store, MROPE=mrope)
     return q_out

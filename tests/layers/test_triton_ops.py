@@ -273,7 +273,8 @@ def test_qk_norm_rope_store_equals_rope_then_store(qk_norm: bool) -> None:
                                            positions)
     store_kv(ref_k, v, caches[0], caches[1], slots)
     got_q = triton_ops.qk_norm_rope_store(q, k, v, qw, kw, 1e-6, rope.cos_cache,
-                                          rope.sin_cache, positions, caches[2], caches[3], slots)
+                                          rope.sin_cache, positions, None, caches[2],
+                                          caches[3], slots)
     assert torch.equal(got_q, ref_q)
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
     assert (caches[2] == 5.0).sum() == caches[2].numel() - 4 * num_kv_heads * head_dim
@@ -328,3 +329,108 @@ def test_decoder_with_fused_kv_store_equals_unfused(monkeypatch: pytest.MonkeyPa
     assert calls == [9, 9, 1, 1, 1, 1]          # 2 layers x (prefill, decode, decode)
     for a, b in zip(got + got_caches, want + want_caches):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@kernel_test
+@pytest.mark.parametrize("interleaved, section", [(True, (3, 3, 2)), (False, (4, 2, 2))])
+@pytest.mark.parametrize("layout", ["3xT", "3xT strided", "T"])
+def test_qk_norm_mrope(interleaved: bool, section: tuple, layout: str) -> None:
+    """M-RoPE (Qwen3-Omni) in the fused kernel: each frequency's angle from its axis's
+    position row, positions (3, T) (also a view of a wider buffer, as the CUDA graphs pass
+    them) or (T,); with the K/V store variant too."""
+    from omnistage.layers.mrope import MRotaryEmbedding
+    from omnistage.layers.triton_attention import store_kv
+
+    torch.manual_seed(9)
+    num_heads, num_kv_heads, head_dim, T = 4, 2, 16, 6
+    rope = MRotaryEmbedding(head_dim, 128, {"rope_type": "default", "rope_theta": 10000.0},
+                            section, interleaved=interleaved).to(DEVICE)
+    qkv = torch.randn(T, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=-1)
+    q = q.view(T, num_heads, head_dim)
+    k, v = k.view(T, num_kv_heads, head_dim), v.view(T, num_kv_heads, head_dim)
+    wide = torch.randint(0, 128, (3, T + 5), device=DEVICE)
+    positions = {"3xT": wide[:, :T].contiguous(), "3xT strided": wide[:, :T],
+                 "T": wide[0, :T]}[layout]
+    q_norm, k_norm = RMSNorm(head_dim).to(DEVICE), RMSNorm(head_dim).to(DEVICE)
+    q_norm.weight.copy_(1 + 0.1 * torch.randn(head_dim))
+    k_norm.weight.copy_(1 + 0.1 * torch.randn(head_dim))
+
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
+        rope._rows = None
+        return rope(positions, q_norm(q), k_norm(k))
+
+    ref_q, ref_k = _torch_path(reference)
+    args = (q_norm.weight, k_norm.weight, 1e-6, rope.cos_cache, rope.sin_cache, positions,
+            rope.axis)
+    got_q, got_k = triton_ops.qk_norm_rope(q, k, *args)
+    torch.testing.assert_close(got_q, ref_q, **TOL[torch.float32])
+    torch.testing.assert_close(got_k, ref_k, **TOL[torch.float32])
+    slots = torch.arange(T, device=DEVICE) * 2
+    caches = [torch.zeros(4, 4, num_kv_heads, head_dim, device=DEVICE) for _ in range(4)]
+    store_kv(got_k, v, caches[0], caches[1], slots)
+    stored_q = triton_ops.qk_norm_rope_store(q, k, v, *args, caches[2], caches[3], slots)
+    assert torch.equal(stored_q, got_q)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+@kernel_test
+def test_qwen3_omni_thinker_with_fused_kernels_equals_unfused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-Omni's thinker (M-RoPE, MoE) over the Triton attention, a prefill with distinct
+    t/h/w positions then a decode: every fused kernel (norms, SiLU, q/k norm + M-RoPE writing
+    the K/V cache) equals the PyTorch ops with the attention's own K/V store."""
+    from omnistage.layers.attention import Attention, AttentionMetadata, forward_context
+    from omnistage.layers.triton_attention import TritonPagedAttention
+    from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM
+    from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
+
+    path = build_tiny_qwen3_omni(tmp_path / "omni", with_processor=False)
+    model = Qwen3OmniThinkerForCausalLM.from_pretrained(path).to(DEVICE)
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    num_kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 100, (8,), generator=gen).to(DEVICE)
+    prefill_pos = torch.stack([torch.tensor([0, 1, 2, 2, 2, 2, 4, 5]),
+                               torch.tensor([0, 1, 2, 2, 3, 3, 4, 5]),
+                               torch.tensor([0, 1, 2, 3, 2, 3, 4, 5])]).to(DEVICE)
+
+    def run(fused_ops: bool) -> list[torch.Tensor]:
+        backend = TritonPagedAttention(4, layers[0].num_heads // num_kv_heads, num_kv_heads,
+                                       num_sms=1)
+        for layer in layers:
+            layer.backend = backend
+            layer.k_cache = torch.zeros(4, 4, num_kv_heads, head_dim, device=DEVICE)
+            layer.v_cache = torch.zeros(4, 4, num_kv_heads, head_dim, device=DEVICE)
+        table = torch.tensor([[2, 0, 3]], dtype=torch.int32, device=DEVICE)
+        outs = []
+        fused._interpret = fused_ops
+        try:
+            for start, end, pos in ((0, 7, prefill_pos[:, :7]), (7, 8, prefill_pos[:, 7:])):
+                flat = torch.arange(start, end, device=DEVICE)
+                slots = table[0, flat // 4].long() * 4 + flat % 4
+                md = AttentionMetadata(
+                    slot_mapping=slots,
+                    query_start_loc=torch.tensor([0, end - start], dtype=torch.int32,
+                                                 device=DEVICE),
+                    seq_lens=torch.tensor([end], dtype=torch.int32, device=DEVICE),
+                    block_tables=table, query_start_loc_cpu=[0, end - start],
+                    seq_lens_cpu=[end], max_query_len=end - start, max_seq_len=end)
+                backend.prepare(md, has_cache=True)
+                with forward_context(md), torch.no_grad():
+                    outs.append(model(ids[start:end], pos.contiguous())[0])
+        finally:
+            fused._interpret = False
+        return outs + [t for layer in layers for t in (layer.k_cache, layer.v_cache)]
+
+    calls: list[tuple] = []
+    real = triton_ops.qk_norm_rope_store
+    monkeypatch.setattr(triton_ops, "qk_norm_rope_store",
+                        lambda q, *a: calls.append((q.shape[0], a[-4] is not None)) or
+                        real(q, *a))
+    want = run(False)
+    got = run(True)
+    assert calls == [(7, True)] * len(layers) + [(1, True)] * len(layers)   # M-RoPE axis given
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
