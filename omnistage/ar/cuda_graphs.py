@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from omnistage.ar.scheduler import ScheduledBatch
 from omnistage.layers.attention import AttentionBackend, AttentionMetadata, forward_context
+from omnistage.utils.host import int_matrix, int_tensor
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -184,25 +185,22 @@ class DecodeGraphs:
                 return None
         graph, _, hidden, captured = self.graphs[key]
 
+        # every row of the buffers: padding rows read id 0, write slot -1, attend to nothing
         n, page = self.sizes[-1], self.block_size
-        ids = [0] * n
-        slots = [-1] * n
-        pos = [0] * n
-        lens = [0] * n
-        width = 0
-        for i, seq in enumerate(batch.seqs):
-            p = seq.num_computed_tokens
-            ids[i] = seq.output_token_ids[p - seq.num_prompt_tokens]
-            slots[i] = seq.block_table[p // page] * page + p % page
-            pos[i] = p + seq.rope_delta if self.mrope else p
-            lens[i] = p + 1
-            width = max(width, len(seq.block_table))
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
-        host = torch.tensor(ids + slots + (pos * 3 if self.mrope else pos), dtype=torch.int64)
+        pad = n - num_seqs
+        seqs = batch.seqs
+        computed = [s.num_computed_tokens for s in seqs]
+        ids = [s.output_token_ids[p - s.num_prompt_tokens] for s, p in zip(seqs, computed)]
+        slots = [s.block_table[p // page] * page + p % page for s, p in zip(seqs, computed)]
+        pos = ([p + s.rope_delta for s, p in zip(seqs, computed)] if self.mrope else computed)
+        pos = (pos + [0] * pad) * (3 if self.mrope else 1)
+        host = int_tensor(ids + [0] * pad + slots + [-1] * pad + pos)
         self._ints.copy_(host, non_blocking=True)
-        self.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:num_seqs, :width].copy_(torch.tensor(tables, dtype=torch.int32),
-                                                   non_blocking=True)
+        self.seq_lens.copy_(int_tensor([p + 1 for p in computed] + [0] * pad, torch.int32),
+                            non_blocking=True)
+        tables = [s.block_table for s in seqs]
+        width = max(map(len, tables))
+        self.block_tables[:num_seqs, :width].copy_(int_matrix(tables, width), non_blocking=True)
         graph.replay()
         self.num_replays += 1
         return hidden[:num_seqs], {layer: h[:num_seqs] for layer, h in captured.items()}

@@ -27,6 +27,7 @@ from omnistage.ar.scheduler import ScheduledBatch
 from omnistage.ar.sequence import Sequence
 from omnistage.layers.attention import (Attention, AttentionMetadata, forward_context,
                                         get_attention_backend)
+from omnistage.utils.host import int_matrix, int_tensor
 
 
 @dataclass(slots=True)
@@ -165,20 +166,20 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
 
-        max_blocks = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
+        tables = [s.block_table for s in batch.seqs]
         dev = self.device
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=int_tensor(slots).to(dev),
+            query_start_loc=int_tensor(qsl, torch.int32).to(dev),
+            seq_lens=int_tensor(seq_lens, torch.int32).to(dev),
+            block_tables=int_matrix(tables, max(map(len, tables))).to(dev),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
             max_query_len=max(batch.num_new_tokens), max_seq_len=max(seq_lens))
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        input_ids = int_tensor(ids).to(dev)
         if mrope:
             positions = torch.cat(pos3, dim=1).to(dev)                     # (3, T)
+        else:
+            positions = int_tensor(pos).to(dev)
         extra: dict = {}
         if deep_rows:
             extra["deepstack"] = (torch.cat(deep_rows).to(dev),
@@ -208,8 +209,7 @@ class ModelRunner:
             p = seq.num_computed_tokens
             ids.append(seq.output_token_ids[p - seq.num_prompt_tokens])
             _embed_rows(seq, p, 1, i, embed_rows, stream_rows)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return self._embed(input_ids, embed_rows, stream_rows)
+        return self._embed(int_tensor(ids).to(self.device), embed_rows, stream_rows)
 
     @staticmethod
     def _slice_hidden(batch: ScheduledBatch, qsl: list[int], captured: dict[int, Tensor],
