@@ -8,8 +8,8 @@
 #
 #     run(command="bash benchmarks/device_session.sh", carry=[".whl"], timeout_s=600)
 #
-# Stages: tests (about 2 min), single stream (3 runs), concurrency 1/8/64 latency (bench ar).
-# STAGES="tests single" picks some.
+# Stages: tests (about 2 min), single stream (3 runs), concurrency 1/8/64 latency (bench ar);
+# STAGES="tests single" picks some; "omni" (not by default: several minutes) runs bench omni.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -31,5 +31,9 @@ if [[ $STAGES == *single* ]]; then
 fi
 if [[ $STAGES == *latency* ]]; then
     python3 -m omnistage.entrypoints.cli.main bench ar --out-dir "$OUT" --name ar_latency 2>&1 \
+        | tail -12
+fi
+if [[ $STAGES == *omni* ]]; then
+    python3 -m omnistage.entrypoints.cli.main bench omni --out-dir "$OUT" --name omni 2>&1 \
         | tail -12
 fi
