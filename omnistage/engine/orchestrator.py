@@ -15,11 +15,13 @@ from __future__ import annotations
 import atexit
 import logging
 import shutil
+import sys
 import tempfile
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import zmq
@@ -163,7 +165,8 @@ class Orchestrator:
             if dead and not self._outputs.poll(POLL_MS):   # its last words may be in flight
                 name = dead[0]
                 raise RuntimeError(f"stage {name!r} failed to start: its process "
-                                   f"{self._runners[name].exit_description()}")
+                                   f"{self._runners[name].exit_description()}"
+                                   f"{_spawn_hint()}")
         if self.graph.connector == "tcp":
             client = getattr(self._connector, "address")
             for s in self.graph.stages:
@@ -415,3 +418,12 @@ class Orchestrator:
             pass
 
 
+def _spawn_hint() -> str:
+    """Why a stage process can die before it says anything: spawned processes import the
+    main script again, and one that builds the engine at import time fails there."""
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None) is None:       # an interactive session, python -c
+        return ""
+    return (f" (before reporting anything: if {Path(main.__file__).name} creates the engine "
+            "when imported, put that code under `if __name__ == \"__main__\":`; stage "
+            "processes are spawned and import the main script again)")
