@@ -189,6 +189,11 @@ def _process_main(spec: WorkerSpec, parent_pid: int) -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     logging.basicConfig(level=logging.WARNING, format=f"[stage {spec.stage}] %(message)s")
+    # tqdm's default lock is a multiprocessing semaphore, registered with the resource tracker;
+    # this process ends in os._exit, so it would be reported as leaked at the parent's exit
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     if spec.graph.stage(spec.stage).dtype == "float32":
         # asked for float32: mean it (PyTorch lets cuDNN convolutions use TF32 by default)
         import torch
