@@ -257,6 +257,27 @@ def test_script_without_main_guard_gets_a_hint(tmp_path: Path, tiny_qwen3: Path)
            '== "__main__":`' in proc.stderr, proc.stderr[-3000:]
 
 
+def test_clean_exit_of_a_script(tmp_path: Path, tiny_qwen3: Path) -> None:
+    """A script with stage processes generates and exits: status 0, nothing on stderr about
+    leaked semaphores or shared memory (the stage processes end in os._exit)."""
+    script = tmp_path / "guarded.py"
+    script.write_text(textwrap.dedent(f"""
+        from omnistage import Omni
+        from omnistage.testing.toy_pipeline import toy_graph_yaml
+
+        if __name__ == "__main__":
+            with Omni(stage_config=toy_graph_yaml({str(tiny_qwen3)!r}, chunked=True),
+                      device="cpu") as omni:
+                (out,) = omni.generate({{"prompt_token_ids": [5, 6, 7]}})
+                assert out.error is None, out.error
+            print("done")
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("done"), proc.stderr[-3000:]
+    assert "leaked" not in proc.stderr and "resource_tracker" not in proc.stderr, proc.stderr
+
+
 def test_unknown_ar_stage_options_are_refused(tiny_qwen3: Path) -> None:
     yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, backend="inproc").replace(
         "    max_num_batched_tokens: 32\n", "    max_num_batched_tokens: 32\n"
