@@ -8,9 +8,6 @@ graphs. The interpreter must be on before `import torch`: the tests run in a chi
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,36 +15,26 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from omnistage.testing.interpreter import (INTERPRETING, patch_interpreter,  # noqa: E402
+                                           run_in_interpreter)
+
 from omnistage.ar import cuda_graphs  # noqa: E402
 from omnistage.ar.engine import AREngine  # noqa: E402
 from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig  # noqa: E402
 from omnistage.sampling_params import SamplingParams  # noqa: E402
 
-HERE = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+HERE = INTERPRETING and not torch.cuda.is_available()
 in_child = pytest.mark.skipif(not HERE, reason="runs in the interpreter child")
 BLOCK_SIZE = 4
 
 if HERE:
-    from triton.runtime import interpreter as _interp
-
-    _patch_tensor = _interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope) -> None:  # type: ignore[no-untyped-def]
-        _patch_tensor(tensor, scope)   # numpy 2 refuses int() of the 1-element scalars
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    _interp._patch_lang_tensor = _patch_lang_tensor
+    patch_interpreter()
 
 
 @pytest.mark.skipif(HERE or torch.cuda.is_available(), reason="the child itself / a real GPU")
 def test_in_triton_interpreter() -> None:
     """Re-run this file with TRITON_INTERPRET=1 in a child process (CPU only)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-p", "no:cacheprovider", "-p",
-         "no:warnings"], env={**os.environ, "TRITON_INTERPRET": "1"},
-        cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and " passed" in proc.stdout, \
-        proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_in_interpreter(__file__)
 
 
 def _copy_into(dst: object, src: object) -> None:

@@ -6,47 +6,30 @@ torch`, which imports triton (tests/gpu/test_ar_cuda.py adds bf16 and long conte
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+
+from omnistage.testing.interpreter import (INTERPRETING, patch_interpreter,  # noqa: E402
+                                           run_in_interpreter)
 
 from omnistage.layers.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
 from omnistage.layers.triton_attention import (TritonPagedAttention, num_kv_splits,  # noqa: E402
                                                store_kv)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-KERNELS_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+KERNELS_HERE = torch.cuda.is_available() or INTERPRETING
 kernel_test = pytest.mark.skipif(not KERNELS_HERE, reason="runs in the interpreter child")
 
 if DEVICE.type == "cpu" and KERNELS_HERE:
-    # The interpreter turns a loaded scalar into a 1-element array, which numpy 2 refuses to
-    # convert with int() (a loop bound read from memory): convert through .item().
-    from triton.runtime import interpreter as _interp
-
-    _patch_tensor = _interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope) -> None:  # type: ignore[no-untyped-def]
-        _patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    _interp._patch_lang_tensor = _patch_lang_tensor
+    patch_interpreter()
 
 
 @pytest.mark.skipif(KERNELS_HERE, reason="the kernels run in this process")
 def test_kernels_in_triton_interpreter() -> None:
     """Re-run this file with TRITON_INTERPRET=1 in a child process (CPU only)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-p", "no:cacheprovider", "-p",
-         "no:warnings"], env={**os.environ, "TRITON_INTERPRET": "1"},
-        cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and " passed" in proc.stdout, \
-        proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_in_interpreter(__file__)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -5,9 +5,6 @@ bfloat16; without one they run in Triton's interpreter on CPU tensors, in a chil
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,38 +12,28 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from omnistage.testing.interpreter import (INTERPRETING, patch_interpreter,  # noqa: E402
+                                           run_in_interpreter)
+
 from omnistage.layers import fused, triton_ops  # noqa: E402
 from omnistage.layers.activation import SiluAndMul  # noqa: E402
 from omnistage.layers.norm import RMSNorm  # noqa: E402
 from omnistage.layers.rotary import get_rope  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-KERNELS_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+KERNELS_HERE = torch.cuda.is_available() or INTERPRETING
 kernel_test = pytest.mark.skipif(not KERNELS_HERE, reason="runs in the interpreter child")
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float32]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 if DEVICE.type == "cpu" and KERNELS_HERE:
-    from triton.runtime import interpreter as _interp
-
-    _patch_tensor = _interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope) -> None:  # type: ignore[no-untyped-def]
-        _patch_tensor(tensor, scope)   # numpy 2 refuses int() of the 1-element scalars
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    _interp._patch_lang_tensor = _patch_lang_tensor
+    patch_interpreter()
 
 
 @pytest.mark.skipif(KERNELS_HERE, reason="the kernels run in this process")
 def test_kernels_in_triton_interpreter() -> None:
     """Re-run this file with TRITON_INTERPRET=1 in a child process (CPU only)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-p", "no:cacheprovider", "-p",
-         "no:warnings"], env={**os.environ, "TRITON_INTERPRET": "1"},
-        cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and " passed" in proc.stdout, \
-        proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_in_interpreter(__file__)
 
 
 def _torch_path(fn):  # type: ignore[no-untyped-def]
@@ -251,6 +238,43 @@ def test_decoder_with_gemv_equals_without(gemv_on, monkeypatch: pytest.MonkeyPat
 
 # -- q/k norm + rotary + K/V cache store in one kernel -----------------------------------------
 
+def _paged_forward(model: torch.nn.Module, ids: torch.Tensor, chunks: list[tuple],
+                   fused_ops: bool) -> list[torch.Tensor]:
+    """One sequence through `model` in chunks (start, end, positions) over the Triton paged
+    attention (block size 4, pages scattered), from empty caches, with the fused kernels on or
+    off -> each chunk's output, then every layer's K and V cache."""
+    from omnistage.layers.attention import Attention, AttentionMetadata, forward_context
+    from omnistage.layers.triton_attention import TritonPagedAttention
+
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    num_kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
+    backend = TritonPagedAttention(4, layers[0].num_heads // num_kv_heads, num_kv_heads,
+                                   num_sms=1)
+    for layer in layers:
+        layer.backend = backend
+        layer.k_cache = torch.zeros(6, 4, num_kv_heads, head_dim, device=DEVICE)
+        layer.v_cache = torch.zeros(6, 4, num_kv_heads, head_dim, device=DEVICE)
+    table = torch.tensor([[3, 0, 5]], dtype=torch.int32, device=DEVICE)
+    outs = []
+    fused._interpret = fused_ops
+    try:
+        for start, end, positions in chunks:
+            flat = torch.arange(start, end, device=DEVICE)
+            md = AttentionMetadata(
+                slot_mapping=table[0, flat // 4].long() * 4 + flat % 4,
+                query_start_loc=torch.tensor([0, end - start], dtype=torch.int32,
+                                             device=DEVICE),
+                seq_lens=torch.tensor([end], dtype=torch.int32, device=DEVICE),
+                block_tables=table, query_start_loc_cpu=[0, end - start], seq_lens_cpu=[end],
+                max_query_len=end - start, max_seq_len=end)
+            backend.prepare(md, has_cache=True)
+            with forward_context(md), torch.no_grad():
+                outs.append(model(ids[start:end], positions)[0])
+    finally:
+        fused._interpret = False
+    return outs + [t for layer in layers for t in (layer.k_cache, layer.v_cache)]
+
+
 @kernel_test
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_qk_norm_rope_store_equals_rope_then_store(qk_norm: bool) -> None:
@@ -285,49 +309,20 @@ def test_decoder_with_fused_kv_store_equals_unfused(monkeypatch: pytest.MonkeyPa
     """A Qwen3 model over the Triton paged attention: prefill then two decodes with every
     fused kernel (q/k norm + rotary writing the cache itself) equal the PyTorch ops with the
     attention's own K/V store; the caches end up equal too."""
-    from omnistage.layers.attention import Attention, AttentionMetadata, forward_context
-    from omnistage.layers.triton_attention import TritonPagedAttention
-
     model = _tiny_qwen3(seed=8)
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
     ids = torch.randint(0, 128, (11,), device=DEVICE)
-
-    def run(fused_ops: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        backend = TritonPagedAttention(4, 2, 2, num_sms=1)
-        for layer in layers:
-            layer.backend = backend
-            layer.k_cache = torch.zeros(6, 4, 2, 16, device=DEVICE)
-            layer.v_cache = torch.zeros(6, 4, 2, 16, device=DEVICE)
-        table = torch.tensor([[3, 0, 5]], dtype=torch.int32, device=DEVICE)
-        outs = []
-        fused._interpret = fused_ops
-        try:
-            for start, end in ((0, 9), (9, 10), (10, 11)):
-                positions = torch.arange(start, end, device=DEVICE)
-                slots = table[0, positions // 4].long() * 4 + positions % 4
-                md = AttentionMetadata(
-                    slot_mapping=slots,
-                    query_start_loc=torch.tensor([0, end - start], dtype=torch.int32,
-                                                 device=DEVICE),
-                    seq_lens=torch.tensor([end], dtype=torch.int32, device=DEVICE),
-                    block_tables=table, query_start_loc_cpu=[0, end - start],
-                    seq_lens_cpu=[end], max_query_len=end - start, max_seq_len=end)
-                backend.prepare(md, has_cache=True)
-                with forward_context(md), torch.no_grad():
-                    outs.append(model(ids[start:end], positions)[0])
-        finally:
-            fused._interpret = False
-        return outs, [t for layer in layers for t in (layer.k_cache, layer.v_cache)]
+    chunks = [(start, end, torch.arange(start, end, device=DEVICE))
+              for start, end in ((0, 9), (9, 10), (10, 11))]
 
     calls: list[int] = []
     real = triton_ops.qk_norm_rope_store
     monkeypatch.setattr(triton_ops, "qk_norm_rope_store",
                         lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
-    want, want_caches = run(False)
+    want = _paged_forward(model, ids, chunks, fused_ops=False)
     assert calls == []
-    got, got_caches = run(True)
+    got = _paged_forward(model, ids, chunks, fused_ops=True)
     assert calls == [9, 9, 1, 1, 1, 1]          # 2 layers x (prefill, decode, decode)
-    for a, b in zip(got + got_caches, want + want_caches):
+    for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
@@ -381,56 +376,26 @@ def test_qwen3_omni_thinker_with_fused_kernels_equals_unfused(
     """Qwen3-Omni's thinker (M-RoPE, MoE) over the Triton attention, a prefill with distinct
     t/h/w positions then a decode: every fused kernel (norms, SiLU, q/k norm + M-RoPE writing
     the K/V cache) equals the PyTorch ops with the attention's own K/V store."""
-    from omnistage.layers.attention import Attention, AttentionMetadata, forward_context
-    from omnistage.layers.triton_attention import TritonPagedAttention
     from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM
     from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
 
     path = build_tiny_qwen3_omni(tmp_path / "omni", with_processor=False)
     model = Qwen3OmniThinkerForCausalLM.from_pretrained(path).to(DEVICE)
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    num_kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 100, (8,), generator=gen).to(DEVICE)
-    prefill_pos = torch.stack([torch.tensor([0, 1, 2, 2, 2, 2, 4, 5]),
-                               torch.tensor([0, 1, 2, 2, 3, 3, 4, 5]),
-                               torch.tensor([0, 1, 2, 3, 2, 3, 4, 5])]).to(DEVICE)
-
-    def run(fused_ops: bool) -> list[torch.Tensor]:
-        backend = TritonPagedAttention(4, layers[0].num_heads // num_kv_heads, num_kv_heads,
-                                       num_sms=1)
-        for layer in layers:
-            layer.backend = backend
-            layer.k_cache = torch.zeros(4, 4, num_kv_heads, head_dim, device=DEVICE)
-            layer.v_cache = torch.zeros(4, 4, num_kv_heads, head_dim, device=DEVICE)
-        table = torch.tensor([[2, 0, 3]], dtype=torch.int32, device=DEVICE)
-        outs = []
-        fused._interpret = fused_ops
-        try:
-            for start, end, pos in ((0, 7, prefill_pos[:, :7]), (7, 8, prefill_pos[:, 7:])):
-                flat = torch.arange(start, end, device=DEVICE)
-                slots = table[0, flat // 4].long() * 4 + flat % 4
-                md = AttentionMetadata(
-                    slot_mapping=slots,
-                    query_start_loc=torch.tensor([0, end - start], dtype=torch.int32,
-                                                 device=DEVICE),
-                    seq_lens=torch.tensor([end], dtype=torch.int32, device=DEVICE),
-                    block_tables=table, query_start_loc_cpu=[0, end - start],
-                    seq_lens_cpu=[end], max_query_len=end - start, max_seq_len=end)
-                backend.prepare(md, has_cache=True)
-                with forward_context(md), torch.no_grad():
-                    outs.append(model(ids[start:end], pos.contiguous())[0])
-        finally:
-            fused._interpret = False
-        return outs + [t for layer in layers for t in (layer.k_cache, layer.v_cache)]
+    positions = torch.stack([torch.tensor([0, 1, 2, 2, 2, 2, 4, 5]),
+                             torch.tensor([0, 1, 2, 2, 3, 3, 4, 5]),
+                             torch.tensor([0, 1, 2, 3, 2, 3, 4, 5])]).to(DEVICE)
+    chunks = [(0, 7, positions[:, :7].contiguous()), (7, 8, positions[:, 7:].contiguous())]
+    num_layers = model.config.model.num_hidden_layers
 
     calls: list[tuple] = []
     real = triton_ops.qk_norm_rope_store
     monkeypatch.setattr(triton_ops, "qk_norm_rope_store",
                         lambda q, *a: calls.append((q.shape[0], a[-4] is not None)) or
                         real(q, *a))
-    want = run(False)
-    got = run(True)
-    assert calls == [(7, True)] * len(layers) + [(1, True)] * len(layers)   # M-RoPE axis given
+    want = _paged_forward(model, ids, chunks, fused_ops=False)
+    got = _paged_forward(model, ids, chunks, fused_ops=True)
+    assert calls == [(7, True)] * num_layers + [(1, True)] * num_layers   # M-RoPE axis given
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
