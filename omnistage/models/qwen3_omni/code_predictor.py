@@ -12,28 +12,20 @@ from torch import Tensor, nn
 
 from omnistage.ar import cuda_graphs
 from omnistage.ar.sampler import GREEDY_EPS, apply_top_k_top_p
-from omnistage.layers.linear import Linear, QKVLinear
+from omnistage.layers.linear import Linear
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding, get_rope
 from omnistage.models.config import ModelConfig
-from omnistage.models.qwen2 import Qwen2MLP
+from omnistage.models.qwen2 import Qwen2Attention, Qwen2MLP
 
 
-class CodePredictorAttention(nn.Module):
-    """Causal GQA attention with q/k norm over a per-frame KV cache (B, Hkv, S, D), S <= G+1."""
+class CodePredictorAttention(Qwen2Attention):
+    """Qwen3's attention layer (fused q/k/v, per-head q/k norm), attending causally over a
+    per-frame KV cache (B, Hkv, S, D), S <= G+1, instead of the paged one."""
 
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.qkv_sizes = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
-        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads,
-                                  self.num_kv_heads, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
-        self.rotary_emb = rotary_emb
+        assert cfg.has_qk_norm, "the code predictor is a Qwen3 decoder (q/k norm)"
+        super().__init__(cfg, rotary_emb)
 
     def forward(self, positions: Tensor, x: Tensor, kv: tuple[Tensor, Tensor],
                 start: int) -> Tensor:
