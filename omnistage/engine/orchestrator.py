@@ -34,7 +34,7 @@ from omnistage.connectors.shm import new_namespace, sweep
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages import messages as m
-from omnistage.stages.process import (StageRunner, WorkerSpec, check_gpu_budgets,
+from omnistage.stages.process import (StageRunner, WorkerSpec, check_gpu_budgets, describe_stage,
                                       stage_device)
 
 logger = logging.getLogger(__name__)
@@ -167,6 +167,8 @@ class Orchestrator:
                 raise RuntimeError(f"stage {name!r} failed to start: its process "
                                    f"{self._runners[name].exit_description()}"
                                    f"{_spawn_hint()}")
+        for s in self.graph.stages:
+            logger.info(describe_stage(s.name, s.kind, self.stage_info.get(s.name, {})))
         if self.graph.connector == "tcp":
             client = getattr(self._connector, "address")
             for s in self.graph.stages:

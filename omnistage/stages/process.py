@@ -135,9 +135,26 @@ def _engine_info(worker: object) -> dict[str, str | int | float]:
     cfg = getattr(engine, "model_config", None)
     if cfg is None:
         return model_info
+    layout = engine.kv_layout
+    graphs = getattr(engine.runner, "graphs", None)
     return {"max_model_len": engine.max_model_len, "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-            "num_kv_blocks": engine.kv_layout.num_blocks, **model_info}
+            "num_kv_blocks": layout.num_blocks, "kv_block_size": layout.block_size,
+            "kv_cache_gib": round(layout.num_blocks * layout.bytes_per_block / 2**30, 3),
+            "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+            "cuda_graphs": ",".join(map(str, graphs.sizes)) if graphs is not None else "none",
+            **model_info}
+
+
+def describe_stage(name: str, kind: str, info: dict) -> str:
+    """One line on what a started stage got (logged at start-up)."""
+    if "num_kv_blocks" not in info:
+        return f"stage {name} ({kind}) ready"
+    tokens = info["num_kv_blocks"] * info["kv_block_size"]
+    return (f"stage {name} ({kind}) on {info['device']}, {info['dtype']}: KV cache "
+            f"{info['num_kv_blocks']} blocks of {info['kv_block_size']} = {tokens} tokens "
+            f"({info['kv_cache_gib']:g} GiB), max_model_len {info['max_model_len']}, CUDA "
+            f"graphs for decode batch sizes: {info['cuda_graphs']}")
 
 
 def _clean_after_parent(spec: WorkerSpec) -> None:

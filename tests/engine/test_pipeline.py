@@ -278,6 +278,25 @@ def test_clean_exit_of_a_script(tmp_path: Path, tiny_qwen3: Path) -> None:
     assert "leaked" not in proc.stderr and "resource_tracker" not in proc.stderr, proc.stderr
 
 
+def test_start_up_facts_are_reported_and_logged(tiny_qwen3: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Each AR stage reports at its handshake what it got (KV blocks, device, dtype, graph
+    sizes); the orchestrator logs one line per stage."""
+    yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, connector="inproc", backend="inproc")
+    with caplog.at_level("INFO", logger="omnistage.engine.orchestrator"):
+        with Omni(stage_config=yaml_text, device="cpu") as omni:
+            info = omni.engine.orchestrator.stage_info
+            stats = omni.engine.orchestrator.stage_stats()
+    first = info["first"]
+    assert first["device"] == "cpu" and first["dtype"] == "float32"
+    assert first["cuda_graphs"] == "none" and first["num_kv_blocks"] == stats["first"].num_blocks
+    assert first["kv_block_size"] == 16 and first["kv_cache_gib"] > 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stage ")]
+    assert any(line.startswith(f"stage first (ar) on cpu, float32: KV cache "
+                               f"{first['num_kv_blocks']} blocks of 16") for line in lines)
+    assert "stage vectors (generation) ready" in lines
+
+
 def test_unknown_ar_stage_options_are_refused(tiny_qwen3: Path) -> None:
     yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, backend="inproc").replace(
         "    max_num_batched_tokens: 32\n", "    max_num_batched_tokens: 32\n"
