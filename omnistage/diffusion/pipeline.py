@@ -21,7 +21,7 @@ A pipeline without text encoders of its own (the digits demo) has only `prepare`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -84,6 +84,25 @@ class SplitPipeline(DiffusionPipeline, Protocol):
 def is_split_pipeline(cls: type) -> bool:
     return all(hasattr(cls, name) for name in
                ("load_prompt_encoder", "prepare_latents", "check_conditioning"))
+
+
+def encode_with_negatives(encode_texts: Callable[[list[str]], list[Tensor]],
+                          prompts: list[str], params: list[DiffusionParams],
+                          guided: Callable[[DiffusionParams], bool]) -> list[dict[str, Tensor]]:
+    """Every prompt, and the negative prompt of each request that `guided` says runs a
+    negative branch, in one `encode_texts` call: -> per request {"prompt_embeds"} plus
+    "negative_prompt_embeds" where guided (an unset negative prompt encodes as "")."""
+    texts = []
+    for prompt, p in zip(prompts, params, strict=True):
+        texts += [prompt, p.negative_prompt or ""] if guided(p) else [prompt]
+    states = iter(encode_texts(texts))
+    out = []
+    for p in params:
+        cond = {"prompt_embeds": next(states)}
+        if guided(p):
+            cond["negative_prompt_embeds"] = next(states)
+        out.append(cond)
+    return out
 
 
 def check_conditioning(tensors: dict[str, Tensor], expected: dict[str, tuple[int, int]],

@@ -34,8 +34,8 @@ from omnistage.connectors.shm import new_namespace, sweep
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages import messages as m
-from omnistage.stages.process import (StageRunner, WorkerSpec, check_gpu_budgets, describe_stage,
-                                      stage_device)
+from omnistage.stages.process import (StageRunner, WorkerSpec, check_gpu_placement,
+                                      describe_stage, stage_device)
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class Orchestrator:
         validate_graph(graph)
         if graph.backend == "process" and graph.connector == "inproc":
             raise ValueError("connector: inproc needs backend: inproc (stages in one process)")
-        check_gpu_budgets(graph, device)
+        check_gpu_placement(graph, device)
         self.graph = graph
         self.order = topological_order(graph)
         self._downstream = {s.name: downstream(graph, s.name) for s in graph.stages}

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omnistage.layers import fused
 from omnistage.layers.rotary import fused_rope_args, norm_and_rotate
 
 logger = logging.getLogger(__name__)
@@ -223,10 +224,9 @@ class Attention(nn.Module):
                 if _fused_store_ok and self.k_cache is not None
                 and getattr(self.backend, "accepts_stored_kv", False) else None)
         if args is not None:
-            from omnistage.layers import triton_ops
             try:
-                q_rot = triton_ops.qk_norm_rope_store(q, k, v, *args, self.k_cache,
-                                                      self.v_cache, md.slot_mapping)
+                q_rot = fused.ops_for(q).qk_norm_rope_store(  # type: ignore[union-attr]
+                    q, k, v, *args, self.k_cache, self.v_cache, md.slot_mapping)
             except Exception:   # the kernel does not build here: the separate kernels do
                 logger.warning("fused q/k norm + rotary + K/V store unavailable", exc_info=True)
                 _fused_store_ok = False

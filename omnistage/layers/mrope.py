@@ -111,6 +111,11 @@ class MRotaryEmbedding(nn.Module):
         k = k * cos + rotate_half(k) * sin
         return q, k
 
+    def fused_tables(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """What the fused kernels rotate with: (cos, sin) tables (P, D/2) and each frequency's
+        position row (positions (3, T) or (T,))."""
+        return self.cos_cache, self.sin_cache, self.axis
+
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, max_position={self.cos_cache.shape[0]}, "
                 f"mrope_section={self.mrope_section}, interleaved={self.interleaved}")

@@ -54,6 +54,11 @@ class RotaryEmbedding(nn.Module):
         k = k * cos + rotate_half(k) * sin
         return q, k
 
+    def fused_tables(self, positions: Tensor) -> tuple[Tensor, Tensor, None] | None:
+        """What the fused kernels rotate with: (cos, sin) tables (P, D), no axis map; for
+        1-D positions only."""
+        return (self.cos_cache, self.sin_cache, None) if positions.dim() == 1 else None
+
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.cos_cache.shape[0]}"
 
@@ -61,23 +66,17 @@ class RotaryEmbedding(nn.Module):
 def fused_rope_args(rotary: nn.Module, positions: Tensor, q: Tensor, q_norm: RMSNorm | None,
                     k_norm: RMSNorm | None) -> tuple | None:
     """(q weight, k weight, eps, cos, sin, positions, axis) for the fused q/k norm + rotary
-    kernels of triton_ops, where they apply (CUDA; this module's table with 1-D positions, or
-    M-RoPE's (mrope.py) with axis its frequencies' position rows); else None."""
-    from omnistage.layers.mrope import MRotaryEmbedding
-
+    kernels of triton_ops, where they apply (CUDA, and a rotary module whose `fused_tables`
+    takes these positions); else None."""
     if (fused.ops_for(q) is None or (q_norm is None) != (k_norm is None)
             or (q_norm is not None and q_norm.eps != k_norm.eps)):  # type: ignore[union-attr]
         return None
-    if type(rotary) is RotaryEmbedding and positions.dim() == 1:
-        axis = None
-    elif type(rotary) is MRotaryEmbedding:
-        axis = rotary.axis
-    else:
+    tables = getattr(rotary, "fused_tables", lambda _: None)(positions)
+    if tables is None:
         return None
     return (None if q_norm is None else q_norm.weight,
             None if k_norm is None else k_norm.weight,  # type: ignore[union-attr]
-            1e-6 if q_norm is None else q_norm.eps, rotary.cos_cache, rotary.sin_cache,
-            positions, axis)
+            1e-6 if q_norm is None else q_norm.eps, *tables[:2], positions, tables[2])
 
 
 def norm_and_rotate(rotary: nn.Module, positions: Tensor, q: Tensor, k: Tensor,

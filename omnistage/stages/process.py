@@ -48,7 +48,7 @@ class WorkerSpec:
     tcp_host: str = "127.0.0.1"
 
 
-def check_gpu_budgets(graph: GraphConfig, device: str) -> None:
+def check_gpu_placement(graph: GraphConfig, device: str) -> None:
     """Every stage's GPU exists, and AR stages on one GPU, which each size their KV cache to
     `memory_fraction` of the whole device, leave room for each other (the fractions of the
     stages that share a GPU add up to at most 1), or the first to start takes the memory the

@@ -14,6 +14,7 @@ from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.flux import FluxPipeline
 from omnistage.diffusion.registry import get_pipeline_class
+from omnistage.testing.diffusion import run_to_end
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 
 diffusers = pytest.importorskip("diffusers")
@@ -73,16 +74,6 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return ref, ours
 
 
-def run(engine: DiffusionEngine) -> dict[str, DiffusionResult]:
-    done = {}
-    while engine.has_unfinished_requests:
-        for r in engine.step():
-            if r.finished:
-                assert r.error is None, r.error
-                done[r.request_id] = r
-    return done
-
-
 def capture_latents(pipe: FluxPipeline, monkeypatch: pytest.MonkeyPatch) -> dict[str, Tensor]:
     """Final packed latents per request size, recorded as the engine decodes them."""
     seen: dict[str, Tensor] = {}
@@ -112,7 +103,7 @@ def test_matches_diffusers(pair: tuple[diffusers.FluxPipeline, FluxPipeline],
     params = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=3.5,
                              seed=0, num_images=2)
     engine.add_request("a", PROMPT, params)
-    (res,) = run(engine).values()
+    (res,) = run_to_end(engine).values()
 
     with torch.no_grad():
         ref_latents = reference(ref, PROMPT, SIZE, SIZE, 0, "latent", num_images=2)
@@ -136,7 +127,7 @@ def test_same_image_alone_or_batched(pair: tuple[diffusers.FluxPipeline, FluxPip
                         seed=3)
     alone = DiffusionEngine(ours)
     alone.add_request("a", PROMPT, a)
-    expected = run(alone)["a"].images
+    expected = run_to_end(alone)["a"].images
 
     batched = DiffusionEngine(ours)
     batched.add_request("b", "the weather today is sunny", DiffusionParams(
@@ -146,7 +137,7 @@ def test_same_image_alone_or_batched(pair: tuple[diffusers.FluxPipeline, FluxPip
     # same token count, other grid: one engine batch, its own rope ids
     batched.add_request("c", "hello world", DiffusionParams(
         height=SIZE // 2, width=SIZE * 2, num_inference_steps=4, seed=5))
-    done = run(batched)
+    done = run_to_end(batched)
     assert batched.num_steps_run == 5                    # every step shared one batch
     assert (done["a"].images.int() - expected.int()).abs().max() <= 1
     assert done["c"].images.shape == (1, SIZE // 2, SIZE * 2, 3)
@@ -154,7 +145,7 @@ def test_same_image_alone_or_batched(pair: tuple[diffusers.FluxPipeline, FluxPip
     c_alone = DiffusionEngine(ours)
     c_alone.add_request("c", "hello world", DiffusionParams(
         height=SIZE // 2, width=SIZE * 2, num_inference_steps=4, seed=5))
-    assert (run(c_alone)["c"].images.int() - done["c"].images.int()).abs().max() <= 1
+    assert (run_to_end(c_alone)["c"].images.int() - done["c"].images.int()).abs().max() <= 1
 
 
 @pytest.mark.parametrize("params, prompt, match", [
@@ -205,7 +196,7 @@ def test_image_to_image_matches_diffusers(pair: tuple[diffusers.FluxPipeline, Fl
     engine.add_request("a", PROMPT, DiffusionParams(
         height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=3.5, seed=5,
         image=buf.getvalue(), strength=0.7))
-    (res,) = run(engine).values()
+    (res,) = run_to_end(engine).values()
     assert res.metrics["num_steps"] == 3 and res.images.shape == (1, SIZE, SIZE, 3)
 
     img2img = diffusers.FluxImg2ImgPipeline(**ref.components)
@@ -231,7 +222,7 @@ def test_step_caching(pair: tuple[diffusers.FluxPipeline, FluxPipeline]) -> None
         if with_neighbour:
             engine.add_request("b", "hello world", DiffusionParams(
                 height=SIZE, width=SIZE, num_inference_steps=12, seed=1))
-        return run(engine)
+        return run_to_end(engine)
 
     plain = generate(None)["a"]
     zero = generate(0.0)["a"]
@@ -244,7 +235,7 @@ def test_step_caching(pair: tuple[diffusers.FluxPipeline, FluxPipeline]) -> None
     alone_b = DiffusionEngine(ours)
     alone_b.add_request("b", "hello world", DiffusionParams(
         height=SIZE, width=SIZE, num_inference_steps=12, seed=1))
-    assert (run(alone_b)["b"].images.int() - cached["b"].images.int()).abs().max() <= 1
+    assert (run_to_end(alone_b)["b"].images.int() - cached["b"].images.int()).abs().max() <= 1
 
 
 def test_large_images_decode_in_tiles(pair: tuple[diffusers.FluxPipeline, FluxPipeline],
@@ -256,7 +247,7 @@ def test_large_images_decode_in_tiles(pair: tuple[diffusers.FluxPipeline, FluxPi
     engine = DiffusionEngine(ours)
     params = DiffusionParams(height=64, width=48, num_inference_steps=2, seed=4)
     engine.add_request("a", PROMPT, params)
-    run(engine)
+    run_to_end(engine)
     ref.vae.enable_tiling()
     try:
         with torch.no_grad():

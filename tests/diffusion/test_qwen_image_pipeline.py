@@ -20,6 +20,7 @@ from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.qwen_image import QwenImagePipeline
 from omnistage.diffusion.registry import get_pipeline_class
+from omnistage.testing.diffusion import run_to_end
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 
 diffusers = pytest.importorskip("diffusers")
@@ -92,16 +93,6 @@ def png_bytes(size: tuple[int, int], seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
-def run(engine: DiffusionEngine) -> dict[str, DiffusionResult]:
-    done = {}
-    while engine.has_unfinished_requests:
-        for r in engine.step():
-            if r.finished:
-                assert r.error is None, r.error
-                done[r.request_id] = r
-    return done
-
-
 def capture_latents(pipe: QwenImagePipeline, monkeypatch: pytest.MonkeyPatch
                     ) -> dict[str, Tensor]:
     """Final packed latents per request, recorded as the engine decodes them."""
@@ -135,7 +126,7 @@ def test_matches_diffusers(pair: tuple[diffusers.QwenImagePipeline, QwenImagePip
     params = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=4, true_cfg_scale=cfg,
                              negative_prompt=negative, seed=0, num_images=2)
     engine.add_request("a", PROMPT, params)
-    (res,) = run(engine).values()
+    (res,) = run_to_end(engine).values()
 
     with torch.no_grad():
         ref_latents = reference(ref, negative, cfg, "latent")
@@ -177,7 +168,7 @@ def test_true_cfg_changes_the_image(pair: tuple[diffusers.QwenImagePipeline, Qwe
         engine.add_request(name, PROMPT, DiffusionParams(
             height=SIZE, width=SIZE, num_inference_steps=2, true_cfg_scale=scale,
             negative_prompt=neg, seed=7))
-        images[name] = run(engine)[name].images.float()
+        images[name] = run_to_end(engine)[name].images.float()
     assert (images["off"] - images["neg"]).abs().max() > 2
     assert (images["neg"] - images["space"]).abs().max() > 2
 
@@ -189,7 +180,7 @@ def test_same_image_alone_or_batched(pair: tuple[diffusers.QwenImagePipeline, Qw
     def alone(rid: str, prompt: str, params: DiffusionParams) -> Tensor:
         engine = DiffusionEngine(ours)
         engine.add_request(rid, prompt, params)
-        return run(engine)[rid].images
+        return run_to_end(engine)[rid].images
 
     a = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=4, true_cfg_scale=4.0,
                         negative_prompt=NEGATIVE, seed=3)
@@ -210,7 +201,7 @@ def test_same_image_alone_or_batched(pair: tuple[diffusers.QwenImagePipeline, Qw
     batched.step()
     batched.add_request("d", "a red cube", d)            # and d, e two steps behind
     batched.add_request("e", "a blue sphere", e)
-    done = run(batched)
+    done = run_to_end(batched)
     assert batched.num_steps_run == 5                    # every step shared one batch
     for rid, prompt, params in [("a", PROMPT, a), ("c", "hello world", c),
                                 ("d", "a red cube", d), ("e", "a blue sphere", e)]:
@@ -236,7 +227,7 @@ def test_image_to_image_matches_diffusers(
                              true_cfg_scale=cfg, negative_prompt=negative, image=data,
                              strength=strength, num_images=2)
     engine.add_request("a", PROMPT, params)
-    (res,) = run(engine).values()
+    (res,) = run_to_end(engine).values()
     assert res.metrics["num_steps"] == 4 - int(4 - 4 * strength)
 
     img2img = diffusers.QwenImageImg2ImgPipeline(**ref.components)
@@ -267,7 +258,7 @@ def test_image_to_image_size_and_bad_input(
     with pytest.raises(ValueError, match="smaller than"):
         engine.add_request("y", PROMPT, DiffusionParams(image=png_bytes((8, 8))))
     assert list(engine.requests) == ["ok"]               # the good request is undisturbed
-    assert run(engine)["ok"].images.shape == (1, 48, 80, 3)
+    assert run_to_end(engine)["ok"].images.shape == (1, 48, 80, 3)
 
 
 @pytest.mark.parametrize("params, prompt, match", [
@@ -327,7 +318,7 @@ def test_step_caching(pair: tuple[diffusers.QwenImagePipeline, QwenImagePipeline
         engine.add_request("a", PROMPT, params(threshold))
         if with_neighbour:
             engine.add_request("b", *neighbour)
-        return run(engine)
+        return run_to_end(engine)
 
     plain = generate(None)["a"]
     zero = generate(0.0)["a"]
@@ -341,7 +332,7 @@ def test_step_caching(pair: tuple[diffusers.QwenImagePipeline, QwenImagePipeline
     assert diff < 5, f"mean pixel change {diff}"           # ~0.7 / 255 with 5 of 12 skipped
     alone_b = DiffusionEngine(ours)
     alone_b.add_request("b", *neighbour)
-    assert (run(alone_b)["b"].images.int() - cached["b"].images.int()).abs().max() <= 1
+    assert (run_to_end(alone_b)["b"].images.int() - cached["b"].images.int()).abs().max() <= 1
 
 
 def test_step_caching_keeps_branches_apart(

@@ -14,6 +14,7 @@ from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.z_image import ZImagePipeline
 from omnistage.diffusion.registry import get_pipeline_class
+from omnistage.testing.diffusion import run_to_end
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 
 diffusers = pytest.importorskip("diffusers")
@@ -67,16 +68,6 @@ def pair(tmp_path_factory: pytest.TempPathFactory
     return ref, ours
 
 
-def run(engine: DiffusionEngine) -> dict[str, DiffusionResult]:
-    done = {}
-    while engine.has_unfinished_requests:
-        for r in engine.step():
-            if r.finished:
-                assert r.error is None, r.error
-                done[r.request_id] = r
-    return done
-
-
 def capture_latents(pipe: ZImagePipeline, monkeypatch: pytest.MonkeyPatch) -> dict[str, Tensor]:
     """Final latents per request, recorded as the engine decodes them."""
     seen: dict[str, Tensor] = {}
@@ -111,7 +102,7 @@ def test_matches_diffusers(pair: tuple[diffusers.ZImagePipeline, ZImagePipeline]
                              guidance_scale=guidance, negative_prompt=negative, seed=0,
                              num_images=2)
     engine.add_request("a", PROMPT, params)
-    (res,) = run(engine).values()
+    (res,) = run_to_end(engine).values()
 
     with torch.no_grad():
         ref_latents = reference(ref, PROMPT, guidance, negative, 0, "latent", 2)
@@ -140,7 +131,7 @@ def test_guidance_changes_the_image(pair: tuple[diffusers.ZImagePipeline, ZImage
         engine.add_request(name, PROMPT, DiffusionParams(
             height=SIZE, width=SIZE, num_inference_steps=2, guidance_scale=g,
             negative_prompt=neg, seed=7))
-        images[name] = run(engine)[name].images.float()
+        images[name] = run_to_end(engine)[name].images.float()
     assert (images["off"] - images["empty"]).abs().max() > 2
     assert (images["empty"] - images["neg"]).abs().max() > 2
 
@@ -152,7 +143,7 @@ def test_same_image_alone_or_batched(pair: tuple[diffusers.ZImagePipeline, ZImag
                         negative_prompt=NEGATIVE, seed=3)
     alone = DiffusionEngine(ours)
     alone.add_request("a", PROMPT, a)
-    expected = run(alone)["a"].images
+    expected = run_to_end(alone)["a"].images
 
     batched = DiffusionEngine(ours)
     batched.add_request("b", "the weather today is sunny", DiffusionParams(
@@ -161,14 +152,14 @@ def test_same_image_alone_or_batched(pair: tuple[diffusers.ZImagePipeline, ZImag
     batched.add_request("a", PROMPT, a)
     batched.add_request("c", "hello world", DiffusionParams(   # default guidance: CFG on
         height=SIZE, width=SIZE, num_inference_steps=4, seed=5, num_images=2))
-    done = run(batched)
+    done = run_to_end(batched)
     assert batched.num_steps_run == 5                    # every step shared one batch
     assert (done["a"].images.int() - expected.int()).abs().max() <= 1
 
     c_alone = DiffusionEngine(ours)
     c_alone.add_request("c", "hello world", DiffusionParams(
         height=SIZE, width=SIZE, num_inference_steps=4, seed=5, num_images=2))
-    assert (run(c_alone)["c"].images.int() - done["c"].images.int()).abs().max() <= 1
+    assert (run_to_end(c_alone)["c"].images.int() - done["c"].images.int()).abs().max() <= 1
 
 
 @pytest.mark.parametrize("params, prompt, match", [
@@ -230,7 +221,7 @@ def test_image_to_image_matches_diffusers(pair: tuple[diffusers.ZImagePipeline, 
     params = DiffusionParams(num_inference_steps=4, guidance_scale=guidance, seed=2,
                              image=data, strength=strength, num_images=2)
     engine.add_request("a", PROMPT, params)
-    (res,) = run(engine).values()
+    (res,) = run_to_end(engine).values()
     assert res.metrics["num_steps"] == 4 - int(4 - 4 * strength)
 
     img2img = diffusers.ZImageImg2ImgPipeline(**ref.components)
@@ -259,7 +250,7 @@ def test_image_to_image_bad_input(pair: tuple[diffusers.ZImagePipeline, ZImagePi
     with pytest.raises(ValueError, match="strength"):
         DiffusionParams(image=png_bytes((SIZE, SIZE)), strength=0.0)
     assert list(engine.requests) == ["ok"]          # the good request is undisturbed
-    assert run(engine)["ok"].images.shape == (1, SIZE, SIZE, 3)
+    assert run_to_end(engine)["ok"].images.shape == (1, SIZE, SIZE, 3)
 
 
 @pytest.mark.parametrize("guidance", [0.0, 4.0], ids=["no-cfg", "cfg"])
@@ -277,7 +268,7 @@ def test_step_caching(pair: tuple[diffusers.ZImagePipeline, ZImagePipeline],
         if with_neighbour:
             engine.add_request("b", "hello world", DiffusionParams(
                 height=SIZE, width=SIZE, num_inference_steps=12, guidance_scale=4.0, seed=1))
-        return run(engine)
+        return run_to_end(engine)
 
     plain = generate(None)["a"]
     zero = generate(0.0)["a"]
@@ -291,4 +282,4 @@ def test_step_caching(pair: tuple[diffusers.ZImagePipeline, ZImagePipeline],
     alone_b = DiffusionEngine(ours)
     alone_b.add_request("b", "hello world", DiffusionParams(
         height=SIZE, width=SIZE, num_inference_steps=12, guidance_scale=4.0, seed=1))
-    assert (run(alone_b)["b"].images.int() - cached["b"].images.int()).abs().max() <= 1
+    assert (run_to_end(alone_b)["b"].images.int() - cached["b"].images.int()).abs().max() <= 1

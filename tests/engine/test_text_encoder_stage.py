@@ -18,7 +18,7 @@ import torch
 from omnistage import Omni
 from omnistage.configs.defaults import resolve_graph
 from omnistage.configs.schema import StageConfig, StageInput
-from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
+from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.z_image import ZImagePipeline, ZImagePromptEncoder
 from omnistage.diffusion.text_encoding import TextEncodingEngine
@@ -26,6 +26,7 @@ from omnistage.engine.async_omni import accumulate
 from omnistage.engine.orchestrator import RequestEvent
 from omnistage.outputs import OmniOutput
 from omnistage.stages.engines import DiffusionStage
+from omnistage.testing.diffusion import run_to_end
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 
 diffusers = pytest.importorskip("diffusers")
@@ -85,16 +86,6 @@ def single_stage_images(folder: Path) -> list[torch.Tensor]:
     return [o.tensors["images"] for o in outs]
 
 
-def run(engine: DiffusionEngine) -> dict[str, DiffusionResult]:
-    done = {}
-    while engine.has_unfinished_requests:
-        for r in engine.step():
-            if r.finished:
-                assert r.error is None, r.error
-                done[r.request_id] = r
-    return done
-
-
 # ---- the engines ---------------------------------------------------------------------------
 
 def test_engine_waits_for_conditioning_and_draws_the_same_image(folder: Path) -> None:
@@ -108,7 +99,7 @@ def test_engine_waits_for_conditioning_and_draws_the_same_image(folder: Path) ->
 
     alone = DiffusionEngine(full)
     alone.add_request("a", prompt, params)
-    expected = run(alone)["a"]
+    expected = run_to_end(alone)["a"]
 
     engine = DiffusionEngine(bare)
     engine.add_request("a", None, params)
@@ -120,7 +111,7 @@ def test_engine_waits_for_conditioning_and_draws_the_same_image(folder: Path) ->
     engine.set_conditioning("a", cond)
     with pytest.raises(ValueError, match="already has its conditioning"):
         engine.set_conditioning("a", cond)
-    got = run(engine)["a"]
+    got = run_to_end(engine)["a"]
     assert torch.equal(got.images, expected.images)
     assert got.metrics["conditioning_wait_time"] >= 0
     assert got.metrics["num_steps"] == params.num_inference_steps

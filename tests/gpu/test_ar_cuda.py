@@ -15,8 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from omnistage.ar.engine import AREngine
 from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig
-from omnistage.layers.attention import AttentionMetadata, TorchPagedAttention
+from omnistage.layers.attention import TorchPagedAttention
 from omnistage.sampling_params import SamplingParams
+from omnistage.testing.attention import mixed_batch_metadata
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -74,19 +75,7 @@ def paged_batch(shapes: list[tuple[int, int]], num_heads: int, num_kv_heads: int
         ks.append(kv[0, cached:])
         vs.append(kv[1, cached:])
         slots += idx[cached:].tolist()
-    qsl = [0]
-    for _, new in shapes:
-        qsl.append(qsl[-1] + new)
-    lens = [c + n for c, n in shapes]
-    width = max(map(len, tables))
-    md = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device="cuda"),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                  dtype=torch.int32, device="cuda"),
-        query_start_loc_cpu=qsl, seq_lens_cpu=lens, max_query_len=max(n for _, n in shapes),
-        max_seq_len=max(lens))
+    md = mixed_batch_metadata(shapes, tables, slots, "cuda")
     return torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, md, qs, full
 
 

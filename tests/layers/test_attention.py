@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from omnistage.layers.attention import AttentionMetadata, TorchPagedAttention
+from omnistage.layers.attention import TorchPagedAttention
+from omnistage.testing.attention import mixed_batch_metadata
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -42,18 +43,10 @@ def test_mixed_prefill_chunks_and_decodes() -> None:
         ks.append(k_all[cached:])
         vs.append(v_all[cached:])
         slots += [table[p // bs] * bs + p % bs for p in range(cached, total)]
-    qsl = [0]
-    for _, new in shapes:
-        qsl.append(qsl[-1] + new)
-    lens = [c + n for c, n in shapes]
-    width = max(map(len, tables))
-    md = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        query_start_loc_cpu=qsl, seq_lens_cpu=lens, max_query_len=7, max_seq_len=max(lens))
+    md = mixed_batch_metadata(shapes, tables, slots)
     out = TorchPagedAttention().forward(torch.cat(qs), torch.cat(ks), torch.cat(vs),
                                         k_cache, v_cache, md, D ** -0.5)
     for i, (q, (k_all, v_all)) in enumerate(zip(qs, contexts)):
+        qsl = md.query_start_loc_cpu
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]], reference(q, k_all, v_all, D ** -0.5),
                                    atol=1e-5, rtol=1e-5)

@@ -11,12 +11,12 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from omnistage.testing.interpreter import (INTERPRETING, patch_interpreter,  # noqa: E402
-                                           run_in_interpreter)
-
-from omnistage.layers.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
+from omnistage.layers.attention import TorchPagedAttention  # noqa: E402
 from omnistage.layers.triton_attention import (TritonPagedAttention, num_kv_splits,  # noqa: E402
                                                store_kv)
+from omnistage.testing.attention import mixed_batch_metadata  # noqa: E402
+from omnistage.testing.interpreter import (INTERPRETING, patch_interpreter,  # noqa: E402
+                                           run_in_interpreter)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KERNELS_HERE = torch.cuda.is_available() or INTERPRETING
@@ -69,19 +69,7 @@ def make_batch(shapes: list[tuple[int, int]], num_heads: int, num_kv_heads: int,
         vs.append(v_all[cached:])
         slots += [table[p // block_size] * block_size + p % block_size
                   for p in range(cached, total)]
-    qsl = [0]
-    for _, new in shapes:
-        qsl.append(qsl[-1] + new)
-    lens = [c + n for c, n in shapes]
-    width = max(map(len, tables))
-    md = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor([t + [7] * (width - len(t)) for t in tables],
-                                  dtype=torch.int32, device=device),
-        query_start_loc_cpu=qsl, seq_lens_cpu=lens, max_query_len=max(n for _, n in shapes),
-        max_seq_len=max(lens))
+    md = mixed_batch_metadata(shapes, tables, slots, device, pad=7)
     to = dict(device=device, dtype=dtype)
     return (torch.cat(qs).to(**to), torch.cat(ks).to(**to), torch.cat(vs).to(**to),
             k_cache.to(**to), v_cache.to(**to), md, qs, contexts)

@@ -35,9 +35,9 @@ from transformers import AutoTokenizer
 
 from omnistage.diffusion.cache import cache_groups
 from omnistage.diffusion.image_input import decode_image, preprocess
-from omnistage.diffusion.pipeline import LatentPipelineBase
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.pipeline import check_conditioning
+from omnistage.diffusion.pipeline import (LatentPipelineBase, check_conditioning,
+                                         encode_with_negatives)
 from omnistage.diffusion.pipelines.flux import pack_latents, unpack_latents
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
@@ -103,17 +103,7 @@ class QwenImagePromptEncoder:
     def encode(self, prompts: list[str], params: list[DiffusionParams]
                ) -> list[dict[str, Tensor]]:
         """Per request: prompt_embeds (L, hidden), and negative_prompt_embeds with true CFG."""
-        texts = []
-        for prompt, p in zip(prompts, params, strict=True):
-            texts += [prompt, p.negative_prompt] if has_true_cfg(p) else [prompt]
-        states = iter(self.encode_texts(texts))
-        out = []
-        for p in params:
-            cond = {"prompt_embeds": next(states)}
-            if has_true_cfg(p):
-                cond["negative_prompt_embeds"] = next(states)
-            out.append(cond)
-        return out
+        return encode_with_negatives(self.encode_texts, prompts, params, has_true_cfg)
 
     @torch.inference_mode()
     def encode_texts(self, texts: list[str]) -> list[Tensor]:

@@ -27,9 +27,9 @@ from transformers import AutoTokenizer
 
 from omnistage.diffusion.cache import cache_groups
 from omnistage.diffusion.image_input import decode_image, preprocess
-from omnistage.diffusion.pipeline import LatentPipelineBase
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.pipeline import check_conditioning
+from omnistage.diffusion.pipeline import (LatentPipelineBase, check_conditioning,
+                                         encode_with_negatives)
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.models.autoencoder_kl import AutoencoderKL
@@ -86,17 +86,7 @@ class ZImagePromptEncoder:
     def encode(self, prompts: list[str], params: list[DiffusionParams]
                ) -> list[dict[str, Tensor]]:
         """Per request: prompt_embeds (L, hidden), and negative_prompt_embeds with CFG."""
-        texts = []
-        for prompt, p in zip(prompts, params, strict=True):
-            texts += [prompt, p.negative_prompt or ""] if has_cfg(p) else [prompt]
-        states = iter(self.encode_texts(texts))
-        out = []
-        for p in params:
-            cond = {"prompt_embeds": next(states)}
-            if has_cfg(p):
-                cond["negative_prompt_embeds"] = next(states)
-            out.append(cond)
-        return out
+        return encode_with_negatives(self.encode_texts, prompts, params, has_cfg)
 
     @torch.inference_mode()
     def encode_texts(self, texts: list[str]) -> list[Tensor]:

@@ -10,7 +10,7 @@ import pytest
 
 from omnistage.configs.defaults import stage_config_text
 from omnistage.configs.graph import load_graph
-from omnistage.stages.process import check_gpu_budgets, stage_device
+from omnistage.stages.process import check_gpu_placement, stage_device
 
 GRAPH = """
 model: /models/m
@@ -47,12 +47,12 @@ def test_a_stage_on_a_missing_gpu_is_refused(num_gpus: int, device: str, message
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: num_gpus)
     with pytest.raises(ValueError, match=message):
-        check_gpu_budgets(graph(0.5, 0.4, device_b=2), device)
+        check_gpu_placement(graph(0.5, 0.4, device_b=2), device)
 
 
 def test_shared_gpu_fractions_over_one_are_refused() -> None:
     with pytest.raises(ValueError, match=r"stages a 0\.9, b 0\.9 share cuda:0: .* 1\.8"):
-        check_gpu_budgets(graph(0.9, 0.9), "cuda")
+        check_gpu_placement(graph(0.9, 0.9), "cuda")
 
 
 @pytest.mark.parametrize("a, b, device_b, device", [
@@ -61,7 +61,7 @@ def test_shared_gpu_fractions_over_one_are_refused() -> None:
     (0.9, 0.9, 0, "cpu"),          # CPU stages size their cache in bytes, not fractions
 ])
 def test_budgets_that_fit_are_accepted(a: float, b: float, device_b: int, device: str) -> None:
-    check_gpu_budgets(graph(a, b, device_b), device)
+    check_gpu_placement(graph(a, b, device_b), device)
 
 
 def test_packaged_two_gpu_qwen3_omni_graph() -> None:
@@ -69,8 +69,8 @@ def test_packaged_two_gpu_qwen3_omni_graph() -> None:
     talker and code2wav on GPU 1; everything else as the default graph."""
     two = load_graph(stage_config_text("qwen3_omni_2gpu"))
     one = load_graph(stage_config_text("qwen3_omni"))
-    check_gpu_budgets(two, "cuda")
-    check_gpu_budgets(one, "cuda")
+    check_gpu_placement(two, "cuda")
+    check_gpu_placement(one, "cuda")
     assert {s.name: stage_device("cuda", s.devices) for s in two.stages} == {
         "thinker": "cuda:0", "talker": "cuda:1", "code2wav": "cuda:1"}
     for a, b in zip(two.stages, one.stages):
