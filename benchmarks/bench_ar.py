@@ -16,7 +16,7 @@ copy bandwidth / bytes of weights read per decode step.
 
 --skip-hf runs ours only (an older omnistage on PYTHONPATH measures the previous version with
 the same script); --enforce-eager, --no-fused and --attention-backend switch the new paths off
-one by one; --fused-gemv switches the experimental fused matmul-vector kernels on.
+one by one (--no-gemv: the one-row matrix-vector kernels).
 """
 
 from __future__ import annotations
@@ -210,17 +210,17 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--no-fused", action="store_true", help="no fused Triton norm/rope/act")
-    ap.add_argument("--fused-gemv", action="store_true",
-                    help="experimental: norm / SiLU fused into the matmul at <= 4 rows")
+    ap.add_argument("--no-gemv", action="store_true",
+                    help="no one-row matrix-vector kernels (norm / SiLU fused in): cuBLAS")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--checkpoint-dir", default="/tmp/omnistage-bench")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    if args.no_fused or args.fused_gemv:
+    if args.no_fused or args.no_gemv:
         from omnistage.layers import fused
         fused.set_enabled(not args.no_fused)
-        fused.set_gemv(args.fused_gemv)
+        fused.set_gemv(not args.no_gemv)
     path = build_checkpoint(args.preset, Path(args.checkpoint_dir) / args.preset)
     rng = random.Random(0)
     vocab = PRESETS[args.preset]["vocab_size"]
@@ -237,7 +237,7 @@ def main() -> None:
         "num_prompts": num_prompts, "concurrency": args.concurrency or num_prompts,
         "input_len": args.input_len, "output_len": args.output_len,
         "options": {"enforce_eager": args.enforce_eager, "no_fused": args.no_fused,
-                    "fused_gemv": args.fused_gemv,
+                    "gemv": not (args.no_gemv or args.no_fused),
                     "attention_backend": args.attention_backend},
     }
     if args.single_stream:

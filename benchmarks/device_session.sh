@@ -9,6 +9,7 @@
 #     run(command="bash benchmarks/device_session.sh", carry=[".whl"], timeout_s=600)
 #
 # Stages: tests (about 2 min), single stream (3 runs), concurrency 1/8/64 latency (bench ar);
+# "profile" (per-kernel device time of batch-1 decode steps);
 # STAGES="tests single" picks some; "omni" (not by default: several minutes) runs bench omni.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -23,10 +24,16 @@ if [[ $STAGES == *tests* ]]; then
         tests/gpu tests/layers 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
 fi
 if [[ $STAGES == *single* ]]; then
-    for flags in "" "--fused-gemv" "--enforce-eager"; do
+    for flags in "" "--no-gemv" "--enforce-eager"; do
         name=single${flags//-/_}
         python3 benchmarks/bench_ar.py --single-stream --output-len 256 --skip-hf $flags \
             --out "$OUT/$name.json" 2>&1 | tail -3
+    done
+fi
+if [[ $STAGES == *profile* ]]; then
+    for flags in "" "--no-gemv"; do
+        python3 benchmarks/profile_kernels.py --batch 1 $flags \
+            --out "$OUT/profile_bs1${flags//-/_}.json" 2>&1 | head -30
     done
 fi
 if [[ $STAGES == *latency* ]]; then

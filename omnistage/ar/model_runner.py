@@ -52,6 +52,9 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.eos_token_ids: tuple[int, ...] = ()
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        if len(self.attn_layers) != layout.num_layers:    # each gets a whole cache: say so early
+            raise RuntimeError(f"the model has {len(self.attn_layers)} paged attention layers, "
+                               f"its KV cache layout {layout.num_layers}")
         group = (self.attn_layers[0].num_heads // self.attn_layers[0].num_kv_heads
                  if self.attn_layers else 1)
         self.backend = get_attention_backend(attention_backend, device, layout.block_size, group,

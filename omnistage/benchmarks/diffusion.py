@@ -24,6 +24,7 @@ against anything).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -58,6 +59,7 @@ class DiffusionBenchConfig:
     cache_thresholds: tuple[float, ...] = CACHE_THRESHOLDS
     concurrency: int = 4
     vae_base_dim: int = 16
+    compile: bool = False                 # also time our transformer with compile_blocks
     device: str = "auto"
     seed: int = 0
 
@@ -170,11 +172,36 @@ def bench_transformers(cfg: DiffusionBenchConfig, device: torch.device, dtype: t
     seeded_init(ours, cfg.seed)
     final["omnistage"], out["omnistage_s"] = timed(
         lambda x, t: ours(x, text, None, t, img_shapes=img_shapes))
+    if cfg.compile:
+        out.update(_compiled(ours, timed, lambda x, t: ours(x, text, None, t,
+                                                           img_shapes=img_shapes),
+                             final["omnistage"], out["omnistage_s"]))
     a, b = final["omnistage"].float(), final["diffusers"].float()
     out.update(num_parameters=num_params,
                latents_rel_diff=float((a - b).norm() / b.norm()),
                latents_psnr_db=psnr(a, b), speedup=ratio(out["diffusers_s"], out["omnistage_s"]))
     return out, ours, text[0]
+
+
+def _compiled(model: torch.nn.Module, timed, forward, eager_final: Tensor, eager_s: float
+              ) -> dict[str, object]:
+    """The same denoising with the blocks compiled (`compile_blocks`, as a stage's
+    `options: {compile: true}`), then the eager blocks put back: seconds, the first call's
+    compile time, speed-up and PSNR against the eager run."""
+    from omnistage.diffusion.pipeline import compile_blocks
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    eager = [list(m) for m in lists]
+    t0 = time.perf_counter()
+    compile_blocks(model)
+    final, seconds = timed(forward)          # its warm-up compiles
+    total = time.perf_counter() - t0
+    for m, blocks in zip(lists, eager):
+        for i, block in enumerate(blocks):
+            m[i] = block
+    return {"compiled_s": seconds, "compile_and_warmup_s": total - seconds,
+            "compiled_speedup_vs_eager": ratio(eager_s, seconds),
+            "compiled_latents_psnr_db": psnr(final.float(), eager_final.float())}
 
 
 # ---- 2. the engine ------------------------------------------------------------------------
@@ -286,6 +313,9 @@ def run(cfg: DiffusionBenchConfig) -> dict[str, object]:
               "step_cache_speedup_vs_diffusers": ratio(transformer_result["diffusers_s"],
                                                        best["seconds"]) if best else None,
               "batching_speedup": engine_result["batching"]["speedup"]}
+    if cfg.compile:
+        ratios["compiled_speedup_vs_diffusers"] = ratio(transformer_result["diffusers_s"],
+                                                        transformer_result["compiled_s"])
     return {
         "benchmark": "diffusion", **environment(device),
         "dtype": str(dtype).removeprefix("torch."),

@@ -6,8 +6,8 @@ activation.py and rotary.py: on CUDA tensors, where triton is installed, unless 
     fused.set_enabled(False)     # everything back to PyTorch (benchmarks measure both ways)
 
 `norm_linear` and `silu_linear` run an RMSNorm (with its residual add) or a SiLU-and-mul and
-the matmul after it; with `set_gemv(True)` (experimental, off by default: not yet measured
-against cuBLAS) batches of a few rows on CUDA take one kernel for both (triton_gemv.py).
+the matmul after it, `linear` the matmul alone; a single row on CUDA (a single stream's decode
+step) takes one matrix-vector kernel for both (triton_gemv.py; `set_gemv(False)`: cuBLAS).
 
 The PyTorch paths stay the reference on every device; tests compare the two.
 """
@@ -19,7 +19,7 @@ from types import ModuleType
 from torch import Tensor, nn
 
 _enabled = True
-_gemv = False
+_gemv = True
 _interpret = False   # tests: the kernels on CPU tensors too (Triton's interpreter)
 _ops: ModuleType | None | bool = False   # False: not looked up yet; None: triton missing
 
@@ -34,7 +34,7 @@ def is_enabled() -> bool:
 
 
 def set_gemv(enabled: bool) -> None:
-    """Fused matmul-vector kernels for decode batches of a few rows (experimental)."""
+    """Fused matrix-vector kernels for one-row decode steps (on by default)."""
     global _gemv
     _gemv = enabled
 
@@ -77,6 +77,14 @@ def norm_linear(norm: nn.Module, linear: nn.Module, x: Tensor, residual: Tensor 
         return linear(norm(x)), x
     normed, total = norm.add_forward(x, residual)
     return linear(normed), total
+
+
+def linear(linear: nn.Module, x: Tensor) -> Tensor:
+    """linear(x), through the matrix-vector kernel for a few rows when it is on."""
+    gemv = _gemv_for(x, linear.weight)
+    if gemv is not None:
+        return gemv.linear(x, linear.weight, linear.bias)
+    return linear(x)
 
 
 def silu_linear(act: nn.Module, linear: nn.Module, x: Tensor) -> Tensor:

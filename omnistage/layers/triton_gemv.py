@@ -1,5 +1,6 @@
 """Matrix-vector products for decode steps of a few rows, with the small op in front fused in
-(CUDA; Triton's interpreter on CPU). Experimental: off unless `fused.set_gemv(True)`.
+(CUDA; Triton's interpreter on CPU). On by default for one row (a single stream's decode
+step); `fused.set_gemv(False)` turns them off.
 
 At one to a few rows a decode step's matmuls read their weights once and do little else, and
 the step is bound by the number of kernels per layer, each a few microseconds (see the README's
@@ -7,10 +8,12 @@ benchmarks). These kernels fold the op in front of a matmul into its prologue:
 
     norm_linear    (x [+ residual]) -> RMSNorm -> x W^T      (add+norm kernel and matmul -> 1)
     silu_linear    | gate | up | -> silu(gate) * up -> x W^T  (SiLU kernel and matmul -> 1)
+    linear         x W^T (cuBLAS' choice for one row of some shapes streams at a third of
+                   the memory bandwidth: too few programs)
 
-One program per (row, block of BLOCK_N outputs) walks K in BLOCK_K tiles: W rows are read
-along K (contiguous), the activation tile is recomputed from the input in every program (K
-values: kilobytes, from L2), products are summed in float32. A norm's inverse RMS needs the
+One program per block of BLOCK_N outputs walks K in BLOCK_K tiles for every row at once: W rows
+are read along K (contiguous) once, the activation tile is recomputed from the input in every
+program (K values: kilobytes, from L2), products are summed in float32. A norm's inverse RMS needs the
 whole row first: a program makes one pass over the row for it, then one with the weights. With
 a residual, program 0 of each row also writes the sum (the next layer's residual).
 
@@ -26,60 +29,81 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-MAX_ROWS = 4          # more rows: cuBLAS (a matmul, where weights are reused across rows)
-BLOCK_N = 16
-BLOCK_K = 256
+# Used for one row only. On an H200 (benchmarks/results/sweep_gemv_qwen3-0.6b*.json), one row
+# through Qwen3-0.6B's four decode matmuls took 19.9 us with these kernels against 35.2 us for
+# cuBLAS after the separate norm / SiLU kernels (o_proj alone: 3.9 against cuBLAS' 12.0, whose
+# kernel for that shape runs too few programs); four rows took 2-4x cuBLAS' time: the kernel
+# handles several rows (the tests check it) without being fast at it.
+MAX_ROWS = 1
+
+
+def config(n: int, k: int, rows: int) -> dict[str, int]:
+    """Tile sizes, from that sweep (BLOCK_N 4-32, BLOCK_K 128-2048, 4 or 8 warps, 2-4
+    stages): 8 outputs a program and K tiles of 1024 in 8 warps; where that makes over 512
+    programs, shorter tiles in 4 warps. Each within 2% of the sweep's best but for o_proj
+    (3.88 against 3.81 us) and gate_up (5.87, the best)."""
+    if n // 8 > 512:
+        return dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
+    return dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=3)
 
 
 @triton.jit
-def _gemv_kernel(X, R, NW, W, B, Out, Sum, N, K, eps,
+def _gemv_kernel(X, R, NW, W, B, Out, Sum, M, N, K, eps,
                  stride_xm, stride_rm, stride_wn, stride_om, stride_sm,
-                 NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
+                 ROWS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
     dt = X.dtype.element_ty
-    x_row = X + row * stride_xm
-    r_row = R + row * stride_rm
-    if NORM:   # pass 1: the row's inverse RMS (and, with a residual, its sum, by program 0)
-        ss = tl.zeros([BLOCK_K], tl.float32)
+    r = tl.arange(0, ROWS)
+    r_ok = r < M
+    x_rows = X + r[:, None].to(tl.int64) * stride_xm                      # (ROWS, 1)
+    r_rows = R + r[:, None].to(tl.int64) * stride_rm
+    if NORM:   # pass 1: each row's inverse RMS (and, with a residual, its sum, by program 0)
+        ss = tl.zeros([ROWS, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            x = tl.load(x_row + k, mask=k_ok, other=0.0)
+            mask = r_ok[:, None] & (k < K)[None, :]
+            x = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
             if ADD:
-                x = (x.to(tl.float32) + tl.load(r_row + k, mask=k_ok, other=0.0
+                x = (x.to(tl.float32) + tl.load(r_rows + k[None, :], mask=mask, other=0.0
                                                 ).to(tl.float32)).to(dt)
                 if pid_n == 0:
-                    tl.store(Sum + row * stride_sm + k, x, mask=k_ok)
+                    tl.store(Sum + r[:, None].to(tl.int64) * stride_sm + k[None, :], x,
+                             mask=mask)
             xf = x.to(tl.float32)
             ss += xf * xf
-        inv = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+        inv = tl.rsqrt(tl.sum(ss, 1) / K + eps)                           # (ROWS,)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    acc = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
+        mask = r_ok[:, None] & k_ok[None, :]
         if SILU:
-            gate = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-            up = tl.load(x_row + K + k, mask=k_ok, other=0.0).to(tl.float32)
+            gate = tl.load(x_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
             x = (act * up).to(dt)
         else:
-            x = tl.load(x_row + k, mask=k_ok, other=0.0)
+            x = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
             if ADD:
-                x = (x.to(tl.float32) + tl.load(r_row + k, mask=k_ok, other=0.0
+                x = (x.to(tl.float32) + tl.load(r_rows + k[None, :], mask=mask, other=0.0
                                                 ).to(tl.float32)).to(dt)
         if NORM:
             nw = tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32)
-            x = ((x.to(tl.float32) * inv).to(dt).to(tl.float32) * nw).to(dt)
+            x = ((x.to(tl.float32) * inv[:, None]).to(dt).to(tl.float32) * nw[None, :]).to(dt)
         w = tl.load(W + n[:, None].to(tl.int64) * stride_wn + k[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)          # (BLOCK_N, BLOCK_K)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        xf = x.to(tl.float32)                                             # (ROWS, BLOCK_K)
+        for i in tl.static_range(ROWS):   # the weight tile is read once for every row
+            xi = tl.sum(tl.where(r[:, None] == i, xf, 0.0), 0)            # (BLOCK_K,)
+            part = tl.sum(w * xi[None, :], 1)                             # (BLOCK_N,)
+            acc += tl.where(r[:, None] == i, part[None, :], 0.0)
     if HAS_BIAS:
-        acc += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(Out + row * stride_om + n, acc.to(Out.dtype.element_ty), mask=n_ok)
+        acc += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Out + r[:, None].to(tl.int64) * stride_om + n[None, :],
+             acc.to(Out.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
 
 def applies(x: Tensor, weight: Tensor) -> bool:
@@ -89,22 +113,29 @@ def applies(x: Tensor, weight: Tensor) -> bool:
 
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float,
-            weight: Tensor, bias: Tensor | None, silu: bool, in_features: int
-            ) -> tuple[Tensor, Tensor | None]:
+            weight: Tensor, bias: Tensor | None, silu: bool, in_features: int,
+            cfg: dict[str, int] | None = None) -> tuple[Tensor, Tensor | None]:
     rows, n = x.shape[0], weight.shape[0]
     assert weight.shape[1] == in_features, (weight.shape, in_features)
+    cfg = cfg or config(n, in_features, rows)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     total = torch.empty(rows, in_features, dtype=x.dtype, device=x.device) \
         if residual is not None else None
     r = residual if residual is not None else x
     s = total if total is not None else out
-    _gemv_kernel[(triton.cdiv(n, BLOCK_N), rows)](
+    _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, r, norm_weight if norm_weight is not None else weight, weight,
-        bias if bias is not None else weight, out, s, n, in_features, eps,
+        bias if bias is not None else weight, out, s, rows, n, in_features, eps,
         x.stride(0), r.stride(0), weight.stride(0), out.stride(0), s.stride(0),
-        NORM=norm_weight is not None, ADD=residual is not None, SILU=silu,
-        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+        ROWS=triton.next_power_of_2(rows), NORM=norm_weight is not None,
+        ADD=residual is not None, SILU=silu, HAS_BIAS=bias is not None, **cfg)
     return out, total
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x W^T + b for x (rows, K), weight (N, K)."""
+    out, _ = _launch(x, None, None, 0.0, weight, bias, False, x.shape[1])
+    return out
 
 
 def norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,

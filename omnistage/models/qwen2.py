@@ -51,7 +51,7 @@ class Qwen2Attention(nn.Module):
         out = self.attn.rotate_and_attend(self.rotary_emb, positions, q, k, v,
                                           self.q_norm if self.has_qk_norm else None,
                                           self.k_norm if self.has_qk_norm else None)
-        return self.o_proj(out.flatten(1))                         # (T, hidden)
+        return fused.linear(self.o_proj, out.flatten(1))           # (T, hidden)
 
 
 class Qwen2MLP(nn.Module):
@@ -82,8 +82,8 @@ class Qwen2DecoderLayer(nn.Module):
         """The layer's input is h + residual (just h for the first layer); returns (mlp out,
         residual) whose sum is its output, so that the next layer's norm does the add (one
         fused kernel on CUDA instead of an add and a norm)."""
-        # each norm and the matmul after it: one kernel at decode batches of a few rows
-        # where fused.set_gemv is on, else the norm (with the add) and cuBLAS
+        # each norm and the matmul after it: one kernel in a one-row decode step on CUDA
+        # (fused.set_gemv), else the norm (with the add) and cuBLAS
         qkv, residual = fused.norm_linear(self.input_layernorm, self.self_attn.qkv_proj, h,
                                           residual)
         attn = self.self_attn.attend(positions, qkv)

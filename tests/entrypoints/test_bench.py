@@ -68,10 +68,14 @@ def test_bench_omni(tmp_path: Path) -> None:
 
 
 def test_bench_diffusion(tmp_path: Path) -> None:
-    doc = bench(tmp_path, "diffusion", "--cache-thresholds", "0.5", "--concurrency", "2")
+    doc = bench(tmp_path, "diffusion", "--cache-thresholds", "0.5", "--concurrency", "2",
+                "--compile")
     tr, eng = doc["transformer"], doc["engine"]
     assert positive(tr["diffusers_s"]) and positive(tr["omnistage_s"])
     assert tr["latents_rel_diff"] < 1e-4            # float32: same function, same weights
+    # torch.compile'd blocks (inductor, on the CPU here): the same latents within float32 noise
+    assert positive(tr["compiled_s"]) and positive(tr["compile_and_warmup_s"])
+    assert tr["compiled_latents_psnr_db"] > 80
     assert positive(eng["seconds_per_image"])
     (cached,) = eng["step_cache"]
     assert cached["threshold"] == 0.5 and 0 <= cached["steps_skipped"] <= 2

@@ -112,7 +112,7 @@ def test_qk_norm_rope(dtype: torch.dtype, qk_norm: bool) -> None:
     torch.testing.assert_close(got_k, ref_k, **TOL[dtype])
 
 
-# -- fused matmul-vector kernels (fused.set_gemv, experimental) --------------------------------
+# -- fused matrix-vector kernels (fused.set_gemv) -----------------------------------------------
 
 def _tiny_qwen3(seed: int) -> torch.nn.Module:
     """A 2-layer float32 Qwen3 of ours with random weights (norm weights around 1)."""
@@ -137,7 +137,7 @@ def gemv_on():
     fused.set_gemv(True)
     fused._interpret = DEVICE.type == "cpu"
     yield
-    fused.set_gemv(False)
+    fused.set_gemv(True)              # the default
     fused._interpret = False
 
 
@@ -170,7 +170,10 @@ def test_norm_linear(gemv_on, dtype: torch.dtype, rows: int, with_residual: bool
     fused.set_gemv(False)
     want, want_total = _torch_path(reference)
     fused.set_gemv(True)
-    got, got_total = fused.norm_linear(norm, linear, x, residual)
+    from omnistage.layers import triton_gemv      # the kernel itself (fused.* routes 1 row)
+
+    got, got_total = triton_gemv.norm_linear(x, residual, norm.weight, norm.eps, linear.weight,
+                                             linear.bias)
     assert got.shape == (rows, 37)
     torch.testing.assert_close(got, want, **TOL[dtype])
     torch.testing.assert_close(got_total, want_total, atol=0, rtol=0)
@@ -189,13 +192,37 @@ def test_silu_linear(gemv_on, dtype: torch.dtype) -> None:
     fused.set_gemv(False)
     want = _torch_path(lambda: linear(act(x)))
     fused.set_gemv(True)
-    torch.testing.assert_close(fused.silu_linear(act, linear, x), want, **TOL[dtype])
+    from omnistage.layers import triton_gemv
+
+    torch.testing.assert_close(triton_gemv.silu_linear(x, linear.weight, linear.bias), want,
+                               **TOL[dtype])
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_linear(gemv_on, dtype: torch.dtype, rows: int) -> None:
+    """Plain x W^T + b: rows padded to a power of two inside (3 -> 4), K = 300, N = 37."""
+    from omnistage.layers.linear import Linear
+
+    torch.manual_seed(6)
+    linear = Linear(300, 37, bias=True).to(DEVICE, dtype)
+    linear.weight.copy_(torch.randn(37, 300) * 0.05)
+    linear.bias.copy_(torch.randn(37))
+    x = torch.randn(rows, 300).to(DEVICE, dtype)
+    fused.set_gemv(False)
+    want = _torch_path(lambda: linear(x))
+    fused.set_gemv(True)
+    from omnistage.layers import triton_gemv
+
+    torch.testing.assert_close(triton_gemv.linear(x, linear.weight, linear.bias), want,
+                               **TOL[dtype])
 
 
 @kernel_test
 def test_decoder_with_gemv_equals_without(gemv_on, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Qwen3 forward pass of 3 rows (decode-sized: the fused kernels) and of 9 rows (the
-    usual path) with set_gemv on equals it with set_gemv off."""
+    """A Qwen3 forward pass of 1 row (a single-stream decode: the fused kernels) and of 9 rows
+    (the usual path) with set_gemv on equals it with set_gemv off."""
     from omnistage.layers.attention import AttentionMetadata, TorchPagedAttention, \
         forward_context
 
@@ -210,7 +237,7 @@ def test_decoder_with_gemv_equals_without(gemv_on, monkeypatch: pytest.MonkeyPat
         return real(x, *args)
 
     monkeypatch.setattr(triton_gemv, "_launch", counted)
-    for num_tokens in (3, 9):
+    for num_tokens in (1, 9):
         ids = torch.randint(0, 128, (num_tokens,), device=DEVICE)
         positions = torch.arange(num_tokens, device=DEVICE)
         md = AttentionMetadata(
@@ -233,7 +260,7 @@ def test_decoder_with_gemv_equals_without(gemv_on, monkeypatch: pytest.MonkeyPat
         want = forward()
         fused.set_gemv(True)
         torch.testing.assert_close(forward(), want, atol=1e-5, rtol=1e-5)
-    assert calls == [3] * 6   # 2 layers x (norm + qkv, norm + gate_up, silu + down); 9 rows: none
+    assert calls == [1] * 8   # 2 layers x (norm + qkv, o, norm + gate_up, silu + down); 9: none
 
 
 # -- q/k norm + rotary + K/V cache store in one kernel -----------------------------------------
@@ -256,7 +283,8 @@ def _paged_forward(model: torch.nn.Module, ids: torch.Tensor, chunks: list[tuple
         layer.v_cache = torch.zeros(6, 4, num_kv_heads, head_dim, device=DEVICE)
     table = torch.tensor([[3, 0, 5]], dtype=torch.int32, device=DEVICE)
     outs = []
-    fused._interpret = fused_ops
+    fused._interpret = fused_ops      # on CPU: the kernels run in Triton's interpreter
+    fused._enabled = fused_ops        # on CUDA: off means the PyTorch ops
     try:
         for start, end, positions in chunks:
             flat = torch.arange(start, end, device=DEVICE)
@@ -271,7 +299,7 @@ def _paged_forward(model: torch.nn.Module, ids: torch.Tensor, chunks: list[tuple
             with forward_context(md), torch.no_grad():
                 outs.append(model(ids[start:end], positions)[0])
     finally:
-        fused._interpret = False
+        fused._interpret, fused._enabled = False, True
     return outs + [t for layer in layers for t in (layer.k_cache, layer.v_cache)]
 
 

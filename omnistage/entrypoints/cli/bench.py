@@ -84,6 +84,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     diff.add_argument("--cache-thresholds", type=_floats, default=None,
                       help="step-cache thresholds to try, comma-separated")
     diff.add_argument("--concurrency", type=int, default=4)
+    diff.add_argument("--compile", action="store_true",
+                      help="also time our transformer with its blocks torch.compile'd")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
             "tiny" if args.tiny else "qwen-image", device=args.device, seed=args.seed,
             size=args.size, steps=args.steps, num_layers=args.num_layers,
             text_len=args.text_len, cache_thresholds=args.cache_thresholds,
-            concurrency=args.concurrency)
+            concurrency=args.concurrency, compile=args.compile)
         result = diffusion.run(cfg)
         name = args.name or f"diffusion_{cfg.sizes}_{cfg.size}px"
         headline = result["ratios"]

@@ -26,6 +26,7 @@ class CodePredictorAttention(Qwen2Attention):
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
         assert cfg.has_qk_norm, "the code predictor is a Qwen3 decoder (q/k norm)"
         super().__init__(cfg, rotary_emb)
+        del self.attn       # no paged attention: the engine must not give it a paged KV cache
 
     def forward(self, positions: Tensor, x: Tensor, kv: tuple[Tensor, Tensor],
                 start: int) -> Tensor:

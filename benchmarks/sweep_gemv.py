@@ -1,0 +1,140 @@
+"""Tile sizes of the matrix-vector kernels (omnistage/layers/triton_gemv.py) against cuBLAS on
+the decode matmuls of a real shape, on the GPU: the numbers behind `triton_gemv.config`.
+
+    python benchmarks/sweep_gemv.py --out /tmp/sweep_gemv.json
+
+Each measurement is one CUDA graph of `--layers` calls, each on its own copy of the weight (as
+a decode step walks its layers, so the weights come from memory, not L2), replayed and timed
+with CUDA events; the result is microseconds per call and the bandwidth that means. Baselines:
+cuBLAS alone (F.linear) and the unfused pair a decode step runs without the kernels
+(RMSNorm with its residual add, or SiLU-and-mul, then F.linear).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from omnistage.layers import triton_gemv, triton_ops
+
+# Qwen3-0.6B's decode matmuls: (name, N, K, what runs in front)
+SHAPES = {
+    "qwen3-0.6b": [("qkv", 4096, 1024, "norm"), ("o", 1024, 2048, "plain"),
+                   ("gate_up", 6144, 1024, "norm"), ("down", 1024, 3072, "silu")],
+    "qwen3-1.7b": [("qkv", 4096, 2048, "norm"), ("o", 2048, 2048, "plain"),
+                   ("gate_up", 12288, 2048, "norm"), ("down", 2048, 6144, "silu")],
+}
+
+
+def time_graph(fn, reps: int = 20) -> float:
+    """Seconds per replay of a CUDA graph of fn()."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(SHAPES))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--block-n", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
+    ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--num-stages", type=int, nargs="+", default=[3, 4])
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+            for bn, bk, nw, ns in itertools.product(args.block_n, args.block_k, args.num_warps,
+                                                    args.num_stages)]
+    results = []
+    for name, n, k, front in SHAPES[args.preset]:
+        weights = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(args.layers)]
+        norm_w = torch.ones(k, device=dev, dtype=dt)
+        gbytes = n * k * 2 / 1e9
+        for rows in args.rows:
+            x = torch.randn(rows, 2 * k if front == "silu" else k, device=dev, dtype=dt)
+            res = torch.randn(rows, k, device=dev, dtype=dt)
+
+            def ours(cfg):  # type: ignore[no-untyped-def]
+                def run() -> None:
+                    for w in weights:
+                        triton_gemv._launch(x, res if front == "norm" else None,
+                                            norm_w if front == "norm" else None, 1e-6, w, None,
+                                            front == "silu", k, cfg)
+                return run
+
+            def unfused() -> None:
+                for w in weights:
+                    if front == "norm":
+                        h, _ = triton_ops.add_rms_norm(x, res, norm_w, 1e-6)
+                    elif front == "silu":
+                        h = triton_ops.silu_and_mul(x)
+                    else:
+                        h = x
+                    F.linear(h, w)
+
+            def cublas() -> None:
+                for w in weights:
+                    F.linear(x[:, :k], w)
+
+            row = {"name": name, "n": n, "k": k, "front": front, "rows": rows,
+                   "cublas_us": time_graph(cublas) / args.layers * 1e6,
+                   "unfused_us": time_graph(unfused) / args.layers * 1e6,
+                   "default": triton_gemv.config(n, k, rows), "configs": []}
+            want = triton_gemv._launch(x, res if front == "norm" else None,
+                                       norm_w if front == "norm" else None, 1e-6, weights[0],
+                                       None, front == "silu", k, dict(grid[0]))[0]
+            for cfg in grid:
+                try:
+                    got = triton_gemv._launch(x, res if front == "norm" else None,
+                                              norm_w if front == "norm" else None, 1e-6,
+                                              weights[0], None, front == "silu", k, dict(cfg))[0]
+                    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+                    us = time_graph(ours(dict(cfg))) / args.layers * 1e6
+                except Exception as exc:  # a config that does not build or fit: skip it
+                    row["configs"].append({**cfg, "error": str(exc)[:200]})
+                    continue
+                row["configs"].append({**cfg, "us": us, "tb_s": gbytes / us * 1e6 / 1e3})
+            ok = [c for c in row["configs"] if "us" in c]
+            ok.sort(key=lambda c: c["us"])
+            row["best"] = ok[0] if ok else None
+            row["default_us"] = next((c["us"] for c in ok if all(
+                c[key] == v for key, v in row["default"].items())), None)
+            results.append(row)
+            best = row["best"] or {}
+            print(f"{name:8s} rows {rows}: cuBLAS {row['cublas_us']:6.2f} us, unfused "
+                  f"{row['unfused_us']:6.2f} us, default {row['default_us'] or 0:6.2f} us, best "
+                  f"{best.get('us', 0):6.2f} us ({best.get('tb_s', 0):.2f} TB/s) "
+                  f"{ {key: best.get(key) for key in grid[0]} }", flush=True)
+            for c in ok[:5]:
+                print("    ", {key: c[key] for key in grid[0]}, f"{c['us']:.2f} us")
+    if args.out:
+        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
+                                        "torch": torch.__version__, "preset": args.preset,
+                                        "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
