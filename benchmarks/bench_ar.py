@@ -16,7 +16,8 @@ copy bandwidth / bytes of weights read per decode step.
 
 --skip-hf runs ours only (an older omnistage on PYTHONPATH measures the previous version with
 the same script); --enforce-eager, --no-fused and --attention-backend switch the new paths off
-one by one (--no-gemv: the one-row matrix-vector kernels).
+one by one (--no-gemv: the one-row matrix-vector kernels; --no-pdl: programmatic dependent
+launch).
 """
 
 from __future__ import annotations
@@ -212,6 +213,10 @@ def main() -> None:
     ap.add_argument("--no-fused", action="store_true", help="no fused Triton norm/rope/act")
     ap.add_argument("--no-gemv", action="store_true",
                     help="no one-row matrix-vector kernels (norm / SiLU fused in): cuBLAS")
+    ap.add_argument("--gemv-config", default=None, metavar="BN,BK,WARPS,STAGES",
+                    help="tile sizes for every matrix-vector kernel instead of triton_gemv.config")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="Triton kernels without programmatic dependent launch")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--checkpoint-dir", default="/tmp/omnistage-bench")
     ap.add_argument("--out", default=None)
@@ -221,6 +226,14 @@ def main() -> None:
         from omnistage.layers import fused
         fused.set_enabled(not args.no_fused)
         fused.set_gemv(not args.no_gemv)
+    if args.no_pdl:
+        from omnistage.layers import pdl
+        pdl.set_enabled(False)
+    if args.gemv_config:
+        from omnistage.layers import triton_gemv
+        bn, bk, nw, ns = map(int, args.gemv_config.split(","))
+        triton_gemv.config = lambda n, k, rows: dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw,
+                                                     num_stages=ns)
     path = build_checkpoint(args.preset, Path(args.checkpoint_dir) / args.preset)
     rng = random.Random(0)
     vocab = PRESETS[args.preset]["vocab_size"]
@@ -238,6 +251,7 @@ def main() -> None:
         "input_len": args.input_len, "output_len": args.output_len,
         "options": {"enforce_eager": args.enforce_eager, "no_fused": args.no_fused,
                     "gemv": not (args.no_gemv or args.no_fused),
+                    "pdl": not args.no_pdl, "gemv_config": args.gemv_config,
                     "attention_backend": args.attention_backend},
     }
     if args.single_stream:

@@ -8,7 +8,7 @@
 #
 #     run(command="bash benchmarks/device_session.sh", carry=[".whl"], timeout_s=600)
 #
-# Stages: tests (about 2 min), single stream (3 runs), concurrency 1/8/64 latency (bench ar);
+# Stages: tests (about 2 min), single stream (4 runs: all on, no PDL, no PDL or gemv, eager), concurrency 1/8/64 latency (bench ar);
 # "profile" (per-kernel device time of batch-1 decode steps);
 # STAGES="tests single" picks some; "omni" (not by default: several minutes) runs bench omni.
 set -uo pipefail
@@ -24,17 +24,15 @@ if [[ $STAGES == *tests* ]]; then
         tests/gpu tests/layers 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
 fi
 if [[ $STAGES == *single* ]]; then
-    for flags in "" "--no-gemv" "--enforce-eager"; do
-        name=single${flags//-/_}
+    for flags in "" "--no-pdl" "--no-gemv --no-pdl" "--enforce-eager"; do
+        name=single$(echo "$flags" | tr ' -' '__')
         python3 benchmarks/bench_ar.py --single-stream --output-len 256 --skip-hf $flags \
-            --out "$OUT/$name.json" 2>&1 | tail -3
+            --out "$OUT/$name.json" 2>&1 | grep decode_tokens_per_s
     done
 fi
 if [[ $STAGES == *profile* ]]; then
-    for flags in "" "--no-gemv"; do
-        python3 benchmarks/profile_kernels.py --batch 1 $flags \
-            --out "$OUT/profile_bs1${flags//-/_}.json" 2>&1 | head -30
-    done
+    python3 benchmarks/profile_kernels.py --batch 1 --out "$OUT/profile_bs1.json" 2>&1 \
+        | grep -v Warn | head -24
 fi
 if [[ $STAGES == *latency* ]]; then
     python3 -m omnistage.entrypoints.cli.main bench ar --out-dir "$OUT" --name ar_latency 2>&1 \

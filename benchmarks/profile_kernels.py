@@ -36,12 +36,16 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-gemv", action="store_true",
                     help="without the one-row matrix-vector kernels (layers/triton_gemv.py)")
+    ap.add_argument("--no-pdl", action="store_true", help="without programmatic dependent launch")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
     if args.no_gemv:
         from omnistage.layers import fused
         fused.set_gemv(False)
+    if args.no_pdl:
+        from omnistage.layers import pdl
+        pdl.set_enabled(False)
     path = args.checkpoint or build_checkpoint(args.preset,
                                                Path("/tmp/omnistage-bench") / args.preset)
     cuda = args.device.startswith("cuda")
@@ -85,7 +89,7 @@ def main() -> None:
               "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "device_us_per_step": total,
               "kernels_per_step": kernels, "enforce_eager": args.enforce_eager,
-              "gemv": not args.no_gemv, "graph_replays": getattr(graphs, "num_replays", None),
+              "gemv": not args.no_gemv, "pdl": not args.no_pdl, "graph_replays": getattr(graphs, "num_replays", None),
               "kernels": rows}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

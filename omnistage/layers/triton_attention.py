@@ -43,7 +43,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from omnistage.layers import pdl
 from omnistage.layers.attention import AttentionMetadata, TorchPagedAttention
+from omnistage.layers.pdl import gdc_launch_dependents, gdc_wait
 
 DECODE_BLOCK_M = 16    # rows of a decode tile: tl.dot needs at least 16
 PREFILL_BLOCK_M = 64
@@ -78,7 +80,10 @@ def _paged_attention_kernel(
         stride_pt, stride_ph, stride_lt, stride_lh,
         G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D_P2: tl.constexpr, IEEE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:   # launched early behind the previous kernel (pdl.py): wait for its writes
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -149,8 +154,12 @@ def _paged_attention_kernel(
 @triton.jit(do_not_specialize=["num_work"])
 def _combine_splits_kernel(O_part, LSE, Out, query_start_loc, work, num_work,
                            stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh,
-                           D: tl.constexpr, D_P2: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                           D: tl.constexpr, D_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                           PDL: tl.constexpr):
     """Out[t, h] = sum over splits of softmax-weighted partial outputs (one query a program)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.load(work + tl.program_id(0))
     h = tl.program_id(1)
     t = tl.load(query_start_loc + seq).to(tl.int64)
@@ -303,11 +312,12 @@ class TritonPagedAttention:
                 part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
                 G=group, D=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m,
                 BLOCK_Q=block_m // group, BLOCK_N=BLOCK_N, D_P2=d_p2, IEEE=ieee,
-                NUM_SPLITS=splits, num_warps=4, num_stages=2)
+                NUM_SPLITS=splits, num_warps=4, num_stages=2, **pdl.launch_options(q))
             if splits > 1:
                 _combine_splits_kernel[(launch.num_programs, num_heads)](
                     part, lse, out, md.query_start_loc, launch.work, launch.num_programs,
                     part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
-                    out.stride(0), out.stride(1), D=head_dim, D_P2=d_p2, NUM_SPLITS=splits)
+                    out.stride(0), out.stride(1), D=head_dim, D_P2=d_p2, NUM_SPLITS=splits,
+                    **pdl.launch_options(q))
         return out
 

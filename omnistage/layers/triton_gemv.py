@@ -29,6 +29,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from omnistage.layers import pdl
+from omnistage.layers.pdl import gdc_launch_dependents, gdc_wait
+
 # Used for one row only. On an H200 (benchmarks/results/sweep_gemv_qwen3-0.6b*.json), one row
 # through Qwen3-0.6B's four decode matmuls took 19.9 us with these kernels against 35.2 us for
 # cuBLAS after the separate norm / SiLU kernels (o_proj alone: 3.9 against cuBLAS' 12.0, whose
@@ -51,13 +54,23 @@ def config(n: int, k: int, rows: int) -> dict[str, int]:
 def _gemv_kernel(X, R, NW, W, B, Out, Sum, M, N, K, eps,
                  stride_xm, stride_rm, stride_wn, stride_om, stride_sm,
                  ROWS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     dt = X.dtype.element_ty
     r = tl.arange(0, ROWS)
     r_ok = r < M
     x_rows = X + r[:, None].to(tl.int64) * stride_xm                      # (ROWS, 1)
     r_rows = R + r[:, None].to(tl.int64) * stride_rm
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    w_ptrs = W + n[:, None].to(tl.int64) * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+    # the first weight tile (weights: never written by a kernel) is fetched before waiting on
+    # the previous kernel (pdl.py); each iteration below fetches the next one
+    w = tl.load(w_ptrs, mask=n_ok[:, None] & (tl.arange(0, BLOCK_K) < K)[None, :], other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     if NORM:   # pass 1: each row's inverse RMS (and, with a residual, its sum, by program 0)
         ss = tl.zeros([ROWS, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -73,12 +86,12 @@ def _gemv_kernel(X, R, NW, W, B, Out, Sum, M, N, K, eps,
             xf = x.to(tl.float32)
             ss += xf * xf
         inv = tl.rsqrt(tl.sum(ss, 1) / K + eps)                           # (ROWS,)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
+        w_next = tl.load(w_ptrs + k0 + BLOCK_K,
+                         mask=n_ok[:, None] & (k + BLOCK_K < K)[None, :], other=0.0)
         mask = r_ok[:, None] & k_ok[None, :]
         if SILU:
             gate = tl.load(x_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -93,13 +106,13 @@ def _gemv_kernel(X, R, NW, W, B, Out, Sum, M, N, K, eps,
         if NORM:
             nw = tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32)
             x = ((x.to(tl.float32) * inv[:, None]).to(dt).to(tl.float32) * nw[None, :]).to(dt)
-        w = tl.load(W + n[:, None].to(tl.int64) * stride_wn + k[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        wf = w.to(tl.float32)
         xf = x.to(tl.float32)                                             # (ROWS, BLOCK_K)
         for i in tl.static_range(ROWS):   # the weight tile is read once for every row
             xi = tl.sum(tl.where(r[:, None] == i, xf, 0.0), 0)            # (BLOCK_K,)
-            part = tl.sum(w * xi[None, :], 1)                             # (BLOCK_N,)
+            part = tl.sum(wf * xi[None, :], 1)                            # (BLOCK_N,)
             acc += tl.where(r[:, None] == i, part[None, :], 0.0)
+        w = w_next
     if HAS_BIAS:
         acc += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(Out + r[:, None].to(tl.int64) * stride_om + n[None, :],
@@ -128,7 +141,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         bias if bias is not None else weight, out, s, rows, n, in_features, eps,
         x.stride(0), r.stride(0), weight.stride(0), out.stride(0), s.stride(0),
         ROWS=triton.next_power_of_2(rows), NORM=norm_weight is not None,
-        ADD=residual is not None, SILU=silu, HAS_BIAS=bias is not None, **cfg)
+        ADD=residual is not None, SILU=silu, HAS_BIAS=bias is not None, **cfg,
+        **pdl.launch_options(x))
     return out, total
 
 

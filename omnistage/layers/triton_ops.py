@@ -28,6 +28,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from omnistage.layers import pdl
+from omnistage.layers.pdl import gdc_launch_dependents, gdc_wait
+
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, N, eps,
@@ -88,11 +91,15 @@ def _qk_norm_rope_kernel(Q, K, V, QW, KW, Cos, Sin, Pos, Axis, QOut, KOut, VOut,
                          stride_cos, stride_pos, stride_cs, stride_ch, eps,
                          HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
                          HQ_P2: tl.constexpr, HK_P2: tl.constexpr, HALF_P2: tl.constexpr,
-                         HAS_NORM: tl.constexpr, STORE: tl.constexpr, MROPE: tl.constexpr):
+                         HAS_NORM: tl.constexpr, STORE: tl.constexpr, MROPE: tl.constexpr,
+                         PDL: tl.constexpr):
     """STORE: KOut / VOut are the paged caches, row slot_mapping[t] (stride_cs, stride_ch per
     head); else KOut is a contiguous (T, HK, D) output and V is untouched. MROPE: the tables
     hold D/2 frequencies, and frequency j takes its angle from position row Axis[j] of Pos
     (rows stride_pos apart; 0 for 1-D positions: every row is the same)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, HALF_P2)[None, :]
     jm = j < HALF
@@ -226,5 +233,6 @@ def _qk_norm_rope(q: Tensor, k: Tensor, v: Tensor | None, q_weight: Tensor | Non
             cos_cache.stride(0), stride_pos, k_out.stride(1) if store else 0,
             k_out.stride(2) if store else 0, eps, HQ=num_heads, HK=num_kv_heads, HALF=half,
             HQ_P2=triton.next_power_of_2(num_heads), HK_P2=triton.next_power_of_2(num_kv_heads),
-            HALF_P2=triton.next_power_of_2(half), HAS_NORM=has_norm, STORE=store, MROPE=mrope)
+            HALF_P2=triton.next_power_of_2(half), HAS_NORM=has_norm, STORE=store, MROPE=mrope,
+            **pdl.launch_options(q))
     return q_out

@@ -1,0 +1,51 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the Triton kernels of a decode step.
+
+A kernel launched with PDL may start while the kernel before it in the stream is finishing; it
+calls `gdc_wait()` before touching anything that kernel writes, and `gdc_launch_dependents()`
+to let the kernel after it start early in turn. At one decode row a step is ~200 kernels of a
+few microseconds, each waiting out the launch and ramp of the last: with PDL the matrix-vector
+kernels fetch their first weight tile during the previous kernel's tail. Inside a kernel:
+
+    if PDL:
+        gdc_wait()                 # the previous kernel's writes are visible after this
+        gdc_launch_dependents()
+
+and nothing may be written before `gdc_wait()` (the output may reuse memory the previous
+kernel still reads). On CPU (Triton's interpreter) and GPUs before Hopper it is off.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+__all__ = ["gdc_launch_dependents", "gdc_wait", "enabled", "launch_options", "set_enabled"]
+
+_on = True
+
+
+def set_enabled(on: bool) -> None:
+    """Switch PDL off (benchmarks measure both ways) or back on."""
+    global _on
+    _on = on
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(x: Tensor) -> bool:
+    """Whether kernels working on x launch with PDL."""
+    if not (_on and x.is_cuda):
+        return False
+    return _capable(x.device.index if x.device.index is not None
+                    else torch.cuda.current_device())
+
+
+def launch_options(x: Tensor) -> dict[str, object]:
+    """The kernel's PDL constexpr and, when on, Triton's launch option."""
+    return {"PDL": True, "launch_pdl": True} if enabled(x) else {"PDL": False}
