@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from omnistage.ar.scheduler import ScheduledBatch
+from omnistage.layers import pdl
 from omnistage.layers.attention import AttentionBackend, AttentionMetadata, forward_context
 from omnistage.utils.host import int_matrix, int_tensor
 
@@ -125,10 +126,25 @@ class DecodeGraphs:
             return False
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-        for bs in reversed(self.sizes):
-            self._capture(bs, ())
+        try:
+            self._capture_buckets()
+        except Exception as exc:
+            self.graphs.clear()
+            self.pool = None
+            if not pdl.is_enabled():
+                logger.warning("decodes run without CUDA graphs: capture failed", exc_info=True)
+                return False
+            # a driver or runtime that cannot record programmatic dependent launches
+            logger.warning("CUDA graph capture failed with programmatic dependent launch "
+                           "(%s); capturing without it", str(exc).splitlines()[0])
+            pdl.set_enabled(False)
+            return self.capture_all()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
         return True
+
+    def _capture_buckets(self) -> None:
+        for bs in reversed(self.sizes):
+            self._capture(bs, ())
 
     def _capture(self, bs: int, capture: tuple[int, ...], embeds: bool = False) -> None:
         md = self._metadata(bs)

@@ -11,7 +11,10 @@ kernels fetch their first weight tile during the previous kernel's tail. Inside 
         gdc_launch_dependents()
 
 and nothing may be written before `gdc_wait()` (the output may reuse memory the previous
-kernel still reads). On CPU (Triton's interpreter) and GPUs before Hopper it is off.
+kernel still reads); `gdc_wait` and `gdc_launch_dependents` come from
+`triton.language.extra.cuda`. This module needs no triton (the CUDA-graph capture asks it too).
+On CPU (Triton's interpreter) and GPUs before Hopper it is off. Measured: +3% single-stream decode
+on an H200 (README). A CUDA-graph capture that fails with it is retried without it.
 """
 
 from __future__ import annotations
@@ -20,9 +23,8 @@ import functools
 
 import torch
 from torch import Tensor
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["gdc_launch_dependents", "gdc_wait", "enabled", "launch_options", "set_enabled"]
+__all__ = ["enabled", "is_enabled", "launch_options", "set_enabled"]
 
 _on = True
 
@@ -31,6 +33,10 @@ def set_enabled(on: bool) -> None:
     """Switch PDL off (benchmarks measure both ways) or back on."""
     global _on
     _on = on
+
+
+def is_enabled() -> bool:
+    return _on
 
 
 @functools.cache

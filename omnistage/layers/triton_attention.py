@@ -41,11 +41,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from torch import Tensor
 
 from omnistage.layers import pdl
 from omnistage.layers.attention import AttentionMetadata, TorchPagedAttention
-from omnistage.layers.pdl import gdc_launch_dependents, gdc_wait
 
 DECODE_BLOCK_M = 16    # rows of a decode tile: tl.dot needs at least 16
 PREFILL_BLOCK_M = 64

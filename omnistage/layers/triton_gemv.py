@@ -27,10 +27,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from torch import Tensor
 
 from omnistage.layers import pdl
-from omnistage.layers.pdl import gdc_launch_dependents, gdc_wait
 
 # Used for one row only. On an H200 (benchmarks/results/sweep_gemv_qwen3-0.6b*.json), one row
 # through Qwen3-0.6B's four decode matmuls took 19.9 us with these kernels against 35.2 us for

@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from torch import Tensor
 
 from omnistage.layers import pdl
-from omnistage.layers.pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit

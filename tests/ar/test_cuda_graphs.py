@@ -184,3 +184,41 @@ def test_embedding_fed_decodes_use_the_graphs(emulated, tiny_qwen3: Path) -> Non
     assert_same(got, want)
     graphs = engine.runner.graphs
     assert graphs.embeds_ok and {key[0] for key in graphs.graphs if key[2]} >= {1, 2, 4}
+
+
+@in_child
+def test_capture_failing_with_pdl_is_retried_without(tiny_qwen3: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture that fails while programmatic dependent launch is on is retried without it
+    (and the graphs then replay as eager steps run); one that fails without it leaves the
+    decodes eager instead of failing the stage."""
+    from omnistage.layers import pdl
+
+    seen: list[bool] = []
+
+    def capture(fn, pool):  # type: ignore[no-untyped-def]
+        seen.append(pdl.is_enabled())
+        if pdl.is_enabled():
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return _capture(fn, pool)
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", capture)
+    monkeypatch.setattr(pdl, "_on", True)
+    # capture_all's check that the forward pass never syncs with the host: CUDA-only
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    engine = make_engine(tiny_qwen3, graphs=True)
+    graphs = engine.runner.graphs
+    assert graphs.capture_all()
+    assert seen[0] and not any(seen[1:]) and not pdl.is_enabled()
+    assert set(graphs.graphs) == {(bs, (), False) for bs in graphs.sizes}
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    waves = [[(f"r{i}", list(range(4 + i, 10 + i)), params) for i in range(3)]]
+    assert_same(drive(engine, waves), drive(make_engine(tiny_qwen3, graphs=False), waves))
+    assert graphs.num_replays > 0
+
+    def broken(fn, pool):  # type: ignore[no-untyped-def]
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", broken)
+    assert not make_engine(tiny_qwen3, graphs=True).runner.graphs.capture_all()
