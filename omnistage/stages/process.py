@@ -111,6 +111,12 @@ def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector) -> None
     inbox.connect(spec.inbox)
     try:
         try:
+            if spec.device.startswith("cuda:"):
+                # the stage's GPU as this thread's current device: Triton launches (and
+                # torch.cuda calls without a device) go to the current device, not the tensors'
+                import torch
+
+                torch.cuda.set_device(torch.device(spec.device))
             worker = StageWorker(spec.graph.stage(spec.stage), spec.graph, connector, spec.device)
         except BaseException as exc:
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
