@@ -232,7 +232,7 @@ def main() -> None:
     if args.gemv_config:
         from omnistage.layers import triton_gemv
         bn, bk, nw, ns = map(int, args.gemv_config.split(","))
-        triton_gemv.config = lambda n, k, rows: dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw,
+        triton_gemv.config = lambda n, k, rows, name="": dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw,
                                                      num_stages=ns)
     path = build_checkpoint(args.preset, Path(args.checkpoint_dir) / args.preset)
     rng = random.Random(0)

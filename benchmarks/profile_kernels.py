@@ -89,7 +89,8 @@ def main() -> None:
               "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "device_us_per_step": total,
               "kernels_per_step": kernels, "enforce_eager": args.enforce_eager,
-              "gemv": not args.no_gemv, "pdl": not args.no_pdl, "graph_replays": getattr(graphs, "num_replays", None),
+              "gemv": not args.no_gemv, "pdl": not args.no_pdl,
+              "graph_replays": getattr(graphs, "num_replays", None),
               "kernels": rows}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

@@ -80,7 +80,7 @@ def norm_linear(norm: nn.Module, linear: nn.Module, x: Tensor, residual: Tensor 
 
 
 def linear(linear: nn.Module, x: Tensor) -> Tensor:
-    """linear(x), through the matrix-vector kernel for a few rows when it is on."""
+    """linear(x), through the matrix-vector kernel for one row where it runs."""
     gemv = _gemv_for(x, linear.weight)
     if gemv is not None:
         return gemv.linear(x, linear.weight, linear.bias)

@@ -1,8 +1,8 @@
-"""Matrix-vector products for decode steps of a few rows, with the small op in front fused in
+"""Matrix-vector products for one-row decode steps, with the small op in front fused in
 (CUDA; Triton's interpreter on CPU). On by default for one row (a single stream's decode
 step); `fused.set_gemv(False)` turns them off.
 
-At one to a few rows a decode step's matmuls read their weights once and do little else, and
+At one row a decode step's matmuls read their weights once and do little else, and
 the step is bound by the number of kernels per layer, each a few microseconds (see the README's
 benchmarks). These kernels fold the op in front of a matmul into its prologue:
 
@@ -11,11 +11,12 @@ benchmarks). These kernels fold the op in front of a matmul into its prologue:
     linear         x W^T (cuBLAS' choice for one row of some shapes streams at a third of
                    the memory bandwidth: too few programs)
 
-One program per block of BLOCK_N outputs walks K in BLOCK_K tiles for every row at once: W rows
-are read along K (contiguous) once, the activation tile is recomputed from the input in every
-program (K values: kilobytes, from L2), products are summed in float32. A norm's inverse RMS needs the
-whole row first: a program makes one pass over the row for it, then one with the weights. With
-a residual, program 0 of each row also writes the sum (the next layer's residual).
+One program per block of BLOCK_N outputs walks K in BLOCK_K tiles for every row at once: W
+rows are read along K (contiguous) once, the activation tile is recomputed from the input in
+every program (K values: kilobytes, from L2), products are summed in float32. A norm's inverse
+RMS needs the whole row first: a program makes one pass over the row for it, then one with the
+weights. With a residual, program 0 also writes the sum (the next layer's residual). Each
+program fetches its first weight tile before waiting on the previous kernel (pdl.py).
 
 Numerics as the unfused ops (triton_ops.py, HF's modules): the residual sum, the normalised
 value, the norm's product and silu(gate) and its product are each rounded to the input dtype;
@@ -23,6 +24,8 @@ the matmul accumulates in float32 like cuBLAS, in another order.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -40,14 +43,23 @@ from omnistage.layers import pdl
 MAX_ROWS = 1
 
 
-def config(n: int, k: int, rows: int) -> dict[str, int]:
-    """Tile sizes, from that sweep (BLOCK_N 4-32, BLOCK_K 128-2048, 4 or 8 warps, 2-4
-    stages): 8 outputs a program and K tiles of 1024 in 8 warps; where that makes over 512
-    programs, shorter tiles in 4 warps. Each within 2% of the sweep's best but for o_proj
-    (3.88 against 3.81 us) and gate_up (5.87, the best)."""
-    if n // 8 > 512:
-        return dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
-    return dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=3)
+def config(n: int, k: int, rows: int, device_name: str = "") -> dict[str, int]:
+    """Tile sizes from the sweeps (BLOCK_N 4-32, BLOCK_K 128-2048, 4 or 8 warps, 2-4 stages
+    over Qwen3-0.6B's four decode matmuls). The two Hopper parts want different ones: on the
+    H200 (faster memory: more loads in flight) 8 outputs a program in 8 warps, shorter tiles
+    in 4 warps where that makes over 512 programs, 19.9 us for the four against 24.9 with the
+    H100's choice; on the H100 4 outputs a program in 4 warps, 18.9 us against 24.7
+    (sweep_gemv_qwen3-0.6b_h100.json). Other GPUs take the H100's."""
+    if "H200" in device_name:
+        if n // 8 > 512:
+            return dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
+        return dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=3)
+    return dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=3)
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 @triton.jit
@@ -130,7 +142,9 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
             cfg: dict[str, int] | None = None) -> tuple[Tensor, Tensor | None]:
     rows, n = x.shape[0], weight.shape[0]
     assert weight.shape[1] == in_features, (weight.shape, in_features)
-    cfg = cfg or config(n, in_features, rows)
+    name = _device_name(x.device.index if x.device.index is not None
+                        else torch.cuda.current_device()) if x.is_cuda else ""
+    cfg = cfg or config(n, in_features, rows, name)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     total = torch.empty(rows, in_features, dtype=x.dtype, device=x.device) \
         if residual is not None else None
