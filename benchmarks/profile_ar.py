@@ -26,7 +26,7 @@ from bench_ar import PRESETS, build_checkpoint, make_engine, run_engine  # noqa:
 
 def replay_ms(graphs, bs: int, iters: int = 50) -> float:  # graphs: DecodeGraphs
     """Median device time of one replay of the bucket-`bs` graph (its inputs as left)."""
-    graph = graphs.graphs[(bs, ())][0]
+    graph = graphs.graphs[(bs, (), False)][0]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(iters):

@@ -99,14 +99,16 @@ class Scheduler:
             if num_new == 0:  # waiting for upstream input; keeps its blocks
                 idx += 1
                 continue
-            while not bm.can_allocate(seq, num_new):
+            needed = bm.num_blocks_needed(seq, num_new)   # mostly 0: a decode in its block
+            while needed > bm.num_free_blocks:
                 victim = self.running.pop()  # the newest running sequence
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                bm.allocate(seq, num_new)
+                if needed:
+                    bm.allocate(seq, num_new)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
@@ -160,11 +162,15 @@ class Scheduler:
         assert len(sampled) == len(batch.seqs), (len(sampled), len(batch.seqs))
         finished: list[Sequence] = []
         now = time.monotonic()
+        bm = self.block_manager
+        page = bm.block_size
         for seq, num_new, token_id in zip(batch.seqs, batch.num_new_tokens, sampled):
             if seq.is_finished:  # aborted while the step ran
                 continue
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_blocks(seq, seq.num_computed_tokens)
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = done = before + num_new
+            if done // page != before // page:   # a block filled up: hash it for reuse
+                bm.cache_blocks(seq, done)
             if token_id is None:
                 continue
             seq.output_token_ids.append(token_id)
