@@ -6,11 +6,11 @@ once, samples where a sequence reached its last token, and slices out the hidden
 downstream stage asked for.
 
 On CUDA, steps where every sequence decodes one output token replay a CUDA graph instead
-(`DecodeGraphs`, cuda_graphs.py): one graph per batch-size bucket, captured at start-up over static input
-buffers, the batch padded up to the bucket. Decodes fed embeddings (stream rows added, the
-model's feedback embeddings) build their input rows eagerly and replay a variant that reads
-them from a static buffer. Sampling and the feedback hook stay outside the graph. Steps with
-prompt rows (prefill chunks) run eagerly.
+(`DecodeGraphs`, cuda_graphs.py): one graph per batch-size bucket, captured at start-up over
+static input buffers, the batch padded up to the bucket. Decodes fed embeddings (stream rows
+added, the model's feedback embeddings) build their input rows eagerly and replay a variant
+that reads them from a static buffer. Sampling and the feedback hook stay outside the graph.
+Steps with prompt rows (prefill chunks) run eagerly.
 """
 
 from __future__ import annotations

@@ -70,9 +70,11 @@ class Qwen2MLP(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
+    attention_cls: type[nn.Module] = Qwen2Attention   # a subclass may attend otherwise
+
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = Qwen2Attention(cfg, rotary_emb)
+        self.self_attn = self.attention_cls(cfg, rotary_emb)
         self.mlp = Qwen2MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)

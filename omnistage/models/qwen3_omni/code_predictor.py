@@ -16,7 +16,7 @@ from omnistage.layers.linear import Linear
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding, get_rope
 from omnistage.models.config import ModelConfig
-from omnistage.models.qwen2 import Qwen2Attention, Qwen2MLP
+from omnistage.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer
 
 
 class CodePredictorAttention(Qwen2Attention):
@@ -48,13 +48,10 @@ class CodePredictorAttention(Qwen2Attention):
         return self.o_proj(o.transpose(1, 2).flatten(2))          # (B, L, hidden)
 
 
-class CodePredictorDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__()
-        self.self_attn = CodePredictorAttention(cfg, rotary_emb)
-        self.mlp = Qwen2MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+class CodePredictorDecoderLayer(Qwen2DecoderLayer):
+    """Qwen3's decoder layer over the per-frame cache (its own forward)."""
+
+    attention_cls = CodePredictorAttention
 
     def forward(self, positions: Tensor, h: Tensor, kv: tuple[Tensor, Tensor],
                 start: int) -> Tensor:
