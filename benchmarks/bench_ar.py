@@ -16,8 +16,8 @@ copy bandwidth / bytes of weights read per decode step.
 
 --skip-hf runs ours only (an older omnistage on PYTHONPATH measures the previous version with
 the same script); --enforce-eager, --no-fused and --attention-backend switch the new paths off
-one by one (--no-gemv: the one-row matrix-vector kernels; --no-pdl: programmatic dependent
-launch).
+one by one (--no-layer-kernel: one kernel per decoder layer at one row; --no-gemv: the one-row
+matrix-vector kernels (and the layer kernel); --no-pdl: programmatic dependent launch).
 """
 
 from __future__ import annotations
@@ -217,6 +217,11 @@ def main() -> None:
                     help="tile sizes for every matrix-vector kernel instead of triton_gemv.config")
     ap.add_argument("--no-pdl", action="store_true",
                     help="Triton kernels without programmatic dependent launch")
+    ap.add_argument("--no-layer-kernel", action="store_true",
+                    help="one-row decodes layer by layer in per-op kernels, not one kernel each")
+    ap.add_argument("--layer-kernel-config", default=None, metavar="MAX_TILE,WARPS",
+                    help="weight elements a program holds per chunk, and warps, of the layer "
+                         "kernel (triton_decoder_layer.MAX_TILE, NUM_WARPS)")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--checkpoint-dir", default="/tmp/omnistage-bench")
     ap.add_argument("--out", default=None)
@@ -226,6 +231,13 @@ def main() -> None:
         from omnistage.layers import fused
         fused.set_enabled(not args.no_fused)
         fused.set_gemv(not args.no_gemv)
+    if args.no_layer_kernel:
+        from omnistage.layers import fused
+        fused.set_layer_kernel(False)
+    if args.layer_kernel_config:
+        from omnistage.layers import triton_decoder_layer
+        tile, warps = map(int, args.layer_kernel_config.split(","))
+        triton_decoder_layer.MAX_TILE, triton_decoder_layer.NUM_WARPS = tile, warps
     if args.no_pdl:
         from omnistage.layers import pdl
         pdl.set_enabled(False)
@@ -252,6 +264,8 @@ def main() -> None:
         "options": {"enforce_eager": args.enforce_eager, "no_fused": args.no_fused,
                     "gemv": not (args.no_gemv or args.no_fused),
                     "pdl": not args.no_pdl, "gemv_config": args.gemv_config,
+                    "layer_kernel": not (args.no_layer_kernel or args.no_gemv or args.no_fused),
+                    "layer_kernel_config": args.layer_kernel_config,
                     "attention_backend": args.attention_backend},
     }
     if args.single_stream:

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from omnistage.layers import fused
 from omnistage.layers.activation import SiluAndMul
-from omnistage.layers.attention import Attention
+from omnistage.layers.attention import Attention, get_forward_context
 from omnistage.layers.linear import Linear, MergedLinear, QKVLinear
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding, get_rope
@@ -108,6 +108,9 @@ class Qwen2Model(nn.Module):
         self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg, rotary_emb)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        # one-row decode steps: every layer one kernel (triton_decoder_layer.py), built at the
+        # first such step for the KV cache then bound; (cache address, dtype) -> stack or None
+        self._stack: tuple[tuple[int, torch.dtype], object | None] | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, inputs_embeds: Tensor | None = None,
                 capture_layers: tuple[int, ...] = ()) -> tuple[Tensor, dict[int, Tensor]]:
@@ -120,14 +123,77 @@ class Qwen2Model(nn.Module):
         if 0 in capture_layers:
             captured[0] = h
         residual = None
-        for i, layer in enumerate(self.layers, start=1):
-            h, residual = layer(positions, h, residual)
-            if i in capture_layers and i < self.num_layers:
-                captured[i] = h + residual                                  # the layer's output
+        stack = (self._layer_stack(h, positions)
+                 if set(capture_layers) <= {0, self.num_layers} else None)
+        if stack is not None:
+            md = get_forward_context()
+            h, residual = stack(h.contiguous(), positions, md.slot_mapping, md.seq_lens,
+                                md.block_tables)
+        else:
+            for i, layer in enumerate(self.layers, start=1):
+                h, residual = layer(positions, h, residual)
+                if i in capture_layers and i < self.num_layers:
+                    captured[i] = h + residual                              # the layer's output
         h, _ = self.norm.add_forward(h, residual)
         if self.num_layers in capture_layers:
             captured[self.num_layers] = h
         return h, captured
+
+
+    def _layer_stack(self, h: Tensor, positions: Tensor):  # -> DecoderStack | None
+        """The one-kernel-a-layer path for this step, or None: it takes one row (a single
+        stream's decode step) on CUDA with the fused kernels on, a bound KV cache, plain
+        rotary, and layers of exactly this module's classes in one dtype."""
+        if h.shape[0] != 1 or positions.dim() != 1:
+            return None
+        md = get_forward_context()
+        if md is None or md.num_seqs != 1 or md.max_query_len != 1:
+            return None
+        tdl = fused.layer_kernel_for(h)
+        attn = self.layers[0].self_attn
+        cache = getattr(getattr(attn, "attn", None), "k_cache", None)
+        if tdl is None or cache is None:
+            return None
+        key = (cache.data_ptr(), h.dtype)
+        if self._stack is None or self._stack[0] != key:
+            self._stack = (key, self._build_stack(tdl, h.dtype))
+        return self._stack[1]
+
+    def _build_stack(self, tdl, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+        layers = []
+        first = self.layers[0]
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            if (type(layer) is not Qwen2DecoderLayer or type(a) is not Qwen2Attention
+                    or type(mlp) is not Qwen2MLP or a.attn.k_cache is None
+                    or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None
+                    or layer.input_layernorm.eps != first.input_layernorm.eps
+                    or layer.post_attention_layernorm.eps != first.input_layernorm.eps
+                    or a.attn.scale != first.self_attn.attn.scale or a.head_dim % 2):
+                return None
+            if a.has_qk_norm and a.q_norm.eps != a.k_norm.eps:
+                return None
+            lw = tdl.LayerWeights(
+                layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
+                a.q_norm.weight if a.has_qk_norm else None,
+                a.k_norm.weight if a.has_qk_norm else None, a.o_proj.weight, a.o_proj.bias,
+                layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+                mlp.down_proj.weight, a.attn.k_cache, a.attn.v_cache)
+            if any(t is not None and (t.dtype != dtype or not t.is_contiguous())
+                   for t in (lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm, lw.o,
+                             lw.o_bias, lw.post_norm, lw.gate_up, lw.down, lw.k_cache,
+                             lw.v_cache)):
+                return None
+            layers.append(lw)
+        a = first.self_attn
+        tables = getattr(a.rotary_emb, "fused_tables", lambda _: None)(
+            torch.zeros(1, dtype=torch.long))
+        if tables is None or tables[2] is not None:
+            return None
+        return tdl.DecoderStack(layers, a.num_heads, a.num_kv_heads, a.head_dim,
+                                first.input_layernorm.eps,
+                                a.q_norm.eps if a.has_qk_norm else 1e-6, a.attn.scale,
+                                tables[0], tables[1])
 
 
 class Qwen2ForCausalLM(nn.Module):

@@ -178,6 +178,67 @@ def test_one_row_kernels_with_pdl_equal_cublas(tiny_qwen3: Path) -> None:
             assert abs(a[tok] - b[tok]) < 1e-4
 
 
+def _compare_topk(got: dict, want: dict, tol: float) -> None:
+    """Same tokens with logprobs within tol until a near-tie flips (each side's token in the
+    other's top 5; then stop)."""
+    for rid in want:
+        for j, (a, b) in enumerate(zip(got[rid]["ids"], want[rid]["ids"])):
+            lp, ref_lp = got[rid]["logprobs"][j], want[rid]["logprobs"][j]
+            if a != b:
+                assert a in ref_lp and b in lp, (rid, j, a, b)
+                break
+            assert abs(lp[a] - ref_lp[b]) < tol, (rid, j, lp[a], ref_lp[b])
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
+def test_layer_kernel_equals_per_op_kernels(tmp_path: Path, arch: str) -> None:
+    """A single stream whose decode steps run each layer as one kernel (a persistent grid
+    with grid-wide barriers: triton_decoder_layer.py), in CUDA graphs and eagerly, against
+    the per-op kernels: float32, the same tokens and logprobs within 1e-4 (contexts of 2 to
+    190 tokens: the attention slices empty, partial and full)."""
+    from omnistage.layers import fused
+    from omnistage.testing.tiny_models import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path / "m", arch)
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=5, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    fused.set_layer_kernel(False)
+    try:
+        want = {p: run(make_engine(path, "float32", enforce_eager=True), [prompts[p]], params)
+                for p in range(2)}
+    finally:
+        fused.set_layer_kernel(True)
+    for eager in (False, True):
+        for p in range(2):
+            engine = make_engine(path, "float32", enforce_eager=eager)
+            got = run(engine, [prompts[p]], params)
+            assert engine.runner.model.model._stack[1] is not None    # the path ran
+            assert got["0"]["ids"] == want[p]["0"]["ids"], (eager, p)
+            _compare_topk(got, want[p], 1e-4)
+
+
+def test_layer_kernel_bf16_real_shapes(tmp_path: Path) -> None:
+    """Qwen3-0.6B's layer shapes (4 of its layers, bfloat16): the one-kernel-a-layer single
+    stream against the per-op kernels, the top-k rule (several tiles and K chunks a program,
+    16 attention slices per KV head on a 132-multiprocessor GPU)."""
+    from omnistage.layers import fused
+    from omnistage.testing.tiny_models import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path / "m", hidden_size=1024, intermediate_size=3072,
+                                 num_hidden_layers=4, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128)
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=5, ignore_eos=True)
+    fused.set_layer_kernel(False)
+    try:
+        want = run(make_engine(path, "bfloat16", enforce_eager=False), PROMPTS[3:4], params)
+    finally:
+        fused.set_layer_kernel(True)
+    engine = make_engine(path, "bfloat16", enforce_eager=False)
+    got = run(engine, PROMPTS[3:4], params)
+    assert engine.runner.model.model._stack[1] is not None
+    _compare_topk(got, want, 5e-2)
+
+
 def test_cuda_graph_with_hidden_state_outputs(tiny_qwen3: Path) -> None:
     """Graphs that also return hidden states are captured on first use; the returned rows are
     copies (the next replay must not change them)."""

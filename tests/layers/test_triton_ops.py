@@ -285,6 +285,7 @@ def _paged_forward(model: torch.nn.Module, ids: torch.Tensor, chunks: list[tuple
     outs = []
     fused._interpret = fused_ops      # on CPU: the kernels run in Triton's interpreter
     fused._enabled = fused_ops        # on CUDA: off means the PyTorch ops
+    fused.set_layer_kernel(False)     # decodes too take the per-op kernels tested here
     try:
         for start, end, positions in chunks:
             flat = torch.arange(start, end, device=DEVICE)
@@ -300,6 +301,7 @@ def _paged_forward(model: torch.nn.Module, ids: torch.Tensor, chunks: list[tuple
                 outs.append(model(ids[start:end], positions)[0])
     finally:
         fused._interpret, fused._enabled = False, True
+        fused.set_layer_kernel(True)
     return outs + [t for layer in layers for t in (layer.k_cache, layer.v_cache)]
 
 

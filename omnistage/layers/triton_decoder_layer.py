@@ -1,0 +1,442 @@
+"""One kernel per decoder layer for one-row decode steps (a single stream), CUDA; Triton's
+interpreter on CPU. On by default where it applies (`fused.set_layer_kernel(False)`: the
+per-op kernels; the model decides where it applies: qwen2.py).
+
+A one-row decode step reads every weight once and does little else: it is bound by memory
+bandwidth only if the weights stream without gaps. Per-op kernels (seven a layer, ~200 a
+token) each stream 4-12 MB in a few microseconds and cannot ramp to full bandwidth in that
+time, and every launch leaves a gap (README, "single stream"). Here a layer is one launch of a
+persistent grid, one program per multiprocessor, that runs the layer's phases with grid-wide
+barriers between them:
+
+    P1  s = h + residual; RMSNorm(s) @ Wqkv^T (+ bias)              -> qkv         barrier
+    P2  q/k RMSNorm + rotary, k/v into the paged cache, attention over the context, split
+        into (KV head, slice) tasks; the last task of a KV head merges its slices -> attn
+                                                                                   barrier
+    P3  attn @ Wo^T                                                  -> o           barrier
+    P4  s2 = o + s; RMSNorm(s2) @ Wgate_up^T, silu(gate) * up        -> act         barrier
+    P5  act @ Wdown^T                                                -> h'  (layer output h' + s2)
+
+Weights are never written, so before each barrier a program fetches its first weight tile of
+the next phase: the barrier's wait overlaps the fetch. The next layer's launch (programmatic
+dependent launch, pdl.py) fetches its first q/k/v tile while this one runs.
+
+A matmul phase splits its N outputs into one tile of ROWS rows a program (as many tiles as
+programs where the rows allow), walking K in BLOCK_K chunks with the next chunk in flight; the
+input vector (kilobytes, from L2) is rebuilt from the buffers by every program, with the norm's
+inverse RMS from a first pass over it. Activations written in a phase are read with `.cg`
+(L2, not the multiprocessor's L1, which is not coherent across programs).
+
+Grid barrier: one int64 counter that only grows; a program adds 1 at each barrier (release) and
+polls until it reaches base + b * programs (then an acquire). Every launch adds exactly
+NUM_BARRIERS * programs, so `base` is the counter at the start rounded down to a multiple of
+that (fewer than `programs` arrivals can precede a program's first read). The grid must be
+resident at once: one program per multiprocessor, 8 warps, no large shared memory.
+In the interpreter programs run one after another: a grid of one program (the tests).
+
+Numerics are the per-op path's (triton_gemv.py, triton_ops.py, triton_attention.py): sums and
+normalised values rounded to the weights' dtype where those round, products summed in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from torch import Tensor
+
+from omnistage.layers import pdl
+
+NUM_BARRIERS = 4        # grid barriers a layer launch passes (after P1 .. P4)
+MAX_SPLITS = 32         # attention slices per KV head
+BLOCK_T = 32            # keys per attention tile
+MAX_TILE = 16384        # weight elements a program holds per chunk (64 per thread at 8 warps)
+NUM_WARPS = 8
+
+
+@triton.jit
+def _grid_sync(Count, target):
+    """Wait until every program of the grid reached this barrier (see the module doc)."""
+    tl.debug_barrier()                                   # this program's stores are issued
+    tl.atomic_add(Count, 1, sem="release", scope="gpu")
+    while tl.load(Count, volatile=True) < target:
+        pass
+    tl.atomic_add(Count, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _load_w(W, t, kc, N, K: tl.constexpr, ROWS, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            ok):
+    """Chunk kc of weight tile t (rows t * ROWS ..): (BLOCK_N, BLOCK_K), zeros outside."""
+    i = tl.arange(0, BLOCK_N)
+    r = t * ROWS + i
+    k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
+    m = ((i < ROWS) & (r < N) & ok)[:, None] & (k < K)[None, :]
+    return tl.load(W + r[:, None].to(tl.int64) * K + k[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _first_tile(W, N, K: tl.constexpr, ROWS, pid, PAIR: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """This program's first weight chunk of a phase (and, PAIR, the up rows' one)."""
+    ok = pid < tl.cdiv(N, ROWS)
+    w = _load_w(W, pid, 0, N, K, ROWS, BLOCK_N, BLOCK_K, ok)
+    w2 = w
+    if PAIR:
+        w2 = _load_w(W + N * K, pid, 0, N, K, ROWS, BLOCK_N, BLOCK_K, ok)
+    return w, w2
+
+
+@triton.jit
+def _inv_rms(X, R, Sum, pid, K: tl.constexpr, eps, ADD: tl.constexpr, K_P2: tl.constexpr):
+    """s = X (+ R), rounded to X's dtype; program 0 stores it at Sum; -> 1 / rms(s)."""
+    k = tl.arange(0, K_P2)
+    m = k < K
+    x = tl.load(X + k, mask=m, other=0.0, cache_modifier=".cg")
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(R + k, mask=m, other=0.0, cache_modifier=".cg"
+                                        ).to(tl.float32)).to(X.dtype.element_ty)
+    if pid == 0:
+        tl.store(Sum + k, x, mask=m)
+    xf = x.to(tl.float32)
+    return tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
+
+
+@triton.jit
+def _input_chunk(X, R, NW, k, K: tl.constexpr, inv, ADD: tl.constexpr, NORM: tl.constexpr):
+    """Chunk k of a matmul's input vector, float32: X (+ R) (normalised by inv, times NW)."""
+    dt = X.dtype.element_ty
+    m = k < K
+    x = tl.load(X + k, mask=m, other=0.0, cache_modifier=".cg")
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(R + k, mask=m, other=0.0, cache_modifier=".cg"
+                                        ).to(tl.float32)).to(dt)
+    if NORM:
+        nw = tl.load(NW + k, mask=m, other=0.0).to(tl.float32)
+        x = ((x.to(tl.float32) * inv).to(dt).to(tl.float32) * nw).to(dt)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _matvec(W, B, X, R, NW, inv, Out, w, w2, N, K: tl.constexpr, ROWS, pid, nprog,
+            ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PAIR: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Out[n] = W[n] . x for the tiles pid, pid + nprog, ... (w, w2: the first chunk, fetched
+    by the caller). PAIR: W holds N gate rows then N up rows; Out[n] = silu(gate) * up."""
+    dt = Out.dtype.element_ty
+    KC: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    total = (tl.cdiv(N, ROWS) - pid + nprog - 1) // nprog * KC
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_N], tl.float32)
+    for i in range(0, total):
+        j = i + 1                                        # the next chunk, in flight meanwhile
+        t_next = pid + (j // KC) * nprog
+        w_next = _load_w(W, t_next, j % KC, N, K, ROWS, BLOCK_N, BLOCK_K, j < total)
+        w2_next = w_next
+        if PAIR:
+            w2_next = _load_w(W + N * K, t_next, j % KC, N, K, ROWS, BLOCK_N, BLOCK_K,
+                              j < total)
+        kc = i % KC
+        x = _input_chunk(X, R, NW, kc * BLOCK_K + tl.arange(0, BLOCK_K), K, inv, ADD, NORM)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+        if PAIR:
+            acc2 += tl.sum(w2.to(tl.float32) * x[None, :], 1)
+        if kc == KC - 1:
+            lane = tl.arange(0, BLOCK_N)
+            r = (pid + (i // KC) * nprog) * ROWS + lane
+            r_ok = (lane < ROWS) & (r < N)
+            if HAS_BIAS:
+                acc += tl.load(B + r, mask=r_ok, other=0.0).to(tl.float32)
+            y = acc
+            if PAIR:
+                gate = acc.to(dt).to(tl.float32)
+                up = acc2.to(dt).to(tl.float32)
+                y = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
+            tl.store(Out + r, y.to(dt), mask=r_ok)
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            acc2 = tl.zeros([BLOCK_N], tl.float32)
+        w = w_next
+        w2 = w2_next
+
+
+@triton.jit
+def _norm_rope(Src, rows, row_ok, NW, cos, sin, eps, D: tl.constexpr, D_P2: tl.constexpr,
+               HAS_NORM: tl.constexpr):
+    """Heads `rows` of Src (D apart): RMSNorm over each (if HAS_NORM), then rotate-half rotary
+    with the position's cos/sin rows -> (len(rows), D_P2) float32, rounded to Src's dtype."""
+    dt = Src.dtype.element_ty
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, D_P2)
+    d_ok = d < D
+    pd = tl.where(d < HALF, d + HALF, d - HALF)          # the partner in rotate_half
+    m = row_ok[:, None] & d_ok[None, :]
+    base = Src + rows[:, None] * D
+    x = tl.load(base + d[None, :], mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    xp = tl.load(base + pd[None, :], mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    if HAS_NORM:
+        inv = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+        w = tl.load(NW + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(NW + pd, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        x = ((x * inv).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        xp = ((xp * inv).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
+    out = tl.where((d < HALF)[None, :], x * cos[None, :] - xp * sin[None, :],
+                   x * cos[None, :] + xp * sin[None, :])
+    return out.to(dt).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["nprog", "stride_cos", "stride_cb", "eps", "qk_eps"])
+def _decoder_layer_kernel(
+        X, R, RMid, ROut, XOut,
+        NW1, Wqkv, Bqkv, QNW, KNW, Wo, Bo, NW2, Wgu, Wd,
+        Cos, Sin, Pos, Slot, SeqLens, Table, Kc, Vc,
+        QKV, OPart, Lse, Attn, O, Act, Count, GCount,
+        nprog, stride_cos, stride_cb, eps, qk_eps, qk_scale,
+        HID: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+        INTER: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
+        ROWS_QKV: tl.constexpr, BN_QKV: tl.constexpr, BK_QKV: tl.constexpr,
+        ROWS_O: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
+        ROWS_GU: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr,
+        ROWS_D: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
+        FIRST: tl.constexpr, QKV_BIAS: tl.constexpr, O_BIAS: tl.constexpr,
+        QK_NORM: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    G: tl.constexpr = HQ // HKV
+    G_P2: tl.constexpr = triton.next_power_of_2(G)
+    D_P2: tl.constexpr = triton.next_power_of_2(D)
+    HID_P2: tl.constexpr = triton.next_power_of_2(HID)
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+
+    w, w2 = _first_tile(Wqkv, NQKV, HID, ROWS_QKV, pid, False, BN_QKV, BK_QKV)
+    if PDL:
+        gdc_wait()                     # the previous kernel's writes are visible from here
+    base = tl.atomic_add(Count, 0, sem="acquire", scope="gpu")
+    base = base - base % (NUM_BARRIERS * nprog)
+    if PDL:
+        gdc_launch_dependents()        # the next layer may launch and fetch its weights
+
+    # P1: s = h + residual -> RMid; qkv = norm(s) Wqkv^T
+    inv = _inv_rms(X, R, RMid, pid, HID, eps, not FIRST, HID_P2)
+    _matvec(Wqkv, Bqkv, X, R, NW1, inv, QKV, w, w2, NQKV, HID, ROWS_QKV, pid, nprog,
+            not FIRST, True, QKV_BIAS, False, BN_QKV, BK_QKV)
+    _grid_sync(Count, base + nprog)
+
+    # P2: attention, task (KV head g, slice j) for g < HKV, j < S
+    dt = QKV.dtype.element_ty
+    pos = tl.load(Pos).to(tl.int64)
+    slot = tl.load(Slot).to(tl.int64)
+    seq_len = tl.load(SeqLens)
+    d = tl.arange(0, D_P2)
+    d_ok = d < D
+    cos = tl.load(Cos + pos * stride_cos + d, mask=d_ok, other=0.0)
+    sin = tl.load(Sin + pos * stride_cos + d, mask=d_ok, other=0.0)
+    ctx = seq_len - 1                                    # positions already in the cache
+    per = tl.cdiv(tl.cdiv(seq_len, BLOCK_T), S) * BLOCK_T
+    gi = tl.arange(0, G_P2)
+    for task in range(pid, HKV * S, nprog):
+        g = task // S
+        j = task % S
+        hq = g * G + gi
+        hq_ok = gi < G
+        q = _norm_rope(QKV, hq, hq_ok, QNW, cos, sin, qk_eps, D, D_P2, QK_NORM)  # (G, D)
+        one = tl.arange(0, 1)
+        k_new = _norm_rope(QKV + HQ * D, g + one, one < 1, KNW, cos, sin, qk_eps, D, D_P2,
+                           QK_NORM)                                              # (1, D)
+        v_new = tl.load(QKV + (HQ + HKV) * D + g * D + d[None, :], mask=d_ok[None, :],
+                        other=0.0, cache_modifier=".cg").to(tl.float32)          # (1, D)
+        if (j == 0) & (slot >= 0):
+            dst = slot * (HKV * D) + g * D + d[None, :]
+            tl.store(Kc + dst, k_new.to(dt), mask=d_ok[None, :])
+            tl.store(Vc + dst, v_new.to(dt), mask=d_ok[None, :])
+        lo = j * per
+        hi = tl.minimum(seq_len, lo + per)
+        cached_hi = tl.minimum(hi, ctx)
+        m_i = tl.full([G_P2], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_P2], tl.float32)
+        acc = tl.zeros([G_P2, D_P2], tl.float32)
+        for start in range(lo, cached_hi, BLOCK_T):
+            n = start + tl.arange(0, BLOCK_T)
+            n_ok = n < cached_hi
+            page = tl.load(Table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            off = page * stride_cb + (n % PAGE) * (HKV * D) + g * D
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(Kc + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], 2) * qk_scale            # (G, T) log2
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(Vc + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            pv = tl.sum(p.to(dt).to(tl.float32)[:, :, None] * v[None, :, :], 1)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        # the new token (position ctx) belongs to the slice that holds it
+        own = (ctx >= lo) & (ctx < hi)
+        s_new = tl.sum(q * k_new, 1) * qk_scale                                 # (G,)
+        s_new = tl.where(own, s_new, float("-inf"))
+        m_new = tl.maximum(m_i, s_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p_new = tl.math.exp2(s_new - m_safe)
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new.to(dt).to(tl.float32)[:, None] * v_new
+        m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
+        tl.store(Lse + hq * S + j, lse, mask=hq_ok)
+        tl.store(OPart + (hq[:, None] * S + j) * D_P2 + d[None, :], out, mask=hq_ok[:, None])
+        # the KV head's last slice to finish merges the slices
+        tl.debug_barrier()
+        done = tl.atomic_add(GCount + g, 1, sem="acq_rel", scope="gpu")
+        if done % S == S - 1:
+            tl.debug_barrier()
+            sp = tl.arange(0, S)
+            lse_all = tl.load(Lse + hq[:, None] * S + sp[None, :], mask=hq_ok[:, None],
+                              other=float("-inf"), cache_modifier=".cg")          # (G, S)
+            mx = tl.max(lse_all, 1)
+            wt = tl.math.exp2(lse_all - tl.where(mx == float("-inf"), 0.0, mx)[:, None])
+            part = tl.load(OPart + (hq[:, None, None] * S + sp[None, :, None]) * D_P2
+                           + d[None, None, :], mask=hq_ok[:, None, None], other=0.0,
+                           cache_modifier=".cg")                                  # (G, S, D)
+            tot = tl.sum(wt, 1)
+            merged = tl.sum(part * wt[:, :, None], 1) / tl.where(tot == 0.0, 1.0, tot)[:, None]
+            tl.store(Attn + hq[:, None] * D + d[None, :], merged.to(dt),
+                     mask=hq_ok[:, None] & d_ok[None, :])
+    w, w2 = _first_tile(Wo, HID, HQ * D, ROWS_O, pid, False, BN_O, BK_O)
+    _grid_sync(Count, base + 2 * nprog)
+
+    # P3: o = attn Wo^T
+    _matvec(Wo, Bo, Attn, Attn, NW1, 1.0, O, w, w2, HID, HQ * D, ROWS_O, pid, nprog,
+            False, False, O_BIAS, False, BN_O, BK_O)
+    w, w2 = _first_tile(Wgu, INTER, HID, ROWS_GU, pid, True, BN_GU, BK_GU)
+    _grid_sync(Count, base + 3 * nprog)
+
+    # P4: s2 = o + s -> ROut; act = silu(gate) * up of norm(s2) Wgu^T
+    inv = _inv_rms(O, RMid, ROut, pid, HID, eps, True, HID_P2)
+    _matvec(Wgu, Wgu, O, RMid, NW2, inv, Act, w, w2, INTER, HID, ROWS_GU, pid, nprog,
+            True, True, False, True, BN_GU, BK_GU)
+    w, w2 = _first_tile(Wd, HID, INTER, ROWS_D, pid, False, BN_D, BK_D)
+    _grid_sync(Count, base + 4 * nprog)
+
+    # P5: h' = act Wd^T (the layer's output is h' + s2)
+    _matvec(Wd, Wd, Act, Act, NW1, 1.0, XOut, w, w2, HID, INTER, ROWS_D, pid, nprog,
+            False, False, False, False, BN_D, BK_D)
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer's tensors, in the layout the kernel reads (all contiguous)."""
+    input_norm: Tensor                 # (hidden,)
+    qkv: Tensor                        # ((H + 2 Hkv) D, hidden)
+    qkv_bias: Tensor | None
+    q_norm: Tensor | None              # (D,) Qwen3
+    k_norm: Tensor | None
+    o: Tensor                          # (hidden, H D)
+    o_bias: Tensor | None
+    post_norm: Tensor                  # (hidden,)
+    gate_up: Tensor                    # (2 I, hidden): gate rows, then up rows
+    down: Tensor                       # (hidden, I)
+    k_cache: Tensor                    # (num_blocks, block_size, Hkv, D)
+    v_cache: Tensor
+
+
+def _tiling(n: int, k: int, programs: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK_N, BLOCK_K) of a matmul phase: n outputs spread over the programs (a tile
+    of ROWS rows each, at most one tile a program where n allows), K chunks to fit MAX_TILE."""
+    rows = -(-n // programs)
+    block_n = triton.next_power_of_2(rows)
+    block_k = max(16, min(triton.next_power_of_2(k), MAX_TILE // block_n))
+    return rows, block_n, block_k
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+class DecoderStack:
+    """The layers of a Qwen2/Qwen3-style decoder as one kernel launch each, for one-row
+    decode steps. Scratch buffers are allocated once (graph-safe: a replay reuses them)."""
+
+    def __init__(self, layers: list[LayerWeights], num_heads: int, num_kv_heads: int,
+                 head_dim: int, eps: float, qk_eps: float, scale: float, cos: Tensor,
+                 sin: Tensor, programs: int | None = None, splits: int | None = None,
+                 tile_programs: int | None = None) -> None:
+        """programs: the grid (None: one per multiprocessor). Tests of the interpreter (a
+        grid of one) set splits (attention slices per KV head) and tile_programs (tiles are
+        cut as for that many programs; one program then takes them all)."""
+        first = layers[0]
+        dev, dt = first.qkv.device, first.qkv.dtype
+        self.layers = layers
+        self.hidden = first.qkv.shape[1]
+        self.inter = first.down.shape[1]
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.eps, self.qk_eps, self.scale = eps, qk_eps, scale
+        self.cos, self.sin = cos, sin
+        if programs is None:
+            programs = _num_sms(dev.index if dev.index is not None
+                                else torch.cuda.current_device()) if dev.type == "cuda" else 1
+        self.programs = programs
+        if splits is None:
+            splits = 1
+            while splits * 2 * num_kv_heads <= programs and splits * 2 <= MAX_SPLITS:
+                splits *= 2
+        assert splits & (splits - 1) == 0, splits
+        self.splits = splits
+        d_p2 = triton.next_power_of_2(head_dim)
+        qkv_rows = (num_heads + 2 * num_kv_heads) * head_dim
+        self.qkv_buf = torch.empty(qkv_rows, dtype=dt, device=dev)
+        self.o_part = torch.empty(num_heads * splits * d_p2, dtype=torch.float32, device=dev)
+        self.lse = torch.empty(num_heads * splits, dtype=torch.float32, device=dev)
+        self.attn = torch.empty(num_heads * head_dim, dtype=dt, device=dev)
+        self.o = torch.empty(self.hidden, dtype=dt, device=dev)
+        self.act = torch.empty(self.inter, dtype=dt, device=dev)
+        self.r_mid = torch.empty(1, self.hidden, dtype=dt, device=dev)
+        self.residual = torch.empty(1, self.hidden, dtype=dt, device=dev)
+        self.h = torch.empty(1, self.hidden, dtype=dt, device=dev)
+        self.count = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.group_count = torch.zeros(num_kv_heads, dtype=torch.int64, device=dev)
+        p = tile_programs or programs
+        qkv_t = _tiling(qkv_rows, self.hidden, p)
+        o_t = _tiling(self.hidden, num_heads * head_dim, p)
+        gu_t = _tiling(self.inter, self.hidden, p)
+        gu_t = (gu_t[0], gu_t[1], max(16, gu_t[2] // 2))        # two tiles (gate and up)
+        d_t = _tiling(self.hidden, self.inter, p)
+        self.consts = dict(
+            HID=self.hidden, HQ=num_heads, HKV=num_kv_heads, D=head_dim, INTER=self.inter,
+            PAGE=first.k_cache.shape[1], S=splits,
+            ROWS_QKV=qkv_t[0], BN_QKV=qkv_t[1], BK_QKV=qkv_t[2],
+            ROWS_O=o_t[0], BN_O=o_t[1], BK_O=o_t[2],
+            ROWS_GU=gu_t[0], BN_GU=gu_t[1], BK_GU=gu_t[2],
+            ROWS_D=d_t[0], BN_D=d_t[1], BK_D=d_t[2],
+            QKV_BIAS=first.qkv_bias is not None, O_BIAS=first.o_bias is not None,
+            QK_NORM=first.q_norm is not None)
+
+    def __call__(self, h: Tensor, positions: Tensor, slot_mapping: Tensor, seq_lens: Tensor,
+                 block_table: Tensor) -> tuple[Tensor, Tensor]:
+        """h (1, hidden) through every layer -> (h', residual): the last layer's MLP output
+        and residual (their sum is its output), in buffers the next call overwrites."""
+        assert h.shape == (1, self.hidden) and h.is_contiguous(), h.shape
+        scale = self.scale * 1.4426950408889634          # log2 domain
+        opts = pdl.launch_options(h)
+        for i, lw in enumerate(self.layers):
+            x = h if i == 0 else self.h
+            cache = lw.k_cache
+            _decoder_layer_kernel[(self.programs,)](
+                x, self.residual, self.r_mid, self.residual, self.h,
+                lw.input_norm, lw.qkv, lw.qkv_bias if lw.qkv_bias is not None else lw.qkv,
+                lw.q_norm if lw.q_norm is not None else lw.input_norm,
+                lw.k_norm if lw.k_norm is not None else lw.input_norm,
+                lw.o, lw.o_bias if lw.o_bias is not None else lw.o, lw.post_norm, lw.gate_up,
+                lw.down, self.cos, self.sin, positions, slot_mapping, seq_lens, block_table,
+                cache, lw.v_cache, self.qkv_buf, self.o_part, self.lse, self.attn, self.o,
+                self.act, self.count, self.group_count,
+                self.programs, self.cos.stride(0), cache.stride(0), self.eps, self.qk_eps,
+                scale, FIRST=i == 0, **self.consts, num_warps=NUM_WARPS, num_stages=1, **opts)
+        return self.h, self.residual
