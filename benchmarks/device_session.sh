@@ -23,6 +23,21 @@ if [[ $STAGES == *tests* ]]; then
     python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" -q \
         tests/gpu tests/layers 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
 fi
+if [[ $STAGES == *layer* ]]; then
+    # the one-kernel-a-layer path: its tests, then single stream with it (tile configs from
+    # LAYER_CONFIGS, "MAX_TILE,WARPS" each) and without it (the per-op kernels), same machine
+    timeout 300 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
+        -q -x tests/layers/test_triton_decoder_layer.py tests/gpu/test_ar_cuda.py -k layer_kernel \
+        2>&1 | tee "$OUT/layer_tests.txt" | tail -15
+    for cfg in "--no-layer-kernel" "" ${LAYER_CONFIGS:-}; do
+        flags=$cfg
+        [[ $cfg == *,* ]] && flags="--layer-kernel-config $cfg"
+        name=layer$(echo "$cfg" | tr ' ,-' '___')
+        timeout 240 python3 benchmarks/bench_ar.py --single-stream --output-len 256 --skip-hf \
+            $flags --out "$OUT/$name.json" 2>&1 | grep -E "decode_tokens_per_s|share|Error|error" \
+            | head -5
+    done
+fi
 if [[ $STAGES == *single* ]]; then
     for flags in "" "--no-pdl" "--no-gemv --no-pdl" "--enforce-eager"; do
         name=single$(echo "$flags" | tr ' -' '__')

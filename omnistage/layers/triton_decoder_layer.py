@@ -51,21 +51,24 @@ from torch import Tensor
 
 from omnistage.layers import pdl
 
-NUM_BARRIERS = 4        # grid barriers a layer launch passes (after P1 .. P4)
+NUM_BARRIERS = tl.constexpr(4)   # grid barriers a layer launch passes (after P1 .. P4)
 MAX_SPLITS = 32         # attention slices per KV head
-BLOCK_T = 32            # keys per attention tile
+BLOCK_T = tl.constexpr(32)       # keys per attention tile
 MAX_TILE = 16384        # weight elements a program holds per chunk (64 per thread at 8 warps)
 NUM_WARPS = 8
+MAX_REGISTERS: int | None = None   # per thread (None: the compiler's choice, 255 at 8 warps)
 
 
 @triton.jit
 def _grid_sync(Count, target):
     """Wait until every program of the grid reached this barrier (see the module doc)."""
     tl.debug_barrier()                                   # this program's stores are issued
-    tl.atomic_add(Count, 1, sem="release", scope="gpu")
+    tl.atomic_add(Count, 1, sem="release", scope="gpu")  # ... and visible before the count
     while tl.load(Count, volatile=True) < target:
         pass
-    tl.atomic_add(Count, 0, sem="acquire", scope="gpu")
+    # What follows reads other programs' writes through L2 (`.cg`, the point of coherence)
+    # only after this poll saw their counts (loads are not issued speculatively); an acquire
+    # here cost another round trip to L2 per barrier (measured: ~0.5 us of ~1.8).
     tl.debug_barrier()
 
 
@@ -165,6 +168,22 @@ def _matvec(W, B, X, R, NW, inv, Out, w, w2, N, K: tl.constexpr, ROWS, pid, npro
 
 
 @triton.jit
+def _kv_tile(Kc, Vc, Table, start, end, g, stride_cb, HKV: tl.constexpr, D: tl.constexpr,
+             D_P2: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, ok):
+    """Cached keys and values start .. end-1 (< start + BLOCK_T) of KV head g, from the pages
+    of the block table: (BLOCK_T, D_P2) each, zeros outside; their mask (BLOCK_T,)."""
+    n = start + tl.arange(0, BLOCK_T)
+    n_ok = (n < end) & ok
+    d = tl.arange(0, D_P2)
+    page = tl.load(Table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+    off = page * stride_cb + (n % PAGE) * (HKV * D) + g * D
+    m = n_ok[:, None] & (d < D)[None, :]
+    k = tl.load(Kc + off[:, None] + d[None, :], mask=m, other=0.0)
+    v = tl.load(Vc + off[:, None] + d[None, :], mask=m, other=0.0)
+    return k, v, n_ok
+
+
+@triton.jit
 def _norm_rope(Src, rows, row_ok, NW, cos, sin, eps, D: tl.constexpr, D_P2: tl.constexpr,
                HAS_NORM: tl.constexpr):
     """Heads `rows` of Src (D apart): RMSNorm over each (if HAS_NORM), then rotate-half rotary
@@ -203,7 +222,9 @@ def _decoder_layer_kernel(
         ROWS_GU: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr,
         ROWS_D: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
         FIRST: tl.constexpr, QKV_BIAS: tl.constexpr, O_BIAS: tl.constexpr,
-        QK_NORM: tl.constexpr, PDL: tl.constexpr):
+        QK_NORM: tl.constexpr, PDL: tl.constexpr, SKIP: tl.constexpr = 0):
+    # SKIP (benchmarks/bench_layer_kernel.py only; wrong results): 1 no grid barriers,
+    # 2 no attention phase, 4 no matmul phases
     pid = tl.program_id(0)
     G: tl.constexpr = HQ // HKV
     G_P2: tl.constexpr = triton.next_power_of_2(G)
@@ -219,25 +240,36 @@ def _decoder_layer_kernel(
     if PDL:
         gdc_launch_dependents()        # the next layer may launch and fetch its weights
 
-    # P1: s = h + residual -> RMid; qkv = norm(s) Wqkv^T
-    inv = _inv_rms(X, R, RMid, pid, HID, eps, not FIRST, HID_P2)
-    _matvec(Wqkv, Bqkv, X, R, NW1, inv, QKV, w, w2, NQKV, HID, ROWS_QKV, pid, nprog,
-            not FIRST, True, QKV_BIAS, False, BN_QKV, BK_QKV)
-    _grid_sync(Count, base + nprog)
-
-    # P2: attention, task (KV head g, slice j) for g < HKV, j < S
-    dt = QKV.dtype.element_ty
+    # the attention's inputs from the host (the step's position, slot, length) and the first
+    # cached key/value tile of this program's first task: fetched before P1 and barrier 1
     pos = tl.load(Pos).to(tl.int64)
     slot = tl.load(Slot).to(tl.int64)
     seq_len = tl.load(SeqLens)
+    ctx = seq_len - 1                                    # positions already in the cache
+    per = tl.cdiv(tl.cdiv(seq_len, BLOCK_T), S) * BLOCK_T
+    num_tasks = HKV * S if SKIP & 2 == 0 else 0
+    lo0 = (pid % S) * per
+    k_pre, v_pre, n_pre = _kv_tile(Kc, Vc, Table, lo0, tl.minimum(tl.minimum(seq_len, lo0 + per),
+                                                                   ctx),
+                                   pid // S, stride_cb, HKV, D, D_P2, PAGE, BLOCK_T,
+                                   pid < num_tasks)
+
+    # P1: s = h + residual -> RMid; qkv = norm(s) Wqkv^T
+    inv = _inv_rms(X, R, RMid, pid, HID, eps, not FIRST, HID_P2)
+    if SKIP & 4 == 0:
+        _matvec(Wqkv, Bqkv, X, R, NW1, inv, QKV, w, w2, NQKV, HID, ROWS_QKV, pid, nprog,
+                not FIRST, True, QKV_BIAS, False, BN_QKV, BK_QKV)
+    if SKIP & 1 == 0:
+        _grid_sync(Count, base + nprog)
+
+    # P2: attention, task (KV head g, slice j) for g < HKV, j < S
+    dt = QKV.dtype.element_ty
     d = tl.arange(0, D_P2)
     d_ok = d < D
     cos = tl.load(Cos + pos * stride_cos + d, mask=d_ok, other=0.0)
     sin = tl.load(Sin + pos * stride_cos + d, mask=d_ok, other=0.0)
-    ctx = seq_len - 1                                    # positions already in the cache
-    per = tl.cdiv(tl.cdiv(seq_len, BLOCK_T), S) * BLOCK_T
     gi = tl.arange(0, G_P2)
-    for task in range(pid, HKV * S, nprog):
+    for task in range(pid, num_tasks, nprog):
         g = task // S
         j = task % S
         hq = g * G + gi
@@ -259,12 +291,12 @@ def _decoder_layer_kernel(
         l_i = tl.zeros([G_P2], tl.float32)
         acc = tl.zeros([G_P2, D_P2], tl.float32)
         for start in range(lo, cached_hi, BLOCK_T):
-            n = start + tl.arange(0, BLOCK_T)
-            n_ok = n < cached_hi
-            page = tl.load(Table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-            off = page * stride_cb + (n % PAGE) * (HKV * D) + g * D
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(Kc + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            if (task == pid) & (start == lo):            # fetched before barrier 1
+                k, v, n_ok = k_pre, v_pre, n_pre
+            else:
+                k, v, n_ok = _kv_tile(Kc, Vc, Table, start, cached_hi, g, stride_cb, HKV, D,
+                                      D_P2, PAGE, BLOCK_T, True)
+            k = k.to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], 2) * qk_scale            # (G, T) log2
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -272,8 +304,7 @@ def _decoder_layer_kernel(
             p = tl.math.exp2(s - m_safe[:, None])
             alpha = tl.math.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(Vc + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            pv = tl.sum(p.to(dt).to(tl.float32)[:, :, None] * v[None, :, :], 1)
+            pv = tl.sum(p.to(dt).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], 1)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         # the new token (position ctx) belongs to the slice that holds it
@@ -309,24 +340,30 @@ def _decoder_layer_kernel(
             tl.store(Attn + hq[:, None] * D + d[None, :], merged.to(dt),
                      mask=hq_ok[:, None] & d_ok[None, :])
     w, w2 = _first_tile(Wo, HID, HQ * D, ROWS_O, pid, False, BN_O, BK_O)
-    _grid_sync(Count, base + 2 * nprog)
+    if SKIP & 1 == 0:
+        _grid_sync(Count, base + 2 * nprog)
 
     # P3: o = attn Wo^T
-    _matvec(Wo, Bo, Attn, Attn, NW1, 1.0, O, w, w2, HID, HQ * D, ROWS_O, pid, nprog,
-            False, False, O_BIAS, False, BN_O, BK_O)
+    if SKIP & 4 == 0:
+        _matvec(Wo, Bo, Attn, Attn, NW1, 1.0, O, w, w2, HID, HQ * D, ROWS_O, pid, nprog,
+                False, False, O_BIAS, False, BN_O, BK_O)
     w, w2 = _first_tile(Wgu, INTER, HID, ROWS_GU, pid, True, BN_GU, BK_GU)
-    _grid_sync(Count, base + 3 * nprog)
+    if SKIP & 1 == 0:
+        _grid_sync(Count, base + 3 * nprog)
 
     # P4: s2 = o + s -> ROut; act = silu(gate) * up of norm(s2) Wgu^T
     inv = _inv_rms(O, RMid, ROut, pid, HID, eps, True, HID_P2)
-    _matvec(Wgu, Wgu, O, RMid, NW2, inv, Act, w, w2, INTER, HID, ROWS_GU, pid, nprog,
-            True, True, False, True, BN_GU, BK_GU)
+    if SKIP & 4 == 0:
+        _matvec(Wgu, Wgu, O, RMid, NW2, inv, Act, w, w2, INTER, HID, ROWS_GU, pid, nprog,
+                True, True, False, True, BN_GU, BK_GU)
     w, w2 = _first_tile(Wd, HID, INTER, ROWS_D, pid, False, BN_D, BK_D)
-    _grid_sync(Count, base + 4 * nprog)
+    if SKIP & 1 == 0:
+        _grid_sync(Count, base + 4 * nprog)
 
     # P5: h' = act Wd^T (the layer's output is h' + s2)
-    _matvec(Wd, Wd, Act, Act, NW1, 1.0, XOut, w, w2, HID, INTER, ROWS_D, pid, nprog,
-            False, False, False, False, BN_D, BK_D)
+    if SKIP & 4 == 0:
+        _matvec(Wd, Wd, Act, Act, NW1, 1.0, XOut, w, w2, HID, INTER, ROWS_D, pid, nprog,
+                False, False, False, False, BN_D, BK_D)
 
 
 @dataclass(slots=True)
@@ -383,6 +420,7 @@ class DecoderStack:
             programs = _num_sms(dev.index if dev.index is not None
                                 else torch.cuda.current_device()) if dev.type == "cuda" else 1
         self.programs = programs
+        self.skip = 0      # benchmarks/bench_layer_kernel.py: phases left out (kernel's SKIP)
         if splits is None:
             splits = 1
             while splits * 2 * num_kv_heads <= programs and splits * 2 <= MAX_SPLITS:
@@ -438,5 +476,7 @@ class DecoderStack:
                 cache, lw.v_cache, self.qkv_buf, self.o_part, self.lse, self.attn, self.o,
                 self.act, self.count, self.group_count,
                 self.programs, self.cos.stride(0), cache.stride(0), self.eps, self.qk_eps,
-                scale, FIRST=i == 0, **self.consts, num_warps=NUM_WARPS, num_stages=1, **opts)
+                scale, FIRST=i == 0, **self.consts, num_warps=NUM_WARPS, num_stages=1,
+                **({"SKIP": self.skip} if self.skip else {}),
+                **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS else {}), **opts)
         return self.h, self.residual

@@ -1,0 +1,130 @@
+"""Device time of the decoder layers of a one-row decode step (Qwen3-0.6B's shapes, random
+bfloat16 weights, a context of --context tokens): the one-kernel-a-layer path against the
+per-op kernels, each replayed from a CUDA graph in this process, and the layer kernel with
+parts left out (timing only: no barriers, no attention, no matmuls) to see where its time
+goes. Effective bandwidth = bytes of the layers' weights / time.
+
+    python benchmarks/bench_layer_kernel.py --out /tmp/layer_kernel.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_ar import PRESETS  # noqa: E402
+
+
+def main() -> None:
+    from transformers import Qwen3Config
+
+    from omnistage.layers import fused
+    from omnistage.layers.attention import (Attention, AttentionMetadata, forward_context,
+                                            get_attention_backend)
+    from omnistage.models.config import ModelConfig
+    from omnistage.models.qwen3 import Qwen3ForCausalLM
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(PRESETS))
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--configs", default="",
+                    help="MAX_TILE,WARPS[,MAX_REGISTERS];... extra layer-kernel settings")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_hf(Qwen3Config(**PRESETS[args.preset],
+                                          architectures=["Qwen3ForCausalLM"]))
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+        if p.dim() == 1:
+            p.data.add_(1.0)
+    inner = model.model
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    block = 16
+    num_blocks = -(-(args.context + 1) // block) + 1
+    backend = get_attention_backend("auto", torch.device("cuda"), block,
+                                    cfg.num_attention_heads // cfg.num_key_value_heads,
+                                    cfg.num_key_value_heads)
+    for layer in layers:
+        layer.backend = backend
+        layer.k_cache = torch.randn(num_blocks, block, cfg.num_key_value_heads, cfg.head_dim,
+                                    device="cuda", dtype=torch.bfloat16)
+        layer.v_cache = torch.randn_like(layer.k_cache)
+    ctx = args.context
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor([ctx], device="cuda"),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([ctx + 1], dtype=torch.int32, device="cuda"),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device="cuda")[None],
+        query_start_loc_cpu=[0, 1], seq_lens_cpu=[ctx + 1], max_query_len=1,
+        max_seq_len=num_blocks * block)
+    ids = torch.tensor([5], device="cuda")
+    pos = torch.tensor([ctx], device="cuda")
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in inner.layers.named_parameters())
+
+    def timed(tag: str) -> dict:
+        backend.prepare(md, has_cache=True)
+        inner._stack = None
+
+        def step():
+            with forward_context(md):
+                return inner(ids, pos)[0]
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(5):
+            graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(args.iters):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        us = sorted(times)[len(times) // 2]
+        row = {"variant": tag, "us_per_step": us, "us_per_layer": us / cfg.num_hidden_layers,
+               "weight_tb_s": weight_bytes / us / 1e6}
+        print(json.dumps(row))
+        return row
+
+    from omnistage.layers import triton_decoder_layer as tdl
+    rows = []
+    fused.set_layer_kernel(False)
+    rows.append(timed("per-op kernels"))
+    fused.set_layer_kernel(True)
+    rows.append(timed("layer kernel"))
+    real_init = tdl.DecoderStack.__init__
+    for skip, tag in ((1, "no barriers"), (2, "no attention"), (3, "no barriers, no attention"),
+                      (4, "no matmuls"), (5, "no matmuls, no barriers"), (6, "barriers only")):
+        def init(self, *a, _skip=skip, **k):  # type: ignore[no-untyped-def]
+            real_init(self, *a, **k)
+            self.skip = _skip
+        tdl.DecoderStack.__init__ = init
+        rows.append(timed("layer kernel, " + tag))
+    tdl.DecoderStack.__init__ = real_init
+    for c in filter(None, args.configs.split(";")):
+        vals = list(map(int, c.split(",")))
+        tdl.MAX_TILE, tdl.NUM_WARPS = vals[:2]
+        tdl.MAX_REGISTERS = vals[2] if len(vals) > 2 else None
+        rows.append(timed(f"layer kernel MAX_TILE,WARPS[,MAX_REGISTERS]={c}"))
+    if args.out:
+        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
+                                        "preset": args.preset, "context": ctx,
+                                        "weight_bytes_layers": weight_bytes, "rows": rows},
+                                       indent=1))
+
+
+if __name__ == "__main__":
+    main()
