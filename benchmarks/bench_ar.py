@@ -219,6 +219,9 @@ def main() -> None:
                     help="Triton kernels without programmatic dependent launch")
     ap.add_argument("--no-layer-kernel", action="store_true",
                     help="one-row decodes layer by layer in per-op kernels, not one kernel each")
+    ap.add_argument("--layer-kernel", action="store_true",
+                    help="one kernel per decoder layer at one row on any GPU (by default only "
+                         "where it measured faster)")
     ap.add_argument("--layer-kernel-config", default=None, metavar="MAX_TILE,WARPS",
                     help="weight elements a program holds per chunk, and warps, of the layer "
                          "kernel (triton_decoder_layer.MAX_TILE, NUM_WARPS)")
@@ -231,9 +234,9 @@ def main() -> None:
         from omnistage.layers import fused
         fused.set_enabled(not args.no_fused)
         fused.set_gemv(not args.no_gemv)
-    if args.no_layer_kernel:
+    if args.no_layer_kernel or args.layer_kernel:
         from omnistage.layers import fused
-        fused.set_layer_kernel(False)
+        fused.set_layer_kernel(bool(args.layer_kernel))
     if args.layer_kernel_config:
         from omnistage.layers import triton_decoder_layer
         tile, warps = map(int, args.layer_kernel_config.split(","))
@@ -264,7 +267,8 @@ def main() -> None:
         "options": {"enforce_eager": args.enforce_eager, "no_fused": args.no_fused,
                     "gemv": not (args.no_gemv or args.no_fused),
                     "pdl": not args.no_pdl, "gemv_config": args.gemv_config,
-                    "layer_kernel": not (args.no_layer_kernel or args.no_gemv or args.no_fused),
+                    "layer_kernel": ("off" if args.no_layer_kernel or args.no_gemv or args.no_fused
+                                     else "on" if args.layer_kernel else "auto"),
                     "layer_kernel_config": args.layer_kernel_config,
                     "attention_backend": args.attention_backend},
     }

@@ -103,7 +103,7 @@ def main() -> None:
     rows = []
     fused.set_layer_kernel(False)
     rows.append(timed("per-op kernels"))
-    fused.set_layer_kernel(True)
+    fused.set_layer_kernel(True)     # on any GPU
     rows.append(timed("layer kernel"))
     real_init = tdl.DecoderStack.__init__
     for skip, tag in ((1, "no barriers"), (2, "no attention"), (3, "no barriers, no attention"),

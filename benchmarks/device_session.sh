@@ -29,9 +29,9 @@ if [[ $STAGES == *layer* ]]; then
     timeout 300 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
         -q -x tests/layers/test_triton_decoder_layer.py tests/gpu/test_ar_cuda.py -k layer_kernel \
         2>&1 | tee "$OUT/layer_tests.txt" | tail -15
-    for cfg in "--no-layer-kernel" "" ${LAYER_CONFIGS:-}; do
+    for cfg in "--no-layer-kernel" "--layer-kernel" ${LAYER_CONFIGS:-}; do
         flags=$cfg
-        [[ $cfg == *,* ]] && flags="--layer-kernel-config $cfg"
+        [[ $cfg == *,* ]] && flags="--layer-kernel --layer-kernel-config $cfg"
         name=layer$(echo "$cfg" | tr ' ,-' '___')
         timeout 240 python3 benchmarks/bench_ar.py --single-stream --output-len 256 --skip-hf \
             $flags --out "$OUT/$name.json" 2>&1 | grep -E "decode_tokens_per_s|share|Error|error" \

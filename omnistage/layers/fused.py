@@ -8,8 +8,9 @@ activation.py and rotary.py: on CUDA tensors, where triton is installed, unless 
 `norm_linear` and `silu_linear` run an RMSNorm (with its residual add) or a SiLU-and-mul and
 the matmul after it, `linear` the matmul alone; a single row on CUDA (a single stream's decode
 step) takes one matrix-vector kernel for both (triton_gemv.py; `set_gemv(False)`: cuBLAS).
-A one-row decode step of a Qwen2/Qwen3 decoder runs each whole layer as one kernel
-(triton_decoder_layer.py; `set_layer_kernel(False)`: the kernels above, layer by layer).
+A one-row decode step of a Qwen2/Qwen3 decoder can run each whole layer as one kernel
+(triton_decoder_layer.py): by default on the GPUs where it measured faster than the kernels
+above (an H200; not an H100) and in the interpreter; `set_layer_kernel(True / False)` forces it.
 
 The PyTorch paths stay the reference on every device; tests compare the two.
 """
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 
 _enabled = True
 _gemv = True
-_layer_kernel = True
+_layer_kernel: bool | None = None   # None: where measured faster (triton_decoder_layer.py)
 _interpret = False   # tests: the kernels on CPU tensors too (Triton's interpreter)
 _ops: ModuleType | None | bool = False   # False: not looked up yet; None: triton missing
 
@@ -42,18 +43,21 @@ def set_gemv(enabled: bool) -> None:
     _gemv = enabled
 
 
-def set_layer_kernel(enabled: bool) -> None:
-    """One kernel per decoder layer for one-row decode steps (on by default)."""
+def set_layer_kernel(enabled: bool | None) -> None:
+    """One kernel per decoder layer for one-row decode steps: True always, False never, None
+    (the default) where it measured faster than the per-op kernels."""
     global _layer_kernel
     _layer_kernel = enabled
 
 
 def layer_kernel_for(x: Tensor) -> ModuleType | None:
     """The one-kernel-a-layer module if a one-row step on x should use it, else None."""
-    if not (_layer_kernel and _gemv and ops_for(x) is not None):
+    if _layer_kernel is False or not (_gemv and ops_for(x) is not None):
         return None
     from omnistage.layers import triton_decoder_layer
 
+    if _layer_kernel is None and not triton_decoder_layer.faster_here(x):
+        return None
     return triton_decoder_layer
 
 

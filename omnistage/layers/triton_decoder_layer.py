@@ -1,6 +1,7 @@
 """One kernel per decoder layer for one-row decode steps (a single stream), CUDA; Triton's
-interpreter on CPU. On by default where it applies (`fused.set_layer_kernel(False)`: the
-per-op kernels; the model decides where it applies: qwen2.py).
+interpreter on CPU. On by default where it measured faster than the per-op kernels
+(`faster_here`; `fused.set_layer_kernel(True / False)` forces it either way); the model decides
+where it applies (qwen2.py).
 
 A one-row decode step reads every weight once and does little else: it is bound by memory
 bandwidth only if the weights stream without gaps. Per-op kernels (seven a layer, ~200 a
@@ -390,6 +391,23 @@ def _tiling(n: int, k: int, programs: int) -> tuple[int, int, int]:
     block_n = triton.next_power_of_2(rows)
     block_k = max(16, min(triton.next_power_of_2(k), MAX_TILE // block_n))
     return rows, block_n, block_k
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def faster_here(x: Tensor) -> bool:
+    """Whether one-row decodes on x's device run faster with the layer kernel than with the
+    per-op kernels, as measured (benchmarks/results/layer_kernel_*.json, single stream
+    ar_qwen3-0.6b_single_stream_*.json, Qwen3-0.6B's shapes): an H200, decoder layers 865 us
+    a token against 949 (single stream +17%); an H100, 917 against 815 (-9%): off there and on
+    GPUs not measured. The interpreter (CPU tests): on."""
+    if not x.is_cuda:
+        return True
+    return "H200" in _device_name(x.device.index if x.device.index is not None
+                                  else torch.cuda.current_device())
 
 
 @functools.cache

@@ -101,7 +101,7 @@ def _run(model: torch.nn.Module, ids: torch.Tensor, steps: list[tuple[int, int]]
     finally:
         tdl.DecoderStack = real  # type: ignore[misc]
         fused._interpret = False
-        fused.set_layer_kernel(True)
+        fused.set_layer_kernel(None)
     assert len(built) == (1 if layer_kernel else 0)
     return outs + [t for layer in layers for t in (layer.k_cache, layer.v_cache)]
 

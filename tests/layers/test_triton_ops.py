@@ -301,7 +301,7 @@ def _paged_forward(model: torch.nn.Module, ids: torch.Tensor, chunks: list[tuple
                 outs.append(model(ids[start:end], positions)[0])
     finally:
         fused._interpret, fused._enabled = False, True
-        fused.set_layer_kernel(True)
+        fused.set_layer_kernel(None)
     return outs + [t for layer in layers for t in (layer.k_cache, layer.v_cache)]
 
 
