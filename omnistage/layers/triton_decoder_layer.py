@@ -51,6 +51,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from torch import Tensor
 
 from omnistage.layers import pdl
+from omnistage.layers.triton_gemv import _device_name
 
 NUM_BARRIERS = tl.constexpr(4)   # grid barriers a layer launch passes (after P1 .. P4)
 MAX_SPLITS = 32         # attention slices per KV head
@@ -391,11 +392,6 @@ def _tiling(n: int, k: int, programs: int) -> tuple[int, int, int]:
     block_n = triton.next_power_of_2(rows)
     block_k = max(16, min(triton.next_power_of_2(k), MAX_TILE // block_n))
     return rows, block_n, block_k
-
-
-@functools.cache
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
 
 
 def faster_here(x: Tensor) -> bool:

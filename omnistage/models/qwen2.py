@@ -186,14 +186,13 @@ class Qwen2Model(nn.Module):
                 return None
             layers.append(lw)
         a = first.self_attn
-        tables = getattr(a.rotary_emb, "fused_tables", lambda _: None)(
-            torch.zeros(1, dtype=torch.long))
-        if tables is None or tables[2] is not None:
+        rope = a.rotary_emb
+        if type(rope) is not RotaryEmbedding:       # M-RoPE and other position schemes
             return None
         return tdl.DecoderStack(layers, a.num_heads, a.num_kv_heads, a.head_dim,
                                 first.input_layernorm.eps,
                                 a.q_norm.eps if a.has_qk_norm else 1e-6, a.attn.scale,
-                                tables[0], tables[1])
+                                rope.cos_cache, rope.sin_cache)
 
 
 class Qwen2ForCausalLM(nn.Module):

@@ -61,19 +61,17 @@ def _run(model: torch.nn.Module, ids: torch.Tensor, steps: list[tuple[int, int]]
     scattered), the fused kernels on, one-row steps by the layer kernel or not -> each step's
     hidden states, then every layer's K and V cache."""
     from omnistage.layers import triton_decoder_layer as tdl
-    from omnistage.layers.attention import Attention, AttentionMetadata, forward_context
+    from omnistage.layers.attention import Attention, forward_context
     from omnistage.layers.triton_attention import TritonPagedAttention
+    from omnistage.testing.tiny_models import PagedCache
 
     layers = [m for m in model.modules() if isinstance(m, Attention)]
-    hkv, hd = layers[0].num_kv_heads, layers[0].head_dim
+    hkv = layers[0].num_kv_heads
     backend = TritonPagedAttention(PAGE, layers[0].num_heads // hkv, hkv, num_sms=1)
+    cache = PagedCache(model, num_blocks=8, block_size=PAGE)
     for layer in layers:
         layer.backend = backend
-        layer.k_cache = torch.zeros(8, PAGE, hkv, hd, device=DEVICE)
-        layer.v_cache = torch.zeros(8, PAGE, hkv, hd, device=DEVICE)
-    table = torch.tensor([[3, 0, 5, 7, 1]], dtype=torch.int32, device=DEVICE)
-    inner = model.model
-    inner._stack = None
+    model.model._stack = None
     real = tdl.DecoderStack
     built: list[tdl.DecoderStack] = []
 
@@ -87,17 +85,10 @@ def _run(model: torch.nn.Module, ids: torch.Tensor, steps: list[tuple[int, int]]
     outs = []
     try:
         for start, end in steps:
-            flat = torch.arange(start, end, device=DEVICE)
-            md = AttentionMetadata(
-                slot_mapping=table[0, flat // PAGE].long() * PAGE + flat % PAGE,
-                query_start_loc=torch.tensor([0, end - start], dtype=torch.int32,
-                                             device=DEVICE),
-                seq_lens=torch.tensor([end], dtype=torch.int32, device=DEVICE),
-                block_tables=table, query_start_loc_cpu=[0, end - start], seq_lens_cpu=[end],
-                max_query_len=end - start, max_seq_len=end)
+            md, positions = cache.step([(0, end - start)])
             backend.prepare(md, has_cache=True)
             with forward_context(md), torch.no_grad():
-                outs.append(model(ids[start:end], flat)[0].clone())
+                outs.append(model(ids[start:end], positions)[0].clone())
     finally:
         tdl.DecoderStack = real  # type: ignore[misc]
         fused._interpret = False
@@ -126,8 +117,7 @@ def test_layer_kernel_equals_per_op_kernels(kind: str, splits: int, tile_program
 
 @kernel_test
 def test_layer_kernel_not_taken() -> None:
-    """Where the path does not apply it is not taken: several rows, hidden states of inner
-    layers asked for, no KV cache bound."""
+    """Where the path does not apply it is not taken: here, no KV cache bound."""
     from omnistage.layers.attention import AttentionMetadata, forward_context
 
     model = _tiny("qwen3", seed=4)
