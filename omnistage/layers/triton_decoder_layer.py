@@ -113,26 +113,38 @@ def _inv_rms(X, R, Sum, pid, K: tl.constexpr, eps, ADD: tl.constexpr, K_P2: tl.c
 
 
 @triton.jit
-def _input_chunk(X, R, NW, k, K: tl.constexpr, inv, ADD: tl.constexpr, NORM: tl.constexpr):
-    """Chunk k of a matmul's input vector, float32: X (+ R) (normalised by inv, times NW)."""
-    dt = X.dtype.element_ty
-    m = k < K
+def _raw_chunk(X, R, NW, kc, K: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
+               NORM: tl.constexpr, ok):
+    """Chunk kc of a matmul's input vector before the norm: X (+ R, rounded to X's dtype)
+    and the norm's weights (NORM), float32. Loaded a chunk ahead of its use (_matvec)."""
+    k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
+    m = (k < K) & ok
     x = tl.load(X + k, mask=m, other=0.0, cache_modifier=".cg")
     if ADD:
         x = (x.to(tl.float32) + tl.load(R + k, mask=m, other=0.0, cache_modifier=".cg"
-                                        ).to(tl.float32)).to(dt)
+                                        ).to(tl.float32)).to(X.dtype.element_ty)
+    x = x.to(tl.float32)
+    nw = x
     if NORM:
         nw = tl.load(NW + k, mask=m, other=0.0).to(tl.float32)
-        x = ((x.to(tl.float32) * inv).to(dt).to(tl.float32) * nw).to(dt)
-    return x.to(tl.float32)
+    return x, nw
 
 
 @triton.jit
-def _matvec(W, B, X, R, NW, inv, Out, w, w2, N, K: tl.constexpr, ROWS, pid, nprog,
+def _finish_chunk(x, nw, inv, NORM: tl.constexpr, dt: tl.constexpr):
+    """A raw chunk normalised by inv and times the norm's weights, rounded as the norm rounds."""
+    if NORM:
+        x = ((x * inv).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _matvec(W, B, X, R, NW, inv, Out, w, w2, x, nw, N, K: tl.constexpr, ROWS, pid, nprog,
             ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PAIR: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Out[n] = W[n] . x for the tiles pid, pid + nprog, ... (w, w2: the first chunk, fetched
-    by the caller). PAIR: W holds N gate rows then N up rows; Out[n] = silu(gate) * up."""
+    """Out[n] = W[n] . x for the tiles pid, pid + nprog, ... (w, w2: the first weight chunk,
+    x, nw: the first input chunk (_raw_chunk), fetched by the caller; each iteration fetches
+    the next of both). PAIR: W holds N gate rows then N up rows; Out[n] = silu(gate) * up."""
     dt = Out.dtype.element_ty
     KC: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     total = (tl.cdiv(N, ROWS) - pid + nprog - 1) // nprog * KC
@@ -146,11 +158,12 @@ def _matvec(W, B, X, R, NW, inv, Out, w, w2, N, K: tl.constexpr, ROWS, pid, npro
         if PAIR:
             w2_next = _load_w(W + N * K, t_next, j % KC, N, K, ROWS, BLOCK_N, BLOCK_K,
                               j < total)
+        x_next, nw_next = _raw_chunk(X, R, NW, j % KC, K, BLOCK_K, ADD, NORM, j < total)
         kc = i % KC
-        x = _input_chunk(X, R, NW, kc * BLOCK_K + tl.arange(0, BLOCK_K), K, inv, ADD, NORM)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+        xf = _finish_chunk(x, nw, inv, NORM, dt)
+        acc += tl.sum(w.to(tl.float32) * xf[None, :], 1)
         if PAIR:
-            acc2 += tl.sum(w2.to(tl.float32) * x[None, :], 1)
+            acc2 += tl.sum(w2.to(tl.float32) * xf[None, :], 1)
         if kc == KC - 1:
             lane = tl.arange(0, BLOCK_N)
             r = (pid + (i // KC) * nprog) * ROWS + lane
@@ -167,6 +180,8 @@ def _matvec(W, B, X, R, NW, inv, Out, w, w2, N, K: tl.constexpr, ROWS, pid, npro
             acc2 = tl.zeros([BLOCK_N], tl.float32)
         w = w_next
         w2 = w2_next
+        x = x_next
+        nw = nw_next
 
 
 @triton.jit
@@ -250,6 +265,10 @@ def _decoder_layer_kernel(
     ctx = seq_len - 1                                    # positions already in the cache
     per = tl.cdiv(tl.cdiv(seq_len, BLOCK_T), S) * BLOCK_T
     num_tasks = HKV * S if SKIP & 2 == 0 else 0
+    d = tl.arange(0, D_P2)
+    d_ok = d < D
+    cos = tl.load(Cos + pos * stride_cos + d, mask=d_ok, other=0.0)
+    sin = tl.load(Sin + pos * stride_cos + d, mask=d_ok, other=0.0)
     lo0 = (pid % S) * per
     k_pre, v_pre, n_pre = _kv_tile(Kc, Vc, Table, lo0, tl.minimum(tl.minimum(seq_len, lo0 + per),
                                                                    ctx),
@@ -257,19 +276,16 @@ def _decoder_layer_kernel(
                                    pid < num_tasks)
 
     # P1: s = h + residual -> RMid; qkv = norm(s) Wqkv^T
+    x, nw = _raw_chunk(X, R, NW1, 0, HID, BK_QKV, not FIRST, True, True)
     inv = _inv_rms(X, R, RMid, pid, HID, eps, not FIRST, HID_P2)
     if SKIP & 4 == 0:
-        _matvec(Wqkv, Bqkv, X, R, NW1, inv, QKV, w, w2, NQKV, HID, ROWS_QKV, pid, nprog,
-                not FIRST, True, QKV_BIAS, False, BN_QKV, BK_QKV)
+        _matvec(Wqkv, Bqkv, X, R, NW1, inv, QKV, w, w2, x, nw, NQKV, HID, ROWS_QKV, pid,
+                nprog, not FIRST, True, QKV_BIAS, False, BN_QKV, BK_QKV)
     if SKIP & 1 == 0:
         _grid_sync(Count, base + nprog)
 
     # P2: attention, task (KV head g, slice j) for g < HKV, j < S
     dt = QKV.dtype.element_ty
-    d = tl.arange(0, D_P2)
-    d_ok = d < D
-    cos = tl.load(Cos + pos * stride_cos + d, mask=d_ok, other=0.0)
-    sin = tl.load(Sin + pos * stride_cos + d, mask=d_ok, other=0.0)
     gi = tl.arange(0, G_P2)
     for task in range(pid, num_tasks, nprog):
         g = task // S
@@ -346,26 +362,29 @@ def _decoder_layer_kernel(
         _grid_sync(Count, base + 2 * nprog)
 
     # P3: o = attn Wo^T
+    x, nw = _raw_chunk(Attn, Attn, NW1, 0, HQ * D, BK_O, False, False, True)
     if SKIP & 4 == 0:
-        _matvec(Wo, Bo, Attn, Attn, NW1, 1.0, O, w, w2, HID, HQ * D, ROWS_O, pid, nprog,
-                False, False, O_BIAS, False, BN_O, BK_O)
+        _matvec(Wo, Bo, Attn, Attn, NW1, 1.0, O, w, w2, x, nw, HID, HQ * D, ROWS_O, pid,
+                nprog, False, False, O_BIAS, False, BN_O, BK_O)
     w, w2 = _first_tile(Wgu, INTER, HID, ROWS_GU, pid, True, BN_GU, BK_GU)
     if SKIP & 1 == 0:
         _grid_sync(Count, base + 3 * nprog)
 
     # P4: s2 = o + s -> ROut; act = silu(gate) * up of norm(s2) Wgu^T
+    x, nw = _raw_chunk(O, RMid, NW2, 0, HID, BK_GU, True, True, True)
     inv = _inv_rms(O, RMid, ROut, pid, HID, eps, True, HID_P2)
     if SKIP & 4 == 0:
-        _matvec(Wgu, Wgu, O, RMid, NW2, inv, Act, w, w2, INTER, HID, ROWS_GU, pid, nprog,
-                True, True, False, True, BN_GU, BK_GU)
+        _matvec(Wgu, Wgu, O, RMid, NW2, inv, Act, w, w2, x, nw, INTER, HID, ROWS_GU, pid,
+                nprog, True, True, False, True, BN_GU, BK_GU)
     w, w2 = _first_tile(Wd, HID, INTER, ROWS_D, pid, False, BN_D, BK_D)
     if SKIP & 1 == 0:
         _grid_sync(Count, base + 4 * nprog)
 
     # P5: h' = act Wd^T (the layer's output is h' + s2)
+    x, nw = _raw_chunk(Act, Act, NW1, 0, INTER, BK_D, False, False, True)
     if SKIP & 4 == 0:
-        _matvec(Wd, Wd, Act, Act, NW1, 1.0, XOut, w, w2, HID, INTER, ROWS_D, pid, nprog,
-                False, False, False, False, BN_D, BK_D)
+        _matvec(Wd, Wd, Act, Act, NW1, 1.0, XOut, w, w2, x, nw, HID, INTER, ROWS_D, pid,
+                nprog, False, False, False, False, BN_D, BK_D)
 
 
 @dataclass(slots=True)
@@ -397,9 +416,9 @@ def _tiling(n: int, k: int, programs: int) -> tuple[int, int, int]:
 def faster_here(x: Tensor) -> bool:
     """Whether one-row decodes on x's device run faster with the layer kernel than with the
     per-op kernels, as measured (benchmarks/results/layer_kernel_*.json, single stream
-    ar_qwen3-0.6b_single_stream_*.json, Qwen3-0.6B's shapes): an H200, decoder layers 865 us
-    a token against 949 (single stream +17%); an H100, 917 against 815 (-9%): off there and on
-    GPUs not measured. The interpreter (CPU tests): on."""
+    ar_qwen3-0.6b_single_stream_*.json, Qwen3-0.6B's shapes): an H200, decoder layers 806 us
+    a token against 952 (single stream 919 tok/s against 830); an H100, 872 against 810 (771
+    against 997): off there and on GPUs not measured. The interpreter (CPU tests): on."""
     if not x.is_cuda:
         return True
     return "H200" in _device_name(x.device.index if x.device.index is not None
