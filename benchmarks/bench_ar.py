@@ -197,11 +197,6 @@ def weight_streaming_limit(path: Path) -> dict:
             "limit_tokens_per_s": bandwidth / num_bytes}
 
 
-def fused_ahead() -> int:
-    from omnistage.layers import fused
-    return fused.l2_ahead()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(PRESETS))
@@ -230,9 +225,6 @@ def main() -> None:
     ap.add_argument("--layer-kernel-config", default=None, metavar="MAX_TILE,WARPS",
                     help="weight elements a program holds per chunk, and warps, of the layer "
                          "kernel (triton_decoder_layer.MAX_TILE, NUM_WARPS)")
-    ap.add_argument("--l2-prefetch", type=int, default=None, metavar="AHEAD",
-                    help="one-row matmul kernels prefetch the weights of the matmul AHEAD places "
-                         "later into L2 (0: off; default: fused's)")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--checkpoint-dir", default="/tmp/omnistage-bench")
     ap.add_argument("--out", default=None)
@@ -249,9 +241,6 @@ def main() -> None:
         from omnistage.layers import triton_decoder_layer
         tile, warps = map(int, args.layer_kernel_config.split(","))
         triton_decoder_layer.MAX_TILE, triton_decoder_layer.NUM_WARPS = tile, warps
-    if args.l2_prefetch is not None:
-        from omnistage.layers import fused
-        fused.set_l2_prefetch(args.l2_prefetch)
     if args.no_pdl:
         from omnistage.layers import pdl
         pdl.set_enabled(False)
@@ -281,7 +270,6 @@ def main() -> None:
                     "layer_kernel": ("off" if args.no_layer_kernel or args.no_gemv or args.no_fused
                                      else "on" if args.layer_kernel else "auto"),
                     "layer_kernel_config": args.layer_kernel_config,
-                    "l2_prefetch_ahead": fused_ahead(),
                     "attention_backend": args.attention_backend},
     }
     if args.single_stream:

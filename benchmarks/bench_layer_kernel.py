@@ -1,8 +1,8 @@
 """Device time of the decoder layers of a one-row decode step (Qwen3-0.6B's shapes, random
 bfloat16 weights, a context of --context tokens): the one-kernel-a-layer path against the
 per-op kernels, each replayed from a CUDA graph in this process, and the layer kernel with
-parts left out (timing only, --breakdown: no barriers, no attention, no matmuls) to see where its time
-goes; each with the matmuls prefetching the weights of the matmul 0-3 places later into L2. Effective bandwidth = bytes of the layers' weights / time.
+parts left out (timing only: no barriers, no attention, no matmuls) to see where its time
+goes. Effective bandwidth = bytes of the layers' weights / time.
 
     python benchmarks/bench_layer_kernel.py --out /tmp/layer_kernel.json
 """
@@ -35,10 +35,6 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--configs", default="",
                     help="MAX_TILE,WARPS[,MAX_REGISTERS];... extra layer-kernel settings")
-    ap.add_argument("--breakdown", action="store_true",
-                    help="also the layer kernel with parts left out")
-    ap.add_argument("--ahead", default="0,1,2,3",
-                    help="L2 prefetch distances to measure (matmuls ahead; 0: none)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -105,24 +101,18 @@ def main() -> None:
 
     from omnistage.layers import triton_decoder_layer as tdl
     rows = []
-    aheads = [int(a) for a in args.ahead.split(",")]
-    for ahead in aheads:
-        fused.set_l2_prefetch(ahead)
-        fused.set_layer_kernel(False)
-        rows.append(timed(f"per-op kernels, L2 prefetch {ahead} ahead"))
-        fused.set_layer_kernel(True)     # on any GPU
-        rows.append(timed(f"layer kernel, L2 prefetch {ahead} ahead"))
+    fused.set_layer_kernel(False)
+    rows.append(timed("per-op kernels"))
+    fused.set_layer_kernel(True)     # on any GPU
+    rows.append(timed("layer kernel"))
     real_init = tdl.DecoderStack.__init__
     for skip, tag in ((1, "no barriers"), (2, "no attention"), (3, "no barriers, no attention"),
                       (4, "no matmuls"), (5, "no matmuls, no barriers"), (6, "barriers only")):
-        if not args.breakdown:
-            break
-
         def init(self, *a, _skip=skip, **k):  # type: ignore[no-untyped-def]
             real_init(self, *a, **k)
             self.skip = _skip
         tdl.DecoderStack.__init__ = init
-        rows.append(timed(f"layer kernel, L2 prefetch {aheads[-1]} ahead, " + tag))
+        rows.append(timed("layer kernel, " + tag))
     tdl.DecoderStack.__init__ = real_init
     for c in filter(None, args.configs.split(";")):
         vals = list(map(int, c.split(",")))

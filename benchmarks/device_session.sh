@@ -38,23 +38,6 @@ if [[ $STAGES == *layer* ]]; then
             | head -5
     done
 fi
-if [[ $STAGES == *prefetch* ]]; then
-    # L2 prefetch of later matmuls' weights: its tests, the layers' device time at distances
-    # AHEADS (per-op kernels and the layer kernel), then single stream at each
-    timeout 240 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
-        -q -x tests/gpu/test_ar_cuda.py -k "prefetch or one_row or layer_kernel" 2>&1 \
-        | tee "$OUT/prefetch_tests.txt" | tail -5
-    AHEADS=${AHEADS:-"0,1,2,3"}
-    timeout 200 python3 benchmarks/bench_layer_kernel.py --ahead "$AHEADS" \
-        --out "$OUT/layer_prefetch.json" 2>&1 | grep -v Warn | tail -12
-    for a in ${SINGLE_AHEADS:-0 1 2}; do
-        for lk in --no-layer-kernel --layer-kernel; do
-            timeout 200 python3 benchmarks/bench_ar.py --single-stream --output-len 256 \
-                --skip-hf $lk --l2-prefetch "$a" --out "$OUT/single${lk//-/_}_ahead$a.json" \
-                2>&1 | grep -E "decode_tokens_per_s|Error" | head -3
-        done
-    done
-fi
 if [[ $STAGES == *single* ]]; then
     for flags in "" "--no-pdl" "--no-gemv --no-pdl" "--enforce-eager"; do
         name=single$(echo "$flags" | tr ' -' '__')

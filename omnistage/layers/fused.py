@@ -12,25 +12,18 @@ A one-row decode step of a Qwen2/Qwen3 decoder can run each whole layer as one k
 (triton_decoder_layer.py): by default on the GPUs where it measured faster than the kernels
 above (an H200; not an H100) and in the interpreter; `set_layer_kernel(True / False)` forces it.
 
-The matrix-vector kernels also prefetch into L2 the weights of the matmul `ahead` places later
-in the step (`chain_l2_prefetch` gives the order, `set_l2_prefetch(ahead)`, 0 = off;
-triton_prefetch.py).
-
 The PyTorch paths stay the reference on every device; tests compare the two.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Sequence
 
 from torch import Tensor, nn
 
 _enabled = True
 _gemv = True
 _layer_kernel: bool | None = None   # None: where measured faster (triton_decoder_layer.py)
-_l2_ahead = 1       # prefetch the weights of the matmul this many places ahead (0: none)
-MAX_AHEAD = 3
 _interpret = False   # tests: the kernels on CPU tensors too (Triton's interpreter)
 _ops: ModuleType | None | bool = False   # False: not looked up yet; None: triton missing
 
@@ -48,29 +41,6 @@ def set_gemv(enabled: bool) -> None:
     """Fused matrix-vector kernels for one-row decode steps (on by default)."""
     global _gemv
     _gemv = enabled
-
-
-def set_l2_prefetch(ahead: int) -> None:
-    """Matmul kernels prefetch the weights of the matmul `ahead` places later (0: off)."""
-    global _l2_ahead
-    assert 0 <= ahead <= MAX_AHEAD, ahead
-    _l2_ahead = ahead
-
-
-def l2_ahead() -> int:
-    return _l2_ahead
-
-
-def chain_l2_prefetch(linears: Sequence[nn.Module]) -> None:
-    """The order in which a decode step runs these linear layers (with `.weight`): each then
-    names the ones after it, whose weights its kernel may prefetch into L2."""
-    for i, lin in enumerate(linears):
-        lin.l2_next = tuple(linears[i + 1:i + 1 + MAX_AHEAD])
-
-
-def _prefetch_target(linear: nn.Module) -> Tensor | None:
-    chain = getattr(linear, "l2_next", ())
-    return chain[_l2_ahead - 1].weight if 0 < _l2_ahead <= len(chain) else None
 
 
 def set_layer_kernel(enabled: bool | None) -> None:
@@ -124,8 +94,7 @@ def norm_linear(norm: nn.Module, linear: nn.Module, x: Tensor, residual: Tensor 
     a pre-norm layer runs in front of its attention and its MLP. x, residual: (T, K)."""
     gemv = _gemv_for(x, linear.weight)
     if gemv is not None and norm.weight.dtype == x.dtype:
-        return gemv.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias,
-                                _prefetch_target(linear))
+        return gemv.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
     if residual is None:
         return linear(norm(x)), x
     normed, total = norm.add_forward(x, residual)
@@ -136,7 +105,7 @@ def linear(linear: nn.Module, x: Tensor) -> Tensor:
     """linear(x), through the matrix-vector kernel for one row where it runs."""
     gemv = _gemv_for(x, linear.weight)
     if gemv is not None:
-        return gemv.linear(x, linear.weight, linear.bias, _prefetch_target(linear))
+        return gemv.linear(x, linear.weight, linear.bias)
     return linear(x)
 
 
@@ -144,5 +113,5 @@ def silu_linear(act: nn.Module, linear: nn.Module, x: Tensor) -> Tensor:
     """linear(act(x)) for x (T, 2I) laid out | gate | up | and act the SiLU-and-mul."""
     gemv = _gemv_for(x, linear.weight)
     if gemv is not None:
-        return gemv.silu_linear(x, linear.weight, linear.bias, _prefetch_target(linear))
+        return gemv.silu_linear(x, linear.weight, linear.bias)
     return linear(act(x))

@@ -41,6 +41,7 @@ normalised values rounded to the weights' dtype where those round, products summ
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +52,6 @@ from torch import Tensor
 
 from omnistage.layers import pdl
 from omnistage.layers.triton_gemv import _device_name
-from omnistage.layers.triton_prefetch import l2_prefetch, num_sms, usable
-from omnistage.layers.triton_prefetch import supported as prefetch_supported
 
 NUM_BARRIERS = tl.constexpr(4)   # grid barriers a layer launch passes (after P1 .. P4)
 MAX_SPLITS = 32         # attention slices per KV head
@@ -231,8 +230,8 @@ def _decoder_layer_kernel(
         X, R, RMid, ROut, XOut,
         NW1, Wqkv, Bqkv, QNW, KNW, Wo, Bo, NW2, Wgu, Wd,
         Cos, Sin, Pos, Slot, SeqLens, Table, Kc, Vc,
-        QKV, OPart, Lse, Attn, O, Act, Count, GCount, PF1, PF3, PF4, PF5,
-        nprog, stride_cos, stride_cb, eps, qk_eps, qk_scale, pf1_n, pf3_n, pf4_n, pf5_n,
+        QKV, OPart, Lse, Attn, O, Act, Count, GCount,
+        nprog, stride_cos, stride_cb, eps, qk_eps, qk_scale,
         HID: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
         INTER: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
         ROWS_QKV: tl.constexpr, BN_QKV: tl.constexpr, BK_QKV: tl.constexpr,
@@ -240,8 +239,7 @@ def _decoder_layer_kernel(
         ROWS_GU: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr,
         ROWS_D: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
         FIRST: tl.constexpr, QKV_BIAS: tl.constexpr, O_BIAS: tl.constexpr,
-        QK_NORM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-        LANES: tl.constexpr = 256, SKIP: tl.constexpr = 0):
+        QK_NORM: tl.constexpr, PDL: tl.constexpr, SKIP: tl.constexpr = 0):
     # SKIP (benchmarks/bench_layer_kernel.py only; wrong results): 1 no grid barriers,
     # 2 no attention phase, 4 no matmul phases
     pid = tl.program_id(0)
@@ -252,8 +250,6 @@ def _decoder_layer_kernel(
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
 
     w, w2 = _first_tile(Wqkv, NQKV, HID, ROWS_QKV, pid, False, BN_QKV, BK_QKV)
-    if PREFETCH:   # each matmul phase prefetches a later matmul's weights into L2
-        l2_prefetch(PF1, pf1_n, pid, nprog, LANES)
     if PDL:
         gdc_wait()                     # the previous kernel's writes are visible from here
     base = tl.atomic_add(Count, 0, sem="acquire", scope="gpu")
@@ -366,8 +362,6 @@ def _decoder_layer_kernel(
         _grid_sync(Count, base + 2 * nprog)
 
     # P3: o = attn Wo^T
-    if PREFETCH:
-        l2_prefetch(PF3, pf3_n, pid, nprog, LANES)
     x, nw = _raw_chunk(Attn, Attn, NW1, 0, HQ * D, BK_O, False, False, True)
     if SKIP & 4 == 0:
         _matvec(Wo, Bo, Attn, Attn, NW1, 1.0, O, w, w2, x, nw, HID, HQ * D, ROWS_O, pid,
@@ -377,8 +371,6 @@ def _decoder_layer_kernel(
         _grid_sync(Count, base + 3 * nprog)
 
     # P4: s2 = o + s -> ROut; act = silu(gate) * up of norm(s2) Wgu^T
-    if PREFETCH:
-        l2_prefetch(PF4, pf4_n, pid, nprog, LANES)
     x, nw = _raw_chunk(O, RMid, NW2, 0, HID, BK_GU, True, True, True)
     inv = _inv_rms(O, RMid, ROut, pid, HID, eps, True, HID_P2)
     if SKIP & 4 == 0:
@@ -389,8 +381,6 @@ def _decoder_layer_kernel(
         _grid_sync(Count, base + 4 * nprog)
 
     # P5: h' = act Wd^T (the layer's output is h' + s2)
-    if PREFETCH:
-        l2_prefetch(PF5, pf5_n, pid, nprog, LANES)
     x, nw = _raw_chunk(Act, Act, NW1, 0, INTER, BK_D, False, False, True)
     if SKIP & 4 == 0:
         _matvec(Wd, Wd, Act, Act, NW1, 1.0, XOut, w, w2, x, nw, HID, INTER, ROWS_D, pid,
@@ -435,6 +425,11 @@ def faster_here(x: Tensor) -> bool:
                                   else torch.cuda.current_device())
 
 
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 class DecoderStack:
     """The layers of a Qwen2/Qwen3-style decoder as one kernel launch each, for one-row
     decode steps. Scratch buffers are allocated once (graph-safe: a replay reuses them)."""
@@ -455,7 +450,7 @@ class DecoderStack:
         self.eps, self.qk_eps, self.scale = eps, qk_eps, scale
         self.cos, self.sin = cos, sin
         if programs is None:
-            programs = num_sms(dev.index if dev.index is not None
+            programs = _num_sms(dev.index if dev.index is not None
                                 else torch.cuda.current_device()) if dev.type == "cuda" else 1
         self.programs = programs
         self.skip = 0      # benchmarks/bench_layer_kernel.py: phases left out (kernel's SKIP)
@@ -501,17 +496,9 @@ class DecoderStack:
         assert h.shape == (1, self.hidden) and h.is_contiguous(), h.shape
         scale = self.scale * 1.4426950408889634          # log2 domain
         opts = pdl.launch_options(h)
-        # matmul j of the step (4 a layer) prefetches matmul j + ahead's weights into L2
-        from omnistage.layers import fused
-        ahead = fused.l2_ahead() if prefetch_supported(h) else 0
-        chain = [t for lw in self.layers for t in (lw.qkv, lw.o, lw.gate_up, lw.down)]
-        if ahead:
-            opts["PREFETCH"], opts["LANES"] = True, 32 * NUM_WARPS
         for i, lw in enumerate(self.layers):
             x = h if i == 0 else self.h
             cache = lw.k_cache
-            pf = [chain[j + ahead] if ahead and j + ahead < len(chain)
-                  and usable(chain[j + ahead]) else None for j in range(4 * i, 4 * i + 4)]
             _decoder_layer_kernel[(self.programs,)](
                 x, self.residual, self.r_mid, self.residual, self.h,
                 lw.input_norm, lw.qkv, lw.qkv_bias if lw.qkv_bias is not None else lw.qkv,
@@ -521,9 +508,8 @@ class DecoderStack:
                 lw.down, self.cos, self.sin, positions, slot_mapping, seq_lens, block_table,
                 cache, lw.v_cache, self.qkv_buf, self.o_part, self.lse, self.attn, self.o,
                 self.act, self.count, self.group_count,
-                *[t if t is not None else lw.qkv for t in pf],
                 self.programs, self.cos.stride(0), cache.stride(0), self.eps, self.qk_eps,
-                scale, *[t.numel() if t is not None else 0 for t in pf], FIRST=i == 0, **self.consts, num_warps=NUM_WARPS, num_stages=1,
+                scale, FIRST=i == 0, **self.consts, num_warps=NUM_WARPS, num_stages=1,
                 **({"SKIP": self.skip} if self.skip else {}),
                 **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS else {}), **opts)
         return self.h, self.residual

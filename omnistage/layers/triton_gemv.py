@@ -34,8 +34,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from torch import Tensor
 
 from omnistage.layers import pdl
-from omnistage.layers.triton_prefetch import l2_prefetch, num_sms, usable
-from omnistage.layers.triton_prefetch import supported as prefetch_supported
 
 # Used for one row only. On an H200 (benchmarks/results/sweep_gemv_qwen3-0.6b*.json), one row
 # through Qwen3-0.6B's four decode matmuls took 19.9 us with these kernels against 35.2 us for
@@ -65,11 +63,11 @@ def _device_name(index: int) -> str:
 
 
 @triton.jit
-def _gemv_kernel(X, R, NW, W, B, Out, Sum, PF, M, N, K, eps,
-                 stride_xm, stride_rm, stride_wn, stride_om, stride_sm, pf_numel, pf_parts,
+def _gemv_kernel(X, R, NW, W, B, Out, Sum, M, N, K, eps,
+                 stride_xm, stride_rm, stride_wn, stride_om, stride_sm,
                  ROWS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH: tl.constexpr = False, LANES: tl.constexpr = 128):
+                 PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     dt = X.dtype.element_ty
     r = tl.arange(0, ROWS)
@@ -82,9 +80,6 @@ def _gemv_kernel(X, R, NW, W, B, Out, Sum, PF, M, N, K, eps,
     # the first weight tile (weights: never written by a kernel) is fetched before waiting on
     # the previous kernel (pdl.py); each iteration below fetches the next one
     w = tl.load(w_ptrs, mask=n_ok[:, None] & (tl.arange(0, BLOCK_K) < K)[None, :], other=0.0)
-    if PREFETCH:   # the next matmul's weights into L2, by the first pf_parts programs
-        if pid_n < pf_parts:
-            l2_prefetch(PF, pf_numel, pid_n, pf_parts, LANES)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -144,53 +139,42 @@ def applies(x: Tensor, weight: Tensor) -> bool:
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float,
             weight: Tensor, bias: Tensor | None, silu: bool, in_features: int,
-            cfg: dict[str, int] | None = None, prefetch: Tensor | None = None
-            ) -> tuple[Tensor, Tensor | None]:
+            cfg: dict[str, int] | None = None) -> tuple[Tensor, Tensor | None]:
     rows, n = x.shape[0], weight.shape[0]
     assert weight.shape[1] == in_features, (weight.shape, in_features)
-    index = (x.device.index if x.device.index is not None
-             else torch.cuda.current_device()) if x.is_cuda else -1
-    cfg = cfg or config(n, in_features, rows, _device_name(index) if x.is_cuda else "")
+    name = _device_name(x.device.index if x.device.index is not None
+                        else torch.cuda.current_device()) if x.is_cuda else ""
+    cfg = cfg or config(n, in_features, rows, name)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     total = torch.empty(rows, in_features, dtype=x.dtype, device=x.device) \
         if residual is not None else None
     r = residual if residual is not None else x
     s = total if total is not None else out
-    grid = triton.cdiv(n, cfg["BLOCK_N"])
-    pf = prefetch is not None and prefetch_supported(x) and usable(prefetch)
-    _gemv_kernel[(grid,)](
+    _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, r, norm_weight if norm_weight is not None else weight, weight,
-        bias if bias is not None else weight, out, s, prefetch if pf else weight,
-        rows, n, in_features, eps,
+        bias if bias is not None else weight, out, s, rows, n, in_features, eps,
         x.stride(0), r.stride(0), weight.stride(0), out.stride(0), s.stride(0),
-        prefetch.numel() if pf else 0, min(grid, num_sms(index)) if pf else 0,
         ROWS=triton.next_power_of_2(rows), NORM=norm_weight is not None,
         ADD=residual is not None, SILU=silu, HAS_BIAS=bias is not None, **cfg,
-        **({"PREFETCH": True, "LANES": 32 * cfg["num_warps"]} if pf else {}),
         **pdl.launch_options(x))
     return out, total
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-           prefetch: Tensor | None = None) -> Tensor:
-    """x W^T + b for x (rows, K), weight (N, K). prefetch: weights the next matmul reads,
-    fetched into L2 meanwhile (triton_prefetch.py; CUDA only)."""
-    out, _ = _launch(x, None, None, 0.0, weight, bias, False, x.shape[1], prefetch=prefetch)
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x W^T + b for x (rows, K), weight (N, K)."""
+    out, _ = _launch(x, None, None, 0.0, weight, bias, False, x.shape[1])
     return out
 
 
 def norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
-                weight: Tensor, bias: Tensor | None = None, prefetch: Tensor | None = None
-                ) -> tuple[Tensor, Tensor]:
+                weight: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """s = x + residual (x alone without one); returns (rms_norm(s) W^T + b, s).
     x, residual: (rows, K); weight (N, K)."""
-    out, total = _launch(x, residual, norm_weight, eps, weight, bias, False, x.shape[1],
-                         prefetch=prefetch)
+    out, total = _launch(x, residual, norm_weight, eps, weight, bias, False, x.shape[1])
     return out, (total if total is not None else x)
 
 
-def silu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-                prefetch: Tensor | None = None) -> Tensor:
+def silu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x (rows, 2I) laid out | gate | up | -> (silu(gate) * up) W^T + b, (rows, N)."""
-    out, _ = _launch(x, None, None, 0.0, weight, bias, True, x.shape[1] // 2, prefetch=prefetch)
+    out, _ = _launch(x, None, None, 0.0, weight, bias, True, x.shape[1] // 2)
     return out

@@ -108,11 +108,6 @@ class Qwen2Model(nn.Module):
         self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg, rotary_emb)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        # a one-row decode step's matmuls, in order: each prefetches a later one's weights
-        fused.chain_l2_prefetch([m for layer in self.layers for m in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-            getattr(layer.mlp, "gate_up_proj", None), getattr(layer.mlp, "down_proj", None))
-            if m is not None])
         # one-row decode steps: every layer one kernel (triton_decoder_layer.py), built at the
         # first such step for the KV cache then bound; (cache address, dtype) -> stack or None
         self._stack: tuple[tuple[int, torch.dtype], object | None] | None = None
