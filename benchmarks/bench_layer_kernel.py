@@ -1,8 +1,9 @@
 """Device time of the decoder layers of a one-row decode step (Qwen3-0.6B's shapes, random
 bfloat16 weights, a context of --context tokens): the one-kernel-a-layer path against the
-per-op kernels, each replayed from a CUDA graph in this process, and the layer kernel with
-parts left out (timing only: no barriers, no attention, no matmuls) to see where its time
-goes. Effective bandwidth = bytes of the layers' weights / time.
+per-op kernels (with the attention as one kernel, triton_decode_attention.py, and as the three
+it replaces), each replayed from a CUDA graph in this process, and (--breakdown) the layer
+kernel with parts left out (timing only: no barriers, no attention, no matmuls) to see where
+its time goes. Effective bandwidth = bytes of the layers' weights / time.
 
     python benchmarks/bench_layer_kernel.py --out /tmp/layer_kernel.json
 """
@@ -35,6 +36,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--configs", default="",
                     help="MAX_TILE,WARPS[,MAX_REGISTERS];... extra layer-kernel settings")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also the layer kernel with parts left out")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -103,11 +106,17 @@ def main() -> None:
     rows = []
     fused.set_layer_kernel(False)
     rows.append(timed("per-op kernels"))
+    fused.set_decode_attention(False)
+    rows.append(timed("per-op kernels, attention in three kernels"))
+    fused.set_decode_attention(True)
     fused.set_layer_kernel(True)     # on any GPU
     rows.append(timed("layer kernel"))
     real_init = tdl.DecoderStack.__init__
     for skip, tag in ((1, "no barriers"), (2, "no attention"), (3, "no barriers, no attention"),
                       (4, "no matmuls"), (5, "no matmuls, no barriers"), (6, "barriers only")):
+        if not args.breakdown:
+            break
+
         def init(self, *a, _skip=skip, **k):  # type: ignore[no-untyped-def]
             real_init(self, *a, **k)
             self.skip = _skip

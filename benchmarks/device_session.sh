@@ -38,6 +38,19 @@ if [[ $STAGES == *layer* ]]; then
             | head -5
     done
 fi
+if [[ $STAGES == *dattn* ]]; then
+    # one attention kernel for small decode batches: its tests and the GPU tests around it,
+    # the layers' device time, single stream with and without it (and the layer kernel)
+    timeout 300 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
+        -q -x tests/layers tests/gpu/test_ar_cuda.py 2>&1 | tee "$OUT/dattn_tests.txt" | tail -5
+    timeout 150 python3 benchmarks/bench_layer_kernel.py --out "$OUT/layers.json" 2>&1 \
+        | grep variant
+    for flags in "--no-layer-kernel" "--no-layer-kernel --no-decode-attention" "--layer-kernel"; do
+        name=single$(echo "$flags" | tr ' -' '__')
+        timeout 150 python3 benchmarks/bench_ar.py --single-stream --output-len 256 --skip-hf \
+            $flags --out "$OUT/$name.json" 2>&1 | grep -E "decode_tokens_per_s|Error" | head -3
+    done
+fi
 if [[ $STAGES == *single* ]]; then
     for flags in "" "--no-pdl" "--no-gemv --no-pdl" "--enforce-eager"; do
         name=single$(echo "$flags" | tr ' -' '__')

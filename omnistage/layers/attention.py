@@ -219,10 +219,20 @@ class Attention(nn.Module):
         md = get_forward_context()
         if md is None:
             raise RuntimeError("Attention called outside forward_context(...)")
-        global _fused_store_ok
+        global _fused_store_ok, _fused_decode_ok
         args = (fused_rope_args(rotary, positions, q, q_norm, k_norm)
                 if _fused_store_ok and self.k_cache is not None
                 and getattr(self.backend, "accepts_stored_kv", False) else None)
+        fused_decode = getattr(self.backend, "rotate_and_attend", None)
+        if args is not None and fused_decode is not None and _fused_decode_ok:
+            try:   # small decode batches: norm, rotary, store and attention in one kernel
+                out = fused_decode(q, k, v, args, self.k_cache, self.v_cache, md, self.scale)
+            except Exception:
+                logger.warning("fused decode attention unavailable", exc_info=True)
+                _fused_decode_ok = False
+            else:
+                if out is not None:
+                    return out
         if args is not None:
             try:
                 q_rot = fused.ops_for(q).qk_norm_rope_store(  # type: ignore[union-attr]
@@ -238,3 +248,4 @@ class Attention(nn.Module):
 
 
 _fused_store_ok = True     # until the fused store kernel fails to build (see rotate_and_attend)
+_fused_decode_ok = True    # the same for the fused decode attention kernel

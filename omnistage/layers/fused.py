@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 _enabled = True
 _gemv = True
+_decode_attention = True   # small decode batches: one attention kernel (triton_attention.py)
 _layer_kernel: bool | None = None   # None: where measured faster (triton_decoder_layer.py)
 _interpret = False   # tests: the kernels on CPU tensors too (Triton's interpreter)
 _ops: ModuleType | None | bool = False   # False: not looked up yet; None: triton missing
@@ -41,6 +42,17 @@ def set_gemv(enabled: bool) -> None:
     """Fused matrix-vector kernels for one-row decode steps (on by default)."""
     global _gemv
     _gemv = enabled
+
+
+def set_decode_attention(enabled: bool) -> None:
+    """Small decode batches (split-K) take one kernel for q/k norm, rotary, the K/V store,
+    attention and the merge of its slices (on by default)."""
+    global _decode_attention
+    _decode_attention = enabled
+
+
+def decode_attention_enabled() -> bool:
+    return _decode_attention
 
 
 def set_layer_kernel(enabled: bool | None) -> None:

@@ -26,7 +26,9 @@ Split-K: a batch of pure decodes too small to fill the device (batch x Hkv progr
 the multiprocessors, e.g. a single stream) splits each context into up to 16 slices of whole
 key tiles, one program each; each writes its normalised partial output and log-sum-exp, and
 `_combine_splits_kernel` merges them (an empty slice has weight 0). A captured graph's split
-count comes from its bucket size alone; slices past a shorter context are empty.
+count comes from its bucket size alone; slices past a shorter context are empty. Such a batch
+with plain rotary takes `rotate_and_attend` instead: the q/k norm, rotary, K/V store, sliced
+attention and merge in one kernel (triton_decode_attention.py).
 
 New K/V are first written into the cache by `_store_kv_kernel` (slot -1: skipped), then attended
 like the rest of the context, so a fresh prefill and a chunk on top of a cached prefix are one
@@ -44,8 +46,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from torch import Tensor
 
-from omnistage.layers import pdl
+from omnistage.layers import fused, pdl
 from omnistage.layers.attention import AttentionMetadata, TorchPagedAttention
+from omnistage.layers.triton_decode_attention import DecodeAttention
 
 DECODE_BLOCK_M = 16    # rows of a decode tile: tl.dot needs at least 16
 PREFILL_BLOCK_M = 64
@@ -235,6 +238,7 @@ class TritonPagedAttention:
         self.num_kv_heads = num_kv_heads
         self.num_sms = num_sms
         self._fallback = TorchPagedAttention(block_size)
+        self._decode = DecodeAttention()
 
     def prepare(self, md: AttentionMetadata, has_cache: bool) -> None:
         """Build the work tables of the step's (at most two) launches, in one host-to-device
@@ -275,6 +279,24 @@ class TritonPagedAttention:
         if pre_seqs:
             launches.append(_Launch(work[dec_len:], len(pre_seqs), pre_m))
         return _TritonState(group, launches)
+
+    def rotate_and_attend(self, q: Tensor, k: Tensor, v: Tensor, rope_args: tuple,
+                          k_cache: Tensor, v_cache: Tensor, md: AttentionMetadata,
+                          scale: float) -> Tensor | None:
+        """A split-K decode batch (one new token a sequence, too few sequences to fill the
+        device) with plain rotary: q/k norm, rotary, the K/V store, attention and the merge
+        of the slices in one kernel (triton_decode_attention.py) -> output (B, H, D). None
+        where that does not apply (the caller takes the separate kernels)."""
+        q_weight, k_weight, eps, cos, sin, positions, axis = rope_args
+        state = md.backend_state
+        if (axis is not None or not fused.decode_attention_enabled()
+                or not isinstance(state, _TritonState) or len(state.launches) != 1
+                or state.launches[0].num_splits <= 1 or q.shape[0] != md.num_seqs
+                or v.stride(1) != v.shape[2] or cos.shape[1] != q.shape[2]):
+            return None
+        return self._decode(q, k, v, q_weight, k_weight, eps, cos, sin, positions, k_cache,
+                            v_cache, md.slot_mapping, md.seq_lens, md.block_tables, scale,
+                            state.launches[0].num_splits)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor | None,
                 v_cache: Tensor | None, md: AttentionMetadata, scale: float,

@@ -51,6 +51,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from torch import Tensor
 
 from omnistage.layers import pdl
+from omnistage.layers.triton_decode_attention import (attend_new, attend_tile, kv_tile,
+                                                      merge_slices, norm_rope)
 from omnistage.layers.triton_gemv import _device_name
 
 NUM_BARRIERS = tl.constexpr(4)   # grid barriers a layer launch passes (after P1 .. P4)
@@ -184,47 +186,6 @@ def _matvec(W, B, X, R, NW, inv, Out, w, w2, x, nw, N, K: tl.constexpr, ROWS, pi
         nw = nw_next
 
 
-@triton.jit
-def _kv_tile(Kc, Vc, Table, start, end, g, stride_cb, HKV: tl.constexpr, D: tl.constexpr,
-             D_P2: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, ok):
-    """Cached keys and values start .. end-1 (< start + BLOCK_T) of KV head g, from the pages
-    of the block table: (BLOCK_T, D_P2) each, zeros outside; their mask (BLOCK_T,)."""
-    n = start + tl.arange(0, BLOCK_T)
-    n_ok = (n < end) & ok
-    d = tl.arange(0, D_P2)
-    page = tl.load(Table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-    off = page * stride_cb + (n % PAGE) * (HKV * D) + g * D
-    m = n_ok[:, None] & (d < D)[None, :]
-    k = tl.load(Kc + off[:, None] + d[None, :], mask=m, other=0.0)
-    v = tl.load(Vc + off[:, None] + d[None, :], mask=m, other=0.0)
-    return k, v, n_ok
-
-
-@triton.jit
-def _norm_rope(Src, rows, row_ok, NW, cos, sin, eps, D: tl.constexpr, D_P2: tl.constexpr,
-               HAS_NORM: tl.constexpr):
-    """Heads `rows` of Src (D apart): RMSNorm over each (if HAS_NORM), then rotate-half rotary
-    with the position's cos/sin rows -> (len(rows), D_P2) float32, rounded to Src's dtype."""
-    dt = Src.dtype.element_ty
-    HALF: tl.constexpr = D // 2
-    d = tl.arange(0, D_P2)
-    d_ok = d < D
-    pd = tl.where(d < HALF, d + HALF, d - HALF)          # the partner in rotate_half
-    m = row_ok[:, None] & d_ok[None, :]
-    base = Src + rows[:, None] * D
-    x = tl.load(base + d[None, :], mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-    xp = tl.load(base + pd[None, :], mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-    if HAS_NORM:
-        inv = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-        w = tl.load(NW + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        wp = tl.load(NW + pd, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        x = ((x * inv).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
-        xp = ((xp * inv).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
-    out = tl.where((d < HALF)[None, :], x * cos[None, :] - xp * sin[None, :],
-                   x * cos[None, :] + xp * sin[None, :])
-    return out.to(dt).to(tl.float32)
-
-
 @triton.jit(do_not_specialize=["nprog", "stride_cos", "stride_cb", "eps", "qk_eps"])
 def _decoder_layer_kernel(
         X, R, RMid, ROut, XOut,
@@ -270,10 +231,10 @@ def _decoder_layer_kernel(
     cos = tl.load(Cos + pos * stride_cos + d, mask=d_ok, other=0.0)
     sin = tl.load(Sin + pos * stride_cos + d, mask=d_ok, other=0.0)
     lo0 = (pid % S) * per
-    k_pre, v_pre, n_pre = _kv_tile(Kc, Vc, Table, lo0, tl.minimum(tl.minimum(seq_len, lo0 + per),
-                                                                   ctx),
-                                   pid // S, stride_cb, HKV, D, D_P2, PAGE, BLOCK_T,
-                                   pid < num_tasks)
+    k_pre, v_pre, n_pre = kv_tile(Kc, Vc, Table, lo0, tl.minimum(tl.minimum(seq_len, lo0 + per),
+                                                                 ctx),
+                                  pid // S, stride_cb, HKV, D, D_P2, PAGE, BLOCK_T,
+                                  pid < num_tasks)
 
     # P1: s = h + residual -> RMid; qkv = norm(s) Wqkv^T
     x, nw = _raw_chunk(X, R, NW1, 0, HID, BK_QKV, not FIRST, True, True)
@@ -292,10 +253,10 @@ def _decoder_layer_kernel(
         j = task % S
         hq = g * G + gi
         hq_ok = gi < G
-        q = _norm_rope(QKV, hq, hq_ok, QNW, cos, sin, qk_eps, D, D_P2, QK_NORM)  # (G, D)
+        q = norm_rope(QKV, hq, hq_ok, D, QNW, cos, sin, qk_eps, D, D_P2, QK_NORM)  # (G, D)
         one = tl.arange(0, 1)
-        k_new = _norm_rope(QKV + HQ * D, g + one, one < 1, KNW, cos, sin, qk_eps, D, D_P2,
-                           QK_NORM)                                              # (1, D)
+        k_new = norm_rope(QKV + HQ * D, g + one, one < 1, D, KNW, cos, sin, qk_eps, D, D_P2,
+                          QK_NORM)                                               # (1, D)
         v_new = tl.load(QKV + (HQ + HKV) * D + g * D + d[None, :], mask=d_ok[None, :],
                         other=0.0, cache_modifier=".cg").to(tl.float32)          # (1, D)
         if (j == 0) & (slot >= 0):
@@ -312,30 +273,12 @@ def _decoder_layer_kernel(
             if (task == pid) & (start == lo):            # fetched before barrier 1
                 k, v, n_ok = k_pre, v_pre, n_pre
             else:
-                k, v, n_ok = _kv_tile(Kc, Vc, Table, start, cached_hi, g, stride_cb, HKV, D,
-                                      D_P2, PAGE, BLOCK_T, True)
-            k = k.to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], 2) * qk_scale            # (G, T) log2
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            pv = tl.sum(p.to(dt).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+                k, v, n_ok = kv_tile(Kc, Vc, Table, start, cached_hi, g, stride_cb, HKV, D,
+                                     D_P2, PAGE, BLOCK_T, True)
+            m_i, l_i, acc = attend_tile(q, k, v, n_ok, m_i, l_i, acc, qk_scale, dt)
         # the new token (position ctx) belongs to the slice that holds it
-        own = (ctx >= lo) & (ctx < hi)
-        s_new = tl.sum(q * k_new, 1) * qk_scale                                 # (G,)
-        s_new = tl.where(own, s_new, float("-inf"))
-        m_new = tl.maximum(m_i, s_new)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p_new = tl.math.exp2(s_new - m_safe)
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + p_new
-        acc = acc * alpha[:, None] + p_new.to(dt).to(tl.float32)[:, None] * v_new
-        m_i = m_new
+        m_i, l_i, acc = attend_new(q, k_new, v_new, (ctx >= lo) & (ctx < hi), m_i, l_i, acc,
+                                   qk_scale, dt)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
         tl.store(Lse + hq * S + j, lse, mask=hq_ok)
@@ -345,16 +288,7 @@ def _decoder_layer_kernel(
         done = tl.atomic_add(GCount + g, 1, sem="acq_rel", scope="gpu")
         if done % S == S - 1:
             tl.debug_barrier()
-            sp = tl.arange(0, S)
-            lse_all = tl.load(Lse + hq[:, None] * S + sp[None, :], mask=hq_ok[:, None],
-                              other=float("-inf"), cache_modifier=".cg")          # (G, S)
-            mx = tl.max(lse_all, 1)
-            wt = tl.math.exp2(lse_all - tl.where(mx == float("-inf"), 0.0, mx)[:, None])
-            part = tl.load(OPart + (hq[:, None, None] * S + sp[None, :, None]) * D_P2
-                           + d[None, None, :], mask=hq_ok[:, None, None], other=0.0,
-                           cache_modifier=".cg")                                  # (G, S, D)
-            tot = tl.sum(wt, 1)
-            merged = tl.sum(part * wt[:, :, None], 1) / tl.where(tot == 0.0, 1.0, tot)[:, None]
+            merged = merge_slices(OPart, Lse, hq, hq_ok, S, D_P2)
             tl.store(Attn + hq[:, None] * D + d[None, :], merged.to(dt),
                      mask=hq_ok[:, None] & d_ok[None, :])
     w, w2 = _first_tile(Wo, HID, HQ * D, ROWS_O, pid, False, BN_O, BK_O)
