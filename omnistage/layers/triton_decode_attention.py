@@ -33,7 +33,7 @@ from torch import Tensor
 
 from omnistage.layers import pdl
 
-BLOCK_T = tl.constexpr(32)     # keys per tile
+BLOCK_T = 32                   # keys per tile (at least 16: tl.dot)
 NUM_WARPS = 4
 
 
@@ -95,6 +95,26 @@ def attend_tile(q, k, v, n_ok, m_i, l_i, acc, qk_scale, dt: tl.constexpr):
 
 
 @triton.jit
+def attend_tile_dot(q, k, v, n_ok, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """`attend_tile` on tensor cores: q (M >= 16, D) in the inputs' dtype, k/v (T >= 16, D)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))                     # (M, T)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def attend_new(q, k_new, v_new, own, m_i, l_i, acc, qk_scale, dt: tl.constexpr):
     """The online-softmax step for the new token's key/value (1, D), if `own`."""
     s_new = tl.sum(q * k_new, 1) * qk_scale                                       # (G,)
@@ -130,12 +150,14 @@ def _decode_attention_kernel(
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_ot, stride_oh,
         stride_cos, stride_cb, stride_bt, eps, qk_scale,
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-        S: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+        S: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
+        PDL: tl.constexpr):
     j = tl.program_id(0)
     g = tl.program_id(1)
     b = tl.program_id(2)
     G: tl.constexpr = HQ // HKV
     G_P2: tl.constexpr = triton.next_power_of_2(G)
+    M: tl.constexpr = G_P2 if G_P2 > 16 else 16          # rows of the q tile (tl.dot: >= 16)
     D_P2: tl.constexpr = triton.next_power_of_2(D)
     dt = Q.dtype.element_ty
     # 1. what the previous kernel (the q/k/v projection) does not write
@@ -158,11 +180,12 @@ def _decode_attention_kernel(
         gdc_wait()
         gdc_launch_dependents()
     # 2. q, k normalised and rotated; slice 0 stores k, v
-    gi = tl.arange(0, G_P2)
+    gi = tl.arange(0, M)
     hq = g * G + gi
     hq_ok = gi < G
     q = norm_rope(Q + b.to(tl.int64) * stride_qt, hq, hq_ok, stride_qh, QW, cos, sin, eps, D,
-                  D_P2, HAS_NORM)                                                 # (G, D)
+                  D_P2, HAS_NORM)                                    # (M, D): rows >= G zero
+    qd = q.to(dt)
     one = tl.arange(0, 1)
     k_new = norm_rope(K + b.to(tl.int64) * stride_kt, g + one, one < 1, stride_kh, KW, cos,
                       sin, eps, D, D_P2, HAS_NORM)                                # (1, D)
@@ -173,14 +196,14 @@ def _decode_attention_kernel(
         tl.store(Kc + dst, k_new.to(dt), mask=d_ok[None, :])
         tl.store(Vc + dst, v_new.to(dt), mask=d_ok[None, :])
     # 3. this slice
-    m_i = tl.full([G_P2], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_P2], tl.float32)
-    acc = tl.zeros([G_P2, D_P2], tl.float32)
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D_P2], tl.float32)
     for start in range(lo, cached_hi, BLOCK_T):
         if start > lo:
             k, v, n_ok = kv_tile(Kc, Vc, table, start, cached_hi, g, stride_cb, HKV, D, D_P2,
                                  PAGE, BLOCK_T, True)
-        m_i, l_i, acc = attend_tile(q, k, v, n_ok, m_i, l_i, acc, qk_scale, dt)
+        m_i, l_i, acc = attend_tile_dot(qd, k, v, n_ok, m_i, l_i, acc, qk_scale, IEEE)
     m_i, l_i, acc = attend_new(q, k_new, v_new, (ctx >= lo) & (ctx < hi), m_i, l_i, acc,
                                qk_scale, dt)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -199,8 +222,10 @@ def _decode_attention_kernel(
         done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if done == S - 1:
             tl.debug_barrier()
-            merged = merge_slices(OPart, Lse, rows, hq_ok, S, D_P2)
-            tl.store(o_ptrs, merged.to(dt), mask=o_mask)
+            g2 = tl.arange(0, G_P2)                      # only the G real rows
+            merged = merge_slices(OPart, Lse, b * HQ + g * G + g2, g2 < G, S, D_P2)
+            tl.store(Out + b.to(tl.int64) * stride_ot + (g * G + g2)[:, None] * stride_oh
+                     + d[None, :], merged.to(dt), mask=(g2 < G)[:, None] & d_ok[None, :])
             tl.store(counter, 0)        # ready for the next launch (stream-ordered after this)
 
 
@@ -250,6 +275,7 @@ class DecodeAttention:
             out.stride(0), out.stride(1), cos.stride(0), k_cache.stride(0),
             block_tables.stride(0), eps, scale * 1.4426950408889634,
             HQ=num_heads, HKV=num_kv_heads, D=head_dim, PAGE=k_cache.shape[1], S=splits,
-            HAS_NORM=has_norm, BLOCK_T=BLOCK_T, num_warps=NUM_WARPS,
+            HAS_NORM=has_norm, BLOCK_T=BLOCK_T, IEEE=q.dtype == torch.float32,
+            num_warps=NUM_WARPS,
             **pdl.launch_options(q))
         return out
