@@ -43,6 +43,8 @@ if [[ $STAGES == *dattn* ]]; then
     # the layers' device time, single stream with and without it (and the layer kernel)
     timeout 300 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
         -q -x tests/layers tests/gpu/test_ar_cuda.py 2>&1 | tee "$OUT/dattn_tests.txt" | tail -5
+    timeout 100 python3 benchmarks/bench_decode_attention.py --out "$OUT/decode_attention.json" \
+        2>&1 | grep variant
     timeout 150 python3 benchmarks/bench_layer_kernel.py --out "$OUT/layers.json" 2>&1 \
         | grep variant
     for flags in "--no-layer-kernel" "--no-layer-kernel --no-decode-attention" "--layer-kernel"; do

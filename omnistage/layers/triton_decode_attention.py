@@ -8,11 +8,12 @@ of (slices, KV heads, sequences) programs does it all:
 
     program (j, g, b): slice j of sequence b's context, KV head g and its G query heads
       1. cos/sin of b's position, the first cached K/V tile of the slice (before waiting on
-         the previous kernel: neither is written by it)
+         the previous kernel: neither is written by it; each tile then fetches the next)
       2. q (G heads) and k of head g: RMSNorm (Qwen3) and rotary, from the q/k/v projection;
          slice 0 writes k and v into the cache slot
-      3. online softmax over the slice's cached keys, plus the new key if the slice holds its
-         position -> partial output and log-sum-exp
+      3. online softmax over the slice's cached keys (tensor-core tiles: the G query heads
+         padded to 16 rows), plus the new key if the slice holds its position -> partial
+         output and log-sum-exp
       4. the slice to finish last for (b, g) (a counter per (b, g), reset by that slice)
          merges the partial outputs of all slices into the output
 
@@ -80,23 +81,10 @@ def norm_rope(Src, rows, row_ok, stride_h, NW, cos, sin, eps, D: tl.constexpr,
 
 
 @triton.jit
-def attend_tile(q, k, v, n_ok, m_i, l_i, acc, qk_scale, dt: tl.constexpr):
-    """One online-softmax step: q (G, D) float32 against a tile of keys/values (T, D) with
-    mask n_ok (T,) -> updated (running max, running sum, accumulator); scores in log2 units."""
-    s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * qk_scale        # (G, T)
-    s = tl.where(n_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    pv = tl.sum(p.to(dt).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-    return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
-def attend_tile_dot(q, k, v, n_ok, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
-    """`attend_tile` on tensor cores: q (M >= 16, D) in the inputs' dtype, k/v (T >= 16, D)."""
+def attend_tile(q, k, v, n_ok, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """One online-softmax step on tensor cores: q (M >= 16, D) in the inputs' dtype against a
+    tile of keys/values (T >= 16, D) with mask n_ok (T,) -> updated (running max, running sum,
+    accumulator); scores in log2 units. IEEE: float32 inputs multiply in full float32."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -165,7 +153,7 @@ def _decode_attention_kernel(
     slot = tl.load(Slot + b).to(tl.int64)
     seq_len = tl.load(SeqLens + b)
     ctx = seq_len - 1                                    # positions already in the cache
-    per = tl.cdiv(tl.cdiv(seq_len, BLOCK_T), S) * BLOCK_T
+    per = tl.cdiv(tl.cdiv(seq_len, S), 16) * 16          # keys a slice (whole 16s)
     lo = j * per
     hi = tl.minimum(seq_len, lo + per)
     cached_hi = tl.minimum(hi, ctx)
@@ -200,10 +188,11 @@ def _decode_attention_kernel(
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D_P2], tl.float32)
     for start in range(lo, cached_hi, BLOCK_T):
-        if start > lo:
-            k, v, n_ok = kv_tile(Kc, Vc, table, start, cached_hi, g, stride_cb, HKV, D, D_P2,
-                                 PAGE, BLOCK_T, True)
-        m_i, l_i, acc = attend_tile_dot(qd, k, v, n_ok, m_i, l_i, acc, qk_scale, IEEE)
+        nxt = start + BLOCK_T                            # the next tile, in flight meanwhile
+        k_n, v_n, n_ok_n = kv_tile(Kc, Vc, table, nxt, cached_hi, g, stride_cb, HKV, D, D_P2,
+                                   PAGE, BLOCK_T, nxt < cached_hi)
+        m_i, l_i, acc = attend_tile(qd, k, v, n_ok, m_i, l_i, acc, qk_scale, IEEE)
+        k, v, n_ok = k_n, v_n, n_ok_n
     m_i, l_i, acc = attend_new(q, k_new, v_new, (ctx >= lo) & (ctx < hi), m_i, l_i, acc,
                                qk_scale, dt)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

@@ -200,12 +200,14 @@ def _decoder_layer_kernel(
         ROWS_GU: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr,
         ROWS_D: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
         FIRST: tl.constexpr, QKV_BIAS: tl.constexpr, O_BIAS: tl.constexpr,
-        QK_NORM: tl.constexpr, PDL: tl.constexpr, SKIP: tl.constexpr = 0):
+        QK_NORM: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+        SKIP: tl.constexpr = 0):
     # SKIP (benchmarks/bench_layer_kernel.py only; wrong results): 1 no grid barriers,
     # 2 no attention phase, 4 no matmul phases
     pid = tl.program_id(0)
     G: tl.constexpr = HQ // HKV
     G_P2: tl.constexpr = triton.next_power_of_2(G)
+    M: tl.constexpr = G_P2 if G_P2 > 16 else 16          # rows of the q tile (tl.dot: >= 16)
     D_P2: tl.constexpr = triton.next_power_of_2(D)
     HID_P2: tl.constexpr = triton.next_power_of_2(HID)
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
@@ -247,13 +249,14 @@ def _decoder_layer_kernel(
 
     # P2: attention, task (KV head g, slice j) for g < HKV, j < S
     dt = QKV.dtype.element_ty
-    gi = tl.arange(0, G_P2)
+    gi = tl.arange(0, M)
     for task in range(pid, num_tasks, nprog):
         g = task // S
         j = task % S
         hq = g * G + gi
         hq_ok = gi < G
-        q = norm_rope(QKV, hq, hq_ok, D, QNW, cos, sin, qk_eps, D, D_P2, QK_NORM)  # (G, D)
+        q = norm_rope(QKV, hq, hq_ok, D, QNW, cos, sin, qk_eps, D, D_P2, QK_NORM)  # (M, D)
+        qd = q.to(dt)
         one = tl.arange(0, 1)
         k_new = norm_rope(QKV + HQ * D, g + one, one < 1, D, KNW, cos, sin, qk_eps, D, D_P2,
                           QK_NORM)                                               # (1, D)
@@ -266,16 +269,20 @@ def _decoder_layer_kernel(
         lo = j * per
         hi = tl.minimum(seq_len, lo + per)
         cached_hi = tl.minimum(hi, ctx)
-        m_i = tl.full([G_P2], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_P2], tl.float32)
-        acc = tl.zeros([G_P2, D_P2], tl.float32)
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, D_P2], tl.float32)
+        if task == pid:                                  # fetched before barrier 1
+            k, v, n_ok = k_pre, v_pre, n_pre
+        else:
+            k, v, n_ok = kv_tile(Kc, Vc, Table, lo, cached_hi, g, stride_cb, HKV, D, D_P2,
+                                 PAGE, BLOCK_T, True)
         for start in range(lo, cached_hi, BLOCK_T):
-            if (task == pid) & (start == lo):            # fetched before barrier 1
-                k, v, n_ok = k_pre, v_pre, n_pre
-            else:
-                k, v, n_ok = kv_tile(Kc, Vc, Table, start, cached_hi, g, stride_cb, HKV, D,
-                                     D_P2, PAGE, BLOCK_T, True)
-            m_i, l_i, acc = attend_tile(q, k, v, n_ok, m_i, l_i, acc, qk_scale, dt)
+            nxt = start + BLOCK_T                        # the next tile, in flight meanwhile
+            k_n, v_n, n_ok_n = kv_tile(Kc, Vc, Table, nxt, cached_hi, g, stride_cb, HKV, D,
+                                       D_P2, PAGE, BLOCK_T, nxt < cached_hi)
+            m_i, l_i, acc = attend_tile(qd, k, v, n_ok, m_i, l_i, acc, qk_scale, IEEE)
+            k, v, n_ok = k_n, v_n, n_ok_n
         # the new token (position ctx) belongs to the slice that holds it
         m_i, l_i, acc = attend_new(q, k_new, v_new, (ctx >= lo) & (ctx < hi), m_i, l_i, acc,
                                    qk_scale, dt)
@@ -288,9 +295,10 @@ def _decoder_layer_kernel(
         done = tl.atomic_add(GCount + g, 1, sem="acq_rel", scope="gpu")
         if done % S == S - 1:
             tl.debug_barrier()
-            merged = merge_slices(OPart, Lse, hq, hq_ok, S, D_P2)
-            tl.store(Attn + hq[:, None] * D + d[None, :], merged.to(dt),
-                     mask=hq_ok[:, None] & d_ok[None, :])
+            g2 = tl.arange(0, G_P2)                      # only the G real rows
+            merged = merge_slices(OPart, Lse, g * G + g2, g2 < G, S, D_P2)
+            tl.store(Attn + (g * G + g2)[:, None] * D + d[None, :], merged.to(dt),
+                     mask=(g2 < G)[:, None] & d_ok[None, :])
     w, w2 = _first_tile(Wo, HID, HQ * D, ROWS_O, pid, False, BN_O, BK_O)
     if SKIP & 1 == 0:
         _grid_sync(Count, base + 2 * nprog)
@@ -443,7 +451,7 @@ class DecoderStack:
                 cache, lw.v_cache, self.qkv_buf, self.o_part, self.lse, self.attn, self.o,
                 self.act, self.count, self.group_count,
                 self.programs, self.cos.stride(0), cache.stride(0), self.eps, self.qk_eps,
-                scale, FIRST=i == 0, **self.consts, num_warps=NUM_WARPS, num_stages=1,
+                scale, FIRST=i == 0, IEEE=h.dtype == torch.float32, **self.consts, num_warps=NUM_WARPS, num_stages=1,
                 **({"SKIP": self.skip} if self.skip else {}),
                 **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS else {}), **opts)
         return self.h, self.residual
