@@ -225,9 +225,9 @@ def main() -> None:
     ap.add_argument("--layer-kernel-config", default=None, metavar="MAX_TILE,WARPS",
                     help="weight elements a program holds per chunk, and warps, of the layer "
                          "kernel (triton_decoder_layer.MAX_TILE, NUM_WARPS)")
-    ap.add_argument("--no-decode-attention", action="store_true",
+    ap.add_argument("--decode-attention", action="store_true",
                     help="small decode batches: q/k norm + rotary + K/V store, attention and "
-                         "the merge of its slices as three kernels, not one")
+                         "the merge of its slices as one kernel, not three")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--checkpoint-dir", default="/tmp/omnistage-bench")
     ap.add_argument("--out", default=None)
@@ -244,9 +244,9 @@ def main() -> None:
         from omnistage.layers import triton_decoder_layer
         tile, warps = map(int, args.layer_kernel_config.split(","))
         triton_decoder_layer.MAX_TILE, triton_decoder_layer.NUM_WARPS = tile, warps
-    if args.no_decode_attention:
+    if args.decode_attention:
         from omnistage.layers import fused
-        fused.set_decode_attention(False)
+        fused.set_decode_attention(True)
     if args.no_pdl:
         from omnistage.layers import pdl
         pdl.set_enabled(False)
@@ -276,7 +276,7 @@ def main() -> None:
                     "layer_kernel": ("off" if args.no_layer_kernel or args.no_gemv or args.no_fused
                                      else "on" if args.layer_kernel else "auto"),
                     "layer_kernel_config": args.layer_kernel_config,
-                    "decode_attention": not args.no_decode_attention,
+                    "decode_attention": args.decode_attention,
                     "attention_backend": args.attention_backend},
     }
     if args.single_stream:

@@ -47,7 +47,7 @@ if [[ $STAGES == *dattn* ]]; then
         2>&1 | grep variant
     timeout 150 python3 benchmarks/bench_layer_kernel.py --out "$OUT/layers.json" 2>&1 \
         | grep variant
-    for flags in "--no-layer-kernel" "--no-layer-kernel --no-decode-attention" "--layer-kernel"; do
+    for flags in "--no-layer-kernel" "--no-layer-kernel --decode-attention" "--layer-kernel"; do
         name=single$(echo "$flags" | tr ' -' '__')
         timeout 150 python3 benchmarks/bench_ar.py --single-stream --output-len 256 --skip-hf \
             $flags --out "$OUT/$name.json" 2>&1 | grep -E "decode_tokens_per_s|Error" | head -3

@@ -23,7 +23,11 @@ from torch import Tensor, nn
 
 _enabled = True
 _gemv = True
-_decode_attention = True   # small decode batches: one attention kernel (triton_attention.py)
+# Small decode batches: one attention kernel (triton_decode_attention.py). Off by default: on
+# an H100 it took 5.5 us a call against 8.5 for the three kernels it replaces (alone, 28 calls
+# in a graph), but a step's layers took 825 us with it against 810 without
+# (benchmarks/results/decode_attention_qwen3-0.6b_h100.json, runs/layers_decode_attention_*).
+_decode_attention = False
 _layer_kernel: bool | None = None   # None: where measured faster (triton_decoder_layer.py)
 _interpret = False   # tests: the kernels on CPU tensors too (Triton's interpreter)
 _ops: ModuleType | None | bool = False   # False: not looked up yet; None: triton missing
@@ -46,7 +50,7 @@ def set_gemv(enabled: bool) -> None:
 
 def set_decode_attention(enabled: bool) -> None:
     """Small decode batches (split-K) take one kernel for q/k norm, rotary, the K/V store,
-    attention and the merge of its slices (on by default)."""
+    attention and the merge of its slices (off by default: not faster in a whole step)."""
     global _decode_attention
     _decode_attention = enabled
 

@@ -39,9 +39,10 @@ def test_kernels_in_triton_interpreter() -> None:
 @pytest.fixture
 def interpret():
     fused._interpret = DEVICE.type == "cpu"
+    fused.set_decode_attention(True)
     yield
     fused._interpret = False
-    fused.set_decode_attention(True)
+    fused.set_decode_attention(False)          # the default
 
 
 def _layer(qk_norm: bool, seed: int) -> Attention:
