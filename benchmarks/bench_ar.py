@@ -98,6 +98,9 @@ def hf_decode_speed(path: Path, prompt: list[int], output_len: int) -> dict:
     return {"decode_s_per_token": per_token, "decode_tokens_per_s": 1 / per_token}
 
 
+ASYNC_SCHEDULING = True     # --no-async-scheduling
+
+
 def make_engine(path: Path, max_num_seqs: int, max_num_batched_tokens: int,
                 enforce_eager: bool = False, attention_backend: str = "auto"):  # -> AREngine
     from omnistage.ar.engine import AREngine
@@ -106,6 +109,8 @@ def make_engine(path: Path, max_num_seqs: int, max_num_batched_tokens: int,
     # Only name the newer options when they differ from the defaults, so that an older
     # omnistage (the "before" of a comparison) runs under this script too.
     extra = {}
+    if not ASYNC_SCHEDULING:
+        extra["async_scheduling"] = False
     if enforce_eager:
         extra["enforce_eager"] = True
     if attention_backend != "auto":
@@ -228,6 +233,8 @@ def main() -> None:
     ap.add_argument("--decode-attention", action="store_true",
                     help="small decode batches: q/k norm + rotary + K/V store, attention and "
                          "the merge of its slices as one kernel, not three")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="read each decode step's tokens before launching the next")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--checkpoint-dir", default="/tmp/omnistage-bench")
     ap.add_argument("--out", default=None)
@@ -247,6 +254,9 @@ def main() -> None:
     if args.decode_attention:
         from omnistage.layers import fused
         fused.set_decode_attention(True)
+    if args.no_async_scheduling:
+        global ASYNC_SCHEDULING
+        ASYNC_SCHEDULING = False
     if args.no_pdl:
         from omnistage.layers import pdl
         pdl.set_enabled(False)
@@ -277,6 +287,7 @@ def main() -> None:
                                      else "on" if args.layer_kernel else "auto"),
                     "layer_kernel_config": args.layer_kernel_config,
                     "decode_attention": args.decode_attention,
+                    "async_scheduling": not args.no_async_scheduling,
                     "attention_backend": args.attention_backend},
     }
     if args.single_stream:

@@ -53,6 +53,24 @@ if [[ $STAGES == *dattn* ]]; then
             $flags --out "$OUT/$name.json" 2>&1 | grep -E "decode_tokens_per_s|Error" | head -3
     done
 fi
+if [[ $STAGES == *async* ]]; then
+    # async scheduling: the GPU tests around it, single stream (per-op kernels and the layer
+    # kernel) and 64 requests at once, each with and without
+    timeout 200 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
+        -q -x tests/gpu/test_ar_cuda.py tests/gpu/test_cuda.py 2>&1 | tee "$OUT/async_tests.txt" \
+        | tail -3
+    for lk in --no-layer-kernel --layer-kernel; do
+        for a in "" --no-async-scheduling; do
+            name=single${lk//-/_}${a//-/_}
+            timeout 120 python3 benchmarks/bench_ar.py --single-stream --output-len 256 \
+                --skip-hf $lk $a --out "$OUT/$name.json" 2>&1 | grep -E "decode_tokens_per_s|Error"
+        done
+    done
+    for a in "" --no-async-scheduling; do
+        timeout 150 python3 benchmarks/bench_ar.py --num-prompts 64 --skip-hf $a \
+            --out "$OUT/c64${a//-/_}.json" 2>&1 | grep -E "tokens_per_s|Error" | head -3
+    done
+fi
 if [[ $STAGES == *single* ]]; then
     for flags in "" "--no-pdl" "--no-gemv --no-pdl" "--enforce-eager"; do
         name=single$(echo "$flags" | tr ' -' '__')

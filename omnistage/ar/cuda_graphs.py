@@ -175,12 +175,14 @@ class DecodeGraphs:
                 return False
         return self.embeds_ok or not self.needs_embeds(batch)
 
-    def run(self, batch: ScheduledBatch, capture: tuple[int, ...], embeds: Tensor | None = None
-            ) -> tuple[Tensor, dict[int, Tensor]] | None:
+    def run(self, batch: ScheduledBatch, capture: tuple[int, ...], embeds: Tensor | None = None,
+            prev_tokens: Tensor | None = None) -> tuple[Tensor, dict[int, Tensor]] | None:
         """Replay the bucket's graph on this batch (embeds (B, H): the inputs' embeddings, for
         the embedding-fed variant): -> hidden (B, H), captured layers (B, H) (views of the
         graph's output buffers, valid until the next replay); None if that variant could not
-        be captured (the caller runs the batch eagerly)."""
+        be captured (the caller runs the batch eagerly). prev_tokens (B,): the tokens of a
+        step launched but not read back, on the device: this step decodes them, one position
+        past what the sequences record (async scheduling, engine.py)."""
         num_seqs = len(batch.seqs)
         bs = next(s for s in self.sizes if s >= num_seqs)
         key = (bs, capture, embeds is not None)
@@ -205,13 +207,17 @@ class DecodeGraphs:
         n, page = self.sizes[-1], self.block_size
         pad = n - num_seqs
         seqs = batch.seqs
-        computed = [s.num_computed_tokens for s in seqs]
-        ids = [s.output_token_ids[p - s.num_prompt_tokens] for s, p in zip(seqs, computed)]
+        ahead = int(prev_tokens is not None)
+        computed = [s.num_computed_tokens + ahead for s in seqs]
+        ids = ([0] * num_seqs if ahead else
+               [s.output_token_ids[p - s.num_prompt_tokens] for s, p in zip(seqs, computed)])
         slots = [s.block_table[p // page] * page + p % page for s, p in zip(seqs, computed)]
         pos = ([p + s.rope_delta for s, p in zip(seqs, computed)] if self.mrope else computed)
         pos = (pos + [0] * pad) * (3 if self.mrope else 1)
         host = int_tensor(ids + [0] * pad + slots + [-1] * pad + pos)
         self._ints.copy_(host, non_blocking=True)
+        if prev_tokens is not None:
+            self.input_ids[:num_seqs].copy_(prev_tokens)
         self.seq_lens.copy_(int_tensor([p + 1 for p in computed] + [0] * pad, torch.int32),
                             non_blocking=True)
         tables = [s.block_table for s in seqs]

@@ -19,9 +19,9 @@ from torch import Tensor
 from omnistage.ar.detokenizer import IncrementalDetokenizer
 from omnistage.ar.kv_cache import BlockManager, KVCacheLayout
 from omnistage.ar.memory import determine_kv_layout
-from omnistage.ar.model_runner import ModelRunner
+from omnistage.ar.model_runner import ModelRunner, PendingStep, RunnerOutput
 from omnistage.ar.sampler import TokenLogprobs
-from omnistage.ar.scheduler import Scheduler
+from omnistage.ar.scheduler import ScheduledBatch, Scheduler
 from omnistage.ar.sequence import FinishReason, Sequence, SequenceStatus
 from omnistage.configs.schema import ARConfig
 from omnistage.models.loader import load_model, resolve_model_path
@@ -95,6 +95,8 @@ class AREngine:
         self.runner.eos_token_ids = self.eos_token_ids
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._parked: dict[str, Sequence] = {}  # streamed requests with no input yet
+        # async scheduling: a decode step launched but not read back, and its batch
+        self._inflight: tuple[ScheduledBatch, PendingStep] | None = None
         self.num_computed_tokens_total = 0  # tokens run through the model, all requests
 
     # -- requests ----------------------------------------------------------------------------
@@ -250,23 +252,120 @@ class AREngine:
 
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
-            return []
+        """Schedule, execute, update. With async scheduling (decode batches replayed from CUDA
+        graphs, see `_launch_ahead`) the next step is launched before this one's tokens are
+        read back, so the host's work between steps overlaps the device's:
+
+            sync:   [host: schedule N | launch N] [device: N] [host: read N, update, outputs]
+            async:  launch N | launch N+1 (fed N's tokens on the device) | read N, update,
+                    outputs | (next call) launch N+2 | read N+1 ...
+
+        Tokens are the same either way; a sequence that finishes at step N wastes its row of
+        step N+1."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None and all(s.is_finished for s in inflight[0].seqs):
+            inflight = None                  # all aborted meanwhile: nothing to read
+        if inflight is None:
+            batch = self.scheduler.schedule()
+            if batch.is_empty:
+                return []
+            if not self._pipelinable(batch.seqs):
+                try:
+                    result = self.runner.execute(batch)
+                except Exception as exc:  # a failing batch fails its requests, not the engine
+                    return self._fail(batch, exc)
+                return self._process(batch, result)
+            try:
+                pending = self.runner.launch_decode(batch)
+            except Exception as exc:
+                return self._fail(batch, exc)
+        else:
+            batch, pending = inflight
+        self._inflight = self._launch_ahead(batch, pending)
         try:
-            result = self.runner.execute(batch)
-        except Exception as exc:  # a failing batch fails its requests, not the engine
-            logger.exception("model step failed for %d requests", len(batch.seqs))
-            outs = []
-            for seq in batch.seqs:
-                self.scheduler.finish(seq, FinishReason.ERROR)
-                outs.append(self._finish_output(seq, [], error=f"{type(exc).__name__}: {exc}"))
-            return outs
-        self.num_computed_tokens_total += batch.num_tokens
+            result = self.runner.resolve(pending)
+        except Exception as exc:
+            self._inflight = None
+            return self._fail(batch, exc)
+        return self._process(batch, result)
+
+    def _pipelinable(self, seqs: list[Sequence]) -> bool:
+        """Whether a decode step of these sequences can run with its tokens left on the device
+        until the step after it is launched: a graph-replayed batch of plain decodes, whose
+        sampling needs nothing from the host that the unread tokens would change."""
+        graphs = self.runner.graphs
+        if not (self.config.async_scheduling and graphs is not None
+                and getattr(self.model, "feedback", None) is None):
+            return False
+        for seq in seqs:
+            p = seq.sampling_params
+            if (seq.num_computed_tokens < seq.num_prompt_tokens or seq.prompt_open
+                    or seq.stream_open or seq.stream_embeds is not None
+                    or seq.stream_pad is not None or seq.output_embeds
+                    or p.output_hidden_layers or p.repetition_penalty != 1.0
+                    or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                    or seq.num_output_tokens < p.min_tokens):
+                return False
+        batch = ScheduledBatch(seqs, [1] * len(seqs))
+        return graphs.can_run(batch) and not graphs.needs_embeds(batch)
+
+    def _launch_ahead(self, batch: ScheduledBatch, pending: PendingStep
+                      ) -> tuple[ScheduledBatch, PendingStep] | None:
+        """Launch the step after `pending` (not read yet) for the same sequences, fed its
+        tokens on the device, if nothing else could be scheduled instead: no request waits,
+        every running sequence is in it, none of them is certain to finish now (max_tokens,
+        the model's length), and their next positions get blocks without preempting."""
+        if self._parked or self.scheduler.waiting:
+            return None
+        keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
+        seqs = [batch.seqs[i] for i in keep]
+        if not seqs or len(seqs) != len(self.scheduler.running):
+            return None
+        for seq in seqs:
+            max_tokens = seq.sampling_params.max_tokens
+            if ((max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens)
+                    or seq.num_tokens + 1 >= self.max_model_len):
+                return None
+        if not self._pipelinable(seqs):
+            return None
+        bm = self.block_manager
+        if sum(bm.num_blocks_needed(s, 2) for s in seqs) > bm.num_free_blocks:
+            return None
+        for seq in seqs:                 # position num_computed + 1: the unread token's
+            bm.allocate(seq, 2)
+        tokens = pending.token_ids
+        if len(keep) != len(batch.seqs):
+            tokens = tokens[torch.tensor(keep, device=tokens.device)]
+        nxt = ScheduledBatch(seqs, [1] * len(seqs))
+        try:
+            return nxt, self.runner.launch_decode(nxt, tokens)
+        except Exception:           # the step runs the ordinary way instead
+            logger.exception("launching a decode step ahead failed")
+            return None
+
+    def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[StepOutput]:
+        logger.error("model step failed for %d requests", len(batch.seqs), exc_info=exc)
+        outs = []
+        for seq in batch.seqs:
+            if seq.is_finished:
+                continue
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            outs.append(self._finish_output(seq, [], error=f"{type(exc).__name__}: {exc}"))
+        return outs
+
+    def _process(self, batch: ScheduledBatch, result: RunnerOutput) -> list[StepOutput]:
+        """Update the scheduler with a step's results -> the requests' deltas. Sequences that
+        finished before the step was read (async scheduling: at the step before, or aborted)
+        are skipped."""
+        done_before = {id(s) for s in batch.seqs if s.is_finished}
+        self.num_computed_tokens_total += sum(
+            n for s, n in zip(batch.seqs, batch.num_new_tokens) if id(s) not in done_before)
         finished = set(id(s) for s in self.scheduler.update(batch, result.sampled))
 
         outputs: list[StepOutput] = []
         for i, seq in enumerate(batch.seqs):
+            if id(seq) in done_before:
+                continue
             token = result.sampled[i]
             new_ids = [] if token is None else [token]
             hidden = result.hidden_states[i]

@@ -31,6 +31,17 @@ from omnistage.utils.host import int_matrix, int_tensor
 
 
 @dataclass(slots=True)
+class PendingStep:
+    """A decode step launched on the device whose sampled tokens are not read yet."""
+    seqs: list[Sequence]
+    sampled: tuple[Tensor, Tensor | None]      # token ids (B,) on the device, raw logits
+
+    @property
+    def token_ids(self) -> Tensor:
+        return self.sampled[0]
+
+
+@dataclass(slots=True)
 class RunnerOutput:
     sampled: list[int | None]                      # per batch row: new token or None (mid-prompt)
     logprobs: list[TokenLogprobs | None]
@@ -120,6 +131,25 @@ class ModelRunner:
                 extras[i] = extra_rows[j]
         hidden_out = self._slice_hidden(batch, qsl, captured, copy=graphed is not None)
         return RunnerOutput(sampled, logprobs, hidden_out, extras)
+
+    @torch.inference_mode()
+    def launch_decode(self, batch: ScheduledBatch, prev_tokens: Tensor | None = None
+                      ) -> PendingStep:
+        """Launch a decode step from its CUDA graph and sample on the device, reading nothing
+        back (`resolve` does). prev_tokens: the step is the one after a launched step whose
+        tokens (B,) are still on the device: they are its inputs, one position further on
+        (the caller allocated the blocks). Only for batches `DecodeGraphs.can_run` takes,
+        without embeddings, hidden-state outputs or a feedback hook."""
+        graphed = self.graphs.run(batch, (), None, prev_tokens)    # type: ignore[union-attr]
+        assert graphed is not None
+        logits = self.model.compute_logits(graphed[0])
+        return PendingStep(batch.seqs, self.sampler.sample(logits, batch.seqs,
+                                                           self.eos_token_ids, inplace=True))
+
+    def resolve(self, pending: PendingStep) -> RunnerOutput:
+        """Read a launched step's tokens (waiting for the device) and logprobs."""
+        out = self.sampler.to_host(pending.sampled, pending.seqs)
+        return RunnerOutput(out.token_ids, out.logprobs, [None] * len(pending.seqs))
 
     def _prepare(self, batch: ScheduledBatch
                  ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor | None, dict]:

@@ -46,13 +46,19 @@ class Sampler:
                  inplace: bool = False) -> SamplerOutput:
         """logits (B, V). inplace: they are the caller's fresh float32 logits, which the
         sampler may change (the runner's); otherwise it works on a copy."""
+        return self.to_host(self.sample(logits, seqs, eos_token_ids, inplace), seqs)
+
+    def sample(self, logits: Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...],
+               inplace: bool = False) -> tuple[Tensor, Tensor | None]:
+        """The device half: (token ids (B,), the raw logits where a request wants logprobs),
+        nothing read back to the host, so the next step can launch before these are read."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), \
             f"logits {tuple(logits.shape)} vs {len(seqs)} sequences"
         # Each pass reads and writes B x V floats (39 MB at 64 rows of a 152k vocabulary), so
         # the unprocessed logits are copied aside only when a request asked for logprobs.
         x = logits.float() if inplace else logits.to(torch.float32, copy=True)   # (B, V)
         wants_logprobs = any(s.sampling_params.logprobs is not None for s in seqs)
-        raw = x.clone() if wants_logprobs else x
+        raw = x.clone() if wants_logprobs else None
         apply_min_tokens(x, seqs, eos_token_ids)
         apply_penalties(x, seqs)
         x.nan_to_num_(nan=float("-inf"))
@@ -65,9 +71,16 @@ class Sampler:
             rows = torch.tensor(sample_rows, device=x.device)
             sampled = self._sample(x[rows], [seqs[i] for i in sample_rows])
             token_ids[rows] = sampled
+        return token_ids, raw
 
+    @staticmethod
+    def to_host(sampled: tuple[Tensor, Tensor | None], seqs: list[Sequence]) -> SamplerOutput:
+        """The host half of `sample`: token ids as ints (waits for the device) and logprobs."""
+        token_ids, raw = sampled
         token_list: list[int] = token_ids.tolist()
-        return SamplerOutput(token_list, _gather_logprobs(raw, seqs, token_list))
+        logprobs = (_gather_logprobs(raw, seqs, token_list) if raw is not None
+                    else [None] * len(seqs))
+        return SamplerOutput(token_list, logprobs)
 
     def _sample(self, x: Tensor, seqs: list[Sequence]) -> Tensor:
         """Temperature, top-k, top-p, min-p, then the exponential race.

@@ -67,6 +67,9 @@ class ARConfig:
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     # Never replay decode steps from CUDA graphs (debugging, or models that change per step).
     enforce_eager: bool = False
+    # Launch a graph-replayed decode step before the previous one's tokens are read back, so
+    # host and device work overlap (the same tokens; engine.py `step`).
+    async_scheduling: bool = True
 
 
 # ---- the stage graph --------------------------------------------------------------------------
@@ -116,6 +119,7 @@ class StageConfig:
     startup_timeout_s: float = 120.0
     seed: int = 0
     enforce_eager: bool = False  # ar: no CUDA graphs for decode steps
+    async_scheduling: bool = True  # ar: launch a decode step before reading the last one
     # Component-specific options passed to its constructor (e.g. code2wav's chunk_frames).
     options: dict[str, object] = field(default_factory=dict, hash=False)
 
@@ -173,7 +177,7 @@ class StageConfig:
         return ARConfig(
             model=self.model if self.model is not None else model,
             component=self.component, device=device, dtype=self.dtype, seed=self.seed,
-            enforce_eager=self.enforce_eager,
+            enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
             kv_cache=KVCacheConfig(block_size=self.block_size,
                                    enable_prefix_caching=self.enable_prefix_caching,
                                    memory_fraction=self.memory_fraction,

@@ -67,11 +67,12 @@ def _capture(fn, pool):  # type: ignore[no-untyped-def]
     return _Rerun(fn, out), out
 
 
-def make_engine(path: Path, graphs: bool, max_num_seqs: int = 8) -> AREngine:
+def make_engine(path: Path, graphs: bool, max_num_seqs: int = 8,
+                async_scheduling: bool = True) -> AREngine:
     from omnistage.layers.triton_attention import TritonPagedAttention
 
     engine = AREngine(ARConfig(
-        model=str(path), device="cpu", dtype="float32",
+        model=str(path), device="cpu", dtype="float32", async_scheduling=async_scheduling,
         kv_cache=KVCacheConfig(block_size=BLOCK_SIZE, num_blocks=40),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64)))
     runner = engine.runner
@@ -140,7 +141,7 @@ def test_decode_graphs_equal_eager_as_requests_come_and_go(emulated, tiny_qwen3:
     got = drive(engine, waves)
     assert_same(got, want)
     graphs = engine.runner.graphs
-    assert graphs.num_replays > 10 and {key[0] for key in graphs.graphs} == {2, 4, 8}
+    assert graphs.num_replays > 10 and {2, 4, 8} <= {key[0] for key in graphs.graphs}
 
 
 @in_child
@@ -222,3 +223,82 @@ def test_capture_failing_with_pdl_is_retried_without(tiny_qwen3: Path,
 
     monkeypatch.setattr(cuda_graphs, "capture_graph", broken)
     assert not make_engine(tiny_qwen3, graphs=True).runner.graphs.capture_all()
+
+
+def _count_ahead(engine: AREngine) -> list[int]:
+    """Batch sizes of the decode steps launched before the previous one was read."""
+    sizes: list[int] = []
+    launch = engine.runner.launch_decode
+
+    def counted(batch, prev_tokens=None):  # type: ignore[no-untyped-def]
+        if prev_tokens is not None:
+            sizes.append(len(batch.seqs))
+        return launch(batch, prev_tokens)
+    engine.runner.launch_decode = counted  # type: ignore[method-assign]
+    return sizes
+
+
+@in_child
+def test_async_scheduling_gives_the_same_outputs(emulated, tiny_qwen3: Path) -> None:
+    """Decode steps launched before the previous step's tokens are read (fed them on the
+    device) against the same graphs run step by step: the same tokens and logprobs, through
+    requests arriving mid-pipeline, a stop token ending one mid-pipeline, seeded sampling,
+    and padding of the buckets; a request with penalties keeps its batch synchronous."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    probe = drive(make_engine(tiny_qwen3, graphs=True, async_scheduling=False),
+                  [[("p", [3, 4, 5, 6], greedy)]])
+    stop_at = probe["p"][4][0][0]                       # the 5th token it generates
+    stop = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_at])
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10,
+                            ignore_eos=True, logprobs=1)
+    waves = [[("a", [3, 4, 5, 6], stop), ("b", [8, 9, 10], seeded)],
+             [("c", [12, 13, 14, 15, 16], greedy)],
+             [("d", [20, 21], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                             repetition_penalty=1.3))]]
+    want = drive(make_engine(tiny_qwen3, graphs=True, async_scheduling=False), waves, 4)
+    engine = make_engine(tiny_qwen3, graphs=True)
+    ahead = _count_ahead(engine)
+    got = drive(engine, waves, 4)
+    assert_same(got, want)
+    assert got["a"][-1][0] == [stop_at] and len(got["a"]) == 5
+    assert len(ahead) > 5 and engine._inflight is None
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@in_child
+def test_abort_while_a_step_is_in_flight(emulated, tiny_qwen3: Path) -> None:
+    """An abort between steps leaves the launched step's row of that request unread; the
+    others go on as without async scheduling; aborting everything drops the step."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outs: dict[str, dict[str, list]] = {}
+    for mode in (False, True):
+        engine = make_engine(tiny_qwen3, graphs=True, async_scheduling=mode)
+        ahead = _count_ahead(engine)
+        got: dict[str, list] = {}
+        for i in range(3):
+            engine.add_request(f"r{i}", [3 + i, 7, 9], params)
+        for n in range(20):
+            if n == 4:
+                assert engine.abort_request("r1") is not None
+            for o in engine.step():
+                got.setdefault(o.request_id, []).append(o.new_token_ids)
+        outs[str(mode)] = got
+        assert not engine.has_unfinished_requests and bool(ahead) == mode
+    assert outs["True"] == outs["False"]
+    assert len(outs["True"]["r0"]) == 10 and len(outs["True"]["r1"]) < 10
+
+    engine = make_engine(tiny_qwen3, graphs=True)
+    for i in range(2):
+        engine.add_request(f"x{i}", [5, 6, 7], params)
+    for _ in range(4):
+        engine.step()
+    assert engine._inflight is not None
+    for i in range(2):
+        engine.abort_request(f"x{i}")
+    assert engine.step() == [] and engine._inflight is None
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.add_request("y", [5, 6, 7], params)               # and the engine goes on
+    got = drive(engine, [])
+    assert [t for step in got["y"] for t in step[0]] == [
+        t for step in drive(make_engine(tiny_qwen3, graphs=True, async_scheduling=False),
+                            [[("y", [5, 6, 7], params)]])["y"] for t in step[0]]
