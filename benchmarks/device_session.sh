@@ -59,9 +59,9 @@ if [[ $STAGES == *async* ]]; then
     timeout 200 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
         -q -x tests/gpu/test_ar_cuda.py tests/gpu/test_cuda.py 2>&1 | tee "$OUT/async_tests.txt" \
         | tail -3
-    for lk in --no-layer-kernel --layer-kernel; do
-        for a in "" --no-async-scheduling; do
-            name=single${lk//-/_}${a//-/_}
+    for lk in --no-layer-kernel --layer-kernel --no-layer-kernel; do
+        for a in --no-async-scheduling ""; do
+            name=single${lk//-/_}${a//-/_}_$SECONDS
             timeout 120 python3 benchmarks/bench_ar.py --single-stream --output-len 256 \
                 --skip-hf $lk $a --out "$OUT/$name.json" 2>&1 | grep -E "decode_tokens_per_s|Error"
         done

@@ -28,6 +28,7 @@ from omnistage.models.loader import load_model, resolve_model_path
 from omnistage.outputs import RequestMetrics
 from omnistage.sampling_params import SamplingParams
 from omnistage.utils.device import resolve_device, resolve_dtype
+from omnistage.utils.host import to_device
 from omnistage.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -335,7 +336,7 @@ class AREngine:
             bm.allocate(seq, 2)
         tokens = pending.token_ids
         if len(keep) != len(batch.seqs):
-            tokens = tokens[torch.tensor(keep, device=tokens.device)]
+            tokens = tokens[to_device(keep, tokens.device)]
         nxt = ScheduledBatch(seqs, [1] * len(seqs))
         try:
             return nxt, self.runner.launch_decode(nxt, tokens)

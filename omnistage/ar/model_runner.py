@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from omnistage.ar.cuda_graphs import DecodeGraphs
 from omnistage.ar.kv_cache import KVCacheLayout
-from omnistage.ar.sampler import Sampler, TokenLogprobs
+from omnistage.ar.sampler import DeviceSample, Sampler, TokenLogprobs
 from omnistage.ar.scheduler import ScheduledBatch
 from omnistage.ar.sequence import Sequence
 from omnistage.layers.attention import (Attention, AttentionMetadata, forward_context,
@@ -34,11 +34,11 @@ from omnistage.utils.host import int_matrix, int_tensor
 class PendingStep:
     """A decode step launched on the device whose sampled tokens are not read yet."""
     seqs: list[Sequence]
-    sampled: tuple[Tensor, Tensor | None]      # token ids (B,) on the device, raw logits
+    sampled: DeviceSample                      # token ids on the device, copies under way
 
     @property
     def token_ids(self) -> Tensor:
-        return self.sampled[0]
+        return self.sampled.token_ids
 
 
 @dataclass(slots=True)

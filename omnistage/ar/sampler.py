@@ -24,11 +24,22 @@ import torch
 from torch import Tensor
 
 from omnistage.ar.sequence import Sequence
+from omnistage.utils.host import to_device
 
 TokenLogprobs = dict[int, float]  # top-N token id -> logprob, always including the sampled token
 
 # Below this a temperature is treated as greedy: dividing by it would overflow float32 logits.
 GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class DeviceSample:
+    """A batch sampled on the device, on its way to the host (`Sampler.sample`)."""
+    token_ids: Tensor                      # (B,) on the sampling device
+    host: list[Tensor]                     # host copies: token ids [, top values, top ids,
+                                           # sampled token's value], done at `event`
+    event: torch.cuda.Event | None         # None: the tensors are on the CPU already
+    logprob_rows: list[int]                # rows of the logprob tensors
 
 
 @dataclass(slots=True)
@@ -49,16 +60,17 @@ class Sampler:
         return self.to_host(self.sample(logits, seqs, eos_token_ids, inplace), seqs)
 
     def sample(self, logits: Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...],
-               inplace: bool = False) -> tuple[Tensor, Tensor | None]:
-        """The device half: (token ids (B,), the raw logits where a request wants logprobs),
-        nothing read back to the host, so the next step can launch before these are read."""
+               inplace: bool = False) -> DeviceSample:
+        """The device half: token ids and the asked-for logprobs computed, their copies to
+        the host started behind them; nothing waits, so the next step can launch before
+        these are read (`to_host`)."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), \
             f"logits {tuple(logits.shape)} vs {len(seqs)} sequences"
         # Each pass reads and writes B x V floats (39 MB at 64 rows of a 152k vocabulary), so
         # the unprocessed logits are copied aside only when a request asked for logprobs.
         x = logits.float() if inplace else logits.to(torch.float32, copy=True)   # (B, V)
-        wants_logprobs = any(s.sampling_params.logprobs is not None for s in seqs)
-        raw = x.clone() if wants_logprobs else None
+        lp_rows = [i for i, s in enumerate(seqs) if s.sampling_params.logprobs is not None]
+        raw = x.clone() if lp_rows else None
         apply_min_tokens(x, seqs, eos_token_ids)
         apply_penalties(x, seqs)
         x.nan_to_num_(nan=float("-inf"))
@@ -68,18 +80,28 @@ class Sampler:
         token_ids = x.argmax(dim=-1)                                      # (B,)
         sample_rows = [i for i, g in enumerate(is_greedy) if not g]
         if sample_rows:
-            rows = torch.tensor(sample_rows, device=x.device)
+            rows = to_device(sample_rows, x.device)
             sampled = self._sample(x[rows], [seqs[i] for i in sample_rows])
             token_ids[rows] = sampled
-        return token_ids, raw
+        tensors = [token_ids]
+        if raw is not None:
+            tensors += _top_logprobs(raw, seqs, lp_rows, token_ids)
+        return DeviceSample(token_ids, *_copy_to_host(tensors), lp_rows)
 
     @staticmethod
-    def to_host(sampled: tuple[Tensor, Tensor | None], seqs: list[Sequence]) -> SamplerOutput:
-        """The host half of `sample`: token ids as ints (waits for the device) and logprobs."""
-        token_ids, raw = sampled
-        token_list: list[int] = token_ids.tolist()
-        logprobs = (_gather_logprobs(raw, seqs, token_list) if raw is not None
-                    else [None] * len(seqs))
+    def to_host(sampled: DeviceSample, seqs: list[Sequence]) -> SamplerOutput:
+        """The host half of `sample`: waits for its copies -> token ids and logprobs."""
+        if sampled.event is not None:
+            sampled.event.synchronize()
+        token_list: list[int] = sampled.host[0].tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        if sampled.logprob_rows:
+            top_vals, top_ids, sampled_vals = (t.tolist() for t in sampled.host[1:])
+            for r, i in enumerate(sampled.logprob_rows):
+                k = seqs[i].sampling_params.logprobs or 0
+                entry = dict(zip(top_ids[r][:k], top_vals[r][:k]))
+                entry.setdefault(token_list[i], sampled_vals[r])
+                logprobs[i] = entry
         return SamplerOutput(token_list, logprobs)
 
     def _sample(self, x: Tensor, seqs: list[Sequence]) -> Tensor:
@@ -88,17 +110,17 @@ class Sampler:
         x: (S, V) penalised logits of the non-greedy rows. Returns (S,) token ids."""
         dev, vocab_size = x.device, x.shape[1]
         ps = [s.sampling_params for s in seqs]
-        temp = torch.tensor([p.temperature for p in ps], device=dev)[:, None]
+        temp = to_device([p.temperature for p in ps], dev)[:, None]
         x = x / temp
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
         top_p = [p.top_p for p in ps]
         if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
-            x = apply_top_k_top_p(x, torch.tensor(top_k, device=dev),
-                                  torch.tensor(top_p, device=dev))
+            x = apply_top_k_top_p(x, to_device(top_k, dev),
+                                  to_device(top_p, dev))
         probs = torch.softmax(x, dim=-1).nan_to_num_(nan=0.0)             # (S, V)
         min_p = [p.min_p for p in ps]
         if any(m > 0.0 for m in min_p):
-            threshold = torch.tensor(min_p, device=dev)[:, None] * probs.amax(dim=-1, keepdim=True)
+            threshold = to_device(min_p, dev)[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
 
         q = self._exponential(seqs, vocab_size, dev).clamp_min_(torch.finfo(torch.float32).tiny)
@@ -115,7 +137,7 @@ class Sampler:
         if unseeded:
             draws = torch.empty(len(unseeded), vocab_size, device=dev)
             draws.exponential_(generator=self._engine_generator(dev))
-            q[torch.tensor(unseeded, device=dev)] = draws
+            q[to_device(unseeded, dev)] = draws
         for i, seq in enumerate(seqs):
             seed = seq.sampling_params.seed
             if seed is None:
@@ -147,7 +169,7 @@ def apply_min_tokens(x: Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, 
                 rows.append(i)
                 cols.append(t)
     if rows:
-        x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = float("-inf")
+        x[to_device(rows, x.device), to_device(cols, x.device)] = float("-inf")
 
 
 def apply_penalties(x: Tensor, seqs: list[Sequence]) -> None:
@@ -158,12 +180,12 @@ def apply_penalties(x: Tensor, seqs: list[Sequence]) -> None:
         return
     dev, vocab_size = x.device, x.shape[1]
     ps = [seqs[i].sampling_params for i in rows]
-    rep = torch.tensor([p.repetition_penalty for p in ps], device=dev)[:, None]
-    freq = torch.tensor([p.frequency_penalty for p in ps], device=dev)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None]
+    rep = to_device([p.repetition_penalty for p in ps], dev)[:, None]
+    freq = to_device([p.frequency_penalty for p in ps], dev)[:, None]
+    pres = to_device([p.presence_penalty for p in ps], dev)[:, None]
     output_counts = _token_counts([seqs[i].output_token_ids for i in rows], vocab_size, dev)
     prompt_counts = _token_counts([seqs[i].penalty_prompt_ids for i in rows], vocab_size, dev)
-    idx = torch.tensor(rows, device=dev)
+    idx = to_device(rows, dev)
     sub = x[idx]                                                      # (R, V)
     seen = (prompt_counts > 0) | (output_counts > 0)
     scaled = torch.where(sub > 0, sub / rep, sub * rep)
@@ -185,7 +207,7 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, dev: torch.devi
     """
     width = max((len(t) for t in token_lists), default=0)
     padded = [t + [vocab_size] * (width - len(t)) for t in token_lists]
-    ids = torch.tensor(padded, dtype=torch.long, device=dev).view(len(token_lists), width)
+    ids = to_device(padded, dev, torch.long).view(len(token_lists), width)
     ids = torch.where((ids < 0) | (ids >= vocab_size), vocab_size, ids)
     counts = torch.zeros(len(token_lists), vocab_size + 1, device=dev)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
@@ -205,23 +227,27 @@ def apply_top_k_top_p(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return torch.empty_like(x).scatter_(1, order, sorted_x)
 
 
-def _gather_logprobs(raw: Tensor, seqs: list[Sequence],
-                     token_ids: list[int]) -> list[TokenLogprobs | None]:
-    """Top-N logprobs of the raw (unprocessed) logits, plus the sampled token's."""
-    out: list[TokenLogprobs | None] = [None] * len(seqs)
-    rows = [i for i, s in enumerate(seqs) if s.sampling_params.logprobs is not None]
-    if not rows:
-        return out
-    idx = torch.tensor(rows, device=raw.device)
+def _top_logprobs(raw: Tensor, seqs: list[Sequence], rows: list[int], token_ids: Tensor
+                  ) -> list[Tensor]:
+    """On the device, for the rows that asked: the top-N logprobs of the raw (unprocessed)
+    logits (values, ids) and the sampled token's."""
+    idx = to_device(rows, raw.device)
     logprobs = torch.log_softmax(raw[idx], dim=-1)                        # (R, V)
     n = max(seqs[i].sampling_params.logprobs or 0 for i in rows)
     top_vals, top_ids = logprobs.topk(min(n, raw.shape[1]), dim=-1)
-    sampled = torch.tensor([token_ids[i] for i in rows], device=raw.device)
-    sampled_vals = logprobs.gather(1, sampled[:, None])[:, 0].tolist()
-    top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-    for r, i in enumerate(rows):
-        k = seqs[i].sampling_params.logprobs or 0
-        entry = dict(zip(top_ids_l[r][:k], top_vals_l[r][:k]))
-        entry.setdefault(token_ids[i], sampled_vals[r])
-        out[i] = entry
-    return out
+    sampled_vals = logprobs.gather(1, token_ids[idx][:, None])[:, 0]
+    return [top_vals, top_ids, sampled_vals]
+
+
+def _copy_to_host(tensors: list[Tensor]) -> tuple[list[Tensor], torch.cuda.Event | None]:
+    """Copies of device tensors into pinned host memory, started now on the current stream
+    (ordered behind the kernels that make them, not behind later steps), and an event that
+    marks them done; CPU tensors as they are."""
+    if not tensors[0].is_cuda:
+        return tensors, None
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors):
+        h.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event

@@ -29,3 +29,13 @@ def int_matrix(rows: Sequence[Sequence[int]], width: int, dtype: torch.dtype = t
         flat += r
         flat += [fill] * (width - len(r))
     return int_tensor(flat, dtype).view(len(rows), width)
+
+
+def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+    """A small host list as a tensor on `device`, copied without waiting for the device: a
+    plain `torch.tensor(..., device=cuda)` waits for every kernel queued before it (with async
+    scheduling, the next step's too). Pinned memory, non-blocking copy on CUDA."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
