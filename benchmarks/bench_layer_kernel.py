@@ -36,6 +36,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--configs", default="",
                     help="MAX_TILE,WARPS[,MAX_REGISTERS];... extra layer-kernel settings")
+    ap.add_argument("--sweep-gemv", action="store_true",
+                    help="per-op kernels: each matmul shape's tile config swept inside the whole "
+                         "step (the others at their defaults), then the best of each together")
     ap.add_argument("--breakdown", action="store_true",
                     help="also the layer kernel with parts left out")
     ap.add_argument("--out", type=Path)
@@ -128,11 +131,56 @@ def main() -> None:
         tdl.MAX_TILE, tdl.NUM_WARPS = vals[:2]
         tdl.MAX_REGISTERS = vals[2] if len(vals) > 2 else None
         rows.append(timed(f"layer kernel MAX_TILE,WARPS[,MAX_REGISTERS]={c}"))
+    if args.sweep_gemv:
+        rows.append(sweep_gemv(timed, cfg))
     if args.out:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
                                         "preset": args.preset, "context": ctx,
                                         "weight_bytes_layers": weight_bytes, "rows": rows},
                                        indent=1))
+
+
+def sweep_gemv(timed, cfg) -> dict:  # type: ignore[no-untyped-def]
+    """Coordinate sweep of the one-row matmul tiles inside the step (a config that is fastest
+    alone need not be inside the chain of kernels)."""
+    from omnistage.layers import fused, triton_gemv
+
+    fused.set_layer_kernel(False)
+    default = triton_gemv.config
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    shapes = {"qkv": (qkv, h), "o": (h, cfg.num_attention_heads * cfg.head_dim),
+              "gate_up": (2 * i, h), "down": (h, i)}
+    chosen: dict[tuple[int, int], dict] = {}
+    triton_gemv.config = lambda n, k, r, name="": chosen.get((n, k)) or default(n, k, r, name)
+    base = timed("per-op kernels, default tiles")["us_per_step"]
+    out = {"variant": "gemv sweep", "default_us": base, "shapes": {}}
+    for tag, shape in shapes.items():
+        best = (base, None)
+        tried = []
+        for bn in (4, 8, 16, 32):
+            for bk in (256, 512, 1024):
+                for warps in (4, 8):
+                    c = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1)
+                    chosen[shape] = c
+                    try:
+                        us = timed(f"{tag} {bn},{bk},{warps}")["us_per_step"]
+                    except Exception as exc:  # does not build or fit: skip
+                        tried.append({**c, "error": str(exc)[:120]})
+                        continue
+                    tried.append({**c, "us": us})
+                    if us < best[0]:
+                        best = (us, c)
+        chosen.pop(shape, None)
+        out["shapes"][tag] = {"shape": shape, "best_us": best[0], "best": best[1],
+                              "tried": tried}
+    for tag, shape in shapes.items():
+        if out["shapes"][tag]["best"] is not None:
+            chosen[shape] = out["shapes"][tag]["best"]
+    out["combined_us"] = timed("per-op kernels, best tiles of each shape")["us_per_step"]
+    out["combined"] = {tag: out["shapes"][tag]["best"] for tag in shapes}
+    triton_gemv.config = default
+    return out
 
 
 if __name__ == "__main__":
