@@ -275,6 +275,13 @@ def test_overrides_parse_values_as_yaml() -> None:
     assert apply_overrides(graph, []) is graph
 
 
+def test_async_scheduling_override_reaches_the_engine_config() -> None:
+    graph = load_graph_yaml(DESIGN_YAML)
+    assert graph.stage("thinker").ar_config("m", "cpu").async_scheduling     # the default
+    out = apply_overrides(graph, ["thinker.async_scheduling=false"])
+    assert out.stage("thinker").ar_config("m", "cpu").async_scheduling is False
+
+
 def test_overrides_apply_in_order() -> None:
     graph = apply_overrides(load_graph_yaml(DESIGN_YAML),
                             ["talker.max_model_len=10", "talker.max_model_len=null",
