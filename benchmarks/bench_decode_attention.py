@@ -18,6 +18,7 @@ import torch
 
 
 def main() -> None:
+    from omnistage.benchmarks.common import graph_time_us
     from omnistage.layers import fused, pdl
     from omnistage.layers import triton_decode_attention as tda
     from omnistage.layers.attention import Attention, forward_context
@@ -64,22 +65,8 @@ def main() -> None:
                 with forward_context(md):
                     for _ in range(args.calls):
                         attn.rotate_and_attend(rope, positions, q, k, v, q_norm, k_norm)
-            calls()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                calls()
-            for _ in range(3):
-                graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(args.iters):
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / args.calls)
-            row = {"variant": tag, "context": ctx, "us_per_call": sorted(times)[len(times) // 2],
+            us = graph_time_us(calls, args.iters) / args.calls
+            row = {"variant": tag, "context": ctx, "us_per_call": us,
                    "splits": attn.backend._plan(md, H // HKV).launches[0].num_splits}
             print(json.dumps(row))
             rows.append(row)

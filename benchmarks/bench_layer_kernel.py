@@ -24,6 +24,7 @@ from bench_ar import PRESETS  # noqa: E402
 def main() -> None:
     from transformers import Qwen3Config
 
+    from omnistage.benchmarks.common import graph_time_us
     from omnistage.layers import fused
     from omnistage.layers.attention import (Attention, AttentionMetadata, forward_context,
                                             get_attention_backend)
@@ -84,22 +85,7 @@ def main() -> None:
         def step():
             with forward_context(md):
                 return inner(ids, pos)[0]
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        for _ in range(5):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(args.iters):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        us = sorted(times)[len(times) // 2]
+        us = graph_time_us(step, args.iters, warmup=5)
         row = {"variant": tag, "us_per_step": us, "us_per_layer": us / cfg.num_hidden_layers,
                "weight_tb_s": weight_bytes / us / 1e6}
         print(json.dumps(row))

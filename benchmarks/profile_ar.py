@@ -26,16 +26,9 @@ from bench_ar import PRESETS, build_checkpoint, make_engine, run_engine  # noqa:
 
 def replay_ms(graphs, bs: int, iters: int = 50) -> float:  # graphs: DecodeGraphs
     """Median device time of one replay of the bucket-`bs` graph (its inputs as left)."""
-    graph = graphs.graphs[(bs, (), False)][0]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    from omnistage.benchmarks.common import replay_time_us
+
+    return replay_time_us(graphs.graphs[(bs, (), False)][0], iters) / 1e3
 
 
 def main() -> None:

@@ -83,6 +83,32 @@ def memory_bandwidth(device: torch.device, num_bytes: int = 1 << 30, repeats: in
     return 2 * num_bytes / statistics.median(times)
 
 
+def graph_time_us(fn, iters: int, warmup: int = 3) -> float:  # type: ignore[no-untyped-def]
+    """Median device time (us) of fn's kernels replayed as one CUDA graph (fn runs once
+    eagerly first: kernels built, workspaces allocated)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(warmup):
+        graph.replay()
+    return replay_time_us(graph, iters)
+
+
+def replay_time_us(graph: torch.cuda.CUDAGraph, iters: int) -> float:
+    """Median device time (us) of one replay of a captured graph (its inputs as left)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def default_dtype(dtype: torch.dtype) -> contextlib.AbstractContextManager[None]:
     """Build modules directly in `dtype` (a 20B-parameter model never exists in float32)."""
     return _default_dtype(dtype)
