@@ -10,7 +10,9 @@ On CUDA, steps where every sequence decodes one output token replay a CUDA graph
 static input buffers, the batch padded up to the bucket. Decodes fed embeddings (stream rows
 added, the model's feedback embeddings) build their input rows eagerly and replay a variant
 that reads them from a static buffer. Sampling and the feedback hook stay outside the graph.
-Steps with prompt rows (prefill chunks) run eagerly.
+Steps with prompt rows (prefill chunks) run eagerly. `launch_decode` / `resolve` split a
+graph-replayed decode step in two for the engine's async scheduling: launch and sample on the
+device (the tokens' copies to the host started behind them), then read.
 """
 
 from __future__ import annotations

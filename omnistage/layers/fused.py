@@ -12,6 +12,9 @@ A one-row decode step of a Qwen2/Qwen3 decoder can run each whole layer as one k
 (triton_decoder_layer.py): by default on the GPUs where it measured faster than the kernels
 above (an H200; not an H100) and in the interpreter; `set_layer_kernel(True / False)` forces it.
 
+`set_decode_attention(True)` runs a small decode batch's attention (q/k norm, rotary, K/V store,
+sliced attention, merge) as one kernel (triton_decode_attention.py; off by default).
+
 The PyTorch paths stay the reference on every device; tests compare the two.
 """
 

@@ -12,7 +12,8 @@ barriers between them:
 
     P1  s = h + residual; RMSNorm(s) @ Wqkv^T (+ bias)              -> qkv         barrier
     P2  q/k RMSNorm + rotary, k/v into the paged cache, attention over the context, split
-        into (KV head, slice) tasks; the last task of a KV head merges its slices -> attn
+        into (KV head, slice) tasks on tensor-core tiles (the helpers of
+        triton_decode_attention.py); the last task of a KV head merges its slices -> attn
                                                                                    barrier
     P3  attn @ Wo^T                                                  -> o           barrier
     P4  s2 = o + s; RMSNorm(s2) @ Wgate_up^T, silu(gate) * up        -> act         barrier
