@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--sweep-gemv", action="store_true",
                     help="per-op kernels: each matmul shape's tile config swept inside the whole "
                          "step (the others at their defaults), then the best of each together")
+    ap.add_argument("--lm-head", action="store_true",
+                    help="also the one-row lm_head: cuBLAS against the matrix-vector kernel")
     ap.add_argument("--breakdown", action="store_true",
                     help="also the layer kernel with parts left out")
     ap.add_argument("--out", type=Path)
@@ -117,6 +119,8 @@ def main() -> None:
         tdl.MAX_TILE, tdl.NUM_WARPS = vals[:2]
         tdl.MAX_REGISTERS = vals[2] if len(vals) > 2 else None
         rows.append(timed(f"layer kernel MAX_TILE,WARPS[,MAX_REGISTERS]={c}"))
+    if args.lm_head:
+        rows += lm_head_rows(model, args.iters)
     if args.sweep_gemv:
         rows.append(sweep_gemv(timed, cfg))
     if args.out:
@@ -124,6 +128,29 @@ def main() -> None:
                                         "preset": args.preset, "context": ctx,
                                         "weight_bytes_layers": weight_bytes, "rows": rows},
                                        indent=1))
+
+
+def lm_head_rows(model, iters: int) -> list[dict]:  # type: ignore[no-untyped-def]
+    """One row through the tied lm_head: cuBLAS against triton_gemv at a few tile sizes."""
+    from omnistage.benchmarks.common import graph_time_us
+    from omnistage.layers import triton_gemv
+
+    w = model.lm_head.weight
+    h = torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype)
+    nbytes = w.numel() * w.element_size()
+    variants = [("lm_head cuBLAS", lambda: model.lm_head(h)),
+                ("lm_head gemv default", lambda: triton_gemv.linear(h, w))]
+    for bn, bk, warps in ((8, 1024, 4), (16, 1024, 4), (16, 512, 4), (32, 512, 8)):
+        c = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1)
+        variants.append((f"lm_head gemv {bn},{bk},{warps}",
+                         lambda c=c: triton_gemv._launch(h, None, None, 0.0, w, None, False,
+                                                         w.shape[1], c)[0]))
+    out = []
+    for tag, fn in variants:
+        us = graph_time_us(fn, iters)
+        out.append({"variant": tag, "us": us, "tb_s": nbytes / us / 1e6})
+        print(json.dumps(out[-1]))
+    return out
 
 
 def sweep_gemv(timed, cfg) -> dict:  # type: ignore[no-untyped-def]
