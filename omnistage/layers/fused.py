@@ -128,6 +128,15 @@ def linear(linear: nn.Module, x: Tensor) -> Tensor:
     return linear(x)
 
 
+def lm_head(linear: nn.Module, x: Tensor) -> Tensor:
+    """The logits projection: through the matrix-vector kernel for one row where that measured
+    faster than cuBLAS (triton_gemv.lm_head_faster_here), else linear(x)."""
+    gemv = _gemv_for(x, linear.weight)
+    if gemv is not None and gemv.lm_head_faster_here(x):
+        return gemv.linear(x, linear.weight, linear.bias)
+    return linear(x)
+
+
 def silu_linear(act: nn.Module, linear: nn.Module, x: Tensor) -> Tensor:
     """linear(act(x)) for x (T, 2I) laid out | gate | up | and act the SiLU-and-mul."""
     gemv = _gemv_for(x, linear.weight)

@@ -50,6 +50,8 @@ def config(n: int, k: int, rows: int, device_name: str = "") -> dict[str, int]:
     in 4 warps where that makes over 512 programs, 19.9 us for the four against 24.9 with the
     H100's choice; on the H100 4 outputs a program in 4 warps, 18.9 us against 24.7
     (sweep_gemv_qwen3-0.6b_h100.json). Other GPUs take the H100's."""
+    if n >= 32768 and k <= 4096:   # a vocabulary's lm_head (lm_head_faster_here)
+        return dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1)
     if "H200" in device_name:
         if n // 8 > 512:
             return dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
@@ -129,6 +131,14 @@ def _gemv_kernel(X, R, NW, W, B, Out, Sum, M, N, K, eps,
         acc += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(Out + r[:, None].to(tl.int64) * stride_om + n[None, :],
              acc.to(Out.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+
+
+def lm_head_faster_here(x: Tensor) -> bool:
+    """Whether a one-row lm_head (a vocabulary of rows) runs faster here than cuBLAS, as
+    measured (benchmarks/results/lm_head_qwen3-0.6b.json, 151936 x 1024 bf16): an H100, 106 us
+    against cuBLAS' 132; not an H200 (82 against 77) nor GPUs nobody measured."""
+    return x.is_cuda and "H100" in _device_name(
+        x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
 def applies(x: Tensor, weight: Tensor) -> bool:

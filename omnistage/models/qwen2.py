@@ -217,7 +217,7 @@ class Qwen2ForCausalLM(nn.Module):
         return self.model(input_ids, positions, inputs_embeds, capture_layers)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden).float()                         # (N, hidden) -> (N, vocab)
+        return fused.lm_head(self.lm_head, hidden).float()         # (N, hidden) -> (N, vocab)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         return load_packed_weights(self, weights, self.packed_modules)

@@ -180,6 +180,28 @@ def test_norm_linear(gemv_on, dtype: torch.dtype, rows: int, with_residual: bool
 
 
 @kernel_test
+@pytest.mark.parametrize("faster", [False, True])
+def test_lm_head_takes_the_kernel_only_where_faster(gemv_on, monkeypatch: pytest.MonkeyPatch,
+                                                    faster: bool) -> None:
+    """fused.lm_head: one row through the matrix-vector kernel where that measured faster
+    (faked here), else the module; the same logits either way (float32)."""
+    from omnistage.layers import triton_gemv
+    from omnistage.layers.linear import Linear
+
+    torch.manual_seed(3)
+    head = Linear(48, 200).to(DEVICE)
+    head.weight.data.normal_(0, 0.1)
+    x = torch.randn(1, 48, device=DEVICE)
+    calls = []
+    real = triton_gemv.linear
+    monkeypatch.setattr(triton_gemv, "lm_head_faster_here", lambda t: faster)
+    monkeypatch.setattr(triton_gemv, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = fused.lm_head(head, x)
+    assert len(calls) == int(faster)
+    torch.testing.assert_close(got, x @ head.weight.T, atol=1e-5, rtol=1e-5)
+
+
+@kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_linear(gemv_on, dtype: torch.dtype) -> None:
     from omnistage.layers.linear import Linear
