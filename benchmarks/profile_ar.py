@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_ar import PRESETS, build_checkpoint, make_engine, run_engine  # noqa: E402
