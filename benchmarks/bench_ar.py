@@ -233,6 +233,9 @@ def main() -> None:
     ap.add_argument("--decode-attention", action="store_true",
                     help="small decode batches: q/k norm + rotary + K/V store, attention and "
                          "the merge of its slices as one kernel, not three")
+    ap.add_argument("--max-kv-splits", type=int, default=None,
+                    help="split-K slices of a small decode batch's attention at most "
+                         "(triton_attention.MAX_SPLITS, a power of two)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="read each decode step's tokens before launching the next")
     ap.add_argument("--attention-backend", default="auto")
@@ -254,6 +257,9 @@ def main() -> None:
     if args.decode_attention:
         from omnistage.layers import fused
         fused.set_decode_attention(True)
+    if args.max_kv_splits:
+        from omnistage.layers import triton_attention
+        triton_attention.MAX_SPLITS = args.max_kv_splits
     if args.no_async_scheduling:
         global ASYNC_SCHEDULING
         ASYNC_SCHEDULING = False
@@ -288,6 +294,7 @@ def main() -> None:
                     "layer_kernel_config": args.layer_kernel_config,
                     "decode_attention": args.decode_attention,
                     "async_scheduling": not args.no_async_scheduling,
+                    "max_kv_splits": args.max_kv_splits,
                     "attention_backend": args.attention_backend},
     }
     if args.single_stream:
