@@ -23,8 +23,8 @@ sequence lengths and block tables, and padding rows (seq_lens 0, slot -1) write 
 attend to nothing.
 
 Split-K: a batch of pure decodes too small to fill the device (batch x Hkv programs under half
-the multiprocessors, e.g. a single stream) splits each context into up to 16 slices of whole
-key tiles, one program each; each writes its normalised partial output and log-sum-exp, and
+the multiprocessors, e.g. a single stream) splits each context into up to MAX_SPLITS (8)
+slices of whole key tiles, one program each; each writes its normalised partial output and log-sum-exp, and
 `_combine_splits_kernel` merges them (an empty slice has weight 0). A captured graph's split
 count comes from its bucket size alone; slices past a shorter context are empty. With
 `fused.set_decode_attention(True)` such a batch with plain rotary takes `rotate_and_attend`
@@ -54,7 +54,10 @@ from omnistage.layers.triton_decode_attention import DecodeAttention
 DECODE_BLOCK_M = 16    # rows of a decode tile: tl.dot needs at least 16
 PREFILL_BLOCK_M = 64
 BLOCK_N = 64           # keys per tile (any block_size: each key finds its page)
-MAX_SPLITS = 16        # split-K programs per (sequence, KV head) for small decode batches
+# split-K programs per (sequence, KV head) for small decode batches: a single stream on an H100
+# made 1113-1115 tok/s with 8 against 1085-1086 with 16 and 1056 with 4 (alternating runs in
+# one call, benchmarks/results/runs/kv_splits_h100/)
+MAX_SPLITS = 8
 
 
 @triton.jit
