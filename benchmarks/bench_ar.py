@@ -235,7 +235,7 @@ def main() -> None:
                          "the merge of its slices as one kernel, not three")
     ap.add_argument("--max-kv-splits", type=int, default=None,
                     help="split-K slices of a small decode batch's attention at most "
-                         "(triton_attention.MAX_SPLITS, a power of two)")
+                         "(triton_attention.MAX_SPLITS and the layer kernel's, a power of two)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="read each decode step's tokens before launching the next")
     ap.add_argument("--attention-backend", default="auto")
@@ -257,9 +257,10 @@ def main() -> None:
     if args.decode_attention:
         from omnistage.layers import fused
         fused.set_decode_attention(True)
-    if args.max_kv_splits:
-        from omnistage.layers import triton_attention
+    if args.max_kv_splits:   # the per-op attention's and the layer kernel's
+        from omnistage.layers import triton_attention, triton_decoder_layer
         triton_attention.MAX_SPLITS = args.max_kv_splits
+        triton_decoder_layer.MAX_SPLITS = args.max_kv_splits
     if args.no_async_scheduling:
         global ASYNC_SCHEDULING
         ASYNC_SCHEDULING = False
