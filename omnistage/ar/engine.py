@@ -292,20 +292,18 @@ class AREngine:
 
     def _pipelinable(self, seqs: list[Sequence]) -> bool:
         """Whether a decode step of these sequences can run with its tokens left on the device
-        until the step after it is launched: a graph-replayed batch of plain decodes, whose
-        sampling needs nothing from the host that the unread tokens would change."""
+        until the step after it is launched: a graph-replayed batch of plain decodes (no
+        hidden-state outputs, streamed or fed-back inputs). Penalties and min_tokens count
+        the unread token on the device (Sampler.sample's `pending`)."""
         graphs = self.runner.graphs
         if not (self.config.async_scheduling and graphs is not None
                 and getattr(self.model, "feedback", None) is None):
             return False
         for seq in seqs:
-            p = seq.sampling_params
             if (seq.num_computed_tokens < seq.num_prompt_tokens or seq.prompt_open
                     or seq.stream_open or seq.stream_embeds is not None
                     or seq.stream_pad is not None or seq.output_embeds
-                    or p.output_hidden_layers or p.repetition_penalty != 1.0
-                    or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-                    or seq.num_output_tokens < p.min_tokens):
+                    or seq.sampling_params.output_hidden_layers):
                 return False
         batch = ScheduledBatch(seqs, [1] * len(seqs))
         return graphs.can_run(batch) and not graphs.needs_embeds(batch)

@@ -145,8 +145,8 @@ class ModelRunner:
         graphed = self.graphs.run(batch, (), None, prev_tokens)    # type: ignore[union-attr]
         assert graphed is not None
         logits = self.model.compute_logits(graphed[0])
-        return PendingStep(batch.seqs, self.sampler.sample(logits, batch.seqs,
-                                                           self.eos_token_ids, inplace=True))
+        return PendingStep(batch.seqs, self.sampler.sample(
+            logits, batch.seqs, self.eos_token_ids, inplace=True, pending=prev_tokens))
 
     def resolve(self, pending: PendingStep) -> RunnerOutput:
         """Read a launched step's tokens (waiting for the device) and logprobs."""

@@ -60,10 +60,12 @@ class Sampler:
         return self.to_host(self.sample(logits, seqs, eos_token_ids, inplace), seqs)
 
     def sample(self, logits: Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...],
-               inplace: bool = False) -> DeviceSample:
+               inplace: bool = False, pending: Tensor | None = None) -> DeviceSample:
         """The device half: token ids and the asked-for logprobs computed, their copies to
         the host started behind them; nothing waits, so the next step can launch before
-        these are read (`to_host`)."""
+        these are read (`to_host`). pending (B,): each sequence's last sampled token, still
+        on the device only (async scheduling): it counts as an output for min_tokens and the
+        penalties."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), \
             f"logits {tuple(logits.shape)} vs {len(seqs)} sequences"
         # Each pass reads and writes B x V floats (39 MB at 64 rows of a 152k vocabulary), so
@@ -71,8 +73,8 @@ class Sampler:
         x = logits.float() if inplace else logits.to(torch.float32, copy=True)   # (B, V)
         lp_rows = [i for i, s in enumerate(seqs) if s.sampling_params.logprobs is not None]
         raw = x.clone() if lp_rows else None
-        apply_min_tokens(x, seqs, eos_token_ids)
-        apply_penalties(x, seqs)
+        apply_min_tokens(x, seqs, eos_token_ids, int(pending is not None))
+        apply_penalties(x, seqs, pending)
         x.nan_to_num_(nan=float("-inf"))
 
         temps = [s.sampling_params.temperature for s in seqs]
@@ -154,14 +156,15 @@ class Sampler:
         return gen
 
 
-def apply_min_tokens(x: Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> None:
+def apply_min_tokens(x: Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...],
+                     unread: int = 0) -> None:
     """In place: -inf on eos and stop token ids of rows that have fewer than min_tokens outputs."""
     vocab_size = x.shape[1]
     rows: list[int] = []
     cols: list[int] = []
     for i, seq in enumerate(seqs):
         p = seq.sampling_params
-        if len(seq.output_token_ids) >= p.min_tokens:
+        if len(seq.output_token_ids) + unread >= p.min_tokens:
             continue
         banned = {*eos_token_ids, *seq.eos_token_ids, *p.stop_token_ids}
         for t in banned:
@@ -172,9 +175,10 @@ def apply_min_tokens(x: Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, 
         x[to_device(rows, x.device), to_device(cols, x.device)] = float("-inf")
 
 
-def apply_penalties(x: Tensor, seqs: list[Sequence]) -> None:
+def apply_penalties(x: Tensor, seqs: list[Sequence], pending: Tensor | None = None) -> None:
     """In place: repetition penalty (prompt and output tokens), frequency and presence penalties
-    (output tokens only), on the rows that ask for any."""
+    (output tokens only), on the rows that ask for any. pending (B,): one more output token of
+    each row, on the device only."""
     rows = [i for i, s in enumerate(seqs) if _has_penalty(s)]
     if not rows:
         return
@@ -186,6 +190,9 @@ def apply_penalties(x: Tensor, seqs: list[Sequence]) -> None:
     output_counts = _token_counts([seqs[i].output_token_ids for i in rows], vocab_size, dev)
     prompt_counts = _token_counts([seqs[i].penalty_prompt_ids for i in rows], vocab_size, dev)
     idx = to_device(rows, dev)
+    if pending is not None:
+        unread = pending[idx][:, None]
+        output_counts.scatter_add_(1, unread, torch.ones_like(unread, dtype=output_counts.dtype))
     sub = x[idx]                                                      # (R, V)
     seen = (prompt_counts > 0) | (output_counts > 0)
     scaled = torch.where(sub > 0, sub / rep, sub * rep)

@@ -243,7 +243,7 @@ def test_async_scheduling_gives_the_same_outputs(emulated, tiny_qwen3: Path) -> 
     """Decode steps launched before the previous step's tokens are read (fed them on the
     device) against the same graphs run step by step: the same tokens and logprobs, through
     requests arriving mid-pipeline, a stop token ending one mid-pipeline, seeded sampling,
-    and padding of the buckets; a request with penalties keeps its batch synchronous."""
+    padding of the buckets, penalties and min_tokens (which count the unread token)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     probe = drive(make_engine(tiny_qwen3, graphs=True, async_scheduling=False),
                   [[("p", [3, 4, 5, 6], greedy)]])
@@ -251,16 +251,21 @@ def test_async_scheduling_gives_the_same_outputs(emulated, tiny_qwen3: Path) -> 
     stop = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_at])
     seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10,
                             ignore_eos=True, logprobs=1)
+    penalised = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True,
+                               repetition_penalty=1.3, frequency_penalty=0.4,
+                               presence_penalty=0.3, logprobs=1)
+    held = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=7,
+                          stop_token_ids=[stop_at])      # the stop token banned until 7 out
     waves = [[("a", [3, 4, 5, 6], stop), ("b", [8, 9, 10], seeded)],
-             [("c", [12, 13, 14, 15, 16], greedy)],
-             [("d", [20, 21], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
-                                             repetition_penalty=1.3))]]
+             [("c", [12, 13, 14, 15, 16], greedy), ("e", [3, 4, 5, 6], held)],
+             [("d", [20, 21], penalised)]]
     want = drive(make_engine(tiny_qwen3, graphs=True, async_scheduling=False), waves, 4)
     engine = make_engine(tiny_qwen3, graphs=True)
     ahead = _count_ahead(engine)
     got = drive(engine, waves, 4)
     assert_same(got, want)
     assert got["a"][-1][0] == [stop_at] and len(got["a"]) == 5
+    assert stop_at not in [t for step in got["e"][:6] for t in step[0]]
     assert len(ahead) > 5 and engine._inflight is None
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 

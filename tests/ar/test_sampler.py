@@ -259,3 +259,37 @@ def test_inplace_equals_copy_and_keeps_raw_logprobs() -> None:
     tok = got.token_ids[0]
     assert got.logprobs[0][tok] == pytest.approx(raw[tok].item(), abs=1e-5)
     assert not torch.equal(mine, logits)                     # worked in place (penalised)
+
+
+def test_pending_tokens_count_as_outputs() -> None:
+    """Async scheduling samples a step before the host has the last token: passed as
+    `pending`, it counts for the penalties and min_tokens exactly as if it were appended
+    (logits and logprobs the same), and nothing else changes."""
+    torch.manual_seed(0)
+    vocab = 12
+    logits = torch.randn(4, vocab) * 2
+    params = [dict(repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.4,
+                   logprobs=3, temperature=0.0),
+              dict(min_tokens=3, logprobs=3, temperature=0.0),   # 2 outputs + pending: 3
+              dict(min_tokens=4, logprobs=3, temperature=0.0),   # still short: EOS banned
+              dict(logprobs=3, temperature=0.8)]
+    outputs = [[3, 3, 7], [1, 2], [1, 2], [4]]
+    pending = [7, 9, 5, 4]
+    logits[1, EOS] = logits[2, EOS] = 50.0                  # EOS wins unless banned
+    logits[0] = -5.0
+    logits[0, 7], logits[0, 8] = 5.0, 2.0   # 7 wins after one 7 (2.23), not after two (1.53)
+
+    def seqs(with_pending: bool) -> list[Sequence]:
+        return [make_seq(output=o + ([t] if with_pending else []), request_id=str(i), **p)
+                for i, (o, t, p) in enumerate(zip(outputs, pending, params))]
+
+    want = Sampler(seed=1)(logits.clone(), seqs(True), (EOS,))   # the same draws each
+    before = seqs(False)
+    sampler = Sampler(seed=1)
+    got = sampler.to_host(sampler.sample(logits.clone(), before, (EOS,),
+                                         pending=torch.tensor(pending)), before)
+    assert got.token_ids == want.token_ids
+    assert got.token_ids[0] == 8 and got.token_ids[1] == EOS and got.token_ids[2] != EOS
+    for g, w in zip(got.logprobs, want.logprobs):
+        assert g.keys() == w.keys() and all(abs(g[k] - w[k]) < 1e-6 for k in g)
+    assert [s.output_token_ids for s in before] == outputs        # the host lists untouched
