@@ -47,7 +47,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from torch import Tensor
 
-from omnistage.layers import fused, pdl
+from omnistage.layers import pdl
 from omnistage.layers.attention import AttentionMetadata, TorchPagedAttention
 from omnistage.layers.triton_decode_attention import DecodeAttention
 
@@ -290,11 +290,11 @@ class TritonPagedAttention:
         """A split-K decode batch (one new token a sequence, too few sequences to fill the
         device) with plain rotary: q/k norm, rotary, the K/V store, attention and the merge
         of the slices in one kernel (triton_decode_attention.py) -> output (B, H, D). None
-        where that does not apply (the caller takes the separate kernels)."""
+        where that does not apply (the caller takes the separate kernels). `Attention` calls
+        it only with `fused.set_decode_attention(True)`."""
         q_weight, k_weight, eps, cos, sin, positions, axis = rope_args
         state = md.backend_state
-        if (axis is not None or not fused.decode_attention_enabled()
-                or not isinstance(state, _TritonState) or len(state.launches) != 1
+        if (axis is not None or not isinstance(state, _TritonState) or len(state.launches) != 1
                 or state.launches[0].num_splits <= 1 or q.shape[0] != md.num_seqs
                 or v.stride(1) != v.shape[2] or cos.shape[1] != q.shape[2]):
             return None
