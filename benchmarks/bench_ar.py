@@ -222,6 +222,9 @@ def main() -> None:
                     help="tile sizes for every matrix-vector kernel instead of triton_gemv.config")
     ap.add_argument("--no-pdl", action="store_true",
                     help="Triton kernels without programmatic dependent launch")
+    ap.add_argument("--pdl-early", choices=("on", "off"), default=None,
+                    help="each Triton kernel lets its dependent launch at its start, before its "
+                         "wait (pdl.set_early_launch); default: pdl.py's choice")
     ap.add_argument("--no-layer-kernel", action="store_true",
                     help="one-row decodes layer by layer in per-op kernels, not one kernel each")
     ap.add_argument("--layer-kernel", action="store_true",
@@ -267,6 +270,9 @@ def main() -> None:
     if args.no_pdl:
         from omnistage.layers import pdl
         pdl.set_enabled(False)
+    if args.pdl_early:
+        from omnistage.layers import pdl
+        pdl.set_early_launch(args.pdl_early == "on")
     if args.gemv_config:
         from omnistage.layers import triton_gemv
         bn, bk, nw, ns = map(int, args.gemv_config.split(","))
@@ -289,7 +295,8 @@ def main() -> None:
         "input_len": args.input_len, "output_len": args.output_len,
         "options": {"enforce_eager": args.enforce_eager, "no_fused": args.no_fused,
                     "gemv": not (args.no_gemv or args.no_fused),
-                    "pdl": not args.no_pdl, "gemv_config": args.gemv_config,
+                    "pdl": not args.no_pdl, "pdl_early": args.pdl_early,
+                    "gemv_config": args.gemv_config,
                     "layer_kernel": ("off" if args.no_layer_kernel or args.no_gemv or args.no_fused
                                      else "on" if args.layer_kernel else "auto"),
                     "layer_kernel_config": args.layer_kernel_config,

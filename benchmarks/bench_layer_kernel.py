@@ -44,6 +44,13 @@ def main() -> None:
                     help="also the one-row lm_head: cuBLAS against the matrix-vector kernel")
     ap.add_argument("--breakdown", action="store_true",
                     help="also the layer kernel with parts left out")
+    ap.add_argument("--pdl-early", action="store_true",
+                    help="per-op kernels with each kernel's dependent launched at its start "
+                         "(pdl.set_early_launch) against after its wait, the one-row matmul "
+                         "tiles swept that way (whole weight slabs before the wait included)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="per kernel name, the time it adds to a step's critical path "
+                         "(torch.profiler over graph replays), per-op kernels both PDL ways")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -80,22 +87,31 @@ def main() -> None:
     pos = torch.tensor([ctx], device="cuda")
     weight_bytes = sum(p.numel() * p.element_size() for n, p in inner.layers.named_parameters())
 
+    def step():
+        with forward_context(md):
+            return inner(ids, pos)[0]
+
     def timed(tag: str) -> dict:
         backend.prepare(md, has_cache=True)
         inner._stack = None
-
-        def step():
-            with forward_context(md):
-                return inner(ids, pos)[0]
         us = graph_time_us(step, args.iters, warmup=5)
         row = {"variant": tag, "us_per_step": us, "us_per_layer": us / cfg.num_hidden_layers,
                "weight_tb_s": weight_bytes / us / 1e6}
         print(json.dumps(row))
         return row
 
+    from omnistage.layers import pdl
     from omnistage.layers import triton_decoder_layer as tdl
     rows = []
     fused.set_layer_kernel(False)
+    if args.timeline:
+        for early in (False, True):
+            pdl.set_early_launch(early)
+            backend.prepare(md, has_cache=True)
+            rows.append(timeline(step, f"per-op kernels, early launch {early}"))
+        pdl.set_early_launch(False)
+    if args.pdl_early:
+        rows += pdl_early_rows(timed, cfg)
     rows.append(timed("per-op kernels"))
     fused.set_decode_attention(True)
     rows.append(timed("per-op kernels, attention in one kernel"))
@@ -128,6 +144,104 @@ def main() -> None:
                                         "preset": args.preset, "context": ctx,
                                         "weight_bytes_layers": weight_bytes, "rows": rows},
                                        indent=1))
+
+
+def timeline(step, tag: str, replays: int = 20) -> dict:  # type: ignore[no-untyped-def]
+    """Replays of step's CUDA graph under torch.profiler: per kernel name, its count, mean
+    duration (which, with PDL, includes waiting for the kernel before it) and the time it
+    adds to the step: its end minus the latest end of the kernels that started before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()
+    kernels = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
+                     for e in prof.profiler.kineto_results.events()
+                     if e.device_type().name == "CUDA" and e.duration_ns() > 0)
+    per_step = len(kernels) // replays
+    names: dict[str, dict] = {}
+    spans = []
+    for r in range(replays):
+        ks = kernels[r * per_step:(r + 1) * per_step]
+        latest = ks[0][0]
+        spans.append((ks[-1][1] - ks[0][0]) / 1e3)
+        for start, end, name in ks:
+            d = names.setdefault(name[:60], {"count": 0, "duration_us": 0.0, "adds_us": 0.0})
+            d["count"] += 1
+            d["duration_us"] += (end - start) / 1e3
+            d["adds_us"] += max(0, end - latest) / 1e3       # a gap before it counts as its own
+            latest = max(latest, end)
+    out = {"variant": tag, "kernels_per_step": per_step,
+           "span_us": sorted(spans)[len(spans) // 2], "kernels": {}}
+    for name, d in sorted(names.items(), key=lambda kv: -kv[1]["adds_us"]):
+        out["kernels"][name] = {"per_step": d["count"] / replays,
+                                "mean_us": d["duration_us"] / d["count"],
+                                "adds_us_per_step": d["adds_us"] / replays}
+    print(json.dumps(out, indent=1))
+    return out
+
+
+def pdl_early_rows(timed, cfg) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Per-op kernels with PDL's early launch against the usual, with and without the
+    one-kernel attention; then, early, each matmul shape's tiles swept inside the step
+    (BLOCK_K up to the whole row: its weight slab fetched before the wait)."""
+    import triton
+
+    from omnistage.layers import fused, pdl, triton_gemv
+
+    rows = []
+    for early in (False, True, False, True):
+        pdl.set_early_launch(early)
+        rows.append(timed(f"per-op, early launch {early}"))
+        fused.set_decode_attention(True)
+        rows.append(timed(f"per-op, attention in one kernel, early launch {early}"))
+        fused.set_decode_attention(False)
+    pdl.set_early_launch(True)
+    default = triton_gemv.config
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"qkv": ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, h),
+              "o": (h, cfg.num_attention_heads * cfg.head_dim), "gate_up": (2 * i, h),
+              "down": (h, i)}
+    chosen: dict[tuple[int, int], dict] = {}
+    triton_gemv.config = lambda n, k, r, name="": chosen.get((n, k)) or default(n, k, r, name)
+    best_all = {}
+    for tag, (n, k) in shapes.items():
+        best = (float("inf"), None)
+        for bk in sorted({1024, triton.next_power_of_2(k)}):
+            for bn in (4, 8, 16):
+                for warps in (4, 8):
+                    c = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1)
+                    chosen[(n, k)] = c
+                    try:
+                        row = timed(f"early, {tag} {bn},{bk},{warps}")
+                    except Exception as exc:  # does not build or fit
+                        rows.append({"variant": f"early, {tag} {bn},{bk},{warps}",
+                                     "error": str(exc)[:160]})
+                        continue
+                    rows.append(row)
+                    if row["us_per_step"] < best[0]:
+                        best = (row["us_per_step"], c)
+        chosen.pop((n, k), None)
+        best_all[(n, k)] = best[1]
+        rows.append({"variant": f"early, best {tag}", "us": best[0], "config": best[1]})
+    chosen.update({s: c for s, c in best_all.items() if c is not None})
+    rows.append(timed("early, best tiles of each shape"))
+    fused.set_decode_attention(True)
+    rows.append(timed("early, best tiles of each shape, attention in one kernel"))
+    fused.set_decode_attention(False)
+    pdl.set_early_launch(False)
+    rows.append(timed("usual launch, best early tiles of each shape"))
+    triton_gemv.config = default
+    return rows
 
 
 def lm_head_rows(model, iters: int) -> list[dict]:  # type: ignore[no-untyped-def]

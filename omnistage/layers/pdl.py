@@ -27,6 +27,7 @@ from torch import Tensor
 __all__ = ["enabled", "is_enabled", "launch_options", "set_enabled"]
 
 _on = True
+_early = False
 
 
 def set_enabled(on: bool) -> None:
@@ -37,6 +38,13 @@ def set_enabled(on: bool) -> None:
 
 def is_enabled() -> bool:
     return _on
+
+
+def set_early_launch(on: bool) -> None:
+    """Let each kernel's dependent launch as soon as this kernel starts (before its wait)
+    rather than after its wait: the chain may run several kernels ahead, fetching weights."""
+    global _early
+    _early = on
 
 
 @functools.cache
@@ -54,4 +62,6 @@ def enabled(x: Tensor) -> bool:
 
 def launch_options(x: Tensor) -> dict[str, object]:
     """The kernel's PDL constexpr and, when on, Triton's launch option."""
-    return {"PDL": True, "launch_pdl": True} if enabled(x) else {"PDL": False}
+    if not enabled(x):
+        return {"PDL": 0}
+    return {"PDL": 2 if _early else 1, "launch_pdl": True}

@@ -88,8 +88,11 @@ def _paged_attention_kernel(
         G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D_P2: tl.constexpr, IEEE: tl.constexpr,
         NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # launched early behind the previous kernel (pdl.py): wait for its writes
+    if PDL == 2:   # launched early behind the previous kernel (pdl.py): wait for its writes
+        gdc_launch_dependents()
+    if PDL:
         gdc_wait()
+    if PDL == 1:
         gdc_launch_dependents()
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -164,8 +167,11 @@ def _combine_splits_kernel(O_part, LSE, Out, query_start_loc, work, num_work,
                            D: tl.constexpr, D_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
                            PDL: tl.constexpr):
     """Out[t, h] = sum over splits of softmax-weighted partial outputs (one query a program)."""
+    if PDL == 2:
+        gdc_launch_dependents()
     if PDL:
         gdc_wait()
+    if PDL == 1:
         gdc_launch_dependents()
     seq = tl.load(work + tl.program_id(0))
     h = tl.program_id(1)

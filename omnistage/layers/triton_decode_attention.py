@@ -142,6 +142,8 @@ def _decode_attention_kernel(
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
         S: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
         PDL: tl.constexpr):
+    if PDL == 2:
+        gdc_launch_dependents()
     j = tl.program_id(0)
     g = tl.program_id(1)
     b = tl.program_id(2)
@@ -168,6 +170,7 @@ def _decode_attention_kernel(
                          BLOCK_T, True)
     if PDL:
         gdc_wait()
+    if PDL == 1:
         gdc_launch_dependents()
     # 2. q, k normalised and rotated; slice 0 stores k, v
     gi = tl.arange(0, M)

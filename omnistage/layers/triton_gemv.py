@@ -69,7 +69,9 @@ def _gemv_kernel(X, R, NW, W, B, Out, Sum, M, N, K, eps,
                  stride_xm, stride_rm, stride_wn, stride_om, stride_sm,
                  ROWS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
+                 ONE_TILE: tl.constexpr, PDL: tl.constexpr):
+    if PDL == 2:
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     dt = X.dtype.element_ty
     r = tl.arange(0, ROWS)
@@ -84,6 +86,7 @@ def _gemv_kernel(X, R, NW, W, B, Out, Sum, M, N, K, eps,
     w = tl.load(w_ptrs, mask=n_ok[:, None] & (tl.arange(0, BLOCK_K) < K)[None, :], other=0.0)
     if PDL:
         gdc_wait()
+    if PDL == 1:
         gdc_launch_dependents()
     if NORM:   # pass 1: each row's inverse RMS (and, with a residual, its sum, by program 0)
         ss = tl.zeros([ROWS, BLOCK_K], tl.float32)
@@ -104,8 +107,11 @@ def _gemv_kernel(X, R, NW, W, B, Out, Sum, M, N, K, eps,
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        w_next = tl.load(w_ptrs + k0 + BLOCK_K,
-                         mask=n_ok[:, None] & (k + BLOCK_K < K)[None, :], other=0.0)
+        if ONE_TILE:   # K <= BLOCK_K: the whole slab came before the wait
+            w_next = w
+        else:
+            w_next = tl.load(w_ptrs + k0 + BLOCK_K,
+                             mask=n_ok[:, None] & (k + BLOCK_K < K)[None, :], other=0.0)
         mask = r_ok[:, None] & k_ok[None, :]
         if SILU:
             gate = tl.load(x_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -165,7 +171,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         bias if bias is not None else weight, out, s, rows, n, in_features, eps,
         x.stride(0), r.stride(0), weight.stride(0), out.stride(0), s.stride(0),
         ROWS=triton.next_power_of_2(rows), NORM=norm_weight is not None,
-        ADD=residual is not None, SILU=silu, HAS_BIAS=bias is not None, **cfg,
+        ADD=residual is not None, SILU=silu, HAS_BIAS=bias is not None,
+        ONE_TILE=in_features <= cfg["BLOCK_K"], **cfg,
         **pdl.launch_options(x))
     return out, total
 

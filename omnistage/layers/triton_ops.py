@@ -97,8 +97,11 @@ def _qk_norm_rope_kernel(Q, K, V, QW, KW, Cos, Sin, Pos, Axis, QOut, KOut, VOut,
     head); else KOut is a contiguous (T, HK, D) output and V is untouched. MROPE: the tables
     hold D/2 frequencies, and frequency j takes its angle from position row Axis[j] of Pos
     (rows stride_pos apart; 0 for 1-D positions: every row is the same)."""
+    if PDL == 2:
+        gdc_launch_dependents()
     if PDL:
         gdc_wait()
+    if PDL == 1:
         gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, HALF_P2)[None, :]
