@@ -100,16 +100,11 @@ def main() -> None:
         print(json.dumps(row))
         return row
 
-    from omnistage.layers import pdl
     from omnistage.layers import triton_decoder_layer as tdl
     rows = []
     fused.set_layer_kernel(False)
     if args.timeline:
-        for early in (False, True):
-            pdl.set_early_launch(early)
-            backend.prepare(md, has_cache=True)
-            rows.append(timeline(step, f"per-op kernels, early launch {early}"))
-        pdl.set_early_launch(False)
+        rows += timeline_rows(step, timed, backend, md, cfg)
     if args.pdl_early:
         rows += pdl_early_rows(timed, cfg)
     rows.append(timed("per-op kernels"))
@@ -146,7 +141,55 @@ def main() -> None:
                                        indent=1))
 
 
-def timeline(step, tag: str, replays: int = 20) -> dict:  # type: ignore[no-untyped-def]
+# the best tiles of each one-row matmul with early launch (one H100 call, pdl_early sweep)
+EARLY_TILES = {"qkv": (16, 1024, 4), "o": (4, 2048, 8), "gate_up": (8, 1024, 4),
+               "down": (8, 4096, 8)}
+
+
+def matmul_shapes(cfg) -> dict[str, tuple[int, int]]:  # type: ignore[no-untyped-def]
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {"qkv": ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, h),
+            "o": (h, cfg.num_attention_heads * cfg.head_dim), "gate_up": (2 * i, h),
+            "down": (h, i)}
+
+
+def timeline_rows(step, timed, backend, md, cfg) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Critical-path timelines of the per-op kernels: PDL's early launch for some kinds of
+    kernel or none, attention in one kernel or three, default tiles or EARLY_TILES."""
+    from omnistage.layers import fused, pdl, triton_attention, triton_gemv
+
+    default = triton_gemv.config
+    max_splits = triton_attention.MAX_SPLITS
+    tiles = {shape: dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=1)
+             for tag, shape in matmul_shapes(cfg).items()
+             for bn, bk, w in [EARLY_TILES[tag]]}
+    rows = []
+    for early, one_kernel, tiled, splits in (
+            ((), False, False, 8), ((), True, False, 8), (pdl.KINDS, True, False, 8),
+            (pdl.KINDS, True, True, 8), (("gemv",), True, True, 8),
+            (("gemv", "norm"), True, True, 8), (pdl.KINDS, False, True, 8),
+            (("gemv", "norm"), False, True, 8), (pdl.KINDS, True, True, 4),
+            (pdl.KINDS, True, True, 16), ((), False, False, 8)):
+        pdl.set_early_launch(set(early))
+        triton_attention.MAX_SPLITS = splits
+        fused.set_decode_attention(one_kernel)
+        triton_gemv.config = (lambda n, k, r, name="": tiles.get((n, k)) or default(n, k, r, name)
+                              ) if tiled else default
+        tag = (f"early {'+'.join(sorted(early)) or 'none'}, attention in "
+               f"{'one kernel' if one_kernel else 'three'}, {'early' if tiled else 'default'} tiles"
+               f", {splits} slices")
+        row = timed(tag)
+        backend.prepare(md, has_cache=True)
+        row.update(timeline(step, tag, cfg.num_hidden_layers))
+        rows.append(row)
+    pdl.set_early_launch(False)
+    fused.set_decode_attention(False)
+    triton_gemv.config = default
+    triton_attention.MAX_SPLITS = max_splits
+    return rows
+
+
+def timeline(step, tag: str, layers: int, replays: int = 20) -> dict:  # type: ignore[no-untyped-def]
     """Replays of step's CUDA graph under torch.profiler: per kernel name, its count, mean
     duration (which, with PDL, includes waiting for the kernel before it) and the time it
     adds to the step: its end minus the latest end of the kernels that started before it."""
@@ -168,25 +211,31 @@ def timeline(step, tag: str, replays: int = 20) -> dict:  # type: ignore[no-unty
                      for e in prof.profiler.kineto_results.events()
                      if e.device_type().name == "CUDA" and e.duration_ns() > 0)
     per_step = len(kernels) // replays
+    per_layer = (per_step - 2) // layers      # the embedding and the final norm around them
     names: dict[str, dict] = {}
     spans = []
     for r in range(replays):
         ks = kernels[r * per_step:(r + 1) * per_step]
         latest = ks[0][0]
         spans.append((ks[-1][1] - ks[0][0]) / 1e3)
-        for start, end, name in ks:
-            d = names.setdefault(name[:60], {"count": 0, "duration_us": 0.0, "adds_us": 0.0})
+        for i, (start, end, name) in enumerate(ks):
+            label = f"{(i - 1) % per_layer}: {name[:50]}" if 0 < i <= layers * per_layer \
+                else name[:50]
+            d = names.setdefault(label, {"count": 0, "duration_us": 0.0, "adds_us": 0.0})
             d["count"] += 1
             d["duration_us"] += (end - start) / 1e3
             d["adds_us"] += max(0, end - latest) / 1e3       # a gap before it counts as its own
             latest = max(latest, end)
     out = {"variant": tag, "kernels_per_step": per_step,
            "span_us": sorted(spans)[len(spans) // 2], "kernels": {}}
-    for name, d in sorted(names.items(), key=lambda kv: -kv[1]["adds_us"]):
+    for name, d in sorted(names.items()):
         out["kernels"][name] = {"per_step": d["count"] / replays,
                                 "mean_us": d["duration_us"] / d["count"],
                                 "adds_us_per_step": d["adds_us"] / replays}
-    print(json.dumps(out, indent=1))
+    print(tag, f"span {out['span_us']:.1f} us")
+    for name, k in out["kernels"].items():
+        print(f"   {name:56s} x{k['per_step']:5.1f} mean {k['mean_us']:6.2f} adds "
+              f"{k['adds_us_per_step'] / k['per_step']:5.2f} us each")
     return out
 
 
@@ -207,10 +256,7 @@ def pdl_early_rows(timed, cfg) -> list[dict]:  # type: ignore[no-untyped-def]
         fused.set_decode_attention(False)
     pdl.set_early_launch(True)
     default = triton_gemv.config
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    shapes = {"qkv": ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, h),
-              "o": (h, cfg.num_attention_heads * cfg.head_dim), "gate_up": (2 * i, h),
-              "down": (h, i)}
+    shapes = matmul_shapes(cfg)
     chosen: dict[tuple[int, int], dict] = {}
     triton_gemv.config = lambda n, k, r, name="": chosen.get((n, k)) or default(n, k, r, name)
     best_all = {}

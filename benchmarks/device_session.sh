@@ -74,12 +74,12 @@ fi
 if [[ $STAGES == *pdl* ]]; then
     # programmatic dependent launch with each kernel's dependent launched at its start: single
     # stream both ways (alternated), then the layers' device time, tiles and critical path
-    for early in off on off on; do
+    for early in ${PDL_SINGLE-off on off on}; do
         timeout 120 python3 benchmarks/bench_ar.py --single-stream --output-len 256 --skip-hf \
             --no-layer-kernel --pdl-early $early --out "$OUT/single_pdl_early_${early}_$SECONDS.json" \
             2>&1 | grep -E "decode_tokens_per_s|Error"
     done
-    timeout 330 python3 benchmarks/bench_layer_kernel.py --pdl-early --timeline \
+    timeout 330 python3 benchmarks/bench_layer_kernel.py ${PDL_FLAGS:---pdl-early --timeline} \
         --out "$OUT/layers_pdl_early.json" 2>&1 | tee "$OUT/layers_pdl_early.log" | grep -E '"variant"|Error' | cut -c1-200
 fi
 if [[ $STAGES == *single* ]]; then

@@ -27,7 +27,8 @@ from torch import Tensor
 __all__ = ["enabled", "is_enabled", "launch_options", "set_enabled"]
 
 _on = True
-_early = False
+_early: frozenset[str] = frozenset()   # the kinds of kernel that let dependents launch early
+KINDS = frozenset({"gemv", "attention", "norm"})
 
 
 def set_enabled(on: bool) -> None:
@@ -40,11 +41,12 @@ def is_enabled() -> bool:
     return _on
 
 
-def set_early_launch(on: bool) -> None:
+def set_early_launch(on: bool | frozenset[str] | set[str]) -> None:
     """Let each kernel's dependent launch as soon as this kernel starts (before its wait)
-    rather than after its wait: the chain may run several kernels ahead, fetching weights."""
+    rather than after its wait: the chain may run several kernels ahead, fetching weights.
+    True: every kernel; a set: the kernels of those kinds (KINDS)."""
     global _early
-    _early = on
+    _early = KINDS if on is True else frozenset(on or ())
 
 
 @functools.cache
@@ -60,8 +62,9 @@ def enabled(x: Tensor) -> bool:
                     else torch.cuda.current_device())
 
 
-def launch_options(x: Tensor) -> dict[str, object]:
-    """The kernel's PDL constexpr and, when on, Triton's launch option."""
+def launch_options(x: Tensor, kind: str) -> dict[str, object]:
+    """The PDL constexpr of a kernel of this kind (KINDS) and, when on, Triton's launch
+    option: PDL 0 off, 1 dependents launch after the wait, 2 at the kernel's start."""
     if not enabled(x):
         return {"PDL": 0}
-    return {"PDL": 2 if _early else 1, "launch_pdl": True}
+    return {"PDL": 2 if kind in _early else 1, "launch_pdl": True}

@@ -344,12 +344,12 @@ class TritonPagedAttention:
                 part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
                 G=group, D=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m,
                 BLOCK_Q=block_m // group, BLOCK_N=BLOCK_N, D_P2=d_p2, IEEE=ieee,
-                NUM_SPLITS=splits, num_warps=4, num_stages=2, **pdl.launch_options(q))
+                NUM_SPLITS=splits, num_warps=4, num_stages=2, **pdl.launch_options(q, "attention"))
             if splits > 1:
                 _combine_splits_kernel[(launch.num_programs, num_heads)](
                     part, lse, out, md.query_start_loc, launch.work, launch.num_programs,
                     part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
                     out.stride(0), out.stride(1), D=head_dim, D_P2=d_p2, NUM_SPLITS=splits,
-                    **pdl.launch_options(q))
+                    **pdl.launch_options(q, "attention"))
         return out
 

@@ -271,5 +271,5 @@ class DecodeAttention:
             HQ=num_heads, HKV=num_kv_heads, D=head_dim, PAGE=k_cache.shape[1], S=splits,
             HAS_NORM=has_norm, BLOCK_T=BLOCK_T, IEEE=q.dtype == torch.float32,
             num_warps=NUM_WARPS,
-            **pdl.launch_options(q))
+            **pdl.launch_options(q, "attention"))
         return out

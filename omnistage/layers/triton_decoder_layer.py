@@ -440,7 +440,7 @@ class DecoderStack:
         and residual (their sum is its output), in buffers the next call overwrites."""
         assert h.shape == (1, self.hidden) and h.is_contiguous(), h.shape
         scale = self.scale * 1.4426950408889634          # log2 domain
-        opts = pdl.launch_options(h)
+        opts = pdl.launch_options(h, "gemv")
         for i, lw in enumerate(self.layers):
             x = h if i == 0 else self.h
             cache = lw.k_cache

@@ -173,7 +173,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         ROWS=triton.next_power_of_2(rows), NORM=norm_weight is not None,
         ADD=residual is not None, SILU=silu, HAS_BIAS=bias is not None,
         ONE_TILE=in_features <= cfg["BLOCK_K"], **cfg,
-        **pdl.launch_options(x))
+        **pdl.launch_options(x, "gemv"))
     return out, total
 
 

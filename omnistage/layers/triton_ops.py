@@ -237,5 +237,5 @@ def _qk_norm_rope(q: Tensor, k: Tensor, v: Tensor | None, q_weight: Tensor | Non
             k_out.stride(2) if store else 0, eps, HQ=num_heads, HK=num_kv_heads, HALF=half,
             HQ_P2=triton.next_power_of_2(num_heads), HK_P2=triton.next_power_of_2(num_kv_heads),
             HALF_P2=triton.next_power_of_2(half), HAS_NORM=has_norm, STORE=store, MROPE=mrope,
-            **pdl.launch_options(q))
+            **pdl.launch_options(q, "norm"))
     return q_out
