@@ -233,9 +233,10 @@ def main() -> None:
     ap.add_argument("--layer-kernel-config", default=None, metavar="MAX_TILE,WARPS",
                     help="weight elements a program holds per chunk, and warps, of the layer "
                          "kernel (triton_decoder_layer.MAX_TILE, NUM_WARPS)")
-    ap.add_argument("--decode-attention", action="store_true",
+    ap.add_argument("--decode-attention", choices=("on", "off"), default=None,
                     help="small decode batches: q/k norm + rotary + K/V store, attention and "
-                         "the merge of its slices as one kernel, not three")
+                         "the merge of its slices as one kernel (on) or three (off); default: "
+                         "fused.py's choice")
     ap.add_argument("--max-kv-splits", type=int, default=None,
                     help="split-K slices of a small decode batch's attention at most "
                          "(triton_attention.MAX_SPLITS and the layer kernel's, a power of two)")
@@ -259,7 +260,7 @@ def main() -> None:
         triton_decoder_layer.MAX_TILE, triton_decoder_layer.NUM_WARPS = tile, warps
     if args.decode_attention:
         from omnistage.layers import fused
-        fused.set_decode_attention(True)
+        fused.set_decode_attention(args.decode_attention == "on")
     if args.max_kv_splits:   # the per-op attention's and the layer kernel's
         from omnistage.layers import triton_attention, triton_decoder_layer
         triton_attention.MAX_SPLITS = args.max_kv_splits

@@ -108,9 +108,9 @@ def main() -> None:
     if args.pdl_early:
         rows += pdl_early_rows(timed, cfg)
     rows.append(timed("per-op kernels"))
-    fused.set_decode_attention(True)
-    rows.append(timed("per-op kernels, attention in one kernel"))
-    fused.set_decode_attention(False)
+    fused.set_decode_attention(not fused.decode_attention_for(torch.empty(1, 1, 1, device="cuda")))
+    rows.append(timed("per-op kernels, the other attention (one kernel / three)"))
+    fused.set_decode_attention(None)
     fused.set_layer_kernel(True)     # on any GPU
     rows.append(timed("layer kernel"))
     real_init = tdl.DecoderStack.__init__
@@ -141,9 +141,8 @@ def main() -> None:
                                        indent=1))
 
 
-# the best tiles of each one-row matmul with early launch (one H100 call, pdl_early sweep)
-EARLY_TILES = {"qkv": (16, 1024, 4), "o": (4, 2048, 8), "gate_up": (8, 1024, 4),
-               "down": (8, 4096, 8)}
+# the one-row matmul tiles every shape took on an H100 before the early-launch sweep
+OLD_TILES = dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=3)
 
 
 def matmul_shapes(cfg) -> dict[str, tuple[int, int]]:  # type: ignore[no-untyped-def]
@@ -154,42 +153,37 @@ def matmul_shapes(cfg) -> dict[str, tuple[int, int]]:  # type: ignore[no-untyped
 
 
 def timeline_rows(step, timed, backend, md, cfg) -> list[dict]:  # type: ignore[no-untyped-def]
-    """Critical-path timelines of the per-op kernels: PDL's early launch for some kinds of
-    kernel or none, attention in one kernel or three, default tiles or EARLY_TILES."""
-    from omnistage.layers import fused, pdl, triton_attention, triton_gemv
+    """Critical-path timelines of the per-op kernels: the defaults, and with PDL's early
+    launch, the one-kernel attention or the new matmul tiles taken back one at a time, and all
+    three (the kernels before)."""
+    from omnistage.layers import fused, pdl, triton_gemv
 
     default = triton_gemv.config
-    max_splits = triton_attention.MAX_SPLITS
-    tiles = {shape: dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=1)
-             for tag, shape in matmul_shapes(cfg).items()
-             for bn, bk, w in [EARLY_TILES[tag]]}
+    old = (lambda n, k, r, name="": OLD_TILES if n < 32768 else default(n, k, r, name))
     rows = []
-    for early, one_kernel, tiled, splits in (
-            ((), False, False, 8), ((), True, False, 8), (pdl.KINDS, True, False, 8),
-            (pdl.KINDS, True, True, 8), (("gemv",), True, True, 8),
-            (("gemv", "norm"), True, True, 8), (pdl.KINDS, False, True, 8),
-            (("gemv", "norm"), False, True, 8), (pdl.KINDS, True, True, 4),
-            (pdl.KINDS, True, True, 16), ((), False, False, 8)):
-        pdl.set_early_launch(set(early))
-        triton_attention.MAX_SPLITS = splits
+    for tag, early, one_kernel, tiles in (
+            ("defaults", None, None, default), ("before", False, False, old),
+            ("no early launch", False, None, default),
+            ("attention in three kernels", None, False, default),
+            ("old tiles", None, None, old), ("defaults", None, None, default)):
+        if early is None:
+            pdl.reset_early_launch()
+        else:
+            pdl.set_early_launch(early)
         fused.set_decode_attention(one_kernel)
-        triton_gemv.config = (lambda n, k, r, name="": tiles.get((n, k)) or default(n, k, r, name)
-                              ) if tiled else default
-        tag = (f"early {'+'.join(sorted(early)) or 'none'}, attention in "
-               f"{'one kernel' if one_kernel else 'three'}, {'early' if tiled else 'default'} tiles"
-               f", {splits} slices")
+        triton_gemv.config = tiles
         row = timed(tag)
         backend.prepare(md, has_cache=True)
         row.update(timeline(step, tag, cfg.num_hidden_layers))
         rows.append(row)
-    pdl.set_early_launch(False)
-    fused.set_decode_attention(False)
+    pdl.reset_early_launch()
+    fused.set_decode_attention(None)
     triton_gemv.config = default
-    triton_attention.MAX_SPLITS = max_splits
     return rows
 
 
-def timeline(step, tag: str, layers: int, replays: int = 20) -> dict:  # type: ignore[no-untyped-def]
+def timeline(step, tag: str, layers: int,  # type: ignore[no-untyped-def]
+             replays: int = 20) -> dict:
     """Replays of step's CUDA graph under torch.profiler: per kernel name, its count, mean
     duration (which, with PDL, includes waiting for the kernel before it) and the time it
     adds to the step: its end minus the latest end of the kernels that started before it."""
@@ -250,10 +244,10 @@ def pdl_early_rows(timed, cfg) -> list[dict]:  # type: ignore[no-untyped-def]
     rows = []
     for early in (False, True, False, True):
         pdl.set_early_launch(early)
+        fused.set_decode_attention(False)
         rows.append(timed(f"per-op, early launch {early}"))
         fused.set_decode_attention(True)
         rows.append(timed(f"per-op, attention in one kernel, early launch {early}"))
-        fused.set_decode_attention(False)
     pdl.set_early_launch(True)
     default = triton_gemv.config
     shapes = matmul_shapes(cfg)
@@ -283,9 +277,10 @@ def pdl_early_rows(timed, cfg) -> list[dict]:  # type: ignore[no-untyped-def]
     rows.append(timed("early, best tiles of each shape"))
     fused.set_decode_attention(True)
     rows.append(timed("early, best tiles of each shape, attention in one kernel"))
-    fused.set_decode_attention(False)
+    fused.set_decode_attention(None)
     pdl.set_early_launch(False)
     rows.append(timed("usual launch, best early tiles of each shape"))
+    pdl.reset_early_launch()
     triton_gemv.config = default
     return rows
 

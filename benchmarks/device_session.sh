@@ -72,15 +72,23 @@ if [[ $STAGES == *async* ]]; then
     done
 fi
 if [[ $STAGES == *pdl* ]]; then
-    # programmatic dependent launch with each kernel's dependent launched at its start: single
-    # stream both ways (alternated), then the layers' device time, tiles and critical path
-    for early in ${PDL_SINGLE-off on off on}; do
-        timeout 120 python3 benchmarks/bench_ar.py --single-stream --output-len 256 --skip-hf \
-            --no-layer-kernel --pdl-early $early --out "$OUT/single_pdl_early_${early}_$SECONDS.json" \
-            2>&1 | grep -E "decode_tokens_per_s|Error"
+    # programmatic dependent launch with each kernel's dependent launched at its start (with
+    # the one-kernel attention and the tiles swept that way, the H100's defaults): the GPU
+    # tests, single stream against the kernels before (alternated), the layers' critical path
+    timeout 240 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
+        -q tests/gpu tests/layers 2>&1 | tee "$OUT/pdl_tests.txt" | tail -4
+    before="--pdl-early off --decode-attention off --gemv-config 4,1024,4,3"
+    for i in 1 2; do
+        for flags in "" "$before"; do
+            name=single_$([[ -z $flags ]] && echo defaults || echo before)_$i
+            timeout 120 python3 benchmarks/bench_ar.py --single-stream --output-len 256 \
+                --skip-hf --no-layer-kernel $flags --out "$OUT/$name.json" 2>&1 \
+                | grep -E "decode_tokens_per_s|Error"
+        done
     done
-    timeout 330 python3 benchmarks/bench_layer_kernel.py ${PDL_FLAGS:---pdl-early --timeline} \
-        --out "$OUT/layers_pdl_early.json" 2>&1 | tee "$OUT/layers_pdl_early.log" | grep -E '"variant"|Error' | cut -c1-200
+    timeout 200 python3 benchmarks/bench_layer_kernel.py ${PDL_FLAGS:---timeline} \
+        --out "$OUT/layers_pdl_early.json" 2>&1 | tee "$OUT/layers_pdl_early.log" \
+        | grep -E 'span|Error'
 fi
 if [[ $STAGES == *single* ]]; then
     for flags in "" "--no-pdl" "--no-gemv --no-pdl" "--enforce-eager"; do

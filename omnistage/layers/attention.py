@@ -224,7 +224,7 @@ class Attention(nn.Module):
                 if _fused_store_ok and self.k_cache is not None
                 and getattr(self.backend, "accepts_stored_kv", False) else None)
         fused_decode = (getattr(self.backend, "rotate_and_attend", None)
-                        if _fused_decode_ok and fused.decode_attention_enabled() else None)
+                        if _fused_decode_ok and fused.decode_attention_for(q) else None)
         if args is not None and fused_decode is not None:
             try:   # small decode batches: norm, rotary, store and attention in one kernel
                 out = fused_decode(q, k, v, args, self.k_cache, self.v_cache, md, self.scale)

@@ -26,11 +26,11 @@ from torch import Tensor, nn
 
 _enabled = True
 _gemv = True
-# Small decode batches: one attention kernel (triton_decode_attention.py). Off by default: on
-# an H100 it took 5.5 us a call against 8.5 for the three kernels it replaces (alone, 28 calls
-# in a graph), but a step's layers took 825 us with it against 810 without
-# (benchmarks/results/decode_attention_qwen3-0.6b_h100.json, runs/layers_decode_attention_*).
-_decode_attention = False
+# Small decode batches: one attention kernel (triton_decode_attention.py). None: for one row
+# on an H100, where with PDL's early launch (pdl.py) a step's layers took 706 us with it
+# against 770 with the three kernels it replaces (benchmarks/results/layers_pdl_early_h100.json);
+# without early launch it was no faster (830 against 815 us).
+_decode_attention: bool | None = None
 _layer_kernel: bool | None = None   # None: where measured faster (triton_decoder_layer.py)
 _interpret = False   # tests: the kernels on CPU tensors too (Triton's interpreter)
 _ops: ModuleType | None | bool = False   # False: not looked up yet; None: triton missing
@@ -51,15 +51,21 @@ def set_gemv(enabled: bool) -> None:
     _gemv = enabled
 
 
-def set_decode_attention(enabled: bool) -> None:
+def set_decode_attention(enabled: bool | None) -> None:
     """Small decode batches (split-K) take one kernel for q/k norm, rotary, the K/V store,
-    attention and the merge of its slices (off by default: not faster in a whole step)."""
+    attention and the merge of its slices: True always, False never, None (the default) for
+    one row on the GPUs where that measured faster (an H100, with PDL's early launch)."""
     global _decode_attention
     _decode_attention = enabled
 
 
-def decode_attention_enabled() -> bool:
-    return _decode_attention
+def decode_attention_for(q: Tensor) -> bool:
+    """Whether the decode batch of q (T, H, D) may take the one-kernel attention."""
+    if _decode_attention is not None:
+        return _decode_attention
+    from omnistage.layers import pdl
+
+    return q.shape[0] == 1 and "attention" in pdl.early_kinds(q)
 
 
 def set_layer_kernel(enabled: bool | None) -> None:

@@ -24,11 +24,15 @@ import functools
 import torch
 from torch import Tensor
 
+from omnistage.utils.device import gpu_name
+
 __all__ = ["enabled", "is_enabled", "launch_options", "set_enabled"]
 
 _on = True
-_early: frozenset[str] = frozenset()   # the kinds of kernel that let dependents launch early
 KINDS = frozenset({"gemv", "attention", "norm"})
+# the kinds of kernel that let their dependents launch at their start; None: every kind on the
+# GPUs where that measured faster (an H100), none elsewhere
+_early: frozenset[str] | None = None
 
 
 def set_enabled(on: bool) -> None:
@@ -49,6 +53,23 @@ def set_early_launch(on: bool | frozenset[str] | set[str]) -> None:
     _early = KINDS if on is True else frozenset(on or ())
 
 
+def reset_early_launch() -> None:
+    """Back to the default: early launch where it measured faster."""
+    global _early
+    _early = None
+
+
+def early_kinds(x: Tensor) -> frozenset[str]:
+    """The kinds of kernel on x's device whose dependents launch at their start. By default
+    every kind on an H100: its decoder layers took 706 us a one-row step with early launch,
+    the one-kernel attention and the matmul tiles swept that way, against 815 before (806
+    with early launch and the old tiles; benchmarks/results/layers_pdl_early_h100.json).
+    Elsewhere none (not measured)."""
+    if _early is not None:
+        return _early
+    return KINDS if "H100" in gpu_name(x) else frozenset()
+
+
 @functools.cache
 def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
@@ -67,4 +88,4 @@ def launch_options(x: Tensor, kind: str) -> dict[str, object]:
     option: PDL 0 off, 1 dependents launch after the wait, 2 at the kernel's start."""
     if not enabled(x):
         return {"PDL": 0}
-    return {"PDL": 2 if kind in _early else 1, "launch_pdl": True}
+    return {"PDL": 2 if kind in early_kinds(x) else 1, "launch_pdl": True}

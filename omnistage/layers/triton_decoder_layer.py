@@ -52,9 +52,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from torch import Tensor
 
 from omnistage.layers import pdl
+from omnistage.utils.device import gpu_name
 from omnistage.layers.triton_decode_attention import (attend_new, attend_tile, kv_tile,
                                                       merge_slices, norm_rope)
-from omnistage.layers.triton_gemv import _device_name
 
 NUM_BARRIERS = tl.constexpr(4)   # grid barriers a layer launch passes (after P1 .. P4)
 # attention slices per KV head (16 on a 132-multiprocessor GPU with 8 KV heads): the H200's
@@ -366,8 +366,7 @@ def faster_here(x: Tensor) -> bool:
     against 997): off there and on GPUs not measured. The interpreter (CPU tests): on."""
     if not x.is_cuda:
         return True
-    return "H200" in _device_name(x.device.index if x.device.index is not None
-                                  else torch.cuda.current_device())
+    return "H200" in gpu_name(x)
 
 
 @functools.cache

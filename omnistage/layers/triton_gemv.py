@@ -25,7 +25,6 @@ the matmul accumulates in float32 like cuBLAS, in another order.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -34,6 +33,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from torch import Tensor
 
 from omnistage.layers import pdl
+from omnistage.utils.device import gpu_name
 
 # Used for one row only. On an H200 (benchmarks/results/sweep_gemv_qwen3-0.6b*.json), one row
 # through Qwen3-0.6B's four decode matmuls took 19.9 us with these kernels against 35.2 us for
@@ -44,24 +44,28 @@ MAX_ROWS = 1
 
 
 def config(n: int, k: int, rows: int, device_name: str = "") -> dict[str, int]:
-    """Tile sizes from the sweeps (BLOCK_N 4-32, BLOCK_K 128-2048, 4 or 8 warps, 2-4 stages
+    """Tile sizes from the sweeps (BLOCK_N 4-32, BLOCK_K 128-4096, 4 or 8 warps, 1-4 stages
     over Qwen3-0.6B's four decode matmuls). The two Hopper parts want different ones: on the
     H200 (faster memory: more loads in flight) 8 outputs a program in 8 warps, shorter tiles
     in 4 warps where that makes over 512 programs, 19.9 us for the four against 24.9 with the
-    H100's choice; on the H100 4 outputs a program in 4 warps, 18.9 us against 24.7
-    (sweep_gemv_qwen3-0.6b_h100.json). Other GPUs take the H100's."""
+    H100's choice of then (sweep_gemv_qwen3-0.6b*.json). On the H100 the tiles were swept
+    inside a whole step with PDL's early launch (pdl.py): a program takes its whole weight
+    slab (K up to 4096) in one tile, fetched before its wait (the 28 layers 706 us against 815
+    with the tiles before and no early launch; benchmarks/results/layers_pdl_early_h100.json):
+    qkv 16 x 1024, o 4 x 2048 and down 8 x 4096 (3072 used) in 8 warps, gate_up 8 x 1024.
+    Other GPUs take the H100's."""
     if n >= 32768 and k <= 4096:   # a vocabulary's lm_head (lm_head_faster_here)
         return dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1)
     if "H200" in device_name:
         if n // 8 > 512:
             return dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
         return dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=3)
+    if k <= 1024:
+        return dict(BLOCK_N=16 if n <= 4096 else 8, BLOCK_K=1024, num_warps=4, num_stages=1)
+    if k <= 4096:
+        return dict(BLOCK_N=4 if k <= 2048 else 8, BLOCK_K=triton.next_power_of_2(k),
+                    num_warps=8, num_stages=1)
     return dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=3)
-
-
-@functools.cache
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
 
 
 @triton.jit
@@ -143,8 +147,7 @@ def lm_head_faster_here(x: Tensor) -> bool:
     """Whether a one-row lm_head (a vocabulary of rows) runs faster here than cuBLAS, as
     measured (benchmarks/results/lm_head_qwen3-0.6b.json, 151936 x 1024 bf16): an H100, 106 us
     against cuBLAS' 132; not an H200 (82 against 77) nor GPUs nobody measured."""
-    return x.is_cuda and "H100" in _device_name(
-        x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return "H100" in gpu_name(x)
 
 
 def applies(x: Tensor, weight: Tensor) -> bool:
@@ -158,9 +161,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
             cfg: dict[str, int] | None = None) -> tuple[Tensor, Tensor | None]:
     rows, n = x.shape[0], weight.shape[0]
     assert weight.shape[1] == in_features, (weight.shape, in_features)
-    name = _device_name(x.device.index if x.device.index is not None
-                        else torch.cuda.current_device()) if x.is_cuda else ""
-    cfg = cfg or config(n, in_features, rows, name)
+    cfg = cfg or config(n, in_features, rows, gpu_name(x))
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     total = torch.empty(rows, in_features, dtype=x.dtype, device=x.device) \
         if residual is not None else None

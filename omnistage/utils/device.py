@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -32,3 +34,17 @@ def resolve_dtype(name: str, model_path: Path, device: torch.device) -> torch.dt
     config = json.loads((model_path / "config.json").read_text())
     declared = config.get("dtype") or config.get("torch_dtype") or "float32"
     return _DTYPES.get(str(declared).removeprefix("torch."), torch.float32)
+
+
+@functools.cache
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def gpu_name(x: Tensor) -> str:
+    """The name of the GPU holding x ("NVIDIA H100 80GB HBM3"); "" off CUDA. Kernels pick
+    the settings measured fastest on a GPU by it."""
+    if not x.is_cuda:
+        return ""
+    return _gpu_name(x.device.index if x.device.index is not None
+                     else torch.cuda.current_device())

@@ -156,10 +156,13 @@ def test_cuda_graph_decode_equals_eager(tiny_qwen3: Path, dtype: str) -> None:
             assert abs(lp[a] - ref_lp[b]) < tol, (rid, j, lp[a], ref_lp[b])
 
 
-def test_one_row_kernels_with_pdl_equal_cublas(tiny_qwen3: Path) -> None:
+@pytest.mark.parametrize("early", ["default", "forced"])
+def test_one_row_kernels_with_pdl_equal_cublas(tiny_qwen3: Path, early: str) -> None:
     """A single stream (one-row decode steps in CUDA graphs: the matrix-vector kernels,
     launched with programmatic dependent launch on Hopper) against the same engine with both
-    off (cuBLAS, plain launches); float32: the same tokens, logprobs within 1e-4."""
+    off (cuBLAS, plain launches); float32: the same tokens, logprobs within 1e-4. "forced":
+    every kernel lets its dependent launch at its start (pdl.set_early_launch) and the
+    attention is one kernel, on any GPU (by default only on an H100)."""
     from omnistage.layers import fused, pdl
 
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=5, ignore_eos=True)
@@ -170,7 +173,15 @@ def test_one_row_kernels_with_pdl_equal_cublas(tiny_qwen3: Path) -> None:
     finally:
         fused.set_gemv(True)
         pdl.set_enabled(True)
-    got = run(make_engine(tiny_qwen3, "float32", enforce_eager=False), PROMPTS[1:2], params)
+    if early == "forced":
+        pdl.set_early_launch(True)
+        fused.set_decode_attention(True)
+    try:
+        got = run(make_engine(tiny_qwen3, "float32", enforce_eager=False), PROMPTS[1:2],
+                  params)
+    finally:
+        pdl.reset_early_launch()
+        fused.set_decode_attention(None)
     assert got["0"]["ids"] == want["0"]["ids"]
     for a, b in zip(got["0"]["logprobs"], want["0"]["logprobs"]):
         assert a.keys() == b.keys()

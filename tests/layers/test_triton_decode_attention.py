@@ -42,7 +42,7 @@ def interpret():
     fused.set_decode_attention(True)
     yield
     fused._interpret = False
-    fused.set_decode_attention(False)          # the default
+    fused.set_decode_attention(None)           # the default
 
 
 def _layer(qk_norm: bool, seed: int) -> Attention:
