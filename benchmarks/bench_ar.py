@@ -219,7 +219,8 @@ def main() -> None:
     ap.add_argument("--no-gemv", action="store_true",
                     help="no one-row matrix-vector kernels (norm / SiLU fused in): cuBLAS")
     ap.add_argument("--gemv-config", default=None, metavar="BN,BK,WARPS,STAGES",
-                    help="tile sizes for every matrix-vector kernel instead of triton_gemv.config")
+                    help="tile sizes for every matrix-vector kernel but the lm_head's instead of "
+                         "triton_gemv.config")
     ap.add_argument("--no-pdl", action="store_true",
                     help="Triton kernels without programmatic dependent launch")
     ap.add_argument("--pdl-early", choices=("on", "off"), default=None,
@@ -277,8 +278,10 @@ def main() -> None:
     if args.gemv_config:
         from omnistage.layers import triton_gemv
         bn, bk, nw, ns = map(int, args.gemv_config.split(","))
-        triton_gemv.config = lambda n, k, rows, name="": dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw,
-                                                     num_stages=ns)
+        default = triton_gemv.config   # the lm_head (a vocabulary of rows) keeps its own
+        triton_gemv.config = lambda n, k, rows, name="": (
+            dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns) if n < 32768
+            else default(n, k, rows, name))
     path = build_checkpoint(args.preset, Path(args.checkpoint_dir) / args.preset)
     rng = random.Random(0)
     vocab = PRESETS[args.preset]["vocab_size"]
