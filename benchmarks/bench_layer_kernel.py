@@ -44,10 +44,9 @@ def main() -> None:
                     help="also the one-row lm_head: cuBLAS against the matrix-vector kernel")
     ap.add_argument("--breakdown", action="store_true",
                     help="also the layer kernel with parts left out")
-    ap.add_argument("--pdl-early", action="store_true",
-                    help="per-op kernels with each kernel's dependent launched at its start "
-                         "(pdl.set_early_launch) against after its wait, the one-row matmul "
-                         "tiles swept that way (whole weight slabs before the wait included)")
+    ap.add_argument("--attention-variants", action="store_true",
+                    help="critical-path timelines of the one-kernel decode attention's "
+                         "settings (keys a tile, warps, slices)")
     ap.add_argument("--timeline", action="store_true",
                     help="per kernel name, the time it adds to a step's critical path "
                          "(torch.profiler over graph replays), per-op kernels both PDL ways")
@@ -105,8 +104,8 @@ def main() -> None:
     fused.set_layer_kernel(False)
     if args.timeline:
         rows += timeline_rows(step, timed, backend, md, cfg)
-    if args.pdl_early:
-        rows += pdl_early_rows(timed, cfg)
+    if args.attention_variants:
+        rows += attention_rows(step, timed, backend, md, cfg)
     rows.append(timed("per-op kernels"))
     fused.set_decode_attention(not fused.decode_attention_for(torch.empty(1, 1, 1, device="cuda")))
     rows.append(timed("per-op kernels, the other attention (one kernel / three)"))
@@ -182,6 +181,28 @@ def timeline_rows(step, timed, backend, md, cfg) -> list[dict]:  # type: ignore[
     return rows
 
 
+def attention_rows(step, timed, backend, md, cfg) -> list[dict]:  # type: ignore[no-untyped-def]
+    """The one-kernel decode attention's keys a tile, warps and most slices, inside the step
+    (the rest at their defaults), each timed and its critical path traced."""
+    from omnistage.layers import fused, triton_attention
+    from omnistage.layers import triton_decode_attention as tda
+
+    saved = tda.BLOCK_T, tda.NUM_WARPS, triton_attention.MAX_SPLITS
+    fused.set_decode_attention(True)
+    rows = []
+    for block_t, warps, splits in ((32, 4, 8), (64, 4, 8), (64, 8, 8), (32, 2, 8), (32, 8, 8),
+                                   (32, 4, 16), (64, 4, 4), (128, 8, 4), (32, 4, 8)):
+        tda.BLOCK_T, tda.NUM_WARPS, triton_attention.MAX_SPLITS = block_t, warps, splits
+        tag = f"attention BLOCK_T={block_t} warps={warps} slices<={splits}"
+        row = timed(tag)
+        backend.prepare(md, has_cache=True)
+        row.update(timeline(step, tag, cfg.num_hidden_layers))
+        rows.append(row)
+    tda.BLOCK_T, tda.NUM_WARPS, triton_attention.MAX_SPLITS = saved
+    fused.set_decode_attention(None)
+    return rows
+
+
 def timeline(step, tag: str, layers: int,  # type: ignore[no-untyped-def]
              replays: int = 20) -> dict:
     """Replays of step's CUDA graph under torch.profiler: per kernel name, its count, mean
@@ -233,58 +254,6 @@ def timeline(step, tag: str, layers: int,  # type: ignore[no-untyped-def]
     return out
 
 
-def pdl_early_rows(timed, cfg) -> list[dict]:  # type: ignore[no-untyped-def]
-    """Per-op kernels with PDL's early launch against the usual, with and without the
-    one-kernel attention; then, early, each matmul shape's tiles swept inside the step
-    (BLOCK_K up to the whole row: its weight slab fetched before the wait)."""
-    import triton
-
-    from omnistage.layers import fused, pdl, triton_gemv
-
-    rows = []
-    for early in (False, True, False, True):
-        pdl.set_early_launch(early)
-        fused.set_decode_attention(False)
-        rows.append(timed(f"per-op, early launch {early}"))
-        fused.set_decode_attention(True)
-        rows.append(timed(f"per-op, attention in one kernel, early launch {early}"))
-    pdl.set_early_launch(True)
-    default = triton_gemv.config
-    shapes = matmul_shapes(cfg)
-    chosen: dict[tuple[int, int], dict] = {}
-    triton_gemv.config = lambda n, k, r, name="": chosen.get((n, k)) or default(n, k, r, name)
-    best_all = {}
-    for tag, (n, k) in shapes.items():
-        best = (float("inf"), None)
-        for bk in sorted({1024, triton.next_power_of_2(k)}):
-            for bn in (4, 8, 16):
-                for warps in (4, 8):
-                    c = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1)
-                    chosen[(n, k)] = c
-                    try:
-                        row = timed(f"early, {tag} {bn},{bk},{warps}")
-                    except Exception as exc:  # does not build or fit
-                        rows.append({"variant": f"early, {tag} {bn},{bk},{warps}",
-                                     "error": str(exc)[:160]})
-                        continue
-                    rows.append(row)
-                    if row["us_per_step"] < best[0]:
-                        best = (row["us_per_step"], c)
-        chosen.pop((n, k), None)
-        best_all[(n, k)] = best[1]
-        rows.append({"variant": f"early, best {tag}", "us": best[0], "config": best[1]})
-    chosen.update({s: c for s, c in best_all.items() if c is not None})
-    rows.append(timed("early, best tiles of each shape"))
-    fused.set_decode_attention(True)
-    rows.append(timed("early, best tiles of each shape, attention in one kernel"))
-    fused.set_decode_attention(None)
-    pdl.set_early_launch(False)
-    rows.append(timed("usual launch, best early tiles of each shape"))
-    pdl.reset_early_launch()
-    triton_gemv.config = default
-    return rows
-
-
 def lm_head_rows(model, iters: int) -> list[dict]:  # type: ignore[no-untyped-def]
     """One row through the tied lm_head: cuBLAS against triton_gemv at a few tile sizes."""
     from omnistage.benchmarks.common import graph_time_us
@@ -311,14 +280,13 @@ def lm_head_rows(model, iters: int) -> list[dict]:  # type: ignore[no-untyped-de
 def sweep_gemv(timed, cfg) -> dict:  # type: ignore[no-untyped-def]
     """Coordinate sweep of the one-row matmul tiles inside the step (a config that is fastest
     alone need not be inside the chain of kernels)."""
+    import triton
+
     from omnistage.layers import fused, triton_gemv
 
     fused.set_layer_kernel(False)
     default = triton_gemv.config
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-    shapes = {"qkv": (qkv, h), "o": (h, cfg.num_attention_heads * cfg.head_dim),
-              "gate_up": (2 * i, h), "down": (h, i)}
+    shapes = matmul_shapes(cfg)
     chosen: dict[tuple[int, int], dict] = {}
     triton_gemv.config = lambda n, k, r, name="": chosen.get((n, k)) or default(n, k, r, name)
     base = timed("per-op kernels, default tiles")["us_per_step"]
@@ -327,7 +295,7 @@ def sweep_gemv(timed, cfg) -> dict:  # type: ignore[no-untyped-def]
         best = (base, None)
         tried = []
         for bn in (4, 8, 16, 32):
-            for bk in (256, 512, 1024):
+            for bk in sorted({1024, min(4096, triton.next_power_of_2(shape[1]))}):
                 for warps in (4, 8):
                     c = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1)
                     chosen[shape] = c

@@ -90,6 +90,12 @@ if [[ $STAGES == *pdl* ]]; then
         --out "$OUT/layers_pdl_early.json" 2>&1 | tee "$OUT/layers_pdl_early.log" \
         | grep -E 'span|Error'
 fi
+if [[ $STAGES == *tune* ]]; then
+    # the one-row step's settings inside the whole step: the one-kernel attention's, then the
+    # matmul tiles (coordinate sweep), each against the defaults of the same process
+    timeout 540 python3 benchmarks/bench_layer_kernel.py ${TUNE_FLAGS:---attention-variants --sweep-gemv} \
+        --out "$OUT/layers_tune.json" 2>&1 | tee "$OUT/layers_tune.log" | grep -E 'span|Error|best'
+fi
 if [[ $STAGES == *single* ]]; then
     for flags in "" "--no-pdl" "--no-gemv --no-pdl" "--enforce-eager"; do
         name=single$(echo "$flags" | tr ' -' '__')
