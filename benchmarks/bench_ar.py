@@ -238,6 +238,9 @@ def main() -> None:
                     help="small decode batches: q/k norm + rotary + K/V store, attention and "
                          "the merge of its slices as one kernel (on) or three (off); default: "
                          "fused.py's choice")
+    ap.add_argument("--decode-attention-config", default=None, metavar="BLOCK_T,WARPS,SLICES",
+                    help="the one-kernel decode attention's keys a tile, warps and most slices "
+                         "(triton_decode_attention.BLOCK_T, NUM_WARPS, MAX_SPLITS)")
     ap.add_argument("--max-kv-splits", type=int, default=None,
                     help="split-K slices of a small decode batch's attention at most "
                          "(triton_attention.MAX_SPLITS and the layer kernel's, a power of two)")
@@ -262,6 +265,10 @@ def main() -> None:
     if args.decode_attention:
         from omnistage.layers import fused
         fused.set_decode_attention(args.decode_attention == "on")
+    if args.decode_attention_config:
+        from omnistage.layers import triton_decode_attention as tda
+        tda.BLOCK_T, tda.NUM_WARPS, tda.MAX_SPLITS = map(
+            int, args.decode_attention_config.split(","))
     if args.max_kv_splits:   # the per-op attention's and the layer kernel's
         from omnistage.layers import triton_attention, triton_decoder_layer
         triton_attention.MAX_SPLITS = args.max_kv_splits
@@ -305,6 +312,7 @@ def main() -> None:
                                      else "on" if args.layer_kernel else "auto"),
                     "layer_kernel_config": args.layer_kernel_config,
                     "decode_attention": args.decode_attention,
+                    "decode_attention_config": args.decode_attention_config,
                     "async_scheduling": not args.no_async_scheduling,
                     "max_kv_splits": args.max_kv_splits,
                     "attention_backend": args.attention_backend},

@@ -184,21 +184,21 @@ def timeline_rows(step, timed, backend, md, cfg) -> list[dict]:  # type: ignore[
 def attention_rows(step, timed, backend, md, cfg) -> list[dict]:  # type: ignore[no-untyped-def]
     """The one-kernel decode attention's keys a tile, warps and most slices, inside the step
     (the rest at their defaults), each timed and its critical path traced."""
-    from omnistage.layers import fused, triton_attention
+    from omnistage.layers import fused
     from omnistage.layers import triton_decode_attention as tda
 
-    saved = tda.BLOCK_T, tda.NUM_WARPS, triton_attention.MAX_SPLITS
+    saved = tda.BLOCK_T, tda.NUM_WARPS, tda.MAX_SPLITS
     fused.set_decode_attention(True)
     rows = []
-    for block_t, warps, splits in ((32, 4, 8), (64, 4, 8), (64, 8, 8), (32, 2, 8), (32, 8, 8),
-                                   (32, 4, 16), (64, 4, 4), (128, 8, 4), (32, 4, 8)):
-        tda.BLOCK_T, tda.NUM_WARPS, triton_attention.MAX_SPLITS = block_t, warps, splits
+    for block_t, warps, splits in ((32, 4, 8), (128, 8, 4), (128, 8, 8), (64, 8, 8), (64, 8, 4),
+                                   (128, 16, 8), (64, 16, 8), saved):
+        tda.BLOCK_T, tda.NUM_WARPS, tda.MAX_SPLITS = block_t, warps, splits
         tag = f"attention BLOCK_T={block_t} warps={warps} slices<={splits}"
         row = timed(tag)
         backend.prepare(md, has_cache=True)
         row.update(timeline(step, tag, cfg.num_hidden_layers))
         rows.append(row)
-    tda.BLOCK_T, tda.NUM_WARPS, triton_attention.MAX_SPLITS = saved
+    tda.BLOCK_T, tda.NUM_WARPS, tda.MAX_SPLITS = saved
     fused.set_decode_attention(None)
     return rows
 

@@ -93,8 +93,16 @@ fi
 if [[ $STAGES == *tune* ]]; then
     # the one-row step's settings inside the whole step: the one-kernel attention's, then the
     # matmul tiles (coordinate sweep), each against the defaults of the same process
-    timeout 540 python3 benchmarks/bench_layer_kernel.py ${TUNE_FLAGS:---attention-variants --sweep-gemv} \
+    timeout 540 python3 benchmarks/bench_layer_kernel.py \
+        ${TUNE_FLAGS:---attention-variants --sweep-gemv} \
         --out "$OUT/layers_tune.json" 2>&1 | tee "$OUT/layers_tune.log" | grep -E 'span|Error|best'
+    for i in 1 2; do   # single stream: the defaults against TUNE_SINGLE's flags
+        for flags in "" ${TUNE_SINGLE:+"$TUNE_SINGLE"}; do
+            name=single_$([[ -z $flags ]] && echo defaults || echo variant)_$i
+            timeout 120 python3 benchmarks/bench_ar.py --single-stream --output-len 256 \
+                --skip-hf $flags --out "$OUT/$name.json" 2>&1 | grep -E "decode_tokens_per_s|Error"
+        done
+    done
 fi
 if [[ $STAGES == *single* ]]; then
     for flags in "" "--no-pdl" "--no-gemv --no-pdl" "--enforce-eager"; do

@@ -49,6 +49,7 @@ from torch import Tensor
 
 from omnistage.layers import pdl
 from omnistage.layers.attention import AttentionMetadata, TorchPagedAttention
+from omnistage.layers import triton_decode_attention as tda
 from omnistage.layers.triton_decode_attention import DecodeAttention
 
 DECODE_BLOCK_M = 16    # rows of a decode tile: tl.dot needs at least 16
@@ -306,7 +307,7 @@ class TritonPagedAttention:
             return None
         return self._decode(q, k, v, q_weight, k_weight, eps, cos, sin, positions, k_cache,
                             v_cache, md.slot_mapping, md.seq_lens, md.block_tables, scale,
-                            state.launches[0].num_splits)
+                            min(state.launches[0].num_splits, tda.MAX_SPLITS))
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor | None,
                 v_cache: Tensor | None, md: AttentionMetadata, scale: float,

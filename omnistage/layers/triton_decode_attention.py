@@ -38,6 +38,7 @@ from omnistage.layers import pdl
 
 BLOCK_T = 32                   # keys per tile (at least 16: tl.dot)
 NUM_WARPS = 4
+MAX_SPLITS = 8                 # slices at most (and at most the per-op path's)
 
 
 @triton.jit
@@ -157,7 +158,10 @@ def _decode_attention_kernel(
     slot = tl.load(Slot + b).to(tl.int64)
     seq_len = tl.load(SeqLens + b)
     ctx = seq_len - 1                                    # positions already in the cache
-    per = tl.cdiv(tl.cdiv(seq_len, S), 16) * 16          # keys a slice (whole 16s)
+    # slices in use: as few as hold the context in whole tiles (S at most; the rest are empty
+    # and merge as nothing), so a short context is fetched in one tile a slice, before the wait
+    used = tl.maximum(tl.minimum(S, tl.cdiv(seq_len, BLOCK_T)), 1)
+    per = tl.cdiv(tl.cdiv(seq_len, used), 16) * 16       # keys a slice (whole 16s)
     lo = j * per
     hi = tl.minimum(seq_len, lo + per)
     cached_hi = tl.minimum(hi, ctx)

@@ -50,10 +50,11 @@ def config(n: int, k: int, rows: int, device_name: str = "") -> dict[str, int]:
     in 4 warps where that makes over 512 programs, 19.9 us for the four against 24.9 with the
     H100's choice of then (sweep_gemv_qwen3-0.6b*.json). On the H100 the tiles were swept
     inside a whole step with PDL's early launch (pdl.py): a program takes its whole weight
-    slab (K up to 4096) in one tile, fetched before its wait (the 28 layers 706 us against 815
-    with the tiles before and no early launch; benchmarks/results/layers_pdl_early_h100.json):
-    qkv 16 x 1024, o 4 x 2048 and down 8 x 4096 (3072 used) in 8 warps, gate_up 8 x 1024.
-    Other GPUs take the H100's."""
+    slab (K up to 4096) in one tile, fetched before its wait: 16 outputs x 1024 in 4 warps
+    (qkv, gate_up), 8 x the next power of two of K in 8 warps (o 2048, down 4096 with 3072
+    used); the 28 layers took 675 us against 710 with the first sweep's choice and 815 with
+    the tiles before and no early launch (benchmarks/results/layers_pdl_early_h100.json,
+    runs/pdl_early_h100/). Other GPUs take the H100's."""
     if n >= 32768 and k <= 4096:   # a vocabulary's lm_head (lm_head_faster_here)
         return dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1)
     if "H200" in device_name:
@@ -61,10 +62,9 @@ def config(n: int, k: int, rows: int, device_name: str = "") -> dict[str, int]:
             return dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
         return dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=3)
     if k <= 1024:
-        return dict(BLOCK_N=16 if n <= 4096 else 8, BLOCK_K=1024, num_warps=4, num_stages=1)
+        return dict(BLOCK_N=16, BLOCK_K=1024, num_warps=4, num_stages=1)
     if k <= 4096:
-        return dict(BLOCK_N=4 if k <= 2048 else 8, BLOCK_K=triton.next_power_of_2(k),
-                    num_warps=8, num_stages=1)
+        return dict(BLOCK_N=8, BLOCK_K=triton.next_power_of_2(k), num_warps=8, num_stages=1)
     return dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=3)
 
 
