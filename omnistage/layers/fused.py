@@ -13,7 +13,8 @@ A one-row decode step of a Qwen2/Qwen3 decoder can run each whole layer as one k
 above (an H200; not an H100) and in the interpreter; `set_layer_kernel(True / False)` forces it.
 
 `set_decode_attention(True)` runs a small decode batch's attention (q/k norm, rotary, K/V store,
-sliced attention, merge) as one kernel (triton_decode_attention.py; off by default).
+sliced attention, merge) as one kernel (triton_decode_attention.py; by default for one row on
+an H100, with PDL's early launch: pdl.py).
 
 The PyTorch paths stay the reference on every device; tests compare the two.
 """
@@ -27,8 +28,8 @@ from torch import Tensor, nn
 _enabled = True
 _gemv = True
 # Small decode batches: one attention kernel (triton_decode_attention.py). None: for one row
-# on an H100, where with PDL's early launch (pdl.py) a step's layers took 706 us with it
-# against 770 with the three kernels it replaces (benchmarks/results/layers_pdl_early_h100.json);
+# on an H100, where with PDL's early launch (pdl.py) a step's layers took 628 us with it
+# against 733 with the three kernels it replaces (benchmarks/results/runs/pdl_early_h100/);
 # without early launch it was no faster (830 against 815 us).
 _decode_attention: bool | None = None
 _layer_kernel: bool | None = None   # None: where measured faster (triton_decoder_layer.py)

@@ -2,19 +2,27 @@
 
 A kernel launched with PDL may start while the kernel before it in the stream is finishing; it
 calls `gdc_wait()` before touching anything that kernel writes, and `gdc_launch_dependents()`
-to let the kernel after it start early in turn. At one decode row a step is ~200 kernels of a
+to let the kernel after it start early in turn. At one decode row a step is ~150 kernels of a
 few microseconds, each waiting out the launch and ramp of the last: with PDL the matrix-vector
-kernels fetch their first weight tile during the previous kernel's tail. Inside a kernel:
+kernels fetch their weights during the previous kernels. Inside a kernel (PDL: 0 off, 1 or 2):
 
+    if PDL == 2:
+        gdc_launch_dependents()    # early launch: the next kernel may start now
+    ...                            # loads of what no earlier kernel of the step writes
     if PDL:
         gdc_wait()                 # the previous kernel's writes are visible after this
+    if PDL == 1:
         gdc_launch_dependents()
 
-and nothing may be written before `gdc_wait()` (the output may reuse memory the previous
-kernel still reads); `gdc_wait` and `gdc_launch_dependents` come from
-`triton.language.extra.cuda`. This module needs no triton (the CUDA-graph capture asks it too).
-On CPU (Triton's interpreter) and GPUs before Hopper it is off. Measured: +3% single-stream decode
-on an H200 (README). A CUDA-graph capture that fails with it is retried without it.
+Nothing may be written before `gdc_wait()` (the output may reuse memory an earlier kernel
+still reads), and every program calls it. With early launch (2) a chain of kernels runs ahead
+as far as the multiprocessors hold their programs, each fetching its weights; a kernel's wait
+returns once the one before it completed, which itself waited for its own predecessor, so
+writes stay ordered. Early launch is per kind of kernel (`set_early_launch`; by default every
+kind on an H100, none elsewhere: `early_kinds`). `gdc_wait` and `gdc_launch_dependents` come
+from `triton.language.extra.cuda`. This module needs no triton (the CUDA-graph capture asks it
+too). On CPU (Triton's interpreter) and GPUs before Hopper PDL is off. A CUDA-graph capture that
+fails with it is retried without it.
 """
 
 from __future__ import annotations

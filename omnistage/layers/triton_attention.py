@@ -26,10 +26,10 @@ Split-K: a batch of pure decodes too small to fill the device (batch x Hkv progr
 the multiprocessors, e.g. a single stream) splits each context into up to MAX_SPLITS (8)
 slices of whole key tiles, one program each; each writes its normalised partial output and log-sum-exp, and
 `_combine_splits_kernel` merges them (an empty slice has weight 0). A captured graph's split
-count comes from its bucket size alone; slices past a shorter context are empty. With
-`fused.set_decode_attention(True)` such a batch with plain rotary takes `rotate_and_attend`
-instead: the q/k norm, rotary, K/V store, sliced attention and merge in one kernel
-(triton_decode_attention.py; off by default: no faster within a whole step on an H100).
+count comes from its bucket size alone; slices past a shorter context are empty. Where
+`fused.decode_attention_for` says so (one row on an H100 by default) such a batch with plain
+rotary takes `rotate_and_attend` instead: the q/k norm, rotary, K/V store, sliced attention and
+merge in one kernel (triton_decode_attention.py).
 
 New K/V are first written into the cache by `_store_kv_kernel` (slot -1: skipped), then attended
 like the rest of the context, so a fresh prefill and a chunk on top of a cached prefix are one

@@ -17,10 +17,17 @@ of (slices, KV heads, sequences) programs does it all:
       4. the slice to finish last for (b, g) (a counter per (b, g), reset by that slice)
          merges the partial outputs of all slices into the output
 
-With one slice there is nothing to merge. Off by default (`fused.set_decode_attention`): on an
-H100 it took 5.5 us a call against 8.5 for the three kernels when calls ran back to back, but
-a whole step's layers were no faster (825 against 810 us; README, benchmarks). The helpers (`norm_rope`, `kv_tile`, `attend_tile`,
-`merge_slices`) are shared with the one-kernel-a-layer path (triton_decoder_layer.py).
+With one slice there is nothing to merge. The grid has MAX_SPLITS slices (fixed when a CUDA
+graph is captured); a launch uses as few of them as hold its context in whole BLOCK_T tiles
+(the others are empty and merge as nothing), so up to MAX_SPLITS x BLOCK_T keys every cached
+key is fetched before the wait.
+
+Used by default for one row on an H100 (`fused.decode_attention_for`), where the kernels of
+a step launch their dependents early (pdl.py): the 28 layers took 628 us with it at 128 keys
+a tile in 8 warps, 674 at 32 keys in 4 warps, 733 with the three kernels (a context of 256;
+benchmarks/results/runs/pdl_early_h100/). Without early launch it was no faster than the
+three kernels. The helpers (`norm_rope`, `kv_tile`, `attend_tile`, `merge_slices`) are shared
+with the one-kernel-a-layer path (triton_decoder_layer.py).
 Partial results written by other programs are read through L2 (`.cg`) after the counter's
 acquire. Numerics are the per-op path's: q and k rounded to the input dtype after rotary,
 scores and softmax in float32, probabilities rounded to the dtype before P @ V.
@@ -36,8 +43,11 @@ from torch import Tensor
 
 from omnistage.layers import pdl
 
-BLOCK_T = 32                   # keys per tile (at least 16: tl.dot)
-NUM_WARPS = 4
+# H100, one row inside the whole step (bench_layer_kernel.py --attention-variants): 128 keys
+# in 8 warps 628 us for the layers, 64 in 8 656, 128 in 16 645, 32 in 4 674; 4 or 8 slices
+# alike at a context of 256. 128 keys in 8 warps spill a few registers (ptxas), and still win.
+BLOCK_T = 128                  # keys per tile (at least 16: tl.dot)
+NUM_WARPS = 8
 MAX_SPLITS = 8                 # slices at most (and at most the per-op path's)
 
 
