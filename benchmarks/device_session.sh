@@ -75,7 +75,7 @@ if [[ $STAGES == *pdl* ]]; then
     # programmatic dependent launch with each kernel's dependent launched at its start (with
     # the one-kernel attention and the tiles swept that way, the H100's defaults): the GPU
     # tests, single stream against the kernels before (alternated), the layers' critical path
-    timeout 240 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
+    timeout 420 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
         -q tests/gpu tests/layers 2>&1 | tee "$OUT/pdl_tests.txt" | tail -4
     before="--pdl-early off --decode-attention off --gemv-config 4,1024,4,3"
     for i in 1 2; do
@@ -118,6 +118,15 @@ fi
 if [[ $STAGES == *latency* ]]; then
     python3 -m omnistage.entrypoints.cli.main bench ar --out-dir "$OUT" --name ar_latency 2>&1 \
         | tail -12
+fi
+if [[ $STAGES == *batch* ]]; then
+    # 64 requests at once (256 + 128 tokens) with PDL's early launch (the H100's default) and
+    # without, alternated
+    for early in on off on off; do
+        timeout 150 python3 benchmarks/bench_ar.py --num-prompts 64 --skip-hf \
+            --pdl-early $early --out "$OUT/c64_pdl_early_${early}_$SECONDS.json" 2>&1 \
+            | grep -E "tokens_per_s|Error" | head -2
+    done
 fi
 if [[ $STAGES == *omni* ]]; then
     python3 -m omnistage.entrypoints.cli.main bench omni --out-dir "$OUT" --name omni 2>&1 \
