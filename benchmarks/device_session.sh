@@ -120,12 +120,14 @@ if [[ $STAGES == *latency* ]]; then
         | tail -12
 fi
 if [[ $STAGES == *batch* ]]; then
-    # 64 requests at once (256 + 128 tokens) with PDL's early launch (the H100's default) and
-    # without, alternated
-    for early in on off on off; do
-        timeout 150 python3 benchmarks/bench_ar.py --num-prompts 64 --skip-hf \
-            --pdl-early $early --out "$OUT/c64_pdl_early_${early}_$SECONDS.json" 2>&1 \
-            | grep -E "tokens_per_s|Error" | head -2
+    # 8 and 64 requests at once (256 + 128 tokens) with PDL's early launch (the H100's
+    # default) and without, alternated
+    for n in ${BATCH_SIZES:-8 64}; do
+        for early in on off on off on off; do
+            timeout 150 python3 benchmarks/bench_ar.py --num-prompts $n --skip-hf \
+                --pdl-early $early --out "$OUT/c${n}_pdl_early_${early}_$SECONDS.json" 2>&1 \
+                | grep -E "output_tokens_per_s|Error" | head -1 | sed "s/^/c$n early $early /"
+        done
     done
 fi
 if [[ $STAGES == *omni* ]]; then
