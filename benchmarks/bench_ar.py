@@ -223,6 +223,9 @@ def main() -> None:
                          "triton_gemv.config")
     ap.add_argument("--no-pdl", action="store_true",
                     help="Triton kernels without programmatic dependent launch")
+    ap.add_argument("--gemv-tiles-of", default=None, metavar="GPU",
+                    help="the one-row matmul tiles triton_gemv.config picks for this GPU name "
+                         "(e.g. H100) whatever the GPU")
     ap.add_argument("--pdl-early", choices=("on", "off"), default=None,
                     help="each Triton kernel lets its dependent launch at its start, before its "
                          "wait (pdl.set_early_launch); default: pdl.py's choice")
@@ -279,6 +282,10 @@ def main() -> None:
     if args.no_pdl:
         from omnistage.layers import pdl
         pdl.set_enabled(False)
+    if args.gemv_tiles_of:
+        from omnistage.layers import triton_gemv
+        of, default = args.gemv_tiles_of, triton_gemv.config
+        triton_gemv.config = lambda n, k, rows, name="": default(n, k, rows, of)
     if args.pdl_early:
         from omnistage.layers import pdl
         pdl.set_early_launch(args.pdl_early == "on")
@@ -307,7 +314,7 @@ def main() -> None:
         "options": {"enforce_eager": args.enforce_eager, "no_fused": args.no_fused,
                     "gemv": not (args.no_gemv or args.no_fused),
                     "pdl": not args.no_pdl, "pdl_early": args.pdl_early,
-                    "gemv_config": args.gemv_config,
+                    "gemv_config": args.gemv_config, "gemv_tiles_of": args.gemv_tiles_of,
                     "layer_kernel": ("off" if args.no_layer_kernel or args.no_gemv or args.no_fused
                                      else "on" if args.layer_kernel else "auto"),
                     "layer_kernel_config": args.layer_kernel_config,

@@ -119,6 +119,19 @@ if [[ $STAGES == *latency* ]]; then
     python3 -m omnistage.entrypoints.cli.main bench ar --out-dir "$OUT" --name ar_latency 2>&1 \
         | tail -12
 fi
+if [[ $STAGES == *h200* ]]; then
+    # on an H200: its defaults (the layer kernel) against the per-op kernels with the H100's
+    # settings (early launch, one-kernel attention, with the H100's tiles and with its own)
+    per_op="--no-layer-kernel --pdl-early on --decode-attention on"
+    for i in 1 2; do
+        for flags in "" "$per_op --gemv-tiles-of H100" "$per_op"; do
+            name=single_h200_$(echo "x$flags" | tr -d ' -' | cut -c1-40)_$i
+            timeout 120 python3 benchmarks/bench_ar.py --single-stream --output-len 256 \
+                --skip-hf $flags --out "$OUT/$name.json" 2>&1 \
+                | grep -E "decode_tokens_per_s|Error" | sed "s/^/[$flags] /"
+        done
+    done
+fi
 if [[ $STAGES == *batch* ]]; then
     # 8 and 64 requests at once (256 + 128 tokens) with PDL's early launch (the H100's
     # default) and without, alternated
