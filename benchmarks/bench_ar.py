@@ -223,9 +223,6 @@ def main() -> None:
                          "triton_gemv.config")
     ap.add_argument("--no-pdl", action="store_true",
                     help="Triton kernels without programmatic dependent launch")
-    ap.add_argument("--gemv-tiles-of", default=None, metavar="GPU",
-                    help="the one-row matmul tiles triton_gemv.config picks for this GPU name "
-                         "(e.g. H100) whatever the GPU")
     ap.add_argument("--pdl-early", choices=("on", "off"), default=None,
                     help="each Triton kernel lets its dependent launch at its start, before its "
                          "wait (pdl.set_early_launch); default: pdl.py's choice")
@@ -282,10 +279,6 @@ def main() -> None:
     if args.no_pdl:
         from omnistage.layers import pdl
         pdl.set_enabled(False)
-    if args.gemv_tiles_of:
-        from omnistage.layers import triton_gemv
-        of, default = args.gemv_tiles_of, triton_gemv.config
-        triton_gemv.config = lambda n, k, rows, name="": default(n, k, rows, of)
     if args.pdl_early:
         from omnistage.layers import pdl
         pdl.set_early_launch(args.pdl_early == "on")
@@ -293,9 +286,9 @@ def main() -> None:
         from omnistage.layers import triton_gemv
         bn, bk, nw, ns = map(int, args.gemv_config.split(","))
         default = triton_gemv.config   # the lm_head (a vocabulary of rows) keeps its own
-        triton_gemv.config = lambda n, k, rows, name="": (
+        triton_gemv.config = lambda n, k, rows: (
             dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns) if n < 32768
-            else default(n, k, rows, name))
+            else default(n, k, rows))
     path = build_checkpoint(args.preset, Path(args.checkpoint_dir) / args.preset)
     rng = random.Random(0)
     vocab = PRESETS[args.preset]["vocab_size"]
@@ -314,7 +307,7 @@ def main() -> None:
         "options": {"enforce_eager": args.enforce_eager, "no_fused": args.no_fused,
                     "gemv": not (args.no_gemv or args.no_fused),
                     "pdl": not args.no_pdl, "pdl_early": args.pdl_early,
-                    "gemv_config": args.gemv_config, "gemv_tiles_of": args.gemv_tiles_of,
+                    "gemv_config": args.gemv_config,
                     "layer_kernel": ("off" if args.no_layer_kernel or args.no_gemv or args.no_fused
                                      else "on" if args.layer_kernel else "auto"),
                     "layer_kernel_config": args.layer_kernel_config,

@@ -158,7 +158,7 @@ def timeline_rows(step, timed, backend, md, cfg) -> list[dict]:  # type: ignore[
     from omnistage.layers import fused, pdl, triton_gemv
 
     default = triton_gemv.config
-    old = (lambda n, k, r, name="": OLD_TILES if n < 32768 else default(n, k, r, name))
+    old = (lambda n, k, r: OLD_TILES if n < 32768 else default(n, k, r))
     rows = []
     for tag, early, one_kernel, tiles in (
             ("defaults", None, None, default), ("before", False, False, old),
@@ -288,7 +288,7 @@ def sweep_gemv(timed, cfg) -> dict:  # type: ignore[no-untyped-def]
     default = triton_gemv.config
     shapes = matmul_shapes(cfg)
     chosen: dict[tuple[int, int], dict] = {}
-    triton_gemv.config = lambda n, k, r, name="": chosen.get((n, k)) or default(n, k, r, name)
+    triton_gemv.config = lambda n, k, r: chosen.get((n, k)) or default(n, k, r)
     base = timed("per-op kernels, default tiles")["us_per_step"]
     out = {"variant": "gemv sweep", "default_us": base, "shapes": {}}
     for tag, shape in shapes.items():

@@ -102,7 +102,7 @@ def main() -> None:
             row = {"name": name, "n": n, "k": k, "front": front, "rows": rows,
                    "cublas_us": time_graph(cublas) / args.layers * 1e6,
                    "unfused_us": time_graph(unfused) / args.layers * 1e6,
-                   "default": triton_gemv.config(n, k, rows, torch.cuda.get_device_name()),
+                   "default": triton_gemv.config(n, k, rows),
                    "configs": []}
             want = triton_gemv._launch(x, res if front == "norm" else None,
                                        norm_w if front == "norm" else None, 1e-6, weights[0],

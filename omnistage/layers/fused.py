@@ -9,12 +9,13 @@ activation.py and rotary.py: on CUDA tensors, where triton is installed, unless 
 the matmul after it, `linear` the matmul alone; a single row on CUDA (a single stream's decode
 step) takes one matrix-vector kernel for both (triton_gemv.py; `set_gemv(False)`: cuBLAS).
 A one-row decode step of a Qwen2/Qwen3 decoder can run each whole layer as one kernel
-(triton_decoder_layer.py): by default on the GPUs where it measured faster than the kernels
-above (an H200; not an H100) and in the interpreter; `set_layer_kernel(True / False)` forces it.
+(triton_decoder_layer.py): by default where it measured faster than the kernels above (no
+GPU since their early launch, pdl.py; the interpreter); `set_layer_kernel(True / False)`
+forces it.
 
 `set_decode_attention(True)` runs a small decode batch's attention (q/k norm, rotary, K/V store,
-sliced attention, merge) as one kernel (triton_decode_attention.py; by default for one row on
-an H100, with PDL's early launch: pdl.py).
+sliced attention, merge) as one kernel (triton_decode_attention.py; by default for one row
+where the kernels launch early: an H100 or H200, pdl.py).
 
 The PyTorch paths stay the reference on every device; tests compare the two.
 """
@@ -28,9 +29,9 @@ from torch import Tensor, nn
 _enabled = True
 _gemv = True
 # Small decode batches: one attention kernel (triton_decode_attention.py). None: for one row
-# on an H100, where with PDL's early launch (pdl.py) a step's layers took 628 us with it
-# against 733 with the three kernels it replaces (benchmarks/results/runs/pdl_early_h100/);
-# without early launch it was no faster (830 against 815 us).
+# where attention kernels launch early (pdl.py: an H100 or H200). An H100's layers took 628 us
+# with it against 733 with the three kernels it replaces (benchmarks/results/runs/
+# pdl_early_h100/); without early launch it was no faster (830 against 815 us).
 _decode_attention: bool | None = None
 _layer_kernel: bool | None = None   # None: where measured faster (triton_decoder_layer.py)
 _interpret = False   # tests: the kernels on CPU tensors too (Triton's interpreter)
@@ -55,7 +56,7 @@ def set_gemv(enabled: bool) -> None:
 def set_decode_attention(enabled: bool | None) -> None:
     """Small decode batches (split-K) take one kernel for q/k norm, rotary, the K/V store,
     attention and the merge of its slices: True always, False never, None (the default) for
-    one row on the GPUs where that measured faster (an H100, with PDL's early launch)."""
+    one row where the attention kernels launch early (pdl.early_kinds: an H100 or H200)."""
     global _decode_attention
     _decode_attention = enabled
 

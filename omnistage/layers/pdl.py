@@ -19,7 +19,7 @@ still reads), and every program calls it. With early launch (2) a chain of kerne
 as far as the multiprocessors hold their programs, each fetching its weights; a kernel's wait
 returns once the one before it completed, which itself waited for its own predecessor, so
 writes stay ordered. Early launch is per kind of kernel (`set_early_launch`; by default every
-kind on an H100, none elsewhere: `early_kinds`). `gdc_wait` and `gdc_launch_dependents` come
+kind on an H100 or H200, none elsewhere: `early_kinds`). `gdc_wait` and `gdc_launch_dependents` come
 from `triton.language.extra.cuda`. This module needs no triton (the CUDA-graph capture asks it
 too). On CPU (Triton's interpreter) and GPUs before Hopper PDL is off. A CUDA-graph capture that
 fails with it is retried without it.
@@ -69,13 +69,16 @@ def reset_early_launch() -> None:
 
 def early_kinds(x: Tensor) -> frozenset[str]:
     """The kinds of kernel on x's device whose dependents launch at their start. By default
-    every kind on an H100: its decoder layers took 706 us a one-row step with early launch,
-    the one-kernel attention and the matmul tiles swept that way, against 815 before (806
-    with early launch and the old tiles; benchmarks/results/layers_pdl_early_h100.json).
-    Elsewhere none (not measured)."""
+    every kind on an H100 or H200, where it measured faster: an H100's decoder layers took 706
+    us a one-row step with early launch, the one-kernel attention and the matmul tiles swept
+    that way, against 815 before (benchmarks/results/layers_pdl_early_h100.json); 8 and 64
+    requests at once ran 8% and 12% faster with it (runs/pdl_early_h100/batches_*); an H200's
+    single stream made 1397 tok/s with it against 1100-1106 with its layer kernel before
+    (runs/pdl_early_h200/). Elsewhere none (not measured)."""
     if _early is not None:
         return _early
-    return KINDS if "H100" in gpu_name(x) else frozenset()
+    name = gpu_name(x)
+    return KINDS if "H100" in name or "H200" in name else frozenset()
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 """One kernel per decoder layer for one-row decode steps (a single stream), CUDA; Triton's
 interpreter on CPU. On by default where it measured faster than the per-op kernels
-(`faster_here`; `fused.set_layer_kernel(True / False)` forces it either way); the model decides
-where it applies (qwen2.py).
+(`faster_here`: on no GPU since the per-op kernels launch early, pdl.py; the CPU tests run
+it); `fused.set_layer_kernel(True)` forces it. The model decides where it applies (qwen2.py).
 
 A one-row decode step reads every weight once and does little else: it is bound by memory
 bandwidth only if the weights stream without gaps. Per-op kernels (seven a layer, ~200 a
@@ -52,7 +52,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from torch import Tensor
 
 from omnistage.layers import pdl
-from omnistage.utils.device import gpu_name
 from omnistage.layers.triton_decode_attention import (attend_new, attend_tile, kv_tile,
                                                       merge_slices, norm_rope)
 
@@ -360,13 +359,12 @@ def _tiling(n: int, k: int, programs: int) -> tuple[int, int, int]:
 
 def faster_here(x: Tensor) -> bool:
     """Whether one-row decodes on x's device run faster with the layer kernel than with the
-    per-op kernels, as measured (benchmarks/results/layer_kernel_*.json, single stream
-    ar_qwen3-0.6b_single_stream_*.json, Qwen3-0.6B's shapes): an H200, decoder layers 806 us
-    a token against 952 (single stream 919 tok/s against 830); an H100, 872 against 810 (771
-    against 997): off there and on GPUs not measured. The interpreter (CPU tests): on."""
-    if not x.is_cuda:
-        return True
-    return "H200" in gpu_name(x)
+    per-op kernels, as measured (Qwen3-0.6B's shapes). Nowhere on CUDA now: it was on an H200
+    (layers 806 us a token against 952 for the per-op kernels then), until the per-op kernels
+    with PDL's early launch (pdl.py) made an H200's single stream 1397 tok/s against its
+    1100-1106 (benchmarks/results/runs/pdl_early_h200/); an H100, 838 against 674 us
+    (runs/pdl_early_h100/). The interpreter (CPU tests): on."""
+    return not x.is_cuda
 
 
 @functools.cache

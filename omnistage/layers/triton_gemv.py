@@ -43,24 +43,18 @@ from omnistage.utils.device import gpu_name
 MAX_ROWS = 1
 
 
-def config(n: int, k: int, rows: int, device_name: str = "") -> dict[str, int]:
-    """Tile sizes from the sweeps (BLOCK_N 4-32, BLOCK_K 128-4096, 4 or 8 warps, 1-4 stages
-    over Qwen3-0.6B's four decode matmuls). The two Hopper parts want different ones: on the
-    H200 (faster memory: more loads in flight) 8 outputs a program in 8 warps, shorter tiles
-    in 4 warps where that makes over 512 programs, 19.9 us for the four against 24.9 with the
-    H100's choice of then (sweep_gemv_qwen3-0.6b*.json). On the H100 the tiles were swept
-    inside a whole step with PDL's early launch (pdl.py): a program takes its whole weight
-    slab (K up to 4096) in one tile, fetched before its wait: 16 outputs x 1024 in 4 warps
-    (qkv, gate_up), 8 x the next power of two of K in 8 warps (o 2048, down 4096 with 3072
-    used); the 28 layers took 675 us against 710 with the first sweep's choice and 815 with
-    the tiles before and no early launch (benchmarks/results/layers_pdl_early_h100.json,
-    runs/pdl_early_h100/). Other GPUs take the H100's."""
+def config(n: int, k: int, rows: int) -> dict[str, int]:
+    """Tile sizes, swept inside a whole one-row step with PDL's early launch (pdl.py) on an
+    H100 over Qwen3-0.6B's four decode matmuls (BLOCK_N 4-32, BLOCK_K 1024 or K's next power
+    of two, 4 or 8 warps): a program takes its whole weight slab (K up to 4096) in one tile,
+    fetched before its wait. 16 outputs x 1024 in 4 warps (qkv, gate_up); 8 x the next power
+    of two of K in 8 warps (o 2048, down 4096 with 3072 used). The H100's 28 layers took 675
+    us against 710 with the first sweep's choice and 815 with the tiles before and no early
+    launch (benchmarks/results/layers_pdl_early_h100.json, runs/pdl_early_h100/). An H200
+    takes them too: its single stream made 1397 tok/s with them against 1016 with the tiles
+    swept for it alone before (runs/pdl_early_h200/). Other GPUs take them too."""
     if n >= 32768 and k <= 4096:   # a vocabulary's lm_head (lm_head_faster_here)
         return dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1)
-    if "H200" in device_name:
-        if n // 8 > 512:
-            return dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
-        return dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=3)
     if k <= 1024:
         return dict(BLOCK_N=16, BLOCK_K=1024, num_warps=4, num_stages=1)
     if k <= 4096:
@@ -161,7 +155,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
             cfg: dict[str, int] | None = None) -> tuple[Tensor, Tensor | None]:
     rows, n = x.shape[0], weight.shape[0]
     assert weight.shape[1] == in_features, (weight.shape, in_features)
-    cfg = cfg or config(n, in_features, rows, gpu_name(x))
+    cfg = cfg or config(n, in_features, rows)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     total = torch.empty(rows, in_features, dtype=x.dtype, device=x.device) \
         if residual is not None else None
