@@ -132,6 +132,17 @@ if [[ $STAGES == *h200* ]]; then
         done
     done
 fi
+if [[ $STAGES == *confirm* ]]; then
+    # the defaults on this GPU: the GPU tests, single stream twice, bench ar (c = 1, 8, 64)
+    timeout 330 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
+        -q tests/gpu tests/layers 2>&1 | tee "$OUT/confirm_tests.txt" | tail -2
+    for i in 1 2; do
+        timeout 100 python3 benchmarks/bench_ar.py --single-stream --output-len 256 --skip-hf \
+            --out "$OUT/single_defaults_$i.json" 2>&1 | grep -E "decode_tokens_per_s|share|Error"
+    done
+    timeout 200 python3 -m omnistage.entrypoints.cli.main bench ar --out-dir "$OUT" \
+        --name ar_latency 2>&1 | grep -A5 ratios
+fi
 if [[ $STAGES == *batch* ]]; then
     # 8 and 64 requests at once (256 + 128 tokens) with PDL's early launch (the H100's
     # default) and without, alternated
