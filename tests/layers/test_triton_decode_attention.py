@@ -93,16 +93,23 @@ def _steps(attn: Attention, backend, contexts: list[int], pads: int, steps: int,
 
 @kernel_test
 @pytest.mark.parametrize("qk_norm", [True, False])
-@pytest.mark.parametrize("num_sms,contexts", [
-    (64, [300, 129, 4, 0]),    # 8 slices: empty ones, a first token (nothing cached)
-    (8, [70]),                 # 4 slices
-    (16, [140, 3]),            # 2 slices over two sequences
+@pytest.mark.parametrize("num_sms,contexts,block_t", [
+    (64, [300, 129, 4, 0], None),   # up to 8 slices of 128-key tiles: 3, 2, 1 in use, empty
+                                    # ones, a first token (nothing cached)
+    (64, [300, 129, 4, 0], 16),     # 8 slices of 3 16-key tiles: the next tile in flight
+    (8, [70], None),                # 4 slices
+    (16, [140, 3], 16),             # 2 slices over two sequences
 ])
-def test_fused_decode_equals_separate_kernels(interpret, qk_norm: bool, num_sms: int,
-                                              contexts: list[int]) -> None:
+def test_fused_decode_equals_separate_kernels(interpret, monkeypatch, qk_norm: bool,
+                                              num_sms: int, contexts: list[int],
+                                              block_t: int | None) -> None:
     """Three decode steps (the slices' counters must be ready again for the next launch),
     with a padding row: the fused kernel's outputs and caches against the separate kernels'
-    and the PyTorch backend's."""
+    and the PyTorch backend's. block_t: keys a tile, if not the default."""
+    from omnistage.layers import triton_decode_attention
+
+    if block_t is not None:
+        monkeypatch.setattr(triton_decode_attention, "BLOCK_T", block_t)
     attn = _layer(qk_norm, seed=0)
     fused_backend = TritonPagedAttention(PAGE, H // HKV, HKV, num_sms=num_sms)
     calls = []
