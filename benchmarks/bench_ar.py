@@ -182,21 +182,9 @@ def weight_streaming_limit(path: Path) -> dict:
                 for d in t.get_shape():
                     n *= d
                 num_bytes += n * 2                       # bf16
-    buf = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(buf)
-    for _ in range(3):
-        dst.copy_(buf)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        dst.copy_(buf)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    bandwidth = 2 * buf.numel() / sorted(times)[len(times) // 2]   # read + write
-    del buf, dst
+    from omnistage.benchmarks.common import memory_bandwidth
+
+    bandwidth = memory_bandwidth(torch.device("cuda"), 2**30, repeats=10)
     torch.cuda.empty_cache()
     return {"weight_bytes": num_bytes, "copy_bandwidth_gb_s": bandwidth / 1e9,
             "limit_tokens_per_s": bandwidth / num_bytes}

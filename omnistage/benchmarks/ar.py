@@ -15,7 +15,8 @@ exactly `output_len` greedy tokens (eos ignored on both sides):
 Single stream against the weight-streaming limit: a decode step reads every weight once, so
 one request cannot beat bandwidth / weight bytes tokens/s; bandwidth is measured in the same
 run (a device-to-device copy), weight bytes are those a decode step reads (a tied embedding
-once; an untied input embedding table not at all: one row per token).
+once; an untied input embedding table not at all: one row per token). Reported both for the
+request's tokens/s (prefill included) and for its decode rate, 1 / median TPOT.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ class ARBenchConfig:
                              "input_len >= 1 and output_len >= 2 (TPOT needs two tokens)")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency={self.concurrency}: need values >= 1")
+
+
+def decode_rate(stats: dict) -> float:
+    """Decode tokens/s of a run from its median time per output token."""
+    tpot = stats["tpot_s"]["median"]
+    return 1.0 / tpot if tpot else 0.0
 
 
 def build_checkpoint(preset: str, path: Path, device: torch.device, dtype: torch.dtype) -> Path:
@@ -228,7 +235,11 @@ def run(cfg: ARBenchConfig) -> dict[str, object]:
             "limit_tokens_per_s": limit, "concurrency": single,
             "omnistage_tokens_per_s": ours[single]["output_tokens_per_s"],
             "omnistage_share_of_limit": ours[single]["output_tokens_per_s"] / limit,
-            "transformers_share_of_limit": hf[single]["output_tokens_per_s"] / limit},
+            "transformers_share_of_limit": hf[single]["output_tokens_per_s"] / limit,
+            # decode alone (no prefill in it): the rate a decode step streams the weights at
+            "omnistage_decode_tokens_per_s": decode_rate(ours[single]),
+            "omnistage_decode_share_of_limit": decode_rate(ours[single]) / limit,
+            "transformers_decode_share_of_limit": decode_rate(hf[single]) / limit},
         "notes": "ratios: omnistage over transformers for tokens/s, transformers over "
                  "omnistage for TTFT and TPOT (above 1: ours is faster). Each concurrency runs "
                  "once, after a warm-up at that concurrency on other prompts (no prefix-cache "

@@ -49,6 +49,10 @@ def test_bench_ar(tmp_path: Path) -> None:
         64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64 + 2 * 16))
     assert math.isclose(ws["omnistage_share_of_limit"],
                         ws["omnistage_tokens_per_s"] / ws["limit_tokens_per_s"])
+    single = doc["by_concurrency"][str(ws["concurrency"])]["omnistage"]
+    assert math.isclose(ws["omnistage_decode_tokens_per_s"], 1 / single["tpot_s"]["median"])
+    assert math.isclose(ws["omnistage_decode_share_of_limit"],
+                        ws["omnistage_decode_tokens_per_s"] / ws["limit_tokens_per_s"])
 
 
 def test_bench_omni(tmp_path: Path) -> None:
