@@ -173,6 +173,8 @@ def weight_streaming_limit(path: Path) -> dict:
     """Tokens/s at which a batch-1 decode step only streams the weights once from memory."""
     from safetensors import safe_open
 
+    from omnistage.benchmarks.common import memory_bandwidth
+
     num_bytes = 0
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(f, "pt") as st:
@@ -182,8 +184,6 @@ def weight_streaming_limit(path: Path) -> dict:
                 for d in t.get_shape():
                     n *= d
                 num_bytes += n * 2                       # bf16
-    from omnistage.benchmarks.common import memory_bandwidth
-
     bandwidth = memory_bandwidth(torch.device("cuda"), 2**30, repeats=10)
     torch.cuda.empty_cache()
     return {"weight_bytes": num_bytes, "copy_bandwidth_gb_s": bandwidth / 1e9,
