@@ -19,10 +19,10 @@ still reads), and every program calls it. With early launch (2) a chain of kerne
 as far as the multiprocessors hold their programs, each fetching its weights; a kernel's wait
 returns once the one before it completed, which itself waited for its own predecessor, so
 writes stay ordered. Early launch is per kind of kernel (`set_early_launch`; by default every
-kind on an H100 or H200, none elsewhere: `early_kinds`). `gdc_wait` and `gdc_launch_dependents` come
-from `triton.language.extra.cuda`. This module needs no triton (the CUDA-graph capture asks it
-too). On CPU (Triton's interpreter) and GPUs before Hopper PDL is off. A CUDA-graph capture that
-fails with it is retried without it.
+kind on an H100 or H200, none elsewhere: `early_kinds`). `gdc_wait` and
+`gdc_launch_dependents` come from `triton.language.extra.cuda`. This module needs no triton
+(the CUDA-graph capture asks it too). On CPU (Triton's interpreter) and GPUs before Hopper PDL
+is off. A CUDA-graph capture that fails with it is retried without it.
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ from torch import Tensor
 
 from omnistage.utils.device import gpu_name
 
-__all__ = ["enabled", "is_enabled", "launch_options", "set_enabled"]
+__all__ = ["KINDS", "early_kinds", "enabled", "is_enabled", "launch_options",
+           "reset_early_launch", "set_early_launch", "set_enabled"]
 
 _on = True
 KINDS = frozenset({"gemv", "attention", "norm"})
 # the kinds of kernel that let their dependents launch at their start; None: every kind on the
-# GPUs where that measured faster (an H100), none elsewhere
+# GPUs where that measured faster (an H100 or H200), none elsewhere (early_kinds)
 _early: frozenset[str] | None = None
 
 

@@ -8,7 +8,8 @@ of (slices, KV heads, sequences) programs does it all:
 
     program (j, g, b): slice j of sequence b's context, KV head g and its G query heads
       1. cos/sin of b's position, the first cached K/V tile of the slice (before waiting on
-         the previous kernel: neither is written by it; each tile then fetches the next)
+         the previous kernel: no kernel of the step writes them; each tile then fetches the
+         next)
       2. q (G heads) and k of head g: RMSNorm (Qwen3) and rotary, from the q/k/v projection;
          slice 0 writes k and v into the cache slot
       3. online softmax over the slice's cached keys (tensor-core tiles: the G query heads
@@ -163,7 +164,7 @@ def _decode_attention_kernel(
     M: tl.constexpr = G_P2 if G_P2 > 16 else 16          # rows of the q tile (tl.dot: >= 16)
     D_P2: tl.constexpr = triton.next_power_of_2(D)
     dt = Q.dtype.element_ty
-    # 1. what the previous kernel (the q/k/v projection) does not write
+    # 1. what no kernel of the step writes (host inputs, tables, keys of earlier steps)
     pos = tl.load(Pos + b).to(tl.int64)
     slot = tl.load(Slot + b).to(tl.int64)
     seq_len = tl.load(SeqLens + b)
