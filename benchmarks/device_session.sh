@@ -8,9 +8,16 @@
 #
 #     run(command="bash benchmarks/device_session.sh", carry=[".whl"], timeout_s=600)
 #
-# Stages: tests (about 2 min), single stream (4 runs: all on, no PDL, no PDL or gemv, eager), concurrency 1/8/64 latency (bench ar);
-# "profile" (per-kernel device time of batch-1 decode steps);
-# STAGES="tests single" picks some; "omni" (not by default: several minutes) runs bench omni.
+# Stages (STAGES="tests single" picks some; the default: "tests single latency"):
+#   tests    the GPU tests (about 4 min)
+#   single   single stream: all on, no PDL, no PDL or gemv, eager
+#   latency  bench ar: concurrency 1 / 8 / 64 against transformers
+#   confirm  the GPU tests, single stream twice and bench ar, with this GPU's defaults
+#   pdl      the GPU tests, single stream against the kernels before early launch, the
+#            layers' critical path (PDL_FLAGS: other bench_layer_kernel.py flags)
+#   tune     in-step sweeps (TUNE_FLAGS), single stream against TUNE_SINGLE's flags
+#   batch    8 and 64 requests with and without early launch; h200: the H200's variants
+#   layer, dattn, async, profile: earlier sessions' comparisons; omni: bench omni (minutes)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
