@@ -32,7 +32,7 @@ import functools
 import torch
 from torch import Tensor
 
-from omnistage.utils.device import gpu_name
+from omnistage.utils.device import cuda_index, gpu_name
 
 __all__ = ["KINDS", "early_kinds", "enabled", "is_enabled", "launch_options",
            "reset_early_launch", "set_early_launch", "set_enabled"]
@@ -91,8 +91,7 @@ def enabled(x: Tensor) -> bool:
     """Whether kernels working on x launch with PDL."""
     if not (_on and x.is_cuda):
         return False
-    return _capable(x.device.index if x.device.index is not None
-                    else torch.cuda.current_device())
+    return _capable(cuda_index(x.device))
 
 
 def launch_options(x: Tensor, kind: str) -> dict[str, object]:

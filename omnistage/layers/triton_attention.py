@@ -24,12 +24,12 @@ attend to nothing.
 
 Split-K: a batch of pure decodes too small to fill the device (batch x Hkv programs under half
 the multiprocessors, e.g. a single stream) splits each context into up to MAX_SPLITS (8)
-slices of whole key tiles, one program each; each writes its normalised partial output and log-sum-exp, and
-`_combine_splits_kernel` merges them (an empty slice has weight 0). A captured graph's split
-count comes from its bucket size alone; slices past a shorter context are empty. Where
-`fused.decode_attention_for` says so (one row on an H100 by default) such a batch with plain
-rotary takes `rotate_and_attend` instead: the q/k norm, rotary, K/V store, sliced attention and
-merge in one kernel (triton_decode_attention.py).
+slices of whole key tiles, one program each; each writes its normalised partial output and
+log-sum-exp, and `_combine_splits_kernel` merges them (an empty slice has weight 0). A
+captured graph's split count comes from its bucket size alone; slices past a shorter context
+are empty. Where `fused.decode_attention_for` says so (one row on an H100 or H200 by default)
+such a batch with plain rotary takes `rotate_and_attend` instead: the q/k norm, rotary, K/V
+store, sliced attention and merge in one kernel (triton_decode_attention.py).
 
 New K/V are first written into the cache by `_store_kv_kernel` (slot -1: skipped), then attended
 like the rest of the context, so a fresh prefill and a chunk on top of a cached prefix are one
@@ -48,9 +48,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from torch import Tensor
 
 from omnistage.layers import pdl
-from omnistage.layers.attention import AttentionMetadata, TorchPagedAttention
 from omnistage.layers import triton_decode_attention as tda
-from omnistage.layers.triton_decode_attention import DecodeAttention
+from omnistage.layers.attention import AttentionMetadata, TorchPagedAttention
 
 DECODE_BLOCK_M = 16    # rows of a decode tile: tl.dot needs at least 16
 PREFILL_BLOCK_M = 64
@@ -249,7 +248,7 @@ class TritonPagedAttention:
         self.num_kv_heads = num_kv_heads
         self.num_sms = num_sms
         self._fallback = TorchPagedAttention(block_size)
-        self._decode = DecodeAttention()
+        self._decode = tda.DecodeAttention()
 
     def prepare(self, md: AttentionMetadata, has_cache: bool) -> None:
         """Build the work tables of the step's (at most two) launches, in one host-to-device
@@ -298,7 +297,7 @@ class TritonPagedAttention:
         device) with plain rotary: q/k norm, rotary, the K/V store, attention and the merge
         of the slices in one kernel (triton_decode_attention.py) -> output (B, H, D). None
         where that does not apply (the caller takes the separate kernels). `Attention` calls
-        it only with `fused.set_decode_attention(True)`."""
+        it only where `fused.decode_attention_for` allows."""
         q_weight, k_weight, eps, cos, sin, positions, axis = rope_args
         state = md.backend_state
         if (axis is not None or not isinstance(state, _TritonState) or len(state.launches) != 1

@@ -52,6 +52,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from torch import Tensor
 
 from omnistage.layers import pdl
+from omnistage.utils.device import cuda_index
 from omnistage.layers.triton_decode_attention import (attend_new, attend_tile, kv_tile,
                                                       merge_slices, norm_rope)
 
@@ -392,8 +393,7 @@ class DecoderStack:
         self.eps, self.qk_eps, self.scale = eps, qk_eps, scale
         self.cos, self.sin = cos, sin
         if programs is None:
-            programs = _num_sms(dev.index if dev.index is not None
-                                else torch.cuda.current_device()) if dev.type == "cuda" else 1
+            programs = _num_sms(cuda_index(dev)) if dev.type == "cuda" else 1
         self.programs = programs
         self.skip = 0      # benchmarks/bench_layer_kernel.py: phases left out (kernel's SKIP)
         if splits is None:

@@ -36,6 +36,11 @@ def resolve_dtype(name: str, model_path: Path, device: torch.device) -> torch.dt
     return _DTYPES.get(str(declared).removeprefix("torch."), torch.float32)
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device ("cuda" alone: the current one)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _gpu_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
@@ -46,5 +51,4 @@ def gpu_name(x: Tensor) -> str:
     the settings measured fastest on a GPU by it."""
     if not x.is_cuda:
         return ""
-    return _gpu_name(x.device.index if x.device.index is not None
-                     else torch.cuda.current_device())
+    return _gpu_name(cuda_index(x.device))
