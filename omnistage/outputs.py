@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 from torch import Tensor
+
+from omnistage.utils.audio import encode_audio
 
 if TYPE_CHECKING:
     from PIL import Image
 
     from omnistage.engine.orchestrator import RequestEvent
+
+# file extension -> encode_audio format (opus goes in an Ogg container)
+AUDIO_EXTENSIONS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".ogg": "opus",
+                    ".opus": "opus"}
 
 
 @dataclass(slots=True)
@@ -65,7 +74,8 @@ class RequestMetrics:
 @dataclass(slots=True)
 class OmniOutput:
     """A request's output. Totals: text, token_ids, logprobs, and (once finished) `tensors`,
-    the final tensor outputs concatenated. Streaming updates also carry what they added."""
+    the final tensor outputs concatenated, with `images` and `audio` views of them. Streaming
+    updates also carry what they added (`delta_text`, `delta_tensors`, `delta_audio`)."""
 
     request_id: str
     prompt: str | None
@@ -81,6 +91,9 @@ class OmniOutput:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     stage_metrics: dict[str, dict] = field(default_factory=dict)
     progress: float | None = None      # share of the work done (diffusion steps), when known
+    # Hz of the audio stage serving the request, set from the first update on (a player can
+    # open its device before the first samples); None: the request makes no audio
+    sample_rate: int | None = None
     # what the latest update added (streaming)
     stage: str | None = None
     delta_text: str = ""
@@ -99,6 +112,37 @@ class OmniOutput:
         arrays = pixels.numpy()
         return [Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a) for a in arrays]
 
+    @property
+    def audio(self) -> np.ndarray | None:
+        """The final waveform at `sample_rate`, float32 (num_samples,), nominally in [-1, 1]
+        (a view of `tensors["audio"]`); None until finished, and when there is no audio."""
+        return _as_numpy(self.tensors.get("audio"))
+
+    @property
+    def delta_audio(self) -> np.ndarray | None:
+        """The samples this streaming update added (float32), or None."""
+        return _as_numpy(self.delta_tensors.get("audio"))
+
+    def save_audio(self, path: str | os.PathLike[str]) -> None:
+        """Write the final audio; the extension picks the format: .wav / .flac (16-bit PCM),
+        .mp3, .ogg / .opus (Opus in Ogg)."""
+        suffix = Path(path).suffix.lower()
+        fmt = AUDIO_EXTENSIONS.get(suffix)
+        if fmt is None:
+            raise ValueError(f"save_audio: unknown extension {suffix or '(none)'!r} in "
+                             f"{os.fspath(path)!r}; supported: {', '.join(AUDIO_EXTENSIONS)}")
+        wave = self.audio
+        if wave is None:
+            if not self.finished:
+                raise ValueError(f"request {self.request_id!r} has not finished: its audio is "
+                                 "on the final output (streaming updates carry delta_audio)")
+            raise ValueError(f"request {self.request_id!r} produced no audio (e.g. it asked "
+                             "for text only)")
+        if self.sample_rate is None:
+            raise ValueError(f"request {self.request_id!r}: the sample rate of its audio is "
+                             "unknown (the audio stage reported none); set sample_rate first")
+        Path(path).write_bytes(encode_audio(wave, self.sample_rate, fmt))
+
     def snapshot(self, ev: RequestEvent) -> OmniOutput:
         snap = copy.copy(self)
         snap.token_ids = list(self.token_ids)
@@ -108,3 +152,8 @@ class OmniOutput:
         snap.delta_token_ids = list(ev.token_ids)
         snap.delta_tensors = dict(ev.tensors or {})
         return snap
+
+
+def _as_numpy(t: Tensor | None) -> np.ndarray | None:
+    # .numpy() on a CPU float32 tensor shares its memory: no copy of a long waveform
+    return None if t is None else t.detach().cpu().float().numpy()

@@ -211,9 +211,11 @@ def _run_ours(omni, prompts: list[dict], params: list, tag: str, timeout_s: floa
     text tokens (stamped in the router thread as events arrive)."""
     events: queue.Queue = queue.Queue()
     start: dict[str, float] = {}
+    wall: dict[str, float] = {}
     for i, p in enumerate(prompts):
         rid = f"{tag}-{i}"
         start[rid] = time.perf_counter()
+        wall[rid] = time.time()
         omni.engine.submit(p, params, request_id=rid,
                            sink=lambda ev: events.put((time.perf_counter(), ev)))
     stats = {rid: {"first_audio_s": None, "e2e_s": None, "audio_samples": 0, "text_tokens": 0}
@@ -234,8 +236,32 @@ def _run_ours(omni, prompts: list[dict], params: list, tag: str, timeout_s: floa
                 s["first_audio_s"] = t - start[ev.request_id]
         if ev.done:
             s["e2e_s"] = t - start[ev.request_id]
+            s["stages"] = _stage_times(ev.stage_metrics or {}, wall[ev.request_id])
             pending.discard(ev.request_id)
     return list(stats.values())
+
+
+def _loop_stats(omni) -> dict[str, dict[str, float | int]]:
+    return {name: dict(st.loop) for name, st in omni.engine.orchestrator.stage_stats().items()}
+
+
+def _loop_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """Per stage, its busy loop's work between two readings (maxima: since start-up)."""
+    return {name: {k: v if k.startswith("max_") else v - before.get(name, {}).get(k, 0)
+                   for k, v in loop.items()} for name, loop in after.items()}
+
+
+def _stage_times(metrics: dict[str, dict], submitted: float) -> dict[str, float | None]:
+    """Per stage, seconds from submission to its first output and to its end (wall clocks of
+    the stage processes): where a request's first audio waited."""
+    times: dict[str, float | None] = {}
+    for stage, m in metrics.items():
+        first = m.get("first_output_time")
+        times[f"{stage}_first_s"] = None if first is None else first - submitted
+        times[f"{stage}_end_s"] = m["finished_time"] - submitted
+        if "model_seconds" in m:        # generation stages: time in forwards it was part of
+            times[f"{stage}_model_s"] = m["model_seconds"]
+    return times
 
 
 def bench_ours(path: Path, cfg: OmniBenchConfig, device: torch.device, dtype: torch.dtype
@@ -257,6 +283,7 @@ def bench_ours(path: Path, cfg: OmniBenchConfig, device: torch.device, dtype: to
         _run_ours(omni, [_prompt(i) for i in range(max(cfg.concurrency))], warm, "warm-batch")
         by_c = {}
         for c in cfg.concurrency:
+            loop0 = _loop_stats(omni)
             if c == 1:        # one after another, as many as transformers ran
                 stats = [s for i in range(cfg.reference_requests)
                          for s in _run_ours(omni, [_prompt(i)], params, f"c1-{i}")]
@@ -273,7 +300,11 @@ def bench_ours(path: Path, cfg: OmniBenchConfig, device: torch.device, dtype: to
                 "e2e_s": summary([s["e2e_s"] for s in stats]),
                 "rtf": summary([s["e2e_s"] / a for s, a in zip(stats, audio_s) if a > 0]),
                 "audio_s_per_s": sum(audio_s) / makespan,
-                "audio_s": audio_s, "text_tokens": [s["text_tokens"] for s in stats]}
+                "stages": {k: summary([s["stages"][k] for s in stats
+                                       if s["stages"].get(k) is not None])
+                           for k in sorted({k for s in stats for k in s["stages"]})},
+                "audio_s": audio_s, "text_tokens": [s["text_tokens"] for s in stats],
+                "stage_loops": _loop_delta(loop0, _loop_stats(omni))}
     return {"startup_s": startup, "by_concurrency": by_c}
 
 

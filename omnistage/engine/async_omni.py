@@ -1,8 +1,9 @@
 """`AsyncOmni`: the asynchronous front door. `generate()` is an async iterator of outputs.
 
 Each yielded `OmniOutput` holds the request's totals so far (text, token ids) and what this
-update added (`delta_text`, `delta_token_ids`, `delta_tensors`); the last one has
-`finished=True`, the concatenated final tensors, and the metrics of every stage it touched.
+update added (`delta_text`, `delta_token_ids`, `delta_tensors`, `delta_audio`); the last one has
+`finished=True`, the concatenated final tensors (`audio`, `images`), and the metrics of every
+stage it touched. A request that makes audio has its `sample_rate` on every one of them.
 """
 
 from __future__ import annotations
@@ -120,8 +121,11 @@ class AsyncOmni:
                          prompt_token_ids=list(parsed.token_ids or []))
         out.metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=parsed.num_tokens)
         assert sink is not None, "submit needs a sink for the request's events"
-        self.orchestrator.add_request(rid, parsed.token_ids, params, sink, output_modalities,
-                                      parsed.embeds, parsed.text, parsed.multimodal)
+        stages = self.orchestrator.add_request(rid, parsed.token_ids, params, sink,
+                                               output_modalities, parsed.embeds, parsed.text,
+                                               parsed.multimodal)
+        # only the caller folds events into `out`, after this returns: no race with the router
+        out.sample_rate = self._sample_rate(stages)
         return out
 
     async def generate(self, prompt: PromptType, sampling_params_list: ParamsList = None,
@@ -151,8 +155,13 @@ class AsyncOmni:
     @property
     def audio_sample_rate(self) -> int | None:
         """Sample rate of the audio the model writes (None: it writes none)."""
+        return self._sample_rate({s.name for s in self.graph.stages})
+
+    def _sample_rate(self, stages: set[str]) -> int | None:
+        """The rate the first audio final stage among `stages` reported at its ready
+        handshake (Ready.info["sample_rate"]); None if none of them writes audio."""
         for stage in self.graph.stages:
-            if stage.final == "audio":
+            if stage.name in stages and stage.final == "audio":
                 rate = self.orchestrator.stage_info.get(stage.name, {}).get("sample_rate")
                 return None if rate is None else int(rate)
         return None
@@ -185,6 +194,9 @@ def accumulate(out: OmniOutput, ev: RequestEvent) -> OmniOutput:
         m.first_token_time = m.first_token_time or now
         for k, v in ev.tensors.items():
             out.tensor_chunks.setdefault(k, []).append(v)
+        rate = ev.tensors.get("sample_rate")
+        if rate is not None:   # a stage may send its rate with the samples (the server reads it)
+            out.sample_rate = int(rate.flatten()[0])
     if ev.stage_finished and ev.finish_reason and out.finish_reason is None:
         out.finish_reason = ev.finish_reason     # the first final stage to finish says why
     if ev.done:

@@ -27,6 +27,7 @@ class GenerationRequest:
     num_chunks_out: int = 0
     first_scheduled_time: float | None = None
     first_output_time: float | None = None
+    model_seconds: float = 0.0          # time in the model calls this request was part of
 
     def take_input(self) -> dict[str, Tensor]:
         """All pending chunks, concatenated along dim 0 per key."""
@@ -106,6 +107,7 @@ class GenerationEngine:
         done = time.time()
         results = []
         for r, out, last in zip(ready, outs, is_last):
+            r.model_seconds += done - now
             if out:
                 r.num_chunks_out += 1
                 r.first_output_time = r.first_output_time or done

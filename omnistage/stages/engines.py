@@ -159,7 +159,8 @@ class GenerationStage:
             metrics = None
             if r.finished and r.request is not None and r.request.first_scheduled_time:
                 metrics = {"queue_time": r.request.first_scheduled_time - r.request.arrival_time,
-                           "num_chunks": r.request.num_chunks_out}
+                           "num_chunks": r.request.num_chunks_out,
+                           "model_seconds": r.request.model_seconds}
             results.append(StageResult(
                 r.request_id, tensors=r.tensors, finished=r.finished,
                 finish_reason=("error" if r.error else "stop") if r.finished else None,

@@ -66,6 +66,7 @@ class StageStats(msgspec.Struct, tag="stats"):
     num_free_blocks: int | None = None
     num_blocks: int | None = None
     connector: dict[str, float | int] = {}
+    loop: dict[str, float | int] = {}     # the busy loop's counters (StageWorker.loop_stats)
 
 
 class Ready(msgspec.Struct, tag="ready", omit_defaults=True):

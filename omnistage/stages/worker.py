@@ -60,6 +60,10 @@ class StageWorker:
         self.adapters = {inp.source: get_adapter(inp.adapter) for inp in stage.inputs}
         self.final = stage.final
         self.requests: dict[str, RequestState] = {}
+        # where the busy loop's time goes: messages handled, steps run (seconds, counts)
+        self.loop_stats: dict[str, float | int] = {
+            "num_messages": 0, "message_seconds": 0.0, "max_message_seconds": 0.0,
+            "num_steps": 0, "step_seconds": 0.0, "max_step_seconds": 0.0}
 
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: m.ToStage) -> list[m.StageOutput | m.StageStats]:
@@ -214,7 +218,7 @@ class StageWorker:
             bm.num_blocks if bm is not None else None,
             {"bytes_put": st.bytes_put, "bytes_got": st.bytes_got, "num_put": st.num_put,
              "num_get": st.num_get, "put_seconds": st.put_seconds,
-             "get_seconds": st.get_seconds})
+             "get_seconds": st.get_seconds}, dict(self.loop_stats))
 
     @property
     def has_work(self) -> bool:
@@ -235,12 +239,24 @@ class StageWorker:
                     msg = m.decode_to_stage(raw)
                     if isinstance(msg, m.Shutdown):
                         return
+                    t0 = time.perf_counter()
                     for out in self.handle(msg):
                         outbox.send(m.encode(out))
-            outs = self.step() if self.has_work else []
-            for out in outs:
-                outbox.send(m.encode(out))
+                    self._count("message", time.perf_counter() - t0)
+            outs: list[m.StageOutput] = []
+            if self.has_work:
+                t0 = time.perf_counter()
+                outs = self.step()
+                for out in outs:
+                    outbox.send(m.encode(out))
+                self._count("step", time.perf_counter() - t0)
             idle = not outs
+
+    def _count(self, what: str, seconds: float) -> None:
+        st = self.loop_stats
+        st[f"num_{what}s"] += 1
+        st[f"{what}_seconds"] += seconds
+        st[f"max_{what}_seconds"] = max(st[f"max_{what}_seconds"], seconds)
 
 
 def _concat(chunks: list[dict[str, Tensor]]) -> dict[str, Tensor]:

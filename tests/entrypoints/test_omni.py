@@ -8,10 +8,12 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from omnistage import Omni, SamplingParams
+from omnistage.utils.audio import decode_audio
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,7 @@ def test_prompt_forms_and_outputs(omni: Omni) -> None:
     assert decoded.startswith(a.text) and "\ufffd" not in a.text
     assert set(decoded[len(a.text):]) <= {"\ufffd"} or "\ufffd" in decoded
     assert len(a.logprobs) == len(a.token_ids)
+    assert a.audio is None and a.sample_rate is None   # a text model writes no audio
     for tok, lp in zip(a.token_ids, a.logprobs):
         assert tok in lp and len(lp) in (3, 4)
     m = a.metrics
@@ -141,3 +144,58 @@ def test_process_backend_matches_inproc(omni: Omni, tiny_qwen3: Path) -> None:
         got = proc.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert [o.text for o in got] == [o.text for o in ref]
+
+
+@pytest.fixture(scope="module")
+def speech(tmp_path_factory: pytest.TempPathFactory) -> Omni:
+    from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
+
+    ckpt = build_tiny_qwen3_omni(tmp_path_factory.mktemp("omni"))
+    # small code2wav chunks: a streamed answer arrives in several audio updates
+    with Omni(str(ckpt), device="cpu", backend="inproc", connector="inproc",
+              stage_overrides=["code2wav.options.chunk_frames=4",
+                               "code2wav.options.first_chunk_frames=4"]) as omni:
+        yield omni
+
+
+SPEECH_CHAT = {"messages": [{"role": "user", "content": "Hello world, how are you?"}]}
+SPEECH_PARAMS = [SamplingParams(temperature=0.0, max_tokens=8),
+                 SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=30), None]
+
+
+def test_speech_on_the_output_object(speech: Omni, tmp_path: Path) -> None:
+    """Qwen3-Omni's code2wav reports 24 kHz at start-up; the output carries that rate, the
+    waveform as numpy, and saves it; a text-only request has neither."""
+    (out,) = speech.generate(SPEECH_CHAT, SPEECH_PARAMS)
+    assert out.error is None, out.error
+    assert out.sample_rate == 24000
+    assert out.audio.dtype == np.float32 and out.audio.ndim == 1 and len(out.audio) > 0
+    assert np.array_equal(out.audio, out.tensors["audio"].numpy())
+    out.save_audio(tmp_path / "answer.wav")
+    back, rate = decode_audio((tmp_path / "answer.wav").read_bytes())
+    assert rate == 24000 and back.shape == (1, len(out.audio))
+    assert np.abs(back[0] - np.clip(out.audio, -1, 1)).max() <= 1e-4
+    (text,) = speech.generate(SPEECH_CHAT, SPEECH_PARAMS, output_modalities={"text"})
+    assert text.audio is None and text.sample_rate is None and text.text
+    with pytest.raises(ValueError, match="produced no audio"):
+        text.save_audio(tmp_path / "text.wav")
+
+
+def test_speech_streams_delta_audio(speech: Omni) -> None:
+    async def collect() -> list:
+        return [o async for o in speech.engine.generate(SPEECH_CHAT, SPEECH_PARAMS)]
+
+    snaps = asyncio.run(collect())
+    final = snaps[-1]
+    assert final.finished and final.error is None, final.error
+    # the rate is there from the first update on, before any sample: a player can open early
+    assert all(s.sample_rate == 24000 for s in snaps)
+    with_audio = [s for s in snaps if s.delta_audio is not None]
+    assert len(with_audio) >= 2
+    for s in snaps:
+        if "audio" in s.delta_tensors:
+            assert np.array_equal(s.delta_audio, s.delta_tensors["audio"].numpy())
+        else:
+            assert s.delta_audio is None
+    assert all(s.audio is None for s in snaps[:-1])
+    assert np.array_equal(np.concatenate([s.delta_audio for s in with_audio]), final.audio)

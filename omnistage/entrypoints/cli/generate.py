@@ -81,12 +81,11 @@ def run(args: argparse.Namespace) -> int:
                    for p in args.prompt]
         modalities = set(args.modalities.split(",")) if args.modalities else None
         outs = omni.generate(prompts, params, output_modalities=modalities)
-        sample_rate = omni.engine.audio_sample_rate
     failed = [o for o in outs if o.error]
     for prompt, out in zip(args.prompt, outs):
         out.prompt = prompt
         files = [] if out.error else (_save_images(out, Path(args.output_dir))
-                                      + _save_audio(out, Path(args.output_dir), sample_rate))
+                                      + _save_audio(out, Path(args.output_dir)))
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
                               "files": files, "finish_reason": out.finish_reason,
@@ -113,13 +112,10 @@ def _save_images(out: OmniOutput, folder: Path) -> list[str]:
     return paths
 
 
-def _save_audio(out: OmniOutput, folder: Path, sample_rate: int | None) -> list[str]:
-    from omnistage.utils.audio import encode_audio
-
-    audio = out.tensors.get("audio")
-    if audio is None or sample_rate is None:
+def _save_audio(out: OmniOutput, folder: Path) -> list[str]:
+    if out.audio is None or out.sample_rate is None:
         return []
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{out.request_id}.wav"
-    path.write_bytes(encode_audio(audio, sample_rate, "wav"))
+    out.save_audio(path)
     return [str(path)]
