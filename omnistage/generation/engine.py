@@ -3,7 +3,8 @@ batched over whatever input chunks are ready.
 
 A request collects input chunks (dicts of tensors). Each step takes the requests with pending
 input (FIFO, at most max_num_seqs), hands their new input to the model in one call, and emits
-one output chunk per request. A request finishes once its input is closed and consumed.
+one output chunk per request that produced one. A request finishes once its input is closed
+and consumed, and the model holds no backlog for it.
 """
 
 from __future__ import annotations
@@ -37,11 +38,15 @@ class GenerationRequest:
 
 
 class GenerationModel(Protocol):
-    """One call over a batch: for each request, its new input, its state and whether this is its
-    last input; returns one output dict per request (may be empty)."""
+    """One call over a batch: for each request, its new input, its state and whether its input
+    is closed; returns one output dict per request (may be empty). A model may leave ready
+    work for a later call (a budget per forward): `has_backlog(state)` says so, and the
+    request is stepped again without new input and finishes only once it has none."""
 
     def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],
                  is_last: list[bool]) -> list[dict[str, Tensor]]: ...
+
+    def has_backlog(self, state: dict) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -85,7 +90,10 @@ class GenerationEngine:
         return bool(self.requests)
 
     def step(self) -> list[GenerationResult]:
-        ready = [r for r in self.requests.values() if r.pending or r.input_closed]
+        """Run the model once over the requests with new input, closed input or backlog (FIFO,
+        at most max_num_seqs); results for those that produced output or finished."""
+        ready = [r for r in self.requests.values()
+                 if r.pending or r.input_closed or self.model.has_backlog(r.state)]
         ready = ready[:self.max_num_seqs]
         if not ready:
             return []
@@ -106,12 +114,14 @@ class GenerationEngine:
             return results
         done = time.time()
         results = []
-        for r, out, last in zip(ready, outs, is_last):
+        for r, out, closed in zip(ready, outs, is_last):
             r.model_seconds += done - now
             if out:
                 r.num_chunks_out += 1
                 r.first_output_time = r.first_output_time or done
-            if last:
+            finished = closed and not self.model.has_backlog(r.state)
+            if finished:
                 del self.requests[r.request_id]
-            results.append(GenerationResult(r.request_id, out, last, None, r))
+            if out or finished:
+                results.append(GenerationResult(r.request_id, out, finished, None, r))
         return results

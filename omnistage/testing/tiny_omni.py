@@ -54,7 +54,8 @@ def build_tiny_omni_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_omni_config(tokenizer: PreTrainedTokenizerFast, **overrides: Any):
+def tiny_omni_config(tokenizer: PreTrainedTokenizerFast,
+                     code2wav_overrides: dict[str, Any] | None = None, **overrides: Any):
     from transformers import Qwen3OmniMoeConfig
 
     tid = tokenizer.convert_tokens_to_ids
@@ -104,10 +105,13 @@ def tiny_omni_config(tokenizer: PreTrainedTokenizerFast, **overrides: Any):
         "vision_start_token_id": tid("<|vision_start|>"), "position_id_per_seconds": 25,
         "spatial_merge_size": 2,
     }
+    # the real upsampling (1920 samples a frame, 555 lost at a window's end: chunk seams
+    # show); sliding window 6: receptive field 22 frames, inside the shipped context of 25
     code2wav = dict(codebook_size=NUM_CODES, hidden_size=32, num_attention_heads=2,
                     num_key_value_heads=2, intermediate_size=64, num_hidden_layers=2,
-                    num_quantizers=4, sliding_window=8, upsample_rates=[2, 2],
-                    upsampling_ratios=[2], decoder_dim=32, max_position_embeddings=512)
+                    num_quantizers=4, sliding_window=6, upsample_rates=[8, 5, 4, 3],
+                    upsampling_ratios=[2, 2], decoder_dim=64, max_position_embeddings=512)
+    code2wav.update(code2wav_overrides or {})
     config = Qwen3OmniMoeConfig(
         thinker_config=thinker, talker_config=talker, code2wav_config=code2wav,
         enable_audio_output=True,
@@ -142,22 +146,48 @@ def _randomize(model: nn.Module, seed: int) -> None:
 
 
 def build_tiny_qwen3_omni(path: str | Path, *, seed: int = 0, with_processor: bool = True,
+                          code2wav_overrides: dict[str, Any] | None = None,
                           **config_overrides: Any) -> Path:
     """Save a tiny random Qwen3-Omni checkpoint (float32) with tokenizer and processor files
-    into `path`. Deterministic for a given seed."""
+    into `path`. Deterministic for a given seed. Code2wav's waveform peaks near 0.5 (see
+    `make_audible`)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_omni_tokenizer(path)
-    config = tiny_omni_config(tokenizer, **config_overrides)
+    config = tiny_omni_config(tokenizer, code2wav_overrides, **config_overrides)
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(config).float().eval()
     _randomize(model, seed)
+    make_audible(model.code2wav, seed=seed)
     model.save_pretrained(str(path), safe_serialization=True)
     if with_processor:
         save_tiny_omni_processor(path, tokenizer)
     return path
+
+
+@torch.no_grad()
+def make_audible(code2wav: nn.Module, peak: float = 0.5, seed: int = 0) -> float:
+    """Scale code2wav's last conv (a linear map before the final clamp) so that random codes
+    decode to a waveform peaking near `peak`: random weights otherwise give either ~1e-6
+    (transformers' init), which any wrong output matches, or a waveform clamped flat at +-1,
+    which hides errors too. Returns the scale applied."""
+    cfg = code2wav.config
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, cfg.codebook_size, (2, cfg.num_quantizers, 30), generator=gen)
+    last = code2wav.decoder[-1].conv
+    seen: list[torch.Tensor] = []
+    hook = last.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    try:
+        code2wav(codes.to(last.weight.device))
+    finally:
+        hook.remove()
+    scale = peak / seen[0].abs().max().item()
+    last.weight.mul_(scale)
+    if last.bias is not None:
+        last.bias.mul_(scale)
+    return scale
 
 
 def save_tiny_omni_processor(path: Path, tokenizer: PreTrainedTokenizerFast) -> None:

@@ -35,6 +35,9 @@ class TokenEmbedder(nn.Module):
         vecs = self.table[flat].split([len(i) for i in ids])
         return [{"vectors": v.cpu()} if len(v) else {} for v in vecs]
 
+    def has_backlog(self, state: dict) -> bool:
+        return False              # every call handles all of its input
+
 
 def toy_graph_yaml(model: str | Path, *, chunked: bool, connector: str = "shm",
                    backend: str = "process", max_tokens: int = 16,

@@ -28,9 +28,14 @@ their right beyond what the trimming keeps. Two consequences used below:
   `num_samples(n)` samples, so windows of different lengths batch into one forward
   (`decode_windows`), e.g. one request's first chunk (no context) with others' later ones.
 
-`Code2WavStream` is the per-request state of the serving stage: frames arrive in any pieces,
-every complete chunk is decoded with its left context as soon as it is there, and the
-concatenated output equals `chunked_decode(all frames, chunk_frames, left_context)`.
+HF's chunked decode keeps `num_samples(ctx + n) - ctx * U` samples of each window, so every
+chunk boundary drops `num_lost` samples (555 at 24 kHz) and shifts all audio after it;
+`generate(return_audio=True)` only avoids that by decoding up to 300 frames (24 s) in one
+window. `Code2WavStream`, the per-request state of the serving stage, streams seamlessly:
+frames arrive in any pieces, every complete chunk is decoded with its left context as soon
+as it is there, each window's last `num_lost` samples are held back and recomputed by the
+next window, and the concatenated output has the whole decode's length and, with a context
+covering `receptive_field_frames`, its samples (see the class).
 """
 
 from __future__ import annotations
@@ -98,6 +103,24 @@ class Code2WavConfig:
     def total_upsample(self) -> int:
         """Samples per codec frame (1920 for the real model: 24 kHz at 12.5 Hz)."""
         return math.prod(self.upsample_rates + self.upsampling_ratios)
+
+    @property
+    def receptive_field_frames(self) -> int:
+        """Left context (frames) after which a streamed window's samples equal the whole
+        decode's: an upper bound on how far back any causal layer reaches, plus one frame for
+        the samples a window recomputes for its predecessor (see `Code2WavStream`). 578 + 3
+        for the real model: its 8 sliding-window layers of 72 alone reach 568 frames back."""
+        frames = self.num_hidden_layers * (self.sliding_window - 1)   # attention, stacked
+        reach, rate = 0.0, 1                      # samples back / samples per frame, summed
+        for ratio in self.upsampling_ratios:
+            rate *= ratio
+            reach += 6 / rate                     # ConvNeXt's causal depthwise conv, k = 7
+        reach += 6 / rate                         # the decoder's first causal conv, k = 7
+        for r in self.upsample_rates:             # transposed convs look ahead, never back;
+            rate *= r                             # three residual units, k = 7, dilations
+            reach += (6 * (1 + 3 + 9) + r) / rate  # 1 / 3 / 9, + flooring at the upsampling
+        reach += 6 / rate                         # the last causal conv, k = 7
+        return frames + math.ceil(reach) + 1 + 1  # + the recomputed frame, + rounding slack
 
     def num_samples(self, num_frames: int) -> int:
         """Waveform length of one decode of `num_frames` frames (each decoder block's
@@ -346,9 +369,9 @@ class Code2Wav(nn.Module):
 
     @torch.inference_mode()
     def decode_windows(self, windows: Sequence[tuple[Tensor, int]]) -> list[Tensor]:
-        """Decode windows `(codes (Q, ctx + n), ctx)` of any lengths in one forward, right-
-        padded to the longest (harmless, see the module docstring); each returns its chunk's
-        samples (num_samples(ctx + n) - ctx * total_upsample,) in float32."""
+        """Decode windows `(codes (Q, n), skip)` of any lengths in one forward, right-padded
+        to the longest (harmless, see the module docstring); each returns its samples
+        `[skip, num_samples(n))` in float32."""
         if not windows:
             return []
         lengths = [codes.shape[-1] for codes, _ in windows]
@@ -357,8 +380,8 @@ class Code2Wav(nn.Module):
         for i, (codes, _) in enumerate(windows):
             batch[i, :, :lengths[i]] = codes
         wav = self(batch)[:, 0].float()                           # (B, num_samples(max_len))
-        return [wav[i, ctx * self.total_upsample:self.cfg.num_samples(n)]
-                for i, ((_, ctx), n) in enumerate(zip(windows, lengths))]
+        return [wav[i, skip:self.cfg.num_samples(n)]
+                for i, ((_, skip), n) in enumerate(zip(windows, lengths))]
 
     def check_codes(self, codes: Tensor, name: str, batched: bool) -> None:
         """Raise ValueError unless `codes` is an integer (B,) Q, T tensor of valid codes."""
@@ -430,17 +453,31 @@ def _check_chunking(cfg: Code2WavConfig, chunk_size: int, left_context: int) -> 
 # ---- streaming ------------------------------------------------------------------------------
 
 class Code2WavStream:
-    """One request's streaming decode. Frames arrive in any pieces (`append`); every complete
-    `chunk_frames` chunk is decoded with up to `left_context` earlier frames; `finish` makes
-    the last partial chunk ready. The buffer holds the context still needed and what is not
-    decoded yet:
+    """One request's streaming decode, seamless: the concatenated output has exactly the
+    whole decode's `num_samples(T)` samples, and equals `model.decode(all frames)` within
+    float32 rounding when `left_context >= cfg.receptive_field_frames`.
 
-        _frames   | context (<= left_context decoded) | pending (< chunk_frames after a step) |
+    Frames arrive in any pieces (`append`); every complete chunk (`first_chunk_frames`, then
+    `chunk_frames`) is decoded as a window with up to `left_context` earlier frames. A window
+    ending at frame `end` can compute only `end * U - num_lost` samples (U = total_upsample):
+    the rest need frame `end` (each decoder block's transposed conv looks one step ahead).
+    So each window's last `num_lost` samples are held back, and the next window, which starts
+    at least one frame earlier, recomputes them from its left context:
 
-    Everything returned, concatenated, equals `model.chunked_decode(all frames, chunk_frames,
-    left_context)`. Samples come back as float32 1-D tensors on the model's device.
-    `first_chunk_frames` (default: chunk_frames) makes the first chunk shorter, so that the
-    first audio leaves sooner; the chunks after it are `chunk_frames` long.
+        frames    | chunk 0        | chunk 1            | chunk 2 ...
+        window 0  [0 ............ e0)                     emits [0, e0*U - lost)
+        window 1            [e0 - ctx ......... e1)        emits [e0*U - lost, e1*U - lost)
+                            |<- ctx ->|
+        last window                                       emits up to num_samples(T)
+
+    Only the request's final window ends at `num_samples(T)`. With a context shorter than
+    the receptive field, a window sees a truncated history (zeros before its first frame,
+    fewer keys for its attention), so samples after the first chunk differ from the whole
+    decode; none is dropped or repeated. Measured with the shipped context (25 frames, against
+    the real model's 8 attention layers of window 72, receptive field 581 frames), on
+    Qwen3-Omni's code2wav at its real size with random weights scaled to peak near 0.5
+    (`scripts/measure_code2wav_seams.py`): see MEASURED_CONTEXT_ERROR below.
+    Samples come back as float32 1-D tensors on the model's device.
     """
 
     def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int = 25,
@@ -448,6 +485,9 @@ class Code2WavStream:
         _check_chunking(model.cfg, chunk_frames, left_context)
         if first_chunk_frames is not None:
             _check_chunking(model.cfg, first_chunk_frames, left_context)
+        if left_context < 1:
+            raise ValueError(f"left_context {left_context}: streaming needs at least 1 frame "
+                             "(each window recomputes the last samples of the one before it)")
         self.model = model
         self.chunk_frames = chunk_frames
         self.first_chunk_frames = first_chunk_frames or chunk_frames
@@ -457,14 +497,28 @@ class Code2WavStream:
         self._num_context = 0          # leading frames of _frames already decoded
         self.num_frames = 0            # frames received
         self.num_decoded_frames = 0
+        self.num_samples_out = 0       # samples returned so far
         self.is_finished = False
 
     def _chunk_size(self, num_decoded: int) -> int:
         return self.first_chunk_frames if num_decoded == 0 else self.chunk_frames
 
     @property
+    def num_pending_frames(self) -> int:
+        """Frames received and not decoded yet."""
+        return self.num_frames - self.num_decoded_frames
+
+    @property
+    def next_window_frames(self) -> int:
+        """Frames of the next window (left context + chunk), 0 if no chunk is ready."""
+        if not self.has_ready_chunk:
+            return 0
+        n = min(self._chunk_size(self.num_decoded_frames), self.num_pending_frames)
+        return min(self.left_context, self.num_decoded_frames) + n
+
+    @property
     def has_ready_chunk(self) -> bool:
-        pending = self._frames.shape[1] - self._num_context
+        pending = self.num_pending_frames
         return (pending >= self._chunk_size(self.num_decoded_frames)
                 or (self.is_finished and pending > 0))
 
@@ -480,17 +534,21 @@ class Code2WavStream:
         """No more frames: the last partial chunk becomes ready."""
         self.is_finished = True
 
-    def take_windows(self) -> list[tuple[Tensor, int]]:
-        """Remove every ready chunk from the buffer as a window (codes (Q, ctx + n), ctx)."""
-        windows = []
+    def take_windows(self, max_windows: int | None = None) -> list[tuple[Tensor, int]]:
+        """Remove up to `max_windows` (None: all) ready chunks from the buffer, each as a
+        window `(codes (Q, ctx + n), skip)` for `Code2Wav.decode_windows`."""
+        windows: list[tuple[Tensor, int]] = []
+        lost, upsample = self.model.num_lost, self.model.total_upsample
         start, end_all = self._num_context, self._frames.shape[1]
-        while (end_all - start >= self._chunk_size(self.num_decoded_frames)
-               or (self.is_finished and end_all > start)):
+        while self.has_ready_chunk and (max_windows is None or len(windows) < max_windows):
             end = min(start + self._chunk_size(self.num_decoded_frames), end_all)
             ctx = min(self.left_context, self.num_decoded_frames)
             assert start >= ctx, f"buffer lost context: start {start} < ctx {ctx}"
-            windows.append((self._frames[:, start - ctx:end], ctx))
+            # the first window starts at sample 0; later ones recompute the held-back tail
+            skip = 0 if self.num_decoded_frames == 0 else ctx * upsample - lost
+            windows.append((self._frames[:, start - ctx:end], skip))
             self.num_decoded_frames += end - start
+            self.num_samples_out += self.model.cfg.num_samples(ctx + end - start) - skip
             start = end
         keep = min(self.left_context, self.num_decoded_frames)
         self._frames = self._frames[:, start - keep:]
@@ -507,17 +565,38 @@ class Code2WavStream:
         return decode_streams([self])[0]
 
 
-def decode_streams(streams: Sequence[Code2WavStream]) -> list[Tensor]:
-    """Decode the ready chunks of all `streams` (one model) in one forward; per stream, the
-    new samples (float32, 1-D, possibly empty)."""
+def decode_streams(streams: Sequence[Code2WavStream], max_batch_frames: int | None = None
+                   ) -> list[Tensor]:
+    """Decode ready chunks of `streams` (one model) in one forward; per stream, the new
+    samples (float32, 1-D, possibly empty). With `max_batch_frames`, the forward holds at most
+    that many frames (windows x the longest, as they are padded; always at least one window)
+    and the rest stay ready for the next call. Windows are taken one per stream per round:
+    first chunks before later ones (a new request's first audio waits for no one's backlog),
+    then the streams with the least audio out so far."""
     if not streams:
         return []
     model = streams[0].model
     assert all(s.model is model for s in streams), "streams of different models in one batch"
-    windows = [s.take_windows() for s in streams]
-    wavs = iter(model.decode_windows([w for ws in windows for w in ws]))
+    order = sorted(range(len(streams)), key=lambda i: (streams[i].num_decoded_frames > 0,
+                                                      streams[i].num_samples_out))
+    taken: list[list[tuple[Tensor, int]]] = [[] for _ in streams]
+    num_windows, longest, full = 0, 0, False
+    while not full:
+        took = False
+        for i in order:
+            n = streams[i].next_window_frames
+            if n == 0:
+                continue
+            if (max_batch_frames is not None and num_windows
+                    and (num_windows + 1) * max(longest, n) > max_batch_frames):
+                full = True
+                break
+            taken[i] += streams[i].take_windows(1)
+            num_windows, longest, took = num_windows + 1, max(longest, n), True
+        full = full or not took
+    wavs = iter(model.decode_windows([w for ws in taken for w in ws]))
     empty = torch.empty(0, dtype=torch.float32, device=model.device)
-    return [torch.cat([next(wavs) for _ in ws]) if ws else empty for ws in windows]
+    return [torch.cat([next(wavs) for _ in ws]) if ws else empty for ws in taken]
 
 
 def push_streams(items: Sequence[tuple[Code2WavStream, Tensor]]) -> list[Tensor]:
