@@ -35,11 +35,12 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--frames", type=int, default=100)
-    ap.add_argument("--contexts", default="1,4,12,25,72,150,300,600")
+    ap.add_argument("--contexts", default="1,4,8,12,25")
     ap.add_argument("--first-chunk", type=int, default=12)
     ap.add_argument("--chunk", type=int, default=25)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -82,9 +83,14 @@ def main() -> None:
         rows.append(row)
         print(json.dumps({k: round(v, 5) if isinstance(v, float) else v
                           for k, v in row.items()}))
-    print(json.dumps({"frames": args.frames, "peak": whole.abs().max().item(),
-                      "receptive_field_frames": ours.cfg.receptive_field_frames,
-                      "seams": len(seams)}))
+    run = {"frames": args.frames, "first_chunk": args.first_chunk, "chunk": args.chunk,
+           "device": args.device, "peak": whole.abs().max().item(),
+           "receptive_field_frames": ours.cfg.receptive_field_frames, "seams": len(seams)}
+    print(json.dumps(run))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"benchmark": "code2wav_stream_error", **run, "by_context": rows,
+                       "notes": __doc__}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ over static input buffers that each step rewrites, the batch padded up to its bu
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, TypeVar
 
 import torch
@@ -61,12 +62,15 @@ class DecodeGraphs:
                                   stream rows and feedback): the runner builds the rows
                                   eagerly, the graph variant that reads them replays the layers
 
-    Graphs share one memory pool and are captured largest first. A model whose forward pass
-    synchronises with the host (an MoE layer that reads expert counts) cannot be captured:
-    `capture_all` finds that out in a warm-up pass run in torch's sync-debug "error" mode and
-    returns False. Graphs that also return hidden states of some layers (a downstream stage
-    asked for them) and the embedding-fed variants are captured on first use; an embedding-fed
-    capture that fails leaves those batches eager.
+    Graphs are keyed (bucket, captured layers, embedding-fed), share one memory pool and are
+    captured largest first. A model whose forward pass synchronises with the host (an MoE layer
+    that reads expert counts) cannot be captured: `capture_all` finds that out in a warm-up pass
+    run in torch's sync-debug "error" mode and returns False. `capture_all` captures the plain
+    variant (no hidden-state outputs, fed token ids); `capture_variant` captures the others a
+    stage knows it will replay (the hidden layers it emits downstream, embedding-fed decodes)
+    at start-up, because a capture inside a serving step (its warm-up compiling Triton kernels)
+    can take a second. `run` captures any other variant on first use. An embedding-fed capture
+    that fails leaves those batches eager.
     """
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int,
@@ -87,7 +91,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.slot_mapping.fill_(-1)
-        self.embeds: Tensor | None = None    # allocated at the first embedding-fed batch
+        self.embeds: Tensor | None = None    # allocated by the embedding-fed variant's capture
         self.embeds_ok = True
         # (bucket, captured layers, embedding-fed) -> graph, its metadata, hidden (bucket, H),
         # captured states
@@ -126,8 +130,9 @@ class DecodeGraphs:
             return False
         finally:
             torch.cuda.set_sync_debug_mode(previous)
+        start = time.perf_counter()
         try:
-            self._capture_buckets()
+            self._capture_buckets((), False)
         except Exception as exc:
             self.graphs.clear()
             self.pool = None
@@ -139,12 +144,58 @@ class DecodeGraphs:
                            "(%s); capturing without it", str(exc).splitlines()[0])
             pdl.set_enabled(False)
             return self.capture_all()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        logger.info("captured CUDA graphs for decode batch sizes %s in %.2f s", self.sizes,
+                    time.perf_counter() - start)
         return True
 
-    def _capture_buckets(self) -> None:
+    @torch.inference_mode()        # as `run` captures a variant (inside the runner's execute)
+    def capture_variant(self, capture: tuple[int, ...],
+                        embeds: tuple[int, torch.dtype] | None = None) -> bool:
+        """Capture every bucket of one variant now (those not captured yet), largest first.
+        capture: the hidden layers it returns, sorted and unique as `ModelRunner.execute` keys
+        them; embeds: (hidden size, dtype) of the model's input embeddings for the
+        embedding-fed variant (its static buffer is allocated here), None for the one fed token
+        ids. False if an embedding-fed capture failed: those batches run eagerly, as when
+        `run` fails to capture one. Any other failure raises."""
+        if embeds is not None:
+            if not self.embeds_ok:
+                return False
+            self._embeds_buffer(*embeds)
+        fed = embeds is not None
+        if all((bs, capture, fed) in self.graphs for bs in self.sizes):
+            return True
+        start = time.perf_counter()
+        try:
+            self._capture_buckets(capture, fed)
+        except Exception:
+            if not fed:
+                raise
+            logger.warning("decodes fed embeddings run without CUDA graphs: capture failed",
+                           exc_info=True)
+            self.embeds_ok = False
+            for key in [k for k in self.graphs if k[1:] == (capture, True)]:
+                del self.graphs[key]
+            return False
+        logger.info("captured CUDA graphs for decode batch sizes %s (hidden layers %s, fed "
+                    "embeddings: %s) in %.2f s", self.sizes, list(capture), fed,
+                    time.perf_counter() - start)
+        return True
+
+    def _embeds_buffer(self, hidden_size: int, dtype: torch.dtype) -> Tensor:
+        """The static (N, hidden) input embeddings of the embedding-fed variant."""
+        if self.embeds is None:
+            self.embeds = torch.zeros(self.sizes[-1], hidden_size, dtype=dtype,
+                                      device=self.input_ids.device)
+        # captured graphs read this buffer: a step's rows must fit it without a cast
+        assert self.embeds.shape[1] == hidden_size and self.embeds.dtype == dtype, \
+            f"embeddings ({hidden_size}, {dtype}) for a buffer of {tuple(self.embeds.shape)}, " \
+            f"{self.embeds.dtype}"
+        return self.embeds
+
+    def _capture_buckets(self, capture: tuple[int, ...], embeds: bool) -> None:
         for bs in reversed(self.sizes):
-            self._capture(bs, ())
+            if (bs, capture, embeds) not in self.graphs:
+                self._capture(bs, capture, embeds)
 
     def _capture(self, bs: int, capture: tuple[int, ...], embeds: bool = False) -> None:
         md = self._metadata(bs)
@@ -187,11 +238,10 @@ class DecodeGraphs:
         bs = next(s for s in self.sizes if s >= num_seqs)
         key = (bs, capture, embeds is not None)
         if embeds is not None:
-            if self.embeds is None:
-                self.embeds = torch.zeros(self.sizes[-1], embeds.shape[1], dtype=embeds.dtype,
-                                          device=embeds.device)
-            self.embeds[:num_seqs].copy_(embeds)
+            self._embeds_buffer(embeds.shape[1], embeds.dtype)[:num_seqs].copy_(embeds)
         if key not in self.graphs:
+            # a variant not captured at start-up (capture_variant): this step pays for it
+            logger.info("capturing the CUDA graph of decode key %s on first use", key)
             try:
                 self._capture(*key)
             except Exception:

@@ -19,7 +19,7 @@ from torch import Tensor
 from omnistage.ar.detokenizer import IncrementalDetokenizer
 from omnistage.ar.kv_cache import BlockManager, KVCacheLayout
 from omnistage.ar.memory import determine_kv_layout
-from omnistage.ar.model_runner import ModelRunner, PendingStep, RunnerOutput
+from omnistage.ar.model_runner import ModelRunner, PendingStep, RunnerOutput, capture_key
 from omnistage.ar.sampler import TokenLogprobs
 from omnistage.ar.scheduler import ScheduledBatch, Scheduler
 from omnistage.ar.sequence import FinishReason, Sequence, SequenceStatus
@@ -99,6 +99,27 @@ class AREngine:
         # async scheduling: a decode step launched but not read back, and its batch
         self._inflight: tuple[ScheduledBatch, PendingStep] | None = None
         self.num_computed_tokens_total = 0  # tokens run through the model, all requests
+
+    def capture_decode_graphs(self, capture_layers: tuple[int, ...] = (),
+                              embeds: bool = False) -> None:
+        """Capture now, at start-up, every batch-size bucket of the decode CUDA graph variant
+        this stage's steps will replay: requests emitting `capture_layers` (their
+        output_hidden_layers), decodes fed embeddings (stream rows, a feedback hook) or token
+        ids. Otherwise the first step to use a bucket of it captures it, up to a second
+        inside serving. Nothing to do without graphs (CPU, enforce_eager, a model that can't
+        be captured)."""
+        graphs = self.runner.graphs
+        if graphs is None:
+            return
+        layers = capture_key(capture_layers)            # as ModelRunner.execute keys a step
+        top = max(layers, default=0)
+        if top > self.model_config.num_hidden_layers:
+            raise ValueError(f"capture_layers asks for layer {top}, the model has "
+                             f"{self.model_config.num_hidden_layers}")
+        # a step's embedding rows are the model's embeddings in the engine's dtype (validate
+        # checks the hidden size of what requests bring)
+        graphs.capture_variant(layers, (self.model_config.hidden_size, self.dtype)
+                               if embeds else None)
 
     # -- requests ----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int] | None, params: SamplingParams,

@@ -13,11 +13,16 @@ that reads them from a static buffer. Sampling and the feedback hook stay outsid
 Steps with prompt rows (prefill chunks) run eagerly. `launch_decode` / `resolve` split a
 graph-replayed decode step in two for the engine's async scheduling: launch and sample on the
 device (the tokens' copies to the host started behind them), then read.
+
+The plain graphs (no hidden-state outputs, fed token ids) are captured when the runner is
+built; the variants with hidden-state outputs or fed embeddings when the stage asks for them
+at start-up (`AREngine.capture_decode_graphs`), or else by the first step that needs each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +54,11 @@ class RunnerOutput:
     logprobs: list[TokenLogprobs | None]
     hidden_states: list[dict[int, Tensor] | None]  # per row: layer -> (n, hidden) new positions
     extras: list[dict[str, Tensor] | None] | None = None  # per row: the feedback hook's outputs
+
+
+def capture_key(layers: Iterable[int]) -> tuple[int, ...]:
+    """The hidden layers a step captures, as its CUDA graphs are keyed: sorted, each once."""
+    return tuple(sorted(set(layers)))
 
 
 class ModelRunner:
@@ -89,8 +99,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        capture = tuple(sorted({i for s in batch.seqs
-                                for i in s.sampling_params.output_hidden_layers}))
+        capture = capture_key(i for s in batch.seqs
+                              for i in s.sampling_params.output_hidden_layers)
         rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         graphed = None
         if self.graphs is not None and self.graphs.can_run(batch):

@@ -59,6 +59,8 @@ class ARStage:
         self.stage = stage
         self.engine = AREngine(stage.ar_config(model, device))
         self.defaults = stage.default_sampling()
+        # the decode graphs of requests emitting the stage's hidden layers: now, not mid-serving
+        self.engine.capture_decode_graphs(stage.output_hidden_layers)
 
     @classmethod
     def check_options(cls, stage: StageConfig) -> None:

@@ -2,9 +2,9 @@
 stand-in whose replay reruns the captured forward pass on the static buffers and copies its
 outputs into the tensors the capture returned, and the attention is the Triton kernels in
 Triton's interpreter (they read lengths and slots from the buffers, as a replayed graph does).
-So the buffer handling (padding rows, buckets, lazily captured variants, the embedding-fed
-variant, hidden-state outputs) is checked against eager steps here; tests/gpu checks real
-graphs. The interpreter must be on before `import torch`: the tests run in a child process."""
+So the buffer handling (padding rows, buckets, variants captured lazily or up front, the
+embedding-fed variant, hidden-state outputs) is checked against eager steps here; tests/gpu
+checks real graphs. The interpreter must be on before `import torch`: the tests run in a child process."""
 
 from __future__ import annotations
 
@@ -185,6 +185,121 @@ def test_embedding_fed_decodes_use_the_graphs(emulated, tiny_qwen3: Path) -> Non
     assert_same(got, want)
     graphs = engine.runner.graphs
     assert graphs.embeds_ok and {key[0] for key in graphs.graphs if key[2]} >= {1, 2, 4}
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> list[int]:
+    """Capture with the stand-in (or fail), counting the captures."""
+    calls: list[int] = []
+
+    def capture(fn, pool):  # type: ignore[no-untyped-def]
+        calls.append(len(calls))
+        if fail:
+            raise RuntimeError("capture failed")
+        return _capture(fn, pool)
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", capture)
+    return calls
+
+
+def _serve(engine: AREngine, variant: str, waves: list[int]) -> tuple[dict[str, list], set[int]]:
+    """Requests of one variant (hidden-state outputs, or fed stream embeddings then a pad) in
+    waves of the given sizes, a few steps apart, to the end: -> outputs as `drive` collects
+    them, and the batch sizes of the decode steps replayed from graphs."""
+    sizes: set[int] = set()
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        run = graphs.run
+
+        def counted(batch, *args):  # type: ignore[no-untyped-def]
+            out = run(batch, *args)
+            if out is not None:
+                sizes.add(len(batch.seqs))
+            return out
+        graphs.run = counted  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(0)
+    hidden = engine.model_config.hidden_size
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=2,
+                            output_hidden_layers=[2, 1] if variant == "hidden" else [])
+    got: dict[str, list] = {}
+    num = 0
+    for size in waves:
+        for _ in range(size):
+            rid, prompt = f"r{num}", [3 + num, 9, 11, 2 + num]
+            num += 1
+            if variant == "hidden":
+                engine.add_request(rid, prompt, params)
+                continue
+            engine.add_request(rid, prompt, params, stream_open=True,
+                               stream_pad=torch.randn(hidden, generator=gen))
+            engine.extend_request(rid, stream_embeds=torch.randn(4, hidden, generator=gen),
+                                  close_stream=True)
+        for _ in range(3):
+            for o in engine.step():
+                got.setdefault(o.request_id, []).append((o.new_token_ids, o.logprobs,
+                                                         o.hidden_states))
+    while engine.has_unfinished_requests:
+        for o in engine.step():
+            got.setdefault(o.request_id, []).append((o.new_token_ids, o.logprobs,
+                                                     o.hidden_states))
+    return got, sizes
+
+
+@in_child
+@pytest.mark.parametrize("variant", ["hidden", "embeds"])
+def test_variant_captured_at_start_up(variant: str, tiny_qwen3: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`AREngine.capture_decode_graphs` captures every bucket of a variant (hidden layers
+    given in any order, as ModelRunner.execute keys them; or fed embeddings, its buffer
+    allocated in the model's hidden size and dtype) largest first; steps at every batch size
+    then replay them, capture nothing, and equal eager steps."""
+    calls = _counted(monkeypatch)
+    engine = make_engine(tiny_qwen3, graphs=True)
+    graphs = engine.runner.graphs
+    if variant == "hidden":
+        engine.capture_decode_graphs((2, 1, 2))
+        key: tuple[tuple[int, ...], bool] = ((1, 2), False)
+    else:
+        engine.capture_decode_graphs(embeds=True)
+        key = ((), True)
+        assert graphs.embeds is not None and graphs.embeds.dtype == torch.float32
+        assert graphs.embeds.shape == (8, engine.model_config.hidden_size)
+    assert list(graphs.graphs) == [(bs, *key) for bs in (8, 4, 2, 1)]
+    assert len(calls) == 4
+    engine.capture_decode_graphs(*key)                    # captured already: nothing to do
+    assert len(calls) == 4
+
+    waves = [1, 1, 1, 5]                  # decode steps of 1, 2, 3 (bucket 4) and 8 rows
+    got, sizes = _serve(engine, variant, waves)
+    assert len(calls) == 4 and set(graphs.graphs) == {(bs, *key) for bs in (1, 2, 4, 8)}
+    assert {next(b for b in graphs.sizes if b >= n) for n in sizes} == {1, 2, 4, 8}
+    want, _ = _serve(make_engine(tiny_qwen3, graphs=False), variant, waves)
+    assert_same(got, want)
+
+
+@in_child
+def test_variant_capture_failures(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An embedding-fed variant that fails to capture leaves those decodes eager (as when
+    `run` fails to capture one); a hidden-state variant that fails raises; without graphs
+    (CPU, enforce_eager) there is nothing to capture; a layer past the model's is refused."""
+    engine = make_engine(tiny_qwen3, graphs=False)
+    engine.capture_decode_graphs((1, 2), embeds=True)
+    assert engine.runner.graphs is None
+    calls = _counted(monkeypatch, fail=True)
+    engine = make_engine(tiny_qwen3, graphs=True)
+    graphs = engine.runner.graphs
+    with pytest.raises(ValueError, match="layer 9"):
+        engine.capture_decode_graphs((1, 9))
+    engine.capture_decode_graphs(embeds=True)
+    assert not graphs.embeds_ok and not graphs.graphs and len(calls) == 1
+    engine.capture_decode_graphs(embeds=True)             # given up on: not tried again
+    assert len(calls) == 1
+    with pytest.raises(RuntimeError, match="capture failed"):
+        engine.capture_decode_graphs((1,))
+    _counted(monkeypatch)
+    got, sizes = _serve(engine, "embeds", [2])
+    assert not sizes and not any(key[2] for key in graphs.graphs)
+    want, _ = _serve(make_engine(tiny_qwen3, graphs=False), "embeds", [2])
+    assert_same(got, want)
 
 
 @in_child

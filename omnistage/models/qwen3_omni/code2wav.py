@@ -12,9 +12,9 @@ HF's `Qwen3OmniMoeCode2Wav` in plain PyTorch; module names follow the checkpoint
       ─> wav (B, 1, T * total_upsample - num_lost)
 
 Every layer is causal except the decoder's transposed convs (k = 2s), which trim `k - s`
-samples on both sides: each output sample then mixes its own input step with the next one, and
-the last `s` samples (which the missing next step would complete) are dropped. So each decode of T frames yields
-`num_samples(T)` = T * total_upsample - num_lost samples, and samples never depend on frames to
+samples on both sides: each output sample then mixes its own input step with the next one,
+and the last `s` samples (which the missing next step would complete) are dropped. So each
+decode of T frames yields `num_samples(T)` = T * total_upsample - num_lost samples, and samples never depend on frames to
 their right beyond what the trimming keeps. Two consequences used below:
 
 - Chunked decode (HF's `chunked_decode`, used by `generate(return_audio=True)` with chunk 300,
@@ -26,16 +26,15 @@ their right beyond what the trimming keeps. Two consequences used below:
 
 - Right padding is harmless: a window padded on the right with any codes gives the same first
   `num_samples(n)` samples, so windows of different lengths batch into one forward
-  (`decode_windows`), e.g. one request's first chunk (no context) with others' later ones.
+  (`vocode_windows`), e.g. one request's first chunk (no context) with others' later ones.
 
 HF's chunked decode keeps `num_samples(ctx + n) - ctx * U` samples of each window, so every
 chunk boundary drops `num_lost` samples (555 at 24 kHz) and shifts all audio after it;
 `generate(return_audio=True)` only avoids that by decoding up to 300 frames (24 s) in one
-window. `Code2WavStream`, the per-request state of the serving stage, streams seamlessly:
-frames arrive in any pieces, every complete chunk is decoded with its left context as soon
-as it is there, each window's last `num_lost` samples are held back and recomputed by the
-next window, and the concatenated output has the whole decode's length and, with a context
-covering `receptive_field_frames`, its samples (see the class).
+window. `Code2WavStream`, the per-request state of the serving stage, streams exactly: the
+transformer continues from kept keys and values, each vocoder window's last `num_lost`
+samples are held back and recomputed by the next window, and the concatenated output is
+the whole decode (see the class).
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from omnistage.layers.linear import Linear, MergedLinear, QKVLinear
 from omnistage.layers.norm import RMSNorm
-from omnistage.layers.rotary import RotaryEmbedding, get_rope
+from omnistage.layers.rotary import RotaryEmbedding, get_rope, rotate_half
 from omnistage.models.loader import (_default_dtype, check_tensor_names, checkpoint_names,
                                      component_dtype, component_tensor_files,
                                      iter_component_tensors, load_packed_weights)
@@ -106,11 +105,11 @@ class Code2WavConfig:
 
     @property
     def receptive_field_frames(self) -> int:
-        """Left context (frames) after which a streamed window's samples equal the whole
-        decode's: an upper bound on how far back any causal layer reaches, plus one frame for
-        the samples a window recomputes for its predecessor (see `Code2WavStream`). 578 + 3
-        for the real model: its 8 sliding-window layers of 72 alone reach 568 frames back."""
-        frames = self.num_hidden_layers * (self.sliding_window - 1)   # attention, stacked
+        """Left context (frames) a streamed window needs for its samples to equal the whole
+        decode's: an upper bound on how far back the convolutional part reaches, plus the
+        frame whose samples a window recomputes for its predecessor, plus rounding slack (12
+        for the real model). The sliding-window transformer needs none: a stream keeps its
+        keys and values (`Code2WavStream`)."""
         reach, rate = 0.0, 1                      # samples back / samples per frame, summed
         for ratio in self.upsampling_ratios:
             rate *= ratio
@@ -120,7 +119,7 @@ class Code2WavConfig:
             rate *= r                             # three residual units, k = 7, dilations
             reach += (6 * (1 + 3 + 9) + r) / rate  # 1 / 3 / 9, + flooring at the upsampling
         reach += 6 / rate                         # the last causal conv, k = 7
-        return frames + math.ceil(reach) + 1 + 1  # + the recomputed frame, + rounding slack
+        return math.ceil(reach) + 1 + 1           # + the recomputed frame, + rounding slack
 
     def num_samples(self, num_frames: int) -> int:
         """Waveform length of one decode of `num_frames` frames (each decoder block's
@@ -252,6 +251,30 @@ class Code2WavAttention(nn.Module):
             enable_gqa=self.num_kv_heads != self.num_heads)       # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
+    def forward_cached(self, x: Tensor, past_k: Tensor, past_v: Tensor, q_pos: Tensor,
+                       k_pos: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """New rows x (B, N, hidden) after P cached ones (past_k / past_v (B, P, Hkv, D), not
+        rotated): -> out (B, N, hidden), and the keys / values of all P + N rows, unrotated,
+        for the next call's cache. Rotation uses positions relative to the cache's start,
+        which only relative offsets reach."""
+        B, N, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(B, N, self.num_heads, self.head_dim)           # (B, N, H, D)
+        k_all = torch.cat([past_k, k.view(B, N, self.num_kv_heads, self.head_dim)], 1)
+        v_all = torch.cat([past_v, v.view(B, N, self.num_kv_heads, self.head_dim)], 1)
+        out = F.scaled_dot_product_attention(
+            _rotate(self.rotary, q, q_pos).transpose(1, 2),
+            _rotate(self.rotary, k_all, k_pos).transpose(1, 2), v_all.transpose(1, 2),
+            attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)   # (B, H, N, D)
+        return self.o_proj(out.transpose(1, 2).reshape(B, N, -1)), k_all, v_all
+
+
+def _rotate(rotary: RotaryEmbedding, x: Tensor, positions: Tensor) -> Tensor:
+    """x (B, T, heads, D) rotated for `positions` (T,), as `RotaryEmbedding.forward` does."""
+    cos = rotary.cos_cache[positions].unsqueeze(1).to(x.dtype)   # (T, 1, D)
+    sin = rotary.sin_cache[positions].unsqueeze(1).to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
 
 class Code2WavMLP(nn.Module):
     def __init__(self, cfg: Code2WavConfig) -> None:
@@ -278,6 +301,13 @@ class Code2WavTransformerLayer(nn.Module):
         h = h + self.self_attn_layer_scale(self.self_attn(positions, self.input_layernorm(h), mask))
         return h + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(h)))
 
+    def forward_cached(self, h: Tensor, past_k: Tensor, past_v: Tensor, q_pos: Tensor,
+                       k_pos: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        attn, k_all, v_all = self.self_attn.forward_cached(
+            self.input_layernorm(h), past_k, past_v, q_pos, k_pos, mask)
+        h = h + self.self_attn_layer_scale(attn)
+        return h + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(h))), k_all, v_all
+
 
 class Code2WavTransformer(nn.Module):
     def __init__(self, cfg: Code2WavConfig) -> None:
@@ -296,6 +326,39 @@ class Code2WavTransformer(nn.Module):
         for layer in self.layers:
             h = layer(positions, h, mask)
         return self.norm(h)
+
+    @property
+    def num_cached(self) -> int:
+        """Rows of keys / values a stream keeps: all a new row's window reaches back."""
+        return self.sliding_window - 1
+
+    def forward_cached(self, h: Tensor, past: Tensor, num_past: Tensor, num_new: Tensor
+                       ) -> tuple[Tensor, Tensor]:
+        """Streams continued: new rows h (B, N, hidden), right-padded (num_new (B,) real),
+        after each stream's cache `past` (B, layers, 2, P, Hkv, D) whose last num_past (B,)
+        rows are real (P = num_cached). Every layer sees exactly the keys the whole decode
+        would, so the rows equal the whole decode's. -> (B, N, hidden) normed, and the new
+        caches (the last P real rows of each stream, right-aligned as `past`).
+
+            key slots   | cache: P rows (the last num_past real) | new: N rows (num_new real) |
+            query j     at slot P + j: sees slots j .. P + j that are real
+        """
+        B, N, _ = h.shape
+        P, dev = self.num_cached, h.device
+        slots = torch.arange(P + N, device=dev)
+        q_idx = torch.arange(N, device=dev)
+        mask = (slots[None, :] <= P + q_idx[:, None]) & (slots[None, :] >= q_idx[:, None])
+        real = (slots[None, :] >= P) | (slots[None, :] >= P - num_past[:, None])   # (B, P + N)
+        mask = (mask[None] & real[:, None])[:, None]               # (B, 1, N, P + N)
+        keep = (num_new[:, None] + torch.arange(P, device=dev)[None])   # (B, P): last P real
+        keep = keep[:, :, None, None]
+        caches = []
+        for i, layer in enumerate(self.layers):
+            h, k_all, v_all = layer.forward_cached(h, past[:, i, 0], past[:, i, 1],
+                                                   slots[P:], slots, mask)
+            idx = keep.expand(-1, -1, *k_all.shape[2:])
+            caches.append(torch.stack([k_all.gather(1, idx), v_all.gather(1, idx)], 1))
+        return self.norm(h), torch.stack(caches, 1)
 
 
 # ---- model ----------------------------------------------------------------------------------
@@ -335,10 +398,18 @@ class Code2Wav(nn.Module):
 
     def forward(self, codes: Tensor) -> Tensor:
         """Unchecked decode: codes (B, Q, T) -> wav (B, 1, num_samples(T))."""
+        return self.vocode(self.pre_transformer(self.embed(codes)))
+
+    def embed(self, codes: Tensor) -> Tensor:
+        """codes (B, Q, T) -> (B, T, hidden): each frame's codebook embeddings averaged."""
         cfg = self.cfg
         offsets = torch.arange(cfg.num_quantizers, device=codes.device) * cfg.codebook_size
-        h = self.code_embedding(codes + offsets[:, None]).mean(1)  # (B, Q, T, hid) -> (B, T, hid)
-        h = self.pre_transformer(h).transpose(1, 2)               # (B, hidden, T)
+        return self.code_embedding(codes + offsets[:, None]).mean(1)  # (B, Q, T, hid) -> mean
+
+    def vocode(self, h: Tensor) -> Tensor:
+        """The convolutional part: pre-transformer rows (B, T, hidden) -> wav (B, 1,
+        num_samples(T)), clamped to [-1, 1]."""
+        h = h.transpose(1, 2)                                     # (B, hidden, T)
         for up_conv, convnext in self.upsample:
             h = convnext(up_conv(h))                              # (B, hidden, T * ratio)
         for layer in self.decoder:
@@ -368,18 +439,19 @@ class Code2Wav(nn.Module):
         return torch.cat(wavs, dim=-1)
 
     @torch.inference_mode()
-    def decode_windows(self, windows: Sequence[tuple[Tensor, int]]) -> list[Tensor]:
-        """Decode windows `(codes (Q, n), skip)` of any lengths in one forward, right-padded
-        to the longest (harmless, see the module docstring); each returns its samples
-        `[skip, num_samples(n))` in float32."""
+    def vocode_windows(self, windows: Sequence[tuple[Tensor, int]]) -> list[Tensor]:
+        """Vocode windows `(rows (n, hidden), skip)` of pre-transformer output, of any
+        lengths, in one forward, right-padded to the longest (harmless: every layer is causal
+        but the transposed convs' one-step lookahead, which `num_samples` trims); each returns
+        its samples `[skip, num_samples(n))` in float32."""
         if not windows:
             return []
-        lengths = [codes.shape[-1] for codes, _ in windows]
-        batch = torch.zeros(len(windows), self.cfg.num_quantizers, max(lengths),
-                            dtype=torch.long, device=self.device)  # code 0 pads
-        for i, (codes, _) in enumerate(windows):
-            batch[i, :, :lengths[i]] = codes
-        wav = self(batch)[:, 0].float()                           # (B, num_samples(max_len))
+        lengths = [rows.shape[0] for rows, _ in windows]
+        batch = self.code_embedding.weight.new_zeros(len(windows), max(lengths),
+                                                     self.cfg.hidden_size)
+        for i, (rows, _) in enumerate(windows):
+            batch[i, :lengths[i]] = rows
+        wav = self.vocode(batch)[:, 0].float()                    # (B, num_samples(max_len))
         return [wav[i, skip:self.cfg.num_samples(n)]
                 for i, ((_, skip), n) in enumerate(zip(windows, lengths))]
 
@@ -453,35 +525,37 @@ def _check_chunking(cfg: Code2WavConfig, chunk_size: int, left_context: int) -> 
 # ---- streaming ------------------------------------------------------------------------------
 
 class Code2WavStream:
-    """One request's streaming decode, seamless: the concatenated output has exactly the
-    whole decode's `num_samples(T)` samples, and equals `model.decode(all frames)` within
-    float32 rounding when `left_context >= cfg.receptive_field_frames`.
+    """One request's streaming decode, exact: the concatenated output is the whole decode
+    `model.decode(all frames)` (its `num_samples(T)` samples, each within float32 rounding)
+    whenever `left_context >= cfg.receptive_field_frames`, the default.
 
     Frames arrive in any pieces (`append`); every complete chunk (`first_chunk_frames`, then
-    `chunk_frames`) is decoded as a window with up to `left_context` earlier frames. A window
-    ending at frame `end` can compute only `end * U - num_lost` samples (U = total_upsample):
-    the rest need frame `end` (each decoder block's transposed conv looks one step ahead).
-    So each window's last `num_lost` samples are held back, and the next window, which starts
-    at least one frame earlier, recomputes them from its left context:
+    `chunk_frames`) is decoded as soon as it is there, in two parts:
+
+    - the sliding-window transformer continues from the keys and values the stream keeps of
+      its last `sliding_window - 1` rows in every layer, so each row sees what it sees in the
+      whole decode, however far back its stacked windows reach (568 frames in the real model);
+    - the convolutional vocoder decodes a window of `left_context` earlier rows + the chunk's.
+      A window ending at frame `end` can compute only `end * U - num_lost` samples (U =
+      total_upsample): the rest need frame `end` (each decoder block's transposed conv looks
+      one step ahead). So each window's last `num_lost` samples are held back, and the next
+      window, which starts `left_context` frames earlier, recomputes them:
 
         frames    | chunk 0        | chunk 1            | chunk 2 ...
         window 0  [0 ............ e0)                     emits [0, e0*U - lost)
         window 1            [e0 - ctx ......... e1)        emits [e0*U - lost, e1*U - lost)
-                            |<- ctx ->|
         last window                                       emits up to num_samples(T)
 
-    Only the request's final window ends at `num_samples(T)`. With a context shorter than
-    the receptive field, a window sees a truncated history (zeros before its first frame,
-    fewer keys for its attention), so samples after the first chunk differ from the whole
-    decode; none is dropped or repeated. Measured with the shipped context (25 frames, against
-    the real model's 8 attention layers of window 72, receptive field 581 frames), on
-    Qwen3-Omni's code2wav at its real size with random weights scaled to peak near 0.5
-    (`scripts/measure_code2wav_seams.py`): see MEASURED_CONTEXT_ERROR below.
-    Samples come back as float32 1-D tensors on the model's device.
+    With a `left_context` below the receptive field, a window's first samples see zeros for
+    the rows before it: samples after the first chunk differ slightly from the whole decode;
+    none is dropped or repeated. Samples come back as float32 1-D tensors on the model's
+    device.
     """
 
-    def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int = 25,
+    def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int | None = None,
                  first_chunk_frames: int | None = None) -> None:
+        if left_context is None:
+            left_context = model.cfg.receptive_field_frames
         _check_chunking(model.cfg, chunk_frames, left_context)
         if first_chunk_frames is not None:
             _check_chunking(model.cfg, first_chunk_frames, left_context)
@@ -492,9 +566,16 @@ class Code2WavStream:
         self.chunk_frames = chunk_frames
         self.first_chunk_frames = first_chunk_frames or chunk_frames
         self.left_context = left_context
-        self._frames = torch.empty(model.cfg.num_quantizers, 0, dtype=torch.long,
-                                   device=model.device)
-        self._num_context = 0          # leading frames of _frames already decoded
+        cfg, transformer = model.cfg, model.pre_transformer
+        dtype = model.code_embedding.weight.dtype
+        self._codes = torch.empty(cfg.num_quantizers, 0, dtype=torch.long, device=model.device)
+        # the transformer's keys and values of the last rows: (layers, 2, P, Hkv, D), the last
+        # `_num_past` of the P real
+        self._past = torch.zeros(cfg.num_hidden_layers, 2, transformer.num_cached,
+                                 cfg.num_key_value_heads, cfg.head_dim, dtype=dtype,
+                                 device=model.device)
+        self._num_past = 0
+        self._rows = torch.empty(0, cfg.hidden_size, dtype=dtype, device=model.device)
         self.num_frames = 0            # frames received
         self.num_decoded_frames = 0
         self.num_samples_out = 0       # samples returned so far
@@ -509,51 +590,37 @@ class Code2WavStream:
         return self.num_frames - self.num_decoded_frames
 
     @property
-    def next_window_frames(self) -> int:
-        """Frames of the next window (left context + chunk), 0 if no chunk is ready."""
-        if not self.has_ready_chunk:
-            return 0
-        n = min(self._chunk_size(self.num_decoded_frames), self.num_pending_frames)
-        return min(self.left_context, self.num_decoded_frames) + n
-
-    @property
     def has_ready_chunk(self) -> bool:
         pending = self.num_pending_frames
         return (pending >= self._chunk_size(self.num_decoded_frames)
                 or (self.is_finished and pending > 0))
+
+    @property
+    def next_window_frames(self) -> int:
+        """Rows the next vocoder window holds (left context + chunk), 0 if none is ready."""
+        if not self.has_ready_chunk:
+            return 0
+        n = min(self._chunk_size(self.num_decoded_frames), self.num_pending_frames)
+        return min(self.left_context, self.num_decoded_frames) + n
 
     def append(self, frames: Tensor) -> None:
         """Buffer frames (num_quantizers, n); decodes nothing."""
         if self.is_finished:
             raise ValueError("frames: the stream is already finished")
         self.model.check_codes(frames, "frames", batched=False)
-        self._frames = torch.cat([self._frames, frames.to(self.model.device)], dim=1)
+        self._codes = torch.cat([self._codes, frames.to(self.model.device)], dim=1)
         self.num_frames += frames.shape[1]
 
     def finish(self) -> None:
         """No more frames: the last partial chunk becomes ready."""
         self.is_finished = True
 
-    def take_windows(self, max_windows: int | None = None) -> list[tuple[Tensor, int]]:
-        """Remove up to `max_windows` (None: all) ready chunks from the buffer, each as a
-        window `(codes (Q, ctx + n), skip)` for `Code2Wav.decode_windows`."""
-        windows: list[tuple[Tensor, int]] = []
-        lost, upsample = self.model.num_lost, self.model.total_upsample
-        start, end_all = self._num_context, self._frames.shape[1]
-        while self.has_ready_chunk and (max_windows is None or len(windows) < max_windows):
-            end = min(start + self._chunk_size(self.num_decoded_frames), end_all)
-            ctx = min(self.left_context, self.num_decoded_frames)
-            assert start >= ctx, f"buffer lost context: start {start} < ctx {ctx}"
-            # the first window starts at sample 0; later ones recompute the held-back tail
-            skip = 0 if self.num_decoded_frames == 0 else ctx * upsample - lost
-            windows.append((self._frames[:, start - ctx:end], skip))
-            self.num_decoded_frames += end - start
-            self.num_samples_out += self.model.cfg.num_samples(ctx + end - start) - skip
-            start = end
-        keep = min(self.left_context, self.num_decoded_frames)
-        self._frames = self._frames[:, start - keep:]
-        self._num_context = keep
-        return windows
+    def take_chunk(self) -> int:
+        """Mark the next ready chunk as decoded; its number of frames."""
+        assert self.has_ready_chunk, "no chunk is ready"
+        n = min(self._chunk_size(self.num_decoded_frames), self.num_pending_frames)
+        self.num_decoded_frames += n
+        return n
 
     def push(self, frames: Tensor) -> Tensor:
         """Append frames (num_quantizers, n); the samples of every chunk now complete."""
@@ -567,21 +634,52 @@ class Code2WavStream:
 
 def decode_streams(streams: Sequence[Code2WavStream], max_batch_frames: int | None = None
                    ) -> list[Tensor]:
-    """Decode ready chunks of `streams` (one model) in one forward; per stream, the new
-    samples (float32, 1-D, possibly empty). With `max_batch_frames`, the forward holds at most
-    that many frames (windows x the longest, as they are padded; always at least one window)
-    and the rest stay ready for the next call. Windows are taken one per stream per round:
-    first chunks before later ones (a new request's first audio waits for no one's backlog),
-    then the streams with the least audio out so far."""
+    """Decode ready chunks of `streams` (one model) together; per stream, the new samples
+    (float32, 1-D, possibly empty). With `max_batch_frames`, the vocoder's forward holds at
+    most that many frames (windows x the longest, as they are padded; always at least one
+    window) and the rest stay ready for the next call. Chunks are taken one per stream per
+    round: first chunks before later ones (a new request's first audio waits for no one's
+    backlog), then the streams with the least audio out so far."""
     if not streams:
         return []
     model = streams[0].model
     assert all(s.model is model for s in streams), "streams of different models in one batch"
+    chunks = _plan_chunks(streams, max_batch_frames)
+    busy = [i for i, c in enumerate(chunks) if c]
+    rows = _continue_transformer(model, [streams[i] for i in busy], [sum(chunks[i]) for i in busy])
+    windows: list[tuple[Tensor, int]] = []
+    owner: list[int] = []
+    upsample, lost = model.total_upsample, model.num_lost
+    for i, new in zip(busy, rows):
+        s, start = streams[i], 0
+        decoded = s.num_decoded_frames - sum(chunks[i])   # before this call
+        for n in chunks[i]:
+            ctx = min(s.left_context, decoded)
+            window = torch.cat([s._rows[s._rows.shape[0] - ctx:], new[start:start + n]])
+            # the first window starts at sample 0; later ones recompute the held-back tail
+            skip = 0 if decoded == 0 else ctx * upsample - lost
+            windows.append((window, skip))
+            owner.append(i)
+            s._rows = window[-s.left_context:]
+            s.num_samples_out += model.cfg.num_samples(ctx + n) - skip
+            decoded += n
+            start += n
+    out: list[list[Tensor]] = [[] for _ in streams]
+    for i, wav in zip(owner, model.vocode_windows(windows)):
+        out[i].append(wav)
+    empty = torch.empty(0, dtype=torch.float32, device=model.device)
+    return [torch.cat(o) if o else empty for o in out]
+
+
+def _plan_chunks(streams: Sequence[Code2WavStream], max_batch_frames: int | None
+                 ) -> list[list[int]]:
+    """Which ready chunks of each stream go into this call (their sizes), in priority order
+    within the vocoder's frame budget; the streams' decoded counts advance."""
     order = sorted(range(len(streams)), key=lambda i: (streams[i].num_decoded_frames > 0,
                                                       streams[i].num_samples_out))
-    taken: list[list[tuple[Tensor, int]]] = [[] for _ in streams]
-    num_windows, longest, full = 0, 0, False
-    while not full:
+    chunks: list[list[int]] = [[] for _ in streams]
+    num_windows, longest = 0, 0
+    while True:
         took = False
         for i in order:
             n = streams[i].next_window_frames
@@ -589,14 +687,36 @@ def decode_streams(streams: Sequence[Code2WavStream], max_batch_frames: int | No
                 continue
             if (max_batch_frames is not None and num_windows
                     and (num_windows + 1) * max(longest, n) > max_batch_frames):
-                full = True
-                break
-            taken[i] += streams[i].take_windows(1)
+                return chunks
+            chunks[i].append(streams[i].take_chunk())
             num_windows, longest, took = num_windows + 1, max(longest, n), True
-        full = full or not took
-    wavs = iter(model.decode_windows([w for ws in taken for w in ws]))
-    empty = torch.empty(0, dtype=torch.float32, device=model.device)
-    return [torch.cat([next(wavs) for _ in ws]) if ws else empty for ws in taken]
+        if not took:
+            return chunks
+
+
+def _continue_transformer(model: Code2Wav, streams: Sequence[Code2WavStream],
+                          counts: Sequence[int]) -> list[Tensor]:
+    """Run each stream's next `counts` buffered frames through the pre-transformer from its
+    kept keys and values, all streams in one batch; their rows (n, hidden) in order."""
+    if not streams:
+        return []
+    n_max = max(counts)
+    codes = torch.zeros(len(streams), model.cfg.num_quantizers, n_max, dtype=torch.long,
+                        device=model.device)                      # code 0 pads
+    for b, (s, n) in enumerate(zip(streams, counts)):
+        codes[b, :, :n] = s._codes[:, :n]
+        s._codes = s._codes[:, n:]
+    dev = model.device
+    num_past = torch.tensor([s._num_past for s in streams], device=dev)
+    num_new = torch.tensor(list(counts), device=dev)
+    with torch.inference_mode():
+        rows, past = model.pre_transformer.forward_cached(
+            model.embed(codes), torch.stack([s._past for s in streams]), num_past, num_new)
+    P = model.pre_transformer.num_cached
+    for b, (s, n) in enumerate(zip(streams, counts)):
+        s._past = past[b]
+        s._num_past = min(P, s._num_past + n)
+    return [rows[b, :n] for b, n in enumerate(counts)]
 
 
 def push_streams(items: Sequence[tuple[Code2WavStream, Tensor]]) -> list[Tensor]:

@@ -4,6 +4,8 @@ per frame over its own small KV cache, and `CodePredictorGraphs`, its CUDA graph
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Sequence
 
 import torch
@@ -17,6 +19,8 @@ from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding, get_rope
 from omnistage.models.config import ModelConfig
 from omnistage.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer
+
+logger = logging.getLogger(__name__)
 
 
 class CodePredictorAttention(Qwen2Attention):
@@ -167,9 +171,11 @@ class CodePredictor(nn.Module):
 
 class CodePredictorGraphs:
     """CUDA graphs of `CodePredictor.run_groups`: one per (batch-size bucket, greedy or not),
-    captured on first use over static input buffers. A frame of B rows is copied into the
-    first B rows of the buffers, the bucket's graph replays, and the first B rows of its
-    outputs are copied out; padding rows keep whatever they held (their codes are dropped)."""
+    over static input buffers, all captured at start-up by `capture_all` (a capture inside a
+    serving step, its warm-up compiling kernels, would hold that step up), else by the first
+    frame to use each. A frame of B rows is copied into the first B rows of the buffers, the
+    bucket's graph replays, and the first B rows of its outputs are copied out; padding rows
+    keep whatever they held (their codes are dropped)."""
 
     def __init__(self, predictor: CodePredictor, max_batch: int, device: torch.device,
                  dtype: torch.dtype) -> None:
@@ -192,6 +198,17 @@ class CodePredictorGraphs:
         sampling = None if greedy else (self.temperature[:bs], self.top_k[:bs],
                                         self.top_p[:bs], self.noise[:, :bs])
         return self.past_hidden[:bs], self.code0[:bs], self.code0_embeds[:bs], sampling
+
+    @torch.no_grad()               # as `run` captures one (inside `predict`)
+    def capture_all(self) -> None:
+        """Capture every bucket, greedy and sampled, largest first (those not captured yet)."""
+        start = time.perf_counter()
+        for bs in reversed(self.sizes):
+            for greedy in (True, False):
+                if (bs, greedy) not in self.graphs:
+                    self._capture(bs, greedy)
+        logger.info("captured CUDA graphs of the code predictor for batch sizes %s, greedy and "
+                    "sampled, in %.2f s", self.sizes, time.perf_counter() - start)
 
     def _capture(self, bs: int, greedy: bool) -> None:
         graph, (codes, embeds) = cuda_graphs.capture_graph(

@@ -70,6 +70,9 @@ class ThinkerStage(ARStage):
         hf = self.engine.hf_config
         self.tokens = SpecialTokens.from_hf(hf.thinker_config, self.engine.tokenizer)
         self.talker_layers = (0, hf.talker_config.accept_hidden_layer)
+        # decodes of requests bound for the talker emit these layers: their graphs now, not in
+        # the first serving step of each batch size
+        self.engine.capture_decode_graphs(self.talker_layers)
         self._encoders: dict[str, torch.nn.Module] = {}
         ids = torch.tensor([hf.tts_bos_token_id, hf.tts_eos_token_id, hf.tts_pad_token_id],
                            device=self.engine.device)
@@ -174,7 +177,8 @@ class _TalkerInput:
 def code_predictor_graphs(talker: Qwen3OmniTalkerForCausalLM, max_batch: int,
                           device: torch.device, dtype: torch.dtype) -> CodePredictorGraphs | None:
     """CUDA graphs for the talker's code predictor, if one frame replayed through them equals
-    the eager run (greedy and sampled); otherwise None, and the predictor runs eagerly."""
+    the eager run (greedy and sampled), every bucket then captured; otherwise None, and the
+    predictor runs eagerly."""
     predictor = talker.code_predictor
     graphs = CodePredictorGraphs(predictor, max_batch, device, dtype)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -191,6 +195,7 @@ def code_predictor_graphs(talker: Qwen3OmniTalkerForCausalLM, max_batch: int,
             if not torch.equal(eager, replayed):
                 raise RuntimeError(f"codes differ (greedy={greedy}): {eager.tolist()} vs "
                                    f"{replayed.tolist()}")
+        graphs.capture_all()   # now, not in the first serving step of each bucket
     except Exception as exc:   # capture not possible here: keep the eager path
         logger.warning("code predictor runs without CUDA graphs: %s", exc)
         return None
@@ -218,6 +223,9 @@ class TalkerStage(ARStage):
                 and stage.options.get("code_predictor_cuda_graphs", True)):
             self.model.code_predictor.graphs = code_predictor_graphs(
                 self.model, stage.max_num_seqs, self.engine.device, self.engine.dtype)
+        # every decode is fed embeddings (trailing text added, the frame's codes fed back) and
+        # emits the stage's hidden layers (none in the shipped graphs): capture those now
+        self.engine.capture_decode_graphs(stage.output_hidden_layers, embeds=True)
         hf = self.engine.hf_config
         self.hf = hf
         self.talker_cfg = hf.talker_config
@@ -374,21 +382,27 @@ class TalkerStage(ARStage):
 class Code2WavGenerator:
     """The generation stage's model: codec frames in (any number per chunk), audio out as soon
     as a chunk of `chunk_frames` frames is complete (the first one: `first_chunk_frames`, for
-    an early first audio), each decoded with `left_context` frames before it; all ready chunks
-    of all requests in one forward."""
+    an early first audio), each vocoded with `left_context` frames before it (default: the
+    vocoder's receptive field), exactly the whole decode (see `Code2WavStream`). Ready chunks of all requests share one forward of at most
+    `max_batch_frames` frames, first chunks first; what does not fit waits for the next step
+    (`has_backlog`), so that one large forward never holds a GPU shared with the talker for
+    long."""
 
     SAMPLE_RATE = 24000             # Qwen3-Omni's codec speaks at 24 kHz
 
-    def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int = 25,
-                 first_chunk_frames: int | None = None) -> None:
-        if chunk_frames < 1 or left_context < 0 or (first_chunk_frames or 1) < 1:
-            raise ValueError(f"code2wav options: chunk_frames={chunk_frames} and "
-                             f"first_chunk_frames={first_chunk_frames} must be >= 1, "
-                             f"left_context={left_context} >= 0")
+    def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int | None = None,
+                 first_chunk_frames: int | None = None, max_batch_frames: int = 400) -> None:
+        if (chunk_frames < 1 or (left_context or 1) < 1 or (first_chunk_frames or 1) < 1
+                or max_batch_frames < 1):
+            raise ValueError(f"code2wav options: chunk_frames={chunk_frames}, "
+                             f"first_chunk_frames={first_chunk_frames}, left_context="
+                             f"{left_context} and max_batch_frames={max_batch_frames} must be "
+                             ">= 1")
         self.model = model
         self.chunk_frames = chunk_frames
         self.first_chunk_frames = first_chunk_frames
         self.left_context = left_context
+        self.max_batch_frames = max_batch_frames
         self.info = {"sample_rate": self.SAMPLE_RATE}
 
     @classmethod
@@ -396,6 +410,10 @@ class Code2WavGenerator:
                         dtype: torch.dtype | None, **options: int) -> Code2WavGenerator:
         model = Code2Wav.from_pretrained(resolve_model_path(str(path)), device, dtype)
         return cls(model.eval(), **options)
+
+    def has_backlog(self, state: dict) -> bool:
+        stream = state.get("stream")
+        return stream is not None and stream.has_ready_chunk
 
     def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],
                  is_last: list[bool]) -> list[dict[str, Tensor]]:
@@ -408,11 +426,13 @@ class Code2WavGenerator:
                                                           self.first_chunk_frames)
             if "codes" in x and x["codes"].numel():
                 stream.append(x["codes"].T.to(torch.long))                  # (Q, n)
-            if last:
+            if last and not stream.is_finished:
                 stream.finish()
             streams.append(stream)
-        audio = decode_streams(streams)
-        return [{"audio": a.float().cpu()} if a.numel() else {} for a in audio]
+        audio = decode_streams(streams, self.max_batch_frames)
+        sizes = [a.numel() for a in audio]
+        host = torch.cat(audio).float().cpu().split(sizes)     # one copy to the host
+        return [{"audio": a} if a.numel() else {} for a in host]
 
 
 def build_stage(stage: StageConfig, model: str, device: str) -> ARStage:

@@ -184,6 +184,52 @@ def test_dropping_the_held_back_samples_fails(ref: torch.nn.Module, ours: Code2W
     assert (wav - whole[:wav.shape[0]]).abs().max().item() > 0.1
 
 
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Code2Wav]:
+    """Code2wav with the real model's attention reach (8 layers of window 72: 568 frames),
+    tiny in width: (transformers' module, ours)."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    path = build_tiny_qwen3_omni(tmp_path_factory.mktemp("deep"), with_processor=False,
+                                 code2wav_overrides={"num_hidden_layers": 8,
+                                                     "sliding_window": 72})
+    full = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    return full.code2wav.eval(), Code2Wav.from_pretrained(path)
+
+
+def test_receptive_field_of_the_real_model() -> None:
+    from omnistage.models.qwen3_omni.code2wav import Code2WavConfig
+
+    cfg = Code2WavConfig()      # the real model's sizes
+    assert (cfg.total_upsample, cfg.num_samples(1)) == (1920, 1365)
+    assert cfg.receptive_field_frames == 12
+
+
+@torch.no_grad()
+def test_stream_exact_beyond_the_context(deep: tuple[torch.nn.Module, Code2Wav]) -> None:
+    """Stacked attention windows reach 568 frames back, far past the vocoder's 12-frame
+    context: the kept keys and values make 150 streamed frames (first chunk 12, then 25, in
+    odd pieces) equal transformers' whole decode."""
+    ref, ours = deep
+    codes = random_codes(ours, ours.cfg.num_quantizers, 150, seed=11)
+    wav = stream_decode(ours, codes, [1, 7, 30, 2, 60, 11, 39], chunk=25, ctx=12, first=12)
+    assert_close(wav, ref(codes[None])[0, 0])
+
+
+@torch.no_grad()
+def test_dropping_the_kept_keys_and_values_fails(deep: tuple[torch.nn.Module, Code2Wav],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutation: a stream that keeps no keys and values (each chunk's transformer sees only
+    the chunk) is audibly off the whole decode."""
+    from omnistage.models.qwen3_omni.code2wav import Code2WavTransformer
+
+    ref, ours = deep
+    codes = random_codes(ours, ours.cfg.num_quantizers, 80, seed=12)
+    monkeypatch.setattr(Code2WavTransformer, "num_cached", property(lambda self: 0))
+    wav = stream_decode(ours, codes, pieces_of(80, 10), chunk=25, ctx=12, first=12)
+    assert (wav - ref(codes[None])[0, 0]).abs().max().item() > 0.05
+
+
 @torch.no_grad()
 def test_streams_batched_in_one_forward(ref: torch.nn.Module, ours: Code2Wav,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,13 +242,13 @@ def test_streams_batched_in_one_forward(ref: torch.nn.Module, ours: Code2Wav,
     outs: list[list[torch.Tensor]] = [[] for _ in setups]
 
     forwards: list[int] = []
-    forward = ours.forward
+    vocode = ours.vocode
 
     def counted(batch: torch.Tensor) -> torch.Tensor:
         forwards.append(batch.shape[0])
-        return forward(batch)
+        return vocode(batch)
 
-    monkeypatch.setattr(ours, "forward", counted)
+    monkeypatch.setattr(ours, "vocode", counted)
     starts, num_calls_with_audio = [0] * len(setups), 0
     for step in range(max(len(p) for _, _, p in setups)):
         items = []
@@ -234,7 +280,7 @@ def test_frame_budget_puts_first_chunks_first(ref: torch.nn.Module, ours: Code2W
     """With a budget per forward, a new request's first chunk goes ahead of the backlog of
     older ones; the rest waits for later calls, and every stream still equals its whole
     decode."""
-    q, ctx = ours.cfg.num_quantizers, 22
+    q, ctx = ours.cfg.num_quantizers, ours.cfg.receptive_field_frames
     old = [Code2WavStream(ours, 10, ctx, 4) for _ in range(3)]
     old_codes = [random_codes(ours, q, 40, seed=20 + i) for i in range(3)]
     outs: dict[int, list[torch.Tensor]] = {id(s): [] for s in old}

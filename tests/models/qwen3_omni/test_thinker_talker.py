@@ -455,44 +455,85 @@ def test_load_in_bfloat16(omni_path: Path, thinker: Qwen3OmniThinkerForCausalLM,
     assert codes.shape == (2, 4) and embeds.dtype == torch.bfloat16
 
 
+class _Rerun:
+    """A captured graph's stand-in on CPU: replay reruns the rounds on the static buffers."""
+
+    def __init__(self, fn) -> None:  # type: ignore[no-untyped-def]
+        self.fn, self.out = fn, fn()
+
+    def replay(self) -> None:
+        for dst, src in zip(self.out, self.fn()):
+            dst.copy_(src)
+
+    def pool(self) -> None:
+        return None
+
+
+def _rerun_captures(monkeypatch: pytest.MonkeyPatch) -> list[_Rerun]:
+    """Captures replaced by `_Rerun`s, listed as they are made."""
+    from omnistage.ar import cuda_graphs
+
+    made: list[_Rerun] = []
+
+    def capture(fn, pool):  # type: ignore[no-untyped-def]
+        made.append(_Rerun(fn))
+        return made[-1], made[-1].out
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", capture)
+    return made
+
+
+def _predict_both(talker: Qwen3OmniTalkerForCausalLM, graphs: object, b: int,
+                  gen: torch.Generator) -> None:
+    """A frame of b rows, greedy and sampled, through `graphs` equals the eager predictor."""
+    predictor = talker.code_predictor
+    past = torch.randn(b, 48, generator=gen)
+    code0 = torch.randint(0, 64, (b,), generator=gen)
+    try:
+        for greedy in (True, False):
+            results = []
+            for use in (None, graphs):
+                predictor.graphs = use
+                gens = [torch.Generator().manual_seed(i) for i in range(b)]
+                results.append(talker.predict_codes(past, code0, greedy=greedy,
+                                                    temperature=1.3, generators=gens))
+            (codes, embeds), (graph_codes, graph_embeds) = results
+            assert torch.equal(graph_codes, codes), (b, greedy)
+            torch.testing.assert_close(graph_embeds, embeds, atol=1e-5, rtol=1e-5)
+    finally:
+        predictor.graphs = None
+
+
 def test_code_predictor_graphs_buffers(talker: Qwen3OmniTalkerForCausalLM,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """`CodePredictorGraphs` on CPU with a stand-in capture whose replay reruns the rounds on
     the static buffers (tests/gpu replays real graphs): frames of 1, 3 (bucket 4, a padding
     row) and 8 rows, greedy and sampled, equal the eager predictor."""
-    from omnistage.ar import cuda_graphs
     from omnistage.models.qwen3_omni.code_predictor import CodePredictorGraphs
 
-    class Rerun:
-        def __init__(self, fn) -> None:  # type: ignore[no-untyped-def]
-            self.fn, self.out = fn, fn()
-
-        def replay(self) -> None:
-            for dst, src in zip(self.out, self.fn()):
-                dst.copy_(src)
-
-        def pool(self) -> None:
-            return None
-
-    monkeypatch.setattr(cuda_graphs, "capture_graph", lambda fn, pool: (g := Rerun(fn), g.out))
+    _rerun_captures(monkeypatch)
     predictor = talker.code_predictor
     graphs = CodePredictorGraphs(predictor, 8, torch.device("cpu"), torch.float32)
     gen = torch.Generator().manual_seed(9)
-    try:
-        for b in (1, 3, 8, 3):
-            past = torch.randn(b, 48, generator=gen)
-            code0 = torch.randint(0, 64, (b,), generator=gen)
-            for greedy in (True, False):
-                results = []
-                for use in (None, graphs):
-                    predictor.graphs = use
-                    gens = [torch.Generator().manual_seed(i) for i in range(b)]
-                    results.append(talker.predict_codes(past, code0, greedy=greedy,
-                                                        temperature=1.3, generators=gens))
-                (codes, embeds), (graph_codes, graph_embeds) = results
-                assert torch.equal(graph_codes, codes), (b, greedy)
-                torch.testing.assert_close(graph_embeds, embeds, atol=1e-5, rtol=1e-5)
-    finally:
-        predictor.graphs = None
+    for b in (1, 3, 8, 3):
+        _predict_both(talker, graphs, b, gen)
     assert graphs.num_replays == 8 and set(graphs.graphs) == {
         (1, True), (1, False), (4, True), (4, False), (8, True), (8, False)}
+
+
+def test_code_predictor_graphs_captured_up_front(talker: Qwen3OmniTalkerForCausalLM,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`capture_all` captures every bucket, greedy and sampled, largest first; frames of
+    every size after it replay those graphs, capture nothing and equal the eager predictor."""
+    from omnistage.models.qwen3_omni.code_predictor import CodePredictorGraphs
+
+    made = _rerun_captures(monkeypatch)
+    graphs = CodePredictorGraphs(talker.code_predictor, 8, torch.device("cpu"), torch.float32)
+    graphs.capture_all()
+    assert list(graphs.graphs) == [(bs, greedy) for bs in (8, 4, 2, 1)
+                                   for greedy in (True, False)]
+    assert len(made) == 8
+    gen = torch.Generator().manual_seed(4)
+    for b in (1, 2, 3, 5, 8):
+        _predict_both(talker, graphs, b, gen)
+    assert len(made) == 8 and graphs.num_replays == 10
