@@ -261,6 +261,8 @@ def _stage_times(metrics: dict[str, dict], submitted: float) -> dict[str, float 
         times[f"{stage}_end_s"] = m["finished_time"] - submitted
         if "model_seconds" in m:        # generation stages: time in forwards it was part of
             times[f"{stage}_model_s"] = m["model_seconds"]
+        if m.get("queue_time") is not None:   # AR stages: until its first scheduled step
+            times[f"{stage}_queue_s"] = m["queue_time"]
     return times
 
 

@@ -236,6 +236,7 @@ class TalkerStage(ARStage):
         self.mm_token_ids = {hf.thinker_config.audio_token_id, hf.thinker_config.image_token_id,
                              hf.thinker_config.video_token_id}
         self.inputs: dict[str, _TalkerInput] = {}
+        self._fed: dict[str, bool] = {}     # request -> input closed; fed since the last step
 
     @property
     def model(self) -> Qwen3OmniTalkerForCausalLM:
@@ -257,10 +258,12 @@ class TalkerStage(ARStage):
 
     def abort(self, request_id: str) -> None:
         self.inputs.pop(request_id, None)
+        self._fed.pop(request_id, None)
         super().abort(request_id)
 
-    @torch.inference_mode()
     def feed(self, request_id: str, feed: StageFeed) -> None:
+        """Record the thinker's rows; they reach the engine at the next step (`_apply_input`),
+        batched with every other request's."""
         state = self.inputs[request_id]
         t = feed.tensors or {}
         if "prompt_token_ids" in t:
@@ -275,21 +278,47 @@ class TalkerStage(ARStage):
             state.num_rows += len(positions)
         if "token_ids" in t:
             state.generated.extend(t["token_ids"].tolist())
-        self._advance(request_id, state, closed=False)
+        self._fed.setdefault(request_id, False)
 
     def close_input(self, request_id: str) -> None:
-        state = self.inputs.get(request_id)
-        if state is not None:
-            with torch.inference_mode():
-                self._advance(request_id, state, closed=True)
+        if request_id in self.inputs:
+            self._fed[request_id] = True
 
-    def _advance(self, request_id: str, state: _TalkerInput, closed: bool) -> None:
-        """Prefill once the prompt rows and the first generated token's row are in; then
-        stream the trailing text rows; at the end tts_eos, and tts_pad for ever after."""
+    @torch.inference_mode()
+    def _apply_input(self) -> list[StageResult]:
+        """Hand the engine what the thinker sent since the last step: prefills once the prompt
+        rows and the first generated token's row are in; then the trailing text rows, of all
+        requests projected in one batch; at the end tts_eos, and tts_pad for ever after. A
+        request whose input is unusable fails alone."""
+        failed, streamed = [], []
+        fed, self._fed = self._fed, {}
+        for rid, closed in fed.items():
+            state = self.inputs.get(rid)
+            if state is None:
+                continue
+            try:
+                rows = self._prepare(rid, state, closed)
+            except ValueError as exc:
+                self.abort(rid)
+                failed.append(StageResult(rid, finished=True, finish_reason="error",
+                                          error=f"{type(exc).__name__}: {exc}"))
+                continue
+            if rows is not None:
+                streamed.append((rid, rows))
+        if streamed:
+            projected = self._project_text(torch.cat([r for _, r in streamed]))
+            for (rid, _), rows in zip(streamed, projected.split([len(r) for _, r in streamed])):
+                self.engine.extend_request(rid, stream_embeds=rows)
+        for rid, closed in fed.items():
+            state = self.inputs.get(rid)
+            if closed and state is not None:
+                self._close(rid, state)
+        return failed
+
+    def _prepare(self, request_id: str, state: _TalkerInput, closed: bool) -> Tensor | None:
+        """Prefill if due; the new trailing text rows (thinker space) to stream, if any."""
         if state.prompt_ids is None:
-            if closed:   # the thinker produced nothing usable
-                self.engine.extend_request(request_id, close_prompt=True, close_stream=True)
-            return
+            return None
         num_prompt = len(state.prompt_ids)
         if not state.prefilled and (state.num_rows > num_prompt or closed):
             embeds, positions, delta = self._prefill(state)
@@ -300,12 +329,17 @@ class TalkerStage(ARStage):
         if state.prefilled and state.num_rows > state.num_streamed:
             rows = torch.stack(state.embeds[state.num_streamed:state.num_rows])
             state.num_streamed = state.num_rows
-            self.engine.extend_request(request_id, stream_embeds=self._project_text(rows))
-        if closed:
+            return rows
+        return None
+
+    def _close(self, request_id: str, state: _TalkerInput) -> None:
+        if state.prompt_ids is None:   # the thinker produced nothing usable
+            self.engine.extend_request(request_id, close_prompt=True, close_stream=True)
+        else:
             tts = self._project_text(state.tts)                             # (3, H)
             self.engine.extend_request(request_id, stream_embeds=tts[1:2], close_stream=True,
                                        stream_pad=tts[2])
-            self.inputs.pop(request_id, None)
+        self.inputs.pop(request_id, None)
 
     def _project_text(self, rows: Tensor) -> Tensor:
         p = next(self.model.parameters())
@@ -328,10 +362,19 @@ class TalkerStage(ARStage):
             if role == hf.user_token_id:
                 parts.append((i, tok in self.mm_token_ids))
         rows = []
-        for i, is_mm in parts:
-            rows.append(self.model.project_hidden(hidden[i:i + 1].to(self._p().device,
-                                                                     self._p().dtype))
-                        if is_mm else self._project_text(embeds[i:i + 1]))
+        if parts:   # multimodal positions take the hidden states, text ones the embeddings
+            p = self._p()
+            mm = [k for k, (_, is_mm) in enumerate(parts) if is_mm]
+            text = [k for k, (_, is_mm) in enumerate(parts) if not is_mm]
+            projected = []
+            if mm:
+                projected.append(self.model.project_hidden(
+                    hidden[[parts[k][0] for k in mm]].to(p.device, p.dtype)))
+            if text:
+                projected.append(self._project_text(embeds[[parts[k][0] for k in text]]))
+            order = torch.tensor(mm + text, device=p.device)
+            rows.append(torch.empty_like(torch.cat(projected)).index_copy_(
+                0, order, torch.cat(projected)))
         starts = [i for i in range(len(ids) - 1)
                   if ids[i] == hf.im_start_token_id and ids[i + 1] == hf.assistant_token_id]
         if not starts:
@@ -363,7 +406,7 @@ class TalkerStage(ARStage):
         return next(self.model.parameters())
 
     def step(self) -> list[StageResult]:
-        results = []
+        results = self._apply_input()
         for out in self.engine.step():
             tensors: dict[str, Tensor] = {}
             codes = None if out.extra is None else out.extra["codes"]
