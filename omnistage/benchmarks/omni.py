@@ -263,6 +263,8 @@ def _stage_times(metrics: dict[str, dict], submitted: float) -> dict[str, float 
             times[f"{stage}_model_s"] = m["model_seconds"]
         if m.get("queue_time") is not None:   # AR stages: until its first scheduled step
             times[f"{stage}_queue_s"] = m["queue_time"]
+        if m.get("prompt_ready_time") is not None:   # the talker: until its prompt was whole
+            times[f"{stage}_prompt_ready_s"] = m["prompt_ready_time"]
     return times
 
 

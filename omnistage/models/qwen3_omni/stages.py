@@ -18,6 +18,7 @@ talker's projections and codec embeddings. The edges pass tensors through unchan
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -172,6 +173,7 @@ class _TalkerInput:
     generated: list[int] = field(default_factory=list)
     prefilled: bool = False
     num_streamed: int = 0                           # trailing-text rows sent as stream embeds
+    added_time: float = field(default_factory=time.monotonic)
 
 
 def code_predictor_graphs(talker: Qwen3OmniTalkerForCausalLM, max_batch: int,
@@ -237,6 +239,7 @@ class TalkerStage(ARStage):
                              hf.thinker_config.video_token_id}
         self.inputs: dict[str, _TalkerInput] = {}
         self._fed: dict[str, bool] = {}     # request -> input closed; fed since the last step
+        self._prompt_ready: dict[str, float] = {}   # seconds from add to its prompt complete
 
     @property
     def model(self) -> Qwen3OmniTalkerForCausalLM:
@@ -259,6 +262,7 @@ class TalkerStage(ARStage):
     def abort(self, request_id: str) -> None:
         self.inputs.pop(request_id, None)
         self._fed.pop(request_id, None)
+        self._prompt_ready.pop(request_id, None)
         super().abort(request_id)
 
     def feed(self, request_id: str, feed: StageFeed) -> None:
@@ -324,6 +328,7 @@ class TalkerStage(ARStage):
             embeds, positions, delta = self._prefill(state)
             state.prefilled = True
             state.num_streamed = num_prompt + 1
+            self._prompt_ready[request_id] = time.monotonic() - state.added_time
             self.engine.extend_request(request_id, prompt_embeds=embeds, close_prompt=True,
                                        mrope_positions=positions, rope_delta=delta)
         if state.prefilled and state.num_rows > state.num_streamed:
@@ -412,11 +417,19 @@ class TalkerStage(ARStage):
             codes = None if out.extra is None else out.extra["codes"]
             if codes is not None and int(codes[0]) not in self.engine.eos_token_ids:
                 tensors["codes"] = codes.reshape(1, -1).cpu()               # (1, G)
+            metrics = None
+            if out.metrics is not None:
+                metrics = {"queue_time": out.metrics.queue_time,
+                           "prompt_ready_time": self._prompt_ready.pop(out.request_id, None),
+                           "num_prompt_tokens": out.metrics.num_prompt_tokens,
+                           "num_preemptions": out.metrics.num_preemptions}
             results.append(StageResult(
                 out.request_id, out.new_token_ids, "", tensors, out.finished,
-                out.finish_reason.value if out.finish_reason else None, out.error))
+                out.finish_reason.value if out.finish_reason else None, out.error,
+                engine_metrics=metrics))
             if out.finished:
                 self.inputs.pop(out.request_id, None)
+                self._prompt_ready.pop(out.request_id, None)
         return results
 
 
