@@ -263,8 +263,9 @@ def _stage_times(metrics: dict[str, dict], submitted: float) -> dict[str, float 
             times[f"{stage}_model_s"] = m["model_seconds"]
         if m.get("queue_time") is not None:   # AR stages: until its first scheduled step
             times[f"{stage}_queue_s"] = m["queue_time"]
-        if m.get("prompt_ready_time") is not None:   # the talker: until its prompt was whole
-            times[f"{stage}_prompt_ready_s"] = m["prompt_ready_time"]
+        for key in ("prompt_rows_time", "prompt_ready_time"):   # the talker: its prompt's
+            if m.get(key) is not None:                          # rows in, handed to the engine
+                times[f"{stage}_{key.removesuffix('_time')}_s"] = m[key]
     return times
 
 
@@ -339,9 +340,13 @@ def run(cfg: OmniBenchConfig) -> dict[str, object]:
         mine, ref = ours["by_concurrency"][str(c)], hf["by_concurrency"][str(c)]
         ratios[f"audio_throughput_ratio_c{c}"] = ratio(mine["audio_s_per_s"],
                                                        ref["audio_s_per_s"])
+        ratios[f"rtf_c{c}"] = mine["rtf"]["median"]
         if c > 1:
             ratios[f"first_audio_over_transformers_queue_latency_c{c}"] = ratio(
                 mine["first_audio_s"]["median"], ref["mean_latency_s_estimated"])
+            if one is not None:   # the concurrency cliff: first audio at c against alone
+                ratios[f"first_audio_c{c}_over_c1"] = ratio(mine["first_audio_s"]["median"],
+                                                            one["first_audio_s"]["median"])
     return {
         "benchmark": "omni", **environment(device), "dtype": str(dtype).removeprefix("torch."),
         "config": {**asdict(cfg), "sizes_changed": BENCH_SIZES if cfg.sizes == "bench" else

@@ -174,6 +174,7 @@ class _TalkerInput:
     prefilled: bool = False
     num_streamed: int = 0                           # trailing-text rows sent as stream embeds
     added_time: float = field(default_factory=time.monotonic)
+    rows_time: float | None = None                  # when the prompt's rows were all in
 
 
 def code_predictor_graphs(talker: Qwen3OmniTalkerForCausalLM, max_batch: int,
@@ -239,7 +240,8 @@ class TalkerStage(ARStage):
                              hf.thinker_config.video_token_id}
         self.inputs: dict[str, _TalkerInput] = {}
         self._fed: dict[str, bool] = {}     # request -> input closed; fed since the last step
-        self._prompt_ready: dict[str, float] = {}   # seconds from add to its prompt complete
+        # seconds from add to: its prompt handed to the engine, its prompt rows all received
+        self._prompt_ready: dict[str, tuple[float, float]] = {}
 
     @property
     def model(self) -> Qwen3OmniTalkerForCausalLM:
@@ -280,6 +282,9 @@ class TalkerStage(ARStage):
             state.embeds.extend(t["hidden.0"].unbind(0))
             state.hidden.extend(t[f"hidden.{self.accept_layer}"].unbind(0))
             state.num_rows += len(positions)
+            if (state.rows_time is None and state.prompt_ids is not None
+                    and state.num_rows > len(state.prompt_ids)):
+                state.rows_time = time.monotonic()
         if "token_ids" in t:
             state.generated.extend(t["token_ids"].tolist())
         self._fed.setdefault(request_id, False)
@@ -328,7 +333,8 @@ class TalkerStage(ARStage):
             embeds, positions, delta = self._prefill(state)
             state.prefilled = True
             state.num_streamed = num_prompt + 1
-            self._prompt_ready[request_id] = time.monotonic() - state.added_time
+            self._prompt_ready[request_id] = (time.monotonic() - state.added_time,
+                                              (state.rows_time or 0.0) - state.added_time)
             self.engine.extend_request(request_id, prompt_embeds=embeds, close_prompt=True,
                                        mrope_positions=positions, rope_delta=delta)
         if state.prefilled and state.num_rows > state.num_streamed:
@@ -420,7 +426,8 @@ class TalkerStage(ARStage):
             metrics = None
             if out.metrics is not None:
                 metrics = {"queue_time": out.metrics.queue_time,
-                           "prompt_ready_time": self._prompt_ready.pop(out.request_id, None),
+                           **dict(zip(("prompt_ready_time", "prompt_rows_time"),
+                                      self._prompt_ready.pop(out.request_id, (None, None)))),
                            "num_prompt_tokens": out.metrics.num_prompt_tokens,
                            "num_preemptions": out.metrics.num_preemptions}
             results.append(StageResult(
