@@ -240,6 +240,7 @@ class TalkerStage(ARStage):
                              hf.thinker_config.video_token_id}
         self.inputs: dict[str, _TalkerInput] = {}
         self._fed: dict[str, bool] = {}     # request -> input closed; fed since the last step
+        self._codec: dict[int, Tensor] = {}  # speaker id -> the assistant opening's codec rows
         # seconds from add to: its prompt handed to the engine, its prompt rows all received
         self._prompt_ready: dict[str, tuple[float, float]] = {}
 
@@ -372,35 +373,29 @@ class TalkerStage(ARStage):
                 role = ids[i + 1]
             if role == hf.user_token_id:
                 parts.append((i, tok in self.mm_token_ids))
-        rows = []
-        if parts:   # multimodal positions take the hidden states, text ones the embeddings
-            p = self._p()
-            mm = [k for k, (_, is_mm) in enumerate(parts) if is_mm]
-            text = [k for k, (_, is_mm) in enumerate(parts) if not is_mm]
-            projected = []
-            if mm:
-                projected.append(self.model.project_hidden(
-                    hidden[[parts[k][0] for k in mm]].to(p.device, p.dtype)))
-            if text:
-                projected.append(self._project_text(embeds[[parts[k][0] for k in text]]))
-            order = torch.tensor(mm + text, device=p.device)
-            rows.append(torch.empty_like(torch.cat(projected)).index_copy_(
-                0, order, torch.cat(projected)))
         starts = [i for i in range(len(ids) - 1)
                   if ids[i] == hf.im_start_token_id and ids[i + 1] == hf.assistant_token_id]
         if not starts:
             raise ValueError("the prompt has no assistant turn (<|im_start|>assistant): the "
                              "talker speaks the assistant's answer")
         a = starts[-1]
-        assistant = self._project_text(embeds[a:a + 4])                    # 3 prompt + 1st token
-        tts = self._project_text(state.tts)                                 # bos, eos, pad
+        # every text row in one projection (one copy to the device): the user turn's text
+        # positions, the assistant opening (3 prompt rows + the 1st token), tts bos/eos/pad
+        text_pos = [i for i, is_mm in parts if not is_mm]
+        projected = self._project_text(torch.cat([embeds[text_pos], embeds[a:a + 4], state.tts]))
+        user, assistant, tts = projected.split([len(text_pos), 4, 3])
+        mm_pos = [k for k, (_, is_mm) in enumerate(parts) if is_mm]
+        if mm_pos:   # multimodal positions take the hidden states instead
+            p = self._p()
+            text_k = [k for k, (_, is_mm) in enumerate(parts) if not is_mm]
+            order = torch.tensor(mm_pos + text_k).to(p.device)
+            mm = self.model.project_hidden(hidden[[parts[k][0] for k in mm_pos]].to(p.device,
+                                                                                  p.dtype))
+            both = torch.cat([mm, user])
+            user = torch.empty_like(both).index_copy_(0, order, both)
         text = torch.cat([assistant[:3], tts[2:3].expand(4, -1), tts[0:1], assistant[3:4]])
-        codec_ids = torch.tensor([cfg.codec_nothink_id, cfg.codec_think_bos_id,
-                                  cfg.codec_think_eos_id, state.speaker_id, cfg.codec_pad_id,
-                                  cfg.codec_bos_id], device=self._p().device)
-        codec = torch.cat([text.new_zeros(3, text.shape[1]),
-                           self.model.embed_input_ids(codec_ids)])[:text.shape[0]]
-        embeds = torch.cat(rows + [text + codec]) if rows else text + codec
+        codec = self._codec_rows(state.speaker_id)[:text.shape[0]]          # (9, H)
+        embeds = torch.cat([user, text + codec])
         if not state.grids:
             return embeds, None, None
         talker_ids = [ids[i] for i, _ in parts] + [hf.tts_pad_token_id] * text.shape[0]
@@ -415,6 +410,19 @@ class TalkerStage(ARStage):
 
     def _p(self) -> Tensor:
         return next(self.model.parameters())
+
+    def _codec_rows(self, speaker_id: int) -> Tensor:
+        """The assistant opening's codec side (9, H): 3 zero rows, then nothink, think_bos,
+        think_eos, the speaker, pad, bos; computed once per speaker."""
+        rows = self._codec.get(speaker_id)
+        if rows is None:
+            cfg = self.talker_cfg
+            ids = torch.tensor([cfg.codec_nothink_id, cfg.codec_think_bos_id,
+                                cfg.codec_think_eos_id, speaker_id, cfg.codec_pad_id,
+                                cfg.codec_bos_id], device=self._p().device)
+            emb = self.model.embed_input_ids(ids)
+            rows = self._codec[speaker_id] = torch.cat([emb.new_zeros(3, emb.shape[1]), emb])
+        return rows
 
     def step(self) -> list[StageResult]:
         results = self._apply_input()
