@@ -73,6 +73,10 @@ def test_outputs_equal_across_backends_connectors_and_edges(results: dict, combo
         assert st.num_requests == 0 and st.num_engine_requests == 0, name
         if st.num_blocks is not None:
             assert st.num_free_blocks == st.num_blocks, name
+        loop = st.loop                # where the stage's loop spent its time
+        assert loop["num_steps"] > 0 and loop["step_seconds"] > 0, (name, loop)
+        assert loop["num_messages"] >= len(PROMPTS), (name, loop)   # one add each at least
+        assert loop["max_step_seconds"] <= loop["step_seconds"], (name, loop)
 
 
 def test_first_stage_matches_transformers(results: dict, tiny_qwen3: Path) -> None:

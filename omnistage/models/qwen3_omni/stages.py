@@ -9,9 +9,10 @@ thinker is still writing.
                    every decode adds the next thinker token's projected embedding ("trailing
                    text"), then tts_eos, then tts_pad; each sampled code 0 runs the code
                    predictor for the frame's other codebooks (the model's feedback hook)
-    code2wav (gen) codec frames -> 24 kHz audio, chunk by chunk with left context
+    code2wav (gen) codec frames -> 24 kHz audio, chunk by chunk, exactly the whole decode
 
-The talker's input is built here (`TalkerStage.feed`), not in an edge adapter: it needs the
+The talker's input is built here (`TalkerStage.feed` records the thinker's rows, each step
+hands them to the engine in one batch), not in an edge adapter: it needs the
 talker's projections and codec embeddings. The edges pass tensors through unchanged.
 """
 
