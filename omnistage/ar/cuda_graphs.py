@@ -9,41 +9,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from omnistage.ar.scheduler import ScheduledBatch
-from omnistage.layers import pdl
+from omnistage.layers import graph_capture, pdl
 from omnistage.layers.attention import AttentionBackend, AttentionMetadata, forward_context
 from omnistage.utils.host import int_matrix, int_tensor
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-def capture_graph(fn: Callable[[], T], pool: tuple[int, int] | None
-                  ) -> tuple[torch.cuda.CUDAGraph, T]:
-    """fn's kernels recorded as a CUDA graph in memory pool `pool` (None: a new one, read back
-    with graph.pool()), after one warm-up run outside it (kernels built, workspaces allocated).
-    The tensors fn returned belong to the graph: every replay rewrites them. thread_local:
-    stages of the inproc backend launch work from other threads while a graph is captured
-    mid-run; only this thread's calls are checked. (CPU tests replace this function with a
-    stand-in whose replay reruns fn.)"""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = fn()
-    return graph, out
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Batch-size buckets: 1, 2, 4, 8, then every 16 up to max_num_seqs (which is always one)."""
-    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
-    sizes += list(range(16, max_num_seqs, 16))
-    return sizes + [max_num_seqs]
 
 
 class DecodeGraphs:
@@ -80,7 +55,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.mrope = mrope
-        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.sizes = graph_capture.graph_batch_sizes(max_num_seqs)
         n = self.sizes[-1]
         num_pos = 3 * n if mrope else n
         self._ints = torch.zeros(2 * n + num_pos, dtype=torch.int64, device=device)
@@ -204,7 +179,7 @@ class DecodeGraphs:
         # write K/V over positions that may since belong to other sequences. Slot -1 writes
         # nothing; `run` fills the real slots before every replay.
         self.slot_mapping.fill_(-1)
-        graph, (hidden, captured) = capture_graph(
+        graph, (hidden, captured) = graph_capture.capture_graph(
             lambda: self._forward(bs, md, capture, embeds), self.pool)
         if self.pool is None:
             self.pool = graph.pool()

@@ -24,12 +24,10 @@ import torch
 from torch import Tensor
 
 from omnistage.ar.sequence import Sequence
+from omnistage.layers.sampling import GREEDY_EPS, apply_top_k_top_p
 from omnistage.utils.host import to_device
 
 TokenLogprobs = dict[int, float]  # top-N token id -> logprob, always including the sampled token
-
-# Below this a temperature is treated as greedy: dividing by it would overflow float32 logits.
-GREEDY_EPS = 1e-5
 
 
 @dataclass(slots=True)
@@ -219,19 +217,6 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, dev: torch.devi
     counts = torch.zeros(len(token_lists), vocab_size + 1, device=dev)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     return counts[:, :vocab_size]
-
-
-def apply_top_k_top_p(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Mask (-inf) all but each row's top_k logits, then all but the smallest set of tokens whose
-    cumulative probability reaches top_p. The top token always survives. x: (S, V)."""
-    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)        # (S, V)
-    pos = torch.arange(x.shape[1], device=x.device)[None, :]
-    sorted_x = sorted_x.masked_fill(pos >= top_k[:, None], float("-inf"))
-    probs = torch.softmax(sorted_x, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs                            # mass of better tokens
-    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0) & (pos > 0)
-    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(1, order, sorted_x)
 
 
 def _top_logprobs(raw: Tensor, seqs: list[Sequence], rows: list[int], token_ids: Tensor

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from omnistage.diffusion.cache import StepCacheState
+from omnistage.layers.step_cache import StepCacheState
 from omnistage.diffusion.params import DiffusionParams
 
 

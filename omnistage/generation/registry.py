@@ -9,7 +9,7 @@ from torch import nn
 # component -> (module, class); the class has `from_pretrained(path, component, device, dtype)`
 GENERATION_MODELS: dict[str, tuple[str, str]] = {
     "token_embedder": ("omnistage.testing.toy_pipeline", "TokenEmbedder"),
-    "qwen3_omni_code2wav": ("omnistage.models.qwen3_omni.stages", "Code2WavGenerator"),
+    "qwen3_omni_code2wav": ("omnistage.generation.code2wav", "Code2WavGenerator"),
 }
 
 

@@ -34,7 +34,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from omnistage.diffusion.cache import CacheGroup, run_cached
+from omnistage.layers.step_cache import CacheGroup, run_cached
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -217,7 +217,7 @@ class DigitsDiT(nn.Module):
 
     def forward_cached(self, x: Tensor, t: Tensor, labels: Tensor,
                        groups: list[CacheGroup]) -> Tensor:
-        """forward() with step caching (diffusion/cache.py); `groups` split the batch rows by
+        """forward() with step caching (layers/step_cache.py); `groups` split the batch rows by
         request and branch, each with its cache state."""
         tokens = self.patch_embed(self.patchify(x)) + self.pos_embed       # (B, N, hidden)
         c = self.t_embed(timestep_embedding(t * _T_SCALE, _FREQ_DIM)) + self.label_embed(labels)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.diffusion.cache import CacheGroup, run_cached
+from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.layers.dit import (AdaLayerNormContinuous, AdaLayerNormZero, FeedForward,
                                   TimestepEmbedding, timestep_embedding)
 from omnistage.models.diffusers_loader import build_from_folder, read_config
@@ -236,7 +236,7 @@ class FluxTransformer2DModel(nn.Module):
                 guidance: Tensor | None = None, step_cache: list[CacheGroup] | None = None
                 ) -> Tensor:
         """`step_cache`: per request, skip the blocks on steps whose first modulated input
-        barely moved (diffusion/cache.py); None runs every block."""
+        barely moved (layers/step_cache.py); None runs every block."""
         img = self.x_embedder(hidden_states)                                             # (B, N, D)
         timestep = timestep.to(img.dtype) * 1000                                         # (B,)
         if guidance is not None:

@@ -12,7 +12,7 @@ name (`QwenImageTransformer2DModel.from_pretrained`); numerics follow
 
 D = num_attention_heads * attention_head_dim. Unlike FLUX, the pipeline passes timestep in
 [0, 1]; the sinusoid scales it by 1000. The text mask (B,T) hides padded text keys.
-Step caching (`step_cache`, diffusion/cache.py) watches the first block's modulated image
+Step caching (`step_cache`, layers/step_cache.py) watches the first block's modulated image
 stream and reuses the blocks' image residual; the text stream's output is never used after the
 blocks, so only the image residual (fixed length N per request) is kept.
 Not supported: `use_layer3d_rope` (Qwen-Image-Layered), ControlNet residuals. diffusers' own
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.diffusion.cache import CacheGroup, run_cached
+from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.layers.dit import AdaLayerNormContinuous, FeedForward, TimestepEmbedding
 from omnistage.models.diffusers_loader import build_from_folder, read_config
 
@@ -277,7 +277,7 @@ class QwenImageTransformer2DModel(nn.Module):
         encoder_hidden_states (B, T, joint); mask (B, T), 1 = real token (any pattern);
         timestep (B,) in [0, 1]. Returns (B, N, patch^2 * out_ch).
         `step_cache`: per request and branch, skip the blocks on steps whose first modulated
-        image input barely moved (diffusion/cache.py); None runs every block."""
+        image input barely moved (layers/step_cache.py); None runs every block."""
         batch, num_txt = encoder_hidden_states.shape[:2]
         img = self.img_in(hidden_states)                                         # (B, N, D)
         timestep = timestep.to(img.dtype)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
-from omnistage.diffusion.cache import CacheGroup, run_cached
+from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.models.diffusers_loader import build_from_folder, read_config
 
 ARCHITECTURE = "ZImageTransformer2DModel"
@@ -314,7 +314,7 @@ class ZImageTransformer2DModel(nn.Module):
         """x: B latents (C, F, H, W), sizes may differ; t: (B,) in [0, 1]; cap_feats: B caption
         features (L_i, cap_feat_dim). Returns B tensors (C, F, H, W), as diffusers' `.sample`.
         `step_cache`: per request and branch, skip the main layers on steps whose first
-        modulated input barely moved (diffusion/cache.py)."""
+        modulated input barely moved (layers/step_cache.py)."""
         key = f"{patch_size}-{f_patch_size}"
         if key not in self.all_x_embedder:
             raise ValueError(f"patch_size={patch_size}, f_patch_size={f_patch_size}: model has "

@@ -267,8 +267,8 @@ class DiffusionStage:
 # AR stages whose model is one component of a larger checkpoint, with its own input handling:
 # component -> (module, function(stage, model, device) -> stage engine)
 AR_COMPONENTS: dict[str, tuple[str, str]] = {
-    "qwen3_omni_thinker": ("omnistage.models.qwen3_omni.stages", "build_stage"),
-    "qwen3_omni_talker": ("omnistage.models.qwen3_omni.stages", "build_stage"),
+    "qwen3_omni_thinker": ("omnistage.stages.qwen3_omni", "build_stage"),
+    "qwen3_omni_talker": ("omnistage.stages.qwen3_omni", "build_stage"),
 }
 
 

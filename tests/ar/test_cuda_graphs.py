@@ -19,6 +19,7 @@ from omnistage.testing.interpreter import (INTERPRETING, patch_interpreter,  # n
                                            run_in_interpreter)
 
 from omnistage.ar import cuda_graphs  # noqa: E402
+from omnistage.layers import graph_capture  # noqa: E402
 from omnistage.ar.engine import AREngine  # noqa: E402
 from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig  # noqa: E402
 from omnistage.sampling_params import SamplingParams  # noqa: E402
@@ -122,7 +123,7 @@ def assert_same(got: dict[str, list], want: dict[str, list]) -> None:
 
 @pytest.fixture
 def emulated(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cuda_graphs, "capture_graph", _capture)
+    monkeypatch.setattr(graph_capture, "capture_graph", _capture)
 
 
 @in_child
@@ -197,7 +198,7 @@ def _counted(monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> list[int]:
             raise RuntimeError("capture failed")
         return _capture(fn, pool)
 
-    monkeypatch.setattr(cuda_graphs, "capture_graph", capture)
+    monkeypatch.setattr(graph_capture, "capture_graph", capture)
     return calls
 
 
@@ -318,7 +319,7 @@ def test_capture_failing_with_pdl_is_retried_without(tiny_qwen3: Path,
             raise RuntimeError("operation not permitted when stream is capturing")
         return _capture(fn, pool)
 
-    monkeypatch.setattr(cuda_graphs, "capture_graph", capture)
+    monkeypatch.setattr(graph_capture, "capture_graph", capture)
     monkeypatch.setattr(pdl, "_on", True)
     # capture_all's check that the forward pass never syncs with the host: CUDA-only
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
@@ -336,7 +337,7 @@ def test_capture_failing_with_pdl_is_retried_without(tiny_qwen3: Path,
     def broken(fn, pool):  # type: ignore[no-untyped-def]
         raise RuntimeError("capture failed")
 
-    monkeypatch.setattr(cuda_graphs, "capture_graph", broken)
+    monkeypatch.setattr(graph_capture, "capture_graph", broken)
     assert not make_engine(tiny_qwen3, graphs=True).runner.graphs.capture_all()
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from omnistage import SamplingParams
-from omnistage.ar import cuda_graphs
+from omnistage.layers import graph_capture
 from omnistage.ar.engine import AREngine
 from omnistage.ar.model_runner import capture_key
 from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig
@@ -35,14 +35,14 @@ def no_tf32():
 
 def count_captures(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Every CUDA graph capture from now on (decode and code predictor graphs), counted."""
-    real = cuda_graphs.capture_graph
+    real = graph_capture.capture_graph
     calls: list[int] = []
 
     def counted(fn, pool):  # type: ignore[no-untyped-def]
         calls.append(len(calls))
         return real(fn, pool)
 
-    monkeypatch.setattr(cuda_graphs, "capture_graph", counted)
+    monkeypatch.setattr(graph_capture, "capture_graph", counted)
     return calls
 
 
@@ -131,7 +131,7 @@ def test_qwen3_omni_stages_capture_at_start_up(tmp_path: Path,
     from omnistage.engine.adapters import StageFeed
     from omnistage.models.qwen3_omni.moe import _use_grouped_mm
     from omnistage.models.qwen3_omni.processing import InputProcessor
-    from omnistage.models.qwen3_omni.stages import TalkerStage, ThinkerStage
+    from omnistage.stages.qwen3_omni import TalkerStage, ThinkerStage
     from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
 
     if not _use_grouped_mm(torch.zeros(1, 8, device="cuda", dtype=torch.bfloat16)):

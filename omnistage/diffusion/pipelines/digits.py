@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
-from omnistage.diffusion.cache import cache_groups
+from omnistage.layers.step_cache import cache_groups
 from omnistage.diffusion.image_input import decode_image
 from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.request import DiffusionRequest

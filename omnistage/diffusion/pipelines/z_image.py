@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from transformers import AutoTokenizer
 
-from omnistage.diffusion.cache import cache_groups
+from omnistage.layers.step_cache import cache_groups
 from omnistage.diffusion.image_input import decode_image, preprocess
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import (LatentPipelineBase, check_conditioning,

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.ar import cuda_graphs
-from omnistage.ar.sampler import GREEDY_EPS, apply_top_k_top_p
+from omnistage.layers import graph_capture
+from omnistage.layers.sampling import GREEDY_EPS, apply_top_k_top_p
 from omnistage.layers.linear import Linear
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding, get_rope
@@ -180,7 +180,7 @@ class CodePredictorGraphs:
     def __init__(self, predictor: CodePredictor, max_batch: int, device: torch.device,
                  dtype: torch.dtype) -> None:
         self.predictor = predictor
-        self.sizes = cuda_graphs.graph_batch_sizes(max_batch)
+        self.sizes = graph_capture.graph_batch_sizes(max_batch)
         self.max_batch = n = self.sizes[-1]
         cfg, groups = predictor.cfg, predictor.num_code_groups
         self.past_hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
@@ -211,7 +211,7 @@ class CodePredictorGraphs:
                     "sampled, in %.2f s", self.sizes, time.perf_counter() - start)
 
     def _capture(self, bs: int, greedy: bool) -> None:
-        graph, (codes, embeds) = cuda_graphs.capture_graph(
+        graph, (codes, embeds) = graph_capture.capture_graph(
             lambda: self.predictor.run_groups(*self._inputs(bs, greedy)), self.pool)
         if self.pool is None:
             self.pool = graph.pool()

@@ -471,7 +471,7 @@ class _Rerun:
 
 def _rerun_captures(monkeypatch: pytest.MonkeyPatch) -> list[_Rerun]:
     """Captures replaced by `_Rerun`s, listed as they are made."""
-    from omnistage.ar import cuda_graphs
+    from omnistage.layers import graph_capture
 
     made: list[_Rerun] = []
 
@@ -479,7 +479,7 @@ def _rerun_captures(monkeypatch: pytest.MonkeyPatch) -> list[_Rerun]:
         made.append(_Rerun(fn))
         return made[-1], made[-1].out
 
-    monkeypatch.setattr(cuda_graphs, "capture_graph", capture)
+    monkeypatch.setattr(graph_capture, "capture_graph", capture)
     return made
 
 

@@ -10,6 +10,7 @@ thinker is still writing.
                    text"), then tts_eos, then tts_pad; each sampled code 0 runs the code
                    predictor for the frame's other codebooks (the model's feedback hook)
     code2wav (gen) codec frames -> 24 kHz audio, chunk by chunk, exactly the whole decode
+                   (generation/code2wav.py)
 
 The talker's input is built here (`TalkerStage.feed` records the thinker's rows, each step
 hands them to the engine in one batch), not in an edge adapter: it needs the
@@ -32,7 +33,6 @@ from omnistage.configs.schema import StageConfig
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.engine.adapters import StageFeed
 from omnistage.models.loader import resolve_model_path
-from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavStream, decode_streams
 from omnistage.models.qwen3_omni.processing import (SpecialTokens, merge_multimodal_embeddings,
                                                     mrope_positions)
 from omnistage.models.qwen3_omni.code_predictor import CodePredictorGraphs
@@ -447,64 +447,6 @@ class TalkerStage(ARStage):
                 self.inputs.pop(out.request_id, None)
                 self._prompt_ready.pop(out.request_id, None)
         return results
-
-
-# ---- code2wav -------------------------------------------------------------------------------
-
-class Code2WavGenerator:
-    """The generation stage's model: codec frames in (any number per chunk), audio out as soon
-    as a chunk of `chunk_frames` frames is complete (the first one: `first_chunk_frames`, for
-    an early first audio), each vocoded with `left_context` frames before it (default: the
-    vocoder's receptive field), exactly the whole decode (see `Code2WavStream`). Ready chunks of all requests share one forward of at most
-    `max_batch_frames` frames, first chunks first; what does not fit waits for the next step
-    (`has_backlog`), so that one large forward never holds a GPU shared with the talker for
-    long."""
-
-    SAMPLE_RATE = 24000             # Qwen3-Omni's codec speaks at 24 kHz
-
-    def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int | None = None,
-                 first_chunk_frames: int | None = None, max_batch_frames: int = 400) -> None:
-        if (chunk_frames < 1 or (left_context or 1) < 1 or (first_chunk_frames or 1) < 1
-                or max_batch_frames < 1):
-            raise ValueError(f"code2wav options: chunk_frames={chunk_frames}, "
-                             f"first_chunk_frames={first_chunk_frames}, left_context="
-                             f"{left_context} and max_batch_frames={max_batch_frames} must be "
-                             ">= 1")
-        self.model = model
-        self.chunk_frames = chunk_frames
-        self.first_chunk_frames = first_chunk_frames
-        self.left_context = left_context
-        self.max_batch_frames = max_batch_frames
-        self.info = {"sample_rate": self.SAMPLE_RATE}
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path | None, component: str, device: torch.device,
-                        dtype: torch.dtype | None, **options: int) -> Code2WavGenerator:
-        model = Code2Wav.from_pretrained(resolve_model_path(str(path)), device, dtype)
-        return cls(model.eval(), **options)
-
-    def has_backlog(self, state: dict) -> bool:
-        stream = state.get("stream")
-        return stream is not None and stream.has_ready_chunk
-
-    def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],
-                 is_last: list[bool]) -> list[dict[str, Tensor]]:
-        streams = []
-        for x, state, last in zip(inputs, states, is_last):
-            stream = state.get("stream")
-            if stream is None:
-                stream = state["stream"] = Code2WavStream(self.model, self.chunk_frames,
-                                                          self.left_context,
-                                                          self.first_chunk_frames)
-            if "codes" in x and x["codes"].numel():
-                stream.append(x["codes"].T.to(torch.long))                  # (Q, n)
-            if last and not stream.is_finished:
-                stream.finish()
-            streams.append(stream)
-        audio = decode_streams(streams, self.max_batch_frames)
-        sizes = [a.numel() for a in audio]
-        host = torch.cat(audio).float().cpu().split(sizes)     # one copy to the host
-        return [{"audio": a} if a.numel() else {} for a in host]
 
 
 def build_stage(stage: StageConfig, model: str, device: str) -> ARStage:
