@@ -30,7 +30,8 @@ def main() -> None:
         Qwen3OmniMoeCode2Wav)
 
     from omnistage.models.loader import load_packed_weights
-    from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig, Code2WavStream
+    from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
+    from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStream
     from omnistage.testing.tiny_omni import _randomize, make_audible
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from omnistage.models.loader import resolve_model_path
-from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavStream, decode_streams
+from omnistage.models.qwen3_omni.code2wav import Code2Wav
+from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStream, decode_streams
 
 
 class Code2WavGenerator:

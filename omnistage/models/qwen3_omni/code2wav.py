@@ -31,10 +31,10 @@ their right beyond what the trimming keeps. Two consequences used below:
 HF's chunked decode keeps `num_samples(ctx + n) - ctx * U` samples of each window, so every
 chunk boundary drops `num_lost` samples (555 at 24 kHz) and shifts all audio after it;
 `generate(return_audio=True)` only avoids that by decoding up to 300 frames (24 s) in one
-window. `Code2WavStream`, the per-request state of the serving stage, streams exactly: the
-transformer continues from kept keys and values, each vocoder window's last `num_lost`
-samples are held back and recomputed by the next window, and the concatenated output is
-the whole decode (see the class).
+window. `Code2WavStream` (code2wav_stream.py), the per-request state of the serving stage,
+streams exactly: the transformer continues from kept keys and values, each vocoder window's
+last `num_lost` samples are held back and recomputed by the next window, and the
+concatenated output is the whole decode.
 """
 
 from __future__ import annotations
@@ -429,7 +429,7 @@ class Code2Wav(nn.Module):
         """As HF's `chunked_decode`: windows of `chunk_size` frames, each decoded with up to
         `left_context_size` earlier frames, context samples dropped; (B, 1, samples)."""
         self.check_codes(codes, "codes", batched=True)
-        _check_chunking(self.cfg, chunk_size, left_context_size)
+        check_chunking(self.cfg, chunk_size, left_context_size)
         codes = codes.to(self.device)
         wavs = []
         for start in range(0, codes.shape[-1], chunk_size):
@@ -512,7 +512,7 @@ class Code2Wav(nn.Module):
         return model.eval().requires_grad_(False)
 
 
-def _check_chunking(cfg: Code2WavConfig, chunk_size: int, left_context: int) -> None:
+def check_chunking(cfg: Code2WavConfig, chunk_size: int, left_context: int) -> None:
     if chunk_size < 1:
         raise ValueError(f"chunk_size {chunk_size}: must be at least 1")
     if left_context < 0:
@@ -520,216 +520,3 @@ def _check_chunking(cfg: Code2WavConfig, chunk_size: int, left_context: int) -> 
     if chunk_size + left_context > cfg.max_position_embeddings:
         raise ValueError(f"chunk_size {chunk_size} + left_context {left_context} exceed "
                          f"max_position_embeddings {cfg.max_position_embeddings}")
-
-
-# ---- streaming ------------------------------------------------------------------------------
-
-class Code2WavStream:
-    """One request's streaming decode, exact: the concatenated output is the whole decode
-    `model.decode(all frames)` (its `num_samples(T)` samples, each within float32 rounding)
-    whenever `left_context >= cfg.receptive_field_frames`, the default.
-
-    Frames arrive in any pieces (`append`); every complete chunk (`first_chunk_frames`, then
-    `chunk_frames`) is decoded as soon as it is there, in two parts:
-
-    - the sliding-window transformer continues from the keys and values the stream keeps of
-      its last `sliding_window - 1` rows in every layer, so each row sees what it sees in the
-      whole decode, however far back its stacked windows reach (568 frames in the real model);
-    - the convolutional vocoder decodes a window of `left_context` earlier rows + the chunk's.
-      A window ending at frame `end` can compute only `end * U - num_lost` samples (U =
-      total_upsample): the rest need frame `end` (each decoder block's transposed conv looks
-      one step ahead). So each window's last `num_lost` samples are held back, and the next
-      window, which starts `left_context` frames earlier, recomputes them:
-
-        frames    | chunk 0        | chunk 1            | chunk 2 ...
-        window 0  [0 ............ e0)                     emits [0, e0*U - lost)
-        window 1            [e0 - ctx ......... e1)        emits [e0*U - lost, e1*U - lost)
-        last window                                       emits up to num_samples(T)
-
-    With a `left_context` below the receptive field, a window's first samples see zeros for
-    the rows before it: samples after the first chunk differ slightly from the whole decode;
-    none is dropped or repeated. Samples come back as float32 1-D tensors on the model's
-    device.
-    """
-
-    def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int | None = None,
-                 first_chunk_frames: int | None = None) -> None:
-        if left_context is None:
-            left_context = model.cfg.receptive_field_frames
-        _check_chunking(model.cfg, chunk_frames, left_context)
-        if first_chunk_frames is not None:
-            _check_chunking(model.cfg, first_chunk_frames, left_context)
-        if left_context < 1:
-            raise ValueError(f"left_context {left_context}: streaming needs at least 1 frame "
-                             "(each window recomputes the last samples of the one before it)")
-        self.model = model
-        self.chunk_frames = chunk_frames
-        self.first_chunk_frames = first_chunk_frames or chunk_frames
-        self.left_context = left_context
-        cfg, transformer = model.cfg, model.pre_transformer
-        dtype = model.code_embedding.weight.dtype
-        self._codes = torch.empty(cfg.num_quantizers, 0, dtype=torch.long, device=model.device)
-        # the transformer's keys and values of the last rows: (layers, 2, P, Hkv, D), the last
-        # `_num_past` of the P real
-        self._past = torch.zeros(cfg.num_hidden_layers, 2, transformer.num_cached,
-                                 cfg.num_key_value_heads, cfg.head_dim, dtype=dtype,
-                                 device=model.device)
-        self._num_past = 0
-        self._rows = torch.empty(0, cfg.hidden_size, dtype=dtype, device=model.device)
-        self.num_frames = 0            # frames received
-        self.num_decoded_frames = 0
-        self.num_samples_out = 0       # samples returned so far
-        self.is_finished = False
-
-    def _chunk_size(self, num_decoded: int) -> int:
-        return self.first_chunk_frames if num_decoded == 0 else self.chunk_frames
-
-    @property
-    def num_pending_frames(self) -> int:
-        """Frames received and not decoded yet."""
-        return self.num_frames - self.num_decoded_frames
-
-    @property
-    def has_ready_chunk(self) -> bool:
-        pending = self.num_pending_frames
-        return (pending >= self._chunk_size(self.num_decoded_frames)
-                or (self.is_finished and pending > 0))
-
-    @property
-    def next_window_frames(self) -> int:
-        """Rows the next vocoder window holds (left context + chunk), 0 if none is ready."""
-        if not self.has_ready_chunk:
-            return 0
-        n = min(self._chunk_size(self.num_decoded_frames), self.num_pending_frames)
-        return min(self.left_context, self.num_decoded_frames) + n
-
-    def append(self, frames: Tensor) -> None:
-        """Buffer frames (num_quantizers, n); decodes nothing."""
-        if self.is_finished:
-            raise ValueError("frames: the stream is already finished")
-        self.model.check_codes(frames, "frames", batched=False)
-        self._codes = torch.cat([self._codes, frames.to(self.model.device)], dim=1)
-        self.num_frames += frames.shape[1]
-
-    def finish(self) -> None:
-        """No more frames: the last partial chunk becomes ready."""
-        self.is_finished = True
-
-    def take_chunk(self) -> int:
-        """Mark the next ready chunk as decoded; its number of frames."""
-        assert self.has_ready_chunk, "no chunk is ready"
-        n = min(self._chunk_size(self.num_decoded_frames), self.num_pending_frames)
-        self.num_decoded_frames += n
-        return n
-
-    def push(self, frames: Tensor) -> Tensor:
-        """Append frames (num_quantizers, n); the samples of every chunk now complete."""
-        return push_streams([(self, frames)])[0]
-
-    def flush(self) -> Tensor:
-        """Finish the stream; the samples of the last partial chunk (maybe none)."""
-        self.finish()
-        return decode_streams([self])[0]
-
-
-def decode_streams(streams: Sequence[Code2WavStream], max_batch_frames: int | None = None
-                   ) -> list[Tensor]:
-    """Decode ready chunks of `streams` (one model) together; per stream, the new samples
-    (float32, 1-D, possibly empty). With `max_batch_frames`, the vocoder's forward holds at
-    most that many frames (windows x the longest, as they are padded; always at least one
-    window) and the rest stay ready for the next call. Chunks are taken one per stream per
-    round: first chunks before later ones (a new request's first audio waits for no one's
-    backlog), then the streams with the least audio out so far."""
-    if not streams:
-        return []
-    model = streams[0].model
-    assert all(s.model is model for s in streams), "streams of different models in one batch"
-    chunks = _plan_chunks(streams, max_batch_frames)
-    busy = [i for i, c in enumerate(chunks) if c]
-    rows = _continue_transformer(model, [streams[i] for i in busy], [sum(chunks[i]) for i in busy])
-    windows: list[tuple[Tensor, int]] = []
-    owner: list[int] = []
-    upsample, lost = model.total_upsample, model.num_lost
-    for i, new in zip(busy, rows):
-        s, start = streams[i], 0
-        decoded = s.num_decoded_frames - sum(chunks[i])   # before this call
-        for n in chunks[i]:
-            ctx = min(s.left_context, decoded)
-            window = torch.cat([s._rows[s._rows.shape[0] - ctx:], new[start:start + n]])
-            # the first window starts at sample 0; later ones recompute the held-back tail
-            skip = 0 if decoded == 0 else ctx * upsample - lost
-            windows.append((window, skip))
-            owner.append(i)
-            s._rows = window[-s.left_context:]
-            s.num_samples_out += model.cfg.num_samples(ctx + n) - skip
-            decoded += n
-            start += n
-    out: list[list[Tensor]] = [[] for _ in streams]
-    for i, wav in zip(owner, model.vocode_windows(windows)):
-        out[i].append(wav)
-    empty = torch.empty(0, dtype=torch.float32, device=model.device)
-    return [torch.cat(o) if o else empty for o in out]
-
-
-def _plan_chunks(streams: Sequence[Code2WavStream], max_batch_frames: int | None
-                 ) -> list[list[int]]:
-    """Which ready chunks of each stream go into this call (their sizes), in priority order
-    within the vocoder's frame budget; the streams' decoded counts advance."""
-    order = sorted(range(len(streams)), key=lambda i: (streams[i].num_decoded_frames > 0,
-                                                      streams[i].num_samples_out))
-    chunks: list[list[int]] = [[] for _ in streams]
-    num_windows, longest = 0, 0
-    while True:
-        took = False
-        for i in order:
-            n = streams[i].next_window_frames
-            if n == 0:
-                continue
-            if (max_batch_frames is not None and num_windows
-                    and (num_windows + 1) * max(longest, n) > max_batch_frames):
-                return chunks
-            chunks[i].append(streams[i].take_chunk())
-            num_windows, longest, took = num_windows + 1, max(longest, n), True
-        if not took:
-            return chunks
-
-
-def _continue_transformer(model: Code2Wav, streams: Sequence[Code2WavStream],
-                          counts: Sequence[int]) -> list[Tensor]:
-    """Run each stream's next `counts` buffered frames through the pre-transformer from its
-    kept keys and values, all streams in one batch; their rows (n, hidden) in order."""
-    if not streams:
-        return []
-    n_max = max(counts)
-    codes = torch.zeros(len(streams), model.cfg.num_quantizers, n_max, dtype=torch.long,
-                        device=model.device)                      # code 0 pads
-    for b, (s, n) in enumerate(zip(streams, counts)):
-        codes[b, :, :n] = s._codes[:, :n]
-        s._codes = s._codes[:, n:]
-    dev = model.device
-    num_past = torch.tensor([s._num_past for s in streams], device=dev)
-    num_new = torch.tensor(list(counts), device=dev)
-    with torch.inference_mode():
-        rows, past = model.pre_transformer.forward_cached(
-            model.embed(codes), torch.stack([s._past for s in streams]), num_past, num_new)
-    P = model.pre_transformer.num_cached
-    for b, (s, n) in enumerate(zip(streams, counts)):
-        s._past = past[b]
-        s._num_past = min(P, s._num_past + n)
-    return [rows[b, :n] for b, n in enumerate(counts)]
-
-
-def push_streams(items: Sequence[tuple[Code2WavStream, Tensor]]) -> list[Tensor]:
-    """Append each stream's frames, then decode all ready chunks in one forward. Frames are
-    checked first: a ValueError leaves every stream as it was."""
-    for stream, frames in items:
-        if stream.is_finished:
-            raise ValueError("frames: the stream is already finished")
-        stream.model.check_codes(frames, "frames", batched=False)
-    for stream, frames in items:
-        stream.append(frames)
-    return decode_streams([stream for stream, _ in items])
-
-
-# ---- loading part of one checkpoint ---------------------------------------------------------
-

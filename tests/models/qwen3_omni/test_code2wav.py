@@ -16,8 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from omnistage.models.qwen3_omni.code2wav import (Code2Wav, Code2WavStream, decode_streams,
-                                                  push_streams)
+from omnistage.models.qwen3_omni.code2wav import Code2Wav
+from omnistage.models.qwen3_omni.code2wav_stream import (Code2WavStream, decode_streams,
+                                                         push_streams)
 from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
 
 ATOL = 1e-4   # max abs difference on samples in [-1, 1]
