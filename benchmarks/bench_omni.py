@@ -3,7 +3,7 @@
     python benchmarks/bench_omni.py [--tiny] [--device cuda] [--out-dir benchmarks/results]
 
 Qwen3-Omni-shaped pipeline against transformers' generate(return_audio=True): first audio chunk,
-real-time factor, end-to-end latency at concurrency 1 and 8. Method and sizes:
+real-time factor, end-to-end latency at concurrency 1, 8 and 32. Method and sizes:
 omnistage/benchmarks/omni.py.
 """
 

@@ -83,7 +83,7 @@ class OmniBenchConfig:
     sizes: str = "bench"                  # bench | tiny
     thinker_tokens: int = 64
     talker_tokens: int = 100              # codec frames; 12.5 a second of audio
-    concurrency: tuple[int, ...] = (1, 8)
+    concurrency: tuple[int, ...] = (1, 8, 32)
     reference_requests: int = 3
     device: str = "auto"
     backend: str = "process"              # stage backend of our runtime

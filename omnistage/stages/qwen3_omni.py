@@ -243,7 +243,7 @@ class TalkerStage(ARStage):
         self._fed: dict[str, bool] = {}     # request -> input closed; fed since the last step
         self._codec: dict[int, Tensor] = {}  # speaker id -> the assistant opening's codec rows
         # seconds from add to: its prompt handed to the engine, its prompt rows all received
-        self._prompt_ready: dict[str, tuple[float, float]] = {}
+        self._prompt_ready: dict[str, tuple[float, float | None]] = {}
 
     @property
     def model(self) -> Qwen3OmniTalkerForCausalLM:
@@ -335,8 +335,8 @@ class TalkerStage(ARStage):
             embeds, positions, delta = self._prefill(state)
             state.prefilled = True
             state.num_streamed = num_prompt + 1
-            self._prompt_ready[request_id] = (time.monotonic() - state.added_time,
-                                              (state.rows_time or 0.0) - state.added_time)
+            rows_in = None if state.rows_time is None else state.rows_time - state.added_time
+            self._prompt_ready[request_id] = (time.monotonic() - state.added_time, rows_in)
             self.engine.extend_request(request_id, prompt_embeds=embeds, close_prompt=True,
                                        mrope_positions=positions, rope_delta=delta)
         if state.prefilled and state.num_rows > state.num_streamed:

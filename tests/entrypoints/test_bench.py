@@ -67,7 +67,18 @@ def test_bench_omni(tmp_path: Path) -> None:
         assert positive(row["first_audio_s"]["median"]) and positive(row["rtf"]["median"])
         assert row["first_audio_s"]["median"] <= row["e2e_s"]["median"]
     assert set(doc["ratios"]) >= {"first_audio_over_transformers_e2e_c1", "e2e_speedup_c1",
-                                  "audio_throughput_ratio_c2"}
+                                  "audio_throughput_ratio_c2", "first_audio_c2_over_c1",
+                                  "rtf_c1", "rtf_c2"}
+    two, one = ours["by_concurrency"]["2"], ours["by_concurrency"]["1"]
+    assert math.isclose(doc["ratios"]["first_audio_c2_over_c1"],
+                        two["first_audio_s"]["median"] / one["first_audio_s"]["median"])
+    # where the first audio waited: each stage's first output, in pipeline order
+    stages = {k: v["median"] for k, v in two["stages"].items()}
+    assert 0 < stages["thinker_first_s"] <= stages["talker_first_s"] <= stages["code2wav_first_s"]
+    assert stages["talker_prompt_rows_s"] <= stages["talker_prompt_ready_s"]
+    loops = two["stage_loops"]
+    assert set(loops) == {"thinker", "talker", "code2wav"}
+    assert all(loop["num_steps"] > 0 and loop["step_seconds"] > 0 for loop in loops.values())
     assert doc["config"]["parameters"]["thinker"] > 0
 
 

@@ -3,7 +3,7 @@ diffusers) in one process, on the same random-weight model of a real architectur
 run; one JSON file per benchmark (omnistage/benchmarks/ has the method of each).
 
     omnistage bench ar                      # Qwen3-0.6B shape, concurrency 1 / 8 / 64
-    omnistage bench omni                    # Qwen3-Omni shape (scaled), concurrency 1 / 8
+    omnistage bench omni                    # Qwen3-Omni shape (scaled), concurrency 1 / 8 / 32
     omnistage bench diffusion               # Qwen-Image transformer, 1024x1024, 20 steps
     omnistage bench ar --tiny --device cpu  # toy sizes: seconds on a CPU (CI), no measurement
 """
@@ -64,7 +64,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="text tokens per request (default 64; tiny 6)")
     omni.add_argument("--talker-tokens", type=int, default=None,
                       help="codec frames per request (default 100 = 8 s of audio; tiny 12)")
-    omni.add_argument("--concurrency", type=_ints, default=(1, 8))
+    omni.add_argument("--concurrency", type=_ints, default=(1, 8, 32))
     omni.add_argument("--reference-requests", type=int, default=3,
                       help="requests transformers runs, one by one (its latency per request "
                            "does not depend on the others)")
