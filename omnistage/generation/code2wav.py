@@ -17,17 +17,17 @@ class Code2WavGenerator:
     """The generation stage's model: codec frames in (any number per chunk), audio out as soon
     as a chunk of `chunk_frames` frames is complete (the first one: `first_chunk_frames`, for
     an early first audio), each vocoded with `left_context` frames before it (default: the
-    vocoder's receptive field), exactly the whole decode (see `Code2WavStream`). Ready chunks of all requests share one forward of at most
-    `max_batch_frames` frames, first chunks first; what does not fit waits for the next step
-    (`has_backlog`), so that one large forward never holds a GPU shared with the talker for
-    long."""
+    vocoder's receptive field), exactly the whole decode (see `Code2WavStream`). Ready chunks
+    of all requests share one forward of at most `max_batch_frames` frames, first chunks
+    first; what does not fit waits for the next step (`has_backlog`), so that one large
+    forward never holds a GPU shared with the talker for long."""
 
     SAMPLE_RATE = 24000             # Qwen3-Omni's codec speaks at 24 kHz
 
     def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int | None = None,
                  first_chunk_frames: int | None = None, max_batch_frames: int = 400) -> None:
-        if (chunk_frames < 1 or (left_context or 1) < 1 or (first_chunk_frames or 1) < 1
-                or max_batch_frames < 1):
+        optional = [v for v in (left_context, first_chunk_frames) if v is not None]
+        if min([chunk_frames, max_batch_frames, *optional]) < 1:
             raise ValueError(f"code2wav options: chunk_frames={chunk_frames}, "
                              f"first_chunk_frames={first_chunk_frames}, left_context="
                              f"{left_context} and max_batch_frames={max_batch_frames} must be "

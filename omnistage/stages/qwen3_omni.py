@@ -309,7 +309,7 @@ class TalkerStage(ARStage):
                 continue
             try:
                 rows = self._prepare(rid, state, closed)
-            except ValueError as exc:
+            except Exception as exc:   # as a failing feed was: this request fails, not the stage
                 self.abort(rid)
                 failed.append(StageResult(rid, finished=True, finish_reason="error",
                                           error=f"{type(exc).__name__}: {exc}"))

@@ -14,8 +14,9 @@ HF's `Qwen3OmniMoeCode2Wav` in plain PyTorch; module names follow the checkpoint
 Every layer is causal except the decoder's transposed convs (k = 2s), which trim `k - s`
 samples on both sides: each output sample then mixes its own input step with the next one,
 and the last `s` samples (which the missing next step would complete) are dropped. So each
-decode of T frames yields `num_samples(T)` = T * total_upsample - num_lost samples, and samples never depend on frames to
-their right beyond what the trimming keeps. Two consequences used below:
+decode of T frames yields `num_samples(T)` = T * total_upsample - num_lost samples, and
+samples never depend on frames to their right beyond what the trimming keeps. Two
+consequences used below:
 
 - Chunked decode (HF's `chunked_decode`, used by `generate(return_audio=True)` with chunk 300,
   left context 25) decodes `| ctx | chunk |` windows and keeps the chunk's samples:
