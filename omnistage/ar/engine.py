@@ -29,6 +29,7 @@ from omnistage.outputs import RequestMetrics
 from omnistage.sampling_params import SamplingParams
 from omnistage.utils.device import resolve_device, resolve_dtype
 from omnistage.utils.host import to_device
+from omnistage.utils import trace
 from omnistage.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -284,6 +285,7 @@ class AREngine:
 
         Tokens are the same either way; a sequence that finishes at step N wastes its row of
         step N+1."""
+        w0 = time.time()
         inflight, self._inflight = self._inflight, None
         if inflight is not None and all(s.is_finished for s in inflight[0].seqs):
             inflight = None                  # all aborted meanwhile: nothing to read
@@ -296,7 +298,10 @@ class AREngine:
                     result = self.runner.execute(batch)
                 except Exception as exc:  # a failing batch fails its requests, not the engine
                     return self._fail(batch, exc)
-                return self._process(batch, result)
+                outputs = self._process(batch, result)
+                if trace.enabled():
+                    _trace_batch("ar.step", w0, batch)
+                return outputs
             try:
                 pending = self.runner.launch_decode(batch)
             except Exception as exc:
@@ -309,7 +314,10 @@ class AREngine:
         except Exception as exc:
             self._inflight = None
             return self._fail(batch, exc)
-        return self._process(batch, result)
+        outputs = self._process(batch, result)
+        if trace.enabled():
+            _trace_batch("ar.step.async", w0, batch)
+        return outputs
 
     def _pipelinable(self, seqs: list[Sequence]) -> bool:
         """Whether a decode step of these sequences can run with its tokens left on the device
@@ -434,3 +442,9 @@ class AREngine:
             num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions)
         return StepOutput(seq.request_id, new_ids, text, finish_reason=seq.finish_reason,
                           error=error, metrics=metrics)
+
+
+def _trace_batch(name: str, start: float, batch: ScheduledBatch) -> None:
+    """A step's span: its prefill (more than one new token) and decode rows, by request."""
+    prefill = {s.request_id: n for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1}
+    trace.span(name, start, num_decode=len(batch.seqs) - len(prefill), prefill=prefill)

@@ -21,6 +21,7 @@ at start-up (`AREngine.capture_decode_graphs`), or else by the first step that n
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -34,6 +35,7 @@ from omnistage.ar.scheduler import ScheduledBatch
 from omnistage.ar.sequence import Sequence
 from omnistage.layers.attention import (Attention, AttentionMetadata, forward_context,
                                         get_attention_backend)
+from omnistage.utils import trace
 from omnistage.utils.host import int_matrix, int_tensor
 
 
@@ -135,8 +137,10 @@ class ModelRunner:
         if rows and feedback is not None:
             # the model decides what its sampled tokens feed back (and may emit more per row)
             seqs = [batch.seqs[i] for i in rows]
+            w0 = time.time()
             embeds_out, extra_rows = feedback(last, torch.tensor(
                 [sampled[i] for i in rows], device=self.device), seqs)
+            trace.span("feedback", w0, rows=len(rows))
             extras = [None] * len(batch.seqs)
             for j, i in enumerate(rows):
                 batch.seqs[i].output_embeds.append(embeds_out[j])

@@ -88,6 +88,7 @@ class OmniBenchConfig:
     device: str = "auto"
     backend: str = "process"              # stage backend of our runtime
     chunk_frames: int = 25                # code2wav's streaming chunk (the default graph's)
+    stage_config: str | None = None       # our graph (default: the model's, qwen3_omni)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -98,8 +99,9 @@ class OmniBenchConfig:
                              f"{self.talker_tokens}: need >= 1 and >= 2")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency={self.concurrency}: need values >= 1")
-        if self.reference_requests < 1:
-            raise ValueError(f"reference_requests={self.reference_requests}: must be >= 1")
+        if self.reference_requests < 0:
+            raise ValueError(f"reference_requests={self.reference_requests}: must be >= 0 "
+                             "(0: ours only, no ratios against transformers)")
         if self.chunk_frames < 1:
             raise ValueError(f"chunk_frames={self.chunk_frames}: must be >= 1")
         if self.backend not in ("process", "inproc"):
@@ -280,8 +282,8 @@ def bench_ours(path: Path, cfg: OmniBenchConfig, device: torch.device, dtype: to
         if cfg.backend == "inproc" else {}
     overrides = [f"code2wav.options.chunk_frames={cfg.chunk_frames}"]
     t0 = time.perf_counter()
-    with Omni(str(path), device=str(device), dtype=str(dtype).removeprefix("torch."),
-              stage_overrides=overrides, **kw) as omni:
+    with Omni(str(path), stage_config=cfg.stage_config, device=str(device),
+              dtype=str(dtype).removeprefix("torch."), stage_overrides=overrides, **kw) as omni:
         startup = time.perf_counter() - t0
         _run_ours(omni, [_prompt(0)], params, "warm")           # at full length
         warm = [replace(params[0], max_tokens=2), replace(params[1], max_tokens=4), None]
@@ -290,7 +292,7 @@ def bench_ours(path: Path, cfg: OmniBenchConfig, device: torch.device, dtype: to
         for c in cfg.concurrency:
             loop0 = _loop_stats(omni)
             if c == 1:        # one after another, as many as transformers ran
-                stats = [s for i in range(cfg.reference_requests)
+                stats = [s for i in range(cfg.reference_requests or 2)
                          for s in _run_ours(omni, [_prompt(i)], params, f"c1-{i}")]
                 makespan = sum(s["e2e_s"] for s in stats)
             else:
@@ -324,7 +326,7 @@ def run(cfg: OmniBenchConfig) -> dict[str, object]:
         params = {"thinker": parameter_bytes(model.thinker) // model.dtype.itemsize,
                   "talker": parameter_bytes(model.talker) // model.dtype.itemsize,
                   "code2wav": parameter_bytes(model.code2wav) // model.dtype.itemsize}
-        hf = bench_transformers(model, path, cfg, device)
+        hf = bench_transformers(model, path, cfg, device) if cfg.reference_requests else None
         del model
         free_device_memory(device)
         ours = bench_ours(path, cfg, device, dtype)
@@ -332,21 +334,23 @@ def run(cfg: OmniBenchConfig) -> dict[str, object]:
 
     one = ours["by_concurrency"].get("1")
     ratios: dict[str, float | None] = {}
-    if one is not None:
+    if one is not None and hf is not None:
         ratios["first_audio_over_transformers_e2e_c1"] = ratio(one["first_audio_s"]["median"],
                                                               hf["e2e_s"]["median"])
         ratios["e2e_speedup_c1"] = ratio(hf["e2e_s"]["median"], one["e2e_s"]["median"])
     for c in cfg.concurrency:
-        mine, ref = ours["by_concurrency"][str(c)], hf["by_concurrency"][str(c)]
-        ratios[f"audio_throughput_ratio_c{c}"] = ratio(mine["audio_s_per_s"],
-                                                       ref["audio_s_per_s"])
+        mine = ours["by_concurrency"][str(c)]
         ratios[f"rtf_c{c}"] = mine["rtf"]["median"]
-        if c > 1:
-            ratios[f"first_audio_over_transformers_queue_latency_c{c}"] = ratio(
-                mine["first_audio_s"]["median"], ref["mean_latency_s_estimated"])
-            if one is not None:   # the concurrency cliff: first audio at c against alone
-                ratios[f"first_audio_c{c}_over_c1"] = ratio(mine["first_audio_s"]["median"],
-                                                            one["first_audio_s"]["median"])
+        if hf is not None:
+            ref = hf["by_concurrency"][str(c)]
+            ratios[f"audio_throughput_ratio_c{c}"] = ratio(mine["audio_s_per_s"],
+                                                           ref["audio_s_per_s"])
+            if c > 1:
+                ratios[f"first_audio_over_transformers_queue_latency_c{c}"] = ratio(
+                    mine["first_audio_s"]["median"], ref["mean_latency_s_estimated"])
+        if c > 1 and one is not None:   # the concurrency cliff: first audio at c against alone
+            ratios[f"first_audio_c{c}_over_c1"] = ratio(mine["first_audio_s"]["median"],
+                                                        one["first_audio_s"]["median"])
     return {
         "benchmark": "omni", **environment(device), "dtype": str(dtype).removeprefix("torch."),
         "config": {**asdict(cfg), "sizes_changed": BENCH_SIZES if cfg.sizes == "bench" else

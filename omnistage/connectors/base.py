@@ -53,6 +53,7 @@ class TensorHandle(msgspec.Struct, array_like=True, omit_defaults=True):
     tensors: list[TensorMeta]
     location: str = ""        # shm: segment name; tcp: the consumer address it was sent to
     nbytes: int = 0           # size of the chunk's byte buffer, padding included
+    data: bytes = b""         # the buffer itself, for a payload small enough to travel inline
 
 
 @dataclass(slots=True)

@@ -36,6 +36,7 @@ from omnistage.sampling_params import SamplingParams
 from omnistage.stages import messages as m
 from omnistage.stages.process import (StageRunner, WorkerSpec, check_gpu_placement,
                                       describe_stage, stage_device)
+from omnistage.utils import trace
 
 logger = logging.getLogger(__name__)
 
@@ -287,6 +288,7 @@ class Orchestrator:
 
     # -- routing -------------------------------------------------------------------------------
     def _route_loop(self) -> None:
+        trace.name_thread("router")
         while not self._closed:
             try:
                 if self._outputs.poll(POLL_MS):
@@ -297,7 +299,9 @@ class Orchestrator:
                             break
                         msg = m.decode_from_stage(raw)
                         if isinstance(msg, m.StageOutput):
+                            w0 = time.time()
                             self._route(msg)
+                            trace.span("route", w0, stage=msg.stage, request=msg.request_id)
                         elif isinstance(msg, m.StageStats):
                             self._stats[msg.stage] = msg
                             self._stats_ready.set()
@@ -412,6 +416,7 @@ class Orchestrator:
             sweep(self._shm_ns)
         self._ctx.destroy(linger=0)
         shutil.rmtree(self._run_dir, ignore_errors=True)
+        trace.save()
 
     def __del__(self) -> None:
         try:

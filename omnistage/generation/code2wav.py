@@ -10,7 +10,8 @@ from torch import Tensor
 
 from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
-from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStream, decode_streams
+from omnistage.models.qwen3_omni.code2wav_stream import (Code2WavStream, VocoderShapes,
+                                                         decode_streams)
 
 
 class Code2WavGenerator:
@@ -38,6 +39,22 @@ class Code2WavGenerator:
         self.left_context = left_context
         self.max_batch_frames = max_batch_frames
         self.info = {"sample_rate": self.SAMPLE_RATE}
+        self.shapes: VocoderShapes | None = None
+        if model.device.type == "cuda":   # a few padded shapes, each planned now, not mid-stream
+            context = (model.cfg.receptive_field_frames if left_context is None
+                       else left_context)
+            self.shapes = VocoderShapes.for_stream(first_chunk_frames or chunk_frames,
+                                                   chunk_frames, context, max_batch_frames)
+            self.plan_shapes()
+
+    @torch.inference_mode()
+    def plan_shapes(self) -> None:
+        """Run the vocoder once at every padded shape (cuDNN plans its convolutions)."""
+        if self.shapes is None:
+            return
+        weight = self.model.code_embedding.weight
+        for num, frames in self.shapes.all():
+            self.model.vocode(weight.new_zeros(num, frames, self.model.cfg.hidden_size))
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, component: str, device: torch.device,
@@ -63,7 +80,7 @@ class Code2WavGenerator:
             if last and not stream.is_finished:
                 stream.finish()
             streams.append(stream)
-        audio = decode_streams(streams, self.max_batch_frames)
+        audio = decode_streams(streams, self.max_batch_frames, self.shapes)
         sizes = [a.numel() for a in audio]
         host = torch.cat(audio).float().cpu().split(sizes)     # one copy to the host
         return [{"audio": a} if a.numel() else {} for a in host]

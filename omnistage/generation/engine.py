@@ -17,6 +17,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from omnistage.utils import trace
+
 
 @dataclass(slots=True)
 class GenerationRequest:
@@ -113,6 +115,9 @@ class GenerationEngine:
                                                 f"{type(exc).__name__}: {exc}", r))
             return results
         done = time.time()
+        if trace.enabled():
+            trace.span("generate", now, done, requests=[r.request_id for r in ready],
+                       outputs=[r.request_id for r, out in zip(ready, outs) if out])
         results = []
         for r, out, closed in zip(ready, outs, is_last):
             r.model_seconds += done - now

@@ -14,6 +14,7 @@ Process lifecycle:
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -30,6 +31,7 @@ import zmq
 from omnistage.configs.schema import GraphConfig
 from omnistage.connectors.base import Connector, make_connector
 from omnistage.stages import messages as m
+from omnistage.utils import trace
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,18 @@ def stage_device(device: str, devices: tuple[int, ...]) -> str:
     return device
 
 
+def stage_cpu_threads(graph: GraphConfig, device: str) -> int:
+    """Intra-op CPU threads of a stage process. A GPU stage's host work is bookkeeping on a
+    few rows (its prompt rows, token ids, a frame's codes), which gains nothing from threads;
+    with torch's default of one per core, every stage process's OpenMP pool spins on all the
+    cores, and a 1 ms copy in one waits tens of ms for the others' to yield (measured: the
+    talker's prompt took 30 ms, not 1, while the thinker decoded). So 1; a CPU stage, whose
+    compute is on the host, gets its share of the cores."""
+    if not device.startswith("cpu"):
+        return 1
+    return max(1, len(os.sched_getaffinity(0)) // len(graph.stages))
+
+
 def make_stage_connector(spec: WorkerSpec) -> Connector:
     kind = spec.graph.connector
     if kind == "shm":
@@ -99,8 +113,10 @@ def make_stage_connector(spec: WorkerSpec) -> Connector:
     raise ValueError(f"connector {kind!r} cannot cross processes (use shm or tcp)")
 
 
-def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector) -> None:
-    """Build the stage, say Ready (or why not), serve until Shutdown. Closes what it opened."""
+def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector,
+               own_process: bool = False) -> None:
+    """Build the stage, say Ready (or why not), serve until Shutdown. Closes what it opened.
+    `own_process`: the stage's process is its own (process backend), not the user's."""
     from omnistage.stages.worker import StageWorker
 
     outbox = ctx.socket(zmq.PUSH)
@@ -117,17 +133,29 @@ def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector) -> None
                 import torch
 
                 torch.cuda.set_device(torch.device(spec.device))
+                # cuDNN's attention builds a graph per new input shape: 60 to 960 ms each on
+                # an H100 (measured on code2wav's stream windows), where the flash and
+                # memory-efficient kernels need none; and prompts and streams bring new shapes
+                # all the time
+                torch.backends.cuda.enable_cudnn_sdp(False)
             worker = StageWorker(spec.graph.stage(spec.stage), spec.graph, connector, spec.device)
         except BaseException as exc:
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             logger.error("stage %s failed to start:\n%s", spec.stage, traceback.format_exc())
             outbox.send(m.encode(m.StartupFailed(spec.stage, detail)))
             return
+        if own_process:
+            # the model, its graphs and caches live as long as the stage: out of the
+            # collector's sight, so that a full collection (seen: 200 ms in the talker's step
+            # at concurrency 32) never walks them mid-stream
+            gc.collect()
+            gc.freeze()
         info = _engine_info(worker)
         outbox.send(m.encode(m.Ready(spec.stage, os.getpid(),
                                      getattr(connector, "address", ""), info)))
         worker.serve(inbox, outbox)
     finally:
+        trace.save()
         connector.close()
         inbox.close()
         outbox.close()
@@ -217,15 +245,17 @@ def _process_main(spec: WorkerSpec, parent_pid: int) -> None:
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:   # the user's setting wins
+        torch.set_num_threads(stage_cpu_threads(spec.graph, spec.device))
     if spec.graph.stage(spec.stage).dtype == "float32":
         # asked for float32: mean it (PyTorch lets cuDNN convolutions use TF32 by default)
-        import torch
-
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     ctx = zmq.Context()
     try:
-        run_worker(spec, ctx, make_stage_connector(spec))
+        run_worker(spec, ctx, make_stage_connector(spec), own_process=True)
     except SystemExit:
         pass
     finally:

@@ -40,6 +40,7 @@ from omnistage.models.qwen3_omni.talker import Qwen3OmniTalkerForCausalLM
 from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages.engines import ARStage, StageResult
+from omnistage.utils import trace
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +333,9 @@ class TalkerStage(ARStage):
             return None
         num_prompt = len(state.prompt_ids)
         if not state.prefilled and (state.num_rows > num_prompt or closed):
+            w0 = time.time()
             embeds, positions, delta = self._prefill(state)
+            trace.span("talker.prefill", w0, request=request_id)
             state.prefilled = True
             state.num_streamed = num_prompt + 1
             rows_in = None if state.rows_time is None else state.rows_time - state.added_time
@@ -426,8 +429,12 @@ class TalkerStage(ARStage):
         return rows
 
     def step(self) -> list[StageResult]:
+        w0 = time.time()
         results = self._apply_input()
-        for out in self.engine.step():
+        trace.span("talker.apply_input", w0)
+        outs = self.engine.step()
+        w0 = time.time()
+        for out in outs:
             tensors: dict[str, Tensor] = {}
             codes = None if out.extra is None else out.extra["codes"]
             if codes is not None and int(codes[0]) not in self.engine.eos_token_ids:
@@ -446,6 +453,7 @@ class TalkerStage(ARStage):
             if out.finished:
                 self.inputs.pop(out.request_id, None)
                 self._prompt_ready.pop(out.request_id, None)
+        trace.span("talker.results", w0)
         return results
 
 

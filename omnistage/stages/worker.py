@@ -24,6 +24,7 @@ from omnistage.connectors.base import ChunkKey, Connector
 from omnistage.engine.adapters import EdgeData, get_adapter
 from omnistage.stages import messages as m
 from omnistage.stages.engines import StageEngine, StageResult, build_stage_engine
+from omnistage.utils import trace
 
 logger = logging.getLogger(__name__)
 
@@ -150,13 +151,16 @@ class StageWorker:
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[m.StageOutput]:
         outputs = []
-        for res in self.engine.step():
+        results = self.engine.step()
+        w0 = time.time()
+        for res in results:
             state = self.requests.get(res.request_id)
             if state is None:
                 continue
             outputs.append(self._output(res, state))
             if res.finished:
                 del self.requests[res.request_id]
+        trace.span("outputs", w0)
         return outputs
 
     def _output(self, res: StageResult, state: RequestState) -> m.StageOutput:
@@ -227,6 +231,7 @@ class StageWorker:
     # -- the loop --------------------------------------------------------------------------------
     def serve(self, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         """Run until Shutdown: messages first, then one step."""
+        trace.name_thread(self.name)
         idle = True
         while True:
             timeout = IDLE_POLL_MS if idle or not self.has_work else 0
@@ -239,17 +244,23 @@ class StageWorker:
                     msg = m.decode_to_stage(raw)
                     if isinstance(msg, m.Shutdown):
                         return
-                    t0 = time.perf_counter()
+                    t0, w0 = time.perf_counter(), time.time()
                     for out in self.handle(msg):
                         outbox.send(m.encode(out))
                     self._count("message", time.perf_counter() - t0)
+                    if trace.enabled():
+                        trace.span(type(msg).__name__, w0, request=getattr(msg, "request_id",
+                                                                           None),
+                                   chunk=getattr(msg, "chunk_idx", None))
             outs: list[m.StageOutput] = []
             if self.has_work:
-                t0 = time.perf_counter()
+                t0, w0 = time.perf_counter(), time.time()
                 outs = self.step()
                 for out in outs:
                     outbox.send(m.encode(out))
                 self._count("step", time.perf_counter() - t0)
+                if trace.enabled() and outs:
+                    trace.span("step", w0, outputs=[o.request_id for o in outs])
             idle = not outs
 
     def _count(self, what: str, seconds: float) -> None:

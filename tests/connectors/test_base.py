@@ -108,7 +108,7 @@ def test_handle_defaults_round_trip() -> None:
     # msgspec writes array_like structs in full even with omit_defaults (jcrist/msgspec#720)
     handle = TensorHandle(key=ChunkKey("r", "e", 0), kind="inproc", tensors=[])
     data = msgspec.msgpack.encode(handle)
-    assert msgspec.msgpack.decode(data) == [["r", "e", 0], "inproc", [], "", 0]
+    assert msgspec.msgpack.decode(data) == [["r", "e", 0], "inproc", [], "", 0, b""]
     assert msgspec.msgpack.decode(data, type=TensorHandle) == handle
     short = msgspec.msgpack.encode([["r", "e", 0], "inproc", []])  # trailing fields may be absent
     assert msgspec.msgpack.decode(short, type=TensorHandle) == handle

@@ -1,4 +1,6 @@
-"""ShmConnector: round trips, a consumer in another process, and /dev/shm left clean."""
+"""ShmConnector: round trips, a consumer in another process, and /dev/shm left clean (the
+segment tests turn inline payloads off); small payloads inline in the handle, large ones in a
+segment."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def namespace() -> Iterator[str]:
 
 def test_round_trip_unlinks_on_get(namespace: str, payload: dict[str, Tensor],
                                    assert_same: Check) -> None:
-    conn = ShmConnector(namespace)
+    conn = ShmConnector(namespace, inline_bytes=0)
     handle = conn.put(ChunkKey("r1", "a->b", 0), payload)
     assert handle.kind == "shm" and handle.location.startswith(namespace + "_")
     assert len(handle.location) < 30
@@ -52,7 +54,7 @@ def test_round_trip_unlinks_on_get(namespace: str, payload: dict[str, Tensor],
 
 def test_separate_consumer_instance(namespace: str, payload: dict[str, Tensor],
                                     assert_same: Check) -> None:
-    producer, consumer = ShmConnector(namespace), ShmConnector(namespace)
+    producer, consumer = ShmConnector(namespace, inline_bytes=0), ShmConnector(namespace, inline_bytes=0)
     assert producer.tag != consumer.tag  # one namespace per engine, names never clash
     handles = [producer.put(ChunkKey("r1", "a->b", idx), {"x": torch.full((idx,), idx)})
                for idx in range(3)]
@@ -69,7 +71,7 @@ def test_separate_consumer_instance(namespace: str, payload: dict[str, Tensor],
 
 
 def test_release_frees_unconsumed(namespace: str) -> None:
-    conn = ShmConnector(namespace)
+    conn = ShmConnector(namespace, inline_bytes=0)
     taken = conn.put(ChunkKey("r1", "a->b", 0), {"x": torch.ones(4)})
     for idx in (1, 2):
         conn.put(ChunkKey("r1", "a->b", idx), {"x": torch.ones(4)})
@@ -84,13 +86,13 @@ def test_release_frees_unconsumed(namespace: str) -> None:
 
 
 def test_close_frees_all_and_empty_payloads(namespace: str) -> None:
-    conn = ShmConnector(namespace)
+    conn = ShmConnector(namespace, inline_bytes=0)
     handles = [conn.put(ChunkKey(f"r{i}", "a->b", 0), {"e": torch.empty(0)}) for i in range(3)]
     handles.append(conn.put(ChunkKey("r9", "a->b", 0), {}))
     assert [h.nbytes for h in handles] == [0, 0, 0, 0]
     assert conn.get(handles[3]) == {}
     assert len(segments(namespace)) == 3
-    with ShmConnector(namespace) as other:  # context manager closes too
+    with ShmConnector(namespace, inline_bytes=0) as other:  # context manager closes too
         other.put(ChunkKey("x", "a->b", 0), {"x": torch.ones(1)})
     assert len(segments(namespace)) == 3
     conn.close()
@@ -99,7 +101,7 @@ def test_close_frees_all_and_empty_payloads(namespace: str) -> None:
 
 def test_sweep_removes_only_its_namespace(namespace: str) -> None:
     other_ns = new_namespace()
-    mine, theirs = ShmConnector(namespace), ShmConnector(other_ns)
+    mine, theirs = ShmConnector(namespace, inline_bytes=0), ShmConnector(other_ns, inline_bytes=0)
     for idx in range(2):
         mine.put(ChunkKey("r", "a->b", idx), {"x": torch.ones(1)})
     theirs.put(ChunkKey("r", "a->b", 0), {"x": torch.ones(1)})
@@ -110,6 +112,27 @@ def test_sweep_removes_only_its_namespace(namespace: str) -> None:
     assert sweep(other_ns) == 0
 
 
+def test_small_payloads_travel_inline(namespace: str, payload: dict[str, Tensor],
+                                      assert_same: Check) -> None:
+    """Up to inline_bytes the buffer rides in the handle (through msgpack, as in a control
+    message): no segment, nothing to release; above it, a segment as before."""
+    conn = ShmConnector(namespace, inline_bytes=4096)
+    small = conn.put(ChunkKey("r1", "a->b", 0), payload)
+    assert small.location == "" and len(small.data) == small.nbytes > 0
+    assert segments(namespace) == []
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(small), type=TensorHandle)
+    assert_same(ShmConnector(namespace).get(wire), payload)     # any instance can read it
+    big = {"x": torch.arange(2048, dtype=torch.float32)}        # 8 KiB
+    large = conn.put(ChunkKey("r1", "a->b", 1), big)
+    assert large.data == b"" and segments(namespace) == [large.location]
+    assert torch.equal(conn.get(large)["x"], big["x"])
+    empty = conn.put(ChunkKey("r1", "a->b", 2), {"e": torch.empty(0, 3)})
+    assert empty.nbytes == 0 and conn.get(empty)["e"].shape == (0, 3)
+    assert conn.release("r1") == 0 and segments(namespace) == []
+    assert conn.stats.num_put == 3 and conn.stats.bytes_put == small.nbytes + large.nbytes
+    conn.close()
+
+
 @pytest.mark.parametrize("bad", ["", "has_underscore", "x" * 11, "../etc"])
 def test_namespace_is_checked(bad: str) -> None:
     with pytest.raises(ValueError, match="namespace"):
@@ -118,7 +141,7 @@ def test_namespace_is_checked(bad: str) -> None:
 
 def echo(namespace: str, requests: multiprocessing.Queue, replies: multiprocessing.Queue) -> None:
     """Child: take each handle, get it, put the tensors back under chunk_idx + 100."""
-    conn = ShmConnector(namespace)
+    conn = ShmConnector(namespace, inline_bytes=0)
     while (data := requests.get()) is not None:
         handle = msgspec.msgpack.decode(data, type=TensorHandle)
         tensors = conn.get(handle)
@@ -133,7 +156,7 @@ def test_consumer_in_spawned_process(namespace: str, payload: dict[str, Tensor],
     requests, replies = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=echo, args=(namespace, requests, replies))
     child.start()
-    conn = ShmConnector(namespace)
+    conn = ShmConnector(namespace, inline_bytes=0)
     for idx in range(2):
         requests.put(msgspec.msgpack.encode(conn.put(ChunkKey("r1", "a->b", idx), payload)))
     requests.put(None)
@@ -153,7 +176,7 @@ PRODUCER_SCRIPT = """
 import sys, torch, msgspec
 from omnistage.connectors import ChunkKey
 from omnistage.connectors.shm import ShmConnector
-conn = ShmConnector(sys.argv[1])
+conn = ShmConnector(sys.argv[1], inline_bytes=0)
 handle = conn.put(ChunkKey("r1", "a->b", 0), {"x": torch.arange(10, dtype=torch.bfloat16)})
 print(msgspec.msgpack.encode(handle).hex())
 """
@@ -166,14 +189,14 @@ def test_producer_exit_leaves_segment_without_tracker_warning(namespace: str) ->
     assert "resource_tracker" not in proc.stderr and "leaked" not in proc.stderr, proc.stderr
     handle = msgspec.msgpack.decode(bytes.fromhex(proc.stdout.strip()), type=TensorHandle)
     assert segments(namespace) == [handle.location]
-    out = ShmConnector(namespace).get(handle)
+    out = ShmConnector(namespace, inline_bytes=0).get(handle)
     assert torch.equal(out["x"], torch.arange(10, dtype=torch.bfloat16))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tensors(namespace: str, payload: dict[str, Tensor], assert_same: Check) -> None:
-    conn = ShmConnector(namespace)
+    conn = ShmConnector(namespace, inline_bytes=0)
     on_gpu = {name: t.cuda() for name, t in payload.items()}  # "strided" stays non-contiguous
     assert_same(conn.get(conn.put(ChunkKey("r1", "a->b", 0), on_gpu)), payload)
     out = conn.get(conn.put(ChunkKey("r1", "a->b", 1), on_gpu), device=torch.device("cuda"))

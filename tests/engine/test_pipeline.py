@@ -180,7 +180,11 @@ def test_killed_stage_fails_its_requests(tiny_qwen3: Path) -> None:
         pid = omni.engine.orchestrator.stage_pids()["second"]
         events = []
         omni.engine.submit(PROMPTS[2], None, "victim", None, events.append)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while not events:      # in flight (its first output is out): 400 tokens to go
+            assert time.monotonic() < deadline, "no output"
+            time.sleep(0.005)
+        assert not events[-1].done
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while not (events and events[-1].done):

@@ -82,6 +82,15 @@ def test_bench_omni(tmp_path: Path) -> None:
     assert doc["config"]["parameters"]["thinker"] > 0
 
 
+def test_bench_omni_without_reference(tmp_path: Path) -> None:
+    """--reference-requests 0: ours only (two requests at c=1), cliff ratios, none against
+    transformers."""
+    doc = bench(tmp_path, "omni", "--concurrency", "1,2", "--reference-requests", "0")
+    assert doc["reference"] is None
+    assert doc["omnistage"]["by_concurrency"]["1"]["requests"] == 2
+    assert set(doc["ratios"]) == {"rtf_c1", "rtf_c2", "first_audio_c2_over_c1"}
+
+
 def test_bench_diffusion(tmp_path: Path) -> None:
     doc = bench(tmp_path, "diffusion", "--cache-thresholds", "0.5", "--concurrency", "2",
                 "--compile")

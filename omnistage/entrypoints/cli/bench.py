@@ -67,7 +67,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     omni.add_argument("--concurrency", type=_ints, default=(1, 8, 32))
     omni.add_argument("--reference-requests", type=int, default=3,
                       help="requests transformers runs, one by one (its latency per request "
-                           "does not depend on the others)")
+                           "does not depend on the others); 0: ours only, no ratios")
+    omni.add_argument("--stage-config", default=None,
+                      help="our stage graph, e.g. qwen3_omni_2gpu (default: qwen3_omni)")
     omni.add_argument("--chunk-frames", type=int, default=None,
                       help="codec frames per code2wav chunk: the first audio waits for this "
                            "many (default: the graph's 25; tiny 8)")
@@ -112,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
             "tiny" if args.tiny else "bench", device=args.device, seed=args.seed,
             concurrency=args.concurrency, reference_requests=args.reference_requests,
             thinker_tokens=args.thinker_tokens, talker_tokens=args.talker_tokens,
-            backend=args.backend, chunk_frames=args.chunk_frames)
+            backend=args.backend, chunk_frames=args.chunk_frames,
+            stage_config=args.stage_config)
         result = omni.run(cfg)
         name = args.name or f"omni_qwen3-omni-{cfg.sizes}"
         headline = result["ratios"]

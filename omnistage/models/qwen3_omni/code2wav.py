@@ -440,15 +440,22 @@ class Code2Wav(nn.Module):
         return torch.cat(wavs, dim=-1)
 
     @torch.inference_mode()
-    def vocode_windows(self, windows: Sequence[tuple[Tensor, int]]) -> list[Tensor]:
+    def vocode_windows(self, windows: Sequence[tuple[Tensor, int]],
+                       shape: tuple[int, int] | None = None) -> list[Tensor]:
         """Vocode windows `(rows (n, hidden), skip)` of pre-transformer output, of any
-        lengths, in one forward, right-padded to the longest (harmless: every layer is causal
-        but the transposed convs' one-step lookahead, which `num_samples` trims); each returns
-        its samples `[skip, num_samples(n))` in float32."""
+        lengths, in one forward, right-padded to the longest, or to `shape` (windows, frames)
+        if given and larger; each returns its samples `[skip, num_samples(n))` in float32.
+
+        Padding is exact: every layer is causal but the decoder blocks' transposed convs,
+        whose one-step lookahead reaches only samples past `num_samples(n)` (the last kept
+        output of k = 2s trimmed by s draws on inputs up to the last real one), so the kept
+        samples never see a padded row; padded windows are zeros, computed and dropped."""
         if not windows:
             return []
         lengths = [rows.shape[0] for rows, _ in windows]
-        batch = self.code_embedding.weight.new_zeros(len(windows), max(lengths),
+        num, longest = shape or (0, 0)
+        batch = self.code_embedding.weight.new_zeros(max(num, len(windows)),
+                                                     max(longest, *lengths),
                                                      self.cfg.hidden_size)
         for i, (rows, _) in enumerate(windows):
             batch[i, :lengths[i]] = rows

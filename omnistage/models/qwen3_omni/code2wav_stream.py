@@ -4,6 +4,7 @@ layout of a window and why it is exact: see `Code2WavStream`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -120,19 +121,54 @@ class Code2WavStream:
         return decode_streams([self])[0]
 
 
-def decode_streams(streams: Sequence[Code2WavStream], max_batch_frames: int | None = None
-                   ) -> list[Tensor]:
+@dataclass(frozen=True, slots=True)
+class VocoderShapes:
+    """The few (windows, frames) shapes every vocoder forward is padded to, so that each is
+    planned once: cuDNN picks and builds a convolution's kernels per input shape, 70 to 180 ms
+    for the bench-size vocoder on an H100 (a forward itself: 8 to 25 ms), and streams of
+    requests at different points would otherwise bring a new shape nearly every step.
+
+    frames: a stream's windows hold its first chunk alone, then `left_context` + a chunk, so
+    those two lengths cover every window. windows: 1 to 8, then every 4, up to what
+    `max_batch_frames` lets in one forward (the exact count above that: a single window)."""
+    lengths: tuple[int, ...]
+    max_batch_frames: int
+
+    @classmethod
+    def for_stream(cls, first_chunk_frames: int, chunk_frames: int, left_context: int,
+                   max_batch_frames: int) -> VocoderShapes:
+        return cls(tuple(sorted({first_chunk_frames, left_context + chunk_frames})),
+                   max_batch_frames)
+
+    def batch_sizes(self, frames: int) -> list[int]:
+        most = max(1, self.max_batch_frames // frames)
+        return [b for b in (*range(1, 9), *range(12, most, 4)) if b < most] + [most]
+
+    def pad(self, num_windows: int, longest: int) -> tuple[int, int]:
+        """The shape a forward of `num_windows` windows, the longest `longest`, runs at."""
+        frames = next((n for n in self.lengths if n >= longest), longest)
+        num = next((b for b in self.batch_sizes(frames) if b >= num_windows), num_windows)
+        return num, frames
+
+    def all(self) -> list[tuple[int, int]]:
+        """Every padded shape (to plan them all at start-up)."""
+        return [(b, n) for n in self.lengths for b in self.batch_sizes(n)]
+
+
+def decode_streams(streams: Sequence[Code2WavStream], max_batch_frames: int | None = None,
+                   shapes: VocoderShapes | None = None) -> list[Tensor]:
     """Decode ready chunks of `streams` (one model) together; per stream, the new samples
     (float32, 1-D, possibly empty). With `max_batch_frames`, the vocoder's forward holds at
     most that many frames (windows x the longest, as they are padded; always at least one
     window) and the rest stay ready for the next call. Chunks are taken one per stream per
     round: first chunks before later ones (a new request's first audio waits for no one's
-    backlog), then the streams with the least audio out so far."""
+    backlog), then the streams with the least audio out so far. With `shapes`, the vocoder's
+    batch is padded to one of them (exact: see `Code2Wav.vocode_windows`)."""
     if not streams:
         return []
     model = streams[0].model
     assert all(s.model is model for s in streams), "streams of different models in one batch"
-    chunks = _plan_chunks(streams, max_batch_frames)
+    chunks = _plan_chunks(streams, max_batch_frames, shapes)
     busy = [i for i, c in enumerate(chunks) if c]
     rows = _continue_transformer(model, [streams[i] for i in busy], [sum(chunks[i]) for i in busy])
     windows: list[tuple[Tensor, int]] = []
@@ -153,16 +189,20 @@ def decode_streams(streams: Sequence[Code2WavStream], max_batch_frames: int | No
             decoded += n
             start += n
     out: list[list[Tensor]] = [[] for _ in streams]
-    for i, wav in zip(owner, model.vocode_windows(windows)):
+    shape = None
+    if shapes is not None and windows:
+        shape = shapes.pad(len(windows), max(w.shape[0] for w, _ in windows))
+    for i, wav in zip(owner, model.vocode_windows(windows, shape)):
         out[i].append(wav)
     empty = torch.empty(0, dtype=torch.float32, device=model.device)
     return [torch.cat(o) if o else empty for o in out]
 
 
-def _plan_chunks(streams: Sequence[Code2WavStream], max_batch_frames: int | None
-                 ) -> list[list[int]]:
+def _plan_chunks(streams: Sequence[Code2WavStream], max_batch_frames: int | None,
+                 shapes: VocoderShapes | None = None) -> list[list[int]]:
     """Which ready chunks of each stream go into this call (their sizes), in priority order
-    within the vocoder's frame budget; the streams' decoded counts advance."""
+    within the vocoder's frame budget (windows counted at their padded length); the streams'
+    decoded counts advance."""
     order = sorted(range(len(streams)), key=lambda i: (streams[i].num_decoded_frames > 0,
                                                       streams[i].num_samples_out))
     chunks: list[list[int]] = [[] for _ in streams]
@@ -173,6 +213,8 @@ def _plan_chunks(streams: Sequence[Code2WavStream], max_batch_frames: int | None
             n = streams[i].next_window_frames
             if n == 0:
                 continue
+            if shapes is not None:
+                n = shapes.pad(1, n)[1]
             if (max_batch_frames is not None and num_windows
                     and (num_windows + 1) * max(longest, n) > max_batch_frames):
                 return chunks
@@ -207,13 +249,15 @@ def _continue_transformer(model: Code2Wav, streams: Sequence[Code2WavStream],
     return [rows[b, :n] for b, n in enumerate(counts)]
 
 
-def push_streams(items: Sequence[tuple[Code2WavStream, Tensor]]) -> list[Tensor]:
-    """Append each stream's frames, then decode all ready chunks in one forward. Frames are
-    checked first: a ValueError leaves every stream as it was."""
+def push_streams(items: Sequence[tuple[Code2WavStream, Tensor]],
+                 shapes: VocoderShapes | None = None) -> list[Tensor]:
+    """Append each stream's frames, then decode all ready chunks in one forward (padded to
+    one of `shapes`, if given). Frames are checked first: a ValueError leaves every stream
+    as it was."""
     for stream, frames in items:
         if stream.is_finished:
             raise ValueError("frames: the stream is already finished")
         stream.model.check_codes(frames, "frames", batched=False)
     for stream, frames in items:
         stream.append(frames)
-    return decode_streams([stream for stream, _ in items])
+    return decode_streams([stream for stream, _ in items], shapes=shapes)

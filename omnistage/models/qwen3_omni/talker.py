@@ -40,6 +40,7 @@ from omnistage.models.qwen3_omni.moe import expand_expert_names
 from omnistage.models.qwen3_omni.thinker import (PACKED_MODULES, Qwen3OmniMoeDecoder,
                                                  Qwen3OmniTextConfig, _model_config,
                                                  build_and_load, load_moe_model_weights)
+from omnistage.utils.host import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,13 +169,13 @@ class Qwen3OmniTalkerForCausalLM(nn.Module):
         codebook embeddings is what the next step feeds back. Greedy rows (temperature 0)
         predict greedily; sampling rows draw with the reference's top_k=50, top_p=0.8 from the
         request's own generator. -> next_input_embeds (B, H), [{"codes": (G,)}] per row."""
-        temps = torch.tensor([s.sampling_params.temperature for s in seqs],
-                             device=last_hidden.device)
-        greedy = bool((temps < 1e-5).all())
+        temps = [max(s.sampling_params.temperature, 0.0) for s in seqs]
+        greedy = all(t < 1e-5 for t in temps)     # decided on the host: no wait for the device
         codes, embeds = self.predict_codes(
-            last_hidden, code0, greedy=greedy, temperature=temps.clamp_min(0.0),
+            last_hidden, code0, greedy=greedy, temperature=to_device(temps, last_hidden.device),
             generators=[s.generator for s in seqs])
-        return embeds, [{"codes": c} for c in codes.unbind(0)]
+        # the frames leave the process at once: one copy to the host for all rows
+        return embeds, [{"codes": c} for c in codes.cpu().unbind(0)]
 
     def predict_codes(self, past_hidden: Tensor, code0: Tensor, **sampling: object
                       ) -> tuple[Tensor, Tensor]:

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
-from omnistage.models.qwen3_omni.code2wav_stream import (Code2WavStream, decode_streams,
-                                                         push_streams)
+from omnistage.models.qwen3_omni.code2wav_stream import (Code2WavStream, VocoderShapes,
+                                                         decode_streams, push_streams)
 from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
 
 ATOL = 1e-4   # max abs difference on samples in [-1, 1]
@@ -231,22 +231,26 @@ def test_dropping_the_kept_keys_and_values_fails(deep: tuple[torch.nn.Module, Co
     assert (wav - ref(codes[None])[0, 0]).abs().max().item() > 0.05
 
 
+@pytest.mark.parametrize("shapes", [None, VocoderShapes((9, 20, 40), 200)],
+                         ids=["exact", "padded"])
 @torch.no_grad()
 def test_streams_batched_in_one_forward(ref: torch.nn.Module, ours: Code2Wav,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+                                        monkeypatch: pytest.MonkeyPatch,
+                                        shapes: VocoderShapes | None) -> None:
     """Requests at different points (first chunk without context, later ones with it, two
-    chunks at once, a short final chunk) decode together and equal each one's whole decode."""
+    chunks at once, a short final chunk) decode together and equal each one's whole decode;
+    also with every forward padded to one of a few shapes (as on a GPU), final windows too."""
     q, ctx = ours.cfg.num_quantizers, ours.cfg.receptive_field_frames
     setups = [(10, 4, [3, 12, 9, 1, 20]), (6, None, [14, 2, 7]), (25, 12, [30, 26, 5])]
     codes = [random_codes(ours, q, sum(p), seed=10 + i) for i, (_, _, p) in enumerate(setups)]
     streams = [Code2WavStream(ours, chunk, ctx, first) for chunk, first, _ in setups]
     outs: list[list[torch.Tensor]] = [[] for _ in setups]
 
-    forwards: list[int] = []
+    forwards: list[tuple[int, int]] = []
     vocode = ours.vocode
 
     def counted(batch: torch.Tensor) -> torch.Tensor:
-        forwards.append(batch.shape[0])
+        forwards.append(tuple(batch.shape[:2]))
         return vocode(batch)
 
     monkeypatch.setattr(ours, "vocode", counted)
@@ -257,20 +261,23 @@ def test_streams_batched_in_one_forward(ref: torch.nn.Module, ours: Code2Wav,
             if step < len(pieces):
                 items.append((streams[i], codes[i][:, starts[i]:starts[i] + pieces[step]]))
                 starts[i] += pieces[step]
-        new = push_streams(items)
+        new = push_streams(items, shapes)
         num_calls_with_audio += any(out.numel() for out in new)
         for (stream, _), out in zip(items, new):
             outs[streams.index(stream)].append(out)
     for s in streams:
         s.finish()
-    new = decode_streams(streams)
+    new = decode_streams(streams, shapes=shapes)
     num_calls_with_audio += any(out.numel() for out in new)
     for i, out in enumerate(new):
         outs[i].append(out)
     monkeypatch.undo()
 
-    assert max(forwards) >= 3   # windows of several requests (and lengths) in one forward
+    # windows of several requests (and lengths) in one forward
+    assert max(num for num, _ in forwards) >= 3
     assert len(forwards) == num_calls_with_audio   # one forward per call, whatever was ready
+    if shapes is not None:
+        assert set(forwards) <= set(shapes.all()), (forwards, shapes.all())
     for c, out in zip(codes, outs):
         assert_close(torch.cat(out), ref(c[None])[0, 0])
 
@@ -396,3 +403,37 @@ def test_bad_codes_raise(ours: Code2Wav) -> None:
     stream.flush()
     with pytest.raises(ValueError, match="already finished"):
         stream.push(codes[0, :, :1].clamp(max=size - 1))
+
+
+@torch.no_grad()
+def test_padded_windows_equal_exact_ones(ours: Code2Wav) -> None:
+    """Windows padded to a larger (windows, frames) shape: the kept samples of every window,
+    a final one (to num_samples(n)) and one skipping its first samples, are the unpadded
+    ones; a window of frames that padding did reach would differ (the check can fail)."""
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(n, ours.cfg.hidden_size, generator=g) for n in (5, 13, 9)]
+    windows = [(rows[0], 0), (rows[1], 700), (rows[2], 0)]
+    exact = ours.vocode_windows(windows)
+    padded = ours.vocode_windows(windows, (6, 21))
+    for a, b in zip(exact, padded):
+        assert a.abs().max() > 0.1 and a.shape == b.shape
+        assert (a - b).abs().max().item() <= 1e-5
+    # the mutation: keep samples past num_samples(n) of a padded window: they saw padding
+    n = rows[0].shape[0]
+    longer = ours.vocode_windows([(rows[0], 0), (torch.cat([rows[0], rows[1][:3]]), 0)])
+    assert (longer[1][:ours.cfg.num_samples(n)] - exact[0]).abs().max().item() <= 1e-5
+    tail = longer[1][ours.cfg.num_samples(n):ours.cfg.num_samples(n) + ours.num_lost]
+    assert tail.abs().max() > 0.01
+
+
+def test_vocoder_shapes() -> None:
+    """The shipped chunking (first 12, then 25 after 12 of context, 400 frames a forward):
+    two lengths, windows 1 to 8 then every 4 up to the budget; every forward lands on one."""
+    shapes = VocoderShapes.for_stream(12, 25, 12, 400)
+    assert shapes.lengths == (12, 37)
+    assert shapes.batch_sizes(37) == [*range(1, 9), 10]
+    assert shapes.batch_sizes(12) == [*range(1, 9), 12, 16, 20, 24, 28, 32, 33]
+    assert shapes.pad(1, 5) == (1, 12) and shapes.pad(3, 13) == (3, 37)
+    assert shapes.pad(9, 30) == (10, 37) and shapes.pad(13, 12) == (16, 12)
+    assert shapes.pad(2, 60) == (2, 60)      # longer than any window of the stream: as is
+    assert len(shapes.all()) == 9 + 15
