@@ -359,6 +359,9 @@ class TalkerStage(ARStage):
 
     def _project_text(self, rows: Tensor) -> Tensor:
         p = next(self.model.parameters())
+        if p.device.type == "cuda" and rows.device.type == "cpu":   # pinned: no wait; the host
+            # goes on to launch the step
+            rows = rows.pin_memory().to(p.device, non_blocking=True)
         return self.model.project_text(rows.to(p.device, p.dtype))
 
     def _prefill(self, state: _TalkerInput) -> tuple[Tensor, Tensor | None, int | None]:
