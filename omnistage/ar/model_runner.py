@@ -125,26 +125,26 @@ class ModelRunner:
 
         sampled: list[int | None] = [None] * len(batch.seqs)
         logprobs: list[TokenLogprobs | None] = [None] * len(batch.seqs)
+        extras = None
         if rows:
+            seqs = [batch.seqs[i] for i in rows]
             logits = self.model.compute_logits(last)
-            out = self.sampler(logits, [batch.seqs[i] for i in rows], self.eos_token_ids,
-                               inplace=True)
+            on_device = self.sampler.sample(logits, seqs, self.eos_token_ids, inplace=True)
+            feedback = getattr(self.model, "feedback", None)
+            if feedback is not None:
+                # the model decides what its sampled tokens feed back (and may emit more per
+                # row), launched behind the sampling: the host waits once, for both
+                w0 = time.time()
+                embeds_out, extra_rows = feedback(last, on_device.token_ids, seqs)
+                trace.span("feedback", w0, rows=len(rows))
+                extras = [None] * len(batch.seqs)
+                for j, i in enumerate(rows):
+                    batch.seqs[i].output_embeds.append(embeds_out[j])
+                    extras[i] = extra_rows[j]
+            out = self.sampler.to_host(on_device, seqs)
             for j, i in enumerate(rows):
                 sampled[i] = out.token_ids[j]
                 logprobs[i] = out.logprobs[j]
-        extras = None
-        feedback = getattr(self.model, "feedback", None)
-        if rows and feedback is not None:
-            # the model decides what its sampled tokens feed back (and may emit more per row)
-            seqs = [batch.seqs[i] for i in rows]
-            w0 = time.time()
-            embeds_out, extra_rows = feedback(last, torch.tensor(
-                [sampled[i] for i in rows], device=self.device), seqs)
-            trace.span("feedback", w0, rows=len(rows))
-            extras = [None] * len(batch.seqs)
-            for j, i in enumerate(rows):
-                batch.seqs[i].output_embeds.append(embeds_out[j])
-                extras[i] = extra_rows[j]
         hidden_out = self._slice_hidden(batch, qsl, captured, copy=graphed is not None)
         return RunnerOutput(sampled, logprobs, hidden_out, extras)
 
