@@ -19,13 +19,14 @@ from omnistage.benchmarks.omni import PROMPTS, build_checkpoint
 from omnistage.configs.defaults import stage_config_text
 from omnistage.configs.graph import load_graph
 from omnistage.sampling_params import SamplingParams
-from omnistage.stages.engines import build_stage_engine
+from omnistage.stages.factory import build_stage_engine
+from omnistage.stages.interface import StageRequest
 
 
 def prefill(stage, prompts: list[list[int]], tag: str) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for i, ids in enumerate(prompts):
-        stage.add(f"{tag}-{i}", params, ids, None, streamed=False, arrival_time=time.time())
+        stage.add(StageRequest(f"{tag}-{i}", time.time(), params, prompt_token_ids=ids))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     stage.step()                          # the prefill of every request added

@@ -26,7 +26,7 @@ from omnistage.diffusion.pipeline import PromptEncoder
 logger = logging.getLogger(__name__)
 
 # A stage component "<pipeline>.text_encoder" (e.g. "flux.text_encoder") runs this engine over
-# that pipeline's prompt encoder (stages/engines.py, DiffusionStage).
+# that pipeline's prompt encoder (stages/diffusion.py, DiffusionStage).
 TEXT_ENCODER_PART = "text_encoder"
 
 

@@ -252,11 +252,12 @@ class Orchestrator:
         route.sink(RequestEvent(request_id, "", done=True, finish_reason="abort",
                                 stage_metrics=route.metrics))
 
-    def _free(self, request_id: str, stages: set[str]) -> None:
-        """Abort (or, once finished, free) a request in these stages: engine state, parked
-        chunks and connector segments are released there."""
+    def _free(self, request_id: str, stages: set[str], finished: bool = False) -> None:
+        """Abort a request in these stages (engine state, parked chunks and connector segments
+        are released there) or, once it finished everywhere, free what is left of it."""
+        msg = m.FreeRequest(request_id) if finished else m.AbortRequest(request_id)
         for name in stages:
-            self._send(name, m.AbortRequest(request_id))
+            self._send(name, msg)
         self._connector.release(request_id)
 
     def stage_stats(self, timeout_s: float = 10.0) -> dict[str, m.StageStats]:
@@ -358,7 +359,7 @@ class Orchestrator:
             done = not route.open_stages
             if done:
                 del self._routes[out.request_id]
-                self._free(out.request_id, route.needed)
+                self._free(out.request_id, route.needed, finished=True)
         if is_final or done:
             route.sink(RequestEvent(
                 out.request_id, out.stage, out.token_ids if is_final else [],

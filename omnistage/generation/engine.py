@@ -50,6 +50,9 @@ class GenerationModel(Protocol):
 
     def has_backlog(self, state: dict) -> bool: ...
 
+    # facts for the front door, sent at the stage's handshake (a vocoder's sample rate)
+    info: dict[str, str | int | float]
+
 
 @dataclass(slots=True)
 class GenerationResult:
@@ -90,6 +93,10 @@ class GenerationEngine:
     @property
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
 
     def step(self) -> list[GenerationResult]:
         """Run the model once over the requests with new input, closed input or backlog (FIFO,

@@ -1,6 +1,7 @@
 """Typed messages between the orchestrator and stage workers (msgspec msgpack over zmq).
 
-    orchestrator -> stage:  AddRequest, EdgeChunk, AbortRequest, SetPeers, GetStats, Shutdown
+    orchestrator -> stage:  AddRequest, EdgeChunk, AbortRequest, FreeRequest, SetPeers, GetStats,
+                            Shutdown
     stage -> orchestrator:  Ready, StartupFailed, StageOutput, StageStats
 
 Bulk tensors never ride in these messages: a `TensorHandle` from the connector does.
@@ -40,6 +41,14 @@ class EdgeChunk(msgspec.Struct, tag="chunk", omit_defaults=True):
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
+    """Stop the request (aborted by the client, failed elsewhere): its engine state, parked
+    chunks and connector segments go."""
+    request_id: str
+
+
+class FreeRequest(msgspec.Struct, tag="free"):
+    """The request is done in every stage: release what is left of it here (the connector
+    segments nobody consumed); nothing is aborted."""
     request_id: str
 
 
@@ -99,7 +108,7 @@ class StageOutput(msgspec.Struct, tag="out", omit_defaults=True):
     metrics: dict[str, float | int | None] = {}
 
 
-ToStage = AddRequest | EdgeChunk | AbortRequest | SetPeers | Shutdown | GetStats
+ToStage = AddRequest | EdgeChunk | AbortRequest | FreeRequest | SetPeers | Shutdown | GetStats
 FromStage = Ready | StartupFailed | StageOutput | StageStats
 
 _encoder = msgspec.msgpack.Encoder()

@@ -150,7 +150,7 @@ def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector,
             # at concurrency 32) never walks them mid-stream
             gc.collect()
             gc.freeze()
-        info = _engine_info(worker)
+        info = worker.engine.info()
         outbox.send(m.encode(m.Ready(spec.stage, os.getpid(),
                                      getattr(connector, "address", ""), info)))
         worker.serve(inbox, outbox)
@@ -159,25 +159,6 @@ def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector,
         connector.close()
         inbox.close()
         outbox.close()
-
-
-def _engine_info(worker: object) -> dict[str, str | int | float]:
-    """Facts the front door checks requests against (from the Ready handshake); a model may
-    add its own through an `info` dict (e.g. the sample rate of the audio it writes)."""
-    engine = getattr(worker.engine, "engine", None)  # type: ignore[attr-defined]
-    model_info = dict(getattr(getattr(engine, "model", None), "info", None) or {})
-    cfg = getattr(engine, "model_config", None)
-    if cfg is None:
-        return model_info
-    layout = engine.kv_layout
-    graphs = getattr(engine.runner, "graphs", None)
-    return {"max_model_len": engine.max_model_len, "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-            "num_kv_blocks": layout.num_blocks, "kv_block_size": layout.block_size,
-            "kv_cache_gib": round(layout.num_blocks * layout.bytes_per_block / 2**30, 3),
-            "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-            "cuda_graphs": ",".join(map(str, graphs.sizes)) if graphs is not None else "none",
-            **model_info}
 
 
 def describe_stage(name: str, kind: str, info: dict) -> str:

@@ -28,9 +28,7 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig
 
-from omnistage.ar.engine import AREngine
 from omnistage.configs.schema import StageConfig
-from omnistage.diffusion.params import DiffusionParams
 from omnistage.engine.adapters import StageFeed
 from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen3_omni.processing import (SpecialTokens, merge_multimodal_embeddings,
@@ -38,8 +36,8 @@ from omnistage.models.qwen3_omni.processing import (SpecialTokens, merge_multimo
 from omnistage.models.qwen3_omni.code_predictor import CodePredictorGraphs
 from omnistage.models.qwen3_omni.talker import Qwen3OmniTalkerForCausalLM
 from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM
-from omnistage.sampling_params import SamplingParams
-from omnistage.stages.engines import ARStage, StageResult
+from omnistage.stages.ar import ARStage
+from omnistage.stages.interface import StageInfo, StageRequest, StageResult
 from omnistage.utils import trace
 
 logger = logging.getLogger(__name__)
@@ -61,21 +59,12 @@ class ThinkerStage(ARStage):
     talker emit layer 0 and `accept_hidden_layer`, and their first chunk carries the prompt ids
     and the thinker embeddings of the tts special tokens."""
 
-    takes_downstream = True
-
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
-        self.check_options(stage)
-        self.stage = stage
-        self.defaults = stage.default_sampling()
-        self.engine = AREngine(stage.ar_config(model, device),
-                               loader=lambda p, d, t: _load(Qwen3OmniThinkerForCausalLM, p, d, t))
+        super().__init__(stage, model, device,
+                         loader=lambda p, d, t: _load(Qwen3OmniThinkerForCausalLM, p, d, t))
         self.path = resolve_model_path(stage.model or model)
         hf = self.engine.hf_config
         self.tokens = SpecialTokens.from_hf(hf.thinker_config, self.engine.tokenizer)
-        self.talker_layers = (0, hf.talker_config.accept_hidden_layer)
-        # decodes of requests bound for the talker emit these layers: their graphs now, not in
-        # the first serving step of each batch size
-        self.engine.capture_decode_graphs(self.talker_layers)
         self._encoders: dict[str, torch.nn.Module] = {}
         ids = torch.tensor([hf.tts_bos_token_id, hf.tts_eos_token_id, hf.tts_pad_token_id],
                            device=self.engine.device)
@@ -83,6 +72,13 @@ class ThinkerStage(ARStage):
             self.tts_embeds = self.engine.model.embed_input_ids(ids).float().cpu()   # (3, H)
         # requests owing their first chunk's extras: prompt ids, visual grids
         self._first: dict[str, tuple[list[int], dict[str, Tensor]]] = {}
+
+    def prepare(self) -> None:
+        # the layers the talker takes: emitted by decodes of the requests bound for it
+        self.talker_layers = (0, self.engine.hf_config.talker_config.accept_hidden_layer)
+
+    def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
+        return self.talker_layers, False
 
     def _encoder(self, name: str) -> torch.nn.Module:
         """Audio / vision encoders, loaded when first needed."""
@@ -95,17 +91,15 @@ class ThinkerStage(ARStage):
                                                        self.engine.dtype).eval()
         return self._encoders[name]
 
-    def add(self, request_id: str, params: SamplingParams | None,
-            prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
-            streamed: bool, arrival_time: float, prompt: str | None = None,
-            diffusion: DiffusionParams | None = None, multimodal: dict[str, Tensor] | None = None,
-            downstream: list[str] | tuple[str, ...] = ()) -> None:
-        params = params or self.defaults
+    def add(self, request: StageRequest) -> None:
+        request_id, prompt_token_ids = request.request_id, request.prompt_token_ids
+        prompt_embeds, downstream = request.prompt_embeds, request.downstream
+        params = request.params or self.defaults
         if downstream and not params.output_hidden_layers:
             params = replace(params, output_hidden_layers=self.talker_layers)
-        if streamed:
+        if request.streamed:
             raise ValueError("the thinker is an entry stage")
-        mm = multimodal or {}
+        mm = request.multimodal
         extra: dict = {}
         if prompt_token_ids is not None and mm:
             ids = torch.tensor(prompt_token_ids, dtype=torch.long)
@@ -219,25 +213,13 @@ class TalkerStage(ARStage):
     options = frozenset({"code_predictor_cuda_graphs"})
 
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
-        self.check_options(stage)
-        self.stage = stage
-        self.defaults = stage.default_sampling()
-        self.engine = AREngine(stage.ar_config(model, device),
-                               loader=lambda p, d, t: _load(Qwen3OmniTalkerForCausalLM, p, d, t))
-        if (self.engine.device.type == "cuda" and not stage.enforce_eager
-                and stage.options.get("code_predictor_cuda_graphs", True)):
-            self.model.code_predictor.graphs = code_predictor_graphs(
-                self.model, stage.max_num_seqs, self.engine.device, self.engine.dtype)
-        # every decode is fed embeddings (trailing text added, the frame's codes fed back) and
-        # emits the stage's hidden layers (none in the shipped graphs): capture those now
-        self.engine.capture_decode_graphs(stage.output_hidden_layers, embeds=True)
+        super().__init__(stage, model, device,
+                         loader=lambda p, d, t: _load(Qwen3OmniTalkerForCausalLM, p, d, t))
         hf = self.engine.hf_config
         self.hf = hf
         self.talker_cfg = hf.talker_config
         self.accept_layer = self.talker_cfg.accept_hidden_layer
         self.speakers = {k.lower(): v for k, v in (self.talker_cfg.speaker_id or {}).items()}
-        # reported at the handshake, so the front door refuses an unknown voice at once
-        self.engine.model.info = {"speakers": ",".join(sorted(self.speakers))}
         self.mm_token_ids = {hf.thinker_config.audio_token_id, hf.thinker_config.image_token_id,
                              hf.thinker_config.video_token_id}
         self.inputs: dict[str, _TalkerInput] = {}
@@ -246,16 +228,29 @@ class TalkerStage(ARStage):
         # seconds from add to: its prompt handed to the engine, its prompt rows all received
         self._prompt_ready: dict[str, tuple[float, float | None]] = {}
 
+    def prepare(self) -> None:
+        stage = self.stage
+        if (self.engine.device.type == "cuda" and not stage.enforce_eager
+                and stage.options.get("code_predictor_cuda_graphs", True)):
+            self.model.code_predictor.graphs = code_predictor_graphs(
+                self.model, stage.max_num_seqs, self.engine.device, self.engine.dtype)
+
+    def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
+        """Every decode is fed embeddings (trailing text added, the frame's codes fed back) and
+        emits the stage's hidden layers (none in the shipped graphs)."""
+        return self.stage.output_hidden_layers, True
+
     @property
     def model(self) -> Qwen3OmniTalkerForCausalLM:
         return self.engine.model
 
-    def add(self, request_id: str, params: SamplingParams | None,
-            prompt_token_ids: list[int] | None, prompt_embeds: Tensor | None,
-            streamed: bool, arrival_time: float, prompt: str | None = None,
-            diffusion: DiffusionParams | None = None, **_: object) -> None:
-        params = params or self.defaults
-        if not streamed:
+    def model_info(self) -> StageInfo:
+        """Reported at the handshake, so the front door refuses an unknown voice at once."""
+        return {"speakers": ",".join(sorted(self.speakers))}
+
+    def add(self, request: StageRequest) -> None:
+        request_id, params = request.request_id, request.params or self.defaults
+        if not request.streamed:
             raise ValueError("the talker takes its input from the thinker")
         speaker = str(params.extra.get("speaker") or DEFAULT_SPEAKER).lower()
         if speaker not in self.speakers:

@@ -23,7 +23,8 @@ from omnistage.configs.schema import GraphConfig, StageConfig
 from omnistage.connectors.base import ChunkKey, Connector
 from omnistage.engine.adapters import EdgeData, get_adapter
 from omnistage.stages import messages as m
-from omnistage.stages.engines import StageEngine, StageResult, build_stage_engine
+from omnistage.stages.factory import build_stage_engine
+from omnistage.stages.interface import StageEngine, StageRequest, StageResult
 from omnistage.utils import trace
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class StageWorker:
                 self._chunk(msg)
             elif isinstance(msg, m.AbortRequest):
                 self._drop(msg.request_id, abort=True)
+            elif isinstance(msg, m.FreeRequest):   # done everywhere: here too, unless a bug
+                self._drop(msg.request_id, abort=msg.request_id in self.requests)
             elif isinstance(msg, m.GetStats):
                 return [self.stats()]
             elif isinstance(msg, m.SetPeers):
@@ -98,23 +101,19 @@ class StageWorker:
     def _add(self, msg: m.AddRequest) -> None:
         if msg.request_id in self.requests:
             raise ValueError(f"request id {msg.request_id!r} is already in stage {self.name}")
-        embeds = None
         unknown = [d for d in msg.downstream if d not in self.out_edges]
         assert not unknown, f"stage {self.name} has no edge to {unknown}"
         state = RequestState(request_id=msg.request_id, downstream=list(msg.downstream),
                              open_sources=set(self.adapters) if msg.num_upstream else set(),
                              arrival_time=msg.arrival_time or time.time())
-        extra: dict = {}
+        request = StageRequest(msg.request_id, state.arrival_time, msg.params, msg.diffusion,
+                               msg.prompt, msg.prompt_token_ids, streamed=msg.num_upstream > 0,
+                               downstream=tuple(msg.downstream))
         if msg.prompt_embeds is not None:   # the client's tensors: embeddings, "mm.*" inputs
             tensors = self._get(state, msg.prompt_embeds)
-            embeds = tensors.pop("prompt_embeds", None)
-            if tensors:
-                extra["multimodal"] = {k.removeprefix("mm."): v for k, v in tensors.items()}
-        if getattr(self.engine, "takes_downstream", False):
-            extra["downstream"] = list(msg.downstream)
-        self.engine.add(msg.request_id, msg.params, msg.prompt_token_ids, embeds,
-                        streamed=msg.num_upstream > 0, arrival_time=state.arrival_time,
-                        prompt=msg.prompt, diffusion=msg.diffusion, **extra)
+            request.prompt_embeds = tensors.pop("prompt_embeds", None)
+            request.multimodal = {k.removeprefix("mm."): v for k, v in tensors.items()}
+        self.engine.add(request)
         self.requests[msg.request_id] = state
 
     def _chunk(self, msg: m.EdgeChunk) -> None:
@@ -210,16 +209,11 @@ class StageWorker:
         return handle
 
     def stats(self) -> m.StageStats:
-        engine = getattr(self.engine, "engine", None)
-        bm = getattr(engine, "block_manager", None)
-        num = getattr(engine, "num_unfinished_requests", None)
-        if num is None:
-            num = len(getattr(engine, "requests", {}))
+        engine = self.engine.stats()
         st = self.connector.stats
         return m.StageStats(
-            self.name, len(self.requests), num,
-            bm.num_free_blocks if bm is not None else None,
-            bm.num_blocks if bm is not None else None,
+            self.name, len(self.requests), engine.num_requests, engine.num_free_blocks,
+            engine.num_blocks,
             {"bytes_put": st.bytes_put, "bytes_got": st.bytes_got, "num_put": st.num_put,
              "num_get": st.num_get, "put_seconds": st.put_seconds,
              "get_seconds": st.get_seconds}, dict(self.loop_stats))

@@ -35,6 +35,8 @@ class TokenEmbedder(nn.Module):
         vecs = self.table[flat].split([len(i) for i in ids])
         return [{"vectors": v.cpu()} if len(v) else {} for v in vecs]
 
+    info: dict[str, str | int | float] = {}
+
     def has_backlog(self, state: dict) -> bool:
         return False              # every call handles all of its input
 

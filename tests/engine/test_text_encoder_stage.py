@@ -25,7 +25,7 @@ from omnistage.diffusion.text_encoding import TextEncodingEngine
 from omnistage.engine.async_omni import accumulate
 from omnistage.engine.orchestrator import RequestEvent
 from omnistage.outputs import OmniOutput
-from omnistage.stages.engines import DiffusionStage
+from omnistage.stages.diffusion import DiffusionStage
 from omnistage.testing.diffusion import run_to_end
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 

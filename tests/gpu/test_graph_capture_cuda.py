@@ -131,6 +131,7 @@ def test_qwen3_omni_stages_capture_at_start_up(tmp_path: Path,
     from omnistage.engine.adapters import StageFeed
     from omnistage.models.qwen3_omni.moe import _use_grouped_mm
     from omnistage.models.qwen3_omni.processing import InputProcessor
+    from omnistage.stages.interface import StageRequest
     from omnistage.stages.qwen3_omni import TalkerStage, ThinkerStage
     from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
 
@@ -161,10 +162,12 @@ def test_qwen3_omni_stages_capture_at_start_up(tmp_path: Path,
     texts = ("Hello world, what is the weather today?", "Tell me a story.", "Two plus two?")
     for i, text in enumerate(texts):
         ids = processor.parse_request({"messages": [{"role": "user", "content": text}]})
-        thinker.add(f"r{i}", SamplingParams(temperature=0.0, max_tokens=12),
-                    ids.input_ids.tolist(), None, False, 0.0, downstream=("talker",))
-        talker.add(f"r{i}", SamplingParams(temperature=0.9, top_k=50, max_tokens=30, seed=i),
-                   None, None, True, 0.0)
+        thinker.add(StageRequest(f"r{i}", 0.0, SamplingParams(temperature=0.0, max_tokens=12),
+                                 prompt_token_ids=ids.input_ids.tolist(),
+                                 downstream=("talker",)))
+        talker.add(StageRequest(f"r{i}", 0.0, SamplingParams(temperature=0.9, top_k=50,
+                                                             max_tokens=30, seed=i),
+                                streamed=True))
     frames = {f"r{i}": 0 for i in range(len(texts))}
     for _ in range(500):
         if not (thinker.has_unfinished_requests or talker.has_unfinished_requests):

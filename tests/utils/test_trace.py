@@ -1,5 +1,6 @@
 """OMNISTAGE_TRACE_DIR: every process of a pipeline (the caller's router, each stage process)
-writes its spans, and `merge` joins them into one Chrome trace that shows a request's path."""
+writes its spans, and `merge` joins them into one Chrome trace that shows a request's path
+(which also shows what the stages were told: a finished request is freed, not aborted)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ def test_pipeline_trace(tiny_qwen3: Path, tmp_path: Path) -> None:
     assert all(e["dur"] >= 0 and e["ts"] > 1e15 for e in spans)     # wall clock, microseconds
     names = {e["name"] for e in spans}
     assert {"AddRequest", "EdgeChunk", "step", "route", "ar.step"} <= names
+    # a request done in every stage is freed there, not aborted
+    freed = {e["tid"] for e in spans if e["name"] == "FreeRequest"}
+    assert len(freed) == 3 and "AbortRequest" not in names
     # one request's path: added to the first stage before anything of it is routed onward
     rid = next(e["args"]["request"] for e in spans if e["name"] == "AddRequest")
     added = min(e["ts"] for e in spans if e["name"] == "AddRequest")

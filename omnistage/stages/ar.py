@@ -1,0 +1,115 @@
+"""An autoregressive stage: the AR engine behind the stage interface. Model-specific stages
+(Qwen3-Omni's thinker and talker, qwen3_omni.py) build on it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from omnistage.ar.engine import AREngine, ModelLoader
+from omnistage.configs.schema import StageConfig
+from omnistage.engine.adapters import StageFeed
+from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
+
+
+class ARStage:
+    options: frozenset[str] = frozenset()   # the stage options a subclass understands
+
+    def __init__(self, stage: StageConfig, model: str, device: str,
+                 loader: ModelLoader | None = None) -> None:
+        """`loader`: how to build the model (default: the registry's class for the
+        checkpoint); a model-specific stage passes its component's."""
+        self.check_options(stage)
+        self.stage = stage
+        self.defaults = stage.default_sampling()
+        self.engine = AREngine(stage.ar_config(model, device), loader=loader)
+        self.prepare()
+        # the decode graphs this stage's requests replay: captured now, not mid-serving
+        self.engine.capture_decode_graphs(*self.decode_graph_variant())
+
+    def prepare(self) -> None:
+        """A model-specific stage's set-up once the engine is built, before its decode graphs
+        are captured (the talker: its code predictor's graphs)."""
+
+    def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
+        """(hidden layers the stage's decodes emit, whether they are fed embeddings)."""
+        return self.stage.output_hidden_layers, False
+
+    @classmethod
+    def check_options(cls, stage: StageConfig) -> None:
+        unknown = set(stage.options) - cls.options
+        if unknown:
+            known = ", ".join(sorted(cls.options)) or "none"
+            raise ValueError(f"stage {stage.name!r}: unknown options {sorted(unknown)} "
+                             f"(this stage takes: {known})")
+
+    def add(self, request: StageRequest) -> None:
+        params = request.params or self.defaults
+        if self.stage.output_hidden_layers and not params.output_hidden_layers:
+            # what the downstream edges need is the stage's business, not the caller's
+            params = replace(params, output_hidden_layers=self.stage.output_hidden_layers)
+        self.engine.add_request(request.request_id, request.prompt_token_ids, params,
+                                request.prompt_embeds, prompt_open=request.streamed,
+                                stream_open=request.streamed)
+
+    def feed(self, request_id: str, feed: StageFeed) -> None:
+        self.engine.extend_request(request_id, feed.prompt_token_ids, feed.prompt_embeds,
+                                   feed.close_prompt, feed.stream_embeds, feed.close_stream)
+
+    def close_input(self, request_id: str) -> None:
+        self.engine.extend_request(request_id, close_prompt=True, close_stream=True)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests
+
+    def info(self) -> StageInfo:
+        """The engine's limits and its KV cache, and what the model adds (`model_info`)."""
+        e = self.engine
+        cfg, layout, graphs = e.model_config, e.kv_layout, e.runner.graphs
+        return {"max_model_len": e.max_model_len, "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+                "num_kv_blocks": layout.num_blocks, "kv_block_size": layout.block_size,
+                "kv_cache_gib": round(layout.num_blocks * layout.bytes_per_block / 2**30, 3),
+                "device": str(e.device), "dtype": str(e.dtype).removeprefix("torch."),
+                "cuda_graphs": ",".join(map(str, graphs.sizes)) if graphs is not None
+                else "none", **self.model_info()}
+
+    def model_info(self) -> StageInfo:
+        """What a model-specific stage adds to `info` (a talker's speakers)."""
+        return {}
+
+    def stats(self) -> EngineStats:
+        bm = self.engine.block_manager
+        return EngineStats(self.engine.num_unfinished_requests, bm.num_free_blocks,
+                           bm.num_blocks)
+
+    def step(self) -> list[StageResult]:
+        results = []
+        for out in self.engine.step():
+            tensors: dict[str, Tensor] = {}
+            if out.new_token_ids:
+                tensors["token_ids"] = torch.tensor(out.new_token_ids, dtype=torch.int64)
+            if out.hidden_states:
+                for layer, h in out.hidden_states.items():
+                    tensors[f"hidden.{layer}"] = h
+                num_rows = next(iter(out.hidden_states.values())).shape[0]
+                tensors["hidden_positions"] = torch.arange(out.hidden_start,
+                                                           out.hidden_start + num_rows)
+                tensors["num_prompt_tokens"] = torch.tensor(out.num_prompt_tokens)
+            engine_metrics = None
+            if out.metrics is not None:
+                engine_metrics = {"queue_time": out.metrics.queue_time,
+                                  "num_prompt_tokens": out.metrics.num_prompt_tokens,
+                                  "num_cached_tokens": out.metrics.num_cached_tokens,
+                                  "num_preemptions": out.metrics.num_preemptions}
+            results.append(StageResult(
+                out.request_id, out.new_token_ids, out.text_delta, tensors, out.finished,
+                out.finish_reason.value if out.finish_reason else None, out.error,
+                out.logprobs, engine_metrics))
+        return results

@@ -1,0 +1,112 @@
+"""A diffusion stage: a whole pipeline, or its text encoders alone, behind the stage
+interface."""
+
+from __future__ import annotations
+
+from omnistage.configs.schema import StageConfig
+from omnistage.diffusion.engine import DiffusionEngine
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipeline import compile_blocks, is_split_pipeline
+from omnistage.diffusion.registry import get_pipeline_class
+from omnistage.diffusion.text_encoding import TEXT_ENCODER_PART, TextEncodingEngine
+from omnistage.engine.adapters import StageFeed
+from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
+from omnistage.utils.device import resolve_device, resolve_dtype
+
+
+class DiffusionStage:
+    """A stage of a diffusion pipeline; its component says which part it runs:
+
+        flux               the whole pipeline: prompt in, images out. With an input edge (a
+                           split graph) it loads no text encoder: each request is prepared and
+                           parked until its conditioning arrives on the edge, then denoised
+        flux.text_encoder  the pipeline's text encoders alone (TextEncodingEngine): prompt in,
+                           conditioning out, batched over requests; an entry stage
+
+    The second form keeps the kind (`diffusion`): its requests are a diffusion stage's, a text
+    prompt with DiffusionParams, which the front door already routes to diffusion entry stages.
+    """
+
+    def __init__(self, stage: StageConfig, model: str | None, device: str) -> None:
+        if not stage.component:
+            raise ValueError(f"stage {stage.name!r}: a diffusion stage needs a component")
+        name, _, part = stage.component.partition(".")
+        if part not in ("", TEXT_ENCODER_PART):
+            raise ValueError(f"stage {stage.name!r}: component {stage.component!r}: the part "
+                             f"after {name!r} can only be {TEXT_ENCODER_PART!r}")
+        dev = resolve_device(device)
+        cls = get_pipeline_class(name)
+        dtype = None if stage.dtype == "auto" else resolve_dtype(stage.dtype, None, dev)
+        path = stage.model or model
+        self.conditioned = bool(stage.inputs)          # conditioning comes along an edge
+        if (part or self.conditioned) and not is_split_pipeline(cls):
+            raise ValueError(f"stage {stage.name!r}: the {name!r} pipeline encodes its own "
+                             "prompts; its text encoding cannot run in another stage")
+        self.engine: DiffusionEngine | TextEncodingEngine
+        if part:
+            if self.conditioned:
+                raise ValueError(f"stage {stage.name!r}: a text-encoder stage reads the "
+                                 "request's prompt; it takes no input edge")
+            self.engine = TextEncodingEngine(cls.load_prompt_encoder(path, dev, dtype),
+                                             stage.max_num_seqs)
+            return
+        extra = {"text_encoders": False} if self.conditioned else {}
+        unknown = set(stage.options) - {"compile"}
+        if unknown:
+            raise ValueError(f"stage {stage.name!r}: unknown diffusion options {sorted(unknown)} "
+                             "(known: compile)")
+        pipeline = cls.from_pretrained(path, name, dev, dtype, **extra)
+        if stage.options.get("compile"):
+            backend = stage.options["compile"]
+            compile_blocks(getattr(pipeline, "transformer", None) or pipeline.model,
+                           backend if isinstance(backend, str) else "inductor")
+        self.engine = DiffusionEngine(pipeline, stage.max_num_seqs)
+
+    def add(self, request: StageRequest) -> None:
+        diffusion = request.diffusion or DiffusionParams()
+        rid, arrival = request.request_id, request.arrival_time
+        if self.conditioned:          # the prompt was encoded upstream
+            if not request.streamed:
+                raise ValueError("this diffusion stage takes its conditioning from its input "
+                                 "edge, but the request has no upstream stage")
+            self.engine.add_request(rid, None, diffusion, arrival)
+            return
+        if request.streamed or request.prompt is None:
+            raise ValueError("a diffusion stage takes a text prompt from the request")
+        self.engine.add_request(rid, request.prompt, diffusion, arrival)
+
+    def feed(self, request_id: str, feed: StageFeed) -> None:
+        if not self.conditioned:
+            raise ValueError("this diffusion stage takes no streamed input (no input edge)")
+        if feed.tensors:
+            self.engine.set_conditioning(request_id, feed.tensors)
+
+    def close_input(self, request_id: str) -> None:
+        if self.conditioned and self.engine.is_parked(request_id):
+            raise ValueError("conditioning: the upstream stage finished without sending any")
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests
+
+    def info(self) -> StageInfo:
+        return {}
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.engine.num_unfinished_requests)
+
+    def step(self) -> list[StageResult]:
+        if isinstance(self.engine, TextEncodingEngine):
+            return [StageResult(r.request_id, tensors=r.tensors, finished=True,
+                                finish_reason="error" if r.error else "stop", error=r.error,
+                                engine_metrics=r.metrics)
+                    for r in self.engine.step()]
+        return [StageResult(r.request_id,
+                            tensors={"images": r.images} if r.images is not None else {},
+                            finished=r.finished,
+                            finish_reason=("error" if r.error else "stop") if r.finished else None,
+                            error=r.error, engine_metrics=r.metrics, progress=r.progress)
+                for r in self.engine.step()]

@@ -1,0 +1,65 @@
+"""A generation stage: a non-autoregressive model (a vocoder, a decoder) stepped over the
+ready chunks of its requests (generation/engine.py), behind the stage interface."""
+
+from __future__ import annotations
+
+import torch
+
+from omnistage.configs.schema import StageConfig
+from omnistage.engine.adapters import StageFeed
+from omnistage.generation.engine import GenerationEngine
+from omnistage.generation.registry import get_generation_model_class
+from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
+from omnistage.utils.device import resolve_device, resolve_dtype
+
+
+class GenerationStage:
+    def __init__(self, stage: StageConfig, model: str | None, device: str) -> None:
+        if not stage.component:
+            raise ValueError(f"stage {stage.name!r}: a generation stage needs a component")
+        dev = resolve_device(device)
+        cls = get_generation_model_class(stage.component)
+        path = stage.model or model
+        dtype = None if stage.dtype == "auto" else resolve_dtype(stage.dtype, None, dev)
+        self.engine = GenerationEngine(cls.from_pretrained(path, stage.component, dev, dtype,
+                                                           **stage.options),
+                                       stage.max_num_seqs)
+
+    def add(self, request: StageRequest) -> None:
+        self.engine.add_request(request.request_id, request.arrival_time)
+        if not request.streamed:
+            ids = torch.tensor(request.prompt_token_ids or [], dtype=torch.int64)
+            self.engine.feed(request.request_id, {"token_ids": ids}, close=True)
+
+    def feed(self, request_id: str, feed: StageFeed) -> None:
+        self.engine.feed(request_id, feed.tensors, close=False)
+
+    def close_input(self, request_id: str) -> None:
+        self.engine.feed(request_id, None, close=True)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests
+
+    def info(self) -> StageInfo:
+        return dict(self.engine.model.info)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.engine.num_unfinished_requests)
+
+    def step(self) -> list[StageResult]:
+        results = []
+        for r in self.engine.step():
+            metrics = None
+            if r.finished and r.request is not None and r.request.first_scheduled_time:
+                metrics = {"queue_time": r.request.first_scheduled_time - r.request.arrival_time,
+                           "num_chunks": r.request.num_chunks_out,
+                           "model_seconds": r.request.model_seconds}
+            results.append(StageResult(
+                r.request_id, tensors=r.tensors, finished=r.finished,
+                finish_reason=("error" if r.error else "stop") if r.finished else None,
+                error=r.error, engine_metrics=metrics))
+        return results

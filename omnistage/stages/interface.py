@@ -1,0 +1,83 @@
+"""What a stage engine is to the worker: the records that go in and come out, and the
+protocol every stage kind implements.
+
+    worker                                      stage engine (ar.py, generation.py, diffusion.py)
+    AddRequest  -> StageRequest          ->     add(request)
+    EdgeChunk   -> adapter -> StageFeed  ->     feed(request_id, feed); close_input(request_id)
+    AbortRequest                         ->     abort(request_id)
+    the loop                             ->     step() -> [StageResult]
+    Ready handshake                      <-     info() -> StageInfo
+    GetStats                             <-     stats() -> EngineStats
+
+`factory.build_stage_engine` builds the one a stage config names. The worker reaches into no
+engine: what it needs to know comes through `info()` and `stats()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch import Tensor
+
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.engine.adapters import StageFeed
+from omnistage.sampling_params import SamplingParams
+
+# Facts the front door checks requests against (sent in the Ready handshake): for an AR stage
+# its max_model_len, vocabulary and KV cache; a model may add its own (a talker's speakers,
+# the sample rate of the audio a vocoder writes).
+StageInfo = dict[str, str | int | float]
+
+
+@dataclass(slots=True)
+class StageRequest:
+    """One request as a stage receives it: every kind reads the inputs it takes (an AR stage
+    token ids or embeddings, a diffusion stage the prompt and its params) and refuses a
+    request without them."""
+    request_id: str
+    arrival_time: float
+    params: SamplingParams | None = None        # None: the stage's defaults
+    diffusion: DiffusionParams | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_embeds: Tensor | None = None
+    multimodal: dict[str, Tensor] = field(default_factory=dict)   # "mm.*" inputs, prefix cut
+    streamed: bool = False            # the input comes along edges (feed, then close_input)
+    downstream: tuple[str, ...] = ()  # the stages this request goes on to from here
+
+
+@dataclass(slots=True)
+class StageResult:
+    """What one step did for one request: new tokens / text, a tensor payload for the edges
+    and the client, and at the end why it finished and the engine's metrics."""
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    tensors: dict[str, Tensor] = field(default_factory=dict)  # payload for edges / the client
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    engine_metrics: dict[str, float | int | None] | None = None
+    progress: float | None = None     # share of the work done (diffusion steps)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A stage engine's load: requests it holds and, for an AR stage, its KV cache blocks."""
+    num_requests: int
+    num_free_blocks: int | None = None
+    num_blocks: int | None = None
+
+
+class StageEngine(Protocol):
+    def add(self, request: StageRequest) -> None: ...
+    def feed(self, request_id: str, feed: StageFeed) -> None: ...
+    def close_input(self, request_id: str) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def step(self) -> list[StageResult]: ...
+    @property
+    def has_unfinished_requests(self) -> bool: ...
+    def info(self) -> StageInfo: ...
+    def stats(self) -> EngineStats: ...
