@@ -16,11 +16,29 @@ from omnistage.utils.audio import encode_audio
 if TYPE_CHECKING:
     from PIL import Image
 
-    from omnistage.engine.orchestrator import RequestEvent
-
 # file extension -> encode_audio format (opus goes in an Ogg container)
 AUDIO_EXTENSIONS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".ogg": "opus",
                     ".opus": "opus"}
+
+
+@dataclass(slots=True)
+class RequestEvent:
+    """What the orchestrator tells a request's sink: one stage's output, and whether the whole
+    request is now done (finished, failed or aborted)."""
+
+    request_id: str
+    stage: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    tensors: dict[str, Tensor] | None = None
+    logprobs: list[dict[int, float]] | None = None
+    progress: float | None = None
+    stage_finished: bool = False
+    finish_reason: str | None = None
+    done: bool = False
+    error: str | None = None
+    invalid_input: bool = False        # the error is the request's fault (a stage refused it)
+    stage_metrics: dict[str, dict] | None = None
 
 
 @dataclass(slots=True)

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from omnistage.engine.async_omni import accumulate
-from omnistage.engine.orchestrator import RequestEvent
-from omnistage.outputs import OmniOutput
+from omnistage.outputs import OmniOutput, RequestEvent
 from omnistage.utils.audio import decode_audio
 
 RATE = 24000

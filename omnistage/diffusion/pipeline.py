@@ -21,7 +21,7 @@ A pipeline without text encoders of its own (the digits demo) has only `prepare`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Protocol, TypeGuard
 
 import numpy as np
 import torch
@@ -81,7 +81,8 @@ class SplitPipeline(DiffusionPipeline, Protocol):
         """An encoder's output for this request, checked, on the device in the model dtype."""
 
 
-def is_split_pipeline(cls: type) -> bool:
+def is_split_pipeline(cls: type) -> TypeGuard[type[SplitPipeline]]:
+    """Whether `cls` implements `SplitPipeline` (its text encoding may run in another stage)."""
     return all(hasattr(cls, name) for name in
                ("load_prompt_encoder", "prepare_latents", "check_conditioning"))
 

@@ -24,9 +24,9 @@ from omnistage.diffusion.image_input import decode_image
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.engine.inputs import (ParsedPrompt, PromptType, check_params, check_prompt,
                                      load_input_processor, parse_prompt, parse_with_processor)
-from omnistage.engine.orchestrator import Orchestrator, RequestEvent
+from omnistage.engine.orchestrator import Orchestrator
 from omnistage.models.loader import resolve_model_path
-from omnistage.outputs import OmniOutput, RequestMetrics
+from omnistage.outputs import OmniOutput, RequestEvent, RequestMetrics
 from omnistage.sampling_params import SamplingParams
 from omnistage.utils.tokenizer import load_tokenizer
 
@@ -146,11 +146,6 @@ class AsyncOmni:
         finally:
             if not out.finished:  # the caller went away (disconnect, cancel): abort everywhere
                 self.orchestrator.abort(out.request_id)
-
-    @property
-    def output_modalities(self) -> set[str]:
-        """What this model can answer with (the graph's final outputs)."""
-        return {s.final for s in self.graph.stages if s.final is not None}
 
     @property
     def audio_sample_rate(self) -> int | None:

@@ -32,6 +32,7 @@ from omnistage.configs.schema import GraphConfig, OutputKind
 from omnistage.connectors.base import Connector, make_connector
 from omnistage.connectors.shm import new_namespace, sweep
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.outputs import RequestEvent
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages import messages as m
 from omnistage.stages.process import (StageRunner, WorkerSpec, check_gpu_placement,
@@ -50,26 +51,6 @@ def _shutdown_all() -> None:
     """Stop every stage at interpreter exit, before multiprocessing reaps its children."""
     for orchestrator in list(_LIVE):
         orchestrator.shutdown()
-
-
-@dataclass(slots=True)
-class RequestEvent:
-    """What the orchestrator tells a request's sink: one stage's output, and whether the whole
-    request is now done (finished, failed or aborted)."""
-
-    request_id: str
-    stage: str
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    tensors: dict[str, Tensor] | None = None
-    logprobs: list[dict[int, float]] | None = None
-    progress: float | None = None
-    stage_finished: bool = False
-    finish_reason: str | None = None
-    done: bool = False
-    error: str | None = None
-    invalid_input: bool = False        # the error is the request's fault (a stage refused it)
-    stage_metrics: dict[str, dict] | None = None
 
 
 Sink = Callable[[RequestEvent], None]

@@ -19,8 +19,7 @@ from tqdm import tqdm
 from omnistage.configs.schema import GraphConfig, OutputKind
 from omnistage.engine.async_omni import AsyncOmni, ParamsList, accumulate
 from omnistage.engine.inputs import PromptType
-from omnistage.engine.orchestrator import RequestEvent
-from omnistage.outputs import OmniOutput
+from omnistage.outputs import OmniOutput, RequestEvent
 
 
 class Omni:

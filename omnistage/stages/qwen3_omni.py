@@ -384,7 +384,8 @@ class TalkerStage(ARStage):
         # every text row in one projection (one copy to the device): the user turn's text
         # positions, the assistant opening (3 prompt rows + the 1st token), tts bos/eos/pad
         text_pos = [i for i, is_mm in parts if not is_mm]
-        projected = self._project_text(torch.cat([embeds[text_pos], embeds[a:a + 4], state.tts]))
+        tts = state.tts.to(embeds.device)     # rows come from a connector (host) or directly
+        projected = self._project_text(torch.cat([embeds[text_pos], embeds[a:a + 4], tts]))
         user, assistant, tts = projected.split([len(text_pos), 4, 3])
         mm_pos = [k for k, (_, is_mm) in enumerate(parts) if is_mm]
         if mm_pos:   # multimodal positions take the hidden states instead

@@ -23,8 +23,7 @@ from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.z_image import ZImagePipeline, ZImagePromptEncoder
 from omnistage.diffusion.text_encoding import TextEncodingEngine
 from omnistage.engine.async_omni import accumulate
-from omnistage.engine.orchestrator import RequestEvent
-from omnistage.outputs import OmniOutput
+from omnistage.outputs import OmniOutput, RequestEvent
 from omnistage.stages.diffusion import DiffusionStage
 from omnistage.testing.diffusion import run_to_end
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer

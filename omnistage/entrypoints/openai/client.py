@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from omnistage.configs.schema import OutputKind
     from omnistage.engine.async_omni import AsyncOmni, StageParams
-    from omnistage.engine.orchestrator import RequestEvent
+    from omnistage.outputs import RequestEvent
     from omnistage.entrypoints.openai.metrics import ServerMetrics
 
 Prepared = tuple[ParsedPrompt, dict[str, "StageParams"]]

@@ -21,9 +21,8 @@ import torch
 
 from omnistage.configs.schema import GraphConfig, StageConfig, StageInput
 from omnistage.engine.inputs import parse_prompt
-from omnistage.engine.orchestrator import RequestEvent
 from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
-from omnistage.outputs import OmniOutput, RequestMetrics
+from omnistage.outputs import OmniOutput, RequestEvent, RequestMetrics
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 from omnistage.utils.audio import decode_audio
 
