@@ -1,6 +1,7 @@
 """The floors import downward only: a model file uses layers (and configs, utils), never an
-engine, a stage or the orchestrator; layers use nothing above them. Checked on the source, lazy
-imports inside functions included."""
+engine, a stage or the orchestrator; layers use nothing above them; configs, utils, the outputs
+and the params nothing above them either. Checked on the source, lazy imports inside functions
+included."""
 
 from __future__ import annotations
 
@@ -35,6 +36,17 @@ def test_models_and_layers_import_no_runtime() -> None:
         for path in sorted((PACKAGE / floor).rglob("*.py")):
             bad += [f"{path.relative_to(PACKAGE)}:{line} imports omnistage.{sub}"
                     for sub, line in sorted(imported_floors(path)) if sub in RUNTIME]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_bottom_imports_nothing_above_it() -> None:
+    """configs (graph validation gets the adapter registry passed in), utils, the outputs and
+    the params: no runtime, no models, no layers."""
+    paths = [*sorted((PACKAGE / "configs").rglob("*.py")), *sorted((PACKAGE / "utils").rglob(
+        "*.py")), PACKAGE / "outputs.py", PACKAGE / "sampling_params.py"]
+    above = RUNTIME | {"models", "layers"}
+    bad = [f"{path.relative_to(PACKAGE)}:{line} imports omnistage.{sub}"
+           for path in paths for sub, line in sorted(imported_floors(path)) if sub in above]
     assert not bad, "\n".join(bad)
 
 

@@ -183,35 +183,16 @@ class ModelRunner:
         deep_feats: list[Tensor] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
-            num_prompt = seq.num_prompt_tokens
-            if start + n <= num_prompt:
-                ids += seq.prompt_token_ids[start:start + n]
-            else:
-                ids += seq.prompt_token_ids[start:]
-                ids += seq.output_token_ids[max(0, start - num_prompt):start + n - num_prompt]
+            ids += _token_ids(seq, start, n)
             pos.extend(range(start, start + n))
-            table = seq.block_table
-            p = start
-            while p < start + n:  # one run of slots per block
-                block_idx, offset = divmod(p, bs)
-                run = min(start + n - p, bs - offset)
-                first = table[block_idx] * bs + offset
-                slots.extend(range(first, first + run))
-                p += run
+            _add_slots(slots, seq.block_table, start, n, bs)
             _embed_rows(seq, start, n, qsl[-1], embed_rows, stream_rows)
             if mrope:
-                p = torch.arange(start, start + n)
-                rows3 = (p + seq.rope_delta).expand(3, n).clone()
-                if seq.mrope_positions is not None and start < num_prompt:
-                    stop = min(start + n, num_prompt)
-                    rows3[:, :stop - start] = seq.mrope_positions[:, start:stop]
-                pos3.append(rows3)
-            if seq.deepstack is not None and start < num_prompt:
-                at, feats = seq.deepstack                         # (K,), (L, K, hidden)
-                keep = (at >= start) & (at < start + n)
-                if bool(keep.any()):
-                    deep_rows.append(at[keep] - start + qsl[-1])
-                    deep_feats.append(feats[:, keep])
+                pos3.append(_mrope_rows(seq, start, n))
+            deep = _deepstack_rows(seq, start, n)
+            if deep is not None:
+                deep_rows.append(deep[0] + qsl[-1])
+                deep_feats.append(deep[1])
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
 
@@ -315,3 +296,46 @@ def _embed_rows(seq: Sequence, start: int, n: int, row0: int,
             if p1 > p0:
                 stream_rows.append((row0 + (p0 + num_prompt - start),
                                     seq.stream_pad.expand(p1 - p0, -1)))
+
+
+def _token_ids(seq: Sequence, start: int, n: int) -> list[int]:
+    """The ids of positions start .. start+n-1: prompt, then output tokens."""
+    num_prompt = seq.num_prompt_tokens
+    if start + n <= num_prompt:
+        return seq.prompt_token_ids[start:start + n]
+    return [*seq.prompt_token_ids[start:],
+            *seq.output_token_ids[max(0, start - num_prompt):start + n - num_prompt]]
+
+
+def _add_slots(slots: list[int], table: list[int], start: int, n: int, bs: int) -> None:
+    """The KV cache slots of positions start .. start+n-1, one run per block."""
+    p = start
+    while p < start + n:
+        block_idx, offset = divmod(p, bs)
+        run = min(start + n - p, bs - offset)
+        first = table[block_idx] * bs + offset
+        slots.extend(range(first, first + run))
+        p += run
+
+
+def _mrope_rows(seq: Sequence, start: int, n: int) -> Tensor:
+    """(3, n) multimodal rotary positions: the prompt's own where it has them, else the text
+    position shifted by the request's rope delta."""
+    rows3 = (torch.arange(start, start + n) + seq.rope_delta).expand(3, n).clone()
+    num_prompt = seq.num_prompt_tokens
+    if seq.mrope_positions is not None and start < num_prompt:
+        stop = min(start + n, num_prompt)
+        rows3[:, :stop - start] = seq.mrope_positions[:, start:stop]
+    return rows3
+
+
+def _deepstack_rows(seq: Sequence, start: int, n: int) -> tuple[Tensor, Tensor] | None:
+    """The deepstack features falling in positions start .. start+n-1: (their rows counted
+    from start, (L, k, hidden)), or None."""
+    if seq.deepstack is None or start >= seq.num_prompt_tokens:
+        return None
+    at, feats = seq.deepstack                                     # (K,), (L, K, hidden)
+    keep = (at >= start) & (at < start + n)
+    if not bool(keep.any()):
+        return None
+    return at[keep] - start, feats[:, keep]

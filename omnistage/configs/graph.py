@@ -1,18 +1,18 @@
 """Graph-level rules and queries of a `GraphConfig`: names, edges, cycles, adapters, finals.
 
-Adapters are checked against the registry, so the modules that register them (the model
-packages) must be imported before `validate_graph` runs; `check_adapters=False` skips that.
+Adapter names are checked against the registry the caller passes (`adapters`: the stages
+package's, `stages.adapters.registered()`, which the orchestrator passes); without one, only
+their place in the graph is.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from omnistage.configs.parse import ConfigError, apply_overrides, load_graph_yaml
 from omnistage.configs.schema import GraphConfig, OutputKind, StageConfig, StageInput
-from omnistage.engine import adapters
 
 
 def _hint(word: str, choices: Iterable[str]) -> str:
@@ -20,8 +20,9 @@ def _hint(word: str, choices: Iterable[str]) -> str:
     return f" (did you mean {match[0]}?)" if match else ""
 
 
-def validate_graph(graph: GraphConfig, *, check_adapters: bool = True) -> None:
-    """Raise ConfigError (message starting with the path) if the graph cannot run as written."""
+def validate_graph(graph: GraphConfig, *, adapters: Collection[str] | None = None) -> None:
+    """Raise ConfigError (message starting with the path) if the graph cannot run as written;
+    `adapters`: the registered adapter names, if they are to be checked."""
     if not graph.stages:
         raise ConfigError("stages: at least one stage is required")
     index: dict[str, int] = {}
@@ -30,10 +31,8 @@ def validate_graph(graph: GraphConfig, *, check_adapters: bool = True) -> None:
             raise ConfigError(f"stages[{i}].name: {s.name!r} is already the name of "
                               f"stages[{index[s.name]}]")
         index[s.name] = i
-    if check_adapters:
-        adapters.load_adapter_modules()
     for i, s in enumerate(graph.stages):
-        _check_inputs(graph, i, s, index, check_adapters)
+        _check_inputs(graph, i, s, index, adapters)
     cycle = find_cycle(graph)
     if cycle:
         raise ConfigError(f"stages: cycle: {' -> '.join(cycle)}")
@@ -45,7 +44,7 @@ def validate_graph(graph: GraphConfig, *, check_adapters: bool = True) -> None:
 
 
 def _check_inputs(graph: GraphConfig, i: int, s: StageConfig, index: dict[str, int],
-                  check_adapters: bool) -> None:
+                  adapters: Collection[str] | None) -> None:
     seen: set[str] = set()
     for j, inp in enumerate(s.inputs):
         path = f"stages[{i}].inputs[{j}]"
@@ -57,11 +56,10 @@ def _check_inputs(graph: GraphConfig, i: int, s: StageConfig, index: dict[str, i
         if inp.source in seen:
             raise ConfigError(f"{path}.from: {inp.source!r} is already an input of {s.name!r}")
         seen.add(inp.source)
-        registry = adapters.ADAPTERS
-        if check_adapters and inp.adapter not in registry:
-            known = ", ".join(sorted(registry)) or "none"
+        if adapters is not None and inp.adapter not in adapters:
+            known = ", ".join(sorted(adapters)) or "none"
             raise ConfigError(f"{path}.adapter: {inp.adapter!r} is not registered"
-                              f"{_hint(inp.adapter, registry)} (known: {known}; stage "
+                              f"{_hint(inp.adapter, adapters)} (known: {known}; stage "
                               f"{s.name!r})")
 
 
@@ -174,8 +172,8 @@ def stages_needed(graph: GraphConfig, outputs: set[OutputKind]) -> set[str]:
 
 
 def load_graph(source: str | os.PathLike[str], overrides: Iterable[str] = (), *,
-               check_adapters: bool = True) -> GraphConfig:
+               adapters: Collection[str] | None = None) -> GraphConfig:
     """Parse a graph (YAML file or text), apply `--stage-override` items, validate."""
     graph = apply_overrides(load_graph_yaml(source), overrides)
-    validate_graph(graph, check_adapters=check_adapters)
+    validate_graph(graph, adapters=adapters)
     return graph

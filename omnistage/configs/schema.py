@@ -84,7 +84,7 @@ class StageInput:
     """One edge into a stage. YAML: `{from: thinker, adapter: qwen3_omni.thinker_to_talker}`."""
 
     source: str = field(metadata={"alias": "from"})  # `from` is a Python keyword
-    adapter: str  # registry key in omnistage.engine.adapters.ADAPTERS
+    adapter: str  # registry key in omnistage.stages.adapters.ADAPTERS
     chunked: bool = False  # the upstream output is streamed through in chunks
 
     def __post_init__(self) -> None:

@@ -34,6 +34,7 @@ from omnistage.connectors.shm import new_namespace, sweep
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.outputs import RequestEvent
 from omnistage.sampling_params import SamplingParams
+from omnistage.stages import adapters
 from omnistage.stages import messages as m
 from omnistage.stages.process import (StageRunner, WorkerSpec, check_gpu_placement,
                                       describe_stage, stage_device)
@@ -71,7 +72,7 @@ class Route:
 
 class Orchestrator:
     def __init__(self, graph: GraphConfig, device: str = "auto") -> None:
-        validate_graph(graph)
+        validate_graph(graph, adapters=adapters.registered())
         if graph.backend == "process" and graph.connector == "inproc":
             raise ValueError("connector: inproc needs backend: inproc (stages in one process)")
         check_gpu_placement(graph, device)

@@ -231,6 +231,24 @@ def _coordinate_grid(size: tuple[int, ...], start: tuple[int, ...], device: torc
     return grid.flatten(0, -2)                                         # (prod(size), 3)
 
 
+def _patchify(image: Tensor, p: int, pf: int) -> Tensor:
+    """(C, F, H, W) -> (F/pf * H/p * W/p, pf*p*p*C): "c (f pf) (h ph) (w pw) -> (f h w) (pf ph
+    pw c)"."""
+    C, Fr, H, W = image.shape
+    Ft, Ht, Wt = Fr // pf, H // p, W // p
+    return (image.reshape(C, Ft, pf, Ht, p, Wt, p).permute(1, 3, 5, 2, 4, 6, 0)
+            .reshape(Ft * Ht * Wt, pf * p * p * C))
+
+
+def _unpatchify(rows: Tensor, size: tuple[int, int, int], p: int, pf: int, C: int) -> Tensor:
+    """The image rows of one request (padding after them) -> (C, F, H, W): "f h w pf ph pw c
+    -> c (f pf) (h ph) (w pw)"."""
+    Fr, H, W = size
+    n = (Fr // pf) * (H // p) * (W // p)
+    return (rows[:n].reshape(Fr // pf, H // p, W // p, pf, p, p, C)
+            .permute(6, 0, 3, 1, 4, 2, 5).reshape(C, Fr, H, W))
+
+
 def _pad_rows(feat: Tensor) -> tuple[Tensor, Tensor]:
     """Repeat the last row up to a multiple of SEQ_MULTI_OF; also return the pad mask."""
     n = len(feat)
@@ -332,12 +350,9 @@ class ZImageTransformer2DModel(nn.Module):
             cap_tok.append(cap), cap_pad.append(is_pad)
             cap_pos.append(_coordinate_grid((len(cap), 1, 1), (1, 0, 0), device))
             _, Fr, H, W = image.shape
-            Ft, Ht, Wt = Fr // pf, H // p, W // p
-            patches = (image.reshape(C, Ft, pf, Ht, p, Wt, p).permute(1, 3, 5, 2, 4, 6, 0)
-                       .reshape(Ft * Ht * Wt, pf * p * p * C))           # (Nx, pF*p*p*C)
-            patches, is_pad = _pad_rows(patches)
+            patches, is_pad = _pad_rows(_patchify(image, p, pf))         # (Nx, pF*p*p*C)
             x_tok.append(patches), x_pad.append(is_pad), sizes.append((Fr, H, W))
-            pos = _coordinate_grid((Ft, Ht, Wt), (len(cap) + 1, 0, 0), device)
+            pos = _coordinate_grid((Fr // pf, H // p, W // p), (len(cap) + 1, 0, 0), device)
             x_pos.append(torch.cat([pos, pos.new_zeros(len(patches) - len(pos), 3)]))
 
         # 2. embed (pad rows -> learned pad token) and refine each stream on its own
@@ -362,13 +377,8 @@ class ZImageTransformer2DModel(nn.Module):
             out = self._run_cached(seqs, freqs, adaln_input, step_cache)
         out = self.all_final_layer[key](out, adaln_input)                # (B, S, p*p*pF*C)
 
-        # 4. unpatchify: "f h w pf ph pw c -> c (f pf) (h ph) (w pw)"
-        images = []
-        for i, (Fr, H, W) in enumerate(sizes):
-            n = (Fr // pf) * (H // p) * (W // p)
-            images.append(out[i, :n].reshape(Fr // pf, H // p, W // p, pf, p, p, C)
-                          .permute(6, 0, 3, 1, 4, 2, 5).reshape(C, Fr, H, W))
-        return images
+        # 4. unpatchify each request's image rows
+        return [_unpatchify(out[i], size, p, pf, C) for i, size in enumerate(sizes)]
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",

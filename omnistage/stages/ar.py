@@ -10,7 +10,7 @@ from torch import Tensor
 
 from omnistage.ar.engine import AREngine, ModelLoader
 from omnistage.configs.schema import StageConfig
-from omnistage.engine.adapters import StageFeed
+from omnistage.stages.adapters import StageFeed
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
 
 

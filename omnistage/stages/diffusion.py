@@ -9,7 +9,7 @@ from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import compile_blocks, is_split_pipeline
 from omnistage.diffusion.registry import get_pipeline_class
 from omnistage.diffusion.text_encoding import TEXT_ENCODER_PART, TextEncodingEngine
-from omnistage.engine.adapters import StageFeed
+from omnistage.stages.adapters import StageFeed
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
 from omnistage.utils.device import resolve_device, resolve_dtype
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from omnistage.configs.schema import StageConfig
-from omnistage.engine.adapters import StageFeed
+from omnistage.stages.adapters import StageFeed
 from omnistage.generation.engine import GenerationEngine
 from omnistage.generation.registry import get_generation_model_class
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult

@@ -21,7 +21,7 @@ from typing import Protocol
 from torch import Tensor
 
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.engine.adapters import StageFeed
+from omnistage.stages.adapters import StageFeed
 from omnistage.sampling_params import SamplingParams
 
 # Facts the front door checks requests against (sent in the Ready handshake): for an AR stage

@@ -29,7 +29,7 @@ from torch import Tensor
 from transformers import AutoConfig
 
 from omnistage.configs.schema import StageConfig
-from omnistage.engine.adapters import StageFeed
+from omnistage.stages.adapters import StageFeed
 from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen3_omni.processing import (SpecialTokens, merge_multimodal_embeddings,
                                                     mrope_positions)

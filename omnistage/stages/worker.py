@@ -21,7 +21,7 @@ from torch import Tensor
 from omnistage.configs.graph import downstream
 from omnistage.configs.schema import GraphConfig, StageConfig
 from omnistage.connectors.base import ChunkKey, Connector
-from omnistage.engine.adapters import EdgeData, get_adapter
+from omnistage.stages.adapters import EdgeData, get_adapter
 from omnistage.stages import messages as m
 from omnistage.stages.factory import build_stage_engine
 from omnistage.stages.interface import StageEngine, StageRequest, StageResult

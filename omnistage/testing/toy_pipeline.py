@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from omnistage.engine.adapters import EdgeData, StageFeed, hidden_to_embeds, register_adapter
+from omnistage.stages.adapters import EdgeData, StageFeed, hidden_to_embeds, register_adapter
 
 
 class TokenEmbedder(nn.Module):

@@ -8,8 +8,8 @@ from omnistage.configs.graph import (downstream, entry_stages, find_cycle, load_
                                      stages_needed, topological_order, validate_graph)
 from omnistage.configs.parse import ConfigError, from_dict
 from omnistage.configs.schema import GraphConfig
-from omnistage.engine import adapters
-from omnistage.engine.adapters import register_adapter
+from omnistage.stages import adapters
+from omnistage.stages.adapters import register_adapter
 
 QWEN3_OMNI = """\
 stages:
@@ -44,9 +44,10 @@ def graph(*stages: dict) -> GraphConfig:
     return from_dict(GraphConfig, {"stages": [{"kind": "ar", **s} for s in stages]})
 
 
-def invalid(g: GraphConfig, **kwargs: bool) -> str:
+def invalid(g: GraphConfig) -> str:
+    """The ConfigError of `g`, adapters checked against the (test) registry."""
     with pytest.raises(ConfigError) as info:
-        validate_graph(g, **kwargs)
+        validate_graph(g, adapters=adapters.ADAPTERS)
     return str(info.value)
 
 
@@ -151,21 +152,20 @@ def test_graph_that_is_only_a_cycle_is_named() -> None:
 
 
 def test_adapter_must_be_registered() -> None:
-    g = load_graph(QWEN3_OMNI, ["talker.inputs.0.adapter=test.thinker_to_talkr"],
-                   check_adapters=False)
+    g = load_graph(QWEN3_OMNI, ["talker.inputs.0.adapter=test.thinker_to_talkr"])
     msg = invalid(g)
     assert msg.startswith("stages[1].inputs[0].adapter: 'test.thinker_to_talkr' is not "
                           "registered (did you mean test.thinker_to_talker?) (known: "
                           "test.identity, test.talker_to_code2wav, test.thinker_to_talker;")
     assert "stage 'talker'" in msg
-    validate_graph(g, check_adapters=False)
+    validate_graph(g)                               # no registry given: names not checked
 
 
 def test_registered_adapter_is_found_in_the_live_registry() -> None:
     g = graph({"name": "a"}, {"name": "b", "inputs": [edge("a", "test.late")], "final": "text"})
     assert "'test.late' is not registered" in invalid(g)
     register_adapter("test.late")(lambda output: output)
-    validate_graph(g)
+    validate_graph(g, adapters=adapters.ADAPTERS)
 
 
 # ---- outputs and kinds -------------------------------------------------------------------------

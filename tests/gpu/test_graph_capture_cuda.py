@@ -128,7 +128,7 @@ def test_qwen3_omni_stages_capture_at_start_up(tmp_path: Path,
     start in threads, and one stage's check for host synchronisation, torch's process-wide
     sync-debug mode, fails another's weight loading.)"""
     from omnistage.configs.defaults import resolve_graph
-    from omnistage.engine.adapters import StageFeed
+    from omnistage.stages.adapters import StageFeed
     from omnistage.models.qwen3_omni.moe import _use_grouped_mm
     from omnistage.models.qwen3_omni.processing import InputProcessor
     from omnistage.stages.interface import StageRequest

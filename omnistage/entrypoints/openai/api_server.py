@@ -166,27 +166,32 @@ class CountRequests:
 # ---- the app ---------------------------------------------------------------------------------
 
 def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> FastAPI:
+    """The app: routes about the server (health, metrics, models), the generation routes, then
+    the middleware (API key, body limit, request counts, CORS)."""
     config = args if isinstance(args, ServerConfig) else ServerConfig.from_namespace(args)
     metrics = ServerMetrics()
     client = EngineClient(engine, config.max_queue, metrics)
-    media = MediaLoader(MediaPolicy(tuple(Path(d) for d in config.allowed_media_dirs),
-                                    config.allow_remote_media, config.max_media_bytes))
-    name = config.model_name
-    chat = ChatServing(client, media, name, config.chat_template)
-    completions = CompletionServing(client, name)
-    images = ImageServing(client, media, name)
-    started = int(time.time())
-
     app = FastAPI(title="omnistage", version="0.1.0",
                   description="OpenAI-compatible server for omni-modality models")
     app.state.client = client
     app.state.config = config
     install_error_handlers(app)
+    _add_server_routes(app, client, config, metrics)
+    _add_generation_routes(app, client, config)
+    _add_middleware(app, config, metrics)
+    return app
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != name:
-            raise APIError(404, f"The model `{model}` does not exist (this server serves "
-                                f"`{name}`)", param="model", code="model_not_found")
+
+def _check_model(model: str | None, name: str) -> None:
+    if model is not None and model != name:
+        raise APIError(404, f"The model `{model}` does not exist (this server serves "
+                            f"`{name}`)", param="model", code="model_not_found")
+
+
+def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
+                       metrics: ServerMetrics) -> None:
+    """/health, /metrics, /v1/models."""
+    name, started = config.model_name, int(time.time())
 
     @app.get("/health", responses=ERRORS)
     async def health() -> dict[str, str]:
@@ -214,23 +219,34 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
 
     @app.get("/v1/models/{model_id:path}", responses=ERRORS)
     async def get_model(model_id: str) -> ModelCard:
-        check_model(model_id)
+        _check_model(model_id, name)
         return card()
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+
+def _add_generation_routes(app: FastAPI, client: EngineClient, config: ServerConfig) -> None:
+    """/v1/chat/completions, /v1/completions, /v1/images/generations and /v1/images/edits."""
+    media = MediaLoader(MediaPolicy(tuple(Path(d) for d in config.allowed_media_dirs),
+                                    config.allow_remote_media, config.max_media_bytes))
+    name = config.model_name
+    chat = ChatServing(client, media, name, config.chat_template)
+    completions = CompletionServing(client, name)
+    images = ImageServing(client, media, name)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+                 responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        _check_model(body.model, name)
         return await chat.create(body, request)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        _check_model(body.model, name)
         return await completions.create(body, request)
 
     @app.post("/v1/images/generations", responses=ERRORS)
     async def images_generations(body: ImageGenerationRequest, request: Request
                                  ) -> ImagesResponse:
-        check_model(body.model)
+        _check_model(body.model, name)
         return await images.generate(body, request)
 
     @app.post("/v1/images/edits", responses=ERRORS)
@@ -250,7 +266,7 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
             guidance_scale: Annotated[float | None, Form(ge=0.0)] = None,
             strength: Annotated[float | None, Form(gt=0.0, le=1.0)] = None,
             seed: Annotated[int | None, Form(ge=0, lt=2**63)] = None) -> ImagesResponse:
-        check_model(model)
+        _check_model(model, name)
         body = ImageGenerationRequest(
             prompt=prompt, model=model, n=n, size=size, response_format=response_format,
             output_format=output_format, output_compression=output_compression,
@@ -258,6 +274,8 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
             guidance_scale=guidance_scale, seed=seed)
         return await images.edit(body, image, mask, strength, request)
 
+
+def _add_middleware(app: FastAPI, config: ServerConfig, metrics: ServerMetrics) -> None:
     routes = {r.path for r in app.routes if hasattr(r, "path")}
     app.add_middleware(APIKeyCheck, api_key=config.api_key)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
@@ -266,7 +284,6 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["Authorization", "Content-Type"])
-    return app
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -140,19 +140,8 @@ def mrope_positions(input_ids: Sequence[int] | Tensor, *, image_token_id: int,
         if k >= len(grids[token]):
             raise ValueError(f"input_ids: more {kind} placeholder runs than {kind} grids "
                              f"({len(grids[token])})")
-        t, h, w = (int(x) for x in grids[token][k])
-        h, w = h // spatial_merge_size, w // spatial_merge_size
-        if j - i != t * h * w:
-            raise ValueError(f"input_ids: {kind} {k} has {j - i} placeholder tokens, its grid "
-                             f"{grids[token][k]} needs {t * h * w}")
-        step = seconds[token][k] * position_id_per_seconds
-        if step != int(step):
-            raise ValueError(f"{kind} {k}: {seconds[token][k]} s per grid x "
-                             f"{position_id_per_seconds} positions/s is not a whole number")
-        t_idx = (torch.arange(t) * int(step)).view(t, 1, 1).expand(t, h, w)
-        h_idx = torch.arange(h).view(1, h, 1).expand(t, h, w)
-        w_idx = torch.arange(w).view(1, 1, w).expand(t, h, w)
-        block = torch.stack([t_idx, h_idx, w_idx]).reshape(3, -1) + next_pos
+        block = _visual_positions(f"{kind} {k}", grids[token][k], j - i, spatial_merge_size,
+                                  seconds[token][k] * position_id_per_seconds) + next_pos
         pieces.append(block)
         next_pos = int(block.max()) + 1
         used[token] += 1
@@ -164,6 +153,24 @@ def mrope_positions(input_ids: Sequence[int] | Tensor, *, image_token_id: int,
                              f"{len(grids[token])} {kind} grids")
     positions = torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long)
     return positions, (next_pos - len(ids))
+
+
+def _visual_positions(what: str, grid: Sequence[int], num_tokens: int, merge: int,
+                      step: float) -> Tensor:
+    """(3, t*h*w) positions (t * step, row, col) of one image / video over its merged grid,
+    from 0; checks its placeholder count and that `step` (positions per grid) is whole."""
+    t, h, w = (int(x) for x in grid)
+    h, w = h // merge, w // merge
+    if num_tokens != t * h * w:
+        raise ValueError(f"input_ids: {what} has {num_tokens} placeholder tokens, its grid "
+                         f"{list(grid)} needs {t * h * w}")
+    if step != int(step):
+        raise ValueError(f"{what}: {step:g} positions per grid (seconds per grid x "
+                         "position_id_per_seconds) is not a whole number")
+    t_idx = (torch.arange(t) * int(step)).view(t, 1, 1).expand(t, h, w)
+    h_idx = torch.arange(h).view(1, h, 1).expand(t, h, w)
+    w_idx = torch.arange(w).view(1, 1, w).expand(t, h, w)
+    return torch.stack([t_idx, h_idx, w_idx]).reshape(3, -1)
 
 
 # ---- special tokens, inputs, merged embeddings ---------------------------------------------------

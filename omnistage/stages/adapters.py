@@ -81,6 +81,12 @@ def load_adapter_modules() -> None:
         importlib.import_module(module)
 
 
+def registered() -> dict[str, Adapter]:
+    """Every adapter, its modules imported: what `validate_graph(adapters=...)` checks."""
+    load_adapter_modules()
+    return ADAPTERS
+
+
 # ---- generic adapters ---------------------------------------------------------------------------
 @register_adapter("tokens_to_prompt")
 def tokens_to_prompt(data: EdgeData, state: dict) -> StageFeed:
