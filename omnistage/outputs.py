@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from torch import Tensor
 
+from omnistage.errors import StageError
 from omnistage.utils.audio import encode_audio
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class RequestEvent:
     done: bool = False
     error: str | None = None
     invalid_input: bool = False        # the error is the request's fault (a stage refused it)
+    error_info: StageError | None = None   # the error, typed (kind, message alone, param)
     stage_metrics: dict[str, dict] | None = None
 
 
@@ -105,6 +107,9 @@ class OmniOutput:
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
     invalid_input: bool = False        # the error: a stage refused the request's input
+    # the error, typed: which stage, what kind (invalid_input / internal / stage_dead /
+    # aborted), its message alone and the field it names (what the server answers from)
+    error_info: StageError | None = None
     tensors: dict[str, Tensor] = field(default_factory=dict)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     stage_metrics: dict[str, dict] = field(default_factory=dict)

@@ -25,6 +25,7 @@ from omnistage.diffusion.params import DiffusionParams
 from omnistage.engine.inputs import (ParsedPrompt, PromptType, check_params, check_prompt,
                                      load_input_processor, parse_prompt, parse_with_processor)
 from omnistage.engine.orchestrator import Orchestrator
+from omnistage.errors import InputError
 from omnistage.models.loader import resolve_model_path
 from omnistage.outputs import OmniOutput, RequestEvent, RequestMetrics
 from omnistage.sampling_params import SamplingParams
@@ -73,8 +74,8 @@ class AsyncOmni:
                 known = info.get("speakers")
                 if speaker is not None and known is not None \
                         and str(speaker).lower() not in str(known).split(","):
-                    raise ValueError(f"speaker {speaker!r} is unknown (this model has: "
-                                     f"{str(known).replace(',', ', ')})")
+                    raise InputError(f"speaker {speaker!r} is unknown (this model has: "
+                                     f"{str(known).replace(',', ', ')})", param="speaker")
             elif isinstance(p, DiffusionParams):
                 p.validate()
                 if p.image is not None:
@@ -199,7 +200,7 @@ def accumulate(out: OmniOutput, ev: RequestEvent) -> OmniOutput:
         out.finish_reason = out.finish_reason or ev.finish_reason or "stop"
         if ev.error:
             out.finish_reason, out.error = "error", ev.error
-            out.invalid_input = ev.invalid_input
+            out.invalid_input, out.error_info = ev.invalid_input, ev.error_info
         if ev.finish_reason == "abort":
             out.finish_reason = "abort"
         m.finished_time = now

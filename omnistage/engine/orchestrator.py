@@ -32,6 +32,7 @@ from omnistage.configs.schema import GraphConfig, OutputKind
 from omnistage.connectors.base import Connector, make_connector
 from omnistage.connectors.shm import new_namespace, sweep
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.errors import StageError
 from omnistage.outputs import RequestEvent
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages import adapters
@@ -306,7 +307,7 @@ class Orchestrator:
                 return
             if out.error is not None:
                 self._fail(route, f"stage {out.stage!r}: {out.error}", out.stage,
-                           out.invalid_input)
+                           out.invalid_input, out.error_info)
                 return
             tensors = None
             client = out.handles.get(m.edge_name(out.stage, m.CLIENT))
@@ -350,12 +351,14 @@ class Orchestrator:
                 out.finish_reason if is_final else None, done,
                 stage_metrics=route.metrics if done else None))
 
-    def _fail(self, route: Route, error: str, stage: str, invalid_input: bool = False) -> None:
+    def _fail(self, route: Route, error: str, stage: str, invalid_input: bool = False,
+              info: StageError | None = None) -> None:
         if self._routes.pop(route.request_id, None) is None:
             return
         self._free(route.request_id, route.needed)
         route.sink(RequestEvent(route.request_id, stage, done=True, finish_reason="error",
                                 error=error, invalid_input=invalid_input,
+                                error_info=info or StageError(stage, "internal", error),
                                 stage_metrics=route.metrics))
 
     def _check_liveness(self) -> None:
@@ -370,8 +373,9 @@ class Orchestrator:
             with self._lock:
                 for route in list(self._routes.values()):
                     if name in route.needed:
-                        self._fail(route, f"stage {name!r} died ({runner.exit_description()})",
-                                   name)
+                        error = f"stage {name!r} died ({runner.exit_description()})"
+                        self._fail(route, error, name,
+                                   info=StageError(name, "stage_dead", error))
             return
 
     # -- shutdown ------------------------------------------------------------------------------
@@ -383,7 +387,8 @@ class Orchestrator:
             routes, self._routes = list(self._routes.values()), {}
         for route in routes:
             route.sink(RequestEvent(route.request_id, "", done=True, finish_reason="abort",
-                                    error="engine shut down"))
+                                    error="engine shut down",
+                                    error_info=StageError("", "aborted", "engine shut down")))
         for name, sock in self._inboxes.items():
             try:
                 sock.send(m.encode(m.Shutdown()), zmq.NOBLOCK)

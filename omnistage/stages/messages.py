@@ -14,6 +14,7 @@ import msgspec
 from omnistage.connectors.base import TensorHandle
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.sampling_params import SamplingParams
+from omnistage.errors import StageError
 
 
 class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
@@ -105,6 +106,7 @@ class StageOutput(msgspec.Struct, tag="out", omit_defaults=True):
     finish_reason: str | None = None
     error: str | None = None
     invalid_input: bool = False       # the error is the request's fault (bad input), not ours
+    error_info: StageError | None = None    # the same, typed: kind, message alone, param
     metrics: dict[str, float | int | None] = {}
 
 

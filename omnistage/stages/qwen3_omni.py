@@ -29,6 +29,7 @@ from torch import Tensor
 from transformers import AutoConfig
 
 from omnistage.configs.schema import StageConfig
+from omnistage.errors import InputError
 from omnistage.stages.adapters import StageFeed
 from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen3_omni.processing import (SpecialTokens, merge_multimodal_embeddings,
@@ -254,8 +255,8 @@ class TalkerStage(ARStage):
             raise ValueError("the talker takes its input from the thinker")
         speaker = str(params.extra.get("speaker") or DEFAULT_SPEAKER).lower()
         if speaker not in self.speakers:
-            raise ValueError(f"speaker {speaker!r} is unknown (this model has: "
-                             f"{', '.join(sorted(self.speakers))})")
+            raise InputError(f"speaker {speaker!r} is unknown (this model has: "
+                             f"{', '.join(sorted(self.speakers))})", param="speaker")
         self.engine.add_request(request_id, None, params, prompt_open=True, stream_open=True)
         self.inputs[request_id] = _TalkerInput(self.speakers[speaker])
 

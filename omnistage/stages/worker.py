@@ -20,6 +20,7 @@ from torch import Tensor
 
 from omnistage.configs.graph import downstream
 from omnistage.configs.schema import GraphConfig, StageConfig
+from omnistage.errors import StageError
 from omnistage.connectors.base import ChunkKey, Connector
 from omnistage.stages.adapters import EdgeData, get_adapter
 from omnistage.stages import messages as m
@@ -91,12 +92,14 @@ class StageWorker:
                 if isinstance(msg, m.AddRequest):   # refused at the door: bad input if ValueError
                     return [m.StageOutput(self.name, msg.request_id, finished=True,
                                           finish_reason="error", error=_describe(exc),
-                                          invalid_input=isinstance(exc, ValueError))]
+                                          invalid_input=isinstance(exc, ValueError),
+                                          error_info=StageError.from_exception(self.name, exc))]
                 logger.exception("stage %s: message %s failed", self.name, type(msg).__name__)
                 return []
             self._drop(rid, abort=True)
             return [m.StageOutput(self.name, rid, finished=True, finish_reason="error",
-                                  error=_describe(exc))]
+                                  error=_describe(exc),
+                                  error_info=StageError(self.name, "internal", str(exc)))]
 
     def _add(self, msg: m.AddRequest) -> None:
         if msg.request_id in self.requests:
@@ -171,7 +174,9 @@ class StageWorker:
         out = m.StageOutput(self.name, res.request_id, token_ids=res.token_ids, text=res.text,
                             logprobs=res.logprobs, progress=res.progress,
                             finished=res.finished,
-                            finish_reason=res.finish_reason, error=res.error)
+                            finish_reason=res.finish_reason, error=res.error,
+                            error_info=None if res.error is None
+                            else StageError(self.name, "internal", res.error))
         if res.error is None:
             payload = res.tensors
             for dest in state.downstream:

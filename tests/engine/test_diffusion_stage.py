@@ -103,6 +103,9 @@ def test_image_to_image_and_bad_images(random_digits: Path) -> None:
         (refused,) = omni.generate("one", DiffusionParams(height=12, width=64))
         assert refused.finish_reason == "error" and refused.invalid_input
         assert "multiple of 8" in refused.error
+        info = refused.error_info                   # typed: the stage, the kind, the message
+        assert info.stage == "dit" and info.kind == "invalid_input"
+        assert "multiple of 8" in info.message and not info.message.startswith("stage")
         (again,) = omni.generate("seven", DiffusionParams(num_inference_steps=2, seed=0))
         assert again.error is None and not again.invalid_input and again.images
 

@@ -191,6 +191,8 @@ def test_killed_stage_fails_its_requests(tiny_qwen3: Path) -> None:
             assert time.monotonic() < deadline, events[-3:]
             time.sleep(0.05)
         assert events[-1].error is not None and "'second'" in events[-1].error
+        assert events[-1].error_info.kind == "stage_dead"
+        assert events[-1].error_info.stage == "second"
         assert not omni.is_healthy
         with pytest.raises(RuntimeError, match="unhealthy"):
             omni.generate(PROMPTS[0])

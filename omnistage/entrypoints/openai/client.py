@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import threading
 import uuid
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
 from omnistage.engine.async_omni import accumulate
 from omnistage.engine.inputs import ParsedPrompt, PromptType
 from omnistage.entrypoints.openai.errors import APIError, from_value_error
+from omnistage.errors import InputError
 from omnistage.outputs import OmniOutput
 
 if TYPE_CHECKING:
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 Prepared = tuple[ParsedPrompt, dict[str, "StageParams"]]
 # how a stage's refusal reads: "stage 'dit': ValueError: prompt names no digit ..."
-_STAGE_ERROR = re.compile(r"stage '[^']+': (?:ValueError: )?(.*)", re.S)
 RETRY_AFTER_S = 1
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -208,9 +207,9 @@ class EngineClient:
         if out.finish_reason == "abort":
             return APIError(503, f"the request was aborted: {out.error or 'engine shut down'}",
                             code="engine_shutdown")
-        if out.invalid_input:   # a stage refused the request's input
-            m = _STAGE_ERROR.fullmatch(error)
-            err = from_value_error(ValueError(m.group(1) if m else error), None)
+        info = out.error_info
+        if info is not None and info.kind == "invalid_input":   # a stage refused the input
+            err = from_value_error(InputError(info.message, info.param), None)
             err.param, err.code = err.param or param, "invalid_input"
             return err
         if not self.is_healthy:

@@ -22,6 +22,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from omnistage.errors import InputError
+
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
@@ -60,9 +62,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def from_value_error(exc: ValueError, param: str | None = None) -> APIError:
-    """The engine's input checks raise ValueError naming the field: a 400 with that message."""
+    """The engine's input checks raise ValueError naming the field: an InputError carries it
+    (it wins over `param`, the caller's guess), else the message may start with it. A 400
+    with that message."""
     message = str(exc) or type(exc).__name__
-    return APIError(400, message, param=param or _param_in(message))
+    named = exc.param if isinstance(exc, InputError) else None
+    return APIError(400, message, param=named or param or _param_in(message))
 
 
 def _param_in(message: str) -> str | None:

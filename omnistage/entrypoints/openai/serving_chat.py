@@ -367,8 +367,8 @@ class ChatServing:
 
 
 def _voice_param(err: APIError) -> APIError:
-    """A talker's refusal of the speaker ("speaker 'x' is unknown ...") names audio.voice."""
-    if err.message.startswith("speaker"):
+    """A refusal of the speaker (the engine's name for it) names the request's audio.voice."""
+    if err.param == "speaker":
         err.param = "audio.voice"
     return err
 
