@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from omnistage.errors import InputError
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -49,9 +51,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise InputError (a ValueError) naming the first bad field."""
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+            raise InputError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}", name)
 
         if not self.temperature >= 0.0:
             bad("temperature", "must be >= 0 (0 means greedy)")

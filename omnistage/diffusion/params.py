@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from omnistage.errors import InputError
+
 MAX_STEPS = 200
 MAX_IMAGES = 10
 DEFAULT_STRENGTH = 0.6          # diffusers' img2img pipelines' default
@@ -46,7 +48,7 @@ class DiffusionParams:
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"DiffusionParams.{name}={getattr(self, name)!r}: {why}")
+            raise InputError(f"DiffusionParams.{name}={getattr(self, name)!r}: {why}", name)
 
         if not 1 <= self.num_inference_steps <= MAX_STEPS:
             bad("num_inference_steps", f"must be in [1, {MAX_STEPS}]")
@@ -63,10 +65,10 @@ class DiffusionParams:
         if self.cache_threshold is not None and not self.cache_threshold >= 0.0:
             bad("cache_threshold", "must be >= 0")
         if self.image is not None and not isinstance(self.image, bytes):
-            raise ValueError("DiffusionParams.image: must be the bytes of an encoded image file "
-                             f"(PNG, JPEG, WebP, ...), got {type(self.image).__name__}")
+            raise InputError("DiffusionParams.image: must be the bytes of an encoded image file "
+                             f"(PNG, JPEG, WebP, ...), got {type(self.image).__name__}", "image")
         if self.image is not None and not self.image:
-            raise ValueError("DiffusionParams.image: empty")
+            raise InputError("DiffusionParams.image: empty", "image")
         if self.strength is not None:
             if self.image is None:
                 bad("strength", "applies to image-to-image only (no image given)")
@@ -84,6 +86,6 @@ def check_size(height: int, width: int, multiple: int, max_size: int, why: str) 
     most `max_size`; ValueError naming the side otherwise."""
     for name, value in (("height", height), ("width", width)):
         if value % multiple:
-            raise ValueError(f"{name}={value}: must be a multiple of {multiple} ({why})")
+            raise InputError(f"{name}={value}: must be a multiple of {multiple} ({why})", name)
         if value > max_size:
-            raise ValueError(f"{name}={value}: the maximum is {max_size}")
+            raise InputError(f"{name}={value}: the maximum is {max_size}", name)

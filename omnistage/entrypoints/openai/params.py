@@ -145,8 +145,10 @@ def _diffusion(openai: dict[str, Any], given: dict[str, Any], path: str,
             raise bad_request(f"{where}: expected a number", where)
         try:
             params = dataclasses.replace(params, image=image, strength=strength)
-        except ValueError as exc:
-            raise from_value_error(exc, where if "strength" in str(exc) else "image") from None
+        except ValueError as exc:   # the request's field: strength where it was given
+            err = from_value_error(exc)
+            err.param = where if err.param == "strength" else "image"
+            raise err from None
     _check_seed(params.seed, f"{path}.seed" if "seed" in given else "seed")
     return params
 
