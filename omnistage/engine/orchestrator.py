@@ -1,6 +1,7 @@
 """The orchestrator: holds the stage graph and every request's route through it.
 
-It starts the stages, submits each request to its entry stages (and pre-registers it on the
+It starts the stages (a `StageSet`: processes, sockets, connector; stage_set.py), submits each
+request to its entry stages (and pre-registers it on the
 downstream stages it needs, parked until their input arrives), routes every StageOutput along
 the graph's edges as EdgeChunks, hands final outputs to the request's sink, and propagates
 aborts and errors to every stage a request touched. Tensors never pass through it, except the
@@ -14,14 +15,10 @@ from __future__ import annotations
 
 import atexit
 import logging
-import shutil
-import sys
-import tempfile
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import zmq
@@ -29,22 +26,18 @@ from torch import Tensor
 
 from omnistage.configs.graph import downstream, stages_needed, topological_order, validate_graph
 from omnistage.configs.schema import GraphConfig, OutputKind
-from omnistage.connectors.base import Connector, make_connector
-from omnistage.connectors.shm import new_namespace, sweep
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.errors import StageError
 from omnistage.outputs import RequestEvent
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages import adapters
 from omnistage.stages import messages as m
-from omnistage.stages.process import (StageRunner, WorkerSpec, check_gpu_placement,
-                                      describe_stage, stage_device)
+from omnistage.engine.stage_set import POLL_MS, StageSet
+from omnistage.errors import StageError
+from omnistage.stages.process import check_gpu_placement
 from omnistage.utils import trace
 
 logger = logging.getLogger(__name__)
 
-POLL_MS = 50
-SEND_TIMEOUT_MS = 1000
 _LIVE: weakref.WeakSet[Orchestrator] = weakref.WeakSet()
 
 
@@ -82,97 +75,25 @@ class Orchestrator:
         self._downstream = {s.name: downstream(graph, s.name) for s in graph.stages}
         self.healthy = True
         self.dead_reason: str | None = None
-        self.stage_info: dict[str, dict] = {}
         self._routes: dict[str, Route] = {}
         self._stats: dict[str, m.StageStats] = {}
         self._stats_ready = threading.Event()
         self._lock = threading.RLock()
         self._closed = False
-        self._run_dir = tempfile.mkdtemp(prefix="omnistage-")
-        self._shm_ns = new_namespace()
-        self._ctx = zmq.Context()
-        ipc = graph.backend == "process"
-        addr = (lambda n: f"ipc://{self._run_dir}/{n}") if ipc else (
-            lambda n: f"inproc://omnistage-{id(self)}-{n}")
-        self._outputs = self._ctx.socket(zmq.PULL)
-        self._outputs.bind(addr("out"))
-        self._inboxes: dict[str, zmq.Socket] = {}
-        self._connector = self._make_connector()
-        shared = self._connector if graph.connector == "inproc" else None
-        self._runners: dict[str, StageRunner] = {}
-        try:
-            for s in graph.stages:
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 0)          # never block on a busy stage ...
-                sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # ... nor on a dead one
-                sock.bind(addr(s.name))
-                self._inboxes[s.name] = sock
-                spec = WorkerSpec(s.name, graph, addr(s.name), addr("out"),
-                                  stage_device(device, s.devices), self._shm_ns, self._run_dir)
-                self._runners[s.name] = StageRunner(spec, graph.backend, self._ctx, shared)
-            self._wait_ready()
-        except BaseException:
-            self.shutdown()
-            raise
+        self._router: threading.Thread | None = None
+        self.stages = StageSet(graph, device)        # every stage started, or an error
+        self.stage_info = self.stages.info
+        self._connector = self.stages.connector
         self._router = threading.Thread(target=self._route_loop, name="omnistage-router",
                                         daemon=True)
         self._router.start()
         _LIVE.add(self)
 
-    def _make_connector(self) -> Connector:
-        kind = self.graph.connector
-        if kind == "shm":
-            return make_connector("shm", namespace=self._shm_ns)
-        if kind == "tcp":
-            return make_connector("tcp", listen="tcp://127.0.0.1:0")
-        return make_connector("inproc")
-
-    def _wait_ready(self) -> None:
-        pending = set(self._runners)
-        deadline = time.monotonic() + max(s.startup_timeout_s for s in self.graph.stages)
-        addresses: dict[str, str] = {}
-        while pending:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"stage(s) {', '.join(sorted(pending))} did not start within "
-                                   "the start-up timeout")
-            if self._outputs.poll(POLL_MS):
-                msg = m.decode_from_stage(self._outputs.recv())
-                if isinstance(msg, m.StartupFailed):
-                    raise RuntimeError(f"stage {msg.stage!r} failed to start: {msg.error}")
-                if isinstance(msg, m.Ready):
-                    pending.discard(msg.stage)
-                    addresses[msg.stage] = msg.connector_address
-                    self.stage_info[msg.stage] = dict(msg.info)
-                continue
-            dead = [name for name in pending if not self._runners[name].is_alive()]
-            if dead and not self._outputs.poll(POLL_MS):   # its last words may be in flight
-                name = dead[0]
-                raise RuntimeError(f"stage {name!r} failed to start: its process "
-                                   f"{self._runners[name].exit_description()}"
-                                   f"{_spawn_hint()}")
-        for s in self.graph.stages:
-            logger.info(describe_stage(s.name, s.kind, self.stage_info.get(s.name, {})))
-        if self.graph.connector == "tcp":
-            client = getattr(self._connector, "address")
-            for s in self.graph.stages:
-                peers = {m.edge_name(s.name, d.name): addresses[d.name]
-                         for d, _ in self._downstream[s.name]}
-                if s.final not in (None, "text"):
-                    peers[m.edge_name(s.name, m.CLIENT)] = client
-                self._send(s.name, m.SetPeers(peers))
-
     def _send(self, stage: str, msg: m.ToStage) -> None:
         """Send to a stage. A dead stage fails its requests at once, and the message is dropped
         rather than left blocking the router."""
-        if not self._runners[stage].is_alive():
+        if not self.stages.send(stage, msg):
             self._check_liveness()
-            return
-        try:
-            self._inboxes[stage].send(m.encode(msg))
-        except zmq.Again:
-            logger.warning("orchestrator: stage %r is not taking messages; dropped %s",
-                           stage, type(msg).__name__)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None,
@@ -247,24 +168,24 @@ class Orchestrator:
         """Ask every stage for its resource state (requests held, free KV blocks, ...)."""
         with self._lock:
             self._stats = {}
-            for name in self._inboxes:
+            for name in self.stages.runners:
                 self._send(name, m.GetStats())
         deadline = time.monotonic() + timeout_s
-        while len(self._stats) < len(self._inboxes):
+        while len(self._stats) < len(self.stages.runners):
             self._stats_ready.wait(0.05)
             self._stats_ready.clear()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"stage stats: no answer from "
-                                   f"{sorted(set(self._inboxes) - set(self._stats))}")
+                                   f"{sorted(set(self.stages.runners) - set(self._stats))}")
         return dict(self._stats)
 
     @property
     def resources(self) -> dict[str, str]:
         """Names of what this engine holds on the host: its ipc folder, its shm prefix."""
-        return {"run_dir": self._run_dir, "shm_namespace": self._shm_ns}
+        return {"run_dir": self.stages.run_dir, "shm_namespace": self.stages.shm_namespace}
 
     def stage_pids(self) -> dict[str, int]:
-        return {name: r.pid for name, r in self._runners.items()}
+        return self.stages.pids
 
     @property
     def num_requests(self) -> int:
@@ -275,10 +196,10 @@ class Orchestrator:
         trace.name_thread("router")
         while not self._closed:
             try:
-                if self._outputs.poll(POLL_MS):
+                if self.stages.outputs.poll(POLL_MS):
                     while True:
                         try:
-                            raw = self._outputs.recv(zmq.NOBLOCK)
+                            raw = self.stages.outputs.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         msg = m.decode_from_stage(raw)
@@ -364,19 +285,18 @@ class Orchestrator:
     def _check_liveness(self) -> None:
         if not self.healthy or self._closed:
             return
-        for name, runner in self._runners.items():
-            if runner.is_alive():
-                continue
-            self.healthy = False
-            self.dead_reason = f"stage {name!r} {runner.exit_description()}"
-            logger.error("orchestrator: %s; failing its requests", self.dead_reason)
-            with self._lock:
-                for route in list(self._routes.values()):
-                    if name in route.needed:
-                        error = f"stage {name!r} died ({runner.exit_description()})"
-                        self._fail(route, error, name,
-                                   info=StageError(name, "stage_dead", error))
+        dead = self.stages.dead()
+        if dead is None:
             return
+        name, how = dead
+        self.healthy = False
+        self.dead_reason = f"stage {name!r} {how}"
+        logger.error("orchestrator: %s; failing its requests", self.dead_reason)
+        error = f"stage {name!r} died ({how})"
+        with self._lock:
+            for route in list(self._routes.values()):
+                if name in route.needed:
+                    self._fail(route, error, name, info=StageError(name, "stage_dead", error))
 
     # -- shutdown ------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -389,21 +309,13 @@ class Orchestrator:
             route.sink(RequestEvent(route.request_id, "", done=True, finish_reason="abort",
                                     error="engine shut down",
                                     error_info=StageError("", "aborted", "engine shut down")))
-        for name, sock in self._inboxes.items():
-            try:
-                sock.send(m.encode(m.Shutdown()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        for runner in getattr(self, "_runners", {}).values():
-            runner.stop()
-        router = getattr(self, "_router", None)
-        if router is not None:
-            router.join(2.0)
-        self._connector.close()
-        if self.graph.connector == "shm":
-            sweep(self._shm_ns)
-        self._ctx.destroy(linger=0)
-        shutil.rmtree(self._run_dir, ignore_errors=True)
+        stages = getattr(self, "stages", None)     # None: start-up failed (it cleaned up)
+        if stages is not None:
+            stages.stop()
+        if self._router is not None:
+            self._router.join(2.0)
+        if stages is not None:
+            stages.close()
         trace.save()
 
     def __del__(self) -> None:
@@ -411,14 +323,3 @@ class Orchestrator:
             self.shutdown()
         except Exception:
             pass
-
-
-def _spawn_hint() -> str:
-    """Why a stage process can die before it says anything: spawned processes import the
-    main script again, and one that builds the engine at import time fails there."""
-    main = sys.modules.get("__main__")
-    if getattr(main, "__file__", None) is None:       # an interactive session, python -c
-        return ""
-    return (f" (before reporting anything: if {Path(main.__file__).name} creates the engine "
-            "when imported, put that code under `if __name__ == \"__main__\":`; stage "
-            "processes are spawned and import the main script again)")
