@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -17,45 +16,24 @@ import torch
 from torch import Tensor
 
 from omnistage.ar.detokenizer import IncrementalDetokenizer
+from omnistage.ar.inputs import check_mrope_positions, check_request
 from omnistage.ar.kv_cache import BlockManager, KVCacheLayout
 from omnistage.ar.memory import determine_kv_layout
 from omnistage.ar.model_runner import ModelRunner, PendingStep, RunnerOutput, capture_key
-from omnistage.ar.sampler import TokenLogprobs
 from omnistage.ar.scheduler import ScheduledBatch, Scheduler
-from omnistage.ar.sequence import FinishReason, Sequence, SequenceStatus
+from omnistage.ar.sequence import FinishReason, Sequence, SequenceStatus, StepOutput
 from omnistage.configs.schema import ARConfig
 from omnistage.models.loader import load_model, resolve_model_path
 from omnistage.outputs import RequestMetrics
 from omnistage.sampling_params import SamplingParams
 from omnistage.utils.device import resolve_device, resolve_dtype
-from omnistage.utils.host import to_device
 from omnistage.utils import trace
+from omnistage.utils.host import to_device
 from omnistage.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 ModelLoader = Callable[[Path, torch.device, "torch.dtype | None"], tuple]
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What one step produced for one request (deltas, not totals)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str = ""
-    logprobs: list[TokenLogprobs] | None = None
-    hidden_states: dict[int, Tensor] | None = None  # layer -> (n, hidden) for new positions
-    hidden_start: int = 0                           # position of the first hidden-state row
-    num_prompt_tokens: int = 0
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    metrics: RequestMetrics | None = None           # set when the request finished
-    extra: dict[str, Tensor] | None = None          # the model's per-token extras (n, ...)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class AREngine:
@@ -126,33 +104,8 @@ class AREngine:
     def validate(self, prompt_token_ids: list[int] | None, params: SamplingParams,
                  prompt_embeds: Tensor | None = None) -> None:
         """Raise ValueError naming the problem; nothing is scheduled for a bad request."""
-        params.validate()
-        cfg = self.model_config
-        if prompt_embeds is not None:
-            if prompt_embeds.dim() != 2 or prompt_embeds.shape[1] != cfg.hidden_size:
-                raise ValueError(f"prompt_embeds has shape {tuple(prompt_embeds.shape)}, "
-                                 f"expected (num_tokens, {cfg.hidden_size})")
-            num = prompt_embeds.shape[0]
-        else:
-            if prompt_token_ids is None:
-                raise ValueError("a request needs prompt_token_ids or prompt_embeds")
-            num = len(prompt_token_ids)
-            bad = [t for t in prompt_token_ids if not 0 <= t < cfg.vocab_size]
-            if bad:
-                raise ValueError(f"prompt_token_ids contains ids outside the vocabulary "
-                                 f"[0, {cfg.vocab_size}): {bad[:5]}")
-        if num == 0:
-            raise ValueError("prompt is empty")
-        if num >= self.max_model_len:
-            raise ValueError(f"prompt has {num} tokens, but the model's maximum length is "
-                             f"{self.max_model_len} (room for at least one new token needed)")
-        top = max(params.output_hidden_layers, default=0)
-        if top > cfg.num_hidden_layers:
-            raise ValueError(f"output_hidden_layers asks for layer {top}, the model has "
-                             f"{cfg.num_hidden_layers} (0 = embeddings .. "
-                             f"{cfg.num_hidden_layers} = final)")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model has none")
+        check_request(prompt_token_ids, params, prompt_embeds, self.model_config,
+                      self.max_model_len, has_tokenizer=self.tokenizer is not None)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None,
                     params: SamplingParams, prompt_embeds: Tensor | None = None,
@@ -178,11 +131,8 @@ class AREngine:
                     and len(prompt_token_ids) == prompt_embeds.shape[0])
         if prompt_embeds is not None and not real_ids:
             prompt_token_ids = [0] * prompt_embeds.shape[0]  # placeholders (see Sequence)
-        if mrope_positions is not None and (
-                mrope_positions.dim() != 2 or mrope_positions.shape[0] != 3
-                or mrope_positions.shape[1] != len(prompt_token_ids or [])):
-            raise ValueError(f"mrope_positions has shape {tuple(mrope_positions.shape)}, "
-                             f"expected (3, {len(prompt_token_ids or [])})")
+        if mrope_positions is not None:
+            check_mrope_positions(mrope_positions, len(prompt_token_ids or []))
         seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids or []),
                        sampling_params=params, prompt_embeds=prompt_embeds,
                        eos_token_ids=self.eos_token_ids, prompt_open=prompt_open,
@@ -340,31 +290,17 @@ class AREngine:
     def _launch_ahead(self, batch: ScheduledBatch, pending: PendingStep
                       ) -> tuple[ScheduledBatch, PendingStep] | None:
         """Launch the step after `pending` (not read yet) for the same sequences, fed its
-        tokens on the device, if nothing else could be scheduled instead: no request waits,
-        every running sequence is in it, none of them is certain to finish now (max_tokens,
-        the model's length), and their next positions get blocks without preempting."""
-        if self._parked or self.scheduler.waiting:
+        tokens on the device, if the scheduler has nothing else to run instead
+        (`Scheduler.schedule_ahead`) and no parked request waits for input."""
+        if self._parked:
             return None
-        keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
-        seqs = [batch.seqs[i] for i in keep]
-        if not seqs or len(seqs) != len(self.scheduler.running):
+        ahead = self.scheduler.schedule_ahead(batch, self._pipelinable)
+        if ahead is None:
             return None
-        for seq in seqs:
-            max_tokens = seq.sampling_params.max_tokens
-            if ((max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens)
-                    or seq.num_tokens + 1 >= self.max_model_len):
-                return None
-        if not self._pipelinable(seqs):
-            return None
-        bm = self.block_manager
-        if sum(bm.num_blocks_needed(s, 2) for s in seqs) > bm.num_free_blocks:
-            return None
-        for seq in seqs:                 # position num_computed + 1: the unread token's
-            bm.allocate(seq, 2)
+        nxt, keep = ahead
         tokens = pending.token_ids
         if len(keep) != len(batch.seqs):
             tokens = tokens[to_device(keep, tokens.device)]
-        nxt = ScheduledBatch(seqs, [1] * len(seqs))
         try:
             return nxt, self.runner.launch_decode(nxt, tokens)
         except Exception:           # the step runs the ordinary way instead

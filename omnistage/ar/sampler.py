@@ -23,11 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from omnistage.ar.sequence import Sequence
+from omnistage.ar.sequence import Sequence, TokenLogprobs
 from omnistage.layers.sampling import GREEDY_EPS, apply_top_k_top_p
 from omnistage.utils.host import to_device
-
-TokenLogprobs = dict[int, float]  # top-N token id -> logprob, always including the sampled token
 
 
 @dataclass(slots=True)

@@ -11,6 +11,8 @@ in chunks next to decodes of other requests.
                                     prefix-cache lookup; never in a step that preempted
     update():    num_computed_tokens += scheduled; register full blocks in the prefix cache;
                  append sampled tokens; finish on eos / stop ids / max_tokens / max_model_len
+    schedule_ahead(batch):  the decode step after a batch not read yet (async scheduling),
+                 when nothing else could be scheduled instead
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from omnistage.ar.kv_cache import BlockManager
 from omnistage.ar.sequence import FinishReason, Sequence, SequenceStatus
@@ -153,6 +156,33 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def schedule_ahead(self, batch: ScheduledBatch, can_run: Callable[[list[Sequence]], bool]
+                       ) -> tuple[ScheduledBatch, list[int]] | None:
+        """The decode step after `batch` (launched, not read yet) for the same sequences, if
+        nothing else could be scheduled instead: no request waits, every running sequence is
+        in it, none is certain to finish now (max_tokens, the model's length), `can_run`
+        takes them, and their next positions get blocks without preempting (allocated here).
+        -> (that batch, the rows of `batch` it keeps), or None."""
+        if self.waiting:
+            return None
+        keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
+        seqs = [batch.seqs[i] for i in keep]
+        if not seqs or len(seqs) != len(self.running):
+            return None
+        for seq in seqs:
+            max_tokens = seq.sampling_params.max_tokens
+            if ((max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens)
+                    or seq.num_tokens + 1 >= self.max_model_len):
+                return None
+        if not can_run(seqs):
+            return None
+        bm = self.block_manager
+        if sum(bm.num_blocks_needed(s, 2) for s in seqs) > bm.num_free_blocks:
+            return None
+        for seq in seqs:                 # position num_computed + 1: the unread token's
+            bm.allocate(seq, 2)
+        return ScheduledBatch(seqs, [1] * len(seqs)), keep
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Advance the batch by what the runner computed; return sequences that finished.

@@ -28,8 +28,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
+from omnistage.outputs import RequestMetrics
 from omnistage.sampling_params import SamplingParams
+
+TokenLogprobs = dict[int, float]  # top-N token id -> logprob, always including the sampled token
 
 
 class SequenceStatus(enum.Enum):
@@ -131,3 +135,24 @@ class Sequence:
     @property
     def wants_hidden(self) -> bool:
         return bool(self.sampling_params.output_hidden_layers)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one request (deltas, not totals)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str = ""
+    logprobs: list[TokenLogprobs] | None = None
+    hidden_states: dict[int, Tensor] | None = None  # layer -> (n, hidden) for new positions
+    hidden_start: int = 0                           # position of the first hidden-state row
+    num_prompt_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    metrics: RequestMetrics | None = None           # set when the request finished
+    extra: dict[str, Tensor] | None = None          # the model's per-token extras (n, ...)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
