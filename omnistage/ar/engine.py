@@ -276,7 +276,7 @@ class AREngine:
         the unread token on the device (Sampler.sample's `pending`)."""
         graphs = self.runner.graphs
         if not (self.config.async_scheduling and graphs is not None
-                and getattr(self.model, "feedback", None) is None):
+                and self.model.feedback is None):
             return False
         for seq in seqs:
             if (seq.num_computed_tokens < seq.num_prompt_tokens or seq.prompt_open

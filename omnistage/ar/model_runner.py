@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from omnistage.ar.cuda_graphs import DecodeGraphs
 from omnistage.ar.kv_cache import KVCacheLayout
@@ -35,6 +35,7 @@ from omnistage.ar.scheduler import ScheduledBatch
 from omnistage.ar.sequence import Sequence
 from omnistage.layers.attention import (Attention, AttentionMetadata, forward_context,
                                         get_attention_backend)
+from omnistage.models.causal_lm import CausalLM
 from omnistage.utils import trace
 from omnistage.utils.host import int_matrix, int_tensor
 
@@ -64,7 +65,7 @@ def capture_key(layers: Iterable[int]) -> tuple[int, ...]:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, layout: KVCacheLayout, device: torch.device,
+    def __init__(self, model: CausalLM, layout: KVCacheLayout, device: torch.device,
                  dtype: torch.dtype, attention_backend: str = "auto", seed: int = 0, *,
                  max_num_seqs: int = 64, max_model_len: int | None = None,
                  enforce_eager: bool = False) -> None:
@@ -96,7 +97,7 @@ class ModelRunner:
             max_blocks = layout.num_blocks if max_model_len is None else min(
                 layout.num_blocks, -(-max_model_len // layout.block_size))
             graphs = DecodeGraphs(model, backend, layout.block_size, max_num_seqs, max_blocks,
-                                  device, getattr(model, "uses_mrope", False))
+                                  device, model.uses_mrope)
             self.graphs = graphs if graphs.capture_all() else None
 
     @torch.inference_mode()
@@ -130,7 +131,7 @@ class ModelRunner:
             seqs = [batch.seqs[i] for i in rows]
             logits = self.model.compute_logits(last)
             on_device = self.sampler.sample(logits, seqs, self.eos_token_ids, inplace=True)
-            feedback = getattr(self.model, "feedback", None)
+            feedback = self.model.feedback
             if feedback is not None:
                 # the model decides what its sampled tokens feed back (and may emit more per
                 # row), launched behind the sampling: the host waits once, for both
@@ -177,7 +178,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         embed_rows: list[tuple[int, Tensor]] = []   # (first row in batch, (n, hidden)): replace
         stream_rows: list[tuple[int, Tensor]] = []  # (first row in batch, (n, hidden)): add
-        mrope = getattr(self.model, "uses_mrope", False)
+        mrope = self.model.uses_mrope
         pos3: list[Tensor] = []                     # (3, n) per row when the model uses M-RoPE
         deep_rows: list[Tensor] = []                # deepstack: batch rows and their features
         deep_feats: list[Tensor] = []

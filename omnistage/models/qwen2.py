@@ -17,6 +17,7 @@ from omnistage.layers.attention import Attention, get_forward_context
 from omnistage.layers.linear import Linear, MergedLinear, QKVLinear
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding, get_rope
+from omnistage.models.causal_lm import CausalLM
 from omnistage.models.config import ModelConfig
 from omnistage.models.loader import load_packed_weights
 
@@ -195,7 +196,7 @@ class Qwen2Model(nn.Module):
                                 rope.cos_cache, rope.sin_cache)
 
 
-class Qwen2ForCausalLM(nn.Module):
+class Qwen2ForCausalLM(CausalLM):
     # checkpoint name -> (our fused parameter, shard id); read by the weight loader
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
                       "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),

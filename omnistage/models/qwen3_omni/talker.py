@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig
 
 from omnistage.layers.linear import Linear
+from omnistage.models.causal_lm import CausalLM
 from omnistage.models.config import ModelConfig
 from omnistage.models.loader import checkpoint_names
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor
@@ -100,7 +101,7 @@ class ResizeMLP(nn.Module):
         return self.linear_fc2(F.silu(self.linear_fc1(x)))
 
 
-class Qwen3OmniTalkerForCausalLM(nn.Module):
+class Qwen3OmniTalkerForCausalLM(CausalLM):
     packed_modules = PACKED_MODULES
     checkpoint_prefix = "talker."   # all of it: decoder, heads, projections, code predictor
     checkpoint_exclude: tuple[str, ...] = ()

@@ -30,6 +30,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from omnistage.layers.linear import Linear
 from omnistage.layers.mrope import MRotaryEmbedding
 from omnistage.layers.norm import RMSNorm
+from omnistage.models.causal_lm import CausalLM
 from omnistage.models.config import ModelConfig
 from omnistage.models.loader import (_default_dtype, check_tensor_names, checkpoint_names,
                                      iter_component_tensors, load_packed_weights)
@@ -214,7 +215,7 @@ class Qwen3OmniThinkerTextModel(Qwen3OmniMoeDecoder):
         self.embed_tokens.weight.requires_grad_(False)
 
 
-class Qwen3OmniThinkerForCausalLM(nn.Module):
+class Qwen3OmniThinkerForCausalLM(CausalLM):
     packed_modules = PACKED_MODULES
     # the part of the checkpoint this model loads: thinker.* except the encoders
     checkpoint_prefix = "thinker."
