@@ -17,6 +17,9 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.solvers.flow_match_euler import scale_noise, timesteps_for_strength
+
 MAX_INPUT_PIXELS = 4096 * 4096       # decompression-bomb guard for input images
 
 
@@ -71,6 +74,23 @@ def output_size(height: int | None, width: int | None, image: bytes | None, mult
         image_h, image_w = default_size(_peek(image), multiple)
         return height or image_h, width or image_w
     return height or default, width or default
+
+
+def image_to_image(params: DiffusionParams, sigmas: Tensor, height: int, width: int
+                   ) -> tuple[Tensor, Tensor] | None:
+    """What image-to-image shares across pipelines, before each encodes with its own VAE: the
+    schedule shortened by the request's strength, and its image as the tensor a VAE encodes
+    (1, 3, height, width). None for text-to-image."""
+    if params.image is None:
+        return None
+    start = timesteps_for_strength(params.num_inference_steps, params.image_strength)
+    return sigmas[start:], preprocess(decode_image(params.image), height, width)
+
+
+def noised_image(image_latents: Tensor, sigma: Tensor, noise: Tensor) -> Tensor:
+    """The encoded image (1, C, h, w) noised to `sigma`, once per row of `noise` (n, C, h, w):
+    image-to-image's starting latents."""
+    return scale_noise(image_latents.expand(noise.shape[0], -1, -1, -1), sigma, noise)
 
 
 def _peek(data: bytes) -> Image.Image:

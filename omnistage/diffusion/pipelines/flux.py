@@ -25,12 +25,11 @@ from torch import Tensor
 from transformers import AutoTokenizer
 
 from omnistage.layers.step_cache import cache_groups
-from omnistage.diffusion.image_input import decode_image, preprocess
+from omnistage.diffusion.image_input import image_to_image, noised_image
 from omnistage.diffusion.pipeline import LatentPipelineBase
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import check_conditioning
 from omnistage.diffusion.request import DiffusionRequest
-from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.models.autoencoder_kl import AutoencoderKL
 from omnistage.models.flux_transformer import FluxTransformer2DModel
 from omnistage.models.text_encoders import CLIPTextEncoder, T5Encoder
@@ -130,16 +129,16 @@ class FluxPipeline(LatentPipelineBase):
         # prepare_latents: noise in latent space (image-to-image: the encoded image noised to
         # the first sigma of the strength-shortened schedule), then 2x2 patches packed
         image_latents = None
-        if params.image is not None:        # FluxImg2ImgPipeline: encode draws first, then noise
-            sigmas = sigmas[solver.timesteps_for_strength(num_steps, params.image_strength):]
-            image = preprocess(decode_image(params.image), height, width)
+        img2img = image_to_image(params, sigmas, height, width)
+        if img2img is not None:             # FluxImg2ImgPipeline: encode draws first, then noise
+            sigmas, image = img2img
             image_latents = self.vae.normalize(self.vae.sample_latents(
                 image.to(self.device, self.dtype), generator))              # (1, C, h, w)
         c = self.num_channels_latents
         noise = torch.randn((n, c, h, w), generator=generator, device=generator.device,
                             dtype=self.dtype).to(self.device)               # (n, C, h, w)
         if image_latents is not None:
-            noise = solver.scale_noise(image_latents.expand(n, -1, -1, -1), sigmas[0], noise)
+            noise = noised_image(image_latents, sigmas[0], noise)
         latents = pack_latents(noise)                                        # (n, h/2*w/2, 4C)
         return latents, sigmas, {"grid": torch.tensor([h // 2, w // 2])}   # packed token grid
 

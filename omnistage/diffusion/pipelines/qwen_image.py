@@ -34,13 +34,12 @@ from torch import Tensor
 from transformers import AutoTokenizer
 
 from omnistage.layers.step_cache import cache_groups
-from omnistage.diffusion.image_input import decode_image, preprocess
+from omnistage.diffusion.image_input import image_to_image, noised_image
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import (LatentPipelineBase, check_conditioning,
                                          encode_with_negatives)
 from omnistage.diffusion.pipelines.flux import pack_latents, unpack_latents
 from omnistage.diffusion.request import DiffusionRequest
-from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.models.text_encoders import QwenTextEncoder
 from omnistage.models.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
 from omnistage.models.qwen_image_transformer import QwenImageTransformer2DModel
@@ -155,16 +154,16 @@ class QwenImagePipeline(LatentPipelineBase):
         # numbers); image-to-image draws the image's posterior sample first, then the noise,
         # and noises the image to the first sigma of the strength-shortened schedule
         image_latents = None
-        if params.image is not None:
-            sigmas = sigmas[solver.timesteps_for_strength(num_steps, params.image_strength):]
-            image = preprocess(decode_image(params.image), height, width)  # (1, 3, H, W)
+        img2img = image_to_image(params, sigmas, height, width)
+        if img2img is not None:
+            sigmas, image = img2img                                          # (1, 3, H, W)
             image = image.unsqueeze(2).to(self.device, self.vae_dtype)       # (1, 3, 1, H, W)
             image_latents = self.vae.normalize(self.vae.sample_latents(image, generator))
             image_latents = image_latents[:, :, 0].to(self.dtype)            # (1, C, h, w)
         noise = torch.randn((n, self.num_channels_latents, h, w), generator=generator,
                             device=generator.device, dtype=self.dtype).to(self.device)
         if image_latents is not None:
-            noise = solver.scale_noise(image_latents.expand(n, -1, -1, -1), sigmas[0], noise)
+            noise = noised_image(image_latents, sigmas[0], noise)
         latents = pack_latents(noise)                                        # (n, h/2*w/2, 4C)
         return latents, sigmas, {"grid": torch.tensor([h // 2, w // 2])}   # packed token grid
 

@@ -26,12 +26,11 @@ from torch import Tensor
 from transformers import AutoTokenizer
 
 from omnistage.layers.step_cache import cache_groups
-from omnistage.diffusion.image_input import decode_image, preprocess
+from omnistage.diffusion.image_input import image_to_image, noised_image
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import (LatentPipelineBase, check_conditioning,
                                          encode_with_negatives)
 from omnistage.diffusion.request import DiffusionRequest
-from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.models.autoencoder_kl import AutoencoderKL
 from omnistage.models.text_encoders import QwenTextEncoder
 from omnistage.models.z_image_transformer import ZImageTransformer2DModel
@@ -139,17 +138,17 @@ class ZImagePipeline(LatentPipelineBase):
         # model dtype; image-to-image (ZImageImg2ImgPipeline) encodes the image first, then
         # draws noise in the model dtype and noises the image to the shortened schedule's start
         shape = (n, self.num_channels_latents, h, w)
-        if params.image is None:
+        img2img = image_to_image(params, sigmas, height, width)
+        if img2img is None:
             latents = torch.randn(shape, generator=generator, device=generator.device,
                                   dtype=torch.float32).to(self.device)
             return latents, sigmas, {}
-        sigmas = sigmas[solver.timesteps_for_strength(num_steps, params.image_strength):]
-        image = preprocess(decode_image(params.image), height, width)
+        sigmas, image = img2img
         image_latents = self.vae.normalize(self.vae.sample_latents(
             image.to(self.device, self.vae_dtype), generator)).to(self.dtype)  # (1, C, h, w)
         noise = torch.randn(shape, generator=generator, device=generator.device,
                             dtype=self.dtype).to(self.device)
-        latents = solver.scale_noise(image_latents.expand(n, -1, -1, -1), sigmas[0], noise)
+        latents = noised_image(image_latents, sigmas[0], noise)
         return latents, sigmas, {}
 
     # ---- 2. velocity -----------------------------------------------------------------------
