@@ -211,6 +211,15 @@ class LatentPipelineBase:
         return latents, sigmas, {**self.check_conditioning(encoded, params),  # type: ignore
                                  **cond}
 
+    def latent_schedule(self, params: DiffusionParams, float32_linspace: bool = False
+                        ) -> tuple[int, int, int, int, Tensor]:
+        """A request's pixel size (height, width), its latent grid (h, w: two latent rows and
+        columns per `multiple` pixels) and the schedule shifted by its token count."""
+        height, width = self._size(params)
+        h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)  # type: ignore
+        sigmas = self.shifted_sigmas(h, w, params.num_inference_steps, float32_linspace)
+        return height, width, h, w, sigmas
+
     def shifted_sigmas(self, h: int, w: int, num_steps: int, float32_linspace: bool = False
                        ) -> Tensor:
         """The flow-match schedule of an (h, w) latent: linspace(1, 1/N, N) (numpy float64, or

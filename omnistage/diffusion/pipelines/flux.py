@@ -119,12 +119,8 @@ class FluxPipeline(LatentPipelineBase):
                         ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """-> packed latents (n, N, 4C), sigmas, {"grid": packed token grid (2,)}."""
         n = params.num_images
-        height, width = self._size(params)
-
         # timesteps: FLUX's custom sigmas, shifted by the number of image tokens
-        h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
-        num_steps = params.num_inference_steps
-        sigmas = self.shifted_sigmas(h, w, num_steps)
+        height, width, h, w, sigmas = self.latent_schedule(params)
 
         # prepare_latents: noise in latent space (image-to-image: the encoded image noised to
         # the first sigma of the strength-shortened schedule), then 2x2 patches packed

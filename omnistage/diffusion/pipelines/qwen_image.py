@@ -143,12 +143,8 @@ class QwenImagePipeline(LatentPipelineBase):
                         ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """-> packed latents (n, N, 4C), sigmas, {"grid": packed token grid (2,)}."""
         n = params.num_images
-        height, width = self._size(params)
-
         # timesteps: linspace(1, 1/N, N), shifted by the number of image tokens
-        h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
-        num_steps = params.num_inference_steps
-        sigmas = self.shifted_sigmas(h, w, num_steps)
+        height, width, h, w, sigmas = self.latent_schedule(params)
 
         # latents: noise in the model dtype (diffusers' (n, 1, C, h, w) draws the same
         # numbers); image-to-image draws the image's posterior sample first, then the noise,

@@ -127,12 +127,8 @@ class ZImagePipeline(LatentPipelineBase):
                         ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """-> latents (n, C, h, w), sigmas, {} (no other conditioning)."""
         n = params.num_images
-        height, width = self._size(params)
-
         # timesteps: linspace(1, 1/N, N) in torch float32, then the scheduler's shift
-        h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
-        num_steps = params.num_inference_steps
-        sigmas = self.shifted_sigmas(h, w, num_steps, float32_linspace=True)
+        height, width, h, w, sigmas = self.latent_schedule(params, float32_linspace=True)
 
         # prepare_latents, kept (n, C, h, w): text-to-image draws float32 noise whatever the
         # model dtype; image-to-image (ZImageImg2ImgPipeline) encodes the image first, then
