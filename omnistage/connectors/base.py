@@ -108,6 +108,12 @@ class Connector(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    @property
+    def address(self) -> str:
+        """Where this connector receives chunks sent to it directly ("" where nothing is:
+        only the tcp connector has one)."""
+        return ""
+
     def check_handle(self, handle: TensorHandle) -> None:
         if handle.kind != self.kind:
             raise ValueError(f"{self.kind} connector got a {handle.kind!r} handle for {handle.key}")

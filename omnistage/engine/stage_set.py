@@ -105,7 +105,7 @@ class StageSet:
 
     def _tell_peers(self, addresses: dict[str, str]) -> None:
         """tcp: each producer learns its consumers' addresses (and the client's)."""
-        client = self.connector.address   # type: ignore[attr-defined]
+        client = self.connector.address
         for s in self.graph.stages:
             peers = {m.edge_name(s.name, d.name): addresses[d.name]
                      for d, _ in downstream(self.graph, s.name)}

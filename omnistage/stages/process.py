@@ -152,7 +152,7 @@ def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector,
             gc.freeze()
         info = worker.engine.info()
         outbox.send(m.encode(m.Ready(spec.stage, os.getpid(),
-                                     getattr(connector, "address", ""), info)))
+                                     connector.address, info)))
         worker.serve(inbox, outbox)
     finally:
         trace.save()
