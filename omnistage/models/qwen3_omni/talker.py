@@ -172,9 +172,10 @@ class Qwen3OmniTalkerForCausalLM(CausalLM):
         request's own generator. -> next_input_embeds (B, H), [{"codes": (G,)}] per row."""
         temps = [max(s.sampling_params.temperature, 0.0) for s in seqs]
         greedy = all(t < 1e-5 for t in temps)     # decided on the host: no wait for the device
-        codes, embeds = self.predict_codes(
-            last_hidden, code0, greedy=greedy, temperature=to_device(temps, last_hidden.device),
-            generators=[s.generator for s in seqs])
+        temperature = 1.0 if greedy else to_device(temps, last_hidden.device)   # greedy: unused
+        codes, embeds = self.predict_codes(last_hidden, code0, greedy=greedy,
+                                           temperature=temperature,
+                                           generators=[s.generator for s in seqs])
         # the frames leave the process at once: one copy to the host for all rows
         return embeds, [{"codes": c} for c in codes.cpu().unbind(0)]
 
