@@ -4,6 +4,9 @@
            step() the engine once
            send one StageOutput per request that moved (client part + a handle per edge)
 
+A step that waits for the device (the talker's frame) handles the inbox's EdgeChunks during
+the wait (`_chunk_in_wait`, utils/device_wait.py) instead of after it.
+
 The same worker runs in its own process (process backend) or in a thread of the caller
 (inproc backend); only the sockets' addresses differ.
 """
@@ -26,7 +29,7 @@ from omnistage.stages.adapters import EdgeData, get_adapter
 from omnistage.stages import messages as m
 from omnistage.stages.factory import build_stage_engine
 from omnistage.stages.interface import StageEngine, StageRequest, StageResult
-from omnistage.utils import trace
+from omnistage.utils import device_wait, trace
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,13 @@ class StageWorker:
         self.adapters = {inp.source: get_adapter(inp.adapter) for inp in stage.inputs}
         self.final = stage.final
         self.requests: dict[str, RequestState] = {}
+        # a step's device wait handles inbox chunks (`_chunk_in_wait`): the first other message
+        # it meets waits here; request drops it causes wait for the step's end
+        self._inbox: zmq.Socket | None = None
+        self._outbox: zmq.Socket | None = None
+        self._deferred: m.ToStage | None = None
+        self._stepping = False
+        self._pending_drops: list[tuple[str, bool]] = []
         # where the busy loop's time goes: messages handled, steps run (seconds, counts)
         self.loop_stats: dict[str, float | int] = {
             "num_messages": 0, "message_seconds": 0.0, "max_message_seconds": 0.0,
@@ -145,10 +155,18 @@ class StageWorker:
         return tensors
 
     def _drop(self, request_id: str, abort: bool) -> None:
+        self.requests.pop(request_id, None)
+        if self._stepping:   # a chunk that failed in a step's device wait: the engine is
+            self._pending_drops.append((request_id, abort))   # mid-step, so after it
+            return
         if abort:
             self.engine.abort(request_id)
-        self.requests.pop(request_id, None)
         self.connector.release(request_id)
+
+    def _drop_pending(self) -> None:
+        drops, self._pending_drops = self._pending_drops, []
+        for request_id, abort in drops:
+            self._drop(request_id, abort)
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[m.StageOutput]:
@@ -231,8 +249,13 @@ class StageWorker:
     def serve(self, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         """Run until Shutdown: messages first, then one step."""
         trace.name_thread(self.name)
+        self._inbox, self._outbox = inbox, outbox
         idle = True
         while True:
+            if self._deferred is not None:   # met during the last step's device wait
+                msg, self._deferred = self._deferred, None
+                if not self._receive(msg):
+                    return
             timeout = IDLE_POLL_MS if idle or not self.has_work else 0
             if inbox.poll(timeout):
                 while True:
@@ -240,27 +263,54 @@ class StageWorker:
                         raw = inbox.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    msg = m.decode_to_stage(raw)
-                    if isinstance(msg, m.Shutdown):
+                    if not self._receive(m.decode_to_stage(raw)):
                         return
-                    t0, w0 = time.perf_counter(), time.time()
-                    for out in self.handle(msg):
-                        outbox.send(m.encode(out))
-                    self._count("message", time.perf_counter() - t0)
-                    if trace.enabled():
-                        trace.span(type(msg).__name__, w0, request=getattr(msg, "request_id",
-                                                                           None),
-                                   chunk=getattr(msg, "chunk_idx", None))
             outs: list[m.StageOutput] = []
             if self.has_work:
                 t0, w0 = time.perf_counter(), time.time()
-                outs = self.step()
+                with device_wait.idle_work(self._chunk_in_wait):
+                    self._stepping = True
+                    try:
+                        outs = self.step()
+                    finally:
+                        self._stepping = False
+                        self._drop_pending()
                 for out in outs:
                     outbox.send(m.encode(out))
                 self._count("step", time.perf_counter() - t0)
                 if trace.enabled() and outs:
                     trace.span("step", w0, outputs=[o.request_id for o in outs])
             idle = not outs
+
+    def _receive(self, msg: m.ToStage) -> bool:
+        """Handle one message and send what it answers; False on Shutdown."""
+        if isinstance(msg, m.Shutdown):
+            return False
+        t0, w0 = time.perf_counter(), time.time()
+        for out in self.handle(msg):
+            self._outbox.send(m.encode(out))
+        self._count("message", time.perf_counter() - t0)
+        if trace.enabled():
+            trace.span(type(msg).__name__, w0, request=getattr(msg, "request_id", None),
+                       chunk=getattr(msg, "chunk_idx", None))
+        return True
+
+    def _chunk_in_wait(self) -> bool:
+        """Idle work while a step waits for the device (utils/device_wait.py): handle the next
+        message if it is an EdgeChunk, which only records input for the next step. Any other
+        message (an add, an abort) waits for the step's end, and so does everything after it,
+        so messages still apply in order."""
+        if self._deferred is not None:
+            return False
+        try:
+            raw = self._inbox.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        msg = m.decode_to_stage(raw)
+        if not isinstance(msg, m.EdgeChunk):
+            self._deferred = msg
+            return False
+        return self._receive(msg)
 
     def _count(self, what: str, seconds: float) -> None:
         st = self.loop_stats

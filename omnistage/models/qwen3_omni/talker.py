@@ -41,6 +41,7 @@ from omnistage.models.qwen3_omni.moe import expand_expert_names
 from omnistage.models.qwen3_omni.thinker import (PACKED_MODULES, Qwen3OmniMoeDecoder,
                                                  Qwen3OmniTextConfig, _model_config,
                                                  build_and_load, load_moe_model_weights)
+from omnistage.utils import device_wait
 from omnistage.utils.host import to_device
 
 
@@ -176,7 +177,9 @@ class Qwen3OmniTalkerForCausalLM(CausalLM):
         codes, embeds = self.predict_codes(last_hidden, code0, greedy=greedy,
                                            temperature=temperature,
                                            generators=[s.generator for s in seqs])
-        # the frames leave the process at once: one copy to the host for all rows
+        # the frames leave the process at once: one copy to the host for all rows, once the
+        # stage has used the wait (the thinker's chunks that came meanwhile; device_wait.py)
+        device_wait.record_and_wait(codes.device)
         return embeds, [{"codes": c} for c in codes.cpu().unbind(0)]
 
     def predict_codes(self, past_hidden: Tensor, code0: Tensor, **sampling: object
