@@ -82,5 +82,7 @@ class Code2WavGenerator:
             streams.append(stream)
         audio = decode_streams(streams, self.max_batch_frames, self.shapes)
         sizes = [a.numel() for a in audio]
+        if not any(sizes):    # frames buffered, no chunk complete: the device stays untouched
+            return [{} for _ in audio]
         host = torch.cat(audio).float().cpu().split(sizes)     # one copy to the host
         return [{"audio": a} if a.numel() else {} for a in host]

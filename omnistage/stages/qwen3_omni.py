@@ -174,6 +174,9 @@ class _TalkerInput:
     rows_time: float | None = None                  # when the prompt's rows were all in
 
 
+WARM_PROJECTION_ROWS = 512   # TalkerStage._warm_projections: prompts and batches up to this
+
+
 def code_predictor_graphs(talker: Qwen3OmniTalkerForCausalLM, max_batch: int,
                           device: torch.device, dtype: torch.dtype) -> CodePredictorGraphs | None:
     """CUDA graphs for the talker's code predictor, if one frame replayed through them equals
@@ -235,6 +238,23 @@ class TalkerStage(ARStage):
                 and stage.options.get("code_predictor_cuda_graphs", True)):
             self.model.code_predictor.graphs = code_predictor_graphs(
                 self.model, stage.max_num_seqs, self.engine.device, self.engine.dtype)
+        if self.engine.device.type == "cuda":
+            self._warm_projections()
+
+    @torch.inference_mode()
+    def _warm_projections(self) -> None:
+        """Run the text and hidden projections once at every row count a step can hand them
+        (a prompt's text rows, the trailing rows of a batch): a shape's first run on a busy GPU
+        took up to 7 ms in a serving step (allocator and GEMM set-up; traced at concurrency 8),
+        in the way of every request's next frame."""
+        p = self._p()
+        width = self.engine.hf_config.talker_config.thinker_hidden_size   # prepare() runs in
+        # ARStage.__init__, before this class sets its own fields
+        rows = torch.zeros(WARM_PROJECTION_ROWS, width, device=p.device, dtype=p.dtype)
+        for n in range(1, WARM_PROJECTION_ROWS + 1):
+            self.model.project_text(rows[:n])
+            self.model.project_hidden(rows[:n])
+        torch.cuda.synchronize(p.device)
 
     def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
         """Every decode is fed embeddings (trailing text added, the frame's codes fed back) and
@@ -300,6 +320,7 @@ class TalkerStage(ARStage):
         request whose input is unusable fails alone."""
         failed, streamed = [], []
         fed, self._fed = self._fed, {}
+        w0 = time.time()
         for rid, closed in fed.items():
             state = self.inputs.get(rid)
             if state is None:
@@ -313,8 +334,11 @@ class TalkerStage(ARStage):
                 continue
             if rows is not None:
                 streamed.append((rid, rows))
+        trace.span("talker.prepare", w0, requests=len(fed))
         if streamed:
+            w0 = time.time()
             projected = self._project_text(torch.cat([r for _, r in streamed]))
+            trace.span("talker.project", w0, rows=len(projected))
             for (rid, _), rows in zip(streamed, projected.split([len(r) for _, r in streamed])):
                 self.engine.extend_request(rid, stream_embeds=rows)
         for rid, closed in fed.items():

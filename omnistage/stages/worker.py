@@ -34,6 +34,8 @@ from omnistage.utils import device_wait, trace
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 5
+GATHER_GAP_MS = 1      # `_gather`: the burst ends after this long without a message
+GATHER_MAX_MS = 4
 
 
 @dataclass(slots=True)
@@ -256,31 +258,50 @@ class StageWorker:
                 msg, self._deferred = self._deferred, None
                 if not self._receive(msg):
                     return
-            timeout = IDLE_POLL_MS if idle or not self.has_work else 0
+            was_idle = not self.has_work
+            timeout = IDLE_POLL_MS if idle or was_idle else 0
             if inbox.poll(timeout):
-                while True:
-                    try:
-                        raw = inbox.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if not self._receive(m.decode_to_stage(raw)):
-                        return
-            outs: list[m.StageOutput] = []
-            if self.has_work:
-                t0, w0 = time.perf_counter(), time.time()
-                with device_wait.idle_work(self._chunk_in_wait):
-                    self._stepping = True
-                    try:
-                        outs = self.step()
-                    finally:
-                        self._stepping = False
-                        self._drop_pending()
-                for out in outs:
-                    outbox.send(m.encode(out))
-                self._count("step", time.perf_counter() - t0)
-                if trace.enabled() and outs:
-                    trace.span("step", w0, outputs=[o.request_id for o in outs])
-            idle = not outs
+                if not self._drain() or (was_idle and self.has_work and not self._gather()):
+                    return
+            idle = not self._step_once() if self.has_work else True
+
+    def _drain(self) -> bool:
+        """Handle every message waiting in the inbox; False on Shutdown."""
+        while True:
+            try:
+                raw = self._inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            if not self._receive(m.decode_to_stage(raw)):
+                return False
+
+    def _gather(self) -> bool:
+        """Work arrived at an idle stage: take what else comes in the same burst (clients that
+        send several requests at once reach a stage a fraction of a millisecond apart) before
+        the first step, so they share one prefill instead of waiting behind it. Waits at most
+        GATHER_GAP_MS after the last message, GATHER_MAX_MS in all; False on Shutdown."""
+        deadline = time.monotonic() + GATHER_MAX_MS / 1e3
+        while time.monotonic() < deadline and self._inbox.poll(GATHER_GAP_MS):
+            if not self._drain():
+                return False
+        return True
+
+    def _step_once(self) -> bool:
+        """One engine step, its device waits used for the inbox's chunks; True if it output."""
+        t0, w0 = time.perf_counter(), time.time()
+        with device_wait.idle_work(self._chunk_in_wait):
+            self._stepping = True
+            try:
+                outs = self.step()
+            finally:
+                self._stepping = False
+                self._drop_pending()
+        for out in outs:
+            self._outbox.send(m.encode(out))
+        self._count("step", time.perf_counter() - t0)
+        if trace.enabled() and outs:
+            trace.span("step", w0, outputs=[o.request_id for o in outs])
+        return bool(outs)
 
     def _receive(self, msg: m.ToStage) -> bool:
         """Handle one message and send what it answers; False on Shutdown."""

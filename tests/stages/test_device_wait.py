@@ -129,3 +129,33 @@ def test_wait_for_stops_when_the_device_is_done_or_the_work_runs_out() -> None:
         units.clear()
         assert device_wait.wait_for(FakeEvent(busy=100)) == 4    # the work ran out
     assert device_wait.wait_for(FakeEvent(busy=3)) == 0          # unregistered again
+
+
+def test_an_idle_stage_gathers_a_burst_of_requests_into_its_first_step(
+        worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests sent at once reach a stage a little apart: the first step waits for the
+    burst's end (a gap of GATHER_GAP_MS, widened here so the test does not race)."""
+    w, engine = worker
+    monkeypatch.setattr(worker_mod, "GATHER_GAP_MS", 500)
+    monkeypatch.setattr(worker_mod, "GATHER_MAX_MS", 5000)
+    engine.busy = 0
+    engine.queued.set()
+    steps: list[set[str]] = []
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: steps.append(set(engine.requests)) or step())
+    ctx = zmq.Context.instance()
+    inbox, feeder = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    outbox, sink = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    inbox.bind("inproc://dw-g-in"), feeder.connect("inproc://dw-g-in")
+    outbox.bind("inproc://dw-g-out"), sink.connect("inproc://dw-g-out")
+    serving = threading.Thread(target=w.serve, args=(inbox, outbox), daemon=True)
+    serving.start()
+    feeder.send(m.encode(m.AddRequest("a", num_upstream=1)))
+    threading.Event().wait(0.05)
+    feeder.send(m.encode(m.AddRequest("b", num_upstream=1)))
+    assert sink.poll(5000)
+    feeder.send(m.encode(m.Shutdown()))
+    serving.join(10)
+    assert steps[0] == {"a", "b"}
+    for s in (inbox, feeder, outbox, sink):
+        s.close(0)

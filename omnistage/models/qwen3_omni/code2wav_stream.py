@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, check_chunking
+from omnistage.utils.host import int_tensor
 
 
 class Code2WavStream:
@@ -57,7 +58,10 @@ class Code2WavStream:
         self.left_context = left_context
         cfg, transformer = model.cfg, model.pre_transformer
         dtype = model.code_embedding.weight.dtype
-        self._codes = torch.empty(cfg.num_quantizers, 0, dtype=torch.long, device=model.device)
+        # frames not decoded yet, kept on the host: appending a frame touches no device (on a
+        # GPU shared with the talker, any copy of this process waits for a time slice, 14 ms a
+        # frame at concurrency 8); they go over once per chunk, in `_continue_transformer`
+        self._codes = torch.empty(cfg.num_quantizers, 0, dtype=torch.long)
         # the transformer's keys and values of the last rows: (layers, 2, P, Hkv, D), the last
         # `_num_past` of the P real
         self._past = torch.zeros(cfg.num_hidden_layers, 2, transformer.num_cached,
@@ -97,7 +101,7 @@ class Code2WavStream:
         if self.is_finished:
             raise ValueError("frames: the stream is already finished")
         self.model.check_codes(frames, "frames", batched=False)
-        self._codes = torch.cat([self._codes, frames.to(self.model.device)], dim=1)
+        self._codes = torch.cat([self._codes, frames.to("cpu", torch.long)], dim=1)
         self.num_frames += frames.shape[1]
 
     def finish(self) -> None:
@@ -231,14 +235,15 @@ def _continue_transformer(model: Code2Wav, streams: Sequence[Code2WavStream],
     if not streams:
         return []
     n_max = max(counts)
-    codes = torch.zeros(len(streams), model.cfg.num_quantizers, n_max, dtype=torch.long,
-                        device=model.device)                      # code 0 pads
+    codes = torch.zeros(len(streams), model.cfg.num_quantizers, n_max,
+                        dtype=torch.long)                         # code 0 pads
     for b, (s, n) in enumerate(zip(streams, counts)):
         codes[b, :, :n] = s._codes[:, :n]
         s._codes = s._codes[:, n:]
     dev = model.device
-    num_past = torch.tensor([s._num_past for s in streams], device=dev)
-    num_new = torch.tensor(list(counts), device=dev)
+    codes = codes.to(dev)                                         # one copy for the batch
+    num_past = int_tensor([s._num_past for s in streams]).to(dev)
+    num_new = int_tensor(counts).to(dev)
     with torch.inference_mode():
         rows, past = model.pre_transformer.forward_cached(
             model.embed(codes), torch.stack([s._past for s in streams]), num_past, num_new)
