@@ -85,7 +85,9 @@ def _norm_rope_heads(X, W, Dst, t, stride_t, stride_h, dst_stride_h, c1, c2, s1,
     tl.store(dst + HALF, (x2 * c2 + x1 * s2).to(Dst.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# stride_pos is the step's token count for M-RoPE positions (3, T): specialising on it (T
+# divisible by 16 or not) would build a second variant mid-serving for some batch sizes
+@triton.jit(do_not_specialize=["stride_pos"])
 def _qk_norm_rope_kernel(Q, K, V, QW, KW, Cos, Sin, Pos, Axis, QOut, KOut, VOut, Slots,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_cos, stride_pos, stride_cs, stride_ch, eps,
