@@ -33,8 +33,10 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 ComponentKind = Literal["ar", "diffusion", "generation"]
@@ -131,13 +133,17 @@ def register_family(family: ModelFamily, module: str) -> None:
             os.environ[FAMILY_MODULES_ENV] = ",".join([*listed, module])
 
 
-def families() -> dict[str, ModelFamily]:
-    """Every family by name: the built-in rows, then those registered in this process or in
-    the process that spawned it (OMNISTAGE_FAMILY_MODULES)."""
+def families() -> Mapping[str, ModelFamily]:
+    """Every family by name, read-only: the built-in rows, then those registered in this
+    process or in the process that started it (OMNISTAGE_FAMILY_MODULES)."""
     for module in os.environ.get(FAMILY_MODULES_ENV, "").split(","):
         if module and module not in sys.modules:
-            importlib.import_module(module)
-    return _FAMILIES
+            try:
+                importlib.import_module(module)
+            except ImportError as e:
+                raise ImportError(f"{FAMILY_MODULES_ENV} names {module!r}, which registers a "
+                                  f"model family, but it cannot be imported: {e}") from e
+    return MappingProxyType(_FAMILIES)
 
 
 def load(target: str) -> Any:
