@@ -11,44 +11,21 @@ from pathlib import Path
 
 import yaml
 
+from omnistage import registry
 from omnistage.configs.graph import load_graph
 from omnistage.configs.schema import GraphConfig, StageConfig
 
-# HF architecture -> default graph file shipped in omnistage/configs/
-DEFAULT_GRAPHS: dict[str, str] = {
-    "Qwen3ForCausalLM": "llm.yaml",
-    "Qwen2ForCausalLM": "llm.yaml",
-    "Qwen3OmniMoeForConditionalGeneration": "qwen3_omni.yaml",
-}
-DEMO_GRAPH = "digits.yaml"
 _STAGE_FIELDS = {f.name for f in fields(StageConfig)}
 
 
-# diffusers pipeline class (model_index.json's _class_name) -> default graph
-DEFAULT_DIFFUSERS_GRAPHS: dict[str, str] = {
-    "FluxPipeline": "flux.yaml",
-    "ZImagePipeline": "z_image.yaml",
-    "QwenImagePipeline": "qwen_image.yaml",
-}
-
-
-def default_graph_text(model_path: Path) -> str:
-    index = model_path / "model_index.json"
-    if index.is_file():
-        name = json.loads(index.read_text()).get("_class_name", "")
-        if name not in DEFAULT_DIFFUSERS_GRAPHS:
-            supported = ", ".join(sorted(DEFAULT_DIFFUSERS_GRAPHS))
-            raise ValueError(f"{model_path}: diffusers pipeline {name or '(none)'} is not "
-                             f"supported (supported: {supported})")
-        graph = DEFAULT_DIFFUSERS_GRAPHS[name]
-        return resources.files("omnistage.configs").joinpath(graph).read_text()
-    config = json.loads((model_path / "config.json").read_text())
-    archs = config.get("architectures") or []
-    for arch in archs:
-        if arch in DEFAULT_GRAPHS:
-            return resources.files("omnistage.configs").joinpath(DEFAULT_GRAPHS[arch]).read_text()
-    raise ValueError(f"{model_path}: architecture {', '.join(archs) or '(none)'} is not supported "
-                     f"(supported: {', '.join(sorted(DEFAULT_GRAPHS))})")
+def default_graph_text(model_path: Path | None) -> str:
+    """The default graph of the family serving `model_path` (None: the built-in demo's)."""
+    found = registry.family(registry.DEMO) if model_path is None else \
+        registry.family_of_folder(model_path)
+    if found.graph is None:
+        raise ValueError(f"{model_path}: the {found.name!r} family ships no default graph "
+                         "(pass stage_config)")
+    return resources.files("omnistage.configs").joinpath(found.graph).read_text()
 
 
 def packaged_graphs() -> list[str]:
@@ -81,10 +58,8 @@ def resolve_graph(model: str | None, model_path: Path | None, stage_config: str 
     stage, then `overrides`."""
     if stage_config is not None:
         text = stage_config_text(stage_config)
-    elif model_path is not None:
+    else:
         text = default_graph_text(model_path)
-    else:  # no model named: the built-in demo
-        text = resources.files("omnistage.configs").joinpath(DEMO_GRAPH).read_text()
     doc = yaml.safe_load(text) or {}
     stage_names = [s.get("name") for s in doc.get("stages", []) if isinstance(s, dict)]
     extra: list[str] = []

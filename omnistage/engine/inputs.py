@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Union
 
 import torch
 
+from omnistage import registry
 from omnistage.sampling_params import SamplingParams
 
 PromptType = Union[str, dict[str, Any]]
@@ -71,28 +73,14 @@ def parse_prompt(prompt: PromptType, tokenizer: object | None, tokenize: bool = 
     return ParsedPrompt(None, None, embeds)
 
 
-# HF architecture -> (module, class) of the input processor its entry stage needs (chat
-# templates, audio features, image patches): `from_pretrained(path)`, `parse_request(prompt)`
-INPUT_PROCESSORS: dict[str, tuple[str, str]] = {
-    "Qwen3OmniMoeForConditionalGeneration": ("omnistage.models.qwen3_omni.processing",
-                                             "InputProcessor"),
-}
-
-
-def load_input_processor(model_path: Any) -> Any | None:
-    """The model's input processor, or None for models whose prompts are plain text / ids."""
-    import importlib
-    import json
-    from pathlib import Path
-
-    config = Path(model_path) / "config.json" if model_path is not None else None
-    if config is None or not config.is_file():
+def load_input_processor(model_path: Path | None) -> Any | None:
+    """The input processor of the model's family (chat templates, audio features, image
+    patches: `from_pretrained(path)`, `parse_request(prompt)`), or None for models whose
+    prompts are plain text / ids."""
+    found = registry.match_folder(model_path) if model_path is not None else None
+    if found is None or found.processor is None:
         return None
-    for arch in json.loads(config.read_text()).get("architectures") or []:
-        if arch in INPUT_PROCESSORS:
-            module, name = INPUT_PROCESSORS[arch]
-            return getattr(importlib.import_module(module), name).from_pretrained(model_path)
-    return None
+    return registry.load(found.processor).from_pretrained(model_path)
 
 
 def parse_with_processor(prompt: PromptType, processor: Any) -> ParsedPrompt:

@@ -23,9 +23,9 @@ from torch import Tensor, nn
 from tqdm import tqdm
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from omnistage import registry
 from omnistage.layers.linear import default_weight_loader
 from omnistage.models.config import ModelConfig
-from omnistage.models.registry import get_model_class
 
 PackedModules = Mapping[str, tuple[str, int | str]]
 
@@ -171,7 +171,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype | None = Non
     if (path / "generation_config.json").is_file():
         generation_config = GenerationConfig.from_pretrained(path)
     cfg = ModelConfig.from_hf(hf_config, generation_config)
-    model_cls = get_model_class(cfg.architecture)
+    model_cls = registry.model_class(cfg.architecture)
     dtype = dtype or getattr(torch, cfg.torch_dtype)
 
     with _default_dtype(dtype), torch.device(device):

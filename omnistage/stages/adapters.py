@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from omnistage import registry
+
 
 @dataclass(slots=True)
 class EdgeData:
@@ -46,12 +48,10 @@ class StageFeed:
 
 Adapter = Callable[[EdgeData, dict], "StageFeed | None"]
 
+# Generic adapters (below) by bare name; a model family's as "<family>.<name>", registered when
+# the family's `adapters` module (omnistage.registry) is imported, on first use, so YAML can name
+# adapters of model packages not yet imported.
 ADAPTERS: dict[str, Adapter] = {}
-# Modules that register adapters when imported: a key "prefix.name" imports the module of its
-# prefix on first use, so YAML can name adapters of model packages not yet imported.
-ADAPTER_MODULES: dict[str, str] = {
-    "testing": "omnistage.testing.toy_pipeline",
-}
 
 
 def register_adapter(name: str) -> Callable[[Adapter], Adapter]:
@@ -64,10 +64,8 @@ def register_adapter(name: str) -> Callable[[Adapter], Adapter]:
 
 
 def get_adapter(name: str) -> Adapter:
-    if name not in ADAPTERS:
-        prefix = name.split(".", 1)[0]
-        if prefix in ADAPTER_MODULES:
-            importlib.import_module(ADAPTER_MODULES[prefix])
+    if name not in ADAPTERS and (module := registry.adapter_module(name)) is not None:
+        importlib.import_module(module)
     try:
         return ADAPTERS[name]
     except KeyError:
@@ -75,15 +73,11 @@ def get_adapter(name: str) -> Adapter:
         raise ValueError(f"adapter {name!r} is not registered (known: {known})") from None
 
 
-def load_adapter_modules() -> None:
-    """Import every module that registers adapters (before validating a graph's adapters)."""
-    for module in ADAPTER_MODULES.values():
-        importlib.import_module(module)
-
-
 def registered() -> dict[str, Adapter]:
-    """Every adapter, its modules imported: what `validate_graph(adapters=...)` checks."""
-    load_adapter_modules()
+    """Every adapter, every family's adapter module imported: what `validate_graph(adapters=...)`
+    checks."""
+    for module in registry.adapter_modules():
+        importlib.import_module(module)
     return ADAPTERS
 
 

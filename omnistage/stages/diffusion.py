@@ -3,11 +3,11 @@ interface."""
 
 from __future__ import annotations
 
+from omnistage import registry
 from omnistage.configs.schema import StageConfig
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import compile_blocks, is_split_pipeline
-from omnistage.diffusion.registry import get_pipeline_class
 from omnistage.diffusion.text_encoding import TEXT_ENCODER_PART, TextEncodingEngine
 from omnistage.stages.adapters import StageFeed
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
@@ -35,7 +35,7 @@ class DiffusionStage:
             raise ValueError(f"stage {stage.name!r}: component {stage.component!r}: the part "
                              f"after {name!r} can only be {TEXT_ENCODER_PART!r}")
         dev = resolve_device(device)
-        cls = get_pipeline_class(name)
+        cls = registry.load_component("diffusion", name)
         dtype = None if stage.dtype == "auto" else resolve_dtype(stage.dtype, None, dev)
         path = stage.model or model
         self.conditioned = bool(stage.inputs)          # conditioning comes along an edge

@@ -3,31 +3,22 @@ component of a larger checkpoint, that component's own stage."""
 
 from __future__ import annotations
 
-import importlib
-
+from omnistage import registry
 from omnistage.configs.schema import StageConfig
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageEngine
-
-
-# AR stages whose model is one component of a larger checkpoint, with its own input handling:
-# component -> (module, function(stage, model, device) -> stage engine)
-AR_COMPONENTS: dict[str, tuple[str, str]] = {
-    "qwen3_omni_thinker": ("omnistage.stages.qwen3_omni", "build_stage"),
-    "qwen3_omni_talker": ("omnistage.stages.qwen3_omni", "build_stage"),
-}
 
 
 def build_stage_engine(stage: StageConfig, model: str | None, device: str) -> StageEngine:
     if stage.kind == "ar":
         if not (stage.model or model):
             raise ValueError(f"stage {stage.name!r}: no model (set the graph's or the stage's)")
-        if stage.component is not None:
-            if stage.component not in AR_COMPONENTS:
-                raise ValueError(f"stage {stage.name!r}: ar component {stage.component!r} is not "
-                                 f"registered (known: {', '.join(sorted(AR_COMPONENTS))})")
-            module, fn = AR_COMPONENTS[stage.component]
-            return getattr(importlib.import_module(module), fn)(stage, model or "", device)
+        if stage.component is not None:   # one part of a larger checkpoint: its own stage
+            try:
+                build = registry.load_component("ar", stage.component)
+            except ValueError as e:
+                raise ValueError(f"stage {stage.name!r}: {e}") from None
+            return build(stage, model or "", device)
         return ARStage(stage, model or "", device)
     if stage.kind == "generation":
         from omnistage.stages.generation import GenerationStage

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from omnistage import registry
 from omnistage.configs.schema import StageConfig
 from omnistage.stages.adapters import StageFeed
 from omnistage.generation.engine import GenerationEngine
-from omnistage.generation.registry import get_generation_model_class
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
 from omnistage.utils.device import resolve_device, resolve_dtype
 
@@ -18,7 +18,7 @@ class GenerationStage:
         if not stage.component:
             raise ValueError(f"stage {stage.name!r}: a generation stage needs a component")
         dev = resolve_device(device)
-        cls = get_generation_model_class(stage.component)
+        cls = registry.load_component("generation", stage.component)
         path = stage.model or model
         dtype = None if stage.dtype == "auto" else resolve_dtype(stage.dtype, None, dev)
         self.engine = GenerationEngine(cls.from_pretrained(path, stage.component, dev, dtype,

@@ -1,6 +1,10 @@
 """A toy generation model and the stage graph used to test the runtime: a tiny Qwen3 emitting
 hidden states, a second tiny Qwen3 fed those as prompt and stream embeddings, and a generation
-stage turning the second one's tokens into vectors."""
+stage turning the second one's tokens into vectors.
+
+Importing this module registers the "testing" model family (component `token_embedder`,
+adapter `testing.fail_marked`); the production table in omnistage/registry.py knows nothing
+of it."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from omnistage.registry import Component, ModelFamily, register_family
 from omnistage.stages.adapters import EdgeData, StageFeed, hidden_to_embeds, register_adapter
 
 
@@ -75,3 +80,9 @@ def fail_marked(data: EdgeData, state: dict) -> StageFeed | None:
     if data.request_id.startswith("fail-"):
         raise ValueError(f"request {data.request_id} is marked to fail")
     return hidden_to_embeds(data, state)
+
+
+register_family(ModelFamily(
+    "testing", adapters=__name__,
+    components=(Component("generation", "token_embedder", f"{__name__}:TokenEmbedder"),)),
+    module=__name__)

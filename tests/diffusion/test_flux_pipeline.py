@@ -13,7 +13,7 @@ from torch import Tensor
 from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.flux import FluxPipeline
-from omnistage.diffusion.registry import get_pipeline_class
+from omnistage.registry import load_component
 from omnistage.testing.diffusion import run_to_end
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 
@@ -68,7 +68,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
          ) -> tuple[diffusers.FluxPipeline, FluxPipeline]:
     path = tmp_path_factory.mktemp("flux")
     ref = build_reference(path, guidance_embeds=request.param)
-    ours = get_pipeline_class("flux").from_pretrained(path, "flux", torch.device("cpu"),
+    ours = load_component("diffusion", "flux").from_pretrained(path, "flux", torch.device("cpu"),
                                                       torch.float32)
     ours.prompt_encoder.max_sequence_length = SEQ
     return ref, ours

@@ -19,7 +19,7 @@ from torch import Tensor
 from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.qwen_image import QwenImagePipeline
-from omnistage.diffusion.registry import get_pipeline_class
+from omnistage.registry import load_component
 from omnistage.testing.diffusion import run_to_end
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 
@@ -80,7 +80,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, diffusers.Qw
 def pair(folder: tuple[Path, diffusers.QwenImagePipeline]
          ) -> tuple[diffusers.QwenImagePipeline, QwenImagePipeline]:
     path, ref = folder
-    ours = get_pipeline_class("qwen_image").from_pretrained(path, "qwen_image",
+    ours = load_component("diffusion", "qwen_image").from_pretrained(path, "qwen_image",
                                                             torch.device("cpu"), torch.float32)
     return ref, ours
 

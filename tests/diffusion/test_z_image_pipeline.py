@@ -13,7 +13,7 @@ from torch import Tensor
 from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.z_image import ZImagePipeline
-from omnistage.diffusion.registry import get_pipeline_class
+from omnistage.registry import load_component
 from omnistage.testing.diffusion import run_to_end
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 
@@ -62,7 +62,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory
          ) -> tuple[diffusers.ZImagePipeline, ZImagePipeline]:
     path = tmp_path_factory.mktemp("z_image")
     ref = build_reference(path)
-    ours = get_pipeline_class("z_image").from_pretrained(path, "z_image", torch.device("cpu"),
+    ours = load_component("diffusion", "z_image").from_pretrained(path, "z_image", torch.device("cpu"),
                                                          torch.float32)
     ours.prompt_encoder.max_sequence_length = SEQ
     return ref, ours

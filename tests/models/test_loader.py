@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from omnistage.models.loader import iter_safetensors, load_model, resolve_model_path
-from omnistage.models.registry import get_model_class
+from omnistage.registry import model_class
 
 CPU = torch.device("cpu")
 
@@ -72,7 +72,7 @@ def test_unknown_architecture_lists_supported(tiny_qwen3: Path, tmp_path: Path) 
     with pytest.raises(ValueError, match=r"'MadeUpForCausalLM' is not supported.*Qwen3ForCausalLM"):
         load_model(path, CPU)
     with pytest.raises(ValueError, match="supported: Qwen2ForCausalLM, Qwen3ForCausalLM"):
-        get_model_class("LlamaForCausalLM")
+        model_class("LlamaForCausalLM")
 
 
 def test_folder_without_config_json(tmp_path: Path) -> None:

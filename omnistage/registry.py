@@ -1,0 +1,229 @@
+"""Model families: one row each, the only table that says what a model name means.
+
+A family is matched by its checkpoint folder (config.json's `architectures`, or a diffusers
+folder's model_index.json `_class_name`) and says what runs it:
+
+    ModelFamily("qwen3_omni",
+                architectures=("Qwen3OmniMoeForConditionalGeneration",),
+                graph="qwen3_omni.yaml",                 # omnistage/configs/qwen3_omni.yaml
+                components=(Component("ar", "qwen3_omni_thinker", "omnistage.stages..."),
+                            ...),                        # what a stage's `component:` names
+                processor="omnistage.models.qwen3_omni.processing:InputProcessor")
+
+Every lookup reads this one table: the AR model class of an architecture (`model_class`), a
+stage's component (`load_component`: an AR stage builder, a diffusion pipeline, a generation
+model), the default graph of a model folder (`family_of_folder`), the input processor of the
+entry stage, and the module that registers a family's edge adapters (adapter "<family>.<name>").
+
+Targets are "module:attribute" strings, imported only when a stage or the front door asks for
+them: this module sits at the bottom floor with configs/ (configs/defaults.py reads it), while
+what it names lives above (models, stages, diffusion, generation).
+
+Adding a model = its files (model, pipeline or stage code), one row in `_BUILT_IN` below, its
+default graph YAML in omnistage/configs/. Toy and out-of-tree models call `register_family` from
+their own package instead (omnistage/testing/toy_pipeline.py registers the "testing" family), so
+no test entry sits in the production table. A stage process spawned afterwards knows such a
+family too: `register_family` names the registering module in OMNISTAGE_FAMILY_MODULES, which
+every process imports before its first lookup.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+ComponentKind = Literal["ar", "diffusion", "generation"]
+FAMILY_MODULES_ENV = "OMNISTAGE_FAMILY_MODULES"
+DEMO = "digits"       # the family `omnistage serve` and `Omni()` run when no model is named
+
+
+@dataclass(frozen=True, slots=True)
+class Component:
+    """What a stage's `component:` names, by kind: for `ar`, a function (stage, model, device)
+    -> stage engine, for an AR model with its own input handling; for `diffusion`, a pipeline
+    class; for `generation`, a model class. Both classes have `from_pretrained(path, component,
+    device, dtype)`."""
+
+    kind: ComponentKind
+    name: str
+    target: str           # "module:attribute"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFamily:
+    name: str                                  # the prefix of its adapters' names
+    architectures: tuple[str, ...] = ()        # config.json "architectures" it serves
+    diffusers_classes: tuple[str, ...] = ()    # model_index.json "_class_name" it serves
+    graph: str | None = None                   # default graph, a YAML file in omnistage/configs/
+    model: str | None = None                   # AR model class, loaded by architecture
+    components: tuple[Component, ...] = ()
+    processor: str | None = None               # the entry stage's input processor class
+    adapters: str | None = None                # module registering adapters "<name>.*"
+
+
+def _text_llm(name: str, architecture: str) -> ModelFamily:
+    return ModelFamily(name, architectures=(architecture,), graph="llm.yaml",
+                       model=f"omnistage.models.{name}:{architecture}")
+
+
+def _pipeline(name: str, diffusers_class: str) -> ModelFamily:
+    target = f"omnistage.diffusion.pipelines.{name}:{diffusers_class}"
+    return ModelFamily(name, diffusers_classes=(diffusers_class,), graph=f"{name}.yaml",
+                       components=(Component("diffusion", name, target),))
+
+
+_OMNI_STAGES = "omnistage.stages.qwen3_omni:build_stage"
+_BUILT_IN = (
+    _text_llm("qwen3", "Qwen3ForCausalLM"),
+    _text_llm("qwen2", "Qwen2ForCausalLM"),
+    ModelFamily(
+        "qwen3_omni", architectures=("Qwen3OmniMoeForConditionalGeneration",),
+        graph="qwen3_omni.yaml",
+        components=(Component("ar", "qwen3_omni_thinker", _OMNI_STAGES),
+                    Component("ar", "qwen3_omni_talker", _OMNI_STAGES),
+                    Component("generation", "qwen3_omni_code2wav",
+                              "omnistage.generation.code2wav:Code2WavGenerator")),
+        processor="omnistage.models.qwen3_omni.processing:InputProcessor"),
+    _pipeline("flux", "FluxPipeline"),
+    _pipeline("z_image", "ZImagePipeline"),
+    _pipeline("qwen_image", "QwenImagePipeline"),
+    ModelFamily("digits", graph="digits.yaml", components=(Component(
+        "diffusion", "digits_dit", "omnistage.diffusion.pipelines.digits:DigitsPipeline"),)),
+)
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def _add(family: ModelFamily) -> None:
+    """Into the table, unless a name, a match or a component is taken by another family."""
+    if _FAMILIES.get(family.name) == family:
+        return                                  # the same row again (a module imported twice)
+    taken = [f"family {family.name!r}"] if family.name in _FAMILIES else []
+    for other in _FAMILIES.values():
+        taken += [f"architecture {a!r}" for a in family.architectures if a in other.architectures]
+        taken += [f"diffusers class {c!r}" for c in family.diffusers_classes
+                  if c in other.diffusers_classes]
+        theirs = {(c.kind, c.name) for c in other.components}
+        taken += [f"{c.kind} component {c.name!r}" for c in family.components
+                  if (c.kind, c.name) in theirs]
+    if taken:
+        raise ValueError(f"family {family.name!r}: {', '.join(taken)} already registered")
+    _FAMILIES[family.name] = family
+
+
+for _family in _BUILT_IN:
+    _add(_family)
+
+
+def register_family(family: ModelFamily, module: str) -> None:
+    """Add a family that is not built in (toy and out-of-tree models). `module`: the module
+    making this call (its `__name__`); stage processes spawned from now on import it before
+    their first lookup, so they know the family too. A script's `__main__` needs no naming:
+    spawned processes run its top level again."""
+    _add(family)
+    if module != "__main__":
+        listed = [m for m in os.environ.get(FAMILY_MODULES_ENV, "").split(",") if m]
+        if module not in listed:
+            os.environ[FAMILY_MODULES_ENV] = ",".join([*listed, module])
+
+
+def families() -> Mapping[str, ModelFamily]:
+    """Every family by name, read-only: the built-in rows, then those registered in this
+    process or in the process that started it (OMNISTAGE_FAMILY_MODULES)."""
+    for module in os.environ.get(FAMILY_MODULES_ENV, "").split(","):
+        if module and module not in sys.modules:
+            try:
+                importlib.import_module(module)
+            except ImportError as e:
+                raise ImportError(f"{FAMILY_MODULES_ENV} names {module!r}, which registers a "
+                                  f"model family, but it cannot be imported: {e}") from e
+    return MappingProxyType(_FAMILIES)
+
+
+def load(target: str) -> Any:
+    """The object a "module:attribute" target names, its module imported now."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def family(name: str) -> ModelFamily:
+    table = families()
+    if name not in table:
+        raise ValueError(f"model family {name!r} is not registered (known: "
+                         f"{', '.join(sorted(table))})")
+    return table[name]
+
+
+def model_class(architecture: str) -> Any:
+    """The AR model class built for a config.json architecture."""
+    models = {a: f.model for f in families().values() if f.model for a in f.architectures}
+    if architecture not in models:
+        raise ValueError(f"architecture {architecture!r} is not supported "
+                         f"(supported: {', '.join(sorted(models))})")
+    return load(models[architecture])
+
+
+def load_component(kind: ComponentKind, name: str) -> Any:
+    """What a stage of `kind` whose `component:` is `name` runs (see `Component`)."""
+    targets = {c.name: c.target for f in families().values() for c in f.components
+               if c.kind == kind}
+    if name not in targets:
+        raise ValueError(f"{kind} component {name!r} is not registered "
+                         f"(known: {', '.join(sorted(targets)) or 'none'})")
+    return load(targets[name])
+
+
+def match_folder(model_path: Path) -> ModelFamily | None:
+    """The family serving a checkpoint folder, or None (not a checkpoint, or unknown)."""
+    diffusers, archs = _folder_names(model_path)
+    for f in families().values():
+        if (diffusers is not None and diffusers in f.diffusers_classes) or \
+                any(a in f.architectures for a in archs):
+            return f
+    return None
+
+
+def family_of_folder(model_path: Path) -> ModelFamily:
+    """The family serving a checkpoint folder; ValueError listing the supported ones."""
+    found = match_folder(model_path)
+    if found is not None:
+        return found
+    diffusers, archs = _folder_names(model_path)
+    table = families().values()
+    if diffusers is not None:
+        supported = sorted(c for f in table for c in f.diffusers_classes)
+        raise ValueError(f"{model_path}: diffusers pipeline {diffusers or '(none)'} is not "
+                         f"supported (supported: {', '.join(supported)})")
+    supported = sorted(a for f in table for a in f.architectures)
+    raise ValueError(f"{model_path}: architecture {', '.join(archs) or '(none)'} is not supported "
+                     f"(supported: {', '.join(supported)})")
+
+
+def adapter_module(adapter: str) -> str | None:
+    """The module registering adapter "<family>.<name>", or None (a generic adapter, or no
+    such family)."""
+    prefix, dot, _ = adapter.partition(".")
+    found = families().get(prefix) if dot else None
+    return found.adapters if found is not None else None
+
+
+def adapter_modules() -> list[str]:
+    return [f.adapters for f in families().values() if f.adapters]
+
+
+def _folder_names(model_path: Path) -> tuple[str | None, list[str]]:
+    """(model_index.json's `_class_name`, "" if it has none; None if no such file) and
+    config.json's architectures ([] if no such file)."""
+    index = Path(model_path) / "model_index.json"
+    if index.is_file():
+        return json.loads(index.read_text()).get("_class_name") or "", []
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return None, []
+    return None, list(json.loads(config.read_text()).get("architectures") or [])

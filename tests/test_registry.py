@@ -1,0 +1,153 @@
+"""The model-family table: lookups by architecture, diffusers class and component name, the
+default graph of every family, and families registered from outside the production table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from omnistage import registry
+from omnistage.configs.defaults import resolve_graph
+from omnistage.configs.graph import load_graph, validate_graph
+from omnistage.registry import Component, ModelFamily
+from omnistage.stages import adapters
+
+
+def folder(tmp_path: Path, name: str, content: dict) -> Path:
+    """A checkpoint folder holding only its config.json or model_index.json."""
+    (tmp_path / name).write_text(json.dumps(content))
+    return tmp_path
+
+
+def test_unknown_architecture_lists_the_known_ones(tmp_path: Path) -> None:
+    path = folder(tmp_path, "config.json", {"architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(ValueError, match=r"architecture LlamaForCausalLM is not supported "
+                       r"\(supported: Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                       r"Qwen3OmniMoeForConditionalGeneration\)"):
+        registry.family_of_folder(path)
+    assert registry.match_folder(path) is None
+    # an AR model class exists for the text LLMs only
+    with pytest.raises(ValueError, match=r"'LlamaForCausalLM' is not supported \(supported: "
+                                         r"Qwen2ForCausalLM, Qwen3ForCausalLM\)$"):
+        registry.model_class("LlamaForCausalLM")
+
+
+def test_unknown_diffusers_class_lists_the_known_ones(tmp_path: Path) -> None:
+    path = folder(tmp_path, "model_index.json", {"_class_name": "StableDiffusionPipeline"})
+    with pytest.raises(ValueError, match=r"diffusers pipeline StableDiffusionPipeline is not "
+                       r"supported \(supported: FluxPipeline, QwenImagePipeline, ZImagePipeline\)"):
+        resolve_graph(str(path), path, None)
+
+
+@pytest.mark.parametrize("architecture, family, graph", [
+    ("Qwen3ForCausalLM", "qwen3", "llm.yaml"), ("Qwen2ForCausalLM", "qwen2", "llm.yaml"),
+    ("Qwen3OmniMoeForConditionalGeneration", "qwen3_omni", "qwen3_omni.yaml")])
+def test_lookup_by_architecture(tmp_path: Path, architecture: str, family: str,
+                                graph: str) -> None:
+    path = folder(tmp_path, "config.json", {"architectures": [architecture]})
+    found = registry.family_of_folder(path)
+    assert (found.name, found.graph) == (family, graph)
+    assert registry.family(family) is found
+    resolved = resolve_graph(str(path), path, None)
+    assert resolved.model == str(path)
+    assert resolved.stages == load_graph(_graph_text(graph), [f"model={path}"]).stages
+
+
+def test_model_class_by_architecture() -> None:
+    from omnistage.models.qwen2 import Qwen2ForCausalLM
+    from omnistage.models.qwen3 import Qwen3ForCausalLM
+
+    assert registry.model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
+    assert registry.model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
+
+
+@pytest.mark.parametrize("diffusers_class, family", [
+    ("FluxPipeline", "flux"), ("ZImagePipeline", "z_image"), ("QwenImagePipeline", "qwen_image")])
+def test_lookup_by_diffusers_class(tmp_path: Path, diffusers_class: str, family: str) -> None:
+    path = folder(tmp_path, "model_index.json", {"_class_name": diffusers_class})
+    found = registry.family_of_folder(path)
+    assert found.name == family and found.diffusers_classes == (diffusers_class,)
+    pipeline = registry.load_component("diffusion", family)
+    assert pipeline.__name__ == diffusers_class     # ours carries the diffusers name
+    (stage,) = resolve_graph(str(path), path, None).stages
+    assert (stage.kind, stage.component, stage.model) == ("diffusion", family, None)
+
+
+def test_no_model_named_runs_the_demo_family() -> None:
+    (stage,) = resolve_graph(None, None, None).stages
+    demo = registry.family(registry.DEMO)
+    assert demo.graph == "digits.yaml" and stage.component == "digits_dit"
+    assert registry.load_component("diffusion", "digits_dit").__name__ == "DigitsPipeline"
+
+
+def test_every_default_graph_exists_validates_and_names_registered_parts() -> None:
+    """Each family's YAML is shipped and valid, its adapters and its stages' components are
+    registered, and every target of every row imports."""
+    for family in registry.families().values():
+        for target in [family.model, family.processor, *(c.target for c in family.components)]:
+            if target is not None:
+                assert registry.load(target) is not None, (family.name, target)
+        if family.graph is None:
+            continue
+        graph = load_graph(_graph_text(family.graph))
+        validate_graph(graph, adapters=adapters.registered())
+        for stage in graph.stages:
+            if stage.component is not None:
+                registry.load_component(stage.kind, stage.component.partition(".")[0])
+
+
+def test_unknown_component_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"diffusion component 'sdxl' is not registered "
+                                         r"\(known: .*flux.*qwen_image.*z_image"):
+        registry.load_component("diffusion", "sdxl")
+    with pytest.raises(ValueError, match="model family 'nope' is not registered"):
+        registry.family("nope")
+
+
+def test_a_family_cannot_take_another_ones_match() -> None:
+    thief = ModelFamily("my_qwen", architectures=("Qwen3ForCausalLM",), components=(
+        Component("diffusion", "flux", "somewhere:Else"),))
+    with pytest.raises(ValueError, match=r"family 'my_qwen': architecture 'Qwen3ForCausalLM', "
+                                         r"diffusion component 'flux' already registered"):
+        registry.register_family(thief, "tests.test_registry")
+    assert "my_qwen" not in registry.families()
+
+
+def test_test_family_registers_from_the_testing_package(tmp_path: Path) -> None:
+    """In a fresh interpreter the "testing" family is unknown until omnistage.testing's toy
+    pipeline is imported; then it is known, and so in a process started afterwards (which
+    inherits OMNISTAGE_FAMILY_MODULES), as spawned stage processes are."""
+    script = textwrap.dedent("""
+        import subprocess, sys
+        from omnistage import registry
+        assert "testing" not in registry.families()
+        try:
+            registry.load_component("generation", "token_embedder")
+            raise SystemExit("token_embedder known before registration")
+        except ValueError as e:
+            assert "not registered" in str(e), e
+        import omnistage.testing.toy_pipeline as toy
+        assert registry.load_component("generation", "token_embedder") is toy.TokenEmbedder
+        assert registry.adapter_module("testing.fail_marked") == toy.__name__
+        child = ("from omnistage import registry; "
+                 "print(registry.load_component('generation', 'token_embedder').__qualname__)")
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                             check=True).stdout
+        print(out.strip())
+    """)
+    env = {k: v for k, v in os.environ.items() if k != registry.FAMILY_MODULES_ENV}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=Path(__file__).parents[1], check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "TokenEmbedder"
+
+
+def _graph_text(name: str) -> str:
+    return resources.files("omnistage.configs").joinpath(name).read_text()
