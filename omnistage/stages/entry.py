@@ -33,7 +33,10 @@ def set_title(title: str) -> None:
 
 
 def main() -> None:
-    start = pickle.loads(sys.stdin.buffer.read())
+    try:
+        start = pickle.loads(sys.stdin.buffer.read())
+    except (EOFError, pickle.UnpicklingError):   # the parent died before it sent them
+        sys.exit("omnistage stage process: no start arguments on stdin (is the parent gone?)")
     devnull = os.open(os.devnull, os.O_RDONLY)   # the pipe is spent; nothing reads stdin after
     os.dup2(devnull, 0)
     os.close(devnull)
