@@ -1,5 +1,5 @@
 """The running stages of one graph: their processes (or threads), the sockets to and from them,
-the client's connector, the run folder and the shared-memory namespace. Start-up (spawn, wait
+the client's connector, the run folder and the shared-memory namespace. Start-up (start, wait
 for every Ready, tell tcp producers their consumers), sending, liveness and tear-down live
 here; the orchestrator routes requests on top of it.
 
@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import logging
 import shutil
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import zmq
 
@@ -96,8 +94,8 @@ class StageSet:
             if dead and not self.outputs.poll(POLL_MS):   # its last words may be in flight
                 name = dead[0]
                 raise RuntimeError(f"stage {name!r} failed to start: its process "
-                                   f"{self.runners[name].exit_description()}"
-                                   f"{_spawn_hint()}")
+                                   f"{self.runners[name].exit_description()} before "
+                                   "reporting anything (its traceback, if any, is on stderr)")
         for s in self.graph.stages:
             logger.info(describe_stage(s.name, s.kind, self.info.get(s.name, {})))
         if self.graph.connector == "tcp":
@@ -153,14 +151,3 @@ class StageSet:
             sweep(self.shm_namespace)
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
-
-
-def _spawn_hint() -> str:
-    """Why a stage process can die before it says anything: spawned processes import the
-    main script again, and one that builds the engine at import time fails there."""
-    main = sys.modules.get("__main__")
-    if getattr(main, "__file__", None) is None:       # an interactive session, python -c
-        return ""
-    return (f" (before reporting anything: if {Path(main.__file__).name} creates the engine "
-            "when imported, put that code under `if __name__ == \"__main__\":`; stage "
-            "processes are spawned and import the main script again)")

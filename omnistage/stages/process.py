@@ -1,5 +1,10 @@
-"""Starting stage workers: one spawned process each (process backend) or one thread each
-(inproc backend), with the same worker code behind the same kind of sockets.
+"""Starting stage workers: one process each (process backend) or one thread each (inproc
+backend), with the same worker code behind the same kind of sockets.
+
+A stage process is `python -m omnistage.stages.entry`, its start arguments (a `ProcessStart`)
+pickled down its stdin: not multiprocessing's spawn, whose child imports the user's main script
+again (so every script needed an `if __name__ == "__main__":` guard, and `python - < script`
+could not work at all). It is named `omnistage: stage NAME` in ps (entry.py).
 
 Process lifecycle:
 - ready handshake: a worker sends Ready (or StartupFailed with the reason) once its model is
@@ -16,15 +21,18 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
-import multiprocessing as mp
 import os
+import pickle
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from pathlib import Path
 
 import zmq
 
@@ -48,6 +56,15 @@ class WorkerSpec:
     shm_namespace: str
     run_dir: str             # the orchestrator's folder of ipc sockets
     tcp_host: str = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessStart:
+    """What a stage process is started with (pickled down its stdin)."""
+    spec: WorkerSpec
+    parent_pid: int
+    sys_path: tuple[str, ...]     # the parent's, so that the stage imports what it imports
+    tracker_fd: int               # the parent's resource tracker (see start_stage_process)
 
 
 def check_gpu_placement(graph: GraphConfig, device: str) -> None:
@@ -211,7 +228,32 @@ def _die_with_parent(spec: WorkerSpec, parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def _process_main(spec: WorkerSpec, parent_pid: int) -> None:
+def start_stage_process(spec: WorkerSpec) -> subprocess.Popen:
+    """Start `python -m omnistage.stages.entry` for one stage. The child imports this very
+    omnistage (the folder above the package goes first on its PYTHONPATH; -P keeps the current
+    folder off its path) and shares the parent's resource tracker, as multiprocessing's spawn
+    children do, instead of starting one of its own (shm.py registers each segment with it
+    for a moment)."""
+    resource_tracker.ensure_running()
+    tracker_fd = resource_tracker.getfd()
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "omnistage.stages.entry"],
+                            stdin=subprocess.PIPE, env=env, pass_fds=(tracker_fd,))
+    start = ProcessStart(spec, os.getpid(), tuple(sys.path), tracker_fd)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(pickle.dumps(start))
+        proc.stdin.close()
+    except BrokenPipeError:   # died at import: StageSet reports its exit, its stderr says why
+        pass
+    return proc
+
+
+def process_main(spec: WorkerSpec, parent_pid: int) -> None:
+    """The stage process's body, after entry.py has read its ProcessStart: dies with its
+    parent, serves until Shutdown or SIGTERM, never returns (os._exit)."""
     _die_with_parent(spec, parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -253,13 +295,10 @@ class StageRunner:
                  shared_connector: Connector | None) -> None:
         self.spec = spec
         self.name = spec.stage
-        self.process: mp.process.BaseProcess | None = None
+        self.process: subprocess.Popen | None = None
         self.thread: threading.Thread | None = None
         if backend == "process":
-            self.process = mp.get_context("spawn").Process(
-                target=_process_main, args=(spec, os.getpid()), name=f"omnistage-{spec.stage}",
-                daemon=True)
-            self.process.start()
+            self.process = start_stage_process(spec)
         else:
             conn = shared_connector if shared_connector is not None else make_stage_connector(spec)
             self.thread = threading.Thread(target=run_worker, args=(spec, ctx, conn),
@@ -272,24 +311,28 @@ class StageRunner:
 
     def is_alive(self) -> bool:
         if self.process is not None:
-            return self.process.is_alive()
+            return self.process.poll() is None
         return self.thread is not None and self.thread.is_alive()
 
     def exit_description(self) -> str:
-        if self.process is not None and self.process.exitcode is not None:
-            code = self.process.exitcode
+        if self.process is not None and self.process.poll() is not None:
+            code = self.process.returncode
             return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         return "stopped"
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Wait for a worker told to shut down; terminate, then kill, a process that lingers."""
+        """Wait for a worker told to shut down; terminate, then kill, a process that lingers.
+        A process is always waited for (reaped), so none is left as a zombie."""
         if self.process is not None:
-            self.process.join(timeout_s)
-            if self.process.is_alive():
-                self.process.terminate()
-                self.process.join(2.0)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(2.0)
+            for end, wait_s in ((None, timeout_s), (self.process.terminate, 2.0),
+                                (self.process.kill, 2.0)):
+                if self.process.poll() is not None:
+                    break
+                if end is not None:
+                    end()
+                try:
+                    self.process.wait(wait_s)
+                except subprocess.TimeoutExpired:
+                    pass
         elif self.thread is not None:
             self.thread.join(timeout_s)

@@ -250,23 +250,6 @@ def test_stage_startup_failure_names_the_stage(tmp_path: Path, tiny_qwen3: Path)
         Omni(stage_config=yaml_text, device="cpu")
 
 
-def test_script_without_main_guard_gets_a_hint(tmp_path: Path, tiny_qwen3: Path) -> None:
-    """Stage processes are spawned and import the main script again: a script that builds the
-    engine at import time kills them before they report; the error says what to do."""
-    script = tmp_path / "unguarded.py"
-    script.write_text(textwrap.dedent(f"""
-        from omnistage import Omni
-        from omnistage.testing.toy_pipeline import toy_graph_yaml
-        Omni(stage_config=toy_graph_yaml({str(tiny_qwen3)!r}, chunked=False), device="cpu")
-    """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
-    assert proc.returncode != 0
-    assert "failed to start" in proc.stderr
-    assert 'unguarded.py creates the engine when imported, put that code under `if __name__ ' \
-           '== "__main__":`' in proc.stderr, proc.stderr[-3000:]
-
-
 def test_clean_exit_of_a_script(tmp_path: Path, tiny_qwen3: Path) -> None:
     """A script with stage processes generates and exits: status 0, nothing on stderr about
     leaked semaphores or shared memory (the stage processes end in os._exit)."""

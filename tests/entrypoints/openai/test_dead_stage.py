@@ -30,7 +30,8 @@ def _children(pid: int) -> list[int]:
 def _stage_pid(server_pid: int) -> int:
     for pid in _children(server_pid):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
+            cmdline = f.read()   # its title (stages/entry.py), or its command line
+            if cmdline.startswith(b"omnistage: stage ") or b"omnistage.stages.entry" in cmdline:
                 return pid
     raise AssertionError(f"no stage process under {server_pid}")
 
