@@ -141,3 +141,10 @@ def test_version(capsys: pytest.CaptureFixture) -> None:
         main(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out.strip() == f"omnistage {version('omnistage')}"
+
+
+def test_config_file_cannot_nest(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"config: {cfg}\n")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    assert "config: not a flag a --config file can set" in capsys.readouterr().err

@@ -33,7 +33,7 @@ def suggest(token: str, parser: argparse.ArgumentParser) -> str:
 
 def expand_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """argv with the flags of `--config FILE` inserted after the subcommand (argv[0])."""
-    path = _config_path(argv)
+    path = _config_path(argv) if "--config" in parser._option_string_actions else None
     if path is None:
         return argv
     try:
@@ -69,7 +69,9 @@ def _tokens(path: str, key: str, value: object, parser: argparse.ArgumentParser)
         return [f"{FILE_MODEL_FLAG}={value}"]
     flag = "--" + name
     action = parser._option_string_actions.get(flag)
-    if action is None or name in ("config", "help") or flag == FILE_MODEL_FLAG:
+    if name in ("config", "help", "version") or flag == FILE_MODEL_FLAG:
+        raise ConfigError(f"{path}: {key}: not a flag a --config file can set")
+    if action is None:
         hint = difflib.get_close_matches(flag, [f for f in parser._option_string_actions
                                                 if f.startswith("--")], n=1)
         raise ConfigError(f"{path}: {key}: not a flag of this command"
