@@ -55,7 +55,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="change one field of the graph, e.g. llm.max_num_seqs=8 (repeatable; "
                         "wins over the engine flags below)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=None,
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="GPUs per stage; only 1 for now (multi-GPU stages are not there yet)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM compatibility; changes nothing: omnistage runs its "
