@@ -3,8 +3,9 @@ built-in demo model (handwritten digits: POST /v1/images/generations {"prompt": 
 
 Start-up, in the order that makes a mistake cheap:
 
-    flags -> model folder and weights -> port bound -> TLS files -> stage graph (engine flags
-    as overrides of the main stage, checked against the model) -> engine loads -> uvicorn
+    flags (-tp) -> model folder and weights -> tokenizer, chat template, TLS files -> stage
+    graph (engine flags as overrides of the main stage, checked against the model) -> port
+    bound -> engine loads -> uvicorn on the bound socket
 """
 
 from __future__ import annotations
