@@ -46,7 +46,7 @@ class AREngine:
         self.model, self.model_config, self.hf_config = (loader or load_model)(
             path, self.device, resolve_dtype(config.dtype, path, self.device))
         self.dtype = next(self.model.parameters()).dtype
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path)
 
         sched = config.scheduler
         self.max_model_len = min(sched.max_model_len or self.model_config.max_position_embeddings,

@@ -59,6 +59,7 @@ class ARConfig:
 
     model: str = ""
     component: str | None = None  # sub-model of a multi-part checkpoint (issue 3+)
+    tokenizer: str | None = None  # tokenizer folder; None: the checkpoint's own
     device: Literal["auto", "cpu", "cuda"] | str = "auto"
     dtype: DType = "auto"
     seed: int = 0
@@ -108,6 +109,7 @@ class StageConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    tokenizer: str | None = None  # ar: tokenizer folder; None: the checkpoint's own
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -176,7 +178,8 @@ class StageConfig:
             raise ValueError(f"stage {self.name!r} is a {self.kind} stage, not ar")
         return ARConfig(
             model=self.model if self.model is not None else model,
-            component=self.component, device=device, dtype=self.dtype, seed=self.seed,
+            component=self.component, tokenizer=self.tokenizer, device=device,
+            dtype=self.dtype, seed=self.seed,
             enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
             kv_cache=KVCacheConfig(block_size=self.block_size,
                                    enable_prefix_caching=self.enable_prefix_caching,

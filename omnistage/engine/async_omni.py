@@ -46,7 +46,9 @@ class AsyncOmni:
             graph = resolve_graph(str(model_path) if model_path else None, model_path,
                                   stage_config, list(stage_overrides), **engine_kw)
         self.graph = graph
-        self.tokenizer = load_tokenizer(model_path or (Path(graph.model) if graph.model else None))
+        tokenizer = next((s.tokenizer for s in graph.stages if s.tokenizer), None)
+        self.tokenizer = load_tokenizer(Path(tokenizer) if tokenizer else model_path
+                                        or (Path(graph.model) if graph.model else None))
         # multimodal models: chat templates, audio features, image patches at the front door
         self.processor = load_input_processor(model_path)
         self.orchestrator = Orchestrator(graph, device)

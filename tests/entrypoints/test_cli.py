@@ -84,3 +84,18 @@ def test_generate_speech_writes_wav(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert json.loads(capsys.readouterr().out)["files"] == []
     assert main(common + ["--speaker", "nobody"]) == 2
     assert "speaker 'nobody' is unknown" in capsys.readouterr().err
+
+
+def test_generate_refuses_flags_of_the_other_kind_of_model(tiny_qwen3: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    """Checked before anything loads: image flags on a text model, text flags on an image
+    model, and a --max-model-len above the model's max_position_embeddings."""
+    assert main(["generate", str(tiny_qwen3), "--prompt", "x", "--steps", "4",
+                 "--height", "64"]) == 2
+    assert ("--steps, --height: image-model flags, and this model's main stage 'llm' is an ar "
+            "stage") in capsys.readouterr().err
+    assert main(["generate", "--prompt", "a 3", "--max-tokens", "4"]) == 2
+    assert "--max-tokens: text-model flag, and this model's main stage 'dit' is a diffusion" \
+        in capsys.readouterr().err
+    assert main(["generate", str(tiny_qwen3), "--prompt", "x", "--max-model-len", "9999"]) == 2
+    assert "above this model's limit of 512 tokens" in capsys.readouterr().err

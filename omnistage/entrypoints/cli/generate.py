@@ -10,10 +10,13 @@ import logging
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
+    from omnistage.configs.schema import GraphConfig
     from omnistage.outputs import OmniOutput
+
+T = TypeVar("T")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,17 +41,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: all the model has)")
     p.add_argument("--speaker", default=None, help="voice of speech output (Qwen3-Omni: "
                                                    "ethan, chelsie, ...)")
-    text = p.add_argument_group("text models")
-    text.add_argument("--max-tokens", type=int, default=64)
-    text.add_argument("--temperature", type=float, default=0.0)
-    text.add_argument("--top-p", type=float, default=1.0)
-    text.add_argument("--top-k", type=int, default=0)
-    text.add_argument("--max-model-len", type=int, default=None)
-    image = p.add_argument_group("image models")
-    image.add_argument("--steps", type=int, default=20)
+    text = p.add_argument_group("text models (refused for an image model)")
+    text.add_argument("--max-tokens", type=int, default=None, help="default: 64")
+    text.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy)")
+    text.add_argument("--top-p", type=float, default=None, help="default: 1")
+    text.add_argument("--top-k", type=int, default=None, help="default: 0 (off)")
+    text.add_argument("--max-model-len", type=int, default=None,
+                      help="max_model_len of the main stage; above the model's limit: refused")
+    image = p.add_argument_group("image models (refused for a text model)")
+    image.add_argument("--steps", type=int, default=None, help="default: 20")
     image.add_argument("--guidance-scale", type=float, default=None,
                        help="default: the model's own")
-    image.add_argument("--num-images", type=int, default=1)
+    image.add_argument("--num-images", type=int, default=None, help="default: 1")
     image.add_argument("--height", type=int, default=None)
     image.add_argument("--width", type=int, default=None)
     image.add_argument("--output-dir", default="omnistage-out",
@@ -61,17 +65,16 @@ def run(args: argparse.Namespace) -> int:
     from omnistage import Omni, SamplingParams
     from omnistage.diffusion.params import DiffusionParams
 
-    with Omni(args.model, stage_config=args.stage_config, stage_overrides=args.stage_override,
-              device=args.device, dtype=None if args.dtype == "auto" else args.dtype,
-              max_model_len=args.max_model_len) as omni:
+    with Omni(args.model, graph=_graph(args), device=args.device) as omni:
         if omni.engine.text_entry:
             params = DiffusionParams(height=args.height, width=args.width,
-                                     num_inference_steps=args.steps,
+                                     num_inference_steps=_or(args.steps, 20),
                                      guidance_scale=args.guidance_scale, seed=args.seed,
-                                     num_images=args.num_images)
+                                     num_images=_or(args.num_images, 1))
         else:
-            params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                                    top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens)
+            params = SamplingParams(temperature=_or(args.temperature, 0.0),
+                                    top_p=_or(args.top_p, 1.0), top_k=_or(args.top_k, 0),
+                                    seed=args.seed, max_tokens=_or(args.max_tokens, 64))
             if args.speaker is not None:   # entry stage as asked, the others: their defaults
                 params = [params if not s.inputs else replace(
                     s.default_sampling(), extra={"speaker": args.speaker})
@@ -95,6 +98,40 @@ def run(args: argparse.Namespace) -> int:
     for out in failed:
         print(f"omnistage generate: {out.prompt!r} failed: {out.error}", file=sys.stderr)
     return 1 if failed else 0
+
+
+TEXT_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "max_model_len", "speaker", "chat")
+IMAGE_FLAGS = ("steps", "guidance_scale", "num_images", "height", "width")
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def _graph(args: argparse.Namespace) -> GraphConfig:
+    """The graph to run, checked before anything loads: the flags of the other kind of model
+    (--steps for a text model, --max-tokens for an image model) and a --max-model-len above
+    the model's limit are refused."""
+    from omnistage.configs.defaults import resolve_graph
+    from omnistage.entrypoints.cli import stage_flags
+    from omnistage.entrypoints.cli.startup import resolve_model
+
+    path = resolve_model(args.model) if args.model is not None else None
+    model = str(path) if path else None
+    graph = resolve_graph(model, path, args.stage_config, args.stage_override)
+    main = stage_flags.main_stage(graph)
+    wrong = IMAGE_FLAGS if main.kind == "ar" else TEXT_FLAGS
+    given = [f"--{f.replace('_', '-')}" for f in wrong if getattr(args, f) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: {'image' if main.kind == 'ar' else 'text'}-model "
+                         f"flag{'s' if len(given) > 1 else ''}, and this model's main stage "
+                         f"{main.name!r} is a{'n' if main.kind == 'ar' else ''} {main.kind} stage")
+    engine = argparse.Namespace(dtype=None if args.dtype == "auto" else args.dtype,
+                                max_model_len=args.max_model_len)
+    items = stage_flags.flag_overrides(graph, engine)
+    graph = resolve_graph(model, path, args.stage_config, [*items, *args.stage_override])
+    stage_flags.check_max_model_len(graph)
+    return graph
 
 
 def _save_images(out: OmniOutput, folder: Path) -> list[str]:

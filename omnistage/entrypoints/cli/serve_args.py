@@ -1,0 +1,86 @@
+"""The flags of `omnistage serve`: the HTTP server's, and the engine's (vLLM's names, each
+setting the stage key its help names; `stage_flags.py` applies them)."""
+
+from __future__ import annotations
+
+import argparse
+
+LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; in a "
+                        "container, or to accept other machines, use --host 0.0.0.0)")
+    g.add_argument("--port", type=int, default=8000, help="checked free before the model loads")
+    g.add_argument("--served-model-name", default=None,
+                   help="the name clients send as `model` (default: MODEL as given, or "
+                        "omnistage-demo)")
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* routes")
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="serve HTTPS with this PEM certificate (and --ssl-keyfile)")
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                   help="private key of --ssl-certfile (not needed if the certificate file "
+                        "holds it)")
+    g.add_argument("--max-queue", type=int, default=256,
+                   help="requests in flight before new ones get 429 + Retry-After")
+    g.add_argument("--allowed-media-dirs", action="append", default=[], metavar="DIR",
+                   help="a folder whose files requests may name as file:// media URLs "
+                        "(repeatable)")
+    g.add_argument("--allow-remote-media", action="store_true",
+                   help="let requests name http(s) media URLs (the server fetches them)")
+    g.add_argument("--max-body-bytes", type=int, default=64 << 20,
+                   help="largest request body (413 above)")
+    g.add_argument("--max-media-bytes", type=int, default=20 << 20,
+                   help="largest image / audio / video a request may carry or name")
+    g.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN",
+                   help="a CORS origin allowed to call the API, or * (repeatable; default: "
+                        "no CORS)")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template (a file, or the template text) replacing the "
+                        "tokenizer's own; text models only")
+    g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    g.add_argument("--uvicorn-log-level", default=None, choices=[*LOG_LEVELS, "trace"],
+                   help="log level of uvicorn, the HTTP server (default: --log-level)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("graph")
+    g.add_argument("--stage-config", default=None,
+                   help="stage-graph YAML (or a packaged graph's name) replacing the model "
+                        "type's default graph")
+    g.add_argument("--stage-override", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                   help="change one field of the graph, e.g. llm.max_num_seqs=8 (repeatable; "
+                        "wins over the engine flags below)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="GPUs per stage; only 1 for now (multi-GPU stages are not there yet)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM compatibility; changes nothing: omnistage runs its "
+                        "own model code, never code from a checkpoint")
+    e = p.add_argument_group("engine (main stage; each sets the stage key named)")
+    e.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="memory_fraction: share of the device for the main stage's weights, "
+                        "KV cache and activations, in (0, 1]")
+    e.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help="max_num_seqs: requests batched together (ar and diffusion)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="max_num_batched_tokens: tokens per engine step (ar)")
+    e.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="max_model_len: prompt + output tokens of a request (ar); above the "
+                        "model's max_position_embeddings is refused")
+    e.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="enforce_eager: no CUDA graphs for decode steps (ar)")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="enable_prefix_caching: reuse the KV cache of shared "
+                                      "prompt prefixes (ar; on by default)")
+    e.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of every stage (the whole model; default: the checkpoint's)")
+    e.add_argument("--seed", type=int, default=None,
+                   help="seed: the main stage's sampling seed (ar; images take `seed` per "
+                        "request)")
+    e.add_argument("--tokenizer", default=None, metavar="FOLDER",
+                   help="tokenizer: a tokenizer folder or cached Hub id used instead of the "
+                        "checkpoint's (ar; not for models with an input processor)")

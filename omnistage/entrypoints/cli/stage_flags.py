@@ -1,0 +1,127 @@
+"""vLLM's engine flags on `omnistage serve`, and the stage keys they set.
+
+    --max-num-seqs 8     ->  thinker.max_num_seqs=8       (the main stage)
+    --dtype bfloat16     ->  thinker.dtype=bfloat16, talker.dtype=..., code2wav.dtype=...
+
+They become `--stage-override` items put before the user's own, so an explicit
+`--stage-override STAGE.KEY=VALUE` still wins. The main stage is the one the model is named
+after: the first ar stage (an LLM, Qwen3-Omni's thinker), else the diffusion stage whose output
+goes to the client (the denoiser, not a split graph's text encoder).
+
+A flag is refused, not ignored, when the main stage's kind never reads its key (`--max-model-len`
+on an image model), and `max_model_len` above the model's own limit is refused rather than
+capped by the engine at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from omnistage.configs.schema import GraphConfig, StageConfig, StageKind
+from omnistage.models.loader import resolve_model_path
+
+ALL_KINDS: tuple[StageKind, ...] = ("ar", "diffusion", "generation")
+
+
+@dataclass(frozen=True, slots=True)
+class StageFlag:
+    dest: str                      # argparse dest: the flag, dashes as underscores
+    key: str | None                # the StageConfig key it sets; None: a front-door option
+    kinds: tuple[StageKind, ...]   # kinds of stage that read the key
+    every_stage: bool = False      # the whole model (dtype), not only the main stage
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.dest.replace("_", "-")
+
+
+STAGE_FLAGS: tuple[StageFlag, ...] = (
+    StageFlag("gpu_memory_utilization", "memory_fraction", ALL_KINDS),
+    StageFlag("max_num_seqs", "max_num_seqs", ("ar", "diffusion")),
+    StageFlag("max_num_batched_tokens", "max_num_batched_tokens", ("ar",)),
+    StageFlag("max_model_len", "max_model_len", ("ar",)),
+    StageFlag("enforce_eager", "enforce_eager", ("ar",)),
+    StageFlag("enable_prefix_caching", "enable_prefix_caching", ("ar",)),
+    StageFlag("seed", "seed", ("ar",)),
+    StageFlag("tokenizer", "tokenizer", ("ar",)),
+    StageFlag("dtype", "dtype", ALL_KINDS, every_stage=True),
+    StageFlag("chat_template", None, ("ar",)),
+)
+
+
+def main_stage(graph: GraphConfig) -> StageConfig:
+    """The stage the engine flags set: the first ar stage, else the diffusion stage with a
+    final output, else the first stage."""
+    for pick in (lambda s: s.kind == "ar", lambda s: s.kind == "diffusion" and s.final,
+                 lambda s: True):
+        found = [s for s in graph.stages if pick(s)]
+        if found:
+            return found[0]
+    raise ValueError("the stage graph has no stages")
+
+
+def flag_overrides(graph: GraphConfig, args: argparse.Namespace) -> list[str]:
+    """`STAGE.KEY=VALUE` items for the engine flags given (None: not given); ValueError for a
+    flag that does not apply to this graph's main stage."""
+    main = main_stage(graph)
+    items: list[str] = []
+    for flag in STAGE_FLAGS:
+        value = getattr(args, flag.dest, None)
+        if value is None:
+            continue
+        if main.kind not in flag.kinds:
+            what = f"sets {flag.key} of" if flag.key else "is for"
+            raise ValueError(
+                f"{flag.flag} does not apply to this model: it {what} "
+                f"{' / '.join(flag.kinds)} stages, and the main stage {main.name!r} is a "
+                f"{main.kind} stage")
+        if flag.key is None:
+            continue
+        targets = [s for s in graph.stages if s.kind in flag.kinds] if flag.every_stage \
+            else [main]
+        items += [f"{s.name}.{flag.key}={json.dumps(value)}" for s in targets]
+    return items
+
+
+def check_max_model_len(graph: GraphConfig) -> None:
+    """Refuse an ar stage's max_model_len above its checkpoint's max_position_embeddings (the
+    engine would lower it silently). Only config.json is read; nothing loads."""
+    for stage in graph.stages:
+        if stage.kind != "ar" or stage.max_model_len is None:
+            continue
+        model = stage.model or graph.model
+        if model is None:
+            continue
+        config = resolve_model_path(model) / "config.json"
+        if not config.is_file():
+            continue
+        limit = max_positions(json.loads(config.read_text()), stage.component)
+        if limit is not None and stage.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {stage.max_model_len} (--max-model-len, stage "
+                f"{stage.name!r}) is above this model's limit of {limit} tokens "
+                f"(max_position_embeddings in {config}); use --max-model-len {limit} or less")
+
+
+def max_positions(config: dict, component: str | None) -> int | None:
+    """max_position_embeddings of a checkpoint's config.json, or of the part that `component`
+    names (Qwen3-Omni's `qwen3_omni_thinker` reads `thinker_config.text_config`)."""
+    nodes = [v for k, v in config.items() if component and k.endswith("_config")
+             and k.removesuffix("_config") in component] if component else []
+    for node in [*nodes, config]:
+        for part in (node, node.get("text_config") if isinstance(node, dict) else None):
+            value = part.get("max_position_embeddings") if isinstance(part, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
+def model_architectures(model_path: Path | None) -> list[str]:
+    """The `architectures` of a transformers checkpoint's config.json ([] for diffusers)."""
+    config = model_path / "config.json" if model_path is not None else None
+    if config is None or not config.is_file():
+        return []
+    return list(json.loads(config.read_text()).get("architectures") or [])

@@ -1,0 +1,150 @@
+"""`omnistage serve` flags, parsed and turned into the stage graph without starting a server:
+each engine flag reaches its stage key, flags that do not apply are refused, `--config FILE`
+merges under the command line, unknown flags get a did-you-mean."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from omnistage.configs.schema import GraphConfig
+from omnistage.entrypoints.cli import serve
+from omnistage.entrypoints.cli.main import main, parse_args
+from omnistage.entrypoints.cli.stage_flags import max_positions
+
+
+def graph_of(argv: list[str]) -> tuple[argparse.Namespace, GraphConfig]:
+    """What `omnistage serve ARGV` would run, checked as at start-up; nothing loads."""
+    args = parse_args(["serve", *argv])
+    args.model = serve.model_name(args)
+    path = serve.startup.resolve_model(args.model) if args.model else None
+    return args, serve.build_graph(args, path)
+
+
+def test_each_engine_flag_sets_its_main_stage_key(tiny_qwen3: Path) -> None:
+    args, graph = graph_of([
+        str(tiny_qwen3), "--stage-config", "qwen3_omni", "--gpu-memory-utilization", "0.5",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "512",
+        "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "float32", "--seed", "7",
+        "--tokenizer", str(tiny_qwen3), "--trust-remote-code", "-tp", "1"])
+    thinker, talker, code2wav = graph.stages
+    assert (thinker.memory_fraction, thinker.max_num_seqs, thinker.max_num_batched_tokens,
+            thinker.max_model_len, thinker.enforce_eager, thinker.enable_prefix_caching,
+            thinker.seed, thinker.tokenizer) == (0.5, 8, 256, 512, True, False, 7,
+                                                 str(tiny_qwen3))
+    assert thinker.ar_config(str(tiny_qwen3), "cpu").tokenizer == str(tiny_qwen3)
+    # only the main stage: the talker keeps its graph's values ...
+    assert (talker.memory_fraction, talker.max_num_seqs, talker.max_model_len,
+            talker.seed) == (0.12, 64, None, 0)
+    # ... but dtype is the whole model's
+    assert {s.dtype for s in graph.stages} == {"float32"}
+    assert args.trust_remote_code is True and code2wav.kind == "generation"
+
+
+def test_stage_override_wins_over_a_flag(tiny_qwen3: Path) -> None:
+    _, graph = graph_of([str(tiny_qwen3), "--max-num-seqs", "8",
+                         "--stage-override", "llm.max_num_seqs=3"])
+    assert graph.stage("llm").max_num_seqs == 3
+
+
+def test_server_flags_and_model_flag(tiny_qwen3: Path, tmp_path: Path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    args = parse_args(["serve", "--model", str(tiny_qwen3), "--served-model-name", "m",
+                       "--chat-template", str(template), "--uvicorn-log-level", "warning",
+                       "--host", "0.0.0.0"])
+    assert serve.model_name(args) == str(tiny_qwen3)
+    assert (args.served_model_name, args.uvicorn_log_level, args.host) == ("m", "warning",
+                                                                         "0.0.0.0")
+    assert serve.startup.read_chat_template(args.chat_template) == template.read_text()
+    assert parse_args(["serve"]).host == "127.0.0.1"
+    with pytest.raises(ValueError, match="two models given"):
+        serve.model_name(parse_args(["serve", "a", "--model", "b"]))
+
+
+def test_flags_that_do_not_apply_are_refused(tiny_qwen3: Path) -> None:
+    # the demo model: one diffusion stage; the AR-only flags are refused, batch size is not
+    _, graph = graph_of(["--max-num-seqs", "4", "--gpu-memory-utilization", "0.3"])
+    assert (graph.stage("dit").max_num_seqs, graph.stage("dit").memory_fraction) == (4, 0.3)
+    for flag in (["--max-model-len", "64"], ["--max-num-batched-tokens", "64"],
+                 ["--enforce-eager"], ["--seed", "1"], ["--chat-template", "{{ x }}"],
+                 ["--enable-prefix-caching"]):
+        with pytest.raises(ValueError, match=f"{flag[0]} does not apply to this model.*"
+                                             "main stage 'dit' is a diffusion stage"):
+            graph_of(flag)
+
+
+def test_max_model_len_above_the_model_limit_is_refused(tiny_qwen3: Path) -> None:
+    with pytest.raises(ValueError, match=r"max_model_len 513 .* above this model's limit of 512"):
+        graph_of([str(tiny_qwen3), "--max-model-len", "513"])
+    with pytest.raises(ValueError, match="limit of 512"):   # however it was set
+        graph_of([str(tiny_qwen3), "--stage-override", "llm.max_model_len=4096"])
+    nested = {"thinker_config": {"text_config": {"max_position_embeddings": 4096}},
+              "talker_config": {"max_position_embeddings": 64}}
+    assert max_positions(nested, "qwen3_omni_thinker") == 4096
+    assert max_positions(nested, "qwen3_omni_talker") == 64
+    assert max_positions({"text_config": {"max_position_embeddings": 9}}, None) == 9
+
+
+def test_tensor_parallel_above_one_is_refused(capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", "--tensor-parallel-size", "2"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "--tensor-parallel-size 2" in line and "multi-GPU stages" in line
+
+
+def test_config_file_merges_under_the_command_line(tiny_qwen3: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {tiny_qwen3}\nmax-num-seqs: 4\nmax_num_batched_tokens: 64\n"
+                   f"enable-prefix-caching: false\nallowed-media-dirs: [{tmp_path}]\n"
+                   "port: 9001\n")
+    args, graph = graph_of(["--config", str(cfg), "--max-num-seqs", "8", "--port", "9002"])
+    llm = graph.stage("llm")
+    assert (llm.max_num_seqs, llm.max_num_batched_tokens, llm.enable_prefix_caching) == \
+        (8, 64, False)
+    assert (args.port, args.allowed_media_dirs, args.model) == (9002, [str(tmp_path)],
+                                                                str(tiny_qwen3))
+    assert serve.model_name(parse_args(["serve", "other", "--config", str(cfg)])) == "other"
+
+
+def test_config_file_mistakes_name_the_file(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("max-num-seq: 4\n")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    assert f"{cfg}: max-num-seq: not a flag of this command (did you mean max-num-seqs?)" \
+        in capsys.readouterr().err
+    cfg.write_text("port: 1\nhost: [a\n")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    assert f"{cfg}: line 3" in capsys.readouterr().err
+    cfg.write_text("enforce-eager: yes please\n")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    assert "enforce-eager: expected true or false" in capsys.readouterr().err
+
+
+def test_unknown_flag_gets_a_did_you_mean(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--max-num-seq", "8"])
+    assert exc.value.code == 2
+    assert "unrecognized argument --max-num-seq (did you mean --max-num-seqs?)" \
+        in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--gpu-memory-utilisation=0.5"])
+    assert "did you mean --gpu-memory-utilization?" in capsys.readouterr().err
+
+
+def test_version(capsys: pytest.CaptureFixture) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"omnistage {version('omnistage')}"
+
+
+def test_config_file_cannot_nest(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"config: {cfg}\n")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    assert "config: not a flag a --config file can set" in capsys.readouterr().err
