@@ -66,7 +66,8 @@ _IGNORED = {"verbosity": "the model decides its own length",
             "prompt_cache_key": "prefix caching needs no key",
             "prompt_cache_retention": "prefix caching keeps what memory allows",
             "store": "this server stores no completions",
-            "metadata": "this server stores no completions"}
+            "metadata": "this server stores no completions",
+            "user": "no abuse monitoring here"}
 # OpenAI fields this server cannot honour: a 400 when set (to other than the "off" value)
 _UNSUPPORTED = {"tools": ("tool calling", []), "tool_choice": ("tool calling", "none"),
                 "functions": ("function calling", []), "function_call": ("function calling",
@@ -157,7 +158,7 @@ class ChatServing:
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options: only allowed with stream: true", "stream_options")
         for name, why in _IGNORED.items():
-            if getattr(req, name) is not None:
+            if getattr(req, name):         # store: false, metadata: {} ask for nothing
                 ignore(name, why)
 
     def _modalities(self, req: ChatCompletionRequest) -> set[str]:

@@ -41,7 +41,8 @@ _DIFFUSION_FIELDS = ("negative_prompt", "num_inference_steps", "guidance_scale",
 _IGNORED = {"quality": "set num_inference_steps for more or fewer denoising steps",
             "style": "no style switch in these models", "moderation": "no moderation here",
             "input_fidelity": "the input image is used as given",
-            "safety_identifier": "no abuse monitoring here"}
+            "safety_identifier": "no abuse monitoring here",
+            "user": "no abuse monitoring here"}
 _FILES = ("image", "mask")
 
 

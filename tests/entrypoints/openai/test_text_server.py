@@ -79,11 +79,12 @@ def test_openai_fields_without_effect_here_are_accepted_and_logged(text_server: 
     plain = client.chat.completions.create(**kw)
     extra = client.chat.completions.create(
         **kw, reasoning_effort="low", verbosity="low", service_tier="auto",
-        safety_identifier="user-1", prompt_cache_key="k", store=False, metadata={"a": "b"})
+        safety_identifier="user-1", prompt_cache_key="k", store=True, metadata={"a": "b"},
+        user="someone")
     assert extra.choices[0].message.content == plain.choices[0].message.content
     log = text_server.log.read_text()
     for name in ("reasoning_effort", "verbosity", "service_tier", "safety_identifier",
-                 "prompt_cache_key", "store", "metadata"):
+                 "prompt_cache_key", "store", "metadata", "user"):
         assert f"{name}: accepted and ignored" in log, name
 
 
