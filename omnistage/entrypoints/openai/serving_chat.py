@@ -174,6 +174,8 @@ class ChatServing:
         if "image" in wanted and len(wanted) > 1:
             raise bad_request("modalities: image output cannot be combined with others",
                               "modalities")
+        if "audio" in wanted and "text" in can:
+            wanted.add("text")        # ["audio"] too: speech comes with its transcript
         return wanted
 
     def _audio_format(self, req: ChatCompletionRequest, wanted: set[str]) -> str | None:

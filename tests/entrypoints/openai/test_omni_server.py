@@ -105,6 +105,7 @@ def test_vllm_omni_request_shapes(omni_server: Server) -> None:
     message = out.choices[0].message
     wave, rate = decode_audio(base64.b64decode(message.audio.data), "wav")
     assert rate == RATE and wave.shape[1] > 0 and message.content is None
+    assert message.audio.transcript          # ["audio"] alone still carries the transcript
     text_only = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "What is this sound?"}],
         max_tokens=1)
