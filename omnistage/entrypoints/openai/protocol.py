@@ -143,7 +143,8 @@ class ChatCompletionRequest(SamplingExtras):
     store: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # honoured through the chat template where it has a switch for it, else ignored (logged)
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None \
+        = None
     # accepted and ignored, with a logged warning
     verbosity: Literal["low", "medium", "high"] | None = None
     service_tier: str | None = None
