@@ -19,9 +19,9 @@ import signal
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
@@ -29,17 +29,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omnistage.entrypoints.openai.client import EngineClient
-from omnistage.entrypoints.openai.errors import APIError, install_error_handlers
+from omnistage.entrypoints.openai.errors import (APIError, check_model,
+                                                 install_error_handlers)
 from omnistage.entrypoints.openai.media import MediaLoader, MediaPolicy
 from omnistage.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from omnistage.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                    CompletionRequest, CompletionResponse,
-                                                   ErrorResponse, ImageFormat,
-                                                   ImageGenerationRequest, ImagesResponse,
-                                                   ModelCard, ModelList)
+                                                   ErrorResponse, ImageGenerationRequest,
+                                                   ImagesResponse, ModelCard, ModelList)
 from omnistage.entrypoints.openai.serving_chat import ChatServing
 from omnistage.entrypoints.openai.serving_completions import CompletionServing
-from omnistage.entrypoints.openai.serving_images import ImageServing
+from omnistage.entrypoints.openai.serving_images import ImageServing, edit_form_schema
 
 if TYPE_CHECKING:
     from omnistage.engine.async_omni import AsyncOmni
@@ -63,6 +63,9 @@ class ServerConfig:
     max_media_bytes: int = 20 << 20
     allowed_origins: tuple[str, ...] = ()     # CORS; empty: no CORS headers
     chat_template: str | None = None          # template text (the CLI reads the file)
+    # what a chat answers with when a request names no `modalities`; empty: OpenAI's default
+    # (text; image for an image model). ("text", "audio") is vLLM-Omni's default for omni models
+    default_modalities: tuple[str, ...] = ()
     log_level: str = "info"
     stats_timeout_s: float = 2.0
 
@@ -74,6 +77,9 @@ class ServerConfig:
         for d in self.allowed_media_dirs:
             if not Path(d).is_dir():
                 raise ValueError(f"allowed_media_dirs: {d} is not a folder")
+        for m in self.default_modalities:
+            if m not in ("text", "audio", "image"):
+                raise ValueError(f"default_modalities: {m!r} is not one of text, audio, image")
 
     @property
     def model_name(self) -> str:
@@ -83,7 +89,10 @@ class ServerConfig:
     def from_namespace(cls, args: argparse.Namespace) -> ServerConfig:
         names = {f.name for f in fields(cls)}
         kw = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-        for n in ("allowed_media_dirs", "allowed_origins"):
+        if isinstance(kw.get("default_modalities"), str):     # "text,audio" from a flag
+            kw["default_modalities"] = [m.strip() for m in kw["default_modalities"].split(",")
+                                        if m.strip()]
+        for n in ("allowed_media_dirs", "allowed_origins", "default_modalities"):
             if n in kw:
                 kw[n] = tuple(kw[n])
         return cls(**kw)
@@ -182,12 +191,6 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
     return app
 
 
-def _check_model(model: str | None, name: str) -> None:
-    if model is not None and model != name:
-        raise APIError(404, f"The model `{model}` does not exist (this server serves "
-                            f"`{name}`)", param="model", code="model_not_found")
-
-
 def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
                        metrics: ServerMetrics) -> None:
     """/health, /metrics, /v1/models."""
@@ -219,7 +222,7 @@ def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
 
     @app.get("/v1/models/{model_id:path}", responses=ERRORS)
     async def get_model(model_id: str) -> ModelCard:
-        _check_model(model_id, name)
+        check_model(model_id, name)
         return card()
 
 
@@ -228,51 +231,33 @@ def _add_generation_routes(app: FastAPI, client: EngineClient, config: ServerCon
     media = MediaLoader(MediaPolicy(tuple(Path(d) for d in config.allowed_media_dirs),
                                     config.allow_remote_media, config.max_media_bytes))
     name = config.model_name
-    chat = ChatServing(client, media, name, config.chat_template)
+    chat = ChatServing(client, media, name, config.chat_template,
+                       config.default_modalities)
     completions = CompletionServing(client, name)
     images = ImageServing(client, media, name)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
                  responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        _check_model(body.model, name)
+        check_model(body.model, name)
         return await chat.create(body, request)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        _check_model(body.model, name)
+        check_model(body.model, name)
         return await completions.create(body, request)
 
     @app.post("/v1/images/generations", responses=ERRORS)
     async def images_generations(body: ImageGenerationRequest, request: Request
                                  ) -> ImagesResponse:
-        _check_model(body.model, name)
+        check_model(body.model, name)
         return await images.generate(body, request)
 
-    @app.post("/v1/images/edits", responses=ERRORS)
-    async def images_edits(
-            request: Request,
-            image: Annotated[list[UploadFile], File(description="image(s) to edit")],
-            prompt: Annotated[str, Form(min_length=1, max_length=32000)],
-            mask: Annotated[UploadFile | None, File()] = None,
-            model: Annotated[str | None, Form()] = None,
-            n: Annotated[int, Form(ge=1, le=10)] = 1,
-            size: Annotated[str | None, Form()] = None,
-            response_format: Annotated[Literal["b64_json", "url"], Form()] = "b64_json",
-            output_format: Annotated[ImageFormat, Form()] = "png",
-            output_compression: Annotated[int | None, Form(ge=0, le=100)] = None,
-            negative_prompt: Annotated[str | None, Form()] = None,
-            num_inference_steps: Annotated[int | None, Form(ge=1, le=200)] = None,
-            guidance_scale: Annotated[float | None, Form(ge=0.0)] = None,
-            strength: Annotated[float | None, Form(gt=0.0, le=1.0)] = None,
-            seed: Annotated[int | None, Form(ge=0, lt=2**63)] = None) -> ImagesResponse:
-        _check_model(model, name)
-        body = ImageGenerationRequest(
-            prompt=prompt, model=model, n=n, size=size, response_format=response_format,
-            output_format=output_format, output_compression=output_compression,
-            negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale, seed=seed)
-        return await images.edit(body, image, mask, strength, request)
+    @app.post("/v1/images/edits", responses=ERRORS, openapi_extra={"requestBody": {
+        "required": True, "content": {"multipart/form-data": {"schema": edit_form_schema()}}}})
+    async def images_edits(request: Request) -> ImagesResponse:
+        # the form is read by the serving object: `image` and `image[]`, unknown fields -> 400
+        return await images.edit(request)
 
 
 def _add_middleware(app: FastAPI, config: ServerConfig, metrics: ServerMetrics) -> None:

@@ -61,6 +61,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def check_model(model: str | None, served: str) -> None:
+    """A request naming another model than the one served: 404, as OpenAI answers."""
+    if model is not None and model != served:
+        raise APIError(404, f"The model `{model}` does not exist (this server serves "
+                            f"`{served}`)", param="model", code="model_not_found")
+
+
 def from_value_error(exc: ValueError, param: str | None = None) -> APIError:
     """The engine's input checks raise ValueError naming the field: an InputError carries it
     (it wins over `param`, the caller's guess), else the message may start with it. A 400
@@ -97,7 +104,11 @@ def param_from_loc(loc: tuple[int | str, ...]) -> str | None:
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
-    errors = exc.errors()
+    return invalid(list(exc.errors()))
+
+
+def invalid(errors: list[Any]) -> APIError:
+    """The 400 for pydantic's errors about a request body (a JSON body, or a form's fields)."""
     if not errors:
         return bad_request("invalid request")
     first = errors[0]

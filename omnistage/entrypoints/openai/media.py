@@ -1,5 +1,6 @@
 """Loading the media a request points at: images, audio and video from `data:` URLs, from local
-files under the allowed folders, or from http(s) URLs when the server allows remote media.
+files under the allowed folders, or from http(s) URLs when the server allows remote media
+(audio also as OpenAI's `input_audio`: base64 data and its format).
 
     data:image/png;base64,....    always (the request body's size limit applies first)
     file:///srv/media/cat.png     only under --allowed-media-dirs (symlinks resolved first)
@@ -120,14 +121,12 @@ class MediaLoader:
         """An `input_audio` part: base64 bytes in `fmt` -> mono float32 (num_samples,), rate."""
         if len(b64) * 3 // 4 > self.policy.max_bytes:
             raise self._too_large(param, len(b64) * 3 // 4)
-        from omnistage.utils.audio import decode_audio
+        return _decode_audio(decode_b64(b64, param), fmt, param)
 
-        try:
-            wave, rate = decode_audio(decode_b64(b64, param), fmt)
-        except ValueError as exc:
-            raise bad_request(f"{param}: not a readable {fmt} file ({exc})", param,
-                              "invalid_audio") from exc
-        return wave.mean(axis=0), rate
+    def audio_url(self, url: str, param: str) -> tuple[np.ndarray, int]:
+        """vLLM's `audio_url` part: the file behind the URL, in any container PyAV reads
+        (wav, flac, mp3, ogg, m4a, ...) -> mono float32 (num_samples,), rate."""
+        return _decode_audio(self.fetch(url, param), None, param)
 
     def video(self, url: str, param: str, fps: float = VIDEO_FPS
               ) -> tuple[list[Image.Image], float]:
@@ -164,6 +163,17 @@ def decode_b64(payload: str, param: str) -> bytes:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise bad_request(f"{param}: not valid base64 ({exc})", param, "invalid_base64") from exc
+
+
+def _decode_audio(data: bytes, fmt: str | None, param: str) -> tuple[np.ndarray, int]:
+    from omnistage.utils.audio import decode_audio
+
+    try:
+        wave, rate = decode_audio(data, fmt)
+    except ValueError as exc:
+        raise bad_request(f"{param}: not a readable {fmt or 'audio'} file ({exc})", param,
+                          "invalid_audio") from exc
+    return wave.mean(axis=0), rate
 
 
 def decode_image(data: bytes, param: str) -> Image.Image:

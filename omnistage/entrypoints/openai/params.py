@@ -7,11 +7,17 @@ The parameters a stage gets are built in three layers, later ones winning:
 
 The graph's own wiring (`output_hidden_layers` of a stage that feeds another) is always kept,
 and a client cannot set it. Every bad value is a 400 naming the field it came from.
+
+`sampling_params_list` takes vLLM-Omni's dicts as they are: `detokenize` (the graph decides
+which stages make text) is ignored, a vLLM SamplingParams key omnistage does not have is a 400
+naming it, and a dict for a stage that samples nothing (code2wav) is checked and ignored.
+Ignored fields are logged once per process (`ignore`), not per request.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from typing import Any
 
@@ -24,9 +30,25 @@ from omnistage.sampling_params import SamplingParams
 
 StageParams = SamplingParams | DiffusionParams | None
 # SamplingParams fields that belong to the graph, not to a request
-_GRAPH_ONLY = {"output_hidden_layers", "extra", "detokenize"}
+_GRAPH_ONLY = {"output_hidden_layers", "extra"}
+# vLLM SamplingParams fields omnistage has no counterpart for
+_VLLM_ONLY = {"best_of", "use_beam_search", "length_penalty", "early_stopping",
+              "prompt_logprobs", "logits_processors", "truncate_prompt_tokens",
+              "guided_decoding", "structured_outputs", "output_kind", "bad_words",
+              "allowed_token_ids", "spaces_between_special_tokens", "logit_bias",
+              "flat_logprobs", "extra_args"}
 _SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
 MAX_SEED = 2**63
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def ignore(param: str, why: str) -> None:
+    """An accepted field that changes nothing here: say so in the log, once per field (a
+    client that sends it with every request would otherwise fill the log)."""
+    if param not in _warned:
+        _warned.add(param)
+        logger.warning("%s: accepted and ignored (%s)", param, why)
 
 
 def openai_sampling_fields(req: SamplingExtras, max_tokens: int | None,
@@ -97,16 +119,31 @@ def stage_params(graph: GraphConfig, entry: list[str], entry_fields: dict[str, A
             # every diffusion stage of a split graph (text encoder -> transformer) needs the
             # request's image fields: the text encoder for CFG, the transformer for the rest
             out.append(_diffusion(dict(entry_fields), given or {}, path, image))
-        elif given:
-            raise bad_request(f"{path}: stage {stage.name!r} ({stage.kind}) takes no parameters; "
-                              "send null", path)
         else:
+            if given:   # vLLM-Omni sends a sampling dict for code2wav too: checked, unused
+                _sampling(stage, {}, given, path)
+                ignore(path, f"stage {stage.name!r} ({stage.kind}) samples nothing")
             out.append(None)
     return out
 
 
+def _vllm_keys(given: dict[str, Any], path: str) -> dict[str, Any]:
+    """A per-stage dict as vLLM-Omni writes it, minus `detokenize` (the graph's choice)."""
+    unsupported = sorted(_VLLM_ONLY & set(given))
+    if unsupported:
+        where = f"{path}.{unsupported[0]}"
+        raise bad_request(f"{where}: vLLM's SamplingParams.{unsupported[0]} is not supported by "
+                          "this server", where)
+    if "detokenize" in given:
+        ignore("sampling_params_list[].detokenize", "the stage graph decides which stages "
+               "detokenize")
+        given = {k: v for k, v in given.items() if k != "detokenize"}
+    return given
+
+
 def _sampling(stage: StageConfig, openai: dict[str, Any], given: dict[str, Any],
               path: str) -> SamplingParams:
+    given = _vllm_keys(given, path)
     blocked = _GRAPH_ONLY & set(given)
     if blocked:
         raise bad_request(f"{path}.{sorted(blocked)[0]}: set by the stage graph, not by requests",

@@ -1,11 +1,14 @@
 """Request and response bodies of the OpenAI-compatible routes (pydantic v2).
 
 Requests are strict: an unknown field is a 400 naming it (as OpenAI does), ranges are checked
-here so that the error names the field, and OpenAI fields this server cannot honour (`tools`,
-`logit_bias`, ...) are declared so that the answer says "not supported" rather than "unknown".
+here so that the error names the field. Every field OpenAI documents for a route is declared:
+those this server honours, those it accepts and ignores with a logged warning (`service_tier`,
+images' `style`, ...: they change nothing a client could check), and those it cannot honour
+(`tools`, `logit_bias`, ...), which answer "not supported" rather than "unknown field".
 Extensions beyond OpenAI are vLLM's sampling extras (`top_k`, `min_p`, `ignore_eos`, ...),
-the image parameters of diffusion models, and `sampling_params_list`: one dict (or null) per
-stage of the served graph, fields of that stage's SamplingParams or DiffusionParams.
+vLLM's `audio_url` content part, the image parameters of diffusion models, and
+`sampling_params_list`: one dict (or null) per stage of the served graph, fields of that
+stage's SamplingParams or DiffusionParams.
 
 Responses follow OpenAI's shapes; fields that are absent in OpenAI's answers stay absent.
 """
@@ -92,6 +95,17 @@ class AudioPart(Request):
     input_audio: InputAudio
 
 
+class AudioURL(Request):
+    url: Annotated[str, Field(min_length=1)]
+
+
+class AudioURLPart(Request):
+    """vLLM's audio part: a URL (data:, file: or http(s)) of an audio file in any container."""
+
+    type: Literal["audio_url"]
+    audio_url: AudioURL
+
+
 class VideoURL(Request):
     url: Annotated[str, Field(min_length=1)]
 
@@ -101,7 +115,8 @@ class VideoPart(Request):
     video_url: VideoURL
 
 
-ContentPart = Annotated[TextPart | ImagePart | AudioPart | VideoPart, Field(discriminator="type")]
+ContentPart = Annotated[TextPart | ImagePart | AudioPart | AudioURLPart | VideoPart,
+                        Field(discriminator="type")]
 
 
 class ChatMessage(Request):
@@ -111,8 +126,8 @@ class ChatMessage(Request):
 
 
 class AudioOutput(Request):
-    voice: Annotated[str, Field(min_length=1)]
-    format: AudioFormat = "wav"
+    voice: Annotated[str, Field(min_length=1)] | None = None    # None: the model's own voice
+    format: AudioFormat | None = None           # None: wav, or pcm16 when streamed
 
 
 class ChatCompletionRequest(SamplingExtras):
@@ -127,11 +142,24 @@ class ChatCompletionRequest(SamplingExtras):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # honoured through the chat template where it has a switch for it, else ignored (logged)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None \
+        = None
+    # accepted and ignored, with a logged warning
+    verbosity: Literal["low", "medium", "high"] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     # declared so that the answer is "not supported" (400) rather than "unknown field"
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class AudioData(BaseModel):
@@ -177,10 +205,21 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaAudio(BaseModel):
+    """A piece of streamed speech, as OpenAI sends it: `id` on the first transcript piece and
+    the first audio piece, then `transcript` pieces (the text) and `data` pieces (base64
+    pcm16), and last a piece with only `expires_at`. Joined, they make message.audio."""
+
+    id: str | None = None
+    data: str | None = None
+    expires_at: int | None = None
+    transcript: str | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | list[dict[str, Any]] | None = None
-    audio: dict[str, Any] | None = None
+    audio: DeltaAudio | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -242,7 +281,9 @@ class CompletionResponse(BaseModel):
 
 # ---- images ----------------------------------------------------------------------------------
 
-class ImageGenerationRequest(Request):
+class ImageRequest(Request):
+    """The fields /v1/images/generations and /v1/images/edits share."""
+
     prompt: Annotated[str, Field(min_length=1, max_length=32000)]
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=10)] = 1
@@ -251,12 +292,34 @@ class ImageGenerationRequest(Request):
     output_format: ImageFormat = "png"
     output_compression: Annotated[int, Field(ge=0, le=100)] | None = None
     user: str | None = None
+    # "transparent" is refused (no model here draws alpha); the others are what it draws
+    background: Literal["transparent", "opaque", "auto"] | None = None
+    # accepted and ignored, with a logged warning (the number of steps is the quality knob)
+    quality: Literal["low", "medium", "high", "xhigh", "max", "auto", "standard", "hd"] | None \
+        = None
+    safety_identifier: str | None = None
+    # declared so that the answer is "not supported" (400) rather than "unknown field"
+    stream: bool | None = None
+    partial_images: Annotated[int, Field(ge=0, le=3)] | None = None
     # diffusion extras
     negative_prompt: str | None = None
     num_inference_steps: Annotated[int, Field(ge=1, le=200)] | None = None
     guidance_scale: Annotated[float, Field(ge=0.0)] | None = None
     true_cfg_scale: Annotated[float, Field(ge=0.0)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+
+
+class ImageGenerationRequest(ImageRequest):
+    # accepted and ignored, with a logged warning
+    style: Literal["vivid", "natural"] | None = None
+    moderation: Literal["low", "auto"] | None = None
+
+
+class ImageEditRequest(ImageRequest):
+    """The form fields of an edit (the files, `image` / `image[]` and `mask`, come apart)."""
+
+    input_fidelity: Literal["high", "low"] | None = None      # ignored, with a warning
+    strength: Annotated[float, Field(gt=0.0, le=1.0)] | None = None   # extension
 
 
 class ImageData(BaseModel):

@@ -4,20 +4,22 @@ What the answer holds follows from `modalities` and what the served graph's fina
 
     graph finals      modalities           the answer
     text              [text] (default)     message.content (stream: delta.content)
-    text + audio      [text, audio]        message.audio {data, transcript} (stream: delta.content
-                                           for text, delta.audio.data for pcm16 chunks)
+    text + audio      [text, audio]        message.content null, message.audio {id, data,
+                                           expires_at, transcript}; streamed: delta.audio
+                                           pieces (transcript, pcm16 data, expires_at)
     image             [image] (default)    message.content = image_url parts (data: PNG URLs)
 
-Image, audio and video parts are loaded and checked here (media.py). A model with an input
-processor (Qwen3-Omni) gets the messages with their media as `{"messages": [...]}` and applies
-its own template; a text model's messages go through the tokenizer's chat template here (text
-only); for an image model the last user message's text is the prompt and its image, if any,
-the start of an image-to-image request (DiffusionParams.image).
+That is OpenAI's shape: with speech the text is the transcript, and `content` stays null.
+Without `modalities` the answer is text (OpenAI's default: text clients keep working on an omni
+model, and the talker and code2wav do not run), unless the server was started with other
+`default_modalities`. `audio` (voice, format) may be left out: the model's own voice, wav
+(pcm16 when streamed, the only streamed format, as with OpenAI).
 
-Audio from the engine: the audio final stage's tensor "audio", float in [-1, 1], (num_samples,)
-or (channels, num_samples), chunk by chunk; its rate in tensor "sample_rate" (a scalar) or
-`DEFAULT_SAMPLE_RATE`. The voice goes to every AR stage as `SamplingParams.extra["speaker"]`
-(Qwen3-Omni's talker reads it; an unknown one is a 400 naming audio.voice).
+Prompts are built by chat_prompt.py. Audio from the engine: the audio final stage's tensor
+"audio", float in [-1, 1], (num_samples,) or (channels, num_samples), chunk by chunk; its rate
+in tensor "sample_rate" (a scalar) or `DEFAULT_SAMPLE_RATE`. The voice goes to every AR stage as
+`SamplingParams.extra["speaker"]` (Qwen3-Omni's talker reads it; an unknown one is a 400 naming
+audio.voice).
 """
 
 from __future__ import annotations
@@ -28,22 +30,25 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+import torch
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from torch import Tensor
 
+from omnistage.entrypoints.openai.chat_prompt import ChatPrompts
 from omnistage.entrypoints.openai.client import (EngineClient, RequestHandle, failed,
                                                  unless_disconnected)
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import MediaLoader
-from omnistage.entrypoints.openai.params import openai_sampling_fields, stage_params
+from omnistage.entrypoints.openai.params import ignore, openai_sampling_fields, stage_params
 from omnistage.entrypoints.openai.protocol import (AudioData, ChatChoice, ChatChunkChoice,
                                                    ChatCompletionChunk, ChatCompletionRequest,
-                                                   ChatCompletionResponse, ChatMessage,
-                                                   ChoiceLogprobs, DeltaMessage, ResponseMessage,
-                                                   TokenLogprob, TopLogprob, Usage)
-from omnistage.entrypoints.openai.streaming import DONE, EventStream, sse, sse_comment, sse_error
+                                                   ChatCompletionResponse, ChoiceLogprobs,
+                                                   DeltaMessage, ResponseMessage, TokenLogprob,
+                                                   TopLogprob, Usage)
+from omnistage.entrypoints.openai.streaming import (DONE, EventStream, SpeechDeltas, sse,
+                                                    sse_comment, sse_error)
 from omnistage.outputs import OmniOutput
 from omnistage.sampling_params import SamplingParams
 from omnistage.utils.audio import encode_audio_b64, to_pcm16
@@ -55,6 +60,20 @@ AUDIO_TTL_S = 3600
 _TEXT_ONLY = ("temperature", "top_p", "stop", "presence_penalty", "frequency_penalty", "top_k",
               "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
               "max_tokens", "max_completion_tokens")
+# OpenAI fields accepted with no effect here, and why
+_IGNORED = {"verbosity": "the model decides its own length",
+            "service_tier": "one tier here", "safety_identifier": "no abuse monitoring here",
+            "prompt_cache_key": "prefix caching needs no key",
+            "prompt_cache_retention": "prefix caching keeps what memory allows",
+            "store": "this server stores no completions",
+            "metadata": "this server stores no completions",
+            "user": "no abuse monitoring here"}
+# OpenAI fields this server cannot honour: a 400 when set (to other than the "off" value)
+_UNSUPPORTED = {"tools": ("tool calling", []), "tool_choice": ("tool calling", "none"),
+                "functions": ("function calling", []), "function_call": ("function calling",
+                                                                         "none"),
+                "prediction": ("predicted outputs", None),
+                "web_search_options": ("web search", None)}
 
 
 def audio_of(tensors: dict[str, Tensor], default_rate: int | None = None
@@ -72,29 +91,35 @@ def audio_of(tensors: dict[str, Tensor], default_rate: int | None = None
 
 class ChatServing:
     def __init__(self, client: EngineClient, media: MediaLoader, model_name: str,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None,
+                 default_modalities: tuple[str, ...] = ()) -> None:
         self.client = client
-        self.media = media
         self.model_name = model_name
-        self.chat_template = chat_template
+        self.prompts = ChatPrompts(client, media, chat_template)
+        missing = sorted(set(default_modalities) - client.outputs)
+        if missing:
+            raise ValueError(f"default_modalities: this model cannot produce {missing[0]} (it "
+                             f"produces {', '.join(sorted(client.outputs))})")
+        self.default_modalities = default_modalities
 
     async def create(self, req: ChatCompletionRequest, request: Request
                      ) -> ChatCompletionResponse | Response:
         self._check_unsupported(req)
         wanted = self._modalities(req)
+        fmt = self._audio_format(req, wanted)
         if "image" in wanted:
-            prompt, image = await self._image_prompt(req.messages)
+            prompt, image = await self.prompts.image_prompt(req.messages)
             entry = self._image_fields(req)
         else:
             image = None
-            prompt = await self._text_prompt(req)
+            prompt = await self.prompts.text_prompt(req)
             max_tokens = req.max_completion_tokens or req.max_tokens
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             entry = openai_sampling_fields(req, max_tokens, logprobs)
         # image models: the picture in the last user message makes it image-to-image
         params = stage_params(self.client.graph, self.client.entry, entry,
                               req.sampling_params_list, image)
-        if req.audio is not None:
+        if req.audio is not None and req.audio.voice is not None:
             params = [dataclasses.replace(p, extra={**p.extra, "speaker": req.audio.voice})
                       if isinstance(p, SamplingParams) else p for p in params]
         try:
@@ -115,16 +140,16 @@ class ChatServing:
                 raise _voice_param(err) from None
             return EventStream(self._stream(req, handle, wanted), closers)
         try:
-            return await unless_disconnected(request, lambda: self._full(req, handle))
+            return await unless_disconnected(request, lambda: self._full(req, handle, fmt))
         finally:
             handle.close()
             ticket.release()
 
     # -- checks ----------------------------------------------------------------------------------
     def _check_unsupported(self, req: ChatCompletionRequest) -> None:
-        for name, off in (("tools", []), ("tool_choice", "none")):
+        for name, (what, off) in _UNSUPPORTED.items():
             if getattr(req, name) not in (None, off):
-                raise bad_request(f"{name}: tool calling is not supported by this server", name)
+                raise bad_request(f"{name}: {what} is not supported by this server", name)
         if req.response_format and req.response_format.get("type") != "text":
             raise bad_request("response_format: only {\"type\": \"text\"} is supported",
                               "response_format")
@@ -132,10 +157,14 @@ class ChatServing:
             raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options: only allowed with stream: true", "stream_options")
+        for name, why in _IGNORED.items():
+            if getattr(req, name):         # store: false, metadata: {} ask for nothing
+                ignore(name, why)
 
     def _modalities(self, req: ChatCompletionRequest) -> set[str]:
         can = self.client.outputs
-        default = ["text"] if "text" in can else ["image"] if "image" in can else ["text"]
+        default = list(self.default_modalities) or (
+            ["text"] if "text" in can else ["image"] if "image" in can else ["text"])
         wanted = set(req.modalities or default)
         for kind in sorted(wanted):
             if kind not in can:
@@ -145,17 +174,22 @@ class ChatServing:
         if "image" in wanted and len(wanted) > 1:
             raise bad_request("modalities: image output cannot be combined with others",
                               "modalities")
-        if "audio" in wanted:
-            if req.audio is None:
-                raise bad_request("audio: required with modalities [\"text\", \"audio\"] "
-                                  "({\"voice\": ..., \"format\": ...})", "audio")
-            if req.stream and req.audio.format != "pcm16":
-                raise bad_request(f"audio.format={req.audio.format!r}: streamed audio is "
-                                  "pcm16 (as with OpenAI); use pcm16 or stream: false",
-                                  "audio.format")
-        elif req.audio is not None:
-            raise bad_request("audio: only with modalities [\"text\", \"audio\"]", "audio")
+        if "audio" in wanted and "text" in can:
+            wanted.add("text")        # ["audio"] too: speech comes with its transcript
         return wanted
+
+    def _audio_format(self, req: ChatCompletionRequest, wanted: set[str]) -> str | None:
+        """The format speech is sent in (None: no speech): what `audio.format` says, else wav,
+        or pcm16 when streamed."""
+        if "audio" not in wanted:
+            if req.audio is not None:
+                raise bad_request("audio: only with modalities [\"text\", \"audio\"]", "audio")
+            return None
+        fmt = req.audio.format if req.audio is not None else None
+        if req.stream and fmt not in (None, "pcm16"):
+            raise bad_request(f"audio.format={fmt!r}: streamed audio is pcm16 (as with "
+                              "OpenAI); use pcm16 or stream: false", "audio.format")
+        return fmt or ("pcm16" if req.stream else "wav")
 
     def _image_fields(self, req: ChatCompletionRequest) -> dict[str, Any]:
         for name in _TEXT_ONLY + ("logprobs",):
@@ -167,114 +201,8 @@ class ChatServing:
                               "sampling_params_list [{\"num_images\": N}]", "n")
         return {"seed": req.seed} if req.seed is not None else {}
 
-    # -- prompts ---------------------------------------------------------------------------------
-    async def _load(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
-        return await run_in_threadpool(self._load_messages, messages)
-
-    def _load_messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
-        """Messages as chat-template dicts: content a string when it is all text, else parts
-        with their media loaded and checked: {"type": "image", "image": PIL, "data": bytes},
-        {"type": "audio", "audio": (waveform, rate)}, {"type": "video", "video": [PIL],
-        "fps": ...}, {"type": "text", "text": ...}."""
-        out: list[dict[str, Any]] = []
-        for i, msg in enumerate(messages):
-            role = "system" if msg.role == "developer" else msg.role
-            if msg.content is None:
-                if msg.role != "assistant":
-                    raise bad_request(f"messages[{i}].content: required for role {msg.role}",
-                                      f"messages[{i}].content")
-                out.append({"role": role, "content": ""})
-                continue
-            if isinstance(msg.content, str):
-                out.append({"role": role, "content": msg.content})
-                continue
-            parts: list[dict[str, Any]] = []
-            for j, part in enumerate(msg.content):
-                param = f"messages[{i}].content[{j}]"
-                if part.type == "text":
-                    parts.append({"type": "text", "text": part.text})
-                elif part.type == "image_url":
-                    image, data = self.media.image(part.image_url.url, f"{param}.image_url.url")
-                    parts.append({"type": "image", "image": image, "data": data})
-                elif part.type == "input_audio":
-                    audio = self.media.audio(part.input_audio.data, part.input_audio.format,
-                                             f"{param}.input_audio.data")
-                    parts.append({"type": "audio", "audio": audio})
-                else:
-                    frames, fps = self.media.video(part.video_url.url, f"{param}.video_url.url")
-                    parts.append({"type": "video", "video": frames, "fps": fps})
-            if all(p["type"] == "text" for p in parts):   # plain templates take a string
-                out.append({"role": role, "content": "\n".join(p["text"] for p in parts)})
-            else:
-                out.append({"role": role, "content": parts})
-        return out
-
-    async def _text_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
-        """A multimodal model's processor takes the messages as they are; a text model's
-        prompt is its chat template rendered here and tokenized."""
-        messages = await self._load(req.messages)
-        if self.client.processor is not None:
-            if req.chat_template_kwargs:
-                raise bad_request("chat_template_kwargs: not supported for this model",
-                                  "chat_template_kwargs")
-            for m in messages:
-                if isinstance(m["content"], list):
-                    for part in m["content"]:
-                        part.pop("data", None)
-            return {"messages": messages}
-        media = sorted({p["type"] for m in messages if isinstance(m["content"], list)
-                        for p in m["content"]} - {"text"})
-        if media:
-            raise bad_request(f"messages: this model takes text only, not {'/'.join(media)}",
-                              "messages", "unsupported_input")
-        tokenizer = self.client.tokenizer
-        if tokenizer is None:
-            raise bad_request("this model has no tokenizer, so it cannot chat; use "
-                              "/v1/completions with token ids", "messages", "no_tokenizer")
-        template = self.chat_template or getattr(tokenizer, "chat_template", None)
-        if not template:
-            raise bad_request("this model has no chat template (start the server with "
-                              "--chat-template FILE); /v1/completions takes raw prompts",
-                              "messages", "no_chat_template")
-        kwargs = dict(req.chat_template_kwargs or {})
-        for reserved in ("conversation", "messages", "tokenize", "chat_template", "return_dict"):
-            if reserved in kwargs:
-                raise bad_request(f"chat_template_kwargs.{reserved}: set by the server",
-                                  f"chat_template_kwargs.{reserved}")
-        kwargs.setdefault("add_generation_prompt", messages[-1]["role"] != "assistant")
-        try:
-            text = tokenizer.apply_chat_template(messages, chat_template=template,
-                                                 tokenize=False, **kwargs)
-        except Exception as exc:  # jinja errors, raise_exception() in the template, ...
-            raise bad_request(f"messages: the chat template failed: {type(exc).__name__}: "
-                              f"{exc}", "messages", "chat_template_error") from None
-        return {"prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
-
-    async def _image_prompt(self, messages: list[ChatMessage]) -> tuple[str, bytes | None]:
-        """An image model draws what the last user message says, starting from the image in
-        it if there is one."""
-        loaded = await self._load(messages)
-        users = [i for i, m in enumerate(loaded) if m["role"] == "user"]
-        if not users:
-            raise bad_request("messages: an image model draws what the last user message "
-                              "says; there is none", "messages")
-        content = loaded[users[-1]]["content"]
-        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        text = "\n".join(p["text"] for p in parts if p["type"] == "text")
-        images = [p["data"] for p in parts if p["type"] == "image"]
-        other = sorted({p["type"] for p in parts} - {"text", "image"})
-        param = f"messages[{users[-1]}].content"
-        if other:
-            raise bad_request(f"{param}: an image model takes text and one image, not "
-                              f"{'/'.join(other)}", param, "unsupported_input")
-        if len(images) > 1:
-            raise bad_request(f"{param}: one input image at most, got {len(images)}", param)
-        if not text.strip():
-            raise bad_request(f"{param}: an image model needs text saying what to draw", param)
-        return text, (images[0] if images else None)
-
     # -- answers ---------------------------------------------------------------------------------
-    async def _full(self, req: ChatCompletionRequest, handle: RequestHandle
+    async def _full(self, req: ChatCompletionRequest, handle: RequestHandle, fmt: str | None
                     ) -> ChatCompletionResponse:
         last: OmniOutput | None = None
         async for out in handle.outputs():
@@ -286,10 +214,11 @@ class ChatServing:
         images = last.tensors.get("images")
         if images is not None:
             message.content = await run_in_threadpool(_image_parts, images)
-        audio = audio_of(last.tensors, self.client.engine.audio_sample_rate)
-        if audio is not None and req.audio is not None:
-            wave, rate = audio
-            data = await run_in_threadpool(encode_audio_b64, wave, rate, req.audio.format)
+        if fmt is not None:      # OpenAI's shape: the text is the transcript, content null
+            rate = self.client.engine.audio_sample_rate
+            wave, rate = (audio_of(last.tensors, rate)
+                          or (torch.zeros(0), rate or DEFAULT_SAMPLE_RATE))   # no speech made
+            data = await run_in_threadpool(encode_audio_b64, wave, rate, fmt)
             message.audio = AudioData(id=f"audio-{uuid.uuid4().hex[:16]}", data=data,
                                       expires_at=int(time.time()) + AUDIO_TTL_S,
                                       transcript=last.text)
@@ -304,7 +233,8 @@ class ChatServing:
     async def _stream(self, req: ChatCompletionRequest, handle: RequestHandle,
                       wanted: set[str]) -> AsyncIterator[str]:
         created = int(time.time())
-        audio_id = f"audio-{uuid.uuid4().hex[:16]}"
+        speech = (SpeechDeltas(f"audio-{uuid.uuid4().hex[:16]}", AUDIO_TTL_S)
+                  if "audio" in wanted else None)
 
         def chunk(delta: DeltaMessage, finish: str | None = None,
                   logprobs: ChoiceLogprobs | None = None) -> str:
@@ -312,7 +242,7 @@ class ChatServing:
                 id=handle.request_id, created=created, model=self.model_name,
                 choices=[ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)]))
 
-        yield chunk(DeltaMessage(role="assistant", content=""))
+        yield chunk(DeltaMessage(role="assistant", content=None if speech else ""))
         last: OmniOutput | None = None
         async for out in handle.outputs():
             last = out
@@ -325,12 +255,13 @@ class ChatServing:
                 if req.logprobs and out.delta_token_ids:
                     new = (out.logprobs or [])[-len(out.delta_token_ids):]
                     lp = ChoiceLogprobs(content=self._logprobs(out.delta_token_ids, new))
-                yield chunk(DeltaMessage(content=out.delta_text), logprobs=lp)
-            audio = (audio_of(out.delta_tensors, self.client.engine.audio_sample_rate)
-                     if "audio" in wanted else None)
-            if audio is not None:
+                delta = (DeltaMessage(audio=speech.transcript(out.delta_text)) if speech
+                         else DeltaMessage(content=out.delta_text))
+                yield chunk(delta, logprobs=lp)
+            audio = audio_of(out.delta_tensors, self.client.engine.audio_sample_rate)
+            if audio is not None and speech is not None:
                 data = await run_in_threadpool(_pcm16_b64, audio[0])
-                yield chunk(DeltaMessage(audio={"id": audio_id, "data": data}))
+                yield chunk(DeltaMessage(audio=speech.data(data)))
             if out.progress is not None and not out.finished and "image" in wanted:
                 yield sse_comment(f"progress {out.progress:.2f}")
         assert last is not None
@@ -338,9 +269,8 @@ class ChatServing:
         if images is not None:
             parts = await run_in_threadpool(_image_parts, images)
             yield chunk(DeltaMessage(content=parts))
-        if "audio" in wanted:
-            yield chunk(DeltaMessage(audio={"id": audio_id, "transcript": last.text,
-                                            "expires_at": int(time.time()) + AUDIO_TTL_S}))
+        if speech is not None:
+            yield chunk(DeltaMessage(audio=speech.end()))
         yield chunk(DeltaMessage(), finish=_finish(last))
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse(ChatCompletionChunk(id=handle.request_id, created=created,

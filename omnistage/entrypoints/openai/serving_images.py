@@ -4,30 +4,84 @@ image stage.
 The OpenAI fields map onto the entry stage's DiffusionParams: n -> num_images, size "WxH" ->
 width and height, plus the diffusion extras (negative_prompt, num_inference_steps,
 guidance_scale, true_cfg_scale, seed). Images come back base64-encoded (`b64_json`) as PNG,
-JPEG or WebP; this server hosts no files, so `response_format: url` is refused.
+JPEG or WebP; this server hosts no files, so `response_format: url` is refused. The other
+fields OpenAI documents are accepted: `background` "auto" / "opaque" is what every model here
+draws and "transparent" a 400 (no alpha channel); `quality`, `style`, `moderation`,
+`input_fidelity` and `safety_identifier` change nothing here and are logged as ignored (the
+quality knob is `num_inference_steps`); streamed partial images are a 400.
 
 An edit is an image-to-image request: the uploaded image becomes DiffusionParams.image and
-`strength` (an extension) how much of it is redrawn. Masks (inpainting) are not supported.
+`strength` (an extension) how much of it is redrawn. The OpenAI SDK sends one image as the
+form field `image` and a list as `image[]`; both are read. The pipelines served here start
+from one image, so several are a 400 naming `image`. Masks (inpainting) are not supported.
+The form is parsed here, strictly: an unknown field is a 400 naming it, as for JSON bodies.
 """
 
 from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from fastapi import UploadFile
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
 
 from omnistage.entrypoints.openai.client import EngineClient, failed, unless_disconnected
-from omnistage.entrypoints.openai.errors import APIError, bad_request
+from omnistage.entrypoints.openai.errors import (APIError, bad_request, check_model,
+                                                 invalid)
 from omnistage.entrypoints.openai.media import MediaLoader, decode_image
-from omnistage.entrypoints.openai.params import parse_size, stage_params
-from omnistage.entrypoints.openai.protocol import ImageData, ImageGenerationRequest, ImagesResponse
+from omnistage.entrypoints.openai.params import ignore, parse_size, stage_params
+from omnistage.entrypoints.openai.protocol import (ImageData, ImageEditRequest, ImageRequest,
+                                                   ImagesResponse)
 from omnistage.outputs import OmniOutput
 from omnistage.utils.images import encode_image_b64
 
 _DIFFUSION_FIELDS = ("negative_prompt", "num_inference_steps", "guidance_scale",
                      "true_cfg_scale", "seed")
+_IGNORED = {"quality": "set num_inference_steps for more or fewer denoising steps",
+            "style": "no style switch in these models", "moderation": "no moderation here",
+            "input_fidelity": "the input image is used as given",
+            "safety_identifier": "no abuse monitoring here",
+            "user": "no abuse monitoring here"}
+_FILES = ("image", "mask")
+
+
+def edit_form_schema() -> dict[str, Any]:
+    """The OpenAPI schema of the edit form: ImageEditRequest's fields plus the files."""
+    schema = ImageEditRequest.model_json_schema()
+    binary = {"type": "string", "format": "binary"}
+    schema["properties"]["image"] = {"anyOf": [binary, {"type": "array", "items": binary}],
+                                     "description": "image(s) to edit; `image[]` too"}
+    schema["properties"]["mask"] = binary
+    schema["required"] = [*schema.get("required", []), "image"]
+    return schema
+
+
+def parse_edit_form(form: FormData) -> tuple[ImageEditRequest, list[UploadFile],
+                                             UploadFile | None]:
+    """The edit's fields, its images (`image` or `image[]`, in order) and its mask."""
+    fields: dict[str, str] = {}
+    images: list[UploadFile] = []
+    masks: list[UploadFile] = []
+    for key, value in form.multi_items():
+        name = "image" if key == "image[]" else key
+        if isinstance(value, UploadFile):
+            if name not in _FILES:
+                raise bad_request(f"{key}: unexpected file (files go in image or mask)", key)
+            (images if name == "image" else masks).append(value)
+        elif name in _FILES:
+            raise bad_request(f"{name}: expected a file upload, got a text field", name)
+        elif key in fields:
+            raise bad_request(f"{key}: given twice", key)
+        else:
+            fields[key] = value
+    if len(masks) > 1:
+        raise bad_request(f"mask: one mask at most, got {len(masks)}", "mask")
+    try:
+        req = ImageEditRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise invalid(exc.errors()) from None
+    return req, images, (masks[0] if masks else None)
 
 
 class ImageServing:
@@ -42,23 +96,27 @@ class ImageServing:
                               f"{', '.join(sorted(self.client.outputs))}); use "
                               "/v1/chat/completions", "model", "unsupported_endpoint")
 
-    async def generate(self, req: ImageGenerationRequest, request: Request) -> ImagesResponse:
+    async def generate(self, req: ImageRequest, request: Request) -> ImagesResponse:
         self._check_endpoint()
         return await self._run(req, request)
 
-    async def edit(self, req: ImageGenerationRequest, images: list[UploadFile],
-                   mask: UploadFile | None, strength: float | None, request: Request
-                   ) -> ImagesResponse:
+    async def edit(self, request: Request) -> ImagesResponse:
+        """The multipart form of /v1/images/edits, read here (see parse_edit_form)."""
         self._check_endpoint()
-        if not images:
-            raise bad_request("image: one image file is required", "image")
-        if len(images) > 1:
-            raise bad_request(f"image: one image per edit, got {len(images)}", "image")
-        if mask is not None:
-            raise bad_request("mask: masked edits (inpainting) are not supported; the whole "
-                              "image is redrawn, as much as `strength` says", "mask")
-        data = await self._upload(images[0], "image")
-        return await self._run(req, request, data, strength)
+        async with request.form() as form:
+            req, images, mask = parse_edit_form(form)
+            check_model(req.model, self.model_name)
+            if not images:
+                raise bad_request("image: one image file is required", "image")
+            if len(images) > 1:
+                raise bad_request(f"image: this model edits one image at a time, got "
+                                  f"{len(images)} (no multi-image edit pipeline is served "
+                                  "here)", "image")
+            if mask is not None:
+                raise bad_request("mask: masked edits (inpainting) are not supported; the "
+                                  "whole image is redrawn, as much as `strength` says", "mask")
+            data = await self._upload(images[0], "image")
+        return await self._run(req, request, data, req.strength)
 
     async def _upload(self, upload: UploadFile, param: str) -> bytes:
         limit = self.media.policy.max_bytes
@@ -71,11 +129,9 @@ class ImageServing:
         await run_in_threadpool(decode_image, data, param)     # a clear 400 if it is no image
         return data
 
-    async def _run(self, req: ImageGenerationRequest, request: Request,
+    async def _run(self, req: ImageRequest, request: Request,
                    image: bytes | None = None, strength: float | None = None) -> ImagesResponse:
-        if req.response_format != "b64_json":
-            raise bad_request("response_format: this server returns images inline only; use "
-                              "b64_json", "response_format")
+        _check_openai_fields(req)
         height, width = parse_size(req.size)
         fields: dict[str, Any] = {"num_images": req.n}
         if height is not None:
@@ -111,6 +167,24 @@ class ImageServing:
                      for img in pixels])                               # pixels: (n, H, W, C)
         return ImagesResponse(data=data, output_format=req.output_format,
                               size=f"{pixels.shape[2]}x{pixels.shape[1]}")
+
+
+def _check_openai_fields(req: ImageRequest) -> None:
+    """OpenAI's image fields: refused where the answer could not be what they ask for,
+    logged as ignored where it is the same either way."""
+    if req.response_format != "b64_json":
+        raise bad_request("response_format: this server returns images inline only; use "
+                          "b64_json", "response_format")
+    if req.background == "transparent":
+        raise bad_request("background=transparent: this model draws no alpha channel; use "
+                          "opaque or auto", "background")
+    if req.stream or req.partial_images:
+        name = "stream" if req.stream else "partial_images"
+        raise bad_request(f"{name}: streamed (partial) images are not supported; the answer "
+                          "comes whole", name)
+    for name, why in _IGNORED.items():
+        if getattr(req, name, None) is not None:
+            ignore(name, why)
 
 
 async def _last(outputs: AsyncIterator[OmniOutput]) -> OmniOutput:

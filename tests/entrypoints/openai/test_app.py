@@ -1,7 +1,8 @@
 """The app in process with a stand-in engine: a graph whose finals are text (a thinker) and
 audio (a code2wav stage), emitting a known waveform in chunks. This pins down the HTTP side of
-speech without a speech model: message.audio when not streamed, delta.content + delta.audio
-(pcm16 chunks) when streamed, the voice reaching the AR stages; and the app's plumbing: /health
+speech without a speech model: message.audio when not streamed, delta.audio (transcript and
+pcm16 pieces) when streamed, the voice reaching the AR stages, the default modalities,
+reasoning_effort reaching the chat template; and the app's plumbing: /health
 503 when the engine is dead, CORS, the body limit on a chunked upload, the OpenAPI schema."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from omnistage.configs.schema import GraphConfig, StageConfig, StageInput
 from omnistage.engine.inputs import parse_prompt
 from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
 from omnistage.outputs import OmniOutput, RequestEvent, RequestMetrics
-from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+from omnistage.testing.tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
 from omnistage.utils.audio import decode_audio
 
 RATE = 16000
@@ -47,9 +48,11 @@ class FakeOmni:
         self.orchestrator = SimpleNamespace(stage_info={"thinker": {"max_model_len": 64}},
                                             dead_reason=None, stage_stats=lambda timeout: {})
         self.params: list = []
+        self.prompts: list = []
 
     def prepare(self, prompt, params):
         self.params.append(params)
+        self.prompts.append(prompt)
         return parse_prompt(prompt, self.tokenizer), dict(zip(["thinker", "code2wav"], params))
 
     def submit(self, prompt, params, request_id, modalities, sink, prepared) -> OmniOutput:
@@ -116,18 +119,26 @@ def test_audio_answer_not_streamed(engine: FakeOmni, fmt: str) -> None:
 
 
 def test_audio_answer_streamed_as_pcm16_chunks(engine: FakeOmni) -> None:
+    """OpenAI's streamed speech: no delta.content; delta.audio carries the transcript pieces
+    and the pcm16 pieces (the id on the first of each), and last only expires_at."""
     r = post(engine, {**AUDIO_CHAT, "audio": {"voice": "ethan", "format": "pcm16"},
                       "stream": True, "stream_options": {"include_usage": True}})
     assert r.status_code == 200
     events = [json.loads(line[6:]) for line in r.text.splitlines()
               if line.startswith("data: {")]
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
-    assert "".join(d.get("content") or "" for d in deltas) == "Hi there"
+    assert deltas[0] == {"role": "assistant"}
+    assert not any(d.get("content") for d in deltas)
     audio = [d["audio"] for d in deltas if "audio" in d]
-    data = [a["data"] for a in audio if "data" in a]
-    assert len(data) == len(CHUNKS) and len({a["id"] for a in audio}) == 1
-    assert audio[-1]["transcript"] == "Hi there"
-    pcm = b"".join(base64.b64decode(d) for d in data)
+    pieces = [a for a in audio if "transcript" in a]
+    data = [a for a in audio if "data" in a]
+    assert "".join(a["transcript"] for a in pieces) == "Hi there" and len(pieces) > 1
+    assert len(data) == len(CHUNKS)
+    audio_id = pieces[0]["id"]
+    assert data[0]["id"] == audio_id
+    assert all("id" not in a for a in pieces[1:] + data[1:])
+    assert set(audio[-1]) == {"expires_at"} and audio[-1]["expires_at"] > time.time()
+    pcm = b"".join(base64.b64decode(a["data"]) for a in data)
     wave, _ = decode_audio(pcm, "pcm16", RATE)
     np.testing.assert_allclose(wave[0], WAVE, atol=1 / 32767 + 1e-6)
     assert events[-1]["usage"]["completion_tokens"] == len(engine.tokenizer("Hi there")
@@ -136,16 +147,53 @@ def test_audio_answer_streamed_as_pcm16_chunks(engine: FakeOmni) -> None:
 
 
 def test_audio_requests_checked(engine: FakeOmni) -> None:
-    cases = [({**AUDIO_CHAT}, "audio"),                                     # no audio params
-             ({**AUDIO_CHAT, "audio": {"voice": "ethan", "format": "wav"}, "stream": True},
+    cases = [({**AUDIO_CHAT, "audio": {"voice": "ethan", "format": "wav"}, "stream": True},
               "audio.format"),                                              # streams are pcm16
-             ({**AUDIO_CHAT, "modalities": ["image"]}, "modalities")]
+             ({**AUDIO_CHAT, "modalities": ["image"]}, "modalities"),
+             ({**AUDIO_CHAT, "modalities": ["text"], "audio": {"voice": "ethan"}}, "audio")]
     for body, param in cases:
         r = post(engine, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     text_only = post(engine, {**AUDIO_CHAT, "modalities": ["text"]})
     message = text_only.json()["choices"][0]["message"]
     assert message["content"] == "Hi there" and message["audio"] is None
+
+
+def test_default_modalities(engine: FakeOmni) -> None:
+    """OpenAI's default (text) unless the server says otherwise; `audio` may be left out (the
+    model's voice, wav)."""
+    body = {"model": "omni", "messages": AUDIO_CHAT["messages"]}
+    assert post(engine, body).json()["choices"][0]["message"]["audio"] is None
+    config = ServerConfig(served_model_name="omni", default_modalities=("text", "audio"))
+    r = call(engine, "POST", "/v1/chat/completions", config, json=body)
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] is None and message["audio"]["transcript"] == "Hi there"
+    wave, rate = decode_audio(base64.b64decode(message["audio"]["data"]), "wav")
+    assert rate == RATE and wave.shape == (1, len(WAVE))
+    assert "speaker" not in engine.params[-1][0].extra      # the talker's own voice
+    with pytest.raises(ValueError, match="default_modalities"):
+        build_app(engine, ServerConfig(default_modalities=("image",)))
+
+
+THINKING_TEMPLATE = CHAT_TEMPLATE + (
+    "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}")
+
+
+def test_reasoning_effort_reaches_the_templates_thinking_switch(engine: FakeOmni) -> None:
+    config = ServerConfig(served_model_name="omni", chat_template=THINKING_TEMPLATE)
+    body = {"model": "omni", "messages": AUDIO_CHAT["messages"]}
+
+    def prompt(**fields: object) -> str:
+        r = call(engine, "POST", "/v1/chat/completions", config, json={**body, **fields})
+        assert r.status_code == 200, r.text
+        return engine.tokenizer.decode(engine.prompts[-1]["prompt_token_ids"])
+
+    assert prompt(reasoning_effort="none").endswith("</think>\n\n")
+    assert "<think>" not in prompt(reasoning_effort="high") and "<think>" not in prompt()
+    # chat_template_kwargs win over it
+    assert "<think>" not in prompt(reasoning_effort="none",
+                                   chat_template_kwargs={"enable_thinking": True})
 
 
 def test_health_is_503_when_the_engine_is_dead(engine: FakeOmni) -> None:

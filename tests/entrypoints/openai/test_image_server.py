@@ -99,6 +99,42 @@ def test_edits_redraw_the_uploaded_image(image_server: Server) -> None:
     assert edit(235) != dark             # the input image matters
 
 
+def test_edits_take_a_list_of_images(image_server: Server) -> None:
+    """`image=[...]` goes out as the form field `image[]`: one image in a list is the same
+    edit; two are a 400 naming image (the demo model starts from one image)."""
+    client = image_server.openai()
+    kw = dict(prompt="a handwritten 7", extra_body={"seed": 3, "strength": 0.5,
+                                                    "num_inference_steps": 4})
+    single = client.images.edit(image=("in.png", _png_bytes(20), "image/png"), **kw)
+    listed = client.images.edit(image=[("in.png", _png_bytes(20), "image/png")], **kw)
+    assert listed.data[0].b64_json == single.data[0].b64_json
+    with pytest.raises(openai.BadRequestError) as err:
+        client.images.edit(image=[("a.png", _png_bytes(20), "image/png"),
+                                  ("b.png", _png_bytes(235), "image/png")], **kw)
+    assert err.value.body["param"] == "image" and "one image" in err.value.body["message"]
+
+
+def test_openai_image_fields_are_accepted(image_server: Server) -> None:
+    """quality, style, moderation: accepted, logged as ignored; background opaque is what the
+    model draws, transparent a 400 naming background."""
+    client = image_server.openai()
+    kw = dict(prompt="a handwritten 4", extra_body={"seed": 8, "num_inference_steps": 3})
+    plain = client.images.generate(**kw)
+    styled = client.images.generate(**kw, quality="high", style="natural", moderation="low",
+                                    background="opaque")
+    assert styled.data[0].b64_json == plain.data[0].b64_json
+    edited = client.images.edit(image=("in.png", _png_bytes(20), "image/png"),
+                                prompt="a handwritten 4", quality="low", background="auto",
+                                input_fidelity="high", extra_body={"num_inference_steps": 2})
+    assert len(edited.data) == 1
+    log = image_server.log.read_text()
+    for name in ("quality", "style", "moderation", "input_fidelity"):
+        assert f"{name}: accepted and ignored" in log, name
+    with pytest.raises(openai.BadRequestError) as err:
+        client.images.generate(**kw, background="transparent")
+    assert err.value.body["param"] == "background"
+
+
 def test_chat_image_part_makes_an_image_to_image_request(image_server: Server) -> None:
     url = "data:image/png;base64," + base64.b64encode(_png_bytes(20)).decode()
     content = [{"type": "text", "text": "a handwritten 7"},

@@ -132,6 +132,23 @@ def test_audio_parts_decode_to_mono_waveforms() -> None:
                    "p").code == "invalid_audio"
 
 
+def test_audio_urls_decode_whatever_the_container(folders: tuple[Path, Path]) -> None:
+    """vLLM's audio_url: a data: or file: URL of a wav, flac, mp3 or opus file, no format
+    given; mono at the file's rate."""
+    allowed, _ = folders
+    loader = MediaLoader(MediaPolicy(allowed_dirs=(allowed,)))
+    tone = 0.5 * np.sin(2 * np.pi * 300 * np.arange(8000) / 16000)
+    for fmt in ("wav", "flac", "mp3", "opus"):
+        data = encode_audio(tone, 16000, fmt)
+        wave, rate = loader.audio_url(data_url(data, "audio/x"), "p")
+        assert wave.ndim == 1 and rate in (16000, 48000) and len(wave) >= 8000 * rate // 16000
+        (allowed / f"tone.{fmt}").write_bytes(data)
+        from_file, _ = loader.audio_url(f"file://{allowed}/tone.{fmt}", "p")
+        np.testing.assert_array_equal(from_file, wave)
+    bad = refused(loader.audio_url, data_url(b"not audio", "audio/wav"), "p")
+    assert bad.code == "invalid_audio" and bad.param == "p"
+
+
 def test_video_parts_are_sampled_at_two_frames_per_second() -> None:
     loader = MediaLoader(MediaPolicy())
     frames, fps = loader.video(data_url(mp4(20, 10), "video/mp4"), "p")   # 2 s of video

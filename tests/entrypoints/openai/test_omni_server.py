@@ -1,22 +1,24 @@
 """Text and speech from a real server serving the tiny random Qwen3-Omni (thinker -> talker ->
-code2wav): chat answers with message.audio, streams pcm16 chunks in delta.audio beside the
-text in delta.content, takes image parts through the model's input processor, and names
-audio.voice when the talker does not know the voice."""
+code2wav), through the official `openai` client as OpenAI's docs call it: chat answers with
+message.audio (the text as its transcript, content null), streams the transcript and pcm16
+pieces in delta.audio, takes image and audio parts (OpenAI's input_audio, vLLM's audio_url)
+through the model's input processor, takes vLLM-Omni's sampling_params_list as it is, and
+names audio.voice when the talker does not know the voice."""
 
 from __future__ import annotations
 
 import base64
 import io
-import json
 import time
 from typing import TYPE_CHECKING, Callable
 
 import httpx
 import numpy as np
+import openai
 import pytest
 from PIL import Image
 
-from omnistage.utils.audio import decode_audio
+from omnistage.utils.audio import decode_audio, encode_audio
 
 if TYPE_CHECKING:
     from tests.entrypoints.openai.conftest import Server
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 MODEL = "tiny-omni"
 RATE = 24000          # Qwen3-Omni's code2wav rate
 USER = [{"role": "user", "content": "Hello, who are you?"}]
+GREEDY_TALKER = {"sampling_params_list": [None, {"temperature": 0.0}, None]}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +39,7 @@ def omni_server(start_server: Callable[..., Server],
 
 
 def test_text_only_chat_skips_speech(omni_server: Server) -> None:
+    """No `modalities`: OpenAI's default, text (the talker and code2wav do not run)."""
     out = omni_server.openai().chat.completions.create(model=MODEL, messages=USER,
                                                        max_tokens=6, temperature=0)
     message = out.choices[0].message
@@ -49,9 +53,71 @@ def test_chat_with_audio_returns_a_decodable_waveform(omni_server: Server) -> No
         modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
     message = out.choices[0].message
     assert message.content is None and message.audio.transcript
+    assert message.audio.id and message.audio.expires_at > time.time()
     wave, rate = decode_audio(base64.b64decode(message.audio.data), "wav")
     assert rate == RATE and wave.shape[0] == 1 and wave.shape[1] > 0
     assert np.isfinite(wave).all() and np.abs(wave).max() <= 1.0
+
+
+def test_streamed_speech_joins_to_the_whole_answer(omni_server: Server) -> None:
+    """Streamed with the official client: transcript pieces and pcm16 pieces in delta.audio,
+    joined equal to the non-streamed answer (greedy thinker and talker)."""
+    client = omni_server.openai()
+    kw = dict(model=MODEL, messages=USER, max_tokens=6, temperature=0,
+              modalities=["text", "audio"], extra_body=GREEDY_TALKER)
+    whole = client.chat.completions.create(**kw, audio={"voice": "ethan", "format": "wav"})
+    chunks = list(client.chat.completions.create(
+        **kw, audio={"voice": "ethan", "format": "pcm16"}, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and not any(d.content for d in deltas)
+    audio = [d.audio for d in deltas if d.audio is not None]
+    transcript = "".join(a.transcript for a in audio if a.transcript is not None)
+    pieces = [a.data for a in audio if a.data is not None]
+    assert transcript == whole.choices[0].message.audio.transcript
+    assert pieces, "no audio streamed"
+    assert len({a.id for a in audio if a.id is not None}) == 1
+    assert audio[-1].expires_at is not None
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    streamed, _ = decode_audio(b"".join(base64.b64decode(p) for p in pieces), "pcm16", RATE)
+    ref, _ = decode_audio(base64.b64decode(whole.choices[0].message.audio.data), "wav")
+    assert streamed.shape == ref.shape and np.abs(streamed - ref).max() <= 2 / 32767
+    m = omni_server.metrics()
+    assert m[("omnistage_time_to_first_audio_seconds_count", ())] >= 1
+
+
+def test_vllm_omni_request_shapes(omni_server: Server) -> None:
+    """A request as vLLM-Omni's examples write it: an `audio_url` part, no `audio` object,
+    one sampling dict per stage with vLLM keys (detokenize ignored, code2wav's checked and
+    unused); a vLLM key omnistage lacks is a 400 naming it."""
+    tone = 0.3 * np.sin(np.arange(16000) * 2 * np.pi * 220 / 16000).astype(np.float32)
+    url = "data:audio/wav;base64," + base64.b64encode(encode_audio(tone, 16000)).decode()
+    spl = [{"temperature": 0.0, "top_k": -1, "max_tokens": 4, "seed": 42, "detokenize": True},
+           {"temperature": 0.9, "top_k": 50, "max_tokens": 64, "seed": 42,
+            "detokenize": False, "repetition_penalty": 1.05},
+           {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 65536, "seed": 42,
+            "detokenize": True, "repetition_penalty": 1.1}]
+    content = [{"type": "audio_url", "audio_url": {"url": url}},
+               {"type": "text", "text": "What is this sound?"}]
+    client = omni_server.openai()
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], modalities=["audio"],
+        extra_body={"sampling_params_list": spl})
+    message = out.choices[0].message
+    wave, rate = decode_audio(base64.b64decode(message.audio.data), "wav")
+    assert rate == RATE and wave.shape[1] > 0 and message.content is None
+    assert message.audio.transcript          # ["audio"] alone still carries the transcript
+    text_only = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is this sound?"}],
+        max_tokens=1)
+    assert out.usage.prompt_tokens > text_only.usage.prompt_tokens + 1   # the audio's frames
+    log = omni_server.log.read_text()
+    assert "sampling_params_list[].detokenize: accepted and ignored" in log
+    assert "sampling_params_list[2]: accepted and ignored" in log        # code2wav samples nothing
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=MODEL, messages=USER,
+            extra_body={"sampling_params_list": [{"prompt_logprobs": 1}, None, None]})
+    assert err.value.body["param"] == "sampling_params_list[0].prompt_logprobs"
 
 
 @pytest.mark.parametrize("fmt", ["pcm16", "flac", "mp3", "opus"])
@@ -62,7 +128,7 @@ def test_every_audio_format_decodes_to_the_same_speech(omni_server: Server, fmt:
         out = omni_server.openai().chat.completions.create(   # a greedy talker as well
             model=MODEL, messages=USER, max_tokens=6, temperature=0,
             modalities=["text", "audio"], audio={"voice": "ethan", "format": fmt},
-            extra_body={"sampling_params_list": [None, {"temperature": 0.0}, None]})
+            extra_body=GREEDY_TALKER)
         data = base64.b64decode(out.choices[0].message.audio.data)
         return decode_audio(data, fmt, RATE if fmt == "pcm16" else None)
 
@@ -76,27 +142,6 @@ def test_every_audio_format_decodes_to_the_same_speech(omni_server: Server, fmt:
         assert rate in (RATE, 48000)
         assert abs(len(mono) / rate - ref.shape[1] / RATE) <= 0.1   # codec padding, frames
         assert 0.3 < np.sqrt((mono ** 2).mean()) / np.sqrt((ref ** 2).mean()) < 3.0
-
-
-def test_streamed_speech_comes_as_pcm16_chunks(omni_server: Server) -> None:
-    body = {"model": MODEL, "messages": USER, "max_tokens": 6, "temperature": 0,
-            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"},
-            "stream": True}
-    with httpx.stream("POST", f"{omni_server.url}/v1/chat/completions", json=body,
-                      timeout=120) as r:
-        assert r.status_code == 200
-        events = [json.loads(line[6:]) for line in r.iter_lines()
-                  if line.startswith("data: {")]
-    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
-    text = "".join(d.get("content") or "" for d in deltas)
-    chunks = [d["audio"]["data"] for d in deltas if "data" in d.get("audio", {})]
-    assert chunks, "no audio chunk streamed"
-    pcm = b"".join(base64.b64decode(c) for c in chunks)
-    assert len(pcm) % 2 == 0 and len(pcm) > 0
-    transcript = [d["audio"]["transcript"] for d in deltas if "transcript" in d.get("audio", {})]
-    assert transcript == [text]
-    m = omni_server.metrics()
-    assert m[("omnistage_time_to_first_audio_seconds_count", ())] >= 1
 
 
 def test_image_parts_reach_the_model(omni_server: Server) -> None:

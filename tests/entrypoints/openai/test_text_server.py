@@ -70,6 +70,24 @@ def test_chat_streamed_equals_not_streamed(text_server: Server) -> None:
     assert all(c.usage is None for c in plain) and plain[-1].choices[0].finish_reason
 
 
+def test_openai_fields_without_effect_here_are_accepted_and_logged(text_server: Server
+                                                                   ) -> None:
+    """Fields OpenAI documents for chat that change nothing here answer as without them (the
+    tiny chat template has no reasoning switch, so reasoning_effort is one of them)."""
+    client = text_server.openai()
+    kw = dict(model=CHAT_MODEL, messages=MESSAGES, max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(**kw)
+    extra = client.chat.completions.create(
+        **kw, reasoning_effort="low", verbosity="low", service_tier="auto",
+        safety_identifier="user-1", prompt_cache_key="k", store=True, metadata={"a": "b"},
+        user="someone")
+    assert extra.choices[0].message.content == plain.choices[0].message.content
+    log = text_server.log.read_text()
+    for name in ("reasoning_effort", "verbosity", "service_tier", "safety_identifier",
+                 "prompt_cache_key", "store", "metadata", "user"):
+        assert f"{name}: accepted and ignored" in log, name
+
+
 def test_seeded_sampling_repeats_and_stop_strings_cut(text_server: Server) -> None:
     client = text_server.openai()
     kw = dict(model=CHAT_MODEL, messages=MESSAGES, max_tokens=16, temperature=1.0, seed=7,
