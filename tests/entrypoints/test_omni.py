@@ -168,7 +168,7 @@ SPEECH_PARAMS = [SamplingParams(temperature=0.0, max_tokens=8),
 def test_speech_on_the_output_object(speech: Omni, tmp_path: Path) -> None:
     """Qwen3-Omni's code2wav reports 24 kHz at start-up; the output carries that rate, the
     waveform as numpy, and saves it; a text-only request has neither."""
-    (out,) = speech.generate(SPEECH_CHAT, SPEECH_PARAMS)
+    (out,) = speech.chat(SPEECH_CHAT["messages"], SPEECH_PARAMS)   # = generate(SPEECH_CHAT)
     assert out.error is None, out.error
     assert out.sample_rate == 24000
     assert out.audio.dtype == np.float32 and out.audio.ndim == 1 and len(out.audio) > 0
@@ -181,6 +181,8 @@ def test_speech_on_the_output_object(speech: Omni, tmp_path: Path) -> None:
     assert text.audio is None and text.sample_rate is None and text.text
     with pytest.raises(ValueError, match="produced no audio"):
         text.save_audio(tmp_path / "text.wav")
+    with pytest.raises(ValueError, match="applies its own chat template"):
+        speech.chat(SPEECH_CHAT["messages"], SPEECH_PARAMS, chat_template="{{ 1 }}")
 
 
 def test_speech_streams_delta_audio(speech: Omni) -> None:
