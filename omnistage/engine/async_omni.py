@@ -102,7 +102,7 @@ class AsyncOmni:
     def _parse(self, prompt: PromptType) -> ParsedPrompt:
         if self.processor is not None:
             if is_chat(prompt) and set(prompt) - {"messages"}:
-                raise ValueError(f"{sorted(set(prompt) - {'messages'})[0]}: this model's input "
+                raise ValueError(f"{min(set(prompt) - {'messages'})}: this model's input "
                                  "processor applies its own chat template; pass messages only")
             return parse_with_processor(prompt, self.processor)
         if is_chat(prompt):

@@ -30,16 +30,16 @@ EVERY_STAGE = ("dtype", "seed", "enforce_eager", "async_scheduling", "startup_ti
 GRAPH_KEYS = ("connector", "backend")
 # vLLM keywords without a counterpart here: (the value that asks for nothing, what to do)
 REFUSED: dict[str, tuple[object, str]] = {
-    "tensor_parallel_size": (1, "give the stage several devices: "
-                                "stage_overrides=['<stage>.devices=[0,1]']"),
+    "tensor_parallel_size": (1, ("give the stage several devices: "
+                                 "stage_overrides=['<stage>.devices=[0,1]']")),
     "pipeline_parallel_size": (1, "split the model into stages instead (stage_config=...)"),
     "trust_remote_code": (False, "no model code is read from checkpoints here: drop it"),
     "tokenizer": (None, "the tokenizer is read from the model folder"),
     "quantization": (None, "quantized checkpoints are not supported"),
     "kv_cache_dtype": ("auto", "the KV cache takes the stage's dtype"),
     "swap_space": (0, "preempted requests are recomputed, never swapped"),
-    "cpu_offload_gb": (0, "weights are not offloaded; lower memory use with "
-                          "gpu_memory_utilization or a smaller dtype"),
+    "cpu_offload_gb": (0, ("weights are not offloaded; lower memory use with "
+                           "gpu_memory_utilization or a smaller dtype")),
     "download_dir": (None, "nothing is downloaded: pass a local folder or a cached HF id"),
     "revision": (None, "pass the folder of the revision as model"),
 }

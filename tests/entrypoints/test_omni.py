@@ -270,7 +270,7 @@ def test_sampling_params_one_object_or_per_stage(omni: Omni) -> None:
 def test_n_completions(omni: Omni) -> None:
     """n seeded completions: completion i is what n=1 gives with seed + i, in
     out.outputs[i]; out.text is the first's; greedy ones are all alike."""
-    kw = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    kw = {"temperature": 1.0, "max_tokens": 8, "ignore_eos": True}
     (out,) = omni.generate("hello world", SamplingParams(n=3, seed=5, **kw))
     alone = [omni.generate("hello world", SamplingParams(seed=5 + i, **kw))[0]
              for i in range(3)]
@@ -349,10 +349,10 @@ def test_vllm_engine_keywords(tiny_qwen3: Path) -> None:
     from omnistage.engine.engine_args import apply_keywords
 
     graph = resolve_graph(None, None, "qwen3_omni")
-    got = apply_keywords(graph, dict(gpu_memory_utilization=0.6, max_model_len=4096,
-                                     max_num_seqs=8, dtype="float32", enforce_eager=True,
-                                     seed=3, trust_remote_code=False),
-                         ["thinker.max_num_seqs=4"])
+    keywords = {"gpu_memory_utilization": 0.6, "max_model_len": 4096, "max_num_seqs": 8,
+                "dtype": "float32", "enforce_eager": True, "seed": 3,
+                "trust_remote_code": False}
+    got = apply_keywords(graph, keywords, ["thinker.max_num_seqs=4"])
     thinker, talker = got.stage("thinker"), got.stage("talker")
     assert (thinker.memory_fraction, thinker.max_model_len, thinker.max_num_seqs) == (
         0.6, 4096, 4)
