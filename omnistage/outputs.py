@@ -1,4 +1,4 @@
-"""What callers get back: one `OmniOutput` per request, with its metrics."""
+"""What callers get back: one `OmniOutput` per request, with its completions and metrics."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 # file extension -> encode_audio format (opus goes in an Ogg container)
 AUDIO_EXTENSIONS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".ogg": "opus",
                     ".opus": "opus"}
+REPR_CHARS = 60   # how much of the text a repr shows
 
 
 @dataclass(slots=True)
@@ -41,6 +42,7 @@ class RequestEvent:
     invalid_input: bool = False        # the error is the request's fault (a stage refused it)
     error_info: StageError | None = None   # the error, typed (kind, message alone, param)
     stage_metrics: dict[str, dict] | None = None
+    index: int = 0                     # which of the request's n completions it belongs to
 
 
 @dataclass(slots=True)
@@ -91,49 +93,29 @@ class RequestMetrics:
                 "num_preemptions": self.num_preemptions}
 
 
-@dataclass(slots=True)
-class OmniOutput:
-    """A request's output. Totals: text, token_ids, logprobs, and (once finished) `tensors`,
-    the final tensor outputs concatenated, with `images` and `audio` views of them. Streaming
-    updates also carry what they added (`delta_text`, `delta_tensors`, `delta_audio`)."""
+@dataclass(slots=True, repr=False)
+class CompletionOutput:
+    """One of a request's completions (`SamplingParams.n` of them; vLLM's name): what it made
+    so far (text, token ids, logprobs; once finished, its final tensors with `audio` and
+    `images` views) and, on a streaming update, what that update added to it."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+    index: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
     finished: bool = False
     finish_reason: str | None = None   # stop | length | abort | error
-    logprobs: list[dict[int, float]] | None = None
-    error: str | None = None
-    invalid_input: bool = False        # the error: a stage refused the request's input
-    # the error, typed: which stage, what kind (invalid_input / internal / stage_dead /
-    # aborted), its message alone and the field it names (what the server answers from)
-    error_info: StageError | None = None
     tensors: dict[str, Tensor] = field(default_factory=dict)
-    metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    stage_metrics: dict[str, dict] = field(default_factory=dict)
-    progress: float | None = None      # share of the work done (diffusion steps), when known
-    # Hz of the audio stage serving the request, set from the first update on (a player can
-    # open its device before the first samples); None: the request makes no audio
-    sample_rate: int | None = None
-    # what the latest update added (streaming)
-    stage: str | None = None
+    sample_rate: int | None = None     # Hz of `audio`; the request's rate (OmniOutput's)
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_tensors: dict[str, Tensor] = field(default_factory=dict)
-    tensor_chunks: dict[str, list[Tensor]] = field(default_factory=dict, repr=False)
+    tensor_chunks: dict[str, list[Tensor]] = field(default_factory=dict)
 
     @property
     def images(self) -> list[Image.Image]:
         """The final images as PIL images (from `tensors["images"]`, uint8 (n, H, W, C))."""
-        from PIL import Image
-
-        pixels = self.tensors.get("images")
-        if pixels is None:
-            return []
-        arrays = pixels.numpy()
-        return [Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a) for a in arrays]
+        return _images(self.tensors.get("images"))
 
     @property
     def audio(self) -> np.ndarray | None:
@@ -146,35 +128,156 @@ class OmniOutput:
         """The samples this streaming update added (float32), or None."""
         return _as_numpy(self.delta_tensors.get("audio"))
 
+    @property
+    def has_delta(self) -> bool:
+        """Whether this update added anything to this completion."""
+        return bool(self.delta_text or self.delta_token_ids or self.delta_tensors)
+
     def save_audio(self, path: str | os.PathLike[str]) -> None:
         """Write the final audio; the extension picks the format: .wav / .flac (16-bit PCM),
         .mp3, .ogg / .opus (Opus in Ogg)."""
-        suffix = Path(path).suffix.lower()
-        fmt = AUDIO_EXTENSIONS.get(suffix)
-        if fmt is None:
-            raise ValueError(f"save_audio: unknown extension {suffix or '(none)'!r} in "
-                             f"{os.fspath(path)!r}; supported: {', '.join(AUDIO_EXTENSIONS)}")
-        wave = self.audio
-        if wave is None:
-            if not self.finished:
-                raise ValueError(f"request {self.request_id!r} has not finished: its audio is "
-                                 "on the final output (streaming updates carry delta_audio)")
-            raise ValueError(f"request {self.request_id!r} produced no audio (e.g. it asked "
-                             "for text only)")
-        if self.sample_rate is None:
-            raise ValueError(f"request {self.request_id!r}: the sample rate of its audio is "
-                             "unknown (the audio stage reported none); set sample_rate first")
-        Path(path).write_bytes(encode_audio(wave, self.sample_rate, fmt))
+        _save_audio(self, path, f"completion {self.index}")
+
+    def __repr__(self) -> str:
+        return f"CompletionOutput(index={self.index}, {_describe(self)})"
+
+
+def _first(name: str, settable: bool = False) -> property:
+    """`OmniOutput.<name>`: the first completion's attribute (read, and set where the engine
+    tests fill outputs by hand)."""
+    def get(self: OmniOutput) -> object:
+        return getattr(self.outputs[0], name)
+
+    def put(self: OmniOutput, value: object) -> None:
+        setattr(self.outputs[0], name, value)
+
+    return property(get, put if settable else None, doc=f"outputs[0].{name}")
+
+
+@dataclass(slots=True, repr=False)
+class OmniOutput:
+    """A request's output: its prompt, its completions (`outputs`, one unless
+    `SamplingParams.n` asked for more), whether all of them finished, the request's error and
+    metrics. `text`, `token_ids`, `logprobs`, `finish_reason`, `tensors`, `audio`, `images`,
+    `save_audio` and the streaming deltas (`delta_text`, `delta_tensors`, `delta_audio`) are
+    those of the first completion, `outputs[0]`: what a request with n=1 reads."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=lambda: [CompletionOutput()])
+    finished: bool = False
+    error: str | None = None           # the first error of any completion
+    invalid_input: bool = False        # the error: a stage refused the request's input
+    # the error, typed: which stage, what kind (invalid_input / internal / stage_dead /
+    # aborted), its message alone and the field it names (what the server answers from)
+    error_info: StageError | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    stage_metrics: dict[str, dict] = field(default_factory=dict)
+    progress: float | None = None      # share of the work done (diffusion steps), when known
+    # Hz of the audio stage serving the request, set from the first update on (a player can
+    # open its device before the first samples); None: the request makes no audio
+    sample_rate: int | None = None
+    stage: str | None = None           # the stage the latest update came from (streaming)
+    index: int = 0                     # the completion the latest update added to
+
+    def __post_init__(self) -> None:
+        for c in self.outputs:
+            c.sample_rate = c.sample_rate or self.sample_rate
+
+    # -- the first completion, as a request with n=1 reads it -----------------------------------
+    text = _first("text", settable=True)
+    token_ids = _first("token_ids", settable=True)
+    logprobs = _first("logprobs", settable=True)
+    finish_reason = _first("finish_reason", settable=True)
+    tensors = _first("tensors", settable=True)
+    delta_text = _first("delta_text")
+    delta_token_ids = _first("delta_token_ids")
+    delta_tensors = _first("delta_tensors")
+    images = _first("images")
+    audio = _first("audio")
+    delta_audio = _first("delta_audio")
+
+    def save_audio(self, path: str | os.PathLike[str]) -> None:
+        """Write the (first completion's) final audio; the extension picks the format:
+        .wav / .flac (16-bit PCM), .mp3, .ogg / .opus (Opus in Ogg)."""
+        _save_audio(self.outputs[0], path, f"request {self.request_id!r}")
+
+    @property
+    def has_delta(self) -> bool:
+        """Whether this streaming update added text, tokens or tensors to any completion."""
+        return any(c.has_delta for c in self.outputs)
 
     def snapshot(self, ev: RequestEvent) -> OmniOutput:
+        """A copy for the caller, with this event's additions as the deltas of its completion
+        (the others' deltas empty): later events do not change it."""
         snap = copy.copy(self)
-        snap.token_ids = list(self.token_ids)
+        snap.outputs = [copy.copy(c) for c in self.outputs]
+        for c in snap.outputs:
+            c.token_ids = list(c.token_ids)
+            c.delta_text, c.delta_token_ids, c.delta_tensors = "", [], {}
+            c.tensor_chunks = {}
         snap.metrics = copy.copy(self.metrics)
         snap.stage = ev.stage or None
-        snap.delta_text = ev.text
-        snap.delta_token_ids = list(ev.token_ids)
-        snap.delta_tensors = dict(ev.tensors or {})
+        snap.index = ev.index
+        updated = snap.outputs[ev.index]
+        updated.delta_text = ev.text
+        updated.delta_token_ids = list(ev.token_ids)
+        updated.delta_tensors = dict(ev.tensors or {})
         return snap
+
+    def __repr__(self) -> str:
+        more = f", n={len(self.outputs)}" if len(self.outputs) > 1 else ""
+        err = f", error={_clip(self.error)}" if self.error else ""
+        return (f"OmniOutput(request_id={self.request_id!r}, finished={self.finished}, "
+                f"{_describe(self.outputs[0])}{more}{err})")
+
+
+def _describe(c: CompletionOutput) -> str:
+    """The short middle of a repr: why it finished, the text's start, sizes, never tensors."""
+    parts = [f"finish_reason={c.finish_reason!r}", f"text={_clip(c.text)}",
+             f"token_ids=[{len(c.token_ids)} ids]"]
+    if c.delta_text:
+        parts.append(f"delta_text={_clip(c.delta_text)}")
+    for name, t in {**c.tensors, **{f"delta_{k}": v for k, v in c.delta_tensors.items()}}.items():
+        if name.endswith("sample_rate"):
+            continue
+        rate = f" @ {c.sample_rate} Hz" if name.endswith("audio") and c.sample_rate else ""
+        parts.append(f"{name}={tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}{rate}")
+    return ", ".join(parts)
+
+
+def _clip(text: str, limit: int = REPR_CHARS) -> str:
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} chars)"
+
+
+def _images(pixels: Tensor | None) -> list[Image.Image]:
+    from PIL import Image
+
+    if pixels is None:
+        return []
+    arrays = pixels.numpy()
+    return [Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a) for a in arrays]
+
+
+def _save_audio(c: CompletionOutput, path: str | os.PathLike[str], who: str) -> None:
+    suffix = Path(path).suffix.lower()
+    fmt = AUDIO_EXTENSIONS.get(suffix)
+    if fmt is None:
+        raise ValueError(f"save_audio: unknown extension {suffix or '(none)'!r} in "
+                         f"{os.fspath(path)!r}; supported: {', '.join(AUDIO_EXTENSIONS)}")
+    wave = c.audio
+    if wave is None:
+        if not c.finished:
+            raise ValueError(f"{who} has not finished: its audio is on the final output "
+                             "(streaming updates carry delta_audio)")
+        raise ValueError(f"{who} produced no audio (e.g. it asked for text only)")
+    if c.sample_rate is None:
+        raise ValueError(f"{who}: the sample rate of its audio is unknown (the audio stage "
+                         "reported none); set sample_rate first")
+    Path(path).write_bytes(encode_audio(wave, c.sample_rate, fmt))
 
 
 def _as_numpy(t: Tensor | None) -> np.ndarray | None:

@@ -11,11 +11,14 @@ from omnistage.errors import InputError
 class SamplingParams:
     """How one request samples its tokens. Mirrors vLLM's fields and defaults where they exist.
 
-    temperature == 0 means greedy. top_k <= 0 means no top-k. max_tokens None means "until the
+    `n` asks for n completions of the prompt (`RequestOutput.outputs[i]`); the engine runs them
+    as n requests, completion i with `seed + i` when a seed is set (so completion 0 is what
+    n=1 gives). temperature == 0 means greedy. top_k <= 0 means no top-k. max_tokens None means "until the
     model's maximum length". Penalties follow vLLM: repetition_penalty (HF rule, prompt and output
     tokens), presence/frequency penalties (OpenAI rule, output tokens only).
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -55,6 +58,8 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise InputError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}", name)
 
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1 (completions per prompt)")
         if not self.temperature >= 0.0:
             bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:

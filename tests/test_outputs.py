@@ -1,5 +1,5 @@
-"""OmniOutput's audio: the waveform as numpy, streaming deltas, and save_audio round trips
-through every format (decoded back and compared with what was saved)."""
+"""OmniOutput: its completions (n), its short repr, its audio (the waveform as numpy,
+streaming deltas, save_audio round trips through every format, decoded back and compared)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from omnistage.engine.async_omni import accumulate
-from omnistage.outputs import OmniOutput, RequestEvent
+from omnistage.outputs import CompletionOutput, OmniOutput, RequestEvent
 from omnistage.utils.audio import decode_audio
 
 RATE = 24000
@@ -25,8 +25,8 @@ def tone(num_samples: int = NUM_SAMPLES, rate: int = RATE) -> torch.Tensor:
 
 
 def finished(tensors: dict[str, torch.Tensor], sample_rate: int | None = RATE) -> OmniOutput:
-    return OmniOutput("req-1", "hi", [1, 2], text="hello", finished=True, finish_reason="stop",
-                      tensors=tensors, sample_rate=sample_rate)
+    done = CompletionOutput(text="hello", finished=True, finish_reason="stop", tensors=tensors)
+    return OmniOutput("req-1", "hi", [1, 2], [done], finished=True, sample_rate=sample_rate)
 
 
 def test_audio_is_the_final_tensor_as_float32_numpy() -> None:
@@ -94,8 +94,8 @@ def test_save_audio_unknown_extension(tmp_path: Path, name: str) -> None:
 def test_save_audio_without_audio(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="produced no audio.*text only"):
         finished({}, sample_rate=None).save_audio(tmp_path / "answer.wav")
-    streaming = OmniOutput("req-1", "hi", [1], delta_tensors={"audio": tone(100)},
-                           sample_rate=RATE)
+    streaming = OmniOutput("req-1", "hi", [1], [CompletionOutput(
+        delta_tensors={"audio": tone(100)})], sample_rate=RATE)
     with pytest.raises(ValueError, match="has not finished.*delta_audio"):
         streaming.save_audio(tmp_path / "answer.wav")
     with pytest.raises(ValueError, match="sample rate .* unknown"):
@@ -127,6 +127,63 @@ def test_a_rate_sent_with_the_samples_wins() -> None:
     snap = accumulate(out, RequestEvent("req-1", "vocoder", tensors={
         "audio": tone(160, 16000), "sample_rate": torch.tensor([16000])}))
     assert snap.sample_rate == out.sample_rate == 16000
+
+
+def test_n_completions_fold_into_one_output() -> None:
+    """Events of completion i land in outputs[i]; the request finishes when every completion
+    has; the first completion's fields are the request's own (what n=1 reads)."""
+    out = OmniOutput("req-1", "hi", [1], [CompletionOutput(index=i) for i in range(2)])
+    events = [RequestEvent("req-1", "llm", [5], "a", index=1),
+              RequestEvent("req-1", "llm", [6], "b", index=0),
+              RequestEvent("req-1", "llm", [7], "c", index=1, stage_finished=True,
+                            finish_reason="length", done=True,
+                            stage_metrics={"llm": {"num_cached_tokens": 1}}),
+              RequestEvent("req-1", "llm", [8], "d", index=0, stage_finished=True,
+                            finish_reason="stop", done=True,
+                            stage_metrics={"llm": {"num_cached_tokens": 0}})]
+    snaps = [accumulate(out, ev) for ev in events]
+    assert [s.index for s in snaps] == [1, 0, 1, 0]
+    assert snaps[0].outputs[1].delta_text == "a" and snaps[0].delta_text == ""  # not the 1st
+    assert snaps[1].delta_text == "b" and snaps[1].outputs[1].delta_text == ""
+    assert snaps[2].outputs[1].finished and not snaps[2].finished
+    assert snaps[3].finished and out.finished
+    assert [c.text for c in out.outputs] == ["bd", "ac"] and out.text == "bd"
+    assert [c.token_ids for c in out.outputs] == [[6, 8], [5, 7]] and out.token_ids == [6, 8]
+    assert [c.finish_reason for c in out.outputs] == ["stop", "length"]
+    assert out.finish_reason == "stop"
+    assert out.metrics.num_output_tokens == 4 and out.metrics.num_cached_tokens == 1
+    assert snaps[0].outputs[1].text == "a"        # a snapshot keeps what it had
+
+
+def test_a_failed_completion_fails_the_request() -> None:
+    out = OmniOutput("req-1", "hi", [1], [CompletionOutput(index=i) for i in range(2)])
+    accumulate(out, RequestEvent("req-1", "llm", done=True, index=1, finish_reason="error",
+                                 error="stage 'llm': boom"))
+    assert out.error == "stage 'llm': boom" and out.outputs[1].finish_reason == "error"
+    assert not out.finished and out.finish_reason is None
+    accumulate(out, RequestEvent("req-1", "", done=True, finish_reason="abort"))
+    assert out.finished and out.finish_reason == "abort"
+
+
+def test_repr_is_short() -> None:
+    """Request id, finished, the text's first 60 characters, tensor shapes, never values."""
+    long_text = "word " * 40
+    c = CompletionOutput(text=long_text, token_ids=list(range(40)), finished=True,
+                         finish_reason="length", sample_rate=RATE,
+                         tensors={"audio": tone(), "sample_rate": torch.tensor([RATE]),
+                                  "images": torch.zeros(2, 8, 8, 3, dtype=torch.uint8)})
+    out = OmniOutput("req-7", "hi", [1], [c, CompletionOutput(index=1)], finished=True)
+    text = repr(out)
+    assert text.startswith("OmniOutput(request_id='req-7', finished=True, ")
+    assert repr(long_text[:60]) in text and "(200 chars)" in text and long_text not in text
+    assert "audio=(24001,) float32 @ 24000 Hz" in text and "images=(2, 8, 8, 3) uint8" in text
+    assert "token_ids=[40 ids]" in text and "n=2" in text and len(text) < 400
+    assert "tensor(" not in text and "sample_rate=" not in text
+    assert repr(out.outputs[1]) == ("CompletionOutput(index=1, finish_reason=None, text='', "
+                                    "token_ids=[0 ids])")
+    streaming = OmniOutput("req-8", None, [], [CompletionOutput(
+        text="ab", delta_text="b", delta_tensors={"audio": tone(100)})])
+    assert "delta_text='b'" in repr(streaming) and "delta_audio=(100,)" in repr(streaming)
 
 
 def _format(path: Path) -> tuple[str, str]:

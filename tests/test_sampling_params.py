@@ -32,6 +32,9 @@ from omnistage.sampling_params import SamplingParams
     ("stop", ("ok", "")),
     ("stop_token_ids", (1, -1)),
     ("output_hidden_layers", (0, -1)),
+    ("n", 0),
+    ("n", 2.0),
+    ("n", True),
 ])
 def test_bad_field_raises_naming_it(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
@@ -83,3 +86,19 @@ def test_frozen() -> None:
     p = SamplingParams()
     with pytest.raises(AttributeError):
         p.temperature = 0.5  # type: ignore[misc]
+
+
+def test_n_completions_and_their_params() -> None:
+    """n completions run as n requests: completion i gets n=1 and seed + i (completion 0 is
+    the n=1 request); unseeded stays unseeded, DiffusionParams seeds move alike."""
+    from omnistage.diffusion.params import DiffusionParams
+    from omnistage.engine.async_omni import completion_params
+
+    params = {"llm": SamplingParams(n=3, seed=10, temperature=0.7), "talker": SamplingParams(),
+              "dit": DiffusionParams(seed=5), "code2wav": None}
+    got = [completion_params(params, i) for i in range(3)]
+    assert [g["llm"].seed for g in got] == [10, 11, 12] and all(g["llm"].n == 1 for g in got)
+    assert all(g["llm"].temperature == 0.7 for g in got)
+    assert all(g["talker"].seed is None for g in got)
+    assert [g["dit"].seed for g in got] == [5, 6, 7]
+    assert all(g["code2wav"] is None for g in got)

@@ -1,16 +1,24 @@
 """`AsyncOmni`: the asynchronous front door. `generate()` is an async iterator of outputs.
 
 Each yielded `OmniOutput` holds the request's totals so far (text, token ids) and what this
-update added (`delta_text`, `delta_token_ids`, `delta_tensors`, `delta_audio`); the last one has
-`finished=True`, the concatenated final tensors (`audio`, `images`), and the metrics of every
-stage it touched. A request that makes audio has its `sample_rate` on every one of them.
+update added (`delta_text`, `delta_token_ids`, `delta_tensors`, `delta_audio`); an update that
+added nothing is not yielded. The last one has `finished=True`, the concatenated final tensors
+(`audio`, `images`), and the metrics of every stage it touched. A request that makes audio has
+its `sample_rate` on every one of them.
+
+`SamplingParams(n=N)` fans out here, once for every graph: N requests `<id>-0 .. <id>-N-1`
+go through the stages (completion i with `seed + i` when a seed is set), and their events come
+back relabelled as completion i of the one request (`out.outputs[i]`), which finishes when all
+N have.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -22,12 +30,14 @@ from omnistage.configs.defaults import resolve_graph
 from omnistage.configs.schema import GraphConfig, OutputKind
 from omnistage.diffusion.image_input import decode_image
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.engine.chat import is_chat, render_chat
+from omnistage.engine.engine_args import apply_keywords
 from omnistage.engine.inputs import (ParsedPrompt, PromptType, check_params, check_prompt,
                                      load_input_processor, parse_prompt, parse_with_processor)
 from omnistage.engine.orchestrator import Orchestrator
 from omnistage.errors import InputError
 from omnistage.models.loader import resolve_model_path
-from omnistage.outputs import OmniOutput, RequestEvent, RequestMetrics
+from omnistage.outputs import CompletionOutput, OmniOutput, RequestEvent, RequestMetrics
 from omnistage.sampling_params import SamplingParams
 from omnistage.utils.tokenizer import load_tokenizer
 
@@ -35,16 +45,23 @@ logger = logging.getLogger(__name__)
 
 StageParams = SamplingParams | DiffusionParams | None
 ParamsList = SamplingParams | DiffusionParams | list[StageParams] | None
+Sink = Callable[[RequestEvent], None]
 
 
 class AsyncOmni:
     def __init__(self, model: str | None = None, *, stage_config: str | Path | None = None,
                  stage_overrides: list[str] | tuple[str, ...] = (), device: str = "auto",
                  graph: GraphConfig | None = None, **engine_kw: object) -> None:
+        """`engine_kw`: vLLM's engine keywords (gpu_memory_utilization, max_model_len, dtype,
+        ...) and stage keys, applied as stage overrides (engine_args.py); TypeError on any
+        other."""
         model_path = resolve_model_path(model) if model is not None else None
         if graph is None:
             graph = resolve_graph(str(model_path) if model_path else None, model_path,
-                                  stage_config, list(stage_overrides), **engine_kw)
+                                  stage_config, list(stage_overrides))
+            graph = apply_keywords(graph, engine_kw, stage_overrides)
+        else:   # a graph given as built: the keywords only
+            graph = apply_keywords(graph, engine_kw)
         self.graph = graph
         tokenizer = next((s.tokenizer for s in graph.stages if s.tokenizer), None)
         self.tokenizer = load_tokenizer(Path(tokenizer) if tokenizer else model_path
@@ -56,15 +73,14 @@ class AsyncOmni:
         # entry stages that read the prompt as text (diffusion), not as token ids
         self.text_entry = any(graph.stage(n).kind == "diffusion" for n in self.entry)
         self._ids = itertools.count()
+        self._fan_outs: dict[str, list[str]] = {}   # request id -> its n sub-request ids
 
     # -- requests ------------------------------------------------------------------------------
     def prepare(self, prompt: PromptType, sampling_params_list: ParamsList = None
                 ) -> tuple[ParsedPrompt, dict[str, StageParams]]:
-        """Parse and check a prompt and its per-stage params; ValueError on bad input."""
-        if self.processor is not None:
-            parsed = parse_with_processor(prompt, self.processor)
-        else:
-            parsed = parse_prompt(prompt, self.tokenizer, tokenize=not self.text_entry)
+        """Parse and check a prompt and its per-stage params; ValueError on bad input.
+        `{"messages": [...]}` (chat.py) works for every model with a chat template."""
+        parsed = self._parse(prompt)
         for name in self.entry:
             check_prompt(parsed, self.orchestrator.stage_info.get(name, {}))
         params = self._stage_params(sampling_params_list)
@@ -82,7 +98,35 @@ class AsyncOmni:
                 p.validate()
                 if p.image is not None:
                     decode_image(p.image)     # an undecodable image is refused here
+        self._num_completions(params)
         return parsed, params
+
+    def _parse(self, prompt: PromptType) -> ParsedPrompt:
+        if self.processor is not None:
+            if is_chat(prompt) and set(prompt) - {"messages"}:
+                raise ValueError(f"{min(set(prompt) - {'messages'})}: this model's input "
+                                 "processor applies its own chat template; pass messages only")
+            return parse_with_processor(prompt, self.processor)
+        if is_chat(prompt):
+            if self.text_entry:
+                raise ValueError("this model draws from a text prompt and takes no chat "
+                                 "messages: pass the prompt to generate()")
+            return render_chat(prompt, self.tokenizer)
+        return parse_prompt(prompt, self.tokenizer, tokenize=not self.text_entry)
+
+    def _num_completions(self, params: dict[str, StageParams]) -> int:
+        """`n` of the entry stages' SamplingParams; a request's completions run the whole
+        graph, so `n` on any other stage is refused."""
+        asked = {name: p.n for name, p in params.items()
+                 if isinstance(p, SamplingParams) and p.n != 1}
+        for name, n in asked.items():
+            if name not in self.entry:
+                raise InputError(f"SamplingParams.n={n} on stage {name!r}: n (completions per "
+                                 f"prompt) is set on the entry stage's params "
+                                 f"({', '.join(self.entry)})", "n")
+        if len(set(asked.values())) > 1:
+            raise InputError(f"SamplingParams.n differs between entry stages: {asked}", "n")
+        return max(asked.values(), default=1)
 
     def _stage_params(self, given: ParamsList) -> dict[str, StageParams]:
         kinds = {s.name: s.kind for s in self.graph.stages}
@@ -113,23 +157,63 @@ class AsyncOmni:
 
     def submit(self, prompt: PromptType, sampling_params_list: ParamsList = None,
                request_id: str | None = None, output_modalities: set[OutputKind] | None = None,
-               sink: Callable[[RequestEvent], None] | None = None,
+               sink: Sink | None = None,
                prepared: tuple[ParsedPrompt, dict[str, StageParams]] | None = None
                ) -> OmniOutput:
         """Check and submit; events go to `sink` (from the router thread). Returns the output
         object that `accumulate` fills in. `prepared`: what `prepare` already returned."""
         parsed, params = prepared or self.prepare(prompt, sampling_params_list)
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
+        n = self._num_completions(params)
         out = OmniOutput(request_id=rid, prompt=parsed.text,
-                         prompt_token_ids=list(parsed.token_ids or []))
+                         prompt_token_ids=list(parsed.token_ids or []),
+                         outputs=[CompletionOutput(index=i) for i in range(n)])
         out.metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=parsed.num_tokens)
         assert sink is not None, "submit needs a sink for the request's events"
-        stages = self.orchestrator.add_request(rid, parsed.token_ids, params, sink,
-                                               output_modalities, parsed.embeds, parsed.text,
-                                               parsed.multimodal)
+        if n == 1:
+            stages = self.orchestrator.add_request(rid, parsed.token_ids, params, sink,
+                                                   output_modalities, parsed.embeds, parsed.text,
+                                                   parsed.multimodal)
+        else:
+            stages = self._fan_out(rid, n, parsed, params, sink, output_modalities)
         # only the caller folds events into `out`, after this returns: no race with the router
         out.sample_rate = self._sample_rate(stages)
+        for c in out.outputs:
+            c.sample_rate = out.sample_rate
         return out
+
+    def _fan_out(self, rid: str, n: int, parsed: ParsedPrompt, params: dict[str, StageParams],
+                 sink: Sink, output_modalities: set[OutputKind] | None) -> set[str]:
+        """Submit completion i as request `<rid>-i` with `seed + i`; its events reach `sink`
+        as the parent's, tagged with the index. All or none are submitted."""
+        subs = [f"{rid}-{i}" for i in range(n)]
+        left = [n]
+        lock = threading.Lock()
+
+        def relay(i: int) -> Sink:
+            def put(ev: RequestEvent) -> None:
+                ev.request_id, ev.index = rid, i
+                if ev.done:
+                    with lock:
+                        left[0] -= 1
+                        if left[0] == 0:
+                            self._fan_outs.pop(rid, None)
+                sink(ev)
+            return put
+
+        self._fan_outs[rid] = subs
+        stages: set[str] = set()
+        try:
+            for i, sub in enumerate(subs):
+                stages = self.orchestrator.add_request(
+                    sub, parsed.token_ids, completion_params(params, i), relay(i),
+                    output_modalities, parsed.embeds, parsed.text, parsed.multimodal)
+        except BaseException:
+            self._fan_outs.pop(rid, None)
+            for sub in subs:
+                self.orchestrator.abort(sub)
+            raise
+        return stages
 
     async def generate(self, prompt: PromptType, sampling_params_list: ParamsList = None,
                        request_id: str | None = None,
@@ -140,15 +224,15 @@ class AsyncOmni:
         out = self.submit(prompt, sampling_params_list, request_id, output_modalities,
                           lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
         try:
-            while True:
+            while not out.finished:
                 ev = await queue.get()
                 snapshot = accumulate(out, ev)
-                yield snapshot
-                if ev.done:
-                    return
+                # no empty updates: each one adds output, progress, or ends a completion
+                if snapshot.has_delta or ev.progress is not None or ev.done:
+                    yield snapshot
         finally:
             if not out.finished:  # the caller went away (disconnect, cancel): abort everywhere
-                self.orchestrator.abort(out.request_id)
+                self.abort(out.request_id)
 
     @property
     def audio_sample_rate(self) -> int | None:
@@ -165,7 +249,9 @@ class AsyncOmni:
         return None
 
     def abort(self, request_id: str) -> None:
-        self.orchestrator.abort(request_id)
+        """Abort a request (each of its n completions) in every stage it touched."""
+        for sub in self._fan_outs.get(request_id) or [request_id]:
+            self.orchestrator.abort(sub)
 
     @property
     def is_healthy(self) -> bool:
@@ -175,42 +261,73 @@ class AsyncOmni:
         self.orchestrator.shutdown()
 
 
+def completion_params(params: dict[str, StageParams], i: int) -> dict[str, StageParams]:
+    """Completion i's params: n=1, and `seed + i` wherever a seed is set (completion 0 is
+    the request as n=1 would run it)."""
+    out: dict[str, StageParams] = {}
+    for name, p in params.items():
+        if isinstance(p, SamplingParams):
+            p = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+        elif isinstance(p, DiffusionParams) and p.seed is not None:
+            p = dataclasses.replace(p, seed=p.seed + i)
+        out[name] = p
+    return out
+
+
 def accumulate(out: OmniOutput, ev: RequestEvent) -> OmniOutput:
-    """Fold one event into the request's totals; return a snapshot carrying the deltas."""
+    """Fold one event into the request's totals (its completion `ev.index`); return a
+    snapshot carrying the deltas."""
     now = time.time()
     m = out.metrics
+    c = out.outputs[ev.index]
     if ev.token_ids:
-        out.token_ids.extend(ev.token_ids)
+        c.token_ids.extend(ev.token_ids)
+        m.num_output_tokens += len(ev.token_ids)
+    if ev.token_ids or ev.tensors:
         m.first_token_time = m.first_token_time or now
-        m.num_output_tokens = len(out.token_ids)
-    out.text += ev.text
+    c.text += ev.text
     if ev.progress is not None:
         out.progress = ev.progress
     if ev.logprobs:
-        out.logprobs = (out.logprobs or []) + ev.logprobs
-    if ev.tensors:
-        m.first_token_time = m.first_token_time or now
-        for k, v in ev.tensors.items():
-            out.tensor_chunks.setdefault(k, []).append(v)
-        rate = ev.tensors.get("sample_rate")
-        if rate is not None:   # a stage may send its rate with the samples (the server reads it)
-            out.sample_rate = int(rate.flatten()[0])
-    if ev.stage_finished and ev.finish_reason and out.finish_reason is None:
-        out.finish_reason = ev.finish_reason     # the first final stage to finish says why
+        c.logprobs = (c.logprobs or []) + ev.logprobs
+    for k, v in (ev.tensors or {}).items():
+        c.tensor_chunks.setdefault(k, []).append(v)
+    rate = (ev.tensors or {}).get("sample_rate")
+    if rate is not None:   # a stage may send its rate with the samples (the server reads it)
+        out.sample_rate = int(rate.flatten()[0])
+        for each in out.outputs:
+            each.sample_rate = out.sample_rate
+    if ev.stage_finished and ev.finish_reason and c.finish_reason is None:
+        c.finish_reason = ev.finish_reason     # the first final stage to finish says why
     if ev.done:
-        out.finished = True
-        out.finish_reason = out.finish_reason or ev.finish_reason or "stop"
-        if ev.error:
-            out.finish_reason, out.error = "error", ev.error
-            out.invalid_input, out.error_info = ev.invalid_input, ev.error_info
-        if ev.finish_reason == "abort":
-            out.finish_reason = "abort"
-        m.finished_time = now
-        out.stage_metrics = ev.stage_metrics or {}
-        for sm in out.stage_metrics.values():
-            m.num_cached_tokens += int(sm.get("num_cached_tokens") or 0)
-            m.num_preemptions += int(sm.get("num_preemptions") or 0)
-            if m.first_scheduled_time is None and sm.get("queue_time") is not None:
-                m.first_scheduled_time = sm["arrival_time"] + sm["queue_time"]  # entry stage
-        out.tensors = {k: torch.cat(v) for k, v in out.tensor_chunks.items()}
+        _finish(out, c, ev, now)
     return out.snapshot(ev)
+
+
+def _finish(out: OmniOutput, c: CompletionOutput, ev: RequestEvent, now: float) -> None:
+    """Completion `c` is done (finished, failed or aborted); the request, once all are."""
+    c.finished = True
+    c.finish_reason = c.finish_reason or ev.finish_reason or "stop"
+    if ev.error:
+        c.finish_reason = "error"
+        if out.error is None:      # the request's error: the first completion's to fail
+            out.error, out.invalid_input, out.error_info = (ev.error, ev.invalid_input,
+                                                            ev.error_info)
+    if ev.finish_reason == "abort":
+        c.finish_reason = "abort"
+    c.tensors = {k: torch.cat(v) for k, v in c.tensor_chunks.items()}
+    c.tensor_chunks = {}
+    m = out.metrics
+    stage_metrics = ev.stage_metrics or {}
+    if ev.index == 0 or not out.stage_metrics:
+        out.stage_metrics = stage_metrics
+    for sm in stage_metrics.values():
+        m.num_cached_tokens += int(sm.get("num_cached_tokens") or 0)
+        m.num_preemptions += int(sm.get("num_preemptions") or 0)
+        if sm.get("queue_time") is not None:   # the earliest: the entry stage's
+            start = sm["arrival_time"] + sm["queue_time"]
+            if m.first_scheduled_time is None or start < m.first_scheduled_time:
+                m.first_scheduled_time = start
+    out.finished = all(each.finished for each in out.outputs)
+    if out.finished:
+        m.finished_time = now

@@ -54,12 +54,9 @@ def ignore(param: str, why: str) -> None:
 def openai_sampling_fields(req: SamplingExtras, max_tokens: int | None,
                            logprobs: int | None) -> dict[str, Any]:
     """The SamplingParams fields a chat or completion request sets explicitly."""
-    if req.n != 1:
-        raise bad_request(f"n={req.n}: this server returns one choice per prompt (n=1); send "
-                          "several requests instead", "n")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = {"n": req.n} if req.n != 1 else {}
     for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                  "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                  "skip_special_tokens", "include_stop_str_in_output"):

@@ -28,7 +28,7 @@ import base64
 import dataclasses
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import torch
 from starlette.concurrency import run_in_threadpool
@@ -49,7 +49,7 @@ from omnistage.entrypoints.openai.protocol import (AudioData, ChatChoice, ChatCh
                                                    TopLogprob, Usage)
 from omnistage.entrypoints.openai.streaming import (DONE, EventStream, SpeechDeltas, sse,
                                                     sse_comment, sse_error)
-from omnistage.outputs import OmniOutput
+from omnistage.outputs import CompletionOutput, OmniOutput
 from omnistage.sampling_params import SamplingParams
 from omnistage.utils.audio import encode_audio_b64, to_pcm16
 from omnistage.utils.images import encode_image_b64
@@ -126,7 +126,7 @@ class ChatServing:
             prepared = self.client.prepare(prompt, params, "messages")
         except APIError as err:
             raise _voice_param(err) from None
-        ticket = self.client.admit()
+        ticket = self.client.admit(req.n)       # n completions: n requests in the engine
         try:
             handle = self.client.submit(prompt, prepared, wanted, "chatcmpl")
         except BaseException:
@@ -210,73 +210,101 @@ class ChatServing:
         assert last is not None and last.finished
         if failed(last):
             raise self._failure(last)
-        message = ResponseMessage(content=last.text)
-        images = last.tensors.get("images")
+        choices = [await self._choice(req, c, fmt) for c in last.outputs]
+        return ChatCompletionResponse(id=handle.request_id, model=self.model_name,
+                                      usage=_usage(last), choices=choices)
+
+    async def _choice(self, req: ChatCompletionRequest, c: CompletionOutput, fmt: str | None
+                      ) -> ChatChoice:
+        """Choice `c.index`: one of the request's n completions."""
+        message = ResponseMessage(content=c.text)
+        images = c.tensors.get("images")
         if images is not None:
             message.content = await run_in_threadpool(_image_parts, images)
         if fmt is not None:      # OpenAI's shape: the text is the transcript, content null
             rate = self.client.engine.audio_sample_rate
-            wave, rate = (audio_of(last.tensors, rate)
+            wave, rate = (audio_of(c.tensors, rate)
                           or (torch.zeros(0), rate or DEFAULT_SAMPLE_RATE))   # no speech made
             data = await run_in_threadpool(encode_audio_b64, wave, rate, fmt)
             message.audio = AudioData(id=f"audio-{uuid.uuid4().hex[:16]}", data=data,
                                       expires_at=int(time.time()) + AUDIO_TTL_S,
-                                      transcript=last.text)
+                                      transcript=c.text)
             message.content = None
-        logprobs = (ChoiceLogprobs(content=self._logprobs(last.token_ids, last.logprobs or []))
+        logprobs = (ChoiceLogprobs(content=self._logprobs(c.token_ids, c.logprobs or []))
                     if req.logprobs else None)
-        return ChatCompletionResponse(
-            id=handle.request_id, model=self.model_name, usage=_usage(last),
-            choices=[ChatChoice(message=message, finish_reason=_finish(last),
-                                logprobs=logprobs)])
+        return ChatChoice(index=c.index, message=message, finish_reason=_finish(c),
+                          logprobs=logprobs)
 
     async def _stream(self, req: ChatCompletionRequest, handle: RequestHandle,
                       wanted: set[str]) -> AsyncIterator[str]:
         created = int(time.time())
-        speech = (SpeechDeltas(f"audio-{uuid.uuid4().hex[:16]}", AUDIO_TTL_S)
-                  if "audio" in wanted else None)
+        # each choice speaks with its own audio id (OpenAI's delta.audio pieces)
+        speech = ({i: SpeechDeltas(f"audio-{uuid.uuid4().hex[:16]}", AUDIO_TTL_S)
+                   for i in range(req.n)} if "audio" in wanted else None)
 
         def chunk(delta: DeltaMessage, finish: str | None = None,
-                  logprobs: ChoiceLogprobs | None = None) -> str:
+                  logprobs: ChoiceLogprobs | None = None, index: int = 0) -> str:
             return sse(ChatCompletionChunk(
                 id=handle.request_id, created=created, model=self.model_name,
-                choices=[ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)]))
+                choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=finish,
+                                         logprobs=logprobs)]))
 
-        yield chunk(DeltaMessage(role="assistant", content=None if speech else ""))
+        for i in range(req.n):   # each choice's chunks carry its index (as OpenAI's)
+            yield chunk(DeltaMessage(role="assistant", content=None if speech else ""),
+                        index=i)
         last: OmniOutput | None = None
+        ended: set[int] = set()
         async for out in handle.outputs():
             last = out
             if failed(out):
                 yield sse_error(self._failure(out))
                 yield DONE
                 return
-            if out.delta_text or (req.logprobs and out.delta_token_ids):
-                lp = None
-                if req.logprobs and out.delta_token_ids:
-                    new = (out.logprobs or [])[-len(out.delta_token_ids):]
-                    lp = ChoiceLogprobs(content=self._logprobs(out.delta_token_ids, new))
-                delta = (DeltaMessage(audio=speech.transcript(out.delta_text)) if speech
-                         else DeltaMessage(content=out.delta_text))
-                yield chunk(delta, logprobs=lp)
-            audio = audio_of(out.delta_tensors, self.client.engine.audio_sample_rate)
-            if audio is not None and speech is not None:
-                data = await run_in_threadpool(_pcm16_b64, audio[0])
-                yield chunk(DeltaMessage(audio=speech.data(data)))
+            for c in out.outputs:
+                voice = speech[c.index] if speech else None
+                async for line in self._choice_deltas(req, c, voice, chunk):
+                    yield line
+                if c.finished and c.index not in ended:
+                    ended.add(c.index)
+                    async for line in self._end_choice(c, voice, chunk):
+                        yield line
             if out.progress is not None and not out.finished and "image" in wanted:
                 yield sse_comment(f"progress {out.progress:.2f}")
         assert last is not None
-        images = last.tensors.get("images")
-        if images is not None:
-            parts = await run_in_threadpool(_image_parts, images)
-            yield chunk(DeltaMessage(content=parts))
-        if speech is not None:
-            yield chunk(DeltaMessage(audio=speech.end()))
-        yield chunk(DeltaMessage(), finish=_finish(last))
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse(ChatCompletionChunk(id=handle.request_id, created=created,
                                           model=self.model_name, choices=[],
                                           usage=_usage(last)))
         yield DONE
+
+    async def _choice_deltas(self, req: ChatCompletionRequest, c: CompletionOutput,
+                             speech: SpeechDeltas | None, chunk: Callable[..., str]
+                             ) -> AsyncIterator[str]:
+        """What one update added to choice `c.index`: its text (the transcript, when it
+        speaks) with logprobs, then its new pcm16 audio."""
+        if c.delta_text or (req.logprobs and c.delta_token_ids):
+            lp = None
+            if req.logprobs and c.delta_token_ids:
+                new = (c.logprobs or [])[-len(c.delta_token_ids):]
+                lp = ChoiceLogprobs(content=self._logprobs(c.delta_token_ids, new))
+            delta = (DeltaMessage(audio=speech.transcript(c.delta_text)) if speech
+                     else DeltaMessage(content=c.delta_text))
+            yield chunk(delta, logprobs=lp, index=c.index)
+        audio = audio_of(c.delta_tensors, self.client.engine.audio_sample_rate)
+        if audio is not None and speech is not None:
+            data = await run_in_threadpool(_pcm16_b64, audio[0])
+            yield chunk(DeltaMessage(audio=speech.data(data)), index=c.index)
+
+    async def _end_choice(self, c: CompletionOutput, speech: SpeechDeltas | None,
+                          chunk: Callable[..., str]) -> AsyncIterator[str]:
+        """A finished choice's last chunks: its images, its audio's end, its finish."""
+        images = c.tensors.get("images")
+        if images is not None:
+            parts = await run_in_threadpool(_image_parts, images)
+            yield chunk(DeltaMessage(content=parts), index=c.index)
+        if speech is not None:
+            yield chunk(DeltaMessage(audio=speech.end()), index=c.index)
+        yield chunk(DeltaMessage(), finish=_finish(c), index=c.index)
 
     def _failure(self, out: OmniOutput) -> APIError:
         return _voice_param(self.client.failure(out, "messages"))
@@ -305,11 +333,12 @@ def _voice_param(err: APIError) -> APIError:
 
 def _usage(out: OmniOutput) -> Usage:
     prompt = len(out.prompt_token_ids) or out.metrics.num_prompt_tokens
-    return Usage(prompt_tokens=prompt, completion_tokens=len(out.token_ids),
-                 total_tokens=prompt + len(out.token_ids))
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion)
 
 
-def _finish(out: OmniOutput) -> str:
+def _finish(out: OmniOutput | CompletionOutput) -> str:
     return "length" if out.finish_reason == "length" else "stop"
 
 

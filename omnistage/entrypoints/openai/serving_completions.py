@@ -2,7 +2,8 @@
 
 A prompt is a string, a list of token ids, or a batch of either (up to 64): a batch is one
 engine request per prompt, admitted together, answered as choices in prompt order (streamed
-chunks carry their choice's `index` and may interleave).
+chunks carry their choice's `index` and may interleave); with `n`, prompt i's completion j is
+choice i * n + j.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from omnistage.entrypoints.openai.params import openai_sampling_fields, stage_pa
 from omnistage.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                    CompletionRequest, CompletionResponse, Usage)
 from omnistage.entrypoints.openai.streaming import DONE, EventStream, sse, sse_error
-from omnistage.outputs import OmniOutput
+from omnistage.outputs import CompletionOutput, OmniOutput
 
 _END = object()
 
@@ -52,7 +53,7 @@ class CompletionServing:
         prompts = _prompts(req.prompt)
         prepared = [self.client.prepare(p, params, "prompt" if len(prompts) == 1
                                         else f"prompt[{i}]") for i, p in enumerate(prompts)]
-        ticket = self.client.admit(len(prompts))
+        ticket = self.client.admit(len(prompts) * req.n)   # n completions: n requests each
         handles: list[RequestHandle] = []
         try:
             for p, ready in zip(prompts, prepared):
@@ -80,11 +81,13 @@ class CompletionServing:
             finals[i] = out
         for out in finals:
             self.client.check(out, "prompt")
-        choices = [CompletionChoice(index=i, text=(self._prompt_text(out) if req.echo else "")
-                                    + out.text, finish_reason=_finish(out),
-                                    logprobs=self._logprobs(out.token_ids, out.logprobs or [])
+        # prompt i's completion j is choice i * n + j (OpenAI's order)
+        choices = [CompletionChoice(index=i * req.n + c.index,
+                                    text=(self._prompt_text(out) if req.echo else "") + c.text,
+                                    finish_reason=_finish(c),
+                                    logprobs=self._logprobs(c.token_ids, c.logprobs or [])
                                     if req.logprobs is not None else None)
-                   for i, out in enumerate(finals)]
+                   for i, out in enumerate(finals) for c in out.outputs]
         return CompletionResponse(id=handles[0].request_id, model=self.model_name,
                                   choices=choices, usage=_usage(finals))
 
@@ -100,24 +103,29 @@ class CompletionServing:
                                  logprobs=logprobs)]))
 
         started: set[int] = set()
+        ended: set[int] = set()
         async for i, out in _merged(handles):
             if failed(out):
                 yield sse_error(self.client.failure(out, "prompt"))
                 yield DONE
                 return
-            text = out.delta_text
-            if req.echo and i not in started:
-                text = self._prompt_text(out) + text
-            started.add(i)
-            lp = None
-            if req.logprobs is not None and out.delta_token_ids:
-                new = (out.logprobs or [])[-len(out.delta_token_ids):]
-                lp = self._logprobs(out.delta_token_ids, new)
-            if text or lp is not None:
-                yield chunk(i, text, logprobs=lp)
+            for c in out.outputs:
+                index = i * req.n + c.index
+                text = c.delta_text
+                if req.echo and index not in started and (text or c.finished):
+                    text = self._prompt_text(out) + text
+                    started.add(index)
+                lp = None
+                if req.logprobs is not None and c.delta_token_ids:
+                    new = (c.logprobs or [])[-len(c.delta_token_ids):]
+                    lp = self._logprobs(c.delta_token_ids, new)
+                if text or lp is not None:
+                    yield chunk(index, text, logprobs=lp)
+                if c.finished and index not in ended:
+                    ended.add(index)
+                    yield chunk(index, "", finish=_finish(c))
             if out.finished:
                 finals.append(out)
-                yield chunk(i, "", finish=_finish(out))
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse({"id": rid, "object": "text_completion", "created": 0,
                        "model": self.model_name, "choices": [],
@@ -187,10 +195,10 @@ async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Omni
 
 def _usage(finals: list[OmniOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) or o.metrics.num_prompt_tokens for o in finals)
-    completion = sum(len(o.token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion)
 
 
-def _finish(out: OmniOutput) -> str:
+def _finish(out: OmniOutput | CompletionOutput) -> str:
     return "length" if out.finish_reason == "length" else "stop"

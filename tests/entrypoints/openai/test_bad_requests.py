@@ -70,7 +70,7 @@ CASES: list[tuple[str, str, str, str, dict, int, str | None, str | None]] = [
      "top_p", None),
     ("max-tokens-zero", "text", "POST", "/v1/chat/completions", {"json": chat(max_tokens=0)},
      400, "max_tokens", None),
-    ("n-two", "text", "POST", "/v1/chat/completions", {"json": chat(n=2)}, 400, "n", None),
+    ("n-zero", "text", "POST", "/v1/chat/completions", {"json": chat(n=0)}, 400, "n", None),
     ("presence-penalty", "text", "POST", "/v1/chat/completions",
      {"json": chat(presence_penalty=3)}, 400, "presence_penalty", None),
     ("seed-negative", "text", "POST", "/v1/chat/completions", {"json": chat(seed=-1)}, 400,

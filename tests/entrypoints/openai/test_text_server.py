@@ -133,6 +133,36 @@ def test_completions_prompt_forms_batches_and_streaming(text_server: Server) -> 
     assert len(lp.choices[0].logprobs.token_logprobs) == lp.usage.completion_tokens
 
 
+def test_n_choices_chat_and_completions(text_server: Server) -> None:
+    """n completions come back as n choices (seeded: choice i samples with seed + i, so
+    choice 0 is the n=1 answer); streamed, each chunk names its choice's index; a batch of
+    prompts with n gives choice i * n + j to prompt i's completion j."""
+    client = text_server.openai()
+    kw = dict(model=CHAT_MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=11,
+              extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw, n=3)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    one = client.chat.completions.create(**kw)
+    assert full.choices[0].message.content == one.choices[0].message.content
+    assert len({c.message.content for c in full.choices}) > 1
+    assert full.usage.completion_tokens == 24
+    chunks = list(client.chat.completions.create(**kw, n=3, stream=True))
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks
+                     if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert texts == [c.message.content for c in full.choices]
+    ends = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(ends) == [0, 1, 2]
+    cmpl = client.completions.create(model=CHAT_MODEL, prompt=["Hello", "The cat"], n=2,
+                                     max_tokens=4, temperature=0)
+    assert [c.index for c in cmpl.choices] == [0, 1, 2, 3]
+    assert cmpl.choices[0].text == cmpl.choices[1].text     # greedy: alike
+    streamed = list(client.completions.create(model=CHAT_MODEL, prompt=["Hello", "The cat"],
+                                              n=2, max_tokens=4, temperature=0, stream=True))
+    for choice in cmpl.choices:
+        assert "".join(c.choices[0].text for c in streamed
+                       if c.choices[0].index == choice.index) == choice.text
+
+
 def test_api_key_is_required_on_v1_only(text_server: Server) -> None:
     url = text_server.url
     body = {"model": CHAT_MODEL, "messages": MESSAGES, "max_tokens": 2}
