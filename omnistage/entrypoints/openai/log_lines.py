@@ -1,11 +1,13 @@
-"""The server's log lines about its work (logger `omnistage.requests`):
+"""The server's log lines about its work:
 
-    one per finished request, at INFO (WARNING when it failed in the engine):
+    one per finished request (logger omnistage.requests), at INFO (WARNING when it failed in
+    the engine):
       request chatcmpl-1f.. model=tiny-chat stages=llm prompt_tokens=24 output_tokens=8
         ttft=0.031s e2e=0.094s status=length
-    one per stage, at most every 10 s and only when something changed there:
-      stage llm: 2 running, 0 waiting, 310.2 prompt tok/s, 85.0 gen tok/s, KV cache 4.7%,
-        prefix cache hits 50.0%
+    one per stage (logger omnistage.stats), at most every 10 s and only when something
+    changed there:
+      stage llm: 2 running, 0 waiting, 310.2 prompt tok/s, 85.0 gen tok/s,
+        prefix cache hits 50.0%, KV cache 4.7%
       stage dit: 1 running, 0 waiting, 12.5 steps/s
 """
 
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from omnistage.stages.messages import StageStats
 
 logger = logging.getLogger("omnistage.requests")
+stats_logger = logging.getLogger("omnistage.stats")
 
 
 def log_request(out: OmniOutput, model_name: str, status: str | None = None) -> None:
@@ -106,15 +109,17 @@ def stage_line(stage: str, st: StageStats, before: tuple[float, StageStats] | No
 
 async def log_stage_stats(fetch: Callable[[], dict[str, StageStats]], interval_s: float
                           ) -> None:
-    """Poll every stage's stats each `interval_s` (a worker thread waits for the answers) and
-    log the lines of those that changed; runs until cancelled (the app's shutdown)."""
+    """Poll every stage's stats at once (each stage's first line: its state at start, and the
+    base of the next line's rates), then each `interval_s` (a worker thread waits for the
+    answers), logging the lines of the stages that changed; runs until cancelled (the app's
+    shutdown)."""
     log = StageStatsLog()
     while True:
-        await asyncio.sleep(interval_s)
         try:
             stats = await run_in_threadpool(fetch)
         except TimeoutError as exc:
-            logger.warning("stage stats: %s", exc)
-            continue
-        for line in log.lines(stats, time.monotonic()):
-            logger.info(line)
+            stats_logger.warning("stage stats: %s", exc)
+        else:
+            for line in log.lines(stats, time.monotonic()):
+                stats_logger.info(line)
+        await asyncio.sleep(interval_s)

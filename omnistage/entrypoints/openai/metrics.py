@@ -149,6 +149,8 @@ class ServerMetrics:
             counter.inc(m.num_prompt_tokens)
         for counter in (self.generation_tokens, self.v_generation.labels(name)):
             counter.inc(m.num_output_tokens)
+        if status == "invalid_input":    # refused on arrival: no latency of the engine's
+            return
         for value, hists in ((m.time_to_first_token, (self.ttft, self.v_ttft.labels(name))),
                              (m.e2e_latency, (self.e2e, self.v_e2e.labels(name))),
                              (m.tokens_per_s, (self.speed,)),

@@ -14,10 +14,15 @@ from typing import TYPE_CHECKING, Iterator
 
 import httpx
 import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from omnistage.engine.async_omni import AsyncOmni
 from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
 from omnistage.entrypoints.openai.log_lines import StageStatsLog, log_stage_stats
+from omnistage.entrypoints.openai.metrics import ServerMetrics
+from omnistage.errors import StageError
+from omnistage.outputs import OmniOutput, RequestMetrics
 
 if TYPE_CHECKING:
     from tests.entrypoints.openai.conftest import Server
@@ -82,8 +87,11 @@ def test_client_errors_are_not_engine_errors(servers: dict[str, Server]) -> None
         assert all(m[k] == b.get(k, 0) for k in errors), errors
         failed = ("omnistage_requests_finished_total", (("finish_reason", "error"),))
         assert m.get(failed, 0) == b.get(failed, 0)
+    after = image.metrics()
     rejected = ("omnistage_requests_finished_total", (("finish_reason", "invalid_input"),))
-    assert image.metrics()[rejected] == before["image"].get(rejected, 0) + 1
+    assert after[rejected] == before["image"].get(rejected, 0) + 1
+    latency = ("vllm:e2e_request_latency_seconds_count", (("model_name", DEMO),))
+    assert after.get(latency, 0) == before["image"].get(latency, 0)   # no engine latency
 
 
 # ---- log lines, the app in this process ----------------------------------------------------------
@@ -139,7 +147,7 @@ def test_the_stats_task_stays_quiet_while_idle(engine: AsyncOmni,
                                                caplog: pytest.LogCaptureFixture) -> None:
     """The server's task (run by the app's lifespan) polls every interval; an idle stage gets
     the first poll's line and no more."""
-    caplog.set_level(logging.INFO, logger="omnistage.requests")
+    caplog.set_level(logging.INFO, logger="omnistage.stats")
 
     async def run_for(seconds: float) -> None:
         task = asyncio.create_task(
@@ -151,3 +159,39 @@ def test_the_stats_task_stays_quiet_while_idle(engine: AsyncOmni,
     asyncio.run(run_for(0.6))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stage ")]
     assert lines == ["stage llm: 0 running, 0 waiting, KV cache 0.0%"], lines
+
+
+def test_audio_seconds_rtf_and_engine_errors_per_stage() -> None:
+    """What a speech request adds (no speech model needed: the output as the engine hands it
+    over), and which failures count as the engine's."""
+    metrics = ServerMetrics("omni", {"thinker": "text", "code2wav": "audio"})
+    t0 = 1000.0
+    speech = OmniOutput("r1", "hi", [1, 2], text="Hello", token_ids=[5, 6, 7], finished=True,
+                        finish_reason="stop", tensors={"audio": torch.zeros(48000)},
+                        metrics=RequestMetrics(t0, t0 + 0.1, t0 + 0.2, t0 + 0.5, 2, 3),
+                        stage_metrics={"thinker": {}, "talker": {}, "code2wav": {}},
+                        sample_rate=24000)
+    metrics.observe_finished(speech)
+    ended = RequestMetrics(t0, finished_time=t0 + 0.05)
+    failed = OmniOutput("r2", "hi", [1], finished=True, finish_reason="error", error="boom",
+                        error_info=StageError("talker", "internal", "boom"), metrics=ended)
+    refused = OmniOutput("r3", "hi", [1], finished=True, finish_reason="error", error="bad",
+                         invalid_input=True, error_info=StageError("talker", "invalid_input",
+                                                                   "bad speaker", "speaker"),
+                         metrics=ended)
+    metrics.observe_finished(failed)
+    metrics.observe_finished(refused)
+    m = {(s.name, tuple(sorted(s.labels.items()))): s.value
+         for fam in text_string_to_metric_families(metrics.render({}, True, 0).decode())
+         for s in fam.samples}
+    stage = {"model_name": "omni", "stage": "code2wav"}
+    assert value(m, "omnistage_audio_seconds_total", **stage) == 2.0      # 48000 at 24 kHz
+    assert value(m, "omnistage_audio_rtf_count", **stage) == 1
+    assert value(m, "omnistage_audio_rtf_sum", **stage) == pytest.approx(0.25)   # 0.5 s / 2 s
+    assert value(m, "vllm:time_per_output_token_seconds_sum", model_name="omni") \
+        == pytest.approx(0.15)                                           # (0.5 - 0.2) / 2
+    assert value(m, "omnistage_engine_errors_total", model_name="omni", stage="talker") == 1
+    assert value(m, "omnistage_requests_finished_total", finish_reason="invalid_input") == 1
+    assert value(m, "omnistage_requests_finished_total", finish_reason="error") == 1
+    # latency of the speech and of the failure; the refused request had none of the engine
+    assert value(m, "vllm:e2e_request_latency_seconds_count", model_name="omni") == 2
