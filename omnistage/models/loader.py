@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import struct
 import threading
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
@@ -20,14 +22,15 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from safetensors import safe_open
 from torch import Tensor, nn
-from tqdm import tqdm
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from omnistage import registry
 from omnistage.layers.linear import default_weight_loader
 from omnistage.models.config import ModelConfig
+from omnistage.utils.logging import Progress
 
 PackedModules = Mapping[str, tuple[str, int | str]]
+logger = logging.getLogger(__name__)
 
 # Buffers some checkpoints carry that we recompute instead of loading.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -68,10 +71,33 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    for file in tqdm(files, desc="Loading safetensors", unit="file", disable=None):
-        with safe_open(path / file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    sizes = {path / file: tensor_nbytes(path / file) for file in files}
+    yield from _read_tensors({file: sorted(nbytes) for file, nbytes in sizes.items()}, sizes,
+                             f"Loading {path.name}")
+
+
+def tensor_nbytes(file: Path) -> dict[str, int]:
+    """{tensor name: bytes} of a safetensors file, from its header alone (an 8-byte length,
+    then JSON with each tensor's data offsets)."""
+    with open(file, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    return {name: end - start for name, meta in header.items() if name != "__metadata__"
+            for start, end in [meta["data_offsets"]]}
+
+
+def _read_tensors(files: dict[Path, list[str]], sizes: dict[Path, dict[str, int]], desc: str,
+                  prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+    """(name less `prefix`, CPU tensor) for the named tensors of each file, with the bytes read
+    reported as they come (a bar on a terminal, log lines otherwise)."""
+    total = sum(sizes[file][name] for file, names in files.items() for name in names)
+    with Progress(total, desc, logger) as progress:
+        for file, names in files.items():
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in names:
+                    tensor = f.get_tensor(name)
+                    progress.update(sizes[file][name])
+                    yield name[len(prefix):], tensor
 
 
 def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]],
@@ -231,10 +257,10 @@ def iter_component_tensors(path: Path | dict[Path, list[str]], prefix: str,
     """(name without `prefix`, CPU tensor), one at a time, for the component's tensors
     (`path`: a checkpoint folder, or what `component_tensor_files` returned for it)."""
     files = path if isinstance(path, dict) else component_tensor_files(path, prefix, exclude)
-    for file, names in files.items():
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in names:
-                yield name[len(prefix):], f.get_tensor(name)
+    sizes = {file: tensor_nbytes(file) for file in files}
+    where = next(iter(files)).parent.name if files else ""
+    yield from _read_tensors(files, sizes, f"Loading {where} {prefix.rstrip('.')}".rstrip(),
+                             prefix)
 
 
 def component_dtype(files: dict[Path, list[str]]) -> torch.dtype:

@@ -85,9 +85,12 @@ class ARStage:
         return {}
 
     def stats(self) -> EngineStats:
-        bm = self.engine.block_manager
-        return EngineStats(self.engine.num_unfinished_requests, bm.num_free_blocks,
-                           bm.num_blocks)
+        e, bm = self.engine, self.engine.block_manager
+        num_running = len(e.scheduler.running)
+        return EngineStats(num_running, e.num_unfinished_requests - num_running,
+                           bm.num_free_blocks, bm.num_blocks, e.num_computed_tokens_total,
+                           bm.num_prefix_queries_tokens, bm.num_prefix_hit_tokens,
+                           e.scheduler.num_preemptions)
 
     def step(self) -> list[StageResult]:
         results = []

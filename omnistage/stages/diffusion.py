@@ -96,7 +96,10 @@ class DiffusionStage:
         return {}
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.engine.num_unfinished_requests)
+        """Running: the requests being denoised; waiting: those parked for their conditioning
+        (a text-encoder stage has only running ones)."""
+        num_running = len(self.engine.requests)
+        return EngineStats(num_running, self.engine.num_unfinished_requests - num_running)
 
     def step(self) -> list[StageResult]:
         if isinstance(self.engine, TextEncodingEngine):

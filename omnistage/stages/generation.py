@@ -48,7 +48,10 @@ class GenerationStage:
         return dict(self.engine.model.info)
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.engine.num_unfinished_requests)
+        """Running: the requests the model has run for; waiting: those not yet scheduled."""
+        requests = self.engine.requests.values()
+        num_running = sum(r.first_scheduled_time is not None for r in requests)
+        return EngineStats(num_running, len(requests) - num_running)
 
     def step(self) -> list[StageResult]:
         results = []

@@ -65,10 +65,27 @@ class StageResult:
 
 @dataclass(slots=True)
 class EngineStats:
-    """A stage engine's load: requests it holds and, for an AR stage, its KV cache blocks."""
-    num_requests: int
-    num_free_blocks: int | None = None
+    """A stage engine's load now (requests running and waiting; an AR stage's KV blocks) and
+    its totals since start, which the server turns into rates and Prometheus counters."""
+    num_running: int
+    num_waiting: int = 0               # queued for a batch slot, or parked for their input
+    num_free_blocks: int | None = None  # AR: the KV cache
     num_blocks: int | None = None
+    num_computed_tokens: int = 0       # AR: prompt and generated tokens run through the model
+    num_prefix_query_tokens: int = 0   # AR: prompt tokens looked up in the prefix cache ...
+    num_prefix_hit_tokens: int = 0     # ... and found there
+    num_preemptions: int = 0           # AR: running requests sent back to wait for blocks
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_running + self.num_waiting
+
+    @property
+    def kv_usage(self) -> float | None:
+        """Share of the KV cache blocks in use (0..1); None for a stage without one."""
+        if not self.num_blocks or self.num_free_blocks is None:
+            return None
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
 
 class StageEngine(Protocol):

@@ -15,6 +15,7 @@ from omnistage.connectors.base import TensorHandle
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.sampling_params import SamplingParams
 from omnistage.errors import StageError
+from omnistage.stages.interface import EngineStats
 
 
 class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
@@ -68,15 +69,28 @@ class GetStats(msgspec.Struct, tag="get_stats"):
 
 
 class StageStats(msgspec.Struct, tag="stats"):
-    """A stage's resource state: requests it holds, free KV blocks, connector counters."""
+    """A stage's state: requests it holds, its engine's load and totals (EngineStats), what
+    the worker counted (steps that moved a request, tokens out), connector counters."""
 
     stage: str
-    num_requests: int
-    num_engine_requests: int
-    num_free_blocks: int | None = None
-    num_blocks: int | None = None
+    num_requests: int                     # requests the worker holds (parked ones included)
+    engine: EngineStats
+    num_steps: int = 0                    # engine steps that produced an output
+    num_output_tokens: int = 0            # tokens the stage produced, all requests
     connector: dict[str, float | int] = {}
     loop: dict[str, float | int] = {}     # the busy loop's counters (StageWorker.loop_stats)
+
+    @property
+    def num_engine_requests(self) -> int:
+        return self.engine.num_requests
+
+    @property
+    def num_free_blocks(self) -> int | None:
+        return self.engine.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int | None:
+        return self.engine.num_blocks
 
 
 class Ready(msgspec.Struct, tag="ready", omit_defaults=True):

@@ -79,6 +79,8 @@ class StageWorker:
         self.loop_stats: dict[str, float | int] = {
             "num_messages": 0, "message_seconds": 0.0, "max_message_seconds": 0.0,
             "num_steps": 0, "step_seconds": 0.0, "max_step_seconds": 0.0}
+        self.num_output_steps = 0      # steps that produced an output (the rate the log shows)
+        self.num_output_tokens = 0
 
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: m.ToStage) -> list[m.StageOutput | m.StageStats]:
@@ -175,6 +177,7 @@ class StageWorker:
         outputs = []
         results = self.engine.step()
         w0 = time.time()
+        self.num_output_steps += bool(results)
         for res in results:
             state = self.requests.get(res.request_id)
             if state is None:
@@ -191,6 +194,7 @@ class StageWorker:
             state.first_output_time = state.first_output_time or now
             state.num_outputs += 1
         state.num_tokens += len(res.token_ids)
+        self.num_output_tokens += len(res.token_ids)
         out = m.StageOutput(self.name, res.request_id, token_ids=res.token_ids, text=res.text,
                             logprobs=res.logprobs, progress=res.progress,
                             finished=res.finished,
@@ -234,11 +238,10 @@ class StageWorker:
         return handle
 
     def stats(self) -> m.StageStats:
-        engine = self.engine.stats()
         st = self.connector.stats
         return m.StageStats(
-            self.name, len(self.requests), engine.num_requests, engine.num_free_blocks,
-            engine.num_blocks,
+            self.name, len(self.requests), self.engine.stats(), self.num_output_steps,
+            self.num_output_tokens,
             {"bytes_put": st.bytes_put, "bytes_got": st.bytes_got, "num_put": st.num_put,
              "num_get": st.num_get, "put_seconds": st.put_seconds,
              "get_seconds": st.get_seconds}, dict(self.loop_stats))

@@ -13,13 +13,15 @@ object. Every route exists whatever the model; one whose output the model cannot
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import hmac
 import logging
 import signal
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -31,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omnistage.entrypoints.openai.client import EngineClient
 from omnistage.entrypoints.openai.errors import (APIError, check_model,
                                                  install_error_handlers)
+from omnistage.entrypoints.openai.log_lines import log_stage_stats
 from omnistage.entrypoints.openai.media import MediaLoader, MediaPolicy
 from omnistage.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from omnistage.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
@@ -40,9 +43,11 @@ from omnistage.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCo
 from omnistage.entrypoints.openai.serving_chat import ChatServing
 from omnistage.entrypoints.openai.serving_completions import CompletionServing
 from omnistage.entrypoints.openai.serving_images import ImageServing, edit_form_schema
+from omnistage.utils.logging import configure_logging, uvicorn_log_config
 
 if TYPE_CHECKING:
     from omnistage.engine.async_omni import AsyncOmni
+    from omnistage.stages.messages import StageStats
 
 logger = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "omnistage-demo"
@@ -68,6 +73,7 @@ class ServerConfig:
     default_modalities: tuple[str, ...] = ()
     log_level: str = "info"
     stats_timeout_s: float = 2.0
+    stats_log_interval_s: float = 10.0        # a stage's stats line at most this often; 0: none
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -178,10 +184,12 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
     """The app: routes about the server (health, metrics, models), the generation routes, then
     the middleware (API key, body limit, request counts, CORS)."""
     config = args if isinstance(args, ServerConfig) else ServerConfig.from_namespace(args)
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(config.model_name,
+                            {s.name: s.final for s in engine.graph.stages if s.final})
     client = EngineClient(engine, config.max_queue, metrics)
     app = FastAPI(title="omnistage", version="0.1.0",
-                  description="OpenAI-compatible server for omni-modality models")
+                  description="OpenAI-compatible server for omni-modality models",
+                  lifespan=_stats_lines(client, config))
     app.state.client = client
     app.state.config = config
     install_error_handlers(app)
@@ -189,6 +197,28 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
     _add_generation_routes(app, client, config)
     _add_middleware(app, config, metrics)
     return app
+
+
+def _stats_lines(client: EngineClient, config: ServerConfig
+                 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """The app's lifespan: while it serves, a task logs each stage's stats line (at most every
+    `stats_log_interval_s`, when something changed there; log_lines.py)."""
+    def fetch() -> dict[str, StageStats]:
+        return client.stage_stats(config.stats_timeout_s) if client.is_healthy else {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = None
+        if config.stats_log_interval_s > 0:
+            task = asyncio.create_task(log_stage_stats(fetch, config.stats_log_interval_s))
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    return lifespan
 
 
 def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
@@ -278,8 +308,7 @@ def run_server(args: argparse.Namespace) -> int:
     from omnistage.engine.async_omni import AsyncOmni
 
     config = ServerConfig.from_namespace(args)
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level)
     engine = AsyncOmni(config.model, stage_config=getattr(args, "stage_config", None),
                        stage_overrides=getattr(args, "stage_override", ()) or (),
                        device=getattr(args, "device", "auto"),
@@ -289,6 +318,7 @@ def run_server(args: argparse.Namespace) -> int:
         app = build_app(engine, config)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                                log_level=config.log_level.lower(),
+                                               log_config=uvicorn_log_config(config.log_level),
                                                timeout_graceful_shutdown=5))
         logger.info("serving %s on http://%s:%d", config.model_name, config.host, config.port)
         # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under

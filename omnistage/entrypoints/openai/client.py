@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
 from omnistage.engine.async_omni import accumulate
 from omnistage.engine.inputs import ParsedPrompt, PromptType
 from omnistage.entrypoints.openai.errors import APIError, from_value_error
+from omnistage.entrypoints.openai.log_lines import log_request
 from omnistage.errors import InputError
 from omnistage.outputs import OmniOutput
 
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from omnistage.engine.async_omni import AsyncOmni, StageParams
     from omnistage.outputs import RequestEvent
     from omnistage.entrypoints.openai.metrics import ServerMetrics
+    from omnistage.stages.messages import StageStats
 
 Prepared = tuple[ParsedPrompt, dict[str, "StageParams"]]
 # how a stage's refusal reads: "stage 'dit': ValueError: prompt names no digit ..."
@@ -82,6 +84,7 @@ class RequestHandle:
                 metrics.observe_first_audio(self.out)
             if snap.finished:
                 metrics.observe_finished(snap)
+                log_request(snap, metrics.model_name)
         return snap
 
     async def first(self) -> OmniOutput:
@@ -107,6 +110,7 @@ class RequestHandle:
             self.client.engine.abort(self.request_id)
             if self.client.metrics is not None:
                 self.client.metrics.finished.labels("abort").inc()
+                log_request(self.out, self.client.metrics.model_name, status="abort")
 
 
 class EngineClient:
@@ -141,7 +145,7 @@ class EngineClient:
         lens = [info[n]["max_model_len"] for n in self.entry if "max_model_len" in info.get(n, {})]
         return int(min(lens)) if lens else None
 
-    def stage_stats(self, timeout_s: float = 2.0) -> dict[str, object]:
+    def stage_stats(self, timeout_s: float = 2.0) -> dict[str, StageStats]:
         """Each stage's resource state (blocking: call from a worker thread)."""
         with self._stats_lock:  # the orchestrator gathers one round of answers at a time
             return dict(self.engine.orchestrator.stage_stats(timeout_s))

@@ -1,36 +1,72 @@
 """Prometheus metrics of the server, in a registry of its own (one per app, so that two apps in
-one process never share counters).
+one process never share counters). vLLM's names (`vllm:*`, label `model_name`, and `stage`
+where the value is one stage's) next to our own (`omnistage_*`).
 
-    per request    omnistage_http_requests_total{route,status}, omnistage_requests_in_flight,
-                   time to first token / first audio chunk, end-to-end latency, tokens/s,
-                   prompt and generated token counters
-    per stage      omnistage_stage_step_seconds{stage}: the time per engine step a request saw
-                   there (AR: between its tokens; diffusion: per denoising step)
-                   omnistage_stage_time_seconds{stage}: time from arrival in the stage to done
-    at scrape      omnistage_stage_queue_length{stage} (requests the stage holds, waiting or
-                   running), omnistage_stage_kv_blocks{stage,state} (free / total),
-                   omnistage_engine_healthy
+    per request   vllm:time_to_first_token_seconds, vllm:time_per_output_token_seconds (the
+                  request's mean), vllm:e2e_request_latency_seconds,
+                  vllm:request_queue_time_seconds, vllm:prompt_tokens / generation_tokens,
+                  vllm:request_success{finished_reason};
+                  omnistage_engine_errors{stage} (failed in the engine; a request a stage
+                  refused as invalid is the client's fault and counts as finish_reason
+                  "invalid_input" instead), audio: omnistage_audio_seconds{stage},
+                  omnistage_audio_rtf{stage} (the request's e2e time over the seconds of audio
+                  it got); diffusion: omnistage_images{stage}, omnistage_diffusion_steps{stage};
+                  and the older omnistage_* ones: omnistage_http_requests{route,status},
+                  omnistage_requests_in_flight, time to first token / first audio chunk,
+                  e2e latency, tokens/s, prompt and generated tokens,
+                  omnistage_stage_step_seconds{stage}, omnistage_stage_time_seconds{stage}
+    at scrape     (each stage's StageStats, asked for when /metrics is read)
+                  vllm:num_requests_running{stage}, vllm:num_requests_waiting{stage},
+                  AR stages: vllm:kv_cache_usage_perc{stage} (0..1, as vLLM's),
+                  vllm:prefix_cache_queries / hits{stage} (prompt tokens),
+                  vllm:num_preemptions{stage}; omnistage_stage_steps{stage};
+                  omnistage_stage_queue_length{stage}, omnistage_stage_engine_requests{stage},
+                  omnistage_stage_kv_blocks{stage,state}, omnistage_engine_healthy
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from omnistage.outputs import OmniOutput
+    from omnistage.stages.messages import StageStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _SPEED = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
+_RTF = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
+
+
+def request_status(out: OmniOutput) -> str:
+    """How a finished request ended: stop / length / abort, "error" for a failure in the
+    engine, "invalid_input" for input a stage refused (the client's fault: a 4xx)."""
+    info = out.error_info
+    if out.finish_reason == "error" or out.error is not None:
+        return "invalid_input" if out.invalid_input or (
+            info is not None and info.kind == "invalid_input") else "error"
+    return out.finish_reason or "unknown"
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "", finals: dict[str, str] | None = None) -> None:
+        """`finals`: stage name -> the output kind it sends the client (audio, image, ...)."""
+        self.model_name = model_name
+        self.finals = dict(finals or {})
         self.registry = r = CollectorRegistry()
+        self.stages = StageCollector(model_name)
+        r.register(self.stages)
+        self._init_omnistage(r)
+        self._init_vllm(r)
+
+    def _init_omnistage(self, r: CollectorRegistry) -> None:
         self.requests = Counter("omnistage_http_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
         self.in_flight = Gauge("omnistage_requests_in_flight",
@@ -66,40 +102,152 @@ class ServerMetrics:
         self.healthy = Gauge("omnistage_engine_healthy", "1 while every stage is alive",
                              registry=r)
 
+    def _init_vllm(self, r: CollectorRegistry) -> None:
+        """vLLM's names for the same facts (dashboards built for vLLM read them), and ours for
+        what vLLM has no name for (audio, images, engine errors)."""
+        m, ms = ["model_name"], ["model_name", "stage"]
+        self.v_ttft = Histogram("vllm:time_to_first_token_seconds", "arrival to first output",
+                                m, buckets=_LATENCY, registry=r)
+        self.v_tpot = Histogram("vllm:time_per_output_token_seconds",
+                                "a request's mean time per output token after the first", m,
+                                buckets=_STEP, registry=r)
+        self.v_e2e = Histogram("vllm:e2e_request_latency_seconds", "arrival to last output", m,
+                               buckets=_LATENCY, registry=r)
+        self.v_queue = Histogram("vllm:request_queue_time_seconds",
+                                 "arrival to first scheduled in the entry stage", m,
+                                 buckets=_LATENCY, registry=r)
+        self.v_prompt = Counter("vllm:prompt_tokens", "prompt tokens", m, registry=r)
+        self.v_generation = Counter("vllm:generation_tokens", "generated tokens", m, registry=r)
+        self.v_success = Counter("vllm:request_success", "requests finished without error",
+                                 ["model_name", "finished_reason"], registry=r)
+        self.engine_errors = Counter("omnistage_engine_errors",
+                                     "requests failed inside the engine (not refused input)",
+                                     ms, registry=r)
+        self.audio_seconds = Counter("omnistage_audio_seconds", "seconds of audio produced", ms,
+                                     registry=r)
+        self.audio_rtf = Histogram("omnistage_audio_rtf",
+                                   "real-time factor: a request's e2e time / its audio seconds",
+                                   ms, buckets=_RTF, registry=r)
+        self.images = Counter("omnistage_images", "images produced", ms, registry=r)
+        self.diffusion_steps = Counter("omnistage_diffusion_steps",
+                                       "denoising steps run for finished requests", ms,
+                                       registry=r)
+
     # -- per request -----------------------------------------------------------------------------
     def observe_first_audio(self, out: OmniOutput) -> None:
-        import time
-
         self.ttfa.observe(max(0.0, time.time() - out.metrics.arrival_time))
 
     def observe_finished(self, out: OmniOutput) -> None:
-        m = out.metrics
-        self.finished.labels(out.finish_reason or "unknown").inc()
-        self.prompt_tokens.inc(m.num_prompt_tokens)
-        self.generation_tokens.inc(m.num_output_tokens)
-        for value, hist in ((m.time_to_first_token, self.ttft), (m.e2e_latency, self.e2e),
-                            (m.tokens_per_s, self.speed)):
+        m, name = out.metrics, self.model_name
+        status = request_status(out)
+        self.finished.labels(status).inc()
+        if status == "error":
+            self.engine_errors.labels(name, out.error_info.stage if out.error_info else "").inc()
+        elif status != "invalid_input":
+            self.v_success.labels(name, status).inc()
+        for counter in (self.prompt_tokens, self.v_prompt.labels(name)):
+            counter.inc(m.num_prompt_tokens)
+        for counter in (self.generation_tokens, self.v_generation.labels(name)):
+            counter.inc(m.num_output_tokens)
+        if status == "invalid_input":    # refused on arrival: no latency of the engine's
+            return
+        for value, hists in ((m.time_to_first_token, (self.ttft, self.v_ttft.labels(name))),
+                             (m.e2e_latency, (self.e2e, self.v_e2e.labels(name))),
+                             (m.tokens_per_s, (self.speed,)),
+                             (m.queue_time, (self.v_queue.labels(name),)),
+                             (time_per_output_token(out), (self.v_tpot.labels(name),))):
             if value is not None:
-                hist.observe(value)
+                for hist in hists:
+                    hist.observe(max(0.0, value))
         for stage, sm in out.stage_metrics.items():
             step = step_time(sm)
             if step is not None:
                 self.stage_step.labels(stage).observe(step)
             if sm.get("time_in_stage") is not None:
                 self.stage_time.labels(stage).observe(float(sm["time_in_stage"]))
+            if sm.get("num_steps"):
+                self.diffusion_steps.labels(name, stage).inc(int(sm["num_steps"]))
+        self._observe_media(out)
+
+    def _observe_media(self, out: OmniOutput) -> None:
+        """Audio seconds and real-time factor, images: credited to the final stage that made
+        them (the request passed through it)."""
+        for stage, kind in self.finals.items():
+            if stage not in out.stage_metrics:
+                continue
+            if kind == "audio" and out.sample_rate and "audio" in out.tensors:
+                seconds = out.tensors["audio"].numel() / out.sample_rate
+                self.audio_seconds.labels(self.model_name, stage).inc(seconds)
+                if seconds > 0 and out.metrics.e2e_latency is not None:
+                    self.audio_rtf.labels(self.model_name, stage).observe(
+                        out.metrics.e2e_latency / seconds)
+            elif kind == "image" and "images" in out.tensors:
+                self.images.labels(self.model_name, stage).inc(out.tensors["images"].shape[0])
 
     # -- at scrape -------------------------------------------------------------------------------
-    def render(self, stage_stats: dict[str, object] | None, healthy: bool,
+    def render(self, stage_stats: dict[str, StageStats] | None, healthy: bool,
                num_in_flight: int) -> bytes:
         self.healthy.set(1 if healthy else 0)
         self.in_flight.set(num_in_flight)
-        for name, st in (stage_stats or {}).items():
-            self.queue_length.labels(name).set(getattr(st, "num_requests", 0))
-            self.engine_requests.labels(name).set(getattr(st, "num_engine_requests", 0))
-            if getattr(st, "num_blocks", None) is not None:
+        self.stages.stats = stage_stats or {}
+        for name, st in self.stages.stats.items():
+            self.queue_length.labels(name).set(st.num_requests)
+            self.engine_requests.labels(name).set(st.num_engine_requests)
+            if st.num_blocks is not None and st.num_free_blocks is not None:
                 self.kv_blocks.labels(name, "free").set(st.num_free_blocks)
                 self.kv_blocks.labels(name, "total").set(st.num_blocks)
         return generate_latest(self.registry)
+
+
+class StageCollector(Collector):
+    """The per-stage series, read from the latest StageStats at each scrape: the values live
+    in the stage processes (their counters are totals since the stage started), so they are
+    exported as they are rather than mirrored into client-side counters."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: dict[str, StageStats] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "stage"]
+        running = GaugeMetricFamily("vllm:num_requests_running", "requests running in a stage",
+                                    labels=labels)
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting",
+                                    "requests waiting in a stage (for a batch slot or input)",
+                                    labels=labels)
+        steps = CounterMetricFamily("omnistage_stage_steps",
+                                    "engine steps of a stage that produced an output",
+                                    labels=labels)
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc",
+                                  "share of an AR stage's KV cache blocks in use (0..1)",
+                                  labels=labels)
+        queries = CounterMetricFamily("vllm:prefix_cache_queries",
+                                      "prompt tokens looked up in the prefix cache",
+                                      labels=labels)
+        hits = CounterMetricFamily("vllm:prefix_cache_hits",
+                                   "prompt tokens found in the prefix cache", labels=labels)
+        preemptions = CounterMetricFamily("vllm:num_preemptions",
+                                          "running requests sent back to wait for KV blocks",
+                                          labels=labels)
+        for stage, st in sorted(self.stats.items()):
+            key, e = [self.model_name, stage], st.engine
+            running.add_metric(key, e.num_running)
+            waiting.add_metric(key, e.num_waiting)
+            steps.add_metric(key, st.num_steps)
+            if e.kv_usage is not None:
+                usage.add_metric(key, e.kv_usage)
+                queries.add_metric(key, e.num_prefix_query_tokens)
+                hits.add_metric(key, e.num_prefix_hit_tokens)
+                preemptions.add_metric(key, e.num_preemptions)
+        yield from (running, waiting, steps, usage, queries, hits, preemptions)
+
+
+def time_per_output_token(out: OmniOutput) -> float | None:
+    """A request's mean time between output tokens after the first (None below 2 tokens)."""
+    m = out.metrics
+    if m.first_token_time is None or m.finished_time is None or m.num_output_tokens < 2:
+        return None
+    return (m.finished_time - m.first_token_time) / (m.num_output_tokens - 1)
 
 
 def step_time(sm: dict) -> float | None:
