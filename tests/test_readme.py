@@ -138,22 +138,20 @@ def _check_graph(code: str) -> None:
     toy) components."""
     from omnistage.configs.graph import validate_graph
     from omnistage.configs.parse import load_graph_yaml
-    from omnistage.diffusion.registry import DIFFUSION_PIPELINES
-    from omnistage.generation.registry import GENERATION_MODELS
+    from omnistage import registry
     from omnistage.stages import adapters
-    from omnistage.stages.factory import AR_COMPONENTS
 
     graph = load_graph_yaml(code)
     validate_graph(graph, adapters=adapters.registered())
-    known = {"ar": AR_COMPONENTS, "generation": GENERATION_MODELS,
-             "diffusion": DIFFUSION_PIPELINES}
+    targets = {(c.kind, c.name): c.target for f in registry.families().values()
+               for c in f.components}
     for stage in graph.stages:
         if stage.component is None:
             continue
-        registry = known[stage.kind]
         name = stage.component.partition(".")[0]
-        assert name in registry, f"stage {stage.name}: component {stage.component} unknown"
-        assert not registry[name][0].startswith("omnistage.testing"), \
+        target = targets.get((stage.kind, name))
+        assert target is not None, f"stage {stage.name}: component {stage.component} unknown"
+        assert not target.startswith("omnistage.testing"), \
             f"stage {stage.name}: {stage.component} is a test toy"
 
 

@@ -49,8 +49,11 @@ class AREngine:
         self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path)
 
         sched = config.scheduler
-        self.max_model_len = min(sched.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        limit = self.model_config.max_position_embeddings
+        if sched.max_model_len is not None and sched.max_model_len > limit:
+            raise ValueError(f"max_model_len {sched.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        self.max_model_len = sched.max_model_len or limit
         self.kv_layout: KVCacheLayout = determine_kv_layout(
             self.model, self.model_config, config.kv_cache, self.device, self.dtype,
             sched.max_num_batched_tokens, self.max_model_len, sched.max_num_seqs)

@@ -43,7 +43,7 @@ _LIVE: weakref.WeakSet[Orchestrator] = weakref.WeakSet()
 
 @atexit.register
 def _shutdown_all() -> None:
-    """Stop every stage at interpreter exit, before multiprocessing reaps its children."""
+    """Stop every stage at interpreter exit, while the modules they need are still loaded."""
     for orchestrator in list(_LIVE):
         orchestrator.shutdown()
 

@@ -32,6 +32,11 @@ from omnistage.utils.logging import Progress
 PackedModules = Mapping[str, tuple[str, int | str]]
 logger = logging.getLogger(__name__)
 
+def _looks_like_path(model: str) -> bool:
+    """./x, ../x, /x, ~/x, or a file path that exists (a repo id is `owner/name`)."""
+    return model.startswith((".", "/", "~")) or Path(model).exists()
+
+
 # Buffers some checkpoints carry that we recompute instead of loading.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -48,6 +53,8 @@ def resolve_model_path(model: str, cache_dir: str | Path | None = None) -> Path:
     try:
         snapshot = Path(snapshot_download(model, local_files_only=True, cache_dir=cache_dir))
     except (LocalEntryNotFoundError, HFValidationError) as e:
+        if _looks_like_path(model):   # no download hint for a path: it names no repo
+            raise FileNotFoundError(f"model {model!r}: no such folder") from e
         raise FileNotFoundError(
             f"model {model!r}: neither a local folder nor a model in the local Hugging Face cache "
             f"(nothing is downloaded; fetch it first, e.g. `hf download {model}`)") from e

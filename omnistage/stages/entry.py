@@ -46,7 +46,7 @@ def main() -> None:
     resource_tracker._resource_tracker._fd = start.tracker_fd  # type: ignore[attr-defined]
     from omnistage.stages.process import process_main
 
-    process_main(start.spec, start.parent_pid)
+    process_main(start.spec, start.parent_pid, start.log_level)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ class ProcessStart:
     parent_pid: int
     sys_path: tuple[str, ...]     # the parent's, so that the stage imports what it imports
     tracker_fd: int               # the parent's resource tracker (see start_stage_process)
+    log_level: int = logging.WARNING   # the parent's: a server at INFO hears the stages' lines
 
 
 def check_gpu_placement(graph: GraphConfig, device: str) -> None:
@@ -241,7 +242,8 @@ def start_stage_process(spec: WorkerSpec) -> subprocess.Popen:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen([sys.executable, "-P", "-m", "omnistage.stages.entry"],
                             stdin=subprocess.PIPE, env=env, pass_fds=(tracker_fd,))
-    start = ProcessStart(spec, os.getpid(), tuple(sys.path), tracker_fd)
+    start = ProcessStart(spec, os.getpid(), tuple(sys.path), tracker_fd,
+                         logging.getLogger().getEffectiveLevel())
     assert proc.stdin is not None
     try:
         proc.stdin.write(pickle.dumps(start))
@@ -251,7 +253,7 @@ def start_stage_process(spec: WorkerSpec) -> subprocess.Popen:
     return proc
 
 
-def process_main(spec: WorkerSpec, parent_pid: int) -> None:
+def process_main(spec: WorkerSpec, parent_pid: int, log_level: int = logging.WARNING) -> None:
     """The stage process's body, after entry.py has read its ProcessStart: dies with its
     parent, serves until Shutdown or SIGTERM, never returns (os._exit)."""
     _die_with_parent(spec, parent_pid)
@@ -262,7 +264,10 @@ def process_main(spec: WorkerSpec, parent_pid: int) -> None:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_term)
-    logging.basicConfig(level=logging.WARNING, format=f"[stage {spec.stage}] %(message)s")
+    from omnistage.utils.logging import configure_logging
+
+    configure_logging(log_level, fmt=f"%(asctime)s [stage {spec.stage}] %(levelname)s "
+                                     "%(name)s: %(message)s")
     # tqdm's default lock is a multiprocessing semaphore, registered with the resource tracker;
     # this process ends in os._exit, so it would be reported as leaked at the parent's exit
     from tqdm import tqdm

@@ -212,3 +212,11 @@ def omni_vocab(path: Path) -> int:
     import json
 
     return json.loads((path / "config.json").read_text())["vocab_size"]
+
+
+def test_max_model_len_above_the_model_limit_is_refused(tiny_qwen3: Path) -> None:
+    """Not capped silently: the caller asked for more than the model's positions allow."""
+    with pytest.raises(ValueError, match="max_model_len 100000 exceeds the model's "
+                                         "max_position_embeddings 512"):
+        AREngine(ARConfig(model=str(tiny_qwen3), device="cpu",
+                          scheduler=SchedulerConfig(max_model_len=100_000)))

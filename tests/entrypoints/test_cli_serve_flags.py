@@ -64,6 +64,16 @@ def test_server_flags_and_model_flag(tiny_qwen3: Path, tmp_path: Path) -> None:
         serve.model_name(parse_args(["serve", "a", "--model", "b"]))
 
 
+def test_server_config_flags_reach_the_server_config() -> None:
+    from omnistage.entrypoints.openai.api_server import ServerConfig
+
+    config = ServerConfig.from_namespace(parse_args(
+        ["serve", "--default-modalities", "text,audio", "--stats-log-interval", "2.5"]))
+    assert (config.default_modalities, config.stats_log_interval_s) == (("text", "audio"), 2.5)
+    defaults = ServerConfig.from_namespace(parse_args(["serve"]))
+    assert (defaults.default_modalities, defaults.stats_log_interval_s) == ((), 10.0)
+
+
 def test_flags_that_do_not_apply_are_refused(tiny_qwen3: Path) -> None:
     # the demo model: one diffusion stage; the AR-only flags are refused, batch size is not
     _, graph = graph_of(["--max-num-seqs", "4", "--gpu-memory-utilization", "0.3"])

@@ -87,10 +87,13 @@ def test_resolve_local_folder(tiny_qwen3: Path) -> None:
 
 
 def test_resolve_neither_folder_nor_cached(tmp_path: Path) -> None:
-    message = "neither a local folder nor a model in the local Hugging Face cache"
-    for model in (str(tmp_path / "no-such-model"), "nobody/not-cached"):
-        with pytest.raises(FileNotFoundError, match=message):
-            resolve_model_path(model, cache_dir=tmp_path / "hf-cache")
+    with pytest.raises(FileNotFoundError, match="neither a local folder nor a model in the "
+                                                "local Hugging Face cache.*hf download"):
+        resolve_model_path("nobody/not-cached", cache_dir=tmp_path / "hf-cache")
+    for path in (str(tmp_path / "no-such-model"), "./no-such-model", "~/no-such-model"):
+        with pytest.raises(FileNotFoundError, match="no such folder") as err:
+            resolve_model_path(path, cache_dir=tmp_path / "hf-cache")
+        assert "download" not in str(err.value)   # a path names no repo to fetch
 
 
 def test_resolve_cached_hf_model(tiny_qwen3: Path, tmp_path: Path) -> None:

@@ -75,9 +75,10 @@ def build_graph(args: argparse.Namespace, model_path: Path | None) -> GraphConfi
     base = resolve_graph(model, model_path, args.stage_config, args.stage_override)
     items = stage_flags.flag_overrides(base, args)
     if args.tokenizer is not None:
-        from omnistage.engine.inputs import INPUT_PROCESSORS
+        from omnistage import registry
 
-        if set(stage_flags.model_architectures(model_path)) & set(INPUT_PROCESSORS):
+        family = registry.match_folder(model_path) if model_path is not None else None
+        if family is not None and family.processor is not None:
             raise ValueError("--tokenizer does not apply to this model: its input processor "
                              "brings its own tokenizer")
     graph = resolve_graph(model, model_path, args.stage_config, [*items, *args.stage_override])
@@ -116,15 +117,16 @@ def _serve(args: argparse.Namespace, graph: GraphConfig, sock: socket.socket) ->
 
     from omnistage.engine.async_omni import AsyncOmni
     from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
+    from omnistage.utils.logging import configure_logging, uvicorn_log_config
 
     config = ServerConfig.from_namespace(args)
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level)
     engine = AsyncOmni(args.model, graph=graph, device=args.device)
     try:
         app = build_app(engine, config)
         server = uvicorn.Server(uvicorn.Config(
-            app, log_level=args.uvicorn_log_level or config.log_level,
+            app, log_level=(args.uvicorn_log_level or config.log_level).lower(),
+            log_config=uvicorn_log_config(args.uvicorn_log_level or config.log_level),
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
             timeout_graceful_shutdown=5))
         scheme = "https" if args.ssl_certfile else "http"

@@ -41,6 +41,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template (a file, or the template text) replacing the "
                         "tokenizer's own; text models only")
+    g.add_argument("--default-modalities", default=None, metavar="LIST",
+                   help="what a chat answers with when a request names no `modalities`, e.g. "
+                        "text,audio as vLLM-Omni does for omni models (default: text, as "
+                        "OpenAI; image for an image model)")
+    g.add_argument("--stats-log-interval", dest="stats_log_interval_s", type=float,
+                   default=None, metavar="SECONDS",
+                   help="log each stage's stats line at most this often, when it changed "
+                        "(default 10; 0: never)")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     g.add_argument("--uvicorn-log-level", default=None, choices=[*LOG_LEVELS, "trace"],
                    help="log level of uvicorn, the HTTP server (default: --log-level)")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from omnistage.configs.schema import GraphConfig, StageConfig, StageKind
 from omnistage.models.loader import resolve_model_path
@@ -117,11 +116,3 @@ def max_positions(config: dict, component: str | None) -> int | None:
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
     return None
-
-
-def model_architectures(model_path: Path | None) -> list[str]:
-    """The `architectures` of a transformers checkpoint's config.json ([] for diffusers)."""
-    config = model_path / "config.json" if model_path is not None else None
-    if config is None or not config.is_file():
-        return []
-    return list(json.loads(config.read_text()).get("architectures") or [])

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP server: `build_app(engine, config)` makes the FastAPI app over an
-`AsyncOmni`, `run_server(args)` starts the engine and serves it with uvicorn.
+`AsyncOmni` (`omnistage serve`, entrypoints/cli/serve.py, starts the engine and runs it under
+uvicorn).
 
     client ─> CORS ─> metrics (status per route) ─> body size limit ─> API key ─> routes
                                                                                   │
@@ -17,7 +18,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import signal
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -43,7 +43,6 @@ from omnistage.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCo
 from omnistage.entrypoints.openai.serving_chat import ChatServing
 from omnistage.entrypoints.openai.serving_completions import CompletionServing
 from omnistage.entrypoints.openai.serving_images import ImageServing, edit_form_schema
-from omnistage.utils.logging import configure_logging, uvicorn_log_config
 
 if TYPE_CHECKING:
     from omnistage.engine.async_omni import AsyncOmni
@@ -299,33 +298,3 @@ def _add_middleware(app: FastAPI, config: ServerConfig, metrics: ServerMetrics) 
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["Authorization", "Content-Type"])
-
-
-def run_server(args: argparse.Namespace) -> int:
-    """Start the engine, serve until SIGINT/SIGTERM, shut the engine down."""
-    import uvicorn
-
-    from omnistage.engine.async_omni import AsyncOmni
-
-    config = ServerConfig.from_namespace(args)
-    configure_logging(config.log_level)
-    engine = AsyncOmni(config.model, stage_config=getattr(args, "stage_config", None),
-                       stage_overrides=getattr(args, "stage_override", ()) or (),
-                       device=getattr(args, "device", "auto"),
-                       dtype=None if getattr(args, "dtype", "auto") == "auto" else args.dtype,
-                       max_model_len=getattr(args, "max_model_len", None))
-    try:
-        app = build_app(engine, config)
-        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                               log_level=config.log_level.lower(),
-                                               log_config=uvicorn_log_config(config.log_level),
-                                               timeout_graceful_shutdown=5))
-        logger.info("serving %s on http://%s:%d", config.model_name, config.host, config.port)
-        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under
-        # the handlers it found; these let that pass so that the engine is shut down below
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: None)
-        server.run()
-    finally:
-        engine.shutdown()
-    return 0

@@ -99,7 +99,8 @@ class MediaLoader:
     def _remote(self, url: str, param: str) -> bytes:
         if not self.policy.allow_remote:
             raise bad_request(f"{param}: remote URLs are not allowed on this server (send the "
-                              "media as a data: URL)", param, "media_not_allowed")
+                              "media as a data: URL, or start the server with --allow-remote-media)",
+                              param, "media_not_allowed")
         req = urllib.request.Request(url, headers={"User-Agent": "omnistage"})
         try:
             with urllib.request.urlopen(req, timeout=self.policy.timeout_s) as resp:

@@ -111,7 +111,8 @@ def http_server(folders: tuple[Path, Path]) -> Iterator[str]:
 
 def test_remote_urls_only_when_allowed(http_server: str) -> None:
     url = f"{http_server}/cat.png"
-    assert refused(MediaLoader(MediaPolicy()).fetch, url, "p").code == "media_not_allowed"
+    err = refused(MediaLoader(MediaPolicy()).fetch, url, "p")
+    assert err.code == "media_not_allowed" and "--allow-remote-media" in err.message
     loader = MediaLoader(MediaPolicy(allow_remote=True, timeout_s=5))
     assert loader.fetch(url, "p") == png()
     assert refused(loader.fetch, f"{http_server}/missing.png", "p").code == "media_fetch_failed"

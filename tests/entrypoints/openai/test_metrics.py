@@ -22,7 +22,7 @@ from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
 from omnistage.entrypoints.openai.log_lines import StageStatsLog, log_stage_stats
 from omnistage.entrypoints.openai.metrics import ServerMetrics
 from omnistage.errors import StageError
-from omnistage.outputs import OmniOutput, RequestMetrics
+from omnistage.outputs import CompletionOutput, OmniOutput, RequestMetrics
 
 if TYPE_CHECKING:
     from tests.entrypoints.openai.conftest import Server
@@ -166,16 +166,17 @@ def test_audio_seconds_rtf_and_engine_errors_per_stage() -> None:
     over), and which failures count as the engine's."""
     metrics = ServerMetrics("omni", {"thinker": "text", "code2wav": "audio"})
     t0 = 1000.0
-    speech = OmniOutput("r1", "hi", [1, 2], text="Hello", token_ids=[5, 6, 7], finished=True,
-                        finish_reason="stop", tensors={"audio": torch.zeros(48000)},
+    done = CompletionOutput(text="Hello", token_ids=[5, 6, 7], finished=True,
+                            finish_reason="stop", tensors={"audio": torch.zeros(48000)})
+    speech = OmniOutput("r1", "hi", [1, 2], [done], finished=True,
                         metrics=RequestMetrics(t0, t0 + 0.1, t0 + 0.2, t0 + 0.5, 2, 3),
                         stage_metrics={"thinker": {}, "talker": {}, "code2wav": {}},
                         sample_rate=24000)
     metrics.observe_finished(speech)
     ended = RequestMetrics(t0, finished_time=t0 + 0.05)
-    failed = OmniOutput("r2", "hi", [1], finished=True, finish_reason="error", error="boom",
+    failed = OmniOutput("r2", "hi", [1], [_errored()], finished=True, error="boom",
                         error_info=StageError("talker", "internal", "boom"), metrics=ended)
-    refused = OmniOutput("r3", "hi", [1], finished=True, finish_reason="error", error="bad",
+    refused = OmniOutput("r3", "hi", [1], [_errored()], finished=True, error="bad",
                          invalid_input=True, error_info=StageError("talker", "invalid_input",
                                                                    "bad speaker", "speaker"),
                          metrics=ended)
@@ -195,3 +196,7 @@ def test_audio_seconds_rtf_and_engine_errors_per_stage() -> None:
     assert value(m, "omnistage_requests_finished_total", finish_reason="error") == 1
     # latency of the speech and of the failure; the refused request had none of the engine
     assert value(m, "vllm:e2e_request_latency_seconds_count", model_name="omni") == 2
+
+
+def _errored() -> CompletionOutput:
+    return CompletionOutput(finished=True, finish_reason="error")
