@@ -32,8 +32,8 @@ from omnistage.configs.schema import StageConfig
 from omnistage.errors import InputError
 from omnistage.stages.adapters import StageFeed
 from omnistage.models.loader import resolve_model_path
-from omnistage.models.qwen3_omni.processing import (SpecialTokens, merge_multimodal_embeddings,
-                                                    mrope_positions)
+from omnistage.models.qwen3_omni.mrope import mrope_positions
+from omnistage.models.qwen3_omni.multimodal import SpecialTokens, merge_multimodal_embeddings
 from omnistage.models.qwen3_omni.code_predictor import CodePredictorGraphs
 from omnistage.models.qwen3_omni.talker import Qwen3OmniTalkerForCausalLM
 from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM

@@ -21,276 +21,29 @@ sampled, given with their fps; each frame goes through the image processor and
 Qwen2-VL video processor; its torchvision resize is not reproduced bit for bit). Audio tracks
 of videos (`use_audio_in_video`) are not supported.
 
-Audio at another sample rate is resampled to the feature extractor's (16 kHz) by `resample`, our
-windowed-sinc resampler (Hann window, 6 zero crossings, 0.99 roll-off: torchaudio's default).
+Audio at another sample rate is resampled to the feature extractor's (16 kHz) by `resample`
+(audio_input.py). The positions are mrope.py's; the inputs' records and the merge of encoder
+outputs into the embeddings, multimodal.py's.
 """
 
 from __future__ import annotations
 
 import io
-import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
 from omnistage.models.qwen3_omni.audio_encoder import output_lengths, read_thinker_config
+from omnistage.models.qwen3_omni.audio_input import load_audio, resample
+from omnistage.models.qwen3_omni.mrope import mrope_positions
+from omnistage.models.qwen3_omni.multimodal import SpecialTokens, ThinkerInputs
 
 DEFAULT_MAX_IMAGE_PIXELS = 1 << 25      # 33.5 M: an 8K UHD frame (7680 x 4320) still fits
 DEFAULT_VIDEO_FPS = 2.0
-
-
-# ---- audio helpers ------------------------------------------------------------------------------
-
-def load_audio(data: bytes) -> tuple[np.ndarray, int]:
-    """Decode an audio file's bytes (wav, flac, ogg, mp3, ... as libsndfile reads them) to a
-    mono float32 waveform and its sample rate."""
-    import soundfile
-
-    if not data:
-        raise ValueError("audio: no bytes to decode")
-    try:
-        waveform, sample_rate = soundfile.read(io.BytesIO(data), dtype="float32",
-                                               always_2d=True)
-    except (soundfile.SoundFileError, RuntimeError, TypeError) as e:
-        raise ValueError(f"audio: cannot decode {len(data)} bytes as an audio file ({e})") from None
-    return waveform.mean(axis=1), int(sample_rate)              # (frames, ch) -> (frames,)
-
-
-def resample(waveform: np.ndarray, orig_sr: int, target_sr: int, zero_crossings: int = 6,
-             rolloff: float = 0.99) -> np.ndarray:
-    """Band-limited resampling of a 1-D waveform: a Hann-windowed sinc low-pass at
-    rolloff * min(orig_sr, target_sr) / 2, evaluated as a polyphase filter bank (one filter per
-    output phase, applied with a strided conv). Output length ceil(len * target / orig)."""
-    if orig_sr <= 0 or target_sr <= 0:
-        raise ValueError(f"sample rates must be positive, got {orig_sr} -> {target_sr}")
-    if orig_sr == target_sr:
-        return waveform.astype(np.float32, copy=False)
-    g = math.gcd(orig_sr, target_sr)
-    up, down = target_sr // g, orig_sr // g        # every `down` inputs make `up` outputs
-    cutoff = min(up, down) * rolloff               # in units of the reduced input rate
-    half_width = math.ceil(zero_crossings * down / cutoff)   # filter half-length, input samples
-
-    # phase p (output sample p of each block) sits at input offset p * down / up
-    taps = torch.arange(-half_width, half_width + down, dtype=torch.float64) / down
-    t = (taps[None, :] - torch.arange(up, dtype=torch.float64)[:, None] / up) * cutoff
-    t = t.clamp(-zero_crossings, zero_crossings)
-    window = torch.cos(t * math.pi / zero_crossings / 2) ** 2
-    t = t * math.pi
-    sinc = torch.where(t == 0, torch.ones_like(t), torch.sin(t) / torch.where(t == 0, 1, t))
-    kernels = (sinc * window * cutoff / down).float()          # (up, taps)
-
-    x = torch.from_numpy(np.ascontiguousarray(waveform, dtype=np.float32))
-    x = F.pad(x[None, None], (half_width, half_width + down))   # (1, 1, n + pad)
-    y = F.conv1d(x, kernels[:, None, :], stride=down)            # (1, up, blocks)
-    y = y[0].T.reshape(-1)                                       # interleave the phases
-    return y[: math.ceil(up * waveform.shape[0] / down)].numpy()
-
-
-# ---- positions ----------------------------------------------------------------------------------
-
-def mrope_positions(input_ids: Sequence[int] | Tensor, *, image_token_id: int,
-                    video_token_id: int, spatial_merge_size: int, position_id_per_seconds: float,
-                    image_grid_thw: Tensor | None = None, video_grid_thw: Tensor | None = None,
-                    video_second_per_grid: Sequence[float] | Tensor | None = None
-                    ) -> tuple[Tensor, int]:
-    """The thinker's 3-axis rotary positions (3, L) int64 and the rope delta (decode step n of
-    a prompt of L tokens sits at position L + n + delta on every axis), equal to HF's
-    `get_rope_index` for text, audio, image and video prompts (audio-in-video excepted).
-
-    Every run of image (video) placeholder tokens is one image (video), in grid order. Its
-    positions are start + (t * seconds_per_grid * position_id_per_seconds, row, col) over the
-    merged grid (images: one second per grid), where start is the position its first token
-    would have had as text; the next token continues at the block's largest position + 1."""
-    ids = input_ids.tolist() if isinstance(input_ids, Tensor) else list(input_ids)
-    grids = {image_token_id: image_grid_thw.tolist() if image_grid_thw is not None else [],
-             video_token_id: video_grid_thw.tolist() if video_grid_thw is not None else []}
-    seconds = {image_token_id: [1.0] * len(grids[image_token_id]),
-               video_token_id: [float(s) for s in (video_second_per_grid if
-                                video_second_per_grid is not None else [])]}
-    if len(seconds[video_token_id]) != len(grids[video_token_id]):
-        raise ValueError(f"video_second_per_grid has {len(seconds[video_token_id])} entries for "
-                         f"{len(grids[video_token_id])} videos")
-    used = {image_token_id: 0, video_token_id: 0}
-    pieces: list[Tensor] = []
-    next_pos = text_start = i = 0
-
-    def text_until(end: int) -> None:                            # text / audio: count up
-        nonlocal next_pos
-        if end > text_start:
-            pieces.append(torch.arange(next_pos, next_pos + end - text_start).expand(3, -1))
-            next_pos += end - text_start
-
-    while i < len(ids):
-        token = ids[i]
-        if token not in grids:
-            i += 1
-            continue
-        j = i + 1
-        while j < len(ids) and ids[j] == token:
-            j += 1
-        text_until(i)
-        kind = "image" if token == image_token_id else "video"
-        k = used[token]
-        if k >= len(grids[token]):
-            raise ValueError(f"input_ids: more {kind} placeholder runs than {kind} grids "
-                             f"({len(grids[token])})")
-        block = _visual_positions(f"{kind} {k}", grids[token][k], j - i, spatial_merge_size,
-                                  seconds[token][k] * position_id_per_seconds) + next_pos
-        pieces.append(block)
-        next_pos = int(block.max()) + 1
-        used[token] += 1
-        text_start = i = j
-    text_until(len(ids))
-    for token, kind in ((image_token_id, "image"), (video_token_id, "video")):
-        if used[token] != len(grids[token]):
-            raise ValueError(f"input_ids: {used[token]} {kind} placeholder runs for "
-                             f"{len(grids[token])} {kind} grids")
-    positions = torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long)
-    return positions, (next_pos - len(ids))
-
-
-def _visual_positions(what: str, grid: Sequence[int], num_tokens: int, merge: int,
-                      step: float) -> Tensor:
-    """(3, t*h*w) positions (t * step, row, col) of one image / video over its merged grid,
-    from 0; checks its placeholder count and that `step` (positions per grid) is whole."""
-    t, h, w = (int(x) for x in grid)
-    h, w = h // merge, w // merge
-    if num_tokens != t * h * w:
-        raise ValueError(f"input_ids: {what} has {num_tokens} placeholder tokens, its grid "
-                         f"{list(grid)} needs {t * h * w}")
-    if step != int(step):
-        raise ValueError(f"{what}: {step:g} positions per grid (seconds per grid x "
-                         "position_id_per_seconds) is not a whole number")
-    t_idx = (torch.arange(t) * int(step)).view(t, 1, 1).expand(t, h, w)
-    h_idx = torch.arange(h).view(1, h, 1).expand(t, h, w)
-    w_idx = torch.arange(w).view(1, 1, w).expand(t, h, w)
-    return torch.stack([t_idx, h_idx, w_idx]).reshape(3, -1)
-
-
-# ---- special tokens, inputs, merged embeddings ---------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class SpecialTokens:
-    audio_start: int
-    audio_pad: int
-    audio_end: int
-    vision_start: int
-    image_pad: int
-    video_pad: int
-    vision_end: int
-
-    @classmethod
-    def from_hf(cls, thinker_config, tokenizer) -> SpecialTokens:
-        """Placeholder ids from the thinker config; the end tokens (not in the config) by name."""
-        def by_name(token: str) -> int:
-            token_id = tokenizer.convert_tokens_to_ids(token)
-            if token_id is None or token_id == tokenizer.unk_token_id:
-                raise ValueError(f"tokenizer has no {token} token")
-            return token_id
-        return cls(audio_start=thinker_config.audio_start_token_id,
-                   audio_pad=thinker_config.audio_token_id, audio_end=by_name("<|audio_end|>"),
-                   vision_start=thinker_config.vision_start_token_id,
-                   image_pad=thinker_config.image_token_id,
-                   video_pad=thinker_config.video_token_id, vision_end=by_name("<|vision_end|>"))
-
-
-@dataclass(slots=True)
-class ThinkerInputs:
-    """One request's thinker inputs, placeholders expanded."""
-    input_ids: Tensor                              # (L,) int64
-    positions: Tensor                              # (3, L) int64: mrope t / h / w
-    rope_delta: int                                # decode positions: L + n + rope_delta
-    prompt: str                                    # templated text, one placeholder per item
-    input_features: Tensor | None = None           # (num_mel, total_frames) f32, back to back
-    audio_feature_lens: Tensor | None = None       # (num_audios,) int64 mel frames
-    pixel_values: Tensor | None = None             # (num_patches, C*tp*p*p) f32
-    image_grid_thw: Tensor | None = None           # (num_images, 3) int64
-    pixel_values_videos: Tensor | None = None      # (num_video_patches, C*tp*p*p) f32
-    video_grid_thw: Tensor | None = None           # (num_videos, 3) int64
-    video_second_per_grid: Tensor | None = None    # (num_videos,) f32
-
-    def hf_kwargs(self) -> dict[str, Tensor]:
-        """The same inputs as HF's thinker `forward` takes them (a batch of one; audio padded
-        to (num_audios, num_mel, max_frames) with `feature_attention_mask`)."""
-        out: dict[str, Tensor] = {"input_ids": self.input_ids[None],
-                                  "attention_mask": torch.ones_like(self.input_ids)[None]}
-        if self.input_features is not None:
-            lens = self.audio_feature_lens.tolist()
-            chunks = self.input_features.split(lens, dim=1)
-            out["input_features"] = torch.nn.utils.rnn.pad_sequence(
-                [c.T for c in chunks], batch_first=True).transpose(1, 2)
-            out["feature_attention_mask"] = (torch.arange(max(lens))[None, :]
-                                             < self.audio_feature_lens[:, None]).long()
-        for name in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                     "video_second_per_grid"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name)
-        return out
-
-
-@dataclass(slots=True)
-class MultimodalEmbeddings:
-    inputs_embeds: Tensor                # (L, hidden): encoder outputs at their placeholders
-    visual_mask: Tensor | None           # (L,) bool: image and video placeholder positions
-    # per deepstack layer (num_visual, hidden), visual tokens in sequence order; the thinker
-    # adds layer i's to the visual rows after its decoder layer i
-    deepstack: list[Tensor] = field(default_factory=list)
-
-    def deepstack_rows(self, offset: int = 0) -> tuple[Tensor, Tensor] | None:
-        """(rows (K,), features (num_deepstack, K, hidden)), the thinker's `deepstack`
-        argument; `offset` is this request's first row in the flattened batch."""
-        if self.visual_mask is None or not self.deepstack:
-            return None
-        rows = self.visual_mask.nonzero().squeeze(1) + offset
-        return rows, torch.stack(self.deepstack)
-
-
-def merge_multimodal_embeddings(input_ids: Tensor, inputs_embeds: Tensor, tokens: SpecialTokens,
-                                audio_embeds: Tensor | None = None,
-                                image_embeds: Tensor | None = None,
-                                video_embeds: Tensor | None = None,
-                                image_deepstack: Sequence[Tensor] = (),
-                                video_deepstack: Sequence[Tensor] = ()) -> MultimodalEmbeddings:
-    """Scatter encoder outputs into the text embeddings (L, hidden) at their placeholder tokens,
-    in order, and gather the deepstack features of all visual tokens in sequence order."""
-    out = inputs_embeds.clone()
-    masks: dict[str, Tensor] = {}
-    for kind, token, embeds in (("audio", tokens.audio_pad, audio_embeds),
-                                ("image", tokens.image_pad, image_embeds),
-                                ("video", tokens.video_pad, video_embeds)):
-        mask = input_ids == token
-        if embeds is None:
-            if mask.any():
-                raise ValueError(f"input_ids have {int(mask.sum())} {kind} placeholders but no "
-                                 f"{kind} embeddings were given")
-            continue
-        if int(mask.sum()) != embeds.shape[0]:
-            raise ValueError(f"{kind}: {int(mask.sum())} placeholder tokens but "
-                             f"{embeds.shape[0]} embeddings")
-        out[mask] = embeds.to(out.dtype)
-        masks[kind] = mask
-    if "image" not in masks and "video" not in masks:
-        return MultimodalEmbeddings(out, None)
-    visual = masks.get("image", torch.zeros_like(input_ids, dtype=torch.bool)) | \
-        masks.get("video", torch.zeros_like(input_ids, dtype=torch.bool))
-    num_layers = max(len(image_deepstack), len(video_deepstack))
-    deepstack = []
-    for layer in range(num_layers):
-        joint = out.new_zeros(int(visual.sum()), out.shape[-1])
-        for kind, features in (("image", image_deepstack), ("video", video_deepstack)):
-            if kind in masks:
-                if len(features) != num_layers:
-                    raise ValueError(f"{kind}_deepstack has {len(features)} layers, expected "
-                                     f"{num_layers}")
-                joint[masks[kind][visual]] = features[layer].to(out.dtype)
-        deepstack.append(joint)
-    return MultimodalEmbeddings(out, visual, deepstack)
 
 
 # ---- the processor -------------------------------------------------------------------------------

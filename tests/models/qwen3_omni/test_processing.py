@@ -17,9 +17,10 @@ from PIL import Image
 from safetensors import safe_open
 
 from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
-from omnistage.models.qwen3_omni.processing import (InputProcessor, load_audio,
-                                                     merge_multimodal_embeddings,
-                                                     mrope_positions, resample)
+from omnistage.models.qwen3_omni.audio_input import load_audio, resample
+from omnistage.models.qwen3_omni.mrope import mrope_positions
+from omnistage.models.qwen3_omni.multimodal import merge_multimodal_embeddings
+from omnistage.models.qwen3_omni.processing import InputProcessor
 from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder
 from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
 
