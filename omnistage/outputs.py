@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from omnistage.errors import StageError
@@ -207,6 +209,63 @@ class OmniOutput:
     def has_delta(self) -> bool:
         """Whether this streaming update added text, tokens or tensors to any completion."""
         return any(c.has_delta for c in self.outputs)
+
+    def apply(self, ev: RequestEvent) -> OmniOutput:
+        """Fold one event of the orchestrator into the request's totals (its completion
+        `ev.index`); return a snapshot carrying the deltas."""
+        now = time.time()
+        m = self.metrics
+        c = self.outputs[ev.index]
+        if ev.token_ids:
+            c.token_ids.extend(ev.token_ids)
+            m.num_output_tokens += len(ev.token_ids)
+        if ev.token_ids or ev.tensors:
+            m.first_token_time = m.first_token_time or now
+        c.text += ev.text
+        if ev.progress is not None:
+            self.progress = ev.progress
+        if ev.logprobs:
+            c.logprobs = (c.logprobs or []) + ev.logprobs
+        for k, v in (ev.tensors or {}).items():
+            c.tensor_chunks.setdefault(k, []).append(v)
+        rate = (ev.tensors or {}).get("sample_rate")
+        if rate is not None:   # a stage may send its rate with the samples (the server reads it)
+            self.sample_rate = int(rate.flatten()[0])
+            for each in self.outputs:
+                each.sample_rate = self.sample_rate
+        if ev.stage_finished and ev.finish_reason and c.finish_reason is None:
+            c.finish_reason = ev.finish_reason     # the first final stage to finish says why
+        if ev.done:
+            self._finish(c, ev, now)
+        return self.snapshot(ev)
+
+    def _finish(self, c: CompletionOutput, ev: RequestEvent, now: float) -> None:
+        """Completion `c` is done (finished, failed or aborted); the request, once all are."""
+        c.finished = True
+        c.finish_reason = c.finish_reason or ev.finish_reason or "stop"
+        if ev.error:
+            c.finish_reason = "error"
+            if self.error is None:      # the request's error: the first completion's to fail
+                self.error, self.invalid_input, self.error_info = (
+                    ev.error, ev.invalid_input, ev.error_info)
+        if ev.finish_reason == "abort":
+            c.finish_reason = "abort"
+        c.tensors = {k: torch.cat(v) for k, v in c.tensor_chunks.items()}
+        c.tensor_chunks = {}
+        m = self.metrics
+        stage_metrics = ev.stage_metrics or {}
+        if ev.index == 0 or not self.stage_metrics:
+            self.stage_metrics = stage_metrics
+        for sm in stage_metrics.values():
+            m.num_cached_tokens += int(sm.get("num_cached_tokens") or 0)
+            m.num_preemptions += int(sm.get("num_preemptions") or 0)
+            if sm.get("queue_time") is not None:   # the earliest: the entry stage's
+                start = sm["arrival_time"] + sm["queue_time"]
+                if m.first_scheduled_time is None or start < m.first_scheduled_time:
+                    m.first_scheduled_time = start
+        self.finished = all(each.finished for each in self.outputs)
+        if self.finished:
+            m.finished_time = now
 
     def snapshot(self, ev: RequestEvent) -> OmniOutput:
         """A copy for the caller, with this event's additions as the deltas of its completion

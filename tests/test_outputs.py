@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from omnistage.engine.async_omni import accumulate
 from omnistage.outputs import CompletionOutput, OmniOutput, RequestEvent
 from omnistage.utils.audio import decode_audio
 
@@ -110,7 +109,7 @@ def test_streaming_snapshots_carry_the_samples_they_added() -> None:
     events = [RequestEvent("req-1", "thinker", [5], "he"),
               *(RequestEvent("req-1", "code2wav", tensors={"audio": c}) for c in chunks),
               RequestEvent("req-1", "code2wav", done=True, finish_reason="stop")]
-    snaps = [accumulate(out, ev) for ev in events]
+    snaps = [out.apply(ev) for ev in events]
     assert snaps[0].delta_audio is None and snaps[0].audio is None
     for snap, chunk in zip(snaps[1:4], chunks):
         assert snap.delta_audio.dtype == np.float32
@@ -124,7 +123,7 @@ def test_streaming_snapshots_carry_the_samples_they_added() -> None:
 
 def test_a_rate_sent_with_the_samples_wins() -> None:
     out = OmniOutput("req-1", None, [1], sample_rate=RATE)
-    snap = accumulate(out, RequestEvent("req-1", "vocoder", tensors={
+    snap = out.apply(RequestEvent("req-1", "vocoder", tensors={
         "audio": tone(160, 16000), "sample_rate": torch.tensor([16000])}))
     assert snap.sample_rate == out.sample_rate == 16000
 
@@ -141,7 +140,7 @@ def test_n_completions_fold_into_one_output() -> None:
               RequestEvent("req-1", "llm", [8], "d", index=0, stage_finished=True,
                             finish_reason="stop", done=True,
                             stage_metrics={"llm": {"num_cached_tokens": 0}})]
-    snaps = [accumulate(out, ev) for ev in events]
+    snaps = [out.apply(ev) for ev in events]
     assert [s.index for s in snaps] == [1, 0, 1, 0]
     assert snaps[0].outputs[1].delta_text == "a" and snaps[0].delta_text == ""  # not the 1st
     assert snaps[1].delta_text == "b" and snaps[1].outputs[1].delta_text == ""
@@ -157,11 +156,11 @@ def test_n_completions_fold_into_one_output() -> None:
 
 def test_a_failed_completion_fails_the_request() -> None:
     out = OmniOutput("req-1", "hi", [1], [CompletionOutput(index=i) for i in range(2)])
-    accumulate(out, RequestEvent("req-1", "llm", done=True, index=1, finish_reason="error",
+    out.apply(RequestEvent("req-1", "llm", done=True, index=1, finish_reason="error",
                                  error="stage 'llm': boom"))
     assert out.error == "stage 'llm': boom" and out.outputs[1].finish_reason == "error"
     assert not out.finished and out.finish_reason is None
-    accumulate(out, RequestEvent("req-1", "", done=True, finish_reason="abort"))
+    out.apply(RequestEvent("req-1", "", done=True, finish_reason="abort"))
     assert out.finished and out.finish_reason == "abort"
 
 

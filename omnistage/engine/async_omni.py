@@ -24,7 +24,6 @@ import uuid
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
-import torch
 
 from omnistage.configs.defaults import resolve_graph
 from omnistage.configs.schema import GraphConfig, OutputKind
@@ -161,7 +160,7 @@ class AsyncOmni:
                prepared: tuple[ParsedPrompt, dict[str, StageParams]] | None = None
                ) -> OmniOutput:
         """Check and submit; events go to `sink` (from the router thread). Returns the output
-        object that `accumulate` fills in. `prepared`: what `prepare` already returned."""
+        object that `OmniOutput.apply` fills in. `prepared`: what `prepare` already returned."""
         parsed, params = prepared or self.prepare(prompt, sampling_params_list)
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
         n = self._num_completions(params)
@@ -226,7 +225,7 @@ class AsyncOmni:
         try:
             while not out.finished:
                 ev = await queue.get()
-                snapshot = accumulate(out, ev)
+                snapshot = out.apply(ev)
                 # no empty updates: each one adds output, progress, or ends a completion
                 if snapshot.has_delta or ev.progress is not None or ev.done:
                     yield snapshot
@@ -272,62 +271,3 @@ def completion_params(params: dict[str, StageParams], i: int) -> dict[str, Stage
             p = dataclasses.replace(p, seed=p.seed + i)
         out[name] = p
     return out
-
-
-def accumulate(out: OmniOutput, ev: RequestEvent) -> OmniOutput:
-    """Fold one event into the request's totals (its completion `ev.index`); return a
-    snapshot carrying the deltas."""
-    now = time.time()
-    m = out.metrics
-    c = out.outputs[ev.index]
-    if ev.token_ids:
-        c.token_ids.extend(ev.token_ids)
-        m.num_output_tokens += len(ev.token_ids)
-    if ev.token_ids or ev.tensors:
-        m.first_token_time = m.first_token_time or now
-    c.text += ev.text
-    if ev.progress is not None:
-        out.progress = ev.progress
-    if ev.logprobs:
-        c.logprobs = (c.logprobs or []) + ev.logprobs
-    for k, v in (ev.tensors or {}).items():
-        c.tensor_chunks.setdefault(k, []).append(v)
-    rate = (ev.tensors or {}).get("sample_rate")
-    if rate is not None:   # a stage may send its rate with the samples (the server reads it)
-        out.sample_rate = int(rate.flatten()[0])
-        for each in out.outputs:
-            each.sample_rate = out.sample_rate
-    if ev.stage_finished and ev.finish_reason and c.finish_reason is None:
-        c.finish_reason = ev.finish_reason     # the first final stage to finish says why
-    if ev.done:
-        _finish(out, c, ev, now)
-    return out.snapshot(ev)
-
-
-def _finish(out: OmniOutput, c: CompletionOutput, ev: RequestEvent, now: float) -> None:
-    """Completion `c` is done (finished, failed or aborted); the request, once all are."""
-    c.finished = True
-    c.finish_reason = c.finish_reason or ev.finish_reason or "stop"
-    if ev.error:
-        c.finish_reason = "error"
-        if out.error is None:      # the request's error: the first completion's to fail
-            out.error, out.invalid_input, out.error_info = (ev.error, ev.invalid_input,
-                                                            ev.error_info)
-    if ev.finish_reason == "abort":
-        c.finish_reason = "abort"
-    c.tensors = {k: torch.cat(v) for k, v in c.tensor_chunks.items()}
-    c.tensor_chunks = {}
-    m = out.metrics
-    stage_metrics = ev.stage_metrics or {}
-    if ev.index == 0 or not out.stage_metrics:
-        out.stage_metrics = stage_metrics
-    for sm in stage_metrics.values():
-        m.num_cached_tokens += int(sm.get("num_cached_tokens") or 0)
-        m.num_preemptions += int(sm.get("num_preemptions") or 0)
-        if sm.get("queue_time") is not None:   # the earliest: the entry stage's
-            start = sm["arrival_time"] + sm["queue_time"]
-            if m.first_scheduled_time is None or start < m.first_scheduled_time:
-                m.first_scheduled_time = start
-    out.finished = all(each.finished for each in out.outputs)
-    if out.finished:
-        m.finished_time = now

@@ -20,7 +20,7 @@ from typing import Any
 from tqdm import tqdm
 
 from omnistage.configs.schema import GraphConfig, OutputKind
-from omnistage.engine.async_omni import AsyncOmni, ParamsList, accumulate
+from omnistage.engine.async_omni import AsyncOmni, ParamsList
 from omnistage.engine.inputs import PromptType
 from omnistage.outputs import OmniOutput, RequestEvent
 
@@ -131,7 +131,7 @@ def _wait(outputs: dict[str, OmniOutput], events: queue.Queue[RequestEvent],
             out = outputs.get(ev.request_id)
             if out is None:   # a request whose submission failed, aborted meanwhile
                 continue
-            accumulate(out, ev)
+            out.apply(ev)
             share = 1.0 if out.finished else (out.progress or 0.0)
             if share > counted.get(out.request_id, 0.0):
                 bar.update(share - counted.get(out.request_id, 0.0))

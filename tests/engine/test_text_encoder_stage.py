@@ -22,7 +22,6 @@ from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.z_image import ZImagePipeline, ZImagePromptEncoder
 from omnistage.diffusion.text_encoding import TextEncodingEngine
-from omnistage.engine.async_omni import accumulate
 from omnistage.outputs import OmniOutput, RequestEvent
 from omnistage.stages.diffusion import DiffusionStage
 from omnistage.testing.diffusion import run_to_end
@@ -190,7 +189,7 @@ def generate_together(omni: Omni, requests: list[tuple[str, DiffusionParams]]
     by_id = {o.request_id: o for o in outs}
     while not all(o.finished for o in outs):
         ev = events.get(timeout=60)
-        accumulate(by_id[ev.request_id], ev)
+        by_id[ev.request_id].apply(ev)
     return outs
 
 

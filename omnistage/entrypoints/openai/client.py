@@ -20,7 +20,6 @@ import threading
 import uuid
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
 
-from omnistage.engine.async_omni import accumulate
 from omnistage.engine.inputs import ParsedPrompt, PromptType
 from omnistage.entrypoints.openai.errors import APIError, from_value_error
 from omnistage.entrypoints.openai.log_lines import log_request
@@ -76,7 +75,7 @@ class RequestHandle:
 
     async def _next(self) -> OmniOutput:
         assert self.out is not None, "outputs before submit"
-        snap = accumulate(self.out, await self.queue.get())
+        snap = self.out.apply(await self.queue.get())
         metrics = self.client.metrics
         if metrics is not None:
             if not self.seen_audio and "audio" in snap.delta_tensors:
