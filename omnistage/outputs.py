@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 import torch
 from torch import Tensor
@@ -43,7 +44,7 @@ class RequestEvent:
     error: str | None = None
     invalid_input: bool = False        # the error is the request's fault (a stage refused it)
     error_info: StageError | None = None   # the error, typed (kind, message alone, param)
-    stage_metrics: dict[str, dict] | None = None
+    stage_metrics: dict[str, StageMetrics] | None = None
     index: int = 0                     # which of the request's n completions it belongs to
 
 
@@ -93,6 +94,38 @@ class RequestMetrics:
                 "num_output_tokens": self.num_output_tokens,
                 "num_cached_tokens": self.num_cached_tokens,
                 "num_preemptions": self.num_preemptions}
+
+
+class StageMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One request's record in one stage, sent when it finishes there (`OmniOutput.
+    stage_metrics[stage]`). Times are wall clocks (comparable across processes), durations in
+    seconds. The worker fills the first block; the engine of the stage's kind, the rest (None:
+    not that kind's)."""
+
+    arrival_time: float = 0.0
+    first_output_time: float | None = None
+    finished_time: float | None = None
+    time_in_stage: float | None = None
+    time_to_first_output: float | None = None
+    num_tokens: int = 0                       # tokens it produced
+    num_outputs: int = 0                      # steps that produced something
+    connector_bytes_in: int = 0
+    connector_bytes_out: int = 0
+    connector_seconds: float = 0.0
+    queue_time: float | None = None           # arrival to its first scheduled step
+    num_prompt_tokens: int | None = None      # AR
+    num_cached_tokens: int = 0                # AR: prompt tokens from the prefix cache
+    num_preemptions: int = 0                  # AR
+    prompt_ready_time: float | None = None    # Qwen3-Omni's talker: its prompt handed over,
+    prompt_rows_time: float | None = None     # its prompt rows all received (since add)
+    num_steps: int | None = None              # diffusion: denoising steps run,
+    num_steps_skipped: int | None = None      # of them skipped by the step cache
+    denoise_time: float | None = None
+    conditioning_wait_time: float | None = None   # waiting for a text-encoder stage
+    encode_time: float | None = None          # text-encoder stage
+    num_batched_requests: int | None = None   # text-encoder stage: its batch
+    num_chunks: int | None = None             # generation: chunks it produced
+    model_seconds: float | None = None        # generation: forwards it took part in
 
 
 @dataclass(slots=True, repr=False)
@@ -175,7 +208,7 @@ class OmniOutput:
     # aborted), its message alone and the field it names (what the server answers from)
     error_info: StageError | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    stage_metrics: dict[str, dict] = field(default_factory=dict)
+    stage_metrics: dict[str, StageMetrics] = field(default_factory=dict)
     progress: float | None = None      # share of the work done (diffusion steps), when known
     # Hz of the audio stage serving the request, set from the first update on (a player can
     # open its device before the first samples); None: the request makes no audio
@@ -257,10 +290,10 @@ class OmniOutput:
         if ev.index == 0 or not self.stage_metrics:
             self.stage_metrics = stage_metrics
         for sm in stage_metrics.values():
-            m.num_cached_tokens += int(sm.get("num_cached_tokens") or 0)
-            m.num_preemptions += int(sm.get("num_preemptions") or 0)
-            if sm.get("queue_time") is not None:   # the earliest: the entry stage's
-                start = sm["arrival_time"] + sm["queue_time"]
+            m.num_cached_tokens += sm.num_cached_tokens
+            m.num_preemptions += sm.num_preemptions
+            if sm.queue_time is not None:   # the earliest: the entry stage's
+                start = sm.arrival_time + sm.queue_time
                 if m.first_scheduled_time is None or start < m.first_scheduled_time:
                     m.first_scheduled_time = start
         self.finished = all(each.finished for each in self.outputs)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from omnistage.outputs import CompletionOutput, OmniOutput, RequestEvent
+from omnistage.outputs import CompletionOutput, OmniOutput, RequestEvent, StageMetrics
 from omnistage.utils.audio import decode_audio
 
 RATE = 24000
@@ -136,10 +136,10 @@ def test_n_completions_fold_into_one_output() -> None:
               RequestEvent("req-1", "llm", [6], "b", index=0),
               RequestEvent("req-1", "llm", [7], "c", index=1, stage_finished=True,
                             finish_reason="length", done=True,
-                            stage_metrics={"llm": {"num_cached_tokens": 1}}),
+                            stage_metrics={"llm": StageMetrics(num_cached_tokens=1)}),
               RequestEvent("req-1", "llm", [8], "d", index=0, stage_finished=True,
                             finish_reason="stop", done=True,
-                            stage_metrics={"llm": {"num_cached_tokens": 0}})]
+                            stage_metrics={"llm": StageMetrics(num_cached_tokens=0)})]
     snaps = [out.apply(ev) for ev in events]
     assert [s.index for s in snaps] == [1, 0, 1, 0]
     assert snaps[0].outputs[1].delta_text == "a" and snaps[0].delta_text == ""  # not the 1st

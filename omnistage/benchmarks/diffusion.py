@@ -274,7 +274,7 @@ def bench_engine(transformer, text: Tensor, cfg: DiffusionBenchConfig, device: t
     for thr in cfg.cache_thresholds:
         s, lat, img, met = _serve(engine, pipe, [("cached", params(0, thr))], text, device)
         cache.append({"threshold": thr, "seconds": s, "speedup": ratio(base_s, s),
-                      "steps_skipped": met["cached"]["num_steps_skipped"],
+                      "steps_skipped": met["cached"].num_steps_skipped,
                       "latents_psnr_db": psnr(lat["cached"], base_latents["base"]),
                       "image_psnr_db": psnr(img["cached"].float(),
                                             base_images["base"].float(), 255.0)})

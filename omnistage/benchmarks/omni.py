@@ -34,6 +34,7 @@ import torch
 
 from omnistage.benchmarks.common import (default_dtype, environment, free_device_memory, now,
                                          parameter_bytes, ratio, summary)
+from omnistage.outputs import StageMetrics
 from omnistage.utils.device import resolve_device
 
 SAMPLE_RATE = 24000
@@ -253,21 +254,21 @@ def _loop_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, di
                    for k, v in loop.items()} for name, loop in after.items()}
 
 
-def _stage_times(metrics: dict[str, dict], submitted: float) -> dict[str, float | None]:
+def _stage_times(metrics: dict[str, StageMetrics], submitted: float
+                 ) -> dict[str, float | None]:
     """Per stage, seconds from submission to its first output and to its end (wall clocks of
     the stage processes): where a request's first audio waited."""
     times: dict[str, float | None] = {}
     for stage, m in metrics.items():
-        first = m.get("first_output_time")
+        first = m.first_output_time
         times[f"{stage}_first_s"] = None if first is None else first - submitted
-        times[f"{stage}_end_s"] = m["finished_time"] - submitted
-        if "model_seconds" in m:        # generation stages: time in forwards it was part of
-            times[f"{stage}_model_s"] = m["model_seconds"]
-        if m.get("queue_time") is not None:   # AR stages: until its first scheduled step
-            times[f"{stage}_queue_s"] = m["queue_time"]
-        for key in ("prompt_rows_time", "prompt_ready_time"):   # the talker: its prompt's
-            if m.get(key) is not None:                          # rows in, handed to the engine
-                times[f"{stage}_{key.removesuffix('_time')}_s"] = m[key]
+        if m.finished_time is not None:
+            times[f"{stage}_end_s"] = m.finished_time - submitted
+        optional = {"model": m.model_seconds,         # generation: forwards it was part of
+                    "queue": m.queue_time,            # until its first scheduled step
+                    "prompt_rows": m.prompt_rows_time,    # the talker: its prompt's rows in,
+                    "prompt_ready": m.prompt_ready_time}  # handed to the engine
+        times.update({f"{stage}_{k}_s": v for k, v in optional.items() if v is not None})
     return times
 
 

@@ -30,6 +30,7 @@ from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import DiffusionPipeline, is_split_pipeline
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
+from omnistage.outputs import StageMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class DiffusionResult:
     finished: bool
     progress: float
     error: str | None = None
-    metrics: dict[str, float | int | None] | None = None
+    metrics: StageMetrics | None = None
 
 
 class DiffusionEngine:
@@ -143,11 +144,12 @@ class DiffusionEngine:
                                                f"{type(exc).__name__}: {exc}"))
                 continue
             done = time.time()
-            metrics = {"queue_time": r.first_step_time - r.arrival_time,
-                       "num_steps": r.num_steps, "num_steps_skipped": r.num_steps_skipped,
-                       "denoise_time": done - r.first_step_time}
-            if r.conditioning_time is not None:   # part of queue_time: upstream encoding
-                metrics["conditioning_wait_time"] = r.conditioning_time - r.arrival_time
+            metrics = StageMetrics(
+                queue_time=r.first_step_time - r.arrival_time, num_steps=r.num_steps,
+                num_steps_skipped=r.num_steps_skipped, denoise_time=done - r.first_step_time,
+                # part of queue_time: upstream encoding
+                conditioning_wait_time=None if r.conditioning_time is None
+                else r.conditioning_time - r.arrival_time)
             results.append(DiffusionResult(r.request_id, images, True, 1.0, metrics=metrics))
         return results
 

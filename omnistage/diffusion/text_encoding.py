@@ -22,6 +22,7 @@ from torch import Tensor
 
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import PromptEncoder
+from omnistage.outputs import StageMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class TextEncodingResult:
     request_id: str
     tensors: dict[str, Tensor]         # the conditioning; empty on error
     error: str | None = None
-    metrics: dict[str, float | int | None] | None = None
+    metrics: StageMetrics | None = None
 
 
 class TextEncodingEngine:
@@ -92,7 +93,7 @@ class TextEncodingEngine:
         self.num_batches_run += 1
         done = time.time()
         assert len(conds) == len(batch), (len(conds), len(batch))
-        return [TextEncodingResult(r.request_id, cond, metrics={
-                    "queue_time": start - r.arrival_time, "encode_time": done - start,
-                    "num_batched_requests": len(batch)})
+        return [TextEncodingResult(r.request_id, cond, metrics=StageMetrics(
+                    queue_time=start - r.arrival_time, encode_time=done - start,
+                    num_batched_requests=len(batch)))
                 for r, cond in zip(batch, conds)]

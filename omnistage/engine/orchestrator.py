@@ -27,7 +27,7 @@ from torch import Tensor
 from omnistage.configs.graph import downstream, stages_needed, topological_order, validate_graph
 from omnistage.configs.schema import GraphConfig, OutputKind
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.outputs import RequestEvent
+from omnistage.outputs import RequestEvent, StageMetrics
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages import adapters
 from omnistage.stages import messages as m
@@ -256,7 +256,7 @@ class Orchestrator:
                 return
             if out.finished:
                 route.open_stages.discard(out.stage)
-                route.metrics[out.stage] = dict(out.metrics)
+                route.metrics[out.stage] = out.metrics or StageMetrics()
                 if out.stage in route.finals:
                     route.finish_reason = route.finish_reason or out.finish_reason
             is_final = out.stage in route.finals

@@ -12,6 +12,7 @@ from omnistage.ar.engine import AREngine, ModelLoader
 from omnistage.configs.schema import StageConfig
 from omnistage.stages.adapters import StageFeed
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
+from omnistage.outputs import StageMetrics
 
 
 class ARStage:
@@ -107,10 +108,11 @@ class ARStage:
                 tensors["num_prompt_tokens"] = torch.tensor(out.num_prompt_tokens)
             engine_metrics = None
             if out.metrics is not None:
-                engine_metrics = {"queue_time": out.metrics.queue_time,
-                                  "num_prompt_tokens": out.metrics.num_prompt_tokens,
-                                  "num_cached_tokens": out.metrics.num_cached_tokens,
-                                  "num_preemptions": out.metrics.num_preemptions}
+                engine_metrics = StageMetrics(
+                    queue_time=out.metrics.queue_time,
+                    num_prompt_tokens=out.metrics.num_prompt_tokens,
+                    num_cached_tokens=out.metrics.num_cached_tokens,
+                    num_preemptions=out.metrics.num_preemptions)
             results.append(StageResult(
                 out.request_id, out.new_token_ids, out.text_delta, tensors, out.finished,
                 out.finish_reason.value if out.finish_reason else None, out.error,

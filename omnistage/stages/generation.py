@@ -11,6 +11,7 @@ from omnistage.stages.adapters import StageFeed
 from omnistage.generation.engine import GenerationEngine
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
 from omnistage.utils.device import resolve_device, resolve_dtype
+from omnistage.outputs import StageMetrics
 
 
 class GenerationStage:
@@ -58,9 +59,9 @@ class GenerationStage:
         for r in self.engine.step():
             metrics = None
             if r.finished and r.request is not None and r.request.first_scheduled_time:
-                metrics = {"queue_time": r.request.first_scheduled_time - r.request.arrival_time,
-                           "num_chunks": r.request.num_chunks_out,
-                           "model_seconds": r.request.model_seconds}
+                metrics = StageMetrics(
+                    queue_time=r.request.first_scheduled_time - r.request.arrival_time,
+                    num_chunks=r.request.num_chunks_out, model_seconds=r.request.model_seconds)
             results.append(StageResult(
                 r.request_id, tensors=r.tensors, finished=r.finished,
                 finish_reason=("error" if r.error else "stop") if r.finished else None,

@@ -23,6 +23,7 @@ from torch import Tensor
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.stages.adapters import StageFeed
 from omnistage.sampling_params import SamplingParams
+from omnistage.outputs import StageMetrics
 
 # Facts the front door checks requests against (sent in the Ready handshake): for an AR stage
 # its max_model_len, vocabulary and KV cache; a model may add its own (a talker's speakers,
@@ -59,7 +60,7 @@ class StageResult:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
-    engine_metrics: dict[str, float | int | None] | None = None
+    engine_metrics: StageMetrics | None = None   # its engine's part, once finished
     progress: float | None = None     # share of the work done (diffusion steps)
 
 

@@ -16,6 +16,7 @@ from omnistage.diffusion.params import DiffusionParams
 from omnistage.sampling_params import SamplingParams
 from omnistage.errors import StageError
 from omnistage.stages.interface import EngineStats
+from omnistage.outputs import StageMetrics
 
 
 class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
@@ -121,7 +122,7 @@ class StageOutput(msgspec.Struct, tag="out", omit_defaults=True):
     error: str | None = None
     invalid_input: bool = False       # the error is the request's fault (bad input), not ours
     error_info: StageError | None = None    # the same, typed: kind, message alone, param
-    metrics: dict[str, float | int | None] = {}
+    metrics: StageMetrics | None = None     # once finished here
 
 
 ToStage = AddRequest | EdgeChunk | AbortRequest | FreeRequest | SetPeers | Shutdown | GetStats

@@ -40,6 +40,7 @@ from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
 from omnistage.utils import trace
+from omnistage.outputs import StageMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -465,11 +466,11 @@ class TalkerStage(ARStage):
                 tensors["codes"] = codes.reshape(1, -1).cpu()               # (1, G)
             metrics = None
             if out.metrics is not None:
-                metrics = {"queue_time": out.metrics.queue_time,
-                           **dict(zip(("prompt_ready_time", "prompt_rows_time"),
-                                      self._prompt_ready.pop(out.request_id, (None, None)))),
-                           "num_prompt_tokens": out.metrics.num_prompt_tokens,
-                           "num_preemptions": out.metrics.num_preemptions}
+                ready, rows = self._prompt_ready.pop(out.request_id, (None, None))
+                metrics = StageMetrics(queue_time=out.metrics.queue_time,
+                                       prompt_ready_time=ready, prompt_rows_time=rows,
+                                       num_prompt_tokens=out.metrics.num_prompt_tokens,
+                                       num_preemptions=out.metrics.num_preemptions)
             results.append(StageResult(
                 out.request_id, out.new_token_ids, "", tensors, out.finished,
                 out.finish_reason.value if out.finish_reason else None, out.error,

@@ -17,6 +17,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 import zmq
 from torch import Tensor
@@ -30,6 +31,7 @@ from omnistage.stages import messages as m
 from omnistage.stages.factory import build_stage_engine
 from omnistage.stages.interface import StageEngine, StageRequest, StageResult
 from omnistage.utils import device_wait, trace
+from omnistage.outputs import StageMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -219,13 +221,14 @@ class StageWorker:
         if res.finished:
             # wall-clock times (comparable across processes) and durations in seconds
             first = state.first_output_time
-            out.metrics = {
-                "arrival_time": state.arrival_time, "first_output_time": first,
-                "finished_time": now, "time_in_stage": now - state.arrival_time,
-                "time_to_first_output": None if first is None else first - state.arrival_time,
-                "num_tokens": state.num_tokens, "num_outputs": state.num_outputs,
-                "connector_bytes_in": state.bytes_in, "connector_bytes_out": state.bytes_out,
-                "connector_seconds": state.connector_seconds, **(res.engine_metrics or {})}
+            out.metrics = msgspec.structs.replace(
+                res.engine_metrics or StageMetrics(),
+                arrival_time=state.arrival_time, first_output_time=first, finished_time=now,
+                time_in_stage=now - state.arrival_time,
+                time_to_first_output=None if first is None else first - state.arrival_time,
+                num_tokens=state.num_tokens, num_outputs=state.num_outputs,
+                connector_bytes_in=state.bytes_in, connector_bytes_out=state.bytes_out,
+                connector_seconds=state.connector_seconds)
         return out
 
     def _put(self, state: RequestState, edge: str, tensors: dict[str, Tensor]) -> m.TensorHandle:

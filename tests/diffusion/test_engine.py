@@ -143,12 +143,12 @@ def test_step_caching(shipped: DigitsPipeline) -> None:
     for rid in base:
         # threshold 0 never skips and equals no caching exactly
         assert torch.equal(zero[rid].images, base[rid].images)
-        assert zero[rid].metrics["num_steps_skipped"] == 0
+        assert zero[rid].metrics.num_steps_skipped == 0
     for d in range(3):
         res = cached[f"c{d}"]
-        assert 5 <= res.metrics["num_steps_skipped"] <= 18  # first and last steps always run
+        assert 5 <= res.metrics.num_steps_skipped <= 18  # first and last steps always run
         diff = (res.images.float() - base[f"c{d}"].images.float()).abs().mean()
         assert diff < 8.0, diff                               # mean over 0..255 pixels
     # a request without caching in the same batches is untouched
     assert torch.equal(cached["plain"].images, base["plain"].images)
-    assert cached["plain"].metrics["num_steps_skipped"] == 0
+    assert cached["plain"].metrics.num_steps_skipped == 0

@@ -197,7 +197,7 @@ def test_image_to_image_matches_diffusers(pair: tuple[diffusers.FluxPipeline, Fl
         height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=3.5, seed=5,
         image=buf.getvalue(), strength=0.7))
     (res,) = run_to_end(engine).values()
-    assert res.metrics["num_steps"] == 3 and res.images.shape == (1, SIZE, SIZE, 3)
+    assert res.metrics.num_steps == 3 and res.images.shape == (1, SIZE, SIZE, 3)
 
     img2img = diffusers.FluxImg2ImgPipeline(**ref.components)
     img2img.set_progress_bar_config(disable=True)
@@ -226,9 +226,9 @@ def test_step_caching(pair: tuple[diffusers.FluxPipeline, FluxPipeline]) -> None
 
     plain = generate(None)["a"]
     zero = generate(0.0)["a"]
-    assert zero.metrics["num_steps_skipped"] == 0 and torch.equal(zero.images, plain.images)
+    assert zero.metrics.num_steps_skipped == 0 and torch.equal(zero.images, plain.images)
     cached = generate(0.3, with_neighbour=True)
-    skipped = cached["a"].metrics["num_steps_skipped"]
+    skipped = cached["a"].metrics.num_steps_skipped
     diff = (cached["a"].images.float() - plain.images.float()).abs().mean()
     assert 0 < skipped < 10, skipped
     assert diff < 5, f"mean pixel change {diff}"

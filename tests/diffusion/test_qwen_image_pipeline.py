@@ -228,7 +228,7 @@ def test_image_to_image_matches_diffusers(
                              strength=strength, num_images=2)
     engine.add_request("a", PROMPT, params)
     (res,) = run_to_end(engine).values()
-    assert res.metrics["num_steps"] == 4 - int(4 - 4 * strength)
+    assert res.metrics.num_steps == 4 - int(4 - 4 * strength)
 
     img2img = diffusers.QwenImageImg2ImgPipeline(**ref.components)
     img2img.set_progress_bar_config(disable=True)
@@ -322,12 +322,12 @@ def test_step_caching(pair: tuple[diffusers.QwenImagePipeline, QwenImagePipeline
 
     plain = generate(None)["a"]
     zero = generate(0.0)["a"]
-    assert zero.metrics["num_steps_skipped"] == 0
+    assert zero.metrics.num_steps_skipped == 0
     assert torch.equal(zero.images, plain.images)
     cached = generate(THRESHOLD, with_neighbour=True)
-    skipped = cached["a"].metrics["num_steps_skipped"]
+    skipped = cached["a"].metrics.num_steps_skipped
     assert 0 < skipped < 10, skipped
-    assert cached["b"].metrics["num_steps_skipped"] == 0
+    assert cached["b"].metrics.num_steps_skipped == 0
     diff = (cached["a"].images.float() - plain.images.float()).abs().mean()
     assert diff < 5, f"mean pixel change {diff}"           # ~0.7 / 255 with 5 of 12 skipped
     alone_b = DiffusionEngine(ours)

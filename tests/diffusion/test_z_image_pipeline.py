@@ -222,7 +222,7 @@ def test_image_to_image_matches_diffusers(pair: tuple[diffusers.ZImagePipeline, 
                              image=data, strength=strength, num_images=2)
     engine.add_request("a", PROMPT, params)
     (res,) = run_to_end(engine).values()
-    assert res.metrics["num_steps"] == 4 - int(4 - 4 * strength)
+    assert res.metrics.num_steps == 4 - int(4 - 4 * strength)
 
     img2img = diffusers.ZImageImg2ImgPipeline(**ref.components)
     img2img.set_progress_bar_config(disable=True)
@@ -272,10 +272,10 @@ def test_step_caching(pair: tuple[diffusers.ZImagePipeline, ZImagePipeline],
 
     plain = generate(None)["a"]
     zero = generate(0.0)["a"]
-    assert zero.metrics["num_steps_skipped"] == 0
+    assert zero.metrics.num_steps_skipped == 0
     assert torch.equal(zero.images, plain.images)
     cached = generate(1.2, with_neighbour=True)   # the tiny model moves ~0.5-1.1 per step
-    skipped = cached["a"].metrics["num_steps_skipped"]
+    skipped = cached["a"].metrics.num_steps_skipped
     assert 0 < skipped < 10, skipped
     diff = (cached["a"].images.float() - plain.images.float()).abs().mean()
     assert diff < 5, f"mean pixel change {diff}"           # ~0.2 / 255 with 5 of 12 skipped

@@ -48,7 +48,7 @@ def test_images_out_equal_the_engine_alone(random_digits: Path, backend: str) ->
         assert good.error is None and good.finished
         assert torch.equal(good.tensors["images"], ref.images)
         assert [im.size for im in good.images] == [(16, 32), (16, 32)]
-        assert good.stage_metrics["dit"]["num_steps"] == 5
+        assert good.stage_metrics["dit"].num_steps == 5
         assert bad.finish_reason == "error"
         assert "stage 'dit'" in bad.error and "names no digit" in bad.error
         with pytest.raises(ValueError, match="num_inference_steps"):
@@ -90,12 +90,12 @@ def test_image_to_image_and_bad_images(random_digits: Path) -> None:
         (out,) = omni.generate("one", DiffusionParams(num_inference_steps=10, seed=2,
                                                       image=start, strength=0.5))
         assert out.error is None and out.images[0].size == (64, 64)
-        assert out.stage_metrics["dit"]["num_steps"] == 5
+        assert out.stage_metrics["dit"].num_steps == 5
         buf = io.BytesIO()
         start.save(buf, format="JPEG")
         (same,) = omni.generate("one", DiffusionParams(num_inference_steps=10, seed=2,
                                                        image=buf.getvalue(), strength=1.0))
-        assert same.stage_metrics["dit"]["num_steps"] == 10
+        assert same.stage_metrics["dit"].num_steps == 10
 
         for bad in (b"\x89PNG\r\n\x1a\n truncated", b"GIF89a", b"hello"):
             with pytest.raises(ValueError, match="image: cannot be decoded"):

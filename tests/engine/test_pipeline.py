@@ -64,10 +64,10 @@ def test_outputs_equal_across_backends_connectors_and_edges(results: dict, combo
         assert out.tensors["vectors"].shape == (MAX_TOKENS, 8)
         assert set(out.stage_metrics) == {"first", "second", "vectors"}
         for sm in out.stage_metrics.values():
-            assert sm["queue_time"] >= 0 and sm["time_in_stage"] > 0
-            assert 0 < sm["time_to_first_output"] <= sm["time_in_stage"]
-        assert out.stage_metrics["second"]["connector_bytes_in"] > 0
-        assert out.stage_metrics["vectors"]["connector_bytes_out"] > 0
+            assert sm.queue_time >= 0 and sm.time_in_stage > 0
+            assert 0 < sm.time_to_first_output <= sm.time_in_stage
+        assert out.stage_metrics["second"].connector_bytes_in > 0
+        assert out.stage_metrics["vectors"].connector_bytes_out > 0
         assert out.metrics.queue_time is not None and out.metrics.time_to_first_token > 0
     for name, st in stats.items():  # every stage released every request
         assert st.num_requests == 0 and st.num_engine_requests == 0, name
@@ -109,12 +109,12 @@ def test_chunked_final_output_starts_before_entry_stage_finishes(results: dict, 
     outs, _ = run(tiny_qwen3, backend, connector, True, max_tokens=96)
     for out in outs:
         sm = out.stage_metrics
-        assert sm["vectors"]["first_output_time"] < sm["first"]["finished_time"]
-        assert sm["second"]["first_output_time"] < sm["first"]["finished_time"]
+        assert sm["vectors"].first_output_time < sm["first"].finished_time
+        assert sm["second"].first_output_time < sm["first"].finished_time
     whole, _ = results[(backend, connector, False)]
     for out in whole:  # whole edges: downstream only starts after upstream finished
         sm = out.stage_metrics
-        assert sm["vectors"]["first_output_time"] >= sm["first"]["finished_time"]
+        assert sm["vectors"].first_output_time >= sm["first"].finished_time
 
 
 def test_text_only_request_never_enters_downstream(tiny_qwen3: Path) -> None:

@@ -111,8 +111,8 @@ def test_engine_waits_for_conditioning_and_draws_the_same_image(folder: Path) ->
         engine.set_conditioning("a", cond)
     got = run_to_end(engine)["a"]
     assert torch.equal(got.images, expected.images)
-    assert got.metrics["conditioning_wait_time"] >= 0
-    assert got.metrics["num_steps"] == params.num_inference_steps
+    assert got.metrics.conditioning_wait_time >= 0
+    assert got.metrics.num_steps == params.num_inference_steps
 
 
 def test_engine_refuses_bad_conditioning_and_aborts_parked(folder: Path) -> None:
@@ -152,7 +152,7 @@ def test_text_encoding_engine_batches_requests(folder: Path) -> None:
     assert [r.request_id for r in first] == ["r0", "r1"]
     assert [r.request_id for r in second] == ["r2"]
     assert engine.num_batches_run == 2 and not engine.has_unfinished_requests
-    assert first[0].metrics["num_batched_requests"] == 2
+    assert first[0].metrics.num_batched_requests == 2
     for r, (prompt, params) in zip(first + second, REQUESTS):
         assert r.error is None
         (alone,) = encoder.encode([prompt], [params])
@@ -209,9 +209,9 @@ def test_split_graph_draws_what_the_single_stage_graph_draws(
             assert out.tensors["images"].shape == (params.num_images, SIZE, SIZE, 3)
             assert (out.tensors["images"].int() - expected.int()).abs().max() <= 1
             dit, text = out.stage_metrics["dit"], out.stage_metrics["text_encoder"]
-            assert dit["num_steps"] == params.num_inference_steps
-            assert dit["conditioning_wait_time"] >= 0 and text["encode_time"] >= 0
-            assert text["connector_bytes_out"] > 0 and dit["connector_bytes_in"] > 0
+            assert dit.num_steps == params.num_inference_steps
+            assert dit.conditioning_wait_time >= 0 and text.encode_time >= 0
+            assert text.connector_bytes_out > 0 and dit.connector_bytes_in > 0
 
         sink: queue.Queue[RequestEvent] = queue.Queue()
         for i in range(3):

@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from omnistage.outputs import OmniOutput
+    from omnistage.outputs import OmniOutput, StageMetrics
     from omnistage.stages.messages import StageStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -163,10 +163,10 @@ class ServerMetrics:
             step = step_time(sm)
             if step is not None:
                 self.stage_step.labels(stage).observe(step)
-            if sm.get("time_in_stage") is not None:
-                self.stage_time.labels(stage).observe(float(sm["time_in_stage"]))
-            if sm.get("num_steps"):
-                self.diffusion_steps.labels(name, stage).inc(int(sm["num_steps"]))
+            if sm.time_in_stage is not None:
+                self.stage_time.labels(stage).observe(sm.time_in_stage)
+            if sm.num_steps:
+                self.diffusion_steps.labels(name, stage).inc(sm.num_steps)
         self._observe_media(out)
 
     def _observe_media(self, out: OmniOutput) -> None:
@@ -250,11 +250,11 @@ def time_per_output_token(out: OmniOutput) -> float | None:
     return (m.finished_time - m.first_token_time) / (m.num_output_tokens - 1)
 
 
-def step_time(sm: dict) -> float | None:
+def step_time(sm: StageMetrics) -> float | None:
     """Seconds per engine step of one request in one stage, from the stage's metrics."""
-    if sm.get("denoise_time") is not None and sm.get("num_steps"):
-        return float(sm["denoise_time"]) / int(sm["num_steps"])
-    first, done, n = sm.get("first_output_time"), sm.get("finished_time"), sm.get("num_outputs")
-    if first is None or done is None or not n or n < 2:
+    if sm.denoise_time is not None and sm.num_steps:
+        return sm.denoise_time / sm.num_steps
+    first, done, n = sm.first_output_time, sm.finished_time, sm.num_outputs
+    if first is None or done is None or n < 2:
         return None
-    return (float(done) - float(first)) / (int(n) - 1)
+    return (done - first) / (n - 1)

@@ -22,7 +22,7 @@ from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
 from omnistage.entrypoints.openai.log_lines import StageStatsLog, log_stage_stats
 from omnistage.entrypoints.openai.metrics import ServerMetrics
 from omnistage.errors import StageError
-from omnistage.outputs import CompletionOutput, OmniOutput, RequestMetrics
+from omnistage.outputs import CompletionOutput, OmniOutput, RequestMetrics, StageMetrics
 
 if TYPE_CHECKING:
     from tests.entrypoints.openai.conftest import Server
@@ -170,7 +170,7 @@ def test_audio_seconds_rtf_and_engine_errors_per_stage() -> None:
                             finish_reason="stop", tensors={"audio": torch.zeros(48000)})
     speech = OmniOutput("r1", "hi", [1, 2], [done], finished=True,
                         metrics=RequestMetrics(t0, t0 + 0.1, t0 + 0.2, t0 + 0.5, 2, 3),
-                        stage_metrics={"thinker": {}, "talker": {}, "code2wav": {}},
+                        stage_metrics={s: StageMetrics() for s in ("thinker", "talker", "code2wav")},
                         sample_rate=24000)
     metrics.observe_finished(speech)
     ended = RequestMetrics(t0, finished_time=t0 + 0.05)
