@@ -24,8 +24,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+from PIL import Image
 from torch import Tensor
 
+from omnistage.diffusion.image_input import input_image
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import DiffusionPipeline, is_split_pipeline
 from omnistage.diffusion.request import DiffusionRequest
@@ -53,9 +55,10 @@ class DiffusionEngine:
         self.parked: dict[str, DiffusionRequest] = {}       # waiting for their conditioning
         self.num_steps_run = 0          # transformer forwards, all requests
 
-    def validate(self, prompt: str | None, params: DiffusionParams) -> None:
+    def validate(self, prompt: str | None, params: DiffusionParams,
+                 image: Image.Image | None = None) -> None:
         params.validate()
-        self.pipeline.validate(prompt, params)
+        self.pipeline.validate(prompt, params, image)
 
     def add_request(self, request_id: str, prompt: str | None, params: DiffusionParams,
                     arrival_time: float | None = None) -> None:
@@ -66,13 +69,14 @@ class DiffusionEngine:
         if prompt is None and not is_split_pipeline(type(self.pipeline)):
             raise ValueError(f"{type(self.pipeline).__name__} encodes its own prompts: it "
                              "cannot take conditioning from an upstream stage")
-        self.validate(prompt, params)
+        image = input_image(params, None)    # decoded once, here: validate and prepare take it
+        self.validate(prompt, params, image)
         seed = params.seed if params.seed is not None else int(torch.seed() % 2**63)
         generator = torch.Generator(device="cpu").manual_seed(seed)
         if prompt is None:
-            latents, sigmas, cond = self.pipeline.prepare_latents(params, generator)
+            latents, sigmas, cond = self.pipeline.prepare_latents(params, generator, image)
         else:
-            latents, sigmas, cond = self.pipeline.prepare(prompt, params, generator)
+            latents, sigmas, cond = self.pipeline.prepare(prompt, params, generator, image)
         req = DiffusionRequest(request_id, prompt, params, latents, sigmas, cond, generator)
         if arrival_time is not None:
             req.arrival_time = arrival_time

@@ -3,8 +3,9 @@ VAE encodes, as diffusers' `VaeImageProcessor.preprocess` makes it (PIL Lanczos 
 target size, [0, 255] -> [-1, 1]).
 
 A request's image arrives as encoded bytes (PNG, JPEG, WebP, ...) so that it crosses process
-boundaries small and is decoded where it is used; `decode_image` is also what the front door
-calls to reject an undecodable file before anything is scheduled.
+boundaries small. It is decoded once, by the diffusion engine when the request is added, and
+the pipeline's `validate` / `prepare` take that image (`image=`); the front door and a
+pipeline's size rule read only the file's header (`peek_image`).
 """
 
 from __future__ import annotations
@@ -18,33 +19,52 @@ from PIL import Image
 from torch import Tensor
 
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.errors import InputError
 from omnistage.diffusion.solvers.flow_match_euler import scale_noise, timesteps_for_strength
 
 MAX_INPUT_PIXELS = 4096 * 4096       # decompression-bomb guard for input images
 
 
 def decode_image(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> Image.Image:
-    """Encoded image bytes -> an RGB PIL image; ValueError naming `image` if it cannot be
+    """Encoded image bytes -> an RGB PIL image; InputError naming `image` if it cannot be
     decoded or is larger than `max_pixels`."""
-    if not data:
-        raise ValueError("image: empty")
+    image = peek_image(data, max_pixels)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            width, height = image.size
-            if width * height > max_pixels:
-                raise ValueError(f"image: {width}x{height} is larger than the maximum of "
-                                 f"{max_pixels} pixels")
             image.load()
-    except ValueError:
-        raise
-    except Exception as exc:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ...
-        raise ValueError(f"image: cannot be decoded as an image file ({type(exc).__name__}: "
-                         f"{exc})") from None
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ... on truncated data
+        raise InputError(f"image: cannot be decoded as an image file ({type(exc).__name__}: "
+                         f"{exc})", "image") from None
     if image.mode != "RGB":
         image = image.convert("RGB")
     return image
+
+
+def peek_image(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> Image.Image:
+    """The image file opened from its header alone (format and size; the pixels are not
+    decoded): InputError naming `image` for no bytes, an unknown format, or more than
+    `max_pixels`."""
+    if not data:
+        raise InputError("image: empty", "image")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Exception as exc:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ...
+        raise InputError(f"image: cannot be decoded as an image file ({type(exc).__name__}: "
+                         f"{exc})", "image") from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise InputError(f"image: {width}x{height} is larger than the maximum of "
+                         f"{max_pixels} pixels", "image")
+    return image
+
+
+def input_image(params: DiffusionParams, image: Image.Image | None) -> Image.Image | None:
+    """A request's input image: the one decoded already (`image`, the engine's), else its
+    params' bytes decoded here (a pipeline called directly), else None (text-to-image)."""
+    if image is not None or params.image is None:
+        return image
+    return decode_image(params.image)
 
 
 def default_size(image: Image.Image, multiple: int) -> tuple[int, int]:
@@ -66,37 +86,31 @@ def preprocess(image: Image.Image, height: int, width: int) -> Tensor:
     return torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0) * 2.0 - 1.0
 
 
-def output_size(height: int | None, width: int | None, image: bytes | None, multiple: int,
-                default: int) -> tuple[int, int]:
-    """A request's output (height, width): as asked; else, with an input image, the image's
-    size rounded down to `multiple`; else the pipeline's `default`."""
+def output_size(height: int | None, width: int | None, image: Image.Image | bytes | None,
+                multiple: int, default: int) -> tuple[int, int]:
+    """A request's output (height, width): as asked; else, with an input image (decoded, or
+    its file's header read), the image's size rounded down to `multiple`; else the
+    pipeline's `default`."""
     if image is not None and (height is None or width is None):
-        image_h, image_w = default_size(_peek(image), multiple)
+        opened = peek_image(image) if isinstance(image, bytes) else image
+        image_h, image_w = default_size(opened, multiple)
         return height or image_h, width or image_w
     return height or default, width or default
 
 
-def image_to_image(params: DiffusionParams, sigmas: Tensor, height: int, width: int
-                   ) -> tuple[Tensor, Tensor] | None:
+def image_to_image(params: DiffusionParams, sigmas: Tensor, height: int, width: int,
+                   image: Image.Image | None = None) -> tuple[Tensor, Tensor] | None:
     """What image-to-image shares across pipelines, before each encodes with its own VAE: the
-    schedule shortened by the request's strength, and its image as the tensor a VAE encodes
-    (1, 3, height, width). None for text-to-image."""
-    if params.image is None:
+    schedule shortened by the request's strength, and its image (`input_image`) as the tensor
+    a VAE encodes (1, 3, height, width). None for text-to-image."""
+    image = input_image(params, image)
+    if image is None:
         return None
     start = timesteps_for_strength(params.num_inference_steps, params.image_strength)
-    return sigmas[start:], preprocess(decode_image(params.image), height, width)
+    return sigmas[start:], preprocess(image, height, width)
 
 
 def noised_image(image_latents: Tensor, sigma: Tensor, noise: Tensor) -> Tensor:
     """The encoded image (1, C, h, w) noised to `sigma`, once per row of `noise` (n, C, h, w):
     image-to-image's starting latents."""
     return scale_noise(image_latents.expand(noise.shape[0], -1, -1, -1), sigma, noise)
-
-
-def _peek(data: bytes) -> Image.Image:
-    """Open without decoding the pixels (the header gives the size)."""
-    try:
-        return Image.open(io.BytesIO(data))
-    except Exception as exc:
-        raise ValueError(f"image: cannot be decoded as an image file ({type(exc).__name__}: "
-                         f"{exc})") from None

@@ -25,9 +25,10 @@ from typing import Callable, Protocol, TypeGuard
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 
-from omnistage.diffusion.image_input import decode_image, output_size
+from omnistage.diffusion.image_input import output_size
 from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.diffusion.request import DiffusionRequest
@@ -36,11 +37,15 @@ from omnistage.diffusion.request import DiffusionRequest
 class DiffusionPipeline(Protocol):
     device: torch.device
 
-    def validate(self, prompt: str | None, params: DiffusionParams) -> None:
-        """ValueError naming the field. prompt None: the conditioning comes from upstream."""
+    def validate(self, prompt: str | None, params: DiffusionParams,
+                 image: Image.Image | None = None) -> None:
+        """ValueError naming the field. prompt None: the conditioning comes from upstream.
+        image: the request's input image, decoded by the engine (None: `params.image`'s
+        header is read, if any)."""
 
-    def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
-                ) -> tuple[Tensor, Tensor, dict[str, Tensor]]: ...
+    def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator,
+                image: Image.Image | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """image: as in `validate` (None: `params.image` is decoded here, if any)."""
 
     def velocity(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
                  ) -> Tensor:
@@ -72,7 +77,8 @@ class SplitPipeline(DiffusionPipeline, Protocol):
     def load_prompt_encoder(cls, path: str, device: torch.device, dtype: torch.dtype | None
                             ) -> PromptEncoder: ...
 
-    def prepare_latents(self, params: DiffusionParams, generator: torch.Generator
+    def prepare_latents(self, params: DiffusionParams, generator: torch.Generator,
+                        image: Image.Image | None = None
                         ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """Initial latents, sigmas and the conditioning that is not text (e.g. the grid)."""
 
@@ -188,34 +194,37 @@ class LatentPipelineBase:
         """The text encoders alone, for a text-encoder stage."""
         return cls.prompt_encoder_cls.from_pretrained(_pipeline_folder(path), device, dtype)
 
-    def _size(self, params: DiffusionParams) -> tuple[int, int]:
-        """As asked; else the input image's size (rounded down); else the default."""
-        return output_size(params.height, params.width, params.image, self.multiple,
+    def _size(self, params: DiffusionParams, image: Image.Image | None = None
+              ) -> tuple[int, int]:
+        """As asked; else the input image's size (rounded down; the decoded image's, or its
+        file's header's); else the default."""
+        return output_size(params.height, params.width,
+                           image if image is not None else params.image, self.multiple,
                            self.default_size)
 
-    def validate(self, prompt: str | None, params: DiffusionParams) -> None:
+    def validate(self, prompt: str | None, params: DiffusionParams,
+                 image: Image.Image | None = None) -> None:
         """prompt None: encoded by an upstream stage (which checked it)."""
         self.check_text_params(prompt, params)
-        check_size(*self._size(params), self.multiple, self.max_size, self.size_rule)
-        if params.image is not None:
-            decode_image(params.image)
+        check_size(*self._size(params, image), self.multiple, self.max_size, self.size_rule)
 
-    def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
-                ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator,
+                image: Image.Image | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """Encode the prompt(s), then the latents: a single-stage graph's request."""
         if self.prompt_encoder is None:
             raise ValueError(f"this {self.label} stage loads no text encoder: its conditioning "
                              "comes from an upstream text-encoder stage")
         (encoded,) = self.prompt_encoder.encode([prompt], [params])
-        latents, sigmas, cond = self.prepare_latents(params, generator)    # type: ignore
+        latents, sigmas, cond = self.prepare_latents(params, generator, image)  # type: ignore
         return latents, sigmas, {**self.check_conditioning(encoded, params),  # type: ignore
                                  **cond}
 
-    def latent_schedule(self, params: DiffusionParams, float32_linspace: bool = False
+    def latent_schedule(self, params: DiffusionParams, float32_linspace: bool = False,
+                        image: Image.Image | None = None
                         ) -> tuple[int, int, int, int, Tensor]:
         """A request's pixel size (height, width), its latent grid (h, w: two latent rows and
         columns per `multiple` pixels) and the schedule shifted by its token count."""
-        height, width = self._size(params)
+        height, width = self._size(params, image)
         h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)  # type: ignore
         sigmas = self.shifted_sigmas(h, w, params.num_inference_steps, float32_linspace)
         return height, width, h, w, sigmas

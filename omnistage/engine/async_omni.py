@@ -27,7 +27,7 @@ from typing import AsyncIterator, Callable
 
 from omnistage.configs.defaults import resolve_graph
 from omnistage.configs.schema import GraphConfig, OutputKind
-from omnistage.diffusion.image_input import decode_image
+from omnistage.diffusion.image_input import peek_image
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.engine.chat import is_chat, render_chat
 from omnistage.engine.engine_args import apply_keywords
@@ -95,8 +95,8 @@ class AsyncOmni:
                                      f"{str(known).replace(',', ', ')})", param="speaker")
             elif isinstance(p, DiffusionParams):
                 p.validate()
-                if p.image is not None:
-                    decode_image(p.image)     # an undecodable image is refused here
+                if p.image is not None:   # not an image file: refused here (its header is
+                    peek_image(p.image)   # read; the diffusion engine decodes it, once)
         self._num_completions(params)
         return parsed, params
 

@@ -3,6 +3,7 @@ with random weights (the shipped weights are checked for quality in test_digits_
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -152,3 +153,32 @@ def test_step_caching(shipped: DigitsPipeline) -> None:
     # a request without caching in the same batches is untouched
     assert torch.equal(cached["plain"].images, base["plain"].images)
     assert cached["plain"].metrics.num_steps_skipped == 0
+
+
+def test_an_input_image_is_decoded_once(pipeline: DigitsPipeline,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine decodes an image-to-image request's file once and hands the image to the
+    pipeline's validate and prepare; the result equals the pipeline decoding it itself."""
+    import io
+
+    from PIL import Image
+
+    from omnistage.diffusion import image_input
+
+    buf = io.BytesIO()
+    Image.fromarray((np.arange(64 * 64 * 3) % 251).astype(np.uint8).reshape(64, 64, 3)).save(
+        buf, format="PNG")
+    params = DiffusionParams(num_inference_steps=6, seed=3, image=buf.getvalue(), strength=0.5)
+    calls = []
+    decode = image_input.decode_image
+    monkeypatch.setattr(image_input, "decode_image", lambda *a: calls.append(1) or decode(*a))
+    engine = DiffusionEngine(pipeline)
+    engine.add_request("a", "a 3", params)
+    assert len(calls) == 1
+    prepared = engine.requests["a"]
+    latents, sigmas, _ = pipeline.prepare("a 3", params,
+                                          torch.Generator().manual_seed(3))  # decodes itself
+    assert len(calls) == 2
+    assert torch.equal(prepared.latents, latents) and torch.equal(prepared.sigmas, sigmas)
+    assert sigmas.numel() == 4                  # strength 0.5 of 6 steps: image-to-image ran
+    run(engine)

@@ -15,7 +15,7 @@ from PIL import Image
 from torch import Tensor
 
 from omnistage.layers.step_cache import cache_groups
-from omnistage.diffusion.image_input import decode_image
+from omnistage.diffusion.image_input import input_image, peek_image
 from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers.flow_match_euler import scale_noise, timesteps_for_strength
@@ -40,25 +40,27 @@ class DigitsPipeline:
     def _size(self, params: DiffusionParams) -> tuple[int, int]:
         return params.height or DEFAULT_SIZE, params.width or DEFAULT_SIZE
 
-    def validate(self, prompt: str, params: DiffusionParams) -> None:
+    def validate(self, prompt: str, params: DiffusionParams,
+                 image: Image.Image | None = None) -> None:
         parse_digit(prompt)
         if params.negative_prompt is not None or params.true_cfg_scale != 1.0:
             raise ValueError("negative_prompt / true_cfg_scale: the demo model guides against "
                              "its null class only")
         check_size(*self._size(params), self.image_size, MAX_SIZE,
                    "the demo draws 8x8 digits, shown upscaled")
-        if params.image is not None:
-            decode_image(params.image)
+        if image is None and params.image is not None:
+            peek_image(params.image)
 
-    def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator
-                ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator,
+                image: Image.Image | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         n, s = params.num_images, self.image_size
+        image = input_image(params, image)
         latents = torch.randn(n, 1, s, s, generator=generator)             # (n, 1, 8, 8)
         sigmas = torch.linspace(1.0, 0.0, params.num_inference_steps + 1)   # as in training
-        if params.image is not None:   # image-to-image: the 8x8 grey image is the latent
+        if image is not None:   # image-to-image: the 8x8 grey image is the latent
             start = timesteps_for_strength(params.num_inference_steps, params.image_strength)
             sigmas = sigmas[start:]
-            grey = decode_image(params.image).convert("L").resize((s, s), Image.Resampling.BOX)
+            grey = image.convert("L").resize((s, s), Image.Resampling.BOX)
             x0 = torch.from_numpy(np.asarray(grey, dtype=np.float32) / 127.5 - 1.0)
             latents = scale_noise(x0.expand(n, 1, s, s), sigmas[0], latents)
         return latents, sigmas, {"labels": torch.full((n,), parse_digit(prompt))}

@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch import Tensor
 from transformers import AutoTokenizer
 
@@ -115,17 +116,18 @@ class FluxPipeline(LatentPipelineBase):
                                             "pooled": (2, cfg.pooled_projection_dim)},
                                   self.device, self.dtype)
 
-    def prepare_latents(self, params: DiffusionParams, generator: torch.Generator
+    def prepare_latents(self, params: DiffusionParams, generator: torch.Generator,
+                        image: Image.Image | None = None
                         ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """-> packed latents (n, N, 4C), sigmas, {"grid": packed token grid (2,)}."""
         n = params.num_images
         # timesteps: FLUX's custom sigmas, shifted by the number of image tokens
-        height, width, h, w, sigmas = self.latent_schedule(params)
+        height, width, h, w, sigmas = self.latent_schedule(params, image=image)
 
         # prepare_latents: noise in latent space (image-to-image: the encoded image noised to
         # the first sigma of the strength-shortened schedule), then 2x2 patches packed
         image_latents = None
-        img2img = image_to_image(params, sigmas, height, width)
+        img2img = image_to_image(params, sigmas, height, width, image)
         if img2img is not None:             # FluxImg2ImgPipeline: encode draws first, then noise
             sigmas, image = img2img
             image_latents = self.vae.normalize(self.vae.sample_latents(

@@ -30,6 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch import Tensor
 from transformers import AutoTokenizer
 
@@ -139,18 +140,19 @@ class QwenImagePipeline(LatentPipelineBase):
             expected["negative_prompt_embeds"] = joint
         return check_conditioning(tensors, expected, self.device, self.dtype)
 
-    def prepare_latents(self, params: DiffusionParams, generator: torch.Generator
+    def prepare_latents(self, params: DiffusionParams, generator: torch.Generator,
+                        image: Image.Image | None = None
                         ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """-> packed latents (n, N, 4C), sigmas, {"grid": packed token grid (2,)}."""
         n = params.num_images
         # timesteps: linspace(1, 1/N, N), shifted by the number of image tokens
-        height, width, h, w, sigmas = self.latent_schedule(params)
+        height, width, h, w, sigmas = self.latent_schedule(params, image=image)
 
         # latents: noise in the model dtype (diffusers' (n, 1, C, h, w) draws the same
         # numbers); image-to-image draws the image's posterior sample first, then the noise,
         # and noises the image to the first sigma of the strength-shortened schedule
         image_latents = None
-        img2img = image_to_image(params, sigmas, height, width)
+        img2img = image_to_image(params, sigmas, height, width, image)
         if img2img is not None:
             sigmas, image = img2img                                          # (1, 3, H, W)
             image = image.unsqueeze(2).to(self.device, self.vae_dtype)       # (1, 3, 1, H, W)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch import Tensor
 from transformers import AutoTokenizer
 
@@ -123,18 +124,20 @@ class ZImagePipeline(LatentPipelineBase):
             expected["negative_prompt_embeds"] = caption
         return check_conditioning(tensors, expected, self.device, self.dtype)
 
-    def prepare_latents(self, params: DiffusionParams, generator: torch.Generator
+    def prepare_latents(self, params: DiffusionParams, generator: torch.Generator,
+                        image: Image.Image | None = None
                         ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """-> latents (n, C, h, w), sigmas, {} (no other conditioning)."""
         n = params.num_images
         # timesteps: linspace(1, 1/N, N) in torch float32, then the scheduler's shift
-        height, width, h, w, sigmas = self.latent_schedule(params, float32_linspace=True)
+        height, width, h, w, sigmas = self.latent_schedule(params, float32_linspace=True,
+                                                           image=image)
 
         # prepare_latents, kept (n, C, h, w): text-to-image draws float32 noise whatever the
         # model dtype; image-to-image (ZImageImg2ImgPipeline) encodes the image first, then
         # draws noise in the model dtype and noises the image to the shortened schedule's start
         shape = (n, self.num_channels_latents, h, w)
-        img2img = image_to_image(params, sigmas, height, width)
+        img2img = image_to_image(params, sigmas, height, width, image)
         if img2img is None:
             latents = torch.randn(shape, generator=generator, device=generator.device,
                                   dtype=torch.float32).to(self.device)
