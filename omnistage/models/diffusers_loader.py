@@ -19,7 +19,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from omnistage.models.loader import (_default_dtype, check_tensor_names, checkpoint_names,
-                                     load_packed_weights)
+                                     load_packed_weights, read_tensors, tensor_nbytes)
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
@@ -46,11 +46,11 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
-    """(name, CPU tensor) for every tensor of the folder, one at a time."""
-    for file in safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    """(name, CPU tensor) for every tensor of the folder, one at a time, the bytes read
+    reported as they come (loader.read_tensors)."""
+    sizes = {file: tensor_nbytes(file) for file in safetensors_files(path)}
+    yield from read_tensors({file: sorted(nbytes) for file, nbytes in sizes.items()}, sizes,
+                            f"Loading {Path(path).parent.name}/{Path(path).name}")
 
 
 def checkpoint_dtype(path: Path) -> torch.dtype:

@@ -79,7 +79,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
     else:
         raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
     sizes = {path / file: tensor_nbytes(path / file) for file in files}
-    yield from _read_tensors({file: sorted(nbytes) for file, nbytes in sizes.items()}, sizes,
+    yield from read_tensors({file: sorted(nbytes) for file, nbytes in sizes.items()}, sizes,
                              f"Loading {path.name}")
 
 
@@ -93,8 +93,8 @@ def tensor_nbytes(file: Path) -> dict[str, int]:
             for start, end in [meta["data_offsets"]]}
 
 
-def _read_tensors(files: dict[Path, list[str]], sizes: dict[Path, dict[str, int]], desc: str,
-                  prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+def read_tensors(files: dict[Path, list[str]], sizes: dict[Path, dict[str, int]], desc: str,
+                 prefix: str = "") -> Iterator[tuple[str, Tensor]]:
     """(name less `prefix`, CPU tensor) for the named tensors of each file, with the bytes read
     reported as they come (a bar on a terminal, log lines otherwise)."""
     total = sum(sizes[file][name] for file, names in files.items() for name in names)
@@ -266,7 +266,7 @@ def iter_component_tensors(path: Path | dict[Path, list[str]], prefix: str,
     files = path if isinstance(path, dict) else component_tensor_files(path, prefix, exclude)
     sizes = {file: tensor_nbytes(file) for file in files}
     where = next(iter(files)).parent.name if files else ""
-    yield from _read_tensors(files, sizes, f"Loading {where} {prefix.rstrip('.')}".rstrip(),
+    yield from read_tensors(files, sizes, f"Loading {where} {prefix.rstrip('.')}".rstrip(),
                              prefix)
 
 
