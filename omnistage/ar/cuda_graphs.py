@@ -188,8 +188,10 @@ class DecodeGraphs:
     @staticmethod
     def needs_embeds(batch: ScheduledBatch) -> bool:
         """Whether some decode input is not just its token's embedding."""
-        return any(seq.output_embeds or seq.stream_embeds is not None
-                   or seq.stream_pad is not None for seq in batch.seqs)
+        return any(seq.output_embeds or (seq.stream is not None
+                                         and (seq.stream.embeds is not None
+                                              or seq.stream.pad is not None))
+                   for seq in batch.seqs)
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         """Every sequence decodes one token past its prompt."""
@@ -237,7 +239,8 @@ class DecodeGraphs:
         ids = ([0] * num_seqs if ahead else
                [s.output_token_ids[p - s.num_prompt_tokens] for s, p in zip(seqs, computed)])
         slots = [s.block_table[p // page] * page + p % page for s, p in zip(seqs, computed)]
-        pos = ([p + s.rope_delta for s, p in zip(seqs, computed)] if self.mrope else computed)
+        pos = ([p + (s.mm.rope_delta if s.mm else 0) for s, p in zip(seqs, computed)]
+               if self.mrope else computed)
         pos = (pos + [0] * pad) * (3 if self.mrope else 1)
         host = int_tensor(ids + [0] * pad + slots + [-1] * pad + pos)
         self._ints.copy_(host, non_blocking=True)

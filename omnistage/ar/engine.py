@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from omnistage.ar.detokenizer import IncrementalDetokenizer
-from omnistage.ar.inputs import check_mrope_positions, check_request
+from omnistage.ar.inputs import MultimodalInput, StreamInput, check_request
 from omnistage.ar.kv_cache import BlockManager, KVCacheLayout
 from omnistage.ar.memory import determine_kv_layout
 from omnistage.ar.model_runner import ModelRunner, PendingStep, RunnerOutput, capture_key
@@ -112,17 +112,15 @@ class AREngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None,
                     params: SamplingParams, prompt_embeds: Tensor | None = None,
-                    arrival_time: float | None = None, prompt_open: bool = False,
-                    stream_open: bool = False, *, mrope_positions: Tensor | None = None,
-                    rope_delta: int = 0, deepstack: tuple[Tensor, Tensor] | None = None,
-                    stream_pad: Tensor | None = None) -> None:
+                    arrival_time: float | None = None, prompt_open: bool = False, *,
+                    stream: StreamInput | None = None, mm: MultimodalInput | None = None
+                    ) -> None:
         """Queue a request. With `prompt_open` its prompt may still grow (and may be empty now:
-        the request is parked until `extend_request` brings input); with `stream_open` its
-        decodes wait for upstream stream embeddings (see Sequence). Token ids given together
-        with `prompt_embeds` (same length) are kept as the prompt's real ids (for penalties
-        and for what downstream stages see). Models with multimodal rotary positions take the
-        prompt's (3, P) positions and the decode offset; deepstack = (positions (K,),
-        features (L, K, hidden)); stream_pad is added to decodes past a closed stream."""
+        the request is parked until `extend_request` brings input); with an open `stream` its
+        decodes wait for upstream rows (see Sequence). Token ids given together with
+        `prompt_embeds` (same length) are kept as the prompt's real ids (for penalties and for
+        what downstream stages see). `mm`: a multimodal prompt's rotary positions and
+        deepstack features (ar/inputs.py)."""
         if request_id in self.scheduler.requests or request_id in self._parked:
             raise ValueError(f"request id {request_id!r} is already running")
         empty = prompt_embeds is None and not prompt_token_ids
@@ -134,14 +132,12 @@ class AREngine:
                     and len(prompt_token_ids) == prompt_embeds.shape[0])
         if prompt_embeds is not None and not real_ids:
             prompt_token_ids = [0] * prompt_embeds.shape[0]  # placeholders (see Sequence)
-        if mrope_positions is not None:
-            check_mrope_positions(mrope_positions, len(prompt_token_ids or []))
+        if mm is not None and not prompt_open:
+            mm.check(len(prompt_token_ids or []))
         seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids or []),
                        sampling_params=params, prompt_embeds=prompt_embeds,
                        eos_token_ids=self.eos_token_ids, prompt_open=prompt_open,
-                       stream_open=stream_open, stream_pad=stream_pad, prompt_ids_real=real_ids,
-                       mrope_positions=mrope_positions, rope_delta=rope_delta,
-                       deepstack=deepstack)
+                       prompt_ids_real=real_ids, stream=stream, mm=mm)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         if empty:
@@ -152,19 +148,18 @@ class AREngine:
     def extend_request(self, request_id: str, prompt_token_ids: list[int] | None = None,
                        prompt_embeds: Tensor | None = None, close_prompt: bool = False,
                        stream_embeds: Tensor | None = None, close_stream: bool = False,
-                       stream_pad: Tensor | None = None, mrope_positions: Tensor | None = None,
-                       rope_delta: int | None = None) -> None:
-        """Feed streamed input to a request added with prompt_open / stream_open (stream_pad:
-        added to decodes past the stream's end once it is closed)."""
+                       stream_pad: Tensor | None = None, mm: MultimodalInput | None = None
+                       ) -> None:
+        """Feed streamed input to a request added with prompt_open / an open stream (stream_pad:
+        added to decodes past the stream's end once it is closed; mm: the whole prompt's
+        multimodal input, given with its last part)."""
         seq = self._parked.get(request_id) or self.scheduler.requests.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id!r} is not running")
-        if stream_pad is not None:
-            seq.stream_pad = stream_pad
-        if mrope_positions is not None:   # the whole prompt's, given with its last part
-            seq.mrope_positions = mrope_positions
-        if rope_delta is not None:
-            seq.rope_delta = rope_delta
+        if stream_pad is not None and seq.stream is not None:
+            seq.stream.pad = stream_pad
+        if mm is not None:
+            seq.mm = mm
         hidden = self.model_config.hidden_size
         if prompt_token_ids or prompt_embeds is not None:
             if not seq.prompt_open:
@@ -186,22 +181,19 @@ class AREngine:
             if seq.num_prompt_tokens >= self.max_model_len:
                 raise ValueError(f"prompt has {seq.num_prompt_tokens} tokens, but the model's "
                                  f"maximum length is {self.max_model_len}")
-        if seq.mrope_positions is not None and \
-                seq.mrope_positions.shape[-1] != seq.num_prompt_tokens:
-            raise ValueError(f"mrope_positions cover {seq.mrope_positions.shape[-1]} positions, "
-                             f"the prompt has {seq.num_prompt_tokens}")
+        if seq.mm is not None and not (seq.prompt_open and not close_prompt):
+            seq.mm.check(seq.num_prompt_tokens)
         if stream_embeds is not None:
-            if stream_embeds.dim() != 2 or stream_embeds.shape[1] != hidden:
-                raise ValueError(f"stream_embeds has shape {tuple(stream_embeds.shape)}, "
-                                 f"expected (num_tokens, {hidden})")
-            if not seq.stream_open:
-                raise ValueError(f"request {request_id!r}: its input stream is already closed")
-            seq.stream_embeds = (stream_embeds if seq.stream_embeds is None
-                                 else torch.cat([seq.stream_embeds, stream_embeds]))
+            if seq.stream is None:
+                raise ValueError(f"request {request_id!r}: it takes no input stream")
+            try:
+                seq.stream.extend(stream_embeds, hidden)
+            except ValueError as exc:
+                raise ValueError(f"request {request_id!r}: {exc}") from None
         if close_prompt:
             seq.prompt_open = False
-        if close_stream:
-            seq.stream_open = False
+        if close_stream and seq.stream is not None:
+            seq.stream.open = False
         if request_id in self._parked and seq.num_prompt_tokens > 0:
             del self._parked[request_id]
             self.scheduler.add(seq)
@@ -283,8 +275,7 @@ class AREngine:
             return False
         for seq in seqs:
             if (seq.num_computed_tokens < seq.num_prompt_tokens or seq.prompt_open
-                    or seq.stream_open or seq.stream_embeds is not None
-                    or seq.stream_pad is not None or seq.output_embeds
+                    or seq.stream is not None or seq.output_embeds
                     or seq.sampling_params.output_hidden_layers):
                 return False
         batch = ScheduledBatch(seqs, [1] * len(seqs))

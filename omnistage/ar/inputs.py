@@ -1,10 +1,17 @@
 """What the AR engine checks of a request before it queues it: ids inside the vocabulary, a
 length that leaves room for a new token, hidden layers the model has, stop strings only with a
 tokenizer, and the shapes of its embeddings and multimodal positions. Each check raises
-ValueError naming the problem; nothing is scheduled for a bad request."""
+ValueError naming the problem; nothing is scheduled for a bad request.
+
+The inputs a request may carry besides its prompt own their checks: `StreamInput` (embeddings
+streamed from upstream into its decodes) and `MultimodalInput` (rotary positions, deepstack);
+a `Sequence` holds them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 from torch import Tensor
 
 from omnistage.models.config import ModelConfig
@@ -47,3 +54,45 @@ def check_mrope_positions(positions: Tensor, num_tokens: int) -> None:
     if positions.dim() != 2 or positions.shape[0] != 3 or positions.shape[1] != num_tokens:
         raise ValueError(f"mrope_positions has shape {tuple(positions.shape)}, "
                          f"expected (3, {num_tokens})")
+
+
+@dataclass(slots=True)
+class StreamInput:
+    """Embeddings an upstream stage streams into a request's decodes (a talker's trailing
+    text): row t is added to the input embedding of position P + t, the t-th output token fed
+    back. While the stream is open a decode waits for its row; once closed, decodes past the
+    last row get `pad` added (if set)."""
+
+    embeds: Tensor | None = None     # (rows, hidden)
+    open: bool = True
+    pad: Tensor | None = None        # (hidden,)
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self.embeds is None else self.embeds.shape[0]
+
+    def extend(self, rows: Tensor, hidden: int) -> None:
+        """Append (n, hidden) rows; ValueError if their shape is wrong or the stream closed."""
+        if rows.dim() != 2 or rows.shape[1] != hidden:
+            raise ValueError(f"stream_embeds has shape {tuple(rows.shape)}, "
+                             f"expected (num_tokens, {hidden})")
+        if not self.open:
+            raise ValueError("its input stream is already closed")
+        self.embeds = rows if self.embeds is None else torch.cat([self.embeds, rows])
+
+
+@dataclass(slots=True)
+class MultimodalInput:
+    """What a multimodal prompt brings besides its embeddings (Qwen3-Omni): its rotary
+    positions (3, P) and the offset `rope_delta` of every decode position after it, and the
+    deepstack features (positions (K,), features (L, K, hidden)) added inside the first
+    layers."""
+
+    positions: Tensor | None = None
+    rope_delta: int = 0
+    deepstack: tuple[Tensor, Tensor] | None = None
+
+    def check(self, num_prompt_tokens: int) -> None:
+        """ValueError unless the positions cover the prompt (checked once it is complete)."""
+        if self.positions is not None:
+            check_mrope_positions(self.positions, num_prompt_tokens)

@@ -284,19 +284,20 @@ def _embed_rows(seq: Sequence, start: int, n: int, row0: int,
         if t1 > t0:
             embed_rows.append((row0 + (t0 + num_prompt - start),
                                torch.stack(seq.output_embeds[t0:t1])))
-    if seq.stream_embeds is not None or seq.stream_pad is not None:
+    stream = seq.stream
+    if stream is not None:
         # decode inputs P + t get upstream's t-th stream embedding added (past a closed
         # stream's end: its pad embedding)
-        num_stream = 0 if seq.stream_embeds is None else seq.stream_embeds.shape[0]
+        num_stream = stream.num_rows
         t1 = min(start + n - num_prompt, num_stream)
         if t1 > t0:
-            stream_rows.append((row0 + (t0 + num_prompt - start), seq.stream_embeds[t0:t1]))
-        if seq.stream_pad is not None and not seq.stream_open:
+            stream_rows.append((row0 + (t0 + num_prompt - start), stream.embeds[t0:t1]))
+        if stream.pad is not None and not stream.open:
             p0 = max(t0, num_stream)
             p1 = start + n - num_prompt
             if p1 > p0:
                 stream_rows.append((row0 + (p0 + num_prompt - start),
-                                    seq.stream_pad.expand(p1 - p0, -1)))
+                                    stream.pad.expand(p1 - p0, -1)))
 
 
 def _token_ids(seq: Sequence, start: int, n: int) -> list[int]:
@@ -322,20 +323,21 @@ def _add_slots(slots: list[int], table: list[int], start: int, n: int, bs: int) 
 def _mrope_rows(seq: Sequence, start: int, n: int) -> Tensor:
     """(3, n) multimodal rotary positions: the prompt's own where it has them, else the text
     position shifted by the request's rope delta."""
-    rows3 = (torch.arange(start, start + n) + seq.rope_delta).expand(3, n).clone()
+    mm = seq.mm
+    rows3 = (torch.arange(start, start + n) + (mm.rope_delta if mm else 0)).expand(3, n).clone()
     num_prompt = seq.num_prompt_tokens
-    if seq.mrope_positions is not None and start < num_prompt:
+    if mm is not None and mm.positions is not None and start < num_prompt:
         stop = min(start + n, num_prompt)
-        rows3[:, :stop - start] = seq.mrope_positions[:, start:stop]
+        rows3[:, :stop - start] = mm.positions[:, start:stop]
     return rows3
 
 
 def _deepstack_rows(seq: Sequence, start: int, n: int) -> tuple[Tensor, Tensor] | None:
     """The deepstack features falling in positions start .. start+n-1: (their rows counted
     from start, (L, k, hidden)), or None."""
-    if seq.deepstack is None or start >= seq.num_prompt_tokens:
+    if seq.mm is None or seq.mm.deepstack is None or start >= seq.num_prompt_tokens:
         return None
-    at, feats = seq.deepstack                                     # (K,), (L, K, hidden)
+    at, feats = seq.mm.deepstack                                  # (K,), (L, K, hidden)
     keep = (at >= start) & (at < start + n)
     if not bool(keep.any()):
         return None

@@ -11,14 +11,13 @@ yields the logits for the next one.
 
 Streaming input (a chunked edge from an upstream stage) adds two things: the prompt may still
 grow (`prompt_open`: prefill what has arrived, sample nothing yet), and decode inputs may carry
-an extra embedding from upstream (`stream_embeds[t]` is added to the input embedding of position
-P + t, the t-th output token fed back). While the stream is open, a decode waits for its
-embedding; once closed, positions past its end get `stream_pad` added (if set).
+an extra embedding from upstream (`stream`, a `StreamInput`: row t is added to the input
+embedding of position P + t; while open, a decode waits for its row).
 
-Models with extra inputs (Qwen3-Omni) add: multimodal rotary positions of the prompt (3, P)
-with the decode offset `rope_delta`, deepstack features at prompt positions, and fed-back
-embeddings that replace an output token's own (`output_embeds`, from the model's feedback
-hook: a talker feeds back the sum of a frame's codebook embeddings).
+Models with extra inputs (Qwen3-Omni) add a `MultimodalInput` (`mm`: the prompt's rotary
+positions (3, P) with the decode offset, deepstack features), and fed-back embeddings that
+replace an output token's own (`output_embeds`, from the model's feedback hook: a talker feeds
+back the sum of a frame's codebook embeddings).
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from omnistage.ar.inputs import MultimodalInput, StreamInput
 from omnistage.outputs import RequestMetrics
 from omnistage.sampling_params import SamplingParams
 
@@ -73,14 +73,10 @@ class Sequence:
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
     prompt_open: bool = False                # more prompt may arrive: no sampling yet
-    stream_embeds: torch.Tensor | None = None  # (n, hidden) added to decode inputs P, P+1, ...
-    stream_open: bool = False                # more stream embeddings may arrive
-    stream_pad: torch.Tensor | None = None   # (hidden,) added past the stream once closed
     # prompt_token_ids are real ids even though prompt_embeds replaces their embeddings
     prompt_ids_real: bool = False
-    mrope_positions: torch.Tensor | None = None  # (3, P) rotary positions of the prompt
-    rope_delta: int = 0                          # decode position p runs at p + rope_delta
-    deepstack: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions (K,), (L, K, H))
+    stream: StreamInput | None = None        # upstream rows added to its decodes
+    mm: MultimodalInput | None = None        # rotary positions, deepstack
     output_embeds: list[torch.Tensor] = field(default_factory=list)  # (hidden,) per output
 
     @property
@@ -117,8 +113,7 @@ class Sequence:
     @property
     def has_embeds(self) -> bool:
         """Inputs that token ids do not describe: such sequences skip prefix caching."""
-        return (self.prompt_embeds is not None or self.stream_embeds is not None
-                or self.stream_open)
+        return self.prompt_embeds is not None or self.stream is not None
 
     @property
     def num_schedulable_tokens(self) -> int:
@@ -127,9 +122,8 @@ class Sequence:
         end = self.num_tokens
         if self.prompt_open:  # keep the last prompt token back: its logits give the first token
             end = self.num_prompt_tokens - 1
-        if self.stream_open:
-            num_stream = 0 if self.stream_embeds is None else self.stream_embeds.shape[0]
-            end = min(end, self.num_prompt_tokens + num_stream)
+        if self.stream is not None and self.stream.open:
+            end = min(end, self.num_prompt_tokens + self.stream.num_rows)
         return max(0, end - self.num_computed_tokens)
 
     @property

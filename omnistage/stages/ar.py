@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from omnistage.ar.engine import AREngine, ModelLoader
+from omnistage.ar.inputs import StreamInput
 from omnistage.configs.schema import StageConfig
 from omnistage.stages.adapters import StageFeed
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
@@ -53,7 +54,7 @@ class ARStage:
             params = replace(params, output_hidden_layers=self.stage.output_hidden_layers)
         self.engine.add_request(request.request_id, request.prompt_token_ids, params,
                                 request.prompt_embeds, prompt_open=request.streamed,
-                                stream_open=request.streamed)
+                                stream=StreamInput() if request.streamed else None)
 
     def feed(self, request_id: str, feed: StageFeed) -> None:
         self.engine.extend_request(request_id, feed.prompt_token_ids, feed.prompt_embeds,

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig
 
+from omnistage.ar.inputs import MultimodalInput, StreamInput
 from omnistage.configs.schema import StageConfig
 from omnistage.errors import InputError
 from omnistage.stages.adapters import StageFeed
@@ -102,17 +103,17 @@ class ThinkerStage(ARStage):
         if request.streamed:
             raise ValueError("the thinker is an entry stage")
         mm = request.multimodal
-        extra: dict = {}
+        mm_input = None
         if prompt_token_ids is not None and mm:
             ids = torch.tensor(prompt_token_ids, dtype=torch.long)
+            mm_input = MultimodalInput()
             if "positions" in mm:
-                extra["mrope_positions"] = mm["positions"].long()
-                extra["rope_delta"] = int(mm["rope_delta"])
+                mm_input.positions = mm["positions"].long()
+                mm_input.rope_delta = int(mm["rope_delta"])
             if any(k in mm for k in ("input_features", "pixel_values", "pixel_values_videos")):
-                prompt_embeds, deepstack = self._embed(ids, mm)
-                extra["deepstack"] = deepstack
+                prompt_embeds, mm_input.deepstack = self._embed(ids, mm)
         self.engine.add_request(request_id, prompt_token_ids, params, prompt_embeds,
-                                arrival_time=None, **extra)
+                                mm=mm_input)
         if downstream:
             grids = {k: v for k, v in mm.items()
                      if k in ("image_grid_thw", "video_grid_thw", "video_second_per_grid")}
@@ -278,7 +279,8 @@ class TalkerStage(ARStage):
         if speaker not in self.speakers:
             raise InputError(f"speaker {speaker!r} is unknown (this model has: "
                              f"{', '.join(sorted(self.speakers))})", param="speaker")
-        self.engine.add_request(request_id, None, params, prompt_open=True, stream_open=True)
+        self.engine.add_request(request_id, None, params, prompt_open=True,
+                                stream=StreamInput())
         self.inputs[request_id] = _TalkerInput(self.speakers[speaker])
 
     def abort(self, request_id: str) -> None:
@@ -361,8 +363,9 @@ class TalkerStage(ARStage):
             state.num_streamed = num_prompt + 1
             rows_in = None if state.rows_time is None else state.rows_time - state.added_time
             self._prompt_ready[request_id] = (time.monotonic() - state.added_time, rows_in)
-            self.engine.extend_request(request_id, prompt_embeds=embeds, close_prompt=True,
-                                       mrope_positions=positions, rope_delta=delta)
+            self.engine.extend_request(
+                request_id, prompt_embeds=embeds, close_prompt=True,
+                mm=None if positions is None else MultimodalInput(positions, delta or 0))
         if state.prefilled and state.num_rows > state.num_streamed:
             rows = torch.stack(state.embeds[state.num_streamed:state.num_rows])
             state.num_streamed = state.num_rows

@@ -21,6 +21,7 @@ from omnistage.testing.interpreter import (INTERPRETING, patch_interpreter,  # n
 from omnistage.ar import cuda_graphs  # noqa: E402
 from omnistage.layers import graph_capture  # noqa: E402
 from omnistage.ar.engine import AREngine  # noqa: E402
+from omnistage.ar.inputs import StreamInput  # noqa: E402
 from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig  # noqa: E402
 from omnistage.sampling_params import SamplingParams  # noqa: E402
 
@@ -170,8 +171,8 @@ def test_embedding_fed_decodes_use_the_graphs(emulated, tiny_qwen3: Path) -> Non
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
         got: dict[str, list] = {}
         for i, (stream, pad) in enumerate(streams):
-            engine.add_request(f"s{i}", [5 + i, 9, 11, 2 + i], params, stream_open=True,
-                               stream_pad=pad)
+            engine.add_request(f"s{i}", [5 + i, 9, 11, 2 + i], params,
+                               stream=StreamInput(pad=pad))
             engine.extend_request(f"s{i}", stream_embeds=stream, close_stream=True)
             for _ in range(2):
                 for o in engine.step():
@@ -230,8 +231,8 @@ def _serve(engine: AREngine, variant: str, waves: list[int]) -> tuple[dict[str, 
             if variant == "hidden":
                 engine.add_request(rid, prompt, params)
                 continue
-            engine.add_request(rid, prompt, params, stream_open=True,
-                               stream_pad=torch.randn(hidden, generator=gen))
+            engine.add_request(rid, prompt, params,
+                               stream=StreamInput(pad=torch.randn(hidden, generator=gen)))
             engine.extend_request(rid, stream_embeds=torch.randn(4, hidden, generator=gen),
                                   close_stream=True)
         for _ in range(3):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from omnistage.ar.inputs import StreamInput
 from omnistage.ar.engine import AREngine
 from omnistage.configs.schema import ARConfig
 from omnistage.sampling_params import SamplingParams
@@ -68,7 +69,7 @@ def test_stream_embeds_follow_upstream(engine: AREngine, tiny_qwen3: Path) -> No
     stream = torch.randn(5, engine.model_config.hidden_size)  # shorter than the output
     expected = reference_with_stream(tiny_qwen3, prompt, stream, 8)
 
-    engine.add_request("s", prompt, GREEDY, stream_open=True)
+    engine.add_request("s", prompt, GREEDY, stream=StreamInput())
     got: list[int] = []
     for t in range(5):  # upstream delivers one embedding at a time, a few steps apart
         for _ in range(3):
@@ -82,7 +83,7 @@ def test_stream_embeds_follow_upstream(engine: AREngine, tiny_qwen3: Path) -> No
 
 
 def test_stream_errors(engine: AREngine) -> None:
-    engine.add_request("e", [1, 2, 3], GREEDY, stream_open=True)
+    engine.add_request("e", [1, 2, 3], GREEDY, stream=StreamInput())
     with pytest.raises(ValueError, match="stream_embeds has shape"):
         engine.extend_request("e", stream_embeds=torch.zeros(2, 3))
     with pytest.raises(ValueError, match="prompt is already closed"):

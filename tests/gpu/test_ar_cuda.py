@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from omnistage.ar.inputs import StreamInput
 from omnistage.ar.engine import AREngine
 from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig
 from omnistage.layers.attention import TorchPagedAttention
@@ -282,8 +283,8 @@ def test_cuda_graph_decode_fed_embeddings_equals_eager(tiny_qwen3: Path) -> None
         got: dict[str, list] = {}
         for i in range(3):
             prompt = [5 + i, 9, 11, 2 + i]
-            engine.add_request(f"s{i}", prompt, params, stream_open=True,
-                               stream_pad=torch.randn(hidden, generator=gen))
+            engine.add_request(f"s{i}", prompt, params,
+                               stream=StreamInput(pad=torch.randn(hidden, generator=gen)))
             engine.extend_request(f"s{i}", stream_embeds=torch.randn(8, hidden, generator=gen),
                                   close_stream=True)
             for _ in range(3):                   # the next request joins a few steps later

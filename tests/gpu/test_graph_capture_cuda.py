@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from omnistage import SamplingParams
+from omnistage.ar.inputs import StreamInput
 from omnistage.layers import graph_capture
 from omnistage.ar.engine import AREngine
 from omnistage.ar.model_runner import capture_key
@@ -76,8 +77,8 @@ def serve(engine: AREngine, variant: str) -> dict[str, list]:
             if variant == "hidden":
                 engine.add_request(rid, prompt, params)
                 continue
-            engine.add_request(rid, prompt, params, stream_open=True,
-                               stream_pad=torch.randn(hidden, generator=gen))
+            engine.add_request(rid, prompt, params,
+                               stream=StreamInput(pad=torch.randn(hidden, generator=gen)))
             engine.extend_request(rid, stream_embeds=torch.randn(6, hidden, generator=gen),
                                   close_stream=True)
         for _ in range(3):
