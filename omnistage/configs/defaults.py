@@ -9,10 +9,10 @@ from dataclasses import fields
 from importlib import resources
 from pathlib import Path
 
-import yaml
 
 from omnistage import registry
 from omnistage.configs.graph import load_graph
+from omnistage.configs.parse import load_yaml
 from omnistage.configs.schema import GraphConfig, StageConfig
 
 _STAGE_FIELDS = {f.name for f in fields(StageConfig)}
@@ -58,10 +58,13 @@ def resolve_graph(model: str | None, model_path: Path | None, stage_config: str 
     stage, then `overrides`."""
     if stage_config is not None:
         text = stage_config_text(stage_config)
+        where = str(stage_config) if Path(str(stage_config)).is_file() or "\n" not in str(
+            stage_config) else "stage_config"
     else:
-        text = default_graph_text(model_path)
-    doc = yaml.safe_load(text) or {}
-    stage_names = [s.get("name") for s in doc.get("stages", []) if isinstance(s, dict)]
+        text, where = default_graph_text(model_path), "default graph"
+    doc = load_yaml(text, where) or {}       # a syntax error names where, line and column
+    stages = doc.get("stages", []) if isinstance(doc, dict) else []
+    stage_names = [s.get("name") for s in stages if isinstance(s, dict)]
     extra: list[str] = []
     if model is not None:
         extra.append(f"model={json.dumps(model)}")

@@ -351,3 +351,17 @@ def test_from_dict_handles_other_config_classes() -> None:
     assert from_dict(tuple[int, ...], [1, 2], "ids") == (1, 2)
     with pytest.raises(ConfigError, match=r"^ids\[1\]: expected an integer, got null"):
         from_dict(tuple[int, ...], [1, None], "ids")
+
+
+def test_a_yaml_error_in_a_stage_config_names_where_line_and_column(tmp_path: Path) -> None:
+    """As the CLI's `--stage-config` does, the Python API's `stage_config` (a file or YAML
+    text) reports a syntax error with its place, not PyYAML's own text."""
+    from omnistage.configs.defaults import resolve_graph
+
+    text = "stages:\n  - {name: a, kind: ar\n"
+    with pytest.raises(ConfigError, match=r"^stage_config: line 3, column 1: expected ','"):
+        resolve_graph(None, None, text)
+    path = tmp_path / "g.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: line 3, column 1")):
+        resolve_graph(None, None, str(path))

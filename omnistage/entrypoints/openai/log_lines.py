@@ -35,8 +35,10 @@ def log_request(out: OmniOutput, model_name: str, status: str | None = None) -> 
     status = status or request_status(out)
     m = out.metrics
     fields = [f"request {out.request_id}", f"model={model_name}",
-              f"stages={','.join(out.stage_metrics) or '-'}",
-              f"prompt_tokens={m.num_prompt_tokens}", f"output_tokens={m.num_output_tokens}"]
+              f"stages={','.join(out.stage_metrics) or '-'}"]
+    if m.num_prompt_tokens or m.num_output_tokens:    # an image request has no tokens
+        fields += [f"prompt_tokens={m.num_prompt_tokens}",
+                   f"output_tokens={m.num_output_tokens}"]
     if "images" in out.tensors:
         fields.append(f"images={out.tensors['images'].shape[0]}")
     if "audio" in out.tensors and out.sample_rate:

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from omnistage.engine.async_omni import AsyncOmni
 from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
-from omnistage.entrypoints.openai.log_lines import StageStatsLog, log_stage_stats
+from omnistage.entrypoints.openai.log_lines import StageStatsLog, log_request, log_stage_stats
 from omnistage.entrypoints.openai.metrics import ServerMetrics
 from omnistage.errors import StageError
 from omnistage.outputs import CompletionOutput, OmniOutput, RequestMetrics, StageMetrics
@@ -200,3 +200,16 @@ def test_audio_seconds_rtf_and_engine_errors_per_stage() -> None:
 
 def _errored() -> CompletionOutput:
     return CompletionOutput(finished=True, finish_reason="error")
+
+
+def test_an_image_request_line_names_images_not_tokens(caplog: pytest.LogCaptureFixture
+                                                       ) -> None:
+    done = CompletionOutput(finished=True, finish_reason="stop",
+                            tensors={"images": torch.zeros(2, 8, 8, 3, dtype=torch.uint8)})
+    out = OmniOutput("img-1", "a 7", [], [done], finished=True,
+                     metrics=RequestMetrics(1000.0, 1000.1, 1000.2, 1000.3),
+                     stage_metrics={"dit": StageMetrics()})
+    with caplog.at_level(logging.INFO, logger="omnistage.requests"):
+        log_request(out, "demo")
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "omnistage.requests"]
+    assert "images=2" in line and "stages=dit" in line and "tokens" not in line, line
