@@ -160,6 +160,9 @@ class ChatCompletionRequest(SamplingExtras):
     response_format: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    # vLLM(-Omni)'s processor switches: use_audio_in_video false is what runs here (accepted);
+    # anything else is refused naming the key
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class AudioData(BaseModel):

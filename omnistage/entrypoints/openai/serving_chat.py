@@ -160,6 +160,14 @@ class ChatServing:
         for name, why in _IGNORED.items():
             if getattr(req, name):         # store: false, metadata: {} ask for nothing
                 ignore(name, why)
+        for key, value in (req.mm_processor_kwargs or {}).items():
+            if key != "use_audio_in_video":
+                raise bad_request(f"mm_processor_kwargs.{key}: not a processor option here "
+                                  "(known: use_audio_in_video)", f"mm_processor_kwargs.{key}")
+            if value is not False:
+                raise bad_request("mm_processor_kwargs.use_audio_in_video: a video's audio "
+                                  "track is not used here; send it as its own audio part, or "
+                                  "pass false", "mm_processor_kwargs.use_audio_in_video")
 
     def _modalities(self, req: ChatCompletionRequest) -> set[str]:
         can = self.client.outputs

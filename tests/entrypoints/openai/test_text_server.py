@@ -80,7 +80,7 @@ def test_openai_fields_without_effect_here_are_accepted_and_logged(text_server: 
     extra = client.chat.completions.create(
         **kw, reasoning_effort="low", verbosity="low", service_tier="auto",
         safety_identifier="user-1", prompt_cache_key="k", store=True, metadata={"a": "b"},
-        user="someone")
+        user="someone", extra_body={"mm_processor_kwargs": {"use_audio_in_video": False}})
     assert extra.choices[0].message.content == plain.choices[0].message.content
     log = text_server.log.read_text()
     for name in ("reasoning_effort", "verbosity", "service_tier", "safety_identifier",
