@@ -7,7 +7,8 @@ loaded_weight[, shard_id])` (the nano-vllm hook) that copies a checkpoint tensor
     QKVLinear.weight   rows: | q: H*D | k: Hkv*D | v: Hkv*D |
     MergedLinear.weight rows: | shard 0 | shard 1 | ...
 
-Single device for now: no tensor parallelism, so a shard is a contiguous block of rows.
+These are the single-device layers: a shard is a contiguous block of rows. The
+tensor-parallel ones, whose loaders keep each rank's slice, are in parallel.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,94 @@
+"""Runs the tensor-parallel layers (layers/parallel.py) on R CPU ranks over gloo against the
+same layers' single-rank results, for tests/layers/test_parallel.py: every rank loads the whole
+checkpoint tensors through the layers' loaders and writes the largest difference of each
+check to `out_dir/rank{r}.json`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from omnistage.layers import parallel as tp
+
+H, D, HQ, V, INTER = 32, 8, 4, 64, 48
+
+
+def _weights(num_kv_heads: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+    return {"q": w(HQ * D, H), "k": w(num_kv_heads * D, H), "v": w(num_kv_heads * D, H),
+            "o": w(H, HQ * D), "gate": w(INTER, H), "up": w(INTER, H), "down": w(H, INTER),
+            "down_bias": w(H), "embed": w(V, H), "head": w(V, H), "x": w(5, H),
+            "ids": torch.randint(0, V, (7,), generator=g)}
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest |got - want| relative to the largest |want| (float32 sums in another order)."""
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def _checks(t: dict[str, torch.Tensor], num_kv_heads: int) -> dict[str, float]:
+    """Largest relative difference, parallel against whole, per layer on this rank."""
+    group = tp.tp_group()
+    x = t["x"]
+    qkv = tp.QKVParallelLinear(H, D, HQ, num_kv_heads)
+    for shard in ("q", "k", "v"):
+        qkv.weight_loader(qkv.weight, t[shard], shard)
+    q, k, v = qkv(x).split([qkv.q_size, qkv.kv_size, qkv.kv_size], dim=-1)
+    heads = slice(group.rank * qkv.q_size, (group.rank + 1) * qkv.q_size)
+    kv = slice(qkv.kv_start * D, qkv.kv_start * D + qkv.kv_size)
+    out = {"q": _rel(q, F.linear(x, t["q"])[:, heads]),
+           "k": _rel(k, F.linear(x, t["k"])[:, kv]),
+           "v": _rel(v, F.linear(x, t["v"])[:, kv])}
+
+    gate_up = tp.MergedColumnParallelLinear(H, [INTER, INTER])
+    gate_up.weight_loader(gate_up.weight, t["gate"], 0)
+    gate_up.weight_loader(gate_up.weight, t["up"], 1)
+    down = tp.RowParallelLinear(INTER, H, bias=True)
+    down.weight_loader(down.weight, t["down"])
+    down.bias.weight_loader(down.bias, t["down_bias"])
+    g, u = gate_up(x).chunk(2, dim=-1)
+    whole = F.linear(F.silu(F.linear(x, t["gate"])) * F.linear(x, t["up"]), t["down"],
+                     t["down_bias"])
+    out["mlp"] = _rel(down(F.silu(g) * u), whole)
+
+    o = tp.RowParallelLinear(HQ * D, H)
+    o.weight_loader(o.weight, t["o"])
+    attn = F.linear(x, t["q"])                      # stands for the attention output (T, Hq*D)
+    out["o_proj"] = _rel(o(attn[:, heads]), F.linear(attn, t["o"]))
+
+    embed = tp.VocabParallelEmbedding(V, H)
+    embed.weight_loader(embed.weight, t["embed"])
+    out["embed"] = _rel(embed(t["ids"]), F.embedding(t["ids"], t["embed"]))
+    head = tp.ParallelLMHead(V, H)
+    head.weight_loader(head.weight, t["head"])
+    out["lm_head"] = _rel(head(x), F.linear(x, t["head"]))
+    return out
+
+
+def run_rank(rank: int, world_size: int, port: int, out_dir: str, num_kv_heads: int) -> None:
+    """One rank's body (torch.multiprocessing start_processes target)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    try:
+        tp.set_tp_group(tp.TPGroup(rank, world_size, dist.group.WORLD))
+        result = _checks(_weights(num_kv_heads), num_kv_heads)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        tp.set_tp_group(None)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":      # python -m omnistage.testing.parallel_check RANK WORLD PORT DIR KV
+    import sys
+
+    rank, world, port, out, kv = sys.argv[1:6]
+    run_rank(int(rank), int(world), int(port), out, int(kv))
