@@ -145,6 +145,18 @@ def entry_stages(graph: GraphConfig) -> list[str]:
     return [s.name for s in graph.stages if not s.inputs]
 
 
+def main_stage(graph: GraphConfig) -> StageConfig:
+    """The stage vLLM's engine flags and keywords mean (`--max-model-len`,
+    `gpu_memory_utilization=`): the first AR stage (an LLM's `llm`, Qwen3-Omni's thinker), else
+    the diffusion stage that makes the output, else the first stage."""
+    for pick in (lambda s: s.kind == "ar", lambda s: s.kind == "diffusion" and s.final,
+                 lambda s: True):
+        found = [s for s in graph.stages if pick(s)]
+        if found:
+            return found[0]
+    raise ValueError("the stage graph has no stages")
+
+
 def downstream(graph: GraphConfig, name: str) -> list[tuple[StageConfig, StageInput]]:
     """The stages that read `name`'s output, each with the input (edge) through which it does."""
     if name not in graph.stage_names:

@@ -3,9 +3,9 @@ stage overrides.
 
 A vLLM engine is one model; ours is a graph of stages. Each keyword therefore names the stage
 it changes: capacity keywords (memory, batch, length, KV cache) change the *main* stage, the
-one a vLLM user means (the entry AR stage: a text LLM's `llm`, Qwen3-Omni's `thinker`; for a
-diffusion graph, its final stage), and keywords that describe the whole model (`dtype`,
-`seed`, `enforce_eager`) change every stage. They become `STAGE.KEY=VALUE` overrides applied
+one a vLLM user means (configs/graph.py `main_stage`: a text LLM's `llm`, Qwen3-Omni's
+`thinker`; for a diffusion graph, its final stage), and keywords that describe the whole
+model (`dtype`, `seed`, `enforce_eager`) change every stage. They become `STAGE.KEY=VALUE` overrides applied
 before the caller's own `stage_overrides`, which therefore win. Keywords vLLM has and we do
 not are refused with what to do instead; unknown ones with a did-you-mean.
 """
@@ -16,7 +16,7 @@ import difflib
 import json
 from dataclasses import fields
 
-from omnistage.configs.graph import validate_graph
+from omnistage.configs.graph import main_stage, validate_graph
 from omnistage.configs.parse import apply_overrides
 from omnistage.configs.schema import GraphConfig, StageConfig
 
@@ -30,8 +30,9 @@ EVERY_STAGE = ("dtype", "seed", "enforce_eager", "async_scheduling", "startup_ti
 GRAPH_KEYS = ("connector", "backend")
 # vLLM keywords without a counterpart here: (the value that asks for nothing, what to do)
 REFUSED: dict[str, tuple[object, str]] = {
-    "tensor_parallel_size": (1, ("give the stage several devices: "
-                                 "stage_overrides=['<stage>.devices=[0,1]']")),
+    "tensor_parallel_size": (1, ("a stage runs on one GPU until multi-GPU stages land; a "
+                                 "multi-stage model can put its stages on different GPUs "
+                                 "(stage_overrides=['<stage>.devices=[1]'])")),
     "pipeline_parallel_size": (1, "split the model into stages instead (stage_config=...)"),
     "trust_remote_code": (False, "no model code is read from checkpoints here: drop it"),
     "tokenizer": (None, "the tokenizer is read from the model folder"),
@@ -44,13 +45,6 @@ REFUSED: dict[str, tuple[object, str]] = {
     "revision": (None, "pass the folder of the revision as model"),
 }
 _STAGE_FIELDS = {f.name for f in fields(StageConfig)} - {"name", "kind", "inputs", "final"}
-
-
-def main_stage(graph: GraphConfig) -> StageConfig:
-    """The stage a vLLM keyword means: the first entry AR stage, else the first final stage."""
-    entry_ar = [s for s in graph.stages if s.kind == "ar" and not s.inputs]
-    finals = [s for s in graph.stages if s.final]
-    return (entry_ar or finals or list(graph.stages))[0]
 
 
 def keyword_overrides(graph: GraphConfig, engine_kw: dict[str, object]) -> list[str]:

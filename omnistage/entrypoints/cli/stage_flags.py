@@ -19,7 +19,8 @@ import argparse
 import json
 from dataclasses import dataclass
 
-from omnistage.configs.schema import GraphConfig, StageConfig, StageKind
+from omnistage.configs.graph import main_stage
+from omnistage.configs.schema import GraphConfig, StageKind
 from omnistage.models.loader import resolve_model_path
 
 ALL_KINDS: tuple[StageKind, ...] = ("ar", "diffusion", "generation")
@@ -49,17 +50,6 @@ STAGE_FLAGS: tuple[StageFlag, ...] = (
     StageFlag("dtype", "dtype", ALL_KINDS, every_stage=True),
     StageFlag("chat_template", None, ("ar",)),
 )
-
-
-def main_stage(graph: GraphConfig) -> StageConfig:
-    """The stage the engine flags set: the first ar stage, else the diffusion stage with a
-    final output, else the first stage."""
-    for pick in (lambda s: s.kind == "ar", lambda s: s.kind == "diffusion" and s.final,
-                 lambda s: True):
-        found = [s for s in graph.stages if pick(s)]
-        if found:
-            return found[0]
-    raise ValueError("the stage graph has no stages")
 
 
 def flag_overrides(graph: GraphConfig, args: argparse.Namespace) -> list[str]:
