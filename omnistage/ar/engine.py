@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from omnistage.ar.detokenizer import IncrementalDetokenizer
-from omnistage.ar.inputs import MultimodalInput, StreamInput, check_request
+from omnistage.ar.inputs import MultimodalInput, PromptInput, StreamInput, check_request
 from omnistage.ar.kv_cache import BlockManager, KVCacheLayout
 from omnistage.ar.memory import determine_kv_layout
 from omnistage.ar.model_runner import ModelRunner, PendingStep, RunnerOutput, capture_key
@@ -135,9 +135,9 @@ class AREngine:
         if mm is not None and not prompt_open:
             mm.check(len(prompt_token_ids or []))
         seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids or []),
-                       sampling_params=params, prompt_embeds=prompt_embeds,
-                       eos_token_ids=self.eos_token_ids, prompt_open=prompt_open,
-                       prompt_ids_real=real_ids, stream=stream, mm=mm)
+                       sampling_params=params, eos_token_ids=self.eos_token_ids,
+                       prompt=PromptInput(prompt_embeds, real_ids, prompt_open), stream=stream,
+                       mm=mm)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         if empty:
@@ -162,26 +162,20 @@ class AREngine:
             seq.mm = mm
         hidden = self.model_config.hidden_size
         if prompt_token_ids or prompt_embeds is not None:
-            if not seq.prompt_open:
-                raise ValueError(f"request {request_id!r}: its prompt is already closed")
-            if prompt_embeds is not None:
-                if prompt_embeds.dim() != 2 or prompt_embeds.shape[1] != hidden:
-                    raise ValueError(f"prompt_embeds has shape {tuple(prompt_embeds.shape)}, "
-                                     f"expected (num_tokens, {hidden})")
-                if seq.prompt_token_ids and seq.prompt_embeds is None:
-                    raise ValueError("a streamed prompt is either token ids or embeddings")
-                seq.prompt_embeds = (prompt_embeds if seq.prompt_embeds is None
-                                     else torch.cat([seq.prompt_embeds, prompt_embeds]))
-                seq.prompt_token_ids.extend([0] * prompt_embeds.shape[0])
-            else:
-                if seq.prompt_embeds is not None:
-                    raise ValueError("a streamed prompt is either token ids or embeddings")
-                self.validate(list(prompt_token_ids), seq.sampling_params)
-                seq.prompt_token_ids.extend(prompt_token_ids)
+            try:
+                if prompt_embeds is not None:
+                    seq.prompt.add_embeds(prompt_embeds, hidden, bool(seq.prompt_token_ids))
+                    seq.prompt_token_ids.extend([0] * prompt_embeds.shape[0])
+                else:
+                    seq.prompt.check_ids()
+                    self.validate(list(prompt_token_ids), seq.sampling_params)
+                    seq.prompt_token_ids.extend(prompt_token_ids)
+            except ValueError as exc:
+                raise ValueError(f"request {request_id!r}: {exc}") from None
             if seq.num_prompt_tokens >= self.max_model_len:
                 raise ValueError(f"prompt has {seq.num_prompt_tokens} tokens, but the model's "
                                  f"maximum length is {self.max_model_len}")
-        if seq.mm is not None and not (seq.prompt_open and not close_prompt):
+        if seq.mm is not None and not (seq.prompt.open and not close_prompt):
             seq.mm.check(seq.num_prompt_tokens)
         if stream_embeds is not None:
             if seq.stream is None:
@@ -191,13 +185,13 @@ class AREngine:
             except ValueError as exc:
                 raise ValueError(f"request {request_id!r}: {exc}") from None
         if close_prompt:
-            seq.prompt_open = False
+            seq.prompt.open = False
         if close_stream and seq.stream is not None:
             seq.stream.open = False
         if request_id in self._parked and seq.num_prompt_tokens > 0:
             del self._parked[request_id]
             self.scheduler.add(seq)
-        elif request_id in self._parked and not seq.prompt_open:
+        elif request_id in self._parked and not seq.prompt.open:
             raise ValueError(f"request {request_id!r}: prompt closed while empty")
 
     def abort_request(self, request_id: str) -> StepOutput | None:
@@ -274,7 +268,7 @@ class AREngine:
                 and self.model.feedback is None):
             return False
         for seq in seqs:
-            if (seq.num_computed_tokens < seq.num_prompt_tokens or seq.prompt_open
+            if (seq.num_computed_tokens < seq.num_prompt_tokens or seq.prompt.open
                     or seq.stream is not None or seq.output_embeds
                     or seq.sampling_params.output_hidden_layers):
                 return False

@@ -3,9 +3,10 @@ length that leaves room for a new token, hidden layers the model has, stop strin
 tokenizer, and the shapes of its embeddings and multimodal positions. Each check raises
 ValueError naming the problem; nothing is scheduled for a bad request.
 
-The inputs a request may carry besides its prompt own their checks: `StreamInput` (embeddings
-streamed from upstream into its decodes) and `MultimodalInput` (rotary positions, deepstack);
-a `Sequence` holds them."""
+The inputs a request carries besides its token ids own their checks: `PromptInput` (embeddings
+in place of the prompt's, a prompt still arriving), `StreamInput` (embeddings streamed from
+upstream into its decodes) and `MultimodalInput` (rotary positions, deepstack); a `Sequence`
+holds them."""
 
 from __future__ import annotations
 
@@ -54,6 +55,37 @@ def check_mrope_positions(positions: Tensor, num_tokens: int) -> None:
     if positions.dim() != 2 or positions.shape[0] != 3 or positions.shape[1] != num_tokens:
         raise ValueError(f"mrope_positions has shape {tuple(positions.shape)}, "
                          f"expected (3, {num_tokens})")
+
+
+@dataclass(slots=True)
+class PromptInput:
+    """How a prompt arrives when it is not only token ids: embeddings that replace its
+    positions' own (a downstream AR stage's prompt: upstream hidden states), whether the ids
+    beside them are real (kept for penalties and for downstream stages) or placeholders, and
+    whether more may arrive (`open`: prefill what came, sample nothing yet)."""
+
+    embeds: Tensor | None = None     # (P, hidden)
+    ids_real: bool = False
+    open: bool = False
+
+    def add_embeds(self, rows: Tensor, hidden: int, has_ids: bool) -> None:
+        """Append (n, hidden) rows to an open prompt; ValueError for a closed prompt, a wrong
+        shape, or a prompt that has been streamed as token ids."""
+        if not self.open:
+            raise ValueError("its prompt is already closed")
+        if rows.dim() != 2 or rows.shape[1] != hidden:
+            raise ValueError(f"prompt_embeds has shape {tuple(rows.shape)}, "
+                             f"expected (num_tokens, {hidden})")
+        if has_ids and self.embeds is None:
+            raise ValueError("a streamed prompt is either token ids or embeddings")
+        self.embeds = rows if self.embeds is None else torch.cat([self.embeds, rows])
+
+    def check_ids(self) -> None:
+        """ValueError unless token ids may be appended (open, not streamed as embeddings)."""
+        if not self.open:
+            raise ValueError("its prompt is already closed")
+        if self.embeds is not None:
+            raise ValueError("a streamed prompt is either token ids or embeddings")
 
 
 @dataclass(slots=True)

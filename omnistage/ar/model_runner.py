@@ -272,9 +272,9 @@ def _embed_rows(seq: Sequence, start: int, n: int, row0: int,
     """Where positions start .. start+n-1 of seq (batch rows row0 ..) take embeddings other
     than their tokens': (row, rows) appended to embed_rows (replace) and stream_rows (add)."""
     num_prompt = seq.num_prompt_tokens
-    if seq.prompt_embeds is not None and start < num_prompt:
+    if seq.prompt.embeds is not None and start < num_prompt:
         stop = min(start + n, num_prompt)
-        embed_rows.append((row0, seq.prompt_embeds[start:stop]))
+        embed_rows.append((row0, seq.prompt.embeds[start:stop]))
     if start + n <= num_prompt:
         return
     t0 = max(start, num_prompt) - num_prompt      # output index of the first decode input

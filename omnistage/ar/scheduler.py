@@ -44,7 +44,7 @@ class ScheduledBatch:
     def samples(self, i: int) -> bool:
         """Whether seqs[i] reaches its last token this step, so its logits give a new token."""
         seq = self.seqs[i]
-        return (not seq.prompt_open
+        return (not seq.prompt.open
                 and seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens)
 
 

@@ -10,7 +10,7 @@ yields the logits for the next one.
     0                     num_cached          num_computed    num_tokens
 
 Streaming input (a chunked edge from an upstream stage) adds two things: the prompt may still
-grow (`prompt_open`: prefill what has arrived, sample nothing yet), and decode inputs may carry
+grow (`prompt.open`: prefill what has arrived, sample nothing yet), and decode inputs may carry
 an extra embedding from upstream (`stream`, a `StreamInput`: row t is added to the input
 embedding of position P + t; while open, a decode waits for its row).
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from omnistage.ar.inputs import MultimodalInput, StreamInput
+from omnistage.ar.inputs import MultimodalInput, PromptInput, StreamInput
 from omnistage.outputs import RequestMetrics
 from omnistage.sampling_params import SamplingParams
 
@@ -57,7 +57,6 @@ class Sequence:
     sampling_params: SamplingParams
     # (P, hidden): replaces the embeddings of the prompt positions; prompt_token_ids then holds
     # P placeholder ids (used for penalties and hashing only; such prompts skip prefix caching).
-    prompt_embeds: torch.Tensor | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     eos_token_ids: tuple[int, ...] = ()
 
@@ -72,9 +71,7 @@ class Sequence:
     generator: torch.Generator | None = None  # per-request RNG when sampling_params.seed is set
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
-    prompt_open: bool = False                # more prompt may arrive: no sampling yet
-    # prompt_token_ids are real ids even though prompt_embeds replaces their embeddings
-    prompt_ids_real: bool = False
+    prompt: PromptInput = field(default_factory=PromptInput)   # embeddings, still arriving
     stream: StreamInput | None = None        # upstream rows added to its decodes
     mm: MultimodalInput | None = None        # rotary positions, deepstack
     output_embeds: list[torch.Tensor] = field(default_factory=list)  # (hidden,) per output
@@ -82,7 +79,7 @@ class Sequence:
     @property
     def penalty_prompt_ids(self) -> list[int]:
         """Prompt ids that count for repetition penalties (not placeholders)."""
-        if self.prompt_embeds is not None and not self.prompt_ids_real:
+        if self.prompt.embeds is not None and not self.prompt.ids_real:
             return []
         return self.prompt_token_ids
 
@@ -113,14 +110,14 @@ class Sequence:
     @property
     def has_embeds(self) -> bool:
         """Inputs that token ids do not describe: such sequences skip prefix caching."""
-        return self.prompt_embeds is not None or self.stream is not None
+        return self.prompt.embeds is not None or self.stream is not None
 
     @property
     def num_schedulable_tokens(self) -> int:
         """Tokens the model can compute now: owed tokens, less those still waiting for
         upstream input (an open prompt has no outputs; an open stream limits decodes)."""
         end = self.num_tokens
-        if self.prompt_open:  # keep the last prompt token back: its logits give the first token
+        if self.prompt.open:  # keep the last prompt token back: its logits give the first token
             end = self.num_prompt_tokens - 1
         if self.stream is not None and self.stream.open:
             end = min(end, self.num_prompt_tokens + self.stream.num_rows)

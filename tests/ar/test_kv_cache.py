@@ -287,7 +287,7 @@ def test_embeds_and_hidden_states_never_hit_or_hash() -> None:
     prefill(bm, make_seq("a", PREFIX + [1]))
     queries, hashed = bm.num_prefix_queries_tokens, len(bm.hash_to_block_id)
     e = make_seq("e", PREFIX + [1])
-    e.prompt_embeds = torch.zeros(65, 8)
+    e.prompt.embeds = torch.zeros(65, 8)
     h = make_seq("h", PREFIX + [1], output_hidden_layers=(1,))
     for seq in (e, h):
         assert prefill(bm, seq) == 0
