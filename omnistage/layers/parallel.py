@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.layers.linear import copy_checked
+from omnistage.layers.linear import copy_checked, default_weight_loader
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,17 @@ def divide(n: int, parts: int, what: str) -> int:
     return n // parts
 
 
+def _parameter(module: nn.Module, name: str, shape: tuple[int, ...] | None,
+               loader: object) -> None:
+    """An uninitialised, loader-filled parameter `name` of `module` (shape None: absent)."""
+    if shape is None:
+        module.register_parameter(name, None)
+        return
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    param.weight_loader = loader
+    module.register_parameter(name, param)
+
+
 def all_reduce(x: Tensor, tp: TPGroup) -> Tensor:
     if tp.world_size > 1:
         dist.all_reduce(x, group=tp.group)
@@ -84,14 +95,8 @@ class ColumnParallelLinear(nn.Module):
         self.out_features = out_features
         self.local_out = divide(out_features, self.tp.world_size, "output features")
         self.gather_output = gather_output
-        self.weight = nn.Parameter(torch.empty(self.local_out, in_features),
-                                   requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(self.local_out), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        _parameter(self, "weight", (self.local_out, in_features), self.weight_loader)
+        _parameter(self, "bias", (self.local_out,) if bias else None, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor) -> None:
         """The whole checkpoint tensor (out, ...) -> this rank's rows."""
@@ -151,13 +156,8 @@ class QKVParallelLinear(nn.Module):
             self.kv_start = tp.rank * num_kv_heads // tp.world_size
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         rows = self.q_size + 2 * self.kv_size
-        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(rows), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        _parameter(self, "weight", (rows, hidden_size), self.weight_loader)
+        _parameter(self, "bias", (rows,) if bias else None, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor,
                       shard_id: str | None = None) -> None:
@@ -182,22 +182,13 @@ class RowParallelLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.local_in = divide(in_features, self.tp.world_size, "input features")
-        self.weight = nn.Parameter(torch.empty(out_features, self.local_in),
-                                   requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self._bias_loader
-        else:
-            self.register_parameter("bias", None)
+        _parameter(self, "weight", (out_features, self.local_in), self.weight_loader)
+        # the bias is whole on every rank, added once after the sum
+        _parameter(self, "bias", (out_features,) if bias else None, default_weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor) -> None:
         cols = loaded_weight.narrow(1, self.tp.rank * self.local_in, self.local_in)
         copy_checked(param.data, cols)
-
-    @staticmethod
-    def _bias_loader(param: nn.Parameter, loaded_weight: Tensor) -> None:
-        copy_checked(param.data, loaded_weight)
 
     def forward(self, x: Tensor) -> Tensor:
         y = all_reduce(F.linear(x, self.weight), self.tp)
@@ -214,9 +205,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.local_rows = divide(num_embeddings, self.tp.world_size, "vocabulary size")
         self.start = self.tp.rank * self.local_rows
-        self.weight = nn.Parameter(torch.empty(self.local_rows, embedding_dim),
-                                   requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        _parameter(self, "weight", (self.local_rows, embedding_dim), self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor) -> None:
         copy_checked(param.data, loaded_weight.narrow(0, self.start, self.local_rows))
