@@ -73,6 +73,45 @@ class ARConfig:
     async_scheduling: bool = True
 
 
+# ---- a stage's parallel layout (issue 18; the groups themselves: layers/groups.py) -------------
+AXES = ("cfg", "ring", "ulysses", "tp")       # outermost first
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelSizes:
+    tp: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    cfg: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            if getattr(self, axis) < 1:
+                raise ValueError(f"{axis} size must be >= 1, got {getattr(self, axis)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.ulysses * self.ring * self.cfg
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each axis."""
+        out = {}
+        for axis in reversed(AXES):                   # innermost first
+            size = getattr(self, axis)
+            out[axis] = rank % size
+            rank //= size
+        return out
+
+    def axis_groups(self, axis: str) -> list[list[int]]:
+        """The rank lists that share every coordinate but `axis` (each one group)."""
+        groups: dict[tuple, list[int]] = {}
+        for r in range(self.world_size):
+            c = self.coords(r)
+            groups.setdefault(tuple(v for a, v in c.items() if a != axis), []).append(r)
+        return list(groups.values())
+
+
+
 # ---- the stage graph --------------------------------------------------------------------------
 # `__post_init__` errors start with the offending field name; the parser prepends the path, e.g.
 # "stages[1].memory_fraction: must be in (0, 1], got 1.5".
@@ -122,6 +161,12 @@ class StageConfig:
     seed: int = 0
     enforce_eager: bool = False  # ar: no CUDA graphs for decode steps
     async_scheduling: bool = True  # ar: launch a decode step before reading the last one
+    # Several GPUs for this stage (issue 18): one process per rank on the first
+    # tensor_parallel_size * ulysses_degree * ring_degree * cfg_parallel_size of `devices`.
+    tensor_parallel_size: int = 1
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    cfg_parallel_size: int = 1
     # Component-specific options passed to its constructor (e.g. code2wav's chunk_frames).
     options: dict[str, object] = field(default_factory=dict, hash=False)
 
@@ -159,10 +204,20 @@ class StageConfig:
             bad("output_hidden_layers", "layer indices must be >= 0")
         if not self.startup_timeout_s > 0:
             bad("startup_timeout_s", "must be > 0")
+        for name in ("tensor_parallel_size", "ulysses_degree", "ring_degree",
+                     "cfg_parallel_size"):
+            if getattr(self, name) < 1:
+                bad(name, "must be >= 1")
         if "output_hidden_layers" in self.sampling:
             raise ValueError("sampling.output_hidden_layers: set output_hidden_layers on the "
                              "stage, not in its sampling defaults")
         self.default_sampling()  # raises "sampling.<field>: ..." if the defaults are bad
+
+    @property
+    def parallel(self) -> ParallelSizes:
+        """How this stage's ranks split (world size 1: one process, as before)."""
+        return ParallelSizes(self.tensor_parallel_size, self.ulysses_degree, self.ring_degree,
+                             self.cfg_parallel_size)
 
     def default_sampling(self) -> SamplingParams:
         """This stage's default SamplingParams: `sampling`, plus the hidden layers it emits."""
