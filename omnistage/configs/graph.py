@@ -157,6 +157,22 @@ def main_stage(graph: GraphConfig) -> StageConfig:
     raise ValueError("the stage graph has no stages")
 
 
+PARALLEL_KEYS = ("tensor_parallel_size", "ulysses_degree", "ring_degree", "cfg_parallel_size")
+
+
+def parallel_devices_override(stage: StageConfig, sizes: dict[str, int]) -> str | None:
+    """`STAGE.devices=[...]` when parallel sizes set on `stage` (key -> value) need more
+    devices than it lists: consecutive ones from its first, as `-tp 2` means GPUs 0 and 1 to a
+    vLLM user. None when its devices suffice (an explicit override still wins after)."""
+    world = 1
+    for key in PARALLEL_KEYS:
+        world *= int(sizes.get(key, getattr(stage, key)))
+    if world <= len(stage.devices):
+        return None
+    first = stage.devices[0]
+    return f"{stage.name}.devices={list(range(first, first + world))}"
+
+
 def downstream(graph: GraphConfig, name: str) -> list[tuple[StageConfig, StageInput]]:
     """The stages that read `name`'s output, each with the input (edge) through which it does."""
     if name not in graph.stage_names:

@@ -5,7 +5,9 @@ A vLLM engine is one model; ours is a graph of stages. Each keyword therefore na
 it changes: capacity keywords (memory, batch, length, KV cache) change the *main* stage, the
 one a vLLM user means (configs/graph.py `main_stage`: a text LLM's `llm`, Qwen3-Omni's
 `thinker`; for a diffusion graph, its final stage), and keywords that describe the whole
-model (`dtype`, `seed`, `enforce_eager`) change every stage. They become `STAGE.KEY=VALUE` overrides applied
+model (`dtype`, `seed`, `enforce_eager`) change every stage. The parallel sizes
+(`tensor_parallel_size=2`, ...) change the main stage and give it consecutive devices from its
+first when it lists fewer. They become `STAGE.KEY=VALUE` overrides applied
 before the caller's own `stage_overrides`, which therefore win. Keywords vLLM has and we do
 not are refused with what to do instead; unknown ones with a did-you-mean.
 """
@@ -16,7 +18,8 @@ import difflib
 import json
 from dataclasses import fields
 
-from omnistage.configs.graph import main_stage, validate_graph
+from omnistage.configs.graph import (PARALLEL_KEYS, main_stage, parallel_devices_override,
+                                     validate_graph)
 from omnistage.configs.parse import apply_overrides
 from omnistage.configs.schema import GraphConfig, StageConfig
 
@@ -24,15 +27,13 @@ from omnistage.configs.schema import GraphConfig, StageConfig
 MAIN_STAGE = {"gpu_memory_utilization": "memory_fraction", "max_num_seqs": "max_num_seqs",
               "max_model_len": "max_model_len", "max_num_batched_tokens": "max_num_batched_tokens",
               "block_size": "block_size", "enable_prefix_caching": "enable_prefix_caching",
-              "enable_chunked_prefill": "enable_chunked_prefill"}
+              "enable_chunked_prefill": "enable_chunked_prefill",
+              **{key: key for key in PARALLEL_KEYS}}
 # keys that describe the whole model: every stage
 EVERY_STAGE = ("dtype", "seed", "enforce_eager", "async_scheduling", "startup_timeout_s")
 GRAPH_KEYS = ("connector", "backend")
 # vLLM keywords without a counterpart here: (the value that asks for nothing, what to do)
 REFUSED: dict[str, tuple[object, str]] = {
-    "tensor_parallel_size": (1, ("a stage runs on one GPU until multi-GPU stages land; a "
-                                 "multi-stage model can put its stages on different GPUs "
-                                 "(stage_overrides=['<stage>.devices=[1]'])")),
     "pipeline_parallel_size": (1, "split the model into stages instead (stage_config=...)"),
     "trust_remote_code": (False, "no model code is read from checkpoints here: drop it"),
     "tokenizer": (None, "the tokenizer is read from the model folder"),
@@ -73,7 +74,9 @@ def keyword_overrides(graph: GraphConfig, engine_kw: dict[str, object]) -> list[
             items += [f"{s.name}.{key}={text}" for s in graph.stages]
         else:
             items.append(f"{main}.{MAIN_STAGE.get(key, key)}={text}")
-    return items
+    given = {k: v for k, v in engine_kw.items() if k in PARALLEL_KEYS and v is not None}
+    devices = parallel_devices_override(main_stage(graph), given) if given else None
+    return items + ([devices] if devices else [])
 
 
 def apply_keywords(graph: GraphConfig, engine_kw: dict[str, object],

@@ -124,15 +124,25 @@ class StageSet:
         return True
 
     def dead(self) -> tuple[str, str] | None:
-        """The first stage that is no longer running and how it ended, or None."""
+        """The first stage that is no longer running and how it ended, or None. A stage of
+        several ranks that lost one has its other ranks ended (they would wait for the lost
+        one in their next collective)."""
         for name, runner in self.runners.items():
             if not runner.is_alive():
-                return name, runner.exit_description()
+                how = runner.exit_description()
+                runner.kill()
+                return name, how
         return None
 
     @property
     def pids(self) -> dict[str, int]:
+        """Each stage's rank-0 process (the one spoken to)."""
         return {name: r.pid for name, r in self.runners.items()}
+
+    @property
+    def rank_pids(self) -> dict[str, list[int]]:
+        """Every process of each stage, in rank order."""
+        return {name: r.pids for name, r in self.runners.items()}
 
     def stop(self) -> None:
         """Tell every stage to shut down and wait for it (or end it)."""

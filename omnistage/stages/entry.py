@@ -40,7 +40,8 @@ def main() -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)   # the pipe is spent; nothing reads stdin after
     os.dup2(devnull, 0)
     os.close(devnull)
-    set_title(TITLE_PREFIX + start.spec.stage)
+    set_title(TITLE_PREFIX + start.spec.stage
+              + (f" rank {start.spec.rank}" if start.spec.rank else ""))
     sys.path[:] = list(start.sys_path)
     # what spawn.prepare does: share the parent's tracker instead of starting one per stage
     resource_tracker._resource_tracker._fd = start.tracker_fd  # type: ignore[attr-defined]

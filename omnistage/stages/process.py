@@ -39,6 +39,7 @@ import zmq
 from omnistage.configs.schema import GraphConfig
 from omnistage.connectors.base import Connector, make_connector
 from omnistage.stages import messages as m
+from omnistage.stages import ranks
 from omnistage.utils import trace
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class WorkerSpec:
     shm_namespace: str
     run_dir: str             # the orchestrator's folder of ipc sockets
     tcp_host: str = "127.0.0.1"
+    rank: int = 0            # of a stage over several devices (stages/ranks.py); 0 speaks
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,27 +71,26 @@ class ProcessStart:
 
 
 def check_gpu_placement(graph: GraphConfig, device: str) -> None:
-    """Every stage's GPU exists, and AR stages on one GPU, which each size their KV cache to
+    """The stages' parallel layouts are possible (stages/ranks.py), every stage's GPU (each
+    rank's) exists, and AR stages on one GPU, which each size their KV cache to
     `memory_fraction` of the whole device, leave room for each other (the fractions of the
     stages that share a GPU add up to at most 1), or the first to start takes the memory the
     others need. ValueError naming the stages."""
+    ranks.check_parallel_layouts(graph, stage_device(device, (0,)))
     shares: dict[str, list[tuple[str, float]]] = {}
     num_gpus: int | None = None
     for stage in graph.stages:
-        where = stage_device(device, stage.devices)
-        if where.startswith("cuda"):
-            if num_gpus is None:
-                import torch
+        first = stage_device(device, stage.devices)
+        for rank in range(stage.parallel.world_size):
+            where = ranks.rank_device(first, stage, rank)
+            if where.startswith("cuda"):
+                if num_gpus is None:
+                    import torch
 
-                num_gpus = torch.cuda.device_count()
-            index = int(where.partition(":")[2] or 0)
-            if index >= num_gpus:
-                fix = ("run on the CPU (device cpu)" if num_gpus == 0 else
-                       "change the stage's devices (or pick a graph for fewer GPUs)")
-                raise ValueError(f"stage {stage.name!r} is placed on {where}, but this machine "
-                                 f"has {num_gpus} GPU{'s' if num_gpus != 1 else ''}: {fix}")
-        if stage.kind == "ar" and where.startswith("cuda"):
-            shares.setdefault(where, []).append((stage.name, stage.memory_fraction))
+                    num_gpus = torch.cuda.device_count()
+                _check_gpu_exists(stage.name, where, num_gpus)
+            if stage.kind == "ar" and where.startswith("cuda"):
+                shares.setdefault(where, []).append((stage.name, stage.memory_fraction))
     for where, stages in shares.items():
         total = sum(f for _, f in stages)
         if len(stages) > 1 and total > 1.0 + 1e-9:
@@ -97,6 +98,15 @@ def check_gpu_placement(graph: GraphConfig, device: str) -> None:
             raise ValueError(f"stages {listed} share {where}: their memory_fraction add up to "
                              f"{total:g} of the device; lower them (each is a share of the "
                              "whole GPU) or put stages on other devices")
+
+
+def _check_gpu_exists(stage: str, where: str, num_gpus: int) -> None:
+    index = int(where.partition(":")[2] or 0)
+    if index >= num_gpus:
+        fix = ("run on the CPU (device cpu)" if num_gpus == 0 else
+               "change the stage's devices (or pick a graph for fewer GPUs)")
+        raise ValueError(f"stage {stage!r} is placed on {where}, but this machine has "
+                         f"{num_gpus} GPU{'s' if num_gpus != 1 else ''}: {fix}")
 
 
 def stage_device(device: str, devices: tuple[int, ...]) -> str:
@@ -131,6 +141,20 @@ def make_stage_connector(spec: WorkerSpec) -> Connector:
     raise ValueError(f"connector {kind!r} cannot cross processes (use shm or tcp)")
 
 
+def use_device(device: str) -> None:
+    """Make the stage's GPU this thread's current device: Triton launches (and torch.cuda calls
+    without a device) go to the current device, not the tensors'."""
+    if not device.startswith("cuda:"):
+        return
+    import torch
+
+    torch.cuda.set_device(torch.device(device))
+    # cuDNN's attention builds a graph per new input shape: 60 to 960 ms each on an H100
+    # (measured on code2wav's stream windows), where the flash and memory-efficient kernels
+    # need none; and prompts and streams bring new shapes all the time
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector,
                own_process: bool = False) -> None:
     """Build the stage, say Ready (or why not), serve until Shutdown. Closes what it opened.
@@ -145,18 +169,11 @@ def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector,
     inbox.connect(spec.inbox)
     try:
         try:
-            if spec.device.startswith("cuda:"):
-                # the stage's GPU as this thread's current device: Triton launches (and
-                # torch.cuda calls without a device) go to the current device, not the tensors'
-                import torch
-
-                torch.cuda.set_device(torch.device(spec.device))
-                # cuDNN's attention builds a graph per new input shape: 60 to 960 ms each on
-                # an H100 (measured on code2wav's stream windows), where the flash and
-                # memory-efficient kernels need none; and prompts and streams bring new shapes
-                # all the time
-                torch.backends.cuda.enable_cudnn_sdp(False)
-            worker = StageWorker(spec.graph.stage(spec.stage), spec.graph, connector, spec.device)
+            use_device(spec.device)
+            stage = spec.graph.stage(spec.stage)
+            if stage.parallel.world_size > 1:
+                ranks.join_stage_group(spec, stage)
+            worker = StageWorker(stage, spec.graph, connector, spec.device)
         except BaseException as exc:
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             logger.error("stage %s failed to start:\n%s", spec.stage, traceback.format_exc())
@@ -171,7 +188,11 @@ def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector,
         info = worker.engine.info()
         outbox.send(m.encode(m.Ready(spec.stage, os.getpid(),
                                      connector.address, info)))
-        worker.serve(inbox, outbox)
+        try:
+            worker.serve(inbox, outbox)
+        finally:
+            if stage.parallel.world_size > 1:
+                worker.engine.stop_followers()
     finally:
         trace.save()
         connector.close()
@@ -282,28 +303,37 @@ def process_main(spec: WorkerSpec, parent_pid: int, log_level: int = logging.WAR
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     ctx = zmq.Context()
+    code = 0
     try:
-        run_worker(spec, ctx, make_stage_connector(spec), own_process=True)
+        if spec.rank == 0:
+            run_worker(spec, ctx, make_stage_connector(spec), own_process=True)
+        else:
+            ranks.follow(spec, use_device)
     except SystemExit:
         pass
+    except BaseException:   # a follower rank: nobody to report to but the log and its exit
+        logger.exception("stage %s rank %d failed", spec.stage, spec.rank)
+        code = 1
     finally:
         if not _parent_alive(parent_pid):
             _clean_after_parent(spec)
         ctx.destroy(linger=0)
-        os._exit(0)
+        os._exit(code)
 
 
 class StageRunner:
-    """The orchestrator's hold on one running stage: its process or thread."""
+    """The orchestrator's hold on one running stage: its process (one per rank when the stage
+    spans several devices) or its thread."""
 
     def __init__(self, spec: WorkerSpec, backend: str, ctx: zmq.Context,
                  shared_connector: Connector | None) -> None:
         self.spec = spec
         self.name = spec.stage
-        self.process: subprocess.Popen | None = None
+        self.processes: list[subprocess.Popen] = []
         self.thread: threading.Thread | None = None
         if backend == "process":
-            self.process = start_stage_process(spec)
+            for rank_spec in ranks.rank_specs(spec, spec.graph.stage(spec.stage)):
+                self.processes.append(start_stage_process(rank_spec))
         else:
             conn = shared_connector if shared_connector is not None else make_stage_connector(spec)
             self.thread = threading.Thread(target=run_worker, args=(spec, ctx, conn),
@@ -312,32 +342,53 @@ class StageRunner:
 
     @property
     def pid(self) -> int:
-        return self.process.pid if self.process is not None else os.getpid()
+        """Rank 0's process (the one the orchestrator speaks to)."""
+        return self.processes[0].pid if self.processes else os.getpid()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes] or [os.getpid()]
 
     def is_alive(self) -> bool:
-        if self.process is not None:
-            return self.process.poll() is None
+        """Every rank runs: a stage missing one cannot step."""
+        if self.processes:
+            return all(p.poll() is None for p in self.processes)
         return self.thread is not None and self.thread.is_alive()
 
     def exit_description(self) -> str:
-        if self.process is not None and self.process.poll() is not None:
-            code = self.process.returncode
-            return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        for rank, p in enumerate(self.processes):
+            if p.poll() is not None:
+                code = p.returncode
+                how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                return f"{how} (rank {rank} of {len(self.processes)})" if len(
+                    self.processes) > 1 else how
         return "stopped"
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Wait for a worker told to shut down; terminate, then kill, a process that lingers.
-        A process is always waited for (reaped), so none is left as a zombie."""
-        if self.process is not None:
-            for end, wait_s in ((None, timeout_s), (self.process.terminate, 2.0),
-                                (self.process.kill, 2.0)):
-                if self.process.poll() is not None:
-                    break
-                if end is not None:
-                    end()
-                try:
-                    self.process.wait(wait_s)
-                except subprocess.TimeoutExpired:
-                    pass
-        elif self.thread is not None:
+        Rank 0 goes first (it tells the other ranks to stop); every process is waited for
+        (reaped), so none is left as a zombie."""
+        for i, process in enumerate(self.processes):
+            _end_process(process, timeout_s if i == 0 else 2.0)
+        if self.thread is not None:
             self.thread.join(timeout_s)
+
+    def kill(self) -> None:
+        """End every rank now (a rank died: the others would wait for it in a collective)."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            _end_process(process, 2.0)
+
+
+def _end_process(process: subprocess.Popen, timeout_s: float) -> None:
+    for end, wait_s in ((None, timeout_s), (process.terminate, 2.0), (process.kill, 2.0)):
+        if process.poll() is not None:
+            return
+        if end is not None:
+            end()
+        try:
+            process.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            pass

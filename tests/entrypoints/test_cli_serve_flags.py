@@ -98,10 +98,23 @@ def test_max_model_len_above_the_model_limit_is_refused(tiny_qwen3: Path) -> Non
     assert max_positions({"text_config": {"max_position_embeddings": 9}}, None) == 9
 
 
-def test_tensor_parallel_above_one_is_refused(capsys: pytest.CaptureFixture) -> None:
-    assert main(["serve", "--tensor-parallel-size", "2"]) == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert "--tensor-parallel-size 2" in line and "multi-GPU stages" in line
+def test_parallel_flags_set_the_main_stage_and_its_devices(tiny_qwen3: Path) -> None:
+    _, graph = graph_of([str(tiny_qwen3), "-tp", "2"])
+    llm = graph.stage("llm")
+    assert (llm.tensor_parallel_size, llm.devices, llm.parallel.world_size) == (2, (0, 1), 2)
+    # an explicit device list wins (the override comes after the flags' items)
+    _, graph = graph_of([str(tiny_qwen3), "-tp", "2", "--stage-override", "llm.devices=[2,3]"])
+    assert graph.stage("llm").devices == (2, 3)
+    _, graph = graph_of([str(tiny_qwen3), "--stage-config", "qwen3_omni", "-tp", "2"])
+    assert graph.stage("thinker").tensor_parallel_size == 2
+    assert graph.stage("talker").tensor_parallel_size == 1
+
+
+def test_diffusion_axes_are_refused_on_an_llm(capsys: pytest.CaptureFixture,
+                                               tiny_qwen3: Path) -> None:
+    assert main(["serve", str(tiny_qwen3), "--cfg-parallel-size", "2"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--cfg-parallel-size does not apply to this model" in line and "diffusion" in line
 
 
 def test_config_file_merges_under_the_command_line(tiny_qwen3: Path, tmp_path: Path) -> None:

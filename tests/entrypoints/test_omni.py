@@ -361,8 +361,10 @@ def test_vllm_engine_keywords(tiny_qwen3: Path) -> None:
     assert apply_keywords(graph, {"max_model_len": None}) is graph
     with pytest.raises(TypeError, match=r"'max_num_seq'.*did you mean 'max_num_seqs'"):
         Omni(str(tiny_qwen3), device="cpu", max_num_seq=4)
-    with pytest.raises(TypeError, match=r"tensor_parallel_size=2 .*one GPU until multi-GPU"):
-        Omni(str(tiny_qwen3), device="cpu", tensor_parallel_size=2)
+    tp = apply_keywords(graph, {"tensor_parallel_size": 2}).stage("thinker")
+    assert (tp.tensor_parallel_size, tp.devices) == (2, (0, 1))
+    with pytest.raises(TypeError, match=r"pipeline_parallel_size=2 .*split the model"):
+        Omni(str(tiny_qwen3), device="cpu", pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="memory_fraction"):
         Omni(str(tiny_qwen3), device="cpu", gpu_memory_utilization=1.5)
 

@@ -76,3 +76,49 @@ def test_packaged_two_gpu_qwen3_omni_graph() -> None:
     for a, b in zip(two.stages, one.stages):
         keep = dict(devices=b.devices, memory_fraction=b.memory_fraction)
         assert replace(a, **keep) == b, a.name
+
+
+PARALLEL = """
+model: /models/m
+backend: {backend}
+stages:
+  - {{name: a, kind: {kind}, final: {final}, devices: {devices}, {sizes}}}
+"""
+
+
+def parallel_graph(sizes: str, kind: str = "ar", devices: str = "[0, 1]",
+                   backend: str = "process"):
+    final = {"ar": "text", "diffusion": "image", "generation": "audio"}[kind]
+    return load_graph(PARALLEL.format(kind=kind, final=final, devices=devices, sizes=sizes,
+                                      backend=backend))
+
+
+@pytest.mark.parametrize("sizes, kind, devices, backend, message", [
+    ("ulysses_degree: 2", "ar", "[0, 1]", "process",
+     r"stage 'a': a ar stage cannot split by ulysses_degree \(it supports: tensor_parallel_size\)"),
+    ("tensor_parallel_size: 2", "generation", "[0, 1]", "process",
+     r"a generation stage cannot split by tensor_parallel_size \(it supports: none\)"),
+    ("tensor_parallel_size: 2", "ar", "[0]", "process",
+     r"stage 'a' has 2 ranks \(tensor_parallel_size 2\) but lists 1 device\(s\) \[0\]"),
+    ("cfg_parallel_size: 2, ulysses_degree: 2", "diffusion", "[0, 1, 2]", "process",
+     r"has 4 ranks \(ulysses_degree 2 x cfg_parallel_size 2\) but lists 3 device"),
+    ("tensor_parallel_size: 2", "ar", "[0, 1]", "inproc", r"needs the process backend"),
+    ("tensor_parallel_size: 2", "ar", "[1, 2]", "process",
+     r"stage 'a' is placed on cuda:2, but this machine has 2 GPUs"),
+])
+def test_impossible_parallel_layouts_are_refused_before_start(
+        sizes: str, kind: str, devices: str, backend: str, message: str) -> None:
+    g = parallel_graph(sizes, kind, devices, backend)
+    with pytest.raises(ValueError, match=message):
+        check_gpu_placement(g, "cuda")
+
+
+def test_each_rank_counts_on_its_own_gpu() -> None:
+    """Stage a's 2 ranks on GPUs 0 and 1, stage b on GPU 1: their fractions meet on GPU 1."""
+    g = load_graph(GRAPH.format(a=0.5, b=0.6, device_b=1))
+    a = replace(g.stages[0], tensor_parallel_size=2, devices=(0, 1))
+    with pytest.raises(ValueError, match=r"stages a 0.5, b 0.6 share cuda:1"):
+        check_gpu_placement(replace(g, stages=(a, g.stages[1])), "cuda")
+    check_gpu_placement(g, "cuda")       # one rank each: a alone on GPU 0
+    # on the CPU every rank is the CPU: no device count
+    check_gpu_placement(parallel_graph("tensor_parallel_size: 2", devices="[0]"), "cpu")

@@ -88,10 +88,6 @@ def build_graph(args: argparse.Namespace, model_path: Path | None) -> GraphConfi
 
 def prepare(args: argparse.Namespace) -> tuple[GraphConfig, socket.socket]:
     """Every check that needs no model loaded; the graph to run and the bound socket."""
-    if args.tensor_parallel_size is not None and args.tensor_parallel_size > 1:
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: a stage runs on "
-                         "one GPU until multi-GPU stages land; use -tp 1 (a multi-stage model "
-                         "can still put its stages on different GPUs with --stage-config)")
     args.model = model_name(args)
     model_path = startup.resolve_model(args.model) if args.model is not None else None
     if args.tokenizer is not None:

@@ -64,7 +64,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "wins over the engine flags below)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, metavar="N",
-                   help="GPUs per stage; only 1 for now (multi-GPU stages are not there yet)")
+                   help="tensor_parallel_size: the main stage's weights split over N GPUs "
+                        "(ar, diffusion); other stages: --stage-override STAGE.tensor_parallel_size=N")
+    g.add_argument("--ulysses-degree", type=int, default=None, metavar="N",
+                   help="ulysses_degree: a diffusion stage's sequence split over N GPUs "
+                        "(all-to-all around attention)")
+    g.add_argument("--ring-degree", type=int, default=None, metavar="N",
+                   help="ring_degree: a diffusion stage's keys and values passed round N GPUs "
+                        "(ring attention)")
+    g.add_argument("--cfg-parallel-size", type=int, default=None, metavar="N",
+                   help="cfg_parallel_size: a true-CFG diffusion stage's positive and negative "
+                        "branches on 2 GPUs")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM compatibility; changes nothing: omnistage runs its "
                         "own model code, never code from a checkpoint")

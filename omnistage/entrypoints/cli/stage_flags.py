@@ -8,6 +8,9 @@ They become `--stage-override` items put before the user's own, so an explicit
 after: the first ar stage (an LLM, Qwen3-Omni's thinker), else the diffusion stage whose output
 goes to the client (the denoiser, not a split graph's text encoder).
 
+The parallel flags (`-tp`, `--ulysses-degree`, `--ring-degree`, `--cfg-parallel-size`) also
+give the main stage consecutive devices from its first when it lists fewer than its ranks.
+
 A flag is refused, not ignored, when the main stage's kind never reads its key (`--max-model-len`
 on an image model), and `max_model_len` above the model's own limit is refused rather than
 capped by the engine at start-up.
@@ -19,7 +22,7 @@ import argparse
 import json
 from dataclasses import dataclass
 
-from omnistage.configs.graph import main_stage
+from omnistage.configs.graph import PARALLEL_KEYS, main_stage, parallel_devices_override
 from omnistage.configs.schema import GraphConfig, StageKind
 from omnistage.models.loader import resolve_model_path
 
@@ -48,6 +51,10 @@ STAGE_FLAGS: tuple[StageFlag, ...] = (
     StageFlag("seed", "seed", ("ar",)),
     StageFlag("tokenizer", "tokenizer", ("ar",)),
     StageFlag("dtype", "dtype", ALL_KINDS, every_stage=True),
+    StageFlag("tensor_parallel_size", "tensor_parallel_size", ("ar", "diffusion")),
+    StageFlag("ulysses_degree", "ulysses_degree", ("diffusion",)),
+    StageFlag("ring_degree", "ring_degree", ("diffusion",)),
+    StageFlag("cfg_parallel_size", "cfg_parallel_size", ("diffusion",)),
     StageFlag("chat_template", None, ("ar",)),
 )
 
@@ -72,7 +79,9 @@ def flag_overrides(graph: GraphConfig, args: argparse.Namespace) -> list[str]:
         targets = [s for s in graph.stages if s.kind in flag.kinds] if flag.every_stage \
             else [main]
         items += [f"{s.name}.{flag.key}={json.dumps(value)}" for s in targets]
-    return items
+    given = {key: getattr(args, key) for key in PARALLEL_KEYS if getattr(args, key, None)}
+    devices = parallel_devices_override(main, given) if given else None
+    return items + ([devices] if devices else [])
 
 
 def check_max_model_len(graph: GraphConfig) -> None:

@@ -1,0 +1,101 @@
+"""The ranks of a stage that spans several devices (issue 18).
+
+    orchestrator ── zmq ──> rank 0: StageWorker, the engine's scheduler; each step it shares
+                            its plan (layers/groups.py) before the forward
+                            rank 1..N-1: the same engine built the same way, `engine.follow()`:
+                            receive a plan, run that forward, until rank 0 says stop
+
+Every rank is a process of its own (`process_main`), started by the same `StageRunner`, with
+the same death-with-parent guard; they meet in one torch.distributed group per stage (NCCL on
+CUDA, gloo on the CPU) through a file in the run folder. A follower never speaks to the
+orchestrator: a rank that fails to start or dies exits, the runner sees the stage's process set
+broken and the orchestrator fails the stage, ending every other rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from omnistage.configs.schema import GraphConfig, ParallelSizes, StageConfig
+
+if TYPE_CHECKING:
+    from omnistage.stages.process import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+# What each stage kind can split (the engines refuse what their model cannot, e.g. heads that
+# do not divide; this is what they have no code for at all).
+SUPPORTED_AXES = {"ar": {"tp"}, "diffusion": {"tp", "ulysses", "ring", "cfg"},
+                  "generation": set()}
+_FLAG = {"tp": "tensor_parallel_size", "ulysses": "ulysses_degree", "ring": "ring_degree",
+         "cfg": "cfg_parallel_size"}
+
+
+def rank_device(device: str, stage: StageConfig, rank: int) -> str:
+    """Where rank `rank` of the stage runs, given rank 0's device: the rank-th of its devices
+    (the CPU: the CPU)."""
+    if rank == 0 or not device.startswith("cuda"):
+        return device
+    return f"cuda:{stage.devices[rank]}"
+
+
+def rank_specs(spec: WorkerSpec, stage: StageConfig) -> list[WorkerSpec]:
+    """One WorkerSpec per rank: rank 0's is `spec`; the others differ in rank and device."""
+    return [spec] + [replace(spec, rank=r, device=rank_device(spec.device, stage, r))
+                     for r in range(1, stage.parallel.world_size)]
+
+
+def check_parallel_layouts(graph: GraphConfig, device_kind: str) -> None:
+    """Refuse, before anything starts, a parallel layout no engine can run: an axis the
+    stage's kind cannot split, more ranks than listed devices, the in-process backend. The
+    model-dependent checks (heads, vocabulary, CFG) are the engines', at their start-up."""
+    for stage in graph.stages:
+        sizes = stage.parallel
+        if sizes.world_size == 1:
+            continue
+        unsupported = [_FLAG[a] for a in ("tp", "ulysses", "ring", "cfg")
+                       if getattr(sizes, a) > 1 and a not in SUPPORTED_AXES[stage.kind]]
+        if unsupported:
+            raise ValueError(f"stage {stage.name!r}: a {stage.kind} stage cannot split by "
+                             f"{', '.join(unsupported)} (it supports: "
+                             f"{', '.join(_FLAG[a] for a in sorted(SUPPORTED_AXES[stage.kind])) or 'none'})")
+        if graph.backend != "process":
+            raise ValueError(f"stage {stage.name!r} spans {sizes.world_size} ranks, which "
+                             "needs the process backend (backend: process)")
+        if device_kind.startswith("cuda") and len(stage.devices) < sizes.world_size:
+            raise ValueError(f"stage {stage.name!r} has {sizes.world_size} ranks ({describe(sizes)}) "
+                             f"but lists {len(stage.devices)} device(s) {list(stage.devices)}: "
+                             f"give it {sizes.world_size} devices")
+
+
+def describe(sizes: ParallelSizes) -> str:
+    return " x ".join(f"{_FLAG[a]} {getattr(sizes, a)}" for a in ("tp", "ulysses", "ring", "cfg")
+                      if getattr(sizes, a) > 1)
+
+
+def join_stage_group(spec: WorkerSpec, stage: StageConfig) -> None:
+    """Join this stage's process group as rank `spec.rank` (every rank of the stage calls it)."""
+    from omnistage.layers.groups import init_stage_ranks
+
+    backend = "nccl" if spec.device.startswith("cuda") else "gloo"
+    init_stage_ranks(stage.parallel, spec.rank, f"file://{spec.run_dir}/dist-{spec.stage}",
+                     backend, timeout_s=stage.startup_timeout_s)
+
+
+def follow(spec: WorkerSpec, use_device: Callable[[str], None]) -> None:
+    """A follower rank's life: join the group, build the stage's engine like rank 0 does, then
+    run the forwards rank 0's plans name until it says stop."""
+    from omnistage.stages.factory import build_stage_engine
+
+    stage = spec.graph.stage(spec.stage)
+    use_device(spec.device)
+    join_stage_group(spec, stage)
+    engine = build_stage_engine(stage, spec.graph.model, spec.device)
+    gc.collect()      # as rank 0 does: the model lives as long as the stage, out of the
+    gc.freeze()       # collector's sight
+    logger.info("stage %s rank %d ready on %s", spec.stage, spec.rank, spec.device)
+    engine.follow()
