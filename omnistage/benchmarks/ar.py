@@ -39,6 +39,11 @@ PRESETS: dict[str, dict[str, object]] = {
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
                        rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # Qwen/Qwen3-8B's (the tensor-parallel benchmark's model, ar_tp.py)
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
                  max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,

@@ -54,6 +54,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ar.add_argument("--concurrency", type=_ints, default=(1, 8, 64),
                     help="comma-separated, e.g. 1,8,64")
     ar.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ar.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+                    help="above 1: TP N against TP 1 through the stage runtime, on a "
+                         "Qwen3-8B shape (--preset to change), concurrency 1 / 64 by default")
+    ar.add_argument("--preset", default=None,
+                    help="model shape: qwen3-0.6b (default), qwen3-8b (default with -tp)")
     ar.add_argument("--checkpoint-dir", default=None,
                     help="keep the random checkpoint here (default: a temporary folder)")
 
@@ -94,11 +99,24 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     from omnistage.benchmarks.common import write_result
 
-    if args.benchmark == "ar":
+    if args.benchmark == "ar" and args.tensor_parallel_size > 1:
+        from omnistage.benchmarks import ar_tp
+
+        cfg = ar_tp.ARTPBenchConfig(
+            preset="tiny" if args.tiny else (args.preset or "qwen3-8b"),
+            tensor_parallel_size=args.tensor_parallel_size,
+            input_len=min(args.input_len, 16) if args.tiny else args.input_len,
+            output_len=min(args.output_len, 8) if args.tiny else args.output_len,
+            concurrency=args.concurrency if args.concurrency != (1, 8, 64) else (1, 64),
+            device=args.device, checkpoint_dir=args.checkpoint_dir, seed=args.seed)
+        result = ar_tp.run(cfg)
+        name = args.name or f"ar_tp{cfg.tensor_parallel_size}_{cfg.preset}"
+        headline = result["ratios"]
+    elif args.benchmark == "ar":
         from omnistage.benchmarks import ar
 
         cfg = ar.ARBenchConfig(
-            preset="tiny" if args.tiny else "qwen3-0.6b",
+            preset="tiny" if args.tiny else (args.preset or "qwen3-0.6b"),
             input_len=min(args.input_len, 16) if args.tiny else args.input_len,
             output_len=min(args.output_len, 8) if args.tiny else args.output_len,
             concurrency=args.concurrency, device=args.device,
