@@ -15,6 +15,7 @@ broken and the orchestrator fails the stage, ending every other rank.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -70,6 +71,52 @@ def check_parallel_layouts(graph: GraphConfig, device_kind: str) -> None:
             raise ValueError(f"stage {stage.name!r} has {sizes.world_size} ranks ({describe(sizes)}) "
                              f"but lists {len(stage.devices)} device(s) {list(stage.devices)}: "
                              f"give it {sizes.world_size} devices")
+        check_heads_divide(stage, stage.model or graph.model)
+
+
+def check_heads_divide(stage: StageConfig, model: str | None) -> None:
+    """The checkpoint's attention heads split evenly over the ranks that split heads: an AR
+    model's query heads over tensor_parallel_size (its key/value heads split or replicate), a
+    diffusion transformer's over tensor_parallel_size x ulysses_degree. Only config.json is
+    read; a model not found here is left to the engine's start-up."""
+    from omnistage.models.loader import resolve_model_path
+
+    try:
+        path = resolve_model_path(model) if model else None
+    except FileNotFoundError:
+        return
+    sizes = stage.parallel
+    if path is None:
+        return
+    if stage.kind == "ar" and (path / "config.json").is_file():
+        config = _component_config(json.loads((path / "config.json").read_text()), stage.component)
+        heads, split, what = config.get("num_attention_heads"), sizes.tp, "tensor_parallel_size"
+        kv = config.get("num_key_value_heads") or heads
+        if isinstance(kv, int) and kv % sizes.tp and sizes.tp % kv:
+            raise ValueError(f"stage {stage.name!r}: its {kv} key/value heads neither split "
+                             f"evenly over nor replicate evenly on tensor_parallel_size {sizes.tp}")
+    elif stage.kind == "diffusion" and (path / "transformer" / "config.json").is_file():
+        config = json.loads((path / "transformer" / "config.json").read_text())
+        heads, split = config.get("num_attention_heads"), sizes.tp * sizes.ulysses
+        what = "tensor_parallel_size x ulysses_degree"
+    else:
+        return
+    if isinstance(heads, int) and heads % split:
+        raise ValueError(f"stage {stage.name!r}: its {heads} attention heads do not divide by "
+                         f"{what} = {split}")
+
+
+def _component_config(config: dict, component: str | None) -> dict:
+    """The text model's part of a config.json: a component's `<part>_config` (Qwen3-Omni's
+    qwen3_omni_thinker reads thinker_config), then its `text_config` when it has one."""
+    if component:
+        for key, node in config.items():
+            if key.endswith("_config") and isinstance(node, dict) \
+                    and key.removesuffix("_config") in component:
+                config = node
+                break
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
 
 
 def describe(sizes: ParallelSizes) -> str:
