@@ -28,7 +28,7 @@ from PIL import Image
 from torch import Tensor
 
 from omnistage.diffusion.image_input import input_image
-from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.params import DiffusionParams, ImageRef
 from omnistage.diffusion.pipeline import DiffusionPipeline, is_split_pipeline
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
@@ -69,6 +69,7 @@ class DiffusionEngine:
         if prompt is None and not is_split_pipeline(type(self.pipeline)):
             raise ValueError(f"{type(self.pipeline).__name__} encodes its own prompts: it "
                              "cannot take conditioning from an upstream stage")
+        assert not isinstance(params.image, ImageRef), "the stage attaches the image file"
         image = input_image(params, None)    # decoded once, here: validate and prepare take it
         self.validate(prompt, params, image)
         seed = params.seed if params.seed is not None else int(torch.seed() % 2**63)

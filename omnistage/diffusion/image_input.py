@@ -2,10 +2,17 @@
 VAE encodes, as diffusers' `VaeImageProcessor.preprocess` makes it (PIL Lanczos resize to the
 target size, [0, 255] -> [-1, 1]).
 
-A request's image arrives as encoded bytes (PNG, JPEG, WebP, ...) so that it crosses process
-boundaries small. It is decoded once, by the diffusion engine when the request is added, and
-the pipeline's `validate` / `prepare` take that image (`image=`); the front door and a
-pipeline's size rule read only the file's header (`peek_image`).
+A request's image arrives as encoded bytes (PNG, JPEG, WebP, ...) and stays encoded, small,
+until the stage that draws from it: the front door reads only its header (`peek_image`), the
+orchestrator puts the file in the stage connector (`file_tensor`) and sends its params with an
+`ImageRef` instead, and the stage attaches it again (`file_bytes`). It is decoded once, by the
+diffusion engine when the request is added; the pipeline's `validate` / `prepare` take that
+image (`image=`), and a pipeline's size rule reads the decoded image or the file's header.
+
+    front door          orchestrator                         diffusion stage
+    peek_image(file) -> connector.put({"mm.image": file}) -> attach_image(file_bytes(...))
+                        AddRequest(params + ImageRef,        -> engine: decode_image, once
+                                   inputs=handle)
 """
 
 from __future__ import annotations
@@ -23,6 +30,16 @@ from omnistage.errors import InputError
 from omnistage.diffusion.solvers.flow_match_euler import scale_noise, timesteps_for_strength
 
 MAX_INPUT_PIXELS = 4096 * 4096       # decompression-bomb guard for input images
+
+
+def file_tensor(data: bytes) -> Tensor:
+    """An image file's bytes as a uint8 tensor (nbytes,): how the file rides in a connector."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def file_bytes(tensor: Tensor) -> bytes:
+    """The image file back from its `file_tensor`."""
+    return tensor.numpy().tobytes()
 
 
 def decode_image(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> Image.Image:

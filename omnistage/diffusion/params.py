@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import msgspec
 
 from omnistage.errors import InputError
 
@@ -11,13 +13,22 @@ MAX_IMAGES = 10
 DEFAULT_STRENGTH = 0.6          # diffusers' img2img pipelines' default
 
 
+class ImageRef(msgspec.Struct, frozen=True):
+    """Stands in for the input image of params on their way to a stage: the file travels
+    beside them, through the stage connector, not in the control message (`detach_image`,
+    `attach_image`). The params stay an image-to-image request's, so `strength` stays valid."""
+
+    nbytes: int
+
+
 @dataclass(frozen=True, slots=True)
 class DiffusionParams:
     """height/width None: the pipeline's default size. guidance_scale: classifier-free
     guidance (or FLUX's distilled guidance), None: the pipeline's default. true_cfg_scale:
     Qwen-Image's true CFG with a negative prompt. cache_threshold: step caching (TeaCache-
     style), None = off. image: an encoded image file (PNG, JPEG, WebP, ...) to start from
-    (image-to-image / edit), or a PIL image (kept as PNG); strength: how much of its schedule runs, 1.0 = from pure noise."""
+    (image-to-image / edit), or a PIL image (kept as PNG); on the way to a stage an
+    `ImageRef`. strength: how much of its schedule runs, 1.0 = from pure noise."""
 
     height: int | None = None
     width: int | None = None
@@ -28,7 +39,7 @@ class DiffusionParams:
     seed: int | None = None
     num_images: int = 1
     cache_threshold: float | None = None
-    image: bytes | None = field(default=None, repr=False)
+    image: bytes | ImageRef | None = field(default=None, repr=False)
     strength: float | None = None
 
     def __post_init__(self) -> None:
@@ -64,7 +75,7 @@ class DiffusionParams:
                 bad(name, "must be > 0")
         if self.cache_threshold is not None and not self.cache_threshold >= 0.0:
             bad("cache_threshold", "must be >= 0")
-        if self.image is not None and not isinstance(self.image, bytes):
+        if self.image is not None and not isinstance(self.image, (bytes, ImageRef)):
             raise InputError("DiffusionParams.image: must be the bytes of an encoded image file "
                              f"(PNG, JPEG, WebP, ...), got {type(self.image).__name__}", "image")
         if self.image is not None and not self.image:
@@ -74,6 +85,19 @@ class DiffusionParams:
                 bad("strength", "applies to image-to-image only (no image given)")
             if not 0.0 < self.strength <= 1.0:
                 bad("strength", "must be in (0, 1]")
+
+    def detach_image(self) -> tuple[DiffusionParams, bytes | None]:
+        """(these params with an `ImageRef` for their image file, the file): what goes in the
+        control message, and what goes through the connector. Without an image, (self, None)."""
+        if not isinstance(self.image, bytes):
+            return self, None
+        return replace(self, image=ImageRef(len(self.image))), self.image
+
+    def attach_image(self, data: bytes) -> DiffusionParams:
+        """The params `detach_image` sent, with their image file back from the connector."""
+        assert isinstance(self.image, ImageRef) and self.image.nbytes == len(data), (
+            f"an image file of {len(data)} bytes for params expecting {self.image!r}")
+        return replace(self, image=data)
 
     @property
     def image_strength(self) -> float:

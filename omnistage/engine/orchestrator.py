@@ -26,6 +26,8 @@ from torch import Tensor
 
 from omnistage.configs.graph import downstream, stages_needed, topological_order, validate_graph
 from omnistage.configs.schema import GraphConfig, OutputKind
+from omnistage.connectors.base import ChunkKey, Connector, make_connector
+from omnistage.diffusion.image_input import file_tensor
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.outputs import RequestEvent, StageMetrics
 from omnistage.sampling_params import SamplingParams
@@ -64,6 +66,16 @@ class Route:
     finish_reason: str | None = None
 
 
+@dataclass(slots=True)
+class EntryInputs:
+    """What a request's entry stages take from the caller: the prompt (token ids, unless it is
+    embeddings; text), and the tensors that go through the connector ("prompt_embeds",
+    "mm.*")."""
+    token_ids: list[int] | None
+    prompt_text: str | None
+    tensors: dict[str, Tensor]
+
+
 class Orchestrator:
     def __init__(self, graph: GraphConfig, device: str = "auto") -> None:
         validate_graph(graph, adapters=adapters.registered())
@@ -81,13 +93,24 @@ class Orchestrator:
         self._lock = threading.RLock()
         self._closed = False
         self._router: threading.Thread | None = None
+        self._inputs: Connector | None = None
         self.stages = StageSet(graph, device)        # every stage started, or an error
         self.stage_info = self.stages.info
         self._connector = self.stages.connector
+        self._inputs = self._input_connector()
         self._router = threading.Thread(target=self._route_loop, name="omnistage-router",
                                         daemon=True)
         self._router.start()
         _LIVE.add(self)
+
+    def _input_connector(self) -> Connector:
+        """Where the client's tensors go to the stages (AddRequest.inputs). Over shm each is a
+        segment of its own, never inline in the control message: one per request, where a
+        segment's cost does not count. inproc: the stages' own instance; tcp: the stages'
+        addresses are known to the client's instance (StageSet)."""
+        if self.graph.connector == "shm":
+            return make_connector("shm", namespace=self.stages.shm_namespace, inline_bytes=0)
+        return self._connector
 
     def _send(self, stage: str, msg: m.ToStage) -> None:
         """Send to a stage. A dead stage fails its requests at once, and the message is dropped
@@ -111,41 +134,45 @@ class Orchestrator:
         needed = stages_needed(self.graph, wanted)
         route = Route(request_id, sink, needed, set(needed),
                       {s.name for s in self.graph.stages if s.name in needed and s.final in wanted})
+        entry = EntryInputs(None if prompt_embeds is not None else list(prompt_token_ids or []),
+                            prompt_text, {f"mm.{k}": v for k, v in (multimodal or {}).items()})
+        if prompt_embeds is not None:
+            entry.tensors["prompt_embeds"] = prompt_embeds
         now = time.time()
         with self._lock:
             if request_id in self._routes:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._routes[request_id] = route
-            for name in reversed(self.order):  # downstream first: parked before input arrives
-                if name not in needed:
-                    continue
-                stage = self.graph.stage(name)
-                ups = [i for i in stage.inputs if i.source in needed]
-                downs = [d.name for d, _ in self._downstream[name] if d.name in needed]
-                embeds = None
-                client: dict[str, Tensor] = {f"mm.{k}": v for k, v in (multimodal or {}).items()}
-                if prompt_embeds is not None:
-                    client["prompt_embeds"] = prompt_embeds
-                if not ups and client:
-                    embeds = self._connector_put_inputs(request_id, name, client)
-                p = params.get(name)
-                entry_ids = None if ups or prompt_embeds is not None else list(
-                    prompt_token_ids or [])
-                msg = m.AddRequest(
-                    request_id, p if isinstance(p, SamplingParams) else None,
-                    p if isinstance(p, DiffusionParams) else None,
-                    None if ups else prompt_text, entry_ids, embeds, len(ups), downs, now)
-                self._send(name, msg)
+            try:
+                for name in reversed(self.order):  # downstream first: parked before input arrives
+                    if name in needed:
+                        self._send(name, self._add_message(request_id, name, needed,
+                                                           params.get(name), entry, now))
+            except BaseException:   # an input that could not be put: nothing of the request stays
+                self._routes.pop(request_id, None)
+                self._free(request_id, needed)
+                raise
         return needed
 
-    def _connector_put_inputs(self, request_id: str, stage: str, tensors: dict[str, Tensor]
-                              ) -> m.TensorHandle:
-        if self.graph.connector == "tcp":
-            raise ValueError("prompt_embeds and multimodal inputs over the tcp connector are "
-                             "not supported yet")
-        from omnistage.connectors.base import ChunkKey
-
-        return self._connector.put(ChunkKey(request_id, f"client->{stage}", 0), tensors)
+    def _add_message(self, request_id: str, name: str, needed: set[str],
+                     p: SamplingParams | DiffusionParams | None, entry: EntryInputs,
+                     now: float) -> m.AddRequest:
+        """Stage `name`'s part of a request: an entry stage gets the prompt and the client's
+        tensors, a diffusion stage its params; what the stage takes as tensors (an edit's image
+        file too: its params carry an ImageRef) goes through the connector."""
+        ups = [i for i in self.graph.stage(name).inputs if i.source in needed]
+        downs = [d.name for d, _ in self._downstream[name] if d.name in needed]
+        tensors = {} if ups else dict(entry.tensors)
+        diffusion = p if isinstance(p, DiffusionParams) else None
+        if diffusion is not None:
+            diffusion, image = diffusion.detach_image()
+            if image is not None:
+                tensors["mm.image"] = file_tensor(image)
+        inputs = self._inputs.put(ChunkKey(request_id, m.edge_name(m.CLIENT, name), 0),
+                                  tensors) if tensors else None
+        return m.AddRequest(request_id, p if isinstance(p, SamplingParams) else None, diffusion,
+                            None if ups else entry.prompt_text,
+                            None if ups else entry.token_ids, inputs, len(ups), downs, now)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -163,6 +190,8 @@ class Orchestrator:
         for name in stages:
             self._send(name, msg)
         self._connector.release(request_id)
+        if self._inputs is not self._connector:   # what no stage took of the client's tensors
+            self._inputs.release(request_id)
 
     def stage_stats(self, timeout_s: float = 10.0) -> dict[str, m.StageStats]:
         """Ask every stage for its resource state (requests held, free KV blocks, ...)."""
@@ -314,6 +343,8 @@ class Orchestrator:
             stages.stop()
         if self._router is not None:
             self._router.join(2.0)
+        if self._inputs is not None and self._inputs is not self._connector:
+            self._inputs.close()
         if stages is not None:
             stages.close()
         trace.save()

@@ -102,9 +102,11 @@ class StageSet:
             self._tell_peers(addresses)
 
     def _tell_peers(self, addresses: dict[str, str]) -> None:
-        """tcp: each producer learns its consumers' addresses (and the client's)."""
+        """tcp: each producer learns its consumers' addresses (and the client's), and the
+        client each stage's, for the tensors it sends a stage itself (AddRequest.inputs)."""
         client = self.connector.address
         for s in self.graph.stages:
+            self.connector.add_peer(m.edge_name(m.CLIENT, s.name), addresses[s.name])
             peers = {m.edge_name(s.name, d.name): addresses[d.name]
                      for d, _ in downstream(self.graph, s.name)}
             if s.final not in (None, "text"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from omnistage import registry
 from omnistage.configs.schema import StageConfig
 from omnistage.diffusion.engine import DiffusionEngine
+from omnistage.diffusion.image_input import file_bytes
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import compile_blocks, is_split_pipeline
 from omnistage.diffusion.text_encoding import TEXT_ENCODER_PART, TextEncodingEngine
@@ -63,7 +64,7 @@ class DiffusionStage:
         self.engine = DiffusionEngine(pipeline, stage.max_num_seqs)
 
     def add(self, request: StageRequest) -> None:
-        diffusion = request.diffusion or DiffusionParams()
+        diffusion = _params(request)
         rid, arrival = request.request_id, request.arrival_time
         if self.conditioned:          # the prompt was encoded upstream
             if not request.streamed:
@@ -113,3 +114,11 @@ class DiffusionStage:
                             finish_reason=("error" if r.error else "stop") if r.finished else None,
                             error=r.error, engine_metrics=r.metrics, progress=r.progress)
                 for r in self.engine.step()]
+
+
+def _params(request: StageRequest) -> DiffusionParams:
+    """The request's params, with an edit's image file (the worker took it from the
+    connector: input "image") in place of the ImageRef they came with."""
+    params = request.diffusion or DiffusionParams()
+    image = request.multimodal.get("image")
+    return params if image is None else params.attach_image(file_bytes(image))

@@ -4,7 +4,9 @@
                             Shutdown
     stage -> orchestrator:  Ready, StartupFailed, StageOutput, StageStats
 
-Bulk tensors never ride in these messages: a `TensorHandle` from the connector does.
+Bulk tensors never ride in these messages: a `TensorHandle` from the connector does. That
+includes the client's inputs (prompt embeddings, multimodal features, an edit's image file),
+put by the orchestrator for the stage that takes them (`AddRequest.inputs`).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from omnistage.outputs import StageMetrics
 class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     request_id: str
     params: SamplingParams | None = None           # ar stages
-    diffusion: DiffusionParams | None = None       # diffusion stages
+    diffusion: DiffusionParams | None = None       # diffusion stages (an image: ImageRef)
     prompt: str | None = None                      # entry stages that take text (diffusion)
     prompt_token_ids: list[int] | None = None      # entry stages
-    prompt_embeds: TensorHandle | None = None
+    # the client's tensors for this stage: "prompt_embeds", "mm.*" (the model's multimodal
+    # inputs; a diffusion stage's "mm.image", the file its params' ImageRef stands for)
+    inputs: TensorHandle | None = None
     num_upstream: int = 0                          # edges that will feed it (parked until then)
     downstream: list[str] = []                     # stages this request flows to from here
     arrival_time: float = 0.0                      # wall clock (comparable across processes)

@@ -128,8 +128,8 @@ class StageWorker:
         request = StageRequest(msg.request_id, state.arrival_time, msg.params, msg.diffusion,
                                msg.prompt, msg.prompt_token_ids, streamed=msg.num_upstream > 0,
                                downstream=tuple(msg.downstream))
-        if msg.prompt_embeds is not None:   # the client's tensors: embeddings, "mm.*" inputs
-            tensors = self._get(state, msg.prompt_embeds)
+        if msg.inputs is not None:   # the client's tensors: embeddings, "mm.*" inputs
+            tensors = self._get(state, msg.inputs)
             request.prompt_embeds = tensors.pop("prompt_embeds", None)
             request.multimodal = {k.removeprefix("mm."): v for k, v in tensors.items()}
         self.engine.add(request)

@@ -235,6 +235,30 @@ def test_split_graph_draws_what_the_single_stage_graph_draws(
         assert all(ev.done for ev in last.values())           # nothing after a request's end
 
 
+def test_an_edit_through_the_split_graph(folder: Path) -> None:
+    """An image-to-image request in the split graph (over shared memory): its image file goes
+    through the connector and reaches the diffusion stage; the image equals the single-stage
+    graph's, and no segment stays behind."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray((torch.arange(SIZE * SIZE * 3) % 251).to(torch.uint8)
+                    .reshape(SIZE, SIZE, 3).numpy()).save(buf, format="PNG")
+    params = DiffusionParams(num_inference_steps=4, seed=5, image=buf.getvalue(), strength=0.5)
+    with Omni(str(folder), device="cpu", backend="inproc", connector="inproc") as omni:
+        (single,) = omni.generate("a red cube", params)
+    with Omni(str(folder), stage_config="z_image_split", device="cpu", backend="inproc",
+              connector="shm") as omni:
+        (split,) = omni.generate("a red cube", params)
+        namespace = omni.engine.orchestrator.resources["shm_namespace"]
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(namespace + "_")]
+    assert single.error is None and split.error is None, (single.error, split.error)
+    assert split.stage_metrics["dit"].num_steps == single.stage_metrics["dit"].num_steps == 2
+    assert (split.tensors["images"].int() - single.tensors["images"].int()).abs().max() <= 1
+
+
 def test_abort_while_waiting_for_conditioning(folder: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process, the text encoder held inside its batch: the diffusion stage holds the request
