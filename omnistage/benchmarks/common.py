@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from omnistage.models.loader import _default_dtype
 
@@ -134,25 +134,30 @@ def default_dtype(dtype: torch.dtype) -> contextlib.AbstractContextManager[None]
 def seeded_init(model: nn.Module, seed: int = 0) -> int:
     """Fill every parameter from a generator seeded by (seed, its name), on its own device:
     two modules with the same parameter names and shapes get the same weights without ever
-    being in memory together. Scales of normalization layers near 1 (whatever their shape);
-    other weights N(0, 1/fan_in), so activations stay O(1) through depth; biases small.
-    Returns the number of parameters."""
+    being in memory together (`seeded_tensor`). Returns the number of parameters."""
     count = 0
     for module_name, module in model.named_modules():
         is_norm = "norm" in type(module).__name__.lower()
         for leaf, p in module.named_parameters(recurse=False):
             name = f"{module_name}.{leaf}" if module_name else leaf
-            gen = torch.Generator(device=p.device).manual_seed(
-                seed * 1_000_003 + zlib.crc32(name.encode()))
-            noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
-            if is_norm and leaf != "bias":
-                p.copy_(1.0 + 0.1 * noise)
-            elif p.ndim == 1:
-                p.copy_(0.02 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p[0].numel()))
+            p.copy_(seeded_tensor(name, tuple(p.shape), is_norm and leaf != "bias", seed,
+                                  p.device))
             count += p.numel()
     return count
+
+
+def seeded_tensor(name: str, shape: tuple[int, ...], is_scale: bool, seed: int,
+                  device: torch.device) -> Tensor:
+    """The float32 values parameter `name` of `shape` gets: scales of normalization layers near
+    1 (whatever their shape); other weights N(0, 1/fan_in), so activations stay O(1) through
+    depth; biases small."""
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    noise = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+    if is_scale:
+        return 1.0 + 0.1 * noise
+    if len(shape) == 1:
+        return 0.02 * noise
+    return noise / math.sqrt(math.prod(shape[1:]))
 
 
 def parameter_bytes(model: nn.Module) -> int:

@@ -91,6 +91,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     diff.add_argument("--cache-thresholds", type=_floats, default=None,
                       help="step-cache thresholds to try, comma-separated")
     diff.add_argument("--concurrency", type=int, default=4)
+    diff.add_argument("--parallel", default=None, metavar="LAYOUTS",
+                      help="comma-separated layouts over 2 GPUs against 1 GPU, true CFG: "
+                           "cfg, ulysses, tp, ring (e.g. cfg,ulysses,tp)")
+    diff.add_argument("--no-reference", action="store_true",
+                      help="with --parallel: skip diffusers' transformer")
     diff.add_argument("--compile", action="store_true",
                       help="also time our transformer with its blocks torch.compile'd")
 
@@ -136,6 +141,22 @@ def run(args: argparse.Namespace) -> int:
             stage_config=args.stage_config)
         result = omni.run(cfg)
         name = args.name or f"omni_qwen3-omni-{cfg.sizes}"
+        headline = result["ratios"]
+    elif args.parallel:
+        import tempfile
+
+        from omnistage.benchmarks import diffusion_parallel as dp
+
+        tiny = args.tiny
+        cfg = dp.ParallelBenchConfig(
+            sizes="tiny" if tiny else "qwen-image", size=args.size or (64 if tiny else 1024),
+            steps=args.steps or (4 if tiny else 20),
+            num_layers=args.num_layers or (2 if tiny else 60), text_len=args.text_len,
+            layouts=tuple(args.parallel.split(",")), reference=not args.no_reference,
+            device=args.device, seed=args.seed)
+        with tempfile.TemporaryDirectory(prefix="omnistage-bench-parallel-") as tmp:
+            result = dp.run(cfg, Path(tmp))
+        name = args.name or f"diffusion_parallel_{cfg.sizes}_{cfg.size}px"
         headline = result["ratios"]
     else:
         from omnistage.benchmarks import diffusion
