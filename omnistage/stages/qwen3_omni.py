@@ -241,6 +241,8 @@ class TalkerStage(ARStage):
 
     def prepare(self) -> None:
         stage = self.stage
+        if not self.engine.ranks.is_leader:   # the code predictor and the projections run on
+            return                            # rank 0 alone (they never communicate)
         if (self.engine.device.type == "cuda" and not stage.enforce_eager
                 and stage.options.get("code_predictor_cuda_graphs", True)):
             self.model.code_predictor.graphs = code_predictor_graphs(
