@@ -7,18 +7,60 @@ over static input buffers that each step rewrites, the batch padded up to its bu
 
 from __future__ import annotations
 
+import array
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from omnistage.ar.scheduler import ScheduledBatch
+from omnistage.ar.sequence import Sequence
 from omnistage.layers import graph_capture, pdl
 from omnistage.layers.attention import AttentionBackend, AttentionMetadata, forward_context
-from omnistage.utils.host import int_matrix, int_tensor
+from omnistage.utils.host import array_tensor, int_array, int_matrix_array
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DecodeInputs:
+    """A decode-only step's host inputs, as `DecodeGraphs.run` writes them into its buffers:
+    built from the sequences by rank 0 (`of`), shared as they are with the other ranks of a
+    tensor-parallel stage (C int arrays: they pickle as bytes)."""
+    num_seqs: int
+    ints: array.array          # | ids | slots | positions (N or 3N) |, N the largest bucket
+    seq_lens: array.array      # (N,) int32
+    block_tables: array.array  # (num_seqs, width) int32, flattened
+    width: int
+
+    @staticmethod
+    def of(seqs: list[Sequence], block_size: int, num_rows: int, mrope: bool, ahead: bool
+           ) -> DecodeInputs:
+        """num_rows: the buffers' (the largest bucket). ahead: the step after one launched but
+        not read back (async scheduling): one position further on, its ids (0 here) fed on
+        the device."""
+        num_seqs, page = len(seqs), block_size
+        pad = num_rows - num_seqs
+        computed = [s.num_computed_tokens + ahead for s in seqs]
+        ids = ([0] * num_seqs if ahead else
+               [s.output_token_ids[p - s.num_prompt_tokens] for s, p in zip(seqs, computed)])
+        slots = [s.block_table[p // page] * page + p % page for s, p in zip(seqs, computed)]
+        pos = ([p + (s.mm.rope_delta if s.mm else 0) for s, p in zip(seqs, computed)]
+               if mrope else computed)
+        pos = (pos + [0] * pad) * (3 if mrope else 1)
+        tables = [s.block_table for s in seqs]
+        width = max(map(len, tables))
+        return DecodeInputs(
+            num_seqs, int_array(ids + [0] * pad + slots + [-1] * pad + pos),
+            int_array([p + 1 for p in computed] + [0] * pad, torch.int32),
+            int_matrix_array(tables, width), width)
+
+    @property
+    def input_ids(self) -> Tensor:
+        """(num_seqs,) host token ids (zeros for a step launched ahead)."""
+        return array_tensor(self.ints)[:self.num_seqs]
 
 
 class DecodeGraphs:
@@ -203,15 +245,20 @@ class DecodeGraphs:
                 return False
         return self.embeds_ok or not self.needs_embeds(batch)
 
-    def run(self, batch: ScheduledBatch, capture: tuple[int, ...], embeds: Tensor | None = None,
+    def inputs(self, batch: ScheduledBatch, ahead: bool = False) -> DecodeInputs:
+        """The host inputs of a batch `can_run` takes (ahead: see `DecodeInputs.of`)."""
+        return DecodeInputs.of(batch.seqs, self.block_size, self.sizes[-1], self.mrope, ahead)
+
+    def run(self, inputs: DecodeInputs, capture: tuple[int, ...], embeds: Tensor | None = None,
             prev_tokens: Tensor | None = None) -> tuple[Tensor, dict[int, Tensor]] | None:
-        """Replay the bucket's graph on this batch (embeds (B, H): the inputs' embeddings, for
-        the embedding-fed variant): -> hidden (B, H), captured layers (B, H) (views of the
-        graph's output buffers, valid until the next replay); None if that variant could not
-        be captured (the caller runs the batch eagerly). prev_tokens (B,): the tokens of a
-        step launched but not read back, on the device: this step decodes them, one position
-        past what the sequences record (async scheduling, engine.py)."""
-        num_seqs = len(batch.seqs)
+        """Replay the bucket's graph on a batch's inputs (embeds (B, H): the inputs'
+        embeddings, for the embedding-fed variant): -> hidden (B, H), captured layers (B, H)
+        (views of the graph's output buffers, valid until the next replay); None if that
+        variant could not be captured (the caller runs the batch eagerly). prev_tokens (B,):
+        the tokens of a step launched but not read back, on the device: this step decodes
+        them, one position past what the sequences record (async scheduling, engine.py;
+        `inputs` built with ahead)."""
+        num_seqs = inputs.num_seqs
         bs = next(s for s in self.sizes if s >= num_seqs)
         key = (bs, capture, embeds is not None)
         if embeds is not None:
@@ -231,26 +278,12 @@ class DecodeGraphs:
         graph, _, hidden, captured = self.graphs[key]
 
         # every row of the buffers: padding rows read id 0, write slot -1, attend to nothing
-        n, page = self.sizes[-1], self.block_size
-        pad = n - num_seqs
-        seqs = batch.seqs
-        ahead = int(prev_tokens is not None)
-        computed = [s.num_computed_tokens + ahead for s in seqs]
-        ids = ([0] * num_seqs if ahead else
-               [s.output_token_ids[p - s.num_prompt_tokens] for s, p in zip(seqs, computed)])
-        slots = [s.block_table[p // page] * page + p % page for s, p in zip(seqs, computed)]
-        pos = ([p + (s.mm.rope_delta if s.mm else 0) for s, p in zip(seqs, computed)]
-               if self.mrope else computed)
-        pos = (pos + [0] * pad) * (3 if self.mrope else 1)
-        host = int_tensor(ids + [0] * pad + slots + [-1] * pad + pos)
-        self._ints.copy_(host, non_blocking=True)
+        self._ints.copy_(array_tensor(inputs.ints), non_blocking=True)
         if prev_tokens is not None:
             self.input_ids[:num_seqs].copy_(prev_tokens)
-        self.seq_lens.copy_(int_tensor([p + 1 for p in computed] + [0] * pad, torch.int32),
-                            non_blocking=True)
-        tables = [s.block_table for s in seqs]
-        width = max(map(len, tables))
-        self.block_tables[:num_seqs, :width].copy_(int_matrix(tables, width), non_blocking=True)
+        self.seq_lens.copy_(array_tensor(inputs.seq_lens), non_blocking=True)
+        self.block_tables[:num_seqs, :inputs.width].copy_(
+            array_tensor(inputs.block_tables).view(num_seqs, inputs.width), non_blocking=True)
         graph.replay()
         self.num_replays += 1
         return hidden[:num_seqs], {layer: h[:num_seqs] for layer, h in captured.items()}

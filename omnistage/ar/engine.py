@@ -3,6 +3,11 @@
 It owns one model, its KV cache, a scheduler and a runner, and speaks in per-step deltas
 (`StepOutput`): new token ids, new text, new hidden states, and whether the request finished.
 It knows nothing of processes or of other stages.
+
+Tensor parallelism (issue 18): every rank of the stage builds the engine alike (with the
+stage's ranks current, layers/groups.py), each over its shard of the model and its KV cache.
+Rank 0 schedules and steps; the others call `follow`, which runs the plans rank 0's runner
+shares until `stop_followers`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from omnistage.ar.model_runner import ModelRunner, PendingStep, RunnerOutput, ca
 from omnistage.ar.scheduler import ScheduledBatch, Scheduler
 from omnistage.ar.sequence import FinishReason, Sequence, SequenceStatus, StepOutput
 from omnistage.configs.schema import ARConfig
+from omnistage.layers.groups import stage_ranks
 from omnistage.models.loader import load_model, resolve_model_path
 from omnistage.outputs import RequestMetrics
 from omnistage.sampling_params import SamplingParams
@@ -41,6 +47,10 @@ class AREngine:
         """`loader(path, device, dtype) -> (model, ModelConfig, hf_config)` loads a model that
         is one component of a larger checkpoint (default: the architecture's model class)."""
         self.config = config
+        self.ranks = stage_ranks()
+        if self.ranks.world_size != self.ranks.tp.world_size:
+            raise ValueError(f"an AR stage splits over tensor parallelism only: ulysses, ring "
+                             f"and cfg-parallel sizes must be 1, got {self.ranks.sizes}")
         self.device = resolve_device(config.device)
         path = resolve_model_path(config.model)
         self.model, self.model_config, self.hf_config = (loader or load_model)(
@@ -81,6 +91,7 @@ class AREngine:
         # async scheduling: a decode step launched but not read back, and its batch
         self._inflight: tuple[ScheduledBatch, PendingStep] | None = None
         self.num_computed_tokens_total = 0  # tokens run through the model, all requests
+        self._followers_stopped = False
 
     def capture_decode_graphs(self, capture_layers: tuple[int, ...] = (),
                               embeds: bool = False) -> None:
@@ -102,6 +113,25 @@ class AREngine:
         # checks the hidden size of what requests bring)
         graphs.capture_variant(layers, (self.model_config.hidden_size, self.dtype)
                                if embeds else None)
+
+    def embed_input_ids(self, input_ids: Tensor) -> Tensor:
+        """The model's token embeddings (T,) -> (T, hidden) outside a step (a stage building a
+        prompt's embeddings as it arrives, on rank 0): the other ranks join in."""
+        return self.runner.embed(input_ids)
+
+    # -- the other ranks of a tensor-parallel stage ------------------------------------------
+    def follow(self) -> None:
+        """A rank > 0: run rank 0's plans (the forward passes of its steps) until
+        `stop_followers` ends them."""
+        assert not self.ranks.is_leader, "rank 0 steps; the other ranks follow"
+        while (plan := self.ranks.share_plan()) is not None:
+            self.runner.follow(plan)  # type: ignore[arg-type]
+
+    def stop_followers(self) -> None:
+        """Rank 0, at shutdown: end the other ranks' `follow` (once)."""
+        if self.ranks.is_leader and self.ranks.world_size > 1 and not self._followers_stopped:
+            self._followers_stopped = True
+            self.ranks.share_plan(None)
 
     # -- requests ----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int] | None, params: SamplingParams,

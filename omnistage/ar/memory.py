@@ -3,6 +3,10 @@
 CUDA: the stage may use `memory_fraction` of the device. From that we subtract what the weights
 take and the activation peak of a profiling forward pass over a full step (`max_num_batched_tokens`
 tokens, no cache); the rest is KV cache. CPU: a byte budget from the config.
+
+Tensor parallelism: each rank caches its own key/value heads (the model's attention layers
+say how many) and measures its own budget; the stage keeps the fewest blocks any rank found,
+since rank 0's scheduler hands out block ids that every rank's cache must hold.
 """
 
 from __future__ import annotations
@@ -10,24 +14,44 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from omnistage.ar.kv_cache import KVCacheLayout, bytes_per_block
 from omnistage.configs.schema import KVCacheConfig
-from omnistage.layers.attention import AttentionMetadata, forward_context
+from omnistage.layers.attention import Attention, AttentionMetadata, forward_context
+from omnistage.layers.groups import stage_ranks
 from omnistage.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 
-def _layout(cfg: ModelConfig, kv: KVCacheConfig, dtype: torch.dtype, num_blocks: int
-            ) -> KVCacheLayout:
-    per_block = bytes_per_block(kv.block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
+def _layout(cfg: ModelConfig, kv: KVCacheConfig, dtype: torch.dtype, num_blocks: int,
+            num_kv_heads: int) -> KVCacheLayout:
+    per_block = bytes_per_block(kv.block_size, cfg.num_hidden_layers, num_kv_heads,
                                 cfg.head_dim, dtype.itemsize)
     return KVCacheLayout(num_blocks=num_blocks, block_size=kv.block_size,
-                         num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+                         num_layers=cfg.num_hidden_layers, num_kv_heads=num_kv_heads,
                          head_dim=cfg.head_dim, dtype=str(dtype).removeprefix("torch."),
                          bytes_per_block=per_block)
+
+
+def local_kv_heads(model: nn.Module, cfg: ModelConfig) -> int:
+    """The key/value heads this rank caches: its attention layers' (all of them on one
+    rank; a tensor-parallel rank's share, or one replicated head)."""
+    heads = {m.num_kv_heads for m in model.modules() if isinstance(m, Attention)}
+    assert len(heads) <= 1, f"attention layers with different kv head counts: {heads}"
+    return heads.pop() if heads else cfg.num_key_value_heads
+
+
+def fewest_over_ranks(num_blocks: int, device: torch.device) -> int:
+    """The smallest `num_blocks` any rank of the stage measured (every rank calls this)."""
+    ranks = stage_ranks()
+    if ranks.world_size == 1:
+        return num_blocks
+    t = torch.tensor([num_blocks], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ranks.world.group)
+    return int(t.item())
 
 
 @torch.inference_mode()
@@ -86,9 +110,10 @@ def gpu_kv_blocks(memory_fraction: float, total: int, weights: int, peak: int, f
 def determine_kv_layout(model: nn.Module, cfg: ModelConfig, kv: KVCacheConfig,
                         device: torch.device, dtype: torch.dtype, max_num_batched_tokens: int,
                         max_model_len: int, max_num_seqs: int) -> KVCacheLayout:
-    one = _layout(cfg, kv, dtype, 1)
+    num_kv_heads = local_kv_heads(model, cfg)
+    one = _layout(cfg, kv, dtype, 1, num_kv_heads)
     if kv.num_blocks is not None:
-        return _layout(cfg, kv, dtype, kv.num_blocks)
+        return _layout(cfg, kv, dtype, kv.num_blocks, num_kv_heads)
     if device.type == "cuda":
         weights = torch.cuda.memory_allocated(device)
         peak = profile_peak_activation(model, max_num_batched_tokens, max_model_len, device)
@@ -102,8 +127,9 @@ def determine_kv_layout(model: nn.Module, cfg: ModelConfig, kv: KVCacheConfig,
         # every seat filled to max_model_len could use.
         enough = max_num_seqs * -(-max_model_len // kv.block_size)
         num_blocks = min(kv.cpu_kv_cache_bytes // one.bytes_per_block, enough)
+    num_blocks = fewest_over_ranks(num_blocks, device)
     if num_blocks < 1:
         raise RuntimeError(
             f"no memory left for the KV cache (one block needs {one.bytes_per_block} bytes): "
             "raise memory_fraction / cpu_kv_cache_bytes or lower max_num_batched_tokens")
-    return _layout(cfg, kv, dtype, num_blocks)
+    return _layout(cfg, kv, dtype, num_blocks, num_kv_heads)

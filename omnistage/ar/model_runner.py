@@ -17,6 +17,12 @@ device (the tokens' copies to the host started behind them), then read.
 The plain graphs (no hidden-state outputs, fed token ids) are captured when the runner is
 built; the variants with hidden-state outputs or fed embeddings when the stage asks for them
 at start-up (`AREngine.capture_decode_graphs`), or else by the first step that needs each.
+
+Tensor parallelism (issue 18): every rank of the stage builds a runner over its shard of the
+model. Rank 0's turns each batch into host inputs (step_plan.py), shares them as a plan and
+runs them; the others' `follow` runs each plan they receive: the same forward pass, graph
+replay or capture, and logits, so that every collective inside finds its peers. Only rank 0
+samples, runs the feedback hook and reads hidden states out.
 """
 
 from __future__ import annotations
@@ -33,11 +39,15 @@ from omnistage.ar.kv_cache import KVCacheLayout
 from omnistage.ar.sampler import DeviceSample, Sampler, TokenLogprobs
 from omnistage.ar.scheduler import ScheduledBatch
 from omnistage.ar.sequence import Sequence
+from omnistage.ar.step_plan import (DecodePlan, EmbedPlan, EmbedRows, ForwardPlan,
+                                    decode_embed_rows, plan_forward)
 from omnistage.layers.attention import (Attention, AttentionMetadata, forward_context,
                                         get_attention_backend)
+from omnistage.layers.groups import stage_ranks
+from omnistage.layers.parallel import broadcast
 from omnistage.models.causal_lm import CausalLM
 from omnistage.utils import trace
-from omnistage.utils.host import int_matrix, int_tensor
+from omnistage.utils.host import array_tensor, int_array, int_tensor, to_device
 
 
 @dataclass(slots=True)
@@ -70,11 +80,15 @@ class ModelRunner:
                  max_num_seqs: int = 64, max_model_len: int | None = None,
                  enforce_eager: bool = False) -> None:
         """enforce_eager: never use CUDA graphs. max_num_seqs / max_model_len size the graphs'
-        static buffers (the largest batch, the longest block table)."""
+        static buffers (the largest batch, the longest block table). Every rank of a
+        tensor-parallel stage builds its runner in the same order (the graphs' capture
+        communicates)."""
         self.model = model
         self.layout = layout
         self.device = device
         self.dtype = dtype
+        self.ranks = stage_ranks()
+        self.shares_plans = self.ranks.is_leader and self.ranks.world_size > 1
         self.sampler = Sampler(seed)
         self.eos_token_ids: tuple[int, ...] = ()
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
@@ -109,20 +123,24 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(batch):
             # decodes fed embeddings (a talker's stream rows, feedback embeddings) replay the
             # graph variant that reads a static embedding buffer, built here eagerly
-            embeds = self._decode_embeds(batch) if DecodeGraphs.needs_embeds(batch) else None
-            graphed = self.graphs.run(batch, capture, embeds)
+            embed_rows, pieces = (decode_embed_rows(batch) if DecodeGraphs.needs_embeds(batch)
+                                  else (None, None))
+            plan = DecodePlan(self.graphs.inputs(batch), capture, embed_rows, False, rows)
+            self._share(plan)
+            graphed = self._replay(plan, pieces)
         if graphed is not None:
             hidden, captured = graphed                          # (B, hidden): one row a seq
             qsl = list(range(len(batch.seqs) + 1))
             last = hidden if len(rows) == len(batch.seqs) else hidden[rows]
         else:
-            input_ids, positions, md, embeds, extra = self._prepare(batch)
-            self.backend.prepare(md, has_cache=True)
-            with forward_context(md):
-                hidden, captured = self.model(input_ids, positions, embeds, capture, **extra)
-            qsl = md.query_start_loc_cpu
+            plan, pieces, deep = plan_forward(batch, self.layout.block_size,
+                                              self.model.uses_mrope, capture, rows)
+            self._share(plan)
+            feats = torch.cat(deep, dim=1).to(self.device, self.dtype) if deep else None
+            hidden, captured = self._forward(plan, pieces, feats)
+            qsl = plan.query_start_loc
             if rows:
-                last = hidden[torch.tensor([qsl[i + 1] - 1 for i in rows], device=self.device)]
+                last = hidden[torch.tensor(plan.logit_rows, device=self.device)]
 
         sampled: list[int | None] = [None] * len(batch.seqs)
         logprobs: list[TokenLogprobs | None] = [None] * len(batch.seqs)
@@ -157,7 +175,11 @@ class ModelRunner:
         tokens (B,) are still on the device: they are its inputs, one position further on
         (the caller allocated the blocks). Only for batches `DecodeGraphs.can_run` takes,
         without embeddings, hidden-state outputs or a feedback hook."""
-        graphed = self.graphs.run(batch, (), None, prev_tokens)    # type: ignore[union-attr]
+        ahead = prev_tokens is not None
+        plan = DecodePlan(self.graphs.inputs(batch, ahead),  # type: ignore[union-attr]
+                          (), None, ahead, list(range(len(batch.seqs))))
+        self._share(plan)
+        graphed = self._replay(plan, None, prev_tokens)
         assert graphed is not None
         logits = self.model.compute_logits(graphed[0])
         return PendingStep(batch.seqs, self.sampler.sample(
@@ -168,79 +190,108 @@ class ModelRunner:
         out = self.sampler.to_host(pending.sampled, pending.seqs)
         return RunnerOutput(out.token_ids, out.logprobs, [None] * len(pending.seqs))
 
-    def _prepare(self, batch: ScheduledBatch
-                 ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor | None, dict]:
-        bs = self.layout.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        embed_rows: list[tuple[int, Tensor]] = []   # (first row in batch, (n, hidden)): replace
-        stream_rows: list[tuple[int, Tensor]] = []  # (first row in batch, (n, hidden)): add
-        mrope = self.model.uses_mrope
-        pos3: list[Tensor] = []                     # (3, n) per row when the model uses M-RoPE
-        deep_rows: list[Tensor] = []                # deepstack: batch rows and their features
-        deep_feats: list[Tensor] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            ids += _token_ids(seq, start, n)
-            pos.extend(range(start, start + n))
-            _add_slots(slots, seq.block_table, start, n, bs)
-            _embed_rows(seq, start, n, qsl[-1], embed_rows, stream_rows)
-            if mrope:
-                pos3.append(_mrope_rows(seq, start, n))
-            deep = _deepstack_rows(seq, start, n)
-            if deep is not None:
-                deep_rows.append(deep[0] + qsl[-1])
-                deep_feats.append(deep[1])
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
+    @torch.inference_mode()
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Token embeddings (T,) -> (T, hidden) outside a step (a stage embedding a prompt as
+        it arrives); the other ranks join in (`follow`)."""
+        if self.shares_plans:
+            self._share(EmbedPlan(int_array(input_ids.tolist())))
+        return self.model.embed_input_ids(input_ids.to(self.device))
 
-        tables = [s.block_table for s in batch.seqs]
-        dev = self.device
-        md = AttentionMetadata(
-            slot_mapping=int_tensor(slots).to(dev),
-            query_start_loc=int_tensor(qsl, torch.int32).to(dev),
-            seq_lens=int_tensor(seq_lens, torch.int32).to(dev),
-            block_tables=int_matrix(tables, max(map(len, tables))).to(dev),
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-            max_query_len=max(batch.num_new_tokens), max_seq_len=max(seq_lens))
-        input_ids = int_tensor(ids).to(dev)
-        if mrope:
-            positions = torch.cat(pos3, dim=1).to(dev)                     # (3, T)
+    # -- the other ranks ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def follow(self, plan: ForwardPlan | DecodePlan | EmbedPlan) -> None:
+        """Run rank 0's plan here (a rank > 0): what rank 0 runs on the device, up to the
+        logits, so that this rank takes its part in every collective; nothing is kept."""
+        if isinstance(plan, EmbedPlan):
+            self.model.embed_input_ids(array_tensor(plan.input_ids).to(self.device))
+            return
+        if isinstance(plan, DecodePlan):
+            graphed = self._replay(plan, None)
+            if graphed is None:      # capture failed here as on rank 0: an eager plan follows
+                return
+            hidden = graphed[0]
         else:
-            positions = int_tensor(pos).to(dev)
-        extra: dict = {}
-        if deep_rows:
-            extra["deepstack"] = (torch.cat(deep_rows).to(dev),
-                                  torch.cat(deep_feats, dim=1).to(dev, self.dtype))
-        embeds = None
-        if embed_rows or stream_rows:
-            embeds = self._embed(input_ids, embed_rows, stream_rows)
-        return input_ids, positions, md, embeds, extra
+            feats = None
+            if plan.deepstack is not None:
+                feats = torch.empty(plan.deepstack[1], dtype=self.dtype, device=self.device)
+            hidden, _ = self._forward(plan, None, feats)
+        if plan.logit_rows:
+            self.model.compute_logits(hidden[to_device(plan.logit_rows, self.device)])
 
-    def _embed(self, input_ids: Tensor, embed_rows: list[tuple[int, Tensor]],
-               stream_rows: list[tuple[int, Tensor]]) -> Tensor:
-        """The token embeddings of input_ids with `embed_rows` replacing and `stream_rows`
-        added to the rows they start at."""
+    # -- what every rank runs ----------------------------------------------------------------
+    def _share(self, plan: ForwardPlan | DecodePlan | EmbedPlan) -> None:
+        if self.shares_plans:
+            self.ranks.share_plan(plan)
+
+    def _forward(self, plan: ForwardPlan, pieces: list[Tensor] | None, feats: Tensor | None
+                 ) -> tuple[Tensor, dict[int, Tensor]]:
+        """An eager forward pass. pieces: the embeddings of plan.embed_rows; feats: the
+        deepstack features (L, K, hidden) (the other ranks: None, and a buffer)."""
+        dev, qsl = self.device, plan.query_start_loc
+        md = AttentionMetadata(
+            slot_mapping=array_tensor(plan.slot_mapping).to(dev),
+            query_start_loc=int_tensor(qsl, torch.int32).to(dev),
+            seq_lens=int_tensor(plan.seq_lens, torch.int32).to(dev),
+            block_tables=array_tensor(plan.block_tables).view(-1, plan.width).to(dev),
+            query_start_loc_cpu=qsl, seq_lens_cpu=plan.seq_lens,
+            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
+            max_seq_len=max(plan.seq_lens))
+        input_ids = array_tensor(plan.input_ids).to(dev)
+        positions = plan.positions
+        positions = (positions if isinstance(positions, Tensor)
+                     else array_tensor(positions)).to(dev)                 # (T,) or (3, T)
+        extra: dict = {}
+        if plan.deepstack is not None:
+            rows = array_tensor(plan.deepstack[0]).to(dev)
+            extra["deepstack"] = (rows, broadcast(feats, self.ranks.tp))  # type: ignore[arg-type]
+        embeds = None
+        if plan.embed_rows is not None:
+            embeds = self._embed(input_ids, plan.embed_rows, pieces)
+        self.backend.prepare(md, has_cache=True)
+        with forward_context(md):
+            return self.model(input_ids, positions, embeds, plan.capture, **extra)
+
+    def _replay(self, plan: DecodePlan, pieces: list[Tensor] | None,
+                prev_tokens: Tensor | None = None) -> tuple[Tensor, dict[int, Tensor]] | None:
+        """A decode step from its CUDA graph (`DecodeGraphs.run`); the other ranks receive
+        rank 0's `prev_tokens` (a step launched ahead)."""
+        embeds = None
+        if plan.embed_rows is not None:
+            embeds = self._embed(plan.inputs.input_ids.to(self.device), plan.embed_rows, pieces)
+        if plan.ahead and self.ranks.world_size > 1:
+            if prev_tokens is None:
+                prev_tokens = torch.empty(plan.inputs.num_seqs, dtype=torch.int64,
+                                          device=self.device)
+            prev_tokens = broadcast(prev_tokens.contiguous(), self.ranks.tp)
+        return self.graphs.run(plan.inputs, plan.capture, embeds,  # type: ignore[union-attr]
+                               prev_tokens)
+
+    def _embed(self, input_ids: Tensor, rows: EmbedRows, pieces: list[Tensor] | None
+               ) -> Tensor:
+        """The token embeddings of input_ids with `rows.replace` replaced and `rows.add`
+        added to (the embeddings `pieces`, in that order: rank 0's; the others receive them)."""
         embeds = self.model.embed_input_ids(input_ids)
-        for row, e in embed_rows:
-            embeds[row:row + e.shape[0]] = e.to(device=embeds.device, dtype=embeds.dtype)
-        for row, e in stream_rows:
-            embeds[row:row + e.shape[0]] += e.to(device=embeds.device, dtype=embeds.dtype)
+        parts = self._shared_pieces(pieces, rows.sizes, embeds)
+        for (row, n), e in zip(rows.replace, parts):
+            embeds[row:row + n] = e
+        for (row, n), e in zip(rows.add, parts[len(rows.replace):]):
+            embeds[row:row + n] += e
         return embeds
 
-    def _decode_embeds(self, batch: ScheduledBatch) -> Tensor:
-        """(B, hidden) input embeddings of a decode-only batch, as `_prepare` builds them."""
-        ids: list[int] = []
-        embed_rows: list[tuple[int, Tensor]] = []
-        stream_rows: list[tuple[int, Tensor]] = []
-        for i, seq in enumerate(batch.seqs):
-            p = seq.num_computed_tokens
-            ids.append(seq.output_token_ids[p - seq.num_prompt_tokens])
-            _embed_rows(seq, p, 1, i, embed_rows, stream_rows)
-        return self._embed(int_tensor(ids).to(self.device), embed_rows, stream_rows)
+    def _shared_pieces(self, pieces: list[Tensor] | None, sizes: list[int], like: Tensor
+                       ) -> list[Tensor]:
+        """Rank 0's pieces in `like`'s device and dtype, on every rank: one broadcast of
+        them all."""
+        if self.ranks.world_size == 1:
+            return [p.to(device=like.device, dtype=like.dtype) for p in pieces]  # type: ignore
+        if not sizes:
+            return []
+        if pieces is None:
+            payload = like.new_empty(sum(sizes), like.shape[1])
+        else:
+            payload = torch.cat([p.to(device=like.device, dtype=like.dtype) for p in pieces])
+        return list(broadcast(payload, self.ranks.tp).split(sizes))
 
     @staticmethod
     def _slice_hidden(batch: ScheduledBatch, qsl: list[int], captured: dict[int, Tensor],
@@ -264,81 +315,3 @@ class ModelRunner:
                         for layer in layers})
             seq.num_hidden_emitted = start + (hi - qsl[i])
         return out
-
-
-def _embed_rows(seq: Sequence, start: int, n: int, row0: int,
-                embed_rows: list[tuple[int, Tensor]], stream_rows: list[tuple[int, Tensor]]
-                ) -> None:
-    """Where positions start .. start+n-1 of seq (batch rows row0 ..) take embeddings other
-    than their tokens': (row, rows) appended to embed_rows (replace) and stream_rows (add)."""
-    num_prompt = seq.num_prompt_tokens
-    if seq.prompt.embeds is not None and start < num_prompt:
-        stop = min(start + n, num_prompt)
-        embed_rows.append((row0, seq.prompt.embeds[start:stop]))
-    if start + n <= num_prompt:
-        return
-    t0 = max(start, num_prompt) - num_prompt      # output index of the first decode input
-    if seq.output_embeds:
-        # fed-back outputs the model embedded itself (its feedback hook)
-        t1 = min(start + n - num_prompt, len(seq.output_embeds))
-        if t1 > t0:
-            embed_rows.append((row0 + (t0 + num_prompt - start),
-                               torch.stack(seq.output_embeds[t0:t1])))
-    stream = seq.stream
-    if stream is not None:
-        # decode inputs P + t get upstream's t-th stream embedding added (past a closed
-        # stream's end: its pad embedding)
-        num_stream = stream.num_rows
-        t1 = min(start + n - num_prompt, num_stream)
-        if t1 > t0:
-            stream_rows.append((row0 + (t0 + num_prompt - start), stream.embeds[t0:t1]))
-        if stream.pad is not None and not stream.open:
-            p0 = max(t0, num_stream)
-            p1 = start + n - num_prompt
-            if p1 > p0:
-                stream_rows.append((row0 + (p0 + num_prompt - start),
-                                    stream.pad.expand(p1 - p0, -1)))
-
-
-def _token_ids(seq: Sequence, start: int, n: int) -> list[int]:
-    """The ids of positions start .. start+n-1: prompt, then output tokens."""
-    num_prompt = seq.num_prompt_tokens
-    if start + n <= num_prompt:
-        return seq.prompt_token_ids[start:start + n]
-    return [*seq.prompt_token_ids[start:],
-            *seq.output_token_ids[max(0, start - num_prompt):start + n - num_prompt]]
-
-
-def _add_slots(slots: list[int], table: list[int], start: int, n: int, bs: int) -> None:
-    """The KV cache slots of positions start .. start+n-1, one run per block."""
-    p = start
-    while p < start + n:
-        block_idx, offset = divmod(p, bs)
-        run = min(start + n - p, bs - offset)
-        first = table[block_idx] * bs + offset
-        slots.extend(range(first, first + run))
-        p += run
-
-
-def _mrope_rows(seq: Sequence, start: int, n: int) -> Tensor:
-    """(3, n) multimodal rotary positions: the prompt's own where it has them, else the text
-    position shifted by the request's rope delta."""
-    mm = seq.mm
-    rows3 = (torch.arange(start, start + n) + (mm.rope_delta if mm else 0)).expand(3, n).clone()
-    num_prompt = seq.num_prompt_tokens
-    if mm is not None and mm.positions is not None and start < num_prompt:
-        stop = min(start + n, num_prompt)
-        rows3[:, :stop - start] = mm.positions[:, start:stop]
-    return rows3
-
-
-def _deepstack_rows(seq: Sequence, start: int, n: int) -> tuple[Tensor, Tensor] | None:
-    """The deepstack features falling in positions start .. start+n-1: (their rows counted
-    from start, (L, k, hidden)), or None."""
-    if seq.mm is None or seq.mm.deepstack is None or start >= seq.num_prompt_tokens:
-        return None
-    at, feats = seq.mm.deepstack                                  # (K,), (L, K, hidden)
-    keep = (at >= start) & (at < start + n)
-    if not bool(keep.any()):
-        return None
-    return at[keep] - start, feats[:, keep]

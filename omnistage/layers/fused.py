@@ -18,6 +18,10 @@ sliced attention, merge) as one kernel (triton_decode_attention.py; by default f
 where the kernels launch early: an H100 or H200, pdl.py).
 
 The PyTorch paths stay the reference on every device; tests compare the two.
+
+Tensor parallelism (parallel.py): a matrix-vector kernel takes the rank's own weight rows or
+columns; a row-parallel layer's result is then all-reduced (its bias in rank 0's part), an LM
+head's gathered, as the layers' own forward does.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from __future__ import annotations
 from types import ModuleType
 
 from torch import Tensor, nn
+
+from omnistage.layers.parallel import ParallelLMHead, RowParallelLinear
 
 _enabled = True
 _gemv = True
@@ -132,7 +138,7 @@ def linear(linear: nn.Module, x: Tensor) -> Tensor:
     """linear(x), through the matrix-vector kernel for one row where it runs."""
     gemv = _gemv_for(x, linear.weight)
     if gemv is not None:
-        return gemv.linear(x, linear.weight, linear.bias)
+        return _gemv_linear(gemv, linear, x, silu=False)
     return linear(x)
 
 
@@ -141,6 +147,8 @@ def lm_head(linear: nn.Module, x: Tensor) -> Tensor:
     faster than cuBLAS (triton_gemv.lm_head_faster_here), else linear(x)."""
     gemv = _gemv_for(x, linear.weight)
     if gemv is not None and gemv.lm_head_faster_here(x):
+        if isinstance(linear, ParallelLMHead):
+            return linear.gather(gemv.linear(x, linear.weight, None))
         return gemv.linear(x, linear.weight, linear.bias)
     return linear(x)
 
@@ -149,5 +157,14 @@ def silu_linear(act: nn.Module, linear: nn.Module, x: Tensor) -> Tensor:
     """linear(act(x)) for x (T, 2I) laid out | gate | up | and act the SiLU-and-mul."""
     gemv = _gemv_for(x, linear.weight)
     if gemv is not None:
-        return gemv.silu_linear(x, linear.weight, linear.bias)
+        return _gemv_linear(gemv, linear, x, silu=True)
     return linear(act(x))
+
+
+def _gemv_linear(gemv: ModuleType, linear: nn.Module, x: Tensor, silu: bool) -> Tensor:
+    """The kernel's x W^T (+ b), with SiLU-and-mul in front if `silu`; a row-parallel layer's
+    partial result all-reduced, its bias in rank 0's part only (RowParallelLinear.forward)."""
+    run = gemv.silu_linear if silu else gemv.linear
+    if isinstance(linear, RowParallelLinear):
+        return linear.reduce(run(x, linear.weight, linear.local_bias))
+    return run(x, linear.weight, linear.bias)

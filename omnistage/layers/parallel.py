@@ -8,20 +8,26 @@ of its `torch.distributed` group, each rank loading only its slice of every chec
                                 when fewer than ranks (each rank keeps the kv head its q heads
                                 read: q head h reads kv head h // (Hq / Hkv))
     RowParallelLinear           W (out, in): rank r keeps columns r*in/R ..; takes its slice of x,
-                                all-reduces the partial sums (bias added once, after)
+                                all-reduces the partial sums (the bias joins rank 0's partial
+                                sum, so the sum holds it once)
     VocabParallelEmbedding      rank r keeps vocabulary rows r*V/R ..; ids outside embed to 0,
                                 all-reduce
     ParallelLMHead              the vocabulary split by rows; logits all-gathered
 
 The group is the stage's (`set_tp_group`); with none set, world size 1 and every layer is its
-single-device self. Checkpoint tensors arrive whole (from safetensors, lazily per tensor) and
-each loader narrows them to the rank's slice before copying, so a rank never holds a second
-full copy of a weight.
+single-device self: the same parameters and the same single matmul as layers/linear.py's.
+Layers built inside `replicated()` keep every weight whole on every rank (a part of a model
+that only rank 0 runs, or that every rank computes alike without communicating).
+
+Checkpoint tensors arrive whole (from safetensors, lazily per tensor) and each loader narrows
+them to the rank's slice before copying, so a rank never holds a second full copy of a weight.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -52,6 +58,17 @@ def tp_group() -> TPGroup:
     return _current
 
 
+@contextlib.contextmanager
+def replicated() -> Iterator[None]:
+    """Layers built inside keep whole weights on every rank and never communicate."""
+    global _current
+    prev, _current = _current, _SINGLE
+    try:
+        yield
+    finally:
+        _current = prev
+
+
 def divide(n: int, parts: int, what: str) -> int:
     if n % parts:
         raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {parts}")
@@ -69,9 +86,25 @@ def _parameter(module: nn.Module, name: str, shape: tuple[int, ...] | None,
     module.register_parameter(name, param)
 
 
+def _narrow(loaded: Tensor, dim: int, start: int, size: int, whole: tuple[int, ...]) -> Tensor:
+    """This rank's slice of a checkpoint tensor that must have the shape `whole` (ValueError
+    naming both shapes otherwise, as `copy_checked` says for a whole tensor)."""
+    if tuple(loaded.shape) != whole:
+        raise ValueError(f"expected shape {whole}, got {tuple(loaded.shape)}")
+    return loaded.narrow(dim, start, size)
+
+
 def all_reduce(x: Tensor, tp: TPGroup) -> Tensor:
     if tp.world_size > 1:
         dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def broadcast(x: Tensor, tp: TPGroup) -> Tensor:
+    """x of the group's rank 0 into x on every rank (in place; the others pass a buffer of its
+    shape and dtype)."""
+    if tp.world_size > 1:
+        dist.broadcast(x, src=dist.get_global_rank(tp.group, 0), group=tp.group)
     return x
 
 
@@ -100,8 +133,9 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor) -> None:
         """The whole checkpoint tensor (out, ...) -> this rank's rows."""
-        rows = loaded_weight.narrow(0, self.tp.rank * self.local_out, self.local_out)
-        copy_checked(param.data, rows)
+        whole = (self.out_features, *param.shape[1:])
+        copy_checked(param.data, _narrow(loaded_weight, 0, self.tp.rank * self.local_out,
+                                         self.local_out, whole))
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(x, self.weight, self.bias)
@@ -126,14 +160,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor,
                       shard_id: int | None = None) -> None:
+        rest = tuple(param.shape[1:])
         if shard_id is None:     # a checkpoint storing the fused tensor: split it into shards
             start = 0
             for i, size in enumerate(self.output_sizes):
-                self.weight_loader(param, loaded_weight.narrow(0, start, size), i)
+                part = _narrow(loaded_weight, 0, start, size, (self.out_features, *rest))
+                self.weight_loader(param, part, i)
                 start += size
             return
         offset, size, src = self.shard_rows(shard_id)
-        copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, src, size))
+        whole = (self.output_sizes[shard_id], *rest)
+        copy_checked(param.data.narrow(0, offset, size),
+                     _narrow(loaded_weight, 0, src, size, whole))
 
 
 class QKVParallelLinear(nn.Module):
@@ -146,6 +184,8 @@ class QKVParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp = tp_group()
         self.head_dim = head_dim
+        self.total_sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
+                            "v": num_kv_heads * head_dim}       # the checkpoint's rows
         self.num_heads = divide(num_heads, tp.world_size, "attention heads")
         if num_kv_heads >= tp.world_size:
             self.num_kv_heads = divide(num_kv_heads, tp.world_size, "key/value heads")
@@ -166,7 +206,9 @@ class QKVParallelLinear(nn.Module):
         q, kv = self.q_size, self.kv_size
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         src = self.tp.rank * q if shard_id == "q" else self.kv_start * self.head_dim
-        copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, src, size))
+        whole = (self.total_sizes[shard_id], *param.shape[1:])
+        copy_checked(param.data.narrow(0, offset, size),
+                     _narrow(loaded_weight, 0, src, size, whole))
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -174,25 +216,38 @@ class QKVParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W_r^T, (+ b once): x_r is this rank's slice of the input (what
-    a column-parallel layer before it produced)."""
+    a column-parallel layer before it produced). reduce_results=False: the caller sums the
+    partial results (a MoE block, once for its experts and its shared expert)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 reduce_results: bool = True) -> None:
         super().__init__()
         self.tp = tp_group()
         self.in_features = in_features
         self.out_features = out_features
+        self.reduce_results = reduce_results
         self.local_in = divide(in_features, self.tp.world_size, "input features")
         _parameter(self, "weight", (out_features, self.local_in), self.weight_loader)
-        # the bias is whole on every rank, added once after the sum
+        # the bias is whole on every rank, added by rank 0 only (`local_bias`)
         _parameter(self, "bias", (out_features,) if bias else None, default_weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor) -> None:
-        cols = loaded_weight.narrow(1, self.tp.rank * self.local_in, self.local_in)
-        copy_checked(param.data, cols)
+        whole = (self.out_features, self.in_features)
+        copy_checked(param.data, _narrow(loaded_weight, 1, self.tp.rank * self.local_in,
+                                         self.local_in, whole))
+
+    @property
+    def local_bias(self) -> Tensor | None:
+        """The bias in this rank's matmul: rank 0's partial sum carries it, so the sum over
+        ranks holds it once (one rank: the plain linear's bias)."""
+        return self.bias if self.tp.rank == 0 else None
+
+    def reduce(self, partial: Tensor) -> Tensor:
+        """This rank's x_r W_r^T (+ local_bias) -> the layer's output (the sum over ranks)."""
+        return all_reduce(partial, self.tp) if self.reduce_results else partial
 
     def forward(self, x: Tensor) -> Tensor:
-        y = all_reduce(F.linear(x, self.weight), self.tp)
-        return y if self.bias is None else y + self.bias
+        return self.reduce(F.linear(x, self.weight, self.local_bias))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -208,7 +263,8 @@ class VocabParallelEmbedding(nn.Module):
         _parameter(self, "weight", (self.local_rows, embedding_dim), self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor) -> None:
-        copy_checked(param.data, loaded_weight.narrow(0, self.start, self.local_rows))
+        whole = (self.num_embeddings, param.shape[1])
+        copy_checked(param.data, _narrow(loaded_weight, 0, self.start, self.local_rows, whole))
 
     def forward(self, ids: Tensor) -> Tensor:
         if self.tp.world_size == 1:
@@ -223,5 +279,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection over a split vocabulary: each rank's logits for its rows,
     gathered into the whole vocabulary in rank order."""
 
+    def gather(self, local_logits: Tensor) -> Tensor:
+        """(T, V/R) logits of this rank's rows -> (T, V), the same on every rank."""
+        return all_gather_last(local_logits, self.tp)
+
     def forward(self, hidden: Tensor) -> Tensor:                   # (T, H) -> (T, V)
-        return all_gather_last(F.linear(hidden, self.weight), self.tp)
+        return self.gather(F.linear(hidden, self.weight))

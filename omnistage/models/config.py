@@ -85,6 +85,25 @@ class ModelConfig:
         )
 
 
+def check_tensor_parallel(cfg: ModelConfig, size: int, **split_sizes: int) -> None:
+    """Refuse a tensor-parallel `size` that does not split the model evenly: ValueError naming
+    every config field that does not divide. Attention heads and the vocabulary (embedding and
+    LM head) split over the ranks, and so does each of `split_sizes` (the MLPs' intermediate
+    sizes, by field name); key/value heads split too, or are replicated when there are fewer
+    than ranks, so their count must divide the size then."""
+    if size == 1:
+        return
+    problems = [f"{name} ({n})" for name, n in
+                (("num_attention_heads", cfg.num_attention_heads),
+                 ("vocab_size", cfg.vocab_size), *split_sizes.items()) if n % size]
+    kv = cfg.num_key_value_heads
+    if (kv % size if kv >= size else size % kv):
+        problems.append(f"num_key_value_heads ({kv}; it must divide or be divisible by it)")
+    if problems:
+        raise ValueError(f"{cfg.architecture}: tensor_parallel_size {size} does not divide "
+                         + ", ".join(problems))
+
+
 def _rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
     """transformers 5: `rope_parameters` = {"rope_type", "rope_theta", ...}; older configs:
     `rope_theta` plus an optional `rope_scaling` dict that says "type" or "rope_type"."""

@@ -2,6 +2,11 @@
 
 Parameter names match the HF checkpoint except for the fused projections listed in
 `packed_modules` (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
+
+Tensor parallelism (the stage's group, layers/parallel.py): each rank holds its attention
+heads (and the key/value heads they read), its slice of the MLP's intermediate size and of the
+vocabulary; o_proj and down_proj all-reduce, the LM head gathers the whole logits. One rank:
+the single-device model.
 """
 
 from __future__ import annotations
@@ -14,24 +19,28 @@ from torch import Tensor, nn
 from omnistage.layers import fused
 from omnistage.layers.activation import SiluAndMul
 from omnistage.layers.attention import Attention, get_forward_context
-from omnistage.layers.linear import Linear, MergedLinear, QKVLinear
 from omnistage.layers.norm import RMSNorm
+from omnistage.layers.parallel import (MergedColumnParallelLinear, ParallelLMHead,
+                                       QKVParallelLinear, RowParallelLinear,
+                                       VocabParallelEmbedding, tp_group)
 from omnistage.layers.rotary import RotaryEmbedding, get_rope
 from omnistage.models.causal_lm import CausalLM
-from omnistage.models.config import ModelConfig
+from omnistage.models.config import ModelConfig, check_tensor_parallel
 from omnistage.models.loader import load_packed_weights
 
 
 class Qwen2Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim,
+                                          cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          bias=cfg.attention_bias)
+        self.num_heads = self.qkv_proj.num_heads            # this rank's (all on one rank)
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.qkv_sizes = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
-        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads,
-                                  self.num_kv_heads, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
+                                        bias=cfg.o_proj_bias)
         self.has_qk_norm = cfg.has_qk_norm
         if self.has_qk_norm:   # Qwen3: normalise each head before rotary
             self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
@@ -58,15 +67,16 @@ class Qwen2Attention(nn.Module):
 class Qwen2MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
+                                                       [cfg.intermediate_size] * 2)
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(self.gate_up_proj(x))
 
     def down(self, gate_up: Tensor) -> Tensor:
-        """(T, 2I) -> silu(gate) * up (T, I) -> (T, hidden)."""
+        """(T, 2I) -> silu(gate) * up (T, I) -> (T, hidden) (I: this rank's slice)."""
         return fused.silu_linear(self.act_fn, self.down_proj, gate_up)
 
 
@@ -102,9 +112,7 @@ class Qwen2Model(nn.Module):
             raise NotImplementedError(f"{cfg.architecture}: sliding-window attention layers "
                                       "(use_sliding_window) are not supported")
         self.num_layers = cfg.num_hidden_layers
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary_emb = get_rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_parameters)
         self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg, rotary_emb)
                                     for _ in range(cfg.num_hidden_layers))
@@ -144,8 +152,10 @@ class Qwen2Model(nn.Module):
     def _layer_stack(self, h: Tensor, positions: Tensor):  # -> DecoderStack | None
         """The one-kernel-a-layer path for this step, or None: it takes one row (a single
         stream's decode step) on CUDA with the fused kernels on, a bound KV cache, plain
-        rotary, and layers of exactly this module's classes in one dtype."""
-        if h.shape[0] != 1 or positions.dim() != 1:
+        rotary, and layers of exactly this module's classes in one dtype, on one rank (its
+        kernel has no all-reduce between attention and MLP)."""
+        if (h.shape[0] != 1 or positions.dim() != 1
+                or self.layers[0].self_attn.o_proj.tp.world_size > 1):
             return None
         md = get_forward_context()
         if md is None or md.num_seqs != 1 or md.max_query_len != 1:
@@ -204,9 +214,11 @@ class Qwen2ForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        check_tensor_parallel(config, tp_group().world_size,
+                              intermediate_size=config.intermediate_size)
         self.config = config
         self.model = Qwen2Model(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,5 +1,9 @@
 """An autoregressive stage: the AR engine behind the stage interface. Model-specific stages
-(Qwen3-Omni's thinker and talker, qwen3_omni.py) build on it."""
+(Qwen3-Omni's thinker and talker, qwen3_omni.py) build on it.
+
+Tensor parallelism: every rank's process builds the same stage (start-up runs the same
+collectives in the same order on each: loading, memory profiling, graph captures, warm-ups);
+rank 0 then serves requests and the others `follow` (ar/engine.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +34,14 @@ class ARStage:
         self.prepare()
         # the decode graphs this stage's requests replay: captured now, not mid-serving
         self.engine.capture_decode_graphs(*self.decode_graph_variant())
+
+    def follow(self) -> None:
+        """A rank > 0 of a tensor-parallel stage: run rank 0's steps until it stops us."""
+        self.engine.follow()
+
+    def stop_followers(self) -> None:
+        """Rank 0, at shutdown: end the other ranks' `follow`."""
+        self.engine.stop_followers()
 
     def prepare(self) -> None:
         """A model-specific stage's set-up once the engine is built, before its decode graphs

@@ -15,6 +15,11 @@ thinker is still writing.
 The talker's input is built here (`TalkerStage.feed` records the thinker's rows, each step
 hands them to the engine in one batch), not in an edge adapter: it needs the
 talker's projections and codec embeddings. The edges pass tensors through unchanged.
+
+With tensor parallelism (ar/engine.py) rank 0 alone runs what this file adds to the engines:
+the encoders, the talker's input building and its code predictor (whole on every rank,
+models/qwen3_omni/talker.py). The one split piece it calls outside a step, the thinker's
+token embedding, goes through `AREngine.embed_input_ids`, which the other ranks join.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ class ThinkerStage(ARStage):
         self._encoders: dict[str, torch.nn.Module] = {}
         ids = torch.tensor([hf.tts_bos_token_id, hf.tts_eos_token_id, hf.tts_pad_token_id],
                            device=self.engine.device)
-        with torch.inference_mode():
+        with torch.inference_mode():   # every rank of a tensor-parallel stage, at start-up
             self.tts_embeds = self.engine.model.embed_input_ids(ids).float().cpu()   # (3, H)
         # requests owing their first chunk's extras: prompt ids, visual grids
         self._first: dict[str, tuple[list[int], dict[str, Tensor]]] = {}
@@ -123,7 +128,7 @@ class ThinkerStage(ARStage):
     def _embed(self, ids: Tensor, mm: dict[str, Tensor]
                ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
         dev, dtype = self.engine.device, self.engine.dtype
-        text = self.engine.model.embed_input_ids(ids.to(dev))                 # (L, H)
+        text = self.engine.embed_input_ids(ids)             # (L, H); the other ranks join
         kw: dict[str, object] = {}
         if "input_features" in mm:
             kw["audio_embeds"] = self._encoder("audio")(
@@ -236,6 +241,8 @@ class TalkerStage(ARStage):
 
     def prepare(self) -> None:
         stage = self.stage
+        if not self.engine.ranks.is_leader:   # the code predictor and the projections run on
+            return                            # rank 0 alone (they never communicate)
         if (self.engine.device.type == "cuda" and not stage.enforce_eager
                 and stage.options.get("code_predictor_cuda_graphs", True)):
             self.model.code_predictor.graphs = code_predictor_graphs(
@@ -452,7 +459,7 @@ class TalkerStage(ARStage):
             ids = torch.tensor([cfg.codec_nothink_id, cfg.codec_think_bos_id,
                                 cfg.codec_think_eos_id, speaker_id, cfg.codec_pad_id,
                                 cfg.codec_bos_id], device=self._p().device)
-            emb = self.model.embed_input_ids(ids)
+            emb = self.model.embed_input_ids(ids)   # the codec embedding is whole: rank 0 alone
             rows = self._codec[speaker_id] = torch.cat([emb.new_zeros(3, emb.shape[1]), emb])
         return rows
 

@@ -55,7 +55,8 @@ def build_tiny_omni_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
 
 
 def tiny_omni_config(tokenizer: PreTrainedTokenizerFast,
-                     code2wav_overrides: dict[str, Any] | None = None, **overrides: Any):
+                     code2wav_overrides: dict[str, Any] | None = None,
+                     thinker_text_overrides: dict[str, Any] | None = None, **overrides: Any):
     from transformers import Qwen3OmniMoeConfig
 
     tid = tokenizer.convert_tokens_to_ids
@@ -112,6 +113,7 @@ def tiny_omni_config(tokenizer: PreTrainedTokenizerFast,
                     num_quantizers=4, sliding_window=6, upsample_rates=[8, 5, 4, 3],
                     upsampling_ratios=[2, 2], decoder_dim=64, max_position_embeddings=512)
     code2wav.update(code2wav_overrides or {})
+    thinker["text_config"].update(thinker_text_overrides or {})
     config = Qwen3OmniMoeConfig(
         thinker_config=thinker, talker_config=talker, code2wav_config=code2wav,
         enable_audio_output=True,
@@ -147,16 +149,19 @@ def _randomize(model: nn.Module, seed: int) -> None:
 
 def build_tiny_qwen3_omni(path: str | Path, *, seed: int = 0, with_processor: bool = True,
                           code2wav_overrides: dict[str, Any] | None = None,
+                          thinker_text_overrides: dict[str, Any] | None = None,
                           **config_overrides: Any) -> Path:
     """Save a tiny random Qwen3-Omni checkpoint (float32) with tokenizer and processor files
     into `path`. Deterministic for a given seed. Code2wav's waveform peaks near 0.5 (see
-    `make_audible`)."""
+    `make_audible`). thinker_text_overrides: into thinker_config.text_config (e.g. an even
+    vocab_size for tensor parallelism)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_omni_tokenizer(path)
-    config = tiny_omni_config(tokenizer, code2wav_overrides, **config_overrides)
+    config = tiny_omni_config(tokenizer, code2wav_overrides, thinker_text_overrides,
+                              **config_overrides)
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(config).float().eval()
     _randomize(model, seed)

@@ -212,10 +212,10 @@ def _serve(engine: AREngine, variant: str, waves: list[int]) -> tuple[dict[str, 
     if graphs is not None:
         run = graphs.run
 
-        def counted(batch, *args):  # type: ignore[no-untyped-def]
-            out = run(batch, *args)
+        def counted(inputs, *args):  # type: ignore[no-untyped-def]
+            out = run(inputs, *args)
             if out is not None:
-                sizes.add(len(batch.seqs))
+                sizes.add(inputs.num_seqs)
             return out
         graphs.run = counted  # type: ignore[method-assign]
     gen = torch.Generator().manual_seed(0)

@@ -79,3 +79,17 @@ def test_layouts_that_do_not_divide_are_refused() -> None:
             tp.VocabParallelEmbedding(63, 8)
     finally:
         tp.set_tp_group(None)
+
+
+def test_replicated_layers_stay_whole_inside_a_split_model() -> None:
+    """What rank 0 alone runs (a talker's code predictor) is built whole on every rank."""
+    tp.set_tp_group(tp.TPGroup(1, 2, None))
+    try:
+        with tp.replicated():
+            whole = tp.RowParallelLinear(8, 4, bias=True)
+        split = tp.RowParallelLinear(8, 4, bias=True)
+        assert whole.weight.shape == (4, 8) and whole.local_bias is whole.bias
+        assert split.weight.shape == (4, 4) and split.local_bias is None   # rank 0 adds it
+        assert tp.tp_group().rank == 1
+    finally:
+        tp.set_tp_group(None)

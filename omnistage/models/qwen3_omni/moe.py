@@ -15,6 +15,14 @@ The expert compute runs over the flattened batch without per-token loops: the T*
 contiguous slice, and the weighted results are added back to their tokens with one index_add.
 (The per-expert counts come to the host once per layer to size the slices; a fused-MoE GPU
 kernel would replace `FusedExperts.forward` without changing the weights' layout.)
+
+Tensor parallelism splits every expert, not the set of experts: rank r keeps rows
+r*I/R .. (r+1)*I/R of each expert's gate and up projections and those columns of its down
+projection, so every rank routes every token alike and runs the same grouped GEMMs on
+I/R-wide experts; the block all-reduces once, its experts' and shared expert's partial sums
+together. (Expert parallelism would need the routed pairs split by owner, and a decode
+step's few active experts would load some ranks and idle others; this keeps the kernels and
+balances every step's weight reads over the ranks.)
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from omnistage.layers.activation import SiluAndMul
-from omnistage.layers.linear import Linear, MergedLinear, copy_checked
+from omnistage.layers.linear import Linear, copy_checked
+from omnistage.layers.parallel import (MergedColumnParallelLinear, RowParallelLinear,
+                                       all_reduce, divide, tp_group)
 
 # experts.{e}.{gate,up,down}_proj.weight, as checkpoints store them
 _EXPERT_TENSOR = re.compile(r"(?P<base>.+\.experts)\.(?P<idx>\d+)\."
@@ -65,16 +75,21 @@ class MoeConfig:
 
 
 class FusedExperts(nn.Module):
-    """E SwiGLU experts in two 3D weights; runs the (token, expert) pairs routed to them."""
+    """E SwiGLU experts in two 3D weights; runs the (token, expert) pairs routed to them. On
+    R ranks each holds an I/R-wide slice of every expert and returns its partial sum."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.tp = tp_group()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
+        self.local_size = divide(intermediate_size, self.tp.world_size,
+                                 "moe_intermediate_size")
+        local = self.local_size
         self.gate_up_proj = nn.Parameter(                                  # rows | gate | up |
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+            torch.empty(num_experts, 2 * local, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+            torch.empty(num_experts, hidden_size, local), requires_grad=False)
         self.gate_up_proj.weight_loader = self.weight_loader
         self.down_proj.weight_loader = self.weight_loader
         self.act_fn = SiluAndMul()
@@ -82,16 +97,41 @@ class FusedExperts(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor,
                       shard_id: tuple[int, int | None] | None = None) -> None:
         """shard_id None: the whole 3D tensor; (e, None): expert e of down_proj;
-        (e, 0 | 1): the gate / up rows of expert e of gate_up_proj."""
+        (e, 0 | 1): the gate / up rows of expert e of gate_up_proj. Each keeps this rank's
+        slice of the intermediate dimension."""
+        is_down = param is self.down_proj
         if shard_id is None:
-            return copy_checked(param.data, loaded_weight)
+            if tuple(loaded_weight.shape) != (self.num_experts, *self._whole(is_down, None)):
+                raise ValueError(f"expected shape {(self.num_experts, *self._whole(is_down, None))}"
+                                 f", got {tuple(loaded_weight.shape)}")
+            for e in range(self.num_experts):
+                for half in ((None,) if is_down else (0, 1)):
+                    part = loaded_weight[e]
+                    if half is not None:
+                        part = part.narrow(0, half * self.intermediate_size,
+                                           self.intermediate_size)
+                    self.weight_loader(param, part, (e, half))
+            return
         expert, half = shard_id
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} out of range (num_experts={self.num_experts})")
+        whole = self._whole(is_down, half)
+        if tuple(loaded_weight.shape) != whole:
+            raise ValueError(f"expected shape {whole}, got {tuple(loaded_weight.shape)}")
+        local, start = self.local_size, self.tp.rank * self.local_size
         dst = param.data[expert]
-        if half is not None:
-            dst = dst.narrow(0, half * self.intermediate_size, self.intermediate_size)
-        copy_checked(dst, loaded_weight)
+        if is_down:                                   # (H, I): this rank's columns
+            copy_checked(dst, loaded_weight.narrow(1, start, local))
+        else:                                         # (I, H): this rank's rows of gate / up
+            copy_checked(dst.narrow(0, half * local, local), loaded_weight.narrow(0, start, local))
+
+    def _whole(self, is_down: bool, half: int | None) -> tuple[int, int]:
+        """The shape of one expert's checkpoint tensor (down, gate or up; half None: the whole
+        gate_up rows)."""
+        hidden, inter = self.down_proj.shape[1], self.intermediate_size
+        if is_down:
+            return hidden, inter
+        return (inter if half is not None else 2 * inter), hidden
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """x: (T, H); topk_ids, topk_weights: (T, k) -> (T, H)."""
@@ -138,10 +178,13 @@ def _use_grouped_mm(x: Tensor) -> bool:
 
 class SparseMoeBlock(nn.Module):
     """Router + experts (+ the talker's gated shared expert). Parameter names follow HF:
-    gate.weight, experts.{gate_up_proj,down_proj}, shared_expert.*, shared_expert_gate.weight."""
+    gate.weight, experts.{gate_up_proj,down_proj}, shared_expert.*, shared_expert_gate.weight.
+    The router and the shared expert's gate are whole on every rank (every rank routes alike);
+    the experts and the shared expert split their intermediate size."""
 
     def __init__(self, hidden_size: int, cfg: MoeConfig) -> None:
         super().__init__()
+        self.tp = tp_group()
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = Linear(hidden_size, cfg.num_experts)                   # the router
@@ -162,18 +205,20 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:                                 # (T, H) -> (T, H)
         topk_ids, topk_weights = self.route(x)
-        y = self.experts(x, topk_ids, topk_weights)
+        y = self.experts(x, topk_ids, topk_weights)                        # this rank's part
         if self.has_shared_expert:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y
+        return all_reduce(y, self.tp)
 
 
 class SharedExpert(nn.Module):
+    """A dense SwiGLU MLP whose output is this rank's partial sum: the block reduces it."""
+
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_results=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

@@ -19,6 +19,12 @@ The talker decoder is the thinker's (thinker.py) with a gated shared expert in e
 `hidden_projection` map thinker embeddings / hidden states (thinker_hidden_size) into the
 talker's width. Parameter names follow the checkpoint's `talker.*` one-to-one (after the
 fused q/k/v, gate/up and expert weights).
+
+Tensor parallelism splits the MoE decoder (thinker.py, moe.py) and the codec head. What the
+stage runs on rank 0 alone, outside the engine's steps, stays whole on every rank and never
+communicates: the codec embedding (its assistant opening rows, the feedback's code 0), the
+text and hidden projections, and the code predictor (the feedback hook, run by rank 0 only;
+its next-step embeddings reach the other ranks with the step's inputs).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig
 
 from omnistage.layers.linear import Linear
+from omnistage.layers.parallel import ParallelLMHead, replicated
 from omnistage.models.causal_lm import CausalLM
 from omnistage.models.config import ModelConfig
 from omnistage.models.loader import checkpoint_names
@@ -115,14 +122,17 @@ class Qwen3OmniTalkerForCausalLM(CausalLM):
         self.config = config
         mc = config.model
         self.model = Qwen3OmniTalkerModel(config.text)
-        self.codec_head = Linear(mc.hidden_size, mc.vocab_size)
-        if mc.tie_word_embeddings:
+        if mc.tie_word_embeddings:       # the head is the (whole) codec embedding
+            self.codec_head = Linear(mc.hidden_size, mc.vocab_size)
             self.codec_head.weight = self.model.codec_embedding.weight
+        else:
+            self.codec_head = ParallelLMHead(mc.vocab_size, mc.hidden_size)
         self.text_projection = ResizeMLP(config.thinker_hidden_size, mc.intermediate_size,
                                          mc.hidden_size)
         self.hidden_projection = ResizeMLP(config.thinker_hidden_size, mc.intermediate_size,
                                            mc.hidden_size)
-        self.code_predictor = CodePredictor(config.code_predictor, config.num_code_groups)
+        with replicated():
+            self.code_predictor = CodePredictor(config.code_predictor, config.num_code_groups)
         suppressed = torch.zeros(mc.vocab_size, dtype=torch.bool)
         suppressed[max(0, mc.vocab_size - self.NUM_SUPPRESSED):] = True
         suppressed[list(mc.eos_token_ids)] = False

@@ -12,6 +12,9 @@ DeepStack: the vision encoder also returns features of some of its inner layers,
 the visual rows of the output of decoder layer i. Here `deepstack = (rows (K,), features
 (num_deepstack, K, hidden))`, rows indexing the flattened batch.
 
+Tensor parallelism: attention and dense MLPs as in qwen2.py, each expert's intermediate size
+split (moe.py), the vocabulary split in the embedding and the LM head.
+
 This file also holds what the talker shares with the thinker: the MoE decoder itself, the
 `Qwen3OmniTextConfig` read from an HF text sub-config, and strict loading of one component
 (a name prefix such as `thinker.`) out of the one Qwen3-Omni checkpoint.
@@ -27,11 +30,11 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-from omnistage.layers.linear import Linear
 from omnistage.layers.mrope import MRotaryEmbedding
 from omnistage.layers.norm import RMSNorm
+from omnistage.layers.parallel import ParallelLMHead, VocabParallelEmbedding, tp_group
 from omnistage.models.causal_lm import CausalLM
-from omnistage.models.config import ModelConfig
+from omnistage.models.config import ModelConfig, check_tensor_parallel
 from omnistage.models.loader import (_default_dtype, check_tensor_names, checkpoint_names,
                                      iter_component_tensors, load_packed_weights)
 from omnistage.models.qwen2 import Qwen2Attention, Qwen2MLP
@@ -166,6 +169,7 @@ class Qwen3OmniMoeDecoder(nn.Module):
     def __init__(self, cfg: Qwen3OmniTextConfig) -> None:
         super().__init__()
         mc = cfg.model
+        _check_tensor_parallel(cfg)
         self.num_layers = mc.num_hidden_layers
         # Qwen3-Omni interleaves the sections whatever rope_parameters["interleaved"] says.
         rotary_emb = MRotaryEmbedding(mc.head_dim, mc.max_position_embeddings,
@@ -206,13 +210,23 @@ class Qwen3OmniMoeDecoder(nn.Module):
         return h, captured
 
 
+def _check_tensor_parallel(cfg: Qwen3OmniTextConfig) -> None:
+    """Refuse a tensor-parallel size that does not divide the sizes this decoder splits."""
+    mc, sizes = cfg.model, {}
+    if cfg.moe_layers:
+        sizes["moe_intermediate_size"] = cfg.moe.moe_intermediate_size
+    if cfg.moe.shared_expert_intermediate_size:
+        sizes["shared_expert_intermediate_size"] = cfg.moe.shared_expert_intermediate_size
+    if len(cfg.moe_layers) < mc.num_hidden_layers:      # dense MLP layers
+        sizes["intermediate_size"] = mc.intermediate_size
+    check_tensor_parallel(mc, tp_group().world_size, **sizes)
+
+
 class Qwen3OmniThinkerTextModel(Qwen3OmniMoeDecoder):
     def __init__(self, cfg: Qwen3OmniTextConfig) -> None:
         super().__init__(cfg)
         mc = cfg.model
-        self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size,
-                                         _weight=torch.empty(mc.vocab_size, mc.hidden_size))
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(mc.vocab_size, mc.hidden_size)
 
 
 class Qwen3OmniThinkerForCausalLM(CausalLM):
@@ -227,7 +241,7 @@ class Qwen3OmniThinkerForCausalLM(CausalLM):
         self.config = config
         mc = config.model
         self.model = Qwen3OmniThinkerTextModel(config)
-        self.lm_head = Linear(mc.hidden_size, mc.vocab_size)
+        self.lm_head = ParallelLMHead(mc.vocab_size, mc.hidden_size)
         if mc.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
