@@ -251,20 +251,25 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r keeps vocabulary rows r*V/R .. (r+1)*V/R; an id outside them embeds to zeros
-    here, and the all-reduce sums in the rank that has it."""
+    """Rank r keeps vocabulary rows r*P .. (r+1)*P, P = ceil(V / R): a vocabulary that does not
+    divide is padded at the end (the last rank's rows past V are zeros, never looked up); an
+    id outside this rank's rows embeds to zeros here, and the all-reduce sums in the rank that
+    has it."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.tp = tp_group()
         self.num_embeddings = num_embeddings
-        self.local_rows = divide(num_embeddings, self.tp.world_size, "vocabulary size")
+        self.local_rows = -(-num_embeddings // self.tp.world_size)
         self.start = self.tp.rank * self.local_rows
+        self.num_real = max(0, min(self.local_rows, num_embeddings - self.start))
         _parameter(self, "weight", (self.local_rows, embedding_dim), self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor) -> None:
         whole = (self.num_embeddings, param.shape[1])
-        copy_checked(param.data, _narrow(loaded_weight, 0, self.start, self.local_rows, whole))
+        rows = _narrow(loaded_weight, 0, self.start, self.num_real, whole)
+        copy_checked(param.data[:self.num_real], rows)
+        param.data[self.num_real:].zero_()
 
     def forward(self, ids: Tensor) -> Tensor:
         if self.tp.world_size == 1:
@@ -277,11 +282,13 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection over a split vocabulary: each rank's logits for its rows,
-    gathered into the whole vocabulary in rank order."""
+    gathered into the whole vocabulary in rank order (the padding's columns cut off)."""
 
     def gather(self, local_logits: Tensor) -> Tensor:
-        """(T, V/R) logits of this rank's rows -> (T, V), the same on every rank."""
-        return all_gather_last(local_logits, self.tp)
+        """(T, P) logits of this rank's rows -> (T, V), the same on every rank."""
+        logits = all_gather_last(local_logits, self.tp)
+        return logits if logits.shape[-1] == self.num_embeddings else \
+            logits[..., :self.num_embeddings]
 
     def forward(self, hidden: Tensor) -> Tensor:                   # (T, H) -> (T, V)
         return self.gather(F.linear(hidden, self.weight))

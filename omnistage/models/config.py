@@ -87,15 +87,15 @@ class ModelConfig:
 
 def check_tensor_parallel(cfg: ModelConfig, size: int, **split_sizes: int) -> None:
     """Refuse a tensor-parallel `size` that does not split the model evenly: ValueError naming
-    every config field that does not divide. Attention heads and the vocabulary (embedding and
-    LM head) split over the ranks, and so does each of `split_sizes` (the MLPs' intermediate
-    sizes, by field name); key/value heads split too, or are replicated when there are fewer
-    than ranks, so their count must divide the size then."""
+    every config field that does not divide. Attention heads split over the ranks, and so does
+    each of `split_sizes` (the MLPs' intermediate sizes, by field name); key/value heads split
+    too, or are replicated when there are fewer than ranks, so their count must divide the
+    size then. The vocabulary is padded to a multiple of the size (layers/parallel.py)."""
     if size == 1:
         return
     problems = [f"{name} ({n})" for name, n in
-                (("num_attention_heads", cfg.num_attention_heads),
-                 ("vocab_size", cfg.vocab_size), *split_sizes.items()) if n % size]
+                (("num_attention_heads", cfg.num_attention_heads), *split_sizes.items())
+                if n % size]
     kv = cfg.num_key_value_heads
     if (kv % size if kv >= size else size % kv):
         problems.append(f"num_key_value_heads ({kv}; it must divide or be divisible by it)")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from omnistage.layers import parallel as tp
 
-H, D, HQ, V, INTER = 32, 8, 4, 64, 48
+H, D, HQ, V, INTER = 32, 8, 4, 63, 48   # V odd: the vocabulary padded on 2 ranks
 
 
 def _weights(num_kv_heads: int) -> dict[str, torch.Tensor]:
@@ -25,7 +25,7 @@ def _weights(num_kv_heads: int) -> dict[str, torch.Tensor]:
     return {"q": w(HQ * D, H), "k": w(num_kv_heads * D, H), "v": w(num_kv_heads * D, H),
             "o": w(H, HQ * D), "gate": w(INTER, H), "up": w(INTER, H), "down": w(H, INTER),
             "down_bias": w(H), "embed": w(V, H), "head": w(V, H), "x": w(5, H),
-            "ids": torch.randint(0, V, (7,), generator=g)}
+            "ids": torch.cat([torch.randint(0, V, (7,), generator=g), torch.tensor([V - 1, 0])])}
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
