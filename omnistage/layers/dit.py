@@ -1,5 +1,9 @@
 """Blocks that diffusion transformers share, with diffusers' parameter names so checkpoints
-load one-to-one: sinusoidal timestep embedding, its MLP, adaptive LayerNorms, the GELU MLP."""
+load one-to-one: sinusoidal timestep embedding, its MLP, adaptive LayerNorms, the GELU MLP.
+
+Under tensor parallelism (layers/parallel.py) the MLP splits column / row, and the adaptive
+norms' large modulation projections split by output, gathered whole (every rank holds the
+whole residual stream); with one rank they are plain linears."""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from omnistage.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
 
 def timestep_embedding(t: Tensor, dim: int = 256, max_period: float = 10000.0) -> Tensor:
@@ -38,7 +44,7 @@ class AdaLayerNormZero(nn.Module):
     def __init__(self, dim: int, num_chunks: int = 6) -> None:
         super().__init__()
         self.num_chunks = num_chunks
-        self.linear = nn.Linear(dim, num_chunks * dim)
+        self.linear = ColumnParallelLinear(dim, num_chunks * dim, bias=True, gather_output=True)
 
     def forward(self, x: Tensor, temb: Tensor) -> tuple[Tensor, ...]:
         shift, scale, *rest = self.linear(F.silu(temb)).chunk(self.num_chunks, dim=1)  # (B, D) each
@@ -59,20 +65,24 @@ class AdaLayerNormContinuous(nn.Module):
 
 
 class GELU(nn.Module):
+    """Column-parallel: this rank's slice of the hidden features."""
+
     def __init__(self, dim_in: int, dim_out: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(dim_in, dim_out)
+        self.proj = ColumnParallelLinear(dim_in, dim_out, bias=True)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.gelu(self.proj(x), approximate="tanh")
 
 
 class FeedForward(nn.Module):
-    """net.0.proj -> gelu(tanh) -> net.2 (net.1 is diffusers' dropout: no weights)."""
+    """net.0.proj -> gelu(tanh) -> net.2 (net.1 is diffusers' dropout: no weights); split
+    column / row over the tensor-parallel ranks."""
 
     def __init__(self, dim: int, mult: int = 4) -> None:
         super().__init__()
-        self.net = nn.ModuleList([GELU(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)])
+        self.net = nn.ModuleList([GELU(dim, dim * mult), nn.Identity(),
+                                  RowParallelLinear(dim * mult, dim, bias=True)])
 
     def forward(self, x: Tensor) -> Tensor:
         for layer in self.net:

@@ -113,9 +113,9 @@ class SequenceSplit:
     def gather(self, x: Tensor, segment: int, dim: int = 1) -> Tensor:
         """The whole segment from every rank's local part `x` (along `dim`), in order."""
         sizes, u, i = self.sizes[segment], self.ranks.ulysses.world_size, self.ranks.ring.rank
-        x = _all_gather_uneven(x, [sizes[i * u + m] for m in range(u)], self.ranks.ulysses, dim)
+        x = all_gather_uneven(x, [sizes[i * u + m] for m in range(u)], self.ranks.ulysses, dim)
         chunks = [sum(sizes[j * u:(j + 1) * u]) for j in range(self.ranks.ring.world_size)]
-        return _all_gather_uneven(x, chunks, self.ranks.ring, dim)
+        return all_gather_uneven(x, chunks, self.ranks.ring, dim)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Attention of the local queries over every key of the sequence. q, k, v: (B, S, H,
@@ -158,7 +158,7 @@ def _chunk_mask(sizes: tuple[tuple[int, ...], ...], key_masks: Sequence[Tensor |
 
 # ---- collectives ---------------------------------------------------------------------------
 
-def _all_gather_uneven(x: Tensor, sizes: list[int], group: TPGroup, dim: int) -> Tensor:
+def all_gather_uneven(x: Tensor, sizes: list[int], group: TPGroup, dim: int) -> Tensor:
     """Concatenate the members' x along `dim` (member m contributes sizes[m]). Sent padded to
     the largest, since gloo's all_gather takes equal sizes only."""
     if group.world_size == 1:

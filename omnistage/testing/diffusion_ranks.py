@@ -1,12 +1,102 @@
 """Rank bodies for the parallel diffusion tests (tests/diffusion/test_parallel.py), run on CPU
-gloo ranks by `omnistage.testing.ranks.run_ranks`, and the tiny Qwen-Image folder they load."""
+gloo ranks by `omnistage.testing.ranks.run_ranks` (or in the test's process for one rank),
+and the tiny Qwen-Image folder they load.
+
+The folder has no text encoder: requests bring their caption states (`set_conditioning`, as
+a split graph's encoder stage sends them), drawn from a seed per request, so captions of any
+length, odd ones included, cost nothing to make."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
+from omnistage.diffusion.engine import DiffusionEngine
+from omnistage.diffusion.params import DiffusionParams
 from omnistage.layers.groups import StageRanks
 from omnistage.layers.sequence_parallel import SequenceSplit, sdpa
+from omnistage.testing.diffusion import run_to_end
+
+JOINT_DIM = 16        # caption state width of the tiny transformer
+QWEN_IMAGE_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192,
+                            max_shift=0.9, num_train_timesteps=1000, shift=1.0,
+                            shift_terminal=0.02, use_dynamic_shifting=True,
+                            time_shift_type="exponential")
+
+
+def build_tiny_qwen_image(path: Path) -> Path:
+    """transformer/ (2 heads of 16, 2 layers), vae/, scheduler/ and model_index.json of a tiny
+    random Qwen-Image, saved by diffusers. Every weight drawn (diffusers zero-inits some),
+    RMS norm weights near 1 so that attention, and with it the captions, matter."""
+    import diffusers
+
+    torch.manual_seed(0)
+    transformer = diffusers.QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=JOINT_DIM, axes_dims_rope=(8, 4, 4))
+    with torch.no_grad():
+        for p in transformer.parameters():
+            p.normal_(0.0, 0.1)
+        for m in transformer.modules():
+            if type(m).__name__ == "RMSNorm":
+                m.weight.normal_(1.0, 0.1)
+    transformer.save_pretrained(path / "transformer")
+    diffusers.AutoencoderKLQwenImage(
+        base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+        temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.3, -0.1],
+        latents_std=[1.5, 0.8, 1.2, 2.0]).save_pretrained(path / "vae")
+    diffusers.FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER).save_pretrained(
+        path / "scheduler")
+    (path / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
+    return path
+
+
+def captions(case: dict) -> dict[str, torch.Tensor]:
+    """A case's caption states: prompt_embeds (len, J), and negative_prompt_embeds with CFG."""
+    g = torch.Generator().manual_seed(case["seed"])
+    out = {"prompt_embeds": torch.randn(case["len"], JOINT_DIM, generator=g)}
+    if case.get("neg_len"):
+        out["negative_prompt_embeds"] = torch.randn(case["neg_len"], JOINT_DIM, generator=g)
+    return out
+
+
+def case_params(case: dict) -> DiffusionParams:
+    cfg = case.get("neg_len") is not None
+    return DiffusionParams(height=case["size"], width=case["size"],
+                           num_inference_steps=case["steps"], seed=case["seed"],
+                           num_images=case.get("num_images", 1),
+                           true_cfg_scale=case["cfg"] if cfg else 1.0,
+                           negative_prompt="n" if cfg else None,
+                           cache_threshold=case.get("cache_threshold"))
+
+
+def qwen_image_run(ranks: StageRanks, folder: str, cases: list[dict]) -> dict:
+    """Every case, batched by the engine, to the end on these ranks: rank 0 serves, the others
+    follow. -> per request its final latents (flat list) and the steps each step-cache branch
+    skipped on this rank."""
+    from omnistage.diffusion.pipelines.qwen_image import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(folder, "qwen_image", torch.device("cpu"),
+                                             torch.float32, text_encoders=False)
+    engine = DiffusionEngine(pipe)
+    finished = []
+    if ranks.is_leader:
+        pipe.decode = lambda latents, params: torch.zeros(1, 1, 1, 3)   # latents are compared
+        for case in cases:
+            engine.add_request(case["id"], None, case_params(case))
+            engine.set_conditioning(case["id"], captions(case))
+        reqs = dict(engine.requests)
+        run_to_end(engine)
+        engine.stop_followers()
+        finished = list(reqs.values())
+    else:
+        while (plan := ranks.share_plan()) is not None:
+            finished += engine.run_plan(plan)
+    return {"latents": {r.request_id: r.latents.flatten().tolist() for r in finished},
+            "skipped": {r.request_id: {b: s.num_skipped for b, s in r.cache.items()}
+                        for r in finished}}
 
 
 def sequence_attention(ranks: StageRanks, lengths: list[int], masked: bool) -> dict:
