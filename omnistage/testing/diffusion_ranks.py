@@ -99,10 +99,51 @@ def qwen_image_run(ranks: StageRanks, folder: str, cases: list[dict]) -> dict:
                         for r in finished}}
 
 
-def sequence_attention(ranks: StageRanks, lengths: list[int], masked: bool) -> dict:
-    """Joint attention over segments of `lengths` tokens (the first with a key mask when
-    `masked`), split over the sequence-parallel ranks, against the whole sequence's SDPA:
-    -> the largest difference and the reference's largest value."""
+def qwen_image_stage_run(ranks: StageRanks, folder: str, cases: list[dict]) -> dict:
+    """The cases through a DiffusionStage configured with these ranks' sizes (conditioning
+    along an input edge): rank 0 adds, feeds and steps the stage, then stops the others, which
+    `follow()`. -> rank 0: per request its final latents (flat list); others: {}."""
+    import time
+
+    from omnistage.configs.schema import StageConfig, StageInput
+    from omnistage.stages.adapters import StageFeed
+    from omnistage.stages.diffusion import DiffusionStage
+    from omnistage.stages.interface import StageRequest
+
+    sizes = ranks.sizes
+    stage = DiffusionStage(StageConfig(
+        name="dit", kind="diffusion", component="qwen_image", model=folder, dtype="float32",
+        inputs=(StageInput("encoder", "text"),), tensor_parallel_size=sizes.tp,
+        ulysses_degree=sizes.ulysses, ring_degree=sizes.ring, cfg_parallel_size=sizes.cfg),
+        None, "cpu")
+    if not ranks.is_leader:
+        stage.follow()
+        return {}
+    latents = {}
+
+    def decode(x: torch.Tensor, params: DiffusionParams) -> torch.Tensor:   # keeps the latents
+        latents[params.seed] = x.flatten().tolist()
+        return torch.zeros(1, 1, 1, 3)
+
+    stage.engine.pipeline.decode = decode
+    for case in cases:
+        stage.add(StageRequest(case["id"], time.time(), diffusion=case_params(case),
+                               streamed=True))
+        stage.feed(case["id"], StageFeed(tensors=captions(case)))
+    while stage.has_unfinished_requests:
+        assert all(r.error is None for r in stage.step())
+    stage.stop_followers()
+    return {"latents": {c["id"]: latents[c["seed"]] for c in cases}}
+
+
+def sequence_attention(ranks: StageRanks, cases: list[tuple[list[int], bool]]) -> list[dict]:
+    """Per case (segment lengths, whether the first segment has a key mask): joint attention
+    split over the sequence-parallel ranks against the whole sequence's SDPA. -> per case the
+    largest difference and the reference's largest value."""
+    return [_sequence_attention(lengths, masked) for lengths, masked in cases]
+
+
+def _sequence_attention(lengths: list[int], masked: bool) -> dict:
     g = torch.Generator().manual_seed(0)
     batch, heads, dim = 2, 4, 8
     q, k, v = ([torch.randn(batch, n, heads, dim, generator=g) for n in lengths]

@@ -1,0 +1,128 @@
+"""A diffusion stage over two CPU ranks (gloo, one process each) against the same stage on one
+rank: a tiny random Qwen-Image with true CFG, batched requests of different caption lengths
+(masked), CFG and not, two images per prompt, an odd image token count (48x48: 3x3 tokens)
+and odd caption lengths, and step caching. CFG-parallel, Ulysses, ring and tensor
+parallelism each give every rank the 1-rank latents within 1e-5, and skip the same steps.
+Layouts a pipeline cannot run are refused before anything loads.
+
+The sequence-parallel attention alone (layers/sequence_parallel.py) is checked against
+whole-sequence attention, for uneven splits and masked keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnistage.configs.schema import ParallelSizes, StageConfig
+from omnistage.diffusion.parallel import check_layout
+from omnistage.diffusion.pipelines.digits import DigitsPipeline
+from omnistage.diffusion.pipelines.flux import FluxPipeline
+from omnistage.diffusion.pipelines.qwen_image import QwenImagePipeline
+from omnistage.layers.groups import StageRanks
+from omnistage.testing.diffusion_ranks import build_tiny_qwen_image, qwen_image_run
+from omnistage.testing.ranks import run_ranks
+
+pytest.importorskip("diffusers")
+
+TARGET = "omnistage.testing.diffusion_ranks"
+CASES = [   # sizes in pixels: 64 -> 4x4 image tokens, 48 -> 3x3; len / neg_len: caption tokens
+    dict(id="a", size=64, steps=3, seed=1, len=7, neg_len=4, cfg=4.0, num_images=2),
+    dict(id="b", size=64, steps=3, seed=2, len=5),
+    dict(id="c", size=64, steps=4, seed=3, len=6, neg_len=9, cfg=2.5),
+    dict(id="d", size=48, steps=3, seed=4, len=3, neg_len=3, cfg=3.0),
+    # relative changes ~0.18, 0.22, 0.29, 0.25, 0.13, 0.15: skips steps 1 and 5, far from 0.2
+    dict(id="e", size=64, steps=8, seed=5, len=5, neg_len=6, cfg=4.0, cache_threshold=0.2),
+]
+LAYOUTS = {"cfg2": ParallelSizes(cfg=2), "ulysses2": ParallelSizes(ulysses=2),
+           "ring2": ParallelSizes(ring=2), "tp2": ParallelSizes(tp=2)}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_qwen_image(tmp_path_factory.mktemp("qwen_image"))
+
+
+@pytest.fixture(scope="module")
+def reference(folder: Path) -> dict:
+    """The cases on one rank, in this process."""
+    return qwen_image_run(StageRanks.single(), str(folder), CASES)
+
+
+def assert_latents_close(got: dict[str, list[float]], reference: dict) -> None:
+    for rid, ref in reference["latents"].items():
+        ref = torch.tensor(ref)
+        assert ref.abs().max() > 1.0, (rid, "latents too small to compare")
+        diff = (torch.tensor(got[rid]) - ref).abs().max()
+        assert diff < 1e-5, (rid, float(diff))
+
+
+def test_reference_depends_on_what_the_ranks_split(folder: Path, reference: dict) -> None:
+    """A mistake in what the parallel runs share (a negative caption token, CFG scale) moves
+    the latents far beyond the tolerance, and step caching skipped steps."""
+    cases = [dict(c, neg_len=c["neg_len"] - 1) if c["id"] == "c" else c for c in CASES]
+    other = qwen_image_run(StageRanks.single(), str(folder), cases)
+    diff = (torch.tensor(other["latents"]["c"]) - torch.tensor(reference["latents"]["c"]))
+    assert diff.abs().max() > 1e-2
+    assert reference["skipped"]["e"] == {"cond": 2, "uncond": 2}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_latents_match_one_rank(folder: Path, reference: dict, layout: str,
+                                tmp_path: Path) -> None:
+    results = run_ranks(f"{TARGET}:qwen_image_run", LAYOUTS[layout],
+                        {"folder": str(folder), "cases": CASES}, tmp_path)
+    for rank, result in enumerate(results):
+        assert set(result["latents"]) == {c["id"] for c in CASES}, rank
+        assert_latents_close(result["latents"], reference)
+        for rid, branches in result["skipped"].items():     # CFG rank 1 runs "uncond" only
+            for branch, skipped in branches.items():
+                assert skipped == reference["skipped"][rid][branch], (rank, rid, branch)
+    assert results[0]["latents"] == results[1]["latents"]   # the ranks stay equal, exactly
+
+
+def test_stage_follows_rank_zero(folder: Path, reference: dict, tmp_path: Path) -> None:
+    """A CFG-parallel DiffusionStage (its conditioning along an input edge): rank 1 follows
+    (`DiffusionStage.follow`), rank 0 serves and stops it."""
+    results = run_ranks(f"{TARGET}:qwen_image_stage_run", ParallelSizes(cfg=2),
+                        {"folder": str(folder), "cases": CASES}, tmp_path)
+    assert results[1] == {}
+    assert_latents_close(results[0]["latents"], reference)
+
+
+@pytest.mark.parametrize("layout", ["ulysses2", "ring2"])
+def test_sequence_parallel_attention(layout: str, tmp_path: Path) -> None:
+    """Segments split unevenly (7 and 9 tokens), one rank without text (1), masked text keys."""
+    cases = [([7, 9], True), ([1, 5], False), ([6, 16], True)]
+    results = run_ranks(f"{TARGET}:sequence_attention", LAYOUTS[layout], {"cases": cases},
+                        tmp_path)
+    for rank in results:
+        for case, r in zip(cases, rank):
+            assert r["scale"] > 0.5 and r["diff"] < 1e-5, (case, r)
+
+
+@pytest.mark.parametrize("pipeline, name, sizes, match", [
+    (QwenImagePipeline, "qwen_image", ParallelSizes(ulysses=2, tp=2),
+     r"num_attention_heads \(2\) is not divisible by ulysses_degree x tensor_parallel_size"),
+    (QwenImagePipeline, "qwen_image", ParallelSizes(cfg=3), "two branches"),
+    (FluxPipeline, "flux", ParallelSizes(cfg=2), "cfg_parallel_size=2: .* runs none"),
+    (DigitsPipeline, "digits", ParallelSizes(tp=2), "supports none"),
+])
+def test_refused_layouts(folder: Path, pipeline: type, name: str, sizes: ParallelSizes,
+                         match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_layout(pipeline, name, sizes, folder)
+
+
+def test_stage_refuses_before_loading(folder: Path) -> None:
+    from omnistage.stages.diffusion import DiffusionStage
+
+    with pytest.raises(ValueError, match="not divisible"):
+        DiffusionStage(StageConfig(name="dit", kind="diffusion", component="qwen_image",
+                                   model=str(folder), ulysses_degree=2,
+                                   tensor_parallel_size=2), None, "cpu")
+    with pytest.raises(ValueError, match="text-encoder stage runs on one rank"):
+        DiffusionStage(StageConfig(name="enc", kind="diffusion",
+                                   component="qwen_image.text_encoder", model=str(folder),
+                                   tensor_parallel_size=2), None, "cpu")
