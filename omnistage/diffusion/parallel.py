@@ -4,8 +4,14 @@ branches on different ranks, and the plan rank 0 shares with the others every st
     pipeline     cfg  ulysses  ring  tp
     qwen_image    x      x      x    x     CFG-parallel: true CFG's two branches
     flux          -      x      x    x     guidance-distilled: no negative branch to split
-    z_image       x      -      -    x     its per-request ragged sequences are not split
+    z_image       x      -      -    x     CFG with guidance_scale; its ragged, padded
+                                           per-request sequences are not split
     digits        -      -      -    -     the demo runs on one rank
+
+(each pipeline class's `parallel_axes`). The axes combine: world = cfg x ring x ulysses x tp
+(layers/groups.py), heads divisible by ulysses x tp. Text encoders and the VAE are whole on
+rank 0, which alone encodes, prepares and decodes; the other ranks hold the transformer
+only (their VAE is loaded but unused).
 
 Every rank holds every running request (latents, schedule, conditioning, step-cache state)
 and runs every step; rank 0 alone admits, schedules, decodes and answers. Its plan for a

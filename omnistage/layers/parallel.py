@@ -12,6 +12,7 @@ of its `torch.distributed` group, each rank loading only its slice of every chec
     VocabParallelEmbedding      rank r keeps vocabulary rows r*V/R ..; ids outside embed to 0,
                                 all-reduce
     ParallelLMHead              the vocabulary split by rows; logits all-gathered
+    MergedRowParallelLinear     row-parallel over several column-parallel outputs side by side
 
 The group is the stage's (`set_tp_group`); with none set, world size 1 and every layer is its
 single-device self. Checkpoint tensors arrive whole (from safetensors, lazily per tensor) and
@@ -225,3 +226,26 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: Tensor) -> Tensor:                   # (T, H) -> (T, V)
         return all_gather_last(F.linear(hidden, self.weight), self.tp)
+
+
+class MergedRowParallelLinear(RowParallelLinear):
+    """A row-parallel linear whose input is several column-parallel outputs side by side
+    (FLUX's single block: proj_out over [attention | MLP]), each split over the ranks: this
+    rank's input and weight columns are | piece 0's slice | piece 1's slice | ..."""
+
+    def __init__(self, input_sizes: list[int], out_features: int, bias: bool = False) -> None:
+        tp = tp_group()
+        self.input_sizes = list(input_sizes)
+        self.local_sizes = [divide(s, tp.world_size, f"piece of {s} input features")
+                            for s in input_sizes]
+        super().__init__(sum(input_sizes), out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor) -> None:
+        whole = (self.out_features, self.in_features)
+        if tuple(loaded_weight.shape) != whole:
+            raise ValueError(f"expected shape {whole}, got {tuple(loaded_weight.shape)}")
+        start = offset = 0
+        for size, local in zip(self.input_sizes, self.local_sizes):
+            copy_checked(param.data.narrow(1, offset, local),
+                         loaded_weight.narrow(1, start + self.tp.rank * local, local))
+            start, offset = start + size, offset + local

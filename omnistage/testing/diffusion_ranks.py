@@ -1,10 +1,10 @@
 """Rank bodies for the parallel diffusion tests (tests/diffusion/test_parallel.py), run on CPU
 gloo ranks by `omnistage.testing.ranks.run_ranks` (or in the test's process for one rank),
-and the tiny Qwen-Image folder they load.
+and the tiny Qwen-Image, Z-Image and FLUX folders they load.
 
-The folder has no text encoder: requests bring their caption states (`set_conditioning`, as
-a split graph's encoder stage sends them), drawn from a seed per request, so captions of any
-length, odd ones included, cost nothing to make."""
+The pipeline folders have no text encoder: requests bring their caption states
+(`set_conditioning`, as a split graph's encoder stage sends them), drawn from a seed per
+request, so captions of any length, odd ones included, cost nothing to make."""
 
 from __future__ import annotations
 
@@ -53,6 +53,52 @@ def build_tiny_qwen_image(path: Path) -> Path:
     return path
 
 
+def build_tiny_flux_transformer(path: Path) -> Path:
+    """transformer/ of a tiny random FLUX.1-dev (2 heads of 16, 1 double and 2 single blocks,
+    guidance embedding), saved by diffusers, every weight drawn."""
+    import diffusers
+
+    torch.manual_seed(0)
+    transformer = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8], guidance_embeds=True)
+    with torch.no_grad():
+        for p in transformer.parameters():
+            p.normal_(0.0, 0.1)
+    transformer.save_pretrained(path / "transformer")
+    return path
+
+
+def build_tiny_z_image(path: Path) -> Path:
+    """transformer/ (2 heads of 24, 2 layers, 1 refiner layer each), vae/, scheduler/ and
+    model_index.json of a tiny random Z-Image, saved by diffusers, every weight drawn."""
+    import diffusers
+
+    torch.manual_seed(0)
+    transformer = diffusers.ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=48, n_layers=2,
+        n_refiner_layers=1, n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True,
+        cap_feat_dim=JOINT_DIM, rope_theta=256.0, t_scale=1000.0, axes_dims=[8, 8, 8],
+        axes_lens=[128, 32, 32])
+    vae = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+        latent_channels=4, norm_num_groups=4, sample_size=32, use_quant_conv=False,
+        use_post_quant_conv=False, shift_factor=0.1159, scaling_factor=0.3611)
+    with torch.no_grad():
+        for model in (transformer, vae):
+            for p in model.parameters():
+                p.normal_(0.0, 0.1)
+    transformer.save_pretrained(path / "transformer")
+    vae.save_pretrained(path / "vae")
+    diffusers.FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False).save_pretrained(
+        path / "scheduler")
+    (path / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
+    return path
+
+
 def captions(case: dict) -> dict[str, torch.Tensor]:
     """A case's caption states: prompt_embeds (len, J), and negative_prompt_embeds with CFG."""
     g = torch.Generator().manual_seed(case["seed"])
@@ -62,30 +108,34 @@ def captions(case: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def case_params(case: dict) -> DiffusionParams:
+def case_params(case: dict, pipeline: str = "qwen_image") -> DiffusionParams:
+    """A case's params: CFG (a negative caption) as Qwen-Image's true CFG or Z-Image's
+    guidance_scale; the negative prompt's text is never encoded here."""
     cfg = case.get("neg_len") is not None
+    guidance = ({"guidance_scale": case["cfg"] if cfg else 0.0} if pipeline == "z_image" else
+                {"true_cfg_scale": case["cfg"] if cfg else 1.0})
     return DiffusionParams(height=case["size"], width=case["size"],
                            num_inference_steps=case["steps"], seed=case["seed"],
                            num_images=case.get("num_images", 1),
-                           true_cfg_scale=case["cfg"] if cfg else 1.0,
                            negative_prompt="n" if cfg else None,
-                           cache_threshold=case.get("cache_threshold"))
+                           cache_threshold=case.get("cache_threshold"), **guidance)
 
 
-def qwen_image_run(ranks: StageRanks, folder: str, cases: list[dict]) -> dict:
+def pipeline_run(ranks: StageRanks, folder: str, cases: list[dict],
+                 pipeline: str = "qwen_image") -> dict:
     """Every case, batched by the engine, to the end on these ranks: rank 0 serves, the others
     follow. -> per request its final latents (flat list) and the steps each step-cache branch
     skipped on this rank."""
-    from omnistage.diffusion.pipelines.qwen_image import QwenImagePipeline
+    from omnistage.registry import load_component
 
-    pipe = QwenImagePipeline.from_pretrained(folder, "qwen_image", torch.device("cpu"),
-                                             torch.float32, text_encoders=False)
+    pipe = load_component("diffusion", pipeline).from_pretrained(
+        folder, pipeline, torch.device("cpu"), torch.float32, text_encoders=False)
     engine = DiffusionEngine(pipe)
     finished = []
     if ranks.is_leader:
         pipe.decode = lambda latents, params: torch.zeros(1, 1, 1, 3)   # latents are compared
         for case in cases:
-            engine.add_request(case["id"], None, case_params(case))
+            engine.add_request(case["id"], None, case_params(case, pipeline))
             engine.set_conditioning(case["id"], captions(case))
         reqs = dict(engine.requests)
         run_to_end(engine)
@@ -134,6 +184,24 @@ def qwen_image_stage_run(ranks: StageRanks, folder: str, cases: list[dict]) -> d
         assert all(r.error is None for r in stage.step())
     stage.stop_followers()
     return {"latents": {c["id"]: latents[c["seed"]] for c in cases}}
+
+
+def flux_forward(ranks: StageRanks, folder: str, num_txt: int, grid: list[int]) -> list[float]:
+    """One forward of the tiny FLUX transformer on these ranks (2 rows, `num_txt` caption
+    tokens, an h x w token grid, seeded inputs) -> its output, flat."""
+    from omnistage.diffusion.pipelines.flux import latent_image_ids
+    from omnistage.models.flux_transformer import FluxTransformer2DModel
+
+    model = FluxTransformer2DModel.from_pretrained(Path(folder) / "transformer", "cpu",
+                                                   torch.float32)
+    g = torch.Generator().manual_seed(0)
+    h, w = grid
+    with torch.inference_mode():
+        out = model(torch.randn(2, h * w, 16, generator=g), torch.randn(2, num_txt, 32, generator=g),
+                    torch.randn(2, 32, generator=g), torch.tensor([0.7, 0.3]),
+                    img_ids=latent_image_ids(h, w), txt_ids=torch.zeros(num_txt, 3),
+                    guidance=torch.tensor([3.5, 2.0]) / 1000)
+    return out.flatten().tolist()
 
 
 def sequence_attention(ranks: StageRanks, cases: list[tuple[list[int], bool]]) -> list[dict]:
