@@ -240,7 +240,12 @@ def _cuda_attention_lse(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None
             bias = bias.expand(b, q.shape[2], num_q, num_k)
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             qt, kt, vt, bias, True)[:2]
-    return out.transpose(1, 2).float().nan_to_num(0.0), lse[..., :num_q].float()
+    out, lse = out.transpose(1, 2).float(), lse[..., :num_q].float()
+    if key_mask is not None:         # a row without keys: whatever the kernel made of it
+        none = ~key_mask.any(dim=-1)                                         # (B,)
+        out = out.masked_fill(none[:, None, None, None], 0.0)
+        lse = lse.masked_fill(none[:, None, None], float("-inf"))
+    return out, lse
 
 
 def merge_partial(out: Tensor | None, lse: Tensor | None, part: Tensor, part_lse: Tensor

@@ -20,6 +20,15 @@ from omnistage.layers.sequence_parallel import SequenceSplit, sdpa
 from omnistage.testing.diffusion import run_to_end
 
 JOINT_DIM = 16        # caption state width of the tiny transformer
+CASES = [   # sizes in pixels: 64 -> 4x4 image tokens, 48 -> 3x3; len / neg_len: caption tokens
+    dict(id="a", size=64, steps=3, seed=1, len=7, neg_len=4, cfg=4.0, num_images=2),
+    dict(id="b", size=64, steps=3, seed=2, len=5),
+    dict(id="c", size=64, steps=4, seed=3, len=6, neg_len=9, cfg=2.5),
+    dict(id="d", size=48, steps=3, seed=4, len=3, neg_len=3, cfg=3.0),
+    # Qwen-Image's relative changes ~0.18, 0.22, 0.29, 0.25, 0.13, 0.15: skips steps 1 and 5,
+    # far from 0.2
+    dict(id="e", size=64, steps=8, seed=5, len=5, neg_len=6, cfg=4.0, cache_threshold=0.2),
+]
 QWEN_IMAGE_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192,
                             max_shift=0.9, num_train_timesteps=1000, shift=1.0,
                             shift_terminal=0.02, use_dynamic_shifting=True,
@@ -122,14 +131,14 @@ def case_params(case: dict, pipeline: str = "qwen_image") -> DiffusionParams:
 
 
 def pipeline_run(ranks: StageRanks, folder: str, cases: list[dict],
-                 pipeline: str = "qwen_image") -> dict:
+                 pipeline: str = "qwen_image", device: str = "cpu") -> dict:
     """Every case, batched by the engine, to the end on these ranks: rank 0 serves, the others
     follow. -> per request its final latents (flat list) and the steps each step-cache branch
-    skipped on this rank."""
+    skipped on this rank. device "cuda": this rank's current CUDA device, float32."""
     from omnistage.registry import load_component
 
     pipe = load_component("diffusion", pipeline).from_pretrained(
-        folder, pipeline, torch.device("cpu"), torch.float32, text_encoders=False)
+        folder, pipeline, torch.device(device), torch.float32, text_encoders=False)
     engine = DiffusionEngine(pipe)
     finished = []
     if ranks.is_leader:
@@ -197,7 +206,8 @@ def flux_forward(ranks: StageRanks, folder: str, num_txt: int, grid: list[int]) 
     g = torch.Generator().manual_seed(0)
     h, w = grid
     with torch.inference_mode():
-        out = model(torch.randn(2, h * w, 16, generator=g), torch.randn(2, num_txt, 32, generator=g),
+        out = model(torch.randn(2, h * w, 16, generator=g),
+                    torch.randn(2, num_txt, 32, generator=g),
                     torch.randn(2, 32, generator=g), torch.tensor([0.7, 0.3]),
                     img_ids=latent_image_ids(h, w), txt_ids=torch.zeros(num_txt, 3),
                     guidance=torch.tensor([3.5, 2.0]) / 1000)

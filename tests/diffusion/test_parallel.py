@@ -23,21 +23,14 @@ from omnistage.diffusion.pipelines.flux import FluxPipeline
 from omnistage.diffusion.pipelines.qwen_image import QwenImagePipeline
 from omnistage.diffusion.pipelines.z_image import ZImagePipeline
 from omnistage.layers.groups import StageRanks
-from omnistage.testing.diffusion_ranks import (build_tiny_flux_transformer, build_tiny_qwen_image,
-                                               build_tiny_z_image, flux_forward, pipeline_run)
+from omnistage.testing.diffusion_ranks import (CASES, build_tiny_flux_transformer,
+                                               build_tiny_qwen_image, build_tiny_z_image,
+                                               flux_forward, pipeline_run)
 from omnistage.testing.ranks import run_ranks
 
 pytest.importorskip("diffusers")
 
 TARGET = "omnistage.testing.diffusion_ranks"
-CASES = [   # sizes in pixels: 64 -> 4x4 image tokens, 48 -> 3x3; len / neg_len: caption tokens
-    dict(id="a", size=64, steps=3, seed=1, len=7, neg_len=4, cfg=4.0, num_images=2),
-    dict(id="b", size=64, steps=3, seed=2, len=5),
-    dict(id="c", size=64, steps=4, seed=3, len=6, neg_len=9, cfg=2.5),
-    dict(id="d", size=48, steps=3, seed=4, len=3, neg_len=3, cfg=3.0),
-    # relative changes ~0.18, 0.22, 0.29, 0.25, 0.13, 0.15: skips steps 1 and 5, far from 0.2
-    dict(id="e", size=64, steps=8, seed=5, len=5, neg_len=6, cfg=4.0, cache_threshold=0.2),
-]
 LAYOUTS = {"cfg2": ParallelSizes(cfg=2), "ulysses2": ParallelSizes(ulysses=2),
            "ring2": ParallelSizes(ring=2), "tp2": ParallelSizes(tp=2)}
 
