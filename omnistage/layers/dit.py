@@ -3,7 +3,8 @@ load one-to-one: sinusoidal timestep embedding, its MLP, adaptive LayerNorms, th
 
 Under tensor parallelism (layers/parallel.py) the MLP splits column / row, and the adaptive
 norms' large modulation projections split by output, gathered whole (every rank holds the
-whole residual stream); with one rank they are plain linears."""
+whole residual stream); with one rank they are plain linears. `MergedRowParallelLinear`
+closes a block whose output projection reads several column-parallel results side by side."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from omnistage.layers.linear import copy_checked
+from omnistage.layers.parallel import (ColumnParallelLinear, RowParallelLinear, divide,
+                                       tp_group)
 
 
 def timestep_embedding(t: Tensor, dim: int = 256, max_period: float = 10000.0) -> Tensor:
@@ -88,3 +91,26 @@ class FeedForward(nn.Module):
         for layer in self.net:
             x = layer(x)
         return x
+
+
+class MergedRowParallelLinear(RowParallelLinear):
+    """A row-parallel linear whose input is several column-parallel outputs side by side
+    (FLUX's single block: proj_out over [attention | MLP]), each split over the ranks: this
+    rank's input and weight columns are | piece 0's slice | piece 1's slice | ..."""
+
+    def __init__(self, input_sizes: list[int], out_features: int, bias: bool = False) -> None:
+        tp = tp_group()
+        self.input_sizes = list(input_sizes)
+        self.local_sizes = [divide(s, tp.world_size, f"piece of {s} input features")
+                            for s in input_sizes]
+        super().__init__(sum(input_sizes), out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor) -> None:
+        whole = (self.out_features, self.in_features)
+        if tuple(loaded_weight.shape) != whole:
+            raise ValueError(f"expected shape {whole}, got {tuple(loaded_weight.shape)}")
+        start = offset = 0
+        for size, local in zip(self.input_sizes, self.local_sizes):
+            copy_checked(param.data.narrow(1, offset, local),
+                         loaded_weight.narrow(1, start + self.tp.rank * local, local))
+            start, offset = start + size, offset + local

@@ -12,7 +12,6 @@ of its `torch.distributed` group, each rank loading only its slice of every chec
     VocabParallelEmbedding      rank r keeps vocabulary rows r*V/R ..; ids outside embed to 0,
                                 all-reduce
     ParallelLMHead              the vocabulary split by rows; logits all-gathered
-    MergedRowParallelLinear     row-parallel over several column-parallel outputs side by side
 
 The group is the stage's (`set_tp_group`); with none set, world size 1 and every layer is its
 single-device self. Checkpoint tensors arrive whole (from safetensors, lazily per tensor) and
@@ -70,6 +69,14 @@ def _parameter(module: nn.Module, name: str, shape: tuple[int, ...] | None,
     module.register_parameter(name, param)
 
 
+def _narrow(loaded: Tensor, dim: int, start: int, size: int, whole: tuple[int, ...]) -> Tensor:
+    """This rank's slice of a checkpoint tensor that must have the shape `whole` (ValueError
+    naming both shapes otherwise, as `copy_checked` says for a whole tensor)."""
+    if tuple(loaded.shape) != whole:
+        raise ValueError(f"expected shape {whole}, got {tuple(loaded.shape)}")
+    return loaded.narrow(dim, start, size)
+
+
 def all_reduce(x: Tensor, tp: TPGroup) -> Tensor:
     if tp.world_size > 1:
         dist.all_reduce(x, group=tp.group)
@@ -101,8 +108,9 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor) -> None:
         """The whole checkpoint tensor (out, ...) -> this rank's rows."""
-        rows = loaded_weight.narrow(0, self.tp.rank * self.local_out, self.local_out)
-        copy_checked(param.data, rows)
+        whole = (self.out_features, *param.shape[1:])
+        copy_checked(param.data, _narrow(loaded_weight, 0, self.tp.rank * self.local_out,
+                                         self.local_out, whole))
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(x, self.weight, self.bias)
@@ -188,8 +196,9 @@ class RowParallelLinear(nn.Module):
         _parameter(self, "bias", (out_features,) if bias else None, default_weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor) -> None:
-        cols = loaded_weight.narrow(1, self.tp.rank * self.local_in, self.local_in)
-        copy_checked(param.data, cols)
+        whole = (self.out_features, self.in_features)
+        copy_checked(param.data, _narrow(loaded_weight, 1, self.tp.rank * self.local_in,
+                                         self.local_in, whole))
 
     def forward(self, x: Tensor) -> Tensor:
         y = all_reduce(F.linear(x, self.weight), self.tp)
@@ -226,26 +235,3 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: Tensor) -> Tensor:                   # (T, H) -> (T, V)
         return all_gather_last(F.linear(hidden, self.weight), self.tp)
-
-
-class MergedRowParallelLinear(RowParallelLinear):
-    """A row-parallel linear whose input is several column-parallel outputs side by side
-    (FLUX's single block: proj_out over [attention | MLP]), each split over the ranks: this
-    rank's input and weight columns are | piece 0's slice | piece 1's slice | ..."""
-
-    def __init__(self, input_sizes: list[int], out_features: int, bias: bool = False) -> None:
-        tp = tp_group()
-        self.input_sizes = list(input_sizes)
-        self.local_sizes = [divide(s, tp.world_size, f"piece of {s} input features")
-                            for s in input_sizes]
-        super().__init__(sum(input_sizes), out_features, bias)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor) -> None:
-        whole = (self.out_features, self.in_features)
-        if tuple(loaded_weight.shape) != whole:
-            raise ValueError(f"expected shape {whole}, got {tuple(loaded_weight.shape)}")
-        start = offset = 0
-        for size, local in zip(self.input_sizes, self.local_sizes):
-            copy_checked(param.data.narrow(1, offset, local),
-                         loaded_weight.narrow(1, start + self.tp.rank * local, local))
-            start, offset = start + size, offset + local

@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omnistage.layers.dit import (AdaLayerNormContinuous, AdaLayerNormZero, FeedForward,
-                                  TimestepEmbedding, timestep_embedding)
-from omnistage.layers.parallel import (ColumnParallelLinear, MergedRowParallelLinear,
-                                       RowParallelLinear)
+                                  MergedRowParallelLinear, TimestepEmbedding,
+                                  timestep_embedding)
+from omnistage.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from omnistage.layers.sequence_parallel import SequenceRanks, SequenceSplit, check_heads
 from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.models.diffusers_loader import build_from_folder, read_config
