@@ -96,10 +96,6 @@ class SequenceSplit:
         return SequenceSplit(ranks, sizes, chunk_sizes,
                              tuple(_chunk_mask(sizes, key_masks, g) for g in groups))
 
-    @property
-    def num_local(self) -> int:
-        return sum(seg[self.ranks.index] for seg in self.sizes)
-
     def local(self, x: Tensor, segment: int, dim: int = 1) -> Tensor:
         """This rank's tokens of `segment` out of the whole segment `x`."""
         sizes, s = self.sizes[segment], self.ranks.index
@@ -121,9 +117,10 @@ class SequenceSplit:
         """Attention of the local queries over every key of the sequence. q, k, v: (B, S, H,
         hd) for the S local tokens and H local heads -> (B, S, H, hd)."""
         ulysses, ring = self.ranks.ulysses, self.ranks.ring
-        if ulysses.world_size > 1:
+        if ulysses.world_size > 1:            # one exchange for q, k and v together
             group = self._ulysses_sizes()
-            q, k, v = (seq_to_heads(t, group, ulysses) for t in (q, k, v))  # (B, L, H/u, hd)
+            qkv = seq_to_heads(torch.cat([q, k, v]), group, ulysses)          # (3B, L, H/u, hd)
+            q, k, v = qkv.chunk(3)
         if ring.world_size > 1:
             out = ring_attention(q, k, v, self.chunk_masks, self.chunk_sizes, ring)
         else:
