@@ -14,6 +14,12 @@ checks what arrived and lets it join the running requests. An abort frees it in 
 
     step():  group by batch key (oldest request's group first) -> velocity() once
              -> solver step per request -> done? decode -> DiffusionResult
+
+A stage over several ranks (diffusion/parallel.py): this engine on rank 0 does all of the
+above and, before each forward, shares a `StepPlan` (the batch, the requests the others do not
+hold yet, those dropped); the engines of the other ranks `follow()` the plans, running the
+same forwards and solver steps on their copies of the requests, and decode nothing.
+`stop_followers()` (rank 0, at shutdown) ends their loops.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ from PIL import Image
 from torch import Tensor
 
 from omnistage.diffusion.image_input import input_image
+from omnistage.diffusion.parallel import FollowedRequest, StepPlan
 from omnistage.diffusion.params import DiffusionParams, ImageRef
 from omnistage.diffusion.pipeline import DiffusionPipeline, is_split_pipeline
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
+from omnistage.layers.groups import StageRanks, stage_ranks
 from omnistage.outputs import StageMetrics
 
 logger = logging.getLogger(__name__)
@@ -48,12 +56,15 @@ class DiffusionResult:
 
 
 class DiffusionEngine:
-    def __init__(self, pipeline: DiffusionPipeline, max_num_seqs: int = 16) -> None:
+    def __init__(self, pipeline: DiffusionPipeline, max_num_seqs: int = 16,
+                 ranks: StageRanks | None = None) -> None:
         self.pipeline = pipeline
         self.max_num_seqs = max_num_seqs
         self.requests: OrderedDict[str, DiffusionRequest] = OrderedDict()   # running
         self.parked: dict[str, DiffusionRequest] = {}       # waiting for their conditioning
         self.num_steps_run = 0          # transformer forwards, all requests
+        self.ranks = ranks or stage_ranks()
+        self.followed: set[str] = set()     # rank 0: the requests the other ranks hold
 
     def validate(self, prompt: str | None, params: DiffusionParams,
                  image: Image.Image | None = None) -> None:
@@ -123,6 +134,7 @@ class DiffusionEngine:
         oldest = next(iter(self.requests.values()))
         batch = [r for r in self.requests.values()
                  if r.batch_key == oldest.batch_key][:self.max_num_seqs]
+        self._share_plan(batch)
         now = time.time()
         for r in batch:
             r.first_step_time = r.first_step_time or now
@@ -141,6 +153,7 @@ class DiffusionEngine:
                 results.append(DiffusionResult(r.request_id, None, False, r.progress))
                 continue
             del self.requests[r.request_id]
+            self.followed.discard(r.request_id)        # the others drop it as they finish it
             try:
                 with torch.inference_mode():
                     images = self.pipeline.decode(r.latents, r.params)
@@ -157,6 +170,50 @@ class DiffusionEngine:
                 else r.conditioning_time - r.arrival_time)
             results.append(DiffusionResult(r.request_id, images, True, 1.0, metrics=metrics))
         return results
+
+    # ---- several ranks ------------------------------------------------------------------
+
+    def _share_plan(self, batch: list[DiffusionRequest]) -> None:
+        """Rank 0, before the step's forward: tell the other ranks what to run."""
+        if self.ranks.world_size == 1:
+            return
+        dropped = [rid for rid in self.followed if rid not in self.requests]
+        new = [FollowedRequest.of(r) for rid, r in self.requests.items()
+               if rid not in self.followed]
+        self.followed = (self.followed - set(dropped)) | {f.request_id for f in new}
+        self.ranks.share_plan(StepPlan([r.request_id for r in batch], new, dropped))
+
+    def follow(self) -> None:
+        """Ranks > 0: run rank 0's plans until it sends None (`stop_followers`)."""
+        assert not self.ranks.is_leader, "rank 0 schedules; it does not follow"
+        while (plan := self.ranks.share_plan()) is not None:
+            self.run_plan(plan)
+
+    def stop_followers(self) -> None:
+        """Rank 0, at shutdown: end the other ranks' `follow` loops."""
+        if self.ranks.world_size > 1 and self.ranks.is_leader:
+            self.ranks.share_plan(None)
+
+    def run_plan(self, plan: StepPlan) -> list[DiffusionRequest]:
+        """A follower's step: the same batch as rank 0's, on this rank's copies. -> the
+        requests it finished (and let go; rank 0 decodes them)."""
+        for rid in plan.dropped:
+            self.requests.pop(rid, None)
+        for f in plan.new:
+            self.requests[f.request_id] = f.request(self.pipeline.device)
+        batch = [self.requests[rid] for rid in plan.batch]
+        try:
+            with torch.inference_mode():
+                self._denoise(batch)
+        except Exception:   # rank 0 fails these requests too, and says why
+            logger.exception("diffusion step failed on rank %d", self.ranks.rank)
+            for r in batch:
+                del self.requests[r.request_id]
+            return []
+        done = [r for r in batch if r.is_done]
+        for r in done:
+            del self.requests[r.request_id]
+        return done
 
     def _denoise(self, batch: list[DiffusionRequest]) -> None:
         """One solver step for every request of the batch, in one model call."""

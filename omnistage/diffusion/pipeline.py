@@ -32,6 +32,7 @@ from omnistage.diffusion.image_input import output_size
 from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.diffusion.request import DiffusionRequest
+from omnistage.layers.groups import stage_ranks
 
 
 class DiffusionPipeline(Protocol):
@@ -139,7 +140,8 @@ class LatentPipelineBase:
     A subclass sets `label` (for messages), its network classes, `max_size`, `packed` (2x2
     latent patches packed into the channels of one token, FLUX / Qwen-Image; else the
     transformer patches them itself, Z-Image), `default_size` (pixels per side; None: 128
-    latent pixels, 1024 px with an 8x VAE) and `check_text_params(prompt, params)`."""
+    latent pixels, 1024 px with an 8x VAE), `check_text_params(prompt, params)` and the
+    `parallel_axes` its transformer and velocity split along (diffusion/parallel.py)."""
 
     label: str
     transformer_cls: type
@@ -148,6 +150,8 @@ class LatentPipelineBase:
     max_size: int = 2048
     packed: bool = True
     default_size: int | None = None
+    parallel_axes: tuple[str, ...] = ()
+    heads_key = "num_attention_heads"        # in the transformer's config.json
 
     def __init__(self, transformer: torch.nn.Module, vae: torch.nn.Module,
                  prompt_encoder: PromptEncoder | None, scheduler: solver.FlowMatchEulerConfig,
@@ -158,6 +162,7 @@ class LatentPipelineBase:
         self.prompt_encoder = prompt_encoder
         self.scheduler = scheduler
         self.device = device
+        self.cfg_ranks = stage_ranks().cfg      # CFG-parallel: branch c runs on rank c
         self.dtype = next(transformer.parameters()).dtype
         self.vae_scale_factor = vae.cfg.downscale                  # 8 for all three
         self.multiple = self.vae_scale_factor * 2                  # pixels per token side

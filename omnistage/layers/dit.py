@@ -1,5 +1,10 @@
 """Blocks that diffusion transformers share, with diffusers' parameter names so checkpoints
-load one-to-one: sinusoidal timestep embedding, its MLP, adaptive LayerNorms, the GELU MLP."""
+load one-to-one: sinusoidal timestep embedding, its MLP, adaptive LayerNorms, the GELU MLP.
+
+Under tensor parallelism (layers/parallel.py) the MLP splits column / row, and the adaptive
+norms' large modulation projections split by output, gathered whole (every rank holds the
+whole residual stream); with one rank they are plain linears. `MergedRowParallelLinear`
+closes a block whose output projection reads several column-parallel results side by side."""
 
 from __future__ import annotations
 
@@ -8,6 +13,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from omnistage.layers.linear import copy_checked
+from omnistage.layers.parallel import (ColumnParallelLinear, RowParallelLinear, divide,
+                                       tp_group)
 
 
 def timestep_embedding(t: Tensor, dim: int = 256, max_period: float = 10000.0) -> Tensor:
@@ -38,7 +47,7 @@ class AdaLayerNormZero(nn.Module):
     def __init__(self, dim: int, num_chunks: int = 6) -> None:
         super().__init__()
         self.num_chunks = num_chunks
-        self.linear = nn.Linear(dim, num_chunks * dim)
+        self.linear = ColumnParallelLinear(dim, num_chunks * dim, bias=True, gather_output=True)
 
     def forward(self, x: Tensor, temb: Tensor) -> tuple[Tensor, ...]:
         shift, scale, *rest = self.linear(F.silu(temb)).chunk(self.num_chunks, dim=1)  # (B, D) each
@@ -59,22 +68,49 @@ class AdaLayerNormContinuous(nn.Module):
 
 
 class GELU(nn.Module):
+    """Column-parallel: this rank's slice of the hidden features."""
+
     def __init__(self, dim_in: int, dim_out: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(dim_in, dim_out)
+        self.proj = ColumnParallelLinear(dim_in, dim_out, bias=True)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.gelu(self.proj(x), approximate="tanh")
 
 
 class FeedForward(nn.Module):
-    """net.0.proj -> gelu(tanh) -> net.2 (net.1 is diffusers' dropout: no weights)."""
+    """net.0.proj -> gelu(tanh) -> net.2 (net.1 is diffusers' dropout: no weights); split
+    column / row over the tensor-parallel ranks."""
 
     def __init__(self, dim: int, mult: int = 4) -> None:
         super().__init__()
-        self.net = nn.ModuleList([GELU(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)])
+        self.net = nn.ModuleList([GELU(dim, dim * mult), nn.Identity(),
+                                  RowParallelLinear(dim * mult, dim, bias=True)])
 
     def forward(self, x: Tensor) -> Tensor:
         for layer in self.net:
             x = layer(x)
         return x
+
+
+class MergedRowParallelLinear(RowParallelLinear):
+    """A row-parallel linear whose input is several column-parallel outputs side by side
+    (FLUX's single block: proj_out over [attention | MLP]), each split over the ranks: this
+    rank's input and weight columns are | piece 0's slice | piece 1's slice | ..."""
+
+    def __init__(self, input_sizes: list[int], out_features: int, bias: bool = False) -> None:
+        tp = tp_group()
+        self.input_sizes = list(input_sizes)
+        self.local_sizes = [divide(s, tp.world_size, f"piece of {s} input features")
+                            for s in input_sizes]
+        super().__init__(sum(input_sizes), out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Tensor) -> None:
+        whole = (self.out_features, self.in_features)
+        if tuple(loaded_weight.shape) != whole:
+            raise ValueError(f"expected shape {whole}, got {tuple(loaded_weight.shape)}")
+        start = offset = 0
+        for size, local in zip(self.input_sizes, self.local_sizes):
+            copy_checked(param.data.narrow(1, offset, local),
+                         loaded_weight.narrow(1, start + self.tp.rank * local, local))
+            start, offset = start + size, offset + local

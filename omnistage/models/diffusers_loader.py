@@ -87,6 +87,12 @@ def build_from_folder(model_cls: type[nn.Module], config: object, path: Path,
     from the folder and no random initialisation on the way (built on the meta device)."""
     with _default_dtype(dtype or checkpoint_dtype(path)), torch.device("meta"):
         model = model_cls(config)
+    # to_empty replaces meta parameters by new ones: carry the tensor-parallel layers' loaders
+    loaders = {name: p.weight_loader for name, p in model.named_parameters()
+               if hasattr(p, "weight_loader")}
     model = model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        if name in loaders:
+            p.weight_loader = loaders[name]
     load_weights_strict(model, path)
     return model.eval().requires_grad_(False)

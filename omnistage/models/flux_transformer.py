@@ -12,6 +12,12 @@ name (`FluxTransformer2DModel.from_pretrained`); numerics follow
 
 D = num_attention_heads * attention_head_dim. The pipeline passes timestep and guidance
 divided by 1000; the model scales them back, as diffusers does.
+
+Several ranks (issue 18), from the stage's groups current at construction, as Qwen-Image:
+q/k/v of both streams column-parallel, output projections row-parallel (the single block's
+proj_out over [attention | MLP] piece by piece), MLPs column / row, the adaptive norms'
+modulations split and gathered; text and image tokens split over the Ulysses x ring ranks
+(layers/sequence_parallel.py), rotary tables alike, the image output gathered at the end.
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.layers.dit import (AdaLayerNormContinuous, AdaLayerNormZero, FeedForward,
-                                  TimestepEmbedding, timestep_embedding)
+                                  MergedRowParallelLinear, TimestepEmbedding,
+                                  timestep_embedding)
+from omnistage.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from omnistage.layers.sequence_parallel import SequenceRanks, SequenceSplit, check_heads
+from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.models.diffusers_loader import build_from_folder, read_config
 
 # Step caching: the polynomial TeaCache fitted for FLUX.1 (relative L1 change of the first
@@ -118,7 +127,8 @@ def apply_rope(x: Tensor, rope: Rope) -> Tensor:
 
 class FluxAttention(nn.Module):
     """Multi-head attention with RMS qk-norm and rope. With `context_dim`, text tokens get their
-    own projections (add_*_proj) and attend jointly with image tokens as [txt, img]."""
+    own projections (add_*_proj) and attend jointly with image tokens as [txt, img]. H below
+    is this rank's heads; without an output projection the output is this rank's slice."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, context_dim: int | None = None,
                  has_out_proj: bool = True) -> None:
@@ -127,21 +137,24 @@ class FluxAttention(nn.Module):
         inner = num_heads * head_dim
         self.norm_q = nn.RMSNorm(head_dim, eps=1e-6)
         self.norm_k = nn.RMSNorm(head_dim, eps=1e-6)
-        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, inner) for _ in range(3))
+        self.to_q, self.to_k, self.to_v = (ColumnParallelLinear(dim, inner, bias=True)
+                                           for _ in range(3))
         if has_out_proj:
-            self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Identity()])
+            self.to_out = nn.ModuleList([RowParallelLinear(inner, dim, bias=True),
+                                         nn.Identity()])
         if context_dim is not None:
             self.norm_added_q = nn.RMSNorm(head_dim, eps=1e-6)
             self.norm_added_k = nn.RMSNorm(head_dim, eps=1e-6)
             self.add_q_proj, self.add_k_proj, self.add_v_proj = (
-                nn.Linear(context_dim, inner) for _ in range(3))
-            self.to_add_out = nn.Linear(inner, dim)
+                ColumnParallelLinear(context_dim, inner, bias=True) for _ in range(3))
+            self.to_add_out = RowParallelLinear(inner, dim, bias=True)
 
     def _heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (-1, self.head_dim))                       # (B, S, H, hd)
 
-    def forward(self, x: Tensor, rope: Rope, context: Tensor | None = None
+    def forward(self, x: Tensor, rope: Rope, seq: SequenceSplit, context: Tensor | None = None
                 ) -> Tensor | tuple[Tensor, Tensor]:
+        """x (B, N, D) and context (B, T, D): this rank's tokens; rope for [context, x]."""
         q = self.norm_q(self._heads(self.to_q(x)))                          # (B, N, H, hd)
         k = self.norm_k(self._heads(self.to_k(x)))
         v = self._heads(self.to_v(x))
@@ -150,9 +163,7 @@ class FluxAttention(nn.Module):
             k = torch.cat([self.norm_added_k(self._heads(self.add_k_proj(context))), k], dim=1)
             v = torch.cat([self._heads(self.add_v_proj(context)), v], dim=1)  # (B, T+N, H, hd)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))                    # (B, H, S, hd)
-        out = F.scaled_dot_product_attention(q, k, v)
-        out = out.transpose(1, 2).flatten(2).to(q.dtype)                    # (B, S, H*hd)
+        out = seq.attend(q, k, v).flatten(2).to(q.dtype)                    # (B, S, H*hd)
         if context is None:
             return out
         txt, img = out.split_with_sizes([context.shape[1], x.shape[1]], dim=1)
@@ -175,10 +186,11 @@ class FluxTransformerBlock(nn.Module):
         h = F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
         return x + gate.unsqueeze(1) * ff(h)
 
-    def forward(self, img: Tensor, txt: Tensor, temb: Tensor, rope: Rope) -> tuple[Tensor, Tensor]:
+    def forward(self, img: Tensor, txt: Tensor, temb: Tensor, rope: Rope, seq: SequenceSplit
+                ) -> tuple[Tensor, Tensor]:
         img_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(img, temb)   # (B, N, D)
         txt_h, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(txt, temb)
-        img_attn, txt_attn = self.attn(img_h, rope, context=txt_h)
+        img_attn, txt_attn = self.attn(img_h, rope, seq, context=txt_h)
         img = self._mlp(self.ff, img + gate_msa.unsqueeze(1) * img_attn,
                         shift_mlp, scale_mlp, gate_mlp)
         txt = self._mlp(self.ff_context, txt + c_gate_msa.unsqueeze(1) * txt_attn,
@@ -195,16 +207,17 @@ class FluxSingleTransformerBlock(nn.Module):
         super().__init__()
         mlp_dim = int(dim * mlp_ratio)
         self.norm = AdaLayerNormZero(dim, num_chunks=3)
-        self.proj_mlp = nn.Linear(dim, mlp_dim)
-        self.proj_out = nn.Linear(dim + mlp_dim, dim)
+        self.proj_mlp = ColumnParallelLinear(dim, mlp_dim, bias=True)
+        self.proj_out = MergedRowParallelLinear([dim, mlp_dim], dim, bias=True)
         self.attn = FluxAttention(dim, num_heads, head_dim, has_out_proj=False)
 
-    def forward(self, img: Tensor, txt: Tensor, temb: Tensor, rope: Rope) -> tuple[Tensor, Tensor]:
+    def forward(self, img: Tensor, txt: Tensor, temb: Tensor, rope: Rope, seq: SequenceSplit
+                ) -> tuple[Tensor, Tensor]:
         num_txt = txt.shape[1]
         x = torch.cat([txt, img], dim=1)                                                 # (B, S, D)
         h, gate = self.norm(x, temb)
         mlp = F.gelu(self.proj_mlp(h), approximate="tanh")                         # (B, S, 4D)
-        h = torch.cat([self.attn(h, rope), mlp], dim=2)                            # (B, S, 5D)
+        h = torch.cat([self.attn(h, rope, seq), mlp], dim=2)                       # (B, S, 5D)
         x = x + gate.unsqueeze(1) * self.proj_out(h)
         if x.dtype == torch.float16:
             x = x.clip(-65504, 65504)
@@ -218,6 +231,8 @@ class FluxTransformer2DModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         dim, heads, head_dim = cfg.inner_dim, cfg.num_attention_heads, cfg.attention_head_dim
+        check_heads(heads)
+        self.seq_ranks = SequenceRanks.current()
         out_channels = cfg.out_channels or cfg.in_channels
         self.time_text_embed = CombinedTimestepGuidanceTextProjEmbeddings(
             dim, cfg.pooled_projection_dim, cfg.guidance_embeds)
@@ -236,20 +251,25 @@ class FluxTransformer2DModel(nn.Module):
                 guidance: Tensor | None = None, step_cache: list[CacheGroup] | None = None
                 ) -> Tensor:
         """`step_cache`: per request, skip the blocks on steps whose first modulated input
-        barely moved (layers/step_cache.py); None runs every block."""
-        img = self.x_embedder(hidden_states)                                             # (B, N, D)
+        barely moved (layers/step_cache.py); None runs every block. Below, T and N count this
+        rank's tokens (all of them with one sequence-parallel rank)."""
+        num_txt, num_img = encoder_hidden_states.shape[1], hidden_states.shape[1]
+        seq = SequenceSplit.split([num_txt, num_img], [None, None], self.seq_ranks)
+        img = self.x_embedder(seq.local(hidden_states, 1))                               # (B, N, D)
         timestep = timestep.to(img.dtype) * 1000                                         # (B,)
         if guidance is not None:
             guidance = guidance.to(img.dtype) * 1000
         temb = self.time_text_embed(timestep, guidance, pooled_projections)              # (B, D)
-        txt = self.context_embedder(encoder_hidden_states)                               # (B, T, D)
-        rope = flux_rope(torch.cat([txt_ids, img_ids], dim=0), self.cfg.axes_dims_rope)  # (T+N, hd)
+        txt = self.context_embedder(seq.local(encoder_hidden_states, 0))                 # (B, T, D)
+        rope = flux_rope(torch.cat([seq.local(txt_ids, 0, dim=0), seq.local(img_ids, 1, dim=0)]),
+                         self.cfg.axes_dims_rope)                                        # (T+N, hd)
+
         def run_blocks(idx: Tensor | None) -> Tensor:
             i, t, e = (img, txt, temb) if idx is None else (img[idx], txt[idx], temb[idx])
             for block in self.transformer_blocks:
-                t, i = block(i, t, e, rope)
+                t, i = block(i, t, e, rope, seq)
             for block in self.single_transformer_blocks:
-                t, i = block(i, t, e, rope)
+                t, i = block(i, t, e, rope, seq)
             return i
 
         if step_cache is None:
@@ -257,7 +277,7 @@ class FluxTransformer2DModel(nn.Module):
         else:
             modulated = self.transformer_blocks[0].norm1(img, temb)[0]                   # (B, N, D)
             img = run_cached(img, modulated, step_cache, TEACACHE_COEFFICIENTS, run_blocks)
-        return self.proj_out(self.norm_out(img, temb))                             # (B, N, out)
+        return seq.gather(self.proj_out(self.norm_out(img, temb)), 1)       # (B, all N, out)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",

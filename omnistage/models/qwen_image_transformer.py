@@ -17,6 +17,15 @@ stream and reuses the blocks' image residual; the text stream's output is never 
 blocks, so only the image residual (fixed length N per request) is kept.
 Not supported: `use_layer3d_rope` (Qwen-Image-Layered), ControlNet residuals. diffusers' own
 `guidance` path cannot run (and `guidance_embeds` adds no weights), so there is no `guidance`.
+
+Several ranks (issue 18), from the stage's groups current at construction:
+  tensor parallel  every block's q/k/v of both streams column-parallel (this rank's heads),
+                   their output projections row-parallel, the MLPs column / row, the blocks'
+                   modulation projections split by output and gathered; embeddings, output norm
+                   and projection whole on every rank
+  sequence par.    text and image tokens split over the Ulysses x ring ranks
+                   (layers/sequence_parallel.py), rotary tables sliced alike; the image output
+                   gathered whole at the end. Heads must divide by ulysses x tp.
 """
 
 from __future__ import annotations
@@ -29,8 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.layers.dit import AdaLayerNormContinuous, FeedForward, TimestepEmbedding
+from omnistage.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from omnistage.layers.sequence_parallel import SequenceRanks, SequenceSplit, check_heads
+from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.models.diffusers_loader import build_from_folder, read_config
 
 # Step caching: no TeaCache-fitted polynomial for Qwen-Image is known to us. vllm-omni ships one
@@ -172,24 +183,30 @@ class RMSNorm(nn.Module):
 
 class QwenImageAttention(nn.Module):
     """Joint attention: image and text keep separate q/k/v/out projections and qk-norms, and
-    attend together as [txt, img]; padded text keys are masked out."""
+    attend together as [txt, img]; padded text keys are masked out (`seq` holds the mask).
+    H below is this rank's heads (all of them with one tensor-parallel rank)."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
         super().__init__()
         self.head_dim = head_dim
         inner = num_heads * head_dim
+
+        def column() -> ColumnParallelLinear:
+            return ColumnParallelLinear(dim, inner, bias=True)
+
         self.norm_q, self.norm_k = RMSNorm(head_dim), RMSNorm(head_dim)
-        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, inner) for _ in range(3))
-        self.add_k_proj, self.add_v_proj, self.add_q_proj = (nn.Linear(dim, inner) for _ in range(3))
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Identity()])
-        self.to_add_out = nn.Linear(inner, dim)
+        self.to_q, self.to_k, self.to_v = column(), column(), column()
+        self.add_k_proj, self.add_v_proj, self.add_q_proj = column(), column(), column()
+        self.to_out = nn.ModuleList([RowParallelLinear(inner, dim, bias=True), nn.Identity()])
+        self.to_add_out = RowParallelLinear(inner, dim, bias=True)
         self.norm_added_q, self.norm_added_k = RMSNorm(head_dim), RMSNorm(head_dim)
 
     def _heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (-1, self.head_dim))                           # (B, S, H, hd)
 
-    def forward(self, img: Tensor, txt: Tensor, txt_mask: Tensor | None, rope: Rope
+    def forward(self, img: Tensor, txt: Tensor, seq: SequenceSplit, rope: Rope
                 ) -> tuple[Tensor, Tensor]:
+        """img (B, N, D), txt (B, T, D): this rank's tokens of each; rope sliced alike."""
         img_rope, txt_rope = rope
         q = apply_rope(self.norm_q(self._heads(self.to_q(img))), img_rope)     # (B, N, H, hd)
         k = apply_rope(self.norm_k(self._heads(self.to_k(img))), img_rope)
@@ -198,13 +215,7 @@ class QwenImageAttention(nn.Module):
         q = torch.cat([txt_q, q], dim=1)                                        # (B, T+N, H, hd)
         k = torch.cat([txt_k, k], dim=1)
         v = torch.cat([self._heads(self.add_v_proj(txt)), self._heads(self.to_v(img))], dim=1)
-        mask = None
-        if txt_mask is not None:                                               # keys only
-            img_mask = txt_mask.new_ones(img.shape[:2])
-            mask = torch.cat([txt_mask, img_mask], dim=1)[:, None, None, :]    # (B, 1, 1, T+N)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))                        # (B, H, S, hd)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        out = out.transpose(1, 2).flatten(2).to(q.dtype)                        # (B, S, H*hd)
+        out = seq.attend(q, k, v).flatten(2).to(q.dtype)                        # (B, T+N, H*hd)
         txt_out, img_out = out.split_with_sizes([txt.shape[1], img.shape[1]], dim=1)
         return self.to_out[0](img_out.contiguous()), self.to_add_out(txt_out.contiguous())
 
@@ -224,20 +235,25 @@ class QwenImageTransformerBlock(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int, zero_cond_t: bool) -> None:
         super().__init__()
         self.zero_cond_t = zero_cond_t
-        self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+
+        def modulation() -> nn.Sequential:      # split by output, gathered: 1/3 of the weights
+            return nn.Sequential(nn.SiLU(), ColumnParallelLinear(dim, 6 * dim, bias=True,
+                                                                 gather_output=True))
+
+        self.img_mod = modulation()
         self.attn = QwenImageAttention(dim, num_heads, head_dim)
         self.img_mlp = FeedForward(dim)
-        self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.txt_mod = modulation()
         self.txt_mlp = FeedForward(dim)
 
-    def forward(self, img: Tensor, txt: Tensor, txt_mask: Tensor | None, temb: Tensor, rope: Rope,
+    def forward(self, img: Tensor, txt: Tensor, seq: SequenceSplit, temb: Tensor, rope: Rope,
                 mod_index: Tensor | None) -> tuple[Tensor, Tensor]:
         img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)               # (B|2B, 3D) each
         txt_temb = temb.chunk(2, dim=0)[0] if self.zero_cond_t else temb
         txt_mod1, txt_mod2 = self.txt_mod(txt_temb).chunk(2, dim=-1)            # (B, 3D) each
         img_h, img_gate1 = _modulate(img, img_mod1, mod_index)                  # (B, N, D)
         txt_h, txt_gate1 = _modulate(txt, txt_mod1, None)                       # (B, T, D)
-        img_attn, txt_attn = self.attn(img_h, txt_h, txt_mask, rope)
+        img_attn, txt_attn = self.attn(img_h, txt_h, seq, rope)
         img = img + img_gate1 * img_attn
         txt = txt + txt_gate1 * txt_attn
         img_h, img_gate2 = _modulate(img, img_mod2, mod_index)
@@ -258,6 +274,8 @@ class QwenImageTransformer2DModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         dim, heads, head_dim = cfg.inner_dim, cfg.num_attention_heads, cfg.attention_head_dim
+        check_heads(heads)
+        self.seq_ranks = SequenceRanks.current()
         out_channels = cfg.out_channels or cfg.in_channels
         self.time_text_embed = QwenTimestepProjEmbeddings(dim, cfg.use_additional_t_cond)
         self.txt_norm = RMSNorm(cfg.joint_attention_dim)
@@ -277,35 +295,30 @@ class QwenImageTransformer2DModel(nn.Module):
         encoder_hidden_states (B, T, joint); mask (B, T), 1 = real token (any pattern);
         timestep (B,) in [0, 1]. Returns (B, N, patch^2 * out_ch).
         `step_cache`: per request and branch, skip the blocks on steps whose first modulated
-        image input barely moved (layers/step_cache.py); None runs every block."""
+        image input barely moved (layers/step_cache.py); None runs every block.
+        Below, T and N count this rank's tokens (all of them with one sequence-parallel rank)."""
         batch, num_txt = encoder_hidden_states.shape[:2]
-        img = self.img_in(hidden_states)                                         # (B, N, D)
+        mask = _text_mask(encoder_hidden_states_mask, batch, num_txt)
+        seq = SequenceSplit.split([num_txt, hidden_states.shape[1]], [mask, None], self.seq_ranks)
+        img = self.img_in(seq.local(hidden_states, 1))                            # (B, N, D)
+        txt = self.txt_in(self.txt_norm(seq.local(encoder_hidden_states, 0)))    # (B, T, D)
         timestep = timestep.to(img.dtype)
         mod_index = None
         if self.cfg.zero_cond_t:   # first image of each sample is the target, the rest conditions
             timestep = torch.cat([timestep, timestep * 0], dim=0)                 # (2B,)
-            mod_index = torch.tensor(
-                [[0] * math.prod(s[0]) + [1] * sum(math.prod(x) for x in s[1:]) for s in img_shapes],
-                device=timestep.device, dtype=torch.int)                          # (B, N)
-        txt = self.txt_in(self.txt_norm(encoder_hidden_states))                  # (B, T, D)
-        mask = encoder_hidden_states_mask
-        if mask is not None:
-            if mask.shape[:2] != (batch, num_txt):
-                raise ValueError(f"encoder_hidden_states_mask shape {tuple(mask.shape)} must be "
-                                 f"(batch, text_len) = ({batch}, {num_txt})")
-            mask = mask.to(torch.bool)
+            mod_index = seq.local(_condition_index(img_shapes, img.device), 1)    # (B, N)
         temb = self.time_text_embed(timestep, img.dtype, additional_t_cond)       # (B|2B, D)
-        rope = qwen_rope(img_shapes, num_txt, self.cfg.axes_dims_rope, img.device)
+        img_rope, txt_rope = qwen_rope(img_shapes, num_txt, self.cfg.axes_dims_rope, img.device)
+        rope = seq.local(img_rope, 1, dim=0), seq.local(txt_rope, 0, dim=0)
 
         def run_blocks(idx: Tensor | None) -> Tensor:
-            i, t, m, e, k = img, txt, mask, temb, mod_index
+            i, t, s, e, k = img, txt, seq, temb, mod_index
             if idx is not None:                # rows idx; temb may be [t rows, t=0 rows]
-                i, t = img[idx], txt[idx]
-                m = None if mask is None else mask[idx]
+                i, t, s = img[idx], txt[idx], seq.rows(idx)
                 e = torch.cat([part[idx] for part in temb.chunk(temb.shape[0] // batch)])
                 k = None if mod_index is None else mod_index[idx]
             for block in self.transformer_blocks:
-                t, i = block(i, t, m, e, rope, k)
+                t, i = block(i, t, s, e, rope, k)
             return i                                                             # (b, N, D)
 
         if step_cache is None:
@@ -317,7 +330,7 @@ class QwenImageTransformer2DModel(nn.Module):
             img = run_cached(img, modulated, step_cache, TEACACHE_COEFFICIENTS, run_blocks)
         if self.cfg.zero_cond_t:
             temb = temb.chunk(2, dim=0)[0]
-        return self.proj_out(self.norm_out(img, temb))                           # (B, N, out)
+        return seq.gather(self.proj_out(self.norm_out(img, temb)), 1)    # (B, all N, out)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
@@ -327,3 +340,20 @@ class QwenImageTransformer2DModel(nn.Module):
         path = Path(path)
         return build_from_folder(cls, QwenImageTransformerConfig.from_dict(read_config(path)), path, device,
                                  dtype)
+
+
+def _text_mask(mask: Tensor | None, batch: int, num_txt: int) -> Tensor | None:
+    """The caption key mask as bool (B, T), checked against the captions' shape."""
+    if mask is None:
+        return None
+    if mask.shape[:2] != (batch, num_txt):
+        raise ValueError(f"encoder_hidden_states_mask shape {tuple(mask.shape)} must be "
+                         f"(batch, text_len) = ({batch}, {num_txt})")
+    return mask.to(torch.bool)
+
+
+def _condition_index(img_shapes: ImgShapes, device: torch.device) -> Tensor:
+    """zero_cond_t: per image token 0 (the target, first image of a sample) or 1 (a condition
+    image) -> (B, N) int."""
+    return torch.tensor([[0] * math.prod(s[0]) + [1] * sum(math.prod(x) for x in s[1:])
+                         for s in img_shapes], device=device, dtype=torch.int)

@@ -15,6 +15,12 @@ and caption length; shorter sequences are masked out of attention.
 
 Only the basic text-to-image mode is ported: the Omni mode (nested image lists, SigLIP features,
 per-token noise masks) raises NotImplementedError.
+
+Tensor parallelism (issue 18), from the stage's group current at construction: q/k/v
+column-parallel (this rank's heads), the output projection row-parallel, the SwiGLU MLP column
+(w1, w3) / row (w2), each block's modulation split and gathered; embedders, refiners' norms
+and the final layer whole. Sequence parallelism is not implemented for Z-Image: its per-request
+ragged, padded sequences would need the padding split too.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
+from omnistage.layers.parallel import ColumnParallelLinear, RowParallelLinear, tp_group
+from omnistage.layers.sequence_parallel import check_heads
 from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.models.diffusers_loader import build_from_folder, read_config
 
@@ -126,13 +134,13 @@ class ZImageAttention(nn.Module):
 
     def __init__(self, cfg: ZImageConfig) -> None:
         super().__init__()
-        self.heads = cfg.n_heads
-        self.to_q = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.to_k = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.to_v = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.heads = cfg.n_heads // tp_group().world_size               # this rank's
+        self.to_q = ColumnParallelLinear(cfg.dim, cfg.dim)
+        self.to_k = ColumnParallelLinear(cfg.dim, cfg.dim)
+        self.to_v = ColumnParallelLinear(cfg.dim, cfg.dim)
         self.norm_q = RMSNorm(cfg.head_dim, eps=1e-5) if cfg.qk_norm else None
         self.norm_k = RMSNorm(cfg.head_dim, eps=1e-5) if cfg.qk_norm else None
-        self.to_out = nn.ModuleList([nn.Linear(cfg.dim, cfg.dim, bias=False)])
+        self.to_out = nn.ModuleList([RowParallelLinear(cfg.dim, cfg.dim)])
 
     def forward(self, x: Tensor, mask: Tensor | None, freqs_cis: Tensor) -> Tensor:
         q = self.to_q(x).unflatten(-1, (self.heads, -1))                 # (B, S, H, D)
@@ -150,11 +158,13 @@ class ZImageAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """SwiGLU, column-parallel w1 / w3 and row-parallel w2."""
+
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w1 = ColumnParallelLinear(dim, hidden_dim)
+        self.w2 = RowParallelLinear(hidden_dim, dim)
+        self.w3 = ColumnParallelLinear(dim, hidden_dim)
 
     def forward(self, x: Tensor) -> Tensor:                              # x: (B, S, dim)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -173,7 +183,8 @@ class ZImageTransformerBlock(nn.Module):
         self.ffn_norm1, self.ffn_norm2 = RMSNorm(dim, eps), RMSNorm(dim, eps)
         self.modulation = modulation
         if modulation:
-            self.adaLN_modulation = nn.Sequential(nn.Linear(min(dim, ADALN_EMBED_DIM), 4 * dim))
+            self.adaLN_modulation = nn.Sequential(ColumnParallelLinear(
+                min(dim, ADALN_EMBED_DIM), 4 * dim, bias=True, gather_output=True))
 
     def forward(self, x: Tensor, mask: Tensor | None, freqs_cis: Tensor,
                 adaln_input: Tensor | None = None) -> Tensor:            # x: (B, S, dim)
@@ -270,6 +281,7 @@ def _pad_batch(seqs: list[Tensor]) -> tuple[Tensor, Tensor | None]:
 class ZImageTransformer2DModel(nn.Module):
     def __init__(self, cfg: ZImageConfig) -> None:
         super().__init__()
+        check_heads(cfg.n_heads, "n_heads")
         self.cfg = cfg
         self.out_channels = cfg.in_channels
         self.all_x_embedder = nn.ModuleDict({

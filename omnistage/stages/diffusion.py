@@ -7,9 +7,11 @@ from omnistage import registry
 from omnistage.configs.schema import StageConfig
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.image_input import file_bytes
+from omnistage.diffusion.parallel import check_layout
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import compile_blocks, is_split_pipeline
 from omnistage.diffusion.text_encoding import TEXT_ENCODER_PART, TextEncodingEngine
+from omnistage.layers.groups import stage_ranks
 from omnistage.stages.adapters import StageFeed
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
 from omnistage.utils.device import resolve_device, resolve_dtype
@@ -26,6 +28,10 @@ class DiffusionStage:
 
     The second form keeps the kind (`diffusion`): its requests are a diffusion stage's, a text
     prompt with DiffusionParams, which the front door already routes to diffusion entry stages.
+
+    Over several ranks (the stage's parallel sizes; diffusion/parallel.py says which pipeline
+    takes which): rank 0 loads the whole pipeline and serves; the others load no text encoder
+    and `follow()` rank 0's steps until `stop_followers()`.
     """
 
     def __init__(self, stage: StageConfig, model: str | None, device: str) -> None:
@@ -39,6 +45,10 @@ class DiffusionStage:
         cls = registry.load_component("diffusion", name)
         dtype = None if stage.dtype == "auto" else resolve_dtype(stage.dtype, None, dev)
         path = stage.model or model
+        if stage.parallel.world_size > 1:
+            if part:
+                raise ValueError(f"stage {stage.name!r}: a text-encoder stage runs on one rank")
+            check_layout(cls, name, stage.parallel, path)
         self.conditioned = bool(stage.inputs)          # conditioning comes along an edge
         if (part or self.conditioned) and not is_split_pipeline(cls):
             raise ValueError(f"stage {stage.name!r}: the {name!r} pipeline encodes its own "
@@ -51,7 +61,9 @@ class DiffusionStage:
             self.engine = TextEncodingEngine(cls.load_prompt_encoder(path, dev, dtype),
                                              stage.max_num_seqs)
             return
-        extra = {"text_encoders": False} if self.conditioned else {}
+        # followers (ranks > 0) get rank 0's prepared requests: no text encoder of their own
+        leader = stage_ranks().is_leader
+        extra = {"text_encoders": False} if self.conditioned or not leader else {}
         unknown = set(stage.options) - {"compile"}
         if unknown:
             raise ValueError(f"stage {stage.name!r}: unknown diffusion options {sorted(unknown)} "
@@ -62,6 +74,15 @@ class DiffusionStage:
             compile_blocks(getattr(pipeline, "transformer", None) or pipeline.model,
                            backend if isinstance(backend, str) else "inductor")
         self.engine = DiffusionEngine(pipeline, stage.max_num_seqs)
+
+    def follow(self) -> None:
+        """Ranks > 0: run rank 0's steps until it stops them."""
+        self.engine.follow()
+
+    def stop_followers(self) -> None:
+        """Rank 0, at shutdown: end the other ranks' `follow`."""
+        if isinstance(self.engine, DiffusionEngine):
+            self.engine.stop_followers()
 
     def add(self, request: StageRequest) -> None:
         diffusion = _params(request)

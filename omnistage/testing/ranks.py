@@ -29,8 +29,9 @@ def free_port() -> int:
 
 
 def run_ranks(target: str, sizes: ParallelSizes, kwargs: dict, out_dir: Path,
-              timeout_s: float = 240.0) -> list:
-    """Every rank's return value, in rank order. RuntimeError naming the rank that failed."""
+              timeout_s: float = 240.0, backend: str = "gloo") -> list:
+    """Every rank's return value, in rank order. RuntimeError naming the rank that failed.
+    backend "nccl" (GPU tests): rank r runs on CUDA device r."""
     port = free_port()
     out_dir.mkdir(parents=True, exist_ok=True)
     procs = []
@@ -38,7 +39,7 @@ def run_ranks(target: str, sizes: ParallelSizes, kwargs: dict, out_dir: Path,
     for r in range(sizes.world_size):
         with open(out_dir / f"err{r}", "w") as err:   # the child keeps its own descriptor
             args = [target, str(r), str(port), str(out_dir), json.dumps(asdict(sizes)),
-                    json.dumps(kwargs)]
+                    json.dumps(kwargs), backend]
             procs.append(subprocess.Popen([sys.executable, "-m", "omnistage.testing.ranks",
                                            *args], stdout=subprocess.DEVNULL, stderr=err,
                                           env=env))
@@ -61,14 +62,17 @@ def run_ranks(target: str, sizes: ParallelSizes, kwargs: dict, out_dir: Path,
             for r in range(sizes.world_size)]
 
 
-def _main(target: str, rank: int, port: int, out_dir: str, sizes: dict, kwargs: dict) -> None:
+def _main(target: str, rank: int, port: int, out_dir: str, sizes: dict, kwargs: dict,
+          backend: str) -> None:
     import torch
     import torch.distributed as dist
 
     from omnistage.layers.groups import close_stage_ranks, init_stage_ranks
 
     torch.set_num_threads(1)
-    ranks = init_stage_ranks(ParallelSizes(**sizes), rank, f"tcp://127.0.0.1:{port}", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    ranks = init_stage_ranks(ParallelSizes(**sizes), rank, f"tcp://127.0.0.1:{port}", backend)
     try:
         module, _, name = target.partition(":")
         result = getattr(importlib.import_module(module), name)(ranks, **kwargs)
@@ -79,8 +83,8 @@ def _main(target: str, rank: int, port: int, out_dir: str, sizes: dict, kwargs: 
 
 
 if __name__ == "__main__":
-    t, r, p, o, s, k = sys.argv[1:7]
-    _main(t, int(r), int(p), o, json.loads(s), json.loads(k))
+    t, r, p, o, s, k, b = sys.argv[1:8]
+    _main(t, int(r), int(p), o, json.loads(s), json.loads(k), b)
     # gloo's threads can abort in C++ static teardown: the result is written, leave at once
     sys.stdout.flush()
     sys.stderr.flush()

@@ -14,6 +14,8 @@ Every network is ours (CLIP and T5 text encoders, transformer, VAE); tokenizers 
 transformers. The text encoders may run in a stage of their own (configs/flux_split.yaml; see
 diffusion/pipeline.py).
 No true CFG (negative prompt) yet. Step caching per request (TeaCache's FLUX polynomial).
+Splits by tensor and sequence parallelism (in the transformer); CFG-parallel has no branches
+to split here.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class FluxPipeline(LatentPipelineBase):
     prompt_encoder_cls = FluxPromptEncoder
     max_size = MAX_SIZE
     check_text_params = staticmethod(check_text_params)
+    parallel_axes = ("ulysses", "ring", "tp")       # no true CFG: no branches to split
 
     # ---- 1. prepare (encode: the base class) ---------------------------------------------
 

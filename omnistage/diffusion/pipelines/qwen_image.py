@@ -15,6 +15,8 @@
               requests with true CFG again with their negative prompt; captions zero-padded
               to the longest and masked; timestep = (sigma * 1000 in the latents' dtype) / 1000
               true CFG: comb = neg + s * (pos - neg), rescaled per token to the norm of pos
+              CFG-parallel (2 ranks): the prompt rows on CFG rank 0, the negative rows on rank
+              1, both gathered on both ranks before the combine
     decode:   unpack -> z * std + mean per channel -> causal VAE (one frame) -> (x/2 + 0.5)
               .clamp(0, 1) -> uint8
 
@@ -23,6 +25,8 @@ loaded), the transformer and the VAE; the tokenizer comes from transformers. The
 run in a stage of its own (configs/qwen_image_split.yaml; see diffusion/pipeline.py).
 Qwen-Image is not guidance-distilled: `guidance_scale` is refused, true CFG is the guidance.
 Step caching per request and CFG branch (identity rescaling: see qwen_image_transformer.py).
+Splits along every parallel axis: CFG-parallel here, tensor and sequence parallelism in the
+transformer.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from transformers import AutoTokenizer
 from omnistage.layers.step_cache import cache_groups
 from omnistage.diffusion.image_input import image_to_image, noised_image
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.parallel import gather_branches
 from omnistage.diffusion.pipeline import (LatentPipelineBase, check_conditioning,
                                          encode_with_negatives)
 from omnistage.diffusion.pipelines.flux import pack_latents, unpack_latents
@@ -128,6 +133,7 @@ class QwenImagePipeline(LatentPipelineBase):
     prompt_encoder_cls = QwenImagePromptEncoder
     max_size = MAX_SIZE
     check_text_params = staticmethod(check_text_params)
+    parallel_axes = ("cfg", "ulysses", "ring", "tp")
 
     # ---- 1. prepare (encode: the base class) ---------------------------------------------
 
@@ -186,7 +192,8 @@ class QwenImagePipeline(LatentPipelineBase):
     def _forward(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
                  ) -> Tensor:
         """Requests on one latent grid: the conditional pass of every row and the
-        unconditional pass of the true-CFG rows in one transformer call.
+        unconditional pass of the true-CFG rows, in one transformer call (CFG-parallel: the
+        first on CFG rank 0, the second on rank 1).
 
             rows:  | r0 img0 | r0 img1 | r1 img0 | ... |  r0 img0 | r0 img1 |   (r1: no CFG)
                    |<------ prompt, R rows -------->|  |<-- negative, U -->|
@@ -203,20 +210,23 @@ class QwenImagePipeline(LatentPipelineBase):
         num_rows = latents.shape[0]
         # diffusers: t = sigma * 1000 (the scheduler's timesteps) in the latents' dtype, / 1000
         timestep = (sigmas * self.scheduler.num_train_timesteps).to(latents.dtype) / 1000
-        if cfg_spans:
-            idx = torch.cat([torch.arange(s, s + n) for s, n, _ in cfg_spans]).to(latents.device)
-            latents, timestep = torch.cat([latents, latents[idx]]), torch.cat([timestep,
-                                                                                timestep[idx]])
-        embeds, mask = pad_captions(captions + neg_captions)                # (R+U, T, J)
-        h, w = requests[0].cond["grid"].tolist()
-        step_cache = None
-        if any(r.params.cache_threshold is not None for r in requests):
-            cfg_on = ["negative_prompt_embeds" in r.cond for r in requests]
-            step_cache = cache_groups(requests, counts, [("cond", [True] * len(requests)),
-                                                         ("uncond", cfg_on)])
-        out = self.transformer(latents, embeds, mask, timestep,
-                               img_shapes=[[(1, h, w)]] * latents.shape[0],
-                               step_cache=step_cache)                        # (R+U, N, 4C)
+        idx = torch.cat([torch.arange(s, s + n) for s, n, _ in cfg_spans]
+                        or [torch.arange(0)]).to(latents.device)
+        cfg_on = ["negative_prompt_embeds" in r.cond for r in requests]
+        branches = [(latents, timestep, captions, ("cond", [True] * len(requests))),
+                    (latents[idx], timestep[idx], neg_captions, ("uncond", cfg_on))]
+        if self.cfg_ranks.world_size > 1:
+            x, t, caps, branch = branches[self.cfg_ranks.rank]
+            local = (self._transformer(x, t, caps, [branch], requests, counts) if caps
+                     else latents[:0])
+            out = gather_branches(local, [num_rows, len(idx)], self.cfg_ranks)
+        elif cfg_spans:
+            (x, t, caps, cond), (nx, nt, ncaps, uncond) = branches
+            out = self._transformer(torch.cat([x, nx]), torch.cat([t, nt]), caps + ncaps,
+                                    [cond, uncond], requests, counts)
+        else:
+            x, t, caps, cond = branches[0]
+            out = self._transformer(x, t, caps, [cond], requests, counts)    # (R+U, N, 4C)
         pred, neg = out[:num_rows], out[num_rows:]
         k = 0
         for s, n, scale in cfg_spans:                       # per request: its scale, as a float
@@ -226,6 +236,20 @@ class QwenImagePipeline(LatentPipelineBase):
                                     / torch.norm(comb, dim=-1, keepdim=True))
             k += n
         return pred
+
+    def _transformer(self, latents: Tensor, timestep: Tensor, captions: list[Tensor],
+                     branches: list[tuple[str, list[bool]]], requests: list[DiffusionRequest],
+                     counts: list[int]) -> Tensor:
+        """One transformer call over rows laid out branch after branch (`branches`: name and
+        which requests have rows in it), with step caching when any request asks for it."""
+        embeds, mask = pad_captions(captions)                                # (rows, T, J)
+        h, w = requests[0].cond["grid"].tolist()
+        step_cache = None
+        if any(r.params.cache_threshold is not None for r in requests):
+            step_cache = cache_groups(requests, counts, branches)
+        return self.transformer(latents, embeds, mask, timestep,
+                                img_shapes=[[(1, h, w)]] * latents.shape[0],
+                                step_cache=step_cache)
 
     # ---- 3. decode -------------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ Every network is ours (Qwen3 text encoder, transformer, VAE); the tokenizer come
 transformers. The text encoder may run in a stage of its own (configs/z_image_split.yaml; see
 diffusion/pipeline.py).
 Not ported: cfg_normalization and cfg_truncation < 1 (diffusers' defaults, off, are what runs).
+Splits by CFG-parallel (the cond rows on CFG rank 0, the uncond rows on rank 1, gathered before
+the combine) and tensor parallelism (in the transformer); not by sequence parallelism.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from transformers import AutoTokenizer
 
 from omnistage.layers.step_cache import cache_groups
 from omnistage.diffusion.image_input import image_to_image, noised_image
+from omnistage.diffusion.parallel import gather_branches
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import (LatentPipelineBase, check_conditioning,
                                          encode_with_negatives)
@@ -111,6 +114,8 @@ class ZImagePipeline(LatentPipelineBase):
     check_text_params = staticmethod(check_text_params)
     packed = False
     default_size = DEFAULT_SIZE
+    parallel_axes = ("cfg", "tp")
+    heads_key = "n_heads"
 
     # ---- 1. prepare (encode: the base class) ---------------------------------------------
 
@@ -173,15 +178,17 @@ class ZImagePipeline(LatentPipelineBase):
         timestep = (1000 - sigmas.float() * self.scheduler.num_train_timesteps) / 1000   # (R,)
         x = latents.to(self.dtype).unsqueeze(2)                              # (R, C, 1, h, w)
         idx = torch.tensor(uncond_rows, dtype=torch.long, device=latents.device)
-        step_cache = None
-        if any(r.params.cache_threshold is not None for r in requests):
-            cfg_on = [has_cfg(r.params) for r in requests]
-            step_cache = cache_groups(requests, counts, [("cond", [True] * len(requests)),
-                                                         ("uncond", cfg_on)])
-        out = self.transformer(list(x.unbind(0)) + list(x[idx].unbind(0)),
-                               torch.cat([timestep, timestep[idx]]), caps + uncond_caps,
-                               step_cache=step_cache)
-        pred = torch.stack([o.float() for o in out]).squeeze(2)              # (R + U, C, h, w)
+        cfg_on = [has_cfg(r.params) for r in requests]
+        branches = [(x, timestep, caps, ("cond", [True] * len(requests))),
+                    (x[idx], timestep[idx], uncond_caps, ("uncond", cfg_on))]
+        if self.cfg_ranks.world_size > 1:             # branch c on CFG rank c, then gathered
+            xs, t, c, branch = branches[self.cfg_ranks.rank]
+            local = self._transformer(xs, t, c, [branch], requests, counts) if c else latents[:0]
+            pred = gather_branches(local, [len(scales), len(uncond_rows)], self.cfg_ranks)
+        else:
+            pred = self._transformer(torch.cat([x, x[idx]]), torch.cat([timestep, timestep[idx]]),
+                                     caps + uncond_caps, [b[3] for b in branches], requests,
+                                     counts)                                # (R + U, C, h, w)
         pos, neg = pred[:len(scales)], pred[len(scales):]
         if len(uncond_rows):
             g = torch.tensor(scales, dtype=torch.float32, device=pred.device)[idx]
@@ -189,6 +196,17 @@ class ZImagePipeline(LatentPipelineBase):
             pos = pos.clone()
             pos[idx] = pos[idx] + g * (pos[idx] - neg)
         return -pos
+
+    def _transformer(self, x: Tensor, timestep: Tensor, captions: list[Tensor],
+                     branches: list[tuple[str, list[bool]]], requests: list[DiffusionRequest],
+                     counts: list[int]) -> Tensor:
+        """One transformer call over rows (R', C, 1, h, w) laid out branch after branch
+        (`branches`: name and which requests have rows in it) -> (R', C, h, w) float32."""
+        step_cache = None
+        if any(r.params.cache_threshold is not None for r in requests):
+            step_cache = cache_groups(requests, counts, branches)
+        out = self.transformer(list(x.unbind(0)), timestep, captions, step_cache=step_cache)
+        return torch.stack([o.float() for o in out]).squeeze(2)
 
     # ---- 3. decode -------------------------------------------------------------------------
 

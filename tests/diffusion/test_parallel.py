@@ -1,0 +1,162 @@
+"""A diffusion stage over two CPU ranks (gloo, one process each) against the same stage on one
+rank: a tiny random Qwen-Image with true CFG, batched requests of different caption lengths
+(masked), CFG and not, two images per prompt, an odd image token count (48x48: 3x3 tokens)
+and odd caption lengths, and step caching. CFG-parallel, Ulysses, ring and tensor
+parallelism each give every rank the 1-rank latents within 1e-5, and skip the same steps;
+so do two pairs of axes on four ranks.
+Z-Image (CFG-parallel, TP) the same; FLUX's transformer (Ulysses, ring, TP) one forward.
+Layouts a pipeline cannot run are refused before anything loads.
+
+The sequence-parallel attention alone (layers/sequence_parallel.py) is checked against
+whole-sequence attention, for uneven splits and masked keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnistage.configs.schema import ParallelSizes, StageConfig
+from omnistage.diffusion.parallel import check_layout
+from omnistage.diffusion.pipelines.digits import DigitsPipeline
+from omnistage.diffusion.pipelines.flux import FluxPipeline
+from omnistage.diffusion.pipelines.qwen_image import QwenImagePipeline
+from omnistage.diffusion.pipelines.z_image import ZImagePipeline
+from omnistage.layers.groups import StageRanks
+from omnistage.testing.diffusion_ranks import (CASES, build_tiny_flux_transformer,
+                                               build_tiny_qwen_image, build_tiny_z_image,
+                                               flux_forward, pipeline_run)
+from omnistage.testing.ranks import run_ranks
+
+pytest.importorskip("diffusers")
+
+TARGET = "omnistage.testing.diffusion_ranks"
+LAYOUTS = {"cfg2": ParallelSizes(cfg=2), "ulysses2": ParallelSizes(ulysses=2),
+           "ring2": ParallelSizes(ring=2), "tp2": ParallelSizes(tp=2),
+           # four ranks: the axes together (heads 2 = ulysses x tp at most)
+           "cfg2-ulysses2": ParallelSizes(cfg=2, ulysses=2),
+           "ring2-tp2": ParallelSizes(ring=2, tp=2),
+           "ring2-ulysses2": ParallelSizes(ring=2, ulysses=2)}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_qwen_image(tmp_path_factory.mktemp("qwen_image"))
+
+
+@pytest.fixture(scope="module")
+def reference(folder: Path) -> dict:
+    """The cases on one rank, in this process."""
+    return pipeline_run(StageRanks.single(), str(folder), CASES)
+
+
+def assert_latents_close(got: dict[str, list[float]], reference: dict, rel: bool = False
+                         ) -> None:
+    """Within 1e-5 (rel: of the largest reference value) for every request."""
+    for rid, ref in reference["latents"].items():
+        ref = torch.tensor(ref)
+        scale = float(ref.abs().max())
+        assert scale > 1.0, (rid, "latents too small to compare")
+        diff = float((torch.tensor(got[rid]) - ref).abs().max())
+        assert diff < 1e-5 * (scale if rel else 1.0), (rid, diff, scale)
+
+
+def test_reference_depends_on_what_the_ranks_split(folder: Path, reference: dict) -> None:
+    """A mistake in what the parallel runs share (a negative caption token, CFG scale) moves
+    the latents far beyond the tolerance, and step caching skipped steps."""
+    cases = [dict(c, neg_len=c["neg_len"] - 1) if c["id"] == "c" else c for c in CASES]
+    other = pipeline_run(StageRanks.single(), str(folder), cases)
+    diff = (torch.tensor(other["latents"]["c"]) - torch.tensor(reference["latents"]["c"]))
+    assert diff.abs().max() > 1e-2
+    assert reference["skipped"]["e"] == {"cond": 2, "uncond": 2}
+
+
+@pytest.mark.parametrize("layout", ["cfg2", "ulysses2", "ring2", "tp2", "cfg2-ulysses2",
+                                    "ring2-tp2"])
+def test_latents_match_one_rank(folder: Path, reference: dict, layout: str,
+                                tmp_path: Path) -> None:
+    results = run_ranks(f"{TARGET}:pipeline_run", LAYOUTS[layout],
+                        {"folder": str(folder), "cases": CASES}, tmp_path)
+    for rank, result in enumerate(results):
+        assert set(result["latents"]) == {c["id"] for c in CASES}, rank
+        assert_latents_close(result["latents"], reference)
+        for rid, branches in result["skipped"].items():     # CFG rank 1 runs "uncond" only
+            for branch, skipped in branches.items():
+                assert skipped == reference["skipped"][rid][branch], (rank, rid, branch)
+    assert all(r["latents"] == results[0]["latents"] for r in results)  # equal, exactly
+
+
+def test_stage_follows_rank_zero(folder: Path, reference: dict, tmp_path: Path) -> None:
+    """A CFG-parallel DiffusionStage (its conditioning along an input edge): rank 1 follows
+    (`DiffusionStage.follow`), rank 0 serves and stops it."""
+    results = run_ranks(f"{TARGET}:qwen_image_stage_run", ParallelSizes(cfg=2),
+                        {"folder": str(folder), "cases": CASES}, tmp_path)
+    assert results[1] == {}
+    assert_latents_close(results[0]["latents"], reference)
+
+
+@pytest.mark.parametrize("layout", ["cfg2", "tp2"])
+def test_z_image_latents_match_one_rank(tmp_path_factory: pytest.TempPathFactory, layout: str,
+                                        tmp_path: Path) -> None:
+    """Z-Image's CFG (guidance_scale with a negative caption) and TP (its SwiGLU's 128 hidden
+    features split); its sequences are not split. Larger activations: relative 1e-5."""
+    folder = str(build_tiny_z_image(tmp_path_factory.mktemp("z_image")))
+    cases = CASES[:4]
+    reference = pipeline_run(StageRanks.single(), folder, cases, "z_image")
+    results = run_ranks(f"{TARGET}:pipeline_run", LAYOUTS[layout],
+                        {"folder": folder, "cases": cases, "pipeline": "z_image"}, tmp_path)
+    for result in results:
+        assert_latents_close(result["latents"], reference, rel=True)
+
+
+@pytest.mark.parametrize("layout", ["ulysses2", "ring2", "tp2"])
+def test_flux_transformer_matches_one_rank(tmp_path_factory: pytest.TempPathFactory,
+                                           layout: str, tmp_path: Path) -> None:
+    """One forward of FLUX.1-dev's transformer (double and single blocks, 7 caption and 3x3
+    image tokens: both split unevenly)."""
+    folder = str(build_tiny_flux_transformer(tmp_path_factory.mktemp("flux")))
+    kwargs = {"folder": folder, "num_txt": 7, "grid": [3, 3]}
+    reference = torch.tensor(flux_forward(StageRanks.single(), **kwargs))
+    assert reference.abs().max() > 1.0
+    for result in run_ranks(f"{TARGET}:flux_forward", LAYOUTS[layout], kwargs, tmp_path):
+        assert (torch.tensor(result) - reference).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["ulysses2", "ring2", "ring2-ulysses2"])
+def test_sequence_parallel_attention(layout: str, tmp_path: Path) -> None:
+    """Segments split unevenly (7 and 9 tokens), one rank without text (1), masked text keys."""
+    cases = [([7, 9], True), ([1, 5], False), ([6, 16], True)]
+    results = run_ranks(f"{TARGET}:sequence_attention", LAYOUTS[layout], {"cases": cases},
+                        tmp_path)
+    for rank in results:
+        for case, r in zip(cases, rank):
+            assert r["scale"] > 0.5 and r["diff"] < 1e-5, (case, r)
+
+
+@pytest.mark.parametrize("pipeline, name, sizes, match", [
+    (QwenImagePipeline, "qwen_image", ParallelSizes(ulysses=2, tp=2),
+     r"num_attention_heads \(2\) is not divisible by ulysses_degree x tensor_parallel_size"),
+    (QwenImagePipeline, "qwen_image", ParallelSizes(cfg=3), "two branches"),
+    (ZImagePipeline, "z_image", ParallelSizes(ulysses=2), "ulysses_degree=2: .* supports "
+     "cfg_parallel_size, tensor_parallel_size"),
+    (FluxPipeline, "flux", ParallelSizes(cfg=2), "cfg_parallel_size=2: .* runs none"),
+    (DigitsPipeline, "digits", ParallelSizes(tp=2), "supports none"),
+])
+def test_refused_layouts(folder: Path, pipeline: type, name: str, sizes: ParallelSizes,
+                         match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_layout(pipeline, name, sizes, folder)
+
+
+def test_stage_refuses_before_loading(folder: Path) -> None:
+    from omnistage.stages.diffusion import DiffusionStage
+
+    with pytest.raises(ValueError, match="not divisible"):
+        DiffusionStage(StageConfig(name="dit", kind="diffusion", component="qwen_image",
+                                   model=str(folder), ulysses_degree=2,
+                                   tensor_parallel_size=2), None, "cpu")
+    with pytest.raises(ValueError, match="text-encoder stage runs on one rank"):
+        DiffusionStage(StageConfig(name="enc", kind="diffusion",
+                                   component="qwen_image.text_encoder", model=str(folder),
+                                   tensor_parallel_size=2), None, "cpu")
