@@ -45,10 +45,7 @@ class DiffusionStage:
         cls = registry.load_component("diffusion", name)
         dtype = None if stage.dtype == "auto" else resolve_dtype(stage.dtype, None, dev)
         path = stage.model or model
-        if stage.parallel.world_size > 1:
-            if part:
-                raise ValueError(f"stage {stage.name!r}: a text-encoder stage runs on one rank")
-            check_layout(cls, name, stage.parallel, path)
+        check_parallel_layout(stage, path)
         self.conditioned = bool(stage.inputs)          # conditioning comes along an edge
         if (part or self.conditioned) and not is_split_pipeline(cls):
             raise ValueError(f"stage {stage.name!r}: the {name!r} pipeline encodes its own "
@@ -143,3 +140,18 @@ def _params(request: StageRequest) -> DiffusionParams:
     params = request.diffusion or DiffusionParams()
     image = request.multimodal.get("image")
     return params if image is None else params.attach_image(file_bytes(image))
+
+
+def check_parallel_layout(stage: StageConfig, path: str | None) -> None:
+    """A diffusion stage's ranks split what its pipeline can split (diffusion/parallel.py:
+    the axes it takes, heads that divide, CFG-parallel only with true CFG); a text-encoder
+    stage runs on one rank. Called before any stage starts, and by the stage itself."""
+    if stage.parallel.world_size == 1 or not stage.component:
+        return
+    name, _, part = stage.component.partition(".")
+    if part:
+        raise ValueError(f"stage {stage.name!r}: a text-encoder stage runs on one rank")
+    try:
+        check_layout(registry.load_component("diffusion", name), name, stage.parallel, path)
+    except ValueError as exc:
+        raise ValueError(f"stage {stage.name!r}: {exc}") from None

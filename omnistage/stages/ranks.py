@@ -75,35 +75,35 @@ def check_parallel_layouts(graph: GraphConfig, device_kind: str) -> None:
 
 
 def check_heads_divide(stage: StageConfig, model: str | None) -> None:
-    """The checkpoint's attention heads split evenly over the ranks that split heads: an AR
-    model's query heads over tensor_parallel_size (its key/value heads split or replicate), a
-    diffusion transformer's over tensor_parallel_size x ulysses_degree. Only config.json is
-    read; a model not found here is left to the engine's start-up."""
+    """The checkpoint's heads split evenly over the stage's ranks: an AR model's query heads
+    over tensor_parallel_size (its key/value heads split or replicate); a diffusion stage's
+    whole layout is its pipeline's to check (stages/diffusion.py). Only config files are read;
+    a model not found here is left to the engine's start-up."""
     from omnistage.models.loader import resolve_model_path
 
     try:
         path = resolve_model_path(model) if model else None
     except FileNotFoundError:
         return
-    sizes = stage.parallel
     if path is None:
         return
-    if stage.kind == "ar" and (path / "config.json").is_file():
-        config = _component_config(json.loads((path / "config.json").read_text()), stage.component)
-        heads, split, what = config.get("num_attention_heads"), sizes.tp, "tensor_parallel_size"
-        kv = config.get("num_key_value_heads") or heads
-        if isinstance(kv, int) and kv % sizes.tp and sizes.tp % kv:
-            raise ValueError(f"stage {stage.name!r}: its {kv} key/value heads neither split "
-                             f"evenly over nor replicate evenly on tensor_parallel_size {sizes.tp}")
-    elif stage.kind == "diffusion" and (path / "transformer" / "config.json").is_file():
-        config = json.loads((path / "transformer" / "config.json").read_text())
-        heads, split = config.get("num_attention_heads"), sizes.tp * sizes.ulysses
-        what = "tensor_parallel_size x ulysses_degree"
-    else:
+    if stage.kind == "diffusion":
+        from omnistage.stages.diffusion import check_parallel_layout
+
+        check_parallel_layout(stage, str(path))
         return
-    if isinstance(heads, int) and heads % split:
+    if stage.kind != "ar" or not (path / "config.json").is_file():
+        return
+    tp = stage.parallel.tp
+    config = _component_config(json.loads((path / "config.json").read_text()), stage.component)
+    heads = config.get("num_attention_heads")
+    kv = config.get("num_key_value_heads") or heads
+    if isinstance(kv, int) and kv % tp and tp % kv:
+        raise ValueError(f"stage {stage.name!r}: its {kv} key/value heads neither split "
+                         f"evenly over nor replicate evenly on tensor_parallel_size {tp}")
+    if isinstance(heads, int) and heads % tp:
         raise ValueError(f"stage {stage.name!r}: its {heads} attention heads do not divide by "
-                         f"{what} = {split}")
+                         f"tensor_parallel_size = {tp}")
 
 
 def _component_config(config: dict, component: str | None) -> dict:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from omnistage.configs.schema import ParallelSizes, StageConfig
+from omnistage.stages.ranks import check_heads_divide
 from omnistage.diffusion.parallel import check_layout
 from omnistage.diffusion.pipelines.digits import DigitsPipeline
 from omnistage.diffusion.pipelines.flux import FluxPipeline
@@ -160,3 +161,17 @@ def test_stage_refuses_before_loading(folder: Path) -> None:
         DiffusionStage(StageConfig(name="enc", kind="diffusion",
                                    component="qwen_image.text_encoder", model=str(folder),
                                    tensor_parallel_size=2), None, "cpu")
+
+
+def test_omni_refuses_before_any_stage_starts(folder: Path) -> None:
+    """The front door's check (stages/ranks.py) reads the pipeline's layout rules: no stage
+    process is started for a layout its model cannot run."""
+    from omnistage import Omni
+
+    with pytest.raises(ValueError, match=r"^stage 'dit': .*not divisible by ulysses_degree"):
+        Omni(str(folder), device="cpu", ulysses_degree=2, tensor_parallel_size=2)
+    flux = StageConfig(name="dit", kind="diffusion", component="flux", final="image",
+                       cfg_parallel_size=2)
+    with pytest.raises(ValueError, match=r"stage 'dit': cfg_parallel_size=2: the 'flux' "
+                                         r"pipeline does not split along this axis"):
+        check_heads_divide(flux, str(folder))
