@@ -326,6 +326,10 @@ class AREngine:
             return None
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[StepOutput]:
+        """A failing batch fails its requests, not the engine; but over several ranks the
+        ranks may no longer agree (or one is gone): the failure is the stage's, raised."""
+        if self.ranks.world_size > 1:
+            raise exc
         logger.error("model step failed for %d requests", len(batch.seqs), exc_info=exc)
         outs = []
         for seq in batch.seqs:

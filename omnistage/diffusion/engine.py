@@ -141,7 +141,9 @@ class DiffusionEngine:
         try:
             with torch.inference_mode():
                 self._denoise(batch)
-        except Exception as exc:  # a failing batch fails its requests, not the engine
+        except Exception as exc:  # a failing batch fails its requests, not the engine ...
+            if self.ranks.world_size > 1:   # ... unless its ranks may no longer agree
+                raise
             logger.exception("diffusion step failed for %d requests", len(batch))
             for r in batch:
                 del self.requests[r.request_id]
@@ -202,14 +204,8 @@ class DiffusionEngine:
         for f in plan.new:
             self.requests[f.request_id] = f.request(self.pipeline.device)
         batch = [self.requests[rid] for rid in plan.batch]
-        try:
-            with torch.inference_mode():
-                self._denoise(batch)
-        except Exception:   # rank 0 fails these requests too, and says why
-            logger.exception("diffusion step failed on rank %d", self.ranks.rank)
-            for r in batch:
-                del self.requests[r.request_id]
-            return []
+        with torch.inference_mode():    # a failure ends this rank, and so its stage
+            self._denoise(batch)
         done = [r for r in batch if r.is_done]
         for r in done:
             del self.requests[r.request_id]

@@ -188,11 +188,9 @@ def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector,
         info = worker.engine.info()
         outbox.send(m.encode(m.Ready(spec.stage, os.getpid(),
                                      connector.address, info)))
-        try:
-            worker.serve(inbox, outbox)
-        finally:
-            if stage.parallel.world_size > 1:
-                worker.engine.stop_followers()
+        worker.serve(inbox, outbox)
+        if stage.parallel.world_size > 1:   # a clean shutdown (after a failure: ended by the
+            worker.engine.stop_followers()  # orchestrator, as they may wait in a collective)
     finally:
         trace.save()
         connector.close()
@@ -356,13 +354,15 @@ class StageRunner:
         return self.thread is not None and self.thread.is_alive()
 
     def exit_description(self) -> str:
+        """How the stage's process ended; of several ranks, each one that ended."""
+        ended = []
         for rank, p in enumerate(self.processes):
             if p.poll() is not None:
                 code = p.returncode
                 how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                return f"{how} (rank {rank} of {len(self.processes)})" if len(
-                    self.processes) > 1 else how
-        return "stopped"
+                ended.append(how if len(self.processes) == 1 else
+                             f"{how} (rank {rank} of {len(self.processes)})")
+        return "; ".join(ended) or "stopped"
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Wait for a worker told to shut down; terminate, then kill, a process that lingers.
