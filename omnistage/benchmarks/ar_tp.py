@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from omnistage.benchmarks.ar import PRESETS, build_checkpoint
-from omnistage.benchmarks.common import environment, memory_bandwidth, ratio, summary
+from omnistage.benchmarks.common import (environment, free_device_memory, memory_bandwidth,
+                                         ratio, summary)
 from omnistage.utils.device import resolve_device
 
 TIMEOUT_S = 600.0
@@ -140,6 +141,7 @@ def run(cfg: ARTPBenchConfig) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-ar-tp-") as tmp:
         path = build_checkpoint(cfg.preset, Path(cfg.checkpoint_dir or tmp) / cfg.preset,
                                 device, dtype)
+        free_device_memory(device)    # the stages need the memory this process built it in
         layouts = {tp: _layout(path, tp, cfg, prompts, warm)
                    for tp in (1, cfg.tensor_parallel_size)}
     bandwidth = memory_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20))

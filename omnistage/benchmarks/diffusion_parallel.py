@@ -22,6 +22,7 @@ same true-CFG loop on 1 GPU as the reference, in the same call.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -166,15 +167,34 @@ def rank_main(rank: int, port: int, cfg: ParallelBenchConfig, sizes: ParallelSiz
     pipe = _pipeline(model, cfg.diffusion, device, dtype)
     engine = DiffusionEngine(pipe, ranks=ranks)
     result: dict[str, object] = {"rank": rank}
-    if ranks.is_leader:
-        result.update(_serve(engine, pipe, cfg, device, dtype))
-        engine.stop_followers()
-    else:
-        engine.follow()
+    with _profiled(f"{out_dir.name}_profile{rank}.txt"):
+        if ranks.is_leader:
+            result.update(_serve(engine, pipe, cfg, device, dtype))
+            engine.stop_followers()
+        else:
+            engine.follow()
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
+
+
+@contextlib.contextmanager
+def _profiled(name: str):
+    """OMNISTAGE_BENCH_PROFILE=DIR: torch.profiler's tables of the rank's run (device time,
+    then host time) written to DIR/name, to see where a layout's step time goes."""
+    folder = os.environ.get("OMNISTAGE_BENCH_PROFILE")
+    if not folder:
+        yield
+        return
+    path = Path(folder) / name
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25)
+    path.write_text(table + "\n" + prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                             row_limit=25))
 
 
 def _serve(engine, pipe, cfg: ParallelBenchConfig, device: torch.device, dtype: torch.dtype
