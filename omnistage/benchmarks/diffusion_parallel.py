@@ -28,7 +28,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -232,7 +231,7 @@ def _serve(engine, pipe, cfg: ParallelBenchConfig, device: torch.device, dtype: 
 
 def run_layout(cfg: ParallelBenchConfig, name: str, out_dir: Path) -> dict[str, object]:
     """Start the layout's rank processes, wait (with a deadline), read what they wrote."""
-    from omnistage.testing.ranks import free_port
+    from omnistage.testing.ranks import free_port, wait_all
 
     sizes = LAYOUTS[name]
     folder = out_dir / name
@@ -243,17 +242,7 @@ def run_layout(cfg: ParallelBenchConfig, name: str, out_dir: Path) -> dict[str, 
                                str(r), str(port), json.dumps(asdict(cfg)), name, str(folder)],
                               env=env)
              for r in range(sizes.world_size)]
-    deadline = time.monotonic() + RANK_TIMEOUT_S
-    try:
-        for p in procs:
-            p.wait(max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
+    wait_all(procs, RANK_TIMEOUT_S)
     bad = [r for r, p in enumerate(procs) if p.returncode != 0]
     if bad:
         raise RuntimeError(f"layout {name}: rank(s) {bad} failed (their stderr is above)")

@@ -1,19 +1,15 @@
 """Runs the tensor-parallel layers (layers/parallel.py) on R CPU ranks over gloo against the
-same layers' single-rank results, for tests/layers/test_parallel.py: every rank loads the whole
-checkpoint tensors through the layers' loaders and writes the largest difference of each
-check to `out_dir/rank{r}.json`."""
+same layers' single-rank results, for tests/layers/test_parallel.py (through
+omnistage.testing.ranks.run_ranks): every rank loads the whole checkpoint tensors through the
+layers' loaders and returns the largest difference of each check."""
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from omnistage.layers import parallel as tp
+from omnistage.layers.groups import StageRanks
 
 H, D, HQ, V, INTER = 32, 8, 4, 63, 48   # V odd: the vocabulary padded on 2 ranks
 
@@ -72,29 +68,6 @@ def _checks(t: dict[str, torch.Tensor], num_kv_heads: int) -> dict[str, float]:
     return out
 
 
-def run_rank(rank: int, world_size: int, port: int, out_dir: str, num_kv_heads: int) -> None:
-    """One rank's body (torch.multiprocessing start_processes target)."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
-    try:
-        tp.set_tp_group(tp.TPGroup(rank, world_size, dist.group.WORLD))
-        result = _checks(_weights(num_kv_heads), num_kv_heads)
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()   # rank 0 hosts the rendezvous store: nobody leaves while it is needed
-    finally:
-        tp.set_tp_group(None)
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":      # python -m omnistage.testing.parallel_check RANK WORLD PORT DIR KV
-    import sys
-
-    rank, world, port, out, kv = sys.argv[1:6]
-    run_rank(int(rank), int(world), int(port), out, int(kv))
-    # gloo's store and transport threads can abort in C++ static teardown ("terminate called
-    # without an active exception", seen 1 run in 3): the result is written, leave at once
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def rank_checks(ranks: StageRanks, num_kv_heads: int) -> dict[str, float]:
+    """One rank's body (omnistage.testing.ranks.run_ranks; its groups are current)."""
+    return _checks(_weights(num_kv_heads), num_kv_heads)

@@ -43,6 +43,17 @@ def run_ranks(target: str, sizes: ParallelSizes, kwargs: dict, out_dir: Path,
             procs.append(subprocess.Popen([sys.executable, "-m", "omnistage.testing.ranks",
                                            *args], stdout=subprocess.DEVNULL, stderr=err,
                                           env=env))
+    wait_all(procs, timeout_s)
+    for r, p in enumerate(procs):
+        if p.returncode != 0:
+            raise RuntimeError(f"rank {r} ended with {p.returncode}:\n"
+                               + (out_dir / f"err{r}").read_text()[-3000:])
+    return [json.loads((out_dir / f"rank{r}.json").read_text())
+            for r in range(sizes.world_size)]
+
+
+def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Wait for every process until the deadline; kill (and reap) what is still running."""
     deadline = time.monotonic() + timeout_s
     try:
         for p in procs:
@@ -54,12 +65,6 @@ def run_ranks(target: str, sizes: ParallelSizes, kwargs: dict, out_dir: Path,
             if p.poll() is None:
                 p.kill()
                 p.wait(5)
-    for r, p in enumerate(procs):
-        if p.returncode != 0:
-            raise RuntimeError(f"rank {r} ended with {p.returncode}:\n"
-                               + (out_dir / f"err{r}").read_text()[-3000:])
-    return [json.loads((out_dir / f"rank{r}.json").read_text())
-            for r in range(sizes.world_size)]
 
 
 def _main(target: str, rank: int, port: int, out_dir: str, sizes: dict, kwargs: dict,

@@ -4,49 +4,20 @@ embedding and the LM head's gather cross ranks. Issue 18's groundwork."""
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from omnistage.configs.schema import ParallelSizes
 from omnistage.layers import parallel as tp
-
-TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from omnistage.testing.ranks import run_ranks
 
 
 def _run(world_size: int, num_kv_heads: int, out_dir: Path) -> list[dict[str, float]]:
-    """One process per rank, each `python -m omnistage.testing.parallel_check`; all end."""
-    port = _free_port()
-    procs = []
-    for r in range(world_size):
-        with open(out_dir / f"err{r}", "w") as err:   # the child keeps its own descriptor
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "omnistage.testing.parallel_check", str(r),
-                 str(world_size), str(port), str(out_dir), str(num_kv_heads)],
-                stdout=subprocess.DEVNULL, stderr=err))
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for p in procs:
-            p.wait(max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, (r, (out_dir / f"err{r}").read_text()[-2000:])
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+    """One process per rank (omnistage.testing.ranks), each checking the layers."""
+    return run_ranks("omnistage.testing.parallel_check:rank_checks",
+                     ParallelSizes(tp=world_size), {"num_kv_heads": num_kv_heads}, out_dir)
 
 
 @pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["kv-split", "kv-replicated"])
