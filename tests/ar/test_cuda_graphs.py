@@ -20,6 +20,7 @@ from omnistage.testing.interpreter import (INTERPRETING, patch_interpreter,  # n
 
 from omnistage.ar import cuda_graphs  # noqa: E402
 from omnistage.layers import graph_capture  # noqa: E402
+from omnistage.testing.graph_emulation import rerun_capture  # noqa: E402
 from omnistage.ar.engine import AREngine  # noqa: E402
 from omnistage.ar.inputs import StreamInput  # noqa: E402
 from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig  # noqa: E402
@@ -39,34 +40,7 @@ def test_in_triton_interpreter() -> None:
     run_in_interpreter(__file__)
 
 
-def _copy_into(dst: object, src: object) -> None:
-    if isinstance(dst, torch.Tensor):
-        dst.copy_(src)  # type: ignore[arg-type]
-    elif isinstance(dst, dict):
-        for key in dst:
-            _copy_into(dst[key], src[key])  # type: ignore[index]
-    else:
-        for d, s in zip(dst, src):  # type: ignore[call-overload]
-            _copy_into(d, s)
-
-
-class _Rerun:
-    """A captured graph's stand-in: replay reruns fn into the outputs of the capture."""
-
-    def __init__(self, fn, out) -> None:  # type: ignore[no-untyped-def]
-        self.fn, self.out = fn, out
-
-    def replay(self) -> None:
-        _copy_into(self.out, self.fn())
-
-    def pool(self) -> None:
-        return None
-
-
-def _capture(fn, pool):  # type: ignore[no-untyped-def]
-    fn()                  # the warm-up, as on CUDA
-    out = fn()            # on CUDA only recorded; here it runs (slots are -1: it writes nothing)
-    return _Rerun(fn, out), out
+_capture = rerun_capture    # the warm-up, then the run CUDA would only record
 
 
 def make_engine(path: Path, graphs: bool, max_num_seqs: int = 8,
