@@ -3,6 +3,7 @@
     a stage refuses input       raise InputError(message, param="speaker")
     the worker                  StageError(stage, "invalid_input", message, param)
     the orchestrator            adds its own: "stage_dead", "aborted"
+    a stage whose input stalls  "timeout" (no chunk from upstream for input_timeout_s)
     OmniOutput.error_info       the server maps kind and param to HTTP, reading no message text
 
 `OmniOutput.error` stays the human-readable line ("stage 'talker': ValueError: ...").
@@ -14,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-ErrorKind = Literal["invalid_input", "internal", "stage_dead", "aborted"]
+ErrorKind = Literal["invalid_input", "internal", "stage_dead", "aborted", "timeout"]
 
 
 class InputError(ValueError):

@@ -158,6 +158,9 @@ class StageConfig:
     # Default SamplingParams fields of this stage; checked here, built by default_sampling().
     sampling: dict[str, object] = field(default_factory=dict, hash=False)
     startup_timeout_s: float = 120.0
+    # A request waiting for input from upstream stages fails (kind "timeout") when none comes
+    # for this long: an upstream that died or went silent never leaves it waiting forever.
+    input_timeout_s: float = 300.0
     seed: int = 0
     enforce_eager: bool = False  # ar: no CUDA graphs for decode steps
     async_scheduling: bool = True  # ar: launch a decode step before reading the last one
@@ -204,6 +207,8 @@ class StageConfig:
             bad("output_hidden_layers", "layer indices must be >= 0")
         if not self.startup_timeout_s > 0:
             bad("startup_timeout_s", "must be > 0")
+        if not self.input_timeout_s > 0:
+            bad("input_timeout_s", "must be > 0")
         for name in ("tensor_parallel_size", "ulysses_degree", "ring_degree",
                      "cfg_parallel_size"):
             if getattr(self, name) < 1:

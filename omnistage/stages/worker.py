@@ -36,6 +36,7 @@ from omnistage.outputs import StageMetrics
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 5
+DEADLINE_CHECK_S = 0.5  # how often waits for upstream input are checked against their deadline
 GATHER_GAP_MS = 1      # `_gather`: the burst ends after this long without a message
 GATHER_MAX_MS = 4
 
@@ -51,6 +52,7 @@ class RequestState:
     chunk_idx: dict[str, int] = field(default_factory=dict)
     whole: dict[str, list[dict[str, Tensor]]] = field(default_factory=dict)  # whole-edge buffers
     arrival_time: float = 0.0
+    last_input: float = 0.0                     # monotonic: added, or its latest chunk
     first_output_time: float | None = None
     num_tokens: int = 0
     num_outputs: int = 0
@@ -124,7 +126,8 @@ class StageWorker:
         assert not unknown, f"stage {self.name} has no edge to {unknown}"
         state = RequestState(request_id=msg.request_id, downstream=list(msg.downstream),
                              open_sources=set(self.adapters) if msg.num_upstream else set(),
-                             arrival_time=msg.arrival_time or time.time())
+                             arrival_time=msg.arrival_time or time.time(),
+                             last_input=time.monotonic())
         request = StageRequest(msg.request_id, state.arrival_time, msg.params, msg.diffusion,
                                msg.prompt, msg.prompt_token_ids, streamed=msg.num_upstream > 0,
                                downstream=tuple(msg.downstream))
@@ -141,6 +144,7 @@ class StageWorker:
             if msg.handle is not None:  # aborted meanwhile: drop the data
                 self.connector.release(msg.request_id)
             return
+        state.last_input = time.monotonic()
         tensors = self._get(state, msg.handle) if msg.handle is not None else {}
         token_ids = tensors["token_ids"].tolist() if "token_ids" in tensors else []
         data = EdgeData(msg.request_id, msg.source, msg.chunk_idx, msg.is_last, token_ids,
@@ -259,7 +263,12 @@ class StageWorker:
         trace.name_thread(self.name)
         self._inbox, self._outbox = inbox, outbox
         idle = True
+        next_check = time.monotonic() + DEADLINE_CHECK_S
         while True:
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + DEADLINE_CHECK_S
+                for out in self.expire_stalled():
+                    outbox.send(m.encode(out))
             if self._deferred is not None:   # met during the last step's device wait
                 msg, self._deferred = self._deferred, None
                 if not self._receive(msg):
@@ -270,6 +279,24 @@ class StageWorker:
                 if not self._drain() or (was_idle and self.has_work and not self._gather()):
                     return
             idle = not self._step_once() if self.has_work else True
+
+    def expire_stalled(self, now: float | None = None) -> list[m.StageOutput]:
+        """Fail the requests still waiting for upstream input that has not come for the
+        stage's input_timeout_s (an upstream that died or went silent): kind "timeout"."""
+        now = time.monotonic() if now is None else now
+        limit = self.stage.input_timeout_s
+        outs = []
+        for rid, state in list(self.requests.items()):
+            if not state.open_sources or now - state.last_input <= limit:
+                continue
+            waited = ", ".join(sorted(state.open_sources))
+            message = f"no input from {waited} for {limit:g} s"
+            logger.warning("stage %s: request %s: %s; failing it", self.name, rid, message)
+            self._drop(rid, abort=True)
+            outs.append(m.StageOutput(self.name, rid, finished=True, finish_reason="error",
+                                      error=f"TimeoutError: {message}",
+                                      error_info=StageError(self.name, "timeout", message)))
+        return outs
 
     def _drain(self) -> bool:
         """Handle every message waiting in the inbox; False on Shutdown."""

@@ -198,6 +198,39 @@ def test_killed_stage_fails_its_requests(tiny_qwen3: Path) -> None:
             omni.generate(PROMPTS[0])
 
 
+def test_a_stalled_upstream_fails_the_request_at_the_deadline(tiny_qwen3: Path) -> None:
+    """The first stage stopped (SIGSTOP) mid-request: the second, waiting for its chunks, fails
+    the request once input_timeout_s passes without one (kind "timeout", naming both stages);
+    no request waits forever, and the engine serves again once the upstream resumes."""
+    yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, connector="shm", backend="process",
+                               max_tokens=400)
+    with Omni(stage_config=yaml_text, device="cpu",
+              stage_overrides=["second.input_timeout_s=1.0"]) as omni:
+        pid = omni.engine.orchestrator.stage_pids()["first"]
+        events = []
+        omni.engine.submit(PROMPTS[2], None, "stalled", None, events.append)
+        deadline = time.monotonic() + 10
+        while not events:
+            assert time.monotonic() < deadline, "no output"
+            time.sleep(0.005)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            while not (events and events[-1].done):
+                assert time.monotonic() < stopped + 10, events[-3:]
+                time.sleep(0.05)
+            waited = time.monotonic() - stopped
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        info = events[-1].error_info
+        assert info.kind == "timeout" and info.stage == "second", events[-1].error
+        assert "no input from first for 1 s" in events[-1].error
+        assert 0.9 < waited < 4.0, waited
+        assert omni.is_healthy
+        (out,) = omni.generate([PROMPTS[0]])      # the upstream resumed: served again
+        assert out.error is None and out.finished
+
+
 def test_parent_sigkill_leaves_no_stage_alive(tiny_qwen3: Path, tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(f"""

@@ -217,6 +217,9 @@ class EngineClient:
             return err
         if not self.is_healthy:
             return APIError(503, f"the engine is not serving: {error}", code="engine_dead")
+        if info is not None and info.kind == "timeout":       # a stage's input stalled
+            return APIError(504, f"the request timed out in the engine: {error}",
+                            code="engine_timeout")
         return APIError(500, f"the request failed in the engine: {error}", code="engine_error")
 
 

@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           404: "invalid_request_error", 405: "invalid_request_error",
           413: "invalid_request_error", 415: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+          429: "rate_limit_error", 500: "server_error", 503: "server_error",
+          504: "server_error"}
 _HTTP_CODES = {413: "request_too_large"}
 _FIELD = re.compile(r"[a-z_][a-z0-9_]*")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}

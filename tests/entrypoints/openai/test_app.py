@@ -246,3 +246,18 @@ def test_openapi_schema_lists_every_route(engine: FakeOmni) -> None:
             "/v1/images/edits", "/v1/models", "/health", "/metrics"} <= set(schema["paths"])
     chat = schema["paths"]["/v1/chat/completions"]["post"]
     assert {"200", "400", "429"} <= set(chat["responses"])
+
+
+def test_a_timed_out_request_is_a_504(engine: FakeOmni) -> None:
+    """A stage whose input stalled past its input_timeout_s fails the request with kind
+    "timeout": the gateway-timeout status, the engine still healthy."""
+    from omnistage.entrypoints.openai.client import EngineClient
+    from omnistage.errors import StageError
+
+    message = "no input from thinker for 300 s"
+    out = OmniOutput("r", None, [], finished=True,
+                     error=f"stage 'talker': TimeoutError: {message}",
+                     error_info=StageError("talker", "timeout", message))
+    out.outputs[0].finish_reason = "error"
+    err = EngineClient(engine, 4).failure(out)
+    assert (err.status, err.code) == (504, "engine_timeout") and "thinker" in err.message
