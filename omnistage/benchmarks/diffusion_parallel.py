@@ -56,6 +56,7 @@ class ParallelBenchConfig:
     text_len: int = 64
     layouts: tuple[str, ...] = ("cfg", "ulysses", "tp")
     reference: bool = True
+    compile: bool = False                  # every layout's blocks compiled (compile_blocks)
     device: str = "auto"
     seed: int = 0
 
@@ -163,6 +164,10 @@ def rank_main(rank: int, port: int, cfg: ParallelBenchConfig, sizes: ParallelSiz
     with torch.device(device), default_dtype(dtype):
         model = QwenImageTransformer2DModel(QwenImageTransformerConfig.from_dict(arch)).eval()
     _seeded_load(model, _whole_shapes(arch), cfg.seed)
+    if cfg.compile:   # the blocks' host work shrinks: what a rank of half the work waits on
+        from omnistage.diffusion.pipeline import compile_blocks
+
+        compile_blocks(model)
     pipe = _pipeline(model, cfg.diffusion, device, dtype)
     engine = DiffusionEngine(pipe, ranks=ranks)
     result: dict[str, object] = {"rank": rank}

@@ -97,7 +97,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     diff.add_argument("--no-reference", action="store_true",
                       help="with --parallel: skip diffusers' transformer")
     diff.add_argument("--compile", action="store_true",
-                      help="also time our transformer with its blocks torch.compile'd")
+                      help="also time our transformer with its blocks torch.compile'd (with "
+                           "--parallel: every layout's)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
             steps=args.steps or (4 if tiny else 20),
             num_layers=args.num_layers or (2 if tiny else 60), text_len=args.text_len,
             layouts=tuple(args.parallel.split(",")), reference=not args.no_reference,
+            compile=args.compile,
             device=args.device, seed=args.seed)
         with tempfile.TemporaryDirectory(prefix="omnistage-bench-parallel-") as tmp:
             result = dp.run(cfg, Path(tmp))
