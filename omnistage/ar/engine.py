@@ -23,7 +23,7 @@ from torch import Tensor
 from omnistage.ar.detokenizer import IncrementalDetokenizer
 from omnistage.ar.inputs import MultimodalInput, PromptInput, StreamInput, check_request
 from omnistage.ar.kv_cache import BlockManager, KVCacheLayout
-from omnistage.ar.memory import determine_kv_layout
+from omnistage.ar.memory import size_kv_cache
 from omnistage.ar.model_runner import ModelRunner, PendingStep, RunnerOutput, capture_key
 from omnistage.ar.scheduler import ScheduledBatch, Scheduler
 from omnistage.ar.sequence import FinishReason, Sequence, SequenceStatus, StepOutput
@@ -59,20 +59,9 @@ class AREngine:
         self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path)
 
         sched = config.scheduler
-        limit = self.model_config.max_position_embeddings
-        if sched.max_model_len is not None and sched.max_model_len > limit:
-            raise ValueError(f"max_model_len {sched.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {limit}")
-        self.max_model_len = sched.max_model_len or limit
-        self.kv_layout: KVCacheLayout = determine_kv_layout(
-            self.model, self.model_config, config.kv_cache, self.device, self.dtype,
-            sched.max_num_batched_tokens, self.max_model_len, sched.max_num_seqs)
-        # A request alone must always fit, or preemption could never make room for it.
-        capacity = self.kv_layout.num_blocks * self.kv_layout.block_size
-        if capacity < self.max_model_len:
-            logger.warning("KV cache holds %d tokens: max_model_len lowered from %d",
-                           capacity, self.max_model_len)
-            self.max_model_len = capacity
+        self.kv_layout: KVCacheLayout
+        self.kv_layout, self.max_model_len = size_kv_cache(
+            self.model, self.model_config, config, self.device, self.dtype)
         self.block_manager = BlockManager(self.kv_layout.num_blocks, self.kv_layout.block_size,
                                           config.kv_cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager, self.max_model_len)

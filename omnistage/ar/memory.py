@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from omnistage.ar.kv_cache import KVCacheLayout, bytes_per_block
-from omnistage.configs.schema import KVCacheConfig
+from omnistage.configs.schema import ARConfig, KVCacheConfig
 from omnistage.layers.attention import Attention, AttentionMetadata, forward_context
 from omnistage.layers.groups import stage_ranks
 from omnistage.models.config import ModelConfig
@@ -105,6 +105,27 @@ def gpu_kv_blocks(memory_fraction: float, total: int, weights: int, peak: int, f
     logger.info("memory: %s; KV cache %d blocks (%.2f GiB)", numbers, num_blocks,
                 num_blocks * bytes_per_block / gib)
     return num_blocks
+
+
+def size_kv_cache(model: nn.Module, cfg: ModelConfig, config: ARConfig, device: torch.device,
+                  dtype: torch.dtype) -> tuple[KVCacheLayout, int]:
+    """(the KV cache's layout, the engine's max_model_len): the configured length (at most the
+    model's max_position_embeddings: above it is refused), lowered to what the cache holds,
+    since a request alone must always fit or preemption could never make room for it."""
+    sched = config.scheduler
+    limit = cfg.max_position_embeddings
+    if sched.max_model_len is not None and sched.max_model_len > limit:
+        raise ValueError(f"max_model_len {sched.max_model_len} exceeds the model's "
+                         f"max_position_embeddings {limit}")
+    max_model_len = sched.max_model_len or limit
+    layout = determine_kv_layout(model, cfg, config.kv_cache, device, dtype,
+                                 sched.max_num_batched_tokens, max_model_len, sched.max_num_seqs)
+    capacity = layout.num_blocks * layout.block_size
+    if capacity < max_model_len:
+        logger.warning("KV cache holds %d tokens: max_model_len lowered from %d",
+                       capacity, max_model_len)
+        max_model_len = capacity
+    return layout, max_model_len
 
 
 def determine_kv_layout(model: nn.Module, cfg: ModelConfig, kv: KVCacheConfig,

@@ -133,3 +133,37 @@ def test_bench_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     assert rc == 2
     assert "size=100" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def _bench_doc(tmp_path: Path, kind: str, *extra: str) -> dict:
+    assert main(["bench", kind, "--tiny", "--device", "cpu", "--out-dir", str(tmp_path),
+                 "--name", "doc", *extra]) == 0
+    return json.loads((tmp_path / "doc.json").read_text())
+
+
+def test_bench_ar_tensor_parallel(tmp_path: Path) -> None:
+    """-tp 2: TP 2 against TP 1 through the stage processes (gloo on the CPU), the ratios
+    under the issue's names; both layouts made every token."""
+    doc = _bench_doc(tmp_path, "ar", "-tp", "2", "--concurrency", "1,3")
+    assert doc["benchmark"] == "ar_tp" and set(doc["layouts"]) == {"tp1", "tp2"}
+    for layout in doc["layouts"].values():
+        assert set(layout["by_concurrency"]) == {"1", "3"}
+        assert all(positive(r["output_tokens_per_s"]) for r in layout["by_concurrency"].values())
+    ratios = doc["ratios"]
+    assert positive(ratios["tp_speedup_single_stream"]) and positive(ratios["tp_share_of_limit"])
+    assert positive(ratios["tp_speedup_c3"])
+
+
+def test_bench_diffusion_parallel(tmp_path: Path) -> None:
+    """--parallel: each layout over 2 gloo ranks against 1 rank, the speed-ups under the issue's
+    names; in float32 every layout's latents equal the single rank's."""
+    doc = _bench_doc(tmp_path, "diffusion", "--parallel", "cfg,ulysses,tp", "--steps", "2")
+    assert doc["benchmark"] == "diffusion_parallel"
+    assert set(doc["layouts"]) == {"single", "cfg", "ulysses", "tp"}
+    for name in ("cfg", "ulysses", "tp"):
+        assert doc["layouts"][name]["rel_diff"] < 1e-5, (name, doc["layouts"][name])
+    ratios = doc["ratios"]
+    for key in ("cfg_parallel_speedup", "ulysses_speedup", "tp_speedup",
+                "single_speedup_vs_diffusers"):
+        assert positive(ratios[key]), key
+    assert positive(doc["reference"]["seconds_per_image"])

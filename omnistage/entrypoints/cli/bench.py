@@ -34,21 +34,26 @@ def _floats(text: str) -> tuple[float, ...]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark our engines against transformers / diffusers")
     kinds = p.add_subparsers(dest="benchmark", required=True)
+    for add in (_add_ar, _add_omni, _add_diffusion):
+        _common(add(kinds))
 
-    def common(q: argparse.ArgumentParser) -> None:
-        q.add_argument("--tiny", action="store_true",
-                       help="toy sizes that run in seconds on a CPU (keeps the command working; "
-                            "the numbers mean nothing)")
-        q.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-        q.add_argument("--out-dir", default="benchmarks/results",
-                       help="where the JSON result is written")
-        q.add_argument("--name", default=None,
-                       help="file name of the result, without .json (default: by benchmark)")
-        q.add_argument("--seed", type=int, default=0)
-        q.set_defaults(func=run)
 
+def _common(q: argparse.ArgumentParser) -> None:
+    """The options every benchmark takes."""
+    q.add_argument("--tiny", action="store_true",
+                   help="toy sizes that run in seconds on a CPU (keeps the command working; "
+                        "the numbers mean nothing)")
+    q.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    q.add_argument("--out-dir", default="benchmarks/results",
+                   help="where the JSON result is written")
+    q.add_argument("--name", default=None,
+                   help="file name of the result, without .json (default: by benchmark)")
+    q.add_argument("--seed", type=int, default=0)
+    q.set_defaults(func=run)
+
+
+def _add_ar(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     ar = kinds.add_parser("ar", help="AR engine vs transformers generate (Qwen3-0.6B shape)")
-    common(ar)
     ar.add_argument("--input-len", type=int, default=128)
     ar.add_argument("--output-len", type=int, default=128)
     ar.add_argument("--concurrency", type=_ints, default=(1, 8, 64),
@@ -62,9 +67,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ar.add_argument("--checkpoint-dir", default=None,
                     help="keep the random checkpoint here (default: a temporary folder)")
 
+    return ar
+
+
+def _add_omni(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     omni = kinds.add_parser("omni", help="Qwen3-Omni pipeline vs transformers "
                                          "generate(return_audio=True)")
-    common(omni)
     omni.add_argument("--thinker-tokens", type=int, default=None,
                       help="text tokens per request (default 64; tiny 6)")
     omni.add_argument("--talker-tokens", type=int, default=None,
@@ -81,8 +89,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     omni.add_argument("--backend", choices=["process", "inproc"], default=None,
                       help="stage backend (default: process; inproc with --tiny)")
 
+    return omni
+
+
+def _add_diffusion(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     diff = kinds.add_parser("diffusion", help="Qwen-Image transformer vs diffusers")
-    common(diff)
     diff.add_argument("--size", type=int, default=None, help="pixels (default 1024; tiny 64)")
     diff.add_argument("--steps", type=int, default=None, help="default 20; tiny 4")
     diff.add_argument("--num-layers", type=int, default=None,
@@ -99,79 +110,97 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     diff.add_argument("--compile", action="store_true",
                       help="also time our transformer with its blocks torch.compile'd (with "
                            "--parallel: every layout's)")
+    return diff
+
+
+Outcome = tuple[dict, str, object]     # (the result, its file name, the headline to print)
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     from omnistage.benchmarks.common import write_result
 
-    if args.benchmark == "ar" and args.tensor_parallel_size > 1:
-        from omnistage.benchmarks import ar_tp
-
-        cfg = ar_tp.ARTPBenchConfig(
-            preset="tiny" if args.tiny else (args.preset or "qwen3-8b"),
-            tensor_parallel_size=args.tensor_parallel_size,
-            input_len=min(args.input_len, 16) if args.tiny else args.input_len,
-            output_len=min(args.output_len, 8) if args.tiny else args.output_len,
-            concurrency=args.concurrency if args.concurrency != (1, 8, 64) else (1, 64),
-            device=args.device, checkpoint_dir=args.checkpoint_dir, seed=args.seed)
-        result = ar_tp.run(cfg)
-        name = args.name or f"ar_tp{cfg.tensor_parallel_size}_{cfg.preset}"
-        headline = result["ratios"]
-    elif args.benchmark == "ar":
-        from omnistage.benchmarks import ar
-
-        cfg = ar.ARBenchConfig(
-            preset="tiny" if args.tiny else (args.preset or "qwen3-0.6b"),
-            input_len=min(args.input_len, 16) if args.tiny else args.input_len,
-            output_len=min(args.output_len, 8) if args.tiny else args.output_len,
-            concurrency=args.concurrency, device=args.device,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            checkpoint_dir=args.checkpoint_dir, seed=args.seed)
-        result = ar.run(cfg)
-        name = args.name or f"ar_{cfg.preset}_c{'-'.join(map(str, cfg.concurrency))}"
-        headline = {c: r["throughput_ratio"] for c, r in result["by_concurrency"].items()}
+    if args.benchmark == "ar":
+        result, name, headline = _run_ar_tp(args) if args.tensor_parallel_size > 1 \
+            else _run_ar(args)
     elif args.benchmark == "omni":
-        from omnistage.benchmarks import omni
-
-        cfg = omni.OmniBenchConfig.preset(
-            "tiny" if args.tiny else "bench", device=args.device, seed=args.seed,
-            concurrency=args.concurrency, reference_requests=args.reference_requests,
-            thinker_tokens=args.thinker_tokens, talker_tokens=args.talker_tokens,
-            backend=args.backend, chunk_frames=args.chunk_frames,
-            stage_config=args.stage_config)
-        result = omni.run(cfg)
-        name = args.name or f"omni_qwen3-omni-{cfg.sizes}"
-        headline = result["ratios"]
+        result, name, headline = _run_omni(args)
     elif args.parallel:
-        import tempfile
-
-        from omnistage.benchmarks import diffusion_parallel as dp
-
-        tiny = args.tiny
-        cfg = dp.ParallelBenchConfig(
-            sizes="tiny" if tiny else "qwen-image", size=args.size or (64 if tiny else 1024),
-            steps=args.steps or (4 if tiny else 20),
-            num_layers=args.num_layers or (2 if tiny else 60), text_len=args.text_len,
-            layouts=tuple(args.parallel.split(",")), reference=not args.no_reference,
-            compile=args.compile,
-            device=args.device, seed=args.seed)
-        with tempfile.TemporaryDirectory(prefix="omnistage-bench-parallel-") as tmp:
-            result = dp.run(cfg, Path(tmp))
-        name = args.name or f"diffusion_parallel_{cfg.sizes}_{cfg.size}px"
-        headline = result["ratios"]
+        result, name, headline = _run_diffusion_parallel(args)
     else:
-        from omnistage.benchmarks import diffusion
-
-        cfg = diffusion.DiffusionBenchConfig.preset(
-            "tiny" if args.tiny else "qwen-image", device=args.device, seed=args.seed,
-            size=args.size, steps=args.steps, num_layers=args.num_layers,
-            text_len=args.text_len, cache_thresholds=args.cache_thresholds,
-            concurrency=args.concurrency, compile=args.compile)
-        result = diffusion.run(cfg)
-        name = args.name or f"diffusion_{cfg.sizes}_{cfg.size}px"
-        headline = result["ratios"]
-    path = write_result(result, Path(args.out_dir), name)
+        result, name, headline = _run_diffusion(args)
+    path = write_result(result, Path(args.out_dir), args.name or name)
     print(json.dumps({"benchmark": args.benchmark, "device_name": result["device_name"],
                       "ratios": headline, "result": str(path)}, indent=2))
     return 0
+
+
+def _lengths(args: argparse.Namespace) -> dict[str, int]:
+    return {"input_len": min(args.input_len, 16) if args.tiny else args.input_len,
+            "output_len": min(args.output_len, 8) if args.tiny else args.output_len}
+
+
+def _run_ar(args: argparse.Namespace) -> Outcome:
+    from omnistage.benchmarks import ar
+
+    cfg = ar.ARBenchConfig(
+        preset="tiny" if args.tiny else (args.preset or "qwen3-0.6b"), **_lengths(args),
+        concurrency=args.concurrency, device=args.device,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        checkpoint_dir=args.checkpoint_dir, seed=args.seed)
+    result = ar.run(cfg)
+    return (result, f"ar_{cfg.preset}_c{'-'.join(map(str, cfg.concurrency))}",
+            {c: r["throughput_ratio"] for c, r in result["by_concurrency"].items()})
+
+
+def _run_ar_tp(args: argparse.Namespace) -> Outcome:
+    from omnistage.benchmarks import ar_tp
+
+    cfg = ar_tp.ARTPBenchConfig(
+        preset="tiny" if args.tiny else (args.preset or "qwen3-8b"),
+        tensor_parallel_size=args.tensor_parallel_size, **_lengths(args),
+        concurrency=args.concurrency if args.concurrency != (1, 8, 64) else (1, 64),
+        device=args.device, checkpoint_dir=args.checkpoint_dir, seed=args.seed)
+    result = ar_tp.run(cfg)
+    return result, f"ar_tp{cfg.tensor_parallel_size}_{cfg.preset}", result["ratios"]
+
+
+def _run_omni(args: argparse.Namespace) -> Outcome:
+    from omnistage.benchmarks import omni
+
+    cfg = omni.OmniBenchConfig.preset(
+        "tiny" if args.tiny else "bench", device=args.device, seed=args.seed,
+        concurrency=args.concurrency, reference_requests=args.reference_requests,
+        thinker_tokens=args.thinker_tokens, talker_tokens=args.talker_tokens,
+        backend=args.backend, chunk_frames=args.chunk_frames, stage_config=args.stage_config)
+    result = omni.run(cfg)
+    return result, f"omni_qwen3-omni-{cfg.sizes}", result["ratios"]
+
+
+def _run_diffusion_parallel(args: argparse.Namespace) -> Outcome:
+    import tempfile
+
+    from omnistage.benchmarks import diffusion_parallel as dp
+
+    tiny = args.tiny
+    cfg = dp.ParallelBenchConfig(
+        sizes="tiny" if tiny else "qwen-image", size=args.size or (64 if tiny else 1024),
+        steps=args.steps or (4 if tiny else 20),
+        num_layers=args.num_layers or (2 if tiny else 60), text_len=args.text_len,
+        layouts=tuple(args.parallel.split(",")), reference=not args.no_reference,
+        compile=args.compile, device=args.device, seed=args.seed)
+    with tempfile.TemporaryDirectory(prefix="omnistage-bench-parallel-") as tmp:
+        result = dp.run(cfg, Path(tmp))
+    return result, f"diffusion_parallel_{cfg.sizes}_{cfg.size}px", result["ratios"]
+
+
+def _run_diffusion(args: argparse.Namespace) -> Outcome:
+    from omnistage.benchmarks import diffusion
+
+    cfg = diffusion.DiffusionBenchConfig.preset(
+        "tiny" if args.tiny else "qwen-image", device=args.device, seed=args.seed,
+        size=args.size, steps=args.steps, num_layers=args.num_layers,
+        text_len=args.text_len, cache_thresholds=args.cache_thresholds,
+        concurrency=args.concurrency, compile=args.compile)
+    result = diffusion.run(cfg)
+    return result, f"diffusion_{cfg.sizes}_{cfg.size}px", result["ratios"]
