@@ -46,7 +46,8 @@ class FakeOmni:
         self.entry, self.text_entry, self.is_healthy = ["thinker"], False, True
         self.audio_sample_rate = None     # the chunks carry their own rate
         self.orchestrator = SimpleNamespace(stage_info={"thinker": {"max_model_len": 64}},
-                                            dead_reason=None, stage_stats=lambda timeout: {})
+                                            dead_reason=None, stage_stats=lambda timeout: {},
+                                            degraded_reason=None, replica_status=lambda: {})
         self.params: list = []
         self.prompts: list = []
 
