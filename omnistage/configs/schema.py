@@ -174,6 +174,9 @@ class StageConfig:
     replicas: int = 1
     # Each replica's devices, e.g. [[0], [1]]: one list per replica; empty: all use `devices`.
     replica_devices: tuple[tuple[int, ...], ...] = ()
+    # A replica that dies is started again (in the background; it takes traffic once Ready)
+    # up to this many times over the engine's life; 0: it stays down.
+    max_restarts: int = 0
     # Component-specific options passed to its constructor (e.g. code2wav's chunk_frames).
     options: dict[str, object] = field(default_factory=dict, hash=False)
 
@@ -220,6 +223,8 @@ class StageConfig:
                 bad(name, "must be >= 1")
         if self.replicas < 1:
             bad("replicas", "must be >= 1")
+        if self.max_restarts < 0:
+            bad("max_restarts", "must be >= 0")
         if self.replica_devices and len(self.replica_devices) != self.replicas:
             bad("replica_devices", f"must hold one device list per replica ({self.replicas})")
         if any(not d or min(d) < 0 or len(set(d)) != len(d) for d in self.replica_devices):
@@ -280,10 +285,11 @@ class GraphConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
-        replicated = [s.name for s in self.stages if s.replicas > 1]
+        replicated = [s.name for s in self.stages if s.replicas > 1 or s.max_restarts]
         if replicated and self.connector == "tcp":
-            # a tcp producer sends each edge to one consumer address (StageSet._tell_peers)
-            raise ValueError(f"connector: tcp does not serve replicated stages "
+            # a tcp producer sends each edge to one consumer address, learnt once at start-up
+            # (StageSet._tell_peers)
+            raise ValueError(f"connector: tcp does not serve replicated or restarted stages "
                              f"({', '.join(replicated)}); use shm")
 
     def stage(self, name: str) -> StageConfig:

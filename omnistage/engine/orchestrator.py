@@ -11,7 +11,8 @@ A stage of several replicas: each request is given one replica per stage when it
 live one with the fewest outstanding requests), and every message about it goes there, so all
 chunks of a request on an edge reach one replica. A dead replica fails only the requests it was
 given; the engine is "degraded" while every stage keeps a live replica, unhealthy once one has
-none.
+none. A stage with `max_restarts` gets a dead replica started again in the background; its
+Ready, seen by the router, puts it back in service (and the engine back to healthy).
 
     caller thread: add_request / abort ----> stage inboxes (PUSH, bound here)
     router thread: outputs (PULL) -> route -> stage inboxes, sinks; watches stage liveness
@@ -95,6 +96,7 @@ class Orchestrator:
         self.healthy = True
         self.dead_reason: str | None = None
         self._down: dict[tuple[str, int], str] = {}   # dead replicas -> how they ended
+        self._restarts: dict[tuple[str, int], int] = {}
         self._routes: dict[str, Route] = {}
         self._stats: dict[str, m.StageStats] = {}
         self._stats_ready = threading.Event()
@@ -276,6 +278,11 @@ class Orchestrator:
                             w0 = time.time()
                             self._route(msg)
                             trace.span("route", w0, stage=msg.stage, request=msg.request_id)
+                        elif isinstance(msg, m.Ready):
+                            self._replica_back(msg)
+                        elif isinstance(msg, m.StartupFailed):
+                            logger.error("orchestrator: %s failed to restart: %s",
+                                         self._who(msg.stage, msg.replica), msg.error)
                         elif isinstance(msg, m.StageStats):
                             self._stats[self._stats_key(msg.stage, msg.replica)] = msg
                             self._stats_ready.set()
@@ -355,24 +362,42 @@ class Orchestrator:
         if self._closed:
             return
         with self._lock:    # the router and the callers' threads both look
-            for name, replica, how in self.stages.newly_dead():
+            for name, replica, how in (self.stages.newly_dead()
+                                       + self.stages.failed_restarts()):
                 self._replica_died(name, replica, how)
+
+    def _who(self, name: str, replica: int) -> str:
+        return f"stage {name!r}" + (f" replica {replica}"
+                                    if self.graph.stage(name).replicas > 1 else "")
 
     def _replica_died(self, name: str, replica: int, how: str) -> None:
         """Fail the requests the dead replica was given (only those); the engine turns
-        unhealthy once the stage has no live replica left."""
-        who = f"stage {name!r}" + (f" replica {replica}"
-                                   if self.graph.stage(name).replicas > 1 else "")
+        unhealthy once the stage has no live replica left. Restarted if the stage allows."""
+        who = self._who(name, replica)
+        num_restarts = self._restarts.get((name, replica), 0)
+        if num_restarts < self.graph.stage(name).max_restarts:
+            self._restarts[(name, replica)] = num_restarts + 1
+            logger.warning("orchestrator: restarting %s (restart %d)", who, num_restarts + 1)
+            self.stages.restart(name, replica)
         self._down[(name, replica)] = how
         if not self.stages.live(name):
             self.healthy = False
             self.dead_reason = f"{who} {how}"
         logger.error("orchestrator: %s %s; failing its requests", who, how)
         error = f"{who} died ({how})"
+        for route in list(self._routes.values()):     # (the caller holds the lock)
+            if route.replicas.get(name) == replica:
+                self._fail(route, error, name, info=StageError(name, "stage_dead", error))
+
+    def _replica_back(self, msg: m.Ready) -> None:
+        """A restarted replica said Ready: it takes new requests again."""
         with self._lock:
-            for route in list(self._routes.values()):
-                if route.replicas.get(name) == replica:
-                    self._fail(route, error, name, info=StageError(name, "stage_dead", error))
+            if not self.stages.ready(msg):
+                return
+            self._down.pop((msg.stage, msg.replica), None)
+            logger.warning("orchestrator: %s is back", self._who(msg.stage, msg.replica))
+            if not self.healthy and all(self.stages.live(s.name) for s in self.graph.stages):
+                self.healthy, self.dead_reason = True, None
 
     def replica_status(self) -> dict[str, list[dict[str, int | bool]]]:
         """Each stage's replicas: whether it lives, its outstanding requests (/health,
@@ -387,6 +412,7 @@ class Orchestrator:
         if not self.healthy or not self._down:
             return None
         return "; ".join(f"stage {n!r} replica {r} {how}"
+                         + (" (restarting)" if (n, r) in self.stages.starting else "")
                          for (n, r), how in sorted(self._down.items()))
 
     # -- shutdown ------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ others serve on.
     send(stage, replica, msg)      False if that replica is down (the message is dropped)
     newly_dead()                   replicas found dead since the last call, and how
     live(stage)                    the replicas that take traffic
+    restart(stage, replica)        a fresh process for a dead replica; back once its Ready comes
+    ready(msg); failed_restarts()  (the router's) a restarted replica came up; or did not
     stop(); close()                replicas told to shut down and joined; then what is left freed
 """
 
@@ -20,6 +22,7 @@ import logging
 import shutil
 import tempfile
 import time
+from pathlib import Path
 
 import zmq
 
@@ -54,9 +57,11 @@ class StageSet:
         self.outputs.bind(addr("out"))
         self.inboxes: dict[str, list[zmq.Socket]] = {}
         self.connector = self._make_connector()
-        shared = self.connector if graph.connector == "inproc" else None
+        self._shared = self.connector if graph.connector == "inproc" else None
         self.runners: dict[str, list[StageRunner]] = {}
+        self.specs: dict[Replica, WorkerSpec] = {}
         self.down: set[Replica] = set()               # ended replicas: they take no traffic
+        self.starting: dict[Replica, float] = {}      # restarted, not Ready yet -> deadline
         try:
             for s in graph.stages:
                 self.inboxes[s.name], self.runners[s.name] = [], []
@@ -66,8 +71,9 @@ class StageSet:
                     spec = WorkerSpec(s.name, graph, addr(inbox), addr("out"),
                                       stage_device(device, s.devices_of(r)),
                                       self.shm_namespace, self.run_dir, replica=r)
+                    self.specs[(s.name, r)] = spec
                     self.runners[s.name].append(StageRunner(spec, graph.backend, self.ctx,
-                                                            shared))
+                                                            self._shared))
             self._wait_ready()
         except BaseException:
             self.stop()
@@ -160,6 +166,38 @@ class StageSet:
                     runner.kill()
                     self.down.add((name, r))
                     found.append((name, r, how))
+        return found
+
+    def restart(self, stage: str, replica: int) -> None:
+        """Start a fresh process (its ranks) for a down replica, without waiting: it stays down
+        until the router hands its Ready to ready(), or failed_restarts() gives it up."""
+        assert (stage, replica) in self.down, (stage, replica)
+        Path(self.run_dir, f"dist-{stage}-{replica}").unlink(missing_ok=True)  # the old group's
+        self.runners[stage][replica] = StageRunner(self.specs[(stage, replica)],
+                                                   self.graph.backend, self.ctx, self._shared)
+        self.starting[(stage, replica)] = (time.monotonic()
+                                           + self.graph.stage(stage).startup_timeout_s)
+
+    def ready(self, msg: m.Ready) -> bool:
+        """A restarted replica is up: it takes traffic again. False for any other Ready."""
+        if self.starting.pop((msg.stage, msg.replica), None) is None:
+            return False
+        self.down.discard((msg.stage, msg.replica))
+        return True
+
+    def failed_restarts(self) -> list[tuple[str, int, str]]:
+        """(stage, replica, why) of each restarted replica that died or ran out of start-up
+        time before its Ready; each is ended and stays down."""
+        found = []
+        for (name, r), deadline in list(self.starting.items()):
+            runner = self.runners[name][r]
+            if runner.is_alive() and time.monotonic() < deadline:
+                continue
+            why = ("did not start within the start-up timeout" if runner.is_alive() else
+                   f"{runner.exit_description()} while restarting")
+            runner.kill()
+            del self.starting[(name, r)]
+            found.append((name, r, why))
         return found
 
     @property

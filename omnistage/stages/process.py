@@ -77,7 +77,7 @@ def check_gpu_placement(graph: GraphConfig, device: str) -> None:
     `memory_fraction` of the whole device, leave room for each other (the fractions of the
     stages that share a GPU add up to at most 1), or the first to start takes the memory the
     others need. ValueError naming the stages."""
-    ranks.check_parallel_layouts(graph, stage_device(device, (0,)))
+    ranks.check_parallel_layouts(graph, stage_device(device, (0,)))   # each replica's too
     shares: dict[str, list[tuple[str, float]]] = {}
     num_gpus: int | None = None
     for stage, replica, rank in _every_rank(graph):
@@ -90,8 +90,8 @@ def check_gpu_placement(graph: GraphConfig, device: str) -> None:
                 num_gpus = torch.cuda.device_count()
             _check_gpu_exists(stage.name, where, num_gpus)
         if stage.kind == "ar" and where.startswith("cuda"):
-            shares.setdefault(where, []).append((replica_name(stage.name, replica),
-                                                 stage.memory_fraction))
+            name = stage.name if stage.replicas == 1 else replica_name(stage.name, replica)
+            shares.setdefault(where, []).append((name, stage.memory_fraction))
     for where, stages in shares.items():
         total = sum(f for _, f in stages)
         if len(stages) > 1 and total > 1.0 + 1e-9:
@@ -108,7 +108,7 @@ def _every_rank(graph: GraphConfig) -> list[tuple[StageConfig, int, int]]:
 
 
 def replica_name(stage: str, replica: int) -> str:
-    """How errors, logs and stats name one replica: `second#1`; replica 0 is `second#0`."""
+    """How the stats and the GPU check name one replica of a replicated stage: `second#1`."""
     return f"{stage}#{replica}"
 
 

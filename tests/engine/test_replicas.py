@@ -111,6 +111,27 @@ def test_a_stage_with_no_live_replica_makes_the_engine_unhealthy(tiny_qwen3: Pat
             omni.generate(PROMPTS[0])
 
 
+def test_a_dead_replica_is_restarted_and_serves_again(tiny_qwen3: Path) -> None:
+    yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, max_tokens=12, second_replicas=2)
+    yaml_text = yaml_text.replace("    replicas: 2\n", "    replicas: 2\n    max_restarts: 1\n")
+    with Omni(stage_config=yaml_text, device="cpu") as omni:
+        orch = omni.engine.orchestrator
+        old = orch.stages.replica_pids["second"][1]
+        os.kill(old, signal.SIGKILL)
+        _wait(lambda: orch.degraded_reason is not None, 5, "replica 1 not seen dead")
+        assert "(restarting)" in orch.degraded_reason
+        _wait(lambda: orch.degraded_reason is None, 15, orch.degraded_reason)
+        new = orch.stages.replica_pids["second"][1]
+        assert new != old and _alive(new) and not _alive(old)
+        outs = omni.generate(PROMPTS[:4])             # two of them on the restarted replica
+        assert all(o.error is None and o.finished for o in outs)
+        assert orch.stage_stats()["second#1"].num_output_tokens == 2 * 12
+        os.kill(new, signal.SIGKILL)                  # its one restart is spent: stays down
+        _wait(lambda: orch.degraded_reason is not None, 5, "replica 1 not seen dead")
+        time.sleep(0.5)
+        assert "(restarting)" not in orch.degraded_reason and omni.is_healthy
+
+
 def test_replica_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="replicas"):
         StageConfig(name="s", kind="ar", replicas=0)
@@ -119,5 +140,7 @@ def test_replica_settings_are_checked() -> None:
     stage = StageConfig(name="s", kind="ar", replicas=2, replica_devices=[[0], [1]])
     assert stage.devices_of(1) == (1,)
     assert StageConfig(name="s", kind="ar", devices=[2], replicas=2).devices_of(1) == (2,)
+    with pytest.raises(ValueError, match="max_restarts"):
+        StageConfig(name="s", kind="ar", max_restarts=-1)
     with pytest.raises(ValueError, match="tcp"):
         GraphConfig(stages=(stage,), connector="tcp")

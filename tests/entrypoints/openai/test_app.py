@@ -209,6 +209,24 @@ def test_health_is_503_when_the_engine_is_dead(engine: FakeOmni) -> None:
         engine.is_healthy, engine.orchestrator.dead_reason = True, None
 
 
+def test_health_is_200_degraded_while_a_replica_is_down(engine: FakeOmni) -> None:
+    assert call(engine, "GET", "/health").json()["status"] == "ok"
+    orch = engine.orchestrator
+    orch.degraded_reason = "stage 'code2wav' replica 1 killed by signal 9"
+    orch.replica_status = lambda: {"code2wav": [{"replica": 0, "live": True, "outstanding": 2},
+                                                {"replica": 1, "live": False, "outstanding": 0}]}
+    try:
+        r = call(engine, "GET", "/health")
+        assert r.status_code == 200 and r.json()["status"] == "degraded"
+        assert "replica 1" in r.json()["reason"]
+        assert r.json()["replicas"]["code2wav"][1]["live"] is False
+        text = call(engine, "GET", "/metrics").text
+        assert 'omnistage_replica_up{replica="1",stage="code2wav"} 0.0' in text
+        assert 'omnistage_replica_outstanding_requests{replica="0",stage="code2wav"} 2.0' in text
+    finally:
+        orch.degraded_reason, orch.replica_status = None, lambda: {}
+
+
 def test_cors_is_off_by_default_and_configurable(engine: FakeOmni) -> None:
     preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization,content-type"}
