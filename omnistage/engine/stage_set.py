@@ -102,7 +102,8 @@ class StageSet:
         addresses: dict[str, str] = {}
         while pending:
             if time.monotonic() > deadline:
-                names = sorted(replica_name(*p) for p in pending)
+                names = sorted(n if self.graph.stage(n).replicas == 1 else replica_name(n, r)
+                               for n, r in pending)
                 raise RuntimeError(f"stage(s) {', '.join(names)} did not start within "
                                    "the start-up timeout")
             if self.outputs.poll(POLL_MS):

@@ -138,10 +138,10 @@ def stage_cpu_threads(graph: GraphConfig, device: str) -> int:
     with torch's default of one per core, every stage process's OpenMP pool spins on all the
     cores, and a 1 ms copy in one waits tens of ms for the others' to yield (measured: the
     talker's prompt took 30 ms, not 1, while the thinker decoded). So 1; a CPU stage, whose
-    compute is on the host, gets its share of the cores."""
+    compute is on the host, gets its share of the cores (each replica one share)."""
     if not device.startswith("cpu"):
         return 1
-    return max(1, len(os.sched_getaffinity(0)) // len(graph.stages))
+    return max(1, len(os.sched_getaffinity(0)) // sum(s.replicas for s in graph.stages))
 
 
 def make_stage_connector(spec: WorkerSpec) -> Connector:
