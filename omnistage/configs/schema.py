@@ -170,6 +170,13 @@ class StageConfig:
     ulysses_degree: int = 1
     ring_degree: int = 1
     cfg_parallel_size: int = 1
+    # Whole copies of this stage (each with its own ranks), behind the orchestrator's router.
+    replicas: int = 1
+    # Each replica's devices, e.g. [[0], [1]]: one list per replica; empty: all use `devices`.
+    replica_devices: tuple[tuple[int, ...], ...] = ()
+    # A replica that dies is started again (in the background; it takes traffic once Ready)
+    # up to this many times over the engine's life; 0: it stays down.
+    max_restarts: int = 0
     # Component-specific options passed to its constructor (e.g. code2wav's chunk_frames).
     options: dict[str, object] = field(default_factory=dict, hash=False)
 
@@ -177,6 +184,7 @@ class StageConfig:
         # Normalise list inputs (direct construction) so that the object compares and hashes.
         for name in ("inputs", "devices", "output_hidden_layers"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "replica_devices", tuple(tuple(d) for d in self.replica_devices))
         object.__setattr__(self, "sampling", dict(self.sampling))
         object.__setattr__(self, "options", dict(self.options))
 
@@ -213,6 +221,14 @@ class StageConfig:
                      "cfg_parallel_size"):
             if getattr(self, name) < 1:
                 bad(name, "must be >= 1")
+        if self.replicas < 1:
+            bad("replicas", "must be >= 1")
+        if self.max_restarts < 0:
+            bad("max_restarts", "must be >= 0")
+        if self.replica_devices and len(self.replica_devices) != self.replicas:
+            bad("replica_devices", f"must hold one device list per replica ({self.replicas})")
+        if any(not d or min(d) < 0 or len(set(d)) != len(d) for d in self.replica_devices):
+            bad("replica_devices", "each must be a non-empty list of distinct indices >= 0")
         if "output_hidden_layers" in self.sampling:
             raise ValueError("sampling.output_hidden_layers: set output_hidden_layers on the "
                              "stage, not in its sampling defaults")
@@ -223,6 +239,10 @@ class StageConfig:
         """How this stage's ranks split (world size 1: one process, as before)."""
         return ParallelSizes(self.tensor_parallel_size, self.ulysses_degree, self.ring_degree,
                              self.cfg_parallel_size)
+
+    def devices_of(self, replica: int) -> tuple[int, ...]:
+        """The devices of one replica: its own list, or the stage's."""
+        return self.replica_devices[replica] if self.replica_devices else self.devices
 
     def default_sampling(self) -> SamplingParams:
         """This stage's default SamplingParams: `sampling`, plus the hidden layers it emits."""
@@ -265,6 +285,12 @@ class GraphConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
+        replicated = [s.name for s in self.stages if s.replicas > 1 or s.max_restarts]
+        if replicated and self.connector == "tcp":
+            # a tcp producer sends each edge to one consumer address, learnt once at start-up
+            # (StageSet._tell_peers)
+            raise ValueError(f"connector: tcp does not serve replicated or restarted stages "
+                             f"({', '.join(replicated)}); use shm")
 
     def stage(self, name: str) -> StageConfig:
         """The stage called `name`; KeyError if there is none."""

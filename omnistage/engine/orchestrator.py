@@ -7,6 +7,13 @@ the graph's edges as EdgeChunks, hands final outputs to the request's sink, and 
 aborts and errors to every stage a request touched. Tensors never pass through it, except the
 final ones it hands to the caller.
 
+A stage of several replicas: each request is given one replica per stage when it is added (the
+live one with the fewest outstanding requests), and every message about it goes there, so all
+chunks of a request on an edge reach one replica. A dead replica fails only the requests it was
+given; the engine is "degraded" while every stage keeps a live replica, unhealthy once one has
+none. A stage with `max_restarts` gets a dead replica started again in the background; its
+Ready, seen by the router, puts it back in service (and the engine back to healthy).
+
     caller thread: add_request / abort ----> stage inboxes (PUSH, bound here)
     router thread: outputs (PULL) -> route -> stage inboxes, sinks; watches stage liveness
 """
@@ -35,7 +42,7 @@ from omnistage.stages import adapters
 from omnistage.stages import messages as m
 from omnistage.engine.stage_set import POLL_MS, StageSet
 from omnistage.errors import StageError
-from omnistage.stages.process import check_gpu_placement
+from omnistage.stages.process import check_gpu_placement, replica_name
 from omnistage.utils import trace
 
 logger = logging.getLogger(__name__)
@@ -60,6 +67,7 @@ class Route:
     needed: set[str]
     open_stages: set[str]
     finals: set[str]
+    replicas: dict[str, int]                  # stage -> the replica serving this request there
     whole_text: dict[str, str] = field(default_factory=dict)
     chunk_idx: dict[str, int] = field(default_factory=dict)
     metrics: dict[str, dict] = field(default_factory=dict)
@@ -87,6 +95,8 @@ class Orchestrator:
         self._downstream = {s.name: downstream(graph, s.name) for s in graph.stages}
         self.healthy = True
         self.dead_reason: str | None = None
+        self._down: dict[tuple[str, int], str] = {}   # dead replicas -> how they ended
+        self._restarts: dict[tuple[str, int], int] = {}
         self._routes: dict[str, Route] = {}
         self._stats: dict[str, m.StageStats] = {}
         self._stats_ready = threading.Event()
@@ -112,11 +122,33 @@ class Orchestrator:
             return make_connector("shm", namespace=self.stages.shm_namespace, inline_bytes=0)
         return self._connector
 
-    def _send(self, stage: str, msg: m.ToStage) -> None:
-        """Send to a stage. A dead stage fails its requests at once, and the message is dropped
-        rather than left blocking the router."""
-        if not self.stages.send(stage, msg):
+    def _send(self, stage: str, replica: int, msg: m.ToStage) -> None:
+        """Send to a replica of a stage. A dead one fails its requests at once, and the message
+        is dropped rather than left blocking the router."""
+        if not self.stages.send(stage, replica, msg):
             self._check_liveness()
+
+    def _pick_replicas(self, needed: set[str]) -> dict[str, int]:
+        """Each needed stage's replica for a new request: the live one with the fewest
+        outstanding requests (not finished there), the lowest index on a tie."""
+        self._check_liveness()
+        load = self.replica_load()
+        picked = {}
+        for name in needed:
+            live = self.stages.live(name)
+            if not live:
+                raise RuntimeError(f"engine is unhealthy: stage {name!r} has no live replica")
+            picked[name] = min(live, key=lambda r: load[name][r])
+        return picked
+
+    def replica_load(self) -> dict[str, list[int]]:
+        """Outstanding requests per replica of each stage: routed there, not finished there."""
+        with self._lock:
+            load = {name: [0] * len(rs) for name, rs in self.stages.runners.items()}
+            for route in self._routes.values():
+                for name in route.open_stages:
+                    load[name][route.replicas[name]] += 1
+        return load
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None,
@@ -132,8 +164,8 @@ class Orchestrator:
         finals = {s.final for s in self.graph.stages if s.final}
         wanted = set(outputs) if outputs else finals
         needed = stages_needed(self.graph, wanted)
-        route = Route(request_id, sink, needed, set(needed),
-                      {s.name for s in self.graph.stages if s.name in needed and s.final in wanted})
+        finals_needed = {s.name for s in self.graph.stages
+                         if s.name in needed and s.final in wanted}
         entry = EntryInputs(None if prompt_embeds is not None else list(prompt_token_ids or []),
                             prompt_text, {f"mm.{k}": v for k, v in (multimodal or {}).items()})
         if prompt_embeds is not None:
@@ -142,15 +174,17 @@ class Orchestrator:
         with self._lock:
             if request_id in self._routes:
                 raise ValueError(f"request id {request_id!r} is already running")
+            route = Route(request_id, sink, needed, set(needed), finals_needed,
+                          self._pick_replicas(needed))
             self._routes[request_id] = route
             try:
                 for name in reversed(self.order):  # downstream first: parked before input arrives
                     if name in needed:
-                        self._send(name, self._add_message(request_id, name, needed,
-                                                           params.get(name), entry, now))
+                        self._send(name, route.replicas[name], self._add_message(
+                            request_id, name, needed, params.get(name), entry, now))
             except BaseException:   # an input that could not be put: nothing of the request stays
                 self._routes.pop(request_id, None)
-                self._free(request_id, needed)
+                self._free(request_id, route.replicas)
                 raise
         return needed
 
@@ -179,34 +213,42 @@ class Orchestrator:
             route = self._routes.pop(request_id, None)
             if route is None:
                 return
-            self._free(request_id, route.needed)
+            self._free(request_id, route.replicas)
         route.sink(RequestEvent(request_id, "", done=True, finish_reason="abort",
                                 stage_metrics=route.metrics))
 
-    def _free(self, request_id: str, stages: set[str], finished: bool = False) -> None:
-        """Abort a request in these stages (engine state, parked chunks and connector segments
-        are released there) or, once it finished everywhere, free what is left of it."""
+    def _free(self, request_id: str, replicas: dict[str, int], finished: bool = False) -> None:
+        """Abort a request in its stages (stage -> replica; engine state, parked chunks and
+        connector segments are released there) or, once it finished everywhere, free what is
+        left of it."""
         msg = m.FreeRequest(request_id) if finished else m.AbortRequest(request_id)
-        for name in stages:
-            self._send(name, msg)
+        for name, replica in replicas.items():
+            self._send(name, replica, msg)
         self._connector.release(request_id)
         if self._inputs is not self._connector:   # what no stage took of the client's tensors
             self._inputs.release(request_id)
 
     def stage_stats(self, timeout_s: float = 10.0) -> dict[str, m.StageStats]:
-        """Ask every stage for its resource state (requests held, free KV blocks, ...)."""
+        """Ask every live replica for its resource state (requests held, free KV blocks, ...).
+        Keyed by stage name; a stage of several replicas by `stage#replica`, one key each."""
         with self._lock:
             self._stats = {}
+            asked = set()
             for name in self.stages.runners:
-                self._send(name, m.GetStats())
+                for r in self.stages.live(name):
+                    asked.add(self._stats_key(name, r))
+                    self._send(name, r, m.GetStats())
         deadline = time.monotonic() + timeout_s
-        while len(self._stats) < len(self.stages.runners):
+        while not asked <= set(self._stats):
             self._stats_ready.wait(0.05)
             self._stats_ready.clear()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"stage stats: no answer from "
-                                   f"{sorted(set(self.stages.runners) - set(self._stats))}")
-        return dict(self._stats)
+                                   f"{sorted(asked - set(self._stats))}")
+        return {k: v for k, v in self._stats.items() if k in asked}
+
+    def _stats_key(self, stage: str, replica: int) -> str:
+        return replica_name(stage, replica) if self.graph.stage(stage).replicas > 1 else stage
 
     @property
     def resources(self) -> dict[str, str]:
@@ -236,8 +278,13 @@ class Orchestrator:
                             w0 = time.time()
                             self._route(msg)
                             trace.span("route", w0, stage=msg.stage, request=msg.request_id)
+                        elif isinstance(msg, m.Ready):
+                            self._replica_back(msg)
+                        elif isinstance(msg, m.StartupFailed):
+                            logger.error("orchestrator: %s failed to restart: %s",
+                                         self._who(msg.stage, msg.replica), msg.error)
                         elif isinstance(msg, m.StageStats):
-                            self._stats[msg.stage] = msg
+                            self._stats[self._stats_key(msg.stage, msg.replica)] = msg
                             self._stats_ready.set()
                 self._check_liveness()
             except zmq.ContextTerminated:
@@ -279,7 +326,7 @@ class Orchestrator:
                     text = out.text
                 idx = route.chunk_idx.get(edge, 0)
                 route.chunk_idx[edge] = idx + 1
-                self._send(dest.name, m.EdgeChunk(out.request_id, out.stage, idx, out.finished,
+                self._send(dest.name, route.replicas[dest.name], m.EdgeChunk(out.request_id, out.stage, idx, out.finished,
                                                   text=text, handle=handle))
             if out.request_id not in self._routes:  # a dead downstream stage failed it
                 return
@@ -292,7 +339,7 @@ class Orchestrator:
             done = not route.open_stages
             if done:
                 del self._routes[out.request_id]
-                self._free(out.request_id, route.needed, finished=True)
+                self._free(out.request_id, route.replicas, finished=True)
         if is_final or done:
             route.sink(RequestEvent(
                 out.request_id, out.stage, out.token_ids if is_final else [],
@@ -305,27 +352,68 @@ class Orchestrator:
               info: StageError | None = None) -> None:
         if self._routes.pop(route.request_id, None) is None:
             return
-        self._free(route.request_id, route.needed)
+        self._free(route.request_id, route.replicas)
         route.sink(RequestEvent(route.request_id, stage, done=True, finish_reason="error",
                                 error=error, invalid_input=invalid_input,
                                 error_info=info or StageError(stage, "internal", error),
                                 stage_metrics=route.metrics))
 
     def _check_liveness(self) -> None:
-        if not self.healthy or self._closed:
+        if self._closed:
             return
-        dead = self.stages.dead()
-        if dead is None:
-            return
-        name, how = dead
-        self.healthy = False
-        self.dead_reason = f"stage {name!r} {how}"
-        logger.error("orchestrator: %s; failing its requests", self.dead_reason)
-        error = f"stage {name!r} died ({how})"
+        with self._lock:    # the router and the callers' threads both look
+            for name, replica, how in (self.stages.newly_dead()
+                                       + self.stages.failed_restarts()):
+                self._replica_died(name, replica, how)
+
+    def _who(self, name: str, replica: int) -> str:
+        return f"stage {name!r}" + (f" replica {replica}"
+                                    if self.graph.stage(name).replicas > 1 else "")
+
+    def _replica_died(self, name: str, replica: int, how: str) -> None:
+        """Fail the requests the dead replica was given (only those); the engine turns
+        unhealthy once the stage has no live replica left. Restarted if the stage allows."""
+        who = self._who(name, replica)
+        num_restarts = self._restarts.get((name, replica), 0)
+        if num_restarts < self.graph.stage(name).max_restarts:
+            self._restarts[(name, replica)] = num_restarts + 1
+            logger.warning("orchestrator: restarting %s (restart %d)", who, num_restarts + 1)
+            self.stages.restart(name, replica)
+        self._down[(name, replica)] = how
+        if not self.stages.live(name):
+            self.healthy = False
+            self.dead_reason = f"{who} {how}"
+        logger.error("orchestrator: %s %s; failing its requests", who, how)
+        error = f"{who} died ({how})"
+        for route in list(self._routes.values()):     # (the caller holds the lock)
+            if route.replicas.get(name) == replica:
+                self._fail(route, error, name, info=StageError(name, "stage_dead", error))
+
+    def _replica_back(self, msg: m.Ready) -> None:
+        """A restarted replica said Ready: it takes new requests again."""
         with self._lock:
-            for route in list(self._routes.values()):
-                if name in route.needed:
-                    self._fail(route, error, name, info=StageError(name, "stage_dead", error))
+            if not self.stages.ready(msg):
+                return
+            self._down.pop((msg.stage, msg.replica), None)
+            logger.warning("orchestrator: %s is back", self._who(msg.stage, msg.replica))
+            if not self.healthy and all(self.stages.live(s.name) for s in self.graph.stages):
+                self.healthy, self.dead_reason = True, None
+
+    def replica_status(self) -> dict[str, list[dict[str, int | bool]]]:
+        """Each stage's replicas: whether it lives, its outstanding requests (/health,
+        /metrics)."""
+        return {name: [{"replica": r, "live": (name, r) not in self._down, "outstanding": n}
+                       for r, n in enumerate(load)]
+                for name, load in self.replica_load().items()}
+
+    @property
+    def degraded_reason(self) -> str | None:
+        """Why a healthy engine runs short (replicas down, every stage still served), or None."""
+        if not self.healthy or not self._down:
+            return None
+        return "; ".join(f"stage {n!r} replica {r} {how}"
+                         + (" (restarting)" if (n, r) in self.stages.starting else "")
+                         for (n, r), how in sorted(self._down.items()))
 
     # -- shutdown ------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -41,6 +41,7 @@ def main() -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     set_title(TITLE_PREFIX + start.spec.stage
+              + (f" replica {start.spec.replica}" if start.spec.replica else "")
               + (f" rank {start.spec.rank}" if start.spec.rank else ""))
     sys.path[:] = list(start.sys_path)
     # what spawn.prepare does: share the parent's tracker instead of starting one per stage

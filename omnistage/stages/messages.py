@@ -84,6 +84,7 @@ class StageStats(msgspec.Struct, tag="stats"):
     num_output_tokens: int = 0            # tokens the stage produced, all requests
     connector: dict[str, float | int] = {}
     loop: dict[str, float | int] = {}     # the busy loop's counters (StageWorker.loop_stats)
+    replica: int = 0
 
     @property
     def num_engine_requests(self) -> int:
@@ -103,11 +104,13 @@ class Ready(msgspec.Struct, tag="ready", omit_defaults=True):
     pid: int
     connector_address: str = ""     # tcp: where this stage receives chunks
     info: dict[str, str | int | float] = {}
+    replica: int = 0
 
 
 class StartupFailed(msgspec.Struct, tag="failed"):
     stage: str
     error: str
+    replica: int = 0
 
 
 class StageOutput(msgspec.Struct, tag="out", omit_defaults=True):

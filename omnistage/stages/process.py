@@ -36,7 +36,7 @@ from pathlib import Path
 
 import zmq
 
-from omnistage.configs.schema import GraphConfig
+from omnistage.configs.schema import GraphConfig, StageConfig
 from omnistage.connectors.base import Connector, make_connector
 from omnistage.stages import messages as m
 from omnistage.stages import ranks
@@ -58,6 +58,7 @@ class WorkerSpec:
     run_dir: str             # the orchestrator's folder of ipc sockets
     tcp_host: str = "127.0.0.1"
     rank: int = 0            # of a stage over several devices (stages/ranks.py); 0 speaks
+    replica: int = 0         # which whole copy of the stage (StageConfig.replicas)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,21 +77,21 @@ def check_gpu_placement(graph: GraphConfig, device: str) -> None:
     `memory_fraction` of the whole device, leave room for each other (the fractions of the
     stages that share a GPU add up to at most 1), or the first to start takes the memory the
     others need. ValueError naming the stages."""
-    ranks.check_parallel_layouts(graph, stage_device(device, (0,)))
+    ranks.check_parallel_layouts(graph, stage_device(device, (0,)))   # each replica's too
     shares: dict[str, list[tuple[str, float]]] = {}
     num_gpus: int | None = None
-    for stage in graph.stages:
-        first = stage_device(device, stage.devices)
-        for rank in range(stage.parallel.world_size):
-            where = ranks.rank_device(first, stage, rank)
-            if where.startswith("cuda"):
-                if num_gpus is None:
-                    import torch
+    for stage, replica, rank in _every_rank(graph):
+        first = stage_device(device, stage.devices_of(replica))
+        where = ranks.rank_device(first, stage, rank, replica)
+        if where.startswith("cuda"):
+            if num_gpus is None:
+                import torch
 
-                    num_gpus = torch.cuda.device_count()
-                _check_gpu_exists(stage.name, where, num_gpus)
-            if stage.kind == "ar" and where.startswith("cuda"):
-                shares.setdefault(where, []).append((stage.name, stage.memory_fraction))
+                num_gpus = torch.cuda.device_count()
+            _check_gpu_exists(stage.name, where, num_gpus)
+        if stage.kind == "ar" and where.startswith("cuda"):
+            name = stage.name if stage.replicas == 1 else replica_name(stage.name, replica)
+            shares.setdefault(where, []).append((name, stage.memory_fraction))
     for where, stages in shares.items():
         total = sum(f for _, f in stages)
         if len(stages) > 1 and total > 1.0 + 1e-9:
@@ -98,6 +99,17 @@ def check_gpu_placement(graph: GraphConfig, device: str) -> None:
             raise ValueError(f"stages {listed} share {where}: their memory_fraction add up to "
                              f"{total:g} of the device; lower them (each is a share of the "
                              "whole GPU) or put stages on other devices")
+
+
+def _every_rank(graph: GraphConfig) -> list[tuple[StageConfig, int, int]]:
+    """(stage, replica, rank) of every process the graph starts."""
+    return [(s, replica, rank) for s in graph.stages for replica in range(s.replicas)
+            for rank in range(s.parallel.world_size)]
+
+
+def replica_name(stage: str, replica: int) -> str:
+    """How the stats and the GPU check name one replica of a replicated stage: `second#1`."""
+    return f"{stage}#{replica}"
 
 
 def _check_gpu_exists(stage: str, where: str, num_gpus: int) -> None:
@@ -126,10 +138,10 @@ def stage_cpu_threads(graph: GraphConfig, device: str) -> int:
     with torch's default of one per core, every stage process's OpenMP pool spins on all the
     cores, and a 1 ms copy in one waits tens of ms for the others' to yield (measured: the
     talker's prompt took 30 ms, not 1, while the thinker decoded). So 1; a CPU stage, whose
-    compute is on the host, gets its share of the cores."""
+    compute is on the host, gets its share of the cores (each replica one share)."""
     if not device.startswith("cpu"):
         return 1
-    return max(1, len(os.sched_getaffinity(0)) // len(graph.stages))
+    return max(1, len(os.sched_getaffinity(0)) // sum(s.replicas for s in graph.stages))
 
 
 def make_stage_connector(spec: WorkerSpec) -> Connector:
@@ -173,11 +185,11 @@ def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector,
             stage = spec.graph.stage(spec.stage)
             if stage.parallel.world_size > 1:
                 ranks.join_stage_group(spec, stage)
-            worker = StageWorker(stage, spec.graph, connector, spec.device)
+            worker = StageWorker(stage, spec.graph, connector, spec.device, spec.replica)
         except BaseException as exc:
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             logger.error("stage %s failed to start:\n%s", spec.stage, traceback.format_exc())
-            outbox.send(m.encode(m.StartupFailed(spec.stage, detail)))
+            outbox.send(m.encode(m.StartupFailed(spec.stage, detail, spec.replica)))
             return
         if own_process:
             # the model, its graphs and caches live as long as the stage: out of the
@@ -187,7 +199,7 @@ def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector,
             gc.freeze()
         info = worker.engine.info()
         outbox.send(m.encode(m.Ready(spec.stage, os.getpid(),
-                                     connector.address, info)))
+                                     connector.address, info, spec.replica)))
         worker.serve(inbox, outbox)
         if stage.parallel.world_size > 1:   # a clean shutdown (after a failure: ended by the
             worker.engine.stop_followers()  # orchestrator, as they may wait in a collective)

@@ -36,17 +36,18 @@ _FLAG = {"tp": "tensor_parallel_size", "ulysses": "ulysses_degree", "ring": "rin
          "cfg": "cfg_parallel_size"}
 
 
-def rank_device(device: str, stage: StageConfig, rank: int) -> str:
-    """Where rank `rank` of the stage runs, given rank 0's device: the rank-th of its devices
-    (the CPU: the CPU)."""
+def rank_device(device: str, stage: StageConfig, rank: int, replica: int = 0) -> str:
+    """Where rank `rank` of a replica of the stage runs, given rank 0's device: the rank-th of
+    the replica's devices (the CPU: the CPU)."""
     if rank == 0 or not device.startswith("cuda"):
         return device
-    return f"cuda:{stage.devices[rank]}"
+    return f"cuda:{stage.devices_of(replica)[rank]}"
 
 
 def rank_specs(spec: WorkerSpec, stage: StageConfig) -> list[WorkerSpec]:
     """One WorkerSpec per rank: rank 0's is `spec`; the others differ in rank and device."""
-    return [spec] + [replace(spec, rank=r, device=rank_device(spec.device, stage, r))
+    return [spec] + [replace(spec, rank=r,
+                             device=rank_device(spec.device, stage, r, spec.replica))
                      for r in range(1, stage.parallel.world_size)]
 
 
@@ -67,10 +68,11 @@ def check_parallel_layouts(graph: GraphConfig, device_kind: str) -> None:
         if graph.backend != "process":
             raise ValueError(f"stage {stage.name!r} spans {sizes.world_size} ranks, which "
                              "needs the process backend (backend: process)")
-        if device_kind.startswith("cuda") and len(stage.devices) < sizes.world_size:
-            raise ValueError(f"stage {stage.name!r} has {sizes.world_size} ranks ({describe(sizes)}) "
-                             f"but lists {len(stage.devices)} device(s) {list(stage.devices)}: "
-                             f"give it {sizes.world_size} devices")
+        for devices in {stage.devices_of(r) for r in range(stage.replicas)}:
+            if device_kind.startswith("cuda") and len(devices) < sizes.world_size:
+                raise ValueError(f"stage {stage.name!r} has {sizes.world_size} ranks "
+                                 f"({describe(sizes)}) but lists {len(devices)} device(s) "
+                                 f"{list(devices)}: give it {sizes.world_size} devices")
         check_heads_divide(stage, stage.model or graph.model)
 
 
@@ -129,7 +131,7 @@ def join_stage_group(spec: WorkerSpec, stage: StageConfig) -> None:
     from omnistage.layers.groups import init_stage_ranks
 
     backend = "nccl" if spec.device.startswith("cuda") else "gloo"
-    init_stage_ranks(stage.parallel, spec.rank, f"file://{spec.run_dir}/dist-{spec.stage}",
+    init_stage_ranks(stage.parallel, spec.rank, f"file://{spec.run_dir}/dist-{spec.stage}-{spec.replica}",
                      backend, timeout_s=stage.startup_timeout_s)
 
 

@@ -63,9 +63,10 @@ class RequestState:
 
 class StageWorker:
     def __init__(self, stage: StageConfig, graph: GraphConfig, connector: Connector,
-                 device: str) -> None:
+                 device: str, replica: int = 0) -> None:
         self.stage = stage
         self.name = stage.name
+        self.replica = replica
         self.connector = connector
         self.engine: StageEngine = build_stage_engine(stage, graph.model, device)
         self.out_edges = {dst.name: inp.chunked for dst, inp in downstream(graph, stage.name)}
@@ -251,7 +252,7 @@ class StageWorker:
             self.num_output_tokens,
             {"bytes_put": st.bytes_put, "bytes_got": st.bytes_got, "num_put": st.num_put,
              "num_get": st.num_get, "put_seconds": st.put_seconds,
-             "get_seconds": st.get_seconds}, dict(self.loop_stats))
+             "get_seconds": st.get_seconds}, dict(self.loop_stats), self.replica)
 
     @property
     def has_work(self) -> bool:

@@ -48,7 +48,8 @@ class TokenEmbedder(nn.Module):
 
 def toy_graph_yaml(model: str | Path, *, chunked: bool, connector: str = "shm",
                    backend: str = "process", max_tokens: int = 16,
-                   adapter: str = "hidden_to_embeds") -> str:
+                   adapter: str = "hidden_to_embeds", second_replicas: int = 1) -> str:
+    """`second_replicas`: copies of the middle stage (the router picks one per request)."""
     c = "true" if chunked else "false"
     return f"""
 model: {model}
@@ -63,6 +64,7 @@ stages:
     sampling: {{temperature: 0.0, max_tokens: {max_tokens}, ignore_eos: true}}
   - name: second
     kind: ar
+    replicas: {second_replicas}
     inputs: [{{from: first, adapter: {adapter}, chunked: {c}}}]
     sampling: {{temperature: 0.0, max_tokens: {max_tokens}, ignore_eos: true}}
   - name: vectors

@@ -88,7 +88,8 @@ def test_the_image_file_travels_through_the_connector(random_digits: Path, image
         sent: list[m.ToStage] = []
         send = orchestrator.stages.send
         monkeypatch.setattr(orchestrator.stages, "send",
-                            lambda stage, msg: sent.append(msg) or send(stage, msg))
+                            lambda stage, replica, msg: sent.append(msg)
+                            or send(stage, replica, msg))
         (out,) = omni.generate("one", params)
         assert out.error is None and torch.equal(out.tensors["images"], ref.images)
         assert out.stage_metrics["dit"].num_steps == 2

@@ -55,6 +55,19 @@ def test_shared_gpu_fractions_over_one_are_refused() -> None:
         check_gpu_placement(graph(0.9, 0.9), "cuda")
 
 
+def test_each_replica_counts_on_its_gpu() -> None:
+    """Two replicas of b on b's GPU take its fraction twice; a list per replica spreads them."""
+    two = graph(0.3, 0.4)
+    b = replace(two.stages[1], replicas=2)
+    with pytest.raises(ValueError, match=r"stages a 0\.3, b#0 0\.4, b#1 0\.4 share cuda:0"):
+        check_gpu_placement(replace(two, stages=(two.stages[0], b)), "cuda")
+    spread = replace(b, replica_devices=[[0], [1]])
+    check_gpu_placement(replace(two, stages=(two.stages[0], spread)), "cuda")
+    with pytest.raises(ValueError, match=r"stage 'b' is placed on cuda:2"):
+        spread = replace(b, replica_devices=[[0], [2]])
+        check_gpu_placement(replace(two, stages=(two.stages[0], spread)), "cuda")
+
+
 @pytest.mark.parametrize("a, b, device_b, device", [
     (0.75, 0.12, 0, "cuda"),       # the Qwen3-Omni split
     (0.9, 0.9, 1, "cuda"),         # each on its own GPU

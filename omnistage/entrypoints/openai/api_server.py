@@ -8,7 +8,7 @@ uvicorn).
 
 Routes hold no engine logic: they check the model name and hand the parsed body to a serving
 object. Every route exists whatever the model; one whose output the model cannot make answers
-400 saying so. /health is 503 once a stage is dead; /metrics is Prometheus text.
+400 saying so. /health is 503 once a stage has no live replica (200, "degraded", while some replica is down); /metrics is Prometheus text.
 """
 
 from __future__ import annotations
@@ -226,9 +226,14 @@ def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
     name, started = config.model_name, int(time.time())
 
     @app.get("/health", responses=ERRORS)
-    async def health() -> dict[str, str]:
+    async def health() -> dict[str, object]:
+        """200 while every stage has a live replica ("degraded" with the reason when some
+        replica is down), 503 once a stage has none."""
         client.check_healthy()
-        return {"status": "ok"}
+        reason = client.degraded_reason
+        status: dict[str, object] = ({"status": "degraded", "reason": reason} if reason
+                                     else {"status": "ok"})
+        return {**status, "replicas": client.replica_status()}
 
     @app.get("/metrics", response_class=Response)
     async def prometheus() -> Response:
@@ -238,7 +243,8 @@ def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
                 stats = await run_in_threadpool(client.stage_stats, config.stats_timeout_s)
             except TimeoutError as exc:
                 logger.warning("metrics: %s", exc)
-        body = metrics.render(stats, client.is_healthy, client.num_in_flight)
+        body = metrics.render(stats, client.is_healthy, client.num_in_flight,
+                              client.replica_status())
         return Response(body, media_type=CONTENT_TYPE)
 
     def card() -> ModelCard:

@@ -139,6 +139,14 @@ class EngineClient:
         return getattr(self.engine.orchestrator, "dead_reason", None)
 
     @property
+    def degraded_reason(self) -> str | None:
+        """Why the engine serves short-handed (a replica down, every stage still served)."""
+        return self.engine.orchestrator.degraded_reason
+
+    def replica_status(self) -> dict[str, list[dict[str, int | bool]]]:
+        return self.engine.orchestrator.replica_status()
+
+    @property
     def max_model_len(self) -> int | None:
         info = self.engine.orchestrator.stage_info
         lens = [info[n]["max_model_len"] for n in self.entry if "max_model_len" in info.get(n, {})]

@@ -21,7 +21,9 @@ where the value is one stage's) next to our own (`omnistage_*`).
                   vllm:prefix_cache_queries / hits{stage} (prompt tokens),
                   vllm:num_preemptions{stage}; omnistage_stage_steps{stage};
                   omnistage_stage_queue_length{stage}, omnistage_stage_engine_requests{stage},
-                  omnistage_stage_kv_blocks{stage,state}, omnistage_engine_healthy
+                  omnistage_stage_kv_blocks{stage,state}, omnistage_engine_healthy,
+                  omnistage_replica_outstanding_requests{stage,replica},
+                  omnistage_replica_up{stage,replica}
 """
 
 from __future__ import annotations
@@ -99,8 +101,13 @@ class ServerMetrics:
                                      "requests in a stage's engine", ["stage"], registry=r)
         self.kv_blocks = Gauge("omnistage_stage_kv_blocks", "KV-cache blocks of a stage",
                                ["stage", "state"], registry=r)
-        self.healthy = Gauge("omnistage_engine_healthy", "1 while every stage is alive",
-                             registry=r)
+        self.healthy = Gauge("omnistage_engine_healthy",
+                             "1 while every stage has a live replica", registry=r)
+        self.replica_outstanding = Gauge("omnistage_replica_outstanding_requests",
+                                         "requests routed to a replica, not finished there",
+                                         ["stage", "replica"], registry=r)
+        self.replica_up = Gauge("omnistage_replica_up", "1 while a replica takes traffic",
+                                ["stage", "replica"], registry=r)
 
     def _init_vllm(self, r: CollectorRegistry) -> None:
         """vLLM's names for the same facts (dashboards built for vLLM read them), and ours for
@@ -186,8 +193,14 @@ class ServerMetrics:
 
     # -- at scrape -------------------------------------------------------------------------------
     def render(self, stage_stats: dict[str, StageStats] | None, healthy: bool,
-               num_in_flight: int) -> bytes:
+               num_in_flight: int,
+               replicas: dict[str, list[dict[str, int | bool]]] | None = None) -> bytes:
+        """`replicas`: the orchestrator's replica_status()."""
         self.healthy.set(1 if healthy else 0)
+        for stage, states in (replicas or {}).items():
+            for st in states:
+                self.replica_outstanding.labels(stage, str(st["replica"])).set(st["outstanding"])
+                self.replica_up.labels(stage, str(st["replica"])).set(1 if st["live"] else 0)
         self.in_flight.set(num_in_flight)
         self.stages.stats = stage_stats or {}
         for name, st in self.stages.stats.items():

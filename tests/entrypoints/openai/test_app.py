@@ -46,7 +46,8 @@ class FakeOmni:
         self.entry, self.text_entry, self.is_healthy = ["thinker"], False, True
         self.audio_sample_rate = None     # the chunks carry their own rate
         self.orchestrator = SimpleNamespace(stage_info={"thinker": {"max_model_len": 64}},
-                                            dead_reason=None, stage_stats=lambda timeout: {})
+                                            dead_reason=None, stage_stats=lambda timeout: {},
+                                            degraded_reason=None, replica_status=lambda: {})
         self.params: list = []
         self.prompts: list = []
 
@@ -206,6 +207,24 @@ def test_health_is_503_when_the_engine_is_dead(engine: FakeOmni) -> None:
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     finally:
         engine.is_healthy, engine.orchestrator.dead_reason = True, None
+
+
+def test_health_is_200_degraded_while_a_replica_is_down(engine: FakeOmni) -> None:
+    assert call(engine, "GET", "/health").json()["status"] == "ok"
+    orch = engine.orchestrator
+    orch.degraded_reason = "stage 'code2wav' replica 1 killed by signal 9"
+    orch.replica_status = lambda: {"code2wav": [{"replica": 0, "live": True, "outstanding": 2},
+                                                {"replica": 1, "live": False, "outstanding": 0}]}
+    try:
+        r = call(engine, "GET", "/health")
+        assert r.status_code == 200 and r.json()["status"] == "degraded"
+        assert "replica 1" in r.json()["reason"]
+        assert r.json()["replicas"]["code2wav"][1]["live"] is False
+        text = call(engine, "GET", "/metrics").text
+        assert 'omnistage_replica_up{replica="1",stage="code2wav"} 0.0' in text
+        assert 'omnistage_replica_outstanding_requests{replica="0",stage="code2wav"} 2.0' in text
+    finally:
+        orch.degraded_reason, orch.replica_status = None, lambda: {}
 
 
 def test_cors_is_off_by_default_and_configurable(engine: FakeOmni) -> None:
