@@ -7,12 +7,10 @@ the graph's edges as EdgeChunks, hands final outputs to the request's sink, and 
 aborts and errors to every stage a request touched. Tensors never pass through it, except the
 final ones it hands to the caller.
 
-A stage of several replicas: each request is given one replica per stage when it is added (the
-live one with the fewest outstanding requests), and every message about it goes there, so all
-chunks of a request on an edge reach one replica. A dead replica fails only the requests it was
-given; the engine is "degraded" while every stage keeps a live replica, unhealthy once one has
-none. A stage with `max_restarts` gets a dead replica started again in the background; its
-Ready, seen by the router, puts it back in service (and the engine back to healthy).
+A stage of several replicas: a request gets one replica per stage when it is added
+(replicas.py) and every message about it goes there. A dead replica fails only its requests;
+the engine is "degraded" while every stage keeps a live replica, unhealthy once one has none;
+with `max_restarts` a dead replica restarts in the background, back in service at its Ready.
 
     caller thread: add_request / abort ----> stage inboxes (PUSH, bound here)
     router thread: outputs (PULL) -> route -> stage inboxes, sinks; watches stage liveness
@@ -40,9 +38,10 @@ from omnistage.outputs import RequestEvent, StageMetrics
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages import adapters
 from omnistage.stages import messages as m
+from omnistage.engine.replicas import ReplicaBook
 from omnistage.engine.stage_set import POLL_MS, StageSet
 from omnistage.errors import StageError
-from omnistage.stages.process import check_gpu_placement, replica_name
+from omnistage.stages.process import check_gpu_placement
 from omnistage.utils import trace
 
 logger = logging.getLogger(__name__)
@@ -95,16 +94,13 @@ class Orchestrator:
         self._downstream = {s.name: downstream(graph, s.name) for s in graph.stages}
         self.healthy = True
         self.dead_reason: str | None = None
-        self._down: dict[tuple[str, int], str] = {}   # dead replicas -> how they ended
-        self._restarts: dict[tuple[str, int], int] = {}
         self._routes: dict[str, Route] = {}
-        self._stats: dict[str, m.StageStats] = {}
-        self._stats_ready = threading.Event()
         self._lock = threading.RLock()
         self._closed = False
         self._router: threading.Thread | None = None
         self._inputs: Connector | None = None
         self.stages = StageSet(graph, device)        # every stage started, or an error
+        self.replicas = ReplicaBook(graph, self.stages)
         self.stage_info = self.stages.info
         self._connector = self.stages.connector
         self._inputs = self._input_connector()
@@ -129,17 +125,8 @@ class Orchestrator:
             self._check_liveness()
 
     def _pick_replicas(self, needed: set[str]) -> dict[str, int]:
-        """Each needed stage's replica for a new request: the live one with the fewest
-        outstanding requests (not finished there), the lowest index on a tie."""
         self._check_liveness()
-        load = self.replica_load()
-        picked = {}
-        for name in needed:
-            live = self.stages.live(name)
-            if not live:
-                raise RuntimeError(f"engine is unhealthy: stage {name!r} has no live replica")
-            picked[name] = min(live, key=lambda r: load[name][r])
-        return picked
+        return self.replicas.pick(needed, self.replica_load())
 
     def replica_load(self) -> dict[str, list[int]]:
         """Outstanding requests per replica of each stage: routed there, not finished there."""
@@ -232,23 +219,8 @@ class Orchestrator:
         """Ask every live replica for its resource state (requests held, free KV blocks, ...).
         Keyed by stage name; a stage of several replicas by `stage#replica`, one key each."""
         with self._lock:
-            self._stats = {}
-            asked = set()
-            for name in self.stages.runners:
-                for r in self.stages.live(name):
-                    asked.add(self._stats_key(name, r))
-                    self._send(name, r, m.GetStats())
-        deadline = time.monotonic() + timeout_s
-        while not asked <= set(self._stats):
-            self._stats_ready.wait(0.05)
-            self._stats_ready.clear()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"stage stats: no answer from "
-                                   f"{sorted(asked - set(self._stats))}")
-        return {k: v for k, v in self._stats.items() if k in asked}
-
-    def _stats_key(self, stage: str, replica: int) -> str:
-        return replica_name(stage, replica) if self.graph.stage(stage).replicas > 1 else stage
+            asked = self.replicas.ask_stats(self._send)
+        return self.replicas.wait_stats(asked, timeout_s)
 
     @property
     def resources(self) -> dict[str, str]:
@@ -282,10 +254,9 @@ class Orchestrator:
                             self._replica_back(msg)
                         elif isinstance(msg, m.StartupFailed):
                             logger.error("orchestrator: %s failed to restart: %s",
-                                         self._who(msg.stage, msg.replica), msg.error)
+                                         self.replicas.who(msg.stage, msg.replica), msg.error)
                         elif isinstance(msg, m.StageStats):
-                            self._stats[self._stats_key(msg.stage, msg.replica)] = msg
-                            self._stats_ready.set()
+                            self.replicas.got_stats(msg)
                 self._check_liveness()
             except zmq.ContextTerminated:
                 return
@@ -366,20 +337,11 @@ class Orchestrator:
                                        + self.stages.failed_restarts()):
                 self._replica_died(name, replica, how)
 
-    def _who(self, name: str, replica: int) -> str:
-        return f"stage {name!r}" + (f" replica {replica}"
-                                    if self.graph.stage(name).replicas > 1 else "")
-
     def _replica_died(self, name: str, replica: int, how: str) -> None:
         """Fail the requests the dead replica was given (only those); the engine turns
         unhealthy once the stage has no live replica left. Restarted if the stage allows."""
-        who = self._who(name, replica)
-        num_restarts = self._restarts.get((name, replica), 0)
-        if num_restarts < self.graph.stage(name).max_restarts:
-            self._restarts[(name, replica)] = num_restarts + 1
-            logger.warning("orchestrator: restarting %s (restart %d)", who, num_restarts + 1)
-            self.stages.restart(name, replica)
-        self._down[(name, replica)] = how
+        who = self.replicas.who(name, replica)
+        self.replicas.died(name, replica, how)
         if not self.stages.live(name):
             self.healthy = False
             self.dead_reason = f"{who} {how}"
@@ -394,26 +356,19 @@ class Orchestrator:
         with self._lock:
             if not self.stages.ready(msg):
                 return
-            self._down.pop((msg.stage, msg.replica), None)
-            logger.warning("orchestrator: %s is back", self._who(msg.stage, msg.replica))
+            self.replicas.back(msg.stage, msg.replica)
             if not self.healthy and all(self.stages.live(s.name) for s in self.graph.stages):
                 self.healthy, self.dead_reason = True, None
 
     def replica_status(self) -> dict[str, list[dict[str, int | bool]]]:
         """Each stage's replicas: whether it lives, its outstanding requests (/health,
         /metrics)."""
-        return {name: [{"replica": r, "live": (name, r) not in self._down, "outstanding": n}
-                       for r, n in enumerate(load)]
-                for name, load in self.replica_load().items()}
+        return self.replicas.status(self.replica_load())
 
     @property
     def degraded_reason(self) -> str | None:
         """Why a healthy engine runs short (replicas down, every stage still served), or None."""
-        if not self.healthy or not self._down:
-            return None
-        return "; ".join(f"stage {n!r} replica {r} {how}"
-                         + (" (restarting)" if (n, r) in self.stages.starting else "")
-                         for (n, r), how in sorted(self._down.items()))
+        return self.replicas.degraded_reason() if self.healthy else None
 
     # -- shutdown ------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -1,0 +1,100 @@
+"""The orchestrator's book of a graph's replicas: which are down and why, how often each was
+restarted, which one a new request gets at each stage (the live one with the fewest
+outstanding requests), what /health and /metrics say of them, and their answers to GetStats."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from omnistage.configs.schema import GraphConfig
+from omnistage.engine.stage_set import StageSet
+from omnistage.stages import messages as m
+from omnistage.stages.process import replica_name
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaBook:
+    def __init__(self, graph: GraphConfig, stages: StageSet) -> None:
+        self.graph = graph
+        self.stages = stages
+        self.down: dict[tuple[str, int], str] = {}     # dead replicas -> how they ended
+        self.restarts: dict[tuple[str, int], int] = {}
+        self._stats: dict[str, m.StageStats] = {}
+        self._stats_ready = threading.Event()
+
+    def who(self, name: str, replica: int) -> str:
+        """How errors and logs name a replica (a stage of one: by the stage alone)."""
+        return f"stage {name!r}" + (f" replica {replica}"
+                                    if self.graph.stage(name).replicas > 1 else "")
+
+    def pick(self, needed: set[str], load: dict[str, list[int]]) -> dict[str, int]:
+        """Each needed stage's replica for a new request: the live one with the fewest
+        outstanding requests, the lowest index on a tie."""
+        picked = {}
+        for name in needed:
+            live = self.stages.live(name)
+            if not live:
+                raise RuntimeError(f"engine is unhealthy: stage {name!r} has no live replica")
+            picked[name] = min(live, key=lambda r: load[name][r])
+        return picked
+
+    def died(self, name: str, replica: int, how: str) -> None:
+        """Mark a replica down; start it again if its stage allows another restart."""
+        num_restarts = self.restarts.get((name, replica), 0)
+        if num_restarts < self.graph.stage(name).max_restarts:
+            self.restarts[(name, replica)] = num_restarts + 1
+            logger.warning("orchestrator: restarting %s (restart %d)", self.who(name, replica),
+                           num_restarts + 1)
+            self.stages.restart(name, replica)
+        self.down[(name, replica)] = how
+
+    def back(self, stage: str, replica: int) -> None:
+        self.down.pop((stage, replica), None)
+        logger.warning("orchestrator: %s is back", self.who(stage, replica))
+
+    def status(self, load: dict[str, list[int]]) -> dict[str, list[dict[str, int | bool]]]:
+        """Each stage's replicas: whether it lives, its outstanding requests."""
+        return {name: [{"replica": r, "live": (name, r) not in self.down, "outstanding": n}
+                       for r, n in enumerate(counts)]
+                for name, counts in load.items()}
+
+    def degraded_reason(self) -> str | None:
+        """Which replicas are down (and restarting), or None."""
+        if not self.down:
+            return None
+        return "; ".join(f"stage {n!r} replica {r} {how}"
+                         + (" (restarting)" if (n, r) in self.stages.starting else "")
+                         for (n, r), how in sorted(self.down.items()))
+
+    # -- stats -----------------------------------------------------------------------------------
+    def stats_key(self, stage: str, replica: int) -> str:
+        return replica_name(stage, replica) if self.graph.stage(stage).replicas > 1 else stage
+
+    def ask_stats(self, send: Callable[[str, int, m.ToStage], None]) -> set[str]:
+        """Send GetStats to every live replica; -> the keys the answers will come under."""
+        self._stats = {}
+        asked = set()
+        for name in self.stages.runners:
+            for r in self.stages.live(name):
+                asked.add(self.stats_key(name, r))
+                send(name, r, m.GetStats())
+        return asked
+
+    def got_stats(self, msg: m.StageStats) -> None:
+        """An answer, as the router receives it."""
+        self._stats[self.stats_key(msg.stage, msg.replica)] = msg
+        self._stats_ready.set()
+
+    def wait_stats(self, asked: set[str], timeout_s: float) -> dict[str, m.StageStats]:
+        deadline = time.monotonic() + timeout_s
+        while not asked <= set(self._stats):
+            self._stats_ready.wait(0.05)
+            self._stats_ready.clear()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stage stats: no answer from "
+                                   f"{sorted(asked - set(self._stats))}")
+        return {k: v for k, v in self._stats.items() if k in asked}
