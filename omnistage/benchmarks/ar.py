@@ -73,6 +73,21 @@ class ARBenchConfig:
             raise ValueError(f"concurrency={self.concurrency}: need values >= 1")
 
 
+def draw_prompts(preset: str, input_len: int, concurrency: tuple[int, ...], seed: int
+                 ) -> tuple[dict[int, list[list[int]]], dict[int, list[list[int]]]]:
+    """Per concurrency c: c random prompts to time, and c others for the warm-up at that
+    concurrency and length (kernel selection, graph capture); the same ones would turn the
+    timed prefills into prefix-cache hits."""
+    rng = random.Random(seed)
+    vocab = int(PRESETS[preset]["vocab_size"])
+
+    def draw(c: int) -> list[list[int]]:
+        return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(c)]
+
+    prompts = {c: draw(c) for c in concurrency}
+    return prompts, {c: draw(c) for c in concurrency}
+
+
 def decode_rate(stats: dict) -> float:
     """Decode tokens/s of a run from its median time per output token."""
     tpot = stats["tpot_s"]["median"]
@@ -182,15 +197,7 @@ def run(cfg: ARBenchConfig) -> dict[str, object]:
 
     device = resolve_device(cfg.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rng = random.Random(cfg.seed)
-    vocab = int(PRESETS[cfg.preset]["vocab_size"])
-    def draw(c: int) -> list[list[int]]:
-        return [[rng.randrange(vocab) for _ in range(cfg.input_len)] for _ in range(c)]
-
-    prompts = {c: draw(c) for c in cfg.concurrency}
-    # warm-up at every concurrency and length (kernel selection, graph capture), on other
-    # prompts: the same ones would turn the timed prefills into prefix-cache hits
-    warm = {c: draw(c) for c in cfg.concurrency}
+    prompts, warm = draw_prompts(cfg.preset, cfg.input_len, cfg.concurrency, cfg.seed)
     results: dict[int, dict[str, object]] = {}
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-ar-") as tmp:
         path = build_checkpoint(cfg.preset, Path(cfg.checkpoint_dir or tmp) / cfg.preset,

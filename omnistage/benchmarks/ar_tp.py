@@ -20,7 +20,6 @@ transformers.
 
 from __future__ import annotations
 
-import random
 import tempfile
 import threading
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from omnistage.benchmarks.ar import PRESETS, build_checkpoint
+from omnistage.benchmarks.ar import PRESETS, build_checkpoint, draw_prompts
 from omnistage.benchmarks.common import (environment, free_device_memory, memory_bandwidth,
                                          ratio, summary)
 from omnistage.utils.device import resolve_device
@@ -130,14 +129,7 @@ def _weight_bytes(preset: dict, dtype: torch.dtype) -> int:
 def run(cfg: ARTPBenchConfig) -> dict[str, object]:
     device = resolve_device(cfg.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rng = random.Random(cfg.seed)
-    vocab = int(PRESETS[cfg.preset]["vocab_size"])
-
-    def draw(c: int) -> list[list[int]]:
-        return [[rng.randrange(vocab) for _ in range(cfg.input_len)] for _ in range(c)]
-
-    prompts = {c: draw(c) for c in cfg.concurrency}
-    warm = {c: draw(c) for c in cfg.concurrency}
+    prompts, warm = draw_prompts(cfg.preset, cfg.input_len, cfg.concurrency, cfg.seed)
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-ar-tp-") as tmp:
         path = build_checkpoint(cfg.preset, Path(cfg.checkpoint_dir or tmp) / cfg.preset,
                                 device, dtype)

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from omnistage import AsyncOmni, Omni
+from omnistage.testing.processes import alive
 from omnistage.testing.toy_pipeline import TokenEmbedder, toy_graph_yaml
 
 PROMPTS = [{"prompt_token_ids": list(range(5, 25))}, {"prompt_token_ids": [7, 3, 99, 42]},
@@ -231,7 +232,7 @@ def test_a_stalled_upstream_fails_the_request_at_the_deadline(tiny_qwen3: Path) 
         assert out.error is None and out.finished
 
 
-def test_parent_sigkill_leaves_no_stage_alive(tiny_qwen3: Path, tmp_path: Path) -> None:
+def test_parent_sigkill_leaves_no_stagealive(tiny_qwen3: Path, tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(f"""
         import sys, time
@@ -256,24 +257,16 @@ def test_parent_sigkill_leaves_no_stage_alive(tiny_qwen3: Path, tmp_path: Path) 
         pids = [int(p) for p in proc.stdout.readline().split()]
         run_dir, namespace = proc.stdout.readline().split()
         assert proc.stdout.readline().strip() == "streaming"
-        assert len(pids) == 3 and all(_alive(p) for p in pids)
+        assert len(pids) == 3 and all(alive(p) for p in pids)
         assert Path(run_dir).is_dir()
         proc.kill()
         proc.wait()
         time.sleep(2.0)
-        assert not [p for p in pids if _alive(p)]
+        assert not [p for p in pids if alive(p)]
         assert not Path(run_dir).exists()
         assert not [n for n in os.listdir("/dev/shm") if n.startswith(namespace)]
     finally:
         proc.kill()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_stage_startup_failure_names_the_stage(tmp_path: Path, tiny_qwen3: Path) -> None:

@@ -15,17 +15,10 @@ import torch
 from omnistage import Omni
 from omnistage.configs.schema import GraphConfig, StageConfig
 from omnistage.outputs import RequestEvent
+from omnistage.testing.processes import alive
 from omnistage.testing.toy_pipeline import toy_graph_yaml
 
 PROMPTS = [{"prompt_token_ids": list(range(5 + i, 25 + i))} for i in range(6)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _generate(model: Path, replicas: int) -> tuple[list, dict]:
@@ -91,7 +84,7 @@ def test_a_killed_replica_fails_only_its_requests(tiny_qwen3: Path) -> None:
         later = omni.generate(PROMPTS[:2])          # routed to the live replica
         assert all(o.error is None and o.finished for o in later)
         assert all(orch.replica_status()["second"][r]["outstanding"] == 0 for r in (0, 1))
-    _wait(lambda: not [p for p in pids if _alive(p)], 5, "stage processes left")
+    _wait(lambda: not [p for p in pids if alive(p)], 5, "stage processes left")
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(namespace)]
 
 
@@ -122,7 +115,7 @@ def test_a_dead_replica_is_restarted_and_serves_again(tiny_qwen3: Path) -> None:
         assert "(restarting)" in orch.degraded_reason
         _wait(lambda: orch.degraded_reason is None, 15, orch.degraded_reason)
         new = orch.stages.replica_pids["second"][1]
-        assert new != old and _alive(new) and not _alive(old)
+        assert new != old and alive(new) and not alive(old)
         outs = omni.generate(PROMPTS[:4])             # two of them on the restarted replica
         assert all(o.error is None and o.finished for o in outs)
         assert orch.stage_stats()["second#1"].num_output_tokens == 2 * 12

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from omnistage.testing.processes import alive
+
 # no guard: with spawn, each stage process ran this again and died starting an engine of its own
 UNGUARDED = textwrap.dedent("""
     from omnistage import DiffusionParams, Omni
@@ -26,14 +28,6 @@ UNGUARDED = textwrap.dedent("""
                                                                    num_inference_steps=4))
     print("images", len(out.images), out.images[0].size)
 """)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize("how", ["file", "stdin"])
@@ -53,5 +47,5 @@ def test_script_without_guard_runs_and_leaves_no_stage(tmp_path: Path, how: str)
     assert "title dit omnistage: stage dit" in lines, proc.stdout
     assert "images 2 (64, 64)" in lines, proc.stdout
     pids = [int(p) for p in next(x for x in lines if x.startswith("pids ")).split()[1:]]
-    assert pids and not [p for p in pids if _alive(p)]
+    assert pids and not [p for p in pids if alive(p)]
     assert "leaked" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -14,6 +14,7 @@ import pytest
 from omnistage import Omni, SamplingParams
 from omnistage.configs.schema import StageConfig
 from omnistage.stages.ranks import check_heads_divide
+from omnistage.testing.processes import alive
 
 
 @pytest.mark.parametrize("tp, message", [
@@ -45,9 +46,9 @@ def test_a_tensor_parallel_stage_serves_as_one_rank_does(tiny_qwen3: Path) -> No
     for tp in (1, 2):
         with Omni(str(tiny_qwen3), device="cpu", tensor_parallel_size=tp) as omni:
             pids = omni.engine.orchestrator.stages.rank_pids["llm"]
-            assert len(pids) == tp and all(_alive(p) for p in pids)
+            assert len(pids) == tp and all(alive(p) for p in pids)
             tokens[tp] = [o.token_ids for o in omni.generate(prompts, params, use_tqdm=False)]
-        assert not [p for p in pids if _alive(p)]
+        assert not [p for p in pids if alive(p)]
     assert tokens[2] == tokens[1] and len(set(map(tuple, tokens[1]))) == 3
 
 
@@ -69,10 +70,10 @@ def test_a_killed_rank_fails_its_stage_and_leaves_nothing(tiny_qwen3: Path) -> N
         assert info.kind == "stage_dead" and info.stage == "llm"
         assert "rank 1 of 2" in events[-1].error and "killed by signal 9" in events[-1].error
         assert not omni.is_healthy
-        _wait(lambda: not _alive(pids[0]), "rank 0 was not ended")
+        _wait(lambda: not alive(pids[0]), "rank 0 was not ended")
     finally:
         omni.shutdown()
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if alive(p)]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(namespace)]
 
 
@@ -81,11 +82,3 @@ def _wait(cond, what: str, timeout_s: float = 20.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, what
         time.sleep(0.02)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
