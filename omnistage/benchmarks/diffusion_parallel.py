@@ -236,7 +236,8 @@ def _serve(engine, pipe, cfg: ParallelBenchConfig, device: torch.device, dtype: 
 
 def run_layout(cfg: ParallelBenchConfig, name: str, out_dir: Path) -> dict[str, object]:
     """Start the layout's rank processes, wait (with a deadline), read what they wrote."""
-    from omnistage.testing.ranks import free_port, wait_all
+    from omnistage.testing.processes import free_port
+    from omnistage.testing.ranks import wait_all
 
     sizes = LAYOUTS[name]
     folder = out_dir / name

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,12 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from omnistage.layers.groups import ParallelSizes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from omnistage.testing.processes import free_port
 
 
 def run_ranks(target: str, sizes: ParallelSizes, kwargs: dict, out_dir: Path,

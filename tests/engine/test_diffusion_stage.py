@@ -13,19 +13,7 @@ from omnistage import AsyncOmni, Omni, SamplingParams
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.digits import DigitsPipeline
-from omnistage.models.digits_dit import DigitsDiT, DigitsDiTConfig
-
-
-@pytest.fixture(scope="module")
-def random_digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    model = DigitsDiT(DigitsDiTConfig(hidden_size=64, num_layers=2, num_heads=4))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    path = tmp_path_factory.mktemp("digits")
-    model.save_pretrained(path)
-    return path
+from omnistage.models.digits_dit import DigitsDiT
 
 
 def graph(model: Path, backend: str) -> str:

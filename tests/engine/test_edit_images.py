@@ -21,24 +21,12 @@ from omnistage.diffusion import image_input
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams, ImageRef
 from omnistage.diffusion.pipelines.digits import DigitsPipeline
-from omnistage.models.digits_dit import DigitsDiT, DigitsDiTConfig
+from omnistage.models.digits_dit import DigitsDiT
 from omnistage.outputs import RequestEvent
 from omnistage.stages import messages as m
 from omnistage.testing.diffusion import run_to_end
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="lists /dev/shm (Linux)")
-
-
-@pytest.fixture(scope="module")
-def random_digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    model = DigitsDiT(DigitsDiTConfig(hidden_size=64, num_layers=2, num_heads=4))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    path = tmp_path_factory.mktemp("digits")
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

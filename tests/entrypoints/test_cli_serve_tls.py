@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from omnistage.testing.processes import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def self_signed(folder: Path) -> tuple[Path, Path]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from omnistage.testing.processes import free_port
+
 REPO = Path(__file__).resolve().parents[3]
 KEY = "test-key-123"
 CHAT_MODEL = "tiny-chat"
 START_TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
