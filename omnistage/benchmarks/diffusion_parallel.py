@@ -57,6 +57,7 @@ class ParallelBenchConfig:
     layouts: tuple[str, ...] = ("cfg", "ulysses", "tp")
     reference: bool = True
     compile: bool = False                  # every layout's blocks compiled (compile_blocks)
+    cuda_graphs: bool = True               # forwards replayed from CUDA graphs (on a GPU)
     device: str = "auto"
     seed: int = 0
 
@@ -169,6 +170,8 @@ def rank_main(rank: int, port: int, cfg: ParallelBenchConfig, sizes: ParallelSiz
 
         compile_blocks(model)
     pipe = _pipeline(model, cfg.diffusion, device, dtype)
+    if cfg.cuda_graphs and device.type == "cuda":
+        pipe.use_cuda_graphs()
     engine = DiffusionEngine(pipe, ranks=ranks)
     result: dict[str, object] = {"rank": rank}
     with _profiled(f"{out_dir.name}_profile{rank}.txt"):

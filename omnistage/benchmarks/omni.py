@@ -13,6 +13,12 @@ Both sides: greedy thinker and talker (repetition penalty 1.05, the reference's 
 exactly `thinker_tokens` text tokens and `talker_tokens` codec frames (eos ignored / min new
 tokens), speaker Ethan, text-only prompts (chat template applied).
 
+Sizes ("real"): Qwen3-Omni-30B-A3B at its size: thinker 48 layers of 128 experts and its
+152k vocabulary, talker 20 layers of 128 experts, the rest as "bench" (audio and vision
+encoders small: text prompts do not use them). With `tensor_parallel_size` N our thinker
+spans GPUs 0..N-1 (the default graph under `-tp N`: talker and code2wav on GPU 0), and
+transformers loads the saved checkpoint spread over the same GPUs (device_map="auto").
+
 Sizes ("bench"): Qwen3-Omni-30B-A3B's layer structure (MoE thinker and talker, 5-layer code
 predictor, code2wav with its real upsampling to 24 kHz) scaled to fit one GPU and run in
 seconds: thinker 12 of 48 layers and 32 of 128 experts (hidden 2048, 32 heads, 4 KV heads,
@@ -77,11 +83,13 @@ BENCH_SIZES = {
                      num_quantizers=16, sliding_window=72, upsample_rates=[8, 5, 4, 3],
                      upsampling_ratios=[2, 2], decoder_dim=1536, max_position_embeddings=8000),
 }
+REAL_SIZES = {"thinker_text": dict(num_hidden_layers=48, num_experts=128, vocab_size=152064),
+              "talker_text": dict(num_hidden_layers=20, num_experts=128)}
 
 
 @dataclass(frozen=True, slots=True)
 class OmniBenchConfig:
-    sizes: str = "bench"                  # bench | tiny
+    sizes: str = "bench"                  # bench | real | tiny
     thinker_tokens: int = 64
     talker_tokens: int = 100              # codec frames; 12.5 a second of audio
     concurrency: tuple[int, ...] = (1, 8, 32)
@@ -90,11 +98,14 @@ class OmniBenchConfig:
     backend: str = "process"              # stage backend of our runtime
     chunk_frames: int = 25                # code2wav's streaming chunk (the default graph's)
     stage_config: str | None = None       # our graph (default: the model's, qwen3_omni)
+    tensor_parallel_size: int = 1         # our thinker's; transformers over as many GPUs
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.sizes not in ("bench", "tiny"):
-            raise ValueError(f"sizes={self.sizes!r}: choose bench or tiny")
+        if self.sizes not in ("bench", "real", "tiny"):
+            raise ValueError(f"sizes={self.sizes!r}: choose bench, real or tiny")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
         if self.thinker_tokens < 1 or self.talker_tokens < 2:
             raise ValueError(f"thinker_tokens={self.thinker_tokens}, talker_tokens="
                              f"{self.talker_tokens}: need >= 1 and >= 2")
@@ -119,8 +130,8 @@ class OmniBenchConfig:
                    chunk_frames=chunk_frames or (8 if tiny else 25), **kw)
 
 
-def _bench_config(tokenizer):
-    """tiny_omni's config (token ids, structure) with BENCH_SIZES applied."""
+def _bench_config(tokenizer, real: bool = False):
+    """tiny_omni's config (token ids, structure) with BENCH_SIZES applied (and REAL_SIZES)."""
     from transformers import Qwen3OmniMoeConfig
 
     from omnistage.testing.tiny_omni import tiny_omni_config
@@ -128,10 +139,14 @@ def _bench_config(tokenizer):
     raw = tiny_omni_config(tokenizer).to_dict()
     thinker, talker = raw["thinker_config"], raw["talker_config"]
     thinker["text_config"].update(BENCH_SIZES["thinker_text"])
+    if real:
+        thinker["text_config"].update(REAL_SIZES["thinker_text"])
     thinker["audio_config"].update(BENCH_SIZES["audio"])
     thinker["vision_config"].update(BENCH_SIZES["vision"])
     talker["text_config"].pop("num_local_experts", None)     # to_dict's name of num_experts
     talker["text_config"].update(BENCH_SIZES["talker_text"])
+    if real:
+        talker["text_config"].update(REAL_SIZES["talker_text"])
     talker["code_predictor_config"].update(BENCH_SIZES["code_predictor"])
     talker["code_predictor_config"].pop("layer_types", None)   # derived from the layer count
     talker.update(BENCH_SIZES["talker"])
@@ -142,7 +157,8 @@ def _bench_config(tokenizer):
 
 def build_checkpoint(sizes: str, path: Path, device: torch.device, dtype: torch.dtype):
     """Save a random Qwen3-Omni checkpoint (+ tokenizer, processor) to `path`; return the
-    transformers model, on `device` in `dtype`."""
+    transformers model, on `device` in `dtype` (real, on CUDA: built on two GPUs, returned on
+    the CPU)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     from omnistage.testing.tiny_omni import (_randomize, build_tiny_omni_tokenizer,
@@ -155,13 +171,62 @@ def build_checkpoint(sizes: str, path: Path, device: torch.device, dtype: torch.
         model = Qwen3OmniMoeForConditionalGeneration(tiny_omni_config(tokenizer)).eval()
         _randomize(model, 0)
         model = model.to(device, dtype)
+    elif sizes == "real" and device.type == "cuda":   # saved from the CPU: transformers'
+        # save converts the fused experts with copies on their device, which 68 GB leave no
+        # room for (measured: out of memory at 78 GiB on GPU 0)
+        model = _build_on_two_gpus(_bench_config(tokenizer, real=True), dtype).cpu()
     else:                   # built on the device in dtype: transformers' init, in seconds
         with torch.device(device), default_dtype(dtype):
-            model = Qwen3OmniMoeForConditionalGeneration(_bench_config(tokenizer)).eval()
+            model = Qwen3OmniMoeForConditionalGeneration(
+                _bench_config(tokenizer, real=sizes == "real")).eval()
     model.config.dtype = dtype
     model.save_pretrained(str(path), safe_serialization=True)
     save_tiny_omni_processor(path, tokenizer)
     return model
+
+
+def _build_on_two_gpus(config, dtype: torch.dtype, devices: tuple[str, str] = ("cuda:0",
+                                                                               "cuda:1")):
+    """The real size (68 GB in bf16) outgrows one GPU, transformers' init on the CPU runs at
+    ~70 MB/s (10 minutes were not enough) and on the GPU it took more memory than the weights:
+    the model is laid out on the meta device, its thinker then made on devices[0], talker and
+    code2wav on devices[1], and every weight drawn there (N(0, 0.02); norms 1, biases 0). A
+    timing model: what matters is the shapes (the reference reloads the saved folder, which
+    rebuilds the buffers that are not saved). Made in `dtype` even where transformers' own
+    layout takes float32 (5.17 does, measured)."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    with torch.device("meta"), default_dtype(dtype):
+        model = Qwen3OmniMoeForConditionalGeneration(config).eval().to(dtype)
+    model.thinker.to_empty(device=devices[0])
+    model.talker.to_empty(device=devices[1])
+    model.code2wav.to_empty(device=devices[1])
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if not t.is_floating_point():
+                t.zero_()
+            elif "norm" in name and name.endswith("weight"):
+                t.fill_(1.0)
+            elif name.endswith("bias"):
+                t.zero_()
+            else:
+                t.normal_(0.0, 0.02)
+    return model
+
+
+def _spread(model, path: Path, num_gpus: int, device: torch.device, dtype: torch.dtype):
+    """The saved checkpoint again, spread by transformers over GPUs 0..num_gpus-1
+    (device_map="auto", which needs accelerate): the reference on the GPUs our thinker's
+    ranks use. On a CPU: the model as built."""
+    if device.type != "cuda":
+        return model
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    del model
+    free_device_memory(device)
+    budget = {i: torch.cuda.mem_get_info(i)[0] * 9 // 10 for i in range(num_gpus)}
+    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        str(path), dtype=dtype, device_map="auto", max_memory=budget).eval()
 
 
 def _prompt(i: int) -> dict:
@@ -283,6 +348,8 @@ def bench_ours(path: Path, cfg: OmniBenchConfig, device: torch.device, dtype: to
         if cfg.backend == "inproc" else {}
     overrides = [f"code2wav.options.chunk_frames={cfg.chunk_frames}"]
     t0 = time.perf_counter()
+    if cfg.tensor_parallel_size > 1:
+        kw["tensor_parallel_size"] = cfg.tensor_parallel_size
     with Omni(str(path), stage_config=cfg.stage_config, device=str(device),
               dtype=str(dtype).removeprefix("torch."), stage_overrides=overrides, **kw) as omni:
         startup = time.perf_counter() - t0
@@ -327,6 +394,8 @@ def run(cfg: OmniBenchConfig) -> dict[str, object]:
         params = {"thinker": parameter_bytes(model.thinker) // model.dtype.itemsize,
                   "talker": parameter_bytes(model.talker) // model.dtype.itemsize,
                   "code2wav": parameter_bytes(model.code2wav) // model.dtype.itemsize}
+        if (cfg.tensor_parallel_size > 1 or cfg.sizes == "real") and cfg.reference_requests:
+            model = _spread(model, path, cfg.tensor_parallel_size, device, dtype)
         hf = bench_transformers(model, path, cfg, device) if cfg.reference_requests else None
         del model
         free_device_memory(device)
@@ -354,8 +423,10 @@ def run(cfg: OmniBenchConfig) -> dict[str, object]:
                                                         one["first_audio_s"]["median"])
     return {
         "benchmark": "omni", **environment(device), "dtype": str(dtype).removeprefix("torch."),
-        "config": {**asdict(cfg), "sizes_changed": BENCH_SIZES if cfg.sizes == "bench" else
-                   "omnistage.testing.tiny_omni", "parameters": params},
+        "config": {**asdict(cfg), "sizes_changed": "omnistage.testing.tiny_omni"
+                   if cfg.sizes == "tiny" else BENCH_SIZES,
+                   "real_sizes": REAL_SIZES if cfg.sizes == "real" else None,
+                   "parameters": params},
         "reference": hf, "omnistage": ours, "ratios": ratios,
         "notes": "reference: transformers' generate(return_audio=True). first_audio: "
                  "seconds from submission to the first audio chunk (transformers returns the "

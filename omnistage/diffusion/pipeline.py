@@ -32,6 +32,7 @@ from omnistage.diffusion.image_input import output_size
 from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.diffusion.request import DiffusionRequest
+from omnistage.layers.graph_capture import ShapeGraphs
 from omnistage.layers.groups import stage_ranks
 
 
@@ -152,6 +153,7 @@ class LatentPipelineBase:
     default_size: int | None = None
     parallel_axes: tuple[str, ...] = ()
     heads_key = "num_attention_heads"        # in the transformer's config.json
+    graphable = False       # the transformer's forward can be a CUDA graph (`use_cuda_graphs`)
 
     def __init__(self, transformer: torch.nn.Module, vae: torch.nn.Module,
                  prompt_encoder: PromptEncoder | None, scheduler: solver.FlowMatchEulerConfig,
@@ -162,6 +164,7 @@ class LatentPipelineBase:
         self.prompt_encoder = prompt_encoder
         self.scheduler = scheduler
         self.device = device
+        self.graphs: ShapeGraphs | None = None
         self.cfg_ranks = stage_ranks().cfg      # CFG-parallel: branch c runs on rank c
         self.dtype = next(transformer.parameters()).dtype
         self.vae_scale_factor = vae.cfg.downscale                  # 8 for all three
@@ -244,6 +247,23 @@ class LatentPipelineBase:
         base = (torch.linspace(1.0, 1 / num_steps, num_steps).tolist() if float32_linspace
                 else np.linspace(1.0, 1 / num_steps, num_steps))
         return solver.make_sigmas(cfg, num_steps, mu=mu, sigmas=base)[0]
+
+    def use_cuda_graphs(self, max_graphs: int = 8) -> None:
+        """Replay the transformer's forward from CUDA graphs, one per (batch, latent, caption)
+        shape seen twice (layers/graph_capture.py ShapeGraphs); step-cached forwards, whose
+        blocks run or not per request, stay eager. A stage's `options: {cuda_graphs: ...}`."""
+        if not self.graphable:
+            raise ValueError(f"{self.label}: its transformer's forward is not captured as a "
+                             "CUDA graph (cuda_graphs: false)")
+        self.graphs = ShapeGraphs(self.transformer, max_graphs)
+
+    def run_transformer(self, *args: object, step_cache: object = None, **kwargs: object
+                        ) -> Tensor:
+        """The transformer's forward: from a CUDA graph when they are on and no step cache
+        is asked for."""
+        if self.graphs is not None and step_cache is None:
+            return self.graphs(*args, **kwargs)
+        return self.transformer(*args, step_cache=step_cache, **kwargs)
 
     def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
         """-> uint8 (n, H, W, 3)."""

@@ -32,3 +32,80 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
     return sizes + [max_num_seqs]
+
+
+class ShapeGraphs:
+    """`fn` replayed from CUDA graphs, one per call signature: every tensor argument's shape,
+    dtype and device, and the value of every other argument (lists frozen to tuples). For a
+    diffusion transformer's forward, whose Python and launches (thousands a step) cost more
+    host time than a GPU of half the work spends on it: what keeps a parallel rank fed.
+
+    A signature is captured the `capture_after`-th time it is called (the calls before run
+    eagerly: one-off shapes cost no graph memory), up to `max_graphs` of them, all in one
+    memory pool (they never run at once; each keeps only its inputs and output). Then a call
+    copies its tensors into the graph's inputs, replays it and returns a copy of its output.
+    fn must read nothing but its arguments' device memory and the parameters (no host sync,
+    no host-to-device copy). Ranks of one stage call it with the same signatures in the same
+    order, so their captures, and the collectives inside them, stay paired."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int = 8,
+                 capture_after: int = 2) -> None:
+        self.fn, self.max_graphs, self.capture_after = fn, max_graphs, capture_after
+        self.seen: dict[tuple, int] = {}
+        self.graphs: dict[tuple, tuple[object, list[torch.Tensor], torch.Tensor]] = {}
+        self.pool: tuple[int, int] | None = None
+        self.num_replays = 0
+
+    def __call__(self, *args: object, **kwargs: object) -> torch.Tensor:
+        key, tensors = _signature(args, kwargs)
+        entry = self.graphs.get(key)
+        if entry is None:
+            self.seen[key] = self.seen.get(key, 0) + 1
+            if self.seen[key] < self.capture_after or len(self.graphs) >= self.max_graphs:
+                return self.fn(*args, **kwargs)
+            entry = self.graphs[key] = self._capture(args, kwargs, tensors)
+        graph, inputs, out = entry
+        for buf, x in zip(inputs, tensors):
+            buf.copy_(x)
+        graph.replay()                                               # type: ignore[attr-defined]
+        self.num_replays += 1
+        return out.clone()
+
+    def _capture(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor]
+                 ) -> tuple[object, list[torch.Tensor], torch.Tensor]:
+        inputs = [t.clone() for t in tensors]
+        slot = iter(inputs)
+
+        def swap(v: object) -> object:
+            return next(slot) if isinstance(v, torch.Tensor) else v
+
+        static_args = [swap(a) for a in args]
+        static_kwargs = {k: swap(v) for k, v in kwargs.items()}
+        graph, out = capture_graph(lambda: self.fn(*static_args, **static_kwargs), self.pool)
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, inputs, out
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple[tuple, list[torch.Tensor]]:
+    """-> (hashable key, the tensor arguments in order). Tensors count by shape, dtype and
+    device; None and hashable values by value (lists and tuples frozen)."""
+    key: list[object] = []
+    tensors: list[torch.Tensor] = []
+    for name, v in [*enumerate(args), *kwargs.items()]:
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+            key.append((name, tuple(v.shape), v.dtype, v.device))
+        else:
+            key.append((name, _freeze(v)))
+    return tuple(key), tensors
+
+
+def _freeze(v: object) -> object:
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, torch.Tensor):
+        raise TypeError("ShapeGraphs: tensors inside lists are not graph inputs; pass each "
+                        "tensor as an argument of its own")
+    hash(v)
+    return v

@@ -30,6 +30,7 @@ Several ranks (issue 18), from the stage's groups current at construction:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -137,12 +138,20 @@ def qwen_rope(img_shapes: ImgShapes, num_txt: int, axes_dim: tuple[int, ...],
               device: torch.device) -> Rope:
     """diffusers' QwenEmbedRope (scale_rope=True). One sample's shape list is used for the
     whole batch: images [target, cond_1, ...] get frame index 0, 1, ...; text positions start
-    after the largest half-extent, on the diagonal."""
+    after the largest half-extent, on the diagonal. Kept per shape on the device: every step
+    of a request asks for the same tables, and a forward replayed from a CUDA graph may not
+    copy them from the host."""
     shapes = img_shapes[0]
     if any(s != shapes for s in img_shapes):
         raise ValueError(f"img_shapes must be the same for every sample, got {img_shapes}")
     if not isinstance(shapes, list):
         shapes = [shapes]
+    return _rope_tables(tuple(tuple(s) for s in shapes), num_txt, tuple(axes_dim), device)
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_tables(shapes: tuple[tuple[int, int, int], ...], num_txt: int,
+                 axes_dim: tuple[int, ...], device: torch.device) -> Rope:
     img, max_idx = [], 0
     for idx, (frame, height, width) in enumerate(shapes):
         f = _axis_freqs(torch.arange(idx, idx + frame), axes_dim[0])           # (F, a0/2)
@@ -354,6 +363,11 @@ def _text_mask(mask: Tensor | None, batch: int, num_txt: int) -> Tensor | None:
 
 def _condition_index(img_shapes: ImgShapes, device: torch.device) -> Tensor:
     """zero_cond_t: per image token 0 (the target, first image of a sample) or 1 (a condition
-    image) -> (B, N) int."""
+    image) -> (B, N) int; kept per shape on the device, as the rope tables."""
+    return _condition_rows(tuple(tuple(tuple(x) for x in s) for s in img_shapes), device)
+
+
+@functools.lru_cache(maxsize=16)
+def _condition_rows(img_shapes: tuple, device: torch.device) -> Tensor:
     return torch.tensor([[0] * math.prod(s[0]) + [1] * sum(math.prod(x) for x in s[1:])
                          for s in img_shapes], device=device, dtype=torch.int)

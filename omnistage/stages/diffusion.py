@@ -16,6 +16,11 @@ from omnistage.stages.adapters import StageFeed
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
 from omnistage.utils.device import resolve_device, resolve_dtype
 
+# a diffusion stage's `options`: compile: true | a torch.compile backend (its blocks compiled);
+# cuda_graphs: true | false | the most graphs (default: on for a CUDA device and a pipeline
+# whose transformer captures, at most MAX_GRAPHS shapes)
+OPTIONS = ("compile", "cuda_graphs")
+MAX_GRAPHS = 8
 
 class DiffusionStage:
     """A stage of a diffusion pipeline; its component says which part it runs:
@@ -61,15 +66,22 @@ class DiffusionStage:
         # followers (ranks > 0) get rank 0's prepared requests: no text encoder of their own
         leader = stage_ranks().is_leader
         extra = {"text_encoders": False} if self.conditioned or not leader else {}
-        unknown = set(stage.options) - {"compile"}
+        unknown = set(stage.options) - set(OPTIONS)
         if unknown:
             raise ValueError(f"stage {stage.name!r}: unknown diffusion options {sorted(unknown)} "
-                             "(known: compile)")
+                             f"(known: {', '.join(OPTIONS)})")
         pipeline = cls.from_pretrained(path, name, dev, dtype, **extra)
         if stage.options.get("compile"):
             backend = stage.options["compile"]
             compile_blocks(getattr(pipeline, "transformer", None) or pipeline.model,
                            backend if isinstance(backend, str) else "inductor")
+        graphs = stage.options.get("cuda_graphs",
+                                   dev.type == "cuda" and getattr(cls, "graphable", False))
+        if graphs:
+            if dev.type != "cuda":
+                raise ValueError(f"stage {stage.name!r}: cuda_graphs needs a CUDA device "
+                                 f"(this stage runs on {dev})")
+            pipeline.use_cuda_graphs(MAX_GRAPHS if graphs is True else int(graphs))
         self.engine = DiffusionEngine(pipeline, stage.max_num_seqs)
 
     def follow(self) -> None:

@@ -131,14 +131,24 @@ def case_params(case: dict, pipeline: str = "qwen_image") -> DiffusionParams:
 
 
 def pipeline_run(ranks: StageRanks, folder: str, cases: list[dict],
-                 pipeline: str = "qwen_image", device: str = "cpu") -> dict:
+                 pipeline: str = "qwen_image", device: str = "cpu", graphs: bool = False
+                 ) -> dict:
     """Every case, batched by the engine, to the end on these ranks: rank 0 serves, the others
     follow. -> per request its final latents (flat list) and the steps each step-cache branch
-    skipped on this rank. device "cuda": this rank's current CUDA device, float32."""
+    skipped on this rank (and with `graphs`, how many forwards replayed from CUDA graphs:
+    emulated on CPU, as graph_emulation.py does). device "cuda": this rank's current CUDA
+    device, float32."""
     from omnistage.registry import load_component
 
     pipe = load_component("diffusion", pipeline).from_pretrained(
         folder, pipeline, torch.device(device), torch.float32, text_encoders=False)
+    if graphs:
+        if device == "cpu":
+            from omnistage.layers import graph_capture
+            from omnistage.testing.graph_emulation import rerun_capture
+
+            graph_capture.capture_graph = rerun_capture     # this rank process's own
+        pipe.use_cuda_graphs()
     engine = DiffusionEngine(pipe)
     finished = []
     if ranks.is_leader:
@@ -155,7 +165,8 @@ def pipeline_run(ranks: StageRanks, folder: str, cases: list[dict],
             finished += engine.run_plan(plan)
     return {"latents": {r.request_id: r.latents.flatten().tolist() for r in finished},
             "skipped": {r.request_id: {b: s.num_skipped for b, s in r.cache.items()}
-                        for r in finished}}
+                        for r in finished},
+            "replays": pipe.graphs.num_replays if pipe.graphs is not None else 0}
 
 
 def qwen_image_stage_run(ranks: StageRanks, folder: str, cases: list[dict]) -> dict:

@@ -88,6 +88,18 @@ def test_latents_match_one_rank(folder: Path, reference: dict, layout: str,
     assert all(r["latents"] == results[0]["latents"] for r in results)  # equal, exactly
 
 
+def test_graphed_forwards_match_one_rank(folder: Path, reference: dict, tmp_path: Path
+                                         ) -> None:
+    """Ulysses 2 with the forwards replayed from (emulated) CUDA graphs: the ranks capture
+    the same shapes at the same step, so the all-to-alls inside stay paired."""
+    results = run_ranks(f"{TARGET}:pipeline_run", LAYOUTS["ulysses2"],
+                        {"folder": str(folder), "cases": CASES, "graphs": True}, tmp_path)
+    for result in results:
+        assert_latents_close(result["latents"], reference)
+        assert result["replays"] >= 2
+    assert results[0]["replays"] == results[1]["replays"]
+
+
 def test_stage_follows_rank_zero(folder: Path, reference: dict, tmp_path: Path) -> None:
     """A CFG-parallel DiffusionStage (its conditioning along an input edge): rank 1 follows
     (`DiffusionStage.follow`), rank 0 serves and stops it."""

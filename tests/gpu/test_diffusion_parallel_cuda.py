@@ -45,18 +45,37 @@ def test_attention_lse_kernels(dtype: torch.dtype, tol: float, masked: bool) -> 
     assert (merged.cpu() - sdpa(q, k, v, mask)).abs().max() < tol
 
 
+def test_qwen_image_graphs_equal_eager(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One GPU: the forwards replayed from real CUDA graphs (several shapes, batches that
+    change as requests join and finish) give the eager run's latents."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    folder = str(build_tiny_qwen_image(tmp_path_factory.mktemp("qwen_image")))
+    eager = pipeline_run(StageRanks.single(), folder, CASES, device="cuda")
+    graphed = pipeline_run(StageRanks.single(), folder, CASES, device="cuda", graphs=True)
+    assert graphed["replays"] >= 2
+    for rid, ref in eager["latents"].items():
+        ref = torch.tensor(ref)
+        assert ref.abs().max() > 1.0
+        assert (torch.tensor(graphed["latents"][rid]) - ref).abs().max() < 1e-5, rid
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("sizes", [ParallelSizes(cfg=2), ParallelSizes(ulysses=2),
                                    ParallelSizes(ring=2), ParallelSizes(tp=2)],
                          ids=["cfg2", "ulysses2", "ring2", "tp2"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_qwen_image_layouts_on_two_gpus(tmp_path_factory: pytest.TempPathFactory,
-                                        sizes: ParallelSizes, tmp_path: Path) -> None:
+                                        sizes: ParallelSizes, graphs: bool, tmp_path: Path
+                                        ) -> None:
+    """graphs: each rank's forwards replayed from CUDA graphs, the collectives inside them
+    captured too."""
     torch.backends.cuda.matmul.allow_tf32 = False
     folder = str(build_tiny_qwen_image(tmp_path_factory.mktemp("qwen_image")))
     reference = pipeline_run(StageRanks.single(), folder, CASES, device="cuda")
     results = run_ranks("omnistage.testing.diffusion_ranks:pipeline_run", sizes,
-                        {"folder": folder, "cases": CASES, "device": "cuda"}, tmp_path,
-                        backend="nccl")
+                        {"folder": folder, "cases": CASES, "device": "cuda",
+                         "graphs": graphs}, tmp_path, backend="nccl")
+    assert all((r["replays"] > 0) == graphs for r in results)
     for result in results:
         for rid, ref in reference["latents"].items():
             ref = torch.tensor(ref)

@@ -108,6 +108,7 @@ class FluxPipeline(LatentPipelineBase):
     max_size = MAX_SIZE
     check_text_params = staticmethod(check_text_params)
     parallel_axes = ("ulysses", "ring", "tp")       # no true CFG: no branches to split
+    graphable = True
 
     # ---- 1. prepare (encode: the base class) ---------------------------------------------
 
@@ -182,8 +183,8 @@ class FluxPipeline(LatentPipelineBase):
         step_cache = None
         if any(r.params.cache_threshold is not None for r in requests):
             step_cache = cache_groups(requests, counts, [("cond", [True] * len(requests))])
-        return self.transformer(latents, embeds, pooled, timestep, img_ids=img_ids,
-                                txt_ids=txt_ids, guidance=guidance, step_cache=step_cache)
+        return self.run_transformer(latents, embeds, pooled, timestep, img_ids=img_ids,
+                                    txt_ids=txt_ids, guidance=guidance, step_cache=step_cache)
 
     # ---- 3. decode -------------------------------------------------------------------------
 

@@ -134,6 +134,7 @@ class QwenImagePipeline(LatentPipelineBase):
     max_size = MAX_SIZE
     check_text_params = staticmethod(check_text_params)
     parallel_axes = ("cfg", "ulysses", "ring", "tp")
+    graphable = True
 
     # ---- 1. prepare (encode: the base class) ---------------------------------------------
 
@@ -247,9 +248,9 @@ class QwenImagePipeline(LatentPipelineBase):
         step_cache = None
         if any(r.params.cache_threshold is not None for r in requests):
             step_cache = cache_groups(requests, counts, branches)
-        return self.transformer(latents, embeds, mask, timestep,
-                                img_shapes=[[(1, h, w)]] * latents.shape[0],
-                                step_cache=step_cache)
+        return self.run_transformer(latents, embeds, mask, timestep,
+                                    img_shapes=[[(1, h, w)]] * latents.shape[0],
+                                    step_cache=step_cache)
 
     # ---- 3. decode -------------------------------------------------------------------------
 

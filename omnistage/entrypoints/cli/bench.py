@@ -88,6 +88,12 @@ def _add_omni(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
                            "many (default: the graph's 25; tiny 8)")
     omni.add_argument("--backend", choices=["process", "inproc"], default=None,
                       help="stage backend (default: process; inproc with --tiny)")
+    omni.add_argument("--real-size", action="store_true",
+                      help="Qwen3-Omni-30B-A3B's real layer and expert counts and vocabulary "
+                           "(random weights, about 70 GB in bf16)")
+    omni.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+                      help="our thinker over N GPUs (the default graph's -tp); transformers "
+                           "then spreads the model over the same GPUs (device_map='auto')")
 
     return omni
 
@@ -110,6 +116,9 @@ def _add_diffusion(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser
     diff.add_argument("--compile", action="store_true",
                       help="also time our transformer with its blocks torch.compile'd (with "
                            "--parallel: every layout's)")
+    diff.add_argument("--no-cuda-graphs", action="store_true",
+                      help="with --parallel: every layout's transformer eager (by default "
+                           "its forwards replay from CUDA graphs on a GPU, as a stage's)")
     return diff
 
 
@@ -169,12 +178,14 @@ def _run_omni(args: argparse.Namespace) -> Outcome:
     from omnistage.benchmarks import omni
 
     cfg = omni.OmniBenchConfig.preset(
-        "tiny" if args.tiny else "bench", device=args.device, seed=args.seed,
+        "tiny" if args.tiny else "real" if args.real_size else "bench", device=args.device,
+        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         concurrency=args.concurrency, reference_requests=args.reference_requests,
         thinker_tokens=args.thinker_tokens, talker_tokens=args.talker_tokens,
         backend=args.backend, chunk_frames=args.chunk_frames, stage_config=args.stage_config)
     result = omni.run(cfg)
-    return result, f"omni_qwen3-omni-{cfg.sizes}", result["ratios"]
+    tp = f"_tp{cfg.tensor_parallel_size}" if cfg.tensor_parallel_size > 1 else ""
+    return result, f"omni_qwen3-omni-{cfg.sizes}{tp}", result["ratios"]
 
 
 def _run_diffusion_parallel(args: argparse.Namespace) -> Outcome:
@@ -188,7 +199,8 @@ def _run_diffusion_parallel(args: argparse.Namespace) -> Outcome:
         steps=args.steps or (4 if tiny else 20),
         num_layers=args.num_layers or (2 if tiny else 60), text_len=args.text_len,
         layouts=tuple(args.parallel.split(",")), reference=not args.no_reference,
-        compile=args.compile, device=args.device, seed=args.seed)
+        compile=args.compile, cuda_graphs=not args.no_cuda_graphs, device=args.device,
+        seed=args.seed)
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-parallel-") as tmp:
         result = dp.run(cfg, Path(tmp))
     return result, f"diffusion_parallel_{cfg.sizes}_{cfg.size}px", result["ratios"]
