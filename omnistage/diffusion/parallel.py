@@ -4,8 +4,8 @@ branches on different ranks, and the plan rank 0 shares with the others every st
     pipeline     cfg  ulysses  ring  tp
     qwen_image    x      x      x    x     CFG-parallel: true CFG's two branches
     flux          -      x      x    x     guidance-distilled: no negative branch to split
-    z_image       x      -      -    x     CFG with guidance_scale; its ragged, padded
-                                           per-request sequences are not split
+    z_image       x      x      x    x     CFG with guidance_scale; the main layers' padded
+                                           joint batch split, its key mask with it
     digits        -      -      -    -     the demo runs on one rank
 
 (each pipeline class's `parallel_axes`). The axes combine: world = cfg x ring x ulysses x tp

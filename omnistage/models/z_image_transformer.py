@@ -19,8 +19,12 @@ per-token noise masks) raises NotImplementedError.
 Tensor parallelism (issue 18), from the stage's group current at construction: q/k/v
 column-parallel (this rank's heads), the output projection row-parallel, the SwiGLU MLP column
 (w1, w3) / row (w2), each block's modulation split and gathered; embedders, refiners' norms
-and the final layer whole. Sequence parallelism is not implemented for Z-Image: its per-request
-ragged, padded sequences would need the padding split too.
+and the final layer whole.
+
+Sequence parallelism (Ulysses and ring, layers/sequence_parallel.py): the main layers' padded
+joint batch (B, S) is split along S over the sequence-parallel ranks, its key mask (requests of
+other lengths) split with it, and gathered after the last layer. The refiners, two layers on
+each stream alone, run whole on every rank.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from omnistage.layers.parallel import ColumnParallelLinear, RowParallelLinear, tp_group
-from omnistage.layers.sequence_parallel import check_heads
+from omnistage.layers.sequence_parallel import SequenceRanks, SequenceSplit, check_heads
 from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.models.diffusers_loader import build_from_folder, read_config
 
@@ -142,13 +146,17 @@ class ZImageAttention(nn.Module):
         self.norm_k = RMSNorm(cfg.head_dim, eps=1e-5) if cfg.qk_norm else None
         self.to_out = nn.ModuleList([RowParallelLinear(cfg.dim, cfg.dim)])
 
-    def forward(self, x: Tensor, mask: Tensor | None, freqs_cis: Tensor) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None, freqs_cis: Tensor,
+                seq: SequenceSplit | None = None) -> Tensor:
+        """seq: x holds this rank's part of a sequence split over ranks (its mask in `seq`)."""
         q = self.to_q(x).unflatten(-1, (self.heads, -1))                 # (B, S, H, D)
         k = self.to_k(x).unflatten(-1, (self.heads, -1))
         v = self.to_v(x).unflatten(-1, (self.heads, -1))
         if self.norm_q is not None:
             q, k = self.norm_q(q), self.norm_k(k)
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+        if seq is not None:
+            return self.to_out[0](seq.attend(q, k, v).flatten(2).to(q.dtype))
         if mask is not None:
             mask = mask[:, None, None, :]                                # (B, 1, 1, S) keys kept
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
@@ -187,13 +195,15 @@ class ZImageTransformerBlock(nn.Module):
                 min(dim, ADALN_EMBED_DIM), 4 * dim, bias=True, gather_output=True))
 
     def forward(self, x: Tensor, mask: Tensor | None, freqs_cis: Tensor,
-                adaln_input: Tensor | None = None) -> Tensor:            # x: (B, S, dim)
+                adaln_input: Tensor | None = None, seq: SequenceSplit | None = None
+                ) -> Tensor:                                             # x: (B, S, dim)
         if not self.modulation:
             x = x + self.attention_norm2(self.attention(self.attention_norm1(x), mask, freqs_cis))
             return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
         mod = self.adaLN_modulation(adaln_input).unsqueeze(1)            # (B, 1, 4*dim)
         scale_msa, gate_msa, scale_mlp, gate_mlp = mod.chunk(4, dim=2)   # each (B, 1, dim)
-        attn_out = self.attention(self.attention_norm1(x) * (1.0 + scale_msa), mask, freqs_cis)
+        attn_out = self.attention(self.attention_norm1(x) * (1.0 + scale_msa), mask, freqs_cis,
+                                  seq)
         x = x + gate_msa.tanh() * self.attention_norm2(attn_out)
         ffn_out = self.feed_forward(self.ffn_norm1(x) * (1.0 + scale_mlp))
         return x + gate_mlp.tanh() * self.ffn_norm2(ffn_out)
@@ -302,17 +312,34 @@ class ZImageTransformer2DModel(nn.Module):
         self.layers = nn.ModuleList(
             [ZImageTransformerBlock(cfg, modulation=True) for _ in range(cfg.n_layers)])
         self.rope_embedder = RopeEmbedder(cfg.rope_theta, cfg.axes_dims, cfg.axes_lens)
+        self.seq_ranks = SequenceRanks.current()
 
     def _run(self, layers: nn.ModuleList, seqs: list[Tensor], freqs: list[Tensor],
-             adaln_input: Tensor | None = None,
-             controlnet_block_samples: dict[int, Tensor] | None = None) -> Tensor:
+             adaln_input: Tensor | None = None) -> Tensor:
+        """A refiner's layers over one stream, whole on every rank."""
         x, mask = _pad_batch(seqs)                                       # (B, S, dim), (B, S)
         freqs_cis, _ = _pad_batch(freqs)                                 # (B, S, head_dim/2)
-        for idx, layer in enumerate(layers):
+        for layer in layers:
             x = layer(x, mask, freqs_cis, adaln_input)
-            if controlnet_block_samples is not None and idx in controlnet_block_samples:
-                x = x + controlnet_block_samples[idx]
         return x
+
+    def _main(self, x: Tensor, mask: Tensor | None, freqs_cis: Tensor, adaln_input: Tensor,
+              samples: dict[int, Tensor] | None = None) -> Tensor:
+        """The main layers over the padded joint batch (B, S, dim), its S split over the
+        sequence-parallel ranks when there are several (controlnet samples split alike)."""
+        if self.seq_ranks.degree == 1:
+            for idx, layer in enumerate(self.layers):
+                x = layer(x, mask, freqs_cis, adaln_input)
+                if samples is not None and idx in samples:
+                    x = x + samples[idx]
+            return x
+        seq = SequenceSplit.split([x.shape[1]], [mask], self.seq_ranks)
+        h, f = seq.local(x, 0), seq.local(freqs_cis, 0)
+        for idx, layer in enumerate(self.layers):
+            h = layer(h, None, f, adaln_input, seq)
+            if samples is not None and idx in samples:
+                h = h + seq.local(samples[idx], 0)
+        return seq.gather(h, 0)
 
     def _run_cached(self, seqs: list[Tensor], freqs: list[Tensor], adaln_input: Tensor,
                     groups: list[CacheGroup]) -> Tensor:
@@ -329,11 +356,8 @@ class ZImageTransformer2DModel(nn.Module):
         modulated = first.attention_norm1(x) * (1.0 + scale_msa)         # (B, S, dim)
 
         def run_blocks(idx: Tensor) -> Tensor:
-            h, f, a = x[idx], freqs_cis[idx], adaln_input[idx]
-            m = None if mask is None else mask[idx]
-            for layer in self.layers:
-                h = layer(h, m, f, a)
-            return h
+            return self._main(x[idx], None if mask is None else mask[idx], freqs_cis[idx],
+                              adaln_input[idx])
 
         return run_cached(x, modulated, groups, TEACACHE_COEFFICIENTS, run_blocks)
 
@@ -383,7 +407,9 @@ class ZImageTransformer2DModel(nn.Module):
                 in enumerate(zip(x_lens, cap_lens))]
         freqs = [torch.cat([xf, cf]) for xf, cf in zip(x_freqs, cap_freqs)]
         if step_cache is None:
-            out = self._run(self.layers, seqs, freqs, adaln_input, controlnet_block_samples)
+            x_joint, mask = _pad_batch(seqs)                             # (B, S, dim), (B, S)
+            out = self._main(x_joint, mask, _pad_batch(freqs)[0], adaln_input,
+                             controlnet_block_samples)
         else:
             assert controlnet_block_samples is None, "step caching with a controlnet"
             out = self._run_cached(seqs, freqs, adaln_input, step_cache)

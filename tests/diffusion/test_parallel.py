@@ -109,18 +109,27 @@ def test_stage_follows_rank_zero(folder: Path, reference: dict, tmp_path: Path) 
     assert_latents_close(results[0]["latents"], reference)
 
 
-@pytest.mark.parametrize("layout", ["cfg2", "tp2"])
-def test_z_image_latents_match_one_rank(tmp_path_factory: pytest.TempPathFactory, layout: str,
-                                        tmp_path: Path) -> None:
-    """Z-Image's CFG (guidance_scale with a negative caption) and TP (its SwiGLU's 128 hidden
-    features split); its sequences are not split. Larger activations: relative 1e-5."""
+@pytest.fixture(scope="module")
+def z_image(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """The tiny Z-Image folder and the cases' latents on one rank."""
     folder = str(build_tiny_z_image(tmp_path_factory.mktemp("z_image")))
-    cases = CASES[:4]
-    reference = pipeline_run(StageRanks.single(), folder, cases, "z_image")
+    return folder, pipeline_run(StageRanks.single(), folder, CASES, "z_image")
+
+
+@pytest.mark.parametrize("layout", ["cfg2", "tp2", "ulysses2", "ring2"])
+def test_z_image_latents_match_one_rank(z_image: tuple[str, dict], layout: str,
+                                        tmp_path: Path) -> None:
+    """Z-Image's CFG (guidance_scale with a negative caption), TP (its SwiGLU's 128 hidden
+    features split) and sequence parallelism (the main layers' joint batch split; step caching
+    on one request). Larger activations: relative 1e-5."""
+    folder, reference = z_image
     results = run_ranks(f"{TARGET}:pipeline_run", LAYOUTS[layout],
-                        {"folder": folder, "cases": cases, "pipeline": "z_image"}, tmp_path)
-    for result in results:
+                        {"folder": folder, "cases": CASES, "pipeline": "z_image"}, tmp_path)
+    for rank, result in enumerate(results):
         assert_latents_close(result["latents"], reference, rel=True)
+        for rid, branches in result["skipped"].items():     # CFG rank 1 runs "uncond" only
+            for branch, skipped in branches.items():
+                assert skipped == reference["skipped"][rid][branch], (rank, rid, branch)
 
 
 @pytest.mark.parametrize("layout", ["ulysses2", "ring2", "tp2"])
@@ -151,8 +160,7 @@ def test_sequence_parallel_attention(layout: str, tmp_path: Path) -> None:
     (QwenImagePipeline, "qwen_image", ParallelSizes(ulysses=2, tp=2),
      r"num_attention_heads \(2\) is not divisible by ulysses_degree x tensor_parallel_size"),
     (QwenImagePipeline, "qwen_image", ParallelSizes(cfg=3), "two branches"),
-    (ZImagePipeline, "z_image", ParallelSizes(ulysses=2), "ulysses_degree=2: .* supports "
-     "cfg_parallel_size, tensor_parallel_size"),
+    (ZImagePipeline, "z_image", ParallelSizes(cfg=4), "two branches"),
     (FluxPipeline, "flux", ParallelSizes(cfg=2), "cfg_parallel_size=2: .* runs none"),
     (DigitsPipeline, "digits", ParallelSizes(tp=2), "supports none"),
 ])

@@ -114,7 +114,7 @@ class ZImagePipeline(LatentPipelineBase):
     check_text_params = staticmethod(check_text_params)
     packed = False
     default_size = DEFAULT_SIZE
-    parallel_axes = ("cfg", "tp")
+    parallel_axes = ("cfg", "ulysses", "ring", "tp")
     heads_key = "n_heads"
 
     # ---- 1. prepare (encode: the base class) ---------------------------------------------
