@@ -45,9 +45,10 @@ from omnistage.models.config import ModelConfig
 from omnistage.models.loader import checkpoint_names
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor
 from omnistage.models.qwen3_omni.moe import expand_expert_names
+from omnistage.models.loader import build_and_load
 from omnistage.models.qwen3_omni.thinker import (PACKED_MODULES, Qwen3OmniMoeDecoder,
                                                  Qwen3OmniTextConfig, _model_config,
-                                                 build_and_load, load_moe_model_weights)
+                                                 load_moe_model_weights)
 from omnistage.utils import device_wait
 from omnistage.utils.host import to_device
 
@@ -97,6 +98,16 @@ class Qwen3OmniTalkerModel(Qwen3OmniMoeDecoder):
         self.codec_embedding.weight.requires_grad_(False)
 
 
+def codec_suppression(vocab_size: int, eos_token_ids: tuple[int, ...]) -> Tensor:
+    """(vocab,) bool: the codec ids a talker never samples. The references (Qwen3-Omni's and
+    Qwen3-TTS's) suppress the top 1024 ids, where the specials, speakers and languages live,
+    all but EOS."""
+    suppressed = torch.zeros(vocab_size, dtype=torch.bool)
+    suppressed[max(0, vocab_size - 1024):] = True
+    suppressed[list(eos_token_ids)] = False
+    return suppressed
+
+
 class ResizeMLP(nn.Module):
     """thinker width -> talker width: fc2(silu(fc1(x))), both with bias."""
 
@@ -114,8 +125,6 @@ class Qwen3OmniTalkerForCausalLM(CausalLM):
     checkpoint_prefix = "talker."   # all of it: decoder, heads, projections, code predictor
     checkpoint_exclude: tuple[str, ...] = ()
     uses_mrope = True               # the runner passes (3, T) positions
-    # The reference never samples the top 1024 codec ids (specials, speakers) except EOS.
-    NUM_SUPPRESSED = 1024
 
     def __init__(self, config: Qwen3OmniTalkerConfig) -> None:
         super().__init__()
@@ -133,10 +142,8 @@ class Qwen3OmniTalkerForCausalLM(CausalLM):
                                            mc.hidden_size)
         with replicated():
             self.code_predictor = CodePredictor(config.code_predictor, config.num_code_groups)
-        suppressed = torch.zeros(mc.vocab_size, dtype=torch.bool)
-        suppressed[max(0, mc.vocab_size - self.NUM_SUPPRESSED):] = True
-        suppressed[list(mc.eos_token_ids)] = False
-        self.register_buffer("suppressed", suppressed, persistent=False)
+        self.register_buffer("suppressed", codec_suppression(mc.vocab_size, mc.eos_token_ids),
+                             persistent=False)
 
     @property
     def model_config(self) -> ModelConfig:
