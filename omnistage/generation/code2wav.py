@@ -52,9 +52,10 @@ class Code2WavGenerator:
         """Run the vocoder once at every padded shape (cuDNN plans its convolutions)."""
         if self.shapes is None:
             return
-        weight = self.model.code_embedding.weight
+        model = self.model
         for num, frames in self.shapes.all():
-            self.model.vocode(weight.new_zeros(num, frames, self.model.cfg.hidden_size))
+            model.vocode(torch.zeros(num, frames, model.row_size, dtype=model.dtype,
+                                     device=model.device))
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, component: str, device: torch.device,
