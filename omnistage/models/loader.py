@@ -15,7 +15,7 @@ import logging
 import struct
 import threading
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, TypeVar
+from typing import Callable, Iterable, Iterator, Mapping, TypeVar
 
 import torch
 from huggingface_hub import snapshot_download
@@ -315,4 +315,34 @@ def build_and_load(model_cls: type[M], config: object, model_config: ModelConfig
                        {prefix + n for n in expected}, {prefix + n for n in found})
     not_loaded = {n for n, _ in model.named_parameters()} - loaded
     assert not not_loaded, f"parameters not loaded although the checkpoint has them: {not_loaded}"
+    return model.eval()
+
+
+def load_component(build: Callable[[], M], path: Path, prefix: str, device: torch.device | str,
+                   dtype: torch.dtype | None, packed_modules: PackedModules,
+                   exclude: tuple[str, ...] = ()) -> M:
+    """`build()` on `device` in `dtype` (None: the component's), then the checkpoint's
+    `prefix*` tensors (less `prefix + e` for e in `exclude`), strictly: a missing,
+    unexpected or mis-shaped tensor raises ValueError with its full name. In eval mode."""
+    files = component_tensor_files(path, prefix, exclude)
+    if not files:
+        raise ValueError(f"{path}: the checkpoint has no {prefix}* tensors")
+    with _default_dtype(dtype or component_dtype(files)), torch.device(device):
+        model = build()
+    seen: list[str] = []
+
+    def recorded() -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in iter_component_tensors(files, prefix):
+            seen.append(name)
+            yield name, tensor
+
+    with torch.no_grad():
+        try:
+            loaded = load_packed_weights(model, recorded(), packed_modules)
+        except ValueError as e:
+            raise ValueError(f"{path} ({prefix}*): {e}") from None
+    expected = {prefix + n for n in checkpoint_names(model, packed_modules)}
+    check_tensor_names(path, type(model).__name__, expected, {prefix + n for n in seen})
+    not_loaded = {n for n, _ in model.named_parameters()} - loaded
+    assert not not_loaded, f"parameters not loaded: {sorted(not_loaded)}"
     return model.eval()

@@ -209,9 +209,10 @@ def run_request(models: dict, req: dict) -> dict[str, np.ndarray]:
     for j, (codes, wav) in enumerate(zip(captured["codes"], wavs)):
         out[f"codes{j}"] = codes.numpy()
         out[f"wav{j}"] = np.asarray(wav, dtype=np.float32)
-    for key in ("spk", "ref_code"):
-        if key in captured:
-            out[key] = captured[key][0].float().numpy()
+    if "spk" in captured:
+        out["spk"] = captured["spk"][0].float().numpy()
+    if "ref_code" in captured:
+        out["ref_code"] = captured["ref_code"][0].numpy()
     return out
 
 

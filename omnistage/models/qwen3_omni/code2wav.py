@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -53,9 +53,7 @@ from transformers import AutoConfig, PretrainedConfig
 from omnistage.layers.linear import Linear, MergedLinear, QKVLinear
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding, get_rope, rotate_half
-from omnistage.models.loader import (_default_dtype, check_tensor_names, checkpoint_names,
-                                     component_dtype, component_tensor_files,
-                                     iter_component_tensors, load_packed_weights)
+from omnistage.models.loader import load_component
 
 CHECKPOINT_PREFIX = "code2wav."
 @dataclass(frozen=True, slots=True)
@@ -515,30 +513,9 @@ class Code2Wav(nn.Module):
     def load(cls, path: Path, cfg: Code2WavConfig, prefix: str, device: torch.device | str,
              dtype: torch.dtype | None, exclude: tuple[str, ...] = ()) -> Code2Wav:
         """`cls(cfg)` with the checkpoint's `prefix*` tensors (less `exclude`), strictly."""
-        files = component_tensor_files(path, prefix, exclude)
-        if not files:
-            raise ValueError(f"{path}: the checkpoint has no {prefix}* tensors (a checkpoint "
-                             "without audio output?)")
-        dtype = dtype or component_dtype(files)
-        with _default_dtype(dtype), torch.device(device):
-            model = cls(cfg)
-        seen: list[str] = []
-
-        def recorded() -> Iterator[tuple[str, Tensor]]:
-            for name, tensor in iter_component_tensors(files, prefix):
-                seen.append(name)
-                yield name, tensor
-
-        with torch.no_grad():
-            try:
-                loaded = load_packed_weights(model, recorded(), cls.packed_modules)
-            except ValueError as e:
-                raise ValueError(f"{path} ({prefix}*): {e}") from None
-        expected = {prefix + n for n in checkpoint_names(model, cls.packed_modules)}
-        check_tensor_names(path, cls.__name__, expected, {prefix + n for n in seen})
-        not_loaded = {n for n, _ in model.named_parameters()} - loaded
-        assert not not_loaded, f"parameters not loaded: {sorted(not_loaded)}"
-        return model.eval().requires_grad_(False)
+        model = load_component(lambda: cls(cfg), path, prefix, device, dtype,
+                               cls.packed_modules, exclude)
+        return model.requires_grad_(False)
 
 
 def vocoder_layers(cfg: Code2WavConfig, dim: int, trim_left: bool

@@ -137,7 +137,7 @@ class PromptBuilder:
         bos + the reference frames. -> (rows, trailing)."""
         text = torch.cat([self.talker.embed_text(text_ids), eos[None]])          # (Nt, H)
         codec = torch.cat([self.codec(self.config.codec.bos),
-                           self.talker.embed_frames(ref_code.to(text.device))])   # (Nc, H)
+                           self.talker.embed_frames(ref_code.to(text.device, torch.long))])   # (Nc, H)
         nt, nc = text.shape[0], codec.shape[0]
         if non_streaming:
             rows = torch.cat([text + self.codec(*[self.config.codec.pad] * nt), codec + pad])
