@@ -235,15 +235,16 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch
                        "F64": torch.float64}
 
 
-def component_tensor_files(path: Path, prefix: str, exclude: tuple[str, ...] = ()
-                           ) -> dict[Path, list[str]]:
+def component_tensor_files(path: Path, prefix: str, exclude: tuple[str, ...] = (),
+                           ignore_suffixes: tuple[str, ...] = ()) -> dict[Path, list[str]]:
     """{safetensors file: its tensor names under `prefix`, less `prefix + e` for e in
-    `exclude`} for `model.safetensors` or the shards of `model.safetensors.index.json`;
-    shards holding none are never opened."""
+    `exclude` and the names ending in one of `ignore_suffixes`} for `model.safetensors` or the
+    shards of `model.safetensors.index.json`; shards holding none are never opened."""
     path = Path(path)
 
     def wanted(name: str) -> bool:
-        return name.startswith(prefix) and not name[len(prefix):].startswith(exclude)
+        return (name.startswith(prefix) and not name[len(prefix):].startswith(exclude)
+                and not name.endswith(ignore_suffixes or ("\0",)))
 
     index = path / "model.safetensors.index.json"
     files: dict[Path, list[str]] = {}
@@ -320,11 +321,12 @@ def build_and_load(model_cls: type[M], config: object, model_config: ModelConfig
 
 def load_component(build: Callable[[], M], path: Path, prefix: str, device: torch.device | str,
                    dtype: torch.dtype | None, packed_modules: PackedModules,
-                   exclude: tuple[str, ...] = ()) -> M:
+                   exclude: tuple[str, ...] = (), ignore_suffixes: tuple[str, ...] = ()) -> M:
     """`build()` on `device` in `dtype` (None: the component's), then the checkpoint's
-    `prefix*` tensors (less `prefix + e` for e in `exclude`), strictly: a missing,
-    unexpected or mis-shaped tensor raises ValueError with its full name. In eval mode."""
-    files = component_tensor_files(path, prefix, exclude)
+    `prefix*` tensors (less `exclude` and `ignore_suffixes`, see `component_tensor_files`),
+    strictly: a missing, unexpected or mis-shaped tensor raises ValueError with its full
+    name. In eval mode."""
+    files = component_tensor_files(path, prefix, exclude, ignore_suffixes)
     if not files:
         raise ValueError(f"{path}: the checkpoint has no {prefix}* tensors")
     with _default_dtype(dtype or component_dtype(files)), torch.device(device):
