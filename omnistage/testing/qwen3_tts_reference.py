@@ -170,13 +170,15 @@ def build(root: Path, seed: int) -> None:
 
 
 def run_request(models: dict, req: dict) -> dict[str, np.ndarray]:
-    """One request (or a batch: `text` a list) through the wrapper's public API, greedy."""
+    """One request through the wrapper's public API (`generate_custom_voice`, ...), greedy;
+    a clone's reference audio is a list of 24 kHz samples."""
     from qwen_tts import Qwen3TTSModel
 
     tts: Qwen3TTSModel = models[req["mode"]]
     greedy = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=req["max_new_tokens"],
-                  repetition_penalty=req.get("repetition_penalty", 1.05),
-                  non_streaming_mode=req.get("non_streaming_mode", False))
+                  repetition_penalty=req.get("repetition_penalty", 1.05))
+    if "non_streaming_mode" in req:          # else the wrapper's default for the mode
+        greedy["non_streaming_mode"] = req["non_streaming_mode"]
     captured: dict[str, list] = {}
     generate = tts.model.generate
 
@@ -228,10 +230,6 @@ def main(root: Path) -> None:
     for i, req in enumerate(job["requests"]):
         for key, value in run_request(models, req).items():
             arrays[f"{i}.{key}"] = value
-    decoder = models["base"].model.speech_tokenizer
-    for i, codes in enumerate(job.get("decode", [])):   # (T, Q) code lists -> waveform
-        wavs, _ = decoder.decode({"audio_codes": torch.tensor(codes)})
-        arrays[f"decode{i}"] = np.asarray(wavs[0], dtype=np.float32)
     np.savez(root / "reference.npz", **arrays)
 
 

@@ -45,15 +45,14 @@ def reference_missing() -> str | None:
     return None
 
 
-def run_reference(root: Path, requests: list[dict[str, Any]], seed: int = 0,
-                  decode: list[list[list[int]]] | None = None) -> dict[str, np.ndarray]:
+def run_reference(root: Path, requests: list[dict[str, Any]], seed: int = 0
+                  ) -> dict[str, np.ndarray]:
     """Build the three tiny checkpoints under `root` and run `requests` (see
-    qwen3_tts_reference.py) and the `decode` code lists ((T, G) each) through the reference;
-    its outputs by name."""
+    qwen3_tts_reference.py) through the reference; its outputs by name."""
     root.mkdir(parents=True, exist_ok=True)
     build_tiny_omni_tokenizer(root / "tokenizer")
     (root / "job.json").write_text(json.dumps(
-        {"seed": seed, "requests": requests, "decode": decode or []}))
+        {"seed": seed, "requests": requests}))
     done = subprocess.run([str(REFERENCE_PYTHON), str(REFERENCE_SCRIPT), str(root)],
                           capture_output=True, text=True, timeout=REFERENCE_TIMEOUT_S)
     if done.returncode != 0:
