@@ -63,6 +63,50 @@ def run_reference(root: Path, requests: list[dict[str, Any]], seed: int = 0
         return {k: npz[k] for k in npz.files}
 
 
+MAX_TOKENS = 14         # talker steps of every golden case
+
+
+def clip(seconds: float, freq: float, seed: int) -> np.ndarray:
+    """A 24 kHz tone with noise: a reference clip for voice cloning."""
+    t = np.arange(int(24000 * seconds)) / 24000
+    noise = np.random.default_rng(seed).standard_normal(t.shape)
+    return (0.3 * np.sin(2 * np.pi * freq * t) + 0.05 * noise).astype(np.float32)
+
+
+LONG_CLIP, SHORT_CLIP = clip(2.0, 220.0, 1), clip(0.4, 330.0, 2)
+# the golden cases: name -> (the model type, the request's fields); clones take CLIPS[name]
+CASES = {
+    "preset": ("custom_voice", dict(text="Hello world.", speaker="Vivian", language="English",
+                                    instruct="Speak slowly and warmly.")),
+    "dialect": ("custom_voice", dict(text="Numbers like 42 appear in text too.",
+                                     speaker="Dylan", language="Chinese",
+                                     non_streaming_mode=False)),
+    "no_speaker": ("custom_voice", dict(text="The sun rises.", speaker="", language="Auto")),
+    "design": ("voice_design", dict(text="The sun rises in the east and sets in the west.",
+                                    instruct="A deep, calm voice.", language="English")),
+    "design_streaming": ("voice_design", dict(text="One, two, three.", instruct="Bright.",
+                                              language="Auto", non_streaming_mode=False)),
+    "xvector": ("base", dict(text="The quick brown fox.", language="English")),
+    "icl": ("base", dict(text="She sells sea shells.", language="Auto",
+                         ref_text="Hello world.")),
+    "icl_long_text": ("base", dict(text="To be, or not to be, that is the question.",
+                                   language="English", ref_text="Hi.")),
+    "icl_non_streaming": ("base", dict(text="Grüße aus München.", language="Auto",
+                                       ref_text="Hello world.", non_streaming_mode=True)),
+}
+CLIPS = {"xvector": LONG_CLIP, "icl": LONG_CLIP, "icl_long_text": SHORT_CLIP,
+         "icl_non_streaming": SHORT_CLIP}
+
+
+def reference_request(name: str) -> dict:
+    """A golden case as qwen3_tts_reference.py takes it."""
+    mode, fields = CASES[name]
+    req = {"mode": mode, "max_new_tokens": MAX_TOKENS, **fields}
+    if name in CLIPS:
+        req.update(ref_audio=CLIPS[name].tolist(), x_vector_only="ref_text" not in fields)
+    return req
+
+
 @torch.inference_mode()
 def greedy_speech(talker: Qwen3TTSTalkerForCausalLM, prompts: list[TalkerPrompt],
                   max_new_tokens: int, repetition_penalty: float = 1.05,

@@ -75,6 +75,7 @@ class Code2WavConfig:
     upsample_rates: tuple[int, ...] = (8, 5, 4, 3)      # decoder blocks
     upsampling_ratios: tuple[int, ...] = (2, 2)         # ConvNeXt upsampling after the transformer
     decoder_dim: int = 1536
+    sample_rate: int = 24000
 
     @classmethod
     def from_hf(cls, hf: PretrainedConfig) -> Code2WavConfig:

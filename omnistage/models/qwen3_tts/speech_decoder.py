@@ -41,7 +41,6 @@ ENCODE_ONLY = ("quantizer.rvq_first.input_proj", "quantizer.rvq_rest.input_proj"
 class SpeechDecoderConfig(Code2WavConfig):
     latent_dim: int = 1024
     codebook_dim: int = 512
-    sample_rate: int = 24000
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> SpeechDecoderConfig:

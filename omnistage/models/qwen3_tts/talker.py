@@ -27,7 +27,7 @@ from omnistage.models.causal_lm import CausalLM
 from omnistage.models.loader import build_and_load, checkpoint_names, load_packed_weights
 from omnistage.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor
-from omnistage.models.qwen3_omni.talker import ResizeMLP, codec_suppression
+from omnistage.models.qwen3_omni.talker import ResizeMLP, codec_feedback, codec_suppression
 from omnistage.models.qwen3_tts.config import Qwen3TTSConfig
 
 
@@ -52,6 +52,7 @@ class Qwen3TTSTalkerForCausalLM(CausalLM):
     packed_modules = Qwen2ForCausalLM.packed_modules
     checkpoint_prefix = "talker."   # decoder, head, text projection and code predictor
     checkpoint_exclude: tuple[str, ...] = ()
+    stops_at_tokenizer_eos = False  # its outputs are codec ids; the text tokenizer's EOS is not
 
     def __init__(self, config: Qwen3TTSConfig) -> None:
         super().__init__()
@@ -104,6 +105,12 @@ class Qwen3TTSTalkerForCausalLM(CausalLM):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """(N, hidden) -> (N, vocab), the reference's suppressed ids at -inf."""
         return self.codec_head(hidden).float().masked_fill(self.suppressed, float("-inf"))
+
+    def feedback(self, last_hidden: Tensor, code0: Tensor, seqs: list) -> tuple[Tensor, list]:
+        """The AR runner's hook after sampling (`codec_feedback`), the code predictor drawing
+        with the reference's subtalker defaults top_k=50, top_p=1.0 (temperature: the
+        request's)."""
+        return codec_feedback(self, last_hidden, code0, seqs, top_k=50, top_p=1.0)
 
     def predict_codes(self, past_hidden: Tensor, code0: Tensor, **sampling: object
                       ) -> tuple[Tensor, Tensor]:
