@@ -34,6 +34,7 @@ from omnistage.models.qwen3_tts.speech_encoder import Qwen3TTSSpeechEncoder
 from omnistage.models.qwen3_tts.talker import Qwen3TTSTalkerForCausalLM
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
+from omnistage.stages.qwen3_omni import code_predictor_graphs
 
 VOICE_KEYS = ("voice", "instructions", "language", "ref_audio", "ref_text")
 
@@ -49,6 +50,10 @@ class TalkerStage(ARStage):
     limit cut before the code predictor ran), as the reference; an in-context clone's first
     output also carries its reference frames, marked `skip_frames`."""
 
+    # code_predictor_cuda_graphs (default true): on CUDA, replay the code predictor's rounds
+    # of a frame as one CUDA graph per batch-size bucket (checked against eager at start-up)
+    options = frozenset({"code_predictor_cuda_graphs"})
+
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
         super().__init__(stage, model, device, loader=_load)
         self.path = resolve_model_path(stage.model or model)
@@ -62,6 +67,15 @@ class TalkerStage(ARStage):
     @property
     def model(self) -> Qwen3TTSTalkerForCausalLM:
         return self.engine.model
+
+    def prepare(self) -> None:
+        stage = self.stage
+        if not self.engine.ranks.is_leader:   # the code predictor runs on rank 0 alone
+            return
+        if (self.engine.device.type == "cuda" and not stage.enforce_eager
+                and stage.options.get("code_predictor_cuda_graphs", True)):
+            self.model.code_predictor.graphs = code_predictor_graphs(
+                self.model, stage.max_num_seqs, self.engine.device, self.engine.dtype)
 
     def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
         """Every decode is fed embeddings (the frame's codes and the text row)."""

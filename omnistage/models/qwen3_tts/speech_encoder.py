@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from omnistage.layers.linear import Linear
 from omnistage.layers.rotary import RotaryEmbedding, get_rope
 from omnistage.models.loader import load_component
+from omnistage.models.qwen3_omni.code2wav import LayerScale
 
 CHECKPOINT_PREFIX = "encoder."
 # decode-side tensors of the Mimi checkpoint, which encoding never reads
@@ -156,15 +157,6 @@ class EncoderAttention(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
             enable_gqa=self.num_kv_heads != self.num_heads)      # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-
-
-class LayerScale(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.scale * x
 
 
 class EncoderMLP(nn.Module):

@@ -8,9 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import soundfile
 import torch
 
 from omnistage import Omni, SamplingParams
+from omnistage.entrypoints.cli.main import main
 from omnistage.testing.tiny_tts import CASES, CLIPS, MAX_TOKENS
 
 WAV_ATOL = 1e-4
@@ -80,3 +82,21 @@ def test_bad_voices_are_refused(ref: dict) -> None:
         assert "unknown keys ['tone']" in bad.error
         (after,) = omni.generate("Hi.", greedy(voice="vivian"))
     assert after.error is None and after.tensors["audio"].numel() > 0
+
+
+def test_cli_generate_writes_the_audio_file(ref: dict, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    """`omnistage generate <tts folder> --prompt ... --voice ... --out a.wav` writes 24 kHz
+    speech of whole frames; a second prompt with --out is refused before anything loads."""
+    out = tmp_path / "a.wav"
+    common = ["generate", str(ref["root"] / "custom_voice"), "--prompt", "Hello world.",
+              "--device", "cpu", "--max-tokens", "8", "--stage-override", "backend=inproc",
+              "--stage-override", "connector=inproc"]
+    assert main(common + ["--voice", "vivian", "--instructions", "Whisper.", "--language",
+                          "english", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    audio, rate = soundfile.read(out)
+    assert rate == 24000 and audio.ndim == 1 and 0 < len(audio) <= 7 * 1920
+    assert len(audio) % 1920 == 0
+    assert main(common + ["--prompt", "Hi.", "--out", str(out)]) == 2
+    assert "--out: one audio file for one prompt" in capsys.readouterr().err
