@@ -107,7 +107,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 def make_audible(decoder: torch.nn.Module, peak: float = 0.5) -> None:
     """Scale the decoder's last conv so that random codes decode to a waveform peaking near
     `peak` (before the clamp): neither faint nor clamped flat."""
-    codes = torch.randint(0, CODEBOOK, (2, NUM_GROUPS, 20), generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, CODEBOOK, (2, NUM_GROUPS, 20), generator=gen)
     last = decoder.decoder[-1].conv
     seen: list[torch.Tensor] = []
     hook = last.register_forward_hook(lambda _m, _i, out: seen.append(out))
@@ -164,8 +165,9 @@ def build(root: Path, seed: int) -> None:
              "top_k": 50, "subtalker_dosample": True, "subtalker_temperature": 0.9,
              "subtalker_top_p": 1.0, "subtalker_top_k": 50, "max_new_tokens": 8192}))
         speech.save_pretrained(path / "speech_tokenizer", safe_serialization=True)
-        EncodecFeatureExtractor(feature_size=1, sampling_rate=24000, padding_value=0.0,
-                                return_attention_mask=True).save_pretrained(path / "speech_tokenizer")
+        features = EncodecFeatureExtractor(feature_size=1, sampling_rate=24000,
+                                           padding_value=0.0, return_attention_mask=True)
+        features.save_pretrained(path / "speech_tokenizer")
     shutil.rmtree(root / "tokenizer")
 
 

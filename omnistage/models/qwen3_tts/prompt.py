@@ -136,8 +136,8 @@ class PromptBuilder:
         """The in-context clone's rows: reference transcript + text (then tts_eos) over codec
         bos + the reference frames. -> (rows, trailing)."""
         text = torch.cat([self.talker.embed_text(text_ids), eos[None]])          # (Nt, H)
-        codec = torch.cat([self.codec(self.config.codec.bos),
-                           self.talker.embed_frames(ref_code.to(text.device, torch.long))])   # (Nc, H)
+        frames = self.talker.embed_frames(ref_code.to(text.device, torch.long))
+        codec = torch.cat([self.codec(self.config.codec.bos), frames])           # (Nc, H)
         nt, nc = text.shape[0], codec.shape[0]
         if non_streaming:
             rows = torch.cat([text + self.codec(*[self.config.codec.pad] * nt), codec + pad])

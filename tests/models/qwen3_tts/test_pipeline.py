@@ -100,3 +100,16 @@ def test_cli_generate_writes_the_audio_file(ref: dict, tmp_path: Path,
     assert len(audio) % 1920 == 0
     assert main(common + ["--prompt", "Hi.", "--out", str(out)]) == 2
     assert "--out: one audio file for one prompt" in capsys.readouterr().err
+
+
+def test_shipped_graph_with_stage_processes(ref: dict) -> None:
+    """configs/qwen3_tts.yaml as is (each stage a process, shm between them): a voice clone's
+    reference audio crosses to the talker, its frames and context marks to code2wav; the
+    reference's waveform comes back."""
+    with Omni(str(ref["root"] / "base"), device="cpu") as omni:
+        (out,) = omni.generate(CASES["icl"][1]["text"], greedy(**voice("icl")))
+    assert out.error is None, out.error
+    expected = torch.from_numpy(ref["icl"]["wav0"])
+    audio = out.tensors["audio"]
+    assert 0 <= expected.shape[0] - audio.shape[0] <= 1
+    torch.testing.assert_close(audio, expected[-audio.shape[0]:], atol=WAV_ATOL, rtol=0)
