@@ -5,13 +5,15 @@ waveform in `.audio` at its `.sample_rate`, streamed in chunks."""
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import soundfile
 import torch
 
-from omnistage import Omni, SamplingParams
+from omnistage import AsyncOmni, Omni, SamplingParams
 from omnistage.entrypoints.cli.main import main
 from omnistage.testing.tiny_tts import CASES, CLIPS, MAX_TOKENS
 
@@ -72,6 +74,39 @@ def test_requests_together_equal_alone(ref: dict) -> None:
     for together, single in zip(both[1:], alone):
         assert together.tensors["audio"].shape == single.tensors["audio"].shape
         torch.testing.assert_close(together.tensors["audio"], single.tensors["audio"], atol=WAV_ATOL, rtol=0)
+
+
+def test_audio_streams_in_chunks(ref: dict) -> None:
+    """AsyncOmni: the audio arrives in several deltas, which concatenate to the reference's
+    waveform (chunks of 3 frames first, then 4)."""
+    mode, fields = CASES["design"]
+    engine = AsyncOmni(str(ref["root"] / mode), device="cpu", backend="inproc",
+                       connector="inproc", stage_overrides=["code2wav.options.chunk_frames=4",
+                                                            "code2wav.options.first_chunk_frames=3"])
+
+    async def run() -> list:
+        return [o async for o in engine.generate(fields["text"], greedy(**voice("design")))]
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    deltas = [o.delta_tensors["audio"] for o in outs if "audio" in o.delta_tensors]
+    assert len(deltas) >= 2         # several deltas (a step may carry several chunks)
+    torch.testing.assert_close(torch.cat(deltas), torch.from_numpy(ref["design"]["wav0"]),
+                               atol=WAV_ATOL, rtol=0)
+
+
+def test_sampling_follows_the_seed(ref: dict) -> None:
+    """Sampled talker and code predictor (the reference's temperature 0.9, top-k 50): a seed
+    gives the same speech again, another seed other speech."""
+    params = replace(greedy(**voice("preset")), temperature=0.9, top_k=50, seed=7)
+    with engine(ref["root"], "custom_voice") as omni:
+        first, again = (omni.generate("Hello world.", params)[0] for _ in range(2))
+        other = omni.generate("Hello world.", replace(params, seed=8))[0]
+    assert torch.equal(first.tensors["audio"], again.tensors["audio"])
+    a, b = first.tensors["audio"], other.tensors["audio"]
+    assert a.shape != b.shape or not torch.allclose(a, b)
 
 
 def test_bad_voices_are_refused(ref: dict) -> None:
