@@ -37,6 +37,7 @@ from omnistage.stages.interface import StageInfo, StageRequest, StageResult
 from omnistage.stages.qwen3_omni import code_predictor_graphs
 
 VOICE_KEYS = ("voice", "instructions", "language", "ref_audio", "ref_text")
+MIN_REF_SAMPLES = 2400     # 0.1 s: the speaker encoder's mel frames need a few STFT windows
 
 
 def _load(path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple:
@@ -114,12 +115,19 @@ class TalkerStage(ARStage):
         if self.config.model_type == "custom_voice":
             fields["speaker"] = extra.get("voice") or None
         if self.config.model_type != "base":
+            for key in ("ref_audio", "ref_text"):
+                if extra.get(key) is not None:
+                    raise InputError(f"{key}: a {self.config.model_type} model clones no "
+                                     "voice (a Base model does)", param=key)
             return SpeechRequest(**fields)
         if extra.get("ref_audio") is None:
             raise InputError("ref_audio: a Base model clones a voice from 24 kHz reference "
                              "audio", param="ref_audio")
         speaker_encoder, speech_encoder = self.clone_encoders()
         wav = torch.as_tensor(extra["ref_audio"], dtype=torch.float32).reshape(-1)
+        if wav.numel() < MIN_REF_SAMPLES or not bool(torch.isfinite(wav).all()):
+            raise InputError(f"ref_audio: {wav.numel()} samples; a clone needs at least "
+                             f"{MIN_REF_SAMPLES} finite samples at 24 kHz", param="ref_audio")
         fields["speaker_embedding"] = speaker_encoder.embed_speaker(wav)
         if extra.get("ref_text"):
             fields.update(ref_code=speech_encoder.encode(wav), ref_text=str(extra["ref_text"]))

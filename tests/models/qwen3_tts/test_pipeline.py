@@ -115,8 +115,15 @@ def test_bad_voices_are_refused(ref: dict) -> None:
             omni.generate("Hi.", greedy(voice="nobody"))
         (bad,) = omni.generate("Hi.", greedy(tone="sad"))     # refused by the talker stage
         assert "unknown keys ['tone']" in bad.error
+        (bad,) = omni.generate("Hi.", greedy(ref_audio=[0.0] * 2400))
+        assert "ref_audio: a custom_voice model clones no voice" in bad.error
         (after,) = omni.generate("Hi.", greedy(voice="vivian"))
     assert after.error is None and after.tensors["audio"].numel() > 0
+    with engine(ref["root"], "base") as omni:
+        (bad,) = omni.generate("Hi.", greedy(ref_audio=[0.1] * 10))
+        assert "ref_audio: 10 samples" in bad.error
+        (bad,) = omni.generate("Hi.", greedy())
+        assert "ref_audio: a Base model clones a voice" in bad.error
 
 
 def test_cli_generate_writes_the_audio_file(ref: dict, tmp_path: Path,
