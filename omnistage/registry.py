@@ -91,6 +91,12 @@ _BUILT_IN = (
                     Component("generation", "qwen3_omni_code2wav",
                               "omnistage.generation.code2wav:Code2WavGenerator")),
         processor="omnistage.models.qwen3_omni.processing:InputProcessor"),
+    ModelFamily(
+        "qwen3_tts", architectures=("Qwen3TTSForConditionalGeneration",),
+        graph="qwen3_tts.yaml",
+        components=(Component("ar", "qwen3_tts_talker", "omnistage.stages.qwen3_tts:build_stage"),
+                    Component("generation", "qwen3_tts_code2wav",
+                              "omnistage.generation.code2wav:Code2WavGenerator"))),
     _pipeline("flux", "FluxPipeline"),
     _pipeline("z_image", "ZImagePipeline"),
     _pipeline("qwen_image", "QwenImagePipeline"),

@@ -16,3 +16,17 @@ if ! $PY -c "import torch" 2>/dev/null; then
     fi
 fi
 $PY -m pip install -q -e ".[test]"
+
+# The reference environment of the Qwen3-TTS golden tests (tests/models/qwen3_tts): the
+# `qwen-tts` package pins transformers 4.57.3, which cannot share .venv with ours, so it gets
+# its own, run by subprocess. Only what its 12 Hz models import (not its demo's gradio, nor
+# the 25 Hz tokenizer's sox / onnxruntime / torchaudio); torch is the local CPU build. Skipped
+# when present, and on GPU machines (no CUDA torch is downloaded for it); the tests then skip.
+if ! command -v nvidia-smi >/dev/null 2>&1 \
+        && ! .venv-ref/bin/python -c "import importlib.metadata as m, librosa, einops
+m.version('qwen-tts'); assert m.version('transformers') == '4.57.3'" 2>/dev/null; then
+    python3 -m venv .venv-ref
+    .venv-ref/bin/python -m pip install -q torch==2.13.0 transformers==4.57.3 accelerate==1.12.0 \
+        librosa soundfile einops
+    .venv-ref/bin/python -m pip install -q --no-deps qwen-tts==0.1.1
+fi

@@ -30,7 +30,8 @@ def test_unknown_architecture_lists_the_known_ones(tmp_path: Path) -> None:
     path = folder(tmp_path, "config.json", {"architectures": ["LlamaForCausalLM"]})
     with pytest.raises(ValueError, match=r"architecture LlamaForCausalLM is not supported "
                        r"\(supported: Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                       r"Qwen3OmniMoeForConditionalGeneration\)"):
+                       r"Qwen3OmniMoeForConditionalGeneration, "
+                       r"Qwen3TTSForConditionalGeneration\)"):
         registry.family_of_folder(path)
     assert registry.match_folder(path) is None
     # an AR model class exists for the text LLMs only

@@ -71,7 +71,8 @@ class AREngine:
                                   max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager)
         eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+        if (self.tokenizer is not None and self.tokenizer.eos_token_id is not None
+                and self.model.stops_at_tokenizer_eos):
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self.runner.eos_token_ids = self.eos_token_ids

@@ -87,12 +87,13 @@ class AsyncOmni:
             if isinstance(p, SamplingParams):
                 info = self.orchestrator.stage_info.get(name, {})
                 check_params(p, info)
-                speaker = p.extra.get("speaker")
+                key = "speaker" if "speaker" in p.extra else "voice"   # Omni's, TTS's
+                speaker = p.extra.get(key)
                 known = info.get("speakers")
                 if speaker is not None and known is not None \
                         and str(speaker).lower() not in str(known).split(","):
                     raise InputError(f"speaker {speaker!r} is unknown (this model has: "
-                                     f"{str(known).replace(',', ', ')})", param="speaker")
+                                     f"{str(known).replace(',', ', ')})", param=key)
             elif isinstance(p, DiffusionParams):
                 p.validate()
                 if p.image is not None:   # not an image file: refused here (its header is

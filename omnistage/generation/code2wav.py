@@ -1,5 +1,6 @@
-"""Qwen3-Omni's code2wav as a generation-stage model: codec frames in (any number per
-chunk), streamed audio out, exactly the whole decode (`Code2WavStream`)."""
+"""Qwen3-Omni's code2wav and Qwen3-TTS's speech decoder as a generation-stage model: codec
+frames in (any number per chunk), streamed audio out, exactly the whole decode
+(`Code2WavStream`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 from omnistage.models.qwen3_omni.code2wav_stream import (Code2WavStream, VocoderShapes,
                                                          decode_streams)
+from omnistage.models.qwen3_tts.speech_decoder import Qwen3TTSSpeechDecoder
 
 
 class Code2WavGenerator:
@@ -21,9 +23,10 @@ class Code2WavGenerator:
     vocoder's receptive field), exactly the whole decode (see `Code2WavStream`). Ready chunks
     of all requests share one forward of at most `max_batch_frames` frames, first chunks
     first; what does not fit waits for the next step (`has_backlog`), so that one large
-    forward never holds a GPU shared with the talker for long."""
+    forward never holds a GPU shared with the talker for long.
 
-    SAMPLE_RATE = 24000             # Qwen3-Omni's codec speaks at 24 kHz
+    A chunk may carry `skip_frames` (a count per chunk): that many of its first frames are
+    left context only, decoded but their audio dropped (a voice clone's reference frames)."""
 
     def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int | None = None,
                  first_chunk_frames: int | None = None, max_batch_frames: int = 400) -> None:
@@ -38,7 +41,7 @@ class Code2WavGenerator:
         self.first_chunk_frames = first_chunk_frames
         self.left_context = left_context
         self.max_batch_frames = max_batch_frames
-        self.info = {"sample_rate": self.SAMPLE_RATE}
+        self.info = {"sample_rate": model.cfg.sample_rate}
         self.shapes: VocoderShapes | None = None
         if model.device.type == "cuda":   # a few padded shapes, each planned now, not mid-stream
             context = (model.cfg.receptive_field_frames if left_context is None
@@ -52,14 +55,22 @@ class Code2WavGenerator:
         """Run the vocoder once at every padded shape (cuDNN plans its convolutions)."""
         if self.shapes is None:
             return
-        weight = self.model.code_embedding.weight
+        model = self.model
         for num, frames in self.shapes.all():
-            self.model.vocode(weight.new_zeros(num, frames, self.model.cfg.hidden_size))
+            model.vocode(torch.zeros(num, frames, model.row_size, dtype=model.dtype,
+                                     device=model.device))
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, component: str, device: torch.device,
                         dtype: torch.dtype | None, **options: int) -> Code2WavGenerator:
-        model = Code2Wav.from_pretrained(resolve_model_path(str(path)), device, dtype)
+        """component: qwen3_omni_code2wav (the checkpoint's code2wav.*) or qwen3_tts_code2wav
+        (its speech_tokenizer/ folder's decoder)."""
+        folder = resolve_model_path(str(path))
+        if component == "qwen3_tts_code2wav":
+            model = Qwen3TTSSpeechDecoder.from_pretrained(folder / "speech_tokenizer", device,
+                                                          dtype)
+        else:
+            model = Code2Wav.from_pretrained(folder, device, dtype)
         return cls(model.eval(), **options)
 
     def has_backlog(self, state: dict) -> bool:
@@ -77,10 +88,17 @@ class Code2WavGenerator:
                                                           self.first_chunk_frames)
             if "codes" in x and x["codes"].numel():
                 stream.append(x["codes"].T.to(torch.long))                  # (Q, n)
+            if "skip_frames" in x:
+                state["skip"] = state.get("skip", 0) + int(x["skip_frames"].sum()) * \
+                    self.model.total_upsample
             if last and not stream.is_finished:
                 stream.finish()
             streams.append(stream)
         audio = decode_streams(streams, self.max_batch_frames, self.shapes)
+        for i, state in enumerate(states):       # context-only samples: dropped
+            skip = min(state.get("skip", 0), audio[i].numel())
+            if skip:
+                audio[i], state["skip"] = audio[i][skip:], state["skip"] - skip
         sizes = [a.numel() for a in audio]
         if not any(sizes):    # frames buffered, no chunk complete: the device stays untouched
             return [{} for _ in audio]

@@ -15,3 +15,6 @@ class CausalLM(nn.Module):
     # after sampling: (last hidden (B, H), sampled ids (B,), sequences) -> (the embeddings the
     # next step is fed (B, H), one dict of extras per row); None: the sampled ids are fed back
     feedback: Callable | None = None
+    # the tokenizer's EOS also ends generation (False: the model's outputs are not text ids,
+    # as a TTS talker's codec ids, whose stop is the model config's EOS alone)
+    stops_at_tokenizer_eos: bool = True

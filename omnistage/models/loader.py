@@ -15,7 +15,7 @@ import logging
 import struct
 import threading
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, TypeVar
 
 import torch
 from huggingface_hub import snapshot_download
@@ -235,15 +235,16 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch
                        "F64": torch.float64}
 
 
-def component_tensor_files(path: Path, prefix: str, exclude: tuple[str, ...] = ()
-                           ) -> dict[Path, list[str]]:
+def component_tensor_files(path: Path, prefix: str, exclude: tuple[str, ...] = (),
+                           ignore_suffixes: tuple[str, ...] = ()) -> dict[Path, list[str]]:
     """{safetensors file: its tensor names under `prefix`, less `prefix + e` for e in
-    `exclude`} for `model.safetensors` or the shards of `model.safetensors.index.json`;
-    shards holding none are never opened."""
+    `exclude` and the names ending in one of `ignore_suffixes`} for `model.safetensors` or the
+    shards of `model.safetensors.index.json`; shards holding none are never opened."""
     path = Path(path)
 
     def wanted(name: str) -> bool:
-        return name.startswith(prefix) and not name[len(prefix):].startswith(exclude)
+        return (name.startswith(prefix) and not name[len(prefix):].startswith(exclude)
+                and not name.endswith(ignore_suffixes or ("\0",)))
 
     index = path / "model.safetensors.index.json"
     files: dict[Path, list[str]] = {}
@@ -279,3 +280,71 @@ def component_dtype(files: dict[Path, list[str]]) -> torch.dtype:
                 if dtype is not None:
                     return dtype
     return torch.float32
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def build_and_load(model_cls: type[M], config: object, model_config: ModelConfig, path: Path,
+                   device: torch.device | str, dtype: torch.dtype | None) -> M:
+    """`model_cls(config)` on `device` in `dtype` (None: `model_config.torch_dtype`), then
+    every tensor under the class's `checkpoint_prefix` (less its `checkpoint_exclude`),
+    strictly: a missing, unexpected or mis-shaped tensor raises ValueError with its full
+    checkpoint name."""
+    dtype = dtype or getattr(torch, model_config.torch_dtype)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(config)
+    prefix = model_cls.checkpoint_prefix
+    seen: list[str] = []
+
+    def recorded() -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in iter_component_tensors(path, prefix, model_cls.checkpoint_exclude):
+            seen.append(name)
+            yield name, tensor
+
+    with torch.no_grad():
+        try:
+            loaded = model.load_weights(recorded())
+        except ValueError as e:   # name the tensor as the checkpoint does, with its prefix
+            msg = str(e).replace(repr(seen[-1]), repr(prefix + seen[-1]), 1) if seen else str(e)
+            raise ValueError(f"{path}: {msg}") from None
+    expected = model.checkpoint_names()
+    found = set(seen)
+    if model_config.tie_word_embeddings:   # the embedding is the head; a saved copy is redundant
+        found -= {"lm_head.weight", "codec_head.weight"}
+    check_tensor_names(path, f"{model_cls.__name__} ({prefix}*)",
+                       {prefix + n for n in expected}, {prefix + n for n in found})
+    not_loaded = {n for n, _ in model.named_parameters()} - loaded
+    assert not not_loaded, f"parameters not loaded although the checkpoint has them: {not_loaded}"
+    return model.eval()
+
+
+def load_component(build: Callable[[], M], path: Path, prefix: str, device: torch.device | str,
+                   dtype: torch.dtype | None, packed_modules: PackedModules,
+                   exclude: tuple[str, ...] = (), ignore_suffixes: tuple[str, ...] = ()) -> M:
+    """`build()` on `device` in `dtype` (None: the component's), then the checkpoint's
+    `prefix*` tensors (less `exclude` and `ignore_suffixes`, see `component_tensor_files`),
+    strictly: a missing, unexpected or mis-shaped tensor raises ValueError with its full
+    name. In eval mode."""
+    files = component_tensor_files(path, prefix, exclude, ignore_suffixes)
+    if not files:
+        raise ValueError(f"{path}: the checkpoint has no {prefix}* tensors")
+    with _default_dtype(dtype or component_dtype(files)), torch.device(device):
+        model = build()
+    seen: list[str] = []
+
+    def recorded() -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in iter_component_tensors(files, prefix):
+            seen.append(name)
+            yield name, tensor
+
+    with torch.no_grad():
+        try:
+            loaded = load_packed_weights(model, recorded(), packed_modules)
+        except ValueError as e:
+            raise ValueError(f"{path} ({prefix}*): {e}") from None
+    expected = {prefix + n for n in checkpoint_names(model, packed_modules)}
+    check_tensor_names(path, type(model).__name__, expected, {prefix + n for n in seen})
+    not_loaded = {n for n, _ in model.named_parameters()} - loaded
+    assert not not_loaded, f"parameters not loaded: {sorted(not_loaded)}"
+    return model.eval()

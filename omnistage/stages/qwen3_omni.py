@@ -184,7 +184,7 @@ class _TalkerInput:
 WARM_PROJECTION_ROWS = 512   # TalkerStage._warm_projections: prompts and batches up to this
 
 
-def code_predictor_graphs(talker: Qwen3OmniTalkerForCausalLM, max_batch: int,
+def code_predictor_graphs(talker: torch.nn.Module, max_batch: int,
                           device: torch.device, dtype: torch.dtype) -> CodePredictorGraphs | None:
     """CUDA graphs for the talker's code predictor, if one frame replayed through them equals
     the eager run (greedy and sampled), every bucket then captured; otherwise None, and the
@@ -192,7 +192,7 @@ def code_predictor_graphs(talker: Qwen3OmniTalkerForCausalLM, max_batch: int,
     predictor = talker.code_predictor
     graphs = CodePredictorGraphs(predictor, max_batch, device, dtype)
     gen = torch.Generator(device=device).manual_seed(0)
-    past = torch.randn(2, predictor.cfg.hidden_size, device=device, generator=gen).to(dtype)
+    past = torch.randn(2, predictor.embedding_dim, device=device, generator=gen).to(dtype)
     code0 = torch.randint(0, predictor.cfg.vocab_size, (2,), device=device, generator=gen)
     try:
         for greedy in (True, False):

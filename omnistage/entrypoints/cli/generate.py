@@ -41,6 +41,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: all the model has)")
     p.add_argument("--speaker", default=None, help="voice of speech output (Qwen3-Omni: "
                                                    "ethan, chelsie, ...)")
+    p.add_argument("--voice", default=None,
+                   help="a text-to-speech model's voice (Qwen3-TTS CustomVoice: a preset)")
+    p.add_argument("--instructions", default=None,
+                   help="a text-to-speech model's style or described voice (Qwen3-TTS)")
+    p.add_argument("--language", default=None, help="a text-to-speech model's language "
+                                                    "(Qwen3-TTS; default: auto)")
+    p.add_argument("--out", default=None,
+                   help="the audio file of the one prompt (format by extension: .wav, .flac, "
+                        "...), instead of --output-dir/<request>.wav")
     text = p.add_argument_group("text models (refused for an image model)")
     text.add_argument("--max-tokens", type=int, default=None, help="default: 64")
     text.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy)")
@@ -75,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
             params = SamplingParams(temperature=_or(args.temperature, 0.0),
                                     top_p=_or(args.top_p, 1.0), top_k=_or(args.top_k, 0),
                                     seed=args.seed, max_tokens=_or(args.max_tokens, 64))
+            voice = {k: v for k in ("voice", "instructions", "language")
+                     if (v := getattr(args, k)) is not None}
+            params = replace(params, extra=voice)    # a TTS talker, the entry stage, reads it
             if args.speaker is not None:   # entry stage as asked, the others: their defaults
                 params = [params if not s.inputs else replace(
                     s.default_sampling(), extra={"speaker": args.speaker})
@@ -88,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     for prompt, out in zip(args.prompt, outs):
         out.prompt = prompt
         files = [] if out.error else (_save_images(out, Path(args.output_dir))
-                                      + _save_audio(out, Path(args.output_dir)))
+                                      + _save_audio(out, Path(args.output_dir), args.out))
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
                               "files": files, "finish_reason": out.finish_reason,
@@ -100,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-TEXT_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "max_model_len", "speaker", "chat")
+TEXT_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "max_model_len", "speaker", "chat",
+              "voice", "instructions", "language")
 IMAGE_FLAGS = ("steps", "guidance_scale", "num_images", "height", "width")
 
 
@@ -116,6 +129,9 @@ def _graph(args: argparse.Namespace) -> GraphConfig:
     from omnistage.entrypoints.cli import stage_flags
     from omnistage.entrypoints.cli.startup import resolve_model
 
+    if args.out is not None and len(args.prompt) > 1:
+        raise ValueError(f"--out: one audio file for one prompt, got {len(args.prompt)} "
+                         "prompts (use --output-dir)")
     path = resolve_model(args.model) if args.model is not None else None
     model = str(path) if path else None
     graph = resolve_graph(model, path, args.stage_config, args.stage_override)
@@ -149,10 +165,10 @@ def _save_images(out: OmniOutput, folder: Path) -> list[str]:
     return paths
 
 
-def _save_audio(out: OmniOutput, folder: Path) -> list[str]:
+def _save_audio(out: OmniOutput, folder: Path, file: str | None) -> list[str]:
     if out.audio is None or out.sample_rate is None:
         return []
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{out.request_id}.wav"
+    path = Path(file) if file else folder / f"{out.request_id}.wav"
+    path.parent.mkdir(parents=True, exist_ok=True)
     out.save_audio(path)
     return [str(path)]

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -53,9 +53,7 @@ from transformers import AutoConfig, PretrainedConfig
 from omnistage.layers.linear import Linear, MergedLinear, QKVLinear
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding, get_rope, rotate_half
-from omnistage.models.loader import (_default_dtype, check_tensor_names, checkpoint_names,
-                                     component_dtype, component_tensor_files,
-                                     iter_component_tensors, load_packed_weights)
+from omnistage.models.loader import load_component
 
 CHECKPOINT_PREFIX = "code2wav."
 @dataclass(frozen=True, slots=True)
@@ -77,6 +75,7 @@ class Code2WavConfig:
     upsample_rates: tuple[int, ...] = (8, 5, 4, 3)      # decoder blocks
     upsampling_ratios: tuple[int, ...] = (2, 2)         # ConvNeXt upsampling after the transformer
     decoder_dim: int = 1536
+    sample_rate: int = 24000
 
     @classmethod
     def from_hf(cls, hf: PretrainedConfig) -> Code2WavConfig:
@@ -148,16 +147,19 @@ class CausalConv1d(nn.Module):
 
 class CausalConvTranspose1d(nn.Module):
     """Transposed conv with `kernel - stride` samples cut from both ends:
-    L -> (L - 1) * stride + 2 * stride - kernel."""
+    L -> (L - 1) * stride + 2 * stride - kernel; or, `trim_left` False (Qwen3-TTS's decoder),
+    from the right end only: L -> L * stride, and output t sees inputs up to t // stride."""
 
-    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int) -> None:
+    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int,
+                 trim_left: bool = True) -> None:
         super().__init__()
         self.conv = nn.ConvTranspose1d(in_ch, out_ch, kernel_size, stride=stride)
         self.trim = kernel_size - stride
+        self.left = self.trim if trim_left else 0
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.conv(x)                                          # (B, C', (L-1)*s + k)
-        return y[..., self.trim:y.shape[-1] - self.trim]
+        return y[..., self.left:y.shape[-1] - self.trim]
 
 
 class SnakeBeta(nn.Module):
@@ -204,11 +206,12 @@ class DecoderResidualUnit(nn.Module):
 class DecoderBlock(nn.Module):
     """SnakeBeta, upsampling by `rate` (in_dim -> in_dim / 2 channels), residual units."""
 
-    def __init__(self, in_dim: int, rate: int) -> None:
+    def __init__(self, in_dim: int, rate: int, trim_left: bool = True) -> None:
         super().__init__()
         out_dim = in_dim // 2
         self.block = nn.ModuleList([SnakeBeta(in_dim),
-                                    CausalConvTranspose1d(in_dim, out_dim, 2 * rate, rate),
+                                    CausalConvTranspose1d(in_dim, out_dim, 2 * rate, rate,
+                                                          trim_left),
                                     *(DecoderResidualUnit(out_dim, d) for d in (1, 3, 9))])
 
     def forward(self, x: Tensor) -> Tensor:                       # (B, C, L) -> (B, C/2, (L-1)*r)
@@ -370,27 +373,39 @@ class Code2Wav(nn.Module):
                       "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
                       "up_proj": ("gate_up_proj", 1)}
 
+    # frames of codes before a chunk that its embedding reaches back to (Qwen3-TTS: a causal
+    # conv), which a stream keeps; code -1 stands for "before the start" (zero padding)
+    embed_context = 0
+    trim_left = True                 # the transposed convs' trim (CausalConvTranspose1d)
+
     def __init__(self, cfg: Code2WavConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.total_upsample = cfg.total_upsample
+        self.build_embedding(cfg)
+        self.pre_transformer = self.build_transformer(cfg)
+        self.upsample, self.decoder = vocoder_layers(cfg, self.row_size, self.trim_left)
+
+    def build_embedding(self, cfg: Code2WavConfig) -> None:
         h = cfg.hidden_size
         num_codes = cfg.codebook_size * cfg.num_quantizers
         self.code_embedding = nn.Embedding(num_codes, h, _weight=torch.empty(num_codes, h))
-        self.pre_transformer = Code2WavTransformer(cfg)
-        self.upsample = nn.ModuleList(
-            nn.ModuleList([CausalConvTranspose1d(h, h, r, r), ConvNeXtBlock(h)])
-            for r in cfg.upsampling_ratios)
-        dims = [cfg.decoder_dim // 2 ** i for i in range(len(cfg.upsample_rates) + 1)]
-        self.decoder = nn.ModuleList([
-            CausalConv1d(h, dims[0], 7),
-            *(DecoderBlock(dims[i], rate) for i, rate in enumerate(cfg.upsample_rates)),
-            SnakeBeta(dims[-1]),
-            CausalConv1d(dims[-1], 1, 7)])
+
+    def build_transformer(self, cfg: Code2WavConfig) -> Code2WavTransformer:
+        return Code2WavTransformer(cfg)
+
+    @property
+    def row_size(self) -> int:
+        """Width of the pre-transformer's output rows, which the vocoder takes."""
+        return self.cfg.hidden_size
 
     @property
     def device(self) -> torch.device:
-        return self.code_embedding.weight.device
+        return self.decoder[-1].conv.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder[-1].conv.weight.dtype
 
     @property
     def num_lost(self) -> int:
@@ -454,9 +469,8 @@ class Code2Wav(nn.Module):
             return []
         lengths = [rows.shape[0] for rows, _ in windows]
         num, longest = shape or (0, 0)
-        batch = self.code_embedding.weight.new_zeros(max(num, len(windows)),
-                                                     max(longest, *lengths),
-                                                     self.cfg.hidden_size)
+        batch = self.decoder[-1].conv.weight.new_zeros(max(num, len(windows)),
+                                                       max(longest, *lengths), self.row_size)
         for i, (rows, _) in enumerate(windows):
             batch[i, :lengths[i]] = rows
         wav = self.vocode(batch)[:, 0].float()                    # (B, num_samples(max_len))
@@ -493,31 +507,32 @@ class Code2Wav(nn.Module):
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model folder)")
-        cfg = Code2WavConfig.from_hf(AutoConfig.from_pretrained(path))
-        files = component_tensor_files(path, prefix)
-        if not files:
-            raise ValueError(f"{path}: the checkpoint has no {prefix}* tensors (a checkpoint "
-                             "without audio output?)")
-        dtype = dtype or component_dtype(files)
-        with _default_dtype(dtype), torch.device(device):
-            model = cls(cfg)
-        seen: list[str] = []
+        return cls.load(path, Code2WavConfig.from_hf(AutoConfig.from_pretrained(path)), prefix,
+                        device, dtype)
 
-        def recorded() -> Iterator[tuple[str, Tensor]]:
-            for name, tensor in iter_component_tensors(files, prefix):
-                seen.append(name)
-                yield name, tensor
+    @classmethod
+    def load(cls, path: Path, cfg: Code2WavConfig, prefix: str, device: torch.device | str,
+             dtype: torch.dtype | None, exclude: tuple[str, ...] = ()) -> Code2Wav:
+        """`cls(cfg)` with the checkpoint's `prefix*` tensors (less `exclude`), strictly."""
+        model = load_component(lambda: cls(cfg), path, prefix, device, dtype,
+                               cls.packed_modules, exclude)
+        return model.requires_grad_(False)
 
-        with torch.no_grad():
-            try:
-                loaded = load_packed_weights(model, recorded(), cls.packed_modules)
-            except ValueError as e:
-                raise ValueError(f"{path} ({prefix}*): {e}") from None
-        expected = {prefix + n for n in checkpoint_names(model, cls.packed_modules)}
-        check_tensor_names(path, "Code2Wav", expected, {prefix + n for n in seen})
-        not_loaded = {n for n, _ in model.named_parameters()} - loaded
-        assert not not_loaded, f"parameters not loaded: {sorted(not_loaded)}"
-        return model.eval().requires_grad_(False)
+
+def vocoder_layers(cfg: Code2WavConfig, dim: int, trim_left: bool
+                   ) -> tuple[nn.ModuleList, nn.ModuleList]:
+    """The convolutional part after the pre-transformer, over rows `dim` wide: per upsampling
+    ratio a transposed conv + ConvNeXt block; then the decoder to one channel."""
+    upsample = nn.ModuleList(
+        nn.ModuleList([CausalConvTranspose1d(dim, dim, r, r), ConvNeXtBlock(dim)])
+        for r in cfg.upsampling_ratios)
+    dims = [cfg.decoder_dim // 2 ** i for i in range(len(cfg.upsample_rates) + 1)]
+    decoder = nn.ModuleList([
+        CausalConv1d(dim, dims[0], 7),
+        *(DecoderBlock(dims[i], rate, trim_left) for i, rate in enumerate(cfg.upsample_rates)),
+        SnakeBeta(dims[-1]),
+        CausalConv1d(dims[-1], 1, 7)])
+    return upsample, decoder
 
 
 def check_chunking(cfg: Code2WavConfig, chunk_size: int, left_context: int) -> None:

@@ -57,18 +57,21 @@ class Code2WavStream:
         self.first_chunk_frames = first_chunk_frames or chunk_frames
         self.left_context = left_context
         cfg, transformer = model.cfg, model.pre_transformer
-        dtype = model.code_embedding.weight.dtype
+        dtype = model.dtype
         # frames not decoded yet, kept on the host: appending a frame touches no device (on a
         # GPU shared with the talker, any copy of this process waits for a time slice, 14 ms a
-        # frame at concurrency 8); they go over once per chunk, in `_continue_transformer`
-        self._codes = torch.empty(cfg.num_quantizers, 0, dtype=torch.long)
+        # frame at concurrency 8); they go over once per chunk, in `_continue_transformer`.
+        # Before them, the `model.embed_context` frames the next chunk's embedding reaches
+        # back to: code -1 before the first frame
+        self._codes = torch.full((cfg.num_quantizers, model.embed_context), -1,
+                                 dtype=torch.long)
         # the transformer's keys and values of the last rows: (layers, 2, P, Hkv, D), the last
         # `_num_past` of the P real
         self._past = torch.zeros(cfg.num_hidden_layers, 2, transformer.num_cached,
                                  cfg.num_key_value_heads, cfg.head_dim, dtype=dtype,
                                  device=model.device)
         self._num_past = 0
-        self._rows = torch.empty(0, cfg.hidden_size, dtype=dtype, device=model.device)
+        self._rows = torch.empty(0, model.row_size, dtype=dtype, device=model.device)
         self.num_frames = 0            # frames received
         self.num_decoded_frames = 0
         self.num_samples_out = 0       # samples returned so far
@@ -234,11 +237,12 @@ def _continue_transformer(model: Code2Wav, streams: Sequence[Code2WavStream],
     kept keys and values, all streams in one batch; their rows (n, hidden) in order."""
     if not streams:
         return []
+    ctx = model.embed_context
     n_max = max(counts)
-    codes = torch.zeros(len(streams), model.cfg.num_quantizers, n_max,
+    codes = torch.zeros(len(streams), model.cfg.num_quantizers, ctx + n_max,
                         dtype=torch.long)                         # code 0 pads
     for b, (s, n) in enumerate(zip(streams, counts)):
-        codes[b, :, :n] = s._codes[:, :n]
+        codes[b, :, :ctx + n] = s._codes[:, :ctx + n]
         s._codes = s._codes[:, n:]
     dev = model.device
     codes = codes.to(dev)                                         # one copy for the batch
@@ -246,7 +250,8 @@ def _continue_transformer(model: Code2Wav, streams: Sequence[Code2WavStream],
     num_new = int_tensor(counts).to(dev)
     with torch.inference_mode():
         rows, past = model.pre_transformer.forward_cached(
-            model.embed(codes), torch.stack([s._past for s in streams]), num_past, num_new)
+            model.embed(codes)[:, ctx:], torch.stack([s._past for s in streams]), num_past,
+            num_new)
     P = model.pre_transformer.num_cached
     for b, (s, n) in enumerate(zip(streams, counts)):
         s._past = past[b]

@@ -1,6 +1,8 @@
-"""Qwen3-Omni's code predictor: a small dense decoder that fills codes 1 .. G-1 of a codec
-frame from the talker's last hidden state and code 0 (see talker.py for where it sits), run
-per frame over its own small KV cache, and `CodePredictorGraphs`, its CUDA graphs."""
+"""The code predictor of Qwen3-Omni's and Qwen3-TTS's talkers: a small dense decoder that
+fills codes 1 .. G-1 of a codec frame from the talker's last hidden state and code 0 (see
+talker.py for where it sits), run per frame over its own small KV cache, and
+`CodePredictorGraphs`, its CUDA graphs. Qwen3-TTS's may be narrower than its talker: its
+embeddings then have the talker's width and `small_to_mtp_projection` maps every input in."""
 
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ class CodePredictorDecoderLayer(Qwen2DecoderLayer):
 
 
 class CodePredictorModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_code_groups: int) -> None:
+    def __init__(self, cfg: ModelConfig, num_code_groups: int, embedding_dim: int) -> None:
         super().__init__()
         rotary_emb = get_rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_parameters)
         self.layers = nn.ModuleList(CodePredictorDecoderLayer(cfg, rotary_emb)
@@ -72,8 +74,8 @@ class CodePredictorModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         # embeddings of codes 1 .. G-1 (code 0 is embedded by the talker's codec_embedding)
         self.codec_embedding = nn.ModuleList(
-            nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+            nn.Embedding(cfg.vocab_size, embedding_dim,
+                         _weight=torch.empty(cfg.vocab_size, embedding_dim))
             for _ in range(num_code_groups - 1))
         for emb in self.codec_embedding:
             emb.weight.requires_grad_(False)
@@ -95,14 +97,21 @@ class CodePredictor(nn.Module):
     `CodePredictorGraphs` replays it as one graph per batch-size bucket instead of G-1 rounds
     of small kernel launches (`graphs`, set by the talker stage when asked)."""
 
-    def __init__(self, cfg: ModelConfig, num_code_groups: int) -> None:
+    def __init__(self, cfg: ModelConfig, num_code_groups: int,
+                 embedding_dim: int | None = None) -> None:
+        """embedding_dim: the talker's width (None: the predictor's own)."""
         super().__init__()
         assert num_code_groups >= 2, f"num_code_groups {num_code_groups} < 2"
         self.cfg = cfg
         self.num_code_groups = num_code_groups
-        self.model = CodePredictorModel(cfg, num_code_groups)
+        self.embedding_dim = embedding_dim or cfg.hidden_size
+        self.model = CodePredictorModel(cfg, num_code_groups, self.embedding_dim)
         self.lm_head = nn.ModuleList(Linear(cfg.hidden_size, cfg.vocab_size)
                                      for _ in range(num_code_groups - 1))
+        # talker width -> predictor width (the reference: a Linear with bias, or identity)
+        self.small_to_mtp_projection = (
+            Linear(self.embedding_dim, cfg.hidden_size, bias=True)
+            if self.embedding_dim != cfg.hidden_size else nn.Identity())
         self.graphs: CodePredictorGraphs | None = None
 
     @torch.no_grad()
@@ -155,17 +164,17 @@ class CodePredictor(nn.Module):
         kv_caches = [(past_hidden.new_empty(kv_shape), past_hidden.new_empty(kv_shape))
                      for _ in self.model.layers]
         codes, embeds = [code0], [code0_embeds]
-        x = torch.stack([past_hidden, code0_embeds], dim=1)                  # (B, 2, H)
+        x = torch.stack([past_hidden, code0_embeds], dim=1)                  # (B, 2, E)
         start = 0
         for g in range(1, num_groups):
-            h = self.model(x, start, kv_caches)[:, -1]                        # (B, H)
+            h = self.model(self.small_to_mtp_projection(x), start, kv_caches)[:, -1]  # (B, H)
             logits = self.lm_head[g - 1](h).float()                          # (B, V)
             code = logits.argmax(dim=-1) if sampling is None else \
                 _sample(logits, *sampling[:3], sampling[3][g - 1])
             codes.append(code)
             embeds.append(self.model.codec_embedding[g - 1](code))
             start += x.shape[1]
-            x = embeds[-1][:, None]                                          # (B, 1, H)
+            x = embeds[-1][:, None]                                          # (B, 1, E)
         return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(dim=1)
 
 
@@ -183,7 +192,7 @@ class CodePredictorGraphs:
         self.sizes = graph_capture.graph_batch_sizes(max_batch)
         self.max_batch = n = self.sizes[-1]
         cfg, groups = predictor.cfg, predictor.num_code_groups
-        self.past_hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
+        self.past_hidden = torch.zeros(n, predictor.embedding_dim, dtype=dtype, device=device)
         self.code0_embeds = torch.zeros_like(self.past_hidden)
         self.code0 = torch.zeros(n, dtype=torch.int64, device=device)
         self.temperature = torch.ones(n, device=device)

@@ -45,9 +45,10 @@ from omnistage.models.config import ModelConfig
 from omnistage.models.loader import checkpoint_names
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor
 from omnistage.models.qwen3_omni.moe import expand_expert_names
+from omnistage.models.loader import build_and_load
 from omnistage.models.qwen3_omni.thinker import (PACKED_MODULES, Qwen3OmniMoeDecoder,
                                                  Qwen3OmniTextConfig, _model_config,
-                                                 build_and_load, load_moe_model_weights)
+                                                 load_moe_model_weights)
 from omnistage.utils import device_wait
 from omnistage.utils.host import to_device
 
@@ -97,6 +98,36 @@ class Qwen3OmniTalkerModel(Qwen3OmniMoeDecoder):
         self.codec_embedding.weight.requires_grad_(False)
 
 
+def codec_feedback(talker: nn.Module, last_hidden: Tensor, code0: Tensor, seqs: list,
+                   **sampling: object) -> tuple[Tensor, list]:
+    """A talker's feedback hook (Qwen3-Omni's and Qwen3-TTS's): each sampled code 0 and its
+    position's hidden state run the code predictor (`talker.predict_codes`) for the frame's
+    other groups; the sum of the frame's codebook embeddings is what the next step feeds back.
+    Greedy rows (temperature 0) predict greedily; sampling rows draw from the request's own
+    generator (`sampling`: the predictor's top_k / top_p). -> next_input_embeds (B, H),
+    [{"codes": (G,)}] per row."""
+    temps = [max(s.sampling_params.temperature, 0.0) for s in seqs]
+    greedy = all(t < 1e-5 for t in temps)     # decided on the host: no wait for the device
+    temperature = 1.0 if greedy else to_device(temps, last_hidden.device)   # greedy: unused
+    codes, embeds = talker.predict_codes(last_hidden, code0, greedy=greedy,
+                                         temperature=temperature,
+                                         generators=[s.generator for s in seqs], **sampling)
+    # the frames leave the process at once: one copy to the host for all rows, once the
+    # stage has used the wait (the thinker's chunks that came meanwhile; device_wait.py)
+    device_wait.record_and_wait(codes.device)
+    return embeds, [{"codes": c} for c in codes.cpu().unbind(0)]
+
+
+def codec_suppression(vocab_size: int, eos_token_ids: tuple[int, ...]) -> Tensor:
+    """(vocab,) bool: the codec ids a talker never samples. The references (Qwen3-Omni's and
+    Qwen3-TTS's) suppress the top 1024 ids, where the specials, speakers and languages live,
+    all but EOS."""
+    suppressed = torch.zeros(vocab_size, dtype=torch.bool)
+    suppressed[max(0, vocab_size - 1024):] = True
+    suppressed[list(eos_token_ids)] = False
+    return suppressed
+
+
 class ResizeMLP(nn.Module):
     """thinker width -> talker width: fc2(silu(fc1(x))), both with bias."""
 
@@ -114,8 +145,6 @@ class Qwen3OmniTalkerForCausalLM(CausalLM):
     checkpoint_prefix = "talker."   # all of it: decoder, heads, projections, code predictor
     checkpoint_exclude: tuple[str, ...] = ()
     uses_mrope = True               # the runner passes (3, T) positions
-    # The reference never samples the top 1024 codec ids (specials, speakers) except EOS.
-    NUM_SUPPRESSED = 1024
 
     def __init__(self, config: Qwen3OmniTalkerConfig) -> None:
         super().__init__()
@@ -133,10 +162,8 @@ class Qwen3OmniTalkerForCausalLM(CausalLM):
                                            mc.hidden_size)
         with replicated():
             self.code_predictor = CodePredictor(config.code_predictor, config.num_code_groups)
-        suppressed = torch.zeros(mc.vocab_size, dtype=torch.bool)
-        suppressed[max(0, mc.vocab_size - self.NUM_SUPPRESSED):] = True
-        suppressed[list(mc.eos_token_ids)] = False
-        self.register_buffer("suppressed", suppressed, persistent=False)
+        self.register_buffer("suppressed", codec_suppression(mc.vocab_size, mc.eos_token_ids),
+                             persistent=False)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -176,21 +203,9 @@ class Qwen3OmniTalkerForCausalLM(CausalLM):
         return logits.masked_fill(self.suppressed, float("-inf"))
 
     def feedback(self, last_hidden: Tensor, code0: Tensor, seqs: list) -> tuple[Tensor, list]:
-        """The AR runner's hook after sampling: each sampled code 0 and its position's hidden
-        state run the code predictor for the frame's other groups; the sum of the frame's
-        codebook embeddings is what the next step feeds back. Greedy rows (temperature 0)
-        predict greedily; sampling rows draw with the reference's top_k=50, top_p=0.8 from the
-        request's own generator. -> next_input_embeds (B, H), [{"codes": (G,)}] per row."""
-        temps = [max(s.sampling_params.temperature, 0.0) for s in seqs]
-        greedy = all(t < 1e-5 for t in temps)     # decided on the host: no wait for the device
-        temperature = 1.0 if greedy else to_device(temps, last_hidden.device)   # greedy: unused
-        codes, embeds = self.predict_codes(last_hidden, code0, greedy=greedy,
-                                           temperature=temperature,
-                                           generators=[s.generator for s in seqs])
-        # the frames leave the process at once: one copy to the host for all rows, once the
-        # stage has used the wait (the thinker's chunks that came meanwhile; device_wait.py)
-        device_wait.record_and_wait(codes.device)
-        return embeds, [{"codes": c} for c in codes.cpu().unbind(0)]
+        """The AR runner's hook after sampling (`codec_feedback`), the code predictor drawing
+        with the reference's top_k=50, top_p=0.8."""
+        return codec_feedback(self, last_hidden, code0, seqs)
 
     def predict_codes(self, past_hidden: Tensor, code0: Tensor, **sampling: object
                       ) -> tuple[Tensor, Tensor]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, TypeVar
+from typing import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -35,8 +35,7 @@ from omnistage.layers.norm import RMSNorm
 from omnistage.layers.parallel import ParallelLMHead, VocabParallelEmbedding, tp_group
 from omnistage.models.causal_lm import CausalLM
 from omnistage.models.config import ModelConfig, check_tensor_parallel
-from omnistage.models.loader import (_default_dtype, check_tensor_names, checkpoint_names,
-                                     iter_component_tensors, load_packed_weights)
+from omnistage.models.loader import build_and_load, checkpoint_names, load_packed_weights
 from omnistage.models.qwen2 import Qwen2Attention, Qwen2MLP
 from omnistage.models.qwen3_omni.moe import (MoeConfig, SparseMoeBlock, expand_expert_names,
                                              load_expert_weight)
@@ -303,40 +302,3 @@ def load_moe_model_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor
                 loaded.add(param_name)
 
     return loaded | load_packed_weights(model, dense(), packed_modules)
-
-
-M = TypeVar("M", bound=nn.Module)
-
-
-def build_and_load(model_cls: type[M], config: object, model_config: ModelConfig, path: Path,
-                   device: torch.device | str, dtype: torch.dtype | None) -> M:
-    """`model_cls(config)` on `device` in `dtype` (None: `model_config.torch_dtype`), then
-    every tensor under the class's `checkpoint_prefix` (less its `checkpoint_exclude`),
-    strictly: a missing, unexpected or mis-shaped tensor raises ValueError with its full
-    checkpoint name."""
-    dtype = dtype or getattr(torch, model_config.torch_dtype)
-    with _default_dtype(dtype), torch.device(device):
-        model = model_cls(config)
-    prefix = model_cls.checkpoint_prefix
-    seen: list[str] = []
-
-    def recorded() -> Iterator[tuple[str, Tensor]]:
-        for name, tensor in iter_component_tensors(path, prefix, model_cls.checkpoint_exclude):
-            seen.append(name)
-            yield name, tensor
-
-    with torch.no_grad():
-        try:
-            loaded = model.load_weights(recorded())
-        except ValueError as e:   # name the tensor as the checkpoint does, with its prefix
-            msg = str(e).replace(repr(seen[-1]), repr(prefix + seen[-1]), 1) if seen else str(e)
-            raise ValueError(f"{path}: {msg}") from None
-    expected = model.checkpoint_names()
-    found = set(seen)
-    if model_config.tie_word_embeddings:   # the embedding is the head; a saved copy is redundant
-        found -= {"lm_head.weight", "codec_head.weight"}
-    check_tensor_names(path, f"{model_cls.__name__} ({prefix}*)",
-                       {prefix + n for n in expected}, {prefix + n for n in found})
-    not_loaded = {n for n, _ in model.named_parameters()} - loaded
-    assert not not_loaded, f"parameters not loaded although the checkpoint has them: {not_loaded}"
-    return model.eval()

@@ -1,0 +1,171 @@
+"""Qwen3-TTS as two stages of the runtime: what `qwen_tts`'s `generate_*` does in one call,
+split so that audio streams while the talker speaks.
+
+    talker (ar)     the request's text and voice -> the mode's prompt (models/qwen3_tts/
+                    prompt.py), prefilled as embeddings; the text rows after the first go in
+                    as the engine's stream (one added to each decode, then tts_pad for ever);
+                    each sampled code 0 runs the code predictor (the model's feedback hook)
+    code2wav (gen)  codec frames -> 24 kHz audio, chunk by chunk, exactly the whole decode,
+                    chunks of different requests in one forward (generation/code2wav.py)
+
+The voice rides in `SamplingParams.extra` of the talker: "voice" (a preset speaker, for
+CustomVoice), "instructions" (CustomVoice's style, VoiceDesign's described voice), "language"
+(default "auto"), and for Base models "ref_audio" (24 kHz samples, a list of floats) with an
+optional "ref_text" (its transcript: in-context cloning; without it the speaker embedding
+alone). An in-context clone's reference frames go first to code2wav, which decodes them as
+left context and drops their audio (`skip_frames`), as the reference decodes and cuts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from omnistage.ar.inputs import StreamInput
+from omnistage.configs.schema import StageConfig
+from omnistage.errors import InputError
+from omnistage.models.loader import resolve_model_path
+from omnistage.models.qwen3_tts.config import Qwen3TTSConfig
+from omnistage.models.qwen3_tts.prompt import PromptBuilder, SpeechRequest
+from omnistage.models.qwen3_tts.speaker_encoder import Qwen3TTSSpeakerEncoder
+from omnistage.models.qwen3_tts.speech_encoder import Qwen3TTSSpeechEncoder
+from omnistage.models.qwen3_tts.talker import Qwen3TTSTalkerForCausalLM
+from omnistage.stages.ar import ARStage
+from omnistage.stages.interface import StageInfo, StageRequest, StageResult
+from omnistage.stages.qwen3_omni import code_predictor_graphs
+
+VOICE_KEYS = ("voice", "instructions", "language", "ref_audio", "ref_text")
+MIN_REF_SAMPLES = 2400     # 0.1 s: the speaker encoder's mel frames need a few STFT windows
+
+
+def _load(path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple:
+    model = Qwen3TTSTalkerForCausalLM.from_pretrained(path, device, dtype)
+    return model, model.model_config, model.config
+
+
+class TalkerStage(ARStage):
+    """The talker's AR engine, an entry stage: builds each request's prompt from its text and
+    voice. Emits every step's frame but the last (whose code 0 is EOS, or which the length
+    limit cut before the code predictor ran), as the reference; an in-context clone's first
+    output also carries its reference frames, marked `skip_frames`."""
+
+    # code_predictor_cuda_graphs (default true): on CUDA, replay the code predictor's rounds
+    # of a frame as one CUDA graph per batch-size bucket (checked against eager at start-up)
+    options = frozenset({"code_predictor_cuda_graphs"})
+
+    def __init__(self, stage: StageConfig, model: str, device: str) -> None:
+        super().__init__(stage, model, device, loader=_load)
+        self.path = resolve_model_path(stage.model or model)
+        self.config: Qwen3TTSConfig = self.engine.hf_config
+        if self.engine.tokenizer is None:
+            raise ValueError(f"{self.path}: no text tokenizer (tokenizer.json)")
+        self.builder = PromptBuilder(self.config, self.model, self.engine.tokenizer)
+        self._clone: tuple[Qwen3TTSSpeakerEncoder, Qwen3TTSSpeechEncoder] | None = None
+        self._prefix: dict[str, Tensor] = {}    # request -> reference frames not yet emitted
+
+    @property
+    def model(self) -> Qwen3TTSTalkerForCausalLM:
+        return self.engine.model
+
+    def prepare(self) -> None:
+        stage = self.stage
+        if not self.engine.ranks.is_leader:   # the code predictor runs on rank 0 alone
+            return
+        if (self.engine.device.type == "cuda" and not stage.enforce_eager
+                and stage.options.get("code_predictor_cuda_graphs", True)):
+            self.model.code_predictor.graphs = code_predictor_graphs(
+                self.model, stage.max_num_seqs, self.engine.device, self.engine.dtype)
+
+    def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
+        """Every decode is fed embeddings (the frame's codes and the text row)."""
+        return self.stage.output_hidden_layers, True
+
+    def model_info(self) -> StageInfo:
+        """Reported at the handshake: the preset voices and languages a request may name."""
+        return {"speakers": ",".join(sorted(self.config.speakers)),
+                "languages": ",".join(self.config.supported_languages),
+                "tts_model_type": self.config.model_type}
+
+    def add(self, request: StageRequest) -> None:
+        params = request.params or self.defaults
+        if request.streamed:
+            raise ValueError("the Qwen3-TTS talker is an entry stage")
+        speech = self.speech_request(request.prompt or "", params.extra)
+        try:
+            prompt = self.builder.build(speech)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        rid = request.request_id
+        self.engine.add_request(rid, None, params, prompt.embeds, stream=StreamInput())
+        self.engine.extend_request(rid, stream_embeds=prompt.trailing, close_stream=True,
+                                   stream_pad=prompt.pad)
+        if speech.ref_code is not None:
+            self._prefix[rid] = speech.ref_code.cpu()
+
+    def speech_request(self, text: str, extra: dict) -> SpeechRequest:
+        """The request's text and the voice in its params' `extra`."""
+        unknown = set(extra) - set(VOICE_KEYS)
+        if unknown:
+            raise InputError(f"extra: unknown keys {sorted(unknown)} (Qwen3-TTS takes "
+                             f"{', '.join(VOICE_KEYS)})", param=min(unknown))
+        fields = dict(text=text, language=str(extra.get("language") or "auto"),
+                      instruct=extra.get("instructions") or None)
+        if self.config.model_type == "custom_voice":
+            fields["speaker"] = extra.get("voice") or None
+        if self.config.model_type != "base":
+            for key in ("ref_audio", "ref_text"):
+                if extra.get(key) is not None:
+                    raise InputError(f"{key}: a {self.config.model_type} model clones no "
+                                     "voice (a Base model does)", param=key)
+            return SpeechRequest(**fields)
+        if extra.get("ref_audio") is None:
+            raise InputError("ref_audio: a Base model clones a voice from 24 kHz reference "
+                             "audio", param="ref_audio")
+        speaker_encoder, speech_encoder = self.clone_encoders()
+        wav = torch.as_tensor(extra["ref_audio"], dtype=torch.float32).reshape(-1)
+        if wav.numel() < MIN_REF_SAMPLES or not bool(torch.isfinite(wav).all()):
+            raise InputError(f"ref_audio: {wav.numel()} samples; a clone needs at least "
+                             f"{MIN_REF_SAMPLES} finite samples at 24 kHz", param="ref_audio")
+        fields["speaker_embedding"] = speaker_encoder.embed_speaker(wav)
+        if extra.get("ref_text"):
+            fields.update(ref_code=speech_encoder.encode(wav), ref_text=str(extra["ref_text"]))
+        return SpeechRequest(**fields)
+
+    def clone_encoders(self) -> tuple[Qwen3TTSSpeakerEncoder, Qwen3TTSSpeechEncoder]:
+        """The speaker encoder and the speech tokenizer's encoder, loaded when first needed."""
+        if self._clone is None:
+            dev, dtype = self.engine.device, self.engine.dtype
+            self._clone = (Qwen3TTSSpeakerEncoder.from_pretrained(self.path, dev, dtype),
+                           Qwen3TTSSpeechEncoder.from_pretrained(self.path / "speech_tokenizer",
+                                                                 dev, torch.float32))
+        return self._clone
+
+    def abort(self, request_id: str) -> None:
+        self._prefix.pop(request_id, None)
+        super().abort(request_id)
+
+    def step(self) -> list[StageResult]:
+        results = []
+        for out in self.engine.step():
+            codes = None if out.extra is None else out.extra["codes"]
+            frames = torch.empty(0, self.config.num_code_groups, dtype=torch.long)
+            if codes is not None and int(codes[0]) not in self.engine.eos_token_ids:
+                frames = codes.reshape(1, -1).cpu()
+            prefix = self._prefix.pop(out.request_id, None)
+            skip = 0 if prefix is None else prefix.shape[0]
+            if prefix is not None:
+                frames = torch.cat([prefix, frames])
+            tensors = {"codes": frames, "skip_frames": torch.tensor([skip])} \
+                if frames.numel() else {}
+            results.append(StageResult(
+                out.request_id, out.new_token_ids, "", tensors, out.finished,
+                out.finish_reason.value if out.finish_reason else None, out.error))
+            if out.finished:
+                self._prefix.pop(out.request_id, None)
+        return results
+
+
+def build_stage(stage: StageConfig, model: str, device: str) -> ARStage:
+    return TalkerStage(stage, model, device)
