@@ -31,7 +31,7 @@ MAIN_STAGE = {"gpu_memory_utilization": "memory_fraction", "max_num_seqs": "max_
               **{key: key for key in PARALLEL_KEYS}}
 # keys that describe the whole model: every stage
 EVERY_STAGE = ("dtype", "seed", "enforce_eager", "async_scheduling", "startup_timeout_s")
-GRAPH_KEYS = ("connector", "backend")
+GRAPH_KEYS = ("connector", "backend", "ray_address")
 # vLLM keywords without a counterpart here: (the value that asks for nothing, what to do)
 REFUSED: dict[str, tuple[object, str]] = {
     "pipeline_parallel_size": (1, "split the model into stages instead (stage_config=...)"),

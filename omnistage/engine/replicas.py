@@ -23,6 +23,7 @@ class ReplicaBook:
         self.stages = stages
         self.down: dict[tuple[str, int], str] = {}     # dead replicas -> how they ended
         self.restarts: dict[tuple[str, int], int] = {}
+        self.num_rerouted = 0     # requests moved off a dead replica before they started there
         self._stats: dict[str, m.StageStats] = {}
         self._stats_ready = threading.Event()
 
