@@ -185,27 +185,30 @@ class StageSet:
         (all of them with tcp; with auto, those on another node), and the client the stages'
         (for the tensors it sends a stage itself, AddRequest.inputs). Sent again whenever a
         replica (re)starts: its address is new."""
-        kind = self.graph.connector_kind
-        if kind not in ("tcp", "auto"):
+        if self.graph.connector_kind not in ("tcp", "auto"):
             return
-
-        def by_tcp(src_node: str, dest: Replica) -> bool:
-            return kind == "tcp" or self.nodes[dest] != src_node
-
-        live = [rep for rep in self.addresses if rep not in self.down]
-        client = {m.edge_key(m.CLIENT, d, r if self.graph.stage(d).replicas > 1 else None):
-                  self.addresses[(d, r)] for d, r in live if by_tcp(self.host.node, (d, r))}
         for conn in {id(c): c for c in (self.connector, self.inputs)}.values():
-            conn.set_peers(client)  # type: ignore[attr-defined]
-        for s, r in live:
-            node = self.nodes[(s, r)]
-            peers = {m.edge_key(s, d, dr if self.graph.stage(d).replicas > 1 else None):
-                     self.addresses[(d, dr)] for d, dr in live
-                     if d in self._consumers[s] and by_tcp(node, (d, dr))}
-            if self.graph.stage(s).final not in (None, "text") and (
-                    kind == "tcp" or node != self.host.node):
-                peers[m.edge_name(s, m.CLIENT)] = self.connector.address
-            self.send(s, r, m.SetPeers(peers))
+            conn.set_peers(self.peers_of(m.CLIENT, 0))  # type: ignore[attr-defined]
+        for s, r in self.addresses:
+            if (s, r) not in self.down:
+                self.send(s, r, m.SetPeers(self.peers_of(s, r)))
+
+    def peers_of(self, stage: str, replica: int) -> dict[str, str]:
+        """Edge key -> consumer address of each edge that one replica of `stage` (or the
+        client, m.CLIENT) sends by tcp: every edge with connector tcp; with auto, the edges to
+        another node."""
+        node = self.host.node if stage == m.CLIENT else self.nodes[(stage, replica)]
+        tcp_only = self.graph.connector_kind == "tcp"
+        consumers = ({s.name for s in self.graph.stages} if stage == m.CLIENT
+                     else self._consumers[stage])
+        peers = {m.edge_key(stage, d, r if self.graph.stage(d).replicas > 1 else None): address
+                 for (d, r), address in self.addresses.items()
+                 if d in consumers and (d, r) not in self.down
+                 and (tcp_only or self.nodes[(d, r)] != node)}
+        if stage != m.CLIENT and self.graph.stage(stage).final not in (None, "text") \
+                and (tcp_only or node != self.host.node):
+            peers[m.edge_name(stage, m.CLIENT)] = self.connector.address
+        return peers
 
     def send(self, stage: str, replica: int, msg: m.ToStage) -> bool:
         """Send to one replica of a stage; False (the message dropped) if it is down or dead. A

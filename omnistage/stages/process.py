@@ -283,19 +283,22 @@ def _die_with_parent(spec: WorkerSpec, parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def start_stage_process(spec: WorkerSpec) -> subprocess.Popen:
+def start_stage_process(spec: WorkerSpec, new_session: bool = False) -> subprocess.Popen:
     """Start `python -m omnistage.stages.entry` for one stage. The child imports this very
     omnistage (the folder above the package goes first on its PYTHONPATH; -P keeps the current
     folder off its path) and shares the parent's resource tracker, as multiprocessing's spawn
     children do, instead of starting one of its own (shm.py registers each segment with it
-    for a moment)."""
+    for a moment). `new_session`: out of the parent's process group, so that a signal to the
+    whole group (Ray ending an actor's worker) reaches the stage only as its parent's death,
+    which it answers by cleaning up."""
     resource_tracker.ensure_running()
     tracker_fd = resource_tracker.getfd()
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen([sys.executable, "-P", "-m", "omnistage.stages.entry"],
-                            stdin=subprocess.PIPE, env=env, pass_fds=(tracker_fd,))
+                            stdin=subprocess.PIPE, env=env, pass_fds=(tracker_fd,),
+                            start_new_session=new_session)
     start = ProcessStart(spec, os.getpid(), tuple(sys.path), tracker_fd,
                          logging.getLogger().getEffectiveLevel())
     assert proc.stdin is not None

@@ -92,7 +92,7 @@ def _actor_class() -> Any:
                                 device=_visible_device(spec.device),
                                 shm_tag=secrets.token_hex(3))
             Path(self.spec.run_dir).mkdir(parents=True, exist_ok=True)
-            self.process = start_stage_process(self.spec)
+            self.process = start_stage_process(self.spec, new_session=True)
 
         def where(self) -> tuple[str, int]:
             """(node id, the stage process's pid there)."""
@@ -121,6 +121,8 @@ class RayRank:
         self.actor = actor
         self.stage = stage
         self.group = group          # the replica's placement group (shared by its ranks)
+        # asked before wait(), which holds the actor's one thread for the stage's life
+        self._where_ref = actor.where.remote()
         self._done: Future = actor.wait.remote().future()
         self.returncode: int | None = None
         self._where: tuple[str, int] | None = None
@@ -137,7 +139,7 @@ class RayRank:
     @property
     def where(self) -> tuple[str, int]:
         if self._where is None:
-            self._where = require_ray().get(self.actor.where.remote(), timeout=PLACEMENT_TIMEOUT_S)
+            self._where = require_ray().get(self._where_ref, timeout=PLACEMENT_TIMEOUT_S)
         return self._where
 
     def poll(self) -> int | None:
@@ -199,11 +201,13 @@ def start_ranks(specs: list[WorkerSpec], stage: StageConfig) -> list[RayRank]:
 
 
 def _stage_env() -> dict[str, str]:
-    """What the stage process must see of the driver's environment: this omnistage first on
-    its path (every node needs it at the same place, or installed), and the model families
-    registered out of tree."""
+    """The actor's environment: this omnistage first on its path (every node needs it at the
+    same place, or installed), the model families registered out of tree, and Ray told not to
+    SIGKILL the actor's children when it ends: the stage process then gets its SIGTERM from
+    its parent's death and frees its segments (measured: with Ray's default, none was)."""
     root = str(Path(__file__).resolve().parents[2])
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+           "RAY_kill_child_processes_on_worker_exit": "0"}
     if os.environ.get(FAMILY_MODULES_ENV):
         env[FAMILY_MODULES_ENV] = os.environ[FAMILY_MODULES_ENV]
     return env
