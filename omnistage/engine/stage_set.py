@@ -58,10 +58,10 @@ class StageSet:
     def __init__(self, graph: GraphConfig, device: str) -> None:
         self.graph = graph
         self.info: dict[str, dict] = {}               # each stage's Ready.info (replica 0's)
+        self.host = self._join_cluster()              # first: nothing to free if it fails
         self.run_dir = tempfile.mkdtemp(prefix="omnistage-")
         self.shm_namespace = new_namespace()
         self.ctx = zmq.Context()
-        self.host = self._join_cluster()
         self.outputs = self.ctx.socket(zmq.PULL)      # every stage's outputs, to the router
         outbox = self._bind(self.outputs, "out")
         self.inboxes: dict[str, list[zmq.Socket]] = {}

@@ -16,11 +16,14 @@ frees its shared-memory segments and exits. The ranks of one replica share a pla
 (STRICT_PACK: one node), so they meet through a file rendezvous on that node.
 
 Control messages stay our typed msgspec structs over zmq, now tcp to the driver's node instead
-of ipc:// (measured on one CPU host, round trip orchestrator -> stage -> orchestrator of a small
-message: zmq ipc ~60 us, zmq tcp ~70 us, a Ray actor call ~500 us plus ~1 ms of extra CPU for
-the task machinery on each side; tests/engine/test_ray.py test_control_latency), and the busy
-loop, the StageSet's liveness checks and restarts stay those of the process backend. Liveness
-is the `wait()` call's future: done means the stage process (or its actor, or its node) ended.
+of ipc://. Measured (omnistage/benchmarks/control_latency.py, one 2-core CPU host, an EdgeChunk
+round trip orchestrator -> stage -> orchestrator, median / p99): zmq ipc 77 / 136 us, zmq tcp
+81 / 138 us, a Ray actor call 601 / 1068 us. The talker and code2wav exchange one message per
+request per step, so a Ray call would add about half a millisecond to each, and a stage would
+need a threaded actor to take calls while its loop steps; zmq keeps the busy loop, its gathering
+of bursts, and the StageSet's liveness checks and restarts those of the process backend.
+Liveness is the `wait()` call's future: done means the stage process (or its actor, or its
+node) ended.
 
 Restarts are ours (StageSet.restart starts a fresh actor), not Ray's max_restarts: a restarted
 stage must say Ready again, and its new tcp address must reach its producers (SetPeers), which
@@ -183,7 +186,9 @@ def start_ranks(specs: list[WorkerSpec], stage: StageConfig) -> list[RayRank]:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     gpu = specs[0].device.startswith("cuda")
-    bundle = {"GPU": stage.gpu_share} if gpu else {"CPU": 0.01}
+    # the ranks of one stage each need a GPU of their own: whole ones, never two shares of one
+    share = stage.gpu_share if len(specs) == 1 else 1.0
+    bundle = {"GPU": share} if gpu else {"CPU": 0.01}
     bundle.update(stage.ray_resources)
     group = placement_group([bundle] * len(specs), strategy="STRICT_PACK")
     actor_class = _actor_class()
@@ -192,7 +197,7 @@ def start_ranks(specs: list[WorkerSpec], stage: StageConfig) -> list[RayRank]:
     ranks = []
     for i, spec in enumerate(specs):
         spec = replace(spec, run_dir=run_dir)
-        options = dict(num_cpus=0 if gpu else 0.01, num_gpus=stage.gpu_share if gpu else 0,
+        options = dict(num_cpus=0 if gpu else 0.01, num_gpus=share if gpu else 0,
                        resources=dict(stage.ray_resources), max_restarts=0,
                        runtime_env={"env_vars": _stage_env()},
                        scheduling_strategy=PlacementGroupSchedulingStrategy(group, i))

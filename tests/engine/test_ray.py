@@ -3,6 +3,7 @@ this machine (ray.cluster_utils.Cluster; a custom resource per node, so that a s
 `ray_resources` pins it to one). One cluster for the module: Ray is slow to start.
 
     node_a: the driver (this process), `first`, `vectors`     node_b: `second` x 2 replicas
+    (`first` as two tensor-parallel ranks: two actors in one placement group, in one test)
     first -> second and second -> vectors cross nodes (tcp), vectors -> client does not (shm)
 """
 
@@ -69,14 +70,16 @@ def test_stages_on_two_nodes_serve_as_the_process_backend(cluster: object,
     with Omni(stage_config=toy_graph_yaml(tiny_qwen3, chunked=True, max_tokens=12),
               device="cpu") as omni:
         reference = omni.generate(PROMPTS)
-    with Omni(stage_config=_ray_graph(tiny_qwen3, 12, second_replicas=2),
-              device="cpu") as omni:
+    text = _ray_graph(tiny_qwen3, 12, second_replicas=2)
+    text = text.replace("    final: text\n", "    final: text\n    tensor_parallel_size: 2\n")
+    with Omni(stage_config=text, device="cpu") as omni:
         outs = omni.generate(PROMPTS)
         orch = omni.engine.orchestrator
         stats = orch.stage_stats()
         stages = orch.stages
         node_a = stages.host.node
         assert stages.nodes[("first", 0)] == stages.nodes[("vectors", 0)] == node_a
+        assert {rank.node for rank in stages.runners["first"][0].processes} == {node_a}
         assert stages.nodes[("second", 0)] == stages.nodes[("second", 1)] != node_a
         # tcp where the ends sit on two nodes, shm (no tcp peer) where they share one
         assert stages.peers_of("first", 0) == {
