@@ -360,32 +360,17 @@ class Orchestrator:
                 self._fail(route, error, name, info=StageError(name, "stage_dead", error))
 
     def _reroute(self, route: Route, name: str) -> bool:
-        """Send a request that the dead replica of `name` had not started (nothing came out of
-        it, no chunk went to it, no client tensor was put for it) to another live replica;
-        its upstream stages put their chunks for the new one. False where it cannot go."""
-        add = route.adds.get(name)
-        if add is None or add.inputs is not None or not self.stages.live(name):
-            return False
-        replica = self.replicas.pick({name}, self.replica_load())[name]
-        route.replicas[name] = replica
-        self.replicas.num_rerouted += 1
-        self._send(name, replica, add)
-        for src in route.replicas:
-            if any(d.name == name for d, _ in self._downstream[src]):
-                self._send(src, route.replicas[src], m.Reroute(route.request_id, name, replica))
-        return True
+        """Send a request the dead replica of `name` had not started to another live one (the
+        replica book says when it can); False where it cannot go."""
+        return self.replicas.reroute(route.request_id, route.replicas, route.adds.get(name),
+                                     name, self.replica_load(), self._send)
 
     def _lost(self, route: Route, dest: str, handle: m.TensorHandle | None) -> bool:
-        """A tcp chunk pushed to a replica that died (the request went elsewhere meanwhile)
-        cannot reach the new one: the request fails (True) instead of waiting for it there."""
-        if handle is None or handle.kind != "tcp":
-            return False
-        sent_to = m.key_replica(handle.key.edge)
-        if sent_to is None or sent_to == route.replicas[dest]:
-            return False
-        error = f"a chunk for {self.replicas.who(dest, sent_to)} was lost when it died"
-        self._fail(route, error, dest, info=StageError(dest, "stage_dead", error))
-        return True
+        """A chunk that went to a replica the request has left: the request fails (True)."""
+        error = self.replicas.lost_chunk(route.replicas, dest, handle)
+        if error is not None:
+            self._fail(route, error, dest, info=StageError(dest, "stage_dead", error))
+        return error is not None
 
     def _replica_back(self, msg: m.Ready) -> None:
         """A restarted replica said Ready: it takes new requests again."""
