@@ -404,6 +404,7 @@ class StageRunner:
             if p.poll() is not None:
                 code = p.returncode
                 how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                how = getattr(p, "ended", None) or how      # a Ray actor's (RayRank) says more
                 ended.append(how if len(self.processes) == 1 else
                              f"{how} (rank {rank} of {len(self.processes)})")
         return "; ".join(ended) or "stopped"

@@ -128,6 +128,7 @@ class RayRank:
         self._where_ref = actor.where.remote()
         self._done: Future = actor.wait.remote().future()
         self.returncode: int | None = None
+        self.ended: str | None = None     # how it ended, where the exit code cannot say
         self._where: tuple[str, int] | None = None
 
     @property
@@ -146,11 +147,13 @@ class RayRank:
         return self._where
 
     def poll(self) -> int | None:
-        """None while the stage process runs; its exit code (or -9: its actor was killed, its
-        node lost) once it ended."""
+        """None while the stage process runs; its exit code (or -9 and `ended` said: its actor
+        was killed, its node lost) once it ended."""
         if self.returncode is None and self._done.done():
             exc = self._done.exception()
             self.returncode = -9 if exc is not None else self._done.result()
+            if exc is not None:
+                self.ended = f"lost its Ray actor ({type(exc).__name__})"
             self.terminate()       # the actor outlives its process: its resources go now
         return self.returncode
 

@@ -111,6 +111,7 @@ def test_a_killed_replica_actor_fails_only_its_requests_and_restarts(
         ray.kill(orch.stages.runners["second"][1].processes[0].actor)
         _wait(lambda: orch.degraded_reason is not None, 10, "replica 1 not seen dead")
         assert "(restarting)" in orch.degraded_reason and omni.is_healthy
+        assert "replica 1 lost its Ray actor (ActorDiedError)" in orch.degraded_reason
         _wait(lambda: all(evs and evs[-1].done for evs in events.values()), 30,
               {rid: evs[-1:] for rid, evs in events.items()})
         failed = [rid for rid, evs in events.items() if evs[-1].error is not None]
