@@ -5,6 +5,10 @@ this machine (ray.cluster_utils.Cluster; a custom resource per node, so that a s
     node_a: the driver (this process), `first`, `vectors`     node_b: `second` x 2 replicas
     (`first` as two tensor-parallel ranks: two actors in one placement group, in one test)
     first -> second and second -> vectors cross nodes (tcp), vectors -> client does not (shm)
+
+Outputs equal the process backend's; `ray.kill` of a replica under load fails only its
+requests, and it restarts; a stalled upstream fails a request at its deadline; a SIGKILLed
+driver leaves no actor, stage process or shared-memory segment.
 """
 
 from __future__ import annotations
@@ -98,7 +102,8 @@ def test_stages_on_two_nodes_serve_as_the_process_backend(cluster: object,
 def test_a_killed_replica_actor_fails_only_its_requests_and_restarts(
         cluster: object, tiny_qwen3: Path) -> None:
     text = _ray_graph(tiny_qwen3, 200, second_replicas=2)
-    text = text.replace("    replicas: 2\n", "    replicas: 2\n    max_restarts: 1\n")
+    text = text.replace("    replicas: 2\n",
+                        "    replicas: 2\n    max_restarts: 1\n    input_timeout_s: 2.0\n")
     with Omni(stage_config=text, device="cpu") as omni:
         orch = omni.engine.orchestrator
         events: dict[str, list[RequestEvent]] = {f"r{i}": [] for i in range(len(PROMPTS))}
@@ -129,12 +134,32 @@ def test_a_killed_replica_actor_fails_only_its_requests_and_restarts(
         assert all(o.error is None and o.finished for o in outs)
         # two of them on the restarted replica: its producer learnt its new tcp address
         assert orch.stage_stats()["second#1"].num_output_tokens == 2 * 200
+        _stalled_upstream_fails_at_the_deadline(omni)
     print(f"\nray.kill of one replica under load: {len(failed)} failed (its own), "
           f"{len(events) - len(failed)} completed, healthy again after {recovery_s:.1f} s")
 
 
 # a driver that serves (four requests running), holds a segment of its own on its node (a
 # client tensor no stage has taken yet), then waits to be killed
+def _stalled_upstream_fails_at_the_deadline(omni: Omni) -> None:
+    """The first stage's process stopped (SIGSTOP) mid-request: the second stage, on the other
+    node, fails the request once its input_timeout_s passes without a chunk."""
+    pid = omni.engine.orchestrator.stages.runners["first"][0].pid
+    events: list[RequestEvent] = []
+    omni.engine.submit(PROMPTS[0], None, "stalled", None, events.append)
+    _wait(lambda: events, 10, "no output")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        _wait(lambda: events[-1].done, 15, events[-3:])
+        waited = time.monotonic() - stopped
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert events[-1].error_info.kind == "timeout", events[-1].error
+    assert "no input from first for 2 s" in events[-1].error
+    assert 1.9 < waited < 6.0, waited
+
+
 DRIVER = """
 import json, sys, time
 import ray, torch
