@@ -36,6 +36,7 @@ placement groups) when the serving process exits or is killed.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
@@ -81,7 +82,9 @@ def driver_node() -> tuple[str, str]:
     return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
 
+@functools.cache
 def _actor_class() -> Any:
+    """The actor class, made once per process (Ray exports each class it is given)."""
     ray = require_ray()
 
     class StageActor:
@@ -164,10 +167,7 @@ class RayRank:
         from ray.util.placement_group import remove_placement_group
 
         ray.kill(self.actor, no_restart=True)
-        try:
-            remove_placement_group(self.group)
-        except Exception:       # already removed with another rank of the replica
-            pass
+        remove_placement_group(self.group)   # a no-op once another rank of the replica did
 
     kill = terminate
 
