@@ -15,7 +15,7 @@ if ! $PY -c "import torch" 2>/dev/null; then
         $PY -m pip install -q torch==2.13.0
     fi
 fi
-$PY -m pip install -q -e ".[test]"
+$PY -m pip install -q -e ".[test,ray]"
 
 # The reference environment of the Qwen3-TTS golden tests (tests/models/qwen3_tts): the
 # `qwen-tts` package pins transformers 4.57.3, which cannot share .venv with ours, so it gets

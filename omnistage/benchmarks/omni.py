@@ -99,6 +99,8 @@ class OmniBenchConfig:
     chunk_frames: int = 25                # code2wav's streaming chunk (the default graph's)
     stage_config: str | None = None       # our graph (default: the model's, qwen3_omni)
     tensor_parallel_size: int = 1         # our thinker's; transformers over as many GPUs
+    stage_overrides: tuple[str, ...] = ()  # STAGE.KEY=VALUE on our graph (replicas, ...)
+    ray_address: str | None = None        # backend ray: the cluster (None: start or join one)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -116,8 +118,8 @@ class OmniBenchConfig:
                              "(0: ours only, no ratios against transformers)")
         if self.chunk_frames < 1:
             raise ValueError(f"chunk_frames={self.chunk_frames}: must be >= 1")
-        if self.backend not in ("process", "inproc"):
-            raise ValueError(f"backend={self.backend!r}: choose process or inproc")
+        if self.backend not in ("process", "inproc", "ray"):
+            raise ValueError(f"backend={self.backend!r}: choose process, inproc or ray")
 
     @classmethod
     def preset(cls, sizes: str, *, thinker_tokens: int | None = None,
@@ -345,8 +347,8 @@ def bench_ours(path: Path, cfg: OmniBenchConfig, device: torch.device, dtype: to
               SamplingParams(temperature=0.0, repetition_penalty=1.05,
                              max_tokens=cfg.talker_tokens, ignore_eos=True), None]
     kw: dict[str, object] = {"backend": "inproc", "connector": "inproc"} \
-        if cfg.backend == "inproc" else {}
-    overrides = [f"code2wav.options.chunk_frames={cfg.chunk_frames}"]
+        if cfg.backend == "inproc" else {"backend": cfg.backend, "ray_address": cfg.ray_address}
+    overrides = [f"code2wav.options.chunk_frames={cfg.chunk_frames}", *cfg.stage_overrides]
     t0 = time.perf_counter()
     if cfg.tensor_parallel_size > 1:
         kw["tensor_parallel_size"] = cfg.tensor_parallel_size

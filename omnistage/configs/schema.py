@@ -177,6 +177,13 @@ class StageConfig:
     # A replica that dies is started again (in the background; it takes traffic once Ready)
     # up to this many times over the engine's life; 0: it stays down.
     max_restarts: int = 0
+    # backend ray: custom resources each of the stage's actors requires besides its GPUs,
+    # e.g. {node_b: 1} to pin it to the node started with `ray start --resources '{"node_b": 8}'`
+    ray_resources: dict[str, float] = field(default_factory=dict, hash=False)
+    # backend ray: the share of one GPU each rank's actor asks Ray for (Ray packs stages onto
+    # GPUs by these shares); None: memory_fraction, or a tenth for a generation stage (a
+    # vocoder's weights and activations are small)
+    ray_gpus: float | None = None
     # Component-specific options passed to its constructor (e.g. code2wav's chunk_frames).
     options: dict[str, object] = field(default_factory=dict, hash=False)
 
@@ -187,6 +194,7 @@ class StageConfig:
         object.__setattr__(self, "replica_devices", tuple(tuple(d) for d in self.replica_devices))
         object.__setattr__(self, "sampling", dict(self.sampling))
         object.__setattr__(self, "options", dict(self.options))
+        object.__setattr__(self, "ray_resources", dict(self.ray_resources))
 
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
@@ -229,6 +237,10 @@ class StageConfig:
             bad("replica_devices", f"must hold one device list per replica ({self.replicas})")
         if any(not d or min(d) < 0 or len(set(d)) != len(d) for d in self.replica_devices):
             bad("replica_devices", "each must be a non-empty list of distinct indices >= 0")
+        if self.ray_gpus is not None and not 0.0 < self.ray_gpus <= 1.0:
+            bad("ray_gpus", "must be in (0, 1]")
+        if any(not v > 0 for v in self.ray_resources.values()):
+            bad("ray_resources", "each amount must be > 0")
         if "output_hidden_layers" in self.sampling:
             raise ValueError("sampling.output_hidden_layers: set output_hidden_layers on the "
                              "stage, not in its sampling defaults")
@@ -239,6 +251,13 @@ class StageConfig:
         """How this stage's ranks split (world size 1: one process, as before)."""
         return ParallelSizes(self.tensor_parallel_size, self.ulysses_degree, self.ring_degree,
                              self.cfg_parallel_size)
+
+    @property
+    def gpu_share(self) -> float:
+        """The share of one GPU each rank asks Ray for (`ray_gpus`)."""
+        if self.ray_gpus is not None:
+            return self.ray_gpus
+        return 0.1 if self.kind == "generation" else self.memory_fraction
 
     def devices_of(self, replica: int) -> tuple[int, ...]:
         """The devices of one replica: its own list, or the stage's."""
@@ -278,19 +297,26 @@ class GraphConfig:
     adapters) are checked by `omnistage.configs.graph.validate_graph`."""
 
     stages: tuple[StageConfig, ...]
-    connector: Literal["inproc", "shm", "tcp"] = "shm"
-    # process: one process per stage; inproc: every stage in the caller's process (tests, debug).
-    backend: Literal["process", "inproc"] = "process"
+    # auto: the backend's own (shm for process and inproc; under ray, per edge: shm when both
+    # ends share a node, tcp when they do not); inproc needs backend inproc
+    connector: Literal["auto", "inproc", "shm", "tcp"] = "auto"
+    # process: one process per stage; inproc: every stage in the caller's process (tests, debug);
+    # ray: one Ray actor per stage rank, placed on any node of a Ray cluster (stages/ray_actor.py)
+    backend: Literal["process", "inproc", "ray"] = "process"
     model: str | None = None  # checkpoint of stages that name none
+    # backend ray: the cluster to join ("auto", "ray://...", "HOST:PORT"); None: the one
+    # RAY_ADDRESS or a running `ray start` names, else a new local one
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
-        replicated = [s.name for s in self.stages if s.replicas > 1 or s.max_restarts]
-        if replicated and self.connector == "tcp":
-            # a tcp producer sends each edge to one consumer address, learnt once at start-up
-            # (StageSet._tell_peers)
-            raise ValueError(f"connector: tcp does not serve replicated or restarted stages "
-                             f"({', '.join(replicated)}); use shm")
+
+    @property
+    def connector_kind(self) -> str:
+        """The connector the stages run: `connector`, with auto resolved for the backend."""
+        if self.connector != "auto":
+            return self.connector
+        return "auto" if self.backend == "ray" else "shm"
 
     def stage(self, name: str) -> StageConfig:
         """The stage called `name`; KeyError if there is none."""

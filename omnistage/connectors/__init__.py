@@ -1,6 +1,7 @@
 """Connectors move tensors between stages, apart from the control messages that carry handles.
 
-`inproc` (same process), `shm` (same host, POSIX shared memory), `tcp` (across hosts, zmq).
+`inproc` (same process), `shm` (same host, POSIX shared memory), `tcp` (across hosts, zmq),
+`auto` (shm or tcp per edge, by where its two ends run).
 """
 
 from omnistage.connectors.base import (

@@ -131,6 +131,7 @@ CONNECTORS: dict[str, tuple[str, str]] = {
     "inproc": ("omnistage.connectors.inproc", "InprocConnector"),
     "shm": ("omnistage.connectors.shm", "ShmConnector"),
     "tcp": ("omnistage.connectors.tcp", "TcpConnector"),
+    "auto": ("omnistage.connectors.auto", "AutoConnector"),
 }
 
 

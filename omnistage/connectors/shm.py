@@ -66,9 +66,10 @@ def unlink_segment(name: str) -> bool:
     return True
 
 
-def sweep(namespace: str) -> int:
-    """Unlink every segment of `namespace` left in /dev/shm (Linux); returns how many."""
-    prefix = check_namespace(namespace) + "_"
+def sweep(namespace: str, tag: str = "") -> int:
+    """Unlink every segment of `namespace` (of one connector's `tag` only, if given) left in
+    /dev/shm (Linux); returns how many."""
+    prefix = check_namespace(namespace) + "_" + (f"{tag}_" if tag else "")
     if not os.path.isdir(SHM_DIR):
         return 0
     return sum(unlink_segment(name) for name in os.listdir(SHM_DIR) if name.startswith(prefix))
@@ -91,11 +92,14 @@ def _close(shm: SharedMemory) -> None:
 class ShmConnector(Connector):
     kind = "shm"
 
-    def __init__(self, namespace: str | None = None, inline_bytes: int = INLINE_BYTES) -> None:
+    def __init__(self, namespace: str | None = None, inline_bytes: int = INLINE_BYTES,
+                 tag: str | None = None) -> None:
+        """tag: this instance's part of its segments' names (default: random), known in advance
+        to whoever must sweep them after a crash."""
         super().__init__()
         self.namespace = check_namespace(new_namespace() if namespace is None else namespace)
         self.inline_bytes = inline_bytes       # 0: every payload gets a segment
-        self.tag = secrets.token_hex(3)
+        self.tag = secrets.token_hex(3) if tag is None else tag
         self.counter = itertools.count()
         # segments this instance created and has not seen consumed, per request id
         self.owned: dict[str, set[str]] = {}

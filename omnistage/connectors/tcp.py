@@ -95,6 +95,10 @@ class TcpConnector(Connector):
     def add_peer(self, edge: str, address: str) -> None:
         self.peers[edge] = address
 
+    def set_peers(self, peers: Mapping[str, str]) -> None:
+        """Replace every peer: the whole table, as it stands after a replica (re)started."""
+        self.peers = dict(peers)
+
     def put(self, key: ChunkKey, tensors: Mapping[str, Tensor]) -> TensorHandle:
         start = time.perf_counter()
         dest = self.peers.get(key.edge)

@@ -8,7 +8,8 @@ aborts and errors to every stage a request touched. Tensors never pass through i
 final ones it hands to the caller.
 
 A stage of several replicas: a request gets one replica per stage when it is added
-(replicas.py) and every message about it goes there. A dead replica fails only its requests;
+(replicas.py) and every message about it goes there. A dead replica fails only the requests
+it had started (the others go to another replica: _reroute);
 the engine is "degraded" while every stage keeps a live replica, unhealthy once one has none;
 with `max_restarts` a dead replica restarts in the background, back in service at its Ready.
 
@@ -31,7 +32,7 @@ from torch import Tensor
 
 from omnistage.configs.graph import downstream, stages_needed, topological_order, validate_graph
 from omnistage.configs.schema import GraphConfig, OutputKind
-from omnistage.connectors.base import ChunkKey, Connector, make_connector
+from omnistage.connectors.base import ChunkKey, Connector
 from omnistage.diffusion.image_input import file_tensor
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.outputs import RequestEvent, StageMetrics
@@ -67,6 +68,9 @@ class Route:
     open_stages: set[str]
     finals: set[str]
     replicas: dict[str, int]                  # stage -> the replica serving this request there
+    # each stage's AddRequest until the request starts there (output from it, or a chunk
+    # routed to it): until then a dead replica's request can go to another one (_reroute)
+    adds: dict[str, m.AddRequest] = field(default_factory=dict)
     whole_text: dict[str, str] = field(default_factory=dict)
     chunk_idx: dict[str, int] = field(default_factory=dict)
     metrics: dict[str, dict] = field(default_factory=dict)
@@ -86,7 +90,7 @@ class EntryInputs:
 class Orchestrator:
     def __init__(self, graph: GraphConfig, device: str = "auto") -> None:
         validate_graph(graph, adapters=adapters.registered())
-        if graph.backend == "process" and graph.connector == "inproc":
+        if graph.backend != "inproc" and graph.connector == "inproc":
             raise ValueError("connector: inproc needs backend: inproc (stages in one process)")
         check_gpu_placement(graph, device)
         self.graph = graph
@@ -103,20 +107,11 @@ class Orchestrator:
         self.replicas = ReplicaBook(graph, self.stages)
         self.stage_info = self.stages.info
         self._connector = self.stages.connector
-        self._inputs = self._input_connector()
+        self._inputs = self.stages.inputs
         self._router = threading.Thread(target=self._route_loop, name="omnistage-router",
                                         daemon=True)
         self._router.start()
         _LIVE.add(self)
-
-    def _input_connector(self) -> Connector:
-        """Where the client's tensors go to the stages (AddRequest.inputs). Over shm each is a
-        segment of its own, never inline in the control message: one per request, where a
-        segment's cost does not count. inproc: the stages' own instance; tcp: the stages'
-        addresses are known to the client's instance (StageSet)."""
-        if self.graph.connector == "shm":
-            return make_connector("shm", namespace=self.stages.shm_namespace, inline_bytes=0)
-        return self._connector
 
     def _send(self, stage: str, replica: int, msg: m.ToStage) -> None:
         """Send to a replica of a stage. A dead one fails its requests at once, and the message
@@ -167,33 +162,42 @@ class Orchestrator:
             try:
                 for name in reversed(self.order):  # downstream first: parked before input arrives
                     if name in needed:
-                        self._send(name, route.replicas[name], self._add_message(
-                            request_id, name, needed, params.get(name), entry, now))
+                        add = self._add_message(request_id, name, route.replicas,
+                                                params.get(name), entry, now)
+                        route.adds[name] = add
+                        self._send(name, route.replicas[name], add)
             except BaseException:   # an input that could not be put: nothing of the request stays
                 self._routes.pop(request_id, None)
                 self._free(request_id, route.replicas)
                 raise
         return needed
 
-    def _add_message(self, request_id: str, name: str, needed: set[str],
+    def _add_message(self, request_id: str, name: str, replicas: dict[str, int],
                      p: SamplingParams | DiffusionParams | None, entry: EntryInputs,
                      now: float) -> m.AddRequest:
-        """Stage `name`'s part of a request: an entry stage gets the prompt and the client's
-        tensors, a diffusion stage its params; what the stage takes as tensors (an edit's image
-        file too: its params carry an ImageRef) goes through the connector."""
-        ups = [i for i in self.graph.stage(name).inputs if i.source in needed]
-        downs = [d.name for d, _ in self._downstream[name] if d.name in needed]
+        """Stage `name`'s part of a request (`replicas`: the request's replica at each stage it
+        needs): an entry stage gets the prompt and the client's tensors, a diffusion stage its
+        params; what the stage takes as tensors (an edit's image file too: its params carry an
+        ImageRef) goes through the connector."""
+        ups = [i for i in self.graph.stage(name).inputs if i.source in replicas]
+        downs = [d.name for d, _ in self._downstream[name] if d.name in replicas]
         tensors = {} if ups else dict(entry.tensors)
         diffusion = p if isinstance(p, DiffusionParams) else None
         if diffusion is not None:
             diffusion, image = diffusion.detach_image()
             if image is not None:
                 tensors["mm.image"] = file_tensor(image)
-        inputs = self._inputs.put(ChunkKey(request_id, m.edge_name(m.CLIENT, name), 0),
-                                  tensors) if tensors else None
+        edge = m.edge_key(m.CLIENT, name, self._replica_key(name, replicas))
+        inputs = self._inputs.put(ChunkKey(request_id, edge, 0), tensors) if tensors else None
         return m.AddRequest(request_id, p if isinstance(p, SamplingParams) else None, diffusion,
                             None if ups else entry.prompt_text,
-                            None if ups else entry.token_ids, inputs, len(ups), downs, now)
+                            None if ups else entry.token_ids, inputs, len(ups), downs,
+                            {d: replicas[d] for d in downs if self._replica_key(d, replicas)
+                             is not None}, now)
+
+    def _replica_key(self, stage: str, replicas: dict[str, int]) -> int | None:
+        """The replica a chunk's edge key names for `stage`: None when it has only one."""
+        return replicas[stage] if self.graph.stage(stage).replicas > 1 else None
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -277,6 +281,7 @@ class Orchestrator:
                 self._fail(route, f"stage {out.stage!r}: {out.error}", out.stage,
                            out.invalid_input, out.error_info)
                 return
+            route.adds.pop(out.stage, None)          # started there
             tensors = None
             client = out.handles.get(m.edge_name(out.stage, m.CLIENT))
             if client is not None:
@@ -295,10 +300,13 @@ class Orchestrator:
                     continue
                 else:
                     text = out.text
+                if self._lost(route, dest.name, handle):
+                    return
                 idx = route.chunk_idx.get(edge, 0)
                 route.chunk_idx[edge] = idx + 1
-                self._send(dest.name, route.replicas[dest.name], m.EdgeChunk(out.request_id, out.stage, idx, out.finished,
-                                                  text=text, handle=handle))
+                route.adds.pop(dest.name, None)      # started there
+                self._send(dest.name, route.replicas[dest.name], m.EdgeChunk(
+                    out.request_id, out.stage, idx, out.finished, text=text, handle=handle))
             if out.request_id not in self._routes:  # a dead downstream stage failed it
                 return
             if out.finished:
@@ -348,8 +356,21 @@ class Orchestrator:
         logger.error("orchestrator: %s %s; failing its requests", who, how)
         error = f"{who} died ({how})"
         for route in list(self._routes.values()):     # (the caller holds the lock)
-            if route.replicas.get(name) == replica:
+            if route.replicas.get(name) == replica and not self._reroute(route, name):
                 self._fail(route, error, name, info=StageError(name, "stage_dead", error))
+
+    def _reroute(self, route: Route, name: str) -> bool:
+        """Send a request the dead replica of `name` had not started to another live one (the
+        replica book says when it can); False where it cannot go."""
+        return self.replicas.reroute(route.request_id, route.replicas, route.adds.get(name),
+                                     name, self.replica_load(), self._send)
+
+    def _lost(self, route: Route, dest: str, handle: m.TensorHandle | None) -> bool:
+        """A chunk that went to a replica the request has left: the request fails (True)."""
+        error = self.replicas.lost_chunk(route.replicas, dest, handle)
+        if error is not None:
+            self._fail(route, error, dest, info=StageError(dest, "stage_dead", error))
+        return error is not None
 
     def _replica_back(self, msg: m.Ready) -> None:
         """A restarted replica said Ready: it takes new requests again."""

@@ -1,6 +1,7 @@
 """The orchestrator's book of a graph's replicas: which are down and why, how often each was
 restarted, which one a new request gets at each stage (the live one with the fewest
-outstanding requests), what /health and /metrics say of them, and their answers to GetStats."""
+outstanding requests), where a request goes when its replica dies before it started there,
+what /health and /metrics say of them, and their answers to GetStats."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class ReplicaBook:
         self.stages = stages
         self.down: dict[tuple[str, int], str] = {}     # dead replicas -> how they ended
         self.restarts: dict[tuple[str, int], int] = {}
+        self.num_rerouted = 0     # requests moved off a dead replica before they started there
         self._stats: dict[str, m.StageStats] = {}
         self._stats_ready = threading.Event()
 
@@ -51,6 +53,36 @@ class ReplicaBook:
                            num_restarts + 1)
             self.stages.restart(name, replica)
         self.down[(name, replica)] = how
+
+    def reroute(self, request_id: str, replicas: dict[str, int], add: m.AddRequest | None,
+                name: str, load: dict[str, list[int]],
+                send: Callable[[str, int, m.ToStage], None]) -> bool:
+        """A request whose replica of stage `name` died before it started there (its
+        AddRequest still held: nothing came out of it, no chunk went to it; no client tensor
+        was put for it) goes to the live replica with the least load: `replicas` updated, the
+        AddRequest sent there, and its upstream stages told where its chunks now go (Reroute).
+        False where it cannot go."""
+        if add is None or add.inputs is not None or not self.stages.live(name):
+            return False
+        replicas[name] = self.pick({name}, load)[name]
+        self.num_rerouted += 1
+        send(name, replicas[name], add)
+        for source in replicas:
+            if any(i.source == source for i in self.graph.stage(name).inputs):
+                send(source, replicas[source], m.Reroute(request_id, name, replicas[name]))
+        return True
+
+    def lost_chunk(self, replicas: dict[str, int], dest: str,
+                   handle: m.TensorHandle | None) -> str | None:
+        """Why a chunk for `dest` cannot reach the request's replica there: it went by tcp to
+        the replica the request had before a re-route (pushed before the producer heard), so
+        the new one would wait for it in vain. None for any other chunk."""
+        if handle is None or handle.kind != "tcp":
+            return None
+        sent_to = m.key_replica(handle.key.edge)
+        if sent_to is None or sent_to == replicas[dest]:
+            return None
+        return f"a chunk for {self.who(dest, sent_to)} was lost when it died"
 
     def back(self, stage: str, replica: int) -> None:
         self.down.pop((stage, replica), None)

@@ -1,7 +1,9 @@
 """The running stages of one graph: their processes (or threads), the sockets to and from them,
-the client's connector, the run folder and the shared-memory namespace. Start-up (start, wait
+the client's connectors, the run folder and the shared-memory namespace. Start-up (start, wait
 for every Ready, tell tcp producers their consumers), sending, liveness and tear-down live
-here; the orchestrator routes requests on top of it.
+here; the orchestrator routes requests on top of it. The same for every backend: with ray the
+stages are actors on a cluster's nodes (stages/ray_actor.py), reached over tcp from this
+node's address instead of ipc sockets, and `connector: auto` crosses nodes by tcp.
 
 A stage of `replicas: N` runs N whole copies (each its own StageRunner, ranks and inbox);
 the orchestrator picks one per request. A replica found dead is ended and marked down; the
@@ -11,17 +13,20 @@ others serve on.
     send(stage, replica, msg)      False if that replica is down (the message is dropped)
     newly_dead()                   replicas found dead since the last call, and how
     live(stage)                    the replicas that take traffic
-    restart(stage, replica)        a fresh process for a dead replica; back once its Ready comes
-    ready(msg); failed_restarts()  (the router's) a restarted replica came up; or did not
+    restart(stage, replica)        a fresh process (actor) for a dead replica; back at its Ready
+    ready(msg); failed_restarts()  (the router's) a restarted replica came up (its producers
+                                   told its address); or did not
     stop(); close()                replicas told to shut down and joined; then what is left freed
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -43,34 +48,44 @@ SEND_TIMEOUT_MS = 1000
 Replica = tuple[str, int]      # (stage, replica index)
 
 
+@dataclass(frozen=True, slots=True)
+class Host:
+    node: str     # Ray node id ("" without Ray)
+    ip: str       # where this process's sockets bind for the stages
+
+
 class StageSet:
     def __init__(self, graph: GraphConfig, device: str) -> None:
         self.graph = graph
         self.info: dict[str, dict] = {}               # each stage's Ready.info (replica 0's)
+        self.host = self._join_cluster()              # first: nothing to free if it fails
         self.run_dir = tempfile.mkdtemp(prefix="omnistage-")
         self.shm_namespace = new_namespace()
         self.ctx = zmq.Context()
-        ipc = graph.backend == "process"
-        addr = (lambda n: f"ipc://{self.run_dir}/{n}") if ipc else (
-            lambda n: f"inproc://omnistage-{id(self)}-{n}")
         self.outputs = self.ctx.socket(zmq.PULL)      # every stage's outputs, to the router
-        self.outputs.bind(addr("out"))
+        outbox = self._bind(self.outputs, "out")
         self.inboxes: dict[str, list[zmq.Socket]] = {}
         self.connector = self._make_connector()
-        self._shared = self.connector if graph.connector == "inproc" else None
+        self.inputs = self._input_connector()
+        self._shared = self.connector if graph.connector_kind == "inproc" else None
         self.runners: dict[str, list[StageRunner]] = {}
         self.specs: dict[Replica, WorkerSpec] = {}
         self.down: set[Replica] = set()               # ended replicas: they take no traffic
         self.starting: dict[Replica, float] = {}      # restarted, not Ready yet -> deadline
+        self.addresses: dict[Replica, str] = {}       # each replica's connector address (tcp)
+        self.nodes: dict[Replica, str] = {}           # each replica's node (backend ray)
+        self._consumers = {s.name: {d.name for d, _ in downstream(graph, s.name)}
+                           for s in graph.stages}
         try:
             for s in graph.stages:
                 self.inboxes[s.name], self.runners[s.name] = [], []
                 for r in range(s.replicas):
-                    inbox = f"{s.name}.{r}"
-                    self.inboxes[s.name].append(self._inbox(addr(inbox)))
-                    spec = WorkerSpec(s.name, graph, addr(inbox), addr("out"),
+                    sock = self._inbox()
+                    self.inboxes[s.name].append(sock)
+                    spec = WorkerSpec(s.name, graph, self._bind(sock, f"{s.name}.{r}"), outbox,
                                       stage_device(device, s.devices_of(r)),
-                                      self.shm_namespace, self.run_dir, replica=r)
+                                      self.shm_namespace, self.run_dir, replica=r,
+                                      driver_node=self.host.node, driver_pid=os.getpid())
                     self.specs[(s.name, r)] = spec
                     self.runners[s.name].append(StageRunner(spec, graph.backend, self.ctx,
                                                             self._shared))
@@ -80,26 +95,60 @@ class StageSet:
             self.close()
             raise
 
-    def _inbox(self, address: str) -> zmq.Socket:
+    def _join_cluster(self) -> Host:
+        """Where the stages reach this process: its Ray node's address (backend ray, the
+        cluster joined first), else this host."""
+        if self.graph.backend != "ray":
+            return Host("", "127.0.0.1")
+        from omnistage.stages import ray_actor
+
+        ray_actor.connect(self.graph.ray_address)
+        return Host(*ray_actor.driver_node())
+
+    def _bind(self, sock: zmq.Socket, name: str) -> str:
+        """Bind a socket the stages connect to: ipc in the run folder (process backend), tcp
+        on this node's address and a free port (ray), inproc (inproc). -> its address."""
+        if self.graph.backend == "ray":
+            sock.bind(f"tcp://{self.host.ip}:*")
+            return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        address = (f"ipc://{self.run_dir}/{name}" if self.graph.backend == "process"
+                   else f"inproc://omnistage-{id(self)}-{name}")
+        sock.bind(address)
+        return address
+
+    def _inbox(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)          # never block on a busy stage ...
         sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # ... nor on a dead one
-        sock.bind(address)
         return sock
 
     def _make_connector(self) -> Connector:
-        kind = self.graph.connector
+        kind = self.graph.connector_kind
         if kind == "shm":
             return make_connector("shm", namespace=self.shm_namespace)
         if kind == "tcp":
-            return make_connector("tcp", listen="tcp://127.0.0.1:0")
+            return make_connector("tcp", listen=f"tcp://{self.host.ip}:0")
+        if kind == "auto":
+            return make_connector("auto", namespace=self.shm_namespace,
+                                  listen=f"tcp://{self.host.ip}:0")
         return make_connector("inproc")
+
+    def _input_connector(self) -> Connector:
+        """Where the client's tensors go to the stages (AddRequest.inputs). Over shm each is a
+        segment of its own, never inline in the control message: one per request, where a
+        segment's cost does not count. inproc: the stages' own instance; tcp: the client's
+        instance, which knows the stages' addresses (_tell_peers)."""
+        kind = self.graph.connector_kind
+        if kind == "shm":
+            return make_connector("shm", namespace=self.shm_namespace, inline_bytes=0)
+        if kind == "auto":
+            return make_connector("auto", namespace=self.shm_namespace, inline_bytes=0)
+        return self.connector
 
     def _wait_ready(self) -> None:
         pending = {(name, r) for name, rs in self.runners.items() for r in range(len(rs))}
         deadline = time.monotonic() + max(s.startup_timeout_s for s in self.graph.stages)
-        addresses: dict[str, str] = {}
         while pending:
             if time.monotonic() > deadline:
                 names = sorted(n if self.graph.stage(n).replicas == 1 else replica_name(n, r)
@@ -112,8 +161,8 @@ class StageSet:
                     raise RuntimeError(f"stage {msg.stage!r} failed to start: {msg.error}")
                 if isinstance(msg, m.Ready):
                     pending.discard((msg.stage, msg.replica))
+                    self._place(msg)
                     if msg.replica == 0:
-                        addresses[msg.stage] = msg.connector_address
                         self.info[msg.stage] = dict(msg.info)
                 continue
             dead = [p for p in pending if not self.runners[p[0]][p[1]].is_alive()]
@@ -124,20 +173,42 @@ class StageSet:
                                    "reporting anything (its traceback, if any, is on stderr)")
         for s in self.graph.stages:
             logger.info(describe_stage(s.name, s.kind, self.info.get(s.name, {})))
-        if self.graph.connector == "tcp":
-            self._tell_peers(addresses)
+        self._tell_peers()
 
-    def _tell_peers(self, addresses: dict[str, str]) -> None:
-        """tcp: each producer learns its consumers' addresses (and the client's), and the
-        client each stage's, for the tensors it sends a stage itself (AddRequest.inputs)."""
-        client = self.connector.address
-        for s in self.graph.stages:
-            self.connector.add_peer(m.edge_name(m.CLIENT, s.name), addresses[s.name])
-            peers = {m.edge_name(s.name, d.name): addresses[d.name]
-                     for d, _ in downstream(self.graph, s.name)}
-            if s.final not in (None, "text"):
-                peers[m.edge_name(s.name, m.CLIENT)] = client
-            self.send(s.name, 0, m.SetPeers(peers))   # tcp: one replica (GraphConfig)
+    def _place(self, msg: m.Ready) -> None:
+        """Note where a replica that said Ready receives chunks, and on which node."""
+        self.addresses[(msg.stage, msg.replica)] = msg.connector_address
+        self.nodes[(msg.stage, msg.replica)] = msg.node
+
+    def _tell_peers(self) -> None:
+        """tcp and auto: each replica learns the address of every consumer it sends to by tcp
+        (all of them with tcp; with auto, those on another node), and the client the stages'
+        (for the tensors it sends a stage itself, AddRequest.inputs). Sent again whenever a
+        replica (re)starts: its address is new."""
+        if self.graph.connector_kind not in ("tcp", "auto"):
+            return
+        for conn in {id(c): c for c in (self.connector, self.inputs)}.values():
+            conn.set_peers(self.peers_of(m.CLIENT, 0))  # type: ignore[attr-defined]
+        for s, r in self.addresses:
+            if (s, r) not in self.down:
+                self.send(s, r, m.SetPeers(self.peers_of(s, r)))
+
+    def peers_of(self, stage: str, replica: int) -> dict[str, str]:
+        """Edge key -> consumer address of each edge that one replica of `stage` (or the
+        client, m.CLIENT) sends by tcp: every edge with connector tcp; with auto, the edges to
+        another node."""
+        node = self.host.node if stage == m.CLIENT else self.nodes[(stage, replica)]
+        tcp_only = self.graph.connector_kind == "tcp"
+        consumers = ({s.name for s in self.graph.stages} if stage == m.CLIENT
+                     else self._consumers[stage])
+        peers = {m.edge_key(stage, d, r if self.graph.stage(d).replicas > 1 else None): address
+                 for (d, r), address in self.addresses.items()
+                 if d in consumers and (d, r) not in self.down
+                 and (tcp_only or self.nodes[(d, r)] != node)}
+        if stage != m.CLIENT and self.graph.stage(stage).final not in (None, "text") \
+                and (tcp_only or node != self.host.node):
+            peers[m.edge_name(stage, m.CLIENT)] = self.connector.address
+        return peers
 
     def send(self, stage: str, replica: int, msg: m.ToStage) -> bool:
         """Send to one replica of a stage; False (the message dropped) if it is down or dead. A
@@ -180,10 +251,13 @@ class StageSet:
                                            + self.graph.stage(stage).startup_timeout_s)
 
     def ready(self, msg: m.Ready) -> bool:
-        """A restarted replica is up: it takes traffic again. False for any other Ready."""
+        """A restarted replica is up: it takes traffic again, and its producers learn its
+        address. False for any other Ready."""
         if self.starting.pop((msg.stage, msg.replica), None) is None:
             return False
         self.down.discard((msg.stage, msg.replica))
+        self._place(msg)
+        self._tell_peers()
         return True
 
     def failed_restarts(self) -> list[tuple[str, int, str]]:
@@ -230,8 +304,10 @@ class StageSet:
 
     def close(self) -> None:
         """Free what the stages leave: the connector, shared memory, sockets, the run folder."""
+        if self.inputs is not self.connector:
+            self.inputs.close()
         self.connector.close()
-        if self.graph.connector == "shm":
+        if self.graph.connector_kind in ("shm", "auto"):
             sweep(self.shm_namespace)
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)

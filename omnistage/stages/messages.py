@@ -1,7 +1,7 @@
 """Typed messages between the orchestrator and stage workers (msgspec msgpack over zmq).
 
-    orchestrator -> stage:  AddRequest, EdgeChunk, AbortRequest, FreeRequest, SetPeers, GetStats,
-                            Shutdown
+    orchestrator -> stage:  AddRequest, EdgeChunk, AbortRequest, FreeRequest, Reroute, SetPeers,
+                            GetStats, Shutdown
     stage -> orchestrator:  Ready, StartupFailed, StageOutput, StageStats
 
 Bulk tensors never ride in these messages: a `TensorHandle` from the connector does. That
@@ -32,6 +32,8 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     inputs: TensorHandle | None = None
     num_upstream: int = 0                          # edges that will feed it (parked until then)
     downstream: list[str] = []                     # stages this request flows to from here
+    # the replica of each replicated downstream stage that serves it (its chunks' edge key)
+    replicas: dict[str, int] = {}
     arrival_time: float = 0.0                      # wall clock (comparable across processes)
 
 
@@ -59,8 +61,18 @@ class FreeRequest(msgspec.Struct, tag="free"):
     request_id: str
 
 
+class Reroute(msgspec.Struct, tag="reroute"):
+    """A downstream replica of the request died before it started there: its chunks now go to
+    `replica` of `stage` (the edge key names it, and a tcp edge its address)."""
+    request_id: str
+    stage: str
+    replica: int
+
+
 class SetPeers(msgspec.Struct, tag="peers"):
-    """tcp connector: edge name -> consumer address, known once every stage is up."""
+    """tcp and auto connectors: edge key -> consumer address for every edge this stage sends
+    by tcp (the whole table: it replaces the last one), known once every stage is up, sent
+    again when a replica (re)starts."""
 
     peers: dict[str, str]
 
@@ -105,6 +117,7 @@ class Ready(msgspec.Struct, tag="ready", omit_defaults=True):
     connector_address: str = ""     # tcp: where this stage receives chunks
     info: dict[str, str | int | float] = {}
     replica: int = 0
+    node: str = ""                  # backend ray: the Ray node it runs on ("": this host)
 
 
 class StartupFailed(msgspec.Struct, tag="failed"):
@@ -132,7 +145,8 @@ class StageOutput(msgspec.Struct, tag="out", omit_defaults=True):
     metrics: StageMetrics | None = None     # once finished here
 
 
-ToStage = AddRequest | EdgeChunk | AbortRequest | FreeRequest | SetPeers | Shutdown | GetStats
+ToStage = (AddRequest | EdgeChunk | AbortRequest | FreeRequest | Reroute | SetPeers | Shutdown
+           | GetStats)
 FromStage = Ready | StartupFailed | StageOutput | StageStats
 
 _encoder = msgspec.msgpack.Encoder()
@@ -154,6 +168,18 @@ def decode_from_stage(data: bytes) -> FromStage:
 
 def edge_name(source: str, dest: str) -> str:
     return f"{source}->{dest}"
+
+
+def edge_key(source: str, dest: str, replica: int | None) -> str:
+    """The edge a chunk's key names: `edge_name`, plus `#replica` when the destination stage
+    has several (so that a tcp producer finds the address of the one replica it feeds)."""
+    return edge_name(source, dest) + ("" if replica is None else f"#{replica}")
+
+
+def key_replica(edge: str) -> int | None:
+    """The replica an edge key names (`edge_key`), None for an edge to a one-replica stage."""
+    _, sep, replica = edge.rpartition("#")
+    return int(replica) if sep else None
 
 
 CLIENT = "client"

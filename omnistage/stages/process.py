@@ -33,6 +33,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -41,6 +42,9 @@ from omnistage.connectors.base import Connector, make_connector
 from omnistage.stages import messages as m
 from omnistage.stages import ranks
 from omnistage.utils import trace
+
+if TYPE_CHECKING:
+    from omnistage.stages.ray_actor import RayRank
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,13 @@ class WorkerSpec:
     tcp_host: str = "127.0.0.1"
     rank: int = 0            # of a stage over several devices (stages/ranks.py); 0 speaks
     replica: int = 0         # which whole copy of the stage (StageConfig.replicas)
+    # backend ray (stages/ray_actor.py): the node this rank runs on, the serving process's
+    # node and pid, and the tag of this stage's shm segments (so that a stage whose actor
+    # died frees its own segments, not its neighbours')
+    node: str = ""
+    driver_node: str = ""
+    driver_pid: int = 0
+    shm_tag: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +87,11 @@ def check_gpu_placement(graph: GraphConfig, device: str) -> None:
     rank's) exists, and AR stages on one GPU, which each size their KV cache to
     `memory_fraction` of the whole device, leave room for each other (the fractions of the
     stages that share a GPU add up to at most 1), or the first to start takes the memory the
-    others need. ValueError naming the stages."""
+    others need. ValueError naming the stages. Under backend ray only the layouts: Ray
+    places the stages on its nodes' GPUs (each rank takes its memory_fraction of one)."""
     ranks.check_parallel_layouts(graph, stage_device(device, (0,)))   # each replica's too
+    if graph.backend == "ray":
+        return
     shares: dict[str, list[tuple[str, float]]] = {}
     num_gpus: int | None = None
     for stage, replica, rank in _every_rank(graph):
@@ -145,11 +159,14 @@ def stage_cpu_threads(graph: GraphConfig, device: str) -> int:
 
 
 def make_stage_connector(spec: WorkerSpec) -> Connector:
-    kind = spec.graph.connector
+    kind = spec.graph.connector_kind
     if kind == "shm":
         return make_connector("shm", namespace=spec.shm_namespace)
     if kind == "tcp":
         return make_connector("tcp", listen=f"tcp://{spec.tcp_host}:0")
+    if kind == "auto":
+        return make_connector("auto", namespace=spec.shm_namespace,
+                              listen=f"tcp://{spec.tcp_host}:0", tag=spec.shm_tag or None)
     raise ValueError(f"connector {kind!r} cannot cross processes (use shm or tcp)")
 
 
@@ -199,7 +216,7 @@ def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector,
             gc.freeze()
         info = worker.engine.info()
         outbox.send(m.encode(m.Ready(spec.stage, os.getpid(),
-                                     connector.address, info, spec.replica)))
+                                     connector.address, info, spec.replica, spec.node)))
         worker.serve(inbox, outbox)
         if stage.parallel.world_size > 1:   # a clean shutdown (after a failure: ended by the
             worker.engine.stop_followers()  # orchestrator, as they may wait in a collective)
@@ -222,10 +239,16 @@ def describe_stage(name: str, kind: str, info: dict) -> str:
 
 
 def _clean_after_parent(spec: WorkerSpec) -> None:
-    """The parent is gone and cannot clean up: free what it would have freed."""
+    """The parent is gone and cannot clean up: free what it would have freed. A Ray actor's
+    stage (a tag of its own) whose serving process lives on frees only its own segments: its
+    actor alone was ended, and the other stages on the node still use theirs."""
     from omnistage.connectors.shm import sweep
 
-    sweep(spec.shm_namespace)
+    driver_gone = spec.node == spec.driver_node and not _parent_alive(spec.driver_pid)
+    if spec.shm_tag and not driver_gone:
+        sweep(spec.shm_namespace, spec.shm_tag)
+    else:
+        sweep(spec.shm_namespace)
     shutil.rmtree(spec.run_dir, ignore_errors=True)
 
 
@@ -260,19 +283,22 @@ def _die_with_parent(spec: WorkerSpec, parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def start_stage_process(spec: WorkerSpec) -> subprocess.Popen:
+def start_stage_process(spec: WorkerSpec, new_session: bool = False) -> subprocess.Popen:
     """Start `python -m omnistage.stages.entry` for one stage. The child imports this very
     omnistage (the folder above the package goes first on its PYTHONPATH; -P keeps the current
     folder off its path) and shares the parent's resource tracker, as multiprocessing's spawn
     children do, instead of starting one of its own (shm.py registers each segment with it
-    for a moment)."""
+    for a moment). `new_session`: out of the parent's process group, so that a signal to the
+    whole group (Ray ending an actor's worker) reaches the stage only as its parent's death,
+    which it answers by cleaning up."""
     resource_tracker.ensure_running()
     tracker_fd = resource_tracker.getfd()
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen([sys.executable, "-P", "-m", "omnistage.stages.entry"],
-                            stdin=subprocess.PIPE, env=env, pass_fds=(tracker_fd,))
+                            stdin=subprocess.PIPE, env=env, pass_fds=(tracker_fd,),
+                            start_new_session=new_session)
     start = ProcessStart(spec, os.getpid(), tuple(sys.path), tracker_fd,
                          logging.getLogger().getEffectiveLevel())
     assert proc.stdin is not None
@@ -333,17 +359,23 @@ def process_main(spec: WorkerSpec, parent_pid: int, log_level: int = logging.WAR
 
 class StageRunner:
     """The orchestrator's hold on one running stage: its process (one per rank when the stage
-    spans several devices) or its thread."""
+    spans several devices), its Ray actors (one per rank, each holding that process;
+    ray_actor.py), or its thread."""
 
     def __init__(self, spec: WorkerSpec, backend: str, ctx: zmq.Context,
                  shared_connector: Connector | None) -> None:
         self.spec = spec
         self.name = spec.stage
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[subprocess.Popen | RayRank] = []
         self.thread: threading.Thread | None = None
+        stage = spec.graph.stage(spec.stage)
         if backend == "process":
-            for rank_spec in ranks.rank_specs(spec, spec.graph.stage(spec.stage)):
+            for rank_spec in ranks.rank_specs(spec, stage):
                 self.processes.append(start_stage_process(rank_spec))
+        elif backend == "ray":
+            from omnistage.stages.ray_actor import start_ranks
+
+            self.processes.extend(start_ranks(ranks.rank_specs(spec, stage), stage))
         else:
             conn = shared_connector if shared_connector is not None else make_stage_connector(spec)
             self.thread = threading.Thread(target=run_worker, args=(spec, ctx, conn),
@@ -372,6 +404,7 @@ class StageRunner:
             if p.poll() is not None:
                 code = p.returncode
                 how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                how = getattr(p, "ended", None) or how      # a Ray actor's (RayRank) says more
                 ended.append(how if len(self.processes) == 1 else
                              f"{how} (rank {rank} of {len(self.processes)})")
         return "; ".join(ended) or "stopped"

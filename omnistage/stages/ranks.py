@@ -65,9 +65,9 @@ def check_parallel_layouts(graph: GraphConfig, device_kind: str) -> None:
             raise ValueError(f"stage {stage.name!r}: a {stage.kind} stage cannot split by "
                              f"{', '.join(unsupported)} (it supports: "
                              f"{', '.join(_FLAG[a] for a in sorted(SUPPORTED_AXES[stage.kind])) or 'none'})")
-        if graph.backend != "process":
+        if graph.backend == "inproc":
             raise ValueError(f"stage {stage.name!r} spans {sizes.world_size} ranks, which "
-                             "needs the process backend (backend: process)")
+                             "needs processes (backend: process or ray)")
         for devices in {stage.devices_of(r) for r in range(stage.replicas)}:
             if device_kind.startswith("cuda") and len(devices) < sizes.world_size:
                 raise ValueError(f"stage {stage.name!r} has {sizes.world_size} ranks "

@@ -47,6 +47,7 @@ class RequestState:
 
     request_id: str
     downstream: list[str]                       # stages this request flows to from here
+    replicas: dict[str, int]                    # replicated downstream stage -> its replica
     open_sources: set[str]                      # upstream edges not finished yet
     adapter_state: dict[str, dict] = field(default_factory=dict)
     chunk_idx: dict[str, int] = field(default_factory=dict)
@@ -102,9 +103,11 @@ class StageWorker:
                 self._drop(msg.request_id, abort=msg.request_id in self.requests)
             elif isinstance(msg, m.GetStats):
                 return [self.stats()]
+            elif isinstance(msg, m.Reroute):
+                if msg.request_id in self.requests:
+                    self.requests[msg.request_id].replicas[msg.stage] = msg.replica
             elif isinstance(msg, m.SetPeers):
-                for edge, address in msg.peers.items():
-                    self.connector.add_peer(edge, address)  # type: ignore[attr-defined]
+                self.connector.set_peers(msg.peers)  # type: ignore[attr-defined]
             return []
         except Exception as exc:
             if rid is None or rid not in self.requests:
@@ -126,6 +129,7 @@ class StageWorker:
         unknown = [d for d in msg.downstream if d not in self.out_edges]
         assert not unknown, f"stage {self.name} has no edge to {unknown}"
         state = RequestState(request_id=msg.request_id, downstream=list(msg.downstream),
+                             replicas=dict(msg.replicas),
                              open_sources=set(self.adapters) if msg.num_upstream else set(),
                              arrival_time=msg.arrival_time or time.time(),
                              last_input=time.monotonic())
@@ -214,15 +218,15 @@ class StageWorker:
                 edge = m.edge_name(self.name, dest)
                 if self.out_edges[dest]:   # chunked: every step's payload travels now
                     if payload:
-                        out.handles[edge] = self._put(state, edge, payload)
+                        out.handles[edge] = self._put(state, dest, payload)
                 else:                      # whole: collected, sent once at the end
                     if payload:
                         state.whole.setdefault(dest, []).append(payload)
                     if res.finished and state.whole.get(dest):
-                        out.handles[edge] = self._put(state, edge, _concat(state.whole.pop(dest)))
+                        out.handles[edge] = self._put(state, dest, _concat(state.whole.pop(dest)))
             if self.final not in (None, "text") and payload:
-                edge = m.edge_name(self.name, m.CLIENT)
-                out.handles[edge] = self._put(state, edge, payload)
+                out.handles[m.edge_name(self.name, m.CLIENT)] = self._put(state, m.CLIENT,
+                                                                          payload)
         if res.finished:
             # wall-clock times (comparable across processes) and durations in seconds
             first = state.first_output_time
@@ -236,11 +240,16 @@ class StageWorker:
                 connector_seconds=state.connector_seconds)
         return out
 
-    def _put(self, state: RequestState, edge: str, tensors: dict[str, Tensor]) -> m.TensorHandle:
+    def _put(self, state: RequestState, dest: str, tensors: dict[str, Tensor]) -> m.TensorHandle:
+        """One chunk to `dest` (a stage or the client), keyed to the replica that serves the
+        request there."""
+        edge = m.edge_name(self.name, dest)
         idx = state.chunk_idx.get(edge, 0)
         state.chunk_idx[edge] = idx + 1
         t0 = time.perf_counter()
-        handle = self.connector.put(ChunkKey(state.request_id, edge, idx), tensors)
+        key = ChunkKey(state.request_id, m.edge_key(self.name, dest, state.replicas.get(dest)),
+                       idx)
+        handle = self.connector.put(key, tensors)
         state.connector_seconds += time.perf_counter() - t0
         state.bytes_out += handle.nbytes
         return handle

@@ -138,7 +138,7 @@ def test_python_name_of_an_aliased_key_points_to_the_yaml_key() -> None:
 
 def test_unknown_key_without_close_match_lists_the_known_keys() -> None:
     msg = error({**design_dict(), "zzz": 1})
-    assert msg == "zzz: unknown key (known keys: stages, connector, backend, model)"
+    assert msg == "zzz: unknown key (known keys: stages, connector, backend, model, ray_address)"
 
 
 # ---- types, literals, required keys, field checks ---------------------------------------------
@@ -172,7 +172,7 @@ def test_bad_literal_lists_the_allowed_values() -> None:
     assert error(with_stage(2, final="speech")).startswith(
         "stages[2].final: 'speech' is not one of text, audio, image, video, tensor")
     assert error({**design_dict(), "backend": "thread"}) == (
-        "backend: 'thread' is not one of process, inproc")
+        "backend: 'thread' is not one of process, inproc, ray")
 
 
 def test_missing_required_key_names_the_key() -> None:
@@ -302,7 +302,7 @@ def test_overrides_apply_in_order() -> None:
     ("talker.enable_prefix_caching=1", "talker.enable_prefix_caching: expected a boolean"),
     ("conector=tcp", "conector: 'conector' is neither a stage nor a graph key (did you mean "
                      "connector?)"),
-    ("connector=udp", "connector: 'udp' is not one of inproc, shm, tcp"),
+    ("connector=udp", "connector: 'udp' is not one of auto, inproc, shm, tcp"),
     ("talker.memory_fraction.x=1", "talker.memory_fraction.x: talker.memory_fraction is a "
                                    "float"),
     ("talker.inputs.3.chunked=true", "talker.inputs.3.chunked: talker.inputs is a list of 1"),
@@ -336,7 +336,7 @@ def test_to_dict_can_omit_defaults() -> None:
         "inputs": [{"from": "talker", "adapter": "qwen3_omni.talker_to_code2wav",
                     "chunked": True}],
         "final": "audio", "memory_fraction": 0.1}
-    assert "connector" not in short  # shm is the default
+    assert short["connector"] == "shm" and "backend" not in short  # not auto; process
     assert from_dict(GraphConfig, short) == graph
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from omnistage import Omni
-from omnistage.configs.schema import GraphConfig, StageConfig
+from omnistage.configs.schema import StageConfig
 from omnistage.outputs import RequestEvent
 from omnistage.testing.processes import alive
 from omnistage.testing.toy_pipeline import toy_graph_yaml
@@ -135,5 +135,28 @@ def test_replica_settings_are_checked() -> None:
     assert StageConfig(name="s", kind="ar", devices=[2], replicas=2).devices_of(1) == (2,)
     with pytest.raises(ValueError, match="max_restarts"):
         StageConfig(name="s", kind="ar", max_restarts=-1)
-    with pytest.raises(ValueError, match="tcp"):
-        GraphConfig(stages=(stage,), connector="tcp")
+
+
+def test_requests_a_dead_replica_had_not_started_go_to_another(tiny_qwen3: Path) -> None:
+    """The first stage stopped, so nothing has reached the second stage's replicas yet: the
+    requests of the one killed go to the other, over tcp (the producer told where)."""
+    yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, max_tokens=12, second_replicas=2,
+                               connector="tcp")
+    with Omni(stage_config=yaml_text, device="cpu") as omni:
+        orch = omni.engine.orchestrator
+        first = orch.stages.pids["first"]
+        os.kill(first, signal.SIGSTOP)
+        try:
+            events: dict[str, list[RequestEvent]] = {f"r{i}": [] for i in range(4)}
+            for (rid, evs), prompt in zip(events.items(), PROMPTS):
+                omni.engine.submit(prompt, None, rid, None, evs.append)
+            os.kill(orch.stages.replica_pids["second"][1], signal.SIGKILL)
+            _wait(lambda: orch.degraded_reason is not None, 5, "replica 1 not seen dead")
+        finally:
+            os.kill(first, signal.SIGCONT)
+        _wait(lambda: all(evs and evs[-1].done for evs in events.values()), 20, events)
+        assert all(evs[-1].error is None for evs in events.values()), events
+        assert {orch._routes.get(r) for r in events} == {None}
+        assert orch.replicas.num_rerouted == 2
+        assert [o.token_ids for o in omni.generate(PROMPTS[:4])] == [
+            sum((e.token_ids for e in evs if e.stage == "first"), []) for evs in events.values()]

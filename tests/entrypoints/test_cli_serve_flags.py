@@ -49,6 +49,14 @@ def test_stage_override_wins_over_a_flag(tiny_qwen3: Path) -> None:
     assert graph.stage("llm").max_num_seqs == 3
 
 
+def test_worker_backend_and_ray_address_set_the_graph(tiny_qwen3: Path) -> None:
+    _, graph = graph_of([str(tiny_qwen3), "--worker-backend", "ray",
+                         "--ray-address", "10.0.0.1:6379"])
+    assert (graph.backend, graph.ray_address, graph.connector_kind) == (
+        "ray", "10.0.0.1:6379", "auto")
+    assert graph_of([str(tiny_qwen3)])[1].connector_kind == "shm"
+
+
 def test_server_flags_and_model_flag(tiny_qwen3: Path, tmp_path: Path) -> None:
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages[0]['content'] }}")

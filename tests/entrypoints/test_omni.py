@@ -363,6 +363,9 @@ def test_vllm_engine_keywords(tiny_qwen3: Path) -> None:
         Omni(str(tiny_qwen3), device="cpu", max_num_seq=4)
     tp = apply_keywords(graph, {"tensor_parallel_size": 2}).stage("thinker")
     assert (tp.tensor_parallel_size, tp.devices) == (2, (0, 1))
+    on_ray = apply_keywords(graph, {"worker_backend": "ray", "ray_address": "10.0.0.1:6379"})
+    assert (on_ray.backend, on_ray.ray_address, on_ray.connector_kind) == (
+        "ray", "10.0.0.1:6379", "auto")
     with pytest.raises(TypeError, match=r"pipeline_parallel_size=2 .*split the model"):
         Omni(str(tiny_qwen3), device="cpu", pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="memory_fraction"):

@@ -115,7 +115,7 @@ def parallel_graph(sizes: str, kind: str = "ar", devices: str = "[0, 1]",
      r"stage 'a' has 2 ranks \(tensor_parallel_size 2\) but lists 1 device\(s\) \[0\]"),
     ("cfg_parallel_size: 2, ulysses_degree: 2", "diffusion", "[0, 1, 2]", "process",
      r"has 4 ranks \(ulysses_degree 2 x cfg_parallel_size 2\) but lists 3 device"),
-    ("tensor_parallel_size: 2", "ar", "[0, 1]", "inproc", r"needs the process backend"),
+    ("tensor_parallel_size: 2", "ar", "[0, 1]", "inproc", r"needs processes"),
     ("tensor_parallel_size: 2", "ar", "[1, 2]", "process",
      r"stage 'a' is placed on cuda:2, but this machine has 2 GPUs"),
 ])

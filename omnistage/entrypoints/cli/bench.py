@@ -24,6 +24,17 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _replicas(text: str) -> tuple[str, ...]:
+    """"talker=2,code2wav=2" -> the stage overrides talker.replicas=2, code2wav.replicas=2."""
+    items = []
+    for part in text.split(","):
+        stage, sep, count = part.partition("=")
+        if not sep or not stage or not count.isdigit():
+            raise argparse.ArgumentTypeError(f"{part!r}: expected STAGE=N")
+        items.append(f"{stage}.replicas={count}")
+    return tuple(items)
+
+
 def _floats(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(v) for v in text.split(","))
@@ -86,7 +97,8 @@ def _add_omni(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     omni.add_argument("--chunk-frames", type=int, default=None,
                       help="codec frames per code2wav chunk: the first audio waits for this "
                            "many (default: the graph's 25; tiny 8)")
-    omni.add_argument("--backend", choices=["process", "inproc"], default=None,
+    omni.add_argument("--backend", "--worker-backend", dest="backend",
+                      choices=["process", "inproc", "ray"], default=None,
                       help="stage backend (default: process; inproc with --tiny)")
     omni.add_argument("--real-size", action="store_true",
                       help="Qwen3-Omni-30B-A3B's real layer and expert counts and vocabulary "
@@ -94,6 +106,14 @@ def _add_omni(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     omni.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
                       help="our thinker over N GPUs (the default graph's -tp); transformers "
                            "then spreads the model over the same GPUs (device_map='auto')")
+    omni.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                      help="--backend ray: the cluster to join (default: start or join a "
+                           "local one)")
+    omni.add_argument("--replicas", type=_replicas, default=(), metavar="STAGE=N,...",
+                      help="replicas of stages, e.g. talker=2,code2wav=2")
+    omni.add_argument("--stage-override", action="append", default=[],
+                      metavar="STAGE.KEY=VALUE", help="change one field of our graph "
+                                                      "(repeatable)")
 
     return omni
 
@@ -182,7 +202,9 @@ def _run_omni(args: argparse.Namespace) -> Outcome:
         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         concurrency=args.concurrency, reference_requests=args.reference_requests,
         thinker_tokens=args.thinker_tokens, talker_tokens=args.talker_tokens,
-        backend=args.backend, chunk_frames=args.chunk_frames, stage_config=args.stage_config)
+        backend=args.backend, chunk_frames=args.chunk_frames, stage_config=args.stage_config,
+        ray_address=args.ray_address,
+        stage_overrides=(*args.replicas, *args.stage_override))
     result = omni.run(cfg)
     tp = f"_tp{cfg.tensor_parallel_size}" if cfg.tensor_parallel_size > 1 else ""
     return result, f"omni_qwen3-omni-{cfg.sizes}{tp}", result["ratios"]

@@ -12,6 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from omnistage.entrypoints.cli.serve_args import add_backend_args
+
 if TYPE_CHECKING:
     from omnistage.configs.schema import GraphConfig
     from omnistage.outputs import OmniOutput
@@ -26,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: the built-in demo model, handwritten digits)")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add_backend_args(p)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stage-config", default=None,
@@ -143,7 +146,8 @@ def _graph(args: argparse.Namespace) -> GraphConfig:
                          f"flag{'s' if len(given) > 1 else ''}, and this model's main stage "
                          f"{main.name!r} is a{'n' if main.kind == 'ar' else ''} {main.kind} stage")
     engine = argparse.Namespace(dtype=None if args.dtype == "auto" else args.dtype,
-                                max_model_len=args.max_model_len)
+                                max_model_len=args.max_model_len,
+                                worker_backend=args.worker_backend, ray_address=args.ray_address)
     items = stage_flags.flag_overrides(graph, engine)
     graph = resolve_graph(model, path, args.stage_config, [*items, *args.stage_override])
     stage_flags.check_max_model_len(graph)

@@ -54,6 +54,16 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="log level of uvicorn, the HTTP server (default: --log-level)")
 
 
+def add_backend_args(g: argparse._ActionsContainer) -> None:
+    """Where the stages run: the graph's `backend` and `ray_address` keys."""
+    g.add_argument("--worker-backend", default=None, choices=["process", "ray"],
+                   help="backend: process (one process per stage, this host; the default) or "
+                        "ray (one Ray actor per stage rank, on any node of a Ray cluster)")
+    g.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="ray_address: the Ray cluster to join (default: RAY_ADDRESS or the "
+                        "one `ray start` runs here, else a new local cluster)")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("graph")
     g.add_argument("--stage-config", default=None,
@@ -63,6 +73,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="change one field of the graph, e.g. llm.max_num_seqs=8 (repeatable; "
                         "wins over the engine flags below)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add_backend_args(g)
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="tensor_parallel_size: the main stage's weights split over N GPUs "
                         "(ar, diffusion); other stages: --stage-override STAGE.tensor_parallel_size=N")

@@ -63,7 +63,7 @@ def flag_overrides(graph: GraphConfig, args: argparse.Namespace) -> list[str]:
     """`STAGE.KEY=VALUE` items for the engine flags given (None: not given); ValueError for a
     flag that does not apply to this graph's main stage."""
     main = main_stage(graph)
-    items: list[str] = []
+    items = graph_flag_overrides(args)
     for flag in STAGE_FLAGS:
         value = getattr(args, flag.dest, None)
         if value is None:
@@ -82,6 +82,16 @@ def flag_overrides(graph: GraphConfig, args: argparse.Namespace) -> list[str]:
     given = {key: getattr(args, key) for key in PARALLEL_KEYS if getattr(args, key, None)}
     devices = parallel_devices_override(main, given) if given else None
     return items + ([devices] if devices else [])
+
+
+def graph_flag_overrides(args: argparse.Namespace) -> list[str]:
+    """`KEY=VALUE` items for the graph-level flags given: where the stages run."""
+    items = []
+    if getattr(args, "worker_backend", None):
+        items.append(f"backend={args.worker_backend}")
+    if getattr(args, "ray_address", None):
+        items.append(f"ray_address={json.dumps(args.ray_address)}")
+    return items
 
 
 def check_max_model_len(graph: GraphConfig) -> None:
