@@ -78,7 +78,6 @@ from omnistage.benchmarks.omni import (audio_ratios, measure_concurrency, one_at
 from omnistage.testing.tiny_tts import REFERENCE_PYTHON
 from omnistage.utils.device import resolve_device
 
-SAMPLE_RATE = 24000
 REFERENCE_SCRIPT = Path(__file__).with_name("tts_reference.py")
 REFERENCE_TIMEOUT_S = 1200
 TEXTS = ("Hello, the weather is lovely today in the city.",
@@ -95,7 +94,7 @@ VOICE = {"1.7b": ("ryan", "english"), "tiny": ("vivian", "english")}
 @dataclass(frozen=True, slots=True)
 class TTSBenchConfig:
     sizes: str = "1.7b"                   # 1.7b | tiny
-    frames: int = 100                     # talker steps per request: 8 s of audio
+    frames: int = 100                     # talker steps a request: 99 frames, 7.9 s
     concurrency: tuple[int, ...] = (1, 8, 32)
     reference_requests: int = 3           # 0: ours only, no ratios against qwen-tts
     device: str = "auto"
@@ -209,9 +208,12 @@ def run(cfg: TTSBenchConfig) -> dict[str, object]:
     ratios = audio_ratios(by_c, ref, cfg.concurrency, "qwen_tts", prefix="tts_")
     if "1" in by_c:
         ratios["tts_first_audio_s_c1"] = by_c["1"]["first_audio_s"]["median"]
+    lengths = {a for row in by_c.values() for a in row["audio_s"]} | set(ref["audio_s"]
+                                                                        if ref else ())
     return {
         "benchmark": "tts", **environment(device), "dtype": str(dtype).removeprefix("torch."),
         "config": asdict(cfg), "reference": ref, "omnistage": ours, "ratios": ratios,
+        "equal_audio": len(lengths) == 1,     # every request of both sides: the same seconds
         "targets": {"tts_rtf_c1": 0.08, "tts_first_audio_s_c1": 0.05,
                     "tts_first_audio_c8_over_c1": 1.5},
         "notes": "reference: qwen-tts's Qwen3TTSModel.generate_custom_voice, greedy, one "

@@ -104,6 +104,7 @@ def test_bench_tts(tmp_path: Path) -> None:
         pytest.skip(missing)
     doc = bench(tmp_path, "tts", "--concurrency", "1,2", "--reference-requests", "1")
     ref, ours = doc["reference"], doc["omnistage"]
+    assert doc["equal_audio"] is True
     assert ref["requests"] == 1 and ref["versions"]["transformers"] == "4.57.3"
     assert ref["frames"] == [7]     # 8 talker steps; the last one's frame is never made
     assert ref["audio_s"] == [7 * 1920 / 24000] and positive(ref["e2e_s"]["median"])
