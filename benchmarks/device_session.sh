@@ -18,6 +18,8 @@
 #   tune     in-step sweeps (TUNE_FLAGS), single stream against TUNE_SINGLE's flags
 #   batch    8 and 64 requests with and without early launch; h200: the H200's variants
 #   layer, dattn, async, profile: earlier sessions' comparisons; omni: bench omni (minutes)
+#   tts      bench tts against qwen-tts, whose wheels travel in .whl/ref/ (the list and the
+#            download command: omnistage/benchmarks/tts.py), installed into /tmp/ref-site
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -164,4 +166,10 @@ fi
 if [[ $STAGES == *omni* ]]; then
     python3 -m omnistage.entrypoints.cli.main bench omni --out-dir "$OUT" --name omni 2>&1 \
         | tail -12
+fi
+if [[ $STAGES == *tts* ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/ref-site .whl/ref/*.whl >/dev/null 2>&1 || exit 1
+    OMNISTAGE_TTS_REF_PYTHONPATH=/tmp/ref-site python3 -m omnistage.entrypoints.cli.main \
+        bench tts --out-dir "$OUT" --name tts ${TTS_FLAGS:-} 2>&1 | tail -20
 fi

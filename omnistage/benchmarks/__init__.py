@@ -7,10 +7,13 @@ run in one process on the same random-weight checkpoints of real architectures (
     omni.py       Qwen3-Omni-shaped thinker -> talker -> code2wav: first audio chunk, real-time
                   factor, end-to-end latency at concurrency 1 / 8 against transformers'
                   generate(return_audio=True) run request by request
+    tts.py        Qwen3-TTS 1.7B CustomVoice-shaped talker -> code2wav: real-time factor, first
+                  audio, audio seconds per second at concurrency 1 / 8 / 32 against qwen-tts's
+                  generate_custom_voice, run by tts_reference.py in its own environment
     diffusion.py  Qwen-Image-shaped transformer: seconds per image against diffusers on the same
                   weights, step caching (speed-up and PSNR), step-level batching at concurrency 4
 
-`omnistage bench {ar,omni,diffusion}` runs them (entrypoints/cli/bench.py); each writes one JSON
-file (GPU name, library versions, config, raw numbers, ratios). `--tiny` shrinks every size so a
-run takes seconds on a CPU: what CI runs to keep the commands working, not a measurement.
+`omnistage bench {ar,omni,tts,diffusion}` runs them (entrypoints/cli/bench.py); each writes one
+JSON file (GPU name, library versions, config, raw numbers, ratios). `--tiny` shrinks every size
+so a run takes seconds on a CPU: what CI runs to keep the commands working, not a measurement.
 """

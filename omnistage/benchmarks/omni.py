@@ -33,6 +33,7 @@ from __future__ import annotations
 import queue
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -259,23 +260,27 @@ def bench_transformers(model, path: Path, cfg: OmniBenchConfig, device: torch.de
 
     one(0, cfg.thinker_tokens, cfg.talker_tokens)         # warm-up, at full length
     runs = [one(i, cfg.thinker_tokens, cfg.talker_tokens) for i in range(cfg.reference_requests)]
-    e2e = [r[0] for r in runs]
-    audio_s = [r[2] / SAMPLE_RATE for r in runs]
+    return {**one_at_a_time([r[0] for r in runs], [r[2] / SAMPLE_RATE for r in runs],
+                            cfg.concurrency), "text_tokens": [r[1] for r in runs]}
+
+
+def one_at_a_time(e2e: list[float], audio_s: list[float], concurrency: tuple[int, ...]
+                  ) -> dict[str, object]:
+    """A reference that runs one request at a time and returns the waveform whole (its first
+    audio = its end-to-end time), from measured requests: at concurrency c the k-th request
+    waits for the k-1 before it, so makespan and mean latency are estimated from the mean."""
     mean_e2e = sum(e2e) / len(e2e)
-    by_c = {}
-    for c in cfg.concurrency:    # one at a time: the k-th of c waits for the k-1 before it
-        by_c[str(c)] = {"makespan_s_estimated": c * mean_e2e,
-                        "mean_latency_s_estimated": (c + 1) / 2 * mean_e2e,
-                        "audio_s_per_s": sum(audio_s) / sum(e2e)}
-    return {"requests": len(runs), "e2e_s": summary(e2e),
-            "first_audio_s": summary(e2e),     # the waveform comes back whole
-            "rtf": summary([t / a for t, a in zip(e2e, audio_s)]),
-            "text_tokens": [r[1] for r in runs], "audio_s": audio_s, "by_concurrency": by_c}
+    by_c = {str(c): {"makespan_s_estimated": c * mean_e2e,
+                     "mean_latency_s_estimated": (c + 1) / 2 * mean_e2e,
+                     "audio_s_per_s": sum(audio_s) / sum(e2e)} for c in concurrency}
+    return {"requests": len(e2e), "e2e_s": summary(e2e), "first_audio_s": summary(e2e),
+            "rtf": summary([t / a for t, a in zip(e2e, audio_s)]), "audio_s": audio_s,
+            "by_concurrency": by_c}
 
 
 # ---- ours ---------------------------------------------------------------------------------
 
-def _run_ours(omni, prompts: list[dict], params: list, tag: str, timeout_s: float = 600.0
+def run_requests(omni, prompts: list, params: object, tag: str, timeout_s: float = 600.0
               ) -> list[dict[str, float]]:
     """Submit all `prompts` at once and wait; per request: first audio, e2e, audio seconds,
     text tokens (stamped in the router thread as events arrive)."""
@@ -355,34 +360,73 @@ def bench_ours(path: Path, cfg: OmniBenchConfig, device: torch.device, dtype: to
     with Omni(str(path), stage_config=cfg.stage_config, device=str(device),
               dtype=str(dtype).removeprefix("torch."), stage_overrides=overrides, **kw) as omni:
         startup = time.perf_counter() - t0
-        _run_ours(omni, [_prompt(0)], params, "warm")           # at full length
+        run_requests(omni, [_prompt(0)], params, "warm")           # at full length
         warm = [replace(params[0], max_tokens=2), replace(params[1], max_tokens=4), None]
-        _run_ours(omni, [_prompt(i) for i in range(max(cfg.concurrency))], warm, "warm-batch")
-        by_c = {}
-        for c in cfg.concurrency:
-            loop0 = _loop_stats(omni)
-            if c == 1:        # one after another, as many as transformers ran
-                stats = [s for i in range(cfg.reference_requests or 2)
-                         for s in _run_ours(omni, [_prompt(i)], params, f"c1-{i}")]
-                makespan = sum(s["e2e_s"] for s in stats)
-            else:
-                t1 = time.perf_counter()
-                stats = _run_ours(omni, [_prompt(i) for i in range(c)], params, f"c{c}")
-                makespan = time.perf_counter() - t1
-            audio_s = [s["audio_samples"] / SAMPLE_RATE for s in stats]
-            by_c[str(c)] = {
-                "requests": len(stats), "makespan_s": makespan,
-                "first_audio_s": summary([s["first_audio_s"] for s in stats
-                                          if s["first_audio_s"] is not None]),
-                "e2e_s": summary([s["e2e_s"] for s in stats]),
-                "rtf": summary([s["e2e_s"] / a for s, a in zip(stats, audio_s) if a > 0]),
-                "audio_s_per_s": sum(audio_s) / makespan,
-                "stages": {k: summary([s["stages"][k] for s in stats
-                                       if s["stages"].get(k) is not None])
-                           for k in sorted({k for s in stats for k in s["stages"]})},
-                "audio_s": audio_s, "text_tokens": [s["text_tokens"] for s in stats],
-                "stage_loops": _loop_delta(loop0, _loop_stats(omni))}
+        run_requests(omni, [_prompt(i) for i in range(max(cfg.concurrency))], warm, "warm-batch")
+        by_c = measure_concurrency(omni, _prompt, params, cfg.concurrency,
+                                   cfg.reference_requests or 2)
     return {"startup_s": startup, "by_concurrency": by_c}
+
+
+def measure_concurrency(omni, prompt: Callable[[int], object], params: object,
+                        concurrency: tuple[int, ...], sequential: int) -> dict[str, dict]:
+    """Per concurrency c, our requests' first audio, end-to-end time, real-time factor and audio
+    seconds per second: at c = 1 `sequential` requests one after another, else c at once
+    (`prompt(i)`: request i's prompt); with where the first audio waited and each stage's
+    busy-loop work."""
+    by_c = {}
+    for c in concurrency:
+        loop0 = _loop_stats(omni)
+        if c == 1:
+            stats = [s for i in range(sequential)
+                     for s in run_requests(omni, [prompt(i)], params, f"c1-{i}")]
+            makespan = sum(s["e2e_s"] for s in stats)
+        else:
+            t1 = time.perf_counter()
+            stats = run_requests(omni, [prompt(i) for i in range(c)], params, f"c{c}")
+            makespan = time.perf_counter() - t1
+        audio_s = [s["audio_samples"] / SAMPLE_RATE for s in stats]
+        by_c[str(c)] = {
+            "requests": len(stats), "makespan_s": makespan,
+            "first_audio_s": summary([s["first_audio_s"] for s in stats
+                                      if s["first_audio_s"] is not None]),
+            "e2e_s": summary([s["e2e_s"] for s in stats]),
+            "rtf": summary([s["e2e_s"] / a for s, a in zip(stats, audio_s) if a > 0]),
+            "audio_s_per_s": sum(audio_s) / makespan,
+            "stages": {k: summary([s["stages"][k] for s in stats
+                                   if s["stages"].get(k) is not None])
+                       for k in sorted({k for s in stats for k in s["stages"]})},
+            "audio_s": audio_s, "text_tokens": [s["text_tokens"] for s in stats],
+            "stage_loops": _loop_delta(loop0, _loop_stats(omni))}
+    return by_c
+
+
+def audio_ratios(ours: dict[str, dict], ref: dict | None, concurrency: tuple[int, ...],
+                 reference: str, prefix: str = "") -> dict[str, float | None]:
+    """The figures a speech benchmark is judged by, from our rows per concurrency and the
+    reference's (`one_at_a_time`; None: ours only): real-time factor, the concurrency cliff
+    (first audio at c against alone), and against the reference its end-to-end time, audio
+    throughput and queued latency. `reference` and `prefix` go into the names."""
+    one = ours.get("1")
+    ratios: dict[str, float | None] = {}
+    if one is not None and ref is not None:
+        ratios[f"{prefix}first_audio_over_{reference}_e2e_c1"] = ratio(
+            one["first_audio_s"]["median"], ref["e2e_s"]["median"])
+        ratios[f"{prefix}e2e_speedup_c1"] = ratio(ref["e2e_s"]["median"], one["e2e_s"]["median"])
+    for c in concurrency:
+        mine = ours[str(c)]
+        ratios[f"{prefix}rtf_c{c}"] = mine["rtf"]["median"]
+        if ref is not None:
+            theirs = ref["by_concurrency"][str(c)]
+            ratios[f"{prefix}audio_throughput_ratio_c{c}"] = ratio(mine["audio_s_per_s"],
+                                                                  theirs["audio_s_per_s"])
+            if c > 1:
+                ratios[f"{prefix}first_audio_over_{reference}_queue_latency_c{c}"] = ratio(
+                    mine["first_audio_s"]["median"], theirs["mean_latency_s_estimated"])
+        if c > 1 and one is not None:   # the concurrency cliff: first audio at c against alone
+            ratios[f"{prefix}first_audio_c{c}_over_c1"] = ratio(mine["first_audio_s"]["median"],
+                                                               one["first_audio_s"]["median"])
+    return ratios
 
 
 # ---- the run ------------------------------------------------------------------------------
@@ -404,25 +448,7 @@ def run(cfg: OmniBenchConfig) -> dict[str, object]:
         ours = bench_ours(path, cfg, device, dtype)
         free_device_memory(device)
 
-    one = ours["by_concurrency"].get("1")
-    ratios: dict[str, float | None] = {}
-    if one is not None and hf is not None:
-        ratios["first_audio_over_transformers_e2e_c1"] = ratio(one["first_audio_s"]["median"],
-                                                              hf["e2e_s"]["median"])
-        ratios["e2e_speedup_c1"] = ratio(hf["e2e_s"]["median"], one["e2e_s"]["median"])
-    for c in cfg.concurrency:
-        mine = ours["by_concurrency"][str(c)]
-        ratios[f"rtf_c{c}"] = mine["rtf"]["median"]
-        if hf is not None:
-            ref = hf["by_concurrency"][str(c)]
-            ratios[f"audio_throughput_ratio_c{c}"] = ratio(mine["audio_s_per_s"],
-                                                           ref["audio_s_per_s"])
-            if c > 1:
-                ratios[f"first_audio_over_transformers_queue_latency_c{c}"] = ratio(
-                    mine["first_audio_s"]["median"], ref["mean_latency_s_estimated"])
-        if c > 1 and one is not None:   # the concurrency cliff: first audio at c against alone
-            ratios[f"first_audio_c{c}_over_c1"] = ratio(mine["first_audio_s"]["median"],
-                                                        one["first_audio_s"]["median"])
+    ratios = audio_ratios(ours["by_concurrency"], hf, cfg.concurrency, "transformers")
     return {
         "benchmark": "omni", **environment(device), "dtype": str(dtype).removeprefix("torch."),
         "config": {**asdict(cfg), "sizes_changed": "omnistage.testing.tiny_omni"

@@ -119,18 +119,46 @@ def make_audible(decoder: torch.nn.Module, peak: float = 0.5) -> None:
     last.bias.mul_(scale)
 
 
-def build(root: Path, seed: int) -> None:
+def load_tokenizer(root: Path):
+    """The tiny tokenizer from `root/tokenizer/tokenizer.json` alone: transformers 5 saved the
+    rest in a layout 4.57 cannot read."""
+    from transformers import Qwen2TokenizerFast
+
+    return Qwen2TokenizerFast(tokenizer_file=str(root / "tokenizer" / "tokenizer.json"),
+                              eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                              unk_token=None, bos_token=None)
+
+
+def tts_token_ids(tokenizer) -> dict[str, int]:
+    return {f"tts_{k}_token_id": tokenizer.convert_tokens_to_ids(f"<|tts_{k}|>")
+            for k in ("pad", "bos", "eos")}
+
+
+def write_generation_config(path: Path) -> None:
+    """The release's sampling defaults, as its checkpoints carry them."""
+    (path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.9, "top_p": 1.0,
+         "top_k": 50, "subtalker_dosample": True, "subtalker_temperature": 0.9,
+         "subtalker_top_p": 1.0, "subtalker_top_k": 50, "max_new_tokens": 8192}))
+
+
+def save_model(model: torch.nn.Module, path: Path, speaker_encoder: dict) -> None:
+    """save_pretrained, with the speaker encoder's config as published: its config class
+    takes its own keys only (not the `model_type` that to_dict adds)."""
+    model.save_pretrained(path, safe_serialization=True)
+    doc = json.loads((path / "config.json").read_text())
+    doc["speaker_encoder_config"] = speaker_encoder
+    (path / "config.json").write_text(json.dumps(doc, indent=2))
+
+
+def build(root: Path, seed: int, modes: tuple[str, ...] = MODES) -> None:
     from qwen_tts.core import Qwen3TTSTokenizerV2Config, Qwen3TTSTokenizerV2Model
     from qwen_tts.core.models import (Qwen3TTSConfig, Qwen3TTSForConditionalGeneration,
                                       Qwen3TTSProcessor)
-    from transformers import EncodecFeatureExtractor, Qwen2TokenizerFast
+    from transformers import EncodecFeatureExtractor
 
-    # from tokenizer.json alone: transformers 5 saved the rest in a layout 4.57 cannot read
-    tokenizer = Qwen2TokenizerFast(tokenizer_file=str(root / "tokenizer" / "tokenizer.json"),
-                                   eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token=None, bos_token=None)
-    tts_ids = {f"tts_{k}_token_id": tokenizer.convert_tokens_to_ids(f"<|tts_{k}|>")
-               for k in ("pad", "bos", "eos")}
+    tokenizer = load_tokenizer(root)
+    tts_ids = tts_token_ids(tokenizer)
     torch.manual_seed(seed)
     speech = Qwen3TTSTokenizerV2Model(Qwen3TTSTokenizerV2Config(**speech_tokenizer_config()))
     speech = speech.float().eval()
@@ -140,7 +168,7 @@ def build(root: Path, seed: int) -> None:
                        "enc_kernel_sizes": [5, 3, 3, 3, 1], "enc_dilations": [1, 2, 3, 4, 1],
                        "enc_attention_channels": 8, "enc_res2net_scale": 4,
                        "enc_se_channels": 8, "sample_rate": 24000}
-    for i, mode in enumerate(MODES):
+    for mode in modes:
         config = Qwen3TTSConfig(
             talker_config=talker_config(len(tokenizer), tts_ids),
             speaker_encoder_config=speaker_encoder,
@@ -149,21 +177,14 @@ def build(root: Path, seed: int) -> None:
             im_end_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), **tts_ids)
         config.architectures = ["Qwen3TTSForConditionalGeneration"]
         model = Qwen3TTSForConditionalGeneration(config).float().eval()
-        randomize(model, seed + i)
+        randomize(model, seed + MODES.index(mode))
         # EOS must not win greedy decoding by chance in a few steps: its head row is zero
         with torch.no_grad():
             model.talker.codec_head.weight[CODEC_IDS["codec_eos_token_id"]] = 0.0
         path = root / mode
-        model.save_pretrained(path, safe_serialization=True)
-        # as published: the speaker encoder's config class takes its own keys only
-        doc = json.loads((path / "config.json").read_text())
-        doc["speaker_encoder_config"] = speaker_encoder
-        (path / "config.json").write_text(json.dumps(doc, indent=2))
+        save_model(model, path, speaker_encoder)
         Qwen3TTSProcessor(tokenizer=tokenizer).save_pretrained(path)
-        (path / "generation_config.json").write_text(json.dumps(
-            {"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.9, "top_p": 1.0,
-             "top_k": 50, "subtalker_dosample": True, "subtalker_temperature": 0.9,
-             "subtalker_top_p": 1.0, "subtalker_top_k": 50, "max_new_tokens": 8192}))
+        write_generation_config(path)
         speech.save_pretrained(path / "speech_tokenizer", safe_serialization=True)
         features = EncodecFeatureExtractor(feature_size=1, sampling_rate=24000,
                                            padding_value=0.0, return_attention_mask=True)

@@ -1,4 +1,4 @@
-"""`omnistage bench {ar,omni,diffusion} --tiny` on the CPU: each runs our engine and the
+"""`omnistage bench {ar,omni,tts,diffusion} --tiny` on the CPU: each runs our engine and the
 reference on a toy model and writes a well-formed JSON result. What is checked is the shape of
 the result and that both sides produced the same amount of work, never a timing."""
 
@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from omnistage.benchmarks import tts
 from omnistage.benchmarks.common import seeded_init
 from omnistage.entrypoints.cli.main import main
+from omnistage.testing.tiny_tts import reference_missing
 
 
 def bench(tmp_path: Path, kind: str, *extra: str) -> dict:
@@ -91,6 +95,55 @@ def test_bench_omni_without_reference(tmp_path: Path) -> None:
     assert set(doc["ratios"]) == {"rtf_c1", "rtf_c2", "first_audio_c2_over_c1"}
 
 
+def test_bench_tts(tmp_path: Path) -> None:
+    """The golden tests' CustomVoice checkpoint, built by qwen-tts's classes in the reference
+    environment and timed there (one request), then through our stages at c = 1 and 2: the
+    same seconds of audio on both sides, the issue's headline names."""
+    missing = reference_missing()
+    if missing:
+        pytest.skip(missing)
+    doc = bench(tmp_path, "tts", "--concurrency", "1,2", "--reference-requests", "1")
+    ref, ours = doc["reference"], doc["omnistage"]
+    assert doc["equal_audio"] is True
+    assert ref["requests"] == 1 and ref["versions"]["transformers"] == "4.57.3"
+    assert ref["frames"] == [7]     # 8 talker steps; the last one's frame is never made
+    assert ref["audio_s"] == [7 * 1920 / 24000] and positive(ref["e2e_s"]["median"])
+    for c, n in (("1", 1), ("2", 2)):
+        row = ours["by_concurrency"][c]
+        assert row["requests"] == n and row["audio_s"] == ref["audio_s"] * n
+        assert positive(row["first_audio_s"]["median"]) and positive(row["rtf"]["median"])
+        assert row["first_audio_s"]["median"] <= row["e2e_s"]["median"]
+    ratios = doc["ratios"]
+    assert set(ratios) == {"tts_rtf_c1", "tts_rtf_c2", "tts_first_audio_s_c1",
+                           "tts_first_audio_c2_over_c1", "tts_first_audio_over_qwen_tts_e2e_c1",
+                           "tts_e2e_speedup_c1", "tts_audio_throughput_ratio_c1",
+                           "tts_audio_throughput_ratio_c2",
+                           "tts_first_audio_over_qwen_tts_queue_latency_c2"}
+    one = ours["by_concurrency"]["1"]
+    assert ratios["tts_first_audio_s_c1"] == one["first_audio_s"]["median"]
+    assert ratios["tts_rtf_c1"] == one["rtf"]["median"]
+    assert math.isclose(ratios["tts_e2e_speedup_c1"],
+                        ref["e2e_s"]["median"] / one["e2e_s"]["median"])
+
+
+def test_tts_reference_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device's reference: this python with a `pip --target` folder first on its path;
+    OMNISTAGE_TTS_REF_PYTHON names another interpreter."""
+    monkeypatch.setenv("OMNISTAGE_TTS_REF_PYTHONPATH", "/tmp/ref-site")
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    monkeypatch.delenv("OMNISTAGE_TTS_REF_PYTHON", raising=False)
+    python, env = tts.reference_interpreter()
+    assert python == sys.executable
+    assert env["PYTHONPATH"] == os.pathsep.join(["/tmp/ref-site", "/tmp/site"])
+    monkeypatch.setenv("OMNISTAGE_TTS_REF_PYTHON", "/opt/ref/bin/python")
+    assert tts.reference_interpreter()[0] == "/opt/ref/bin/python"
+    monkeypatch.delenv("OMNISTAGE_TTS_REF_PYTHONPATH")
+    monkeypatch.delenv("OMNISTAGE_TTS_REF_PYTHON")
+    python, env = tts.reference_interpreter()
+    assert env["PYTHONPATH"] == "/tmp/site"
+    assert python == (sys.executable if reference_missing() else str(tts.REFERENCE_PYTHON))
+
+
 def test_bench_diffusion(tmp_path: Path) -> None:
     doc = bench(tmp_path, "diffusion", "--cache-thresholds", "0.5", "--concurrency", "2",
                 "--compile")
@@ -132,6 +185,10 @@ def test_bench_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
                "--out-dir", str(tmp_path)])
     assert rc == 2
     assert "size=100" in capsys.readouterr().err
+    rc = main(["bench", "tts", "--tiny", "--device", "cpu", "--frames", "1",
+               "--out-dir", str(tmp_path)])
+    assert rc == 2
+    assert "frames=1" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 

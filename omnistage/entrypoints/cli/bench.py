@@ -1,9 +1,11 @@
-"""`omnistage bench {ar,omni,diffusion}`: our engine and the reference (transformers /
-diffusers) in one process, on the same random-weight model of a real architecture built in the
-run; one JSON file per benchmark (omnistage/benchmarks/ has the method of each).
+"""`omnistage bench {ar,omni,tts,diffusion}`: our engine and the reference (transformers /
+diffusers; qwen-tts in its own interpreter) in one call, on the same random-weight model of a
+real architecture built in the run; one JSON file per benchmark (omnistage/benchmarks/ has the
+method of each).
 
     omnistage bench ar                      # Qwen3-0.6B shape, concurrency 1 / 8 / 64
     omnistage bench omni                    # Qwen3-Omni shape (scaled), concurrency 1 / 8 / 32
+    omnistage bench tts                     # Qwen3-TTS 1.7B CustomVoice vs qwen-tts, 1 / 8 / 32
     omnistage bench diffusion               # Qwen-Image transformer, 1024x1024, 20 steps
     omnistage bench ar --tiny --device cpu  # toy sizes: seconds on a CPU (CI), no measurement
 """
@@ -45,7 +47,7 @@ def _floats(text: str) -> tuple[float, ...]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark our engines against transformers / diffusers")
     kinds = p.add_subparsers(dest="benchmark", required=True)
-    for add in (_add_ar, _add_omni, _add_diffusion):
+    for add in (_add_ar, _add_omni, _add_tts, _add_diffusion):
         _common(add(kinds))
 
 
@@ -118,6 +120,23 @@ def _add_omni(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return omni
 
 
+def _add_tts(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    tts = kinds.add_parser("tts", help="Qwen3-TTS (1.7B CustomVoice shape) vs qwen-tts's "
+                                       "generate_custom_voice")
+    tts.add_argument("--frames", type=int, default=None,
+                     help="codec frames (talker steps) per request (default 100 = 8 s of "
+                          "audio; tiny 8)")
+    tts.add_argument("--concurrency", type=_ints, default=(1, 8, 32))
+    tts.add_argument("--reference-requests", type=int, default=3,
+                     help="requests qwen-tts runs, one by one; 0: ours only, no ratios (the "
+                          "checkpoint is still built by qwen-tts's classes)")
+    tts.add_argument("--first-chunk-frames", type=int, default=None,
+                     help="codec frames of code2wav's first chunk (default: the graph's 6)")
+    tts.add_argument("--backend", choices=["process", "inproc"], default=None,
+                     help="stage backend (default: process; inproc with --tiny)")
+    return tts
+
+
 def _add_diffusion(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     diff = kinds.add_parser("diffusion", help="Qwen-Image transformer vs diffusers")
     diff.add_argument("--size", type=int, default=None, help="pixels (default 1024; tiny 64)")
@@ -154,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
             else _run_ar(args)
     elif args.benchmark == "omni":
         result, name, headline = _run_omni(args)
+    elif args.benchmark == "tts":
+        result, name, headline = _run_tts(args)
     elif args.parallel:
         result, name, headline = _run_diffusion_parallel(args)
     else:
@@ -208,6 +229,17 @@ def _run_omni(args: argparse.Namespace) -> Outcome:
     result = omni.run(cfg)
     tp = f"_tp{cfg.tensor_parallel_size}" if cfg.tensor_parallel_size > 1 else ""
     return result, f"omni_qwen3-omni-{cfg.sizes}{tp}", result["ratios"]
+
+
+def _run_tts(args: argparse.Namespace) -> Outcome:
+    from omnistage.benchmarks import tts
+
+    cfg = tts.TTSBenchConfig.preset(
+        "tiny" if args.tiny else "1.7b", frames=args.frames, backend=args.backend,
+        concurrency=args.concurrency, reference_requests=args.reference_requests,
+        first_chunk_frames=args.first_chunk_frames, device=args.device, seed=args.seed)
+    result = tts.run(cfg)
+    return result, f"tts_qwen3-tts-{cfg.sizes}", result["ratios"]
 
 
 def _run_diffusion_parallel(args: argparse.Namespace) -> Outcome:
