@@ -39,7 +39,7 @@ from omnistage.outputs import RequestEvent, StageMetrics
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages import adapters
 from omnistage.stages import messages as m
-from omnistage.engine.replicas import ReplicaBook
+from omnistage.engine.replicas import Load, ReplicaBook, request_work
 from omnistage.engine.stage_set import POLL_MS, StageSet
 from omnistage.errors import StageError
 from omnistage.stages.process import check_gpu_placement
@@ -71,6 +71,7 @@ class Route:
     # each stage's AddRequest until the request starts there (output from it, or a chunk
     # routed to it): until then a dead replica's request can go to another one (_reroute)
     adds: dict[str, m.AddRequest] = field(default_factory=dict)
+    work: dict[str, int] = field(default_factory=dict)   # stage -> steps asked (replicas.py)
     whole_text: dict[str, str] = field(default_factory=dict)
     chunk_idx: dict[str, int] = field(default_factory=dict)
     metrics: dict[str, dict] = field(default_factory=dict)
@@ -123,14 +124,17 @@ class Orchestrator:
         self._check_liveness()
         return self.replicas.pick(needed, self.replica_load())
 
-    def replica_load(self) -> dict[str, list[int]]:
-        """Outstanding requests per replica of each stage: routed there, not finished there."""
+    def replica_load(self) -> Load:
+        """Per replica of each stage, the requests routed there and not finished there: the
+        steps they asked for and their number."""
         with self._lock:
-            load = {name: [0] * len(rs) for name, rs in self.stages.runners.items()}
+            load = {name: [[0, 0] for _ in rs] for name, rs in self.stages.runners.items()}
             for route in self._routes.values():
                 for name in route.open_stages:
-                    load[name][route.replicas[name]] += 1
-        return load
+                    slot = load[name][route.replicas[name]]
+                    slot[0] += route.work.get(name, 1)
+                    slot[1] += 1
+        return {name: [(w, n) for w, n in slots] for name, slots in load.items()}
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None,
@@ -156,8 +160,10 @@ class Orchestrator:
         with self._lock:
             if request_id in self._routes:
                 raise ValueError(f"request id {request_id!r} is already running")
-            route = Route(request_id, sink, needed, set(needed), finals_needed,
-                          self._pick_replicas(needed))
+            route = Route(request_id, sink, needed, set(needed), finals_needed, {},
+                          work={name: request_work(self.graph.stage(name), params.get(name))
+                                for name in needed})
+            route.replicas = self._pick_replicas(needed)
             self._routes[request_id] = route
             try:
                 for name in reversed(self.order):  # downstream first: parked before input arrives

@@ -1,7 +1,8 @@
 """The orchestrator's book of a graph's replicas: which are down and why, how often each was
-restarted, which one a new request gets at each stage (the live one with the fewest
-outstanding requests), where a request goes when its replica dies before it started there,
-what /health and /metrics say of them, and their answers to GetStats."""
+restarted, which one a new request gets at each stage (the live one with the least outstanding
+work: the steps its requests asked for, then their number), where a request goes when its
+replica dies before it started there, what /health and /metrics say of them, and their answers
+to GetStats."""
 
 from __future__ import annotations
 
@@ -10,12 +11,31 @@ import threading
 import time
 from typing import Callable
 
-from omnistage.configs.schema import GraphConfig
+from omnistage.configs.schema import GraphConfig, StageConfig
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.sampling_params import SamplingParams
 from omnistage.engine.stage_set import StageSet
 from omnistage.stages import messages as m
 from omnistage.stages.process import replica_name
 
 logger = logging.getLogger(__name__)
+
+# A replica's load at a stage: (the steps its outstanding requests asked for, their number)
+Load = dict[str, list[tuple[int, int]]]
+
+
+def request_work(stage: StageConfig, p: SamplingParams | DiffusionParams | None) -> int:
+    """What one request asks of a stage, in its engine's steps, for the router to weigh: an AR
+    stage's decode steps (the request's max_tokens, else the stage's default; unbounded counts
+    as the model's 4096), a diffusion stage's denoising steps times images, one for a
+    generation stage (its chunks follow its upstream's steps). Two requests of 16 and 1024
+    tokens are not the same load on a talker replica."""
+    if isinstance(p, DiffusionParams):
+        return p.num_inference_steps * p.num_images
+    if stage.kind != "ar":
+        return 1
+    p = p if isinstance(p, SamplingParams) else stage.default_sampling()
+    return p.max_tokens or 4096
 
 
 class ReplicaBook:
@@ -33,9 +53,10 @@ class ReplicaBook:
         return f"stage {name!r}" + (f" replica {replica}"
                                     if self.graph.stage(name).replicas > 1 else "")
 
-    def pick(self, needed: set[str], load: dict[str, list[int]]) -> dict[str, int]:
-        """Each needed stage's replica for a new request: the live one with the fewest
-        outstanding requests, the lowest index on a tie."""
+    def pick(self, needed: set[str], load: Load) -> dict[str, int]:
+        """Each needed stage's replica for a new request: the live one with the least
+        outstanding work (`request_work` summed), then the fewest requests, then the lowest
+        index."""
         picked = {}
         for name in needed:
             live = self.stages.live(name)
@@ -55,7 +76,7 @@ class ReplicaBook:
         self.down[(name, replica)] = how
 
     def reroute(self, request_id: str, replicas: dict[str, int], add: m.AddRequest | None,
-                name: str, load: dict[str, list[int]],
+                name: str, load: Load,
                 send: Callable[[str, int, m.ToStage], None]) -> bool:
         """A request whose replica of stage `name` died before it started there (its
         AddRequest still held: nothing came out of it, no chunk went to it; no client tensor
@@ -88,11 +109,12 @@ class ReplicaBook:
         self.down.pop((stage, replica), None)
         logger.warning("orchestrator: %s is back", self.who(stage, replica))
 
-    def status(self, load: dict[str, list[int]]) -> dict[str, list[dict[str, int | bool]]]:
-        """Each stage's replicas: whether it lives, its outstanding requests."""
-        return {name: [{"replica": r, "live": (name, r) not in self.down, "outstanding": n}
-                       for r, n in enumerate(counts)]
-                for name, counts in load.items()}
+    def status(self, load: Load) -> dict[str, list[dict[str, int | bool]]]:
+        """Each stage's replicas: whether it lives, its outstanding requests and their work."""
+        return {name: [{"replica": r, "live": (name, r) not in self.down, "outstanding": n,
+                        "outstanding_steps": work}
+                       for r, (work, n) in enumerate(loads)]
+                for name, loads in load.items()}
 
     def degraded_reason(self) -> str | None:
         """Which replicas are down (and restarting), or None."""

@@ -160,3 +160,29 @@ def test_requests_a_dead_replica_had_not_started_go_to_another(tiny_qwen3: Path)
         assert orch.replicas.num_rerouted == 2
         assert [o.token_ids for o in omni.generate(PROMPTS[:4])] == [
             sum((e.token_ids for e in evs if e.stage == "first"), []) for evs in events.values()]
+
+
+def test_the_router_weighs_the_steps_requests_ask_for() -> None:
+    """A replica holding one request of 1024 tokens has more work than one holding three of
+    16: the next request goes to the second. Equal work: the fewest requests, then the lowest
+    index. Diffusion counts steps times images; a generation stage, one per request."""
+    from types import SimpleNamespace
+
+    from omnistage.diffusion.params import DiffusionParams
+    from omnistage.engine.replicas import ReplicaBook, request_work
+    from omnistage.sampling_params import SamplingParams
+
+    ar = StageConfig(name="talker", kind="ar", replicas=2, sampling={"max_tokens": 300})
+    assert request_work(ar, SamplingParams(max_tokens=1024)) == 1024
+    assert request_work(ar, None) == 300                       # the stage's default
+    assert request_work(StageConfig(name="v", kind="generation"), None) == 1
+    dit = StageConfig(name="dit", kind="diffusion", component="digits")
+    assert request_work(dit, DiffusionParams(num_inference_steps=8, num_images=2)) == 16
+
+    book = ReplicaBook.__new__(ReplicaBook)
+    book.stages = SimpleNamespace(live=lambda name: [0, 1])
+    assert book.pick({"talker"}, {"talker": [(1024, 1), (48, 3)]}) == {"talker": 1}
+    assert book.pick({"talker"}, {"talker": [(64, 2), (64, 1)]}) == {"talker": 1}
+    assert book.pick({"talker"}, {"talker": [(64, 1), (64, 1)]}) == {"talker": 0}
+    book.stages = SimpleNamespace(live=lambda name: [0])     # the other one is down
+    assert book.pick({"talker"}, {"talker": [(1024, 1), (48, 3)]}) == {"talker": 0}

@@ -23,6 +23,7 @@ where the value is one stage's) next to our own (`omnistage_*`).
                   omnistage_stage_queue_length{stage}, omnistage_stage_engine_requests{stage},
                   omnistage_stage_kv_blocks{stage,state}, omnistage_engine_healthy,
                   omnistage_replica_outstanding_requests{stage,replica},
+                  omnistage_replica_outstanding_steps{stage,replica},
                   omnistage_replica_up{stage,replica}
 """
 
@@ -106,6 +107,10 @@ class ServerMetrics:
         self.replica_outstanding = Gauge("omnistage_replica_outstanding_requests",
                                          "requests routed to a replica, not finished there",
                                          ["stage", "replica"], registry=r)
+        self.replica_steps = Gauge("omnistage_replica_outstanding_steps",
+                                   "decode / denoising steps its outstanding requests asked "
+                                   "for (what the router weighs)", ["stage", "replica"],
+                                   registry=r)
         self.replica_up = Gauge("omnistage_replica_up", "1 while a replica takes traffic",
                                 ["stage", "replica"], registry=r)
 
@@ -200,6 +205,8 @@ class ServerMetrics:
         for stage, states in (replicas or {}).items():
             for st in states:
                 self.replica_outstanding.labels(stage, str(st["replica"])).set(st["outstanding"])
+                self.replica_steps.labels(stage, str(st["replica"])).set(
+                    st.get("outstanding_steps", 0))
                 self.replica_up.labels(stage, str(st["replica"])).set(1 if st["live"] else 0)
         self.in_flight.set(num_in_flight)
         self.stages.stats = stage_stats or {}
