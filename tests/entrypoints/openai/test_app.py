@@ -45,6 +45,7 @@ class FakeOmni:
         self.tokenizer = build_tiny_tokenizer(tokenizer_dir)
         self.entry, self.text_entry, self.is_healthy = ["thinker"], False, True
         self.audio_sample_rate = None     # the chunks carry their own rate
+        self.speech = None                # no text-to-speech routes
         self.orchestrator = SimpleNamespace(stage_info={"thinker": {"max_model_len": 64}},
                                             dead_reason=None, stage_stats=lambda timeout: {},
                                             degraded_reason=None, replica_status=lambda: {})

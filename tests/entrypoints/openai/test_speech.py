@@ -1,0 +1,242 @@
+"""Text to speech through a real server serving the toy TTS model (omnistage/testing/toy_tts.py:
+each character a 10 ms tone whose pitch is the voice's), with the official `openai` client as
+OpenAI's docs call it: every format, streamed and whole, sse events, the batch route, voices
+uploaded, listed, used, kept across a restart and deleted; the WebSocket speaking text that
+arrives word by word before it is done, in order, and aborting on cancel and close; a 4xx with
+OpenAI's error JSON for every bad request."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from omnistage.testing.toy_tts import (MAX_INPUT_CHARS, RATE, SAMPLES_PER_CHAR, expected_wave,
+                                       voice_pitch)
+from omnistage.utils.audio import decode_audio, encode_audio
+
+if TYPE_CHECKING:
+    from tests.entrypoints.openai.conftest import Server
+
+MODEL = "toy-tts"
+TEXT = "Hello there, how are you?"
+LSB = 1 / 32767 + 1e-6                 # 16-bit rounding
+STEP_DELAY_S = 0.02                     # the toy speaker's step: 4 characters
+
+
+@pytest.fixture(scope="module")
+def tts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from omnistage.testing.toy_tts import build_toy_tts
+
+    return build_toy_tts(tmp_path_factory.mktemp("toy_tts"), step_delay_s=STEP_DELAY_S)
+
+
+@pytest.fixture(scope="module")
+def voices_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("voices")
+
+
+def serve_args(tts: tuple[Path, Path], voices_dir: Path) -> list[str]:
+    return [str(tts[0]), "--stage-config", str(tts[1]), "--served-model-name", MODEL,
+            "--voices-dir", str(voices_dir), "--max-body-bytes", str(16 << 20)]
+
+
+@pytest.fixture(scope="module")
+def server(start_server: Callable[..., Server], tts: tuple[Path, Path],
+           voices_dir: Path) -> Server:
+    return start_server(serve_args(tts, voices_dir))
+
+
+def tone_wav(seconds: float = 1.0, amp: float = 0.3, rate: int = 16000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    return encode_audio((amp * np.sin(2 * np.pi * 330 * t)).astype(np.float32), rate, "wav")
+
+
+def clone_pitch(wav: bytes) -> int:
+    """The pitch the toy gives a voice cloned from `wav` (as the server hands the clip on)."""
+    wave, _ = decode_audio(wav)
+    return voice_pitch({"ref_audio": {"samples": wave.mean(axis=0).astype("<f4").tobytes()}})
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+# ---- /v1/audio/speech ------------------------------------------------------------------------
+
+def test_openai_client_create_and_streaming_response(server: Server) -> None:
+    client = server.openai()
+    whole = client.audio.speech.create(model=MODEL, voice="bass", input=TEXT,
+                                       response_format="wav")
+    wave, rate = decode_audio(whole.content, "wav")
+    assert rate == RATE
+    np.testing.assert_allclose(wave[0], expected_wave(TEXT, pitch=1), atol=LSB)
+    with client.audio.speech.with_streaming_response.create(
+            model=MODEL, voice="alto", input=TEXT, response_format="pcm") as resp:
+        pieces = [p for p in resp.iter_bytes() if p]
+    streamed, _ = decode_audio(b"".join(pieces), "pcm16", RATE)
+    np.testing.assert_allclose(streamed[0], expected_wave(TEXT, pitch=0), atol=LSB)
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
+def test_every_format_decodes_to_the_length_spoken(server: Server, fmt: str) -> None:
+    r = server.post("/v1/audio/speech", json={"model": MODEL, "input": TEXT, "voice": "alto",
+                                              "response_format": fmt})
+    assert r.status_code == 200, r.text
+    wave, rate = decode_audio(r.content, "pcm16" if fmt == "pcm" else None, RATE)
+    seconds = len(TEXT) * SAMPLES_PER_CHAR / RATE
+    if fmt in ("flac", "wav", "pcm"):
+        np.testing.assert_allclose(wave[0], expected_wave(TEXT, pitch=0), atol=LSB)
+    else:                     # lossy codecs pad a frame or two (opus decodes at 48 kHz)
+        assert seconds <= wave.shape[1] / rate <= seconds + 0.1
+
+
+def test_voice_and_instructions_change_the_speech(server: Server) -> None:
+    def speak(**kw: object) -> np.ndarray:
+        r = server.post("/v1/audio/speech", json={"input": TEXT, "response_format": "wav",
+                                                  **kw})
+        assert r.status_code == 200, r.text
+        return decode_audio(r.content)[0][0]
+
+    np.testing.assert_allclose(speak(), expected_wave(TEXT, pitch=0), atol=LSB)  # first preset
+    np.testing.assert_allclose(speak(voice="Bass", instructions="calmly"),
+                               expected_wave(TEXT, pitch=1, instructions=True), atol=LSB)
+    clip = tone_wav()
+    for ref in (base64.b64encode(clip).decode(),
+                "data:audio/wav;base64," + base64.b64encode(clip).decode()):
+        np.testing.assert_allclose(speak(ref_audio=ref, ref_text="a tone", language="English"),
+                                   expected_wave(TEXT, pitch=clone_pitch(clip)), atol=LSB)
+
+
+def test_sse_events_carry_the_file(server: Server) -> None:
+    body = {"input": TEXT, "voice": "bass", "response_format": "wav", "stream_format": "sse"}
+    with httpx.stream("POST", f"{server.url}/v1/audio/speech", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    assert len(deltas) > 2 and events[-1]["type"] == "speech.audio.done"
+    assert events[-1]["usage"]["input_tokens"] > 0
+    wave, _ = decode_audio(b"".join(base64.b64decode(e["audio"]) for e in deltas))
+    np.testing.assert_allclose(wave[0], expected_wave(TEXT, pitch=1), atol=LSB)
+
+
+def test_batch_answers_each_item_in_its_place(server: Server) -> None:
+    r = server.post("/v1/audio/speech/batch", json={
+        "model": MODEL, "voice": "bass", "response_format": "flac",
+        "items": [{"input": "One."}, {"input": "Two", "voice": "nobody"},
+                  {"input": "Three", "voice": "alto"}, {"input": " "}]})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == [0, 1, 2, 3]
+    for d, text, pitch in ((data[0], "One.", 1), (data[2], "Three", 0)):
+        wave, rate = decode_audio(base64.b64decode(d["audio"]))
+        assert d["format"] == "flac" and d["sample_rate"] == rate == RATE
+        np.testing.assert_allclose(wave[0], expected_wave(text, pitch), atol=LSB)
+    assert data[1]["error"]["param"] == "items[1].voice"
+    assert data[1]["error"]["code"] == "voice_not_found"
+    assert data[3]["error"]["param"] == "items[3].input"
+
+
+# ---- voices ----------------------------------------------------------------------------------
+
+def upload(server: Server, name: str, audio: bytes | None = None, consent: str = "true",
+           **fields: str) -> httpx.Response:
+    files = {"audio": ("clip.wav", audio if audio is not None else tone_wav(), "audio/wav")}
+    return server.post("/v1/audio/voices", data={"name": name, "consent": consent, **fields},
+                       files=files)
+
+
+def names(server: Server) -> dict[str, str]:
+    r = server.get("/v1/audio/voices")
+    assert r.status_code == 200, r.text
+    return {v["name"]: v["type"] for v in r.json()["data"]}
+
+
+def test_voices_upload_use_survive_a_restart_and_delete(
+        server: Server, start_server: Callable[..., Server], tts: tuple[Path, Path],
+        voices_dir: Path) -> None:
+    clip = tone_wav(amp=0.6)
+    r = upload(server, "my_voice-1", clip, transcript="a tone")
+    assert r.status_code == 200, r.text
+    assert r.json()["name"] == "my_voice-1" and r.json()["duration_s"] == 1.0
+    assert names(server) == {"alto": "preset", "bass": "preset", "my_voice-1": "uploaded"}
+    error_of(upload(server, "my_voice-1", clip), 409)
+    speech = server.post("/v1/audio/speech", json={"input": TEXT, "voice": "my_voice-1",
+                                                   "response_format": "wav"})
+    np.testing.assert_allclose(decode_audio(speech.content)[0][0],
+                               expected_wave(TEXT, clone_pitch(clip)), atol=LSB)
+    restarted = start_server(serve_args(tts, voices_dir))
+    assert names(restarted)["my_voice-1"] == "uploaded"
+    assert restarted.get("/v1/audio/voices").json()["data"][-1]["transcript"] == "a tone"
+    deleted = httpx.delete(f"{restarted.url}/v1/audio/voices/my_voice-1", timeout=30)
+    assert deleted.status_code == 200, deleted.text
+    assert "my_voice-1" not in names(server) and not list(voices_dir.iterdir())
+    error_of(httpx.delete(f"{server.url}/v1/audio/voices/my_voice-1", timeout=30), 404)
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "..", "x" * 65, "", "sp ace", "dot.wav"])
+def test_voice_names_cannot_escape_the_folder(server: Server, voices_dir: Path,
+                                              name: str) -> None:
+    assert error_of(upload(server, name), 400)["param"] == "name"
+    assert not (voices_dir.parent / "escape.json").exists()
+
+
+def test_presets_cannot_be_overwritten_or_deleted(server: Server) -> None:
+    assert error_of(upload(server, "ALTO"), 400)["code"] == "voice_is_preset"
+    r = httpx.delete(f"{server.url}/v1/audio/voices/bass", timeout=30)
+    assert error_of(r, 400)["code"] == "voice_is_preset"
+    r = httpx.delete(f"{server.url}/v1/audio/voices/..%2F..%2Fetc", timeout=30)
+    assert r.status_code in (400, 404)
+
+
+# ---- every bad request: a 4xx with OpenAI's error JSON ---------------------------------------
+
+@pytest.mark.parametrize("body, status, param, code", [
+    ({"voice": "nobody"}, 400, "voice", "voice_not_found"),
+    ({"input": "   "}, 400, "input", "empty_input"),
+    ({"input": "a" * (MAX_INPUT_CHARS + 1)}, 400, "input", "input_too_long"),
+    ({"voice": None, "ref_audio": base64.b64encode(b"not audio at all").decode()}, 400,
+     "ref_audio", "invalid_audio"),
+    ({"voice": None, "ref_audio": "%%%"}, 400, "ref_audio", "invalid_base64"),
+    ({"ref_audio": base64.b64encode(tone_wav()).decode()}, 400, "ref_audio", "voice_conflict"),
+    ({"response_format": "ogg"}, 400, "response_format", None),
+    ({"speed": 1.5}, 400, "speed", "unsupported_speed"),
+    ({"language": "klingon"}, 400, "language", "unsupported_language"),
+    ({"ref_text": "hi"}, 400, "ref_text", None),
+    ({"model": "gpt-4o-mini-tts"}, 404, "model", "model_not_found"),
+])
+def test_bad_speech_requests(server: Server, body: dict, status: int, param: str,
+                             code: str | None) -> None:
+    r = server.post("/v1/audio/speech", json={"input": TEXT, "voice": "alto", **body})
+    err = error_of(r, status)
+    assert err["param"] == param and (code is None or err["code"] == code)
+
+
+def test_bad_uploads(server: Server) -> None:
+    assert error_of(upload(server, "v1", consent="false"), 400)["code"] == "consent_required"
+    assert error_of(upload(server, "v2", b"garbage" * 100), 400)["code"] == "invalid_audio"
+    assert error_of(upload(server, "v3", tone_wav(seconds=0.1)), 400)["param"] == "audio"
+    big = b"\0" * ((10 << 20) + 1)
+    assert error_of(upload(server, "v4", big), 413)["param"] == "audio"
+    r = server.post("/v1/audio/voices", data={"name": "v5", "consent": "true"})
+    assert error_of(r, 400)["param"] == "audio"
+
+
+def test_a_model_without_speech_says_so(image_server: Server) -> None:
+    r = image_server.post("/v1/audio/speech", json={"input": TEXT, "voice": "alto"})
+    assert error_of(r, 400)["code"] == "model_not_speech"
+    assert error_of(image_server.get("/v1/audio/voices"), 400)["code"] == "model_not_speech"
+    with pytest.raises(openai.BadRequestError):
+        image_server.openai().audio.speech.create(model="omnistage-demo", voice="alto",
+                                                  input=TEXT)
