@@ -123,23 +123,27 @@ class SpeechStream:
     async def _receive(self) -> None:
         while True:
             try:
-                raw = await self.ws.receive_text()
+                message = await self.ws.receive()
             except (WebSocketDisconnect, RuntimeError):   # closed, by either side
                 return
+            if message["type"] == "websocket.disconnect":
+                return
             try:
-                await self._handle(raw)
+                await self._handle(message.get("text"))
             except APIError as err:
                 if err.status >= 500 or err.status == 429:
                     await self._fail(err)
                     return
                 await self._send({"type": "error", "error": err.body()["error"]})
 
-    async def _handle(self, raw: str) -> None:
+    async def _handle(self, raw: str | None) -> None:
         try:
-            msg = json.loads(raw)
+            msg = json.loads(raw) if raw is not None else None    # None: a binary frame
         except json.JSONDecodeError:
-            raise bad_request("a message must be a JSON object", code="invalid_json") from None
-        kind = msg.get("type") if isinstance(msg, dict) else None
+            msg = None
+        if not isinstance(msg, dict):
+            raise bad_request("a message must be a JSON object with a type", code="invalid_json")
+        kind = msg.get("type")
         if self.done and kind != "cancel":
             raise bad_request(f"{kind}: the input is done; open a new session", "type")
         if kind == "session.update":

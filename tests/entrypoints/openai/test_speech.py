@@ -240,3 +240,111 @@ def test_a_model_without_speech_says_so(image_server: Server) -> None:
     with pytest.raises(openai.BadRequestError):
         image_server.openai().audio.speech.create(model="omnistage-demo", voice="alto",
                                                   input=TEXT)
+
+
+# ---- WebSocket /v1/audio/speech/stream -------------------------------------------------------
+
+WORDS = "Hello there, this is a test. It speaks while I type, one word at a time".split()
+LONG = " ".join(["This sentence is long enough to take a while to speak."] * 6) + " "
+
+
+def events_until(ws, last: str, deadline_s: float = 30.0) -> list[dict]:
+    """Events up to and including the first of type `last`."""
+    out: list[dict] = []
+    deadline = time.monotonic() + deadline_s
+    while not out or out[-1]["type"] != last:
+        out.append(json.loads(ws.recv(timeout=max(0.01, deadline - time.monotonic()))))
+    return out
+
+
+def ready_events(ws) -> list[dict]:
+    """What has arrived by now, without waiting."""
+    out = []
+    while True:
+        try:
+            out.append(json.loads(ws.recv(timeout=0)))
+        except TimeoutError:
+            return out
+
+
+def connect(server: Server):
+    from websockets.sync.client import connect as ws_connect
+
+    return ws_connect(f"ws://127.0.0.1:{server.port}/v1/audio/speech/stream", open_timeout=30)
+
+
+def test_websocket_speaks_while_the_text_arrives(server: Server) -> None:
+    """Words one by one: audio of the first clause comes before input.done, the clauses come
+    in text order, and their audio joined is each clause spoken in turn."""
+    with connect(server) as ws:
+        ws.send(json.dumps({"type": "session.update",
+                            "session": {"voice": "bass", "response_format": "pcm"}}))
+        assert events_until(ws, "session.updated")[-1]["sample_rate"] == RATE
+        seen: list[dict] = []
+        for word in WORDS:
+            ws.send(json.dumps({"type": "input.append", "text": word + " "}))
+            time.sleep(0.03)
+            seen += ready_events(ws)
+        if not any(e["type"] == "audio.delta" for e in seen):     # a slow machine: wait
+            seen += events_until(ws, "audio.delta")
+        ws.send(json.dumps({"type": "input.done"}))
+        seen += events_until(ws, "audio.done")
+    assert not [e for e in seen if e["type"] == "error"]
+    clauses = [e["text"] for e in seen if e["type"] == "clause.done"]
+    assert clauses == ["Hello there,", "this is a test.", "It speaks while I type,",
+                       "one word at a time"]
+    order = [e["clause"] for e in seen if e["type"] == "audio.delta"]
+    assert order == sorted(order) and seen[-1]["clauses"] == 4
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in seen if e["type"] == "audio.delta")
+    want = np.concatenate([expected_wave(c, pitch=1) for c in clauses])
+    np.testing.assert_allclose(decode_audio(pcm, "pcm16", RATE)[0][0], want, atol=LSB)
+
+
+def engine_idle_after_aborts(server: Server, aborted_before: float) -> float:
+    """Wait until the speaker stage holds no request and more requests ended as aborted."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        aborted = m.get(("omnistage_requests_finished_total", (("finish_reason", "abort"),)), 0)
+        running = m.get(("omnistage_stage_engine_requests", (("stage", "speaker"),)), 0)
+        if aborted > aborted_before and running == 0:
+            return aborted
+        time.sleep(0.1)
+    raise AssertionError(f"requests still in the engine: {running}, aborted {aborted}")
+
+
+def test_websocket_cancel_and_close_abort_in_the_engine(server: Server) -> None:
+    before = server.metrics().get(
+        ("omnistage_requests_finished_total", (("finish_reason", "abort"),)), 0)
+    with connect(server) as ws:
+        ws.send(json.dumps({"type": "input.append", "text": LONG}))
+        events_until(ws, "audio.delta")
+        ws.send(json.dumps({"type": "cancel"}))
+        events_until(ws, "cancelled")
+        before = engine_idle_after_aborts(server, before)
+        ws.send(json.dumps({"type": "input.append", "text": "Still here."}))  # goes on
+        ws.send(json.dumps({"type": "input.done"}))
+        done = events_until(ws, "audio.done")
+        assert [e["text"] for e in done if e["type"] == "clause.done"] == ["Still here."]
+    with connect(server) as ws:
+        ws.send(json.dumps({"type": "input.append", "text": LONG}))
+        events_until(ws, "audio.delta")
+    engine_idle_after_aborts(server, before)
+
+
+def test_websocket_bad_messages_get_error_events(server: Server) -> None:
+    with connect(server) as ws:
+        for msg, param in ((["not", "an", "object"], None), ({"type": "speak"}, "type"),
+                           ({"type": "input.append"}, "text"),
+                           ({"type": "session.update", "session": {"voice": "nobody"}},
+                            "session.voice"),
+                           ({"type": "session.update", "session": {"response_format": "ogg"}},
+                            "session.response_format")):
+            ws.send(json.dumps(msg))
+            err = events_until(ws, "error")[-1]["error"]
+            assert err["param"] == param and err["type"] == "invalid_request_error"
+        ws.send(b"binary")
+        assert events_until(ws, "error")[-1]["error"]["code"] == "invalid_json"
+        ws.send(json.dumps({"type": "input.append", "text": "Fine. "}))
+        ws.send(json.dumps({"type": "input.done"}))
+        assert events_until(ws, "audio.done")[-1]["clauses"] == 1
