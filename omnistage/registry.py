@@ -19,6 +19,9 @@ Targets are "module:attribute" strings, imported only when a stage or the front 
 them: this module sits at the bottom floor with configs/ (configs/defaults.py reads it), while
 what it names lives above (models, stages, diffusion, generation).
 
+A text-to-speech family also says what it offers as speech (`speech`, a SpeechSpec): the
+speech routes check requests against it and refuse models without one.
+
 Adding a model = its files (model, pipeline or stage code), one row in `_BUILT_IN` below, its
 default graph YAML in omnistage/configs/. Toy and out-of-tree models call `register_family` from
 their own package instead (omnistage/testing/toy_pipeline.py registers the "testing" family), so
