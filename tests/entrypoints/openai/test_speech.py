@@ -240,6 +240,8 @@ def test_a_model_without_speech_says_so(image_server: Server) -> None:
     with pytest.raises(openai.BadRequestError):
         image_server.openai().audio.speech.create(model="omnistage-demo", voice="alto",
                                                   input=TEXT)
+    with connect(image_server) as ws:
+        assert events_until(ws, "error")[-1]["error"]["code"] == "model_not_speech"
 
 
 # ---- WebSocket /v1/audio/speech/stream -------------------------------------------------------
