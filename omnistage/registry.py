@@ -71,7 +71,7 @@ class SpeechSpec:
     cloning: bool = False              # a voice from a reference clip (ref_audio, uploads)
     voice_design: bool = False         # `instructions` alone describe the voice
     instructions: bool = False         # a style instruction along with a preset voice
-    languages: tuple[str, ...] = ()    # accepted `language` values (empty: any)
+    languages: tuple[str, ...] = ()    # accepted `language` values, lowercase (empty: any)
     max_input_chars: int = 4096
 
     def __post_init__(self) -> None:

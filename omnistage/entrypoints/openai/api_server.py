@@ -4,8 +4,8 @@ uvicorn).
 
     client ─> CORS ─> metrics (status per route) ─> body size limit ─> API key ─> routes
                                                                                   │
-              serving_chat / _completions / _images / _speech ──> EngineClient ──> AsyncOmni
-              speech_stream (WebSocket) ─────────────────────────┘
+         serving_chat / _completions / _images / _speech ──> EngineClient ──> AsyncOmni
+         speech_stream (the WebSocket) ───────────────────────┘
 
 Routes hold no engine logic: they check the model name and hand the parsed body to a serving
 object. Every route exists whatever the model; one whose output the model cannot make answers

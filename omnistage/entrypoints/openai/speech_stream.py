@@ -211,7 +211,7 @@ class SpeechStream:
         """Clause after clause, in order, each one's audio as it comes."""
         try:
             while (clause := await self.queue.get()) is not None:
-                idx, text, handle, ticket = clause
+                idx, text, handle, _ = clause
                 async for wave, rate in self.serving.waves(handle):
                     if self.encoder is None:
                         self.encoder = AudioEncoder(ENCODING[self.session.response_format], rate)
@@ -219,7 +219,8 @@ class SpeechStream:
                 self._close(idx)
                 await self._send({"type": "clause.done", "clause": idx, "text": text})
             if self.encoder is not None:
-                await self._audio(self.num_clauses - 1, self.encoder.close())
+                await self._audio(self.num_clauses - 1,
+                                  await run_in_threadpool(self.encoder.close))
             await self._send({"type": "audio.done", "clauses": self.num_clauses})
             await self.ws.close(1000)
         except APIError as err:

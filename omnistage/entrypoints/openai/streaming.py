@@ -4,9 +4,9 @@
     : progress 0.40\\n\\n          (a comment: clients skip it; it shows diffusion progress)
     data: [DONE]\\n\\n
 
-`EventStream` (and `ClosingStream`, any streamed body: speech) runs its `on_close` callbacks whatever happens to the stream: finished, failed,
-cancelled by a client disconnect (Starlette cancels the body when the client goes), or never
-started at all. That is where requests still running get aborted in every stage.
+`EventStream` (and `ClosingStream`, any streamed body: speech) runs its `on_close` callbacks
+whatever happens to the stream: finished, failed, cancelled by a client disconnect (Starlette
+cancels the body when the client goes), or never started at all. That is where requests still running get aborted in every stage.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ OpenAI's error JSON for every bad request."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import time
 from pathlib import Path
@@ -303,12 +302,13 @@ def test_websocket_speaks_while_the_text_arrives(server: Server) -> None:
 
 
 def engine_idle_after_aborts(server: Server, aborted_before: float) -> float:
-    """Wait until the speaker stage holds no request and more requests ended as aborted."""
+    """Wait until no stage holds a request and more requests ended as aborted."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         m = server.metrics()
         aborted = m.get(("omnistage_requests_finished_total", (("finish_reason", "abort"),)), 0)
-        running = m.get(("omnistage_stage_engine_requests", (("stage", "speaker"),)), 0)
+        running = sum(m.get(("omnistage_stage_engine_requests", (("stage", stage),)), 0)
+                      for stage in ("speaker", "vocoder"))
         if aborted > aborted_before and running == 0:
             return aborted
         time.sleep(0.1)
