@@ -14,7 +14,7 @@ answer piped in token by token). Every frame is a JSON text frame:
       {"type": "audio.delta", "clause": 0, "audio": B64}   pieces of ONE file in the session's
                                      format (pcm: raw 16-bit mono), in text order
       {"type": "clause.done", "clause": 0, "text": "Hello world,"}
-      {"type": "cancelled"}
+      {"type": "cancelled"}          the audio after it is a new file (wav, mp3...: a new header)
       {"type": "audio.done", "clauses": 3}    then the server closes the socket (1000)
       {"type": "error", "error": {OpenAI's error object}}   a bad message (the session goes
                                      on), or a clause that failed (then closed: 1008 for the
@@ -200,6 +200,7 @@ class SpeechStream:
         await asyncio.gather(self.speaker, return_exceptions=True)
         self._abort_all()
         self.buffer.text = ""
+        self.encoder = None    # the file cut short is dropped: audio after this starts a new one
         self.queue = asyncio.Queue()
         if self.done:          # nothing more will come: end the session as input.done would
             self.queue.put_nowait(None)

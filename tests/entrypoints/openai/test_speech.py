@@ -319,6 +319,7 @@ def test_websocket_cancel_and_close_abort_in_the_engine(server: Server) -> None:
     before = server.metrics().get(
         ("omnistage_requests_finished_total", (("finish_reason", "abort"),)), 0)
     with connect(server) as ws:
+        ws.send(json.dumps({"type": "session.update", "session": {"response_format": "wav"}}))
         ws.send(json.dumps({"type": "input.append", "text": LONG}))
         events_until(ws, "audio.delta")
         ws.send(json.dumps({"type": "cancel"}))
@@ -328,6 +329,9 @@ def test_websocket_cancel_and_close_abort_in_the_engine(server: Server) -> None:
         ws.send(json.dumps({"type": "input.done"}))
         done = events_until(ws, "audio.done")
         assert [e["text"] for e in done if e["type"] == "clause.done"] == ["Still here."]
+        wav = b"".join(base64.b64decode(e["audio"]) for e in done if e["type"] == "audio.delta")
+        np.testing.assert_allclose(decode_audio(wav)[0][0],          # a new file of its own
+                                   expected_wave("Still here.", pitch=0), atol=LSB)
     with connect(server) as ws:
         ws.send(json.dumps({"type": "input.append", "text": LONG}))
         events_until(ws, "audio.delta")
