@@ -57,7 +57,7 @@ def encode_audio(wave: np.ndarray | Tensor, sample_rate: int, fmt: str = "wav") 
         buf = io.BytesIO()
         soundfile.write(buf, w.T, sample_rate, format=fmt.upper(), subtype="PCM_16")
         return buf.getvalue()
-    enc = AudioEncoder(fmt, sample_rate)
+    enc = AudioEncoder(fmt, sample_rate, streamed=False)
     return enc.encode(w) + enc.close()
 
 
@@ -77,12 +77,15 @@ class AudioEncoder:
         send(enc.close())
     """
 
-    def __init__(self, fmt: str, sample_rate: int) -> None:
+    def __init__(self, fmt: str, sample_rate: int, streamed: bool = True) -> None:
+        """`streamed=False`: everything comes at `close`, written seekably, so that the muxer
+        patches its header (mp3's gapless info: the decoded length is exact)."""
         if fmt not in FORMATS:
             raise ValueError(f"audio format {fmt!r}: choose one of {', '.join(FORMATS)}")
         if sample_rate <= 0:
             raise ValueError(f"sample_rate={sample_rate}: must be > 0")
         self.fmt, self.sample_rate = fmt, sample_rate
+        self._whole = None if streamed else io.BytesIO()
         self._pieces: list[bytes] = []
         self._out = self._stream = self._resampler = None
         self._layout = "mono"
@@ -117,7 +120,7 @@ class AudioEncoder:
         for packet in self._stream.encode(None):
             self._out.mux(packet)
         self._out.close()
-        return self._take()
+        return self._take() if self._whole is None else self._whole.getvalue()
 
     def _open(self, channels: int) -> None:
         """The container and encoder; the resampler does rate, sample format and frame size
@@ -131,7 +134,8 @@ class AudioEncoder:
         rate = self.sample_rate if not rates or self.sample_rate in rates else (
             min((r for r in rates if r >= self.sample_rate), default=max(rates)))
         self._layout = "mono" if channels == 1 else "stereo"
-        self._out = av.open(self, "w", format=container_name)
+        self._out = av.open(self if self._whole is None else self._whole, "w",
+                            format=container_name)
         self._stream = self._out.add_stream(codec_name, rate=rate, layout=self._layout)
         ctx = self._stream.codec_context
         self._resampler = av.AudioResampler(format=ctx.format, layout=self._layout, rate=rate,
