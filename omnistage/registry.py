@@ -19,6 +19,9 @@ Targets are "module:attribute" strings, imported only when a stage or the front 
 them: this module sits at the bottom floor with configs/ (configs/defaults.py reads it), while
 what it names lives above (models, stages, diffusion, generation).
 
+A text-to-speech family also says what it offers as speech (`speech`, a SpeechSpec): the
+speech routes check requests against it and refuse models without one.
+
 Adding a model = its files (model, pipeline or stage code), one row in `_BUILT_IN` below, its
 default graph YAML in omnistage/configs/. Toy and out-of-tree models call `register_family` from
 their own package instead (omnistage/testing/toy_pipeline.py registers the "testing" family), so
@@ -57,6 +60,29 @@ class Component:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeechSpec:
+    """What a text-to-speech family offers, for /v1/audio/speech and its WebSocket to check a
+    request against before any stage runs (and to list the preset voices). How a request
+    reaches the model: SamplingParams.extra of the entry stage, with "voice" (a preset),
+    "ref_audio" ({"samples": float32 little-endian mono bytes, "sample_rate": int}) and
+    "ref_text" (cloning), "instructions" and "language", each only when given."""
+
+    voices: tuple[str, ...] = ()       # preset speakers; the first is the default
+    cloning: bool = False              # a voice from a reference clip (ref_audio, uploads)
+    voice_design: bool = False         # `instructions` alone describe the voice
+    instructions: bool = False         # a style instruction along with a preset voice
+    languages: tuple[str, ...] = ()    # accepted `language` values, lowercase (empty: any)
+    max_input_chars: int = 4096
+
+    def __post_init__(self) -> None:
+        if not (self.voices or self.cloning or self.voice_design):
+            raise ValueError("SpeechSpec: a speech model needs preset voices, cloning or "
+                             "voice design")
+        if self.max_input_chars < 1:
+            raise ValueError(f"SpeechSpec.max_input_chars={self.max_input_chars}: must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelFamily:
     name: str                                  # the prefix of its adapters' names
     architectures: tuple[str, ...] = ()        # config.json "architectures" it serves
@@ -66,6 +92,9 @@ class ModelFamily:
     components: tuple[Component, ...] = ()
     processor: str | None = None               # the entry stage's input processor class
     adapters: str | None = None                # module registering adapters "<name>.*"
+    # text to speech (/v1/audio/speech): the spec, or a "module:function" target called with
+    # the checkpoint folder when its variants differ (preset voices in one, cloning in another)
+    speech: SpeechSpec | str | None = None
 
 
 def _text_llm(name: str, architecture: str) -> ModelFamily:
@@ -209,6 +238,18 @@ def family_of_folder(model_path: Path) -> ModelFamily:
     supported = sorted(a for f in table for a in f.architectures)
     raise ValueError(f"{model_path}: architecture {', '.join(archs) or '(none)'} is not supported "
                      f"(supported: {', '.join(supported)})")
+
+
+def speech_spec(model_path: Path | None) -> SpeechSpec | None:
+    """What the family serving `model_path` offers as text to speech (None: no speech)."""
+    found = match_folder(model_path) if model_path is not None else None
+    if found is None or found.speech is None:
+        return None
+    if isinstance(found.speech, SpeechSpec):
+        return found.speech
+    spec = load(found.speech)(model_path)
+    assert isinstance(spec, SpeechSpec), f"{found.speech} returned {type(spec).__name__}"
+    return spec
 
 
 def adapter_module(adapter: str) -> str | None:

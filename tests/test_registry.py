@@ -16,7 +16,7 @@ import pytest
 from omnistage import registry
 from omnistage.configs.defaults import resolve_graph
 from omnistage.configs.graph import load_graph, validate_graph
-from omnistage.registry import Component, ModelFamily
+from omnistage.registry import Component, ModelFamily, SpeechSpec
 from omnistage.stages import adapters
 
 
@@ -28,10 +28,11 @@ def folder(tmp_path: Path, name: str, content: dict) -> Path:
 
 def test_unknown_architecture_lists_the_known_ones(tmp_path: Path) -> None:
     path = folder(tmp_path, "config.json", {"architectures": ["LlamaForCausalLM"]})
+    # (test families registered in this process, e.g. the toy TTS, sort after these)
     with pytest.raises(ValueError, match=r"architecture LlamaForCausalLM is not supported "
                        r"\(supported: Qwen2ForCausalLM, Qwen3ForCausalLM, "
                        r"Qwen3OmniMoeForConditionalGeneration, "
-                       r"Qwen3TTSForConditionalGeneration\)"):
+                       r"Qwen3TTSForConditionalGeneration[,)]"):
         registry.family_of_folder(path)
     assert registry.match_folder(path) is None
     # an AR model class exists for the text LLMs only
@@ -152,3 +153,28 @@ def test_test_family_registers_from_the_testing_package(tmp_path: Path) -> None:
 
 def _graph_text(name: str) -> str:
     return resources.files("omnistage.configs").joinpath(name).read_text()
+
+
+def test_speech_spec_of_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family's speech spec, or the one its "module:function" target gives for the folder
+    (variants of one architecture differ); none for a model without speech."""
+    from omnistage.testing import toy_tts
+
+    spec = registry.speech_spec(folder(tmp_path, "config.json",
+                                       {"architectures": [toy_tts.ARCHITECTURE]}))
+    assert spec is not None and spec.voices == toy_tts.VOICES and spec.cloning
+    assert registry.speech_spec(None) is None
+    assert registry.speech_spec(folder(tmp_path / "..", "config.json",
+                                       {"architectures": ["Qwen3ForCausalLM"]})) is None
+    # a row for this test only (the table is restored after it)
+    monkeypatch.setitem(registry._FAMILIES, "speech_by_folder", ModelFamily(
+        "speech_by_folder", architectures=("ByFolderTTS",), speech=f"{__name__}:design_only"))
+    spec = registry.speech_spec(folder(tmp_path, "config.json",
+                                       {"architectures": ["ByFolderTTS"]}))
+    assert spec == SpeechSpec(voice_design=True, max_input_chars=7)
+    with pytest.raises(ValueError, match="preset voices, cloning or voice design"):
+        SpeechSpec()
+
+
+def design_only(model_path: Path) -> SpeechSpec:
+    return SpeechSpec(voice_design=True, max_input_chars=7)

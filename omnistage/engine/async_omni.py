@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 
+from omnistage import registry
 from omnistage.configs.defaults import resolve_graph
 from omnistage.configs.schema import GraphConfig, OutputKind
 from omnistage.diffusion.image_input import peek_image
@@ -67,6 +68,8 @@ class AsyncOmni:
                                         or (Path(graph.model) if graph.model else None))
         # multimodal models: chat templates, audio features, image patches at the front door
         self.processor = load_input_processor(model_path)
+        # what the model offers as text to speech (/v1/audio/speech); None: no speech
+        self.speech = registry.speech_spec(model_path)
         self.orchestrator = Orchestrator(graph, device)
         self.entry = [s.name for s in graph.stages if not s.inputs]
         # entry stages that read the prompt as text (diffusion), not as token ids

@@ -3,9 +3,9 @@ or opus bytes, and decoding back (the API's audio inputs, and the tests' round t
 
 A waveform is float in [-1, 1], shaped (num_samples,) for mono or (channels, num_samples).
 wav and flac are 16-bit PCM written by soundfile; pcm16 is the raw little-endian samples with
-no header (what OpenAI streams); mp3 (libmp3lame) and opus (libopus in an Ogg container) are
-encoded by PyAV, resampled first when the codec does not take the rate as is (opus: 8, 12, 16,
-24 or 48 kHz).
+no header (what OpenAI streams); mp3 (libmp3lame), opus (libopus in an Ogg container) and aac
+(ADTS) are encoded by PyAV, resampled first when the codec does not take the rate as is (opus:
+8, 12, 16, 24 or 48 kHz). `AudioEncoder` writes any of them chunk by chunk, as speech is made.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import io
 import numpy as np
 from torch import Tensor
 
-FORMATS = ("wav", "pcm16", "flac", "mp3", "opus")
+FORMATS = ("wav", "pcm16", "flac", "mp3", "opus", "aac")
 MIME = {"wav": "audio/wav", "pcm16": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg",
-        "opus": "audio/ogg"}
-_AV = {"mp3": ("mp3", "libmp3lame"), "opus": ("ogg", "libopus")}
+        "opus": "audio/ogg", "aac": "audio/aac"}
+# format -> (container, codec) written by PyAV (wav and flac too, when streamed)
+_AV = {"mp3": ("mp3", "libmp3lame"), "opus": ("ogg", "libopus"), "aac": ("adts", "aac"),
+       "wav": ("wav", "pcm_s16le"), "flac": ("flac", "flac")}
 
 
 def as_waveform(wave: np.ndarray | Tensor) -> np.ndarray:
@@ -55,39 +57,98 @@ def encode_audio(wave: np.ndarray | Tensor, sample_rate: int, fmt: str = "wav") 
         buf = io.BytesIO()
         soundfile.write(buf, w.T, sample_rate, format=fmt.upper(), subtype="PCM_16")
         return buf.getvalue()
-    return _encode_av(w, sample_rate, fmt)
+    enc = AudioEncoder(fmt, sample_rate, streamed=False)
+    return enc.encode(w) + enc.close()
 
 
 def encode_audio_b64(wave: np.ndarray | Tensor, sample_rate: int, fmt: str = "wav") -> str:
     return base64.b64encode(encode_audio(wave, sample_rate, fmt)).decode("ascii")
 
 
-def _encode_av(w: np.ndarray, sample_rate: int, fmt: str) -> bytes:
-    import av
+class AudioEncoder:
+    """Encodes a waveform chunk by chunk, as it is made: each `encode` returns the bytes the
+    file gained (possibly none: codecs and Ogg pages buffer), `close` the rest. The pieces
+    joined are one valid file. The muxer writes to a sink it cannot seek, so it never goes
+    back to patch a header: a streamed wav says "length unknown", which players and decoders
+    read to the end; flac leaves its total unset.
 
-    container_name, codec_name = _AV[fmt]
-    codec = av.codec.Codec(codec_name, "w")
-    rates = codec.audio_rates or ()
-    rate = sample_rate if not rates or sample_rate in rates else (
-        min((r for r in rates if r >= sample_rate), default=max(rates)))
-    layout = "mono" if w.shape[0] == 1 else "stereo"
-    if w.shape[0] > 2:
-        raise ValueError(f"{fmt}: at most 2 channels, got {w.shape[0]}")
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=container_name) as out:
-        stream = out.add_stream(codec_name, rate=rate, layout=layout)
+        enc = AudioEncoder("mp3", 24000)
+        for chunk in chunks: send(enc.encode(chunk))
+        send(enc.close())
+    """
+
+    def __init__(self, fmt: str, sample_rate: int, streamed: bool = True) -> None:
+        """`streamed=False`: everything comes at `close`, written seekably, so that the muxer
+        patches its header (mp3's gapless info: the decoded length is exact)."""
+        if fmt not in FORMATS:
+            raise ValueError(f"audio format {fmt!r}: choose one of {', '.join(FORMATS)}")
+        if sample_rate <= 0:
+            raise ValueError(f"sample_rate={sample_rate}: must be > 0")
+        self.fmt, self.sample_rate = fmt, sample_rate
+        self._whole = None if streamed else io.BytesIO()
+        self._pieces: list[bytes] = []
+        self._out = self._stream = self._resampler = None
+        self._layout = "mono"
+
+    def write(self, data: bytes) -> int:        # the muxer's sink
+        self._pieces.append(bytes(data))
+        return len(data)
+
+    def seekable(self) -> bool:
+        return False
+
+    def encode(self, wave: np.ndarray | Tensor) -> bytes:
+        w = as_waveform(wave)                                    # (C, N)
+        if self.fmt == "pcm16":
+            return to_pcm16(w)
+        if self._out is None:
+            self._open(w.shape[0])
+        import av
+
         frame = av.AudioFrame.from_ndarray((w * 32767.0).round().astype(np.int16)
-                                           .T.reshape(1, -1), format="s16", layout=layout)
-        frame.sample_rate = sample_rate
-        # one resampler does rate, sample format and frame size for the encoder
-        resampler = av.AudioResampler(format=stream.codec_context.format, layout=layout,
-                                      rate=rate, frame_size=stream.codec_context.frame_size or None)
-        for piece in [*resampler.resample(frame), *resampler.resample(None)]:
-            for packet in stream.encode(piece):
-                out.mux(packet)
-        for packet in stream.encode(None):
-            out.mux(packet)
-    return buf.getvalue()
+                                           .T.reshape(1, -1), format="s16", layout=self._layout)
+        frame.sample_rate = self.sample_rate
+        self._mux(self._resampler.resample(frame))
+        return self._take()
+
+    def close(self) -> bytes:
+        if self.fmt == "pcm16":
+            return b""
+        if self._out is None:
+            self._open(1)                      # no audio at all: still a valid (empty) file
+        self._mux(self._resampler.resample(None))
+        for packet in self._stream.encode(None):
+            self._out.mux(packet)
+        self._out.close()
+        return self._take() if self._whole is None else self._whole.getvalue()
+
+    def _open(self, channels: int) -> None:
+        """The container and encoder; the resampler does rate, sample format and frame size
+        for the codec (opus takes 8, 12, 16, 24 or 48 kHz: the next rate up)."""
+        import av
+
+        if channels > 2:
+            raise ValueError(f"{self.fmt}: at most 2 channels, got {channels}")
+        container_name, codec_name = _AV[self.fmt]
+        rates = av.codec.Codec(codec_name, "w").audio_rates or ()
+        rate = self.sample_rate if not rates or self.sample_rate in rates else (
+            min((r for r in rates if r >= self.sample_rate), default=max(rates)))
+        self._layout = "mono" if channels == 1 else "stereo"
+        self._out = av.open(self if self._whole is None else self._whole, "w",
+                            format=container_name)
+        self._stream = self._out.add_stream(codec_name, rate=rate, layout=self._layout)
+        ctx = self._stream.codec_context
+        self._resampler = av.AudioResampler(format=ctx.format, layout=self._layout, rate=rate,
+                                            frame_size=ctx.frame_size or None)
+
+    def _mux(self, frames: list) -> None:
+        for piece in frames:
+            for packet in self._stream.encode(piece):
+                self._out.mux(packet)
+
+    def _take(self) -> bytes:
+        data, self._pieces = b"".join(self._pieces), []
+        return data
 
 
 def decode_audio(data: bytes, fmt: str | None = None, sample_rate: int | None = None

@@ -1,5 +1,5 @@
 """Audio encoding round trips: every format decodes back to the waveform, exactly up to 16-bit
-rounding for the lossless ones, and to the same tone and loudness for mp3 and opus."""
+rounding for the lossless ones, and to the same tone and loudness for mp3, opus and aac; streamed pieces join into one file."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from omnistage.utils.audio import FORMATS, decode_audio, encode_audio, to_pcm16
+from omnistage.utils.audio import FORMATS, AudioEncoder, decode_audio, encode_audio, to_pcm16
 
 RATE = 24000
 
@@ -36,11 +36,12 @@ def test_lossless_round_trip(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt, rate", [("mp3", 24000), ("mp3", 22050), ("opus", 24000),
-                                       ("opus", 22050)])
+                                       ("opus", 22050), ("aac", 24000)])
 def test_lossy_round_trip_keeps_tone_length_and_loudness(fmt: str, rate: int) -> None:
     wave = tone(rate=rate)
     data = encode_audio(wave, rate, fmt)
-    assert data[:3] in (b"ID3", b"\xff\xfb", b"\xff\xf3") if fmt == "mp3" else data[:4] == b"OggS"
+    magic = {"mp3": (b"ID3", b"\xff\xfb", b"\xff\xf3"), "opus": (b"OggS",), "aac": (b"\xff\xf1",)}
+    assert any(data.startswith(m) for m in magic[fmt])
     out, out_rate = decode_audio(data, fmt)
     mono = out[0]
     # opus decodes at 48 kHz whatever went in; mp3 keeps the rate; both pad a little
@@ -77,4 +78,20 @@ def test_undecodable_bytes_raise_value_error() -> None:
         decode_audio(b"certainly not audio")
     with pytest.raises(ValueError, match="sample rate"):
         decode_audio(b"\x00\x01", "pcm16")
-    assert set(FORMATS) == {"wav", "pcm16", "flac", "mp3", "opus"}
+    assert set(FORMATS) == {"wav", "pcm16", "flac", "mp3", "opus", "aac"}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_streamed_pieces_join_into_one_file(fmt: str) -> None:
+    """Chunks encoded as they come, pieces joined: one file that decodes to the whole tone
+    (exactly for the lossless formats, wav's header saying "length unknown")."""
+    wave = tone(seconds=0.5)
+    enc = AudioEncoder(fmt, RATE)
+    data = b"".join([*(enc.encode(c) for c in np.array_split(wave, 5)), enc.close()])
+    out, out_rate = decode_audio(data, fmt, RATE)
+    if fmt in ("wav", "flac", "pcm16"):
+        assert out_rate == RATE and out.shape == (1, len(wave))
+        np.testing.assert_allclose(out[0], wave, atol=1 / 32767 + 1e-6)
+    else:
+        assert 0.49 <= out.shape[1] / out_rate <= 0.6
+        assert peak_hz(out[0], out_rate) == pytest.approx(440.0, abs=6.0)

@@ -45,6 +45,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="what a chat answers with when a request names no `modalities`, e.g. "
                         "text,audio as vLLM-Omni does for omni models (default: text, as "
                         "OpenAI; image for an image model)")
+    g.add_argument("--voices-dir", default=None, metavar="DIR",
+                   help="where POST /v1/audio/voices keeps uploaded voices; they survive a "
+                        "restart (default: ~/.cache/omnistage/voices, or under $XDG_CACHE_HOME)")
     g.add_argument("--stats-log-interval", dest="stats_log_interval_s", type=float,
                    default=None, metavar="SECONDS",
                    help="log each stage's stats line at most this often, when it changed "

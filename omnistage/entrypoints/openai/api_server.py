@@ -4,7 +4,8 @@ uvicorn).
 
     client ─> CORS ─> metrics (status per route) ─> body size limit ─> API key ─> routes
                                                                                   │
-              serving_chat / _completions / _images ──> EngineClient ──> AsyncOmni
+         serving_chat / _completions / _images / _speech ──> EngineClient ──> AsyncOmni
+         speech_stream (the WebSocket) ───────────────────────┘
 
 Routes hold no engine logic: they check the model name and hand the parsed body to a serving
 object. Every route exists whatever the model; one whose output the model cannot make answers
@@ -23,7 +24,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
@@ -31,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omnistage.entrypoints.openai.client import EngineClient
-from omnistage.entrypoints.openai.errors import (APIError, check_model,
+from omnistage.entrypoints.openai.errors import (APIError, bad_request, check_model,
                                                  install_error_handlers)
 from omnistage.entrypoints.openai.log_lines import log_stage_stats
 from omnistage.entrypoints.openai.media import MediaLoader, MediaPolicy
@@ -39,10 +40,16 @@ from omnistage.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from omnistage.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                    CompletionRequest, CompletionResponse,
                                                    ErrorResponse, ImageGenerationRequest,
-                                                   ImagesResponse, ModelCard, ModelList)
+                                                   ImagesResponse, ModelCard, ModelList,
+                                                   SpeechBatchRequest, SpeechBatchResponse,
+                                                   SpeechRequest, VoiceCard, VoiceList)
 from omnistage.entrypoints.openai.serving_chat import ChatServing
 from omnistage.entrypoints.openai.serving_completions import CompletionServing
 from omnistage.entrypoints.openai.serving_images import ImageServing, edit_form_schema
+from omnistage.entrypoints.openai.serving_speech import SpeechServing
+from omnistage.entrypoints.openai.speech_stream import SpeechStream
+from omnistage.entrypoints.openai.voices import (VoiceStore, default_voices_dir, upload,
+                                                 voice_form_schema)
 
 if TYPE_CHECKING:
     from omnistage.engine.async_omni import AsyncOmni
@@ -73,6 +80,7 @@ class ServerConfig:
     log_level: str = "info"
     stats_timeout_s: float = 2.0
     stats_log_interval_s: float = 10.0        # a stage's stats line at most this often; 0: none
+    voices_dir: str | None = None             # uploaded voices; None: voices.default_voices_dir()
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -134,19 +142,21 @@ class BodyLimit:
 
 
 class APIKeyCheck:
-    """With an API key set, /v1/* needs `Authorization: Bearer KEY`."""
+    """With an API key set, /v1/* needs `Authorization: Bearer KEY` (WebSockets too)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app, self.api_key = app, api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (self.api_key is None or scope["type"] != "http" or scope["method"] == "OPTIONS"
-                or not scope["path"].startswith("/v1")):
+        if (self.api_key is None or scope["type"] not in ("http", "websocket")
+                or scope.get("method") == "OPTIONS" or not scope["path"].startswith("/v1")):
             return await self.app(scope, receive, send)
         auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
                                                                  self.api_key.encode()):
+            if scope["type"] == "websocket":     # refused before the handshake: HTTP 403
+                return await send({"type": "websocket.close", "code": 1008})
             err = APIError(401, "missing or wrong API key: send Authorization: Bearer KEY",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             return await err.response()(scope, receive, send)
@@ -193,7 +203,12 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
     app.state.config = config
     install_error_handlers(app)
     _add_server_routes(app, client, config, metrics)
-    _add_generation_routes(app, client, config)
+    media = MediaLoader(MediaPolicy(tuple(Path(d) for d in config.allowed_media_dirs),
+                                    config.allow_remote_media, config.max_media_bytes))
+    _add_generation_routes(app, client, config, media)
+    _add_speech_routes(app, SpeechServing(client, media, engine.speech, VoiceStore(
+        Path(config.voices_dir) if config.voices_dir else default_voices_dir(),
+        engine.speech.voices if engine.speech else ())), config.model_name)
     _add_middleware(app, config, metrics)
     return app
 
@@ -261,10 +276,9 @@ def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
         return card()
 
 
-def _add_generation_routes(app: FastAPI, client: EngineClient, config: ServerConfig) -> None:
+def _add_generation_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
+                           media: MediaLoader) -> None:
     """/v1/chat/completions, /v1/completions, /v1/images/generations and /v1/images/edits."""
-    media = MediaLoader(MediaPolicy(tuple(Path(d) for d in config.allowed_media_dirs),
-                                    config.allow_remote_media, config.max_media_bytes))
     name = config.model_name
     chat = ChatServing(client, media, name, config.chat_template,
                        config.default_modalities)
@@ -293,6 +307,45 @@ def _add_generation_routes(app: FastAPI, client: EngineClient, config: ServerCon
     async def images_edits(request: Request) -> ImagesResponse:
         # the form is read by the serving object: `image` and `image[]`, unknown fields -> 400
         return await images.edit(request)
+
+
+def _add_speech_routes(app: FastAPI, speech: SpeechServing, name: str) -> None:
+    """/v1/audio/speech (+ /batch, and the WebSocket /stream) and /v1/audio/voices: every one
+    answers 400 model_not_speech unless the model's family declares speech."""
+
+    @app.post("/v1/audio/speech", responses=ERRORS, response_class=Response)
+    async def create_speech(body: SpeechRequest, request: Request) -> Response:
+        check_model(body.model, name)
+        return await speech.create(body, request)
+
+    @app.post("/v1/audio/speech/batch", responses=ERRORS)
+    async def create_speech_batch(body: SpeechBatchRequest, request: Request
+                                  ) -> SpeechBatchResponse:
+        check_model(body.model, name)
+        return await speech.batch(body, request)
+
+    @app.websocket("/v1/audio/speech/stream")
+    async def speech_stream(ws: WebSocket) -> None:
+        await SpeechStream(ws, speech, name).run()
+
+    @app.get("/v1/audio/voices", responses=ERRORS)
+    async def list_voices() -> VoiceList:
+        speech.require_speech()
+        return VoiceList(data=await run_in_threadpool(speech.voices.cards))
+
+    @app.post("/v1/audio/voices", responses=ERRORS, openapi_extra={"requestBody": {
+        "required": True, "content": {"multipart/form-data": {"schema": voice_form_schema()}}}})
+    async def upload_voice(request: Request) -> VoiceCard:
+        if not speech.require_speech().cloning:
+            raise bad_request("this model does not clone voices: uploads are for cloning "
+                              "models", "audio", "cloning_not_supported")
+        return await upload(speech.voices, request)
+
+    @app.delete("/v1/audio/voices/{voice}", responses=ERRORS)
+    async def delete_voice(voice: str) -> dict[str, object]:
+        speech.require_speech()
+        await run_in_threadpool(speech.voices.delete, voice)
+        return {"name": voice, "deleted": True}
 
 
 def _add_middleware(app: FastAPI, config: ServerConfig, metrics: ServerMetrics) -> None:

@@ -4,9 +4,9 @@
     : progress 0.40\\n\\n          (a comment: clients skip it; it shows diffusion progress)
     data: [DONE]\\n\\n
 
-`EventStream` runs its `on_close` callbacks whatever happens to the stream: finished, failed,
-cancelled by a client disconnect (Starlette cancels the body when the client goes), or never
-started at all. That is where requests still running get aborted in every stage.
+`EventStream` (and `ClosingStream`, any streamed body: speech) runs its `on_close` callbacks
+whatever happens to the stream: finished, failed, cancelled by a client disconnect (Starlette
+cancels the body when the client goes), or never started at all. That is where requests still running get aborted in every stage.
 """
 
 from __future__ import annotations
@@ -42,10 +42,12 @@ def sse_error(err: APIError) -> str:
     return sse(err.body())
 
 
-class EventStream(StreamingResponse):
-    def __init__(self, body: AsyncIterator[str], on_close: list[Callable[[], None]]) -> None:
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class ClosingStream(StreamingResponse):
+    """A streamed body whose `on_close` callbacks run however it ends."""
+
+    def __init__(self, body: AsyncIterator[str | bytes], on_close: list[Callable[[], None]],
+                 media_type: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(body, media_type=media_type, headers=headers)
         self._body = body
         self._on_close = on_close
 
@@ -61,6 +63,12 @@ class EventStream(StreamingResponse):
             aclose = getattr(self._body, "aclose", None)
             if aclose is not None:
                 await aclose()   # if cancelled here, the callbacks above have run already
+
+
+class EventStream(ClosingStream):
+    def __init__(self, body: AsyncIterator[str], on_close: list[Callable[[], None]]) -> None:
+        super().__init__(body, on_close, "text/event-stream",
+                         {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 class SpeechDeltas:

@@ -45,6 +45,7 @@ class FakeOmni:
         self.tokenizer = build_tiny_tokenizer(tokenizer_dir)
         self.entry, self.text_entry, self.is_healthy = ["thinker"], False, True
         self.audio_sample_rate = None     # the chunks carry their own rate
+        self.speech = None                # no text-to-speech routes
         self.orchestrator = SimpleNamespace(stage_info={"thinker": {"max_model_len": 64}},
                                             dead_reason=None, stage_stats=lambda timeout: {},
                                             degraded_reason=None, replica_status=lambda: {})
@@ -280,3 +281,22 @@ def test_a_timed_out_request_is_a_504(engine: FakeOmni) -> None:
     out.outputs[0].finish_reason = "error"
     err = EngineClient(engine, 4).failure(out)
     assert (err.status, err.code) == (504, "engine_timeout") and "thinker" in err.message
+
+
+def test_the_speech_websocket_checks_the_api_key_and_the_model(engine: FakeOmni,
+                                                               tmp_path: Path) -> None:
+    """With an API key the handshake needs it (refused before accept); a model without speech
+    answers the session with an error event and closes."""
+    from starlette.testclient import TestClient
+    from starlette.websockets import WebSocketDisconnect
+
+    app = build_app(engine, ServerConfig(served_model_name="omni", api_key="k",
+                                         voices_dir=str(tmp_path)))
+    with TestClient(app) as client:
+        with pytest.raises(WebSocketDisconnect) as refused:
+            with client.websocket_connect("/v1/audio/speech/stream"):
+                pass
+        assert refused.value.code == 1008
+        with client.websocket_connect("/v1/audio/speech/stream",
+                                      headers={"Authorization": "Bearer k"}) as ws:
+            assert ws.receive_json()["error"]["code"] == "model_not_speech"

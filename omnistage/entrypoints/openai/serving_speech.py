@@ -1,0 +1,267 @@
+"""POST /v1/audio/speech (OpenAI's) and /v1/audio/speech/batch, for models whose family
+declares speech (`registry.SpeechSpec`); any other model answers 400 `model_not_speech`.
+
+A request becomes one engine request: the text as the prompt, and who speaks in the entry
+stage's `SamplingParams.extra` (the contract with the model, registry.SpeechSpec):
+
+    voice: preset name       -> extra["voice"]               (none given: the first preset)
+    voice: uploaded name     -> extra["ref_audio"], extra["ref_text"] (the stored clip)
+    ref_audio (+ ref_text)   -> extra["ref_audio"] = {"samples": float32 LE mono bytes,
+                                                      "sample_rate": int}, extra["ref_text"]
+    instructions, language   -> extra["instructions"], extra["language"]
+
+Every check runs before the engine sees the request (a 4xx with OpenAI's error JSON).
+`stream_format: audio` streams the file as the model speaks (chunked; the pieces are one file,
+a wav's header says "length unknown"); `sse` sends `speech.audio.delta` events with base64
+pieces of that file, then `speech.audio.done` with the usage. `speed` other than 1.0 is
+refused: the models speak at their own pace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+from typing import Any, AsyncIterator
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+from torch import Tensor
+
+from omnistage.entrypoints.openai.client import (EngineClient, RequestHandle, Ticket, failed,
+                                                 unless_disconnected)
+from omnistage.entrypoints.openai.errors import APIError, bad_request
+from omnistage.entrypoints.openai.media import MediaLoader, decode_b64
+from omnistage.entrypoints.openai.params import stage_params
+from omnistage.entrypoints.openai.protocol import (SpeechBatchItem, SpeechBatchRequest,
+                                                   SpeechBatchResponse, SpeechBatchResult,
+                                                   SpeechRequest, SpeechVoice)
+from omnistage.entrypoints.openai.serving_chat import DEFAULT_SAMPLE_RATE, audio_of
+from omnistage.entrypoints.openai.streaming import ClosingStream, EventStream, sse, sse_error
+from omnistage.entrypoints.openai.voices import MAX_UPLOAD_BYTES, VoiceStore, check_clip
+from omnistage.outputs import OmniOutput
+from omnistage.registry import SpeechSpec
+from omnistage.sampling_params import SamplingParams
+from omnistage.utils.audio import MIME, AudioEncoder, encode_audio
+
+ENCODING = {"mp3": "mp3", "opus": "opus", "aac": "aac", "flac": "flac", "wav": "wav",
+            "pcm": "pcm16"}    # the API's format names -> utils/audio.py's
+
+
+class SpeechServing:
+    def __init__(self, client: EngineClient, media: MediaLoader, spec: SpeechSpec | None,
+                 voices: VoiceStore) -> None:
+        self.client = client
+        self.media = media
+        self.spec = spec
+        self.voices = voices
+
+    # -- checks ----------------------------------------------------------------------------------
+    def require_speech(self) -> SpeechSpec:
+        if self.spec is None:
+            raise bad_request("this model does not make speech: /v1/audio/speech and the voice "
+                              "routes are served by text-to-speech models (e.g. Qwen3-TTS)",
+                              "model", "model_not_speech")
+        return self.spec
+
+    def check_text(self, text: str, param: str = "input") -> str:
+        spec = self.require_speech()
+        if not text.strip():
+            raise bad_request(f"{param}: the text to speak is empty", param, "empty_input")
+        if len(text) > spec.max_input_chars:
+            raise bad_request(f"{param}: the text is {len(text)} characters; this model speaks "
+                              f"at most {spec.max_input_chars} per request", param,
+                              "input_too_long")
+        return text
+
+    @staticmethod
+    def check_speed(speed: float, param: str = "speed") -> None:
+        if speed != 1.0:
+            raise bad_request(f"{param}={speed}: only 1.0 is supported (the model speaks at its "
+                              "own pace)", param, "unsupported_speed")
+
+    async def extra(self, v: SpeechVoice, where: str = "") -> dict[str, Any]:
+        """Who speaks and how, as `SamplingParams.extra` (the module docstring's table);
+        `where` prefixes the params named in errors (a batch item's "items[2].")."""
+        spec = self.require_speech()
+        extra: dict[str, Any] = {}
+        if v.ref_audio is not None:
+            if v.voice is not None:
+                raise bad_request(f"{where}ref_audio: give a voice or ref_audio, not both",
+                                  f"{where}ref_audio", "voice_conflict")
+            extra.update(await self._clip(v.ref_audio, v.ref_text, f"{where}ref_audio"))
+        elif v.voice is not None:
+            extra.update(await self._named_voice(v.voice, f"{where}voice"))
+        elif spec.voices:
+            extra["voice"] = spec.voices[0]
+        elif not (spec.voice_design and v.instructions):
+            raise bad_request(f"{where}voice: this model has no preset voices; "
+                              + ("describe one in instructions, or " if spec.voice_design
+                                 else "") + "clone one (ref_audio or an uploaded voice)",
+                              f"{where}voice", "voice_required")
+        if v.ref_text is not None and "ref_audio" not in extra:
+            raise bad_request(f"{where}ref_text: only with ref_audio", f"{where}ref_text")
+        if v.instructions is not None:
+            if not (spec.instructions or spec.voice_design):
+                raise bad_request(f"{where}instructions: this model takes no instructions",
+                                  f"{where}instructions", "unsupported_instructions")
+            extra["instructions"] = v.instructions
+        if v.language is not None:
+            if spec.languages and v.language.lower() not in spec.languages:
+                raise bad_request(f"{where}language: {v.language!r} is not one of "
+                                  f"{', '.join(spec.languages)}", f"{where}language",
+                                  "unsupported_language")
+            extra["language"] = v.language.lower()
+        return extra
+
+    async def _named_voice(self, voice: str, param: str) -> dict[str, Any]:
+        spec = self.require_speech()
+        preset = next((p for p in spec.voices if p.lower() == voice.lower()), None)
+        if preset is not None:
+            return {"voice": preset}
+        stored = await run_in_threadpool(self.voices.get, voice)
+        if stored is None:
+            raise bad_request(f"{param}: {voice[:80]!r} is unknown (presets: "
+                              f"{', '.join(spec.voices) or 'none'}; uploaded voices: GET "
+                              "/v1/audio/voices)", param, "voice_not_found")
+        if not spec.cloning:
+            raise bad_request(f"{param}: {voice!r} is an uploaded voice, and this model does not "
+                              "clone voices", param, "cloning_not_supported")
+        return {"ref_audio": {"samples": stored.samples.astype("<f4").tobytes(),
+                              "sample_rate": stored.sample_rate},
+                "ref_text": stored.transcript}
+
+    async def _clip(self, ref_audio: str, ref_text: str | None, param: str) -> dict[str, Any]:
+        """A reference clip sent with the request: base64, or a URL the media policy allows
+        (a data: URL always)."""
+        if not self.require_speech().cloning:
+            raise bad_request(f"{param}: this model does not clone voices", param,
+                              "cloning_not_supported")
+        if ":" in ref_audio:
+            data = await run_in_threadpool(self.media.fetch, ref_audio, param)
+        else:
+            if len(ref_audio) * 3 // 4 > MAX_UPLOAD_BYTES:
+                raise APIError(413, f"{param}: more than {MAX_UPLOAD_BYTES} bytes", param=param,
+                               code="audio_too_large")
+            data = decode_b64(ref_audio, param)
+        samples, rate = await run_in_threadpool(check_clip, data, param)
+        return {"ref_audio": {"samples": samples.astype("<f4").tobytes(), "sample_rate": rate},
+                "ref_text": ref_text}
+
+    # -- the engine ------------------------------------------------------------------------------
+    def start(self, text: str, extra: dict[str, Any], param: str = "input"
+              ) -> tuple[RequestHandle, Ticket]:
+        """Submit one text: its params (the graph's defaults, `extra` on the entry stages),
+        the engine's checks, a slot in the queue."""
+        params = stage_params(self.client.graph, self.client.entry, {}, None)
+        params = [dataclasses.replace(p, extra={**p.extra, **extra})
+                  if isinstance(p, SamplingParams) and s.name in self.client.entry else p
+                  for s, p in zip(self.client.graph.stages, params)]
+        prepared = self.client.prepare(text, params, param)
+        ticket = self.client.admit()
+        try:
+            return self.client.submit(text, prepared, {"audio"}, "speech"), ticket
+        except BaseException:
+            ticket.release()
+            raise
+
+    def rate_of(self, out: OmniOutput) -> int:
+        return out.sample_rate or self.client.engine.audio_sample_rate or DEFAULT_SAMPLE_RATE
+
+    # -- routes ----------------------------------------------------------------------------------
+    async def create(self, req: SpeechRequest, request: Request) -> Response:
+        text = self.check_text(req.input)
+        self.check_speed(req.speed)
+        extra = await self.extra(req)
+        handle, ticket = self.start(text, extra)
+        closers = [handle.close, ticket.release]
+        await self.client.open_stream(request, [handle], closers, "input")
+        if req.stream_format == "sse":
+            return EventStream(self._sse(handle, req.response_format), closers)
+        # a failure after the 200 went out drops the connection: the client sees a cut body
+        return ClosingStream(self.encoded(handle, req.response_format), closers,
+                             MIME[ENCODING[req.response_format]])
+
+    async def waves(self, handle: RequestHandle) -> AsyncIterator[tuple[Tensor, int]]:
+        """The request's audio chunks (waveform, rate) as the model makes them; the APIError
+        of a request that fails on the way."""
+        async for out in handle.outputs():
+            if failed(out):
+                raise self.client.failure(out, "input")
+            audio = audio_of(out.delta_tensors, self.rate_of(out))
+            if audio is not None:
+                yield audio
+
+    async def encoded(self, handle: RequestHandle, fmt: str) -> AsyncIterator[bytes]:
+        """The request's audio as pieces of one file in `fmt`, as the model speaks."""
+        enc = AudioEncoder(ENCODING[fmt], self.rate_of(handle.out))
+        async for wave, _ in self.waves(handle):
+            data = await run_in_threadpool(enc.encode, wave)
+            if data:
+                yield data
+        tail = await run_in_threadpool(enc.close)
+        if tail:
+            yield tail
+
+    async def _sse(self, handle: RequestHandle, fmt: str) -> AsyncIterator[str]:
+        try:
+            async for data in self.encoded(handle, fmt):
+                yield sse({"type": "speech.audio.delta",
+                           "audio": base64.b64encode(data).decode("ascii")})
+        except APIError as err:
+            yield sse_error(err)
+            return
+        out = handle.out
+        n_in = len(out.prompt_token_ids) or out.metrics.num_prompt_tokens
+        n_out = out.metrics.num_output_tokens
+        yield sse({"type": "speech.audio.done", "usage": {
+            "input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}})
+
+    async def batch(self, req: SpeechBatchRequest, request: Request) -> SpeechBatchResponse:
+        """Each item checked on its own (a bad one gets its error in its place), the good
+        ones run together; the queue admits all of them or answers 429."""
+        self.require_speech()
+        self.check_speed(req.speed)
+        results: list[SpeechBatchResult] = []
+        started: list[tuple[int, RequestHandle, Ticket]] = []
+        try:
+            for i, item in enumerate(req.items):
+                try:
+                    started.append((i, *await self._start_item(req, item, i)))
+                except APIError as err:
+                    if err.status == 429 or err.status >= 500:
+                        raise
+                    results.append(SpeechBatchResult(index=i, error=err.body()["error"]))
+            done = await unless_disconnected(request, lambda: asyncio.gather(
+                *(self._whole(i, h, req.response_format) for i, h, _ in started)))
+        finally:
+            for _, handle, ticket in started:
+                handle.close()
+                ticket.release()
+        return SpeechBatchResponse(data=sorted([*results, *done], key=lambda r: r.index))
+
+    async def _start_item(self, req: SpeechBatchRequest, item: SpeechBatchItem, i: int
+                          ) -> tuple[RequestHandle, Ticket]:
+        text = self.check_text(item.input, f"items[{i}].input")
+        if item.voice is None and item.ref_audio is None and req.voice is not None:
+            item = item.model_copy(update={"voice": req.voice})
+        return self.start(text, await self.extra(item, f"items[{i}]."), f"items[{i}].input")
+
+    async def _whole(self, i: int, handle: RequestHandle, fmt: str) -> SpeechBatchResult:
+        last: OmniOutput | None = None
+        async for out in handle.outputs():
+            last = out
+        assert last is not None and last.finished
+        if failed(last):
+            return SpeechBatchResult(index=i, error=self.client.failure(
+                last, f"items[{i}].input").body()["error"])
+        audio = audio_of(last.outputs[0].tensors, self.rate_of(last))
+        wave, rate = audio if audio is not None else (None, self.rate_of(last))
+        if wave is None:
+            return SpeechBatchResult(index=i, error=APIError(
+                500, "the model made no audio", code="engine_error").body()["error"])
+        data = await run_in_threadpool(encode_audio, wave, rate, ENCODING[fmt])
+        return SpeechBatchResult(index=i, audio=base64.b64encode(data).decode("ascii"),
+                                 format=fmt, sample_rate=rate,
+                                 duration_s=round(wave.shape[-1] / rate, 4))
