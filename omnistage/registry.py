@@ -122,7 +122,7 @@ _BUILT_IN = (
         processor="omnistage.models.qwen3_omni.processing:InputProcessor"),
     ModelFamily(
         "qwen3_tts", architectures=("Qwen3TTSForConditionalGeneration",),
-        graph="qwen3_tts.yaml",
+        graph="qwen3_tts.yaml", speech="omnistage.stages.qwen3_tts:speech_spec",
         components=(Component("ar", "qwen3_tts_talker", "omnistage.stages.qwen3_tts:build_stage"),
                     Component("generation", "qwen3_tts_code2wav",
                               "omnistage.generation.code2wav:Code2WavGenerator"))),

@@ -23,3 +23,21 @@ def tiny_qwen3_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "Qwen2ForCausalLM")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tts_ref(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny Qwen3-TTS checkpoints (DIR/custom_voice, voice_design, base), built by the
+    `qwen-tts` reference in its own environment, and its outputs for every case of
+    omnistage/testing/tiny_tts.py (skipped without that environment)."""
+    from omnistage.testing.tiny_tts import (CASES, reference_missing, reference_request,
+                                            run_reference)
+
+    missing = reference_missing()
+    if missing:
+        pytest.skip(missing)
+    root = tmp_path_factory.mktemp("qwen3_tts")
+    out = run_reference(root, [reference_request(n) for n in CASES])
+    by_name = {name: {k.split(".", 1)[1]: v for k, v in out.items() if k.startswith(f"{i}.")}
+               for i, name in enumerate(CASES)}
+    return {"root": root, **by_name}

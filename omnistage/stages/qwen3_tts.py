@@ -10,8 +10,9 @@ split so that audio streams while the talker speaks.
 
 The voice rides in `SamplingParams.extra` of the talker: "voice" (a preset speaker, for
 CustomVoice), "instructions" (CustomVoice's style, VoiceDesign's described voice), "language"
-(default "auto"), and for Base models "ref_audio" (24 kHz samples, a list of floats) with an
-optional "ref_text" (its transcript: in-context cloning; without it the speaker embedding
+(default "auto"), and for Base models "ref_audio" (24 kHz samples, a list of floats; or, as
+the speech API sends it, {"samples": float32 little-endian mono bytes, "sample_rate": int},
+resampled to 24 kHz) with an optional "ref_text" (its transcript: in-context cloning; without it the speaker embedding
 alone). An in-context clone's reference frames go first to code2wav, which decodes them as
 left context and drops their audio (`skip_frames`), as the reference decodes and cuts.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -32,12 +34,44 @@ from omnistage.models.qwen3_tts.prompt import PromptBuilder, SpeechRequest
 from omnistage.models.qwen3_tts.speaker_encoder import Qwen3TTSSpeakerEncoder
 from omnistage.models.qwen3_tts.speech_encoder import Qwen3TTSSpeechEncoder
 from omnistage.models.qwen3_tts.talker import Qwen3TTSTalkerForCausalLM
+from omnistage.registry import SpeechSpec
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
 from omnistage.stages.qwen3_omni import code_predictor_graphs
+from omnistage.utils.audio import resample
 
 VOICE_KEYS = ("voice", "instructions", "language", "ref_audio", "ref_text")
 MIN_REF_SAMPLES = 2400     # 0.1 s: the speaker encoder's mel frames need a few STFT windows
+REF_RATE = 24000           # what the speaker and speech encoders take
+
+
+def reference_waveform(value: object) -> Tensor:
+    """A request's `ref_audio` -> float32 (num_samples,) at 24 kHz: samples at 24 kHz as they
+    are, or {"samples": little-endian float32 bytes, "sample_rate": rate} resampled."""
+    if not isinstance(value, dict):
+        return torch.as_tensor(value, dtype=torch.float32).reshape(-1)
+    try:
+        samples = np.frombuffer(value["samples"], dtype="<f4")
+        rate = int(value["sample_rate"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"ref_audio: expected samples at 24 kHz or {{samples: float32 bytes, "
+                         f"sample_rate}} ({exc})", param="ref_audio") from None
+    if rate <= 0:
+        raise InputError(f"ref_audio: sample_rate {rate} must be positive", param="ref_audio")
+    return torch.from_numpy(resample(samples, rate, REF_RATE).copy())
+
+
+def speech_spec(path: str | Path) -> SpeechSpec:
+    """What /v1/audio/speech may ask of this checkpoint (its config.json's tts_model_type):
+    CustomVoice its preset speakers (the first the default) with a style instruction,
+    VoiceDesign a voice described in `instructions`, Base a voice cloned from reference audio;
+    the languages its codec knows."""
+    cfg = Qwen3TTSConfig.from_pretrained(resolve_model_path(str(path)))
+    kind = cfg.model_type
+    return SpeechSpec(voices=tuple(cfg.speakers) if kind == "custom_voice" else (),
+                      cloning=kind == "base", voice_design=kind == "voice_design",
+                      instructions=kind != "base",
+                      languages=tuple(cfg.supported_languages))
 
 
 def _load(path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple:
@@ -124,7 +158,7 @@ class TalkerStage(ARStage):
             raise InputError("ref_audio: a Base model clones a voice from 24 kHz reference "
                              "audio", param="ref_audio")
         speaker_encoder, speech_encoder = self.clone_encoders()
-        wav = torch.as_tensor(extra["ref_audio"], dtype=torch.float32).reshape(-1)
+        wav = reference_waveform(extra["ref_audio"])
         if wav.numel() < MIN_REF_SAMPLES or not bool(torch.isfinite(wav).all()):
             raise InputError(f"ref_audio: {wav.numel()} samples; a clone needs at least "
                              f"{MIN_REF_SAMPLES} finite samples at 24 kHz", param="ref_audio")

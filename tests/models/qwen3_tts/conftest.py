@@ -15,19 +15,12 @@ from omnistage.models.qwen3_tts.speaker_encoder import Qwen3TTSSpeakerEncoder
 from omnistage.models.qwen3_tts.speech_decoder import Qwen3TTSSpeechDecoder
 from omnistage.models.qwen3_tts.speech_encoder import Qwen3TTSSpeechEncoder
 from omnistage.models.qwen3_tts.talker import Qwen3TTSTalkerForCausalLM
-from omnistage.testing.tiny_tts import (CASES, CLIPS, MAX_TOKENS, greedy_speech,
-                                        reference_missing, reference_request, run_reference)
+from omnistage.testing.tiny_tts import CASES, CLIPS, MAX_TOKENS, greedy_speech
+
 
 @pytest.fixture(scope="session")
-def ref(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    missing = reference_missing()
-    if missing:
-        pytest.skip(missing)
-    root = tmp_path_factory.mktemp("qwen3_tts")
-    out = run_reference(root, [reference_request(n) for n in CASES])
-    by_name = {name: {k.split(".", 1)[1]: v for k, v in out.items() if k.startswith(f"{i}.")}
-               for i, name in enumerate(CASES)}
-    return {"root": root, **by_name}
+def ref(qwen3_tts_ref: dict) -> dict:
+    return qwen3_tts_ref
 
 
 @pytest.fixture(scope="session")
