@@ -1,10 +1,12 @@
 """Qwen3-TTS behind /v1/audio/speech: the tiny CustomVoice checkpoint (built by the `qwen-tts`
 reference) served by a real server, asked through the official `openai` client; its preset
-voices listed; an unknown voice refused. The Base and VoiceDesign checkpoints' speech specs,
+voices listed; an unknown voice refused; the WebSocket speaking words as they arrive. The Base and VoiceDesign checkpoints' speech specs,
 and a clone's reference clip at another rate resampled to the encoders' 24 kHz."""
 
 from __future__ import annotations
 
+import base64
+import json
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -62,3 +64,31 @@ def test_a_clip_at_another_rate_is_resampled_to_24_khz() -> None:
     assert int(spectrum.argmax()) == 220                # 1 s: bin k is k Hz
     listed = reference_waveform(clip.tolist())          # samples as given: taken at 24 kHz
     assert listed.shape == (rate,)
+
+
+def test_websocket_speaks_qwen3_tts_while_the_text_arrives(server: Server) -> None:
+    """Words one by one: the first clause's audio arrives before `input.done` is sent."""
+    from websockets.sync.client import connect
+
+    def until(ws, kind: str) -> list[dict]:
+        seen: list[dict] = []
+        while not seen or seen[-1]["type"] not in (kind, "error"):
+            seen.append(json.loads(ws.recv(timeout=120)))
+        return seen
+
+    url = f"ws://127.0.0.1:{server.port}/v1/audio/speech/stream"
+    with connect(url, open_timeout=30) as ws:
+        ws.send(json.dumps({"type": "session.update",
+                            "session": {"voice": "dylan", "response_format": "pcm"}}))
+        assert until(ws, "session.updated")[-1]["sample_rate"] == REF_RATE
+        for word in "Hello there, this is".split():
+            ws.send(json.dumps({"type": "input.append", "text": word + " "}))
+        first = until(ws, "audio.delta")                    # before input.done
+        ws.send(json.dumps({"type": "input.append", "text": "a test."}))
+        ws.send(json.dumps({"type": "input.done"}))
+        seen = first + until(ws, "audio.done")
+    assert not [e for e in seen if e["type"] == "error"], seen
+    assert [e["text"] for e in seen if e["type"] == "clause.done"] == ["Hello there,",
+                                                                      "this is a test."]
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in seen if e["type"] == "audio.delta")
+    assert float(np.abs(decode_audio(pcm, "pcm16", REF_RATE)[0]).max()) > 0.01
