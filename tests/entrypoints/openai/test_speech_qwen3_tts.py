@@ -1,7 +1,8 @@
 """Qwen3-TTS behind /v1/audio/speech: the tiny CustomVoice checkpoint (built by the `qwen-tts`
 reference) served by a real server, asked through the official `openai` client; its preset
-voices listed; an unknown voice refused; the WebSocket speaking words as they arrive. The Base and VoiceDesign checkpoints' speech specs,
-and a clone's reference clip at another rate resampled to the encoders' 24 kHz."""
+voices listed; an unknown voice refused; the WebSocket speaking words as they arrive. The
+Base and VoiceDesign checkpoints' speech specs, and a clone's reference clip at another rate
+resampled to the encoders' 24 kHz."""
 
 from __future__ import annotations
 
