@@ -20,6 +20,7 @@
 #   layer, dattn, async, profile: earlier sessions' comparisons; omni: bench omni (minutes)
 #   tts      bench tts against qwen-tts, whose wheels travel in .whl/ref/ (the list and the
 #            download command: omnistage/benchmarks/tts.py), installed into /tmp/ref-site
+#   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -172,4 +173,12 @@ if [[ $STAGES == *tts* ]]; then
         --target /tmp/ref-site .whl/ref/*.whl >/dev/null 2>&1 || exit 1
     OMNISTAGE_TTS_REF_PYTHONPATH=/tmp/ref-site python3 -m omnistage.entrypoints.cli.main \
         bench tts --out-dir "$OUT" --name tts ${TTS_FLAGS:-} 2>&1 | tail -20
+fi
+if [[ $STAGES == *tp30b* ]]; then
+    # two GPUs (kind nvidia-h100-x2): Qwen3-Omni-30B-A3B at its real size, the thinker on
+    # TP 2 against transformers' device_map="auto" on the same GPUs (accelerate and psutil
+    # travel in .whl/); about 8 minutes
+    timeout 580 python3 -m omnistage.entrypoints.cli.main bench omni --real-size -tp 2 \
+        --reference-requests 1 --thinker-tokens 32 --talker-tokens 50 --concurrency 1,8 \
+        --out-dir "$OUT" --name omni_qwen3-omni-real_tp2 2>&1 | tail -20
 fi
