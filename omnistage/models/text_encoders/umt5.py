@@ -65,5 +65,4 @@ def encode_wan_prompts(encoder: UMT5Encoder, tokenizer: PreTrainedTokenizerBase,
     hidden = encoder(inputs.input_ids.to(device), mask)                      # (B, L, D)
     num_tokens = mask.gt(0).sum(dim=1)                                       # (B,)
     keep = torch.arange(hidden.shape[1], device=device) < num_tokens[:, None]  # (B, L)
-    return torch.where(keep[..., None], hidden, torch.zeros((), dtype=hidden.dtype,
-                                                            device=device))
+    return torch.where(keep[..., None], hidden, 0.0)                         # (B, L, D)
