@@ -1,7 +1,7 @@
-"""Golden: our CLIP text, T5 encoder and Qwen text encoders against transformers on the same
+"""Golden: our CLIP text, T5, UMT5 and Qwen text encoders against transformers on the same
 tiny random checkpoints (float32, padded batches of different lengths, max abs error 1e-5), the
 checkpoint layouts each one must accept, and loading that fails by name on missing,
-unexpected or mis-shaped tensors."""
+unexpected or mis-shaped tensors; Wan's prompt embeddings against diffusers' WanPipeline."""
 
 from __future__ import annotations
 
@@ -12,16 +12,22 @@ from typing import Callable
 
 import pytest
 import torch
+from diffusers import WanPipeline
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean as diffusers_prompt_clean
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import (CLIPTextConfig, CLIPTextModel, Qwen2_5_VLConfig,
-                          Qwen2_5_VLForConditionalGeneration, Qwen2Config, Qwen2Model, Qwen3Config,
-                          Qwen3ForCausalLM, Qwen3Model, T5Config, T5EncoderModel,
-                          T5ForConditionalGeneration)
+from transformers import (CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerBase,
+                          Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Config,
+                          Qwen2Model, Qwen3Config, Qwen3ForCausalLM, Qwen3Model, T5Config,
+                          T5EncoderModel, T5ForConditionalGeneration, UMT5Config,
+                          UMT5EncoderModel)
 from transformers.models.t5.modeling_t5 import T5Attention as HFT5Attention
 
-from omnistage.models.text_encoders import CLIPTextEncoder, QwenTextEncoder, T5Encoder
+from omnistage.models.text_encoders import (CLIPTextEncoder, QwenTextEncoder, T5Encoder,
+                                            UMT5Encoder, encode_wan_prompts)
 from omnistage.models.text_encoders.t5 import relative_position_bucket
+from omnistage.models.text_encoders.umt5 import prompt_clean
+from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 
 TOL = 1e-5
 VOCAB = 64
@@ -162,20 +168,102 @@ def test_t5_loads_full_t5_checkpoint(tmp_path: Path) -> None:
         assert max_err(ours(ids, mask), expected) < TOL
 
 
-def test_t5_float16_keeps_wo_in_float32(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["t5", "umt5"])
+def test_t5_half_precision(tmp_path: Path, name: str, dtype: torch.dtype) -> None:
     """In float16 HF keeps `wo` in float32 (the residual stream turns float32) and clamps
-    float16 streams; ours does the same, so it stays within float16 rounding of HF's."""
-    save(randomize(T5EncoderModel(t5_config("gated-gelu"))), tmp_path)
-    ref = T5EncoderModel.from_pretrained(tmp_path, dtype=torch.float16).eval()
-    ours = T5Encoder.from_pretrained(tmp_path, dtype=torch.float16)
+    float16 streams; in bfloat16 (Wan's checkpoint) neither. Ours does the same, so it stays
+    within half-precision rounding of HF's."""
+    hf_cls, cls, config = {"t5": (T5EncoderModel, T5Encoder, t5_config("gated-gelu")),
+                           "umt5": (UMT5EncoderModel, UMT5Encoder, umt5_config())}[name]
+    save(randomize(hf_cls(config)), tmp_path)
+    ref = hf_cls.from_pretrained(tmp_path, dtype=dtype).eval()
+    ours = cls.from_pretrained(tmp_path, dtype=dtype)
     dense = ours.encoder.block[0].layer[1].DenseReluDense
-    assert dense.wo.weight.dtype == torch.float32 and dense.wi_01.weight.dtype == torch.float16
+    wo_dtype = torch.float32 if dtype == torch.float16 else dtype
+    assert ref.encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == wo_dtype
+    assert dense.wo.weight.dtype == wo_dtype and dense.wi_01.weight.dtype == dtype
     ids, mask = padded_batch(T5_LENGTHS, pad_id=0)
     with torch.no_grad():
         expected = ref(ids, attention_mask=mask).last_hidden_state
         out = ours(ids, mask)
-    assert out.dtype == expected.dtype == torch.float16
-    assert max_err(out.float(), expected.float()) < 1e-2 * expected.abs().max().item()
+    assert out.dtype == expected.dtype == dtype
+    assert max_err(out.float(), expected.float()) < 2e-2 * expected.abs().max().item()
+
+
+# ---- UMT5 (Wan) ----------------------------------------------------------------------------
+
+def umt5_config(vocab_size: int = VOCAB) -> UMT5Config:
+    # T5's buckets; 4 layers, each with its own table (Wan's umt5-xxl: gated-gelu, gelu_new)
+    return UMT5Config(vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=48, num_layers=4,
+                      num_heads=4, relative_attention_num_buckets=8,
+                      relative_attention_max_distance=12, feed_forward_proj="gated-gelu")
+
+
+def test_umt5_matches_transformers(tmp_path: Path) -> None:
+    ref = randomize(UMT5EncoderModel(umt5_config()))
+    save(ref, tmp_path, sharded=True)
+    ours = UMT5Encoder.from_pretrained(tmp_path, "cpu", torch.float32)
+    assert ours.config.relative_bias_every_layer
+    ids, mask = padded_batch(T5_LENGTHS, pad_id=0)
+    with torch.no_grad():
+        expected = ref(ids, attention_mask=mask).last_hidden_state
+        assert expected.std() > 0.5   # O(1) outputs: TOL is a tight bound
+        assert max_err(ours(ids, mask), expected) < TOL
+        assert max_err(ours(ids), ref(ids).last_hidden_state) < TOL
+        for row, n in enumerate(T5_LENGTHS):   # a prompt alone = its real tokens in the batch
+            assert max_err(ours(ids[row:row + 1, :n])[0], expected[row, :n]) < TOL
+        # T5's rule, block 0's bias in every block, is far off: each block's table counts here
+        for block in ours.encoder.block[1:]:
+            block.layer[0].SelfAttention.has_relative_attention_bias = False
+        assert max_err(ours(ids, mask), expected) > 1e4 * TOL
+
+
+WAN_PROMPTS = ["A  cat &amp;amp; a dog\n\t walking on the beach ",
+               "Hello world",
+               " ".join(["The quick brown fox jumps over the lazy dog."] * 3)]
+
+
+@pytest.fixture(scope="module")
+def wan_text(tmp_path_factory: pytest.TempPathFactory
+             ) -> tuple[PreTrainedTokenizerBase, nn.Module, UMT5Encoder]:
+    """A Wan folder's tokenizer/ (the tiny one) and text_encoder/: HF's model and ours."""
+    path = tmp_path_factory.mktemp("wan")
+    tokenizer = build_tiny_tokenizer(path / "tokenizer")
+    ref = randomize(UMT5EncoderModel(umt5_config(len(tokenizer))))
+    save(ref, path / "text_encoder")
+    return tokenizer, ref, UMT5Encoder.from_pretrained(path / "text_encoder")
+
+
+@pytest.mark.parametrize("max_sequence_length", [512, 32], ids=["wan-default", "truncating"])
+def test_wan_prompt_embeds_match_diffusers(wan_text: tuple, max_sequence_length: int) -> None:
+    tokenizer, ref, ours = wan_text
+    cleaned = [prompt_clean(p) for p in WAN_PROMPTS]
+    assert cleaned == [diffusers_prompt_clean(p) for p in WAN_PROMPTS]
+    assert cleaned[0] == "A cat & a dog walking on the beach"
+    num_tokens = [min(len(ids), max_sequence_length) for ids in tokenizer(cleaned).input_ids]
+    assert len(set(num_tokens)) == 3 and min(num_tokens) < max_sequence_length
+
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=ref, vae=None, scheduler=None)
+    with torch.no_grad():
+        expected = pipe._get_t5_prompt_embeds(WAN_PROMPTS, max_sequence_length=max_sequence_length,
+                                              device=torch.device("cpu"))
+    out = encode_wan_prompts(ours, tokenizer, WAN_PROMPTS, max_sequence_length)
+    assert out.shape == (3, max_sequence_length, 32)
+    assert expected[0, :num_tokens[0]].std() > 0.5
+    assert max_err(out, expected) < TOL
+    for row, n in enumerate(num_tokens):   # zeros exactly past the prompt's tokens
+        assert out[row, :n].abs().amax(dim=-1).min() > 0.1 and not out[row, n:].any()
+
+
+def test_wan_prompts_batched_equal_each_alone(wan_text: tuple) -> None:
+    tokenizer, _, ours = wan_text
+    batched = encode_wan_prompts(ours, tokenizer, WAN_PROMPTS, 32)
+    for row, prompt in enumerate(WAN_PROMPTS):
+        alone = encode_wan_prompts(ours, tokenizer, [prompt], 32)
+        assert max_err(alone[0], batched[row]) < TOL
+    with pytest.raises(ValueError, match="max_sequence_length=0: must be at least 1"):
+        encode_wan_prompts(ours, tokenizer, WAN_PROMPTS, 0)
 
 
 # ---- Qwen ----------------------------------------------------------------------------------
@@ -291,6 +379,9 @@ ENCODERS = {
     "t5": (lambda: T5EncoderModel(t5_config("gated-gelu")), T5Encoder,
            "encoder.block.1.layer.1.DenseReluDense.wi_1.weight",
            "encoder.block.1.layer.1.DenseReluDense.wi_1.weight"),
+    "umt5": (lambda: UMT5EncoderModel(umt5_config()), UMT5Encoder,
+             "encoder.block.2.layer.0.SelfAttention.relative_attention_bias.weight",
+             "encoder.block.2.layer.0.SelfAttention.relative_attention_bias.weight"),
     "qwen2.5-vl": (qwen2_5_vl, QwenTextEncoder, "model.layers.2.mlp.up_proj.weight",
                    "layers.2.mlp.up_proj.weight"),
 }
@@ -334,3 +425,13 @@ def test_wrong_model_type_is_refused(tmp_path: Path) -> None:
         QwenTextEncoder.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="not a T5 model"):
         T5Encoder.from_pretrained(tmp_path)
+
+
+def test_t5_and_umt5_checkpoints_are_not_interchangeable(tmp_path: Path) -> None:
+    """Same tensor names but for the tables: each encoder refuses the other's model_type."""
+    save(T5EncoderModel(t5_config("gated-gelu")), tmp_path / "t5")
+    save(UMT5EncoderModel(umt5_config()), tmp_path / "umt5")
+    with pytest.raises(ValueError, match=r"model_type 't5': .*\(expected umt5\)"):
+        UMT5Encoder.from_pretrained(tmp_path / "t5")
+    with pytest.raises(ValueError, match=r"model_type 'umt5': .*\(expected t5 or mt5\)"):
+        T5Encoder.from_pretrained(tmp_path / "umt5")

@@ -3,6 +3,8 @@ folders (transformers layout) into our own modules:
 
     CLIPTextEncoder   CLIPTextModel      (FLUX text_encoder)    -> last hidden, pooled
     T5Encoder         T5EncoderModel     (FLUX text_encoder_2)  -> last hidden
+    UMT5Encoder       UMT5EncoderModel   (Wan text_encoder)     -> last hidden
+                      (encode_wan_prompts: Wan's padded, zeroed-past-the-prompt embeddings)
     QwenTextEncoder   Qwen2 / Qwen3 / Qwen2.5-VL text decoder   -> chosen hidden states
                       (Z-Image: hidden_states[-2]; Qwen-Image: hidden_states[-1])
 """
@@ -10,5 +12,6 @@ folders (transformers layout) into our own modules:
 from omnistage.models.text_encoders.clip import CLIPTextEncoder
 from omnistage.models.text_encoders.qwen import QwenTextEncoder
 from omnistage.models.text_encoders.t5 import T5Encoder
+from omnistage.models.text_encoders.umt5 import UMT5Encoder, encode_wan_prompts
 
-__all__ = ["CLIPTextEncoder", "QwenTextEncoder", "T5Encoder"]
+__all__ = ["CLIPTextEncoder", "QwenTextEncoder", "T5Encoder", "UMT5Encoder", "encode_wan_prompts"]

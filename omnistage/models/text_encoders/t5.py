@@ -1,14 +1,15 @@
 """T5 encoder: transformers' `T5EncoderModel` in plain PyTorch (FLUX's `text_encoder_2/`,
-T5 v1.1 XXL).
+T5 v1.1 XXL), and the stack UMT5 (umt5.py) shares.
 
     input_ids (B,S) -> shared embedding -> num_layers x T5Block -> final_layer_norm -> (B,S,D)
     T5Block:  h += SelfAttention(layer_norm(h))    scores = q k^T (no 1/sqrt(d)) + bias
               h += DenseReluDense(layer_norm(h))   v1.0: wo(relu(wi h)); v1.1 (gated-gelu):
                                                    wo(gelu_tanh(wi_0 h) * wi_1 h)
 
-The relative position bias (heads x buckets table, in block 0 only) is computed once per
-forward from the (S, S) bucketed distances and added in every layer. The layer norm is T5's
-RMS norm without mean or bias.
+The relative position bias is a heads x buckets table looked up at the (S, S) bucketed
+distances, which are computed once per forward. T5 has one table, in block 0, and every block
+adds its bias; UMT5 has a table in every block and each block adds its own
+(`relative_bias_every_layer`). The layer norm is T5's RMS norm without mean or bias.
 
 Half precision follows transformers: in float16 the `wo` projections stay float32 (HF's
 `_keep_in_fp32_modules`), so from the first feed-forward on the residual stream is float32;
@@ -25,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -53,21 +55,23 @@ class T5EncoderConfig:
     layer_norm_epsilon: float
     dense_act_fn: str
     is_gated_act: bool
+    relative_bias_every_layer: bool      # UMT5: each block its own table; T5: block 0's for all
 
     @classmethod
-    def from_hf(cls, hf: PretrainedConfig) -> T5EncoderConfig:
-        if hf.model_type not in ("t5", "umt5", "mt5"):
-            raise ValueError(f"config.json model_type {hf.model_type!r}: not a T5 model")
-        if hf.model_type == "umt5":
-            raise NotImplementedError("UMT5 (a relative position bias in every layer) is not "
-                                      "supported")
+    def from_hf(cls, hf: PretrainedConfig, model_types: tuple[str, ...]) -> T5EncoderConfig:
+        """`model_types`: the ones the calling encoder loads (T5 and UMT5 checkpoints have the
+        same tensors but for the tables, so a wrong one would otherwise fail late or not)."""
+        if hf.model_type not in model_types:
+            raise ValueError(f"config.json model_type {hf.model_type!r}: not a T5 model this "
+                             f"encoder loads (expected {' or '.join(model_types)})")
         get_activation(hf.dense_act_fn, "dense_act_fn")
         return cls(vocab_size=hf.vocab_size, d_model=hf.d_model, d_kv=hf.d_kv, d_ff=hf.d_ff,
                    num_layers=hf.num_layers, num_heads=hf.num_heads,
                    relative_attention_num_buckets=hf.relative_attention_num_buckets,
                    relative_attention_max_distance=hf.relative_attention_max_distance,
                    layer_norm_epsilon=hf.layer_norm_epsilon, dense_act_fn=hf.dense_act_fn,
-                   is_gated_act=hf.is_gated_act)
+                   is_gated_act=hf.is_gated_act,
+                   relative_bias_every_layer=hf.model_type == "umt5")
 
 
 def relative_position_bucket(relative_position: Tensor, num_buckets: int, max_distance: int
@@ -114,18 +118,19 @@ class T5Attention(nn.Module):
         self.num_heads, self.d_kv = cfg.num_heads, cfg.d_kv
         self.qkv = QKVLinear(cfg.d_model, cfg.d_kv, cfg.num_heads, cfg.num_heads)
         self.o = Linear(cfg.num_heads * cfg.d_kv, cfg.d_model)
+        self.has_relative_attention_bias = has_relative_attention_bias
         if has_relative_attention_bias:
             n = cfg.relative_attention_num_buckets
             self.relative_attention_bias = nn.Embedding(n, cfg.num_heads,
                                                         _weight=torch.empty(n, cfg.num_heads))
-            self.num_buckets = n
-            self.max_distance = cfg.relative_attention_max_distance
 
-    def position_bias(self, seq_len: int, device: torch.device) -> Tensor:
-        pos = torch.arange(seq_len, dtype=torch.long, device=device)
-        buckets = relative_position_bucket(pos[None, :] - pos[:, None], self.num_buckets,
-                                           self.max_distance)                # (S, S)
-        return self.relative_attention_bias(buckets).permute(2, 0, 1)[None]  # (1, H, S, S)
+    def position_bias(self, buckets: Tensor, keep: Tensor | None) -> Tensor:
+        """This layer's table at `buckets` (S, S), with the padded keys (`keep` False)
+        masked out, as HF adds its mask to every layer's bias."""
+        bias = self.relative_attention_bias(buckets).permute(2, 0, 1)[None]  # (1, H, S, S)
+        if keep is None:
+            return bias
+        return torch.where(keep, bias, torch.finfo(bias.dtype).min)          # (B, H, S, S)
 
     def forward(self, x: Tensor, bias: Tensor) -> Tensor:
         B, S, _ = x.shape                                                    # x: (B, S, D)
@@ -191,18 +196,24 @@ class T5Block(nn.Module):
 class T5Stack(nn.Module):
     def __init__(self, cfg: T5EncoderConfig) -> None:
         super().__init__()
-        self.block = nn.ModuleList(T5Block(cfg, has_relative_attention_bias=i == 0)
-                                   for i in range(cfg.num_layers))
+        self.num_buckets = cfg.relative_attention_num_buckets
+        self.max_distance = cfg.relative_attention_max_distance
+        self.block = nn.ModuleList(
+            T5Block(cfg, has_relative_attention_bias=cfg.relative_bias_every_layer or i == 0)
+            for i in range(cfg.num_layers))
         self.final_layer_norm = T5LayerNorm(cfg.d_model, cfg.layer_norm_epsilon)
 
     def forward(self, h: Tensor, attention_mask: Tensor | None) -> Tensor:
-        B, S, _ = h.shape
-        attn0 = self.block[0].layer[0].SelfAttention
-        bias = attn0.position_bias(S, h.device)                              # (1, H, S, S)
+        S = h.shape[1]
+        pos = torch.arange(S, dtype=torch.long, device=h.device)
+        buckets = relative_position_bucket(pos[None, :] - pos[:, None], self.num_buckets,
+                                           self.max_distance)                # (S, S)
         keep = attention_mask_4d(attention_mask, S, causal=False)            # (B, 1, 1, S)
-        if keep is not None:
-            bias = torch.where(keep, bias, torch.finfo(bias.dtype).min)      # (B, H, S, S)
+        bias = None
         for block in self.block:
+            attn = block.layer[0].SelfAttention
+            if attn.has_relative_attention_bias:   # else the last table's bias carries on
+                bias = attn.position_bias(buckets, keep)                     # (B|1, H, S, S)
             h = block(h, bias)
         return self.final_layer_norm(h)
 
@@ -211,6 +222,7 @@ class T5Encoder(nn.Module):
     # checkpoint name -> (our fused parameter, shard id)
     packed_modules = {"q": ("qkv", "q"), "k": ("qkv", "k"), "v": ("qkv", "v"),
                       "wi_0": ("wi_01", 0), "wi_1": ("wi_01", 1)}
+    model_types: tuple[str, ...] = ("t5", "mt5")   # config.json model_type values it loads
 
     def __init__(self, config: T5EncoderConfig) -> None:
         super().__init__()
@@ -226,15 +238,15 @@ class T5Encoder(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
-                        dtype: torch.dtype | None = None) -> T5Encoder:
+                        dtype: torch.dtype | None = None) -> Self:
         """Build from a transformers folder (config.json + safetensors, maybe sharded) in
         `dtype` (None: the checkpoint's). Missing, unexpected or mis-shaped tensors raise
         ValueError; only names under `IGNORED` are skipped."""
         path = Path(path)
-        config = T5EncoderConfig.from_hf(read_hf_config(path))
+        config = T5EncoderConfig.from_hf(read_hf_config(path), cls.model_types)
         dtype = dtype or checkpoint_dtype(path)
         model = build_on(cls, config, device, dtype)
-        if dtype == torch.float16:   # HF keeps `wo` in float32 for float16 T5
+        if dtype == torch.float16:   # HF keeps `wo` in float32 for float16 T5 and UMT5
             for block in model.encoder.block:
                 block.layer[1].DenseReluDense.wo.float()
 
