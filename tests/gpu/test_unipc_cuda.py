@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnistage.diffusion.solvers.unipc_flow import UniPCConfig, UniPCState, make_sigmas, step
+from omnistage.diffusion.solvers.unipc_flow import (
+    UniPCConfig,
+    UniPCState,
+    make_sigmas,
+    step,
+)
 
 diffusers = pytest.importorskip("diffusers")
 
