@@ -118,10 +118,10 @@ class UniPCState:
     A fresh state starts at whatever step it is first used on with a first-order step and no
     correction, as diffusers does after `set_begin_index` (img2img)."""
 
-    x0_preds: list[Tensor] = field(default_factory=list)  # m_{i-1}, m_{i-2}, ..., newest last
+    x0_preds: list[Tensor] = field(default_factory=list)  # the last solver_order m's, newest last
     last_sample: Tensor | None = None   # x at the start of the previous step, after correction
     last_order: int = 0                 # that step's predictor order, reused by the corrector
-    last_step_idx: int = -1
+    last_step_idx: int = -1             # the next step must be the one after it
 
 
 def make_sigmas(cfg: UniPCConfig, num_inference_steps: int) -> tuple[Tensor, Tensor]:
