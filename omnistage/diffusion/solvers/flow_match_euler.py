@@ -161,6 +161,18 @@ def step(model_output: Tensor, sample: Tensor, sigmas: Tensor, step_idx: Tensor 
     return (sample.float() + dt.to(model_output.dtype) * model_output).to(model_output.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class FlowMatchEuler:
+    """This module's step as a `Solver` (solvers/__init__.py): one step needs no memory."""
+
+    def new_state(self) -> None:
+        return None
+
+    def step(self, model_output: Tensor, sample: Tensor, sigmas: Tensor, step_idx: int,
+             state: None) -> Tensor:
+        return step(model_output, sample, sigmas, step_idx)
+
+
 def scale_noise(sample: Tensor, sigma: Tensor | float, noise: Tensor) -> Tensor:
     """Forward process for img2img / inpainting: sigma * noise + (1 - sigma) * sample.
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from omnistage.diffusion.solvers.flow_match_euler import (
+    FlowMatchEuler,
     FlowMatchEulerConfig,
     calculate_shift,
     make_sigmas,
@@ -232,3 +233,11 @@ def test_rejects_what_it_cannot_match() -> None:
         make_sigmas(FlowMatchEulerConfig(), 4, sigmas=[1.0, 0.5])
     with pytest.raises(ValueError, match="strength"):
         timesteps_for_strength(4, 1.5)
+
+
+def test_solver_protocol_is_step() -> None:
+    _, (sigmas, _), _ = setup("sd3", 4)
+    x, out = torch.randn(2, 16, 8), torch.randn(2, 16, 8)
+    solver = FlowMatchEuler()
+    assert solver.new_state() is None
+    assert_same(solver.step(out, x, sigmas, 1, None), step(out, x, sigmas, 1))
