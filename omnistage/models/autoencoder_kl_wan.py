@@ -176,6 +176,8 @@ def unpatchify(x: Tensor, p: int) -> Tensor:
 
 
 class AutoencoderKLWan(nn.Module):
+    """Encode videos to raw latents and back; `from_pretrained` loads a diffusers `vae/`."""
+
     clamp_tiled = True      # diffusers' Wan clamps a tiled decode; its Qwen-Image VAE does not
 
     def __init__(self, cfg: AutoencoderKLWanConfig) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from omnistage.models.autoencoder_kl_wan import AutoencoderKLWan
+from omnistage.models.autoencoder_kl_wan import AutoencoderKLWan, AutoencoderKLWanConfig
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -27,6 +27,11 @@ CONFIGS = {
                   latents_std=[1.5, 0.7, 2.0, 1.1, 0.9, 1.3]),
 }
 FACTOR = {"wan21": 8, "wan22": 16}
+# the published vae/config.json of Wan2.2-TI2V-5B-Diffusers (statistics left out);
+# Wan 2.1's is diffusers' defaults
+TI2V_5B = dict(base_dim=160, decoder_base_dim=256, z_dim=48, is_residual=True, in_channels=12,
+               out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+               latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 ATOL = 1e-5
 
@@ -154,6 +159,17 @@ def test_refuses_bad_frames_sizes_and_channels(
         ours.decode(torch.zeros(1, 2, 1, 2, 2))
     with pytest.raises(ValueError, match=r"latents: expected \(B, C, T, H, W\)"):
         ours.decode_tiled(torch.zeros(1, ours.cfg.z_dim, 4, 4))
+
+
+@pytest.mark.parametrize("config", [{}, TI2V_5B], ids=["wan2.1", "wan2.2-ti2v-5b"])
+def test_published_configs_have_diffusers_tensors(config: dict) -> None:
+    """Full-size layouts, built on the meta device: every name and shape as diffusers'."""
+    with torch.device("meta"):
+        ref = diffusers.AutoencoderKLWan(**config)
+        ours = AutoencoderKLWan(AutoencoderKLWanConfig.from_dict(config))
+    assert ({k: v.shape for k, v in ours.state_dict().items()}
+            == {k: v.shape for k, v in ref.state_dict().items()})
+    assert ours.cfg.downscale == ref.spatial_compression_ratio
 
 
 def test_missing_and_unexpected_tensors_are_named(tmp_path: Path) -> None:
