@@ -210,12 +210,12 @@ def _pipeline(transformer, cfg: DiffusionBenchConfig, device: torch.device,
               dtype: torch.dtype):
     from omnistage.diffusion.pipelines.qwen_image import QwenImagePipeline
     from omnistage.diffusion.solvers.flow_match_euler import FlowMatchEulerConfig
-    from omnistage.models.autoencoder_kl_qwen_image import (AutoencoderKLQwenImage,
-                                                            AutoencoderKLQwenImageConfig)
+    from omnistage.models.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
+    from omnistage.models.autoencoder_kl_wan import AutoencoderKLWanConfig
 
     z = int(cfg.transformer["in_channels"]) // 4
-    vae_cfg = AutoencoderKLQwenImageConfig(base_dim=cfg.vae_base_dim, z_dim=z, num_res_blocks=1,
-                                           latents_mean=(0.0,) * z, latents_std=(1.0,) * z)
+    vae_cfg = AutoencoderKLWanConfig(base_dim=cfg.vae_base_dim, z_dim=z, num_res_blocks=1,
+                                     latents_mean=(0.0,) * z, latents_std=(1.0,) * z)
     with torch.device(device), default_dtype(dtype):
         vae = AutoencoderKLQwenImage(vae_cfg).eval()
     seeded_init(vae, cfg.seed + 1)
