@@ -65,11 +65,16 @@ def checkpoint_dtype(path: Path) -> torch.dtype:
 
 def load_weights_strict(model: nn.Module, path: Path) -> None:
     """Copy every tensor of `path` into the parameter of the same name; raise ValueError
-    naming missing, unexpected or mis-shaped tensors."""
+    naming missing, unexpected or mis-shaped tensors. A model's `ignored_tensors` (module
+    names, as diffusers' `_keys_to_ignore_on_load_unexpected`) are skipped: weights that
+    older saves hold and no layer uses."""
     seen: list[str] = []
+    ignored = set(getattr(model, "ignored_tensors", ()))
 
     def recorded() -> Iterator[tuple[str, Tensor]]:
         for name, tensor in iter_safetensors(path):
+            if ignored.intersection(name.split(".")):
+                continue
             seen.append(name)
             yield name, tensor
 
