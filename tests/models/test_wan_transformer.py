@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from omnistage.layers.step_cache import CacheGroup, StepCacheState
 from omnistage.models.wan_transformer import WanTransformer3DModel
+from omnistage.testing.tiny_models import edit_checkpoint
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -106,13 +106,6 @@ def test_step_cache_reuses_the_blocks_residual(tmp_path: Path) -> None:
         cached = ours(**x, step_cache=groups(1e9))
     assert [s.num_skipped for s in states] == [1, 1]
     torch.testing.assert_close(cached, plain, atol=1e-6, rtol=0)
-
-
-def edit_checkpoint(path: Path, edit) -> None:
-    file = path / "diffusion_pytorch_model.safetensors"
-    tensors = load_file(file)
-    edit(tensors)
-    save_file(tensors, file, metadata={"format": "pt"})
 
 
 def test_misshaped_tensor_is_named(tmp_path: Path) -> None:
