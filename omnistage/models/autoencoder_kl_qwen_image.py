@@ -27,7 +27,7 @@ merged (encoder); every later chunk goes through their time conv.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.models.diffusers_loader import build_from_folder, read_config
+from omnistage.models.diffusers_loader import (build_from_folder, config_from_dict,
+                                               read_config)
 
 CACHE_T = 2             # frames of the previous chunk a temporal kernel of 3 needs
 ENCODE_CHUNK = 4        # frames per encoder chunk after the first (two temporal halvings)
@@ -76,10 +77,7 @@ class AutoencoderKLQwenImageConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> AutoencoderKLQwenImageConfig:
-        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"AutoencoderKLQwenImage config: unknown keys {unknown}")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+        return config_from_dict(cls, raw, "AutoencoderKLQwenImage")
 
 
 @dataclass(slots=True)

@@ -11,8 +11,9 @@ missing, unexpected or mis-shaped tensor fails with its name.
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -25,6 +26,7 @@ WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                        "F64": torch.float64}
+ConfigT = TypeVar("ConfigT")
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -33,6 +35,16 @@ def read_config(path: Path) -> dict[str, Any]:
     if not config.is_file():
         raise FileNotFoundError(f"{path}: no config.json (not a diffusers model folder)")
     return {k: v for k, v in json.loads(config.read_text()).items() if not k.startswith("_")}
+
+
+def config_from_dict(cls: type[ConfigT], raw: dict[str, Any], what: str) -> ConfigT:
+    """The config dataclass `cls` from config.json's keys (`read_config`): a key it does not
+    know raises ValueError naming it (`what`: the model, for the message); JSON lists become
+    tuples, as the frozen dataclasses hold them."""
+    unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ValueError(f"{what} config: unknown keys {unknown}")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
 
 
 def safetensors_files(path: Path) -> list[Path]:

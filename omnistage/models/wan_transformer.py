@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,7 +54,8 @@ from omnistage.layers.parallel import (ColumnParallelLinear, RowParallelLinear, 
                                        divide, tp_group)
 from omnistage.layers.sequence_parallel import SequenceRanks, SequenceSplit, check_heads, sdpa
 from omnistage.layers.step_cache import CacheGroup, run_cached
-from omnistage.models.diffusers_loader import build_from_folder, read_config
+from omnistage.models.diffusers_loader import (build_from_folder, config_from_dict,
+                                               read_config)
 
 # Step caching watches the first block's modulated input. TeaCache's published Wan2.1
 # polynomials were fitted to its own choice of input and model size, so none is applied
@@ -99,14 +100,7 @@ class WanTransformerConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> WanTransformerConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"Wan transformer config: unknown keys {unknown}")
-        raw = dict(raw)
-        if "patch_size" in raw:
-            raw["patch_size"] = tuple(raw["patch_size"])
-        return cls(**raw)
+        return config_from_dict(cls, raw, "Wan transformer")
 
 
 # ---- norms, rope ---------------------------------------------------------------------------

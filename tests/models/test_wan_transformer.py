@@ -152,3 +152,11 @@ def test_bad_inputs_are_named(tmp_path: Path, change: dict, match: str) -> None:
     ours = WanTransformer3DModel.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match=match):
         ours(**dict(inputs(T2V), **change))
+
+
+def test_unknown_config_key_is_named(tmp_path: Path) -> None:
+    save_reference(tmp_path, T2V)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_layer": 3}))
+    with pytest.raises(ValueError, match=r"Wan transformer config: unknown keys \['num_layer'\]"):
+        WanTransformer3DModel.from_pretrained(tmp_path)
