@@ -97,13 +97,25 @@ def load_weights_strict(model: nn.Module, path: Path) -> None:
     assert loaded == expected, f"parameters not loaded: {expected - loaded}"
 
 
+def _keep_in_fp32(model: nn.Module) -> None:
+    """diffusers' `_keep_in_fp32_modules`: parameters under a module named in the model's
+    `keep_in_fp32` (or so named) stay float32 in any dtype, as diffusers loads them (small
+    tensors whose rounding would show: time embeddings, modulation tables, norms)."""
+    names = set(getattr(model, "keep_in_fp32", ()))
+    for name, p in model.named_parameters():
+        if names.intersection(name.split(".")):
+            p.data = p.data.float()
+
+
 def build_from_folder(model_cls: type[nn.Module], config: object, path: Path,
                       device: torch.device | str = "cpu",
                       dtype: torch.dtype | None = None) -> nn.Module:
-    """`model_cls(config)` in `dtype` (None: the checkpoint's) on `device`, with every tensor
-    from the folder and no random initialisation on the way (built on the meta device)."""
+    """`model_cls(config)` in `dtype` (None: the checkpoint's; `keep_in_fp32` parameters
+    float32) on `device`, with every tensor from the folder and no random initialisation on
+    the way (built on the meta device)."""
     with _default_dtype(dtype or checkpoint_dtype(path)), torch.device("meta"):
         model = model_cls(config)
+    _keep_in_fp32(model)
     # to_empty replaces meta parameters by new ones: carry the tensor-parallel layers' loaders
     loaders = {name: p.weight_loader for name, p in model.named_parameters()
                if hasattr(p, "weight_loader")}

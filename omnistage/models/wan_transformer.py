@@ -289,6 +289,8 @@ class WanTransformerBlock(nn.Module):
 class WanTransformer3DModel(nn.Module):
     # older diffusers saved an unused query norm for the image keys (diffusers skips it too)
     ignored_tensors = ("norm_added_q",)
+    # float32 in any dtype, as diffusers' _keep_in_fp32_modules (build_from_folder reads it)
+    keep_in_fp32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
 
     def __init__(self, cfg: WanTransformerConfig) -> None:
         super().__init__()

@@ -160,3 +160,22 @@ def test_unknown_config_key_is_named(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_layer": 3}))
     with pytest.raises(ValueError, match=r"Wan transformer config: unknown keys \['num_layer'\]"):
         WanTransformer3DModel.from_pretrained(tmp_path)
+
+
+def test_bfloat16_keeps_diffusers_float32_parameters(tmp_path: Path) -> None:
+    """In bfloat16 the parameters diffusers keeps float32 (time embedder, modulation tables,
+    norms) stay float32, and the output follows diffusers' model cast the same way."""
+    ref = save_reference(tmp_path, TI2V)
+    ours = WanTransformer3DModel.from_pretrained(tmp_path, "cpu", torch.bfloat16)
+    keep = set(ref._keep_in_fp32_modules)
+    fp32 = {n for n, _ in ref.named_parameters() if keep.intersection(n.split("."))}
+    assert {"blocks.1.scale_shift_table", "blocks.0.norm2.weight"} <= fp32
+    assert fp32 == {n for n, p in ours.named_parameters() if p.dtype == torch.float32}
+    with torch.no_grad():   # diffusers' from_pretrained does this only with accelerate
+        for name, p in ref.named_parameters():
+            if name not in fp32:
+                p.data = p.data.bfloat16()
+    x = {k: v if k == "timestep" or v is None else v.bfloat16() for k, v in inputs(TI2V).items()}
+    with torch.no_grad():
+        expected = ref(**x, return_dict=False)[0]
+        torch.testing.assert_close(ours(**x), expected, atol=1e-2 * float(expected.abs().max()), rtol=0)
