@@ -203,7 +203,8 @@ class WanTimeTextImageEmbedding(nn.Module):
     def time(self, timestep: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """timestep (B, S): S = 1, or one per (local) token -> temb (B, S, D) and the blocks'
         modulation input (B, S, 6, D)."""
-        sinusoid = timestep_embedding(timestep.flatten(), self.freq_dim).unflatten(0, timestep.shape)
+        sinusoid = timestep_embedding(timestep.flatten(), self.freq_dim)
+        sinusoid = sinusoid.unflatten(0, timestep.shape)                         # (B, S, freq)
         temb = self.time_embedder(sinusoid.to(self.time_embedder.linear_1.weight.dtype))
         temb = temb.to(dtype)
         return temb, self.time_proj(F.silu(temb)).unflatten(-1, (6, -1))
@@ -379,7 +380,7 @@ class WanTransformer3DModel(nn.Module):
     def _unpatchify(self, out: Tensor, grid: tuple[int, int, int]) -> Tensor:
         """(B, F'H'W', pt*ph*pw*C) -> (B, C, F'pt, H'ph, W'pw), diffusers' layout."""
         pt, ph, pw = self.cfg.patch_size
-        out = out.reshape(out.shape[0], *grid, pt, ph, pw, -1)                   # (B,F',H',W',pt,ph,pw,C)
+        out = out.reshape(out.shape[0], *grid, pt, ph, pw, -1)     # (B, F', H', W', pt, ph, pw, C)
         return out.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
     @classmethod

@@ -83,7 +83,8 @@ def test_i2v_with_image_tokens_matches_diffusers(tmp_path: Path) -> None:
 
 
 def test_ti2v_timestep_per_token_matches_diffusers(tmp_path: Path) -> None:
-    ref, x = save_reference(tmp_path, TI2V), dict(inputs(TI2V), timestep=first_frame_at_zero(TIMESTEPS))
+    ref = save_reference(tmp_path, TI2V)
+    x = dict(inputs(TI2V), timestep=first_frame_at_zero(TIMESTEPS))
     ours = check(ref, tmp_path, x)
     with torch.no_grad():   # the first frame's t = 0 counts, far beyond the tolerance
         uniform = ours(**dict(x, timestep=TIMESTEPS))
@@ -129,7 +130,7 @@ def test_unexpected_tensor_is_named(tmp_path: Path) -> None:
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(
         json.dumps({**config, "image_dim": None, "added_kv_proj_dim": None}))
-    with pytest.raises(ValueError, match=r"unexpected tensors .*blocks\.0\.attn2\.add_k_proj\.bias"):
+    with pytest.raises(ValueError, match=r"unexpected tensors .*blocks\.0\.attn2\.add_k_proj"):
         WanTransformer3DModel.from_pretrained(tmp_path)
 
 
@@ -178,4 +179,5 @@ def test_bfloat16_keeps_diffusers_float32_parameters(tmp_path: Path) -> None:
     x = {k: v if k == "timestep" or v is None else v.bfloat16() for k, v in inputs(TI2V).items()}
     with torch.no_grad():
         expected = ref(**x, return_dict=False)[0]
-        torch.testing.assert_close(ours(**x), expected, atol=1e-2 * float(expected.abs().max()), rtol=0)
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(ours(**x), expected, atol=1e-2 * scale, rtol=0)
