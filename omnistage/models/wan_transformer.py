@@ -5,7 +5,8 @@ name (`WanTransformer3DModel.from_pretrained`); numerics follow
 `diffusers/models/transformers/transformer_wan.py` op for op.
 
     video (B,C,F,H,W) -> patch_embedding (Conv3d, stride = patch) -> x (B,N,D), N = F'H'W'
-    timestep (B,) or (B,N) -> sinusoid -> time_embedder -> temb (B,1|N,D) -> time_proj (6D)
+    timestep (B,) or (B,N) -> sinusoid -> time_embedder -> temb (D) -> time_proj (6D), once per
+                              distinct value, picked per row / token (TimeEmbedding)
     text (B,L,text_dim) -> text_embedder;  CLIP image (B,I,image_dim) -> image_embedder
     num_layers x WanTransformerBlock, shift/scale/gate = scale_shift_table + time_proj:
         x += gate   * self_attn(norm1(x) * (1 + scale) + shift)     3D rope, all N tokens
@@ -19,7 +20,10 @@ with their own keys/values and softmax, and the two results add up (FLF2V's
 `pos_embed_seq_len`: first and last frame's tokens, with a learnt position table). Wan2.2
 A14B: two such models, one per expert, nothing special here. Wan2.2 TI2V-5B: 48 channels and
 a timestep per token (the pipeline's `expand_timesteps`: with an input image, the first
-latent frame's tokens get t = 0), so the modulation is per token.
+latent frame's tokens get t = 0), so the modulation is per token. Those timesteps take a
+few values only (t, and 0), so the embeddings are computed once per value and each token
+picks its own: diffusers embeds every token, and keeps a (B, N, 6D) modulation input alive
+through all blocks.
 
 Unlike diffusers, the image tokens stay their own argument all the way down instead of being
 split off the front of the context by a hard-coded text length of 512; the text keys are
@@ -41,8 +45,9 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +194,23 @@ class WanImageEmbedding(nn.Module):
         return self.norm2(self.ff(self.norm1(image)))
 
 
+@dataclass(frozen=True, slots=True)
+class TimeEmbedding:
+    """The batch's time conditioning for the U distinct timestep values: temb (U, D), proj
+    (U, 6, D) the blocks' modulation input; index (B, S): the value each row (S = 1) or each
+    of its tokens uses. (Finding the values costs one host sync a forward.)"""
+    temb: Tensor
+    proj: Tensor
+    index: Tensor
+
+    def rows(self, idx: Tensor) -> TimeEmbedding:
+        return replace(self, index=self.index[idx])
+
+    def pick(self, values: Tensor) -> Tensor:
+        """values (U, D) -> (B, S, D): each row's / token's."""
+        return values[self.index]
+
+
 class WanTimeTextImageEmbedding(nn.Module):
     def __init__(self, cfg: WanTransformerConfig) -> None:
         super().__init__()
@@ -200,14 +222,13 @@ class WanTimeTextImageEmbedding(nn.Module):
         self.image_embedder = (WanImageEmbedding(cfg.image_dim, dim, cfg.pos_embed_seq_len)
                                if cfg.image_dim else None)
 
-    def time(self, timestep: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """timestep (B, S): S = 1, or one per (local) token -> temb (B, S, D) and the blocks'
-        modulation input (B, S, 6, D)."""
-        sinusoid = timestep_embedding(timestep.flatten(), self.freq_dim)
-        sinusoid = sinusoid.unflatten(0, timestep.shape)                         # (B, S, freq)
+    def time(self, timestep: Tensor, dtype: torch.dtype) -> TimeEmbedding:
+        """timestep (B, S): S = 1, or one per (local) token."""
+        values, index = torch.unique(timestep, return_inverse=True)              # (U,), (B, S)
+        sinusoid = timestep_embedding(values, self.freq_dim)                     # (U, freq)
         temb = self.time_embedder(sinusoid.to(self.time_embedder.linear_1.weight.dtype))
-        temb = temb.to(dtype)
-        return temb, self.time_proj(F.silu(temb)).unflatten(-1, (6, -1))
+        temb = temb.to(dtype)                                                    # (U, D)
+        return TimeEmbedding(temb, self.time_proj(F.silu(temb)).unflatten(-1, (6, -1)), index)
 
 
 # ---- attention and block -------------------------------------------------------------------
@@ -266,23 +287,25 @@ class WanTransformerBlock(nn.Module):
         self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.empty(1, 6, dim))
 
-    def modulation(self, time_proj: Tensor) -> tuple[Tensor, ...]:
-        """(B, S, 6, D) -> shift, scale, gate, c_shift, c_scale, c_gate: (B, S, D) float32."""
-        return (self.scale_shift_table + time_proj.float()).unbind(2)
+    def modulation(self, time: TimeEmbedding) -> Callable[[int], Tensor]:
+        """i -> shift, scale, gate, c_shift, c_scale, c_gate (i = 0..5) per row / token:
+        (B, S, D) float32, picked when used (one per token would be 6 x the stream)."""
+        table = self.scale_shift_table[0] + time.proj.float()                    # (U, 6, D)
+        return lambda i: time.pick(table[:, i])
 
-    def modulated_input(self, x: Tensor, time_proj: Tensor) -> Tensor:
+    def modulated_input(self, x: Tensor, time: TimeEmbedding) -> Tensor:
         """What self-attention sees: norm1(x) * (1 + scale) + shift."""
-        shift, scale = self.modulation(time_proj)[:2]
-        return (self.norm1(x.float()) * (1 + scale) + shift).type_as(x)
+        mod = self.modulation(time)
+        return (self.norm1(x.float()) * (1 + mod(1)) + mod(0)).type_as(x)
 
-    def forward(self, x: Tensor, text: Tensor, image: Tensor | None, time_proj: Tensor,
+    def forward(self, x: Tensor, text: Tensor, image: Tensor | None, time: TimeEmbedding,
                 rope: Rope, seq: SequenceSplit) -> Tensor:
-        shift, scale, gate, c_shift, c_scale, c_gate = self.modulation(time_proj)
-        h = (self.norm1(x.float()) * (1 + scale) + shift).type_as(x)
-        x = (x.float() + self.attn1.self_attention(h, seq, rope) * gate).type_as(x)
+        mod = self.modulation(time)
+        h = self.modulated_input(x, time)
+        x = (x.float() + self.attn1.self_attention(h, seq, rope) * mod(2)).type_as(x)
         x = x + self.attn2.cross_attention(self.norm2(x.float()).type_as(x), text, image)
-        h = (self.norm3(x.float()) * (1 + c_scale) + c_shift).type_as(x)
-        return (x.float() + self.ffn(h).float() * c_gate).type_as(x)
+        h = (self.norm3(x.float()) * (1 + mod(4)) + mod(3)).type_as(x)
+        return (x.float() + self.ffn(h).float() * mod(5)).type_as(x)
 
 
 # ---- model ---------------------------------------------------------------------------------
@@ -322,7 +345,7 @@ class WanTransformer3DModel(nn.Module):
         seq = SequenceSplit.split([math.prod(grid)], [None], self.seq_ranks)
         x = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2)       # (B, N, D)
         x = seq.local(x, 0).contiguous()
-        temb, time_proj = self.condition_embedder.time(
+        time = self.condition_embedder.time(
             self._timesteps(timestep, x.shape[0], seq), encoder_hidden_states.dtype)
         text = self.condition_embedder.text_embedder(encoder_hidden_states)     # (B, L, D)
         image = self._image_tokens(encoder_hidden_states_image)                  # (B, I, D)
@@ -331,9 +354,9 @@ class WanTransformer3DModel(nn.Module):
         rope = seq.local(cos, 0, dim=0), seq.local(sin, 0, dim=0)
 
         def run_blocks(idx: Tensor | None) -> Tensor:
-            h, t, i, p = x, text, image, time_proj
+            h, t, i, p = x, text, image, time
             if idx is not None:
-                h, t, p = x[idx], text[idx], time_proj[idx]
+                h, t, p = x[idx], text[idx], time.rows(idx)
                 i = None if image is None else image[idx]
             for block in self.blocks:
                 h = block(h, t, i, p, rope, seq)
@@ -342,10 +365,10 @@ class WanTransformer3DModel(nn.Module):
         if step_cache is None:
             x = run_blocks(None)
         else:
-            modulated = self.blocks[0].modulated_input(x, time_proj)
+            modulated = self.blocks[0].modulated_input(x, time)
             x = run_cached(x, modulated, step_cache, TEACACHE_COEFFICIENTS, run_blocks)
-        shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).unbind(2)
-        x = (self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
+        shift, scale = (self.scale_shift_table + time.temb[:, None]).unbind(1)   # (U, D) each
+        x = (self.norm_out(x.float()) * (1 + time.pick(scale)) + time.pick(shift)).type_as(x)
         return self._unpatchify(seq.gather(self.proj_out(x), 0), grid)
 
     def _grid(self, shape: torch.Size) -> tuple[int, int, int]:

@@ -1,8 +1,9 @@
 """Our WanTransformer3DModel against diffusers' on tiny random checkpoints, float32: Wan2.1
-T2V, Wan2.1 I2V (CLIP image tokens), Wan2.2 TI2V-5B-like (48 channels, a timestep per token
-with the first frame at t = 0, as the pipeline's expand_timesteps); batched rows with
-different timesteps equal each row alone; step caching reuses the blocks' residual; loading
-fails by name on missing, unexpected or mis-shaped tensors, and bad inputs by field."""
+T2V, Wan2.1 I2V (CLIP image tokens) and FLF2V, Wan2.2 TI2V-5B-like (48 channels, a timestep
+per token with the first frame at t = 0, as the pipeline's expand_timesteps); batched rows
+with different timesteps equal each row alone; step caching reuses the blocks' residual;
+bfloat16 keeps diffusers' float32 parameters; loading fails by name on missing, unexpected or
+mis-shaped tensors, and bad inputs by field."""
 
 from __future__ import annotations
 
@@ -80,6 +81,16 @@ def test_i2v_with_image_tokens_matches_diffusers(tmp_path: Path) -> None:
     with torch.no_grad():   # the image tokens count, far beyond the tolerance
         other = ours(**dict(x, encoder_hidden_states_image=torch.randn(B, 5, 8)))
     assert (other - ours(**x)).abs().max() > 1e-2
+
+
+def test_flf2v_image_position_table_matches_diffusers(tmp_path: Path) -> None:
+    """FLF2V: first and last frame's CLIP tokens, rows in pairs, with a learnt position table."""
+    ref = save_reference(tmp_path, dict(I2V, pos_embed_seq_len=10))
+    x = dict(inputs(I2V, text_len=512), encoder_hidden_states_image=torch.randn(2 * B, 5, 8))
+    ours = WanTransformer3DModel.from_pretrained(tmp_path, "cpu", torch.float32)
+    with torch.no_grad():
+        expected = ref(**x, return_dict=False)[0]
+        torch.testing.assert_close(ours(**x), expected, atol=1e-5, rtol=1e-4)
 
 
 def test_ti2v_timestep_per_token_matches_diffusers(tmp_path: Path) -> None:
