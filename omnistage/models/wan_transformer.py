@@ -62,9 +62,10 @@ from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.models.diffusers_loader import (build_from_folder, config_from_dict,
                                                read_config)
 
-# Step caching watches the first block's modulated input. TeaCache's published Wan2.1
-# polynomials were fitted to its own choice of input and model size, so none is applied
-# here: the relative L1 change is used as is (identity rescaling, as for Qwen-Image).
+# Step caching watches the first block's modulated input, its relative L1 change used as is
+# (identity rescaling, as for Qwen-Image). TeaCache's published Wan2.1 polynomials (per model
+# size and resolution, as TeaCache4Wan2.1 and LightX2V ship them) measure the change of the
+# timestep embedding instead (their `e0` / `e`), so they do not apply to this input.
 TEACACHE_COEFFICIENTS = (1.0, 0.0)
 
 Rope = tuple[Tensor, Tensor]     # cos, sin: (N, hd/2) float32, one angle per pair of features
