@@ -199,7 +199,7 @@ class WanImageEmbedding(nn.Module):
 class TimeEmbedding:
     """The batch's time conditioning for the U distinct timestep values: temb (U, D), proj
     (U, 6, D) the blocks' modulation input; index (B, S): the value each row (S = 1) or each
-    of its tokens uses. (Finding the values costs one host sync a forward.)"""
+    of its tokens uses (per-token timesteps: finding the values costs a host sync)."""
     temb: Tensor
     proj: Tensor
     index: Tensor
@@ -225,7 +225,11 @@ class WanTimeTextImageEmbedding(nn.Module):
 
     def time(self, timestep: Tensor, dtype: torch.dtype) -> TimeEmbedding:
         """timestep (B, S): S = 1, or one per (local) token."""
-        values, index = torch.unique(timestep, return_inverse=True)              # (U,), (B, S)
+        if timestep.shape[1] == 1:            # a row's own: no search, no host sync
+            values = timestep[:, 0]
+            index = torch.arange(len(values), device=timestep.device)[:, None]
+        else:
+            values, index = torch.unique(timestep, return_inverse=True)          # (U,), (B, S)
         sinusoid = timestep_embedding(values, self.freq_dim)                     # (U, freq)
         temb = self.time_embedder(sinusoid.to(self.time_embedder.linear_1.weight.dtype))
         temb = temb.to(dtype)                                                    # (U, D)
