@@ -253,8 +253,7 @@ class WanAttention(nn.Module):
         self.to_q, self.to_k, self.to_v = column(dim), column(dim), column(dim)
         self.to_out = nn.ModuleList([RowParallelLinear(dim, dim, bias=True), nn.Identity()])
         self.norm_q, self.norm_k = HeadsRMSNorm(dim, eps), HeadsRMSNorm(dim, eps)
-        self.has_image = added_kv_proj_dim is not None
-        if self.has_image:
+        if added_kv_proj_dim is not None:
             self.add_k_proj, self.add_v_proj = column(added_kv_proj_dim), column(added_kv_proj_dim)
             self.norm_added_k = HeadsRMSNorm(dim, eps)
 
