@@ -29,15 +29,18 @@ def timestep_embedding(t: Tensor, dim: int = 256, max_period: float = 10000.0) -
 
 
 class TimestepEmbedding(nn.Module):
-    """linear_1 -> SiLU -> linear_2; also serves as diffusers' PixArtAlphaTextProjection."""
+    """linear_1 -> SiLU -> linear_2; also serves as diffusers' PixArtAlphaTextProjection
+    (gelu_tanh: GELU with the tanh approximation in place of SiLU, as Wan's text embedder)."""
 
-    def __init__(self, in_dim: int, dim: int) -> None:
+    def __init__(self, in_dim: int, dim: int, gelu_tanh: bool = False) -> None:
         super().__init__()
+        self.gelu_tanh = gelu_tanh
         self.linear_1 = nn.Linear(in_dim, dim)
         self.linear_2 = nn.Linear(dim, dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear_2(F.silu(self.linear_1(x)))
+        h = self.linear_1(x)
+        return self.linear_2(F.gelu(h, approximate="tanh") if self.gelu_tanh else F.silu(h))
 
 
 class AdaLayerNormZero(nn.Module):
@@ -68,24 +71,29 @@ class AdaLayerNormContinuous(nn.Module):
 
 
 class GELU(nn.Module):
-    """Column-parallel: this rank's slice of the hidden features."""
+    """Column-parallel: this rank's slice of the hidden features. approximate: "tanh"
+    (diffusers' "gelu-approximate") or "none" (its "gelu")."""
 
-    def __init__(self, dim_in: int, dim_out: int) -> None:
+    def __init__(self, dim_in: int, dim_out: int, approximate: str = "tanh") -> None:
         super().__init__()
+        self.approximate = approximate
         self.proj = ColumnParallelLinear(dim_in, dim_out, bias=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(self.proj(x), approximate="tanh")
+        return F.gelu(self.proj(x), approximate=self.approximate)
 
 
 class FeedForward(nn.Module):
-    """net.0.proj -> gelu(tanh) -> net.2 (net.1 is diffusers' dropout: no weights); split
-    column / row over the tensor-parallel ranks."""
+    """net.0.proj -> gelu -> net.2 (net.1 is diffusers' dropout: no weights); split column /
+    row over the tensor-parallel ranks. Hidden width `inner_dim` (default dim * mult), output
+    width `dim_out` (default dim), as diffusers' FeedForward arguments."""
 
-    def __init__(self, dim: int, mult: int = 4) -> None:
+    def __init__(self, dim: int, mult: int = 4, inner_dim: int | None = None,
+                 dim_out: int | None = None, approximate: str = "tanh") -> None:
         super().__init__()
-        self.net = nn.ModuleList([GELU(dim, dim * mult), nn.Identity(),
-                                  RowParallelLinear(dim * mult, dim, bias=True)])
+        inner_dim = inner_dim or dim * mult
+        self.net = nn.ModuleList([GELU(dim, inner_dim, approximate), nn.Identity(),
+                                  RowParallelLinear(inner_dim, dim_out or dim, bias=True)])
 
     def forward(self, x: Tensor) -> Tensor:
         for layer in self.net:

@@ -11,8 +11,9 @@ missing, unexpected or mis-shaped tensor fails with its name.
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -25,6 +26,7 @@ WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                        "F64": torch.float64}
+ConfigT = TypeVar("ConfigT")
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -33,6 +35,16 @@ def read_config(path: Path) -> dict[str, Any]:
     if not config.is_file():
         raise FileNotFoundError(f"{path}: no config.json (not a diffusers model folder)")
     return {k: v for k, v in json.loads(config.read_text()).items() if not k.startswith("_")}
+
+
+def config_from_dict(cls: type[ConfigT], raw: dict[str, Any], what: str) -> ConfigT:
+    """The config dataclass `cls` from config.json's keys (`read_config`): a key it does not
+    know raises ValueError naming it (`what`: the model, for the message); JSON lists become
+    tuples, as the frozen dataclasses hold them."""
+    unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ValueError(f"{what} config: unknown keys {unknown}")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -65,11 +77,16 @@ def checkpoint_dtype(path: Path) -> torch.dtype:
 
 def load_weights_strict(model: nn.Module, path: Path) -> None:
     """Copy every tensor of `path` into the parameter of the same name; raise ValueError
-    naming missing, unexpected or mis-shaped tensors."""
+    naming missing, unexpected or mis-shaped tensors. A model's `ignored_tensors` (module
+    names, as diffusers' `_keys_to_ignore_on_load_unexpected`) are skipped: weights that
+    older saves hold and no layer uses."""
     seen: list[str] = []
+    ignored = set(getattr(model, "ignored_tensors", ()))
 
     def recorded() -> Iterator[tuple[str, Tensor]]:
         for name, tensor in iter_safetensors(path):
+            if ignored.intersection(name.split(".")):
+                continue
             seen.append(name)
             yield name, tensor
 
@@ -80,13 +97,25 @@ def load_weights_strict(model: nn.Module, path: Path) -> None:
     assert loaded == expected, f"parameters not loaded: {expected - loaded}"
 
 
+def _keep_in_fp32(model: nn.Module) -> None:
+    """diffusers' `_keep_in_fp32_modules`: parameters under a module named in the model's
+    `keep_in_fp32` (or so named) stay float32 in any dtype, as diffusers loads them (small
+    tensors whose rounding would show: time embeddings, modulation tables, norms)."""
+    names = set(getattr(model, "keep_in_fp32", ()))
+    for name, p in model.named_parameters():
+        if names.intersection(name.split(".")):
+            p.data = p.data.float()
+
+
 def build_from_folder(model_cls: type[nn.Module], config: object, path: Path,
                       device: torch.device | str = "cpu",
                       dtype: torch.dtype | None = None) -> nn.Module:
-    """`model_cls(config)` in `dtype` (None: the checkpoint's) on `device`, with every tensor
-    from the folder and no random initialisation on the way (built on the meta device)."""
+    """`model_cls(config)` in `dtype` (None: the checkpoint's; `keep_in_fp32` parameters
+    float32) on `device`, with every tensor from the folder and no random initialisation on
+    the way (built on the meta device)."""
     with _default_dtype(dtype or checkpoint_dtype(path)), torch.device("meta"):
         model = model_cls(config)
+    _keep_in_fp32(model)
     # to_empty replaces meta parameters by new ones: carry the tensor-parallel layers' loaders
     loaders = {name: p.weight_loader for name, p in model.named_parameters()
                if hasattr(p, "weight_loader")}

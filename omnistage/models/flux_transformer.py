@@ -22,7 +22,7 @@ modulations split and gathered; text and image tokens split over the Ulysses x r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +35,8 @@ from omnistage.layers.dit import (AdaLayerNormContinuous, AdaLayerNormZero, Feed
 from omnistage.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from omnistage.layers.sequence_parallel import SequenceRanks, SequenceSplit, check_heads
 from omnistage.layers.step_cache import CacheGroup, run_cached
-from omnistage.models.diffusers_loader import build_from_folder, read_config
+from omnistage.models.diffusers_loader import (build_from_folder, config_from_dict,
+                                               read_config)
 
 # Step caching: the polynomial TeaCache fitted for FLUX.1 (relative L1 change of the first
 # block's modulated input -> change of the blocks' output), highest power first
@@ -70,14 +71,7 @@ class FluxTransformerConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> FluxTransformerConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"FLUX transformer config: unknown keys {unknown}")
-        raw = dict(raw)
-        if "axes_dims_rope" in raw:
-            raw["axes_dims_rope"] = tuple(raw["axes_dims_rope"])
-        return cls(**raw)
+        return config_from_dict(cls, raw, "FLUX transformer")
 
 
 # ---- embeddings ----------------------------------------------------------------------------

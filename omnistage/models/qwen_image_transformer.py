@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,7 +43,8 @@ from omnistage.layers.dit import AdaLayerNormContinuous, FeedForward, TimestepEm
 from omnistage.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from omnistage.layers.sequence_parallel import SequenceRanks, SequenceSplit, check_heads
 from omnistage.layers.step_cache import CacheGroup, run_cached
-from omnistage.models.diffusers_loader import build_from_folder, read_config
+from omnistage.models.diffusers_loader import (build_from_folder, config_from_dict,
+                                               read_config)
 
 # Step caching: no TeaCache-fitted polynomial for Qwen-Image is known to us. vllm-omni ships one
 # it attributes to ComfyUI-TeaCache, (-450, 280, -45, 3.2, -0.02), hand-tuned for the small
@@ -84,14 +85,7 @@ class QwenImageTransformerConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> QwenImageTransformerConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"Qwen-Image transformer config: unknown keys {unknown}")
-        raw = dict(raw)
-        if "axes_dims_rope" in raw:
-            raw["axes_dims_rope"] = tuple(raw["axes_dims_rope"])
-        return cls(**raw)
+        return config_from_dict(cls, raw, "Qwen-Image transformer")
 
 
 # ---- embeddings ----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Rank bodies for the parallel diffusion tests (tests/diffusion/test_parallel.py), run on CPU
 gloo ranks by `omnistage.testing.ranks.run_ranks` (or in the test's process for one rank),
-and the tiny Qwen-Image, Z-Image and FLUX folders they load.
+and the tiny Qwen-Image, Z-Image, FLUX and Wan folders they load.
 
 The pipeline folders have no text encoder: requests bring their caption states
 (`set_conditioning`, as a split graph's encoder stage sends them), drawn from a seed per
@@ -75,6 +75,23 @@ def build_tiny_flux_transformer(path: Path) -> Path:
     with torch.no_grad():
         for p in transformer.parameters():
             p.normal_(0.0, 0.1)
+    transformer.save_pretrained(path / "transformer")
+    return path
+
+
+def build_tiny_wan_transformer(path: Path) -> Path:
+    """transformer/ of a tiny random Wan2.1 I2V (4 heads of 6, 2 layers, CLIP image tokens),
+    saved by diffusers, every weight drawn (norm weights around 1)."""
+    import diffusers
+
+    torch.manual_seed(0)
+    transformer = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=6, in_channels=4,
+        out_channels=4, text_dim=16, freq_dim=32, ffn_dim=40, num_layers=2, image_dim=8,
+        added_kv_proj_dim=24)
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            p.normal_(1.0 if ".norm" in name and name.endswith("weight") else 0.0, 0.1)
     transformer.save_pretrained(path / "transformer")
     return path
 
@@ -222,6 +239,24 @@ def flux_forward(ranks: StageRanks, folder: str, num_txt: int, grid: list[int]) 
                     torch.randn(2, 32, generator=g), torch.tensor([0.7, 0.3]),
                     img_ids=latent_image_ids(h, w), txt_ids=torch.zeros(num_txt, 3),
                     guidance=torch.tensor([3.5, 2.0]) / 1000)
+    return out.flatten().tolist()
+
+
+def wan_forward(ranks: StageRanks, folder: str, grid: list[int]) -> list[float]:
+    """One forward of the tiny Wan transformer on these ranks (2 rows, latents of an
+    f x h x w token grid, 7 caption and 5 image tokens, a timestep per token with the first
+    frame at 0, seeded inputs) -> its output, flat."""
+    from omnistage.models.wan_transformer import WanTransformer3DModel
+
+    model = WanTransformer3DModel.from_pretrained(Path(folder) / "transformer", "cpu",
+                                                  torch.float32)
+    g = torch.Generator().manual_seed(0)
+    f, h, w = grid
+    timestep = torch.tensor([[700.0], [300.0]]).expand(2, f * h * w).clone()
+    timestep[:, :h * w] = 0.0
+    with torch.inference_mode():
+        out = model(torch.randn(2, 4, f, 2 * h, 2 * w, generator=g), timestep,
+                    torch.randn(2, 7, 16, generator=g), torch.randn(2, 5, 8, generator=g))
     return out.flatten().tolist()
 
 

@@ -5,15 +5,18 @@ cache to drive our models in tests without the engine.
     model, cfg, _ = load_model(path, torch.device("cpu"))
     cache = PagedCache(model, num_blocks=16, block_size=4)
     hidden, _ = cache.run(model, [(0, ids0), (1, ids1)])   # one pass: seq 0 and seq 1, new ids
+
+`edit_checkpoint` rewrites a saved folder's weights for the strict-loading tests.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import (GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
@@ -25,6 +28,16 @@ _ARCHITECTURES = {
     "Qwen3ForCausalLM": (Qwen3Config, Qwen3ForCausalLM),
     "Qwen2ForCausalLM": (Qwen2Config, Qwen2ForCausalLM),
 }
+
+
+def edit_checkpoint(folder: Path, edit: Callable[[dict[str, Tensor]], object]) -> None:
+    """Rewrite the folder's one safetensors file after `edit` changed its {name: tensor} dict
+    in place (a test drops, adds or reshapes a tensor)."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    assert len(files) == 1, f"{folder}: expected one safetensors file, found {files}"
+    tensors = load_file(files[0])
+    edit(tensors)
+    save_file(tensors, files[0], metadata={"format": "pt"})
 
 
 @torch.no_grad()

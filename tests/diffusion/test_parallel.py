@@ -4,7 +4,8 @@ rank: a tiny random Qwen-Image with true CFG, batched requests of different capt
 and odd caption lengths, and step caching. CFG-parallel, Ulysses, ring and tensor
 parallelism each give every rank the 1-rank latents within 1e-5, and skip the same steps;
 so do two pairs of axes on four ranks.
-Z-Image (CFG-parallel, TP) the same; FLUX's transformer (Ulysses, ring, TP) one forward.
+Z-Image (CFG-parallel, TP) the same; FLUX's and Wan's transformers (Ulysses, ring, TP) one
+forward.
 Layouts a pipeline cannot run are refused before anything loads.
 
 The sequence-parallel attention alone (layers/sequence_parallel.py) is checked against
@@ -26,8 +27,9 @@ from omnistage.diffusion.pipelines.qwen_image import QwenImagePipeline
 from omnistage.diffusion.pipelines.z_image import ZImagePipeline
 from omnistage.layers.groups import StageRanks
 from omnistage.testing.diffusion_ranks import (CASES, build_tiny_flux_transformer,
-                                               build_tiny_qwen_image, build_tiny_z_image,
-                                               flux_forward, pipeline_run)
+                                               build_tiny_qwen_image, build_tiny_wan_transformer,
+                                               build_tiny_z_image, flux_forward, pipeline_run,
+                                               wan_forward)
 from omnistage.testing.ranks import run_ranks
 
 pytest.importorskip("diffusers")
@@ -38,7 +40,8 @@ LAYOUTS = {"cfg2": ParallelSizes(cfg=2), "ulysses2": ParallelSizes(ulysses=2),
            # four ranks: the axes together (heads 2 = ulysses x tp at most)
            "cfg2-ulysses2": ParallelSizes(cfg=2, ulysses=2),
            "ring2-tp2": ParallelSizes(ring=2, tp=2),
-           "ring2-ulysses2": ParallelSizes(ring=2, ulysses=2)}
+           "ring2-ulysses2": ParallelSizes(ring=2, ulysses=2),
+           "ulysses2-tp2": ParallelSizes(ulysses=2, tp=2)}     # Wan's 4 heads
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +145,19 @@ def test_flux_transformer_matches_one_rank(tmp_path_factory: pytest.TempPathFact
     reference = torch.tensor(flux_forward(StageRanks.single(), **kwargs))
     assert reference.abs().max() > 1.0
     for result in run_ranks(f"{TARGET}:flux_forward", LAYOUTS[layout], kwargs, tmp_path):
+        assert (torch.tensor(result) - reference).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["ulysses2-tp2"])
+def test_wan_transformer_matches_one_rank(tmp_path_factory: pytest.TempPathFactory,
+                                          layout: str, tmp_path: Path) -> None:
+    """One forward of Wan2.1 I2V's transformer (3x3x1 video tokens: split unevenly; image
+    tokens; a timestep per token, sliced with them)."""
+    folder = str(build_tiny_wan_transformer(tmp_path_factory.mktemp("wan")))
+    kwargs = {"folder": folder, "grid": [3, 3, 1]}
+    reference = torch.tensor(wan_forward(StageRanks.single(), **kwargs))
+    assert reference.abs().max() > 1.0
+    for result in run_ranks(f"{TARGET}:wan_forward", LAYOUTS[layout], kwargs, tmp_path):
         assert (torch.tensor(result) - reference).abs().max() < 1e-5
 
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from omnistage.models.flux_transformer import FluxTransformer2DModel, flux_rope
+from omnistage.testing.tiny_models import edit_checkpoint
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -84,13 +85,6 @@ def test_default_dtype_is_the_checkpoints(tmp_path: Path) -> None:
     save_file(bf16, file, metadata={"format": "pt"})
     model = FluxTransformer2DModel.from_pretrained(tmp_path / "bf16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-
-
-def edit_checkpoint(path: Path, edit) -> None:
-    file = path / "diffusion_pytorch_model.safetensors"
-    tensors = load_file(file)
-    edit(tensors)
-    save_file(tensors, file, metadata={"format": "pt"})
 
 
 def test_missing_tensor_is_named(tmp_path: Path) -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from omnistage.models.qwen_image_transformer import QwenImageTransformer2DModel, qwen_rope
+from omnistage.testing.tiny_models import edit_checkpoint
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -86,13 +86,6 @@ def test_rope_matches_diffusers(shapes: list[tuple[int, int, int]]) -> None:
     ref_img, ref_txt = QwenEmbedRope(10000, [8, 4, 4], scale_rope=True)(
         [shapes], max_txt_seq_len=7, device=torch.device("cpu"))
     assert torch.equal(img, ref_img) and torch.equal(txt, ref_txt)
-
-
-def edit_checkpoint(path: Path, edit) -> None:
-    file = path / "diffusion_pytorch_model.safetensors"
-    tensors = load_file(file)
-    edit(tensors)
-    save_file(tensors, file, metadata={"format": "pt"})
 
 
 def test_misshaped_tensor_is_named(tmp_path: Path) -> None:

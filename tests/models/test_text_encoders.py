@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from omnistage.models.text_encoders import (CLIPTextEncoder, QwenTextEncoder, T5
 from omnistage.models.text_encoders.t5 import relative_position_bucket
 from omnistage.models.text_encoders.umt5 import prompt_clean
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+from omnistage.testing.tiny_models import edit_checkpoint
 
 TOL = 1e-5
 VOCAB = 64
@@ -385,12 +385,6 @@ ENCODERS = {
     "qwen2.5-vl": (qwen2_5_vl, QwenTextEncoder, "model.layers.2.mlp.up_proj.weight",
                    "layers.2.mlp.up_proj.weight"),
 }
-
-
-def edit_checkpoint(path: Path, edit: Callable[[dict[str, Tensor]], object]) -> None:
-    weights = load_file(path / "model.safetensors")
-    edit(weights)
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("name", list(ENCODERS))
