@@ -38,7 +38,6 @@ from omnistage.diffusion.parallel import FollowedRequest, StepPlan
 from omnistage.diffusion.params import DiffusionParams, ImageRef
 from omnistage.diffusion.pipeline import DiffusionPipeline, is_split_pipeline
 from omnistage.diffusion.request import DiffusionRequest
-from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.layers.groups import StageRanks, stage_ranks
 from omnistage.outputs import StageMetrics
 
@@ -90,6 +89,7 @@ class DiffusionEngine:
         else:
             latents, sigmas, cond = self.pipeline.prepare(prompt, params, generator, image)
         req = DiffusionRequest(request_id, prompt, params, latents, sigmas, cond, generator)
+        self._give_solver(req)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         if prompt is None:
@@ -202,7 +202,7 @@ class DiffusionEngine:
         for rid in plan.dropped:
             self.requests.pop(rid, None)
         for f in plan.new:
-            self.requests[f.request_id] = f.request(self.pipeline.device)
+            self.requests[f.request_id] = self._give_solver(f.request(self.pipeline.device))
         batch = [self.requests[rid] for rid in plan.batch]
         with torch.inference_mode():    # a failure ends this rank, and so its stage
             self._denoise(batch)
@@ -210,6 +210,15 @@ class DiffusionEngine:
         for r in done:
             del self.requests[r.request_id]
         return done
+
+    def _give_solver(self, req: DiffusionRequest) -> DiffusionRequest:
+        """The pipeline's solver (`solver` attribute; flow-match Euler without one) and a
+        fresh state of it for the request's first step."""
+        solver = getattr(self.pipeline, "solver", None)
+        if solver is not None:
+            req.solver = solver
+        req.solver_state = req.solver.new_state()
+        return req
 
     def _denoise(self, batch: list[DiffusionRequest]) -> None:
         """One solver step for every request of the batch, in one model call."""
@@ -220,5 +229,5 @@ class DiffusionEngine:
         velocity = self.pipeline.velocity(latents, sigma.to(dev), batch)
         self.num_steps_run += 1
         for r, v, x in zip(batch, velocity.split(counts), latents.split(counts)):
-            r.latents = solver.step(v, x, r.sigmas.to(dev), r.step_idx).to(x.dtype)
+            r.latents = r.solver.step(v, x, r.sigmas, r.step_idx, r.solver_state).to(x.dtype)
             r.step_idx += 1

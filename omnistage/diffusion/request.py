@@ -1,5 +1,6 @@
-"""Per-request state of the diffusion engine. The step index lives here, not in a solver, so
-one batch can hold requests at different steps (see solvers/flow_match_euler.py)."""
+"""Per-request state of the diffusion engine. The step index, and a multistep solver's memory
+(`solver_state`), live here, not in a solver, so one batch can hold requests at different
+steps (see solvers/__init__.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from omnistage.layers.step_cache import StepCacheState
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.solvers import Solver
+from omnistage.diffusion.solvers.flow_match_euler import FlowMatchEuler
+from omnistage.layers.step_cache import StepCacheState
 
 
 @dataclass(slots=True)
@@ -27,6 +30,8 @@ class DiffusionRequest:
     conditioning_time: float | None = None   # when an upstream stage's conditioning arrived
     first_step_time: float | None = None
     cache: dict[str, StepCacheState] = field(default_factory=dict)  # per branch (cond, uncond)
+    solver: Solver = field(default_factory=FlowMatchEuler)      # the pipeline's, if it has one
+    solver_state: object = None     # solver.new_state(): what it remembers between steps
 
     @property
     def num_steps(self) -> int:

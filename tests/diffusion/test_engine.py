@@ -182,3 +182,35 @@ def test_an_input_image_is_decoded_once(pipeline: DigitsPipeline,
     assert torch.equal(prepared.latents, latents) and torch.equal(prepared.sigmas, sigmas)
     assert sigmas.numel() == 4                  # strength 0.5 of 6 steps: image-to-image ran
     run(engine)
+
+
+def test_a_multistep_solver_keeps_each_requests_history(pipeline: DigitsPipeline) -> None:
+    """A pipeline's own solver (flow UniPC: it remembers earlier outputs): requests joining
+    at different steps end as each does alone (their histories do not mix), and not as
+    flow-match Euler ends them."""
+    import copy
+
+    from omnistage.diffusion.solvers.unipc_flow import FlowUniPC, UniPCConfig, UniPCState
+
+    unipc = copy.copy(pipeline)
+    unipc.solver = FlowUniPC(UniPCConfig(flow_shift=3.0))
+    params = {"a": DiffusionParams(num_inference_steps=7, seed=3),
+              "b": DiffusionParams(num_inference_steps=5, seed=4, num_images=2)}
+
+    def alone(pipe, rid: str) -> torch.Tensor:
+        engine = DiffusionEngine(pipe)
+        engine.add_request(rid, "three", params[rid])
+        return run(engine)[rid].images
+
+    engine = DiffusionEngine(unipc)
+    engine.add_request("a", "three", params["a"])
+    engine.step()
+    engine.step()
+    engine.add_request("b", "three", params["b"])
+    assert isinstance(engine.requests["b"].solver_state, UniPCState)
+    assert engine.requests["a"].solver_state is not engine.requests["b"].solver_state
+    done = run(engine)
+    assert engine.num_steps_run == 7                      # b joined a's batch at its step 2
+    for rid in params:
+        assert torch.equal(done[rid].images, alone(unipc, rid)), rid
+    assert not torch.equal(done["a"].images, alone(pipeline, "a"))
