@@ -68,6 +68,9 @@ class VideoLimits:
 class VideoServing:
     def __init__(self, client: EngineClient, media: MediaLoader, spec: VideoSpec | None,
                  store: VideoStore | None, limits: VideoLimits, model_name: str) -> None:
+        if spec is not None and "video" not in client.outputs:
+            raise ValueError("the model's family declares video, but no stage of its graph "
+                             "says `final: video`")
         self.client, self.media, self.spec, self.store = client, media, spec, store
         self.limits = limits
         self.model_name = model_name
