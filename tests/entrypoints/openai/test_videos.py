@@ -181,6 +181,8 @@ def test_list_pages_through_every_job(server: Server) -> None:
             if not page["has_more"]:
                 break
         assert paged == listed
+        sdk = server.openai().videos.list(limit=2, order=order)     # pages through `after`
+        assert [v.id for v in sdk] == listed
     for i in ids:
         finished(server, i)
 
@@ -191,8 +193,8 @@ def test_cancel_and_delete_a_running_job(server: Server) -> None:
     queued = create(server, prompt="waits", seed=2, num_frames=1, **SLOW)
     cancelled = server.post(f"/v1/videos/{queued['id']}/cancel").json()
     assert cancelled["status"] == "cancelled"
-    r = delete(server, running["id"])
-    assert r.json() == {"id": running["id"], "object": "video.deleted", "deleted": True}
+    deleted = server.openai().videos.delete(running["id"])
+    assert (deleted.id, deleted.object, deleted.deleted) == (running["id"], "video.deleted", True)
     error_of(server.get(f"/v1/videos/{running['id']}"), 404)
     after = create(server, prompt="next", seed=4, num_frames=1, **FAST)   # the engine is free
     assert finished(server, after["id"])["status"] == "completed"
