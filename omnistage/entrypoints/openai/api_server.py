@@ -47,8 +47,9 @@ from omnistage.entrypoints.openai.serving_chat import ChatServing
 from omnistage.entrypoints.openai.serving_completions import CompletionServing
 from omnistage.entrypoints.openai.serving_images import ImageServing, edit_form_schema
 from omnistage.entrypoints.openai.serving_speech import SpeechServing
-from omnistage.entrypoints.openai.serving_videos import VideoLimits, VideoServing
+from omnistage.entrypoints.openai.serving_videos import VideoServing
 from omnistage.entrypoints.openai.speech_stream import SpeechStream
+from omnistage.entrypoints.openai.video_params import VideoLimits
 from omnistage.entrypoints.openai.video_routes import add_video_routes
 from omnistage.entrypoints.openai.video_store import VideoStore, default_videos_dir
 from omnistage.entrypoints.openai.voices import (VoiceStore, default_voices_dir, upload,

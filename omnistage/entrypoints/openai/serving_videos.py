@@ -10,10 +10,10 @@ declares video (`registry.VideoSpec`); any other model answers 400 `model_not_vi
 
 A request becomes one engine request: the prompt, and the diffusion stages' DiffusionParams
 with num_frames, fps, height and width always set (the VideoSpec's defaults filled in, every
-value checked against it and the server's limits here, before anything is queued), the
-diffusion extras when given, a seed (drawn here when none is given, so that a job run again
-after a restart makes the same video) and for image-to-video the `input_reference` image as
-DiffusionParams.image. The final output carries tensors["video"], uint8 (1, F, H, W, 3),
+value checked against it and the server's limits before anything is queued:
+video_params.py), the diffusion extras when given, a seed (drawn when none is given, so
+that a job run again after a restart makes the same video) and for image-to-video the
+`input_reference` image as DiffusionParams.image. The final output carries tensors["video"], uint8 (1, F, H, W, 3),
 written as MP4 (utils/video.py) at the request's fps.
 
 `max_running` workers take the oldest queued job each; the engine reports progress per
@@ -27,42 +27,28 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-import secrets
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 import numpy as np
 from PIL import Image
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 
 from omnistage.entrypoints.openai.client import EngineClient, failed, unless_disconnected
-from omnistage.entrypoints.openai.errors import APIError, bad_request, check_model, invalid
-from omnistage.entrypoints.openai.media import MediaLoader, decode_b64, decode_image
-from omnistage.entrypoints.openai.params import ignore, parse_size, stage_params
+from omnistage.entrypoints.openai.errors import APIError, bad_request
+from omnistage.entrypoints.openai.media import MediaLoader
+from omnistage.entrypoints.openai.params import stage_params
 from omnistage.entrypoints.openai.protocol import (VideoDeleted, VideoError, VideoFileFormat,
-                                                   VideoList, VideoObject, VideoRequest)
+                                                   VideoList, VideoObject)
+from omnistage.entrypoints.openai.video_params import VideoLimits, plan, read_request
 from omnistage.entrypoints.openai.video_store import ACTIVE, VideoJob, VideoStore, now
 from omnistage.registry import VideoSpec
 from omnistage.utils.video import MEDIA_TYPES, decode_video, encode_video
 
 logger = logging.getLogger(__name__)
-_EXTRAS = ("negative_prompt", "num_inference_steps", "guidance_scale")
-MAX_SEED = 2**31
-
-
-@dataclass(frozen=True, slots=True)
-class VideoLimits:
-    max_jobs: int = 64                 # queued + in progress; more: 429
-    max_frames: int = 241              # below the model's own maximum, if lower
-    max_size: int = 1920               # longest side, pixels
-    max_disk_bytes: int = 20 << 30     # the jobs' files; more: 429 until some are deleted
-    max_running: int = 1               # jobs the engine runs at once
 
 
 class VideoServing:
@@ -165,106 +151,11 @@ class VideoServing:
             raise APIError(500, "the model finished without a video", code="engine_error")
         return video[0].numpy()                                       # (F, H, W, 3)
 
-    # -- requests ----------------------------------------------------------------------------
-    async def read(self, request: Request) -> tuple[VideoRequest, bytes | None]:
-        """The body (JSON, or the SDK's multipart form) and the first-frame image file."""
-        image: bytes | None = None
-        if request.headers.get("content-type", "").startswith(("multipart/", "application/x-")):
-            fields: dict[str, Any] = {}
-            async with request.form() as form:
-                for key, value in form.multi_items():
-                    if isinstance(value, UploadFile):
-                        if key != "input_reference":
-                            raise bad_request(f"{key}: unexpected file (the image goes in "
-                                              "input_reference)", key)
-                        image = await value.read()
-                    else:
-                        fields[key] = value
-            body: Any = fields
-        else:
-            body = await request.body()
-        try:
-            req = (VideoRequest.model_validate(body) if isinstance(body, dict)
-                   else VideoRequest.model_validate_json(body or b"{}"))
-        except ValidationError as exc:
-            raise invalid(exc.errors()) from None
-        check_model(req.model, self.model_name)
-        if req.input_reference is not None:
-            image = await run_in_threadpool(self._reference, req.input_reference)
-        if image is not None:
-            await run_in_threadpool(decode_image, image, "input_reference")
-        return req, image
-
-    def _reference(self, ref: str | dict[str, str]) -> bytes:
-        url = ref.get("image_url") if isinstance(ref, dict) else ref
-        if not url:
-            raise bad_request("input_reference: expected an image (a data: URL, base64, or "
-                              "{\"image_url\": URL})", "input_reference")
-        if ":" in url[:12]:
-            return self.media.fetch(url, "input_reference")
-        return decode_b64(url, "input_reference")
-
-    def plan(self, req: VideoRequest, image: bytes | None) -> tuple[dict[str, Any], str, str]:
-        """(the engine fields, "WxH", seconds) of a request, every value checked (400)."""
-        spec, _ = self.require_video()
-        fps = req.fps or spec.fps
-        num_frames = self._num_frames(spec, req, fps)
-        height, width = parse_size(req.size)
-        if height is None or width is None:
-            width, height = spec.default_size
-        for side in (width, height):
-            if side % spec.size_multiple:
-                raise bad_request(f"size={width}x{height}: width and height must be multiples "
-                                  f"of {spec.size_multiple} for this model", "size")
-        if max(width, height) > self.limits.max_size:
-            raise bad_request(f"size={width}x{height}: the longest side is at most "
-                              f"{self.limits.max_size} pixels here", "size", "size_too_large")
-        if image is not None and not spec.image_to_video:
-            raise bad_request("input_reference: this model makes video from text only",
-                              "input_reference", "image_to_video_not_supported")
-        if image is None and not spec.text_to_video:
-            raise bad_request("input_reference: this model needs a first-frame image",
-                              "input_reference")
-        if req.user is not None:
-            ignore("user", "no abuse monitoring here")
-        fields: dict[str, Any] = {"num_frames": num_frames, "fps": fps, "height": height,
-                                  "width": width,
-                                  "seed": secrets.randbelow(MAX_SEED) if req.seed is None
-                                  else req.seed}
-        fields.update({k: getattr(req, k) for k in _EXTRAS if getattr(req, k) is not None})
-        return fields, f"{width}x{height}", f"{num_frames / fps:g}"
-
-    def _num_frames(self, spec: VideoSpec, req: VideoRequest, fps: float) -> int:
-        if req.seconds is not None and req.num_frames is not None:
-            raise bad_request("seconds, num_frames: give one of them", "num_frames")
-        param = "num_frames" if req.num_frames is not None else "seconds"
-        if req.num_frames is not None:
-            num_frames = req.num_frames
-            if not spec.valid_num_frames(num_frames):
-                raise bad_request(f"num_frames={num_frames}: this model makes "
-                                  f"{spec.frame_rule}", "num_frames")
-        elif req.seconds is not None:
-            try:
-                seconds = float(req.seconds)
-            except ValueError:
-                raise bad_request(f"seconds={req.seconds!r}: expected a number", "seconds") \
-                    from None
-            if not 0 < seconds < 3600:
-                raise bad_request(f"seconds={req.seconds!r}: must be > 0", "seconds")
-            num_frames = spec.num_frames_for(seconds, fps)
-        else:
-            num_frames = spec.default_num_frames
-        most = min(spec.max_num_frames, self.limits.max_frames)
-        if num_frames > most:
-            raise bad_request(f"{param}: {num_frames} frames asked, at most {most} "
-                              f"({most / fps:g} s at {fps:g} fps)", param, "too_many_frames")
-        return num_frames
-
     # -- routes ------------------------------------------------------------------------------
     async def create(self, request: Request) -> VideoObject:
-        _, store = self.require_video()
-        req, image = await self.read(request)
-        fields, size, seconds = self.plan(req, image)
+        spec, store = self.require_video()
+        req, image = await read_request(request, self.media, self.model_name)
+        fields, size, seconds = plan(spec, self.limits, req, image)
         if store.num_active() >= self.limits.max_jobs:
             raise APIError(429, f"{self.limits.max_jobs} video jobs are queued or running, the "
                                 "limit here; retry later", code="too_many_video_jobs")
@@ -280,9 +171,9 @@ class VideoServing:
         return as_object(job)
 
     async def sync(self, request: Request, fmt: VideoFileFormat) -> Response:
-        self.require_video()
-        req, image = await self.read(request)
-        fields, _, _ = self.plan(req, image)
+        spec, _ = self.require_video()
+        req, image = await read_request(request, self.media, self.model_name)
+        fields, _, _ = plan(spec, self.limits, req, image)
         ticket = self.client.admit()
         try:
             frames = await unless_disconnected(
