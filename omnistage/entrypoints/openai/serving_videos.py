@@ -13,8 +13,9 @@ with num_frames, fps, height and width always set (the VideoSpec's defaults fill
 value checked against it and the server's limits before anything is queued:
 video_params.py), the diffusion extras when given, a seed (drawn when none is given, so
 that a job run again after a restart makes the same video) and for image-to-video the
-`input_reference` image as DiffusionParams.image. The final output carries tensors["video"], uint8 (1, F, H, W, 3),
-written as MP4 (utils/video.py) at the request's fps.
+`input_reference` image as DiffusionParams.image. The final output carries
+tensors["video"], uint8 (1, F, H, W, 3), written as MP4 (utils/video.py) at the request's
+fps.
 
 `max_running` workers take the oldest queued job each; the engine reports progress per
 denoising step, kept as the job's `progress` (percent). A job ends completed, or failed with
