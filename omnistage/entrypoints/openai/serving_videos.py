@@ -217,7 +217,8 @@ class VideoServing:
         self.job(job_id)
         await self._stop(job_id)
         assert self.store is not None
-        await run_in_threadpool(self.store.delete, job_id)
+        self.store.delete(job_id)
+        await run_in_threadpool(self.store.remove_files, job_id)
         return VideoDeleted(id=job_id)
 
     async def _stop(self, job_id: str) -> None:

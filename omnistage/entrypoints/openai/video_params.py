@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
-from omnistage.entrypoints.openai.errors import bad_request, check_model, invalid
+from omnistage.entrypoints.openai.errors import APIError, bad_request, check_model, invalid
 from omnistage.entrypoints.openai.media import MediaLoader, decode_b64, decode_image
 from omnistage.entrypoints.openai.params import ignore, parse_size
 from omnistage.entrypoints.openai.protocol import VideoRequest
@@ -45,7 +45,7 @@ async def read_request(request: Request, media: MediaLoader, model_name: str
                     if key != "input_reference":
                         raise bad_request(f"{key}: unexpected file (the image goes in "
                                           "input_reference)", key)
-                    image = await value.read()
+                    image = await _upload(value, media.policy.max_bytes)
                 else:
                     fields[key] = value
         body: Any = fields
@@ -62,6 +62,14 @@ async def read_request(request: Request, media: MediaLoader, model_name: str
     if image is not None:
         await run_in_threadpool(decode_image, image, "input_reference")
     return req, image
+
+
+async def _upload(upload: UploadFile, limit: int) -> bytes:
+    data = await upload.read(limit + 1)
+    if len(data) > limit:
+        raise APIError(413, f"input_reference: the file is larger than {limit} bytes",
+                       param="input_reference", code="media_too_large")
+    return data
 
 
 def _reference(media: MediaLoader, ref: str | dict[str, str]) -> bytes:

@@ -10,8 +10,8 @@ that they outlive the server.
        ^                   │
        └── requeue() at startup: a job in progress when the server stopped runs again
 
-Every call runs on the server's event loop (a row update is a fraction of a millisecond);
-the connection is the store's own.
+Every database call runs on the server's event loop (a row update is a fraction of a
+millisecond); only file work (`write`, `remove_files`, `disk_bytes`) may run in a thread.
 """
 
 from __future__ import annotations
@@ -137,8 +137,11 @@ class VideoStore:
                                ACTIVE).fetchone()[0]
 
     def delete(self, job_id: str) -> None:
-        """The job's row and its files."""
+        """The job's row (`remove_files` takes its files: a thread may, the row is the
+        connection's, which stays on the event loop)."""
         self.db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+
+    def remove_files(self, job_id: str) -> None:
         shutil.rmtree(self.folder(job_id), ignore_errors=True)
 
     # -- files -------------------------------------------------------------------------------

@@ -52,7 +52,8 @@ def videos_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(start_server: Callable[..., Server], toy: tuple[Path, Path],
            videos_dir: Path) -> Server:
-    return start_server(serve_args(toy, videos_dir, "--max-video-jobs", "3"))
+    return start_server(serve_args(toy, videos_dir, "--max-video-jobs", "3",
+                                   "--max-media-bytes", "4096"))
 
 
 def create(server: Server, **body: object) -> dict:
@@ -227,6 +228,12 @@ def test_a_failing_job_ends_failed_and_the_next_completes(server: Server) -> Non
 def test_bad_requests_are_400(server: Server, body: dict, param: str) -> None:
     r = server.post("/v1/videos", json={"model": MODEL, "prompt": "a cat", **body})
     assert error_of(r, 400)["param"] == param
+
+
+def test_an_image_over_the_media_limit_is_413(server: Server) -> None:
+    r = server.post("/v1/videos", data={"prompt": "x"},
+                    files={"input_reference": ("big.png", b"\0" * 5000, "image/png")})
+    assert error_of(r, 413)["code"] == "media_too_large"
 
 
 def test_unknown_model_is_404(server: Server) -> None:
