@@ -77,7 +77,7 @@ class VideoServing:
         """Queue again what the last run left in progress; start the workers."""
         if self.store is None:
             return
-        queued = self.store.requeue()
+        queued = self.store.requeue(self.model_name)
         if queued:
             logger.info("videos: %d job(s) queued from before the restart", queued)
         self.workers = [asyncio.create_task(self._work())
@@ -93,7 +93,7 @@ class VideoServing:
     async def _work(self) -> None:
         assert self.store is not None
         while True:
-            job = self.store.claim_next()
+            job = self.store.claim_next(self.model_name)
             if job is None:
                 self.wake.clear()
                 await self.wake.wait()

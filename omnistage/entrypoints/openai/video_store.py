@@ -117,19 +117,21 @@ class VideoStore:
         sets = ", ".join(f"{k} = ?" for k in fields)
         self.db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*fields.values(), job_id])
 
-    def claim_next(self) -> VideoJob | None:
-        """The oldest queued job, now in_progress; None if none waits."""
+    def claim_next(self, model: str) -> VideoJob | None:
+        """The oldest queued job for `model`, now in_progress; None if none waits. (A folder
+        shared by servers of different models keeps each one's jobs for it.)"""
         row = self.db.execute("UPDATE jobs SET status = 'in_progress', progress = 0 WHERE seq = "
-                              "(SELECT MIN(seq) FROM jobs WHERE status = 'queued') "
-                              f"RETURNING {', '.join(_COLUMNS)}").fetchone()
+                              "(SELECT MIN(seq) FROM jobs WHERE status = 'queued' AND model = ?)"
+                              f" RETURNING {', '.join(_COLUMNS)}", (model,)).fetchone()
         return None if row is None else _job(row)
 
-    def requeue(self) -> int:
-        """At startup: jobs left in_progress (the server stopped under them) wait again.
-        -> how many jobs are queued now."""
+    def requeue(self, model: str) -> int:
+        """At startup: `model`'s jobs left in_progress (the server stopped under them) wait
+        again. -> how many of its jobs are queued now."""
         self.db.execute("UPDATE jobs SET status = 'queued', progress = 0 "
-                        "WHERE status = 'in_progress'")
-        return self.num_active()
+                        "WHERE status = 'in_progress' AND model = ?", (model,))
+        return self.db.execute("SELECT COUNT(*) FROM jobs WHERE status = 'queued' AND "
+                               "model = ?", (model,)).fetchone()[0]
 
     def num_active(self) -> int:
         """Jobs queued or in progress."""

@@ -18,18 +18,20 @@ def test_queue_claims_in_order_and_a_restart_requeues(tmp_path: Path) -> None:
     store = VideoStore(tmp_path)
     for i in range(3):
         store.add(job(i), b"png" if i == 1 else None)
-    assert store.claim_next().id == "video_0"
-    assert store.claim_next().id == "video_1"
+    store.add(VideoJob("video_other", 999, None, "queued", 0, "another model", "q", "64x48",
+                       "1", {}, None), None)
+    assert store.claim_next("m").id == "video_0"
+    assert store.claim_next("m").id == "video_1"
     store.update("video_0", status="failed", error={"code": "x", "message": "boom"})
     assert store.get("video_0").error == {"code": "x", "message": "boom"}
-    assert store.num_active() == 2
+    assert store.num_active() == 3
     store.close()
     again = VideoStore(tmp_path)                       # video_1 was in progress: queued again
-    assert again.requeue() == 2 and again.get("video_1").status == "queued"
+    assert again.requeue("m") == 2 and again.get("video_1").status == "queued"
     assert again.get("video_1").request == {"num_frames": 9, "fps": 8.0, "seed": 1}
     assert again.input_image("video_1") == b"png" and again.input_image("video_2") is None
-    assert [again.claim_next().id for _ in range(2)] == ["video_1", "video_2"]
-    assert again.claim_next() is None
+    assert [again.claim_next("m").id for _ in range(2)] == ["video_1", "video_2"]
+    assert again.claim_next("m") is None and again.get("video_other").status == "queued"
 
 
 def test_pages_and_files(tmp_path: Path) -> None:
