@@ -109,8 +109,15 @@ def png(colour: tuple[int, int, int]) -> bytes:
 
 # ---- jobs ------------------------------------------------------------------------------------
 
+def has_videos_api(server: Server) -> bool:
+    """Whether the installed `openai` has client.videos (openai 2.x); older: plain HTTP."""
+    return hasattr(server.openai(), "videos")
+
+
 def test_openai_client_create_retrieve_download(server: Server) -> None:
     client = server.openai()
+    if not has_videos_api(server):
+        pytest.skip("the installed openai has no client.videos")
     video = client.videos.create(model=MODEL, prompt="a red kite", seconds="1", size="64x48",
                                  extra_body={"seed": 7, **FAST})
     assert video.status == "queued" and video.object == "video" and video.size == "64x48"
@@ -182,8 +189,8 @@ def test_list_pages_through_every_job(server: Server) -> None:
             if not page["has_more"]:
                 break
         assert paged == listed
-        sdk = server.openai().videos.list(limit=2, order=order)     # pages through `after`
-        assert [v.id for v in sdk] == listed
+        if has_videos_api(server):       # the SDK's pages follow `after` and `has_more`
+            assert [v.id for v in server.openai().videos.list(limit=2, order=order)] == listed
     for i in ids:
         finished(server, i)
 
@@ -194,8 +201,8 @@ def test_cancel_and_delete_a_running_job(server: Server) -> None:
     queued = create(server, prompt="waits", seed=2, num_frames=1, **SLOW)
     cancelled = server.post(f"/v1/videos/{queued['id']}/cancel").json()
     assert cancelled["status"] == "cancelled"
-    deleted = server.openai().videos.delete(running["id"])
-    assert (deleted.id, deleted.object, deleted.deleted) == (running["id"], "video.deleted", True)
+    deleted = delete(server, running["id"]).json()
+    assert deleted == {"id": running["id"], "object": "video.deleted", "deleted": True}
     error_of(server.get(f"/v1/videos/{running['id']}"), 404)
     after = create(server, prompt="next", seed=4, num_frames=1, **FAST)   # the engine is free
     assert finished(server, after["id"])["status"] == "completed"
