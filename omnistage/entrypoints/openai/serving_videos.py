@@ -147,10 +147,9 @@ class VideoServing:
             handle.close()
         if failed(out):
             raise self.client.failure(out, "prompt")
-        video = out.tensors.get("video")
-        if video is None:
+        if out.video is None:
             raise APIError(500, "the model finished without a video", code="engine_error")
-        return video[0].numpy()                                       # (F, H, W, 3)
+        return out.video                                              # (F, H, W, 3)
 
     # -- routes ------------------------------------------------------------------------------
     async def create(self, request: Request) -> VideoObject:
