@@ -119,7 +119,7 @@ class VideoServing:
             frames = await self._generate(job.prompt, job.request, store.input_image(job.id),
                                           progress)
             data = await run_in_threadpool(encode_video, frames, job.request["fps"], "mp4")
-            store.write(job.id, "video.mp4", data)
+            await run_in_threadpool(store.write, job.id, "video.mp4", data)
             store.update(job.id, status="completed", progress=100, completed_at=now())
         except APIError as exc:
             self._fail(job, exc.code or "engine_error", exc.message)
