@@ -153,6 +153,28 @@ class CompletionOutput:
         return _images(self.tensors.get("images"))
 
     @property
+    def video(self) -> np.ndarray | None:
+        """The final video's frames, uint8 (F, H, W, 3) (the first of `tensors["video"]`,
+        (n, F, H, W, 3), which a graph whose last stage says `final: video` makes); None
+        until finished, and when there is none."""
+        video = self.tensors.get("video")
+        return None if video is None else video[0].numpy()
+
+    def save_video(self, path: str | os.PathLike[str], fps: float) -> None:
+        """Write the final video at `fps` (the request's DiffusionParams.fps, or the model's
+        VideoSpec.fps); the extension picks the format: .mp4, .webm, .webp, .gif."""
+        from omnistage.utils.video import FORMATS, encode_video
+
+        fmt = Path(path).suffix.lower().lstrip(".")
+        if fmt not in FORMATS:
+            raise ValueError(f"save_video: unknown extension {fmt or '(none)'!r} in "
+                             f"{os.fspath(path)!r}; supported: {', '.join(FORMATS)}")
+        if self.video is None:
+            raise ValueError(f"completion {self.index} has no video (unfinished, or the model "
+                             "makes none)")
+        Path(path).write_bytes(encode_video(self.video, fps, fmt))  # type: ignore[arg-type]
+
+    @property
     def audio(self) -> np.ndarray | None:
         """The final waveform at `sample_rate`, float32 (num_samples,), nominally in [-1, 1]
         (a view of `tensors["audio"]`); None until finished, and when there is no audio."""
@@ -230,8 +252,13 @@ class OmniOutput:
     delta_token_ids = _first("delta_token_ids")
     delta_tensors = _first("delta_tensors")
     images = _first("images")
+    video = _first("video")
     audio = _first("audio")
     delta_audio = _first("delta_audio")
+
+    def save_video(self, path: str | os.PathLike[str], fps: float) -> None:
+        """Write the (first completion's) final video (see CompletionOutput.save_video)."""
+        self.outputs[0].save_video(path, fps)
 
     def save_audio(self, path: str | os.PathLike[str]) -> None:
         """Write the (first completion's) final audio; the extension picks the format:

@@ -20,7 +20,8 @@ them: this module sits at the bottom floor with configs/ (configs/defaults.py re
 what it names lives above (models, stages, diffusion, generation).
 
 A text-to-speech family also says what it offers as speech (`speech`, a SpeechSpec): the
-speech routes check requests against it and refuse models without one.
+speech routes check requests against it and refuse models without one. A video family says
+what video it makes (`video`, a VideoSpec) for /v1/videos the same way.
 
 Adding a model = its files (model, pipeline or stage code), one row in `_BUILT_IN` below, its
 default graph YAML in omnistage/configs/. Toy and out-of-tree models call `register_family` from
@@ -83,6 +84,55 @@ class SpeechSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class VideoSpec:
+    """What a video family makes, for /v1/videos to check a request against before any stage
+    runs. Frame counts follow `num_frames = frame_offset + frame_multiple * k` (Wan's VAE: 1 +
+    4k); width and height are multiples of `size_multiple` (even: MP4 needs it). How a request
+    reaches the model: DiffusionParams of the diffusion stages with `num_frames`, `fps`, height
+    and width always set (the defaults here filled in), `image` the first frame's image file
+    for image-to-video. What comes back: the final output's tensors["video"], uint8
+    (num_videos, F, H, W, 3), from a pipeline whose `decode` returns it (the graph's last
+    stage says `final: video`)."""
+
+    default_size: tuple[int, int] = (832, 480)   # (width, height)
+    size_multiple: int = 16
+    default_num_frames: int = 81
+    max_num_frames: int = 81
+    frame_multiple: int = 4
+    frame_offset: int = 1
+    fps: int = 16                      # what the model was trained at: the file's default rate
+    text_to_video: bool = True         # False: image-to-video only (input_reference required)
+    image_to_video: bool = False       # takes a first frame (input_reference)
+
+    def __post_init__(self) -> None:
+        if self.size_multiple < 2 or self.size_multiple % 2:
+            raise ValueError(f"VideoSpec.size_multiple={self.size_multiple}: must be even")
+        if not (self.text_to_video or self.image_to_video):
+            raise ValueError("VideoSpec: a video model makes video from text, an image or both")
+        for n in (self.default_num_frames, self.max_num_frames):
+            if not self.valid_num_frames(n):
+                raise ValueError(f"VideoSpec: {n} frames breaks the model's own rule "
+                                 f"({self.frame_rule})")
+        if any(side % self.size_multiple for side in self.default_size):
+            raise ValueError(f"VideoSpec.default_size={self.default_size}: not multiples of "
+                             f"{self.size_multiple}")
+
+    @property
+    def frame_rule(self) -> str:
+        return f"{self.frame_offset} + {self.frame_multiple}k frames"
+
+    def valid_num_frames(self, n: int) -> bool:
+        return n >= max(1, self.frame_offset) \
+            and (n - self.frame_offset) % self.frame_multiple == 0
+
+    def num_frames_for(self, seconds: float, fps: float) -> int:
+        """The frame count nearest `seconds` at `fps` that the rule allows (at least one)."""
+        least = 0 if self.frame_offset >= 1 else 1
+        k = max(least, round((seconds * fps - self.frame_offset) / self.frame_multiple))
+        return self.frame_offset + self.frame_multiple * k
+
+
+@dataclass(frozen=True, slots=True)
 class ModelFamily:
     name: str                                  # the prefix of its adapters' names
     architectures: tuple[str, ...] = ()        # config.json "architectures" it serves
@@ -95,6 +145,9 @@ class ModelFamily:
     # text to speech (/v1/audio/speech): the spec, or a "module:function" target called with
     # the checkpoint folder when its variants differ (preset voices in one, cloning in another)
     speech: SpeechSpec | str | None = None
+    # video (/v1/videos): the spec, or a "module:function" target called with the checkpoint
+    # folder (Wan2.1 and Wan2.2-TI2V differ in frame rate and image-to-video)
+    video: VideoSpec | str | None = None
 
 
 def _text_llm(name: str, architecture: str) -> ModelFamily:
@@ -242,13 +295,23 @@ def family_of_folder(model_path: Path) -> ModelFamily:
 
 def speech_spec(model_path: Path | None) -> SpeechSpec | None:
     """What the family serving `model_path` offers as text to speech (None: no speech)."""
+    return _spec(model_path, "speech", SpeechSpec)
+
+
+def video_spec(model_path: Path | None) -> VideoSpec | None:
+    """What the family serving `model_path` makes as video (None: no video)."""
+    return _spec(model_path, "video", VideoSpec)
+
+
+def _spec(model_path: Path | None, field: str, kind: type) -> Any:
+    """A family's `speech` / `video`: the spec as given, or what its target returns for the
+    folder."""
     found = match_folder(model_path) if model_path is not None else None
-    if found is None or found.speech is None:
-        return None
-    if isinstance(found.speech, SpeechSpec):
-        return found.speech
-    spec = load(found.speech)(model_path)
-    assert isinstance(spec, SpeechSpec), f"{found.speech} returned {type(spec).__name__}"
+    given = getattr(found, field) if found is not None else None
+    if given is None or isinstance(given, kind):
+        return given
+    spec = load(given)(model_path)
+    assert isinstance(spec, kind), f"{given} returned {type(spec).__name__}"
     return spec
 
 

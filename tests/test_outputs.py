@@ -189,3 +189,23 @@ def _format(path: Path) -> tuple[str, str]:
     """(container, decoder) names as FFmpeg reads the file."""
     with av.open(str(path)) as container:
         return container.format.name, container.streams.audio[0].codec_context.name
+
+
+def test_video_and_save_video(tmp_path: Path) -> None:
+    """The final video's frames as numpy; save_video writes the format its extension names
+    (WebP: lossless, so the frames come back equal); no video, or an unknown extension, is
+    a ValueError."""
+    from omnistage.utils.video import decode_video
+
+    frames = torch.zeros(1, 3, 16, 16, 3, dtype=torch.uint8)
+    for i in range(3):
+        frames[0, i, :, 4 * i:4 * i + 4] = 200
+    out = finished({"video": frames})
+    assert np.array_equal(out.video, frames[0].numpy())
+    out.save_video(tmp_path / "v.webp", fps=8)
+    got, fps = decode_video((tmp_path / "v.webp").read_bytes())
+    assert np.array_equal(got, frames[0].numpy()) and fps == pytest.approx(8)
+    with pytest.raises(ValueError, match="extension"):
+        out.save_video(tmp_path / "v.avi", fps=8)
+    with pytest.raises(ValueError, match="no video"):
+        finished({"audio": tone()}).save_video(tmp_path / "v.mp4", fps=8)

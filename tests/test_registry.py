@@ -178,3 +178,26 @@ def test_speech_spec_of_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 def design_only(model_path: Path) -> SpeechSpec:
     return SpeechSpec(voice_design=True, max_input_chars=7)
+
+
+def test_video_spec_of_a_folder_and_its_frame_rule(tmp_path: Path) -> None:
+    """The toy video family's spec by its folder; none for a model without video. The frame
+    rule (Wan's 1 + 4k): counts off the rule are invalid, seconds snap to the nearest valid
+    count, never below one frame; a spec breaking its own rule is refused."""
+    from omnistage.registry import VideoSpec
+    from omnistage.testing import toy_video
+
+    spec = registry.video_spec(folder(tmp_path, "config.json",
+                                      {"architectures": [toy_video.ARCHITECTURE]}))
+    assert spec == toy_video.SPEC and spec.image_to_video
+    assert registry.video_spec(None) is None
+    wan = VideoSpec()                                       # 1 + 4k, 16 fps, 81 frames
+    assert [n for n in range(1, 14) if wan.valid_num_frames(n)] == [1, 5, 9, 13]
+    assert wan.num_frames_for(5, 16) == 81 and wan.num_frames_for(0.01, 16) == 1
+    assert wan.num_frames_for(1, 16) == 17
+    assert VideoSpec(frame_offset=0, frame_multiple=8, default_num_frames=8,
+                     max_num_frames=64).num_frames_for(0.1, 8) == 8
+    with pytest.raises(ValueError, match="rule"):
+        VideoSpec(default_num_frames=80)
+    with pytest.raises(ValueError, match="even"):
+        VideoSpec(size_multiple=15)

@@ -41,6 +41,8 @@ class DiffusionParams:
     cache_threshold: float | None = None
     image: bytes | ImageRef | None = field(default=None, repr=False)
     strength: float | None = None
+    num_frames: int | None = None
+    fps: float | None = None
 
     def __post_init__(self) -> None:
         if self.image is not None and not isinstance(self.image, (bytes, bytearray)) \
@@ -73,6 +75,10 @@ class DiffusionParams:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 bad(name, "must be > 0")
+        if self.num_frames is not None and self.num_frames < 1:
+            bad("num_frames", "must be >= 1")
+        if self.fps is not None and not self.fps > 0:
+            bad("fps", "must be > 0")
         if self.cache_threshold is not None and not self.cache_threshold >= 0.0:
             bad("cache_threshold", "must be >= 0")
         if self.image is not None and not isinstance(self.image, (bytes, ImageRef)):

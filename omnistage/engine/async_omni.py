@@ -70,6 +70,8 @@ class AsyncOmni:
         self.processor = load_input_processor(model_path)
         # what the model offers as text to speech (/v1/audio/speech); None: no speech
         self.speech = registry.speech_spec(model_path)
+        # what video it makes (/v1/videos); None: none
+        self.video = registry.video_spec(model_path)
         self.orchestrator = Orchestrator(graph, device)
         self.entry = [s.name for s in graph.stages if not s.inputs]
         # entry stages that read the prompt as text (diffusion), not as token ids

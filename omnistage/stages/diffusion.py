@@ -52,6 +52,9 @@ class DiffusionStage:
         path = stage.model or model
         check_parallel_layout(stage, path)
         self.conditioned = bool(stage.inputs)          # conditioning comes along an edge
+        # what `decode` returns, by the graph's word: uint8 (n, H, W, C) images, or for a
+        # video pipeline (`final: video`) uint8 (n, F, H, W, 3) frames
+        self.output_key = "video" if stage.final == "video" else "images"
         if (part or self.conditioned) and not is_split_pipeline(cls):
             raise ValueError(f"stage {stage.name!r}: the {name!r} pipeline encodes its own "
                              "prompts; its text encoding cannot run in another stage")
@@ -139,7 +142,7 @@ class DiffusionStage:
                                 engine_metrics=r.metrics)
                     for r in self.engine.step()]
         return [StageResult(r.request_id,
-                            tensors={"images": r.images} if r.images is not None else {},
+                            tensors={self.output_key: r.images} if r.images is not None else {},
                             finished=r.finished,
                             finish_reason=("error" if r.error else "stop") if r.finished else None,
                             error=r.error, engine_metrics=r.metrics, progress=r.progress)

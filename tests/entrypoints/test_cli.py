@@ -62,6 +62,27 @@ def test_generate_demo_writes_pngs(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "names no digit" in capsys.readouterr().err
 
 
+def test_generate_video_writes_mp4(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The toy video model: an MP4 at the model's frame rate, frames as the toy draws them."""
+    import numpy as np
+
+    from omnistage.testing.toy_video import SPEC, build_toy_video, expected_frames
+    from omnistage.utils.video import decode_video
+
+    folder, graph = build_toy_video(tmp_path / "toy")
+    rc = main(["generate", str(folder), "--stage-config", str(graph), "--prompt", "a kite",
+               "--num-frames", "5", "--height", "32", "--width", "48", "--seed", "3",
+               "--steps", "2", "--device", "cpu", "--output-dir", str(tmp_path / "out"),
+               "--stage-override", "backend=inproc", "--stage-override", "connector=inproc"])
+    assert rc == 0
+    (path,) = capsys.readouterr().out.split()
+    frames, fps = decode_video(Path(path).read_bytes())
+    expected = expected_frames("a kite", 3, 5, 32, 48)
+    assert frames.shape == expected.shape and fps == pytest.approx(SPEC.fps)
+    mse = np.mean((frames.astype(np.float64) - expected) ** 2)
+    assert 10 * np.log10(255 ** 2 / mse) > 30     # H.264, 4:2:0 chroma on hard colour edges
+
+
 def test_generate_speech_writes_wav(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A Qwen3-Omni checkpoint: the prompt goes through the chat template, the answer's text is
     printed and its speech written as a 24 kHz WAV file; --modalities text writes none."""

@@ -74,12 +74,22 @@ def test_server_flags_and_model_flag(tiny_qwen3: Path, tmp_path: Path) -> None:
 
 def test_server_config_flags_reach_the_server_config() -> None:
     from omnistage.entrypoints.openai.api_server import ServerConfig
+    from omnistage.entrypoints.openai.video_params import VideoLimits
 
     config = ServerConfig.from_namespace(parse_args(
         ["serve", "--default-modalities", "text,audio", "--stats-log-interval", "2.5"]))
     assert (config.default_modalities, config.stats_log_interval_s) == (("text", "audio"), 2.5)
     defaults = ServerConfig.from_namespace(parse_args(["serve"]))
     assert (defaults.default_modalities, defaults.stats_log_interval_s) == ((), 10.0)
+    videos = ServerConfig.from_namespace(parse_args(
+        ["serve", "--videos-dir", "/tmp/v", "--max-video-jobs", "2", "--max-video-frames", "33",
+         "--max-video-size", "512", "--max-videos-disk-bytes", "1000",
+         "--max-running-videos", "2"]))
+    assert videos.videos_dir == "/tmp/v"
+    assert videos.video_limits == VideoLimits(2, 33, 512, 1000, 2)
+    assert defaults.video_limits == VideoLimits() and defaults.videos_dir is None
+    with pytest.raises(ValueError, match="max_video_jobs=0"):
+        ServerConfig(max_video_jobs=0)
 
 
 def test_flags_that_do_not_apply_are_refused(tiny_qwen3: Path) -> None:

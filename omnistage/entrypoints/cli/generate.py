@@ -67,8 +67,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     image.add_argument("--num-images", type=int, default=None, help="default: 1")
     image.add_argument("--height", type=int, default=None)
     image.add_argument("--width", type=int, default=None)
+    image.add_argument("--num-frames", type=int, default=None,
+                       help="video models: frames (default: the model's)")
+    image.add_argument("--fps", type=float, default=None,
+                       help="video models: the file's frame rate (default: the model's)")
     image.add_argument("--output-dir", default="omnistage-out",
-                       help="where images and audio are written")
+                       help="where images, videos (MP4) and audio are written")
     p.set_defaults(func=run)
 
 
@@ -78,11 +82,16 @@ def run(args: argparse.Namespace) -> int:
     from omnistage.diffusion.params import DiffusionParams
 
     with Omni(args.model, graph=_graph(args), device=args.device) as omni:
+        video = omni.engine.video
+        fps = args.fps or (video.fps if video else None)
         if omni.engine.text_entry:
             params = DiffusionParams(height=args.height, width=args.width,
                                      num_inference_steps=_or(args.steps, 20),
                                      guidance_scale=args.guidance_scale, seed=args.seed,
-                                     num_images=_or(args.num_images, 1))
+                                     num_images=_or(args.num_images, 1),
+                                     num_frames=args.num_frames or (
+                                         video.default_num_frames if video else None),
+                                     fps=fps)
         else:
             params = SamplingParams(temperature=_or(args.temperature, 0.0),
                                     top_p=_or(args.top_p, 1.0), top_k=_or(args.top_k, 0),
@@ -103,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     for prompt, out in zip(args.prompt, outs):
         out.prompt = prompt
         files = [] if out.error else (_save_images(out, Path(args.output_dir))
+                                      + _save_video(out, Path(args.output_dir), fps)
                                       + _save_audio(out, Path(args.output_dir), args.out))
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
@@ -117,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
 TEXT_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "max_model_len", "speaker", "chat",
               "voice", "instructions", "language")
-IMAGE_FLAGS = ("steps", "guidance_scale", "num_images", "height", "width")
+IMAGE_FLAGS = ("steps", "guidance_scale", "num_images", "height", "width", "num_frames", "fps")
 
 
 def _or(value: T | None, default: T) -> T:
@@ -167,6 +177,16 @@ def _save_images(out: OmniOutput, folder: Path) -> list[str]:
         path.write_bytes(encode_image(image, "png"))
         paths.append(str(path))
     return paths
+
+
+def _save_video(out: OmniOutput, folder: Path, fps: float | None) -> list[str]:
+    if out.video is None:
+        return []
+    assert fps is not None, "a video from a model that declares no VideoSpec"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{out.request_id}.mp4"
+    out.save_video(path, fps)
+    return [str(path)]
 
 
 def _save_audio(out: OmniOutput, folder: Path, file: str | None) -> list[str]:

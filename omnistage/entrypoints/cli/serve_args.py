@@ -48,6 +48,20 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--voices-dir", default=None, metavar="DIR",
                    help="where POST /v1/audio/voices keeps uploaded voices; they survive a "
                         "restart (default: ~/.cache/omnistage/voices, or under $XDG_CACHE_HOME)")
+    g.add_argument("--videos-dir", default=None, metavar="DIR",
+                   help="where /v1/videos keeps its jobs (SQLite) and files; they survive a "
+                        "restart (default: ~/.cache/omnistage/videos, or under $XDG_CACHE_HOME)")
+    g.add_argument("--max-video-jobs", type=int, default=None, metavar="N",
+                   help="video jobs queued or running at most (429 above; default 64)")
+    g.add_argument("--max-video-frames", type=int, default=None, metavar="N",
+                   help="frames a video may have, below the model's own maximum (default 241)")
+    g.add_argument("--max-video-size", type=int, default=None, metavar="PIXELS",
+                   help="longest side of a video (default 1920)")
+    g.add_argument("--max-videos-disk-bytes", type=int, default=None, metavar="BYTES",
+                   help="disk the stored videos may take; beyond it new jobs get 429 until "
+                        "some are deleted (default 20 GiB)")
+    g.add_argument("--max-running-videos", type=int, default=None, metavar="N",
+                   help="video jobs the engine runs at once (default 1)")
     g.add_argument("--stats-log-interval", dest="stats_log_interval_s", type=float,
                    default=None, metavar="SECONDS",
                    help="log each stage's stats line at most this often, when it changed "

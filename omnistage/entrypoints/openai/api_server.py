@@ -47,7 +47,11 @@ from omnistage.entrypoints.openai.serving_chat import ChatServing
 from omnistage.entrypoints.openai.serving_completions import CompletionServing
 from omnistage.entrypoints.openai.serving_images import ImageServing, edit_form_schema
 from omnistage.entrypoints.openai.serving_speech import SpeechServing
+from omnistage.entrypoints.openai.serving_videos import VideoServing
 from omnistage.entrypoints.openai.speech_stream import SpeechStream
+from omnistage.entrypoints.openai.video_params import VideoLimits
+from omnistage.entrypoints.openai.video_routes import add_video_routes
+from omnistage.entrypoints.openai.video_store import VideoStore, default_videos_dir
 from omnistage.entrypoints.openai.voices import (VoiceStore, default_voices_dir, upload,
                                                  voice_form_schema)
 
@@ -57,6 +61,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "omnistage-demo"
+_VIDEO_LIMITS = VideoLimits()
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
 
 
@@ -81,18 +86,34 @@ class ServerConfig:
     stats_timeout_s: float = 2.0
     stats_log_interval_s: float = 10.0        # a stage's stats line at most this often; 0: none
     voices_dir: str | None = None             # uploaded voices; None: voices.default_voices_dir()
+    # /v1/videos (models that make video): jobs and files, None: default_videos_dir(); limits
+    videos_dir: str | None = None
+    max_video_jobs: int = _VIDEO_LIMITS.max_jobs
+    max_video_frames: int = _VIDEO_LIMITS.max_frames
+    max_video_size: int = _VIDEO_LIMITS.max_size
+    max_videos_disk_bytes: int = _VIDEO_LIMITS.max_disk_bytes
+    max_running_videos: int = _VIDEO_LIMITS.max_running
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
             raise ValueError(f"max_queue={self.max_queue}: must be >= 1")
         if self.max_body_bytes < 1 or self.max_media_bytes < 1:
             raise ValueError("max_body_bytes / max_media_bytes: must be >= 1")
+        for name in ("max_video_jobs", "max_video_frames", "max_video_size",
+                     "max_videos_disk_bytes", "max_running_videos"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         for d in self.allowed_media_dirs:
             if not Path(d).is_dir():
                 raise ValueError(f"allowed_media_dirs: {d} is not a folder")
         for m in self.default_modalities:
             if m not in ("text", "audio", "image"):
                 raise ValueError(f"default_modalities: {m!r} is not one of text, audio, image")
+
+    @property
+    def video_limits(self) -> VideoLimits:
+        return VideoLimits(self.max_video_jobs, self.max_video_frames, self.max_video_size,
+                           self.max_videos_disk_bytes, self.max_running_videos)
 
     @property
     def model_name(self) -> str:
@@ -196,27 +217,34 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
     metrics = ServerMetrics(config.model_name,
                             {s.name: s.final for s in engine.graph.stages if s.final})
     client = EngineClient(engine, config.max_queue, metrics)
+    media = MediaLoader(MediaPolicy(tuple(Path(d) for d in config.allowed_media_dirs),
+                                    config.allow_remote_media, config.max_media_bytes))
+    # the jobs' folder and database exist only for a model that makes video
+    store = VideoStore(Path(config.videos_dir) if config.videos_dir else default_videos_dir()
+                       ) if engine.video is not None else None
+    videos = VideoServing(client, media, engine.video, store, config.video_limits,
+                          config.model_name)
     app = FastAPI(title="omnistage", version="0.1.0",
                   description="OpenAI-compatible server for omni-modality models",
-                  lifespan=_stats_lines(client, config))
+                  lifespan=_lifespan(client, config, videos))
     app.state.client = client
     app.state.config = config
     install_error_handlers(app)
     _add_server_routes(app, client, config, metrics)
-    media = MediaLoader(MediaPolicy(tuple(Path(d) for d in config.allowed_media_dirs),
-                                    config.allow_remote_media, config.max_media_bytes))
     _add_generation_routes(app, client, config, media)
     _add_speech_routes(app, SpeechServing(client, media, engine.speech, VoiceStore(
         Path(config.voices_dir) if config.voices_dir else default_voices_dir(),
         engine.speech.voices if engine.speech else ())), config.model_name)
+    add_video_routes(app, videos)
     _add_middleware(app, config, metrics)
     return app
 
 
-def _stats_lines(client: EngineClient, config: ServerConfig
-                 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+def _lifespan(client: EngineClient, config: ServerConfig, videos: VideoServing
+              ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     """The app's lifespan: while it serves, a task logs each stage's stats line (at most every
-    `stats_log_interval_s`, when something changed there; log_lines.py)."""
+    `stats_log_interval_s`, when something changed there; log_lines.py), and the video
+    workers run the queued jobs."""
     def fetch() -> dict[str, StageStats]:
         return client.stage_stats(config.stats_timeout_s) if client.is_healthy else {}
 
@@ -225,9 +253,11 @@ def _stats_lines(client: EngineClient, config: ServerConfig
         task = None
         if config.stats_log_interval_s > 0:
             task = asyncio.create_task(log_stage_stats(fetch, config.stats_log_interval_s))
+        videos.start()
         try:
             yield
         finally:
+            await videos.stop()
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

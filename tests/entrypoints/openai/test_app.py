@@ -46,6 +46,7 @@ class FakeOmni:
         self.entry, self.text_entry, self.is_healthy = ["thinker"], False, True
         self.audio_sample_rate = None     # the chunks carry their own rate
         self.speech = None                # no text-to-speech routes
+        self.video = None                 # no video (/v1/videos answers 400)
         self.orchestrator = SimpleNamespace(stage_info={"thinker": {"max_model_len": 64}},
                                             dead_reason=None, stage_stats=lambda timeout: {},
                                             degraded_reason=None, replica_status=lambda: {})
@@ -266,6 +267,15 @@ def test_openapi_schema_lists_every_route(engine: FakeOmni) -> None:
             "/v1/images/edits", "/v1/models", "/health", "/metrics"} <= set(schema["paths"])
     chat = schema["paths"]["/v1/chat/completions"]["post"]
     assert {"200", "400", "429"} <= set(chat["responses"])
+
+
+def test_video_routes_refuse_a_model_without_video(engine: FakeOmni) -> None:
+    for method, path in (("POST", "/v1/videos"), ("GET", "/v1/videos"),
+                         ("GET", "/v1/videos/video_1/content"), ("DELETE", "/v1/videos/x")):
+        kw = {"json": {"prompt": "a cat"}} if method == "POST" else {}
+        r = call(engine, method, path, **kw)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_video", r.text
+    assert "/v1/videos" in call(engine, "GET", "/openapi.json").json()["paths"]
 
 
 def test_a_timed_out_request_is_a_504(engine: FakeOmni) -> None:

@@ -1,0 +1,268 @@
+"""/v1/videos: video generation as jobs (OpenAI's video API), for models whose family
+declares video (`registry.VideoSpec`); any other model answers 400 `model_not_video`.
+
+    POST /v1/videos            check, store (video_store.py), queue -> the job (queued)
+    GET  /v1/videos[/{id}]     the jobs, newest first (limit, after, order) / one job
+    GET  /v1/videos/{id}/content   the MP4; ?format=webm|webp|gif, ?variant=thumbnail (WebP)
+    POST /v1/videos/{id}/cancel    stop a queued or running job: status cancelled
+    DELETE /v1/videos/{id}     cancel it if active, then drop it and its files
+    POST /v1/videos/sync       the same request run at once; the answer is the file
+
+A request becomes one engine request: the prompt, and the diffusion stages' DiffusionParams
+with num_frames, fps, height and width always set (the VideoSpec's defaults filled in, every
+value checked against it and the server's limits before anything is queued:
+video_params.py), the diffusion extras when given, a seed (drawn when none is given, so
+that a job run again after a restart makes the same video) and for image-to-video the
+`input_reference` image as DiffusionParams.image. The final output carries
+tensors["video"], uint8 (1, F, H, W, 3), written as MP4 (utils/video.py) at the request's
+fps.
+
+`max_running` workers take the oldest queued job each; the engine reports progress per
+denoising step, kept as the job's `progress` (percent). A job ends completed, or failed with
+the engine's error: any failure, never in_progress (the worker's last resort). At startup,
+jobs left in progress are queued again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import numpy as np
+from PIL import Image
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import FileResponse, Response
+
+from omnistage.entrypoints.openai.client import EngineClient, failed, unless_disconnected
+from omnistage.entrypoints.openai.errors import APIError, bad_request
+from omnistage.entrypoints.openai.media import MediaLoader
+from omnistage.entrypoints.openai.params import stage_params
+from omnistage.entrypoints.openai.protocol import (VideoDeleted, VideoError, VideoFileFormat,
+                                                   VideoList, VideoObject)
+from omnistage.entrypoints.openai.video_params import VideoLimits, plan, read_request
+from omnistage.entrypoints.openai.video_store import ACTIVE, VideoJob, VideoStore, now
+from omnistage.registry import VideoSpec
+from omnistage.utils.video import MEDIA_TYPES, decode_video, encode_video
+
+logger = logging.getLogger(__name__)
+
+
+class VideoServing:
+    def __init__(self, client: EngineClient, media: MediaLoader, spec: VideoSpec | None,
+                 store: VideoStore | None, limits: VideoLimits, model_name: str) -> None:
+        if spec is not None and "video" not in client.outputs:
+            raise ValueError("the model's family declares video, but no stage of its graph "
+                             "says `final: video`")
+        self.client, self.media, self.spec, self.store = client, media, spec, store
+        self.limits = limits
+        self.model_name = model_name
+        self.wake = asyncio.Event()
+        self.workers: list[asyncio.Task] = []
+        self.running: dict[str, asyncio.Task] = {}     # job id -> its generation
+
+    def require_video(self) -> tuple[VideoSpec, VideoStore]:
+        if self.spec is None or self.store is None:
+            raise bad_request("this model does not make video: /v1/videos is served by models "
+                              "whose family declares video (e.g. Wan)", "model",
+                              "model_not_video")
+        return self.spec, self.store
+
+    # -- the workers -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Queue again what the last run left in progress; start the workers."""
+        if self.store is None:
+            return
+        queued = self.store.requeue(self.model_name)
+        if queued:
+            logger.info("videos: %d job(s) queued from before the restart", queued)
+        self.workers = [asyncio.create_task(self._work())
+                        for _ in range(self.limits.max_running)]
+
+    async def stop(self) -> None:
+        """Shutdown: generations stop where they are (their jobs stay in_progress, to run
+        again at the next start)."""
+        for task in self.workers:
+            task.cancel()
+        await asyncio.gather(*self.workers, return_exceptions=True)
+
+    async def _work(self) -> None:
+        assert self.store is not None
+        while True:
+            job = self.store.claim_next(self.model_name)
+            if job is None:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            task = asyncio.create_task(self._run(job))
+            self.running[job.id] = task
+            try:    # a cancelled job (DELETE, cancel) ends its task only, not this worker
+                await asyncio.gather(task, return_exceptions=True)
+            finally:
+                self.running.pop(job.id, None)
+
+    async def _run(self, job: VideoJob) -> None:
+        store = self.store
+        assert store is not None
+        seen = [0]
+
+        def progress(share: float) -> None:
+            if int(share * 100) > seen[0]:
+                seen[0] = int(share * 100)
+                store.update(job.id, progress=min(seen[0], 99))
+
+        try:
+            frames = await self._generate(job.prompt, job.request, store.input_image(job.id),
+                                          progress)
+            data = await run_in_threadpool(encode_video, frames, job.request["fps"], "mp4")
+            await run_in_threadpool(store.write, job.id, "video.mp4", data)
+            store.update(job.id, status="completed", progress=100, completed_at=now())
+        except APIError as exc:
+            self._fail(job, exc.code or "engine_error", exc.message)
+        except Exception as exc:   # the last resort: a job never stays in_progress
+            logger.exception("video job %s failed", job.id)
+            self._fail(job, "internal_error", f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, job: VideoJob, code: str, message: str) -> None:
+        assert self.store is not None
+        logger.warning("video job %s failed: %s", job.id, message)
+        self.store.update(job.id, status="failed", completed_at=now(),
+                          error={"code": code, "message": message})
+
+    async def _generate(self, prompt: str, fields: dict[str, Any], image: bytes | None,
+                        progress: Callable[[float], None]) -> np.ndarray:
+        """One engine request -> its frames, uint8 (F, H, W, 3); APIError if it failed."""
+        params = stage_params(self.client.graph, self.client.entry, fields, None, image)
+        prepared = self.client.prepare(prompt, params, "prompt")
+        handle = self.client.submit(prompt, prepared, {"video"}, "video")
+        try:
+            async for out in handle.outputs():
+                if out.progress is not None:
+                    progress(out.progress)
+        finally:
+            handle.close()
+        if failed(out):
+            raise self.client.failure(out, "prompt")
+        if out.video is None:
+            raise APIError(500, "the model finished without a video", code="engine_error")
+        return out.video                                              # (F, H, W, 3)
+
+    # -- routes ------------------------------------------------------------------------------
+    async def create(self, request: Request) -> VideoObject:
+        spec, store = self.require_video()
+        req, image = await read_request(request, self.media, self.model_name)
+        fields, size, seconds = plan(spec, self.limits, req, image)
+        if store.num_active() >= self.limits.max_jobs:
+            raise APIError(429, f"{self.limits.max_jobs} video jobs are queued or running, the "
+                                "limit here; retry later", code="too_many_video_jobs")
+        used = await run_in_threadpool(store.disk_bytes)
+        if used >= self.limits.max_disk_bytes:
+            raise APIError(429, f"the stored videos take {used} bytes, the limit is "
+                                f"{self.limits.max_disk_bytes}: delete some (DELETE "
+                                "/v1/videos/{id})", code="video_storage_full")
+        job = VideoJob(f"video_{uuid.uuid4().hex}", now(), None, "queued", 0, self.model_name,
+                       req.prompt, size, seconds, fields, None)
+        store.add(job, image)
+        self.wake.set()
+        return as_object(job)
+
+    async def sync(self, request: Request, fmt: VideoFileFormat) -> Response:
+        spec, _ = self.require_video()
+        req, image = await read_request(request, self.media, self.model_name)
+        fields, _, _ = plan(spec, self.limits, req, image)
+        ticket = self.client.admit()
+        try:
+            frames = await unless_disconnected(
+                request, lambda: self._generate(req.prompt, fields, image, lambda _: None))
+        finally:
+            ticket.release()
+        data = await run_in_threadpool(encode_video, frames, fields["fps"], fmt)
+        return Response(data, media_type=MEDIA_TYPES[fmt])
+
+    def job(self, job_id: str) -> VideoJob:
+        _, store = self.require_video()
+        job = store.get(job_id)
+        if job is None:
+            raise APIError(404, f"no video {job_id!r}", param="video_id", code="video_not_found")
+        return job
+
+    def list(self, limit: int, after: str | None, order: Literal["asc", "desc"]) -> VideoList:
+        _, store = self.require_video()
+        if not 1 <= limit <= 100:
+            raise bad_request(f"limit={limit}: must be in [1, 100]", "limit")
+        page = store.list(limit, after, order)
+        if page is None:
+            raise bad_request(f"after={after!r}: no such video", "after")
+        jobs, more = page
+        return VideoList(data=[as_object(j) for j in jobs], has_more=more,
+                         first_id=jobs[0].id if jobs else None,
+                         last_id=jobs[-1].id if jobs else None)
+
+    async def cancel(self, job_id: str) -> VideoObject:
+        job = self.job(job_id)
+        if job.status not in ACTIVE:
+            raise bad_request(f"video {job_id!r} is {job.status}: only a queued or running "
+                              "job can be cancelled", "video_id", "video_not_active")
+        await self._stop(job_id)
+        assert self.store is not None
+        self.store.update(job_id, status="cancelled", completed_at=now())
+        return as_object(self.job(job_id))
+
+    async def delete(self, job_id: str) -> VideoDeleted:
+        self.job(job_id)
+        await self._stop(job_id)
+        assert self.store is not None
+        self.store.delete(job_id)
+        await run_in_threadpool(self.store.remove_files, job_id)
+        return VideoDeleted(id=job_id)
+
+    async def _stop(self, job_id: str) -> None:
+        """Cancel the job's generation if it runs (its engine request is aborted)."""
+        task = self.running.get(job_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def content(self, job_id: str, variant: str, fmt: VideoFileFormat) -> Response:
+        job = self.job(job_id)
+        if job.status != "completed":
+            raise bad_request(f"video {job_id!r} is {job.status}: its content exists once it "
+                              "is completed", "video_id", "video_not_ready")
+        if variant not in ("video", "thumbnail"):
+            raise bad_request(f"variant={variant!r}: video or thumbnail", "variant")
+        name = "thumbnail.webp" if variant == "thumbnail" else f"video.{fmt}"
+        path = self.store.folder(job_id) / name if self.store else None
+        if path is None or not path.is_file():
+            path = await run_in_threadpool(self._derive, job, name)
+        media = "image/webp" if variant == "thumbnail" else MEDIA_TYPES[fmt]
+        return FileResponse(path, media_type=media, filename=f"{job_id}.{path.suffix[1:]}")
+
+    def _derive(self, job: VideoJob, name: str) -> Path:
+        """Another format of a completed video (or its first frame), made from the MP4 once
+        and kept beside it."""
+        assert self.store is not None
+        frames, _ = decode_video((self.store.folder(job.id) / "video.mp4").read_bytes())
+        if name == "thumbnail.webp":
+            buf = io.BytesIO()
+            Image.fromarray(frames[0]).save(buf, "WEBP", quality=90)
+            data = buf.getvalue()
+        else:
+            data = encode_video(frames, job.request["fps"], _format(name))
+        return self.store.write(job.id, name, data)
+
+
+def _format(name: str) -> VideoFileFormat:
+    fmt = name.rpartition(".")[2]
+    assert fmt in MEDIA_TYPES, f"no video format in {name!r}"
+    return fmt  # type: ignore[return-value]
+
+
+def as_object(job: VideoJob) -> VideoObject:
+    return VideoObject(id=job.id, status=job.status, progress=job.progress,
+                       created_at=job.created_at, completed_at=job.completed_at,
+                       error=VideoError(**job.error) if job.error else None, model=job.model,
+                       prompt=job.prompt, size=job.size, seconds=job.seconds)

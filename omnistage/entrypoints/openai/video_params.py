@@ -1,0 +1,140 @@
+"""What a /v1/videos request becomes: its body read (JSON, or the multipart form the OpenAI
+SDK sends), then `plan` checks every value against the model's VideoSpec and the server's
+limits and returns the engine fields (DiffusionParams' names: num_frames, fps, height,
+width, seed, and the diffusion extras given), all before anything is queued."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+
+from omnistage.entrypoints.openai.errors import APIError, bad_request, check_model, invalid
+from omnistage.entrypoints.openai.media import MediaLoader, decode_b64, decode_image
+from omnistage.entrypoints.openai.params import ignore, parse_size
+from omnistage.entrypoints.openai.protocol import VideoRequest
+from omnistage.registry import VideoSpec
+
+_EXTRAS = ("negative_prompt", "num_inference_steps", "guidance_scale")
+MAX_SEED = 2**31       # a seed drawn for a request without one (kept with its job)
+
+
+@dataclass(frozen=True, slots=True)
+class VideoLimits:
+    max_jobs: int = 64                 # queued + in progress; more: 429
+    max_frames: int = 241              # below the model's own maximum, if lower
+    max_size: int = 1920               # longest side, pixels
+    max_disk_bytes: int = 20 << 30     # the jobs' files; more: 429 until some are deleted
+    max_running: int = 1               # jobs the engine runs at once
+
+
+async def read_request(request: Request, media: MediaLoader, model_name: str
+                       ) -> tuple[VideoRequest, bytes | None]:
+    """The body (JSON, or the SDK's multipart form) and the first-frame image file."""
+    image: bytes | None = None
+    if request.headers.get("content-type", "").startswith(("multipart/", "application/x-")):
+        fields: dict[str, Any] = {}
+        async with request.form() as form:
+            for key, value in form.multi_items():
+                if isinstance(value, UploadFile):
+                    if key != "input_reference":
+                        raise bad_request(f"{key}: unexpected file (the image goes in "
+                                          "input_reference)", key)
+                    image = await _upload(value, media.policy.max_bytes)
+                else:
+                    fields[key] = value
+        body: Any = fields
+    else:
+        body = await request.body()
+    try:
+        req = (VideoRequest.model_validate(body) if isinstance(body, dict)
+               else VideoRequest.model_validate_json(body or b"{}"))
+    except ValidationError as exc:
+        raise invalid(exc.errors()) from None
+    check_model(req.model, model_name)
+    if req.input_reference is not None:
+        image = await run_in_threadpool(_reference, media, req.input_reference)
+    if image is not None:
+        await run_in_threadpool(decode_image, image, "input_reference")
+    return req, image
+
+
+async def _upload(upload: UploadFile, limit: int) -> bytes:
+    data = await upload.read(limit + 1)
+    if len(data) > limit:
+        raise APIError(413, f"input_reference: the file is larger than {limit} bytes",
+                       param="input_reference", code="media_too_large")
+    return data
+
+
+def _reference(media: MediaLoader, ref: str | dict[str, str]) -> bytes:
+    url = ref.get("image_url") if isinstance(ref, dict) else ref
+    if not url:
+        raise bad_request("input_reference: expected an image (a data: URL, base64, or "
+                          "{\"image_url\": URL})", "input_reference")
+    if ":" in url[:12]:
+        return media.fetch(url, "input_reference")
+    return decode_b64(url, "input_reference")
+
+
+def plan(spec: VideoSpec, limits: VideoLimits, req: VideoRequest, image: bytes | None
+         ) -> tuple[dict[str, Any], str, str]:
+    """(the engine fields, "WxH", seconds) of a request, every value checked (400)."""
+    fps = req.fps or spec.fps
+    num_frames = _num_frames(spec, limits, req, fps)
+    height, width = parse_size(req.size)
+    if height is None or width is None:
+        width, height = spec.default_size
+    for side in (width, height):
+        if side % spec.size_multiple:
+            raise bad_request(f"size={width}x{height}: width and height must be multiples "
+                              f"of {spec.size_multiple} for this model", "size")
+    if max(width, height) > limits.max_size:
+        raise bad_request(f"size={width}x{height}: the longest side is at most "
+                          f"{limits.max_size} pixels here", "size", "size_too_large")
+    if image is not None and not spec.image_to_video:
+        raise bad_request("input_reference: this model makes video from text only",
+                          "input_reference", "image_to_video_not_supported")
+    if image is None and not spec.text_to_video:
+        raise bad_request("input_reference: this model needs a first-frame image",
+                          "input_reference")
+    if req.user is not None:
+        ignore("user", "no abuse monitoring here")
+    fields: dict[str, Any] = {"num_frames": num_frames, "fps": fps, "height": height,
+                              "width": width,
+                              "seed": secrets.randbelow(MAX_SEED) if req.seed is None
+                              else req.seed}
+    fields.update({k: getattr(req, k) for k in _EXTRAS if getattr(req, k) is not None})
+    return fields, f"{width}x{height}", f"{num_frames / fps:g}"
+
+
+def _num_frames(spec: VideoSpec, limits: VideoLimits, req: VideoRequest, fps: float) -> int:
+    if req.seconds is not None and req.num_frames is not None:
+        raise bad_request("seconds, num_frames: give one of them", "num_frames")
+    param = "num_frames" if req.num_frames is not None else "seconds"
+    if req.num_frames is not None:
+        num_frames = req.num_frames
+        if not spec.valid_num_frames(num_frames):
+            raise bad_request(f"num_frames={num_frames}: this model makes "
+                              f"{spec.frame_rule}", "num_frames")
+    elif req.seconds is not None:
+        try:
+            seconds = float(req.seconds)
+        except ValueError:
+            raise bad_request(f"seconds={req.seconds!r}: expected a number", "seconds") \
+                from None
+        if not 0 < seconds < 3600:
+            raise bad_request(f"seconds={req.seconds!r}: must be > 0", "seconds")
+        num_frames = spec.num_frames_for(seconds, fps)
+    else:
+        num_frames = spec.default_num_frames
+    most = min(spec.max_num_frames, limits.max_frames)
+    if num_frames > most:
+        raise bad_request(f"{param}: {num_frames} frames asked, at most {most} "
+                          f"({most / fps:g} s at {fps:g} fps)", param, "too_many_frames")
+    return num_frames
