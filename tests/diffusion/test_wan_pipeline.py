@@ -1,0 +1,155 @@
+"""Wan text-to-video through our engine against diffusers' `WanPipeline` on a tiny random
+folder (float32): the same final latents and frames with and without guidance, each request
+alone equal to it batched with others at other steps, bad sizes and frame counts refused, and
+the folder served by `Omni` with its default graph (videos out)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+
+from omnistage.diffusion.engine import DiffusionEngine
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.registry import load_component
+from omnistage.testing.diffusion import run_to_end
+from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+
+H, W, FRAMES = 32, 48, 5            # 8x VAE: 4 x 6 latents, 2 latent frames; 2x2 patches
+PROMPT = "a cat walking on the beach"
+NEGATIVE = "blurry"
+SCHEDULER = dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+                 num_train_timesteps=1000)
+
+
+def build_reference(path: Path) -> diffusers.WanPipeline:
+    torch.manual_seed(0)
+    tokenizer = build_tiny_tokenizer(path / "tokenizer")
+    encoder = transformers.UMT5EncoderModel(transformers.UMT5Config(
+        vocab_size=len(tokenizer), d_model=16, d_kv=4, d_ff=24, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=12,
+        feed_forward_proj="gated-gelu")).eval()
+    transformer = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+        out_channels=4, text_dim=16, freq_dim=32, ffn_dim=40, num_layers=2).eval()
+    vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4],
+                                     num_res_blocks=1, temperal_downsample=[False, True, True],
+                                     latents_mean=[0.1, -0.2, 0.3, -0.4],
+                                     latents_std=[1.5, 0.7, 2.0, 1.1]).eval()
+    with torch.no_grad():      # every weight drawn: no path starts at zero
+        for name, p in [*transformer.named_parameters(), *encoder.named_parameters()]:
+            p.normal_(1.0 if "norm" in name and name.endswith("weight") else 0.0, 0.1)
+    scheduler = diffusers.UniPCMultistepScheduler(**SCHEDULER)
+    pipe = diffusers.WanPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=vae,
+                                 transformer=transformer, scheduler=scheduler)
+    pipe.save_pretrained(path)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("wan")
+    ref = build_reference(path)
+    ours = load_component("diffusion", "wan").from_pretrained(path, "wan", torch.device("cpu"),
+                                                              torch.float32)
+    return path, ref, ours
+
+
+def params(guidance: float, seed: int = 0, steps: int = 4) -> DiffusionParams:
+    return DiffusionParams(height=H, width=W, num_frames=FRAMES, num_inference_steps=steps,
+                           guidance_scale=guidance, seed=seed,
+                           negative_prompt=NEGATIVE if guidance > 1 else None)
+
+
+def reference(ref, guidance: float, output_type: str, seed: int = 0, steps: int = 4):
+    return ref(PROMPT, negative_prompt=NEGATIVE if guidance > 1 else None, height=H, width=W,
+               num_frames=FRAMES, num_inference_steps=steps, guidance_scale=guidance,
+               generator=torch.Generator().manual_seed(seed), output_type=output_type,
+               return_dict=False)[0]
+
+
+def serve(pipe, monkeypatch: pytest.MonkeyPatch, drive) -> tuple[dict, DiffusionEngine]:
+    """drive(engine) adds the requests (and may step); -> per request its final latents and
+    its video, run to the end."""
+    seen: dict[int, Tensor] = {}
+    decode = pipe.decode
+
+    def spy(latents: Tensor, p: DiffusionParams) -> Tensor:
+        seen[p.seed] = latents.clone()
+        return decode(latents, p)
+
+    monkeypatch.setattr(pipe, "decode", spy)
+    engine = DiffusionEngine(pipe)
+    jobs = drive(engine)
+    done = run_to_end(engine)
+    monkeypatch.undo()
+    return {rid: (seen[p.seed], done[rid].images) for rid, p in jobs.items()}, engine
+
+
+def alone(pipe, rid: str, prompt: str, p: DiffusionParams, monkeypatch: pytest.MonkeyPatch
+          ) -> tuple[Tensor, Tensor]:
+    def drive(engine: DiffusionEngine) -> dict[str, DiffusionParams]:
+        engine.add_request(rid, prompt, p)
+        return {rid: p}
+
+    return serve(pipe, monkeypatch, drive)[0][rid]
+
+
+@pytest.mark.parametrize("guidance", [1.0, 5.0], ids=["no-cfg", "cfg"])
+def test_matches_diffusers(pair, guidance: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, ref, ours = pair
+    latents, video = alone(ours, "a", PROMPT, params(guidance), monkeypatch)
+    expected = reference(ref, guidance, "latent")
+    assert expected.abs().max() > 0.5
+    assert (latents - expected).abs().max() < 1e-4
+    frames = torch.from_numpy(np.asarray(reference(ref, guidance, "np")))   # (1, F, H, W, 3)
+    assert video.shape == (1, FRAMES, H, W, 3) and video.dtype == torch.uint8
+    assert (video.float() / 255 - frames.float()).abs().max() <= 1 / 255 + 1e-6
+
+
+def test_requests_at_different_steps_equal_each_alone(pair, monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    _, _, ours = pair
+    jobs = {"a": (PROMPT, params(5.0, seed=1, steps=5)),
+            "b": ("a dog", params(1.0, seed=2, steps=3)),
+            "c": ("waves", params(3.0, seed=3, steps=4))}
+
+    def drive(engine: DiffusionEngine) -> dict[str, DiffusionParams]:
+        for rid in jobs:                     # a, then b a step later, then c
+            engine.add_request(rid, *jobs[rid])
+            if rid != "c":
+                engine.step()
+        return {rid: p for rid, (_, p) in jobs.items()}
+
+    batched, engine = serve(ours, monkeypatch, drive)
+    assert engine.num_steps_run == 6                  # c joined at a's step 2: 2 + 4
+    for rid, (prompt, p) in jobs.items():
+        latents, _ = alone(ours, rid, prompt, p, monkeypatch)
+        assert (batched[rid][0] - latents).abs().max() < 1e-5, rid
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("num_frames", 6, "1 \\+ a multiple of 4"), ("height", 40, "height"),
+    ("width", 20, "width")])
+def test_refuses_bad_shapes(pair, field: str, value: int, match: str) -> None:
+    _, _, ours = pair
+    p = dataclasses.replace(params(1.0), **{field: value})
+    with pytest.raises(ValueError, match=match):
+        DiffusionEngine(ours).add_request("x", PROMPT, p)
+
+
+def test_served_by_omni_with_its_default_graph(pair) -> None:
+    from omnistage import Omni
+
+    path, _, _ = pair
+    with Omni(str(path), device="cpu", backend="inproc", connector="inproc") as omni:
+        (out,) = omni.generate([PROMPT], [params(1.0, steps=2)])
+    video = out.tensors["video"]
+    assert video.shape == (1, FRAMES, H, W, 3) and video.dtype == torch.uint8
