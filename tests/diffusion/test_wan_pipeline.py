@@ -17,46 +17,17 @@ from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.registry import load_component
 from omnistage.testing.diffusion import run_to_end
-from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+from omnistage.testing.tiny_wan import build_tiny_wan
 
 diffusers = pytest.importorskip("diffusers")
-transformers = pytest.importorskip("transformers")
 
 H, W, FRAMES = 32, 48, 5            # 8x VAE: 4 x 6 latents, 2 latent frames; 2x2 patches
 PROMPT = "a cat walking on the beach"
 NEGATIVE = "blurry"
-SCHEDULER = dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
-                 num_train_timesteps=1000)
-
-
-def build_reference(path: Path) -> diffusers.WanPipeline:
-    torch.manual_seed(0)
-    tokenizer = build_tiny_tokenizer(path / "tokenizer")
-    encoder = transformers.UMT5EncoderModel(transformers.UMT5Config(
-        vocab_size=len(tokenizer), d_model=16, d_kv=4, d_ff=24, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, relative_attention_max_distance=12,
-        feed_forward_proj="gated-gelu")).eval()
-    transformer = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
-        out_channels=4, text_dim=16, freq_dim=32, ffn_dim=40, num_layers=2).eval()
-    vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4],
-                                     num_res_blocks=1, temperal_downsample=[False, True, True],
-                                     latents_mean=[0.1, -0.2, 0.3, -0.4],
-                                     latents_std=[1.5, 0.7, 2.0, 1.1]).eval()
-    with torch.no_grad():      # every weight drawn: no path starts at zero
-        for name, p in [*transformer.named_parameters(), *encoder.named_parameters()]:
-            p.normal_(1.0 if "norm" in name and name.endswith("weight") else 0.0, 0.1)
-    scheduler = diffusers.UniPCMultistepScheduler(**SCHEDULER)
-    pipe = diffusers.WanPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=vae,
-                                 transformer=transformer, scheduler=scheduler)
-    pipe.save_pretrained(path)
-    return pipe
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("wan")
-    ref = build_reference(path)
+    ref = build_tiny_wan(path)
     ours = load_component("diffusion", "wan").from_pretrained(path, "wan", torch.device("cpu"),
                                                               torch.float32)
     return path, ref, ours
