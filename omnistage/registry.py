@@ -183,6 +183,11 @@ _BUILT_IN = (
                 components=(Component("diffusion", "wan",
                                       "omnistage.diffusion.pipelines.wan:WanPipeline"),),
                 video="omnistage.diffusion.pipelines.wan:video_spec"),
+    ModelFamily("wan_i2v", diffusers_classes=("WanImageToVideoPipeline",), graph="wan_i2v.yaml",
+                components=(Component(
+                    "diffusion", "wan_i2v",
+                    "omnistage.diffusion.pipelines.wan_i2v:WanImageToVideoPipeline"),),
+                video="omnistage.diffusion.pipelines.wan_i2v:video_spec"),
     _pipeline("flux", "FluxPipeline"),
     _pipeline("z_image", "ZImagePipeline"),
     _pipeline("qwen_image", "QwenImagePipeline"),

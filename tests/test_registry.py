@@ -44,7 +44,8 @@ def test_unknown_architecture_lists_the_known_ones(tmp_path: Path) -> None:
 def test_unknown_diffusers_class_lists_the_known_ones(tmp_path: Path) -> None:
     path = folder(tmp_path, "model_index.json", {"_class_name": "StableDiffusionPipeline"})
     with pytest.raises(ValueError, match=r"diffusers pipeline StableDiffusionPipeline is not "
-                       r"supported \(supported: FluxPipeline, QwenImagePipeline, WanPipeline, "
+                       r"supported \(supported: FluxPipeline, QwenImagePipeline, "
+                       r"WanImageToVideoPipeline, WanPipeline, "
                        r"ZImagePipeline\)"):
         resolve_graph(str(path), path, None)
 

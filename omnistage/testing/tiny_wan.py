@@ -41,3 +41,34 @@ def build_tiny_wan(path: Path):
                                  transformer=transformer, scheduler=scheduler)
     pipe.save_pretrained(path)
     return pipe
+
+
+def build_tiny_wan_i2v(path: Path):
+    """A tiny Wan2.1 image-to-video folder: the text-to-video folder's tokenizer, UMT5, VAE and
+    scheduler, a transformer with CLIP image tokens (image_dim) taking [latents | first-frame
+    mask | condition] (4 + 4 + 4 channels), and a CLIP vision encoder over 32x32 crops in
+    8x8 patches (17 tokens of 16); saved by diffusers' own `WanImageToVideoPipeline`
+    (-> it, the reference, in float32)."""
+    import diffusers
+    import transformers
+
+    t2v = build_tiny_wan(path)
+    torch.manual_seed(1)
+    transformer = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=12,
+        out_channels=4, text_dim=16, freq_dim=32, ffn_dim=40, num_layers=2, image_dim=16,
+        added_kv_proj_dim=24).eval()
+    image_encoder = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
+        hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        image_size=32, patch_size=8, hidden_act="gelu")).eval()
+    with torch.no_grad():
+        for name, p in [*transformer.named_parameters(), *image_encoder.named_parameters()]:
+            p.normal_(1.0 if "norm" in name and name.endswith("weight") else 0.0, 0.1)
+    processor = transformers.CLIPImageProcessor(size={"shortest_edge": 32},
+                                                crop_size={"height": 32, "width": 32})
+    pipe = diffusers.WanImageToVideoPipeline(
+        tokenizer=t2v.tokenizer, text_encoder=t2v.text_encoder, vae=t2v.vae,
+        scheduler=t2v.scheduler, image_processor=processor, image_encoder=image_encoder,
+        transformer=transformer)
+    pipe.save_pretrained(path)
+    return pipe

@@ -12,9 +12,10 @@ into the engine's phases (omnistage/diffusion/pipeline.py), numerics kept step f
     decode:   denormalize -> the causal video VAE -> (x/2 + 0.5).clamp(0, 1) -> uint8
               (n, F, H, W, 3), a stage's tensors["video"]
 
-Each request steps with its own UniPC state (the engine holds it, `solver`). Not yet: the
-image-to-video variants (CLIP image tokens, Wan2.2 TI2V's first-frame latents), Wan2.2
-A14B's two experts, step caching.
+Each request steps with its own UniPC state (the engine holds it, `solver`). Wan2.1
+image-to-video is this pipeline with a first frame (wan_i2v.py: `check_image` and
+`model_inputs` are its hooks). Not yet: Wan2.2 TI2V's first-frame latents, Wan2.2 A14B's two
+experts, step caching.
 """
 
 from __future__ import annotations
@@ -116,8 +117,7 @@ class WanPipeline:
                  image: Image.Image | None = None) -> None:
         if prompt is not None:
             self.prompt_encoder.validate(prompt, params)
-        if image is not None or params.image is not None:
-            raise ValueError("image: this Wan checkpoint makes video from text only")
+        self.check_image(image is not None or params.image is not None)
         frames, height, width = self._shape(params)
         t = self.vae.cfg.temporal_downscale
         if (frames - 1) % t:
@@ -126,13 +126,17 @@ class WanPipeline:
         check_size(height, width, self.vae.cfg.downscale * 2, MAX_SIZE,
                    f"VAE factor {self.vae.cfg.downscale} x 2x2 patches")
 
+    def check_image(self, has_image: bool) -> None:
+        if has_image:
+            raise ValueError("image: this Wan checkpoint makes video from text only")
+
     def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator,
                 image: Image.Image | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """Encode the prompt(s); the latents (float32 noise) and UniPC's schedule."""
         (cond,) = self.prompt_encoder.encode([prompt], [params])
         frames, height, width = self._shape(params)
         cfg = self.vae.cfg
-        shape = (params.num_images, self.transformer.cfg.in_channels,
+        shape = (params.num_images, cfg.z_dim,
                  1 + (frames - 1) // cfg.temporal_downscale, height // cfg.downscale,
                  width // cfg.downscale)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
@@ -147,20 +151,25 @@ class WanPipeline:
         transformer call at each request's whole-number timestep."""
         counts = [r.latents.shape[0] for r in requests]
         texts, neg_texts, steps, neg_steps, spans = [], [], [], [], []
+        rows: list[DiffusionRequest] = []            # the request of each transformer row
+        neg_rows: list[DiffusionRequest] = []
         start = 0
         for r, n in zip(requests, counts):
             t = r.cond["timesteps"][r.step_idx].expand(n)
             texts += [r.cond["prompt_embeds"]] * n
+            rows += [r] * n
             steps.append(t)
             if "negative_prompt_embeds" in r.cond:
                 neg_texts += [r.cond["negative_prompt_embeds"]] * n
+                neg_rows += [r] * n
                 neg_steps.append(t)
                 spans.append((start, n, r.params.guidance(DEFAULT_GUIDANCE)))
             start += n
         idx = torch.cat([torch.arange(s, s + n) for s, n, _ in spans] or [torch.arange(0)])
         x = torch.cat([latents, latents[idx.to(latents.device)]]).to(self.dtype)
+        x, image = self.model_inputs(x, rows + neg_rows)
         t = torch.cat(steps + neg_steps).to(self.device)
-        out = self.transformer(x, t, torch.stack(texts + neg_texts))
+        out = self.transformer(x, t, torch.stack(texts + neg_texts), image)
         pred, neg = out[:latents.shape[0]], out[latents.shape[0]:]
         k = 0
         for s, n, scale in spans:
@@ -168,6 +177,12 @@ class WanPipeline:
             pred[s:s + n] = uncond + scale * (pred[s:s + n] - uncond)
             k += n
         return pred
+
+    def model_inputs(self, x: Tensor, rows: list[DiffusionRequest]
+                     ) -> tuple[Tensor, Tensor | None]:
+        """The transformer's input and image tokens for latents x (R, z, F', h, w) whose row i
+        belongs to rows[i]: text-to-video, x as is and no image tokens."""
+        return x, None
 
     def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
         """-> uint8 (n, F, H, W, 3)."""

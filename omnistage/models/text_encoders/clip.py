@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -66,9 +67,26 @@ class CLIPTextConfig:
                    layer_norm_eps=hf.layer_norm_eps, eos_token_id=hf.eos_token_id)
 
 
+class CLIPLayerConfig(Protocol):
+    """What the encoder layers read of a CLIP config: the text tower's here, or the vision
+    tower's (models/clip_vision.py), which shares these layers."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    hidden_act: str
+    layer_norm_eps: float
+
+    @property
+    def head_dim(self) -> int: ...
+
+
 class CLIPAttention(nn.Module):
-    def __init__(self, cfg: CLIPTextConfig) -> None:
+    """causal: the text tower's; the vision tower attends over every patch."""
+
+    def __init__(self, cfg: CLIPLayerConfig, causal: bool = True) -> None:
         super().__init__()
+        self.causal = causal
         self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
@@ -79,13 +97,14 @@ class CLIPAttention(nn.Module):
         B, S, _ = x.shape                                                   # x: (B, S, D)
         qkv = self.qkv_proj(x).view(B, S, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)                                # (B, H, S, hd) x3
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             is_causal=self.causal and mask is None,
                                              scale=self.scale)
         return self.out_proj(out.transpose(1, 2).reshape(B, S, -1))        # (B, S, D)
 
 
 class CLIPMLP(nn.Module):
-    def __init__(self, cfg: CLIPTextConfig) -> None:
+    def __init__(self, cfg: CLIPLayerConfig) -> None:
         super().__init__()
         self.act = get_activation(cfg.hidden_act, "hidden_act")
         self.fc1 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
@@ -96,9 +115,9 @@ class CLIPMLP(nn.Module):
 
 
 class CLIPEncoderLayer(nn.Module):
-    def __init__(self, cfg: CLIPTextConfig) -> None:
+    def __init__(self, cfg: CLIPLayerConfig, causal: bool = True) -> None:
         super().__init__()
-        self.self_attn = CLIPAttention(cfg)
+        self.self_attn = CLIPAttention(cfg, causal)
         self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.mlp = CLIPMLP(cfg)
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
@@ -124,9 +143,9 @@ class CLIPTextEmbeddings(nn.Module):
 
 
 class CLIPEncoder(nn.Module):
-    def __init__(self, cfg: CLIPTextConfig) -> None:
+    def __init__(self, cfg: CLIPLayerConfig, num_layers: int, causal: bool = True) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(CLIPEncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(CLIPEncoderLayer(cfg, causal) for _ in range(num_layers))
 
     def forward(self, h: Tensor, mask: Tensor | None) -> Tensor:
         for layer in self.layers:
@@ -142,7 +161,7 @@ class CLIPTextEncoder(nn.Module):
         super().__init__()
         self.config = config
         self.embeddings = CLIPTextEmbeddings(config)
-        self.encoder = CLIPEncoder(config)
+        self.encoder = CLIPEncoder(config, config.num_hidden_layers)
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None

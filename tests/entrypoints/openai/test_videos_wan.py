@@ -4,10 +4,13 @@ the asked frames and size, and a job runs to `completed` with its file."""
 
 from __future__ import annotations
 
+import base64
+import io
 import time
 from typing import TYPE_CHECKING, Callable
 
 import pytest
+from PIL import Image
 
 from omnistage.utils.video import decode_video
 
@@ -53,3 +56,13 @@ def test_the_video_spec_refuses_bad_shapes(server: Server) -> None:
         r = server.post("/v1/videos", json={**REQUEST, **bad})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["message"]
+
+
+
+def test_a_first_frame_is_refused_by_text_to_video(server: Server) -> None:
+    buf = io.BytesIO()
+    Image.new("RGB", (48, 32), (200, 40, 90)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    r = server.post("/v1/videos", json={**REQUEST, "input_reference": url})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "image_to_video_not_supported"

@@ -1,0 +1,120 @@
+"""Wan2.1 image-to-video through our engine against diffusers' `WanImageToVideoPipeline` on a
+tiny random folder (float32): the same final latents and frames with and without guidance
+from a first frame of another aspect (stretched to the asked size), requests at different
+steps and with different images equal to each alone, a request without an image refused, and
+the folder's family, graph and VideoSpec."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import Tensor
+
+from omnistage import registry
+from omnistage.diffusion.engine import DiffusionEngine
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.testing.diffusion import run_keeping_latents
+from omnistage.testing.tiny_wan import build_tiny_wan_i2v
+
+diffusers = pytest.importorskip("diffusers")
+
+H, W, FRAMES = 32, 48, 5            # 8x VAE: 4 x 6 latents, 2 latent frames; 2x2 patches
+PROMPT = "a cat walking on the beach"
+NEGATIVE = "blurry"
+
+
+def first_frame(seed: int, size: tuple[int, int] = (40, 56)) -> Image.Image:
+    """A smooth picture with some noise, (height, width) = size: not the output's aspect."""
+    g = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size[0], 0:size[1]]
+    base = np.stack([x / size[1], y / size[0], 0.5 + 0.5 * np.sin(x / 4 + seed)], -1)
+    pixels = np.clip(base * 200 + g.normal(0, 20, (*size, 3)), 0, 255)
+    return Image.fromarray(pixels.astype(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory):
+    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+
+    path = tmp_path_factory.mktemp("wan_i2v")
+    ref = build_tiny_wan_i2v(path)
+    family = registry.family_of_folder(path)
+    ours = registry.load_component("diffusion", family.components[0].name).from_pretrained(
+        path, "wan_i2v", torch.device("cpu"), torch.float32)
+    with pytest.MonkeyPatch.context() as mp:     # diffusers' I2V calls ftfy even without it;
+        mp.setattr(pipeline_wan_i2v, "basic_clean", pipeline_wan.basic_clean)  # T2V checks
+        yield path, ref, ours
+
+
+def params(guidance: float, seed: int = 0, steps: int = 4, image: int = 0) -> DiffusionParams:
+    return DiffusionParams(height=H, width=W, num_frames=FRAMES, num_inference_steps=steps,
+                           guidance_scale=guidance, seed=seed, image=first_frame(image),
+                           negative_prompt=NEGATIVE if guidance > 1 else None)
+
+
+def reference(ref, guidance: float, image: int = 0) -> tuple[Tensor, Tensor]:
+    """diffusers' final latents (1, z, F', h, w) and frames (1, F, H, W, 3) in [0, 1]."""
+    final = {}
+
+    def keep(pipe, i: int, t: Tensor, tensors: dict) -> dict:
+        final["latents"] = tensors["latents"]
+        return tensors
+
+    frames = ref(image=first_frame(image), prompt=PROMPT,
+                 negative_prompt=NEGATIVE if guidance > 1 else None, height=H, width=W,
+                 num_frames=FRAMES, num_inference_steps=4, guidance_scale=guidance,
+                 generator=torch.Generator().manual_seed(0), output_type="np",
+                 callback_on_step_end=keep, return_dict=False)[0]
+    return final["latents"], torch.from_numpy(np.asarray(frames))
+
+
+def run(pipe, jobs: dict[str, tuple[str, DiffusionParams]], join_later: bool = False
+        ) -> tuple[dict[str, tuple[Tensor, Tensor]], DiffusionEngine]:
+    """-> per request its final latents and its video; join_later: one engine step between
+    adding one request and the next."""
+    engine = DiffusionEngine(pipe)
+    for k, (rid, (prompt, p)) in enumerate(jobs.items()):
+        engine.add_request(rid, prompt, p)
+        if join_later and k < len(jobs) - 1:
+            engine.step()
+    done, latents = run_keeping_latents(engine)
+    return {rid: (latents[p.seed], done[rid].images) for rid, (_, p) in jobs.items()}, engine
+
+
+@pytest.mark.parametrize("guidance", [1.0, 5.0], ids=["no-cfg", "cfg"])
+def test_matches_diffusers(pair, guidance: float) -> None:
+    _, ref, ours = pair
+    latents, video = run(ours, {"a": (PROMPT, params(guidance))})[0]["a"]
+    expected, frames = reference(ref, guidance)
+    assert expected.shape == (1, 4, 2, 4, 6) and expected.abs().max() > 0.5
+    assert (latents - expected).abs().max() < 1e-4
+    other, _ = reference(ref, guidance, image=1)           # the first frame matters
+    assert (other - expected).abs().max() > 1e-2
+    assert video.shape == (1, FRAMES, H, W, 3) and video.dtype == torch.uint8
+    assert (video.float() / 255 - frames.float()).abs().max() <= 1 / 255 + 1e-6
+
+
+def test_requests_at_different_steps_equal_each_alone(pair) -> None:
+    _, _, ours = pair
+    jobs = {"a": (PROMPT, params(5.0, seed=1, steps=5)),
+            "b": ("a dog", params(1.0, seed=2, steps=3, image=1)),
+            "c": ("waves", params(3.0, seed=3, steps=4, image=2))}
+    batched, engine = run(ours, jobs, join_later=True)
+    assert engine.num_steps_run == 6                  # c joined at a's step 2: 2 + 4
+    for rid, job in jobs.items():
+        alone, _ = run(ours, {rid: job})
+        assert (batched[rid][0] - alone[rid][0]).abs().max() < 1e-5, rid
+
+
+def test_needs_a_first_frame_and_says_what_it_makes(pair) -> None:
+    path, _, ours = pair
+    p = dataclasses.replace(params(1.0), image=None)
+    with pytest.raises(ValueError, match="first frame"):
+        DiffusionEngine(ours).add_request("x", PROMPT, p)
+    spec = registry.video_spec(path)
+    assert spec.image_to_video and not spec.text_to_video and spec.default_size == (832, 480)
+    assert registry.family_of_folder(path).graph == "wan_i2v.yaml"
