@@ -83,6 +83,31 @@ def test_generate_video_writes_mp4(tmp_path: Path, capsys: pytest.CaptureFixture
     assert 10 * np.log10(255 ** 2 / mse) > 30     # H.264, 4:2:0 chroma on hard colour edges
 
 
+def test_generate_video_from_a_first_frame(tmp_path: Path, capsys: pytest.CaptureFixture
+                                           ) -> None:
+    """--image reaches the pipeline: the toy's background is the first frame's mean colour."""
+    from PIL import Image
+
+    from omnistage.testing.toy_video import build_toy_video, expected_frames
+    from omnistage.utils.video import decode_video
+
+    folder, graph = build_toy_video(tmp_path / "toy")
+    first = Image.new("RGB", (48, 32), (30, 200, 90))
+    first.save(tmp_path / "first.png")
+    rc = main(["generate", str(folder), "--stage-config", str(graph), "--prompt", "a kite",
+               "--image", str(tmp_path / "first.png"), "--num-frames", "1", "--height", "32",
+               "--width", "48", "--seed", "3", "--steps", "2", "--device", "cpu",
+               "--output-dir", str(tmp_path / "out"), "--stage-override", "backend=inproc",
+               "--stage-override", "connector=inproc"])
+    assert rc == 0
+    (path,) = capsys.readouterr().out.split()
+    frames, _ = decode_video(Path(path).read_bytes())
+    expected = expected_frames("a kite", 3, 1, 32, 48, first)
+    assert abs(frames[0, 0, 0].astype(int) - expected[0, 0, 0]).max() <= 8
+    assert abs(frames[0, 0, 0].astype(int) - expected_frames("a kite", 3, 1, 32, 48)[0, 0, 0]
+               ).max() > 40                                  # not the text-only background
+
+
 def test_generate_speech_writes_wav(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A Qwen3-Omni checkpoint: the prompt goes through the chat template, the answer's text is
     printed and its speech written as a 24 kHz WAV file; --modalities text writes none."""

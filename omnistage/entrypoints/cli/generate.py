@@ -67,6 +67,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     image.add_argument("--num-images", type=int, default=None, help="default: 1")
     image.add_argument("--height", type=int, default=None)
     image.add_argument("--width", type=int, default=None)
+    image.add_argument("--image", default=None, metavar="PATH",
+                       help="an image file to start from: image-to-image, or the first frame "
+                            "of image-to-video")
     image.add_argument("--num-frames", type=int, default=None,
                        help="video models: frames (default: the model's)")
     image.add_argument("--fps", type=float, default=None,
@@ -91,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
                                      num_images=_or(args.num_images, 1),
                                      num_frames=args.num_frames or (
                                          video.default_num_frames if video else None),
-                                     fps=fps)
+                                     fps=fps,
+                                     image=Path(args.image).read_bytes() if args.image else None)
         else:
             params = SamplingParams(temperature=_or(args.temperature, 0.0),
                                     top_p=_or(args.top_p, 1.0), top_k=_or(args.top_k, 0),
@@ -127,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
 
 TEXT_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "max_model_len", "speaker", "chat",
               "voice", "instructions", "language")
-IMAGE_FLAGS = ("steps", "guidance_scale", "num_images", "height", "width", "num_frames", "fps")
+IMAGE_FLAGS = ("steps", "guidance_scale", "num_images", "height", "width", "image", "num_frames",
+               "fps")
 
 
 def _or(value: T | None, default: T) -> T:
