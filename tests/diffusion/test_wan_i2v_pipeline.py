@@ -7,6 +7,7 @@ the folder's family, graph and VideoSpec."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from torch import Tensor
 from omnistage import registry
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipelines import wan_i2v
 from omnistage.testing.diffusion import run_keeping_latents
 from omnistage.testing.tiny_wan import build_tiny_wan_i2v
 
@@ -117,4 +119,6 @@ def test_needs_a_first_frame_and_says_what_it_makes(pair) -> None:
         DiffusionEngine(ours).add_request("x", PROMPT, p)
     spec = registry.video_spec(path)
     assert spec.image_to_video and not spec.text_to_video and spec.default_size == (832, 480)
+    hub = Path("hub/models--Wan-AI--Wan2.1-I2V-14B-720P-Diffusers/snapshots/0a1b")
+    assert wan_i2v.video_spec(hub).default_size == (1280, 720)
     assert registry.family_of_folder(path).graph == "wan_i2v.yaml"
