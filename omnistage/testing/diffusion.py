@@ -1,13 +1,15 @@
-"""Driving a diffusion engine to the end in tests."""
+"""Driving a diffusion engine to the end in tests: a request alone, requests joining at
+other steps, and the final latents each one reached (what `decode` got)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import Tensor
 
 from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipeline import DiffusionPipeline
 
 
 def run_to_end(engine: DiffusionEngine) -> dict[str, DiffusionResult]:
@@ -22,7 +24,8 @@ def run_to_end(engine: DiffusionEngine) -> dict[str, DiffusionResult]:
     return done
 
 
-def run_recording_latents(pipeline, drive: Callable[[DiffusionEngine], dict[str, DiffusionParams]]
+def run_recording_latents(pipeline: DiffusionPipeline,
+                          drive: Callable[[DiffusionEngine], dict[str, DiffusionParams]]
                           ) -> tuple[dict[str, tuple[Tensor, Tensor]], DiffusionEngine]:
     """A fresh engine over `pipeline`; `drive(engine)` adds the requests (and may step) and
     returns their params by id. -> per request (its final latents, what `decode` got; its
@@ -44,7 +47,8 @@ def run_recording_latents(pipeline, drive: Callable[[DiffusionEngine], dict[str,
     return {rid: (seen[id(p)], done[rid].images) for rid, p in jobs.items()}, engine
 
 
-def run_alone(pipeline, prompt: str, params: DiffusionParams) -> tuple[Tensor, Tensor]:
+def run_alone(pipeline: DiffusionPipeline, prompt: str, params: DiffusionParams
+              ) -> tuple[Tensor, Tensor]:
     """One request alone on a fresh engine: (its final latents, its output)."""
     def drive(engine: DiffusionEngine) -> dict[str, DiffusionParams]:
         engine.add_request("alone", prompt, params)
@@ -53,7 +57,8 @@ def run_alone(pipeline, prompt: str, params: DiffusionParams) -> tuple[Tensor, T
     return run_recording_latents(pipeline, drive)[0]["alone"]
 
 
-def run_staggered(pipeline, jobs: dict[str, tuple[str, DiffusionParams]], lag: int = 1
+def run_staggered(pipeline: DiffusionPipeline,
+                  jobs: dict[str, tuple[str, DiffusionParams]], lag: int = 1
                   ) -> tuple[dict[str, tuple[Tensor, Tensor]], DiffusionEngine]:
     """`jobs` (id -> (prompt, params)) added in order, each `lag` engine steps after the one
     before (none may finish before the last is added), then run to the end: as

@@ -6,12 +6,10 @@ the folder served by `Omni` with its default graph (videos out)."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torch import Tensor
 
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams

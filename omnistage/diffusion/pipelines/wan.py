@@ -165,6 +165,9 @@ class WanPipeline:
         UniPC); model_index.json says the variant."""
         path = Path(path)
         variant = WanVariant.read(path)
+        if not (path / "transformer").is_dir():   # diffusers would call None at high noise
+            raise ValueError(f"{path}: no transformer/ (a folder with only the low-noise "
+                             "expert, transformer_2/, is not supported)")
         transformer = WanTransformer3DModel.from_pretrained(path / "transformer", device, dtype)
         transformer_2 = (None if variant.boundary_ratio is None else
                          WanTransformer3DModel.from_pretrained(path / "transformer_2", device,
