@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -87,7 +88,7 @@ def i2v_reference(ref, p: DiffusionParams, image: Image.Image) -> Tensor:
         scheduler=ref.scheduler, transformer=ref.transformer, expand_timesteps=True)
     embeds, negative_embeds = ref.encode_prompt(
         PROMPT, p.negative_prompt, do_classifier_free_guidance=p.guidance_scale > 1,
-        max_sequence_length=512, device=torch.device("cpu"))   # as its __call__ does
+        max_sequence_length=512, device=ref.device)   # as its __call__ does
     return i2v(image=image, prompt_embeds=embeds, negative_prompt_embeds=negative_embeds,
                height=p.height, width=p.width, num_frames=p.num_frames,
                num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
@@ -111,6 +112,14 @@ def test_a14b_matches_diffusers(a14b, guidance: float, guidance_2: float | None)
         swapped = reference(ref, dataclasses.replace(p, guidance_scale=guidance_2,
                                                      guidance_scale_2=guidance))
         assert (swapped - expected).abs().max() > 1e-3    # 10x the tolerance
+
+
+def test_a14b_boundary_timestep_is_the_high_noise_experts(a14b) -> None:
+    """diffusers: `t >= boundary_ratio * num_train_timesteps` (875 here) runs `transformer`."""
+    _, _, ours = a14b
+    at = [SimpleNamespace(cond={"timesteps": torch.tensor([t])}, step_idx=0)
+          for t in (999, 875, 874)]
+    assert [ours.expert(r) for r in at] == [0, 0, 1]
 
 
 def test_a14b_requests_on_different_experts_equal_each_alone(a14b, monkeypatch) -> None:
