@@ -221,3 +221,24 @@ def test_ti2v_with_an_image_served_by_omni_with_its_default_graph(ti2v, image: I
     video = out.tensors["video"]
     assert video.shape == (1, FRAMES, *TI2V_SIZE, 3) and video.dtype == torch.uint8
     assert torch.equal(video, ours.decode(expected, p))
+
+
+def test_video_api_fields_reach_the_pipeline(a14b, ti2v, image: Image.Image) -> None:
+    """/v1/videos' checks (`plan`) against each folder's spec: guidance_scale_2 through to
+    A14B's params, the first image accepted by TI2V only; defaults the pipeline takes."""
+    from omnistage.entrypoints.openai.errors import APIError
+    from omnistage.entrypoints.openai.protocol import VideoRequest
+    from omnistage.entrypoints.openai.video_params import VideoLimits, plan
+
+    req = VideoRequest(prompt=PROMPT, guidance_scale=4.0, guidance_scale_2=3.0)
+    path, _, ours = a14b
+    fields, size, _ = plan(registry.video_spec(path), VideoLimits(), req, None)
+    assert fields["guidance_scale_2"] == 3.0 and size == "832x480"
+    ours.validate(PROMPT, DiffusionParams(**fields))
+    with pytest.raises(APIError, match="text only"):
+        plan(registry.video_spec(path), VideoLimits(), req, png(image))
+    path, _, ours = ti2v
+    fields, size, _ = plan(registry.video_spec(path), VideoLimits(),
+                           VideoRequest(prompt=PROMPT), png(image))
+    assert size == "1280x704" and fields["num_frames"] == 121 and fields["fps"] == 24
+    ours.validate(PROMPT, DiffusionParams(**fields, image=png(image)))
