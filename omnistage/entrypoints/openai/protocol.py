@@ -465,6 +465,7 @@ class VideoRequest(Request):
     negative_prompt: str | None = None
     num_inference_steps: Annotated[int, Field(ge=1, le=200)] | None = None
     guidance_scale: Annotated[float, Field(ge=0.0)] | None = None
+    guidance_scale_2: Annotated[float, Field(ge=0.0)] | None = None   # Wan2.2 A14B low-noise
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
 
 
