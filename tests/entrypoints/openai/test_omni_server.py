@@ -38,6 +38,14 @@ def omni_server(start_server: Callable[..., Server],
     return start_server([str(path), "--served-model-name", MODEL])
 
 
+def test_models_offer_chat_with_every_input(omni_server: Server) -> None:
+    """Text and audio out, the processor's four inputs in; /v1/realtime once it is served."""
+    card = omni_server.get("/v1/models").json()["data"][0]
+    assert card["modalities"] == ["audio", "text"]
+    assert card["capabilities"]["input_modalities"] == ["text", "audio", "image", "video"]
+    assert card["capabilities"]["endpoints"][:2] == ["/v1/chat/completions", "/v1/completions"]
+
+
 def test_text_only_chat_skips_speech(omni_server: Server) -> None:
     """No `modalities`: OpenAI's default, text (the talker and code2wav do not run)."""
     out = omni_server.openai().chat.completions.create(model=MODEL, messages=USER,

@@ -232,6 +232,11 @@ def test_bad_uploads(server: Server) -> None:
     assert error_of(r, 400)["param"] == "audio"
 
 
+def test_models_offer_speech(server: Server) -> None:
+    caps = server.get("/v1/models").json()["data"][0]["capabilities"]
+    assert caps["endpoints"] == ["/v1/audio/speech"], caps
+
+
 def test_a_model_without_speech_says_so(image_server: Server) -> None:
     r = image_server.post("/v1/audio/speech", json={"input": TEXT, "voice": "alto"})
     assert error_of(r, 400)["code"] == "model_not_speech"

@@ -243,6 +243,11 @@ def test_an_image_over_the_media_limit_is_413(server: Server) -> None:
     assert error_of(r, 413)["code"] == "media_too_large"
 
 
+def test_models_offer_video(server: Server) -> None:
+    caps = server.get(f"/v1/models/{MODEL}").json()["capabilities"]
+    assert caps["endpoints"] == ["/v1/videos"], caps
+
+
 def test_unknown_model_is_404(server: Server) -> None:
     r = server.post("/v1/videos", json={"model": "sora-2", "prompt": "a cat"})
     assert error_of(r, 404)["code"] == "model_not_found"
