@@ -262,6 +262,41 @@ def test_the_job_limit_is_a_429(server: Server) -> None:
         delete(server, job["id"]).raise_for_status()
 
 
+def test_the_playground_runs_a_job_to_a_playing_video(server: Server, browser: object) -> None:
+    """The video tab in headless Chromium: a job made from the form shows its progress,
+    completes, plays in the page (fetched as any client fetches it) and is deleted."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    from omnistage.testing.browser import open_playground, visible_tabs, wait_for
+
+    open_playground(browser, server.url)
+    assert visible_tabs(browser) == ["Video"]
+    for field, value in (("video-size", "64x48"), ("video-frames", "5"), ("video-steps", "2"),
+                         ("video-seed", "4")):
+        browser.find_element(By.ID, field).send_keys(value)
+    browser.find_element(By.ID, "video-prompt").send_keys("from the page", Keys.ENTER)
+    job = wait_for(browser, "the job listed", lambda d: next(
+        (li for li in d.find_elements(By.CSS_SELECTOR, "#video-jobs li")
+         if li.text.startswith("from the page")), None))
+    job_id = job.get_attribute("id").removeprefix("job-")
+    wait_for(browser, "the job completed", lambda d: d.find_element(
+        By.CSS_SELECTOR, f"#job-{job_id} progress").get_attribute("value") == "100"
+        and "completed" in d.find_element(By.ID, f"job-{job_id}").text)
+    assert server.get(f"/v1/videos/{job_id}").json()["status"] == "completed"
+    play = next(b for b in browser.find_elements(By.CSS_SELECTOR, f"#job-{job_id} button")
+                if b.text == "Play")
+    play.click()
+    size = wait_for(browser, "the video playing", lambda d: d.execute_script(
+        f"const v = document.querySelector('#job-{job_id} video');"
+        "return v && v.readyState >= 2 && [v.videoWidth, v.videoHeight]"))
+    assert size == [64, 48]
+    next(b for b in browser.find_elements(By.CSS_SELECTOR, f"#job-{job_id} button")
+         if b.text == "Delete").click()
+    wait_for(browser, "the job gone", lambda d: not d.find_elements(By.ID, f"job-{job_id}"))
+    assert server.get(f"/v1/videos/{job_id}").status_code == 404
+
+
 # ---- restart (last: it stops the module's server) -------------------------------------------
 
 def test_jobs_survive_a_restart(server: Server, start_server: Callable[..., Server],

@@ -554,7 +554,9 @@ function jobItem(job) {
   bar.setAttribute("aria-label", `progress of ${job.id}`);
   li.append(label, bar);
   if (job.error) li.append(` ${job.error.message}`);
-  if (job.status === "completed") li.append(jobButton("Play", () => playVideo(job.id, li)));
+  if (job.status === "completed") {
+    li.append(jobButton("Play", () => playVideo(job.id, li).catch(fail)));
+  }
   if (job.status === "queued" || job.status === "in_progress") {
     li.append(jobButton("Cancel", () => api(`/v1/videos/${job.id}/cancel`, { method: "POST" })
       .then(refreshVideos).catch(fail)));
@@ -573,10 +575,13 @@ function jobButton(text, onClick) {
 }
 
 async function playVideo(id, li) {
-  // fetched with the key (a <video src> could not send it), then played from a blob
-  const blob = await (await api(`/v1/videos/${id}/content`)).blob();
+  // fetched with the key (a <video src> could not send it), then played from a blob; WebM
+  // where this browser plays no H.264
   const el = li.querySelector("video") || li.appendChild(document.createElement("video"));
+  const mp4 = el.canPlayType('video/mp4; codecs="avc1.42E01E"') !== "";
+  const blob = await (await api(`/v1/videos/${id}/content${mp4 ? "" : "?format=webm"}`)).blob();
   el.controls = true;
+  el.setAttribute("aria-label", `video ${id}`);
   el.src = URL.createObjectURL(blob);
   el.play().catch(() => {});
 }
