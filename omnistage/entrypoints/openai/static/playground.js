@@ -175,9 +175,9 @@ class Timer {
   mark(kind = "first") { if (this[kind] === null) this[kind] = performance.now(); }
   sec(t) { return t === null ? null : (t - this.t0) / 1000; }
 
-  text(tokens) {
+  text(tokens, promptTokens) {
     const total = this.sec(performance.now());
-    const parts = [];
+    const parts = promptTokens ? [`prompt ${promptTokens} tokens`] : [];
     if (this.first !== null) parts.push(`first token ${this.sec(this.first).toFixed(3)} s`);
     if (this.firstAudio !== null) parts.push(`first audio ${this.sec(this.firstAudio).toFixed(3)} s`);
     if (tokens && this.first !== null) {
@@ -274,7 +274,8 @@ async function streamChat(body) {
     out.textContent += err.name === "AbortError" ? " [stopped]" : ` [${err.message}]`;
     fail(err);
   } finally {
-    $("chat-metrics").textContent = timer.text(usage ? usage.completion_tokens : tokens);
+    $("chat-metrics").textContent = usage ? timer.text(usage.completion_tokens, usage.prompt_tokens)
+                                          : timer.text(tokens);
     out.dataset.done = "true";
     chat.controller = null;
     $("chat-stop").disabled = true;
