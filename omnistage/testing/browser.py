@@ -17,7 +17,9 @@ WAIT_S = 30.0             # every wait on a page has this deadline
 PAGE_LOAD_S = 20.0
 OPTIONS = ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
            "--window-size=1000,760", "--force-device-scale-factor=1",
-           "--autoplay-policy=no-user-gesture-required")
+           "--autoplay-policy=no-user-gesture-required",
+           # a microphone that beeps, allowed without asking (the realtime tab)
+           "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream")
 
 
 def chromium_path() -> str | None:
