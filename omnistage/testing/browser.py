@@ -60,9 +60,12 @@ def wait_for(driver: WebDriver, what: str, condition: Callable[[WebDriver], T],
              timeout_s: float = WAIT_S) -> T:
     """`condition`'s first truthy value, polled; TimeoutException naming `what` after the
     deadline."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout_s, poll_frequency=0.1).until(
+    # an element the page replaced while `condition` read it: read again at the next poll
+    return WebDriverWait(driver, timeout_s, poll_frequency=0.1,
+                         ignored_exceptions=(StaleElementReferenceException,)).until(
         condition, message=f"{what}: not within {timeout_s} s")
 
 

@@ -276,23 +276,27 @@ def test_the_playground_runs_a_job_to_a_playing_video(server: Server, browser: o
                          ("video-seed", "4")):
         browser.find_element(By.ID, field).send_keys(value)
     browser.find_element(By.ID, "video-prompt").send_keys("from the page", Keys.ENTER)
-    job = wait_for(browser, "the job listed", lambda d: next(
-        (li for li in d.find_elements(By.CSS_SELECTOR, "#video-jobs li")
-         if li.text.startswith("from the page")), None))
-    job_id = job.get_attribute("id").removeprefix("job-")
+    # the list is redrawn as jobs move: elements are found again at each poll
+    job_id = wait_for(browser, "the job listed", lambda d: d.execute_script(
+        "const li = [...document.querySelectorAll('#video-jobs li')]"
+        "  .find(li => li.textContent.startsWith('from the page'));"
+        "return li && li.id.slice(4)"))
     wait_for(browser, "the job completed", lambda d: d.find_element(
         By.CSS_SELECTOR, f"#job-{job_id} progress").get_attribute("value") == "100"
         and "completed" in d.find_element(By.ID, f"job-{job_id}").text)
     assert server.get(f"/v1/videos/{job_id}").json()["status"] == "completed"
-    play = next(b for b in browser.find_elements(By.CSS_SELECTOR, f"#job-{job_id} button")
-                if b.text == "Play")
-    play.click()
+
+    def press(label: str) -> None:
+        wait_for(browser, f"{label} pressed", lambda d: any(
+            b.click() or True for b in d.find_elements(By.CSS_SELECTOR, f"#job-{job_id} button")
+            if b.text == label))
+
+    press("Play")
     size = wait_for(browser, "the video playing", lambda d: d.execute_script(
         f"const v = document.querySelector('#job-{job_id} video');"
         "return v && v.readyState >= 2 && [v.videoWidth, v.videoHeight]"))
     assert size == [64, 48]
-    next(b for b in browser.find_elements(By.CSS_SELECTOR, f"#job-{job_id} button")
-         if b.text == "Delete").click()
+    press("Delete")
     wait_for(browser, "the job gone", lambda d: not d.find_elements(By.ID, f"job-{job_id}"))
     assert server.get(f"/v1/videos/{job_id}").status_code == 404
 

@@ -270,6 +270,12 @@ async function streamChat(body) {
     }
     chat.history.push({ role: "assistant", content: out.textContent });
   } catch (err) {
+    // a stopped answer stays in the conversation as far as it got; a failed turn leaves it
+    if (err.name === "AbortError" && out.textContent) {
+      chat.history.push({ role: "assistant", content: out.textContent });
+    } else {
+      chat.history.pop();
+    }
     out.classList.add("error");
     out.textContent += err.name === "AbortError" ? " [stopped]" : ` [${err.message}]`;
     fail(err);
@@ -547,13 +553,12 @@ async function createVideo() {
 function jobItem(job) {
   const li = document.createElement("li");
   li.id = `job-${job.id}`;
-  const label = document.createElement("span");
-  label.textContent = `${job.prompt} · ${job.size} · ${job.seconds} s · ${job.status} `;
+  li.dataset.status = job.status;
   const bar = document.createElement("progress");
   bar.max = 100;
-  bar.value = job.progress;
   bar.setAttribute("aria-label", `progress of ${job.id}`);
-  li.append(label, bar);
+  li.append(document.createElement("span"), bar);
+  showProgress(li, job);
   if (job.error) li.append(` ${job.error.message}`);
   if (job.status === "completed") {
     li.append(jobButton("Play", () => playVideo(job.id, li).catch(fail)));
@@ -565,6 +570,11 @@ function jobItem(job) {
   li.append(jobButton("Delete", () => api(`/v1/videos/${job.id}`, { method: "DELETE" })
     .then(refreshVideos).catch(fail)));
   return li;
+}
+
+function showProgress(li, job) {
+  li.firstChild.textContent = `${job.prompt} · ${job.size} · ${job.seconds} s · ${job.status} `;
+  li.querySelector("progress").value = job.progress;
 }
 
 function jobButton(text, onClick) {
@@ -591,12 +601,14 @@ async function refreshVideos() {
   clearTimeout(video.poll);
   const jobs = (await (await api("/v1/videos?limit=20")).json()).data;
   const list = $("video-jobs");
-  for (const job of jobs) {
+  jobs.forEach((job, i) => {
     const old = $(`job-${job.id}`);
-    if (old && old.querySelector("video")) continue;   // keep a playing video
-    const li = jobItem(job);
-    if (old) old.replaceWith(li); else list.appendChild(li);
-  }
+    // progress updates in place (keyboard focus stays on the job's buttons); a new status
+    // brings new buttons; a new job goes where the list (newest first) has it
+    if (old && old.dataset.status === job.status) showProgress(old, job);
+    else if (old) old.replaceWith(jobItem(job));
+    else list.insertBefore(jobItem(job), list.children[i] || null);
+  });
   const ids = new Set(jobs.map((j) => `job-${j.id}`));
   [...list.children].forEach((li) => { if (!ids.has(li.id)) li.remove(); });
   if (jobs.some((j) => j.status === "queued" || j.status === "in_progress")) {
