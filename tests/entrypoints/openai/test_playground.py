@@ -4,9 +4,11 @@ model's /v1/models card names the routes that serve it."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING
 
 import httpx
+import pytest
 
 if TYPE_CHECKING:
     from tests.entrypoints.openai.conftest import Server
@@ -29,3 +31,14 @@ def test_capabilities_of_a_text_and_an_image_model(text_server: Server,
     assert image["capabilities"] == {
         "endpoints": ["/v1/chat/completions", "/v1/images/generations"],
         "input_modalities": ["text"]}
+
+
+def test_a_missing_browser_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where Chromium cannot be installed the browser tests skip naming the packages."""
+    from omnistage.testing import browser
+
+    monkeypatch.setattr(browser.shutil, "which", lambda name: None)
+    assert browser.missing()[-2:] == ["chromium (apt)", "chromium-driver (apt)"]
+    monkeypatch.setattr(browser.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert browser.missing() == ([] if importlib.util.find_spec("selenium")
+                                 else ["selenium (pip)"])

@@ -6,7 +6,7 @@ const $ = (id) => document.getElementById(id);
 const KEY_STORE = "omnistage.apiKey";
 const OUT_RATE = 24000;      // PCM16 the server streams (chat audio, realtime deltas)
 const IN_RATE = 16000;       // PCM16 the realtime endpoint takes
-const state = { model: null, caps: null };
+const state = { model: null, outputs: [], caps: null };   // from /v1/models
 
 // ---- the API -----------------------------------------------------------------------------
 
