@@ -339,6 +339,14 @@ class ImagesResponse(BaseModel):
 
 # ---- models, errors --------------------------------------------------------------------------
 
+class ModelCapabilities(BaseModel):
+    """What the served model can do, for a client to choose what to offer (the playground's
+    tabs): the routes that serve it and what a chat message may carry."""
+
+    endpoints: list[str]         # e.g. /v1/chat/completions, /v1/images/generations
+    input_modalities: list[str]  # text, image, audio, video
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -347,6 +355,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     max_model_len: int | None = None
     modalities: list[str] = Field(default_factory=list)   # what the model can output
+    capabilities: ModelCapabilities | None = None
 
 
 class ModelList(BaseModel):
