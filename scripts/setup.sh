@@ -17,6 +17,28 @@ if ! $PY -c "import torch" 2>/dev/null; then
 fi
 $PY -m pip install -q -e ".[test,ray]"
 
+# The playground's browser test (tests/entrypoints/openai/test_playground_browser.py): headless
+# Chromium and its driver from Debian's packages (selenium comes with the test extras), as root
+# or through passwordless sudo. Where neither can install them the test skips naming what is
+# missing, so a failed install warns and goes on.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        AS_ROOT=""
+    elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+        AS_ROOT="sudo -n"
+    else
+        AS_ROOT="none"
+    fi
+    if [ "$AS_ROOT" != none ] && command -v apt-get >/dev/null 2>&1; then
+        APT="$AS_ROOT env DEBIAN_FRONTEND=noninteractive apt-get -q -o DPkg::Lock::Timeout=300"
+        { $APT update && $APT install -y chromium chromium-driver; } >/dev/null \
+            || echo "setup.sh: chromium / chromium-driver not installed; the browser test skips" >&2
+    else
+        echo "setup.sh: no apt-get as root here: chromium / chromium-driver not installed;" \
+             "the browser test skips" >&2
+    fi
+fi
+
 # The reference environment of the Qwen3-TTS golden tests (tests/models/qwen3_tts): the
 # `qwen-tts` package pins transformers 4.57.3, which cannot share .venv with ours, so it gets
 # its own, run by subprocess. Only what its 12 Hz models import (not its demo's gradio, nor

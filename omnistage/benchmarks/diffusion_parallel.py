@@ -4,7 +4,8 @@ same true-CFG loop on 1 GPU as the reference, in the same call.
 
     layouts:    single (1 GPU), cfg (CFG-parallel 2: a branch per GPU), ulysses (2: the
                 sequence split, all-to-all around attention), tp (2: heads and MLPs split),
-                ring (2: keys and values passed round). Each layout is its own set of rank
+                ring (2: keys and values passed round); combined with degrees on 4 GPUs
+                and more: tp4, ulysses4, cfg2xulysses2 (`layout_sizes`). Each layout is its own set of rank
                 processes (`python -m omnistage.benchmarks.diffusion_parallel`), joined in
                 one process group as a stage's ranks are; rank 0 serves the request through
                 DiffusionEngine, the others follow its step plans.
@@ -40,9 +41,28 @@ from omnistage.benchmarks.diffusion import DiffusionBenchConfig, _denoise, _pipe
 from omnistage.configs.schema import ParallelSizes
 from omnistage.utils.device import resolve_device
 
-LAYOUTS = {"single": ParallelSizes(), "cfg": ParallelSizes(cfg=2),
-           "ulysses": ParallelSizes(ulysses=2), "tp": ParallelSizes(tp=2),
-           "ring": ParallelSizes(ring=2)}
+AXIS_NAMES = ("cfg", "ulysses", "ring", "tp")
+
+
+def layout_sizes(name: str) -> ParallelSizes:
+    """A layout's name -> its sizes: "single" (1 GPU); an axis alone ("cfg", "ulysses", "ring",
+    "tp": 2 ranks); or axes with their degrees joined by "x" ("tp4", "cfg2xulysses2",
+    "ulysses4"), for 4 GPUs and more."""
+    if name == "single":
+        return ParallelSizes()
+    sizes: dict[str, int] = {}
+    for part in name.split("x"):
+        axis = part.rstrip("0123456789")
+        degree = part[len(axis):]
+        if axis not in AXIS_NAMES or axis in sizes or (degree and int(degree) < 2):
+            raise ValueError(f"layout {name!r}: write single, an axis ({', '.join(AXIS_NAMES)}) "
+                             "or axes with degrees joined by x (cfg2xulysses2, tp4)")
+        sizes[axis] = int(degree) if degree else 2
+    return ParallelSizes(**sizes)
+
+
+def _speedup_key(name: str) -> str:
+    return "cfg_parallel_speedup" if name == "cfg" else f"{name}_speedup"
 TRUE_CFG_SCALE = 4.0
 RANK_TIMEOUT_S = 480.0
 
@@ -62,9 +82,8 @@ class ParallelBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        unknown = set(self.layouts) - set(LAYOUTS) - {"single"}
-        if unknown:
-            raise ValueError(f"layouts {sorted(unknown)}: choose from {', '.join(LAYOUTS)}")
+        for name in self.layouts:
+            layout_sizes(name)
 
     @property
     def diffusion(self) -> DiffusionBenchConfig:
@@ -242,7 +261,7 @@ def run_layout(cfg: ParallelBenchConfig, name: str, out_dir: Path) -> dict[str, 
     from omnistage.testing.processes import free_port
     from omnistage.testing.ranks import wait_all
 
-    sizes = LAYOUTS[name]
+    sizes = layout_sizes(name)
     folder = out_dir / name
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -278,7 +297,7 @@ def run(cfg: ParallelBenchConfig, out_dir: Path) -> dict[str, object]:
     for name, res in layouts.items():
         res.update(_distance(res.pop("latents"), base["latents"]) if name != "single" else {})
         if name != "single":
-            ratios[f"{name}_speedup" if name != "cfg" else "cfg_parallel_speedup"] = ratio(
+            ratios[_speedup_key(name)] = ratio(
                 base["seconds_per_image"], res["seconds_per_image"])
         if ref is not None:
             ratios[f"{name}_speedup_vs_diffusers"] = ratio(ref["seconds_per_image"],
@@ -301,7 +320,7 @@ def run(cfg: ParallelBenchConfig, out_dir: Path) -> dict[str, object]:
 if __name__ == "__main__":   # one rank: RANK PORT CONFIG_JSON LAYOUT OUT_DIR
     r, p, c, lay, o = sys.argv[1:6]
     rank_main(int(r), int(p), ParallelBenchConfig(**{**json.loads(c), "layouts": tuple(
-        json.loads(c)["layouts"])}), LAYOUTS[lay], Path(o))
+        json.loads(c)["layouts"])}), layout_sizes(lay), Path(o))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -17,7 +17,8 @@ Sizes ("real"): Qwen3-Omni-30B-A3B at its size: thinker 48 layers of 128 experts
 152k vocabulary, talker 20 layers of 128 experts, the rest as "bench" (audio and vision
 encoders small: text prompts do not use them). With `tensor_parallel_size` N our thinker
 spans GPUs 0..N-1 (the default graph under `-tp N`: talker and code2wav on GPU 0), and
-transformers loads the saved checkpoint spread over the same GPUs (device_map="auto").
+transformers loads the saved checkpoint on GPU 0 where it fits, else spread over the same GPUs
+(device_map="auto"; see _spread).
 
 Sizes ("bench"): Qwen3-Omni-30B-A3B's layer structure (MoE thinker and talker, 5-layer code
 predictor, code2wav with its real upsampling to 24 kHz) scaled to fit one GPU and run in
@@ -217,19 +218,41 @@ def _build_on_two_gpus(config, dtype: torch.dtype, devices: tuple[str, str] = ("
     return model
 
 
-def _spread(model, path: Path, num_gpus: int, device: torch.device, dtype: torch.dtype):
-    """The saved checkpoint again, spread by transformers over GPUs 0..num_gpus-1
-    (device_map="auto", which needs accelerate): the reference on the GPUs our thinker's
-    ranks use. On a CPU: the model as built."""
-    if device.type != "cuda":
-        return model
+def _spread(path: Path, num_gpus: int, dtype: torch.dtype):
+    """The saved checkpoint for the reference, on the GPUs our thinker's ranks use: on GPU 0
+    alone where it fits there (transformers 5.17's generate fails when device_map="auto" puts
+    the talker on another GPU than its inputs: torch.isin across cuda:0 and cuda:1, measured
+    at 30B on two H100s; one GPU also spares the reference the hops between cards), else
+    spread by device_map="auto" (which needs accelerate)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    del model
-    free_device_memory(device)
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    print(f"reference: {weights / 2**30:.1f} GiB of weights", flush=True)
+    if weights < torch.cuda.mem_get_info(0)[0] - 6 * 2**30:       # room for its activations
+        return Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+            str(path), dtype=dtype, device_map={"": 0}).eval()
     budget = {i: torch.cuda.mem_get_info(i)[0] * 9 // 10 for i in range(num_gpus)}
     return Qwen3OmniMoeForConditionalGeneration.from_pretrained(
         str(path), dtype=dtype, device_map="auto", max_memory=budget).eval()
+
+
+def _spread_reference(path: Path, cfg: OmniBenchConfig, device: torch.device,
+                      dtype: torch.dtype) -> dict[str, object]:
+    """transformers on the saved checkpoint, loaded by _spread and timed (bench_transformers)
+    in a child process, whose exit gives all its GPU memory back before ours loads (measured:
+    in this process 64 GB stayed on GPU 0 after `del`, gc and emptying every parameter)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_spread_reference_child, (path, cfg, device, dtype))
+
+
+def _spread_reference_child(path: Path, cfg: OmniBenchConfig, device: torch.device,
+                            dtype: torch.dtype) -> dict[str, object]:
+    model = _spread(path, cfg.tensor_parallel_size, dtype)
+    hf = bench_transformers(model, path, cfg, device)
+    hf["device_map"] = sorted({str(d) for d in getattr(model, "hf_device_map", {}).values()})
+    return hf
 
 
 def _prompt(i: int) -> dict:
@@ -440,10 +463,15 @@ def run(cfg: OmniBenchConfig) -> dict[str, object]:
         params = {"thinker": parameter_bytes(model.thinker) // model.dtype.itemsize,
                   "talker": parameter_bytes(model.talker) // model.dtype.itemsize,
                   "code2wav": parameter_bytes(model.code2wav) // model.dtype.itemsize}
-        if (cfg.tensor_parallel_size > 1 or cfg.sizes == "real") and cfg.reference_requests:
-            model = _spread(model, path, cfg.tensor_parallel_size, device, dtype)
-        hf = bench_transformers(model, path, cfg, device) if cfg.reference_requests else None
-        del model
+        spread = ((cfg.tensor_parallel_size > 1 or cfg.sizes == "real")
+                  and device.type == "cuda" and cfg.reference_requests)
+        if spread:              # the model as built leaves the GPUs first
+            del model
+            free_device_memory(device)
+            hf = _spread_reference(path, cfg, device, dtype)
+        else:
+            hf = bench_transformers(model, path, cfg, device) if cfg.reference_requests else None
+            del model
         free_device_memory(device)
         ours = bench_ours(path, cfg, device, dtype)
         free_device_memory(device)

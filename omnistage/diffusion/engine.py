@@ -158,7 +158,7 @@ class DiffusionEngine:
             self.followed.discard(r.request_id)        # the others drop it as they finish it
             try:
                 with torch.inference_mode():
-                    images = self.pipeline.decode(r.latents, r.params)
+                    images = self.pipeline.decode(self._final_latents(r), r.params)
             except Exception as exc:
                 results.append(DiffusionResult(r.request_id, None, True, 1.0,
                                                f"{type(exc).__name__}: {exc}"))
@@ -210,6 +210,12 @@ class DiffusionEngine:
         for r in done:
             del self.requests[r.request_id]
         return done
+
+    def _final_latents(self, r: DiffusionRequest) -> Tensor:
+        """A finished request's latents as its pipeline's `final_latents` makes them (Wan2.2
+        TI2V puts its fixed first frame back), else as the solver left them."""
+        final = getattr(self.pipeline, "final_latents", None)
+        return r.latents if final is None else final(r)
 
     def _give_solver(self, req: DiffusionRequest) -> DiffusionRequest:
         """The pipeline's solver (`solver` attribute; flow-match Euler without one) and a

@@ -24,7 +24,8 @@ class ImageRef(msgspec.Struct, frozen=True):
 @dataclass(frozen=True, slots=True)
 class DiffusionParams:
     """height/width None: the pipeline's default size. guidance_scale: classifier-free
-    guidance (or FLUX's distilled guidance), None: the pipeline's default. true_cfg_scale:
+    guidance (or FLUX's distilled guidance), None: the pipeline's default. guidance_scale_2:
+    Wan2.2 A14B's scale on its low-noise expert, None: guidance_scale. true_cfg_scale:
     Qwen-Image's true CFG with a negative prompt. cache_threshold: step caching (TeaCache-
     style), None = off. image: an encoded image file (PNG, JPEG, WebP, ...) to start from
     (image-to-image / edit), or a PIL image (kept as PNG); on the way to a stage an
@@ -34,6 +35,7 @@ class DiffusionParams:
     width: int | None = None
     num_inference_steps: int = 20
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = None
     true_cfg_scale: float = 1.0
     negative_prompt: str | None = None
     seed: int | None = None
@@ -69,6 +71,8 @@ class DiffusionParams:
             bad("num_images", f"must be in [1, {MAX_IMAGES}]")
         if self.guidance_scale is not None and not self.guidance_scale >= 0.0:
             bad("guidance_scale", "must be >= 0")
+        if self.guidance_scale_2 is not None and not self.guidance_scale_2 >= 0.0:
+            bad("guidance_scale_2", "must be >= 0")
         if not self.true_cfg_scale >= 0.0:
             bad("true_cfg_scale", "must be >= 0")
         for name in ("height", "width"):

@@ -5,7 +5,9 @@ encoders can run in a stage of their own.
     1. encode(prompts, params) -> text conditioning per request     (PromptEncoder, batched)
     2. prepare_latents(params, generator) -> initial latents, schedule, other conditioning
     3. velocity(latents, sigmas, requests) -> model output for a batch           (every step)
-    4. decode(latents, params) -> images, uint8 (n, H, W, C)
+    4. decode(latents, params) -> images, uint8 (n, H, W, C); a pipeline whose last latents
+       are not the solver's (Wan2.2 TI2V's fixed first frame) has `final_latents(request)`,
+       which the engine calls for them
 
 `prepare(prompt, params, generator)` is 1 + 2 for one request: what a single-stage graph runs.
 In a split graph (configs/*_split.yaml) a text-encoder stage runs 1 alone, batched over

@@ -1,11 +1,15 @@
-"""Driving a diffusion engine to the end in tests."""
+"""Driving a diffusion engine to the end in tests: a request alone, requests joining at
+other steps, and the final latents each one reached (what `decode` got)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import Tensor
 
 from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipeline import DiffusionPipeline
 
 
 def run_to_end(engine: DiffusionEngine) -> dict[str, DiffusionResult]:
@@ -20,20 +24,50 @@ def run_to_end(engine: DiffusionEngine) -> dict[str, DiffusionResult]:
     return done
 
 
-def run_keeping_latents(engine: DiffusionEngine
-                        ) -> tuple[dict[str, DiffusionResult], dict[int, Tensor]]:
-    """`run_to_end`, also keeping each request's final latents as the pipeline decodes them,
-    by the request's seed (give each request its own)."""
-    pipe = engine.pipeline
-    decode = pipe.decode
+def run_recording_latents(pipeline: DiffusionPipeline,
+                          drive: Callable[[DiffusionEngine], dict[str, DiffusionParams]]
+                          ) -> tuple[dict[str, tuple[Tensor, Tensor]], DiffusionEngine]:
+    """A fresh engine over `pipeline`; `drive(engine)` adds the requests (and may step) and
+    returns their params by id. -> per request (its final latents, what `decode` got; its
+    output), everything run to the end; and the engine."""
     seen: dict[int, Tensor] = {}
+    decode = pipeline.decode
 
     def spy(latents: Tensor, params: DiffusionParams) -> Tensor:
-        seen[params.seed] = latents.clone()
+        seen[id(params)] = latents.clone()
         return decode(latents, params)
 
-    pipe.decode = spy                                   # type: ignore[method-assign]
+    pipeline.decode = spy
     try:
-        return run_to_end(engine), seen
+        engine = DiffusionEngine(pipeline)
+        jobs = drive(engine)
+        done = run_to_end(engine)
     finally:
-        del pipe.decode                                 # the class's method again
+        pipeline.decode = decode
+    return {rid: (seen[id(p)], done[rid].images) for rid, p in jobs.items()}, engine
+
+
+def run_alone(pipeline: DiffusionPipeline, prompt: str, params: DiffusionParams
+              ) -> tuple[Tensor, Tensor]:
+    """One request alone on a fresh engine: (its final latents, its output)."""
+    def drive(engine: DiffusionEngine) -> dict[str, DiffusionParams]:
+        engine.add_request("alone", prompt, params)
+        return {"alone": params}
+
+    return run_recording_latents(pipeline, drive)[0]["alone"]
+
+
+def run_staggered(pipeline: DiffusionPipeline,
+                  jobs: dict[str, tuple[str, DiffusionParams]], lag: int = 1
+                  ) -> tuple[dict[str, tuple[Tensor, Tensor]], DiffusionEngine]:
+    """`jobs` (id -> (prompt, params)) added in order, each `lag` engine steps after the one
+    before (none may finish before the last is added), then run to the end: as
+    `run_recording_latents`."""
+    def drive(engine: DiffusionEngine) -> dict[str, DiffusionParams]:
+        for k, rid in enumerate(jobs):
+            engine.add_request(rid, *jobs[rid])
+            for _ in range(lag if k < len(jobs) - 1 else 0):
+                engine.step()
+        return {rid: p for rid, (_, p) in jobs.items()}
+
+    return run_recording_latents(pipeline, drive)

@@ -19,7 +19,7 @@ from omnistage import registry
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines import wan_i2v
-from omnistage.testing.diffusion import run_keeping_latents
+from omnistage.testing.diffusion import run_alone, run_staggered
 from omnistage.testing.tiny_wan import build_tiny_wan_i2v
 
 diffusers = pytest.importorskip("diffusers")
@@ -74,23 +74,10 @@ def reference(ref, guidance: float, image: int = 0) -> tuple[Tensor, Tensor]:
     return final["latents"], torch.from_numpy(np.asarray(frames))
 
 
-def run(pipe, jobs: dict[str, tuple[str, DiffusionParams]], join_later: bool = False
-        ) -> tuple[dict[str, tuple[Tensor, Tensor]], DiffusionEngine]:
-    """-> per request its final latents and its video; join_later: one engine step between
-    adding one request and the next."""
-    engine = DiffusionEngine(pipe)
-    for k, (rid, (prompt, p)) in enumerate(jobs.items()):
-        engine.add_request(rid, prompt, p)
-        if join_later and k < len(jobs) - 1:
-            engine.step()
-    done, latents = run_keeping_latents(engine)
-    return {rid: (latents[p.seed], done[rid].images) for rid, (_, p) in jobs.items()}, engine
-
-
 @pytest.mark.parametrize("guidance", [1.0, 5.0], ids=["no-cfg", "cfg"])
 def test_matches_diffusers(pair, guidance: float) -> None:
     _, ref, ours = pair
-    latents, video = run(ours, {"a": (PROMPT, params(guidance))})[0]["a"]
+    latents, video = run_alone(ours, PROMPT, params(guidance))
     expected, frames = reference(ref, guidance)
     assert expected.shape == (1, 4, 2, 4, 6) and expected.abs().max() > 0.5
     assert (latents - expected).abs().max() < 1e-4
@@ -105,11 +92,11 @@ def test_requests_at_different_steps_equal_each_alone(pair) -> None:
     jobs = {"a": (PROMPT, params(5.0, seed=1, steps=5)),
             "b": ("a dog", params(1.0, seed=2, steps=3, image=1)),
             "c": ("waves", params(3.0, seed=3, steps=4, image=2))}
-    batched, engine = run(ours, jobs, join_later=True)
+    batched, engine = run_staggered(ours, jobs)
     assert engine.num_steps_run == 6                  # c joined at a's step 2: 2 + 4
-    for rid, job in jobs.items():
-        alone, _ = run(ours, {rid: job})
-        assert (batched[rid][0] - alone[rid][0]).abs().max() < 1e-5, rid
+    for rid, (prompt, p) in jobs.items():
+        alone, _ = run_alone(ours, prompt, p)
+        assert (batched[rid][0] - alone).abs().max() < 1e-5, rid
 
 
 def test_needs_a_first_frame_and_says_what_it_makes(pair) -> None:

@@ -6,17 +6,15 @@ the folder served by `Omni` with its default graph (videos out)."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torch import Tensor
 
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.registry import load_component
-from omnistage.testing.diffusion import run_to_end
+from omnistage.testing.diffusion import run_alone, run_staggered
 from omnistage.testing.tiny_wan import build_tiny_wan
 
 diffusers = pytest.importorskip("diffusers")
@@ -46,37 +44,10 @@ def reference(ref, guidance: float, output_type: str, seed: int = 0, steps: int 
                return_dict=False)[0]
 
 
-def serve(pipe, monkeypatch: pytest.MonkeyPatch, drive) -> tuple[dict, DiffusionEngine]:
-    """drive(engine) adds the requests (and may step); -> per request its final latents and
-    its video, run to the end."""
-    seen: dict[int, Tensor] = {}
-    decode = pipe.decode
-
-    def spy(latents: Tensor, p: DiffusionParams) -> Tensor:
-        seen[p.seed] = latents.clone()
-        return decode(latents, p)
-
-    monkeypatch.setattr(pipe, "decode", spy)
-    engine = DiffusionEngine(pipe)
-    jobs = drive(engine)
-    done = run_to_end(engine)
-    monkeypatch.undo()
-    return {rid: (seen[p.seed], done[rid].images) for rid, p in jobs.items()}, engine
-
-
-def alone(pipe, rid: str, prompt: str, p: DiffusionParams, monkeypatch: pytest.MonkeyPatch
-          ) -> tuple[Tensor, Tensor]:
-    def drive(engine: DiffusionEngine) -> dict[str, DiffusionParams]:
-        engine.add_request(rid, prompt, p)
-        return {rid: p}
-
-    return serve(pipe, monkeypatch, drive)[0][rid]
-
-
 @pytest.mark.parametrize("guidance", [1.0, 5.0], ids=["no-cfg", "cfg"])
-def test_matches_diffusers(pair, guidance: float, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_matches_diffusers(pair, guidance: float) -> None:
     _, ref, ours = pair
-    latents, video = alone(ours, "a", PROMPT, params(guidance), monkeypatch)
+    latents, video = run_alone(ours, PROMPT, params(guidance))
     expected = reference(ref, guidance, "latent")
     assert expected.abs().max() > 0.5
     assert (latents - expected).abs().max() < 1e-4
@@ -85,24 +56,16 @@ def test_matches_diffusers(pair, guidance: float, monkeypatch: pytest.MonkeyPatc
     assert (video.float() / 255 - frames.float()).abs().max() <= 1 / 255 + 1e-6
 
 
-def test_requests_at_different_steps_equal_each_alone(pair, monkeypatch: pytest.MonkeyPatch
-                                                      ) -> None:
+def test_requests_at_different_steps_equal_each_alone(pair) -> None:
     _, _, ours = pair
     jobs = {"a": (PROMPT, params(5.0, seed=1, steps=5)),
             "b": ("a dog", params(1.0, seed=2, steps=3)),
             "c": ("waves", params(3.0, seed=3, steps=4))}
 
-    def drive(engine: DiffusionEngine) -> dict[str, DiffusionParams]:
-        for rid in jobs:                     # a, then b a step later, then c
-            engine.add_request(rid, *jobs[rid])
-            if rid != "c":
-                engine.step()
-        return {rid: p for rid, (_, p) in jobs.items()}
-
-    batched, engine = serve(ours, monkeypatch, drive)
+    batched, engine = run_staggered(ours, jobs)     # a, then b a step later, then c
     assert engine.num_steps_run == 6                  # c joined at a's step 2: 2 + 4
     for rid, (prompt, p) in jobs.items():
-        latents, _ = alone(ours, rid, prompt, p, monkeypatch)
+        latents, _ = run_alone(ours, prompt, p)
         assert (batched[rid][0] - latents).abs().max() < 1e-5, rid
 
 

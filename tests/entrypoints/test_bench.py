@@ -224,3 +224,18 @@ def test_bench_diffusion_parallel(tmp_path: Path) -> None:
                 "single_speedup_vs_diffusers"):
         assert positive(ratios[key]), key
     assert positive(doc["reference"]["seconds_per_image"])
+
+
+def test_parallel_layout_names() -> None:
+    """Layouts for 4 GPUs and more are written as axes with degrees; a bad name is refused
+    before any rank starts."""
+    from omnistage.benchmarks.diffusion_parallel import ParallelBenchConfig, layout_sizes
+    from omnistage.configs.schema import ParallelSizes
+
+    assert layout_sizes("cfg") == ParallelSizes(cfg=2)
+    assert layout_sizes("tp4") == ParallelSizes(tp=4)
+    assert layout_sizes("cfg2xulysses2") == ParallelSizes(cfg=2, ulysses=2)
+    assert layout_sizes("cfg2xulysses2").world_size == 4
+    for bad in ("pipeline", "tp1", "tpxtp", "cfg2xcfg2"):
+        with pytest.raises(ValueError, match="layout"):
+            ParallelBenchConfig(layouts=(bad,))

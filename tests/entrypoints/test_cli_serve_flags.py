@@ -81,6 +81,9 @@ def test_server_config_flags_reach_the_server_config() -> None:
     assert (config.default_modalities, config.stats_log_interval_s) == (("text", "audio"), 2.5)
     defaults = ServerConfig.from_namespace(parse_args(["serve"]))
     assert (defaults.default_modalities, defaults.stats_log_interval_s) == ((), 10.0)
+    assert defaults.enable_playground is True
+    assert ServerConfig.from_namespace(parse_args(["serve", "--no-playground"])
+                                       ).enable_playground is False
     videos = ServerConfig.from_namespace(parse_args(
         ["serve", "--videos-dir", "/tmp/v", "--max-video-jobs", "2", "--max-video-frames", "33",
          "--max-video-size", "512", "--max-videos-disk-bytes", "1000",

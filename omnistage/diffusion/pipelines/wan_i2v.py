@@ -1,27 +1,35 @@
-"""Wan2.1 image-to-video: diffusers' `WanImageToVideoPipeline.__call__` (one transformer, no
-last frame) on top of the text-to-video pipeline (wan.py), whose encode, schedule, denoising
-and decode it keeps; what the first frame adds:
+"""Wan image-to-video: diffusers' `WanImageToVideoPipeline.__call__` (no last frame) on top of
+the text-to-video pipeline (wan.py), whose encode, schedule, experts, guidance, denoising and
+decode it keeps. The folders it serves:
 
-    image tokens:  CLIPImageProcessor (its own resize and center crop of the image as given)
-                   -> CLIP vision hidden_states[-2] (1 + patches, image_dim), the same for the
-                   prompt and the negative prompt (transformer's encoder_hidden_states_image)
+    Wan2.1 I2V      one transformer with CLIP image tokens (image_dim): image_encoder/ and
+                    image_processor/ beside it
+    Wan2.2 I2V-A14B two experts split at boundary_ratio (`transformer/` high noise with
+                    guidance_scale, `transformer_2/` low noise with guidance_scale_2), no image
+                    encoder: the first frame reaches them through the condition channels only
+
+What the first frame adds:
+
+    image tokens:  (Wan2.1) CLIPImageProcessor (its own resize and center crop of the image as
+                   given) -> CLIP vision hidden_states[-2] (1 + patches, image_dim), the same
+                   for the prompt and the negative prompt (transformer's
+                   encoder_hidden_states_image)
     condition:     the image resized to the request's height x width (Lanczos, as diffusers'
                    VideoProcessor: an image of another aspect is stretched, not cropped),
                    then [image, F-1 black frames] -> the video VAE's posterior mean ->
                    normalized (z, F', h, w); before it the first-frame mask (t, F', h, w): 1 on
                    latent frame 0, 0 elsewhere (t = the VAE's temporal factor)
-    each step:     the transformer sees [latents | mask | condition] along channels
-                   (z + t + z = its in_channels); its output and the latents keep z channels
+    each step:     the transformer (either expert) sees [latents | mask | condition] along
+                   channels (z + t + z = its in_channels); its output and the latents keep z
+                   channels
 
-A request without an image is refused. Checkpoints without an image encoder (Wan2.2 I2V-A14B's
-folders, transformer without image_dim) run without image tokens. The image goes to CLIP in
-float32, as diffusers' examples load it.
+A request without an image is refused (the VideoSpec says image-to-video only). The image
+goes to CLIP in float32, as diffusers' examples load it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -31,7 +39,7 @@ from transformers import CLIPImageProcessor
 
 from omnistage.diffusion.image_input import input_image, preprocess
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.pipelines.wan import SPEC, WanPipeline
+from omnistage.diffusion.pipelines.wan import SPEC, WanPipeline, WanVariant
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.models.clip_vision import CLIPVisionEncoder
 from omnistage.registry import VideoSpec
@@ -41,23 +49,11 @@ SPEC_720P = dataclasses.replace(SPEC_480P, default_size=(1280, 720))
 
 
 def video_spec(path: str | Path) -> VideoSpec:
-    """What /v1/videos may ask of a Wan2.1 I2V folder: a first frame, always. The 480P and 720P
-    checkpoints share every config; the published folders differ only in name
+    """What /v1/videos may ask of a Wan I2V folder (Wan2.1, Wan2.2 A14B): a first frame, always.
+    The 480P and 720P checkpoints share every config; the published folders differ only in name
     (Wan-AI/Wan2.1-I2V-14B-720P-Diffusers, also in its Hub cache path), so a path with "720p"
     defaults to 1280x720, any other to 832x480."""
     return SPEC_720P if "720p" in str(Path(path).resolve()).lower() else SPEC_480P
-
-
-def check_one_expert(path: Path) -> None:
-    """ValueError for a folder this pipeline would run wrong: Wan2.2 I2V-A14B's second expert
-    (transformer_2, boundary_ratio) or TI2V's first-frame latents (expand_timesteps)."""
-    index = json.loads((path / "model_index.json").read_text())
-    for key in ("transformer_2", "boundary_ratio", "expand_timesteps"):
-        value = index.get(key)
-        if value not in (None, False, [None, None]):
-            raise ValueError(f"{path}: model_index.json {key}={value!r}: Wan2.2's two experts "
-                             "and first-frame latents are not supported by Wan2.1 "
-                             "image-to-video")
 
 
 class WanImageEncoder:
@@ -87,26 +83,24 @@ class WanImageToVideoPipeline(WanPipeline):
     label = "Wan I2V"
 
     image_encoder: WanImageEncoder | None = None    # None: the transformer takes no image tokens
-    video = SPEC_480P
 
     @classmethod
     def from_pretrained(cls, path: str | Path, component: str, device: torch.device,
                         dtype: torch.dtype | None, text_encoders: bool = True
                         ) -> WanImageToVideoPipeline:
-        """A diffusers WanImageToVideoPipeline folder: the text-to-video parts, and
-        image_encoder/ + image_processor/ where the transformer has image_dim."""
-        check_one_expert(Path(path))
+        """A diffusers WanImageToVideoPipeline folder: the text-to-video parts (with Wan2.2
+        I2V-A14B's second expert), and image_encoder/ + image_processor/ where the transformer
+        has image_dim."""
+        if WanVariant.read(path).expand_timesteps:
+            raise ValueError(f"{path}: model_index.json expand_timesteps (Wan2.2 TI2V's "
+                             "first-frame latents) in an image-to-video folder: TI2V is served "
+                             "from its WanPipeline folder, which takes a first image")
         pipe = super().from_pretrained(path, component, device, dtype, text_encoders)
         assert isinstance(pipe, cls)
         if pipe.transformer.cfg.image_dim is not None:
             pipe.image_encoder = WanImageEncoder.from_pretrained(path, device)
         pipe.video = video_spec(path)
         return pipe
-
-    def check_image(self, has_image: bool) -> None:
-        if not has_image:
-            raise ValueError("image: Wan image-to-video needs the first frame "
-                             "(/v1/videos: input_reference)")
 
     @torch.no_grad()
     def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator,
@@ -137,7 +131,7 @@ class WanImageToVideoPipeline(WanPipeline):
     def model_inputs(self, x: Tensor, rows: list[DiffusionRequest]
                      ) -> tuple[Tensor, Tensor | None]:
         """[x | each row's condition] (R, z + t + z, F', h, w), and its image tokens."""
-        x = torch.cat([x, torch.cat([r.cond["condition"] for r in rows])], dim=1)
+        x = torch.cat([x, torch.cat([r.cond["condition"] for r in rows]).to(x.dtype)], dim=1)
         if self.image_encoder is None:
             return x, None
         return x, torch.stack([r.cond["image_embeds"] for r in rows])

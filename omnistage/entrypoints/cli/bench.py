@@ -148,8 +148,9 @@ def _add_diffusion(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser
                       help="step-cache thresholds to try, comma-separated")
     diff.add_argument("--concurrency", type=int, default=4)
     diff.add_argument("--parallel", default=None, metavar="LAYOUTS",
-                      help="comma-separated layouts over 2 GPUs against 1 GPU, true CFG: "
-                           "cfg, ulysses, tp, ring (e.g. cfg,ulysses,tp)")
+                      help="comma-separated layouts against 1 GPU, true CFG: cfg, ulysses, "
+                           "tp, ring (2 GPUs each), or axes with degrees joined by x "
+                           "(tp4, ulysses4, cfg2xulysses2)")
     diff.add_argument("--no-reference", action="store_true",
                       help="with --parallel: skip diffusers' transformer")
     diff.add_argument("--compile", action="store_true",

@@ -64,6 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     image.add_argument("--steps", type=int, default=None, help="default: 20")
     image.add_argument("--guidance-scale", type=float, default=None,
                        help="default: the model's own")
+    image.add_argument("--guidance-scale-2", type=float, default=None,
+                       help="Wan2.2 A14B's low-noise expert (default: --guidance-scale)")
     image.add_argument("--num-images", type=int, default=None, help="default: 1")
     image.add_argument("--height", type=int, default=None)
     image.add_argument("--width", type=int, default=None)
@@ -90,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         if omni.engine.text_entry:
             params = DiffusionParams(height=args.height, width=args.width,
                                      num_inference_steps=_or(args.steps, 20),
-                                     guidance_scale=args.guidance_scale, seed=args.seed,
+                                     guidance_scale=args.guidance_scale,
+                                     guidance_scale_2=args.guidance_scale_2, seed=args.seed,
                                      num_images=_or(args.num_images, 1),
                                      num_frames=args.num_frames or (
                                          video.default_num_frames if video else None),
@@ -131,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
 
 TEXT_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "max_model_len", "speaker", "chat",
               "voice", "instructions", "language")
-IMAGE_FLAGS = ("steps", "guidance_scale", "num_images", "height", "width", "image", "num_frames",
-               "fps")
+IMAGE_FLAGS = ("steps", "guidance_scale", "guidance_scale_2", "num_images", "height", "width",
+               "image", "num_frames", "fps")
 
 
 def _or(value: T | None, default: T) -> T:

@@ -66,6 +66,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    default=None, metavar="SECONDS",
                    help="log each stage's stats line at most this often, when it changed "
                         "(default 10; 0: never)")
+    g.add_argument("--no-playground", dest="enable_playground", action="store_false",
+                   default=None, help="serve no playground page at / (default: the page, "
+                                      "whose tabs follow what the model can do)")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     g.add_argument("--uvicorn-log-level", default=None, choices=[*LOG_LEVELS, "trace"],
                    help="log level of uvicorn, the HTTP server (default: --log-level)")

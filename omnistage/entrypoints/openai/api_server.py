@@ -9,7 +9,9 @@ uvicorn).
 
 Routes hold no engine logic: they check the model name and hand the parsed body to a serving
 object. Every route exists whatever the model; one whose output the model cannot make answers
-400 saying so. /health is 503 once a stage has no live replica (200, "degraded", while some replica is down); /metrics is Prometheus text.
+400 saying so. `/` is the playground page (playground.py; `--no-playground`: none), served
+without the API key like /health. /health is 503 once a stage has no live replica (200,
+"degraded", while some replica is down); /metrics is Prometheus text.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import time
@@ -37,10 +40,12 @@ from omnistage.entrypoints.openai.errors import (APIError, bad_request, check_mo
 from omnistage.entrypoints.openai.log_lines import log_stage_stats
 from omnistage.entrypoints.openai.media import MediaLoader, MediaPolicy
 from omnistage.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from omnistage.entrypoints.openai.playground import add_playground, capabilities
 from omnistage.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                    CompletionRequest, CompletionResponse,
                                                    ErrorResponse, ImageGenerationRequest,
-                                                   ImagesResponse, ModelCard, ModelList,
+                                                   ImagesResponse, ModelCapabilities,
+                                                   ModelCard, ModelList,
                                                    SpeechBatchRequest, SpeechBatchResponse,
                                                    SpeechRequest, VoiceCard, VoiceList)
 from omnistage.entrypoints.openai.serving_chat import ChatServing
@@ -62,6 +67,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "omnistage-demo"
 _VIDEO_LIMITS = VideoLimits()
+KEY_PROTOCOL = "openai-insecure-api-key."     # a WebSocket subprotocol carrying the API key
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
 
 
@@ -93,6 +99,7 @@ class ServerConfig:
     max_video_size: int = _VIDEO_LIMITS.max_size
     max_videos_disk_bytes: int = _VIDEO_LIMITS.max_disk_bytes
     max_running_videos: int = _VIDEO_LIMITS.max_running
+    enable_playground: bool = True            # the page at / (playground.py)
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -163,25 +170,48 @@ class BodyLimit:
 
 
 class APIKeyCheck:
-    """With an API key set, /v1/* needs `Authorization: Bearer KEY` (WebSockets too)."""
+    """With an API key set, /v1/* needs `Authorization: Bearer KEY` (WebSockets too). A
+    browser's WebSocket cannot send headers: there the key may come as the subprotocol
+    `openai-insecure-api-key.KEY`, as OpenAI's browser clients send it (the playground does)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app, self.api_key = app, api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        offered_key = None
+        if scope["type"] == "websocket":
+            scope, send, offered_key = _take_key_protocol(scope, send)
         if (self.api_key is None or scope["type"] not in ("http", "websocket")
                 or scope.get("method") == "OPTIONS" or not scope["path"].startswith("/v1")):
             return await self.app(scope, receive, send)
         auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 self.api_key.encode()):
+        token = token.strip() if scheme.lower() == "bearer" else offered_key
+        if token is None or not hmac.compare_digest(token.encode(), self.api_key.encode()):
             if scope["type"] == "websocket":     # refused before the handshake: HTTP 403
                 return await send({"type": "websocket.close", "code": 1008})
             err = APIError(401, "missing or wrong API key: send Authorization: Bearer KEY",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             return await err.response()(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def _take_key_protocol(scope: Scope, send: Send) -> tuple[Scope, Send, str | None]:
+    """The key offered as a WebSocket subprotocol, taken out of the list the route sees (no
+    route echoes it back); a handshake whose route picks no protocol answers the first one left,
+    since a browser drops a handshake that answers none of those it offered."""
+    offered = scope.get("subprotocols", [])
+    keys = [p[len(KEY_PROTOCOL):] for p in offered if p.startswith(KEY_PROTOCOL)]
+    if not keys:
+        return scope, send, None
+    rest = [p for p in offered if not p.startswith(KEY_PROTOCOL)]
+
+    async def answer(message: Message) -> None:
+        if message["type"] == "websocket.accept" and not message.get("subprotocol") and rest:
+            message = {**message, "subprotocol": rest[0]}
+        await send(message)
+
+    return {**scope, "subprotocols": rest}, answer, keys[0]
 
 
 class CountRequests:
@@ -230,12 +260,15 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
     app.state.client = client
     app.state.config = config
     install_error_handlers(app)
-    _add_server_routes(app, client, config, metrics)
+    _add_server_routes(app, client, config, metrics, functools.partial(
+        capabilities, client, engine.speech is not None, engine.video is not None, app))
     _add_generation_routes(app, client, config, media)
     _add_speech_routes(app, SpeechServing(client, media, engine.speech, VoiceStore(
         Path(config.voices_dir) if config.voices_dir else default_voices_dir(),
         engine.speech.voices if engine.speech else ())), config.model_name)
     add_video_routes(app, videos)
+    if config.enable_playground:
+        add_playground(app)
     _add_middleware(app, config, metrics)
     return app
 
@@ -266,8 +299,8 @@ def _lifespan(client: EngineClient, config: ServerConfig, videos: VideoServing
 
 
 def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
-                       metrics: ServerMetrics) -> None:
-    """/health, /metrics, /v1/models."""
+                       metrics: ServerMetrics, caps: Callable[[], ModelCapabilities]) -> None:
+    """/health, /metrics, /v1/models (with what the model can do: playground.capabilities)."""
     name, started = config.model_name, int(time.time())
 
     @app.get("/health", responses=ERRORS)
@@ -294,7 +327,8 @@ def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
 
     def card() -> ModelCard:
         return ModelCard(id=name, created=started, root=config.model,
-                         max_model_len=client.max_model_len, modalities=sorted(client.outputs))
+                         max_model_len=client.max_model_len, modalities=sorted(client.outputs),
+                         capabilities=caps())
 
     @app.get("/v1/models", responses=ERRORS)
     async def list_models() -> ModelList:

@@ -339,6 +339,14 @@ class ImagesResponse(BaseModel):
 
 # ---- models, errors --------------------------------------------------------------------------
 
+class ModelCapabilities(BaseModel):
+    """What the served model can do, for a client to choose what to offer (the playground's
+    tabs): the routes that serve it and what a chat message may carry."""
+
+    endpoints: list[str]         # e.g. /v1/chat/completions, /v1/images/generations
+    input_modalities: list[str]  # text, image, audio, video
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -347,6 +355,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     max_model_len: int | None = None
     modalities: list[str] = Field(default_factory=list)   # what the model can output
+    capabilities: ModelCapabilities | None = None
 
 
 class ModelList(BaseModel):
@@ -465,6 +474,7 @@ class VideoRequest(Request):
     negative_prompt: str | None = None
     num_inference_steps: Annotated[int, Field(ge=1, le=200)] | None = None
     guidance_scale: Annotated[float, Field(ge=0.0)] | None = None
+    guidance_scale_2: Annotated[float, Field(ge=0.0)] | None = None   # Wan2.2 A14B low-noise
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
 
 

@@ -20,7 +20,7 @@ from omnistage.entrypoints.openai.params import ignore, parse_size
 from omnistage.entrypoints.openai.protocol import VideoRequest
 from omnistage.registry import VideoSpec
 
-_EXTRAS = ("negative_prompt", "num_inference_steps", "guidance_scale")
+_EXTRAS = ("negative_prompt", "num_inference_steps", "guidance_scale", "guidance_scale_2")
 MAX_SEED = 2**31       # a seed drawn for a request without one (kept with its job)
 
 

@@ -59,6 +59,8 @@ class InputProcessor:
         {"type": "video", "video": [PIL.Image.Image, ...], "fps": float (default 2)}
     """
 
+    input_modalities = ("text", "audio", "image", "video")   # the part types above
+
     def __init__(self, tokenizer, feature_extractor, image_processor, tokens: SpecialTokens, *,
                  n_window: int, spatial_merge_size: int, position_id_per_seconds: float,
                  max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:

@@ -4,6 +4,8 @@ waited on through /health. Two are shared by every module here (started together
     text_server    the tiny random Qwen3 (chat template from the tiny tokenizer), API key KEY,
                    --max-queue 4, --max-model-len 512
     image_server   the built-in demo model (handwritten digits), no API key
+
+and, for the playground's tests, one headless Chromium (`browser`) and where its screenshots go.
 """
 
 from __future__ import annotations
@@ -145,3 +147,29 @@ def text_server(servers: dict[str, Server]) -> Server:
 @pytest.fixture(scope="package")
 def image_server(servers: dict[str, Server]) -> Server:
     return servers["image"]
+
+
+@pytest.fixture(scope="package")
+def browser() -> Iterator[object]:
+    """One headless Chromium for the package's playground tests (omnistage/testing/browser.py);
+    they skip, naming what is missing, where it or its driver is not installed."""
+    from omnistage.testing.browser import chromium, missing
+
+    lacking = missing()
+    if lacking:
+        pytest.skip(f"no headless browser: {', '.join(lacking)} not installed "
+                    "(scripts/setup.sh installs them)")
+    with chromium() as driver:
+        yield driver
+
+
+@pytest.fixture(scope="package")
+def screenshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the browser tests keep their screenshots: $OMNISTAGE_TEST_ARTIFACTS/playground,
+    else a pytest temporary folder."""
+    folder = os.environ.get("OMNISTAGE_TEST_ARTIFACTS")
+    if folder is None:
+        return tmp_path_factory.mktemp("playground-screenshots")
+    path = Path(folder) / "playground"
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -3,12 +3,15 @@ audio (a code2wav stage), emitting a known waveform in chunks. This pins down th
 speech without a speech model: message.audio when not streamed, delta.audio (transcript and
 pcm16 pieces) when streamed, the voice reaching the AR stages, the default modalities,
 reasoning_effort reaching the chat template; and the app's plumbing: /health
-503 when the engine is dead, CORS, the body limit on a chunked upload, the OpenAPI schema."""
+503 when the engine is dead, CORS, the body limit on a chunked upload, the OpenAPI schema; the
+playground page at / (without the key, or off), /v1/models' capabilities, the key as a
+WebSocket subprotocol."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import json
 import threading
 import time
@@ -310,3 +313,84 @@ def test_the_speech_websocket_checks_the_api_key_and_the_model(engine: FakeOmni,
         with client.websocket_connect("/v1/audio/speech/stream",
                                       headers={"Authorization": "Bearer k"}) as ws:
             assert ws.receive_json()["error"]["code"] == "model_not_speech"
+
+
+def test_the_playground_is_served_without_the_key_and_can_be_turned_off(engine: FakeOmni
+                                                                        ) -> None:
+    """The page and its assets need no key (they hold no data); the APIs keep theirs;
+    --no-playground (enable_playground=False) leaves / a 404."""
+    keyed = ServerConfig(served_model_name="omni", api_key="k")
+    page = call(engine, "GET", "/", keyed)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert '<script src="/playground/playground.js">' in page.text
+    for name, kind in (("playground.js", "javascript"), ("playground.css", "css"),
+                       ("pcm_worklet.js", "javascript")):
+        r = call(engine, "GET", f"/playground/{name}", keyed)
+        assert r.status_code == 200 and kind in r.headers["content-type"] and r.text
+    assert call(engine, "GET", "/playground/..%2Fplayground.py", keyed).status_code == 404
+    assert call(engine, "GET", "/v1/models", keyed).status_code == 401
+    off = ServerConfig(served_model_name="omni", enable_playground=False)
+    for path in ("/", "/playground/playground.js"):
+        r = call(engine, "GET", path, off)
+        assert r.status_code == 404 and r.json()["error"], r.text
+    assert "/" not in call(engine, "GET", "/openapi.json").json()["paths"]
+
+
+def models_card(app) -> dict:
+    async def go() -> dict:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return (await client.get("/v1/models")).json()["data"][0]
+
+    return asyncio.run(go())
+
+
+def test_models_say_what_the_model_can_do(engine: FakeOmni) -> None:
+    """The routes that serve the model and what a chat may carry (the playground's tabs):
+    text in, text and audio out here; the realtime route counts once it is registered, for a
+    model that also hears."""
+    from fastapi import WebSocket
+
+    card = models_card(build_app(engine, ServerConfig(served_model_name="omni")))
+    assert card["modalities"] == ["audio", "text"]
+    assert card["capabilities"] == {"endpoints": ["/v1/chat/completions", "/v1/completions"],
+                                    "input_modalities": ["text"]}
+    hearing = copy.copy(engine)
+    hearing.processor = SimpleNamespace(input_modalities=("text", "audio"))
+    app = build_app(hearing, ServerConfig(served_model_name="omni"))
+    assert "/v1/realtime" not in models_card(app)["capabilities"]["endpoints"]
+
+    async def realtime(ws: WebSocket) -> None:
+        await ws.close()
+
+    app.add_api_websocket_route("/v1/realtime", realtime)
+    caps = models_card(app)["capabilities"]
+    assert caps["endpoints"][-1] == "/v1/realtime" and caps["input_modalities"] == ["text",
+                                                                                    "audio"]
+
+
+def test_a_browser_sends_the_key_as_a_websocket_subprotocol(engine: FakeOmni,
+                                                            tmp_path: Path) -> None:
+    """A browser's WebSocket cannot send headers: the key comes as the subprotocol
+    `openai-insecure-api-key.KEY` beside `realtime`, and the handshake answers `realtime` (a
+    browser drops one that answers none it offered), never the key, with or without a key
+    set on the server."""
+    from starlette.testclient import TestClient
+    from starlette.websockets import WebSocketDisconnect
+
+    offered = ["realtime", "openai-insecure-api-key.k"]
+    for api_key in ("k", None):
+        app = build_app(engine, ServerConfig(served_model_name="omni", api_key=api_key,
+                                             voices_dir=str(tmp_path)))
+        with TestClient(app) as client:
+            with client.websocket_connect("/v1/audio/speech/stream", subprotocols=offered) as ws:
+                assert ws.accepted_subprotocol == "realtime"
+                assert ws.receive_json()["error"]["code"] == "model_not_speech"
+    app = build_app(engine, ServerConfig(served_model_name="omni", api_key="k",
+                                         voices_dir=str(tmp_path)))
+    with TestClient(app) as client:
+        with pytest.raises(WebSocketDisconnect) as refused:
+            with client.websocket_connect("/v1/audio/speech/stream",
+                                          subprotocols=["realtime", "openai-insecure-api-key.x"]):
+                pass
+        assert refused.value.code == 1008

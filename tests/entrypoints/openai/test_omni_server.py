@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import httpx
@@ -36,6 +37,14 @@ def omni_server(start_server: Callable[..., Server],
 
     path = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny_omni"))
     return start_server([str(path), "--served-model-name", MODEL])
+
+
+def test_models_offer_chat_with_every_input(omni_server: Server) -> None:
+    """Text and audio out, the processor's four inputs in; /v1/realtime once it is served."""
+    card = omni_server.get("/v1/models").json()["data"][0]
+    assert card["modalities"] == ["audio", "text"]
+    assert card["capabilities"]["input_modalities"] == ["text", "audio", "image", "video"]
+    assert card["capabilities"]["endpoints"][:2] == ["/v1/chat/completions", "/v1/completions"]
 
 
 def test_text_only_chat_skips_speech(omni_server: Server) -> None:
@@ -157,6 +166,46 @@ def test_image_parts_reach_the_model(omni_server: Server) -> None:
     # the image's patches are in the prompt
     assert (with_image.json()["usage"]["prompt_tokens"]
             > text_only.json()["usage"]["prompt_tokens"] + 1)
+
+
+def test_the_playground_chats_with_attachments_and_speech(omni_server: Server, browser: object,
+                                                         tmp_path: Path) -> None:
+    """The chat tab in headless Chromium: an image and an audio file attached through the file
+    field reach the prompt, and the answer streams its transcript and plays its pcm16."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    from omnistage.testing.browser import open_playground, visible_tabs, wait_for
+
+    caps = omni_server.get("/v1/models").json()["data"][0]["capabilities"]
+    open_playground(browser, omni_server.url)
+    realtime = ["Realtime voice"] if "/v1/realtime" in caps["endpoints"] else []
+    assert visible_tabs(browser) == ["Chat", *realtime]
+    files = browser.find_element(By.ID, "chat-files")
+    assert files.get_attribute("accept") == "image/*,audio/*,video/*"
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(tmp_path / "red.png")
+    tone = 0.3 * np.sin(2 * np.pi * 440 * np.arange(8000) / 16000)
+    (tmp_path / "tone.wav").write_bytes(encode_audio(tone.astype(np.float32), 16000, "wav"))
+    files.send_keys(f"{tmp_path / 'red.png'}\n{tmp_path / 'tone.wav'}")
+    browser.find_element(By.ID, "chat-audio").click()
+    tokens = browser.find_element(By.ID, "chat-max-tokens")
+    tokens.clear()
+    tokens.send_keys("6")
+    browser.find_element(By.ID, "chat-input").send_keys("What?", Keys.ENTER)
+    answer = wait_for(browser, "the spoken answer", lambda d: d.find_element(
+        By.CSS_SELECTOR, '.msg.assistant[data-done="true"]'), timeout_s=60)
+    assert "error" not in answer.get_attribute("class") and answer.text.strip(), answer.text
+    metrics = browser.find_element(By.ID, "chat-metrics").text
+    assert "first token" in metrics and "first audio" in metrics, metrics
+    # the page's prompt is the text, the image and the audio, as a client would send them
+    png, wav = (base64.b64encode((tmp_path / f).read_bytes()).decode()
+                for f in ("red.png", "tone.wav"))
+    same = omni_server.post("/v1/chat/completions", json={
+        "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What?"},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
+            {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}]}]})
+    assert f"prompt {same.json()['usage']['prompt_tokens']} tokens" in metrics, metrics
 
 
 def test_unknown_voice_names_audio_voice(omni_server: Server) -> None:

@@ -88,6 +88,39 @@ def test_openai_client_create_and_streaming_response(server: Server) -> None:
     np.testing.assert_allclose(streamed[0], expected_wave(TEXT, pitch=0), atol=LSB)
 
 
+def test_the_playground_speaks_with_the_chosen_voice(server: Server, browser: object) -> None:
+    """The speech tab in headless Chromium: the voices come from /v1/audio/voices, and the
+    page plays the wav of the voice chosen, as long as the text says."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    from omnistage.testing.browser import open_playground, visible_tabs, wait_for
+
+    open_playground(browser, server.url)
+    assert visible_tabs(browser) == ["Speech"]
+    voice = Select(browser.find_element(By.ID, "speech-voice"))
+    wait_for(browser, "the voices listed", lambda d: len(voice.options) >= 2)
+    assert [o.get_attribute("value") for o in voice.options][:2] == ["alto", "bass"]
+    voice.select_by_value("bass")
+    text = browser.find_element(By.ID, "speech-input")
+    text.clear()
+    text.send_keys(TEXT)
+    browser.find_element(By.ID, "speech-go").click()
+    duration = wait_for(browser, "the speech loaded", lambda d: d.execute_script(
+        "const a = document.getElementById('speech-audio');"
+        "return !a.hidden && a.readyState >= 1 && a.duration"))
+    assert duration == pytest.approx(len(TEXT) * SAMPLES_PER_CHAR / RATE, abs=1e-3)
+    assert "first audio" in browser.find_element(By.ID, "speech-metrics").text
+    played = browser.execute_async_script(
+        "const done = arguments[0];"
+        "fetch(document.getElementById('speech-audio').src).then(r => r.arrayBuffer())"
+        ".then(b => { let s = ''; new Uint8Array(b).forEach(x => s += String.fromCharCode(x));"
+        "             done(btoa(s)); });")
+    bass = server.post("/v1/audio/speech", json={"input": TEXT, "voice": "bass",
+                                                 "response_format": "wav"})
+    assert base64.b64decode(played) == bass.content       # the voice chosen, the file whole
+
+
 @pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
 def test_every_format_decodes_to_the_length_spoken(server: Server, fmt: str) -> None:
     r = server.post("/v1/audio/speech", json={"model": MODEL, "input": TEXT, "voice": "alto",
@@ -230,6 +263,11 @@ def test_bad_uploads(server: Server) -> None:
     assert error_of(upload(server, "v4", big), 413)["param"] == "audio"
     r = server.post("/v1/audio/voices", data={"name": "v5", "consent": "true"})
     assert error_of(r, 400)["param"] == "audio"
+
+
+def test_models_offer_speech(server: Server) -> None:
+    caps = server.get("/v1/models").json()["data"][0]["capabilities"]
+    assert caps["endpoints"] == ["/v1/audio/speech"], caps
 
 
 def test_a_model_without_speech_says_so(image_server: Server) -> None:

@@ -243,6 +243,11 @@ def test_an_image_over_the_media_limit_is_413(server: Server) -> None:
     assert error_of(r, 413)["code"] == "media_too_large"
 
 
+def test_models_offer_video(server: Server) -> None:
+    caps = server.get(f"/v1/models/{MODEL}").json()["capabilities"]
+    assert caps["endpoints"] == ["/v1/videos"], caps
+
+
 def test_unknown_model_is_404(server: Server) -> None:
     r = server.post("/v1/videos", json={"model": "sora-2", "prompt": "a cat"})
     assert error_of(r, 404)["code"] == "model_not_found"
@@ -255,6 +260,45 @@ def test_the_job_limit_is_a_429(server: Server) -> None:
     assert error_of(r, 429)["code"] == "too_many_video_jobs"
     for job in jobs:
         delete(server, job["id"]).raise_for_status()
+
+
+def test_the_playground_runs_a_job_to_a_playing_video(server: Server, browser: object) -> None:
+    """The video tab in headless Chromium: a job made from the form shows its progress,
+    completes, plays in the page (fetched as any client fetches it) and is deleted."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    from omnistage.testing.browser import open_playground, visible_tabs, wait_for
+
+    open_playground(browser, server.url)
+    assert visible_tabs(browser) == ["Video"]
+    for field, value in (("video-size", "64x48"), ("video-frames", "5"), ("video-steps", "2"),
+                         ("video-seed", "4")):
+        browser.find_element(By.ID, field).send_keys(value)
+    browser.find_element(By.ID, "video-prompt").send_keys("from the page", Keys.ENTER)
+    # the list is redrawn as jobs move: elements are found again at each poll
+    job_id = wait_for(browser, "the job listed", lambda d: d.execute_script(
+        "const li = [...document.querySelectorAll('#video-jobs li')]"
+        "  .find(li => li.textContent.startsWith('from the page'));"
+        "return li && li.id.slice(4)"))
+    wait_for(browser, "the job completed", lambda d: d.find_element(
+        By.CSS_SELECTOR, f"#job-{job_id} progress").get_attribute("value") == "100"
+        and "completed" in d.find_element(By.ID, f"job-{job_id}").text)
+    assert server.get(f"/v1/videos/{job_id}").json()["status"] == "completed"
+
+    def press(label: str) -> None:
+        wait_for(browser, f"{label} pressed", lambda d: any(
+            b.click() or True for b in d.find_elements(By.CSS_SELECTOR, f"#job-{job_id} button")
+            if b.text == label))
+
+    press("Play")
+    size = wait_for(browser, "the video playing", lambda d: d.execute_script(
+        f"const v = document.querySelector('#job-{job_id} video');"
+        "return v && v.readyState >= 2 && [v.videoWidth, v.videoHeight]"))
+    assert size == [64, 48]
+    press("Delete")
+    wait_for(browser, "the job gone", lambda d: not d.find_elements(By.ID, f"job-{job_id}"))
+    assert server.get(f"/v1/videos/{job_id}").status_code == 404
 
 
 # ---- restart (last: it stops the module's server) -------------------------------------------
