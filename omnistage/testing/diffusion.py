@@ -1,15 +1,22 @@
 """Driving a diffusion engine to the end in tests: a request alone, requests joining at
-other steps, and the final latents each one reached (what `decode` got)."""
+other steps, the final latents each one reached (what `decode` got), and which Wan expert
+ran which requests."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import DiffusionPipeline
+from omnistage.diffusion.request import DiffusionRequest
+
+if TYPE_CHECKING:
+    from omnistage.diffusion.pipelines.wan import WanPipeline
 
 
 def run_to_end(engine: DiffusionEngine) -> dict[str, DiffusionResult]:
@@ -71,3 +78,21 @@ def run_staggered(pipeline: DiffusionPipeline,
         return {rid: p for rid, (_, p) in jobs.items()}
 
     return run_recording_latents(pipeline, drive)
+
+
+@contextlib.contextmanager
+def recording_experts(pipeline: WanPipeline) -> Iterator[list[list[int | str]]]:
+    """A list that gets, for each transformer call of `pipeline` inside the block, [the
+    expert (0: `transformer`, 1: `transformer_2`), the ids of the requests it ran]."""
+    calls: list[list[int | str]] = []
+    expert_velocity = pipeline.expert_velocity
+
+    def spy(expert: int, latents: Tensor, requests: list[DiffusionRequest]) -> Tensor:
+        calls.append([expert, *(r.request_id for r in requests)])
+        return expert_velocity(expert, latents, requests)
+
+    pipeline.expert_velocity = spy                      # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        del pipeline.expert_velocity                    # the class's method again

@@ -21,7 +21,7 @@ from omnistage import registry
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.registry import load_component
-from omnistage.testing.diffusion import run_alone, run_staggered
+from omnistage.testing.diffusion import recording_experts, run_alone, run_staggered
 from omnistage.testing.tiny_wan import build_tiny_wan22_a14b, build_tiny_wan22_ti2v
 
 diffusers = pytest.importorskip("diffusers")
@@ -122,21 +122,13 @@ def test_a14b_boundary_timestep_is_the_high_noise_experts(a14b) -> None:
     assert [ours.expert(r) for r in at] == [0, 0, 1]
 
 
-def test_a14b_requests_on_different_experts_equal_each_alone(a14b, monkeypatch) -> None:
+def test_a14b_requests_on_different_experts_equal_each_alone(a14b) -> None:
     _, _, ours = a14b
     jobs = {"a": (PROMPT, params(A14B_SIZE, 4.0, 2.0, seed=1, steps=6)),
             "b": ("a dog", params(A14B_SIZE, 1.0, seed=2, steps=3)),
             "c": ("waves", params(A14B_SIZE, 3.0, 5.0, seed=3, steps=5))}
-    calls: list[list[str]] = []
-    expert_velocity = ours.expert_velocity
-
-    def spy(expert: int, latents: Tensor, requests: list) -> Tensor:
-        calls.append([expert, *(r.request_id for r in requests)])
-        return expert_velocity(expert, latents, requests)
-
-    monkeypatch.setattr(ours, "expert_velocity", spy)
-    batched, _ = run_staggered(ours, jobs, lag=2)
-    monkeypatch.undo()
+    with recording_experts(ours) as calls:
+        batched, _ = run_staggered(ours, jobs, lag=2)
     assert [1, "a"] in calls and [0, "b"] in calls    # a on the low expert, b on the high
     for rid, (prompt, p) in jobs.items():
         latents, _ = run_alone(ours, prompt, p)

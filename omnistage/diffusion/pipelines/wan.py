@@ -7,7 +7,7 @@ differ by model_index.json (`WanVariant`):
     Wan2.2 A14B     boundary_ratio: `transformer/` the high-noise expert for timesteps
                     >= boundary_ratio * num_train_timesteps with guidance_scale,
                     `transformer_2/` the low-noise one below with guidance_scale_2 (default:
-                    guidance_scale)
+                    guidance_scale); T2V here, I2V through wan_i2v.py
     Wan2.2 TI2V-5B  expand_timesteps: the 16x VAE (z48, 2x2 patchified), a timestep per token;
                     with a first image, its latent frame is the encoded image's and its
                     tokens' timestep 0
@@ -31,9 +31,10 @@ differ by model_index.json (`WanVariant`):
 
 Each request steps with its own UniPC state (the engine holds it, `solver`). Image-to-video
 (diffusers' `WanImageToVideoPipeline`: Wan2.1 I2V with CLIP image tokens, Wan2.2 I2V-A14B with
-two experts) is this pipeline with a conditioned input, wan_i2v.py: its VideoSpec asks for a
-first frame (`validate`), its `model_inputs` adds the first frame's channels and image tokens;
-the experts, guidance and solver are these. Not here: step caching.
+two experts) is this pipeline with a conditioned input (wan_i2v.py): its VideoSpec asks for a
+first frame, which `validate` enforces, and its `model_inputs` puts the first frame's mask and
+latents beside each row's latents and adds the CLIP image tokens; the experts, guidance,
+solver and decode are the ones here. Not here: step caching.
 """
 
 from __future__ import annotations
