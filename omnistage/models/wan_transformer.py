@@ -62,11 +62,23 @@ from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.models.diffusers_loader import (build_from_folder, config_from_dict,
                                                read_config)
 
-# Step caching watches the first block's modulated input, its relative L1 change used as is
-# (identity rescaling, as for Qwen-Image). TeaCache's published Wan2.1 polynomials (per model
-# size and resolution, as TeaCache4Wan2.1 and LightX2V ship them) measure the change of the
-# timestep embedding instead (their `e0` / `e`), so they do not apply to this input.
-TEACACHE_COEFFICIENTS = (1.0, 0.0)
+# Step caching (layers/step_cache.py). Where TeaCache publishes a polynomial for the model
+# (ali-vilab/TeaCache, TeaCache4Wan2.1/teacache_generate.py, its variant without
+# `use_ret_steps`: the first and the last step always computed, as our state machine does), the
+# indicator is what it was fitted on: the relative L1 change of the timestep embedding (`e`
+# there, `temb` here), per row. Wan2.1 I2V has one per resolution (480P and 720P checkpoints
+# share a config): chosen by the latent grid's tokens per frame, 720P's above the midpoint.
+# Other models (Wan2.2) watch the first block's modulated input, its change used as is.
+TEACACHE_T2V = {1536: (2.39676752e+03, -1.31110545e+03, 2.01331979e+02, -8.29855975e+00,
+                       1.37887774e-01),                                      # T2V 1.3B
+                5120: (-5784.54975374, 5449.50911966, -1811.16591783, 256.27178429,
+                       -13.02252404)}                                        # T2V 14B
+TEACACHE_I2V_480P = (-3.02331670e+02, 2.23948934e+02, -5.25463970e+01, 5.87348440e+00,
+                     -2.01973289e-01)
+TEACACHE_I2V_720P = (-114.36346466, 65.26524496, -18.82220707, 4.91518089, -0.23412683)
+TOKENS_480P, TOKENS_720P = 30 * 52, 45 * 80          # per latent frame, 2x2 patches
+IDENTITY = (1.0, 0.0)
+
 
 Rope = tuple[Tensor, Tensor]     # cos, sin: (N, hd/2) float32, one angle per pair of features
 
@@ -107,6 +119,20 @@ class WanTransformerConfig:
     @classmethod
     def from_dict(cls, raw: dict) -> WanTransformerConfig:
         return config_from_dict(cls, raw, "Wan transformer")
+
+
+def teacache_coefficients(cfg: WanTransformerConfig, grid: tuple[int, int, int]
+                          ) -> tuple[float, ...] | None:
+    """TeaCache's polynomial for a Wan2.1 T2V / I2V config on an F' x H' x W' token grid;
+    None for the others (module comment above)."""
+    shape = (cfg.inner_dim, cfg.num_layers, cfg.in_channels)
+    if cfg.image_dim is None and shape in ((1536, 30, 16), (5120, 40, 16)):
+        return TEACACHE_T2V[cfg.inner_dim]
+    if cfg.image_dim is not None and shape == (5120, 40, 36) and not cfg.pos_embed_seq_len:
+        per_frame = grid[1] * grid[2]
+        return TEACACHE_I2V_720P if 2 * per_frame > TOKENS_480P + TOKENS_720P \
+            else TEACACHE_I2V_480P
+    return None
 
 
 # ---- norms, rope ---------------------------------------------------------------------------
@@ -334,6 +360,9 @@ class WanTransformer3DModel(nn.Module):
         self.norm_out = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, out_channels * math.prod(cfg.patch_size))
         self.scale_shift_table = nn.Parameter(torch.empty(1, 2, dim))
+        # TeaCache's Wan2.1 polynomials apply (teacache_coefficients); a pipeline of another
+        # model with a Wan2.1 config (Wan2.2 A14B's experts are 14B T2V-shaped) clears it
+        self.published_teacache = True
 
     def forward(self, hidden_states: Tensor, timestep: Tensor, encoder_hidden_states: Tensor,
                 encoder_hidden_states_image: Tensor | None = None,
@@ -369,11 +398,22 @@ class WanTransformer3DModel(nn.Module):
         if step_cache is None:
             x = run_blocks(None)
         else:
-            modulated = self.blocks[0].modulated_input(x, time)
-            x = run_cached(x, modulated, step_cache, TEACACHE_COEFFICIENTS, run_blocks)
+            indicator, coefficients = self._cache_indicator(x, time, grid)
+            x = run_cached(x, indicator, step_cache, coefficients, run_blocks)
         shift, scale = (self.scale_shift_table + time.temb[:, None]).unbind(1)   # (U, D) each
         x = (self.norm_out(x.float()) * (1 + time.pick(scale)) + time.pick(shift)).type_as(x)
         return self._unpatchify(seq.gather(self.proj_out(x), 0), grid)
+
+    def _cache_indicator(self, x: Tensor, time: TimeEmbedding, grid: tuple[int, int, int]
+                         ) -> tuple[Tensor, tuple[float, ...]]:
+        """What step caching watches, (B, S, D), and the polynomial that rescales its change:
+        TeaCache's on the timestep embedding where published, else the first block's
+        modulated input as is (module comment on TEACACHE_T2V)."""
+        coefficients = teacache_coefficients(self.cfg, grid) if self.published_teacache \
+            else None
+        if coefficients is None:
+            return self.blocks[0].modulated_input(x, time), IDENTITY
+        return time.pick(time.temb), coefficients
 
     def _grid(self, shape: torch.Size) -> tuple[int, int, int]:
         """(F', H', W'): the token grid of latents (B, C, F, H, W), which the patch divides."""

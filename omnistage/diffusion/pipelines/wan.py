@@ -12,9 +12,11 @@ into the engine's phases (omnistage/diffusion/pipeline.py), numerics kept step f
     decode:   denormalize -> the causal video VAE -> (x/2 + 0.5).clamp(0, 1) -> uint8
               (n, F, H, W, 3), a stage's tensors["video"]
 
-Each request steps with its own UniPC state (the engine holds it, `solver`). Not yet: the
-image-to-video variants (CLIP image tokens, Wan2.2 TI2V's first-frame latents), Wan2.2
-A14B's two experts, step caching.
+Each request steps with its own UniPC state (the engine holds it, `solver`). Step caching
+(the request's cache_threshold) keeps a state per request and branch (cond, uncond); the
+transformer's forward replays from CUDA graphs when the stage turns them on, except on steps
+that cache. Not yet: the image-to-video variants (CLIP image tokens, Wan2.2 TI2V's
+first-frame latents), Wan2.2 A14B's two experts.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from torch import Tensor
 from transformers import AutoTokenizer
 
 from omnistage.diffusion.params import DiffusionParams, check_size
-from omnistage.diffusion.pipeline import check_conditioning, encode_with_negatives
+from omnistage.diffusion.pipeline import (GraphedTransformer, check_conditioning,
+                                          encode_with_negatives)
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers.unipc_flow import FlowUniPC, UniPCConfig
+from omnistage.layers.step_cache import cache_groups
 from omnistage.models.autoencoder_kl_wan import AutoencoderKLWan
 from omnistage.models.text_encoders import UMT5Encoder, encode_wan_prompts
 from omnistage.models.wan_transformer import WanTransformer3DModel
@@ -78,8 +82,9 @@ class WanPromptEncoder:
         return encode_with_negatives(encode_texts, prompts, params, guided)
 
 
-class WanPipeline:
+class WanPipeline(GraphedTransformer):
     label = "Wan"
+    graphable = True
     parallel_axes: tuple[str, ...] = ()
     heads_key = "num_attention_heads"
     video = SPEC
@@ -160,7 +165,12 @@ class WanPipeline:
         idx = torch.cat([torch.arange(s, s + n) for s, n, _ in spans] or [torch.arange(0)])
         x = torch.cat([latents, latents[idx.to(latents.device)]]).to(self.dtype)
         t = torch.cat(steps + neg_steps).to(self.device)
-        out = self.transformer(x, t, torch.stack(texts + neg_texts))
+        step_cache = None
+        if any(r.params.cache_threshold is not None for r in requests):
+            guided_rows = ["negative_prompt_embeds" in r.cond for r in requests]
+            step_cache = cache_groups(requests, counts, [("cond", [True] * len(requests)),
+                                                         ("uncond", guided_rows)])
+        out = self.run_transformer(x, t, torch.stack(texts + neg_texts), step_cache=step_cache)
         pred, neg = out[:latents.shape[0]], out[latents.shape[0]:]
         k = 0
         for s, n, scale in spans:
