@@ -15,10 +15,14 @@ Per model, one model on the device at a time (the 14B's 28 GB of weights fit onc
                            regional compilation (the warm-up step compiles)
     3. ours                WanPipeline.velocity's layout: both branches in one call of two
                            rows, replayed from CUDA graphs as a stage does on a GPU; the whole
-                           schedule of `steps` steps, each timed
-    4. ours, step cached   the same schedule with each cache threshold (a state per branch, as
-                           the pipeline keeps them): seconds per step, steps skipped, and the
-                           final latents' PSNR against 3's
+                           schedule of `steps` steps, each timed. Its self-attention tries
+                           cuDNN's kernel first (layers/sequence_parallel.py CUDNN_FIRST);
+                           `timed_steps` steps in SDPA's default order are timed too
+    4. ours, step cached   the same schedule with step caching (a state per branch, as the
+                           pipeline keeps them), watching the modulated input at each threshold
+                           until one falls under 30 dB, and the 14B's published TeaCache
+                           polynomial once (CACHE_THRESHOLDS says why): seconds per step, steps
+                           skipped, the final latents' PSNR against 3's
 
 The references time `timed_steps` steps after one warm-up step; every loop steps with our flow
 UniPC (Wan's schedule and shift), starts from the same noise and the same text (random
@@ -61,9 +65,15 @@ TINY = {name: dict(spec, arch={**spec["arch"], "num_attention_heads": 2,
                                "out_channels": 8 if name == "5b" else 4},
                    size=(64, 96) if name == "5b" else (32, 48), frames=5)
         for name, spec in MODELS.items()}
-# step caching: the 14B watches its timestep embedding through TeaCache's Wan2.1 T2V-14B
-# polynomial, the 5B its first block's modulated input as is (models/wan_transformer.py)
-CACHE_THRESHOLDS = {"5b": (0.1,), "14b": (0.1,)}
+# Step caching watches the first block's modulated input as is (the 5B's indicator when
+# served): on these random weights it moves by a relative 0.25-0.5 a step of a 10-step
+# schedule, so 0.3 skips about every other step; thresholds are tried in order until one
+# falls under 30 dB. The 14B when served watches its timestep embedding through TeaCache's
+# Wan2.1 T2V-14B polynomial (models/wan_transformer.py), tried once at TeaCache's 0.2: fitted
+# on the trained model, it reads the random embedding's ~100% change a step as negative and
+# skips every step it may.
+CACHE_THRESHOLDS = (0.3, 0.6)
+PUBLISHED_THRESHOLD = 0.2
 GUIDANCE = 5.0                                      # WanPipeline's default
 
 
@@ -71,12 +81,14 @@ GUIDANCE = 5.0                                      # WanPipeline's default
 class VideoBenchConfig:
     sizes: str = "real"                   # real | tiny
     models: tuple[str, ...] = ("5b", "14b")
-    steps: int = 10                       # ours' schedule (plain and cached)
-    timed_steps: int = 3                  # the references', after one warm-up step
+    steps: int = 8                        # ours' schedule (plain and cached)
+    timed_steps: int = 2                  # the references', after one warm-up step
     text_len: int = 512
-    cache_thresholds: tuple[float, ...] | None = None    # None: CACHE_THRESHOLDS per model
+    cache_thresholds: tuple[float, ...] = CACHE_THRESHOLDS
     compile_backend: str = "inductor"     # diffusers' compile_repeated_blocks; "" skips it
     cuda_graphs: bool = True              # ours replayed from CUDA graphs (CUDA only)
+    cudnn_first: bool = True              # ours' self-attention: cuDNN's kernel first (CUDA;
+                                          # also timed in SDPA's default order)
     device: str = "auto"
     seed: int = 0
 
@@ -94,18 +106,17 @@ class VideoBenchConfig:
 
     @classmethod
     def preset(cls, sizes: str, *, steps: int | None = None, timed_steps: int | None = None,
-               **kw: object) -> VideoBenchConfig:
+               cache_thresholds: tuple[float, ...] | None = None, **kw: object
+               ) -> VideoBenchConfig:
         tiny = sizes == "tiny"
-        return cls(sizes=sizes, steps=steps or (3 if tiny else 10),
-                   timed_steps=timed_steps or (1 if tiny else 3),
+        return cls(sizes=sizes, steps=steps or (3 if tiny else 8),
+                   timed_steps=timed_steps or (1 if tiny else 2),
+                   cache_thresholds=cache_thresholds or CACHE_THRESHOLDS,
                    text_len=8 if tiny else 512,
                    compile_backend="eager" if tiny else "inductor", **kw)
 
     def spec(self, model: str) -> dict:
         return (TINY if self.sizes == "tiny" else MODELS)[model]
-
-    def thresholds(self, model: str) -> tuple[float, ...]:
-        return self.cache_thresholds or CACHE_THRESHOLDS[model]
 
 
 def log(message: str) -> None:
@@ -176,7 +187,8 @@ def per_step(seconds: list[float]) -> float:
 
 def bench_diffusers(cfg: VideoBenchConfig, spec: dict, inputs: Inputs, device: torch.device,
                     dtype: torch.dtype) -> tuple[dict[str, object], Tensor, dict]:
-    """-> timings, its latents after 1 + timed_steps steps, its parameter shapes."""
+    """-> timings, its latents after 1 + timed_steps steps, its parameter shapes. The model
+    is the caller's to free (gone when this returns)."""
     import diffusers
 
     from omnistage.models.diffusers_loader import keep_in_fp32
@@ -210,9 +222,6 @@ def bench_diffusers(cfg: VideoBenchConfig, spec: dict, inputs: Inputs, device: t
             out["compiled_steps_s"] = seconds
             out["compile_and_warmup_s"] = seconds[0]
             out["compiled_total_s"] = time.perf_counter() - t0
-    del ref
-    torch._dynamo.reset()
-    free_device_memory(device)
     return out, final, names
 
 
@@ -221,7 +230,10 @@ def bench_diffusers(cfg: VideoBenchConfig, spec: dict, inputs: Inputs, device: t
 def build_ours(cfg: VideoBenchConfig, spec: dict, names: dict, device: torch.device,
                dtype: torch.dtype):
     from omnistage.models.diffusers_loader import keep_in_fp32
-    from omnistage.models.wan_transformer import WanTransformer3DModel, WanTransformerConfig
+    from omnistage.models.wan_transformer import (
+        WanTransformer3DModel,
+        WanTransformerConfig,
+    )
 
     with torch.device(device), default_dtype(dtype):
         ours = WanTransformer3DModel(WanTransformerConfig.from_dict(spec["arch"]))
@@ -266,33 +278,86 @@ def cache_groups_for(threshold: float, num_steps: int):
     return groups, states
 
 
+def run_plain(ours, inputs: Inputs, num_steps: int, graphed: bool, device: torch.device,
+              dtype: torch.dtype, label: str, keep: int | None = None
+              ) -> tuple[Tensor, list[float], Tensor | None]:
+    """Ours without caching: a warm-up step (and one that captures its CUDA graph, when
+    `graphed`), then `num_steps` timed steps from the noise (`denoise`'s results)."""
+    from omnistage.layers.graph_capture import ShapeGraphs
+
+    forward = ShapeGraphs(ours) if graphed else ours
+    velocity = our_velocity(forward, inputs, device, dtype)
+    denoise(velocity, inputs, 2 if graphed else 1, device, f"{label} warm-up")
+    result = denoise(velocity, inputs, num_steps, device, label, keep)
+    del forward, velocity
+    free_device_memory(device)
+    return result
+
+
+def cached_run(ours, inputs: Inputs, cfg: VideoBenchConfig, threshold: float, published: bool,
+               plain: Tensor, step_s: float, device: torch.device, dtype: torch.dtype) -> dict:
+    """Ours with step caching over the whole schedule, watching the modulated input or
+    (published) the timestep embedding through TeaCache's polynomial."""
+    ours.published_teacache = published
+    indicator = "timestep embedding, TeaCache's polynomial" if published else "modulated input"
+    groups, states = cache_groups_for(threshold, cfg.steps)
+    cached, seconds, _ = denoise(our_velocity(ours, inputs, device, dtype, groups), inputs,
+                                 cfg.steps, device, f"ours cached ({indicator}, {threshold})")
+    return {"indicator": indicator, "threshold": threshold, "step_s": per_step(seconds),
+            "speedup_vs_ours": ratio(step_s, per_step(seconds)),
+            "steps_skipped": states[0].num_skipped, "steps_skipped_uncond": states[1].num_skipped,
+            "latents_psnr_db": psnr(cached.float(), plain.float())}
+
+
+def bench_cache(ours, inputs: Inputs, cfg: VideoBenchConfig, plain: Tensor, step_s: float,
+                device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The modulated input at each threshold in order, until one falls under 30 dB (a larger
+    one only skips more); then TeaCache's polynomial where the model has one (what it serves)."""
+    from omnistage.models.wan_transformer import teacache_coefficients
+
+    runs = []
+    for threshold in cfg.cache_thresholds:
+        runs.append(cached_run(ours, inputs, cfg, threshold, False, plain, step_s, device, dtype))
+        if runs[-1]["latents_psnr_db"] < 30.0:
+            break
+    f, h, w = inputs.latents.shape[2:]
+    if teacache_coefficients(ours.cfg, (f, h // 2, w // 2)) is not None:
+        runs.append(cached_run(ours, inputs, cfg, PUBLISHED_THRESHOLD, True, plain, step_s,
+                               device, dtype))
+    ours.published_teacache = True
+    return runs
+
+
 def bench_ours(cfg: VideoBenchConfig, spec: dict, names: dict, inputs: Inputs,
                device: torch.device, dtype: torch.dtype) -> tuple[dict[str, object], Tensor]:
     """-> timings and caching results, our latents after 1 + timed_steps steps."""
-    from omnistage.layers.graph_capture import ShapeGraphs
+    from omnistage.layers.sequence_parallel import CUDNN_FIRST
 
     ours = build_ours(cfg, spec, names, device, dtype)
+    ours.use_sdpa_backends(CUDNN_FIRST if cfg.cudnn_first else None)
     graphed = cfg.cuda_graphs and device.type == "cuda"
-    forward = ShapeGraphs(ours) if graphed else ours
-    out: dict[str, object] = {"cuda_graphs": graphed}
+    out: dict[str, object] = {"cuda_graphs": graphed, "sdpa_cudnn_first": cfg.cudnn_first}
+    cudnn = cfg.cudnn_first and device.type == "cuda"
     with torch.inference_mode():
-        velocity = our_velocity(forward, inputs, device, dtype)
-        denoise(velocity, inputs, 2, device, "ours warm-up")       # the 2nd call captures
-        plain, seconds, early = denoise(velocity, inputs, cfg.steps, device, "ours",
-                                        keep=1 + cfg.timed_steps)
+        try:
+            plain, seconds, early = run_plain(ours, inputs, cfg.steps, graphed, device, dtype,
+                                              "ours", keep=1 + cfg.timed_steps)
+        except RuntimeError as e:     # cuDNN's kernel failed on these inputs: recorded, and
+            if not cudnn:             # the numbers taken in SDPA's default order instead
+                raise
+            log(f"cuDNN first failed, SDPA's default order instead: {e}")
+            out["cudnn_first_error"], cudnn = str(e)[:1000], False
+            ours.use_sdpa_backends(None)
+            plain, seconds, early = run_plain(ours, inputs, cfg.steps, graphed, device, dtype,
+                                              "ours", keep=1 + cfg.timed_steps)
         out.update(step_s=per_step(seconds), steps_s=seconds)
-        cache = []
-        for thr in cfg.thresholds(spec["name"]):
-            groups, states = cache_groups_for(thr, cfg.steps)
-            cached, seconds, _ = denoise(our_velocity(ours, inputs, device, dtype, groups),
-                                         inputs, cfg.steps, device, f"ours cached {thr}")
-            cache.append({"threshold": thr, "step_s": per_step(seconds),
-                          "speedup_vs_ours": ratio(out["step_s"], per_step(seconds)),
-                          "steps_skipped": states[0].num_skipped,
-                          "steps_skipped_uncond": states[1].num_skipped,
-                          "latents_psnr_db": psnr(cached.float(), plain.float())})
-    out["step_cache"] = cache
-    del ours, forward
+        out["step_cache"] = bench_cache(ours, inputs, cfg, plain, out["step_s"], device, dtype)
+        if cudnn:                                         # what the kernel order brings
+            ours.use_sdpa_backends(None)
+            _, seconds, _ = run_plain(ours, inputs, cfg.timed_steps, graphed, device, dtype,
+                                      "ours, SDPA's default kernel order")
+            out["sdpa_default_step_s"] = per_step(seconds)
+    del ours
     free_device_memory(device)
     return out, early
 
@@ -311,6 +376,8 @@ def bench_model(cfg: VideoBenchConfig, name: str, device: torch.device, dtype: t
     inputs = Inputs.make(cfg, spec, device, dtype)
     log(f"{name}: latents {tuple(inputs.latents.shape)}, {inputs.num_tokens} tokens a branch")
     ref, ref_latents, names = bench_diffusers(cfg, spec, inputs, device, dtype)
+    torch._dynamo.reset()                   # diffusers' model and its compiled blocks freed
+    free_device_memory(device)
     ours, our_latents = bench_ours(cfg, spec, names, inputs, device, dtype)
     best = best_cache(ours["step_cache"])
     eager = ref["eager_step_s"]

@@ -43,7 +43,6 @@ Several ranks (issue 18), from the stage's groups current at construction:
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -52,12 +51,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend
 
-from omnistage.layers.dit import FeedForward, TimestepEmbedding, timestep_embedding
+from omnistage.layers.dit import (FeedForward, TimestepEmbedding, apply_complex_rope,
+                                  timestep_embedding)
 from omnistage.layers.linear import copy_checked
 from omnistage.layers.parallel import (ColumnParallelLinear, RowParallelLinear, all_reduce,
                                        divide, tp_group)
-from omnistage.layers.sequence_parallel import SequenceRanks, SequenceSplit, check_heads, sdpa
+from omnistage.layers.sequence_parallel import (CUDNN_FIRST, SequenceRanks, SequenceSplit,
+                                                check_heads, sdpa, sdpa_backends)
 from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.models.diffusers_loader import (build_from_folder, config_from_dict,
                                                read_config)
@@ -80,7 +82,7 @@ TOKENS_480P, TOKENS_720P = 30 * 52, 45 * 80          # per latent frame, 2x2 pat
 IDENTITY = (1.0, 0.0)
 
 
-Rope = tuple[Tensor, Tensor]     # cos, sin: (N, hd/2) float32, one angle per pair of features
+Rope = Tensor     # (N, hd/2) complex64: cos + i sin, one angle per pair of features
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +166,8 @@ class HeadsRMSNorm(nn.Module):
         copy_checked(param.data, loaded_weight.narrow(0, self.tp.rank * self.local, self.local))
 
     def forward(self, x: Tensor) -> Tensor:                      # x: (..., dim / tp)
+        if self.tp.world_size == 1:        # one kernel, diffusers' own (its nn.RMSNorm)
+            return F.rms_norm(x, (self.dim,), self.weight, self.eps)
         squares = all_reduce(x.float().pow(2).sum(-1, keepdim=True), self.tp)
         return (x.float() * torch.rsqrt(squares / self.dim + self.eps)).to(x.dtype) * self.weight
 
@@ -172,33 +176,23 @@ def wan_rope(grid: tuple[int, int, int], head_dim: int, max_len: int, device: to
              ) -> Rope:
     """diffusers' WanRotaryPosEmbed for an F' x H' x W' token grid: the head's pairs split
     into frame, height and width parts (h = w = 2 * (hd // 6), the frame the rest), each
-    rotated by its axis' position from 0; angles in float64 as diffusers'. Kept per grid on the
-    device: every step of a request asks for the same tables."""
+    rotated by its axis' position from 0; angles in float64 as diffusers'. Made on the device
+    by each forward (a few small kernels): a CUDA graph of the forward then holds its own
+    tables, where a cache shared by the graphs could free them under a graph."""
     if max(grid) > max_len:
         raise ValueError(f"token grid {grid} exceeds rope_max_seq_len {max_len}")
-    return _rope_tables(tuple(grid), head_dim, device)
-
-
-@functools.lru_cache(maxsize=16)
-def _rope_tables(grid: tuple[int, int, int], head_dim: int, device: torch.device) -> Rope:
     hw_dim = 2 * (head_dim // 6)
     f, h, w = grid
     axes = []
     for n, dim in zip(grid, (head_dim - 2 * hw_dim, hw_dim, hw_dim)):
-        inv = 1.0 / 10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        axes.append(torch.outer(torch.arange(n, dtype=torch.float64), inv))   # (n, dim/2)
+        exponents = torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim
+        positions = torch.arange(n, dtype=torch.float64, device=device)
+        axes.append(torch.outer(positions, 1.0 / 10000.0 ** exponents))        # (n, dim/2)
     angles = torch.cat([axes[0][:, None, None].expand(f, h, w, -1),
                         axes[1][None, :, None].expand(f, h, w, -1),
                         axes[2][None, None, :].expand(f, h, w, -1)], dim=-1)   # (F', H', W', hd/2)
     angles = angles.reshape(f * h * w, -1)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
-
-
-def apply_rope(x: Tensor, rope: Rope) -> Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x (B, N, H, hd) by rope (N, hd/2)."""
-    cos, sin = (t[:, None] for t in rope)                                  # (N, 1, hd/2)
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)                   # (B, N, H, hd/2)
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
+    return torch.complex(angles.cos().float(), angles.sin().float())
 
 
 # ---- embeddings ----------------------------------------------------------------------------
@@ -266,7 +260,10 @@ class WanTimeTextImageEmbedding(nn.Module):
 
 class WanAttention(nn.Module):
     """Self-attention (rope; every video token through `seq`) or cross-attention (the text,
-    and the CLIP image tokens where the checkpoint has add_k_proj). H: this rank's heads."""
+    and the CLIP image tokens where the checkpoint has add_k_proj). H: this rank's heads.
+    `backends`: SDPA's kernel order for the self-attention on CUDA (None: SDPA's own)."""
+
+    backends: tuple[SDPBackend, ...] | None = CUDNN_FIRST
 
     def __init__(self, dim: int, num_heads: int, eps: float,
                  added_kv_proj_dim: int | None = None) -> None:
@@ -288,9 +285,10 @@ class WanAttention(nn.Module):
 
     def self_attention(self, x: Tensor, seq: SequenceSplit, rope: Rope) -> Tensor:
         """x (B, N, D): this rank's video tokens; rope sliced alike."""
-        q = apply_rope(self._heads(self.norm_q(self.to_q(x))), rope)
-        k = apply_rope(self._heads(self.norm_k(self.to_k(x))), rope)
-        out = seq.attend(q, k, self._heads(self.to_v(x)))                      # (B, N, H, hd)
+        q = apply_complex_rope(self._heads(self.norm_q(self.to_q(x))), rope)
+        k = apply_complex_rope(self._heads(self.norm_k(self.to_k(x))), rope)
+        with sdpa_backends(q, self.backends):
+            out = seq.attend(q, k, self._heads(self.to_v(x)))                  # (B, N, H, hd)
         return self.to_out[0](out.flatten(2).type_as(q))
 
     def cross_attention(self, x: Tensor, text: Tensor, image: Tensor | None) -> Tensor:
@@ -323,19 +321,22 @@ class WanTransformerBlock(nn.Module):
         table = self.scale_shift_table[0] + time.proj.float()                    # (U, 6, D)
         return lambda i: time.pick(table[:, i])
 
-    def modulated_input(self, x: Tensor, time: TimeEmbedding) -> Tensor:
+    def modulated_input(self, x: Tensor, time: TimeEmbedding,
+                        mod: Callable[[int], Tensor] | None = None) -> Tensor:
         """What self-attention sees: norm1(x) * (1 + scale) + shift."""
-        mod = self.modulation(time)
-        return (self.norm1(x.float()) * (1 + mod(1)) + mod(0)).type_as(x)
+        mod = mod or self.modulation(time)
+        return torch.addcmul(mod(0), self.norm1(x.float()), 1 + mod(1)).type_as(x)
 
     def forward(self, x: Tensor, text: Tensor, image: Tensor | None, time: TimeEmbedding,
                 rope: Rope, seq: SequenceSplit) -> Tensor:
+        """diffusers' float32 residual updates, each multiply-add one kernel (addcmul: the
+        bf16 operands promoted in it, no float32 copies of the stream in memory)."""
         mod = self.modulation(time)
-        h = self.modulated_input(x, time)
-        x = (x.float() + self.attn1.self_attention(h, seq, rope) * mod(2)).type_as(x)
+        h = self.modulated_input(x, time, mod)
+        x = torch.addcmul(x, self.attn1.self_attention(h, seq, rope), mod(2)).type_as(x)
         x = x + self.attn2.cross_attention(self.norm2(x.float()).type_as(x), text, image)
-        h = (self.norm3(x.float()) * (1 + mod(4)) + mod(3)).type_as(x)
-        return (x.float() + self.ffn(h).float() * mod(5)).type_as(x)
+        h = torch.addcmul(mod(3), self.norm3(x.float()), 1 + mod(4)).type_as(x)
+        return torch.addcmul(x, self.ffn(h), mod(5)).type_as(x)
 
 
 # ---- model ---------------------------------------------------------------------------------
@@ -382,9 +383,8 @@ class WanTransformer3DModel(nn.Module):
             self._timesteps(timestep, x.shape[0], seq), encoder_hidden_states.dtype)
         text = self.condition_embedder.text_embedder(encoder_hidden_states)     # (B, L, D)
         image = self._image_tokens(encoder_hidden_states_image)                  # (B, I, D)
-        cos, sin = wan_rope(grid, self.cfg.attention_head_dim, self.cfg.rope_max_seq_len,
-                            x.device)
-        rope = seq.local(cos, 0, dim=0), seq.local(sin, 0, dim=0)
+        rope = seq.local(wan_rope(grid, self.cfg.attention_head_dim,
+                                  self.cfg.rope_max_seq_len, x.device), 0, dim=0)
 
         def run_blocks(idx: Tensor | None) -> Tensor:
             h, t, i, p = x, text, image, time
@@ -403,6 +403,13 @@ class WanTransformer3DModel(nn.Module):
         shift, scale = (self.scale_shift_table + time.temb[:, None]).unbind(1)   # (U, D) each
         x = (self.norm_out(x.float()) * (1 + time.pick(scale)) + time.pick(shift)).type_as(x)
         return self._unpatchify(seq.gather(self.proj_out(x), 0), grid)
+
+    def use_sdpa_backends(self, backends: tuple[SDPBackend, ...] | None) -> None:
+        """The self-attention's SDPA kernel order (None: SDPA's own), e.g. to time the
+        default against CUDNN_FIRST."""
+        for module in self.modules():
+            if isinstance(module, WanAttention):
+                module.backends = backends
 
     def _cache_indicator(self, x: Tensor, time: TimeEmbedding, grid: tuple[int, int, int]
                          ) -> tuple[Tensor, tuple[float, ...]]:
