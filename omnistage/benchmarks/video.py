@@ -15,9 +15,9 @@ Per model, one model on the device at a time (the 14B's 28 GB of weights fit onc
                            regional compilation (the warm-up step compiles)
     3. ours                WanPipeline.velocity's layout: both branches in one call of two
                            rows, replayed from CUDA graphs as a stage does on a GPU; the whole
-                           schedule of `steps` steps, each timed. Its self-attention tries
-                           cuDNN's kernel first (layers/sequence_parallel.py CUDNN_FIRST);
-                           `timed_steps` steps in SDPA's default order are timed too
+                           schedule of `steps` steps, each timed. With `compile_ours`, also
+                           `timed_steps` steps with its blocks compiled (compile_blocks: a
+                           stage's `compile: true`), after a warm-up step that compiles
     4. ours, step cached   the same schedule with step caching (a state per branch, as the
                            pipeline keeps them), watching the modulated input at each threshold
                            until one falls under 30 dB, and the 14B's published TeaCache
@@ -87,8 +87,7 @@ class VideoBenchConfig:
     cache_thresholds: tuple[float, ...] = CACHE_THRESHOLDS
     compile_backend: str = "inductor"     # diffusers' compile_repeated_blocks; "" skips it
     cuda_graphs: bool = True              # ours replayed from CUDA graphs (CUDA only)
-    cudnn_first: bool = True              # ours' self-attention: cuDNN's kernel first (CUDA;
-                                          # also timed in SDPA's default order)
+    compile_ours: bool = False            # also ours with compile_blocks (a minute or two)
     device: str = "auto"
     seed: int = 0
 
@@ -331,35 +330,33 @@ def bench_cache(ours, inputs: Inputs, cfg: VideoBenchConfig, plain: Tensor, step
 def bench_ours(cfg: VideoBenchConfig, spec: dict, names: dict, inputs: Inputs,
                device: torch.device, dtype: torch.dtype) -> tuple[dict[str, object], Tensor]:
     """-> timings and caching results, our latents after 1 + timed_steps steps."""
-    from omnistage.layers.sequence_parallel import CUDNN_FIRST
-
     ours = build_ours(cfg, spec, names, device, dtype)
-    ours.use_sdpa_backends(CUDNN_FIRST if cfg.cudnn_first else None)
     graphed = cfg.cuda_graphs and device.type == "cuda"
-    out: dict[str, object] = {"cuda_graphs": graphed, "sdpa_cudnn_first": cfg.cudnn_first}
-    cudnn = cfg.cudnn_first and device.type == "cuda"
+    out: dict[str, object] = {"cuda_graphs": graphed}
     with torch.inference_mode():
-        try:
-            plain, seconds, early = run_plain(ours, inputs, cfg.steps, graphed, device, dtype,
-                                              "ours", keep=1 + cfg.timed_steps)
-        except RuntimeError as e:     # cuDNN's kernel failed on these inputs: recorded, and
-            if not cudnn:             # the numbers taken in SDPA's default order instead
-                raise
-            log(f"cuDNN first failed, SDPA's default order instead: {e}")
-            out["cudnn_first_error"], cudnn = str(e)[:1000], False
-            ours.use_sdpa_backends(None)
-            plain, seconds, early = run_plain(ours, inputs, cfg.steps, graphed, device, dtype,
-                                              "ours", keep=1 + cfg.timed_steps)
+        plain, seconds, early = run_plain(ours, inputs, cfg.steps, graphed, device, dtype,
+                                          "ours", keep=1 + cfg.timed_steps)
         out.update(step_s=per_step(seconds), steps_s=seconds)
         out["step_cache"] = bench_cache(ours, inputs, cfg, plain, out["step_s"], device, dtype)
-        if cudnn:                                         # what the kernel order brings
-            ours.use_sdpa_backends(None)
-            _, seconds, _ = run_plain(ours, inputs, cfg.timed_steps, graphed, device, dtype,
-                                      "ours, SDPA's default kernel order")
-            out["sdpa_default_step_s"] = per_step(seconds)
+        if cfg.compile_ours:
+            out.update(compiled_ours(ours, inputs, cfg, graphed, device, dtype))
     del ours
     free_device_memory(device)
     return out, early
+
+
+def compiled_ours(ours, inputs: Inputs, cfg: VideoBenchConfig, graphed: bool,
+                  device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """Ours with its blocks compiled as a stage's `compile: true` does (inductor; the first
+    warm-up step compiles): seconds per step over `timed_steps` steps."""
+    from omnistage.diffusion.pipeline import compile_blocks
+
+    t0 = time.perf_counter()
+    compile_blocks(ours)
+    _, seconds, _ = run_plain(ours, inputs, cfg.timed_steps, graphed, device, dtype,
+                              "ours compiled")
+    return {"compiled_step_s": per_step(seconds),
+            "compiled_total_s": time.perf_counter() - t0}
 
 
 def best_cache(cache: list[dict]) -> dict | None:
@@ -389,6 +386,9 @@ def bench_model(cfg: VideoBenchConfig, name: str, device: torch.device, dtype: t
         "step_speedup_vs_diffusers": ratio(eager, ours["step_s"]),
         "step_speedup_vs_diffusers_compiled": ratio(ref.get("compiled_step_s"),
                                                     ours["step_s"]),
+        "compiled_step_speedup_vs_diffusers": ratio(eager, ours.get("compiled_step_s")),
+        "compiled_step_speedup_vs_diffusers_compiled": ratio(ref.get("compiled_step_s"),
+                                                             ours.get("compiled_step_s")),
         "step_cache_speedup_vs_diffusers": ratio(eager, best["step_s"]) if best else None,
         "step_cache_psnr_db": best["latents_psnr_db"] if best else None,
     }
@@ -403,13 +403,16 @@ def run(cfg: VideoBenchConfig) -> dict[str, object]:
     models = {name: bench_model(cfg, name, device, dtype) for name in cfg.models}
     ratios: dict[str, object] = {}
     for key in ("step_speedup_vs_diffusers", "step_speedup_vs_diffusers_compiled",
-                "step_cache_speedup_vs_diffusers", "step_cache_psnr_db"):
+                "step_cache_speedup_vs_diffusers", "step_cache_psnr_db",
+                "compiled_step_speedup_vs_diffusers",
+                "compiled_step_speedup_vs_diffusers_compiled"):
         values = {name: m[key] for name, m in models.items()}
         ratios.update({f"video_{key}_{name}": v for name, v in values.items()})
         known = [v for v in values.values() if v is not None]
         ratios[f"video_{key}"] = min(known) if known else None
     return {
         "benchmark": "video", **environment(device), "dtype": str(dtype).removeprefix("torch."),
+        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
         "config": asdict(cfg), "models": models, "ratios": ratios,
         "notes": "per step: one denoising step with CFG (two branches). Speed-ups: diffusers' "
                  "seconds per step over ours (above 1: ours is faster); the headline "
@@ -418,5 +421,8 @@ def run(cfg: VideoBenchConfig) -> dict[str, object]:
                  "fullgraph=True), its compile in the warm-up step. Step cache: ours with "
                  "caching over the whole schedule of config.steps steps, PSNR of its final "
                  "latents against ours without (peak: their range). Random weights: how many "
-                 "steps a threshold skips is not what it would skip on the trained model.",
+                 "steps a threshold skips is not what it would skip on the trained model. "
+                 "Timesteps: diffusers' TI2V-5B one per token (its expand_timesteps), ours "
+                 "one per row (text to video: every token's is the row's). compiled_*: ours "
+                 "with compile_blocks (--compile-ours).",
     }

@@ -28,7 +28,6 @@ plain scaled-dot-product attention.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -36,7 +35,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from omnistage.layers.groups import stage_ranks
 from omnistage.layers.parallel import TPGroup
@@ -198,23 +196,6 @@ def heads_to_seq(x: Tensor, sizes: list[int], group: TPGroup) -> Tensor:
 
 
 # ---- attention -----------------------------------------------------------------------------
-
-# cuDNN's fused attention first, then SDPA's own order (FlashAttention-2 first): cuDNN's
-# Hopper kernels are expected to run long unmasked sequences (a video's self-attention)
-# faster; `omnistage bench video` times the Wan transformer both ways. A kernel that cannot
-# take the inputs (float32, masks, head sizes) declines and the next one runs.
-CUDNN_FIRST = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-               SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-
-
-def sdpa_backends(q: Tensor, backends: Sequence[SDPBackend] | None
-                  ) -> contextlib.AbstractContextManager:
-    """Around attention of `q`: SDPA's kernels tried in `backends`' order (CUDA only; None:
-    SDPA's own order)."""
-    if backends is None or not q.is_cuda:
-        return contextlib.nullcontext()
-    return sdpa_kernel(list(backends), set_priority=True)
-
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None) -> Tensor:
     """(B, Lq, H, hd) queries over (B, Lk, H, hd) keys; key_mask (B, Lk) -> (B, Lq, H, hd)."""

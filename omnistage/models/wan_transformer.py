@@ -51,15 +51,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend
 
 from omnistage.layers.dit import (FeedForward, TimestepEmbedding, apply_complex_rope,
                                   timestep_embedding)
 from omnistage.layers.linear import copy_checked
 from omnistage.layers.parallel import (ColumnParallelLinear, RowParallelLinear, all_reduce,
                                        divide, tp_group)
-from omnistage.layers.sequence_parallel import (CUDNN_FIRST, SequenceRanks, SequenceSplit,
-                                                check_heads, sdpa, sdpa_backends)
+from omnistage.layers.sequence_parallel import SequenceRanks, SequenceSplit, check_heads, sdpa
 from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.models.diffusers_loader import (build_from_folder, config_from_dict,
                                                read_config)
@@ -82,7 +80,7 @@ TOKENS_480P, TOKENS_720P = 30 * 52, 45 * 80          # per latent frame, 2x2 pat
 IDENTITY = (1.0, 0.0)
 
 
-Rope = Tensor     # (N, hd/2) complex64: cos + i sin, one angle per pair of features
+Rope = tuple[Tensor, Tensor]     # cos, sin: (N, hd/2) float32, one angle per pair of features
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +190,19 @@ def wan_rope(grid: tuple[int, int, int], head_dim: int, max_len: int, device: to
                         axes[1][None, :, None].expand(f, h, w, -1),
                         axes[2][None, None, :].expand(f, h, w, -1)], dim=-1)   # (F', H', W', hd/2)
     angles = angles.reshape(f * h * w, -1)
-    return torch.complex(angles.cos().float(), angles.sin().float())
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, rope: Rope) -> Tensor:
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x (B, N, H, hd) by rope (N, hd/2):
+    eagerly one complex multiply (the fewest passes over x); compiled, the same products in
+    real arithmetic, which inductor fuses into one kernel (it generates no complex code)."""
+    cos, sin = rope
+    if not torch.compiler.is_compiling():
+        return apply_complex_rope(x, torch.complex(cos, sin))
+    cos, sin = cos[:, None], sin[:, None]                                  # (N, 1, hd/2)
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)                   # (B, N, H, hd/2)
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
 
 
 # ---- embeddings ----------------------------------------------------------------------------
@@ -260,10 +270,7 @@ class WanTimeTextImageEmbedding(nn.Module):
 
 class WanAttention(nn.Module):
     """Self-attention (rope; every video token through `seq`) or cross-attention (the text,
-    and the CLIP image tokens where the checkpoint has add_k_proj). H: this rank's heads.
-    `backends`: SDPA's kernel order for the self-attention on CUDA (None: SDPA's own)."""
-
-    backends: tuple[SDPBackend, ...] | None = CUDNN_FIRST
+    and the CLIP image tokens where the checkpoint has add_k_proj). H: this rank's heads."""
 
     def __init__(self, dim: int, num_heads: int, eps: float,
                  added_kv_proj_dim: int | None = None) -> None:
@@ -285,10 +292,9 @@ class WanAttention(nn.Module):
 
     def self_attention(self, x: Tensor, seq: SequenceSplit, rope: Rope) -> Tensor:
         """x (B, N, D): this rank's video tokens; rope sliced alike."""
-        q = apply_complex_rope(self._heads(self.norm_q(self.to_q(x))), rope)
-        k = apply_complex_rope(self._heads(self.norm_k(self.to_k(x))), rope)
-        with sdpa_backends(q, self.backends):
-            out = seq.attend(q, k, self._heads(self.to_v(x)))                  # (B, N, H, hd)
+        q = apply_rope(self._heads(self.norm_q(self.to_q(x))), rope)
+        k = apply_rope(self._heads(self.norm_k(self.to_k(x))), rope)
+        out = seq.attend(q, k, self._heads(self.to_v(x)))                      # (B, N, H, hd)
         return self.to_out[0](out.flatten(2).type_as(q))
 
     def cross_attention(self, x: Tensor, text: Tensor, image: Tensor | None) -> Tensor:
@@ -383,8 +389,9 @@ class WanTransformer3DModel(nn.Module):
             self._timesteps(timestep, x.shape[0], seq), encoder_hidden_states.dtype)
         text = self.condition_embedder.text_embedder(encoder_hidden_states)     # (B, L, D)
         image = self._image_tokens(encoder_hidden_states_image)                  # (B, I, D)
-        rope = seq.local(wan_rope(grid, self.cfg.attention_head_dim,
-                                  self.cfg.rope_max_seq_len, x.device), 0, dim=0)
+        cos, sin = wan_rope(grid, self.cfg.attention_head_dim, self.cfg.rope_max_seq_len,
+                            x.device)
+        rope = seq.local(cos, 0, dim=0), seq.local(sin, 0, dim=0)
 
         def run_blocks(idx: Tensor | None) -> Tensor:
             h, t, i, p = x, text, image, time
@@ -403,13 +410,6 @@ class WanTransformer3DModel(nn.Module):
         shift, scale = (self.scale_shift_table + time.temb[:, None]).unbind(1)   # (U, D) each
         x = (self.norm_out(x.float()) * (1 + time.pick(scale)) + time.pick(shift)).type_as(x)
         return self._unpatchify(seq.gather(self.proj_out(x), 0), grid)
-
-    def use_sdpa_backends(self, backends: tuple[SDPBackend, ...] | None) -> None:
-        """The self-attention's SDPA kernel order (None: SDPA's own), e.g. to time the
-        default against CUDNN_FIRST."""
-        for module in self.modules():
-            if isinstance(module, WanAttention):
-                module.backends = backends
 
     def _cache_indicator(self, x: Tensor, time: TimeEmbedding, grid: tuple[int, int, int]
                          ) -> tuple[Tensor, tuple[float, ...]]:
