@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omnistage.layers import fused
 from omnistage.layers.dit import (FeedForward, TimestepEmbedding, apply_complex_rope,
                                   timestep_embedding)
 from omnistage.layers.linear import copy_checked
@@ -193,11 +194,41 @@ def wan_rope(grid: tuple[int, int, int], head_dim: int, max_len: int, device: to
     return angles.cos().float(), angles.sin().float()
 
 
+def _kernels(x: Tensor):  # type: ignore[no-untyped-def]
+    """The fused Triton kernels (layers/triton_ops.py) where they run on x, outside
+    torch.compile (whose own fusion of the PyTorch ops below does the same); else None."""
+    return None if torch.compiler.is_compiling() else fused.ops_for(x)
+
+
+def norm_modulate(norm: nn.Module, x: Tensor, scale: Tensor | None = None,
+                  shift: Tensor | None = None) -> Tensor:
+    """norm(x) [* (1 + scale) + shift] in x's dtype, in float32 as diffusers (norm: an
+    FP32LayerNorm or Identity; scale, shift (B, 1 or N, D)); one kernel on CUDA."""
+    ops = _kernels(x)
+    if ops is not None and isinstance(norm, nn.LayerNorm):
+        return ops.norm_modulate(x, norm.eps, norm.weight, norm.bias, scale, shift)
+    h = norm(x.float())
+    return (h if scale is None else torch.addcmul(shift, h, 1 + scale)).type_as(x)
+
+
+def gated_add(x: Tensor, y: Tensor, gate: Tensor) -> Tensor:
+    """The gated residual x + y * gate in float32, in x's dtype; one kernel on CUDA (else
+    addcmul: the bf16 operands promoted in it, no float32 copy of the stream in memory)."""
+    ops = _kernels(x)
+    if ops is not None:
+        return ops.gated_add(x, y, gate)
+    return torch.addcmul(x, y, gate).type_as(x)
+
+
 def apply_rope(x: Tensor, rope: Rope) -> Tensor:
     """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x (B, N, H, hd) by rope (N, hd/2):
-    eagerly one complex multiply (the fewest passes over x); compiled, the same products in
-    real arithmetic, which inductor fuses into one kernel (it generates no complex code)."""
+    one kernel on CUDA; else eagerly one complex multiply (the fewest passes over x);
+    compiled, the same products in real arithmetic, which inductor fuses into one kernel (it
+    generates no complex code)."""
     cos, sin = rope
+    ops = _kernels(x)
+    if ops is not None:
+        return ops.rope_pairs(x, cos, sin)
     if not torch.compiler.is_compiling():
         return apply_complex_rope(x, torch.complex(cos, sin))
     cos, sin = cos[:, None], sin[:, None]                                  # (N, 1, hd/2)
@@ -331,18 +362,16 @@ class WanTransformerBlock(nn.Module):
                         mod: Callable[[int], Tensor] | None = None) -> Tensor:
         """What self-attention sees: norm1(x) * (1 + scale) + shift."""
         mod = mod or self.modulation(time)
-        return torch.addcmul(mod(0), self.norm1(x.float()), 1 + mod(1)).type_as(x)
+        return norm_modulate(self.norm1, x, mod(1), mod(0))
 
     def forward(self, x: Tensor, text: Tensor, image: Tensor | None, time: TimeEmbedding,
                 rope: Rope, seq: SequenceSplit) -> Tensor:
-        """diffusers' float32 residual updates, each multiply-add one kernel (addcmul: the
-        bf16 operands promoted in it, no float32 copies of the stream in memory)."""
+        """diffusers' float32 norms, modulation and gated residuals, rounded once each."""
         mod = self.modulation(time)
         h = self.modulated_input(x, time, mod)
-        x = torch.addcmul(x, self.attn1.self_attention(h, seq, rope), mod(2)).type_as(x)
-        x = x + self.attn2.cross_attention(self.norm2(x.float()).type_as(x), text, image)
-        h = torch.addcmul(mod(3), self.norm3(x.float()), 1 + mod(4)).type_as(x)
-        return torch.addcmul(x, self.ffn(h), mod(5)).type_as(x)
+        x = gated_add(x, self.attn1.self_attention(h, seq, rope), mod(2))
+        x = x + self.attn2.cross_attention(norm_modulate(self.norm2, x), text, image)
+        return gated_add(x, self.ffn(norm_modulate(self.norm3, x, mod(4), mod(3))), mod(5))
 
 
 # ---- model ---------------------------------------------------------------------------------
@@ -408,7 +437,7 @@ class WanTransformer3DModel(nn.Module):
             indicator, coefficients = self._cache_indicator(x, time, grid)
             x = run_cached(x, indicator, step_cache, coefficients, run_blocks)
         shift, scale = (self.scale_shift_table + time.temb[:, None]).unbind(1)   # (U, D) each
-        x = (self.norm_out(x.float()) * (1 + time.pick(scale)) + time.pick(shift)).type_as(x)
+        x = norm_modulate(self.norm_out, x, time.pick(scale), time.pick(shift))
         return self._unpatchify(seq.gather(self.proj_out(x), 0), grid)
 
     def _cache_indicator(self, x: Tensor, time: TimeEmbedding, grid: tuple[int, int, int]
