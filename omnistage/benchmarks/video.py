@@ -66,9 +66,9 @@ TINY = {name: dict(spec, arch={**spec["arch"], "num_attention_heads": 2,
                    size=(64, 96) if name == "5b" else (32, 48), frames=5)
         for name, spec in MODELS.items()}
 # Step caching watches the first block's modulated input as is (the 5B's indicator when
-# served): on these random weights it moves by a relative 0.25-0.5 a step of a 10-step
-# schedule, so 0.3 skips about every other step; thresholds are tried in order until one
-# falls under 30 dB. The 14B when served watches its timestep embedding through TeaCache's
+# served): on these random weights it moves by a relative 0.25-0.35 a step of an 8-step
+# schedule (a CPU estimate on noised latents), so 0.3 skips 2 or 3 steps and 0.6 about 4;
+# thresholds are tried in order until one falls under 30 dB. The 14B when served watches its timestep embedding through TeaCache's
 # Wan2.1 T2V-14B polynomial (models/wan_transformer.py), tried once at TeaCache's 0.2: fitted
 # on the trained model, it reads the random embedding's ~100% change a step as negative and
 # skips every step it may.
