@@ -102,7 +102,7 @@ def test_other_thresholds_batched_equal_each_alone(wan, monkeypatch: pytest.Monk
 def test_cuda_graph_replays_equal_eager(wan, monkeypatch: pytest.MonkeyPatch) -> None:
     """use_cuda_graphs (a stage's cuda_graphs option): shapes seen twice are captured (on CPU
     by a stand-in whose replay reruns the forward on the graph's buffers) and replayed, the
-    same latents as eager; a request that caches runs eagerly."""
+    same latents as eager; a request that caches, and timesteps per token, run eagerly."""
     from omnistage.layers import graph_capture
     from omnistage.testing.graph_emulation import rerun_capture
 
@@ -116,6 +116,9 @@ def test_cuda_graph_replays_equal_eager(wan, monkeypatch: pytest.MonkeyPatch) ->
             graphs = wan.graphs
             assert graphs is not None and graphs.num_replays == 3     # steps 2..4
             serve(wan, monkeypatch, {"b": ("a dog", params(1e9, seed=2, steps=4))})
+            x, text = torch.randn(1, 4, 2, 4, 6), torch.randn(1, 8, 16)
+            for _ in range(3):                 # a timestep per token: eager (a host sync)
+                wan.run_transformer(x, torch.full((1, 12), 500), text)
             assert graphs.num_replays == 3
     finally:
         wan.graphs = None

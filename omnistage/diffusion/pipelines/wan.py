@@ -179,6 +179,13 @@ class WanPipeline(GraphedTransformer):
             k += n
         return pred
 
+    def run_transformer(self, x: Tensor, t: Tensor, text: Tensor, **kwargs: object) -> Tensor:
+        """GraphedTransformer's, except with a timestep per token (TI2V's first frame at 0):
+        finding their distinct values syncs the host, which a CUDA graph cannot hold."""
+        if t.dim() > 1:
+            return self.transformer(x, t, text, **kwargs)
+        return super().run_transformer(x, t, text, **kwargs)
+
     def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
         """-> uint8 (n, F, H, W, 3)."""
         z = self.vae.denormalize(latents.to(self.device, torch.float32))
