@@ -20,6 +20,9 @@
 #   layer, dattn, async, profile: earlier sessions' comparisons; omni: bench omni (minutes)
 #   tts      bench tts against qwen-tts, whose wheels travel in .whl/ref/ (the list and the
 #            download command: omnistage/benchmarks/tts.py), installed into /tmp/ref-site
+#   video    bench video: Wan2.2-TI2V-5B and Wan2.1-14B shapes against diffusers eager and
+#            compiled, per step with CFG, and step caching (VIDEO_FLAGS: more options; about
+#            6 minutes on an H100, alone: STAGES=video)
 #   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -173,6 +176,10 @@ if [[ $STAGES == *tts* ]]; then
         --target /tmp/ref-site .whl/ref/*.whl >/dev/null 2>&1 || exit 1
     OMNISTAGE_TTS_REF_PYTHONPATH=/tmp/ref-site python3 -m omnistage.entrypoints.cli.main \
         bench tts --out-dir "$OUT" --name tts ${TTS_FLAGS:-} 2>&1 | tail -20
+fi
+if [[ $STAGES == *video* ]]; then
+    timeout 580 python3 -m omnistage.entrypoints.cli.main bench video --out-dir "$OUT" \
+        --name video ${VIDEO_FLAGS:-} 2>&1 | tee "$OUT/video.log" | grep -v " step " | tail -40
 fi
 if [[ $STAGES == *tp30b* ]]; then
     # two GPUs (kind nvidia-h100-x2): Qwen3-Omni-30B-A3B at its real size, the thinker on

@@ -13,7 +13,8 @@ run in one process on the same random-weight checkpoints of real architectures (
     diffusion.py  Qwen-Image-shaped transformer: seconds per image against diffusers on the same
                   weights, step caching (speed-up and PSNR), step-level batching at concurrency 4
 
-`omnistage bench {ar,omni,tts,diffusion}` runs them (entrypoints/cli/bench.py); each writes one
-JSON file (GPU name, library versions, config, raw numbers, ratios). `--tiny` shrinks every size
-so a run takes seconds on a CPU: what CI runs to keep the commands working, not a measurement.
+`omnistage bench {ar,omni,tts,diffusion,video}` runs them (entrypoints/cli/bench.py); each
+writes one JSON file (GPU name, library versions, config, raw numbers, ratios). `--tiny` shrinks
+every size so a run takes seconds on a CPU: what CI runs to keep the commands working, not a
+measurement.
 """

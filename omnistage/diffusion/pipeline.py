@@ -135,7 +135,36 @@ def check_conditioning(tensors: dict[str, Tensor], expected: dict[str, tuple[int
     return out
 
 
-class LatentPipelineBase:
+class GraphedTransformer:
+    """A pipeline's `transformer` forward, replayed from CUDA graphs once `use_cuda_graphs` is
+    called (a stage's `options: {cuda_graphs: ...}`): what the image pipelines and Wan share.
+    The pipeline sets `label` (for messages), `transformer`, and `graphable` True when the
+    forward reads nothing but its arguments' device memory (layers/graph_capture.py)."""
+
+    label: str
+    transformer: torch.nn.Module
+    graphable = False       # the transformer's forward can be a CUDA graph (`use_cuda_graphs`)
+    graphs: ShapeGraphs | None = None
+
+    def use_cuda_graphs(self, max_graphs: int = 8) -> None:
+        """Replay the transformer's forward from CUDA graphs, one per (batch, latent, caption)
+        shape seen twice (layers/graph_capture.py ShapeGraphs); step-cached forwards, whose
+        blocks run or not per request, stay eager. A stage's `options: {cuda_graphs: ...}`."""
+        if not self.graphable:
+            raise ValueError(f"{self.label}: its transformer's forward is not captured as a "
+                             "CUDA graph (cuda_graphs: false)")
+        self.graphs = ShapeGraphs(self.transformer, max_graphs)
+
+    def run_transformer(self, *args: object, step_cache: object = None, **kwargs: object
+                        ) -> Tensor:
+        """The transformer's forward: from a CUDA graph when they are on and no step cache
+        is asked for."""
+        if self.graphs is not None and step_cache is None:
+            return self.graphs(*args, **kwargs)
+        return self.transformer(*args, step_cache=step_cache, **kwargs)
+
+
+class LatentPipelineBase(GraphedTransformer):
     """What the FLUX, Z-Image and Qwen-Image pipelines share around their model-specific
     phases (`prepare_latents`, `check_conditioning`, `velocity`, `decode_float`): the size
     rule, the request checks, prepare = encode + prepare_latents, and the uint8 decode.
@@ -155,7 +184,6 @@ class LatentPipelineBase:
     default_size: int | None = None
     parallel_axes: tuple[str, ...] = ()
     heads_key = "num_attention_heads"        # in the transformer's config.json
-    graphable = False       # the transformer's forward can be a CUDA graph (`use_cuda_graphs`)
 
     def __init__(self, transformer: torch.nn.Module, vae: torch.nn.Module,
                  prompt_encoder: PromptEncoder | None, scheduler: solver.FlowMatchEulerConfig,
@@ -166,7 +194,6 @@ class LatentPipelineBase:
         self.prompt_encoder = prompt_encoder
         self.scheduler = scheduler
         self.device = device
-        self.graphs: ShapeGraphs | None = None
         self.cfg_ranks = stage_ranks().cfg      # CFG-parallel: branch c runs on rank c
         self.dtype = next(transformer.parameters()).dtype
         self.vae_scale_factor = vae.cfg.downscale                  # 8 for all three
@@ -249,23 +276,6 @@ class LatentPipelineBase:
         base = (torch.linspace(1.0, 1 / num_steps, num_steps).tolist() if float32_linspace
                 else np.linspace(1.0, 1 / num_steps, num_steps))
         return solver.make_sigmas(cfg, num_steps, mu=mu, sigmas=base)[0]
-
-    def use_cuda_graphs(self, max_graphs: int = 8) -> None:
-        """Replay the transformer's forward from CUDA graphs, one per (batch, latent, caption)
-        shape seen twice (layers/graph_capture.py ShapeGraphs); step-cached forwards, whose
-        blocks run or not per request, stay eager. A stage's `options: {cuda_graphs: ...}`."""
-        if not self.graphable:
-            raise ValueError(f"{self.label}: its transformer's forward is not captured as a "
-                             "CUDA graph (cuda_graphs: false)")
-        self.graphs = ShapeGraphs(self.transformer, max_graphs)
-
-    def run_transformer(self, *args: object, step_cache: object = None, **kwargs: object
-                        ) -> Tensor:
-        """The transformer's forward: from a CUDA graph when they are on and no step cache
-        is asked for."""
-        if self.graphs is not None and step_cache is None:
-            return self.graphs(*args, **kwargs)
-        return self.transformer(*args, step_cache=step_cache, **kwargs)
 
     def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
         """-> uint8 (n, H, W, 3)."""

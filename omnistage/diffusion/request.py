@@ -48,9 +48,9 @@ class DiffusionRequest:
 
     @property
     def num_steps_skipped(self) -> int:
-        """Steps whose conditional branch reused the cached residual."""
-        state = self.cache.get("cond")
-        return 0 if state is None else state.num_skipped
+        """Steps whose conditional branch reused the cached residual: its states' sum (one
+        "cond" state; Wan2.2 A14B's "cond0", "cond1", one per expert)."""
+        return sum(s.num_skipped for name, s in self.cache.items() if name.startswith("cond"))
 
     @property
     def must_compute(self) -> bool:

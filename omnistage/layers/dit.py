@@ -1,5 +1,6 @@
 """Blocks that diffusion transformers share, with diffusers' parameter names so checkpoints
-load one-to-one: sinusoidal timestep embedding, its MLP, adaptive LayerNorms, the GELU MLP.
+load one-to-one: sinusoidal timestep embedding, its MLP, adaptive LayerNorms, the GELU MLP,
+the rotation of interleaved feature pairs by complex rope tables.
 
 Under tensor parallelism (layers/parallel.py) the MLP splits column / row, and the adaptive
 norms' large modulation projections split by output, gathered whole (every rank holds the
@@ -17,6 +18,14 @@ from torch import Tensor, nn
 from omnistage.layers.linear import copy_checked
 from omnistage.layers.parallel import (ColumnParallelLinear, RowParallelLinear, divide,
                                        tp_group)
+
+
+def apply_complex_rope(x: Tensor, freqs: Tensor) -> Tensor:
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x (B, S, H, hd) by complex freqs
+    (S, hd/2): one complex multiply in float32 (x0 cos - x1 sin, x0 sin + x1 cos), in x's dtype
+    out."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))     # (B, S, H, hd/2)
+    return torch.view_as_real(xc * freqs.unsqueeze(1)).flatten(3).type_as(x)
 
 
 def timestep_embedding(t: Tensor, dim: int = 256, max_period: float = 10000.0) -> Tensor:

@@ -12,11 +12,22 @@ Each replaces a chain of PyTorch kernels that would each read and write the acti
                      (slot -1: nothing) instead of returning k: the attention's K/V store
                      kernel is saved (the attention then reads them from the cache)
 
+and for a diffusion transformer's block (Wan), each over the whole video stream:
+
+    norm_modulate    x -> float32 -> LayerNorm [affine] [* (1 + scale) + shift] -> x's dtype
+                     (diffusers' FP32LayerNorm and adaLN modulation; 5 -> 1)
+    gated_add        x + y * gate in float32 -> x's dtype (the gated residual; 3 -> 1)
+    rope_pairs       interleaved pairs of every head rotated by cos/sin rows (~6 -> 1)
+
 Numerics follow the Hugging Face modules they replace: the normalised value is rounded to the
 input dtype before the weight multiplies it, the residual sum is rounded to the input dtype, and
 silu(gate) is rounded before the product. The rotary rotation is done in float32 with float32
 cos/sin (HF rounds cos/sin to the input dtype first), so in bfloat16 it is slightly closer to
 the exact value than the reference; in float32 it is the same arithmetic.
+
+The DiT kernels keep diffusers' float32 arithmetic (statistics, products, the rotation) and
+round once, to x's dtype, at the end: what the PyTorch chains compute, without their float32
+copies of the stream in memory.
 
 Callers go through omnistage/layers/fused.py, which decides when these can run.
 """
@@ -138,6 +149,54 @@ def _qk_norm_rope_kernel(Q, K, V, QW, KW, Cos, Sin, Pos, Axis, QOut, KOut, VOut,
                          c1, c2, s1, s2, eps, t >= 0, HK, HALF, HK_P2, HALF_P2, HAS_NORM)
 
 
+@triton.jit
+def _norm_modulate_kernel(X, W, B, Scale, Shift, Out, stride_x, stride_o, rows_per_mod, N, eps,
+                          AFFINE: tl.constexpr, MODULATE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / N
+    d = tl.where(mask, x - mean, 0.0)
+    y = d * tl.rsqrt(tl.sum(d * d, axis=0) / N + eps)
+    if AFFINE:
+        y = y * tl.load(W + cols, mask=mask, other=1.0) + tl.load(B + cols, mask=mask, other=0.0)
+    if MODULATE:
+        m = (row // rows_per_mod) * N + cols
+        scale = tl.load(Scale + m, mask=mask, other=0.0)
+        y = y * (1.0 + scale) + tl.load(Shift + m, mask=mask, other=0.0)
+    tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_add_kernel(X, Y, G, Out, stride_x, stride_y, stride_o, rows_per_gate, N,
+                      BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + (row // rows_per_gate) * N + cols, mask=mask, other=0.0)
+    tl.store(Out + row * stride_o + cols, (x + y * g).to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_pairs_kernel(X, Cos, Sin, Out, stride_x, stride_o, tokens, half, P,
+                       BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)                 # one token, all its heads
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # pair index over heads x half
+    mask = i < P
+    t = (row % tokens) * half + i % half
+    c = tl.load(Cos + t, mask=mask, other=0.0)
+    s = tl.load(Sin + t, mask=mask, other=0.0)
+    even = tl.load(X + row * stride_x + 2 * i, mask=mask, other=0.0).to(tl.float32)
+    odd = tl.load(X + row * stride_x + 2 * i + 1, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + 2 * i, (even * c - odd * s).to(Out.dtype.element_ty),
+             mask=mask)
+    tl.store(Out + row * stride_o + 2 * i + 1, (even * s + odd * c).to(Out.dtype.element_ty),
+             mask=mask)
+
+
 def _rows(x: Tensor) -> Tensor:
     """x as (rows, last) with a row stride (a copy only if the rows are not evenly strided)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -170,6 +229,62 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float
             total.stride(0), xr.shape[1], eps, HAS_RESIDUAL=True,
             BLOCK=triton.next_power_of_2(xr.shape[1]))
     return out, total
+
+
+def _per_row(mod: Tensor, x: Tensor) -> tuple[Tensor, int]:
+    """A modulation (B, S, D), S = 1 or x's tokens, for x (B, N, D): as (B * S, D) rows, and
+    how many of x's rows share one."""
+    assert mod.dim() == 3 and mod.shape[0] == x.shape[0] and mod.shape[1] in (1, x.shape[1]) \
+        and mod.shape[2] == x.shape[2], (tuple(mod.shape), tuple(x.shape))
+    return mod.float().contiguous(), (x.shape[1] if mod.shape[1] == 1 else 1)
+
+
+def norm_modulate(x: Tensor, eps: float, weight: Tensor | None = None,
+                  bias: Tensor | None = None, scale: Tensor | None = None,
+                  shift: Tensor | None = None) -> Tensor:
+    """x (B, N, D) -> LayerNorm(x) [* weight + bias] [* (1 + scale) + shift] in x's dtype, all
+    in float32 as diffusers' FP32LayerNorm and modulation; scale, shift (B, 1 or N, D)."""
+    xr = _rows(x)
+    out = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
+    affine, modulate = weight is not None, scale is not None
+    scale, rows_per_mod = _per_row(scale, x) if modulate else (xr, 1)
+    shift = _per_row(shift, x)[0] if modulate else xr
+    block = triton.next_power_of_2(xr.shape[1])
+    if xr.shape[0]:
+        _norm_modulate_kernel[(xr.shape[0],)](
+            xr, weight.float() if affine else xr, bias.float() if affine else xr, scale, shift,
+            out, xr.stride(0), out.stride(0), rows_per_mod, xr.shape[1], eps, AFFINE=affine,
+            MODULATE=modulate, BLOCK=block, num_warps=min(16, max(4, block // 512)))
+    return out.view(x.shape)
+
+
+def gated_add(x: Tensor, y: Tensor, gate: Tensor) -> Tensor:
+    """x + y * gate (x, y (B, N, D), gate (B, 1 or N, D)) in float32, rounded to x's dtype."""
+    xr, yr = _rows(x), _rows(y)
+    gate, rows_per_gate = _per_row(gate, x)
+    out = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
+    if xr.shape[0]:
+        block = min(1024, triton.next_power_of_2(xr.shape[1]))
+        _gated_add_kernel[(xr.shape[0], triton.cdiv(xr.shape[1], block))](
+            xr, yr, gate, out, xr.stride(0), yr.stride(0), out.stride(0), rows_per_gate,
+            xr.shape[1], BLOCK=block)
+    return out.view(x.shape)
+
+
+def rope_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, N, H, hd): each head's interleaved pairs (x0, x1), ... rotated by the angles of
+    cos, sin (N, hd/2) float32: (x0 cos - x1 sin, x0 sin + x1 cos), in x's dtype."""
+    b, n, h, hd = x.shape
+    xr = _rows(x.reshape(b, n, h * hd))
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    assert cos.shape == sin.shape == (n, hd // 2), (tuple(cos.shape), tuple(x.shape))
+    out = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
+    pairs = h * hd // 2
+    if xr.shape[0]:
+        block = min(1024, triton.next_power_of_2(pairs))
+        _rope_pairs_kernel[(xr.shape[0], triton.cdiv(pairs, block))](
+            xr, cos, sin, out, xr.stride(0), out.stride(0), n, hd // 2, pairs, BLOCK=block)
+    return out.view(x.shape)
 
 
 def silu_and_mul(x: Tensor) -> Tensor:

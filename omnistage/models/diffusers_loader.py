@@ -97,11 +97,12 @@ def load_weights_strict(model: nn.Module, path: Path) -> None:
     assert loaded == expected, f"parameters not loaded: {expected - loaded}"
 
 
-def _keep_in_fp32(model: nn.Module) -> None:
-    """diffusers' `_keep_in_fp32_modules`: parameters under a module named in the model's
-    `keep_in_fp32` (or so named) stay float32 in any dtype, as diffusers loads them (small
-    tensors whose rounding would show: time embeddings, modulation tables, norms)."""
-    names = set(getattr(model, "keep_in_fp32", ()))
+def keep_in_fp32(model: nn.Module, names: tuple[str, ...] | None = None) -> None:
+    """diffusers' `_keep_in_fp32_modules`: parameters under a module named in `names` (None:
+    the model's `keep_in_fp32`), or so named, stay float32 in any dtype, as diffusers loads
+    them (small tensors whose rounding would show: time embeddings, modulation tables, norms).
+    The benchmarks apply it to diffusers' own models built in bf16 too."""
+    names = set(getattr(model, "keep_in_fp32", ()) if names is None else names)
     for name, p in model.named_parameters():
         if names.intersection(name.split(".")):
             p.data = p.data.float()
@@ -115,7 +116,7 @@ def build_from_folder(model_cls: type[nn.Module], config: object, path: Path,
     the way (built on the meta device)."""
     with _default_dtype(dtype or checkpoint_dtype(path)), torch.device("meta"):
         model = model_cls(config)
-    _keep_in_fp32(model)
+    keep_in_fp32(model)
     # to_empty replaces meta parameters by new ones: carry the tensor-parallel layers' loaders
     loaders = {name: p.weight_loader for name, p in model.named_parameters()
                if hasattr(p, "weight_loader")}

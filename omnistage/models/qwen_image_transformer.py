@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.layers.dit import AdaLayerNormContinuous, FeedForward, TimestepEmbedding
+from omnistage.layers.dit import (AdaLayerNormContinuous, FeedForward, TimestepEmbedding,
+                                  apply_complex_rope)
 from omnistage.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from omnistage.layers.sequence_parallel import SequenceRanks, SequenceSplit, check_heads
 from omnistage.layers.step_cache import CacheGroup, run_cached
@@ -161,12 +162,6 @@ def _rope_tables(shapes: tuple[tuple[int, int, int], ...], num_txt: int,
     return torch.cat(img, dim=0).to(device), txt.to(device)
 
 
-def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
-    """Rotate interleaved pairs of x: (B, S, H, hd) by complex freqs (S, hd/2)."""
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))     # (B, S, H, hd/2)
-    return torch.view_as_real(xc * freqs.unsqueeze(1)).flatten(3).type_as(x)
-
-
 class RMSNorm(nn.Module):
     """diffusers' RMSNorm (weight, no bias): fp32 statistics, cast only for half weights."""
 
@@ -211,10 +206,11 @@ class QwenImageAttention(nn.Module):
                 ) -> tuple[Tensor, Tensor]:
         """img (B, N, D), txt (B, T, D): this rank's tokens of each; rope sliced alike."""
         img_rope, txt_rope = rope
-        q = apply_rope(self.norm_q(self._heads(self.to_q(img))), img_rope)     # (B, N, H, hd)
-        k = apply_rope(self.norm_k(self._heads(self.to_k(img))), img_rope)
-        txt_q = apply_rope(self.norm_added_q(self._heads(self.add_q_proj(txt))), txt_rope)
-        txt_k = apply_rope(self.norm_added_k(self._heads(self.add_k_proj(txt))), txt_rope)
+        rotate = apply_complex_rope
+        q = rotate(self.norm_q(self._heads(self.to_q(img))), img_rope)         # (B, N, H, hd)
+        k = rotate(self.norm_k(self._heads(self.to_k(img))), img_rope)
+        txt_q = rotate(self.norm_added_q(self._heads(self.add_q_proj(txt))), txt_rope)
+        txt_k = rotate(self.norm_added_k(self._heads(self.add_k_proj(txt))), txt_rope)
         q = torch.cat([txt_q, q], dim=1)                                        # (B, T+N, H, hd)
         k = torch.cat([txt_k, k], dim=1)
         v = torch.cat([self._heads(self.add_v_proj(txt)), self._heads(self.to_v(img))], dim=1)

@@ -43,7 +43,6 @@ Several ranks (issue 18), from the stage's groups current at construction:
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -53,7 +52,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.layers.dit import FeedForward, TimestepEmbedding, timestep_embedding
+from omnistage.layers import fused
+from omnistage.layers.dit import (FeedForward, TimestepEmbedding, apply_complex_rope,
+                                  timestep_embedding)
 from omnistage.layers.linear import copy_checked
 from omnistage.layers.parallel import (ColumnParallelLinear, RowParallelLinear, all_reduce,
                                        divide, tp_group)
@@ -62,11 +63,23 @@ from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.models.diffusers_loader import (build_from_folder, config_from_dict,
                                                read_config)
 
-# Step caching watches the first block's modulated input, its relative L1 change used as is
-# (identity rescaling, as for Qwen-Image). TeaCache's published Wan2.1 polynomials (per model
-# size and resolution, as TeaCache4Wan2.1 and LightX2V ship them) measure the change of the
-# timestep embedding instead (their `e0` / `e`), so they do not apply to this input.
-TEACACHE_COEFFICIENTS = (1.0, 0.0)
+# Step caching (layers/step_cache.py). Where TeaCache publishes a polynomial for the model
+# (ali-vilab/TeaCache, TeaCache4Wan2.1/teacache_generate.py, its variant without
+# `use_ret_steps`: the first and the last step always computed, as our state machine does), the
+# indicator is what it was fitted on: the relative L1 change of the timestep embedding (`e`
+# there, `temb` here), per row. Wan2.1 I2V has one per resolution (480P and 720P checkpoints
+# share a config): chosen by the latent grid's tokens per frame, 720P's above the midpoint.
+# Other models (Wan2.2) watch the first block's modulated input, its change used as is.
+TEACACHE_T2V = {1536: (2.39676752e+03, -1.31110545e+03, 2.01331979e+02, -8.29855975e+00,
+                       1.37887774e-01),                                      # T2V 1.3B
+                5120: (-5784.54975374, 5449.50911966, -1811.16591783, 256.27178429,
+                       -13.02252404)}                                        # T2V 14B
+TEACACHE_I2V_480P = (-3.02331670e+02, 2.23948934e+02, -5.25463970e+01, 5.87348440e+00,
+                     -2.01973289e-01)
+TEACACHE_I2V_720P = (-114.36346466, 65.26524496, -18.82220707, 4.91518089, -0.23412683)
+TOKENS_480P, TOKENS_720P = 30 * 52, 45 * 80          # per latent frame, 2x2 patches
+IDENTITY = (1.0, 0.0)
+
 
 Rope = tuple[Tensor, Tensor]     # cos, sin: (N, hd/2) float32, one angle per pair of features
 
@@ -109,6 +122,20 @@ class WanTransformerConfig:
         return config_from_dict(cls, raw, "Wan transformer")
 
 
+def teacache_coefficients(cfg: WanTransformerConfig, grid: tuple[int, int, int]
+                          ) -> tuple[float, ...] | None:
+    """TeaCache's polynomial for a Wan2.1 T2V / I2V config on an F' x H' x W' token grid;
+    None for the others (module comment above)."""
+    shape = (cfg.inner_dim, cfg.num_layers, cfg.in_channels)
+    if cfg.image_dim is None and shape in ((1536, 30, 16), (5120, 40, 16)):
+        return TEACACHE_T2V[cfg.inner_dim]
+    if cfg.image_dim is not None and shape == (5120, 40, 36) and not cfg.pos_embed_seq_len:
+        per_frame = grid[1] * grid[2]
+        return TEACACHE_I2V_720P if 2 * per_frame > TOKENS_480P + TOKENS_720P \
+            else TEACACHE_I2V_480P
+    return None
+
+
 # ---- norms, rope ---------------------------------------------------------------------------
 
 class FP32LayerNorm(nn.LayerNorm):
@@ -138,6 +165,8 @@ class HeadsRMSNorm(nn.Module):
         copy_checked(param.data, loaded_weight.narrow(0, self.tp.rank * self.local, self.local))
 
     def forward(self, x: Tensor) -> Tensor:                      # x: (..., dim / tp)
+        if self.tp.world_size == 1:        # one kernel, diffusers' own (its nn.RMSNorm)
+            return F.rms_norm(x, (self.dim,), self.weight, self.eps)
         squares = all_reduce(x.float().pow(2).sum(-1, keepdim=True), self.tp)
         return (x.float() * torch.rsqrt(squares / self.dim + self.eps)).to(x.dtype) * self.weight
 
@@ -146,31 +175,63 @@ def wan_rope(grid: tuple[int, int, int], head_dim: int, max_len: int, device: to
              ) -> Rope:
     """diffusers' WanRotaryPosEmbed for an F' x H' x W' token grid: the head's pairs split
     into frame, height and width parts (h = w = 2 * (hd // 6), the frame the rest), each
-    rotated by its axis' position from 0; angles in float64 as diffusers'. Kept per grid on the
-    device: every step of a request asks for the same tables."""
+    rotated by its axis' position from 0; angles in float64 as diffusers'. Made on the device
+    by each forward (a few small kernels): a CUDA graph of the forward then holds its own
+    tables, where a cache shared by the graphs could free them under a graph."""
     if max(grid) > max_len:
         raise ValueError(f"token grid {grid} exceeds rope_max_seq_len {max_len}")
-    return _rope_tables(tuple(grid), head_dim, device)
-
-
-@functools.lru_cache(maxsize=16)
-def _rope_tables(grid: tuple[int, int, int], head_dim: int, device: torch.device) -> Rope:
     hw_dim = 2 * (head_dim // 6)
     f, h, w = grid
     axes = []
     for n, dim in zip(grid, (head_dim - 2 * hw_dim, hw_dim, hw_dim)):
-        inv = 1.0 / 10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        axes.append(torch.outer(torch.arange(n, dtype=torch.float64), inv))   # (n, dim/2)
+        exponents = torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim
+        positions = torch.arange(n, dtype=torch.float64, device=device)
+        axes.append(torch.outer(positions, 1.0 / 10000.0 ** exponents))        # (n, dim/2)
     angles = torch.cat([axes[0][:, None, None].expand(f, h, w, -1),
                         axes[1][None, :, None].expand(f, h, w, -1),
                         axes[2][None, None, :].expand(f, h, w, -1)], dim=-1)   # (F', H', W', hd/2)
     angles = angles.reshape(f * h * w, -1)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    return angles.cos().float(), angles.sin().float()
+
+
+def _kernels(x: Tensor):  # type: ignore[no-untyped-def]
+    """The fused Triton kernels (layers/triton_ops.py) where they run on x, outside
+    torch.compile (whose own fusion of the PyTorch ops below does the same); else None."""
+    return None if torch.compiler.is_compiling() else fused.ops_for(x)
+
+
+def norm_modulate(norm: nn.Module, x: Tensor, scale: Tensor | None = None,
+                  shift: Tensor | None = None) -> Tensor:
+    """norm(x) [* (1 + scale) + shift] in x's dtype, in float32 as diffusers (norm: an
+    FP32LayerNorm or Identity; scale, shift (B, 1 or N, D)); one kernel on CUDA."""
+    ops = _kernels(x)
+    if ops is not None and isinstance(norm, nn.LayerNorm):
+        return ops.norm_modulate(x, norm.eps, norm.weight, norm.bias, scale, shift)
+    h = norm(x.float())
+    return (h if scale is None else torch.addcmul(shift, h, 1 + scale)).type_as(x)
+
+
+def gated_add(x: Tensor, y: Tensor, gate: Tensor) -> Tensor:
+    """The gated residual x + y * gate in float32, in x's dtype; one kernel on CUDA (else
+    addcmul: the bf16 operands promoted in it, no float32 copy of the stream in memory)."""
+    ops = _kernels(x)
+    if ops is not None:
+        return ops.gated_add(x, y, gate)
+    return torch.addcmul(x, y, gate).type_as(x)
 
 
 def apply_rope(x: Tensor, rope: Rope) -> Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x (B, N, H, hd) by rope (N, hd/2)."""
-    cos, sin = (t[:, None] for t in rope)                                  # (N, 1, hd/2)
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x (B, N, H, hd) by rope (N, hd/2):
+    one kernel on CUDA; else eagerly one complex multiply (the fewest passes over x);
+    compiled, the same products in real arithmetic, which inductor fuses into one kernel (it
+    generates no complex code)."""
+    cos, sin = rope
+    ops = _kernels(x)
+    if ops is not None:
+        return ops.rope_pairs(x, cos, sin)
+    if not torch.compiler.is_compiling():
+        return apply_complex_rope(x, torch.complex(cos, sin))
+    cos, sin = cos[:, None], sin[:, None]                                  # (N, 1, hd/2)
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)                   # (B, N, H, hd/2)
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
 
@@ -297,19 +358,20 @@ class WanTransformerBlock(nn.Module):
         table = self.scale_shift_table[0] + time.proj.float()                    # (U, 6, D)
         return lambda i: time.pick(table[:, i])
 
-    def modulated_input(self, x: Tensor, time: TimeEmbedding) -> Tensor:
+    def modulated_input(self, x: Tensor, time: TimeEmbedding,
+                        mod: Callable[[int], Tensor] | None = None) -> Tensor:
         """What self-attention sees: norm1(x) * (1 + scale) + shift."""
-        mod = self.modulation(time)
-        return (self.norm1(x.float()) * (1 + mod(1)) + mod(0)).type_as(x)
+        mod = mod or self.modulation(time)
+        return norm_modulate(self.norm1, x, mod(1), mod(0))
 
     def forward(self, x: Tensor, text: Tensor, image: Tensor | None, time: TimeEmbedding,
                 rope: Rope, seq: SequenceSplit) -> Tensor:
+        """diffusers' float32 norms, modulation and gated residuals, rounded once each."""
         mod = self.modulation(time)
-        h = self.modulated_input(x, time)
-        x = (x.float() + self.attn1.self_attention(h, seq, rope) * mod(2)).type_as(x)
-        x = x + self.attn2.cross_attention(self.norm2(x.float()).type_as(x), text, image)
-        h = (self.norm3(x.float()) * (1 + mod(4)) + mod(3)).type_as(x)
-        return (x.float() + self.ffn(h).float() * mod(5)).type_as(x)
+        h = self.modulated_input(x, time, mod)
+        x = gated_add(x, self.attn1.self_attention(h, seq, rope), mod(2))
+        x = x + self.attn2.cross_attention(norm_modulate(self.norm2, x), text, image)
+        return gated_add(x, self.ffn(norm_modulate(self.norm3, x, mod(4), mod(3))), mod(5))
 
 
 # ---- model ---------------------------------------------------------------------------------
@@ -334,6 +396,9 @@ class WanTransformer3DModel(nn.Module):
         self.norm_out = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, out_channels * math.prod(cfg.patch_size))
         self.scale_shift_table = nn.Parameter(torch.empty(1, 2, dim))
+        # TeaCache's Wan2.1 polynomials apply (teacache_coefficients); a pipeline of another
+        # model with a Wan2.1 config (Wan2.2 A14B's experts are 14B T2V-shaped) clears it
+        self.published_teacache = True
 
     def forward(self, hidden_states: Tensor, timestep: Tensor, encoder_hidden_states: Tensor,
                 encoder_hidden_states_image: Tensor | None = None,
@@ -369,11 +434,22 @@ class WanTransformer3DModel(nn.Module):
         if step_cache is None:
             x = run_blocks(None)
         else:
-            modulated = self.blocks[0].modulated_input(x, time)
-            x = run_cached(x, modulated, step_cache, TEACACHE_COEFFICIENTS, run_blocks)
+            indicator, coefficients = self._cache_indicator(x, time, grid)
+            x = run_cached(x, indicator, step_cache, coefficients, run_blocks)
         shift, scale = (self.scale_shift_table + time.temb[:, None]).unbind(1)   # (U, D) each
-        x = (self.norm_out(x.float()) * (1 + time.pick(scale)) + time.pick(shift)).type_as(x)
+        x = norm_modulate(self.norm_out, x, time.pick(scale), time.pick(shift))
         return self._unpatchify(seq.gather(self.proj_out(x), 0), grid)
+
+    def _cache_indicator(self, x: Tensor, time: TimeEmbedding, grid: tuple[int, int, int]
+                         ) -> tuple[Tensor, tuple[float, ...]]:
+        """What step caching watches, (B, S, D), and the polynomial that rescales its change:
+        TeaCache's on the timestep embedding where published, else the first block's
+        modulated input as is (module comment on TEACACHE_T2V)."""
+        coefficients = teacache_coefficients(self.cfg, grid) if self.published_teacache \
+            else None
+        if coefficients is None:
+            return self.blocks[0].modulated_input(x, time), IDENTITY
+        return time.pick(time.temb), coefficients
 
     def _grid(self, shape: torch.Size) -> tuple[int, int, int]:
         """(F', H', W'): the token grid of latents (B, C, F, H, W), which the patch divides."""

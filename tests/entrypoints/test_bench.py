@@ -239,3 +239,24 @@ def test_parallel_layout_names() -> None:
     for bad in ("pipeline", "tp1", "tpxtp", "cfg2xcfg2"):
         with pytest.raises(ValueError, match="layout"):
             ParallelBenchConfig(layouts=(bad,))
+
+
+def test_bench_video(tmp_path: Path) -> None:
+    """Wan's TI2V-5B shape scaled down (a timestep per token for diffusers), float32: our
+    latents equal diffusers' after the same steps; the cached run at a huge threshold skips
+    every middle step, at 0 none; the issue's headline names, per model too."""
+    doc = bench(tmp_path, "video", "--models", "5b", "--cache-thresholds", "0,1e9")
+    m = doc["models"]["5b"]
+    assert m["latents_psnr_vs_diffusers_db"] > 80
+    ref, ours = m["diffusers"], m["omnistage"]
+    assert positive(ref["eager_step_s"]) and positive(ref["compiled_step_s"])
+    assert positive(ours["step_s"]) and len(ours["steps_s"]) == 3
+    zero, huge = ours["step_cache"]
+    assert huge["steps_skipped"] == huge["steps_skipped_uncond"] == 1
+    assert zero["steps_skipped"] == 0 and zero["latents_psnr_db"] is None   # identical
+    best = m["step_cache_best"]        # the fastest at 30 dB or more (None: identical)
+    assert best in (zero, huge) and (best["latents_psnr_db"] or math.inf) >= 30
+    ratios = doc["ratios"]
+    for key in ("video_step_speedup_vs_diffusers", "video_step_speedup_vs_diffusers_compiled",
+                "video_step_cache_speedup_vs_diffusers"):
+        assert positive(ratios[key]) and ratios[key] == ratios[f"{key}_5b"]

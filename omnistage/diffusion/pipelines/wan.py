@@ -29,12 +29,15 @@ differ by model_index.json (`WanVariant`):
     decode:   denormalize -> the causal video VAE -> (x/2 + 0.5).clamp(0, 1) -> uint8
               (n, F, H, W, 3), a stage's tensors["video"]
 
-Each request steps with its own UniPC state (the engine holds it, `solver`). Image-to-video
-(diffusers' `WanImageToVideoPipeline`: Wan2.1 I2V with CLIP image tokens, Wan2.2 I2V-A14B with
-two experts) is this pipeline with a conditioned input (wan_i2v.py): its VideoSpec asks for a
+Each request steps with its own UniPC state (the engine holds it, `solver`). Step caching
+(the request's cache_threshold) keeps a state per request, branch (cond, uncond) and
+expert; each expert's forward replays from its own CUDA graphs when the stage turns them
+on, except on steps that cache and with a timestep per token. Image-to-video (diffusers'
+`WanImageToVideoPipeline`: Wan2.1 I2V with CLIP image tokens, Wan2.2 I2V-A14B with two
+experts) is this pipeline with a conditioned input (wan_i2v.py): its VideoSpec asks for a
 first frame, which `validate` enforces, and its `model_inputs` puts the first frame's mask and
-latents beside each row's latents and adds the CLIP image tokens; the experts, guidance,
-solver and decode are the ones here. Not here: step caching.
+latents beside each row's latents and adds the CLIP image tokens; the experts, guidance, step
+caching, CUDA graphs, solver and decode are the ones here.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.pipeline import check_conditioning, encode_with_negatives
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers.unipc_flow import FlowUniPC, UniPCConfig
+from omnistage.layers.graph_capture import ShapeGraphs
+from omnistage.layers.step_cache import cache_groups
 from omnistage.models.autoencoder_kl_wan import AutoencoderKLWan, AutoencoderKLWanConfig
 from omnistage.models.diffusers_loader import read_config
 from omnistage.models.text_encoders import UMT5Encoder, encode_wan_prompts
@@ -137,6 +142,8 @@ class WanPromptEncoder:
 
 class WanPipeline:
     label = "Wan"
+    graphable = True        # a stage's `cuda_graphs` option: use_cuda_graphs
+    graphs: list[ShapeGraphs] | None = None          # per expert
     parallel_axes: tuple[str, ...] = ()
     heads_key = "num_attention_heads"
 
@@ -150,6 +157,10 @@ class WanPipeline:
                              f"transformer_2 {'given' if transformer_2 else 'absent'}")
         self.transformer = transformer.to(device).eval()
         self.transformer_2 = None if transformer_2 is None else transformer_2.to(device).eval()
+        self.experts = [m for m in (self.transformer, self.transformer_2) if m is not None]
+        if transformer_2 is not None:    # 14B T2V-shaped, yet not Wan2.1: its own indicator
+            for m in self.experts:
+                m.published_teacache = False
         self.vae = vae.to(device).eval()
         self.prompt_encoder = prompt_encoder
         self.solver = solver                     # the engine steps every request with it
@@ -271,7 +282,6 @@ class WanPipeline:
                         ) -> Tensor:
         """Every row with its prompt, then the guided rows with their negative prompt, in one
         call of transformer `expert` at each request's whole-number timestep."""
-        transformer = self.transformer_2 if expert else self.transformer
         counts = [r.latents.shape[0] for r in requests]
         grid = self._grid(latents.shape)
         texts, neg_texts, steps, neg_steps, spans = [], [], [], [], []
@@ -293,7 +303,14 @@ class WanPipeline:
         x = torch.cat([latents, latents[idx.to(latents.device)]])
         x, image = self.model_inputs(x, rows + neg_rows)
         t = torch.cat(steps + neg_steps).to(self.device)
-        out = transformer(x.to(self.dtype), t, torch.stack(texts + neg_texts), image)
+        step_cache = None
+        if any(r.params.cache_threshold is not None for r in requests):
+            guided_rows = ["negative_prompt_embeds" in r.cond for r in requests]
+            step_cache = cache_groups(requests, counts,    # a state per expert as well
+                                      [(f"cond{expert}", [True] * len(requests)),
+                                       (f"uncond{expert}", guided_rows)])
+        out = self.run_expert(expert, x.to(self.dtype), t, torch.stack(texts + neg_texts),
+                              image, step_cache)
         pred, neg = out[:latents.shape[0]], out[latents.shape[0]:]
         k = 0
         for s, n, scale in spans:
@@ -342,6 +359,21 @@ class WanPipeline:
     def final_latents(self, request: DiffusionRequest) -> Tensor:
         """A finished request's latents, what `decode` takes (the engine asks)."""
         return self.with_first_frame(request.latents, request)
+
+    def use_cuda_graphs(self, max_graphs: int = 8) -> None:
+        """Replay each expert's forward from its own CUDA graphs (layers/graph_capture.py
+        ShapeGraphs), one per shape seen twice: a stage's `options: {cuda_graphs: ...}`."""
+        self.graphs = [ShapeGraphs(m, max_graphs) for m in self.experts]
+
+    def run_expert(self, expert: int, x: Tensor, t: Tensor, text: Tensor,
+                   image: Tensor | None = None, step_cache: object = None) -> Tensor:
+        """Transformer `expert`'s forward (image: Wan2.1 I2V's CLIP tokens): from its CUDA
+        graphs when they are on, except for a step-cached call (its blocks run or not per
+        request) and a timestep per token (TI2V's first frame at 0: finding the distinct values
+        syncs the host, which a graph cannot)."""
+        if self.graphs is not None and step_cache is None and t.dim() == 1:
+            return self.graphs[expert](x, t, text, image)
+        return self.experts[expert](x, t, text, image, step_cache=step_cache)
 
     def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
         """-> uint8 (n, F, H, W, 3)."""

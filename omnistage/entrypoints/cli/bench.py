@@ -1,4 +1,4 @@
-"""`omnistage bench {ar,omni,tts,diffusion}`: our engine and the reference (transformers /
+"""`omnistage bench {ar,omni,tts,diffusion,video}`: our engine and the reference (transformers /
 diffusers; qwen-tts in its own interpreter) in one call, on the same random-weight model of a
 real architecture built in the run; one JSON file per benchmark (omnistage/benchmarks/ has the
 method of each).
@@ -7,6 +7,7 @@ method of each).
     omnistage bench omni                    # Qwen3-Omni shape (scaled), concurrency 1 / 8 / 32
     omnistage bench tts                     # Qwen3-TTS 1.7B CustomVoice vs qwen-tts, 1 / 8 / 32
     omnistage bench diffusion               # Qwen-Image transformer, 1024x1024, 20 steps
+    omnistage bench video                   # Wan2.2-TI2V-5B and Wan2.1-14B shapes, per step
     omnistage bench ar --tiny --device cpu  # toy sizes: seconds on a CPU (CI), no measurement
 """
 
@@ -47,7 +48,7 @@ def _floats(text: str) -> tuple[float, ...]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark our engines against transformers / diffusers")
     kinds = p.add_subparsers(dest="benchmark", required=True)
-    for add in (_add_ar, _add_omni, _add_tts, _add_diffusion):
+    for add in (_add_ar, _add_omni, _add_tts, _add_diffusion, _add_video):
         _common(add(kinds))
 
 
@@ -162,6 +163,30 @@ def _add_diffusion(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser
     return diff
 
 
+def _add_video(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    video = kinds.add_parser("video", help="Wan transformers (TI2V-5B, 14B shapes) vs "
+                                           "diffusers, per denoising step with CFG")
+    video.add_argument("--models", default="5b,14b",
+                       help="comma-separated: 5b (Wan2.2-TI2V-5B, 704x1280, 121 frames), "
+                            "14b (Wan2.1-14B, 832x480, 81 frames)")
+    video.add_argument("--steps", type=int, default=None,
+                       help="our schedule, plain and step-cached (default 10; tiny 3)")
+    video.add_argument("--timed-steps", type=int, default=None,
+                       help="diffusers' timed steps after one warm-up (default 3; tiny 1)")
+    video.add_argument("--cache-thresholds", type=_floats, default=None,
+                       help="step-cache thresholds to try, comma-separated (default: one "
+                            "per model)")
+    video.add_argument("--no-compile", action="store_true",
+                       help="skip diffusers with compile_repeated_blocks")
+    video.add_argument("--no-cuda-graphs", action="store_true",
+                       help="our transformer eager (by default replayed from CUDA graphs "
+                            "on a GPU, as a stage's)")
+    video.add_argument("--compile-ours", action="store_true",
+                       help="also time our transformer with its blocks compiled (a stage's "
+                            "compile: true; its compile adds a minute or two a model)")
+    return video
+
+
 Outcome = tuple[dict, str, object]     # (the result, its file name, the headline to print)
 
 
@@ -176,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
         result, name, headline = _run_omni(args)
     elif args.benchmark == "tts":
         result, name, headline = _run_tts(args)
+    elif args.benchmark == "video":
+        result, name, headline = _run_video(args)
     elif args.parallel:
         result, name, headline = _run_diffusion_parallel(args)
     else:
@@ -271,3 +298,17 @@ def _run_diffusion(args: argparse.Namespace) -> Outcome:
         concurrency=args.concurrency, compile=args.compile)
     result = diffusion.run(cfg)
     return result, f"diffusion_{cfg.sizes}_{cfg.size}px", result["ratios"]
+
+
+def _run_video(args: argparse.Namespace) -> Outcome:
+    from omnistage.benchmarks import video
+
+    sizes = "tiny" if args.tiny else "real"
+    cfg = video.VideoBenchConfig.preset(
+        sizes, steps=args.steps, timed_steps=args.timed_steps,
+        models=tuple(args.models.split(",")), cache_thresholds=args.cache_thresholds,
+        cuda_graphs=not args.no_cuda_graphs, compile_ours=args.compile_ours,
+        device=args.device, seed=args.seed,
+        **({"compile_backend": ""} if args.no_compile else {}))
+    result = video.run(cfg)
+    return result, f"video_wan_{sizes}", result["ratios"]
