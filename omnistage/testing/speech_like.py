@@ -5,7 +5,6 @@ pure tones score ~0; the tests and the realtime benchmark speak with it."""
 from __future__ import annotations
 
 import numpy as np
-from scipy.signal import lfilter
 
 # (F1, F2, F3) in Hz of /a/, /i/, /u/, /e/, /o/
 VOWELS = ((730, 1090, 2440), (270, 2290, 3010), (300, 870, 2240), (530, 1840, 2480),
@@ -13,9 +12,13 @@ VOWELS = ((730, 1090, 2440), (270, 2290, 3010), (300, 870, 2240), (530, 1840, 24
 
 
 def _formant(x: np.ndarray, freq: float, bandwidth: float, rate: int) -> np.ndarray:
+    """A two-pole resonator at `freq`, applied as its impulse response (512 taps: it has
+    decayed below 1e-2 by then for bandwidths from 80 Hz)."""
     r = np.exp(-np.pi * bandwidth / rate)
     theta = 2 * np.pi * freq / rate
-    return lfilter([1 - r], [1, -2 * r * np.cos(theta), r * r], x)
+    n = np.arange(512)
+    impulse = (1 - r) * r ** n * np.sin((n + 1) * theta) / np.sin(theta)
+    return np.convolve(x, impulse)[:len(x)]
 
 
 def speech_like(seconds: float, rate: int = 16000, seed: int = 0) -> np.ndarray:

@@ -116,6 +116,8 @@ class RealtimeConnection:
             try:
                 message = await asyncio.wait_for(self.ws.receive(), self.limits.idle_timeout_s)
             except asyncio.TimeoutError:
+                if self.response is not None and not self.response.done.is_set():
+                    continue                   # an answer still streaming is not idleness
                 await self._send(error_event(APIError(
                     400, f"the session was idle for {self.limits.idle_timeout_s:g} s and is "
                          "closed", code="session_idle_timeout")))
