@@ -44,7 +44,7 @@ from omnistage.entrypoints.openai.realtime.protocol import (Item, ResponseOption
                                                             error_event, event, max_tokens,
                                                             merge, new_id, parse)
 from omnistage.entrypoints.openai.realtime.response import Response, ResponsePlan
-from omnistage.entrypoints.openai.realtime.vad import TurnDetector, VadEvent
+from omnistage.entrypoints.openai.realtime.vad import FRAME, TurnDetector, VadEvent
 from omnistage.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -178,11 +178,9 @@ class RealtimeConnection:
         if vad is None:
             self.vad = None
         elif self.vad is None or vad != old:
-            model = self.vad.model if self.vad is not None else None
             self.vad = await run_in_threadpool(TurnDetector, vad.threshold,
-                                               vad.silence_duration_ms, vad.prefix_padding_ms,
-                                               model)
-            self.vad.num_frames = self.buffer.end // 512
+                                               vad.silence_duration_ms, vad.prefix_padding_ms)
+            self.vad.num_frames = self.buffer.end // FRAME
         self.session = session
 
     def _prepare_check(self, voice: str, param: str) -> None:

@@ -24,23 +24,22 @@ import numpy as np
 import torch
 
 FRAME = 512              # samples per frame at 16 kHz (Silero's window)
+CONTEXT = 64             # samples of the previous frame Silero sees with each frame
 RATE = 16000
 HYSTERESIS = 0.15
 
 
 @lru_cache(maxsize=1)
-def _weights() -> bytes:
+def silero() -> torch.jit.ScriptModule:
+    """The 16 kHz network, loaded once per process and shared by every session: it is
+    stateless (each session passes its own recurrent state and context), and TorchScript
+    profiles a module on its first calls (about a second), which a module per session would
+    pay again each time."""
     spec = importlib.util.find_spec("silero_vad")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("server_vad needs the silero-vad package (pip install silero-vad)")
-    return (Path(spec.submodule_search_locations[0]) / "data" / "silero_vad.jit").read_bytes()
-
-
-def load_vad() -> torch.jit.ScriptModule:
-    """A fresh Silero model (it keeps its recurrent state between frames: one per session)."""
-    model = torch.jit.load(io.BytesIO(_weights()), map_location="cpu")
-    model.eval()
-    return model
+    path = Path(spec.submodule_search_locations[0]) / "data" / "silero_vad.jit"
+    return torch.jit.load(io.BytesIO(path.read_bytes()), map_location="cpu").eval()._model
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +51,11 @@ class VadEvent:
 class TurnDetector:
     """Speech start / stop over a stream of 16 kHz samples (numpy float32)."""
 
-    def __init__(self, threshold: float, silence_ms: int, prefix_padding_ms: int,
-                 model: torch.jit.ScriptModule | None = None) -> None:
+    def __init__(self, threshold: float, silence_ms: int, prefix_padding_ms: int) -> None:
         self.threshold, self.silence_ms, self.padding_ms = threshold, silence_ms, prefix_padding_ms
-        self.model = model if model is not None else load_vad()
-        self.model.reset_states()
+        self.model = silero()
+        self.state = torch.zeros(0)                          # (2, 1, 128) after the first frame
+        self.context = torch.zeros(1, CONTEXT)               # the samples before the frame
         self.pending = np.zeros(0, np.float32)   # samples short of a whole frame
         self.num_frames = 0                      # frames seen
         self.speaking = False
@@ -75,8 +74,10 @@ class TurnDetector:
         events = []
         frames = torch.from_numpy(audio[:whole].copy()).view(-1, FRAME)
         for frame in frames:
-            prob = float(self.model(frame, RATE))
-            event = self._step(prob)
+            x = torch.cat([self.context, frame[None]], dim=1)    # (1, CONTEXT + FRAME)
+            prob, self.state = self.model(x, self.state)
+            self.context = x[:, -CONTEXT:]
+            event = self._step(float(prob))
             self.num_frames += 1
             if event is not None:
                 events.append(event)
