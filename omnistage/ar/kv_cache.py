@@ -29,6 +29,7 @@ the engine, ar/hidden_rows.py): those rows are sent in place of recomputing them
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from omnistage.ar.sequence import Sequence
@@ -118,15 +119,7 @@ class BlockManager:
         bs = self.block_size
         token_ids = seq.all_cache_ids
         parent_hash: int | None = None
-        for i in range((len(token_ids) - 1) // bs):
-            block_tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            block_hash = hash((parent_hash, block_tokens))
-            block_id = self.hash_to_block_id.get(block_hash)
-            if block_id is None:
-                break
-            block = self.blocks[block_id]
-            if block.parent_hash != parent_hash or block.token_ids != block_tokens:
-                break  # hash collision: same hash, different content
+        for i, block in enumerate(self._chain(token_ids, (len(token_ids) - 1) // bs)):
             if seq.wants_hidden and seq.num_hidden_emitted > 0:
                 if (i + 1) * bs > seq.num_hidden_emitted:
                     break  # re-admitted (preempted): hit only rows it has sent already
@@ -135,10 +128,10 @@ class BlockManager:
                     break  # its hidden rows are not kept: the sequence must compute them
                 seq.cached_payloads.append(block.payload)
             if block.ref_count == 0:
-                del self.evictable[block_id]
+                del self.evictable[block.block_id]
             block.ref_count += 1
-            seq.block_table.append(block_id)
-            parent_hash = block_hash
+            seq.block_table.append(block.block_id)
+            parent_hash = block.block_hash
         num_hit_tokens = len(seq.block_table) * bs
         self.hash_progress[seq.request_id] = (len(seq.block_table), parent_hash)
         seq.num_computed_tokens = seq.num_cached_tokens = num_hit_tokens
@@ -149,21 +142,24 @@ class BlockManager:
     def hashed_blocks(self, seq: Sequence, num_blocks: int) -> list[Block]:
         """The hashed blocks holding seq's first `num_blocks` full blocks of tokens (its own, or
         another request's copy where that one was hashed first), up to the first not hashed."""
-        bs, ids = self.block_size, seq.all_cache_ids
-        out: list[Block] = []
+        return list(self._chain(seq.all_cache_ids, num_blocks))
+
+    def _chain(self, token_ids: list[int], num_blocks: int) -> Iterator[Block]:
+        """The hashed blocks of the first `num_blocks` full blocks of `token_ids`, in order, up
+        to the first that is not cached."""
+        bs = self.block_size
         parent_hash: int | None = None
-        for i in range(min(num_blocks, len(ids) // bs)):
-            block_tokens = tuple(ids[i * bs:(i + 1) * bs])
+        for i in range(min(num_blocks, len(token_ids) // bs)):
+            block_tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             block_hash = hash((parent_hash, block_tokens))
             block_id = self.hash_to_block_id.get(block_hash)
             if block_id is None:
-                break
+                return
             block = self.blocks[block_id]
             if block.parent_hash != parent_hash or block.token_ids != block_tokens:
-                break
-            out.append(block)
+                return  # hash collision: same hash, different content
+            yield block
             parent_hash = block_hash
-        return out
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         num_tokens = seq.num_computed_tokens + num_new_tokens

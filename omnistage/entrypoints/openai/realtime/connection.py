@@ -115,7 +115,7 @@ class RealtimeConnection:
         while True:
             try:
                 message = await asyncio.wait_for(self.ws.receive(), self.limits.idle_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if self.response is not None and not self.response.done.is_set():
                     continue                   # an answer still streaming is not idleness
                 await self._send(error_event(APIError(
@@ -237,10 +237,10 @@ class RealtimeConnection:
             await self._response_create({})
 
     async def _commit_event(self, msg: dict[str, Any]) -> None:
-        if self.buffer.num_samples < ms_to_samples(100):
-            raise bad_request(f"the input audio buffer holds {samples_to_ms(self.buffer.num_samples)}"
-                              " ms; a commit needs at least 100 ms", None,
-                              "input_audio_buffer_commit_empty")
+        held_ms = samples_to_ms(self.buffer.num_samples)
+        if held_ms < 100:
+            raise bad_request(f"the input audio buffer holds {held_ms} ms; a commit needs at "
+                              "least 100 ms", None, "input_audio_buffer_commit_empty")
         if self.buffer.num_samples > ms_to_samples(int(self.limits.max_turn_s * 1000)):
             self.buffer.clear()
             raise bad_request(f"the input audio is longer than the turn limit of "
@@ -358,7 +358,7 @@ class RealtimeConnection:
         response.cancel(reason)
         try:
             await asyncio.wait_for(asyncio.shield(task), timeout=10)
-        except (asyncio.TimeoutError, WebSocketDisconnect, RuntimeError):
+        except (TimeoutError, WebSocketDisconnect, RuntimeError):
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         except Exception:    # the response's own failure: logged, the session goes on

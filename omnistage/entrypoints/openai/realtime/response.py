@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 
@@ -185,8 +186,7 @@ class Response:
                     if n not in entry and self.client.graph.stage(n).kind == "ar")
         return {"total_tokens": prompt + text + audio, "input_tokens": prompt,
                 "output_tokens": text + audio,
-                "input_token_details": {"cached_tokens": cached,
-                                        "cached_tokens_details": {"text_tokens": cached}},
+                "input_token_details": {"cached_tokens": cached},
                 "output_token_details": {"text_tokens": text, "audio_tokens": audio}}
 
 
