@@ -15,9 +15,11 @@ clients that speak as the protocol's apps do.
     barge-in        a session with server VAD: while the answer streams, 1 s of speech is sent
                     in real-time 100 ms pieces; from its first piece to speech_started
                     (detection), and from speech_started to response.done with status
-                    cancelled (the abort through every stage), and the two together
+                    cancelled, and the two together; and from speech_started until no stage
+                    holds the answer any more (polled on /metrics)
 
-The server's thinker is greedy and ignores eos, so every answer is exactly thinker_tokens long.
+The server's thinker is greedy and ignores eos, so every answer is exactly thinker_tokens long;
+the talker stops at its codec eos or talker_tokens frames.
 """
 
 from __future__ import annotations
@@ -56,14 +58,17 @@ class RealtimeBenchConfig:
     turns: int = 3                            # spoken turns per session
     utterance_s: float = 2.0
     thinker_tokens: int = 32                  # text tokens of each answer
+    talker_tokens: int = 200                  # codec frames at most (12.5 a second): random
+                                              # weights rarely say their codec eos
     device: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.sizes not in ("bench", "tiny"):
             raise ValueError(f"sizes={self.sizes!r}: choose bench or tiny")
-        if self.turns < 1 or self.thinker_tokens < 1 or self.utterance_s <= 0:
-            raise ValueError("turns, thinker_tokens and utterance_s must be positive")
+        if min(self.turns, self.thinker_tokens, self.talker_tokens) < 1 or self.utterance_s <= 0:
+            raise ValueError("turns, thinker_tokens, talker_tokens and utterance_s must be "
+                             "positive")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency={self.concurrency}: need values >= 1")
 
@@ -71,14 +76,15 @@ class RealtimeBenchConfig:
 class Server:
     """`omnistage serve` of the checkpoint in a subprocess, on a free port."""
 
-    def __init__(self, path: Path, device: str, log: Path) -> None:
+    def __init__(self, path: Path, device: str, talker_tokens: int, log: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "omnistage.entrypoints.cli.main", "serve", str(path),
                "--served-model-name", MODEL, "--port", str(self.port), "--device", device,
                "--log-level", "warning",
                "--stage-override", "thinker.sampling.temperature=0",
-               "--stage-override", "thinker.sampling.ignore_eos=true"]
+               "--stage-override", "thinker.sampling.ignore_eos=true",
+               "--stage-override", f"talker.sampling.max_tokens={talker_tokens}"]
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -188,12 +194,30 @@ async def _barge_in(url: str, cfg: RealtimeBenchConfig) -> dict[str, float]:
                                                real_time=True))
         _, detected = await s.until("input_audio_buffer.speech_started")
         done, cancelled = await s.until("response.done")
+        released = await _stages_released(url)
         await speaking
         assert done["response"]["status"] == "cancelled", done["response"]["status"]
     finally:
         await s.ws.close()
     return {"detect_s": detected - sent, "cancel_s": cancelled - detected,
-            "barge_in_s": cancelled - sent}
+            "barge_in_s": cancelled - sent, "stages_released_s": released - detected}
+
+
+async def _stages_released(url: str) -> float:
+    """When every stage holds no request any more (the abort reached them all), polled on
+    /metrics: the time of the first answer saying so."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        deadline = time.perf_counter() + TURN_TIMEOUT_S
+        while time.perf_counter() < deadline:
+            text = (await http.get("/metrics")).text
+            now = time.perf_counter()
+            held = sum(sample.value for fam in text_string_to_metric_families(text)
+                       for sample in fam.samples if sample.name == "omnistage_stage_queue_length")
+            if held == 0:
+                return now
+    raise TimeoutError("a stage still holds the cancelled answer")
 
 
 async def _run_clients(url: str, cfg: RealtimeBenchConfig) -> dict[str, Any]:
@@ -225,12 +249,13 @@ def run(cfg: RealtimeBenchConfig) -> dict[str, object]:
         path = Path(tmp) / "qwen3-omni"
         build_checkpoint(cfg.sizes, path, device, dtype)    # its model is dropped: the server
         free_device_memory(device)                          # loads the saved folder
-        server = Server(path, str(device), Path(tmp) / "server.log")
+        server = Server(path, str(device), cfg.talker_tokens, Path(tmp) / "server.log")
         try:
             t0 = time.perf_counter()
             server.wait_ready()
             startup = time.perf_counter() - t0
-            warm = RealtimeBenchConfig(cfg.sizes, (1,), 1, 0.5, 4, cfg.device, cfg.seed)
+            warm = RealtimeBenchConfig(cfg.sizes, (1,), 1, 0.5, 4, cfg.talker_tokens,
+                                       cfg.device, cfg.seed)
             asyncio.run(_run_clients(server.url, warm))           # first steps, first VAD
             ours = asyncio.run(_run_clients(server.url, cfg))
         except BaseException:
@@ -243,6 +268,8 @@ def run(cfg: RealtimeBenchConfig) -> dict[str, object]:
               for c in cfg.concurrency}
     ratios["realtime_barge_in_s"] = ours["barge_in"]["barge_in_s"]["median"]
     ratios["realtime_barge_in_cancel_s"] = ours["barge_in"]["cancel_s"]["median"]
+    ratios["realtime_barge_in_stages_released_s"] = (
+        ours["barge_in"]["stages_released_s"]["median"])
     ratios.update({f"realtime_cached_fraction_c{c}": by_c[str(c)]["cached_fraction_later_turns"]
                    for c in cfg.concurrency})
     return {"benchmark": "realtime", **environment(device),
@@ -254,4 +281,6 @@ def run(cfg: RealtimeBenchConfig) -> dict[str, object]:
                      "cached_fraction: of the input tokens of turns after the first, the "
                      "share the prefix cache served. barge_in: from the first 100 ms piece of "
                      "speech sent over a streaming answer to its response.done (cancelled); "
-                     "detect_s to speech_started, cancel_s from there."}
+                     "detect_s to speech_started, cancel_s from there to response.done, "
+                     "stages_released_s from there until /metrics shows no stage holding a "
+                     "request (an upper bound: one /metrics round trip asks every stage)."}

@@ -171,6 +171,8 @@ def _add_realtime(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     rt.add_argument("--utterance-s", type=float, default=2.0, help="seconds of each turn")
     rt.add_argument("--thinker-tokens", type=int, default=None,
                     help="text tokens of each answer (default 32; tiny 4)")
+    rt.add_argument("--talker-tokens", type=int, default=200,
+                    help="codec frames of an answer at most (12.5 a second of speech)")
     return rt
 
 
@@ -263,7 +265,8 @@ def _run_realtime(args: argparse.Namespace) -> Outcome:
     cfg = realtime.RealtimeBenchConfig(
         sizes="tiny" if args.tiny else "bench", concurrency=args.concurrency, turns=args.turns,
         utterance_s=args.utterance_s, device=args.device, seed=args.seed,
-        thinker_tokens=args.thinker_tokens or (4 if args.tiny else 32))
+        thinker_tokens=args.thinker_tokens or (4 if args.tiny else 32),
+        talker_tokens=args.talker_tokens)
     result = realtime.run(cfg)
     return result, f"realtime_qwen3-omni-{cfg.sizes}", result["ratios"]
 
