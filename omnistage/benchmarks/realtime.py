@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +60,17 @@ class RealtimeBenchConfig:
     thinker_tokens: int = 32                  # text tokens of each answer
     talker_tokens: int = 200                  # codec frames at most (12.5 a second): random
                                               # weights rarely say their codec eos
+    barge_ins: int = 3
     device: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.sizes not in ("bench", "tiny"):
             raise ValueError(f"sizes={self.sizes!r}: choose bench or tiny")
-        if min(self.turns, self.thinker_tokens, self.talker_tokens) < 1 or self.utterance_s <= 0:
-            raise ValueError("turns, thinker_tokens, talker_tokens and utterance_s must be "
-                             "positive")
+        if (min(self.turns, self.thinker_tokens, self.talker_tokens, self.barge_ins) < 1
+                or self.utterance_s <= 0):
+            raise ValueError("turns, thinker_tokens, talker_tokens, barge_ins and utterance_s "
+                             "must be positive")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency={self.concurrency}: need values >= 1")
 
@@ -142,10 +144,10 @@ class Session:
                 await asyncio.sleep(chunk_s)
 
 
-async def _open(url: str, session: dict[str, Any]) -> Session:
+async def _open(url: str, model: str, session: dict[str, Any]) -> Session:
     from websockets.asyncio.client import connect
 
-    ws = await connect(f"{url}/v1/realtime?model={MODEL}".replace("http", "ws", 1),
+    ws = await connect(f"{url}/v1/realtime?model={model}".replace("http", "ws", 1),
                        max_size=None, open_timeout=60)
     s = Session(ws)
     await s.until("session.created")
@@ -154,10 +156,10 @@ async def _open(url: str, session: dict[str, Any]) -> Session:
     return s
 
 
-async def _turns(url: str, cfg: RealtimeBenchConfig, idx: int,
+async def _turns(url: str, model: str, cfg: RealtimeBenchConfig, idx: int,
                  start: asyncio.Barrier) -> list[dict[str, float | int]]:
     """One session's spoken turns (all sessions commit each turn together)."""
-    s = await _open(url, {"max_output_tokens": cfg.thinker_tokens,
+    s = await _open(url, model, {"max_output_tokens": cfg.thinker_tokens,
                           "audio": {"input": {"turn_detection": None}}})
     rows = []
     try:
@@ -179,9 +181,9 @@ async def _turns(url: str, cfg: RealtimeBenchConfig, idx: int,
     return rows
 
 
-async def _barge_in(url: str, cfg: RealtimeBenchConfig) -> dict[str, float]:
+async def _barge_in(url: str, model: str, cfg: RealtimeBenchConfig) -> dict[str, float]:
     """Speech over a streaming answer: detection, then cancellation through every stage."""
-    s = await _open(url, {"max_output_tokens": 4096, "audio": {"input": {"turn_detection": {
+    s = await _open(url, model, {"max_output_tokens": 4096, "audio": {"input": {"turn_detection": {
         "type": "server_vad", "silence_duration_ms": 500, "create_response": False}}}})
     try:
         await s.send("conversation.item.create", item={"type": "message", "role": "user",
@@ -220,11 +222,14 @@ async def _stages_released(url: str) -> float:
     raise TimeoutError("a stage still holds the cancelled answer")
 
 
-async def _run_clients(url: str, cfg: RealtimeBenchConfig) -> dict[str, Any]:
+async def measure(url: str, model: str, cfg: RealtimeBenchConfig) -> dict[str, Any]:
+    """The clients' side against a server at `url` serving `model`: every concurrency's turns,
+    then the barge-ins."""
     by_c: dict[str, Any] = {}
     for c in cfg.concurrency:
         barrier = asyncio.Barrier(c)
-        sessions = await asyncio.gather(*(_turns(url, cfg, i, barrier) for i in range(c)))
+        sessions = await asyncio.gather(*(_turns(url, model, cfg, i, barrier)
+                                          for i in range(c)))
         rows = [r for s in sessions for r in s]
         later = [r for s in sessions for r in s[1:]]
         by_c[str(c)] = {
@@ -235,9 +240,22 @@ async def _run_clients(url: str, cfg: RealtimeBenchConfig) -> dict[str, Any]:
             "cached_fraction_later_turns": (sum(r["cached_tokens"] for r in later)
                                             / max(1, sum(r["input_tokens"] for r in later))),
             "rows": sessions}
-    barge = [await _barge_in(url, cfg) for _ in range(3)]
+    barge = [await _barge_in(url, model, cfg) for _ in range(cfg.barge_ins)]
     return {"by_concurrency": by_c,
             "barge_in": {k: summary([b[k] for b in barge]) for k in barge[0]}}
+
+
+def headline(ours: dict[str, Any], cfg: RealtimeBenchConfig) -> dict[str, float | None]:
+    """The JSON's `ratios`: medians in seconds, and the prefix cache's share."""
+    by_c, barge = ours["by_concurrency"], ours["barge_in"]
+    out = {f"realtime_first_audio_s_c{c}": by_c[str(c)]["first_audio_s"]["median"]
+           for c in cfg.concurrency}
+    out.update({"realtime_barge_in_s": barge["barge_in_s"]["median"],
+                "realtime_barge_in_cancel_s": barge["cancel_s"]["median"],
+                "realtime_barge_in_stages_released_s": barge["stages_released_s"]["median"]})
+    out.update({f"realtime_cached_fraction_c{c}": by_c[str(c)]["cached_fraction_later_turns"]
+                for c in cfg.concurrency})
+    return out
 
 
 def run(cfg: RealtimeBenchConfig) -> dict[str, object]:
@@ -254,24 +272,16 @@ def run(cfg: RealtimeBenchConfig) -> dict[str, object]:
             t0 = time.perf_counter()
             server.wait_ready()
             startup = time.perf_counter() - t0
-            warm = RealtimeBenchConfig(cfg.sizes, (1,), 1, 0.5, 4, cfg.talker_tokens,
-                                       cfg.device, cfg.seed)
-            asyncio.run(_run_clients(server.url, warm))           # first steps, first VAD
-            ours = asyncio.run(_run_clients(server.url, cfg))
+            warm = replace(cfg, concurrency=(1,), turns=1, utterance_s=0.5, thinker_tokens=4,
+                           barge_ins=1)
+            asyncio.run(measure(server.url, MODEL, warm))       # first steps, first VAD
+            ours = asyncio.run(measure(server.url, MODEL, cfg))
         except BaseException:
             server.stop()
             print(Path(tmp, "server.log").read_text()[-4000:], file=sys.stderr)
             raise
         server.stop()
-    by_c = ours["by_concurrency"]
-    ratios = {f"realtime_first_audio_s_c{c}": by_c[str(c)]["first_audio_s"]["median"]
-              for c in cfg.concurrency}
-    ratios["realtime_barge_in_s"] = ours["barge_in"]["barge_in_s"]["median"]
-    ratios["realtime_barge_in_cancel_s"] = ours["barge_in"]["cancel_s"]["median"]
-    ratios["realtime_barge_in_stages_released_s"] = (
-        ours["barge_in"]["stages_released_s"]["median"])
-    ratios.update({f"realtime_cached_fraction_c{c}": by_c[str(c)]["cached_fraction_later_turns"]
-                   for c in cfg.concurrency})
+    ratios = headline(ours, cfg)
     return {"benchmark": "realtime", **environment(device),
             "dtype": str(dtype).removeprefix("torch."), "config": asdict(cfg),
             "startup_s": startup, "omnistage": ours, "ratios": ratios,

@@ -7,6 +7,7 @@ the session limits; sockets dropped mid-answer leaving no request in any stage."
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import threading
@@ -256,6 +257,23 @@ def test_dropped_sockets_leave_no_request_anywhere(server: Server) -> None:
     assert not any(t.is_alive() for t in threads) and not errors, errors
     assert_nothing_in_flight(server)
     assert server.get("/health").status_code == 200
+
+
+def test_the_benchmark_clients(server: Server) -> None:
+    """`omnistage bench realtime`'s clients (the benchmark serves its own model; here this
+    server's): the fields its JSON reports."""
+    from omnistage.benchmarks import realtime
+
+    cfg = realtime.RealtimeBenchConfig(sizes="tiny", concurrency=(1, 2), turns=2,
+                                       utterance_s=0.5, thinker_tokens=3, barge_ins=1)
+    ours = asyncio.run(realtime.measure(server.url, MODEL, cfg))
+    head = realtime.headline(ours, cfg)
+    assert all(0 < head[f"realtime_first_audio_s_c{c}"] < WAIT_S for c in (1, 2))
+    assert ours["by_concurrency"]["2"]["turns"] == 4
+    assert head["realtime_cached_fraction_c1"] > 0.3      # the first turn, of the second's
+    barge = ours["barge_in"]
+    assert head["realtime_barge_in_s"] == barge["barge_in_s"]["median"] < 5
+    assert barge["stages_released_s"]["median"] >= head["realtime_barge_in_cancel_s"]
 
 
 def test_text_model_is_refused_with_a_reason(text_server: Server) -> None:
