@@ -10,8 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
@@ -28,15 +27,6 @@ MODEL = "tiny-omni"
 RATE = 24000          # Qwen3-Omni's code2wav rate
 USER = [{"role": "user", "content": "Hello, who are you?"}]
 GREEDY_TALKER = {"sampling_params_list": [None, {"temperature": 0.0}, None]}
-
-
-@pytest.fixture(scope="module")
-def omni_server(start_server: Callable[..., Server],
-                tmp_path_factory: pytest.TempPathFactory) -> Server:
-    from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
-
-    path = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny_omni"))
-    return start_server([str(path), "--served-model-name", MODEL])
 
 
 def test_models_offer_chat_with_every_input(omni_server: Server) -> None:
