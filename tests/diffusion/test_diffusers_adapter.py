@@ -5,23 +5,21 @@ refused params."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from omnistage.diffusion.diffusers_engine import DiffusersEngine
-from omnistage.diffusion.engine import DiffusionResult
+from omnistage.diffusion.diffusers_pipeline import DiffusersPipeline, check_supported
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.errors import InputError
+from omnistage.testing.diffusion import run_whole_calls
+from omnistage.testing.tiny_sdxl import reference
 
 diffusers = pytest.importorskip("diffusers")
-
-from omnistage.diffusion.diffusers_pipeline import DiffusersPipeline, check_supported  # noqa: E402
-from omnistage.testing.tiny_sdxl import reference  # noqa: E402
-
-DEADLINE_S = 60
 
 
 @pytest.mark.parametrize("name", ["StableDiffusionXLPipeline", "PixArtAlphaPipeline",
@@ -45,18 +43,6 @@ def pipeline(tiny_sdxl: Path) -> DiffusersPipeline:
     return DiffusersPipeline.from_pretrained(tiny_sdxl, "diffusers", torch.device("cpu"), None)
 
 
-def run(engine: DiffusersEngine) -> dict[str, list[DiffusionResult]]:
-    """Step until every request has finished -> each one's results, in order."""
-    out: dict[str, list[DiffusionResult]] = {}
-    deadline = time.monotonic() + DEADLINE_S
-    while engine.has_unfinished_requests or engine.call is not None:
-        assert time.monotonic() < deadline, "the engine did not finish"
-        for r in engine.step():
-            out.setdefault(r.request_id, []).append(r)
-        time.sleep(0.005)
-    return out
-
-
 def params(seed: int, **kw: object) -> DiffusionParams:
     return DiffusionParams(**{"height": 16, "width": 16, "num_inference_steps": 2,
                               "seed": seed, "guidance_scale": 3.0, **kw})
@@ -69,7 +55,7 @@ def test_a_batched_call_equals_diffusers_for_each_request_alone(
              "wide": ("a dog", params(2, width=24))}          # another size: its own call
     for rid, (prompt, p) in cases.items():
         engine.add_request(rid, prompt, p)
-    results = run(engine)
+    results = run_whole_calls(engine)
     assert engine.num_calls == 2
     for rid, (prompt, p) in cases.items():
         *progress, last = results[rid]
@@ -93,14 +79,14 @@ def test_abort_drops_a_request_and_stops_a_call_left_empty(
     engine.step()
     assert engine.num_running == 2
     engine.abort("gone")
-    results = run(engine)
+    results = run_whole_calls(engine)
     assert set(results) == {"kept"} and results["kept"][-1].images is not None
     engine.add_request("alone", "a cat", params(3, **long))
     engine.step()
     call = engine.call
     engine.abort("alone")
     assert call is not None and call.cancelled
-    assert run(engine) == {}
+    assert run_whole_calls(engine) == {}
     assert call.images is None and call.error is None      # stopped, not run to the end
 
 
@@ -113,3 +99,44 @@ def test_params_the_call_cannot_take_are_refused(pipeline: DiffusersPipeline, kw
     with pytest.raises(InputError, match=field) as info:
         engine.add_request("r", "a cat", params(1, **kw))
     assert info.value.param == field and not engine.has_unfinished_requests
+
+
+class OlderCallPipeline:
+    """A pipeline with PixArt-Alpha's older call (no callback_on_step_end, `callback` each
+    `callback_steps`, no negative prompt): records what it was called with."""
+
+    vae_scale_factor = 8
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __call__(self, prompt: list[str], num_inference_steps: int, generator: list,
+                 output_type: str, height: int | None = None, width: int | None = None,
+                 num_images_per_prompt: int = 1, callback=None, callback_steps: int = 1):
+        self.calls.append({"prompt": prompt, "generator": generator, "steps": callback_steps})
+        for i in range(num_inference_steps):
+            callback(i, 999 - i, None)
+        n = len(prompt) * num_images_per_prompt
+        return SimpleNamespace(images=np.stack([np.full((height, width, 3), k / n)
+                                                for k in range(n)]).astype(np.float32))
+
+
+def test_an_older_call_reports_steps_through_its_callback() -> None:
+    fake = OlderCallPipeline()
+    engine = DiffusersEngine(DiffusersPipeline(fake, torch.device("cpu")))
+    with pytest.raises(InputError, match="takes no negative_prompt"):
+        engine.add_request("r", "x", params(1, negative_prompt="blurry", guidance_scale=None))
+    with pytest.raises(InputError, match="must be a multiple of 8"):
+        engine.add_request("r", "x", params(1, height=12, guidance_scale=None))
+    for rid, seed in (("a", 1), ("b", 2)):
+        engine.add_request(rid, rid, params(seed, height=8, width=8, num_images=2,
+                                            guidance_scale=None))
+    results = run_whole_calls(engine)
+    (call,) = fake.calls
+    assert call["prompt"] == ["a", "b"] and call["steps"] == 1
+    # each request's generator drew its images: the same object twice, a's then b's
+    gens = call["generator"]
+    assert gens[0] is gens[1] and gens[2] is gens[3] and gens[0] is not gens[2]
+    assert [r.progress for r in results["a"][:-1]] == [0.5, 1.0]
+    assert results["a"][-1].images.shape == (2, 8, 8, 3)
+    assert results["b"][-1].images[1].max() == round(255 * 3 / 4)    # b's rows: the last two

@@ -14,10 +14,9 @@ from PIL import Image
 
 from omnistage import DiffusionParams, Omni
 from omnistage.entrypoints.cli.main import main
+from omnistage.testing.tiny_sdxl import reference
 
 diffusers = pytest.importorskip("diffusers")
-
-from omnistage.testing.tiny_sdxl import reference  # noqa: E402
 
 INPROC = {"backend": "inproc", "connector": "inproc"}
 SIZE = {"height": 16, "width": 16, "num_inference_steps": 2}
