@@ -115,7 +115,8 @@ class DiffusersPipeline:
     @classmethod
     def from_pretrained(cls, path: str | Path, component: str, device: torch.device,
                         dtype: torch.dtype | None) -> DiffusersPipeline:
-        """The folder's pipeline class is checked first (no weights load for one the adapter
+        """As every diffusion component is loaded (`component`: the stage's, unused). The
+        folder's pipeline class is checked first (no weights load for one the adapter
         refuses); then diffusers loads it in `dtype` (None: float32 on CPU, bfloat16 on CUDA,
         as diffusers' pipelines are run there) and moves it to `device`."""
         class_name = pipeline_class_name(path)
@@ -132,8 +133,7 @@ class DiffusersPipeline:
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, device)
 
-    def validate(self, prompt: str | None, params: DiffusionParams,
-                 image: Image.Image | None = None) -> None:
+    def validate(self, prompt: str | None, params: DiffusionParams) -> None:
         """InputError naming a field this pipeline's call cannot take."""
         if prompt is None:
             raise ValueError(f"{self.class_name} (generic diffusers adapter) encodes its own "
@@ -151,8 +151,9 @@ class DiffusersPipeline:
             if given and arg not in self.call_args:
                 raise InputError(f"DiffusionParams.{name}: {self.class_name}'s call takes no "
                                  f"{arg}", name)
-        check_size(params.height or self.size_multiple, params.width or self.size_multiple,
-                   self.size_multiple, MAX_SIZE, f"{self.class_name}'s VAE factor")
+        unset = self.size_multiple          # an unset side is the pipeline's default: passes
+        check_size(params.height or unset, params.width or unset, self.size_multiple, MAX_SIZE,
+                   f"{self.class_name}'s VAE factor")
 
     @staticmethod
     def batch_key(params: DiffusionParams) -> tuple:
