@@ -85,7 +85,7 @@ class DiffusersEngine:
     def abort(self, request_id: str) -> WholeRequest | None:
         req = self.requests.pop(request_id, None)
         call = self.call
-        if call is not None and not any(r.request_id in self.requests for r in call.batch):
+        if call is not None and not self._live(call):
             call.cancelled = True
         return req
 
@@ -104,7 +104,7 @@ class DiffusersEngine:
     def num_running(self) -> int:
         """Requests in the call now (the others wait for a later call)."""
         call = self.call
-        return 0 if call is None else sum(r.request_id in self.requests for r in call.batch)
+        return 0 if call is None else len(self._live(call))
 
     def step(self) -> list[DiffusionResult]:
         """Start a call if none runs; -> the progress its requests made since the last step,
@@ -121,6 +121,10 @@ class DiffusersEngine:
             self.call = None
             results += self._finish(call)
         return results
+
+    def _live(self, call: Call) -> list[WholeRequest]:
+        """The call's requests not aborted since (an id added again is another request)."""
+        return [r for r in call.batch if self.requests.get(r.request_id) is r]
 
     def _start(self) -> None:
         if not self.requests:
@@ -166,12 +170,12 @@ class DiffusersEngine:
             done, total = call.steps.get()
             progress = min(done / total, 1.0)
             results += [DiffusionResult(r.request_id, None, False, progress)
-                        for r in call.batch if r.request_id in self.requests]
+                        for r in self._live(call)]
         return results
 
     def _finish(self, call: Call) -> list[DiffusionResult]:
         """Each live request's images, or the call's error."""
-        live = [(i, r) for i, r in enumerate(call.batch) if r.request_id in self.requests]
+        live = [(i, r) for i, r in enumerate(call.batch) if self.requests.get(r.request_id) is r]
         for _, r in live:
             del self.requests[r.request_id]
         if call.error is not None or call.images is None:

@@ -114,6 +114,8 @@ class OlderCallPipeline:
                  output_type: str, height: int | None = None, width: int | None = None,
                  num_images_per_prompt: int = 1, callback=None, callback_steps: int = 1):
         self.calls.append({"prompt": prompt, "generator": generator, "steps": callback_steps})
+        if "fail" in prompt:
+            raise RuntimeError("the pipeline broke")
         for i in range(num_inference_steps):
             callback(i, 999 - i, None)
         n = len(prompt) * num_images_per_prompt
@@ -140,3 +142,14 @@ def test_an_older_call_reports_steps_through_its_callback() -> None:
     assert [r.progress for r in results["a"][:-1]] == [0.5, 1.0]
     assert results["a"][-1].images.shape == (2, 8, 8, 3)
     assert results["b"][-1].images[1].max() == round(255 * 3 / 4)    # b's rows: the last two
+
+
+def test_a_failing_call_fails_its_requests_and_the_engine_goes_on() -> None:
+    engine = DiffusersEngine(DiffusersPipeline(OlderCallPipeline(), torch.device("cpu")))
+    for rid in ("fail", "with it"):
+        engine.add_request(rid, rid, params(1, height=8, width=8, guidance_scale=None))
+    results = run_whole_calls(engine)
+    assert {rid: rs[-1].error for rid, rs in results.items()} == {
+        "fail": "RuntimeError: the pipeline broke", "with it": "RuntimeError: the pipeline broke"}
+    engine.add_request("next", "next", params(1, height=8, width=8, guidance_scale=None))
+    assert run_whole_calls(engine)["next"][-1].images is not None
