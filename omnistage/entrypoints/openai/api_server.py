@@ -340,9 +340,10 @@ def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
         return Response(body, media_type=CONTENT_TYPE)
 
     def card() -> ModelCard:
+        foreign = client.foreign_backend
         return ModelCard(id=name, created=started, root=config.model,
                          max_model_len=client.max_model_len, modalities=sorted(client.outputs),
-                         capabilities=caps())
+                         capabilities=caps(), native=not foreign, **foreign)
 
     @app.get("/v1/models", responses=ERRORS)
     async def list_models() -> ModelList:

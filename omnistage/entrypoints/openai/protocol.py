@@ -356,6 +356,11 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
     modalities: list[str] = Field(default_factory=list)   # what the model can output
     capabilities: ModelCapabilities | None = None
+    # False: a stage runs the model through the generic diffusers adapter (`backend`
+    # "diffusers", `pipeline` its class): diffusers' own code, not an omnistage port
+    native: bool = True
+    backend: str = "omnistage"
+    pipeline: str | None = None
 
 
 class ModelList(BaseModel):
