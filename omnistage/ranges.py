@@ -72,6 +72,6 @@ def check_ranges(owner: str, params: object, ranges: dict[str, Range]) -> None:
 
 def numeric_fields(cls: type) -> set[str]:
     """The fields of a params dataclass holding numbers (int, float, or tuples of them): what
-    its range table must cover (tests hold every struct to that)."""
+    its range table must cover (each struct asserts it where it declares the table)."""
     assert is_dataclass(cls), cls
     return {f.name for f in fields(cls) if re.search(r"\b(int|float)\b", str(f.type))}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from omnistage.errors import InputError
-from omnistage.ranges import MAX_INT32, MAX_SEED, Range, check_ranges
+from omnistage.ranges import MAX_INT32, MAX_SEED, Range, check_ranges, numeric_fields
 
 MAX_STOP = 16                   # stop strings per request (OpenAI allows 4)
 MAX_STOP_CHARS = 1024           # per stop string
@@ -95,3 +95,5 @@ _RANGES = {
     "logprobs": Range(0, 20, integer=True),          # OpenAI's top_logprobs limit
     "output_hidden_layers": Range(0, 4096, integer=True),
 }
+assert numeric_fields(SamplingParams) == set(_RANGES), \
+    f"a numeric field without a range: {numeric_fields(SamplingParams) ^ set(_RANGES)}"

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 import msgspec
 
 from omnistage.errors import InputError
-from omnistage.ranges import MAX_SEED, Range, check_ranges
+from omnistage.ranges import MAX_SEED, Range, check_ranges, numeric_fields
 
 MAX_STEPS = 200
 MAX_IMAGES = 10
@@ -112,6 +112,8 @@ _RANGES = {
     "num_frames": Range(1, MAX_FRAMES, integer=True),
     "fps": Range(0.0, 120.0, lo_open=True),
 }
+assert numeric_fields(DiffusionParams) == set(_RANGES), \
+    f"a numeric field without a range: {numeric_fields(DiffusionParams) ^ set(_RANGES)}"
 
 
 def check_size(height: int, width: int, multiple: int, max_size: int, why: str) -> None:

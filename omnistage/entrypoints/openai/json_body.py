@@ -27,6 +27,8 @@ from omnistage.entrypoints.openai.errors import APIError, bad_request
 
 INT_MIN, INT_MAX = -2**63, 2**63 - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# the only way a surrogate gets into parsed JSON: a \uD800-\uDFFF escape (UTF-8 has none)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _no_constant(name: str) -> Any:
@@ -43,39 +45,58 @@ def parse_json(data: bytes | str) -> Any:
                           code="invalid_json") from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply", code="invalid_json") from None
-    check_values(value)
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    check_values(value, strings=b"\\u" in raw and _SURROGATE_ESCAPE.search(raw) is not None)
     return value
 
 
-def check_values(value: Any) -> None:
+def check_values(value: Any, strings: bool = True) -> None:
     """Walk parsed JSON (without recursion: nesting depth is the client's) and refuse the
-    first value outside the policy, naming its place (`messages[0].content`)."""
+    first value outside the policy, naming its place (`messages[0].content`). A place is
+    spelled out only for a container or a refusal (a prompt may be 100k token ids), and
+    strings are searched for surrogates only if `strings` (the body escapes one)."""
     stack: list[tuple[Any, str]] = [(value, "")]
     while stack:
         node, path = stack.pop()
-        if isinstance(node, dict):
-            for key, item in node.items():
-                where = f"{path}.{key}" if path else str(key)
-                if _SURROGATE.search(key):
-                    raise _refused(where, "the key holds a lone UTF-16 surrogate (not valid Unicode)")
-                stack.append((item, where))
-        elif isinstance(node, list):
-            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(node))
-        else:
-            _check_scalar(node, path)
+        if isinstance(node, list) and _all_int64(node):     # token ids: at C speed
+            continue
+        items = (node.items() if isinstance(node, dict) else enumerate(node)
+                 if isinstance(node, list) else [(None, node)])
+        for key, item in items:
+            if strings and isinstance(key, str) and _SURROGATE.search(key):
+                raise _refused(_join(path, key), "the key holds a lone UTF-16 surrogate (not "
+                                                 "valid Unicode)")
+            if isinstance(item, (dict, list)):
+                stack.append((item, _join(path, key)))
+            elif (why := _outside(item, strings)) is not None:
+                raise _refused(_join(path, key), why)
 
 
-def _check_scalar(node: Any, path: str) -> None:
-    if isinstance(node, str):
-        if not node.isascii() and _SURROGATE.search(node):
-            raise _refused(path, "the string holds a lone UTF-16 surrogate (not valid Unicode)")
-    elif isinstance(node, bool) or node is None:
-        return
-    elif isinstance(node, int):
-        if not INT_MIN <= node <= INT_MAX:
-            raise _refused(path, "integer out of range (at most 64 bits, signed)")
-    elif isinstance(node, float) and not math.isfinite(node):
-        raise _refused(path, "number out of range (not a finite double)")
+def _all_int64(items: list[Any]) -> bool:
+    """A non-empty list of ints (no bools) that all fit; False says: look item by item."""
+    return (bool(items) and all(type(x) is int for x in items)
+            and INT_MIN <= min(items) and max(items) <= INT_MAX)
+
+
+def _join(path: str, key: str | int | None) -> str:
+    if key is None:
+        return path
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def _outside(value: Any, strings: bool) -> str | None:
+    """Why a scalar is outside the policy, or None."""
+    if isinstance(value, str):
+        if strings and not value.isascii() and _SURROGATE.search(value):
+            return "the string holds a lone UTF-16 surrogate (not valid Unicode)"
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not INT_MIN <= value <= INT_MAX:
+            return "integer out of range (at most 64 bits, signed)"
+    elif isinstance(value, float) and not math.isfinite(value):
+        return "number out of range (not a finite double)"
+    return None
 
 
 def _refused(path: str | None, why: str) -> APIError:
