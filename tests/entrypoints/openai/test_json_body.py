@@ -20,6 +20,8 @@ from omnistage.entrypoints.openai.json_body import parse_json
     (b'{"messages": [{"content": "\\ud800"}]}', "messages[0].content", None),
     (b'{"model": "a\\udfffb"}', "model", None),
     (b'{"extra": {"\\ud800": 1}}', "extra.\ud800", None),
+    (b'{"raw": "\xed\xa0\x80"}', "raw", None),          # its UTF-8 form, not escaped
+    ('{"text": "\ud800"}', "text", None),                # a WebSocket message, as text
     (b'{"a": 1', None, "invalid_json"),
     (b'[' * 100_000, None, "invalid_json"),
 ])
