@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omnistage.entrypoints.openai.client import EngineClient
 from omnistage.entrypoints.openai.errors import (APIError, bad_request, check_model,
                                                  install_error_handlers)
+from omnistage.entrypoints.openai.json_body import StrictJSONRoute
 from omnistage.entrypoints.openai.log_lines import log_stage_stats
 from omnistage.entrypoints.openai.media import MediaLoader, MediaPolicy
 from omnistage.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
@@ -270,6 +271,7 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
     app = FastAPI(title="omnistage", version="0.1.0",
                   description="OpenAI-compatible server for omni-modality models",
                   lifespan=_lifespan(client, config, videos))
+    app.router.route_class = StrictJSONRoute     # one JSON policy for every route (json_body)
     app.state.client = client
     app.state.config = config
     install_error_handlers(app)

@@ -26,7 +26,11 @@ Modality = Literal["text", "audio", "image"]
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Strict: a number sent as a string is refused ("0.5" is no temperature, "1" no
+    boolean); a form's fields, text by nature, are validated with strict=False. No NaN or
+    infinity from any source (json_body.py refuses them in JSON already)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 # ---- shared pieces ---------------------------------------------------------------------------
