@@ -137,6 +137,7 @@ class ModelFamily:
     name: str                                  # the prefix of its adapters' names
     architectures: tuple[str, ...] = ()        # config.json "architectures" it serves
     diffusers_classes: tuple[str, ...] = ()    # model_index.json "_class_name" it serves
+    any_diffusers: bool = False                # serves the diffusers folders no row names
     graph: str | None = None                   # default graph, a YAML file in omnistage/configs/
     model: str | None = None                   # AR model class, loaded by architecture
     components: tuple[Component, ...] = ()
@@ -193,6 +194,9 @@ _BUILT_IN = (
     _pipeline("qwen_image", "QwenImagePipeline"),
     ModelFamily("digits", graph="digits.yaml", components=(Component(
         "diffusion", "digits_dit", "omnistage.diffusion.pipelines.digits:DigitsPipeline"),)),
+    # the generic adapter: any other diffusers pipeline, run whole by diffusers (not native)
+    ModelFamily("diffusers", any_diffusers=True, graph="diffusers.yaml", components=(Component(
+        "diffusion", "diffusers", "omnistage.diffusion.diffusers_pipeline:DiffusersPipeline"),)),
 )
 _FAMILIES: dict[str, ModelFamily] = {}
 
@@ -277,12 +281,17 @@ def load_component(kind: ComponentKind, name: str) -> Any:
 
 
 def match_folder(model_path: Path) -> ModelFamily | None:
-    """The family serving a checkpoint folder, or None (not a checkpoint, or unknown)."""
+    """The family serving a checkpoint folder, or None (not a checkpoint, or unknown): the row
+    naming its architecture or diffusers class; else, for a diffusers pipeline, the generic
+    adapter's (`any_diffusers`), which checks the class when its stage loads."""
     diffusers, archs = _folder_names(model_path)
-    for f in families().values():
+    table = families().values()
+    for f in table:
         if (diffusers is not None and diffusers in f.diffusers_classes) or \
                 any(a in f.architectures for a in archs):
             return f
+    if diffusers:
+        return next((f for f in table if f.any_diffusers), None)
     return None
 
 
@@ -296,7 +305,7 @@ def family_of_folder(model_path: Path) -> ModelFamily:
     if diffusers is not None:
         supported = sorted(c for f in table for c in f.diffusers_classes)
         raise ValueError(f"{model_path}: diffusers pipeline {diffusers or '(none)'} is not "
-                         f"supported (supported: {', '.join(supported)})")
+                         f"supported (natively: {', '.join(supported)})")
     supported = sorted(a for f in table for a in f.architectures)
     raise ValueError(f"{model_path}: architecture {', '.join(archs) or '(none)'} is not supported "
                      f"(supported: {', '.join(supported)})")

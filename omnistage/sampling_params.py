@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from omnistage.errors import InputError
+from omnistage.ranges import MAX_INT32, MAX_SEED, Range, check_ranges, numeric_fields
+
+MAX_STOP = 16                   # stop strings per request (OpenAI allows 4)
+MAX_STOP_CHARS = 1024           # per stop string
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,37 +59,41 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """Raise InputError (a ValueError) naming the first bad field."""
-        def bad(name: str, why: str) -> None:
-            raise InputError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}", name)
+        """Raise InputError (a ValueError) naming the first bad field. Every limit the OpenAI
+        routes set on a field is here, so a per-stage override meets it too."""
+        check_ranges("SamplingParams", self, _RANGES)
 
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            bad("n", "must be an integer >= 1 (completions per prompt)")
-        if not self.temperature >= 0.0:
-            bad("temperature", "must be >= 0 (0 means greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", "must be in (0, 1]")
-        if self.top_k < 0 and self.top_k != -1:
-            bad("top_k", "must be >= 0 (0 or -1 disables top-k)")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", "must be in [0, 1]")
-        if not self.repetition_penalty > 0.0:
-            bad("repetition_penalty", "must be > 0 (1 disables it)")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and self.max_tokens <= 0:
-            bad("max_tokens", "must be >= 1")
-        if self.min_tokens < 0:
-            bad("min_tokens", "must be >= 0")
+        def bad(name: str, why: str) -> None:
+            shown = repr(getattr(self, name))    # a list of 10,000 stop strings: its start
+            shown = shown if len(shown) <= 80 else f"{shown[:77]}..."
+            raise InputError(f"SamplingParams.{name}={shown}: {why}", name)
+
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", "must be in [0, 20]")
-        if any(not s for s in self.stop):
-            bad("stop", "stop strings must be non-empty")
-        if any(t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "token ids must be >= 0")
-        if any(i < 0 for i in self.output_hidden_layers):
-            bad("output_hidden_layers", "layer indices must be >= 0")
+        if len(self.stop) > MAX_STOP or any(not isinstance(s, str) for s in self.stop):
+            bad("stop", f"at most {MAX_STOP} strings")
+        if any(not 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
+            bad("stop", f"stop strings must be non-empty, at most {MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids")
+
+
+# every numeric field: kind, finiteness and range (ranges.py)
+_RANGES = {
+    "n": Range(1, 128, integer=True),
+    "temperature": Range(0.0, 2.0),                 # 0 means greedy
+    "top_p": Range(0.0, 1.0, lo_open=True),
+    "top_k": Range(-1, MAX_INT32, integer=True),    # 0 or -1 disables top-k
+    "min_p": Range(0.0, 1.0),
+    "repetition_penalty": Range(0.0, 10.0, lo_open=True),   # 1 disables it
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "seed": Range(0, MAX_SEED, integer=True),
+    "max_tokens": Range(1, MAX_INT32, integer=True),
+    "min_tokens": Range(0, MAX_INT32, integer=True),
+    "stop_token_ids": Range(0, MAX_INT32, integer=True),
+    "logprobs": Range(0, 20, integer=True),          # OpenAI's top_logprobs limit
+    "output_hidden_layers": Range(0, 4096, integer=True),
+}
+assert numeric_fields(SamplingParams) == set(_RANGES), \
+    f"a numeric field without a range: {numeric_fields(SamplingParams) ^ set(_RANGES)}"

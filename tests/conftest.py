@@ -41,3 +41,15 @@ def qwen3_tts_ref(tmp_path_factory: pytest.TempPathFactory) -> dict:
     by_name = {name: {k.split(".", 1)[1]: v for k, v in out.items() if k.startswith(f"{i}.")}
                for i, name in enumerate(CASES)}
     return {"root": root, **by_name}
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random SDXL folder (omnistage/testing/tiny_sdxl.py): a pipeline served by the
+    generic diffusers adapter."""
+    pytest.importorskip("diffusers")
+    from omnistage.testing.tiny_sdxl import build_tiny_sdxl
+
+    folder = tmp_path_factory.mktemp("tiny_sdxl")
+    build_tiny_sdxl(folder)
+    return folder

@@ -41,12 +41,23 @@ def test_unknown_architecture_lists_the_known_ones(tmp_path: Path) -> None:
         registry.model_class("LlamaForCausalLM")
 
 
-def test_unknown_diffusers_class_lists_the_known_ones(tmp_path: Path) -> None:
+def test_a_diffusers_class_without_a_row_goes_to_the_generic_adapter(tmp_path: Path) -> None:
     path = folder(tmp_path, "model_index.json", {"_class_name": "StableDiffusionPipeline"})
-    with pytest.raises(ValueError, match=r"diffusers pipeline StableDiffusionPipeline is not "
-                       r"supported \(supported: FluxPipeline, QwenImagePipeline, "
-                       r"WanImageToVideoPipeline, WanPipeline, "
-                       r"ZImagePipeline\)"):
+    found = registry.family_of_folder(path)
+    assert found.name == "diffusers" and found.any_diffusers
+    (stage,) = resolve_graph(str(path), path, None).stages
+    assert (stage.kind, stage.component, stage.final) == ("diffusion", "diffusers", "image")
+    assert registry.load_component("diffusion", "diffusers").__name__ == "DiffusersPipeline"
+    # a native row still wins over the generic adapter
+    assert registry.family_of_folder(
+        folder(tmp_path, "model_index.json", {"_class_name": "FluxPipeline"})).name == "flux"
+
+
+def test_a_diffusers_folder_naming_no_class_lists_the_native_ones(tmp_path: Path) -> None:
+    path = folder(tmp_path, "model_index.json", {"_diffusers_version": "0.42.1"})
+    with pytest.raises(ValueError, match=r"diffusers pipeline \(none\) is not supported "
+                       r"\(natively: FluxPipeline, QwenImagePipeline, WanImageToVideoPipeline, "
+                       r"WanPipeline, ZImagePipeline\)"):
         resolve_graph(str(path), path, None)
 
 

@@ -6,7 +6,10 @@ import math
 
 import pytest
 
-from omnistage.sampling_params import SamplingParams
+from omnistage.errors import InputError
+from omnistage.ranges import numeric_fields
+from omnistage.sampling_params import (MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
+                                       SamplingParams)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -102,3 +105,25 @@ def test_n_completions_and_their_params() -> None:
     assert all(g["talker"].seed is None for g in got)
     assert [g["dit"].seed for g in got] == [5, 6, 7]
     assert all(g["code2wav"] is None for g in got)
+
+
+@pytest.mark.parametrize("field", sorted(numeric_fields(SamplingParams)))
+@pytest.mark.parametrize("value", [2**64, -2**64, float("nan"), float("inf"), True, "1"])
+def test_every_numeric_field_is_checked_for_kind_finiteness_and_range(field: str,
+                                                                      value: object) -> None:
+    """Every numeric field has a range (ranges.py): past 64 bits, non-finite and mistyped
+    values are an InputError naming it, items of a tuple field included."""
+    tuple_field = SamplingParams.__dataclass_fields__[field].type.startswith("tuple")
+    with pytest.raises(InputError, match=field) as err:
+        SamplingParams(**{field: (value,) if tuple_field else value})
+    assert err.value.param == field
+
+
+def test_stop_lists_have_the_apis_limits() -> None:
+    """The limits the OpenAI fields have hold here, so per-stage overrides meet them too."""
+    SamplingParams(stop=["x"] * MAX_STOP, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
+    for kwargs in ({"stop": ["x"] * (MAX_STOP + 1)}, {"stop": ["y" * (MAX_STOP_CHARS + 1)]},
+                   {"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}):
+        with pytest.raises(InputError, match=next(iter(kwargs))) as err:
+            SamplingParams(**kwargs)
+        assert len(str(err.value)) < 200       # the message shows the start of a long list

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from omnistage.ar.detokenizer import IncrementalDetokenizer
+from omnistage.ar.hidden_rows import HiddenRowCache
 from omnistage.ar.inputs import MultimodalInput, PromptInput, StreamInput, check_request
 from omnistage.ar.kv_cache import BlockManager, KVCacheLayout
 from omnistage.ar.memory import size_kv_cache
@@ -65,6 +66,7 @@ class AREngine:
         self.block_manager = BlockManager(self.kv_layout.num_blocks, self.kv_layout.block_size,
                                           config.kv_cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager, self.max_model_len)
+        self.hidden_rows = HiddenRowCache(self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_layout, self.device, self.dtype,
                                   config.attention_backend, config.seed,
                                   max_num_seqs=sched.max_num_seqs,
@@ -133,14 +135,15 @@ class AREngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None,
                     params: SamplingParams, prompt_embeds: Tensor | None = None,
                     arrival_time: float | None = None, prompt_open: bool = False, *,
-                    stream: StreamInput | None = None, mm: MultimodalInput | None = None
-                    ) -> None:
+                    stream: StreamInput | None = None, mm: MultimodalInput | None = None,
+                    cache_ids: list[int] | None = None) -> None:
         """Queue a request. With `prompt_open` its prompt may still grow (and may be empty now:
         the request is parked until `extend_request` brings input); with an open `stream` its
         decodes wait for upstream rows (see Sequence). Token ids given together with
         `prompt_embeds` (same length) are kept as the prompt's real ids (for penalties and for
         what downstream stages see). `mm`: a multimodal prompt's rotary positions and
-        deepstack features (ar/inputs.py)."""
+        deepstack features (ar/inputs.py). `cache_ids`: what the prefix cache hashes in
+        place of the ids of an embeddings prompt (PromptInput.cache_ids)."""
         if request_id in self.scheduler.requests or request_id in self._parked:
             raise ValueError(f"request id {request_id!r} is already running")
         empty = prompt_embeds is None and not prompt_token_ids
@@ -154,10 +157,14 @@ class AREngine:
             prompt_token_ids = [0] * prompt_embeds.shape[0]  # placeholders (see Sequence)
         if mm is not None and not prompt_open:
             mm.check(len(prompt_token_ids or []))
+        if cache_ids is not None and (prompt_open or len(cache_ids) != len(prompt_token_ids or [])):
+            raise ValueError(f"cache_ids has {len(cache_ids)} entries for a prompt of "
+                             f"{len(prompt_token_ids or [])} tokens (and only a closed prompt "
+                             "takes them)")
         seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids or []),
                        sampling_params=params, eos_token_ids=self.eos_token_ids,
-                       prompt=PromptInput(prompt_embeds, real_ids, prompt_open), stream=stream,
-                       mm=mm)
+                       prompt=PromptInput(prompt_embeds, real_ids, prompt_open, cache_ids),
+                       stream=stream, mm=mm)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         if empty:
@@ -345,6 +352,10 @@ class AREngine:
             token = result.sampled[i]
             new_ids = [] if token is None else [token]
             hidden = result.hidden_states[i]
+            if hidden is not None:       # after a prefix hit: its kept rows first
+                hidden = self.hidden_rows.restore(seq, hidden)
+                self.hidden_rows.record(seq, hidden, seq.num_hidden_emitted
+                                        - next(iter(hidden.values())).shape[0])
             if not new_ids and hidden is None:
                 continue
             text, stop_hit = "", False
@@ -383,6 +394,7 @@ class AREngine:
     def _finish_output(self, seq: Sequence, new_ids: list[int], text: str = "",
                        error: str | None = None) -> StepOutput:
         self._detokenizers.pop(seq.request_id, None)
+        self.hidden_rows.drop(seq.request_id)
         metrics = RequestMetrics(
             arrival_time=seq.arrival_time, first_scheduled_time=seq.first_scheduled_time,
             first_token_time=seq.first_token_time, finished_time=time.monotonic(),

@@ -67,6 +67,10 @@ class PromptInput:
     embeds: Tensor | None = None     # (P, hidden)
     ids_real: bool = False
     open: bool = False
+    # (P,) what the prefix cache hashes in place of the ids, when the embeddings are a function
+    # of them (a multimodal prompt: placeholders replaced by a digest of their media, negative
+    # so they never equal a token id); None: an embeddings prompt is never cached
+    cache_ids: list[int] | None = None
 
     def add_embeds(self, rows: Tensor, hidden: int, has_ids: bool) -> None:
         """Append (n, hidden) rows to an open prompt; ValueError for a closed prompt, a wrong

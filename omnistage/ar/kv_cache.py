@@ -19,11 +19,17 @@ A full block's hash chains the hash of the block before it, so equal hashes mean
 
 A lookup also compares the stored parent hash and token ids with the request's, so a collision of
 one block's hash never yields a hit.
+
+Prompts of embeddings are hashed by their `cache_ids` (Sequence.cache_id_at: multimodal
+placeholders replaced by a digest of their media), or not at all. A sequence that emits hidden
+states for a downstream stage hits only blocks that carry their rows (`Block.payload`, set by
+the engine, ar/hidden_rows.py): those rows are sent in place of recomputing them.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from omnistage.ar.sequence import Sequence
@@ -58,10 +64,12 @@ class Block:
     ref_count: int = 0
     block_hash: int | None = None     # set only once the block is full and computed
     parent_hash: int | None = None    # hash of the block before it in the chain (None: first)
-    token_ids: tuple[int, ...] = ()   # the block_size tokens of a hashed block
+    token_ids: tuple[int, ...] = ()   # the block_size tokens (cache ids) of a hashed block
+    payload: object | None = None     # what the engine keeps with a hashed block (hidden rows)
 
     def clear_hash(self) -> None:
         self.block_hash, self.parent_hash, self.token_ids = None, None, ()
+        self.payload = None
 
 
 class BlockManager:
@@ -92,8 +100,10 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def is_cacheable(self, seq: Sequence) -> bool:
-        # Embedding prompts have placeholder ids; hidden-state consumers need every position run.
-        return self.enable_prefix_caching and not seq.has_embeds and not seq.wants_hidden
+        """Embedding prompts only with ids that name their embeddings; streamed inputs never."""
+        if not self.enable_prefix_caching or seq.stream is not None:
+            return False
+        return seq.prompt.embeds is None or seq.prompt.cache_ids is not None
 
     def get_computed_blocks(self, seq: Sequence) -> int:
         """Attach the longest cached prefix of full blocks to a newly admitted `seq`.
@@ -103,31 +113,53 @@ class BlockManager:
         assert not seq.block_table, (seq.request_id, seq.block_table)
         assert seq.num_computed_tokens == 0, (seq.request_id, seq.num_computed_tokens)
         seq.num_cached_tokens = 0
+        seq.cached_payloads = []
         if not self.is_cacheable(seq):
             return 0
         bs = self.block_size
-        token_ids = seq.all_token_ids
+        token_ids = seq.all_cache_ids
         parent_hash: int | None = None
-        for i in range((len(token_ids) - 1) // bs):
-            block_tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            block_hash = hash((parent_hash, block_tokens))
-            block_id = self.hash_to_block_id.get(block_hash)
-            if block_id is None:
-                break
-            block = self.blocks[block_id]
-            if block.parent_hash != parent_hash or block.token_ids != block_tokens:
-                break  # hash collision: same hash, different content
+        for i, block in enumerate(self._chain(token_ids, (len(token_ids) - 1) // bs)):
+            if seq.wants_hidden and seq.num_hidden_emitted > 0:
+                if (i + 1) * bs > seq.num_hidden_emitted:
+                    break  # re-admitted (preempted): hit only rows it has sent already
+            elif seq.wants_hidden:
+                if block.payload is None:
+                    break  # its hidden rows are not kept: the sequence must compute them
+                seq.cached_payloads.append(block.payload)
             if block.ref_count == 0:
-                del self.evictable[block_id]
+                del self.evictable[block.block_id]
             block.ref_count += 1
-            seq.block_table.append(block_id)
-            parent_hash = block_hash
+            seq.block_table.append(block.block_id)
+            parent_hash = block.block_hash
         num_hit_tokens = len(seq.block_table) * bs
         self.hash_progress[seq.request_id] = (len(seq.block_table), parent_hash)
         seq.num_computed_tokens = seq.num_cached_tokens = num_hit_tokens
         self.num_prefix_queries_tokens += len(token_ids)
         self.num_prefix_hit_tokens += num_hit_tokens
         return num_hit_tokens
+
+    def hashed_blocks(self, seq: Sequence, num_blocks: int) -> list[Block]:
+        """The hashed blocks holding seq's first `num_blocks` full blocks of tokens (its own, or
+        another request's copy where that one was hashed first), up to the first not hashed."""
+        return list(self._chain(seq.all_cache_ids, num_blocks))
+
+    def _chain(self, token_ids: list[int], num_blocks: int) -> Iterator[Block]:
+        """The hashed blocks of the first `num_blocks` full blocks of `token_ids`, in order, up
+        to the first that is not cached."""
+        bs = self.block_size
+        parent_hash: int | None = None
+        for i in range(min(num_blocks, len(token_ids) // bs)):
+            block_tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            block_hash = hash((parent_hash, block_tokens))
+            block_id = self.hash_to_block_id.get(block_hash)
+            if block_id is None:
+                return
+            block = self.blocks[block_id]
+            if block.parent_hash != parent_hash or block.token_ids != block_tokens:
+                return  # hash collision: same hash, different content
+            yield block
+            parent_hash = block_hash
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         num_tokens = seq.num_computed_tokens + num_new_tokens
@@ -163,7 +195,7 @@ class BlockManager:
         num_full = min(num_computed_tokens // bs, len(seq.block_table))
         num_done, parent_hash = self.hash_progress.get(seq.request_id, (0, None))
         for i in range(num_done, num_full):
-            block_tokens = tuple(seq.token_id_at(j) for j in range(i * bs, (i + 1) * bs))
+            block_tokens = tuple(seq.cache_id_at(j) for j in range(i * bs, (i + 1) * bs))
             block_hash = hash((parent_hash, block_tokens))
             block = self.blocks[seq.block_table[i]]
             assert block.ref_count > 0, (block.block_id, block.ref_count)

@@ -75,6 +75,8 @@ class Sequence:
     stream: StreamInput | None = None        # upstream rows added to its decodes
     mm: MultimodalInput | None = None        # rotary positions, deepstack
     output_embeds: list[torch.Tensor] = field(default_factory=list)  # (hidden,) per output
+    # payloads (hidden rows) of the prefix-cache hit's blocks, until the engine sends them
+    cached_payloads: list[object] = field(default_factory=list)
 
     @property
     def penalty_prompt_ids(self) -> list[int]:
@@ -102,6 +104,21 @@ class Sequence:
     def token_id_at(self, idx: int) -> int:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[idx] if idx < p else self.output_token_ids[idx - p]
+
+    def cache_id_at(self, idx: int) -> int:
+        """What the prefix cache hashes at position idx: the token id, or for an embeddings
+        prompt its cache id (PromptInput.cache_ids)."""
+        cache_ids = self.prompt.cache_ids
+        if cache_ids is not None and idx < len(cache_ids):
+            return cache_ids[idx]
+        return self.token_id_at(idx)
+
+    @property
+    def all_cache_ids(self) -> list[int]:
+        cache_ids = self.prompt.cache_ids
+        if cache_ids is None:
+            return self.all_token_ids
+        return cache_ids + self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

@@ -138,18 +138,12 @@ class DiffusionEngine:
         now = time.time()
         for r in batch:
             r.first_step_time = r.first_step_time or now
-        try:
-            with torch.inference_mode():
-                self._denoise(batch)
-        except Exception as exc:  # a failing batch fails its requests, not the engine ...
-            if self.ranks.world_size > 1:   # ... unless its ranks may no longer agree
-                raise
-            logger.exception("diffusion step failed for %d requests", len(batch))
-            for r in batch:
-                del self.requests[r.request_id]
-            return [DiffusionResult(r.request_id, None, True, r.progress,
-                                    f"{type(exc).__name__}: {exc}") for r in batch]
-        results = []
+        failed = self._step_isolating(batch)
+        results = [DiffusionResult(r.request_id, None, True, r.progress, failed[r.request_id])
+                   for r in batch if r.request_id in failed]
+        for rid in failed:
+            del self.requests[rid]
+        batch = [r for r in batch if r.request_id not in failed]
         for r in batch:
             if not r.is_done:  # a progress signal: one per request per step it took part in
                 results.append(DiffusionResult(r.request_id, None, False, r.progress))
@@ -172,6 +166,33 @@ class DiffusionEngine:
                 else r.conditioning_time - r.arrival_time)
             results.append(DiffusionResult(r.request_id, images, True, 1.0, metrics=metrics))
         return results
+
+    def _step_isolating(self, batch: list[DiffusionRequest]) -> dict[str, str]:
+        """One denoising step for `batch` -> the requests that failed it, with their error. A
+        step that raises is run again per request that it had not advanced, so a request that
+        breaks the forward fails alone and the others take their step; a request whose
+        latents are no longer finite after its step (guidance that overflows) fails alone.
+        Over several ranks a raise is the stage's: the ranks ran the batch together."""
+        failed: dict[str, str] = {}
+        start = {r.request_id: r.step_idx for r in batch}
+        try:
+            with torch.inference_mode():
+                self._denoise(batch)
+        except Exception as exc:
+            if self.ranks.world_size > 1:
+                raise
+            logger.exception("diffusion step failed for %d requests", len(batch))
+            if len(batch) == 1:
+                return {batch[0].request_id: f"{type(exc).__name__}: {exc}"}
+            for r in batch:
+                if r.step_idx > start[r.request_id]:
+                    continue                         # it took its step before the failure
+                try:
+                    with torch.inference_mode():
+                        self._denoise([r])
+                except Exception as alone:
+                    failed[r.request_id] = f"{type(alone).__name__}: {alone}"
+        return failed | _non_finite([r for r in batch if r.request_id not in failed])
 
     # ---- several ranks ------------------------------------------------------------------
 
@@ -237,3 +258,15 @@ class DiffusionEngine:
         for r, v, x in zip(batch, velocity.split(counts), latents.split(counts)):
             r.latents = r.solver.step(v, x, r.sigmas, r.step_idx, r.solver_state).to(x.dtype)
             r.step_idx += 1
+
+
+def _non_finite(batch: list[DiffusionRequest]) -> dict[str, str]:
+    """The requests whose latents hold inf or NaN after their step, with the error they fail
+    with (one device sync for the batch)."""
+    if not batch:
+        return {}
+    finite = torch.stack([r.latents.isfinite().all() for r in batch]).tolist()
+    return {r.request_id: f"the latents are no longer finite after step {r.step_idx} of "
+                          f"{r.num_steps} (inf or NaN): the request's parameters (guidance, "
+                          "size, image) overflow the model"
+            for r, ok in zip(batch, finite) if not ok}

@@ -7,9 +7,13 @@ from dataclasses import dataclass, field, replace
 import msgspec
 
 from omnistage.errors import InputError
+from omnistage.ranges import MAX_SEED, Range, check_ranges, numeric_fields
 
 MAX_STEPS = 200
 MAX_IMAGES = 10
+MAX_SIDE = 16384                # pixels, as the API's `size`
+MAX_GUIDANCE = 100.0
+MAX_FRAMES = 4096
 DEFAULT_STRENGTH = 0.6          # diffusers' img2img pipelines' default
 
 
@@ -62,39 +66,16 @@ class DiffusionParams:
         return default if self.guidance_scale is None else self.guidance_scale
 
     def validate(self) -> None:
-        def bad(name: str, why: str) -> None:
-            raise InputError(f"DiffusionParams.{name}={getattr(self, name)!r}: {why}", name)
-
-        if not 1 <= self.num_inference_steps <= MAX_STEPS:
-            bad("num_inference_steps", f"must be in [1, {MAX_STEPS}]")
-        if not 1 <= self.num_images <= MAX_IMAGES:
-            bad("num_images", f"must be in [1, {MAX_IMAGES}]")
-        if self.guidance_scale is not None and not self.guidance_scale >= 0.0:
-            bad("guidance_scale", "must be >= 0")
-        if self.guidance_scale_2 is not None and not self.guidance_scale_2 >= 0.0:
-            bad("guidance_scale_2", "must be >= 0")
-        if not self.true_cfg_scale >= 0.0:
-            bad("true_cfg_scale", "must be >= 0")
-        for name in ("height", "width"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                bad(name, "must be > 0")
-        if self.num_frames is not None and self.num_frames < 1:
-            bad("num_frames", "must be >= 1")
-        if self.fps is not None and not self.fps > 0:
-            bad("fps", "must be > 0")
-        if self.cache_threshold is not None and not self.cache_threshold >= 0.0:
-            bad("cache_threshold", "must be >= 0")
+        """InputError naming the first bad field; every numeric one goes through its range."""
+        check_ranges("DiffusionParams", self, _RANGES)
         if self.image is not None and not isinstance(self.image, (bytes, ImageRef)):
             raise InputError("DiffusionParams.image: must be the bytes of an encoded image file "
                              f"(PNG, JPEG, WebP, ...), got {type(self.image).__name__}", "image")
         if self.image is not None and not self.image:
             raise InputError("DiffusionParams.image: empty", "image")
-        if self.strength is not None:
-            if self.image is None:
-                bad("strength", "applies to image-to-image only (no image given)")
-            if not 0.0 < self.strength <= 1.0:
-                bad("strength", "must be in (0, 1]")
+        if self.strength is not None and self.image is None:
+            raise InputError(f"DiffusionParams.strength={self.strength!r}: applies to "
+                             "image-to-image only (no image given)", "strength")
 
     def detach_image(self) -> tuple[DiffusionParams, bytes | None]:
         """(these params with an `ImageRef` for their image file, the file): what goes in the
@@ -113,6 +94,26 @@ class DiffusionParams:
     def image_strength(self) -> float:
         """The strength an image-to-image request runs with (diffusers' default 0.6)."""
         return DEFAULT_STRENGTH if self.strength is None else self.strength
+
+
+# every numeric field: kind, finiteness and range (ranges.py). Guidance past 100 only
+# overflows (1e39 made a whole batch's latents inf); no pipeline here is tuned beyond 20.
+_RANGES = {
+    "height": Range(1, MAX_SIDE, integer=True),
+    "width": Range(1, MAX_SIDE, integer=True),
+    "num_inference_steps": Range(1, MAX_STEPS, integer=True),
+    "guidance_scale": Range(0.0, MAX_GUIDANCE),
+    "guidance_scale_2": Range(0.0, MAX_GUIDANCE),
+    "true_cfg_scale": Range(0.0, MAX_GUIDANCE),
+    "seed": Range(0, MAX_SEED, integer=True),
+    "num_images": Range(1, MAX_IMAGES, integer=True),
+    "cache_threshold": Range(0.0, 100.0),
+    "strength": Range(0.0, 1.0, lo_open=True),
+    "num_frames": Range(1, MAX_FRAMES, integer=True),
+    "fps": Range(0.0, 120.0, lo_open=True),
+}
+assert numeric_fields(DiffusionParams) == set(_RANGES), \
+    f"a numeric field without a range: {numeric_fields(DiffusionParams) ^ set(_RANGES)}"
 
 
 def check_size(height: int, width: int, multiple: int, max_size: int, why: str) -> None:

@@ -83,17 +83,33 @@ class TextEncodingEngine:
         for r in batch:
             del self.requests[r.request_id]
         start = time.time()
-        try:
-            with torch.inference_mode():
-                conds = self.encoder.encode([r.prompt for r in batch], [r.params for r in batch])
-        except Exception as exc:  # a failing batch fails its requests, not the engine
-            logger.exception("text encoding failed for %d requests", len(batch))
-            return [TextEncodingResult(r.request_id, {}, f"{type(exc).__name__}: {exc}")
-                    for r in batch]
+        conds = self._encode_isolating(batch)
         self.num_batches_run += 1
         done = time.time()
         assert len(conds) == len(batch), (len(conds), len(batch))
-        return [TextEncodingResult(r.request_id, cond, metrics=StageMetrics(
+        return [TextEncodingResult(r.request_id, {}, cond) if isinstance(cond, str)
+                else TextEncodingResult(r.request_id, cond, metrics=StageMetrics(
                     queue_time=start - r.arrival_time, encode_time=done - start,
                     num_batched_requests=len(batch)))
                 for r, cond in zip(batch, conds)]
+
+    def _encode_isolating(self, batch: list[TextEncodingRequest]
+                          ) -> list[dict[str, Tensor] | str]:
+        """Each request's conditioning, or its error: a batch that fails is encoded again one
+        request at a time (encoding keeps no state), so one prompt that breaks the encoder
+        fails alone."""
+        try:
+            with torch.inference_mode():
+                return self.encoder.encode([r.prompt for r in batch], [r.params for r in batch])
+        except Exception as exc:
+            logger.exception("text encoding failed for %d requests", len(batch))
+            if len(batch) == 1:
+                return [f"{type(exc).__name__}: {exc}"]
+        conds: list[dict[str, Tensor] | str] = []
+        for r in batch:
+            try:
+                with torch.inference_mode():
+                    conds += self.encoder.encode([r.prompt], [r.params])
+            except Exception as alone:
+                conds.append(f"{type(alone).__name__}: {alone}")
+        return conds

@@ -9,6 +9,8 @@ and consumed, and the model holds no backlog for it.
 
 from __future__ import annotations
 
+import copy
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -18,6 +20,8 @@ import torch
 from torch import Tensor
 
 from omnistage.utils import trace
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -43,7 +47,12 @@ class GenerationModel(Protocol):
     """One call over a batch: for each request, its new input, its state and whether its input
     is closed; returns one output dict per request (may be empty). A model may leave ready
     work for a later call (a budget per forward): `has_backlog(state)` says so, and the
-    request is stepped again without new input and finishes only once it has none."""
+    request is stepped again without new input and finishes only once it has none.
+
+    A call that raises is made again for each request alone (to find the one that broke it),
+    from a snapshot of the states taken before it: a copy of each state's values, one level
+    deep. So `generate` changes what is deeper (a tensor, an attribute of a stream object)
+    by replacing it, never in place."""
 
     def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],
                  is_last: list[bool]) -> list[dict[str, Tensor]]: ...
@@ -111,16 +120,7 @@ class GenerationEngine:
             r.first_scheduled_time = r.first_scheduled_time or now
         inputs = [r.take_input() if r.pending else {} for r in ready]
         is_last = [r.input_closed for r in ready]
-        try:
-            with torch.inference_mode():
-                outs = self.model.generate(inputs, [r.state for r in ready], is_last)
-        except Exception as exc:  # a failing batch fails its requests, not the engine
-            results = []
-            for r in ready:
-                del self.requests[r.request_id]
-                results.append(GenerationResult(r.request_id, {}, True,
-                                                f"{type(exc).__name__}: {exc}", r))
-            return results
+        outs = self._generate_isolating(ready, inputs, is_last)
         done = time.time()
         if trace.enabled():
             trace.span("generate", now, done, requests=[r.request_id for r in ready],
@@ -128,6 +128,10 @@ class GenerationEngine:
         results = []
         for r, out, closed in zip(ready, outs, is_last):
             r.model_seconds += done - now
+            if isinstance(out, str):        # it failed alone: the others go on
+                del self.requests[r.request_id]
+                results.append(GenerationResult(r.request_id, {}, True, out, r))
+                continue
             if out:
                 r.num_chunks_out += 1
                 r.first_output_time = r.first_output_time or done
@@ -137,3 +141,45 @@ class GenerationEngine:
             if out or finished:
                 results.append(GenerationResult(r.request_id, out, finished, None, r))
         return results
+
+    def _generate_isolating(self, ready: list[GenerationRequest],
+                            inputs: list[dict[str, Tensor]], is_last: list[bool]
+                            ) -> list[dict[str, Tensor] | str]:
+        """One model call over `ready` -> each request's output, or its error. A call that
+        raises is made again per request, from the states as they were before it (a snapshot
+        one level deep: see GenerationModel), so one request whose input breaks the model
+        fails alone; an output that holds inf or NaN fails its request alone."""
+        before = [_snapshot(r.state) for r in ready]
+        try:
+            with torch.inference_mode():
+                outs: list[dict[str, Tensor] | str] = list(
+                    self.model.generate(inputs, [r.state for r in ready], is_last))
+        except Exception as exc:
+            logger.exception("generation step failed for %d requests", len(ready))
+            if len(ready) == 1:
+                return [f"{type(exc).__name__}: {exc}"]
+            outs = []
+            for r, x, state, last in zip(ready, inputs, before, is_last):
+                r.state.clear()
+                r.state.update(state)
+                try:
+                    with torch.inference_mode():
+                        outs.append(self.model.generate([x], [r.state], [last])[0])
+                except Exception as alone:
+                    outs.append(f"{type(alone).__name__}: {alone}")
+        return [_finite_or_error(out) for out in outs]
+
+
+def _snapshot(state: dict) -> dict:
+    """A request's model state as it is now, one level deep (GenerationModel's contract)."""
+    return {k: copy.copy(v) for k, v in state.items()}
+
+
+def _finite_or_error(out: dict[str, Tensor] | str) -> dict[str, Tensor] | str:
+    if isinstance(out, str):
+        return out
+    for name, t in out.items():
+        if t.is_floating_point() and not bool(t.isfinite().all()):
+            return (f"the model's output {name!r} holds inf or NaN: the request's input "
+                    "overflows the model")
+    return out

@@ -3,13 +3,17 @@ interface."""
 
 from __future__ import annotations
 
+import torch
+
 from omnistage import registry
 from omnistage.configs.schema import StageConfig
+from omnistage.diffusion.diffusers_engine import DiffusersEngine
+from omnistage.diffusion.diffusers_pipeline import BACKEND, DiffusersPipeline
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.image_input import file_bytes
 from omnistage.diffusion.parallel import check_layout
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.pipeline import compile_blocks, is_split_pipeline
+from omnistage.diffusion.pipeline import DiffusionPipeline, compile_blocks, is_split_pipeline
 from omnistage.diffusion.text_encoding import TEXT_ENCODER_PART, TextEncodingEngine
 from omnistage.layers.groups import stage_ranks
 from omnistage.stages.adapters import StageFeed
@@ -22,6 +26,7 @@ from omnistage.utils.device import resolve_device, resolve_dtype
 OPTIONS = ("compile", "cuda_graphs")
 MAX_GRAPHS = 8
 
+
 class DiffusionStage:
     """A stage of a diffusion pipeline; its component says which part it runs:
 
@@ -30,6 +35,10 @@ class DiffusionStage:
                            parked until its conditioning arrives on the edge, then denoised
         flux.text_encoder  the pipeline's text encoders alone (TextEncodingEngine): prompt in,
                            conditioning out, batched over requests; an entry stage
+        diffusers          the generic adapter (diffusion/diffusers_engine.py): a diffusers
+                           pipeline with no native port, run whole by diffusers, batched per
+                           call (DiffusersEngine in place of DiffusionEngine); not native, as
+                           its `info()` says
 
     The second form keeps the kind (`diffusion`): its requests are a diffusion stage's, a text
     prompt with DiffusionParams, which the front door already routes to diffusion entry stages.
@@ -58,7 +67,8 @@ class DiffusionStage:
         if (part or self.conditioned) and not is_split_pipeline(cls):
             raise ValueError(f"stage {stage.name!r}: the {name!r} pipeline encodes its own "
                              "prompts; its text encoding cannot run in another stage")
-        self.engine: DiffusionEngine | TextEncodingEngine
+        self.engine: DiffusionEngine | DiffusersEngine | TextEncodingEngine
+        self.stage_info: StageInfo = {}
         if part:
             if self.conditioned:
                 raise ValueError(f"stage {stage.name!r}: a text-encoder stage reads the "
@@ -69,22 +79,13 @@ class DiffusionStage:
         # followers (ranks > 0) get rank 0's prepared requests: no text encoder of their own
         leader = stage_ranks().is_leader
         extra = {"text_encoders": False} if self.conditioned or not leader else {}
-        unknown = set(stage.options) - set(OPTIONS)
-        if unknown:
-            raise ValueError(f"stage {stage.name!r}: unknown diffusion options {sorted(unknown)} "
-                             f"(known: {', '.join(OPTIONS)})")
+        check_options(stage, cls)
         pipeline = cls.from_pretrained(path, name, dev, dtype, **extra)
-        if stage.options.get("compile"):
-            backend = stage.options["compile"]
-            compile_blocks(getattr(pipeline, "transformer", None) or pipeline.model,
-                           backend if isinstance(backend, str) else "inductor")
-        graphs = stage.options.get("cuda_graphs",
-                                   dev.type == "cuda" and getattr(cls, "graphable", False))
-        if graphs:
-            if dev.type != "cuda":
-                raise ValueError(f"stage {stage.name!r}: cuda_graphs needs a CUDA device "
-                                 f"(this stage runs on {dev})")
-            pipeline.use_cuda_graphs(MAX_GRAPHS if graphs is True else int(graphs))
+        if isinstance(pipeline, DiffusersPipeline):      # the generic adapter: whole calls
+            self.stage_info = {"backend": BACKEND, "pipeline": pipeline.class_name}
+            self.engine = DiffusersEngine(pipeline, stage.max_num_seqs)
+            return
+        apply_options(stage, pipeline, dev)
         self.engine = DiffusionEngine(pipeline, stage.max_num_seqs)
 
     def follow(self) -> None:
@@ -127,12 +128,15 @@ class DiffusionStage:
         return self.engine.has_unfinished_requests
 
     def info(self) -> StageInfo:
-        return {}
+        """The generic diffusers adapter says so (backend "diffusers", the pipeline class):
+        /v1/models shows the model as not native."""
+        return self.stage_info
 
     def stats(self) -> EngineStats:
         """Running: the requests being denoised; waiting: those parked for their conditioning
         (a text-encoder stage has only running ones)."""
-        num_running = len(self.engine.requests)
+        num_running = (self.engine.num_running if isinstance(self.engine, DiffusersEngine)
+                       else len(self.engine.requests))
         return EngineStats(num_running, self.engine.num_unfinished_requests - num_running)
 
     def step(self) -> list[StageResult]:
@@ -147,6 +151,34 @@ class DiffusionStage:
                             finish_reason=("error" if r.error else "stop") if r.finished else None,
                             error=r.error, engine_metrics=r.metrics, progress=r.progress)
                 for r in self.engine.step()]
+
+
+def check_options(stage: StageConfig, cls: type) -> None:
+    """Before anything loads: every option known, none for the generic diffusers adapter
+    (diffusers runs its pipeline as it is)."""
+    unknown = set(stage.options) - set(OPTIONS)
+    if unknown:
+        raise ValueError(f"stage {stage.name!r}: unknown diffusion options {sorted(unknown)} "
+                         f"(known: {', '.join(OPTIONS)})")
+    if stage.options and issubclass(cls, DiffusersPipeline):
+        raise ValueError(f"stage {stage.name!r}: options {sorted(stage.options)} do not apply "
+                         "to the generic diffusers adapter (diffusers runs the pipeline)")
+
+
+def apply_options(stage: StageConfig, pipeline: DiffusionPipeline, dev: torch.device) -> None:
+    """A native pipeline's `options`: its transformer blocks compiled, CUDA graphs (on by
+    default on a CUDA device for a pipeline whose transformer captures)."""
+    if stage.options.get("compile"):
+        backend = stage.options["compile"]
+        compile_blocks(getattr(pipeline, "transformer", None) or pipeline.model,
+                       backend if isinstance(backend, str) else "inductor")
+    graphs = stage.options.get("cuda_graphs",
+                               dev.type == "cuda" and getattr(pipeline, "graphable", False))
+    if graphs:
+        if dev.type != "cuda":
+            raise ValueError(f"stage {stage.name!r}: cuda_graphs needs a CUDA device "
+                             f"(this stage runs on {dev})")
+        pipeline.use_cuda_graphs(MAX_GRAPHS if graphs is True else int(graphs))
 
 
 def _params(request: StageRequest) -> DiffusionParams:

@@ -24,6 +24,7 @@ token embedding, goes through `AREngine.embed_input_ids`, which the other ranks 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -108,7 +109,7 @@ class ThinkerStage(ARStage):
         if request.streamed:
             raise ValueError("the thinker is an entry stage")
         mm = request.multimodal
-        mm_input = None
+        mm_input, cache_ids = None, None
         if prompt_token_ids is not None and mm:
             ids = torch.tensor(prompt_token_ids, dtype=torch.long)
             mm_input = MultimodalInput()
@@ -117,8 +118,9 @@ class ThinkerStage(ARStage):
                 mm_input.rope_delta = int(mm["rope_delta"])
             if any(k in mm for k in ("input_features", "pixel_values", "pixel_values_videos")):
                 prompt_embeds, mm_input.deepstack = self._embed(ids, mm)
+                cache_ids = media_cache_ids(prompt_token_ids, mm, self.tokens)
         self.engine.add_request(request_id, prompt_token_ids, params, prompt_embeds,
-                                mm=mm_input)
+                                mm=mm_input, cache_ids=cache_ids)
         if downstream:
             grids = {k: v for k, v in mm.items()
                      if k in ("image_grid_thw", "video_grid_thw", "video_second_per_grid")}
@@ -160,6 +162,40 @@ class ThinkerStage(ARStage):
             if r.finished:
                 self._first.pop(r.request_id, None)
         return results
+
+
+def media_cache_ids(ids: list[int], mm: dict[str, Tensor], tokens: SpecialTokens
+                    ) -> list[int] | None:
+    """The prompt's ids with each media item's placeholder run replaced by a digest of that
+    item's features (negative: never a token id), for the prefix cache: an earlier turn's
+    audio hits in the next turn's prompt, a different audio of the same length does not.
+    None (not cached) when the runs do not match the items one to one."""
+    items: dict[int, list[Tensor]] = {}
+    if "input_features" in mm:                     # (mel, frames of every audio back to back)
+        items[tokens.audio_pad] = list(mm["input_features"].split(
+            mm["audio_feature_lens"].tolist(), dim=1))
+    for pad, pixels, grid in ((tokens.image_pad, "pixel_values", "image_grid_thw"),
+                              (tokens.video_pad, "pixel_values_videos", "video_grid_thw")):
+        if pixels in mm:                           # (patches of every item back to back, dim)
+            items[pad] = list(mm[pixels].split(mm[grid].prod(-1).tolist()))
+    digests = {pad: [_digest(c) for c in chunks] for pad, chunks in items.items()}
+    out, run_idx, prev = list(ids), {pad: -1 for pad in items}, None
+    for j, tok in enumerate(ids):
+        if tok in digests:
+            if tok != prev:
+                run_idx[tok] += 1
+                if run_idx[tok] >= len(digests[tok]):
+                    return None
+            out[j] = digests[tok][run_idx[tok]]
+        prev = tok
+    if any(run_idx[pad] + 1 != len(d) for pad, d in digests.items()):
+        return None
+    return out
+
+
+def _digest(t: Tensor) -> int:
+    data = t.detach().float().cpu().contiguous().numpy().tobytes()
+    return -1 - int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") // 2
 
 
 # ---- talker ---------------------------------------------------------------------------------

@@ -1,15 +1,18 @@
 """Driving a diffusion engine to the end in tests: a request alone, requests joining at
 other steps, the final latents each one reached (what `decode` got), and which Wan expert
-ran which requests."""
+ran which requests; the generic diffusers adapter's engine, whose calls run on a thread, until
+its last call has ended."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from omnistage.diffusion.diffusers_engine import DiffusersEngine
 from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import DiffusionPipeline
@@ -29,6 +32,20 @@ def run_to_end(engine: DiffusionEngine) -> dict[str, DiffusionResult]:
                 assert r.error is None, r.error
                 done[r.request_id] = r
     return done
+
+
+def run_whole_calls(engine: DiffusersEngine, deadline_s: float = 60.0
+                    ) -> dict[str, list[DiffusionResult]]:
+    """Step until every request has finished and the last call has ended (an aborted one
+    too); -> request id -> all its results (progress, then the last), in order."""
+    out: dict[str, list[DiffusionResult]] = {}
+    deadline = time.monotonic() + deadline_s
+    while engine.has_unfinished_requests or engine.call is not None:
+        assert time.monotonic() < deadline, f"the engine did not finish in {deadline_s} s"
+        for r in engine.step():
+            out.setdefault(r.request_id, []).append(r)
+        time.sleep(0.005)
+    return out
 
 
 def run_recording_latents(pipeline: DiffusionPipeline,

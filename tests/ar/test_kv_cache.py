@@ -282,19 +282,62 @@ def test_free_after_failed_allocation_undoes_hit() -> None:
     assert bm.get_computed_blocks(b) == 32
 
 
-def test_embeds_and_hidden_states_never_hit_or_hash() -> None:
+def test_embeds_without_cache_ids_never_hit_or_hash() -> None:
     bm = BlockManager(num_blocks=16, block_size=16)
     prefill(bm, make_seq("a", PREFIX + [1]))
     queries, hashed = bm.num_prefix_queries_tokens, len(bm.hash_to_block_id)
     e = make_seq("e", PREFIX + [1])
     e.prompt.embeds = torch.zeros(65, 8)
-    h = make_seq("h", PREFIX + [1], output_hidden_layers=(1,))
-    for seq in (e, h):
-        assert prefill(bm, seq) == 0
-        assert seq.num_cached_tokens == 0 and len(seq.block_table) == 5
-        assert all(bm.blocks[i].block_hash is None for i in seq.block_table)
+    assert prefill(bm, e) == 0
+    assert e.num_cached_tokens == 0 and len(e.block_table) == 5
+    assert all(bm.blocks[i].block_hash is None for i in e.block_table)
     assert bm.num_prefix_queries_tokens == queries
     assert len(bm.hash_to_block_id) == hashed == 4
+
+
+def test_embeds_hit_and_hash_by_their_cache_ids() -> None:
+    """A multimodal prompt's placeholders hash as their media digests: the same media hits,
+    other media at the same placeholder positions does not."""
+    bm = BlockManager(num_blocks=32, block_size=16)
+    media = [-7] * 20                                 # one item's digest over its 20 placeholders
+    ids = PREFIX[:16] + [5] * 20 + PREFIX[16:44]      # the placeholder id is 5
+
+    def with_media(rid: str, digest: list[int]) -> Sequence:
+        seq = make_seq(rid, ids + [1])
+        seq.prompt.embeds = torch.zeros(len(ids) + 1, 8)
+        seq.prompt.cache_ids = PREFIX[:16] + digest + PREFIX[16:44] + [1]
+        return seq
+
+    assert prefill(bm, with_media("a", media)) == 0
+    assert prefill(bm, with_media("same", media)) == 64
+    assert prefill(bm, with_media("other", [-8] * 20)) == 16      # up to the media only
+    plain = make_seq("ids", ids + [1])                # the placeholder ids themselves never hit
+    assert prefill(bm, plain) == 16
+
+
+def test_hidden_consumers_hit_only_blocks_that_keep_their_rows() -> None:
+    bm = BlockManager(num_blocks=32, block_size=16)
+    a = make_seq("a", PREFIX + [1])
+    prefill(bm, a)
+    h = make_seq("h", PREFIX + [2], output_hidden_layers=(1,))
+    assert admit(bm, h) == 0 and h.cached_payloads == []
+    bm.free(h)
+    h.num_computed_tokens = 0
+    rows = [bm.blocks[i] for i in a.block_table[:4]]
+    for k, block in enumerate(rows[:3]):              # the engine kept rows of three blocks
+        block.payload = {1: torch.full((16, 4), float(k))}
+    assert admit(bm, h) == 48
+    assert [p[1][0, 0].item() for p in h.cached_payloads] == [0.0, 1.0, 2.0]
+    assert bm.hashed_blocks(h, 4) == rows              # a's copies, whoever hashed them
+    bm.free(h)
+    again = make_seq("again", PREFIX + [2], output_hidden_layers=(1,))
+    again.num_hidden_emitted = 20                     # preempted after sending 20 rows
+    assert admit(bm, again) == 16 and again.cached_payloads == []
+    bm.free(a)
+    bm.free(again)
+    for _ in range(bm.num_blocks):                    # evicting a block drops its rows
+        bm.allocate(make_seq(f"x{_}", [0]), 1)
+    assert all(b.payload is None for b in rows)
 
 
 def test_prefix_caching_disabled_never_hits() -> None:

@@ -191,7 +191,7 @@ def test_missing_required_key_names_the_key() -> None:
     ({"devices": []}, "stages[1].devices: must be a non-empty list"),
     ({"devices": [0, 0]}, "stages[1].devices: must not repeat a device"),
     ({"name": "talk.er"}, "stages[1].name: must be letters, digits"),
-    ({"sampling": {"temperature": -1}}, "stages[1].sampling.temperature=-1.0: must be >= 0"),
+    ({"sampling": {"temperature": -1}}, "stages[1].sampling.temperature=-1.0: must be a finite number in [0, 2]"),
     ({"sampling": {"max_tokens": 4, "min_tokens": 5}}, "stages[1].sampling.min_tokens=5: must"),
     ({"sampling": {"output_hidden_layers": [3]}},
      "stages[1].sampling.output_hidden_layers: set output_hidden_layers on the stage"),

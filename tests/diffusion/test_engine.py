@@ -9,8 +9,10 @@ import torch
 
 from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.errors import InputError
 from omnistage.diffusion.pipelines.digits import DigitsPipeline
 from omnistage.models.digits_dit import DigitsDiT, DigitsDiTConfig, sample
+from omnistage.ranges import numeric_fields
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +216,55 @@ def test_a_multistep_solver_keeps_each_requests_history(pipeline: DigitsPipeline
     for rid in params:
         assert torch.equal(done[rid].images, alone(unipc, rid)), rid
     assert not torch.equal(done["a"].images, alone(pipeline, "a"))
+
+
+class Poisoned:
+    """The digits pipeline, except that a forward whose batch holds a request of `raises`
+    fails, and the rows of a request of `overflows` come back as inf (what a guidance of
+    1e39 did to a real model's latents)."""
+
+    def __init__(self, inner: DigitsPipeline, raises: set[str], overflows: set[str]) -> None:
+        self.inner, self.raises, self.overflows = inner, raises, overflows
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def velocity(self, latents: torch.Tensor, sigmas: torch.Tensor, requests: list
+                 ) -> torch.Tensor:
+        if any(r.request_id in self.raises for r in requests):
+            raise RuntimeError("poisoned forward")
+        v = self.inner.velocity(latents, sigmas, requests)
+        rows = torch.tensor([r.request_id in self.overflows for r in requests])
+        return torch.where(rows.view(-1, *[1] * (v.dim() - 1)), float("inf"), v)
+
+
+def test_a_poisoned_request_fails_alone_and_the_rest_of_its_batch_completes(
+        pipeline: DigitsPipeline) -> None:
+    """A forward that raises is run again per request; latents that turn inf fail their
+    request only. The others' images equal what each gives alone."""
+    params = {rid: DiffusionParams(num_inference_steps=3, seed=i)
+              for i, rid in enumerate(("a", "raises", "b", "overflows", "c"))}
+    engine = DiffusionEngine(Poisoned(pipeline, {"raises"}, {"overflows"}), max_num_seqs=8)
+    for rid, p in params.items():
+        engine.add_request(rid, "a three", p)
+    done = run(engine)
+    assert "poisoned forward" in done["raises"].error
+    assert "no longer finite after step 1 of 3" in done["overflows"].error
+    for rid in ("a", "b", "c"):
+        alone = DiffusionEngine(pipeline)
+        alone.add_request(rid, "a three", params[rid])
+        assert done[rid].error is None
+        assert torch.equal(done[rid].images, run(alone)[rid].images)
+    assert not engine.has_unfinished_requests
+
+
+@pytest.mark.parametrize("field", sorted(numeric_fields(DiffusionParams)))
+@pytest.mark.parametrize("value", [2**64, -2**64, float("nan"), float("inf"), 1e39, True, "1"])
+def test_every_numeric_param_is_checked_for_kind_finiteness_and_range(field: str,
+                                                                      value: object) -> None:
+    """Every numeric field has a range (ranges.py), and out-of-range, non-finite, overflowing
+    and mistyped values are an InputError naming it."""
+    kwargs = {field: value, **({"image": b"\x89PNG"} if field == "strength" else {})}
+    with pytest.raises(InputError, match=field) as err:
+        DiffusionParams(**kwargs)
+    assert err.value.param == field

@@ -84,7 +84,7 @@ def test_large_threshold_skips_both_branches(wan, uncached: Tensor,
     engine = DiffusionEngine(wan)
     monkeypatch.setattr(wan, "decode", lambda x, p: torch.zeros(1, 1, 1, 1, 3,
                                                                 dtype=torch.uint8))
-    engine.add_request("a", "a cat", params(1e9))
+    engine.add_request("a", "a cat", params(100.0))
     req = engine.requests["a"]
     done = run_to_end(engine)
     assert done["a"].metrics.num_steps_skipped == STEPS - 2
@@ -96,7 +96,7 @@ def test_large_threshold_skips_both_branches(wan, uncached: Tensor,
 
 def test_other_thresholds_batched_equal_each_alone(wan, monkeypatch: pytest.MonkeyPatch
                                                    ) -> None:
-    jobs: Jobs = {"a": ("a cat", params(1e9, seed=1)),
+    jobs: Jobs = {"a": ("a cat", params(100.0, seed=1)),
                   "b": ("a dog", params(None, guidance=1.0, seed=2, steps=3)),
                   "c": ("waves", params(0.0, guidance=3.0, seed=3, steps=3))}
     batched, skipped, _ = serve(wan, monkeypatch, jobs, stagger=True)
@@ -124,7 +124,7 @@ def test_cuda_graph_replays_equal_eager(wan, monkeypatch: pytest.MonkeyPatch) ->
             assert wan.graphs is not None
             (graphs,) = wan.graphs                 # one expert: one set of graphs
             assert graphs.num_replays == 3         # steps 2..4
-            serve(wan, monkeypatch, {"b": ("a dog", params(1e9, seed=2, steps=4))})
+            serve(wan, monkeypatch, {"b": ("a dog", params(100.0, seed=2, steps=4))})
             x, text = torch.randn(1, 4, 2, 4, 6), torch.randn(1, 8, 16)
             for _ in range(3):                 # a timestep per token: eager (a host sync)
                 wan.run_expert(0, x, torch.full((1, 12), 500), text)

@@ -70,3 +70,32 @@ def test_idle_requests_are_not_stepped() -> None:
     assert r.tensors["x"].tolist() == [0, 1] and not r.finished
     assert engine.step() == []                          # nothing new: no call, no result
     assert len(model.calls) == 1
+
+
+class Fragile(Budgeted):
+    """Budgeted, but a batch holding the row value 666 raises (after changing the states, as
+    code2wav's append does before its forward), and the row value 777 comes out as NaN."""
+
+    def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],
+                 is_last: list[bool]) -> list[dict[str, Tensor]]:
+        outs = super().generate(inputs, states, is_last)
+        if any(666 in out.get("x", torch.tensor([])).tolist() for out in outs):
+            raise RuntimeError("poisoned input")
+        return [{"x": torch.where(o["x"] == 777, float("nan"), o["x"].float())} if o else o
+                for o in outs]
+
+
+def test_a_poisoned_request_fails_alone_and_the_others_keep_their_state() -> None:
+    """A call that raises is made again per request from the states before it, so the others
+    get their rows exactly once; an output with NaN fails its request alone."""
+    engine = GenerationEngine(Fragile(budget=100))
+    feeds = {"a": [1, 2], "raises": [3, 666], "b": [4, 5, 6], "nan": [777]}
+    for rid, rows in feeds.items():
+        engine.add_request(rid)
+        engine.feed(rid, {"x": torch.tensor(rows)}, close=True)
+    results = {r.request_id: r for r in engine.step()}
+    assert "poisoned input" in results["raises"].error
+    assert "holds inf or NaN" in results["nan"].error
+    assert results["a"].tensors["x"].tolist() == [1, 2] and results["a"].finished
+    assert results["b"].tensors["x"].tolist() == [4, 5, 6] and results["b"].finished
+    assert not engine.has_unfinished_requests

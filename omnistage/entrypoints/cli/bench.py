@@ -1,13 +1,14 @@
-"""`omnistage bench {ar,omni,tts,diffusion,video}`: our engine and the reference (transformers /
-diffusers; qwen-tts in its own interpreter) in one call, on the same random-weight model of a
-real architecture built in the run; one JSON file per benchmark (omnistage/benchmarks/ has the
-method of each).
+"""`omnistage bench {ar,omni,tts,diffusion,video,realtime}`: our engine and the reference
+(transformers / diffusers; qwen-tts in its own interpreter) in one call, on the same
+random-weight model of a real architecture built in the run; one JSON file per benchmark
+(omnistage/benchmarks/ has the method of each).
 
     omnistage bench ar                      # Qwen3-0.6B shape, concurrency 1 / 8 / 64
     omnistage bench omni                    # Qwen3-Omni shape (scaled), concurrency 1 / 8 / 32
     omnistage bench tts                     # Qwen3-TTS 1.7B CustomVoice vs qwen-tts, 1 / 8 / 32
     omnistage bench diffusion               # Qwen-Image transformer, 1024x1024, 20 steps
     omnistage bench video                   # Wan2.2-TI2V-5B and Wan2.1-14B shapes, per step
+    omnistage bench realtime                # /v1/realtime on the omni model, 1 / 8 sessions
     omnistage bench ar --tiny --device cpu  # toy sizes: seconds on a CPU (CI), no measurement
 """
 
@@ -48,7 +49,7 @@ def _floats(text: str) -> tuple[float, ...]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark our engines against transformers / diffusers")
     kinds = p.add_subparsers(dest="benchmark", required=True)
-    for add in (_add_ar, _add_omni, _add_tts, _add_diffusion, _add_video):
+    for add in (_add_ar, _add_omni, _add_tts, _add_diffusion, _add_video, _add_realtime):
         _common(add(kinds))
 
 
@@ -187,6 +188,20 @@ def _add_video(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return video
 
 
+def _add_realtime(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    rt = kinds.add_parser("realtime", help="spoken turns over /v1/realtime on the Qwen3-Omni "
+                                           "benchmark model: first audio, barge-in")
+    rt.add_argument("--concurrency", type=_ints, default=(1, 8),
+                    help="sessions speaking at once, comma-separated")
+    rt.add_argument("--turns", type=int, default=3, help="spoken turns per session")
+    rt.add_argument("--utterance-s", type=float, default=2.0, help="seconds of each turn")
+    rt.add_argument("--thinker-tokens", type=int, default=None,
+                    help="text tokens of each answer (default 32; tiny 4)")
+    rt.add_argument("--talker-tokens", type=int, default=200,
+                    help="codec frames of an answer at most (12.5 a second of speech)")
+    return rt
+
+
 Outcome = tuple[dict, str, object]     # (the result, its file name, the headline to print)
 
 
@@ -203,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
         result, name, headline = _run_tts(args)
     elif args.benchmark == "video":
         result, name, headline = _run_video(args)
+    elif args.benchmark == "realtime":
+        result, name, headline = _run_realtime(args)
     elif args.parallel:
         result, name, headline = _run_diffusion_parallel(args)
     else:
@@ -268,6 +285,18 @@ def _run_tts(args: argparse.Namespace) -> Outcome:
         first_chunk_frames=args.first_chunk_frames, device=args.device, seed=args.seed)
     result = tts.run(cfg)
     return result, f"tts_qwen3-tts-{cfg.sizes}", result["ratios"]
+
+
+def _run_realtime(args: argparse.Namespace) -> Outcome:
+    from omnistage.benchmarks import realtime
+
+    cfg = realtime.RealtimeBenchConfig(
+        sizes="tiny" if args.tiny else "bench", concurrency=args.concurrency, turns=args.turns,
+        utterance_s=args.utterance_s, device=args.device, seed=args.seed,
+        thinker_tokens=args.thinker_tokens or (4 if args.tiny else 32),
+        talker_tokens=args.talker_tokens)
+    result = realtime.run(cfg)
+    return result, f"realtime_qwen3-omni-{cfg.sizes}", result["ratios"]
 
 
 def _run_diffusion_parallel(args: argparse.Namespace) -> Outcome:

@@ -62,6 +62,16 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "some are deleted (default 20 GiB)")
     g.add_argument("--max-running-videos", type=int, default=None, metavar="N",
                    help="video jobs the engine runs at once (default 1)")
+    g.add_argument("--realtime-max-buffer-bytes", type=int, default=None, metavar="BYTES",
+                   help="input audio a /v1/realtime session may hold uncommitted (PCM16 at "
+                        "16 kHz; default 15 MiB)")
+    g.add_argument("--realtime-max-turn", dest="realtime_max_turn_s", type=float, default=None,
+                   metavar="SECONDS", help="longest user turn of a realtime session: voice "
+                   "detection cuts it there, a longer commit is refused (default 60)")
+    g.add_argument("--realtime-idle-timeout", dest="realtime_idle_timeout_s", type=float,
+                   default=None, metavar="SECONDS",
+                   help="a realtime session with no client event this long is closed "
+                        "(default 600)")
     g.add_argument("--stats-log-interval", dest="stats_log_interval_s", type=float,
                    default=None, metavar="SECONDS",
                    help="log each stage's stats line at most this often, when it changed "

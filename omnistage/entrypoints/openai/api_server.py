@@ -5,7 +5,7 @@ uvicorn).
     client ─> CORS ─> metrics (status per route) ─> body size limit ─> API key ─> routes
                                                                                   │
          serving_chat / _completions / _images / _speech ──> EngineClient ──> AsyncOmni
-         speech_stream (the WebSocket) ───────────────────────┘
+         speech_stream, realtime/ (the WebSockets) ───────────┘
 
 Routes hold no engine logic: they check the model name and hand the parsed body to a serving
 object. Every route exists whatever the model; one whose output the model cannot make answers
@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omnistage.entrypoints.openai.client import EngineClient
 from omnistage.entrypoints.openai.errors import (APIError, bad_request, check_model,
                                                  install_error_handlers)
+from omnistage.entrypoints.openai.json_body import StrictJSONRoute
 from omnistage.entrypoints.openai.log_lines import log_stage_stats
 from omnistage.entrypoints.openai.media import MediaLoader, MediaPolicy
 from omnistage.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
@@ -48,6 +49,8 @@ from omnistage.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCo
                                                    ModelCard, ModelList,
                                                    SpeechBatchRequest, SpeechBatchResponse,
                                                    SpeechRequest, VoiceCard, VoiceList)
+from omnistage.entrypoints.openai.realtime.connection import RealtimeLimits
+from omnistage.entrypoints.openai.realtime.routes import add_realtime_routes
 from omnistage.entrypoints.openai.serving_chat import ChatServing
 from omnistage.entrypoints.openai.serving_completions import CompletionServing
 from omnistage.entrypoints.openai.serving_images import ImageServing, edit_form_schema
@@ -68,6 +71,7 @@ logger = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "omnistage-demo"
 _VIDEO_LIMITS = VideoLimits()
 KEY_PROTOCOL = "openai-insecure-api-key."     # a WebSocket subprotocol carrying the API key
+_REALTIME_LIMITS = RealtimeLimits()
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
 
 
@@ -100,6 +104,10 @@ class ServerConfig:
     max_videos_disk_bytes: int = _VIDEO_LIMITS.max_disk_bytes
     max_running_videos: int = _VIDEO_LIMITS.max_running
     enable_playground: bool = True            # the page at / (playground.py)
+    # /v1/realtime sessions (models that hear and speak)
+    realtime_max_buffer_bytes: int = _REALTIME_LIMITS.max_buffer_bytes
+    realtime_max_turn_s: float = _REALTIME_LIMITS.max_turn_s
+    realtime_idle_timeout_s: float = _REALTIME_LIMITS.idle_timeout_s
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -110,6 +118,7 @@ class ServerConfig:
                      "max_videos_disk_bytes", "max_running_videos"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        self.realtime_limits            # checks its values
         for d in self.allowed_media_dirs:
             if not Path(d).is_dir():
                 raise ValueError(f"allowed_media_dirs: {d} is not a folder")
@@ -121,6 +130,11 @@ class ServerConfig:
     def video_limits(self) -> VideoLimits:
         return VideoLimits(self.max_video_jobs, self.max_video_frames, self.max_video_size,
                            self.max_videos_disk_bytes, self.max_running_videos)
+
+    @property
+    def realtime_limits(self) -> RealtimeLimits:
+        return RealtimeLimits(self.realtime_max_buffer_bytes, self.realtime_max_turn_s,
+                              self.realtime_idle_timeout_s)
 
     @property
     def model_name(self) -> str:
@@ -257,6 +271,7 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
     app = FastAPI(title="omnistage", version="0.1.0",
                   description="OpenAI-compatible server for omni-modality models",
                   lifespan=_lifespan(client, config, videos))
+    app.router.route_class = StrictJSONRoute     # one JSON policy for every route (json_body)
     app.state.client = client
     app.state.config = config
     install_error_handlers(app)
@@ -269,6 +284,7 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
     add_video_routes(app, videos)
     if config.enable_playground:
         add_playground(app)
+    add_realtime_routes(app, client, config.model_name, config.realtime_limits)
     _add_middleware(app, config, metrics)
     return app
 
@@ -326,9 +342,10 @@ def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
         return Response(body, media_type=CONTENT_TYPE)
 
     def card() -> ModelCard:
+        foreign = client.foreign_backend
         return ModelCard(id=name, created=started, root=config.model,
                          max_model_len=client.max_model_len, modalities=sorted(client.outputs),
-                         capabilities=caps())
+                         capabilities=caps(), native=not foreign, **foreign)
 
     @app.get("/v1/models", responses=ERRORS)
     async def list_models() -> ModelList:

@@ -152,6 +152,15 @@ class EngineClient:
         lens = [info[n]["max_model_len"] for n in self.entry if "max_model_len" in info.get(n, {})]
         return int(min(lens)) if lens else None
 
+    @property
+    def foreign_backend(self) -> dict[str, str]:
+        """{"backend", "pipeline"} of the first stage that runs its model outside omnistage's
+        own code (the generic diffusers adapter says so in its stage info); {} if none."""
+        for info in self.engine.orchestrator.stage_info.values():
+            if "backend" in info:
+                return {"backend": str(info["backend"]), "pipeline": str(info.get("pipeline"))}
+        return {}
+
     def stage_stats(self, timeout_s: float = 2.0) -> dict[str, StageStats]:
         """Each stage's resource state (blocking: call from a worker thread)."""
         with self._stats_lock:  # the orchestrator gathers one round of answers at a time

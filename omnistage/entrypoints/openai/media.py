@@ -85,7 +85,11 @@ class MediaLoader:
         if parsed.netloc not in ("", "localhost"):
             raise bad_request(f"{param}: a file URL names no host: file:///path",
                               param, "invalid_media_url")
-        path = Path(os.path.realpath(urllib.parse.unquote(parsed.path)))
+        name = urllib.parse.unquote(parsed.path)
+        if "\x00" in name:                     # no file system takes it: not a path at all
+            raise bad_request(f"{param}: a file URL's path holds a NUL character", param,
+                              "invalid_media_url")
+        path = Path(os.path.realpath(name))
         if not any(path.is_relative_to(d) for d in self.allowed):
             raise bad_request(f"{param}: {path} is outside the allowed media folders",
                               param, "media_not_allowed")

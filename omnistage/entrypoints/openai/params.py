@@ -24,7 +24,7 @@ from typing import Any
 from omnistage.configs.parse import from_dict
 from omnistage.configs.schema import GraphConfig, StageConfig
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.entrypoints.openai.errors import APIError, bad_request, from_value_error
+from omnistage.entrypoints.openai.errors import bad_request, from_value_error
 from omnistage.entrypoints.openai.protocol import SamplingExtras
 from omnistage.sampling_params import SamplingParams
 
@@ -38,7 +38,6 @@ _VLLM_ONLY = {"best_of", "use_beam_search", "length_penalty", "early_stopping",
               "allowed_token_ids", "spaces_between_special_tokens", "logit_bias",
               "flat_logprobs", "extra_args"}
 _SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
-MAX_SEED = 2**63
 logger = logging.getLogger(__name__)
 _warned: set[str] = set()
 
@@ -151,7 +150,6 @@ def _sampling(stage: StageConfig, openai: dict[str, Any], given: dict[str, Any],
             params = from_dict(SamplingParams, {**stage.sampling, **openai, **given}, path)
     except ValueError as exc:
         raise from_value_error(exc) from None
-    _check_seed(params.seed, f"{path}.seed" if "seed" in given else "seed")
     if stage.output_hidden_layers:
         params = dataclasses.replace(params, output_hidden_layers=stage.output_hidden_layers)
     return params
@@ -183,10 +181,4 @@ def _diffusion(openai: dict[str, Any], given: dict[str, Any], path: str,
             err = from_value_error(exc)
             err.param = where if err.param == "strength" else "image"
             raise err from None
-    _check_seed(params.seed, f"{path}.seed" if "seed" in given else "seed")
     return params
-
-
-def _check_seed(seed: int | None, param: str) -> None:
-    if seed is not None and not 0 <= seed < MAX_SEED:
-        raise APIError(400, f"{param}={seed}: must be in [0, 2**63)", param=param)

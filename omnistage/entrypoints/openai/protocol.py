@@ -26,7 +26,11 @@ Modality = Literal["text", "audio", "image"]
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Strict: a number sent as a string is refused ("0.5" is no temperature, "1" no
+    boolean); a form's fields, text by nature, are validated with strict=False. No NaN or
+    infinity from any source (json_body.py refuses them in JSON already)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 # ---- shared pieces ---------------------------------------------------------------------------
@@ -356,6 +360,11 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
     modalities: list[str] = Field(default_factory=list)   # what the model can output
     capabilities: ModelCapabilities | None = None
+    # False: a stage runs the model through the generic diffusers adapter (`backend`
+    # "diffusers", `pipeline` its class): diffusers' own code, not an omnistage port
+    native: bool = True
+    backend: str = "omnistage"
+    pipeline: str | None = None
 
 
 class ModelList(BaseModel):

@@ -78,7 +78,7 @@ def parse_edit_form(form: FormData) -> tuple[ImageEditRequest, list[UploadFile],
     if len(masks) > 1:
         raise bad_request(f"mask: one mask at most, got {len(masks)}", "mask")
     try:
-        req = ImageEditRequest.model_validate(fields)
+        req = ImageEditRequest.model_validate(fields, strict=False)   # a form's fields are text
     except ValidationError as exc:
         raise invalid(exc.errors()) from None
     return req, images, (masks[0] if masks else None)

@@ -42,6 +42,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omnistage.entrypoints.openai.client import RequestHandle, Ticket
 from omnistage.entrypoints.openai.errors import APIError, bad_request, check_model, invalid
+from omnistage.entrypoints.openai.json_body import parse_json
 from omnistage.entrypoints.openai.protocol import SpeechSession
 from omnistage.entrypoints.openai.serving_speech import ENCODING, SpeechServing
 from omnistage.utils.audio import AudioEncoder
@@ -137,10 +138,7 @@ class SpeechStream:
                 await self._send({"type": "error", "error": err.body()["error"]})
 
     async def _handle(self, raw: str | None) -> None:
-        try:
-            msg = json.loads(raw) if raw is not None else None    # None: a binary frame
-        except json.JSONDecodeError:
-            msg = None
+        msg = parse_json(raw) if raw is not None else None    # None: a binary frame
         if not isinstance(msg, dict):
             raise bad_request("a message must be a JSON object with a type", code="invalid_json")
         kind = msg.get("type")

@@ -15,6 +15,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
 from omnistage.entrypoints.openai.errors import APIError, bad_request, check_model, invalid
+from omnistage.entrypoints.openai.json_body import parse_json
 from omnistage.entrypoints.openai.media import MediaLoader, decode_b64, decode_image
 from omnistage.entrypoints.openai.params import ignore, parse_size
 from omnistage.entrypoints.openai.protocol import VideoRequest
@@ -52,8 +53,9 @@ async def read_request(request: Request, media: MediaLoader, model_name: str
     else:
         body = await request.body()
     try:
-        req = (VideoRequest.model_validate(body) if isinstance(body, dict)
-               else VideoRequest.model_validate_json(body or b"{}"))
+        # a form's fields are text; a JSON body is held to the app's JSON policy
+        req = (VideoRequest.model_validate(body, strict=False) if isinstance(body, dict)
+               else VideoRequest.model_validate(parse_json(body or b"{}")))
     except ValidationError as exc:
         raise invalid(exc.errors()) from None
     check_model(req.model, model_name)

@@ -5,7 +5,8 @@ waited on through /health. Two are shared by every module here (started together
                    --max-queue 4, --max-model-len 512
     image_server   the built-in demo model (handwritten digits), no API key
 
-and, for the playground's tests, one headless Chromium (`browser`) and where its screenshots go.
+and `omni_server` (the tiny random Qwen3-Omni) by the modules that ask for it; for the
+playground's tests, one headless Chromium (`browser`) and where its screenshots go.
 """
 
 from __future__ import annotations
@@ -122,6 +123,26 @@ def servers(tiny_qwen3: Path, media_dir: Path, tmp_path_factory: pytest.TempPath
     finally:
         codes = {name: server.stop() for name, server in started.items()}
     assert all(code == 0 for code in codes.values()), codes
+
+
+@pytest.fixture(scope="package")
+def omni_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny random Qwen3-Omni as `tiny-omni`: a greedy thinker that never stops early (an
+    answer lasts its max tokens), and realtime session limits small enough to test."""
+    from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
+
+    path = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny_omni"))
+    server = Server([str(path), "--served-model-name", "tiny-omni",
+                     "--stage-override", "thinker.sampling.temperature=0",
+                     "--stage-override", "thinker.sampling.ignore_eos=true",
+                     "--realtime-idle-timeout", "3", "--realtime-max-turn", "3",
+                     "--realtime-max-buffer-bytes", "200000"],
+                    tmp_path_factory.mktemp("omni-log") / "omni.log")
+    try:
+        yield server.wait_ready()
+    finally:
+        code = server.stop()
+    assert code == 0, code
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,9 @@ def _png(size: int = 8) -> bytes:
 
 
 PNG_URL = "data:image/png;base64," + base64.b64encode(_png()).decode()
+# a chat body as raw bytes, for what a JSON encoder will not write (NaN, lone surrogates)
+RAW = b'{"model":"tiny-chat","messages":[{"role":"user","content":"hello"}]}'
+JSON = {"content-type": "application/json"}
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -268,6 +271,46 @@ CASES: list[tuple[str, str, str, str, dict, int, str | None, str | None]] = [
      {"json": {"model": "omnistage-demo", "messages": USER, "stream": True,
                "sampling_params_list": [{"num_inference_steps": 0}]}}, 400,
      "sampling_params_list[0].num_inference_steps", None),
+    # one JSON policy (json_body.py): no NaN / Infinity, ints within 64 bits, finite floats,
+    # no lone surrogates, named where they sit; no numeric strings (strict request models)
+    *[(f"int-2**64-{field}", "text", "POST", "/v1/chat/completions", {"json": chat(**{
+        field: [2**64] if field == "stop_token_ids" else 2**64})}, 400,
+       f"{field}[0]" if field == "stop_token_ids" else field, None)
+      for field in ("max_tokens", "top_k", "stop_token_ids", "min_tokens", "seed", "n")],
+    ("int-2**64-completions-prompt", "text", "POST", "/v1/completions",
+     {"json": {"model": CHAT, "prompt": [5, 2**64]}}, 400, "prompt[1]", None),
+    ("nan-literal", "text", "POST", "/v1/chat/completions", {"content": RAW.replace(
+        b"}]}", b"}],\"temperature\":NaN}"), "headers": JSON}, 400, None, "invalid_json"),
+    ("infinity-literal", "image", "POST", "/v1/images/generations",
+     {"content": b'{"prompt":"7","guidance_scale":Infinity}', "headers": JSON}, 400, None,
+     "invalid_json"),
+    ("float-overflow", "text", "POST", "/v1/chat/completions", {"content": RAW.replace(
+        b"}]}", b"}],\"top_p\":1e999}"), "headers": JSON}, 400, "top_p", None),
+    ("surrogate-content", "text", "POST", "/v1/chat/completions",
+     {"content": RAW.replace(b"hello", b"\\ud800"), "headers": JSON}, 400,
+     "messages[0].content", None),
+    ("surrogate-model", "text", "POST", "/v1/chat/completions",
+     {"content": RAW.replace(CHAT.encode(), b"\\udfff"), "headers": JSON}, 400, "model",
+     None),
+    ("numeric-string", "text", "POST", "/v1/chat/completions",
+     {"json": chat(temperature="0.5")}, 400, "temperature", None),
+    ("bool-as-int", "text", "POST", "/v1/chat/completions", {"json": chat(max_tokens=True)},
+     400, "max_tokens", None),
+    ("guidance-1e39", "image", "POST", "/v1/images/generations",
+     {"json": {"prompt": "a 7", "guidance_scale": 1e39}}, 400, "guidance_scale", None),
+    # the top-level limits hold in the per-stage overrides too (one validation path)
+    *[(f"spl-limit-{case}", "text", "POST", "/v1/chat/completions",
+       {"json": chat(sampling_params_list=[{name: value}])}, 400,
+       f"sampling_params_list[0].{name}", None)
+      for case, name, value in (
+          ("stop-count", "stop", ["x"] * 10_000), ("stop-length", "stop", "y" * 5000),
+          ("logprobs", "logprobs", 21), ("max-tokens", "max_tokens", 2**40),
+          ("temperature", "temperature", 5.0), ("n", "n", 1000), ("top-k", "top_k", 2**63 - 1),
+          ("stop-token-ids", "stop_token_ids", list(range(10_000))))],
+    ("spl-limit-guidance", "image", "POST", "/v1/chat/completions",
+     {"json": {"model": "omnistage-demo", "messages": [{"role": "user", "content": "a 7"}],
+               "sampling_params_list": [{"guidance_scale": 1e39}]}}, 400,
+     "sampling_params_list[0].guidance_scale", None),
 ]
 
 

@@ -91,6 +91,14 @@ def test_files_only_under_allowed_folders(folders: tuple[Path, Path]) -> None:
     assert refused(small.fetch, f"file://{allowed}/cat.png", "p").status == 413
 
 
+def test_a_nul_in_a_file_path_is_a_bad_url(folders: tuple[Path, Path]) -> None:
+    """No file system takes a NUL: a 400 naming the part, not the OSError's 500."""
+    loader = MediaLoader(MediaPolicy(allowed_dirs=(folders[0],)))
+    for url in (f"file://{folders[0]}/cat.png\x00.txt", f"file://{folders[0]}/cat%00.png"):
+        err = refused(loader.fetch, url, "p")
+        assert (err.status, err.code, err.param) == (400, "invalid_media_url", "p"), url
+
+
 @pytest.fixture
 def http_server(folders: tuple[Path, Path]) -> Iterator[str]:
     allowed, _ = folders

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import os
+import re
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
@@ -28,15 +30,6 @@ MODEL = "tiny-omni"
 RATE = 24000          # Qwen3-Omni's code2wav rate
 USER = [{"role": "user", "content": "Hello, who are you?"}]
 GREEDY_TALKER = {"sampling_params_list": [None, {"temperature": 0.0}, None]}
-
-
-@pytest.fixture(scope="module")
-def omni_server(start_server: Callable[..., Server],
-                tmp_path_factory: pytest.TempPathFactory) -> Server:
-    from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
-
-    path = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny_omni"))
-    return start_server([str(path), "--served-model-name", MODEL])
 
 
 def test_models_offer_chat_with_every_input(omni_server: Server) -> None:
@@ -254,4 +247,51 @@ def test_disconnect_mid_speech_aborts_in_every_stage(omni_server: Server) -> Non
                 and now["aborts"] == before["aborts"] + 1):
             break
         assert time.monotonic() < deadline, now
+        time.sleep(0.1)
+
+
+def _segments() -> set[str]:
+    """This host's omnistage shared-memory segments (`<namespace>_<tag>_<n>`)."""
+    return {n for n in os.listdir("/dev/shm") if re.fullmatch(r"os[0-9a-f]{8}_\w+", n)}
+
+
+def _held(server: Server) -> dict[str, float]:
+    """Per stage: requests its worker holds, requests in its engine, KV blocks in use."""
+    m = server.metrics()
+
+    def get(name: str, **labels: str) -> float:
+        return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    return {f"{stage}.{what}": value for stage in ("thinker", "talker", "code2wav")
+            for what, value in (
+                ("requests", get("omnistage_stage_queue_length", stage=stage)),
+                ("engine", get("omnistage_stage_engine_requests", stage=stage)),
+                ("blocks", get("omnistage_stage_kv_blocks", stage=stage, state="total")
+                 - get("omnistage_stage_kv_blocks", stage=stage, state="free")))}
+
+
+@pytest.mark.parametrize("kind, body, status", [
+    ("int-2**64", {"max_tokens": 2**64}, 400),
+    ("talker-override-2**64", {"sampling_params_list": [None, {"top_k": 2**64}, None]}, 400),
+    ("talker-override-limit", {"sampling_params_list": [None, {"stop": ["x"] * 10_000},
+                                                        None]}, 400),
+    ("code2wav-override", {"sampling_params_list": [None, None, {"seed": 2**63}]}, 400),
+    ("surrogate", {"messages": [{"role": "user", "content": "\ud800"}]}, 400),
+    ("talker-refuses", {"audio": {"voice": "nobody", "format": "wav"}}, 400),
+])
+def test_a_failed_request_is_freed_in_every_stage(omni_server: Server, kind: str, body: dict,
+                                                  status: int) -> None:
+    """Whatever the failure (refused at the door, or by a stage after the request was
+    registered in all three), no stage holds the request or its KV blocks afterwards and no
+    shared-memory segment of it is left."""
+    segments = _segments()
+    full = {"model": MODEL, "messages": USER, "max_tokens": 4, "modalities": ["text", "audio"],
+            "audio": {"voice": "ethan", "format": "wav"}, **body}
+    raw = json.dumps(full).encode()              # a lone surrogate included, as JSON escapes it
+    r = omni_server.post("/v1/chat/completions", content=raw,
+                         headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    deadline = time.monotonic() + 10
+    while any(_held(omni_server).values()) or _segments() - segments:
+        assert time.monotonic() < deadline, (kind, _held(omni_server), _segments() - segments)
         time.sleep(0.1)

@@ -134,6 +134,30 @@ def test_audio_and_image_inputs_equal_transformers(omni: Omni, hf,
     assert (out.tensors["audio"] - expected_wav).abs().max() <= 1e-4
 
 
+def test_second_turn_from_the_prefix_cache_equals_transformers(
+        omni: Omni, hf, processor: InputProcessor) -> None:
+    """A conversation's next turn (both user turns spoken) reuses the first turn's prefix
+    blocks, its audio too, and the thinker's kept hidden rows feed the talker in place of
+    recomputing them: the same text and waveform as transformers computing it all."""
+    from omnistage.testing.speech_like import speech_like
+
+    def spoken(seed: int, text: str) -> dict:
+        return {"role": "user", "content": [{"type": "audio", "audio": (speech_like(
+            0.8, seed=seed), 16000)}, {"type": "text", "text": text}]}
+
+    first = [CHAT[0], spoken(1, "What did I say?")]
+    (out1,) = omni.generate({"messages": first}, greedy())
+    second = [*first, {"role": "assistant", "content": out1.text}, spoken(2, "And now?")]
+    expected_ids, expected_wav = reference(hf, processor, {"messages": second})
+    (out,) = omni.generate({"messages": second}, greedy())
+    assert out.error is None, out.error
+    assert out.stage_metrics["thinker"].num_cached_tokens >= 32     # the first turn's blocks
+    assert out.token_ids == expected_ids
+    assert out.tensors["audio"].shape == expected_wav.shape
+    assert (out.tensors["audio"] - expected_wav).abs().max() <= 1e-4
+    assert expected_wav.abs().max() > 0.01
+
+
 def stream(ckpt: Path, params: list, chunk_frames: int, left_context: int,
            first_chunk_frames: int | None = None) -> list:
     engine = AsyncOmni(str(ckpt), device="cpu", backend="inproc", connector="inproc",

@@ -1,0 +1,149 @@
+"""The Realtime protocol's shapes, as the GA version the `openai` client speaks names them
+(openai/types/realtime/): the session a client configures with `session.update`, the
+`response.create` options, conversation items, and the JSON of every server event.
+
+Client input is validated here with pydantic (unknown fields refused, each error naming its
+field); server events are plain dicts built by `event()`, each with its own `event_id`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from omnistage.entrypoints.openai.errors import APIError, bad_request, invalid
+
+INPUT_RATE = 16000       # Qwen3-Omni's audio encoder listens at 16 kHz
+OUTPUT_RATE = 24000      # the protocol's output rate (and Qwen3-Omni's code2wav)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PCMFormat(_Strict):
+    """PCM16 mono little-endian; the rate is the client's (we resample to and from it)."""
+    type: Literal["audio/pcm"] = "audio/pcm"
+    rate: int = Field(INPUT_RATE, ge=8000, le=48000)
+
+
+class ServerVad(_Strict):
+    type: Literal["server_vad"] = "server_vad"
+    threshold: float = Field(0.5, gt=0.0, lt=1.0)
+    silence_duration_ms: int = Field(500, ge=32, le=10000)
+    prefix_padding_ms: int = Field(300, ge=0, le=5000)
+    create_response: bool = True
+    interrupt_response: bool = True
+    idle_timeout_ms: None = None                 # not supported: null only
+
+
+class AudioInput(_Strict):
+    format: PCMFormat = PCMFormat()
+    turn_detection: ServerVad | None = ServerVad()
+    transcription: None = None                   # the model hears the audio itself
+    noise_reduction: None = None
+
+
+class AudioOutput(_Strict):
+    format: PCMFormat = PCMFormat(rate=OUTPUT_RATE)
+    voice: str | None = None                     # None: the model's own voice
+    speed: float = Field(1.0, ge=1.0, le=1.0)    # only the model's own pace
+
+
+class AudioConfig(_Strict):
+    input: AudioInput = AudioInput()
+    output: AudioOutput = AudioOutput()
+
+
+class Session(_Strict):
+    """`session.update`'s `session` (merged into the current one, field by field)."""
+    type: Literal["realtime"] = "realtime"
+    id: str = Field(default_factory=lambda: new_id("sess"))
+    object: Literal["realtime.session"] = "realtime.session"
+    model: str | None = None
+    instructions: str = ""
+    output_modalities: list[Literal["text", "audio"]] = Field(["audio"], min_length=1,
+                                                              max_length=1)
+    audio: AudioConfig = AudioConfig()
+    max_output_tokens: int | Literal["inf"] = "inf"
+    tools: list[Any] = Field([], max_length=0)   # no tool calling here
+    tool_choice: Literal["auto", "none"] = "auto"
+
+
+class ResponseOptions(_Strict):
+    """`response.create`'s `response`: overrides of the session for one response."""
+    instructions: str | None = None
+    output_modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1,
+                                                                     max_length=1)
+    max_output_tokens: int | Literal["inf"] | None = None
+    conversation: Literal["auto"] = "auto"       # out-of-band responses are not supported
+    metadata: dict[str, str] | None = None
+    audio: dict[str, Any] | None = None          # {"output": {"voice": ...}}
+    tools: list[Any] = Field([], max_length=0)
+    tool_choice: Literal["auto", "none"] = "auto"
+
+
+class ContentPart(_Strict):
+    type: Literal["input_text", "input_audio", "text", "output_text", "output_audio"]
+    text: str | None = None
+    audio: str | None = None                     # base64 PCM16 at the input rate
+    transcript: str | None = None
+
+
+class Item(_Strict):
+    """`conversation.item.create`'s item: a message (function calls are not supported)."""
+    id: str | None = None
+    type: Literal["message"] = "message"
+    object: Literal["realtime.item"] | None = None
+    status: Literal["completed", "incomplete", "in_progress"] | None = None
+    role: Literal["user", "assistant", "system"]
+    content: list[ContentPart] = Field(min_length=1)
+
+
+def parse(model: type[BaseModel], body: object, param: str) -> Any:
+    """Validate `body` as `model`; a failure is a 400 naming the field under `param`."""
+    try:
+        return model.model_validate(body if body is not None else {})
+    except ValidationError as exc:
+        err = invalid(list(exc.errors()))
+        if err.param:                        # the message starts with the field's name
+            err.message, err.param = f"{param}.{err.message}", f"{param}.{err.param}"
+        else:
+            err.param = param
+        raise err from None
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """`update` over `base`, objects merged key by key (a null replaces)."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+def event(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"type": kind, "event_id": new_id("event"), **fields}
+
+
+def error_event(err: APIError, client_event_id: str | None = None) -> dict[str, Any]:
+    body = err.body()["error"]
+    return event("error", error={**body, "event_id": client_event_id})
+
+
+def max_tokens(value: int | str) -> int | None:
+    """The protocol's "inf" or a count 1..4096 -> the engine's max_tokens (None: its own)."""
+    if value == "inf":
+        return None
+    if not 1 <= int(value) <= 4096:
+        raise bad_request(f"max_output_tokens={value}: must be 1..4096 or \"inf\"",
+                          "max_output_tokens")
+    return int(value)
