@@ -186,7 +186,7 @@ class SpeechStream:
         for text in clauses:
             if self.extra is None:
                 self.extra = await self.serving.extra(self.session, "session.")
-            handle, ticket = self.serving.start(text, self.extra, "text")
+            handle, ticket = await self.serving.start(text, self.extra, "text")
             clause = (self.num_clauses, text, handle, ticket)
             self.inflight[self.num_clauses] = clause
             self.num_clauses += 1
