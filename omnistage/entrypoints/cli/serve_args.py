@@ -43,7 +43,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "(default 67108864)")
     g.add_argument("--max-audio-seconds", type=float, default=None, metavar="S",
                    help="seconds of all input audio of a request, read from the headers "
-                        "first (default 600)")
+                        "first (default 300)")
     g.add_argument("--max-input-video-frames", type=int, default=None, metavar="N",
                    help="frames sampled from one input video (default 256)")
     g.add_argument("--max-media-parts", type=int, default=None, metavar="N",

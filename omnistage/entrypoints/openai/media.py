@@ -43,7 +43,7 @@ from PIL import Image, UnidentifiedImageError
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 
 VIDEO_FPS = 2.0                 # frames per second sampled from a video
-MAX_AUDIO_RATE = 192_000
+MAX_AUDIO_RATE = 96_000
 MAX_AUDIO_CHANNELS = 8
 # frames decoded per frame sampled at most (a 120 fps video sampled at 2 fps: 60): bounds the
 # decoding work of a video whose timestamps never advance
@@ -58,7 +58,7 @@ class MediaPolicy:
     timeout_s: float = 10.0
     max_image_pixels: int = 1 << 25       # one image or video frame (33.5 M: 8K UHD fits)
     max_request_pixels: int = 1 << 26     # every image and sampled video frame of a request
-    max_audio_seconds: float = 600.0      # every audio part of a request
+    max_audio_seconds: float = 300.0      # every audio part of a request
     max_video_frames: int = 256           # sampled from one video
     max_media_parts: int = 16             # media parts of a request
     max_message_parts: int = 64           # content parts of one message
