@@ -75,10 +75,13 @@ class MediaBudget:
 
     def charge_pixels(self, pixels: int, param: str) -> None:
         if pixels > self.pixels:
-            raise bad_request(f"{param}: the request's images and video frames would have more "
-                              f"than {self.max_pixels} pixels (the server's "
-                              "--max-request-pixels)", param, "media_too_large")
+            raise self.too_many_pixels(param)
         self.pixels -= pixels
+
+    def too_many_pixels(self, param: str) -> APIError:
+        return bad_request(f"{param}: the request's images and video frames would have more "
+                           f"than {self.max_pixels} pixels (the server's --max-request-pixels)",
+                           param, "media_too_large")
 
     def charge_seconds(self, seconds: float, param: str) -> None:
         if seconds > self.seconds:
@@ -219,9 +222,9 @@ class MediaLoader:
         _check_pixels(width, height, param, self.policy.max_image_pixels, "a video frame")
         if stream.duration is not None and stream.time_base is not None:
             seconds = float(stream.duration * stream.time_base)
-            sampled = min(self.policy.max_video_frames, math.floor(seconds * fps) + 1)
+            sampled = min(self.policy.max_video_frames, max(1, math.ceil(seconds * fps)))
             if sampled * width * height > budget.pixels:
-                budget.charge_pixels(sampled * width * height, param)   # raises: say why
+                raise budget.too_many_pixels(param)
 
     def _sample(self, decoded: Iterator[Any], param: str, budget: MediaBudget, fps: float
                 ) -> list[Image.Image]:

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import multiprocessing
+import os
 import pickle
+import subprocess
+import sys
 import threading
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import IO, Any, Callable, TypeVar
 
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 
@@ -69,47 +71,73 @@ class PrepPool:
 
 
 class TokenCounter:
-    """Token counts of long texts, taken in one child process (started on first use, with a
-    copy of the tokenizer), so the GIL-bound part of tokenizing them never runs here."""
+    """Token counts of long texts, taken by one child process (token_count.py: started on first
+    use with a copy of the tokenizer, restarted if it dies), so that the GIL-bound part of
+    tokenizing them never runs here. A plain subprocess, not multiprocessing: nothing of the
+    parent (its threads, its main module) is forked or imported again."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._pool: ProcessPoolExecutor | None = None
+        self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
     def check(self, text: str, max_tokens: int | None, param: str) -> None:
         """400 naming `param` when `text` has max_tokens tokens or more (blocking: call it from
-        the preparation pool). Short texts pass unchecked: tokenizing them here is cheap."""
+        the preparation pool). Short texts pass unchecked: tokenizing them here is cheap, and
+        so is a text the child cannot tokenize (the engine's own tokenization refuses it)."""
         if max_tokens is None or self.tokenizer is None or len(text) <= LONG_TEXT_CHARS:
             return
-        num_tokens = self._child().submit(_count, text).result()
+        num_tokens = self.count(text)
         if num_tokens >= max_tokens:
             raise bad_request(f"{param}: the prompt has {num_tokens} tokens or more, but the "
                               f"model's maximum length is {max_tokens}", param,
                               "prompt_too_long")
 
-    def _child(self) -> ProcessPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(
-                    1, mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_load_tokenizer, initargs=(pickle.dumps(self.tokenizer),))
-            return self._pool
+    def count(self, text: str) -> int:
+        """The text's token count (no special tokens), or -1 when it does not tokenize."""
+        with self._lock:                  # one text at a time through the pipe
+            proc = self._child()
+            try:
+                write_frame(proc.stdin, text.encode("utf-8", "surrogatepass"))
+                return int.from_bytes(read_frame(proc.stdout), "little", signed=True)
+            except (OSError, EOFError) as exc:
+                self._stop()
+                raise APIError(503, f"the token counter died ({exc}); retry",
+                               code="tokenizer_unavailable") from None
+
+    def _child(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+                   "TOKENIZERS_PARALLELISM": "false"}
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "omnistage.entrypoints.openai.token_count"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            write_frame(self._proc.stdin, pickle.dumps(self.tokenizer))
+        return self._proc
 
     def close(self) -> None:
         with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=True)
-                self._pool = None
+            self._stop()
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
 
 
-_TOKENIZER: Any = None     # the child process's copy
+def write_frame(pipe: IO[bytes], data: bytes) -> None:
+    pipe.write(len(data).to_bytes(8, "little") + data)
+    pipe.flush()
 
 
-def _load_tokenizer(data: bytes) -> None:
-    global _TOKENIZER
-    _TOKENIZER = pickle.loads(data)
+def read_frame(pipe: IO[bytes]) -> bytes:
+    size = int.from_bytes(_read_exactly(pipe, 8), "little")
+    return _read_exactly(pipe, size)
 
 
-def _count(text: str) -> int:
-    return len(_TOKENIZER(text, add_special_tokens=False)["input_ids"])
+def _read_exactly(pipe: IO[bytes], size: int) -> bytes:
+    data = pipe.read(size)
+    if data is None or len(data) != size:
+        raise EOFError("the pipe closed")
+    return data
