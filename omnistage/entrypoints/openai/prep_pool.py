@@ -96,8 +96,8 @@ class TokenCounter:
     def count(self, text: str) -> int:
         """The text's token count (no special tokens), or -1 when it does not tokenize."""
         with self._lock:                  # one text at a time through the pipe
-            proc = self._child()
             try:
+                proc = self._child()
                 write_frame(proc.stdin, text.encode("utf-8", "surrogatepass"))
                 return int.from_bytes(read_frame(proc.stdout), "little", signed=True)
             except (OSError, EOFError) as exc:
