@@ -8,7 +8,8 @@ the request loop never stalls.
 - A text-only model refuses an image part, too many parts are refused, and a full queue
   answers 429, all before any media is fetched.
 - /health answers within its deadline while a multi-MB prompt is being prepared (on the old
-  code the chat template and the tokenizer ran on the event loop: seconds of stall).
+  code the chat template and the tokenizer ran on the event loop: seconds of stall), and the
+  server's shutdown ends the token counter's child process.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import base64
 import io
 import statistics
 import struct
+import subprocess
 import threading
 import time
 import zlib
@@ -247,9 +249,10 @@ def test_health_answers_while_a_long_prompt_is_prepared(tmp_path: Path) -> None:
     words = "The quick brown fox jumps over the lazy dog. "
     prompt = words * (10 * LONG_TEXT_CHARS // len(words))
 
-    async def go() -> tuple[httpx.Response, list[float]]:
+    async def go() -> tuple[httpx.Response, list[float], subprocess.Popen]:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=transport, base_url="http://test") as client:
             long = asyncio.ensure_future(client.post("/v1/chat/completions",
                                                      json=chat(prompt), timeout=60))
             latencies, last = [], time.perf_counter()
@@ -260,12 +263,13 @@ def test_health_answers_while_a_long_prompt_is_prepared(tmp_path: Path) -> None:
                 now = time.perf_counter()
                 latencies.append(now - last - PING_S)
                 last = now
-            return await long, latencies
+            return await long, latencies, app.state.client.counter._proc
 
     try:
-        r, latencies = asyncio.run(go())
+        r, latencies, counter = asyncio.run(go())
     finally:
         app.state.client.close()
+    assert counter.poll() is not None             # the server's shutdown ended the counter
     # a deadline, not a benchmark: most answers within it, none stalled for long (on a
     # loaded 2-core machine a thread may wait its turn; the old code stalled for seconds)
     assert len(latencies) >= 10, latencies        # the preparation took a while
