@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -154,14 +155,52 @@ class AudioEncoder:
         return data
 
 
-def decode_audio(data: bytes, fmt: str | None = None, sample_rate: int | None = None
+class AudioTooLong(ValueError):
+    """More audio than `decode_audio`'s max_seconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class AudioInfo:
+    """What an audio file's header says, read without decoding a sample."""
+    seconds: float | None          # None: the container does not say (a streamed wav, ...)
+    sample_rate: int
+    channels: int
+
+
+def probe_audio(data: bytes) -> AudioInfo:
+    """The header of bytes of any container PyAV reads; ValueError if it is no audio file."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data), "r") as container:
+            if not container.streams.audio:
+                raise ValueError("the data holds no audio stream")
+            stream = container.streams.audio[0]
+            seconds = None
+            if stream.duration is not None and stream.time_base is not None:
+                seconds = float(stream.duration * stream.time_base)
+            elif container.duration is not None:
+                seconds = container.duration / 1e6            # av.time_base: microseconds
+            return AudioInfo(seconds, stream.codec_context.sample_rate,
+                             stream.codec_context.channels)
+    except av.FFmpegError as exc:
+        raise ValueError(f"cannot read the audio header: {exc}") from exc
+
+
+def decode_audio(data: bytes, fmt: str | None = None, sample_rate: int | None = None,
+                 max_seconds: float | None = None, mono: bool = False
                  ) -> tuple[np.ndarray, int]:
     """Bytes of any container PyAV reads (wav, flac, mp3, ogg/opus, ...) -> float32
-    (channels, num_samples) and the rate. Raw pcm16 needs `fmt="pcm16"` and its rate (mono)."""
+    (channels, num_samples) and the rate. Raw pcm16 needs `fmt="pcm16"` and its rate (mono).
+    `max_seconds`: ValueError as soon as more is decoded (whatever the header claimed), so
+    memory stays within max_seconds x rate x channels x 4 bytes; `mono`: channels averaged
+    frame by frame, (1, num_samples)."""
     if fmt == "pcm16":
         if sample_rate is None:
             raise ValueError("pcm16 has no header: its sample rate must be given")
         samples = np.frombuffer(data[: len(data) // 2 * 2], dtype="<i2")
+        if max_seconds is not None and len(samples) > max_seconds * sample_rate:
+            raise AudioTooLong(f"the audio is longer than {max_seconds:g} s")
         return (samples.astype(np.float32) / 32767.0)[None, :], sample_rate
     import av
 
@@ -170,22 +209,33 @@ def decode_audio(data: bytes, fmt: str | None = None, sample_rate: int | None = 
             if not container.streams.audio:
                 raise ValueError("the data holds no audio stream")
             stream = container.streams.audio[0]
-            pieces = [f.to_ndarray() for f in container.decode(stream)]
-            rate = stream.codec_context.sample_rate
-            channels = stream.codec_context.channels
-            planar = stream.codec_context.format.is_planar
-            kind = stream.codec_context.format.name
+            ctx = stream.codec_context
+            rate, channels = ctx.sample_rate, ctx.channels
+            limit = None if max_seconds is None else max_seconds * rate
+            pieces, num_samples = [], 0
+            for frame in container.decode(stream):
+                piece = _as_float(frame.to_ndarray(), ctx.format.is_planar,
+                                  ctx.format.name, channels)            # (C, n)
+                pieces.append(piece.mean(axis=0, keepdims=True) if mono else piece)
+                num_samples += piece.shape[1]
+                if limit is not None and num_samples > limit:
+                    raise AudioTooLong(f"the audio is longer than {max_seconds:g} s")
     except av.FFmpegError as exc:
         raise ValueError(f"cannot decode the audio: {exc}") from exc
     if not pieces:
         raise ValueError("the audio holds no samples")
-    # planar frames are (C, n); packed frames (1, n * C), interleaved
-    wave = np.concatenate([p if planar else p.reshape(-1, channels).T for p in pieces], axis=1)
+    return np.concatenate(pieces, axis=1).astype(np.float32, copy=False), rate
+
+
+def _as_float(piece: np.ndarray, planar: bool, kind: str, channels: int) -> np.ndarray:
+    """One decoded frame -> float32 (C, n): planar frames are (C, n), packed ones (1, n * C),
+    interleaved; integer samples scaled to [-1, 1]."""
+    wave = piece if planar else piece.reshape(-1, channels).T
     if kind.startswith("s16"):
-        wave = wave.astype(np.float32) / 32768.0
-    elif kind.startswith("s32"):
-        wave = wave.astype(np.float32) / 2147483648.0
-    return wave.astype(np.float32), rate
+        return wave.astype(np.float32) / 32768.0
+    if kind.startswith("s32"):
+        return wave.astype(np.float32) / 2147483648.0
+    return wave.astype(np.float32, copy=False)
 
 
 def resample(waveform: np.ndarray, orig_sr: int, target_sr: int, zero_crossings: int = 6,

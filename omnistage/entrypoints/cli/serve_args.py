@@ -35,6 +35,27 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="largest request body (413 above)")
     g.add_argument("--max-media-bytes", type=int, default=20 << 20,
                    help="largest image / audio / video a request may carry or name")
+    g.add_argument("--max-image-pixels", type=int, default=None, metavar="N",
+                   help="pixels of one input image or video frame, read from its header "
+                        "before decoding (400 above; default 33554432)")
+    g.add_argument("--max-request-pixels", type=int, default=None, metavar="N",
+                   help="pixels of all input images and sampled video frames of a request "
+                        "(default 67108864)")
+    g.add_argument("--max-audio-seconds", type=float, default=None, metavar="S",
+                   help="seconds of all input audio of a request, read from the headers "
+                        "first (default 300)")
+    g.add_argument("--max-input-video-frames", type=int, default=None, metavar="N",
+                   help="frames sampled from one input video (default 256)")
+    g.add_argument("--max-media-parts", type=int, default=None, metavar="N",
+                   help="image / audio / video parts of one chat request (default 16)")
+    g.add_argument("--max-message-parts", type=int, default=None, metavar="N",
+                   help="content parts of one chat message (default 64)")
+    g.add_argument("--prep-workers", type=int, default=None, metavar="N",
+                   help="threads preparing requests off the event loop: media decoding, chat "
+                        "templates, tokenization (default 4)")
+    g.add_argument("--max-pending-prep", type=int, default=None, metavar="N",
+                   help="requests queued or being prepared before new ones get 429 "
+                        "(default 64)")
     g.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN",
                    help="a CORS origin allowed to call the API, or * (repeatable; default: "
                         "no CORS)")

@@ -34,7 +34,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from omnistage.entrypoints.openai.client import EngineClient
+from omnistage.entrypoints.openai.client import (DEFAULT_MAX_PENDING_PREP, DEFAULT_PREP_WORKERS,
+                                                 EngineClient)
 from omnistage.entrypoints.openai.errors import (APIError, bad_request, check_model,
                                                  install_error_handlers)
 from omnistage.entrypoints.openai.json_body import StrictJSONRoute
@@ -42,6 +43,7 @@ from omnistage.entrypoints.openai.log_lines import log_stage_stats
 from omnistage.entrypoints.openai.media import MediaLoader, MediaPolicy
 from omnistage.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from omnistage.entrypoints.openai.playground import add_playground, capabilities
+from omnistage.entrypoints.openai.prep_pool import PrepPool
 from omnistage.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                    CompletionRequest, CompletionResponse,
                                                    ErrorResponse, ImageGenerationRequest,
@@ -72,6 +74,7 @@ DEMO_MODEL_NAME = "omnistage-demo"
 _VIDEO_LIMITS = VideoLimits()
 KEY_PROTOCOL = "openai-insecure-api-key."     # a WebSocket subprotocol carrying the API key
 _REALTIME_LIMITS = RealtimeLimits()
+_MEDIA = MediaPolicy()
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
 
 
@@ -87,6 +90,16 @@ class ServerConfig:
     allow_remote_media: bool = False
     max_body_bytes: int = 64 << 20
     max_media_bytes: int = 20 << 20
+    # what a request's media may take before anything is decoded (media.py; README "Limits")
+    max_image_pixels: int = _MEDIA.max_image_pixels
+    max_request_pixels: int = _MEDIA.max_request_pixels
+    max_audio_seconds: float = _MEDIA.max_audio_seconds
+    max_input_video_frames: int = _MEDIA.max_video_frames
+    max_media_parts: int = _MEDIA.max_media_parts
+    max_message_parts: int = _MEDIA.max_message_parts
+    # the preparation pool (prep_pool.py): threads, and requests queued or running there
+    prep_workers: int = DEFAULT_PREP_WORKERS
+    max_pending_prep: int = DEFAULT_MAX_PENDING_PREP
     allowed_origins: tuple[str, ...] = ()     # CORS; empty: no CORS headers
     chat_template: str | None = None          # template text (the CLI reads the file)
     # what a chat answers with when a request names no `modalities`; empty: OpenAI's default
@@ -115,10 +128,15 @@ class ServerConfig:
         if self.max_body_bytes < 1 or self.max_media_bytes < 1:
             raise ValueError("max_body_bytes / max_media_bytes: must be >= 1")
         for name in ("max_video_jobs", "max_video_frames", "max_video_size",
-                     "max_videos_disk_bytes", "max_running_videos"):
+                     "max_videos_disk_bytes", "max_running_videos", "max_image_pixels",
+                     "max_request_pixels", "max_audio_seconds", "max_input_video_frames",
+                     "max_media_parts", "max_message_parts", "prep_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         self.realtime_limits            # checks its values
+        if self.max_pending_prep < self.prep_workers:
+            raise ValueError(f"max_pending_prep={self.max_pending_prep}: must be >= "
+                             f"prep_workers ({self.prep_workers})")
         for d in self.allowed_media_dirs:
             if not Path(d).is_dir():
                 raise ValueError(f"allowed_media_dirs: {d} is not a folder")
@@ -135,6 +153,17 @@ class ServerConfig:
     def realtime_limits(self) -> RealtimeLimits:
         return RealtimeLimits(self.realtime_max_buffer_bytes, self.realtime_max_turn_s,
                               self.realtime_idle_timeout_s)
+
+    @property
+    def media_policy(self) -> MediaPolicy:
+        return MediaPolicy(tuple(Path(d) for d in self.allowed_media_dirs),
+                           self.allow_remote_media, self.max_media_bytes,
+                           max_image_pixels=self.max_image_pixels,
+                           max_request_pixels=self.max_request_pixels,
+                           max_audio_seconds=self.max_audio_seconds,
+                           max_video_frames=self.max_input_video_frames,
+                           max_media_parts=self.max_media_parts,
+                           max_message_parts=self.max_message_parts)
 
     @property
     def model_name(self) -> str:
@@ -260,9 +289,9 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
     config = args if isinstance(args, ServerConfig) else ServerConfig.from_namespace(args)
     metrics = ServerMetrics(config.model_name,
                             {s.name: s.final for s in engine.graph.stages if s.final})
-    client = EngineClient(engine, config.max_queue, metrics)
-    media = MediaLoader(MediaPolicy(tuple(Path(d) for d in config.allowed_media_dirs),
-                                    config.allow_remote_media, config.max_media_bytes))
+    client = EngineClient(engine, config.max_queue, metrics,
+                          PrepPool(config.prep_workers, config.max_pending_prep))
+    media = MediaLoader(config.media_policy)
     # the jobs' folder and database exist only for a model that makes video
     store = VideoStore(Path(config.videos_dir) if config.videos_dir else default_videos_dir()
                        ) if engine.video is not None else None
@@ -307,6 +336,7 @@ def _lifespan(client: EngineClient, config: ServerConfig, videos: VideoServing
             yield
         finally:
             await videos.stop()
+            client.close()
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

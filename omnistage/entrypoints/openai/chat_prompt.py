@@ -9,6 +9,9 @@
 
 Media parts (`image_url`, `input_audio`, vLLM's `audio_url`, `video_url`) are fetched and
 decoded by media.py; a failure names the part (`messages[0].content[1].image_url.url`).
+`check` runs first, on the event loop, before anything is fetched: the parts per message, the
+media parts per request, and the kinds of media the model takes (a text model refuses an
+image without reading it). The rest is blocking work for the preparation pool.
 `reasoning_effort` reaches a chat template that has a switch for it (`reasoning_effort` itself,
 or Qwen3's `enable_thinking`, off for "none" and "minimal"); elsewhere it is ignored (logged).
 """
@@ -17,15 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
-
 from omnistage.entrypoints.openai.client import EngineClient
 from omnistage.entrypoints.openai.errors import bad_request
-from omnistage.entrypoints.openai.media import MediaLoader
+from omnistage.entrypoints.openai.media import MediaBudget, MediaLoader
 from omnistage.entrypoints.openai.params import ignore
 from omnistage.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 
 _RESERVED_KWARGS = ("conversation", "messages", "tokenize", "chat_template", "return_dict")
+MEDIA_PARTS = ("image_url", "input_audio", "audio_url", "video_url")
 
 
 class ChatPrompts:
@@ -35,52 +37,80 @@ class ChatPrompts:
         self.media = media
         self.chat_template = chat_template
 
-    async def load(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
-        return await run_in_threadpool(self._load_messages, messages)
-
-    def _load_messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
-        """Messages as chat-template dicts: content a string when it is all text, else parts
-        with their media loaded and checked: {"type": "image", "image": PIL, "data": bytes},
-        {"type": "audio", "audio": (waveform, rate)}, {"type": "video", "video": [PIL],
-        "fps": ...}, {"type": "text", "text": ...}."""
-        out: list[dict[str, Any]] = []
+    def check(self, messages: list[ChatMessage], image_model: bool) -> None:
+        """Before anything is fetched: at most max_message_parts parts in a message and
+        max_media_parts media parts in the request, each of a kind this model takes (an
+        input processor takes them all; an image model, images; a text model, none)."""
+        policy = self.media.policy
+        takes = (MEDIA_PARTS if self.client.processor is not None
+                 else ("image_url",) if image_model else ())
+        num_media = 0
         for i, msg in enumerate(messages):
-            role = "system" if msg.role == "developer" else msg.role
-            if msg.content is None:
-                if msg.role != "assistant":
-                    raise bad_request(f"messages[{i}].content: required for role {msg.role}",
-                                      f"messages[{i}].content")
-                out.append({"role": role, "content": ""})
-            elif isinstance(msg.content, str):
-                out.append({"role": role, "content": msg.content})
-            else:
-                parts = [self._part(part, f"messages[{i}].content[{j}]")
-                         for j, part in enumerate(msg.content)]
-                if all(p["type"] == "text" for p in parts):   # plain templates take a string
-                    out.append({"role": role, "content": "\n".join(p["text"] for p in parts)})
-                else:
-                    out.append({"role": role, "content": parts})
-        return out
+            if not isinstance(msg.content, list):
+                continue
+            param = f"messages[{i}].content"
+            if len(msg.content) > policy.max_message_parts:
+                raise bad_request(f"{param}: {len(msg.content)} parts, at most "
+                                  f"{policy.max_message_parts} (the server's "
+                                  "--max-message-parts)", param, "too_many_parts")
+            for j, part in enumerate(msg.content):
+                if part.type == "text":
+                    continue
+                if part.type not in takes:
+                    what = "text only" if not takes else "text and images only"
+                    raise bad_request(f"{param}[{j}]: this model takes {what}, not "
+                                      f"{part.type}", f"{param}[{j}]", "unsupported_input")
+                num_media += 1
+        if num_media > policy.max_media_parts:
+            raise bad_request(f"messages: {num_media} media parts, at most "
+                              f"{policy.max_media_parts} (the server's --max-media-parts)",
+                              "messages", "too_many_parts")
 
-    def _part(self, part: Any, param: str) -> dict[str, Any]:
+    def load(self, messages: list[ChatMessage], budget: MediaBudget | None = None
+             ) -> list[dict[str, Any]]:
+        """Messages as chat-template dicts: content a string when it is all text, else parts
+        with their media loaded and checked against the request's `budget`:
+        {"type": "image", "image": PIL, "data": bytes}, {"type": "audio", "audio":
+        (waveform, rate)}, {"type": "video", "video": [PIL], "fps": ...}, {"type": "text",
+        "text": ...}."""
+        budget = budget or MediaBudget(self.media.policy)
+        return [self._message(i, msg, budget) for i, msg in enumerate(messages)]
+
+    def _message(self, i: int, msg: ChatMessage, budget: MediaBudget) -> dict[str, Any]:
+        role = "system" if msg.role == "developer" else msg.role
+        if msg.content is None:
+            if msg.role != "assistant":
+                raise bad_request(f"messages[{i}].content: required for role {msg.role}",
+                                  f"messages[{i}].content")
+            return {"role": role, "content": ""}
+        if isinstance(msg.content, str):
+            return {"role": role, "content": msg.content}
+        parts = [self._part(part, f"messages[{i}].content[{j}]", budget)
+                 for j, part in enumerate(msg.content)]
+        if all(p["type"] == "text" for p in parts):   # plain templates take a string
+            return {"role": role, "content": "\n".join(p["text"] for p in parts)}
+        return {"role": role, "content": parts}
+
+    def _part(self, part: Any, param: str, budget: MediaBudget) -> dict[str, Any]:
         if part.type == "text":
             return {"type": "text", "text": part.text}
         if part.type == "image_url":
-            image, data = self.media.image(part.image_url.url, f"{param}.image_url.url")
+            image, data = self.media.image(part.image_url.url, f"{param}.image_url.url", budget)
             return {"type": "image", "image": image, "data": data}
         if part.type == "input_audio":
             return {"type": "audio", "audio": self.media.audio(
-                part.input_audio.data, part.input_audio.format, f"{param}.input_audio.data")}
+                part.input_audio.data, part.input_audio.format, f"{param}.input_audio.data",
+                budget)}
         if part.type == "audio_url":
-            return {"type": "audio",
-                    "audio": self.media.audio_url(part.audio_url.url, f"{param}.audio_url.url")}
-        frames, fps = self.media.video(part.video_url.url, f"{param}.video_url.url")
+            return {"type": "audio", "audio": self.media.audio_url(
+                part.audio_url.url, f"{param}.audio_url.url", budget)}
+        frames, fps = self.media.video(part.video_url.url, f"{param}.video_url.url", budget)
         return {"type": "video", "video": frames, "fps": fps}
 
-    async def text_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+    def text_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
         """A multimodal model's processor takes the messages as they are; a text model's
-        prompt is its chat template rendered here and tokenized."""
-        messages = await self.load(req.messages)
+        prompt is its chat template rendered here and tokenized (blocking)."""
+        messages = self.load(req.messages)
         if self.client.processor is not None:
             if req.chat_template_kwargs:
                 raise bad_request("chat_template_kwargs: not supported for this model",
@@ -93,11 +123,6 @@ class ChatPrompts:
                     for part in m["content"]:
                         part.pop("data", None)
             return {"messages": messages}
-        media = sorted({p["type"] for m in messages if isinstance(m["content"], list)
-                        for p in m["content"]} - {"text"})
-        if media:
-            raise bad_request(f"messages: this model takes text only, not {'/'.join(media)}",
-                              "messages", "unsupported_input")
         return {"prompt_token_ids": self._render(req, messages)}
 
     def _render(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> list[int]:
@@ -124,17 +149,18 @@ class ChatPrompts:
         except Exception as exc:  # jinja errors, raise_exception() in the template, ...
             raise bad_request(f"messages: the chat template failed: {type(exc).__name__}: "
                               f"{exc}", "messages", "chat_template_error") from None
+        self.client.counter.check(text, self.client.max_model_len, "messages")
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    async def image_prompt(self, messages: list[ChatMessage]) -> tuple[str, bytes | None]:
+    def image_prompt(self, messages: list[ChatMessage]) -> tuple[str, bytes | None]:
         """An image model draws what the last user message says, starting from the image in
-        it if there is one."""
-        loaded = await self.load(messages)
-        users = [i for i, m in enumerate(loaded) if m["role"] == "user"]
+        it if there is one; only that message is loaded (blocking)."""
+        users = [i for i, m in enumerate(messages) if m.role == "user"]
         if not users:
             raise bad_request("messages: an image model draws what the last user message "
                               "says; there is none", "messages")
-        content = loaded[users[-1]]["content"]
+        last = users[-1]
+        content = self._message(last, messages[last], MediaBudget(self.media.policy))["content"]
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
         text = "\n".join(p["text"] for p in parts if p["type"] == "text")
         images = [p["data"] for p in parts if p["type"] == "image"]

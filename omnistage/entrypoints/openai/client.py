@@ -1,8 +1,10 @@
 """The server's one door to the engine: admission, submission, the stream of outputs, and the
 abort when the caller goes away.
 
-    route:  check -> client.prepare(...)      ValueError from the engine      -> 400
+    route:  cheap checks (no media fetched)                                    -> 400
                   -> client.admit(n)           more than max_queue in flight   -> 429 + Retry-After
+                  -> await client.run(prepare) the preparation pool full       -> 429 + Retry-After
+                     (media, template, tokens, client.prepare: ValueError    -> 400)
                   -> client.submit(...)        engine dead                     -> 503
                   -> async for out in handle.outputs(): ...
                   -> handle.close()            (always) abort if unfinished, release the slot
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
 from omnistage.engine.inputs import ParsedPrompt, PromptType
 from omnistage.entrypoints.openai.errors import APIError, from_value_error
 from omnistage.entrypoints.openai.log_lines import log_request
+from omnistage.entrypoints.openai.prep_pool import PrepPool, TokenCounter
 from omnistage.errors import InputError
 from omnistage.outputs import OmniOutput
 
@@ -38,6 +41,8 @@ if TYPE_CHECKING:
 Prepared = tuple[ParsedPrompt, dict[str, "StageParams"]]
 # how a stage's refusal reads: "stage 'dit': ValueError: prompt names no digit ..."
 RETRY_AFTER_S = 1
+DEFAULT_PREP_WORKERS = 4
+DEFAULT_MAX_PENDING_PREP = 64
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
@@ -114,10 +119,11 @@ class RequestHandle:
 
 class EngineClient:
     def __init__(self, engine: AsyncOmni, max_queue: int,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, prep: PrepPool | None = None) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue={max_queue}: must be >= 1")
         self.engine = engine
+        self.prep = prep or PrepPool(DEFAULT_PREP_WORKERS, DEFAULT_MAX_PENDING_PREP)
         self.max_queue = max_queue
         self.metrics = metrics
         self.num_in_flight = 0
@@ -127,6 +133,7 @@ class EngineClient:
         self.outputs: set[str] = {s.final for s in engine.graph.stages if s.final}
         self.entry: list[str] = list(engine.entry)
         self.text_entry: bool = engine.text_entry
+        self.counter = TokenCounter(self.tokenizer)
         self._stats_lock = threading.Lock()
 
     # -- facts -----------------------------------------------------------------------------------
@@ -172,14 +179,28 @@ class EngineClient:
             raise APIError(503, f"the engine is not serving: {self.dead_reason}",
                            code="engine_dead")
 
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on the preparation pool (prep_pool.py): 429 when it is full."""
+        return await self.prep.run(fn, *args)
+
     def prepare(self, prompt: PromptType, params: list[StageParams] | None,
                 param: str | None = None) -> Prepared:
         """The engine's own input checks; a ValueError is the client's (400, naming `param`
-        when the message does not name a field itself)."""
+        when the message does not name a field itself). Blocking (it tokenizes; an input
+        processor extracts features): call it through `run`. A long text is counted first,
+        in a child process (prep_pool.TokenCounter)."""
+        text = prompt_text(prompt)
+        if text is not None:
+            self.counter.check(text, self.max_model_len, param or "prompt")
         try:
             return self.engine.prepare(prompt, params)
         except ValueError as exc:
             raise from_value_error(exc, param) from None
+
+    def close(self) -> None:
+        """The preparation pool and the token counter's child process (server shutdown)."""
+        self.prep.shutdown()
+        self.counter.close()
 
     def admit(self, n: int = 1) -> Ticket:
         self.check_healthy()
@@ -238,6 +259,26 @@ class EngineClient:
             return APIError(504, f"the request timed out in the engine: {error}",
                             code="engine_timeout")
         return APIError(500, f"the request failed in the engine: {error}", code="engine_error")
+
+
+def prompt_text(prompt: PromptType) -> str | None:
+    """The text the engine would tokenize: a string prompt, a dict's `prompt`, or the text of
+    chat messages (their string contents and text parts)."""
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, dict):
+        return None
+    if isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    texts = []
+    for message in prompt.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [p["text"] for p in content if isinstance(p, dict) and
+                      isinstance(p.get("text"), str)]
+    return "\n".join(texts) if texts else None
 
 
 def failed(out: OmniOutput) -> bool:

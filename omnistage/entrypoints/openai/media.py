@@ -8,8 +8,19 @@ files under the allowed folders, or from http(s) URLs when the server allows rem
 
 Every failure is an `APIError` naming the request field (`param`) and saying what to change:
 a 400 for a URL that is malformed, not allowed or not decodable, a 413 for one too large.
-Decoding runs in the caller's thread; routes call these from a worker thread. Videos are
-sampled at VIDEO_FPS frames per second (what Qwen-Omni's processor expects by default).
+Decoding runs in the caller's thread; routes call these from the preparation pool
+(prep_pool.py). Videos are sampled at VIDEO_FPS frames per second (what Qwen-Omni's processor
+expects by default).
+
+Nothing is decoded before its header is checked against the policy's limits, and a request's
+`MediaBudget` is charged from the header first, then again as decoding goes (a header may
+lie: decoding stops at the limit):
+
+    image   width x height <= max_image_pixels; all images and sampled video frames of a
+            request <= max_request_pixels
+    video   each frame as an image; at most max_video_frames sampled, each charged
+    audio   all parts of a request <= max_audio_seconds (the header's duration, then the
+            samples decoded), a rate <= MAX_AUDIO_RATE, <= MAX_AUDIO_CHANNELS channels
 """
 
 from __future__ import annotations
@@ -17,29 +28,70 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 import os
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 
-MAX_PIXELS = 8192 * 8192
-MAX_VIDEO_FRAMES = 256
 VIDEO_FPS = 2.0                 # frames per second sampled from a video
+MAX_AUDIO_RATE = 96_000
+MAX_AUDIO_CHANNELS = 8
+# frames decoded per frame sampled at most (a 120 fps video sampled at 2 fps: 60): bounds the
+# decoding work of a video whose timestamps never advance
+MAX_DECODED_PER_SAMPLE = 64
 
 
 @dataclass(frozen=True, slots=True)
 class MediaPolicy:
     allowed_dirs: tuple[Path, ...] = ()
     allow_remote: bool = False
-    max_bytes: int = 20 << 20
+    max_bytes: int = 20 << 20             # one part's file
     timeout_s: float = 10.0
+    max_image_pixels: int = 1 << 25       # one image or video frame (33.5 M: 8K UHD fits)
+    max_request_pixels: int = 1 << 26     # every image and sampled video frame of a request
+    max_audio_seconds: float = 300.0      # every audio part of a request
+    max_video_frames: int = 256           # sampled from one video
+    max_media_parts: int = 16             # media parts of a request
+    max_message_parts: int = 64           # content parts of one message
+
+
+class MediaBudget:
+    """What one request's media may still take; every part is charged from its header
+    before it is decoded, and its decoded size after."""
+
+    def __init__(self, policy: MediaPolicy) -> None:
+        self.pixels = policy.max_request_pixels
+        self.seconds = policy.max_audio_seconds
+        self.max_pixels, self.max_seconds = policy.max_request_pixels, policy.max_audio_seconds
+
+    def charge_pixels(self, pixels: int, param: str) -> None:
+        if pixels > self.pixels:
+            raise self.too_many_pixels(param)
+        self.pixels -= pixels
+
+    def too_many_pixels(self, param: str) -> APIError:
+        return bad_request(f"{param}: the request's images and video frames would have more "
+                           f"than {self.max_pixels} pixels (the server's --max-request-pixels)",
+                           param, "media_too_large")
+
+    def charge_seconds(self, seconds: float, param: str) -> None:
+        if seconds > self.seconds:
+            raise self.too_long(param)
+        self.seconds -= seconds
+
+    def too_long(self, param: str) -> APIError:
+        return bad_request(f"{param}: the request's audio would last more than "
+                           f"{self.max_seconds:g} s (the server's --max-audio-seconds)",
+                           param, "audio_too_long")
 
 
 class MediaLoader:
@@ -117,50 +169,87 @@ class MediaLoader:
         return data
 
     # -- decoded media ---------------------------------------------------------------------------
-    def image(self, url: str, param: str) -> tuple[Image.Image, bytes]:
-        """The decoded image (checked) and its file bytes."""
+    def image(self, url: str, param: str, budget: MediaBudget | None = None
+              ) -> tuple[Image.Image, bytes]:
+        """The decoded image (its header checked first) and its file bytes. `budget`: the
+        request's (None: this part alone)."""
+        budget = budget or MediaBudget(self.policy)
         data = self.fetch(url, param)
-        return decode_image(data, param), data
+        image = open_image(data, param, self.policy.max_image_pixels)
+        budget.charge_pixels(image.width * image.height, param)
+        return load_image(image, param), data
 
-    def audio(self, b64: str, fmt: str, param: str) -> tuple[np.ndarray, int]:
+    def audio(self, b64: str, fmt: str, param: str, budget: MediaBudget | None = None
+              ) -> tuple[np.ndarray, int]:
         """An `input_audio` part: base64 bytes in `fmt` -> mono float32 (num_samples,), rate."""
         if len(b64) * 3 // 4 > self.policy.max_bytes:
             raise self._too_large(param, len(b64) * 3 // 4)
-        return _decode_audio(decode_b64(b64, param), fmt, param)
+        return _decode_audio(decode_b64(b64, param), fmt, param,
+                             budget or MediaBudget(self.policy))
 
-    def audio_url(self, url: str, param: str) -> tuple[np.ndarray, int]:
+    def audio_url(self, url: str, param: str, budget: MediaBudget | None = None
+                  ) -> tuple[np.ndarray, int]:
         """vLLM's `audio_url` part: the file behind the URL, in any container PyAV reads
         (wav, flac, mp3, ogg, m4a, ...) -> mono float32 (num_samples,), rate."""
-        return _decode_audio(self.fetch(url, param), None, param)
+        return _decode_audio(self.fetch(url, param), None, param,
+                             budget or MediaBudget(self.policy))
 
-    def video(self, url: str, param: str, fps: float = VIDEO_FPS
-              ) -> tuple[list[Image.Image], float]:
+    def video(self, url: str, param: str, budget: MediaBudget | None = None,
+              fps: float = VIDEO_FPS) -> tuple[list[Image.Image], float]:
         """Frames sampled at `fps` (the first frame at or after each tick), at most
-        MAX_VIDEO_FRAMES of them, and that rate."""
+        `max_video_frames` of them, and that rate; refused from the stream's header when its
+        frames are too large or the frames it would yield overrun the budget."""
         import av
 
+        budget = budget or MediaBudget(self.policy)
         data = self.fetch(url, param)
-        frames: list[Image.Image] = []
         try:
             with av.open(io.BytesIO(data), "r") as container:
                 if not container.streams.video:
                     raise bad_request(f"{param}: the file holds no video stream", param,
                                       "invalid_video")
-                next_t = 0.0
-                for frame in container.decode(container.streams.video[0]):
-                    t = float(frame.time) if frame.time is not None else next_t
-                    if t + 1e-6 < next_t:
-                        continue
-                    frames.append(frame.to_image())
-                    next_t += 1.0 / fps
-                    if len(frames) == MAX_VIDEO_FRAMES:
-                        break
+                stream = container.streams.video[0]
+                self._check_video_header(stream, param, budget, fps)
+                frames = self._sample(container.decode(stream), param, budget, fps)
         except av.FFmpegError as exc:
             raise bad_request(f"{param}: not a readable video ({exc})", param,
                               "invalid_video") from exc
         if not frames:
             raise bad_request(f"{param}: the video has no frames", param, "invalid_video")
         return frames, fps
+
+    def _check_video_header(self, stream: Any, param: str, budget: MediaBudget,
+                            fps: float) -> None:
+        """Frame size and (when the container says how long it is) the pixels of the frames
+        that sampling would keep, before a frame is decoded."""
+        width, height = stream.codec_context.width, stream.codec_context.height
+        _check_pixels(width, height, param, self.policy.max_image_pixels, "a video frame")
+        if stream.duration is not None and stream.time_base is not None:
+            seconds = float(stream.duration * stream.time_base)
+            sampled = min(self.policy.max_video_frames, max(1, math.ceil(seconds * fps)))
+            if sampled * width * height > budget.pixels:
+                raise budget.too_many_pixels(param)
+
+    def _sample(self, decoded: Iterator[Any], param: str, budget: MediaBudget, fps: float
+                ) -> list[Image.Image]:
+        frames: list[Image.Image] = []
+        next_t, most = 0.0, self.policy.max_video_frames
+        for num_decoded, frame in enumerate(decoded, 1):
+            if num_decoded > MAX_DECODED_PER_SAMPLE * most:
+                raise bad_request(f"{param}: more than {MAX_DECODED_PER_SAMPLE * most} frames "
+                                  "decoded without reaching the video's end", param,
+                                  "video_too_large")
+            t = float(frame.time) if frame.time is not None else next_t
+            if t + 1e-6 < next_t:
+                continue
+            _check_pixels(frame.width, frame.height, param, self.policy.max_image_pixels,
+                          "a video frame")
+            budget.charge_pixels(frame.width * frame.height, param)
+            frames.append(frame.to_image())
+            next_t += 1.0 / fps
+            if len(frames) == most:
+                break
+        return frames
 
 
 def decode_b64(payload: str, param: str) -> bytes:
@@ -170,31 +259,68 @@ def decode_b64(payload: str, param: str) -> bytes:
         raise bad_request(f"{param}: not valid base64 ({exc})", param, "invalid_base64") from exc
 
 
-def _decode_audio(data: bytes, fmt: str | None, param: str) -> tuple[np.ndarray, int]:
-    from omnistage.utils.audio import decode_audio
+def _decode_audio(data: bytes, fmt: str | None, param: str, budget: MediaBudget
+                  ) -> tuple[np.ndarray, int]:
+    """Mono float32 and rate; the header's rate, channels and duration checked first, the
+    decoding stopped where the request's audio budget ends."""
+    from omnistage.utils.audio import AudioTooLong, decode_audio, probe_audio
 
     try:
-        wave, rate = decode_audio(data, fmt)
+        info = probe_audio(data)
     except ValueError as exc:
         raise bad_request(f"{param}: not a readable {fmt or 'audio'} file ({exc})", param,
                           "invalid_audio") from exc
-    return wave.mean(axis=0), rate
+    if not 0 < info.sample_rate <= MAX_AUDIO_RATE or not 0 < info.channels <= MAX_AUDIO_CHANNELS:
+        raise bad_request(f"{param}: {info.sample_rate} Hz, {info.channels} channels: at most "
+                          f"{MAX_AUDIO_RATE} Hz and {MAX_AUDIO_CHANNELS} channels", param,
+                          "invalid_audio")
+    if info.seconds is not None and info.seconds > budget.seconds:
+        raise budget.too_long(param)                   # refused before a sample is decoded
+    try:
+        wave, rate = decode_audio(data, fmt, max_seconds=budget.seconds, mono=True)
+    except AudioTooLong:                               # the header said less than it holds
+        raise budget.too_long(param) from None
+    except ValueError as exc:
+        raise bad_request(f"{param}: not a readable {fmt or 'audio'} file ({exc})", param,
+                          "invalid_audio") from exc
+    budget.charge_seconds(wave.shape[1] / rate, param)
+    return wave[0], rate
 
 
-def decode_image(data: bytes, param: str) -> Image.Image:
+def open_image(data: bytes, param: str, max_pixels: int) -> Image.Image:
+    """The image opened from its header (no pixel decoded): 400 for no image or one over
+    `max_pixels`."""
     try:
         image = Image.open(io.BytesIO(data))
-        if image.width * image.height > MAX_PIXELS:
-            raise bad_request(f"{param}: the image is {image.width}x{image.height}, more than "
-                              f"{MAX_PIXELS} pixels", param, "image_too_large")
-        image.load()
-    except UnidentifiedImageError:
+    except (UnidentifiedImageError, Image.DecompressionBombError) as exc:
+        if isinstance(exc, Image.DecompressionBombError):
+            raise bad_request(f"{param}: {exc}", param, "image_too_large") from None
         raise bad_request(f"{param}: not an image in a format this server reads (PNG, JPEG, "
                           "WebP, GIF, BMP, ...)", param, "invalid_image") from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise bad_request(f"{param}: not a readable image ({type(exc).__name__}: {exc})",
+                          param, "invalid_image") from exc
+    _check_pixels(image.width, image.height, param, max_pixels, "the image")
+    return image
+
+
+def load_image(image: Image.Image, param: str) -> Image.Image:
+    """Decode an image `open_image` checked; RGB unless it is RGB or L already."""
+    try:
+        image.load()
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
         raise bad_request(f"{param}: not a readable image ({type(exc).__name__}: {exc})",
                           param, "invalid_image") from exc
     return image.convert("RGB") if image.mode not in ("RGB", "L") else image
+
+
+def _check_pixels(width: int, height: int, param: str, max_pixels: int, what: str) -> None:
+    if width * height > max_pixels:
+        raise bad_request(f"{param}: {what} is {width}x{height}, more than {max_pixels} pixels "
+                          "(the server's --max-image-pixels)", param, "image_too_large")
+    if width * height == 0:
+        raise bad_request(f"{param}: {what} is empty ({width}x{height})", param,
+                          "invalid_image")
 
 
 def _short(url: str) -> str:

@@ -37,8 +37,8 @@ from starlette.responses import Response
 from torch import Tensor
 
 from omnistage.entrypoints.openai.chat_prompt import ChatPrompts
-from omnistage.entrypoints.openai.client import (EngineClient, RequestHandle, failed,
-                                                 unless_disconnected)
+from omnistage.entrypoints.openai.client import (EngineClient, Prepared, RequestHandle,
+                                                 failed, unless_disconnected)
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import MediaLoader
 from omnistage.entrypoints.openai.params import ignore, openai_sampling_fields, stage_params
@@ -107,27 +107,11 @@ class ChatServing:
         self._check_unsupported(req)
         wanted = self._modalities(req)
         fmt = self._audio_format(req, wanted)
-        if "image" in wanted:
-            prompt, image = await self.prompts.image_prompt(req.messages)
-            entry = self._image_fields(req)
-        else:
-            image = None
-            prompt = await self.prompts.text_prompt(req)
-            max_tokens = req.max_completion_tokens or req.max_tokens
-            logprobs = (req.top_logprobs or 0) if req.logprobs else None
-            entry = openai_sampling_fields(req, max_tokens, logprobs)
-        # image models: the picture in the last user message makes it image-to-image
-        params = stage_params(self.client.graph, self.client.entry, entry,
-                              req.sampling_params_list, image)
-        if req.audio is not None and req.audio.voice is not None:
-            params = [dataclasses.replace(p, extra={**p.extra, "speaker": req.audio.voice})
-                      if isinstance(p, SamplingParams) else p for p in params]
-        try:
-            prepared = self.client.prepare(prompt, params, "messages")
-        except APIError as err:
-            raise _voice_param(err) from None
+        entry = self._image_fields(req) if "image" in wanted else self._text_fields(req)
+        self.prompts.check(req.messages, image_model="image" in wanted)
         ticket = self.client.admit(req.n)       # n completions: n requests in the engine
         try:
+            prompt, prepared = await self.client.run(self._prepare, req, wanted, entry)
             handle = self.client.submit(prompt, prepared, wanted, "chatcmpl")
         except BaseException:
             ticket.release()
@@ -145,7 +129,32 @@ class ChatServing:
             handle.close()
             ticket.release()
 
+    def _prepare(self, req: ChatCompletionRequest, wanted: set[str], entry: dict[str, Any]
+                 ) -> tuple[dict[str, Any] | str, Prepared]:
+        """On the preparation pool: the prompt (media loaded, template rendered, tokens) and
+        the engine's checks of it and of the stages' params."""
+        image = None
+        if "image" in wanted:
+            prompt, image = self.prompts.image_prompt(req.messages)
+        else:
+            prompt = self.prompts.text_prompt(req)
+        # image models: the picture in the last user message makes it image-to-image
+        params = stage_params(self.client.graph, self.client.entry, entry,
+                              req.sampling_params_list, image)
+        if req.audio is not None and req.audio.voice is not None:
+            params = [dataclasses.replace(p, extra={**p.extra, "speaker": req.audio.voice})
+                      if isinstance(p, SamplingParams) else p for p in params]
+        try:
+            return prompt, self.client.prepare(prompt, params, "messages")
+        except APIError as err:
+            raise _voice_param(err) from None
+
     # -- checks ----------------------------------------------------------------------------------
+    def _text_fields(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return openai_sampling_fields(req, max_tokens, logprobs)
+
     def _check_unsupported(self, req: ChatCompletionRequest) -> None:
         for name, (what, off) in _UNSUPPORTED.items():
             if getattr(req, name) not in (None, off):

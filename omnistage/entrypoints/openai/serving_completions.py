@@ -9,19 +9,22 @@ choice i * n + j.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from omnistage.entrypoints.openai.client import (EngineClient, RequestHandle, failed,
-                                                 unless_disconnected)
+from omnistage.entrypoints.openai.client import (EngineClient, Prepared, RequestHandle,
+                                                 failed, unless_disconnected)
 from omnistage.entrypoints.openai.errors import bad_request
 from omnistage.entrypoints.openai.params import openai_sampling_fields, stage_params
 from omnistage.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                    CompletionRequest, CompletionResponse, Usage)
 from omnistage.entrypoints.openai.streaming import DONE, EventStream, sse, sse_error
 from omnistage.outputs import CompletionOutput, OmniOutput
+
+if TYPE_CHECKING:
+    from omnistage.engine.async_omni import StageParams
 
 _END = object()
 
@@ -51,11 +54,10 @@ class CompletionServing:
         params = stage_params(self.client.graph, self.client.entry, entry,
                               req.sampling_params_list)
         prompts = _prompts(req.prompt)
-        prepared = [self.client.prepare(p, params, "prompt" if len(prompts) == 1
-                                        else f"prompt[{i}]") for i, p in enumerate(prompts)]
         ticket = self.client.admit(len(prompts) * req.n)   # n completions: n requests each
         handles: list[RequestHandle] = []
         try:
+            prepared = await self.client.run(self._prepare, prompts, params)
             for p, ready in zip(prompts, prepared):
                 handles.append(self.client.submit(p, ready, {"text"}, "cmpl"))
         except BaseException:
@@ -73,6 +75,12 @@ class CompletionServing:
         finally:
             for close in closers:
                 close()
+
+    def _prepare(self, prompts: list[str | dict[str, list[int]]], params: list[StageParams]
+                 ) -> list[Prepared]:
+        """On the preparation pool: each prompt tokenized and checked by the engine."""
+        return [self.client.prepare(p, params, "prompt" if len(prompts) == 1
+                                    else f"prompt[{i}]") for i, p in enumerate(prompts)]
 
     async def _full(self, req: CompletionRequest, handles: list[RequestHandle]
                     ) -> CompletionResponse:

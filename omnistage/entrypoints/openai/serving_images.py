@@ -29,7 +29,7 @@ from starlette.requests import Request
 from omnistage.entrypoints.openai.client import EngineClient, failed, unless_disconnected
 from omnistage.entrypoints.openai.errors import (APIError, bad_request, check_model,
                                                  invalid)
-from omnistage.entrypoints.openai.media import MediaLoader, decode_image
+from omnistage.entrypoints.openai.media import MediaLoader, open_image
 from omnistage.entrypoints.openai.params import ignore, parse_size, stage_params
 from omnistage.entrypoints.openai.protocol import (ImageData, ImageEditRequest, ImageRequest,
                                                    ImagesResponse)
@@ -126,7 +126,8 @@ class ImageServing:
                            code="media_too_large")
         if not data:
             raise bad_request(f"{param}: the file is empty", param, "invalid_image")
-        await run_in_threadpool(decode_image, data, param)     # a clear 400 if it is no image
+        # its header only: a clear 400 if it is no image or too large; the engine decodes it
+        open_image(data, param, self.media.policy.max_image_pixels)
         return data
 
     async def _run(self, req: ImageRequest, request: Request,
@@ -143,9 +144,9 @@ class ImageServing:
             fields["strength"] = strength
         # an edit's image bytes travel as they are (the engine decodes them where used)
         params = stage_params(self.client.graph, self.client.entry, fields, None, image)
-        prepared = self.client.prepare(req.prompt, params, "prompt")
         ticket = self.client.admit()
         try:
+            prepared = await self.client.run(self.client.prepare, req.prompt, params, "prompt")
             handle = self.client.submit(req.prompt, prepared, {"image"}, "img")
             try:
                 out = await unless_disconnected(request, lambda: _last(handle.outputs()))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -145,22 +145,24 @@ class SpeechServing:
                 raise APIError(413, f"{param}: more than {MAX_UPLOAD_BYTES} bytes", param=param,
                                code="audio_too_large")
             data = decode_b64(ref_audio, param)
-        samples, rate = await run_in_threadpool(check_clip, data, param)
+        samples, rate = await self.client.run(check_clip, data, param)
         return {"ref_audio": {"samples": samples.astype("<f4").tobytes(), "sample_rate": rate},
                 "ref_text": ref_text}
 
     # -- the engine ------------------------------------------------------------------------------
-    def start(self, text: str, extra: dict[str, Any], param: str = "input"
-              ) -> tuple[RequestHandle, Ticket]:
-        """Submit one text: its params (the graph's defaults, `extra` on the entry stages),
-        the engine's checks, a slot in the queue."""
-        params = stage_params(self.client.graph, self.client.entry, {}, None)
-        params = [dataclasses.replace(p, extra={**p.extra, **extra})
-                  if isinstance(p, SamplingParams) and s.name in self.client.entry else p
-                  for s, p in zip(self.client.graph.stages, params)]
-        prepared = self.client.prepare(text, params, param)
+    async def start(self, text: str, voice: Callable[[], Awaitable[dict[str, Any]]],
+                    param: str = "input") -> tuple[RequestHandle, Ticket]:
+        """Submit one text: a slot in the queue first, then who speaks (`voice()`: a reference
+        clip is decoded only once admitted), its params (the graph's defaults, that extra on
+        the entry stages) and the engine's checks (on the preparation pool)."""
         ticket = self.client.admit()
         try:
+            extra = await voice()
+            params = stage_params(self.client.graph, self.client.entry, {}, None)
+            params = [dataclasses.replace(p, extra={**p.extra, **extra})
+                      if isinstance(p, SamplingParams) and s.name in self.client.entry else p
+                      for s, p in zip(self.client.graph.stages, params)]
+            prepared = await self.client.run(self.client.prepare, text, params, param)
             return self.client.submit(text, prepared, {"audio"}, "speech"), ticket
         except BaseException:
             ticket.release()
@@ -173,8 +175,7 @@ class SpeechServing:
     async def create(self, req: SpeechRequest, request: Request) -> Response:
         text = self.check_text(req.input)
         self.check_speed(req.speed)
-        extra = await self.extra(req)
-        handle, ticket = self.start(text, extra)
+        handle, ticket = await self.start(text, lambda: self.extra(req))
         closers = [handle.close, ticket.release]
         await self.client.open_stream(request, [handle], closers, "input")
         if req.stream_format == "sse":
@@ -246,7 +247,8 @@ class SpeechServing:
         text = self.check_text(item.input, f"items[{i}].input")
         if item.voice is None and item.ref_audio is None and req.voice is not None:
             item = item.model_copy(update={"voice": req.voice})
-        return self.start(text, await self.extra(item, f"items[{i}]."), f"items[{i}].input")
+        return await self.start(text, lambda: self.extra(item, f"items[{i}]."),
+                                f"items[{i}].input")
 
     async def _whole(self, i: int, handle: RequestHandle, fmt: str) -> SpeechBatchResult:
         last: OmniOutput | None = None

@@ -137,7 +137,7 @@ class VideoServing:
                         progress: Callable[[float], None]) -> np.ndarray:
         """One engine request -> its frames, uint8 (F, H, W, 3); APIError if it failed."""
         params = stage_params(self.client.graph, self.client.entry, fields, None, image)
-        prepared = self.client.prepare(prompt, params, "prompt")
+        prepared = await self.client.run(self.client.prepare, prompt, params, "prompt")
         handle = self.client.submit(prompt, prepared, {"video"}, "video")
         try:
             async for out in handle.outputs():

@@ -179,12 +179,16 @@ class SpeechStream:
                           "session": session.model_dump(exclude={"ref_audio"}),
                           "sample_rate": self.serving.client.engine.audio_sample_rate})
 
+    async def _voice(self) -> dict[str, Any]:
+        """Who speaks: resolved once, by the session's update or at the first clause."""
+        if self.extra is None:
+            self.extra = await self.serving.extra(self.session, "session.")
+        return self.extra
+
     async def _submit(self, clauses: list[str]) -> None:
         """Each clause a request, now, in order."""
         for text in clauses:
-            if self.extra is None:
-                self.extra = await self.serving.extra(self.session, "session.")
-            handle, ticket = self.serving.start(text, self.extra, "text")
+            handle, ticket = await self.serving.start(text, self._voice, "text")
             clause = (self.num_clauses, text, handle, ticket)
             self.inflight[self.num_clauses] = clause
             self.num_clauses += 1

@@ -16,7 +16,7 @@ from starlette.requests import Request
 
 from omnistage.entrypoints.openai.errors import APIError, bad_request, check_model, invalid
 from omnistage.entrypoints.openai.json_body import parse_json
-from omnistage.entrypoints.openai.media import MediaLoader, decode_b64, decode_image
+from omnistage.entrypoints.openai.media import MediaLoader, decode_b64, open_image
 from omnistage.entrypoints.openai.params import ignore, parse_size
 from omnistage.entrypoints.openai.protocol import VideoRequest
 from omnistage.registry import VideoSpec
@@ -61,8 +61,8 @@ async def read_request(request: Request, media: MediaLoader, model_name: str
     check_model(req.model, model_name)
     if req.input_reference is not None:
         image = await run_in_threadpool(_reference, media, req.input_reference)
-    if image is not None:
-        await run_in_threadpool(decode_image, image, "input_reference")
+    if image is not None:   # its header only: the engine decodes it
+        open_image(image, "input_reference", media.policy.max_image_pixels)
     return req, image
 
 

@@ -27,7 +27,7 @@ from starlette.requests import Request
 
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.protocol import VoiceCard
-from omnistage.utils.audio import decode_audio
+from omnistage.utils.audio import AudioTooLong, decode_audio, probe_audio
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_UPLOAD_BYTES = 10 << 20
@@ -52,11 +52,17 @@ def check_clip(data: bytes, param: str) -> tuple[np.ndarray, int]:
     """Reference audio as a client sent it -> mono float32 and rate; 400 naming `param` when
     it does not decode, is silent, or is shorter than MIN_CLIP_S / longer than MAX_CLIP_S."""
     try:
-        wave, rate = decode_audio(data)
+        header = probe_audio(data).seconds
+        if header is not None and header > MAX_CLIP_S:     # refused before decoding
+            raise AudioTooLong(f"the header says {header:.2f} s")
+        wave, rate = decode_audio(data, max_seconds=MAX_CLIP_S, mono=True)
+    except AudioTooLong:
+        raise bad_request(f"{param}: the clip is longer than {MAX_CLIP_S} s; a reference voice "
+                          f"needs {MIN_CLIP_S} to {MAX_CLIP_S} s", param, "invalid_audio") from None
     except ValueError as exc:
         raise bad_request(f"{param}: not a readable audio file ({exc})", param,
                           "invalid_audio") from None
-    mono = np.nan_to_num(wave.mean(axis=0)).astype(np.float32)
+    mono = np.nan_to_num(wave[0])
     seconds = len(mono) / rate
     if not MIN_CLIP_S <= seconds <= MAX_CLIP_S:
         raise bad_request(f"{param}: the clip is {seconds:.2f} s long; a reference voice needs "

@@ -3,7 +3,8 @@ waited on through /health. Two are shared by every module here (started together
 
     text_server    the tiny random Qwen3 (chat template from the tiny tokenizer), API key KEY,
                    --max-queue 4, --max-model-len 512
-    image_server   the built-in demo model (handwritten digits), no API key
+    image_server   the built-in demo model (handwritten digits), no API key, the same
+                   --allowed-media-dirs
 
 and `omni_server` (the tiny random Qwen3-Omni) by the modules that ask for it; for the
 playground's tests, one headless Chromium (`browser`) and where its screenshots go.
@@ -114,7 +115,7 @@ def servers(tiny_qwen3: Path, media_dir: Path, tmp_path_factory: pytest.TempPath
                         "--allowed-media-dirs", str(media_dir),
                         "--stage-override", f"llm.cpu_kv_cache_bytes={16 << 20}"],
                        logs / "text.log", api_key=KEY),
-        "image": Server([], logs / "image.log"),
+        "image": Server(["--allowed-media-dirs", str(media_dir)], logs / "image.log"),
     }
     try:
         for server in started.values():

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from tests.entrypoints.openai.conftest import Server
 
 CHAT = "tiny-chat"
+DEMO = "omnistage-demo"
 USER = [{"role": "user", "content": "hello"}]
 
 
@@ -34,14 +35,22 @@ def chat(**fields: Any) -> dict[str, Any]:
     return {"model": CHAT, "messages": USER, **fields}
 
 
-def image_part(url: str) -> dict[str, Any]:
-    return chat(messages=[{"role": "user", "content": [
-        {"type": "text", "text": "what is this?"},
+def image_part(url: str, model: str = CHAT) -> dict[str, Any]:
+    return chat(model=model, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "draw a 3 like this"},
         {"type": "image_url", "image_url": {"url": url}}]}])
 
 
+def demo_image(url: str) -> dict[str, Any]:
+    """An image part sent to the demo image model, which takes one (the text model refuses
+    media parts before fetching them)."""
+    return image_part(url, DEMO)
+
+
 # (id, server, method, path, request kwargs, status, param or None, code or None)
-# "{media}" in a string is replaced by the text server's allowed media folder.
+# "{media}" in a string is replaced by the servers' allowed media folder. The text model
+# refuses media parts before fetching them; what fetching and decoding refuse is asked of
+# the image model (audio and video: test_media.py).
 CASES: list[tuple[str, str, str, str, dict, int, str | None, str | None]] = [
     ("not-json", "text", "POST", "/v1/chat/completions",
      {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, None,
@@ -115,40 +124,41 @@ CASES: list[tuple[str, str, str, str, dict, int, str | None, str | None]] = [
     ("template-kwargs", "text", "POST", "/v1/chat/completions",
      {"json": chat(chat_template_kwargs={"tokenize": True})}, 400,
      "chat_template_kwargs.tokenize", None),
-    ("image-bad-base64", "text", "POST", "/v1/chat/completions",
-     {"json": image_part("data:image/png;base64,@@@@")}, 400,
+    ("image-bad-base64", "image", "POST", "/v1/chat/completions",
+     {"json": demo_image("data:image/png;base64,@@@@")}, 400,
      "messages[0].content[1].image_url.url", "invalid_base64"),
-    ("image-not-image", "text", "POST", "/v1/chat/completions",
-     {"json": image_part("data:image/png;base64,AAAA")}, 400,
+    ("image-not-image", "image", "POST", "/v1/chat/completions",
+     {"json": demo_image("data:image/png;base64,AAAA")}, 400,
      "messages[0].content[1].image_url.url", "invalid_image"),
-    ("image-no-base64", "text", "POST", "/v1/chat/completions",
-     {"json": image_part("data:image/png,raw")}, 400, "messages[0].content[1].image_url.url",
+    ("image-no-base64", "image", "POST", "/v1/chat/completions",
+     {"json": demo_image("data:image/png,raw")}, 400, "messages[0].content[1].image_url.url",
      "invalid_media_url"),
-    ("image-file-outside", "text", "POST", "/v1/chat/completions",
-     {"json": image_part("file:///etc/hostname")}, 400, "messages[0].content[1].image_url.url",
+    ("image-file-outside", "image", "POST", "/v1/chat/completions",
+     {"json": demo_image("file:///etc/hostname")}, 400, "messages[0].content[1].image_url.url",
      "media_not_allowed"),
-    ("image-file-missing", "text", "POST", "/v1/chat/completions",
-     {"json": image_part("file://{media}/nope.png")}, 400,
+    ("image-file-missing", "image", "POST", "/v1/chat/completions",
+     {"json": demo_image("file://{media}/nope.png")}, 400,
      "messages[0].content[1].image_url.url", "media_not_found"),
-    ("image-remote", "text", "POST", "/v1/chat/completions",
-     {"json": image_part("https://example.com/cat.png")}, 400,
+    ("image-remote", "image", "POST", "/v1/chat/completions",
+     {"json": demo_image("https://example.com/cat.png")}, 400,
      "messages[0].content[1].image_url.url", "media_not_allowed"),
     ("image-text-model", "text", "POST", "/v1/chat/completions",
-     {"json": image_part(PNG_URL)}, 400, "messages", "unsupported_input"),
+     {"json": image_part(PNG_URL)}, 400, "messages[0].content[1]", "unsupported_input"),
     ("image-file-allowed-text-model", "text", "POST", "/v1/chat/completions",
-     {"json": image_part("file://{media}/green.png")}, 400, "messages", "unsupported_input"),
+     {"json": image_part("file://{media}/green.png")}, 400, "messages[0].content[1]",
+     "unsupported_input"),
     ("audio-bad-data", "text", "POST", "/v1/chat/completions",
      {"json": chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {
          "data": base64.b64encode(b"not audio").decode(), "format": "wav"}}]}])}, 400,
-     "messages[0].content[0].input_audio.data", "invalid_audio"),
+     "messages[0].content[0]", "unsupported_input"),
     ("audio-url-bad-data", "text", "POST", "/v1/chat/completions",
      {"json": chat(messages=[{"role": "user", "content": [{"type": "audio_url", "audio_url": {
          "url": "data:audio/wav;base64," + base64.b64encode(b"not audio").decode()}}]}])}, 400,
-     "messages[0].content[0].audio_url.url", "invalid_audio"),
+     "messages[0].content[0]", "unsupported_input"),
     ("audio-url-remote", "text", "POST", "/v1/chat/completions",
      {"json": chat(messages=[{"role": "user", "content": [{"type": "audio_url", "audio_url": {
          "url": "https://example.com/a.wav"}}]}])}, 400,
-     "messages[0].content[0].audio_url.url", "media_not_allowed"),
+     "messages[0].content[0]", "unsupported_input"),
     ("functions", "text", "POST", "/v1/chat/completions",
      {"json": chat(functions=[{"name": "f"}])}, 400, "functions", None),
     ("reasoning-effort-bad", "text", "POST", "/v1/chat/completions",
