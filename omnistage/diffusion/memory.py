@@ -198,7 +198,10 @@ class MemoryBudget:
         self.fit.record(row_size(batch[0]), -(-(self.probe.peak() - self._start) // rows))
 
     def record_oom(self, batch: list[DiffusionRequest]) -> None:
-        """A step of `batch` ran out of memory: a row of its size needs more than its share
-        of the room it had, so later admissions take fewer of them."""
-        rows = sum(r.latents.shape[0] for r in batch)
-        self.fit.record(row_size(batch[0]), -(-(self.limit - self._start) // rows) + 1)
+        """A step of several requests ran out of memory: a row of their size needs more than
+        its share of the room the step had, so later steps take fewer of them. One request
+        alone teaches nothing about batching (and may have met another process's memory):
+        it fails, and a later request of its size is tried again."""
+        if len(batch) > 1:
+            rows = sum(r.latents.shape[0] for r in batch)
+            self.fit.record(row_size(batch[0]), -(-(self.limit - self._start) // rows) + 1)
