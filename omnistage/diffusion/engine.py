@@ -112,7 +112,7 @@ class DiffusionEngine:
         return self._give_solver(req)
 
     def profile_memory(self) -> None:
-        """Start-up: one measured step of a request at the pipeline's default size, so the
+        """Start-up: the second step of a request at the pipeline's default size, measured, so the
         first admissions know its peak (the budget's fit then learns from every step).
         Skipped without a budget, over several ranks (the others would have to run it too),
         and for a pipeline that cannot prepare a request alone (conditioning from upstream,
@@ -126,10 +126,11 @@ class DiffusionEngine:
         except ValueError as exc:
             logger.info("no start-up memory profile (%s): the first steps measure", exc)
             return
-        self.memory.start()
         with torch.inference_mode():
+            self._denoise([req])     # the first forward allocates one-time workspaces
+            self.memory.start()
             self._denoise([req])
-        self.num_steps_run -= 1
+        self.num_steps_run -= 2
         self.memory.record([req])
         logger.info("diffusion memory: %s", self.memory.describe(req))
 

@@ -32,6 +32,7 @@ from omnistage.diffusion.request import DiffusionRequest
 from omnistage.errors import InputError
 
 MIB = 2**20
+QUADRATIC_SHARE = 0.1   # of the peak at the largest measured size: the parabola is real
 HEADROOM = 0.1      # predictions are raised by this share: fragmentation, longer captions
 
 
@@ -101,20 +102,17 @@ class ActivationFit:
 
     def curve(self, size: int) -> float:
         """The least-squares line through the measured sizes, or the parabola when three or
-        more sizes show a growing quadratic term (and it fits better than the line)."""
+        more sizes show a quadratic term that makes a tenth or more of the peak at the
+        largest of them (attention scores held whole); a smaller one is noise."""
         sizes = np.array(list(self.points), dtype=np.float64)
         peaks = np.array(list(self.points.values()), dtype=np.float64)
-        line = np.polyfit(sizes, peaks, 1)
-        coeffs = line
+        coeffs = np.polyfit(sizes, peaks, 1)
         if len(sizes) >= 3:
             quad = np.polyfit(sizes, peaks, 2)
-            if quad[0] > 0 and _residual(quad, sizes, peaks) < 0.5 * _residual(line, sizes, peaks):
+            largest = sizes.max()
+            if quad[0] * largest**2 >= QUADRATIC_SHARE * np.polyval(quad, largest):
                 coeffs = quad
         return float(np.polyval(coeffs, size))
-
-
-def _residual(coeffs: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
-    return float(np.sum((np.polyval(coeffs, x) - y) ** 2))
 
 
 def _mib(nbytes: int) -> str:

@@ -174,16 +174,18 @@ def test_an_out_of_memory_step_fails_its_requests_only(digits: DigitsPipeline) -
     assert not engine.has_unfinished_requests
 
 
-@pytest.mark.parametrize("shape, power", [("line", 1), ("parabola", 2)])
-def test_the_fit_follows_the_measured_peaks(shape: str, power: int) -> None:
+@pytest.mark.parametrize("shape, power, noise", [("line", 1, 0), ("noisy line", 1, 0.01),
+                                                 ("parabola", 2, 0)])
+def test_the_fit_follows_the_measured_peaks(shape: str, power: int, noise: float) -> None:
     """Three measured sizes: a line when the peaks grow linearly (memory-efficient
-    attention), a parabola when they grow with the square; unseen sizes are predicted."""
+    attention; a middle point 1% low is noise, not a parabola), a parabola when they grow
+    with the square; unseen sizes are predicted."""
     fit = ActivationFit()
     peak = lambda size: 4096 + 8 * size ** power                      # noqa: E731
     for size in (1024, 2048, 4096):
-        fit.record(size, peak(size))
+        fit.record(size, int(peak(size) * (1 - noise * (size == 2048))))
     for size in (1536, 8192):
-        assert fit.predict(size) == pytest.approx(peak(size), rel=0.01), (shape, size)
+        assert fit.predict(size) == pytest.approx(peak(size), rel=0.02), (shape, size)
 
 
 def test_one_measured_size_predicts_no_less_than_it() -> None:

@@ -80,9 +80,11 @@ def test_the_fit_predicts_a_size_no_step_ran(flux) -> None:
 
 
 def test_the_steps_stay_under_the_limit(flux) -> None:
-    """Room for 2.5 requests' predicted peaks: steps of two, each step's peak under the
-    limit, every request complete."""
+    """Room for 2.5 requests' peaks as measured alone: steps of two, each step's peak under
+    the limit, every request complete."""
     engine = bounded(flux)
+    engine.add_request("first", PROMPT, params(384, seed=9))    # its size measured alone
+    assert run(engine)["first"].error is None
     for i in range(6):
         engine.add_request(f"r{i}", PROMPT, params(384, seed=i))
     cost = engine.memory.cost(engine.requests["r0"])
@@ -112,11 +114,11 @@ def test_a_real_out_of_memory_fails_its_request_alone(flux) -> None:
     engine goes on serving."""
     engine = bounded(flux)
     (small,) = engine.memory.fit.points.values()        # the profile's: 256 px, per image
+    engine.add_request("big", PROMPT, params(1024, num_images=4))
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
     room = max(16 * small, 64 * MIB)
     allowed = torch.cuda.memory_reserved() + room
-    engine.add_request("big", PROMPT, params(1024, num_images=4))
     assert engine.memory.cost(engine.requests["big"]) > 2 * room     # admitted, cannot fit
     before = torch.cuda.memory_allocated()
     torch.cuda.set_per_process_memory_fraction(allowed / total)
