@@ -112,8 +112,8 @@ class DiffusionEngine:
         return self._give_solver(req)
 
     def profile_memory(self) -> None:
-        """Start-up: the second step of a request at the pipeline's default size, measured, so the
-        first admissions know its peak (the budget's fit then learns from every step).
+        """Start-up: the second step of a request at the pipeline's default size, measured,
+        so the first admissions know its peak (the budget's fit then learns from every step).
         Skipped without a budget, over several ranks (the others would have to run it too),
         and for a pipeline that cannot prepare a request alone (conditioning from upstream,
         an input image required): there the first steps run one request each, measured."""

@@ -10,8 +10,8 @@ from omnistage.configs.schema import StageConfig
 from omnistage.diffusion.diffusers_engine import DiffusersEngine
 from omnistage.diffusion.diffusers_pipeline import BACKEND, DiffusersPipeline
 from omnistage.diffusion.engine import DiffusionEngine
-from omnistage.diffusion.memory import CudaProbe, MemoryBudget
 from omnistage.diffusion.image_input import file_bytes
+from omnistage.diffusion.memory import CudaProbe, MemoryBudget
 from omnistage.diffusion.parallel import check_layout
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import DiffusionPipeline, compile_blocks, is_split_pipeline

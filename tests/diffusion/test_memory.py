@@ -174,6 +174,24 @@ def test_an_out_of_memory_step_fails_its_requests_only(digits: DigitsPipeline) -
     assert not engine.has_unfinished_requests
 
 
+def test_an_out_of_memory_decode_fails_its_request_only(digits: DigitsPipeline,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, pipe, device = budgeted(digits, room_rows=3.5)
+    decode = digits.decode
+
+    def failing(latents: torch.Tensor, params: DiffusionParams) -> torch.Tensor:
+        if params.seed == 13:
+            raise torch.OutOfMemoryError("Tried to allocate 9 GiB")
+        return decode(latents, params)
+
+    monkeypatch.setattr(digits, "decode", failing)
+    for i, seed in enumerate((13, 14)):
+        engine.add_request(f"r{i}", "a 5", DiffusionParams(num_inference_steps=2, seed=seed))
+    done = run(engine)
+    assert done["r0"].error == "OutOfMemoryError: Tried to allocate 9 GiB"
+    assert done["r1"].error is None and device.num_frees == 1
+
+
 @pytest.mark.parametrize("shape, power, noise", [("line", 1, 0), ("noisy line", 1, 0.01),
                                                  ("parabola", 2, 0)])
 def test_the_fit_follows_the_measured_peaks(shape: str, power: int, noise: float) -> None:
