@@ -123,7 +123,8 @@ def _serve(args: argparse.Namespace, graph: GraphConfig, sock: socket.socket) ->
     try:
         app = build_app(engine, config)
         server = uvicorn.Server(uvicorn.Config(
-            app, http=guarded_protocol(config.connection_limits), log_level=(args.uvicorn_log_level or config.log_level).lower(),
+            app, http=guarded_protocol(config.connection_limits),
+            log_level=(args.uvicorn_log_level or config.log_level).lower(),
             log_config=uvicorn_log_config(args.uvicorn_log_level or config.log_level),
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
             timeout_graceful_shutdown=5))

@@ -11,7 +11,8 @@ uvicorn).
 Routes hold no engine logic: they check the model name and hand the parsed body to a serving
 object. Every route exists whatever the model; one whose output the model cannot make answers
 400 saying so. `/` is the playground page (playground.py; `--no-playground`: none), served
-without the API key like /health; every other route needs the key when one is set. /health is 503 once a stage has no live replica (200,
+without the API key like /health; every other route needs the key when one is set (/metrics
+too, unless `--open-metrics`). /health is 503 once a stage has no live replica (200,
 "degraded", while some replica is down); /metrics is Prometheus text.
 """
 
@@ -395,7 +396,8 @@ def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
 
     def card() -> ModelCard:
         foreign = client.foreign_backend
-        return ModelCard(id=name, created=started, root=name if config.served_model_name else config.model,
+        root = name if config.served_model_name else config.model   # the path stays hidden
+        return ModelCard(id=name, created=started, root=root,
                          max_model_len=client.max_model_len, modalities=sorted(client.outputs),
                          capabilities=caps(), native=not foreign, **foreign)
 

@@ -1,6 +1,6 @@
 """Media loading for chat parts: data URLs, files under the allowed folders only (symlinks
-resolved), remote URLs only when allowed and only to public addresses, size limits, and decoding of images, audio and video
-with errors that name the request field."""
+resolved), remote URLs only when allowed and only to public addresses, size limits, and
+decoding of images, audio and video with errors that name the request field."""
 
 from __future__ import annotations
 
