@@ -110,10 +110,25 @@ def _get(parsed: urllib.parse.SplitResult, max_bytes: int, deadline: float
         resp = conn.getresponse()
         if resp.status in (301, 302, 303, 307, 308) and resp.getheader("Location"):
             return resp.status, resp.getheader("Location"), b""
-        return resp.status, None, resp.read(max_bytes + 1) if resp.status == 200 else b""
+        return resp.status, None, _read(resp, max_bytes, deadline) if resp.status == 200 else b""
     except ssl.SSLError:
         raise FetchError("the host's TLS certificate could not be verified") from None
     except (OSError, http.client.HTTPException):
         raise FetchError(UNREACHABLE) from None
     finally:
         conn.close()
+
+
+def _read(resp: http.client.HTTPResponse, max_bytes: int, deadline: float) -> bytes:
+    """At most `max_bytes` + 1 bytes of the body, all of it by the deadline: a body trickled
+    in holds a preparation thread no longer than the fetch's timeout."""
+    chunks, size = [], 0
+    while size <= max_bytes:
+        if time.monotonic() > deadline:
+            raise FetchError(UNREACHABLE)
+        chunk = resp.read1(min(1 << 16, max_bytes + 1 - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
