@@ -254,7 +254,8 @@ class EngineClient:
             err.param, err.code = err.param or param, "invalid_input"
             return err
         if not self.is_healthy:
-            return APIError(503, f"the engine is not serving: {error}", code="engine_dead")
+            return APIError(503, f"the engine is not serving: {self.dead_reason}",
+                            code="engine_dead")      # (how the stage ended, not its text)
         if info is not None and info.kind == "timeout":       # a stage's input stalled
             return APIError(504, f"the request timed out in the engine: {error}",
                             code="engine_timeout")
