@@ -34,6 +34,7 @@ from PIL import Image
 from torch import Tensor
 
 from omnistage.diffusion.image_input import input_image
+from omnistage.diffusion.memory import MemoryBudget, row_size
 from omnistage.diffusion.parallel import FollowedRequest, StepPlan
 from omnistage.diffusion.params import DiffusionParams, ImageRef
 from omnistage.diffusion.pipeline import DiffusionPipeline, is_split_pipeline
@@ -42,6 +43,9 @@ from omnistage.layers.groups import StageRanks, stage_ranks
 from omnistage.outputs import StageMetrics
 
 logger = logging.getLogger(__name__)
+
+OUT_OF_MEMORY = "out of memory"
+PROFILE_PROMPT = "a 1"      # any pipeline's text takes it; the digits demo needs a digit
 
 
 @dataclass(slots=True)
@@ -56,9 +60,12 @@ class DiffusionResult:
 
 class DiffusionEngine:
     def __init__(self, pipeline: DiffusionPipeline, max_num_seqs: int = 16,
-                 ranks: StageRanks | None = None) -> None:
+                 ranks: StageRanks | None = None, memory: MemoryBudget | None = None) -> None:
+        """memory: the stage's budget (diffusion/memory.py); None: steps take up to
+        max_num_seqs requests whatever their size."""
         self.pipeline = pipeline
         self.max_num_seqs = max_num_seqs
+        self.memory = memory
         self.requests: OrderedDict[str, DiffusionRequest] = OrderedDict()   # running
         self.parked: dict[str, DiffusionRequest] = {}       # waiting for their conditioning
         self.num_steps_run = 0          # transformer forwards, all requests
@@ -79,6 +86,19 @@ class DiffusionEngine:
         if prompt is None and not is_split_pipeline(type(self.pipeline)):
             raise ValueError(f"{type(self.pipeline).__name__} encodes its own prompts: it "
                              "cannot take conditioning from an upstream stage")
+        req = self._prepare(request_id, prompt, params)
+        if self.memory is not None:
+            self.memory.check(req)              # a request that alone cannot fit: refused
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        if prompt is None:
+            self.parked[request_id] = req
+        else:
+            self.requests[request_id] = req
+
+    def _prepare(self, request_id: str, prompt: str | None, params: DiffusionParams
+                 ) -> DiffusionRequest:
+        """A request checked and prepared (latents, schedule, conditioning), with its solver."""
         assert not isinstance(params.image, ImageRef), "the stage attaches the image file"
         image = input_image(params, None)    # decoded once, here: validate and prepare take it
         self.validate(prompt, params, image)
@@ -89,13 +109,30 @@ class DiffusionEngine:
         else:
             latents, sigmas, cond = self.pipeline.prepare(prompt, params, generator, image)
         req = DiffusionRequest(request_id, prompt, params, latents, sigmas, cond, generator)
-        self._give_solver(req)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        if prompt is None:
-            self.parked[request_id] = req
-        else:
-            self.requests[request_id] = req
+        return self._give_solver(req)
+
+    def profile_memory(self) -> None:
+        """Start-up: the second step of a request at the pipeline's default size, measured,
+        so the first admissions know its peak (the budget's fit then learns from every step).
+        Skipped without a budget, over several ranks (the others would have to run it too),
+        and for a pipeline that cannot prepare a request alone (conditioning from upstream,
+        an input image required): there the first steps run one request each, measured."""
+        if self.memory is None or self.ranks.world_size > 1 or (
+                getattr(self.pipeline, "prompt_encoder", True) is None):
+            return
+        try:
+            req = self._prepare("memory-profile", PROFILE_PROMPT,
+                                DiffusionParams(num_inference_steps=2, seed=0))
+        except ValueError as exc:
+            logger.info("no start-up memory profile (%s): the first steps measure", exc)
+            return
+        with torch.inference_mode():
+            self._denoise([req])     # the first forward allocates one-time workspaces
+            self.memory.start()
+            self._denoise([req])
+        self.num_steps_run -= 2
+        self.memory.record([req])
+        logger.info("diffusion memory: %s", self.memory.describe(req))
 
     def set_conditioning(self, request_id: str, tensors: dict[str, Tensor]) -> None:
         """A parked request's text conditioning (prompt_embeds, ...): checked against its
@@ -134,6 +171,8 @@ class DiffusionEngine:
         oldest = next(iter(self.requests.values()))
         batch = [r for r in self.requests.values()
                  if r.batch_key == oldest.batch_key][:self.max_num_seqs]
+        if self.memory is not None:
+            batch = self.memory.admit(batch)            # the others wait for a later step
         self._share_plan(batch)
         now = time.time()
         for r in batch:
@@ -150,12 +189,9 @@ class DiffusionEngine:
                 continue
             del self.requests[r.request_id]
             self.followed.discard(r.request_id)        # the others drop it as they finish it
-            try:
-                with torch.inference_mode():
-                    images = self.pipeline.decode(self._final_latents(r), r.params)
-            except Exception as exc:
-                results.append(DiffusionResult(r.request_id, None, True, 1.0,
-                                               f"{type(exc).__name__}: {exc}"))
+            images = self._decode(r)
+            if isinstance(images, str):
+                results.append(DiffusionResult(r.request_id, None, True, 1.0, images))
                 continue
             done = time.time()
             metrics = StageMetrics(
@@ -167,32 +203,77 @@ class DiffusionEngine:
             results.append(DiffusionResult(r.request_id, images, True, 1.0, metrics=metrics))
         return results
 
+    def _decode(self, r: DiffusionRequest) -> Tensor | str:
+        """A finished request's images, or why its decode failed (out of memory: the cached
+        blocks go back once the exception is dropped)."""
+        try:
+            with torch.inference_mode():
+                return self.pipeline.decode(self._final_latents(r), r.params)
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, torch.OutOfMemoryError):
+                return failure
+        self._free_cache()
+        return failure
+
     def _step_isolating(self, batch: list[DiffusionRequest]) -> dict[str, str]:
         """One denoising step for `batch` -> the requests that failed it, with their error. A
-        step that raises is run again per request that it had not advanced, so a request that
-        breaks the forward fails alone and the others take their step; a request whose
-        latents are no longer finite after its step (guidance that overflows) fails alone.
-        Over several ranks a raise is the stage's: the ranks ran the batch together."""
-        failed: dict[str, str] = {}
+        step that raises (out of memory included) is run again per request that it had not
+        advanced, so a request that breaks the forward, or alone does not fit, fails alone
+        and the others take their step; a request whose latents are no longer finite after
+        its step (guidance that overflows) fails alone. Over several ranks a raise is the
+        stage's: the ranks ran the batch together."""
         start = {r.request_id: r.step_idx for r in batch}
+        failure = self._measured_denoise(batch)
+        if failure is None:
+            return _non_finite(batch)
+        if len(batch) == 1:
+            return {batch[0].request_id: failure}
+        failed: dict[str, str] = {}
+        for r in batch:
+            if r.step_idx > start[r.request_id]:
+                continue                             # it took its step before the failure
+            alone = self._denoise_or_error([r])
+            if alone is not None:
+                failed[r.request_id] = alone
+        return failed | _non_finite([r for r in batch if r.request_id not in failed])
+
+    def _measured_denoise(self, batch: list[DiffusionRequest]) -> str | None:
+        """`_denoise_or_error`, its peak (or its running out of memory) taught to the budget."""
+        if self.memory is None:
+            return self._denoise_or_error(batch)
+        self.memory.start()
+        failure = self._denoise_or_error(batch)
+        if failure is None:
+            self.memory.record(batch)
+        elif failure.startswith(OUT_OF_MEMORY):
+            self.memory.record_oom(batch)
+        return failure
+
+    def _denoise_or_error(self, batch: list[DiffusionRequest]) -> str | None:
+        """One step of `batch` -> None, or why it failed. Out of memory: the cached blocks
+        go back to the device once the exception, whose traceback holds the step's
+        activations, is dropped, so that the retries and the next steps find them free."""
         try:
             with torch.inference_mode():
                 self._denoise(batch)
+            return None
         except Exception as exc:
             if self.ranks.world_size > 1:
                 raise
-            logger.exception("diffusion step failed for %d requests", len(batch))
-            if len(batch) == 1:
-                return {batch[0].request_id: f"{type(exc).__name__}: {exc}"}
-            for r in batch:
-                if r.step_idx > start[r.request_id]:
-                    continue                         # it took its step before the failure
-                try:
-                    with torch.inference_mode():
-                        self._denoise([r])
-                except Exception as alone:
-                    failed[r.request_id] = f"{type(alone).__name__}: {alone}"
-        return failed | _non_finite([r for r in batch if r.request_id not in failed])
+            if not isinstance(exc, torch.OutOfMemoryError):
+                logger.exception("diffusion step failed for %d requests", len(batch))
+                return f"{type(exc).__name__}: {exc}"
+            failure = _oom_message(batch, exc)
+        logger.error("%s", failure)
+        self._free_cache()
+        return failure
+
+    def _free_cache(self) -> None:
+        if self.memory is not None:
+            self.memory.probe.free_cache()
+        elif self.pipeline.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ---- several ranks ------------------------------------------------------------------
 
@@ -258,6 +339,17 @@ class DiffusionEngine:
         for r, v, x in zip(batch, velocity.split(counts), latents.split(counts)):
             r.latents = r.solver.step(v, x, r.sigmas, r.step_idx, r.solver_state).to(x.dtype)
             r.step_idx += 1
+
+
+def _oom_message(batch: list[DiffusionRequest], exc: torch.OutOfMemoryError) -> str:
+    """What a request failed by an out-of-memory step is told: alone, its own size."""
+    rows = sum(r.latents.shape[0] for r in batch)
+    who = ("this request alone" if len(batch) == 1
+           else f"a step of {len(batch)} requests, this one among them,")
+    detail = str(exc).splitlines()[0] if str(exc) else ""
+    return (f"{OUT_OF_MEMORY}: {who} ({rows} image(s) of {row_size(batch[0])} latent "
+            f"elements) did not fit the device's memory ({detail}): ask for fewer images or "
+            "a smaller size, or raise the stage's memory_fraction")
 
 
 def _non_finite(batch: list[DiffusionRequest]) -> dict[str, str]:

@@ -11,6 +11,7 @@ from omnistage.diffusion.diffusers_engine import DiffusersEngine
 from omnistage.diffusion.diffusers_pipeline import BACKEND, DiffusersPipeline
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.image_input import file_bytes
+from omnistage.diffusion.memory import CudaProbe, MemoryBudget
 from omnistage.diffusion.parallel import check_layout
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import DiffusionPipeline, compile_blocks, is_split_pipeline
@@ -86,7 +87,11 @@ class DiffusionStage:
             self.engine = DiffusersEngine(pipeline, stage.max_num_seqs)
             return
         apply_options(stage, pipeline, dev)
-        self.engine = DiffusionEngine(pipeline, stage.max_num_seqs)
+        # on CUDA, memory_fraction bounds weights plus each step's activations
+        memory = (MemoryBudget.of_fraction(CudaProbe(dev), stage.memory_fraction)
+                  if dev.type == "cuda" else None)
+        self.engine = DiffusionEngine(pipeline, stage.max_num_seqs, memory=memory)
+        self.engine.profile_memory()
 
     def follow(self) -> None:
         """Ranks > 0: run rank 0's steps until it stops them."""

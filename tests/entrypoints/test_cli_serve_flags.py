@@ -95,6 +95,45 @@ def test_server_config_flags_reach_the_server_config() -> None:
         ServerConfig(max_video_jobs=0)
 
 
+def test_the_api_key_comes_from_one_of_flag_file_and_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file or the environment keeps the key out of `ps`; two sources or an empty key are
+    refused rather than one guessed."""
+    from omnistage.entrypoints.cli.serve_args import API_KEY_ENV
+
+    read = serve.startup.read_api_key
+    key_file = tmp_path / "key"
+    key_file.write_text("  from-file \nsecond line\n")
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert read(None, None, API_KEY_ENV) is None
+    assert read("flag", None, API_KEY_ENV) == "flag"
+    assert read(None, str(key_file), API_KEY_ENV) == "from-file"
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert read(None, None, API_KEY_ENV) == "from-env"
+    with pytest.raises(ValueError, match="given twice"):
+        read(None, str(key_file), API_KEY_ENV)
+    monkeypatch.delenv(API_KEY_ENV)
+    with pytest.raises(FileNotFoundError, match="--api-key-file"):
+        read(None, str(tmp_path / "none"), API_KEY_ENV)
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        read(None, str(key_file), API_KEY_ENV)
+
+
+def test_slow_client_and_metrics_flags_reach_the_server_config() -> None:
+    from omnistage.entrypoints.openai.api_server import ServerConfig
+    from omnistage.entrypoints.openai.slow_clients import ConnectionLimits
+
+    config = ServerConfig.from_namespace(parse_args(
+        ["serve", "--header-timeout", "2", "--body-timeout", "3",
+         "--max-connections-per-client", "0", "--open-metrics"]))
+    assert config.connection_limits == ConnectionLimits(2.0, 3.0, 0) and config.open_metrics
+    defaults = ServerConfig.from_namespace(parse_args(["serve"]))
+    assert defaults.connection_limits == ConnectionLimits() and not defaults.open_metrics
+    with pytest.raises(ValueError, match="max_connections_per_client"):
+        ServerConfig(max_connections_per_client=-1)
+
+
 def test_flags_that_do_not_apply_are_refused(tiny_qwen3: Path) -> None:
     # the demo model: one diffusion stage; the AR-only flags are refused, batch size is not
     _, graph = graph_of(["--max-num-seqs", "4", "--gpu-memory-utilization", "0.3"])

@@ -3,7 +3,7 @@ built-in demo model (handwritten digits: POST /v1/images/generations {"prompt": 
 
 Start-up, in the order that makes a mistake cheap:
 
-    flags (-tp) -> model folder and weights -> tokenizer, chat template, TLS files -> stage
+    flags (-tp) -> model folder and weights -> tokenizer, chat template, API key, TLS files -> stage
     graph (engine flags as overrides of the main stage, checked against the model) -> port
     bound -> engine loads -> uvicorn on the bound socket
 """
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from omnistage.entrypoints.cli import startup
 from omnistage.entrypoints.cli.flags import FILE_MODEL_FLAG
-from omnistage.entrypoints.cli.serve_args import add_engine_args, add_server_args
+from omnistage.entrypoints.cli.serve_args import API_KEY_ENV, add_engine_args, add_server_args
 
 if TYPE_CHECKING:
     from omnistage.configs.schema import GraphConfig
@@ -94,6 +94,7 @@ def prepare(args: argparse.Namespace) -> tuple[GraphConfig, socket.socket]:
         args.tokenizer = startup.resolve_tokenizer(args.tokenizer)
     if args.chat_template is not None:
         args.chat_template = startup.read_chat_template(args.chat_template)
+    args.api_key = startup.read_api_key(args.api_key, args.api_key_file, API_KEY_ENV)
     startup.check_ssl(args.ssl_certfile, args.ssl_keyfile)
     graph = build_graph(args, model_path)
     return graph, startup.bind_port(args.host, args.port)
@@ -113,6 +114,7 @@ def _serve(args: argparse.Namespace, graph: GraphConfig, sock: socket.socket) ->
 
     from omnistage.engine.async_omni import AsyncOmni
     from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
+    from omnistage.entrypoints.openai.slow_clients import guarded_protocol
     from omnistage.utils.logging import configure_logging, uvicorn_log_config
 
     config = ServerConfig.from_namespace(args)
@@ -121,7 +123,8 @@ def _serve(args: argparse.Namespace, graph: GraphConfig, sock: socket.socket) ->
     try:
         app = build_app(engine, config)
         server = uvicorn.Server(uvicorn.Config(
-            app, log_level=(args.uvicorn_log_level or config.log_level).lower(),
+            app, http=guarded_protocol(config.connection_limits),
+            log_level=(args.uvicorn_log_level or config.log_level).lower(),
             log_config=uvicorn_log_config(args.uvicorn_log_level or config.log_level),
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
             timeout_graceful_shutdown=5))

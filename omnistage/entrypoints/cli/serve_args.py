@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
+API_KEY_ENV = "OMNISTAGE_API_KEY"     # the API key when no flag gives it (not seen in `ps`)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -18,7 +19,23 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="the name clients send as `model` (default: MODEL as given, or "
                         "omnistage-demo)")
     g.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/* routes")
+                   help="require `Authorization: Bearer KEY` on every route but /health and "
+                        "the playground page (visible in `ps`: prefer --api-key-file or "
+                        f"${API_KEY_ENV})")
+    g.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read the API key from FILE (its first line)")
+    g.add_argument("--open-metrics", dest="open_metrics", action="store_true", default=None,
+                   help="serve /metrics without the API key (for a Prometheus scraper)")
+    g.add_argument("--header-timeout", dest="header_timeout_s", type=float, default=None,
+                   metavar="SECONDS", help="a connection whose request headers are not complete "
+                   "this long after it opened (or after its last response) is closed "
+                   "(default 10)")
+    g.add_argument("--body-timeout", dest="body_timeout_s", type=float, default=None,
+                   metavar="SECONDS", help="a request body not fully received this long after "
+                   "the request started gets 408 (default 60)")
+    g.add_argument("--max-connections-per-client", type=int, default=None, metavar="N",
+                   help="connections one client address may hold open; more are answered 429 "
+                        "and closed (default 64; 0: no cap, e.g. behind a reverse proxy)")
     g.add_argument("--ssl-certfile", default=None, metavar="FILE",
                    help="serve HTTPS with this PEM certificate (and --ssl-keyfile)")
     g.add_argument("--ssl-keyfile", default=None, metavar="FILE",

@@ -5,11 +5,13 @@ second and one line on stderr, not a minute of loading and a traceback from a st
     port           bound here, now (the socket is handed to uvicorn)
     TLS files      loaded into an SSL context
     chat template  read (a file, or the template text itself)
+    API key        from --api-key, --api-key-file or $OMNISTAGE_API_KEY (one of them)
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import ssl
 from pathlib import Path
@@ -121,3 +123,24 @@ def check_ssl(certfile: str | None, keyfile: str | None) -> None:
     except (ssl.SSLError, OSError) as e:
         raise ValueError(f"--ssl-certfile {certfile}: cannot load the certificate and key "
                          f"({e})") from None
+
+
+def read_api_key(flag_key: str | None, key_file: str | None, env_name: str) -> str | None:
+    """The API key from --api-key, --api-key-file (its first line) or the environment
+    variable `env_name`; a file or the environment keeps it out of `ps`. Two sources, or an
+    empty key, are refused: which one wins would be a guess."""
+    env_key = os.environ.get(env_name) or None
+    given = [name for name, v in (("--api-key", flag_key), ("--api-key-file", key_file),
+                                  (f"${env_name}", env_key)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"the API key is given twice ({' and '.join(given)}): give one")
+    if key_file is not None:
+        path = Path(key_file).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"--api-key-file {key_file}: no such file")
+        lines = path.read_text().splitlines()
+        flag_key = lines[0].strip() if lines else ""
+    key = flag_key if flag_key is not None else env_key
+    if key is not None and not key.strip():
+        raise ValueError(f"{given[0]}: the API key is empty")
+    return key

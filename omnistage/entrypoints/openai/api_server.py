@@ -2,7 +2,8 @@
 `AsyncOmni` (`omnistage serve`, entrypoints/cli/serve.py, starts the engine and runs it under
 uvicorn).
 
-    client ─> CORS ─> metrics (status per route) ─> body size limit ─> API key ─> routes
+    client ─> CORS ─> metrics (status per route) ─> body deadline ─> body size limit ─> API key
+          ─> routes
                                                                                   │
          serving_chat / _completions / _images / _speech ──> EngineClient ──> AsyncOmni
          speech_stream, realtime/ (the WebSockets) ───────────┘
@@ -10,7 +11,8 @@ uvicorn).
 Routes hold no engine logic: they check the model name and hand the parsed body to a serving
 object. Every route exists whatever the model; one whose output the model cannot make answers
 400 saying so. `/` is the playground page (playground.py; `--no-playground`: none), served
-without the API key like /health. /health is 503 once a stage has no live replica (200,
+without the API key like /health; every other route needs the key when one is set (/metrics
+too, unless `--open-metrics`). /health is 503 once a stage has no live replica (200,
 "degraded", while some replica is down); /metrics is Prometheus text.
 """
 
@@ -58,6 +60,7 @@ from omnistage.entrypoints.openai.serving_completions import CompletionServing
 from omnistage.entrypoints.openai.serving_images import ImageServing, edit_form_schema
 from omnistage.entrypoints.openai.serving_speech import SpeechServing
 from omnistage.entrypoints.openai.serving_videos import VideoServing
+from omnistage.entrypoints.openai.slow_clients import BodyTimeout, ConnectionLimits
 from omnistage.entrypoints.openai.speech_stream import SpeechStream
 from omnistage.entrypoints.openai.video_params import VideoLimits
 from omnistage.entrypoints.openai.video_routes import add_video_routes
@@ -73,8 +76,11 @@ logger = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "omnistage-demo"
 _VIDEO_LIMITS = VideoLimits()
 KEY_PROTOCOL = "openai-insecure-api-key."     # a WebSocket subprotocol carrying the API key
+OPEN_PATHS = {"/health", "/"}                  # served without the API key: liveness, the page
+OPEN_PREFIX = "/playground/"                   # the page's script and styles
 _REALTIME_LIMITS = RealtimeLimits()
 _MEDIA = MediaPolicy()
+_CONNECTIONS = ConnectionLimits()
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
 
 
@@ -85,6 +91,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    open_metrics: bool = False                # /metrics without the API key (for scrapers)
     max_queue: int = 256                      # requests in flight before 429
     allowed_media_dirs: tuple[str, ...] = ()
     allow_remote_media: bool = False
@@ -100,6 +107,10 @@ class ServerConfig:
     # the preparation pool (prep_pool.py): threads, and requests queued or running there
     prep_workers: int = DEFAULT_PREP_WORKERS
     max_pending_prep: int = DEFAULT_MAX_PENDING_PREP
+    # slow clients (slow_clients.py): header and body deadlines, connections per address
+    header_timeout_s: float = _CONNECTIONS.header_timeout_s
+    body_timeout_s: float = _CONNECTIONS.body_timeout_s
+    max_connections_per_client: int = _CONNECTIONS.max_connections_per_client
     allowed_origins: tuple[str, ...] = ()     # CORS; empty: no CORS headers
     chat_template: str | None = None          # template text (the CLI reads the file)
     # what a chat answers with when a request names no `modalities`; empty: OpenAI's default
@@ -134,6 +145,7 @@ class ServerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         self.realtime_limits            # checks its values
+        self.connection_limits
         if self.max_pending_prep < self.prep_workers:
             raise ValueError(f"max_pending_prep={self.max_pending_prep}: must be >= "
                              f"prep_workers ({self.prep_workers})")
@@ -153,6 +165,11 @@ class ServerConfig:
     def realtime_limits(self) -> RealtimeLimits:
         return RealtimeLimits(self.realtime_max_buffer_bytes, self.realtime_max_turn_s,
                               self.realtime_idle_timeout_s)
+
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(self.header_timeout_s, self.body_timeout_s,
+                                self.max_connections_per_client)
 
     @property
     def media_policy(self) -> MediaPolicy:
@@ -213,19 +230,25 @@ class BodyLimit:
 
 
 class APIKeyCheck:
-    """With an API key set, /v1/* needs `Authorization: Bearer KEY` (WebSockets too). A
-    browser's WebSocket cannot send headers: there the key may come as the subprotocol
+    """With an API key set, every path but the open ones (/health, the playground page and its
+    files, /metrics with --open-metrics) needs `Authorization: Bearer KEY`, WebSockets too:
+    /metrics, /docs and /openapi.json say more about the server than a stranger should see.
+    A browser's WebSocket cannot send headers: there the key may come as the subprotocol
     `openai-insecure-api-key.KEY`, as OpenAI's browser clients send it (the playground does)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, open_metrics: bool = False) -> None:
         self.app, self.api_key = app, api_key
+        self.open_paths = OPEN_PATHS | ({"/metrics"} if open_metrics else set())
+
+    def is_open(self, path: str) -> bool:
+        return path in self.open_paths or path.startswith(OPEN_PREFIX)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         offered_key = None
         if scope["type"] == "websocket":
             scope, send, offered_key = _take_key_protocol(scope, send)
         if (self.api_key is None or scope["type"] not in ("http", "websocket")
-                or scope.get("method") == "OPTIONS" or not scope["path"].startswith("/v1")):
+                or scope.get("method") == "OPTIONS" or self.is_open(scope["path"])):
             return await self.app(scope, receive, send)
         auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, token = auth.partition(" ")
@@ -373,7 +396,8 @@ def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
 
     def card() -> ModelCard:
         foreign = client.foreign_backend
-        return ModelCard(id=name, created=started, root=config.model,
+        root = name if config.served_model_name else config.model   # the path stays hidden
+        return ModelCard(id=name, created=started, root=root,
                          max_model_len=client.max_model_len, modalities=sorted(client.outputs),
                          capabilities=caps(), native=not foreign, **foreign)
 
@@ -461,8 +485,9 @@ def _add_speech_routes(app: FastAPI, speech: SpeechServing, name: str) -> None:
 
 def _add_middleware(app: FastAPI, config: ServerConfig, metrics: ServerMetrics) -> None:
     routes = {r.path for r in app.routes if hasattr(r, "path")}
-    app.add_middleware(APIKeyCheck, api_key=config.api_key)
+    app.add_middleware(APIKeyCheck, api_key=config.api_key, open_metrics=config.open_metrics)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyTimeout, timeout_s=config.body_timeout_s)
     app.add_middleware(CountRequests, metrics=metrics, routes=routes)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),

@@ -254,11 +254,16 @@ class EngineClient:
             err.param, err.code = err.param or param, "invalid_input"
             return err
         if not self.is_healthy:
-            return APIError(503, f"the engine is not serving: {error}", code="engine_dead")
+            return APIError(503, f"the engine is not serving: {self.dead_reason}",
+                            code="engine_dead")      # (how the stage ended, not its text)
         if info is not None and info.kind == "timeout":       # a stage's input stalled
             return APIError(504, f"the request timed out in the engine: {error}",
                             code="engine_timeout")
-        return APIError(500, f"the request failed in the engine: {error}", code="engine_error")
+        # a stage's own exception may name files, processes or internals: the log has it
+        logger.error("a request failed in the engine: %s", error)
+        where = f" (stage {info.stage!r})" if info is not None and info.stage else ""
+        return APIError(500, f"the request failed in the engine{where}; the server's log has "
+                             "the details", code="engine_error")
 
 
 def prompt_text(prompt: PromptType) -> str | None:

@@ -4,7 +4,8 @@ files under the allowed folders, or from http(s) URLs when the server allows rem
 
     data:image/png;base64,....    always (the request body's size limit applies first)
     file:///srv/media/cat.png     only under --allowed-media-dirs (symlinks resolved first)
-    https://example.com/cat.png   only with --allow-remote-media
+    https://example.com/cat.png   only with --allow-remote-media, public hosts only
+                                  (remote_media.py)
 
 Every failure is an `APIError` naming the request field (`param`) and saying what to change:
 a 400 for a URL that is malformed, not allowed or not decodable, a 413 for one too large.
@@ -30,9 +31,7 @@ import binascii
 import io
 import math
 import os
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -40,6 +39,7 @@ from typing import Any, Iterator
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from omnistage.entrypoints.openai import remote_media
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 
 VIDEO_FPS = 2.0                 # frames per second sampled from a video
@@ -141,12 +141,13 @@ class MediaLoader:
         if "\x00" in name:                     # no file system takes it: not a path at all
             raise bad_request(f"{param}: a file URL's path holds a NUL character", param,
                               "invalid_media_url")
-        path = Path(os.path.realpath(name))
-        if not any(path.is_relative_to(d) for d in self.allowed):
-            raise bad_request(f"{param}: {path} is outside the allowed media folders",
+        path = Path(os.path.realpath(name))   # the messages name the path as given: never
+        if not any(path.is_relative_to(d) for d in self.allowed):   # where a link leads
+            raise bad_request(f"{param}: {_tail(name)} is outside the allowed media folders",
                               param, "media_not_allowed")
         if not path.is_file():
-            raise bad_request(f"{param}: no such file: {path}", param, "media_not_found")
+            raise bad_request(f"{param}: no such file: {_tail(name)}", param,
+                              "media_not_found")
         size = path.stat().st_size
         if size > self.policy.max_bytes:
             raise self._too_large(param, size)
@@ -157,13 +158,11 @@ class MediaLoader:
             raise bad_request(f"{param}: remote URLs are not allowed on this server (send the "
                               "media as a data: URL, or start the server with --allow-remote-media)",
                               param, "media_not_allowed")
-        req = urllib.request.Request(url, headers={"User-Agent": "omnistage"})
         try:
-            with urllib.request.urlopen(req, timeout=self.policy.timeout_s) as resp:
-                data = resp.read(self.policy.max_bytes + 1)
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+            data = remote_media.fetch(url, self.policy.max_bytes, self.policy.timeout_s)
+        except remote_media.FetchError as exc:
             raise bad_request(f"{param}: cannot fetch {_short(url)!r}: {exc}", param,
-                              "media_fetch_failed") from exc
+                              "media_fetch_failed") from None
         if len(data) > self.policy.max_bytes:
             raise self._too_large(param, len(data))
         return data
@@ -325,3 +324,8 @@ def _check_pixels(width: int, height: int, param: str, max_pixels: int, what: st
 
 def _short(url: str) -> str:
     return url if len(url) <= 80 else url[:77] + "..."
+
+
+def _tail(path: str) -> str:
+    """A client's path as it gave it, its end kept (the file's name)."""
+    return path if len(path) <= 80 else "..." + path[-77:]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import pickle
 import subprocess
@@ -30,6 +31,7 @@ from typing import IO, Any, Callable, TypeVar
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 # longer texts are counted in the child process before the API process tokenizes them
 # (200 k characters: at most about 40 ms of GIL held for a tokenization here)
@@ -102,7 +104,8 @@ class TokenCounter:
                 return int.from_bytes(read_frame(proc.stdout), "little", signed=True)
             except (OSError, EOFError) as exc:
                 self._stop()
-                raise APIError(503, f"the token counter died ({exc}); retry",
+                logger.warning("the token counter died: %s", exc)
+                raise APIError(503, "the token counter died; retry",
                                code="tokenizer_unavailable") from None
 
     def _child(self) -> subprocess.Popen:

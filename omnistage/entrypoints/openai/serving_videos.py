@@ -123,9 +123,10 @@ class VideoServing:
             store.update(job.id, status="completed", progress=100, completed_at=now())
         except APIError as exc:
             self._fail(job, exc.code or "engine_error", exc.message)
-        except Exception as exc:   # the last resort: a job never stays in_progress
-            logger.exception("video job %s failed", job.id)
-            self._fail(job, "internal_error", f"{type(exc).__name__}: {exc}")
+        except Exception:   # the last resort: a job never stays in_progress; its text (file
+            logger.exception("video job %s failed", job.id)   # paths, internals) stays in the log
+            self._fail(job, "internal_error", "the job failed in the server; the server's log "
+                                              "has the details")
 
     def _fail(self, job: VideoJob, code: str, message: str) -> None:
         assert self.store is not None

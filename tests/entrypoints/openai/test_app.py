@@ -296,6 +296,48 @@ def test_a_timed_out_request_is_a_504(engine: FakeOmni) -> None:
     assert (err.status, err.code) == (504, "engine_timeout") and "thinker" in err.message
 
 
+def test_the_api_key_guards_every_route_but_health_and_the_page(engine: FakeOmni) -> None:
+    """/metrics, /docs, /redoc and /openapi.json tell a stranger about the server: they need
+    the key like /v1/*; /health and the playground page do not, /metrics neither with
+    --open-metrics."""
+    keyed = ServerConfig(served_model_name="omni", api_key="k")
+    opened = ServerConfig(served_model_name="omni", api_key="k", open_metrics=True)
+    key = {"Authorization": "Bearer k"}
+    for path in ("/metrics", "/docs", "/redoc", "/openapi.json", "/v1/models", "/nowhere"):
+        r = call(engine, "GET", path, keyed)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        assert call(engine, "GET", path, keyed, headers=key).status_code != 401, path
+    for path in ("/health", "/", "/playground/playground.js"):
+        assert call(engine, "GET", path, keyed).status_code == 200, path
+    assert call(engine, "GET", "/metrics", opened).status_code == 200
+    assert call(engine, "GET", "/docs", opened).status_code == 401
+
+
+def test_the_served_name_hides_the_checkpoint_path(engine: FakeOmni) -> None:
+    config = ServerConfig(model="/srv/secret/ckpt", served_model_name="omni")
+    for path in ("/v1/models", "/v1/models/omni", "/v1/models/other"):
+        r = call(engine, "GET", path, config)
+        assert "/srv/secret" not in r.text + str(r.headers), (path, r.text)
+    assert call(engine, "GET", "/v1/models", config).json()["data"][0]["root"] == "omni"
+    unnamed = ServerConfig(model="/srv/ckpt")          # no served name: the path is the name
+    assert call(engine, "GET", "/v1/models", unnamed).json()["data"][0]["root"] == "/srv/ckpt"
+
+
+def test_an_engine_failure_shows_the_client_no_internals(engine: FakeOmni) -> None:
+    """A stage's exception text may name files and processes: the 500 names the stage only."""
+    from omnistage.entrypoints.openai.client import EngineClient
+    from omnistage.errors import StageError
+
+    message = "RuntimeError: cannot open /srv/models/x.safetensors (pid 4242)"
+    out = OmniOutput("r", None, [], finished=True, error=f"stage 'talker': {message}",
+                     error_info=StageError("talker", "internal", message))
+    out.outputs[0].finish_reason = "error"
+    err = EngineClient(engine, 4).failure(out)
+    assert (err.status, err.code) == (500, "engine_error") and "talker" in err.message
+    assert "/srv" not in err.message and "4242" not in err.message
+    assert "RuntimeError" not in err.message
+
+
 def test_the_speech_websocket_checks_the_api_key_and_the_model(engine: FakeOmni,
                                                                tmp_path: Path) -> None:
     """With an API key the handshake needs it (refused before accept); a model without speech

@@ -43,7 +43,8 @@ def fuzz(server: Server, model: str) -> tuple[int, list[str]]:
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
 
-    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json",
+                                          headers=server.headers)
     calls, failures = 0, []
     for result in schema.get_all_operations():
         op = result.ok()

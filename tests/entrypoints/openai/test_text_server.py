@@ -163,7 +163,7 @@ def test_n_choices_chat_and_completions(text_server: Server) -> None:
                        if c.choices[0].index == choice.index) == choice.text
 
 
-def test_api_key_is_required_on_v1_only(text_server: Server) -> None:
+def test_api_key_is_required_on_all_but_health_and_the_page(text_server: Server) -> None:
     url = text_server.url
     body = {"model": CHAT_MODEL, "messages": MESSAGES, "max_tokens": 2}
     key = text_server.api_key
@@ -175,7 +175,9 @@ def test_api_key_is_required_on_v1_only(text_server: Server) -> None:
                    headers={"Authorization": f"Bearer {key}"})
     assert r.status_code == 200
     assert httpx.get(f"{url}/health").status_code == 200      # open without a key
-    assert httpx.get(f"{url}/metrics").status_code == 200
+    for path in ("/metrics", "/docs", "/redoc", "/openapi.json", "/v1/models"):
+        assert httpx.get(f"{url}{path}").status_code == 401, path
+        assert text_server.get(path).status_code == 200, path
     with pytest.raises(openai.AuthenticationError):
         text_server.openai(api_key="nope").models.list()
 
