@@ -6,6 +6,8 @@ branches on different ranks, and the plan rank 0 shares with the others every st
     flux          -      x      x    x     guidance-distilled: no negative branch to split
     z_image       x      x      x    x     CFG with guidance_scale; the main layers' padded
                                            joint batch split, its key mask with it
+    wan           x      x      x    x     CFG with guidance_scale (each expert's); the video
+                                           tokens split, text and CLIP tokens whole
     digits        -      -      -    -     the demo runs on one rank
 
 (each pipeline class's `parallel_axes`). The axes combine: world = cfg x ring x ulysses x tp

@@ -166,13 +166,23 @@ def pipeline_run(ranks: StageRanks, folder: str, cases: list[dict],
 
             graph_capture.capture_graph = rerun_capture     # this rank process's own
         pipe.use_cuda_graphs()
+
+    def submit(engine: DiffusionEngine) -> None:
+        for case in cases:
+            engine.add_request(case["id"], None, case_params(case, pipeline))
+            engine.set_conditioning(case["id"], captions(case))
+
+    return _serve(ranks, pipe, submit)
+
+
+def _serve(ranks: StageRanks, pipe, submit) -> dict:
+    """`submit(engine)` adds the requests on rank 0, which steps them to the end; the other
+    ranks follow its plans. -> pipeline_run's result."""
     engine = DiffusionEngine(pipe)
     finished = []
     if ranks.is_leader:
         pipe.decode = lambda latents, params: torch.zeros(1, 1, 1, 3)   # latents are compared
-        for case in cases:
-            engine.add_request(case["id"], None, case_params(case, pipeline))
-            engine.set_conditioning(case["id"], captions(case))
+        submit(engine)
         reqs = dict(engine.requests)
         run_to_end(engine)
         engine.stop_followers()
@@ -180,10 +190,40 @@ def pipeline_run(ranks: StageRanks, folder: str, cases: list[dict],
     else:
         while (plan := ranks.share_plan()) is not None:
             finished += engine.run_plan(plan)
+    graphs = pipe.graphs if isinstance(pipe.graphs, list) else [pipe.graphs]
     return {"latents": {r.request_id: r.latents.flatten().tolist() for r in finished},
             "skipped": {r.request_id: {b: s.num_skipped for b, s in r.cache.items()}
                         for r in finished},
-            "replays": pipe.graphs.num_replays if pipe.graphs is not None else 0}
+            "replays": sum(g.num_replays for g in graphs if g is not None)}
+
+
+# Wan2.2 A14B's tiny folder (omnistage/testing/tiny_wan.py; its 4-step schedule crosses the
+# boundary after step 2): CFG with a scale per expert, none, and step caching
+WAN_CASES = [
+    dict(id="a", prompt="a red kite over the sea", steps=4, seed=1, cfg=4.0, cfg2=2.0),
+    dict(id="b", prompt="waves", steps=3, seed=2),
+    dict(id="c", prompt="a cat on a wall", steps=6, seed=3, cfg=3.0, cache_threshold=0.5,
+         negative_prompt="blurry"),
+]
+
+
+def wan_run(ranks: StageRanks, folder: str, cases: list[dict]) -> dict:
+    """Wan's cases (prompts encoded by rank 0's UMT5, 5 frames of 32x48) to the end on these
+    ranks: pipeline_run's result."""
+    from omnistage.registry import load_component
+
+    pipe = load_component("diffusion", "wan").from_pretrained(
+        folder, "wan", torch.device("cpu"), torch.float32)
+
+    def submit(engine: DiffusionEngine) -> None:
+        for case in cases:
+            engine.add_request(case["id"], case["prompt"], DiffusionParams(
+                height=32, width=48, num_frames=5, num_inference_steps=case["steps"],
+                seed=case["seed"], guidance_scale=case.get("cfg", 1.0),
+                guidance_scale_2=case.get("cfg2"), negative_prompt=case.get("negative_prompt"),
+                cache_threshold=case.get("cache_threshold")))
+
+    return _serve(ranks, pipe, submit)
 
 
 def qwen_image_stage_run(ranks: StageRanks, folder: str, cases: list[dict]) -> dict:

@@ -29,7 +29,7 @@ from omnistage.layers.groups import StageRanks
 from omnistage.testing.diffusion_ranks import (CASES, build_tiny_flux_transformer,
                                                build_tiny_qwen_image, build_tiny_wan_transformer,
                                                build_tiny_z_image, flux_forward, pipeline_run,
-                                               wan_forward)
+                                               WAN_CASES, wan_forward, wan_run)
 from omnistage.testing.ranks import run_ranks
 
 pytest.importorskip("diffusers")
@@ -159,6 +159,34 @@ def test_wan_transformer_matches_one_rank(tmp_path_factory: pytest.TempPathFacto
     assert reference.abs().max() > 1.0
     for result in run_ranks(f"{TARGET}:wan_forward", LAYOUTS[layout], kwargs, tmp_path):
         assert (torch.tensor(result) - reference).abs().max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """The tiny Wan2.2 A14B folder (two experts) and WAN_CASES' latents on one rank."""
+    from omnistage.testing.tiny_wan import build_tiny_wan22_a14b
+
+    folder = tmp_path_factory.mktemp("wan")
+    build_tiny_wan22_a14b(folder)
+    return str(folder), wan_run(StageRanks.single(), str(folder), WAN_CASES)
+
+
+@pytest.mark.parametrize("layout", ["cfg2", "cfg2-ulysses2"])
+def test_wan_latents_match_one_rank(wan: tuple[str, dict], layout: str, tmp_path: Path
+                                    ) -> None:
+    """The Wan pipeline split (issue 21: A14B on 2 GPUs): CFG-parallel, alone and with
+    Ulysses; requests crossing the experts' boundary with a scale each, one without CFG, one
+    step-cached: every rank ends with the 1-rank latents and skips the same steps per branch
+    and expert."""
+    folder, reference = wan
+    assert sum(reference["skipped"]["c"].values()) > 0          # the cache is exercised
+    results = run_ranks(f"{TARGET}:wan_run", LAYOUTS[layout],
+                        {"folder": folder, "cases": WAN_CASES}, tmp_path)
+    for rank, result in enumerate(results):
+        assert_latents_close(result["latents"], reference, rel=True)
+        for rid, branches in result["skipped"].items():     # CFG rank 1 runs "uncond" only
+            for branch, skipped in branches.items():
+                assert skipped == reference["skipped"][rid][branch], (rank, rid, branch)
 
 
 @pytest.mark.parametrize("layout", ["ulysses2", "ring2", "ring2-ulysses2"])

@@ -52,11 +52,13 @@ from torch import Tensor
 from transformers import AutoTokenizer
 
 from omnistage.diffusion.image_input import input_image, preprocess
+from omnistage.diffusion.parallel import gather_branches
 from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.pipeline import check_conditioning, encode_with_negatives
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers.unipc_flow import FlowUniPC, UniPCConfig
 from omnistage.layers.graph_capture import ShapeGraphs
+from omnistage.layers.groups import stage_ranks
 from omnistage.layers.step_cache import cache_groups
 from omnistage.models.autoencoder_kl_wan import AutoencoderKLWan, AutoencoderKLWanConfig
 from omnistage.models.diffusers_loader import read_config
@@ -144,7 +146,9 @@ class WanPipeline:
     label = "Wan"
     graphable = True        # a stage's `cuda_graphs` option: use_cuda_graphs
     graphs: list[ShapeGraphs] | None = None          # per expert
-    parallel_axes: tuple[str, ...] = ()
+    # CFG-parallel: the prompt rows on CFG rank 0, the negative prompt's on rank 1; Ulysses,
+    # ring and TP inside the transformer (models/wan_transformer.py), every rank the same call
+    parallel_axes = ("cfg", "ulysses", "ring", "tp")
     heads_key = "num_attention_heads"
 
     def __init__(self, transformer: WanTransformer3DModel, vae: AutoencoderKLWan,
@@ -158,6 +162,7 @@ class WanPipeline:
         self.transformer = transformer.to(device).eval()
         self.transformer_2 = None if transformer_2 is None else transformer_2.to(device).eval()
         self.experts = [m for m in (self.transformer, self.transformer_2) if m is not None]
+        self.cfg_ranks = stage_ranks().cfg      # CFG-parallel: branch c runs on rank c
         if transformer_2 is not None:    # 14B T2V-shaped, yet not Wan2.1: its own indicator
             for m in self.experts:
                 m.published_teacache = False
@@ -303,14 +308,21 @@ class WanPipeline:
         x = torch.cat([latents, latents[idx.to(latents.device)]])
         x, image = self.model_inputs(x, rows + neg_rows)
         t = torch.cat(steps + neg_steps).to(self.device)
-        step_cache = None
-        if any(r.params.cache_threshold is not None for r in requests):
-            guided_rows = ["negative_prompt_embeds" in r.cond for r in requests]
-            step_cache = cache_groups(requests, counts,    # a state per expert as well
-                                      [(f"cond{expert}", [True] * len(requests)),
-                                       (f"uncond{expert}", guided_rows)])
-        out = self.run_expert(expert, x.to(self.dtype), t, torch.stack(texts + neg_texts),
-                              image, step_cache)
+        text = torch.stack(texts + neg_texts)
+        guided = ["negative_prompt_embeds" in r.cond for r in requests]
+        branches = [(f"cond{expert}", [True] * len(requests)), (f"uncond{expert}", guided)]
+        cached = any(r.params.cache_threshold is not None for r in requests)
+        if self.cfg_ranks.world_size > 1:      # branch c on CFG rank c, then gathered
+            c, num_rows = self.cfg_ranks.rank, latents.shape[0]
+            part = slice(0, num_rows) if c == 0 else slice(num_rows, x.shape[0])
+            local = latents[:0] if x[part].shape[0] == 0 else self.run_expert(
+                expert, x[part].to(self.dtype), t[part], text[part],
+                None if image is None else image[part],
+                cache_groups(requests, counts, [branches[c]]) if cached else None)
+            out = gather_branches(local, [num_rows, x.shape[0] - num_rows], self.cfg_ranks)
+        else:
+            out = self.run_expert(expert, x.to(self.dtype), t, text, image,
+                                  cache_groups(requests, counts, branches) if cached else None)
         pred, neg = out[:latents.shape[0]], out[latents.shape[0]:]
         k = 0
         for s, n, scale in spans:
