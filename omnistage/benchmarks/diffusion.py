@@ -170,7 +170,7 @@ def bench_transformers(cfg: DiffusionBenchConfig, device: torch.device, dtype: t
 
     arch = cfg.transformer
     grid = cfg.size // 16
-    latents, text, timed = denoiser_inputs(cfg, device, dtype)
+    _, text, timed = denoiser_inputs(cfg, device, dtype)
     img_shapes = [[(1, grid, grid)]]
     out: dict[str, object] = {}
     final: dict[str, Tensor] = {}
@@ -188,6 +188,7 @@ def bench_transformers(cfg: DiffusionBenchConfig, device: torch.device, dtype: t
     if cfg.reference_compiled:      # diffusers' own regional compilation, as its docs advise
         ref.compile_repeated_blocks(fullgraph=True)
         _, out["diffusers_compiled_s"] = timed(reference)
+        torch._dynamo.reset()       # its compiled code must not keep the weights alive
     names = {n: tuple(p.shape) for n, p in ref.named_parameters()}
     ref = None
     free_device_memory(device)

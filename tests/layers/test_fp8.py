@@ -5,6 +5,7 @@ Qwen-Image / FLUX denoising loops whose FP8 latents stay close to float32's."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -175,7 +176,7 @@ def test_weight_bytes_halve() -> None:
 def _denoise(forward, x: Tensor, steps: int = 4) -> Tensor:
     """A plain Euler flow-match loop from t=1 to 0."""
     ts = torch.linspace(1.0, 0.0, steps + 1)
-    for t, t_next in zip(ts[:-1], ts[1:]):
+    for t, t_next in itertools.pairwise(ts):
         x = x + (t_next - t) * forward(x, t.expand(x.shape[0]))
     return x
 
