@@ -60,6 +60,8 @@ class DiffusionBenchConfig:
     concurrency: int = 4
     vae_base_dim: int = 16
     compile: bool = False                 # also time our transformer with compile_blocks
+    # fp8: also our transformer with FP8 linears (benchmarks/diffusion_fp8.py)
+    quantization: str | None = None
     device: str = "auto"
     seed: int = 0
 
@@ -72,6 +74,14 @@ class DiffusionBenchConfig:
             raise ValueError(f"steps={self.steps}: must be >= 2")
         if self.num_layers < 1 or self.text_len < 1 or self.concurrency < 1:
             raise ValueError("num_layers, text_len and concurrency must be >= 1")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization={self.quantization!r}: only fp8")
+
+    @property
+    def reference_compiled(self) -> bool:
+        """Whether diffusers' regional compilation is timed too: for any variant that claims
+        a speed-up over it (compiled, FP8)."""
+        return self.compile or self.quantization is not None
 
     @classmethod
     def preset(cls, sizes: str, *, size: int | None = None, steps: int | None = None,
@@ -125,6 +135,30 @@ def _denoise(forward: Callable[[Tensor, Tensor], Tensor], latents: Tensor, sigma
     return x, now(device) - t0
 
 
+Timed = Callable[[Callable[[Tensor, Tensor], Tensor]], tuple[Tensor, float]]
+
+
+def denoiser_inputs(cfg: DiffusionBenchConfig, device: torch.device, dtype: torch.dtype
+                    ) -> tuple[Tensor, Tensor, Timed]:
+    """The run's latents and caption states (the same for every variant, from cfg.seed), and
+    `timed(forward)`: the whole Euler loop after a 2-step warm-up -> final latents, seconds."""
+    arch = cfg.transformer
+    grid = cfg.size // 16
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    latents = torch.randn(1, grid * grid, int(arch["in_channels"]), generator=gen).to(device,
+                                                                                      dtype)
+    text = torch.randn(1, cfg.text_len, int(arch["joint_attention_dim"]), generator=gen
+                       ).to(device, dtype)
+    sigmas = _schedule(cfg)
+
+    def timed(forward: Callable[[Tensor, Tensor], Tensor]) -> tuple[Tensor, float]:
+        with torch.inference_mode():
+            _denoise(forward, latents, sigmas[:3], device)                  # warm-up
+            return _denoise(forward, latents, sigmas, device)
+
+    return latents, text, timed
+
+
 def bench_transformers(cfg: DiffusionBenchConfig, device: torch.device, dtype: torch.dtype
                        ) -> tuple[dict[str, object], torch.nn.Module, Tensor]:
     """-> timings and latent agreement, our transformer (kept for the engine), the caption
@@ -136,29 +170,25 @@ def bench_transformers(cfg: DiffusionBenchConfig, device: torch.device, dtype: t
 
     arch = cfg.transformer
     grid = cfg.size // 16
-    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
-    latents = torch.randn(1, grid * grid, int(arch["in_channels"]), generator=gen).to(device,
-                                                                                      dtype)
-    text = torch.randn(1, cfg.text_len, int(arch["joint_attention_dim"]), generator=gen
-                       ).to(device, dtype)
+    _, text, timed = denoiser_inputs(cfg, device, dtype)
     img_shapes = [[(1, grid, grid)]]
-    sigmas = _schedule(cfg)
     out: dict[str, object] = {}
     final: dict[str, Tensor] = {}
-
-    def timed(forward: Callable[[Tensor, Tensor], Tensor]) -> tuple[Tensor, float]:
-        with torch.inference_mode():
-            _denoise(forward, latents, sigmas[:3], device)                  # warm-up
-            return _denoise(forward, latents, sigmas, device)
 
     # diffusers first, then freed: the real size does not fit twice on an 80 GB card
     with torch.device(device), default_dtype(dtype):
         ref = diffusers.QwenImageTransformer2DModel(**arch).eval()
     num_params = seeded_init(ref, cfg.seed)
-    final["diffusers"], out["diffusers_s"] = timed(
-        lambda x, t: ref(hidden_states=x, encoder_hidden_states=text,
-                         encoder_hidden_states_mask=None, timestep=t, img_shapes=img_shapes,
-                         return_dict=False)[0])
+
+    def reference(x: Tensor, t: Tensor) -> Tensor:
+        return ref(hidden_states=x, encoder_hidden_states=text, encoder_hidden_states_mask=None,
+                   timestep=t, img_shapes=img_shapes, return_dict=False)[0]
+
+    final["diffusers"], out["diffusers_s"] = timed(reference)
+    if cfg.reference_compiled:      # diffusers' own regional compilation, as its docs advise
+        ref.compile_repeated_blocks(fullgraph=True)
+        _, out["diffusers_compiled_s"] = timed(reference)
+        torch._dynamo.reset()       # its compiled code must not keep the weights alive
     names = {n: tuple(p.shape) for n, p in ref.named_parameters()}
     ref = None
     free_device_memory(device)
@@ -254,18 +284,32 @@ def _serve(engine, pipe, requests: list[tuple[str, object]], text: Tensor,
     return seconds, latents, images, metrics
 
 
-def bench_engine(transformer, text: Tensor, cfg: DiffusionBenchConfig, device: torch.device,
-                 dtype: torch.dtype) -> dict[str, object]:
-    from omnistage.diffusion.engine import DiffusionEngine
+def request_params(cfg: DiffusionBenchConfig, seed: int, threshold: float | None = None,
+                   steps: int | None = None):
+    """One engine request of the run's size: `steps` (default the run's), a step-cache
+    `threshold` (None: uncached)."""
     from omnistage.diffusion.params import DiffusionParams
+
+    return DiffusionParams(height=cfg.size, width=cfg.size, num_inference_steps=steps or cfg.steps,
+                           seed=seed, cache_threshold=threshold)
+
+
+def best_cached(cache: list[dict], key: str, min_db: float) -> dict | None:
+    """The fastest step-cache entry whose PSNR `key` reaches `min_db` (None: none does)."""
+    good = [c for c in cache if c[key] >= min_db]
+    return max(good, key=lambda c: c["speedup"]) if good else None
+
+
+def bench_engine(transformer, text: Tensor, cfg: DiffusionBenchConfig, device: torch.device,
+                 dtype: torch.dtype) -> tuple[dict[str, object], Tensor]:
+    """-> the engine's figures, and the uncached image (the reference of other variants)."""
+    from omnistage.diffusion.engine import DiffusionEngine
 
     pipe = _pipeline(transformer, cfg, device, dtype)
     engine = DiffusionEngine(pipe, max_num_seqs=cfg.concurrency)
 
     def params(seed: int, threshold: float | None = None, steps: int | None = None):
-        return DiffusionParams(height=cfg.size, width=cfg.size,
-                               num_inference_steps=steps or cfg.steps, seed=seed,
-                               cache_threshold=threshold)
+        return request_params(cfg, seed, threshold, steps)
 
     _serve(engine, pipe, [("warm", params(10_000, None, 2))], text, device)
     base_s, base_latents, base_images, _ = _serve(engine, pipe, [("base", params(0))], text,
@@ -278,8 +322,7 @@ def bench_engine(transformer, text: Tensor, cfg: DiffusionBenchConfig, device: t
                       "latents_psnr_db": psnr(lat["cached"], base_latents["base"]),
                       "image_psnr_db": psnr(img["cached"].float(),
                                             base_images["base"].float(), 255.0)})
-    good = [c for c in cache if c["latents_psnr_db"] >= 30.0]
-    best = max(good, key=lambda c: c["speedup"]) if good else None
+    best = best_cached(cache, "latents_psnr_db", 30.0)
 
     n = cfg.concurrency
     one_by_one = sum(_serve(engine, pipe, [(f"seq{i}", params(100 + i))], text, device)[0]
@@ -292,7 +335,7 @@ def bench_engine(transformer, text: Tensor, cfg: DiffusionBenchConfig, device: t
                          "batched_s": batched,
                          "images_per_s_one_at_a_time": n / one_by_one,
                          "images_per_s_batched": n / batched,
-                         "speedup": ratio(one_by_one, batched)}}
+                         "speedup": ratio(one_by_one, batched)}}, base_images["base"]
 
 
 # ---- the run ------------------------------------------------------------------------------
@@ -301,7 +344,12 @@ def run(cfg: DiffusionBenchConfig) -> dict[str, object]:
     device = resolve_device(cfg.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     transformer_result, ours, text = bench_transformers(cfg, device, dtype)
-    engine_result = bench_engine(ours, text, cfg, device, dtype)
+    engine_result, image = bench_engine(ours, text, cfg, device, dtype)
+    fp8_result = None
+    if cfg.quantization:
+        from omnistage.benchmarks.diffusion_fp8 import bench_fp8
+
+        fp8_result = bench_fp8(ours, image, transformer_result, cfg, device, dtype)
     del ours
     free_device_memory(device)
     best = engine_result["step_cache_best_at_30db"]
@@ -316,11 +364,18 @@ def run(cfg: DiffusionBenchConfig) -> dict[str, object]:
     if cfg.compile:
         ratios["compiled_speedup_vs_diffusers"] = ratio(transformer_result["diffusers_s"],
                                                         transformer_result["compiled_s"])
+    if cfg.reference_compiled:
+        ratios["exact_speedup_vs_diffusers_compiled"] = ratio(
+            transformer_result["diffusers_compiled_s"],
+            transformer_result.get("compiled_s", transformer_result["omnistage_s"]))
+    if fp8_result:
+        ratios.update(fp8_result.pop("ratios"))
     return {
         "benchmark": "diffusion", **environment(device),
         "dtype": str(dtype).removeprefix("torch."),
         "config": {**asdict(cfg), "transformer": cfg.transformer, "scheduler": SCHEDULER},
-        "transformer": transformer_result, "engine": engine_result, "ratios": ratios,
+        "transformer": transformer_result, "engine": engine_result,
+        **({"fp8": fp8_result} if fp8_result else {}), "ratios": ratios,
         "notes": "speedups: reference seconds over ours (above 1: ours is faster). PSNR of the "
                  "step-cached run against the uncached one: latents with the reference's range "
                  "as peak, images (small random VAE) with 255. Random weights: how many steps a "

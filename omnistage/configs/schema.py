@@ -145,6 +145,9 @@ class StageConfig:
     devices: tuple[int, ...] = (0,)
     memory_fraction: float = 0.9
     dtype: DType = "auto"
+    # diffusion: fp8 swaps the transformer's large linears for FP8 ones at load (layers/fp8.py;
+    # a GPU of compute capability 8.9+). AR stages run in their dtype for now.
+    quantization: Literal["fp8"] | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -229,6 +232,9 @@ class StageConfig:
                      "cfg_parallel_size"):
             if getattr(self, name) < 1:
                 bad(name, "must be >= 1")
+        if self.quantization is not None and self.kind != "diffusion":
+            bad("quantization", f"applies to diffusion stages only for now; stage {self.name!r} "
+                                f"is of kind {self.kind} and runs in its dtype")
         if self.replicas < 1:
             bad("replicas", "must be >= 1")
         if self.max_restarts < 0:

@@ -28,6 +28,7 @@ MAIN_STAGE = {"gpu_memory_utilization": "memory_fraction", "max_num_seqs": "max_
               "max_model_len": "max_model_len", "max_num_batched_tokens": "max_num_batched_tokens",
               "block_size": "block_size", "enable_prefix_caching": "enable_prefix_caching",
               "enable_chunked_prefill": "enable_chunked_prefill",
+              "quantization": "quantization",     # fp8, diffusion stages (layers/fp8.py)
               **{key: key for key in PARALLEL_KEYS}}
 # keys that describe the whole model: every stage
 EVERY_STAGE = ("dtype", "seed", "enforce_eager", "async_scheduling", "startup_timeout_s")
@@ -38,7 +39,6 @@ REFUSED: dict[str, tuple[object, str]] = {
     "pipeline_parallel_size": (1, "split the model into stages instead (stage_config=...)"),
     "trust_remote_code": (False, "no model code is read from checkpoints here: drop it"),
     "tokenizer": (None, "the tokenizer is read from the model folder"),
-    "quantization": (None, "quantized checkpoints are not supported"),
     "kv_cache_dtype": ("auto", "the KV cache takes the stage's dtype"),
     "swap_space": (0, "preempted requests are recomputed, never swapped"),
     "cpu_offload_gb": (0, ("weights are not offloaded; lower memory use with "

@@ -221,6 +221,12 @@ class FluxSingleTransformerBlock(nn.Module):
 # ---- model ---------------------------------------------------------------------------------
 
 class FluxTransformer2DModel(nn.Module):
+    # FP8 (layers/fp8.py): linears left in bf16, besides those too small: the embeddings,
+    # the blocks' modulation (norm1, norm1_context, the single blocks' norm) and the output
+    # norm's, the final projection (a single block's proj_out is quantized)
+    fp8_keep = ("time_text_embed.*", "context_embedder", "x_embedder", "*.norm1.*",
+                "*.norm1_context.*", "*.norm.*", "norm_out.*", "proj_out")
+
     def __init__(self, cfg: FluxTransformerConfig) -> None:
         super().__init__()
         self.cfg = cfg

@@ -269,6 +269,11 @@ class QwenImageTransformerBlock(nn.Module):
 # ---- model ---------------------------------------------------------------------------------
 
 class QwenImageTransformer2DModel(nn.Module):
+    # FP8 (layers/fp8.py): linears left in bf16, besides those too small: the embeddings,
+    # the blocks' modulation and the output norm's, the final projection
+    fp8_keep = ("time_text_embed.*", "img_in", "txt_in", "*.img_mod.*", "*.txt_mod.*",
+                "norm_out.*", "proj_out")
+
     def __init__(self, cfg: QwenImageTransformerConfig) -> None:
         super().__init__()
         self.cfg = cfg

@@ -381,6 +381,9 @@ class WanTransformer3DModel(nn.Module):
     ignored_tensors = ("norm_added_q",)
     # float32 in any dtype, as diffusers' _keep_in_fp32_modules (build_from_folder reads it)
     keep_in_fp32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+    # FP8 (layers/fp8.py): linears left in bf16, besides those too small: the time, text and
+    # image embeddings with the modulation projection (condition_embedder), the final projection
+    fp8_keep = ("condition_embedder.*", "proj_out")
 
     def __init__(self, cfg: WanTransformerConfig) -> None:
         super().__init__()

@@ -289,6 +289,11 @@ def _pad_batch(seqs: list[Tensor]) -> tuple[Tensor, Tensor | None]:
 
 
 class ZImageTransformer2DModel(nn.Module):
+    # FP8 (layers/fp8.py): linears left in bf16, besides those too small: the embeddings,
+    # the blocks' modulation, the final layers (their modulation and projection)
+    fp8_keep = ("all_x_embedder.*", "t_embedder.*", "cap_embedder.*", "*.adaLN_modulation.*",
+                "all_final_layer.*")
+
     def __init__(self, cfg: ZImageConfig) -> None:
         super().__init__()
         check_heads(cfg.n_heads, "n_heads")

@@ -16,6 +16,7 @@ from omnistage.diffusion.parallel import check_layout
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import DiffusionPipeline, compile_blocks, is_split_pipeline
 from omnistage.diffusion.text_encoding import TEXT_ENCODER_PART, TextEncodingEngine
+from omnistage.layers.fp8 import quantize_fp8
 from omnistage.layers.groups import stage_ranks
 from omnistage.stages.adapters import StageFeed
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
@@ -68,6 +69,7 @@ class DiffusionStage:
         if (part or self.conditioned) and not is_split_pipeline(cls):
             raise ValueError(f"stage {stage.name!r}: the {name!r} pipeline encodes its own "
                              "prompts; its text encoding cannot run in another stage")
+        check_quantization(stage, cls, part)
         self.engine: DiffusionEngine | DiffusersEngine | TextEncodingEngine
         self.stage_info: StageInfo = {}
         if part:
@@ -86,6 +88,7 @@ class DiffusionStage:
             self.stage_info = {"backend": BACKEND, "pipeline": pipeline.class_name}
             self.engine = DiffusersEngine(pipeline, stage.max_num_seqs)
             return
+        quantize_pipeline(stage, pipeline, dev)
         apply_options(stage, pipeline, dev)
         # on CUDA, memory_fraction bounds weights plus each step's activations
         memory = (MemoryBudget.of_fraction(CudaProbe(dev), stage.memory_fraction)
@@ -168,6 +171,31 @@ def check_options(stage: StageConfig, cls: type) -> None:
     if stage.options and issubclass(cls, DiffusersPipeline):
         raise ValueError(f"stage {stage.name!r}: options {sorted(stage.options)} do not apply "
                          "to the generic diffusers adapter (diffusers runs the pipeline)")
+
+
+def check_quantization(stage: StageConfig, cls: type, part: str) -> None:
+    """Before anything loads: `quantization` is for a native pipeline's denoiser, not for a
+    text-encoder stage or the generic diffusers adapter."""
+    if stage.quantization is None:
+        return
+    if part or issubclass(cls, DiffusersPipeline):
+        what = "a text-encoder stage" if part else "the generic diffusers adapter"
+        raise ValueError(f"stage {stage.name!r}: quantization {stage.quantization} applies to "
+                         f"a native pipeline's transformer, not to {what}")
+
+
+def quantize_pipeline(stage: StageConfig, pipeline: DiffusionPipeline, dev: torch.device
+                      ) -> None:
+    """`quantization: fp8`: the pipeline's transformers (both of Wan 2.2's experts) get FP8
+    linears (layers/fp8.py; ValueError on a device without FP8), their bf16 weights freed."""
+    if stage.quantization is None:
+        return
+    denoiser = getattr(pipeline, "transformer", None) or pipeline.model
+    for model in (denoiser, getattr(pipeline, "transformer_2", None)):
+        if model is not None:
+            quantize_fp8(model)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()          # the bf16 weights' blocks back to the device
 
 
 def apply_options(stage: StageConfig, pipeline: DiffusionPipeline, dev: torch.device) -> None:

@@ -1,4 +1,4 @@
-"""Runs the tensor-parallel layers (layers/parallel.py) on R CPU ranks over gloo against the
+"""Runs the tensor-parallel layers (layers/parallel.py, and their FP8 forms) on R CPU ranks over gloo against the
 same layers' single-rank results, for tests/layers/test_parallel.py (through
 omnistage.testing.ranks.run_ranks): every rank loads the whole checkpoint tensors through the
 layers' loaders and returns the largest difference of each check."""
@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.layers import parallel as tp
+from omnistage.layers.fp8 import Fp8Linear
 from omnistage.layers.groups import StageRanks
 
 H, D, HQ, V, INTER = 32, 8, 4, 63, 48   # V odd: the vocabulary padded on 2 ranks
@@ -58,6 +59,14 @@ def _checks(t: dict[str, torch.Tensor], num_kv_heads: int) -> dict[str, float]:
     o.weight_loader(o.weight, t["o"])
     attn = F.linear(x, t["q"])                      # stands for the attention output (T, Hq*D)
     out["o_proj"] = _rel(o(attn[:, heads]), F.linear(attn, t["o"]))
+    # FP8 (layers/fp8.py) of this rank's shards: the row-parallel sum with its bias once, the
+    # gathered column-parallel output; against the whole float layers (FP8's error)
+    out["fp8_row"] = _rel(Fp8Linear.from_linear(down)(F.silu(g) * u), whole)
+    column = tp.ColumnParallelLinear(H, INTER, bias=True, gather_output=True)
+    column.weight_loader(column.weight, t["gate"])
+    column.bias.weight_loader(column.bias, t["up"][:, 0])
+    out["fp8_column"] = _rel(Fp8Linear.from_linear(column)(x),
+                             F.linear(x, t["gate"], t["up"][:, 0]))
 
     embed = tp.VocabParallelEmbedding(V, H)
     embed.weight_loader(embed.weight, t["embed"])

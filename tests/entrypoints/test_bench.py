@@ -146,7 +146,7 @@ def test_tts_reference_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_bench_diffusion(tmp_path: Path) -> None:
     doc = bench(tmp_path, "diffusion", "--cache-thresholds", "0.5", "--concurrency", "2",
-                "--compile")
+                "--compile", "--quantization", "fp8")
     tr, eng = doc["transformer"], doc["engine"]
     assert positive(tr["diffusers_s"]) and positive(tr["omnistage_s"])
     assert tr["latents_rel_diff"] < 1e-4            # float32: same function, same weights
@@ -158,6 +158,24 @@ def test_bench_diffusion(tmp_path: Path) -> None:
     assert cached["threshold"] == 0.5 and 0 <= cached["steps_skipped"] <= 2
     assert eng["batching"]["concurrency"] == 2 and positive(eng["batching"]["speedup"])
     assert set(doc["ratios"]) >= {"transformer_speedup_vs_diffusers", "batching_speedup"}
+    check_fp8(doc)
+
+
+def check_fp8(doc: dict) -> None:
+    """--quantization fp8 (tiny: every linear from 16 features, `_scaled_mm` on the CPU): the
+    issue's headline names, diffusers compiled timed in the same call, FP8 weights near half
+    of bf16's, the FP8 image near the bf16 one."""
+    assert positive(doc["transformer"]["diffusers_compiled_s"])
+    fp8, ratios = doc["fp8"], doc["ratios"]
+    assert fp8["num_fp8_linears"] > 10 and positive(fp8["fp8_s"])
+    assert positive(fp8["fp8_compiled_s"])
+    assert 0.5 < ratios["fp8_weights_vs_bf16"] < 0.8      # the tiny model keeps its embeddings
+    assert ratios["fp8_image_psnr_db"] > 30
+    for key in ("fp8_speedup_vs_diffusers_compiled", "fp8_speedup_vs_diffusers",
+                "exact_speedup_vs_diffusers_compiled"):
+        assert positive(ratios[key]), key
+    assert "fp8_cache_speedup_vs_diffusers_compiled" in ratios
+    assert fp8["engine"]["step_cache"][0]["threshold"] == 0.5
 
 
 def test_seeded_init_is_by_name() -> None:
@@ -260,3 +278,4 @@ def test_bench_video(tmp_path: Path) -> None:
     for key in ("video_step_speedup_vs_diffusers", "video_step_speedup_vs_diffusers_compiled",
                 "video_step_cache_speedup_vs_diffusers"):
         assert positive(ratios[key]) and ratios[key] == ratios[f"{key}_5b"]
+

@@ -23,9 +23,12 @@ def _run(world_size: int, num_kv_heads: int, out_dir: Path) -> list[dict[str, fl
 @pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["kv-split", "kv-replicated"])
 def test_two_ranks_equal_the_whole_layers(num_kv_heads: int, tmp_path: Path) -> None:
     for rank, errors in enumerate(_run(2, num_kv_heads, tmp_path)):
-        assert set(errors) == {"q", "k", "v", "mlp", "o_proj", "embed", "lm_head"}
+        assert set(errors) == {"q", "k", "v", "mlp", "o_proj", "embed", "lm_head", "fp8_row",
+                               "fp8_column"}
         for name, err in errors.items():
-            assert err < 1e-5, (rank, name, err)     # float32 sums in another order
+            # float32 sums in another order; FP8 shards: e4m3's rounding (a wrong shard's
+            # scale, bias counted twice or a missing gather is far above)
+            assert err < (0.08 if name.startswith("fp8") else 1e-5), (rank, name, err)
 
 
 def test_one_rank_is_the_single_device_layer() -> None:

@@ -173,6 +173,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="enable_prefix_caching: reuse the KV cache of shared "
                                       "prompt prefixes (ar; on by default)")
+    e.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="quantization: fp8 runs the main stage's transformer linears in FP8 "
+                        "(diffusion; a GPU of compute capability 8.9+, e.g. H100)")
     e.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of every stage (the whole model; default: the checkpoint's)")
     e.add_argument("--seed", type=int, default=None,

@@ -50,6 +50,7 @@ STAGE_FLAGS: tuple[StageFlag, ...] = (
     StageFlag("enable_prefix_caching", "enable_prefix_caching", ("ar",)),
     StageFlag("seed", "seed", ("ar",)),
     StageFlag("tokenizer", "tokenizer", ("ar",)),
+    StageFlag("quantization", "quantization", ("diffusion",)),
     StageFlag("dtype", "dtype", ALL_KINDS, every_stage=True),
     StageFlag("tensor_parallel_size", "tensor_parallel_size", ("ar", "diffusion")),
     StageFlag("ulysses_degree", "ulysses_degree", ("diffusion",)),
