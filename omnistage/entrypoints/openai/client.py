@@ -253,7 +253,8 @@ class EngineClient:
             err = from_value_error(InputError(info.message, info.param), None)
             err.param, err.code = err.param or param, "invalid_input"
             return err
-        if not self.is_healthy:
+        if not self.is_healthy or (info is not None and info.kind == "stage_dead"):
+            # its stage died: 503 whether or not a restart has made the engine healthy again
             return APIError(503, f"the engine is not serving: {error}", code="engine_dead")
         if info is not None and info.kind == "timeout":       # a stage's input stalled
             return APIError(504, f"the request timed out in the engine: {error}",
