@@ -40,7 +40,7 @@ injected into one stage; then:
 - **/health**: what `/health` said when the first request failed (`503` while the stage has
   no live replica; `-`: no request failed).
 - **recovers**: `/health` back to `ok` and a new request served. Stages run with
-  `max_restarts` (a dead or hung stage process is restarted) and `step_timeout_s: 2` (a stage
+  `max_restarts` (a dead or hung stage process is restarted) and `step_timeout_s: 3` (a stage
   whose loop sends no heartbeat for that long is killed as hung; the default is 600 s).
 - **ended in / back in**: seconds from the fault until every request had ended, and from then
   until a new request was served.
@@ -52,9 +52,14 @@ After the matrix every engine shuts down: see the leftovers line below the table
 """
 
 TAIL = """
-Not covered yet: a stage of several ranks (one rank killed) and Ray actors; the replicated
-stage's case (only the dead replica's requests fail, the others complete) is
-`tests/engine/test_replicas.py`.
+Graphs: `text` is a tiny random Qwen3 (one AR stage), `text_tp2` the same over 2 gloo ranks
+(the faults strike rank 1, a follower; any rank lost ends the whole stage, which restarts),
+`image` the built-in demo (digits DiT), `omni` a tiny random Qwen3-Omni (thinker, talker,
+code2wav over shm). The out-of-memory and hung-step hooks run in a stage's worker loop (rank
+0), so a follower rank gets the signals only.
+
+Not covered here: Ray actors (`tests/engine/test_ray.py` kills them) and replicated stages
+(only the dead replica's requests fail, the others complete: `tests/engine/test_replicas.py`).
 
 ## Load and bad input (measured for issue 25, not re-measured by this page)
 
@@ -80,8 +85,10 @@ def render(lines: list[str]) -> str:
         if "shutdown" in entry:
             shutdown.update(entry["shutdown"])
             continue
+        stage = entry["stage"] + (f" (rank {entry['rank']} of {entry['ranks']})"
+                                  if entry.get("ranks", 1) > 1 else "")
         rows.append("| {graph} | {stage} | {fault} | {ends} | {health} | {rec} | {t1:g} | "
-                    "{t2:g} |".format(graph=entry["graph"], stage=entry["stage"],
+                    "{t2:g} |".format(graph=entry["graph"], stage=stage,
                                       fault=FAULT_TEXT[entry["fault"]],
                                       ends=", ".join(entry["ends"]),
                                       health=entry["health"] or "-",

@@ -344,6 +344,8 @@ class StageWorker:
             try:
                 outs = self.step()
             except Exception as exc:
+                if self.stage.parallel.world_size > 1:   # the ranks' collectives may be out
+                    raise                                # of step: the stage ends (restart)
                 outs, failed = [], exc
             finally:
                 self._stepping = False
@@ -361,7 +363,8 @@ class StageWorker:
         """A step that raised past the engine's own per-request isolation (out of memory, a
         bug): nothing says which request caused it, so every request the stage holds fails
         with the error and is freed here, and the stage serves on. (Crashing instead would
-        fail the same requests and leave the stage dead until a restart.)"""
+        fail the same requests and leave the stage dead until a restart.) A stage of several
+        ranks ends instead: its other ranks may be waiting in a collective that never comes."""
         logger.exception("stage %s: a step failed; failing its %d request(s)", self.name,
                          len(self.requests))
         outs = []

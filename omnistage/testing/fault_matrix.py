@@ -92,10 +92,10 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.01)
 
 
-def inject(omni: Omni, stage: str, fault: str, fault_dir: Path) -> None:
-    """One fault into a running stage (rank 0 of its first replica)."""
+def inject(omni: Omni, stage: str, fault: str, fault_dir: Path, rank: int = 0) -> None:
+    """One fault into a running stage (its first replica; a signal to the given rank)."""
     orch = omni.engine.orchestrator
-    pid = orch.stages.pids[stage]
+    pid = orch.stages.rank_pids[stage][rank]
     if fault in ("sigkill", "sigterm", "sigstop"):
         os.kill(pid, {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM,
                       "sigstop": signal.SIGSTOP}[fault])

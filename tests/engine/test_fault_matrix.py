@@ -25,7 +25,7 @@ from omnistage.testing.fault_matrix import FAULTS, Load, health, inject, leftove
 from omnistage.testing.tiny_models import build_tiny_checkpoint
 from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
 
-STEP_TIMEOUT_S = 2.0     # a stage silent this long is hung (the default is 600 s)
+STEP_TIMEOUT_S = 3.0     # a stage silent this long is hung (the default is 600 s)
 NUM_REQUESTS = 3
 CHAT = [{"role": "user", "content": "hello"}]
 
@@ -53,13 +53,18 @@ EXCEPTIONS: dict[tuple[str, str, str], Expect] = {
     # one AR stage with text out: no tensor crosses a process, so no segment exists
     ("text", "llm", "segment"): Expect(frozenset({"ok"}), frozenset({None})),
 }
-STAGES = {"text": ("llm",), "image": ("dit",), "omni": ("thinker", "talker", "code2wav")}
+STAGES = {"text": ("llm",), "image": ("dit",), "omni": ("thinker", "talker", "code2wav"),
+          "text_tp2": ("llm",)}
+# graph -> the rank its faults hit: text_tp2 is the text graph over 2 gloo ranks, and rank 1
+# (a follower: it runs no worker loop, so only the signals apply) is the one struck
+RANK = {"text_tp2": 1}
+RANK_FAULTS = ("sigkill", "sigterm", "sigstop")
 CI_CASES = [("text", "llm", "oom"), ("text", "llm", "sigstop"),
             ("image", "dit", "sigterm"), ("image", "dit", "hang"), ("image", "dit", "segment"),
             ("omni", "talker", "sigkill"), ("omni", "code2wav", "oom")]
 FULL = os.environ.get("OMNISTAGE_FAULT_MATRIX") == "full"
-CASES = ([(g, s, f) for g, stages in STAGES.items() for s in stages for f in FAULTS] if FULL
-         else CI_CASES)
+CASES = ([(g, s, f) for g, stages in STAGES.items() for s in stages
+          for f in (RANK_FAULTS if RANK.get(g) else FAULTS)] if FULL else CI_CASES)
 
 
 def expected(graph: str, stage: str, fault: str) -> Expect:
@@ -68,7 +73,7 @@ def expected(graph: str, stage: str, fault: str) -> Expect:
 
 def _load(graph: str) -> tuple[list, list]:
     """Long requests (prompts, per-stage params), so that each is in flight at the fault."""
-    if graph == "text":
+    if graph.startswith("text"):
         return ["count with me"] * NUM_REQUESTS, [SamplingParams(max_tokens=400,
                                                                  ignore_eos=True)]
     if graph == "image":
@@ -79,7 +84,7 @@ def _load(graph: str) -> tuple[list, list]:
 
 def _quick(graph: str) -> tuple[object, list]:
     """One short request: the engine serves again."""
-    if graph == "text":
+    if graph.startswith("text"):
         return "hi", [SamplingParams(max_tokens=4)]
     if graph == "image":
         return "a 3", [DiffusionParams(num_inference_steps=2)]
@@ -94,7 +99,10 @@ class Engine:
         overrides = [f"{s}.{k}" for s in STAGES[graph]
                      for k in ("max_restarts=100", f"step_timeout_s={STEP_TIMEOUT_S:g}")]
         self.graph, self.fault_dir = graph, fault_dir
-        self.omni = Omni(model, device="cpu", stage_overrides=overrides)
+        self.omni = Omni(model, device="cpu", stage_overrides=overrides,
+                         tensor_parallel_size=2 if graph == "text_tp2" else 1)
+        prompt, params = _quick(graph)    # first steps (lazy set-up) are not a fault's
+        assert self.omni.generate([prompt], params, use_tqdm=False)[0].error is None
         self.namespace = self.omni.engine.orchestrator.resources["shm_namespace"]
         self.pids: set[int] = set()
         self.note_pids()
@@ -116,7 +124,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3: Path) -> Itera
     leftovers at the end."""
     fault_dir = tmp_path_factory.mktemp("faults")
     started: dict[str, Engine] = {}
-    models = {"text": lambda: str(tiny_qwen3), "image": lambda: None,
+    models = {"text": lambda: str(tiny_qwen3), "text_tp2": lambda: str(tiny_qwen3),
+              "image": lambda: None,
               "omni": lambda: str(build_tiny_qwen3_omni(tmp_path_factory.mktemp("omni")))}
 
     def get(graph: str) -> Engine:
@@ -150,14 +159,16 @@ def test_fault(engines: dict, graph: str, stage: str, fault: str) -> None:
     load = Load(omni, *_load(graph))
     load.wait_started()
     t0 = time.monotonic()
-    inject(omni, stage, fault, engine.fault_dir)
-    outcome = load.settle(t0, timeout_s=STEP_TIMEOUT_S + 30)
+    inject(omni, stage, fault, engine.fault_dir, rank=RANK.get(graph, 0))
+    outcome = load.settle(t0, timeout_s=STEP_TIMEOUT_S + 60)
     engine.note_pids()
     t1 = time.monotonic()
     wait_for(lambda: health(omni) == "ok", 60, "the engine did not come back")
     prompt, params = _quick(graph)
-    (after,) = omni.generate([prompt], params)
-    _record({"graph": graph, "stage": stage, "fault": fault, "ends": sorted(set(
+    (after,) = omni.generate([prompt], params, use_tqdm=False)
+    _record({"graph": graph, "stage": stage, "rank": RANK.get(graph, 0),
+             "ranks": len(omni.engine.orchestrator.stages.rank_pids[stage]), "fault": fault,
+             "ends": sorted(set(
         outcome.ended.values())), "health": outcome.health_at_failure,
              "recovered": after.error is None, "seconds_to_end": round(outcome.seconds, 2),
              "seconds_to_recover": round(time.monotonic() - t1, 2),
