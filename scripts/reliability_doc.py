@@ -44,8 +44,8 @@ injected into one stage; then:
   whose loop sends no heartbeat for that long is killed as hung; the default is 600 s).
 - **ended in / back in**: seconds from the fault until every request had ended, and from then
   until a new request was served. Where the requests end `ok` (segments removed while every
-  chunk travelled inline), "ended in" is simply their length: 400 tokens or 200 denoising
-  steps each. The times come from a shared 2-core CPU machine under other work: upper bounds,
+  chunk travelled inline), "ended in" is simply their length: 100 tokens or 50 denoising
+  steps each (400 tokens or 200 steps for the other faults). The times come from a shared 2-core CPU machine under other work: upper bounds,
   not benchmarks.
 
 After the matrix every engine shuts down: see the leftovers line below the table.
