@@ -77,7 +77,6 @@ class StageSet:
         self.addresses: dict[Replica, str] = {}       # each replica's connector address (tcp)
         self.nodes: dict[Replica, str] = {}           # each replica's node (backend ray)
         self.last_beat: dict[Replica, float] = {}     # monotonic: its Ready or last Heartbeat
-        self.stepped: set[Replica] = set()            # has sent a Heartbeat since its Ready
         self._consumers = {s.name: {d.name for d, _ in downstream(graph, s.name)}
                            for s in graph.stages}
         try:
@@ -184,25 +183,20 @@ class StageSet:
         self.addresses[(msg.stage, msg.replica)] = msg.connector_address
         self.nodes[(msg.stage, msg.replica)] = msg.node
         self.last_beat[(msg.stage, msg.replica)] = time.monotonic()
-        self.stepped.discard((msg.stage, msg.replica))
 
     def beat(self, msg: m.Heartbeat) -> None:
         self.last_beat[(msg.stage, msg.replica)] = time.monotonic()
-        self.stepped.add((msg.stage, msg.replica))
 
     def end_hung(self) -> None:
         """Kill each running stage process whose busy loop has sent no heartbeat for its
         stage's step_timeout_s (SIGSTOPped, or a step that never returns): its requests would
-        wait forever. newly_dead() then reports it. Until its first heartbeat (sent once it
-        has stepped: a first step sets up lazily, slowly) a replica has startup_timeout_s.
-        Threads (backend inproc) cannot be ended."""
+        wait forever. newly_dead() then reports it. Threads (backend inproc) cannot be ended."""
         now = time.monotonic()
         for (name, r), seen in self.last_beat.items():
-            runner, stage = self.runners[name][r], self.graph.stage(name)
-            limit = (stage.step_timeout_s if (name, r) in self.stepped
-                     else stage.startup_timeout_s)
+            runner = self.runners[name][r]
+            limit = self.graph.stage(name).step_timeout_s
             if ((name, r) in self.down or (name, r) in self.starting or not runner.processes
-                    or runner.hung or now - seen <= limit or not runner.is_alive()):
+                    or now - seen <= limit or not runner.is_alive()):
                 continue
             logger.error("orchestrator: stage %s sent no heartbeat for %.1f s; killing it",
                          replica_name(name, r), now - seen)

@@ -127,9 +127,8 @@ class StartupFailed(msgspec.Struct, tag="failed"):
 
 
 class Heartbeat(msgspec.Struct, tag="beat"):
-    """The worker's busy loop still turns (sent every DEADLINE_CHECK_S between steps, from its
-    first step on): a stage that goes quiet for its step_timeout_s is hung (SIGSTOP, a step
-    that never returns)."""
+    """The worker's busy loop still turns (sent every DEADLINE_CHECK_S between steps): a stage
+    that goes quiet for its step_timeout_s is hung (SIGSTOP, a step that never returns)."""
 
     stage: str
     replica: int = 0

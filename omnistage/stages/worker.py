@@ -282,8 +282,7 @@ class StageWorker:
         while True:
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + DEADLINE_CHECK_S
-                if self.loop_stats["num_steps"]:   # the first step may set up for long
-                    outbox.send(m.encode(m.Heartbeat(self.name, self.replica)))
+                outbox.send(m.encode(m.Heartbeat(self.name, self.replica)))
                 for out in self.expire_stalled():
                     outbox.send(m.encode(out))
             if self._deferred is not None:   # met during the last step's device wait
