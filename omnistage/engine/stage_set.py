@@ -196,6 +196,7 @@ class StageSet:
             runner = self.runners[name][r]
             limit = self.graph.stage(name).step_timeout_s
             if ((name, r) in self.down or (name, r) in self.starting or not runner.processes
+                    or runner.hung is not None
                     or now - seen <= limit or not runner.is_alive()):
                 continue
             logger.error("orchestrator: stage %s sent no heartbeat for %.1f s; killing it",
