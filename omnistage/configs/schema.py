@@ -164,6 +164,10 @@ class StageConfig:
     # A request waiting for input from upstream stages fails (kind "timeout") when none comes
     # for this long: an upstream that died or went silent never leaves it waiting forever.
     input_timeout_s: float = 300.0
+    # A stage process whose busy loop sends no heartbeat for this long (stopped, or a step
+    # that never returns) is hung: the orchestrator kills it, which fails its requests and
+    # restarts it where max_restarts allows. Longer than any one step may take.
+    step_timeout_s: float = 600.0
     seed: int = 0
     enforce_eager: bool = False  # ar: no CUDA graphs for decode steps
     async_scheduling: bool = True  # ar: launch a decode step before reading the last one
@@ -228,6 +232,8 @@ class StageConfig:
             bad("startup_timeout_s", "must be > 0")
         if not self.input_timeout_s > 0:
             bad("input_timeout_s", "must be > 0")
+        if not self.step_timeout_s > 0:
+            bad("step_timeout_s", "must be > 0")
         for name in ("tensor_parallel_size", "ulysses_degree", "ring_degree",
                      "cfg_parallel_size"):
             if getattr(self, name) < 1:

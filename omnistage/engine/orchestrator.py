@@ -260,6 +260,8 @@ class Orchestrator:
                             w0 = time.time()
                             self._route(msg)
                             trace.span("route", w0, stage=msg.stage, request=msg.request_id)
+                        elif isinstance(msg, m.Heartbeat):
+                            self.stages.beat(msg)
                         elif isinstance(msg, m.Ready):
                             self._replica_back(msg)
                         elif isinstance(msg, m.StartupFailed):
@@ -291,7 +293,11 @@ class Orchestrator:
             tensors = None
             client = out.handles.get(m.edge_name(out.stage, m.CLIENT))
             if client is not None:
-                tensors = self._connector.get(client)
+                try:
+                    tensors = self._connector.get(client)
+                except KeyError as exc:   # its segment removed (/dev/shm cleared under us)
+                    self._fail(route, f"stage {out.stage!r}: output lost: {exc}", out.stage)
+                    return
             for dest, inp in self._downstream[out.stage]:
                 if dest.name not in route.needed:
                     continue
@@ -347,6 +353,7 @@ class Orchestrator:
         if self._closed:
             return
         with self._lock:    # the router and the callers' threads both look
+            self.stages.end_hung()
             for name, replica, how in (self.stages.newly_dead()
                                        + self.stages.failed_restarts()):
                 self._replica_died(name, replica, how)

@@ -11,6 +11,8 @@ others serve on.
 
     StageSet(graph, device)        binds the sockets, starts every replica, waits for Ready
     send(stage, replica, msg)      False if that replica is down (the message is dropped)
+    beat(msg); end_hung()          a replica's heartbeat; kill those silent past their stage's
+                                   step_timeout_s (stopped or stuck: newly_dead() reports them)
     newly_dead()                   replicas found dead since the last call, and how
     live(stage)                    the replicas that take traffic
     restart(stage, replica)        a fresh process (actor) for a dead replica; back at its Ready
@@ -74,6 +76,7 @@ class StageSet:
         self.starting: dict[Replica, float] = {}      # restarted, not Ready yet -> deadline
         self.addresses: dict[Replica, str] = {}       # each replica's connector address (tcp)
         self.nodes: dict[Replica, str] = {}           # each replica's node (backend ray)
+        self.last_beat: dict[Replica, float] = {}     # monotonic: its Ready or last Heartbeat
         self._consumers = {s.name: {d.name for d, _ in downstream(graph, s.name)}
                            for s in graph.stages}
         try:
@@ -179,6 +182,26 @@ class StageSet:
         """Note where a replica that said Ready receives chunks, and on which node."""
         self.addresses[(msg.stage, msg.replica)] = msg.connector_address
         self.nodes[(msg.stage, msg.replica)] = msg.node
+        self.last_beat[(msg.stage, msg.replica)] = time.monotonic()
+
+    def beat(self, msg: m.Heartbeat) -> None:
+        self.last_beat[(msg.stage, msg.replica)] = time.monotonic()
+
+    def end_hung(self) -> None:
+        """Kill each running stage process whose busy loop has sent no heartbeat for its
+        stage's step_timeout_s (SIGSTOPped, or a step that never returns): its requests would
+        wait forever. newly_dead() then reports it. Threads (backend inproc) cannot be ended."""
+        now = time.monotonic()
+        for (name, r), seen in self.last_beat.items():
+            runner = self.runners[name][r]
+            limit = self.graph.stage(name).step_timeout_s
+            if ((name, r) in self.down or (name, r) in self.starting or not runner.processes
+                    or runner.hung is not None
+                    or now - seen <= limit or not runner.is_alive()):
+                continue
+            logger.error("orchestrator: stage %s sent no heartbeat for %.1f s; killing it",
+                         replica_name(name, r), now - seen)
+            runner.kill_hung(f"hung (no heartbeat for {limit:g} s)")
 
     def _tell_peers(self) -> None:
         """tcp and auto: each replica learns the address of every consumer it sends to by tcp

@@ -126,6 +126,14 @@ class StartupFailed(msgspec.Struct, tag="failed"):
     replica: int = 0
 
 
+class Heartbeat(msgspec.Struct, tag="beat"):
+    """The worker's busy loop still turns (sent every DEADLINE_CHECK_S between steps): a stage
+    that goes quiet for its step_timeout_s is hung (SIGSTOP, a step that never returns)."""
+
+    stage: str
+    replica: int = 0
+
+
 class StageOutput(msgspec.Struct, tag="out", omit_defaults=True):
     """What one stage step produced for one request: the client part (text, final tensors) and
     one handle per downstream edge (edge name "src->dst", or "src->client" for final tensors)."""
@@ -147,7 +155,7 @@ class StageOutput(msgspec.Struct, tag="out", omit_defaults=True):
 
 ToStage = (AddRequest | EdgeChunk | AbortRequest | FreeRequest | Reroute | SetPeers | Shutdown
            | GetStats)
-FromStage = Ready | StartupFailed | StageOutput | StageStats
+FromStage = Ready | StartupFailed | Heartbeat | StageOutput | StageStats
 
 _encoder = msgspec.msgpack.Encoder()
 _to_stage = msgspec.msgpack.Decoder(ToStage)

@@ -368,6 +368,7 @@ class StageRunner:
         self.name = spec.stage
         self.processes: list[subprocess.Popen | RayRank] = []
         self.thread: threading.Thread | None = None
+        self.hung: str | None = None      # why it was killed as hung (kill_hung), if it was
         stage = spec.graph.stage(spec.stage)
         if backend == "process":
             for rank_spec in ranks.rank_specs(spec, stage):
@@ -407,7 +408,8 @@ class StageRunner:
                 how = getattr(p, "ended", None) or how      # a Ray actor's (RayRank) says more
                 ended.append(how if len(self.processes) == 1 else
                              f"{how} (rank {rank} of {len(self.processes)})")
-        return "; ".join(ended) or "stopped"
+        how = "; ".join(ended) or "stopped"
+        return how if self.hung is None else f"{self.hung}, then {how}"
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Wait for a worker told to shut down; terminate, then kill, a process that lingers.
@@ -417,6 +419,14 @@ class StageRunner:
             _end_process(process, timeout_s if i == 0 else 2.0)
         if self.thread is not None:
             self.thread.join(timeout_s)
+
+    def kill_hung(self, why: str) -> None:
+        """SIGKILL every rank of a stage found hung: a stopped process takes no SIGTERM, and
+        a stuck one would not get to its handler."""
+        self.hung = why
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
 
     def kill(self) -> None:
         """End every rank now (a rank died: the others would wait for it in a collective)."""

@@ -29,6 +29,7 @@ from omnistage.connectors.base import ChunkKey, Connector
 from omnistage.stages.adapters import EdgeData, get_adapter
 from omnistage.stages import messages as m
 from omnistage.stages.factory import build_stage_engine
+from omnistage.stages.faults import StepFaults
 from omnistage.stages.interface import StageEngine, StageRequest, StageResult
 from omnistage.utils import device_wait, trace
 from omnistage.outputs import StageMetrics
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 5
 DEADLINE_CHECK_S = 0.5  # how often waits for upstream input are checked against their deadline
+                       # (and a Heartbeat sent: the loop still turns)
 GATHER_GAP_MS = 1      # `_gather`: the burst ends after this long without a message
 GATHER_MAX_MS = 4
 
@@ -74,6 +76,7 @@ class StageWorker:
         self.adapters = {inp.source: get_adapter(inp.adapter) for inp in stage.inputs}
         self.final = stage.final
         self.requests: dict[str, RequestState] = {}
+        self.faults = StepFaults.from_env(self.name, replica)   # None outside fault tests
         # a step's device wait handles inbox chunks (`_chunk_in_wait`): the first other message
         # it meets waits here; request drops it causes wait for the step's end
         self._inbox: zmq.Socket | None = None
@@ -186,6 +189,8 @@ class StageWorker:
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[m.StageOutput]:
         outputs = []
+        if self.faults is not None:
+            self.faults.before_step()
         results = self.engine.step()
         w0 = time.time()
         self.num_output_steps += bool(results)
@@ -277,6 +282,7 @@ class StageWorker:
         while True:
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + DEADLINE_CHECK_S
+                outbox.send(m.encode(m.Heartbeat(self.name, self.replica)))
                 for out in self.expire_stalled():
                     outbox.send(m.encode(out))
             if self._deferred is not None:   # met during the last step's device wait
@@ -334,17 +340,41 @@ class StageWorker:
         t0, w0 = time.perf_counter(), time.time()
         with device_wait.idle_work(self._chunk_in_wait):
             self._stepping = True
+            failed: Exception | None = None
             try:
                 outs = self.step()
+            except Exception as exc:
+                if self.stage.parallel.world_size > 1:   # the ranks' collectives may be out
+                    raise                                # of step: the stage ends (restart)
+                outs, failed = [], exc
             finally:
                 self._stepping = False
                 self._drop_pending()
+        if failed is not None:   # after the drops the step deferred
+            outs = self._fail_step(failed)
         for out in outs:
             self._outbox.send(m.encode(out))
         self._count("step", time.perf_counter() - t0)
         if trace.enabled() and outs:
             trace.span("step", w0, outputs=[o.request_id for o in outs])
         return bool(outs)
+
+    def _fail_step(self, exc: Exception) -> list[m.StageOutput]:
+        """A step that raised past the engine's own per-request isolation (out of memory, a
+        bug): nothing says which request caused it, so every request the stage holds fails
+        with the error and is freed here, and the stage serves on. (Crashing instead would
+        fail the same requests and leave the stage dead until a restart.) A stage of several
+        ranks ends instead: its other ranks may be waiting in a collective that never comes."""
+        logger.exception("stage %s: a step failed; failing its %d request(s)", self.name,
+                         len(self.requests))
+        outs = []
+        for rid in list(self.requests):
+            self._drop(rid, abort=True)
+            outs.append(m.StageOutput(self.name, rid, finished=True, finish_reason="error",
+                                      error=_describe(exc),
+                                      error_info=StageError(self.name, "internal",
+                                                            str(exc))))
+        return outs
 
     def _receive(self, msg: m.ToStage) -> bool:
         """Handle one message and send what it answers; False on Shutdown."""

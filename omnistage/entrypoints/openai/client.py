@@ -256,6 +256,10 @@ class EngineClient:
         if not self.is_healthy:
             return APIError(503, f"the engine is not serving: {self.dead_reason}",
                             code="engine_dead")      # (how the stage ended, not its text)
+        if info is not None and info.kind == "stage_dead":
+            # its stage died, and a restart has made the engine healthy again: still 503
+            return APIError(503, f"the engine was not serving: stage {info.stage!r} died",
+                            code="engine_dead")
         if info is not None and info.kind == "timeout":       # a stage's input stalled
             return APIError(504, f"the request timed out in the engine: {error}",
                             code="engine_timeout")

@@ -338,6 +338,21 @@ def test_an_engine_failure_shows_the_client_no_internals(engine: FakeOmni) -> No
     assert "RuntimeError" not in err.message
 
 
+def test_a_request_whose_stage_died_is_a_503_after_the_restart_too(engine: FakeOmni) -> None:
+    """Kind "stage_dead" is the server's failure, not the request's: 503 (retry), even when a
+    restart made the engine healthy before the error was turned into a response."""
+    from omnistage.entrypoints.openai.client import EngineClient
+    from omnistage.errors import StageError
+
+    message = "stage 'talker' died (killed by signal 9)"
+    out = OmniOutput("r", None, [], finished=True, error=message,
+                     error_info=StageError("talker", "stage_dead", message))
+    out.outputs[0].finish_reason = "error"
+    assert engine.is_healthy
+    err = EngineClient(engine, 4).failure(out)
+    assert (err.status, err.code) == (503, "engine_dead") and "talker" in err.message
+
+
 def test_the_speech_websocket_checks_the_api_key_and_the_model(engine: FakeOmni,
                                                                tmp_path: Path) -> None:
     """With an API key the handshake needs it (refused before accept); a model without speech
