@@ -19,16 +19,8 @@ from omnistage.testing.tiny_sdxl import build_tiny_sdxl, reference
 
 diffusers = pytest.importorskip("diffusers")
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.usefixtures("no_tf32"), pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
 def test_a_batched_call_on_cuda_equals_diffusers_alone(tmp_path: Path) -> None:

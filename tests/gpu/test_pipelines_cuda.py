@@ -14,18 +14,10 @@ import torch
 
 from omnistage import DiffusionParams, Omni, SamplingParams
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.usefixtures("no_tf32"), pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 CHAT = [{"role": "user", "content": "Hello world, what is the weather today?"}]
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
 def _load_test_module(name: str):

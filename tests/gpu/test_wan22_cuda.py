@@ -18,16 +18,8 @@ from omnistage.diffusion.pipelines.wan import WanPipeline
 from omnistage.testing.diffusion import run_staggered
 from omnistage.testing.tiny_wan import build_tiny_wan22_a14b, build_tiny_wan22_ti2v
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.usefixtures("no_tf32"), pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
 def _cpu_test_module():
