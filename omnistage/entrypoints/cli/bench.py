@@ -115,6 +115,10 @@ def _add_omni(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
                            "local one)")
     omni.add_argument("--replicas", type=_replicas, default=(), metavar="STAGE=N,...",
                       help="replicas of stages, e.g. talker=2,code2wav=2")
+    omni.add_argument("--layouts", default=None, metavar="NAMES",
+                      help="comma-separated GPU layouts, each its own engine on one "
+                           "checkpoint, ours only: tp2, tp4, tp2-split, ray-tp4, ray-2xtp2 "
+                           "(omnistage/benchmarks/omni_layouts.py)")
     omni.add_argument("--stage-override", action="append", default=[],
                       metavar="STAGE.KEY=VALUE", help="change one field of our graph "
                                                       "(repeatable)")
@@ -189,6 +193,12 @@ def _add_video(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     video.add_argument("--compile-ours", action="store_true",
                        help="also time our transformer with its blocks compiled (a stage's "
                             "compile: true; its compile adds a minute or two a model)")
+    video.add_argument("--parallel", default=None, metavar="LAYOUTS",
+                       help="Wan2.2-T2V-A14B at 720p, 81 frames, through the engine on 1 GPU "
+                            "and on each comma-separated layout (ulysses, cfg, tp: 2 GPUs; "
+                            "ulysses4, cfg2xulysses2, tp4: 4), against diffusers on 1 GPU")
+    video.add_argument("--no-reference", action="store_true",
+                       help="with --parallel: skip diffusers")
     return video
 
 
@@ -267,6 +277,9 @@ def _run_ar_tp(args: argparse.Namespace) -> Outcome:
 def _run_omni(args: argparse.Namespace) -> Outcome:
     from omnistage.benchmarks import omni
 
+    if args.layouts:
+        return _run_omni_layouts(args)
+
     cfg = omni.OmniBenchConfig.preset(
         "tiny" if args.tiny else "real" if args.real_size else "bench", device=args.device,
         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
@@ -278,6 +291,22 @@ def _run_omni(args: argparse.Namespace) -> Outcome:
     result = omni.run(cfg)
     tp = f"_tp{cfg.tensor_parallel_size}" if cfg.tensor_parallel_size > 1 else ""
     return result, f"omni_qwen3-omni-{cfg.sizes}{tp}", result["ratios"]
+
+
+def _run_omni_layouts(args: argparse.Namespace) -> Outcome:
+    from omnistage.benchmarks import omni, omni_layouts
+
+    names = tuple(args.layouts.split(","))
+    omni_layouts.check_layouts(names)
+    cfg = omni.OmniBenchConfig.preset(
+        "tiny" if args.tiny else "real" if args.real_size else "bench", device=args.device,
+        seed=args.seed, concurrency=args.concurrency, reference_requests=0,
+        thinker_tokens=args.thinker_tokens, talker_tokens=args.talker_tokens,
+        chunk_frames=args.chunk_frames, ray_address=args.ray_address,
+        stage_overrides=tuple(args.stage_override))
+    name = args.name or f"omni_layouts_qwen3-omni-{cfg.sizes}"
+    result = omni_layouts.run(cfg, names, Path(args.out_dir), name)
+    return result, name, result["ratios"]
 
 
 def _run_tts(args: argparse.Namespace) -> Outcome:
@@ -335,6 +364,8 @@ def _run_diffusion(args: argparse.Namespace) -> Outcome:
 
 
 def _run_video(args: argparse.Namespace) -> Outcome:
+    if args.parallel:
+        return _run_video_parallel(args)
     from omnistage.benchmarks import video
 
     sizes = "tiny" if args.tiny else "real"
@@ -346,3 +377,19 @@ def _run_video(args: argparse.Namespace) -> Outcome:
         **({"compile_backend": ""} if args.no_compile else {}))
     result = video.run(cfg)
     return result, f"video_wan_{sizes}", result["ratios"]
+
+
+def _run_video_parallel(args: argparse.Namespace) -> Outcome:
+    import tempfile
+
+    from omnistage.benchmarks import video_parallel as vp
+    from omnistage.benchmarks.common import write_result
+
+    cfg = vp.VideoParallelConfig(
+        sizes="tiny" if args.tiny else "a14b", steps=args.steps or 2,
+        layouts=tuple(args.parallel.split(",")), reference=not args.no_reference,
+        device=args.device, seed=args.seed)
+    name = args.name or f"video_parallel_wan-{cfg.sizes}"
+    with tempfile.TemporaryDirectory(prefix="omnistage-bench-video-parallel-") as tmp:
+        result = vp.run(cfg, Path(tmp), lambda r: write_result(r, Path(args.out_dir), name))
+    return result, name, result["ratios"]
