@@ -86,11 +86,11 @@ def reference(ref: diffusers.StableDiffusion3Pipeline, output_type: str, **kwarg
               ) -> torch.Tensor:
     """Both prompts in one diffusers call, one generator per prompt (as ours: per request)."""
     generators = [torch.Generator().manual_seed(s) for s in SEEDS]
+    kwargs = {"max_sequence_length": SEQ, **kwargs}
     with torch.no_grad():
         return ref(list(PROMPTS), height=HEIGHT, width=WIDTH, num_inference_steps=STEPS,
                    guidance_scale=GUIDANCE, negative_prompt=NEGATIVE, generator=generators,
-                   output_type=output_type, max_sequence_length=SEQ, return_dict=False,
-                   **kwargs)[0]
+                   output_type=output_type, return_dict=False, **kwargs)[0]
 
 
 def run_ours(ours: SD3Pipeline) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -182,3 +182,33 @@ def test_served_through_omni_by_its_default_graph(
         assert all(o.images[0].size == (WIDTH, HEIGHT) for o in outs)
         (bad,) = omni.generate("a red cube", DiffusionParams(height=21, width=36))
         assert bad.finish_reason == "error" and "multiple of 4" in bad.error
+
+
+def test_skip_layer_guidance_as_a_stage_option(
+        pair: tuple[diffusers.StableDiffusion3Pipeline, SD3Pipeline, Path], tmp_path: Path) -> None:
+    """The default graph with `options: {skip_layer_guidance: ...}`: diffusers' images with
+    the same skip-layer guidance (and T5's default 256 tokens); a bad option fails the start,
+    naming it."""
+    from omnistage import Omni
+
+    ref, _, folder = pair
+    graph = (Path(__file__).parents[2] / "omnistage" / "configs" / "sd3.yaml").read_text()
+    option = "    options: {skip_layer_guidance: {layers: %s, start: 0.1, stop: 0.7}}\n"
+    (tmp_path / "slg.yaml").write_text(graph + option % "[1]")
+    expected = reference(ref, "pt", skip_guidance_layers=[1], skip_layer_guidance_start=0.1,
+                         skip_layer_guidance_stop=0.7, max_sequence_length=256)  # the default
+    expected = (expected * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+    params = [DiffusionParams(height=HEIGHT, width=WIDTH, num_inference_steps=STEPS,
+                              guidance_scale=GUIDANCE, negative_prompt=NEGATIVE, seed=s)
+              for s in SEEDS]
+    with Omni(str(folder), stage_config=str(tmp_path / "slg.yaml"), device="cpu",
+              backend="inproc", connector="inproc") as omni:
+        outs = [omni.generate(p, q)[0] for p, q in zip(PROMPTS, params)]
+    assert [o.error for o in outs] == [None, None]
+    got = torch.cat([o.tensors["images"] for o in outs])
+    assert (got.int() - expected.int()).abs().max() <= 1
+
+    (tmp_path / "bad.yaml").write_text(graph + option % "[7]")
+    with pytest.raises(Exception, match=r"layers \[7\]: the transformer has 3 blocks"):
+        Omni(str(folder), stage_config=str(tmp_path / "bad.yaml"), device="cpu",
+             backend="inproc", connector="inproc")

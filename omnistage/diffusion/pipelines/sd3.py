@@ -63,6 +63,10 @@ class SkipLayerGuidance:
     stop: float = 0.2
 
     def __post_init__(self) -> None:
+        for name in ("scale", "start", "stop"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"skip_layer_guidance.{name}={value!r}: not a number")
         if not self.layers:
             raise ValueError("skip_layer_guidance.layers: empty")
         if not 0.0 <= self.start < self.stop <= 1.0:
@@ -175,6 +179,7 @@ class SD3Pipeline(LatentPipelineBase):
     check_text_params = staticmethod(check_text_params)
     packed = False                      # the transformer patches the latents itself
     graphable = True
+    options = ("skip_layer_guidance",)  # a stage's options this pipeline takes (set_option)
 
     def __init__(self, transformer: SD3Transformer2DModel, vae: AutoencoderKL,
                  prompt_encoder: PromptEncoder | None, scheduler: solver.FlowMatchEulerConfig,
@@ -200,6 +205,20 @@ class SD3Pipeline(LatentPipelineBase):
             raise ValueError(f"skip_layer_guidance.layers {bad}: the transformer has "
                              f"{num_layers} blocks")
         self.skip_layer_guidance = slg
+
+    def set_option(self, name: str, value: object) -> None:
+        """A stage option: `skip_layer_guidance: {layers: [7, 8, 9], scale: 2.8, start: 0.01,
+        stop: 0.2}` (scale, start, stop optional) turns it on for the stage's requests."""
+        assert name == "skip_layer_guidance", name
+        fields = ("layers", "scale", "start", "stop")
+        if not isinstance(value, dict) or "layers" not in value or set(value) - set(fields):
+            raise ValueError(f"options.skip_layer_guidance: expected a mapping with layers "
+                             f"[and scale, start, stop], got {value!r}")
+        layers = value["layers"]
+        if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+            raise ValueError(f"options.skip_layer_guidance.layers: expected a list of block "
+                             f"indices, got {layers!r}")
+        self.use_skip_layer_guidance(SkipLayerGuidance(**{**value, "layers": tuple(layers)}))
 
     # ---- 1. prepare (encode: the base class) ---------------------------------------------
 
