@@ -192,9 +192,7 @@ _BUILT_IN = (
     _pipeline("flux", "FluxPipeline"),
     _pipeline("z_image", "ZImagePipeline"),
     _pipeline("qwen_image", "QwenImagePipeline"),
-    ModelFamily("sd3", diffusers_classes=("StableDiffusion3Pipeline",), graph="sd3.yaml",
-                components=(Component("diffusion", "sd3",
-                                      "omnistage.diffusion.pipelines.sd3:SD3Pipeline"),)),
+    _pipeline("sd3", "StableDiffusion3Pipeline"),
     ModelFamily("digits", graph="digits.yaml", components=(Component(
         "diffusion", "digits_dit", "omnistage.diffusion.pipelines.digits:DigitsPipeline"),)),
     # the generic adapter: any other diffusers pipeline, run whole by diffusers (not native)

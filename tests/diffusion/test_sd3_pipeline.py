@@ -1,4 +1,4 @@
-"""SD3Pipeline in our engine against diffusers' StableDiffusion3Pipeline on a tiny random
+"""Our StableDiffusion3Pipeline in our engine against diffusers' on a tiny random
 SD3.5-medium-like folder (qk RMS-norm, a dual-attention block; CLIP-L and CLIP-G with
 projection, T5, the 16-channel-style VAE with shift and scaling), float32: two prompts batched
 with CFG and a negative prompt over several steps, skip-layer guidance, the images; bad
@@ -13,7 +13,8 @@ import torch
 
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.pipelines.sd3 import SD3Pipeline, SkipLayerGuidance
+from omnistage.diffusion.pipelines import sd3
+from omnistage.diffusion.pipelines.sd3 import SkipLayerGuidance
 from omnistage.registry import load_component
 from omnistage.testing.diffusion import run_recording_latents
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
@@ -26,6 +27,7 @@ HEIGHT, WIDTH = 20, 36          # pixels: the tiny VAE halves them, patches of 2
 PROMPTS = ("a photo of the sea shore", "the weather today is sunny")
 NEGATIVE = "blurry, low quality"
 STEPS, GUIDANCE, SEEDS = 4, 4.5, (0, 7)
+Pair = tuple["diffusers.StableDiffusion3Pipeline", sd3.StableDiffusion3Pipeline, Path]
 
 
 def clip(vocab: int, hidden: int, projection: int) -> transformers.CLIPTextModelWithProjection:
@@ -72,8 +74,7 @@ def build_reference(path: Path) -> diffusers.StableDiffusion3Pipeline:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory
-         ) -> tuple[diffusers.StableDiffusion3Pipeline, SD3Pipeline, Path]:
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
     path = tmp_path_factory.mktemp("sd3")
     ref = build_reference(path)
     ours = load_component("diffusion", "sd3").from_pretrained(path, "sd3", torch.device("cpu"),
@@ -93,7 +94,7 @@ def reference(ref: diffusers.StableDiffusion3Pipeline, output_type: str, **kwarg
                    output_type=output_type, return_dict=False, **kwargs)[0]
 
 
-def run_ours(ours: SD3Pipeline) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def run_ours(ours: sd3.StableDiffusion3Pipeline) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Both prompts through our engine, the second joining one step after the first."""
     params = [DiffusionParams(height=HEIGHT, width=WIDTH, num_inference_steps=STEPS,
                               guidance_scale=GUIDANCE, negative_prompt=NEGATIVE, seed=s)
@@ -110,8 +111,7 @@ def run_ours(ours: SD3Pipeline) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [seen["a"], seen["b"]]
 
 
-def test_matches_diffusers(pair: tuple[diffusers.StableDiffusion3Pipeline, SD3Pipeline, Path]
-                           ) -> None:
+def test_matches_diffusers(pair: Pair) -> None:
     ref, ours, _ = pair
     expected = reference(ref, "latent")
     assert expected.shape == (2, 4, HEIGHT // 2, WIDTH // 2)
@@ -131,8 +131,7 @@ def test_matches_diffusers(pair: tuple[diffusers.StableDiffusion3Pipeline, SD3Pi
     assert out.float().std() > 1.0, "the tiny pipeline should not draw a flat image"
 
 
-def test_skip_layer_guidance_matches_diffusers(
-        pair: tuple[diffusers.StableDiffusion3Pipeline, SD3Pipeline, Path]) -> None:
+def test_skip_layer_guidance_matches_diffusers(pair: Pair) -> None:
     """Active on steps 1 and 2 of 4 (start 0.1, stop 0.7); it changes the result."""
     ref, ours, _ = pair
     slg = SkipLayerGuidance(layers=(1,), scale=2.8, start=0.1, stop=0.7)
@@ -162,16 +161,15 @@ def test_skip_layer_guidance_matches_diffusers(
     (DiffusionParams(height=20, width=36, cache_threshold=0.1), PROMPTS[0], "no step caching"),
     (DiffusionParams(height=20, width=36), "  ", "non-empty"),
 ])
-def test_refuses_bad_requests(pair: tuple[diffusers.StableDiffusion3Pipeline, SD3Pipeline, Path],
-                              params: DiffusionParams, prompt: str, match: str) -> None:
+def test_refuses_bad_requests(pair: Pair, params: DiffusionParams, prompt: str, match: str
+                              ) -> None:
     engine = DiffusionEngine(pair[1])
     with pytest.raises(ValueError, match=match):
         engine.add_request("x", prompt, params)
     assert not engine.has_unfinished_requests
 
 
-def test_served_through_omni_by_its_default_graph(
-        pair: tuple[diffusers.StableDiffusion3Pipeline, SD3Pipeline, Path]) -> None:
+def test_served_through_omni_by_its_default_graph(pair: Pair) -> None:
     from omnistage import Omni
 
     _, _, folder = pair
@@ -184,8 +182,7 @@ def test_served_through_omni_by_its_default_graph(
         assert bad.finish_reason == "error" and "multiple of 4" in bad.error
 
 
-def test_skip_layer_guidance_as_a_stage_option(
-        pair: tuple[diffusers.StableDiffusion3Pipeline, SD3Pipeline, Path], tmp_path: Path) -> None:
+def test_skip_layer_guidance_as_a_stage_option(pair: Pair, tmp_path: Path) -> None:
     """The default graph with `options: {skip_layer_guidance: ...}`: diffusers' images with
     the same skip-layer guidance (and T5's default 256 tokens); a bad option fails the start,
     naming it."""

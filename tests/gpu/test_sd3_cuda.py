@@ -48,7 +48,7 @@ def test_sd3_on_cuda_equals_diffusers(tmp_path: Path) -> None:
 
 def test_sd3_skip_layer_guidance_on_cuda(tmp_path: Path) -> None:
     pytest.importorskip("diffusers")
-    from omnistage.diffusion.pipelines.sd3 import SD3Pipeline, SkipLayerGuidance
+    from omnistage.diffusion.pipelines.sd3 import SkipLayerGuidance, StableDiffusion3Pipeline
 
     mod = _golden_module()
     ref = mod.build_reference(tmp_path / "sd3")
@@ -56,8 +56,8 @@ def test_sd3_skip_layer_guidance_on_cuda(tmp_path: Path) -> None:
     expected = mod.reference(ref, "latent", skip_guidance_layers=[1],
                              skip_layer_guidance_scale=2.8, skip_layer_guidance_start=0.1,
                              skip_layer_guidance_stop=0.7)
-    ours = SD3Pipeline.from_pretrained(tmp_path / "sd3", "sd3", torch.device("cuda"),
-                                       torch.float32)
+    ours = StableDiffusion3Pipeline.from_pretrained(tmp_path / "sd3", "sd3",
+                                                    torch.device("cuda"), torch.float32)
     ours.prompt_encoder.max_sequence_length = mod.SEQ
     ours.use_skip_layer_guidance(SkipLayerGuidance(layers=(1,), start=0.1, stop=0.7))
     got = torch.cat([latents for latents, _ in mod.run_ours(ours)])

@@ -171,7 +171,7 @@ class SD3PromptEncoder:
         return torch.cat([clip, t5], dim=-2), torch.cat(pooled, dim=-1)
 
 
-class SD3Pipeline(LatentPipelineBase):
+class StableDiffusion3Pipeline(LatentPipelineBase):
     label = "SD3"
     transformer_cls = SD3Transformer2DModel
     vae_cls = AutoencoderKL
