@@ -169,17 +169,26 @@ def test_refuses_bad_requests(pair: Pair, params: DiffusionParams, prompt: str, 
     assert not engine.has_unfinished_requests
 
 
-def test_served_through_omni_by_its_default_graph(pair: Pair) -> None:
+def test_served_through_omni_by_its_default_and_split_graphs(pair: Pair) -> None:
+    """sd3.yaml (one stage) and sd3_split.yaml (the text encoders in a stage of their own):
+    the same images; a bad size fails its request, naming the rule."""
     from omnistage import Omni
 
     _, _, folder = pair
-    with Omni(str(folder), device="cpu", backend="inproc", connector="inproc") as omni:
-        outs = omni.generate(list(PROMPTS), DiffusionParams(
-            height=HEIGHT, width=WIDTH, num_inference_steps=2, seed=1, negative_prompt=NEGATIVE))
-        assert [o.error for o in outs] == [None, None]
-        assert all(o.images[0].size == (WIDTH, HEIGHT) for o in outs)
-        (bad,) = omni.generate("a red cube", DiffusionParams(height=21, width=36))
-        assert bad.finish_reason == "error" and "multiple of 4" in bad.error
+    params = DiffusionParams(height=HEIGHT, width=WIDTH, num_inference_steps=2, seed=1,
+                             negative_prompt=NEGATIVE)
+    images = {}
+    for graph in (None, "sd3_split"):
+        with Omni(str(folder), stage_config=graph, device="cpu", backend="inproc",
+                  connector="inproc") as omni:
+            outs = omni.generate(list(PROMPTS), params)
+            assert [o.error for o in outs] == [None, None]
+            assert all(o.images[0].size == (WIDTH, HEIGHT) for o in outs)
+            images[graph] = torch.cat([o.tensors["images"] for o in outs])
+            (bad,) = omni.generate("a red cube", DiffusionParams(height=21, width=36))
+            assert bad.finish_reason == "error" and "multiple of 4" in bad.error
+    assert list(outs[0].stage_metrics) == ["text_encoder", "dit"]
+    assert (images["sd3_split"].int() - images[None].int()).abs().max() <= 1
 
 
 def test_skip_layer_guidance_as_a_stage_option(pair: Pair, tmp_path: Path) -> None:
