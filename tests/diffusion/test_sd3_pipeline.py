@@ -16,7 +16,7 @@ from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines import sd3
 from omnistage.diffusion.pipelines.sd3 import SkipLayerGuidance
 from omnistage.registry import load_component
-from omnistage.testing.diffusion import run_recording_latents
+from omnistage.testing.diffusion import run_alone, run_recording_latents
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 
 diffusers = pytest.importorskip("diffusers")
@@ -149,6 +149,34 @@ def test_skip_layer_guidance_matches_diffusers(pair: Pair) -> None:
         ours.use_skip_layer_guidance(SkipLayerGuidance(layers=(3,)))
     with pytest.raises(ValueError, match="start=0.5, stop=0.2"):
         SkipLayerGuidance(layers=(1,), start=0.5, stop=0.2)
+
+
+def test_same_latents_alone_or_batched(pair: Pair) -> None:
+    """A request without CFG and one with CFG, two images and skip-layer guidance, at other
+    steps in one batch: each one's latents as when it runs alone."""
+    _, ours, _ = pair
+    plain = DiffusionParams(height=HEIGHT, width=WIDTH, num_inference_steps=4,
+                            guidance_scale=1.0, seed=4)
+    guided = DiffusionParams(height=HEIGHT, width=WIDTH, num_inference_steps=3, seed=3,
+                             num_images=2, negative_prompt=NEGATIVE)   # guidance 7.0
+
+    def drive(engine: DiffusionEngine) -> dict[str, DiffusionParams]:
+        engine.add_request("plain", PROMPTS[1], plain)
+        engine.step()
+        engine.add_request("guided", PROMPTS[0], guided)
+        return {"plain": plain, "guided": guided}
+
+    ours.use_skip_layer_guidance(SkipLayerGuidance(layers=(1,), start=0.0, stop=0.7))
+    try:
+        seen, engine = run_recording_latents(ours, drive)
+        alone = {"plain": run_alone(ours, PROMPTS[1], plain)[0],
+                 "guided": run_alone(ours, PROMPTS[0], guided)[0]}
+    finally:
+        ours.use_skip_layer_guidance(None)
+    assert engine.num_steps_run == 4
+    for rid, latents in alone.items():
+        torch.testing.assert_close(seen[rid][0], latents, atol=1e-5, rtol=0)
+    assert seen["guided"][0].shape == (2, 4, HEIGHT // 2, WIDTH // 2)
 
 
 @pytest.mark.parametrize("params, prompt, match", [

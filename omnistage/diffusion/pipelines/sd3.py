@@ -260,24 +260,26 @@ class StableDiffusion3Pipeline(LatentPipelineBase):
 
         and, with skip-layer guidance, one more over the prompt rows of requests at a step
         where it is on."""
-        uncond, skip = self._rows(requests)
+        cfg_spans, skip = self._rows(requests)
         num_rows = latents.shape[0]
         timestep = sigmas.float() * self.scheduler.num_train_timesteps      # (R,)
         x = latents.to(self.dtype)
         embeds, pooled = self._text(requests, "")
-        idx = torch.tensor([i for i, _ in uncond], dtype=torch.long, device=x.device)
-        if len(idx):
+        idx = torch.cat([torch.arange(s, s + n) for s, n, _ in cfg_spans]
+                        or [torch.arange(0)]).to(x.device)
+        if cfg_spans:
             neg_embeds, neg_pooled = self._text(requests, "negative_", only_cfg=True)
             out = self._transformer(torch.cat([x, x[idx]]), torch.cat([embeds, neg_embeds]),
                                     torch.cat([pooled, neg_pooled]),
                                     torch.cat([timestep, timestep[idx]]))    # (R + U, C, h, w)
         else:
             out = self._transformer(x, embeds, pooled, timestep)
-        pred, neg = out[:num_rows], out[num_rows:]
-        if len(idx):
-            g = torch.tensor([s for _, s in uncond], dtype=torch.float32, device=pred.device)
-            pred = pred.clone()
-            pred[idx] = neg + g.view(-1, 1, 1, 1).to(neg.dtype) * (pred[idx] - neg)
+        pred, neg = out[:num_rows].clone(), out[num_rows:]
+        k = 0
+        for s, n, scale in cfg_spans:           # per request: its scale, a float as diffusers'
+            uncond = neg[k:k + n]
+            pred[s:s + n] = uncond + scale * (pred[s:s + n] - uncond)
+            k += n
         if skip:
             sidx = torch.tensor(skip, dtype=torch.long, device=x.device)
             slg = self.skip_layer_guidance
@@ -287,21 +289,21 @@ class StableDiffusion3Pipeline(LatentPipelineBase):
         return pred
 
     def _rows(self, requests: list[DiffusionRequest]
-              ) -> tuple[list[tuple[int, float]], list[int]]:
-        """Row indices: the rows with CFG and their scale; the rows on which skip-layer
+              ) -> tuple[list[tuple[int, int, float]], list[int]]:
+        """The requests with CFG as (first row, rows, scale); the rows on which skip-layer
         guidance runs this step."""
-        uncond: list[tuple[int, float]] = []
+        cfg_spans: list[tuple[int, int, float]] = []
         skip: list[int] = []
         slg = self.skip_layer_guidance
         start = 0
         for r in requests:
-            rows = range(start, start + r.latents.shape[0])
-            start = rows.stop
+            n = r.latents.shape[0]
             if has_cfg(r.params):
-                uncond += [(i, r.params.guidance(DEFAULT_GUIDANCE)) for i in rows]
+                cfg_spans.append((start, n, r.params.guidance(DEFAULT_GUIDANCE)))
                 if slg is not None and slg.is_active(r.step_idx, r.num_steps):
-                    skip += rows
-        return uncond, skip
+                    skip += range(start, start + n)
+            start += n
+        return cfg_spans, skip
 
     def _text(self, requests: list[DiffusionRequest], prefix: str, only_cfg: bool = False
               ) -> tuple[Tensor, Tensor]:
