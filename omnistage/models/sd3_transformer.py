@@ -48,7 +48,7 @@ class SD3TransformerConfig:
     joint_attention_dim: int = 4096
     caption_projection_dim: int = 1152
     pooled_projection_dim: int = 2048
-    out_channels: int = 16
+    out_channels: int | None = 16      # None: in_channels
     pos_embed_max_size: int = 96
     dual_attention_layers: tuple[int, ...] = ()
     qk_norm: str | None = None
@@ -67,6 +67,10 @@ class SD3TransformerConfig:
     @property
     def inner_dim(self) -> int:
         return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def num_out_channels(self) -> int:
+        return self.in_channels if self.out_channels is None else self.out_channels
 
     @classmethod
     def from_dict(cls, raw: dict) -> SD3TransformerConfig:
@@ -238,7 +242,7 @@ class SD3Transformer2DModel(nn.Module):
                                       dual=i in cfg.dual_attention_layers)
              for i in range(cfg.num_layers)])
         self.norm_out = AdaLayerNormContinuous(dim)
-        self.proj_out = nn.Linear(dim, cfg.patch_size ** 2 * cfg.out_channels)
+        self.proj_out = nn.Linear(dim, cfg.patch_size ** 2 * cfg.num_out_channels)
 
     def forward(self, hidden_states: Tensor, encoder_hidden_states: Tensor,
                 pooled_projections: Tensor, timestep: Tensor,
@@ -255,7 +259,7 @@ class SD3Transformer2DModel(nn.Module):
             if i not in skip_layers:
                 img, txt = block(img, txt, temb)
         out = self.proj_out(self.norm_out(img, temb))                        # (B, N, p*p*C)
-        out = out.reshape(b, h // p, w // p, p, p, self.cfg.out_channels)
+        out = out.reshape(b, h // p, w // p, p, p, self.cfg.num_out_channels)
         return torch.einsum("nhwpqc->nchpwq", out).reshape(b, -1, h, w)      # (B, C, h, w)
 
     @classmethod

@@ -18,14 +18,14 @@ diffusers = pytest.importorskip("diffusers")
 TINY = dict(sample_size=16, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=8,
             num_attention_heads=2, joint_attention_dim=24, caption_projection_dim=16,
             pooled_projection_dim=12, out_channels=4, pos_embed_max_size=12)
-VARIANTS = {"sd3": {}, "sd35_large": {"qk_norm": "rms_norm"},
+VARIANTS = {"sd3": {"out_channels": None}, "sd35_large": {"qk_norm": "rms_norm"},
             "sd35_medium": {"qk_norm": "rms_norm", "dual_attention_layers": (0, 1)}}
 B, T, H, W = 2, 5, 6, 10           # latent pixels: a 3x5 patch grid, off the table's centre
 
 
 def save_reference(path: Path, **extra: object) -> diffusers.SD3Transformer2DModel:
     torch.manual_seed(0)
-    ref = diffusers.SD3Transformer2DModel(**TINY, **extra).eval()
+    ref = diffusers.SD3Transformer2DModel(**{**TINY, **extra}).eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():  # diffusers zero-inits some: make every path count
             if name != "pos_embed.pos_embed":
