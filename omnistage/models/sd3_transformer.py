@@ -229,6 +229,11 @@ class SD3JointTransformerBlock(nn.Module):
 # ---- model ---------------------------------------------------------------------------------
 
 class SD3Transformer2DModel(nn.Module):
+    # FP8 (layers/fp8.py): linears left in bf16, besides those too small: the embeddings,
+    # the blocks' modulation (norm1, norm1_context), the output norm's and the final projection
+    fp8_keep = ("pos_embed.*", "time_text_embed.*", "context_embedder", "*.norm1.*",
+                "*.norm1_context.*", "norm_out.*", "proj_out")
+
     def __init__(self, cfg: SD3TransformerConfig) -> None:
         super().__init__()
         self.cfg = cfg
