@@ -5,7 +5,7 @@
     encode:   CLIP-L and CLIP-G (77 tokens each): hidden_states[-2] side by side, zero-padded
               to T5's width, followed by T5-XXL's sequence (max_sequence_length tokens):
               prompt_embeds (1, 77 + S, joint); pooled = [CLIP-L | CLIP-G] projected pooled
-              outputs (1, 2048); the negative prompt ("" unless given) the same way when CFG
+              outputs (1, P); the negative prompt ("" unless given) the same way when CFG
               is on (guidance_scale > 1); every text of a batch of requests in one call of each
               encoder (SD3PromptEncoder)
     prepare:  randn (n, C, H/8, W/8) in the model dtype on the request's CPU generator;
@@ -183,10 +183,10 @@ class StableDiffusion3Pipeline(LatentPipelineBase):
 
     def __init__(self, transformer: SD3Transformer2DModel, vae: AutoencoderKL,
                  prompt_encoder: PromptEncoder | None, scheduler: solver.FlowMatchEulerConfig,
-                 device: torch.device, skip_layer_guidance: SkipLayerGuidance | None = None
-                 ) -> None:
+                 device: torch.device) -> None:
         """The size rule is the model's: sides a multiple of VAE factor x patch, at most the
-        position table's reach; the default size is diffusers' (sample_size latent pixels)."""
+        position table's reach; the default size is diffusers' (sample_size latent pixels).
+        Skip-layer guidance starts off (`use_skip_layer_guidance`, or the stage option)."""
         cfg = transformer.cfg
         self.default_size = cfg.sample_size * vae.cfg.downscale
         super().__init__(transformer, vae, prompt_encoder, scheduler, device)
@@ -195,7 +195,6 @@ class StableDiffusion3Pipeline(LatentPipelineBase):
         self.size_rule = f"VAE factor {self.vae_scale_factor} x {cfg.patch_size}x" \
                          f"{cfg.patch_size} patches"
         self.skip_layer_guidance: SkipLayerGuidance | None = None
-        self.use_skip_layer_guidance(skip_layer_guidance)
 
     def use_skip_layer_guidance(self, slg: SkipLayerGuidance | None) -> None:
         """Skip-layer guidance for every request with CFG from now on (None: off)."""
