@@ -15,8 +15,12 @@ from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines import sd3
 from omnistage.diffusion.pipelines.sd3 import SkipLayerGuidance
+from omnistage.configs.schema import ParallelSizes
+from omnistage.layers.groups import StageRanks
 from omnistage.registry import load_component
 from omnistage.testing.diffusion import run_alone, run_recording_latents
+from omnistage.testing.diffusion_ranks import sd3_run
+from omnistage.testing.ranks import run_ranks
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 
 diffusers = pytest.importorskip("diffusers")
@@ -177,6 +181,30 @@ def test_same_latents_alone_or_batched(pair: Pair) -> None:
     for rid, latents in alone.items():
         torch.testing.assert_close(seen[rid][0], latents, atol=1e-5, rtol=0)
     assert seen["guided"][0].shape == (2, 4, HEIGHT // 2, WIDTH // 2)
+
+
+def test_cfg_parallel_matches_one_rank(pair: Pair, tmp_path: Path) -> None:
+    """Two CPU ranks (gloo): the prompt rows on CFG rank 0, the negative and skip-layer rows
+    on rank 1; requests with CFG (two images), without, at other step counts: every rank's
+    latents equal one rank's."""
+    _, _, folder = pair
+    size = dict(height=HEIGHT, width=WIDTH)
+    cases = [dict(id="a", prompt=PROMPTS[0], params=dict(size, num_inference_steps=3, seed=1,
+                                                         num_images=2, guidance_scale=5.0,
+                                                         negative_prompt=NEGATIVE)),
+             dict(id="b", prompt=PROMPTS[1], params=dict(size, num_inference_steps=2, seed=2,
+                                                         guidance_scale=1.0)),
+             dict(id="c", prompt=PROMPTS[1], params=dict(size, num_inference_steps=4, seed=3))]
+    kwargs = {"folder": str(folder), "cases": cases, "skip_layers": [1]}
+    reference = sd3_run(StageRanks.single(), **kwargs)["latents"]
+    results = run_ranks("omnistage.testing.diffusion_ranks:sd3_run", ParallelSizes(cfg=2),
+                        kwargs, tmp_path)
+    for rank, result in enumerate(results):
+        for rid, expected in reference.items():
+            expected = torch.tensor(expected)
+            assert expected.abs().max() > 1.0, (rid, "latents too small to compare")
+            diff = (torch.tensor(result["latents"][rid]) - expected).abs().max()
+            assert diff < 1e-5 * expected.abs().max(), (rank, rid, float(diff))
 
 
 @pytest.mark.parametrize("params, prompt, match", [

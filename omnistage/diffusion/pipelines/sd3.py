@@ -21,14 +21,18 @@
 
 Every network is ours (two CLIP text encoders with projection, T5, the MMDiT, the VAE);
 tokenizers come from transformers. The text encoders may run in a stage of their own (the
-pipeline is a split one: see diffusion/pipeline.py). Not ported: image-to-image, a folder
-without T5 (diffusers then feeds zeros), clip_skip, step caching, parallel splits.
+pipeline is a split one: see diffusion/pipeline.py). CFG-parallel over two ranks: the prompt
+rows on CFG rank 0, the negative and skip-layer rows on rank 1, gathered on both before the
+combine. Not ported: image-to-image, a folder without T5 (diffusers then feeds zeros),
+clip_skip, step caching, tensor and sequence parallelism.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +40,7 @@ from PIL import Image
 from torch import Tensor
 from transformers import AutoTokenizer
 
+from omnistage.diffusion.parallel import gather_branches
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import LatentPipelineBase, PromptEncoder, check_conditioning
 from omnistage.diffusion.request import DiffusionRequest
@@ -75,6 +80,17 @@ class SkipLayerGuidance:
 
     def is_active(self, step_idx: int, num_steps: int) -> bool:
         return num_steps * self.start < step_idx < num_steps * self.stop
+
+
+class Rows(NamedTuple):
+    """Rows for one transformer call: latents (n, C, h, w), embeds (n, T, joint), pooled
+    (n, P), timestep (n,), and the blocks they skip (skip-layer guidance)."""
+
+    x: Tensor
+    embeds: Tensor
+    pooled: Tensor
+    timestep: Tensor
+    skip_layers: tuple[int, ...] = ()
 
 
 def has_cfg(params: DiffusionParams) -> bool:
@@ -179,6 +195,7 @@ class StableDiffusion3Pipeline(LatentPipelineBase):
     check_text_params = staticmethod(check_text_params)
     packed = False                      # the transformer patches the latents itself
     graphable = True
+    parallel_axes = ("cfg",)            # the prompt and the negative prompt's branches
     options = ("skip_layer_guidance",)  # a stage's options this pipeline takes (set_option)
 
     def __init__(self, transformer: SD3Transformer2DModel, vae: AutoencoderKL,
@@ -251,41 +268,62 @@ class StableDiffusion3Pipeline(LatentPipelineBase):
 
     def velocity(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
                  ) -> Tensor:
-        """latents (R, C, h, w) -> (R, C, h, w). One call over the prompt rows of every
-        request, then the negative rows of those with CFG:
+        """latents (R, C, h, w) -> (R, C, h, w). The prompt rows of every request, the
+        negative rows of those with CFG and, with skip-layer guidance, the prompt rows of the
+        requests at a step where it is on, without the skipped blocks:
 
-            rows:  | r0 img0 | r0 img1 | r1 img0 | ... |  r0 img0 | r0 img1 |   (r1: no CFG)
-                   |<------ prompt, R rows -------->|  |<-- negative, U -->|
-
-        and, with skip-layer guidance, one more over the prompt rows of requests at a step
-        where it is on."""
+            rows:  | r0 img0 | r0 img1 | r1 img0 |  r0 img0 | r0 img1 |  r0 img0 | r0 img1 |
+                   |<---- prompt, R rows ---->|  |<- negative, U ->|  |<- skipped, S ->|
+                                                                        (r1: no CFG)
+        """
         cfg_spans, skip = self._rows(requests)
-        num_rows = latents.shape[0]
         timestep = sigmas.float() * self.scheduler.num_train_timesteps      # (R,)
         x = latents.to(self.dtype)
         embeds, pooled = self._text(requests, "")
-        idx = torch.cat([torch.arange(s, s + n) for s, n, _ in cfg_spans]
-                        or [torch.arange(0)]).to(x.device)
+        calls = [Rows(x, embeds, pooled, timestep)]
         if cfg_spans:
+            idx = torch.cat([torch.arange(s, s + n) for s, n, _ in cfg_spans]).to(x.device)
             neg_embeds, neg_pooled = self._text(requests, "negative_", only_cfg=True)
-            out = self._transformer(torch.cat([x, x[idx]]), torch.cat([embeds, neg_embeds]),
-                                    torch.cat([pooled, neg_pooled]),
-                                    torch.cat([timestep, timestep[idx]]))    # (R + U, C, h, w)
-        else:
-            out = self._transformer(x, embeds, pooled, timestep)
-        pred, neg = out[:num_rows].clone(), out[num_rows:]
+            calls.append(Rows(x[idx], neg_embeds, neg_pooled, timestep[idx]))
+        if skip:
+            sidx = torch.tensor(skip, dtype=torch.long, device=x.device)
+            calls.append(Rows(x[sidx], embeds[sidx], pooled[sidx], timestep[sidx],
+                              self.skip_layer_guidance.layers))
+        pos, *rest = self._forward(calls)
+        pred = pos.clone()
+        neg = rest[0] if cfg_spans else None
         k = 0
         for s, n, scale in cfg_spans:           # per request: its scale, a float as diffusers'
             uncond = neg[k:k + n]
-            pred[s:s + n] = uncond + scale * (pred[s:s + n] - uncond)
+            pred[s:s + n] = uncond + scale * (pos[s:s + n] - uncond)
             k += n
         if skip:
-            sidx = torch.tensor(skip, dtype=torch.long, device=x.device)
-            slg = self.skip_layer_guidance
-            skipped = self._transformer(x[sidx], embeds[sidx], pooled[sidx], timestep[sidx],
-                                        skip_layers=slg.layers)
-            pred[sidx] = pred[sidx] + (out[sidx] - skipped) * slg.scale
+            pred[sidx] = pred[sidx] + (pos[sidx] - rest[-1]) * self.skip_layer_guidance.scale
         return pred
+
+    def _forward(self, calls: list[Rows]) -> list[Tensor]:
+        """Each group of rows' transformer output. One rank: the groups that skip the same
+        blocks in one call. CFG-parallel: the prompt rows on CFG rank 0, the others on rank 1,
+        gathered on both."""
+        sizes = [c.x.shape[0] for c in calls]
+        if self.cfg_ranks.world_size == 1:
+            return list(self._run(calls).split(sizes))
+        mine = calls[:1] if self.cfg_ranks.rank == 0 else calls[1:]
+        local = self._run(mine) if mine else calls[0].x[:0]
+        out = gather_branches(local, [sizes[0], sum(sizes[1:])], self.cfg_ranks)
+        return list(out.split(sizes))
+
+    def _run(self, calls: list[Rows]) -> Tensor:
+        """The groups' outputs one after the other; consecutive groups that skip the same
+        blocks share one call (from CUDA graphs when they are on: one per shape and set)."""
+        forward = self.graphs if self.graphs is not None else self.transformer
+        outs = []
+        for _, same in itertools.groupby(calls, key=lambda c: c.skip_layers):
+            group = list(same)
+            x, embeds, pooled, t = (torch.cat(parts) for parts in zip(*(
+                (c.x, c.embeds, c.pooled, c.timestep) for c in group)))
+            outs.append(forward(x, embeds, pooled, t, skip_layers=group[0].skip_layers))
+        return torch.cat(outs)
 
     def _rows(self, requests: list[DiffusionRequest]
               ) -> tuple[list[tuple[int, int, float]], list[int]]:
@@ -314,13 +352,6 @@ class StableDiffusion3Pipeline(LatentPipelineBase):
         pooled = torch.cat([r.cond[f"{prefix}pooled"].expand(r.latents.shape[0], -1)
                             for r in chosen])
         return embeds, pooled
-
-    def _transformer(self, x: Tensor, embeds: Tensor, pooled: Tensor, timestep: Tensor,
-                     skip_layers: tuple[int, ...] = ()) -> Tensor:
-        """The transformer's forward, from CUDA graphs when they are on (`use_cuda_graphs`;
-        one per shape and skipped-layer set)."""
-        forward = self.graphs if self.graphs is not None else self.transformer
-        return forward(x, embeds, pooled, timestep, skip_layers=skip_layers)
 
     # ---- 3. decode -------------------------------------------------------------------------
 
