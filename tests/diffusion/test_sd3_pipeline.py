@@ -135,6 +135,30 @@ def test_matches_diffusers(pair: Pair) -> None:
     assert out.float().std() > 1.0, "the tiny pipeline should not draw a flat image"
 
 
+def test_bfloat16_matches_diffusers(pair: Pair) -> None:
+    """Both loaded in bfloat16 from the float32 folder: noise drawn in the model dtype,
+    timesteps in float32, CFG in bfloat16, as diffusers (bit-equal when written)."""
+    _, _, folder = pair
+    # loaded in float32 and cast: diffusers' own bfloat16 load leaves the patch conv's bias
+    # float32 here (no accelerate), and its forward then fails
+    ref = diffusers.StableDiffusion3Pipeline.from_pretrained(folder).to(torch.bfloat16)
+    ref.set_progress_bar_config(disable=True)
+    ours = sd3.StableDiffusion3Pipeline.from_pretrained(folder, "sd3", torch.device("cpu"),
+                                                       torch.bfloat16)
+    ours.prompt_encoder.max_sequence_length = SEQ
+    params = DiffusionParams(height=HEIGHT, width=WIDTH, num_inference_steps=3, seed=0,
+                             guidance_scale=GUIDANCE, negative_prompt=NEGATIVE)
+    got, _ = run_alone(ours, PROMPTS[0], params)
+    with torch.no_grad():
+        expected = ref(PROMPTS[0], height=HEIGHT, width=WIDTH, num_inference_steps=3,
+                       guidance_scale=GUIDANCE, negative_prompt=NEGATIVE,
+                       generator=torch.Generator().manual_seed(0), output_type="latent",
+                       max_sequence_length=SEQ, return_dict=False)[0]
+    assert got.dtype == expected.dtype == torch.bfloat16
+    assert expected.float().abs().mean() > 0.3
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=0)
+
+
 def test_skip_layer_guidance_matches_diffusers(pair: Pair) -> None:
     """Active on steps 1 and 2 of 4 (start 0.1, stop 0.7); it changes the result."""
     ref, ours, _ = pair
