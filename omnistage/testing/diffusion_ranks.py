@@ -4,7 +4,8 @@ test's process for one rank), and the tiny Qwen-Image, Z-Image, FLUX and Wan fol
 
 The pipeline folders have no text encoder: requests bring their caption states
 (`set_conditioning`, as a split graph's encoder stage sends them), drawn from a seed per
-request, so captions of any length, odd ones included, cost nothing to make."""
+request, so captions of any length, odd ones included, cost nothing to make. SD3's folder (its
+test builds it whole) is the exception: rank 0 encodes the prompts, as a stage's leader does."""
 
 from __future__ import annotations
 
