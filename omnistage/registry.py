@@ -192,6 +192,7 @@ _BUILT_IN = (
     _pipeline("flux", "FluxPipeline"),
     _pipeline("z_image", "ZImagePipeline"),
     _pipeline("qwen_image", "QwenImagePipeline"),
+    _pipeline("sd3", "StableDiffusion3Pipeline"),
     ModelFamily("digits", graph="digits.yaml", components=(Component(
         "diffusion", "digits_dit", "omnistage.diffusion.pipelines.digits:DigitsPipeline"),)),
     # the generic adapter: any other diffusers pipeline, run whole by diffusers (not native)

@@ -24,7 +24,8 @@ from omnistage.utils.device import resolve_device, resolve_dtype
 
 # a diffusion stage's `options`: compile: true | a torch.compile backend (its blocks compiled);
 # cuda_graphs: true | false | the most graphs (default: on for a CUDA device and a pipeline
-# whose transformer captures, at most MAX_GRAPHS shapes)
+# whose transformer captures, at most MAX_GRAPHS shapes); and those a pipeline class names in
+# its `options`, handed to its `set_option(name, value)` (SD3's skip_layer_guidance)
 OPTIONS = ("compile", "cuda_graphs")
 MAX_GRAPHS = 8
 
@@ -164,10 +165,11 @@ class DiffusionStage:
 def check_options(stage: StageConfig, cls: type) -> None:
     """Before anything loads: every option known, none for the generic diffusers adapter
     (diffusers runs its pipeline as it is)."""
-    unknown = set(stage.options) - set(OPTIONS)
+    known = (*OPTIONS, *getattr(cls, "options", ()))
+    unknown = set(stage.options) - set(known)
     if unknown:
         raise ValueError(f"stage {stage.name!r}: unknown diffusion options {sorted(unknown)} "
-                         f"(known: {', '.join(OPTIONS)})")
+                         f"(known: {', '.join(known)})")
     if stage.options and issubclass(cls, DiffusersPipeline):
         raise ValueError(f"stage {stage.name!r}: options {sorted(stage.options)} do not apply "
                          "to the generic diffusers adapter (diffusers runs the pipeline)")
@@ -200,7 +202,10 @@ def quantize_pipeline(stage: StageConfig, pipeline: DiffusionPipeline, dev: torc
 
 def apply_options(stage: StageConfig, pipeline: DiffusionPipeline, dev: torch.device) -> None:
     """A native pipeline's `options`: its transformer blocks compiled, CUDA graphs (on by
-    default on a CUDA device for a pipeline whose transformer captures)."""
+    default on a CUDA device for a pipeline whose transformer captures), its own options."""
+    for name in getattr(pipeline, "options", ()):
+        if name in stage.options:
+            pipeline.set_option(name, stage.options[name])
     if stage.options.get("compile"):
         backend = stage.options["compile"]
         compile_blocks(getattr(pipeline, "transformer", None) or pipeline.model,
