@@ -192,6 +192,11 @@ _BUILT_IN = (
     _pipeline("flux", "FluxPipeline"),
     _pipeline("z_image", "ZImagePipeline"),
     _pipeline("qwen_image", "QwenImagePipeline"),
+    _pipeline("qwen_image_edit", "QwenImageEditPipeline"),
+    ModelFamily("qwen_image_edit_plus", diffusers_classes=("QwenImageEditPlusPipeline",),
+                graph="qwen_image_edit_plus.yaml", components=(Component(
+                    "diffusion", "qwen_image_edit_plus",
+                    "omnistage.diffusion.pipelines.qwen_image_edit:QwenImageEditPlusPipeline"),)),
     ModelFamily("digits", graph="digits.yaml", components=(Component(
         "diffusion", "digits_dit", "omnistage.diffusion.pipelines.digits:DigitsPipeline"),)),
     # the generic adapter: any other diffusers pipeline, run whole by diffusers (not native)

@@ -96,6 +96,25 @@ def merge_block_order(h: int, w: int, m: int) -> Tensor:
     return torch.arange(h * w).view(h // m, m, w // m, m).permute(0, 2, 1, 3).reshape(-1)
 
 
+def vision_rope(grids: list[tuple[int, int, int]], head_dim: int, merge: int, theta: float,
+                device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos, sin (N, 1, head_dim) float32 of the Qwen-VL towers' 2-D rotary, patches in
+    merge-block order: a quarter of the frequencies turn with the patch row, a quarter with
+    the column, the halves repeated (Qwen2.5-VL and Qwen3-VL alike)."""
+    quarter = head_dim // 2
+    inv_freq = 1.0 / (theta ** (
+        torch.arange(0, quarter, 2, dtype=torch.float32, device=device) / quarter))
+    rows, cols = [], []
+    for t, h, w in grids:
+        order = merge_block_order(h, w, merge).to(device)
+        rows.append((order // w).repeat(t))
+        cols.append((order % w).repeat(t))
+    row, col = torch.cat(rows).float(), torch.cat(cols).float()
+    freqs = torch.cat([row[:, None] * inv_freq, col[:, None] * inv_freq], dim=-1)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]          # (N, 1, D)
+    return emb.cos(), emb.sin()
+
+
 class VisionAttention(nn.Module):
     def __init__(self, cfg: VisionEncoderConfig) -> None:
         super().__init__()
@@ -161,12 +180,14 @@ class PatchMerger(nn.Module):
 
 class PatchEmbed(nn.Module):
     """The Conv3d of the checkpoint (weight (hidden, C, tp, p, p)) applied as one matmul: its
-    kernel covers a whole patch row of pixel_values, laid out (C, tp, p, p) too."""
+    kernel covers a whole patch row of pixel_values, laid out (C, tp, p, p) too. Qwen2.5-VL's
+    has no bias."""
 
-    def __init__(self, cfg: VisionEncoderConfig) -> None:
+    def __init__(self, cfg: VisionEncoderConfig, bias: bool = True) -> None:
         super().__init__()
         p, tp = cfg.patch_size, cfg.temporal_patch_size
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, (tp, p, p), (tp, p, p))
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, (tp, p, p), (tp, p, p),
+                              bias=bias)
 
     def forward(self, pixel_values: Tensor) -> Tensor:           # (N, C*tp*p*p)
         weight = self.proj.weight.view(self.proj.weight.shape[0], -1)
@@ -225,23 +246,6 @@ class VisionEncoder(nn.Module):
             out.append(pos[order].repeat(t, 1))                  # (t*h*w, hidden)
         return torch.cat(out)
 
-    def _rotary(self, grids: list[tuple[int, int, int]], device: torch.device
-                ) -> tuple[Tensor, Tensor]:
-        """cos, sin (N, 1, head_dim) float32 of the 2-D rotary: a quarter of the frequencies
-        turn with the patch row, a quarter with the column, the halves repeated."""
-        quarter = self.cfg.head_dim // 2
-        inv_freq = 1.0 / (self.cfg.rope_theta ** (
-            torch.arange(0, quarter, 2, dtype=torch.float32, device=device) / quarter))
-        rows, cols = [], []
-        for t, h, w in grids:
-            order = merge_block_order(h, w, self.cfg.spatial_merge_size).to(device)
-            rows.append((order // w).repeat(t))
-            cols.append((order % w).repeat(t))
-        row, col = torch.cat(rows).float(), torch.cat(cols).float()
-        freqs = torch.cat([row[:, None] * inv_freq, col[:, None] * inv_freq], dim=-1)
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]      # (N, 1, D)
-        return emb.cos(), emb.sin()
-
     def forward(self, pixel_values: Tensor, grid_thw: Tensor) -> tuple[Tensor, list[Tensor]]:
         cfg = self.cfg
         grids = _grid_list(grid_thw)
@@ -255,7 +259,7 @@ class VisionEncoder(nn.Module):
                              f"grid_thw {grids}, got {tuple(pixel_values.shape)}")
         x = self.patch_embed(pixel_values)                       # (N, hidden)
         x = x + self._position_embeddings(grids).to(x.dtype)
-        rope = self._rotary(grids, x.device)
+        rope = vision_rope(grids, cfg.head_dim, cfg.spatial_merge_size, cfg.rope_theta, x.device)
         cu_seqlens = [0]                                         # one segment per frame
         for t, h, w in grids:
             for _ in range(t):
