@@ -88,6 +88,8 @@ class DiffusionStage:
             self.stage_info = {"backend": BACKEND, "pipeline": pipeline.class_name}
             self.engine = DiffusersEngine(pipeline, stage.max_num_seqs)
             return
+        # the front door refuses an edit with more images than the pipeline takes
+        self.stage_info = {"max_input_images": getattr(pipeline, "max_input_images", 1)}
         quantize_pipeline(stage, pipeline, dev)
         apply_options(stage, pipeline, dev)
         # on CUDA, memory_fraction bounds weights plus each step's activations
@@ -137,7 +139,8 @@ class DiffusionStage:
 
     def info(self) -> StageInfo:
         """The generic diffusers adapter says so (backend "diffusers", the pipeline class):
-        /v1/models shows the model as not native."""
+        /v1/models shows the model as not native. A native pipeline: how many input images an
+        edit may bring (max_input_images)."""
         return self.stage_info
 
     def stats(self) -> EngineStats:

@@ -4,9 +4,7 @@ several steps): the same prompt embeddings (the Qwen2.5-VL encoder with the imag
 same packed latents; Edit-Plus with two images of different sizes; bad requests refused.
 
 The reference gets the processor's `mm_token_type_ids` forwarded to its text encoder (diffusers
-PR #14189): without it, transformers >= 5.15 silently drops the images' multimodal positions.
-transformers' Qwen2VLProcessor insists on a video processor (torchvision, not installed), so
-it is built without one; it never sees a video here. Sizes are scaled down from ~1024x1024
+PR #14189; see omnistage/testing/tiny_qwen_image_edit.py). Sizes are scaled down from ~1024x1024
 pixels (`calculate_dimensions`' area) to keep the tiny models fast.
 """
 
@@ -28,12 +26,9 @@ from omnistage.diffusion.pipelines.qwen_image_edit import (CONDITION_AREA, TARGE
 from omnistage.errors import InputError
 from omnistage.registry import load_component
 from omnistage.testing.diffusion import run_to_end
-from omnistage.testing.tiny_omni import build_tiny_omni_tokenizer
+from omnistage.testing.tiny_qwen_image_edit import C, build_tiny_qwen_image_edit
 
 diffusers = pytest.importorskip("diffusers")
-transformers = pytest.importorskip("transformers")
-
-C = 4                           # latent channels
 AREA = 64 * 64                  # stands in for 1024 * 1024 pixels
 CONDITION = 32 * 32             # stands in for Edit-Plus's 384 * 384
 PROMPT = "make the sea shore sunny"
@@ -51,83 +46,6 @@ def png_bytes(size: tuple[int, int], seed: int) -> bytes:
     return buf.getvalue()
 
 
-def tiny_processor(tokenizer) -> transformers.Qwen2VLProcessor:
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil)
-    from transformers.processing_utils import ProcessorMixin
-
-    images = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
-                                      min_pixels=8 * 8, max_pixels=32 * 32)
-    check = ProcessorMixin.check_argument_for_proper_class
-    ProcessorMixin.check_argument_for_proper_class = (
-        lambda self, name, arg: None if arg is None else check(self, name, arg))
-    try:
-        processor = transformers.Qwen2VLProcessor(image_processor=images, tokenizer=tokenizer,
-                                                  video_processor=None)
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = check
-
-    def save(directory, **kwargs) -> None:      # the files a real processor/ folder holds
-        images.save_pretrained(directory)
-        tokenizer.save_pretrained(directory)
-
-    processor.save_pretrained = save
-    return processor
-
-
-def forward_token_types(text_encoder, image_token_id: int) -> None:
-    """diffusers PR #14189 in the reference: the image tokens' type ids reach the encoder."""
-    forward = text_encoder.forward
-
-    def with_types(input_ids=None, **kwargs):
-        kwargs.setdefault("mm_token_type_ids", (input_ids == image_token_id).int())
-        text_encoder.model.rope_deltas = None
-        return forward(input_ids=input_ids, **kwargs)
-
-    text_encoder.forward = with_types
-
-
-def build_reference(path: Path, cls: type) -> diffusers.DiffusionPipeline:
-    """A diffusers Qwen-Image edit pipeline of `cls` from tiny random components, saved."""
-    torch.manual_seed(0)
-    tokenizer = build_tiny_omni_tokenizer(path / "tok")
-    tid = tokenizer.convert_tokens_to_ids
-    text_encoder = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=2048, rope_theta=10000.0, bos_token_id=None,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default"}),
-        vision_config=dict(depth=2, hidden_size=16, intermediate_size=16, num_heads=2,
-                           out_hidden_size=16, patch_size=4, spatial_merge_size=2,
-                           temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1]),
-        image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),
-        vision_start_token_id=tid("<|vision_start|>"), vocab_size=len(tokenizer))).eval()
-    transformer = diffusers.QwenImageTransformer2DModel(
-        patch_size=2, in_channels=4 * C, out_channels=C, num_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(8, 4, 4)).eval()
-    vae = diffusers.AutoencoderKLQwenImage(
-        base_dim=8, z_dim=C, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
-        temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.3, -0.1],
-        latents_std=[1.5, 0.8, 1.2, 2.0]).eval()
-    with torch.no_grad():   # make every path count: the images' features, the captions
-        for p in [*transformer.parameters(), *text_encoder.model.visual.parameters()]:
-            p.normal_(0.0, 0.3 if p.dim() > 1 else 0.1)
-        for m in [*transformer.modules(), *text_encoder.model.visual.modules()]:
-            if "RMSNorm" in type(m).__name__:
-                m.weight.normal_(1.0, 0.1)
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
-        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9,
-        num_train_timesteps=1000, shift=1.0, shift_terminal=0.02, use_dynamic_shifting=True,
-        time_shift_type="exponential")
-    pipe = cls(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-               processor=tiny_processor(tokenizer), transformer=transformer)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.save_pretrained(path)
-    forward_token_types(text_encoder, tid("<|image_pad|>"))
-    return pipe
-
-
 def scaled_sizes(monkeypatch: pytest.MonkeyPatch, ours: QwenImageEditPipeline) -> None:
     """Both sides at AREA (and CONDITION) instead of ~1024x1024 (and 384x384) pixels."""
     from diffusers.pipelines.qwenimage import (pipeline_qwenimage_edit as edit,
@@ -143,8 +61,8 @@ def scaled_sizes(monkeypatch: pytest.MonkeyPatch, ours: QwenImageEditPipeline) -
                         areas[type(ours.prompt_encoder).condition_area])
 
 
-def load_pair(path: Path, cls: type, component: str):
-    ref = build_reference(path, cls)
+def load_pair(path: Path, component: str):
+    ref = build_tiny_qwen_image_edit(path, plus=component.endswith("plus"))
     ours = load_component("diffusion", component).from_pretrained(
         path, component, torch.device("cpu"), torch.float32)
     return ref, ours
@@ -152,14 +70,12 @@ def load_pair(path: Path, cls: type, component: str):
 
 @pytest.fixture(scope="module")
 def edit_pair(tmp_path_factory: pytest.TempPathFactory):
-    return load_pair(tmp_path_factory.mktemp("qwen_image_edit"), diffusers.QwenImageEditPipeline,
-                     "qwen_image_edit")
+    return load_pair(tmp_path_factory.mktemp("qwen_image_edit"), "qwen_image_edit")
 
 
 @pytest.fixture(scope="module")
 def plus_pair(tmp_path_factory: pytest.TempPathFactory):
-    return load_pair(tmp_path_factory.mktemp("qwen_image_edit_plus"),
-                     diffusers.QwenImageEditPlusPipeline, "qwen_image_edit_plus")
+    return load_pair(tmp_path_factory.mktemp("qwen_image_edit_plus"), "qwen_image_edit_plus")
 
 
 def run_ours(ours: QwenImageEditPipeline, monkeypatch: pytest.MonkeyPatch,
