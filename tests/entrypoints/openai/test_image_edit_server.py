@@ -1,8 +1,8 @@
 """Qwen-Image-Edit-Plus behind /v1/images/edits: a tiny random folder
 (omnistage/testing/tiny_qwen_image_edit.py) served by a real server. Two `image[]` parts make
 the same image as the pipeline run in this process with the two images in that order; no
-image, too many and an undecodable one are 400s with OpenAI's error JSON naming `image`,
-answered before any stage runs."""
+image, too many (as files or as chat image parts) and an undecodable one are 400s with
+OpenAI's error JSON naming `image`, answered before any stage runs."""
 
 from __future__ import annotations
 
@@ -86,3 +86,15 @@ def test_bad_images_are_400s(server: Server, images: list[bytes], message: str) 
     error = r.json()["error"]
     assert error["param"] == "image" and message in error["message"], error
     assert error["type"] == "invalid_request_error"
+
+
+def test_chat_image_parts_count_too(server: Server) -> None:
+    """Image parts of a chat message are the edit's images as well: four are a 400."""
+    url = "data:image/png;base64," + base64.b64encode(IMAGES[0]).decode()
+    content = [{"type": "text", "text": PROMPT}] + [{"type": "image_url",
+                                                     "image_url": {"url": url}}] * 4
+    r = server.post("/v1/chat/completions",
+                    json={"model": MODEL, "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "image" and "at most 3 input images, got 4" in error["message"]
