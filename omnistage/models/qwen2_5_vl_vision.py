@@ -21,8 +21,9 @@ merged token keeps its m*m patches together:
                                     8  9 | 10 11
                                     12 13| 14 15
 
-The attention, the patch embedding and the rotary are Qwen3-VL's (qwen3_omni/vision_encoder.py);
-what differs here is the windows, RMSNorm, the gated MLP and the merger's norm.
+The blocks (attention), the patch embedding and the rotary are Qwen3-VL's
+(qwen3_omni/vision_encoder.py); what differs here is the windows, RMSNorm, the gated MLP and
+the merger's norm.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omnistage.layers.norm import RMSNorm
-from omnistage.models.qwen3_omni.vision_encoder import (PatchEmbed, VisionAttention, _grid_list,
+from omnistage.models.qwen3_omni.vision_encoder import (PatchEmbed, VisionBlock, _grid_list,
                                                         vision_rope)
 from omnistage.models.text_encoders.common import (build_on, checkpoint_dtype,
                                                    load_weights_strict, read_hf_config,
@@ -120,19 +121,6 @@ class Qwen2_5_VLMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Qwen2_5_VLVisionBlock(nn.Module):
-    def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
-        super().__init__()
-        self.norm1 = RMSNorm(cfg.hidden_size, eps=1e-6)
-        self.norm2 = RMSNorm(cfg.hidden_size, eps=1e-6)
-        self.attn = VisionAttention(cfg)
-        self.mlp = Qwen2_5_VLMLP(cfg)
-
-    def forward(self, x: Tensor, cu_seqlens: list[int], rope: tuple[Tensor, Tensor]) -> Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, rope)
-        return x + self.mlp(self.norm2(x))
-
-
 class Qwen2_5_VLPatchMerger(nn.Module):
     def __init__(self, cfg: Qwen2_5_VisionConfig) -> None:
         super().__init__()
@@ -154,7 +142,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg, bias=False)
-        self.blocks = nn.ModuleList(Qwen2_5_VLVisionBlock(cfg) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(VisionBlock(cfg, RMSNorm, Qwen2_5_VLMLP(cfg))
+                                    for _ in range(cfg.depth))
         self.merger = Qwen2_5_VLPatchMerger(cfg)
 
     @classmethod

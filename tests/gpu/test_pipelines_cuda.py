@@ -1,8 +1,9 @@
 """GPU-only checks (skipped without CUDA): the multi-network pipelines on CUDA against their
 references on CUDA, float32 with TF32 off: Qwen3-Omni (thinker -> talker -> code2wav, stage
 processes) against transformers' generate(return_audio=True), and the Qwen-Image / FLUX.1 /
-Qwen-Image-Edit(-Plus) pipelines against diffusers. What these catch is placement (a tensor left on the CPU, a
-generator on the wrong device), not numerics, which the CPU golden tests pin down."""
+Qwen-Image-Edit(-Plus) pipelines against diffusers. What these catch is placement (a tensor
+left on the CPU, a generator on the wrong device), not numerics, which the CPU golden tests
+pin down."""
 
 from __future__ import annotations
 

@@ -39,6 +39,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from omnistage.diffusion.image_input import decode_image, peek_image, preprocess
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipeline import encode_with_negatives
 from omnistage.diffusion.pipelines.flux import pack_latents
 from omnistage.diffusion.pipelines.qwen_image import (QwenImagePipeline, check_text_params,
                                                       has_true_cfg)
@@ -131,19 +132,11 @@ class QwenImageEditPromptEncoder:
         resized to ~condition_area pixels first."""
         images = [[resize(im, calculate_dimensions(self.condition_area, im.width / im.height))
                    for im in ims] for ims in images]
-        texts, text_images = [], []
-        for prompt, p, ims in zip(prompts, params, images, strict=True):
-            for text in [prompt, p.negative_prompt or ""] if has_true_cfg(p) else [prompt]:
-                texts.append(text)
-                text_images.append(ims)
-        states = iter(self.encode_texts(texts, text_images))
-        out = []
-        for p in params:
-            cond = {"prompt_embeds": next(states)}
-            if has_true_cfg(p):
-                cond["negative_prompt_embeds"] = next(states)
-            out.append(cond)
-        return out
+        # the texts come as encode_with_negatives lays them out: prompt [, negative] a request
+        text_images = [ims for p, ims in zip(params, images, strict=True)
+                       for _ in range(2 if has_true_cfg(p) else 1)]
+        return encode_with_negatives(lambda texts: self.encode_texts(texts, text_images),
+                                     prompts, params, has_true_cfg)
 
     def user_turn(self, text: str, num_images: int) -> str:
         if not self.numbered:

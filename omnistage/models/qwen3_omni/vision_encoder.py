@@ -142,12 +142,16 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionEncoderConfig) -> None:
+    """Pre-norm attention and MLP. Qwen3-VL's: LayerNorm and a GELU MLP; Qwen2.5-VL's tower
+    (qwen2_5_vl_vision.py) gives its RMSNorm and gated MLP."""
+
+    def __init__(self, cfg: VisionEncoderConfig, norm: type[nn.Module] = nn.LayerNorm,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.norm1 = norm(cfg.hidden_size, eps=1e-6)
+        self.norm2 = norm(cfg.hidden_size, eps=1e-6)
         self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
+        self.mlp = mlp if mlp is not None else VisionMLP(cfg)
 
     def forward(self, x: Tensor, cu_seqlens: list[int], rope: tuple[Tensor, Tensor]) -> Tensor:
         x = x + self.attn(self.norm1(x), cu_seqlens, rope)
