@@ -128,6 +128,9 @@ def test_edit_prompt_embeds_see_the_image(edit_pair, monkeypatch: pytest.MonkeyP
         assert mask is None and got.shape == expected.shape[1:]
         torch.testing.assert_close(got, expected[0], atol=1e-5, rtol=0)
         states.append(got)
+    # a text-encoder stage's way in: the images from the params, resized there
+    (cond,) = ours.prompt_encoder.encode([PROMPT], [DiffusionParams(image=png_bytes((80, 48), 2))])
+    torch.testing.assert_close(cond["prompt_embeds"], states[1], atol=1e-6, rtol=0)
     image_rows = states[0].shape[0] - len(ours.prompt_encoder.tokenizer(PROMPT).input_ids) - 5
     assert (states[0] - states[1]).abs().max() > 0.1 and image_rows > 0
 
@@ -144,6 +147,31 @@ def test_plus_two_images_match_diffusers(plus_pair, monkeypatch: pytest.MonkeyPa
     assert got.shape == expected.shape == (1, 4 * 4, 4 * C)
     assert expected.abs().mean() > 0.3
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_same_image_alone_or_batched(plus_pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests with other input images (other img_shapes, one forward each), with and
+    without CFG, joining at different steps: each as it is alone."""
+    _, ours = plus_pair
+    scaled_sizes(monkeypatch, ours)
+    a, b = png_bytes((80, 48), seed=1), png_bytes((48, 64), seed=3)
+    requests = {
+        "two": DiffusionParams(num_inference_steps=3, true_cfg_scale=4.0, negative_prompt=NEGATIVE,
+                               seed=0, image=a, extra_images=(b,)),
+        "one": DiffusionParams(num_inference_steps=2, seed=1, image=b),
+        "same": DiffusionParams(num_inference_steps=2, seed=2, image=b, extra_images=(b,),
+                                height=64, width=64),
+    }
+    batched = DiffusionEngine(ours)
+    batched.add_request("two", PROMPT, requests["two"])
+    batched.step()
+    for rid in ("one", "same"):
+        batched.add_request(rid, PROMPT, requests[rid])
+    together = run_to_end(batched)
+    for rid, params in requests.items():
+        engine = DiffusionEngine(ours)
+        engine.add_request(rid, PROMPT, params)
+        assert torch.equal(run_to_end(engine)[rid].images, together[rid].images), rid
 
 
 def test_bad_requests_refused(edit_pair, plus_pair) -> None:
