@@ -62,9 +62,10 @@ def forward_token_types(text_encoder, image_token_id: int) -> None:
     text_encoder.forward = with_types
 
 
-def build_tiny_qwen_image_edit(path: Path, plus: bool = False):
+def build_tiny_qwen_image_edit(path: Path, plus: bool = False, zero_cond_t: bool = False):
     """diffusers' QwenImageEditPipeline (plus: QwenImageEditPlusPipeline) from tiny random
-    components, saved to `path`; returned with its text encoder fixed (see above)."""
+    components, saved to `path`; returned with its text encoder fixed (see above).
+    zero_cond_t: the transformer of Qwen-Image-Edit-2511 (the input images' tokens see t=0)."""
     import diffusers
     import transformers
 
@@ -84,7 +85,8 @@ def build_tiny_qwen_image_edit(path: Path, plus: bool = False):
         vision_start_token_id=tid("<|vision_start|>"), vocab_size=len(tokenizer))).eval()
     transformer = diffusers.QwenImageTransformer2DModel(
         patch_size=2, in_channels=4 * C, out_channels=C, num_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(8, 4, 4)).eval()
+        num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(8, 4, 4),
+        zero_cond_t=zero_cond_t).eval()
     vae = diffusers.AutoencoderKLQwenImage(
         base_dim=4, z_dim=C, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
         temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.3, -0.1],

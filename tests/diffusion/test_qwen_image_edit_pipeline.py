@@ -61,8 +61,9 @@ def scaled_sizes(monkeypatch: pytest.MonkeyPatch, ours: QwenImageEditPipeline) -
                         areas[type(ours.prompt_encoder).condition_area])
 
 
-def load_pair(path: Path, component: str):
-    ref = build_tiny_qwen_image_edit(path, plus=component.endswith("plus"))
+def load_pair(path: Path, component: str, zero_cond_t: bool = False):
+    ref = build_tiny_qwen_image_edit(path, plus=component.endswith("plus"),
+                                     zero_cond_t=zero_cond_t)
     ours = load_component("diffusion", component).from_pretrained(
         path, component, torch.device("cpu"), torch.float32)
     return ref, ours
@@ -135,8 +136,17 @@ def test_edit_prompt_embeds_see_the_image(edit_pair, monkeypatch: pytest.MonkeyP
     assert (states[0] - states[1]).abs().max() > 0.1 and image_rows > 0
 
 
-def test_plus_two_images_match_diffusers(plus_pair, monkeypatch: pytest.MonkeyPatch) -> None:
-    ref, ours = plus_pair
+@pytest.fixture(scope="module")
+def plus_2511_pair(tmp_path_factory: pytest.TempPathFactory):
+    return load_pair(tmp_path_factory.mktemp("qwen_image_edit_2511"), "qwen_image_edit_plus",
+                     zero_cond_t=True)
+
+
+@pytest.mark.parametrize("pair", ["plus_pair", "plus_2511_pair"], ids=["2509", "2511"])
+def test_plus_two_images_match_diffusers(pair: str, request: pytest.FixtureRequest,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Edit-Plus, and Edit-2511's transformer (the input images' tokens modulated at t=0)."""
+    ref, ours = request.getfixturevalue(pair)
     scaled_sizes(monkeypatch, ours)
     images = [png_bytes((80, 48), seed=1), png_bytes((48, 64), seed=3)]
     expected = reference(ref, images)
@@ -183,6 +193,8 @@ def test_bad_requests_refused(edit_pair, plus_pair) -> None:
         (plus, DiffusionParams(image=image, extra_images=(image,) * 3), "at most 3 input"),
         (edit, DiffusionParams(image=image, strength=0.5), "strength"),
         (edit, DiffusionParams(image=png_bytes((4000, 8), seed=0)), "too elongated"),
+        (plus, DiffusionParams(image=image, negative_prompt="<|image_pad|>", true_cfg_scale=4.0),
+         "negative_prompt: must not contain"),
     ]
     for pipe, params, message in cases:
         with pytest.raises(InputError, match=message):

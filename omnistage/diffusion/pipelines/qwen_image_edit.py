@@ -1,7 +1,8 @@
-"""Qwen-Image-Edit and Qwen-Image-Edit-Plus (2509 and later): diffusers'
-`QwenImageEditPipeline.__call__` (one input image) and `QwenImageEditPlusPipeline.__call__`
-(several) on top of Qwen-Image's phases (qwen_image.py), whose schedule, true CFG, denoising
-and decode they keep. What the input images add:
+"""Qwen-Image-Edit and Qwen-Image-Edit-Plus (2509; 2511, whose transformer has zero_cond_t):
+diffusers' `QwenImageEditPipeline.__call__` (one input image) and
+`QwenImageEditPlusPipeline.__call__` (several) on top of Qwen-Image's phases (qwen_image.py),
+whose schedule, true CFG (with the same images for the negative prompt), CFG-parallel, step
+caching, denoising and decode they keep. What the input images add:
 
     sizes:    Edit:  the image resized (Lanczos) to the ~1024x1024-pixel size of its aspect,
                      sides multiples of 32 (`calculate_dimensions`): both what the VL encoder
@@ -18,7 +19,14 @@ and decode they keep. What the input images add:
     prepare:  each VAE image -> posterior mean -> normalized -> packed: (1, M_i, 4C), appended
               after the noise's N tokens; img_shapes [(1, h/2, w/2), (1, h_i/2, w_i/2), ...]
               give each image its own frame index in the transformer's rotary
-    velocity: the transformer sees [latents | image tokens]; only the first N outputs count
+    velocity: the transformer sees [latents | image tokens]; only the first N outputs count;
+              requests with other img_shapes run in forwards of their own
+
+A request brings its images as DiffusionParams.image and extra_images: one for Edit, one to
+MAX_PLUS_IMAGES for Plus (`max_input_images`, which the stage reports so that the front door
+refuses more). Every network is ours; the image processor and tokenizer are transformers'. The
+encoder runs inside the diffusion stage (no split graph ships: a text-encoder stage would need
+the images too).
 
 The multimodal positions differ from diffusers run with transformers >= 5.15, which drops the
 processor's `mm_token_type_ids` and silently falls back to 1-D positions (diffusers issue
@@ -74,6 +82,16 @@ def calculate_dimensions(area: int, ratio: float) -> tuple[int, int]:
     return round(width / SIZE_STEP) * SIZE_STEP, round(width / ratio / SIZE_STEP) * SIZE_STEP
 
 
+def check_edit_text(prompt: str | None, params: DiffusionParams) -> None:
+    """Qwen-Image's text checks, and no image placeholder in the texts: each stands for an
+    input image's features, which the text does not bring."""
+    check_text_params(prompt, params)
+    for name, text in (("prompt", prompt), ("negative_prompt", params.negative_prompt)):
+        if text is not None and IMAGE_TOKEN in text:
+            raise InputError(f"{name}: must not contain {IMAGE_TOKEN} (the input images' "
+                             "placeholder)", name)
+
+
 def resize(image: Image.Image, size: tuple[int, int]) -> Image.Image:
     """To (width, height) with Lanczos, as diffusers' VaeImageProcessor.resize."""
     return image if image.size == size else image.resize(size, Image.Resampling.LANCZOS)
@@ -117,7 +135,7 @@ class QwenImageEditPromptEncoder:
                    AutoTokenizer.from_pretrained(path / "processor"), image_token_id, device)
 
     def validate(self, prompt: str, params: DiffusionParams) -> None:
-        check_text_params(prompt, params)
+        check_edit_text(prompt, params)
 
     def encode(self, prompts: list[str], params: list[DiffusionParams]
                ) -> list[dict[str, Tensor]]:
@@ -194,6 +212,7 @@ class QwenImageEditPlusPromptEncoder(QwenImageEditPromptEncoder):
 class QwenImageEditPipeline(QwenImagePipeline):
     label = "Qwen-Image-Edit"
     prompt_encoder_cls = QwenImageEditPromptEncoder
+    check_text_params = staticmethod(check_edit_text)
     max_input_images = 1
     target_area = TARGET_AREA       # pixels of the VAE images and of the default output
 
