@@ -126,6 +126,8 @@ _RANGES = {
     "num_frames": Range(1, MAX_FRAMES, integer=True),
     "fps": Range(0.0, 120.0, lo_open=True),
 }
+
+
 def _image_file(image: object) -> object:
     """An input image as the bytes of its file: a PIL image saved as PNG, a bytearray copied;
     anything else as given (validate judges it)."""
