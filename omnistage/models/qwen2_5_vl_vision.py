@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omnistage.layers.norm import RMSNorm
-from omnistage.models.qwen3_omni.vision_encoder import (PatchEmbed, VisionBlock, _grid_list,
-                                                        vision_rope)
+from omnistage.models.qwen3_omni.vision_encoder import (PatchEmbed, VisionBlock, VisionSizes,
+                                                        _grid_list, checked_grids,
+                                                        frame_segments, vision_rope)
 from omnistage.models.text_encoders.common import (build_on, checkpoint_dtype,
                                                    load_weights_strict, read_hf_config,
                                                    strip_prefix)
@@ -47,7 +48,7 @@ OTHER_PREFIXES = ("model.", "lm_head.")      # the language model and its head, 
 
 
 @dataclass(frozen=True, slots=True)
-class Qwen2_5_VisionConfig:
+class Qwen2_5_VisionConfig(VisionSizes):
     depth: int
     hidden_size: int
     intermediate_size: int
@@ -82,14 +83,6 @@ class Qwen2_5_VisionConfig:
                    window_size=hf.window_size,
                    fullatt_block_indexes=tuple(hf.fullatt_block_indexes),
                    rope_theta=float(rope.get("rope_theta", 10000.0)))
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
 
 def window_layout(grids: list[tuple[int, int, int]], merge: int, window: int
@@ -164,14 +157,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
 
     def forward(self, pixel_values: Tensor, grid_thw: Tensor) -> Tensor:
         cfg = self.cfg
-        grids, m = _grid_list(grid_thw), cfg.spatial_merge_size
-        if any(h % m or w % m or t <= 0 for t, h, w in grids):
-            raise ValueError(f"grid_thw {grids}: h and w must be multiples of spatial_merge_size "
-                             f"{m} and t positive")
-        num_patches = sum(t * h * w for t, h, w in grids)
-        if pixel_values.shape != (num_patches, cfg.patch_dim):
-            raise ValueError(f"pixel_values: expected ({num_patches}, {cfg.patch_dim}) for "
-                             f"grid_thw {grids}, got {tuple(pixel_values.shape)}")
+        grids, m = checked_grids(cfg, pixel_values, grid_thw), cfg.spatial_merge_size
         order, cu_windows = window_layout(grids, m, cfg.window_size // m // cfg.patch_size)
         order = order.to(pixel_values.device)
 
@@ -181,9 +167,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         x = windowed(self.patch_embed(pixel_values))             # (N, hidden)
         cos, sin = vision_rope(grids, cfg.head_dim, m, cfg.rope_theta, x.device)
         rope = windowed(cos), windowed(sin)                      # (N, 1, D) each
-        cu_frames = [0]                                          # one segment per frame
-        for t, h, w in grids:
-            cu_frames += [cu_frames[-1] + h * w * (i + 1) for i in range(t)]
+        cu_frames = frame_segments(grids)
         for idx, block in enumerate(self.blocks):
             x = block(x, cu_frames if idx in cfg.fullatt_block_indexes else cu_windows, rope)
         return self.merger(x)[torch.argsort(order)]              # (N / m^2, out_hidden)

@@ -30,8 +30,29 @@ from omnistage.models.qwen3_omni.audio_encoder import (build_component, read_thi
                                                         varlen_attention)
 
 
+class VisionSizes:
+    """What the shared blocks (attention, patch embedding, VisionBlock) read of a Qwen-VL
+    vision config: Qwen3-VL's below, Qwen2.5-VL's (qwen2_5_vl_vision.py)."""
+
+    __slots__ = ()
+    hidden_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+
 @dataclass(frozen=True, slots=True)
-class VisionEncoderConfig:
+class VisionEncoderConfig(VisionSizes):
     depth: int = 27
     hidden_size: int = 1152
     intermediate_size: int = 4304
@@ -78,17 +99,32 @@ class VisionEncoderConfig:
         values["deepstack_visual_indexes"] = tuple(values["deepstack_visual_indexes"])
         return cls(**values, rope_theta=float(rope.get("rope_theta", 10000.0)))
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
 
 def _grid_list(grid_thw: Tensor) -> list[tuple[int, int, int]]:
     return [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
+
+
+def checked_grids(cfg: VisionSizes, pixel_values: Tensor, grid_thw: Tensor
+                  ) -> list[tuple[int, int, int]]:
+    """The images' (t, h, w) patch grids, checked against the merge size and pixel_values."""
+    grids, m = _grid_list(grid_thw), cfg.spatial_merge_size
+    if any(h % m or w % m or t <= 0 for t, h, w in grids):
+        raise ValueError(f"grid_thw {grids}: h and w must be multiples of spatial_merge_size "
+                         f"{m} and t positive")
+    num_patches = sum(t * h * w for t, h, w in grids)
+    if pixel_values.shape != (num_patches, cfg.patch_dim):
+        raise ValueError(f"pixel_values: expected ({num_patches}, {cfg.patch_dim}) for "
+                         f"grid_thw {grids}, got {tuple(pixel_values.shape)}")
+    return grids
+
+
+def frame_segments(grids: list[tuple[int, int, int]]) -> list[int]:
+    """Cumulative patch counts with one segment per frame: full attention stays in a frame."""
+    cu_seqlens = [0]
+    for t, h, w in grids:
+        for _ in range(t):
+            cu_seqlens.append(cu_seqlens[-1] + h * w)
+    return cu_seqlens
 
 
 def merge_block_order(h: int, w: int, m: int) -> Tensor:
@@ -116,7 +152,7 @@ def vision_rope(grids: list[tuple[int, int, int]], head_dim: int, merge: int, th
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, cfg: VisionEncoderConfig) -> None:
+    def __init__(self, cfg: VisionSizes) -> None:
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
@@ -145,7 +181,7 @@ class VisionBlock(nn.Module):
     """Pre-norm attention and MLP. Qwen3-VL's: LayerNorm and a GELU MLP; Qwen2.5-VL's tower
     (qwen2_5_vl_vision.py) gives its RMSNorm and gated MLP."""
 
-    def __init__(self, cfg: VisionEncoderConfig, norm: type[nn.Module] = nn.LayerNorm,
+    def __init__(self, cfg: VisionSizes, norm: type[nn.Module] = nn.LayerNorm,
                  mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.norm1 = norm(cfg.hidden_size, eps=1e-6)
@@ -187,7 +223,7 @@ class PatchEmbed(nn.Module):
     kernel covers a whole patch row of pixel_values, laid out (C, tp, p, p) too. Qwen2.5-VL's
     has no bias."""
 
-    def __init__(self, cfg: VisionEncoderConfig, bias: bool = True) -> None:
+    def __init__(self, cfg: VisionSizes, bias: bool = True) -> None:
         super().__init__()
         p, tp = cfg.patch_size, cfg.temporal_patch_size
         self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, (tp, p, p), (tp, p, p),
@@ -252,22 +288,11 @@ class VisionEncoder(nn.Module):
 
     def forward(self, pixel_values: Tensor, grid_thw: Tensor) -> tuple[Tensor, list[Tensor]]:
         cfg = self.cfg
-        grids = _grid_list(grid_thw)
-        m = cfg.spatial_merge_size
-        if any(h % m or w % m or t <= 0 for t, h, w in grids):
-            raise ValueError(f"grid_thw {grids}: h and w must be multiples of spatial_merge_size "
-                             f"{m} and t positive")
-        num_patches = sum(t * h * w for t, h, w in grids)
-        if pixel_values.shape != (num_patches, cfg.patch_dim):
-            raise ValueError(f"pixel_values: expected ({num_patches}, {cfg.patch_dim}) for "
-                             f"grid_thw {grids}, got {tuple(pixel_values.shape)}")
+        grids = checked_grids(cfg, pixel_values, grid_thw)
         x = self.patch_embed(pixel_values)                       # (N, hidden)
         x = x + self._position_embeddings(grids).to(x.dtype)
         rope = vision_rope(grids, cfg.head_dim, cfg.spatial_merge_size, cfg.rope_theta, x.device)
-        cu_seqlens = [0]                                         # one segment per frame
-        for t, h, w in grids:
-            for _ in range(t):
-                cu_seqlens.append(cu_seqlens[-1] + h * w)
+        cu_seqlens = frame_segments(grids)
 
         deepstack = []
         for idx, block in enumerate(self.blocks):
