@@ -193,6 +193,11 @@ _BUILT_IN = (
     _pipeline("z_image", "ZImagePipeline"),
     _pipeline("qwen_image", "QwenImagePipeline"),
     _pipeline("sd3", "StableDiffusion3Pipeline"),
+    _pipeline("qwen_image_edit", "QwenImageEditPipeline"),
+    ModelFamily("qwen_image_edit_plus", diffusers_classes=("QwenImageEditPlusPipeline",),
+                graph="qwen_image_edit_plus.yaml", components=(Component(
+                    "diffusion", "qwen_image_edit_plus",
+                    "omnistage.diffusion.pipelines.qwen_image_edit:QwenImageEditPlusPipeline"),)),
     ModelFamily("digits", graph="digits.yaml", components=(Component(
         "diffusion", "digits_dit", "omnistage.diffusion.pipelines.digits:DigitsPipeline"),)),
     # the generic adapter: any other diffusers pipeline, run whole by diffusers (not native)

@@ -10,7 +10,7 @@ diffusion engine when the request is added; the pipeline's `validate` / `prepare
 image (`image=`), and a pipeline's size rule reads the decoded image or the file's header.
 
     front door          orchestrator                         diffusion stage
-    peek_image(file) -> connector.put({"mm.image": file}) -> attach_image(file_bytes(...))
+    peek_image(file) -> connector.put(image_inputs(files)) -> attach_image(image_files(...))
                         AddRequest(params + ImageRef,        -> engine: decode_image, once
                                    inputs=handle)
 """
@@ -40,6 +40,21 @@ def file_tensor(data: bytes) -> Tensor:
 def file_bytes(tensor: Tensor) -> bytes:
     """The image file back from its `file_tensor`."""
     return tensor.numpy().tobytes()
+
+
+def image_inputs(files: list[bytes]) -> dict[str, Tensor]:
+    """A request's input image files as the stage inputs they travel as: "mm.image", then
+    "mm.image.1", "mm.image.2", ... for a multi-image edit's others."""
+    return {"mm.image" if i == 0 else f"mm.image.{i}": file_tensor(f)
+            for i, f in enumerate(files)}
+
+
+def image_files(multimodal: dict[str, Tensor]) -> list[bytes]:
+    """The files `image_inputs` sent, in order, from a stage's inputs ("mm." cut)."""
+    files = []
+    while (key := "image" if not files else f"image.{len(files)}") in multimodal:
+        files.append(file_bytes(multimodal[key]))
+    return files
 
 
 def decode_image(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> Image.Image:

@@ -10,7 +10,7 @@ from omnistage.configs.schema import StageConfig
 from omnistage.diffusion.diffusers_engine import DiffusersEngine
 from omnistage.diffusion.diffusers_pipeline import BACKEND, DiffusersPipeline
 from omnistage.diffusion.engine import DiffusionEngine
-from omnistage.diffusion.image_input import file_bytes
+from omnistage.diffusion.image_input import image_files
 from omnistage.diffusion.memory import CudaProbe, MemoryBudget
 from omnistage.diffusion.parallel import check_layout
 from omnistage.diffusion.params import DiffusionParams
@@ -89,6 +89,8 @@ class DiffusionStage:
             self.stage_info = {"backend": BACKEND, "pipeline": pipeline.class_name}
             self.engine = DiffusersEngine(pipeline, stage.max_num_seqs)
             return
+        # the front door refuses an edit with more images than the pipeline takes
+        self.stage_info = {"max_input_images": getattr(pipeline, "max_input_images", 1)}
         quantize_pipeline(stage, pipeline, dev)
         apply_options(stage, pipeline, dev)
         # on CUDA, memory_fraction bounds weights plus each step's activations
@@ -138,7 +140,8 @@ class DiffusionStage:
 
     def info(self) -> StageInfo:
         """The generic diffusers adapter says so (backend "diffusers", the pipeline class):
-        /v1/models shows the model as not native."""
+        /v1/models shows the model as not native. A native pipeline: how many input images an
+        edit may bring (max_input_images)."""
         return self.stage_info
 
     def stats(self) -> EngineStats:
@@ -220,11 +223,11 @@ def apply_options(stage: StageConfig, pipeline: DiffusionPipeline, dev: torch.de
 
 
 def _params(request: StageRequest) -> DiffusionParams:
-    """The request's params, with an edit's image file (the worker took it from the
-    connector: input "image") in place of the ImageRef they came with."""
+    """The request's params, with an edit's image files (the worker took them from the
+    connector: inputs "image", "image.1", ...) in place of the ImageRefs they came with."""
     params = request.diffusion or DiffusionParams()
-    image = request.multimodal.get("image")
-    return params if image is None else params.attach_image(file_bytes(image))
+    files = image_files(request.multimodal)
+    return params.attach_image(files) if files else params
 
 
 def check_parallel_layout(stage: StageConfig, path: str | None) -> None:
