@@ -84,6 +84,8 @@ def build_tiny_qwen2_5_omni(path: str | Path, *, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = Qwen2_5OmniForConditionalGeneration(config).float().eval()
     _randomize(model, seed)
+    with torch.no_grad():   # the talker's stop codes rarely win, so it speaks for a while
+        model.talker.codec_head.weight[[CODEC_PAD, CODEC_EOS]] *= 0.2
     model.save_pretrained(str(path), safe_serialization=True)
     gen = torch.Generator().manual_seed(seed + 1)
     dit = config.token2wav_config.dit_config
