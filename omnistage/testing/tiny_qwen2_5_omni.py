@@ -86,14 +86,48 @@ def build_tiny_qwen2_5_omni(path: str | Path, *, seed: int = 0) -> Path:
     _randomize(model, seed)
     with torch.no_grad():   # the talker's stop codes rarely win, so it speaks for a while
         model.talker.codec_head.weight[[CODEC_PAD, CODEC_EOS]] *= 0.2
-    model.save_pretrained(str(path), safe_serialization=True)
     gen = torch.Generator().manual_seed(seed + 1)
     dit = config.token2wav_config.dit_config
     speakers = {name: {"bos_token": tokenizer.convert_tokens_to_ids("<|tts_bos|>"),
                        "cond": torch.randn(1, dit.enc_emb_dim, generator=gen),
                        "ref_mel": torch.randn(1, 12, MEL_DIM, generator=gen)}
                 for name in SPEAKERS}
+    make_audible(model.token2wav, speakers[SPEAKERS[0]], seed)
+    model.save_pretrained(str(path), safe_serialization=True)
     torch.save(speakers, path / "spk_dict.pt")
     return path
 
 
+@torch.no_grad()
+def make_audible(token2wav: torch.nn.Module, speaker: dict, seed: int, peak: float = 0.5) -> None:
+    """Rescale four outputs of the random token2wav to the sizes the trained one works at:
+    the speaker encoder's vector and the time embedding to unit spread (random convolutions
+    and MLPs leave them in the hundreds of thousands and hundreds, which drowns the DiT's
+    attention in its residual stream), the velocity to unit spread (a mel where a log mel
+    sits, not one the vocoder clamps flat), and BigVGAN's last conv to a waveform peaking near
+    `peak` (not clamped at +-1). Otherwise no error in between would change the output."""
+    dit, vocoder = token2wav.code2wav_dit_model, token2wav.code2wav_bigvgan_model
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, NUM_CODES, (1, 10), generator=gen)
+    x = torch.randn(1, 10 * dit.repeats, MEL_DIM, generator=gen)
+    spread = dit.input_embed.spk_encoder(speaker["ref_mel"]).std().item()
+    _scale(dit.input_embed.spk_encoder.fc, 1.0 / spread)
+    _scale(dit.time_embed.time_mlp[2], 1.0 / dit.time_embed(torch.rand(8, generator=gen)).std().item())
+    cond = speaker["cond"].expand(x.shape[1], -1)[None]
+    v = dit(hidden_states=x, quantized_code=codes, speaker_embedding=cond,
+            condition_vector=speaker["ref_mel"], time_step=torch.tensor(0.5), apply_cfg=False)
+    _scale(dit.proj_out, 1.0 / v.std().item())
+    seen: list[torch.Tensor] = []
+    hook = vocoder.conv_post.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    try:
+        torch.manual_seed(seed)
+        token2wav(codes, conditioning=speaker["cond"], reference_mel=speaker["ref_mel"])
+    finally:
+        hook.remove()
+    _scale(vocoder.conv_post, peak / seen[0].abs().max().item())
+
+
+def _scale(layer: torch.nn.Module, factor: float) -> None:
+    layer.weight.mul_(factor)
+    if layer.bias is not None:
+        layer.bias.mul_(factor)
