@@ -131,3 +131,19 @@ def _scale(layer: torch.nn.Module, factor: float) -> None:
     layer.weight.mul_(factor)
     if layer.bias is not None:
         layer.bias.mul_(factor)
+
+
+def mask_the_talker(talker: torch.nn.Module):
+    """transformers 5.24's generate() no longer hands the talker's forward its attention mask,
+    and without one the forward skips what the released model does with it (the codec pad and
+    bos added to the prompt's last two rows, M-RoPE positions of the prompt): give every call
+    an all-ones mask of the sequence so far, as the 4.x loop did. Returns the hook's handle."""
+    seen = {"len": 0}
+
+    def pre_hook(_module, args, kwargs):
+        embeds = kwargs.get("inputs_embeds")
+        seen["len"] = embeds.shape[1] if embeds is not None else seen["len"] + 1
+        kwargs["attention_mask"] = torch.ones(1, seen["len"], dtype=torch.long)
+        return args, kwargs
+
+    return talker.register_forward_pre_hook(pre_hook, with_kwargs=True)

@@ -18,6 +18,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from torch import Tensor
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from omnistage.layers.mrope import MRotaryEmbedding
@@ -93,3 +95,16 @@ class Qwen2_5OmniThinkerForCausalLM(Qwen2ForCausalLM):
 
     def checkpoint_names(self) -> set[str]:
         return checkpoint_names(self, self.packed_modules)
+
+
+def thinker_embedding_rows(path: str | Path, token_ids: list[int]) -> Tensor:
+    """(len(token_ids), hidden) float32 rows of the thinker's token embedding, read one by one
+    from the checkpoint (the talker's text specials: eos, pad, each speaker's bos) without
+    loading the whole table."""
+    name = "thinker.model.embed_tokens.weight"
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            if name in f.keys():
+                table = f.get_slice(name)
+                return torch.cat([table[i:i + 1] for i in token_ids]).float()
+    raise ValueError(f"{path}: the checkpoint has no {name}")

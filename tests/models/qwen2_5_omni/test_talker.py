@@ -16,26 +16,11 @@ from omnistage.layers.attention import forward_context
 from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerForCausalLM
 from omnistage.sampling_params import SamplingParams
 from omnistage.testing.tiny_models import PagedCache
-from omnistage.testing.tiny_qwen2_5_omni import CODEC_BOS, CODEC_EOS, CODEC_PAD
+from omnistage.testing.tiny_qwen2_5_omni import (CODEC_BOS, CODEC_EOS, CODEC_PAD,
+                                                  mask_the_talker)
 
 THINKER_TOKENS = 8
 TALKER_TOKENS = 40
-
-
-def mask_the_talker(talker: torch.nn.Module):
-    """transformers 5.24's generate() no longer hands the talker's forward its attention mask,
-    and without one the forward skips what the released model does with it (the codec pad and
-    bos added to the prompt's last two rows, M-RoPE positions of the prompt): give every call
-    an all-ones mask of the sequence so far, as the 4.x loop did. Returns the hook's handle."""
-    seen = {"len": 0}
-
-    def pre_hook(_module, args, kwargs):
-        embeds = kwargs.get("inputs_embeds")
-        seen["len"] = embeds.shape[1] if embeds is not None else seen["len"] + 1
-        kwargs["attention_mask"] = torch.ones(1, seen["len"], dtype=torch.long)
-        return args, kwargs
-
-    return talker.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
 
 @pytest.fixture(scope="module")
