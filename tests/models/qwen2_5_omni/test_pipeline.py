@@ -5,12 +5,15 @@ text-only requests that never enter the talker; speakers; bad input."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from omnistage import Omni, SamplingParams
+from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
 from omnistage.testing.tiny_qwen2_5_omni import CODEC_EOS, CODEC_PAD, mask_the_talker
 
 THINKER_TOKENS = 8
@@ -22,7 +25,8 @@ CHAT = [{"role": "user", "content": "Hello world, what is the weather today?"}]
 @pytest.fixture(scope="module")
 def omni(omni25_path: Path):
     with Omni(str(omni25_path), device="cpu", backend="inproc", connector="inproc",
-              stage_overrides=[f"token2wav.options.seed={SEED}"]) as engine:
+              stage_overrides=[f"token2wav.options.seed={SEED}",
+                               f"talker.sampling.max_tokens={TALKER_TOKENS}"]) as engine:
         yield engine
 
 
@@ -71,3 +75,30 @@ def test_text_only_request_skips_talker(omni: Omni) -> None:
 def test_unknown_speaker_is_refused_before_any_stage(omni: Omni) -> None:
     with pytest.raises(ValueError, match="speaker 'nobody' is unknown.*chelsie, ethan"):
         omni.generate({"messages": CHAT}, greedy("nobody"))
+
+
+def chat(omni: Omni, body: dict) -> httpx.Response:
+    """One /v1/chat/completions call to the server's app over this engine, in process."""
+    async def go() -> httpx.Response:
+        app = build_app(omni.engine, ServerConfig(served_model_name="omni25"))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/v1/chat/completions", json=body, timeout=60)
+
+    return asyncio.run(go())
+
+
+def test_server_speaks_and_refuses_bad_input(omni: Omni) -> None:
+    body = {"model": "omni25", "messages": CHAT, "max_tokens": 4,
+            "modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}}
+    ok = chat(omni, body)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["message"]["audio"]["data"]
+    unknown = chat(omni, {**body, "audio": {"voice": "nobody", "format": "wav"}})
+    assert unknown.status_code == 400, unknown.text
+    assert unknown.json()["error"]["param"] == "audio.voice"
+    assert "chelsie, ethan" in unknown.json()["error"]["message"]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    media = chat(omni, {**body, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, image]}]})
+    assert media.status_code == 400, media.text
