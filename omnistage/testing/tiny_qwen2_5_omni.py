@@ -86,16 +86,22 @@ def build_tiny_qwen2_5_omni(path: str | Path, *, seed: int = 0) -> Path:
     _randomize(model, seed)
     with torch.no_grad():   # the talker's stop codes rarely win, so it speaks for a while
         model.talker.codec_head.weight[[CODEC_PAD, CODEC_EOS]] *= 0.2
-    gen = torch.Generator().manual_seed(seed + 1)
-    dit = config.token2wav_config.dit_config
-    speakers = {name: {"bos_token": tokenizer.convert_tokens_to_ids("<|tts_bos|>"),
-                       "cond": torch.randn(1, dit.enc_emb_dim, generator=gen),
-                       "ref_mel": torch.randn(1, 12, MEL_DIM, generator=gen)}
-                for name in SPEAKERS}
+    speakers = random_speakers(config, tokenizer, seed + 1)
     make_audible(model.token2wav, speakers[SPEAKERS[0]], seed)
     model.save_pretrained(str(path), safe_serialization=True)
     torch.save(speakers, path / "spk_dict.pt")
     return path
+
+
+def random_speakers(config: Any, tokenizer: Any, seed: int) -> dict[str, dict]:
+    """A speaker map as spk_dict.pt holds it: per name, the text bos id (the tts bos token
+    here), a conditioning vector and a 12-frame reference mel, drawn at random."""
+    gen = torch.Generator().manual_seed(seed)
+    dit = config.token2wav_config.dit_config
+    return {name: {"bos_token": tokenizer.convert_tokens_to_ids("<|tts_bos|>"),
+                   "cond": torch.randn(1, dit.enc_emb_dim, generator=gen),
+                   "ref_mel": torch.randn(1, 12, dit.mel_dim, generator=gen)}
+            for name in SPEAKERS}
 
 
 @torch.no_grad()
@@ -143,7 +149,8 @@ def mask_the_talker(talker: torch.nn.Module):
     def pre_hook(_module, args, kwargs):
         embeds = kwargs.get("inputs_embeds")
         seen["len"] = embeds.shape[1] if embeds is not None else seen["len"] + 1
-        kwargs["attention_mask"] = torch.ones(1, seen["len"], dtype=torch.long)
+        kwargs["attention_mask"] = torch.ones(1, seen["len"], dtype=torch.long,
+                                              device=next(talker.parameters()).device)
         return args, kwargs
 
     return talker.register_forward_pre_hook(pre_hook, with_kwargs=True)
