@@ -25,10 +25,21 @@ from pathlib import Path
 
 import torch
 
-from omnistage.benchmarks.common import (default_dtype, environment, free_device_memory, now,
-                                         parameter_bytes)
-from omnistage.benchmarks.omni import (SAMPLE_RATE, OmniBenchConfig, _prompt, audio_ratios,
-                                       bench_ours, one_at_a_time)
+from omnistage.benchmarks.common import (
+    default_dtype,
+    environment,
+    free_device_memory,
+    now,
+    parameter_bytes,
+)
+from omnistage.benchmarks.omni import (
+    SAMPLE_RATE,
+    OmniBenchConfig,
+    _prompt,
+    audio_ratios,
+    bench_ours,
+    one_at_a_time,
+)
 from omnistage.utils.device import resolve_device
 
 BENCH_SIZES = {

@@ -28,12 +28,14 @@ from transformers import AutoConfig
 from omnistage.ar.inputs import StreamInput
 from omnistage.configs.schema import StageConfig
 from omnistage.errors import InputError
-from omnistage.sampling_params import SamplingParams
 from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerForCausalLM
-from omnistage.models.qwen2_5_omni.thinker import (Qwen2_5OmniThinkerForCausalLM,
-                                                   thinker_embedding_rows)
+from omnistage.models.qwen2_5_omni.thinker import (
+    Qwen2_5OmniThinkerForCausalLM,
+    thinker_embedding_rows,
+)
 from omnistage.models.qwen2_5_omni.token2wav import load_speakers
+from omnistage.sampling_params import SamplingParams
 from omnistage.stages.adapters import StageFeed
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult

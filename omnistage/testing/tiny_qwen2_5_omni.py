@@ -118,7 +118,8 @@ def make_audible(token2wav: torch.nn.Module, speaker: dict, seed: int, peak: flo
     x = torch.randn(1, 10 * dit.repeats, MEL_DIM, generator=gen)
     spread = dit.input_embed.spk_encoder(speaker["ref_mel"]).std().item()
     _scale(dit.input_embed.spk_encoder.fc, 1.0 / spread)
-    _scale(dit.time_embed.time_mlp[2], 1.0 / dit.time_embed(torch.rand(8, generator=gen)).std().item())
+    temb = dit.time_embed(torch.rand(8, generator=gen))
+    _scale(dit.time_embed.time_mlp[2], 1.0 / temb.std().item())
     cond = speaker["cond"].expand(x.shape[1], -1)[None]
     v = dit(hidden_states=x, quantized_code=codes, speaker_embedding=cond,
             condition_vector=speaker["ref_mel"], time_step=torch.tensor(0.5), apply_cfg=False)

@@ -23,8 +23,12 @@ SEED = 3
 def test_qwen2_5_omni_on_cuda_equals_transformers(tmp_path: Path) -> None:
     import transformers
 
-    from omnistage.testing.tiny_qwen2_5_omni import (CODEC_EOS, CODEC_PAD,
-                                                     build_tiny_qwen2_5_omni, mask_the_talker)
+    from omnistage.testing.tiny_qwen2_5_omni import (
+        CODEC_EOS,
+        CODEC_PAD,
+        build_tiny_qwen2_5_omni,
+        mask_the_talker,
+    )
 
     ckpt = build_tiny_qwen2_5_omni(tmp_path / "omni25")
     params = [SamplingParams(temperature=0.0, max_tokens=8),

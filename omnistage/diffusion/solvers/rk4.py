@@ -15,7 +15,7 @@ Stateless as the other solvers here: the grid and the step index belong to the r
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

@@ -21,9 +21,9 @@ Parameter names follow the checkpoint's `talker.*` one-to-one (after the fused q
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F

@@ -1,8 +1,8 @@
 """Qwen2.5-Omni token2wav: codec tokens -> mel by a flow-matching DiT -> waveform by BigVGAN.
 
 The DiT predicts the velocity of a mel sequence of `repeats` frames per code, conditioned on
-the codes, the speaker's vector (`cond`) and the speaker's reference mel (through ECAPA,
-speaker_encoder.py), at flow time t in [0, 1] (0: noise, 1: mel):
+the codes, the speaker's vector (`cond`) and the speaker's reference mel (through Qwen3-TTS's
+ECAPA-TDNN, qwen3_tts/speaker_encoder.py), at flow time t in [0, 1] (0: noise, 1: mel):
 
     x (B, T, mel), t (B,) -> [x | ECAPA(ref_mel) | code emb | cond] -> proj -> L x block
     block: AdaLN-zero(t) -> attention within blocks of `block_size` frames (layers in
@@ -32,7 +32,8 @@ from omnistage.layers.dit import AdaLayerNormContinuous, AdaLayerNormZero
 from omnistage.layers.rotary import rotate_half
 from omnistage.models.loader import load_component
 from omnistage.models.qwen2_5_omni.bigvgan import BigVGAN
-from omnistage.models.qwen2_5_omni.speaker_encoder import SpeakerEncoder
+from omnistage.models.qwen3_tts.config import SpeakerEncoderConfig
+from omnistage.models.qwen3_tts.speaker_encoder import Qwen3TTSSpeakerEncoder
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +91,8 @@ class DiTInputEmbedding(nn.Module):
         super().__init__()
         self.proj = nn.Linear(cfg.mel_dim + cfg.enc_dim + cfg.enc_emb_dim + cfg.emb_dim,
                               cfg.hidden_size)
-        self.spk_encoder = SpeakerEncoder(
-            cfg.mel_dim, list(cfg.enc_channels), list(cfg.enc_kernel_sizes),
-            list(cfg.enc_dilations), cfg.enc_attention_channels, cfg.enc_res2net_scale,
-            cfg.enc_se_channels, cfg.enc_dim)
+        # Qwen3-TTS's ECAPA-TDNN, here over the reference mel (the same fields, the same names)
+        self.spk_encoder = Qwen3TTSSpeakerEncoder(SpeakerEncoderConfig.from_json(cfg.to_dict()))
 
     def forward(self, x: Tensor, cond: Tensor, ref_mel: Tensor, code_embed: Tensor) -> Tensor:
         """x (B, T, mel), cond (B, enc_emb_dim), ref_mel (B, R, mel), code_embed (B, T, emb)."""
@@ -168,7 +167,8 @@ class Token2WavDiT(nn.Module):
         self.text_embed = DiTCodecEmbedding(cfg.num_embeds, cfg.emb_dim, cfg.repeats)
         self.input_embed = DiTInputEmbedding(cfg)
         self.transformer_blocks = nn.ModuleList(
-            DiTDecoderLayer(cfg, int(i in cfg.look_ahead_layers), int(i in cfg.look_backward_layers))
+            DiTDecoderLayer(cfg, look_ahead=int(i in cfg.look_ahead_layers),
+                            look_back=int(i in cfg.look_backward_layers))
             for i in range(cfg.num_hidden_layers))
         self.norm_out = AdaLayerNormContinuous(cfg.hidden_size)
         self.proj_out = nn.Linear(cfg.hidden_size, cfg.mel_dim)

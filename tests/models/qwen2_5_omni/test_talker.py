@@ -16,8 +16,7 @@ from omnistage.layers.attention import forward_context
 from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerForCausalLM
 from omnistage.sampling_params import SamplingParams
 from omnistage.testing.tiny_models import PagedCache
-from omnistage.testing.tiny_qwen2_5_omni import (CODEC_BOS, CODEC_EOS, CODEC_PAD,
-                                                  mask_the_talker)
+from omnistage.testing.tiny_qwen2_5_omni import CODEC_BOS, CODEC_EOS, CODEC_PAD, mask_the_talker
 
 THINKER_TOKENS = 8
 TALKER_TOKENS = 40

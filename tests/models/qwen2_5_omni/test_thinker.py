@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from omnistage.ar.engine import AREngine
-from omnistage.layers.attention import forward_context
 from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig
-from omnistage.sampling_params import SamplingParams
+from omnistage.layers.attention import forward_context
 from omnistage.models.qwen2_5_omni.thinker import Qwen2_5OmniThinkerForCausalLM
+from omnistage.sampling_params import SamplingParams
 from omnistage.testing.tiny_models import PagedCache
 
 MAX_TOKENS = 10
@@ -80,7 +80,9 @@ def test_contiguous_mrope_matches_hf(thinker, omni25_hf) -> None:
     """Three different position rows (an image block): the contiguous sections, not Qwen3's
     interleaved ones, as the reference rotates."""
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
-        Qwen2_5OmniRotaryEmbedding, apply_rotary_pos_emb)
+        Qwen2_5OmniRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
 
     ref = Qwen2_5OmniRotaryEmbedding(omni25_hf.thinker.config.text_config)
     ours = thinker.model.layers[0].self_attn.rotary_emb
