@@ -64,6 +64,17 @@ def test_text_and_audio_equal_transformers(omni: Omni, omni25_hf, speaker: str) 
     assert (audio - expected_wav).abs().max() <= 1e-4
 
 
+def test_batched_and_prefix_cached_requests_equal_alone(omni: Omni) -> None:
+    """Two requests at once (the talker and token2wav batch them), the second a prefix-cache
+    hit on the first's prompt: each equals the same request alone."""
+    other = [{"role": "user", "content": "Please write a short poem about the ocean."}]
+    (alone,) = omni.generate({"messages": CHAT}, greedy("Ethan"))
+    both = omni.generate([{"messages": other}, {"messages": CHAT}], greedy("Ethan"))
+    assert both[1].token_ids == alone.token_ids and both[0].token_ids != alone.token_ids
+    a, b = both[1].tensors["audio"], alone.tensors["audio"]
+    assert a.shape == b.shape and (a - b).abs().max() <= 1e-4
+
+
 def test_text_only_request_skips_talker(omni: Omni) -> None:
     (out,) = omni.generate({"messages": CHAT}, greedy(), output_modalities={"text"})
     (both,) = omni.generate({"messages": CHAT}, greedy())
