@@ -163,6 +163,7 @@ def _pipeline(name: str, diffusers_class: str) -> ModelFamily:
 
 
 _OMNI_STAGES = "omnistage.stages.qwen3_omni:build_stage"
+_OMNI25_STAGES = "omnistage.stages.qwen2_5_omni:build_stage"
 _BUILT_IN = (
     _text_llm("qwen3", "Qwen3ForCausalLM"),
     _text_llm("qwen2", "Qwen2ForCausalLM"),
@@ -174,6 +175,13 @@ _BUILT_IN = (
                     Component("generation", "qwen3_omni_code2wav",
                               "omnistage.generation.code2wav:Code2WavGenerator")),
         processor="omnistage.models.qwen3_omni.processing:InputProcessor"),
+    ModelFamily(
+        "qwen2_5_omni", architectures=("Qwen2_5OmniForConditionalGeneration",),
+        graph="qwen2_5_omni.yaml",
+        components=(Component("ar", "qwen2_5_omni_thinker", _OMNI25_STAGES),
+                    Component("ar", "qwen2_5_omni_talker", _OMNI25_STAGES),
+                    Component("generation", "qwen2_5_omni_token2wav",
+                              "omnistage.generation.token2wav:Token2WavGenerator"))),
     ModelFamily(
         "qwen3_tts", architectures=("Qwen3TTSForConditionalGeneration",),
         graph="qwen3_tts.yaml", speech="omnistage.stages.qwen3_tts:speech_spec",

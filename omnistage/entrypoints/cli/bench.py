@@ -5,6 +5,7 @@ random-weight model of a real architecture built in the run; one JSON file per b
 
     omnistage bench ar                      # Qwen3-0.6B shape, concurrency 1 / 8 / 64
     omnistage bench omni                    # Qwen3-Omni shape (scaled), concurrency 1 / 8 / 32
+    omnistage bench omni --model qwen2.5-omni   # Qwen2.5-Omni-7B shape (scaled thinker)
     omnistage bench tts                     # Qwen3-TTS 1.7B CustomVoice vs qwen-tts, 1 / 8 / 32
     omnistage bench diffusion               # Qwen-Image transformer, 1024x1024, 20 steps
     omnistage bench video                   # Wan2.2-TI2V-5B and Wan2.1-14B shapes, per step
@@ -86,8 +87,11 @@ def _add_ar(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _add_omni(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    omni = kinds.add_parser("omni", help="Qwen3-Omni pipeline vs transformers "
-                                         "generate(return_audio=True)")
+    omni = kinds.add_parser("omni", help="Qwen3-Omni (or Qwen2.5-Omni) pipeline vs "
+                                         "transformers generate(return_audio=True)")
+    omni.add_argument("--model", choices=["qwen3-omni", "qwen2.5-omni"], default="qwen3-omni",
+                      help="which omni model's shape (qwen2.5-omni: omnistage/benchmarks/"
+                           "omni25.py)")
     omni.add_argument("--thinker-tokens", type=int, default=None,
                       help="text tokens per request (default 64; tiny 6)")
     omni.add_argument("--talker-tokens", type=int, default=None,
@@ -281,7 +285,8 @@ def _run_omni(args: argparse.Namespace) -> Outcome:
         return _run_omni_layouts(args)
 
     cfg = omni.OmniBenchConfig.preset(
-        "tiny" if args.tiny else "real" if args.real_size else "bench", device=args.device,
+        "tiny" if args.tiny else "real" if args.real_size else "bench", model=args.model,
+        device=args.device,
         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         concurrency=args.concurrency, reference_requests=args.reference_requests,
         thinker_tokens=args.thinker_tokens, talker_tokens=args.talker_tokens,
@@ -290,7 +295,7 @@ def _run_omni(args: argparse.Namespace) -> Outcome:
         stage_overrides=(*args.replicas, *args.stage_override))
     result = omni.run(cfg)
     tp = f"_tp{cfg.tensor_parallel_size}" if cfg.tensor_parallel_size > 1 else ""
-    return result, f"omni_qwen3-omni-{cfg.sizes}{tp}", result["ratios"]
+    return result, f"omni_{cfg.model}-{cfg.sizes}{tp}", result["ratios"]
 
 
 def _run_omni_layouts(args: argparse.Namespace) -> Outcome:
