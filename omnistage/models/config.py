@@ -13,7 +13,7 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig
 
 # Facts that an HF config leaves to its modeling file.
-_QKV_BIAS_ALWAYS = {"qwen2"}               # Qwen2: bias on q/k/v, none on o_proj
+_QKV_BIAS_ALWAYS = {"qwen2", "glm_image_text"}   # bias on q/k/v, none on o_proj
 _QK_NORM = {"qwen3", "qwen3_moe"}          # RMSNorm over each head of q and k
 
 
