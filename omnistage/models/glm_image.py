@@ -34,6 +34,22 @@ PACKED_MODULES = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
                   "v_proj": ("qkv_proj", "v")}     # gate_up_proj is fused in the checkpoint
 
 
+def image_decode_positions(num_prompt_tokens: int, grids: list[tuple[int, int]]) -> Tensor:
+    """(3, G) rotary positions of what GLM-Image generates after a text prompt of
+    `num_prompt_tokens`: the (rows, cols) grids in the order it writes them (text-to-image:
+    the preview, then the target), then one end token; as transformers' `get_rope_index`.
+    Each grid starts at the position p after the one before: t = p, h = p + row, w = p + col,
+    and the next starts at p + max(rows, cols)."""
+    start, parts = num_prompt_tokens, []
+    for h, w in grids:
+        rows = torch.arange(h).repeat_interleave(w)                        # (h*w,)
+        cols = torch.arange(w).repeat(h)
+        parts.append(torch.stack([torch.full((h * w,), start), start + rows, start + cols]))
+        start += max(h, w)
+    parts.append(torch.full((3, 1), start))
+    return torch.cat(parts, dim=1)                                           # (3, G)
+
+
 @dataclass(frozen=True, slots=True)
 class GlmImageARConfig:
     model: ModelConfig
