@@ -13,13 +13,14 @@ embedding's. The vision tower and VQ tokenizer (editing's input images) are not 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from omnistage.layers import fused
 from omnistage.layers.mrope import MRotaryEmbedding
@@ -57,9 +58,9 @@ class GlmImageARConfig:
     mrope_section: tuple[int, int, int]
 
     @classmethod
-    def from_hf(cls, hf_config) -> GlmImageARConfig:  # type: ignore[no-untyped-def]
+    def from_hf(cls, hf_config: PretrainedConfig) -> GlmImageARConfig:
         """config.json's text_config, under the checkpoint's architecture."""
-        text = hf_config.text_config
+        text = copy.copy(hf_config.text_config)
         text.architectures = list(hf_config.architectures or [])
         model = ModelConfig.from_hf(text)
         return cls(model, text.vision_vocab_size,
