@@ -127,3 +127,14 @@ def ar_engine(path: Path, graphs: bool, monkeypatch: pytest.MonkeyPatch) -> AREn
         monkeypatch.setattr(graph_capture, "capture_graph", rerun_capture)
         emulate_decode_graphs(engine)
     return engine
+
+
+def test_decode_positions_layout_and_bad_input() -> None:
+    """A 1x2 preview then a 2x2 target after 5 prompt tokens, as transformers lays them out;
+    malformed decode positions are refused by name."""
+    pos = image_decode_positions(5, [(1, 2), (2, 2)])
+    assert pos.tolist() == [[5, 5, 7, 7, 7, 7, 9], [5, 5, 7, 7, 8, 8, 9], [5, 6, 7, 8, 7, 8, 9]]
+    with pytest.raises(ValueError, match=r"decode_positions: expected integer \(3, G\)"):
+        MultimodalInput(decode_positions=torch.zeros(2, 4, dtype=torch.long)).check(5)
+    with pytest.raises(ValueError, match="decode_positions"):
+        MultimodalInput(decode_positions=torch.zeros(3, 4)).check(5)
