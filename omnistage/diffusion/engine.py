@@ -93,7 +93,7 @@ class DiffusionEngine:
             self.memory.check(req)              # a request that alone cannot fit: refused
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        if prompt is None if parked is None else parked:
+        if (prompt is None) if parked is None else parked:
             self.parked[request_id] = req
         else:
             self.requests[request_id] = req
