@@ -121,3 +121,27 @@ def test_qwen_image_edit_on_cuda_equals_diffusers(plus: bool, tmp_path: Path) ->
     for out in outs:
         assert out.error is None, out.error
         assert (out.tensors["images"].int() - expected.int()).abs().max() <= 2
+
+
+def test_glm_image_dit_on_cuda_equals_diffusers(tmp_path: Path) -> None:
+    """GLM-Image's DiT decode stage (the AR stage is not ported yet) in our engine on CUDA,
+    with CFG, against diffusers' GlmImagePipeline on CUDA given the same AR tokens."""
+    pytest.importorskip("diffusers")
+    from omnistage.diffusion.pipelines.glm_image import GlmImagePipeline
+    from omnistage.testing.diffusion import run_recording_latents
+
+    mod = _load_test_module("test_glm_image_pipeline")
+    ref = mod.build_tiny_glm_image_dit(tmp_path / "glm")
+    ref.to("cuda")
+    ref.set_progress_bar_config(disable=True)
+    tokens = mod.ar_tokens(0)
+    with torch.no_grad():
+        expected = mod.reference(ref, mod.PROMPT, tokens.cuda(), 1.5, "pt")  # (1, 3, H, W)
+    ours = GlmImagePipeline.from_pretrained(tmp_path / "glm", "glm_image", torch.device("cuda"),
+                                            torch.float32)
+    p = mod.params(1.5)
+    runs, _ = run_recording_latents(ours, lambda e: (mod.add(e, "a", mod.PROMPT, p, tokens),
+                                                     {"a": p})[1])
+    images = runs["a"][1]                                                # uint8 (1, H, W, 3)
+    expected = (expected * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+    assert (images.int() - expected.int()).abs().max() <= 2
