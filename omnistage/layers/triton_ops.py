@@ -181,12 +181,12 @@ def _gated_add_kernel(X, Y, G, Out, stride_x, stride_y, stride_o, rows_per_gate,
 
 
 @triton.jit
-def _rope_pairs_kernel(X, Cos, Sin, Out, stride_x, stride_o, tokens, half, P,
-                       BLOCK: tl.constexpr):
+def _rope_pairs_kernel(X, Cos, Sin, Out, stride_x, stride_o, stride_ct, stride_cj, tokens,
+                       half, P, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                 # one token, all its heads
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # pair index over heads x half
     mask = i < P
-    t = (row % tokens) * half + i % half
+    t = (row % tokens) * stride_ct + (i % half) * stride_cj
     c = tl.load(Cos + t, mask=mask, other=0.0)
     s = tl.load(Sin + t, mask=mask, other=0.0)
     even = tl.load(X + row * stride_x + 2 * i, mask=mask, other=0.0).to(tl.float32)
@@ -273,17 +273,21 @@ def gated_add(x: Tensor, y: Tensor, gate: Tensor) -> Tensor:
 
 def rope_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (B, N, H, hd): each head's interleaved pairs (x0, x1), ... rotated by the angles of
-    cos, sin (N, hd/2) float32: (x0 cos - x1 sin, x0 sin + x1 cos), in x's dtype."""
+    cos, sin (N, hd/2) float32: (x0 cos - x1 sin, x0 sin + x1 cos), in x's dtype. The tables
+    may be strided views alike (a complex table's .real / .imag, every other column of a
+    table whose values repeat in pairs): read in place, no copy."""
     b, n, h, hd = x.shape
     xr = _rows(x.reshape(b, n, h * hd))
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    assert cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride(), \
+        (cos.dtype, sin.dtype, cos.stride(), sin.stride())
     assert cos.shape == sin.shape == (n, hd // 2), (tuple(cos.shape), tuple(x.shape))
     out = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
     pairs = h * hd // 2
     if xr.shape[0]:
         block = min(1024, triton.next_power_of_2(pairs))
         _rope_pairs_kernel[(xr.shape[0], triton.cdiv(pairs, block))](
-            xr, cos, sin, out, xr.stride(0), out.stride(0), n, hd // 2, pairs, BLOCK=block)
+            xr, cos, sin, out, xr.stride(0), out.stride(0), cos.stride(0), cos.stride(1), n,
+            hd // 2, pairs, BLOCK=block)
     return out.view(x.shape)
 
 

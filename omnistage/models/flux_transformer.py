@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omnistage.layers import dit
 from omnistage.layers.dit import (AdaLayerNormContinuous, AdaLayerNormZero, FeedForward,
-                                  MergedRowParallelLinear, TimestepEmbedding,
-                                  timestep_embedding)
+                                  MergedRowParallelLinear, TimestepEmbedding, adaln_modulate,
+                                  gated_add, timestep_embedding)
 from omnistage.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from omnistage.layers.sequence_parallel import SequenceRanks, SequenceSplit, check_heads
 from omnistage.layers.step_cache import CacheGroup, run_cached
@@ -110,7 +111,11 @@ def flux_rope(ids: Tensor, axes_dim: tuple[int, ...], theta: float = 10000.0) ->
 
 
 def apply_rope(x: Tensor, rope: Rope) -> Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x: (B, S, H, hd)."""
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x: (B, S, H, hd). Where the fused
+    kernel runs, every other column of the tables (their values repeat in pairs) is one
+    angle per pair, read in place; else diffusers' real arithmetic on the whole tables."""
+    if dit.fused_ops(x) is not None:
+        return dit.apply_rope(x, rope[0][:, ::2], rope[1][:, ::2])
     cos, sin = rope[0][None, :, None, :], rope[1][None, :, None, :]                   # (1,S,1,hd)
     real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)                       # (B,S,H,hd/2)
     rotated = torch.stack([-imag, real], dim=-1).flatten(3)                            # (B,S,H,hd)
@@ -177,17 +182,17 @@ class FluxTransformerBlock(nn.Module):
 
     @staticmethod
     def _mlp(ff: FeedForward, x: Tensor, shift: Tensor, scale: Tensor, gate: Tensor) -> Tensor:
-        h = F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
-        return x + gate.unsqueeze(1) * ff(h)
+        h = adaln_modulate(x, scale[:, None], shift[:, None])
+        return gated_add(x, ff(h), gate.unsqueeze(1))
 
     def forward(self, img: Tensor, txt: Tensor, temb: Tensor, rope: Rope, seq: SequenceSplit
                 ) -> tuple[Tensor, Tensor]:
         img_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(img, temb)   # (B, N, D)
         txt_h, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(txt, temb)
         img_attn, txt_attn = self.attn(img_h, rope, seq, context=txt_h)
-        img = self._mlp(self.ff, img + gate_msa.unsqueeze(1) * img_attn,
+        img = self._mlp(self.ff, gated_add(img, img_attn, gate_msa.unsqueeze(1)),
                         shift_mlp, scale_mlp, gate_mlp)
-        txt = self._mlp(self.ff_context, txt + c_gate_msa.unsqueeze(1) * txt_attn,
+        txt = self._mlp(self.ff_context, gated_add(txt, txt_attn, c_gate_msa.unsqueeze(1)),
                         c_shift_mlp, c_scale_mlp, c_gate_mlp)
         if txt.dtype == torch.float16:
             txt = txt.clip(-65504, 65504)
@@ -212,7 +217,7 @@ class FluxSingleTransformerBlock(nn.Module):
         h, gate = self.norm(x, temb)
         mlp = F.gelu(self.proj_mlp(h), approximate="tanh")                         # (B, S, 4D)
         h = torch.cat([self.attn(h, rope, seq), mlp], dim=2)                       # (B, S, 5D)
-        x = x + gate.unsqueeze(1) * self.proj_out(h)
+        x = gated_add(x, self.proj_out(h), gate.unsqueeze(1))
         if x.dtype == torch.float16:
             x = x.clip(-65504, 65504)
         return x[:, :num_txt], x[:, num_txt:]
