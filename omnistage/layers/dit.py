@@ -11,6 +11,7 @@ fusion does the same), else through the PyTorch ops diffusers runs:
                       Qwen-Image, SD3); the kernel computes in float32 and rounds once
     gated_add         the gated residual x + y * gate
     apply_rope        interleaved pairs rotated by cos / sin tables (strided views welcome)
+    norm_rope         a per-head RMSNorm (q/k norm), then apply_rope
 
 The kernels take no host sync, so a CUDA graph captures them like the PyTorch ops.
 
@@ -94,6 +95,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     cos, sin = cos[:, None], sin[:, None]                                  # (N, 1, hd/2)
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)                   # (B, N, H, hd/2)
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
+
+
+def norm_rope(norm: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """apply_rope(norm(x), cos, sin) for x (B, N, H, hd) and norm an RMSNorm over each head
+    (its `weight` (hd,) and `eps`): the q/k norm and rope of a DiT's attention, one kernel on
+    CUDA (float32 inside, rounded once)."""
+    ops = fused_ops(x)
+    if ops is not None:
+        return ops.rms_norm_rope_pairs(x, norm.weight, norm.eps, cos, sin)
+    return apply_rope(norm(x), cos, sin)
 
 
 def timestep_embedding(t: Tensor, dim: int = 256, max_period: float = 10000.0) -> Tensor:

@@ -111,11 +111,7 @@ def flux_rope(ids: Tensor, axes_dim: tuple[int, ...], theta: float = 10000.0) ->
 
 
 def apply_rope(x: Tensor, rope: Rope) -> Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x: (B, S, H, hd). Where the fused
-    kernel runs, every other column of the tables (their values repeat in pairs) is one
-    angle per pair, read in place; else diffusers' real arithmetic on the whole tables."""
-    if dit.fused_ops(x) is not None:
-        return dit.apply_rope(x, rope[0][:, ::2], rope[1][:, ::2])
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x: (B, S, H, hd)."""
     cos, sin = rope[0][None, :, None, :], rope[1][None, :, None, :]                   # (1,S,1,hd)
     real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)                       # (B,S,H,hd/2)
     rotated = torch.stack([-imag, real], dim=-1).flatten(3)                            # (B,S,H,hd)
@@ -154,19 +150,38 @@ class FluxAttention(nn.Module):
     def forward(self, x: Tensor, rope: Rope, seq: SequenceSplit, context: Tensor | None = None
                 ) -> Tensor | tuple[Tensor, Tensor]:
         """x (B, N, D) and context (B, T, D): this rank's tokens; rope for [context, x]."""
-        q = self.norm_q(self._heads(self.to_q(x)))                          # (B, N, H, hd)
-        k = self.norm_k(self._heads(self.to_k(x)))
+        q, k = self._rotated_qk(x, rope, context)                           # (B, S, H, hd)
         v = self._heads(self.to_v(x))
         if context is not None:
-            q = torch.cat([self.norm_added_q(self._heads(self.add_q_proj(context))), q], dim=1)
-            k = torch.cat([self.norm_added_k(self._heads(self.add_k_proj(context))), k], dim=1)
             v = torch.cat([self._heads(self.add_v_proj(context)), v], dim=1)  # (B, T+N, H, hd)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = seq.attend(q, k, v).flatten(2).to(q.dtype)                    # (B, S, H*hd)
         if context is None:
             return out
         txt, img = out.split_with_sizes([context.shape[1], x.shape[1]], dim=1)
         return self.to_out[0](img.contiguous()), self.to_add_out(txt.contiguous())
+
+
+    def _rotated_qk(self, x: Tensor, rope: Rope, context: Tensor | None
+                    ) -> tuple[Tensor, Tensor]:
+        """q and k of [context, x] (B, S, H, hd), normed per head and rotated. Where the fused
+        kernels run, each stream's q / k norm and rope are one kernel, reading every other
+        column of the tables (their values repeat in pairs: one angle per pair) in place."""
+        streams = [(x, self.to_q, self.to_k, self.norm_q, self.norm_k)]
+        if context is not None:
+            streams.insert(0, (context, self.add_q_proj, self.add_k_proj, self.norm_added_q,
+                               self.norm_added_k))
+        if dit.fused_ops(x) is None:               # diffusers' order: norms, concat, rope
+            q = torch.cat([nq(self._heads(pq(h))) for h, pq, _, nq, _ in streams], dim=1)
+            k = torch.cat([nk(self._heads(pk(h))) for h, _, pk, _, nk in streams], dim=1)
+            return apply_rope(q, rope), apply_rope(k, rope)
+        cos, sin = rope[0][:, ::2], rope[1][:, ::2]                                # (S, hd/2)
+        qs, ks, start = [], [], 0
+        for h, pq, pk, nq, nk in streams:
+            rows = slice(start, start + h.shape[1])
+            qs.append(dit.norm_rope(nq, self._heads(pq(h)), cos[rows], sin[rows]))
+            ks.append(dit.norm_rope(nk, self._heads(pk(h)), cos[rows], sin[rows]))
+            start = rows.stop
+        return torch.cat(qs, dim=1), torch.cat(ks, dim=1)
 
 
 class FluxTransformerBlock(nn.Module):

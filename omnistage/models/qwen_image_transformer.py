@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from omnistage.layers.dit import (AdaLayerNormContinuous, FeedForward, TimestepEmbedding,
-                                  adaln_modulate, apply_rope, gated_add)
+                                  adaln_modulate, gated_add, norm_rope)
 from omnistage.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from omnistage.layers.sequence_parallel import SequenceRanks, SequenceSplit, check_heads
 from omnistage.layers.step_cache import CacheGroup, run_cached
@@ -206,13 +206,14 @@ class QwenImageAttention(nn.Module):
         """img (B, N, D), txt (B, T, D): this rank's tokens of each; rope sliced alike."""
         img_rope, txt_rope = rope
 
-        def rotate(x: Tensor, freqs: Tensor) -> Tensor:    # in place of diffusers' complex
-            return apply_rope(x, freqs.real, freqs.imag)   # multiply: one kernel on CUDA
+        def rotate(norm: RMSNorm, x: Tensor, freqs: Tensor) -> Tensor:
+            """norm, then diffusers' complex multiply by freqs; one kernel on CUDA."""
+            return norm_rope(norm, self._heads(x), freqs.real, freqs.imag)
 
-        q = rotate(self.norm_q(self._heads(self.to_q(img))), img_rope)         # (B, N, H, hd)
-        k = rotate(self.norm_k(self._heads(self.to_k(img))), img_rope)
-        txt_q = rotate(self.norm_added_q(self._heads(self.add_q_proj(txt))), txt_rope)
-        txt_k = rotate(self.norm_added_k(self._heads(self.add_k_proj(txt))), txt_rope)
+        q = rotate(self.norm_q, self.to_q(img), img_rope)                       # (B, N, H, hd)
+        k = rotate(self.norm_k, self.to_k(img), img_rope)
+        txt_q = rotate(self.norm_added_q, self.add_q_proj(txt), txt_rope)        # (B, T, H, hd)
+        txt_k = rotate(self.norm_added_k, self.add_k_proj(txt), txt_rope)
         q = torch.cat([txt_q, q], dim=1)                                        # (B, T+N, H, hd)
         k = torch.cat([txt_k, k], dim=1)
         v = torch.cat([self._heads(self.add_v_proj(txt)), self._heads(self.to_v(img))], dim=1)

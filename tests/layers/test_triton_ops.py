@@ -556,7 +556,7 @@ def test_qwen_image_transformer_with_fused_kernels_equals_unfused(
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], device=DEVICE)
     t = torch.tensor([0.9, 0.3], device=DEVICE)
     _fused_equals_unfused(model, lambda: model(img, txt, mask, t, [[(1, 2, 3), (1, 2, 2)]] * 2),
-                          monkeypatch, {"norm_modulate": 5, "gated_add": 4, "rope_pairs": 4})
+                          monkeypatch, {"norm_modulate": 5, "gated_add": 4, "rms_norm_rope_pairs": 4})
 
 
 @kernel_test
@@ -576,7 +576,8 @@ def test_flux_transformer_with_fused_kernels_equals_unfused(
     pooled = torch.randn(2, 8, generator=gen).to(DEVICE)
     img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(2.0), torch.arange(3.0),
                                          indexing="ij"), -1).reshape(6, 3).to(DEVICE)
-    txt_ids = torch.zeros(3, 3, device=DEVICE)
+    txt_ids = torch.tensor([[0.0, 1, 2], [1, 0, 3], [2, 2, 0]], device=DEVICE)   # not all 0:
+    # a table row given to the wrong stream must show
     t = torch.tensor([0.9, 0.3], device=DEVICE)
     _fused_equals_unfused(model, lambda: model(img, txt, pooled, t, img_ids, txt_ids),
-                          monkeypatch, {"norm_modulate": 6, "gated_add": 5, "rope_pairs": 4})
+                          monkeypatch, {"norm_modulate": 6, "gated_add": 5, "rms_norm_rope_pairs": 6})
