@@ -61,8 +61,9 @@ def norm_modulate(norm: nn.Module, x: Tensor, scale: Tensor | None = None,
 
 def adaln_modulate(x: Tensor, scale: Tensor, shift: Tensor, eps: float = 1e-6) -> Tensor:
     """LayerNorm(x) (no affine) * (1 + scale) + shift for x (B, N, D), scale and shift
-    (B, 1 or N, D): diffusers' AdaLN in x's dtype; one kernel on CUDA (float32 inside)."""
-    ops = fused_ops(x) if x.dim() == 3 else None
+    (B, 1 or N, D): diffusers' AdaLN in x's dtype; one kernel on CUDA (float32 inside)
+    where the result's dtype is x's either way."""
+    ops = fused_ops(x) if x.dim() == 3 and scale.dtype == shift.dtype == x.dtype else None
     if ops is not None:
         return ops.norm_modulate(x, eps, None, None, scale, shift)
     return F.layer_norm(x, x.shape[-1:], eps=eps) * (1 + scale) + shift
