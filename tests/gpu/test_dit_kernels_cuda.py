@@ -6,7 +6,7 @@ Float32 against diffusers on CUDA is tests/gpu/test_pipelines_cuda.py."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -60,7 +60,7 @@ def case(request: pytest.FixtureRequest):
 
 
 def test_fused_near_pytorch_path(case) -> None:
-    model, run, args = case
+    _, run, args = case
     with torch.inference_mode():
         fused.set_enabled(False)
         try:
@@ -73,7 +73,7 @@ def test_fused_near_pytorch_path(case) -> None:
 
 
 def test_cuda_graph_replay_equals_eager(case) -> None:
-    model, run, args = case
+    _, run, args = case
     graphs = ShapeGraphs(run, capture_after=1)
     with torch.inference_mode():
         eager = run(*args)

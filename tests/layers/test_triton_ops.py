@@ -518,11 +518,17 @@ def _fused_equals_unfused(model: torch.nn.Module, run, monkeypatch: pytest.Monke
     path, each kernel launched as often as `calls` says; the parameters drawn at a scale
     where every branch moves the output."""
     launched = dict.fromkeys(calls, 0)
+
+    def counting(name: str):  # type: ignore[no-untyped-def]
+        kernel = getattr(triton_ops, name)
+
+        def counted(*args):  # type: ignore[no-untyped-def]
+            launched[name] += 1
+            return kernel(*args)
+        return counted
+
     for name in calls:
-        def counted(*args, _kernel=getattr(triton_ops, name), _name=name):  # type: ignore[no-untyped-def]
-            launched[_name] += 1
-            return _kernel(*args)
-        monkeypatch.setattr(triton_ops, name, counted)
+        monkeypatch.setattr(triton_ops, name, counting(name))
     gen = torch.Generator(DEVICE).manual_seed(2)
     with torch.no_grad():
         for p in model.parameters():
