@@ -2,6 +2,19 @@
 load one-to-one: sinusoidal timestep embedding, its MLP, adaptive LayerNorms, the GELU / SiLU MLP,
 the rotation of interleaved feature pairs by complex rope tables.
 
+The elementwise chains of a block (Wan, Qwen-Image, FLUX) go through the fused Triton kernels
+of triton_ops.py where they run (fused.ops_for: CUDA tensors, outside torch.compile, whose own
+fusion does the same), else through the PyTorch ops diffusers runs:
+
+    norm_modulate     a norm module's LayerNorm [* (1 + scale) + shift], in float32 (Wan)
+    adaln_modulate    LayerNorm(x) * (1 + scale) + shift, in x's dtype (AdaLN-Zero: FLUX,
+                      Qwen-Image, SD3); the kernel computes in float32 and rounds once
+    gated_add         the gated residual x + y * gate
+    apply_rope        interleaved pairs rotated by cos / sin tables (strided views welcome)
+    norm_rope         a per-head RMSNorm (q/k norm), then apply_rope
+
+The kernels take no host sync, so a CUDA graph captures them like the PyTorch ops.
+
 Under tensor parallelism (layers/parallel.py) the MLP splits column / row, and the adaptive
 norms' large modulation projections split by output, gathered whole (every rank holds the
 whole residual stream); with one rank they are plain linears. `MergedRowParallelLinear`
@@ -15,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omnistage.layers import fused
 from omnistage.layers.linear import copy_checked
 from omnistage.layers.parallel import (ColumnParallelLinear, RowParallelLinear, divide,
                                        tp_group)
@@ -26,6 +40,72 @@ def apply_complex_rope(x: Tensor, freqs: Tensor) -> Tensor:
     out."""
     xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))     # (B, S, H, hd/2)
     return torch.view_as_real(xc * freqs.unsqueeze(1)).flatten(3).type_as(x)
+
+
+def fused_ops(x: Tensor):  # type: ignore[no-untyped-def]
+    """The fused Triton kernels (layers/triton_ops.py) where they run on x, outside
+    torch.compile (whose own fusion of the PyTorch ops does the same); else None."""
+    return None if torch.compiler.is_compiling() else fused.ops_for(x)
+
+
+def norm_modulate(norm: nn.Module, x: Tensor, scale: Tensor | None = None,
+                  shift: Tensor | None = None) -> Tensor:
+    """norm(x) [* (1 + scale) + shift] in x's dtype, in float32 as diffusers (norm: an
+    FP32LayerNorm or Identity; scale, shift (B, 1 or N, D)); one kernel on CUDA."""
+    ops = fused_ops(x)
+    if ops is not None and isinstance(norm, nn.LayerNorm):
+        return ops.norm_modulate(x, norm.eps, norm.weight, norm.bias, scale, shift)
+    h = norm(x.float())
+    return (h if scale is None else torch.addcmul(shift, h, 1 + scale)).type_as(x)
+
+
+def adaln_modulate(x: Tensor, scale: Tensor, shift: Tensor, eps: float = 1e-6) -> Tensor:
+    """LayerNorm(x) (no affine) * (1 + scale) + shift for x (B, N, D), scale and shift
+    (B, 1 or N, D): diffusers' AdaLN in x's dtype; one kernel on CUDA (float32 inside)
+    where the result's dtype is x's either way."""
+    ops = fused_ops(x) if x.dim() == 3 and scale.dtype == shift.dtype == x.dtype else None
+    if ops is not None:
+        return ops.norm_modulate(x, eps, None, None, scale, shift)
+    return F.layer_norm(x, x.shape[-1:], eps=eps) * (1 + scale) + shift
+
+
+def gated_add(x: Tensor, y: Tensor, gate: Tensor) -> Tensor:
+    """The gated residual x + y * gate (gate (B, 1 or N, D)), in x's dtype; one kernel on CUDA
+    (float32 inside, rounded once). Else a gate in x's dtype as diffusers writes it,
+    x + gate * y; a float32 gate on a half stream (Wan's modulation table) through addcmul,
+    which promotes the operands in it (no float32 copy of the stream in memory)."""
+    ops = fused_ops(x)
+    if ops is not None:
+        return ops.gated_add(x, y, gate)
+    if gate.dtype == x.dtype:
+        return x + gate * y
+    return torch.addcmul(x, y, gate).type_as(x)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x (B, N, H, hd) by the angles of
+    cos, sin (N, hd/2) float32 (views, e.g. a complex table's .real / .imag): one kernel on
+    CUDA; else eagerly one complex multiply (the fewest passes over x); compiled, the same
+    products in real arithmetic, which inductor fuses into one kernel (it generates no complex
+    code)."""
+    ops = fused_ops(x)
+    if ops is not None:
+        return ops.rope_pairs(x, cos, sin)
+    if not torch.compiler.is_compiling():
+        return apply_complex_rope(x, torch.complex(cos, sin))
+    cos, sin = cos[:, None], sin[:, None]                                  # (N, 1, hd/2)
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)                   # (B, N, H, hd/2)
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
+
+
+def norm_rope(norm: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """apply_rope(norm(x), cos, sin) for x (B, N, H, hd) and norm an RMSNorm over each head
+    (its `weight` (hd,) and `eps`): the q/k norm and rope of a DiT's attention, one kernel on
+    CUDA (float32 inside, rounded once)."""
+    ops = fused_ops(x)
+    if ops is not None:
+        return ops.rms_norm_rope_pairs(x, norm.weight, norm.eps, cos, sin)
+    return apply_rope(norm(x), cos, sin)
 
 
 def timestep_embedding(t: Tensor, dim: int = 256, max_period: float = 10000.0) -> Tensor:
@@ -63,8 +143,7 @@ class AdaLayerNormZero(nn.Module):
 
     def forward(self, x: Tensor, temb: Tensor) -> tuple[Tensor, ...]:
         shift, scale, *rest = self.linear(F.silu(temb)).chunk(self.num_chunks, dim=1)  # (B, D) each
-        x = F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
-        return (x, *rest)
+        return (adaln_modulate(x, scale[:, None], shift[:, None]), *rest)
 
 
 class AdaLayerNormContinuous(nn.Module):
@@ -81,7 +160,7 @@ class AdaLayerNormContinuous(nn.Module):
     def forward(self, x: Tensor, temb: Tensor) -> Tensor:
         cond = (F.silu(temb) if self.silu else temb).to(x.dtype)
         scale, shift = self.linear(cond).chunk(2, dim=1)                                # (B, D) each
-        return F.layer_norm(x, x.shape[-1:], eps=self.eps) * (1 + scale[:, None]) + shift[:, None]
+        return adaln_modulate(x, scale[:, None], shift[:, None], self.eps)
 
 
 ACTIVATIONS = {"gelu-approximate": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,

@@ -12,12 +12,13 @@ Each replaces a chain of PyTorch kernels that would each read and write the acti
                      (slot -1: nothing) instead of returning k: the attention's K/V store
                      kernel is saved (the attention then reads them from the cache)
 
-and for a diffusion transformer's block (Wan), each over the whole video stream:
+and for a diffusion transformer's block (Wan, Qwen-Image, FLUX), each over the whole stream:
 
     norm_modulate    x -> float32 -> LayerNorm [affine] [* (1 + scale) + shift] -> x's dtype
                      (diffusers' FP32LayerNorm and adaLN modulation; 5 -> 1)
     gated_add        x + y * gate in float32 -> x's dtype (the gated residual; 3 -> 1)
     rope_pairs       interleaved pairs of every head rotated by cos/sin rows (~6 -> 1)
+    rms_norm_rope_pairs  per-head RMSNorm of q or k, then rope_pairs (Qwen-Image, FLUX; ~8 -> 1)
 
 Numerics follow the Hugging Face modules they replace: the normalised value is rounded to the
 input dtype before the weight multiplies it, the residual sum is rounded to the input dtype, and
@@ -181,12 +182,12 @@ def _gated_add_kernel(X, Y, G, Out, stride_x, stride_y, stride_o, rows_per_gate,
 
 
 @triton.jit
-def _rope_pairs_kernel(X, Cos, Sin, Out, stride_x, stride_o, tokens, half, P,
-                       BLOCK: tl.constexpr):
+def _rope_pairs_kernel(X, Cos, Sin, Out, stride_x, stride_o, stride_ct, stride_cj, tokens,
+                       half, P, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                 # one token, all its heads
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # pair index over heads x half
     mask = i < P
-    t = (row % tokens) * half + i % half
+    t = (row % tokens) * stride_ct + (i % half) * stride_cj
     c = tl.load(Cos + t, mask=mask, other=0.0)
     s = tl.load(Sin + t, mask=mask, other=0.0)
     even = tl.load(X + row * stride_x + 2 * i, mask=mask, other=0.0).to(tl.float32)
@@ -195,6 +196,28 @@ def _rope_pairs_kernel(X, Cos, Sin, Out, stride_x, stride_o, tokens, half, P,
              mask=mask)
     tl.store(Out + row * stride_o + 2 * i + 1, (even * s + odd * c).to(Out.dtype.element_ty),
              mask=mask)
+
+
+@triton.jit
+def _rms_norm_rope_pairs_kernel(X, W, Cos, Sin, Out, stride_x, stride_o, stride_ct, stride_cj,
+                                tokens, eps, H: tl.constexpr, HALF: tl.constexpr,
+                                H_P2: tl.constexpr, HALF_P2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)                 # one token, all its heads
+    h = tl.arange(0, H_P2)[:, None]
+    j = tl.arange(0, HALF_P2)[None, :]
+    mask = (h < H) & (j < HALF)
+    src = X + row * stride_x + h * (2 * HALF) + 2 * j
+    even = tl.load(src, mask=mask, other=0.0).to(tl.float32)           # (H, hd/2)
+    odd = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt((tl.sum(even * even, 1) + tl.sum(odd * odd, 1)) / (2 * HALF) + eps)[:, None]
+    even = even * inv * tl.load(W + 2 * j, mask=j < HALF, other=0.0).to(tl.float32)
+    odd = odd * inv * tl.load(W + 2 * j + 1, mask=j < HALF, other=0.0).to(tl.float32)
+    t = (row % tokens) * stride_ct + j * stride_cj
+    c = tl.load(Cos + t, mask=j < HALF, other=0.0)
+    s = tl.load(Sin + t, mask=j < HALF, other=0.0)
+    dst = Out + row * stride_o + h * (2 * HALF) + 2 * j
+    tl.store(dst, (even * c - odd * s).to(Out.dtype.element_ty), mask=mask)
+    tl.store(dst + 1, (even * s + odd * c).to(Out.dtype.element_ty), mask=mask)
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -273,17 +296,41 @@ def gated_add(x: Tensor, y: Tensor, gate: Tensor) -> Tensor:
 
 def rope_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (B, N, H, hd): each head's interleaved pairs (x0, x1), ... rotated by the angles of
-    cos, sin (N, hd/2) float32: (x0 cos - x1 sin, x0 sin + x1 cos), in x's dtype."""
+    cos, sin (N, hd/2) float32: (x0 cos - x1 sin, x0 sin + x1 cos), in x's dtype. The tables
+    may be strided views alike (a complex table's .real / .imag, every other column of a
+    table whose values repeat in pairs): read in place, no copy."""
     b, n, h, hd = x.shape
     xr = _rows(x.reshape(b, n, h * hd))
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    assert cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride(), \
+        (cos.dtype, sin.dtype, cos.stride(), sin.stride())
     assert cos.shape == sin.shape == (n, hd // 2), (tuple(cos.shape), tuple(x.shape))
     out = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
     pairs = h * hd // 2
     if xr.shape[0]:
         block = min(1024, triton.next_power_of_2(pairs))
         _rope_pairs_kernel[(xr.shape[0], triton.cdiv(pairs, block))](
-            xr, cos, sin, out, xr.stride(0), out.stride(0), n, hd // 2, pairs, BLOCK=block)
+            xr, cos, sin, out, xr.stride(0), out.stride(0), cos.stride(0), cos.stride(1), n,
+            hd // 2, pairs, BLOCK=block)
+    return out.view(x.shape)
+
+
+def rms_norm_rope_pairs(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor
+                        ) -> Tensor:
+    """x (B, N, H, hd): RMSNorm over each head (weight (hd,)), then its interleaved pairs
+    rotated as `rope_pairs` (cos, sin (N, hd/2) float32, strided views alike), all in float32,
+    rounded once to x's dtype: a DiT's q/k norm and rope (diffusers: ~8 kernels -> 1)."""
+    b, n, h, hd = x.shape
+    xr = _rows(x.reshape(b, n, h * hd))
+    assert cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride(), \
+        (cos.dtype, sin.dtype, cos.stride(), sin.stride())
+    assert cos.shape == sin.shape == (n, hd // 2) and weight.shape == (hd,), \
+        (tuple(cos.shape), tuple(weight.shape), tuple(x.shape))
+    out = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
+    if xr.shape[0]:
+        _rms_norm_rope_pairs_kernel[(xr.shape[0],)](
+            xr, weight, cos, sin, out, xr.stride(0), out.stride(0), cos.stride(0),
+            cos.stride(1), n, eps, H=h, HALF=hd // 2, H_P2=triton.next_power_of_2(h),
+            HALF_P2=triton.next_power_of_2(hd // 2))
     return out.view(x.shape)
 
 

@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omnistage.layers import dit
 from omnistage.layers.dit import (AdaLayerNormContinuous, AdaLayerNormZero, FeedForward,
-                                  MergedRowParallelLinear, TimestepEmbedding,
-                                  timestep_embedding)
+                                  MergedRowParallelLinear, TimestepEmbedding, adaln_modulate,
+                                  gated_add, timestep_embedding)
 from omnistage.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from omnistage.layers.sequence_parallel import SequenceRanks, SequenceSplit, check_heads
 from omnistage.layers.step_cache import CacheGroup, run_cached
@@ -149,19 +150,38 @@ class FluxAttention(nn.Module):
     def forward(self, x: Tensor, rope: Rope, seq: SequenceSplit, context: Tensor | None = None
                 ) -> Tensor | tuple[Tensor, Tensor]:
         """x (B, N, D) and context (B, T, D): this rank's tokens; rope for [context, x]."""
-        q = self.norm_q(self._heads(self.to_q(x)))                          # (B, N, H, hd)
-        k = self.norm_k(self._heads(self.to_k(x)))
+        q, k = self._rotated_qk(x, rope, context)                           # (B, S, H, hd)
         v = self._heads(self.to_v(x))
         if context is not None:
-            q = torch.cat([self.norm_added_q(self._heads(self.add_q_proj(context))), q], dim=1)
-            k = torch.cat([self.norm_added_k(self._heads(self.add_k_proj(context))), k], dim=1)
             v = torch.cat([self._heads(self.add_v_proj(context)), v], dim=1)  # (B, T+N, H, hd)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = seq.attend(q, k, v).flatten(2).to(q.dtype)                    # (B, S, H*hd)
         if context is None:
             return out
         txt, img = out.split_with_sizes([context.shape[1], x.shape[1]], dim=1)
         return self.to_out[0](img.contiguous()), self.to_add_out(txt.contiguous())
+
+
+    def _rotated_qk(self, x: Tensor, rope: Rope, context: Tensor | None
+                    ) -> tuple[Tensor, Tensor]:
+        """q and k of [context, x] (B, S, H, hd), normed per head and rotated. Where the fused
+        kernels run, each stream's q / k norm and rope are one kernel, reading every other
+        column of the tables (their values repeat in pairs: one angle per pair) in place."""
+        streams = [(x, self.to_q, self.to_k, self.norm_q, self.norm_k)]
+        if context is not None:
+            streams.insert(0, (context, self.add_q_proj, self.add_k_proj, self.norm_added_q,
+                               self.norm_added_k))
+        if dit.fused_ops(x) is None:               # diffusers' order: norms, concat, rope
+            q = torch.cat([nq(self._heads(pq(h))) for h, pq, _, nq, _ in streams], dim=1)
+            k = torch.cat([nk(self._heads(pk(h))) for h, _, pk, _, nk in streams], dim=1)
+            return apply_rope(q, rope), apply_rope(k, rope)
+        cos, sin = rope[0][:, ::2], rope[1][:, ::2]                                # (S, hd/2)
+        qs, ks, start = [], [], 0
+        for h, pq, pk, nq, nk in streams:
+            rows = slice(start, start + h.shape[1])
+            qs.append(dit.norm_rope(nq, self._heads(pq(h)), cos[rows], sin[rows]))
+            ks.append(dit.norm_rope(nk, self._heads(pk(h)), cos[rows], sin[rows]))
+            start = rows.stop
+        return torch.cat(qs, dim=1), torch.cat(ks, dim=1)
 
 
 class FluxTransformerBlock(nn.Module):
@@ -177,17 +197,17 @@ class FluxTransformerBlock(nn.Module):
 
     @staticmethod
     def _mlp(ff: FeedForward, x: Tensor, shift: Tensor, scale: Tensor, gate: Tensor) -> Tensor:
-        h = F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
-        return x + gate.unsqueeze(1) * ff(h)
+        h = adaln_modulate(x, scale[:, None], shift[:, None])
+        return gated_add(x, ff(h), gate.unsqueeze(1))
 
     def forward(self, img: Tensor, txt: Tensor, temb: Tensor, rope: Rope, seq: SequenceSplit
                 ) -> tuple[Tensor, Tensor]:
         img_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(img, temb)   # (B, N, D)
         txt_h, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(txt, temb)
         img_attn, txt_attn = self.attn(img_h, rope, seq, context=txt_h)
-        img = self._mlp(self.ff, img + gate_msa.unsqueeze(1) * img_attn,
+        img = self._mlp(self.ff, gated_add(img, img_attn, gate_msa.unsqueeze(1)),
                         shift_mlp, scale_mlp, gate_mlp)
-        txt = self._mlp(self.ff_context, txt + c_gate_msa.unsqueeze(1) * txt_attn,
+        txt = self._mlp(self.ff_context, gated_add(txt, txt_attn, c_gate_msa.unsqueeze(1)),
                         c_shift_mlp, c_scale_mlp, c_gate_mlp)
         if txt.dtype == torch.float16:
             txt = txt.clip(-65504, 65504)
@@ -212,7 +232,7 @@ class FluxSingleTransformerBlock(nn.Module):
         h, gate = self.norm(x, temb)
         mlp = F.gelu(self.proj_mlp(h), approximate="tanh")                         # (B, S, 4D)
         h = torch.cat([self.attn(h, rope, seq), mlp], dim=2)                       # (B, S, 5D)
-        x = x + gate.unsqueeze(1) * self.proj_out(h)
+        x = gated_add(x, self.proj_out(h), gate.unsqueeze(1))
         if x.dtype == torch.float16:
             x = x.clip(-65504, 65504)
         return x[:, :num_txt], x[:, num_txt:]

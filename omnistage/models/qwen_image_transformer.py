@@ -36,11 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omnistage.layers.dit import (AdaLayerNormContinuous, FeedForward, TimestepEmbedding,
-                                  apply_complex_rope)
+                                  adaln_modulate, gated_add, norm_rope)
 from omnistage.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from omnistage.layers.sequence_parallel import SequenceRanks, SequenceSplit, check_heads
 from omnistage.layers.step_cache import CacheGroup, run_cached
@@ -206,11 +205,15 @@ class QwenImageAttention(nn.Module):
                 ) -> tuple[Tensor, Tensor]:
         """img (B, N, D), txt (B, T, D): this rank's tokens of each; rope sliced alike."""
         img_rope, txt_rope = rope
-        rotate = apply_complex_rope
-        q = rotate(self.norm_q(self._heads(self.to_q(img))), img_rope)         # (B, N, H, hd)
-        k = rotate(self.norm_k(self._heads(self.to_k(img))), img_rope)
-        txt_q = rotate(self.norm_added_q(self._heads(self.add_q_proj(txt))), txt_rope)
-        txt_k = rotate(self.norm_added_k(self._heads(self.add_k_proj(txt))), txt_rope)
+
+        def rotate(norm: RMSNorm, x: Tensor, freqs: Tensor) -> Tensor:
+            """norm, then diffusers' complex multiply by freqs; one kernel on CUDA."""
+            return norm_rope(norm, self._heads(x), freqs.real, freqs.imag)
+
+        q = rotate(self.norm_q, self.to_q(img), img_rope)                       # (B, N, H, hd)
+        k = rotate(self.norm_k, self.to_k(img), img_rope)
+        txt_q = rotate(self.norm_added_q, self.add_q_proj(txt), txt_rope)        # (B, T, H, hd)
+        txt_k = rotate(self.norm_added_k, self.add_k_proj(txt), txt_rope)
         q = torch.cat([txt_q, q], dim=1)                                        # (B, T+N, H, hd)
         k = torch.cat([txt_k, k], dim=1)
         v = torch.cat([self._heads(self.add_v_proj(txt)), self._heads(self.to_v(img))], dim=1)
@@ -226,8 +229,7 @@ def _modulate(x: Tensor, params: Tensor, index: Tensor | None) -> tuple[Tensor, 
     if index is not None:
         b, pick = shift.shape[0] // 2, index.unsqueeze(-1) == 0               # pick: (B, N, 1)
         shift, scale, gate = (torch.where(pick, p[:b], p[b:]) for p in (shift, scale, gate))
-    x = F.layer_norm(x, x.shape[-1:], eps=1e-6)
-    return x * (1 + scale) + shift, gate
+    return adaln_modulate(x, scale, shift), gate
 
 
 class QwenImageTransformerBlock(nn.Module):
@@ -253,12 +255,12 @@ class QwenImageTransformerBlock(nn.Module):
         img_h, img_gate1 = _modulate(img, img_mod1, mod_index)                  # (B, N, D)
         txt_h, txt_gate1 = _modulate(txt, txt_mod1, None)                       # (B, T, D)
         img_attn, txt_attn = self.attn(img_h, txt_h, seq, rope)
-        img = img + img_gate1 * img_attn
-        txt = txt + txt_gate1 * txt_attn
+        img = gated_add(img, img_attn, img_gate1)
+        txt = gated_add(txt, txt_attn, txt_gate1)
         img_h, img_gate2 = _modulate(img, img_mod2, mod_index)
-        img = img + img_gate2 * self.img_mlp(img_h)
+        img = gated_add(img, self.img_mlp(img_h), img_gate2)
         txt_h, txt_gate2 = _modulate(txt, txt_mod2, None)
-        txt = txt + txt_gate2 * self.txt_mlp(txt_h)
+        txt = gated_add(txt, self.txt_mlp(txt_h), txt_gate2)
         if txt.dtype == torch.float16:
             txt = txt.clip(-65504, 65504)
         if img.dtype == torch.float16:

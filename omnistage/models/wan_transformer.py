@@ -52,9 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.layers import fused
-from omnistage.layers.dit import (FeedForward, TimestepEmbedding, apply_complex_rope,
-                                  timestep_embedding)
+from omnistage.layers.dit import (FeedForward, TimestepEmbedding, apply_rope, gated_add,
+                                  norm_modulate, timestep_embedding)
 from omnistage.layers.linear import copy_checked
 from omnistage.layers.parallel import (ColumnParallelLinear, RowParallelLinear, all_reduce,
                                        divide, tp_group)
@@ -194,48 +193,6 @@ def wan_rope(grid: tuple[int, int, int], head_dim: int, max_len: int, device: to
     return angles.cos().float(), angles.sin().float()
 
 
-def _kernels(x: Tensor):  # type: ignore[no-untyped-def]
-    """The fused Triton kernels (layers/triton_ops.py) where they run on x, outside
-    torch.compile (whose own fusion of the PyTorch ops below does the same); else None."""
-    return None if torch.compiler.is_compiling() else fused.ops_for(x)
-
-
-def norm_modulate(norm: nn.Module, x: Tensor, scale: Tensor | None = None,
-                  shift: Tensor | None = None) -> Tensor:
-    """norm(x) [* (1 + scale) + shift] in x's dtype, in float32 as diffusers (norm: an
-    FP32LayerNorm or Identity; scale, shift (B, 1 or N, D)); one kernel on CUDA."""
-    ops = _kernels(x)
-    if ops is not None and isinstance(norm, nn.LayerNorm):
-        return ops.norm_modulate(x, norm.eps, norm.weight, norm.bias, scale, shift)
-    h = norm(x.float())
-    return (h if scale is None else torch.addcmul(shift, h, 1 + scale)).type_as(x)
-
-
-def gated_add(x: Tensor, y: Tensor, gate: Tensor) -> Tensor:
-    """The gated residual x + y * gate in float32, in x's dtype; one kernel on CUDA (else
-    addcmul: the bf16 operands promoted in it, no float32 copy of the stream in memory)."""
-    ops = _kernels(x)
-    if ops is not None:
-        return ops.gated_add(x, y, gate)
-    return torch.addcmul(x, y, gate).type_as(x)
-
-
-def apply_rope(x: Tensor, rope: Rope) -> Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x (B, N, H, hd) by rope (N, hd/2):
-    one kernel on CUDA; else eagerly one complex multiply (the fewest passes over x);
-    compiled, the same products in real arithmetic, which inductor fuses into one kernel (it
-    generates no complex code)."""
-    cos, sin = rope
-    ops = _kernels(x)
-    if ops is not None:
-        return ops.rope_pairs(x, cos, sin)
-    if not torch.compiler.is_compiling():
-        return apply_complex_rope(x, torch.complex(cos, sin))
-    cos, sin = cos[:, None], sin[:, None]                                  # (N, 1, hd/2)
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)                   # (B, N, H, hd/2)
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
-
-
 # ---- embeddings ----------------------------------------------------------------------------
 
 class WanImageEmbedding(nn.Module):
@@ -323,8 +280,8 @@ class WanAttention(nn.Module):
 
     def self_attention(self, x: Tensor, seq: SequenceSplit, rope: Rope) -> Tensor:
         """x (B, N, D): this rank's video tokens; rope sliced alike."""
-        q = apply_rope(self._heads(self.norm_q(self.to_q(x))), rope)
-        k = apply_rope(self._heads(self.norm_k(self.to_k(x))), rope)
+        q = apply_rope(self._heads(self.norm_q(self.to_q(x))), *rope)
+        k = apply_rope(self._heads(self.norm_k(self.to_k(x))), *rope)
         out = seq.attend(q, k, self._heads(self.to_v(x)))                      # (B, N, H, hd)
         return self.to_out[0](out.flatten(2).type_as(q))
 
