@@ -12,7 +12,8 @@ on our AR engine; the DiT stage downstream decodes its tokens (diffusion/pipelin
 The checkpoint is the diffusers folder: the AR model in vision_language_encoder/, the
 tokenizer and chat template in processor/. Its sampling defaults are the AR model's
 generation_config.json (what the reference's `generate(do_sample=True)` draws with), under
-the graph's `sampling:`. Editing (input images) is not supported yet.
+the graph's `sampling:`; the request's DiffusionParams seed seeds its sampling when its
+SamplingParams name none. Editing (input images) is not supported yet.
 """
 
 from __future__ import annotations
@@ -81,11 +82,14 @@ class GlmImageARStage(ARStage):
     def add(self, request: StageRequest) -> None:
         if request.streamed:
             raise ValueError("GLM-Image's AR stage is an entry stage")
-        height, width = image_size(request.diffusion)
+        image = request.diffusion
+        height, width = image_size(image)
         target, preview = target_grids(height, width)
         ids = self.prompt_token_ids(request.prompt or "", [target, preview])
         num_tokens = preview[0] * preview[1] + target[0] * target[1] + 1
         params = replace(request.params or self.defaults, max_tokens=num_tokens)
+        if params.seed is None and image is not None and image.seed is not None:
+            params = replace(params, seed=image.seed)   # one seed draws both halves
         mm = MultimodalInput(decode_positions=image_decode_positions(len(ids), [preview, target]))
         self.engine.add_request(request.request_id, ids, params, mm=mm)
 
