@@ -1,7 +1,8 @@
 """GLM-Image end to end through `Omni` on a tiny random diffusers folder, float32: its default
 graph (AR stage -> tokens_to_tensor -> DiT stage) draws the image diffusers' GlmImagePipeline
 draws (within 2/255; the reference samples its AR model with top_k=1, greedy); the AR stage's
-prompt equals GlmImageProcessor's; bad sizes are refused by name."""
+prompt equals GlmImageProcessor's; bad sizes are refused by name; the image route's fields
+reach the stages that take them."""
 
 from __future__ import annotations
 
@@ -65,3 +66,17 @@ def test_prompt_equals_the_processor(folder: tuple[Path, diffusers.GlmImagePipel
     target, preview = target_grids(H, W)
     assert inputs["image_grid_thw"].tolist() == [[1, *target], [1, *preview]]
     assert stage.prompt_token_ids(PROMPT, [target, preview]) == inputs["input_ids"][0].tolist()
+
+
+def test_image_routes_size_the_ar_stage(folder: tuple[Path, diffusers.GlmImagePipeline]) -> None:
+    """/v1/images/generations' fields go to the DiT stage; the AR entry stage samples with its
+    own defaults (the AR model's generation config) and reads the size from the DiT's params."""
+    from omnistage.configs.defaults import resolve_graph
+    from omnistage.entrypoints.openai.params import stage_params
+
+    path, _ = folder
+    graph = resolve_graph(str(path), path, None)
+    assert [s.component for s in graph.stages] == ["glm_image_ar", "glm_image"]
+    ar, dit = stage_params(graph, ["ar"], {"num_images": 1, "height": H, "width": W}, None,
+                           image_fields=True)
+    assert ar is None and (dit.height, dit.width) == (H, W)
