@@ -100,7 +100,7 @@ def stage_params(graph: GraphConfig, entry: list[str], entry_fields: dict[str, A
     `image` the input image of an image-to-image request (diffusion entry stages), and
     `extra_images` the others of a multi-image edit. `image_fields`: the fields describe the
     image or video (the images and videos routes): they go to the diffusion stages only, and
-    an AR entry stage (GLM-Image's) samples with its graph's defaults."""
+    an AR entry stage (GLM-Image's) gets None: its stage's own defaults."""
     if extension is not None and len(extension) != len(graph.stages):
         names = ", ".join(graph.stage_names)
         raise bad_request(f"sampling_params_list has {len(extension)} entries; this model has "
