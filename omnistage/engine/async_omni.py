@@ -39,7 +39,7 @@ from omnistage.errors import InputError
 from omnistage.models.loader import resolve_model_path
 from omnistage.outputs import CompletionOutput, OmniOutput, RequestEvent, RequestMetrics
 from omnistage.sampling_params import SamplingParams
-from omnistage.stages.interface import StageInfo
+from omnistage.stages.interface import TEXT_PROMPT, StageInfo
 from omnistage.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -75,8 +75,11 @@ class AsyncOmni:
         self.video = registry.video_spec(model_path)
         self.orchestrator = Orchestrator(graph, device)
         self.entry = [s.name for s in graph.stages if not s.inputs]
-        # entry stages that read the prompt as text (diffusion), not as token ids
-        self.text_entry = any(graph.stage(n).kind == "diffusion" for n in self.entry)
+        # entry stages that read the prompt as text (diffusion; an AR stage building its own
+        # prompt says so in its info: TEXT_PROMPT), not as token ids
+        self.text_entry = any(graph.stage(n).kind == "diffusion"
+                              or self.orchestrator.stage_info.get(n, {}).get(TEXT_PROMPT)
+                              for n in self.entry)
         self._ids = itertools.count()
         self._fan_outs: dict[str, list[str]] = {}   # request id -> its n sub-request ids
 

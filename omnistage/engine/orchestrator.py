@@ -86,6 +86,16 @@ class EntryInputs:
     token_ids: list[int] | None
     prompt_text: str | None
     tensors: dict[str, Tensor]
+    image: DiffusionParams | None = None     # what image the request makes (`request_image`)
+
+
+def request_image(params: dict[str, SamplingParams | DiffusionParams | None]
+                  ) -> DiffusionParams | None:
+    """The request's first DiffusionParams, its image file detached: what a stage that is
+    not a diffusion stage sees of the image the request makes (GLM-Image's AR stage writes
+    its token grid for that size). None for a request without them."""
+    given = next((p for p in params.values() if isinstance(p, DiffusionParams)), None)
+    return None if given is None else given.detach_image()[0]
 
 
 class Orchestrator:
@@ -153,7 +163,8 @@ class Orchestrator:
         finals_needed = {s.name for s in self.graph.stages
                          if s.name in needed and s.final in wanted}
         entry = EntryInputs(None if prompt_embeds is not None else list(prompt_token_ids or []),
-                            prompt_text, {f"mm.{k}": v for k, v in (multimodal or {}).items()})
+                            prompt_text, {f"mm.{k}": v for k, v in (multimodal or {}).items()},
+                            request_image(params))
         if prompt_embeds is not None:
             entry.tensors["prompt_embeds"] = prompt_embeds
         now = time.time()
@@ -185,12 +196,13 @@ class Orchestrator:
         needs): an entry stage gets the prompt and the client's tensors, a diffusion stage its
         params; what the stage takes as tensors (an edit's image file too: its params carry an
         ImageRef per file) goes through the connector. Every stage gets the prompt's text (a
-        downstream stage may encode it beside what its edges bring: GLM-Image's DiT)."""
+        downstream stage may encode it beside what its edges bring: GLM-Image's DiT), and every
+        other stage the request's image params (`request_image`)."""
         ups = [i for i in self.graph.stage(name).inputs if i.source in replicas]
         downs = [d.name for d, _ in self._downstream[name] if d.name in replicas]
         tensors = {} if ups else dict(entry.tensors)
-        diffusion = p if isinstance(p, DiffusionParams) else None
-        if diffusion is not None:
+        diffusion = p if isinstance(p, DiffusionParams) else entry.image
+        if isinstance(p, DiffusionParams):
             diffusion, files = diffusion.detach_image()
             tensors.update(image_inputs(files))
         edge = m.edge_key(m.CLIENT, name, self._replica_key(name, replicas))

@@ -14,6 +14,7 @@ embedding's. The vision tower and VQ tokenizer (editing's input images) are not 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -31,8 +32,19 @@ from omnistage.models.config import ModelConfig, check_tensor_parallel
 from omnistage.models.loader import build_and_load, checkpoint_names, load_packed_weights
 from omnistage.models.qwen2 import Qwen2Attention, Qwen2MLP
 
+TOKEN_FACTOR = 32                   # pixels per AR visual token side
 PACKED_MODULES = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
                   "v_proj": ("qkv_proj", "v")}     # gate_up_proj is fused in the checkpoint
+
+
+def target_grids(height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The AR's (target, preview) token grids for an image of height x width pixels, as
+    transformers' GlmImageProcessor._get_target_shape builds them."""
+    token_h, token_w = height // TOKEN_FACTOR, width // TOKEN_FACTOR
+    ratio = token_h / token_w
+    preview = (int(math.sqrt(ratio) * (TOKEN_FACTOR // 2)),
+               int(math.sqrt(1 / ratio) * (TOKEN_FACTOR // 2)))
+    return (token_h, token_w), preview
 
 
 def image_decode_positions(num_prompt_tokens: int, grids: list[tuple[int, int]]) -> Tensor:

@@ -29,6 +29,10 @@ from omnistage.outputs import StageMetrics
 # its max_model_len, vocabulary and KV cache; a model may add its own (a talker's speakers,
 # the sample rate of the audio a vocoder writes).
 StageInfo = dict[str, str | int | float]
+# an entry AR stage that builds its token ids from the prompt's text itself (GLM-Image's: its
+# chat template and the image's token grids) says so in its info: the front door then sends
+# the text, as to a diffusion stage
+TEXT_PROMPT = "text_prompt"
 
 
 @dataclass(slots=True)
@@ -39,7 +43,7 @@ class StageRequest:
     request_id: str
     arrival_time: float
     params: SamplingParams | None = None        # None: the stage's defaults
-    diffusion: DiffusionParams | None = None
+    diffusion: DiffusionParams | None = None     # non-diffusion stages: the request's, to read
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     prompt_embeds: Tensor | None = None

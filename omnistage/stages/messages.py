@@ -24,8 +24,9 @@ from omnistage.outputs import StageMetrics
 class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     request_id: str
     params: SamplingParams | None = None           # ar stages
-    diffusion: DiffusionParams | None = None       # diffusion stages (an image: ImageRef)
-    prompt: str | None = None                      # entry stages that take text (diffusion)
+    # diffusion stages' params (an image: ImageRef); other stages: the request's, to read
+    diffusion: DiffusionParams | None = None
+    prompt: str | None = None                      # the prompt's text, every stage
     prompt_token_ids: list[int] | None = None      # entry stages
     # the client's tensors for this stage: "prompt_embeds", "mm.*" (the model's multimodal
     # inputs; a diffusion stage's "mm.image", the file its params' ImageRef stands for)

@@ -13,7 +13,8 @@ from torch import Tensor
 
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.pipelines.glm_image import GlmImagePipeline, target_grids
+from omnistage.diffusion.pipelines.glm_image import GlmImagePipeline
+from omnistage.models.glm_image import target_grids
 from omnistage.testing.diffusion import run_recording_latents
 from omnistage.testing.tiny_glm_image import CODEBOOK, build_tiny_glm_image_dit
 

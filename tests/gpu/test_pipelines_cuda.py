@@ -1,9 +1,9 @@
 """GPU-only checks (skipped without CUDA): the multi-network pipelines on CUDA against their
 references on CUDA, float32 with TF32 off: Qwen3-Omni (thinker -> talker -> code2wav, stage
 processes) against transformers' generate(return_audio=True), and the Qwen-Image / FLUX.1 /
-Qwen-Image-Edit(-Plus) pipelines against diffusers. What these catch is placement (a tensor
-left on the CPU, a generator on the wrong device), not numerics, which the CPU golden tests
-pin down."""
+Qwen-Image-Edit(-Plus) / GLM-Image pipelines against diffusers. What these catch is placement
+(a tensor left on the CPU, a generator on the wrong device), not numerics, which the CPU
+golden tests pin down."""
 
 from __future__ import annotations
 
@@ -124,8 +124,8 @@ def test_qwen_image_edit_on_cuda_equals_diffusers(plus: bool, tmp_path: Path) ->
 
 
 def test_glm_image_dit_on_cuda_equals_diffusers(tmp_path: Path) -> None:
-    """GLM-Image's DiT decode stage (the AR stage is not ported yet) in our engine on CUDA,
-    with CFG, against diffusers' GlmImagePipeline on CUDA given the same AR tokens."""
+    """GLM-Image's DiT decode stage in our engine on CUDA, with CFG, against diffusers'
+    GlmImagePipeline on CUDA given the same AR tokens."""
     pytest.importorskip("diffusers")
     from omnistage.diffusion.pipelines.glm_image import GlmImagePipeline
     from omnistage.testing.diffusion import run_recording_latents
@@ -145,3 +145,27 @@ def test_glm_image_dit_on_cuda_equals_diffusers(tmp_path: Path) -> None:
     images = runs["a"][1]                                                # uint8 (1, H, W, 3)
     expected = (expected * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
     assert (images.int() - expected.int()).abs().max() <= 2
+
+
+def test_glm_image_on_cuda_equals_diffusers(tmp_path: Path) -> None:
+    """GLM-Image's whole graph (AR stage -> DiT stage, stage processes) on CUDA against
+    diffusers' GlmImagePipeline on CUDA, its AR model sampling greedily (top_k=1)."""
+    pytest.importorskip("diffusers")
+    import numpy as np
+
+    from omnistage.testing.tiny_glm_image import build_tiny_glm_image
+
+    ref = build_tiny_glm_image(tmp_path / "glm")
+    ref.to("cuda")
+    ref.set_progress_bar_config(disable=True)
+    prompt, size = 'a red cat on the sign that reads "OPEN"', (64, 96)
+    with torch.no_grad():
+        image = ref(prompt, height=size[0], width=size[1], num_inference_steps=2,
+                    guidance_scale=1.5, generator=torch.Generator().manual_seed(3)).images[0]
+    expected = np.asarray(image, dtype=np.int16)
+    with Omni(str(tmp_path / "glm"), device="cuda") as omni:
+        (out,) = omni.generate(prompt, DiffusionParams(height=size[0], width=size[1],
+                                                       num_inference_steps=2, guidance_scale=1.5,
+                                                       seed=3))
+    assert out.error is None, out.error
+    assert np.abs(np.asarray(out.images[0], dtype=np.int16) - expected).max() <= 2

@@ -41,12 +41,12 @@ from omnistage.diffusion.pipelines.qwen_image import pad_captions
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.models.autoencoder_kl import AutoencoderKL
+from omnistage.models.glm_image import TOKEN_FACTOR, target_grids
 from omnistage.models.glm_image_transformer import GlmImageTransformer2DModel
 from omnistage.models.text_encoders import T5Encoder
 
 MAX_SIZE = 2048
 DEFAULT_GUIDANCE = 1.5
-TOKEN_FACTOR = 32                   # pixels per AR visual token side
 MAX_GLYPH_TOKENS = 2048             # ByT5 tokens per quoted span, diffusers' default
 GLYPH_PATTERNS = (r"'([^']*)'", r"\u201c([^\u201c\u201d]*)\u201d", r'"([^"]*)"',
                   r"「([^「」]*)」")
@@ -70,16 +70,6 @@ def check_text_params(prompt: str | None, params: DiffusionParams) -> None:
                          "empty negative (set guidance_scale)")
     if params.image is not None:
         raise ValueError("image: GLM-Image editing is not supported yet (text-to-image only)")
-
-
-def target_grids(height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """The AR's (target, preview) token grids for an image of height x width pixels, as
-    transformers' GlmImageProcessor._get_target_shape builds them."""
-    token_h, token_w = height // TOKEN_FACTOR, width // TOKEN_FACTOR
-    ratio = token_h / token_w
-    preview = (int(math.sqrt(ratio) * (TOKEN_FACTOR // 2)),
-               int(math.sqrt(1 / ratio) * (TOKEN_FACTOR // 2)))
-    return (token_h, token_w), preview
 
 
 class GlmGlyphEncoder:

@@ -93,12 +93,14 @@ def parse_size(size: str | None, param: str = "size") -> tuple[int | None, int |
 
 def stage_params(graph: GraphConfig, entry: list[str], entry_fields: dict[str, Any],
                  extension: list[dict[str, Any] | None] | None,
-                 image: bytes | None = None, extra_images: tuple[bytes, ...] = ()
-                 ) -> list[StageParams]:
+                 image: bytes | None = None, extra_images: tuple[bytes, ...] = (),
+                 image_fields: bool = False) -> list[StageParams]:
     """One params object per stage of `graph`, in graph order (what AsyncOmni takes as
     `sampling_params_list`). `entry_fields` are the OpenAI fields for the entry stages;
     `image` the input image of an image-to-image request (diffusion entry stages), and
-    `extra_images` the others of a multi-image edit."""
+    `extra_images` the others of a multi-image edit. `image_fields`: the fields describe the
+    image or video (the images and videos routes): they go to the diffusion stages only, and
+    an AR entry stage (GLM-Image's) gets None: its stage's own defaults."""
     if extension is not None and len(extension) != len(graph.stages):
         names = ", ".join(graph.stage_names)
         raise bad_request(f"sampling_params_list has {len(extension)} entries; this model has "
@@ -110,9 +112,10 @@ def stage_params(graph: GraphConfig, entry: list[str], entry_fields: dict[str, A
         path = f"sampling_params_list[{i}]"
         if given is not None and not isinstance(given, dict):
             raise bad_request(f"{path}: expected an object or null", path)
-        own = dict(entry_fields) if stage.name in entry else {}
+        own = dict(entry_fields) if stage.name in entry and not image_fields else {}
         if stage.kind == "ar":
-            out.append(_sampling(stage, own, given or {}, path))
+            out.append(None if image_fields and not given       # None: the stage's defaults
+                       else _sampling(stage, own, given or {}, path))
         elif stage.kind == "diffusion":
             # every diffusion stage of a split graph (text encoder -> transformer) needs the
             # request's image fields: the text encoder for CFG, the transformer for the rest

@@ -147,7 +147,7 @@ class ImageServing:
         # an edit's image bytes travel as they are (the engine decodes them where used)
         first, *others = images or [None]
         params = stage_params(self.client.graph, self.client.entry, fields, None, first,
-                              tuple(others))
+                              tuple(others), image_fields=True)
         ticket = self.client.admit()
         try:
             prepared = await self.client.run(self.client.prepare, req.prompt, params, "prompt")

@@ -137,7 +137,8 @@ class VideoServing:
     async def _generate(self, prompt: str, fields: dict[str, Any], image: bytes | None,
                         progress: Callable[[float], None]) -> np.ndarray:
         """One engine request -> its frames, uint8 (F, H, W, 3); APIError if it failed."""
-        params = stage_params(self.client.graph, self.client.entry, fields, None, image)
+        params = stage_params(self.client.graph, self.client.entry, fields, None, image,
+                              image_fields=True)
         prepared = await self.client.run(self.client.prepare, prompt, params, "prompt")
         handle = self.client.submit(prompt, prepared, {"video"}, "video")
         try:
