@@ -39,13 +39,15 @@ def timestep_embedding(t: Tensor, dim: int = 256, max_period: float = 10000.0) -
 
 class TimestepEmbedding(nn.Module):
     """linear_1 -> SiLU -> linear_2; also serves as diffusers' PixArtAlphaTextProjection
-    (gelu_tanh: GELU with the tanh approximation in place of SiLU, as Wan's text embedder)."""
+    (gelu_tanh: GELU with the tanh approximation in place of SiLU, as Wan's text embedder;
+    bias False: FLUX.2's bias-free embedders)."""
 
-    def __init__(self, in_dim: int, dim: int, gelu_tanh: bool = False) -> None:
+    def __init__(self, in_dim: int, dim: int, gelu_tanh: bool = False, bias: bool = True
+                 ) -> None:
         super().__init__()
         self.gelu_tanh = gelu_tanh
-        self.linear_1 = nn.Linear(in_dim, dim)
-        self.linear_2 = nn.Linear(dim, dim)
+        self.linear_1 = nn.Linear(in_dim, dim, bias=bias)
+        self.linear_2 = nn.Linear(dim, dim, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.linear_1(x)
@@ -68,11 +70,12 @@ class AdaLayerNormZero(nn.Module):
 
 
 class AdaLayerNormContinuous(nn.Module):
-    """Output norm: note the (scale, shift) order, unlike AdaLayerNormZero's (shift, scale)."""
+    """Output norm: note the (scale, shift) order, unlike AdaLayerNormZero's (shift, scale).
+    bias False: FLUX.2's."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, bias: bool = True) -> None:
         super().__init__()
-        self.linear = nn.Linear(dim, 2 * dim)
+        self.linear = nn.Linear(dim, 2 * dim, bias=bias)
 
     def forward(self, x: Tensor, temb: Tensor) -> Tensor:
         scale, shift = self.linear(F.silu(temb).to(x.dtype)).chunk(2, dim=1)          # (B, D) each
