@@ -190,6 +190,10 @@ _BUILT_IN = (
                     "omnistage.diffusion.pipelines.wan_i2v:WanImageToVideoPipeline"),),
                 video="omnistage.diffusion.pipelines.wan_i2v:video_spec"),
     _pipeline("flux", "FluxPipeline"),
+    ModelFamily("flux2_klein", diffusers_classes=("Flux2KleinPipeline",),
+                graph="flux2_klein.yaml", components=(Component(
+                    "diffusion", "flux2_klein",
+                    "omnistage.diffusion.pipelines.flux2:Flux2KleinPipeline"),)),
     _pipeline("z_image", "ZImagePipeline"),
     _pipeline("qwen_image", "QwenImagePipeline"),
     ModelFamily("digits", graph="digits.yaml", components=(Component(

