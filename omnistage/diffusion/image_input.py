@@ -11,6 +11,7 @@ image (`image=`), and a pipeline's size rule reads the decoded image or the file
 
     front door          orchestrator                         diffusion stage
     peek_image(file) -> connector.put({"mm.image": file}) -> attach_image(file_bytes(...))
+                        (more files: "mm.image.1", ...)
                         AddRequest(params + ImageRef,        -> engine: decode_image, once
                                    inputs=handle)
 """
@@ -40,6 +41,11 @@ def file_tensor(data: bytes) -> Tensor:
 def file_bytes(tensor: Tensor) -> bytes:
     """The image file back from its `file_tensor`."""
     return tensor.numpy().tobytes()
+
+
+def image_key(idx: int, prefix: str = "") -> str:
+    """The connector input of a request's `idx`-th image file: "image", "image.1", ..."""
+    return f"{prefix}image" if idx == 0 else f"{prefix}image.{idx}"
 
 
 def decode_image(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> Image.Image:
@@ -74,6 +80,14 @@ def peek_image(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> Image.Image:
         raise InputError(f"image: {width}x{height} is larger than the maximum of "
                          f"{max_pixels} pixels", "image")
     return image
+
+
+def input_images(params: DiffusionParams, image: Image.Image | None = None
+                 ) -> list[Image.Image]:
+    """Every input image of a request, decoded (the first may be decoded already: `image`):
+    what a pipeline taking several (FLUX.2's references) conditions on."""
+    first = input_image(params, image)
+    return [] if first is None else [first, *map(decode_image, params.extra_images)]
 
 
 def input_image(params: DiffusionParams, image: Image.Image | None) -> Image.Image | None:

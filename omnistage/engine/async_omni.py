@@ -101,8 +101,8 @@ class AsyncOmni:
                                      f"{str(known).replace(',', ', ')})", param=key)
             elif isinstance(p, DiffusionParams):
                 p.validate()
-                if p.image is not None:   # not an image file: refused here (its header is
-                    peek_image(p.image)   # read; the diffusion engine decodes it, once)
+                for file in p.images:     # not an image file: refused here (its header is
+                    peek_image(file)      # read; the diffusion engine decodes it, once)
         self._num_completions(params)
         return parsed, params
 

@@ -33,7 +33,7 @@ from torch import Tensor
 from omnistage.configs.graph import downstream, stages_needed, topological_order, validate_graph
 from omnistage.configs.schema import GraphConfig, OutputKind
 from omnistage.connectors.base import ChunkKey, Connector
-from omnistage.diffusion.image_input import file_tensor
+from omnistage.diffusion.image_input import file_tensor, image_key
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.outputs import RequestEvent, StageMetrics
 from omnistage.sampling_params import SamplingParams
@@ -190,9 +190,9 @@ class Orchestrator:
         tensors = {} if ups else dict(entry.tensors)
         diffusion = p if isinstance(p, DiffusionParams) else None
         if diffusion is not None:
-            diffusion, image = diffusion.detach_image()
-            if image is not None:
-                tensors["mm.image"] = file_tensor(image)
+            diffusion, files = diffusion.detach_image()
+            for i, file in enumerate(files):    # "mm.image", "mm.image.1", ...
+                tensors[image_key(i, "mm.")] = file_tensor(file)
         edge = m.edge_key(m.CLIENT, name, self._replica_key(name, replicas))
         inputs = self._inputs.put(ChunkKey(request_id, edge, 0), tensors) if tensors else None
         return m.AddRequest(request_id, p if isinstance(p, SamplingParams) else None, diffusion,

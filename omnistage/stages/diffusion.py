@@ -10,10 +10,10 @@ from omnistage.configs.schema import StageConfig
 from omnistage.diffusion.diffusers_engine import DiffusersEngine
 from omnistage.diffusion.diffusers_pipeline import BACKEND, DiffusersPipeline
 from omnistage.diffusion.engine import DiffusionEngine
-from omnistage.diffusion.image_input import file_bytes
+from omnistage.diffusion.image_input import file_bytes, image_key
 from omnistage.diffusion.memory import CudaProbe, MemoryBudget
 from omnistage.diffusion.parallel import check_layout
-from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.params import DiffusionParams, ImageRef
 from omnistage.diffusion.pipeline import DiffusionPipeline, compile_blocks, is_split_pipeline
 from omnistage.diffusion.text_encoding import TEXT_ENCODER_PART, TextEncodingEngine
 from omnistage.layers.fp8 import quantize_fp8
@@ -215,11 +215,13 @@ def apply_options(stage: StageConfig, pipeline: DiffusionPipeline, dev: torch.de
 
 
 def _params(request: StageRequest) -> DiffusionParams:
-    """The request's params, with an edit's image file (the worker took it from the
-    connector: input "image") in place of the ImageRef they came with."""
+    """The request's params, with an edit's image files (the worker took them from the
+    connector: inputs "image", "image.1", ...) in place of the ImageRefs they came with."""
     params = request.diffusion or DiffusionParams()
-    image = request.multimodal.get("image")
-    return params if image is None else params.attach_image(file_bytes(image))
+    if not isinstance(params.image, ImageRef):
+        return params
+    return params.attach_image([file_bytes(request.multimodal[image_key(i)])
+                                for i in range(len(params.images))])
 
 
 def check_parallel_layout(stage: StageConfig, path: str | None) -> None:

@@ -102,7 +102,8 @@ def reference(ref: diffusers.Flux2KleinPipeline, seed: int, num_images: int = 1,
     kwargs.setdefault("height", SIZE)
     kwargs.setdefault("width", SIZE)
     with torch.no_grad():
-        return ref(prompt=PROMPT, num_inference_steps=3, generator=torch.Generator().manual_seed(seed),
+        kwargs.setdefault("num_inference_steps", 3)
+        return ref(prompt=PROMPT, generator=torch.Generator().manual_seed(seed),
                    output_type="latent", max_sequence_length=SEQ,
                    num_images_per_prompt=num_images, return_dict=False, **kwargs)[0]
 
@@ -142,3 +143,22 @@ def test_step_distilled_runs_without_cfg(
         ref.register_to_config(is_distilled=False)
     torch.testing.assert_close(seen[1], expected, atol=1e-4, rtol=1e-4)
     assert (seen[1] - reference(ref, 1, guidance_scale=3.0)).abs().max() > 1e-2  # CFG moves it
+
+
+def test_edit_with_two_reference_images_matches_diffusers(
+        pair: tuple[diffusers.Flux2KleinPipeline, Flux2KleinPipeline],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two references (cropped to multiples of 4, encoded, appended as tokens at times 10 and
+    20); no size given: the first reference's (68x64)."""
+    ref, ours = pair
+    first, second = png(70, 66, seed=2), png(64, 72, seed=3)
+    seen = capture_latents(ours, monkeypatch)
+    run(ours, DiffusionParams(num_inference_steps=2, guidance_scale=2.0, seed=4, image=first,
+                              extra_images=(second,)))
+    expected = reference(ref, 4, image=[Image.open(io.BytesIO(first)).convert("RGB"),
+                                        Image.open(io.BytesIO(second)).convert("RGB")],
+                         height=None, width=None, guidance_scale=2.0, num_inference_steps=2)
+    assert seen[4].shape == expected.shape == (1, 4, 32, 34)
+    torch.testing.assert_close(seen[4], expected, atol=1e-4, rtol=1e-4)
+    run(ours, DiffusionParams(num_inference_steps=2, guidance_scale=2.0, seed=4, image=first))
+    assert (seen[4] - expected).abs().max() > 1e-2          # the second reference matters

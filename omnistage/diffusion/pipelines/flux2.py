@@ -34,8 +34,8 @@ from PIL import Image
 from torch import Tensor
 from transformers import AutoTokenizer
 
-from omnistage.diffusion.image_input import input_image, peek_image, preprocess
-from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.image_input import input_images, peek_image, preprocess
+from omnistage.diffusion.params import MAX_INPUT_IMAGES, DiffusionParams
 from omnistage.diffusion.pipeline import (LatentPipelineBase, check_conditioning,
                                           encode_with_negatives)
 from omnistage.diffusion.request import DiffusionRequest
@@ -115,10 +115,9 @@ def text_ids(length: int) -> Tensor:
 
 def references(params: DiffusionParams, image: Image.Image | list[Image.Image] | None
                ) -> list[Image.Image]:
-    """The request's reference images, decoded (the engine's, or `params.image` here)."""
-    image = image if image is not None else input_image(params, None)
+    """The request's reference images, decoded (the engine's, or `params.images` here)."""
     if image is None:
-        return []
+        return input_images(params)
     return list(image) if isinstance(image, (list, tuple)) else [image]
 
 
@@ -205,6 +204,7 @@ class Flux2KleinPipeline(LatentPipelineBase):
     vae_cls = AutoencoderKLFlux2
     prompt_encoder_cls = Flux2KleinPromptEncoder
     max_size = MAX_SIZE
+    max_input_images = MAX_INPUT_IMAGES     # reference images of an edit
     graphable = True
     is_distilled = False
 

@@ -93,10 +93,12 @@ def parse_size(size: str | None, param: str = "size") -> tuple[int | None, int |
 
 def stage_params(graph: GraphConfig, entry: list[str], entry_fields: dict[str, Any],
                  extension: list[dict[str, Any] | None] | None,
-                 image: bytes | None = None) -> list[StageParams]:
+                 image: bytes | None = None, extra_images: tuple[bytes, ...] = ()
+                 ) -> list[StageParams]:
     """One params object per stage of `graph`, in graph order (what AsyncOmni takes as
     `sampling_params_list`). `entry_fields` are the OpenAI fields for the entry stages;
-    `image` the input image of an image-to-image request (diffusion entry stages)."""
+    `image` the input image of an image-to-image request (diffusion entry stages),
+    `extra_images` an edit's further images (multi-reference editing)."""
     if extension is not None and len(extension) != len(graph.stages):
         names = ", ".join(graph.stage_names)
         raise bad_request(f"sampling_params_list has {len(extension)} entries; this model has "
@@ -114,7 +116,7 @@ def stage_params(graph: GraphConfig, entry: list[str], entry_fields: dict[str, A
         elif stage.kind == "diffusion":
             # every diffusion stage of a split graph (text encoder -> transformer) needs the
             # request's image fields: the text encoder for CFG, the transformer for the rest
-            out.append(_diffusion(dict(entry_fields), given or {}, path, image))
+            out.append(_diffusion(dict(entry_fields), given or {}, path, image, extra_images))
         else:
             if given:   # vLLM-Omni sends a sampling dict for code2wav too: checked, unused
                 _sampling(stage, {}, given, path)
@@ -156,7 +158,7 @@ def _sampling(stage: StageConfig, openai: dict[str, Any], given: dict[str, Any],
 
 
 def _diffusion(openai: dict[str, Any], given: dict[str, Any], path: str,
-               image: bytes | None) -> DiffusionParams:
+               image: bytes | None, extra_images: tuple[bytes, ...]) -> DiffusionParams:
     # the input image (bytes) and its strength go in last: strength needs the image
     if "image" in given:
         raise bad_request(f"{path}.image: send the image as an image part (chat) or a file "
@@ -176,7 +178,8 @@ def _diffusion(openai: dict[str, Any], given: dict[str, Any], path: str,
                                      or not isinstance(strength, (int, float))):
             raise bad_request(f"{where}: expected a number", where)
         try:
-            params = dataclasses.replace(params, image=image, strength=strength)
+            params = dataclasses.replace(params, image=image, extra_images=extra_images,
+                                         strength=strength)
         except ValueError as exc:   # the request's field: strength where it was given
             err = from_value_error(exc)
             err.param = where if err.param == "strength" else "image"

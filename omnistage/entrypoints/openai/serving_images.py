@@ -12,8 +12,10 @@ quality knob is `num_inference_steps`); streamed partial images are a 400.
 
 An edit is an image-to-image request: the uploaded image becomes DiffusionParams.image and
 `strength` (an extension) how much of it is redrawn. The OpenAI SDK sends one image as the
-form field `image` and a list as `image[]`; both are read. The pipelines served here start
-from one image, so several are a 400 naming `image`. Masks (inpainting) are not supported.
+form field `image` and a list as `image[]`; both are read. Several images go in order to
+DiffusionParams.image and .extra_images: FLUX.2 conditions on all of them (reference images);
+a model that starts from one refuses more with a 400 naming `image`. Masks (inpainting) are
+not supported.
 The form is parsed here, strictly: an unknown field is a 400 naming it, as for JSON bodies.
 """
 
@@ -108,15 +110,11 @@ class ImageServing:
             check_model(req.model, self.model_name)
             if not images:
                 raise bad_request("image: one image file is required", "image")
-            if len(images) > 1:
-                raise bad_request(f"image: this model edits one image at a time, got "
-                                  f"{len(images)} (no multi-image edit pipeline is served "
-                                  "here)", "image")
             if mask is not None:
                 raise bad_request("mask: masked edits (inpainting) are not supported; the "
                                   "whole image is redrawn, as much as `strength` says", "mask")
-            data = await self._upload(images[0], "image")
-        return await self._run(req, request, data, req.strength)
+            files = [await self._upload(upload, "image") for upload in images]
+        return await self._run(req, request, files, req.strength)
 
     async def _upload(self, upload: UploadFile, param: str) -> bytes:
         limit = self.media.policy.max_bytes
@@ -131,7 +129,8 @@ class ImageServing:
         return data
 
     async def _run(self, req: ImageRequest, request: Request,
-                   image: bytes | None = None, strength: float | None = None) -> ImagesResponse:
+                   images: list[bytes] | None = None, strength: float | None = None
+                   ) -> ImagesResponse:
         _check_openai_fields(req)
         height, width = parse_size(req.size)
         fields: dict[str, Any] = {"num_images": req.n}
@@ -143,7 +142,9 @@ class ImageServing:
         if strength is not None:
             fields["strength"] = strength
         # an edit's image bytes travel as they are (the engine decodes them where used)
-        params = stage_params(self.client.graph, self.client.entry, fields, None, image)
+        first, *extra = images or [None]
+        params = stage_params(self.client.graph, self.client.entry, fields, None, first,
+                              tuple(extra))
         ticket = self.client.admit()
         try:
             prepared = await self.client.run(self.client.prepare, req.prompt, params, "prompt")
