@@ -162,3 +162,65 @@ def test_edit_with_two_reference_images_matches_diffusers(
     torch.testing.assert_close(seen[4], expected, atol=1e-4, rtol=1e-4)
     run(ours, DiffusionParams(num_inference_steps=2, guidance_scale=2.0, seed=4, image=first))
     assert (seen[4] - expected).abs().max() > 1e-2          # the second reference matters
+
+
+def test_same_image_alone_or_batched(
+        pair: tuple[diffusers.Flux2KleinPipeline, Flux2KleinPipeline]) -> None:
+    """Rows at different steps, with and without CFG and references, share forwards."""
+    _, ours = pair
+    a = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=3, guidance_scale=3.0,
+                        seed=3)
+    alone = DiffusionEngine(ours)
+    alone.add_request("a", PROMPT, a)
+    expected = run_to_end(alone)["a"].images
+
+    batched = DiffusionEngine(ours)
+    batched.add_request("b", "the weather today is sunny", DiffusionParams(
+        height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=1.0, seed=4,
+        image=png(64, 64, seed=5)))
+    batched.step()                                       # "a" joins one step behind "b"
+    batched.add_request("a", PROMPT, a)
+    done = run_to_end(batched)
+    assert batched.num_steps_run == 4
+    assert (done["a"].images.int() - expected.int()).abs().max() <= 1
+    assert done["a"].images.float().std() > 1.0, "the tiny pipeline should not draw flat"
+
+
+@pytest.mark.parametrize("params, prompt, match", [
+    (DiffusionParams(height=34, width=32), PROMPT, "multiple of 4"),
+    (DiffusionParams(height=4096, width=32), PROMPT, "maximum is 2048"),
+    (DiffusionParams(height=32, width=32, true_cfg_scale=4.0), PROMPT, "true_cfg_scale"),
+    (DiffusionParams(height=32, width=32, guidance_scale=1.0, negative_prompt="blurry"), PROMPT,
+     "no effect"),
+    (DiffusionParams(height=32, width=32), "  ", "non-empty"),
+    (DiffusionParams(image=png(48, 64, seed=1)), PROMPT, r"image\[0\]: 48x64 is too small"),
+    (DiffusionParams(image=png(64, 64, seed=1), extra_images=(png(600, 64, seed=2),)), PROMPT,
+     r"image\[1\]: 600x64 has an aspect ratio"),
+    (DiffusionParams(image=png(64, 64, seed=1), strength=0.5), PROMPT, "strength"),
+    (DiffusionParams(image=png(64, 64, seed=1), extra_images=(b"not an image",)), PROMPT,
+     "cannot be decoded"),
+])
+def test_refuses_bad_requests(pair: tuple[diffusers.Flux2KleinPipeline, Flux2KleinPipeline],
+                              params: DiffusionParams, prompt: str, match: str) -> None:
+    engine = DiffusionEngine(pair[1])
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("x", prompt, params)
+    assert not engine.has_unfinished_requests
+
+
+def test_served_through_omni_by_its_default_graph(
+        pair: tuple[diffusers.Flux2KleinPipeline, Flux2KleinPipeline], tmp_path: Path) -> None:
+    """The registry row and default graph: an edit with two references through Omni (the
+    files through the connector), and a bad size refused."""
+    from omnistage import Omni
+
+    ref, _ = pair
+    folder = tmp_path / "flux2_klein"
+    ref.save_pretrained(folder)
+    with Omni(str(folder), device="cpu", backend="inproc", connector="inproc") as omni:
+        (out,) = omni.generate("a red cube", DiffusionParams(
+            num_inference_steps=2, seed=1, image=png(64, 72, seed=1),
+            extra_images=(png(80, 64, seed=2),)))
+        assert out.error is None and out.images[0].size == (64, 72)
+        (bad,) = omni.generate("a red cube", DiffusionParams(height=33, width=32))
+        assert bad.finish_reason == "error" and "multiple of" in bad.error
