@@ -214,13 +214,17 @@ def test_served_through_omni_by_its_default_graph(
     files through the connector), and a bad size refused."""
     from omnistage import Omni
 
-    ref, _ = pair
+    ref, ours = pair
     folder = tmp_path / "flux2_klein"
     ref.save_pretrained(folder)
+    edit = DiffusionParams(num_inference_steps=2, seed=1, image=png(64, 72, seed=1),
+                           extra_images=(png(80, 64, seed=2),))
+    engine = DiffusionEngine(ours)
+    engine.add_request("a", "a red cube", edit)
+    expected = run_to_end(engine)["a"].images
     with Omni(str(folder), device="cpu", backend="inproc", connector="inproc") as omni:
-        (out,) = omni.generate("a red cube", DiffusionParams(
-            num_inference_steps=2, seed=1, image=png(64, 72, seed=1),
-            extra_images=(png(80, 64, seed=2),)))
+        (out,) = omni.generate("a red cube", edit)
         assert out.error is None and out.images[0].size == (64, 72)
+        assert (out.tensors["images"].int() - expected.int()).abs().max() <= 1
         (bad,) = omni.generate("a red cube", DiffusionParams(height=33, width=32))
         assert bad.finish_reason == "error" and "multiple of" in bad.error
