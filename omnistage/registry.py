@@ -190,6 +190,9 @@ _BUILT_IN = (
                     "omnistage.diffusion.pipelines.wan_i2v:WanImageToVideoPipeline"),),
                 video="omnistage.diffusion.pipelines.wan_i2v:video_spec"),
     _pipeline("flux", "FluxPipeline"),
+    ModelFamily("flux2", diffusers_classes=("Flux2Pipeline",), graph="flux2.yaml",
+                components=(Component("diffusion", "flux2",
+                                      "omnistage.diffusion.pipelines.flux2:Flux2Pipeline"),)),
     ModelFamily("flux2_klein", diffusers_classes=("Flux2KleinPipeline",),
                 graph="flux2_klein.yaml", components=(Component(
                     "diffusion", "flux2_klein",

@@ -14,17 +14,18 @@ Mistral-3 text encoder, distilled guidance) split into the engine's phases
               VAE-encoded (posterior mode), batch-normalized patches -> tokens with position
               ids (10 * (i + 1), row, col, 0), appended after the latent tokens
     velocity: one transformer call over all rows (and klein's negative rows); the latent
-              tokens' output only; klein CFG: neg + g * (pos - neg)
+              tokens' output only; dev: guidance scale -> the guidance embedding; klein CFG:
+              neg + g * (pos - neg)
     decode:   tokens -> patches -> * std + mean -> unpatchify -> VAE -> (x/2 + 0.5).clamp(0, 1)
 
-Every network is ours (text encoder, transformer, VAE); tokenizers come from transformers.
+Every network is ours (text encoder, transformer, VAE); tokenizers come from transformers
+(the text side: flux2_text.py).
 Step caching per request and CFG branch (identity rescaling). Runs on one rank (no parallel
 axis); the text encoder runs in the diffusion stage.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -32,23 +33,20 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
-from transformers import AutoTokenizer
 
 from omnistage.diffusion.image_input import input_images, peek_image, preprocess
 from omnistage.diffusion.params import MAX_INPUT_IMAGES, DiffusionParams
-from omnistage.diffusion.pipeline import (LatentPipelineBase, check_conditioning,
-                                          encode_with_negatives)
+from omnistage.diffusion.pipeline import LatentPipelineBase, check_conditioning
+from omnistage.diffusion.pipelines.flux2_text import (DEFAULT_GUIDANCE, Flux2KleinPromptEncoder,
+                                                      Flux2PromptEncoder, check_text_params,
+                                                      has_cfg, is_distilled)
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.layers.step_cache import cache_groups
 from omnistage.models.autoencoder_kl_flux2 import AutoencoderKLFlux2
 from omnistage.models.flux2_transformer import Flux2Transformer2DModel
-from omnistage.models.text_encoders import QwenTextEncoder
 
 MAX_SIZE = 2048
-DEFAULT_GUIDANCE = 4.0              # diffusers' default for both pipelines
-MAX_SEQUENCE_LENGTH = 512           # text tokens, diffusers' default
-KLEIN_LAYERS = (9, 18, 27)          # Qwen3 hidden states stacked by Flux2KleinPipeline
 REFERENCE_AREA = 1024 * 1024        # a larger reference image is scaled down to this area
 REFERENCE_MIN_SIDE = 64             # Flux2ImageProcessor.check_image_input's limits
 REFERENCE_MAX_ASPECT = 8
@@ -121,101 +119,30 @@ def references(params: DiffusionParams, image: Image.Image | list[Image.Image] |
     return list(image) if isinstance(image, (list, tuple)) else [image]
 
 
-# ---- text ------------------------------------------------------------------------------------
-
-class Flux2KleinPromptEncoder:
-    """Qwen3 over the chat-templated prompts, three layers' states side by side: the text part
-    of `Flux2KleinPipeline`, batched over requests."""
-
-    def __init__(self, text_encoder: QwenTextEncoder, tokenizer, device: torch.device,
-                 is_distilled: bool, max_sequence_length: int = MAX_SEQUENCE_LENGTH,
-                 layers: tuple[int, ...] = KLEIN_LAYERS) -> None:
-        if max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length={max_sequence_length}: must be >= 1")
-        self.text_encoder = text_encoder.to(device).eval()
-        self.tokenizer = tokenizer
-        self.device = device
-        self.is_distilled = is_distilled
-        self.max_sequence_length = max_sequence_length
-        self.layers = layers
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, device: torch.device,
-                        dtype: torch.dtype | None) -> Flux2KleinPromptEncoder:
-        """The pipeline folder's text_encoder/ (Qwen3ForCausalLM, run as an encoder; in
-        `dtype`, None: its own) and tokenizer/."""
-        path = Path(path)
-        text_encoder = QwenTextEncoder.from_pretrained(path / "text_encoder", device, dtype)
-        return cls(text_encoder, AutoTokenizer.from_pretrained(path / "tokenizer"), device,
-                   is_distilled(path))
-
-    def validate(self, prompt: str, params: DiffusionParams) -> None:
-        check_text_params(prompt, params, self.is_distilled)
-
-    def encode(self, prompts: list[str], params: list[DiffusionParams]
-               ) -> list[dict[str, Tensor]]:
-        """Per request: prompt_embeds (1, S, 3*hidden), and negative_prompt_embeds with CFG."""
-        return encode_with_negatives(self.encode_texts, prompts, params,
-                                     lambda p: has_cfg(p, self.is_distilled))
-
-    @torch.inference_mode()
-    def encode_texts(self, texts: list[str]) -> list[Tensor]:
-        chats = [self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True,
-            enable_thinking=False) for t in texts]
-        inputs = self.tokenizer(chats, padding="max_length", max_length=self.max_sequence_length,
-                                truncation=True, return_tensors="pt")
-        states = self.text_encoder(inputs.input_ids.to(self.device),
-                                   inputs.attention_mask.to(self.device),
-                                   output_layers=self.layers)               # {layer: (B, S, H)}
-        embeds = torch.cat([states[k] for k in self.layers], dim=-1)       # (B, S, 3H)
-        return [e[None] for e in embeds]
-
-
-def is_distilled(path: Path) -> bool:
-    """model_index.json's `is_distilled` (klein's step-distilled checkpoints: no CFG)."""
-    return bool(json.loads((Path(path) / "model_index.json").read_text()).get("is_distilled"))
-
-
-def has_cfg(params: DiffusionParams, distilled: bool) -> bool:
-    """diffusers' `do_classifier_free_guidance`: guidance_scale > 1 on a non-distilled klein."""
-    return params.guidance(DEFAULT_GUIDANCE) > 1 and not distilled
-
-
-def check_text_params(prompt: str | None, params: DiffusionParams, distilled: bool) -> None:
-    """The request's text and guidance fields (prompt None: encoded upstream, not checked)."""
-    if prompt is not None and not prompt.strip():
-        raise ValueError("prompt: must be non-empty")
-    if params.true_cfg_scale != 1.0:
-        raise ValueError("true_cfg_scale: FLUX.2 has no separate true CFG; use guidance_scale")
-    if params.negative_prompt is not None and not has_cfg(params, distilled):
-        raise ValueError("negative_prompt: has no effect without CFG (a step-distilled "
-                         "checkpoint, or guidance_scale <= 1)")
-    if params.strength is not None:
-        raise ValueError("strength: FLUX.2 edits from reference images, which are not noised; "
-                         "strength does not apply")
-
-
 # ---- pipeline --------------------------------------------------------------------------------
 
-class Flux2KleinPipeline(LatentPipelineBase):
+class Flux2Pipeline(LatentPipelineBase):
+    """FLUX.2-dev: guidance-distilled (the guidance scale is embedded, never a CFG branch).
+    Flux2KleinPipeline below adds klein's CFG."""
+
     label = "FLUX.2"
     transformer_cls = Flux2Transformer2DModel
     vae_cls = AutoencoderKLFlux2
-    prompt_encoder_cls = Flux2KleinPromptEncoder
+    prompt_encoder_cls = Flux2PromptEncoder
     max_size = MAX_SIZE
     max_input_images = MAX_INPUT_IMAGES     # reference images of an edit
     graphable = True
-    is_distilled = False
+    is_distilled = True                     # no CFG branch
+    embeds_guidance = True                  # the scale goes to the guidance embedding
 
     @classmethod
     def from_pretrained(cls, path: str | Path, component: str, device: torch.device,
                         dtype: torch.dtype | None, text_encoders: bool = True
-                        ) -> Flux2KleinPipeline:
-        """A diffusers folder as `LatentPipelineBase.from_pretrained`, with model_index.json's
-        `is_distilled`."""
+                        ) -> Flux2Pipeline:
+        """A diffusers folder as `LatentPipelineBase.from_pretrained`; klein's
+        model_index.json may say `is_distilled`."""
         pipe = super().from_pretrained(path, component, device, dtype, text_encoders)
-        pipe.is_distilled = is_distilled(Path(path))
+        pipe.is_distilled = cls.is_distilled or is_distilled(Path(path))
         return pipe
 
     def check_text_params(self, prompt: str | None, params: DiffusionParams) -> None:
@@ -316,6 +243,11 @@ class Flux2KleinPipeline(LatentPipelineBase):
         timestep = (sigmas * self.scheduler.num_train_timesteps).to(latents.dtype) / 1000
         gh, gw = requests[0].cond["grid"].tolist()
         img_ids = torch.cat([position_ids(0, gh, gw), requests[0].cond["ref_ids"]])
+        guidance = None
+        if self.embeds_guidance and self.transformer.cfg.guidance_embeds:
+            guidance = torch.tensor([requests[i].params.guidance(DEFAULT_GUIDANCE)
+                                     for i in owner + [owner[j] for j in uncond_rows]],
+                                    dtype=torch.float32, device=self.device)
         step_cache = None
         if any(r.params.cache_threshold is not None for r in requests):
             step_cache = cache_groups(requests, counts, [("cond", [True] * len(requests)),
@@ -323,7 +255,7 @@ class Flux2KleinPipeline(LatentPipelineBase):
         pred = self.run_transformer(
             torch.cat([x, x[idx]]), embeds, torch.cat([timestep, timestep[idx]]),
             img_ids=img_ids.to(self.device, self.dtype),
-            txt_ids=text_ids(embeds.shape[1]).to(self.device, self.dtype),
+            txt_ids=text_ids(embeds.shape[1]).to(self.device, self.dtype), guidance=guidance,
             step_cache=step_cache)[:, :latents.shape[1]]                          # (R+U, N, 4C)
         pos, neg = pred[:len(x)], pred[len(x):]
         if len(uncond_rows):
@@ -342,3 +274,12 @@ class Flux2KleinPipeline(LatentPipelineBase):
         z = self.vae.denormalize(patches.to(self.device, self.vae_dtype))   # (n, C, h, w)
         images = self.vae.decode_tiled(z)                   # (n, 3, H, W); tiles if large
         return (images / 2 + 0.5).clamp(0, 1).float()
+
+
+class Flux2KleinPipeline(Flux2Pipeline):
+    """FLUX.2 [klein]: CFG with a negative prompt unless step-distilled (model_index.json);
+    no guidance embedding."""
+
+    prompt_encoder_cls = Flux2KleinPromptEncoder
+    is_distilled = False
+    embeds_guidance = False
