@@ -36,7 +36,7 @@ from torch import Tensor
 
 from omnistage.diffusion.image_input import input_images, peek_image, preprocess
 from omnistage.diffusion.params import MAX_INPUT_IMAGES, DiffusionParams
-from omnistage.diffusion.pipeline import LatentPipelineBase, check_conditioning
+from omnistage.diffusion.pipeline import LatentPipelineBase, check_conditioning, forward_by_key
 from omnistage.diffusion.pipelines.flux2_text import (DEFAULT_GUIDANCE, Flux2KleinPromptEncoder,
                                                       Flux2PromptEncoder, check_text_params,
                                                       has_cfg, is_distilled)
@@ -119,6 +119,14 @@ def references(params: DiffusionParams, image: Image.Image | list[Image.Image] |
     return list(image) if isinstance(image, (list, tuple)) else [image]
 
 
+def rope_key(request: DiffusionRequest) -> tuple:
+    """What rows of one transformer call share: the token grid, the reference images' ids,
+    the text length."""
+    return (tuple(request.cond["grid"].tolist()),
+            tuple(request.cond["ref_grids"].flatten().tolist()),
+            request.cond["prompt_embeds"].shape[1])
+
+
 # ---- pipeline --------------------------------------------------------------------------------
 
 class Flux2Pipeline(LatentPipelineBase):
@@ -179,7 +187,7 @@ class Flux2Pipeline(LatentPipelineBase):
                         image: Image.Image | list[Image.Image] | None = None
                         ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """-> latent tokens (n, N, 4C), sigmas, {"grid": (2,), "ref_tokens": (1, M, 4C),
-        "ref_ids": (M, 4)} (no reference: empty ones)."""
+        "ref_ids": (M, 4), "ref_grids": (K, 2)} (no reference: empty ones)."""
         height, width = self._size(params, image)
         gh, gw = height // self.multiple, width // self.multiple              # token grid
         c4 = self.transformer.cfg.in_channels
@@ -190,41 +198,31 @@ class Flux2Pipeline(LatentPipelineBase):
         mu = compute_empirical_mu(gh * gw, params.num_inference_steps)
         sigmas = solver.make_sigmas(self.scheduler, params.num_inference_steps, mu=mu,
                                     sigmas=base)[0]
-        ref_tokens, ref_ids = self.encode_references(references(params, image))
+        ref_tokens, ref_ids, ref_grids = self.encode_references(references(params, image))
         return latents, sigmas, {"grid": torch.tensor([gh, gw]), "ref_tokens": ref_tokens,
-                                 "ref_ids": ref_ids}
+                                 "ref_ids": ref_ids, "ref_grids": ref_grids}
 
     @torch.inference_mode()
-    def encode_references(self, images: list[Image.Image]) -> tuple[Tensor, Tensor]:
-        """Reference images -> their tokens (1, M, 4C) in the model dtype and position ids
-        (M, 4), image after image (`prepare_image_latents`)."""
+    def encode_references(self, images: list[Image.Image]) -> tuple[Tensor, Tensor, Tensor]:
+        """Reference images -> their tokens (1, M, 4C) in the model dtype, position ids
+        (M, 4) and token grids (K, 2), image after image (`prepare_image_latents`)."""
         tokens = [torch.zeros(0, self.transformer.cfg.in_channels, device=self.device,
                               dtype=self.dtype)]
-        ids = [torch.zeros(0, 4, dtype=torch.long)]
+        ids, grids = [torch.zeros(0, 4, dtype=torch.long)], []
         for i, image in enumerate(images):
             pixels = reference_pixels(image, self.multiple).to(self.device, self.vae_dtype)
             patches = self.vae.normalize(self.vae.encode(pixels))                # (1, 4C, h, w)
             tokens.append(patches[0].flatten(1).T.to(self.dtype))                # (h*w, 4C)
             ids.append(position_ids(REFERENCE_TIME_SCALE * (i + 1), *patches.shape[2:]))
-        return torch.cat(tokens)[None], torch.cat(ids)
+            grids.append(patches.shape[2:])
+        return (torch.cat(tokens)[None], torch.cat(ids),
+                torch.tensor(grids, dtype=torch.long).reshape(-1, 2))
 
     def velocity(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
                  ) -> Tensor:
         """latents (R, N, 4C) -> (R, N, 4C). One forward per set of requests whose rope ids
         agree (token grid, reference images' grids, text length)."""
-        rows = torch.arange(latents.shape[0]).split([r.latents.shape[0] for r in requests])
-        groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(requests):
-            key = (tuple(r.cond["grid"].tolist()), tuple(r.cond["ref_ids"].flatten().tolist()),
-                   r.cond["prompt_embeds"].shape[1])
-            groups.setdefault(key, []).append(i)
-        if len(groups) == 1:
-            return self._forward(latents, sigmas, requests)
-        out = torch.empty_like(latents)
-        for members in groups.values():
-            idx = torch.cat([rows[i] for i in members]).to(latents.device)
-            out[idx] = self._forward(latents[idx], sigmas[idx], [requests[i] for i in members])
-        return out
+        return forward_by_key(latents, sigmas, requests, rope_key, self._forward)
 
     def _forward(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
                  ) -> Tensor:
