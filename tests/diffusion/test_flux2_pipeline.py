@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -19,54 +18,21 @@ from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.flux2 import Flux2KleinPipeline
 from omnistage.registry import load_component
 from omnistage.testing.diffusion import run_to_end
-from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+from omnistage.testing.tiny_flux2 import build_tiny_flux2_klein, png
 
 diffusers = pytest.importorskip("diffusers")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 SEQ = 16                        # text max_sequence_length
 SIZE = 32                       # pixels; the tiny VAE downsamples 2x: 8x8 tokens of 2x2 patches
 PROMPT = "a photo of the sea shore"
 
 
-def build_reference(path: Path) -> diffusers.Flux2KleinPipeline:
-    """diffusers' Flux2KleinPipeline from tiny random components, saved to `path`. The Qwen3
-    encoder has 28 layers so the default stacked layers (9, 18, 27) exist."""
-    torch.manual_seed(0)
-    tokenizer = build_tiny_tokenizer(path / "tok")
-    text_encoder = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=28,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=128,
-        pad_token_id=0)).eval()
-    transformer = diffusers.Flux2Transformer2DModel(
-        in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(4, 4, 4, 4),
-        guidance_embeds=False).eval()
-    vae = diffusers.AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4,
-        sample_size=32).eval()
-    with torch.no_grad():   # diffusers zero-inits some layers: make every path count
-        for model in (transformer, vae):
-            for p in model.parameters():
-                p.normal_(0.0, 0.1)
-        vae.bn.running_mean.normal_(0.0, 0.3)
-        vae.bn.running_var.uniform_(0.5, 2.0)
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(   # FLUX.2's scheduler config
-        shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
-    pipe = diffusers.Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
-                                        tokenizer=tokenizer, transformer=transformer,
-                                        is_distilled=False)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.save_pretrained(path)
-    return pipe
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory
          ) -> tuple[diffusers.Flux2KleinPipeline, Flux2KleinPipeline]:
     path = tmp_path_factory.mktemp("flux2_klein")
-    ref = build_reference(path)
+    ref = build_tiny_flux2_klein(path)
     ours = load_component("diffusion", "flux2_klein").from_pretrained(
         path, "flux2_klein", torch.device("cpu"), torch.float32)
     ours.prompt_encoder.max_sequence_length = SEQ
@@ -88,13 +54,6 @@ def capture_latents(pipe: Flux2KleinPipeline, monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(pipe, "decode", spy)
     return seen
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def reference(ref: diffusers.Flux2KleinPipeline, seed: int, num_images: int = 1,

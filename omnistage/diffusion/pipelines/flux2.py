@@ -16,7 +16,8 @@ Mistral-3 text encoder, distilled guidance) split into the engine's phases
     velocity: one transformer call over all rows (and klein's negative rows); the latent
               tokens' output only; dev: guidance scale -> the guidance embedding; klein CFG:
               neg + g * (pos - neg)
-    decode:   tokens -> patches -> * std + mean -> unpatchify -> VAE -> (x/2 + 0.5).clamp(0, 1)
+    decode:   tokens -> patches -> * std + mean -> unpatchify -> VAE (in tiles when larger
+              than its sample_size, as diffusers with enable_tiling()) -> (x/2 + 0.5).clamp(0, 1)
 
 Every network is ours (text encoder, transformer, VAE); tokenizers come from transformers
 (the text side: flux2_text.py).
