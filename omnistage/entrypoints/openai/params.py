@@ -160,9 +160,10 @@ def _sampling(stage: StageConfig, openai: dict[str, Any], given: dict[str, Any],
 def _diffusion(openai: dict[str, Any], given: dict[str, Any], path: str,
                image: bytes | None, extra_images: tuple[bytes, ...]) -> DiffusionParams:
     # the input image (bytes) and its strength go in last: strength needs the image
-    if "image" in given:
-        raise bad_request(f"{path}.image: send the image as an image part (chat) or a file "
-                          "(/v1/images/edits)", f"{path}.image")
+    for key in ("image", "extra_images"):
+        if key in given:
+            raise bad_request(f"{path}.{key}: send images as image parts (chat) or files "
+                              "(/v1/images/edits)", f"{path}.{key}")
     strength = given.get("strength", openai.get("strength"))
     where = f"{path}.strength" if "strength" in given else "strength"
     openai = {k: v for k, v in openai.items() if k != "strength"}

@@ -76,3 +76,12 @@ def test_strength_is_refused(server: Server) -> None:
         server.openai().images.edit(image=("a.png", png(64, 64, seed=1), "image/png"),
                                     prompt=PROMPT, extra_body={"strength": 0.5})
     assert err.value.body["param"] == "strength"
+
+
+@pytest.mark.parametrize("key", ["image", "extra_images"])
+def test_images_come_as_files_not_params(server: Server, key: str) -> None:
+    (model,) = [m["id"] for m in server.get("/v1/models").json()["data"]]
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}],
+            "sampling_params_list": [{key: ["aGVsbG8="]}]}
+    r = server.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == f"sampling_params_list[0].{key}"
