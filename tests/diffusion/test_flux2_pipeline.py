@@ -187,3 +187,20 @@ def test_served_through_omni_by_its_default_graph(
         assert (out.tensors["images"].int() - expected.int()).abs().max() <= 1
         (bad,) = omni.generate("a red cube", DiffusionParams(height=33, width=32))
         assert bad.finish_reason == "error" and "multiple of" in bad.error
+
+
+def test_large_reference_is_prepared_as_diffusers_does() -> None:
+    """Past 1024^2 pixels a reference is Lanczos-scaled to that area, then center-cropped to a
+    multiple of 16 (Flux2ImageProcessor; no VAE needed to check it)."""
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    from omnistage.diffusion.pipelines.flux2 import reference_pixels
+
+    image = Image.open(io.BytesIO(png(1250, 900, seed=6))).convert("RGB")
+    processor = Flux2ImageProcessor(vae_scale_factor=16)
+    scaled = processor._resize_to_target_area(image, 1024 * 1024)
+    w, h = scaled.width // 16 * 16, scaled.height // 16 * 16
+    expected = processor.preprocess(scaled, height=h, width=w, resize_mode="crop")
+    got = reference_pixels(image, 16)
+    assert got.shape == expected.shape == (1, 3, 864, 1200)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)

@@ -78,23 +78,27 @@ def check_reference(image: Image.Image, idx: int) -> None:
                          f"{REFERENCE_MAX_ASPECT}:1")
 
 
+def capped_size(width: int, height: int) -> tuple[int, int]:
+    """(width, height) of a reference image scaled down to 1024^2 pixels when larger (int()
+    of the scaled sides, as `_resize_to_target_area`)."""
+    if width * height <= REFERENCE_AREA:
+        return width, height
+    scale = math.sqrt(REFERENCE_AREA / (width * height))
+    return int(width * scale), int(height * scale)
+
+
 def reference_size(width: int, height: int, multiple: int) -> tuple[int, int]:
-    """(height, width) a reference image is encoded at: scaled down to 1024^2 pixels when
-    larger (int() of the scaled sides), then each side floored to `multiple`."""
-    if width * height > REFERENCE_AREA:
-        scale = math.sqrt(REFERENCE_AREA / (width * height))
-        width, height = int(width * scale), int(height * scale)
+    """(height, width) a reference image is encoded at: `capped_size`, each side floored to
+    `multiple`."""
+    width, height = capped_size(width, height)
     return height // multiple * multiple, width // multiple * multiple
 
 
 def reference_pixels(image: Image.Image, multiple: int) -> Tensor:
     """A reference image as the VAE takes it (1, 3, h, w) in [-1, 1]: Lanczos-scaled to the
     area cap if larger, then center-cropped to `reference_size` (Flux2ImageProcessor)."""
-    width, height = image.size
-    if width * height > REFERENCE_AREA:
-        scale = math.sqrt(REFERENCE_AREA / (width * height))
-        image = image.resize((int(width * scale), int(height * scale)),
-                             Image.Resampling.LANCZOS)
+    if capped_size(*image.size) != image.size:
+        image = image.resize(capped_size(*image.size), Image.Resampling.LANCZOS)
     h, w = reference_size(*image.size, multiple)
     left, top = (image.width - w) // 2, (image.height - h) // 2
     return preprocess(image.crop((left, top, left + w, top + h)), h, w)
