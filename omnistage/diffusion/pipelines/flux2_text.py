@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AutoTokenizer, BatchEncoding
+from transformers import AutoTokenizer, BatchEncoding, PreTrainedTokenizerBase
 
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import encode_with_negatives
@@ -56,7 +56,7 @@ def check_text_params(prompt: str | None, params: DiffusionParams, distilled: bo
                          "strength does not apply")
 
 
-def load_tokenizer(folder: Path):
+def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     """The folder's tokenizer. FLUX.2-dev ships a Pixtral processor there: its tokenizer, with
     the processor's chat template when the tokenizer has none (text-only prompts need no
     image processor)."""
