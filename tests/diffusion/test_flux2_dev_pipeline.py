@@ -71,3 +71,23 @@ def test_refuses_cfg_fields(pair: tuple[diffusers.Flux2Pipeline, Flux2Pipeline])
     with pytest.raises(ValueError, match="negative_prompt: has no effect"):
         engine.add_request("x", PROMPT, DiffusionParams(height=SIZE, width=SIZE,
                                                         guidance_scale=4.0, negative_prompt="x"))
+
+
+@pytest.mark.parametrize("name", ["chat_template.json", "chat_template.jinja"])
+def test_tokenizer_takes_the_processors_chat_template(tmp_path: Path, name: str) -> None:
+    """FLUX.2-dev's tokenizer/ is a Pixtral processor's folder: the template may sit in the
+    processor's file only."""
+    import json
+
+    from omnistage.diffusion.pipelines.flux2_text import load_tokenizer
+    from omnistage.testing.tiny_flux2 import CONTENT_TEMPLATE
+    from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(tmp_path)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path)
+    for leftover in tmp_path.glob("chat_template.*"):
+        leftover.unlink()
+    (tmp_path / name).write_text(json.dumps({"chat_template": CONTENT_TEMPLATE})
+                                 if name.endswith(".json") else CONTENT_TEMPLATE)
+    assert load_tokenizer(tmp_path).chat_template == CONTENT_TEMPLATE
