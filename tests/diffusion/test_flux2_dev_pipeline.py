@@ -1,7 +1,7 @@
 """FLUX.2 [dev] in our engine against diffusers' Flux2Pipeline on a tiny random pipeline folder
 (float32): Mistral-3 text encoder (system message, layers 10, 20, 30), the guidance scale in
-the guidance embedding, no CFG; the same latents for two images of one request; a negative
-prompt refused."""
+the guidance embedding, no CFG; the same latents for two images of one request and for an
+edit with a reference image; a negative prompt refused."""
 
 from __future__ import annotations
 
@@ -64,6 +64,34 @@ def test_matches_diffusers(pair: tuple[diffusers.Flux2Pipeline, Flux2Pipeline],
                                                     seed=0, num_images=2))
     run_to_end(engine)
     assert (seen[1] - expected).abs().max() > 1e-2      # the guidance embedding is live
+
+
+def test_edit_with_a_reference_image_matches_diffusers(
+        pair: tuple[diffusers.Flux2Pipeline, Flux2Pipeline],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from PIL import Image
+
+    from omnistage.testing.tiny_flux2 import png
+
+    ref, ours = pair
+    seen: list[Tensor] = []
+    decode = ours.decode
+    monkeypatch.setattr(ours, "decode", lambda latents, params: seen.append(latents.clone())
+                        or decode(latents, params))
+    image = png(72, 64, seed=5)
+    engine = DiffusionEngine(ours)
+    engine.add_request("a", PROMPT, DiffusionParams(num_inference_steps=2, guidance_scale=3.0,
+                                                    seed=1, image=image))
+    run_to_end(engine)
+    with torch.no_grad():
+        expected = ref(prompt=PROMPT, image=Image.open(io.BytesIO(image)).convert("RGB"),
+                       num_inference_steps=2, guidance_scale=3.0,
+                       generator=torch.Generator().manual_seed(1), max_sequence_length=SEQ,
+                       output_type="latent", return_dict=False)[0]
+    assert seen[0].shape == expected.shape == (1, 16 * 18, 16)
+    torch.testing.assert_close(seen[0], expected, atol=1e-4, rtol=1e-4)
 
 
 def test_refuses_cfg_fields(pair: tuple[diffusers.Flux2Pipeline, Flux2Pipeline]) -> None:
