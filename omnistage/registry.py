@@ -163,6 +163,7 @@ def _pipeline(name: str, diffusers_class: str) -> ModelFamily:
 
 
 _OMNI_STAGES = "omnistage.stages.qwen3_omni:build_stage"
+_OMNI25_STAGES = "omnistage.stages.qwen2_5_omni:build_stage"
 _BUILT_IN = (
     _text_llm("qwen3", "Qwen3ForCausalLM"),
     _text_llm("qwen2", "Qwen2ForCausalLM"),
@@ -174,6 +175,13 @@ _BUILT_IN = (
                     Component("generation", "qwen3_omni_code2wav",
                               "omnistage.generation.code2wav:Code2WavGenerator")),
         processor="omnistage.models.qwen3_omni.processing:InputProcessor"),
+    ModelFamily(
+        "qwen2_5_omni", architectures=("Qwen2_5OmniForConditionalGeneration",),
+        graph="qwen2_5_omni.yaml",
+        components=(Component("ar", "qwen2_5_omni_thinker", _OMNI25_STAGES),
+                    Component("ar", "qwen2_5_omni_talker", _OMNI25_STAGES),
+                    Component("generation", "qwen2_5_omni_token2wav",
+                              "omnistage.generation.token2wav:Token2WavGenerator"))),
     ModelFamily(
         "qwen3_tts", architectures=("Qwen3TTSForConditionalGeneration",),
         graph="qwen3_tts.yaml", speech="omnistage.stages.qwen3_tts:speech_spec",
@@ -199,6 +207,12 @@ _BUILT_IN = (
                     "omnistage.diffusion.pipelines.flux2:Flux2KleinPipeline"),)),
     _pipeline("z_image", "ZImagePipeline"),
     _pipeline("qwen_image", "QwenImagePipeline"),
+    _pipeline("sd3", "StableDiffusion3Pipeline"),
+    _pipeline("qwen_image_edit", "QwenImageEditPipeline"),
+    ModelFamily("qwen_image_edit_plus", diffusers_classes=("QwenImageEditPlusPipeline",),
+                graph="qwen_image_edit_plus.yaml", components=(Component(
+                    "diffusion", "qwen_image_edit_plus",
+                    "omnistage.diffusion.pipelines.qwen_image_edit:QwenImageEditPlusPipeline"),)),
     ModelFamily("digits", graph="digits.yaml", components=(Component(
         "diffusion", "digits_dit", "omnistage.diffusion.pipelines.digits:DigitsPipeline"),)),
     # the generic adapter: any other diffusers pipeline, run whole by diffusers (not native)

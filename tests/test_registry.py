@@ -30,7 +30,8 @@ def test_unknown_architecture_lists_the_known_ones(tmp_path: Path) -> None:
     path = folder(tmp_path, "config.json", {"architectures": ["LlamaForCausalLM"]})
     # (test families registered in this process, e.g. the toy TTS, sort after these)
     with pytest.raises(ValueError, match=r"architecture LlamaForCausalLM is not supported "
-                       r"\(supported: Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                       r"\(supported: Qwen2ForCausalLM, Qwen2_5OmniForConditionalGeneration, "
+                       r"Qwen3ForCausalLM, "
                        r"Qwen3OmniMoeForConditionalGeneration, "
                        r"Qwen3TTSForConditionalGeneration[,)]"):
         registry.family_of_folder(path)
@@ -57,14 +58,16 @@ def test_a_diffusers_folder_naming_no_class_lists_the_native_ones(tmp_path: Path
     path = folder(tmp_path, "model_index.json", {"_diffusers_version": "0.42.1"})
     with pytest.raises(ValueError, match=r"diffusers pipeline \(none\) is not supported "
                        r"\(natively: Flux2KleinPipeline, Flux2Pipeline, FluxPipeline, "
-                       r"QwenImagePipeline, WanImageToVideoPipeline, WanPipeline, "
+                       r"QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline, "
+                       r"StableDiffusion3Pipeline, WanImageToVideoPipeline, WanPipeline, "
                        r"ZImagePipeline\)"):
         resolve_graph(str(path), path, None)
 
 
 @pytest.mark.parametrize("architecture, family, graph", [
     ("Qwen3ForCausalLM", "qwen3", "llm.yaml"), ("Qwen2ForCausalLM", "qwen2", "llm.yaml"),
-    ("Qwen3OmniMoeForConditionalGeneration", "qwen3_omni", "qwen3_omni.yaml")])
+    ("Qwen3OmniMoeForConditionalGeneration", "qwen3_omni", "qwen3_omni.yaml"),
+    ("Qwen2_5OmniForConditionalGeneration", "qwen2_5_omni", "qwen2_5_omni.yaml")])
 def test_lookup_by_architecture(tmp_path: Path, architecture: str, family: str,
                                 graph: str) -> None:
     path = folder(tmp_path, "config.json", {"architectures": [architecture]})

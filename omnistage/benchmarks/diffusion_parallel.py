@@ -256,8 +256,11 @@ def _serve(engine, pipe, cfg: ParallelBenchConfig, device: torch.device, dtype: 
     return {"seconds_per_image": seconds}
 
 
-def run_layout(cfg: ParallelBenchConfig, name: str, out_dir: Path) -> dict[str, object]:
-    """Start the layout's rank processes, wait (with a deadline), read what they wrote."""
+def run_layout(cfg: object, name: str, out_dir: Path,
+               module: str = "omnistage.benchmarks.diffusion_parallel") -> dict[str, object]:
+    """Start the layout's rank processes (`python -m module RANK PORT CONFIG LAYOUT DIR`),
+    wait (with a deadline), read what they wrote: rank 0's results, each rank's peak memory,
+    the final latents."""
     from omnistage.testing.processes import free_port
     from omnistage.testing.ranks import wait_all
 
@@ -266,8 +269,8 @@ def run_layout(cfg: ParallelBenchConfig, name: str, out_dir: Path) -> dict[str, 
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = dict(os.environ, OMNISTAGE_BENCH_OUT=str(folder))
-    procs = [subprocess.Popen([sys.executable, "-m", "omnistage.benchmarks.diffusion_parallel",
-                               str(r), str(port), json.dumps(asdict(cfg)), name, str(folder)],
+    procs = [subprocess.Popen([sys.executable, "-m", module, str(r), str(port),
+                               json.dumps(asdict(cfg)), name, str(folder)],
                               env=env)
              for r in range(sizes.world_size)]
     wait_all(procs, RANK_TIMEOUT_S)
@@ -275,7 +278,8 @@ def run_layout(cfg: ParallelBenchConfig, name: str, out_dir: Path) -> dict[str, 
     if bad:
         raise RuntimeError(f"layout {name}: rank(s) {bad} failed (their stderr is above)")
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(len(procs))]
-    return {"sizes": asdict(sizes), "seconds_per_image": ranks[0]["seconds_per_image"],
+    leader = {k: v for k, v in ranks[0].items() if k not in ("rank", "peak_memory_gib")}
+    return {"sizes": asdict(sizes), **leader,
             "peak_memory_gib_per_rank": [r.get("peak_memory_gib") for r in ranks],
             "latents": torch.load(folder / "latents.pt")}
 

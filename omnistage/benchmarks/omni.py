@@ -89,9 +89,13 @@ REAL_SIZES = {"thinker_text": dict(num_hidden_layers=48, num_experts=128, vocab_
               "talker_text": dict(num_hidden_layers=20, num_experts=128)}
 
 
+MODELS = ("qwen3-omni", "qwen2.5-omni")    # qwen2.5-omni: omni25.py
+
+
 @dataclass(frozen=True, slots=True)
 class OmniBenchConfig:
     sizes: str = "bench"                  # bench | real | tiny
+    model: str = "qwen3-omni"             # one of MODELS
     thinker_tokens: int = 64
     talker_tokens: int = 100              # codec frames; 12.5 a second of audio
     concurrency: tuple[int, ...] = (1, 8, 32)
@@ -108,6 +112,8 @@ class OmniBenchConfig:
     def __post_init__(self) -> None:
         if self.sizes not in ("bench", "real", "tiny"):
             raise ValueError(f"sizes={self.sizes!r}: choose bench, real or tiny")
+        if self.model not in MODELS:
+            raise ValueError(f"model={self.model!r}: choose {' or '.join(MODELS)}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
         if self.thinker_tokens < 1 or self.talker_tokens < 2:
@@ -367,8 +373,9 @@ def _stage_times(metrics: dict[str, StageMetrics], submitted: float
     return times
 
 
-def bench_ours(path: Path, cfg: OmniBenchConfig, device: torch.device, dtype: torch.dtype
-               ) -> dict[str, object]:
+def bench_ours(path: Path, cfg: OmniBenchConfig, device: torch.device, dtype: torch.dtype,
+               overrides: list[str] | None = None) -> dict[str, object]:
+    """`overrides` of the graph (default: Qwen3-Omni's code2wav chunk, the config's)."""
     from omnistage import Omni, SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=cfg.thinker_tokens, ignore_eos=True),
@@ -376,7 +383,8 @@ def bench_ours(path: Path, cfg: OmniBenchConfig, device: torch.device, dtype: to
                              max_tokens=cfg.talker_tokens, ignore_eos=True), None]
     kw: dict[str, object] = {"backend": "inproc", "connector": "inproc"} \
         if cfg.backend == "inproc" else {"backend": cfg.backend, "ray_address": cfg.ray_address}
-    overrides = [f"code2wav.options.chunk_frames={cfg.chunk_frames}", *cfg.stage_overrides]
+    if overrides is None:
+        overrides = [f"code2wav.options.chunk_frames={cfg.chunk_frames}", *cfg.stage_overrides]
     t0 = time.perf_counter()
     if cfg.tensor_parallel_size > 1:
         kw["tensor_parallel_size"] = cfg.tensor_parallel_size
@@ -455,6 +463,10 @@ def audio_ratios(ours: dict[str, dict], ref: dict | None, concurrency: tuple[int
 # ---- the run ------------------------------------------------------------------------------
 
 def run(cfg: OmniBenchConfig) -> dict[str, object]:
+    if cfg.model == "qwen2.5-omni":
+        from omnistage.benchmarks import omni25
+
+        return omni25.run(cfg)
     device = resolve_device(cfg.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-omni-") as tmp:

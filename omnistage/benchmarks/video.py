@@ -112,7 +112,7 @@ class VideoBenchConfig:
                    timed_steps=timed_steps or (1 if tiny else 2),
                    cache_thresholds=cache_thresholds or CACHE_THRESHOLDS,
                    text_len=8 if tiny else 512,
-                   compile_backend="eager" if tiny else "inductor", **kw)
+                   **{"compile_backend": "eager" if tiny else "inductor", **kw})
 
     def spec(self, model: str) -> dict:
         return (TINY if self.sizes == "tiny" else MODELS)[model]

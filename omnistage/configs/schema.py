@@ -189,7 +189,8 @@ class StageConfig:
     ray_resources: dict[str, float] = field(default_factory=dict, hash=False)
     # backend ray: the share of one GPU each rank's actor asks Ray for (Ray packs stages onto
     # GPUs by these shares); None: memory_fraction, or a tenth for a generation stage (a
-    # vocoder's weights and activations are small)
+    # vocoder's weights and activations are small). A stage of several ranks takes whole GPUs,
+    # or its stated ray_gpus if above 0.5 (never two of its ranks on one GPU)
     ray_gpus: float | None = None
     # Component-specific options passed to its constructor (e.g. code2wav's chunk_frames).
     options: dict[str, object] = field(default_factory=dict, hash=False)

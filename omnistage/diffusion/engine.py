@@ -33,7 +33,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from omnistage.diffusion.image_input import input_image, input_images
+from omnistage.diffusion.image_input import input_image
 from omnistage.diffusion.memory import MemoryBudget, row_size
 from omnistage.diffusion.parallel import FollowedRequest, StepPlan
 from omnistage.diffusion.params import DiffusionParams, ImageRef
@@ -101,13 +101,6 @@ class DiffusionEngine:
         """A request checked and prepared (latents, schedule, conditioning), with its solver."""
         assert not isinstance(params.image, ImageRef), "the stage attaches the image file"
         image = input_image(params, None)    # decoded once, here: validate and prepare take it
-        if params.extra_images:              # several: a list, for pipelines that take them
-            limit = getattr(self.pipeline, "max_input_images", 1)
-            if len(params.images) > limit:
-                most = "one image" if limit == 1 else f"at most {limit} images"
-                raise ValueError(f"image: this model takes {most} at a time, got "
-                                 f"{len(params.images)}")
-            image = input_images(params, image)
         self.validate(prompt, params, image)
         seed = params.seed if params.seed is not None else int(torch.seed() % 2**63)
         generator = torch.Generator(device="cpu").manual_seed(seed)

@@ -10,8 +10,7 @@ diffusion engine when the request is added; the pipeline's `validate` / `prepare
 image (`image=`), and a pipeline's size rule reads the decoded image or the file's header.
 
     front door          orchestrator                         diffusion stage
-    peek_image(file) -> connector.put({"mm.image": file}) -> attach_image(file_bytes(...))
-                        (more files: "mm.image.1", ...)
+    peek_image(file) -> connector.put(image_inputs(files)) -> attach_image(image_files(...))
                         AddRequest(params + ImageRef,        -> engine: decode_image, once
                                    inputs=handle)
 """
@@ -43,9 +42,19 @@ def file_bytes(tensor: Tensor) -> bytes:
     return tensor.numpy().tobytes()
 
 
-def image_key(idx: int, prefix: str = "") -> str:
-    """The connector input of a request's `idx`-th image file: "image", "image.1", ..."""
-    return f"{prefix}image" if idx == 0 else f"{prefix}image.{idx}"
+def image_inputs(files: list[bytes]) -> dict[str, Tensor]:
+    """A request's input image files as the stage inputs they travel as: "mm.image", then
+    "mm.image.1", "mm.image.2", ... for a multi-image edit's others."""
+    return {"mm.image" if i == 0 else f"mm.image.{i}": file_tensor(f)
+            for i, f in enumerate(files)}
+
+
+def image_files(multimodal: dict[str, Tensor]) -> list[bytes]:
+    """The files `image_inputs` sent, in order, from a stage's inputs ("mm." cut)."""
+    files = []
+    while (key := "image" if not files else f"image.{len(files)}") in multimodal:
+        files.append(file_bytes(multimodal[key]))
+    return files
 
 
 def decode_image(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> Image.Image:
@@ -82,20 +91,31 @@ def peek_image(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> Image.Image:
     return image
 
 
-def input_images(params: DiffusionParams, image: Image.Image | None = None
-                 ) -> list[Image.Image]:
-    """Every input image of a request, decoded (the first may be decoded already: `image`):
-    what a pipeline taking several (FLUX.2's references) conditions on."""
-    first = input_image(params, image)
-    return [] if first is None else [first, *map(decode_image, params.extra_images)]
-
-
 def input_image(params: DiffusionParams, image: Image.Image | None) -> Image.Image | None:
     """A request's input image: the one decoded already (`image`, the engine's), else its
     params' bytes decoded here (a pipeline called directly), else None (text-to-image)."""
     if image is not None or params.image is None:
         return image
     return decode_image(params.image)
+
+
+def input_images(params: DiffusionParams, image: Image.Image | None = None
+                 ) -> list[Image.Image]:
+    """Every input image of a request, decoded, in order (the first: `image`, where the engine
+    decoded it already); [] without one. What a pipeline taking several (`max_input_images`:
+    Qwen-Image-Edit-Plus, FLUX.2) conditions on."""
+    first = input_image(params, image)
+    return [] if first is None else [first, *map(decode_image, params.extra_images)]
+
+
+def opened_images(params: DiffusionParams, image: Image.Image | None = None
+                  ) -> list[Image.Image]:
+    """`input_images` opened from their headers only (sizes, no pixels): what a size rule or
+    a check needs. The first is `image` where the engine decoded it."""
+    if params.image is None:
+        return []
+    first = image if image is not None else peek_image(params.image)
+    return [first, *map(peek_image, params.extra_images)]
 
 
 def default_size(image: Image.Image, multiple: int) -> tuple[int, int]:

@@ -11,10 +11,10 @@ from omnistage.ranges import MAX_SEED, Range, check_ranges, numeric_fields
 
 MAX_STEPS = 200
 MAX_IMAGES = 10
+MAX_INPUT_IMAGES = 10           # input images of one edit (a pipeline may take fewer)
 MAX_SIDE = 16384                # pixels, as the API's `size`
 MAX_GUIDANCE = 100.0
 MAX_FRAMES = 4096
-MAX_INPUT_IMAGES = 10           # input images of one request (multi-reference editing)
 DEFAULT_STRENGTH = 0.6          # diffusers' img2img pipelines' default
 
 
@@ -34,9 +34,9 @@ class DiffusionParams:
     Qwen-Image's true CFG with a negative prompt. cache_threshold: step caching (TeaCache-
     style), None = off. image: an encoded image file (PNG, JPEG, WebP, ...) to start from
     (image-to-image / edit), or a PIL image (kept as PNG); on the way to a stage an
-    `ImageRef`. extra_images: more input images after `image`, for pipelines that condition
-    on several (FLUX.2's reference images); the others refuse them. strength: how much of
-    its schedule runs, 1.0 = from pure noise."""
+    `ImageRef`. extra_images: the second and later input images of a multi-image edit
+    (Qwen-Image-Edit-Plus), the same way, in order. strength: how much of its schedule runs,
+    1.0 = from pure noise."""
 
     height: int | None = None
     width: int | None = None
@@ -49,17 +49,15 @@ class DiffusionParams:
     num_images: int = 1
     cache_threshold: float | None = None
     image: bytes | ImageRef | None = field(default=None, repr=False)
-    extra_images: tuple[bytes | ImageRef, ...] = field(default=(), repr=False)
     strength: float | None = None
     num_frames: int | None = None
     fps: float | None = None
+    extra_images: tuple[bytes | ImageRef, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "image", _as_file(self.image))
-        if isinstance(self.extra_images, list):
-            object.__setattr__(self, "extra_images", tuple(self.extra_images))
-        if isinstance(self.extra_images, tuple):
-            object.__setattr__(self, "extra_images", tuple(map(_as_file, self.extra_images)))
+        object.__setattr__(self, "image", _image_file(self.image))
+        object.__setattr__(self, "extra_images",
+                           tuple(_image_file(x) for x in self.extra_images))
         self.validate()
 
     def guidance(self, default: float) -> float:
@@ -68,63 +66,48 @@ class DiffusionParams:
     def validate(self) -> None:
         """InputError naming the first bad field; every numeric one goes through its range."""
         check_ranges("DiffusionParams", self, _RANGES)
-        if not isinstance(self.extra_images, tuple):
-            raise InputError("DiffusionParams.extra_images: must be a tuple of image files, "
-                             f"got {type(self.extra_images).__name__}", "image")
+        if self.image is not None and not isinstance(self.image, (bytes, ImageRef)):
+            raise InputError("DiffusionParams.image: must be the bytes of an encoded image file "
+                             f"(PNG, JPEG, WebP, ...), got {type(self.image).__name__}", "image")
+        if self.image is not None and not self.image:
+            raise InputError("DiffusionParams.image: empty", "image")
         if self.extra_images and self.image is None:
-            raise InputError("DiffusionParams.extra_images: given without `image`", "image")
+            raise InputError("DiffusionParams.extra_images: given without a first `image`",
+                             "image")
+        for x in self.extra_images:
+            if not isinstance(x, (bytes, ImageRef)) or not x:
+                raise InputError("DiffusionParams.extra_images: each must be the non-empty "
+                                 "bytes of an encoded image file", "image")
         if 1 + len(self.extra_images) > MAX_INPUT_IMAGES:
-            raise InputError(f"image: {1 + len(self.extra_images)} input images; the maximum "
-                             f"is {MAX_INPUT_IMAGES}", "image")
-        for file in (self.image, *self.extra_images):
-            if file is not None and not isinstance(file, (bytes, ImageRef)):
-                raise InputError("DiffusionParams.image: must be the bytes of an encoded image "
-                                 f"file (PNG, JPEG, WebP, ...), got {type(file).__name__}",
-                                 "image")
-            if file is not None and not file:
-                raise InputError("DiffusionParams.image: empty", "image")
+            raise InputError(f"DiffusionParams: {1 + len(self.extra_images)} input images, "
+                             f"the maximum is {MAX_INPUT_IMAGES}", "image")
         if self.strength is not None and self.image is None:
             raise InputError(f"DiffusionParams.strength={self.strength!r}: applies to "
                              "image-to-image only (no image given)", "strength")
 
-    @property
-    def images(self) -> tuple[bytes | ImageRef, ...]:
-        """Every input image file, `image` first."""
-        return () if self.image is None else (self.image, *self.extra_images)
-
     def detach_image(self) -> tuple[DiffusionParams, list[bytes]]:
-        """(these params with an `ImageRef` for each image file, the files in order): what
-        goes in the control message, and what goes through the connector. Without an image,
-        (self, [])."""
+        """(these params with an `ImageRef` for each input image file, the files in order):
+        what goes in the control message, and what goes through the connector. Without an
+        image, (self, [])."""
         if not isinstance(self.image, bytes):
             return self, []
-        files = list(self.images)
-        refs = [ImageRef(len(f)) for f in files]
-        return replace(self, image=refs[0], extra_images=tuple(refs[1:])), files
+        files = [self.image, *self.extra_images]
+        assert all(isinstance(f, bytes) for f in files), "an image detached twice"
+        return replace(self, image=ImageRef(len(self.image)),
+                       extra_images=tuple(ImageRef(len(f)) for f in files[1:])), files
 
     def attach_image(self, files: list[bytes]) -> DiffusionParams:
         """The params `detach_image` sent, with their image files back from the connector."""
-        expected = [ref.nbytes if isinstance(ref, ImageRef) else None for ref in self.images]
-        assert expected == [len(f) for f in files], (
-            f"image files of {[len(f) for f in files]} bytes for params expecting {expected}")
+        refs = [self.image, *self.extra_images]
+        assert [r.nbytes if isinstance(r, ImageRef) else None for r in refs] == \
+            [len(f) for f in files], f"image files of {[len(f) for f in files]} bytes for " \
+            f"params expecting {refs!r}"
         return replace(self, image=files[0], extra_images=tuple(files[1:]))
 
     @property
     def image_strength(self) -> float:
         """The strength an image-to-image request runs with (diffusers' default 0.6)."""
         return DEFAULT_STRENGTH if self.strength is None else self.strength
-
-
-def _as_file(image: object) -> object:
-    """An input image as its file's bytes: a PIL image saved as PNG, a bytearray copied;
-    anything else as given (validation names what is wrong)."""
-    if image is not None and not isinstance(image, (bytes, bytearray)) and hasattr(image, "save"):
-        import io
-
-        buf = io.BytesIO()
-        image.save(buf, format="PNG")
-        return buf.getvalue()
-    return bytes(image) if isinstance(image, bytearray) else image
 
 
 # every numeric field: kind, finiteness and range (ranges.py). Guidance past 100 only
@@ -143,6 +126,22 @@ _RANGES = {
     "num_frames": Range(1, MAX_FRAMES, integer=True),
     "fps": Range(0.0, 120.0, lo_open=True),
 }
+
+
+def _image_file(image: object) -> object:
+    """An input image as the bytes of its file: a PIL image saved as PNG, a bytearray copied;
+    anything else as given (validate judges it)."""
+    if isinstance(image, bytearray):
+        return bytes(image)
+    if image is not None and not isinstance(image, bytes) and hasattr(image, "save"):
+        import io
+
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return buf.getvalue()
+    return image
+
+
 assert numeric_fields(DiffusionParams) == set(_RANGES), \
     f"a numeric field without a range: {numeric_fields(DiffusionParams) ^ set(_RANGES)}"
 

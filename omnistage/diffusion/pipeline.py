@@ -45,8 +45,8 @@ class DiffusionPipeline(Protocol):
                  image: Image.Image | None = None) -> None:
         """ValueError naming the field. prompt None: the conditioning comes from upstream.
         image: the request's input image, decoded by the engine (None: `params.image`'s
-        header is read, if any); a list of all of them when it has `extra_images`, which
-        the engine passes only to a pipeline whose `max_input_images` (default 1) allows."""
+        header is read, if any). A pipeline that takes several (`max_input_images`, default
+        1, which the stage reports to the front door) decodes `params.extra_images` itself."""
 
     def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator,
                 image: Image.Image | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:

@@ -39,6 +39,7 @@ from omnistage.errors import InputError
 from omnistage.models.loader import resolve_model_path
 from omnistage.outputs import CompletionOutput, OmniOutput, RequestEvent, RequestMetrics
 from omnistage.sampling_params import SamplingParams
+from omnistage.stages.interface import StageInfo
 from omnistage.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -101,8 +102,7 @@ class AsyncOmni:
                                      f"{str(known).replace(',', ', ')})", param=key)
             elif isinstance(p, DiffusionParams):
                 p.validate()
-                for file in p.images:     # not an image file: refused here (its header is
-                    peek_image(file)      # read; the diffusion engine decodes it, once)
+                check_input_images(p, self.orchestrator.stage_info.get(name, {}))
         self._num_completions(params)
         return parsed, params
 
@@ -277,3 +277,16 @@ def completion_params(params: dict[str, StageParams], i: int) -> dict[str, Stage
             p = dataclasses.replace(p, seed=p.seed + i)
         out[name] = p
     return out
+
+
+def check_input_images(params: DiffusionParams, info: StageInfo) -> None:
+    """A diffusion request's input image files: no more than its stage's pipeline takes
+    (`max_input_images`, where the stage says), each an image file by its header (the
+    diffusion engine decodes them, once)."""
+    files = [] if params.image is None else [params.image, *params.extra_images]
+    limit = info.get("max_input_images")
+    if limit is not None and len(files) > int(limit):
+        raise InputError(f"image: this model takes at most {int(limit)} input image"
+                         f"{'s' if int(limit) > 1 else ''}, got {len(files)}", "image")
+    for data in files:
+        peek_image(data)

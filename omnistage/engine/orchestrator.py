@@ -33,7 +33,7 @@ from torch import Tensor
 from omnistage.configs.graph import downstream, stages_needed, topological_order, validate_graph
 from omnistage.configs.schema import GraphConfig, OutputKind
 from omnistage.connectors.base import ChunkKey, Connector
-from omnistage.diffusion.image_input import file_tensor, image_key
+from omnistage.diffusion.image_input import image_inputs
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.outputs import RequestEvent, StageMetrics
 from omnistage.sampling_params import SamplingParams
@@ -184,15 +184,14 @@ class Orchestrator:
         """Stage `name`'s part of a request (`replicas`: the request's replica at each stage it
         needs): an entry stage gets the prompt and the client's tensors, a diffusion stage its
         params; what the stage takes as tensors (an edit's image file too: its params carry an
-        ImageRef) goes through the connector."""
+        ImageRef per file) goes through the connector."""
         ups = [i for i in self.graph.stage(name).inputs if i.source in replicas]
         downs = [d.name for d, _ in self._downstream[name] if d.name in replicas]
         tensors = {} if ups else dict(entry.tensors)
         diffusion = p if isinstance(p, DiffusionParams) else None
         if diffusion is not None:
             diffusion, files = diffusion.detach_image()
-            for i, file in enumerate(files):    # "mm.image", "mm.image.1", ...
-                tensors[image_key(i, "mm.")] = file_tensor(file)
+            tensors.update(image_inputs(files))
         edge = m.edge_key(m.CLIENT, name, self._replica_key(name, replicas))
         inputs = self._inputs.put(ChunkKey(request_id, edge, 0), tensors) if tensors else None
         return m.AddRequest(request_id, p if isinstance(p, SamplingParams) else None, diffusion,

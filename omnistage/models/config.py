@@ -13,7 +13,8 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig
 
 # Facts that an HF config leaves to its modeling file.
-_QKV_BIAS_ALWAYS = {"qwen2"}               # Qwen2: bias on q/k/v, none on o_proj
+# Qwen2 and Qwen2.5-Omni's thinker and talker decoders: bias on q/k/v, none on o_proj
+_QKV_BIAS_ALWAYS = {"qwen2", "qwen2_5_omni_text", "qwen2_5_omni_talker"}
 _QK_NORM = {"qwen3", "qwen3_moe"}          # RMSNorm over each head of q and k
 
 
@@ -48,8 +49,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: PretrainedConfig,
-                generation_config: GenerationConfig | None = None) -> ModelConfig:
-        architectures = getattr(hf_config, "architectures", None) or []
+                generation_config: GenerationConfig | None = None,
+                architecture: str | None = None) -> ModelConfig:
+        """`architecture`: the whole checkpoint's, for a sub-config (a multi-part model's
+        decoder) that names none; None: config.json's `architectures`."""
+        architectures = [architecture] if architecture else \
+            getattr(hf_config, "architectures", None) or []
         if not architectures:
             raise ValueError("config.json has no 'architectures' entry: cannot pick a model class")
         model_type = getattr(hf_config, "model_type", "")

@@ -106,14 +106,17 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, rotary_emb: nn.Module | None = None) -> None:
+        """`rotary_emb`: a position scheme other than the config's plain RoPE, e.g. M-RoPE
+        (Qwen2.5-Omni); it is called as rotary_emb(positions, q, k)."""
         super().__init__()
         if cfg.sliding_window is not None:
             raise NotImplementedError(f"{cfg.architecture}: sliding-window attention layers "
                                       "(use_sliding_window) are not supported")
         self.num_layers = cfg.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        rotary_emb = get_rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_parameters)
+        if rotary_emb is None:
+            rotary_emb = get_rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_parameters)
         self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg, rotary_emb)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
@@ -212,12 +215,12 @@ class Qwen2ForCausalLM(CausalLM):
                       "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
                       "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: nn.Module | None = None) -> None:
         super().__init__()
         check_tensor_parallel(config, tp_group().world_size,
                               intermediate_size=config.intermediate_size)
         self.config = config
-        self.model = Qwen2Model(config)
+        self.model = Qwen2Model(config, rotary_emb)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

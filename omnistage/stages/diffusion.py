@@ -10,10 +10,10 @@ from omnistage.configs.schema import StageConfig
 from omnistage.diffusion.diffusers_engine import DiffusersEngine
 from omnistage.diffusion.diffusers_pipeline import BACKEND, DiffusersPipeline
 from omnistage.diffusion.engine import DiffusionEngine
-from omnistage.diffusion.image_input import file_bytes, image_key
+from omnistage.diffusion.image_input import image_files
 from omnistage.diffusion.memory import CudaProbe, MemoryBudget
 from omnistage.diffusion.parallel import check_layout
-from omnistage.diffusion.params import DiffusionParams, ImageRef
+from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import DiffusionPipeline, compile_blocks, is_split_pipeline
 from omnistage.diffusion.text_encoding import TEXT_ENCODER_PART, TextEncodingEngine
 from omnistage.layers.fp8 import quantize_fp8
@@ -24,7 +24,8 @@ from omnistage.utils.device import resolve_device, resolve_dtype
 
 # a diffusion stage's `options`: compile: true | a torch.compile backend (its blocks compiled);
 # cuda_graphs: true | false | the most graphs (default: on for a CUDA device and a pipeline
-# whose transformer captures, at most MAX_GRAPHS shapes)
+# whose transformer captures, at most MAX_GRAPHS shapes); and those a pipeline class names in
+# its `options`, handed to its `set_option(name, value)` (SD3's skip_layer_guidance)
 OPTIONS = ("compile", "cuda_graphs")
 MAX_GRAPHS = 8
 
@@ -88,6 +89,8 @@ class DiffusionStage:
             self.stage_info = {"backend": BACKEND, "pipeline": pipeline.class_name}
             self.engine = DiffusersEngine(pipeline, stage.max_num_seqs)
             return
+        # the front door refuses an edit with more images than the pipeline takes
+        self.stage_info = {"max_input_images": getattr(pipeline, "max_input_images", 1)}
         quantize_pipeline(stage, pipeline, dev)
         apply_options(stage, pipeline, dev)
         # on CUDA, memory_fraction bounds weights plus each step's activations
@@ -137,7 +140,8 @@ class DiffusionStage:
 
     def info(self) -> StageInfo:
         """The generic diffusers adapter says so (backend "diffusers", the pipeline class):
-        /v1/models shows the model as not native."""
+        /v1/models shows the model as not native. A native pipeline: how many input images an
+        edit may bring (max_input_images)."""
         return self.stage_info
 
     def stats(self) -> EngineStats:
@@ -164,10 +168,11 @@ class DiffusionStage:
 def check_options(stage: StageConfig, cls: type) -> None:
     """Before anything loads: every option known, none for the generic diffusers adapter
     (diffusers runs its pipeline as it is)."""
-    unknown = set(stage.options) - set(OPTIONS)
+    known = (*OPTIONS, *getattr(cls, "options", ()))
+    unknown = set(stage.options) - set(known)
     if unknown:
         raise ValueError(f"stage {stage.name!r}: unknown diffusion options {sorted(unknown)} "
-                         f"(known: {', '.join(OPTIONS)})")
+                         f"(known: {', '.join(known)})")
     if stage.options and issubclass(cls, DiffusersPipeline):
         raise ValueError(f"stage {stage.name!r}: options {sorted(stage.options)} do not apply "
                          "to the generic diffusers adapter (diffusers runs the pipeline)")
@@ -200,7 +205,10 @@ def quantize_pipeline(stage: StageConfig, pipeline: DiffusionPipeline, dev: torc
 
 def apply_options(stage: StageConfig, pipeline: DiffusionPipeline, dev: torch.device) -> None:
     """A native pipeline's `options`: its transformer blocks compiled, CUDA graphs (on by
-    default on a CUDA device for a pipeline whose transformer captures)."""
+    default on a CUDA device for a pipeline whose transformer captures), its own options."""
+    for name in getattr(pipeline, "options", ()):
+        if name in stage.options:
+            pipeline.set_option(name, stage.options[name])
     if stage.options.get("compile"):
         backend = stage.options["compile"]
         compile_blocks(getattr(pipeline, "transformer", None) or pipeline.model,
@@ -218,10 +226,8 @@ def _params(request: StageRequest) -> DiffusionParams:
     """The request's params, with an edit's image files (the worker took them from the
     connector: inputs "image", "image.1", ...) in place of the ImageRefs they came with."""
     params = request.diffusion or DiffusionParams()
-    if not isinstance(params.image, ImageRef):
-        return params
-    return params.attach_image([file_bytes(request.multimodal[image_key(i)])
-                                for i in range(len(params.images))])
+    files = image_files(request.multimodal)
+    return params.attach_image(files) if files else params
 
 
 def check_parallel_layout(stage: StageConfig, path: str | None) -> None:

@@ -189,8 +189,7 @@ def start_ranks(specs: list[WorkerSpec], stage: StageConfig) -> list[RayRank]:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     gpu = specs[0].device.startswith("cuda")
-    # the ranks of one stage each need a GPU of their own: whole ones, never two shares of one
-    share = stage.gpu_share if len(specs) == 1 else 1.0
+    share = stage.gpu_share if len(specs) == 1 else multi_rank_share(stage)
     bundle = {"GPU": share} if gpu else {"CPU": 0.01}
     bundle.update(stage.ray_resources)
     group = placement_group([bundle] * len(specs), strategy="STRICT_PACK")
@@ -206,6 +205,16 @@ def start_ranks(specs: list[WorkerSpec], stage: StageConfig) -> list[RayRank]:
                        scheduling_strategy=PlacementGroupSchedulingStrategy(group, i))
         ranks.append(RayRank(actor_class.options(**options).remote(spec), spec.stage, group))
     return ranks
+
+
+def multi_rank_share(stage: StageConfig) -> float:
+    """The GPU share of each rank of a stage of several ranks. Each needs a GPU of its own,
+    never two ranks on one: whole GPUs, or a stated `ray_gpus` above one half (two such
+    bundles cannot meet on one GPU), which leaves the rest of each GPU to smaller stages,
+    e.g. a talker beside a tensor-parallel thinker's rank."""
+    if stage.ray_gpus is not None and stage.ray_gpus > 0.5:
+        return stage.ray_gpus
+    return 1.0
 
 
 def _stage_env() -> dict[str, str]:

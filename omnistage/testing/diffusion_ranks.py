@@ -1,10 +1,11 @@
-"""Rank bodies for the parallel diffusion tests (tests/diffusion/test_parallel.py), run on CPU
-gloo ranks by `omnistage.testing.ranks.run_ranks` (or in the test's process for one rank),
-and the tiny Qwen-Image, Z-Image, FLUX and Wan folders they load.
+"""Rank bodies for the parallel diffusion tests (tests/diffusion/test_parallel.py,
+test_sd3_pipeline.py), run on CPU gloo ranks by `omnistage.testing.ranks.run_ranks` (or in the
+test's process for one rank), and the tiny Qwen-Image, Z-Image, FLUX and Wan folders they load.
 
 The pipeline folders have no text encoder: requests bring their caption states
 (`set_conditioning`, as a split graph's encoder stage sends them), drawn from a seed per
-request, so captions of any length, odd ones included, cost nothing to make."""
+request, so captions of any length, odd ones included, cost nothing to make. SD3's folder (its
+test builds it whole) is the exception: rank 0 encodes the prompts, as a stage's leader does."""
 
 from __future__ import annotations
 
@@ -171,6 +172,25 @@ def pipeline_run(ranks: StageRanks, folder: str, cases: list[dict],
         for case in cases:
             engine.add_request(case["id"], None, case_params(case, pipeline))
             engine.set_conditioning(case["id"], captions(case))
+
+    return _serve(ranks, pipe, submit)
+
+
+def sd3_run(ranks: StageRanks, folder: str, cases: list[dict], skip_layers: list[int]) -> dict:
+    """SD3 cases ({"id", "prompt", "params": DiffusionParams fields}) with skip-layer guidance
+    on `skip_layers` from step 0 to 70% of each schedule, batched by the engine, on these
+    ranks: rank 0 loads the text encoders and encodes, as a stage's leader does."""
+    from omnistage.diffusion.pipelines.sd3 import SkipLayerGuidance
+    from omnistage.registry import load_component
+
+    pipe = load_component("diffusion", "sd3").from_pretrained(
+        folder, "sd3", torch.device("cpu"), torch.float32, text_encoders=ranks.is_leader)
+    pipe.use_skip_layer_guidance(SkipLayerGuidance(layers=tuple(skip_layers), start=0.0,
+                                                   stop=0.7))
+
+    def submit(engine: DiffusionEngine) -> None:
+        for case in cases:
+            engine.add_request(case["id"], case["prompt"], DiffusionParams(**case["params"]))
 
     return _serve(ranks, pipe, submit)
 

@@ -14,12 +14,9 @@ block of 2 heads x 16, so 32x32 pixels are 8x8 tokens of 2x2 patches.
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 
@@ -100,10 +97,3 @@ def build_tiny_flux2_dev(path: Path):
     pipe.save_pretrained(path)
     return pipe
 
-
-def png(width: int, height: int, seed: int) -> bytes:
-    """A random RGB image file (PNG) of the given size: a reference image."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()

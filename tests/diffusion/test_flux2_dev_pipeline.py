@@ -15,7 +15,7 @@ from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.flux2 import Flux2Pipeline
 from omnistage.registry import load_component
-from omnistage.testing.diffusion import run_to_end
+from omnistage.testing.diffusion import png, run_to_end
 from omnistage.testing.tiny_flux2 import build_tiny_flux2_dev
 
 diffusers = pytest.importorskip("diffusers")
@@ -72,8 +72,6 @@ def test_edit_with_a_reference_image_matches_diffusers(
     import io
 
     from PIL import Image
-
-    from omnistage.testing.tiny_flux2 import png
 
     ref, ours = pair
     seen: list[Tensor] = []

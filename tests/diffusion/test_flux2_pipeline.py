@@ -17,8 +17,8 @@ from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.flux2 import Flux2KleinPipeline
 from omnistage.registry import load_component
-from omnistage.testing.diffusion import run_to_end
-from omnistage.testing.tiny_flux2 import build_tiny_flux2_klein, png
+from omnistage.testing.diffusion import png, run_to_end
+from omnistage.testing.tiny_flux2 import build_tiny_flux2_klein
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")

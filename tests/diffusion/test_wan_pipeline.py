@@ -87,3 +87,16 @@ def test_served_by_omni_with_its_default_graph(pair) -> None:
         (out,) = omni.generate([PROMPT], [params(1.0, steps=2)])
     video = out.tensors["video"]
     assert video.shape == (1, FRAMES, H, W, 3) and video.dtype == torch.uint8
+
+
+def test_runs_in_bfloat16_with_its_float32_tables(pair) -> None:
+    """Loaded in bf16, the modulation tables and norms stay float32 (as diffusers keeps them)
+    while the pipeline computes in bf16: a step and a decode run (the first parameter,
+    scale_shift_table, once made the pipeline feed float32 to bf16 convolutions)."""
+    path, _, _ = pair
+    pipe = load_component("diffusion", "wan").from_pretrained(path, "wan", torch.device("cpu"),
+                                                              torch.bfloat16)
+    assert pipe.transformer.scale_shift_table.dtype == torch.float32
+    assert pipe.dtype == torch.bfloat16
+    latents, video = run_alone(pipe, PROMPT, params(5.0, steps=2))
+    assert torch.isfinite(latents).all() and video.shape == (1, FRAMES, H, W, 3)

@@ -95,6 +95,20 @@ def test_bench_omni_without_reference(tmp_path: Path) -> None:
     assert set(doc["ratios"]) == {"rtf_c1", "rtf_c2", "first_audio_c2_over_c1"}
 
 
+def test_bench_omni_qwen2_5(tmp_path: Path) -> None:
+    """--model qwen2.5-omni: the tiny Qwen2.5-Omni checkpoint, transformers once, ours at c=1;
+    both sides say as many text tokens and as many seconds of audio."""
+    doc = bench(tmp_path, "omni", "--model", "qwen2.5-omni", "--concurrency", "1",
+                "--reference-requests", "1")
+    hf, one = doc["reference"], doc["omnistage"]["by_concurrency"]["1"]
+    assert doc["model"] == "qwen2.5-omni" and doc["config"]["model"] == "qwen2.5-omni"
+    assert hf["text_tokens"] == one["text_tokens"] == [6]
+    assert positive(hf["audio_s"][0]) and one["audio_s"] == hf["audio_s"]
+    assert set(one["stage_loops"]) == {"thinker", "talker", "token2wav"}
+    assert positive(doc["ratios"]["e2e_speedup_c1"])
+    assert doc["config"]["parameters"]["token2wav"] > 0
+
+
 def test_bench_tts(tmp_path: Path) -> None:
     """The golden tests' CustomVoice checkpoint, built by qwen-tts's classes in the reference
     environment and timed there (one request), then through our stages at c = 1 and 2: the

@@ -1,11 +1,11 @@
 """GPU-only checks (skipped without CUDA): the multi-network pipelines on CUDA against their
 references on CUDA, float32 with TF32 off: Qwen3-Omni (thinker -> talker -> code2wav, stage
 processes) against transformers' generate(return_audio=True), and the Qwen-Image / FLUX.1 /
-FLUX.2 pipelines against diffusers (FLUX.2: klein text-to-image with CFG and an edit with two
-reference images, dev text-to-image; the transformer's forwards replayed from CUDA graphs, as
-a CUDA stage does). What these catch is placement (a tensor left on the CPU, a generator or
-reference tokens on the wrong device, a graph replayed with stale inputs), not numerics,
-which the CPU golden tests pin down."""
+FLUX.2 and Qwen-Image-Edit(-Plus) pipelines against diffusers (FLUX.2: klein text-to-image
+with CFG and an edit with two reference images, dev text-to-image; the transformer's forwards
+replayed from CUDA graphs, as a CUDA stage does). What these catch is placement (a tensor left
+on the CPU, a generator or reference tokens on the wrong device, a graph replayed with stale
+inputs), not numerics, which the CPU golden tests pin down."""
 
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ def test_flux2_klein_on_cuda_equals_diffusers(tmp_path: Path) -> None:
     pytest.importorskip("diffusers")
     from PIL import Image
 
-    from omnistage.testing.tiny_flux2 import build_tiny_flux2_klein, png
+    from omnistage.testing.diffusion import png
+    from omnistage.testing.tiny_flux2 import build_tiny_flux2_klein
 
     ref = build_tiny_flux2_klein(tmp_path / "klein").to("cuda")
     prompt, first, second = "a photo of the sea shore", png(70, 66, seed=2), png(64, 72, seed=3)
@@ -145,3 +146,36 @@ def test_flux2_dev_on_cuda_equals_diffusers(tmp_path: Path) -> None:
                        guidance_scale=2.5, generator=torch.Generator().manual_seed(0),
                        output_type="pt", return_dict=False)[0]
     assert (got.int() - _uint8(expected).int()).abs().max() <= 2
+
+
+@pytest.mark.parametrize("plus", [False, True], ids=["edit", "edit-plus"])
+def test_qwen_image_edit_on_cuda_equals_diffusers(plus: bool, tmp_path: Path) -> None:
+    """Qwen-Image-Edit (one image) and Edit-Plus (two of different sizes) through `Omni` on
+    CUDA (the vision tower, the multimodal rotary, the image tokens, CUDA graphs on) against
+    diffusers on CUDA with its `mm_token_type_ids` fix, at the real ~1024x1024-pixel image
+    sizes."""
+    pytest.importorskip("diffusers")
+    from PIL import Image
+
+    from omnistage.testing.tiny_qwen_image_edit import build_tiny_qwen_image_edit
+
+    mod = _load_test_module("test_qwen_image_edit_pipeline")
+    ref = build_tiny_qwen_image_edit(tmp_path / "edit", plus=plus)
+    ref.to("cuda")
+    files = [mod.png_bytes((80, 48), seed=1), mod.png_bytes((48, 64), seed=3)][:1 + plus]
+    images = [Image.open(io.BytesIO(b)).convert("RGB") for b in files]
+    with torch.no_grad():
+        expected = ref(images if plus else images[0], mod.PROMPT, negative_prompt=mod.NEGATIVE,
+                       true_cfg_scale=4.0, height=64, width=96, num_inference_steps=3,
+                       generator=torch.Generator().manual_seed(0), output_type="pt",
+                       return_dict=False)[0]                          # (1, 3, H, W) [0, 1]
+    expected = _uint8(expected)
+    params = DiffusionParams(height=64, width=96, num_inference_steps=3, seed=0,
+                             negative_prompt=mod.NEGATIVE, true_cfg_scale=4.0, image=files[0],
+                             extra_images=tuple(files[1:]))
+    with Omni(str(tmp_path / "edit"), device="cuda", dtype="float32",
+              stage_overrides=["backend=inproc", "connector=inproc"]) as omni:
+        outs = omni.generate([mod.PROMPT] * 2, [params])       # two requests, one batch
+    for out in outs:
+        assert out.error is None, out.error
+        assert (out.tensors["images"].int() - expected.int()).abs().max() <= 2

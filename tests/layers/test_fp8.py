@@ -17,6 +17,7 @@ from omnistage.layers.fp8 import (FP8, FP8_MAX, Fp8Linear, check_fp8_device, deq
 from omnistage.models.flux_transformer import FluxTransformer2DModel, FluxTransformerConfig
 from omnistage.models.qwen_image_transformer import (QwenImageTransformer2DModel,
                                                      QwenImageTransformerConfig)
+from omnistage.models.sd3_transformer import SD3Transformer2DModel, SD3TransformerConfig
 from omnistage.models.wan_transformer import WanTransformer3DModel, WanTransformerConfig
 from omnistage.models.z_image_transformer import ZImageConfig, ZImageTransformer2DModel
 
@@ -92,6 +93,13 @@ def _tiny_z_image() -> ZImageTransformer2DModel:
         axes_dims=(8, 8, 8), axes_lens=(64, 32, 32)))         # feed-forward 48 -> 128
 
 
+def _tiny_sd3() -> SD3Transformer2DModel:
+    return SD3Transformer2DModel(SD3TransformerConfig(
+        in_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=16, caption_projection_dim=32, pooled_projection_dim=16,
+        pos_embed_max_size=8, dual_attention_layers=(0,), qk_norm="rms_norm"))
+
+
 def _tiny_wan() -> WanTransformer3DModel:
     return WanTransformer3DModel(WanTransformerConfig(
         num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
@@ -127,6 +135,13 @@ POLICIES = {
                                 "all_final_layer.2-1.adaLN_modulation.1"},
                 {"layers.0.attention.to_q", "layers.0.feed_forward.w2",
                  "context_refiner.0.attention.to_out.0"}),
+    "sd3": (_tiny_sd3, {"context_embedder", "proj_out", "norm_out.linear",
+                        "time_text_embed.text_embedder.linear_1",
+                        "transformer_blocks.0.norm1.linear",
+                        "transformer_blocks.1.norm1_context.linear"},
+            {"transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn2.to_out.0",
+             "transformer_blocks.0.attn.to_add_out", "transformer_blocks.1.ff.net.2",
+             "transformer_blocks.0.ff_context.net.0.proj"}),
     "wan": (_tiny_wan, {"proj_out", "condition_embedder.time_proj",
                         "condition_embedder.text_embedder.linear_1"},
             {"blocks.0.attn1.to_q", "blocks.0.attn2.to_k", "blocks.0.ffn.net.2"}),

@@ -15,7 +15,8 @@ from diffusers import WanPipeline
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean as diffusers_prompt_clean
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import (CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerBase,
+from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection,
+                          PreTrainedTokenizerBase,
                           Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Config,
                           Qwen2Model, Qwen3Config, Qwen3ForCausalLM, Qwen3Model, T5Config,
                           T5EncoderModel, T5ForConditionalGeneration, UMT5Config,
@@ -102,6 +103,27 @@ def test_clip_matches_transformers(tmp_path: Path, eos_token_id: int, hidden_act
             assert max_err(hidden, expected.last_hidden_state) < TOL
             assert max_err(pooled, expected.pooler_output) < TOL
     assert ours.config.max_position_embeddings == 16
+
+
+def test_clip_with_projection_matches_transformers(tmp_path: Path) -> None:
+    """SD3's CLIP-L / CLIP-G: CLIPTextModelWithProjection, the penultimate hidden state and the
+    projected pooled output (`text_embeds`), its own projection width."""
+    config = clip_config(2, "gelu")
+    config.projection_dim = 24
+    ref = randomize(CLIPTextModelWithProjection(config))
+    save(ref, tmp_path)
+    ours = CLIPTextEncoder.from_pretrained(tmp_path, "cpu", torch.float32)
+    ids, _ = padded_batch(LENGTHS, VOCAB - 1, last_id=VOCAB - 1)
+    with torch.no_grad():
+        expected = ref(ids, output_hidden_states=True)
+        hidden, pooled = ours(ids, hidden_layer=-2)
+        last, _ = ours(ids)
+    assert pooled.shape == (len(LENGTHS), 24)
+    assert max_err(pooled, expected.text_embeds) < TOL
+    assert max_err(hidden, expected.hidden_states[-2]) < TOL
+    assert max_err(last, expected.last_hidden_state) < TOL
+    with pytest.raises(ValueError, match="hidden_layer=3: outside"):
+        ours(ids, hidden_layer=3)
 
 
 def test_clip_loads_prefixed_checkpoint(tmp_path: Path) -> None:

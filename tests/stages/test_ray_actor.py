@@ -14,3 +14,15 @@ def test_backend_ray_without_ray_says_how_to_get_it(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "ray", None)      # import ray: ImportError
     with pytest.raises(ImportError, match=r"omnistage\[ray\].*backend: process"):
         require_ray()
+
+
+@pytest.mark.parametrize("ray_gpus, share", [(None, 1.0), (0.3, 1.0), (0.5, 1.0), (0.75, 0.75)])
+def test_ranks_of_one_stage_never_share_a_gpu(ray_gpus: float | None, share: float) -> None:
+    """A tensor-parallel stage's ranks take whole GPUs unless its stated share is above one
+    half: two of its bundles then cannot meet on one GPU, and the rest of each GPU is free."""
+    from omnistage.configs.schema import StageConfig
+    from omnistage.stages.ray_actor import multi_rank_share
+
+    stage = StageConfig(name="thinker", kind="ar", tensor_parallel_size=2, devices=(0, 1),
+                        ray_gpus=ray_gpus)
+    assert multi_rank_share(stage) == share

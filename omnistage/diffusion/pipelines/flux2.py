@@ -35,7 +35,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from omnistage.diffusion.image_input import input_images, peek_image, preprocess
+from omnistage.diffusion.image_input import input_images, opened_images, peek_image, preprocess
 from omnistage.diffusion.params import MAX_INPUT_IMAGES, DiffusionParams
 from omnistage.diffusion.pipeline import LatentPipelineBase, check_conditioning, forward_by_key
 from omnistage.diffusion.pipelines.flux2_text import (DEFAULT_GUIDANCE, Flux2KleinPromptEncoder,
@@ -116,14 +116,6 @@ def text_ids(length: int) -> Tensor:
     return position_ids(0, 1, 1, length)
 
 
-def references(params: DiffusionParams, image: Image.Image | list[Image.Image] | None
-               ) -> list[Image.Image]:
-    """The request's reference images, decoded (the engine's, or `params.images` here)."""
-    if image is None:
-        return input_images(params)
-    return list(image) if isinstance(image, (list, tuple)) else [image]
-
-
 def rope_key(request: DiffusionRequest) -> tuple:
     """What rows of one transformer call share: the token grid, the reference images' ids,
     the text length."""
@@ -162,16 +154,16 @@ class Flux2Pipeline(LatentPipelineBase):
         check_text_params(prompt, params, self.is_distilled)
 
     def validate(self, prompt: str | None, params: DiffusionParams,
-                 image: Image.Image | list[Image.Image] | None = None) -> None:
-        for i, ref in enumerate(references(params, image)):
+                 image: Image.Image | None = None) -> None:
+        for i, ref in enumerate(opened_images(params, image)):
             check_reference(ref, i)
         super().validate(prompt, params, image)
 
-    def _size(self, params: DiffusionParams, image: Image.Image | list[Image.Image] | None = None
+    def _size(self, params: DiffusionParams, image: Image.Image | None = None
               ) -> tuple[int, int]:
         """As asked; else the first reference image's encoded size; else the default. Without
-        the decoded images, `params.image`'s header gives the reference's size."""
-        first = image[0] if isinstance(image, (list, tuple)) else image
+        the decoded image (`image`, the engine's), `params.image`'s header gives its size."""
+        first = image
         if first is None and isinstance(params.image, bytes):
             first = peek_image(params.image)
         if first is None or (params.height and params.width):
@@ -189,7 +181,7 @@ class Flux2Pipeline(LatentPipelineBase):
         return check_conditioning(tensors, expected, self.device, self.dtype)
 
     def prepare_latents(self, params: DiffusionParams, generator: torch.Generator,
-                        image: Image.Image | list[Image.Image] | None = None
+                        image: Image.Image | None = None
                         ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """-> latent tokens (n, N, 4C), sigmas, {"grid": (2,), "ref_tokens": (1, M, 4C),
         "ref_ids": (M, 4), "ref_grids": (K, 2)} (no reference: empty ones)."""
@@ -203,7 +195,7 @@ class Flux2Pipeline(LatentPipelineBase):
         mu = compute_empirical_mu(gh * gw, params.num_inference_steps)
         sigmas = solver.make_sigmas(self.scheduler, params.num_inference_steps, mu=mu,
                                     sigmas=base)[0]
-        ref_tokens, ref_ids, ref_grids = self.encode_references(references(params, image))
+        ref_tokens, ref_ids, ref_grids = self.encode_references(input_images(params, image))
         return latents, sigmas, {"grid": torch.tensor([gh, gw]), "ref_tokens": ref_tokens,
                                  "ref_ids": ref_ids, "ref_grids": ref_grids}
 

@@ -179,9 +179,9 @@ class QwenImagePipeline(LatentPipelineBase):
         """latents (R, N, 4C) -> (R, N, 4C). One forward per latent grid: sizes such as 32x64
         and 64x32 pack to the same N (one engine batch) but need different image rope."""
         rows = torch.arange(latents.shape[0]).split([r.latents.shape[0] for r in requests])
-        groups: dict[tuple[int, ...], list[int]] = {}
+        groups: dict[tuple[tuple[int, int, int], ...], list[int]] = {}
         for i, r in enumerate(requests):
-            groups.setdefault(tuple(r.cond["grid"].tolist()), []).append(i)
+            groups.setdefault(self.img_shapes(r), []).append(i)
         if len(groups) == 1:
             return self._forward(latents, sigmas, requests)
         out = torch.empty_like(latents)
@@ -238,19 +238,33 @@ class QwenImagePipeline(LatentPipelineBase):
             k += n
         return pred
 
+    def img_shapes(self, request: DiffusionRequest) -> tuple[tuple[int, int, int], ...]:
+        """The (frames, rows, cols) token grid of each image a request's rows carry: here its
+        latents' alone (an edit adds its input images')."""
+        h, w = request.cond["grid"].tolist()
+        return ((1, h, w),)
+
+    def model_input(self, latents: Tensor, branches: list[tuple[str, list[bool]]],
+                    requests: list[DiffusionRequest], counts: list[int]) -> Tensor:
+        """The transformer's image tokens for rows laid out as `_transformer`'s: here the
+        latents themselves (an edit appends its input images' tokens)."""
+        return latents
+
     def _transformer(self, latents: Tensor, timestep: Tensor, captions: list[Tensor],
                      branches: list[tuple[str, list[bool]]], requests: list[DiffusionRequest],
                      counts: list[int]) -> Tensor:
         """One transformer call over rows laid out branch after branch (`branches`: name and
-        which requests have rows in it), with step caching when any request asks for it."""
+        which requests have rows in it), with step caching when any request asks for it.
+        Returns the velocity of the latents' tokens only."""
         embeds, mask = pad_captions(captions)                                # (rows, T, J)
-        h, w = requests[0].cond["grid"].tolist()
         step_cache = None
         if any(r.params.cache_threshold is not None for r in requests):
             step_cache = cache_groups(requests, counts, branches)
-        return self.run_transformer(latents, embeds, mask, timestep,
-                                    img_shapes=[[(1, h, w)]] * latents.shape[0],
-                                    step_cache=step_cache)
+        hidden = self.model_input(latents, branches, requests, counts)     # (rows, N + M, 4C)
+        out = self.run_transformer(hidden, embeds, mask, timestep,
+                                   img_shapes=[list(self.img_shapes(requests[0]))] * len(hidden),
+                                   step_cache=step_cache)
+        return out[:, :latents.shape[1]]                                     # (rows, N, 4C)
 
     # ---- 3. decode -------------------------------------------------------------------------
 

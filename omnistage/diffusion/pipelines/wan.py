@@ -170,7 +170,9 @@ class WanPipeline:
         self.prompt_encoder = prompt_encoder
         self.solver = solver                     # the engine steps every request with it
         self.device = device
-        self.dtype = next(transformer.parameters()).dtype
+        # the compute dtype: the patch embedding's (the first parameter, scale_shift_table,
+        # stays float32 in any dtype, as diffusers keeps it)
+        self.dtype = transformer.patch_embedding.weight.dtype
         self.variant = variant
         self.patch = transformer.cfg.patch_size
         self.video = variant.spec(vae.cfg, self.patch[1])

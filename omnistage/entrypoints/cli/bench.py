@@ -5,6 +5,7 @@ random-weight model of a real architecture built in the run; one JSON file per b
 
     omnistage bench ar                      # Qwen3-0.6B shape, concurrency 1 / 8 / 64
     omnistage bench omni                    # Qwen3-Omni shape (scaled), concurrency 1 / 8 / 32
+    omnistage bench omni --model qwen2.5-omni   # Qwen2.5-Omni-7B shape (scaled thinker)
     omnistage bench tts                     # Qwen3-TTS 1.7B CustomVoice vs qwen-tts, 1 / 8 / 32
     omnistage bench diffusion               # Qwen-Image transformer, 1024x1024, 20 steps
     omnistage bench diffusion --model flux2-klein   # FLUX.2 klein 4B shape, 1024x1024, 4 steps
@@ -87,8 +88,11 @@ def _add_ar(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _add_omni(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    omni = kinds.add_parser("omni", help="Qwen3-Omni pipeline vs transformers "
-                                         "generate(return_audio=True)")
+    omni = kinds.add_parser("omni", help="Qwen3-Omni (or Qwen2.5-Omni) pipeline vs "
+                                         "transformers generate(return_audio=True)")
+    omni.add_argument("--model", choices=["qwen3-omni", "qwen2.5-omni"], default="qwen3-omni",
+                      help="which omni model's shape (qwen2.5-omni: omnistage/benchmarks/"
+                           "omni25.py)")
     omni.add_argument("--thinker-tokens", type=int, default=None,
                       help="text tokens per request (default 64; tiny 6)")
     omni.add_argument("--talker-tokens", type=int, default=None,
@@ -116,6 +120,10 @@ def _add_omni(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
                            "local one)")
     omni.add_argument("--replicas", type=_replicas, default=(), metavar="STAGE=N,...",
                       help="replicas of stages, e.g. talker=2,code2wav=2")
+    omni.add_argument("--layouts", default=None, metavar="NAMES",
+                      help="comma-separated GPU layouts, each its own engine on one "
+                           "checkpoint, ours only: tp2, tp4, tp2-split, ray-tp4, ray-2xtp2 "
+                           "(omnistage/benchmarks/omni_layouts.py)")
     omni.add_argument("--stage-override", action="append", default=[],
                       metavar="STAGE.KEY=VALUE", help="change one field of our graph "
                                                       "(repeatable)")
@@ -195,6 +203,12 @@ def _add_video(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     video.add_argument("--compile-ours", action="store_true",
                        help="also time our transformer with its blocks compiled (a stage's "
                             "compile: true; its compile adds a minute or two a model)")
+    video.add_argument("--parallel", default=None, metavar="LAYOUTS",
+                       help="Wan2.2-T2V-A14B at 720p, 81 frames, through the engine on 1 GPU "
+                            "and on each comma-separated layout (ulysses, cfg, tp: 2 GPUs; "
+                            "ulysses4, cfg2xulysses2, tp4: 4), against diffusers on 1 GPU")
+    video.add_argument("--no-reference", action="store_true",
+                       help="with --parallel: skip diffusers")
     return video
 
 
@@ -275,8 +289,12 @@ def _run_ar_tp(args: argparse.Namespace) -> Outcome:
 def _run_omni(args: argparse.Namespace) -> Outcome:
     from omnistage.benchmarks import omni
 
+    if args.layouts:
+        return _run_omni_layouts(args)
+
     cfg = omni.OmniBenchConfig.preset(
-        "tiny" if args.tiny else "real" if args.real_size else "bench", device=args.device,
+        "tiny" if args.tiny else "real" if args.real_size else "bench", model=args.model,
+        device=args.device,
         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         concurrency=args.concurrency, reference_requests=args.reference_requests,
         thinker_tokens=args.thinker_tokens, talker_tokens=args.talker_tokens,
@@ -285,7 +303,23 @@ def _run_omni(args: argparse.Namespace) -> Outcome:
         stage_overrides=(*args.replicas, *args.stage_override))
     result = omni.run(cfg)
     tp = f"_tp{cfg.tensor_parallel_size}" if cfg.tensor_parallel_size > 1 else ""
-    return result, f"omni_qwen3-omni-{cfg.sizes}{tp}", result["ratios"]
+    return result, f"omni_{cfg.model}-{cfg.sizes}{tp}", result["ratios"]
+
+
+def _run_omni_layouts(args: argparse.Namespace) -> Outcome:
+    from omnistage.benchmarks import omni, omni_layouts
+
+    names = tuple(args.layouts.split(","))
+    omni_layouts.check_layouts(names)
+    cfg = omni.OmniBenchConfig.preset(
+        "tiny" if args.tiny else "real" if args.real_size else "bench", device=args.device,
+        seed=args.seed, concurrency=args.concurrency, reference_requests=0,
+        thinker_tokens=args.thinker_tokens, talker_tokens=args.talker_tokens,
+        chunk_frames=args.chunk_frames, ray_address=args.ray_address,
+        stage_overrides=tuple(args.stage_override))
+    name = args.name or f"omni_layouts_qwen3-omni-{cfg.sizes}"
+    result = omni_layouts.run(cfg, names, Path(args.out_dir), name)
+    return result, name, result["ratios"]
 
 
 def _run_tts(args: argparse.Namespace) -> Outcome:
@@ -362,6 +396,8 @@ def _run_diffusion_flux2(args: argparse.Namespace) -> Outcome:
 
 
 def _run_video(args: argparse.Namespace) -> Outcome:
+    if args.parallel:
+        return _run_video_parallel(args)
     from omnistage.benchmarks import video
 
     sizes = "tiny" if args.tiny else "real"
@@ -373,3 +409,19 @@ def _run_video(args: argparse.Namespace) -> Outcome:
         **({"compile_backend": ""} if args.no_compile else {}))
     result = video.run(cfg)
     return result, f"video_wan_{sizes}", result["ratios"]
+
+
+def _run_video_parallel(args: argparse.Namespace) -> Outcome:
+    import tempfile
+
+    from omnistage.benchmarks import video_parallel as vp
+    from omnistage.benchmarks.common import write_result
+
+    cfg = vp.VideoParallelConfig(
+        sizes="tiny" if args.tiny else "a14b", steps=args.steps or 2,
+        layouts=tuple(args.parallel.split(",")), reference=not args.no_reference,
+        device=args.device, seed=args.seed)
+    name = args.name or f"video_parallel_wan-{cfg.sizes}"
+    with tempfile.TemporaryDirectory(prefix="omnistage-bench-video-parallel-") as tmp:
+        result = vp.run(cfg, Path(tmp), lambda r: write_result(r, Path(args.out_dir), name))
+    return result, name, result["ratios"]

@@ -71,7 +71,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     image.add_argument("--width", type=int, default=None)
     image.add_argument("--image", default=None, metavar="PATH", action="append",
                        help="an image file to start from: image-to-image, or the first frame "
-                            "of image-to-video; repeated: FLUX.2's reference images, in order")
+                            "of image-to-video; repeated: a multi-image edit's images, in "
+                            "order (Qwen-Image-Edit-Plus, FLUX.2's reference images)")
     image.add_argument("--num-frames", type=int, default=None,
                        help="video models: frames (default: the model's)")
     image.add_argument("--fps", type=float, default=None,

@@ -152,9 +152,10 @@ class ChatPrompts:
         self.client.counter.check(text, self.client.max_model_len, "messages")
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def image_prompt(self, messages: list[ChatMessage]) -> tuple[str, bytes | None]:
-        """An image model draws what the last user message says, starting from the image in
-        it if there is one; only that message is loaded (blocking)."""
+    def image_prompt(self, messages: list[ChatMessage]) -> tuple[str, list[bytes]]:
+        """An image model draws what the last user message says, starting from the images in
+        it, in order (how many the model takes, its stage says: the engine checks); only that
+        message is loaded (blocking)."""
         users = [i for i, m in enumerate(messages) if m.role == "user"]
         if not users:
             raise bad_request("messages: an image model draws what the last user message "
@@ -167,13 +168,11 @@ class ChatPrompts:
         other = sorted({p["type"] for p in parts} - {"text", "image"})
         param = f"messages[{users[-1]}].content"
         if other:
-            raise bad_request(f"{param}: an image model takes text and one image, not "
+            raise bad_request(f"{param}: an image model takes text and images, not "
                               f"{'/'.join(other)}", param, "unsupported_input")
-        if len(images) > 1:
-            raise bad_request(f"{param}: one input image at most, got {len(images)}", param)
         if not text.strip():
             raise bad_request(f"{param}: an image model needs text saying what to draw", param)
-        return text, (images[0] if images else None)
+        return text, images
 
 
 def reasoning_kwargs(effort: str | None, template: str) -> dict[str, Any]:

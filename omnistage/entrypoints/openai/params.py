@@ -97,8 +97,8 @@ def stage_params(graph: GraphConfig, entry: list[str], entry_fields: dict[str, A
                  ) -> list[StageParams]:
     """One params object per stage of `graph`, in graph order (what AsyncOmni takes as
     `sampling_params_list`). `entry_fields` are the OpenAI fields for the entry stages;
-    `image` the input image of an image-to-image request (diffusion entry stages),
-    `extra_images` an edit's further images (multi-reference editing)."""
+    `image` the input image of an image-to-image request (diffusion entry stages), and
+    `extra_images` the others of a multi-image edit."""
     if extension is not None and len(extension) != len(graph.stages):
         names = ", ".join(graph.stage_names)
         raise bad_request(f"sampling_params_list has {len(extension)} entries; this model has "
@@ -159,11 +159,11 @@ def _sampling(stage: StageConfig, openai: dict[str, Any], given: dict[str, Any],
 
 def _diffusion(openai: dict[str, Any], given: dict[str, Any], path: str,
                image: bytes | None, extra_images: tuple[bytes, ...]) -> DiffusionParams:
-    # the input image (bytes) and its strength go in last: strength needs the image
-    for key in ("image", "extra_images"):
-        if key in given:
-            raise bad_request(f"{path}.{key}: send images as image parts (chat) or files "
-                              "(/v1/images/edits)", f"{path}.{key}")
+    # the input images (bytes) and their strength go in last: strength needs an image
+    for name in ("image", "extra_images"):
+        if name in given:
+            raise bad_request(f"{path}.{name}: send images as image parts (chat) or files "
+                              "(/v1/images/edits)", f"{path}.{name}")
     strength = given.get("strength", openai.get("strength"))
     where = f"{path}.strength" if "strength" in given else "strength"
     openai = {k: v for k, v in openai.items() if k != "strength"}

@@ -133,14 +133,16 @@ class ChatServing:
                  ) -> tuple[dict[str, Any] | str, Prepared]:
         """On the preparation pool: the prompt (media loaded, template rendered, tokens) and
         the engine's checks of it and of the stages' params."""
-        image = None
+        images: list[bytes] = []
         if "image" in wanted:
-            prompt, image = self.prompts.image_prompt(req.messages)
+            prompt, images = self.prompts.image_prompt(req.messages)
         else:
             prompt = self.prompts.text_prompt(req)
-        # image models: the picture in the last user message makes it image-to-image
+        # image models: the pictures in the last user message make it image-to-image (or an
+        # edit); more than the model takes are refused by the engine's checks, naming `image`
+        first, *others = images or [None]
         params = stage_params(self.client.graph, self.client.entry, entry,
-                              req.sampling_params_list, image)
+                              req.sampling_params_list, first, tuple(others))
         if req.audio is not None and req.audio.voice is not None:
             params = [dataclasses.replace(p, extra={**p.extra, "speaker": req.audio.voice})
                       if isinstance(p, SamplingParams) else p for p in params]

@@ -11,11 +11,12 @@ draws and "transparent" a 400 (no alpha channel); `quality`, `style`, `moderatio
 quality knob is `num_inference_steps`); streamed partial images are a 400.
 
 An edit is an image-to-image request: the uploaded image becomes DiffusionParams.image and
-`strength` (an extension) how much of it is redrawn. The OpenAI SDK sends one image as the
-form field `image` and a list as `image[]`; both are read. Several images go in order to
-DiffusionParams.image and .extra_images: FLUX.2 conditions on all of them (reference images);
-a model that starts from one refuses more with a 400 naming `image`. Masks (inpainting) are
-not supported.
+`strength` (an extension) how much of it is redrawn; an edit pipeline (Qwen-Image-Edit,
+FLUX.2) conditions on it instead. The OpenAI SDK sends one image as the form field `image`
+and a list as `image[]`; both are read, in order: the first becomes `image`, the others
+`extra_images`. How many a model takes is its stage's `max_input_images`
+(Qwen-Image-Edit-Plus: 3; FLUX.2, whose reference images they are: 10; every other
+pipeline: 1); more are a 400 naming `image`. Masks (inpainting) are not supported.
 The form is parsed here, strictly: an unknown field is a 400 naming it, as for JSON bodies.
 """
 
@@ -28,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
 
+from omnistage.diffusion.params import MAX_INPUT_IMAGES
 from omnistage.entrypoints.openai.client import EngineClient, failed, unless_disconnected
 from omnistage.entrypoints.openai.errors import (APIError, bad_request, check_model,
                                                  invalid)
@@ -110,6 +112,9 @@ class ImageServing:
             check_model(req.model, self.model_name)
             if not images:
                 raise bad_request("image: one image file is required", "image")
+            if len(images) > MAX_INPUT_IMAGES:
+                raise bad_request(f"image: at most {MAX_INPUT_IMAGES} image files, got "
+                                  f"{len(images)}", "image")
             if mask is not None:
                 raise bad_request("mask: masked edits (inpainting) are not supported; the "
                                   "whole image is redrawn, as much as `strength` says", "mask")
@@ -128,9 +133,8 @@ class ImageServing:
         open_image(data, param, self.media.policy.max_image_pixels)
         return data
 
-    async def _run(self, req: ImageRequest, request: Request,
-                   images: list[bytes] | None = None, strength: float | None = None
-                   ) -> ImagesResponse:
+    async def _run(self, req: ImageRequest, request: Request, images: list[bytes] | None = None,
+                   strength: float | None = None) -> ImagesResponse:
         _check_openai_fields(req)
         height, width = parse_size(req.size)
         fields: dict[str, Any] = {"num_images": req.n}
@@ -142,9 +146,9 @@ class ImageServing:
         if strength is not None:
             fields["strength"] = strength
         # an edit's image bytes travel as they are (the engine decodes them where used)
-        first, *extra = images or [None]
+        first, *others = images or [None]
         params = stage_params(self.client.graph, self.client.entry, fields, None, first,
-                              tuple(extra))
+                              tuple(others))
         ticket = self.client.admit()
         try:
             prepared = await self.client.run(self.client.prepare, req.prompt, params, "prompt")

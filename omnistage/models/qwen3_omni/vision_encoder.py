@@ -30,8 +30,29 @@ from omnistage.models.qwen3_omni.audio_encoder import (build_component, read_thi
                                                         varlen_attention)
 
 
+class VisionSizes:
+    """What the shared blocks (attention, patch embedding, VisionBlock) read of a Qwen-VL
+    vision config: Qwen3-VL's below, Qwen2.5-VL's (qwen2_5_vl_vision.py)."""
+
+    __slots__ = ()
+    hidden_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+
 @dataclass(frozen=True, slots=True)
-class VisionEncoderConfig:
+class VisionEncoderConfig(VisionSizes):
     depth: int = 27
     hidden_size: int = 1152
     intermediate_size: int = 4304
@@ -78,17 +99,32 @@ class VisionEncoderConfig:
         values["deepstack_visual_indexes"] = tuple(values["deepstack_visual_indexes"])
         return cls(**values, rope_theta=float(rope.get("rope_theta", 10000.0)))
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
 
 def _grid_list(grid_thw: Tensor) -> list[tuple[int, int, int]]:
     return [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
+
+
+def checked_grids(cfg: VisionSizes, pixel_values: Tensor, grid_thw: Tensor
+                  ) -> list[tuple[int, int, int]]:
+    """The images' (t, h, w) patch grids, checked against the merge size and pixel_values."""
+    grids, m = _grid_list(grid_thw), cfg.spatial_merge_size
+    if any(h % m or w % m or t <= 0 for t, h, w in grids):
+        raise ValueError(f"grid_thw {grids}: h and w must be multiples of spatial_merge_size "
+                         f"{m} and t positive")
+    num_patches = sum(t * h * w for t, h, w in grids)
+    if pixel_values.shape != (num_patches, cfg.patch_dim):
+        raise ValueError(f"pixel_values: expected ({num_patches}, {cfg.patch_dim}) for "
+                         f"grid_thw {grids}, got {tuple(pixel_values.shape)}")
+    return grids
+
+
+def frame_segments(grids: list[tuple[int, int, int]]) -> list[int]:
+    """Cumulative patch counts with one segment per frame: full attention stays in a frame."""
+    cu_seqlens = [0]
+    for t, h, w in grids:
+        for _ in range(t):
+            cu_seqlens.append(cu_seqlens[-1] + h * w)
+    return cu_seqlens
 
 
 def merge_block_order(h: int, w: int, m: int) -> Tensor:
@@ -96,8 +132,27 @@ def merge_block_order(h: int, w: int, m: int) -> Tensor:
     return torch.arange(h * w).view(h // m, m, w // m, m).permute(0, 2, 1, 3).reshape(-1)
 
 
+def vision_rope(grids: list[tuple[int, int, int]], head_dim: int, merge: int, theta: float,
+                device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos, sin (N, 1, head_dim) float32 of the Qwen-VL towers' 2-D rotary, patches in
+    merge-block order: a quarter of the frequencies turn with the patch row, a quarter with
+    the column, the halves repeated (Qwen2.5-VL and Qwen3-VL alike)."""
+    quarter = head_dim // 2
+    inv_freq = 1.0 / (theta ** (
+        torch.arange(0, quarter, 2, dtype=torch.float32, device=device) / quarter))
+    rows, cols = [], []
+    for t, h, w in grids:
+        order = merge_block_order(h, w, merge).to(device)
+        rows.append((order // w).repeat(t))
+        cols.append((order % w).repeat(t))
+    row, col = torch.cat(rows).float(), torch.cat(cols).float()
+    freqs = torch.cat([row[:, None] * inv_freq, col[:, None] * inv_freq], dim=-1)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]          # (N, 1, D)
+    return emb.cos(), emb.sin()
+
+
 class VisionAttention(nn.Module):
-    def __init__(self, cfg: VisionEncoderConfig) -> None:
+    def __init__(self, cfg: VisionSizes) -> None:
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
@@ -123,12 +178,16 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionEncoderConfig) -> None:
+    """Pre-norm attention and MLP. Qwen3-VL's: LayerNorm and a GELU MLP; Qwen2.5-VL's tower
+    (qwen2_5_vl_vision.py) gives its RMSNorm and gated MLP."""
+
+    def __init__(self, cfg: VisionSizes, norm: type[nn.Module] = nn.LayerNorm,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.norm1 = norm(cfg.hidden_size, eps=1e-6)
+        self.norm2 = norm(cfg.hidden_size, eps=1e-6)
         self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
+        self.mlp = mlp if mlp is not None else VisionMLP(cfg)
 
     def forward(self, x: Tensor, cu_seqlens: list[int], rope: tuple[Tensor, Tensor]) -> Tensor:
         x = x + self.attn(self.norm1(x), cu_seqlens, rope)
@@ -161,12 +220,14 @@ class PatchMerger(nn.Module):
 
 class PatchEmbed(nn.Module):
     """The Conv3d of the checkpoint (weight (hidden, C, tp, p, p)) applied as one matmul: its
-    kernel covers a whole patch row of pixel_values, laid out (C, tp, p, p) too."""
+    kernel covers a whole patch row of pixel_values, laid out (C, tp, p, p) too. Qwen2.5-VL's
+    has no bias."""
 
-    def __init__(self, cfg: VisionEncoderConfig) -> None:
+    def __init__(self, cfg: VisionSizes, bias: bool = True) -> None:
         super().__init__()
         p, tp = cfg.patch_size, cfg.temporal_patch_size
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, (tp, p, p), (tp, p, p))
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, (tp, p, p), (tp, p, p),
+                              bias=bias)
 
     def forward(self, pixel_values: Tensor) -> Tensor:           # (N, C*tp*p*p)
         weight = self.proj.weight.view(self.proj.weight.shape[0], -1)
@@ -225,41 +286,13 @@ class VisionEncoder(nn.Module):
             out.append(pos[order].repeat(t, 1))                  # (t*h*w, hidden)
         return torch.cat(out)
 
-    def _rotary(self, grids: list[tuple[int, int, int]], device: torch.device
-                ) -> tuple[Tensor, Tensor]:
-        """cos, sin (N, 1, head_dim) float32 of the 2-D rotary: a quarter of the frequencies
-        turn with the patch row, a quarter with the column, the halves repeated."""
-        quarter = self.cfg.head_dim // 2
-        inv_freq = 1.0 / (self.cfg.rope_theta ** (
-            torch.arange(0, quarter, 2, dtype=torch.float32, device=device) / quarter))
-        rows, cols = [], []
-        for t, h, w in grids:
-            order = merge_block_order(h, w, self.cfg.spatial_merge_size).to(device)
-            rows.append((order // w).repeat(t))
-            cols.append((order % w).repeat(t))
-        row, col = torch.cat(rows).float(), torch.cat(cols).float()
-        freqs = torch.cat([row[:, None] * inv_freq, col[:, None] * inv_freq], dim=-1)
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]      # (N, 1, D)
-        return emb.cos(), emb.sin()
-
     def forward(self, pixel_values: Tensor, grid_thw: Tensor) -> tuple[Tensor, list[Tensor]]:
         cfg = self.cfg
-        grids = _grid_list(grid_thw)
-        m = cfg.spatial_merge_size
-        if any(h % m or w % m or t <= 0 for t, h, w in grids):
-            raise ValueError(f"grid_thw {grids}: h and w must be multiples of spatial_merge_size "
-                             f"{m} and t positive")
-        num_patches = sum(t * h * w for t, h, w in grids)
-        if pixel_values.shape != (num_patches, cfg.patch_dim):
-            raise ValueError(f"pixel_values: expected ({num_patches}, {cfg.patch_dim}) for "
-                             f"grid_thw {grids}, got {tuple(pixel_values.shape)}")
+        grids = checked_grids(cfg, pixel_values, grid_thw)
         x = self.patch_embed(pixel_values)                       # (N, hidden)
         x = x + self._position_embeddings(grids).to(x.dtype)
-        rope = self._rotary(grids, x.device)
-        cu_seqlens = [0]                                         # one segment per frame
-        for t, h, w in grids:
-            for _ in range(t):
-                cu_seqlens.append(cu_seqlens[-1] + h * w)
+        rope = vision_rope(grids, cfg.head_dim, cfg.spatial_merge_size, cfg.rope_theta, x.device)
+        cu_seqlens = frame_segments(grids)
 
         deepstack = []
         for idx, block in enumerate(self.blocks):

@@ -1,8 +1,14 @@
-"""CLIP text encoder: transformers' `CLIPTextModel` in plain PyTorch (FLUX's `text_encoder/`).
+"""CLIP text encoder: transformers' `CLIPTextModel` (FLUX's `text_encoder/`) and
+`CLIPTextModelWithProjection` (SD3's `text_encoder/` and `text_encoder_2/`) in plain PyTorch.
 
     input_ids (B,S) -> token + position embedding -> num_layers x pre-LN block (causal SDPA,
     fc1 -> quick_gelu / gelu -> fc2) -> final_layer_norm -> last_hidden_state (B,S,D)
     pooled (B,D) = last_hidden_state at each row's end-of-text token
+    with projection: pooled (B,P) = text_projection(pooled), HF's `text_embeds`
+
+`hidden_layer` picks another state in place of last_hidden_state, numbered as HF's
+`output_hidden_states` (0 = the embeddings, -1 = the last layer's output before the final norm,
+-2 = SD3's penultimate layer).
 
 Which token is the end of text follows transformers: configs that still say eos_token_id=2
 (the original OpenAI conversions, FLUX's included) take the position of the largest id (the
@@ -42,6 +48,7 @@ class CLIPTextConfig:
     hidden_act: str
     layer_norm_eps: float
     eos_token_id: int
+    projection_dim: int | None = None     # CLIPTextModelWithProjection: its text_projection
 
     @property
     def head_dim(self) -> int:
@@ -59,12 +66,14 @@ class CLIPTextConfig:
             raise ValueError(f"config.json eos_token_id={hf.eos_token_id!r}: need one token id "
                              "to find the pooled position")
         get_activation(hf.hidden_act, "hidden_act")
+        projected = "CLIPTextModelWithProjection" in (hf_config.architectures or ())
         return cls(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
                    intermediate_size=hf.intermediate_size,
                    num_hidden_layers=hf.num_hidden_layers,
                    num_attention_heads=hf.num_attention_heads,
                    max_position_embeddings=hf.max_position_embeddings, hidden_act=hf.hidden_act,
-                   layer_norm_eps=hf.layer_norm_eps, eos_token_id=hf.eos_token_id)
+                   layer_norm_eps=hf.layer_norm_eps, eos_token_id=hf.eos_token_id,
+                   projection_dim=hf.projection_dim if projected else None)
 
 
 class CLIPLayerConfig(Protocol):
@@ -152,6 +161,13 @@ class CLIPEncoder(nn.Module):
             h = layer(h, mask)
         return h
 
+    def hidden_states(self, h: Tensor, mask: Tensor | None) -> list[Tensor]:
+        """HF's `hidden_states`: the input, then every layer's output (num_layers + 1)."""
+        states = [h]
+        for layer in self.layers:
+            states.append(layer(states[-1], mask))
+        return states
+
 
 class CLIPTextEncoder(nn.Module):
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
@@ -163,25 +179,37 @@ class CLIPTextEncoder(nn.Module):
         self.embeddings = CLIPTextEmbeddings(config)
         self.encoder = CLIPEncoder(config, config.num_hidden_layers)
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        if config.projection_dim is not None:
+            self.text_projection = Linear(config.hidden_size, config.projection_dim, bias=False)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None
-                ) -> tuple[Tensor, Tensor]:
-        """input_ids (B, S) [, attention_mask (B, S), 1 = token] -> last_hidden_state (B, S, D),
-        pooled (B, D). Attention is causal, so padding after the end-of-text token changes
-        nothing before it whether or not the mask is passed (FLUX passes none)."""
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                hidden_layer: int | None = None) -> tuple[Tensor, Tensor]:
+        """input_ids (B, S) [, attention_mask (B, S), 1 = token] -> last_hidden_state (B, S, D)
+        (or HF's hidden_states[hidden_layer]), pooled (B, D) (projected (B, P) when the
+        checkpoint has a text_projection). Attention is causal, so padding after the
+        end-of-text token changes nothing before it whether or not the mask is passed (FLUX and
+        SD3 pass none)."""
         seq_len = input_ids.shape[1]
         if seq_len > self.config.max_position_embeddings:
             raise ValueError(f"input_ids: {seq_len} tokens, more than max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
-        h = self.embeddings(input_ids)                                      # (B, S, D)
-        h = self.encoder(h, attention_mask_4d(attention_mask, seq_len, causal=True))
-        h = self.final_layer_norm(h)
+        num_states = self.config.num_hidden_layers + 1
+        if hidden_layer is not None and not -num_states <= hidden_layer < num_states:
+            raise ValueError(f"hidden_layer={hidden_layer}: outside [-{num_states}, {num_states})")
+        mask = attention_mask_4d(attention_mask, seq_len, causal=True)
+        states = self.encoder.hidden_states(self.embeddings(input_ids), mask)  # (B, S, D) each
+        h = self.final_layer_norm(states[-1])
+        pooled = h[torch.arange(h.shape[0], device=h.device), self._eos_positions(input_ids)]
+        if hasattr(self, "text_projection"):
+            pooled = self.text_projection(pooled)                           # (B, P)
+        return (h if hidden_layer is None else states[hidden_layer]), pooled
+
+    def _eos_positions(self, input_ids: Tensor) -> Tensor:
+        """(B,) the position of each row's end-of-text token."""
         if self.config.eos_token_id == 2:   # legacy configs: the end-of-text id is the largest
-            eos_idx = input_ids.to(torch.int).argmax(dim=-1)
-        else:                               # first occurrence (padding may reuse the eos id)
-            eos_idx = (input_ids == self.config.eos_token_id).to(torch.int).argmax(dim=-1)
-        pooled = h[torch.arange(h.shape[0], device=h.device), eos_idx]     # (B, D)
-        return h, pooled
+            return input_ids.to(torch.int).argmax(dim=-1)
+        # first occurrence (padding may reuse the eos id)
+        return (input_ids == self.config.eos_token_id).to(torch.int).argmax(dim=-1)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",

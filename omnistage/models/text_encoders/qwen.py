@@ -15,7 +15,8 @@ Attention is causal plus the key-padding mask, in SDPA; positions are 0..S-1 for
 whatever the padding, as HF numbers them when given only input_ids and a mask. Qwen2.5-VL's
 multimodal rotary splits the rotary frequencies into (temporal, height, width) sections, each
 taking its own position id; a text token has the same id on all three axes, so for text-only
-input it is the ordinary 1D rotary over the whole head.
+input it is the ordinary 1D rotary over the whole head. With images (Qwen-Image-Edit) the caller
+passes the merged input embeddings and the (3, B, S) positions of the image tokens' grid.
 
 Checkpoints: a bare Qwen3Model / Qwen2Model folder (`layers.*`), a *ForCausalLM folder
 (`model.*` + `lm_head`), a Qwen2_5_VLForConditionalGeneration folder (`model.*` or
@@ -68,6 +69,7 @@ class QwenTextConfig:
     qkv_bias: bool
     o_proj_bias: bool
     has_qk_norm: bool
+    mrope_section: tuple[int, ...] | None = None    # Qwen2.5-VL: rotary pairs per (t, h, w)
 
     @classmethod
     def from_hf(cls, hf_config: PretrainedConfig) -> QwenTextConfig:
@@ -101,7 +103,9 @@ class QwenTextConfig:
                    rope_theta=float(rope["rope_theta"]),
                    qkv_bias=is_qwen2 or attention_bias,   # Qwen2: always on q/k/v; Mistral: never
                    o_proj_bias=attention_bias if is_qwen3 else False,
-                   has_qk_norm=is_qwen3)
+                   has_qk_norm=is_qwen3,
+                   mrope_section=tuple(rope["mrope_section"]) if "mrope_section" in rope
+                   else None)
 
 
 def apply_rope(x: Tensor, rope: Rope) -> Tensor:
@@ -185,10 +189,23 @@ class QwenTextEncoder(nn.Module):
         dims = torch.arange(0, config.head_dim, 2, dtype=torch.float32, device="cpu")
         self.inv_freq_cpu = 1.0 / config.rope_theta ** (dims / config.head_dim)  # (hd/2,)
 
-    def rope(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> Rope:
-        positions = torch.arange(seq_len, device=device, dtype=torch.float32)
-        freqs = positions[:, None] * self.inv_freq_cpu.to(device)[None, :]  # (S, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)                             # (S, hd)
+    def rope(self, seq_len: int, device: torch.device, dtype: torch.dtype,
+             position_ids: Tensor | None = None) -> Rope:
+        """cos, sin (S, hd) of positions 0..S-1; with multimodal `position_ids` (3, B, S),
+        (B, 1, S, hd): the frequency pairs of each mrope_section turn with their own axis."""
+        inv_freq = self.inv_freq_cpu.to(device)
+        if position_ids is None:
+            positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+            freqs = positions[:, None] * inv_freq[None, :]                  # (S, hd/2)
+        else:
+            sections = self.config.mrope_section
+            if sections is None or sum(sections) != inv_freq.numel():
+                raise ValueError(f"position_ids: multimodal positions need an mrope_section "
+                                 f"summing to {inv_freq.numel()} (config: {sections})")
+            axes = position_ids.to(device, torch.float32)[..., None] * inv_freq   # (3, B, S, hd/2)
+            freqs = torch.cat([part[i % 3] for i, part in
+                               enumerate(axes.split(list(sections), dim=-1))], dim=-1)[:, None]
+        emb = torch.cat((freqs, freqs), dim=-1)                             # (..., S, hd)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def layer_index(self, layer: int) -> int:
@@ -200,9 +217,12 @@ class QwenTextEncoder(nn.Module):
         return layer % num_states
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                output_layers: tuple[int, ...] = (-1,)) -> dict[int, Tensor]:
+                output_layers: tuple[int, ...] = (-1,), inputs_embeds: Tensor | None = None,
+                position_ids: Tensor | None = None) -> dict[int, Tensor]:
         """input_ids (B, S), attention_mask (B, S) with 1 = token, 0 = padding (None: none)
-        -> {layer: (B, S, hidden)} for each requested layer, keys as given."""
+        -> {layer: (B, S, hidden)} for each requested layer, keys as given. inputs_embeds
+        (B, S, hidden): used instead of the ids' embeddings (image features merged in);
+        position_ids (3, B, S): multimodal rotary positions (None: 0..S-1 on every axis)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected (B, S), got {tuple(input_ids.shape)}")
         if not output_layers:
@@ -210,8 +230,9 @@ class QwenTextEncoder(nn.Module):
         wanted = {layer: self.layer_index(layer) for layer in output_layers}
         deepest = max(wanted.values())
         seq_len = input_ids.shape[1]
-        h = self.embed_tokens(input_ids)                                    # (B, S, hidden)
-        rope = self.rope(seq_len, h.device, h.dtype)
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        # h: (B, S, hidden)
+        rope = self.rope(seq_len, h.device, h.dtype, position_ids)
         mask = attention_mask_4d(attention_mask, seq_len, causal=True)      # (B, 1, S, S)
         states = {0: h} if 0 in wanted.values() else {}
         for i, layer in enumerate(self.layers[:min(deepest, self.num_layers)], start=1):

@@ -20,8 +20,8 @@ from PIL import Image
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.registry import load_component
-from omnistage.testing.diffusion import run_to_end
-from omnistage.testing.tiny_flux2 import build_tiny_flux2_klein, png
+from omnistage.testing.diffusion import png, run_to_end
+from omnistage.testing.tiny_flux2 import build_tiny_flux2_klein
 
 if TYPE_CHECKING:
     from tests.entrypoints.openai.conftest import Server
@@ -60,7 +60,7 @@ def test_two_reference_images_edit_as_the_engine_does(klein: Path, server: Serve
 
 
 @pytest.mark.parametrize("files, param, match", [
-    ([png(64, 64, seed=i) for i in range(11)], "image", "11 input images; the maximum is 10"),
+    ([png(64, 64, seed=i) for i in range(11)], "image", "at most 10 image files, got 11"),
     ([png(64, 64, seed=1), png(48, 64, seed=2)], "image[1]", "48x64 is too small"),
 ], ids=["eleven", "too-small"])
 def test_bad_reference_images_are_400s(server: Server, files: list[bytes], param: str,

@@ -1,0 +1,251 @@
+"""Qwen2.5-Omni as three stages of the runtime: what `Qwen2_5OmniForConditionalGeneration.
+generate(return_audio=True)` does in one process, split so that the talker speaks while the
+thinker still writes.
+
+    thinker (ar)    prompt -> text; requests bound for the talker emit, per position, the
+                    input embedding (layer 0) and the last hidden state (after the norm), and
+                    their first chunk carries the prompt ids
+    talker (ar)     prefill = the prompt's rows (embedding + hidden state), the speaker's text
+                    bos, the first reply row (models/qwen2_5_omni/talker.py); each decode adds
+                    the next reply row, then text eos, then text pad (the engine's input
+                    stream); one codec token per step
+    token2wav (gen) the codec tokens, once the talker is done -> mel (DiT + RK4) -> 24 kHz
+                    waveform (generation/token2wav.py)
+
+Only text prompts: the thinker's audio and vision encoders are not ported (they are not
+Qwen3-Omni's), so a request with media is refused. Speakers are the checkpoint's spk_dict.pt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import AutoConfig
+
+from omnistage.ar.inputs import StreamInput
+from omnistage.configs.schema import StageConfig
+from omnistage.errors import InputError
+from omnistage.models.loader import resolve_model_path
+from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerForCausalLM
+from omnistage.models.qwen2_5_omni.thinker import (
+    Qwen2_5OmniThinkerForCausalLM,
+    thinker_embedding_rows,
+)
+from omnistage.models.qwen2_5_omni.token2wav import load_speakers
+from omnistage.sampling_params import SamplingParams
+from omnistage.stages.adapters import StageFeed
+from omnistage.stages.ar import ARStage
+from omnistage.stages.interface import StageInfo, StageRequest, StageResult
+
+DEFAULT_SPEAKER = "chelsie"         # the reference's `speaker="Chelsie"`
+
+
+def _load(cls: type, path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple:
+    model = cls.from_pretrained(path, device, dtype)
+    return model, model.model_config, AutoConfig.from_pretrained(path)
+
+
+class ThinkerStage(ARStage):
+    def __init__(self, stage: StageConfig, model: str, device: str) -> None:
+        super().__init__(stage, model, device,
+                         loader=lambda p, d, t: _load(Qwen2_5OmniThinkerForCausalLM, p, d, t))
+        self._first: dict[str, list[int]] = {}    # requests owing the talker their prompt ids
+
+    def prepare(self) -> None:
+        # the layers the talker takes: emitted by decodes of the requests bound for it
+        self.talker_layers = (0, self.engine.model_config.num_hidden_layers)
+
+    def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
+        return self.talker_layers, False
+
+    def add(self, request: StageRequest) -> None:
+        if request.multimodal or request.streamed:
+            raise InputError("Qwen2.5-Omni takes text prompts only here: its audio and vision "
+                             "encoders are not supported yet", param="messages")
+        params = request.params or self.defaults
+        if request.downstream and not params.output_hidden_layers:
+            params = replace(params, output_hidden_layers=self.talker_layers)
+        self.engine.add_request(request.request_id, request.prompt_token_ids, params,
+                                request.prompt_embeds)
+        if request.downstream:
+            self._first[request.request_id] = list(request.prompt_token_ids or [])
+
+    def abort(self, request_id: str) -> None:
+        self._first.pop(request_id, None)
+        super().abort(request_id)
+
+    def step(self) -> list[StageResult]:
+        results = super().step()
+        for r in results:
+            if r.request_id in self._first and "hidden_positions" in r.tensors:
+                r.tensors["prompt_token_ids"] = torch.tensor(self._first.pop(r.request_id))
+            if r.finished:
+                self._first.pop(r.request_id, None)
+        return results
+
+
+@dataclass(slots=True)
+class _TalkerInput:
+    """What the talker has received of one request from the thinker (thinker space)."""
+    speaker_idx: int
+    params: SamplingParams
+    prompt_ids: list[int] | None = None
+    rows: list[Tensor] = field(default_factory=list)   # embedding + last hidden, by position
+    num_sent: int = 0                                  # rows handed to the engine
+    closed: bool = False
+
+
+class TalkerStage(ARStage):
+    """The talker's AR engine. A request enters the engine once the thinker's first reply row
+    is in (its prompt needs it), with its real ids beside the embeddings (the reference's
+    repetition penalty counts them); its codec tokens go on to token2wav with the speaker's
+    index in the checkpoint's speaker map."""
+
+    def __init__(self, stage: StageConfig, model: str, device: str) -> None:
+        super().__init__(stage, model, device,
+                         loader=lambda p, d, t: _load(Qwen2_5OmniTalkerForCausalLM, p, d, t))
+        path = resolve_model_path(stage.model or model)
+        speakers = load_speakers(path)
+        self.speakers = {name: i for i, name in enumerate(speakers)}
+        cfg = self.model.config
+        text = thinker_embedding_rows(path, [cfg.text_eos_id, cfg.text_pad_id,
+                                             *(s.bos_token for s in speakers.values())])
+        self.text_rows = text.to(self.engine.device, self.engine.dtype)  # eos, pad, bos...
+        self.last_layer = self.engine.hf_config.thinker_config.text_config.num_hidden_layers
+        self.inputs: dict[str, _TalkerInput] = {}
+        self._fed: set[str] = set()                      # requests fed since the last step
+        self._speaker: dict[str, int] = {}               # request -> speaker index, to the end
+
+    @property
+    def model(self) -> Qwen2_5OmniTalkerForCausalLM:
+        return self.engine.model
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._fed) or self.engine.has_unfinished_requests
+
+    def model_info(self) -> StageInfo:
+        """Reported at the handshake, so the front door refuses an unknown voice at once."""
+        return {"speakers": ",".join(self.speakers)}
+
+    def add(self, request: StageRequest) -> None:
+        params = request.params or self.defaults
+        if not request.streamed:
+            raise ValueError("the talker takes its input from the thinker")
+        speaker = str(params.extra.get("speaker") or DEFAULT_SPEAKER).lower()
+        if speaker not in self.speakers:
+            raise InputError(f"speaker {speaker!r} is unknown (this model has: "
+                             f"{', '.join(self.speakers)})", param="speaker")
+        self.inputs[request.request_id] = _TalkerInput(self.speakers[speaker], params)
+        self._speaker[request.request_id] = self.speakers[speaker]
+
+    def abort(self, request_id: str) -> None:
+        self.inputs.pop(request_id, None)
+        self._speaker.pop(request_id, None)
+        self._fed.discard(request_id)
+        super().abort(request_id)
+
+    def feed(self, request_id: str, feed: StageFeed) -> None:
+        """Record the thinker's rows; they reach the engine at the next step. Rows for a
+        request the talker has finished (it said EOS first) are dropped."""
+        state, t = self.inputs.get(request_id), feed.tensors or {}
+        if state is None:
+            return
+        if "prompt_token_ids" in t:
+            state.prompt_ids = t["prompt_token_ids"].tolist()
+        if "hidden.0" in t:
+            assert int(t["hidden_positions"][0]) == len(state.rows), \
+                "thinker rows arrive in order, once each"
+            rows = t["hidden.0"].float() + t[f"hidden.{self.last_layer}"].float()
+            state.rows.extend(rows.unbind(0))
+        self._fed.add(request_id)
+
+    def close_input(self, request_id: str) -> None:
+        if request_id in self.inputs:
+            self.inputs[request_id].closed = True
+            self._fed.add(request_id)
+
+    @torch.inference_mode()
+    def _apply_input(self) -> list[StageResult]:
+        """Hand the engine what the thinker sent since the last step; a request whose input
+        is unusable fails alone."""
+        failed = []
+        fed, self._fed = self._fed, set()
+        for rid in fed:
+            state = self.inputs.get(rid)
+            if state is None:
+                continue
+            try:
+                self._prepare(rid, state)
+            except ValueError as exc:
+                self.abort(rid)
+                failed.append(StageResult(rid, finished=True, finish_reason="error",
+                                          error=f"{type(exc).__name__}: {exc}"))
+            if state.closed:
+                self.inputs.pop(rid, None)
+        return failed
+
+    def _prepare(self, request_id: str, state: _TalkerInput) -> None:
+        """Prefill once the prompt's rows and the first reply row are in; then stream the new
+        reply rows; at the close, text eos, then text pad for ever after."""
+        if state.prompt_ids is None:
+            if state.closed:
+                raise ValueError("the thinker sent no rows to speak")
+            return
+        num_prompt = len(state.prompt_ids)
+        if state.num_sent == 0 and len(state.rows) > num_prompt:
+            self._prefill(request_id, state, num_prompt)
+        elif state.num_sent == 0:
+            if state.closed:
+                raise ValueError("the thinker's answer is one token: nothing to speak")
+            return
+        rows = [self._device(torch.stack(state.rows[state.num_sent:]))] \
+            if len(state.rows) > state.num_sent else []
+        state.num_sent = len(state.rows)
+        if state.closed:
+            rows.append(self.text_rows[:1])                                 # text eos
+        if not rows:
+            return
+        project = self.model.project_stream
+        self.engine.extend_request(
+            request_id, stream_embeds=project(torch.cat(rows)), close_stream=state.closed,
+            stream_pad=project(self.text_rows[1]) if state.closed else None)   # text pad
+
+    def _prefill(self, request_id: str, state: _TalkerInput, num_prompt: int) -> None:
+        cfg = self.model.config
+        rows = self._device(torch.stack(state.rows[:num_prompt + 1]))
+        embeds = self.model.prompt_embeds(rows[:num_prompt], self.text_rows[2 + state.speaker_idx],
+                                          rows[num_prompt])
+        ids = [cfg.codec_mask_id] * num_prompt + [cfg.codec_pad_id, cfg.codec_bos_id]
+        self.engine.add_request(request_id, ids, state.params, prompt_embeds=embeds,
+                                stream=StreamInput())
+        state.num_sent = num_prompt + 1
+
+    def _device(self, rows: Tensor) -> Tensor:
+        return rows.to(self.engine.device, self.engine.dtype)
+
+    def step(self) -> list[StageResult]:
+        results = self._apply_input()
+        eos = set(self.engine.eos_token_ids)
+        for out in self.engine.step():
+            codes = [c for c in out.new_token_ids if c not in eos]
+            tensors = {}
+            if codes:
+                tensors = {"codes": torch.tensor(codes, dtype=torch.long),
+                           "speaker": torch.full((len(codes),), self._speaker[out.request_id])}
+            if out.finished:
+                self._speaker.pop(out.request_id, None)
+                self.inputs.pop(out.request_id, None)
+            results.append(StageResult(
+                out.request_id, out.new_token_ids, "", tensors, out.finished,
+                out.finish_reason.value if out.finish_reason else None, out.error))
+        return results
+
+
+def build_stage(stage: StageConfig, model: str, device: str) -> ARStage:
+    if stage.component == "qwen2_5_omni_thinker":
+        return ThinkerStage(stage, model, device)
+    return TalkerStage(stage, model, device)

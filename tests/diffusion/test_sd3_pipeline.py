@@ -1,0 +1,300 @@
+"""Our StableDiffusion3Pipeline in our engine against diffusers' on a tiny random
+SD3.5-medium-like folder (qk RMS-norm, a dual-attention block; CLIP-L and CLIP-G with
+projection, T5, the 16-channel-style VAE with shift and scaling), float32: two prompts batched
+with CFG and a negative prompt over several steps, skip-layer guidance, the images; bad
+requests refused at the boundary; served through `Omni` by its default graph."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnistage.diffusion.engine import DiffusionEngine
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipelines import sd3
+from omnistage.diffusion.pipelines.sd3 import SkipLayerGuidance
+from omnistage.configs.schema import ParallelSizes
+from omnistage.layers.groups import StageRanks
+from omnistage.registry import load_component
+from omnistage.testing.diffusion import run_alone, run_recording_latents
+from omnistage.testing.diffusion_ranks import sd3_run
+from omnistage.testing.ranks import run_ranks
+from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+
+SEQ = 12                        # T5 max_sequence_length
+HEIGHT, WIDTH = 20, 36          # pixels: the tiny VAE halves them, patches of 2 -> 5x9 tokens
+PROMPTS = ("a photo of the sea shore", "the weather today is sunny")
+NEGATIVE = "blurry, low quality"
+STEPS, GUIDANCE, SEEDS = 4, 4.5, (0, 7)
+Pair = tuple["diffusers.StableDiffusion3Pipeline", sd3.StableDiffusion3Pipeline, Path]
+
+
+def clip(vocab: int, hidden: int, projection: int) -> transformers.CLIPTextModelWithProjection:
+    return transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=37, num_attention_heads=4,
+        num_hidden_layers=3, max_position_embeddings=77, projection_dim=projection,
+        hidden_act="gelu", bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+
+
+def build_reference(path: Path) -> diffusers.StableDiffusion3Pipeline:
+    """diffusers' StableDiffusion3Pipeline from tiny random components, saved to `path`."""
+    torch.manual_seed(0)
+    tokenizer = build_tiny_tokenizer(path / "tok")
+    tokenizer.model_max_length = 77                     # CLIP's; diffusers pads to it
+    vocab = len(tokenizer)
+    text_encoder_3 = transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=vocab, d_model=40, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=2,
+        decoder_start_token_id=0)).eval()
+    transformer = diffusers.SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=40, caption_projection_dim=16,
+        pooled_projection_dim=24, out_channels=4, pos_embed_max_size=12,
+        dual_attention_layers=(0,), qk_norm="rms_norm").eval()
+    vae = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+        latent_channels=4, norm_num_groups=4, sample_size=64, use_quant_conv=False,
+        use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5305).eval()
+    with torch.no_grad():   # diffusers zero-inits some layers: make every path count
+        for model in (transformer, vae):
+            for name, p in model.named_parameters():
+                if name != "pos_embed.pos_embed":
+                    p.normal_(0.0, 0.15)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)      # SD3's config
+    pipe = diffusers.StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae,
+        text_encoder=clip(vocab, 32, 12), tokenizer=tokenizer,
+        text_encoder_2=clip(vocab, 24, 12), tokenizer_2=tokenizer,
+        text_encoder_3=text_encoder_3, tokenizer_3=tokenizer)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(path)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
+    path = tmp_path_factory.mktemp("sd3")
+    ref = build_reference(path)
+    ours = load_component("diffusion", "sd3").from_pretrained(path, "sd3", torch.device("cpu"),
+                                                             torch.float32)
+    ours.prompt_encoder.max_sequence_length = SEQ
+    return ref, ours, path
+
+
+def reference(ref: diffusers.StableDiffusion3Pipeline, output_type: str, **kwargs: object
+              ) -> torch.Tensor:
+    """Both prompts in one diffusers call, one generator per prompt (as ours: per request)."""
+    generators = [torch.Generator().manual_seed(s) for s in SEEDS]
+    kwargs = {"max_sequence_length": SEQ, **kwargs}
+    with torch.no_grad():
+        return ref(list(PROMPTS), height=HEIGHT, width=WIDTH, num_inference_steps=STEPS,
+                   guidance_scale=GUIDANCE, negative_prompt=NEGATIVE, generator=generators,
+                   output_type=output_type, return_dict=False, **kwargs)[0]
+
+
+def run_ours(ours: sd3.StableDiffusion3Pipeline) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Both prompts through our engine, the second joining one step after the first."""
+    params = [DiffusionParams(height=HEIGHT, width=WIDTH, num_inference_steps=STEPS,
+                              guidance_scale=GUIDANCE, negative_prompt=NEGATIVE, seed=s)
+              for s in SEEDS]
+
+    def drive(engine: DiffusionEngine) -> dict[str, DiffusionParams]:
+        engine.add_request("a", PROMPTS[0], params[0])
+        engine.step()
+        engine.add_request("b", PROMPTS[1], params[1])
+        return {"a": params[0], "b": params[1]}
+
+    seen, engine = run_recording_latents(ours, drive)
+    assert engine.num_steps_run == STEPS + 1             # "b" shared every step but a's first
+    return [seen["a"], seen["b"]]
+
+
+def test_matches_diffusers(pair: Pair) -> None:
+    ref, ours, _ = pair
+    expected = reference(ref, "latent")
+    assert expected.shape == (2, 4, HEIGHT // 2, WIDTH // 2)
+    assert expected.abs().mean() > 0.3, "the reference latents should not be near zero"
+    got = run_ours(ours)
+    torch.testing.assert_close(torch.cat([g[0] for g in got]), expected, atol=1e-4, rtol=0)
+
+    expected_images = reference(ref, "pt")                               # (2, 3, H, W) in [0, 1]
+    with torch.no_grad():
+        images = ours.decode_float(torch.cat([g[0] for g in got]), DiffusionParams(
+            height=HEIGHT, width=WIDTH))
+    torch.testing.assert_close(images, expected_images, atol=1e-4, rtol=0)
+    out = torch.cat([g[1] for g in got])
+    assert out.dtype == torch.uint8 and out.shape == (2, HEIGHT, WIDTH, 3)
+    quantized = (expected_images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+    assert (out.int() - quantized.int()).abs().max() <= 1
+    assert out.float().std() > 1.0, "the tiny pipeline should not draw a flat image"
+
+
+def test_bfloat16_matches_diffusers(pair: Pair) -> None:
+    """Both loaded in bfloat16 from the float32 folder: noise drawn in the model dtype,
+    timesteps in float32, CFG in bfloat16, as diffusers (bit-equal when written)."""
+    _, _, folder = pair
+    # loaded in float32 and cast: diffusers' own bfloat16 load leaves the patch conv's bias
+    # float32 here (no accelerate), and its forward then fails
+    ref = diffusers.StableDiffusion3Pipeline.from_pretrained(folder).to(torch.bfloat16)
+    ref.set_progress_bar_config(disable=True)
+    ours = sd3.StableDiffusion3Pipeline.from_pretrained(folder, "sd3", torch.device("cpu"),
+                                                       torch.bfloat16)
+    ours.prompt_encoder.max_sequence_length = SEQ
+    params = DiffusionParams(height=HEIGHT, width=WIDTH, num_inference_steps=3, seed=0,
+                             guidance_scale=GUIDANCE, negative_prompt=NEGATIVE)
+    got, _ = run_alone(ours, PROMPTS[0], params)
+    with torch.no_grad():
+        expected = ref(PROMPTS[0], height=HEIGHT, width=WIDTH, num_inference_steps=3,
+                       guidance_scale=GUIDANCE, negative_prompt=NEGATIVE,
+                       generator=torch.Generator().manual_seed(0), output_type="latent",
+                       max_sequence_length=SEQ, return_dict=False)[0]
+    assert got.dtype == expected.dtype == torch.bfloat16
+    assert expected.float().abs().mean() > 0.3
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=0)
+
+
+def test_skip_layer_guidance_matches_diffusers(pair: Pair) -> None:
+    """Active on steps 1 and 2 of 4 (start 0.1, stop 0.7); it changes the result."""
+    ref, ours, _ = pair
+    slg = SkipLayerGuidance(layers=(1,), scale=2.8, start=0.1, stop=0.7)
+    expected = reference(ref, "latent", skip_guidance_layers=[1], skip_layer_guidance_scale=2.8,
+                         skip_layer_guidance_start=0.1, skip_layer_guidance_stop=0.7)
+    plain = reference(ref, "latent")
+    assert (expected - plain).abs().max() > 1e-2
+    ours.use_skip_layer_guidance(slg)
+    try:
+        got = torch.cat([g[0] for g in run_ours(ours)])
+    finally:
+        ours.use_skip_layer_guidance(None)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match=r"layers \[3\]: the transformer has 3 blocks"):
+        ours.use_skip_layer_guidance(SkipLayerGuidance(layers=(3,)))
+    with pytest.raises(ValueError, match="start=0.5, stop=0.2"):
+        SkipLayerGuidance(layers=(1,), start=0.5, stop=0.2)
+
+
+def test_same_latents_alone_or_batched(pair: Pair) -> None:
+    """A request without CFG and one with CFG, two images and skip-layer guidance, at other
+    steps in one batch: each one's latents as when it runs alone."""
+    _, ours, _ = pair
+    plain = DiffusionParams(height=HEIGHT, width=WIDTH, num_inference_steps=4,
+                            guidance_scale=1.0, seed=4)
+    guided = DiffusionParams(height=HEIGHT, width=WIDTH, num_inference_steps=3, seed=3,
+                             num_images=2, negative_prompt=NEGATIVE)   # guidance 7.0
+
+    def drive(engine: DiffusionEngine) -> dict[str, DiffusionParams]:
+        engine.add_request("plain", PROMPTS[1], plain)
+        engine.step()
+        engine.add_request("guided", PROMPTS[0], guided)
+        return {"plain": plain, "guided": guided}
+
+    ours.use_skip_layer_guidance(SkipLayerGuidance(layers=(1,), start=0.0, stop=0.7))
+    try:
+        seen, engine = run_recording_latents(ours, drive)
+        alone = {"plain": run_alone(ours, PROMPTS[1], plain)[0],
+                 "guided": run_alone(ours, PROMPTS[0], guided)[0]}
+    finally:
+        ours.use_skip_layer_guidance(None)
+    assert engine.num_steps_run == 4
+    for rid, latents in alone.items():
+        torch.testing.assert_close(seen[rid][0], latents, atol=1e-5, rtol=0)
+    assert seen["guided"][0].shape == (2, 4, HEIGHT // 2, WIDTH // 2)
+
+
+def test_cfg_parallel_matches_one_rank(pair: Pair, tmp_path: Path) -> None:
+    """Two CPU ranks (gloo): the prompt rows on CFG rank 0, the negative and skip-layer rows
+    on rank 1; requests with CFG (two images), without, at other step counts: every rank's
+    latents equal one rank's."""
+    _, _, folder = pair
+    size = dict(height=HEIGHT, width=WIDTH)
+    cases = [dict(id="a", prompt=PROMPTS[0], params=dict(size, num_inference_steps=3, seed=1,
+                                                         num_images=2, guidance_scale=5.0,
+                                                         negative_prompt=NEGATIVE)),
+             dict(id="b", prompt=PROMPTS[1], params=dict(size, num_inference_steps=2, seed=2,
+                                                         guidance_scale=1.0)),
+             dict(id="c", prompt=PROMPTS[1], params=dict(size, num_inference_steps=4, seed=3))]
+    kwargs = {"folder": str(folder), "cases": cases, "skip_layers": [1]}
+    reference = sd3_run(StageRanks.single(), **kwargs)["latents"]
+    results = run_ranks("omnistage.testing.diffusion_ranks:sd3_run", ParallelSizes(cfg=2),
+                        kwargs, tmp_path)
+    for rank, result in enumerate(results):
+        for rid, expected in reference.items():
+            expected = torch.tensor(expected)
+            assert expected.abs().max() > 1.0, (rid, "latents too small to compare")
+            diff = (torch.tensor(result["latents"][rid]) - expected).abs().max()
+            assert diff < 1e-5 * expected.abs().max(), (rank, rid, float(diff))
+
+
+@pytest.mark.parametrize("params, prompt, match", [
+    (DiffusionParams(height=22, width=36), PROMPTS[0], "height=22: must be a multiple of 4 "
+                                                       r"\(VAE factor 2 x 2x2 patches\)"),
+    (DiffusionParams(height=20, width=52), PROMPTS[0], "width=52: the maximum is 48"),
+    (DiffusionParams(height=20, width=36, true_cfg_scale=4.0), PROMPTS[0], "true_cfg_scale"),
+    (DiffusionParams(height=20, width=36, guidance_scale=1.0, negative_prompt="x"), PROMPTS[0],
+     "negative_prompt: has no effect"),
+    (DiffusionParams(height=20, width=36, cache_threshold=0.1), PROMPTS[0], "no step caching"),
+    (DiffusionParams(height=20, width=36), "  ", "non-empty"),
+])
+def test_refuses_bad_requests(pair: Pair, params: DiffusionParams, prompt: str, match: str
+                              ) -> None:
+    engine = DiffusionEngine(pair[1])
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("x", prompt, params)
+    assert not engine.has_unfinished_requests
+
+
+def test_served_through_omni_by_its_default_and_split_graphs(pair: Pair) -> None:
+    """sd3.yaml (one stage) and sd3_split.yaml (the text encoders in a stage of their own):
+    the same images; a bad size fails its request, naming the rule."""
+    from omnistage import Omni
+
+    _, _, folder = pair
+    params = DiffusionParams(height=HEIGHT, width=WIDTH, num_inference_steps=2, seed=1,
+                             negative_prompt=NEGATIVE)
+    images = {}
+    for graph in (None, "sd3_split"):
+        with Omni(str(folder), stage_config=graph, device="cpu", backend="inproc",
+                  connector="inproc") as omni:
+            outs = omni.generate(list(PROMPTS), params)
+            assert [o.error for o in outs] == [None, None]
+            assert all(o.images[0].size == (WIDTH, HEIGHT) for o in outs)
+            images[graph] = torch.cat([o.tensors["images"] for o in outs])
+            (bad,) = omni.generate("a red cube", DiffusionParams(height=21, width=36))
+            assert bad.finish_reason == "error" and "multiple of 4" in bad.error
+    assert list(outs[0].stage_metrics) == ["text_encoder", "dit"]
+    assert (images["sd3_split"].int() - images[None].int()).abs().max() <= 1
+
+
+def test_skip_layer_guidance_as_a_stage_option(pair: Pair, tmp_path: Path) -> None:
+    """The default graph with `options: {skip_layer_guidance: ...}`: diffusers' images with
+    the same skip-layer guidance (and T5's default 256 tokens); a bad option fails the start,
+    naming it."""
+    from omnistage import Omni
+
+    ref, _, folder = pair
+    graph = (Path(__file__).parents[2] / "omnistage" / "configs" / "sd3.yaml").read_text()
+    option = "    options: {skip_layer_guidance: {layers: %s, start: 0.1, stop: 0.7}}\n"
+    (tmp_path / "slg.yaml").write_text(graph + option % "[1]")
+    expected = reference(ref, "pt", skip_guidance_layers=[1], skip_layer_guidance_start=0.1,
+                         skip_layer_guidance_stop=0.7, max_sequence_length=256)  # the default
+    expected = (expected * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+    params = [DiffusionParams(height=HEIGHT, width=WIDTH, num_inference_steps=STEPS,
+                              guidance_scale=GUIDANCE, negative_prompt=NEGATIVE, seed=s)
+              for s in SEEDS]
+    with Omni(str(folder), stage_config=str(tmp_path / "slg.yaml"), device="cpu",
+              backend="inproc", connector="inproc") as omni:
+        outs = [omni.generate(p, q)[0] for p, q in zip(PROMPTS, params)]
+    assert [o.error for o in outs] == [None, None]
+    got = torch.cat([o.tensors["images"] for o in outs])
+    assert (got.int() - expected.int()).abs().max() <= 1
+
+    (tmp_path / "bad.yaml").write_text(graph + option % "[7]")
+    with pytest.raises(Exception, match=r"layers \[7\]: the transformer has 3 blocks"):
+        Omni(str(folder), stage_config=str(tmp_path / "bad.yaml"), device="cpu",
+             backend="inproc", connector="inproc")

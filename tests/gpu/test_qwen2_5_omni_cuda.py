@@ -1,0 +1,57 @@
+"""GPU-only (skipped without CUDA): Qwen2.5-Omni (thinker -> talker -> token2wav, stage
+processes) on CUDA against transformers' generate(return_audio=True) on CUDA, float32 with
+TF32 off, on the tiny checkpoint: the same text, the waveform within 1e-3. What this catches
+is placement (a tensor left on the CPU, token2wav's noise drawn on the wrong device), not
+numerics, which the CPU golden tests (tests/models/qwen2_5_omni/) pin down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnistage import Omni, SamplingParams
+
+pytestmark = [pytest.mark.usefixtures("no_tf32"), pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+CHAT = [{"role": "user", "content": "Hello world, what is the weather today?"}]
+SEED = 3
+
+
+def test_qwen2_5_omni_on_cuda_equals_transformers(tmp_path: Path) -> None:
+    import transformers
+
+    from omnistage.testing.tiny_qwen2_5_omni import (
+        CODEC_EOS,
+        CODEC_PAD,
+        build_tiny_qwen2_5_omni,
+        mask_the_talker,
+    )
+
+    ckpt = build_tiny_qwen2_5_omni(tmp_path / "omni25")
+    params = [SamplingParams(temperature=0.0, max_tokens=8),
+              SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=30,
+                             extra={"speaker": "Ethan"}), None]
+    with Omni(str(ckpt), device="cuda", dtype="float32",
+              stage_overrides=[f"token2wav.options.seed={SEED}"]) as omni:
+        (out,) = omni.generate({"messages": CHAT}, params)
+    assert out.error is None, out.error
+    hf = transformers.Qwen2_5OmniForConditionalGeneration.from_pretrained(ckpt).cuda().eval()
+    ids = torch.tensor([out.prompt_token_ids], device="cuda")
+    handle = mask_the_talker(hf.talker)      # transformers 5.24 drops the talker's mask
+    try:
+        torch.manual_seed(SEED)              # token2wav's noise: the first CUDA draw after it
+        with torch.no_grad():
+            seq, wav = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                   speaker="Ethan", thinker_do_sample=False,
+                                   thinker_max_new_tokens=8, talker_do_sample=False,
+                                   talker_max_new_tokens=30,
+                                   talker_eos_token_id=[CODEC_PAD, CODEC_EOS])
+    finally:
+        handle.remove()
+    assert out.token_ids == seq[0, ids.shape[1]:].tolist()
+    audio, expected = out.tensors["audio"], wav.reshape(-1).cpu()
+    assert audio.shape == expected.shape and expected.abs().max() > 0.1
+    assert (audio - expected).abs().max() <= 1e-3

@@ -1,0 +1,115 @@
+"""Qwen2.5-Omni end to end on the stage runtime (thinker -> talker -> token2wav) against
+transformers' `generate(return_audio=True)` on a tiny random checkpoint, float32, greedy in
+the AR stages and the same noise seed in token2wav: the same text and the same waveform;
+text-only requests that never enter the talker; speakers; bad input."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from omnistage import Omni, SamplingParams
+from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
+from omnistage.testing.tiny_qwen2_5_omni import CODEC_EOS, CODEC_PAD, mask_the_talker
+
+THINKER_TOKENS = 8
+TALKER_TOKENS = 30
+SEED = 3
+CHAT = [{"role": "user", "content": "Hello world, what is the weather today?"}]
+
+
+@pytest.fixture(scope="module")
+def omni(omni25_path: Path):
+    with Omni(str(omni25_path), device="cpu", backend="inproc", connector="inproc",
+              stage_overrides=[f"token2wav.options.seed={SEED}",
+                               f"talker.sampling.max_tokens={TALKER_TOKENS}"]) as engine:
+        yield engine
+
+
+def greedy(speaker: str | None = None) -> list:
+    talker = SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=TALKER_TOKENS,
+                            extra={"speaker": speaker} if speaker else {})
+    return [SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS), talker, None]
+
+
+def reference(hf, ids: list[int], speaker: str) -> tuple[list[int], torch.Tensor]:
+    input_ids = torch.tensor([ids])
+    handle = mask_the_talker(hf.talker)
+    try:
+        torch.manual_seed(SEED)   # token2wav's noise: the first draw after it
+        with torch.no_grad():
+            seq, wav = hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                   speaker=speaker, thinker_do_sample=False,
+                                   thinker_max_new_tokens=THINKER_TOKENS, talker_do_sample=False,
+                                   talker_max_new_tokens=TALKER_TOKENS,
+                                   talker_eos_token_id=[CODEC_PAD, CODEC_EOS])
+    finally:
+        handle.remove()
+    return seq[0, len(ids):].tolist(), wav.reshape(-1)
+
+
+@pytest.mark.parametrize("speaker", ["Ethan"])
+def test_text_and_audio_equal_transformers(omni: Omni, omni25_hf, speaker: str) -> None:
+    (out,) = omni.generate({"messages": CHAT}, greedy(speaker))
+    assert out.error is None, out.error
+    expected_ids, expected_wav = reference(omni25_hf, out.prompt_token_ids, speaker)
+    assert out.token_ids == expected_ids
+    audio = out.tensors["audio"]
+    assert 0.1 < expected_wav.abs().max() < 0.99, "audible, not clamped"
+    assert audio.shape == expected_wav.shape
+    assert (audio - expected_wav).abs().max() <= 1e-4
+
+
+def test_batched_and_prefix_cached_requests_equal_alone(omni: Omni) -> None:
+    """Two requests at once (the talker and token2wav batch them), the second a prefix-cache
+    hit on the first's prompt: each equals the same request alone."""
+    other = [{"role": "user", "content": "Please write a short poem about the ocean."}]
+    (alone,) = omni.generate({"messages": CHAT}, greedy("Ethan"))
+    both = omni.generate([{"messages": other}, {"messages": CHAT}], greedy("Ethan"))
+    assert both[1].token_ids == alone.token_ids and both[0].token_ids != alone.token_ids
+    a, b = both[1].tensors["audio"], alone.tensors["audio"]
+    assert a.shape == b.shape and (a - b).abs().max() <= 1e-4
+
+
+def test_text_only_request_skips_talker(omni: Omni) -> None:
+    (out,) = omni.generate({"messages": CHAT}, greedy(), output_modalities={"text"})
+    (both,) = omni.generate({"messages": CHAT}, greedy())
+    assert out.token_ids == both.token_ids and "audio" not in out.tensors
+    assert set(out.stage_metrics) == {"thinker"}
+    assert both.tensors["audio"].numel() > 0
+
+
+def test_unknown_speaker_is_refused_before_any_stage(omni: Omni) -> None:
+    with pytest.raises(ValueError, match="speaker 'nobody' is unknown.*chelsie, ethan"):
+        omni.generate({"messages": CHAT}, greedy("nobody"))
+
+
+def chat(omni: Omni, body: dict) -> httpx.Response:
+    """One /v1/chat/completions call to the server's app over this engine, in process."""
+    async def go() -> httpx.Response:
+        app = build_app(omni.engine, ServerConfig(served_model_name="omni25"))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/v1/chat/completions", json=body, timeout=60)
+
+    return asyncio.run(go())
+
+
+def test_server_speaks_and_refuses_bad_input(omni: Omni) -> None:
+    body = {"model": "omni25", "messages": CHAT, "max_tokens": 4,
+            "modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}}
+    ok = chat(omni, body)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["message"]["audio"]["data"]
+    unknown = chat(omni, {**body, "audio": {"voice": "nobody", "format": "wav"}})
+    assert unknown.status_code == 400, unknown.text
+    assert unknown.json()["error"]["param"] == "audio.voice"
+    assert "chelsie, ethan" in unknown.json()["error"]["message"]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    media = chat(omni, {**body, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, image]}]})
+    assert media.status_code == 400, media.text
