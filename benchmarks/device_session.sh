@@ -23,6 +23,12 @@
 #   video    bench video: Wan2.2-TI2V-5B and Wan2.1-14B shapes against diffusers eager and
 #            compiled, per step with CFG, and step caching (VIDEO_FLAGS: more options; about
 #            6 minutes on an H100, alone: STAGES=video)
+#   realtime bench realtime (spoken turns over /v1/realtime at 1 and 8 sessions); the server
+#            needs fastapi, starlette, pydantic, pydantic_core, annotated_types,
+#            typing_inspection, uvicorn, websockets, python_multipart, opentelemetry_api and
+#            silero_vad among the wheels
+#   models   the GPU tests of the model families of issue 24 (SD3, Qwen-Image-Edit, FLUX.2,
+#            Qwen2.5-Omni) and their benchmarks against the reference
 #   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -180,6 +186,19 @@ fi
 if [[ $STAGES == *video* ]]; then
     timeout 580 python3 -m omnistage.entrypoints.cli.main bench video --out-dir "$OUT" \
         --name video ${VIDEO_FLAGS:-} 2>&1 | tee "$OUT/video.log" | grep -v " step " | tail -40
+fi
+if [[ $STAGES == *realtime* ]]; then
+    timeout 200 python3 -m omnistage.entrypoints.cli.main bench realtime --device cuda \
+        --out-dir "$OUT" 2>&1 | grep -v Warn | tail -15
+fi
+if [[ $STAGES == *models* ]]; then
+    timeout 240 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
+        -q tests/gpu/test_sd3_cuda.py tests/gpu/test_pipelines_cuda.py \
+        tests/gpu/test_qwen2_5_omni_cuda.py 2>&1 | tee "$OUT/model_tests.txt" | tail -8
+    timeout 200 python3 -m omnistage.entrypoints.cli.main bench diffusion --model flux2-klein \
+        --out-dir "$OUT" 2>&1 | tail -12
+    timeout 200 python3 -m omnistage.entrypoints.cli.main bench omni --model qwen2.5-omni \
+        --out-dir "$OUT" 2>&1 | tail -12
 fi
 if [[ $STAGES == *tp30b* ]]; then
     # two GPUs (kind nvidia-h100-x2): Qwen3-Omni-30B-A3B at its real size, the thinker on

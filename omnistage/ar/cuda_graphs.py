@@ -47,9 +47,12 @@ class DecodeInputs:
         ids = ([0] * num_seqs if ahead else
                [s.output_token_ids[p - s.num_prompt_tokens] for s, p in zip(seqs, computed)])
         slots = [s.block_table[p // page] * page + p % page for s, p in zip(seqs, computed)]
-        pos = ([p + (s.mm.rope_delta if s.mm else 0) for s, p in zip(seqs, computed)]
-               if mrope else computed)
-        pos = (pos + [0] * pad) * (3 if mrope else 1)
+        if mrope:       # rows t, h, w one after another
+            rows = [s.mm.position_of(p, s.num_prompt_tokens) if s.mm else (p, p, p)
+                    for s, p in zip(seqs, computed)] + [(0, 0, 0)] * pad
+            pos = [r[axis] for axis in range(3) for r in rows]
+        else:
+            pos = computed + [0] * pad
         tables = [s.block_table for s in seqs]
         width = max(map(len, tables))
         return DecodeInputs(

@@ -122,13 +122,30 @@ class MultimodalInput:
     """What a multimodal prompt brings besides its embeddings (Qwen3-Omni): its rotary
     positions (3, P) and the offset `rope_delta` of every decode position after it, and the
     deepstack features (positions (K,), features (L, K, hidden)) added inside the first
-    layers."""
+    layers. A model that writes an image token by token gives its generated tokens their own
+    positions: `decode_positions` (3, G), those of generated tokens 0 .. G-1 (GLM-Image: the
+    rows and columns of its target grids); the ones after continue at text position +
+    rope_delta."""
 
     positions: Tensor | None = None
     rope_delta: int = 0
     deepstack: tuple[Tensor, Tensor] | None = None
+    decode_positions: Tensor | None = None
 
     def check(self, num_prompt_tokens: int) -> None:
         """ValueError unless the positions cover the prompt (checked once it is complete)."""
         if self.positions is not None:
             check_mrope_positions(self.positions, num_prompt_tokens)
+        d = self.decode_positions
+        if d is not None and (d.dim() != 2 or d.shape[0] != 3 or d.is_floating_point()):
+            raise ValueError(f"decode_positions: expected integer (3, G), got {d.dtype} "
+                             f"{tuple(d.shape)}")
+
+    def position_of(self, idx: int, num_prompt_tokens: int) -> tuple[int, int, int]:
+        """The (t, h, w) rotary position of the token at sequence position idx >= the
+        prompt's length (a decode's)."""
+        g = idx - num_prompt_tokens
+        if self.decode_positions is not None and 0 <= g < self.decode_positions.shape[1]:
+            t, h, w = self.decode_positions[:, g].tolist()
+            return t, h, w
+        return (idx + self.rope_delta,) * 3

@@ -191,14 +191,21 @@ def _add_slots(slots: list[int], table: list[int], start: int, n: int, bs: int) 
 
 
 def _mrope_rows(seq: Sequence, start: int, n: int) -> Tensor:
-    """(3, n) multimodal rotary positions: the prompt's own where it has them, else the text
-    position shifted by the request's rope delta."""
+    """(3, n) multimodal rotary positions: the prompt's own where it has them, the generated
+    tokens' own where it gives them (`decode_positions`), else the text position shifted by
+    the request's rope delta."""
     mm = seq.mm
     rows3 = (torch.arange(start, start + n) + (mm.rope_delta if mm else 0)).expand(3, n).clone()
     num_prompt = seq.num_prompt_tokens
     if mm is not None and mm.positions is not None and start < num_prompt:
         stop = min(start + n, num_prompt)
         rows3[:, :stop - start] = mm.positions[:, start:stop]
+    if mm is not None and mm.decode_positions is not None and start + n > num_prompt:
+        first = max(start, num_prompt)
+        stop = min(start + n, num_prompt + mm.decode_positions.shape[1])
+        if stop > first:
+            rows3[:, first - start:stop - start] = \
+                mm.decode_positions[:, first - num_prompt:stop - num_prompt]
     return rows3
 
 

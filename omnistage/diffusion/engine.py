@@ -78,9 +78,11 @@ class DiffusionEngine:
         self.pipeline.validate(prompt, params, image)
 
     def add_request(self, request_id: str, prompt: str | None, params: DiffusionParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, parked: bool | None = None) -> None:
         """prompt None: the text conditioning comes from an upstream stage; the request waits
-        for it (`set_conditioning`) after its latents and schedule are prepared."""
+        for it (`set_conditioning`) after its latents and schedule are prepared. parked True
+        with a prompt: the prompt is encoded here and the request still waits for what
+        upstream sends (a pipeline with `text_with_upstream`: GLM-Image's visual tokens)."""
         if request_id in self.requests or request_id in self.parked:
             raise ValueError(f"request id {request_id!r} is already running")
         if prompt is None and not is_split_pipeline(type(self.pipeline)):
@@ -91,7 +93,7 @@ class DiffusionEngine:
             self.memory.check(req)              # a request that alone cannot fit: refused
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        if prompt is None:
+        if (prompt is None) if parked is None else parked:
             self.parked[request_id] = req
         else:
             self.requests[request_id] = req
@@ -118,7 +120,8 @@ class DiffusionEngine:
         and for a pipeline that cannot prepare a request alone (conditioning from upstream,
         an input image required): there the first steps run one request each, measured."""
         if self.memory is None or self.ranks.world_size > 1 or (
-                getattr(self.pipeline, "prompt_encoder", True) is None):
+                getattr(self.pipeline, "prompt_encoder", True) is None) or (
+                getattr(self.pipeline, "text_with_upstream", False)):
             return
         try:
             req = self._prepare("memory-profile", PROFILE_PROMPT,

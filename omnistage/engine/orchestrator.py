@@ -184,7 +184,8 @@ class Orchestrator:
         """Stage `name`'s part of a request (`replicas`: the request's replica at each stage it
         needs): an entry stage gets the prompt and the client's tensors, a diffusion stage its
         params; what the stage takes as tensors (an edit's image file too: its params carry an
-        ImageRef per file) goes through the connector."""
+        ImageRef per file) goes through the connector. Every stage gets the prompt's text (a
+        downstream stage may encode it beside what its edges bring: GLM-Image's DiT)."""
         ups = [i for i in self.graph.stage(name).inputs if i.source in replicas]
         downs = [d.name for d, _ in self._downstream[name] if d.name in replicas]
         tensors = {} if ups else dict(entry.tensors)
@@ -195,7 +196,7 @@ class Orchestrator:
         edge = m.edge_key(m.CLIENT, name, self._replica_key(name, replicas))
         inputs = self._inputs.put(ChunkKey(request_id, edge, 0), tensors) if tensors else None
         return m.AddRequest(request_id, p if isinstance(p, SamplingParams) else None, diffusion,
-                            None if ups else entry.prompt_text,
+                            entry.prompt_text,
                             None if ups else entry.token_ids, inputs, len(ups), downs,
                             {d: replicas[d] for d in downs if self._replica_key(d, replicas)
                              is not None}, now)

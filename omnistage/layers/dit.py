@@ -1,5 +1,5 @@
 """Blocks that diffusion transformers share, with diffusers' parameter names so checkpoints
-load one-to-one: sinusoidal timestep embedding, its MLP, adaptive LayerNorms, the GELU MLP,
+load one-to-one: sinusoidal timestep embedding, its MLP, adaptive LayerNorms, the GELU / SiLU MLP,
 the rotation of interleaved feature pairs by complex rope tables.
 
 Under tensor parallelism (layers/parallel.py) the MLP splits column / row, and the adaptive
@@ -71,40 +71,52 @@ class AdaLayerNormZero(nn.Module):
 
 class AdaLayerNormContinuous(nn.Module):
     """Output norm: note the (scale, shift) order, unlike AdaLayerNormZero's (shift, scale).
-    bias False: FLUX.2's."""
+    GLM-Image's variant reads a temb already activated (`silu=False`), of its own width
+    (`cond_dim`), with LayerNorm eps 1e-5; bias False: FLUX.2's."""
 
-    def __init__(self, dim: int, bias: bool = True) -> None:
+    def __init__(self, dim: int, cond_dim: int | None = None, silu: bool = True,
+                 eps: float = 1e-6, bias: bool = True) -> None:
         super().__init__()
-        self.linear = nn.Linear(dim, 2 * dim, bias=bias)
+        self.silu, self.eps = silu, eps
+        self.linear = nn.Linear(cond_dim or dim, 2 * dim, bias=bias)
 
     def forward(self, x: Tensor, temb: Tensor) -> Tensor:
-        scale, shift = self.linear(F.silu(temb).to(x.dtype)).chunk(2, dim=1)          # (B, D) each
-        return F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+        cond = (F.silu(temb) if self.silu else temb).to(x.dtype)
+        scale, shift = self.linear(cond).chunk(2, dim=1)                                # (B, D) each
+        return F.layer_norm(x, x.shape[-1:], eps=self.eps) * (1 + scale[:, None]) + shift[:, None]
 
 
-class GELU(nn.Module):
-    """Column-parallel: this rank's slice of the hidden features. approximate: "tanh"
-    (diffusers' "gelu-approximate") or "none" (its "gelu")."""
+ACTIVATIONS = {"gelu-approximate": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
+               "linear-silu": F.silu}
 
-    def __init__(self, dim_in: int, dim_out: int, approximate: str = "tanh") -> None:
+
+class ProjectedActivation(nn.Module):
+    """A FeedForward's first layer (net.0): a column-parallel projection (this rank's slice of
+    the hidden features), then the activation named as diffusers' `activation_fn`:
+    "gelu-approximate" (tanh GELU), "gelu" (exact GELU) or "linear-silu" (SiLU)."""
+
+    def __init__(self, dim_in: int, dim_out: int, activation: str = "gelu-approximate") -> None:
         super().__init__()
-        self.approximate = approximate
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: supported are {sorted(ACTIVATIONS)}")
+        self.activation = ACTIVATIONS[activation]
         self.proj = ColumnParallelLinear(dim_in, dim_out, bias=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(self.proj(x), approximate=self.approximate)
+        return self.activation(self.proj(x))
 
 
 class FeedForward(nn.Module):
     """net.0.proj -> gelu -> net.2 (net.1 is diffusers' dropout: no weights); split column /
     row over the tensor-parallel ranks. Hidden width `inner_dim` (default dim * mult), output
-    width `dim_out` (default dim), as diffusers' FeedForward arguments."""
+    width `dim_out` (default dim), activation `activation` (ProjectedActivation), as diffusers'
+    FeedForward arguments."""
 
     def __init__(self, dim: int, mult: int = 4, inner_dim: int | None = None,
-                 dim_out: int | None = None, approximate: str = "tanh") -> None:
+                 dim_out: int | None = None, activation: str = "gelu-approximate") -> None:
         super().__init__()
         inner_dim = inner_dim or dim * mult
-        self.net = nn.ModuleList([GELU(dim, inner_dim, approximate), nn.Identity(),
+        self.net = nn.ModuleList([ProjectedActivation(dim, inner_dim, activation), nn.Identity(),
                                   RowParallelLinear(inner_dim, dim_out or dim, bias=True)])
 
     def forward(self, x: Tensor) -> Tensor:

@@ -72,20 +72,22 @@ class MRotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, rope_parameters: dict[str, Any],
                  mrope_section: tuple[int, int, int], interleaved: bool = True) -> None:
+        """A `partial_rotary_factor` in rope_parameters (GLM-Image: 0.5) rotates the first
+        head_dim * factor features of each head only, the rest passing through."""
         super().__init__()
-        inv_freq, scaling = _inv_freq(head_dim, max_position, rope_parameters)
-        if inv_freq.numel() * 2 != head_dim:
-            raise NotImplementedError(f"rotary dim {inv_freq.numel() * 2} != head_dim {head_dim}"
-                                      " (partial rotary embedding is not supported)")
-        self.head_dim = head_dim
+        rotary_dim = int(head_dim * rope_parameters.get("partial_rotary_factor", 1.0))
+        inv_freq, scaling = _inv_freq(rotary_dim, max_position, rope_parameters)
+        if inv_freq.numel() * 2 != rotary_dim:
+            raise NotImplementedError(f"rotary dim {inv_freq.numel() * 2} != {rotary_dim}")
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim
         self.mrope_section = tuple(mrope_section)
         self.interleaved = interleaved
         freqs = torch.arange(max_position).float()[:, None] * inv_freq.float()[None, :]
-        self.register_buffer("cos_cache", freqs.cos() * scaling, persistent=False)  # (P, D/2)
+        self.register_buffer("cos_cache", freqs.cos() * scaling, persistent=False)  # (P, R/2)
         self.register_buffer("sin_cache", freqs.sin() * scaling, persistent=False)
-        axis = mrope_axis_of_frequency(head_dim // 2, self.mrope_section, interleaved)
+        axis = mrope_axis_of_frequency(rotary_dim // 2, self.mrope_section, interleaved)
         self.register_buffer("axis", axis, persistent=False)                      # (D/2,)
-        self.register_buffer("freq_idx", torch.arange(head_dim // 2), persistent=False)
+        self.register_buffer("freq_idx", torch.arange(rotary_dim // 2), persistent=False)
         self._rows: tuple[Tensor, torch.dtype, Tensor, Tensor] | None = None
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -107,15 +109,25 @@ class MRotaryEmbedding(nn.Module):
             self._rows = (positions, q.dtype, cos.unsqueeze(-2).to(q.dtype),      # (T, 1, D)
                           sin.unsqueeze(-2).to(q.dtype))
         cos, sin = self._rows[2], self._rows[3]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        return q, k
+        if self.rotary_dim < self.head_dim:
+            r = self.rotary_dim
+            return (torch.cat([self._rotate(q[..., :r], cos, sin), q[..., r:]], dim=-1),
+                    torch.cat([self._rotate(k[..., :r], cos, sin), k[..., r:]], dim=-1))
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
-    def fused_tables(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    @staticmethod
+    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return x * cos + rotate_half(x) * sin
+
+    def fused_tables(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
         """What the fused kernels rotate with: (cos, sin) tables (P, D/2) and each frequency's
-        position row (positions (3, T) or (T,))."""
+        position row (positions (3, T) or (T,)); None with partial rotary (the kernels rotate
+        whole heads)."""
+        if self.rotary_dim < self.head_dim:
+            return None
         return self.cos_cache, self.sin_cache, self.axis
 
     def extra_repr(self) -> str:
-        return (f"head_dim={self.head_dim}, max_position={self.cos_cache.shape[0]}, "
+        return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
+                f"max_position={self.cos_cache.shape[0]}, "
                 f"mrope_section={self.mrope_section}, interleaved={self.interleaved}")

@@ -13,8 +13,9 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig
 
 # Facts that an HF config leaves to its modeling file.
-# Qwen2 and Qwen2.5-Omni's thinker and talker decoders: bias on q/k/v, none on o_proj
-_QKV_BIAS_ALWAYS = {"qwen2", "qwen2_5_omni_text", "qwen2_5_omni_talker"}
+# Qwen2, Qwen2.5-Omni's thinker and talker, GLM-Image's text decoder: bias on q/k/v, none on
+# o_proj
+_QKV_BIAS_ALWAYS = {"qwen2", "qwen2_5_omni_text", "qwen2_5_omni_talker", "glm_image_text"}
 _QK_NORM = {"qwen3", "qwen3_moe"}          # RMSNorm over each head of q and k
 
 

@@ -245,7 +245,7 @@ class WanImageEmbedding(nn.Module):
                  ) -> None:
         super().__init__()
         self.norm1 = FP32LayerNorm(in_features)
-        self.ff = FeedForward(in_features, mult=1, dim_out=out_features, approximate="none")
+        self.ff = FeedForward(in_features, mult=1, dim_out=out_features, activation="gelu")
         self.norm2 = FP32LayerNorm(out_features)
         self.pos_embed = (nn.Parameter(torch.zeros(1, pos_embed_seq_len, in_features))
                           if pos_embed_seq_len else None)

@@ -35,7 +35,9 @@ class DiffusionStage:
 
         flux               the whole pipeline: prompt in, images out. With an input edge (a
                            split graph) it loads no text encoder: each request is prepared and
-                           parked until its conditioning arrives on the edge, then denoised
+                           parked until its conditioning arrives on the edge, then denoised.
+                           A pipeline with `text_with_upstream` (glm_image) keeps its text
+                           encoder and the request's prompt, and parks for the edge's tokens
         flux.text_encoder  the pipeline's text encoders alone (TextEncodingEngine): prompt in,
                            conditioning out, batched over requests; an entry stage
         diffusers          the generic adapter (diffusion/diffusers_engine.py): a diffusers
@@ -64,6 +66,8 @@ class DiffusionStage:
         path = stage.model or model
         check_parallel_layout(stage, path)
         self.conditioned = bool(stage.inputs)          # conditioning comes along an edge
+        # the prompt is still encoded here, beside what the edge brings (GLM-Image's glyphs)
+        self.text_here = getattr(cls, "text_with_upstream", False)
         # what `decode` returns, by the graph's word: uint8 (n, H, W, C) images, or for a
         # video pipeline (`final: video`) uint8 (n, F, H, W, 3) frames
         self.output_key = "video" if stage.final == "video" else "images"
@@ -82,7 +86,8 @@ class DiffusionStage:
             return
         # followers (ranks > 0) get rank 0's prepared requests: no text encoder of their own
         leader = stage_ranks().is_leader
-        extra = {"text_encoders": False} if self.conditioned or not leader else {}
+        extra = ({"text_encoders": False}
+                 if (self.conditioned and not self.text_here) or not leader else {})
         check_options(stage, cls)
         pipeline = cls.from_pretrained(path, name, dev, dtype, **extra)
         if isinstance(pipeline, DiffusersPipeline):      # the generic adapter: whole calls
@@ -115,7 +120,11 @@ class DiffusionStage:
             if not request.streamed:
                 raise ValueError("this diffusion stage takes its conditioning from its input "
                                  "edge, but the request has no upstream stage")
-            self.engine.add_request(rid, None, diffusion, arrival)
+            if self.text_here and request.prompt is None:
+                raise ValueError("prompt: this diffusion stage encodes the request's prompt "
+                                 "beside its input edge's conditioning, but none came")
+            self.engine.add_request(rid, request.prompt if self.text_here else None, diffusion,
+                                    arrival, parked=True)
             return
         if request.streamed or request.prompt is None:
             raise ValueError("a diffusion stage takes a text prompt from the request")

@@ -306,3 +306,24 @@ def test_bench_video(tmp_path: Path) -> None:
                 "video_step_cache_speedup_vs_diffusers"):
         assert positive(ratios[key]) and ratios[key] == ratios[f"{key}_5b"]
 
+
+
+def test_four_gpu_benchmarks_refuse_bad_layouts(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    """bench video --parallel (Wan2.2-A14B over layouts) and bench omni --layouts refuse an
+    unknown layout before anything is built; --no-compile reaches the video bench's config."""
+    from omnistage.benchmarks.omni_layouts import LAYOUTS, check_layouts
+    from omnistage.benchmarks.video import VideoBenchConfig
+    from omnistage.benchmarks.video_parallel import VideoParallelConfig
+
+    for bad in ("ulysses3x", "pipeline"):
+        with pytest.raises(ValueError, match="layout"):
+            VideoParallelConfig(layouts=(bad,))
+    with pytest.raises(ValueError, match="tp2, tp4"):
+        check_layouts(("tp8",))
+    assert {LAYOUTS[n].gpus for n in LAYOUTS} == {2, 4}
+    assert main(["bench", "omni", "--tiny", "--device", "cpu", "--layouts", "tp3",
+                 "--out-dir", str(tmp_path)]) == 2
+    assert "tp3" in capsys.readouterr().err
+    assert VideoBenchConfig.preset("real", compile_backend="").compile_backend == ""
+    assert not list(tmp_path.iterdir())

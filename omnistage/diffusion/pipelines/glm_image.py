@@ -1,0 +1,261 @@
+"""GLM-Image's decode stage: the DiT half of diffusers' `GlmImagePipeline.__call__` split into
+the engine's phases (omnistage/diffusion/pipeline.py), numerics kept step for step. The AR half
+(the visual tokens) runs in a stage of its own upstream; its tokens arrive along the edge.
+
+    encode:   glyph texts (the prompt's quoted spans, "" when none) -> ByT5 encoder -> the
+              real tokens' states of every span, one after another: (L, D) per prompt; with
+              CFG the negative is always "" (GlmGlyphEncoder, batched over requests)
+    prepare:  randn (n, C, H/8, W/8) on the request's CPU generator; timesteps
+              int(linspace(1000, 1, N+1)[:-1]), sigmas = timesteps / 1000 shifted by
+              mu = sqrt(image tokens / 256) * max_shift + base_shift; then the request waits
+              for the AR stage's tokens (`check_conditioning`)
+    condition: the AR's generated tokens: t2i writes a small preview grid first, then the
+              target grid (H/32 x W/32); the target grid's tokens, upsampled 2x nearest to
+              the DiT's patch grid, are the prior tokens
+    velocity: one transformer call over all rows: every row with its glyphs and prior, then
+              the rows of requests with CFG again with the "" glyphs and the prior dropped;
+              timestep = the request's unshifted timestep - 1; glyphs zero-padded and masked
+              comb = uncond + g * (cond - uncond)  (guidance_scale g, default 1.5; CFG if > 1)
+    decode:   z * latents_std + latents_mean per channel -> VAE -> (x/2 + 0.5).clamp(0, 1)
+
+Every network is ours (the ByT5 encoder, the transformer, the VAE); the tokenizer comes from
+transformers. Text-to-image only: an input image (editing) is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import Tensor
+from transformers import AutoTokenizer
+
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipeline import LatentPipelineBase, encode_with_negatives
+from omnistage.diffusion.pipelines.qwen_image import pad_captions
+from omnistage.diffusion.request import DiffusionRequest
+from omnistage.diffusion.solvers import flow_match_euler as solver
+from omnistage.models.autoencoder_kl import AutoencoderKL
+from omnistage.models.glm_image_transformer import GlmImageTransformer2DModel
+from omnistage.models.text_encoders import T5Encoder
+
+MAX_SIZE = 2048
+DEFAULT_GUIDANCE = 1.5
+TOKEN_FACTOR = 32                   # pixels per AR visual token side
+MAX_GLYPH_TOKENS = 2048             # ByT5 tokens per quoted span, diffusers' default
+GLYPH_PATTERNS = (r"'([^']*)'", r"\u201c([^\u201c\u201d]*)\u201d", r'"([^"]*)"',
+                  r"「([^「」]*)」")
+
+
+def glyph_texts(prompt: str) -> list[str]:
+    """The prompt's quoted spans (the text to draw), in diffusers' order: single quotes, curly
+    double quotes, straight double quotes, corner brackets; [""] when there are none."""
+    return [t for pattern in GLYPH_PATTERNS for t in re.findall(pattern, prompt)] or [""]
+
+
+def has_cfg(params: DiffusionParams) -> bool:
+    return params.guidance(DEFAULT_GUIDANCE) > 1.0
+
+
+def check_text_params(prompt: str | None, params: DiffusionParams) -> None:
+    if prompt is not None and not prompt.strip():
+        raise ValueError("prompt: must be non-empty")
+    if params.negative_prompt is not None or params.true_cfg_scale != 1.0:
+        raise ValueError("negative_prompt / true_cfg_scale: GLM-Image's CFG always uses an "
+                         "empty negative (set guidance_scale)")
+    if params.image is not None:
+        raise ValueError("image: GLM-Image editing is not supported yet (text-to-image only)")
+
+
+def target_grids(height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The AR's (target, preview) token grids for an image of height x width pixels, as
+    transformers' GlmImageProcessor._get_target_shape builds them."""
+    token_h, token_w = height // TOKEN_FACTOR, width // TOKEN_FACTOR
+    ratio = token_h / token_w
+    preview = (int(math.sqrt(ratio) * (TOKEN_FACTOR // 2)),
+               int(math.sqrt(1 / ratio) * (TOKEN_FACTOR // 2)))
+    return (token_h, token_w), preview
+
+
+class GlmGlyphEncoder:
+    """ByT5 over the glyph texts: `GlmImagePipeline.encode_prompt`, batched over requests."""
+
+    def __init__(self, text_encoder: T5Encoder, tokenizer, device: torch.device) -> None:
+        self.text_encoder = text_encoder.to(device).eval()
+        self.tokenizer = tokenizer
+        self.device = device
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: torch.device,
+                        dtype: torch.dtype | None) -> GlmGlyphEncoder:
+        """The pipeline folder's text_encoder/ (in `dtype`; None: its own) and tokenizer/."""
+        path = Path(path)
+        return cls(T5Encoder.from_pretrained(path / "text_encoder", device, dtype),
+                   AutoTokenizer.from_pretrained(path / "tokenizer"), device)
+
+    def validate(self, prompt: str, params: DiffusionParams) -> None:
+        check_text_params(prompt, params)
+
+    def encode(self, prompts: list[str], params: list[DiffusionParams]
+               ) -> list[dict[str, Tensor]]:
+        """Per request: prompt_embeds (L, D), and negative_prompt_embeds (the "" glyphs)
+        with CFG."""
+        return encode_with_negatives(self.encode_texts, prompts, params, has_cfg)
+
+    @torch.inference_mode()
+    def encode_texts(self, prompts: list[str]) -> list[Tensor]:
+        """-> per prompt, its spans' real-token states one after another (L, D). Every span of
+        every prompt in one encoder call, right-padded and masked. diffusers prepends one pad
+        token to each span when a prompt has an even number of spans; kept."""
+        spans, owners = [], []
+        for i, prompt in enumerate(prompts):
+            texts = glyph_texts(prompt)
+            ids = self.tokenizer(texts, max_length=MAX_GLYPH_TOKENS, truncation=True).input_ids
+            lead = [self.tokenizer.pad_token_id] * ((len(ids) + 1) % 2)
+            spans += [lead + s for s in ids]
+            owners += [i] * len(ids)
+        longest = max(len(s) for s in spans)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([s + [pad] * (longest - len(s)) for s in spans])
+        mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in spans])
+        hidden = self.text_encoder(input_ids.to(self.device), mask.to(self.device))
+        states = [h[m.bool().to(h.device)] for h, m in zip(hidden, mask)]   # (L_span, D)
+        return [torch.cat([s for s, o in zip(states, owners) if o == i])
+                for i in range(len(prompts))]
+
+
+class GlmImagePipeline(LatentPipelineBase):
+    """The DiT decode stage. Its prompt is encoded here (the glyphs) while the AR stage's
+    visual tokens come along the input edge: `text_with_upstream` tells the stage to keep the
+    request's prompt and still park the request until the tokens arrive."""
+
+    label = "GLM-Image"
+    transformer_cls = GlmImageTransformer2DModel
+    vae_cls = AutoencoderKL
+    prompt_encoder_cls = GlmGlyphEncoder
+    max_size = MAX_SIZE
+    packed = False
+    text_with_upstream = True
+    check_text_params = staticmethod(check_text_params)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.multiple = TOKEN_FACTOR                    # the AR's token grid: 32 px a side
+        self.size_rule = f"AR visual tokens of {TOKEN_FACTOR} px"
+        vae = self.vae.cfg
+        if vae.latents_mean is None or vae.latents_std is None:
+            raise ValueError("GLM-Image's VAE config needs latents_mean and latents_std")
+        self.latents_mean = torch.tensor(vae.latents_mean).view(1, -1, 1, 1)
+        self.latents_std = torch.tensor(vae.latents_std).view(1, -1, 1, 1)
+
+    # ---- 1. prepare --------------------------------------------------------------------------
+
+    def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator,
+                image: Image.Image | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """The glyphs encoded and the latents drawn; the prior tokens come later
+        (`check_conditioning`)."""
+        if self.prompt_encoder is None:
+            raise ValueError("this GLM-Image stage loads no glyph encoder")
+        (encoded,) = self.prompt_encoder.encode([prompt], [params])
+        latents, sigmas, cond = self.prepare_latents(params, generator, image)
+        return latents, sigmas, {**{k: v.to(self.device, self.dtype) for k, v in
+                                    encoded.items()}, **cond}
+
+    def prepare_latents(self, params: DiffusionParams, generator: torch.Generator,
+                        image: Image.Image | None = None
+                        ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """-> latents (n, C, H/8, W/8), sigmas, {"timesteps": the unshifted ones (N,),
+        "size": (height, width)}."""
+        height, width = self._size(params, image)
+        h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
+        num_steps = params.num_inference_steps
+        cfg = self.scheduler
+        timesteps = np.linspace(cfg.num_train_timesteps, 1.0, num_steps + 1)[:-1]
+        timesteps = timesteps.astype(np.int64).astype(np.float32)
+        seq_len = (h * w) // self.transformer.cfg.patch_size ** 2
+        mu = math.sqrt(seq_len / cfg.base_image_seq_len) * cfg.max_shift + cfg.base_shift
+        sigmas, _ = solver.make_sigmas(cfg, num_steps, mu=mu,
+                                       sigmas=timesteps / cfg.num_train_timesteps)
+        latents = torch.randn((params.num_images, self.transformer.cfg.in_channels, h, w),
+                              generator=generator, device=generator.device,
+                              dtype=self.dtype).to(self.device)
+        return latents, sigmas, {"timesteps": torch.from_numpy(timesteps),
+                                 "size": torch.tensor([height, width])}
+
+    def check_conditioning(self, tensors: dict[str, Tensor], params: DiffusionParams
+                           ) -> dict[str, Tensor]:
+        """The AR stage's generated tokens {"token_ids": (T,)} -> {"prior_token_ids": (1, N)}:
+        the target grid's tokens (after the preview grid's), upsampled 2x to the patches."""
+        if set(tensors) != {"token_ids"}:
+            raise ValueError(f"conditioning: expected tensors ['token_ids'] (the AR stage's "
+                             f"visual tokens), got {sorted(tensors)}")
+        ids = tensors["token_ids"]
+        (th, tw), (ph, pw) = target_grids(*self._size(params))
+        start, end = ph * pw, ph * pw + th * tw
+        codebook = self.transformer.cfg.prior_vq_quantizer_codebook_size
+        if ids.dim() != 1 or ids.is_floating_point() or ids.shape[0] < end:
+            raise ValueError(f"conditioning['token_ids']: expected at least {end} integer "
+                             f"tokens (a {ph}x{pw} preview, then the {th}x{tw} image), got "
+                             f"{ids.dtype} {tuple(ids.shape)}")
+        grid = ids[start:end].long()
+        if grid.min() < 0 or grid.max() >= codebook:
+            raise ValueError(f"conditioning['token_ids']: image tokens outside the codebook "
+                             f"[0, {codebook})")
+        up = F.interpolate(grid.view(1, 1, th, tw).float(), scale_factor=2, mode="nearest")
+        return {"prior_token_ids": up.long().view(1, -1).to(self.device)}
+
+    # ---- 2. velocity -------------------------------------------------------------------------
+
+    def velocity(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
+                 ) -> Tensor:
+        """latents (R, C, h, w) -> (R, C, h, w), one size for all (the engine's batch key).
+
+            rows:  | r0 img0 | r0 img1 | r1 img0 | ... |  r0 img0 | r0 img1 |  (r1: no CFG)
+                   |<-- glyphs + prior, R rows ---->|  |<- "" + no prior -->|
+        """
+        counts = [r.latents.shape[0] for r in requests]
+        cfg_reqs = [(i, r) for i, r in enumerate(requests) if "negative_prompt_embeds" in r.cond]
+        starts = np.cumsum([0, *counts])
+        idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i, _ in cfg_reqs]
+                        or [torch.arange(0)]).to(latents.device)
+
+        def rows(key: str, reqs: list[DiffusionRequest]) -> list[Tensor]:
+            return [r.cond[key] for r in reqs for _ in range(r.latents.shape[0])]
+
+        uncond = [r for _, r in cfg_reqs]
+        captions = rows("prompt_embeds", requests) + rows("negative_prompt_embeds", uncond)
+        prior = torch.cat(rows("prior_token_ids", requests) + rows("prior_token_ids", uncond))
+        drop = torch.zeros_like(prior, dtype=torch.bool)
+        drop[latents.shape[0]:] = True
+        timestep = torch.cat([(r.cond["timesteps"][r.step_idx] - 1).expand(n)
+                              for r, n in zip(requests, counts)]).to(self.device)
+        size = torch.cat([r.cond["size"][None].expand(n, -1) for r, n in zip(requests, counts)])
+        embeds, mask = pad_captions(captions)                                # (R+U, T, D)
+        out = self.transformer(torch.cat([latents, latents[idx]]), embeds, prior, drop,
+                               torch.cat([timestep, timestep[idx]]),
+                               torch.cat([size, size[idx.cpu()]]).to(self.device, self.dtype),
+                               torch.zeros(len(prior), 2, device=self.device, dtype=self.dtype),
+                               text_mask=mask).float()                     # (R+U, C, h, w)
+        pred, neg = out[:latents.shape[0]], out[latents.shape[0]:]
+        k = 0
+        for i, r in cfg_reqs:
+            s, n = starts[i], counts[i]
+            pred[s:s + n] = neg[k:k + n] + r.params.guidance(DEFAULT_GUIDANCE) * (
+                pred[s:s + n] - neg[k:k + n])
+            k += n
+        return pred
+
+    # ---- 3. decode ---------------------------------------------------------------------------
+
+    def decode_float(self, latents: Tensor, params: DiffusionParams) -> Tensor:
+        """latents (n, C, h, w) -> float32 images (n, 3, H, W) in [0, 1], what diffusers
+        returns for output_type="pt"."""
+        z = latents.to(self.device, self.vae_dtype)
+        z = z * self.latents_std.to(z) + self.latents_mean.to(z)
+        images = self.vae.decode(z)                                          # (n, 3, H, W)
+        return (images / 2 + 0.5).clamp(0, 1).float()

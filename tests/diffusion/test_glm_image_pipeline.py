@@ -1,0 +1,127 @@
+"""GlmImagePipeline (the DiT decode stage) in our engine against diffusers' GlmImagePipeline
+given the same AR output (`prior_token_ids`) on a tiny random folder, float32: the same
+latents and images with and without CFG; the same latents alone or batched with a request at
+another step, another glyph length and no CFG; bad conditioning and params refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from omnistage.diffusion.engine import DiffusionEngine
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipelines.glm_image import GlmImagePipeline, target_grids
+from omnistage.testing.diffusion import run_recording_latents
+from omnistage.testing.tiny_glm_image import CODEBOOK, build_tiny_glm_image_dit
+
+diffusers = pytest.importorskip("diffusers")
+
+H, W = 64, 96                   # a 2x3 AR token grid, a 13x19 preview before it
+PROMPT = 'a sign that reads "OPEN" and \'24/7\''
+OTHER = "a quiet lake at dawn"  # no quoted text: the "" glyph
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory
+         ) -> tuple[diffusers.GlmImagePipeline, GlmImagePipeline]:
+    path = tmp_path_factory.mktemp("glm_image")
+    ref = build_tiny_glm_image_dit(path)
+    ref.set_progress_bar_config(disable=True)
+    ours = GlmImagePipeline.from_pretrained(path, "glm_image", torch.device("cpu"),
+                                            torch.float32)
+    return ref, ours
+
+
+def ar_tokens(seed: int) -> Tensor:
+    """What the AR stage writes for an H x W image: the preview grid, the target grid, the
+    end token."""
+    (th, tw), (ph, pw) = target_grids(H, W)
+    g = torch.Generator().manual_seed(seed)
+    return torch.cat([torch.randint(0, CODEBOOK, (ph * pw + th * tw,), generator=g),
+                      torch.tensor([16385])])
+
+
+def reference(ref: diffusers.GlmImagePipeline, prompt: str, tokens: Tensor, guidance: float,
+              output_type: str) -> Tensor:
+    (th, tw), (ph, pw) = target_grids(H, W)
+    large = ref._extract_large_image_tokens(tokens[None], 0, ph * pw, th * tw)
+    prior = ref._upsample_token_ids(large, th, tw)
+    return ref(prompt, prior_token_ids=prior, height=H, width=W, num_inference_steps=3,
+               guidance_scale=guidance, generator=torch.Generator().manual_seed(7),
+               output_type=output_type, return_dict=False)[0]
+
+
+def params(guidance: float | None, seed: int = 7) -> DiffusionParams:
+    return DiffusionParams(height=H, width=W, num_inference_steps=3, seed=seed,
+                           guidance_scale=guidance)
+
+
+def add(engine: DiffusionEngine, rid: str, prompt: str, p: DiffusionParams, tokens: Tensor
+        ) -> None:
+    """As the stage does: the prompt encoded here, parked until the AR's tokens come."""
+    engine.add_request(rid, prompt, p, parked=True)
+    assert engine.is_parked(rid)
+    engine.set_conditioning(rid, {"token_ids": tokens})
+
+
+@pytest.mark.parametrize("guidance", [1.5, 1.0], ids=["cfg", "no-cfg"])
+def test_matches_diffusers(pair: tuple[diffusers.GlmImagePipeline, GlmImagePipeline],
+                           guidance: float) -> None:
+    ref, ours = pair
+    tokens = ar_tokens(0)
+    p = params(guidance)
+    got, _ = run_recording_latents(ours, lambda e: (add(e, "a", PROMPT, p, tokens),
+                                                    {"a": p})[1])[0]["a"]
+    expected = reference(ref, PROMPT, tokens, guidance, "latent")
+    assert got.shape == expected.shape == (1, 4, H // 8, W // 8)
+    assert expected.abs().mean() > 0.3, "the reference latents should not be near zero"
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    images = ours.decode_float(got, p)                                   # (1, 3, H, W)
+    ref_images = reference(ref, PROMPT, tokens, guidance, "pt")
+    assert ref_images.std() > 0.05
+    assert (images - ref_images).abs().max() <= 2 / 255
+
+
+def test_batched_at_other_steps(pair: tuple[diffusers.GlmImagePipeline, GlmImagePipeline]
+                                ) -> None:
+    """A CFG request and a no-CFG request of another glyph length, the second joining a step
+    later: each ends where it ends alone (and where diffusers ends)."""
+    ref, ours = pair
+    jobs = {"a": (PROMPT, params(1.5), ar_tokens(1)), "b": (OTHER, params(None, 3), ar_tokens(2))}
+
+    def drive(engine: DiffusionEngine) -> dict[str, DiffusionParams]:
+        add(engine, "a", *jobs["a"])
+        engine.step()
+        add(engine, "b", *jobs["b"])
+        return {rid: job[1] for rid, job in jobs.items()}
+
+    together = run_recording_latents(ours, drive)[0]
+    expected = reference(ref, PROMPT, jobs["a"][2], 1.5, "latent")
+    torch.testing.assert_close(together["a"][0], expected, atol=1e-4, rtol=1e-4)
+    alone = run_recording_latents(ours, lambda e: (add(e, "b", *jobs["b"]),
+                                                   {"b": jobs["b"][1]})[1])[0]["b"]
+    torch.testing.assert_close(together["b"][0], alone[0], atol=1e-5, rtol=1e-5)
+    assert (together["b"][0] - together["a"][0]).abs().max() > 0.1
+
+
+def test_bad_input(pair: tuple[diffusers.GlmImagePipeline, GlmImagePipeline]) -> None:
+    _, ours = pair
+    p = params(1.5)
+    tokens = ar_tokens(0)
+    with pytest.raises(ValueError, match=r"at least 253 integer tokens.*2x3 image"):
+        ours.check_conditioning({"token_ids": tokens[:200]}, p)
+    with pytest.raises(ValueError, match="outside the codebook"):
+        ours.check_conditioning({"token_ids": tokens * 0 + CODEBOOK}, p)
+    with pytest.raises(ValueError, match=r"expected tensors \['token_ids'\]"):
+        ours.check_conditioning({"prompt_embeds": torch.zeros(2, 16)}, p)
+    engine = DiffusionEngine(ours)
+    with pytest.raises(ValueError, match="negative_prompt"):
+        engine.add_request("n", PROMPT, DiffusionParams(height=H, width=W, negative_prompt="x",
+                                                        true_cfg_scale=2.0), parked=True)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        engine.add_request("s", PROMPT, DiffusionParams(height=H + 16, width=W), parked=True)
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request("e", " ", params(1.5), parked=True)
