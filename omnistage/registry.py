@@ -203,6 +203,13 @@ _BUILT_IN = (
                             Component("diffusion", "glm_image",
                                       "omnistage.diffusion.pipelines.glm_image:GlmImagePipeline"))),
     _pipeline("flux", "FluxPipeline"),
+    ModelFamily("flux2", diffusers_classes=("Flux2Pipeline",), graph="flux2.yaml",
+                components=(Component("diffusion", "flux2",
+                                      "omnistage.diffusion.pipelines.flux2:Flux2Pipeline"),)),
+    ModelFamily("flux2_klein", diffusers_classes=("Flux2KleinPipeline",),
+                graph="flux2_klein.yaml", components=(Component(
+                    "diffusion", "flux2_klein",
+                    "omnistage.diffusion.pipelines.flux2:Flux2KleinPipeline"),)),
     _pipeline("z_image", "ZImagePipeline"),
     _pipeline("qwen_image", "QwenImagePipeline"),
     _pipeline("sd3", "StableDiffusion3Pipeline"),

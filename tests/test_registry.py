@@ -57,9 +57,10 @@ def test_a_diffusers_class_without_a_row_goes_to_the_generic_adapter(tmp_path: P
 def test_a_diffusers_folder_naming_no_class_lists_the_native_ones(tmp_path: Path) -> None:
     path = folder(tmp_path, "model_index.json", {"_diffusers_version": "0.42.1"})
     with pytest.raises(ValueError, match=r"diffusers pipeline \(none\) is not supported "
-                       r"\(natively: FluxPipeline, GlmImagePipeline, QwenImageEditPipeline, "
-                       r"QwenImageEditPlusPipeline, QwenImagePipeline, StableDiffusion3Pipeline, "
-                       r"WanImageToVideoPipeline, WanPipeline, ZImagePipeline\)"):
+                       r"\(natively: Flux2KleinPipeline, Flux2Pipeline, FluxPipeline, "
+                       r"GlmImagePipeline, QwenImageEditPipeline, QwenImageEditPlusPipeline, "
+                       r"QwenImagePipeline, StableDiffusion3Pipeline, WanImageToVideoPipeline, "
+                       r"WanPipeline, ZImagePipeline\)"):
         resolve_graph(str(path), path, None)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -284,7 +284,16 @@ def _serve(engine, pipe, requests: list[tuple[str, object]], text: Tensor,
     return seconds, latents, images, metrics
 
 
-def request_params(cfg: DiffusionBenchConfig, seed: int, threshold: float | None = None,
+class EngineRun(Protocol):
+    """What the engine figures read of a run's config (Qwen-Image's or FLUX.2's)."""
+
+    size: int
+    steps: int
+    cache_thresholds: tuple[float, ...]
+    concurrency: int
+
+
+def request_params(cfg: EngineRun, seed: int, threshold: float | None = None,
                    steps: int | None = None):
     """One engine request of the run's size: `steps` (default the run's), a step-cache
     `threshold` (None: uncached)."""
@@ -303,9 +312,16 @@ def best_cached(cache: list[dict], key: str, min_db: float) -> dict | None:
 def bench_engine(transformer, text: Tensor, cfg: DiffusionBenchConfig, device: torch.device,
                  dtype: torch.dtype) -> tuple[dict[str, object], Tensor]:
     """-> the engine's figures, and the uncached image (the reference of other variants)."""
+    return engine_figures(_pipeline(transformer, cfg, device, dtype), text, cfg, device)
+
+
+def engine_figures(pipe, text: Tensor, cfg: EngineRun, device: torch.device
+                   ) -> tuple[dict[str, object], Tensor]:
+    """A pipeline without text encoders in the engine, every request given `text` as its
+    prompt_embeds: one image alone, step-cached at each threshold, `concurrency` requests one
+    at a time against all at once. -> the figures, and the uncached image."""
     from omnistage.diffusion.engine import DiffusionEngine
 
-    pipe = _pipeline(transformer, cfg, device, dtype)
     engine = DiffusionEngine(pipe, max_num_seqs=cfg.concurrency)
 
     def params(seed: int, threshold: float | None = None, steps: int | None = None):

@@ -99,6 +99,25 @@ def input_image(params: DiffusionParams, image: Image.Image | None) -> Image.Ima
     return decode_image(params.image)
 
 
+def input_images(params: DiffusionParams, image: Image.Image | None = None
+                 ) -> list[Image.Image]:
+    """Every input image of a request, decoded, in order (the first: `image`, where the engine
+    decoded it already); [] without one. What a pipeline taking several (`max_input_images`:
+    Qwen-Image-Edit-Plus, FLUX.2) conditions on."""
+    first = input_image(params, image)
+    return [] if first is None else [first, *map(decode_image, params.extra_images)]
+
+
+def opened_images(params: DiffusionParams, image: Image.Image | None = None
+                  ) -> list[Image.Image]:
+    """`input_images` opened from their headers only (sizes, no pixels): what a size rule or
+    a check needs. The first is `image` where the engine decoded it."""
+    if params.image is None:
+        return []
+    first = image if image is not None else peek_image(params.image)
+    return [first, *map(peek_image, params.extra_images)]
+
+
 def default_size(image: Image.Image, multiple: int) -> tuple[int, int]:
     """(height, width) of an input image rounded down to `multiple`: the output size of an
     image-to-image request that gives none."""

@@ -23,7 +23,7 @@ A pipeline without text encoders of its own (the digits demo) has only `prepare`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Protocol, TypeGuard
+from typing import Callable, Hashable, Protocol, TypeGuard
 
 import numpy as np
 import torch
@@ -45,7 +45,8 @@ class DiffusionPipeline(Protocol):
                  image: Image.Image | None = None) -> None:
         """ValueError naming the field. prompt None: the conditioning comes from upstream.
         image: the request's input image, decoded by the engine (None: `params.image`'s
-        header is read, if any)."""
+        header is read, if any). A pipeline that takes several (`max_input_images`, default
+        1, which the stage reports to the front door) decodes `params.extra_images` itself."""
 
     def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator,
                 image: Image.Image | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
@@ -113,6 +114,26 @@ def encode_with_negatives(encode_texts: Callable[[list[str]], list[Tensor]],
         if guided(p):
             cond["negative_prompt_embeds"] = next(states)
         out.append(cond)
+    return out
+
+
+def forward_by_key(latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest],
+                   key: Callable[[DiffusionRequest], Hashable],
+                   forward: Callable[[Tensor, Tensor, list[DiffusionRequest]], Tensor]) -> Tensor:
+    """`forward(latents, sigmas, requests)` once per set of requests whose `key` agrees (what
+    one transformer call needs shared: the latent grid's rope ids, say, when sizes such as
+    32x64 and 64x32 pack to the same token count and so share an engine batch), the rows
+    put back in place. latents (R, ...), one request's rows after the other's."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, r in enumerate(requests):
+        groups.setdefault(key(r), []).append(i)
+    if len(groups) == 1:
+        return forward(latents, sigmas, requests)
+    rows = torch.arange(latents.shape[0]).split([r.latents.shape[0] for r in requests])
+    out = torch.empty_like(latents)
+    for members in groups.values():
+        idx = torch.cat([rows[i] for i in members]).to(latents.device)
+        out[idx] = forward(latents[idx], sigmas[idx], [requests[i] for i in members])
     return out
 
 

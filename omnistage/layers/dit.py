@@ -119,13 +119,15 @@ def timestep_embedding(t: Tensor, dim: int = 256, max_period: float = 10000.0) -
 
 class TimestepEmbedding(nn.Module):
     """linear_1 -> SiLU -> linear_2; also serves as diffusers' PixArtAlphaTextProjection
-    (gelu_tanh: GELU with the tanh approximation in place of SiLU, as Wan's text embedder)."""
+    (gelu_tanh: GELU with the tanh approximation in place of SiLU, as Wan's text embedder;
+    bias False: FLUX.2's bias-free embedders)."""
 
-    def __init__(self, in_dim: int, dim: int, gelu_tanh: bool = False) -> None:
+    def __init__(self, in_dim: int, dim: int, gelu_tanh: bool = False, bias: bool = True
+                 ) -> None:
         super().__init__()
         self.gelu_tanh = gelu_tanh
-        self.linear_1 = nn.Linear(in_dim, dim)
-        self.linear_2 = nn.Linear(dim, dim)
+        self.linear_1 = nn.Linear(in_dim, dim, bias=bias)
+        self.linear_2 = nn.Linear(dim, dim, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.linear_1(x)
@@ -149,13 +151,13 @@ class AdaLayerNormZero(nn.Module):
 class AdaLayerNormContinuous(nn.Module):
     """Output norm: note the (scale, shift) order, unlike AdaLayerNormZero's (shift, scale).
     GLM-Image's variant reads a temb already activated (`silu=False`), of its own width
-    (`cond_dim`), with LayerNorm eps 1e-5."""
+    (`cond_dim`), with LayerNorm eps 1e-5; bias False: FLUX.2's."""
 
     def __init__(self, dim: int, cond_dim: int | None = None, silu: bool = True,
-                 eps: float = 1e-6) -> None:
+                 eps: float = 1e-6, bias: bool = True) -> None:
         super().__init__()
         self.silu, self.eps = silu, eps
-        self.linear = nn.Linear(cond_dim or dim, 2 * dim)
+        self.linear = nn.Linear(cond_dim or dim, 2 * dim, bias=bias)
 
     def forward(self, x: Tensor, temb: Tensor) -> Tensor:
         cond = (F.silu(temb) if self.silu else temb).to(x.dtype)

@@ -59,6 +59,11 @@ class AutoencoderKLConfig:
     def downscale(self) -> int:
         return 2 ** (len(self.block_out_channels) - 1)
 
+    @property
+    def decoder_channels(self) -> tuple[int, ...]:
+        """The decoder's block widths (FLUX.2's VAE may give its own)."""
+        return self.block_out_channels
+
     @classmethod
     def from_dict(cls, raw: dict) -> AutoencoderKLConfig:
         unknown = sorted(set(raw) - {f.name for f in fields(cls)})
@@ -187,7 +192,7 @@ class Encoder(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, cfg: AutoencoderKLConfig) -> None:
         super().__init__()
-        chs, g, n = cfg.block_out_channels[::-1], cfg.norm_num_groups, len(cfg.block_out_channels)
+        chs, g, n = cfg.decoder_channels[::-1], cfg.norm_num_groups, len(cfg.decoder_channels)
         self.conv_in = nn.Conv2d(cfg.latent_channels, chs[0], 3, padding=1)
         self.mid_block = UNetMidBlock2D(chs[0], g, cfg.mid_block_add_attention)
         self.up_blocks = nn.ModuleList(
@@ -206,6 +211,8 @@ class Decoder(nn.Module):
 # ---- model ---------------------------------------------------------------------------------
 
 class AutoencoderKL(nn.Module):
+    config_cls = AutoencoderKLConfig
+
     def __init__(self, cfg: AutoencoderKLConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -284,7 +291,7 @@ class AutoencoderKL(nn.Module):
         """Build from a diffusers `vae/` folder in `dtype` (None: the checkpoint's). Missing,
         unexpected or mis-shaped tensors raise ValueError naming them."""
         path = Path(path)
-        return build_from_folder(cls, AutoencoderKLConfig.from_dict(read_config(path)), path, device,
+        return build_from_folder(cls, cls.config_cls.from_dict(read_config(path)), path, device,
                                  dtype)
 
 

@@ -123,26 +123,27 @@ def apply_rope(x: Tensor, rope: Rope) -> Tensor:
 class FluxAttention(nn.Module):
     """Multi-head attention with RMS qk-norm and rope. With `context_dim`, text tokens get their
     own projections (add_*_proj) and attend jointly with image tokens as [txt, img]. H below
-    is this rank's heads; without an output projection the output is this rank's slice."""
+    is this rank's heads; without an output projection the output is this rank's slice.
+    bias False and eps: FLUX.2's double-stream attention (transformer_flux2.py)."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, context_dim: int | None = None,
-                 has_out_proj: bool = True) -> None:
+                 has_out_proj: bool = True, bias: bool = True, eps: float = 1e-6) -> None:
         super().__init__()
         self.head_dim = head_dim
         inner = num_heads * head_dim
-        self.norm_q = nn.RMSNorm(head_dim, eps=1e-6)
-        self.norm_k = nn.RMSNorm(head_dim, eps=1e-6)
-        self.to_q, self.to_k, self.to_v = (ColumnParallelLinear(dim, inner, bias=True)
+        self.norm_q = nn.RMSNorm(head_dim, eps=eps)
+        self.norm_k = nn.RMSNorm(head_dim, eps=eps)
+        self.to_q, self.to_k, self.to_v = (ColumnParallelLinear(dim, inner, bias=bias)
                                            for _ in range(3))
         if has_out_proj:
-            self.to_out = nn.ModuleList([RowParallelLinear(inner, dim, bias=True),
+            self.to_out = nn.ModuleList([RowParallelLinear(inner, dim, bias=bias),
                                          nn.Identity()])
         if context_dim is not None:
-            self.norm_added_q = nn.RMSNorm(head_dim, eps=1e-6)
-            self.norm_added_k = nn.RMSNorm(head_dim, eps=1e-6)
+            self.norm_added_q = nn.RMSNorm(head_dim, eps=eps)
+            self.norm_added_k = nn.RMSNorm(head_dim, eps=eps)
             self.add_q_proj, self.add_k_proj, self.add_v_proj = (
-                ColumnParallelLinear(context_dim, inner, bias=True) for _ in range(3))
-            self.to_add_out = RowParallelLinear(inner, dim, bias=True)
+                ColumnParallelLinear(context_dim, inner, bias=bias) for _ in range(3))
+            self.to_add_out = RowParallelLinear(inner, dim, bias=bias)
 
     def _heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (-1, self.head_dim))                       # (B, S, H, hd)

@@ -29,7 +29,8 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     prompt: str | None = None                      # the prompt's text, every stage
     prompt_token_ids: list[int] | None = None      # entry stages
     # the client's tensors for this stage: "prompt_embeds", "mm.*" (the model's multimodal
-    # inputs; a diffusion stage's "mm.image", the file its params' ImageRef stands for)
+    # inputs; a diffusion stage's "mm.image" (and "mm.image.1", ...), the files its params'
+    # ImageRefs stand for)
     inputs: TensorHandle | None = None
     num_upstream: int = 0                          # edges that will feed it (parked until then)
     downstream: list[str] = []                     # stages this request flows to from here

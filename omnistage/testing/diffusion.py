@@ -1,15 +1,18 @@
 """Driving a diffusion engine to the end in tests: a request alone, requests joining at
 other steps, the final latents each one reached (what `decode` got), and which Wan expert
 ran which requests; the generic diffusers adapter's engine, whose calls run on a thread, until
-its last call has ended."""
+its last call has ended; random input image files for edits."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+import numpy as np
+from PIL import Image
 from torch import Tensor
 
 from omnistage.diffusion.diffusers_engine import DiffusersEngine
@@ -113,3 +116,11 @@ def recording_experts(pipeline: WanPipeline) -> Iterator[list[list[int | str]]]:
         yield calls
     finally:
         del pipeline.expert_velocity                    # the class's method again
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """A random RGB image file (PNG) of the given size: an edit's input image."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()

@@ -175,6 +175,19 @@ def test_bench_diffusion(tmp_path: Path) -> None:
     check_fp8(doc)
 
 
+def test_bench_diffusion_flux2_klein(tmp_path: Path) -> None:
+    """--model flux2-klein: FLUX.2's transformer against diffusers' (float32: the same latents)
+    and the klein pipeline in the engine."""
+    doc = bench(tmp_path, "diffusion", "--model", "flux2-klein", "--cache-thresholds", "0.5",
+                "--concurrency", "2", "--steps", "2", "--size", "32")
+    tr, eng = doc["transformer"], doc["engine"]
+    assert doc["model"] == "flux2-klein" and doc["config"]["sizes"] == "tiny"
+    assert positive(tr["diffusers_s"]) and positive(tr["omnistage_s"])
+    assert tr["latents_rel_diff"] < 1e-4
+    assert positive(eng["seconds_per_image"]) and eng["batching"]["concurrency"] == 2
+    assert set(doc["ratios"]) >= {"transformer_speedup_vs_diffusers", "batching_speedup"}
+
+
 def check_fp8(doc: dict) -> None:
     """--quantization fp8 (tiny: every linear from 16 features, `_scaled_mm` on the CPU): the
     issue's headline names, diffusers compiled timed in the same call, FP8 weights near half

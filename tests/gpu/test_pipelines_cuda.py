@@ -1,9 +1,11 @@
 """GPU-only checks (skipped without CUDA): the multi-network pipelines on CUDA against their
 references on CUDA, float32 with TF32 off: Qwen3-Omni (thinker -> talker -> code2wav, stage
 processes) against transformers' generate(return_audio=True), and the Qwen-Image / FLUX.1 /
-Qwen-Image-Edit(-Plus) / GLM-Image pipelines against diffusers. What these catch is placement
-(a tensor left on the CPU, a generator on the wrong device), not numerics, which the CPU
-golden tests pin down."""
+FLUX.2, Qwen-Image-Edit(-Plus) and GLM-Image pipelines against diffusers (FLUX.2: klein
+text-to-image with CFG and an edit with two reference images, dev text-to-image; the
+transformer's forwards replayed from CUDA graphs, as a CUDA stage does). What these catch is
+placement (a tensor left on the CPU, a generator or reference tokens on the wrong device, a
+graph replayed with stale inputs), not numerics, which the CPU golden tests pin down."""
 
 from __future__ import annotations
 
@@ -62,6 +64,11 @@ def test_qwen3_omni_on_cuda_equals_transformers(tmp_path: Path) -> None:
     assert (audio - wav.reshape(-1).cpu()).abs().max() <= 1e-3
 
 
+def _uint8(images: torch.Tensor) -> torch.Tensor:
+    """float images (n, 3, H, W) in [0, 1] -> uint8 (n, H, W, 3) on the CPU, as a stage's."""
+    return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+
 @pytest.mark.parametrize("name", ["qwen_image", "flux"])
 def test_diffusion_pipeline_on_cuda_equals_diffusers(name: str, tmp_path: Path) -> None:
     pytest.importorskip("diffusers")
@@ -82,12 +89,64 @@ def test_diffusion_pipeline_on_cuda_equals_diffusers(name: str, tmp_path: Path) 
                                  guidance_scale=3.5)
     with torch.no_grad():
         expected = ref(mod.PROMPT, **kwargs)[0]                          # (1, 3, H, W) [0, 1]
-    expected = (expected * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+    expected = _uint8(expected)
     with Omni(str(tmp_path / name), device="cuda", dtype="float32",
               stage_overrides=["backend=inproc", "connector=inproc"]) as omni:
         (out,) = omni.generate(mod.PROMPT, params)
     assert out.error is None, out.error
     assert (out.tensors["images"].int() - expected.int()).abs().max() <= 2
+
+
+def _flux2_images(folder: Path, prompt: str, params: list[DiffusionParams]) -> list[torch.Tensor]:
+    """FLUX.2 through its default graph on CUDA (in-process): each request's uint8 images."""
+    with Omni(str(folder), device="cuda", dtype="float32",
+              stage_overrides=["backend=inproc", "connector=inproc"]) as omni:
+        outs = [omni.generate(prompt, p)[0] for p in params]
+    assert all(out.error is None for out in outs), [out.error for out in outs]
+    return [out.tensors["images"] for out in outs]
+
+
+def test_flux2_klein_on_cuda_equals_diffusers(tmp_path: Path) -> None:
+    pytest.importorskip("diffusers")
+    from PIL import Image
+
+    from omnistage.testing.diffusion import png
+    from omnistage.testing.tiny_flux2 import build_tiny_flux2_klein
+
+    ref = build_tiny_flux2_klein(tmp_path / "klein").to("cuda")
+    prompt, first, second = "a photo of the sea shore", png(70, 66, seed=2), png(64, 72, seed=3)
+    t2i = DiffusionParams(height=32, width=32, num_inference_steps=3, guidance_scale=3.0,
+                          seed=0, num_images=2)
+    edit = DiffusionParams(num_inference_steps=3, guidance_scale=2.0, seed=4, image=first,
+                           extra_images=(second,))
+    got = _flux2_images(tmp_path / "klein", prompt, [t2i, t2i, edit])  # the 2nd: replays
+    with torch.no_grad():
+        expected_t2i = ref(prompt=prompt, height=32, width=32, num_inference_steps=3,
+                           guidance_scale=3.0, num_images_per_prompt=2, output_type="pt",
+                           generator=torch.Generator().manual_seed(0), return_dict=False)[0]
+        expected_edit = ref(prompt=prompt, image=[Image.open(io.BytesIO(f)).convert("RGB")
+                                                  for f in (first, second)],
+                            num_inference_steps=3, guidance_scale=2.0, output_type="pt",
+                            generator=torch.Generator().manual_seed(4), return_dict=False)[0]
+    for images, expected in zip(got, (expected_t2i, expected_t2i, expected_edit)):
+        assert images.shape == _uint8(expected).shape
+        assert (images.int() - _uint8(expected).int()).abs().max() <= 2
+
+
+def test_flux2_dev_on_cuda_equals_diffusers(tmp_path: Path) -> None:
+    pytest.importorskip("diffusers")
+    from omnistage.testing.tiny_flux2 import build_tiny_flux2_dev
+
+    ref = build_tiny_flux2_dev(tmp_path / "dev").to("cuda")
+    prompt = "a photo of the sea shore"
+    params = DiffusionParams(height=32, width=32, num_inference_steps=3, guidance_scale=2.5,
+                             seed=0)
+    (got,) = _flux2_images(tmp_path / "dev", prompt, [params])
+    with torch.no_grad():
+        expected = ref(prompt=prompt, height=32, width=32, num_inference_steps=3,
+                       guidance_scale=2.5, generator=torch.Generator().manual_seed(0),
+                       output_type="pt", return_dict=False)[0]
+    assert (got.int() - _uint8(expected).int()).abs().max() <= 2
 
 
 @pytest.mark.parametrize("plus", [False, True], ids=["edit", "edit-plus"])
@@ -111,7 +170,7 @@ def test_qwen_image_edit_on_cuda_equals_diffusers(plus: bool, tmp_path: Path) ->
                        true_cfg_scale=4.0, height=64, width=96, num_inference_steps=3,
                        generator=torch.Generator().manual_seed(0), output_type="pt",
                        return_dict=False)[0]                          # (1, 3, H, W) [0, 1]
-    expected = (expected * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+    expected = _uint8(expected)
     params = DiffusionParams(height=64, width=96, num_inference_steps=3, seed=0,
                              negative_prompt=mod.NEGATIVE, true_cfg_scale=4.0, image=files[0],
                              extra_images=tuple(files[1:]))
@@ -143,8 +202,7 @@ def test_glm_image_dit_on_cuda_equals_diffusers(tmp_path: Path) -> None:
     runs, _ = run_recording_latents(ours, lambda e: (mod.add(e, "a", mod.PROMPT, p, tokens),
                                                      {"a": p})[1])
     images = runs["a"][1]                                                # uint8 (1, H, W, 3)
-    expected = (expected * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
-    assert (images.int() - expected.int()).abs().max() <= 2
+    assert (images.int() - _uint8(expected).int()).abs().max() <= 2
 
 
 def test_glm_image_on_cuda_equals_diffusers(tmp_path: Path) -> None:

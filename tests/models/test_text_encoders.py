@@ -315,8 +315,21 @@ def qwen2_5_vl() -> nn.Module:
         Qwen2_5_VLConfig(text_config=text, vision_config=vision))
 
 
+def mistral3() -> nn.Module:
+    """FLUX.2-dev's text encoder: a Mistral decoder (no biases, no qk-norm) inside Mistral-3."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    text = dict(QWEN_TEXT, model_type="mistral", head_dim=16, rope_theta=1e9,
+                sliding_window=None)
+    vision = dict(model_type="pixtral", hidden_size=16, intermediate_size=32,
+                  num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8,
+                  head_dim=8)
+    return Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=text, vision_config=vision, spatial_merge_size=2,
+        image_token_index=VOCAB - 1))
+
+
 QWEN_MODELS = {"qwen3-model": qwen3_model, "qwen3-causal-lm": qwen3_causal_lm,
-               "qwen2-model": qwen2_model, "qwen2.5-vl": qwen2_5_vl}
+               "qwen2-model": qwen2_model, "qwen2.5-vl": qwen2_5_vl, "mistral3": mistral3}
 
 
 def hf_hidden_states(ref: nn.Module, ids: Tensor, mask: Tensor) -> tuple[Tensor, ...]:

@@ -31,7 +31,7 @@ from omnistage.layers.step_cache import cache_groups
 from omnistage.diffusion.image_input import image_to_image, noised_image
 from omnistage.diffusion.pipeline import LatentPipelineBase
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.pipeline import check_conditioning
+from omnistage.diffusion.pipeline import check_conditioning, forward_by_key
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.models.autoencoder_kl import AutoencoderKL
 from omnistage.models.flux_transformer import FluxTransformer2DModel
@@ -150,17 +150,8 @@ class FluxPipeline(LatentPipelineBase):
                  ) -> Tensor:
         """latents (R, N, 4C) -> (R, N, 4C). One forward per latent grid: sizes such as 32x64
         and 64x32 pack to the same N (one engine batch) but need different image rope ids."""
-        rows = torch.arange(latents.shape[0]).split([r.latents.shape[0] for r in requests])
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, r in enumerate(requests):
-            groups.setdefault(tuple(r.cond["grid"].tolist()), []).append(i)
-        if len(groups) == 1:
-            return self._forward(latents, sigmas, requests)
-        out = torch.empty_like(latents)
-        for members in groups.values():
-            idx = torch.cat([rows[i] for i in members]).to(latents.device)
-            out[idx] = self._forward(latents[idx], sigmas[idx], [requests[i] for i in members])
-        return out
+        return forward_by_key(latents, sigmas, requests,
+                              lambda r: tuple(r.cond["grid"].tolist()), self._forward)
 
     def _forward(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
                  ) -> Tensor:

@@ -45,7 +45,7 @@ from torch import Tensor
 from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from omnistage.diffusion.image_input import decode_image, peek_image, preprocess
+from omnistage.diffusion.image_input import input_images, opened_images, preprocess
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import encode_with_negatives
 from omnistage.diffusion.pipelines.flux import pack_latents
@@ -141,7 +141,7 @@ class QwenImageEditPromptEncoder:
                ) -> list[dict[str, Tensor]]:
         """Per request: prompt_embeds (L, hidden), and negative_prompt_embeds with true CFG;
         its input images decoded from its params."""
-        images = [[decode_image(b) for b in (p.image, *p.extra_images)] for p in params]
+        images = [input_images(p) for p in params]
         return self.encode_with_images(prompts, params, images)
 
     def encode_with_images(self, prompts: list[str], params: list[DiffusionParams],
@@ -228,7 +228,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
         last), rounded down to the model's multiple."""
         if params.height is not None and params.width is not None:
             return params.height, params.width
-        opened = _opened(params, image)
+        opened = opened_images(params, image)
         if not opened:
             raise InputError(f"image: {self.label} edits an input image; none given", "image")
         width, height = self.vae_size(opened[-1])
@@ -237,7 +237,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
 
     def validate(self, prompt: str | None, params: DiffusionParams,
                  image: Image.Image | None = None) -> None:
-        opened = _opened(params, image)
+        opened = opened_images(params, image)
         if not opened:
             raise InputError(f"image: {self.label} edits an input image; none given", "image")
         if len(opened) > self.max_input_images:
@@ -257,18 +257,12 @@ class QwenImageEditPipeline(QwenImagePipeline):
 
     # ---- 1. prepare ------------------------------------------------------------------------
 
-    def input_images(self, params: DiffusionParams, image: Image.Image | None
-                     ) -> list[Image.Image]:
-        """The request's images, decoded (the first: the engine's, if it decoded it)."""
-        first = image if image is not None else decode_image(params.image)
-        return [first, *(decode_image(b) for b in params.extra_images)]
-
     def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator,
                 image: Image.Image | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         if self.prompt_encoder is None:
             raise ValueError(f"this {self.label} stage loads no text encoder: its conditioning "
                              "comes from an upstream text-encoder stage")
-        images = self.input_images(params, image)
+        images = input_images(params, image)
         (encoded,) = self.prompt_encoder.encode_with_images([prompt], [params], [images])
         latents, sigmas, cond = self._latents(params, generator, images)
         return latents, sigmas, {**self.check_conditioning(encoded, params), **cond}
@@ -276,7 +270,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
     def prepare_latents(self, params: DiffusionParams, generator: torch.Generator,
                         image: Image.Image | None = None
                         ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        return self._latents(params, generator, self.input_images(params, image))
+        return self._latents(params, generator, input_images(params, image))
 
     def _latents(self, params: DiffusionParams, generator: torch.Generator,
                  images: list[Image.Image]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
@@ -317,11 +311,3 @@ class QwenImageEditPlusPipeline(QwenImageEditPipeline):
     prompt_encoder_cls = QwenImageEditPlusPromptEncoder
     max_input_images = MAX_PLUS_IMAGES
 
-
-def _opened(params: DiffusionParams, image: Image.Image | None) -> list[Image.Image]:
-    """The request's input images, in order, opened from their headers (the first: the
-    engine's decoded image where given)."""
-    if params.image is None:
-        return []
-    first = image if image is not None else peek_image(params.image)
-    return [first, *(peek_image(b) for b in params.extra_images)]

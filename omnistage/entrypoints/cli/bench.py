@@ -8,6 +8,7 @@ random-weight model of a real architecture built in the run; one JSON file per b
     omnistage bench omni --model qwen2.5-omni   # Qwen2.5-Omni-7B shape (scaled thinker)
     omnistage bench tts                     # Qwen3-TTS 1.7B CustomVoice vs qwen-tts, 1 / 8 / 32
     omnistage bench diffusion               # Qwen-Image transformer, 1024x1024, 20 steps
+    omnistage bench diffusion --model flux2-klein   # FLUX.2 klein 4B shape, 1024x1024, 4 steps
     omnistage bench video                   # Wan2.2-TI2V-5B and Wan2.1-14B shapes, per step
     omnistage bench realtime                # /v1/realtime on the omni model, 1 / 8 sessions
     omnistage bench ar --tiny --device cpu  # toy sizes: seconds on a CPU (CI), no measurement
@@ -148,9 +149,14 @@ def _add_tts(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _add_diffusion(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    diff = kinds.add_parser("diffusion", help="Qwen-Image transformer vs diffusers")
+    diff = kinds.add_parser("diffusion", help="Qwen-Image (or FLUX.2 klein) transformer vs "
+                                              "diffusers")
+    diff.add_argument("--model", default="qwen-image", choices=["qwen-image", "flux2-klein"],
+                      help="the transformer's shape (flux2-klein: the 4B; without --parallel, "
+                           "--compile, --quantization, --num-layers)")
     diff.add_argument("--size", type=int, default=None, help="pixels (default 1024; tiny 64)")
-    diff.add_argument("--steps", type=int, default=None, help="default 20; tiny 4")
+    diff.add_argument("--steps", type=int, default=None,
+                      help="default 20 (flux2-klein: 4); tiny 4")
     diff.add_argument("--num-layers", type=int, default=None,
                       help="transformer blocks (default: the real 60; tiny 2)")
     diff.add_argument("--text-len", type=int, default=64, help="caption tokens")
@@ -238,6 +244,8 @@ def run(args: argparse.Namespace) -> int:
         result, name, headline = _run_video(args)
     elif args.benchmark == "realtime":
         result, name, headline = _run_realtime(args)
+    elif args.model == "flux2-klein":
+        result, name, headline = _run_diffusion_flux2(args)
     elif args.parallel:
         result, name, headline = _run_diffusion_parallel(args)
     else:
@@ -366,6 +374,25 @@ def _run_diffusion(args: argparse.Namespace) -> Outcome:
     result = diffusion.run(cfg)
     suffix = f"_{cfg.quantization}" if cfg.quantization else ""
     return result, f"diffusion_{cfg.sizes}_{cfg.size}px{suffix}", result["ratios"]
+
+
+def _run_diffusion_flux2(args: argparse.Namespace) -> Outcome:
+    from omnistage.benchmarks import diffusion_flux2
+
+    unsupported = [flag for flag, value in (("--parallel", args.parallel),
+                                            ("--compile", args.compile),
+                                            ("--quantization", args.quantization),
+                                            ("--num-layers", args.num_layers)) if value]
+    if unsupported:
+        raise ValueError(f"{unsupported[0]}: not measured for --model flux2-klein")
+    tiny = args.tiny
+    cfg = diffusion_flux2.Flux2BenchConfig(
+        sizes="tiny" if tiny else "klein-4b", size=args.size or (64 if tiny else 1024),
+        steps=args.steps or 4, text_len=args.text_len,
+        cache_thresholds=args.cache_thresholds or ((0.2, 0.5) if tiny else (0.1, 0.2, 0.4, 0.8)),
+        concurrency=args.concurrency, device=args.device, seed=args.seed)
+    result = diffusion_flux2.run(cfg)
+    return result, f"diffusion_flux2-klein_{cfg.sizes}_{cfg.size}px", result["ratios"]
 
 
 def _run_video(args: argparse.Namespace) -> Outcome:

@@ -69,9 +69,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     image.add_argument("--num-images", type=int, default=None, help="default: 1")
     image.add_argument("--height", type=int, default=None)
     image.add_argument("--width", type=int, default=None)
-    image.add_argument("--image", default=None, metavar="PATH",
+    image.add_argument("--image", default=None, metavar="PATH", action="append",
                        help="an image file to start from: image-to-image, or the first frame "
-                            "of image-to-video")
+                            "of image-to-video; repeated: a multi-image edit's images, in "
+                            "order (Qwen-Image-Edit-Plus, FLUX.2's reference images)")
     image.add_argument("--num-frames", type=int, default=None,
                        help="video models: frames (default: the model's)")
     image.add_argument("--fps", type=float, default=None,
@@ -98,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
                                      num_frames=args.num_frames or (
                                          video.default_num_frames if video else None),
                                      fps=fps,
-                                     image=Path(args.image).read_bytes() if args.image else None)
+                                     image=_file(args.image, 0),
+                                     extra_images=tuple(_file(args.image, i) for i in
+                                                        range(1, len(args.image or ()))))
         else:
             params = SamplingParams(temperature=_or(args.temperature, 0.0),
                                     top_p=_or(args.top_p, 1.0), top_k=_or(args.top_k, 0),
@@ -136,6 +139,11 @@ TEXT_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "max_model_len", "s
               "voice", "instructions", "language")
 IMAGE_FLAGS = ("steps", "guidance_scale", "guidance_scale_2", "num_images", "height", "width",
                "image", "num_frames", "fps")
+
+
+def _file(paths: list[str] | None, idx: int) -> bytes | None:
+    """The `idx`-th --image file's bytes (None: fewer given)."""
+    return Path(paths[idx]).read_bytes() if paths and idx < len(paths) else None
 
 
 def _or(value: T | None, default: T) -> T:

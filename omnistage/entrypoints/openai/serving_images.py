@@ -11,11 +11,12 @@ draws and "transparent" a 400 (no alpha channel); `quality`, `style`, `moderatio
 quality knob is `num_inference_steps`); streamed partial images are a 400.
 
 An edit is an image-to-image request: the uploaded image becomes DiffusionParams.image and
-`strength` (an extension) how much of it is redrawn; an edit pipeline (Qwen-Image-Edit)
-conditions on it instead. The OpenAI SDK sends one image as the form field `image` and a list
-as `image[]`; both are read, in order: the first becomes `image`, the others `extra_images`.
-How many a model takes is its stage's `max_input_images` (Qwen-Image-Edit-Plus: 3; every
-other pipeline: 1); more are a 400 naming `image`. Masks (inpainting) are not supported.
+`strength` (an extension) how much of it is redrawn; an edit pipeline (Qwen-Image-Edit,
+FLUX.2) conditions on it instead. The OpenAI SDK sends one image as the form field `image`
+and a list as `image[]`; both are read, in order: the first becomes `image`, the others
+`extra_images`. How many a model takes is its stage's `max_input_images`
+(Qwen-Image-Edit-Plus: 3; FLUX.2, whose reference images they are: 10; every other
+pipeline: 1); more are a 400 naming `image`. Masks (inpainting) are not supported.
 The form is parsed here, strictly: an unknown field is a 400 naming it, as for JSON bodies.
 """
 

@@ -1,6 +1,8 @@
 """A Qwen2 / Qwen3 / Qwen2.5-VL text decoder run as a prompt encoder: one forward over a padded
 batch, no KV cache, returning the hidden states a diffusion pipeline conditions on (Z-Image:
-Qwen3, hidden_states[-2]; Qwen-Image: Qwen2.5-VL's language model, hidden_states[-1]).
+Qwen3, hidden_states[-2]; Qwen-Image: Qwen2.5-VL's language model, hidden_states[-1]; FLUX.2
+klein: Qwen3, layers 9, 18, 27). Mistral (FLUX.2-dev's Mistral-3 language model) is the same
+decoder without biases or qk-norm, and runs here too.
 
     input_ids (B,S) -> embed_tokens -> layer 1 .. layer L -> norm
     hidden states:  0 (embeddings)  1 .. L-1 (layer outputs)  L (after the final norm)
@@ -17,9 +19,11 @@ input it is the ordinary 1D rotary over the whole head. With images (Qwen-Image-
 passes the merged input embeddings and the (3, B, S) positions of the image tokens' grid.
 
 Checkpoints: a bare Qwen3Model / Qwen2Model folder (`layers.*`), a *ForCausalLM folder
-(`model.*` + `lm_head`), or a Qwen2_5_VLForConditionalGeneration folder (`model.*` or
-`model.language_model.*`, plus `visual.*` / `model.visual.*` and `lm_head`). The LM head and
-the vision tower are skipped by name (`IGNORED_PREFIXES`).
+(`model.*` + `lm_head`), a Qwen2_5_VLForConditionalGeneration folder (`model.*` or
+`model.language_model.*`, plus `visual.*` / `model.visual.*` and `lm_head`), or a
+Mistral3ForConditionalGeneration folder (`language_model.model.*` or `model.language_model.*`,
+plus the vision tower and projector). LM heads and vision parts are skipped by name
+(`IGNORED_PREFIXES`).
 """
 
 from __future__ import annotations
@@ -41,11 +45,12 @@ from omnistage.models.text_encoders.common import (attention_mask_4d, build_on, 
                                                    strip_prefix)
 
 # Checkpoint prefixes of the decoder itself, tried in order, and what an encoder skips.
-DECODER_PREFIXES = ("model.language_model.", "model.")
-IGNORED_PREFIXES = ("lm_head.", "visual.")
+DECODER_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+IGNORED_PREFIXES = ("lm_head.", "visual.", "language_model.lm_head.", "vision_tower.",
+                    "multi_modal_projector.")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)   # old checkpoints saved the rotary buffer
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen2_5_vl_text")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen2_5_vl_text", "mistral")
 Rope = tuple[Tensor, Tensor]   # cos, sin: (S, head_dim) each, in the activations' dtype
 
 
@@ -71,11 +76,12 @@ class QwenTextConfig:
         hf = hf_config.get_text_config()   # Qwen2.5-VL: the language model's part
         model_type = hf.model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"config.json model_type {model_type!r}: not a supported Qwen text "
-                             f"model ({', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise ValueError(f"config.json model_type {model_type!r}: not a supported Qwen (or "
+                             f"Mistral) text model ({', '.join(SUPPORTED_MODEL_TYPES)})")
         if hf.hidden_act != "silu":
             raise ValueError(f"config.json hidden_act={hf.hidden_act!r}: Qwen uses 'silu'")
-        if "sliding_attention" in (getattr(hf, "layer_types", None) or ()):
+        if "sliding_attention" in (getattr(hf, "layer_types", None) or ()) or (
+                model_type == "mistral" and getattr(hf, "sliding_window", None)):
             raise NotImplementedError("config.json layer_types: sliding-window attention layers "
                                       "(use_sliding_window) are not supported")
         rope = dict(hf.rope_parameters)
@@ -87,6 +93,7 @@ class QwenTextConfig:
         if model_type != "qwen2_5_vl_text":   # Qwen2.5-VL ignores a head_dim entry
             head_dim = getattr(hf, "head_dim", None) or head_dim
         is_qwen3 = model_type == "qwen3"
+        is_qwen2 = model_type in ("qwen2", "qwen2_5_vl_text")
         attention_bias = bool(getattr(hf, "attention_bias", False))
         return cls(model_type=model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
                    intermediate_size=hf.intermediate_size,
@@ -94,7 +101,7 @@ class QwenTextConfig:
                    num_key_value_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
                    head_dim=head_dim, rms_norm_eps=hf.rms_norm_eps,
                    rope_theta=float(rope["rope_theta"]),
-                   qkv_bias=attention_bias if is_qwen3 else True,   # Qwen2: always on q/k/v
+                   qkv_bias=is_qwen2 or attention_bias,   # Qwen2: always on q/k/v; Mistral: never
                    o_proj_bias=attention_bias if is_qwen3 else False,
                    has_qk_norm=is_qwen3,
                    mrope_section=tuple(rope["mrope_section"]) if "mrope_section" in rope

@@ -19,7 +19,7 @@ from PIL import Image
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.registry import load_component
-from omnistage.testing.diffusion import run_to_end
+from omnistage.testing.diffusion import png, run_to_end
 
 if TYPE_CHECKING:
     from tests.entrypoints.openai.conftest import Server
@@ -30,16 +30,7 @@ MODEL = "qwen-image-edit-plus"
 PROMPT = "put the cat on the sofa"
 EXTRA = {"seed": 3, "num_inference_steps": 2, "negative_prompt": "blurry",
          "true_cfg_scale": 4.0}
-
-
-def png(size: tuple[int, int], seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-IMAGES = [png((40, 24), seed=1), png((24, 32), seed=2)]
+IMAGES = [png(40, 24, seed=1), png(24, 32, seed=2)]
 
 
 @pytest.fixture(scope="module")
