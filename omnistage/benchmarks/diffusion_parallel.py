@@ -168,7 +168,6 @@ def rank_main(rank: int, port: int, cfg: ParallelBenchConfig, sizes: ParallelSiz
               out_dir: Path) -> None:
     """One rank of a layout: build, serve (rank 0) or follow, write rank{r}.json."""
     from omnistage.diffusion.engine import DiffusionEngine
-    from omnistage.diffusion.params import DiffusionParams
     from omnistage.layers.groups import init_stage_ranks
     from omnistage.models.qwen_image_transformer import (QwenImageTransformer2DModel,
                                                          QwenImageTransformerConfig)
@@ -241,19 +240,28 @@ def _serve(engine, pipe, cfg: ParallelBenchConfig, device: torch.device, dtype: 
         params = DiffusionParams(height=cfg.size, width=cfg.size, num_inference_steps=steps,
                                  seed=cfg.seed, true_cfg_scale=TRUE_CFG_SCALE,
                                  negative_prompt=" ")
-        t0 = now(device)
-        engine.add_request(rid, None, params)
-        engine.set_conditioning(rid, {"prompt_embeds": pos, "negative_prompt_embeds": neg})
-        while engine.has_unfinished_requests:
-            for r in engine.step():
-                if r.finished and r.error:
-                    raise RuntimeError(f"{rid}: {r.error}")
-        return now(device) - t0
+        return timed_request(engine, rid, None, params, device,
+                             {"prompt_embeds": pos, "negative_prompt_embeds": neg})
 
     one("warm", 2)
     seconds = one("timed", cfg.steps)
     torch.save(kept["latents"], Path(os.environ["OMNISTAGE_BENCH_OUT"]) / "latents.pt")
     return {"seconds_per_image": seconds}
+
+
+def timed_request(engine, rid: str, prompt: str | None, params, device: torch.device,
+                  conditioning: dict[str, Tensor] | None = None) -> float:
+    """One request through the leader's engine to its end (its caption states given when
+    `conditioning`): seconds, synchronized; a failed request raises."""
+    t0 = now(device)
+    engine.add_request(rid, prompt, params)
+    if conditioning is not None:
+        engine.set_conditioning(rid, conditioning)
+    while engine.has_unfinished_requests:
+        for r in engine.step():
+            if r.finished and r.error:
+                raise RuntimeError(f"{rid}: {r.error}")
+    return now(device) - t0
 
 
 def run_layout(cfg: object, name: str, out_dir: Path,

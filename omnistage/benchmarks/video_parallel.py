@@ -57,6 +57,7 @@ from omnistage.benchmarks.diffusion_parallel import (
     _seeded_load,
     layout_sizes,
     run_layout,
+    timed_request,
 )
 from omnistage.benchmarks.video import COMMON, GUIDANCE
 from omnistage.configs.schema import ParallelSizes
@@ -298,13 +299,7 @@ def _serve(engine, pipe, cfg: VideoParallelConfig, device: torch.device) -> dict
         params = DiffusionParams(height=height, width=width, num_frames=frames,
                                  num_inference_steps=steps, seed=cfg.seed,
                                  guidance_scale=GUIDANCE)
-        t0 = now(device)
-        engine.add_request(rid, "a video", params)
-        while engine.has_unfinished_requests:
-            for r in engine.step():
-                if r.finished and r.error:
-                    raise RuntimeError(f"{rid}: {r.error}")
-        return now(device) - t0
+        return timed_request(engine, rid, "a video", params, device)
 
     one("warm", 1)
     total = one("timed", cfg.steps)
