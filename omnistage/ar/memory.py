@@ -19,7 +19,7 @@ from torch import nn
 
 from omnistage.ar.kv_cache import KVCacheLayout, bytes_per_block
 from omnistage.configs.schema import ARConfig, KVCacheConfig
-from omnistage.layers.attention import Attention, AttentionMetadata, forward_context
+from omnistage.layers.attention import AttentionMetadata, forward_context, paged_layers
 from omnistage.layers.groups import stage_ranks
 from omnistage.models.config import ModelConfig
 
@@ -39,7 +39,7 @@ def _layout(cfg: ModelConfig, kv: KVCacheConfig, dtype: torch.dtype, num_blocks:
 def local_kv_heads(model: nn.Module, cfg: ModelConfig) -> int:
     """The key/value heads this rank caches: its attention layers' (all of them on one
     rank; a tensor-parallel rank's share, or one replicated head)."""
-    heads = {m.num_kv_heads for m in model.modules() if isinstance(m, Attention)}
+    heads = {m.num_kv_heads for m in paged_layers(model)}
     assert len(heads) <= 1, f"attention layers with different kv head counts: {heads}"
     return heads.pop() if heads else cfg.num_key_value_heads
 

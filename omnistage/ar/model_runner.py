@@ -41,7 +41,7 @@ from omnistage.ar.scheduler import ScheduledBatch
 from omnistage.ar.sequence import Sequence
 from omnistage.ar.step_plan import (DecodePlan, EmbedPlan, EmbedRows, ForwardPlan,
                                     decode_embed_rows, plan_forward)
-from omnistage.layers.attention import (Attention, AttentionMetadata, forward_context,
+from omnistage.layers.attention import (AttentionMetadata, forward_context, paged_layers,
                                         get_attention_backend)
 from omnistage.layers.groups import stage_ranks
 from omnistage.layers.parallel import broadcast
@@ -91,7 +91,7 @@ class ModelRunner:
         self.shares_plans = self.ranks.is_leader and self.ranks.world_size > 1
         self.sampler = Sampler(seed)
         self.eos_token_ids: tuple[int, ...] = ()
-        self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.attn_layers = paged_layers(model)
         if len(self.attn_layers) != layout.num_layers:    # each gets a whole cache: say so early
             raise RuntimeError(f"the model has {len(self.attn_layers)} paged attention layers, "
                                f"its KV cache layout {layout.num_layers}")

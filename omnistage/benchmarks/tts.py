@@ -99,7 +99,7 @@ class TTSBenchConfig:
     reference_requests: int = 3           # 0: ours only, no ratios against qwen-tts
     device: str = "auto"
     backend: str = "process"              # stage backend of our runtime
-    first_chunk_frames: int | None = None  # code2wav's first chunk (None: the graph's 6)
+    first_chunk_frames: int | None = None  # code2wav's first chunk (None: the graph's 2)
     seed: int = 0
 
     def __post_init__(self) -> None:

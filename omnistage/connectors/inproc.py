@@ -7,6 +7,7 @@ moves them to the requested device (CPU by default), so a same-device hand-off c
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 
@@ -23,13 +24,17 @@ class InprocConnector(Connector):
     def __init__(self) -> None:
         super().__init__()
         self.chunks: dict[ChunkKey, dict[str, Tensor]] = {}
+        # stage threads and the orchestrator's release a request's chunks at the same time
+        self._lock = threading.Lock()
 
     def put(self, key: ChunkKey, tensors: Mapping[str, Tensor]) -> TensorHandle:
         start = time.perf_counter()
-        assert key not in self.chunks, f"chunk {key} was put twice"
         metas, nbytes = plan(tensors)
-        self.chunks[key] = {name: t.detach().clone(memory_format=torch.contiguous_format)
-                            for name, t in tensors.items()}
+        clones = {name: t.detach().clone(memory_format=torch.contiguous_format)
+                  for name, t in tensors.items()}
+        with self._lock:
+            assert key not in self.chunks, f"chunk {key} was put twice"
+            self.chunks[key] = clones
         self.stats.add_put(nbytes, time.perf_counter() - start)
         return TensorHandle(key=key, kind=self.kind, tensors=metas, nbytes=nbytes)
 
@@ -37,7 +42,8 @@ class InprocConnector(Connector):
             device: torch.device | str | None = None) -> dict[str, Tensor]:
         start = time.perf_counter()
         self.check_handle(handle)
-        tensors = self.chunks.pop(handle.key, None)
+        with self._lock:
+            tensors = self.chunks.pop(handle.key, None)
         if tensors is None:
             raise KeyError(f"inproc connector holds no chunk {handle.key} "
                            "(already consumed or released)")
@@ -47,10 +53,12 @@ class InprocConnector(Connector):
         return out
 
     def release(self, request_id: str) -> int:
-        keys = [key for key in self.chunks if key.request_id == request_id]
-        for key in keys:
-            del self.chunks[key]
+        with self._lock:
+            keys = [key for key in self.chunks if key.request_id == request_id]
+            for key in keys:
+                del self.chunks[key]
         return len(keys)
 
     def close(self) -> None:
-        self.chunks.clear()
+        with self._lock:
+            self.chunks.clear()

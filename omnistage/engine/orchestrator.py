@@ -233,9 +233,12 @@ class Orchestrator:
         msg = m.FreeRequest(request_id) if finished else m.AbortRequest(request_id)
         for name, replica in replicas.items():
             self._send(name, replica, msg)
-        self._connector.release(request_id)
-        if self._inputs is not self._connector:   # what no stage took of the client's tensors
-            self._inputs.release(request_id)
+        # best effort: the request's end reaches its client whatever a release does
+        for connector in {id(c): c for c in (self._connector, self._inputs) if c}.values():
+            try:   # the client's tensors that no stage took, too
+                connector.release(request_id)
+            except Exception:
+                logger.exception("orchestrator: releasing %s's data failed", request_id)
 
     def stage_stats(self, timeout_s: float = 10.0) -> dict[str, m.StageStats]:
         """Ask every live replica for its resource state (requests held, free KV blocks, ...).

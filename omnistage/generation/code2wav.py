@@ -11,8 +11,8 @@ from torch import Tensor
 
 from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
-from omnistage.models.qwen3_omni.code2wav_stream import (Code2WavStream, VocoderShapes,
-                                                         decode_streams)
+from omnistage.models.qwen3_omni.code2wav_stream import (Code2WavStream, VocoderGraphs,
+                                                         VocoderShapes, decode_streams)
 from omnistage.models.qwen3_tts.speech_decoder import Qwen3TTSSpeechDecoder
 
 
@@ -29,7 +29,8 @@ class Code2WavGenerator:
     left context only, decoded but their audio dropped (a voice clone's reference frames)."""
 
     def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int | None = None,
-                 first_chunk_frames: int | None = None, max_batch_frames: int = 400) -> None:
+                 first_chunk_frames: int | None = None, max_batch_frames: int = 400,
+                 cuda_graphs: bool = True) -> None:
         optional = [v for v in (left_context, first_chunk_frames) if v is not None]
         if min([chunk_frames, max_batch_frames, *optional]) < 1:
             raise ValueError(f"code2wav options: chunk_frames={chunk_frames}, "
@@ -43,12 +44,15 @@ class Code2WavGenerator:
         self.max_batch_frames = max_batch_frames
         self.info = {"sample_rate": model.cfg.sample_rate}
         self.shapes: VocoderShapes | None = None
+        self.graphs: VocoderGraphs | None = None
         if model.device.type == "cuda":   # a few padded shapes, each planned now, not mid-stream
             context = (model.cfg.receptive_field_frames if left_context is None
                        else left_context)
             self.shapes = VocoderShapes.for_stream(first_chunk_frames or chunk_frames,
                                                    chunk_frames, context, max_batch_frames)
             self.plan_shapes()
+            if cuda_graphs:     # the small batches replayed (their launches: most of the time)
+                self.graphs = VocoderGraphs(model, self.shapes)
 
     @torch.inference_mode()
     def plan_shapes(self) -> None:
@@ -94,7 +98,7 @@ class Code2WavGenerator:
             if last and not stream.is_finished:
                 stream.finish()
             streams.append(stream)
-        audio = decode_streams(streams, self.max_batch_frames, self.shapes)
+        audio = decode_streams(streams, self.max_batch_frames, self.shapes, self.graphs)
         for i, state in enumerate(states):       # context-only samples: dropped
             skip = min(state.get("skip", 0), audio[i].numel())
             if skip:

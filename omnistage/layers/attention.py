@@ -202,6 +202,9 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.k_cache: Tensor | None = None  # bound by the model runner
         self.v_cache: Tensor | None = None
+        # True: its module binds a cache of its own (a code predictor's per-frame one), and
+        # the model runner's paged KV cache leaves it out
+        self.private_cache = False
         self.backend: AttentionBackend = TorchPagedAttention()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -246,6 +249,12 @@ class Attention(nn.Module):
                                             self.scale, kv_stored=True)
         q, k = norm_and_rotate(rotary, positions, q, k, q_norm, k_norm)
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, md, self.scale)
+
+
+def paged_layers(model: nn.Module) -> list[Attention]:
+    """The attention layers of `model` that the engine's paged KV cache serves (all but those
+    with a private cache)."""
+    return [m for m in model.modules() if isinstance(m, Attention) and not m.private_cache]
 
 
 _fused_store_ok = True     # until the fused store kernel fails to build (see rotate_and_attend)

@@ -48,7 +48,8 @@ class ShapeGraphs:
     no host-to-device copy). Ranks of one stage call it with the same signatures in the same
     order, so their captures, and the collectives inside them, stay paired."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int = 8,
+    def __init__(self, fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
+                 max_graphs: int = 8,
                  capture_after: int = 2) -> None:
         self.fn, self.max_graphs, self.capture_after = fn, max_graphs, capture_after
         self.seen: dict[tuple, int] = {}
@@ -69,7 +70,7 @@ class ShapeGraphs:
             buf.copy_(x)
         graph.replay()                                               # type: ignore[attr-defined]
         self.num_replays += 1
-        return out.clone()
+        return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
 
     def _capture(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor]
                  ) -> tuple[object, list[torch.Tensor], torch.Tensor]:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from transformers import (GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 
-from omnistage.layers.attention import Attention, AttentionMetadata, forward_context
+from omnistage.layers.attention import AttentionMetadata, forward_context, paged_layers
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 
 _ARCHITECTURES = {
@@ -98,7 +98,7 @@ class PagedCache:
     that grows as tokens are added; `step` builds the AttentionMetadata for one forward pass."""
 
     def __init__(self, model: nn.Module, num_blocks: int = 64, block_size: int = 4) -> None:
-        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        layers = paged_layers(model)
         param = next(model.parameters())
         self.block_size = block_size
         self.device = param.device

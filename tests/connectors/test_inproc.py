@@ -80,3 +80,33 @@ def test_cuda_tensors(payload: dict[str, Tensor], assert_same: Check) -> None:
     out = conn.get(conn.put(ChunkKey("r1", "a->b", 1), on_gpu), device="cuda")
     assert all(t.is_cuda for t in out.values())
     assert_same({name: t.cpu() for name, t in out.items()}, payload)
+
+
+def test_release_from_several_threads_at_once() -> None:
+    """A stage's thread and the orchestrator's release one request's chunks at the same time
+    (a failing talker under the inproc backend); neither may trip over the other's deletes."""
+    import sys
+    import threading
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)            # switch threads as often as possible
+    try:
+        conn = InprocConnector()
+        errors: list[BaseException] = []
+
+        def release() -> None:
+            try:
+                conn.release("r1")
+            except Exception as exc:   # collected for the assertion
+                errors.append(exc)
+        for _ in range(30):
+            for i in range(300):
+                conn.put(ChunkKey("r1", "a->b", i), {"x": torch.zeros(1)})
+            threads = [threading.Thread(target=release) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=30)
+            assert not errors and conn.chunks == {}
+    finally:
+        sys.setswitchinterval(old)

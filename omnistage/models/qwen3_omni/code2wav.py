@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -416,6 +416,14 @@ class Code2Wav(nn.Module):
         """Unchecked decode: codes (B, Q, T) -> wav (B, 1, num_samples(T))."""
         return self.vocode(self.pre_transformer(self.embed(codes)))
 
+    def continue_rows(self, codes: Tensor, past: Tensor, num_past: Tensor, num_new: Tensor
+                      ) -> tuple[Tensor, Tensor]:
+        """Streams' pre-transformer continued over new frames: codes (B, Q, embed_context + N)
+        (the frames the embedding reaches back to, then the N new ones, right-padded) ->
+        `Code2WavTransformer.forward_cached`'s rows (B, N, row_size) and caches."""
+        return self.pre_transformer.forward_cached(self.embed(codes)[:, self.embed_context:],
+                                                   past, num_past, num_new)
+
     def embed(self, codes: Tensor) -> Tensor:
         """codes (B, Q, T) -> (B, T, hidden): each frame's codebook embeddings averaged."""
         cfg = self.cfg
@@ -456,7 +464,8 @@ class Code2Wav(nn.Module):
 
     @torch.inference_mode()
     def vocode_windows(self, windows: Sequence[tuple[Tensor, int]],
-                       shape: tuple[int, int] | None = None) -> list[Tensor]:
+                       shape: tuple[int, int] | None = None,
+                       vocode: Callable[[Tensor], Tensor] | None = None) -> list[Tensor]:
         """Vocode windows `(rows (n, hidden), skip)` of pre-transformer output, of any
         lengths, in one forward, right-padded to the longest, or to `shape` (windows, frames)
         if given and larger; each returns its samples `[skip, num_samples(n))` in float32.
@@ -464,7 +473,8 @@ class Code2Wav(nn.Module):
         Padding is exact: every layer is causal but the decoder blocks' transposed convs,
         whose one-step lookahead reaches only samples past `num_samples(n)` (the last kept
         output of k = 2s trimmed by s draws on inputs up to the last real one), so the kept
-        samples never see a padded row; padded windows are zeros, computed and dropped."""
+        samples never see a padded row; padded windows are zeros, computed and dropped.
+        vocode: what runs `self.vocode` (CUDA graphs of it, `VocoderGraphs`)."""
         if not windows:
             return []
         lengths = [rows.shape[0] for rows, _ in windows]
@@ -473,7 +483,7 @@ class Code2Wav(nn.Module):
                                                        max(longest, *lengths), self.row_size)
         for i, (rows, _) in enumerate(windows):
             batch[i, :lengths[i]] = rows
-        wav = self.vocode(batch)[:, 0].float()                    # (B, num_samples(max_len))
+        wav = (vocode or self.vocode)(batch)[:, 0].float()        # (B, num_samples(max_len))
         return [wav[i, skip:self.cfg.num_samples(n)]
                 for i, ((_, skip), n) in enumerate(zip(windows, lengths))]
 

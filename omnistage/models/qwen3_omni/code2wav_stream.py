@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from omnistage.layers.graph_capture import ShapeGraphs
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, check_chunking
 from omnistage.utils.host import int_tensor
 
@@ -56,7 +57,7 @@ class Code2WavStream:
         self.chunk_frames = chunk_frames
         self.first_chunk_frames = first_chunk_frames or chunk_frames
         self.left_context = left_context
-        cfg, transformer = model.cfg, model.pre_transformer
+        cfg = model.cfg
         dtype = model.dtype
         # frames not decoded yet, kept on the host: appending a frame touches no device (on a
         # GPU shared with the talker, any copy of this process waits for a time slice, 14 ms a
@@ -67,9 +68,7 @@ class Code2WavStream:
                                  dtype=torch.long)
         # the transformer's keys and values of the last rows: (layers, 2, P, Hkv, D), the last
         # `_num_past` of the P real
-        self._past = torch.zeros(cfg.num_hidden_layers, 2, transformer.num_cached,
-                                 cfg.num_key_value_heads, cfg.head_dim, dtype=dtype,
-                                 device=model.device)
+        self._past = empty_past(model)
         self._num_past = 0
         self._rows = torch.empty(0, model.row_size, dtype=dtype, device=model.device)
         self.num_frames = 0            # frames received
@@ -128,24 +127,36 @@ class Code2WavStream:
         return decode_streams([self])[0]
 
 
+def empty_past(model: Code2Wav) -> Tensor:
+    """A new stream's transformer cache: (layers, 2, P, Hkv, D) zeros."""
+    cfg = model.cfg
+    return torch.zeros(cfg.num_hidden_layers, 2, model.pre_transformer.num_cached,
+                       cfg.num_key_value_heads, cfg.head_dim, dtype=model.dtype,
+                       device=model.device)
+
+
 @dataclass(frozen=True, slots=True)
 class VocoderShapes:
-    """The few (windows, frames) shapes every vocoder forward is padded to, so that each is
-    planned once: cuDNN picks and builds a convolution's kernels per input shape, 70 to 180 ms
-    for the bench-size vocoder on an H100 (a forward itself: 8 to 25 ms), and streams of
-    requests at different points would otherwise bring a new shape nearly every step.
+    """The few shapes every vocoder forward is padded to, so that each is planned once (and,
+    on CUDA, replayed from a graph: `VocoderGraphs`): cuDNN picks and builds a convolution's
+    kernels per input shape, 70 to 180 ms for the bench-size vocoder on an H100 (a forward
+    itself: 8 to 25 ms), and streams of requests at different points would otherwise bring a
+    new shape nearly every step.
 
-    frames: a stream's windows hold its first chunk alone, then `left_context` + a chunk, so
-    those two lengths cover every window. windows: 1 to 8, then every 4, up to what
-    `max_batch_frames` lets in one forward (the exact count above that: a single window)."""
+    lengths: a stream's windows hold its first chunk alone, then `left_context` + a chunk, so
+    those two lengths cover every window. new_lengths: the frames a transformer call continues
+    a stream by, its first chunk or a chunk (a longer backlog: its exact count). windows /
+    streams: 1 to 8, then every 4, up to what `max_batch_frames` lets in one forward (the
+    exact count above that: a single window)."""
     lengths: tuple[int, ...]
     max_batch_frames: int
+    new_lengths: tuple[int, ...] = ()
 
     @classmethod
     def for_stream(cls, first_chunk_frames: int, chunk_frames: int, left_context: int,
                    max_batch_frames: int) -> VocoderShapes:
         return cls(tuple(sorted({first_chunk_frames, left_context + chunk_frames})),
-                   max_batch_frames)
+                   max_batch_frames, tuple(sorted({first_chunk_frames, chunk_frames})))
 
     def batch_sizes(self, frames: int) -> list[int]:
         most = max(1, self.max_batch_frames // frames)
@@ -153,31 +164,71 @@ class VocoderShapes:
 
     def pad(self, num_windows: int, longest: int) -> tuple[int, int]:
         """The shape a forward of `num_windows` windows, the longest `longest`, runs at."""
-        frames = next((n for n in self.lengths if n >= longest), longest)
-        num = next((b for b in self.batch_sizes(frames) if b >= num_windows), num_windows)
-        return num, frames
+        return self._pad(num_windows, longest, self.lengths)
+
+    def pad_new(self, num_streams: int, longest: int) -> tuple[int, int]:
+        """The (streams, frames) a transformer call of `num_streams` streams, the longest
+        continued by `longest` frames, runs at."""
+        return self._pad(num_streams, longest, self.new_lengths)
+
+    def _pad(self, num: int, longest: int, lengths: tuple[int, ...]) -> tuple[int, int]:
+        frames = next((n for n in lengths if n >= longest), longest)
+        return next((b for b in self.batch_sizes(frames) if b >= num), num), frames
 
     def all(self) -> list[tuple[int, int]]:
-        """Every padded shape (to plan them all at start-up)."""
+        """Every padded shape of a vocoder forward (to plan them all at start-up)."""
         return [(b, n) for n in self.lengths for b in self.batch_sizes(n)]
+
+    def all_new(self) -> list[tuple[int, int]]:
+        """Every padded shape of a transformer call."""
+        return [(b, n) for n in self.new_lengths for b in self.batch_sizes(n)]
+
+
+class VocoderGraphs:
+    """CUDA graphs of a vocoder's two forwards, the transformer continued (`continue_rows`)
+    and the convolutions (`vocode`), at every padded shape of `shapes` of at most `max_batch`
+    streams / windows, all captured now; larger ones run eagerly. A forward of the bench-size
+    Qwen3-TTS vocoder launches about a thousand small kernels: 20 to 30 ms of host time for
+    3 ms of GPU work, which a first chunk's audio waited for."""
+
+    def __init__(self, model: Code2Wav, shapes: VocoderShapes, max_batch: int = 16) -> None:
+        dev, dt, cfg = model.device, model.dtype, model.cfg
+        new = [(b, n) for b, n in shapes.all_new() if b <= max_batch]
+        windows = [(b, n) for b, n in shapes.all() if b <= max_batch]
+        self.transformer = ShapeGraphs(model.continue_rows, max_graphs=len(new),
+                                       capture_after=1)
+        self.vocode = ShapeGraphs(model.vocode, max_graphs=len(windows), capture_after=1)
+        past = empty_past(model)
+        with torch.inference_mode():
+            for b, n in new:
+                codes = torch.zeros(b, cfg.num_quantizers, model.embed_context + n,
+                                    dtype=torch.long, device=dev)
+                zeros = torch.zeros(b, dtype=torch.int64, device=dev)    # as int_tensor
+                self.transformer(codes, past.expand(b, *past.shape).contiguous(), zeros,
+                                 zeros)
+            for b, n in windows:
+                self.vocode(torch.zeros(b, n, model.row_size, dtype=dt, device=dev))
 
 
 def decode_streams(streams: Sequence[Code2WavStream], max_batch_frames: int | None = None,
-                   shapes: VocoderShapes | None = None) -> list[Tensor]:
+                   shapes: VocoderShapes | None = None, graphs: VocoderGraphs | None = None
+                   ) -> list[Tensor]:
     """Decode ready chunks of `streams` (one model) together; per stream, the new samples
     (float32, 1-D, possibly empty). With `max_batch_frames`, the vocoder's forward holds at
     most that many frames (windows x the longest, as they are padded; always at least one
     window) and the rest stay ready for the next call. Chunks are taken one per stream per
     round: first chunks before later ones (a new request's first audio waits for no one's
     backlog), then the streams with the least audio out so far. With `shapes`, the vocoder's
-    batch is padded to one of them (exact: see `Code2Wav.vocode_windows`)."""
+    batches are padded to one of them (exact: see `Code2Wav.vocode_windows`), and with
+    `graphs` (made for those shapes) replayed from CUDA graphs where captured."""
     if not streams:
         return []
     model = streams[0].model
     assert all(s.model is model for s in streams), "streams of different models in one batch"
     chunks = _plan_chunks(streams, max_batch_frames, shapes)
     busy = [i for i, c in enumerate(chunks) if c]
-    rows = _continue_transformer(model, [streams[i] for i in busy], [sum(chunks[i]) for i in busy])
+    rows = _continue_transformer(model, [streams[i] for i in busy],
+                                 [sum(chunks[i]) for i in busy], shapes, graphs)
     windows: list[tuple[Tensor, int]] = []
     owner: list[int] = []
     upsample, lost = model.total_upsample, model.num_lost
@@ -199,7 +250,8 @@ def decode_streams(streams: Sequence[Code2WavStream], max_batch_frames: int | No
     shape = None
     if shapes is not None and windows:
         shape = shapes.pad(len(windows), max(w.shape[0] for w, _ in windows))
-    for i, wav in zip(owner, model.vocode_windows(windows, shape)):
+    vocode = graphs.vocode if graphs is not None else None
+    for i, wav in zip(owner, model.vocode_windows(windows, shape, vocode)):
         out[i].append(wav)
     empty = torch.empty(0, dtype=torch.float32, device=model.device)
     return [torch.cat(o) if o else empty for o in out]
@@ -232,26 +284,33 @@ def _plan_chunks(streams: Sequence[Code2WavStream], max_batch_frames: int | None
 
 
 def _continue_transformer(model: Code2Wav, streams: Sequence[Code2WavStream],
-                          counts: Sequence[int]) -> list[Tensor]:
+                          counts: Sequence[int], shapes: VocoderShapes | None = None,
+                          graphs: VocoderGraphs | None = None) -> list[Tensor]:
     """Run each stream's next `counts` buffered frames through the pre-transformer from its
-    kept keys and values, all streams in one batch; their rows (n, hidden) in order."""
+    kept keys and values, all streams in one batch (padded to `shapes.pad_new`: streams that
+    continue by no frame, frames of code 0 after the real ones, all dropped); their rows
+    (n, hidden) in order."""
     if not streams:
         return []
     ctx = model.embed_context
-    n_max = max(counts)
-    codes = torch.zeros(len(streams), model.cfg.num_quantizers, ctx + n_max,
+    num, n_max = (len(streams), max(counts)) if shapes is None else \
+        shapes.pad_new(len(streams), max(counts))
+    codes = torch.zeros(num, model.cfg.num_quantizers, ctx + n_max,
                         dtype=torch.long)                         # code 0 pads
     for b, (s, n) in enumerate(zip(streams, counts)):
         codes[b, :, :ctx + n] = s._codes[:, :ctx + n]
         s._codes = s._codes[:, n:]
     dev = model.device
+    padding = [0] * (num - len(streams))
     codes = codes.to(dev)                                         # one copy for the batch
-    num_past = int_tensor([s._num_past for s in streams]).to(dev)
-    num_new = int_tensor(counts).to(dev)
+    num_past = int_tensor([s._num_past for s in streams] + padding).to(dev)
+    num_new = int_tensor([*counts, *padding]).to(dev)
+    past = torch.stack([s._past for s in streams])
+    if padding:
+        past = torch.cat([past, past.new_zeros(len(padding), *past.shape[1:])])
+    run = model.continue_rows if graphs is None else graphs.transformer
     with torch.inference_mode():
-        rows, past = model.pre_transformer.forward_cached(
-            model.embed(codes)[:, ctx:], torch.stack([s._past for s in streams]), num_past,
-            num_new)
+        rows, past = run(codes, past, num_past, num_new)
     P = model.pre_transformer.num_cached
     for b, (s, n) in enumerate(zip(streams, counts)):
         s._past = past[b]

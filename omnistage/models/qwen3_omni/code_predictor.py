@@ -1,6 +1,7 @@
 """The code predictor of Qwen3-Omni's and Qwen3-TTS's talkers: a small dense decoder that
 fills codes 1 .. G-1 of a codec frame from the talker's last hidden state and code 0 (see
-talker.py for where it sits), run per frame over its own small KV cache, and
+talker.py for where it sits), run per frame through the engine's Qwen3 decoder layers (their
+fused one-row kernels and paged attention) over its own small KV cache (`FrameCache`), and
 `CodePredictorGraphs`, its CUDA graphs. Qwen3-TTS's may be narrower than its talker: its
 embeddings then have the talker's width and `small_to_mtp_projection` maps every input in."""
 
@@ -11,66 +12,34 @@ import time
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.layers import graph_capture
+from omnistage.layers import fused, graph_capture
+from omnistage.layers.attention import (AttentionMetadata, forward_context,
+                                        get_attention_backend)
 from omnistage.layers.sampling import GREEDY_EPS, apply_top_k_top_p
 from omnistage.layers.linear import Linear
 from omnistage.layers.norm import RMSNorm
-from omnistage.layers.rotary import RotaryEmbedding, get_rope
+from omnistage.layers.rotary import get_rope
 from omnistage.models.config import ModelConfig
-from omnistage.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer
+from omnistage.models.qwen2 import Qwen2DecoderLayer
 
 logger = logging.getLogger(__name__)
 
 
-class CodePredictorAttention(Qwen2Attention):
-    """Qwen3's attention layer (fused q/k/v, per-head q/k norm), attending causally over a
-    per-frame KV cache (B, Hkv, S, D), S <= G+1, instead of the paged one."""
-
-    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
-        assert cfg.has_qk_norm, "the code predictor is a Qwen3 decoder (q/k norm)"
-        super().__init__(cfg, rotary_emb)
-        del self.attn       # no paged attention: the engine must not give it a paged KV cache
-
-    def forward(self, positions: Tensor, x: Tensor, kv: tuple[Tensor, Tensor],
-                start: int) -> Tensor:
-        b, n, _ = x.shape                                          # x: (B, L, hidden)
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q = self.q_norm(q.view(b, n, self.num_heads, self.head_dim))   # (B, L, H, D)
-        k = self.k_norm(k.view(b, n, self.num_kv_heads, self.head_dim))
-        v = v.view(b, n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)                    # cos (L, 1, D) broadcasts
-        k_cache, v_cache = kv
-        end = start + n
-        k_cache[:, :, start:end] = k.transpose(1, 2)
-        v_cache[:, :, start:end] = v.transpose(1, 2)
-        # Several queries only in the first call of a frame (start 0), where causal is exact.
-        assert n == 1 or start == 0, f"{n} queries at start {start}"
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k_cache[:, :, :end], v_cache[:, :, :end], is_causal=n > 1,
-            scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(o.transpose(1, 2).flatten(2))          # (B, L, hidden)
-
-
-class CodePredictorDecoderLayer(Qwen2DecoderLayer):
-    """Qwen3's decoder layer over the per-frame cache (its own forward)."""
-
-    attention_cls = CodePredictorAttention
-
-    def forward(self, positions: Tensor, h: Tensor, kv: tuple[Tensor, Tensor],
-                start: int) -> Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv, start)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
 class CodePredictorModel(nn.Module):
+    """Qwen3's decoder layers (the engine's, fused kernels and paged attention included) over
+    a frame's tokens: x (T, hidden) at `positions`, inside a `forward_context` of `FrameCache`'s
+    metadata -> normed hidden (T, hidden)."""
+
     def __init__(self, cfg: ModelConfig, num_code_groups: int, embedding_dim: int) -> None:
         super().__init__()
+        assert cfg.has_qk_norm, "the code predictor is a Qwen3 decoder (q/k norm)"
         rotary_emb = get_rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_parameters)
-        self.layers = nn.ModuleList(CodePredictorDecoderLayer(cfg, rotary_emb)
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg, rotary_emb)
                                     for _ in range(cfg.num_hidden_layers))
+        for layer in self.layers:
+            layer.self_attn.attn.private_cache = True      # FrameCache's, not the engine's
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         # embeddings of codes 1 .. G-1 (code 0 is embedded by the talker's codec_embedding)
         self.codec_embedding = nn.ModuleList(
@@ -80,12 +49,66 @@ class CodePredictorModel(nn.Module):
         for emb in self.codec_embedding:
             emb.weight.requires_grad_(False)
 
-    def forward(self, x: Tensor, start: int, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """x: (B, L, hidden) at positions start .. start+L-1 -> normed hidden (B, L, hidden)."""
-        positions = torch.arange(start, start + x.shape[1], device=x.device)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv, start)
-        return self.norm(x)
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        h, residual = x, None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual)
+        return self.norm.add_forward(h, residual)[0]
+
+
+class FrameCache:
+    """The code predictor's paged KV cache for frames of up to `rows` rows, and the attention
+    metadata of each round: row i owns the blocks [i n, (i + 1) n), n = ceil(G / block_size);
+    round 0 writes positions 0 and 1 (the talker's hidden state and code 0's embedding), round
+    r > 0 position r + 1. A frame's metadata depends on its row count alone, so it is built
+    once per (rows, round), outside any CUDA graph, and its tensors stay alive with this
+    object (a captured graph reads them)."""
+
+    BLOCK_SIZE = 16
+
+    def __init__(self, model: CodePredictorModel, num_code_groups: int, rows: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        attn = model.layers[0].self_attn.attn
+        self.rows, self.device = rows, device
+        self.blocks_per_row = -(-num_code_groups // self.BLOCK_SIZE)
+        shape = (rows * self.blocks_per_row, self.BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)
+        self.caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device)) for _ in model.layers]
+        self.backend = get_attention_backend("auto", device, self.BLOCK_SIZE,
+                                             attn.num_heads // attn.num_kv_heads,
+                                             attn.num_kv_heads)
+        self.rounds: dict[tuple[int, int], tuple[AttentionMetadata, Tensor]] = {}
+
+    def bind(self, model: CodePredictorModel) -> None:
+        """Point every layer's attention at this cache (graph replays need no binding)."""
+        for layer, (k, v) in zip(model.layers, self.caches):
+            attn = layer.self_attn.attn
+            attn.k_cache, attn.v_cache, attn.backend = k, v, self.backend
+
+    def round(self, b: int, r: int) -> tuple[AttentionMetadata, Tensor]:
+        """(metadata, positions (T,)) of round r of a frame of b rows."""
+        key = (b, r)
+        if key not in self.rounds:
+            assert self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
+                "metadata built mid-capture"
+            assert b <= self.rows, (b, self.rows)
+            span = self.blocks_per_row * self.BLOCK_SIZE
+            pos = [0, 1] if r == 0 else [r + 1]
+            n = len(pos)
+            positions = pos * b
+            slots = [i * span + p for i in range(b) for p in pos]
+            tables = [[i * self.blocks_per_row + j for j in range(self.blocks_per_row)]
+                      for i in range(b)]
+            qsl, seq_lens = list(range(0, n * b + 1, n)), [pos[-1] + 1] * b
+
+            def dev(values: list, dtype: torch.dtype) -> Tensor:
+                return torch.tensor(values, dtype=dtype).to(self.device)
+            md = AttentionMetadata(dev(slots, torch.int64), dev(qsl, torch.int32),
+                                   dev(seq_lens, torch.int32), dev(tables, torch.int32), qsl,
+                                   seq_lens, n, pos[-1] + 1)
+            self.backend.prepare(md, True)
+            self.rounds[key] = (md, dev(positions, torch.int64))
+        return self.rounds[key]
 
 
 class CodePredictor(nn.Module):
@@ -113,6 +136,7 @@ class CodePredictor(nn.Module):
             Linear(self.embedding_dim, cfg.hidden_size, bias=True)
             if self.embedding_dim != cfg.hidden_size else nn.Identity())
         self.graphs: CodePredictorGraphs | None = None
+        self._caches: dict[tuple[int, torch.device, torch.dtype], FrameCache] = {}
 
     @torch.no_grad()
     def predict(self, past_hidden: Tensor, code0: Tensor, code0_embeds: Tensor, *,
@@ -154,27 +178,43 @@ class CodePredictor(nn.Module):
             q[i].exponential_(generator=None if generators is None else generators[i])
         return q.transpose(0, 1)
 
+    def project(self, x: Tensor) -> Tensor:
+        """Talker width -> the predictor's (a matrix-vector kernel for one row on CUDA)."""
+        proj = self.small_to_mtp_projection
+        return fused.linear(proj, x) if isinstance(proj, Linear) else x
+
+    def frame_cache(self, rows: int, device: torch.device, dtype: torch.dtype) -> FrameCache:
+        """A KV cache for frames of at least `rows` rows on device: the smallest power of two
+        that holds them. Kept for the predictor's life (CUDA graphs read their caches)."""
+        cap = 1 << max(0, rows - 1).bit_length()
+        key = (cap, device, dtype)
+        if key not in self._caches:
+            self._caches[key] = FrameCache(self.model, self.num_code_groups, cap, device, dtype)
+        return self._caches[key]
+
     def run_groups(self, past_hidden: Tensor, code0: Tensor, code0_embeds: Tensor,
-                   sampling: tuple[Tensor, Tensor, Tensor, Tensor] | None
-                   ) -> tuple[Tensor, Tensor]:
+                   sampling: tuple[Tensor, Tensor, Tensor, Tensor] | None,
+                   cache: FrameCache | None = None) -> tuple[Tensor, Tensor]:
         """The G-1 rounds of `predict` on tensors alone. sampling: None (greedy) or (B,)
-        temperature, top_k, top_p and the (G-1, B, V) noise of `draw_noise`."""
-        cfg, num_groups, b = self.cfg, self.num_code_groups, past_hidden.shape[0]
-        kv_shape = (b, cfg.num_key_value_heads, num_groups + 1, cfg.head_dim)
-        kv_caches = [(past_hidden.new_empty(kv_shape), past_hidden.new_empty(kv_shape))
-                     for _ in self.model.layers]
+        temperature, top_k, top_p and the (G-1, B, V) noise of `draw_noise`. cache: the KV
+        cache to use (None: `frame_cache`'s for B rows)."""
+        b = past_hidden.shape[0]
+        cache = cache or self.frame_cache(b, past_hidden.device, past_hidden.dtype)
+        cache.bind(self.model)
         codes, embeds = [code0], [code0_embeds]
-        x = torch.stack([past_hidden, code0_embeds], dim=1)                  # (B, 2, E)
-        start = 0
-        for g in range(1, num_groups):
-            h = self.model(self.small_to_mtp_projection(x), start, kv_caches)[:, -1]  # (B, H)
-            logits = self.lm_head[g - 1](h).float()                          # (B, V)
+        x = torch.stack([past_hidden, code0_embeds], dim=1).flatten(0, 1)     # (2B, E)
+        for g in range(1, self.num_code_groups):
+            md, positions = cache.round(b, g - 1)
+            with forward_context(md):
+                h = self.model(self.project(x), positions)
+            if g == 1:
+                h = h[1::2]                                     # each row's last position
+            logits = fused.linear(self.lm_head[g - 1], h).float()             # (B, V)
             code = logits.argmax(dim=-1) if sampling is None else \
                 _sample(logits, *sampling[:3], sampling[3][g - 1])
             codes.append(code)
             embeds.append(self.model.codec_embedding[g - 1](code))
-            start += x.shape[1]
-            x = embeds[-1][:, None]                                          # (B, 1, E)
+            x = embeds[-1]                                                     # (B, E)
         return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(dim=1)
 
 
@@ -202,6 +242,7 @@ class CodePredictorGraphs:
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
         self.pool: tuple[int, int] | None = None
         self.num_replays = 0
+        self.cache = predictor.frame_cache(n, device, dtype)   # every bucket's rows
 
     def _inputs(self, bs: int, greedy: bool) -> tuple:
         sampling = None if greedy else (self.temperature[:bs], self.top_k[:bs],
@@ -221,7 +262,8 @@ class CodePredictorGraphs:
 
     def _capture(self, bs: int, greedy: bool) -> None:
         graph, (codes, embeds) = graph_capture.capture_graph(
-            lambda: self.predictor.run_groups(*self._inputs(bs, greedy)), self.pool)
+            lambda: self.predictor.run_groups(*self._inputs(bs, greedy), cache=self.cache),
+            self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[(bs, greedy)] = (graph, codes, embeds)

@@ -231,7 +231,27 @@ def test_dropping_the_kept_keys_and_values_fails(deep: tuple[torch.nn.Module, Co
     assert (wav - ref(codes[None])[0, 0]).abs().max().item() > 0.05
 
 
-@pytest.mark.parametrize("shapes", [None, VocoderShapes((9, 20, 40), 200)],
+@torch.no_grad()
+def test_padded_streams_equal_exact_ones(ours: Code2Wav) -> None:
+    """Ten streams continued in one transformer call padded to twelve (two streams of no
+    frames) and to 6 frames: every stream's audio as unpadded, and its kept keys and values
+    too (its second chunk equal)."""
+    q, ctx = ours.cfg.num_quantizers, ours.cfg.receptive_field_frames
+    shapes = VocoderShapes((6, ctx + 5), 400, (6,))
+    assert shapes.pad_new(10, 4) == (12, 6)
+    codes = [random_codes(ours, q, 9, seed=40 + i) for i in range(10)]
+    outs = []
+    for use in (None, shapes):
+        streams = [Code2WavStream(ours, 5, ctx, 4) for _ in codes]
+        first = push_streams([(s, c[:, :4]) for s, c in zip(streams, codes)], use)
+        second = push_streams([(s, c[:, 4:]) for s, c in zip(streams, codes)], use)
+        outs.append([torch.cat(pair) for pair in zip(first, second)])
+    for exact, padded in zip(*outs):
+        assert exact.abs().max() > 1e-2
+        torch.testing.assert_close(padded, exact, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("shapes", [None, VocoderShapes((9, 20, 40), 200, (4, 12, 25))],
                          ids=["exact", "padded"])
 @torch.no_grad()
 def test_streams_batched_in_one_forward(ref: torch.nn.Module, ours: Code2Wav,
@@ -253,7 +273,15 @@ def test_streams_batched_in_one_forward(ref: torch.nn.Module, ours: Code2Wav,
         forwards.append(tuple(batch.shape[:2]))
         return vocode(batch)
 
+    continued: list[tuple[int, int]] = []
+    continue_rows = ours.continue_rows
+
+    def counted_rows(codes: torch.Tensor, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        continued.append((codes.shape[0], codes.shape[2] - ours.embed_context))
+        return continue_rows(codes, *args)
+
     monkeypatch.setattr(ours, "vocode", counted)
+    monkeypatch.setattr(ours, "continue_rows", counted_rows)
     starts, num_calls_with_audio = [0] * len(setups), 0
     for step in range(max(len(p) for _, _, p in setups)):
         items = []
@@ -278,6 +306,10 @@ def test_streams_batched_in_one_forward(ref: torch.nn.Module, ours: Code2Wav,
     assert len(forwards) == num_calls_with_audio   # one forward per call, whatever was ready
     if shapes is not None:
         assert set(forwards) <= set(shapes.all()), (forwards, shapes.all())
+        # transformer calls padded too (streams and frames), a backlog of two chunks exact
+        assert set(continued) - set(shapes.all_new()) <= {(b, 2 * 25) for b in range(9)}, \
+            continued
+        assert (2, 12) in continued              # a 6- and a 4-frame first chunk, padded
     for c, out in zip(codes, outs):
         assert_close(torch.cat(out), ref(c[None])[0, 0])
 
