@@ -23,14 +23,19 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, model_path: Path, device: torch.device) -> torch.dtype:
-    """"auto": the checkpoint's dtype on CUDA; float32 on CPU, where half precision is slow."""
+def resolve_dtype(name: str, model_path: Path | None, device: torch.device
+                  ) -> torch.dtype | None:
+    """"auto": the checkpoint's dtype on CUDA; float32 on CPU, where half precision is slow.
+    None where the folder has no config.json of its own (a pipeline of components, as
+    GLM-Image's): the loader reads its component's."""
     if name != "auto":
         if name not in _DTYPES:
             raise ValueError(f"dtype={name!r}: choose auto, {', '.join(_DTYPES)}")
         return _DTYPES[name]
     if device.type == "cpu":
         return torch.float32
+    if model_path is None or not (model_path / "config.json").is_file():
+        return None
     config = json.loads((model_path / "config.json").read_text())
     declared = config.get("dtype") or config.get("torch_dtype") or "float32"
     return _DTYPES.get(str(declared).removeprefix("torch."), torch.float32)
