@@ -273,7 +273,10 @@ class Orchestrator:
                         msg = m.decode_from_stage(raw)
                         if isinstance(msg, m.StageOutput):
                             w0 = time.time()
-                            self._route(msg)
+                            try:
+                                self._route(msg)
+                            except Exception as exc:   # its request ends, with the error
+                                self._route_failed(msg, exc)
                             trace.span("route", w0, stage=msg.stage, request=msg.request_id)
                         elif isinstance(msg, m.Heartbeat):
                             self.stages.beat(msg)
@@ -291,6 +294,17 @@ class Orchestrator:
                 if self._closed:
                     return
                 logger.exception("orchestrator: routing failed")
+
+    def _route_failed(self, out: m.StageOutput, exc: Exception) -> None:
+        """Routing a stage's output raised: its request fails with that error (were it left
+        routed, its client would wait for an end that never comes); the others go on."""
+        logger.exception("orchestrator: routing %s's output of stage %s failed",
+                         out.request_id, out.stage)
+        with self._lock:
+            route = self._routes.get(out.request_id)
+            if route is not None:
+                error = f"internal error routing stage {out.stage!r}'s output: {exc!r}"
+                self._fail(route, error, out.stage)
 
     def _route(self, out: m.StageOutput) -> None:
         with self._lock:

@@ -4,6 +4,7 @@ stage process, with images out and clear errors for bad requests."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,34 @@ def test_compiled_blocks_draw_the_same_images(random_digits: Path) -> None:
     assert torch.equal(images("{compile: eager}"), images("{}"))
     with pytest.raises(RuntimeError, match="unknown diffusion options"):
         images("{fast: true}")
+
+
+def test_a_request_whose_routing_raises_ends_with_the_error(random_digits: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """An exception while the orchestrator routes a stage's output (once lost the request:
+    its client waited for ever) ends that request with the error; the next one is served."""
+    with Omni(stage_config=graph(random_digits, "inproc"), device="cpu") as omni:
+        orchestrator = omni.engine.orchestrator
+        real = orchestrator._route
+        broken: list[str] = []
+
+        def route(out):  # type: ignore[no-untyped-def]
+            if not broken:
+                broken.append(out.request_id)
+                raise RuntimeError("a routing bug")
+            return real(out)
+
+        monkeypatch.setattr(orchestrator, "_route", route)
+        done: list = []          # a daemon thread: were the request lost, the test fails
+        waiter = threading.Thread(target=lambda: done.extend(omni.generate(
+            "four", DiffusionParams(num_inference_steps=3))), daemon=True)
+        waiter.start()
+        waiter.join(timeout=60)
+        assert done, "the request never ended"
+        (out,) = done
+        assert broken == [out.request_id]
+        assert out.finish_reason == "error" and "a routing bug" in out.error
+        assert orchestrator.num_requests == 0
+        (again,) = omni.generate("four", DiffusionParams(num_inference_steps=2))
+        assert again.error is None and again.images
