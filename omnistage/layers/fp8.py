@@ -37,6 +37,7 @@ import fnmatch
 import torch
 from torch import Tensor, nn
 
+from omnistage.layers import fused
 from omnistage.layers.linear import Linear
 from omnistage.layers.parallel import (ColumnParallelLinear, QKVParallelLinear,
                                        RowParallelLinear, TPGroup, all_gather_last, all_reduce)
@@ -54,6 +55,13 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
     scale = amax / FP8_MAX
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """quantize_rows for a layer's input: one Triton pass on CUDA (triton_ops.py); under
+    torch.compile the PyTorch form, which inductor fuses into the same single pass."""
+    ops = None if torch.compiler.is_compiling() else fused.ops_for(x)
+    return ops.quantize_rows_fp8(x, FP8, FP8_MAX) if ops else quantize_rows(x)
 
 
 def dequantize_rows(q: Tensor, scale: Tensor) -> Tensor:
@@ -94,7 +102,7 @@ class Fp8Linear(nn.Module):
         return cls(linear.weight, linear.bias, tp)
 
     def forward(self, x: Tensor) -> Tensor:
-        xq, sx = quantize_rows(x.reshape(-1, self.in_features))            # (M, K), (M, 1)
+        xq, sx = quantize_activations(x.reshape(-1, self.in_features))     # (M, K), (M, 1)
         y = fp8_matmul(xq, sx, self.weight, self.weight_scale)             # (M, N) bf16
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)

@@ -38,8 +38,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from omnistage.layers import pdl
 
@@ -220,6 +220,18 @@ def _rms_norm_rope_pairs_kernel(X, W, Cos, Sin, Out, stride_x, stride_o, stride_
     tl.store(dst + 1, (even * s + odd * c).to(Out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _quantize_rows_fp8_kernel(X, Q, S, stride_x, stride_q, N, fp8_max, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / fp8_max
+    q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+    tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + row, scale)
+
+
 def _rows(x: Tensor) -> Tensor:
     """x as (rows, last) with a row stride (a copy only if the rows are not evenly strided)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -292,6 +304,21 @@ def gated_add(x: Tensor, y: Tensor, gate: Tensor) -> Tensor:
             xr, yr, gate, out, xr.stride(0), yr.stride(0), out.stride(0), rows_per_gate,
             xr.shape[1], BLOCK=block)
     return out.view(x.shape)
+
+
+def quantize_rows_fp8(x: Tensor, fp8: torch.dtype, fp8_max: float) -> tuple[Tensor, Tensor]:
+    """x (M, K) -> (q (M, K) in `fp8`, scale (M, 1) float32), each row's largest magnitude
+    mapped to `fp8_max`: layers/fp8.py's quantize_rows in one pass over x (one read, one
+    write) instead of the six kernels of its PyTorch form."""
+    xr = _rows(x)
+    q = torch.empty(xr.shape, dtype=fp8, device=x.device)
+    scale = torch.empty((xr.shape[0], 1), dtype=torch.float32, device=x.device)
+    if xr.shape[0]:
+        block = triton.next_power_of_2(xr.shape[1])
+        _quantize_rows_fp8_kernel[(xr.shape[0],)](
+            xr, q, scale, xr.stride(0), q.stride(0), xr.shape[1], fp8_max, BLOCK=block,
+            num_warps=min(16, max(4, block // 512)))
+    return q, scale
 
 
 def rope_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -20,10 +20,11 @@ from omnistage.layers.fp8 import quantize_fp8
 from omnistage.layers.groups import stage_ranks
 from omnistage.stages.adapters import StageFeed
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
+from omnistage.utils.compile_cache import persistent_compile_cache
 from omnistage.utils.device import resolve_device, resolve_dtype
 
-# a diffusion stage's `options`: compile: true | a torch.compile backend (its blocks compiled);
-# cuda_graphs: true | false | the most graphs (default: on for a CUDA device and a pipeline
+# a diffusion stage's `options`: compile: true | false | a torch.compile backend (its blocks
+# compiled; default: on where CUDA graphs are, for a stage of one rank); cuda_graphs: true | false | the most graphs (default: on for a CUDA device and a pipeline
 # whose transformer captures, at most MAX_GRAPHS shapes); and those a pipeline class names in
 # its `options`, handed to its `set_option(name, value)` (SD3's skip_layer_guidance)
 OPTIONS = ("compile", "cuda_graphs")
@@ -213,17 +214,22 @@ def quantize_pipeline(stage: StageConfig, pipeline: DiffusionPipeline, dev: torc
 
 
 def apply_options(stage: StageConfig, pipeline: DiffusionPipeline, dev: torch.device) -> None:
-    """A native pipeline's `options`: its transformer blocks compiled, CUDA graphs (on by
-    default on a CUDA device for a pipeline whose transformer captures), its own options."""
+    """A native pipeline's `options`: its transformer blocks compiled and CUDA graphs, both
+    on by default on a CUDA device for a pipeline whose transformer captures (compile: on one
+    rank; a stage of several ranks opts in), its own options. Compiled code is cached on disk
+    (utils/compile_cache.py), so a restart compiles nothing new."""
     for name in getattr(pipeline, "options", ()):
         if name in stage.options:
             pipeline.set_option(name, stage.options[name])
-    if stage.options.get("compile"):
-        backend = stage.options["compile"]
-        compile_blocks(getattr(pipeline, "transformer", None) or pipeline.model,
-                       backend if isinstance(backend, str) else "inductor")
-    graphs = stage.options.get("cuda_graphs",
-                               dev.type == "cuda" and getattr(pipeline, "graphable", False))
+    native = dev.type == "cuda" and getattr(pipeline, "graphable", False)
+    backend = stage.options.get("compile", native and stage.parallel.world_size == 1)
+    if backend:
+        persistent_compile_cache()
+        for model in (getattr(pipeline, "transformer", None) or pipeline.model,
+                      getattr(pipeline, "transformer_2", None)):
+            if model is not None:
+                compile_blocks(model, backend if isinstance(backend, str) else "inductor")
+    graphs = stage.options.get("cuda_graphs", native)
     if graphs:
         if dev.type != "cuda":
             raise ValueError(f"stage {stage.name!r}: cuda_graphs needs a CUDA device "

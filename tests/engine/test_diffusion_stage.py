@@ -4,6 +4,7 @@ stage process, with images out and clear errors for bad requests."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from pathlib import Path
 
@@ -113,6 +114,43 @@ def test_compiled_blocks_draw_the_same_images(random_digits: Path) -> None:
     assert torch.equal(images("{compile: eager}"), images("{}"))
     with pytest.raises(RuntimeError, match="unknown diffusion options"):
         images("{fast: true}")
+
+
+def test_compile_and_graphs_default_on_cuda_for_one_rank(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
+    """On a CUDA device a native pipeline whose transformer captures compiles its blocks
+    (both of Wan 2.2's experts) and replays CUDA graphs by default, with inductor's cache in
+    the persistent folder; a stage of several ranks, `compile: false` or a CPU device do not
+    compile; a user's TORCHINDUCTOR_CACHE_DIR is kept."""
+    from types import SimpleNamespace
+
+    from omnistage.configs.schema import StageConfig
+    from omnistage.stages.diffusion import apply_options
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("OMNISTAGE_CACHE_DIR", str(tmp_path))
+
+    def run(device: str, **stage: object) -> SimpleNamespace:
+        blocks = [torch.nn.ModuleList([torch.nn.Linear(2, 2)]) for _ in range(2)]
+        pipe = SimpleNamespace(graphable=True, options=(), graphs=None,
+                               transformer=torch.nn.Sequential(blocks[0]),
+                               transformer_2=torch.nn.Sequential(blocks[1]))
+        pipe.use_cuda_graphs = lambda n: setattr(pipe, "graphs", n)
+        apply_options(StageConfig(name="dit", kind="diffusion", **stage), pipe,
+                      torch.device(device))
+        pipe.compiled = [isinstance(b[0], torch._dynamo.eval_frame.OptimizedModule)
+                         for b in blocks]
+        return pipe
+
+    cuda = run("cuda")
+    assert cuda.compiled == [True, True] and cuda.graphs
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    assert run("cuda", options={"compile": False}).compiled == [False, False]
+    assert run("cuda", ulysses_degree=2, devices=[0, 1]).compiled == [False, False]
+    assert run("cpu").compiled == [False, False] and run("cpu").graphs is None
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    run("cuda")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def test_a_request_whose_routing_raises_ends_with_the_error(random_digits: Path,
