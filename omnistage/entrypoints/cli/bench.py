@@ -151,15 +151,26 @@ def _add_tts(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _add_diffusion(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     diff = kinds.add_parser("diffusion", help="Qwen-Image (or FLUX.2 klein) transformer vs "
                                               "diffusers")
-    diff.add_argument("--model", default="qwen-image", choices=["qwen-image", "flux2-klein"],
+    diff.add_argument("--model", default="qwen-image",
+                      choices=["qwen-image", "flux2-klein", "flux1-dev", "z-image-turbo"],
                       help="the transformer's shape (flux2-klein: the 4B; without --parallel, "
-                           "--compile, --quantization, --num-layers)")
+                           "--compile, --quantization, --num-layers; flux1-dev, "
+                           "z-image-turbo: every variant of ours and diffusers' in one loop, "
+                           "with a kernel profile, benchmarks/diffusion_variants.py)")
+    diff.add_argument("--kernel-profile", action="store_true",
+                      help="qwen-image: the variants run of flux1-dev / z-image-turbo (diffusers "
+                           "eager and compiled, ours unfused / fused / compiled / FP8) with each "
+                           "one's device time by kernel kind")
+    diff.add_argument("--start-times", action="store_true",
+                      help="with the variants run: the compile's cold and warm start in fresh "
+                           "processes over one empty inductor cache")
     diff.add_argument("--size", type=int, default=None, help="pixels (default 1024; tiny 64)")
     diff.add_argument("--steps", type=int, default=None,
                       help="default 20 (flux2-klein: 4); tiny 4")
     diff.add_argument("--num-layers", type=int, default=None,
                       help="transformer blocks (default: the real 60; tiny 2)")
-    diff.add_argument("--text-len", type=int, default=64, help="caption tokens")
+    diff.add_argument("--text-len", type=int, default=None,
+                      help="caption tokens (default 64; flux1-dev 512, z-image-turbo 128)")
     diff.add_argument("--cache-thresholds", type=_floats, default=None,
                       help="step-cache thresholds to try, comma-separated")
     diff.add_argument("--concurrency", type=int, default=4)
@@ -246,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
         result, name, headline = _run_realtime(args)
     elif args.model == "flux2-klein":
         result, name, headline = _run_diffusion_flux2(args)
+    elif args.model in ("flux1-dev", "z-image-turbo") or args.kernel_profile:
+        result, name, headline = _run_diffusion_variants(args)
     elif args.parallel:
         result, name, headline = _run_diffusion_parallel(args)
     else:
@@ -354,7 +367,7 @@ def _run_diffusion_parallel(args: argparse.Namespace) -> Outcome:
     cfg = dp.ParallelBenchConfig(
         sizes="tiny" if tiny else "qwen-image", size=args.size or (64 if tiny else 1024),
         steps=args.steps or (4 if tiny else 20),
-        num_layers=args.num_layers or (2 if tiny else 60), text_len=args.text_len,
+        num_layers=args.num_layers or (2 if tiny else 60), text_len=args.text_len or 64,
         layouts=tuple(args.parallel.split(",")), reference=not args.no_reference,
         compile=args.compile, cuda_graphs=not args.no_cuda_graphs, device=args.device,
         seed=args.seed)
@@ -369,11 +382,22 @@ def _run_diffusion(args: argparse.Namespace) -> Outcome:
     cfg = diffusion.DiffusionBenchConfig.preset(
         "tiny" if args.tiny else "qwen-image", device=args.device, seed=args.seed,
         size=args.size, steps=args.steps, num_layers=args.num_layers,
-        text_len=args.text_len, cache_thresholds=args.cache_thresholds,
+        text_len=args.text_len or 64, cache_thresholds=args.cache_thresholds,
         concurrency=args.concurrency, compile=args.compile, quantization=args.quantization)
     result = diffusion.run(cfg)
     suffix = f"_{cfg.quantization}" if cfg.quantization else ""
     return result, f"diffusion_{cfg.sizes}_{cfg.size}px{suffix}", result["ratios"]
+
+
+def _run_diffusion_variants(args: argparse.Namespace) -> Outcome:
+    from omnistage.benchmarks import diffusion_variants as dv
+
+    cfg = dv.VariantsConfig(model=args.model, tiny=args.tiny, size=args.size, steps=args.steps,
+                            text_len=args.text_len, start_times=args.start_times,
+                            device=args.device, seed=args.seed)
+    result = dv.run(cfg)
+    tiny = "_tiny" if cfg.tiny else ""
+    return result, f"diffusion_variants_{cfg.model}{tiny}_{cfg.pixels}px", result["ratios"]
 
 
 def _run_diffusion_flux2(args: argparse.Namespace) -> Outcome:
@@ -388,7 +412,7 @@ def _run_diffusion_flux2(args: argparse.Namespace) -> Outcome:
     tiny = args.tiny
     cfg = diffusion_flux2.Flux2BenchConfig(
         sizes="tiny" if tiny else "klein-4b", size=args.size or (64 if tiny else 1024),
-        steps=args.steps or 4, text_len=args.text_len,
+        steps=args.steps or 4, text_len=args.text_len or 64,
         cache_thresholds=args.cache_thresholds or ((0.2, 0.5) if tiny else (0.1, 0.2, 0.4, 0.8)),
         concurrency=args.concurrency, device=args.device, seed=args.seed)
     result = diffusion_flux2.run(cfg)
