@@ -322,6 +322,7 @@ def _our_variants(cfg: VariantsConfig, case: Case, device: torch.device, dtype: 
                   base: Tensor, ref: dict, profile: bool) -> dict[str, dict]:
     from omnistage.diffusion.pipeline import compile_blocks
     from omnistage.layers.fp8 import MIN_FEATURES, quantize_fp8
+    from omnistage.layers.graph_capture import ShapeGraphs
 
     with torch.device(device), default_dtype(dtype):
         ours = case.ours({k: v for k, v in ref["config"].items() if not k.startswith("_")})
@@ -339,21 +340,29 @@ def _our_variants(cfg: VariantsConfig, case: Case, device: torch.device, dtype: 
         runs["ours_unfused"], _ = _variant("ours_unfused", forward, case, device, base, flops,
                                            profile)
     runs["ours"], bf16 = _variant("ours", forward, case, device, base, flops, profile)
-    if cfg.compile:
-        compile_blocks(ours)
-        runs["ours_compiled"], _ = _variant("ours_compiled", forward, case, device, base,
-                                            flops, profile)
-        _uncompile(ours)
+
+    def variants(prefix: str, against: Tensor) -> None:
+        """The model as it is now, from CUDA graphs (a stage's default), then compiled, with
+        and without graphs."""
+        for suffix, compiled, graphs in (("_graphs", False, True), ("_compiled", True, False),
+                                         ("_compiled_graphs", True, True)):
+            if (graphs and device.type != "cuda") or (compiled and not cfg.compile):
+                continue
+            if compiled:
+                compile_blocks(ours)
+            name = prefix + suffix
+            runs[name], _ = _variant(name, ShapeGraphs(forward) if graphs else forward, case,
+                                     device, against, flops, profile)
+            if compiled:
+                _uncompile(ours)
+
+    variants("ours", base)
     if cfg.fp8 and (device.type == "cuda" or cfg.tiny):
         weights = _weight_gib(ours)
         quantize_fp8(ours, min_features=16 if cfg.tiny else MIN_FEATURES, allow_cpu=cfg.tiny)
         free_device_memory(device)
         runs["ours_fp8"], _ = _variant("ours_fp8", forward, case, device, bf16, flops, profile)
-        if cfg.compile:
-            compile_blocks(ours)
-            runs["ours_fp8_compiled"], _ = _variant("ours_fp8_compiled", forward, case, device,
-                                                    bf16, flops, profile)
-            _uncompile(ours)
+        variants("ours_fp8", bf16)
         runs["ours_fp8"]["weights_gib"] = {"bf16": weights, "fp8": _weight_gib(ours)}
     runs["ours"]["linear_tflop_per_forward"] = flops / 1e12
     del ours, forward
@@ -421,13 +430,15 @@ def headline(runs: dict[str, dict]) -> dict[str, float | None]:
         return min(times) if times else None
 
     ref, ref_c = runs["diffusers"]["seconds"], runs.get("diffusers_compiled", {}).get("seconds")
-    exact, fp8 = best("ours", "ours_compiled"), best("ours_fp8", "ours_fp8_compiled")
-    fp8_psnr = [runs[n]["latents_psnr_db"] for n in ("ours_fp8", "ours_fp8_compiled")
-                if n in runs]
+    exact = best(*(n for n in runs if n.startswith("ours") and "fp8" not in n))
+    fp8 = best(*(n for n in runs if n.startswith("ours_fp8")))
+    fp8_psnr = [v["latents_psnr_db"] for n, v in runs.items() if n.startswith("ours_fp8")]
     return {"speedup_vs_diffusers": ratio(ref, runs["ours"]["seconds"]),
             "fused_kernels_speedup": ratio(runs["ours_unfused"]["seconds"],
                                            runs["ours"]["seconds"]),
             "exact_speedup_vs_diffusers_compiled": ratio(ref_c, exact),
+            "exact_fastest": min((n for n in runs if n.startswith("ours") and "fp8" not in n),
+                                 key=lambda n: runs[n]["seconds"]),
             "fp8_speedup_vs_diffusers_compiled": ratio(ref_c, fp8),
             "fp8_latents_psnr_db": min(fp8_psnr) if fp8_psnr else None}
 

@@ -609,3 +609,21 @@ def test_quantize_rows_fp8_equals_torch(dtype: torch.dtype) -> None:
         assert torch.equal(scale, want_scale)
         if DEVICE.type == "cuda":
             assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_rope_pairs(dtype: torch.dtype) -> None:
+    """A DiT's q/k RMSNorm + interleaved rope in one kernel (Qwen-Image, FLUX): heads and
+    pairs that are no powers of two, tables as a complex table's strided .real / .imag."""
+    from omnistage.layers.dit import apply_complex_rope
+
+    gen = torch.Generator().manual_seed(1)
+    x = (2 * torch.randn(2, 5, 3, 12, generator=gen)).to(DEVICE, dtype)   # (B, N, H, hd)
+    weight = (1 + 0.1 * torch.randn(12, generator=gen)).to(DEVICE, dtype)
+    table = torch.polar(torch.ones(5, 6), 3 * torch.randn(5, 6, generator=gen)).to(DEVICE)
+    normed = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+              * weight.float())
+    want = apply_complex_rope(normed, table).to(dtype)
+    got = triton_ops.rms_norm_rope_pairs(x, weight, 1e-6, table.real, table.imag)
+    torch.testing.assert_close(got, want, **TOL[dtype])
