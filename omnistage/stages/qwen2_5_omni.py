@@ -12,8 +12,10 @@ thinker still writes.
     token2wav (gen) the codec tokens, once the talker is done -> mel (DiT + RK4) -> 24 kHz
                     waveform (generation/token2wav.py)
 
-Only text prompts: the thinker's audio and vision encoders are not ported (they are not
-Qwen3-Omni's), so a request with media is refused. Speakers are the checkpoint's spk_dict.pt.
+Prompts may hold audio, images and videos: the input processor (models/qwen2_5_omni/
+processing.py) expands their placeholders and computes the M-RoPE positions at the front door;
+the thinker stage runs the encoders (audio_encoder.py, vision_encoder.py) and merges their
+outputs into the prompt embeddings (stages/media.py). Speakers are the checkpoint's spk_dict.pt.
 """
 
 from __future__ import annotations
@@ -29,16 +31,20 @@ from omnistage.ar.inputs import StreamInput
 from omnistage.configs.schema import StageConfig
 from omnistage.errors import InputError
 from omnistage.models.loader import resolve_model_path
+from omnistage.models.qwen2_5_omni.audio_encoder import Qwen2_5OmniAudioEncoder
+from omnistage.models.qwen2_5_omni.processing import Qwen2_5OmniInputProcessor
 from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerForCausalLM
 from omnistage.models.qwen2_5_omni.thinker import (
     Qwen2_5OmniThinkerForCausalLM,
     thinker_embedding_rows,
 )
 from omnistage.models.qwen2_5_omni.token2wav import load_speakers
+from omnistage.models.qwen2_5_omni.vision_encoder import Qwen2_5OmniVisionEncoder
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages.adapters import StageFeed
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
+from omnistage.stages.media import ThinkerMedia
 
 DEFAULT_SPEAKER = "chelsie"         # the reference's `speaker="Chelsie"`
 
@@ -52,6 +58,11 @@ class ThinkerStage(ARStage):
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
         super().__init__(stage, model, device,
                          loader=lambda p, d, t: _load(Qwen2_5OmniThinkerForCausalLM, p, d, t))
+        tokens = Qwen2_5OmniInputProcessor.special_tokens(self.engine.hf_config.thinker_config,
+                                                          self.engine.tokenizer)
+        self.media = ThinkerMedia(self.engine, resolve_model_path(stage.model or model), tokens,
+                                  {"audio": Qwen2_5OmniAudioEncoder,
+                                   "vision": Qwen2_5OmniVisionEncoder})
         self._first: dict[str, list[int]] = {}    # requests owing the talker their prompt ids
 
     def prepare(self) -> None:
@@ -62,14 +73,15 @@ class ThinkerStage(ARStage):
         return self.talker_layers, False
 
     def add(self, request: StageRequest) -> None:
-        if request.multimodal or request.streamed:
-            raise InputError("Qwen2.5-Omni takes text prompts only here: its audio and vision "
-                             "encoders are not supported yet", param="messages")
+        if request.streamed:
+            raise ValueError("the thinker is an entry stage")
         params = request.params or self.defaults
         if request.downstream and not params.output_hidden_layers:
             params = replace(params, output_hidden_layers=self.talker_layers)
+        prompt_embeds, mm_input, cache_ids = self.media.request_inputs(
+            request.prompt_token_ids, request.multimodal, request.prompt_embeds)
         self.engine.add_request(request.request_id, request.prompt_token_ids, params,
-                                request.prompt_embeds)
+                                prompt_embeds, mm=mm_input, cache_ids=cache_ids)
         if request.downstream:
             self._first[request.request_id] = list(request.prompt_token_ids or [])
 

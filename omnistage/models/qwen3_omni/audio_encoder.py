@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,9 @@ from omnistage.models.loader import (_default_dtype, check_tensor_names, compone
                                      component_tensor_files, iter_component_tensors)
 
 # ---- checkpoint helpers (shared with vision_encoder.py) -------------------------------------
+
+TensorRewrite = Callable[[Iterator[tuple[str, Tensor]]], Iterator[tuple[str, Tensor]]]
+
 
 def read_thinker_config(path: Path):
     """The thinker part of `path`/config.json as transformers' config object (a full
@@ -50,13 +54,16 @@ def read_thinker_config(path: Path):
     return getattr(hf_config, "thinker_config", hf_config)
 
 
-def load_prefixed_weights(model: nn.Module, path: Path, prefix: str) -> None:
-    """Copy every checkpoint tensor `prefix`+name into `model`'s parameter `name`. Missing,
-    unexpected or mis-shaped tensors raise ValueError naming them (with the prefix)."""
+def load_prefixed_weights(model: nn.Module, path: Path, prefix: str,
+                          rewrite: TensorRewrite | None = None) -> None:
+    """Copy every checkpoint tensor `prefix`+name into `model`'s parameter `name` (after
+    `rewrite`, which may rename or fuse the (name, tensor) stream). Missing, unexpected or
+    mis-shaped tensors raise ValueError naming them (with the prefix)."""
     params = dict(model.named_parameters())
     seen: set[str] = set()
+    tensors = iter_component_tensors(path, prefix)
     with torch.no_grad():
-        for name, tensor in iter_component_tensors(path, prefix):
+        for name, tensor in (rewrite(tensors) if rewrite is not None else tensors):
             seen.add(prefix + name)
             param = params.get(name)
             if param is None:
@@ -70,14 +77,15 @@ def load_prefixed_weights(model: nn.Module, path: Path, prefix: str) -> None:
 
 
 def build_component(model_cls: type[nn.Module], config: object, path: Path, prefix: str,
-                    device: torch.device | str, dtype: torch.dtype | None) -> nn.Module:
+                    device: torch.device | str, dtype: torch.dtype | None,
+                    rewrite: TensorRewrite | None = None) -> nn.Module:
     """`model_cls(config)` on `device` in `dtype` (None: the checkpoint's), built on the meta
-    device and filled from the `prefix`* tensors of `path`."""
+    device and filled from the `prefix`* tensors of `path` (through `rewrite`)."""
     files = component_tensor_files(path, prefix)
     with _default_dtype(dtype or component_dtype(files)), torch.device("meta"):
         model = model_cls(config)
     model = model.to_empty(device=device)
-    load_prefixed_weights(model, path, prefix)
+    load_prefixed_weights(model, path, prefix, rewrite)
     return model.eval().requires_grad_(False)
 
 
@@ -178,12 +186,14 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> Ten
 # ---- layers -------------------------------------------------------------------------------------
 
 class AudioAttention(nn.Module):
-    def __init__(self, cfg: AudioEncoderConfig) -> None:
+    """Whisper-style attention; Qwen2.5-Omni's encoder has no k_proj bias (`k_bias=False`)."""
+
+    def __init__(self, cfg: AudioEncoderConfig, k_bias: bool = True) -> None:
         super().__init__()
         self.num_heads = cfg.encoder_attention_heads
         self.head_dim = cfg.d_model // cfg.encoder_attention_heads
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=k_bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.out_proj = nn.Linear(cfg.d_model, cfg.d_model)
 
@@ -195,10 +205,10 @@ class AudioAttention(nn.Module):
 
 
 class AudioEncoderLayer(nn.Module):
-    def __init__(self, cfg: AudioEncoderConfig) -> None:
+    def __init__(self, cfg: AudioEncoderConfig, k_bias: bool = True) -> None:
         super().__init__()
         self.self_attn_layer_norm = nn.LayerNorm(cfg.d_model)
-        self.self_attn = AudioAttention(cfg)
+        self.self_attn = AudioAttention(cfg, k_bias)
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
         self.fc1 = nn.Linear(cfg.d_model, cfg.encoder_ffn_dim)
         self.fc2 = nn.Linear(cfg.encoder_ffn_dim, cfg.d_model)
