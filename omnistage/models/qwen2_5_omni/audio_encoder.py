@@ -23,34 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.models.qwen3_omni.audio_encoder import (AudioEncoderLayer, build_component,
+from omnistage.models.qwen3_omni.audio_encoder import (AudioEncoderLayer, AudioSizes,
+                                                        build_component, checked_feature_lens,
+                                                        chunk_lengths,
                                                         read_thinker_config, sinusoids)
 
 
 @dataclass(frozen=True, slots=True)
-class Qwen2_5OmniAudioEncoderConfig:
-    num_mel_bins: int = 128
-    d_model: int = 1280
-    encoder_layers: int = 32
-    encoder_attention_heads: int = 20
-    encoder_ffn_dim: int = 5120
-    output_dim: int = 3584
+class Qwen2_5OmniAudioEncoderConfig(AudioSizes):
     n_window: int = 100                 # a chunk (and an attention window) is 2 * n_window frames
     max_source_positions: int = 1500
-
-    def __post_init__(self) -> None:
-        if self.d_model % self.encoder_attention_heads:
-            raise ValueError(f"audio_config.d_model {self.d_model} is not a multiple of "
-                             f"encoder_attention_heads {self.encoder_attention_heads}")
-
-    @classmethod
-    def from_hf(cls, audio_config) -> Qwen2_5OmniAudioEncoderConfig:
-        """From transformers' `Qwen2_5OmniAudioEncoderConfig` (thinker_config.audio_config)."""
-        act = getattr(audio_config, "activation_function", "gelu")
-        if act != "gelu" or getattr(audio_config, "scale_embedding", False):
-            raise ValueError(f"audio_config: activation_function {act!r} with scale_embedding "
-                             "is not supported (the released model: 'gelu', no scaling)")
-        return cls(**{name: getattr(audio_config, name) for name in cls.__dataclass_fields__})
 
 
 def output_lengths(feature_lens: Tensor) -> Tensor:
@@ -70,7 +52,7 @@ class Qwen2_5OmniAudioEncoder(nn.Module):
         self.conv1 = nn.Conv1d(cfg.num_mel_bins, cfg.d_model, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(cfg.d_model, cfg.d_model, kernel_size=3, stride=2, padding=1)
         self.audio_bos_eos_token = nn.Embedding(2, cfg.output_dim)
-        self.layers = nn.ModuleList(AudioEncoderLayer(cfg, k_bias=False)  # type: ignore[arg-type]
+        self.layers = nn.ModuleList(AudioEncoderLayer(cfg, k_bias=False)
                                     for _ in range(cfg.encoder_layers))
         self.ln_post = nn.LayerNorm(cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.output_dim)
@@ -79,26 +61,14 @@ class Qwen2_5OmniAudioEncoder(nn.Module):
     def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
                         dtype: torch.dtype | None = None) -> Qwen2_5OmniAudioEncoder:
         """Load `thinker.audio_tower.*` of a Qwen2.5-Omni checkpoint folder (strict)."""
-        cfg = Qwen2_5OmniAudioEncoderConfig.from_hf(read_thinker_config(Path(path)).audio_config)
+        cfg = Qwen2_5OmniAudioEncoderConfig.from_hf(
+            read_thinker_config(Path(path)).audio_config)
         return build_component(cls, cfg, Path(path), "thinker.audio_tower.", device, dtype)
 
-    def _chunk_lengths(self, feature_lens: list[int]) -> list[int]:
-        chunk = 2 * self.cfg.n_window
-        out: list[int] = []
-        for n in feature_lens:
-            out += [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
-        return out
-
     def forward(self, input_features: Tensor, feature_lens: Tensor) -> Tensor:
-        cfg = self.cfg
-        lens = feature_lens.tolist()
-        if input_features.ndim != 2 or input_features.shape[0] != cfg.num_mel_bins:
-            raise ValueError(f"input_features: expected ({cfg.num_mel_bins}, total_frames), got "
-                             f"{tuple(input_features.shape)}")
-        if not lens or min(lens) < 2 or sum(lens) != input_features.shape[1]:
-            raise ValueError(f"feature_lens {lens}: every audio needs at least two frames and "
-                             f"they must sum to the {input_features.shape[1]} frames given")
-        chunk_lens = self._chunk_lengths(lens)
+        cfg = self.cfg       # two frames at least: one token after the conv and the pooling
+        lens = checked_feature_lens(input_features, feature_lens, cfg.num_mel_bins, min_frames=2)
+        chunk_lens = chunk_lengths(lens, cfg.chunk_frames)
         chunks = input_features.to(self.conv1.weight.dtype).T.split(chunk_lens)  # (n_i, mel)
         padded = nn.utils.rnn.pad_sequence(chunks, batch_first=True).transpose(1, 2)  # (C, mel, T)
         lens_t = torch.tensor(chunk_lens, device=padded.device)

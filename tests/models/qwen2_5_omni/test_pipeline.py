@@ -6,11 +6,14 @@ text-only requests that never enter the talker; speakers; bad input."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+import soundfile
 import torch
 from PIL import Image
 
@@ -168,3 +171,13 @@ def test_server_speaks_and_refuses_bad_input(omni: Omni) -> None:
     media = chat(omni, {**body, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"}, image]}]})
     assert media.status_code == 400, media.text
+    assert "image" in media.json()["error"]["message"]
+    wav = io.BytesIO()
+    soundfile.write(wav, media_chats()[0][0]["content"][0]["audio"][0], 16000, format="WAV")
+    sound = {"type": "input_audio",
+             "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(), "format": "wav"}}
+    text_only = {k: v for k, v in body.items() if k != "audio"}
+    heard = chat(omni, {**text_only, "modalities": ["text"], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, sound]}]})
+    assert heard.status_code == 200, heard.text
+    assert heard.json()["usage"]["prompt_tokens"] > 20          # the audio's placeholders
