@@ -4,9 +4,11 @@ thinker still writes.
 
     thinker (ar)    prompt -> text; requests bound for the talker emit, per position, the
                     input embedding (layer 0) and the last hidden state (after the norm), and
-                    their first chunk carries the prompt ids
-    talker (ar)     prefill = the prompt's rows (embedding + hidden state), the speaker's text
-                    bos, the first reply row (models/qwen2_5_omni/talker.py); each decode adds
+                    their first chunk carries the prompt ids (and M-RoPE positions, if any)
+    talker (ar)     prefill = the prompt's rows (embedding + hidden state; media placeholder
+                    rows the hidden state alone, as the reference), the speaker's text bos,
+                    the first reply row (models/qwen2_5_omni/talker.py), at the thinker's
+                    positions continued; each decode adds
                     the next reply row, then text eos, then text pad (the engine's input
                     stream); one codec token per step
     token2wav (gen) the codec tokens, once the talker is done -> mel (DiT + RK4) -> 24 kHz

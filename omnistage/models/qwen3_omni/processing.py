@@ -159,6 +159,9 @@ class InputProcessor:
         elif kind == "image":
             images.append(self._image(part.get("image"), f"{where}.image"))
         elif kind == "video":
+            if part.get("use_audio_in_video"):
+                raise ValueError(f"{where}.use_audio_in_video: a video's audio track is not "
+                                 "used here; send it as its own audio part")
             frames = part.get("video")
             if not isinstance(frames, (list, tuple)) or not frames:
                 raise ValueError(f"{where}.video: expected a non-empty list of PIL images")
