@@ -181,7 +181,8 @@ _BUILT_IN = (
         components=(Component("ar", "qwen2_5_omni_thinker", _OMNI25_STAGES),
                     Component("ar", "qwen2_5_omni_talker", _OMNI25_STAGES),
                     Component("generation", "qwen2_5_omni_token2wav",
-                              "omnistage.generation.token2wav:Token2WavGenerator"))),
+                              "omnistage.generation.token2wav:Token2WavGenerator")),
+        processor="omnistage.models.qwen2_5_omni.processing:Qwen2_5OmniInputProcessor"),
     ModelFamily(
         "qwen3_tts", architectures=("Qwen3TTSForConditionalGeneration",),
         graph="qwen3_tts.yaml", speech="omnistage.stages.qwen3_tts:speech_spec",

@@ -4,16 +4,20 @@ thinker still writes.
 
     thinker (ar)    prompt -> text; requests bound for the talker emit, per position, the
                     input embedding (layer 0) and the last hidden state (after the norm), and
-                    their first chunk carries the prompt ids
-    talker (ar)     prefill = the prompt's rows (embedding + hidden state), the speaker's text
-                    bos, the first reply row (models/qwen2_5_omni/talker.py); each decode adds
+                    their first chunk carries the prompt ids (and M-RoPE positions, if any)
+    talker (ar)     prefill = the prompt's rows (embedding + hidden state; media placeholder
+                    rows the hidden state alone, as the reference), the speaker's text bos,
+                    the first reply row (models/qwen2_5_omni/talker.py), at the thinker's
+                    positions continued; each decode adds
                     the next reply row, then text eos, then text pad (the engine's input
                     stream); one codec token per step
     token2wav (gen) the codec tokens, once the talker is done -> mel (DiT + RK4) -> 24 kHz
                     waveform (generation/token2wav.py)
 
-Only text prompts: the thinker's audio and vision encoders are not ported (they are not
-Qwen3-Omni's), so a request with media is refused. Speakers are the checkpoint's spk_dict.pt.
+Prompts may hold audio, images and videos: the input processor (models/qwen2_5_omni/
+processing.py) expands their placeholders and computes the M-RoPE positions at the front door;
+the thinker stage runs the encoders (audio_encoder.py, vision_encoder.py) and merges their
+outputs into the prompt embeddings (stages/media.py). Speakers are the checkpoint's spk_dict.pt.
 """
 
 from __future__ import annotations
@@ -25,20 +29,24 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig
 
-from omnistage.ar.inputs import StreamInput
+from omnistage.ar.inputs import MultimodalInput, StreamInput
 from omnistage.configs.schema import StageConfig
 from omnistage.errors import InputError
 from omnistage.models.loader import resolve_model_path
+from omnistage.models.qwen2_5_omni.audio_encoder import Qwen2_5OmniAudioEncoder
+from omnistage.models.qwen2_5_omni.processing import Qwen2_5OmniInputProcessor
 from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerForCausalLM
 from omnistage.models.qwen2_5_omni.thinker import (
     Qwen2_5OmniThinkerForCausalLM,
     thinker_embedding_rows,
 )
 from omnistage.models.qwen2_5_omni.token2wav import load_speakers
+from omnistage.models.qwen2_5_omni.vision_encoder import Qwen2_5OmniVisionEncoder
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages.adapters import StageFeed
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
+from omnistage.stages.media import ThinkerMedia
 
 DEFAULT_SPEAKER = "chelsie"         # the reference's `speaker="Chelsie"`
 
@@ -52,7 +60,13 @@ class ThinkerStage(ARStage):
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
         super().__init__(stage, model, device,
                          loader=lambda p, d, t: _load(Qwen2_5OmniThinkerForCausalLM, p, d, t))
-        self._first: dict[str, list[int]] = {}    # requests owing the talker their prompt ids
+        tokens = Qwen2_5OmniInputProcessor.special_tokens(self.engine.hf_config.thinker_config,
+                                                          self.engine.tokenizer)
+        self.media = ThinkerMedia(self.engine, resolve_model_path(stage.model or model), tokens,
+                                  {"audio": Qwen2_5OmniAudioEncoder,
+                                   "vision": Qwen2_5OmniVisionEncoder})
+        # requests owing the talker their prompt: ids, and M-RoPE positions with their delta
+        self._first: dict[str, dict[str, Tensor]] = {}
 
     def prepare(self) -> None:
         # the layers the talker takes: emitted by decodes of the requests bound for it
@@ -62,16 +76,21 @@ class ThinkerStage(ARStage):
         return self.talker_layers, False
 
     def add(self, request: StageRequest) -> None:
-        if request.multimodal or request.streamed:
-            raise InputError("Qwen2.5-Omni takes text prompts only here: its audio and vision "
-                             "encoders are not supported yet", param="messages")
+        if request.streamed:
+            raise ValueError("the thinker is an entry stage")
         params = request.params or self.defaults
         if request.downstream and not params.output_hidden_layers:
             params = replace(params, output_hidden_layers=self.talker_layers)
+        prompt_embeds, mm_input, cache_ids = self.media.request_inputs(
+            request.prompt_token_ids, request.multimodal, request.prompt_embeds)
         self.engine.add_request(request.request_id, request.prompt_token_ids, params,
-                                request.prompt_embeds)
+                                prompt_embeds, mm=mm_input, cache_ids=cache_ids)
         if request.downstream:
-            self._first[request.request_id] = list(request.prompt_token_ids or [])
+            mm = request.multimodal or {}
+            first = {"prompt_token_ids": torch.tensor(request.prompt_token_ids or [])}
+            if "positions" in mm:
+                first.update(prompt_positions=mm["positions"], rope_delta=mm["rope_delta"])
+            self._first[request.request_id] = first
 
     def abort(self, request_id: str) -> None:
         self._first.pop(request_id, None)
@@ -81,7 +100,7 @@ class ThinkerStage(ARStage):
         results = super().step()
         for r in results:
             if r.request_id in self._first and "hidden_positions" in r.tensors:
-                r.tensors["prompt_token_ids"] = torch.tensor(self._first.pop(r.request_id))
+                r.tensors.update(self._first.pop(r.request_id))
             if r.finished:
                 self._first.pop(r.request_id, None)
         return results
@@ -93,6 +112,8 @@ class _TalkerInput:
     speaker_idx: int
     params: SamplingParams
     prompt_ids: list[int] | None = None
+    positions: Tensor | None = None        # the prompt's M-RoPE positions (3, L), with media
+    rope_delta: int = 0
     rows: list[Tensor] = field(default_factory=list)   # embedding + last hidden, by position
     num_sent: int = 0                                  # rows handed to the engine
     closed: bool = False
@@ -114,7 +135,9 @@ class TalkerStage(ARStage):
         text = thinker_embedding_rows(path, [cfg.text_eos_id, cfg.text_pad_id,
                                              *(s.bos_token for s in speakers.values())])
         self.text_rows = text.to(self.engine.device, self.engine.dtype)  # eos, pad, bos...
-        self.last_layer = self.engine.hf_config.thinker_config.text_config.num_hidden_layers
+        thinker = self.engine.hf_config.thinker_config
+        self.last_layer = thinker.text_config.num_hidden_layers
+        self.media_ids = {thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id}
         self.inputs: dict[str, _TalkerInput] = {}
         self._fed: set[str] = set()                      # requests fed since the last step
         self._speaker: dict[str, int] = {}               # request -> speaker index, to the end
@@ -156,12 +179,23 @@ class TalkerStage(ARStage):
             return
         if "prompt_token_ids" in t:
             state.prompt_ids = t["prompt_token_ids"].tolist()
+        if "prompt_positions" in t:
+            state.positions, state.rope_delta = t["prompt_positions"], int(t["rope_delta"])
         if "hidden.0" in t:
             assert int(t["hidden_positions"][0]) == len(state.rows), \
                 "thinker rows arrive in order, once each"
-            rows = t["hidden.0"].float() + t[f"hidden.{self.last_layer}"].float()
+            embeds = t["hidden.0"].float()
+            media = self._media_rows(state.prompt_ids or [], t["hidden_positions"])
+            rows = embeds.masked_fill(media[:, None], 0.0) + t[f"hidden.{self.last_layer}"].float()
             state.rows.extend(rows.unbind(0))
         self._fed.add(request_id)
+
+    def _media_rows(self, prompt_ids: list[int], positions: Tensor) -> Tensor:
+        """(n,) bool: which of these thinker rows are audio / image / video placeholders of
+        the prompt. The reference speaks from their hidden states only, their input
+        embeddings (the encoders' outputs) zeroed."""
+        return torch.tensor([int(p) < len(prompt_ids) and prompt_ids[int(p)] in self.media_ids
+                             for p in positions.tolist()], dtype=torch.bool)
 
     def close_input(self, request_id: str) -> None:
         if request_id in self.inputs:
@@ -220,8 +254,13 @@ class TalkerStage(ARStage):
         embeds = self.model.prompt_embeds(rows[:num_prompt], self.text_rows[2 + state.speaker_idx],
                                           rows[num_prompt])
         ids = [cfg.codec_mask_id] * num_prompt + [cfg.codec_pad_id, cfg.codec_bos_id]
+        mm = None
+        if state.positions is not None:     # the thinker's, then text bos and the first reply
+            after = int(state.positions.max()) + 1 + torch.arange(2)
+            mm = MultimodalInput(torch.cat([state.positions, after.expand(3, -1)], dim=1),
+                                 state.rope_delta)
         self.engine.add_request(request_id, ids, state.params, prompt_embeds=embeds,
-                                stream=StreamInput())
+                                stream=StreamInput(), mm=mm)
         state.num_sent = num_prompt + 1
 
     def _device(self, rows: Tensor) -> Tensor:

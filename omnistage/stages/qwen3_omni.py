@@ -24,7 +24,6 @@ token embedding, goes through `AREngine.embed_input_ids`, which the other ranks 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -40,12 +39,15 @@ from omnistage.errors import InputError
 from omnistage.stages.adapters import StageFeed
 from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen3_omni.mrope import mrope_positions
-from omnistage.models.qwen3_omni.multimodal import SpecialTokens, merge_multimodal_embeddings
+from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
+from omnistage.models.qwen3_omni.multimodal import SpecialTokens
+from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder
 from omnistage.models.qwen3_omni.code_predictor import CodePredictorGraphs
 from omnistage.models.qwen3_omni.talker import Qwen3OmniTalkerForCausalLM
 from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
+from omnistage.stages.media import ThinkerMedia
 from omnistage.utils import trace
 from omnistage.outputs import StageMetrics
 
@@ -71,10 +73,10 @@ class ThinkerStage(ARStage):
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
         super().__init__(stage, model, device,
                          loader=lambda p, d, t: _load(Qwen3OmniThinkerForCausalLM, p, d, t))
-        self.path = resolve_model_path(stage.model or model)
         hf = self.engine.hf_config
-        self.tokens = SpecialTokens.from_hf(hf.thinker_config, self.engine.tokenizer)
-        self._encoders: dict[str, torch.nn.Module] = {}
+        self.media = ThinkerMedia(self.engine, resolve_model_path(stage.model or model),
+                                  SpecialTokens.from_hf(hf.thinker_config, self.engine.tokenizer),
+                                  {"audio": AudioEncoder, "vision": VisionEncoder})
         ids = torch.tensor([hf.tts_bos_token_id, hf.tts_eos_token_id, hf.tts_pad_token_id],
                            device=self.engine.device)
         with torch.inference_mode():   # every rank of a tensor-parallel stage, at start-up
@@ -89,62 +91,22 @@ class ThinkerStage(ARStage):
     def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
         return self.talker_layers, False
 
-    def _encoder(self, name: str) -> torch.nn.Module:
-        """Audio / vision encoders, loaded when first needed."""
-        if name not in self._encoders:
-            from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
-            from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder
-
-            cls = AudioEncoder if name == "audio" else VisionEncoder
-            self._encoders[name] = cls.from_pretrained(self.path, self.engine.device,
-                                                       self.engine.dtype).eval()
-        return self._encoders[name]
-
     def add(self, request: StageRequest) -> None:
         request_id, prompt_token_ids = request.request_id, request.prompt_token_ids
-        prompt_embeds, downstream = request.prompt_embeds, request.downstream
         params = request.params or self.defaults
-        if downstream and not params.output_hidden_layers:
+        if request.downstream and not params.output_hidden_layers:
             params = replace(params, output_hidden_layers=self.talker_layers)
         if request.streamed:
             raise ValueError("the thinker is an entry stage")
         mm = request.multimodal
-        mm_input, cache_ids = None, None
-        if prompt_token_ids is not None and mm:
-            ids = torch.tensor(prompt_token_ids, dtype=torch.long)
-            mm_input = MultimodalInput()
-            if "positions" in mm:
-                mm_input.positions = mm["positions"].long()
-                mm_input.rope_delta = int(mm["rope_delta"])
-            if any(k in mm for k in ("input_features", "pixel_values", "pixel_values_videos")):
-                prompt_embeds, mm_input.deepstack = self._embed(ids, mm)
-                cache_ids = media_cache_ids(prompt_token_ids, mm, self.tokens)
+        prompt_embeds, mm_input, cache_ids = self.media.request_inputs(
+            prompt_token_ids, mm, request.prompt_embeds)
         self.engine.add_request(request_id, prompt_token_ids, params, prompt_embeds,
                                 mm=mm_input, cache_ids=cache_ids)
-        if downstream:
-            grids = {k: v for k, v in mm.items()
+        if request.downstream:
+            grids = {k: v for k, v in (mm or {}).items()
                      if k in ("image_grid_thw", "video_grid_thw", "video_second_per_grid")}
             self._first[request_id] = (list(prompt_token_ids or []), grids)
-
-    @torch.inference_mode()
-    def _embed(self, ids: Tensor, mm: dict[str, Tensor]
-               ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
-        dev, dtype = self.engine.device, self.engine.dtype
-        text = self.engine.embed_input_ids(ids)             # (L, H); the other ranks join
-        kw: dict[str, object] = {}
-        if "input_features" in mm:
-            kw["audio_embeds"] = self._encoder("audio")(
-                mm["input_features"].to(dev, dtype), mm["audio_feature_lens"].to(dev))
-        if "pixel_values" in mm:
-            kw["image_embeds"], kw["image_deepstack"] = self._encoder("vision")(
-                mm["pixel_values"].to(dev, dtype), mm["image_grid_thw"].to(dev))
-        if "pixel_values_videos" in mm:
-            kw["video_embeds"], kw["video_deepstack"] = self._encoder("vision")(
-                mm["pixel_values_videos"].to(dev, dtype), mm["video_grid_thw"].to(dev))
-        merged = merge_multimodal_embeddings(ids.to(dev), text, self.tokens, **kw)
-        rows = merged.deepstack_rows(0)
-        deepstack = None if rows is None else (rows[0].cpu(), rows[1])
-        return merged.inputs_embeds, deepstack
 
     def abort(self, request_id: str) -> None:
         self._first.pop(request_id, None)
@@ -162,40 +124,6 @@ class ThinkerStage(ARStage):
             if r.finished:
                 self._first.pop(r.request_id, None)
         return results
-
-
-def media_cache_ids(ids: list[int], mm: dict[str, Tensor], tokens: SpecialTokens
-                    ) -> list[int] | None:
-    """The prompt's ids with each media item's placeholder run replaced by a digest of that
-    item's features (negative: never a token id), for the prefix cache: an earlier turn's
-    audio hits in the next turn's prompt, a different audio of the same length does not.
-    None (not cached) when the runs do not match the items one to one."""
-    items: dict[int, list[Tensor]] = {}
-    if "input_features" in mm:                     # (mel, frames of every audio back to back)
-        items[tokens.audio_pad] = list(mm["input_features"].split(
-            mm["audio_feature_lens"].tolist(), dim=1))
-    for pad, pixels, grid in ((tokens.image_pad, "pixel_values", "image_grid_thw"),
-                              (tokens.video_pad, "pixel_values_videos", "video_grid_thw")):
-        if pixels in mm:                           # (patches of every item back to back, dim)
-            items[pad] = list(mm[pixels].split(mm[grid].prod(-1).tolist()))
-    digests = {pad: [_digest(c) for c in chunks] for pad, chunks in items.items()}
-    out, run_idx, prev = list(ids), {pad: -1 for pad in items}, None
-    for j, tok in enumerate(ids):
-        if tok in digests:
-            if tok != prev:
-                run_idx[tok] += 1
-                if run_idx[tok] >= len(digests[tok]):
-                    return None
-            out[j] = digests[tok][run_idx[tok]]
-        prev = tok
-    if any(run_idx[pad] + 1 != len(d) for pad, d in digests.items()):
-        return None
-    return out
-
-
-def _digest(t: Tensor) -> int:
-    data = t.detach().float().cpu().contiguous().numpy().tobytes()
-    return -1 - int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") // 2
 
 
 # ---- talker ---------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """A tiny random Qwen2.5-Omni checkpoint (`Qwen2_5OmniForConditionalGeneration`) built with
-transformers' own classes, for golden tests of its thinker, talker and token2wav.
+transformers' own classes, for golden tests of its thinker (with its audio and vision
+encoders), talker and token2wav.
 
     path = build_tiny_qwen2_5_omni(tmp_path / "omni25")   # config.json, safetensors,
-                                                          # tokenizer, spk_dict.pt
+                                                          # tokenizer, spk_dict.pt,
+                                                          # preprocessor_config.json
 
 The tokenizer is Qwen3-Omni's tiny one (tiny_omni.py): the config's placeholder and tts ids
 point at its special tokens. The speaker map (spk_dict.pt, what `from_pretrained` loads) holds
@@ -16,7 +18,8 @@ from typing import Any
 
 import torch
 
-from omnistage.testing.tiny_omni import _randomize, build_tiny_omni_tokenizer
+from omnistage.testing.tiny_omni import (_randomize, build_tiny_omni_tokenizer,
+                                         save_tiny_omni_processor)
 
 # the talker's codec vocabulary: codes 0..63, then its specials (pad, bos, eos, mask)
 NUM_CODES = 64
@@ -90,6 +93,7 @@ def build_tiny_qwen2_5_omni(path: str | Path, *, seed: int = 0) -> Path:
     make_audible(model.token2wav, speakers[SPEAKERS[0]], seed)
     model.save_pretrained(str(path), safe_serialization=True)
     torch.save(speakers, path / "spk_dict.pt")
+    save_tiny_omni_processor(path, tokenizer)
     return path
 
 

@@ -1,6 +1,7 @@
 """GPU-only (skipped without CUDA): Qwen2.5-Omni (thinker -> talker -> token2wav, stage
 processes) on CUDA against transformers' generate(return_audio=True) on CUDA, float32 with
-TF32 off, on the tiny checkpoint: the same text, the waveform within 1e-3. What this catches
+TF32 off, on the tiny checkpoint, a text turn and one with an audio, an image and a video: the
+same text, the waveform within 1e-3. What this catches
 is placement (a tensor left on the CPU, token2wav's noise drawn on the wrong device), not
 numerics, which the CPU golden tests (tests/models/qwen2_5_omni/) pin down."""
 
@@ -8,8 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from omnistage import Omni, SamplingParams
 
@@ -20,7 +23,20 @@ CHAT = [{"role": "user", "content": "Hello world, what is the weather today?"}]
 SEED = 3
 
 
-def test_qwen2_5_omni_on_cuda_equals_transformers(tmp_path: Path) -> None:
+def media_chat() -> list[dict]:
+    """An audio (0.8 s), an image and a 4-frame video in one turn: the encoders on CUDA."""
+    rng = np.random.default_rng(0)
+    wave = (0.3 * np.sin(np.arange(12800) / 16000 * 2 * np.pi * 330)).astype(np.float32)
+    image = Image.fromarray(rng.integers(0, 256, (40, 56, 3), dtype=np.uint8))
+    frames = [Image.fromarray(rng.integers(0, 256, (32, 24, 3), dtype=np.uint8))
+              for _ in range(4)]
+    return [{"role": "user", "content": [
+        {"type": "audio", "audio": (wave, 16000)}, {"type": "image", "image": image},
+        {"type": "video", "video": frames}, {"type": "text", "text": "What is it?"}]}]
+
+
+@pytest.mark.parametrize("media", [False, True], ids=["text", "media"])
+def test_qwen2_5_omni_on_cuda_equals_transformers(tmp_path: Path, media: bool) -> None:
     import transformers
 
     from omnistage.testing.tiny_qwen2_5_omni import (
@@ -36,10 +52,15 @@ def test_qwen2_5_omni_on_cuda_equals_transformers(tmp_path: Path) -> None:
                              extra={"speaker": "Ethan"}), None]
     with Omni(str(ckpt), device="cuda", dtype="float32",
               stage_overrides=[f"token2wav.options.seed={SEED}"]) as omni:
-        (out,) = omni.generate({"messages": CHAT}, params)
+        chat = media_chat() if media else CHAT
+        (out,) = omni.generate({"messages": chat}, params)
+        inputs = omni.engine.processor(chat).hf_kwargs()
     assert out.error is None, out.error
     hf = transformers.Qwen2_5OmniForConditionalGeneration.from_pretrained(ckpt).cuda().eval()
     ids = torch.tensor([out.prompt_token_ids], device="cuda")
+    # pixels to the thinker alone: transformers 5.24's generate() hands them to the talker too
+    extra = {f"thinker_{k}" if k.startswith("pixel_values") else k: v.cuda()
+             for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
     handle = mask_the_talker(hf.talker)      # transformers 5.24 drops the talker's mask
     try:
         torch.manual_seed(SEED)              # token2wav's noise: the first CUDA draw after it
@@ -48,7 +69,7 @@ def test_qwen2_5_omni_on_cuda_equals_transformers(tmp_path: Path) -> None:
                                    speaker="Ethan", thinker_do_sample=False,
                                    thinker_max_new_tokens=8, talker_do_sample=False,
                                    talker_max_new_tokens=30,
-                                   talker_eos_token_id=[CODEC_PAD, CODEC_EOS])
+                                   talker_eos_token_id=[CODEC_PAD, CODEC_EOS], **extra)
     finally:
         handle.remove()
     assert out.token_ids == seq[0, ids.shape[1]:].tolist()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,9 @@ from omnistage.models.loader import (_default_dtype, check_tensor_names, compone
                                      component_tensor_files, iter_component_tensors)
 
 # ---- checkpoint helpers (shared with vision_encoder.py) -------------------------------------
+
+TensorRewrite = Callable[[Iterator[tuple[str, Tensor]]], Iterator[tuple[str, Tensor]]]
+
 
 def read_thinker_config(path: Path):
     """The thinker part of `path`/config.json as transformers' config object (a full
@@ -50,13 +54,16 @@ def read_thinker_config(path: Path):
     return getattr(hf_config, "thinker_config", hf_config)
 
 
-def load_prefixed_weights(model: nn.Module, path: Path, prefix: str) -> None:
-    """Copy every checkpoint tensor `prefix`+name into `model`'s parameter `name`. Missing,
-    unexpected or mis-shaped tensors raise ValueError naming them (with the prefix)."""
+def load_prefixed_weights(model: nn.Module, path: Path, prefix: str,
+                          rewrite: TensorRewrite | None = None) -> None:
+    """Copy every checkpoint tensor `prefix`+name into `model`'s parameter `name` (after
+    `rewrite`, which may rename or fuse the (name, tensor) stream). Missing, unexpected or
+    mis-shaped tensors raise ValueError naming them (with the prefix)."""
     params = dict(model.named_parameters())
     seen: set[str] = set()
+    tensors = iter_component_tensors(path, prefix)
     with torch.no_grad():
-        for name, tensor in iter_component_tensors(path, prefix):
+        for name, tensor in (rewrite(tensors) if rewrite is not None else tensors):
             seen.add(prefix + name)
             param = params.get(name)
             if param is None:
@@ -70,14 +77,15 @@ def load_prefixed_weights(model: nn.Module, path: Path, prefix: str) -> None:
 
 
 def build_component(model_cls: type[nn.Module], config: object, path: Path, prefix: str,
-                    device: torch.device | str, dtype: torch.dtype | None) -> nn.Module:
+                    device: torch.device | str, dtype: torch.dtype | None,
+                    rewrite: TensorRewrite | None = None) -> nn.Module:
     """`model_cls(config)` on `device` in `dtype` (None: the checkpoint's), built on the meta
-    device and filled from the `prefix`* tensors of `path`."""
+    device and filled from the `prefix`* tensors of `path` (through `rewrite`)."""
     files = component_tensor_files(path, prefix)
     with _default_dtype(dtype or component_dtype(files)), torch.device("meta"):
         model = model_cls(config)
     model = model.to_empty(device=device)
-    load_prefixed_weights(model, path, prefix)
+    load_prefixed_weights(model, path, prefix, rewrite)
     return model.eval().requires_grad_(False)
 
 
@@ -113,7 +121,10 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: list[int], sca
 # ---- config -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
-class AudioEncoderConfig:
+class AudioSizes:
+    """What the shared layers read of a Qwen-Omni audio config, with the checks both
+    generations need: Qwen3-Omni's config below, Qwen2.5-Omni's (qwen2_5_omni/audio_encoder.py)."""
+
     num_mel_bins: int = 128
     d_model: int = 1280
     encoder_layers: int = 32
@@ -121,21 +132,15 @@ class AudioEncoderConfig:
     encoder_ffn_dim: int = 5120
     output_dim: int = 3584
     n_window: int = 50                  # a conv chunk is 2 * n_window mel frames
-    n_window_infer: int = 800           # an attention window is n_window_infer mel frames
-    downsample_hidden_size: int = 480
-    conv_chunksize: int = 500           # chunks per conv call (bounds conv activation memory)
 
     def __post_init__(self) -> None:
         if self.d_model % self.encoder_attention_heads:
             raise ValueError(f"audio_config.d_model {self.d_model} is not a multiple of "
                              f"encoder_attention_heads {self.encoder_attention_heads}")
-        if self.n_window_infer < 2 * self.n_window:
-            raise ValueError(f"audio_config.n_window_infer {self.n_window_infer} is shorter than "
-                             f"one chunk (2 * n_window = {2 * self.n_window})")
 
     @classmethod
-    def from_hf(cls, audio_config) -> AudioEncoderConfig:
-        """From transformers' `Qwen3OmniMoeAudioEncoderConfig` (thinker_config.audio_config)."""
+    def from_hf(cls, audio_config) -> AudioSizes:
+        """From transformers' audio encoder config (thinker_config.audio_config)."""
         act = getattr(audio_config, "activation_function", "gelu")
         if act != "gelu":
             raise ValueError(f"audio_config.activation_function {act!r}: only 'gelu' is supported")
@@ -145,10 +150,44 @@ class AudioEncoderConfig:
     def chunk_frames(self) -> int:
         return 2 * self.n_window
 
+
+@dataclass(frozen=True, slots=True)
+class AudioEncoderConfig(AudioSizes):
+    n_window_infer: int = 800           # an attention window is n_window_infer mel frames
+    downsample_hidden_size: int = 480
+    conv_chunksize: int = 500           # chunks per conv call (bounds conv activation memory)
+
+    def __post_init__(self) -> None:
+        AudioSizes.__post_init__(self)
+        if self.n_window_infer < 2 * self.n_window:
+            raise ValueError(f"audio_config.n_window_infer {self.n_window_infer} is shorter than "
+                             f"one chunk (2 * n_window = {2 * self.n_window})")
+
     @property
     def window_tokens(self) -> int:
         """Encoder tokens in one attention window (a whole number of full chunks)."""
         return conv_output_length(self.chunk_frames) * (self.n_window_infer // self.chunk_frames)
+
+
+def checked_feature_lens(input_features: Tensor, feature_lens: Tensor, num_mel_bins: int,
+                         min_frames: int = 1) -> list[int]:
+    """The audios' mel frame counts, checked against the (num_mel, total_frames) features."""
+    lens = feature_lens.tolist()
+    if input_features.ndim != 2 or input_features.shape[0] != num_mel_bins:
+        raise ValueError(f"input_features: expected ({num_mel_bins}, total_frames), got "
+                         f"{tuple(input_features.shape)}")
+    if not lens or min(lens) < min_frames or sum(lens) != input_features.shape[1]:
+        raise ValueError(f"feature_lens {lens}: every audio needs at least {min_frames} "
+                         f"frame(s) and they must sum to the {input_features.shape[1]} given")
+    return lens
+
+
+def chunk_lengths(feature_lens: list[int], chunk: int) -> list[int]:
+    """Every audio cut into chunks of `chunk` mel frames, the last one shorter: their lengths."""
+    out: list[int] = []
+    for n in feature_lens:
+        out += [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
+    return out
 
 
 def conv_output_length(frames: Tensor | int) -> Tensor | int:
@@ -178,12 +217,14 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> Ten
 # ---- layers -------------------------------------------------------------------------------------
 
 class AudioAttention(nn.Module):
-    def __init__(self, cfg: AudioEncoderConfig) -> None:
+    """Whisper-style attention; Qwen2.5-Omni's encoder has no k_proj bias (`k_bias=False`)."""
+
+    def __init__(self, cfg: AudioSizes, k_bias: bool = True) -> None:
         super().__init__()
         self.num_heads = cfg.encoder_attention_heads
         self.head_dim = cfg.d_model // cfg.encoder_attention_heads
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=k_bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.out_proj = nn.Linear(cfg.d_model, cfg.d_model)
 
@@ -195,10 +236,10 @@ class AudioAttention(nn.Module):
 
 
 class AudioEncoderLayer(nn.Module):
-    def __init__(self, cfg: AudioEncoderConfig) -> None:
+    def __init__(self, cfg: AudioSizes, k_bias: bool = True) -> None:
         super().__init__()
         self.self_attn_layer_norm = nn.LayerNorm(cfg.d_model)
-        self.self_attn = AudioAttention(cfg)
+        self.self_attn = AudioAttention(cfg, k_bias)
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
         self.fc1 = nn.Linear(cfg.d_model, cfg.encoder_ffn_dim)
         self.fc2 = nn.Linear(cfg.encoder_ffn_dim, cfg.d_model)
@@ -240,13 +281,6 @@ class AudioEncoder(nn.Module):
     def output_lengths(self, feature_lens: Tensor) -> Tensor:
         return output_lengths(feature_lens, self.cfg.n_window)
 
-    def _chunk_lengths(self, feature_lens: list[int]) -> list[int]:
-        chunk = self.cfg.chunk_frames
-        out: list[int] = []
-        for n in feature_lens:
-            out += [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
-        return out
-
     def _window_seqlens(self, feature_lens: Tensor) -> list[int]:
         """cu_seqlens of the attention windows: every audio's tokens cut into windows of
         `cfg.window_tokens` (the last one shorter)."""
@@ -259,14 +293,8 @@ class AudioEncoder(nn.Module):
 
     def forward(self, input_features: Tensor, feature_lens: Tensor) -> Tensor:
         cfg = self.cfg
-        lens = feature_lens.tolist()
-        if input_features.ndim != 2 or input_features.shape[0] != cfg.num_mel_bins:
-            raise ValueError(f"input_features: expected ({cfg.num_mel_bins}, total_frames), got "
-                             f"{tuple(input_features.shape)}")
-        if not lens or min(lens) <= 0 or sum(lens) != input_features.shape[1]:
-            raise ValueError(f"feature_lens {lens}: every audio needs at least one frame and they "
-                             f"must sum to the {input_features.shape[1]} frames given")
-        chunk_lens = self._chunk_lengths(lens)
+        lens = checked_feature_lens(input_features, feature_lens, cfg.num_mel_bins)
+        chunk_lens = chunk_lengths(lens, cfg.chunk_frames)
         chunks = input_features.to(self.conv2d1.weight.dtype).T.split(chunk_lens)  # (n_i, mel)
         padded = nn.utils.rnn.pad_sequence(chunks, batch_first=True)   # (C, T, mel)
         padded = padded.transpose(1, 2).unsqueeze(1)                   # (C, 1, mel, T)

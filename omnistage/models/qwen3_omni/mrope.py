@@ -13,8 +13,8 @@ from torch import Tensor
 def mrope_positions(input_ids: Sequence[int] | Tensor, *, image_token_id: int,
                     video_token_id: int, spatial_merge_size: int, position_id_per_seconds: float,
                     image_grid_thw: Tensor | None = None, video_grid_thw: Tensor | None = None,
-                    video_second_per_grid: Sequence[float] | Tensor | None = None
-                    ) -> tuple[Tensor, int]:
+                    video_second_per_grid: Sequence[float] | Tensor | None = None,
+                    truncate_time: bool = False) -> tuple[Tensor, int]:
     """The thinker's 3-axis rotary positions (3, L) int64 and the rope delta (decode step n of
     a prompt of L tokens sits at position L + n + delta on every axis), equal to HF's
     `get_rope_index` for text, audio, image and video prompts (audio-in-video excepted).
@@ -22,7 +22,9 @@ def mrope_positions(input_ids: Sequence[int] | Tensor, *, image_token_id: int,
     Every run of image (video) placeholder tokens is one image (video), in grid order. Its
     positions are start + (t * seconds_per_grid * position_id_per_seconds, row, col) over the
     merged grid (images: one second per grid), where start is the position its first token
-    would have had as text; the next token continues at the block's largest position + 1."""
+    would have had as text; the next token continues at the block's largest position + 1.
+    `truncate_time`: t * step rounded down (Qwen2.5-Omni's `get_rope_index`) where a
+    fractional step is otherwise refused."""
     ids = input_ids.tolist() if isinstance(input_ids, Tensor) else list(input_ids)
     grids = {image_token_id: image_grid_thw.tolist() if image_grid_thw is not None else [],
              video_token_id: video_grid_thw.tolist() if video_grid_thw is not None else []}
@@ -57,7 +59,8 @@ def mrope_positions(input_ids: Sequence[int] | Tensor, *, image_token_id: int,
             raise ValueError(f"input_ids: more {kind} placeholder runs than {kind} grids "
                              f"({len(grids[token])})")
         block = _visual_positions(f"{kind} {k}", grids[token][k], j - i, spatial_merge_size,
-                                  seconds[token][k] * position_id_per_seconds) + next_pos
+                                  seconds[token][k], position_id_per_seconds,
+                                  truncate_time) + next_pos
         pieces.append(block)
         next_pos = int(block.max()) + 1
         used[token] += 1
@@ -72,18 +75,24 @@ def mrope_positions(input_ids: Sequence[int] | Tensor, *, image_token_id: int,
 
 
 def _visual_positions(what: str, grid: Sequence[int], num_tokens: int, merge: int,
-                      step: float) -> Tensor:
+                      seconds: float, per_second: float, truncate_time: bool) -> Tensor:
     """(3, t*h*w) positions (t * step, row, col) of one image / video over its merged grid,
-    from 0; checks its placeholder count and that `step` (positions per grid) is whole."""
+    from 0, step = seconds per grid x positions per second; checks its placeholder count and
+    that the step is whole, or rounds t * step down in float32 as Qwen2.5-Omni's reference."""
     t, h, w = (int(x) for x in grid)
     h, w = h // merge, w // merge
     if num_tokens != t * h * w:
         raise ValueError(f"input_ids: {what} has {num_tokens} placeholder tokens, its grid "
                          f"{list(grid)} needs {t * h * w}")
-    if step != int(step):
+    step = seconds * per_second
+    if truncate_time:
+        times = (torch.arange(t) * torch.tensor(seconds, dtype=torch.float32) * per_second).long()
+    elif step != int(step):
         raise ValueError(f"{what}: {step:g} positions per grid (seconds per grid x "
                          "position_id_per_seconds) is not a whole number")
-    t_idx = (torch.arange(t) * int(step)).view(t, 1, 1).expand(t, h, w)
+    else:
+        times = torch.arange(t) * int(step)
+    t_idx = times.view(t, 1, 1).expand(t, h, w)
     h_idx = torch.arange(h).view(1, h, 1).expand(t, h, w)
     w_idx = torch.arange(w).view(1, 1, w).expand(t, h, w)
     return torch.stack([t_idx, h_idx, w_idx]).reshape(3, -1)

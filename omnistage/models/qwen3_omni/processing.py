@@ -60,6 +60,18 @@ class InputProcessor:
     """
 
     input_modalities = ("text", "audio", "image", "video")   # the part types above
+    # what differs between the Qwen-Omni generations' reference processors (Qwen2.5-Omni's
+    # subclass, qwen2_5_omni/processing.py, sets its own)
+    audio_padding: bool | str = True        # the feature extractor's: to the longest audio
+    truncate_time = False                   # video time positions: whole steps only
+
+    def audio_tokens(self, feature_lens: Tensor) -> Tensor:
+        """Encoder tokens of audios of `feature_lens` mel frames."""
+        return output_lengths(feature_lens, self.n_window)
+
+    @staticmethod
+    def special_tokens(thinker_config, tokenizer) -> SpecialTokens:
+        return SpecialTokens.from_hf(thinker_config, tokenizer)
 
     def __init__(self, tokenizer, feature_extractor, image_processor, tokens: SpecialTokens, *,
                  n_window: int, spatial_merge_size: int, position_id_per_seconds: float,
@@ -97,7 +109,7 @@ class InputProcessor:
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(tokenizer, WhisperFeatureExtractor.from_pretrained(path),
                    Qwen2VLImageProcessorPil.from_pretrained(path),
-                   SpecialTokens.from_hf(thinker, tokenizer),
+                   cls.special_tokens(thinker, tokenizer),
                    n_window=thinker.audio_config.n_window,
                    spatial_merge_size=thinker.vision_config.spatial_merge_size,
                    position_id_per_seconds=thinker.position_id_per_seconds,
@@ -147,6 +159,9 @@ class InputProcessor:
         elif kind == "image":
             images.append(self._image(part.get("image"), f"{where}.image"))
         elif kind == "video":
+            if part.get("use_audio_in_video"):
+                raise ValueError(f"{where}.use_audio_in_video: a video's audio track is not "
+                                 "used here; send it as its own audio part")
             frames = part.get("video")
             if not isinstance(frames, (list, tuple)) or not frames:
                 raise ValueError(f"{where}.video: expected a non-empty list of PIL images")
@@ -279,13 +294,14 @@ class InputProcessor:
                                         tokens.video_pad: []}   # tokens of every item, in order
         if audios:
             features = self.feature_extractor(
-                list(audios), sampling_rate=self.feature_extractor.sampling_rate, padding=True,
-                truncation=False, return_attention_mask=True, return_tensors="pt")
+                list(audios), sampling_rate=self.feature_extractor.sampling_rate,
+                padding=self.audio_padding, truncation=False, return_attention_mask=True,
+                return_tensors="pt")
             lens = features["attention_mask"].sum(-1).long()            # (num_audios,)
             inputs["input_features"] = torch.cat(
                 [f[:, :n] for f, n in zip(features["input_features"], lens.tolist())], dim=1)
             inputs["audio_feature_lens"] = lens
-            counts[tokens.audio_pad] = output_lengths(lens, self.n_window).tolist()
+            counts[tokens.audio_pad] = self.audio_tokens(lens).tolist()
         merge2 = self.spatial_merge_size ** 2
         if images:
             processed = self.image_processor(list(images), return_tensors="pt")
@@ -315,7 +331,8 @@ class InputProcessor:
             position_id_per_seconds=self.position_id_per_seconds,
             image_grid_thw=inputs.get("image_grid_thw"),
             video_grid_thw=inputs.get("video_grid_thw"),
-            video_second_per_grid=inputs.get("video_second_per_grid"))
+            video_second_per_grid=inputs.get("video_second_per_grid"),
+            truncate_time=self.truncate_time)
         return ThinkerInputs(input_ids, positions, rope_delta, prompt, **inputs)
 
     def _check_placeholders(self, ids: list[int], num_audios: int, num_images: int,

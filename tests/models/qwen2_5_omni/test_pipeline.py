@@ -6,11 +6,16 @@ text-only requests that never enter the talker; speakers; bad input."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import soundfile
 import torch
+from PIL import Image
 
 from omnistage import Omni, SamplingParams
 from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
@@ -36,14 +41,19 @@ def greedy(speaker: str | None = None) -> list:
     return [SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS), talker, None]
 
 
-def reference(hf, ids: list[int], speaker: str) -> tuple[list[int], torch.Tensor]:
+def reference(hf, ids: list[int], speaker: str, **media: torch.Tensor
+              ) -> tuple[list[int], torch.Tensor]:
+    """`media`: the processor's other inputs as transformers takes them (hf_kwargs). Pixels go
+    to the thinker alone: transformers 5.24's generate() hands them to the talker too, whose
+    generate() refuses them."""
+    media = {f"thinker_{k}" if k.startswith("pixel_values") else k: v for k, v in media.items()}
     input_ids = torch.tensor([ids])
     handle = mask_the_talker(hf.talker)
     try:
         torch.manual_seed(SEED)   # token2wav's noise: the first draw after it
         with torch.no_grad():
             seq, wav = hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                   speaker=speaker, thinker_do_sample=False,
+                                   speaker=speaker, **media, thinker_do_sample=False,
                                    thinker_max_new_tokens=THINKER_TOKENS, talker_do_sample=False,
                                    talker_max_new_tokens=TALKER_TOKENS,
                                    talker_eos_token_id=[CODEC_PAD, CODEC_EOS])
@@ -83,6 +93,54 @@ def test_text_only_request_skips_talker(omni: Omni) -> None:
     assert both.tensors["audio"].numel() > 0
 
 
+def media_chats() -> list[list[dict]]:
+    """A turn with an audio (0.8 s), one with an image, one with a 4-frame video, one text."""
+    rng = np.random.default_rng(0)
+    wave = (0.3 * np.sin(np.arange(12800) / 16000 * 2 * np.pi * 330)
+            + 0.05 * rng.standard_normal(12800)).astype(np.float32)
+    image = Image.fromarray(rng.integers(0, 256, (40, 56, 3), dtype=np.uint8))
+    frames = [Image.fromarray(rng.integers(0, 256, (32, 24, 3), dtype=np.uint8))
+              for _ in range(4)]
+    parts = [{"type": "audio", "audio": (wave, 16000)}, {"type": "image", "image": image},
+             {"type": "video", "video": frames}]
+    return [[{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}]
+            for part in parts] + [CHAT]
+
+
+def test_media_requests_batched_equal_transformers(omni: Omni, omni25_hf) -> None:
+    """Audio, image, video and text-only requests in one batch: each one's prompt is the
+    processor's and its greedy text equals transformers' thinker on that request alone."""
+    chats = media_chats()
+    outs = omni.generate([{"messages": c} for c in chats], greedy(), output_modalities={"text"})
+    for i, (chat, out) in enumerate(zip(chats, outs)):
+        assert out.error is None, out.error
+        inputs = omni.engine.processor(chat)
+        assert out.prompt_token_ids == inputs.input_ids.tolist(), f"request {i}"
+        with torch.no_grad():
+            seq = omni25_hf.thinker.generate(**inputs.hf_kwargs(), do_sample=False,
+                                             max_new_tokens=THINKER_TOKENS)
+        assert out.token_ids == seq[0, inputs.input_ids.shape[0]:].tolist(), f"request {i}"
+    assert len({tuple(o.token_ids) for o in outs}) == len(outs), "the media change the answer"
+
+
+@pytest.mark.parametrize("kind", [0, 2], ids=["audio", "video"])
+def test_media_input_speaks_as_transformers(omni: Omni, omni25_hf, kind: int) -> None:
+    """An audio (a video) part through the whole graph: text and waveform as
+    `generate(return_audio=True)`; the talker speaks from the media rows' hidden states alone
+    and, for the video, continues the thinker's 3-D positions."""
+    chat = media_chats()[kind]
+    (out,) = omni.generate({"messages": chat}, greedy("Chelsie"))
+    assert out.error is None, out.error
+    media = omni.engine.processor(chat).hf_kwargs()
+    expected_ids, expected_wav = reference(omni25_hf, out.prompt_token_ids, "Chelsie",
+                                           **{k: v for k, v in media.items()
+                                              if k not in ("input_ids", "attention_mask")})
+    assert out.token_ids == expected_ids
+    audio = out.tensors["audio"]
+    assert 0.1 < expected_wav.abs().max() and audio.shape == expected_wav.shape
+    assert (audio - expected_wav).abs().max() <= 1e-4
+
+
 def test_unknown_speaker_is_refused_before_any_stage(omni: Omni) -> None:
     with pytest.raises(ValueError, match="speaker 'nobody' is unknown.*chelsie, ethan"):
         omni.generate({"messages": CHAT}, greedy("nobody"))
@@ -113,3 +171,13 @@ def test_server_speaks_and_refuses_bad_input(omni: Omni) -> None:
     media = chat(omni, {**body, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"}, image]}]})
     assert media.status_code == 400, media.text
+    assert "image" in media.json()["error"]["message"]
+    wav = io.BytesIO()
+    soundfile.write(wav, media_chats()[0][0]["content"][0]["audio"][0], 16000, format="WAV")
+    sound = {"type": "input_audio",
+             "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(), "format": "wav"}}
+    text_only = {k: v for k, v in body.items() if k != "audio"}
+    heard = chat(omni, {**text_only, "modalities": ["text"], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, sound]}]})
+    assert heard.status_code == 200, heard.text
+    assert heard.json()["usage"]["prompt_tokens"] > 20          # the audio's placeholders
