@@ -100,7 +100,7 @@ def build_checkpoint(sizes: str, path: Path, device: torch.device, dtype: torch.
     makes it)."""
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    from omnistage.testing.tiny_omni import build_tiny_omni_tokenizer
+    from omnistage.testing.tiny_omni import build_tiny_omni_tokenizer, save_tiny_omni_processor
     from omnistage.testing.tiny_qwen2_5_omni import build_tiny_qwen2_5_omni, random_speakers
 
     if sizes == "tiny":     # the test checkpoint, weights drawn so every path matters
@@ -116,6 +116,7 @@ def build_checkpoint(sizes: str, path: Path, device: torch.device, dtype: torch.
     model.config.dtype = dtype
     model.save_pretrained(str(path), safe_serialization=True)
     torch.save(random_speakers(config, tokenizer, 1), path / "spk_dict.pt")
+    save_tiny_omni_processor(path, tokenizer)   # its media settings unused: text prompts
     model.load_speakers(str(path / "spk_dict.pt"))
     return model
 

@@ -165,6 +165,9 @@ class GraphedTransformer:
     label: str
     transformer: torch.nn.Module
     graphable = False       # the transformer's forward can be a CUDA graph (`use_cuda_graphs`)
+    # a stage compiles the transformer's blocks by default on CUDA (benchmarks/
+    # diffusion_variants.py measured the compiled blocks faster than the eager path)
+    compile_default = False
     graphs: ShapeGraphs | None = None
 
     def use_cuda_graphs(self, max_graphs: int = 8) -> None:

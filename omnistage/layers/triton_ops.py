@@ -227,7 +227,7 @@ def _quantize_rows_fp8_kernel(X, Q, S, stride_x, stride_q, N, fp8_max, BLOCK: tl
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / fp8_max
-    q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)  # IEEE /, as torch
     tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + row, scale)
 

@@ -24,7 +24,7 @@ from omnistage.utils.compile_cache import persistent_compile_cache
 from omnistage.utils.device import resolve_device, resolve_dtype
 
 # a diffusion stage's `options`: compile: true | false | a torch.compile backend (its blocks
-# compiled; default: on where CUDA graphs are, for a stage of one rank); cuda_graphs: true | false | the most graphs (default: on for a CUDA device and a pipeline
+# compiled; default: the pipeline's compile_default on CUDA, one rank); cuda_graphs: true | false | the most graphs (default: on for a CUDA device and a pipeline
 # whose transformer captures, at most MAX_GRAPHS shapes); and those a pipeline class names in
 # its `options`, handed to its `set_option(name, value)` (SD3's skip_layer_guidance)
 OPTIONS = ("compile", "cuda_graphs")
@@ -214,22 +214,25 @@ def quantize_pipeline(stage: StageConfig, pipeline: DiffusionPipeline, dev: torc
 
 
 def apply_options(stage: StageConfig, pipeline: DiffusionPipeline, dev: torch.device) -> None:
-    """A native pipeline's `options`: its transformer blocks compiled and CUDA graphs, both
-    on by default on a CUDA device for a pipeline whose transformer captures (compile: on one
-    rank; a stage of several ranks opts in), its own options. Compiled code is cached on disk
-    (utils/compile_cache.py), so a restart compiles nothing new."""
+    """A native pipeline's `options`: its transformer blocks compiled (by default on a CUDA
+    device, one rank, for a pipeline whose `compile_default` says it measured faster so:
+    Z-Image; Qwen-Image's and FLUX's fused kernels replayed from graphs beat their compiled
+    form), CUDA graphs (on by default on a CUDA device for a pipeline whose transformer
+    captures), its own options. Compiled code is cached on disk (utils/compile_cache.py), so a
+    restart compiles nothing new."""
     for name in getattr(pipeline, "options", ()):
         if name in stage.options:
             pipeline.set_option(name, stage.options[name])
-    native = dev.type == "cuda" and getattr(pipeline, "graphable", False)
-    backend = stage.options.get("compile", native and stage.parallel.world_size == 1)
+    cuda = dev.type == "cuda"
+    backend = stage.options.get("compile", cuda and getattr(pipeline, "compile_default", False)
+                                and stage.parallel.world_size == 1)
     if backend:
         persistent_compile_cache()
         for model in (getattr(pipeline, "transformer", None) or pipeline.model,
                       getattr(pipeline, "transformer_2", None)):
             if model is not None:
                 compile_blocks(model, backend if isinstance(backend, str) else "inductor")
-    graphs = stage.options.get("cuda_graphs", native)
+    graphs = stage.options.get("cuda_graphs", cuda and getattr(pipeline, "graphable", False))
     if graphs:
         if dev.type != "cuda":
             raise ValueError(f"stage {stage.name!r}: cuda_graphs needs a CUDA device "

@@ -116,12 +116,13 @@ def test_compiled_blocks_draw_the_same_images(random_digits: Path) -> None:
         images("{fast: true}")
 
 
-def test_compile_and_graphs_default_on_cuda_for_one_rank(monkeypatch: pytest.MonkeyPatch,
-                                                         tmp_path: Path) -> None:
-    """On a CUDA device a native pipeline whose transformer captures compiles its blocks
-    (both of Wan 2.2's experts) and replays CUDA graphs by default, with inductor's cache in
-    the persistent folder; a stage of several ranks, `compile: false` or a CPU device do not
-    compile; a user's TORCHINDUCTOR_CACHE_DIR is kept."""
+def test_compile_and_graphs_defaults_on_cuda(monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Path) -> None:
+    """On a CUDA device a pipeline whose `compile_default` says so compiles its blocks (both
+    of Wan 2.2's experts, where there are two) on one rank, with inductor's cache in the
+    persistent folder; one whose transformer captures replays CUDA graphs. A stage of several
+    ranks, `compile: false` or a CPU device compile nothing; `compile: true` compiles any;
+    a user's TORCHINDUCTOR_CACHE_DIR is kept."""
     from types import SimpleNamespace
 
     from omnistage.configs.schema import StageConfig
@@ -130,10 +131,11 @@ def test_compile_and_graphs_default_on_cuda_for_one_rank(monkeypatch: pytest.Mon
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("OMNISTAGE_CACHE_DIR", str(tmp_path))
 
-    def run(device: str, **stage: object) -> SimpleNamespace:
+    def run(device: str, compile_default: bool = True, graphable: bool = False,
+            **stage: object) -> SimpleNamespace:
         blocks = [torch.nn.ModuleList([torch.nn.Linear(2, 2)]) for _ in range(2)]
-        pipe = SimpleNamespace(graphable=True, options=(), graphs=None,
-                               transformer=torch.nn.Sequential(blocks[0]),
+        pipe = SimpleNamespace(graphable=graphable, compile_default=compile_default, options=(),
+                               graphs=None, transformer=torch.nn.Sequential(blocks[0]),
                                transformer_2=torch.nn.Sequential(blocks[1]))
         pipe.use_cuda_graphs = lambda n: setattr(pipe, "graphs", n)
         apply_options(StageConfig(name="dit", kind="diffusion", **stage), pipe,
@@ -142,12 +144,16 @@ def test_compile_and_graphs_default_on_cuda_for_one_rank(monkeypatch: pytest.Mon
                          for b in blocks]
         return pipe
 
-    cuda = run("cuda")
-    assert cuda.compiled == [True, True] and cuda.graphs
+    compiled = run("cuda")
+    assert compiled.compiled == [True, True] and not compiled.graphs
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    graphed = run("cuda", compile_default=False, graphable=True)
+    assert graphed.compiled == [False, False] and graphed.graphs
     assert run("cuda", options={"compile": False}).compiled == [False, False]
     assert run("cuda", ulysses_degree=2, devices=[0, 1]).compiled == [False, False]
-    assert run("cpu").compiled == [False, False] and run("cpu").graphs is None
+    assert run("cpu").compiled == [False, False] and run("cpu", graphable=True).graphs is None
+    assert run("cpu", compile_default=False, options={"compile": "eager"}).compiled == \
+        [True, True]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     run("cuda")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

@@ -107,6 +107,9 @@ class ZImagePromptEncoder:
 
 class ZImagePipeline(LatentPipelineBase):
     label = "Z-Image"
+    # compiled blocks: 0.81 s against 1.25 eager for 8 steps at 1024px on an H100 (its blocks
+    # have no fused kernels; diffusion_variants_z-image-turbo_1024px.json)
+    compile_default = True
     transformer_cls = ZImageTransformer2DModel
     vae_cls = AutoencoderKL
     prompt_encoder_cls = ZImagePromptEncoder
