@@ -37,6 +37,8 @@ from omnistage.models.loader import build_and_load, checkpoint_names, load_packe
 from omnistage.models.qwen2 import Qwen2Attention, Qwen2MLP
 
 TOKEN_FACTOR = 32                   # pixels per AR visual token side
+MAX_CONDITION_IMAGES = 4            # an edit's; each adds its grid to the AR prompt and
+                                    # its keys and values to every DiT step's attention
 PACKED_MODULES = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
                   "v_proj": ("qkv_proj", "v")}     # gate_up_proj is fused in the checkpoint
 
