@@ -13,6 +13,12 @@ name; numerics follow `diffusers/models/transformers/transformer_glm_image.py` o
         LayerNorm q/k), one MLP shared by both streams, 12-way AdaLN from temb
     norm_out (no SiLU before its linear) -> proj_out -> unpatchify -> (B,C,h,w)
 
+An edit's condition images: `condition_kv` runs each once (its latents under its own prior
+tokens, no text, timestep 0) and keeps every block's image keys and values; the denoising
+rows of that edit attend to them before their own keys (`image_kv`), as diffusers'
+GlmImageKVCache "write" then "read"; rows without them (CFG's unconditional rows: "skip",
+other requests) mask them out.
+
 D = num_attention_heads * attention_head_dim, E = time_embed_dim. Rows of a batch may carry
 glyph texts of different lengths: `text_mask` hides each row's padding from the attention
 (diffusers runs one text length per call, unmasked). One rank: no tensor or sequence

@@ -168,8 +168,9 @@ def test_edits_equal_diffusers_alone_and_batched(folder: tuple[Path, diffusers.G
         assert np.abs(np.asarray(out.images[0], dtype=np.int16) - expected).max() <= 2
 
 
-def edit_call(omni: Omni, files: list[bytes], size: str = "64x64") -> httpx.Response:
-    """One /v1/images/edits call to the server's app over this engine, in process."""
+def edit_call(omni: Omni, files: list[bytes], size: str | None = "64x64") -> httpx.Response:
+    """One /v1/images/edits call to the server's app over this engine, in process (size
+    None: not sent)."""
     from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
 
     async def go() -> httpx.Response:
@@ -178,8 +179,8 @@ def edit_call(omni: Omni, files: list[bytes], size: str = "64x64") -> httpx.Resp
                                      base_url="http://test") as client:
             return await client.post(
                 "/v1/images/edits", timeout=60,
-                data={"prompt": EDIT, "size": size, "seed": "3", "num_inference_steps": "2",
-                      "guidance_scale": "1.5"},
+                data={"prompt": EDIT, "seed": "3", "num_inference_steps": "2",
+                      "guidance_scale": "1.5", **({"size": size} if size else {})},
                 files=[("image[]", (f"{i}.png", f, "image/png")) for i, f in enumerate(files)])
 
     return asyncio.run(go())
@@ -187,14 +188,17 @@ def edit_call(omni: Omni, files: list[bytes], size: str = "64x64") -> httpx.Resp
 
 def test_edit_route(folder: tuple[Path, diffusers.GlmImagePipeline], omni: Omni,
                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """/v1/images/edits draws diffusers' edit; too many images, a condition image whose
-    token grid misses the DiT's patches, and a size off the token grid are 400s."""
+    """/v1/images/edits draws diffusers' edit (without a size: the condition image's); too
+    many images, a condition image whose token grid misses the DiT's patches, and a size off
+    the token grid are 400s."""
     ok = edit_call(omni, [CONDITION])
     assert ok.status_code == 200, ok.text
     got = np.asarray(Image.open(io.BytesIO(base64.b64decode(ok.json()["data"][0]["b64_json"]))),
                      dtype=np.int16)
     expected = reference_edit(folder[1], (CONDITION,), 3, monkeypatch)
     assert np.abs(got - expected).max() <= 2
+    unsized = edit_call(omni, [CONDITION], None)
+    assert unsized.status_code == 200 and unsized.json()["size"] == "96x64", unsized.text
     for files, size, param, message in (
             ([png(64, 64, seed=i) for i in range(5)], "64x64", "image", "at most 4"),
             ([png(80, 64, seed=1)], "64x64", "image", "multiples of 32"),
