@@ -98,6 +98,16 @@ class GlmImageVisionAttention(nn.Module):
         return self.proj(out.transpose(0, 1).reshape(n, -1))
 
 
+class GlmImageVisionMLP(nn.Module):
+    def __init__(self, cfg: GlmImageVisionConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
 class GlmImageVisionBlock(nn.Module):
     def __init__(self, cfg: GlmImageVisionConfig) -> None:
         super().__init__()
@@ -109,16 +119,6 @@ class GlmImageVisionBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
-
-
-class GlmImageVisionMLP(nn.Module):
-    def __init__(self, cfg: GlmImageVisionConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
 
 
 class GlmImageVisionModel(nn.Module):
