@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -43,25 +44,30 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, diffusers.Gl
     return path, ref
 
 
-def test_text_to_image_equals_diffusers(folder: tuple[Path, diffusers.GlmImagePipeline]
-                                        ) -> None:
-    path, ref = folder
+@pytest.fixture(scope="module")
+def omni(folder: tuple[Path, diffusers.GlmImagePipeline]) -> Iterator[Omni]:
+    with Omni(str(folder[0]), device="cpu", backend="inproc", connector="inproc") as omni:
+        yield omni
+
+
+def test_text_to_image_equals_diffusers(folder: tuple[Path, diffusers.GlmImagePipeline],
+                                        omni: Omni) -> None:
+    _, ref = folder
     image = ref(PROMPT, height=H, width=W, num_inference_steps=2, guidance_scale=1.5,
                 generator=torch.Generator().manual_seed(3)).images[0]
     expected = np.asarray(image, dtype=np.int16)                   # uint8 as ours, (H, W, 3)
     assert expected.std() > 10
-    with Omni(str(path), device="cpu", backend="inproc", connector="inproc") as omni:
-        (out,) = omni.generate(PROMPT, DiffusionParams(height=H, width=W, num_inference_steps=2,
-                                                       guidance_scale=1.5, seed=3))
-        assert out.error is None, out.error
-        got = np.asarray(out.images[0], dtype=np.int16)
-        assert got.shape == expected.shape and np.abs(got - expected).max() <= 2
-        ar = omni.engine.orchestrator.stage_info["ar"]
-        assert ar["text_prompt"] == 1
-        for params, message in ((DiffusionParams(height=H + 16, width=W), "multiple of 32"),
-                                (DiffusionParams(), "height / width")):
-            (bad,) = omni.generate(PROMPT, params)
-            assert bad.finish_reason == "error" and message in bad.error, bad.error
+    (out,) = omni.generate(PROMPT, DiffusionParams(height=H, width=W, num_inference_steps=2,
+                                                   guidance_scale=1.5, seed=3))
+    assert out.error is None, out.error
+    got = np.asarray(out.images[0], dtype=np.int16)
+    assert got.shape == expected.shape and np.abs(got - expected).max() <= 2
+    ar = omni.engine.orchestrator.stage_info["ar"]
+    assert ar["text_prompt"] == 1 and ar["max_input_images"] == 4
+    for params, message in ((DiffusionParams(height=H + 16, width=W), "multiple of 32"),
+                            (DiffusionParams(), "height / width")):
+        (bad,) = omni.generate(PROMPT, params)
+        assert bad.finish_reason == "error" and message in bad.error, bad.error
 
 
 def test_prompt_equals_the_processor(folder: tuple[Path, diffusers.GlmImagePipeline]) -> None:
@@ -131,12 +137,6 @@ def edit_params(files: tuple[bytes, ...], seed: int) -> DiffusionParams:
     return DiffusionParams(height=EDIT_H, width=EDIT_W, num_inference_steps=2,
                            guidance_scale=1.5, seed=seed, image=files[0],
                            extra_images=files[1:])
-
-
-@pytest.fixture(scope="module")
-def omni(folder: tuple[Path, diffusers.GlmImagePipeline]) -> Omni:
-    with Omni(str(folder[0]), device="cpu", backend="inproc", connector="inproc") as omni:
-        yield omni
 
 
 def test_edits_equal_diffusers_alone_and_batched(folder: tuple[Path, diffusers.GlmImagePipeline],
