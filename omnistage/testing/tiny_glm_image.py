@@ -141,3 +141,15 @@ def build_tiny_glm_image(path: Path):
     pipe = tiny_glm_image_pipeline(processor, tiny_glm_image_ar(len(processor.tokenizer)))
     pipe.save_pretrained(path)
     return pipe
+
+
+def split_condition_features(pipe) -> None:
+    """Let diffusers 0.42's `GlmImagePipeline` edit with transformers 5: it concatenates its
+    condition images' (C, h, w) features along C before the VQ, which transformers now
+    tokenizes per image from a list (as its own forward passes them). Patches `pipe`'s AR
+    model to split them back (condition images of one size), so it serves as the edit
+    reference; text-to-image does not pass there."""
+    vle = pipe.vision_language_encoder
+    tokens, channels = vle.get_image_tokens, vle.config.vision_config.hidden_size
+    vle.get_image_tokens = lambda feats, grids=None: tokens(
+        list(feats.split(channels)) if torch.is_tensor(feats) else feats, grids)

@@ -24,7 +24,7 @@ from omnistage import Omni
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.models.glm_image import target_grids
 from omnistage.testing.diffusion import png
-from omnistage.testing.tiny_glm_image import build_tiny_glm_image
+from omnistage.testing.tiny_glm_image import build_tiny_glm_image, split_condition_features
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -41,6 +41,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, diffusers.Gl
     path = tmp_path_factory.mktemp("glm_image")
     ref = build_tiny_glm_image(path)
     ref.set_progress_bar_config(disable=True)
+    split_condition_features(ref)
     return path, ref
 
 
@@ -117,16 +118,9 @@ def test_image_routes_size_the_ar_stage(folder: tuple[Path, diffusers.GlmImagePi
     assert ar is None and (dit.height, dit.width) == (H, W)
 
 
-def reference_edit(ref: diffusers.GlmImagePipeline, files: tuple[bytes, ...], seed: int,
-                   monkeypatch: pytest.MonkeyPatch) -> np.ndarray:
-    """diffusers' edit of EDIT_H x EDIT_W from `files`, uint8 (H, W, 3). diffusers 0.42
-    concatenates the condition images' (C, h, w) features along C before the VQ, which
-    transformers 5 tokenizes per image from a list: split back (images of one size); its
-    own forward passes the list."""
-    vle = ref.vision_language_encoder
-    tokens, channels = vle.get_image_tokens, vle.config.vision_config.hidden_size
-    monkeypatch.setattr(vle, "get_image_tokens", lambda feats, grids=None: tokens(
-        list(feats.split(channels)) if torch.is_tensor(feats) else feats, grids))
+def reference_edit(ref: diffusers.GlmImagePipeline, files: tuple[bytes, ...], seed: int
+                   ) -> np.ndarray:
+    """diffusers' edit of EDIT_H x EDIT_W from `files`, uint8 (H, W, 3)."""
     images = [Image.open(io.BytesIO(f)).convert("RGB") for f in files]
     image = ref(EDIT, image=images, height=EDIT_H, width=EDIT_W, num_inference_steps=2,
                 guidance_scale=1.5, generator=torch.Generator().manual_seed(seed)).images[0]
@@ -140,13 +134,11 @@ def edit_params(files: tuple[bytes, ...], seed: int) -> DiffusionParams:
 
 
 def test_edits_equal_diffusers_alone_and_batched(folder: tuple[Path, diffusers.GlmImagePipeline],
-                                                 omni: Omni, monkeypatch: pytest.MonkeyPatch
-                                                 ) -> None:
+                                                 omni: Omni) -> None:
     """One and two condition images, as diffusers draws them; an edit and a text-to-image
     request submitted together, each as it is alone."""
     _, ref = folder
-    one, two = reference_edit(ref, (CONDITION,), 3, monkeypatch), reference_edit(ref, PAIR, 4,
-                                                                                 monkeypatch)
+    one, two = reference_edit(ref, (CONDITION,), 3), reference_edit(ref, PAIR, 4)
     t2i = np.asarray(ref(EDIT, height=EDIT_H, width=EDIT_W, num_inference_steps=2,
                          guidance_scale=1.5, generator=torch.Generator().manual_seed(5)
                          ).images[0], dtype=np.int16)
@@ -186,8 +178,7 @@ def edit_call(omni: Omni, files: list[bytes], size: str | None = "64x64") -> htt
     return asyncio.run(go())
 
 
-def test_edit_route(folder: tuple[Path, diffusers.GlmImagePipeline], omni: Omni,
-                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_edit_route(folder: tuple[Path, diffusers.GlmImagePipeline], omni: Omni) -> None:
     """/v1/images/edits draws diffusers' edit (without a size: the condition image's); too
     many images, a condition image whose token grid misses the DiT's patches, and a size off
     the token grid are 400s."""
@@ -195,7 +186,7 @@ def test_edit_route(folder: tuple[Path, diffusers.GlmImagePipeline], omni: Omni,
     assert ok.status_code == 200, ok.text
     got = np.asarray(Image.open(io.BytesIO(base64.b64decode(ok.json()["data"][0]["b64_json"]))),
                      dtype=np.int16)
-    expected = reference_edit(folder[1], (CONDITION,), 3, monkeypatch)
+    expected = reference_edit(folder[1], (CONDITION,), 3)
     assert np.abs(got - expected).max() <= 2
     unsized = edit_call(omni, [CONDITION], None)
     assert unsized.status_code == 200 and unsized.json()["size"] == "96x64", unsized.text
