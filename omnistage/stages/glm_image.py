@@ -134,9 +134,9 @@ class GlmImageARStage(ARStage):
         images = [decode_image(f) for f in files]
         height, width = image_size(request.diffusion, images[0] if images else None)
         target, preview = target_grids(height, width)
+        cond: dict[str, Tensor] = {}
         if images:
             ids, mm, cond = self.edit_prompt(request.prompt or "", images, target)
-            self.attach_tensors(request.request_id, cond)
             num_tokens = target[0] * target[1] + 1
         else:
             ids = self.prompt_token_ids(request.prompt or "", [target, preview])
@@ -148,6 +148,8 @@ class GlmImageARStage(ARStage):
         if params.seed is None and image is not None and image.seed is not None:
             params = replace(params, seed=image.seed)   # one seed draws both halves
         self.engine.add_request(request.request_id, ids, params, mm=mm)
+        if cond:
+            self.attach_tensors(request.request_id, cond)
 
 
 def image_size(params: DiffusionParams | None, image: Image.Image | None = None

@@ -12,8 +12,8 @@ the engine's phases (omnistage/diffusion/pipeline.py), numerics kept step for st
     condition: the AR's generated tokens: t2i writes a small preview grid first, then the
               target grid (H/32 x W/32), an edit the target grid alone; the target grid's
               tokens, upsampled 2x nearest to the DiT's patch grid, are the prior tokens.
-              An edit's condition images (the request's input images, 1..4): each cropped
-              to a multiple of 16 px, VAE-encoded (the posterior mean), normalised, and run
+              An edit's condition images (the request's input images, 1..4): each resized
+              down to a multiple of 16 px, VAE-encoded (the posterior mean), normalised, run
               once through the transformer under its own AR tokens (from the AR stage,
               upsampled 2x) with no text at timestep 0: every block's image keys and values
               (`condition_kv`), concatenated over the images, are "image_kv"
@@ -201,7 +201,8 @@ class GlmImagePipeline(LatentPipelineBase):
                              f"stage's visual tokens), got {sorted(tensors)}")
         (th, tw), (ph, pw) = target_grids(*self._size(params))
         start = 0 if images else ph * pw            # t2i writes its preview grid first
-        what = f"the {th}x{tw} image" if images else f"a {ph}x{pw} preview, then the {th}x{tw} image"
+        what = (f"the {th}x{tw} image" if images
+                else f"a {ph}x{pw} preview, then the {th}x{tw} image")
         grid = self._codes(tensors["token_ids"], start, th * tw, "token_ids", what)
         out = {"prior_token_ids": upsample_tokens(grid, th, tw).to(self.device)}
         if images:
