@@ -104,24 +104,36 @@ class GlmImageARStage(ARStage):
                               add_special_tokens=False)["input_ids"]
 
     def edit_prompt(self, prompt: str, images: list[Image.Image], target: tuple[int, int]
-                    ) -> tuple[list[int], MultimodalInput, dict[str, Tensor]]:
+                    ) -> tuple[list[int], list[int], MultimodalInput, dict[str, Tensor]]:
         """An edit's prompt ids (each image placeholder replaced by that image's visual
-        tokens), its positions, and the tensors the DiT takes for its condition images."""
+        tokens), what the prefix cache hashes for them, its positions, and the tensors the
+        DiT takes for its condition images. The cache ids are the ids with the token before
+        each image (its start token) replaced by a negative mark of its grid: the same
+        tokens in another grid (two blank images of other shapes) sit at other positions."""
         processed = self.image_processor(images=images, return_tensors="pt")
         grids = [(int(h), int(w)) for _, h, w in processed["image_grid_thw"].tolist()]
         check_condition_grids(images, grids)
         tokens = self.engine.model.image_tokens(processed["pixel_values"], grids)
         text = self.prompt_text(prompt, len(images), [target])
         placeholder = self.tokenizer.convert_tokens_to_ids(self.tokenizer.image_token)
-        ids, it = [], iter(tokens)
+        ids: list[int] = []
+        cache_ids: list[int] = []
+        images_left = iter(zip(tokens, grids))
         for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]:
-            ids += next(it).tolist() if t == placeholder else [t]
+            if t != placeholder:
+                ids.append(t)
+                cache_ids.append(t)
+                continue
+            codes, (h, w) = next(images_left)
+            cache_ids[-1] = -1 - (h << 20 | w)
+            ids += codes.tolist()
+            cache_ids += codes.tolist()
         cfg = self.engine.hf_config
         positions, start = prompt_positions(ids, grids, cfg.image_start_token_id,
                                             cfg.image_end_token_id)
         mm = MultimodalInput(positions, start - len(ids), decode_positions=image_decode_positions(
             start, [target]))
-        return ids, mm, {"condition_token_ids": torch.cat(tokens),
+        return ids, cache_ids, mm, {"condition_token_ids": torch.cat(tokens),
                          "condition_grids": torch.tensor(grids, dtype=torch.int64)}
 
     def add(self, request: StageRequest) -> None:
@@ -135,8 +147,9 @@ class GlmImageARStage(ARStage):
         height, width = image_size(request.diffusion, images[0] if images else None)
         target, preview = target_grids(height, width)
         cond: dict[str, Tensor] = {}
+        cache_ids = None
         if images:
-            ids, mm, cond = self.edit_prompt(request.prompt or "", images, target)
+            ids, cache_ids, mm, cond = self.edit_prompt(request.prompt or "", images, target)
             num_tokens = target[0] * target[1] + 1
         else:
             ids = self.prompt_token_ids(request.prompt or "", [target, preview])
@@ -147,7 +160,7 @@ class GlmImageARStage(ARStage):
         params = replace(request.params or self.defaults, max_tokens=num_tokens)
         if params.seed is None and image is not None and image.seed is not None:
             params = replace(params, seed=image.seed)   # one seed draws both halves
-        self.engine.add_request(request.request_id, ids, params, mm=mm)
+        self.engine.add_request(request.request_id, ids, params, mm=mm, cache_ids=cache_ids)
         if cond:
             self.attach_tensors(request.request_id, cond)
 

@@ -98,8 +98,11 @@ def test_prompt_equals_the_processor(folder: tuple[Path, diffusers.GlmImagePipel
     ids[ids == vle.config.image_token_id] = vle.get_image_tokens(feats.pooler_output)
     expected, _ = vle.model.get_rope_index(ids[None], inputs["image_grid_thw"],
                                            inputs["images_per_sample"])
-    got, mm, cond = stage.edit_prompt(EDIT, images, target_grids(EDIT_H, EDIT_W)[0])
+    got, cache_ids, mm, cond = stage.edit_prompt(EDIT, images, target_grids(EDIT_H, EDIT_W)[0])
     assert got == ids.tolist() and torch.equal(mm.positions, expected[:, 0])
+    marks = [i for i, (a, b) in enumerate(zip(got, cache_ids)) if a != b]
+    assert [got[i] for i in marks] == [vle.config.image_start_token_id] * 2
+    assert [cache_ids[i] for i in marks] == [-1 - (2 << 20 | 2)] * 2    # both 2x2 grids
     assert torch.equal(mm.decode_positions[:, :3], vle.model._cached_decode_position_ids[0, :, :3])
     assert cond["condition_grids"].tolist() == inputs["image_grid_thw"][:2, 1:].tolist()
 
