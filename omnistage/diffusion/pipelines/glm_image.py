@@ -317,19 +317,25 @@ def image_kv_rows(kvs: list[Tensor | None], counts: list[int], num_rows: int
                   ) -> tuple[Tensor | None, Tensor | None]:
     """Each request's condition keys and values (L, 2, M_r, H, hd) or None, for its `counts`
     conditional rows (the first sum(counts) of `num_rows`; the rest, CFG's unconditional
-    rows, attend to none) -> (L, 2, num_rows, max M, H, hd) zero-padded and its (num_rows,
-    max M) mask (None: every row has all of them); (None, None) without an edit."""
+    rows, attend to none) -> (L, 2, num_rows, max M, H, hd) and its (num_rows, max M) mask
+    (None: every row has all of them); (None, None) without an edit. With one edit in the
+    batch every row views its tensor (no copy: the rows without it are masked), else the
+    rows are zero-padded copies."""
     given = [kv for kv in kvs if kv is not None]
     if not given:
         return None, None
     longest = max(kv.shape[2] for kv in given)
     L, _, _, H, hd = given[0].shape
-    out = given[0].new_zeros(L, 2, num_rows, longest, H, hd)
-    mask = torch.zeros(num_rows, longest, dtype=torch.bool, device=out.device)
+    mask = torch.zeros(num_rows, longest, dtype=torch.bool, device=given[0].device)
+    if len(given) == 1:
+        out = given[0][:, :, None].expand(-1, -1, num_rows, -1, -1, -1)
+    else:
+        out = given[0].new_zeros(L, 2, num_rows, longest, H, hd)
     start = 0
     for kv, n in zip(kvs, counts):
         if kv is not None:
-            out[:, :, start:start + n, :kv.shape[2]] = kv[:, :, None]
+            if len(given) > 1:
+                out[:, :, start:start + n, :kv.shape[2]] = kv[:, :, None]
             mask[start:start + n, :kv.shape[2]] = True
         start += n
     return out, None if bool(mask.all()) else mask
