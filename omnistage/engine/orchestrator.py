@@ -87,15 +87,17 @@ class EntryInputs:
     prompt_text: str | None
     tensors: dict[str, Tensor]
     image: DiffusionParams | None = None     # what image the request makes (`request_image`)
+    image_files: list[bytes] = field(default_factory=list)   # its input images' files
 
 
 def request_image(params: dict[str, SamplingParams | DiffusionParams | None]
-                  ) -> DiffusionParams | None:
-    """The request's first DiffusionParams, its image file detached: what a stage that is
-    not a diffusion stage sees of the image the request makes (GLM-Image's AR stage writes
-    its token grid for that size). None for a request without them."""
+                  ) -> tuple[DiffusionParams | None, list[bytes]]:
+    """The request's first DiffusionParams, its input image files detached, and those files:
+    what a stage that is not a diffusion stage sees of the image the request makes (GLM-
+    Image's AR stage writes its token grid for that size) and, if it takes them, of the
+    images it starts from. (None, []) for a request without them."""
     given = next((p for p in params.values() if isinstance(p, DiffusionParams)), None)
-    return None if given is None else given.detach_image()[0]
+    return (None, []) if given is None else given.detach_image()
 
 
 class Orchestrator:
@@ -164,7 +166,7 @@ class Orchestrator:
                          if s.name in needed and s.final in wanted}
         entry = EntryInputs(None if prompt_embeds is not None else list(prompt_token_ids or []),
                             prompt_text, {f"mm.{k}": v for k, v in (multimodal or {}).items()},
-                            request_image(params))
+                            *request_image(params))
         if prompt_embeds is not None:
             entry.tensors["prompt_embeds"] = prompt_embeds
         now = time.time()
@@ -197,7 +199,9 @@ class Orchestrator:
         params; what the stage takes as tensors (an edit's image file too: its params carry an
         ImageRef per file) goes through the connector. Every stage gets the prompt's text (a
         downstream stage may encode it beside what its edges bring: GLM-Image's DiT), and every
-        other stage the request's image params (`request_image`)."""
+        other stage the request's image params (`request_image`), and its input image files
+        too if the stage takes them (`max_input_images` in its info: GLM-Image's AR stage,
+        whose prompt holds the condition images)."""
         ups = [i for i in self.graph.stage(name).inputs if i.source in replicas]
         downs = [d.name for d, _ in self._downstream[name] if d.name in replicas]
         tensors = {} if ups else dict(entry.tensors)
@@ -205,6 +209,8 @@ class Orchestrator:
         if isinstance(p, DiffusionParams):
             diffusion, files = diffusion.detach_image()
             tensors.update(image_inputs(files))
+        elif self.stage_info.get(name, {}).get("max_input_images"):
+            tensors.update(image_inputs(entry.image_files))
         edge = m.edge_key(m.CLIENT, name, self._replica_key(name, replicas))
         inputs = self._inputs.put(ChunkKey(request_id, edge, 0), tensors) if tensors else None
         return m.AddRequest(request_id, p if isinstance(p, SamplingParams) else None, diffusion,

@@ -8,7 +8,9 @@ the head over the visual vocabulary (the tokens the DiT decodes), for the AR eng
 Positions are (3, T) multimodal rotary positions (t, h, w), contiguous sections, rotating the
 first half of each head only (`partial_rotary_factor`). The head's vocabulary is the visual
 one (`vision_vocab_size`: codebook ids, then the image start / end tokens), smaller than the
-embedding's. The vision tower and VQ tokenizer (editing's input images) are not loaded.
+embedding's. An edit's condition images enter the prompt as visual tokens too: the vision
+tower and VQ codebook (glm_image_vision.py, `image_tokens`) turn each into its grid of ids,
+which replace the processor's image placeholders; their positions are `prompt_positions`'.
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ from omnistage.layers.norm import RMSNorm
 from omnistage.layers.parallel import ParallelLMHead, VocabParallelEmbedding, tp_group
 from omnistage.models.causal_lm import CausalLM
 from omnistage.models.config import ModelConfig, check_tensor_parallel
+from omnistage.models.glm_image_vision import (GlmImageVisionConfig, GlmImageVisionModel,
+                                               GlmImageVQVAE)
 from omnistage.models.loader import build_and_load, checkpoint_names, load_packed_weights
 from omnistage.models.qwen2 import Qwen2Attention, Qwen2MLP
 
 TOKEN_FACTOR = 32                   # pixels per AR visual token side
+MAX_CONDITION_IMAGES = 4            # an edit's; each adds its grid to the AR prompt and
+                                    # its keys and values to every DiT step's attention
 PACKED_MODULES = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
                   "v_proj": ("qkv_proj", "v")}     # gate_up_proj is fused in the checkpoint
 
@@ -47,20 +53,48 @@ def target_grids(height: int, width: int) -> tuple[tuple[int, int], tuple[int, i
     return (token_h, token_w), preview
 
 
-def image_decode_positions(num_prompt_tokens: int, grids: list[tuple[int, int]]) -> Tensor:
-    """(3, G) rotary positions of what GLM-Image generates after a text prompt of
-    `num_prompt_tokens`: the (rows, cols) grids in the order it writes them (text-to-image:
-    the preview, then the target), then one end token; as transformers' `get_rope_index`.
-    Each grid starts at the position p after the one before: t = p, h = p + row, w = p + col,
-    and the next starts at p + max(rows, cols)."""
-    start, parts = num_prompt_tokens, []
+def grid_positions(start: int, h: int, w: int) -> Tensor:
+    """(3, h*w) rotary positions of an h x w grid of image tokens that starts at position
+    `start`: t = start, h = start + row, w = start + col (row-major). The text after it
+    resumes at start + max(h, w)."""
+    rows = torch.arange(h).repeat_interleave(w)                              # (h*w,)
+    cols = torch.arange(w).repeat(h)
+    return torch.stack([torch.full((h * w,), start), start + rows, start + cols])
+
+
+def image_decode_positions(start: int, grids: list[tuple[int, int]]) -> Tensor:
+    """(3, G) rotary positions of what GLM-Image generates from position `start` on (after a
+    text-to-image prompt: its length): the (rows, cols) grids in the order it writes them
+    (text-to-image: the preview, then the target; an edit: the target), then one end token;
+    as transformers' `get_rope_index`."""
+    parts = []
     for h, w in grids:
-        rows = torch.arange(h).repeat_interleave(w)                        # (h*w,)
-        cols = torch.arange(w).repeat(h)
-        parts.append(torch.stack([torch.full((h * w,), start), start + rows, start + cols]))
+        parts.append(grid_positions(start, h, w))
         start += max(h, w)
     parts.append(torch.full((3, 1), start))
     return torch.cat(parts, dim=1)                                           # (3, G)
+
+
+def prompt_positions(ids: list[int], grids: list[tuple[int, int]], start_id: int,
+                     end_id: int) -> tuple[Tensor, int]:
+    """(3, P) rotary positions of an edit's prompt, whose condition images sit between an
+    image start and an image end token each (grids: theirs, in order), and the position the
+    generated tokens start at; as transformers' `get_rope_index`. Text (the start and end
+    tokens included) counts on by one per token; an image's tokens take `grid_positions`."""
+    starts = [i + 1 for i, t in enumerate(ids) if t == start_id]
+    ends = [i for i, t in enumerate(ids) if t == end_id]
+    if len(ends) != len(grids) or any(e - s != h * w for s, e, (h, w)
+                                      in zip(starts, ends, grids)):
+        raise ValueError(f"prompt: {len(ends)} complete images for {len(grids)} condition "
+                         f"image grids {grids}, or a grid's token count differs")
+    parts, pos, prev = [], 0, 0
+    for s, e, (h, w) in zip(starts, ends, grids):
+        parts.append(torch.arange(pos, pos + s - prev).expand(3, -1))       # text, start token
+        pos += s - prev
+        parts.append(grid_positions(pos, h, w))
+        pos, prev = pos + max(h, w), e
+    parts.append(torch.arange(pos, pos + len(ids) - prev).expand(3, -1))   # end token, text
+    return torch.cat(parts, dim=1), pos + len(ids) - prev
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,15 +102,18 @@ class GlmImageARConfig:
     model: ModelConfig
     vision_vocab_size: int
     mrope_section: tuple[int, int, int]
+    vision: GlmImageVisionConfig
 
     @classmethod
     def from_hf(cls, hf_config: PretrainedConfig) -> GlmImageARConfig:
-        """config.json's text_config, under the checkpoint's architecture."""
+        """config.json's text_config, under the checkpoint's architecture; its vision_config
+        and vq_config for the image tokenizer."""
         text = copy.copy(hf_config.text_config)
         text.architectures = list(hf_config.architectures or [])
         model = ModelConfig.from_hf(text)
         return cls(model, text.vision_vocab_size,
-                   tuple(model.rope_parameters.get("mrope_section", (8, 12, 12))))
+                   tuple(model.rope_parameters.get("mrope_section", (8, 12, 12))),
+                   GlmImageVisionConfig.from_hf(hf_config))
 
 
 class GlmImageTextDecoderLayer(nn.Module):
@@ -123,17 +160,20 @@ class GlmImageTextModel(nn.Module):
 
 
 class GlmImageModel(nn.Module):
-    """The checkpoint's `model.`: its language model alone (t2i reads no image)."""
+    """The checkpoint's `model.`: the language model, and the image tokenizer (vision tower,
+    VQ codebook) that only an edit's condition images pass through."""
 
     def __init__(self, cfg: GlmImageARConfig) -> None:
         super().__init__()
         self.language_model = GlmImageTextModel(cfg)
+        self.visual = GlmImageVisionModel(cfg.vision)
+        self.vqmodel = GlmImageVQVAE(cfg.vision)
 
 
 class GlmImageForConditionalGeneration(CausalLM):
     packed_modules = PACKED_MODULES
     checkpoint_prefix = ""
-    checkpoint_exclude = ("model.visual.", "model.vqmodel.")
+    checkpoint_exclude = ("model.vqmodel.post_quant_conv.",)     # the VQ decoder's
     uses_mrope = True               # the runner passes (3, T) positions
 
     def __init__(self, config: GlmImageARConfig) -> None:
@@ -165,6 +205,16 @@ class GlmImageForConditionalGeneration(CausalLM):
         """input_ids (T,) (ignored where inputs_embeds is given); positions (3, T) or (T,)."""
         h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         return self.model.language_model(h, positions, capture_layers)
+
+    @torch.inference_mode()
+    def image_tokens(self, pixels: Tensor, grids: list[tuple[int, int]]) -> list[Tensor]:
+        """Condition images -> their visual tokens: the processor's patch rows of every image
+        (sum of h*w, C*p*p), row-major each, and their (h, w) grids -> per image its codebook
+        ids (h*w,), on the CPU."""
+        weight = self.model.visual.patch_embed.proj.weight
+        rows = pixels.to(weight.device, weight.dtype).split([h * w for h, w in grids])
+        return [self.model.vqmodel(self.model.visual(x, h, w), h, w).cpu()
+                for x, (h, w) in zip(rows, grids)]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return fused.lm_head(self.lm_head, hidden).float()   # (N, hidden) -> (N, vision vocab)

@@ -13,6 +13,12 @@ name; numerics follow `diffusers/models/transformers/transformer_glm_image.py` o
         LayerNorm q/k), one MLP shared by both streams, 12-way AdaLN from temb
     norm_out (no SiLU before its linear) -> proj_out -> unpatchify -> (B,C,h,w)
 
+An edit's condition images: `condition_kv` runs each once (its latents under its own prior
+tokens, no text, timestep 0) and keeps every block's image keys and values; the denoising
+rows of that edit attend to them before their own keys (`image_kv`), as diffusers'
+GlmImageKVCache "write" then "read"; rows without them (CFG's unconditional rows: "skip",
+other requests) mask them out.
+
 D = num_attention_heads * attention_head_dim, E = time_embed_dim. Rows of a batch may carry
 glyph texts of different lengths: `text_mask` hides each row's padding from the attention
 (diffusers runs one text length per call, unmasked). One rank: no tensor or sequence
@@ -157,13 +163,21 @@ class GlmImageAttention(nn.Module):
         return F.layer_norm(x, x.shape[-1:], eps=EPS) if norm else x
 
     def forward(self, txt: Tensor, img: Tensor, rope: tuple[Tensor, Tensor],
-                key_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+                key_mask: Tensor | None, image_kv: Tensor | None = None,
+                kv_out: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """image_kv (2, B, M, H, hd): condition images' keys and values, attended to before
+        the row's own (key_mask covers them first); kv_out: this layer's image keys and
+        values (2, B, N, H, hd) appended to it (the condition pass)."""
         num_txt = txt.shape[1]
         x = torch.cat([txt, img], dim=1)                                     # (B, T+N, D)
         q, k = self._heads(self.to_q(x), True), self._heads(self.to_k(x), True)
         v = self._heads(self.to_v(x), False)
         q = torch.cat([q[:, :num_txt], _rotate(q[:, num_txt:], rope)], dim=1)
         k = torch.cat([k[:, :num_txt], _rotate(k[:, num_txt:], rope)], dim=1)
+        if kv_out is not None:
+            kv_out.append(torch.stack([k[:, num_txt:], v[:, num_txt:]]))
+        if image_kv is not None:
+            k, v = torch.cat([image_kv[0], k], dim=1), torch.cat([image_kv[1], v], dim=1)
         out = self.to_out[0](sdpa(q, k, v, key_mask).flatten(2).to(q.dtype))  # (B, T+N, D)
         return out[:, :num_txt], out[:, num_txt:]
 
@@ -180,10 +194,11 @@ class GlmImageTransformerBlock(nn.Module):
         self.ff = FeedForward(dim)          # one MLP for both streams
 
     def forward(self, img: Tensor, txt: Tensor, temb: Tensor, rope: tuple[Tensor, Tensor],
-                key_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+                key_mask: Tensor | None, image_kv: Tensor | None = None,
+                kv_out: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
         img_h, txt_h, (gate, shift_mlp, scale_mlp, gate_mlp), \
             (c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp) = self.norm1(img, txt, temb)
-        txt_attn, img_attn = self.attn1(txt_h, img_h, rope, key_mask)
+        txt_attn, img_attn = self.attn1(txt_h, img_h, rope, key_mask, image_kv, kv_out)
         img = img + img_attn * gate[:, None]
         txt = txt + txt_attn * c_gate[:, None]
         img = img + self.ff(_modulated(img, shift_mlp, scale_mlp)) * gate_mlp[:, None]
@@ -218,13 +233,17 @@ class GlmImageTransformer2DModel(nn.Module):
 
     def forward(self, hidden_states: Tensor, encoder_hidden_states: Tensor,
                 prior_token_id: Tensor, prior_token_drop: Tensor, timestep: Tensor,
-                target_size: Tensor, crop_coords: Tensor, text_mask: Tensor | None = None
-                ) -> Tensor:
+                target_size: Tensor, crop_coords: Tensor, text_mask: Tensor | None = None,
+                image_kv: Tensor | None = None, image_kv_mask: Tensor | None = None,
+                kv_out: list[Tensor] | None = None) -> Tensor:
         """hidden_states (B, C, h, w), encoder_hidden_states (B, T, text_embed_dim) glyph
         embeddings, prior_token_id (B, N) and prior_token_drop (B, N) bool (True: that row's
         prior is dropped, the unconditional branch), timestep (B,) as the pipeline's (t - 1),
         target_size and crop_coords (B, 2), text_mask (B, T) bool (True: a real text token;
-        None: all are) -> (B, C_out, h, w)."""
+        None: all are); an edit's image_kv (L, 2, B, M, H, hd), its condition images' keys
+        and values per block (`condition_kv`), and image_kv_mask (B, M) (True: a real one;
+        None: all are); kv_out: every block's image keys and values appended (the condition
+        pass) -> (B, C_out, h, w)."""
         b, _, h, w = hidden_states.shape
         p = self.cfg.patch_size
         if h % p or w % p:
@@ -238,13 +257,25 @@ class GlmImageTransformer2DModel(nn.Module):
         txt = self.glyph_projector(encoder_hidden_states)                    # (B, T, D)
         temb = self.time_condition_embed(timestep, target_size, crop_coords, img.dtype)
         rope = glm_image_rope(self.cfg.attention_head_dim, h // p, w // p, img.device)
-        key_mask = None if text_mask is None else torch.cat(
-            [text_mask, text_mask.new_ones(b, img.shape[1])], dim=1)          # (B, T+N)
-        for block in self.transformer_blocks:
-            img, txt = block(img, txt, temb, rope, key_mask)
+        key_mask = _key_mask(text_mask, image_kv, image_kv_mask, txt.shape[1], img.shape[1])
+        for i, block in enumerate(self.transformer_blocks):
+            img, txt = block(img, txt, temb, rope, key_mask,
+                             None if image_kv is None else image_kv[i], kv_out)
         out = self.proj_out(self.norm_out(img, temb))                        # (B, N, C*p*p)
         out = out.reshape(b, h // p, w // p, -1, p, p)
         return out.permute(0, 3, 1, 4, 2, 5).reshape(b, -1, h, w)           # (B, C, h, w)
+
+    def condition_kv(self, latents: Tensor, prior_token_id: Tensor, target_size: Tensor
+                     ) -> Tensor:
+        """One condition image's keys and values in every block, as diffusers' "write" pass
+        fills its KV cache: the image's normalised VAE latents (1, C, h, w) under its prior
+        tokens (1, N), no text, timestep 0, its own size (1, 2) -> (L, 2, N, H, hd)."""
+        kv: list[Tensor] = []
+        zeros = latents.new_zeros
+        self(latents, zeros(1, 0, self.cfg.text_embed_dim), prior_token_id,
+             torch.zeros_like(prior_token_id, dtype=torch.bool), zeros(1), target_size,
+             zeros(1, 2), kv_out=kv)
+        return torch.stack(kv)[:, :, 0]
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
@@ -254,3 +285,18 @@ class GlmImageTransformer2DModel(nn.Module):
         path = Path(path)
         return build_from_folder(cls, GlmImageTransformerConfig.from_dict(read_config(path)),
                                  path, device, dtype)
+
+
+def _key_mask(text_mask: Tensor | None, image_kv: Tensor | None, image_kv_mask: Tensor | None,
+              num_txt: int, num_img: int) -> Tensor | None:
+    """(B, M + T + N) keys a row attends to: its condition images' (where it has them), its
+    real text tokens, every image token; None when that is all of them."""
+    if text_mask is None and image_kv_mask is None:
+        return None
+    ref = text_mask if text_mask is not None else image_kv_mask
+    parts = [] if image_kv is None else [
+        image_kv_mask if image_kv_mask is not None
+        else ref.new_ones(ref.shape[0], image_kv.shape[3])]
+    parts += [text_mask if text_mask is not None else ref.new_ones(ref.shape[0], num_txt),
+              ref.new_ones(ref.shape[0], num_img)]
+    return torch.cat(parts, dim=1)

@@ -31,6 +31,7 @@ class ARStage:
         self.stage = stage
         self.defaults = stage.default_sampling()
         self.engine = AREngine(stage.ar_config(model, device), loader=loader)
+        self.attached: dict[str, dict[str, Tensor]] = {}     # see attach_tensors
         self.prepare()
         # the decode graphs this stage's requests replay: captured now, not mid-serving
         self.engine.capture_decode_graphs(*self.decode_graph_variant())
@@ -68,6 +69,12 @@ class ARStage:
                                 request.prompt_embeds, prompt_open=request.streamed,
                                 stream=StreamInput() if request.streamed else None)
 
+    def attach_tensors(self, request_id: str, tensors: dict[str, Tensor]) -> None:
+        """Tensors a model-specific stage derived from a request's input (GLM-Image: its
+        condition images' visual tokens) that go downstream with the request's first output,
+        beside its tokens."""
+        self.attached[request_id] = tensors
+
     def feed(self, request_id: str, feed: StageFeed) -> None:
         self.engine.extend_request(request_id, feed.prompt_token_ids, feed.prompt_embeds,
                                    feed.close_prompt, feed.stream_embeds, feed.close_stream)
@@ -76,6 +83,7 @@ class ARStage:
         self.engine.extend_request(request_id, close_prompt=True, close_stream=True)
 
     def abort(self, request_id: str) -> None:
+        self.attached.pop(request_id, None)
         self.engine.abort_request(request_id)
 
     @property
@@ -109,7 +117,7 @@ class ARStage:
     def step(self) -> list[StageResult]:
         results = []
         for out in self.engine.step():
-            tensors: dict[str, Tensor] = {}
+            tensors: dict[str, Tensor] = self.attached.pop(out.request_id, {})
             if out.new_token_ids:
                 tensors["token_ids"] = torch.tensor(out.new_token_ids, dtype=torch.int64)
             if out.hidden_states:

@@ -22,6 +22,7 @@ import torch
 
 C = 4                           # latent channels
 CODEBOOK = 64
+VISION_PATCH = 16               # the processor halves an input image: one token per 32 px
 
 
 def build_tiny_glm_image_dit(path: Path):
@@ -65,7 +66,8 @@ def tiny_glm_image_pipeline(processor, vision_language_encoder):
 GLYPH_WORDS = ("a", "the", "sign", "that", "reads", "OPEN", "and", "24/7", "quiet", "lake", "at",
                "dawn", "red", "cat", "on", "mat")
 SPECIALS = ("<|endoftext|>", "[gMASK]", "<sop>", "<eop>", "<|user|>", "<|assistant|>",
-            "<|image|>", "<|begin_of_image|>", "<|end_of_image|>")
+            "<|image|>")
+IMAGE_START, IMAGE_END = "<|begin_of_image|>", "<|end_of_image|>"    # ids CODEBOOK, +1
 CHAT_TEMPLATE = (
     "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{% for c in m['content'] %}"
     "{% if c['type'] == 'text' %}{{ c['text'] }}{% elif c['type'] == 'image' %}"
@@ -80,17 +82,19 @@ def tiny_glm_image_processor():
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = ([f"<|dit_token_{i}|>" for i in range(CODEBOOK + 2)] + list(SPECIALS)
+    words = ([f"<|dit_token_{i}|>" for i in range(CODEBOOK)] + [IMAGE_START, IMAGE_END]
+             + list(SPECIALS)
              + [str(i) for i in range(64)] + list(GLYPH_WORDS) + ["[UNK]"])
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-        bos_token=f"<|dit_token_{CODEBOOK}|>", unk_token="[UNK]",
+        bos_token=IMAGE_START, unk_token="[UNK]",
         additional_special_tokens=list(SPECIALS[1:]),
         extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>",
-                              "grid_eos_token": "<eop>"})
-    images = transformers.GlmImageImageProcessorPil(patch_size=4, merge_size=1)
+                              "grid_eos_token": "<eop>", "image_end_token": IMAGE_END})
+    images = transformers.GlmImageImageProcessorPil(patch_size=VISION_PATCH, merge_size=1,
+                                                    temporal_patch_size=1)
     return transformers.GlmImageProcessor(image_processor=images, tokenizer=tokenizer,
                                           chat_template=CHAT_TEMPLATE)
 
@@ -111,7 +115,7 @@ def tiny_glm_image_ar(vocab_size: int):
                                               mrope_section=[2, 1, 1],
                                               partial_rotary_factor=0.5)),
         vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16,
-                           patch_size=4, image_size=64),
+                           patch_size=VISION_PATCH, image_size=64),
         vq_config=dict(embed_dim=8, num_embeddings=CODEBOOK, latent_channels=16),
         image_token_id=CODEBOOK + 8, image_start_token_id=CODEBOOK,
         image_end_token_id=CODEBOOK + 1)
@@ -137,3 +141,15 @@ def build_tiny_glm_image(path: Path):
     pipe = tiny_glm_image_pipeline(processor, tiny_glm_image_ar(len(processor.tokenizer)))
     pipe.save_pretrained(path)
     return pipe
+
+
+def split_condition_features(pipe) -> None:
+    """Let diffusers 0.42's `GlmImagePipeline` edit with transformers 5: it concatenates its
+    condition images' (C, h, w) features along C before the VQ, which transformers now
+    tokenizes per image from a list (as its own forward passes them). Patches `pipe`'s AR
+    model to split them back (condition images of one size), so it serves as the edit
+    reference; text-to-image does not pass there."""
+    vle = pipe.vision_language_encoder
+    tokens, channels = vle.get_image_tokens, vle.config.vision_config.hidden_size
+    vle.get_image_tokens = lambda feats, grids=None: tokens(
+        list(feats.split(channels)) if torch.is_tensor(feats) else feats, grids)

@@ -1,10 +1,12 @@
 """GlmImagePipeline (the DiT decode stage) in our engine against diffusers' GlmImagePipeline
 given the same AR output (`prior_token_ids`) on a tiny random folder, float32: the same
 latents and images with and without CFG; the same latents alone or batched with a request at
-another step, another glyph length and no CFG; bad conditioning and params refused by name."""
+another step, another glyph length and no CFG; two edits batched as each alone; bad
+conditioning (an edit's too) and params refused by name."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.glm_image import GlmImagePipeline
 from omnistage.models.glm_image import target_grids
-from omnistage.testing.diffusion import run_recording_latents
+from omnistage.testing.diffusion import png, run_recording_latents
 from omnistage.testing.tiny_glm_image import CODEBOOK, build_tiny_glm_image_dit
 
 diffusers = pytest.importorskip("diffusers")
@@ -108,6 +110,41 @@ def test_batched_at_other_steps(pair: tuple[diffusers.GlmImagePipeline, GlmImage
     assert (together["b"][0] - together["a"][0]).abs().max() > 0.1
 
 
+def test_edits_batched_as_alone(pair: tuple[diffusers.GlmImagePipeline, GlmImagePipeline]
+                                ) -> None:
+    """Two edits whose condition images differ in size (24 and 16 patches, so the shorter
+    one's keys are padded and masked), one with CFG and two images to draw, end in one
+    batch where each ends alone."""
+    _, ours = pair
+    g = torch.Generator().manual_seed(4)
+    jobs = {"a": (PROMPT, DiffusionParams(height=64, width=64, num_inference_steps=3, seed=1,
+                                          guidance_scale=1.5, num_images=2,
+                                          image=png(96, 64, 1)), [(2, 3)]),
+            "b": (OTHER, DiffusionParams(height=64, width=64, num_inference_steps=3, seed=2,
+                                         image=png(64, 64, 2)), [(2, 2)])}
+
+    def conditioning(grids: list[tuple[int, int]]) -> dict[str, Tensor]:
+        return {"token_ids": torch.randint(0, CODEBOOK, (5,), generator=g),
+                "condition_token_ids": torch.randint(0, CODEBOOK, (sum(h * w for h, w in grids),),
+                                                     generator=g),
+                "condition_grids": torch.tensor(grids)}
+
+    conds = {rid: conditioning(job[2]) for rid, job in jobs.items()}
+
+    def drive(engine: DiffusionEngine, rids: list[str]) -> dict[str, DiffusionParams]:
+        for rid in rids:
+            engine.add_request(rid, jobs[rid][0], jobs[rid][1], parked=True)
+            engine.set_conditioning(rid, conds[rid])
+        return {rid: jobs[rid][1] for rid in rids}
+
+    together, engine = run_recording_latents(ours, lambda e: drive(e, ["a", "b"]))
+    assert engine.num_steps_run == 3                     # every step a batch of both
+    for rid in jobs:
+        alone = run_recording_latents(ours, lambda e: drive(e, [rid]))[0][rid]
+        torch.testing.assert_close(together[rid][0], alone[0], atol=1e-5, rtol=1e-5)
+    assert (together["a"][0][0] - together["b"][0][0]).abs().max() > 0.1
+
+
 def test_bad_input(pair: tuple[diffusers.GlmImagePipeline, GlmImagePipeline]) -> None:
     _, ours = pair
     p = params(1.5)
@@ -126,3 +163,30 @@ def test_bad_input(pair: tuple[diffusers.GlmImagePipeline, GlmImagePipeline]) ->
         engine.add_request("s", PROMPT, DiffusionParams(height=H + 16, width=W), parked=True)
     with pytest.raises(ValueError, match="prompt"):
         engine.add_request("e", " ", params(1.5), parked=True)
+    with pytest.raises(ValueError, match="strength"):
+        engine.add_request("t", PROMPT, replace(params(1.5), image=png(64, 64, 1),
+                                                strength=0.5), parked=True)
+
+
+def test_bad_edit_conditioning(pair: tuple[diffusers.GlmImagePipeline, GlmImagePipeline]
+                               ) -> None:
+    """An edit's conditioning needs its condition images' tokens, one grid per image, each
+    grid half the image's DiT patches."""
+    _, ours = pair
+    edit = DiffusionParams(height=64, width=64, image=png(96, 64, 1))
+    tokens = torch.arange(5)                  # a 2x2 target grid, then the end token
+    grid = {"condition_token_ids": torch.arange(6), "condition_grids": torch.tensor([[2, 3]])}
+    with pytest.raises(ValueError, match=r"expected tensors \['condition_grids'"):
+        ours.check_conditioning({"token_ids": tokens}, edit)
+    with pytest.raises(ValueError, match=r"expected \(1, 2\) for 1 condition images"):
+        ours.check_conditioning({"token_ids": tokens, **grid,
+                                 "condition_grids": torch.tensor([[2, 3], [1, 1]])}, edit)
+    with pytest.raises(ValueError, match="at least 6 integer tokens"):
+        ours.check_conditioning({"token_ids": tokens, **grid,
+                                 "condition_token_ids": torch.arange(4)}, edit)
+    with pytest.raises(ValueError, match="do not cover the 64x96 px"):
+        ours.check_conditioning({"token_ids": tokens, "condition_token_ids": torch.arange(4),
+                                 "condition_grids": torch.tensor([[2, 2]])}, edit)
+    cond = ours.check_conditioning({"token_ids": tokens, **grid}, edit)
+    assert cond["prior_token_ids"].shape == (1, 16)
+    assert cond["image_kv"].shape == (2, 2, 24, 2, 8)        # (L, 2, 4x6 patches, H, hd)

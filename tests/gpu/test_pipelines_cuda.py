@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -207,23 +208,35 @@ def test_glm_image_dit_on_cuda_equals_diffusers(tmp_path: Path) -> None:
 
 def test_glm_image_on_cuda_equals_diffusers(tmp_path: Path) -> None:
     """GLM-Image's whole graph (AR stage -> DiT stage, stage processes) on CUDA against
-    diffusers' GlmImagePipeline on CUDA, its AR model sampling greedily (top_k=1)."""
+    diffusers' GlmImagePipeline on CUDA, its AR model sampling greedily (top_k=1): text-to-
+    image, and an edit with two condition images."""
     pytest.importorskip("diffusers")
     import numpy as np
+    from PIL import Image
 
-    from omnistage.testing.tiny_glm_image import build_tiny_glm_image
+    from omnistage.testing.diffusion import png
+    from omnistage.testing.tiny_glm_image import build_tiny_glm_image, split_condition_features
 
     ref = build_tiny_glm_image(tmp_path / "glm")
     ref.to("cuda")
     ref.set_progress_bar_config(disable=True)
+    split_condition_features(ref)
     prompt, size = 'a red cat on the sign that reads "OPEN"', (64, 96)
+    files = (png(96, 64, seed=1), png(96, 64, seed=2))
+    images = [Image.open(io.BytesIO(f)).convert("RGB") for f in files]
+    expected = []
     with torch.no_grad():
-        image = ref(prompt, height=size[0], width=size[1], num_inference_steps=2,
-                    guidance_scale=1.5, generator=torch.Generator().manual_seed(3)).images[0]
-    expected = np.asarray(image, dtype=np.int16)
+        for given in (None, images):
+            image = ref(prompt, image=given, height=size[0], width=size[1],
+                        num_inference_steps=2, guidance_scale=1.5,
+                        generator=torch.Generator().manual_seed(3)).images[0]
+            expected.append(np.asarray(image, dtype=np.int16))
+    params = DiffusionParams(height=size[0], width=size[1], num_inference_steps=2,
+                             guidance_scale=1.5, seed=3)
     with Omni(str(tmp_path / "glm"), device="cuda") as omni:
-        (out,) = omni.generate(prompt, DiffusionParams(height=size[0], width=size[1],
-                                                       num_inference_steps=2, guidance_scale=1.5,
-                                                       seed=3))
-    assert out.error is None, out.error
-    assert np.abs(np.asarray(out.images[0], dtype=np.int16) - expected).max() <= 2
+        (t2i,) = omni.generate(prompt, params)
+        (edit,) = omni.generate(prompt, replace(params, image=files[0],
+                                                extra_images=files[1:]))
+    for out, want in zip((t2i, edit), expected):
+        assert out.error is None, out.error
+        assert np.abs(np.asarray(out.images[0], dtype=np.int16) - want).max() <= 2

@@ -2,8 +2,8 @@
 `GlmImageForConditionalGeneration` on tiny random weights, float32, with the multimodal
 (t, h, w) positions it generates image tokens at: prefill and chunked decode through the
 paged cache give the same logits; our AR engine's greedy tokens (batched, eager or from
-emulated decode graphs) equal `generate`'s. The vision tower and VQ tokenizer are not
-loaded."""
+emulated decode graphs) equal `generate`'s. (The image tokenizer an edit's prompt goes through
+is checked against transformers in tests/stages/test_glm_image.py.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Our GlmImageTransformer2DModel against diffusers' on a tiny random checkpoint: the same
 output in float32 for conditional and dropped-prior rows at different timesteps; rows padded to
-a longer glyph text with `text_mask` equal their unpadded selves; bad configs and inputs fail
-by name."""
+a longer glyph text with `text_mask` equal their unpadded selves; a condition image's keys and
+values (`condition_kv`) attended to as diffusers' GlmImageKVCache writes and reads them, and
+masked out, padding included, where a row has none; bad configs and inputs fail by name."""
 
 from __future__ import annotations
 
@@ -71,6 +72,38 @@ def test_text_mask_hides_padding(tmp_path: Path) -> None:
     with torch.no_grad():
         torch.testing.assert_close(ours(**padded, text_mask=mask), ours(**x),
                                    atol=1e-5, rtol=1e-4)
+
+
+def test_condition_kv_matches_diffusers_cache(tmp_path: Path) -> None:
+    """Row 0 attends to a 4x6-latent condition image (diffusers: "write" it, then "read"
+    with a one-row batch); row 1 has none, its image_kv slot padded and masked out."""
+    from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
+
+    ref = save_reference(tmp_path)
+    ours = GlmImageTransformer2DModel.from_pretrained(tmp_path, "cpu", torch.float32)
+    g = torch.Generator().manual_seed(2)
+    cond = torch.randn(1, TINY["in_channels"], 4, 6, generator=g)
+    cond_prior = torch.randint(0, 32, (1, 6), generator=g)
+    x = inputs()
+    cache = GlmImageKVCache(TINY["num_layers"])
+    with torch.no_grad():
+        cache.set_mode("write")
+        ref(cond, torch.zeros(1, 0, TINY["text_embed_dim"]), cond_prior,
+            torch.zeros_like(cond_prior, dtype=torch.bool), torch.zeros(1),
+            torch.tensor([[32, 48]]), torch.zeros(1, 2), kv_caches=cache)
+        cache.set_mode("read")
+        expected = ref(**{k: v[:1] for k, v in x.items()}, kv_caches=cache,
+                       return_dict=False)[0]
+        kv = ours.condition_kv(cond, cond_prior, torch.tensor([[32.0, 48.0]]))   # (L,2,6,H,hd)
+        rows = torch.cat([kv[:, :, None], torch.randn_like(kv[:, :, None])], dim=2)
+        mask = torch.tensor([[True] * 6, [False] * 6])
+        got = ours(**x, image_kv=rows, image_kv_mask=mask)
+        alone = ours(**{k: v[1:] for k, v in x.items()})
+    assert kv.shape == (TINY["num_layers"], 2, 6, 2, 8)
+    torch.testing.assert_close(got[:1], expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got[1:], alone, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():       # the condition matters: without it row 0 differs
+        assert (ours(**x)[:1] - expected).abs().max() > 1e-2
 
 
 def test_bad_config_and_input(tmp_path: Path) -> None:

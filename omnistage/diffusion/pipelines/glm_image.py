@@ -10,16 +10,23 @@ the engine's phases (omnistage/diffusion/pipeline.py), numerics kept step for st
               mu = sqrt(image tokens / 256) * max_shift + base_shift; then the request waits
               for the AR stage's tokens (`check_conditioning`)
     condition: the AR's generated tokens: t2i writes a small preview grid first, then the
-              target grid (H/32 x W/32); the target grid's tokens, upsampled 2x nearest to
-              the DiT's patch grid, are the prior tokens
-    velocity: one transformer call over all rows: every row with its glyphs and prior, then
-              the rows of requests with CFG again with the "" glyphs and the prior dropped;
+              target grid (H/32 x W/32), an edit the target grid alone; the target grid's
+              tokens, upsampled 2x nearest to the DiT's patch grid, are the prior tokens.
+              An edit's condition images (the request's input images, 1..4): each resized
+              down to a multiple of 16 px, VAE-encoded (the posterior mean), normalised, run
+              once through the transformer under its own AR tokens (from the AR stage,
+              upsampled 2x) with no text at timestep 0: every block's image keys and values
+              (`condition_kv`), concatenated over the images, are "image_kv"
+    velocity: one transformer call over all rows: every row with its glyphs and prior (an
+              edit's rows also attend to its image_kv), then the rows of requests with CFG
+              again with the "" glyphs, the prior dropped and no image_kv;
               timestep = the request's unshifted timestep - 1; glyphs zero-padded and masked
               comb = uncond + g * (cond - uncond)  (guidance_scale g, default 1.5; CFG if > 1)
     decode:   z * latents_std + latents_mean per channel -> VAE -> (x/2 + 0.5).clamp(0, 1)
 
 Every network is ours (the ByT5 encoder, the transformer, the VAE); the tokenizer comes from
-transformers. Text-to-image only: an input image (editing) is refused.
+transformers. diffusers' "write / read / skip" KV cache modes are the condition pass, the
+conditional rows and the unconditional rows here.
 """
 
 from __future__ import annotations
@@ -35,13 +42,14 @@ from PIL import Image
 from torch import Tensor
 from transformers import AutoTokenizer
 
+from omnistage.diffusion.image_input import input_images, preprocess
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import LatentPipelineBase, encode_with_negatives
 from omnistage.diffusion.pipelines.qwen_image import pad_captions
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.models.autoencoder_kl import AutoencoderKL
-from omnistage.models.glm_image import TOKEN_FACTOR, target_grids
+from omnistage.models.glm_image import MAX_CONDITION_IMAGES, TOKEN_FACTOR, target_grids
 from omnistage.models.glm_image_transformer import GlmImageTransformer2DModel
 from omnistage.models.text_encoders import T5Encoder
 
@@ -68,8 +76,9 @@ def check_text_params(prompt: str | None, params: DiffusionParams) -> None:
     if params.negative_prompt is not None or params.true_cfg_scale != 1.0:
         raise ValueError("negative_prompt / true_cfg_scale: GLM-Image's CFG always uses an "
                          "empty negative (set guidance_scale)")
-    if params.image is not None:
-        raise ValueError("image: GLM-Image editing is not supported yet (text-to-image only)")
+    if params.strength is not None:
+        raise ValueError("strength: a GLM-Image edit draws from noise under its condition "
+                         "images; it has no strength")
 
 
 class GlmGlyphEncoder:
@@ -131,6 +140,7 @@ class GlmImagePipeline(LatentPipelineBase):
     max_size = MAX_SIZE
     packed = False
     text_with_upstream = True
+    max_input_images = MAX_CONDITION_IMAGES
     check_text_params = staticmethod(check_text_params)
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -179,25 +189,66 @@ class GlmImagePipeline(LatentPipelineBase):
 
     def check_conditioning(self, tensors: dict[str, Tensor], params: DiffusionParams
                            ) -> dict[str, Tensor]:
-        """The AR stage's generated tokens {"token_ids": (T,)} -> {"prior_token_ids": (1, N)}:
-        the target grid's tokens (after the preview grid's), upsampled 2x to the patches."""
-        if set(tensors) != {"token_ids"}:
-            raise ValueError(f"conditioning: expected tensors ['token_ids'] (the AR stage's "
-                             f"visual tokens), got {sorted(tensors)}")
-        ids = tensors["token_ids"]
+        """What the AR stage sends: its generated tokens {"token_ids": (T,)}, and for an edit
+        its condition images' tokens ("condition_token_ids", "condition_grids") ->
+        {"prior_token_ids": (1, N)}: the target grid's tokens upsampled 2x to the patches,
+        and for an edit "image_kv" (`condition_kv`)."""
+        images = input_images(params)
+        expected = {"token_ids"} | ({"condition_token_ids", "condition_grids"} if images
+                                    else set())
+        if set(tensors) != expected:
+            raise ValueError(f"conditioning: expected tensors {sorted(expected)} (the AR "
+                             f"stage's visual tokens), got {sorted(tensors)}")
         (th, tw), (ph, pw) = target_grids(*self._size(params))
-        start, end = ph * pw, ph * pw + th * tw
+        start = 0 if images else ph * pw            # t2i writes its preview grid first
+        what = (f"the {th}x{tw} image" if images
+                else f"a {ph}x{pw} preview, then the {th}x{tw} image")
+        grid = self._codes(tensors["token_ids"], start, th * tw, "token_ids", what)
+        out = {"prior_token_ids": upsample_tokens(grid, th, tw).to(self.device)}
+        if images:
+            out["image_kv"] = self.condition_kv(images, tensors["condition_token_ids"],
+                                                tensors["condition_grids"])
+        return out
+
+    def _codes(self, ids: Tensor, start: int, count: int, key: str, what: str) -> Tensor:
+        """ids[start:start + count] checked: integer, long enough, inside the codebook."""
         codebook = self.transformer.cfg.prior_vq_quantizer_codebook_size
-        if ids.dim() != 1 or ids.is_floating_point() or ids.shape[0] < end:
-            raise ValueError(f"conditioning['token_ids']: expected at least {end} integer "
-                             f"tokens (a {ph}x{pw} preview, then the {th}x{tw} image), got "
-                             f"{ids.dtype} {tuple(ids.shape)}")
-        grid = ids[start:end].long()
-        if grid.min() < 0 or grid.max() >= codebook:
-            raise ValueError(f"conditioning['token_ids']: image tokens outside the codebook "
+        if ids.dim() != 1 or ids.is_floating_point() or ids.shape[0] < start + count:
+            raise ValueError(f"conditioning[{key!r}]: expected at least {start + count} "
+                             f"integer tokens ({what}), got {ids.dtype} {tuple(ids.shape)}")
+        grid = ids[start:start + count].long()
+        if grid.numel() and (grid.min() < 0 or grid.max() >= codebook):
+            raise ValueError(f"conditioning[{key!r}]: image tokens outside the codebook "
                              f"[0, {codebook})")
-        up = F.interpolate(grid.view(1, 1, th, tw).float(), scale_factor=2, mode="nearest")
-        return {"prior_token_ids": up.long().view(1, -1).to(self.device)}
+        return grid
+
+    @torch.inference_mode()
+    def condition_kv(self, images: list[Image.Image], token_ids: Tensor, grids: Tensor
+                     ) -> Tensor:
+        """An edit's condition images, with their AR tokens (sum of h*w,) and (h, w) token
+        grids (K, 2) -> every block's keys and values over all their patches, image after
+        image, as diffusers' KV cache holds them: (L, 2, M, H, hd)."""
+        if grids.dim() != 2 or grids.shape != (len(images), 2):
+            raise ValueError(f"conditioning['condition_grids']: expected ({len(images)}, 2) "
+                             f"for {len(images)} condition images, got {tuple(grids.shape)}")
+        sizes = [int(h) * int(w) for h, w in grids.tolist()]
+        codes = self._codes(token_ids, 0, sum(sizes), "condition_token_ids",
+                            f"{len(images)} condition images' grids").split(sizes)
+        multiple = self.vae_scale_factor * self.transformer.cfg.patch_size
+        kvs = []
+        for i, (image, ids, (h, w)) in enumerate(zip(images, codes, grids.tolist())):
+            height = image.height - image.height % multiple
+            width = image.width - image.width % multiple
+            if (2 * h * multiple, 2 * w * multiple) != (height, width):
+                raise ValueError(f"image {i}: its {h}x{w} AR tokens do not cover the "
+                                 f"{height}x{width} px the DiT encodes of it")
+            pixels = preprocess(image, height, width).to(self.device, self.vae_dtype)
+            z = self.vae.encode(pixels)                                      # (1, C, h, w)
+            z = (z - self.latents_mean.to(z)) / self.latents_std.to(z)
+            size = torch.tensor([[height, width]], device=self.device, dtype=self.dtype)
+            kvs.append(self.transformer.condition_kv(
+                z.to(self.dtype), upsample_tokens(ids, h, w).to(self.device), size))
+        return torch.cat(kvs, dim=2)
 
     # ---- 2. velocity -------------------------------------------------------------------------
 
@@ -207,6 +258,7 @@ class GlmImagePipeline(LatentPipelineBase):
 
             rows:  | r0 img0 | r0 img1 | r1 img0 | ... |  r0 img0 | r0 img1 |  (r1: no CFG)
                    |<-- glyphs + prior, R rows ---->|  |<- "" + no prior -->|
+                   |<-- + image_kv (edits) -------->|  |<- no image_kv ---->|
         """
         counts = [r.latents.shape[0] for r in requests]
         cfg_reqs = [(i, r) for i, r in enumerate(requests) if "negative_prompt_embeds" in r.cond]
@@ -226,11 +278,14 @@ class GlmImagePipeline(LatentPipelineBase):
                               for r, n in zip(requests, counts)]).to(self.device)
         size = torch.cat([r.cond["size"][None].expand(n, -1) for r, n in zip(requests, counts)])
         embeds, mask = pad_captions(captions)                                # (R+U, T, D)
+        kv, kv_mask = image_kv_rows([r.cond.get("image_kv") for r in requests], counts,
+                                    len(prior))
         out = self.transformer(torch.cat([latents, latents[idx]]), embeds, prior, drop,
                                torch.cat([timestep, timestep[idx]]),
                                torch.cat([size, size[idx.cpu()]]).to(self.device, self.dtype),
                                torch.zeros(len(prior), 2, device=self.device, dtype=self.dtype),
-                               text_mask=mask).float()                     # (R+U, C, h, w)
+                               text_mask=mask, image_kv=kv, image_kv_mask=kv_mask
+                               ).float()                                   # (R+U, C, h, w)
         pred, neg = out[:latents.shape[0]], out[latents.shape[0]:]
         k = 0
         for i, r in cfg_reqs:
@@ -249,3 +304,38 @@ class GlmImagePipeline(LatentPipelineBase):
         z = z * self.latents_std.to(z) + self.latents_mean.to(z)
         images = self.vae.decode(z)                                          # (n, 3, H, W)
         return (images / 2 + 0.5).clamp(0, 1).float()
+
+
+def upsample_tokens(grid: Tensor, h: int, w: int) -> Tensor:
+    """An h x w grid of AR tokens (h*w,) -> (1, 4*h*w): each repeated 2x2, the DiT's patches
+    (nearest upsampling, as diffusers' `_upsample_token_ids`)."""
+    up = F.interpolate(grid.view(1, 1, h, w).float(), scale_factor=2, mode="nearest")
+    return up.long().view(1, -1)
+
+
+def image_kv_rows(kvs: list[Tensor | None], counts: list[int], num_rows: int
+                  ) -> tuple[Tensor | None, Tensor | None]:
+    """Each request's condition keys and values (L, 2, M_r, H, hd) or None, for its `counts`
+    conditional rows (the first sum(counts) of `num_rows`; the rest, CFG's unconditional
+    rows, attend to none) -> (L, 2, num_rows, max M, H, hd) and its (num_rows, max M) mask
+    (None: every row has all of them); (None, None) without an edit. With one edit in the
+    batch every row views its tensor (no copy: the rows without it are masked), else the
+    rows are zero-padded copies."""
+    given = [kv for kv in kvs if kv is not None]
+    if not given:
+        return None, None
+    longest = max(kv.shape[2] for kv in given)
+    L, _, _, H, hd = given[0].shape
+    mask = torch.zeros(num_rows, longest, dtype=torch.bool, device=given[0].device)
+    if len(given) == 1:
+        out = given[0][:, :, None].expand(-1, -1, num_rows, -1, -1, -1)
+    else:
+        out = given[0].new_zeros(L, 2, num_rows, longest, H, hd)
+    start = 0
+    for kv, n in zip(kvs, counts):
+        if kv is not None:
+            if len(given) > 1:
+                out[:, :, start:start + n, :kv.shape[2]] = kv[:, :, None]
+            mask[start:start + n, :kv.shape[2]] = True
+        start += n
+    return out, None if bool(mask.all()) else mask
