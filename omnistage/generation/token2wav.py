@@ -43,7 +43,7 @@ class Token2WavGenerator:
 
     def __init__(self, model: Token2Wav, speakers: list[Speaker], num_steps: int = 10,
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0, seed: int = 0,
-                 chunk_blocks: int = 4, first_chunk_blocks: int = 1, left_blocks: int = 2,
+                 chunk_blocks: int = 4, first_chunk_blocks: int = 2, left_blocks: int = 2,
                  right_blocks: int = 2, max_batch_frames: int = 4096) -> None:
         if num_steps < 2:
             raise ValueError(f"token2wav option num_steps={num_steps}: must be >= 2")

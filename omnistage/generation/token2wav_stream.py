@@ -45,7 +45,7 @@ class Chunking:
     """Chunk and context sizes, in the DiT's attention blocks (24 mel frames, 12 codes,
     0.24 s in the released model)."""
     chunk_blocks: int = 4
-    first_chunk_blocks: int = 1
+    first_chunk_blocks: int = 2
     left_blocks: int = 2
     right_blocks: int = 2
 
