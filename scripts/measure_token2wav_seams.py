@@ -31,8 +31,7 @@ from pathlib import Path
 
 import torch
 
-CHUNKINGS = [(4, 1, 2, 2), (4, 1, 2, 1), (4, 1, 1, 1), (4, 1, 4, 4), (2, 1, 2, 2),
-             (8, 1, 2, 2), (4, 1, 8, 8)]
+CHUNKINGS = "4,2,2,2;4,2,2,1;4,2,1,1;4,2,4,4;2,2,2,2;8,2,2,2;4,2,8,8"   # chunk,first,left,right
 
 
 def decode(generator, codes: torch.Tensor, speaker: int, per_call: int) -> tuple[torch.Tensor,
@@ -101,6 +100,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=None, help="a Qwen2.5-Omni folder instead")
     ap.add_argument("--codes", type=int, default=150)
     ap.add_argument("--per-call", type=int, default=1, help="codes fed per engine step")
+    ap.add_argument("--chunkings", default=CHUNKINGS, help="chunk,first,left,right;... (blocks)")
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
 
@@ -126,7 +126,7 @@ def main() -> None:
     rms = reference.pow(2).mean().sqrt().item()
     rows["reference_peak"], rows["reference_rms"] = reference.abs().max().item(), rms
     rows["chunkings"] = []
-    for chunk, first, left, right in CHUNKINGS:
+    for chunk, first, left, right in (map(int, c.split(",")) for c in args.chunkings.split(";")):
         gen = Token2WavGenerator.from_pretrained(path, "", device, None, chunk_blocks=chunk,
                                                  first_chunk_blocks=first, left_blocks=left,
                                                  right_blocks=right)
