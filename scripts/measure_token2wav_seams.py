@@ -93,7 +93,10 @@ def receptive_field(generator, codes: torch.Tensor, block_codes: int) -> dict[st
 
 def main() -> None:
     from omnistage.generation.token2wav import Token2WavGenerator
-    from omnistage.testing.tiny_qwen2_5_omni import RELEASED_DIT_BLOCKS, build_tiny_qwen2_5_omni
+    from omnistage.testing.tiny_qwen2_5_omni import (
+        RELEASED_DIT_BLOCKS,
+        build_tiny_qwen2_5_omni,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["tiny", "released"], default="tiny")

@@ -196,7 +196,7 @@ def step_windows(model: Token2Wav, streams: Sequence[Token2WavStream], times: Te
     def velocity(t: Tensor, x: Tensor) -> Tensor:
         return dit.guided_velocity(x, t, cond, speaker, null, codes, guidance_scale, mask)
 
-    steps = torch.tensor([w.step_idx for _, w in flight], device=times.device)
+    steps = torch.tensor([w.step_idx for _, w in flight])     # on the host: no sync to check it
     x = rk4_step(velocity, times, steps, x)
     num_steps = times.shape[0] - 1
     moved = {id(w): Window(x[b, :n], w.codes, w.start, w.keep_from, w.keep_to, w.step_idx + 1)

@@ -91,9 +91,9 @@ def context_frames(rates: list[int], kernels: list[int], res_kernels: list[int],
     dilation d widens the interval by (k - 1) d / 2 a side, an anti-aliased activation by 5
     (its 12-tap filters at twice the rate), an AMP block by its three pairs; a transposed conv
     (rate r, kernel k, padding p) maps [lo, hi] to [ceil((lo + p - k + 1) / r),
-    floor((hi + p) / r)]. Samples at the far end of that interval depend on the frame by
-    less than float32 can show (perturbed in float64, the released one's change over 28
-    frames away), but they do depend on it."""
+    floor((hi + p) / r)]. Samples near the ends of that interval depend on the frame by less
+    than float32 can show (perturbed in float64, the released vocoder's samples move no
+    further than 28 frames away), but they do depend on it."""
     act = FILTER_SIZE // 2 - 1
     amp = max(sum(2 * act + (k - 1) * d // 2 + (k - 1) // 2 for d in dilations)
               for k, dilations in zip(res_kernels, res_dilations))

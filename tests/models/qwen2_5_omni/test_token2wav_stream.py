@@ -14,7 +14,12 @@ import torch
 
 from omnistage.generation import token2wav as token2wav_module
 from omnistage.generation.token2wav import Token2WavGenerator
-from omnistage.generation.token2wav_stream import Chunking, Token2WavStream, Window, admit_windows
+from omnistage.generation.token2wav_stream import (
+    Chunking,
+    Token2WavStream,
+    Window,
+    admit_windows,
+)
 from omnistage.models.qwen2_5_omni.bigvgan_stream import MelStream, vocode_streams
 from omnistage.testing.tiny_qwen2_5_omni import SEAM_MIN_SNR_DB, SEAM_TOLERANCE
 
