@@ -127,15 +127,20 @@ class Token2WavStream:
         chunk = self.next_chunk()
         assert chunk is not None, "no chunk is ready"
         s, e = chunk
-        c = self.chunking
-        w0 = max(0, s - c.left_blocks * self.block)
-        w1 = min(self.num_frames, e + c.right_blocks * self.block)
+        w0, w1 = self.window_bounds(s, e)
         window = Window(self._noise_until(w1)[w0:w1].to(self.device),
                         self._codes[w0 // self.repeats:w1 // self.repeats].to(self.device),
                         w0, s, e)
         self.num_planned = e
         self.windows = (*self.windows, window)
         return window
+
+    def window_bounds(self, s: int, e: int) -> tuple[int, int]:
+        """The frames [w0, w1) a chunk's window integrates: its context blocks, clipped to
+        the codes received."""
+        c = self.chunking
+        return (max(0, s - c.left_blocks * self.block),
+                min(self.num_frames, e + c.right_blocks * self.block))
 
     def _noise_until(self, end: int) -> Tensor:
         """The whole decode's noise for frames [0, end), drawn on in order as needed. Drawing
@@ -166,9 +171,8 @@ def admit_windows(streams: Sequence[Token2WavStream], max_batch_frames: int) -> 
             chunk = s.next_chunk()
             if chunk is None:
                 continue
-            c = s.chunking
-            size = min(s.num_frames, chunk[1] + c.right_blocks * s.block) - \
-                max(0, chunk[0] - c.left_blocks * s.block)
+            w0, w1 = s.window_bounds(*chunk)
+            size = w1 - w0
             if rows and (rows + 1) * max(longest, size) > max_batch_frames:
                 return
             s.start_window()

@@ -9,8 +9,9 @@ thinker still writes.
                     bos, the first reply row (models/qwen2_5_omni/talker.py); each decode adds
                     the next reply row, then text eos, then text pad (the engine's input
                     stream); one codec token per step
-    token2wav (gen) the codec tokens, once the talker is done -> mel (DiT + RK4) -> 24 kHz
-                    waveform (generation/token2wav.py)
+    token2wav (gen) the codec tokens, chunk by chunk while the talker speaks -> mel (DiT +
+                    RK4 on windows of context) -> 24 kHz waveform, streamed
+                    (generation/token2wav.py)
 
 Only text prompts: the thinker's audio and vision encoders are not ported (they are not
 Qwen3-Omni's), so a request with media is refused. Speakers are the checkpoint's spk_dict.pt.
