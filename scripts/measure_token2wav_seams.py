@@ -55,21 +55,21 @@ def decode(generator, codes: torch.Tensor, speaker: int, per_call: int) -> tuple
 
 def receptive_field(generator, codes: torch.Tensor, block_codes: int) -> dict[str, object]:
     """Change the code in the middle block; per block of mel, the largest change (whole
-    decode, float64 to see small changes)."""
+    decode, float64 to see small changes; the model is back in float32 after)."""
     model = generator.model.double()
     dit, rows = model.dit, generator.speakers[0]
     rows = type(rows)(*(t.double() for t in (rows.cond, rows.speaker, rows.null_speaker)))
     times = generator.times.double()
     gen = torch.Generator().manual_seed(0)
     noise = torch.randn(1, codes.numel() * dit.cfg.repeats, dit.cfg.mel_dim, generator=gen,
-                        dtype=torch.float64)
+                        dtype=torch.float64).to(times.device)
 
     def mel(c: torch.Tensor) -> torch.Tensor:
         from omnistage.diffusion.solvers.rk4 import rk4_step
         x = noise
         for i in range(times.shape[0] - 1):
             x = rk4_step(lambda t, y: dit.guided_velocity(
-                y, t.reshape(1), rows.cond, rows.speaker, rows.null_speaker, c[None],
+                y, t.reshape(1), rows.cond, rows.speaker, rows.null_speaker, c[None].to(y.device),
                 generator.guidance_scale), times, i, x)
         return x[0]
 
@@ -80,7 +80,7 @@ def receptive_field(generator, codes: torch.Tensor, block_codes: int) -> dict[st
         changed[mid] = (changed[mid] + 1) % 64
         b = mel(changed)
     block = dit.cfg.block_size
-    per_block = (a - b).abs().reshape(-1, block, a.shape[-1]).amax(dim=(1, 2))
+    per_block = (a - b).abs().reshape(-1, block, a.shape[-1]).amax(dim=(1, 2)).cpu()
     at = mid // block_codes
     moved = (per_block > 0).nonzero().flatten()
     generator.model.float()
@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--codes", type=int, default=150)
     ap.add_argument("--per-call", type=int, default=1, help="codes fed per engine step")
     ap.add_argument("--chunkings", default=CHUNKINGS, help="chunk,first,left,right;... (blocks)")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
 
@@ -111,7 +112,7 @@ def main() -> None:
     if not args.checkpoint:
         build_tiny_qwen2_5_omni(path, dit_overrides=RELEASED_DIT_BLOCKS
                                 if args.model == "released" else None)
-    device = torch.device("cpu")
+    device = torch.device(args.device)
     whole = Token2WavGenerator.from_pretrained(path, "", device, None, chunk_blocks=0)
     cfg = whole.model.cfg.dit
     codes = torch.randint(0, 64, (args.codes,), generator=torch.Generator().manual_seed(1))
