@@ -47,6 +47,9 @@ class Token2WavGenerator:
                  right_blocks: int = 2, max_batch_frames: int = 4096) -> None:
         if num_steps < 2:
             raise ValueError(f"token2wav option num_steps={num_steps}: must be >= 2")
+        if chunk_blocks < 0 or max_batch_frames < 1:
+            raise ValueError(f"token2wav options chunk_blocks={chunk_blocks} (>= 0) and "
+                             f"max_batch_frames={max_batch_frames} (>= 1)")
         self.model = model
         self.guidance_scale = guidance_scale
         self.seed = seed

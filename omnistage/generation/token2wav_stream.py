@@ -52,8 +52,9 @@ class Chunking:
     def __post_init__(self) -> None:
         if min(self.chunk_blocks, self.first_chunk_blocks) < 1 or \
                 min(self.left_blocks, self.right_blocks) < 0:
-            raise ValueError(f"token2wav chunking {self}: chunks need >= 1 block, contexts "
-                             ">= 0")
+            raise ValueError(f"token2wav options {self}: chunk_blocks and first_chunk_blocks "
+                             "must be >= 1 (0 chunk_blocks: whole decodes), left_blocks and "
+                             "right_blocks >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -198,3 +198,11 @@ def test_new_requests_first_chunks_go_first(streamed: Token2WavGenerator) -> Non
     assert old.next_chunk() is not None and new.next_chunk() is not None
     admit_windows([old, new], max_batch_frames=1)
     assert len(new.windows) == 1 and not old.windows
+
+
+@pytest.mark.parametrize("options", [{"left_blocks": -1}, {"first_chunk_blocks": 0},
+                                     {"chunk_blocks": -2}, {"max_batch_frames": 0}])
+def test_bad_chunking_is_refused(whole: Token2WavGenerator, options: dict) -> None:
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=name):
+        Token2WavGenerator(whole.model, [], **options)
