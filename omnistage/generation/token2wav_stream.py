@@ -93,9 +93,12 @@ class Token2WavStream:
         self.chunking = chunking
         self.speaker_idx = speaker_idx
         self.device = device
+        # the codes and the whole decode's noise from frame `_first` on (what later windows
+        # may still need), on the host
+        self._first = 0
         self._codes = torch.zeros(0, dtype=torch.long)
         self._gen = torch.Generator().manual_seed(seed)
-        self._noise = torch.zeros(0, cfg.mel_dim)          # frames [0, n) of the whole noise
+        self._noise = torch.zeros(0, cfg.mel_dim)
         self.num_planned = 0        # mel frames whose windows have started
         self.windows: tuple[Window, ...] = ()
         self.mel = MelStream(model.code2wav_bigvgan_model, cfg.mel_dim, device)
@@ -104,7 +107,7 @@ class Token2WavStream:
     @property
     def num_frames(self) -> int:
         """Mel frames of the codes received."""
-        return self._codes.shape[0] * self.repeats
+        return self._first + self._codes.shape[0] * self.repeats
 
     def append(self, codes: Tensor) -> None:
         assert not self.is_finished, "codes after the stream's end"
@@ -129,11 +132,15 @@ class Token2WavStream:
         assert chunk is not None, "no chunk is ready"
         s, e = chunk
         w0, w1 = self.window_bounds(s, e)
-        window = Window(self._noise_until(w1)[w0:w1].to(self.device),
-                        self._codes[w0 // self.repeats:w1 // self.repeats].to(self.device),
-                        w0, s, e)
+        a, b = w0 - self._first, w1 - self._first
+        window = Window(self._noise_until(w1)[a:b].to(self.device),
+                        self._codes[a // self.repeats:b // self.repeats].to(self.device), w0, s,
+                        e)
         self.num_planned = e
         self.windows = (*self.windows, window)
+        drop = max(0, e - self.chunking.left_blocks * self.block - self._first)  # behind all
+        self._codes, self._noise = self._codes[drop // self.repeats:], self._noise[drop:]
+        self._first += drop
         return window
 
     def window_bounds(self, s: int, e: int) -> tuple[int, int]:
@@ -144,12 +151,13 @@ class Token2WavStream:
                 min(self.num_frames, e + c.right_blocks * self.block))
 
     def _noise_until(self, end: int) -> Tensor:
-        """The whole decode's noise for frames [0, end), drawn on in order as needed. Drawing
-        frame by frame gives the same numbers as one draw of them all whenever mel_dim is a
-        multiple of 16 (80 and 16 are): the CPU generator fills 16 values at a time."""
-        if end > self._noise.shape[0]:          # a new generator: a snapshot keeps the old one
+        """The whole decode's noise for frames [_first, end), drawn on in order as needed.
+        Drawing frame by frame gives the same numbers as one draw of them all whenever mel_dim
+        is a multiple of 16 (80 and 16 are): the CPU generator fills 16 values at a time."""
+        missing = end - self._first - self._noise.shape[0]
+        if missing > 0:                         # a new generator: a snapshot keeps the old one
             gen = torch.Generator().set_state(self._gen.get_state())
-            more = torch.randn(end - self._noise.shape[0], self.mel_dim, generator=gen)
+            more = torch.randn(missing, self.mel_dim, generator=gen)
             self._noise, self._gen = torch.cat([self._noise, more]), gen
         return self._noise
 
