@@ -1,46 +1,72 @@
-"""Qwen2.5-Omni's token2wav as a generation-stage model: a request's codec tokens collect
-until the talker is done, then its mel is integrated from noise, one RK4 step (four
-guided DiT evaluations) per engine step, and vocoded whole.
+"""Qwen2.5-Omni's token2wav as a generation-stage model: codec tokens in, 24 kHz audio out.
 
-Why whole and not streamed: every DiT evaluation lets a frame see its neighbouring blocks, and
-the ODE chains 36 of them, so each mel frame depends on every code; a chunk decoded alone would
-differ from the whole decode (the reference decodes the whole sequence too).
+Streamed (the default): the mel is integrated chunk by chunk on windows of context while the
+talker still writes, and vocoded exactly (generation/token2wav_stream.py says how, and why
+a chunk's mel can only come close to the whole decode's, not equal it). Whole
+(`chunk_blocks: 0`): a request's codes collect until the talker is done, then its mel is
+integrated from noise, one RK4 step (four guided DiT evaluations) per engine step, and
+vocoded whole, as the reference's generate(return_audio=True) does.
 
-Steps interleave: a request at step 3 and one at step 7 share an engine step (each runs its
-own step; lengths differ, so they are not stacked), and no long request holds the stage for
-all of its steps at once.
+Either way steps interleave: windows or requests at different steps share an engine step,
+and no long request holds the stage for all of its steps at once.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from omnistage.diffusion.solvers.rk4 import rk4_step, sway_times
+from omnistage.generation.token2wav_stream import (
+    Chunking,
+    SpeakerRows,
+    Token2WavStream,
+    admit_windows,
+    step_windows,
+)
 from omnistage.models.loader import resolve_model_path
-from omnistage.models.qwen2_5_omni.token2wav import Token2Wav, load_speakers
+from omnistage.models.qwen2_5_omni.bigvgan_stream import vocode_streams
+from omnistage.models.qwen2_5_omni.token2wav import Speaker, Token2Wav, load_speakers
 
 
 class Token2WavGenerator:
     """Inputs per chunk: "codes" (n,) codec ids and "speaker" (n,) the speaker's index in
     the checkpoint's speaker map. Options: num_steps, guidance_scale, sway_coefficient (the
-    reference's defaults 10, 0.5, -1.0) and seed (the noise: every request's first draw of a
-    generator seeded with it, as the reference's after torch.manual_seed(seed))."""
+    reference's defaults 10, 0.5, -1.0), seed (the noise: the first draw of a generator
+    seeded with it, as the reference's after torch.manual_seed(seed); streamed, always a CPU
+    generator's), and the streaming (`Chunking`, in DiT blocks: chunk_blocks, 0 for whole
+    decodes, first_chunk_blocks, left_blocks, right_blocks; max_batch_frames, the frames
+    of one batched DiT call that new windows may fill)."""
 
-    def __init__(self, model: Token2Wav, speakers: list, num_steps: int = 10,
-                 guidance_scale: float = 0.5, sway_coefficient: float = -1.0, seed: int = 0
-                 ) -> None:
+    def __init__(self, model: Token2Wav, speakers: list[Speaker], num_steps: int = 10,
+                 guidance_scale: float = 0.5, sway_coefficient: float = -1.0, seed: int = 0,
+                 chunk_blocks: int = 4, first_chunk_blocks: int = 2, left_blocks: int = 2,
+                 right_blocks: int = 2, max_batch_frames: int = 4096) -> None:
         if num_steps < 2:
             raise ValueError(f"token2wav option num_steps={num_steps}: must be >= 2")
+        if chunk_blocks < 0 or max_batch_frames < 1:
+            raise ValueError(f"token2wav options chunk_blocks={chunk_blocks} (>= 0) and "
+                             f"max_batch_frames={max_batch_frames} (>= 1)")
         self.model = model
-        self.speakers = speakers
         self.guidance_scale = guidance_scale
         self.seed = seed
         self.device = next(model.parameters()).device
         self.times = sway_times(num_steps, sway_coefficient, self.device)
+        self.chunking = None if chunk_blocks == 0 else \
+            Chunking(chunk_blocks, first_chunk_blocks, left_blocks, right_blocks)
+        self.max_batch_frames = max_batch_frames
+        self.speakers = [self._speaker_rows(s) for s in speakers]
         self.info = {"sample_rate": model.cfg.sample_rate}
+
+    @torch.inference_mode()
+    def _speaker_rows(self, speaker: Speaker) -> SpeakerRows:
+        ref_mel = speaker.ref_mel.to(self.device)
+        dit = self.model.dit
+        return SpeakerRows(speaker.cond.to(self.device), dit.encode_speaker(ref_mel),
+                           dit.encode_speaker(torch.zeros_like(ref_mel)))
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, component: str, device: torch.device,
@@ -50,10 +76,13 @@ class Token2WavGenerator:
         return cls(model, list(load_speakers(folder).values()), **options)
 
     def has_backlog(self, state: dict) -> bool:
-        return "x" in state
+        stream = state.get("stream")
+        return "x" in state or (stream is not None and stream.has_work)
 
     def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],
                  is_last: list[bool]) -> list[dict[str, Tensor]]:
+        if self.chunking is not None:
+            return self._generate_streams(inputs, states, is_last)
         outs: list[dict[str, Tensor]] = []
         for x, state, last in zip(inputs, states, is_last):
             if "codes" in x:
@@ -66,24 +95,51 @@ class Token2WavGenerator:
             outs.append(self._step(state) if "x" in state else {})
         return outs
 
+    def _generate_streams(self, inputs: list[dict[str, Tensor]], states: list[dict],
+                          is_last: list[bool]) -> list[dict[str, Tensor]]:
+        """Codes into each request's stream; new windows admitted; every window one RK4 step;
+        what the vocoder can now return, per request."""
+        streams: list[Token2WavStream | None] = []
+        for x, state, last in zip(inputs, states, is_last):
+            stream = state.get("stream")
+            if stream is None and "codes" in x:
+                stream = state["stream"] = Token2WavStream(
+                    self.model, self.chunking, int(x["speaker"][0]), self.seed, self.device)
+            if stream is not None:
+                stream.mel = copy.copy(stream.mel)    # changed below; the snapshot keeps its own
+                if "codes" in x:
+                    stream.append(x["codes"])
+                if last and not stream.is_finished:
+                    stream.finish()
+            streams.append(stream)
+        live = [s for s in streams if s is not None]
+        admit_windows(live, self.max_batch_frames)
+        step_windows(self.model, live, self.times, self.guidance_scale, self.speakers)
+        for s in live:
+            if s.is_finished and not s.windows and s.next_chunk() is None:
+                s.mel.finish()
+        audio = iter(vocode_streams([s.mel for s in live]))
+        outs = [next(audio) if s is not None else torch.empty(0) for s in streams]
+        return [{"audio": a.cpu()} if a.numel() else {} for a in outs]
+
     def _start(self, state: dict) -> None:
         """The request's noise and conditioning, on the device; step 0 next."""
         codes = state.pop("codes").to(self.device)[None]                  # (1, N)
-        speaker = self.speakers[state["speaker"]]
         cfg = self.model.cfg.dit
         gen = torch.Generator(self.device).manual_seed(self.seed)
         state["x"] = torch.randn(1, codes.shape[1] * cfg.repeats, cfg.mel_dim, generator=gen,
                                  device=self.device)
-        state["cond"] = (codes, speaker.cond.to(self.device), speaker.ref_mel.to(self.device))
+        state["cond"] = (codes, self.speakers[state["speaker"]])
         state["step_idx"] = 0
 
     def _step(self, state: dict) -> dict[str, Tensor]:
         """One RK4 step of the request's mel; after the last, its waveform."""
-        codes, cond, ref_mel = state["cond"]
+        codes, rows = state["cond"]
         dit, scale = self.model.dit, self.guidance_scale
 
         def velocity(t: Tensor, x: Tensor) -> Tensor:
-            return dit.guided_velocity(x, t.reshape(1), cond, ref_mel, codes, scale)
+            return dit.guided_velocity(x, t.reshape(1), rows.cond, rows.speaker,
+                                       rows.null_speaker, codes, scale)
 
         x = rk4_step(velocity, self.times, state["step_idx"], state["x"])
         state["step_idx"] += 1

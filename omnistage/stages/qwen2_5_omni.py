@@ -11,8 +11,9 @@ thinker still writes.
                     positions continued; each decode adds
                     the next reply row, then text eos, then text pad (the engine's input
                     stream); one codec token per step
-    token2wav (gen) the codec tokens, once the talker is done -> mel (DiT + RK4) -> 24 kHz
-                    waveform (generation/token2wav.py)
+    token2wav (gen) the codec tokens, chunk by chunk while the talker speaks -> mel (DiT +
+                    RK4 on windows of context) -> 24 kHz waveform, streamed
+                    (generation/token2wav.py)
 
 Prompts may hold audio, images and videos: the input processor (models/qwen2_5_omni/
 processing.py) expands their placeholders and computes the M-RoPE positions at the front door;

@@ -51,7 +51,8 @@ def test_qwen2_5_omni_on_cuda_equals_transformers(tmp_path: Path, media: bool) -
               SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=30,
                              extra={"speaker": "Ethan"}), None]
     with Omni(str(ckpt), device="cuda", dtype="float32",
-              stage_overrides=[f"token2wav.options.seed={SEED}"]) as omni:
+              stage_overrides=[f"token2wav.options.seed={SEED}",
+                               "token2wav.options.chunk_blocks=0"]) as omni:   # whole
         chat = media_chat() if media else CHAT
         (out,) = omni.generate({"messages": chat}, params)
         inputs = omni.engine.processor(chat).hf_kwargs()
@@ -76,3 +77,35 @@ def test_qwen2_5_omni_on_cuda_equals_transformers(tmp_path: Path, media: bool) -
     audio, expected = out.tensors["audio"], wav.reshape(-1).cpu()
     assert audio.shape == expected.shape and expected.abs().max() > 0.1
     assert (audio - expected).abs().max() <= 1e-3
+
+
+def test_streamed_token2wav_on_cuda_equals_cpu(tmp_path: Path) -> None:
+    """The streamed token2wav (windows of three requests batched, the vocoder stream) on CUDA
+    against the same on the CPU: its noise is drawn on the CPU either way, so the two agree
+    up to float32 rounding; what this catches is a tensor on the wrong device."""
+    from omnistage.generation.token2wav import Token2WavGenerator
+    from omnistage.testing.tiny_qwen2_5_omni import build_tiny_qwen2_5_omni
+
+    ckpt = build_tiny_qwen2_5_omni(tmp_path / "omni25")
+    gen = torch.Generator().manual_seed(0)
+    requests = [torch.randint(0, 64, (n,), generator=gen) for n in (40, 17, 29)]
+    audio = {}
+    for device in ("cpu", "cuda"):
+        t2w = Token2WavGenerator.from_pretrained(ckpt, "", torch.device(device), None)
+        states: list[dict] = [{} for _ in requests]
+        pieces: list[list[torch.Tensor]] = [[] for _ in requests]
+        with torch.inference_mode():
+            for call in range(200):
+                inputs = [{"codes": c[call * 4:call * 4 + 4],
+                           "speaker": torch.full_like(c[call * 4:call * 4 + 4], i % 2)}
+                          if call * 4 < c.numel() else {} for i, c in enumerate(requests)]
+                last = [(call + 1) * 4 >= c.numel() for c in requests]
+                for p, out in zip(pieces, t2w.generate(inputs, states, last)):
+                    if out:
+                        p.append(out["audio"])
+                if all(lst and not t2w.has_backlog(s) for lst, s in zip(last, states)):
+                    break
+        audio[device] = [torch.cat(p) for p in pieces]
+    for cpu, cuda in zip(audio["cpu"], audio["cuda"]):
+        assert cpu.shape == cuda.shape and cpu.abs().max() > 0.1
+        assert (cpu - cuda).abs().max() <= 1e-3

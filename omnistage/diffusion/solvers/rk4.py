@@ -9,7 +9,8 @@
     k3 = v(t + 2h/3, x + h (k2 - k1/3))   k4 = v(t + h, x + h (k1 - k2 + k3))
     x' = x + (k1 + 3 (k2 + k3) + k4) h / 8
 
-Stateless as the other solvers here: the grid and the step index belong to the request.
+Stateless as the other solvers here: the grid and the step index belong to the request, and
+a batch may hold rows at different steps (step_idx (B,)).
 """
 
 from __future__ import annotations
@@ -35,13 +36,17 @@ def sway_times(num_steps: int, sway_coefficient: float | None, device: torch.dev
     return t
 
 
-def rk4_step(velocity: Velocity, times: Tensor, step_idx: int, x: Tensor) -> Tensor:
-    """x at times[step_idx + 1] from x at times[step_idx]: four velocity evaluations."""
-    assert 0 <= step_idx < times.shape[0] - 1, f"step {step_idx} of {times.shape[0] - 1}"
+def rk4_step(velocity: Velocity, times: Tensor, step_idx: int | Tensor, x: Tensor) -> Tensor:
+    """x at times[step_idx + 1] from x at times[step_idx]: four velocity evaluations. With
+    step_idx (B,), row b of x (B, ...) takes its own step, and velocity gets t (B,)."""
+    steps = torch.as_tensor(step_idx)
+    assert 0 <= int(steps.min()) and int(steps.max()) < times.shape[0] - 1, \
+        f"step {step_idx} of {times.shape[0] - 1}"
     t0, t1 = times[step_idx], times[step_idx + 1]
-    h = t1 - t0
+    dt = t1 - t0                                              # () or (B,)
+    h = dt.reshape(-1, *[1] * (x.dim() - 1)) if dt.dim() else dt
     k1 = velocity(t0, x)
-    k2 = velocity(t0 + h * (1 / 3), x + h * k1 * (1 / 3))
-    k3 = velocity(t0 + h * (2 / 3), x + h * (k2 - k1 * (1 / 3)))
+    k2 = velocity(t0 + dt * (1 / 3), x + h * k1 * (1 / 3))
+    k3 = velocity(t0 + dt * (2 / 3), x + h * (k2 - k1 * (1 / 3)))
     k4 = velocity(t1, x + h * (k1 - k2 + k3))
     return x + (k1 + 3 * (k2 + k3) + k4) * h / 8

@@ -81,11 +81,39 @@ class AMPBlock(nn.Module):
         return x
 
 
+def context_frames(rates: list[int], kernels: list[int], res_kernels: list[int],
+                   res_dilations: list[list[int]]) -> int:
+    """How many mel frames either side of a frame its samples depend on (34 for the released
+    vocoder, 22 for the tiny test one): a window holding this many frames of real mel on both
+    sides of a stretch decodes that stretch's samples exactly as the whole decode does.
+
+    Walked exactly from each output sample of one hop back to the mel: a k-tap conv of
+    dilation d widens the interval by (k - 1) d / 2 a side, an anti-aliased activation by 5
+    (its 12-tap filters at twice the rate), an AMP block by its three pairs; a transposed conv
+    (rate r, kernel k, padding p) maps [lo, hi] to [ceil((lo + p - k + 1) / r),
+    floor((hi + p) / r)]. Samples near the ends of that interval depend on the frame by less
+    than float32 can show (perturbed in float64, the released vocoder's samples move no
+    further than 28 frames away), but they do depend on it."""
+    act = FILTER_SIZE // 2 - 1
+    amp = max(sum(2 * act + (k - 1) * d // 2 + (k - 1) // 2 for d in dilations)
+              for k, dilations in zip(res_kernels, res_dilations))
+    reach = 0
+    for n in range(math.prod(rates)):                # each phase of an output sample
+        lo, hi = n - 3 - act, n + 3 + act              # conv_post (k = 7), activation_post
+        for r, k in zip(reversed(rates), reversed(kernels)):
+            p = (k - r) // 2
+            lo, hi = -((amp + k - 1 - p - lo) // r), (hi + amp + p) // r
+        reach = max(reach, 3 - lo, hi + 3)             # conv_pre (k = 7); n is in frame 0
+    return reach
+
+
 class BigVGAN(nn.Module):
     def __init__(self, mel_dim: int, channels: int, rates: list[int], kernels: list[int],
                  res_kernels: list[int], res_dilations: list[list[int]]) -> None:
         super().__init__()
         self.num_kernels = len(res_kernels)
+        self.hop = math.prod(rates)                                 # samples per mel frame
+        self.context_frames = context_frames(rates, kernels, res_kernels, res_dilations)
         self.conv_pre = nn.Conv1d(mel_dim, channels, 7, 1, padding=3)
         self.ups = nn.ModuleList(
             nn.ModuleList([nn.ConvTranspose1d(channels >> i, channels >> (i + 1), k, r,

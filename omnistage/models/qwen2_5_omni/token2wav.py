@@ -94,9 +94,10 @@ class DiTInputEmbedding(nn.Module):
         # Qwen3-TTS's ECAPA-TDNN, here over the reference mel (the same fields, the same names)
         self.spk_encoder = Qwen3TTSSpeakerEncoder(SpeakerEncoderConfig.from_json(cfg.to_dict()))
 
-    def forward(self, x: Tensor, cond: Tensor, ref_mel: Tensor, code_embed: Tensor) -> Tensor:
-        """x (B, T, mel), cond (B, enc_emb_dim), ref_mel (B, R, mel), code_embed (B, T, emb)."""
-        speaker = self.spk_encoder(ref_mel).unsqueeze(1).expand(-1, x.shape[1], -1)
+    def forward(self, x: Tensor, cond: Tensor, speaker: Tensor, code_embed: Tensor) -> Tensor:
+        """x (B, T, mel), cond (B, enc_emb_dim), speaker (B, enc_dim) = spk_encoder(ref_mel),
+        code_embed (B, T, emb)."""
+        speaker = speaker.unsqueeze(1).expand(-1, x.shape[1], -1)
         cond = cond.unsqueeze(1).expand(-1, x.shape[1], -1)
         return self.proj(torch.cat((x, speaker, code_embed, cond), dim=-1))
 
@@ -112,7 +113,8 @@ class DiTAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(inner, cfg.hidden_size), nn.Identity()])
 
     def forward(self, x: Tensor, cos_sin: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
-        """x (B, T, hidden); cos/sin (T, D); mask (T, T) bool, True where a frame may look."""
+        """x (B, T, hidden); cos/sin (T, D); mask (T, T) or (B, 1, T, T) bool, True where a
+        frame may look."""
         b, t, _ = x.shape
         q, k, v = (proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
                    for proj in (self.to_q, self.to_k, self.to_v))          # (B, H, T, D)
@@ -149,10 +151,11 @@ class DiTDecoderLayer(nn.Module):
         self.attn = DiTAttention(cfg)
         self.ff = DiTMLP(cfg.hidden_size, cfg.ff_mult)
 
-    def forward(self, x: Tensor, temb: Tensor, cos_sin: tuple[Tensor, Tensor],
-                block_diff: Tensor) -> Tensor:
+    def forward(self, x: Tensor, temb: Tensor, cos_sin: tuple[Tensor, Tensor], mask: Tensor
+                ) -> Tensor:
+        """mask (T, T) or (B, 1, T, T): this layer's (block, the one before if look_back,
+        the one after if look_ahead)."""
         norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, temb)
-        mask = (block_diff >= -self.look_back) & (block_diff <= self.look_ahead)
         x = x + gate_msa.unsqueeze(1) * self.attn(norm, cos_sin, mask)
         norm = F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale_mlp[:, None]) \
             + shift_mlp[:, None]
@@ -176,30 +179,46 @@ class Token2WavDiT(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: Tensor, t: Tensor, cond: Tensor, ref_mel: Tensor, codes: Tensor
-                ) -> Tensor:
-        """x (B, T, mel), t (B,), cond (B, enc_emb_dim), ref_mel (B, R, mel), codes (B, T /
-        repeats) -> velocity (B, T, mel)."""
+    def encode_speaker(self, ref_mel: Tensor) -> Tensor:
+        """The reference mel's speaker vector, (B, R, mel) -> (B, enc_dim): the same at every
+        evaluation of a request, so it is computed once."""
+        return self.input_embed.spk_encoder(ref_mel)
+
+    def forward(self, x: Tensor, t: Tensor, cond: Tensor, speaker: Tensor, codes: Tensor,
+                lengths: Tensor | None = None) -> Tensor:
+        """x (B, T, mel), t (B,), cond (B, enc_emb_dim), speaker (B, enc_dim) (encode_speaker),
+        codes (B, T / repeats) -> velocity (B, T, mel). lengths (B,): rows padded on the
+        right, each row's first lengths[b] frames see no frame past them (the rest: junk)."""
         temb = self.time_embed(t)
-        h = self.input_embed(x, cond, ref_mel, self.text_embed(codes))
+        h = self.input_embed(x, cond, speaker, self.text_embed(codes))
         frames = torch.arange(h.shape[1], device=h.device)
         freqs = frames[:, None].float() * self.inv_freq[None]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos_sin = (emb.cos().to(h.dtype), emb.sin().to(h.dtype))
         blocks = frames // self.cfg.block_size
         block_diff = blocks[None, :] - blocks[:, None]               # (T, T): key's - query's
+        masks = {(back, ahead): (block_diff >= -back) & (block_diff <= ahead)
+                 for back in (0, 1) for ahead in (0, 1)}
+        if lengths is not None:      # (B, 1, T, T); a padded frame sees itself (no NaN rows)
+            real = frames[None, None, None, :] < lengths[:, None, None, None]
+            eye = torch.eye(h.shape[1], dtype=torch.bool, device=h.device)
+            masks = {k: (m & real) | eye for k, m in masks.items()}
         for block in self.transformer_blocks:
-            h = block(h, temb, cos_sin, block_diff)
+            h = block(h, temb, cos_sin, masks[block.look_back, block.look_ahead])
         return self.proj_out(self.norm_out(h, temb))
 
-    def guided_velocity(self, x: Tensor, t: Tensor, cond: Tensor, ref_mel: Tensor,
-                        codes: Tensor, guidance_scale: float) -> Tensor:
-        """The velocity with classifier-free guidance, both halves in one batch."""
+    def guided_velocity(self, x: Tensor, t: Tensor, cond: Tensor, speaker: Tensor,
+                        null_speaker: Tensor, codes: Tensor, guidance_scale: float,
+                        lengths: Tensor | None = None) -> Tensor:
+        """The velocity with classifier-free guidance, both halves in one batch; the
+        unconditional half: no speaker vector, null_speaker = encode_speaker(zero reference
+        mel), every code 0."""
         if guidance_scale < 1e-5:
-            return self(x, t, cond, ref_mel, codes)
+            return self(x, t, cond, speaker, codes, lengths)
         both = self(torch.cat([x, x]), torch.cat([t, t]), torch.cat([cond, torch.zeros_like(cond)]),
-                    torch.cat([ref_mel, torch.zeros_like(ref_mel)]),
-                    torch.cat([codes, torch.zeros_like(codes)]))
+                    torch.cat([speaker, null_speaker.expand_as(speaker)]),
+                    torch.cat([codes, torch.zeros_like(codes)]),
+                    None if lengths is None else torch.cat([lengths, lengths]))
         guided, null = both.chunk(2)
         return guided + (guided - null) * guidance_scale
 

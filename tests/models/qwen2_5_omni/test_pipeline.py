@@ -1,13 +1,16 @@
 """Qwen2.5-Omni end to end on the stage runtime (thinker -> talker -> token2wav) against
 transformers' `generate(return_audio=True)` on a tiny random checkpoint, float32, greedy in
-the AR stages and the same noise seed in token2wav: the same text and the same waveform;
-text-only requests that never enter the talker; speakers; bad input."""
+the AR stages and the same noise seed in token2wav: the same text and the same waveform
+(token2wav decoding whole); streamed audio (the default graph) arriving in deltas before the
+request ends, within the measured seam error of the whole decode; text-only requests that
+never enter the talker; speakers; bad input."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
+import math
 from pathlib import Path
 
 import httpx
@@ -17,9 +20,10 @@ import soundfile
 import torch
 from PIL import Image
 
-from omnistage import Omni, SamplingParams
+from omnistage import AsyncOmni, Omni, SamplingParams
 from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
-from omnistage.testing.tiny_qwen2_5_omni import CODEC_EOS, CODEC_PAD, mask_the_talker
+from omnistage.testing.tiny_qwen2_5_omni import (CODEC_EOS, CODEC_PAD, SEAM_MIN_SNR_DB,
+                                                  SEAM_TOLERANCE, mask_the_talker)
 
 THINKER_TOKENS = 8
 TALKER_TOKENS = 30
@@ -30,7 +34,7 @@ CHAT = [{"role": "user", "content": "Hello world, what is the weather today?"}]
 @pytest.fixture(scope="module")
 def omni(omni25_path: Path):
     with Omni(str(omni25_path), device="cpu", backend="inproc", connector="inproc",
-              stage_overrides=[f"token2wav.options.seed={SEED}",
+              stage_overrides=[f"token2wav.options.seed={SEED}", "token2wav.options.chunk_blocks=0",
                                f"talker.sampling.max_tokens={TALKER_TOKENS}"]) as engine:
         yield engine
 
@@ -83,6 +87,34 @@ def test_batched_and_prefix_cached_requests_equal_alone(omni: Omni) -> None:
     assert both[1].token_ids == alone.token_ids and both[0].token_ids != alone.token_ids
     a, b = both[1].tensors["audio"], alone.tensors["audio"]
     assert a.shape == b.shape and (a - b).abs().max() <= 1e-4
+
+
+def test_streamed_audio_arrives_early_and_close_to_whole(omni25_path: Path, omni: Omni) -> None:
+    """The shipped graph streams token2wav: audio deltas reach the caller before the request
+    ends (that they come while the talker still writes, on the CPU's pace here a race with
+    the tiny talker, is test_token2wav_stream's), and together they are the whole decode
+    within the seam error scripts/measure_token2wav_seams.py measured (SEAM_TOLERANCE,
+    SEAM_MIN_SNR_DB)."""
+    params = greedy("Ethan")
+    params[1] = SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=90,
+                               ignore_eos=True, extra={"speaker": "Ethan"})
+    (whole,) = omni.generate({"messages": CHAT}, params)
+    engine = AsyncOmni(str(omni25_path), device="cpu", backend="inproc", connector="inproc",
+                       stage_overrides=[f"token2wav.options.seed={SEED}"])
+    try:
+        async def run() -> list:
+            return [o async for o in engine.generate({"messages": CHAT}, params)]
+
+        outs = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    finally:
+        engine.shutdown()
+    deltas = [(o.finished, o.delta_tensors["audio"]) for o in outs if "audio" in o.delta_tensors]
+    assert len(deltas) >= 3 and not deltas[0][0], "audio in pieces, before the request's end"
+    audio, expected = torch.cat([d for _, d in deltas]), whole.tensors["audio"]
+    assert audio.shape == expected.shape and expected.abs().max() > 0.1
+    err = audio - expected
+    snr = 10 * math.log10(expected.pow(2).sum() / err.pow(2).sum())
+    assert err.abs().max() <= SEAM_TOLERANCE and snr >= SEAM_MIN_SNR_DB, (err.abs().max(), snr)
 
 
 def test_text_only_request_skips_talker(omni: Omni) -> None:
