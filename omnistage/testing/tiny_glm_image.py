@@ -148,8 +148,14 @@ def split_condition_features(pipe) -> None:
     condition images' (C, h, w) features along C before the VQ, which transformers now
     tokenizes per image from a list (as its own forward passes them). Patches `pipe`'s AR
     model to split them back (condition images of one size), so it serves as the edit
-    reference; text-to-image does not pass there."""
+    reference; text-to-image does not pass there. Older transformers (5.17, the device's)
+    take the packed features diffusers passes: left as they are."""
+    import inspect
+
     vle = pipe.vision_language_encoder
+    inner = type(getattr(vle, "model", vle)).get_image_tokens       # GlmImageModel's own
+    if "hidden_states.shape" in inspect.getsource(inner):
+        return
     tokens, channels = vle.get_image_tokens, vle.config.vision_config.hidden_size
     vle.get_image_tokens = lambda feats, grids=None: tokens(
         list(feats.split(channels)) if torch.is_tensor(feats) else feats, grids)
