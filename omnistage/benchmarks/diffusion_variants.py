@@ -365,9 +365,7 @@ def _our_variants(cfg: VariantsConfig, case: Case, device: torch.device, dtype: 
         variants("ours_fp8", bf16)
         runs["ours_fp8"]["weights_gib"] = {"bf16": weights, "fp8": _weight_gib(ours)}
     runs["ours"]["linear_tflop_per_forward"] = flops / 1e12
-    del ours, forward
-    free_device_memory(device)
-    return runs
+    return runs                                      # the model is freed with this frame
 
 
 def _weight_gib(model: nn.Module) -> float:
@@ -449,6 +447,7 @@ def run(cfg: VariantsConfig, profile: bool = True) -> dict[str, object]:
     case = _case(cfg, device, dtype)
     runs, base, ref = _reference_variants(cfg, case, device, dtype, profile)
     runs.update(_our_variants(cfg, case, device, dtype, base, ref, profile))
+    free_device_memory(device)                       # before start_times' processes
     result = {"benchmark": "diffusion_variants", "model": cfg.model, **environment(device),
               "dtype": str(dtype).removeprefix("torch."),
               "config": {**asdict(cfg), "arch": cfg.arch, "steps": cfg.num_steps,

@@ -7,7 +7,6 @@ conditioning (an edit's too) and params refused by name."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch

@@ -22,7 +22,6 @@ import pytest
 
 from omnistage import DiffusionParams, Omni, SamplingParams
 from omnistage.testing.fault_matrix import FAULTS, Load, health, inject, leftovers, wait_for
-from omnistage.testing.tiny_models import build_tiny_checkpoint
 from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
 
 STEP_TIMEOUT_S = 3.0     # a stage silent this long is hung (the default is 600 s)

@@ -27,7 +27,6 @@ import torch
 
 from omnistage import Omni
 from omnistage.outputs import RequestEvent
-from omnistage.stages import messages as m
 from omnistage.testing.processes import alive
 from omnistage.testing.toy_pipeline import toy_graph_yaml
 

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
