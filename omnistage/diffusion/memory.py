@@ -3,8 +3,8 @@
 A stage may use `memory_fraction` of its device for weights plus activations. Weights (and
 whatever else stays allocated: the requests' latents and conditioning, CUDA-graph pools) are
 read from the device before each step; what is left of the limit is the step's room for
-activations. A step's activation peak grows with its batch rows (images, all requests) and
-with the latent size of a row, so the budget keeps a fit of the peak per row against the
+activations. A step's activation peak grows with its transformer rows (images, twice for a
+request with true CFG: `forward_rows`) and with the latent size of a row, so the budget keeps a fit of the peak per row against the
 latent size, from a profiling step at start-up and from every step run since:
 
     bytes per row(size) = a + b * size [+ c * size^2]     size: latent elements per row,
@@ -125,19 +125,33 @@ def row_size(req: DiffusionRequest) -> int:
     return req.latents[0].numel()
 
 
+def forward_rows(req: DiffusionRequest, cfg_split: bool = False) -> int:
+    """The rows a request puts through the transformer each step: its images, and as many
+    again with true CFG (every native pipeline runs the negative prompt's branch in the same
+    call, and marks it by a `negative_prompt_embeds` condition), unless CFG-parallel gives
+    that branch to another rank (`cfg_split`)."""
+    images = req.latents.shape[0]
+    return images * 2 if "negative_prompt_embeds" in req.cond and not cfg_split else images
+
+
 class MemoryBudget:
     """Admission of a diffusion stage's requests into steps, within `limit` bytes of the
     device (`memory_fraction` of it) for weights plus activations."""
 
-    def __init__(self, probe: MemoryProbe, limit: int) -> None:
+    def __init__(self, probe: MemoryProbe, limit: int, cfg_split: bool = False) -> None:
         self.probe = probe
         self.limit = limit
+        self.cfg_split = cfg_split    # CFG-parallel: this rank runs one branch of each request
         self.fit = ActivationFit()
         self._start = 0         # allocated when the measured step began
 
     @classmethod
-    def of_fraction(cls, probe: MemoryProbe, memory_fraction: float) -> MemoryBudget:
-        return cls(probe, int(memory_fraction * probe.total()))
+    def of_fraction(cls, probe: MemoryProbe, memory_fraction: float, cfg_split: bool = False
+                    ) -> MemoryBudget:
+        return cls(probe, int(memory_fraction * probe.total()), cfg_split)
+
+    def rows(self, req: DiffusionRequest) -> int:
+        return forward_rows(req, self.cfg_split)
 
     def room(self) -> int:
         """Bytes the next step's activations may take: the limit less what is held now."""
@@ -148,14 +162,14 @@ class MemoryBudget:
         per_row = self.fit.predict(row_size(req))
         if per_row is None:
             return None
-        return int(per_row * (1 + HEADROOM)) * req.latents.shape[0]
+        return int(per_row * (1 + HEADROOM)) * self.rows(req)
 
     def describe(self, req: DiffusionRequest) -> str:
         """The numbers for a log line: the budget, what is held, a request's predicted peak."""
         cost = self.cost(req)
         return (f"budget {_mib(self.limit)} (memory_fraction of {_mib(self.probe.total())}), "
-                f"held {_mib(self.probe.allocated())}; a step of {req.latents.shape[0]} "
-                f"image(s) of {row_size(req)} latent elements: about "
+                f"held {_mib(self.probe.allocated())}; a step of {self.rows(req)} "
+                f"transformer row(s) of {row_size(req)} latent elements: about "
                 f"{'unmeasured' if cost is None else _mib(cost)} of activations")
 
     def check(self, req: DiffusionRequest) -> None:
@@ -192,7 +206,7 @@ class MemoryBudget:
 
     def record(self, batch: list[DiffusionRequest]) -> None:
         """After a step that ran `batch` (one latent size): its peak per row joins the fit."""
-        rows = sum(r.latents.shape[0] for r in batch)
+        rows = sum(self.rows(r) for r in batch)
         self.fit.record(row_size(batch[0]), -(-(self.probe.peak() - self._start) // rows))
 
     def record_oom(self, batch: list[DiffusionRequest]) -> None:
@@ -201,5 +215,5 @@ class MemoryBudget:
         alone teaches nothing about batching (and may have met another process's memory):
         it fails, and a later request of its size is tried again."""
         if len(batch) > 1:
-            rows = sum(r.latents.shape[0] for r in batch)
+            rows = sum(self.rows(r) for r in batch)
             self.fit.record(row_size(batch[0]), -(-(self.limit - self._start) // rows) + 1)

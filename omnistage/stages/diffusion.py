@@ -100,7 +100,8 @@ class DiffusionStage:
         quantize_pipeline(stage, pipeline, dev)
         apply_options(stage, pipeline, dev)
         # on CUDA, memory_fraction bounds weights plus each step's activations
-        memory = (MemoryBudget.of_fraction(CudaProbe(dev), stage.memory_fraction)
+        memory = (MemoryBudget.of_fraction(CudaProbe(dev), stage.memory_fraction,
+                                           cfg_split=stage.cfg_parallel_size > 1)
                   if dev.type == "cuda" else None)
         self.engine = DiffusionEngine(pipeline, stage.max_num_seqs, memory=memory)
         self.engine.profile_memory()

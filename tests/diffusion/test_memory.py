@@ -211,3 +211,31 @@ def test_one_measured_size_predicts_no_less_than_it() -> None:
     assert fit.predict(100) is None
     fit.record(1000, 5000)
     assert fit.predict(500) == 5000 and fit.predict(2000) == 10000
+
+
+def test_true_cfg_rows_count_twice_unless_cfg_parallel_splits_them() -> None:
+    """A request with true CFG runs its negative branch in the same transformer call: twice
+    its images' rows in a step, in the prediction, the admission and what a measured peak
+    teaches; on a CFG-parallel rank only its own branch."""
+    from types import SimpleNamespace
+
+    def request(images: int, cfg: bool) -> SimpleNamespace:
+        cond = {"prompt_embeds": torch.zeros(1)}
+        if cfg:
+            cond["negative_prompt_embeds"] = torch.zeros(1)
+        return SimpleNamespace(latents=torch.zeros(images, 4, 8), cond=cond)
+
+    device = ByteDevice(HELD + 100 * ROW)
+    budget = MemoryBudget(device, HELD + 100 * ROW)
+    budget.start()
+    device.allocate(6 * ROW)                  # a step of 2 images with CFG, 1 without: 5 rows
+    budget.record([request(2, True), request(1, False)])
+    per_row = budget.fit.predict(32)
+    assert per_row == -(-6 * ROW // 5)
+    assert budget.cost(request(3, True)) == 2 * budget.cost(request(3, False))
+    admitted = budget.admit([request(20, True), request(20, True), request(20, False)])
+    # 40 rows of the first, then the second's 40 would pass the room: the plain one's 20 join
+    assert [r.latents.shape[0] * len(r.cond) for r in admitted] == [40, 20]
+    split = MemoryBudget(device, HELD + 100 * ROW, cfg_split=True)
+    split.fit = budget.fit
+    assert split.cost(request(3, True)) == budget.cost(request(3, False))
