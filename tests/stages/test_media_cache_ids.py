@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from omnistage.models.qwen3_omni.multimodal import SpecialTokens
-from omnistage.stages.qwen3_omni import media_cache_ids
+from omnistage.stages.media import media_cache_ids
 
 TOKENS = SpecialTokens(audio_start=1, audio_pad=2, audio_end=3, vision_start=4, image_pad=5,
                        video_pad=6, vision_end=7)
