@@ -73,12 +73,12 @@ class Token2WavGenerator:
         if self.chunking is not None and self.device.type == "cuda" and cuda_graphs:
             self.use_graphs()
 
-    def use_graphs(self) -> None:
+    def use_graphs(self, max_vocoder_rows: int = 8) -> None:
         """Pad the streams' DiT steps and vocoder forwards to planned shapes and replay them
         from CUDA graphs, every one captured now (CPU tests: under an emulated capture)."""
         assert self.chunking is not None, "CUDA graphs are for streamed decodes"
         self.dit_shapes, self.mel_shapes = plan_shapes(self.model, self.chunking,
-                                                       self.max_batch_frames)
+                                                       self.max_batch_frames, max_vocoder_rows)
         self.graphs = Token2WavGraphs(self.model, self.times, self.guidance_scale,
                                       self.dit_shapes, self.mel_shapes)
 
