@@ -145,7 +145,12 @@ class Token2WavGenerator:
         audio = iter(vocode_streams([s.mel for s in live], self.mel_shapes,
                                     graphs.vocode if graphs is not None else None))
         outs = [next(audio) if s is not None else torch.empty(0) for s in streams]
-        return [{"audio": a.cpu()} if a.numel() else {} for a in outs]
+        sizes = [a.numel() for a in outs]
+        if not any(sizes):
+            return [{} for _ in outs]
+        host = iter(torch.cat([a for a in outs if a.numel()]).cpu()       # one copy, one sync
+                    .split([n for n in sizes if n]))
+        return [{"audio": next(host)} if n else {} for n in sizes]
 
     def _start(self, state: dict) -> None:
         """The request's noise and conditioning, on the device; step 0 next."""
