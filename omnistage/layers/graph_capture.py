@@ -1,6 +1,8 @@
 """CUDA-graph capture helpers shared by the decode graphs (ar/cuda_graphs.py) and the models
 that replay their own (the Qwen3-Omni code predictor): one capture, the batch-size buckets,
-graphs per call signature (`ShapeGraphs`) and the padded shapes of batched windows. Tests on CPU replace `capture_graph` with a stand-in whose replay reruns the function."""
+graphs per call signature (`ShapeGraphs`) and the padded shapes of batched windows
+(`PaddedShapes`). Tests on CPU replace `capture_graph` with a stand-in whose replay reruns the
+function."""
 
 from __future__ import annotations
 
