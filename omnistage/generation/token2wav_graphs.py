@@ -41,7 +41,8 @@ def plan_shapes(model: Token2Wav, chunking: Chunking, max_batch_frames: int,
 class Token2WavGraphs:
     """`dit`: `dit_step` (past its DiT and guidance scale) replayed at every planned shape of
     `dit_shapes`; `vocode`: `Token2Wav.vocode` at every shape of `mel_shapes`; every graph
-    captured now, the largest first (they share one memory pool); other shapes run eagerly."""
+    captured now, the largest first (the graphs of each share one memory pool); other shapes
+    run eagerly."""
 
     def __init__(self, model: Token2Wav, times: torch.Tensor, guidance_scale: float,
                  dit_shapes: PaddedShapes, mel_shapes: PaddedShapes) -> None:
