@@ -8,7 +8,9 @@ integrated from noise, one RK4 step (four guided DiT evaluations) per engine ste
 vocoded whole, as the reference's generate(return_audio=True) does.
 
 Either way steps interleave: windows or requests at different steps share an engine step,
-and no long request holds the stage for all of its steps at once.
+and no long request holds the stage for all of its steps at once. Streamed on CUDA, each
+engine step's DiT step and vocoder forwards replay CUDA graphs at planned shapes, captured
+at start-up (generation/token2wav_graphs.py; option cuda_graphs: false runs them eagerly).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from torch import Tensor
 
 from omnistage.diffusion.solvers.rk4 import rk4_step, sway_times
+from omnistage.generation.token2wav_graphs import Token2WavGraphs, plan_shapes
 from omnistage.generation.token2wav_stream import (
     Chunking,
     SpeakerRows,
@@ -27,6 +30,7 @@ from omnistage.generation.token2wav_stream import (
     admit_windows,
     step_windows,
 )
+from omnistage.layers.graph_capture import PaddedShapes
 from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen2_5_omni.bigvgan_stream import vocode_streams
 from omnistage.models.qwen2_5_omni.token2wav import Speaker, Token2Wav, load_speakers
@@ -39,12 +43,15 @@ class Token2WavGenerator:
     seeded with it, as the reference's after torch.manual_seed(seed); streamed, always a CPU
     generator's), and the streaming (`Chunking`, in DiT blocks: chunk_blocks, 0 for whole
     decodes, first_chunk_blocks, left_blocks, right_blocks; max_batch_frames, the frames
-    of one batched DiT call that new windows may fill)."""
+    of one batched DiT call that new windows may fill), cuda_graphs (streamed on CUDA,
+    default on: each engine step's forwards padded to planned shapes and replayed from CUDA
+    graphs captured now, `use_graphs`)."""
 
     def __init__(self, model: Token2Wav, speakers: list[Speaker], num_steps: int = 10,
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0, seed: int = 0,
                  chunk_blocks: int = 4, first_chunk_blocks: int = 2, left_blocks: int = 2,
-                 right_blocks: int = 2, max_batch_frames: int = 4096) -> None:
+                 right_blocks: int = 2, max_batch_frames: int = 4096,
+                 cuda_graphs: bool = True) -> None:
         if num_steps < 2:
             raise ValueError(f"token2wav option num_steps={num_steps}: must be >= 2")
         if chunk_blocks < 0 or max_batch_frames < 1:
@@ -60,6 +67,20 @@ class Token2WavGenerator:
         self.max_batch_frames = max_batch_frames
         self.speakers = [self._speaker_rows(s) for s in speakers]
         self.info = {"sample_rate": model.cfg.sample_rate}
+        self.dit_shapes: PaddedShapes | None = None
+        self.mel_shapes: PaddedShapes | None = None
+        self.graphs: Token2WavGraphs | None = None
+        if self.chunking is not None and self.device.type == "cuda" and cuda_graphs:
+            self.use_graphs()
+
+    def use_graphs(self, max_vocoder_rows: int = 8) -> None:
+        """Pad the streams' DiT steps and vocoder forwards to planned shapes and replay them
+        from CUDA graphs, every one captured now (CPU tests: under an emulated capture)."""
+        assert self.chunking is not None, "CUDA graphs are for streamed decodes"
+        self.dit_shapes, self.mel_shapes = plan_shapes(self.model, self.chunking,
+                                                       self.max_batch_frames, max_vocoder_rows)
+        self.graphs = Token2WavGraphs(self.model, self.times, self.guidance_scale,
+                                      self.dit_shapes, self.mel_shapes)
 
     @torch.inference_mode()
     def _speaker_rows(self, speaker: Speaker) -> SpeakerRows:
@@ -104,7 +125,8 @@ class Token2WavGenerator:
             stream = state.get("stream")
             if stream is None and "codes" in x:
                 stream = state["stream"] = Token2WavStream(
-                    self.model, self.chunking, int(x["speaker"][0]), self.seed, self.device)
+                    self.model, self.chunking, int(x["speaker"][0]), self.seed, self.device,
+                    self.mel_shapes)
             if stream is not None:
                 stream.mel = copy.copy(stream.mel)    # changed below; the snapshot keeps its own
                 if "codes" in x:
@@ -113,14 +135,22 @@ class Token2WavGenerator:
                     stream.finish()
             streams.append(stream)
         live = [s for s in streams if s is not None]
-        admit_windows(live, self.max_batch_frames)
-        step_windows(self.model, live, self.times, self.guidance_scale, self.speakers)
+        graphs = self.graphs
+        admit_windows(live, self.max_batch_frames, self.dit_shapes)
+        step_windows(self.model, live, self.times, self.guidance_scale, self.speakers,
+                     self.dit_shapes, graphs.dit if graphs is not None else None)
         for s in live:
             if s.is_finished and not s.windows and s.next_chunk() is None:
                 s.mel.finish()
-        audio = iter(vocode_streams([s.mel for s in live]))
+        audio = iter(vocode_streams([s.mel for s in live], self.mel_shapes,
+                                    graphs.vocode if graphs is not None else None))
         outs = [next(audio) if s is not None else torch.empty(0) for s in streams]
-        return [{"audio": a.cpu()} if a.numel() else {} for a in outs]
+        sizes = [a.numel() for a in outs]
+        if not any(sizes):
+            return [{} for _ in outs]
+        host = iter(torch.cat([a for a in outs if a.numel()]).cpu()       # one copy, one sync
+                    .split([n for n in sizes if n]))
+        return [{"audio": next(host)} if n else {} for n in sizes]
 
     def _start(self, state: dict) -> None:
         """The request's noise and conditioning, on the device; step 0 next."""

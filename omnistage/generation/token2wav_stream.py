@@ -24,20 +24,23 @@ Windows are independent (codes and noise in, mel out), so a request may have sev
 flight; every engine step takes each window in flight one RK4 step (`step_windows`, one
 batched DiT call per evaluation, rows padded and masked: `Token2WavDiT.forward(lengths=)`),
 and a window that has taken its last step hands its chunk's mel to the request's MelStream.
+With planned shapes (on CUDA), that batch is padded to one of a few (rows, frames), and the
+whole step, four guided evaluations and their sum (`dit_step`), replays a CUDA graph of that
+shape (generation/token2wav_graphs.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 
-from omnistage.diffusion.solvers.rk4 import rk4_step
+from omnistage.diffusion.solvers.rk4 import rk4_update
+from omnistage.layers.graph_capture import PaddedShapes, stack_padded
 from omnistage.models.qwen2_5_omni.bigvgan_stream import MelStream
-from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
+from omnistage.models.qwen2_5_omni.token2wav import Token2Wav, Token2WavDiT
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +84,12 @@ class Window:
 
 class Token2WavStream:
     """One request: its codes as they come (`append`, `finish`), the windows of its chunks,
-    and the MelStream its chunks' mel goes to. Attributes are replaced, never changed in
-    place (the generation engine snapshots a state one level deep)."""
+    and the MelStream its chunks' mel goes to (vocoded at `mel_shapes`, if planned).
+    Attributes are replaced, never changed in place (the generation engine snapshots a state
+    one level deep)."""
 
     def __init__(self, model: Token2Wav, chunking: Chunking, speaker_idx: int, seed: int,
-                 device: torch.device) -> None:
+                 device: torch.device, mel_shapes: PaddedShapes | None = None) -> None:
         cfg = model.cfg.dit
         assert cfg.block_size % cfg.repeats == 0, \
             f"block_size {cfg.block_size} is not a whole number of codes ({cfg.repeats} frames)"
@@ -101,7 +105,7 @@ class Token2WavStream:
         self._noise = torch.zeros(0, cfg.mel_dim)
         self.num_planned = 0        # mel frames whose windows have started
         self.windows: tuple[Window, ...] = ()
-        self.mel = MelStream(model.code2wav_bigvgan_model, cfg.mel_dim, device)
+        self.mel = MelStream(model.code2wav_bigvgan_model, cfg.mel_dim, device, mel_shapes)
         self.is_finished = False
 
     @property
@@ -166,14 +170,16 @@ class Token2WavStream:
         return bool(self.windows) or self.next_chunk() is not None or self.mel.num_ready > 0
 
 
-def admit_windows(streams: Sequence[Token2WavStream], max_batch_frames: int) -> None:
+def admit_windows(streams: Sequence[Token2WavStream], max_batch_frames: int,
+                  shapes: PaddedShapes | None = None) -> None:
     """Start windows of ready chunks, one per stream per round: streams with no mel yet
     first (a new request's first audio waits for no one's backlog), then those with the
-    least planned; while the batch (windows in flight x the longest) stays within
-    `max_batch_frames` (always at least one window)."""
+    least planned; while the batch (windows in flight x the longest, as padded to `shapes`)
+    stays within `max_batch_frames` (always at least one window)."""
     order = sorted(streams, key=lambda s: (s.num_planned > 0, s.num_planned))
     rows = sum(len(s.windows) for s in streams)
-    longest = max((w.x.shape[0] for s in streams for w in s.windows), default=0)
+    pad = shapes.length if shapes is not None else int
+    longest = max((pad(w.x.shape[0]) for s in streams for w in s.windows), default=0)
     while True:
         took = False
         for s in order:
@@ -181,7 +187,7 @@ def admit_windows(streams: Sequence[Token2WavStream], max_batch_frames: int) -> 
             if chunk is None:
                 continue
             w0, w1 = s.window_bounds(*chunk)
-            size = w1 - w0
+            size = pad(w1 - w0)
             if rows and (rows + 1) * max(longest, size) > max_batch_frames:
                 return
             s.start_window()
@@ -190,28 +196,51 @@ def admit_windows(streams: Sequence[Token2WavStream], max_batch_frames: int) -> 
             return
 
 
+def dit_step(dit: Token2WavDiT, guidance_scale: float, x: Tensor, t0: Tensor, t1: Tensor,
+             cond: Tensor, speaker: Tensor, null_speaker: Tensor, codes: Tensor,
+             lengths: Tensor | None) -> Tensor:
+    """One RK4 step of every row of x (B, T, mel) from its t0 to its t1 (B,), the velocity
+    guided (`Token2WavDiT.guided_velocity`); from device tensors alone, so that one CUDA
+    graph holds the whole step (four evaluations of both halves)."""
+
+    def velocity(t: Tensor, x: Tensor) -> Tensor:
+        return dit.guided_velocity(x, t, cond, speaker, null_speaker, codes, guidance_scale,
+                                   lengths)
+
+    return rk4_update(velocity, t0, t1, x)
+
+
 def step_windows(model: Token2Wav, streams: Sequence[Token2WavStream], times: Tensor,
-                 guidance_scale: float, speakers: Sequence[SpeakerRows]) -> None:
+                 guidance_scale: float, speakers: Sequence[SpeakerRows],
+                 shapes: PaddedShapes | None = None,
+                 step: Callable[..., Tensor] | None = None) -> None:
     """Take every window in flight one RK4 step, all rows in one batch (each at its own
-    step); a window past its last step hands its chunk's mel to its stream's MelStream."""
+    step; padded to `shapes` if planned: rows of length 0 and frames past each row's
+    length, which no real frame sees); a window past its last step hands its chunk's mel to
+    its stream's MelStream. step: what runs `dit_step` past its first two arguments (CUDA
+    graphs of it; default: it, eagerly)."""
     flight = [(s, w) for s in streams for w in s.windows]
     if not flight:
         return
     lengths = [w.x.shape[0] for _, w in flight]
-    x = pad_sequence([w.x for _, w in flight], batch_first=True)           # (B, T, mel)
-    codes = pad_sequence([w.codes for _, w in flight], batch_first=True)   # (B, T / repeats)
+    num, frames = len(flight), max(lengths)
+    if shapes is not None:
+        frames = shapes.length(frames)
+        num = shapes.rows(num, frames)
+    padding = num - len(flight)
+    x = stack_padded([w.x for _, w in flight], num, frames)                    # (B, T, mel)
+    codes = stack_padded([w.codes for _, w in flight], num, frames // model.cfg.dit.repeats)
     rows = [speakers[s.speaker_idx] for s, _ in flight]
+    rows += rows[:1] * padding                      # padding rows: any speaker's, dropped
     cond, speaker, null = (torch.cat([getattr(r, f) for r in rows])
                            for f in ("cond", "speaker", "null_speaker"))
-    mask = None if min(lengths) == x.shape[1] else torch.tensor(lengths, device=x.device)
-    dit = model.dit
-
-    def velocity(t: Tensor, x: Tensor) -> Tensor:
-        return dit.guided_velocity(x, t, cond, speaker, null, codes, guidance_scale, mask)
-
-    steps = torch.tensor([w.step_idx for _, w in flight])     # on the host: no sync to check it
-    x = rk4_step(velocity, times, steps, x)
+    mask = None if shapes is None and min(lengths) == frames else \
+        torch.tensor(lengths + [0] * padding, device=x.device)
+    steps = torch.tensor([w.step_idx for _, w in flight] + [0] * padding)  # on the host
     num_steps = times.shape[0] - 1
+    assert int(steps.max()) < num_steps, f"a window past step {num_steps}"
+    run = step or (lambda *args: dit_step(model.dit, guidance_scale, *args))
+    x = run(x, times[steps], times[steps + 1], cond, speaker, null, codes, mask)
     moved = {id(w): Window(x[b, :n], w.codes, w.start, w.keep_from, w.keep_to, w.step_idx + 1)
              for b, ((_, w), n) in enumerate(zip(flight, lengths))}
     for s in {id(s): s for s, _ in flight}.values():

@@ -1,9 +1,12 @@
 """CUDA-graph capture helpers shared by the decode graphs (ar/cuda_graphs.py) and the models
-that replay their own (the Qwen3-Omni code predictor): one capture, the batch-size buckets.
-Tests on CPU replace `capture_graph` with a stand-in whose replay reruns the function."""
+that replay their own (the Qwen3-Omni code predictor): one capture, the batch-size buckets,
+graphs per call signature (`ShapeGraphs`) and the padded shapes of batched windows
+(`PaddedShapes`). Tests on CPU replace `capture_graph` with a stand-in whose replay reruns the
+function."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import torch
@@ -110,3 +113,42 @@ def _freeze(v: object) -> object:
                         "tensor as an argument of its own")
     hash(v)
     return v
+
+
+@dataclass(frozen=True, slots=True)
+class PaddedShapes:
+    """The few (rows, length) shapes a batched forward of windows is padded to, so that each
+    can be captured once, at start-up, and replayed (`ShapeGraphs`): `lengths` the window
+    lengths a stream plans (a longer window runs at its own length), rows 1, 2, 4, ... below
+    the most that fit `max_frames` (rows x length; at least 1, at most `max_rows`), then that
+    most."""
+    lengths: tuple[int, ...]
+    max_frames: int
+    max_rows: int | None = None
+
+    def row_sizes(self, length: int) -> list[int]:
+        most = max(1, self.max_frames // length)
+        if self.max_rows is not None:
+            most = min(most, self.max_rows)
+        return [1 << i for i in range(most.bit_length()) if 1 << i < most] + [most]
+
+    def length(self, longest: int) -> int:
+        """The planned length a window of `longest` frames is padded to (itself if none)."""
+        return next((n for n in self.lengths if n >= longest), longest)
+
+    def rows(self, num: int, length: int) -> int:
+        """The rows a forward of `num` windows of `length` frames runs at (`num` past the
+        most)."""
+        return next((b for b in self.row_sizes(length) if b >= num), num)
+
+    def all(self) -> list[tuple[int, int]]:
+        """Every planned (rows, length), to capture them all at start-up."""
+        return [(b, n) for n in self.lengths for b in self.row_sizes(n)]
+
+
+def stack_padded(tensors: list[torch.Tensor], rows: int, length: int) -> torch.Tensor:
+    """(rows, length, ...) zeros with tensors[i] (n_i, ...) in row i's first n_i entries."""
+    out = tensors[0].new_zeros(rows, length, *tensors[0].shape[1:])
+    for i, t in enumerate(tensors):
+        out[i, :t.shape[0]] = t
+    return out

@@ -42,7 +42,13 @@ def rk4_step(velocity: Velocity, times: Tensor, step_idx: int | Tensor, x: Tenso
     steps = torch.as_tensor(step_idx)
     assert 0 <= int(steps.min()) and int(steps.max()) < times.shape[0] - 1, \
         f"step {step_idx} of {times.shape[0] - 1}"
-    t0, t1 = times[step_idx], times[step_idx + 1]
+    return rk4_update(velocity, times[step_idx], times[step_idx + 1], x)
+
+
+def rk4_update(velocity: Velocity, t0: Tensor, t1: Tensor, x: Tensor) -> Tensor:
+    """x at t1 from x at t0 (both () or (B,), a time per row): the step's four evaluations
+    and their sum, from device tensors alone (no host sync), so that a CUDA graph can hold a
+    whole step."""
     dt = t1 - t0                                              # () or (B,)
     h = dt.reshape(-1, *[1] * (x.dim() - 1)) if dt.dim() else dt
     k1 = velocity(t0, x)
