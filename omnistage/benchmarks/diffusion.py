@@ -218,17 +218,13 @@ def _compiled(model: torch.nn.Module, timed, forward, eager_final: Tensor, eager
     """The same denoising with the blocks compiled (`compile_blocks`, as a stage's
     `options: {compile: true}`), then the eager blocks put back: seconds, the first call's
     compile time, speed-up and PSNR against the eager run."""
-    from omnistage.diffusion.pipeline import compile_blocks
+    from omnistage.diffusion.pipeline import compile_blocks, uncompile_blocks
 
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    eager = [list(m) for m in lists]
     t0 = time.perf_counter()
     compile_blocks(model)
     final, seconds = timed(forward)          # its warm-up compiles
     total = time.perf_counter() - t0
-    for m, blocks in zip(lists, eager):
-        for i, block in enumerate(blocks):
-            m[i] = block
+    uncompile_blocks(model)
     return {"compiled_s": seconds, "compile_and_warmup_s": total - seconds,
             "compiled_speedup_vs_eager": ratio(eager_s, seconds),
             "compiled_latents_psnr_db": psnr(final.float(), eager_final.float())}

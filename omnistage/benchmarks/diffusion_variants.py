@@ -273,26 +273,28 @@ def _timed(forward: Forward, case: Case, device: torch.device) -> tuple[Tensor, 
     return final, seconds, peak
 
 
-def _variant(name: str, forward: Forward, case: Case, device: torch.device, against: Tensor,
-             flops: int | None, profile: bool) -> tuple[dict[str, object], Tensor]:
+def _variant(name: str, forward: Forward, case: Case, device: torch.device,
+             against: Tensor | None, flops: int | None, profile: bool
+             ) -> tuple[dict[str, object], Tensor]:
+    """One variant's loop (and profile); `against`: the latents its PSNR is taken to (None:
+    it is the baseline)."""
     t0 = time.perf_counter()
     final, seconds, peak = _timed(forward, case, device)
+    db = None if against is None else psnr(final.float(), against.float())
     out = {"seconds": seconds, "first_call_and_warmup_s": time.perf_counter() - t0 - seconds,
-           "peak_gib": peak, "latents_psnr_db": psnr(final.float(), against.float())}
+           "peak_gib": peak, "latents_psnr_db": db}
     if profile:
         t = case.sigmas[:1].to(device, case.latents.dtype)
         out["profile"] = kernel_profile(forward, case.latents, t, flops)
-    print(f"{name}: {seconds:.3f} s, {out['latents_psnr_db']:.1f} dB", flush=True)
+    print(f"{name}: {seconds:.3f} s" + ("" if db is None else f", {db:.1f} dB"), flush=True)
     return out, final
 
 
 def _uncompile(model: nn.Module) -> None:
-    """Put back the eager blocks compile_blocks wrapped."""
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList):
-            for i, block in enumerate(m):
-                m[i] = getattr(block, "_orig_mod", block)
-    torch._dynamo.reset()
+    from omnistage.diffusion.pipeline import uncompile_blocks
+
+    uncompile_blocks(model)
+    torch._dynamo.reset()           # its compiled code must not keep the weights alive
 
 
 def _reference_variants(cfg: VariantsConfig, case: Case, device: torch.device,
@@ -303,9 +305,7 @@ def _reference_variants(cfg: VariantsConfig, case: Case, device: torch.device,
     seeded_init(ref, cfg.seed)
     forward = case.call_reference(ref)
     runs: dict[str, dict] = {}
-    runs["diffusers"], base = _variant("diffusers", forward, case, device, case.latents, None,
-                                       profile)
-    runs["diffusers"]["latents_psnr_db"] = None
+    runs["diffusers"], base = _variant("diffusers", forward, case, device, None, None, profile)
     if cfg.compile:
         ref.compile_repeated_blocks(fullgraph=True)
         runs["diffusers_compiled"], _ = _variant("diffusers_compiled", forward, case, device,

@@ -327,6 +327,15 @@ def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
     return count
 
 
+def uncompile_blocks(model: torch.nn.Module) -> None:
+    """Undo compile_blocks: the eager blocks back in their ModuleLists (benchmarks time a
+    model both ways)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            for i, block in enumerate(module):
+                module[i] = getattr(block, "_orig_mod", block)
+
+
 def _pipeline_folder(path: str | Path) -> Path:
     path = Path(path)
     if not (path / "model_index.json").is_file():
