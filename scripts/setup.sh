@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
-# One-time setup: a virtual environment in .venv with omnistage installed (editable) and the
-# test tools. On a machine without a GPU, torch comes from the local CPU build (torch==2.13.0)
-# first, so no multi-GB CUDA wheel is ever downloaded.
+# One-time setup: a virtual environment in .venv with omnistage installed (editable).
+#
+#   scripts/setup.sh          what serving needs, nothing more (`omnistage serve`, `Omni(...)`)
+#   scripts/setup.sh --test   that, plus the test toolchain: the test extras, Ray, headless
+#                             Chromium and its driver (apt), and .venv-ref (the Qwen3-TTS
+#                             reference); what CI runs before the tests
+#
+# On a machine without a GPU, torch comes from the local CPU build (torch==2.13.0) first, so
+# no multi-GB CUDA wheel is ever downloaded. Running it again installs only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+    "") WITH_TESTS=0 ;;
+    --test) WITH_TESTS=1 ;;
+    *) echo "usage: scripts/setup.sh [--test]" >&2; exit 2 ;;
+esac
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
@@ -14,6 +25,10 @@ if ! $PY -c "import torch" 2>/dev/null; then
     else
         $PY -m pip install -q torch==2.13.0
     fi
+fi
+if [ "$WITH_TESTS" = 0 ]; then
+    $PY -m pip install -q -e .
+    exit 0
 fi
 $PY -m pip install -q -e ".[test,ray]"
 

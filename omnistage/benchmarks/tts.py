@@ -34,7 +34,7 @@ few; the embedding keeps its size). "tiny": the golden tests' CustomVoice checkp
 The checkpoint is built by qwen-tts's classes in the reference's interpreter (tts_reference.py,
 by subprocess, on the device, bfloat16 on CUDA), which then times its requests and exits,
 leaving the GPU to ours. That interpreter: $OMNISTAGE_TTS_REF_PYTHON if set, else .venv-ref's
-python (scripts/setup.sh makes it on machines without a GPU), else this one; with
+python (scripts/setup.sh --test makes it on machines without a GPU), else this one; with
 $OMNISTAGE_TTS_REF_PYTHONPATH put first on its PYTHONPATH (a `pip install --target` folder).
 
 On a GPU machine without .venv-ref (the device: Python 3.12, torch, transformers 5, no

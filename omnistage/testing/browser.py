@@ -1,5 +1,5 @@
 """Headless Chromium for the playground's browser tests: Debian's `chromium` and
-`chromium-driver` (scripts/setup.sh installs them) driven by selenium (the test extras). Both
+`chromium-driver` (scripts/setup.sh --test installs them) driven by selenium (the test extras). Both
 binaries are named to selenium, so its manager never looks for a browser to download."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The `qwen-tts` reference, run in its own environment (.venv-ref: transformers 4.57.3 and
-qwen-tts, see scripts/setup.sh) by tests/models/qwen3_tts through `run_reference` in
+qwen-tts, see scripts/setup.sh --test) by tests/models/qwen3_tts through `run_reference` in
 tiny_tts.py. Standalone on purpose: it imports nothing from omnistage, whose dependencies
 (transformers 5) that environment does not have.
 

@@ -4,7 +4,7 @@ golden tests of omnistage/models/qwen3_tts.
     ref = run_reference(tmp_path, requests)     # DIR/custom_voice, DIR/voice_design, DIR/base
     ref["0.codes0"], ref["0.wav0"]               # request 0's talker frames and waveform
 
-The reference runs in its own environment (.venv-ref, made by scripts/setup.sh) by subprocess:
+The reference runs in its own environment (.venv-ref, made by scripts/setup.sh --test) by subprocess:
 qwen_tts pins transformers 4.57.3. The checkpoints are built there, by its own classes
 (qwen3_tts_reference.py), and saved as published: config.json, safetensors, tokenizer and
 processor files, the speech tokenizer's sub-folder.
@@ -41,7 +41,7 @@ REFERENCE_TIMEOUT_S = 300
 def reference_missing() -> str | None:
     """Why the reference cannot run here (a skip reason), or None."""
     if not REFERENCE_PYTHON.is_file():
-        return f"no reference environment {REFERENCE_PYTHON} (scripts/setup.sh makes it)"
+        return f"no reference environment {REFERENCE_PYTHON} (scripts/setup.sh --test makes it)"
     return None
 
 

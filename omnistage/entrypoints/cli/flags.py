@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import difflib
 from pathlib import Path
+from typing import NoReturn
 
 from omnistage.configs.parse import ConfigError, load_yaml
 
@@ -23,12 +24,66 @@ from omnistage.configs.parse import ConfigError, load_yaml
 FILE_MODEL_FLAG = "--model-from-config"
 
 
+# flags of vLLM / vLLM-Omni with no counterpart here: what to do instead
+PP_HINT = ("not supported: pipeline parallelism; a model runs as a graph of stages (split it "
+           "with --stage-config), or use -tp")
+FOREIGN_FLAGS: dict[str, str] = {
+    "--omni": "not needed: vLLM-Omni's switch for omni models; omnistage serves them as they are",
+    "--pipeline-parallel-size": PP_HINT,
+    "-pp": PP_HINT,
+    "--kv-cache-dtype": "not supported: the KV cache takes the stage's dtype (--dtype)",
+    "--reasoning-parser": "not supported: a model's reasoning stays in the answer's content",
+    "--tool-call-parser": "not supported: tool calling",
+    "--enable-auto-tool-choice": "not supported: tool calling",
+    "--stage-configs-path": "vLLM-Omni's name: use --stage-config FILE",
+    "--swap-space": "not needed: preempted requests are recomputed, never swapped",
+    "--cpu-offload-gb": "not supported: weights are not offloaded; lower memory use with "
+                        "--gpu-memory-utilization or --dtype",
+    "--download-dir": "not needed: nothing is downloaded; pass a local folder or a cached HF id "
+                      "as MODEL",
+    "--revision": "not supported: pass the folder of the revision as MODEL",
+    "--load-format": "not needed: weights are read from the checkpoint's safetensors files",
+    "--limit-mm-per-prompt": "use --max-media-parts (media parts of one chat request)",
+    "--speculative-config": "not supported: speculative decoding",
+    "--enable-lora": "not supported: LoRA adapters",
+    "--lora-modules": "not supported: LoRA adapters",
+}
+HINT_CUTOFF = 0.75   # difflib ratio of the names without dashes; below it a hint misleads
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line: the 40-line usage of `serve` would hide
+    the message it comes with; --help still shows it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def suggest(token: str, parser: argparse.ArgumentParser) -> str:
-    """'unrecognized argument --x' plus the closest flag of `parser`, if one is close."""
+    """'unrecognized argument --x', with what to do instead for a flag of vLLM / vLLM-Omni we
+    do not have, else the closest flag of `parser` if it is close enough to be meant."""
     name = token.split("=", 1)[0]
-    flags = [f for f in parser._option_string_actions if f.startswith("--")]
-    hint = difflib.get_close_matches(name, flags, n=1)
-    return f"unrecognized argument {name}" + (f" (did you mean {hint[0]}?)" if hint else "")
+    if name in FOREIGN_FLAGS:
+        return f"{name}: {FOREIGN_FLAGS[name]}"
+    hint = closest_flag(name, parser)
+    return f"unrecognized argument {name}" + (f" (did you mean {hint}?)" if hint else "")
+
+
+def closest_flag(name: str, parser: argparse.ArgumentParser) -> str | None:
+    """The flag of `parser` closest to `name`, compared without leading dashes; None when
+    nothing is close."""
+    flags = {f.lstrip("-"): f for f in parser._option_string_actions if f.startswith("--")}
+    hint = difflib.get_close_matches(name.lstrip("-"), list(flags), n=1, cutoff=HINT_CUTOFF)
+    return flags[hint[0]] if hint else None
+
+
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32",
+                 "fp32": "float32"}
+
+
+def dtype_name(text: str) -> str:
+    """--dtype's value as vLLM takes it: half / fp16, bf16, float / fp32 are aliases."""
+    return DTYPE_ALIASES.get(text.lower(), text.lower())
 
 
 def expand_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
@@ -71,11 +126,12 @@ def _tokens(path: str, key: str, value: object, parser: argparse.ArgumentParser)
     action = parser._option_string_actions.get(flag)
     if name in ("config", "help", "version") or flag == FILE_MODEL_FLAG:
         raise ConfigError(f"{path}: {key}: not a flag a --config file can set")
+    if action is None and flag in FOREIGN_FLAGS:
+        raise ConfigError(f"{path}: {key}: {FOREIGN_FLAGS[flag]}")
     if action is None:
-        hint = difflib.get_close_matches(flag, [f for f in parser._option_string_actions
-                                                if f.startswith("--")], n=1)
+        hint = closest_flag(flag, parser)
         raise ConfigError(f"{path}: {key}: not a flag of this command"
-                          + (f" (did you mean {hint[0].removeprefix('--')}?)" if hint else ""))
+                          + (f" (did you mean {hint.removeprefix('--')}?)" if hint else ""))
     if isinstance(action, argparse.BooleanOptionalAction):
         return [flag if _boolean(path, key, value) else f"--no-{name}"]
     if action.nargs == 0:   # store_true

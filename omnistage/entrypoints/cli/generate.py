@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from omnistage.entrypoints.cli.serve_args import add_backend_args
+from omnistage.entrypoints.cli.serve_args import add_engine_args
 
 if TYPE_CHECKING:
     from omnistage.configs.schema import GraphConfig
@@ -27,14 +27,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="local checkpoint folder or Hugging Face id in the local cache "
                         "(default: the built-in demo model, handwritten digits)")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    add_backend_args(p)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stage-config", default=None,
-                   help="stage-graph YAML replacing the model type's default graph")
-    p.add_argument("--stage-override", action="append", default=[], metavar="STAGE.KEY=VALUE",
-                   help="change one field of the graph, e.g. llm.max_num_seqs=8 (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap each prompt as a user chat message (chat template); default: on "
@@ -58,8 +50,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     text.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy)")
     text.add_argument("--top-p", type=float, default=None, help="default: 1")
     text.add_argument("--top-k", type=int, default=None, help="default: 0 (off)")
-    text.add_argument("--max-model-len", type=int, default=None,
-                      help="max_model_len of the main stage; above the model's limit: refused")
     image = p.add_argument_group("image models (refused for a text model)")
     image.add_argument("--steps", type=int, default=None, help="default: 20")
     image.add_argument("--guidance-scale", type=float, default=None,
@@ -79,6 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="video models: the file's frame rate (default: the model's)")
     image.add_argument("--output-dir", default="omnistage-out",
                        help="where images, videos (MP4) and audio are written")
+    add_engine_args(p)   # the same engine flags as `serve` (--seed: also an image's seed)
     p.set_defaults(func=run)
 
 
@@ -156,7 +147,8 @@ def _graph(args: argparse.Namespace) -> GraphConfig:
     the model's limit are refused."""
     from omnistage.configs.defaults import resolve_graph
     from omnistage.entrypoints.cli import stage_flags
-    from omnistage.entrypoints.cli.startup import resolve_model
+    from omnistage.entrypoints.cli.serve import build_graph
+    from omnistage.entrypoints.cli.startup import resolve_model, resolve_tokenizer
 
     if args.out is not None and len(args.prompt) > 1:
         raise ValueError(f"--out: one audio file for one prompt, got {len(args.prompt)} "
@@ -171,13 +163,12 @@ def _graph(args: argparse.Namespace) -> GraphConfig:
         raise ValueError(f"{', '.join(given)}: {'image' if main.kind == 'ar' else 'text'}-model "
                          f"flag{'s' if len(given) > 1 else ''}, and this model's main stage "
                          f"{main.name!r} is a{'n' if main.kind == 'ar' else ''} {main.kind} stage")
-    engine = argparse.Namespace(dtype=None if args.dtype == "auto" else args.dtype,
-                                max_model_len=args.max_model_len,
-                                worker_backend=args.worker_backend, ray_address=args.ray_address)
-    items = stage_flags.flag_overrides(graph, engine)
-    graph = resolve_graph(model, path, args.stage_config, [*items, *args.stage_override])
-    stage_flags.check_max_model_len(graph)
-    return graph
+    if args.tokenizer is not None:
+        args.tokenizer = resolve_tokenizer(args.tokenizer)
+    # the engine flags as `serve` applies them; --seed on an image model is the images' seed
+    seed = args.seed if main.kind == "ar" else None
+    engine = argparse.Namespace(**{**vars(args), "seed": seed})
+    return build_graph(engine, path)
 
 
 def _save_images(out: OmniOutput, folder: Path) -> list[str]:

@@ -1,8 +1,12 @@
 """`omnistage` command line: parse argv, build the config, run.
 
 A wrong argument ends in one line on stderr and exit code 2, never a traceback: an unknown flag
-names the closest real one, and the errors of start-up (a missing model, a YAML mistake, a port
+names the closest real one (or, for a flag of vLLM / vLLM-Omni we do not have, what to do
+instead), and the errors of start-up (a missing model, a YAML mistake, a port
 in use) are their message alone.
+
+Help and argument errors come before any heavy import (torch, transformers): the subcommands
+import their engines only when they run.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import sys
 import yaml
 
 from omnistage.entrypoints.cli import bench, generate, serve
-from omnistage.entrypoints.cli.flags import expand_config, suggest
+from omnistage.entrypoints.cli.flags import Parser, expand_config, suggest
 
 
 def version() -> str:
@@ -26,8 +30,7 @@ def version() -> str:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and each subcommand's parser, by name."""
-    parser = argparse.ArgumentParser(prog="omnistage",
-                                     description="Serve and run omni-modality models.")
+    parser = Parser(prog="omnistage", description="Serve and run omni-modality models.")
     parser.add_argument("--version", action="version", version=f"omnistage {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
@@ -52,6 +55,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:   # bare `omnistage`: what it can do, not an error
+        build_parser()[0].print_help()
+        return 0
     try:
         args = parse_args(argv)
     except ValueError as exc:   # --config: the file's own mistakes

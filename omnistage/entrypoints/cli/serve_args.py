@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from omnistage.entrypoints.cli.flags import dtype_name
+
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 API_KEY_ENV = "OMNISTAGE_API_KEY"     # the API key when no flag gives it (not seen in `ps`)
 
@@ -176,8 +178,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--quantization", default=None, choices=["fp8"],
                    help="quantization: fp8 runs the main stage's transformer linears in FP8 "
                         "(diffusion; a GPU of compute capability 8.9+, e.g. H100)")
-    e.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="dtype of every stage (the whole model; default: the checkpoint's)")
+    e.add_argument("--dtype", default=None, type=dtype_name,
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of every stage (the whole model; default: the checkpoint's); "
+                        "vLLM's half / fp16, bf16, float / fp32 are taken too")
     e.add_argument("--seed", type=int, default=None,
                    help="seed: the main stage's sampling seed (ar; images take `seed` per "
                         "request)")

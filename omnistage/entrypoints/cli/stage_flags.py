@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 from omnistage.configs.graph import PARALLEL_KEYS, main_stage, parallel_devices_override
 from omnistage.configs.schema import GraphConfig, StageKind
-from omnistage.models.loader import resolve_model_path
 
 ALL_KINDS: tuple[StageKind, ...] = ("ar", "diffusion", "generation")
 
@@ -104,6 +103,8 @@ def check_max_model_len(graph: GraphConfig) -> None:
         model = stage.model or graph.model
         if model is None:
             continue
+        from omnistage.models.loader import resolve_model_path   # imports torch
+
         config = resolve_model_path(model) / "config.json"
         if not config.is_file():
             continue

@@ -16,8 +16,6 @@ import socket
 import ssl
 from pathlib import Path
 
-from omnistage.models.loader import resolve_model_path
-
 
 def is_path_like(name: str) -> bool:
     """Whether MODEL was written as a path ('./x', '../x', '/x', '~/x'), never a Hub id."""
@@ -33,6 +31,8 @@ def resolve_model(model: str) -> Path:
             raise FileNotFoundError(f"model {model!r}: no such file or folder")
         if not path.is_dir():
             raise FileNotFoundError(f"model {model!r}: a file, not a checkpoint folder")
+    from omnistage.models.loader import resolve_model_path   # imports torch: not for --help
+
     path = resolve_model_path(model)
     check_weights(model, path)
     return path

@@ -180,7 +180,7 @@ def browser() -> Iterator[object]:
     lacking = missing()
     if lacking:
         pytest.skip(f"no headless browser: {', '.join(lacking)} not installed "
-                    "(scripts/setup.sh installs them)")
+                    "(scripts/setup.sh --test installs them)")
     with chromium() as driver:
         yield driver
 
