@@ -8,6 +8,8 @@ in an HTML comment on the line before it:
     <!-- readme-test: skip (needs a GPU) -->      not run
     <!-- readme-test: parse (why) -->             YAML: parsed and checked, not served
     <!-- readme-test: with-demo-server -->        run while `omnistage serve` (the demo) is up
+    <!-- readme-test: with-omni-server -->        run while `omnistage serve` serves the tiny
+                                                  Qwen3-Omni (named as the block names it)
 """
 
 from __future__ import annotations
@@ -98,14 +100,12 @@ def tiny_omni(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny_omni"))
 
 
-@pytest.fixture(scope="module")
-def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`omnistage serve` with no model (the digits demo) on a free port; its base URL."""
+def _serve(argv: list[str], log: Path) -> Iterator[str]:
+    """`omnistage serve ARGV` on a free port until the generator is closed; its base URL."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([*CLI.split(), "serve", "--port", str(port)], stdout=out,
-                                stderr=subprocess.STDOUT, env=_env())
+        proc = subprocess.Popen([*CLI.split(), "serve", *argv, "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, env=_env())
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -126,6 +126,20 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`omnistage serve` with no model (the digits demo) on a free port; its base URL."""
+    yield from _serve([], tmp_path_factory.mktemp("serve") / "serve.log")
+
+
+@pytest.fixture(scope="module")
+def omni_server(tiny_omni: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`omnistage serve` of the tiny Qwen3-Omni (served under its path, the name the blocks
+    use once substituted); its base URL."""
+    yield from _serve([str(tiny_omni), "--device", "cpu"],
+                      tmp_path_factory.mktemp("serve") / "serve.log")
 
 
 def _check_graph(code: str) -> None:
@@ -156,14 +170,15 @@ def test_readme_block(block: Block, request: pytest.FixtureRequest, tmp_path: Pa
         assert block.reason, f"README line {block.line}: a skipped block says why"
         pytest.skip(block.reason)
     code = _substitute(block.code, request)
+    servers = {"with-demo-server": "demo_server", "with-omni-server": "omni_server"}
+    if block.marker in servers:
+        code = code.replace("http://127.0.0.1:8000", request.getfixturevalue(servers[block.marker]))
     if block.lang == "python":
         script = tmp_path / "snippet.py"
         script.write_text(code)
         _run([sys.executable, str(script)], tmp_path)
     elif block.lang == "bash":
         code = re.sub(r"^(\.venv/bin/)?omnistage ", f"{CLI} ", code, flags=re.M)
-        if block.marker == "with-demo-server":
-            code = code.replace("http://127.0.0.1:8000", request.getfixturevalue("demo_server"))
         _run(["bash", "-eu", "-c", code], tmp_path)
     elif block.lang == "yaml":
         assert block.marker in (None, "parse"), block.marker
