@@ -77,13 +77,14 @@ def uvicorn_log_config(level: str = "info") -> dict:
 class Progress:
     """Progress of a long count (bytes of weights read): a tqdm bar when stderr is a terminal;
     otherwise (a log file, a container) INFO lines on `logger`, one whenever another tenth of
-    the total is done or `every_s` passed since the last line, and one at the end."""
+    the total is done (at most one a `min_gap_s`) or `every_s` passed since the last line, and
+    one at the end: a count done in an instant logs that one line only."""
 
     def __init__(self, total: int, desc: str, logger: logging.Logger, unit: str = "B",
                  every_s: float = 5.0, is_terminal: bool | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, min_gap_s: float = 1.0) -> None:
         self.total, self.desc, self.logger, self.unit = total, desc, logger, unit
-        self.every_s, self.clock = every_s, clock
+        self.every_s, self.clock, self.min_gap_s = every_s, clock, min_gap_s
         self.done = 0
         self.start = self.last_time = clock()
         self.next_tenth = 1
@@ -99,8 +100,9 @@ class Progress:
             return
         now = self.clock()
         tenth = 10 * self.done // self.total if self.total > 0 else 10
-        if (tenth >= self.next_tenth and self.done < self.total) \
-                or now - self.last_time >= self.every_s:
+        since = now - self.last_time
+        if (tenth >= self.next_tenth and self.done < self.total and since >= self.min_gap_s) \
+                or since >= self.every_s:
             self.next_tenth = tenth + 1
             self.last_time = now
             self.logger.info("%s: %s / %s (%d%%)", self.desc, self._size(self.done),

@@ -65,15 +65,24 @@ def test_progress_logs_every_tenth_or_five_seconds(caplog: pytest.LogCaptureFixt
     clock = FakeClock()
     with Progress(10**9, "Loading w", logging.getLogger("test.progress"),
                   is_terminal=False, clock=clock) as progress:
-        for _ in range(40):                 # 40 updates of 25 MB, 0.1 s apart: 4 s in all
-            clock.now += 0.1
+        for _ in range(40):                 # 40 updates of 25 MB, 0.25 s apart: 10 s in all
+            clock.now += 0.25
             progress.update(25 * 10**6)
     lines = [r.getMessage() for r in caplog.records]
-    # one line per tenth (100 .. 900 MB), none at 100 % but the closing one with the rate
+    # a line per tenth (100 .. 900 MB), each at least a second after the one before: the
+    # tenths at 1, 2, ... 9 s; none at 100 % but the closing one with the rate
     assert len(lines) == 10, lines
     assert lines[0] == "Loading w: 100MB / 1.00GB (10%)"
     assert lines[8].endswith("(90%)")
-    assert lines[-1].startswith("Loading w: 1.00GB in 4.0 s, 250MB/s"), lines[-1]
+    assert lines[-1].startswith("Loading w: 1.00GB in 10.0 s, 100MB/s"), lines[-1]
+
+    caplog.clear()
+    with Progress(10**9, "Fast", logging.getLogger("test.progress"),
+                  is_terminal=False, clock=clock) as progress:
+        for _ in range(40):                 # the same count in 0.4 s: the closing line only
+            clock.now += 0.01
+            progress.update(25 * 10**6)
+    assert [r.getMessage()[:13] for r in caplog.records] == ["Fast: 1.00GB "]
 
     caplog.clear()
     slow = Progress(1000, "Slow", logging.getLogger("test.progress"), is_terminal=False,
@@ -95,6 +104,6 @@ def test_weight_loading_counts_bytes(tiny_qwen3: Path, caplog: pytest.LogCapture
     assert all(isinstance(t, torch.Tensor) for t in tensors.values())
     lines = [r.getMessage() for r in caplog.records if r.name == "omnistage.models.loader"]
     total = sum(sizes.values())
-    assert len(lines) >= 2 and lines[0].startswith(f"Loading {tiny_qwen3.name}: "), lines
+    assert len(lines) >= 1 and lines[0].startswith(f"Loading {tiny_qwen3.name}: "), lines
     size = tqdm.format_sizeof(total, "B")
     assert lines[-1].startswith(f"Loading {tiny_qwen3.name}: {size} in "), lines[-1]

@@ -161,6 +161,28 @@ def test_the_stats_task_stays_quiet_while_idle(engine: AsyncOmni,
     assert lines == ["stage llm: 0 running, 0 waiting, KV cache 0.0%"], lines
 
 
+def test_a_stage_busy_in_a_long_step_is_not_logged_as_a_problem(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A stage answers stats between steps: during a long step it cannot. That used to log
+    `stage stats: stage stats: no answer from ['dit']` as a warning every interval, which
+    reads as a hang; it is a debug line now."""
+    caplog.set_level(logging.DEBUG, logger="omnistage.stats")
+
+    def busy() -> dict:
+        raise TimeoutError("stage stats: no answer from ['dit']")
+
+    async def run_for(seconds: float) -> None:
+        task = asyncio.create_task(log_stage_stats(busy, 0.05))
+        await asyncio.sleep(seconds)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(run_for(0.3))
+    records = [r for r in caplog.records if r.name == "omnistage.stats"]
+    assert records and all(r.levelno == logging.DEBUG for r in records), records
+    assert all(r.getMessage().count("stage stats:") == 1 for r in records)
+
+
 def test_audio_seconds_rtf_and_engine_errors_per_stage() -> None:
     """What a speech request adds (no speech model needed: the output as the engine hands it
     over), and which failures count as the engine's."""
