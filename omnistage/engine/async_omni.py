@@ -40,6 +40,7 @@ from omnistage.models.loader import resolve_model_path
 from omnistage.outputs import CompletionOutput, OmniOutput, RequestEvent, RequestMetrics
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages.interface import TEXT_PROMPT, StageInfo
+from omnistage.utils.logging import quiet_known_noise
 from omnistage.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class AsyncOmni:
         """`engine_kw`: vLLM's engine keywords (gpu_memory_utilization, max_model_len, dtype,
         ...) and stage keys, applied as stage overrides (engine_args.py); TypeError on any
         other."""
+        quiet_known_noise()   # transformers' warnings about our models' valid configs
         model_path = resolve_model_path(model) if model is not None else None
         if graph is None:
             graph = resolve_graph(str(model_path) if model_path else None, model_path,

@@ -2,6 +2,7 @@
 suits both a terminal and a log file.
 
     configure_logging(level)     timestamps on every line; transformers' repeated warnings once
+    quiet_known_noise()          drops warnings of transformers' that are wrong for our models
     uvicorn_log_config(level)    uvicorn's own lines (access included) in the same format
     Progress(total, desc)        a tqdm bar on a terminal, else an INFO line every 10 % or 5 s
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import sys
 import time
 from typing import Callable
@@ -44,10 +46,40 @@ class OnceFilter(logging.Filter):
         return True
 
 
+# transformers (5.x) validates `rope_parameters` against the plain rope types and calls the
+# multimodal rotary keys of Qwen-Omni / Qwen-VL configs unrecognized: once per config loaded,
+# in every process (4 lines at a Qwen3-Omni server's start, 12 in an offline script)
+MROPE_KEYS = frozenset({"mrope_section", "interleaved", "mrope_interleaved"})
+_UNRECOGNIZED_ROPE = re.compile(r"Unrecognized keys in `rope_parameters` for 'rope_type'='\w+': "
+                                r"\{(.*)\}")
+
+
+class KnownNoiseFilter(logging.Filter):
+    """Drops transformers' warning that the multimodal rotary keys (MROPE_KEYS) are
+    unrecognized: they are read by our rotary layers (layers/mrope.py). Any other key in the
+    same warning lets it through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        match = _UNRECOGNIZED_ROPE.match(record.getMessage())
+        if match is None:
+            return True
+        keys = {k.strip().strip("'\"") for k in match.group(1).split(",")}
+        return not keys <= MROPE_KEYS
+
+
+def quiet_known_noise() -> None:
+    """Put KnownNoiseFilter on the logger that emits it (whether or not transformers is
+    imported yet: loggers are looked up by name). Idempotent."""
+    target = logging.getLogger("transformers.modeling_rope_utils")
+    if not any(isinstance(f, KnownNoiseFilter) for f in target.filters):
+        target.addFilter(KnownNoiseFilter())
+
+
 def configure_logging(level: str | int = "INFO", fmt: str = LOG_FORMAT) -> OnceFilter:
     """Root logging to stderr with timestamps, and one OnceFilter on every handler the noisy
     libraries' records reach (transformers keeps its own handler and does not propagate)."""
     logging.basicConfig(level=level.upper() if isinstance(level, str) else level, format=fmt)
+    quiet_known_noise()
     once = OnceFilter()
     import transformers.utils.logging as hf_logging
 

@@ -107,3 +107,27 @@ def test_weight_loading_counts_bytes(tiny_qwen3: Path, caplog: pytest.LogCapture
     assert len(lines) >= 1 and lines[0].startswith(f"Loading {tiny_qwen3.name}: "), lines
     size = tqdm.format_sizeof(total, "B")
     assert lines[-1].startswith(f"Loading {tiny_qwen3.name}: {size} in "), lines[-1]
+
+
+def test_transformers_mrope_warning_is_dropped_and_others_kept() -> None:
+    """transformers calls the multimodal rotary keys of Qwen-Omni configs unrecognized (a
+    line per config in every process); that one warning goes, any other stays."""
+    from omnistage.utils.logging import quiet_known_noise
+
+    quiet_known_noise()
+    quiet_known_noise()                       # idempotent: one filter
+    rope = logging.getLogger("transformers.modeling_rope_utils")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    rope.addHandler(handler)
+    try:
+        rope.warning("Unrecognized keys in `rope_parameters` for 'rope_type'='default': "
+                     "{'interleaved', 'mrope_section'}")
+        rope.warning("Unrecognized keys in `rope_parameters` for 'rope_type'='default': "
+                     "{'mrope_section', 'bogus_factor'}")
+        rope.warning("`rope_parameters`'s factor field must be a float or int >= 1, got 0")
+    finally:
+        rope.removeHandler(handler)
+    assert len(seen) == 2 and "bogus_factor" in seen[0] and "factor field" in seen[1], seen
+    assert sum(type(f).__name__ == "KnownNoiseFilter" for f in rope.filters) == 1
