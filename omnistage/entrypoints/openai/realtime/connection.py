@@ -15,7 +15,9 @@ model that hears and speaks (Qwen3-Omni).
                                                   (a response still running is cancelled first)
     response.cancel                          ->   response.done with status cancelled
 
-A bad event gets an `error` event naming the field and the session goes on. Closing the socket
+A bad event gets an `error` event naming the field (and echoing its `event_id`) and the session
+goes on; a frame is parsed under the HTTP routes' JSON policy (json_body.py), so a lone
+surrogate, NaN or an integer beyond 64 bits is refused here, not somewhere downstream. Closing the socket
 at any moment cancels the running response (aborted in every stage) and ends the session;
 nothing it started outlives it. A session idle (no client event) for `idle_timeout_s` is told
 so and closed.
@@ -35,6 +37,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omnistage.entrypoints.openai.client import EngineClient
 from omnistage.entrypoints.openai.errors import APIError, bad_request, check_model
+from omnistage.entrypoints.openai.json_body import check_values, parse_json
 from omnistage.entrypoints.openai.params import stage_params
 from omnistage.entrypoints.openai.realtime.audio_buffer import (AudioBuffer, decode_pcm16,
                                                                 ms_to_samples, samples_to_ms)
@@ -127,17 +130,21 @@ class RealtimeConnection:
                 return
             if message["type"] == "websocket.disconnect":
                 return
-            msg: object = None
+            raw, msg = message.get("text"), None
             try:
-                msg = _json(message.get("text"))
+                msg = client_event(raw)
                 await self._handle(msg)
             except APIError as err:
                 if err.status == 503:          # the engine is gone: nothing more to serve
                     await self._send(error_event(err))
                     await self.ws.close(1011)
                     return
-                client_id = msg.get("event_id") if isinstance(msg, dict) else None
-                await self._send(error_event(err, client_id))
+                await self._send(error_event(err, event_id_of(msg, raw)))
+            except Exception:                  # our fault: said so, and the session goes on
+                logger.exception("realtime event %s failed", event_id_of(msg, raw))
+                await self._send(error_event(APIError(500, "the server failed to handle the "
+                                                           "event", code="internal_error"),
+                                             event_id_of(msg, raw)))
 
     async def _handle(self, msg: dict[str, Any]) -> None:
         kind = msg.get("type")
@@ -374,11 +381,32 @@ class RealtimeConnection:
             pass
 
 
-def _json(raw: str | None) -> dict[str, Any]:
-    try:
-        msg = json.loads(raw) if raw is not None else None     # None: a binary frame
-    except json.JSONDecodeError:
-        msg = None
+def client_event(raw: str | None) -> dict[str, Any]:
+    """A text frame as a client event, under the app's one JSON policy (json_body.py: no
+    NaN / Infinity, integers within 64 bits, no lone surrogates, bounded nesting), so the
+    socket takes what the HTTP routes take; a refusal is a 400 naming the field."""
+    if raw is None:                                         # a binary frame
+        raise bad_request("an event must be a JSON object with a type, sent as a text frame",
+                          None, "invalid_json")
+    msg = parse_json(raw)
     if not isinstance(msg, dict):
         raise bad_request("an event must be a JSON object with a type", None, "invalid_json")
     return msg
+
+
+def event_id_of(msg: dict[str, Any] | None, raw: str | None) -> str | None:
+    """The client's `event_id`, for the error event answering it. For an event the policy
+    refused, read leniently from the frame, and echoed only if it is itself a clean string."""
+    if msg is None and raw is not None:
+        try:
+            msg = json.loads(raw)
+        except (ValueError, RecursionError):
+            return None
+    event_id = msg.get("event_id") if isinstance(msg, dict) else None
+    if not isinstance(event_id, str):
+        return None
+    try:
+        check_values(event_id)
+    except APIError:
+        return None
+    return event_id
