@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from omnistage.errors import InputError
 
 logger = logging.getLogger(__name__)
+request_logger = logging.getLogger("omnistage.requests")   # log_lines.py's: one line a request
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           404: "invalid_request_error", 405: "invalid_request_error",
@@ -129,14 +130,24 @@ def invalid(errors: list[Any]) -> APIError:
     return bad_request(f"{param}: {message}" if param else message, param)
 
 
+def refused(request: Request, err: APIError) -> JSONResponse:
+    """The error's response, and for a client error one log line with its reason (uvicorn's
+    access line says only `400`). The message is cut short and repr'd: it may quote input."""
+    if 400 <= err.status < 500 and err.status != 404:
+        message = err.message if len(err.message) <= 200 else err.message[:200] + "..."
+        request_logger.info("refused %s %s: %d %s: %r", request.method, request.url.path,
+                            err.status, err.code or "-", message)
+    return err.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return refused(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return refused(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -129,6 +129,20 @@ def test_one_log_line_per_finished_request(engine: AsyncOmni,
     assert float(fields["e2e"].rstrip("s")) >= float(fields["ttft"].rstrip("s"))
 
 
+def test_a_refused_request_is_logged_with_its_reason(engine: AsyncOmni,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="omnistage.requests")
+    r = chat(engine, {"model": CHAT, "messages": USER, "max_tokens": -3})
+    assert r.status_code == 400, r.text
+    r = chat(engine, {"model": CHAT, "messages": USER, "temperature": "hot"})
+    assert r.status_code == 400, r.text
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "omnistage.requests"]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("refused POST /v1/chat/completions: 400 "), lines
+    assert "max_tokens" in lines[0], lines
+    assert "temperature" in lines[1], lines
+
+
 def test_stage_stats_line_only_when_something_changed(engine: AsyncOmni) -> None:
     log = StageStatsLog()
     stats = lambda: engine.orchestrator.stage_stats(10.0)  # noqa: E731
