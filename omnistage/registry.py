@@ -149,6 +149,22 @@ class ModelFamily:
     # video (/v1/videos): the spec, or a "module:function" target called with the checkpoint
     # folder (Wan2.1 and Wan2.2-TI2V differ in frame rate and image-to-video)
     video: VideoSpec | str | None = None
+    # pip extras of omnistage it needs beyond the serving install (checked before any stage
+    # starts, so a missing one is one line naming the extra, not a stage's traceback)
+    extras: tuple[str, ...] = ()
+
+
+# an extra of pyproject.toml -> the module that tells it is installed
+EXTRA_MODULES = {"diffusers": "diffusers", "ray": "ray"}
+
+
+def missing_extras(model_path: Path | None, backend: str) -> list[str]:
+    """The pip extras that serving `model_path` on `backend` needs and this environment lacks."""
+    import importlib.util
+
+    family = match_folder(model_path) if model_path is not None else None
+    needed = [*(family.extras if family else ()), *(["ray"] if backend == "ray" else [])]
+    return [e for e in needed if importlib.util.find_spec(EXTRA_MODULES[e]) is None]
 
 
 def _text_llm(name: str, architecture: str) -> ModelFamily:
@@ -222,7 +238,8 @@ _BUILT_IN = (
     ModelFamily("digits", graph="digits.yaml", components=(Component(
         "diffusion", "digits_dit", "omnistage.diffusion.pipelines.digits:DigitsPipeline"),)),
     # the generic adapter: any other diffusers pipeline, run whole by diffusers (not native)
-    ModelFamily("diffusers", any_diffusers=True, graph="diffusers.yaml", components=(Component(
+    ModelFamily("diffusers", any_diffusers=True, graph="diffusers.yaml", extras=("diffusers",),
+                components=(Component(
         "diffusion", "diffusers", "omnistage.diffusion.diffusers_pipeline:DiffusersPipeline"),)),
 )
 _FAMILIES: dict[str, ModelFamily] = {}

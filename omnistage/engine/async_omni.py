@@ -65,6 +65,13 @@ class AsyncOmni:
             graph = apply_keywords(graph, engine_kw, stage_overrides)
         else:   # a graph given as built: the keywords only
             graph = apply_keywords(graph, engine_kw)
+        missing = registry.missing_extras(model_path, graph.backend)
+        if missing:   # before any stage starts: one line, not a stage process's traceback
+            extras = ",".join(missing)
+            raise RuntimeError(
+                f"{'backend ray' if missing == ['ray'] else 'this model'} needs omnistage's "
+                f"[{extras}] extra, which is not installed: pip install 'omnistage[{extras}]' "
+                f"(in a checkout: .venv/bin/pip install -e '.[{extras}]')")
         self.graph = graph
         tokenizer = next((s.tokenizer for s in graph.stages if s.tokenizer), None)
         self.tokenizer = load_tokenizer(Path(tokenizer) if tokenizer else model_path

@@ -113,3 +113,35 @@ def test_generate_refuses_an_engine_flag_its_model_does_not_read() -> None:
     args = parse_args(["generate", "--prompt", "a 7", "--max-num-batched-tokens", "64"])
     with pytest.raises(ValueError, match="--max-num-batched-tokens does not apply"):
         generate._graph(args)
+
+
+def _without(monkeypatch: pytest.MonkeyPatch, *modules: str) -> None:
+    """This interpreter as if `modules` were not installed (as find_spec sees it)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in modules else real(name, *a))
+
+
+def test_missing_ray_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    _without(monkeypatch, "ray")
+    rc = main(["generate", "--prompt", "a 7", "--worker-backend", "ray", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "backend ray needs omnistage's [ray] extra" in err and "pip install" in err, err
+
+
+def test_missing_diffusers_is_found_before_any_stage_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A diffusers pipeline with no native port runs on the generic adapter, which needs the
+    diffusers extra: refused in the constructor, before a stage process spawns."""
+    from omnistage.engine import async_omni
+
+    (tmp_path / "model_index.json").write_text('{"_class_name": "KandinskyPipeline"}')
+    _without(monkeypatch, "diffusers")
+    monkeypatch.setattr(async_omni, "Orchestrator",
+                        lambda *a, **k: pytest.fail("a stage started"))
+    with pytest.raises(RuntimeError, match=r"this model needs omnistage's \[diffusers\] extra"):
+        async_omni.AsyncOmni(str(tmp_path), device="cpu")
