@@ -164,10 +164,17 @@ class StageConfig:
     # A request waiting for input from upstream stages fails (kind "timeout") when none comes
     # for this long: an upstream that died or went silent never leaves it waiting forever.
     input_timeout_s: float = 300.0
-    # A stage process whose busy loop sends no heartbeat for this long (stopped, or a step
-    # that never returns) is hung: the orchestrator kills it, which fails its requests and
-    # restarts it where max_restarts allows. Longer than any one step may take.
+    # A stage process whose busy loop sends no heartbeat for this long (a step that never
+    # returns) is hung: the orchestrator kills it, which fails its requests and restarts it
+    # where max_restarts allows. Longer than any one step may take. (A stopped process is
+    # caught sooner, by liveness_timeout_s.)
     step_timeout_s: float = 600.0
+    # A stage process (any rank of it) that sends no liveness beat for this long is taken for
+    # stopped (SIGSTOP, a frozen host): the orchestrator SIGKILLs it, which fails or re-routes
+    # its requests and restarts it where max_restarts allows. The beats come from a thread of
+    # their own every 0.5 s, through any step however long (step_timeout_s is for a step that
+    # never returns); only a C call that holds the GIL this long would also stop them.
+    liveness_timeout_s: float = 10.0
     seed: int = 0
     enforce_eager: bool = False  # ar: no CUDA graphs for decode steps
     async_scheduling: bool = True  # ar: launch a decode step before reading the last one
@@ -235,6 +242,8 @@ class StageConfig:
             bad("input_timeout_s", "must be > 0")
         if not self.step_timeout_s > 0:
             bad("step_timeout_s", "must be > 0")
+        if not self.liveness_timeout_s > 0:
+            bad("liveness_timeout_s", "must be > 0")
         for name in ("tensor_parallel_size", "ulysses_degree", "ring_degree",
                      "cfg_parallel_size"):
             if getattr(self, name) < 1:

@@ -284,6 +284,8 @@ class Orchestrator:
                             except Exception as exc:   # its request ends, with the error
                                 self._route_failed(msg, exc)
                             trace.span("route", w0, stage=msg.stage, request=msg.request_id)
+                        elif isinstance(msg, m.LivenessBeat):
+                            self.stages.alive(msg)
                         elif isinstance(msg, m.Heartbeat):
                             self.stages.beat(msg)
                         elif isinstance(msg, m.Ready):
@@ -293,7 +295,9 @@ class Orchestrator:
                                          self.replicas.who(msg.stage, msg.replica), msg.error)
                         elif isinstance(msg, m.StageStats):
                             self.replicas.got_stats(msg)
-                self._check_liveness()
+                # every waiting message read: the beats are current as of now (a wait for
+                # the lock after this must not count as a stage's silence)
+                self._check_liveness(read_at=time.monotonic())
             except zmq.ContextTerminated:
                 return
             except Exception:  # routing must survive anything one message does
@@ -384,11 +388,14 @@ class Orchestrator:
                                 error_info=info or StageError(stage, "internal", error),
                                 stage_metrics=route.metrics))
 
-    def _check_liveness(self) -> None:
+    def _check_liveness(self, read_at: float | None = None) -> None:
+        """Fail the requests of replicas found dead. The router also (`read_at`: when it had
+        read every beat waiting) ends those gone silent: a stopped process, a stuck step."""
         if self._closed:
             return
         with self._lock:    # the router and the callers' threads both look
-            self.stages.end_hung()
+            if read_at is not None:
+                self.stages.end_hung(read_at)
             for name, replica, how in (self.stages.newly_dead()
                                        + self.stages.failed_restarts()):
                 self._replica_died(name, replica, how)

@@ -11,8 +11,11 @@ others serve on.
 
     StageSet(graph, device)        binds the sockets, starts every replica, waits for Ready
     send(stage, replica, msg)      False if that replica is down (the message is dropped)
-    beat(msg); end_hung()          a replica's heartbeat; kill those silent past their stage's
-                                   step_timeout_s (stopped or stuck: newly_dead() reports them)
+    alive(msg); beat(msg)          a rank's liveness beat (its process runs); a replica's
+                                   loop heartbeat (its loop turns)
+    end_hung(now)                  kill the replicas with a rank silent past liveness_timeout_s
+                                   (stopped: seconds) or a loop silent past step_timeout_s (a
+                                   step that never returns); newly_dead() reports them
     newly_dead()                   replicas found dead since the last call, and how
     live(stage)                    the replicas that take traffic
     restart(stage, replica)        a fresh process (actor) for a dead replica; back at its Ready
@@ -77,6 +80,7 @@ class StageSet:
         self.addresses: dict[Replica, str] = {}       # each replica's connector address (tcp)
         self.nodes: dict[Replica, str] = {}           # each replica's node (backend ray)
         self.last_beat: dict[Replica, float] = {}     # monotonic: its Ready or last Heartbeat
+        self.last_alive: dict[Replica, list[float]] = {}   # per rank: Ready or LivenessBeat
         self._consumers = {s.name: {d.name for d, _ in downstream(graph, s.name)}
                            for s in graph.stages}
         try:
@@ -182,26 +186,48 @@ class StageSet:
         """Note where a replica that said Ready receives chunks, and on which node."""
         self.addresses[(msg.stage, msg.replica)] = msg.connector_address
         self.nodes[(msg.stage, msg.replica)] = msg.node
-        self.last_beat[(msg.stage, msg.replica)] = time.monotonic()
+        now = time.monotonic()
+        self.last_beat[(msg.stage, msg.replica)] = now
+        self.last_alive[(msg.stage, msg.replica)] = \
+            [now] * self.graph.stage(msg.stage).parallel.world_size
 
     def beat(self, msg: m.Heartbeat) -> None:
         self.last_beat[(msg.stage, msg.replica)] = time.monotonic()
 
-    def end_hung(self) -> None:
-        """Kill each running stage process whose busy loop has sent no heartbeat for its
-        stage's step_timeout_s (SIGSTOPped, or a step that never returns): its requests would
-        wait forever. newly_dead() then reports it. Threads (backend inproc) cannot be ended."""
-        now = time.monotonic()
-        for (name, r), seen in self.last_beat.items():
-            runner = self.runners[name][r]
-            limit = self.graph.stage(name).step_timeout_s
-            if ((name, r) in self.down or (name, r) in self.starting or not runner.processes
-                    or runner.hung is not None
-                    or now - seen <= limit or not runner.is_alive()):
+    def alive(self, msg: m.LivenessBeat) -> None:
+        ranks = self.last_alive.get((msg.stage, msg.replica))
+        if ranks is not None and msg.rank < len(ranks):
+            ranks[msg.rank] = time.monotonic()
+
+    def end_hung(self, now: float) -> None:
+        """SIGKILL every rank of each running replica found silent at `now` (a stopped process
+        takes no SIGTERM): its requests would wait forever. newly_dead() then reports it. Only
+        the router calls this, `now` the moment it had read every message waiting: a beat not
+        read yet must not count as silence. Threads (backend inproc) cannot be ended."""
+        for replica in self.last_beat:
+            runner = self.runners[replica[0]][replica[1]]
+            if (replica in self.down or replica in self.starting or not runner.processes
+                    or runner.hung is not None or not runner.is_alive()):
                 continue
-            logger.error("orchestrator: stage %s sent no heartbeat for %.1f s; killing it",
-                         replica_name(name, r), now - seen)
-            runner.kill_hung(f"hung (no heartbeat for {limit:g} s)")
+            why = self._silence(replica, now)
+            if why is not None:
+                logger.error("orchestrator: stage %s %s; killing it",
+                             replica_name(*replica), why)
+                runner.kill_hung(why)
+
+    def _silence(self, replica: Replica, now: float) -> str | None:
+        """Why a replica counts as hung, or None: a rank whose process sent no liveness beat
+        for its stage's liveness_timeout_s is stopped (SIGSTOP, a frozen host; a long step
+        beats on); a loop that sent no heartbeat for step_timeout_s is stuck in a step."""
+        stage = self.graph.stage(replica[0])
+        for rank, seen in enumerate(self.last_alive[replica]):
+            if now - seen > stage.liveness_timeout_s:
+                of = f" from rank {rank}" if stage.parallel.world_size > 1 else ""
+                return (f"stopped answering (no liveness beat{of} for "
+                        f"{stage.liveness_timeout_s:g} s)")
+        if now - self.last_beat[replica] > stage.step_timeout_s:
+            return f"hung (no heartbeat for {stage.step_timeout_s:g} s)"
+        return None
 
     def _tell_peers(self) -> None:
         """tcp and auto: each replica learns the address of every consumer it sends to by tcp

@@ -2,7 +2,8 @@
 
     orchestrator -> stage:  AddRequest, EdgeChunk, AbortRequest, FreeRequest, Reroute, SetPeers,
                             GetStats, Shutdown
-    stage -> orchestrator:  Ready, StartupFailed, StageOutput, StageStats
+    stage -> orchestrator:  Ready, StartupFailed, StageOutput, StageStats, Heartbeat (the loop
+                            turns), LivenessBeat (the process runs; from every rank)
 
 Bulk tensors never ride in these messages: a `TensorHandle` from the connector does. That
 includes the client's inputs (prompt embeddings, multimodal features, an edit's image file),
@@ -130,10 +131,21 @@ class StartupFailed(msgspec.Struct, tag="failed"):
 
 class Heartbeat(msgspec.Struct, tag="beat"):
     """The worker's busy loop still turns (sent every DEADLINE_CHECK_S between steps): a stage
-    that goes quiet for its step_timeout_s is hung (SIGSTOP, a step that never returns)."""
+    whose loop goes quiet for its step_timeout_s is stuck in a step that never returns. (A
+    stopped process is LivenessBeat's to catch, in seconds.)"""
 
     stage: str
     replica: int = 0
+
+
+class LivenessBeat(msgspec.Struct, tag="alive"):
+    """A stage process still runs (sent every LIVENESS_PERIOD_S by a thread of its own, every
+    rank, whatever its loop does; stages/liveness.py): one that goes quiet for its
+    liveness_timeout_s is stopped (SIGSTOP, a frozen host) and is killed."""
+
+    stage: str
+    replica: int = 0
+    rank: int = 0
 
 
 class StageOutput(msgspec.Struct, tag="out", omit_defaults=True):
@@ -157,7 +169,7 @@ class StageOutput(msgspec.Struct, tag="out", omit_defaults=True):
 
 ToStage = (AddRequest | EdgeChunk | AbortRequest | FreeRequest | Reroute | SetPeers | Shutdown
            | GetStats)
-FromStage = Ready | StartupFailed | Heartbeat | StageOutput | StageStats
+FromStage = Ready | StartupFailed | Heartbeat | LivenessBeat | StageOutput | StageStats
 
 _encoder = msgspec.msgpack.Encoder()
 _to_stage = msgspec.msgpack.Decoder(ToStage)

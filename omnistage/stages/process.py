@@ -41,6 +41,7 @@ from omnistage.configs.schema import GraphConfig, StageConfig
 from omnistage.connectors.base import Connector, make_connector
 from omnistage.stages import messages as m
 from omnistage.stages import ranks
+from omnistage.stages.liveness import LivenessThread
 from omnistage.utils import trace
 
 if TYPE_CHECKING:
@@ -339,6 +340,9 @@ def process_main(spec: WorkerSpec, parent_pid: int, log_level: int = logging.WAR
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     ctx = zmq.Context()
+    # every rank, from now on: the orchestrator takes a process silent for its stage's
+    # liveness_timeout_s for stopped (liveness.py)
+    beat = LivenessThread(ctx, spec.outbox, spec.stage, spec.replica, spec.rank)
     code = 0
     try:
         if spec.rank == 0:
@@ -351,6 +355,7 @@ def process_main(spec: WorkerSpec, parent_pid: int, log_level: int = logging.WAR
         logger.exception("stage %s rank %d failed", spec.stage, spec.rank)
         code = 1
     finally:
+        beat.stop()
         if not _parent_alive(parent_pid):
             _clean_after_parent(spec)
         ctx.destroy(linger=0)
