@@ -23,7 +23,7 @@ import uuid
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
 
 from omnistage.engine.inputs import ParsedPrompt, PromptType
-from omnistage.entrypoints.openai.errors import APIError, from_value_error
+from omnistage.entrypoints.openai.errors import APIError, bad_request, from_value_error
 from omnistage.entrypoints.openai.log_lines import log_request
 from omnistage.entrypoints.openai.prep_pool import PrepPool, TokenCounter
 from omnistage.errors import InputError
@@ -184,18 +184,31 @@ class EngineClient:
         return await self.prep.run(fn, *args)
 
     def prepare(self, prompt: PromptType, params: list[StageParams] | None,
-                param: str | None = None) -> Prepared:
+                param: str | None = None, max_tokens: tuple[str, int] | None = None
+                ) -> Prepared:
         """The engine's own input checks; a ValueError is the client's (400, naming `param`
         when the message does not name a field itself). Blocking (it tokenizes; an input
         processor extracts features): call it through `run`. A long text is counted first,
-        in a child process (prep_pool.TokenCounter)."""
+        in a child process (prep_pool.TokenCounter). `max_tokens`: (its field, the value the
+        request gave): the prompt and that many new tokens must fit the context, as vLLM
+        checks (400; the engine alone would stop the answer at the context's end)."""
         text = prompt_text(prompt)
         if text is not None:
             self.counter.check(text, self.max_model_len, param or "prompt")
         try:
-            return self.engine.prepare(prompt, params)
+            prepared = self.engine.prepare(prompt, params)
         except ValueError as exc:
             raise from_value_error(exc, param) from None
+        limit, n = self.max_model_len, prepared[0].num_tokens
+        if max_tokens is not None and limit is not None and n is not None \
+                and n + max_tokens[1] > limit:
+            field, wanted = max_tokens
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {n + wanted} tokens ({n} in the {param or 'prompt'}, {wanted} in "
+                f"the completion). Please reduce the length of the {param or 'prompt'} or "
+                "completion.", field)
+        return prepared
 
     def close(self) -> None:
         """The preparation pool and the token counter's child process (server shutdown)."""

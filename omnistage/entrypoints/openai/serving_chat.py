@@ -147,7 +147,7 @@ class ChatServing:
             params = [dataclasses.replace(p, extra={**p.extra, "speaker": req.audio.voice})
                       if isinstance(p, SamplingParams) else p for p in params]
         try:
-            return prompt, self.client.prepare(prompt, params, "messages")
+            return prompt, self.client.prepare(prompt, params, "messages", _max_tokens(req))
         except APIError as err:
             raise _voice_param(err) from None
 
@@ -370,3 +370,9 @@ def _image_parts(images: Tensor) -> list[dict[str, Any]]:
 def _pcm16_b64(wave: Tensor) -> str:
     return base64.b64encode(to_pcm16(wave)).decode("ascii")
 
+
+def _max_tokens(req: ChatCompletionRequest) -> tuple[str, int] | None:
+    """The new-token count the request asked for, and the field it came in."""
+    if req.max_completion_tokens is not None:
+        return "max_completion_tokens", req.max_completion_tokens
+    return ("max_tokens", req.max_tokens) if req.max_tokens is not None else None

@@ -57,7 +57,7 @@ class CompletionServing:
         ticket = self.client.admit(len(prompts) * req.n)   # n completions: n requests each
         handles: list[RequestHandle] = []
         try:
-            prepared = await self.client.run(self._prepare, prompts, params)
+            prepared = await self.client.run(self._prepare, prompts, params, req.max_tokens)
             for p, ready in zip(prompts, prepared):
                 handles.append(self.client.submit(p, ready, {"text"}, "cmpl"))
         except BaseException:
@@ -76,11 +76,12 @@ class CompletionServing:
             for close in closers:
                 close()
 
-    def _prepare(self, prompts: list[str | dict[str, list[int]]], params: list[StageParams]
-                 ) -> list[Prepared]:
+    def _prepare(self, prompts: list[str | dict[str, list[int]]], params: list[StageParams],
+                 max_tokens: int | None) -> list[Prepared]:
         """On the preparation pool: each prompt tokenized and checked by the engine."""
+        asked = ("max_tokens", max_tokens) if max_tokens is not None else None
         return [self.client.prepare(p, params, "prompt" if len(prompts) == 1
-                                    else f"prompt[{i}]") for i, p in enumerate(prompts)]
+                                    else f"prompt[{i}]", asked) for i, p in enumerate(prompts)]
 
     async def _full(self, req: CompletionRequest, handles: list[RequestHandle]
                     ) -> CompletionResponse:
