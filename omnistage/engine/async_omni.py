@@ -277,6 +277,20 @@ class AsyncOmni:
     def shutdown(self) -> None:
         self.orchestrator.shutdown()
 
+    async def __aenter__(self) -> AsyncOmni:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """`async with AsyncOmni(...) as engine:` stops every stage process on leaving (the
+        shutdown joins them, so it runs on a worker thread: the event loop stays free)."""
+        await asyncio.to_thread(self.shutdown)
+
+    def __enter__(self) -> AsyncOmni:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
 
 def completion_params(params: dict[str, StageParams], i: int) -> dict[str, StageParams]:
     """Completion i's params: n=1, and `seed + i` wherever a seed is set (completion 0 is

@@ -145,3 +145,19 @@ def test_missing_diffusers_is_found_before_any_stage_starts(
                         lambda *a, **k: pytest.fail("a stage started"))
     with pytest.raises(RuntimeError, match=r"this model needs omnistage's \[diffusers\] extra"):
         async_omni.AsyncOmni(str(tmp_path), device="cpu")
+
+
+def test_async_with_async_omni_stops_its_stages(tiny_qwen3: Path) -> None:
+    import asyncio
+
+    from omnistage import AsyncOmni, SamplingParams
+
+    async def go() -> tuple[str, AsyncOmni]:
+        async with AsyncOmni(str(tiny_qwen3), device="cpu", max_model_len=64) as engine:
+            text = ""
+            async for out in engine.generate("Hi", SamplingParams(max_tokens=3)):
+                text = out.text
+            return text, engine
+
+    text, engine = asyncio.run(go())
+    assert text and engine.orchestrator._closed   # shut down on leaving the block
