@@ -2,8 +2,9 @@
 `generate(prompts, sampling_params)` and `chat(messages, sampling_params)`.
 
 Built on `AsyncOmni`: the same checks, the same stage graph and orchestrator; a call submits
-every prompt, then waits for all of them (a tqdm bar over the requests for a list of them;
-a diffusion request moves it step by step). A prompt is a string (tokenized as is, no chat
+every prompt, then waits for all of them (a tqdm bar over the requests, one request too; a
+diffusion request moves it step by step; when stderr is not a terminal, a plain line every
+tenth or 5 s instead of the bar's carriage-return frames). A prompt is a string (tokenized as is, no chat
 template) or a dict with `prompt`, `prompt_token_ids`, `prompt_embeds` or `messages`.
 `sampling_params` is one `SamplingParams` (the entry stage's; `DiffusionParams` for an image
 model) or a list with one entry per stage (None: that stage's default). With no model, the
@@ -13,6 +14,7 @@ built-in demo model runs (handwritten digits from a small diffusion transformer)
 from __future__ import annotations
 
 import queue
+import sys
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -23,6 +25,7 @@ from omnistage.configs.schema import GraphConfig, OutputKind
 from omnistage.engine.async_omni import AsyncOmni, ParamsList
 from omnistage.engine.inputs import PromptType
 from omnistage.outputs import OmniOutput, RequestEvent
+from omnistage.utils.logging import Progress, progress_logger
 
 Message = dict[str, Any]
 BAR_FORMAT = ("{desc}: {percentage:3.0f}%|{bar}| {n:.3g}/{total_fmt} "
@@ -50,7 +53,7 @@ class Omni:
         params = _one_of(sampling_params, sampling_params_list)
         batch = isinstance(prompts, (list, tuple))
         return self._run(list(prompts) if batch else [prompts], params, output_modalities,
-                         use_tqdm and batch)
+                         use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: ParamsList = None, use_tqdm: bool = True, *,
@@ -74,7 +77,7 @@ class Omni:
             options["add_generation_prompt"] = add_generation_prompt
             options["continue_final_message"] = continue_final_message
         prompts: list[PromptType] = [{"messages": list(c), **options} for c in conversations]
-        return self._run(prompts, params, output_modalities, use_tqdm and batch)
+        return self._run(prompts, params, output_modalities, use_tqdm)
 
     def _run(self, prompts: list[PromptType], params: ParamsList,
              output_modalities: set[OutputKind] | None, show_bar: bool) -> list[OmniOutput]:
@@ -123,8 +126,12 @@ def _wait(outputs: dict[str, OmniOutput], events: queue.Queue[RequestEvent],
     one that reports progress (diffusion steps) moves it by its share as it goes."""
     counted: dict[str, float] = {}
     num_tokens = 0
-    with tqdm(total=len(outputs), desc="Processed prompts", unit="req", disable=not show_bar,
-              bar_format=BAR_FORMAT, dynamic_ncols=True) as bar:
+    is_terminal = sys.stderr.isatty()
+    lines = Progress(len(outputs), "Processed prompts", progress_logger(), unit="req",
+                     is_terminal=False) if show_bar and not is_terminal else None
+    with tqdm(total=len(outputs), desc="Processed prompts", unit="req",
+              disable=not (show_bar and is_terminal), bar_format=BAR_FORMAT,
+              dynamic_ncols=True) as bar:
         pending = set(outputs)
         while pending:
             ev = events.get()
@@ -135,6 +142,8 @@ def _wait(outputs: dict[str, OmniOutput], events: queue.Queue[RequestEvent],
             share = 1.0 if out.finished else (out.progress or 0.0)
             if share > counted.get(out.request_id, 0.0):
                 bar.update(share - counted.get(out.request_id, 0.0))
+                if lines is not None:
+                    lines.update(share - counted.get(out.request_id, 0.0))
                 counted[out.request_id] = share
             if out.finished and out.request_id in pending:
                 pending.discard(out.request_id)
@@ -143,3 +152,5 @@ def _wait(outputs: dict[str, OmniOutput], events: queue.Queue[RequestEvent],
                 if num_tokens and elapsed > 0:
                     bar.set_postfix_str(f"output {num_tokens / elapsed:.0f} tok/s",
                                         refresh=False)
+    if lines is not None:
+        lines.close()

@@ -152,10 +152,37 @@ class Progress:
         self.logger.info("%s: %s in %.1f s%s", self.desc, self._size(self.done), seconds, rate)
 
     def _size(self, n: float) -> str:
-        return tqdm.format_sizeof(n, self.unit) if self.unit == "B" else f"{n:.0f}"
+        return tqdm.format_sizeof(n, self.unit) if self.unit == "B" else f"{n:.3g}"
 
     def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close(failed=exc_type is not None)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a line is written (a test's capture, a
+    redirection made after the first line)."""
+
+    @property   # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
+def progress_logger() -> logging.Logger:
+    """A logger whose INFO lines go to stderr as they are, whatever the root logger's level:
+    the plain progress lines of an offline run whose stderr is not a terminal (a pipe, a
+    file), where a tqdm bar would write carriage-return frames."""
+    logger = logging.getLogger("omnistage.progress")
+    if not logger.handlers:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger

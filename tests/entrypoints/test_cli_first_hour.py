@@ -161,3 +161,16 @@ def test_async_with_async_omni_stops_its_stages(tiny_qwen3: Path) -> None:
 
     text, engine = asyncio.run(go())
     assert text and engine.orchestrator._closed   # shut down on leaving the block
+
+
+def test_progress_in_a_pipe_is_plain_lines(tmp_path: Path) -> None:
+    """One prompt (a bar for one request too), stderr a pipe: plain lines, no tqdm frames."""
+    done = subprocess.run([sys.executable, "-m", "omnistage.entrypoints.cli.main", "generate",
+                           "--prompt", "a 3", "--steps", "30", "--num-images", "2",
+                           "--output-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "\r" not in done.stderr, done.stderr[-3000:]
+    lines = [l for l in done.stderr.splitlines() if l.startswith("Processed prompts: ")]
+    assert lines and lines[-1].startswith("Processed prompts: 1 in "), done.stderr[-3000:]
+    assert len(list(tmp_path.glob("*.png"))) == 2

@@ -318,11 +318,20 @@ def test_n_on_another_stage_than_the_entry_is_refused(speech: Omni) -> None:
 def test_progress_bar_over_a_batch(omni: Omni, capsys: pytest.CaptureFixture) -> None:
     params = SamplingParams(temperature=0, max_tokens=3)
     omni.generate(["a", "b"], params)
-    err = capsys.readouterr().err
-    assert "Processed prompts: 100%" in err and "2/2" in err and "tok/s" in err
-    omni.generate("a", params)                       # one prompt: no bar
+    err = capsys.readouterr().err            # not a terminal: plain lines, no bar frames
+    assert "Processed prompts: 2 in " in err and "\r" not in err, err
+    omni.generate("a", params)                       # one prompt: progress too
+    assert "Processed prompts: 1 in " in capsys.readouterr().err
     omni.generate(["a", "b"], params, use_tqdm=False)
     assert "Processed prompts" not in capsys.readouterr().err
+
+
+def test_progress_bar_on_a_terminal(omni: Omni, capsys: pytest.CaptureFixture,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    omni.generate(["a", "b"], SamplingParams(temperature=0, max_tokens=3))
+    err = capsys.readouterr().err
+    assert "Processed prompts: 100%" in err and "2/2" in err and "tok/s" in err
 
 
 def test_progress_bar_moves_with_diffusion_steps(capsys: pytest.CaptureFixture) -> None:
@@ -339,7 +348,8 @@ def test_progress_bar_moves_with_diffusion_steps(capsys: pytest.CaptureFixture) 
     events.put(RequestEvent("r", "dit", done=True, finish_reason="stop"))
     _wait(outputs, events, show_bar=True)
     assert outputs["r"].finished and outputs["r"].progress == 0.5
-    assert "1/1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Processed prompts: 1 in " in err, err   # instant: the closing line only
 
 
 def test_vllm_engine_keywords(tiny_qwen3: Path) -> None:
