@@ -91,6 +91,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--videos-dir", default=None, metavar="DIR",
                    help="where /v1/videos keeps its jobs (SQLite) and files; they survive a "
                         "restart (default: ~/.cache/omnistage/videos, or under $XDG_CACHE_HOME)")
+    g.add_argument("--videos-scope", default=None, metavar="NAME",
+                   help="whose jobs in the videos folder this server sees: servers with the "
+                        "same scope share them (replicas behind one balancer); default: one "
+                        "scope per served model and address (host:port; and machine, in the "
+                        "default folder), so a restart with the same flags keeps its jobs")
     g.add_argument("--max-video-jobs", type=int, default=None, metavar="N",
                    help="video jobs queued or running at most (429 above; default 64)")
     g.add_argument("--max-video-frames", type=int, default=None, metavar="N",

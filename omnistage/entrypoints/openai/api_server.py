@@ -64,7 +64,8 @@ from omnistage.entrypoints.openai.slow_clients import BodyTimeout, ConnectionLim
 from omnistage.entrypoints.openai.speech_stream import SpeechStream
 from omnistage.entrypoints.openai.video_params import VideoLimits
 from omnistage.entrypoints.openai.video_routes import add_video_routes
-from omnistage.entrypoints.openai.video_store import VideoStore, default_videos_dir
+from omnistage.entrypoints.openai.video_store import (VideoStore, default_videos_dir,
+                                                      server_scope)
 from omnistage.entrypoints.openai.voices import (VoiceStore, default_voices_dir, upload,
                                                  voice_form_schema)
 
@@ -122,6 +123,7 @@ class ServerConfig:
     voices_dir: str | None = None             # uploaded voices; None: voices.default_voices_dir()
     # /v1/videos (models that make video): jobs and files, None: default_videos_dir(); limits
     videos_dir: str | None = None
+    videos_scope: str | None = None           # whose jobs there; None: video_store.server_scope
     max_video_jobs: int = _VIDEO_LIMITS.max_jobs
     max_video_frames: int = _VIDEO_LIMITS.max_frames
     max_video_size: int = _VIDEO_LIMITS.max_size
@@ -315,8 +317,11 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
     client = EngineClient(engine, config.max_queue, metrics,
                           PrepPool(config.prep_workers, config.max_pending_prep))
     media = MediaLoader(config.media_policy)
-    # the jobs' folder and database exist only for a model that makes video
-    store = VideoStore(Path(config.videos_dir) if config.videos_dir else default_videos_dir()
+    # the jobs' folder and database exist only for a model that makes video; its jobs are
+    # this server's (a folder may be shared: video_store.server_scope)
+    store = VideoStore(Path(config.videos_dir or default_videos_dir()), config.videos_scope
+                       or server_scope(config.model_name, config.model, config.host,
+                                       config.port, machine=config.videos_dir is None)
                        ) if engine.video is not None else None
     videos = VideoServing(client, media, engine.video, store, config.video_limits,
                           config.model_name)

@@ -37,7 +37,8 @@ _VLLM_ONLY = {"best_of", "use_beam_search", "length_penalty", "early_stopping",
               "guided_decoding", "structured_outputs", "output_kind", "bad_words",
               "allowed_token_ids", "spaces_between_special_tokens", "logit_bias",
               "flat_logprobs", "extra_args"}
-_SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
+# ASCII digits only: `\d` and int() also take "９６" or "٩٦", which no client means as a size
+_SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})", re.ASCII)
 logger = logging.getLogger(__name__)
 _warned: set[str] = set()
 

@@ -29,6 +29,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any, Callable, TypeVar
 
 from omnistage.entrypoints.openai.errors import APIError, bad_request
+from omnistage.entrypoints.openai.prompt_size import (chars_per_token, check_prompt_chars,
+                                                      max_prompt_chars)
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -80,14 +82,22 @@ class TokenCounter:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._chars_per_token: int | None = None        # prompt_size.chars_per_token, once
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
     def check(self, text: str, max_tokens: int | None, param: str) -> None:
         """400 naming `param` when `text` has max_tokens tokens or more (blocking: call it from
         the preparation pool). Short texts pass unchecked: tokenizing them here is cheap, and
-        so is a text the child cannot tokenize (the engine's own tokenization refuses it)."""
-        if max_tokens is None or self.tokenizer is None or len(text) <= LONG_TEXT_CHARS:
+        so is a text the child cannot tokenize (the engine's own tokenization refuses it). A
+        text too long to fit is refused by its length, untokenized (prompt_size.py)."""
+        if len(text) <= LONG_TEXT_CHARS:
+            return
+        if self._chars_per_token is None:
+            self._chars_per_token = chars_per_token(self.tokenizer)
+        check_prompt_chars(len(text), max_prompt_chars(max_tokens, self._chars_per_token,
+                                                       LONG_TEXT_CHARS), max_tokens, param)
+        if max_tokens is None or self.tokenizer is None:
             return
         num_tokens = self.count(text)
         if num_tokens >= max_tokens:

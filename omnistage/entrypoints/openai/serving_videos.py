@@ -21,16 +21,21 @@ fps.
 denoising step, kept as the job's `progress` (percent). A job ends completed, or failed with
 the engine's error: any failure, never in_progress (the worker's last resort). At startup,
 jobs left in progress are queued again.
+
+The store is the server's own (its scope: video_store.server_scope) and runs its database
+calls on a thread of its own; while another process holds the database locked, a route
+answers 503 `video_store_busy` with Retry-After, and the workers wait and try again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Awaitable, Callable, Literal
 
 import numpy as np
 from PIL import Image
@@ -45,11 +50,19 @@ from omnistage.entrypoints.openai.params import stage_params
 from omnistage.entrypoints.openai.protocol import (VideoDeleted, VideoError, VideoFileFormat,
                                                    VideoList, VideoObject)
 from omnistage.entrypoints.openai.video_params import VideoLimits, plan, read_request
-from omnistage.entrypoints.openai.video_store import ACTIVE, VideoJob, VideoStore, now
+from omnistage.entrypoints.openai.video_store import (ACTIVE, StoreBusy, VideoJob, VideoStore,
+                                                      now)
 from omnistage.registry import VideoSpec
 from omnistage.utils.video import MEDIA_TYPES, decode_video, encode_video
 
 logger = logging.getLogger(__name__)
+RETRY_AFTER_S = 1          # a busy store: when a client may try again, when a worker does
+
+
+def store_busy(exc: StoreBusy) -> APIError:
+    """The 503 for a store whose database another process holds locked."""
+    return APIError(503, f"{exc}; retry in {RETRY_AFTER_S} s", code="video_store_busy",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 class VideoServing:
@@ -74,14 +87,9 @@ class VideoServing:
 
     # -- the workers -------------------------------------------------------------------------
     def start(self) -> None:
-        """Queue again what the last run left in progress; start the workers."""
-        if self.store is None:
-            return
-        queued = self.store.requeue(self.model_name)
-        if queued:
-            logger.info("videos: %d job(s) queued from before the restart", queued)
-        self.workers = [asyncio.create_task(self._work())
-                        for _ in range(self.limits.max_running)]
+        """Queue again what the last run left in progress, then start the workers."""
+        if self.store is not None:
+            self.workers = [asyncio.create_task(self._serve())]
 
     async def stop(self) -> None:
         """Shutdown: generations stop where they are (their jobs stay in_progress, to run
@@ -90,12 +98,20 @@ class VideoServing:
             task.cancel()
         await asyncio.gather(*self.workers, return_exceptions=True)
 
+    async def _serve(self) -> None:
+        assert self.store is not None
+        queued = await _retrying(self.store.requeue, self.model_name)
+        if queued:
+            logger.info("videos: %d job(s) queued from before the restart", queued)
+        # (cancelling this gather, at stop, cancels every worker)
+        await asyncio.gather(*(self._work() for _ in range(self.limits.max_running)))
+
     async def _work(self) -> None:
         assert self.store is not None
         while True:
-            job = self.store.claim_next(self.model_name)
+            self.wake.clear()       # before the claim: a job added while it runs wakes us
+            job = await _retrying(self.store.claim_next)
             if job is None:
-                self.wake.clear()
                 await self.wake.wait()
                 continue
             task = asyncio.create_task(self._run(job))
@@ -110,32 +126,34 @@ class VideoServing:
         assert store is not None
         seen = [0]
 
-        def progress(share: float) -> None:
+        async def progress(share: float) -> None:
             if int(share * 100) > seen[0]:
                 seen[0] = int(share * 100)
-                store.update(job.id, progress=min(seen[0], 99))
+                with contextlib.suppress(StoreBusy):    # progress is news, not state
+                    await store.update(job.id, progress=min(seen[0], 99))
 
         try:
-            frames = await self._generate(job.prompt, job.request, store.input_image(job.id),
-                                          progress)
+            image = await run_in_threadpool(store.input_image, job.id)
+            frames = await self._generate(job.prompt, job.request, image, progress)
             data = await run_in_threadpool(encode_video, frames, job.request["fps"], "mp4")
             await run_in_threadpool(store.write, job.id, "video.mp4", data)
-            store.update(job.id, status="completed", progress=100, completed_at=now())
         except APIError as exc:
-            self._fail(job, exc.code or "engine_error", exc.message)
+            return await self._fail(job, exc.code or "engine_error", exc.message)
         except Exception:   # the last resort: a job never stays in_progress; its text (file
             logger.exception("video job %s failed", job.id)   # paths, internals) stays in the log
-            self._fail(job, "internal_error", "the job failed in the server; the server's log "
-                                              "has the details")
+            return await self._fail(job, "internal_error", "the job failed in the server; the "
+                                                           "server's log has the details")
+        await _retrying(store.update, job.id, status="completed", progress=100,
+                        completed_at=now())
 
-    def _fail(self, job: VideoJob, code: str, message: str) -> None:
+    async def _fail(self, job: VideoJob, code: str, message: str) -> None:
         assert self.store is not None
         logger.warning("video job %s failed: %s", job.id, message)
-        self.store.update(job.id, status="failed", completed_at=now(),
-                          error={"code": code, "message": message})
+        await _retrying(self.store.update, job.id, status="failed", completed_at=now(),
+                        error={"code": code, "message": message})
 
     async def _generate(self, prompt: str, fields: dict[str, Any], image: bytes | None,
-                        progress: Callable[[float], None]) -> np.ndarray:
+                        progress: Callable[[float], Awaitable[None]] | None) -> np.ndarray:
         """One engine request -> its frames, uint8 (F, H, W, 3); APIError if it failed."""
         params = stage_params(self.client.graph, self.client.entry, fields, None, image,
                               image_fields=True)
@@ -143,8 +161,8 @@ class VideoServing:
         handle = self.client.submit(prompt, prepared, {"video"}, "video")
         try:
             async for out in handle.outputs():
-                if out.progress is not None:
-                    progress(out.progress)
+                if out.progress is not None and progress is not None:
+                    await progress(out.progress)
         finally:
             handle.close()
         if failed(out):
@@ -158,7 +176,7 @@ class VideoServing:
         spec, store = self.require_video()
         req, image = await read_request(request, self.media, self.model_name)
         fields, size, seconds = plan(spec, self.limits, req, image)
-        if store.num_active() >= self.limits.max_jobs:
+        if await store.num_active() >= self.limits.max_jobs:
             raise APIError(429, f"{self.limits.max_jobs} video jobs are queued or running, the "
                                 "limit here; retry later", code="too_many_video_jobs")
         used = await run_in_threadpool(store.disk_bytes)
@@ -168,7 +186,7 @@ class VideoServing:
                                 "/v1/videos/{id})", code="video_storage_full")
         job = VideoJob(f"video_{uuid.uuid4().hex}", now(), None, "queued", 0, self.model_name,
                        req.prompt, size, seconds, fields, None)
-        store.add(job, image)
+        await store.add(job, image)
         self.wake.set()
         return as_object(job)
 
@@ -179,24 +197,26 @@ class VideoServing:
         ticket = self.client.admit()
         try:
             frames = await unless_disconnected(
-                request, lambda: self._generate(req.prompt, fields, image, lambda _: None))
+                request, lambda: self._generate(req.prompt, fields, image, None))
         finally:
             ticket.release()
         data = await run_in_threadpool(encode_video, frames, fields["fps"], fmt)
         return Response(data, media_type=MEDIA_TYPES[fmt])
 
-    def job(self, job_id: str) -> VideoJob:
+    async def job(self, job_id: str) -> VideoJob:
+        """This server's job `job_id` (another server's, in a shared folder, is a 404)."""
         _, store = self.require_video()
-        job = store.get(job_id)
+        job = await store.get(job_id)
         if job is None:
             raise APIError(404, f"no video {job_id!r}", param="video_id", code="video_not_found")
         return job
 
-    def list(self, limit: int, after: str | None, order: Literal["asc", "desc"]) -> VideoList:
+    async def list(self, limit: int, after: str | None, order: Literal["asc", "desc"]
+                   ) -> VideoList:
         _, store = self.require_video()
         if not 1 <= limit <= 100:
             raise bad_request(f"limit={limit}: must be in [1, 100]", "limit")
-        page = store.list(limit, after, order)
+        page = await store.list(limit, after, order)
         if page is None:
             raise bad_request(f"after={after!r}: no such video", "after")
         jobs, more = page
@@ -205,21 +225,20 @@ class VideoServing:
                          last_id=jobs[-1].id if jobs else None)
 
     async def cancel(self, job_id: str) -> VideoObject:
-        job = self.job(job_id)
+        job = await self.job(job_id)
         if job.status not in ACTIVE:
             raise bad_request(f"video {job_id!r} is {job.status}: only a queued or running "
                               "job can be cancelled", "video_id", "video_not_active")
         await self._stop(job_id)
         assert self.store is not None
-        self.store.update(job_id, status="cancelled", completed_at=now())
-        return as_object(self.job(job_id))
+        await self.store.update(job_id, status="cancelled", completed_at=now())
+        return as_object(await self.job(job_id))
 
     async def delete(self, job_id: str) -> VideoDeleted:
-        self.job(job_id)
+        await self.job(job_id)
         await self._stop(job_id)
         assert self.store is not None
-        self.store.delete(job_id)
-        await run_in_threadpool(self.store.remove_files, job_id)
+        await self.store.delete(job_id)
         return VideoDeleted(id=job_id)
 
     async def _stop(self, job_id: str) -> None:
@@ -230,7 +249,7 @@ class VideoServing:
             await asyncio.gather(task, return_exceptions=True)
 
     async def content(self, job_id: str, variant: str, fmt: VideoFileFormat) -> Response:
-        job = self.job(job_id)
+        job = await self.job(job_id)
         if job.status != "completed":
             raise bad_request(f"video {job_id!r} is {job.status}: its content exists once it "
                               "is completed", "video_id", "video_not_ready")
@@ -255,6 +274,17 @@ class VideoServing:
         else:
             data = encode_video(frames, job.request["fps"], _format(name))
         return self.store.write(job.id, name, data)
+
+
+async def _retrying(call: Callable[..., Awaitable[Any]], *args: Any, **kw: Any) -> Any:
+    """A worker's store call, tried again every RETRY_AFTER_S while the store is busy (a
+    job's state is never dropped; stop() cancels the wait)."""
+    while True:
+        try:
+            return await call(*args, **kw)
+        except StoreBusy as exc:
+            logger.warning("videos: %s; the worker retries in %d s", exc, RETRY_AFTER_S)
+            await asyncio.sleep(RETRY_AFTER_S)
 
 
 def _format(name: str) -> VideoFileFormat:

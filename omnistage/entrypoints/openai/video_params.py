@@ -5,6 +5,7 @@ width, seed, and the diffusion extras given), all before anything is queued."""
 
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,8 @@ from omnistage.registry import VideoSpec
 
 _EXTRAS = ("negative_prompt", "num_inference_steps", "guidance_scale", "guidance_scale_2")
 MAX_SEED = 2**31       # a seed drawn for a request without one (kept with its job)
+# "4", "2.5", ".5": ASCII digits only (float() also takes "４", "٤", "1_0", "1e3", "nan")
+_SECONDS = re.compile(r"[0-9]{1,6}(?:\.[0-9]{0,6})?|\.[0-9]{1,6}", re.ASCII)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,11 +128,10 @@ def _num_frames(spec: VideoSpec, limits: VideoLimits, req: VideoRequest, fps: fl
             raise bad_request(f"num_frames={num_frames}: this model makes "
                               f"{spec.frame_rule}", "num_frames")
     elif req.seconds is not None:
-        try:
-            seconds = float(req.seconds)
-        except ValueError:
-            raise bad_request(f"seconds={req.seconds!r}: expected a number", "seconds") \
-                from None
+        if isinstance(req.seconds, str) and not _SECONDS.fullmatch(req.seconds):
+            raise bad_request(f"seconds={req.seconds!r}: expected a number of seconds in "
+                              "ASCII digits, e.g. \"4\" or \"2.5\"", "seconds")
+        seconds = float(req.seconds)
         if not 0 < seconds < 3600:
             raise bad_request(f"seconds={req.seconds!r}: must be > 0", "seconds")
         num_frames = spec.num_frames_for(seconds, fps)

@@ -11,7 +11,8 @@ from fastapi.responses import Response
 from omnistage.entrypoints.openai.protocol import (ErrorResponse, VideoDeleted,
                                                    VideoFileFormat, VideoList, VideoObject,
                                                    VideoRequest)
-from omnistage.entrypoints.openai.serving_videos import VideoServing, as_object
+from omnistage.entrypoints.openai.serving_videos import VideoServing, as_object, store_busy
+from omnistage.entrypoints.openai.video_store import StoreBusy
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
@@ -29,6 +30,10 @@ def _body_schema() -> dict[str, Any]:
 def add_video_routes(app: FastAPI, videos: VideoServing) -> None:
     body = _body_schema()
 
+    @app.exception_handler(StoreBusy)
+    async def busy(request: Request, exc: StoreBusy) -> Response:
+        return store_busy(exc).response()
+
     @app.post("/v1/videos", responses=ERRORS, openapi_extra=body)
     async def create_video(request: Request) -> VideoObject:
         """Queue a job; poll GET /v1/videos/{id} until completed, then fetch its content."""
@@ -44,11 +49,11 @@ def add_video_routes(app: FastAPI, videos: VideoServing) -> None:
     @app.get("/v1/videos", responses=ERRORS)
     async def list_videos(limit: int = 20, after: str | None = None,
                           order: Literal["asc", "desc"] = "desc") -> VideoList:
-        return videos.list(limit, after, order)
+        return await videos.list(limit, after, order)
 
     @app.get("/v1/videos/{video_id}", responses=ERRORS)
     async def retrieve_video(video_id: str) -> VideoObject:
-        return as_object(videos.job(video_id))
+        return as_object(await videos.job(video_id))
 
     @app.get("/v1/videos/{video_id}/content", responses=ERRORS, response_class=Response)
     async def video_content(video_id: str, variant: str = "video",

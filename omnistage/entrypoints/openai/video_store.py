@@ -1,7 +1,7 @@
 """The /v1/videos jobs on disk: one SQLite table (stdlib sqlite3) and a folder per job, so
 that they outlive the server.
 
-    <videos dir>/jobs.sqlite3        a row per job: status, progress, request, error
+    <videos dir>/jobs.sqlite3        a row per job: scope, status, progress, request, error
     <videos dir>/files/<id>/input    the first-frame image of an image-to-video job
     <videos dir>/files/<id>/video.mp4          the result, written when the job completes
     <videos dir>/files/<id>/video.{webm,...}   other formats, made from it when first asked
@@ -10,23 +10,36 @@ that they outlive the server.
        ^                   │
        └── requeue() at startup: a job in progress when the server stopped runs again
 
-Every database call runs on the server's event loop (a row update is a fraction of a
-millisecond); only file work (`write`, `remove_files`, `disk_bytes`) may run in a thread.
+Every row belongs to one server, its `scope` (`server_scope`: the model it serves, where it
+listens, and for the default folder the machine): a server sees, lists, runs and counts only
+its own jobs, so servers sharing a folder never serve each other's, and the same server
+started again finds its jobs.
+
+The database is touched on one thread of the store's own, never on the event loop: another
+process holding the database's write lock makes a call wait at most BUSY_TIMEOUT_S in all
+(queued behind other calls included), then raise StoreBusy (the routes answer 503).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import hashlib
 import json
 import os
 import shutil
+import socket
 import sqlite3
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal, TypeVar
 
+T = TypeVar("T")
 VideoStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
 ACTIVE = ("queued", "in_progress")
+BUSY_TIMEOUT_S = 2.0      # what a call may wait for another process's lock on the database
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -41,16 +54,36 @@ CREATE TABLE IF NOT EXISTS jobs (
     size TEXT NOT NULL,
     seconds TEXT NOT NULL,
     request TEXT NOT NULL,                   -- JSON: the engine fields (see VideoServing)
-    error TEXT                               -- JSON: {"code", "message"}
+    error TEXT,                              -- JSON: {"code", "message"}
+    scope TEXT                               -- the server that owns the job (server_scope)
 )"""
 _COLUMNS = ("id", "created_at", "completed_at", "status", "progress", "model", "prompt",
             "size", "seconds", "request", "error")
+_SELECT = f"SELECT {', '.join(_COLUMNS)} FROM jobs"
 
 
 def default_videos_dir() -> Path:
     """Under the user's cache folder ($XDG_CACHE_HOME, else ~/.cache)."""
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(cache) / "omnistage" / "videos"
+
+
+def server_scope(model_name: str, model: str | None, host: str, port: int,
+                 machine: bool) -> str:
+    """Whose jobs a server sees: a hash of the name it serves, the model it loaded (a local
+    folder by its resolved path), the address it listens on and, with `machine` (the default
+    folder, which a home shared between machines may hold), the machine's name. The same
+    server started again has the same scope; two servers running at once never do (one
+    address, one server), unless machines share a chosen folder and an address."""
+    where = model
+    if model is not None and Path(model).expanduser().exists():
+        where = str(Path(model).expanduser().resolve())
+    parts = [model_name, where or "", host, str(port), socket.gethostname() if machine else ""]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+class StoreBusy(Exception):
+    """The database stayed locked by another process past the store's wait."""
 
 
 @dataclass(slots=True)
@@ -69,84 +102,163 @@ class VideoJob:
 
 
 class VideoStore:
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    """One server's jobs (`scope`) in a folder that others may share. The row methods are
+    coroutines run on the store's thread (which owns the connection); the file methods are
+    plain (blocking: callers run them in a thread)."""
+
+    def __init__(self, root: Path, scope: str, busy_timeout_s: float | None = None) -> None:
+        self.root, self.scope = root, scope
+        self.busy_timeout_s = BUSY_TIMEOUT_S if busy_timeout_s is None else busy_timeout_s
         self.files = root / "files"
         self.files.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(root / "jobs.sqlite3", check_same_thread=False,
-                                  isolation_level=None)        # autocommit: a row a call
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute(_SCHEMA)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="video-store")
+        self._db: sqlite3.Connection | None = None      # opened on the thread, on first use
 
     def close(self) -> None:
-        self.db.close()
+        def close_db() -> None:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+        self._thread.submit(close_db).result()
+        self._thread.shutdown()
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(db, *args)` on the store's thread, within busy_timeout_s of now."""
+        deadline = time.monotonic() + self.busy_timeout_s
+        call = functools.partial(self._on_thread, deadline, fn, *args)
+        return await asyncio.wrap_future(self._thread.submit(call))
+
+    def _on_thread(self, deadline: float, fn: Callable[..., T], *args: Any) -> T:
+        left = deadline - time.monotonic()
+        busy = StoreBusy("the video jobs' database is locked by another process")
+        if left <= 0:                 # the wait was spent behind other calls
+            raise busy
+        try:
+            db = self._connect(left)
+            db.execute(f"PRAGMA busy_timeout = {max(1, int(left * 1000))}")
+            return fn(db, *args)
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise busy from None
+            raise
+
+    def _connect(self, timeout_s: float) -> sqlite3.Connection:
+        if self._db is None:
+            db = sqlite3.connect(self.root / "jobs.sqlite3", timeout=timeout_s,
+                                 check_same_thread=False,
+                                 isolation_level=None)     # autocommit: a row a call
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute(_SCHEMA)
+                columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+                if "scope" not in columns:       # a folder from before scopes
+                    db.execute("ALTER TABLE jobs ADD COLUMN scope TEXT")
+                db.execute("CREATE INDEX IF NOT EXISTS jobs_scope ON jobs (scope, seq)")
+            except sqlite3.Error:
+                db.close()
+                raise
+            self._db = db
+        return self._db
 
     # -- rows --------------------------------------------------------------------------------
-    def add(self, job: VideoJob, image: bytes | None) -> None:
+    async def add(self, job: VideoJob, image: bytes | None) -> None:
         """A new job (queued), its first-frame image written first."""
+        await self._call(self._add, job, image)
+
+    def _add(self, db: sqlite3.Connection, job: VideoJob, image: bytes | None) -> None:
         if image is not None:
             self.folder(job.id).mkdir(parents=True, exist_ok=True)
             (self.folder(job.id) / "input").write_bytes(image)
-        row = {**_as_row(job)}
-        self.db.execute(f"INSERT INTO jobs ({', '.join(_COLUMNS)}) VALUES "
-                        f"({', '.join('?' * len(_COLUMNS))})", [row[c] for c in _COLUMNS])
+        row = _as_row(job)
+        db.execute(f"INSERT INTO jobs ({', '.join(_COLUMNS)}, scope) VALUES "
+                   f"({', '.join('?' * (len(_COLUMNS) + 1))})",
+                   [*(row[c] for c in _COLUMNS), self.scope])
 
-    def get(self, job_id: str) -> VideoJob | None:
-        row = self.db.execute(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE id = ?",
-                              (job_id,)).fetchone()
+    async def get(self, job_id: str) -> VideoJob | None:
+        return await self._call(self._get, job_id)
+
+    def _get(self, db: sqlite3.Connection, job_id: str) -> VideoJob | None:
+        row = db.execute(f"{_SELECT} WHERE id = ? AND scope = ?",
+                         (job_id, self.scope)).fetchone()
         return None if row is None else _job(row)
 
-    def list(self, limit: int, after: str | None, order: Literal["asc", "desc"]
-             ) -> tuple[list[VideoJob], bool] | None:
+    async def list(self, limit: int, after: str | None, order: Literal["asc", "desc"]
+                   ) -> tuple[list[VideoJob], bool] | None:
         """A page of jobs in creation order (`desc`: newest first) after the job `after`,
-        and whether more follow; None if `after` names no job."""
-        where, args = "", []
+        and whether more follow; None if `after` names no job (of this server)."""
+        return await self._call(self._list, limit, after, order)
+
+    def _list(self, db: sqlite3.Connection, limit: int, after: str | None,
+              order: Literal["asc", "desc"]) -> tuple[list[VideoJob], bool] | None:
+        where, args = "WHERE scope = ?", [self.scope]
         if after is not None:
-            seq = self.db.execute("SELECT seq FROM jobs WHERE id = ?", (after,)).fetchone()
+            seq = db.execute("SELECT seq FROM jobs WHERE id = ? AND scope = ?",
+                             (after, self.scope)).fetchone()
             if seq is None:
                 return None
-            where, args = f"WHERE seq {'>' if order == 'asc' else '<'} ?", [seq[0]]
-        rows = self.db.execute(f"SELECT {', '.join(_COLUMNS)} FROM jobs {where} ORDER BY seq "
-                               f"{order.upper()} LIMIT ?", [*args, limit + 1]).fetchall()
+            where += f" AND seq {'>' if order == 'asc' else '<'} ?"
+            args.append(seq[0])
+        rows = db.execute(f"{_SELECT} {where} ORDER BY seq {order.upper()} LIMIT ?",
+                          [*args, limit + 1]).fetchall()
         return [_job(r) for r in rows[:limit]], len(rows) > limit
 
-    def update(self, job_id: str, **fields: Any) -> None:
+    async def update(self, job_id: str, **fields: Any) -> None:
         """Set columns of a job (status, progress, completed_at, error)."""
-        if "error" in fields and fields["error"] is not None:
-            fields["error"] = json.dumps(fields["error"])
-        sets = ", ".join(f"{k} = ?" for k in fields)
-        self.db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*fields.values(), job_id])
+        await self._call(self._update, job_id, fields)
 
-    def claim_next(self, model: str) -> VideoJob | None:
-        """The oldest queued job for `model`, now in_progress; None if none waits. (A folder
-        shared by servers of different models keeps each one's jobs for it.)"""
-        row = self.db.execute("UPDATE jobs SET status = 'in_progress', progress = 0 WHERE seq = "
-                              "(SELECT MIN(seq) FROM jobs WHERE status = 'queued' AND model = ?)"
-                              f" RETURNING {', '.join(_COLUMNS)}", (model,)).fetchone()
+    def _update(self, db: sqlite3.Connection, job_id: str, fields: dict[str, Any]) -> None:
+        assert set(fields) <= {"status", "progress", "completed_at", "error"}, fields
+        if fields.get("error") is not None:
+            fields = {**fields, "error": json.dumps(fields["error"])}
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        db.execute(f"UPDATE jobs SET {sets} WHERE id = ? AND scope = ?",
+                   [*fields.values(), job_id, self.scope])
+
+    async def claim_next(self) -> VideoJob | None:
+        """The oldest queued job, now in_progress; None if none waits."""
+        return await self._call(self._claim_next)
+
+    def _claim_next(self, db: sqlite3.Connection) -> VideoJob | None:
+        row = db.execute("UPDATE jobs SET status = 'in_progress', progress = 0 WHERE seq = "
+                         "(SELECT MIN(seq) FROM jobs WHERE status = 'queued' AND scope = ?)"
+                         f" RETURNING {', '.join(_COLUMNS)}", (self.scope,)).fetchone()
         return None if row is None else _job(row)
 
-    def requeue(self, model: str) -> int:
-        """At startup: `model`'s jobs left in_progress (the server stopped under them) wait
-        again. -> how many of its jobs are queued now."""
-        self.db.execute("UPDATE jobs SET status = 'queued', progress = 0 "
-                        "WHERE status = 'in_progress' AND model = ?", (model,))
-        return self.db.execute("SELECT COUNT(*) FROM jobs WHERE status = 'queued' AND "
-                               "model = ?", (model,)).fetchone()[0]
+    async def requeue(self, model: str) -> int:
+        """At startup: the jobs left in_progress (the server stopped under them) wait again;
+        jobs of a folder from before scopes, made for `model`, become this server's.
+        -> how many of its jobs are queued now."""
+        return await self._call(self._requeue, model)
 
-    def num_active(self) -> int:
-        """Jobs queued or in progress."""
-        return self.db.execute("SELECT COUNT(*) FROM jobs WHERE status IN (?, ?)",
-                               ACTIVE).fetchone()[0]
+    def _requeue(self, db: sqlite3.Connection, model: str) -> int:
+        db.execute("UPDATE jobs SET scope = ? WHERE scope IS NULL AND model = ?",
+                   (self.scope, model))
+        db.execute("UPDATE jobs SET status = 'queued', progress = 0 "
+                   "WHERE status = 'in_progress' AND scope = ?", (self.scope,))
+        return db.execute("SELECT COUNT(*) FROM jobs WHERE status = 'queued' AND scope = ?",
+                          (self.scope,)).fetchone()[0]
 
-    def delete(self, job_id: str) -> None:
-        """The job's row (`remove_files` takes its files: a thread may, the row is the
-        connection's, which stays on the event loop)."""
-        self.db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+    async def num_active(self) -> int:
+        """This server's jobs queued or in progress."""
+        return await self._call(self._num_active)
 
+    def _num_active(self, db: sqlite3.Connection) -> int:
+        return db.execute("SELECT COUNT(*) FROM jobs WHERE status IN (?, ?) AND scope = ?",
+                          (*ACTIVE, self.scope)).fetchone()[0]
+
+    async def delete(self, job_id: str) -> None:
+        """The job's row and its files."""
+        await self._call(self._delete, job_id)
+
+    def _delete(self, db: sqlite3.Connection, job_id: str) -> None:
+        db.execute("DELETE FROM jobs WHERE id = ? AND scope = ?", (job_id, self.scope))
+        self.remove_files(job_id)
+
+    # -- files -------------------------------------------------------------------------------
     def remove_files(self, job_id: str) -> None:
         shutil.rmtree(self.folder(job_id), ignore_errors=True)
 
-    # -- files -------------------------------------------------------------------------------
     def folder(self, job_id: str) -> Path:
         return self.files / job_id
 
@@ -164,7 +276,7 @@ class VideoStore:
         return folder / name
 
     def disk_bytes(self) -> int:
-        """What the jobs' files take."""
+        """What the jobs' files take (every server's: the folder's disk is shared)."""
         return sum(p.stat().st_size for p in self.files.rglob("*") if p.is_file())
 
 

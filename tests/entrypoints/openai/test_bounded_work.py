@@ -7,7 +7,7 @@ the request loop never stalls.
   claims less than the file holds is stopped while decoding.
 - A text-only model refuses an image part, too many parts are refused, and a full queue
   answers 429, all before any media is fetched.
-- /health answers within its deadline while a multi-MB prompt is being prepared (on the old
+- /health answers within its deadline while a long prompt is being prepared (on the old
   code the chat template and the tokenizer ran on the event loop: seconds of stall), and the
   server's shutdown ends the token counter's child process.
 """
@@ -243,11 +243,14 @@ def test_the_preparation_pool_is_bounded() -> None:
 
 
 def test_health_answers_while_a_long_prompt_is_prepared(tmp_path: Path) -> None:
-    """A 2 MB prompt (its template rendered, then counted in the child process: too long for
-    max_model_len 64) is prepared while /health is asked PING_S after each answer."""
-    app = build_app(TextEngine(tmp_path), ServerConfig(served_model_name="m"))
+    """A 600 kB prompt (its template rendered, then counted in the child process: too long
+    for max_model_len 40000, though not so long that its length alone refuses it:
+    test_prompt_size.py) is prepared while /health is asked PING_S after each answer."""
+    engine = TextEngine(tmp_path)
+    engine.orchestrator.stage_info["llm"]["max_model_len"] = 40_000
+    app = build_app(engine, ServerConfig(served_model_name="m"))
     words = "The quick brown fox jumps over the lazy dog. "
-    prompt = words * (10 * LONG_TEXT_CHARS // len(words))
+    prompt = words * (3 * LONG_TEXT_CHARS // len(words))
 
     async def go() -> tuple[httpx.Response, list[float], subprocess.Popen]:
         transport = httpx.ASGITransport(app=app)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -305,7 +306,10 @@ def test_the_playground_runs_a_job_to_a_playing_video(server: Server, browser: o
 # ---- restart (last: it stops the module's server) -------------------------------------------
 
 def test_jobs_survive_a_restart(server: Server, start_server: Callable[..., Server],
-                                toy: tuple[Path, Path], videos_dir: Path) -> None:
+                                toy: tuple[Path, Path], videos_dir: Path,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same server (model, address) started again: its jobs are there (a server at
+    another address over the folder sees none: test_video_store.py)."""
     first = server
     done = create(first, prompt="kept", seed=5, num_frames=5, **FAST)
     finished(first, done["id"])
@@ -314,6 +318,8 @@ def test_jobs_survive_a_restart(server: Server, start_server: Callable[..., Serv
     queued = create(first, prompt="waiting", seed=8, num_frames=5, **FAST)
     wait_for(first, interrupted["id"], lambda j: j["progress"] > 0)
     assert first.stop() == 0
+    # started again where it listened (the harness gives each server a free port)
+    monkeypatch.setattr(sys.modules[type(first).__module__], "free_port", lambda: first.port)
     second = start_server(serve_args(toy, videos_dir, "--max-videos-disk-bytes", "1"))
     listed = {v["id"]: v for v in second.get("/v1/videos").json()["data"]}
     assert listed[done["id"]]["status"] == "completed"
