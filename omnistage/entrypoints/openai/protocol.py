@@ -309,7 +309,7 @@ class ImageRequest(Request):
     stream: bool | None = None
     partial_images: Annotated[int, Field(ge=0, le=3)] | None = None
     # diffusion extras
-    negative_prompt: str | None = None
+    negative_prompt: Annotated[str, Field(max_length=32000)] | None = None
     num_inference_steps: Annotated[int, Field(ge=1, le=200)] | None = None
     guidance_scale: Annotated[float, Field(ge=0.0)] | None = None
     true_cfg_scale: Annotated[float, Field(ge=0.0)] | None = None
@@ -480,7 +480,7 @@ class VideoRequest(Request):
     input_reference: str | dict[str, str] | None = None
     user: str | None = None
     # diffusion extras
-    negative_prompt: str | None = None
+    negative_prompt: Annotated[str, Field(max_length=32000)] | None = None
     num_inference_steps: Annotated[int, Field(ge=1, le=200)] | None = None
     guidance_scale: Annotated[float, Field(ge=0.0)] | None = None
     guidance_scale_2: Annotated[float, Field(ge=0.0)] | None = None   # Wan2.2 A14B low-noise

@@ -258,3 +258,19 @@ def test_numbers_in_other_digits_are_400(tmp_path: Path, field: str, value: str)
             assert (await c.get("/v1/videos")).json()["data"] == []
 
     asyncio.run(go())
+
+
+def test_a_negative_prompt_is_held_to_the_prompts_length(tmp_path: Path) -> None:
+    """prompt takes at most 32000 characters; negative_prompt (tokenized by the same text
+    encoder) took any length."""
+    async def go() -> None:
+        async with client(video_app(tmp_path, 8130)) as c:
+            r = await c.post("/v1/videos", json={"prompt": "a cat",
+                                                  "negative_prompt": "blur " * 7000})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "negative_prompt"
+            r = await c.post("/v1/videos", json={"prompt": "a cat",
+                                                  "negative_prompt": "blur " * 6000})
+            assert r.status_code == 200, r.text
+
+    asyncio.run(go())
