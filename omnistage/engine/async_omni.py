@@ -40,6 +40,7 @@ from omnistage.models.loader import resolve_model_path
 from omnistage.outputs import CompletionOutput, OmniOutput, RequestEvent, RequestMetrics
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages.interface import TEXT_PROMPT, StageInfo
+from omnistage.stages.voice import voice_of
 from omnistage.utils.logging import quiet_known_noise
 from omnistage.utils.tokenizer import load_tokenizer
 
@@ -105,8 +106,8 @@ class AsyncOmni:
             if isinstance(p, SamplingParams):
                 info = self.orchestrator.stage_info.get(name, {})
                 check_params(p, info)
-                key = "speaker" if "speaker" in p.extra else "voice"   # Omni's, TTS's
-                speaker = p.extra.get(key)
+                speaker = voice_of(p.extra)   # `voice`, or `speaker`: one key (stages/voice.py)
+                key = "voice" if p.extra.get("voice") is not None else "speaker"
                 known = info.get("speakers")
                 if speaker is not None and known is not None \
                         and str(speaker).lower() not in str(known).split(","):

@@ -48,6 +48,7 @@ from omnistage.stages.adapters import StageFeed
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
 from omnistage.stages.media import ThinkerMedia
+from omnistage.stages.voice import requested_voice
 
 DEFAULT_SPEAKER = "chelsie"         # the reference's `speaker="Chelsie"`
 
@@ -159,7 +160,7 @@ class TalkerStage(ARStage):
         params = request.params or self.defaults
         if not request.streamed:
             raise ValueError("the talker takes its input from the thinker")
-        speaker = str(params.extra.get("speaker") or DEFAULT_SPEAKER).lower()
+        speaker = (requested_voice(params.extra) or DEFAULT_SPEAKER).lower()
         if speaker not in self.speakers:
             raise InputError(f"speaker {speaker!r} is unknown (this model has: "
                              f"{', '.join(self.speakers)})", param="speaker")

@@ -48,6 +48,7 @@ from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
 from omnistage.stages.media import ThinkerMedia
+from omnistage.stages.voice import requested_voice
 from omnistage.utils import trace
 from omnistage.outputs import StageMetrics
 
@@ -246,7 +247,7 @@ class TalkerStage(ARStage):
         request_id, params = request.request_id, request.params or self.defaults
         if not request.streamed:
             raise ValueError("the talker takes its input from the thinker")
-        speaker = str(params.extra.get("speaker") or DEFAULT_SPEAKER).lower()
+        speaker = (requested_voice(params.extra) or DEFAULT_SPEAKER).lower()
         if speaker not in self.speakers:
             raise InputError(f"speaker {speaker!r} is unknown (this model has: "
                              f"{', '.join(sorted(self.speakers))})", param="speaker")

@@ -38,9 +38,11 @@ from omnistage.registry import SpeechSpec
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
 from omnistage.stages.qwen3_omni import code_predictor_graphs
+from omnistage.stages.voice import requested_voice
 from omnistage.utils.audio import resample
 
-VOICE_KEYS = ("voice", "instructions", "language", "ref_audio", "ref_text")
+# what the talker reads from `extra` besides the voice (stages/voice.py)
+VOICE_OPTIONS = ("instructions", "language", "ref_audio", "ref_text")
 MIN_REF_SAMPLES = 2400     # 0.1 s: the speaker encoder's mel frames need a few STFT windows
 REF_RATE = 24000           # what the speaker and speech encoders take
 
@@ -140,14 +142,11 @@ class TalkerStage(ARStage):
 
     def speech_request(self, text: str, extra: dict) -> SpeechRequest:
         """The request's text and the voice in its params' `extra`."""
-        unknown = set(extra) - set(VOICE_KEYS)
-        if unknown:
-            raise InputError(f"extra: unknown keys {sorted(unknown)} (Qwen3-TTS takes "
-                             f"{', '.join(VOICE_KEYS)})", param=min(unknown))
+        voice = requested_voice(extra, takes=VOICE_OPTIONS)   # `speaker` is `voice` too
         fields = dict(text=text, language=str(extra.get("language") or "auto"),
                       instruct=extra.get("instructions") or None)
         if self.config.model_type == "custom_voice":
-            fields["speaker"] = extra.get("voice") or None
+            fields["speaker"] = voice or None
         if self.config.model_type != "base":
             for key in ("ref_audio", "ref_text"):
                 if extra.get(key) is not None:

@@ -6,6 +6,7 @@ image inputs; text-only requests that never enter the talker; bad input."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 from pathlib import Path
 
@@ -218,6 +219,18 @@ def test_bad_requests_fail_alone(omni: Omni) -> None:
         omni.generate({"messages": CHAT}, greedy(speaker="nobody"))
     (after,) = omni.generate({"messages": CHAT}, greedy(speaker="Chelsie"))
     assert after.error is None and after.tensors["audio"].numel() > 0
+    # `voice` is the same key as `speaker` (Qwen3-TTS's and OpenAI's word); other keys of the
+    # talker's extra are refused, not ignored
+    thinker, talker, code2wav = greedy()
+    voiced = dataclasses.replace(talker, extra={"voice": "chelsie"})
+    (same,) = omni.generate({"messages": CHAT}, [thinker, voiced, code2wav])
+    assert torch.equal(same.tensors["audio"], after.tensors["audio"])
+    with pytest.raises(ValueError, match="speaker 'nobody' is unknown"):
+        omni.generate({"messages": CHAT}, [thinker, dataclasses.replace(
+            talker, extra={"voice": "nobody"}), code2wav])
+    (typo,) = omni.generate({"messages": CHAT}, [thinker, dataclasses.replace(
+        talker, extra={"speakr": "chelsie"}), code2wav])
+    assert typo.error_info is not None and "unknown keys ['speakr']" in typo.error, typo.error
 
 
 def test_default_graph_with_stage_processes(ckpt: Path, hf, processor: InputProcessor) -> None:
