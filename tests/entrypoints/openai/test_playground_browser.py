@@ -39,6 +39,12 @@ def test_digits_render_in_the_images_tab(browser: WebDriver, image_server: Serve
         (w := d.execute_script(RENDERED)) and len(w) == 4 and all(w) and w))
     assert widths == [64, 64, 64, 64]
     assert "per image" in browser.find_element(By.ID, "images-metrics").text
+    assert not browser.find_element(By.ID, "images-working").is_displayed()
+    # an unselected tab's label is dark on the light page (tabs are buttons, whose text was
+    # white: the labels were barely visible)
+    colors = browser.execute_script("""return ['tab-chat', 'tab-images'].map(
+        id => getComputedStyle(document.getElementById(id)).color)""")
+    assert "rgb(255, 255, 255)" not in colors, colors
     browser.save_screenshot(str(screenshots / "playground-digits.png"))
 
 

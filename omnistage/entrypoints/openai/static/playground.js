@@ -466,7 +466,13 @@ async function generateImages() {
   if ($("images-seed").value) body.seed = Number($("images-seed").value);
   const timer = new Timer();
   $("images-go").disabled = true;
-  $("images-metrics").textContent = "generating…";
+  $("images-metrics").textContent = "";
+  // the answer comes whole: meanwhile a working bar and the seconds so far
+  $("images-working").hidden = false;
+  const ticker = setInterval(() => {
+    $("images-elapsed").textContent =
+      `generating ${body.n} image${body.n > 1 ? "s" : ""}… ${timer.sec(performance.now()).toFixed(1)} s`;
+  }, 100);
   try {
     const answer = await (await api("/v1/images/generations", { method: "POST", body })).json();
     status("");
@@ -490,6 +496,8 @@ async function generateImages() {
     $("images-metrics").textContent = "";
     fail(err);
   } finally {
+    clearInterval(ticker);
+    $("images-working").hidden = true;
     $("images-go").disabled = false;
   }
 }
