@@ -15,12 +15,16 @@ model that hears and speaks (Qwen3-Omni).
                                                   (a response still running is cancelled first)
     response.cancel                          ->   response.done with status cancelled
 
+Each response's prompt is the instructions and the newest items that fit the model's context
+with room for the answer; what goes when the conversation outgrows it is the session's
+`truncation` ("auto", "disabled" or a retention ratio: truncation.py).
+
 A bad event gets an `error` event naming the field (and echoing its `event_id`) and the session
 goes on; a frame is parsed under the HTTP routes' JSON policy (json_body.py), so a lone
-surrogate, NaN or an integer beyond 64 bits is refused here, not somewhere downstream. Closing the socket
-at any moment cancels the running response (aborted in every stage) and ends the session;
-nothing it started outlives it. A session idle (no client event) for `idle_timeout_s` is told
-so and closed.
+surrogate, NaN or an integer beyond 64 bits is refused here, not somewhere downstream.
+Closing the socket at any moment cancels the running response (aborted in every stage) and
+ends the session; nothing it started outlives it. A session idle (no client event) for
+`idle_timeout_s` is told so and closed.
 """
 
 from __future__ import annotations
@@ -36,17 +40,20 @@ from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omnistage.entrypoints.openai.client import EngineClient
-from omnistage.entrypoints.openai.errors import APIError, bad_request, check_model
+from omnistage.entrypoints.openai.errors import (APIError, bad_request, check_model,
+                                                  from_value_error)
 from omnistage.entrypoints.openai.json_body import check_values, parse_json
 from omnistage.entrypoints.openai.params import stage_params
 from omnistage.entrypoints.openai.realtime.audio_buffer import (AudioBuffer, decode_pcm16,
                                                                 ms_to_samples, samples_to_ms)
 from omnistage.entrypoints.openai.realtime.conversation import (Conversation, ConversationItem,
                                                                 Part, item_from_event)
-from omnistage.entrypoints.openai.realtime.protocol import (Item, ResponseOptions, Session,
+from omnistage.entrypoints.openai.realtime.protocol import (Item, ResponseOptions,
+                                                            RetentionRatio, Session,
                                                             error_event, event, max_tokens,
                                                             merge, new_id, parse)
 from omnistage.entrypoints.openai.realtime.response import Response, ResponsePlan
+from omnistage.entrypoints.openai.realtime.truncation import measure, num_to_drop, output_room
 from omnistage.entrypoints.openai.realtime.vad import FRAME, TurnDetector, VadEvent
 from omnistage.sampling_params import SamplingParams
 
@@ -91,6 +98,7 @@ class RealtimeConnection:
         self.response: Response | None = None
         self.response_task: asyncio.Task[None] | None = None
         self._send_lock = asyncio.Lock()
+        self._instruction_tokens: dict[str, int] = {}   # the last instructions measured
 
     async def run(self) -> None:
         await self.ws.accept()
@@ -180,6 +188,15 @@ class RealtimeConnection:
         voice = session.audio.output.voice
         if voice is not None:
             self._prepare_check(voice, "session.audio.output.voice")
+        limits = (session.truncation.token_limits
+                  if isinstance(session.truncation, RetentionRatio) else None)
+        max_len = self.client.max_model_len
+        if limits is not None and limits.post_instructions is not None and max_len is not None \
+                and limits.post_instructions >= max_len:
+            raise bad_request(f"session.truncation.token_limits.post_instructions="
+                              f"{limits.post_instructions}: must be under the model's context "
+                              f"of {max_len} tokens", "session.truncation.token_limits."
+                              "post_instructions")
         vad = session.audio.input.turn_detection
         old = self.session.audio.input.turn_detection
         if vad is None:
@@ -308,8 +325,7 @@ class RealtimeConnection:
         instructions = (options.instructions if options.instructions is not None
                         else self.session.instructions)
         await self._cancel_response("client_cancelled")     # one response at a time
-        prompt = {"messages": self.conversation.messages(instructions)}
-        handle, ticket = await self._submit(prompt, plan)
+        handle, ticket = await self._submit(instructions, plan)
         item = ConversationItem("assistant", [Part(plan.modality)], status="in_progress")
         try:
             previous = self.conversation.add(item)
@@ -333,9 +349,10 @@ class RealtimeConnection:
         return ResponsePlan(modality, voice, max_tokens(limit), s.audio.output.format.rate,
                             options.metadata)
 
-    async def _submit(self, prompt: dict[str, Any], plan: ResponsePlan) -> tuple:
-        """The conversation as one engine request (checked, admitted, submitted)."""
-        if not self.conversation.items:
+    async def _submit(self, instructions: str, plan: ResponsePlan) -> tuple:
+        """The conversation as one engine request (checked, fit to the context, admitted,
+        submitted)."""
+        if not self.conversation.context():
             raise bad_request("the conversation is empty: add an item or commit audio first",
                               None, "conversation_empty")
         fields = {} if plan.max_tokens is None else {"max_tokens": plan.max_tokens}
@@ -343,7 +360,7 @@ class RealtimeConnection:
         if plan.voice is not None:
             params = [dataclasses.replace(p, extra={**p.extra, "speaker": plan.voice})
                       if isinstance(p, SamplingParams) else p for p in params]
-        prepared = await run_in_threadpool(self.client.prepare, prompt, params, "conversation")
+        prompt, prepared = await self._prepare(instructions, params, plan)
         ticket = self.client.admit(1)
         try:
             wanted = {"text", "audio"} if plan.modality == "audio" else {"text"}
@@ -351,6 +368,51 @@ class RealtimeConnection:
         except BaseException:
             ticket.release()
             raise
+
+    async def _prepare(self, instructions: str, params: list, plan: ResponsePlan) -> tuple:
+        """The prompt of the conversation's context, prepared. One over the model's input
+        limit (room left for the response's output) is cut as the session's truncation says
+        (truncation.py), then prepared again."""
+        max_len = self.client.max_model_len
+        limit = None if max_len is None else max_len - output_room(plan.max_tokens, max_len)
+        fits = limit
+        truncation = self.session.truncation
+        if limit is not None and isinstance(truncation, RetentionRatio) \
+                and truncation.token_limits is not None \
+                and truncation.token_limits.post_instructions is not None:
+            known = self._instruction_tokens.get(instructions, 0)   # 0: not measured yet
+            fits = min(limit, truncation.token_limits.post_instructions + known)
+        prompt = {"messages": self.conversation.messages(instructions)}
+        prepared, refusal = None, None
+        try:
+            prepared = await run_in_threadpool(self.client.prepare, prompt, params,
+                                               "conversation")
+            if fits is None or prepared[0].num_tokens <= fits:
+                return prompt, prepared
+        except APIError as err:      # perhaps over max_model_len: measured below
+            if limit is None:
+                raise
+            refusal = err
+        num_dropped = 0
+        while True:                  # each round drops one item or more, never the newest
+            try:
+                size = await run_in_threadpool(measure, self.client.processor,
+                                               prompt["messages"], bool(instructions))
+            except ValueError as exc:
+                raise from_value_error(exc, "conversation") from None
+            self._instruction_tokens = {instructions: size.instructions}
+            num = num_to_drop(size, limit, truncation)
+            if num == 0:
+                break
+            self.conversation.drop_oldest(num)
+            num_dropped += num
+            prompt = {"messages": self.conversation.messages(instructions)}
+        if num_dropped == 0:         # it fits: a refusal was for something else
+            if refusal is not None:
+                raise refusal
+            return prompt, prepared
+        return prompt, await run_in_threadpool(self.client.prepare, prompt, params,
+                                               "conversation")
 
     async def _response_cancel(self, msg: dict[str, Any]) -> None:
         if self.response is None or self.response.done.is_set():

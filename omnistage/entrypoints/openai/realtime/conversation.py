@@ -1,10 +1,11 @@
 """A realtime session's conversation: its items in order, and the chat messages they become
 for each turn.
 
-Every turn sends the whole conversation (instructions as the system message, then each item)
-through the model's own input processor, the same path as a chat request. The messages of
-earlier turns render to the same tokens each time, so the thinker's prefix cache holds them
-and a turn prefills only what is new (`usage.input_token_details.cached_tokens`).
+Every turn sends the whole conversation (instructions as the system message, then each item
+still in the model's context: truncation.py drops the oldest when it outgrows it) through the
+model's own input processor, the same path as a chat request. The messages of earlier turns
+render to the same tokens each time, so the thinker's prefix cache holds them and a turn
+prefills only what is new (`usage.input_token_details.cached_tokens`).
 
 An assistant item keeps what the client was sent: its transcript (or text) as it streamed,
 cut where a response was cancelled, and cut to the audio actually played by
@@ -37,6 +38,7 @@ class ConversationItem:
     parts: list[Part]
     id: str = field(default_factory=lambda: new_id("item"))
     status: str = "completed"
+    in_context: bool = True           # False: truncated out of the model's context for good
 
     def as_event_item(self) -> dict[str, Any]:
         """The item as the protocol shows it (user audio is not echoed back)."""
@@ -88,9 +90,21 @@ class Conversation:
     def delete(self, item_id: str) -> None:
         del self.items[self.index(item_id, "item_id")]
 
+    def context(self) -> list[ConversationItem]:
+        """The items the model sees, oldest first (truncation.py drops the oldest)."""
+        return [i for i in self.items if i.in_context and i.parts]
+
     def messages(self, instructions: str) -> list[dict[str, Any]]:
         system = [{"role": "system", "content": instructions}] if instructions else []
-        return system + [i.as_message() for i in self.items if i.parts]
+        return system + [i.as_message() for i in self.context()]
+
+    def drop_oldest(self, num_items: int) -> None:
+        """Take the oldest `num_items` of the context out of it for good. They stay in the
+        conversation (ids a client may still name), without the audio no prompt needs."""
+        for item in self.context()[:num_items]:
+            item.in_context = False
+            for part in item.parts:
+                part.audio = None
 
     def truncate(self, item_id: str, content_index: int, audio_end_ms: int,
                  output_rate: int) -> None:

@@ -57,6 +57,22 @@ class AudioConfig(_Strict):
     output: AudioOutput = AudioOutput()
 
 
+class TokenLimits(_Strict):
+    post_instructions: int | None = Field(None, ge=1)   # the items' budget (truncation.py)
+
+
+class RetentionRatio(_Strict):
+    """Truncation that drops more than it must: the oldest items go until the rest use only
+    `retention_ratio` of the post-instruction budget, so the next turns grow into the room
+    left, each served from the prefix cache, before the next cut (truncation.py)."""
+    type: Literal["retention_ratio"]
+    retention_ratio: float = Field(ge=0.0, le=1.0)
+    token_limits: TokenLimits | None = None
+
+
+Truncation = Literal["auto", "disabled"] | RetentionRatio
+
+
 class Session(_Strict):
     """`session.update`'s `session` (merged into the current one, field by field)."""
     type: Literal["realtime"] = "realtime"
@@ -70,6 +86,7 @@ class Session(_Strict):
     max_output_tokens: int | Literal["inf"] = "inf"
     tools: list[Any] = Field([], max_length=0)   # no tool calling here
     tool_choice: Literal["auto", "none"] = "auto"
+    truncation: Truncation = "auto"                # what a prompt over the context drops
 
 
 class ResponseOptions(_Strict):
