@@ -238,32 +238,100 @@ def _as_float(piece: np.ndarray, planar: bool, kind: str, channels: int) -> np.n
     return wave.astype(np.float32, copy=False)
 
 
+# the sample rates audio may have anywhere it enters (chat parts, realtime, voices, offline
+# inputs): below 1 kHz nothing is speech, above 384 kHz no converter records
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1_000, 384_000
+# the polyphase filter bank (one filter per output phase) is built when it has at most this many
+# taps; beyond it, rates sharing few factors (8001 -> 24000 Hz: 8000 phases of 2681 taps) are
+# resampled by evaluating the same filter at each output sample
+MAX_BANK_TAPS = 1 << 18
+BLOCK_TAPS = 1 << 18          # weights evaluated at once by the direct path (2 MiB of float64)
+
+
+def check_sample_rate(rate: int, what: str = "sample rate") -> int:
+    """`rate` if MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE, else ValueError naming `what`."""
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise ValueError(f"{what}: {rate} Hz is outside {MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE} Hz")
+    return rate
+
+
 def resample(waveform: np.ndarray, orig_sr: int, target_sr: int, zero_crossings: int = 6,
              rolloff: float = 0.99) -> np.ndarray:
     """Band-limited resampling of a 1-D waveform (our windowed sinc: Hann window, 6 zero
     crossings, 0.99 roll-off, torchaudio's defaults): a Hann-windowed sinc low-pass at
-    rolloff * min(orig_sr, target_sr) / 2, evaluated as a polyphase filter bank (one filter per
-    output phase, applied with a strided conv). Output length ceil(len * target / orig)."""
-    if orig_sr <= 0 or target_sr <= 0:
-        raise ValueError(f"sample rates must be positive, got {orig_sr} -> {target_sr}")
+    rolloff * min(orig_sr, target_sr) / 2. Output length ceil(len * target / orig).
+
+    Rates with a small filter bank (16000 -> 24000, 44100 -> 16000, ...) use the bank with a
+    strided conv; any other pair (coprime ones: 7919 -> 24000) evaluates the same filter at each
+    output sample, in blocks. Either way memory and time grow with the audio's length times
+    the filter's (12 / rolloff input samples, or as many output samples when downsampling),
+    whatever the rates; both rates must be within MIN_SAMPLE_RATE .. MAX_SAMPLE_RATE."""
+    check_sample_rate(orig_sr, "the input's sample rate")
+    check_sample_rate(target_sr, "the target sample rate")
     if orig_sr == target_sr:
         return waveform.astype(np.float32, copy=False)
     g = math.gcd(orig_sr, target_sr)
     up, down = target_sr // g, orig_sr // g        # every `down` inputs make `up` outputs
     cutoff = min(up, down) * rolloff               # in units of the reduced input rate
     half_width = math.ceil(zero_crossings * down / cutoff)   # filter half-length, input samples
+    if up * (2 * half_width + down) <= MAX_BANK_TAPS:
+        return _resample_bank(waveform, up, down, half_width, zero_crossings, cutoff)
+    return _resample_direct(waveform, up, down, half_width, zero_crossings, cutoff / down)
 
+
+def _windowed_sinc(t: Tensor | np.ndarray, zero_crossings: int) -> Tensor | np.ndarray:
+    """The filter at `t` (in zero crossings of the cut-off): sinc(t) x a Hann window of
+    2 x zero_crossings, zero outside it."""
+    lib = torch if isinstance(t, Tensor) else np
+    t = lib.clip(t, -zero_crossings, zero_crossings)
+    window = lib.cos(t * math.pi / zero_crossings / 2) ** 2
+    t = t * math.pi
+    safe = lib.where(t == 0, 1.0, t)
+    return lib.where(t == 0, 1.0, lib.sin(safe) / safe) * window
+
+
+def _resample_bank(waveform: np.ndarray, up: int, down: int, half_width: int,
+                   zero_crossings: int, cutoff: float) -> np.ndarray:
+    """A polyphase filter bank (one filter per output phase, up x (2 half_width + down) taps),
+    applied with a strided conv."""
     # phase p (output sample p of each block) sits at input offset p * down / up
     taps = torch.arange(-half_width, half_width + down, dtype=torch.float64) / down
     t = (taps[None, :] - torch.arange(up, dtype=torch.float64)[:, None] / up) * cutoff
-    t = t.clamp(-zero_crossings, zero_crossings)
-    window = torch.cos(t * math.pi / zero_crossings / 2) ** 2
-    t = t * math.pi
-    sinc = torch.where(t == 0, torch.ones_like(t), torch.sin(t) / torch.where(t == 0, 1, t))
-    kernels = (sinc * window * cutoff / down).float()          # (up, taps)
+    kernels = (_windowed_sinc(t, zero_crossings) * cutoff / down).float()   # (up, taps)
 
     x = torch.from_numpy(np.ascontiguousarray(waveform, dtype=np.float32))
     x = F.pad(x[None, None], (half_width, half_width + down))   # (1, 1, n + pad)
     y = F.conv1d(x, kernels[:, None, :], stride=down)            # (1, up, blocks)
     y = y[0].T.reshape(-1)                                       # interleave the phases
     return y[: math.ceil(up * waveform.shape[0] / down)].numpy()
+
+
+def _resample_direct(waveform: np.ndarray, up: int, down: int, half_width: int,
+                     zero_crossings: int, cutoff: float) -> np.ndarray:
+    """The same filter evaluated at each output sample: output j sits at input position
+    j * down / up = base + frac and takes inputs base - half_width .. base + half_width + 1,
+    at t = (k - frac) x cutoff for offsets k (`cutoff` per input sample). Blocks of outputs
+    keep the weights at BLOCK_TAPS values whatever the rates.
+
+    No sine per tap: sin(pi t) and the window's cos(pi t / zero_crossings) are expanded by
+    angle addition into a table over k (once) times one over frac (per output)."""
+    x = np.ascontiguousarray(waveform, dtype=np.float32)
+    num_out = math.ceil(up * x.shape[0] / down)
+    k = np.arange(-half_width, half_width + 2)                           # (K,)
+    a, b = math.pi * cutoff, math.pi * cutoff / zero_crossings
+    sin_ak, cos_ak, sin_bk, cos_bk = np.sin(a * k), np.cos(a * k), np.sin(b * k), np.cos(b * k)
+    x = np.pad(x, (half_width, half_width + 2))                # index m + half_width: input m
+    out = np.empty(num_out, dtype=np.float32)
+    block = max(1, BLOCK_TAPS // len(k))
+    for start in range(0, num_out, block):
+        j = np.arange(start, min(start + block, num_out), dtype=np.int64)
+        base, rem = np.divmod(j * down, up)                              # (B,)
+        frac = (rem / up)[:, None]                                       # (B, 1)
+        pi_t = (k - frac) * a                                            # (B, K)
+        sin_pi_t = sin_ak * np.cos(a * frac) - cos_ak * np.sin(a * frac)
+        window = 0.5 + 0.5 * (cos_bk * np.cos(b * frac) + sin_bk * np.sin(b * frac))
+        sinc = np.divide(sin_pi_t, pi_t, out=np.ones_like(pi_t), where=pi_t != 0)
+        weights = np.where(np.abs(pi_t) < math.pi * zero_crossings, sinc * window * cutoff, 0.0)
+        taps = x[base[:, None] + k + half_width]                         # (B, K)
+        out[start: start + len(j)] = np.einsum("bk,bk->b", weights, taps)
+    return out
