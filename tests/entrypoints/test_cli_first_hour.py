@@ -47,7 +47,6 @@ def test_an_argument_error_is_one_line(capsys: pytest.CaptureFixture) -> None:
 
 
 @pytest.mark.parametrize("flag, words", [
-    ("--omni", "omnistage serves them as they are"),
     ("--reasoning-parser", "reasoning stays in the answer's content"),
     ("--kv-cache-dtype", "the KV cache takes the stage's dtype"),
     ("--pipeline-parallel-size", "a model runs as a graph of stages"),
@@ -77,6 +76,11 @@ def test_did_you_mean_only_when_close(flag: str, hint: str | None,
         assert "did you mean" not in err, err
     else:
         assert f"did you mean {hint}?" in err, err
+
+
+def test_vllm_omnis_omni_switch_is_accepted() -> None:
+    assert parse_args(["serve", "--omni"]).omni is True
+    assert parse_args(["generate", "--prompt", "x", "--omni"]).omni is True
 
 
 @pytest.mark.parametrize("given, dtype", [("half", "float16"), ("fp16", "float16"),

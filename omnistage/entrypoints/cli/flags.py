@@ -28,7 +28,6 @@ FILE_MODEL_FLAG = "--model-from-config"
 PP_HINT = ("not supported: pipeline parallelism; a model runs as a graph of stages (split it "
            "with --stage-config), or use -tp")
 FOREIGN_FLAGS: dict[str, str] = {
-    "--omni": "not needed: vLLM-Omni's switch for omni models; omnistage serves them as they are",
     "--pipeline-parallel-size": PP_HINT,
     "-pp": PP_HINT,
     "--kv-cache-dtype": "not supported: the KV cache takes the stage's dtype (--dtype)",

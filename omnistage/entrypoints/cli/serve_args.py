@@ -161,6 +161,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cfg-parallel-size", type=int, default=None, metavar="N",
                    help="cfg_parallel_size: a true-CFG diffusion stage's positive and negative "
                         "branches on 2 GPUs")
+    g.add_argument("--omni", action="store_true",
+                   help="accepted for vLLM-Omni compatibility (`vllm serve MODEL --omni`); "
+                        "changes nothing: every model is served as the graph of stages it is")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM compatibility; changes nothing: omnistage runs its "
                         "own model code, never code from a checkpoint")
