@@ -12,6 +12,9 @@ random-weight model of a real architecture built in the run; one JSON file per b
     omnistage bench video                   # Wan2.2-TI2V-5B and Wan2.1-14B shapes, per step
     omnistage bench realtime                # /v1/realtime on the omni model, 1 / 8 sessions
     omnistage bench ar --tiny --device cpu  # toy sizes: seconds on a CPU (CI), no measurement
+    omnistage bench serve --base-url http://127.0.0.1:8000 --endpoint-type chat
+                                            # any OpenAI-compatible server, from the client
+                                            # (omnistage/benchmarks/serve.py; no model here)
 """
 
 from __future__ import annotations
@@ -49,10 +52,12 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmark our engines against transformers / diffusers")
+    p = sub.add_parser("bench", help="benchmark our engines against transformers / diffusers, "
+                                     "or any OpenAI-compatible server (bench serve)")
     kinds = p.add_subparsers(dest="benchmark", required=True)
     for add in (_add_ar, _add_omni, _add_tts, _add_diffusion, _add_video, _add_realtime):
         _common(add(kinds))
+    _add_serve(kinds)
 
 
 def _common(q: argparse.ArgumentParser) -> None:
@@ -237,11 +242,100 @@ def _add_realtime(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return rt
 
 
+def _add_serve(kinds: argparse._SubParsersAction) -> None:
+    """Flags named as `vllm bench serve`'s; none of the common ones (no model runs here)."""
+    from omnistage.benchmarks.serve import ALIASES, METRICS, ROUTES
+
+    sv = kinds.add_parser("serve", help="load a running OpenAI-compatible server (ours or any): "
+                                        "TTFT, TPOT, ITL, throughput, first audio, RTF, images/s")
+    sv.add_argument("--base-url", default="http://127.0.0.1:8000",
+                    help="the server's root (a trailing /v1 is dropped)")
+    sv.add_argument("--endpoint-type", "--backend", dest="endpoint_type", default="chat",
+                    choices=[*ROUTES, *ALIASES],
+                    help="chat (streamed), completions (streamed), chat-audio (chat with "
+                         "modalities text+audio, streamed pcm16), speech (/v1/audio/speech), "
+                         "images (/v1/images/generations); vLLM's openai-chat / openai too")
+    sv.add_argument("--endpoint", default=None,
+                    help="the route's path, if not the type's (e.g. /v1/chat/completions)")
+    sv.add_argument("--model", default=None, help="default: the first of /v1/models")
+    sv.add_argument("--num-prompts", type=int, default=100)
+    sv.add_argument("--max-concurrency", type=int, default=None,
+                    help="requests in flight at most (default: no bound)")
+    sv.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="requests per second, Poisson arrivals (seeded); inf: all at once")
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--random-input-len", type=int, default=None,
+                    help="words in each synthetic prompt (default: 1024 for chat and "
+                         "completions, 64 chat-audio, 32 speech, 16 images)")
+    sv.add_argument("--random-output-len", type=int, default=128,
+                    help="max_tokens of each text request")
+    sv.add_argument("--prompt", default=None, help="this prompt for every request instead")
+    sv.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                    help="send vLLM's ignore_eos so that answers last max_tokens (--no-ignore-eos "
+                         "for a server that refuses the field)")
+    sv.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
+    sv.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds a request may take in all; a late one counts as failed")
+    sv.add_argument("--voice", default=None, help="speech and chat-audio (default: the model's)")
+    sv.add_argument("--audio-format", choices=["wav", "pcm"], default="wav",
+                    help="speech's response_format")
+    sv.add_argument("--audio-sample-rate", type=int, default=24000,
+                    help="the rate of pcm (speech --audio-format pcm, chat-audio's pcm16)")
+    sv.add_argument("--image-size", default=None, help="images: size, e.g. 512x512")
+    sv.add_argument("--percentile-metrics", default=None,
+                    help=f"comma-separated, of {','.join(METRICS)} (default: ttft,tpot,itl,"
+                         "e2el for text; ttfa,rtf,e2el speech; ttft,ttfa,rtf,e2el chat-audio; "
+                         "e2el images)")
+    sv.add_argument("--metric-percentiles", type=_floats, default=(50.0, 90.0, 99.0),
+                    help="comma-separated, e.g. 50,90,99")
+    sv.add_argument("--result-dir", default="benchmarks/results")
+    sv.add_argument("--result-filename", default=None,
+                    help="default: serve_TYPE_MODEL_cC_rR_TIME.json")
+    sv.add_argument("--save-result", action="store_true",
+                    help="accepted as vLLM's; the JSON is always written")
+    sv.set_defaults(func=run)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import os
+    import re
+    import time
+
+    from omnistage.benchmarks import serve
+
+    metrics = tuple(m for m in (args.percentile_metrics or "").split(",") if m) or None
+    cfg = serve.ServeBenchConfig(
+        base_url=args.base_url, endpoint_type=args.endpoint_type, endpoint=args.endpoint,
+        model=args.model, num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate, seed=args.seed, random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len, prompt=args.prompt, ignore_eos=args.ignore_eos,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), timeout_s=args.timeout,
+        voice=args.voice, audio_format=args.audio_format,
+        audio_sample_rate=args.audio_sample_rate, image_size=args.image_size,
+        percentile_metrics=metrics, metric_percentiles=args.metric_percentiles)
+    result = serve.run(cfg)
+    summary = result["summary"]
+    if summary["first_error"]:
+        print(f"{summary['failed']} of {cfg.num_prompts} requests failed; the first, "
+              f"{summary['first_error']}")
+    print(serve.table(cfg, summary))
+    name = args.result_filename or "serve_{}_{}_c{}_r{}_{}.json".format(
+        cfg.endpoint_type, re.sub(r"[^A-Za-z0-9._-]+", "-", result["model"]).strip("-"),
+        cfg.max_concurrency or "inf", summary["request_rate"], time.strftime("%Y%m%d-%H%M%S"))
+    path = Path(args.result_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+    print(f"result: {path}")
+    return 0 if summary["completed"] else 1
+
+
 Outcome = tuple[dict, str, object]     # (the result, its file name, the headline to print)
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
+    if args.benchmark == "serve":
+        return _run_serve(args)
     from omnistage.benchmarks.common import write_result
 
     if args.benchmark == "ar":
