@@ -39,7 +39,7 @@ from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
 from omnistage.stages.qwen3_omni import code_predictor_graphs
 from omnistage.stages.voice import requested_voice
-from omnistage.utils.audio import resample
+from omnistage.utils.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, resample
 
 # what the talker reads from `extra` besides the voice (stages/voice.py)
 VOICE_OPTIONS = ("instructions", "language", "ref_audio", "ref_text")
@@ -58,8 +58,9 @@ def reference_waveform(value: object) -> Tensor:
     except (KeyError, TypeError, ValueError) as exc:
         raise InputError(f"ref_audio: expected samples at 24 kHz or {{samples: float32 bytes, "
                          f"sample_rate}} ({exc})", param="ref_audio") from None
-    if rate <= 0:
-        raise InputError(f"ref_audio: sample_rate {rate} must be positive", param="ref_audio")
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise InputError(f"ref_audio: sample_rate {rate} Hz is outside {MIN_SAMPLE_RATE} to "
+                         f"{MAX_SAMPLE_RATE} Hz", param="ref_audio")
     return torch.from_numpy(resample(samples, rate, REF_RATE).copy())
 
 

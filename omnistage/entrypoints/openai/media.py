@@ -21,7 +21,8 @@ lie: decoding stops at the limit):
             request <= max_request_pixels
     video   each frame as an image; at most max_video_frames sampled, each charged
     audio   all parts of a request <= max_audio_seconds (the header's duration, then the
-            samples decoded), a rate <= MAX_AUDIO_RATE, <= MAX_AUDIO_CHANNELS channels
+            samples decoded), a rate of MIN_SAMPLE_RATE (utils/audio.py) .. MAX_AUDIO_RATE,
+            <= MAX_AUDIO_CHANNELS channels
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from omnistage.entrypoints.openai import remote_media
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 
 VIDEO_FPS = 2.0                 # frames per second sampled from a video
-MAX_AUDIO_RATE = 96_000
+MAX_AUDIO_RATE = 96_000        # chat parts: stricter than utils/audio.py's MAX_SAMPLE_RATE
 MAX_AUDIO_CHANNELS = 8
 # frames decoded per frame sampled at most (a 120 fps video sampled at 2 fps: 60): bounds the
 # decoding work of a video whose timestamps never advance
@@ -262,17 +263,18 @@ def _decode_audio(data: bytes, fmt: str | None, param: str, budget: MediaBudget
                   ) -> tuple[np.ndarray, int]:
     """Mono float32 and rate; the header's rate, channels and duration checked first, the
     decoding stopped where the request's audio budget ends."""
-    from omnistage.utils.audio import AudioTooLong, decode_audio, probe_audio
+    from omnistage.utils.audio import MIN_SAMPLE_RATE, AudioTooLong, decode_audio, probe_audio
 
     try:
         info = probe_audio(data)
     except ValueError as exc:
         raise bad_request(f"{param}: not a readable {fmt or 'audio'} file ({exc})", param,
                           "invalid_audio") from exc
-    if not 0 < info.sample_rate <= MAX_AUDIO_RATE or not 0 < info.channels <= MAX_AUDIO_CHANNELS:
-        raise bad_request(f"{param}: {info.sample_rate} Hz, {info.channels} channels: at most "
-                          f"{MAX_AUDIO_RATE} Hz and {MAX_AUDIO_CHANNELS} channels", param,
-                          "invalid_audio")
+    if (not MIN_SAMPLE_RATE <= info.sample_rate <= MAX_AUDIO_RATE
+            or not 0 < info.channels <= MAX_AUDIO_CHANNELS):
+        raise bad_request(f"{param}: {info.sample_rate} Hz, {info.channels} channels: "
+                          f"{MIN_SAMPLE_RATE} to {MAX_AUDIO_RATE} Hz and at most "
+                          f"{MAX_AUDIO_CHANNELS} channels", param, "invalid_audio")
     if info.seconds is not None and info.seconds > budget.seconds:
         raise budget.too_long(param)                   # refused before a sample is decoded
     try:

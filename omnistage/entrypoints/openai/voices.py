@@ -5,16 +5,25 @@ that they survive a restart, and named in speech requests like a preset voice.
     <voices dir>/<name>.json    {"transcript", "created_at", "consent", "duration_s"}
 
 A name matches NAME (letters, digits, `_`, `-`): it can never name a path outside the folder.
-The json is written last (both through a temporary file and a rename), so a voice is listed
-only once it is whole. A preset's name (any case) can be neither uploaded nor deleted.
+Names are unique in any case (`Ann` and `ann` are one voice, found by either). The json is
+written last (both through a temporary file and a rename) and deleted first, so a voice is
+listed only while it is whole; a voice deleted while it is read or listed is no voice (a
+listing skips it, a speech request gets voice_not_found), never an error. A preset's name (any
+case) can be neither uploaded nor deleted.
+
+Uploads are capped: MAX_TRANSCRIPT_CHARS, MAX_VOICES voices, MAX_VOICES_BYTES on disk, rates
+within utils/audio.py's MIN_SAMPLE_RATE .. MAX_SAMPLE_RATE (check_clip: the speech route's
+ref_audio too); each refusal a 4xx naming its limit.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +36,16 @@ from starlette.requests import Request
 
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.protocol import VoiceCard
-from omnistage.utils.audio import AudioTooLong, decode_audio, probe_audio
+from omnistage.utils.audio import (MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, AudioTooLong,
+                                   decode_audio, probe_audio)
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_UPLOAD_BYTES = 10 << 20
 MIN_CLIP_S, MAX_CLIP_S = 0.5, 60.0
+MAX_TRANSCRIPT_CHARS = 4096           # as a speech request's ref_text
+MAX_VOICES = 256
+MAX_VOICES_BYTES = 1 << 30            # the folder's clips and their json (a 60 s clip at
+                                      # 48 kHz is 11.5 MB as float32)
 
 
 def default_voices_dir() -> Path:
@@ -50,11 +64,16 @@ class Voice:
 
 def check_clip(data: bytes, param: str) -> tuple[np.ndarray, int]:
     """Reference audio as a client sent it -> mono float32 and rate; 400 naming `param` when
-    it does not decode, is silent, or is shorter than MIN_CLIP_S / longer than MAX_CLIP_S."""
+    it does not decode, is silent, is shorter than MIN_CLIP_S / longer than MAX_CLIP_S, or
+    its rate is outside MIN_SAMPLE_RATE .. MAX_SAMPLE_RATE."""
     try:
-        header = probe_audio(data).seconds
-        if header is not None and header > MAX_CLIP_S:     # refused before decoding
-            raise AudioTooLong(f"the header says {header:.2f} s")
+        info = probe_audio(data)
+        if info.seconds is not None and info.seconds > MAX_CLIP_S:   # refused before decoding
+            raise AudioTooLong(f"the header says {info.seconds:.2f} s")
+        if not MIN_SAMPLE_RATE <= info.sample_rate <= MAX_SAMPLE_RATE:
+            raise bad_request(f"{param}: the clip's sample rate is {info.sample_rate} Hz; a "
+                              f"reference voice needs {MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE} Hz",
+                              param, "invalid_audio")
         wave, rate = decode_audio(data, max_seconds=MAX_CLIP_S, mono=True)
     except AudioTooLong:
         raise bad_request(f"{param}: the clip is longer than {MAX_CLIP_S} s; a reference voice "
@@ -73,10 +92,17 @@ def check_clip(data: bytes, param: str) -> tuple[np.ndarray, int]:
 
 
 class VoiceStore:
-    def __init__(self, folder: Path, presets: tuple[str, ...]) -> None:
+    """The folder of uploads. Adding and deleting hold a lock (the caps and the name's
+    uniqueness are checked against what is there); reading and listing take none, and a file
+    gone between two reads means the voice is gone."""
+
+    def __init__(self, folder: Path, presets: tuple[str, ...], max_voices: int = MAX_VOICES,
+                 max_bytes: int = MAX_VOICES_BYTES) -> None:
         self.folder = folder
         self.presets = presets
+        self.max_voices, self.max_bytes = max_voices, max_bytes
         self._preset_keys = {p.lower() for p in presets}
+        self._lock = threading.Lock()
 
     def check_name(self, name: str, param: str = "name") -> str:
         if not NAME.fullmatch(name):
@@ -88,29 +114,31 @@ class VoiceStore:
         return name.lower() in self._preset_keys
 
     def cards(self) -> list[VoiceCard]:
-        """The presets, then the uploads by name."""
+        """The presets, then the uploads by name (one deleted meanwhile is left out)."""
         cards = [VoiceCard(name=p, type="preset") for p in self.presets]
-        if self.folder.is_dir():
-            for meta in sorted(self.folder.glob("*.json")):
-                if NAME.fullmatch(meta.stem) and meta.with_suffix(".wav").is_file():
-                    info = json.loads(meta.read_text())
-                    cards.append(VoiceCard(name=meta.stem, type="uploaded",
-                                           transcript=info.get("transcript"),
-                                           created_at=info.get("created_at"),
-                                           duration_s=info.get("duration_s")))
+        for name in self._names():
+            info = self._info(name)
+            if info is not None and (self.folder / f"{name}.wav").is_file():
+                cards.append(VoiceCard(name=name, type="uploaded",
+                                       transcript=info.get("transcript"),
+                                       created_at=info.get("created_at"),
+                                       duration_s=info.get("duration_s")))
         return cards
 
     def get(self, name: str) -> Voice | None:
-        """An uploaded voice, or None (no such upload; names that are not names included)."""
-        if not NAME.fullmatch(name):
-            return None
-        meta = self.folder / f"{name}.json"
-        if not meta.is_file():
+        """An uploaded voice in any case of its name, or None (no such upload, names that are
+        not names, one deleted while it was read)."""
+        stored = self._stored_name(name) if NAME.fullmatch(name) else None
+        info = None if stored is None else self._info(stored)
+        if info is None:
             return None
         import soundfile
 
-        samples, rate = soundfile.read(self.folder / f"{name}.wav", dtype="float32")
-        return Voice(samples, int(rate), json.loads(meta.read_text()).get("transcript"))
+        try:
+            samples, rate = soundfile.read(self.folder / f"{stored}.wav", dtype="float32")
+        except (OSError, soundfile.LibsndfileError):      # deleted since its json was read
+            return None
+        return Voice(samples, int(rate), info.get("transcript"))
 
     def add(self, name: str, data: bytes, transcript: str | None) -> VoiceCard:
         """Check and keep an upload (consent is the route's to check)."""
@@ -118,21 +146,25 @@ class VoiceStore:
         if self.is_preset(name):
             raise bad_request(f"name: {name!r} is a preset voice of this model; choose another "
                               "name", "name", "voice_is_preset")
-        if (self.folder / f"{name}.json").is_file():
-            raise APIError(409, f"name: a voice {name!r} exists already; delete it first",
-                           param="name", code="voice_exists")
+        if transcript is not None and len(transcript) > MAX_TRANSCRIPT_CHARS:
+            raise bad_request(f"transcript: {len(transcript)} characters, the limit is "
+                              f"{MAX_TRANSCRIPT_CHARS}", "transcript", "transcript_too_long")
         if len(data) > MAX_UPLOAD_BYTES:
             raise APIError(413, f"audio: the file is {len(data)} bytes, the limit is "
                                 f"{MAX_UPLOAD_BYTES}", param="audio", code="audio_too_large")
         samples, rate = check_clip(data, "audio")
         import soundfile
 
-        self.folder.mkdir(parents=True, exist_ok=True)
+        clip = io.BytesIO()
+        soundfile.write(clip, samples, rate, format="WAV", subtype="FLOAT")
         info = {"transcript": transcript, "created_at": int(time.time()), "consent": True,
                 "duration_s": round(len(samples) / rate, 3)}
-        self._write(f"{name}.wav", lambda f: soundfile.write(f, samples, rate, format="WAV",
-                                                             subtype="FLOAT"))
-        self._write(f"{name}.json", lambda f: f.write(json.dumps(info).encode()))
+        meta = json.dumps(info).encode()
+        with self._lock:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._check_room(name, len(clip.getvalue()) + len(meta))
+            self._write(f"{name}.wav", lambda f: f.write(clip.getvalue()))
+            self._write(f"{name}.json", lambda f: f.write(meta))
         return VoiceCard(name=name, type="uploaded", **{k: info[k] for k in (
             "transcript", "created_at", "duration_s")})
 
@@ -141,12 +173,61 @@ class VoiceStore:
         if self.is_preset(name):
             raise bad_request(f"{name!r} is a preset voice of this model; it cannot be deleted",
                               "name", "voice_is_preset")
-        meta = self.folder / f"{name}.json"
-        if not meta.is_file():
-            raise APIError(404, f"no uploaded voice {name!r}", param="name",
-                           code="voice_not_found")
-        meta.unlink()                   # unlisted first, then its clip
-        (self.folder / f"{name}.wav").unlink(missing_ok=True)
+        with self._lock:
+            stored = self._stored_name(name)
+            try:
+                if stored is None:
+                    raise FileNotFoundError(name)
+                (self.folder / f"{stored}.json").unlink()      # unlisted first, then its clip
+            except FileNotFoundError:
+                raise APIError(404, f"no uploaded voice {name!r}", param="name",
+                               code="voice_not_found") from None
+            (self.folder / f"{stored}.wav").unlink(missing_ok=True)
+
+    def _check_room(self, name: str, num_bytes: int) -> None:
+        """409 if the name is taken in any case; 400 past MAX_VOICES or MAX_VOICES_BYTES."""
+        stored = self._stored_name(name)
+        if stored is not None:
+            raise APIError(409, f"name: a voice {stored!r} exists already (names are unique "
+                                "in any case); delete it first", param="name",
+                           code="voice_exists")
+        names = self._names()
+        if len(names) >= self.max_voices:
+            raise bad_request(f"name: this server keeps at most {self.max_voices} uploaded "
+                              "voices; delete one first", "name", "too_many_voices")
+        used = 0
+        for entry in os.scandir(self.folder):
+            try:
+                used += entry.stat().st_size if entry.is_file() else 0
+            except FileNotFoundError:
+                pass
+        if used + num_bytes > self.max_bytes:
+            raise bad_request(f"audio: the voices would take {used + num_bytes} bytes on disk, "
+                              f"the limit is {self.max_bytes}; delete some first", "audio",
+                              "voice_storage_full")
+
+    def _names(self) -> list[str]:
+        """The uploads' names, sorted (their json present when the folder was read)."""
+        try:
+            entries = os.listdir(self.folder)
+        except FileNotFoundError:
+            return []
+        return sorted(e[:-5] for e in entries if e.endswith(".json") and NAME.fullmatch(e[:-5]))
+
+    def _stored_name(self, name: str) -> str | None:
+        """The upload's name as stored, whatever the case of `name`."""
+        if (self.folder / f"{name}.json").is_file():
+            return name
+        key = name.lower()
+        return next((n for n in self._names() if n.lower() == key), None)
+
+    def _info(self, name: str) -> dict[str, Any] | None:
+        """The voice's json, or None once it is deleted."""
+        try:
+            info = json.loads((self.folder / f"{name}.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        return info if isinstance(info, dict) else None
 
     def _write(self, filename: str, write: Callable[[BinaryIO], object]) -> None:
         """Into a temporary file beside the target, then renamed over it."""
@@ -171,8 +252,10 @@ def voice_form_schema() -> dict[str, Any]:
         "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
         "audio": {"type": "string", "format": "binary",
                   "description": f"the reference clip (any format PyAV reads), at most "
-                                 f"{MAX_UPLOAD_BYTES} bytes, {MIN_CLIP_S} to {MAX_CLIP_S} s"},
-        "transcript": {"type": "string", "description": "what the clip says (better clones)"},
+                                 f"{MAX_UPLOAD_BYTES} bytes, {MIN_CLIP_S} to {MAX_CLIP_S} s, "
+                                 f"{MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE} Hz"},
+        "transcript": {"type": "string", "maxLength": MAX_TRANSCRIPT_CHARS,
+                       "description": "what the clip says (better clones)"},
         "consent": {"type": "boolean", "description": "the speaker agreed to be cloned: must "
                                                       "be true"}}}
 

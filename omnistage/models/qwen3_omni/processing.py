@@ -41,6 +41,7 @@ from omnistage.models.qwen3_omni.audio_encoder import output_lengths, read_think
 from omnistage.models.qwen3_omni.audio_input import load_audio, resample
 from omnistage.models.qwen3_omni.mrope import mrope_positions
 from omnistage.models.qwen3_omni.multimodal import SpecialTokens, ThinkerInputs
+from omnistage.utils.audio import check_sample_rate
 
 DEFAULT_MAX_IMAGE_PIXELS = 1 << 25      # 33.5 M: an 8K UHD frame (7680 x 4320) still fits
 DEFAULT_VIDEO_FPS = 2.0
@@ -190,6 +191,7 @@ class InputProcessor:
             raise ValueError(f"{where}.sample_rate: needed with a raw waveform")
         if not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
             raise ValueError(f"{where}.sample_rate: expected a positive int, got {sample_rate!r}")
+        check_sample_rate(int(sample_rate), f"{where}.sample_rate")
         if isinstance(audio, Tensor):
             audio = audio.detach().cpu().numpy()
         try:

@@ -11,7 +11,7 @@ import numpy as np
 
 from omnistage.entrypoints.openai.errors import bad_request
 from omnistage.entrypoints.openai.realtime.protocol import INPUT_RATE
-from omnistage.utils.audio import resample
+from omnistage.utils.audio import check_sample_rate, resample
 
 
 class AudioBuffer:
@@ -61,6 +61,10 @@ def decode_pcm16(b64: object, rate: int, param: str) -> np.ndarray:
     """Base64 PCM16 mono little-endian at `rate` -> float32 samples at 16 kHz."""
     if not isinstance(b64, str):
         raise bad_request(f"{param}: base64 PCM16 audio (a string) is required", param)
+    try:
+        check_sample_rate(rate, f"{param}: the input rate")
+    except ValueError as exc:
+        raise bad_request(str(exc), param, "invalid_audio") from None
     try:
         data = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError):
