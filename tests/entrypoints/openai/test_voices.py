@@ -27,7 +27,6 @@ import soundfile
 
 from omnistage.configs.schema import GraphConfig, StageConfig
 from omnistage.engine.inputs import parse_prompt
-from omnistage.entrypoints.openai import voices as voices_module
 from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
 from omnistage.entrypoints.openai.errors import APIError
 from omnistage.entrypoints.openai.media import MediaLoader, MediaPolicy
