@@ -41,6 +41,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import Future
@@ -70,10 +71,28 @@ def require_ray() -> Any:
 
 def connect(address: str | None) -> None:
     """Join the Ray cluster at `address` (None: RAY_ADDRESS or a running `ray start`, else a
-    new local cluster) unless this process already has; a cluster started here ends with it."""
+    new local cluster) unless this process already has. A cluster started here ends with this
+    process, however it ends: its reaper (ray_reaper.py), started first so that a death
+    during ray.init is covered too, learns the cluster's session folder (or that there is
+    none of ours) and ends the session's processes once this one is gone."""
     ray = require_ray()
-    if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    if ray.is_initialized():
+        return
+    global _reaper
+    if _reaper is None or _reaper.poll() is not None:
+        _reaper = subprocess.Popen(
+            [sys.executable, "-I", str(Path(__file__).with_name("ray_reaper.py")),
+             str(os.getpid()), os.path.dirname(ray.__file__)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True, text=True)
+    ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    node = ray._private.worker._global_node
+    if _reaper.stdin is not None:     # one line: the session folder, or empty (none of ours)
+        _reaper.stdin.write(f"{node.get_session_dir_path() if node.head else ''}\n")
+        _reaper.stdin.close()
+        _reaper.stdin = None
+
+
+_reaper: subprocess.Popen | None = None    # this process's, for its life
 
 
 def driver_node() -> tuple[str, str]:
@@ -184,7 +203,7 @@ class RayRank:
 def start_ranks(specs: list[WorkerSpec], stage: StageConfig) -> list[RayRank]:
     """One actor per rank of one replica, all in one placement group on one node; their
     rendezvous folder (on that node) new for each start."""
-    ray = require_ray()
+    require_ray()
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -199,10 +218,10 @@ def start_ranks(specs: list[WorkerSpec], stage: StageConfig) -> list[RayRank]:
     ranks = []
     for i, spec in enumerate(specs):
         spec = replace(spec, run_dir=run_dir)
-        options = dict(num_cpus=0 if gpu else 0.01, num_gpus=share if gpu else 0,
-                       resources=dict(stage.ray_resources), max_restarts=0,
-                       runtime_env={"env_vars": _stage_env()},
-                       scheduling_strategy=PlacementGroupSchedulingStrategy(group, i))
+        options = {"num_cpus": 0 if gpu else 0.01, "num_gpus": share if gpu else 0,
+                   "resources": dict(stage.ray_resources), "max_restarts": 0,
+                   "runtime_env": {"env_vars": _stage_env()},
+                   "scheduling_strategy": PlacementGroupSchedulingStrategy(group, i)}
         ranks.append(RayRank(actor_class.options(**options).remote(spec), spec.stage, group))
     return ranks
 
