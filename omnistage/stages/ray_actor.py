@@ -72,27 +72,38 @@ def require_ray() -> Any:
 def connect(address: str | None) -> None:
     """Join the Ray cluster at `address` (None: RAY_ADDRESS or a running `ray start`, else a
     new local cluster) unless this process already has. A cluster started here ends with this
-    process, however it ends: its reaper (ray_reaper.py), started first so that a death
-    during ray.init is covered too, learns the cluster's session folder (or that there is
-    none of ours) and ends the session's processes once this one is gone."""
+    process, however it ends: a reaper, started first so that a death during ray.init is
+    covered too, learns the cluster's session folder (or that there is none of ours)."""
     ray = require_ray()
     if ray.is_initialized():
         return
-    global _reaper
-    if _reaper is None or _reaper.poll() is not None:
-        _reaper = subprocess.Popen(
-            [sys.executable, "-I", str(Path(__file__).with_name("ray_reaper.py")),
-             str(os.getpid()), os.path.dirname(ray.__file__)],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True, text=True)
+    reaper = start_reaper(os.path.dirname(ray.__file__))
     ray.init(address=address, include_dashboard=False, log_to_driver=True)
     node = ray._private.worker._global_node
-    if _reaper.stdin is not None:     # one line: the session folder, or empty (none of ours)
-        _reaper.stdin.write(f"{node.get_session_dir_path() if node.head else ''}\n")
-        _reaper.stdin.close()
-        _reaper.stdin = None
+    tell_reaper(reaper, node.get_session_dir_path() if node.head else None)
 
 
-_reaper: subprocess.Popen | None = None    # this process's, for its life
+_reapers: list[subprocess.Popen] = []    # this process's, one per cluster it started
+
+
+def start_reaper(ray_dir: str) -> subprocess.Popen:
+    """A process (ray_reaper.py, a session of its own) that waits for this one to end, then
+    ends the processes of the Ray session it is told of; `ray_dir`: Ray's package folder."""
+    reaper = subprocess.Popen(
+        [sys.executable, "-I", str(Path(__file__).with_name("ray_reaper.py")),
+         str(os.getpid()), ray_dir],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True, text=True)
+    _reapers.append(reaper)
+    return reaper
+
+
+def tell_reaper(reaper: subprocess.Popen, session_dir: str | None) -> None:
+    """One line: the session folder of the cluster this process started, or empty (None:
+    it joined one it did not start; the reaper ends)."""
+    assert reaper.stdin is not None, "told already"
+    reaper.stdin.write(f"{session_dir or ''}\n")
+    reaper.stdin.close()
+    reaper.stdin = None
 
 
 def driver_node() -> tuple[str, str]:

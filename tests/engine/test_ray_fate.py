@@ -90,6 +90,8 @@ def test_a_server_with_its_own_cluster_leaves_no_process(tiny_qwen3: Path, tmp_p
             left = [command_line(p) or str(p) for p in set(still_running(ours)) | naming(session)]
             assert time.monotonic() < deadline, f"left {GONE_TIMEOUT_S} s after {sig!r}: {left}"
             time.sleep(0.2)
+        print(f"\n{sig.name}: {len(ours)} processes, all gone "
+              f"{time.monotonic() - deadline + GONE_TIMEOUT_S:.1f} s after the server")
     finally:
         if server.poll() is None:
             server.kill()
