@@ -31,7 +31,8 @@ the StageSet already does for both backends; Ray's restart would re-run the acto
 behind our back.
 
 Actors are not detached: they belong to the driver's job, and Ray ends them (and their
-placement groups) when the serving process exits or is killed.
+placement groups) when the serving process exits or is killed. A local cluster the serving
+process started (no address) ends with it too, Ray's daemons included: ray_reaper.py.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def connect(address: str | None) -> None:
     tell_reaper(reaper, node.get_session_dir_path() if node.head else None)
 
 
-_reapers: list[subprocess.Popen] = []    # this process's, one per cluster it started
+_reapers: list[subprocess.Popen] = []    # held for this process's life (one per ray.init)
 
 
 def start_reaper(ray_dir: str) -> subprocess.Popen:
