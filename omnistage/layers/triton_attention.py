@@ -49,7 +49,7 @@ from torch import Tensor
 
 from omnistage.layers import pdl
 from omnistage.layers import triton_decode_attention as tda
-from omnistage.layers.attention import AttentionMetadata, TorchPagedAttention
+from omnistage.layers.attention_backend import AttentionMetadata, TorchPagedAttention
 
 DECODE_BLOCK_M = 16    # rows of a decode tile: tl.dot needs at least 16
 PREFILL_BLOCK_M = 64
