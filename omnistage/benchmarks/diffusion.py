@@ -352,16 +352,22 @@ def engine_figures(pipe, text: Tensor, cfg: EngineRun, device: torch.device
 
 # ---- the run ------------------------------------------------------------------------------
 
-def run(cfg: DiffusionBenchConfig) -> dict[str, object]:
+# the FP8 part of a run (diffusion_fp8.bench_fp8), passed in by the caller: that module builds
+# on this one, so this one does not import it
+Fp8Bench = Callable[..., dict]
+
+
+def run(cfg: DiffusionBenchConfig, fp8: Fp8Bench | None = None) -> dict[str, object]:
+    """The whole benchmark; with `cfg.quantization`, `fp8` (diffusion_fp8.bench_fp8) adds
+    our transformer with FP8 linears."""
     device = resolve_device(cfg.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     transformer_result, ours, text = bench_transformers(cfg, device, dtype)
     engine_result, image = bench_engine(ours, text, cfg, device, dtype)
     fp8_result = None
     if cfg.quantization:
-        from omnistage.benchmarks.diffusion_fp8 import bench_fp8
-
-        fp8_result = bench_fp8(ours, image, transformer_result, cfg, device, dtype)
+        assert fp8 is not None, "quantization asked without the fp8 bench (diffusion_fp8)"
+        fp8_result = fp8(ours, image, transformer_result, cfg, device, dtype)
     del ours
     free_device_memory(device)
     best = engine_result["step_cache_best_at_30db"]

@@ -408,7 +408,12 @@ def _run_omni(args: argparse.Namespace) -> Outcome:
         backend=args.backend, chunk_frames=args.chunk_frames, stage_config=args.stage_config,
         ray_address=args.ray_address,
         stage_overrides=(*args.replicas, *args.stage_override))
-    result = omni.run(cfg)
+    if cfg.model == "qwen2.5-omni":   # its own bench, on omni.py's config and helpers
+        from omnistage.benchmarks import omni25
+
+        result = omni25.run(cfg)
+    else:
+        result = omni.run(cfg)
     tp = f"_tp{cfg.tensor_parallel_size}" if cfg.tensor_parallel_size > 1 else ""
     return result, f"omni_{cfg.model}-{cfg.sizes}{tp}", result["ratios"]
 
@@ -478,7 +483,9 @@ def _run_diffusion(args: argparse.Namespace) -> Outcome:
         size=args.size, steps=args.steps, num_layers=args.num_layers,
         text_len=args.text_len or 64, cache_thresholds=args.cache_thresholds,
         concurrency=args.concurrency, compile=args.compile, quantization=args.quantization)
-    result = diffusion.run(cfg)
+    from omnistage.benchmarks.diffusion_fp8 import bench_fp8
+
+    result = diffusion.run(cfg, fp8=bench_fp8)
     suffix = f"_{cfg.quantization}" if cfg.quantization else ""
     return result, f"diffusion_{cfg.sizes}_{cfg.size}px{suffix}", result["ratios"]
 
