@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from omnistage.configs.parse import from_dict
+from omnistage.configs.strict import from_dict
 from omnistage.sampling_params import SamplingParams
 
 StageKind = Literal["ar", "diffusion", "generation"]
