@@ -59,3 +59,71 @@ def test_the_check_sees_imports(tmp_path: Path) -> None:
     src.write_text("from omnistage.ar.engine import AREngine\n"
                    "def f():\n    import omnistage.stages.worker\n")
     assert imported_floors(src) == {("ar", 1), ("stages", 3)}
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Each omnistage module -> the omnistage modules it imports (lazy and TYPE_CHECKING
+    imports included; `from pkg import name` counts as pkg.name when that is a module)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    head = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(head + ([base] if base else []))
+                targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+            for target in targets:
+                found = resolve(target) if target.startswith("omnistage") else None
+                # a package's own __init__ (the lazy `omnistage` front) is not an edge
+                if found and found != module and modules[found].name != "__init__.py":
+                    edges[module].add(found)
+    return edges
+
+
+def test_no_import_circles() -> None:
+    """No module reaches itself through imports, lazy ones included: a circle means a piece
+    lives on the wrong floor (move it down, or pass it in)."""
+    edges = module_imports()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:   # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)

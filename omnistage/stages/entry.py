@@ -1,5 +1,5 @@
 """A stage process's entry point: `python -m omnistage.stages.entry`, started by
-`process.start_stage_process` with a pickled `ProcessStart` on its stdin.
+`launch.start_stage_process` with a pickled `ProcessStart` on its stdin.
 
 A module of our own rather than multiprocessing's spawn: spawn's child runs the parent's main
 script again (`spawn.prepare` imports `sys.modules['__main__'].__file__` as `__mp_main__`), so a

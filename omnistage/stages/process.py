@@ -1,10 +1,10 @@
 """Starting stage workers: one process each (process backend) or one thread each (inproc
 backend), with the same worker code behind the same kind of sockets.
 
-A stage process is `python -m omnistage.stages.entry`, its start arguments (a `ProcessStart`)
-pickled down its stdin: not multiprocessing's spawn, whose child imports the user's main script
-again (so every script needed an `if __name__ == "__main__":` guard, and `python - < script`
-could not work at all). It is named `omnistage: stage NAME` in ps (entry.py).
+A stage process is `python -m omnistage.stages.entry`, its start arguments (a `ProcessStart`,
+launch.py) pickled down its stdin: not multiprocessing's spawn, whose child imports the user's
+main script again (so every script needed an `if __name__ == "__main__":` guard, and
+`python - < script` could not work at all). It is named `omnistage: stage NAME` in ps (entry.py).
 
 Process lifecycle:
 - ready handshake: a worker sends Ready (or StartupFailed with the reason) once its model is
@@ -22,7 +22,6 @@ import ctypes
 import gc
 import logging
 import os
-import pickle
 import shutil
 import signal
 import subprocess
@@ -30,9 +29,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
-from multiprocessing import resource_tracker
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import zmq
@@ -41,6 +37,8 @@ from omnistage.configs.schema import GraphConfig, StageConfig
 from omnistage.connectors.base import Connector, make_connector
 from omnistage.stages import messages as m
 from omnistage.stages import ranks
+# WorkerSpec is re-exported: the engine's stage set imports it here with StageRunner
+from omnistage.stages.launch import WorkerSpec, start_stage_process
 from omnistage.stages.liveness import LivenessThread
 from omnistage.utils import trace
 
@@ -50,37 +48,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WATCHDOG_PERIOD_S = 0.2
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    stage: str
-    graph: GraphConfig
-    inbox: str               # zmq address the worker PULLs from (the orchestrator binds it)
-    outbox: str              # zmq address the worker PUSHes to (the orchestrator binds it)
-    device: str              # "cpu" or "cuda:N"
-    shm_namespace: str
-    run_dir: str             # the orchestrator's folder of ipc sockets
-    tcp_host: str = "127.0.0.1"
-    rank: int = 0            # of a stage over several devices (stages/ranks.py); 0 speaks
-    replica: int = 0         # which whole copy of the stage (StageConfig.replicas)
-    # backend ray (stages/ray_actor.py): the node this rank runs on, the serving process's
-    # node and pid, and the tag of this stage's shm segments (so that a stage whose actor
-    # died frees its own segments, not its neighbours')
-    node: str = ""
-    driver_node: str = ""
-    driver_pid: int = 0
-    shm_tag: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessStart:
-    """What a stage process is started with (pickled down its stdin)."""
-    spec: WorkerSpec
-    parent_pid: int
-    sys_path: tuple[str, ...]     # the parent's, so that the stage imports what it imports
-    tracker_fd: int               # the parent's resource tracker (see start_stage_process)
-    log_level: int = logging.WARNING   # the parent's: a server at INFO hears the stages' lines
 
 
 def check_gpu_placement(graph: GraphConfig, device: str) -> None:
@@ -282,33 +249,6 @@ def _die_with_parent(spec: WorkerSpec, parent_pid: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
-
-
-def start_stage_process(spec: WorkerSpec, new_session: bool = False) -> subprocess.Popen:
-    """Start `python -m omnistage.stages.entry` for one stage. The child imports this very
-    omnistage (the folder above the package goes first on its PYTHONPATH; -P keeps the current
-    folder off its path) and shares the parent's resource tracker, as multiprocessing's spawn
-    children do, instead of starting one of its own (shm.py registers each segment with it
-    for a moment). `new_session`: out of the parent's process group, so that a signal to the
-    whole group (Ray ending an actor's worker) reaches the stage only as its parent's death,
-    which it answers by cleaning up."""
-    resource_tracker.ensure_running()
-    tracker_fd = resource_tracker.getfd()
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "omnistage.stages.entry"],
-                            stdin=subprocess.PIPE, env=env, pass_fds=(tracker_fd,),
-                            start_new_session=new_session)
-    start = ProcessStart(spec, os.getpid(), tuple(sys.path), tracker_fd,
-                         logging.getLogger().getEffectiveLevel())
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write(pickle.dumps(start))
-        proc.stdin.close()
-    except BrokenPipeError:   # died at import: StageSet reports its exit, its stderr says why
-        pass
-    return proc
 
 
 def process_main(spec: WorkerSpec, parent_pid: int, log_level: int = logging.WARNING) -> None:

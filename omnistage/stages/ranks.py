@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from omnistage.configs.schema import GraphConfig, ParallelSizes, StageConfig
 
 if TYPE_CHECKING:
-    from omnistage.stages.process import WorkerSpec
+    from omnistage.stages.launch import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ from omnistage.configs.schema import StageConfig
 from omnistage.registry import FAMILY_MODULES_ENV
 
 if TYPE_CHECKING:
-    from omnistage.stages.process import WorkerSpec
+    from omnistage.stages.launch import WorkerSpec
 
 PLACEMENT_TIMEOUT_S = 60.0
 
@@ -122,7 +122,7 @@ def _actor_class() -> Any:
         """Holds one stage rank's resources on its node; its child process is the stage."""
 
         def __init__(self, spec: WorkerSpec) -> None:
-            from omnistage.stages.process import start_stage_process
+            from omnistage.stages.launch import start_stage_process
 
             self.spec = replace(spec, node=ray.get_runtime_context().get_node_id(),
                                 tcp_host=ray.util.get_node_ip_address(),
