@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from omnistage.models.diffusers_loader import build_from_folder, read_config
 
 EPS = 1e-6   # every GroupNorm of the VAE
+UNTILED_MAX_PIXELS = 2048 * 2048   # `decode_images`: pixels decoded whole in one call
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +279,20 @@ class AutoencoderKL(nn.Module):
                     _blend(row[j - 1], t, blend, dim=3)
             out_rows.append(torch.cat([t[:, :, :keep, :keep] for t in row], dim=3))
         return torch.cat(out_rows, dim=2)                        # (B, 3, H, W)
+
+    def decode_images(self, latents: Tensor, max_pixels: int = UNTILED_MAX_PIXELS) -> Tensor:
+        """What a pipeline decodes with: raw latents (B,C,h,w) -> images (B,3,H,W), each
+        image whole, as diffusers' pipelines decode (their VAE tiles only after
+        `enable_tiling()`), as many images per call as hold `max_pixels` together; an image
+        larger than `max_pixels` in tiles (`decode_tiled`), which bounds the memory at any
+        size. The bound is ours, not the checkpoint's `sample_size`: a config that leaves that
+        at diffusers' default (32 px) would otherwise send nearly every image through tiles,
+        whose seams and per-tile GroupNorm statistics change the picture."""
+        pixels = latents.shape[-2] * latents.shape[-1] * self.cfg.downscale ** 2
+        if pixels > max_pixels:
+            return self.decode_tiled(latents)
+        per_call = max(1, max_pixels // pixels)
+        return torch.cat([self.decode(chunk) for chunk in latents.split(per_call)])
 
     def normalize(self, latents: Tensor) -> Tensor:   # raw -> the diffusion model's space
         return (latents - (self.cfg.shift_factor or 0.0)) * self.cfg.scaling_factor

@@ -6,6 +6,7 @@ requests refused at the boundary; served through `Omni` by its default graph."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,32 @@ STEPS, GUIDANCE, SEEDS = 4, 4.5, (0, 7)
 Pair = tuple["diffusers.StableDiffusion3Pipeline", sd3.StableDiffusion3Pipeline, Path]
 
 
+@dataclass(frozen=True)
+class TinySD3:
+    """The sizes of a tiny random SD3.5 folder. BASE: the medium-like folder most tests use;
+    ODD: one where nothing happens to line up (caption projection 24 against the T5 width 56,
+    CLIPs 16 + 32 zero-padded to 56, 16 latent channels, the VAE's sample_size left at
+    diffusers' default of 32 px, so every image here is larger than it)."""
+
+    clip_widths: tuple[int, int] = (32, 24)
+    clip_projection: int = 12               # each CLIP's; pooled = 2x this
+    t5_width: int = 40                      # = the transformer's joint_attention_dim
+    heads: int = 2
+    head_dim: int = 8                       # caption_projection_dim = heads * head_dim
+    sample_size: int = 16
+    pos_embed_max_size: int = 12
+    latent_channels: int = 4
+    vae_sample_size: int | None = 64        # None: diffusers' default (32)
+    shift_factor: float = 0.0609
+    scaling_factor: float = 1.5305
+
+
+BASE = TinySD3()
+ODD = TinySD3(clip_widths=(16, 32), clip_projection=20, t5_width=56, heads=4, head_dim=6,
+              sample_size=24, pos_embed_max_size=40, latent_channels=16, vae_sample_size=None,
+              shift_factor=0.07, scaling_factor=1.3)
+
+
 def clip(vocab: int, hidden: int, projection: int) -> transformers.CLIPTextModelWithProjection:
     return transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=37, num_attention_heads=4,
@@ -41,36 +68,42 @@ def clip(vocab: int, hidden: int, projection: int) -> transformers.CLIPTextModel
         hidden_act="gelu", bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
 
 
-def build_reference(path: Path) -> diffusers.StableDiffusion3Pipeline:
+def build_reference(path: Path, sizes: TinySD3 = BASE) -> diffusers.StableDiffusion3Pipeline:
     """diffusers' StableDiffusion3Pipeline from tiny random components, saved to `path`."""
     torch.manual_seed(0)
     tokenizer = build_tiny_tokenizer(path / "tok")
     tokenizer.model_max_length = 77                     # CLIP's; diffusers pads to it
     vocab = len(tokenizer)
     text_encoder_3 = transformers.T5EncoderModel(transformers.T5Config(
-        vocab_size=vocab, d_model=40, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+        vocab_size=vocab, d_model=sizes.t5_width, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
         relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=2,
         decoder_start_token_id=0)).eval()
     transformer = diffusers.SD3Transformer2DModel(
-        sample_size=16, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=40, caption_projection_dim=16,
-        pooled_projection_dim=24, out_channels=4, pos_embed_max_size=12,
-        dual_attention_layers=(0,), qk_norm="rms_norm").eval()
+        sample_size=sizes.sample_size, patch_size=2, in_channels=sizes.latent_channels,
+        num_layers=3, attention_head_dim=sizes.head_dim, num_attention_heads=sizes.heads,
+        joint_attention_dim=sizes.t5_width, caption_projection_dim=sizes.heads * sizes.head_dim,
+        pooled_projection_dim=2 * sizes.clip_projection, out_channels=sizes.latent_channels,
+        pos_embed_max_size=sizes.pos_embed_max_size, dual_attention_layers=(0,),
+        qk_norm="rms_norm").eval()
+    vae_sample_size = {} if sizes.vae_sample_size is None else {
+        "sample_size": sizes.vae_sample_size}
     vae = diffusers.AutoencoderKL(
         in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
-        latent_channels=4, norm_num_groups=4, sample_size=64, use_quant_conv=False,
-        use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5305).eval()
+        latent_channels=sizes.latent_channels, norm_num_groups=4, use_quant_conv=False,
+        use_post_quant_conv=False, shift_factor=sizes.shift_factor,
+        scaling_factor=sizes.scaling_factor, **vae_sample_size).eval()
     with torch.no_grad():   # diffusers zero-inits some layers: make every path count
         for model in (transformer, vae):
             for name, p in model.named_parameters():
                 if name != "pos_embed.pos_embed":
                     p.normal_(0.0, 0.15)
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)      # SD3's config
+    width_l, width_g = sizes.clip_widths
     pipe = diffusers.StableDiffusion3Pipeline(
         transformer=transformer, scheduler=scheduler, vae=vae,
-        text_encoder=clip(vocab, 32, 12), tokenizer=tokenizer,
-        text_encoder_2=clip(vocab, 24, 12), tokenizer_2=tokenizer,
+        text_encoder=clip(vocab, width_l, sizes.clip_projection), tokenizer=tokenizer,
+        text_encoder_2=clip(vocab, width_g, sizes.clip_projection), tokenizer_2=tokenizer,
         text_encoder_3=text_encoder_3, tokenizer_3=tokenizer)
     pipe.set_progress_bar_config(disable=True)
     pipe.save_pretrained(path)
@@ -132,6 +165,31 @@ def test_matches_diffusers(pair: Pair) -> None:
     assert out.dtype == torch.uint8 and out.shape == (2, HEIGHT, WIDTH, 3)
     quantized = (expected_images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
     assert (out.int() - quantized.int()).abs().max() <= 1
+    assert out.float().std() > 1.0, "the tiny pipeline should not draw a flat image"
+
+
+def test_odd_sizes_match_diffusers(tmp_path: Path) -> None:
+    """ODD's folder (nothing lines up; the image larger than the VAE's default sample_size,
+    which diffusers' pipeline decodes whole, not in tiles), a wide image with CFG and a
+    negative prompt: the latents, the float images and the uint8 output as diffusers'."""
+    ref = build_reference(tmp_path, ODD)
+    ours = sd3.StableDiffusion3Pipeline.from_pretrained(tmp_path, "sd3", torch.device("cpu"),
+                                                       torch.float32)
+    ours.prompt_encoder.max_sequence_length = SEQ
+    size = dict(height=48, width=80, num_inference_steps=3, guidance_scale=5.0,
+                negative_prompt=NEGATIVE)
+    latents, out = run_alone(ours, PROMPTS[1], DiffusionParams(seed=5, **size))
+    with torch.no_grad():
+        expected, expected_images = (
+            ref(PROMPTS[1], generator=torch.Generator().manual_seed(5), output_type=kind,
+                max_sequence_length=SEQ, return_dict=False, **size)[0]
+            for kind in ("latent", "pt"))
+        images = ours.decode_float(latents, DiffusionParams(height=48, width=80))
+    assert expected.shape == (1, 16, 24, 40) and expected.abs().mean() > 0.3
+    torch.testing.assert_close(latents, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(images, expected_images, atol=1e-4, rtol=0)
+    quantized = (expected_images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+    assert out.shape == (1, 48, 80, 3) and (out.int() - quantized.int()).abs().max() <= 1
     assert out.float().std() > 1.0, "the tiny pipeline should not draw a flat image"
 
 

@@ -92,6 +92,30 @@ def test_default_tile_follows_sample_size(tmp_path: Path) -> None:
                                    atol=ATOL, rtol=RTOL)
 
 
+def test_pipelines_decode_whole_images_until_the_pixel_bound(tmp_path: Path) -> None:
+    """`decode_images`: images larger than the VAE's sample_size (32 px here) decode whole,
+    as diffusers' pipelines do without `enable_tiling()`, a few per call under the bound;
+    one image over the bound decodes in sample_size tiles, as diffusers' with tiling on."""
+    ref = save_reference(tmp_path, use_quant_conv=False)
+    ours = AutoencoderKL.from_pretrained(tmp_path)
+    latents = torch.randn(3, 4, 20, 28, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = ref.decode(latents).sample                                 # (3, 3, 40, 56)
+        torch.testing.assert_close(ours.decode_images(latents), whole, atol=ATOL, rtol=RTOL)
+        calls = []                              # one image's 40x56 px: two a call, then one
+        hook = ours.decoder.register_forward_hook(lambda m, i, o: calls.append(o.shape[0]))
+        try:
+            out = ours.decode_images(latents, max_pixels=2 * 40 * 56 + 1)
+        finally:
+            hook.remove()
+        assert calls == [2, 1]
+        torch.testing.assert_close(out, whole, atol=ATOL, rtol=RTOL)
+        ref.enable_tiling()                                                # latent tile 16
+        torch.testing.assert_close(ours.decode_images(latents, max_pixels=40 * 56 - 1),
+                                   ref.decode(latents).sample, atol=ATOL, rtol=RTOL)
+        assert not torch.allclose(ref.decode(latents).sample, whole, atol=1e-3)
+
+
 def test_misshaped_tensor_is_named(tmp_path: Path) -> None:
     save_reference(tmp_path, use_quant_conv=True)
     weights = load_file(tmp_path / WEIGHTS)

@@ -16,7 +16,8 @@
               pred = neg + g * (pos - neg); skip-layer guidance (when the pipeline has it, on
               a request's steps i with N*start < i < N*stop): pred += s * (pos - pos without
               the skipped blocks), one more call over those rows
-    decode:   z / scaling + shift -> VAE (in tiles when larger than its sample_size) ->
+    decode:   z / scaling + shift -> VAE, each image whole as diffusers' (in tiles only
+              above 2048 x 2048 px: AutoencoderKL.decode_images) ->
               (x/2 + 0.5).clamp(0, 1) -> uint8
 
 Every network is ours (two CLIP text encoders with projection, T5, the MMDiT, the VAE);
@@ -359,5 +360,5 @@ class StableDiffusion3Pipeline(LatentPipelineBase):
         """latents (n, C, h, w) -> float32 images (n, 3, H, W) in [0, 1], what diffusers
         returns for output_type="pt" (before the quantization of `decode`)."""
         z = self.vae.denormalize(latents.to(self.device, self.vae_dtype))   # (n, C, h, w)
-        images = self.vae.decode_tiled(z)                   # (n, 3, H, W); tiles if large
+        images = self.vae.decode_images(z)                  # (n, 3, H, W); tiles if huge
         return (images / 2 + 0.5).clamp(0, 1).float()
