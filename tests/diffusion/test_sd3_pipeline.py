@@ -1,8 +1,10 @@
 """Our StableDiffusion3Pipeline in our engine against diffusers' on a tiny random
 SD3.5-medium-like folder (qk RMS-norm, a dual-attention block; CLIP-L and CLIP-G with
 projection, T5, the 16-channel-style VAE with shift and scaling), float32: two prompts batched
-with CFG and a negative prompt over several steps, skip-layer guidance, the images; bad
-requests refused at the boundary; served through `Omni` by its default graph."""
+with CFG and a negative prompt over several steps, skip-layer guidance, the images; a second
+folder of odd sizes (TinySD3: the builder takes them) with an image larger than its VAE's
+sample_size; bad requests refused at the boundary; served through `Omni` by its default
+graph."""
 
 from __future__ import annotations
 
