@@ -25,6 +25,7 @@ FAULT_TEXT = {
     "segment": "its /dev/shm segments removed (1 s of `rm`)",
     "oom": "out-of-memory error raised in a step",
     "hang": "a step hung past the deadline",
+    "slow": "a step slower than the liveness timeout (3.5 s), which returns",
 }
 
 HEAD = """# Reliability
@@ -44,11 +45,14 @@ injected into one stage; then:
 - **/health**: what `/health` said when the first request failed (`503` while the stage has
   no live replica; `-`: no request failed).
 - **recovers**: `/health` back to `ok` and a new request served. Stages run with
-  `max_restarts` (a dead or hung stage process is restarted) and `step_timeout_s: 3` (a stage
-  whose loop sends no heartbeat for that long is killed as hung; the default is 600 s).
+  `max_restarts` (a dead or hung stage process is restarted), `liveness_timeout_s: 2` (a
+  stage process, any rank, that sends no liveness beat for that long is stopped, and is
+  killed; the beats come from a thread of their own, so a long step does not stop them; the
+  default is 10 s) and `step_timeout_s: 6` (a stage whose loop sends no heartbeat for that
+  long is stuck in a step, and is killed; the default is 600 s).
 - **ended in / back in**: seconds from the fault until every request had ended, and from then
   until a new request was served. Where the requests end `ok` (segments removed while every
-  chunk travelled inline), "ended in" is simply their length: 100 tokens or 50 denoising
+  chunk travelled inline; a slow step), "ended in" is simply their length: 100 tokens or 50 denoising
   steps each (400 tokens or 200 steps for the other faults). The times come from a shared 2-core CPU machine under other work: upper bounds,
   not benchmarks.
 

@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 50
 SEND_TIMEOUT_MS = 1000
+# The router judges silence every iteration (a poll of POLL_MS, then what came): a longer gap
+# between two judgments is its own stall (this process starved of CPU, a long wait for the
+# GIL), during which it read no beat, so it counts as nobody's silence.
+JUDGE_GAP_S = 0.25
 
 
 Replica = tuple[str, int]      # (stage, replica index)
@@ -81,6 +85,7 @@ class StageSet:
         self.nodes: dict[Replica, str] = {}           # each replica's node (backend ray)
         self.last_beat: dict[Replica, float] = {}     # monotonic: its Ready or last Heartbeat
         self.last_alive: dict[Replica, list[float]] = {}   # per rank: Ready or LivenessBeat
+        self._judged_at: float | None = None          # the router's last end_hung
         self._consumers = {s.name: {d.name for d, _ in downstream(graph, s.name)}
                            for s in graph.stages}
         try:
@@ -203,7 +208,15 @@ class StageSet:
         """SIGKILL every rank of each running replica found silent at `now` (a stopped process
         takes no SIGTERM): its requests would wait forever. newly_dead() then reports it. Only
         the router calls this, `now` the moment it had read every message waiting: a beat not
-        read yet must not count as silence. Threads (backend inproc) cannot be ended."""
+        read yet must not count as silence, nor does a stall of the router's own (JUDGE_GAP_S):
+        after one, the beats that came meanwhile may still be on their way in. Threads
+        (backend inproc) cannot be ended."""
+        stalled = 0.0 if self._judged_at is None else now - self._judged_at - JUDGE_GAP_S
+        self._judged_at = now
+        if stalled > 0:
+            for replica, seen in self.last_beat.items():
+                self.last_beat[replica] = seen + stalled
+                self.last_alive[replica] = [t + stalled for t in self.last_alive[replica]]
         for replica in self.last_beat:
             runner = self.runners[replica[0]][replica[1]]
             if (replica in self.down or replica in self.starting or not runner.processes

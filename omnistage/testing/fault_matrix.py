@@ -4,7 +4,7 @@ under load, one fault injected into one stage, and what followed, measured.
     load = Load(omni, prompts, params)         a few long requests submitted at once
     load.wait_started()                        every one has output: the stage holds work
     inject(omni, stage, fault, fault_dir)      SIGKILL / SIGTERM / SIGSTOP / segments removed /
-                                               OOM or a hung step (stages/faults.py)
+                                               OOM, a hung step or a slow one (stages/faults.py)
     outcome = load.settle()                    each request's end (ok, or its error kind), the
                                                health when the first one failed; every wait
                                                has a deadline
@@ -27,8 +27,10 @@ from omnistage.entrypoints.omni import Omni
 from omnistage.outputs import RequestEvent
 from omnistage.stages.faults import arm
 
-FAULTS = ("sigkill", "sigterm", "sigstop", "segment", "oom", "hang")
+FAULTS = ("sigkill", "sigterm", "sigstop", "segment", "oom", "hang", "slow")
 HUNG_STEP_S = 30.0      # a hung step sleeps this long: far past any test's step_timeout_s
+SLOW_STEP_S = 3.5       # a slow step sleeps this long, then returns: past the matrix's
+                        # liveness_timeout_s, within its step_timeout_s
 
 
 def health(omni: Omni) -> str:
@@ -103,6 +105,8 @@ def inject(omni: Omni, stage: str, fault: str, fault_dir: Path, rank: int = 0) -
         _remove_segments(orch.resources["shm_namespace"], seconds=1.0)
     elif fault in ("oom", "hang"):
         arm(fault_dir, stage, fault, seconds=HUNG_STEP_S)
+    elif fault == "slow":
+        arm(fault_dir, stage, "hang", seconds=SLOW_STEP_S)
     else:
         raise ValueError(f"unknown fault {fault!r}")
 

@@ -21,10 +21,13 @@ from typing import Iterator
 import pytest
 
 from omnistage import DiffusionParams, Omni, SamplingParams
-from omnistage.testing.fault_matrix import FAULTS, Load, health, inject, leftovers, wait_for
+from omnistage.testing.fault_matrix import (FAULTS, SLOW_STEP_S, Load, health, inject,
+                                             leftovers, wait_for)
 from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
 
-STEP_TIMEOUT_S = 3.0     # a stage silent this long is hung (the default is 600 s)
+LIVENESS_TIMEOUT_S = 2.0  # a process that sends no liveness beat this long is stopped (10 s)
+STEP_TIMEOUT_S = 6.0     # a loop that sends no heartbeat this long is stuck in a step (600 s)
+assert LIVENESS_TIMEOUT_S < SLOW_STEP_S < STEP_TIMEOUT_S
 NUM_REQUESTS = 3
 CHAT = [{"role": "user", "content": "hello"}]
 
@@ -34,6 +37,7 @@ class Expect:
     ends: frozenset[str]        # how each request the stage held may end: "ok" or error kinds
     health: frozenset[str | None]   # /health when the first request failed (None: none did)
     recovers: bool = True       # back to "ok" and serving a new request
+    says: str = ""              # what every request's error says (how the stage was found)
 
 
 DEAD = Expect(frozenset({"stage_dead"}), frozenset({"503"}))   # restarted (max_restarts)
@@ -43,10 +47,14 @@ DEAD = Expect(frozenset({"stage_dead"}), frozenset({"503"}))   # restarted (max_
 EXPECT: dict[str, Expect] = {
     "sigkill": DEAD,
     "sigterm": DEAD,            # a clean exit of the stage is still its death
-    "sigstop": DEAD,            # killed as hung after STEP_TIMEOUT_S, then restarted
-    "hang": DEAD,               # the same: a step past the deadline
+    # killed once its liveness beats stop (LIVENESS_TIMEOUT_S), then restarted
+    "sigstop": Expect(DEAD.ends, DEAD.health, says="no liveness beat"),
+    # a step past STEP_TIMEOUT_S: the process beats on, its loop is silent
+    "hang": Expect(DEAD.ends, DEAD.health, says="no heartbeat"),
     "oom": Expect(frozenset({"internal"}), frozenset({"ok"})),   # the step's requests fail
     "segment": Expect(frozenset({"ok", "internal"}), frozenset({None, "ok"})),
+    # a step longer than LIVENESS_TIMEOUT_S that returns: nothing is killed
+    "slow": Expect(frozenset({"ok"}), frozenset({None})),
 }
 EXCEPTIONS: dict[tuple[str, str, str], Expect] = {
     # one AR stage with text out: no tensor crosses a process, so no segment exists
@@ -58,7 +66,7 @@ STAGES = {"text": ("llm",), "image": ("dit",), "omni": ("thinker", "talker", "co
 # (a follower: it runs no worker loop, so only the signals apply) is the one struck
 RANK = {"text_tp2": 1}
 RANK_FAULTS = ("sigkill", "sigterm", "sigstop")
-CI_CASES = [("text", "llm", "oom"), ("text", "llm", "sigstop"),
+CI_CASES = [("text", "llm", "oom"), ("text", "llm", "sigstop"), ("text", "llm", "slow"),
             ("image", "dit", "sigterm"), ("image", "dit", "hang"), ("image", "dit", "segment"),
             ("omni", "talker", "sigkill"), ("omni", "code2wav", "oom")]
 FULL = os.environ.get("OMNISTAGE_FAULT_MATRIX") == "full"
@@ -72,9 +80,9 @@ def expected(graph: str, stage: str, fault: str) -> Expect:
 
 def _load(graph: str, fault: str) -> tuple[list, list]:
     """Long requests (prompts, per-stage params), so that each is in flight at the fault;
-    shorter for a segment removal, which they outlive (it lasts a second) and run to their
+    shorter for a segment removal or a slow step, which they outlive and run to their
     end."""
-    steps = 50 if fault == "segment" else 200
+    steps = 50 if fault in ("segment", "slow") else 200
     if graph.startswith("text"):
         return ["count with me"] * NUM_REQUESTS, [SamplingParams(max_tokens=2 * steps,
                                                                  ignore_eos=True)]
@@ -100,7 +108,8 @@ class Engine:
 
     def __init__(self, graph: str, model: str | None, fault_dir: Path) -> None:
         overrides = [f"{s}.{k}" for s in STAGES[graph]
-                     for k in ("max_restarts=100", f"step_timeout_s={STEP_TIMEOUT_S:g}")]
+                     for k in ("max_restarts=100", f"step_timeout_s={STEP_TIMEOUT_S:g}",
+                               f"liveness_timeout_s={LIVENESS_TIMEOUT_S:g}")]
         self.graph, self.fault_dir = graph, fault_dir
         self.omni = Omni(model, device="cpu", stage_overrides=overrides,
                          tensor_parallel_size=2 if graph == "text_tp2" else 1)
@@ -159,6 +168,7 @@ def test_fault(engines: dict, graph: str, stage: str, fault: str) -> None:
     engine: Engine = engines["get"](graph)
     omni, expect = engine.omni, expected(graph, stage, fault)
     wait_for(lambda: health(omni) == "ok", 60, "the engine is not healthy before the fault")
+    pids = dict(omni.engine.orchestrator.stages.rank_pids)
     load = Load(omni, *_load(graph, fault))
     load.wait_started()
     t0 = time.monotonic()
@@ -179,6 +189,9 @@ def test_fault(engines: dict, graph: str, stage: str, fault: str) -> None:
                           for k, v in asdict(expect).items()}})
     assert set(outcome.ended.values()) <= expect.ends, outcome
     if expect.ends == DEAD.ends:
-        assert all(f"stage {stage!r}" in e for e in outcome.errors.values()), outcome.errors
+        assert all(f"stage {stage!r}" in e and expect.says in e
+                   for e in outcome.errors.values()), outcome.errors
+    if "stage_dead" not in expect.ends:    # nothing was killed
+        assert omni.engine.orchestrator.stages.rank_pids == pids
     assert outcome.health_at_failure in expect.health, outcome
     assert (after.error is None) == expect.recovers, after.error

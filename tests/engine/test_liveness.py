@@ -15,13 +15,15 @@ import pytest
 import zmq
 
 from omnistage import Omni, SamplingParams
-from omnistage.configs.schema import StageConfig
+from omnistage.configs.schema import GraphConfig, StageConfig
+from omnistage.engine.stage_set import StageSet
 from omnistage.stages import messages as m
 from omnistage.stages.faults import FAULT_DIR_ENV, arm
 from omnistage.testing.fault_matrix import Load, health, wait_for
 from omnistage.testing.processes import alive
+from omnistage.testing.toy_pipeline import toy_graph_yaml
 
-LIVENESS_S = 1.5        # the tests' liveness_timeout_s (the default is 10 s)
+LIVENESS_S = 2.0        # the tests' liveness_timeout_s (the default is 10 s)
 MARGIN_S = 15.0         # the kill, the failure's way to the client, a busy shared CPU
 LONG = [SamplingParams(max_tokens=2000, ignore_eos=True)]
 
@@ -80,9 +82,9 @@ def test_a_slow_step_is_not_taken_for_a_stopped_process(text_engine: tuple[Omni,
                                                         ) -> None:
     omni, fault_dir = text_engine
     pid = omni.engine.orchestrator.stages.pids["llm"]
-    armed = arm(fault_dir, "llm", "hang", seconds=3 * LIVENESS_S)   # sleeps, then returns
+    armed = arm(fault_dir, "llm", "hang", seconds=2 * LIVENESS_S)   # sleeps, then returns
     load = Load(omni, ["a slow one"] * 2, [SamplingParams(max_tokens=8, ignore_eos=True)])
-    outcome = load.settle(time.monotonic(), timeout_s=3 * LIVENESS_S + MARGIN_S)
+    outcome = load.settle(time.monotonic(), timeout_s=2 * LIVENESS_S + MARGIN_S)
     assert not armed.exists()                          # the slow step ran
     assert set(outcome.ended.values()) == {"ok"}, outcome
     assert health(omni) == "ok" and omni.engine.orchestrator.stages.pids["llm"] == pid
@@ -115,6 +117,39 @@ def test_a_stopped_follower_rank_ends_its_stage(tiny_qwen3: Path) -> None:
             _ended(p)
 
 
+def test_a_stopped_replica_fails_only_its_requests_and_the_engine_serves_degraded(
+        tiny_qwen3: Path) -> None:
+    """Two replicas of the toy pipeline's middle stage, one stopped under load: as a killed
+    one, only the requests it had started fail (the others complete), /health says
+    "degraded" (another replica serves), and new requests go to the live one."""
+    yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, max_tokens=120, second_replicas=2)
+    yaml_text = yaml_text.replace("    replicas: 2\n", "    replicas: 2\n"
+                                  f"    liveness_timeout_s: {LIVENESS_S:g}\n")
+    prompts = [{"prompt_token_ids": list(range(7 + i, 23 + i))} for i in range(4)]
+    with Omni(stage_config=yaml_text, device="cpu") as omni:
+        orch = omni.engine.orchestrator
+        load = Load(omni, prompts, None)
+        placed = {rid: orch._routes[rid].replicas["second"] for rid in load.events}
+        assert sorted(placed.values()) == [0, 0, 1, 1]
+        wait_for(lambda: all(any(e.tensors for e in evs) for evs in load.events.values()), 30,
+                 "no output from the last stage")
+        victim = orch.stages.replica_pids["second"][1]
+        t0 = time.monotonic()
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            outcome = load.settle(t0, timeout_s=LIVENESS_S + MARGIN_S)
+        finally:
+            if alive(victim):
+                os.kill(victim, signal.SIGCONT)
+        assert outcome.ended == {rid: "stage_dead" if placed[rid] == 1 else "ok"
+                                 for rid in placed}, outcome
+        assert outcome.health_at_failure == "degraded", outcome
+        assert "replica 1 stopped answering" in orch.degraded_reason, orch.degraded_reason
+        _ended(victim)
+        outs = omni.generate(prompts[:2], use_tqdm=False)     # on the live replica
+        assert all(o.error is None and o.finished for o in outs)
+
+
 def test_the_liveness_beat_comes_from_a_thread_of_its_own() -> None:
     """Beats at its period on its own socket while the caller's thread does anything else;
     stopped, it closes its socket."""
@@ -136,6 +171,75 @@ def test_the_liveness_beat_comes_from_a_thread_of_its_own() -> None:
         beat.stop()
         pull.close()
     ctx.term()      # returns only once every socket, the beat's too, is closed
+
+
+class _Runner:
+    """What end_hung sees of a running stage process."""
+
+    def __init__(self) -> None:
+        self.processes, self.hung = [object()], None
+
+    def is_alive(self) -> bool:
+        return self.hung is None
+
+    def kill_hung(self, why: str) -> None:
+        self.hung = why
+
+
+def _judge(tp: int = 1) -> StageSet:
+    """A StageSet's liveness book alone (no process): one stage, its Ready at t = 100."""
+    stages = StageSet.__new__(StageSet)
+    stages.graph = GraphConfig((StageConfig(name="s", kind="ar", liveness_timeout_s=2.0,
+                                            step_timeout_s=30.0, tensor_parallel_size=tp),))
+    stages.runners, stages.down, stages.starting = {"s": [_Runner()]}, set(), {}
+    stages.last_beat, stages.last_alive = {("s", 0): 100.0}, {("s", 0): [100.0] * tp}
+    stages._judged_at = None
+    return stages
+
+
+def _run_router(stages: StageSet, start: float, end: float, beats: bool = False) -> None:
+    """The router's iterations from `start` to `end`, every 50 ms, with or without beats."""
+    t = start
+    while t <= end:
+        if beats:
+            stages.last_beat[("s", 0)] = t
+            stages.last_alive[("s", 0)] = [t] * len(stages.last_alive[("s", 0)])
+        stages.end_hung(t)
+        t += 0.05
+
+
+def test_a_stall_of_the_router_itself_is_nobodys_silence() -> None:
+    """The router starved for 5 s (this process short of CPU: seen on a loaded 2-core
+    machine) reads no beat meanwhile; the stage is not killed for it, but one that stays
+    silent while the router runs is, after liveness_timeout_s."""
+    stages = _judge()
+    _run_router(stages, 100.0, 101.0, beats=True)
+    stages.end_hung(106.0)                        # 5 s without a turn of the router
+    _run_router(stages, 106.05, 107.5)            # the beats of those 5 s on their way in
+    assert stages.runners["s"][0].hung is None
+    _run_router(stages, 107.55, 109.0)            # and then none: a stopped process
+    assert stages.runners["s"][0].hung == "stopped answering (no liveness beat for 2 s)"
+
+
+def test_a_silent_rank_or_loop_is_named() -> None:
+    stages = _judge(tp=2)
+    _run_router(stages, 100.0, 101.0, beats=True)
+    stages.last_alive[("s", 0)][1] = 101.0        # rank 1 stops, rank 0 beats on
+    t = 101.05
+    while stages.runners["s"][0].hung is None and t < 110:
+        stages.last_alive[("s", 0)][0] = stages.last_beat[("s", 0)] = t
+        stages.end_hung(t)
+        t += 0.05
+    assert stages.runners["s"][0].hung == ("stopped answering (no liveness beat from rank 1 "
+                                           "for 2 s)")
+    assert 103.0 <= t <= 103.2, t
+    stages = _judge()                             # a step that never returns: beats, no loop
+    t = 100.0
+    while stages.runners["s"][0].hung is None and t < 200:
+        stages.last_alive[("s", 0)] = [t]
+        stages.end_hung(t)
+        t += 0.05
+    assert stages.runners["s"][0].hung == "hung (no heartbeat for 30 s)"
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan")])
