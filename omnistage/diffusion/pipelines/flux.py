@@ -7,8 +7,9 @@ engine's phases (omnistage/diffusion/pipeline.py), numerics kept step for step.
               sigmas linspace(1, 1/N, N) shifted by mu(image_seq_len)
     velocity: one transformer forward over all rows; timestep = (sigma * 1000) / 1000 as
               diffusers feeds it; distilled guidance embedding per row (FLUX.1-dev)
-    decode:   unpack -> z / scaling + shift -> VAE (in tiles when larger than its sample_size,
-              as diffusers with enable_tiling()) -> (x/2 + 0.5).clamp(0, 1) -> uint8
+    decode:   unpack -> z / scaling + shift -> VAE (each image whole, as diffusers' pipeline;
+              in tiles only above 2048 x 2048 px: AutoencoderKL.decode_images) ->
+              (x/2 + 0.5).clamp(0, 1) -> uint8
 
 Every network is ours (CLIP and T5 text encoders, transformer, VAE); tokenizers come from
 transformers. The text encoders may run in a stage of their own (configs/flux_split.yaml; see
@@ -185,7 +186,7 @@ class FluxPipeline(LatentPipelineBase):
         height, width = self._size(params)
         h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
         z = self.vae.denormalize(unpack_latents(latents, h, w))             # (n, C, h, w)
-        images = self.vae.decode_tiled(z.to(self.device))   # (n, 3, H, W); tiles if large
+        images = self.vae.decode_images(z.to(self.device))   # (n, 3, H, W); tiles if huge
         return (images / 2 + 0.5).clamp(0, 1).float()
 
 

@@ -16,8 +16,8 @@ Mistral-3 text encoder, distilled guidance) split into the engine's phases
     velocity: one transformer call over all rows (and klein's negative rows); the latent
               tokens' output only; dev: guidance scale -> the guidance embedding; klein CFG:
               neg + g * (pos - neg)
-    decode:   tokens -> patches -> * std + mean -> unpatchify -> VAE (in tiles when larger
-              than its sample_size, as diffusers with enable_tiling()) -> (x/2 + 0.5).clamp(0, 1)
+    decode:   tokens -> patches -> * std + mean -> unpatchify -> VAE (each image whole, as
+              diffusers' pipeline; tiles only above 2048 x 2048 px) -> (x/2 + 0.5).clamp(0, 1)
 
 Every network is ours (text encoder, transformer, VAE); tokenizers come from transformers
 (the text side: flux2_text.py).
@@ -267,7 +267,7 @@ class Flux2Pipeline(LatentPipelineBase):
         patches = latents.transpose(1, 2).unflatten(2, (height // self.multiple,
                                                         width // self.multiple))
         z = self.vae.denormalize(patches.to(self.device, self.vae_dtype))   # (n, C, h, w)
-        images = self.vae.decode_tiled(z)                   # (n, 3, H, W); tiles if large
+        images = self.vae.decode_images(z)                   # (n, 3, H, W); tiles if huge
         return (images / 2 + 0.5).clamp(0, 1).float()
 
 

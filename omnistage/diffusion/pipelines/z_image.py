@@ -217,6 +217,6 @@ class ZImagePipeline(LatentPipelineBase):
         """latents (n, C, h, w) -> float32 images (n, 3, H, W) in [0, 1], what diffusers
         returns for output_type="pt" (before the quantization of `decode`)."""
         z = self.vae.denormalize(latents.to(self.device, self.vae_dtype))   # (n, C, h, w)
-        images = self.vae.decode_tiled(z)                   # (n, 3, H, W); tiles if large
+        images = self.vae.decode_images(z)                   # (n, 3, H, W); tiles if huge
         return (images / 2 + 0.5).clamp(0, 1).float()
 
