@@ -1,15 +1,18 @@
-"""Every code block of README.md runs as written, so the examples cannot rot: Python blocks as
-script files in a fresh interpreter (which also proves a script needs no `__main__` guard),
-shell blocks in bash, YAML graphs through the strict parser and the engine's graph checks, JSON
-through a JSON parser. Models the README names are replaced by tiny random checkpoints built
-here (the digits demo needs nothing). A block that cannot run on a CPU says so, with its reason,
-in an HTML comment on the line before it:
+"""Every code block of README.md and of the pages under docs/ runs as written, so the examples
+cannot rot: Python blocks as script files in a fresh interpreter (which also proves a script
+needs no `__main__` guard), shell blocks in bash, YAML graphs through the strict parser and the
+engine's graph checks, JSON through a JSON parser. Models the pages name are replaced by tiny
+random checkpoints built here (the digits demo needs nothing). A block that cannot run on a CPU
+says so, with its reason, in an HTML comment on the line before it:
 
     <!-- readme-test: skip (needs a GPU) -->      not run
     <!-- readme-test: parse (why) -->             YAML: parsed and checked, not served
     <!-- readme-test: with-demo-server -->        run while `omnistage serve` (the demo) is up
     <!-- readme-test: with-omni-server -->        run while `omnistage serve` serves the tiny
                                                   Qwen3-Omni (named as the block names it)
+
+Links in those pages resolve inside the repository, anchors included, and the README stays a
+front page (at most README_MAX_LINES lines; the rest lives in docs/).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from omnistage.testing.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# the README and every page under docs/ (generated ones too: docs/reliability.md)
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+README_MAX_LINES = 250
 CLI = f"{sys.executable} -m omnistage.entrypoints.cli.main"
 RUN_TIMEOUT_S = 180
 MARKER = re.compile(r"<!-- readme-test: ([\w-]+)(?: \((.+)\))? -->")
@@ -44,6 +50,7 @@ TOKEN_IDS = {"[9707, 11, 1879]": "[9, 11, 18]"}
 
 @dataclass(frozen=True)
 class Block:
+    page: str                 # the page's path in the repository, e.g. docs/api/chat.md
     lang: str
     code: str
     line: int                 # of the opening fence
@@ -52,22 +59,28 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"line{self.line}-{self.lang}"
+        return f"{self.page}:line{self.line}-{self.lang}"
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
     blocks = []
     for fence in FENCE.finditer(text):
         before = text[:fence.start()].rstrip("\n").rsplit("\n", 1)[-1]
         marker = MARKER.fullmatch(before.strip())
-        blocks.append(Block(fence.group(1), fence.group(2), text.count("\n", 0, fence.start()) + 1,
+        blocks.append(Block(page, fence.group(1), fence.group(2),
+                            text.count("\n", 0, fence.start()) + 1,
                             marker.group(1) if marker else None,
                             marker.group(2) if marker else None))
     return blocks
 
 
+def _page_name(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
 # ```text fences (diagrams, folder trees) are prose, not code; an unlabelled fence fails
-BLOCKS = [b for b in readme_blocks(README.read_text()) if b.lang != "text"]
+BLOCKS = [b for path in PAGES for b in readme_blocks(path.read_text(), _page_name(path))
+          if b.lang != "text"]
 
 
 def _substitute(code: str, request: pytest.FixtureRequest) -> str:
@@ -167,7 +180,7 @@ def _check_graph(code: str) -> None:
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_readme_block(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     if block.marker == "skip":
-        assert block.reason, f"README line {block.line}: a skipped block says why"
+        assert block.reason, f"{block.page} line {block.line}: a skipped block says why"
         pytest.skip(block.reason)
     code = _substitute(block.code, request)
     servers = {"with-demo-server": "demo_server", "with-omni-server": "omni_server"}
@@ -183,20 +196,51 @@ def test_readme_block(block: Block, request: pytest.FixtureRequest, tmp_path: Pa
     elif block.lang == "yaml":
         assert block.marker in (None, "parse"), block.marker
         _check_graph(code)
-    elif block.lang == "json":   # the README's only JSON: OpenAI's error body
+    elif block.lang == "json":   # the pages' only JSON: OpenAI's error body
         assert set(json.loads(code)["error"]) == {"message", "type", "param", "code"}
     else:
-        pytest.fail(f"README line {block.line}: no way to run a {block.lang or 'plain'} block "
-                    "(mark it skip with a reason)")
+        pytest.fail(f"{block.page} line {block.line}: no way to run a "
+                    f"{block.lang or 'plain'} block (mark it skip with a reason)")
 
 
-def test_readme_links_stay_in_the_repository() -> None:
-    """Links resolve inside the repository (the README ships alone, e.g. on PyPI's page, and
-    must not point at files of a larger checkout)."""
-    text = README.read_text()
-    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+def _anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as
+    hyphens, a repeated heading numbered (-1, -2, ...)."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", FENCE.sub("", text), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        if count:
+            seen.setdefault(f"{slug}-{count}", 1)
+    return set(seen)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_name)
+def test_readme_links_stay_in_the_repository(page: Path) -> None:
+    """Links resolve inside the repository, to a heading that exists where they name one (the
+    README ships alone, e.g. on PyPI's page, and must not point at files of a larger checkout;
+    a page that moves takes its anchors with it)."""
+    text = page.read_text()
+    for target in re.findall(r"\]\(([^)\s]+)\)", FENCE.sub("", text)):
         if re.match(r"[a-z]+://", target):
             continue
-        path = (ROOT / target).resolve()
-        assert path.is_relative_to(ROOT) and path.exists(), f"README links to {target}"
-    assert "../" not in text, "README refers to something outside the repository"
+        file, _, anchor = target.partition("#")
+        path = (page.parent / file).resolve() if file else page
+        assert path.is_relative_to(ROOT) and path.exists(), f"{_page_name(page)} links to {target}"
+        if anchor and path.suffix == ".md":
+            assert anchor in _anchors(path.read_text()), \
+                f"{_page_name(page)} links to {target}: no such heading in {_page_name(path)}"
+    if page == README:
+        assert "../" not in text, "README refers to something outside the repository"
+
+
+def test_readme_stays_a_front_page() -> None:
+    """The README is what a newcomer reads first: what it is, the two setup commands, an
+    example each for Python and a client, the models, where to go next; the rest is in docs/."""
+    lines = README.read_text().count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move sections to docs/"
+    text = README.read_text()
+    for command in ("scripts/setup.sh && .venv/bin/omnistage serve",
+                    "scripts/setup.sh --test && .venv/bin/python -m pytest"):
+        assert command in text, f"README lost the setup command {command!r} (.ci/run uses it)"

@@ -17,8 +17,9 @@ from the same noise the whole decode starts from at those frames (a per-request 
 generator drawn frame by frame in order: a frame's noise is a function of its position,
 equal to the whole decode's first draw of that seed on the CPU), and keeps [s, e). Windows
 start on block boundaries, so their blocks are the whole decode's. The error this leaves at
-the shipped defaults: measured in the README (scripts/measure_token2wav_seams.py). A request
-whose codes all arrive before its first chunk is ready decodes in one window: the whole.
+the shipped defaults: measured in docs/models/qwen2_5-omni.md
+(scripts/measure_token2wav_seams.py). A request whose codes all arrive before its first chunk is
+ready decodes in one window: the whole.
 
 Windows are independent (codes and noise in, mel out), so a request may have several in
 flight; every engine step takes each window in flight one RK4 step (`step_windows`, one

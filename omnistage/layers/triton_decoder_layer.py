@@ -6,9 +6,9 @@ it); `fused.set_layer_kernel(True)` forces it. The model decides where it applie
 A one-row decode step reads every weight once and does little else: it is bound by memory
 bandwidth only if the weights stream without gaps. Per-op kernels (seven a layer, ~200 a
 token) each stream 4-12 MB in a few microseconds and cannot ramp to full bandwidth in that
-time, and every launch leaves a gap (README, "single stream"). Here a layer is one launch of a
-persistent grid, one program per multiprocessor, that runs the layer's phases with grid-wide
-barriers between them:
+time, and every launch leaves a gap (docs/benchmarks.md, "single stream"). Here a layer is one
+launch of a persistent grid, one program per multiprocessor, that runs the layer's phases with
+grid-wide barriers between them:
 
     P1  s = h + residual; RMSNorm(s) @ Wqkv^T (+ bias)              -> qkv         barrier
     P2  q/k RMSNorm + rotary, k/v into the paged cache, attention over the context, split

@@ -3,8 +3,8 @@
 step); `fused.set_gemv(False)` turns them off.
 
 At one row a decode step's matmuls read their weights once and do little else, and
-the step is bound by the number of kernels per layer, each a few microseconds (see the README's
-benchmarks). These kernels fold the op in front of a matmul into its prologue:
+the step is bound by the number of kernels per layer, each a few microseconds (see
+docs/benchmarks.md). These kernels fold the op in front of a matmul into its prologue:
 
     norm_linear    (x [+ residual]) -> RMSNorm -> x W^T      (add+norm kernel and matmul -> 1)
     silu_linear    | gate | up | -> silu(gate) * up -> x W^T  (SiLU kernel and matmul -> 1)

@@ -98,7 +98,7 @@ class ServerConfig:
     allow_remote_media: bool = False
     max_body_bytes: int = 64 << 20
     max_media_bytes: int = 20 << 20
-    # what a request's media may take before anything is decoded (media.py; README "Limits")
+    # what a request's media may take before anything is decoded (media.py; docs/deployment.md)
     max_image_pixels: int = _MEDIA.max_image_pixels
     max_request_pixels: int = _MEDIA.max_request_pixels
     max_audio_seconds: float = _MEDIA.max_audio_seconds
