@@ -86,6 +86,22 @@ Not covered here: Ray actors (`tests/engine/test_ray.py` kills them) and replica
 
 The issue recorded no per-input counts for its bad-input run, so none are given here. The route
 schemas are fuzzed in CI (schemathesis, bounded).
+## Unseen configurations and attacks (issue 37; each row has a test that failed before its fix)
+
+| input or fault | before | after |
+|---|---|---|
+| audio at rates that share no factor (8,001 or 7,919 Hz to 16 / 24 kHz) in a chat part, a realtime append, a voice upload or `ref_audio` | a float64 filter bank of target x source rate: 6.4 GB for a 0.2 s append, 4.75 GB for an uploaded voice | memory and time bounded by the audio (60 s at 4,001 Hz: 28 MB, 1 s); commensurate rates resample exactly as before (`tests/utils/test_audio_resample.py`) |
+| an audio rate below 1 kHz or above 384 kHz (chat parts: 96 kHz) | accepted (2 MHz voices) | 400 `invalid_audio` naming the range; realtime: an `error` event; offline: `ValueError` |
+| SIGSTOP of a stage process or replica with the default timeouts | `/health` `ok` for the whole `step_timeout_s` (600 s), its requests silent | liveness beats from a thread of each stage process; silent past `liveness_timeout_s` (10 s): killed, its requests failed or re-routed, `/health` 503 while no replica lives, restarted per `max_restarts`; a long step keeps beating and is not killed (`tests/engine/test_liveness.py`) |
+| SIGKILL of a server that started its own local Ray cluster | `ray::DashboardAgent` and `ray::RuntimeEnvAgent` alive 30 s and more | every process of that Ray session gone about 3 s after the server (a reaper, `stages/ray_reaper.py`); also when killed during `ray.init` (`tests/engine/test_ray_fate.py`) |
+| the video jobs' database locked by another process | `POST /v1/videos` 500 after 5.3 s, `/health` stalled 4.7 s | the store on a thread of its own: at most 2 s, then 503 `video_store_busy` with `Retry-After: 1`; `/health` answers meanwhile; workers retry, no job state lost |
+| two servers sharing a `--videos-dir` | each listed and served the other's jobs | jobs scoped to their server (`--videos-scope`); another's id is 404 |
+| a realtime conversation longer than the model's context | every later response failed ("prompt has N tokens, ...") | `truncation` (`auto` by default, `disabled`, `retention_ratio`) as OpenAI's protocol: 14 turns past a 4096-token context answered |
+| realtime events with a lone surrogate, `NaN` / `Infinity`, an integer past 64 bits, nesting 100,000 deep | accepted, or the socket dropped with 1006 and no error | an `error` event naming the field (the client's `event_id` echoed); the session goes on |
+| deleting a voice while it is used or listed; uploads without caps | 500s; any transcript size, count, disk; names differing in case coexisted | no voice (400 `voice_not_found`) or left out of the list; 4,096-character transcripts, 256 voices, 1 GiB; 409 for a name in another case |
+| a 12 MB prompt | 53-66 s of tokenizing before its 400 | 400 `prompt_too_long` by length, untokenized (0.7 s) |
+| image `size` / video `seconds` in non-ASCII digits (`６４x６４`, `٦٤x٦٤`, `"٢"`) | accepted | 400 naming the field |
+| a tiny random SD3.5 whose VAE keeps the default 32 px `sample_size`, 64x96 | up to 80/255 off `StableDiffusion3Pipeline` (the VAE decode tiled above `sample_size`) | each image decoded whole, as diffusers does (tiles only above 2048 x 2048 px; SD3, FLUX, FLUX.2, Z-Image): within 1e-4; a golden test on an odd SD3.5 config |
 """
 
 
