@@ -20,11 +20,19 @@ answer piped in token by token). Every frame is a JSON text frame:
                                      on), or a clause that failed (then closed: 1008 for the
                                      client's fault, 1011 for the server's)
 
-The text is buffered and cut into clauses (ClauseBuffer): at punctuation followed by a space
-(or CJK punctuation), or at the last space before CLAUSE_MAX_CHARS. Each clause is submitted
-as its own request as soon as it is cut, so the next one runs while the previous one's audio
-still streams; one task sends their audio strictly in clause order. Closing the socket or
+The text is buffered and cut into clauses (clauses.py, in time linear in the text): at
+punctuation followed by a space (or CJK punctuation), or at the last space before
+CLAUSE_MAX_CHARS. Each clause is its own request, submitted as soon as it is cut while the
+session holds fewer than MAX_CLAUSES_IN_FLIGHT admitted (the server's --max-queue is shared
+by every client: one socket never takes more than its share); the others wait in the session
+and go in, in order, as clauses finish. So the next clause runs while the previous one's audio
+still streams, and one task sends their audio strictly in clause order. Closing the socket or
 `cancel` closes every clause's handle, which aborts it in every stage.
+
+Limits, each refused with an `error` event (400; the append is dropped whole, the session
+goes on): one input.append carries at most MAX_APPEND_CHARS characters (`text_too_long`), and
+a session holds at most MAX_PENDING_CHARS characters not yet spoken, buffered, waiting or
+being spoken (`input_text_buffer_full`: send more once clause.done events come).
 """
 
 from __future__ import annotations
@@ -33,13 +41,14 @@ import asyncio
 import base64
 import json
 import logging
-import re
+from collections import deque
 from typing import Any
 
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from omnistage.entrypoints.openai.clauses import ClauseBuffer
 from omnistage.entrypoints.openai.client import RequestHandle, Ticket
 from omnistage.entrypoints.openai.errors import APIError, bad_request, check_model, invalid
 from omnistage.entrypoints.openai.json_body import parse_json
@@ -49,42 +58,10 @@ from omnistage.utils.audio import AudioEncoder
 
 logger = logging.getLogger(__name__)
 CLAUSE_MAX_CHARS = 200
-# a clause ends at western punctuation followed by a space, or right after CJK punctuation
-_BOUNDARY = re.compile(r"[.!?;:,\u2026]+[\"')\]]*\s+|[\u3002\uff01\uff1f\uff1b\uff1a\uff0c\u3001]+")
+MAX_CLAUSES_IN_FLIGHT = 4          # one session's share of the server's queue (--max-queue)
+MAX_APPEND_CHARS = 16_384          # one input.append's text
+MAX_PENDING_CHARS = 65_536         # a session's text not yet spoken
 Clause = tuple[int, str, RequestHandle, Ticket]
-
-
-class ClauseBuffer:
-    """Text in as it comes; clauses out once their end is known."""
-
-    def __init__(self, max_chars: int) -> None:
-        self.max_chars = max_chars
-        self.text = ""
-
-    def append(self, text: str) -> list[str]:
-        self.text += text
-        return self._cut()
-
-    def flush(self) -> list[str]:
-        """The clauses, then whatever is left as one more."""
-        clauses, rest = self._cut(), self.text.strip()
-        self.text = ""
-        return [*clauses, rest] if rest else clauses
-
-    def _cut(self) -> list[str]:
-        out = []
-        while True:
-            m = _BOUNDARY.search(self.text)
-            if m is not None and m.end() <= self.max_chars:
-                at = m.end()
-            elif len(self.text) > self.max_chars:    # no boundary in reach: the last space
-                space = self.text.rfind(" ", 0, self.max_chars)
-                at = space + 1 if space > 0 else self.max_chars
-            else:
-                return out
-            piece, self.text = self.text[:at].strip(), self.text[at:]
-            if piece:
-                out.append(piece)
 
 
 class SpeechStream:
@@ -97,9 +74,13 @@ class SpeechStream:
         self.buffer = ClauseBuffer(CLAUSE_MAX_CHARS)
         self.encoder: AudioEncoder | None = None
         self.num_clauses = 0
-        self.done = False
+        self.done = False            # input.done came: nothing more will be cut
+        self.ended = False           # and the speaker was told (None on its queue)
+        self.waiting: deque[str] = deque()   # clauses cut, not yet submitted (over the share)
+        self.num_waiting_chars = 0
         self.inflight: dict[int, Clause] = {}
         self.queue: asyncio.Queue[Clause | None] = asyncio.Queue()
+        self._submitting = asyncio.Lock()    # the receiver's and the speaker's submissions
         self.speaker: asyncio.Task[None] | None = None
         self._send_lock = asyncio.Lock()
 
@@ -150,12 +131,14 @@ class SpeechStream:
             text = msg.get("text")
             if not isinstance(text, str):
                 raise bad_request("text: input.append needs a string", "text")
-            await self._submit(self.buffer.append(text))
+            self._check_room(text)
+            self._wait(self.buffer.append(text))
+            await self._submit()
         elif kind in ("input.flush", "input.done"):
-            await self._submit(self.buffer.flush())
+            self._wait(self.buffer.flush())
             if kind == "input.done":
                 self.done = True
-                self.queue.put_nowait(None)
+            await self._submit()
         elif kind == "cancel":
             await self._cancel()
         else:
@@ -163,7 +146,7 @@ class SpeechStream:
                               "input.append, input.flush, input.done, cancel)", "type")
 
     async def _configure(self, body: object) -> None:
-        if self.num_clauses or self.buffer.text:
+        if self.num_clauses or self.buffer.text or self.waiting:
             raise bad_request("session.update: only before the first text", "type")
         try:
             session = SpeechSession.model_validate(body if isinstance(body, dict) else {})
@@ -185,14 +168,47 @@ class SpeechStream:
             self.extra = await self.serving.extra(self.session, "session.")
         return self.extra
 
-    async def _submit(self, clauses: list[str]) -> None:
-        """Each clause a request, now, in order."""
-        for text in clauses:
-            handle, ticket = await self.serving.start(text, self._voice, "text")
-            clause = (self.num_clauses, text, handle, ticket)
-            self.inflight[self.num_clauses] = clause
-            self.num_clauses += 1
-            self.queue.put_nowait(clause)
+    def _check_room(self, text: str) -> None:
+        """The limits on one append and on the text not yet spoken (the module docstring)."""
+        if len(text) > MAX_APPEND_CHARS:
+            raise bad_request(f"text: one input.append carries at most {MAX_APPEND_CHARS} "
+                              f"characters; this one has {len(text)} (send it in pieces)",
+                              "text", "text_too_long")
+        pending = len(self.buffer) + self.num_waiting_chars \
+            + sum(len(c[1]) for c in self.inflight.values())
+        if pending + len(text) > MAX_PENDING_CHARS:
+            raise bad_request(f"text: the session holds {pending} characters not yet spoken; "
+                              f"{len(text)} more would pass its limit of {MAX_PENDING_CHARS} "
+                              "(send more once clause.done events come)", "text",
+                              "input_text_buffer_full")
+
+    def _wait(self, clauses: list[str]) -> None:
+        self.waiting.extend(clauses)
+        self.num_waiting_chars += sum(map(len, clauses))
+
+    async def _submit(self) -> None:
+        """Waiting clauses become requests, in order, while the session holds fewer than
+        MAX_CLAUSES_IN_FLIGHT; once input.done came and none waits, the speaker is told. A
+        clause the server refuses as the client's fault is dropped with an error event;
+        a 429 or 5xx is raised (it ends the session)."""
+        async with self._submitting:
+            while self.waiting and len(self.inflight) < MAX_CLAUSES_IN_FLIGHT:
+                text = self.waiting.popleft()
+                self.num_waiting_chars -= len(text)
+                try:
+                    handle, ticket = await self.serving.start(text, self._voice, "text")
+                except APIError as err:
+                    if err.status >= 500 or err.status == 429:
+                        raise
+                    await self._send({"type": "error", "error": err.body()["error"]})
+                    continue
+                clause = (self.num_clauses, text, handle, ticket)
+                self.inflight[self.num_clauses] = clause
+                self.num_clauses += 1
+                self.queue.put_nowait(clause)
+            if self.done and not self.waiting and not self.ended:
+                self.ended = True
+                self.queue.put_nowait(None)
 
     async def _cancel(self) -> None:
         """Abort what runs, drop the buffer, and start a fresh speaker (the old one may wait on
@@ -201,9 +217,12 @@ class SpeechStream:
         self.speaker.cancel()
         await asyncio.gather(self.speaker, return_exceptions=True)
         self._abort_all()
-        self.buffer.text = ""
+        self.buffer.clear()
+        self.waiting.clear()
+        self.num_waiting_chars = 0
         self.encoder = None    # the file cut short is dropped: audio after this starts a new one
         self.queue = asyncio.Queue()
+        self.ended = self.done
         if self.done:          # nothing more will come: end the session as input.done would
             self.queue.put_nowait(None)
         self.speaker = asyncio.create_task(self._speak())
@@ -220,6 +239,7 @@ class SpeechStream:
                         self.encoder = AudioEncoder(ENCODING[self.session.response_format], rate)
                     await self._audio(idx, await run_in_threadpool(self.encoder.encode, wave))
                 self._close(idx)
+                await self._submit()          # its slot to the next waiting clause
                 await self._send({"type": "clause.done", "clause": idx, "text": text})
             if self.encoder is not None:
                 await self._audio(self.num_clauses - 1,

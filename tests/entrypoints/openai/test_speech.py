@@ -18,6 +18,9 @@ import numpy as np
 import openai
 import pytest
 
+from omnistage.entrypoints.openai.speech_stream import (MAX_APPEND_CHARS,
+                                                       MAX_CLAUSES_IN_FLIGHT,
+                                                       MAX_PENDING_CHARS)
 from omnistage.testing.toy_tts import (MAX_INPUT_CHARS, RATE, SAMPLES_PER_CHAR, expected_wave,
                                        voice_pitch)
 from omnistage.utils.audio import decode_audio, encode_audio
@@ -392,3 +395,83 @@ def test_websocket_bad_messages_get_error_events(server: Server) -> None:
         ws.send(json.dumps({"type": "input.append", "text": "Fine. "}))
         ws.send(json.dumps({"type": "input.done"}))
         assert events_until(ws, "audio.done")[-1]["clauses"] == 1
+
+
+def test_websocket_huge_appends_are_refused_and_the_server_answers(server: Server) -> None:
+    """3 MB without a space in one append: refused with an error event naming the limit; a run
+    of dots as long as one append may be is cut while /health answers (the old cutter, on the
+    event loop, took hours on the first and minutes on the second); the session goes on."""
+    with connect(server) as ws:
+        ws.send(json.dumps({"type": "input.append", "text": "x" * (3 << 20)}))
+        err = events_until(ws, "error")[-1]["error"]
+        assert (err["code"], err["param"]) == ("text_too_long", "text")
+        assert str(MAX_APPEND_CHARS) in err["message"]
+        ws.send(json.dumps({"type": "input.append", "text": "." * MAX_APPEND_CHARS}))
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        ws.send(json.dumps({"type": "speak"}))      # answered once the dots were cut
+        assert events_until(ws, "error")[-1]["error"]["param"] == "type"
+        ws.send(json.dumps({"type": "cancel"}))
+        events_until(ws, "cancelled")
+        ws.send(json.dumps({"type": "input.append", "text": "Fine. "}))
+        ws.send(json.dumps({"type": "input.done"}))
+        done = events_until(ws, "audio.done")
+        assert [e["text"] for e in done if e["type"] == "clause.done"] == ["Fine."]
+
+
+def test_websocket_text_not_yet_spoken_is_capped(server: Server) -> None:
+    """Appends while nothing is spoken yet: once the session would hold more than
+    MAX_PENDING_CHARS, the append is refused with an error event naming the limit (the old
+    server submitted every clause and closed the socket once the queue was full)."""
+    piece = "Word " * (MAX_APPEND_CHARS // 5)
+    with connect(server) as ws:
+        for _ in range(MAX_PENDING_CHARS // len(piece) + 1):
+            ws.send(json.dumps({"type": "input.append", "text": piece}))
+        err = events_until(ws, "error")[-1]["error"]
+        assert (err["code"], err["param"]) == ("input_text_buffer_full", "text"), err
+        assert str(MAX_PENDING_CHARS) in err["message"]
+        ws.send(json.dumps({"type": "cancel"}))
+        events_until(ws, "cancelled")
+
+
+def test_one_websocket_cannot_fill_the_queue(server: Server) -> None:
+    """1,500 appends of a sentence each on one socket: it holds at most MAX_CLAUSES_IN_FLIGHT
+    of the server's --max-queue (256) slots, the rest wait in the session; another client is
+    served meanwhile (the old server admitted every clause: 256, then 429 for everyone)."""
+    with connect(server) as ws:
+        ws.send(json.dumps({"type": "session.update", "session": {"voice": "bass"}}))
+        events_until(ws, "session.updated")
+        for _ in range(1500):
+            ws.send(json.dumps({"type": "input.append", "text": "Hi there. "}))
+        ws.send(json.dumps({"type": "speak"}))      # answered once every append was handled
+        seen = events_until(ws, "error")
+        assert seen[-1]["error"]["param"] == "type", seen[-1]
+        assert server.metrics()[("omnistage_requests_in_flight", ())] <= MAX_CLAUSES_IN_FLIGHT
+        r = server.post("/v1/audio/speech", json={"input": TEXT, "voice": "alto",
+                                                  "response_format": "wav"})
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(decode_audio(r.content)[0][0],
+                                   expected_wave(TEXT, pitch=0), atol=LSB)
+        seen += ready_events(ws)
+        assert [e["error"]["param"] for e in seen if e["type"] == "error"] == ["type"]
+        assert [e["text"] for e in seen if e["type"] == "clause.done"] == \
+            ["Hi there."] * sum(e["type"] == "clause.done" for e in seen)
+        ws.send(json.dumps({"type": "cancel"}))
+        events_until(ws, "cancelled")
+
+
+def test_websocket_clauses_over_the_share_wait_and_are_all_spoken_in_order(server: Server
+                                                                           ) -> None:
+    """More clauses than a session may have in flight, in one append: those over the share
+    go in as earlier ones finish; every one is spoken, in order, as one file."""
+    texts = [f"Clause {i}." for i in range(3 * MAX_CLAUSES_IN_FLIGHT + 1)]
+    with connect(server) as ws:
+        ws.send(json.dumps({"type": "session.update", "session": {"response_format": "pcm"}}))
+        ws.send(json.dumps({"type": "input.append", "text": " ".join(texts) + " "}))
+        ws.send(json.dumps({"type": "input.done"}))
+        seen = events_until(ws, "audio.done")
+    assert not [e for e in seen if e["type"] == "error"]
+    assert [e["text"] for e in seen if e["type"] == "clause.done"] == texts
+    assert seen[-1]["clauses"] == len(texts)
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in seen if e["type"] == "audio.delta")
+    want = np.concatenate([expected_wave(t, pitch=0) for t in texts])
+    np.testing.assert_allclose(decode_audio(pcm, "pcm16", RATE)[0][0], want, atol=LSB)
