@@ -8,10 +8,13 @@ The work is linear in the text, whatever the text (a run of dots, megabytes with
     | cut | ....... window: at most max_chars ....... | rest of the text (not looked at) |
           ^ pos                                     ^ pos + max_chars = endpos
 
-- each search looks at one window from the last cut; a window with a boundary is cut there,
-  so those windows do not overlap; a window without one is cut after its last space (or at
-  its end), and what the next window looks at again was space-free, so no character is
-  searched more than twice (and `rfind` looks at each once);
+- each search looks at one window from the last cut (a boundary whose whitespace runs past
+  the window is cut at its end); a search that finds a boundary looked only up to it and the
+  cut falls there, so such searches do not overlap; a window without one is cut after its
+  last space (or at its end), and what the next window looks at again was space-free, so
+  within one call no character is searched more than twice (`rfind` looks at each once);
+  what is left for the next call (at most max_chars) is searched again then: a call costs
+  O(len(text) + max_chars);
 - the pattern starts at one punctuation mark, not at a run of them, so a failed start costs
   O(1) plus the run of closers after it, never the rest of a run (the old `[.!?]+...\\s+`
   backtracked over every suffix of a run of dots: cubic time);
