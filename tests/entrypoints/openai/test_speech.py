@@ -403,6 +403,7 @@ def test_websocket_huge_appends_are_refused_and_the_server_answers(server: Serve
     event loop, took hours on the first and minutes on the second); the session goes on."""
     with connect(server) as ws:
         ws.send(json.dumps({"type": "input.append", "text": "x" * (3 << 20)}))
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
         err = events_until(ws, "error")[-1]["error"]
         assert (err["code"], err["param"]) == ("text_too_long", "text")
         assert str(MAX_APPEND_CHARS) in err["message"]
