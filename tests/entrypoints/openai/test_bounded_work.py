@@ -24,7 +24,6 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -32,15 +31,12 @@ import pytest
 import soundfile
 from PIL import Image
 
-from omnistage.configs.schema import GraphConfig, StageConfig
-from omnistage.engine.inputs import parse_prompt
 from omnistage.entrypoints.openai import media as media_module
 from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
 from omnistage.entrypoints.openai.errors import APIError
 from omnistage.entrypoints.openai.media import MediaBudget, MediaLoader, MediaPolicy
 from omnistage.entrypoints.openai.prep_pool import LONG_TEXT_CHARS, PrepPool
-from omnistage.outputs import OmniOutput, RequestEvent, RequestMetrics
-from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+from omnistage.testing.fake_engine import FakeTextEngine
 from omnistage.utils import audio as audio_module
 from omnistage.utils.video import encode_video
 
@@ -161,34 +157,6 @@ def test_videos_are_refused_from_their_stream_header(spies, monkeypatch) -> None
 
 # ---- the app, in process ----------------------------------------------------------------------
 
-class TextEngine:
-    """What the server uses of AsyncOmni: one text stage, answering "ok" at once; its
-    `processor` makes it take media parts, as Qwen3-Omni does."""
-
-    def __init__(self, tokenizer_dir: Path, processor: object | None = None) -> None:
-        self.graph = GraphConfig(stages=(StageConfig(name="llm", kind="ar", final="text"),))
-        self.tokenizer = build_tiny_tokenizer(tokenizer_dir)
-        self.processor = processor
-        self.entry, self.text_entry, self.is_healthy = ["llm"], False, True
-        self.audio_sample_rate, self.speech, self.video = None, None, None
-        self.orchestrator = SimpleNamespace(stage_info={"llm": {"max_model_len": 64}},
-                                            dead_reason=None, degraded_reason=None,
-                                            stage_stats=lambda timeout: {},
-                                            replica_status=lambda: {})
-
-    def prepare(self, prompt, params):
-        return parse_prompt(prompt, self.tokenizer), {"llm": params[0]}
-
-    def submit(self, prompt, params, request_id, modalities, sink, prepared) -> OmniOutput:
-        out = OmniOutput(request_id, "", [], metrics=RequestMetrics(arrival_time=time.time()))
-        sink(RequestEvent(request_id, "llm", [5], "ok", stage_finished=True,
-                          finish_reason="stop", done=True, stage_metrics={}))
-        return out
-
-    def abort(self, request_id: str) -> None:
-        pass
-
-
 def chat(content: object) -> dict:
     return {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
 
@@ -205,12 +173,12 @@ async def _post(app, body: dict) -> httpx.Response:
 
 def test_media_parts_are_refused_before_anything_is_fetched(tmp_path: Path, spies) -> None:
     small = png_claiming(4, 4)
-    text_app = build_app(TextEngine(tmp_path / "a"), ServerConfig(served_model_name="m"))
+    text_app = build_app(FakeTextEngine(tmp_path / "a"), ServerConfig(served_model_name="m"))
     r = asyncio.run(_post(text_app, chat([{"type": "text", "text": "what is it?"},
                                          image_part(small)])))
     assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_input"
     assert r.json()["error"]["param"] == "messages[0].content[1]"
-    omni_app = build_app(TextEngine(tmp_path / "b", processor=object()),
+    omni_app = build_app(FakeTextEngine(tmp_path / "b", processor=object()),
                          ServerConfig(served_model_name="m", max_media_parts=2,
                                       max_message_parts=3))
     r = asyncio.run(_post(omni_app, chat([image_part(small)] * 3)))
@@ -246,7 +214,7 @@ def test_health_answers_while_a_long_prompt_is_prepared(tmp_path: Path) -> None:
     """A 600 kB prompt (its template rendered, then counted in the child process: too long
     for max_model_len 40000, though not so long that its length alone refuses it:
     test_prompt_size.py) is prepared while /health is asked PING_S after each answer."""
-    engine = TextEngine(tmp_path)
+    engine = FakeTextEngine(tmp_path)
     engine.orchestrator.stage_info["llm"]["max_model_len"] = 40_000
     app = build_app(engine, ServerConfig(served_model_name="m"))
     words = "The quick brown fox jumps over the lazy dog. "

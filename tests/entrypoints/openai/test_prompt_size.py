@@ -6,52 +6,17 @@ is called for a refused prompt; a long prompt that may fit is still counted."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from omnistage.configs.schema import GraphConfig, StageConfig
-from omnistage.engine.inputs import parse_prompt
 from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
 from omnistage.entrypoints.openai.prep_pool import LONG_TEXT_CHARS, TokenCounter
-from omnistage.outputs import OmniOutput, RequestEvent, RequestMetrics
+from omnistage.testing.fake_engine import FakeTextEngine
 from omnistage.testing.tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
 
 WORDS = "Grüße aus München, 日本語のテキスト and the lazy dog. "
-
-
-class TextEngine:
-    """One text stage answering "ok"; `max_model_len` None: a stage that reports none."""
-
-    def __init__(self, tokenizer_dir: Path, max_model_len: int | None) -> None:
-        self.graph = GraphConfig(stages=(StageConfig(name="llm", kind="ar", final="text"),))
-        self.tokenizer = build_tiny_tokenizer(tokenizer_dir)
-        self.tokenizer.chat_template = CHAT_TEMPLATE
-        self.processor = None
-        self.entry, self.text_entry, self.is_healthy = ["llm"], False, True
-        self.audio_sample_rate, self.speech, self.video = None, None, None
-        info = {} if max_model_len is None else {"max_model_len": max_model_len}
-        self.orchestrator = SimpleNamespace(stage_info={"llm": info}, dead_reason=None,
-                                            degraded_reason=None,
-                                            stage_stats=lambda timeout: {},
-                                            replica_status=lambda: {})
-        self.num_prepared = 0
-
-    def prepare(self, prompt, params):
-        self.num_prepared += 1
-        return parse_prompt(prompt, self.tokenizer), {"llm": params[0]}
-
-    def submit(self, prompt, params, request_id, modalities, sink, prepared) -> OmniOutput:
-        out = OmniOutput(request_id, "", [], metrics=RequestMetrics(arrival_time=time.time()))
-        sink(RequestEvent(request_id, "llm", [5], "ok", stage_finished=True,
-                          finish_reason="stop", done=True, stage_metrics={}))
-        return out
-
-    def abort(self, request_id: str) -> None:
-        pass
 
 
 @pytest.fixture
@@ -103,7 +68,8 @@ def text(num_chars: int) -> str:
 def test_a_prompt_too_long_to_fit_is_refused_untokenized(tmp_path: Path, spies, path: str,
                                                          body) -> None:
     """max_model_len 4096: 3 MB of text cannot fit (a token covers at most 16 characters)."""
-    engine = TextEngine(tmp_path, 4096)
+    engine = FakeTextEngine(tmp_path, max_model_len=4096,
+                            chat_template=CHAT_TEMPLATE)
     app = build_app(engine, ServerConfig(served_model_name="m"))
     r = post(app, path, {"model": "m", "max_tokens": 2, **body(text(3_000_000))})
     assert r.status_code == 400, r.text
@@ -114,7 +80,8 @@ def test_a_prompt_too_long_to_fit_is_refused_untokenized(tmp_path: Path, spies, 
 
 def test_a_model_without_a_maximum_length_takes_a_bounded_prompt(tmp_path: Path,
                                                                   spies) -> None:
-    engine = TextEngine(tmp_path, None)
+    engine = FakeTextEngine(tmp_path, max_model_len=None,
+                            chat_template=CHAT_TEMPLATE)
     app = build_app(engine, ServerConfig(served_model_name="m"))
     r = post(app, "/v1/completions", {"model": "m", "prompt": text(LONG_TEXT_CHARS + 1),
                                       "max_tokens": 2})
@@ -130,7 +97,8 @@ def test_a_model_without_a_maximum_length_takes_a_bounded_prompt(tmp_path: Path,
 def test_a_long_prompt_that_may_fit_is_counted_first(tmp_path: Path, spies) -> None:
     """Over LONG_TEXT_CHARS but under max_model_len x 16 characters: counted in the child
     (the count says it does not fit: 400), never tokenized here."""
-    engine = TextEngine(tmp_path, 20_000)
+    engine = FakeTextEngine(tmp_path, max_model_len=20_000,
+                            chat_template=CHAT_TEMPLATE)
     app = build_app(engine, ServerConfig(served_model_name="m"))
     r = post(app, "/v1/completions", {"model": "m", "prompt": text(LONG_TEXT_CHARS + 1000),
                                       "max_tokens": 2})

@@ -25,16 +25,13 @@ import numpy as np
 import pytest
 import soundfile
 
-from omnistage.configs.schema import GraphConfig, StageConfig
-from omnistage.engine.inputs import parse_prompt
 from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
 from omnistage.entrypoints.openai.errors import APIError
 from omnistage.entrypoints.openai.media import MediaLoader, MediaPolicy
 from omnistage.entrypoints.openai.realtime.audio_buffer import decode_pcm16
 from omnistage.entrypoints.openai.voices import MAX_TRANSCRIPT_CHARS, VoiceStore
-from omnistage.outputs import OmniOutput, RequestEvent, RequestMetrics
 from omnistage.registry import SpeechSpec
-from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+from omnistage.testing.fake_engine import FakeTextEngine
 from omnistage.utils.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 
 RANGE = f"{MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE} Hz"
@@ -48,41 +45,14 @@ def wav(seconds: float = 1.0, rate: int = 16000, freq: float = 97.0) -> bytes:
     return buf.getvalue()
 
 
-class FakeEngine:
-    """What the server uses of AsyncOmni: one stage answering "ok" at once; `processor` makes
-    it take media parts, `speech` makes it a speech model."""
-
-    def __init__(self, tokenizer_dir: Path, speech: SpeechSpec | None = None) -> None:
-        self.graph = GraphConfig(stages=(StageConfig(name="llm", kind="ar", final="text"),))
-        self.tokenizer = build_tiny_tokenizer(tokenizer_dir)
-        self.processor = object()
-        self.entry, self.text_entry, self.is_healthy = ["llm"], False, True
-        self.audio_sample_rate, self.speech, self.video = None, speech, None
-        self.orchestrator = SimpleNamespace(stage_info={"llm": {"max_model_len": 64}},
-                                            dead_reason=None, degraded_reason=None,
-                                            stage_stats=lambda timeout: {},
-                                            replica_status=lambda: {})
-
-    def prepare(self, prompt, params):
-        return parse_prompt(prompt, self.tokenizer), {"llm": params[0]}
-
-    def submit(self, prompt, params, request_id, modalities, sink, prepared) -> OmniOutput:
-        out = OmniOutput(request_id, "", [], metrics=RequestMetrics(arrival_time=time.time()))
-        sink(RequestEvent(request_id, "llm", [5], "ok", stage_finished=True,
-                          finish_reason="stop", done=True, stage_metrics={}))
-        return out
-
-    def abort(self, request_id: str) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tok")
 
 
 def speech_app(tokenizer_dir: Path, voices_dir: Path) -> Any:
-    engine = FakeEngine(tokenizer_dir, SpeechSpec(voices=("Vivian",), cloning=True))
+    engine = FakeTextEngine(tokenizer_dir, processor=object(),
+                            speech=SpeechSpec(voices=("Vivian",), cloning=True))
     return build_app(engine, ServerConfig(served_model_name="m", voices_dir=str(voices_dir)))
 
 
@@ -124,7 +94,8 @@ def test_voice_uploads_and_ref_audio_at_rates_out_of_range_are_400(
 
 
 def test_chat_audio_below_the_lowest_rate_is_400(tokenizer_dir: Path) -> None:
-    app = build_app(FakeEngine(tokenizer_dir), ServerConfig(served_model_name="m"))
+    app = build_app(FakeTextEngine(tokenizer_dir, processor=object()),
+                    ServerConfig(served_model_name="m"))
 
     def chat(audio: bytes) -> httpx.Response:
         return call(app, "POST", "/v1/chat/completions", json={
