@@ -200,8 +200,7 @@ class EngineClient:
         except ValueError as exc:
             raise from_value_error(exc, param) from None
         limit, n = self.max_model_len, prepared[0].num_tokens
-        if max_tokens is not None and limit is not None and n is not None \
-                and n + max_tokens[1] > limit:
+        if max_tokens is not None and limit is not None and n + max_tokens[1] > limit:
             field, wanted = max_tokens
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you "
