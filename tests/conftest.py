@@ -1,4 +1,12 @@
-"""Shared fixtures: tiny random checkpoints built once per session (no downloads)."""
+"""Shared fixtures: tiny random checkpoints built once per session (no downloads); the tier
+markers, applied by folder.
+
+Tiers (docs/testing.md): tests/unit (no subprocesses, no model beyond a few layers: the inner
+loop, `pytest tests/unit`), tests/golden (against references: transformers, diffusers,
+qwen-tts, fixtures), tests/system (servers, stage processes, Ray, the browser), tests/gpu. A
+test's tier is the first folder under tests/ when that folder is a tier; the rule tests at
+tests/test_*.py are static scans and count as unit. Files still in a package-mirror folder
+(tests/ar, tests/engine, ... before the move to tiers) get no tier marker."""
 
 from __future__ import annotations
 
@@ -7,6 +15,29 @@ from pathlib import Path
 import pytest
 
 from omnistage.testing.tiny_models import build_tiny_checkpoint
+
+TIERS = ("unit", "golden", "system", "gpu")
+TESTS = Path(__file__).resolve().parent
+
+
+def tier_of(path: Path) -> str | None:
+    """The tier of the test file at `path` by its folder, or None outside the tier folders."""
+    try:
+        parts = path.resolve().relative_to(TESTS).parts
+    except ValueError:        # a file outside tests/ (pytest given an absolute path elsewhere)
+        return None
+    if len(parts) == 1:       # tests/test_*.py: the rule tests, scans of the source
+        return "unit"
+    return parts[0] if parts[0] in TIERS else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # by folder, so that `-m unit` and `pytest tests/unit` select the same tests and no file
+    # can forget its marker
+    for item in items:
+        tier = tier_of(Path(str(item.path)))
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")

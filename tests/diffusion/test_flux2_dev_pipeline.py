@@ -8,15 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from torch import Tensor
 
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.flux2 import Flux2Pipeline
-from omnistage.registry import load_component
 from omnistage.testing.diffusion import png, run_to_end
 from omnistage.testing.tiny_flux2 import build_tiny_flux2_dev
+from tests.helpers import diffusion_golden as golden
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
@@ -31,39 +29,30 @@ def pair(tmp_path_factory: pytest.TempPathFactory
          ) -> tuple[diffusers.Flux2Pipeline, Flux2Pipeline]:
     path = tmp_path_factory.mktemp("flux2")
     ref = build_tiny_flux2_dev(path)
-    ours = load_component("diffusion", "flux2").from_pretrained(
-        path, "flux2", torch.device("cpu"), torch.float32)
+    ours = golden.load_ours(path, "flux2")
     ours.prompt_encoder.max_sequence_length = SEQ
     return ref, ours
+
+
+def run(ours: Flux2Pipeline, params: DiffusionParams) -> None:
+    engine = DiffusionEngine(ours)
+    engine.add_request("a", PROMPT, params)
+    run_to_end(engine)
 
 
 def test_matches_diffusers(pair: tuple[diffusers.Flux2Pipeline, Flux2Pipeline],
                            monkeypatch: pytest.MonkeyPatch) -> None:
     ref, ours = pair
-    seen: list[Tensor] = []
-    decode = ours.decode
-    monkeypatch.setattr(ours, "decode", lambda latents, params: seen.append(latents.clone())
-                        or decode(latents, params))
-    engine = DiffusionEngine(ours)
-    engine.add_request("a", PROMPT, DiffusionParams(height=SIZE, width=SIZE,
-                                                    num_inference_steps=2, guidance_scale=2.5,
-                                                    seed=0, num_images=2))
-    run_to_end(engine)
-    with torch.no_grad():
-        expected = ref(prompt=PROMPT, height=SIZE, width=SIZE, num_inference_steps=2,
-                       guidance_scale=2.5, generator=torch.Generator().manual_seed(0),
-                       num_images_per_prompt=2, max_sequence_length=SEQ, output_type="latent",
-                       return_dict=False)[0]
+    seen = golden.record_latents(ours, monkeypatch, key=lambda p: p.guidance_scale)
+    params = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=2, guidance_scale=2.5,
+                             seed=0, num_images=2)
+    run(ours, params)
+    expected = golden.reference(ref, PROMPT, params, "latent", max_sequence_length=SEQ)
     # dev's output_type="latent" is the packed tokens (klein's: the unpacked latents)
-    assert seen[0].shape == expected.shape == (2, (SIZE // 4) ** 2, 16)
-    assert expected.abs().mean() > 0.3
-    torch.testing.assert_close(seen[0], expected, atol=1e-4, rtol=1e-4)
-
-    engine.add_request("b", PROMPT, DiffusionParams(height=SIZE, width=SIZE,
-                                                    num_inference_steps=2, guidance_scale=5.0,
-                                                    seed=0, num_images=2))
-    run_to_end(engine)
-    assert (seen[1] - expected).abs().max() > 1e-2      # the guidance embedding is live
+    golden.assert_latents_match(seen[2.5], expected, shape=(2, (SIZE // 4) ** 2, 16), rtol=1e-4)
+    run(ours, DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=2,
+                              guidance_scale=5.0, seed=0, num_images=2))
+    assert (seen[5.0] - expected).abs().max() > 1e-2      # the guidance embedding is live
 
 
 def test_edit_with_a_reference_image_matches_diffusers(
@@ -74,22 +63,13 @@ def test_edit_with_a_reference_image_matches_diffusers(
     from PIL import Image
 
     ref, ours = pair
-    seen: list[Tensor] = []
-    decode = ours.decode
-    monkeypatch.setattr(ours, "decode", lambda latents, params: seen.append(latents.clone())
-                        or decode(latents, params))
+    seen = golden.record_latents(ours, monkeypatch)
     image = png(72, 64, seed=5)
-    engine = DiffusionEngine(ours)
-    engine.add_request("a", PROMPT, DiffusionParams(num_inference_steps=2, guidance_scale=3.0,
-                                                    seed=1, image=image))
-    run_to_end(engine)
-    with torch.no_grad():
-        expected = ref(prompt=PROMPT, image=Image.open(io.BytesIO(image)).convert("RGB"),
-                       num_inference_steps=2, guidance_scale=3.0,
-                       generator=torch.Generator().manual_seed(1), max_sequence_length=SEQ,
-                       output_type="latent", return_dict=False)[0]
-    assert seen[0].shape == expected.shape == (1, 16 * 18, 16)
-    torch.testing.assert_close(seen[0], expected, atol=1e-4, rtol=1e-4)
+    params = DiffusionParams(num_inference_steps=2, guidance_scale=3.0, seed=1, image=image)
+    run(ours, params)
+    expected = golden.reference(ref, PROMPT, params, "latent", max_sequence_length=SEQ,
+                                image=Image.open(io.BytesIO(image)).convert("RGB"))
+    golden.assert_latents_match(seen[1], expected, shape=(1, 16 * 18, 16), rtol=1e-4)
 
 
 def test_refuses_cfg_fields(pair: tuple[diffusers.Flux2Pipeline, Flux2Pipeline]) -> None:

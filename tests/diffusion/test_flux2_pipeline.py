@@ -16,9 +16,9 @@ from torch import Tensor
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.flux2 import Flux2KleinPipeline
-from omnistage.registry import load_component
 from omnistage.testing.diffusion import png, run_to_end
 from omnistage.testing.tiny_flux2 import build_tiny_flux2_klein
+from tests.helpers import diffusion_golden as golden
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
@@ -33,38 +33,26 @@ def pair(tmp_path_factory: pytest.TempPathFactory
          ) -> tuple[diffusers.Flux2KleinPipeline, Flux2KleinPipeline]:
     path = tmp_path_factory.mktemp("flux2_klein")
     ref = build_tiny_flux2_klein(path)
-    ours = load_component("diffusion", "flux2_klein").from_pretrained(
-        path, "flux2_klein", torch.device("cpu"), torch.float32)
+    ours = golden.load_ours(path, "flux2_klein")
     ours.prompt_encoder.max_sequence_length = SEQ
     return ref, ours
 
 
 def capture_latents(pipe: Flux2KleinPipeline, monkeypatch: pytest.MonkeyPatch
-                    ) -> dict[int, Tensor]:
+                    ) -> dict[object, Tensor]:
     """Final latents per request seed, as diffusers' output_type="latent" gives them (raw
     VAE latents (n, C, h, w)), recorded as the engine decodes them."""
-    seen: dict[int, Tensor] = {}
-    decode = pipe.decode
-
-    def spy(latents: Tensor, params: DiffusionParams) -> Tensor:
+    def unpacked(latents: Tensor, params: DiffusionParams) -> Tensor:
         height, width = pipe._size(params)
         patches = latents.transpose(1, 2).unflatten(2, (height // 4, width // 4))
-        seen[params.seed] = pipe.vae.denormalize(patches)
-        return decode(latents, params)
+        return pipe.vae.denormalize(patches)
 
-    monkeypatch.setattr(pipe, "decode", spy)
-    return seen
+    return golden.record_latents(pipe, monkeypatch, transform=unpacked)
 
 
-def reference(ref: diffusers.Flux2KleinPipeline, seed: int, num_images: int = 1,
-              **kwargs: object) -> Tensor:
-    kwargs.setdefault("height", SIZE)
-    kwargs.setdefault("width", SIZE)
-    with torch.no_grad():
-        kwargs.setdefault("num_inference_steps", 3)
-        return ref(prompt=PROMPT, generator=torch.Generator().manual_seed(seed),
-                   output_type="latent", max_sequence_length=SEQ,
-                   num_images_per_prompt=num_images, return_dict=False, **kwargs)[0]
+def reference(ref: diffusers.Flux2KleinPipeline, params: DiffusionParams, **kwargs: object
+              ) -> Tensor:
+    return golden.reference(ref, PROMPT, params, "latent", max_sequence_length=SEQ, **kwargs)
 
 
 def run(ours: Flux2KleinPipeline, params: DiffusionParams) -> None:
@@ -78,12 +66,13 @@ def test_text_to_image_with_cfg_matches_diffusers(
         monkeypatch: pytest.MonkeyPatch) -> None:
     ref, ours = pair
     seen = capture_latents(ours, monkeypatch)
-    run(ours, DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=3,
-                              guidance_scale=3.0, seed=0, num_images=2))
-    expected = reference(ref, 0, num_images=2, guidance_scale=3.0)
-    assert seen[0].shape == expected.shape == (2, 4, SIZE // 2, SIZE // 2)
-    assert expected.abs().mean() > 0.3 and not torch.equal(expected[0], expected[1])
-    torch.testing.assert_close(seen[0], expected, atol=1e-4, rtol=1e-4)
+    params = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=3,
+                             guidance_scale=3.0, seed=0, num_images=2)
+    run(ours, params)
+    expected = reference(ref, params)
+    golden.assert_latents_match(seen[0], expected, shape=(2, 4, SIZE // 2, SIZE // 2),
+                                rtol=1e-4)
+    assert not torch.equal(expected[0], expected[1])
 
 
 def test_step_distilled_runs_without_cfg(
@@ -93,15 +82,16 @@ def test_step_distilled_runs_without_cfg(
     seen = capture_latents(ours, monkeypatch)
     monkeypatch.setattr(ours, "is_distilled", True)
     monkeypatch.setattr(ours.prompt_encoder, "is_distilled", True)
-    run(ours, DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=3,
-                              guidance_scale=3.0, seed=1))
+    params = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=3,
+                             guidance_scale=3.0, seed=1)
+    run(ours, params)
     ref.register_to_config(is_distilled=True)
     try:
-        expected = reference(ref, 1, guidance_scale=3.0)
+        expected = reference(ref, params)
     finally:
         ref.register_to_config(is_distilled=False)
-    torch.testing.assert_close(seen[1], expected, atol=1e-4, rtol=1e-4)
-    assert (seen[1] - reference(ref, 1, guidance_scale=3.0)).abs().max() > 1e-2  # CFG moves it
+    golden.assert_latents_match(seen[1], expected, rtol=1e-4)
+    assert (seen[1] - reference(ref, params)).abs().max() > 1e-2  # CFG moves it
 
 
 def test_edit_with_two_reference_images_matches_diffusers(
@@ -112,13 +102,12 @@ def test_edit_with_two_reference_images_matches_diffusers(
     ref, ours = pair
     first, second = png(70, 66, seed=2), png(64, 72, seed=3)
     seen = capture_latents(ours, monkeypatch)
-    run(ours, DiffusionParams(num_inference_steps=2, guidance_scale=2.0, seed=4, image=first,
-                              extra_images=(second,)))
-    expected = reference(ref, 4, image=[Image.open(io.BytesIO(first)).convert("RGB"),
-                                        Image.open(io.BytesIO(second)).convert("RGB")],
-                         height=None, width=None, guidance_scale=2.0, num_inference_steps=2)
-    assert seen[4].shape == expected.shape == (1, 4, 32, 34)
-    torch.testing.assert_close(seen[4], expected, atol=1e-4, rtol=1e-4)
+    params = DiffusionParams(num_inference_steps=2, guidance_scale=2.0, seed=4, image=first,
+                             extra_images=(second,))
+    run(ours, params)
+    expected = reference(ref, params, image=[Image.open(io.BytesIO(first)).convert("RGB"),
+                                             Image.open(io.BytesIO(second)).convert("RGB")])
+    golden.assert_latents_match(seen[4], expected, shape=(1, 4, 32, 34), rtol=1e-4)
     run(ours, DiffusionParams(num_inference_steps=2, guidance_scale=2.0, seed=4, image=first))
     assert (seen[4] - expected).abs().max() > 1e-2          # the second reference matters
 

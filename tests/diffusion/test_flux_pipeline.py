@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import Tensor
 
 from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.flux import FluxPipeline
-from omnistage.registry import load_component
 from omnistage.testing.diffusion import run_to_end
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+from tests.helpers import diffusion_golden as golden
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -48,19 +47,14 @@ def build_reference(path: Path, guidance_embeds: bool) -> diffusers.FluxPipeline
         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
         latent_channels=4, norm_num_groups=4, sample_size=32, use_quant_conv=False,
         use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035).eval()
-    with torch.no_grad():   # diffusers zero-inits some layers: make every path count
-        for model in (transformer, vae):
-            for p in model.parameters():
-                p.normal_(0.0, 0.1)
+    golden.randomize(transformer, vae)
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(   # FLUX.1's scheduler config
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096)
     pipe = diffusers.FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
                                   tokenizer=tokenizer, text_encoder_2=text_encoder_2,
                                   tokenizer_2=tokenizer, transformer=transformer)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.save_pretrained(path)
-    return pipe
+    return golden.save_reference(pipe, path)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["dev", "schnell"])
@@ -68,57 +62,17 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
          ) -> tuple[diffusers.FluxPipeline, FluxPipeline]:
     path = tmp_path_factory.mktemp("flux")
     ref = build_reference(path, guidance_embeds=request.param)
-    ours = load_component("diffusion", "flux").from_pretrained(path, "flux", torch.device("cpu"),
-                                                      torch.float32)
+    ours = golden.load_ours(path, "flux")
     ours.prompt_encoder.max_sequence_length = SEQ
     return ref, ours
 
 
-def capture_latents(pipe: FluxPipeline, monkeypatch: pytest.MonkeyPatch) -> dict[str, Tensor]:
-    """Final packed latents per request size, recorded as the engine decodes them."""
-    seen: dict[str, Tensor] = {}
-    decode = pipe.decode
-
-    def spy(latents: Tensor, params: DiffusionParams) -> Tensor:
-        seen[f"{params.height}x{params.width}:{params.seed}"] = latents.clone()
-        return decode(latents, params)
-
-    monkeypatch.setattr(pipe, "decode", spy)
-    return seen
-
-
-def reference(ref: diffusers.FluxPipeline, prompt: str, height: int, width: int, seed: int,
-              output_type: str, num_images: int = 1) -> Tensor:
-    out = ref(prompt, height=height, width=width, num_inference_steps=4, guidance_scale=3.5,
-              generator=torch.Generator().manual_seed(seed), output_type=output_type,
-              max_sequence_length=SEQ, num_images_per_prompt=num_images, return_dict=False)
-    return out[0]
-
-
-def test_matches_diffusers(pair: tuple[diffusers.FluxPipeline, FluxPipeline],
-                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_matches_diffusers(pair: tuple[diffusers.FluxPipeline, FluxPipeline]) -> None:
     ref, ours = pair
-    seen = capture_latents(ours, monkeypatch)
-    engine = DiffusionEngine(ours)
     params = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=3.5,
                              seed=0, num_images=2)
-    engine.add_request("a", PROMPT, params)
-    (res,) = run_to_end(engine).values()
-
-    with torch.no_grad():
-        ref_latents = reference(ref, PROMPT, SIZE, SIZE, 0, "latent", num_images=2)
-        ref_images = reference(ref, PROMPT, SIZE, SIZE, 0, "pt", num_images=2)  # (2,3,H,W) [0,1]
-    latents = seen[f"{SIZE}x{SIZE}:0"]
-    assert latents.shape == ref_latents.shape == (2, (SIZE // 4) ** 2, 16)
-    torch.testing.assert_close(latents, ref_latents, atol=1e-4, rtol=0)
-    with torch.no_grad():
-        images = ours.decode_float(latents, params)
-    torch.testing.assert_close(images, ref_images, atol=1e-4, rtol=0)
-
-    assert res.images.dtype == torch.uint8 and res.images.shape == (2, SIZE, SIZE, 3)
-    expected = (ref_images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
-    assert (res.images.int() - expected.int()).abs().max() <= 1
-    assert res.images.float().std() > 1.0, "the tiny pipeline should not draw a flat image"
+    golden.matches_diffusers(ref, ours, PROMPT, params, shape=(2, (SIZE // 4) ** 2, 16),
+                             max_sequence_length=SEQ)
 
 
 def test_same_image_alone_or_batched(pair: tuple[diffusers.FluxPipeline, FluxPipeline]) -> None:
@@ -191,7 +145,7 @@ def test_image_to_image_matches_diffusers(pair: tuple[diffusers.FluxPipeline, Fl
     pixels = np.random.default_rng(3).integers(0, 256, (40, 48, 3), dtype=np.uint8)
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format="PNG")
-    seen = capture_latents(ours, monkeypatch)
+    seen = golden.record_latents(ours, monkeypatch, key=golden.size_seed)
     engine = DiffusionEngine(ours)
     engine.add_request("a", PROMPT, DiffusionParams(
         height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=3.5, seed=5,
@@ -245,15 +199,14 @@ def test_images_larger_than_the_vae_sample_size_decode_whole(
     pipeline does unless `vae.enable_tiling()` is called (tiling it made SD3 up to 80/255 off:
     issue 37); tiles come only above 2048 x 2048 px (AutoencoderKL.decode_images)."""
     ref, ours = pair
-    seen = capture_latents(ours, monkeypatch)
+    seen = golden.record_latents(ours, monkeypatch, key=golden.size_seed)
     engine = DiffusionEngine(ours)
     params = DiffusionParams(height=64, width=48, num_inference_steps=2, seed=4)
     engine.add_request("a", PROMPT, params)
     run_to_end(engine)
+    expected = golden.reference(ref, PROMPT, params, "pt", guidance_scale=3.5,
+                                max_sequence_length=SEQ)
     with torch.no_grad():
-        expected = ref(PROMPT, height=64, width=48, num_inference_steps=2,
-                       guidance_scale=3.5, generator=torch.Generator().manual_seed(4),
-                       output_type="pt", max_sequence_length=SEQ, return_dict=False)[0]
         images = ours.decode_float(seen["64x48:4"], params)
     torch.testing.assert_close(images, expected, atol=1e-4, rtol=0)
 

@@ -24,9 +24,9 @@ from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.qwen_image_edit import (CONDITION_AREA, TARGET_AREA,
                                                            QwenImageEditPipeline)
 from omnistage.errors import InputError
-from omnistage.registry import load_component
 from omnistage.testing.diffusion import run_to_end
 from omnistage.testing.tiny_qwen_image_edit import C, build_tiny_qwen_image_edit
+from tests.helpers import diffusion_golden as golden
 
 diffusers = pytest.importorskip("diffusers")
 AREA = 64 * 64                  # stands in for 1024 * 1024 pixels
@@ -64,8 +64,7 @@ def scaled_sizes(monkeypatch: pytest.MonkeyPatch, ours: QwenImageEditPipeline) -
 def load_pair(path: Path, component: str, zero_cond_t: bool = False):
     ref = build_tiny_qwen_image_edit(path, plus=component.endswith("plus"),
                                      zero_cond_t=zero_cond_t)
-    ours = load_component("diffusion", component).from_pretrained(
-        path, component, torch.device("cpu"), torch.float32)
+    ours = golden.load_ours(path, component)
     return ref, ours
 
 
@@ -82,37 +81,33 @@ def plus_pair(tmp_path_factory: pytest.TempPathFactory):
 def run_ours(ours: QwenImageEditPipeline, monkeypatch: pytest.MonkeyPatch,
              params: DiffusionParams) -> Tensor:
     """The request's final packed latents, run through the engine."""
-    seen = {}
-    decode = ours.decode
-    monkeypatch.setattr(ours, "decode",
-                        lambda latents, p: seen.setdefault("x", latents.clone()) is None
-                        or decode(latents, p))
+    seen = golden.record_latents(ours, monkeypatch)
     engine = DiffusionEngine(ours)
     engine.add_request("a", PROMPT, params)
     run_to_end(engine)
-    return seen["x"]
+    return seen[params.seed]
 
 
-def reference(ref, images: list[bytes], **kwargs) -> Tensor:
-    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-    with torch.no_grad():
-        return ref(pil[0] if len(pil) == 1 else pil, PROMPT, negative_prompt=NEGATIVE,
-                   true_cfg_scale=4.0, num_inference_steps=STEPS,
-                   generator=torch.Generator().manual_seed(0), output_type="latent",
-                   return_dict=False, **kwargs)[0]
+def edit_params(images: list[bytes], num_images: int = 1) -> DiffusionParams:
+    return DiffusionParams(num_inference_steps=STEPS, true_cfg_scale=4.0,
+                           negative_prompt=NEGATIVE, seed=0, num_images=num_images,
+                           image=images[0], extra_images=tuple(images[1:]))
+
+
+def reference(ref, params: DiffusionParams) -> Tensor:
+    """diffusers' latents for `params`, its input images as PIL (one alone, or a list)."""
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in (params.image,
+                                                               *params.extra_images)]
+    return golden.reference(ref, PROMPT, params, "latent", image=pil[0] if len(pil) == 1 else pil)
 
 
 def test_edit_matches_diffusers(edit_pair, monkeypatch: pytest.MonkeyPatch) -> None:
     ref, ours = edit_pair
     scaled_sizes(monkeypatch, ours)
     image = png_bytes((80, 48), seed=1)                 # encoded at 96x64: 6x4 tokens
-    expected = reference(ref, [image], num_images_per_prompt=2)
-    got = run_ours(ours, monkeypatch, DiffusionParams(
-        num_inference_steps=STEPS, true_cfg_scale=4.0, negative_prompt=NEGATIVE, seed=0,
-        num_images=2, image=image))
-    assert got.shape == expected.shape == (2, 6 * 4, 4 * C)
-    assert expected.abs().mean() > 0.3
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    params = edit_params([image], num_images=2)
+    golden.assert_latents_match(run_ours(ours, monkeypatch, params), reference(ref, params),
+                                shape=(2, 6 * 4, 4 * C))
 
 
 def test_edit_prompt_embeds_see_the_image(edit_pair, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,14 +144,10 @@ def test_plus_two_images_match_diffusers(pair: str, request: pytest.FixtureReque
     ref, ours = request.getfixturevalue(pair)
     scaled_sizes(monkeypatch, ours)
     images = [png_bytes((80, 48), seed=1), png_bytes((48, 64), seed=3)]
-    expected = reference(ref, images)
-    got = run_ours(ours, monkeypatch, DiffusionParams(
-        num_inference_steps=STEPS, true_cfg_scale=4.0, negative_prompt=NEGATIVE, seed=0,
-        image=images[0], extra_images=(images[1],)))
+    params = edit_params(images)
     # output: the last image's aspect, 64x64 -> 4x4 tokens
-    assert got.shape == expected.shape == (1, 4 * 4, 4 * C)
-    assert expected.abs().mean() > 0.3
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    golden.assert_latents_match(run_ours(ours, monkeypatch, params), reference(ref, params),
+                                shape=(1, 4 * 4, 4 * C))
 
 
 def test_same_image_alone_or_batched(plus_pair, monkeypatch: pytest.MonkeyPatch) -> None:

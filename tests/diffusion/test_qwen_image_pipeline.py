@@ -22,6 +22,7 @@ from omnistage.diffusion.pipelines.qwen_image import QwenImagePipeline
 from omnistage.registry import load_component
 from omnistage.testing.diffusion import run_to_end
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+from tests.helpers import diffusion_golden as golden
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -65,9 +66,7 @@ def build_reference(path: Path) -> diffusers.QwenImagePipeline:
         time_shift_type="exponential")
     pipe = diffusers.QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
                                        tokenizer=tokenizer, transformer=transformer)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.save_pretrained(path)
-    return pipe
+    return golden.save_reference(pipe, path)
 
 
 @pytest.fixture(scope="module")
@@ -93,56 +92,14 @@ def png_bytes(size: tuple[int, int], seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
-def capture_latents(pipe: QwenImagePipeline, monkeypatch: pytest.MonkeyPatch
-                    ) -> dict[str, Tensor]:
-    """Final packed latents per request, recorded as the engine decodes them."""
-    seen: dict[str, Tensor] = {}
-    decode = pipe.decode
-
-    def spy(latents: Tensor, params: DiffusionParams) -> Tensor:
-        seen[f"{params.height}x{params.width}:{params.seed}"] = latents.clone()
-        return decode(latents, params)
-
-    monkeypatch.setattr(pipe, "decode", spy)
-    return seen
-
-
-def reference(ref: diffusers.QwenImagePipeline, negative: str | None, cfg: float,
-              output_type: str) -> Tensor:
-    out = ref(PROMPT, negative_prompt=negative, true_cfg_scale=cfg, height=SIZE, width=SIZE,
-              num_inference_steps=4, generator=torch.Generator().manual_seed(0),
-              num_images_per_prompt=2, output_type=output_type, return_dict=False)
-    return out[0]
-
-
 @pytest.mark.parametrize("negative, cfg", [(None, 1.0), (NEGATIVE, 4.0)],
                          ids=["no-cfg", "true-cfg"])
 def test_matches_diffusers(pair: tuple[diffusers.QwenImagePipeline, QwenImagePipeline],
-                           monkeypatch: pytest.MonkeyPatch, negative: str | None,
-                           cfg: float) -> None:
+                           negative: str | None, cfg: float) -> None:
     ref, ours = pair
-    seen = capture_latents(ours, monkeypatch)
-    engine = DiffusionEngine(ours)
     params = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=4, true_cfg_scale=cfg,
                              negative_prompt=negative, seed=0, num_images=2)
-    engine.add_request("a", PROMPT, params)
-    (res,) = run_to_end(engine).values()
-
-    with torch.no_grad():
-        ref_latents = reference(ref, negative, cfg, "latent")
-        ref_images = reference(ref, negative, cfg, "pt")                 # (2, 3, H, W) [0, 1]
-    latents = seen[f"{SIZE}x{SIZE}:0"]
-    assert latents.shape == ref_latents.shape == (2, (SIZE // 16) ** 2, 4 * C)
-    torch.testing.assert_close(latents, ref_latents, atol=1e-4, rtol=0)
-    with torch.no_grad():
-        images = ours.decode_float(latents, params)
-    assert images.shape == ref_images.shape == (2, 3, SIZE, SIZE)
-    torch.testing.assert_close(images, ref_images, atol=1e-4, rtol=0)
-
-    assert res.images.dtype == torch.uint8 and res.images.shape == (2, SIZE, SIZE, 3)
-    expected = (ref_images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
-    assert (res.images.int() - expected.int()).abs().max() <= 1
-    assert res.images.float().std() > 1.0, "the tiny pipeline should not draw a flat image"
+    golden.matches_diffusers(ref, ours, PROMPT, params, shape=(2, (SIZE // 16) ** 2, 4 * C))
 
 
 def test_encode_prompt_drops_the_template(pair: tuple[diffusers.QwenImagePipeline,
@@ -221,7 +178,7 @@ def test_image_to_image_matches_diffusers(
     QwenImageImg2ImgPipeline's."""
     ref, ours = pair
     data = png_bytes((80, 48), seed=1)
-    seen = capture_latents(ours, monkeypatch)
+    seen = golden.record_latents(ours, monkeypatch, key=golden.size_seed)
     engine = DiffusionEngine(ours)
     params = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=4, seed=2,
                              true_cfg_scale=cfg, negative_prompt=negative, image=data,
@@ -233,17 +190,12 @@ def test_image_to_image_matches_diffusers(
     img2img = diffusers.QwenImageImg2ImgPipeline(**ref.components)
     img2img.set_progress_bar_config(disable=True)
 
-    def reference_img2img(output_type: str) -> Tensor:
-        return img2img(PROMPT, negative_prompt=negative, true_cfg_scale=cfg,
-                       image=Image.open(io.BytesIO(data)), strength=strength, height=SIZE,
-                       width=SIZE, num_inference_steps=4, num_images_per_prompt=2,
-                       generator=torch.Generator().manual_seed(2), output_type=output_type,
-                       return_dict=False)[0]
-
+    ref_latents, ref_images = (
+        golden.reference(img2img, PROMPT, params, kind, image=Image.open(io.BytesIO(data)),
+                         strength=strength) for kind in ("latent", "pt"))
     with torch.no_grad():
-        ref_latents, ref_images = reference_img2img("latent"), reference_img2img("pt")
         images = ours.decode_float(seen[f"{SIZE}x{SIZE}:2"], params)
-    torch.testing.assert_close(seen[f"{SIZE}x{SIZE}:2"], ref_latents, atol=1e-4, rtol=0)
+    golden.assert_latents_match(seen[f"{SIZE}x{SIZE}:2"], ref_latents)
     torch.testing.assert_close(images, ref_images, atol=1e-4, rtol=0)
     assert res.images.shape == (2, SIZE, SIZE, 3)
 
@@ -393,7 +345,7 @@ def test_cuda_graph_replays_equal_eager(pair: tuple[diffusers.QwenImagePipeline,
     monkeypatch.setattr(graph_capture, "capture_graph", rerun_capture)
 
     def serve() -> dict[str, Tensor]:
-        seen = capture_latents(ours, monkeypatch)
+        seen = golden.record_latents(ours, monkeypatch, key=golden.size_seed)
         engine = DiffusionEngine(ours)
         engine.add_request("a", PROMPT, DiffusionParams(
             height=SIZE, width=SIZE, num_inference_steps=6, true_cfg_scale=4.0,

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import Tensor
 
 from omnistage.diffusion.engine import DiffusionEngine, DiffusionResult
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.z_image import ZImagePipeline
-from omnistage.registry import load_component
 from omnistage.testing.diffusion import run_to_end
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+from tests.helpers import diffusion_golden as golden
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -44,17 +43,12 @@ def build_reference(path: Path) -> diffusers.ZImagePipeline:
         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
         latent_channels=4, norm_num_groups=4, sample_size=32, use_quant_conv=False,
         use_post_quant_conv=False, shift_factor=0.1159, scaling_factor=0.3611).eval()
-    with torch.no_grad():   # diffusers zero-inits some layers: make every path count
-        for model in (transformer, vae):
-            for p in model.parameters():
-                p.normal_(0.0, 0.1)
+    golden.randomize(transformer, vae)
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(   # Z-Image-Turbo's scheduler config
         num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
     pipe = diffusers.ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
                                     tokenizer=tokenizer, transformer=transformer)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.save_pretrained(path)
-    return pipe
+    return golden.save_reference(pipe, path)
 
 
 @pytest.fixture(scope="module")
@@ -62,63 +56,22 @@ def pair(tmp_path_factory: pytest.TempPathFactory
          ) -> tuple[diffusers.ZImagePipeline, ZImagePipeline]:
     path = tmp_path_factory.mktemp("z_image")
     ref = build_reference(path)
-    ours = load_component("diffusion", "z_image").from_pretrained(path, "z_image", torch.device("cpu"),
-                                                         torch.float32)
+    ours = golden.load_ours(path, "z_image")
     ours.prompt_encoder.max_sequence_length = SEQ
     return ref, ours
-
-
-def capture_latents(pipe: ZImagePipeline, monkeypatch: pytest.MonkeyPatch) -> dict[str, Tensor]:
-    """Final latents per request, recorded as the engine decodes them."""
-    seen: dict[str, Tensor] = {}
-    decode = pipe.decode
-
-    def spy(latents: Tensor, params: DiffusionParams) -> Tensor:
-        seen[f"{params.height}x{params.width}:{params.seed}"] = latents.clone()
-        return decode(latents, params)
-
-    monkeypatch.setattr(pipe, "decode", spy)
-    return seen
-
-
-def reference(ref: diffusers.ZImagePipeline, prompt: str, guidance: float,
-              negative: str | None, seed: int, output_type: str, num_images: int) -> Tensor:
-    out = ref(prompt, height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=guidance,
-              negative_prompt=negative, generator=torch.Generator().manual_seed(seed),
-              output_type=output_type, max_sequence_length=SEQ,
-              num_images_per_prompt=num_images, return_dict=False)
-    return out[0]
 
 
 @pytest.mark.parametrize("guidance, negative", [(0.0, None), (4.0, NEGATIVE), (2.5, None)],
                          ids=["no-cfg", "cfg-negative", "cfg-empty-negative"])
 def test_matches_diffusers(pair: tuple[diffusers.ZImagePipeline, ZImagePipeline],
-                           monkeypatch: pytest.MonkeyPatch, guidance: float,
-                           negative: str | None) -> None:
+                           guidance: float, negative: str | None) -> None:
     ref, ours = pair
-    seen = capture_latents(ours, monkeypatch)
-    engine = DiffusionEngine(ours)
     params = DiffusionParams(height=SIZE, width=SIZE, num_inference_steps=4,
                              guidance_scale=guidance, negative_prompt=negative, seed=0,
                              num_images=2)
-    engine.add_request("a", PROMPT, params)
-    (res,) = run_to_end(engine).values()
-
-    with torch.no_grad():
-        ref_latents = reference(ref, PROMPT, guidance, negative, 0, "latent", 2)
-        ref_images = reference(ref, PROMPT, guidance, negative, 0, "pt", 2)  # (2,3,H,W) [0,1]
-    latents = seen[f"{SIZE}x{SIZE}:0"]
-    assert latents.shape == ref_latents.shape == (2, 4, SIZE // 2, SIZE // 2)
-    assert latents.dtype == torch.float32
-    torch.testing.assert_close(latents, ref_latents, atol=1e-4, rtol=0)
-    with torch.no_grad():
-        images = ours.decode_float(latents, params)
-    torch.testing.assert_close(images, ref_images, atol=1e-4, rtol=0)
-
-    assert res.images.dtype == torch.uint8 and res.images.shape == (2, SIZE, SIZE, 3)
-    expected = (ref_images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
-    assert (res.images.int() - expected.int()).abs().max() <= 1
-    assert res.images.float().std() > 1.0, "the tiny pipeline should not draw a flat image"
+    run = golden.matches_diffusers(ref, ours, PROMPT, params, shape=(2, 4, SIZE // 2, SIZE // 2),
+                                   max_sequence_length=SEQ)
+    assert run.latents.dtype == torch.float32
 
 
 def test_guidance_changes_the_image(pair: tuple[diffusers.ZImagePipeline, ZImagePipeline]
@@ -216,7 +169,7 @@ def test_image_to_image_matches_diffusers(pair: tuple[diffusers.ZImagePipeline, 
 
     ref, ours = pair
     data = png_bytes((SIZE, SIZE), seed=1)
-    seen = capture_latents(ours, monkeypatch)
+    seen = golden.record_latents(ours, monkeypatch, key=golden.size_seed)
     engine = DiffusionEngine(ours)
     params = DiffusionParams(num_inference_steps=4, guidance_scale=guidance, seed=2,
                              image=data, strength=strength, num_images=2)
@@ -226,14 +179,9 @@ def test_image_to_image_matches_diffusers(pair: tuple[diffusers.ZImagePipeline, 
 
     img2img = diffusers.ZImageImg2ImgPipeline(**ref.components)
     img2img.set_progress_bar_config(disable=True)
-    with torch.no_grad():
-        expected = img2img(PROMPT, image=Image.open(io.BytesIO(data)), strength=strength,
-                           num_inference_steps=4, guidance_scale=guidance,
-                           generator=torch.Generator().manual_seed(2), output_type="latent",
-                           max_sequence_length=SEQ, num_images_per_prompt=2,
-                           return_dict=False)[0]
-    torch.testing.assert_close(seen["NonexNone:2"], expected, atol=1e-4,
-                               rtol=0)
+    expected = golden.reference(img2img, PROMPT, params, "latent", strength=strength,
+                                image=Image.open(io.BytesIO(data)), max_sequence_length=SEQ)
+    golden.assert_latents_match(seen["NonexNone:2"], expected)
     assert res.images.shape == (2, SIZE, SIZE, 3)
 
 
