@@ -44,7 +44,7 @@ from torch import Tensor
 
 from omnistage.layers import pdl
 
-# H100, one row inside the whole step (bench_layer_kernel.py --attention-variants): 128 keys
+# H100, one row inside the whole step (kernels/layer_kernel.py --attention-variants): 128 keys
 # in 8 warps 628 us for the layers, 64 in 8 656, 128 in 16 645, 32 in 4 674; 4 or 8 slices
 # alike at a context of 256. 128 keys in 8 warps spill a few registers (ptxas), and still win.
 BLOCK_T = 128                  # keys per tile (at least 16: tl.dot)

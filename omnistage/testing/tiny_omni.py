@@ -13,6 +13,7 @@ talker, several codebook groups, two upsampling stages, deepstack layers) in mil
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -54,17 +55,28 @@ def build_tiny_omni_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_omni_config(tokenizer: PreTrainedTokenizerFast,
-                     code2wav_overrides: dict[str, Any] | None = None,
-                     thinker_text_overrides: dict[str, Any] | None = None, **overrides: Any):
-    from transformers import Qwen3OmniMoeConfig
+# the real upsampling (1920 samples a frame, 555 lost at a window's end: chunk seams show);
+# sliding window 6: receptive field 22 frames, inside the shipped context of 25
+TINY_CODE2WAV: dict[str, Any] = dict(
+    codebook_size=NUM_CODES, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+    intermediate_size=64, num_hidden_layers=2, num_quantizers=4, sliding_window=6,
+    upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2], decoder_dim=64,
+    max_position_embeddings=512)
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+         "interleaved": True}
 
+
+def _media_token_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
+    """The placeholder and start token ids that the thinker's and talker's configs both carry."""
     tid = tokenizer.convert_tokens_to_ids
-    vocab = len(tokenizer)
-    role = {name: tid(name) for name in ROLE_TOKENS}
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-            "interleaved": True}
-    thinker = {
+    return {"audio_token_id": tid("<|audio_pad|>"), "image_token_id": tid("<|image_pad|>"),
+            "video_token_id": tid("<|video_pad|>"),
+            "audio_start_token_id": tid("<|audio_start|>"),
+            "vision_start_token_id": tid("<|vision_start|>"), "position_id_per_seconds": 25}
+
+
+def _thinker_config(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
+    return {
         "audio_config": dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=2,
                              encoder_ffn_dim=64, d_model=32, output_dim=64, n_window=50,
                              n_window_infer=200, conv_chunksize=500, downsample_hidden_size=8,
@@ -73,23 +85,24 @@ def tiny_omni_config(tokenizer: PreTrainedTokenizerFast,
                               in_channels=3, patch_size=4, spatial_merge_size=2,
                               temporal_patch_size=2, out_hidden_size=64,
                               num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
-        "text_config": dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+        "text_config": dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=16, moe_intermediate_size=32, num_experts=4,
                             num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                            max_position_embeddings=4096, rope_parameters=rope,
+                            max_position_embeddings=4096, rope_parameters=dict(_ROPE),
                             rms_norm_eps=1e-6),
-        "audio_token_id": tid("<|audio_pad|>"), "image_token_id": tid("<|image_pad|>"),
-        "video_token_id": tid("<|video_pad|>"), "audio_start_token_id": tid("<|audio_start|>"),
-        "vision_start_token_id": tid("<|vision_start|>"),
-        "user_token_id": role["user"], "position_id_per_seconds": 25,
+        **_media_token_ids(tokenizer),
+        "user_token_id": tokenizer.convert_tokens_to_ids("user"),
     }
-    talker = {
+
+
+def _talker_config(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
+    return {
         "text_config": dict(vocab_size=CODEC_VOCAB, hidden_size=48, intermediate_size=96,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=12, moe_intermediate_size=24, shared_expert_intermediate_size=32,
                             num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
-                            max_position_embeddings=4096, rope_parameters=rope,
+                            max_position_embeddings=4096, rope_parameters=dict(_ROPE),
                             rms_norm_eps=1e-6),
         "code_predictor_config": dict(vocab_size=NUM_CODES, hidden_size=48,
                                       intermediate_size=96, num_hidden_layers=2,
@@ -100,27 +113,26 @@ def tiny_omni_config(tokenizer: PreTrainedTokenizerFast,
         # codec specials in the top of the codec vocab; EOS must not be suppressed
         "codec_pad_id": 1080, "codec_bos_id": 1081, "codec_eos_token_id": 1082,
         "codec_nothink_id": 1076, "codec_think_bos_id": 1077, "codec_think_eos_id": 1078,
-        "speaker_id": dict(SPEAKERS),
-        "audio_token_id": tid("<|audio_pad|>"), "image_token_id": tid("<|image_pad|>"),
-        "video_token_id": tid("<|video_pad|>"), "audio_start_token_id": tid("<|audio_start|>"),
-        "vision_start_token_id": tid("<|vision_start|>"), "position_id_per_seconds": 25,
-        "spatial_merge_size": 2,
+        "speaker_id": dict(SPEAKERS), **_media_token_ids(tokenizer), "spatial_merge_size": 2,
     }
-    # the real upsampling (1920 samples a frame, 555 lost at a window's end: chunk seams
-    # show); sliding window 6: receptive field 22 frames, inside the shipped context of 25
-    code2wav = dict(codebook_size=NUM_CODES, hidden_size=32, num_attention_heads=2,
-                    num_key_value_heads=2, intermediate_size=64, num_hidden_layers=2,
-                    num_quantizers=4, sliding_window=6, upsample_rates=[8, 5, 4, 3],
-                    upsampling_ratios=[2, 2], decoder_dim=64, max_position_embeddings=512)
-    code2wav.update(code2wav_overrides or {})
+
+
+def tiny_omni_config(tokenizer: PreTrainedTokenizerFast,
+                     code2wav_overrides: dict[str, Any] | None = None,
+                     thinker_text_overrides: dict[str, Any] | None = None, **overrides: Any):
+    from transformers import Qwen3OmniMoeConfig
+
+    tid = tokenizer.convert_tokens_to_ids
+    thinker = _thinker_config(tokenizer)
     thinker["text_config"].update(thinker_text_overrides or {})
     config = Qwen3OmniMoeConfig(
-        thinker_config=thinker, talker_config=talker, code2wav_config=code2wav,
+        thinker_config=thinker, talker_config=_talker_config(tokenizer),
+        code2wav_config={**copy.deepcopy(TINY_CODE2WAV), **(code2wav_overrides or {})},
         enable_audio_output=True,
         im_start_token_id=tid("<|im_start|>"), im_end_token_id=tid("<|im_end|>"),
         tts_pad_token_id=tid("<|tts_pad|>"), tts_bos_token_id=tid("<|tts_bos|>"),
-        tts_eos_token_id=tid("<|tts_eos|>"), system_token_id=role["system"],
-        user_token_id=role["user"], assistant_token_id=role["assistant"])
+        tts_eos_token_id=tid("<|tts_eos|>"), system_token_id=tid("system"),
+        user_token_id=tid("user"), assistant_token_id=tid("assistant"))
     for key, value in overrides.items():
         setattr(config, key, value)
     return config

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.models.qwen3_omni.code2wav import SnakeBeta
+from omnistage.models.qwen3_omni.code2wav_vocoder import SnakeBeta
 
 FILTER_SIZE = 12     # the reference's up- and down-sampling kernel
 

@@ -4,7 +4,7 @@ resumes at the block's largest position + 1."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -26,33 +26,15 @@ def mrope_positions(input_ids: Sequence[int] | Tensor, *, image_token_id: int,
     `truncate_time`: t * step rounded down (Qwen2.5-Omni's `get_rope_index`) where a
     fractional step is otherwise refused."""
     ids = input_ids.tolist() if isinstance(input_ids, Tensor) else list(input_ids)
-    grids = {image_token_id: image_grid_thw.tolist() if image_grid_thw is not None else [],
-             video_token_id: video_grid_thw.tolist() if video_grid_thw is not None else []}
-    seconds = {image_token_id: [1.0] * len(grids[image_token_id]),
-               video_token_id: [float(s) for s in (video_second_per_grid if
-                                video_second_per_grid is not None else [])]}
-    if len(seconds[video_token_id]) != len(grids[video_token_id]):
-        raise ValueError(f"video_second_per_grid has {len(seconds[video_token_id])} entries for "
-                         f"{len(grids[video_token_id])} videos")
+    grids, seconds = _grids_by_token(image_token_id, video_token_id, image_grid_thw,
+                                     video_grid_thw, video_second_per_grid)
     used = {image_token_id: 0, video_token_id: 0}
     pieces: list[Tensor] = []
-    next_pos = text_start = i = 0
-
-    def text_until(end: int) -> None:                            # text / audio: count up
-        nonlocal next_pos
-        if end > text_start:
-            pieces.append(torch.arange(next_pos, next_pos + end - text_start).expand(3, -1))
-            next_pos += end - text_start
-
-    while i < len(ids):
-        token = ids[i]
-        if token not in grids:
-            i += 1
-            continue
-        j = i + 1
-        while j < len(ids) and ids[j] == token:
-            j += 1
-        text_until(i)
+    next_pos = text_start = 0
+    for i, j, token in _placeholder_runs(ids, grids.keys()):
+        if i > text_start:                                       # text / audio: count up
+            pieces.append(torch.arange(next_pos, next_pos + i - text_start).expand(3, -1))
+            next_pos += i - text_start
         kind = "image" if token == image_token_id else "video"
         k = used[token]
         if k >= len(grids[token]):
@@ -64,14 +46,48 @@ def mrope_positions(input_ids: Sequence[int] | Tensor, *, image_token_id: int,
         pieces.append(block)
         next_pos = int(block.max()) + 1
         used[token] += 1
-        text_start = i = j
-    text_until(len(ids))
+        text_start = j
+    if len(ids) > text_start:
+        pieces.append(torch.arange(next_pos, next_pos + len(ids) - text_start).expand(3, -1))
+        next_pos += len(ids) - text_start
     for token, kind in ((image_token_id, "image"), (video_token_id, "video")):
         if used[token] != len(grids[token]):
             raise ValueError(f"input_ids: {used[token]} {kind} placeholder runs for "
                              f"{len(grids[token])} {kind} grids")
     positions = torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long)
     return positions, (next_pos - len(ids))
+
+
+def _grids_by_token(image_token_id: int, video_token_id: int, image_grid_thw: Tensor | None,
+                    video_grid_thw: Tensor | None,
+                    video_second_per_grid: Sequence[float] | Tensor | None,
+                    ) -> tuple[dict[int, list[list[int]]], dict[int, list[float]]]:
+    """Placeholder token -> its grids (t, h, w) in order, and -> seconds per grid of each
+    (images: one second)."""
+    grids = {image_token_id: image_grid_thw.tolist() if image_grid_thw is not None else [],
+             video_token_id: video_grid_thw.tolist() if video_grid_thw is not None else []}
+    seconds = {image_token_id: [1.0] * len(grids[image_token_id]),
+               video_token_id: [float(s) for s in (video_second_per_grid if
+                                video_second_per_grid is not None else [])]}
+    if len(seconds[video_token_id]) != len(grids[video_token_id]):
+        raise ValueError(f"video_second_per_grid has {len(seconds[video_token_id])} entries for "
+                         f"{len(grids[video_token_id])} videos")
+    return grids, seconds
+
+
+def _placeholder_runs(ids: list[int], tokens: Iterable[int]) -> Iterator[tuple[int, int, int]]:
+    """(start, end, token) of every maximal run of one placeholder token in `ids`, in order."""
+    wanted = set(tokens)
+    i = 0
+    while i < len(ids):
+        if ids[i] not in wanted:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(ids) and ids[j] == ids[i]:
+            j += 1
+        yield i, j, ids[i]
+        i = j
 
 
 def _visual_positions(what: str, grid: Sequence[int], num_tokens: int, merge: int,

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from omnistage.layers.linear import Linear
 from omnistage.layers.rotary import RotaryEmbedding, get_rope
 from omnistage.models.loader import load_component
-from omnistage.models.qwen3_omni.code2wav import LayerScale
+from omnistage.models.qwen3_omni.code2wav_transformer import LayerScale
 
 CHECKPOINT_PREFIX = "encoder."
 # decode-side tensors of the Mimi checkpoint, which encoding never reads
