@@ -39,7 +39,8 @@ def patch_interpreter() -> None:
 def run_in_interpreter(test_file: str | Path, timeout_s: float = 900) -> None:
     """Run the tests of `test_file` in a child process with TRITON_INTERPRET=1; assert they
     all passed (the child's output in the message otherwise)."""
-    root = Path(test_file).resolve().parents[2]
+    # the repository's root (where pyproject.toml is), at any depth under tests/
+    root = next(p for p in Path(test_file).resolve().parents if (p / "pyproject.toml").exists())
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(test_file), "-p", "no:cacheprovider", "-p",
          "no:warnings"], env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=root,
