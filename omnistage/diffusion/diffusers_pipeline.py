@@ -31,6 +31,7 @@ from PIL import Image
 from torch import Tensor
 
 from omnistage.diffusion.params import DiffusionParams, check_size
+from omnistage.diffusion.pipeline import DiffusionPipeline
 from omnistage.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -100,9 +101,13 @@ def pipeline_class_name(path: str | Path) -> str:
     return json.loads(index.read_text()).get("_class_name") or "(none)"
 
 
-class DiffusersPipeline:
+class DiffusersPipeline(DiffusionPipeline):
     """A loaded diffusers pipeline and what its `__call__` takes; `run` makes the images of a
-    batch of requests whose `batch_key`s are equal."""
+    batch of requests whose `batch_key`s are equal. Not stepped by our engine: its
+    `backend` gives it a stage of its own (stages/diffusers.py, DiffusersEngine)."""
+
+    label = "generic diffusers adapter"
+    backend = BACKEND
 
     def __init__(self, pipe: object, device: torch.device) -> None:
         self.pipe = pipe

@@ -37,7 +37,7 @@ from omnistage.diffusion.image_input import input_image
 from omnistage.diffusion.memory import MemoryBudget, row_size
 from omnistage.diffusion.parallel import FollowedRequest, StepPlan
 from omnistage.diffusion.params import DiffusionParams, ImageRef
-from omnistage.diffusion.pipeline import DiffusionPipeline, is_split_pipeline
+from omnistage.diffusion.pipeline import DiffusionPipeline
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.layers.groups import StageRanks, stage_ranks
 from omnistage.outputs import StageMetrics
@@ -85,7 +85,7 @@ class DiffusionEngine:
         upstream sends (a pipeline with `text_with_upstream`: GLM-Image's visual tokens)."""
         if request_id in self.requests or request_id in self.parked:
             raise ValueError(f"request id {request_id!r} is already running")
-        if prompt is None and not is_split_pipeline(type(self.pipeline)):
+        if prompt is None and not self.pipeline.splits_text:
             raise ValueError(f"{type(self.pipeline).__name__} encodes its own prompts: it "
                              "cannot take conditioning from an upstream stage")
         req = self._prepare(request_id, prompt, params)
@@ -119,9 +119,9 @@ class DiffusionEngine:
         Skipped without a budget, over several ranks (the others would have to run it too),
         and for a pipeline that cannot prepare a request alone (conditioning from upstream,
         an input image required): there the first steps run one request each, measured."""
-        if self.memory is None or self.ranks.world_size > 1 or (
-                getattr(self.pipeline, "prompt_encoder", True) is None) or (
-                getattr(self.pipeline, "text_with_upstream", False)):
+        pipeline = self.pipeline
+        if self.memory is None or self.ranks.world_size > 1 or pipeline.text_with_upstream or (
+                pipeline.splits_text and pipeline.prompt_encoder is None):
             return
         try:
             req = self._prepare("memory-profile", PROFILE_PROMPT,
@@ -211,7 +211,7 @@ class DiffusionEngine:
         blocks go back once the exception is dropped)."""
         try:
             with torch.inference_mode():
-                return self.pipeline.decode(self._final_latents(r), r.params)
+                return self.pipeline.decode(self.pipeline.final_latents(r), r.params)
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
             if not isinstance(exc, torch.OutOfMemoryError):
@@ -316,18 +316,11 @@ class DiffusionEngine:
             del self.requests[r.request_id]
         return done
 
-    def _final_latents(self, r: DiffusionRequest) -> Tensor:
-        """A finished request's latents as its pipeline's `final_latents` makes them (Wan2.2
-        TI2V puts its fixed first frame back), else as the solver left them."""
-        final = getattr(self.pipeline, "final_latents", None)
-        return r.latents if final is None else final(r)
-
     def _give_solver(self, req: DiffusionRequest) -> DiffusionRequest:
-        """The pipeline's solver (`solver` attribute; flow-match Euler without one) and a
-        fresh state of it for the request's first step."""
-        solver = getattr(self.pipeline, "solver", None)
-        if solver is not None:
-            req.solver = solver
+        """The pipeline's solver (flow-match Euler where it declares none) and a fresh state
+        of it for the request's first step."""
+        if self.pipeline.solver is not None:
+            req.solver = self.pipeline.solver
         req.solver_state = req.solver.new_state()
         return req
 

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from omnistage.configs.schema import AXES, ParallelSizes
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipeline import DiffusionPipeline
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.layers.parallel import TPGroup
 from omnistage.layers.sequence_parallel import all_gather_uneven
@@ -42,7 +43,7 @@ OPTION_NAMES = {"tp": "tensor_parallel_size", "ulysses": "ulysses_degree",
                 "ring": "ring_degree", "cfg": "cfg_parallel_size"}
 
 
-def check_layout(pipeline_cls: type, name: str, sizes: ParallelSizes, path: str | Path | None
+def check_layout(pipeline_cls: type[DiffusionPipeline], name: str, sizes: ParallelSizes, path: str | Path | None
                  ) -> None:
     """ValueError, before anything loads, for a layout the pipeline `name` cannot run: an
     axis it does not split along, CFG-parallel over more than two ranks, or attention heads
@@ -50,7 +51,7 @@ def check_layout(pipeline_cls: type, name: str, sizes: ParallelSizes, path: str 
     if sizes.cfg > 2:
         raise ValueError(f"cfg_parallel_size={sizes.cfg}: classifier-free guidance has two "
                          "branches (choose 1 or 2)")
-    supported = getattr(pipeline_cls, "parallel_axes", ())
+    supported = pipeline_cls.parallel_axes
     for axis in AXES:
         if getattr(sizes, axis) > 1 and axis not in supported:
             why = (" (CFG-parallel splits true classifier-free guidance's two branches; "

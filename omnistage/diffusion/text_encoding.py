@@ -27,7 +27,7 @@ from omnistage.outputs import StageMetrics
 logger = logging.getLogger(__name__)
 
 # A stage component "<pipeline>.text_encoder" (e.g. "flux.text_encoder") runs this engine over
-# that pipeline's prompt encoder (stages/diffusion.py, DiffusionStage).
+# that pipeline's prompt encoder (stages/text_encoder.py, TextEncoderStage).
 TEXT_ENCODER_PART = "text_encoder"
 
 

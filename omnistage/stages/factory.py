@@ -1,5 +1,7 @@
 """The stage engine a stage config names: its kind, and for AR stages whose model is one
-component of a larger checkpoint, that component's own stage."""
+component of a larger checkpoint, that component's own stage; for a diffusion stage, one stage
+file per engine: our diffusion engine's (stages/diffusion.py), a pipeline's text encoders
+alone (stages/text_encoder.py) or the generic diffusers adapter's (stages/diffusers.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,23 @@ def build_stage_engine(stage: StageConfig, model: str | None, device: str) -> St
 
         return GenerationStage(stage, model, device)
     if stage.kind == "diffusion":
-        from omnistage.stages.diffusion import DiffusionStage
-
-        return DiffusionStage(stage, model, device)
+        return _diffusion_stage(stage, model, device)
     raise ValueError(f"stage {stage.name!r}: kind {stage.kind!r} has no engine yet")
+
+
+def _diffusion_stage(stage: StageConfig, model: str | None, device: str) -> StageEngine:
+    """The stage of the engine that runs the component (what its pipeline declares)."""
+    from omnistage.stages.diffusion_component import pipeline_component
+
+    component = pipeline_component(stage)
+    if component.is_text_encoder:
+        from omnistage.stages.text_encoder import TextEncoderStage
+
+        return TextEncoderStage(stage, model, device)
+    if not component.is_native:
+        from omnistage.stages.diffusers import DiffusersStage
+
+        return DiffusersStage(stage, model, device)
+    from omnistage.stages.diffusion import DiffusionStage
+
+    return DiffusionStage(stage, model, device)

@@ -3,10 +3,11 @@ ready chunks of its requests (generation/engine.py), behind the stage interface.
 
 from __future__ import annotations
 
-import torch
+import msgspec
 
 from omnistage import registry
 from omnistage.configs.schema import StageConfig
+from omnistage.payloads import Payload, TokenDelta
 from omnistage.stages.adapters import StageFeed
 from omnistage.generation.engine import GenerationEngine
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
@@ -23,17 +24,17 @@ class GenerationStage:
         path = stage.model or model
         dtype = None if stage.dtype == "auto" else resolve_dtype(stage.dtype, None, dev)
         self.engine = GenerationEngine(cls.from_pretrained(path, stage.component, dev, dtype,
-                                                           **stage.options),
-                                       stage.max_num_seqs)
+                                                           **stage.generation.options),
+                                       stage.generation.max_num_seqs)
 
     def add(self, request: StageRequest) -> None:
         self.engine.add_request(request.request_id, request.arrival_time)
         if not request.streamed:
-            ids = torch.tensor(request.prompt_token_ids or [], dtype=torch.int64)
-            self.engine.feed(request.request_id, {"token_ids": ids}, close=True)
+            ids = list(request.prompt_token_ids or [])
+            self.engine.feed(request.request_id, TokenDelta(ids).pack(), close=True)
 
     def feed(self, request_id: str, feed: StageFeed) -> None:
-        self.engine.feed(request_id, feed.tensors, close=False)
+        self.engine.feed(request_id, feed.payload.pack() if feed.payload else None, close=False)
 
     def close_input(self, request_id: str) -> None:
         self.engine.feed(request_id, None, close=True)
@@ -46,7 +47,8 @@ class GenerationStage:
         return self.engine.has_unfinished_requests
 
     def info(self) -> StageInfo:
-        return dict(self.engine.model.info)
+        """What the model reports (a vocoder's sample_rate), as the handshake's struct."""
+        return msgspec.convert(self.engine.model.info, StageInfo)
 
     def stats(self) -> EngineStats:
         """Running: the requests the model has run for; waiting: those not yet scheduled."""
@@ -63,7 +65,7 @@ class GenerationStage:
                     queue_time=r.request.first_scheduled_time - r.request.arrival_time,
                     num_chunks=r.request.num_chunks_out, model_seconds=r.request.model_seconds)
             results.append(StageResult(
-                r.request_id, tensors=r.tensors, finished=r.finished,
+                r.request_id, payload=Payload.unpack(r.tensors), finished=r.finished,
                 finish_reason=("error" if r.error else "stop") if r.finished else None,
                 error=r.error, engine_metrics=metrics))
         return results

@@ -17,6 +17,7 @@ from torch import Tensor
 from omnistage.layers.step_cache import cache_groups
 from omnistage.diffusion.image_input import input_image, peek_image
 from omnistage.diffusion.params import DiffusionParams, check_size
+from omnistage.diffusion.pipeline import DiffusionPipeline
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers.flow_match_euler import scale_noise, timesteps_for_strength
 from omnistage.models.digits_dit import DigitsDiT, parse_digit
@@ -26,7 +27,9 @@ DEFAULT_GUIDANCE = 2.0
 MAX_SIZE = 512
 
 
-class DigitsPipeline:
+class DigitsPipeline(DiffusionPipeline):
+    label = "digits demo"
+
     def __init__(self, model: DigitsDiT, device: torch.device) -> None:
         self.model = model.to(device).eval()
         self.device = device
@@ -36,6 +39,9 @@ class DigitsPipeline:
     def from_pretrained(cls, path: str | Path | None, component: str, device: torch.device,
                         dtype: torch.dtype | None) -> DigitsPipeline:
         return cls(DigitsDiT.from_pretrained(path), device)
+
+    def denoisers(self) -> list[torch.nn.Module]:
+        return [self.model]
 
     def _size(self, params: DiffusionParams) -> tuple[int, int]:
         return params.height or DEFAULT_SIZE, params.width or DEFAULT_SIZE

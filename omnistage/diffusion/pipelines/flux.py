@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 
 from omnistage.layers.step_cache import cache_groups
 from omnistage.diffusion.image_input import image_to_image, noised_image
-from omnistage.diffusion.pipeline import LatentPipelineBase
+from omnistage.diffusion.latent_pipeline import LatentPipelineBase
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import check_conditioning, forward_by_key
 from omnistage.diffusion.request import DiffusionRequest
@@ -69,7 +69,7 @@ class FluxPromptEncoder:
         self.device = device
         self.max_sequence_length = max_sequence_length
         # diffusers: tokenizer.model_max_length (77 for CLIP)
-        self.clip_max_length = min(getattr(tokenizer, "model_max_length", CLIP_MAX_LENGTH),
+        self.clip_max_length = min(tokenizer.model_max_length,
                                    text_encoder.config.max_position_embeddings)
 
     @classmethod

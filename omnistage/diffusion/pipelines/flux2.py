@@ -37,7 +37,9 @@ from torch import Tensor
 
 from omnistage.diffusion.image_input import input_images, opened_images, peek_image, preprocess
 from omnistage.diffusion.params import MAX_INPUT_IMAGES, DiffusionParams
-from omnistage.diffusion.pipeline import LatentPipelineBase, check_conditioning, forward_by_key
+from omnistage.diffusion.latent_pipeline import LatentPipelineBase
+from omnistage.diffusion.cfg import GuidedRows
+from omnistage.diffusion.pipeline import check_conditioning, forward_by_key
 from omnistage.diffusion.pipelines.flux2_text import (DEFAULT_GUIDANCE, Flux2KleinPromptEncoder,
                                                       Flux2PromptEncoder, check_text_params,
                                                       has_cfg, is_distilled)
@@ -226,15 +228,16 @@ class Flux2Pipeline(LatentPipelineBase):
         """Requests with the same rope ids: every row with its prompt, then the CFG rows again
         with their negative prompt, in one transformer call."""
         counts = [r.latents.shape[0] for r in requests]
-        cfg_on = [has_cfg(r.params, self.is_distilled) for r in requests]
+        guided = GuidedRows.of(requests, lambda r: has_cfg(r.params, self.is_distilled),
+                               lambda r: r.params.guidance(DEFAULT_GUIDANCE))
         owner = [i for i, n in enumerate(counts) for _ in range(n)]        # request of each row
-        uncond_rows = [j for j, i in enumerate(owner) if cfg_on[i]]
+        uncond_rows = guided.idx.tolist()
         x = torch.cat([torch.cat([rows, r.cond["ref_tokens"].expand(len(rows), -1, -1)], dim=1)
                        for r, rows in zip(requests, latents.split(counts))])    # (R, N+M, 4C)
         embeds = torch.cat([requests[i].cond["prompt_embeds"] for i in owner] +
                            [requests[owner[j]].cond["negative_prompt_embeds"]
                             for j in uncond_rows])                               # (R+U, S, J)
-        idx = torch.tensor(uncond_rows, dtype=torch.long, device=latents.device)
+        idx = guided.idx.to(latents.device)
         timestep = (sigmas * self.scheduler.num_train_timesteps).to(latents.dtype) / 1000
         gh, gw = requests[0].cond["grid"].tolist()
         img_ids = torch.cat([position_ids(0, gh, gw), requests[0].cond["ref_ids"]])
@@ -245,8 +248,7 @@ class Flux2Pipeline(LatentPipelineBase):
                                     dtype=torch.float32, device=self.device)
         step_cache = None
         if any(r.params.cache_threshold is not None for r in requests):
-            step_cache = cache_groups(requests, counts, [("cond", [True] * len(requests)),
-                                                         ("uncond", cfg_on)])
+            step_cache = cache_groups(requests, counts, guided.branches())
         pred = self.run_transformer(
             torch.cat([x, x[idx]]), embeds, torch.cat([timestep, timestep[idx]]),
             img_ids=img_ids.to(self.device, self.dtype),

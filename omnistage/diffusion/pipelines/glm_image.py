@@ -44,7 +44,9 @@ from transformers import AutoTokenizer
 
 from omnistage.diffusion.image_input import input_images, preprocess
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.pipeline import LatentPipelineBase, encode_with_negatives
+from omnistage.diffusion.latent_pipeline import LatentPipelineBase
+from omnistage.diffusion.cfg import GuidedRows
+from omnistage.diffusion.pipeline import encode_with_negatives
 from omnistage.diffusion.pipelines.qwen_image import pad_captions
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
@@ -261,15 +263,14 @@ class GlmImagePipeline(LatentPipelineBase):
                    |<-- + image_kv (edits) -------->|  |<- no image_kv ---->|
         """
         counts = [r.latents.shape[0] for r in requests]
-        cfg_reqs = [(i, r) for i, r in enumerate(requests) if "negative_prompt_embeds" in r.cond]
-        starts = np.cumsum([0, *counts])
-        idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i, _ in cfg_reqs]
-                        or [torch.arange(0)]).to(latents.device)
+        guided = GuidedRows.of(requests, lambda r: "negative_prompt_embeds" in r.cond,
+                               lambda r: r.params.guidance(DEFAULT_GUIDANCE))
+        idx = guided.idx.to(latents.device)
 
         def rows(key: str, reqs: list[DiffusionRequest]) -> list[Tensor]:
             return [r.cond[key] for r in reqs for _ in range(r.latents.shape[0])]
 
-        uncond = [r for _, r in cfg_reqs]
+        uncond = [r for r, g in zip(requests, guided.guided) if g]
         captions = rows("prompt_embeds", requests) + rows("negative_prompt_embeds", uncond)
         prior = torch.cat(rows("prior_token_ids", requests) + rows("prior_token_ids", uncond))
         drop = torch.zeros_like(prior, dtype=torch.bool)
@@ -286,14 +287,7 @@ class GlmImagePipeline(LatentPipelineBase):
                                torch.zeros(len(prior), 2, device=self.device, dtype=self.dtype),
                                text_mask=mask, image_kv=kv, image_kv_mask=kv_mask
                                ).float()                                   # (R+U, C, h, w)
-        pred, neg = out[:latents.shape[0]], out[latents.shape[0]:]
-        k = 0
-        for i, r in cfg_reqs:
-            s, n = starts[i], counts[i]
-            pred[s:s + n] = neg[k:k + n] + r.params.guidance(DEFAULT_GUIDANCE) * (
-                pred[s:s + n] - neg[k:k + n])
-            k += n
-        return pred
+        return guided.mix(out[:latents.shape[0]], out[latents.shape[0]:])
 
     # ---- 3. decode ---------------------------------------------------------------------------
 

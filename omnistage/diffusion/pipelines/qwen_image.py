@@ -41,9 +41,9 @@ from transformers import AutoTokenizer
 from omnistage.layers.step_cache import cache_groups
 from omnistage.diffusion.image_input import image_to_image, noised_image
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.parallel import gather_branches
-from omnistage.diffusion.pipeline import (LatentPipelineBase, check_conditioning,
-                                         encode_with_negatives)
+from omnistage.diffusion.cfg import GuidedRows, run_branches
+from omnistage.diffusion.latent_pipeline import LatentPipelineBase
+from omnistage.diffusion.pipeline import check_conditioning, encode_with_negatives
 from omnistage.diffusion.pipelines.flux import pack_latents, unpack_latents
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.models.text_encoders import QwenTextEncoder
@@ -200,42 +200,30 @@ class QwenImagePipeline(LatentPipelineBase):
                    |<------ prompt, R rows -------->|  |<-- negative, U -->|
         """
         counts = [r.latents.shape[0] for r in requests]
-        captions, neg_captions, cfg_spans = [], [], []      # cfg_spans: (first row, rows, scale)
-        start = 0
-        for r, n in zip(requests, counts):
-            captions += [r.cond["prompt_embeds"]] * n
-            if "negative_prompt_embeds" in r.cond:
-                neg_captions += [r.cond["negative_prompt_embeds"]] * n
-                cfg_spans.append((start, n, r.params.true_cfg_scale))
-            start += n
+        guided = GuidedRows.of(requests, lambda r: "negative_prompt_embeds" in r.cond,
+                               lambda r: r.params.true_cfg_scale)
+        captions = [r.cond["prompt_embeds"] for r, n in zip(requests, counts) for _ in range(n)]
+        neg_captions = [r.cond["negative_prompt_embeds"] for r, n, g
+                        in zip(requests, counts, guided.guided) if g for _ in range(n)]
         num_rows = latents.shape[0]
         # diffusers: t = sigma * 1000 (the scheduler's timesteps) in the latents' dtype, / 1000
         timestep = (sigmas * self.scheduler.num_train_timesteps).to(latents.dtype) / 1000
-        idx = torch.cat([torch.arange(s, s + n) for s, n, _ in cfg_spans]
-                        or [torch.arange(0)]).to(latents.device)
-        cfg_on = ["negative_prompt_embeds" in r.cond for r in requests]
-        branches = [(latents, timestep, captions, ("cond", [True] * len(requests))),
-                    (latents[idx], timestep[idx], neg_captions, ("uncond", cfg_on))]
-        if self.cfg_ranks.world_size > 1:
-            x, t, caps, branch = branches[self.cfg_ranks.rank]
-            local = (self._transformer(x, t, caps, [branch], requests, counts) if caps
-                     else latents[:0])
-            out = gather_branches(local, [num_rows, len(idx)], self.cfg_ranks)
-        elif cfg_spans:
-            (x, t, caps, cond), (nx, nt, ncaps, uncond) = branches
-            out = self._transformer(torch.cat([x, nx]), torch.cat([t, nt]), caps + ncaps,
-                                    [cond, uncond], requests, counts)
-        else:
-            x, t, caps, cond = branches[0]
-            out = self._transformer(x, t, caps, [cond], requests, counts)    # (R+U, N, 4C)
+        idx = guided.idx.to(latents.device)
+        branches = [(latents, timestep, captions), (latents[idx], timestep[idx], neg_captions)]
+        names = guided.branches()
+
+        def run(chosen: list[int]) -> Tensor:
+            xs, ts, cs = (list(parts) for parts in zip(*(branches[b] for b in chosen)))
+            return self._transformer(torch.cat(xs), torch.cat(ts), sum(cs, []),
+                                     [names[b] for b in chosen], requests, counts)
+
+        out = run_branches(self.cfg_ranks, [num_rows, len(idx)], run, latents)  # (R+U, N, 4C)
         pred, neg = out[:num_rows], out[num_rows:]
-        k = 0
-        for s, n, scale in cfg_spans:                       # per request: its scale, as a float
-            pos, uncond = pred[s:s + n], neg[k:k + n]
+        for rows, uncond, scale in guided.pairs(pred, neg):  # per request: its scale, a float
+            pos = pred[rows]
             comb = uncond + scale * (pos - uncond)
-            pred[s:s + n] = comb * (torch.norm(pos, dim=-1, keepdim=True)
-                                    / torch.norm(comb, dim=-1, keepdim=True))
-            k += n
+            pred[rows] = comb * (torch.norm(pos, dim=-1, keepdim=True)
+                                 / torch.norm(comb, dim=-1, keepdim=True))
         return pred
 
     def img_shapes(self, request: DiffusionRequest) -> tuple[tuple[int, int, int], ...]:

@@ -41,9 +41,10 @@ from PIL import Image
 from torch import Tensor
 from transformers import AutoTokenizer
 
-from omnistage.diffusion.parallel import gather_branches
+from omnistage.diffusion.cfg import GuidedRows, run_branches
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.pipeline import LatentPipelineBase, PromptEncoder, check_conditioning
+from omnistage.diffusion.latent_pipeline import LatentPipelineBase
+from omnistage.diffusion.pipeline import PromptEncoder, check_conditioning
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.models.autoencoder_kl import AutoencoderKL
@@ -130,7 +131,7 @@ class SD3PromptEncoder:
         self.device = device
         self.max_sequence_length = max_sequence_length
         # diffusers: the first tokenizer's model_max_length (77) for both CLIPs
-        self.clip_max_length = min(getattr(tokenizers[0], "model_max_length", CLIP_MAX_LENGTH),
+        self.clip_max_length = min(tokenizers[0].model_max_length,
                                    self.clip_l.config.max_position_embeddings)
 
     @classmethod
@@ -277,13 +278,15 @@ class StableDiffusion3Pipeline(LatentPipelineBase):
                    |<---- prompt, R rows ---->|  |<- negative, U ->|  |<- skipped, S ->|
                                                                         (r1: no CFG)
         """
-        cfg_spans, skip = self._rows(requests)
+        guided = GuidedRows.of(requests, lambda r: has_cfg(r.params),
+                               lambda r: r.params.guidance(DEFAULT_GUIDANCE))
+        skip = self._skip_rows(requests)
         timestep = sigmas.float() * self.scheduler.num_train_timesteps      # (R,)
         x = latents.to(self.dtype)
         embeds, pooled = self._text(requests, "")
         calls = [Rows(x, embeds, pooled, timestep)]
-        if cfg_spans:
-            idx = torch.cat([torch.arange(s, s + n) for s, n, _ in cfg_spans]).to(x.device)
+        if guided.spans:
+            idx = guided.idx.to(x.device)
             neg_embeds, neg_pooled = self._text(requests, "negative_", only_cfg=True)
             calls.append(Rows(x[idx], neg_embeds, neg_pooled, timestep[idx]))
         if skip:
@@ -291,13 +294,7 @@ class StableDiffusion3Pipeline(LatentPipelineBase):
             calls.append(Rows(x[sidx], embeds[sidx], pooled[sidx], timestep[sidx],
                               self.skip_layer_guidance.layers))
         pos, *rest = self._forward(calls)
-        pred = pos.clone()
-        neg = rest[0] if cfg_spans else None
-        k = 0
-        for s, n, scale in cfg_spans:           # per request: its scale, a float as diffusers'
-            uncond = neg[k:k + n]
-            pred[s:s + n] = uncond + scale * (pos[s:s + n] - uncond)
-            k += n
+        pred = guided.mix(pos.clone(), rest[0]) if guided.spans else pos.clone()
         if skip:
             pred[sidx] = pred[sidx] + (pos[sidx] - rest[-1]) * self.skip_layer_guidance.scale
         return pred
@@ -307,11 +304,8 @@ class StableDiffusion3Pipeline(LatentPipelineBase):
         blocks in one call. CFG-parallel: the prompt rows on CFG rank 0, the others on rank 1,
         gathered on both."""
         sizes = [c.x.shape[0] for c in calls]
-        if self.cfg_ranks.world_size == 1:
-            return list(self._run(calls).split(sizes))
-        mine = calls[:1] if self.cfg_ranks.rank == 0 else calls[1:]
-        local = self._run(mine) if mine else calls[0].x[:0]
-        out = gather_branches(local, [sizes[0], sum(sizes[1:])], self.cfg_ranks)
+        out = run_branches(self.cfg_ranks, sizes, lambda chosen: self._run(
+            [calls[b] for b in chosen]), calls[0].x)
         return list(out.split(sizes))
 
     def _run(self, calls: list[Rows]) -> Tensor:
@@ -326,22 +320,17 @@ class StableDiffusion3Pipeline(LatentPipelineBase):
             outs.append(forward(x, embeds, pooled, t, skip_layers=group[0].skip_layers))
         return torch.cat(outs)
 
-    def _rows(self, requests: list[DiffusionRequest]
-              ) -> tuple[list[tuple[int, int, float]], list[int]]:
-        """The requests with CFG as (first row, rows, scale); the rows on which skip-layer
-        guidance runs this step."""
-        cfg_spans: list[tuple[int, int, float]] = []
+    def _skip_rows(self, requests: list[DiffusionRequest]) -> list[int]:
+        """The rows on which skip-layer guidance runs this step (those of requests with CFG)."""
         skip: list[int] = []
         slg = self.skip_layer_guidance
         start = 0
         for r in requests:
             n = r.latents.shape[0]
-            if has_cfg(r.params):
-                cfg_spans.append((start, n, r.params.guidance(DEFAULT_GUIDANCE)))
-                if slg is not None and slg.is_active(r.step_idx, r.num_steps):
-                    skip += range(start, start + n)
+            if has_cfg(r.params) and slg is not None and slg.is_active(r.step_idx, r.num_steps):
+                skip += range(start, start + n)
             start += n
-        return cfg_spans, skip
+        return skip
 
     def _text(self, requests: list[DiffusionRequest], prefix: str, only_cfg: bool = False
               ) -> tuple[Tensor, Tensor]:

@@ -52,9 +52,10 @@ from torch import Tensor
 from transformers import AutoTokenizer
 
 from omnistage.diffusion.image_input import input_image, preprocess
-from omnistage.diffusion.parallel import gather_branches
+from omnistage.diffusion.cfg import GuidedRows, run_branches
 from omnistage.diffusion.params import DiffusionParams, check_size
-from omnistage.diffusion.pipeline import check_conditioning, encode_with_negatives
+from omnistage.diffusion.pipeline import (DiffusionPipeline, check_conditioning,
+                                         encode_with_negatives)
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers.unipc_flow import FlowUniPC, UniPCConfig
 from omnistage.layers.graph_capture import ShapeGraphs
@@ -142,14 +143,14 @@ class WanPromptEncoder:
         return encode_with_negatives(encode_texts, prompts, params, guided)
 
 
-class WanPipeline:
+class WanPipeline(DiffusionPipeline):
     label = "Wan"
     graphable = True        # a stage's `cuda_graphs` option: use_cuda_graphs
     graphs: list[ShapeGraphs] | None = None          # per expert
     # CFG-parallel: the prompt rows on CFG rank 0, the negative prompt's on rank 1; Ulysses,
     # ring and TP inside the transformer (models/wan_transformer.py), every rank the same call
     parallel_axes = ("cfg", "ulysses", "ring", "tp")
-    heads_key = "num_attention_heads"
+    splits_text = True
 
     def __init__(self, transformer: WanTransformer3DModel, vae: AutoencoderKLWan,
                  prompt_encoder: WanPromptEncoder, solver: FlowUniPC, device: torch.device,
@@ -291,47 +292,38 @@ class WanPipeline:
         call of transformer `expert` at each request's whole-number timestep."""
         counts = [r.latents.shape[0] for r in requests]
         grid = self._grid(latents.shape)
-        texts, neg_texts, steps, neg_steps, spans = [], [], [], [], []
+        guided = GuidedRows.of(requests, lambda r: "negative_prompt_embeds" in r.cond,
+                               lambda r: self.guidance_scale(r.params, expert))
+        texts, neg_texts, steps, neg_steps = [], [], [], []
         rows: list[DiffusionRequest] = []            # the request of each transformer row
         neg_rows: list[DiffusionRequest] = []
-        start = 0
-        for r, n in zip(requests, counts):
+        for r, n, g in zip(requests, counts, guided.guided):
             t = self._timesteps(r, n, grid)
             texts += [r.cond["prompt_embeds"]] * n
             rows += [r] * n
             steps.append(t)
-            if "negative_prompt_embeds" in r.cond:
+            if g:
                 neg_texts += [r.cond["negative_prompt_embeds"]] * n
                 neg_rows += [r] * n
                 neg_steps.append(t)
-                spans.append((start, n, self.guidance_scale(r.params, expert)))
-            start += n
-        idx = torch.cat([torch.arange(s, s + n) for s, n, _ in spans] or [torch.arange(0)])
-        x = torch.cat([latents, latents[idx.to(latents.device)]])
+        x = torch.cat([latents, latents[guided.idx.to(latents.device)]])
         x, image = self.model_inputs(x, rows + neg_rows)
         t = torch.cat(steps + neg_steps).to(self.device)
         text = torch.stack(texts + neg_texts)
-        guided = ["negative_prompt_embeds" in r.cond for r in requests]
-        branches = [(f"cond{expert}", [True] * len(requests)), (f"uncond{expert}", guided)]
+        branches = guided.branches(str(expert))
         cached = any(r.params.cache_threshold is not None for r in requests)
-        if self.cfg_ranks.world_size > 1:      # branch c on CFG rank c, then gathered
-            c, num_rows = self.cfg_ranks.rank, latents.shape[0]
-            part = slice(0, num_rows) if c == 0 else slice(num_rows, x.shape[0])
-            local = latents[:0] if x[part].shape[0] == 0 else self.run_expert(
+        num_rows = latents.shape[0]
+        parts = [slice(0, num_rows), slice(num_rows, x.shape[0])]
+
+        def run(chosen: list[int]) -> Tensor:           # rows of a branch are contiguous
+            part = slice(parts[chosen[0]].start, parts[chosen[-1]].stop)
+            return self.run_expert(
                 expert, x[part].to(self.dtype), t[part], text[part],
                 None if image is None else image[part],
-                cache_groups(requests, counts, [branches[c]]) if cached else None)
-            out = gather_branches(local, [num_rows, x.shape[0] - num_rows], self.cfg_ranks)
-        else:
-            out = self.run_expert(expert, x.to(self.dtype), t, text, image,
-                                  cache_groups(requests, counts, branches) if cached else None)
-        pred, neg = out[:latents.shape[0]], out[latents.shape[0]:]
-        k = 0
-        for s, n, scale in spans:
-            uncond = neg[k:k + n]
-            pred[s:s + n] = uncond + scale * (pred[s:s + n] - uncond)
-            k += n
-        return pred
+                cache_groups(requests, counts, [branches[b] for b in chosen]) if cached else None)
+
+        out = run_branches(self.cfg_ranks, [num_rows, x.shape[0] - num_rows], run, latents)
+        return guided.mix(out[:num_rows], out[num_rows:])
 
     def model_inputs(self, x: Tensor, rows: list[DiffusionRequest]
                      ) -> tuple[Tensor, Tensor | None]:
@@ -373,6 +365,10 @@ class WanPipeline:
     def final_latents(self, request: DiffusionRequest) -> Tensor:
         """A finished request's latents, what `decode` takes (the engine asks)."""
         return self.with_first_frame(request.latents, request)
+
+    def denoisers(self) -> list[torch.nn.Module]:
+        """Both of Wan2.2 A14B's experts (one for the others)."""
+        return list(self.experts)
 
     def use_cuda_graphs(self, max_graphs: int = 8) -> None:
         """Replay each expert's forward from its own CUDA graphs (layers/graph_capture.py

@@ -30,10 +30,10 @@ from transformers import AutoTokenizer
 
 from omnistage.layers.step_cache import cache_groups
 from omnistage.diffusion.image_input import image_to_image, noised_image
-from omnistage.diffusion.parallel import gather_branches
+from omnistage.diffusion.cfg import GuidedRows, run_branches
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.pipeline import (LatentPipelineBase, check_conditioning,
-                                         encode_with_negatives)
+from omnistage.diffusion.latent_pipeline import LatentPipelineBase
+from omnistage.diffusion.pipeline import check_conditioning, encode_with_negatives
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.models.autoencoder_kl import AutoencoderKL
 from omnistage.models.text_encoders import QwenTextEncoder
@@ -164,36 +164,30 @@ class ZImagePipeline(LatentPipelineBase):
                  ) -> Tensor:
         """latents (R, C, h, w) float32 -> (R, C, h, w) float32. All rows' conditional passes,
         then the unconditional passes of rows with CFG, in one transformer call (captions and
-        images may differ in length; the transformer masks)."""
+        images may differ in length; the transformer masks; CFG-parallel: diffusion/cfg.py)."""
         counts = [r.latents.shape[0] for r in requests]
-        scales, caps, uncond_rows, uncond_caps = [], [], [], []
-        row = 0
-        for r, n in zip(requests, counts):
-            g = r.params.guidance(DEFAULT_GUIDANCE)
-            for _ in range(n):
-                scales.append(g)
-                caps.append(r.cond["prompt_embeds"])
-                if has_cfg(r.params):
-                    uncond_rows.append(row)
-                    uncond_caps.append(r.cond["negative_prompt_embeds"])
-                row += 1
+        guided = GuidedRows.of(requests, lambda r: has_cfg(r.params),
+                               lambda r: r.params.guidance(DEFAULT_GUIDANCE))
+        scales = [r.params.guidance(DEFAULT_GUIDANCE) for r, n in zip(requests, counts)
+                  for _ in range(n)]
+        caps = [r.cond["prompt_embeds"] for r, n in zip(requests, counts) for _ in range(n)]
+        uncond_caps = [r.cond["negative_prompt_embeds"] for r, n in zip(requests, counts)
+                       for _ in range(n) if has_cfg(r.params)]
         # diffusers: t = sigma * 1000 (the scheduler's timesteps), fed as (1000 - t) / 1000
         timestep = (1000 - sigmas.float() * self.scheduler.num_train_timesteps) / 1000   # (R,)
         x = latents.to(self.dtype).unsqueeze(2)                              # (R, C, 1, h, w)
-        idx = torch.tensor(uncond_rows, dtype=torch.long, device=latents.device)
-        cfg_on = [has_cfg(r.params) for r in requests]
-        branches = [(x, timestep, caps, ("cond", [True] * len(requests))),
-                    (x[idx], timestep[idx], uncond_caps, ("uncond", cfg_on))]
-        if self.cfg_ranks.world_size > 1:             # branch c on CFG rank c, then gathered
-            xs, t, c, branch = branches[self.cfg_ranks.rank]
-            local = self._transformer(xs, t, c, [branch], requests, counts) if c else latents[:0]
-            pred = gather_branches(local, [len(scales), len(uncond_rows)], self.cfg_ranks)
-        else:
-            pred = self._transformer(torch.cat([x, x[idx]]), torch.cat([timestep, timestep[idx]]),
-                                     caps + uncond_caps, [b[3] for b in branches], requests,
-                                     counts)                                # (R + U, C, h, w)
-        pos, neg = pred[:len(scales)], pred[len(scales):]
-        if len(uncond_rows):
+        idx = guided.idx.to(latents.device)
+        branches = [(x, timestep, caps), (x[idx], timestep[idx], uncond_caps)]
+        names = guided.branches()
+
+        def run(chosen: list[int]) -> Tensor:
+            xs, ts, cs = (list(parts) for parts in zip(*(branches[b] for b in chosen)))
+            return self._transformer(torch.cat(xs), torch.cat(ts), sum(cs, []),
+                                     [names[b] for b in chosen], requests, counts)
+
+        pred = run_branches(self.cfg_ranks, [len(caps), len(uncond_caps)], run, latents)
+        pos, neg = pred[:len(scales)], pred[len(scales):]                # (R + U, C, h, w)
+        if len(idx):
             g = torch.tensor(scales, dtype=torch.float32, device=pred.device)[idx]
             g = g.reshape(-1, 1, 1, 1)
             pos = pos.clone()
