@@ -20,11 +20,11 @@ from omnistage.diffusion.pipelines import sd3
 from omnistage.diffusion.pipelines.sd3 import SkipLayerGuidance
 from omnistage.configs.schema import ParallelSizes
 from omnistage.layers.groups import StageRanks
-from omnistage.registry import load_component
 from omnistage.testing.diffusion import run_alone, run_recording_latents
 from omnistage.testing.diffusion_ranks import sd3_run
 from omnistage.testing.ranks import run_ranks
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+from tests.helpers import diffusion_golden as golden
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -95,11 +95,7 @@ def build_reference(path: Path, sizes: TinySD3 = BASE) -> diffusers.StableDiffus
         latent_channels=sizes.latent_channels, norm_num_groups=4, use_quant_conv=False,
         use_post_quant_conv=False, shift_factor=sizes.shift_factor,
         scaling_factor=sizes.scaling_factor, **vae_sample_size).eval()
-    with torch.no_grad():   # diffusers zero-inits some layers: make every path count
-        for model in (transformer, vae):
-            for name, p in model.named_parameters():
-                if name != "pos_embed.pos_embed":
-                    p.normal_(0.0, 0.15)
+    golden.randomize(transformer, vae, std=0.15, keep=("pos_embed.pos_embed",))
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)      # SD3's config
     width_l, width_g = sizes.clip_widths
     pipe = diffusers.StableDiffusion3Pipeline(
@@ -107,17 +103,14 @@ def build_reference(path: Path, sizes: TinySD3 = BASE) -> diffusers.StableDiffus
         text_encoder=clip(vocab, width_l, sizes.clip_projection), tokenizer=tokenizer,
         text_encoder_2=clip(vocab, width_g, sizes.clip_projection), tokenizer_2=tokenizer,
         text_encoder_3=text_encoder_3, tokenizer_3=tokenizer)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.save_pretrained(path)
-    return pipe
+    return golden.save_reference(pipe, path)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
     path = tmp_path_factory.mktemp("sd3")
     ref = build_reference(path)
-    ours = load_component("diffusion", "sd3").from_pretrained(path, "sd3", torch.device("cpu"),
-                                                             torch.float32)
+    ours = golden.load_ours(path, "sd3")
     ours.prompt_encoder.max_sequence_length = SEQ
     return ref, ours, path
 
@@ -125,12 +118,10 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
 def reference(ref: diffusers.StableDiffusion3Pipeline, output_type: str, **kwargs: object
               ) -> torch.Tensor:
     """Both prompts in one diffusers call, one generator per prompt (as ours: per request)."""
-    generators = [torch.Generator().manual_seed(s) for s in SEEDS]
+    params = DiffusionParams(height=HEIGHT, width=WIDTH, num_inference_steps=STEPS,
+                             guidance_scale=GUIDANCE, negative_prompt=NEGATIVE)
     kwargs = {"max_sequence_length": SEQ, **kwargs}
-    with torch.no_grad():
-        return ref(list(PROMPTS), height=HEIGHT, width=WIDTH, num_inference_steps=STEPS,
-                   guidance_scale=GUIDANCE, negative_prompt=NEGATIVE, generator=generators,
-                   output_type=output_type, return_dict=False, **kwargs)[0]
+    return golden.reference(ref, list(PROMPTS), params, output_type, seeds=SEEDS, **kwargs)
 
 
 def run_ours(ours: sd3.StableDiffusion3Pipeline) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -152,22 +143,15 @@ def run_ours(ours: sd3.StableDiffusion3Pipeline) -> list[tuple[torch.Tensor, tor
 
 def test_matches_diffusers(pair: Pair) -> None:
     ref, ours, _ = pair
-    expected = reference(ref, "latent")
-    assert expected.shape == (2, 4, HEIGHT // 2, WIDTH // 2)
-    assert expected.abs().mean() > 0.3, "the reference latents should not be near zero"
     got = run_ours(ours)
-    torch.testing.assert_close(torch.cat([g[0] for g in got]), expected, atol=1e-4, rtol=0)
-
+    latents = torch.cat([g[0] for g in got])
+    golden.assert_latents_match(latents, reference(ref, "latent"),
+                                shape=(2, 4, HEIGHT // 2, WIDTH // 2))
     expected_images = reference(ref, "pt")                               # (2, 3, H, W) in [0, 1]
     with torch.no_grad():
-        images = ours.decode_float(torch.cat([g[0] for g in got]), DiffusionParams(
-            height=HEIGHT, width=WIDTH))
+        images = ours.decode_float(latents, DiffusionParams(height=HEIGHT, width=WIDTH))
     torch.testing.assert_close(images, expected_images, atol=1e-4, rtol=0)
-    out = torch.cat([g[1] for g in got])
-    assert out.dtype == torch.uint8 and out.shape == (2, HEIGHT, WIDTH, 3)
-    quantized = (expected_images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
-    assert (out.int() - quantized.int()).abs().max() <= 1
-    assert out.float().std() > 1.0, "the tiny pipeline should not draw a flat image"
+    golden.assert_output_matches(torch.cat([g[1] for g in got]), expected_images)
 
 
 def test_odd_sizes_match_diffusers(tmp_path: Path) -> None:
@@ -178,21 +162,11 @@ def test_odd_sizes_match_diffusers(tmp_path: Path) -> None:
     ours = sd3.StableDiffusion3Pipeline.from_pretrained(tmp_path, "sd3", torch.device("cpu"),
                                                        torch.float32)
     ours.prompt_encoder.max_sequence_length = SEQ
-    size = dict(height=48, width=80, num_inference_steps=3, guidance_scale=5.0,
-                negative_prompt=NEGATIVE)
-    latents, out = run_alone(ours, PROMPTS[1], DiffusionParams(seed=5, **size))
-    with torch.no_grad():
-        expected, expected_images = (
-            ref(PROMPTS[1], generator=torch.Generator().manual_seed(5), output_type=kind,
-                max_sequence_length=SEQ, return_dict=False, **size)[0]
-            for kind in ("latent", "pt"))
-        images = ours.decode_float(latents, DiffusionParams(height=48, width=80))
-    assert expected.shape == (1, 16, 24, 40) and expected.abs().mean() > 0.3
-    torch.testing.assert_close(latents, expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(images, expected_images, atol=1e-4, rtol=0)
-    quantized = (expected_images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
-    assert out.shape == (1, 48, 80, 3) and (out.int() - quantized.int()).abs().max() <= 1
-    assert out.float().std() > 1.0, "the tiny pipeline should not draw a flat image"
+    params = DiffusionParams(height=48, width=80, num_inference_steps=3, guidance_scale=5.0,
+                             negative_prompt=NEGATIVE, seed=5)
+    run = golden.matches_diffusers(ref, ours, PROMPTS[1], params, shape=(1, 16, 24, 40),
+                                   max_sequence_length=SEQ)
+    assert run.output.shape == (1, 48, 80, 3)
 
 
 def test_bfloat16_matches_diffusers(pair: Pair) -> None:
@@ -209,14 +183,9 @@ def test_bfloat16_matches_diffusers(pair: Pair) -> None:
     params = DiffusionParams(height=HEIGHT, width=WIDTH, num_inference_steps=3, seed=0,
                              guidance_scale=GUIDANCE, negative_prompt=NEGATIVE)
     got, _ = run_alone(ours, PROMPTS[0], params)
-    with torch.no_grad():
-        expected = ref(PROMPTS[0], height=HEIGHT, width=WIDTH, num_inference_steps=3,
-                       guidance_scale=GUIDANCE, negative_prompt=NEGATIVE,
-                       generator=torch.Generator().manual_seed(0), output_type="latent",
-                       max_sequence_length=SEQ, return_dict=False)[0]
+    expected = golden.reference(ref, PROMPTS[0], params, "latent", max_sequence_length=SEQ)
     assert got.dtype == expected.dtype == torch.bfloat16
-    assert expected.float().abs().mean() > 0.3
-    torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=0)
+    golden.assert_latents_match(got, expected, atol=1e-2)
 
 
 def test_skip_layer_guidance_matches_diffusers(pair: Pair) -> None:

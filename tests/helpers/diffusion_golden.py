@@ -99,6 +99,8 @@ def reference(ref: Any, prompt: str | list[str], params: DiffusionParams, output
     """diffusers' output for our params (`extra`: what the pipeline takes besides them, e.g.
     max_sequence_length; None drops a derived argument); np output as a tensor."""
     kw = {**reference_kwargs(params, seeds), **extra}
+    if not _takes(ref, "num_images_per_prompt"):      # video pipelines count videos
+        kw["num_videos_per_prompt"] = kw.pop("num_images_per_prompt")
     # these only to pipelines that have them (Qwen-Image's default true CFG scale is 4.0)
     kw = {k: v for k, v in kw.items()
           if v is not None and (k not in ("true_cfg_scale", "guidance_scale_2")
