@@ -14,7 +14,7 @@
 #   latency  bench ar: concurrency 1 / 8 / 64 against transformers
 #   confirm  the GPU tests, single stream twice and bench ar, with this GPU's defaults
 #   pdl      the GPU tests, single stream against the kernels before early launch, the
-#            layers' critical path (PDL_FLAGS: other bench_layer_kernel.py flags)
+#            layers' critical path (PDL_FLAGS: other kernels/layer_kernel.py flags)
 #   tune     in-step sweeps (TUNE_FLAGS), single stream against TUNE_SINGLE's flags
 #   batch    8 and 64 requests with and without early launch; h200: the H200's variants
 #   layer, dattn, async, profile: earlier sessions' comparisons; omni: bench omni (minutes)
@@ -52,7 +52,7 @@ if [[ $STAGES == *layer* ]]; then
         flags=$cfg
         [[ $cfg == *,* ]] && flags="--layer-kernel --layer-kernel-config $cfg"
         name=layer$(echo "$cfg" | tr ' ,-' '___')
-        timeout 240 python3 benchmarks/bench_ar.py --single-stream --output-len 256 --skip-hf \
+        timeout 240 python3 -m omnistage.benchmarks.ar_offline --single-stream --output-len 256 --skip-hf \
             $flags --out "$OUT/$name.json" 2>&1 | grep -E "decode_tokens_per_s|share|Error|error" \
             | head -5
     done
@@ -62,13 +62,13 @@ if [[ $STAGES == *dattn* ]]; then
     # the layers' device time, single stream with and without it (and the layer kernel)
     timeout 300 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
         -q -x tests/layers tests/gpu/test_ar_cuda.py 2>&1 | tee "$OUT/dattn_tests.txt" | tail -5
-    timeout 100 python3 benchmarks/bench_decode_attention.py --out "$OUT/decode_attention.json" \
+    timeout 100 python3 -m omnistage.benchmarks.kernels.decode_attention --out "$OUT/decode_attention.json" \
         2>&1 | grep variant
-    timeout 150 python3 benchmarks/bench_layer_kernel.py --out "$OUT/layers.json" 2>&1 \
+    timeout 150 python3 -m omnistage.benchmarks.kernels.layer_kernel --out "$OUT/layers.json" 2>&1 \
         | grep variant
     for flags in "--no-layer-kernel" "--no-layer-kernel --decode-attention" "--layer-kernel"; do
         name=single$(echo "$flags" | tr ' -' '__')
-        timeout 150 python3 benchmarks/bench_ar.py --single-stream --output-len 256 --skip-hf \
+        timeout 150 python3 -m omnistage.benchmarks.ar_offline --single-stream --output-len 256 --skip-hf \
             $flags --out "$OUT/$name.json" 2>&1 | grep -E "decode_tokens_per_s|Error" | head -3
     done
 fi
@@ -81,12 +81,12 @@ if [[ $STAGES == *async* ]]; then
     for lk in --no-layer-kernel --layer-kernel --no-layer-kernel; do
         for a in --no-async-scheduling ""; do
             name=single${lk//-/_}${a//-/_}_$SECONDS
-            timeout 120 python3 benchmarks/bench_ar.py --single-stream --output-len 256 \
+            timeout 120 python3 -m omnistage.benchmarks.ar_offline --single-stream --output-len 256 \
                 --skip-hf $lk $a --out "$OUT/$name.json" 2>&1 | grep -E "decode_tokens_per_s|Error"
         done
     done
     for a in "" --no-async-scheduling; do
-        timeout 150 python3 benchmarks/bench_ar.py --num-prompts 64 --skip-hf $a \
+        timeout 150 python3 -m omnistage.benchmarks.ar_offline --num-prompts 64 --skip-hf $a \
             --out "$OUT/c64${a//-/_}.json" 2>&1 | grep -E "tokens_per_s|Error" | head -3
     done
 fi
@@ -100,25 +100,25 @@ if [[ $STAGES == *pdl* ]]; then
     for i in 1 2; do
         for flags in "" "$before"; do
             name=single_$([[ -z $flags ]] && echo defaults || echo before)_$i
-            timeout 120 python3 benchmarks/bench_ar.py --single-stream --output-len 256 \
+            timeout 120 python3 -m omnistage.benchmarks.ar_offline --single-stream --output-len 256 \
                 --skip-hf --no-layer-kernel $flags --out "$OUT/$name.json" 2>&1 \
                 | grep -E "decode_tokens_per_s|Error"
         done
     done
-    timeout 200 python3 benchmarks/bench_layer_kernel.py ${PDL_FLAGS:---timeline} \
+    timeout 200 python3 -m omnistage.benchmarks.kernels.layer_kernel ${PDL_FLAGS:---timeline} \
         --out "$OUT/layers_pdl_early.json" 2>&1 | tee "$OUT/layers_pdl_early.log" \
         | grep -E 'span|Error'
 fi
 if [[ $STAGES == *tune* ]]; then
     # the one-row step's settings inside the whole step: the one-kernel attention's, then the
     # matmul tiles (coordinate sweep), each against the defaults of the same process
-    timeout 540 python3 benchmarks/bench_layer_kernel.py \
+    timeout 540 python3 -m omnistage.benchmarks.kernels.layer_kernel \
         ${TUNE_FLAGS:---attention-variants --sweep-gemv} \
         --out "$OUT/layers_tune.json" 2>&1 | tee "$OUT/layers_tune.log" | grep -E 'span|Error|best'
     for i in 1 2; do   # single stream: the defaults against TUNE_SINGLE's flags
         for flags in "" ${TUNE_SINGLE:+"$TUNE_SINGLE"}; do
             name=single_$([[ -z $flags ]] && echo defaults || echo variant)_$i
-            timeout 120 python3 benchmarks/bench_ar.py --single-stream --output-len 256 \
+            timeout 120 python3 -m omnistage.benchmarks.ar_offline --single-stream --output-len 256 \
                 --skip-hf $flags --out "$OUT/$name.json" 2>&1 | grep -E "decode_tokens_per_s|Error"
         done
     done
@@ -126,12 +126,12 @@ fi
 if [[ $STAGES == *single* ]]; then
     for flags in "" "--no-pdl" "--no-gemv --no-pdl" "--enforce-eager"; do
         name=single$(echo "$flags" | tr ' -' '__')
-        python3 benchmarks/bench_ar.py --single-stream --output-len 256 --skip-hf $flags \
+        python3 -m omnistage.benchmarks.ar_offline --single-stream --output-len 256 --skip-hf $flags \
             --out "$OUT/$name.json" 2>&1 | grep decode_tokens_per_s
     done
 fi
 if [[ $STAGES == *profile* ]]; then
-    python3 benchmarks/profile_kernels.py --batch 1 --out "$OUT/profile_bs1.json" 2>&1 \
+    python3 -m omnistage.benchmarks.kernels.profile_decode --batch 1 --out "$OUT/profile_bs1.json" 2>&1 \
         | grep -v Warn | head -24
 fi
 if [[ $STAGES == *latency* ]]; then
@@ -145,7 +145,7 @@ if [[ $STAGES == *h200* ]]; then
     for i in 1 2; do
         for flags in "" "$per_op --gemv-tiles-of H100" "$per_op"; do
             name=single_h200_$(echo "x$flags" | tr -d ' -' | cut -c1-40)_$i
-            timeout 120 python3 benchmarks/bench_ar.py --single-stream --output-len 256 \
+            timeout 120 python3 -m omnistage.benchmarks.ar_offline --single-stream --output-len 256 \
                 --skip-hf $flags --out "$OUT/$name.json" 2>&1 \
                 | grep -E "decode_tokens_per_s|Error" | sed "s/^/[$flags] /"
         done
@@ -156,7 +156,7 @@ if [[ $STAGES == *confirm* ]]; then
     timeout 330 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
         -q tests/gpu tests/layers 2>&1 | tee "$OUT/confirm_tests.txt" | tail -2
     for i in 1 2; do
-        timeout 100 python3 benchmarks/bench_ar.py --single-stream --output-len 256 --skip-hf \
+        timeout 100 python3 -m omnistage.benchmarks.ar_offline --single-stream --output-len 256 --skip-hf \
             --out "$OUT/single_defaults_$i.json" 2>&1 | grep -E "decode_tokens_per_s|share|Error"
     done
     timeout 200 python3 -m omnistage.entrypoints.cli.main bench ar --out-dir "$OUT" \
@@ -167,7 +167,7 @@ if [[ $STAGES == *batch* ]]; then
     # default) and without, alternated
     for n in ${BATCH_SIZES:-8 64}; do
         for early in on off on off on off; do
-            timeout 150 python3 benchmarks/bench_ar.py --num-prompts $n --skip-hf \
+            timeout 150 python3 -m omnistage.benchmarks.ar_offline --num-prompts $n --skip-hf \
                 --pdl-early $early --out "$OUT/c${n}_pdl_early_${early}_$SECONDS.json" 2>&1 \
                 | grep -E "output_tokens_per_s|Error" | head -1 | sed "s/^/c$n early $early /"
         done

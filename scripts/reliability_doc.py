@@ -7,7 +7,7 @@
 One JSON object per line: a case (graph, stage, fault, how its requests ended, /health at the
 first failure, recovery, seconds, what was expected) or the shutdown's leftovers per graph.
 The load and fuzzing figures are the ones measured for issue 25 (not re-measured here), and
-the soak's as benchmarks/soak.py last recorded it (benchmarks/results/soak_cpu.json).
+the soak's as omnistage/benchmarks/soak.py last recorded it (benchmarks/results/soak_cpu.json).
 """
 
 from __future__ import annotations
@@ -130,13 +130,14 @@ def render(lines: list[str]) -> str:
 
 
 def soak() -> str:
-    """benchmarks/soak.py's last recorded run, if there is one."""
+    """omnistage/benchmarks/soak.py's last recorded run, if there is one."""
     if not SOAK.is_file():
         return ""
     d = json.loads(SOAK.read_text())
     rss = "; ".join(f"{k} {v['after_warmup']:.0f} -> {v['end']:.0f} MiB ({v['growth_pct']:+.2f}%)"
                     for k, v in d["rss_mib"].items())
-    return (f"\n## Soak (`benchmarks/soak.py`, recorded in `benchmarks/results/soak_cpu.json`)\n\n"
+    return ("\n## Soak (`omnistage/benchmarks/soak.py`, recorded in "
+            "`benchmarks/results/soak_cpu.json`)\n\n"
             f"{d['minutes']:g} minutes, {d['workers']} clients, {d['requests']} requests (chat, "
             f"streams read to the end and dropped after the first chunk, completions, images, "
             f"bad requests) against the tiny Qwen3 and the demo on the CPU: "

@@ -1,5 +1,9 @@
-"""Benchmarks of our engines against the reference implementations (transformers, diffusers),
-run in one process on the same random-weight checkpoints of real architectures (no download).
+"""Every benchmark of the project lives here (docs/benchmarks.md says why); the repository's
+`benchmarks/` holds only the GPU session scripts that run them and the results they wrote.
+
+Against the reference implementations (transformers, diffusers, qwen-tts), in one process on
+the same random-weight checkpoints of real architectures (no download), run by
+`omnistage bench {ar,omni,tts,diffusion,video,realtime}` (entrypoints/cli/bench.py):
 
     ar.py         Qwen3-0.6B-shaped LLM: tokens/s, TTFT, TPOT at concurrency 1 / 8 / 64 against
                   transformers' generate, and single-stream speed against the weight-streaming
@@ -13,8 +17,14 @@ run in one process on the same random-weight checkpoints of real architectures (
     diffusion.py  Qwen-Image-shaped transformer: seconds per image against diffusers on the same
                   weights, step caching (speed-up and PSNR), step-level batching at concurrency 4
 
-`omnistage bench {ar,omni,tts,diffusion,video}` runs them (entrypoints/cli/bench.py); each
-writes one JSON file (GPU name, library versions, config, raw numbers, ratios). `--tiny` shrinks
-every size so a run takes seconds on a CPU: what CI runs to keep the commands working, not a
-measurement.
+Each writes one JSON file (GPU name, library versions, config, raw numbers, ratios). `--tiny`
+shrinks every size so a run takes seconds on a CPU: what CI runs to keep the commands working,
+not a measurement. `omnistage bench serve` loads any running OpenAI-compatible server
+(serve.py).
+
+Run as modules (`python -m omnistage.benchmarks.NAME`): ar_offline (offline throughput and
+single-stream decode against transformers), profile_ar and profile_tts (where a step's time
+goes), soak (the server for minutes under mixed and hostile load), cli_startup (how fast the
+command line answers), control_latency (a control message's round trip), and kernels/ (our
+GPU kernels alone).
 """

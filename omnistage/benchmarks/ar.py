@@ -193,12 +193,11 @@ def run(cfg: ARBenchConfig) -> dict[str, object]:
     from transformers import AutoModelForCausalLM
 
     from omnistage.ar.engine import AREngine
-    from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig
+    from omnistage.configs.schema import ARConfig, SchedulerConfig
 
     device = resolve_device(cfg.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     prompts, warm = draw_prompts(cfg.preset, cfg.input_len, cfg.concurrency, cfg.seed)
-    results: dict[int, dict[str, object]] = {}
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-ar-") as tmp:
         path = build_checkpoint(cfg.preset, Path(cfg.checkpoint_dir or tmp) / cfg.preset,
                                 device, dtype)
@@ -215,7 +214,7 @@ def run(cfg: ARBenchConfig) -> dict[str, object]:
 
         engine = AREngine(ARConfig(
             model=str(path), device=str(device), dtype=str(dtype).removeprefix("torch."),
-            kv_cache=KVCacheConfig(memory_fraction=cfg.memory_fraction),
+            memory_fraction=cfg.memory_fraction,
             scheduler=SchedulerConfig(max_num_seqs=max(cfg.concurrency),
                                       max_num_batched_tokens=cfg.max_num_batched_tokens,
                                       max_model_len=cfg.input_len + cfg.output_len + 16)))
@@ -228,32 +227,38 @@ def run(cfg: ARBenchConfig) -> dict[str, object]:
         free_device_memory(device)
 
     bandwidth = memory_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20))
-    limit = bandwidth / weight_bytes
-    for c in cfg.concurrency:
-        results[c] = {"omnistage": ours[c], "transformers": hf[c],
-                      "throughput_ratio": ratio(ours[c]["output_tokens_per_s"],
-                                                hf[c]["output_tokens_per_s"]),
-                      "ttft_ratio": ratio(hf[c]["ttft_s"]["median"],
-                                          ours[c]["ttft_s"]["median"]),
-                      "tpot_ratio": ratio(hf[c]["tpot_s"]["median"],
-                                          ours[c]["tpot_s"]["median"])}
-    single = min(cfg.concurrency)
     return {
         "benchmark": "ar", **environment(device), "dtype": str(dtype).removeprefix("torch."),
         "config": {**asdict(cfg), "model": PRESETS[cfg.preset]},
-        "by_concurrency": {str(c): results[c] for c in cfg.concurrency},
-        "weight_streaming": {
-            "memory_bandwidth_gb_s": bandwidth / 1e9, "decode_weight_bytes": weight_bytes,
-            "limit_tokens_per_s": limit, "concurrency": single,
-            "omnistage_tokens_per_s": ours[single]["output_tokens_per_s"],
-            "omnistage_share_of_limit": ours[single]["output_tokens_per_s"] / limit,
-            "transformers_share_of_limit": hf[single]["output_tokens_per_s"] / limit,
-            # decode alone (no prefill in it): the rate a decode step streams the weights at
-            "omnistage_decode_tokens_per_s": decode_rate(ours[single]),
-            "omnistage_decode_share_of_limit": decode_rate(ours[single]) / limit,
-            "transformers_decode_share_of_limit": decode_rate(hf[single]) / limit},
+        "by_concurrency": {str(c): {"omnistage": ours[c], "transformers": hf[c],
+                                    **_ratios(ours[c], hf[c])} for c in cfg.concurrency},
+        "weight_streaming": _weight_streaming(ours, hf, min(cfg.concurrency), bandwidth,
+                                              weight_bytes),
         "notes": "ratios: omnistage over transformers for tokens/s, transformers over "
                  "omnistage for TTFT and TPOT (above 1: ours is faster). Each concurrency runs "
                  "once, after a warm-up at that concurrency on other prompts (no prefix-cache "
                  "hits); greedy, eos ignored, equal prompt lengths.",
     }
+
+
+def _ratios(ours: dict, hf: dict) -> dict[str, float | None]:
+    """Ours against transformers at one concurrency (above 1: ours is faster)."""
+    return {"throughput_ratio": ratio(ours["output_tokens_per_s"], hf["output_tokens_per_s"]),
+            "ttft_ratio": ratio(hf["ttft_s"]["median"], ours["ttft_s"]["median"]),
+            "tpot_ratio": ratio(hf["tpot_s"]["median"], ours["tpot_s"]["median"])}
+
+
+def _weight_streaming(ours: dict[int, dict], hf: dict[int, dict], single: int, bandwidth: float,
+                      weight_bytes: int) -> dict[str, float]:
+    """Both sides at the lowest concurrency as a share of the weight-streaming limit."""
+    limit = bandwidth / weight_bytes
+    return {
+        "memory_bandwidth_gb_s": bandwidth / 1e9, "decode_weight_bytes": weight_bytes,
+        "limit_tokens_per_s": limit, "concurrency": single,
+        "omnistage_tokens_per_s": ours[single]["output_tokens_per_s"],
+        "omnistage_share_of_limit": ours[single]["output_tokens_per_s"] / limit,
+        "transformers_share_of_limit": hf[single]["output_tokens_per_s"] / limit,
+        # decode alone (no prefill in it): the rate a decode step streams the weights at
+        "omnistage_decode_tokens_per_s": decode_rate(ours[single]),
+        "omnistage_decode_share_of_limit": decode_rate(ours[single]) / limit,
+        "transformers_decode_share_of_limit": decode_rate(hf[single]) / limit}

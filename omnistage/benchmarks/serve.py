@@ -19,6 +19,7 @@ the run. Times are seconds in a `Sample`, milliseconds in the summary (vLLM's ke
 `mean_ttft_ms`, `p99_itl_ms`, ...); RTF has no unit.
 """
 
+
 from __future__ import annotations
 
 import asyncio
@@ -26,127 +27,19 @@ import base64
 import json
 import math
 import random
-import statistics
 import struct
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
-ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
-          "chat-audio": "/v1/chat/completions", "speech": "/v1/audio/speech",
-          "images": "/v1/images/generations"}
-ALIASES = {"openai-chat": "chat", "openai": "completions", "vllm": "completions"}  # vLLM's names
-METRICS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-           "itl": "Inter-token Latency", "e2el": "End-to-end Latency",
-           "ttfa": "Time to First Audio", "rtf": "Real-time Factor"}
-DEFAULT_METRICS = {"chat": ("ttft", "tpot", "itl", "e2el"),
-                   "completions": ("ttft", "tpot", "itl", "e2el"),
-                   "chat-audio": ("ttft", "ttfa", "rtf", "e2el"),
-                   "speech": ("ttfa", "rtf", "e2el"), "images": ("e2el",)}
-DEFAULT_INPUT_WORDS = {"chat": 1024, "completions": 1024, "chat-audio": 64, "speech": 32,
-                       "images": 16}
-WORDS = ("time year people way day man thing woman life child world school state family "
-         "student group country problem hand part place case week company system program "
-         "question work government number night point home water room mother area money "
-         "story fact month lot right study book eye job word business issue side kind head "
-         "house service friend father power hour game line end member law car city name "
-         "river music light tree garden window market table road paper voice color").split()
+from omnistage.benchmarks.serve_config import (ALIASES, DEFAULT_INPUT_WORDS, DEFAULT_METRICS,
+                                               METRICS, ROUTES, WORDS, RequestFailed, Sample,
+                                               ServeBenchConfig)
+from omnistage.benchmarks.serve_report import metric_values, percentile, summarize, table
 
-
-@dataclass(frozen=True, slots=True)
-class ServeBenchConfig:
-    base_url: str = "http://127.0.0.1:8000"
-    endpoint_type: str = "chat"
-    endpoint: str | None = None              # the route's path (default: the type's)
-    model: str | None = None                 # None: the first of /v1/models
-    num_prompts: int = 100
-    max_concurrency: int | None = None       # None: no bound
-    request_rate: float = math.inf           # requests per second; inf: all at once
-    seed: int = 0
-    random_input_len: int | None = None      # words (default: by endpoint type)
-    random_output_len: int = 128             # max_tokens of text routes
-    prompt: str | None = None                # the same prompt for every request
-    ignore_eos: bool = True                  # vLLM's extra field: every answer max_tokens long
-    api_key: str | None = None
-    timeout_s: float = 600.0                 # per request, all of it
-    voice: str | None = None
-    audio_format: str = "wav"                # speech: wav or pcm
-    audio_sample_rate: int = 24000           # the rate of headerless pcm (OpenAI's pcm16)
-    image_size: str | None = None
-    percentile_metrics: tuple[str, ...] | None = None   # None: by endpoint type
-    metric_percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
-
-    def __post_init__(self) -> None:
-        """Checked here, named by the flag that sets each field."""
-        etype = ALIASES.get(self.endpoint_type, self.endpoint_type)
-        if etype not in ROUTES:
-            raise ValueError(f"--endpoint-type {self.endpoint_type!r}: choose one of "
-                             f"{', '.join(ROUTES)}")
-        object.__setattr__(self, "endpoint_type", etype)
-        checks = [
-            (self.base_url.startswith(("http://", "https://")),
-             f"--base-url {self.base_url!r}: expected http://HOST:PORT or https://..."),
-            (self.num_prompts >= 1, f"--num-prompts {self.num_prompts}: must be >= 1"),
-            (self.max_concurrency is None or self.max_concurrency >= 1,
-             f"--max-concurrency {self.max_concurrency}: must be >= 1"),
-            (self.request_rate > 0, f"--request-rate {self.request_rate}: must be > 0"),
-            (self.random_input_len is None or self.random_input_len >= 1,
-             f"--random-input-len {self.random_input_len}: must be >= 1"),
-            (self.random_output_len >= 1,
-             f"--random-output-len {self.random_output_len}: must be >= 1"),
-            (self.timeout_s > 0, f"--timeout {self.timeout_s}: must be > 0"),
-            (self.audio_format in ("wav", "pcm"),
-             f"--audio-format {self.audio_format!r}: wav or pcm (the lengths read here)"),
-            (self.audio_sample_rate > 0, f"--audio-sample-rate {self.audio_sample_rate}: > 0"),
-            (all(m in METRICS for m in self.metrics),
-             f"--percentile-metrics {','.join(self.metrics)}: choose from {','.join(METRICS)}"),
-            (all(0 < p <= 100 for p in self.metric_percentiles),
-             f"--metric-percentiles {self.metric_percentiles}: each in (0, 100]"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-
-    @property
-    def metrics(self) -> tuple[str, ...]:
-        return self.percentile_metrics or DEFAULT_METRICS[self.endpoint_type]
-
-    @property
-    def root(self) -> str:
-        """The server's root: a trailing / and /v1 dropped (both spellings are common)."""
-        url = self.base_url.rstrip("/")
-        return url.removesuffix("/v1")
-
-
-@dataclass(slots=True)
-class Sample:
-    """One request, timed from when it was sent (seconds)."""
-    index: int
-    prompt_words: int
-    start_s: float = 0.0                     # when it was sent, after the benchmark's start
-    success: bool = False
-    error: str = ""
-    latency_s: float = 0.0
-    ttft_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
-    prompt_tokens: int | None = None
-    output_tokens: int = 0
-    first_audio_s: float | None = None
-    audio_s: float = 0.0
-    images: int = 0
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.ttft_s is None or self.output_tokens < 2:
-            return None
-        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
-
-    @property
-    def rtf(self) -> float | None:
-        return self.latency_s / self.audio_s if self.audio_s > 0 else None
-
-
-class RequestFailed(Exception):
-    """The server answered, but not with what the route promises."""
+# the config, the sample and the summary live in serve_config / serve_report; importable here
+__all__ = ["ALIASES", "DEFAULT_INPUT_WORDS", "DEFAULT_METRICS", "METRICS", "ROUTES", "WORDS",
+           "RequestFailed", "Sample", "ServeBenchConfig", "benchmark", "metric_values",
+           "percentile", "prompts", "request_body", "run", "summarize", "table", "wav_layout"]
 
 
 # -- requests ------------------------------------------------------------------------------------
@@ -353,111 +246,6 @@ async def benchmark(cfg: ServeBenchConfig) -> tuple[str, list[Sample], float]:
             tasks.append(asyncio.create_task(one(s, prompt)))
         await asyncio.gather(*tasks)
         return model, samples, time.perf_counter() - t0
-
-
-# -- the summary ---------------------------------------------------------------------------------
-
-def percentile(values: list[float], p: float) -> float:
-    """numpy's default (linear between the closest ranks)."""
-    xs = sorted(values)
-    k = (len(xs) - 1) * p / 100
-    lo = math.floor(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def metric_values(metric: str, ok: list[Sample]) -> list[float]:
-    """The metric over the successful requests, in ms (RTF: as it is)."""
-    if metric == "itl":
-        return [x * 1000 for s in ok for x in s.itl_s]
-    get = {"ttft": lambda s: s.ttft_s, "tpot": lambda s: s.tpot_s, "e2el": lambda s: s.latency_s,
-           "ttfa": lambda s: s.first_audio_s, "rtf": lambda s: s.rtf}[metric]
-    scale = 1 if metric == "rtf" else 1000
-    return [v * scale for v in map(get, ok) if v is not None]
-
-
-def _key(metric: str, stat: str) -> str:
-    return f"{stat}_{metric}" if metric == "rtf" else f"{stat}_{metric}_ms"
-
-
-def _pname(p: float) -> str:
-    return str(int(p)) if p == int(p) else str(p)
-
-
-def summarize(cfg: ServeBenchConfig, samples: list[Sample], duration_s: float) -> dict:
-    ok = [s for s in samples if s.success]
-    failed = [s for s in samples if not s.success]
-    n_in = sum(s.prompt_tokens or 0 for s in ok)
-    n_out = sum(s.output_tokens for s in ok)
-    audio_s = sum(s.audio_s for s in ok)
-    images = sum(s.images for s in ok)
-    out: dict = {
-        "completed": len(ok), "failed": len(failed),
-        "first_error": f"request {failed[0].index}: {failed[0].error}" if failed else None,
-        "duration_s": duration_s,
-        "max_concurrency": cfg.max_concurrency,
-        "request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf",
-        "request_throughput": len(ok) / duration_s,
-        "total_input_tokens": n_in, "total_output_tokens": n_out,
-        "output_throughput": n_out / duration_s,
-        "total_token_throughput": (n_in + n_out) / duration_s,
-        "total_audio_s": audio_s, "audio_throughput": audio_s / duration_s,
-        "total_images": images, "image_throughput": images / duration_s,
-    }
-    for metric in cfg.metrics:
-        values = metric_values(metric, ok)
-        stats = {"mean": statistics.fmean, "median": statistics.median,
-                 "std": statistics.pstdev}
-        for stat, fn in stats.items():
-            out[_key(metric, stat)] = fn(values) if values else None
-        for p in cfg.metric_percentiles:
-            out[_key(metric, f"p{_pname(p)}")] = percentile(values, p) if values else None
-    return out
-
-
-def table(cfg: ServeBenchConfig, summary: dict) -> str:
-    """vLLM's labelled table: `Label:` padded to 40, the value after."""
-    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
-
-    def row(label: str, value: object) -> None:
-        if value is None:
-            lines.append(f"{label:<40} {'n/a':<10}")
-        elif isinstance(value, int):
-            lines.append(f"{label:<40} {value:<10}")
-        else:
-            lines.append(f"{label:<40} {value:<10.2f}")
-
-    row("Successful requests:", summary["completed"])
-    row("Failed requests:", summary["failed"])
-    if cfg.max_concurrency is not None:
-        row("Maximum request concurrency:", cfg.max_concurrency)
-    if math.isfinite(cfg.request_rate):
-        row("Request rate configured (RPS):", cfg.request_rate)
-    row("Benchmark duration (s):", summary["duration_s"])
-    text = cfg.endpoint_type in ("chat", "completions", "chat-audio")
-    if text:
-        row("Total input tokens:", summary["total_input_tokens"])
-        row("Total generated tokens:", summary["total_output_tokens"])
-    row("Request throughput (req/s):", summary["request_throughput"])
-    if text:
-        row("Output token throughput (tok/s):", summary["output_throughput"])
-        row("Total Token throughput (tok/s):", summary["total_token_throughput"])
-    if cfg.endpoint_type in ("speech", "chat-audio"):
-        row("Total audio (s):", summary["total_audio_s"])
-        row("Audio throughput (audio s/s):", summary["audio_throughput"])
-    if cfg.endpoint_type == "images":
-        row("Total images:", summary["total_images"])
-        row("Image throughput (images/s):", summary["image_throughput"])
-    for metric in cfg.metrics:
-        lines.append("{s:{c}^{n}}".format(s=METRICS[metric], n=50, c="-"))
-        name = metric.upper()
-        unit = "" if metric == "rtf" else " (ms)"
-        row(f"Mean {name}{unit}:", summary[_key(metric, "mean")])
-        row(f"Median {name}{unit}:", summary[_key(metric, "median")])
-        for p in cfg.metric_percentiles:
-            row(f"P{_pname(p)} {name}{unit}:", summary[_key(metric, f"p{_pname(p)}")])
-    lines.append("=" * 50)
-    return "\n".join(lines)
 
 
 def run(cfg: ServeBenchConfig) -> dict:

@@ -4,8 +4,8 @@ at batch sizes 1 and 8, and torch.profiler's kernel table for a few decode steps
 vocoder's first chunk and a steady chunk timed alone. On the random 1.7B checkpoint that
 `omnistage bench tts` builds (its reference interpreter builds it; see tts.py).
 
-    OMNISTAGE_TTS_REF_PYTHONPATH=/tmp/ref-site python benchmarks/profile_tts.py --out /tmp/p.json
-    python benchmarks/profile_tts.py --sizes tiny --device cpu             # a smoke run
+    OMNISTAGE_TTS_REF_PYTHONPATH=/tmp/ref-site python -m omnistage.benchmarks.profile_tts --out /tmp/p.json
+    python -m omnistage.benchmarks.profile_tts --sizes tiny --device cpu   # a smoke run
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def talker_steps(talker, params, batch: int, steps: int, device: torch.device,
         talker.add(StageRequest(rid, time.time(), params, prompt=TEXTS[i % len(TEXTS)]))
     added = time.perf_counter()
     first = None
-    while first is None or not any(r.tensors for r in first):
+    while first is None or not any(r.payload for r in first):
         first = talker.step()
     sync(device)
     t_first = time.perf_counter()

@@ -1,9 +1,9 @@
 """Per-kernel device time of AR engine decode steps (torch.profiler), on a random-weight
-checkpoint of a real shape (see bench_ar.py) or a given one: which kernels a decode step
+checkpoint of a real shape (see ar_offline.py) or a given one: which kernels a decode step
 spends its time in, per step, summed by kernel name (on CPU: the ops' CPU time).
 
-    python benchmarks/profile_kernels.py --batch 1 --out /tmp/kernels_bs1.json
-    python benchmarks/profile_kernels.py --checkpoint /tmp/tiny --device cpu   # a smoke run
+    python -m omnistage.benchmarks.kernels.profile_decode --batch 1 --out /tmp/kernels_bs1.json
+    python -m omnistage.benchmarks.kernels.profile_decode --checkpoint /tmp/tiny --device cpu   # a smoke run
 """
 
 from __future__ import annotations
@@ -11,21 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_ar import PRESETS, build_checkpoint  # noqa: E402
+from omnistage.benchmarks.ar_offline import PRESETS, build_checkpoint
 
 
-def main() -> None:
-    from omnistage.ar.engine import AREngine
-    from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig
-    from omnistage.sampling_params import SamplingParams
-
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(PRESETS))
     ap.add_argument("--checkpoint", type=Path, help="profile this checkpoint instead")
@@ -38,7 +32,28 @@ def main() -> None:
                     help="without the one-row matrix-vector kernels (layers/triton_gemv.py)")
     ap.add_argument("--no-pdl", action="store_true", help="without programmatic dependent launch")
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    return ap
+
+
+def _kernel_rows(prof: profile, cuda: bool, steps: int) -> list[dict]:
+    """Per kernel name (on CPU: per aten op), count and time a step, the largest first."""
+    rows = []
+    for ev in prof.key_averages():
+        dev = ev.self_device_time_total if cuda else ev.self_cpu_time_total
+        if dev <= 0 or (not cuda and not ev.key.startswith("aten::")):
+            continue
+        rows.append({"name": ev.key[:120], "count_per_step": ev.count / steps,
+                     "us_per_step": dev / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows
+
+
+def main() -> None:
+    from omnistage.ar.engine import AREngine
+    from omnistage.configs.schema import ARConfig, SchedulerConfig
+    from omnistage.sampling_params import SamplingParams
+
+    args = _parser().parse_args()
 
     if args.no_gemv:
         from omnistage.layers import fused
@@ -51,7 +66,7 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     engine = AREngine(ARConfig(
         model=str(path), device=args.device, dtype="bfloat16" if cuda else "float32",
-        enforce_eager=args.enforce_eager, kv_cache=KVCacheConfig(memory_fraction=0.5),
+        enforce_eager=args.enforce_eager, memory_fraction=0.5,
         scheduler=SchedulerConfig(max_num_seqs=max(args.batch, 1),
                                   max_num_batched_tokens=4096)))
     rng = random.Random(0)
@@ -70,14 +85,7 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step()
         sync()
-    rows = []
-    for ev in prof.key_averages():
-        dev = ev.self_device_time_total if cuda else ev.self_cpu_time_total
-        if dev <= 0 or (not cuda and not ev.key.startswith("aten::")):
-            continue
-        rows.append({"name": ev.key[:120], "count_per_step": ev.count / args.steps,
-                     "us_per_step": dev / args.steps})
-    rows.sort(key=lambda r: -r["us_per_step"])
+    rows = _kernel_rows(prof, cuda, args.steps)
     total = sum(r["us_per_step"] for r in rows)
     kernels = sum(r["count_per_step"] for r in rows)
     print(f"{'device' if cuda else 'CPU op'} time per step {total:.1f} us in {kernels:.0f} "

@@ -10,7 +10,7 @@ Every 15 s it records the resident memory of each server's process tree (the API
 its stage processes, from /proc) and the shared-memory segments in /dev/shm. At the end the
 servers are stopped (SIGTERM) and it checks that no process of theirs and no segment is left.
 
-    .venv/bin/python benchmarks/soak.py --minutes 10 --out benchmarks/results/soak_cpu.json
+    .venv/bin/python -m omnistage.benchmarks.soak --minutes 10 --out benchmarks/results/soak_cpu.json
 
 Reported: requests by kind and status (a 5xx or a client timeout counts as a failure), and
 the memory growth of each tree from the first sample after the warm-up minute to the last.
@@ -36,7 +36,7 @@ import httpx
 from omnistage.testing.processes import free_port
 from omnistage.testing.tiny_models import build_tiny_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]      # the checkout
 BAD_BODIES = ['{"model": "m", "messages": [', '{"model": "m", "messages": [], "temperature": NaN}',
               '{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
               '"max_tokens": 18446744073709551616}',

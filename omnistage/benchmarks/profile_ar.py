@@ -1,8 +1,8 @@
-"""Where the time of an AR engine step goes, on a random-weight checkpoint (see bench_ar.py):
+"""Where the time of an AR engine step goes, on a random-weight checkpoint (see ar_offline.py):
 a cProfile of the offline loop (host time per function), then the device time of one decode
 step's CUDA-graph replay per batch size, against the wall time of a whole engine step.
 
-    python benchmarks/profile_ar.py --num-prompts 64 --output-len 64 [--enforce-eager]
+    python -m omnistage.benchmarks.profile_ar --num-prompts 64 --output-len 64 [--enforce-eager]
 
 The gap between the two last numbers is host time the GPU waits for (scheduler, batch to
 tensors, sampling, outputs).
@@ -14,13 +14,11 @@ import argparse
 import cProfile
 import pstats
 import random
-import sys
 import time
 from pathlib import Path
 
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_ar import PRESETS, build_checkpoint, make_engine, run_engine  # noqa: E402
+from omnistage.benchmarks.ar_offline import PRESETS, build_checkpoint, make_engine, run_engine
 
 
 def replay_ms(graphs, bs: int, iters: int = 50) -> float:  # graphs: DecodeGraphs

@@ -1,7 +1,7 @@
 """Tile sizes of the matrix-vector kernels (omnistage/layers/triton_gemv.py) against cuBLAS on
 the decode matmuls of a real shape, on the GPU: the numbers behind `triton_gemv.config`.
 
-    python benchmarks/sweep_gemv.py --out /tmp/sweep_gemv.json
+    python -m omnistage.benchmarks.kernels.sweep_gemv --out /tmp/sweep_gemv.json
 
 Each measurement is one CUDA graph of `--layers` calls, each on its own copy of the weight (as
 a decode step walks its layers, so the weights come from memory, not L2), replayed and timed
@@ -52,7 +52,7 @@ def time_graph(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
@@ -62,7 +62,40 @@ def main() -> None:
     ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--num-stages", type=int, nargs="+", default=[3, 4])
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    return ap
+
+
+def _time_configs(grid: list[dict], x: torch.Tensor, res: torch.Tensor, norm_w: torch.Tensor,
+                  weights: list[torch.Tensor], front: str, k: int, gbytes: float
+                  ) -> list[dict]:
+    """Each tile config of the grid on one shape: microseconds a call and TB/s, or the error
+    of a config that does not build or fit (its output checked against the first's)."""
+    def launch(w: torch.Tensor, cfg: dict) -> torch.Tensor:
+        return triton_gemv._launch(x, res if front == "norm" else None,
+                                   norm_w if front == "norm" else None, 1e-6, w, None,
+                                   front == "silu", k, dict(cfg))[0]
+
+    def ours(cfg: dict):  # type: ignore[no-untyped-def]
+        def run() -> None:
+            for w in weights:
+                launch(w, cfg)
+        return run
+
+    want = launch(weights[0], grid[0])
+    out = []
+    for cfg in grid:
+        try:
+            torch.testing.assert_close(launch(weights[0], cfg), want, atol=2e-2, rtol=2e-2)
+            us = time_graph(ours(cfg)) / len(weights) * 1e6
+        except Exception as exc:  # a config that does not build or fit: skip it
+            out.append({**cfg, "error": str(exc)[:200]})
+            continue
+        out.append({**cfg, "us": us, "tb_s": gbytes / us * 1e6 / 1e3})
+    return out
+
+
+def main() -> None:
+    args = _parser().parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
     grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
@@ -76,14 +109,6 @@ def main() -> None:
         for rows in args.rows:
             x = torch.randn(rows, 2 * k if front == "silu" else k, device=dev, dtype=dt)
             res = torch.randn(rows, k, device=dev, dtype=dt)
-
-            def ours(cfg):  # type: ignore[no-untyped-def]
-                def run() -> None:
-                    for w in weights:
-                        triton_gemv._launch(x, res if front == "norm" else None,
-                                            norm_w if front == "norm" else None, 1e-6, w, None,
-                                            front == "silu", k, cfg)
-                return run
 
             def unfused() -> None:
                 for w in weights:
@@ -103,38 +128,28 @@ def main() -> None:
                    "cublas_us": time_graph(cublas) / args.layers * 1e6,
                    "unfused_us": time_graph(unfused) / args.layers * 1e6,
                    "default": triton_gemv.config(n, k, rows),
-                   "configs": []}
-            want = triton_gemv._launch(x, res if front == "norm" else None,
-                                       norm_w if front == "norm" else None, 1e-6, weights[0],
-                                       None, front == "silu", k, dict(grid[0]))[0]
-            for cfg in grid:
-                try:
-                    got = triton_gemv._launch(x, res if front == "norm" else None,
-                                              norm_w if front == "norm" else None, 1e-6,
-                                              weights[0], None, front == "silu", k, dict(cfg))[0]
-                    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-                    us = time_graph(ours(dict(cfg))) / args.layers * 1e6
-                except Exception as exc:  # a config that does not build or fit: skip it
-                    row["configs"].append({**cfg, "error": str(exc)[:200]})
-                    continue
-                row["configs"].append({**cfg, "us": us, "tb_s": gbytes / us * 1e6 / 1e3})
-            ok = [c for c in row["configs"] if "us" in c]
-            ok.sort(key=lambda c: c["us"])
-            row["best"] = ok[0] if ok else None
-            row["default_us"] = next((c["us"] for c in ok if all(
-                c[key] == v for key, v in row["default"].items())), None)
-            results.append(row)
-            best = row["best"] or {}
-            print(f"{name:8s} rows {rows}: cuBLAS {row['cublas_us']:6.2f} us, unfused "
-                  f"{row['unfused_us']:6.2f} us, default {row['default_us'] or 0:6.2f} us, best "
-                  f"{best.get('us', 0):6.2f} us ({best.get('tb_s', 0):.2f} TB/s) "
-                  f"{ {key: best.get(key) for key in grid[0]} }", flush=True)
-            for c in ok[:5]:
-                print("    ", {key: c[key] for key in grid[0]}, f"{c['us']:.2f} us")
+                   "configs": _time_configs(grid, x, res, norm_w, weights, front, k, gbytes)}
+            results.append(_summarize(row, grid))
     if args.out:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
                                         "torch": torch.__version__, "preset": args.preset,
                                         "results": results}, indent=1))
+
+
+def _summarize(row: dict, grid: list[dict]) -> dict:
+    """The row with its best config and the default's time, printed with the five best."""
+    ok = sorted((c for c in row["configs"] if "us" in c), key=lambda c: c["us"])
+    row["best"] = ok[0] if ok else None
+    row["default_us"] = next((c["us"] for c in ok if all(
+        c[key] == v for key, v in row["default"].items())), None)
+    best = row["best"] or {}
+    print(f"{row['name']:8s} rows {row['rows']}: cuBLAS {row['cublas_us']:6.2f} us, unfused "
+          f"{row['unfused_us']:6.2f} us, default {row['default_us'] or 0:6.2f} us, best "
+          f"{best.get('us', 0):6.2f} us ({best.get('tb_s', 0):.2f} TB/s) "
+          f"{ {key: best.get(key) for key in grid[0]} }", flush=True)
+    for c in ok[:5]:
+        print("    ", {key: c[key] for key in grid[0]}, f"{c['us']:.2f} us")
+    return row
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Offline throughput and latency of the AR engine against Hugging Face transformers, in one
 process, on the same random-weight checkpoint of a real architecture (no download needed).
 
-    python benchmarks/bench_ar.py --preset qwen3-0.6b --num-prompts 64 --input-len 256 \
-        --output-len 128 --out benchmarks/results/ar_qwen3-0.6b.json
-    python benchmarks/bench_ar.py --single-stream --output-len 256     # batch 1 decode speed
+    python -m omnistage.benchmarks.ar_offline --preset qwen3-0.6b --num-prompts 64 \
+        --input-len 256 --output-len 128 --out benchmarks/results/ar_qwen3-0.6b.json
+    python -m omnistage.benchmarks.ar_offline --single-stream --output-len 256   # batch 1
 
 Both sides generate exactly output-len greedy tokens per prompt (eos ignored). Baseline: HF
 `generate` over the prompts, `concurrency` at a time (equal prompt lengths, so no padding).
@@ -14,8 +14,8 @@ Ours: every prompt submitted at once to the AR engine, at most `concurrency` run
 of both sides, and ours as a share of the weight-streaming limit: measured device-to-device
 copy bandwidth / bytes of weights read per decode step.
 
---skip-hf runs ours only (an older omnistage on PYTHONPATH measures the previous version with
-the same script); --enforce-eager, --no-fused and --attention-backend switch the new paths off
+--skip-hf runs ours only (run as a file, `PYTHONPATH=OLD python
+omnistage/benchmarks/ar_offline.py --skip-hf ...`, it measures an older omnistage); --enforce-eager, --no-fused and --attention-backend switch the new paths off
 one by one (--no-layer-kernel: one kernel per decoder layer at one row; --no-gemv: the one-row
 matrix-vector kernels (and the layer kernel); --no-pdl: programmatic dependent launch).
 """
@@ -104,7 +104,7 @@ ASYNC_SCHEDULING = True     # --no-async-scheduling
 def make_engine(path: Path, max_num_seqs: int, max_num_batched_tokens: int,
                 enforce_eager: bool = False, attention_backend: str = "auto"):  # -> AREngine
     from omnistage.ar.engine import AREngine
-    from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig
+    from omnistage.configs.schema import ARConfig, SchedulerConfig
 
     # Only name the newer options when they differ from the defaults, so that an older
     # omnistage (the "before" of a comparison) runs under this script too.
@@ -117,7 +117,7 @@ def make_engine(path: Path, max_num_seqs: int, max_num_batched_tokens: int,
         extra["attention_backend"] = attention_backend
     return AREngine(ARConfig(
         model=str(path), device="cuda", dtype="bfloat16",
-        kv_cache=KVCacheConfig(memory_fraction=0.5),
+        memory_fraction=0.5,
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens), **extra))
 
@@ -190,7 +190,7 @@ def weight_streaming_limit(path: Path) -> dict:
             "limit_tokens_per_s": bandwidth / num_bytes}
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(PRESETS))
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -237,8 +237,11 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--checkpoint-dir", default="/tmp/omnistage-bench")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap
 
+
+def _apply_switches(args: argparse.Namespace) -> None:
+    """The kernel and scheduling switches, set on their modules before the engine is built."""
     if args.no_fused or args.no_gemv:
         from omnistage.layers import fused
         fused.set_enabled(not args.no_fused)
@@ -277,6 +280,27 @@ def main() -> None:
         triton_gemv.config = lambda n, k, rows: (
             dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns) if n < 32768
             else default(n, k, rows))
+
+
+def _options(args: argparse.Namespace) -> dict[str, object]:
+    """The switches as the result records them."""
+    return {"enforce_eager": args.enforce_eager, "no_fused": args.no_fused,
+            "gemv": not (args.no_gemv or args.no_fused),
+            "pdl": not args.no_pdl, "pdl_early": args.pdl_early,
+            "gemv_config": args.gemv_config,
+            "layer_kernel": ("off" if args.no_layer_kernel or args.no_gemv or args.no_fused
+                             else "on" if args.layer_kernel else "auto"),
+            "layer_kernel_config": args.layer_kernel_config,
+            "decode_attention": args.decode_attention,
+            "decode_attention_config": args.decode_attention_config,
+            "async_scheduling": not args.no_async_scheduling,
+            "max_kv_splits": args.max_kv_splits,
+            "attention_backend": args.attention_backend}
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    _apply_switches(args)
     path = build_checkpoint(args.preset, Path(args.checkpoint_dir) / args.preset)
     rng = random.Random(0)
     vocab = PRESETS[args.preset]["vocab_size"]
@@ -292,18 +316,7 @@ def main() -> None:
         "omnistage_path": str(Path(omnistage.__file__).parent),
         "num_prompts": num_prompts, "concurrency": args.concurrency or num_prompts,
         "input_len": args.input_len, "output_len": args.output_len,
-        "options": {"enforce_eager": args.enforce_eager, "no_fused": args.no_fused,
-                    "gemv": not (args.no_gemv or args.no_fused),
-                    "pdl": not args.no_pdl, "pdl_early": args.pdl_early,
-                    "gemv_config": args.gemv_config,
-                    "layer_kernel": ("off" if args.no_layer_kernel or args.no_gemv or args.no_fused
-                                     else "on" if args.layer_kernel else "auto"),
-                    "layer_kernel_config": args.layer_kernel_config,
-                    "decode_attention": args.decode_attention,
-                    "decode_attention_config": args.decode_attention_config,
-                    "async_scheduling": not args.no_async_scheduling,
-                    "max_kv_splits": args.max_kv_splits,
-                    "attention_backend": args.attention_backend},
+        "options": _options(args),
     }
     if args.single_stream:
         ours = ours_decode_speed(path, prompts[0], args.output_len, args.enforce_eager,

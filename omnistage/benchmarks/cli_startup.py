@@ -3,7 +3,7 @@
 against a baseline checkout (our previous version) in the same run.
 
     git worktree add /tmp/omnistage-base bd5c582
-    .venv/bin/python benchmarks/cli_startup.py --baseline /tmp/omnistage-base \\
+    .venv/bin/python -m omnistage.benchmarks.cli_startup --baseline /tmp/omnistage-base \\
         --out benchmarks/results/cli_startup_cpu.json
 
 Each command runs as `python -m omnistage.entrypoints.cli.main ARGS` with PYTHONPATH set to the
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]      # the checkout
 COMMANDS = {"help": ["--help"], "serve_help": ["serve", "--help"],
             "typo": ["serve", "--max-num-seq", "3"], "bare": []}
 

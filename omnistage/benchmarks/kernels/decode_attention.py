@@ -5,7 +5,7 @@ several tile sizes and warp counts. Each variant is captured as a CUDA graph of 
 back-to-back calls (like a step's layers, with programmatic dependent launch unless --no-pdl)
 and replayed; reported per call.
 
-    python benchmarks/bench_decode_attention.py --out /tmp/decode_attention.json
+    python -m omnistage.benchmarks.kernels.decode_attention --out /tmp/decode_attention.json
 """
 
 from __future__ import annotations
@@ -15,6 +15,18 @@ import json
 from pathlib import Path
 
 import torch
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="256,512")
+    ap.add_argument("--calls", type=int, default=28)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--configs", default="4,32;4,16;8,32;4,64",
+                    help="NUM_WARPS,BLOCK_T;... of the one-kernel version")
+    ap.add_argument("--no-pdl", action="store_true")
+    ap.add_argument("--out", type=Path)
+    return ap
 
 
 def main() -> None:
@@ -27,15 +39,7 @@ def main() -> None:
     from omnistage.layers.triton_attention import TritonPagedAttention
     from omnistage.testing.attention import mixed_batch_metadata
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--contexts", default="256,512")
-    ap.add_argument("--calls", type=int, default=28)
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--configs", default="4,32;4,16;8,32;4,64",
-                    help="NUM_WARPS,BLOCK_T;... of the one-kernel version")
-    ap.add_argument("--no-pdl", action="store_true")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    args = _parser().parse_args()
     pdl.set_enabled(not args.no_pdl)
 
     H, HKV, D, PAGE = 16, 8, 128, 16

@@ -5,32 +5,21 @@ it replaces), each replayed from a CUDA graph in this process, and (--breakdown)
 kernel with parts left out (timing only: no barriers, no attention, no matmuls) to see where
 its time goes. Effective bandwidth = bytes of the layers' weights / time.
 
-    python benchmarks/bench_layer_kernel.py --out /tmp/layer_kernel.json
+    python -m omnistage.benchmarks.kernels.layer_kernel --out /tmp/layer_kernel.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_ar import PRESETS  # noqa: E402
+from omnistage.benchmarks.ar_offline import PRESETS
 
 
-def main() -> None:
-    from transformers import Qwen3Config
-
-    from omnistage.benchmarks.common import graph_time_us
-    from omnistage.layers import fused
-    from omnistage.layers.attention import (Attention, AttentionMetadata, forward_context,
-                                            get_attention_backend)
-    from omnistage.models.config import ModelConfig
-    from omnistage.models.qwen3 import Qwen3ForCausalLM
-
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(PRESETS))
     ap.add_argument("--context", type=int, default=256)
@@ -51,10 +40,20 @@ def main() -> None:
                     help="per kernel name, the time it adds to a step's critical path "
                          "(torch.profiler over graph replays), per-op kernels both PDL ways")
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    return ap
+
+
+def _random_model(preset: str, context: int):  # -> (ModelConfig, Qwen3ForCausalLM, backend, md)
+    """Our Qwen3 of `preset` with random bf16 weights and caches on CUDA, and the metadata of
+    one decode row after `context` tokens."""
+    from transformers import Qwen3Config
+
+    from omnistage.layers.attention import Attention, AttentionMetadata, get_attention_backend
+    from omnistage.models.config import ModelConfig
+    from omnistage.models.qwen3 import Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = ModelConfig.from_hf(Qwen3Config(**PRESETS[args.preset],
+    cfg = ModelConfig.from_hf(Qwen3Config(**PRESETS[preset],
                                           architectures=["Qwen3ForCausalLM"]))
     with torch.device("cuda"):
         model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
@@ -62,10 +61,9 @@ def main() -> None:
         p.data.normal_(0, 0.02)
         if p.dim() == 1:
             p.data.add_(1.0)
-    inner = model.model
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     block = 16
-    num_blocks = -(-(args.context + 1) // block) + 1
+    num_blocks = -(-(context + 1) // block) + 1
     backend = get_attention_backend("auto", torch.device("cuda"), block,
                                     cfg.num_attention_heads // cfg.num_key_value_heads,
                                     cfg.num_key_value_heads)
@@ -74,7 +72,7 @@ def main() -> None:
         layer.k_cache = torch.randn(num_blocks, block, cfg.num_key_value_heads, cfg.head_dim,
                                     device="cuda", dtype=torch.bfloat16)
         layer.v_cache = torch.randn_like(layer.k_cache)
-    ctx = args.context
+    ctx = context
     md = AttentionMetadata(
         slot_mapping=torch.tensor([ctx], device="cuda"),
         query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
@@ -82,6 +80,44 @@ def main() -> None:
         block_tables=torch.arange(num_blocks, dtype=torch.int32, device="cuda")[None],
         query_start_loc_cpu=[0, 1], seq_lens_cpu=[ctx + 1], max_query_len=1,
         max_seq_len=num_blocks * block)
+    return cfg, model, backend, md
+
+
+def _layer_kernel_variants(timed, breakdown: bool, configs: str) -> list[dict]:
+    """The layer kernel with parts left out (breakdown), then with other tile settings."""
+    from omnistage.layers import triton_decoder_layer as tdl
+
+    rows = []
+    real_init = tdl.DecoderStack.__init__
+    for skip, tag in ((1, "no barriers"), (2, "no attention"), (3, "no barriers, no attention"),
+                      (4, "no matmuls"), (5, "no matmuls, no barriers"), (6, "barriers only")):
+        if not breakdown:
+            break
+
+        def init(self, *a, _skip=skip, **k):  # type: ignore[no-untyped-def]
+            real_init(self, *a, **k)
+            self.skip = _skip
+        tdl.DecoderStack.__init__ = init
+        rows.append(timed("layer kernel, " + tag))
+    tdl.DecoderStack.__init__ = real_init
+    for c in filter(None, configs.split(";")):
+        vals = list(map(int, c.split(",")))
+        tdl.MAX_TILE, tdl.NUM_WARPS = vals[:2]
+        tdl.MAX_REGISTERS = vals[2] if len(vals) > 2 else None
+        rows.append(timed(f"layer kernel MAX_TILE,WARPS[,MAX_REGISTERS]={c}"))
+    return rows
+
+
+def main() -> None:
+    from omnistage.benchmarks.common import graph_time_us
+    from omnistage.layers import fused
+    from omnistage.layers.attention import forward_context
+
+    args = _parser().parse_args()
+
+    cfg, model, backend, md = _random_model(args.preset, args.context)
+    ctx = args.context
+    inner = model.model
     ids = torch.tensor([5], device="cuda")
     pos = torch.tensor([ctx], device="cuda")
     weight_bytes = sum(p.numel() * p.element_size() for n, p in inner.layers.named_parameters())
@@ -99,7 +135,6 @@ def main() -> None:
         print(json.dumps(row))
         return row
 
-    from omnistage.layers import triton_decoder_layer as tdl
     rows = []
     fused.set_layer_kernel(False)
     if args.timeline:
@@ -112,23 +147,7 @@ def main() -> None:
     fused.set_decode_attention(None)
     fused.set_layer_kernel(True)     # on any GPU
     rows.append(timed("layer kernel"))
-    real_init = tdl.DecoderStack.__init__
-    for skip, tag in ((1, "no barriers"), (2, "no attention"), (3, "no barriers, no attention"),
-                      (4, "no matmuls"), (5, "no matmuls, no barriers"), (6, "barriers only")):
-        if not args.breakdown:
-            break
-
-        def init(self, *a, _skip=skip, **k):  # type: ignore[no-untyped-def]
-            real_init(self, *a, **k)
-            self.skip = _skip
-        tdl.DecoderStack.__init__ = init
-        rows.append(timed("layer kernel, " + tag))
-    tdl.DecoderStack.__init__ = real_init
-    for c in filter(None, args.configs.split(";")):
-        vals = list(map(int, c.split(",")))
-        tdl.MAX_TILE, tdl.NUM_WARPS = vals[:2]
-        tdl.MAX_REGISTERS = vals[2] if len(vals) > 2 else None
-        rows.append(timed(f"layer kernel MAX_TILE,WARPS[,MAX_REGISTERS]={c}"))
+    rows += _layer_kernel_variants(timed, args.breakdown, args.configs)
     if args.lm_head:
         rows += lm_head_rows(model, args.iters)
     if args.sweep_gemv:
