@@ -17,7 +17,6 @@ image (`image=`), and a pipeline's size rule reads the decoded image or the file
 
 from __future__ import annotations
 
-import io
 import warnings
 
 import numpy as np
@@ -27,9 +26,8 @@ from torch import Tensor
 
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.errors import InputError
+from omnistage.utils.images import MAX_INPUT_PIXELS, peek_image   # (re-exported)
 from omnistage.diffusion.solvers.flow_match_euler import scale_noise, timesteps_for_strength
-
-MAX_INPUT_PIXELS = 4096 * 4096       # decompression-bomb guard for input images
 
 
 def file_tensor(data: bytes) -> Tensor:
@@ -70,24 +68,6 @@ def decode_image(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> Image.Image
                          f"{exc})", "image") from None
     if image.mode != "RGB":
         image = image.convert("RGB")
-    return image
-
-
-def peek_image(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> Image.Image:
-    """The image file opened from its header alone (format and size; the pixels are not
-    decoded): InputError naming `image` for no bytes, an unknown format, or more than
-    `max_pixels`."""
-    if not data:
-        raise InputError("image: empty", "image")
-    try:
-        image = Image.open(io.BytesIO(data))
-    except Exception as exc:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ...
-        raise InputError(f"image: cannot be decoded as an image file ({type(exc).__name__}: "
-                         f"{exc})", "image") from None
-    width, height = image.size
-    if width * height > max_pixels:
-        raise InputError(f"image: {width}x{height} is larger than the maximum of "
-                         f"{max_pixels} pixels", "image")
     return image
 
 

@@ -28,27 +28,28 @@ from typing import AsyncIterator, Callable
 from omnistage import registry
 from omnistage.configs.defaults import resolve_graph
 from omnistage.configs.schema import GraphConfig, OutputKind
-from omnistage.diffusion.image_input import peek_image
-from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion_params import DiffusionParams
 from omnistage.engine.chat import is_chat, render_chat
 from omnistage.engine.engine_args import apply_keywords
 from omnistage.engine.inputs import (ParsedPrompt, PromptType, check_params, check_prompt,
                                      load_input_processor, parse_prompt, parse_with_processor)
 from omnistage.engine.orchestrator import Orchestrator
+from omnistage.engine.request import (OmniRequest, ParamsList, RequestFields, StageParams,
+                                      build_request)
 from omnistage.errors import InputError
 from omnistage.models.loader import resolve_model_path
 from omnistage.outputs import CompletionOutput, OmniOutput, RequestEvent, RequestMetrics
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages.interface import TEXT_PROMPT, StageInfo
 from omnistage.stages.voice import voice_of
+from omnistage.utils.images import peek_image
 from omnistage.utils.logging import quiet_known_noise
 from omnistage.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-StageParams = SamplingParams | DiffusionParams | None
-ParamsList = SamplingParams | DiffusionParams | list[StageParams] | None
 Sink = Callable[[RequestEvent], None]
+Prepared = tuple[ParsedPrompt, dict[str, StageParams]]
 
 
 class AsyncOmni:
@@ -94,28 +95,33 @@ class AsyncOmni:
         self._fan_outs: dict[str, list[str]] = {}   # request id -> its n sub-request ids
 
     # -- requests ------------------------------------------------------------------------------
-    def prepare(self, prompt: PromptType, sampling_params_list: ParamsList = None
-                ) -> tuple[ParsedPrompt, dict[str, StageParams]]:
-        """Parse and check a prompt and its per-stage params; ValueError on bad input.
-        `{"messages": [...]}` (chat.py) works for every model with a chat template."""
-        parsed = self._parse(prompt)
+    def request(self, prompt: PromptType, params: ParamsList | RequestFields = None, *,
+                modalities: set[OutputKind] | frozenset[str] | None = None,
+                want_progress: bool = False, request_id: str | None = None,
+                **kw: object) -> OmniRequest:
+        """The request record (engine/request.py `build_request`, the one way it is made)."""
+        return build_request(self.graph, self.entry, prompt, params, modalities=modalities,
+                             want_progress=want_progress, request_id=request_id, **kw)
+
+    def prepare(self, request: OmniRequest | PromptType,
+                sampling_params_list: ParamsList = None) -> Prepared:
+        """Parse and check a request's prompt and its per-stage params; ValueError on bad
+        input. `{"messages": [...]}` (chat.py) works for every model with a chat template.
+        (A prompt and its params are made into a request first.)"""
+        if not isinstance(request, OmniRequest):
+            request = self.request(request, sampling_params_list)
+        parsed = self._parse(request.prompt)
         for name in self.entry:
             check_prompt(parsed, self.orchestrator.stage_info.get(name, {}))
-        params = self._stage_params(sampling_params_list)
+        params = request.by_stage(self.graph)
         for name, p in params.items():
+            info = self.orchestrator.stage_info.get(name, {})
             if isinstance(p, SamplingParams):
-                info = self.orchestrator.stage_info.get(name, {})
                 check_params(p, info)
-                speaker = voice_of(p.extra)   # `voice`, or `speaker`: one key (stages/voice.py)
-                key = "voice" if p.extra.get("voice") is not None else "speaker"
-                known = info.get("speakers")
-                if speaker is not None and known is not None \
-                        and str(speaker).lower() not in str(known).split(","):
-                    raise InputError(f"speaker {speaker!r} is unknown (this model has: "
-                                     f"{str(known).replace(',', ', ')})", param=key)
+                check_speaker(p, info)
             elif isinstance(p, DiffusionParams):
                 p.validate()
-                check_input_images(p, self.orchestrator.stage_info.get(name, {}))
+                check_input_images(p, info)
         self._num_completions(params)
         return parsed, params
 
@@ -146,54 +152,35 @@ class AsyncOmni:
             raise InputError(f"SamplingParams.n differs between entry stages: {asked}", "n")
         return max(asked.values(), default=1)
 
-    def _stage_params(self, given: ParamsList) -> dict[str, StageParams]:
-        kinds = {s.name: s.kind for s in self.graph.stages}
-        wants = {"ar": SamplingParams, "diffusion": DiffusionParams}
-        if given is None:
-            return dict.fromkeys(kinds)
-        if isinstance(given, (SamplingParams, DiffusionParams)):
-            # SamplingParams go to the entry stages; DiffusionParams to every diffusion stage
-            # (a split graph's text-encoder stage and the denoiser it feeds serve one request)
-            pool = self.entry if isinstance(given, SamplingParams) else list(kinds)
-            targets = [n for n in pool if wants.get(kinds[n]) is type(given)]
-            if not targets:
-                raise ValueError(f"{type(given).__name__} given, but no entry stage takes it "
-                                 f"(entry stages: {', '.join(self.entry)})")
-            return {n: (given if n in targets else None) for n in kinds}
-        given = list(given)
-        if len(given) != len(kinds):
-            raise ValueError(f"sampling_params_list has {len(given)} entries, this model has "
-                             f"{len(kinds)} stage{'s' if len(kinds) > 1 else ''} "
-                             f"({', '.join(kinds)})")
-        for (name, kind), p in zip(kinds.items(), given):
-            want = wants.get(kind)
-            if p is not None and (want is None or not isinstance(p, want)):
-                raise ValueError(f"sampling_params_list entry for stage {name!r} ({kind}) must "
-                                 f"be {want.__name__ if want else 'None'} or None, got "
-                                 f"{type(p).__name__}")
-        return dict(zip(kinds, given))
-
     def submit(self, prompt: PromptType, sampling_params_list: ParamsList = None,
                request_id: str | None = None, output_modalities: set[OutputKind] | None = None,
-               sink: Sink | None = None,
-               prepared: tuple[ParsedPrompt, dict[str, StageParams]] | None = None
-               ) -> OmniOutput:
-        """Check and submit; events go to `sink` (from the router thread). Returns the output
-        object that `OmniOutput.apply` fills in. `prepared`: what `prepare` already returned."""
-        parsed, params = prepared or self.prepare(prompt, sampling_params_list)
-        rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
+               sink: Sink | None = None, prepared: Prepared | None = None) -> OmniOutput:
+        """`add_request` of the request these make (the older way in, kept for callers)."""
+        assert sink is not None, "submit needs a sink for the request's events"
+        request = self.request(prompt, sampling_params_list, modalities=output_modalities,
+                               request_id=request_id, want_progress=True)
+        return self.add_request(request, sink, prepared)
+
+    def add_request(self, request: OmniRequest, sink: Sink, prepared: Prepared | None = None
+                    ) -> OmniOutput:
+        """Check (unless `prepared`: what `prepare` returned) and submit; events go to `sink`
+        (from the router thread). Returns the output object that `OmniOutput.apply` fills
+        in."""
+        parsed, params = prepared or self.prepare(request)
+        rid = request.request_id or f"{request.prefix}-{uuid.uuid4().hex[:12]}"
         n = self._num_completions(params)
         out = OmniOutput(request_id=rid, prompt=parsed.text,
                          prompt_token_ids=list(parsed.token_ids or []),
                          outputs=[CompletionOutput(index=i) for i in range(n)])
         out.metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=parsed.num_tokens)
-        assert sink is not None, "submit needs a sink for the request's events"
+        modalities = None if request.modalities is None else set(request.modalities)
         if n == 1:
-            stages = self.orchestrator.add_request(rid, parsed.token_ids, params, sink,
-                                                   output_modalities, parsed.embeds, parsed.text,
-                                                   parsed.multimodal)
+            stages = self.orchestrator.add_request(
+                rid, parsed.token_ids, params, sink, modalities, parsed.embeds, parsed.text,
+                parsed.multimodal, want_progress=request.want_progress)
         else:
-            stages = self._fan_out(rid, n, parsed, params, sink, output_modalities)
+            stages = self._fan_out(rid, n, parsed, params, sink, modalities,
+                                   request.want_progress)
         # only the caller folds events into `out`, after this returns: no race with the router
         out.sample_rate = self._sample_rate(stages)
         for c in out.outputs:
@@ -201,7 +188,8 @@ class AsyncOmni:
         return out
 
     def _fan_out(self, rid: str, n: int, parsed: ParsedPrompt, params: dict[str, StageParams],
-                 sink: Sink, output_modalities: set[OutputKind] | None) -> set[str]:
+                 sink: Sink, output_modalities: set[OutputKind] | None,
+                 want_progress: bool) -> set[str]:
         """Submit completion i as request `<rid>-i` with `seed + i`; its events reach `sink`
         as the parent's, tagged with the index. All or none are submitted."""
         subs = [f"{rid}-{i}" for i in range(n)]
@@ -225,7 +213,8 @@ class AsyncOmni:
             for i, sub in enumerate(subs):
                 stages = self.orchestrator.add_request(
                     sub, parsed.token_ids, completion_params(params, i), relay(i),
-                    output_modalities, parsed.embeds, parsed.text, parsed.multimodal)
+                    output_modalities, parsed.embeds, parsed.text, parsed.multimodal,
+                    want_progress=want_progress)
         except BaseException:
             self._fan_outs.pop(rid, None)
             for sub in subs:
@@ -233,14 +222,19 @@ class AsyncOmni:
             raise
         return stages
 
-    async def generate(self, prompt: PromptType, sampling_params_list: ParamsList = None,
+    async def generate(self, prompt: PromptType | OmniRequest,
+                       sampling_params_list: ParamsList = None,
                        request_id: str | None = None,
-                       output_modalities: set[OutputKind] | None = None
-                       ) -> AsyncIterator[OmniOutput]:
+                       output_modalities: set[OutputKind] | None = None, *,
+                       want_progress: bool = False) -> AsyncIterator[OmniOutput]:
+        """The request's outputs as they come (a prompt and its params are made into a
+        request first); progress updates only with `want_progress`."""
+        request = prompt if isinstance(prompt, OmniRequest) else self.request(
+            prompt, sampling_params_list, modalities=output_modalities,
+            want_progress=want_progress, request_id=request_id)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
-        out = self.submit(prompt, sampling_params_list, request_id, output_modalities,
-                          lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        out = self.add_request(request, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
         try:
             while not out.finished:
                 ev = await queue.get()
@@ -317,3 +311,15 @@ def check_input_images(params: DiffusionParams, info: StageInfo) -> None:
                          f"{'s' if int(limit) > 1 else ''}, got {len(files)}", "image")
     for data in files:
         peek_image(data)
+
+
+def check_speaker(params: SamplingParams, info: StageInfo) -> None:
+    """A voice the stage does not know (its info lists `speakers`) is refused, naming the key
+    it came under: `voice` or `speaker` (one key: stages/voice.py)."""
+    speaker = voice_of(params.extra)
+    key = "voice" if params.extra.get("voice") is not None else "speaker"
+    known = info.get("speakers")
+    if speaker is not None and known is not None \
+            and str(speaker).lower() not in str(known).split(","):
+        raise InputError(f"speaker {speaker!r} is unknown (this model has: "
+                         f"{str(known).replace(',', ', ')})", param=key)

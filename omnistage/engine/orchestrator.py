@@ -24,8 +24,6 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Callable
 
 import zmq
 from torch import Tensor
@@ -34,12 +32,13 @@ from omnistage.configs.graph import downstream, stages_needed, topological_order
 from omnistage.configs.schema import GraphConfig, OutputKind
 from omnistage.connectors.base import ChunkKey, Connector
 from omnistage.diffusion.image_input import image_inputs
-from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion_params import DiffusionParams
 from omnistage.outputs import RequestEvent, StageMetrics
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages import adapters
 from omnistage.stages import messages as m
 from omnistage.engine.replicas import Load, ReplicaBook, request_work
+from omnistage.engine.route import EntryInputs, Route, Sink, request_image  # noqa: F401
 from omnistage.engine.stage_set import POLL_MS, StageSet
 from omnistage.errors import StageError
 from omnistage.stages.process import check_gpu_placement
@@ -55,49 +54,6 @@ def _shutdown_all() -> None:
     """Stop every stage at interpreter exit, while the modules they need are still loaded."""
     for orchestrator in list(_LIVE):
         orchestrator.shutdown()
-
-
-Sink = Callable[[RequestEvent], None]
-
-
-@dataclass(slots=True)
-class Route:
-    request_id: str
-    sink: Sink
-    needed: set[str]
-    open_stages: set[str]
-    finals: set[str]
-    replicas: dict[str, int]                  # stage -> the replica serving this request there
-    # each stage's AddRequest until the request starts there (output from it, or a chunk
-    # routed to it): until then a dead replica's request can go to another one (_reroute)
-    adds: dict[str, m.AddRequest] = field(default_factory=dict)
-    work: dict[str, int] = field(default_factory=dict)   # stage -> steps asked (replicas.py)
-    whole_text: dict[str, str] = field(default_factory=dict)
-    chunk_idx: dict[str, int] = field(default_factory=dict)
-    metrics: dict[str, dict] = field(default_factory=dict)
-    finish_reason: str | None = None
-
-
-@dataclass(slots=True)
-class EntryInputs:
-    """What a request's entry stages take from the caller: the prompt (token ids, unless it is
-    embeddings; text), and the tensors that go through the connector ("prompt_embeds",
-    "mm.*")."""
-    token_ids: list[int] | None
-    prompt_text: str | None
-    tensors: dict[str, Tensor]
-    image: DiffusionParams | None = None     # what image the request makes (`request_image`)
-    image_files: list[bytes] = field(default_factory=list)   # its input images' files
-
-
-def request_image(params: dict[str, SamplingParams | DiffusionParams | None]
-                  ) -> tuple[DiffusionParams | None, list[bytes]]:
-    """The request's first DiffusionParams, its input image files detached, and those files:
-    what a stage that is not a diffusion stage sees of the image the request makes (GLM-
-    Image's AR stage writes its token grid for that size) and, if it takes them, of the
-    images it starts from. (None, []) for a request without them."""
-    given = next((p for p in params.values() if isinstance(p, DiffusionParams)), None)
-    return (None, []) if given is None else given.detach_image()
 
 
 class Orchestrator:
@@ -154,7 +110,8 @@ class Orchestrator:
                     outputs: set[OutputKind] | None = None,
                     prompt_embeds: Tensor | None = None,
                     prompt_text: str | None = None,
-                    multimodal: dict[str, Tensor] | None = None) -> set[str]:
+                    multimodal: dict[str, Tensor] | None = None, *,
+                    want_progress: bool = False) -> set[str]:
         """Submit a request; returns the stages it will pass through. `multimodal`: tensors
         the entry stage's model takes besides the prompt (audio features, pixels, ...)."""
         if not self.healthy:
@@ -175,7 +132,7 @@ class Orchestrator:
                 raise ValueError(f"request id {request_id!r} is already running")
             route = Route(request_id, sink, needed, set(needed), finals_needed, {},
                           work={name: request_work(self.graph.stage(name), params.get(name))
-                                for name in needed})
+                                for name in needed}, want_progress=want_progress)
             route.replicas = self._pick_replicas(needed)
             self._routes[request_id] = route
             try:
@@ -337,27 +294,8 @@ class Orchestrator:
                 except KeyError as exc:   # its segment removed (/dev/shm cleared under us)
                     self._fail(route, f"stage {out.stage!r}: output lost: {exc}", out.stage)
                     return
-            for dest, inp in self._downstream[out.stage]:
-                if dest.name not in route.needed:
-                    continue
-                edge = m.edge_name(out.stage, dest.name)
-                handle = out.handles.get(edge)
-                if not inp.chunked:
-                    route.whole_text[edge] = route.whole_text.get(edge, "") + out.text
-                    if not out.finished:
-                        continue
-                    text = route.whole_text.pop(edge)
-                elif handle is None and not out.text and not out.finished:
-                    continue
-                else:
-                    text = out.text
-                if self._lost(route, dest.name, handle):
-                    return
-                idx = route.chunk_idx.get(edge, 0)
-                route.chunk_idx[edge] = idx + 1
-                route.adds.pop(dest.name, None)      # started there
-                self._send(dest.name, route.replicas[dest.name], m.EdgeChunk(
-                    out.request_id, out.stage, idx, out.finished, text=text, handle=handle))
+            if not self._forward(route, out):
+                return
             if out.request_id not in self._routes:  # a dead downstream stage failed it
                 return
             if out.finished:
@@ -370,13 +308,39 @@ class Orchestrator:
             if done:
                 del self._routes[out.request_id]
                 self._free(out.request_id, route.replicas, finished=True)
-        if is_final or done:
+        progress_only = (out.progress is not None and not out.finished and not out.token_ids
+                         and not out.text and tensors is None)
+        if done or (is_final and (route.want_progress or not progress_only)):
             route.sink(RequestEvent(
                 out.request_id, out.stage, out.token_ids if is_final else [],
                 out.text if is_final else "", tensors, out.logprobs if is_final else None,
                 out.progress if is_final else None, out.finished and is_final,
                 out.finish_reason if is_final else None, done,
                 stage_metrics=route.metrics if done else None))
+
+    def _forward(self, route: Route, out: m.StageOutput) -> bool:
+        for dest, inp in self._downstream[out.stage]:
+            if dest.name not in route.needed:
+                continue
+            edge = m.edge_name(out.stage, dest.name)
+            handle = out.handles.get(edge)
+            if not inp.chunked:
+                route.whole_text[edge] = route.whole_text.get(edge, "") + out.text
+                if not out.finished:
+                    continue
+                text = route.whole_text.pop(edge)
+            elif handle is None and not out.text and not out.finished:
+                continue
+            else:
+                text = out.text
+            if self._lost(route, dest.name, handle):
+                return False
+            idx = route.chunk_idx.get(edge, 0)
+            route.chunk_idx[edge] = idx + 1
+            route.adds.pop(dest.name, None)      # started there
+            self._send(dest.name, route.replicas[dest.name], m.EdgeChunk(
+                out.request_id, out.stage, idx, out.finished, text=text, handle=handle))
+        return True
 
     def _fail(self, route: Route, error: str, stage: str, invalid_input: bool = False,
               info: StageError | None = None) -> None:

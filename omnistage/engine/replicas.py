@@ -12,7 +12,7 @@ import time
 from typing import Callable
 
 from omnistage.configs.schema import GraphConfig, StageConfig
-from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion_params import DiffusionParams
 from omnistage.sampling_params import SamplingParams
 from omnistage.engine.stage_set import StageSet
 from omnistage.stages import messages as m

@@ -81,14 +81,15 @@ class Omni:
 
     def _run(self, prompts: list[PromptType], params: ParamsList,
              output_modalities: set[OutputKind] | None, show_bar: bool) -> list[OmniOutput]:
-        # every prompt is checked before any is scheduled
-        prepared = [self.engine.prepare(p, params) for p in prompts]
+        # every prompt is checked before any is scheduled; the bar is what shows progress
+        requests = [self.engine.request(p, params, modalities=output_modalities,
+                                        want_progress=show_bar) for p in prompts]
+        prepared = [self.engine.prepare(r) for r in requests]
         events: queue.Queue[RequestEvent] = queue.Queue()
         outputs: dict[str, OmniOutput] = {}
         try:
-            for prompt, ready in zip(prompts, prepared):
-                out = self.engine.submit(prompt, params, None, output_modalities, events.put,
-                                         ready)
+            for request, ready in zip(requests, prepared):
+                out = self.engine.add_request(request, events.put, ready)
                 outputs[out.request_id] = out
             _wait(outputs, events, show_bar)
         except BaseException:  # interrupted: leave nothing running behind

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 from omnistage.configs.schema import GraphConfig, StageConfig
 from omnistage.engine.inputs import ParsedPrompt, parse_prompt
+from omnistage.engine.request import OmniRequest
 from omnistage.outputs import OmniOutput, RequestEvent, RequestMetrics
 from omnistage.registry import SpeechSpec
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
@@ -40,11 +41,12 @@ class FakeTextEngine:
                                             replica_status=lambda: {})
         self.num_prepared = 0
 
-    def prepare(self, prompt, params) -> tuple[ParsedPrompt, dict]:
+    def prepare(self, request: OmniRequest) -> tuple[ParsedPrompt, dict]:
         self.num_prepared += 1
-        return parse_prompt(prompt, self.tokenizer), {"llm": params[0]}
+        return parse_prompt(request.prompt, self.tokenizer), {"llm": request.params[0]}
 
-    def submit(self, prompt, params, request_id, modalities, sink, prepared) -> OmniOutput:
+    def add_request(self, request: OmniRequest, sink, prepared) -> OmniOutput:
+        request_id = request.request_id
         out = OmniOutput(request_id, "", [], metrics=RequestMetrics(arrival_time=time.time()))
         sink(RequestEvent(request_id, "llm", [5], "ok", stage_finished=True,
                           finish_reason="stop", done=True, stage_metrics={}))

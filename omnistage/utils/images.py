@@ -9,8 +9,11 @@ import io
 from PIL import Image
 from torch import Tensor
 
+from omnistage.errors import InputError
+
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
 MIME = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
+MAX_INPUT_PIXELS = 4096 * 4096       # decompression-bomb guard for input images
 
 
 def to_pil(image: Image.Image | Tensor) -> Image.Image:
@@ -45,3 +48,22 @@ def encode_image_b64(image: Image.Image | Tensor, fmt: str = "png", quality: int
 
 def mime_type(fmt: str) -> str:
     return MIME[FORMATS[fmt.lower()]]
+
+
+def peek_image(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> Image.Image:
+    """The image file opened from its header alone (format and size; the pixels are not
+    decoded): InputError naming `image` for no bytes, an unknown format, or more than
+    `max_pixels`. Here, below the front door, so that engine/ checks an input image without
+    the diffusion engine."""
+    if not data:
+        raise InputError("image: empty", "image")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Exception as exc:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ...
+        raise InputError(f"image: cannot be decoded as an image file ({type(exc).__name__}: "
+                         f"{exc})", "image") from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise InputError(f"image: {width}x{height} is larger than the maximum of "
+                         f"{max_pixels} pixels", "image")
+    return image

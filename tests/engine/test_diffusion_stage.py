@@ -51,19 +51,24 @@ def test_images_out_equal_the_engine_alone(random_digits: Path, backend: str) ->
         assert again.error is None and again.images[0].size == (64, 64)
 
 
-def test_progress_streams_to_the_caller(random_digits: Path) -> None:
+def test_progress_streams_to_the_caller_that_asks(random_digits: Path) -> None:
+    """One update per denoising step for a caller that asks (`want_progress`); one that does
+    not gets only the end (the orchestrator routes it no progress-only event)."""
     engine = AsyncOmni(stage_config=graph(random_digits, "inproc"), device="cpu")
     try:
-        async def collect() -> list:
+        async def collect(want_progress: bool) -> list:
             return [out async for out in engine.generate(
-                "four", DiffusionParams(num_inference_steps=4, seed=1))]
+                "four", DiffusionParams(num_inference_steps=4, seed=1),
+                want_progress=want_progress)]
 
-        outs = asyncio.run(collect())
+        outs = asyncio.run(collect(True))
+        quiet = asyncio.run(collect(False))
     finally:
         engine.shutdown()
     progress = [o.progress for o in outs]
     assert progress == [0.25, 0.5, 0.75, 1.0]
     assert outs[-1].finished and outs[-1].images and not outs[0].delta_tensors
+    assert len(quiet) == 1 and quiet[0].finished and quiet[0].images
 
 
 def test_image_to_image_and_bad_images(random_digits: Path) -> None:

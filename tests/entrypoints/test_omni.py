@@ -392,7 +392,7 @@ def test_empty_updates_are_not_yielded() -> None:
     from omnistage.engine.inputs import ParsedPrompt
     from omnistage.outputs import RequestEvent
 
-    def add_request(rid: str, ids: list, params: dict, sink, *args) -> set[str]:
+    def add_request(rid: str, ids: list, params: dict, sink, *args, **kw) -> set[str]:
         for ev in (RequestEvent(rid, "llm", [5], "a"), RequestEvent(rid, "llm"),
                    RequestEvent(rid, "llm", [6], "b"), RequestEvent(rid, "llm", tensors={}),
                    RequestEvent(rid, "llm", stage_finished=True, finish_reason="stop"),
@@ -405,7 +405,7 @@ def test_empty_updates_are_not_yielded() -> None:
     engine.entry, engine._fan_outs = ["llm"], {}
     engine.orchestrator = SimpleNamespace(stage_info={}, add_request=add_request,
                                           abort=lambda rid: None)
-    engine.prepare = lambda prompt, params: (ParsedPrompt("x", [1], None), {"llm": None})
+    engine.prepare = lambda request: (ParsedPrompt("x", [1], None), {"llm": None})
 
     async def collect() -> list:
         return [o async for o in engine.generate("x")]

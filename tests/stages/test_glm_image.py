@@ -111,13 +111,13 @@ def test_image_routes_size_the_ar_stage(folder: tuple[Path, diffusers.GlmImagePi
     """/v1/images/generations' fields go to the DiT stage; the AR entry stage samples with its
     own defaults (the AR model's generation config) and reads the size from the DiT's params."""
     from omnistage.configs.defaults import resolve_graph
-    from omnistage.entrypoints.openai.params import stage_params
+    from omnistage.engine.request import RequestFields, build_request
 
     path, _ = folder
     graph = resolve_graph(str(path), path, None)
     assert [s.component for s in graph.stages] == ["glm_image_ar", "glm_image"]
-    ar, dit = stage_params(graph, ["ar"], {"num_images": 1, "height": H, "width": W}, None,
-                           image_fields=True)
+    fields = RequestFields({"num_images": 1, "height": H, "width": W}, image_fields=True)
+    ar, dit = build_request(graph, ["ar"], "a prompt", fields).params
     assert ar is None and (dit.height, dit.width) == (H, W)
 
 

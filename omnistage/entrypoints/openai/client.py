@@ -1,44 +1,55 @@
-"""The server's one door to the engine: admission, submission, the stream of outputs, and the
-abort when the caller goes away.
+"""The server's one door to the engine: every route's requests go through `start` (or
+`generate`, which is `start`, the outputs and the close): admission, preparation, submission,
+the stream of outputs, the abort when the caller goes away, and the engine's errors as HTTP.
 
-    route:  cheap checks (no media fetched)                                    -> 400
-                  -> client.admit(n)           more than max_queue in flight   -> 429 + Retry-After
-                  -> await client.run(prepare) the preparation pool full       -> 429 + Retry-After
-                     (media, template, tokens, client.prepare: ValueError    -> 400)
-                  -> client.submit(...)        engine dead                     -> 503
-                  -> async for out in handle.outputs(): ...
-                  -> handle.close()            (always) abort if unfinished, release the slot
+    route:  cheap checks (no media fetched), OpenAI fields -> client.request(...)  -> 400
+            client.start(requests or a function making them, slots)
+                  admission                    more than max_queue in flight   -> 429 + Retry-After
+                  preparation, on the pool     the preparation pool full       -> 429 + Retry-After
+                     (media, template, tokens, engine.prepare: ValueError     -> 400)
+                  submission                   engine dead                     -> 503
+            -> async for out in handle.outputs(): ...  (a failed one: client.failure -> 4xx/5xx)
+            -> handle.close()   (always) abort if unfinished, release its slots
 
-`submit` is synchronous, so every error that can be told before the first byte of the answer
-is told with its own status. A `RequestHandle` is closed exactly once, by whoever ends the
-request: the route, the streaming response (even one never started), or the disconnect watch.
+Submission is synchronous, so every error that can be told before the first byte of the
+answer is told with its own status. A `RequestHandle` is closed exactly once, by whoever ends
+the request: the route, the streaming response (even one never started), or the disconnect
+watch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
 import logging
 import threading
 import uuid
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from omnistage.engine.inputs import ParsedPrompt, PromptType
+from omnistage.engine.request import OmniRequest, RequestFields, build_request
 from omnistage.entrypoints.openai.errors import APIError, bad_request, from_value_error
 from omnistage.entrypoints.openai.log_lines import log_request
 from omnistage.entrypoints.openai.prep_pool import PrepPool, TokenCounter
 from omnistage.errors import InputError
 from omnistage.outputs import OmniOutput
+from omnistage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-    from omnistage.configs.schema import OutputKind
-    from omnistage.engine.async_omni import AsyncOmni, StageParams
+    from omnistage.engine.async_omni import AsyncOmni
+    from omnistage.engine.request import StageParams
     from omnistage.outputs import RequestEvent
     from omnistage.entrypoints.openai.metrics import ServerMetrics
     from omnistage.stages.messages import StageStats
 
 Prepared = tuple[ParsedPrompt, dict[str, "StageParams"]]
+# what a route's request maker returns per request: a record, or one it prepared itself
+Ready = tuple[OmniRequest, Prepared]
+Make = Callable[[], Sequence["OmniRequest | Ready"]]
+AsyncMake = Callable[[], Awaitable[Sequence["OmniRequest | Ready"]]]
 # how a stage's refusal reads: "stage 'dit': ValueError: prompt names no digit ..."
 RETRY_AFTER_S = 1
 DEFAULT_PREP_WORKERS = 4
@@ -58,13 +69,22 @@ class Ticket:
             self.released = True
             self.client.num_in_flight -= self.n
 
+    def split(self, sizes: list[int]) -> list[Ticket]:
+        """The slots handed on as one ticket per request (sizes summing to this one's)."""
+        assert sum(sizes) == self.n and not self.released, (sizes, self.n, self.released)
+        self.released = True
+        return [Ticket(self.client, n) for n in sizes]
+
 
 class RequestHandle:
     """One submitted request: its events arrive from the router thread into an asyncio queue."""
 
-    def __init__(self, client: EngineClient, request_id: str) -> None:
+    def __init__(self, client: EngineClient, request_id: str, ticket: Ticket | None = None,
+                 param: str | None = None) -> None:
         self.client = client
         self.request_id = request_id
+        self.ticket = ticket          # its slots in the queue, released by `close`
+        self.param = param            # the request field a failure names by default
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self.out: OmniOutput | None = None
@@ -110,6 +130,8 @@ class RequestHandle:
         if self.closed:
             return
         self.closed = True
+        if self.ticket is not None:
+            self.ticket.release()
         if self.out is not None and not self.out.finished:
             self.client.engine.abort(self.request_id)
             if self.client.metrics is not None:
@@ -183,25 +205,35 @@ class EngineClient:
         """`fn(*args)` on the preparation pool (prep_pool.py): 429 when it is full."""
         return await self.prep.run(fn, *args)
 
-    def prepare(self, prompt: PromptType, params: list[StageParams] | None,
-                param: str | None = None, max_tokens: tuple[str, int] | None = None
-                ) -> Prepared:
-        """The engine's own input checks; a ValueError is the client's (400, naming `param`
-        when the message does not name a field itself). Blocking (it tokenizes; an input
-        processor extracts features): call it through `run`. A long text is counted first,
-        in a child process (prep_pool.TokenCounter). `max_tokens`: (its field, the value the
-        request gave): the prompt and that many new tokens must fit the context, as vLLM
-        checks (400; the engine alone would stop the answer at the context's end)."""
-        text = prompt_text(prompt)
+    def request(self, prompt: PromptType, fields: RequestFields, modalities: set[str] | None,
+                prefix: str, **kw: object) -> OmniRequest:
+        """The request record (engine/request.py `build_request`); a bad field is a 400."""
+        try:
+            return build_request(self.graph, self.entry, prompt, fields, modalities=modalities,
+                                 prefix=prefix, **kw)
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+
+    def prepare(self, request: OmniRequest) -> Prepared:
+        """The engine's own input checks; a ValueError is the client's (400, naming
+        `request.param` when the message does not name a field itself). Blocking (it
+        tokenizes; an input processor extracts features): `start` runs it on the pool. A long
+        text is counted first, in a child process (prep_pool.TokenCounter). `max_tokens`:
+        (its field, the value the request gave): the prompt and that many new tokens must fit
+        the context, as vLLM checks (400; the engine alone would stop the answer at the
+        context's end)."""
+        param = request.param
+        text = prompt_text(request.prompt)
         if text is not None:
             self.counter.check(text, self.max_model_len, param or "prompt")
         try:
-            prepared = self.engine.prepare(prompt, params)
+            prepared = self.engine.prepare(request)
         except ValueError as exc:
             raise from_value_error(exc, param) from None
         limit, n = self.max_model_len, prepared[0].num_tokens
-        if max_tokens is not None and limit is not None and n + max_tokens[1] > limit:
-            field, wanted = max_tokens
+        if request.max_tokens is not None and limit is not None \
+                and n + request.max_tokens[1] > limit:
+            field, wanted = request.max_tokens
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {n + wanted} tokens ({n} in the {param or 'prompt'}, {wanted} in "
@@ -223,16 +255,73 @@ class EngineClient:
         self.num_in_flight += n
         return Ticket(self, n)
 
-    def submit(self, prompt: PromptType, prepared: Prepared,
-               modalities: set[OutputKind] | None, prefix: str) -> RequestHandle:
-        handle = RequestHandle(self, f"{prefix}-{uuid.uuid4().hex[:16]}")
+    async def start(self, requests: Sequence[OmniRequest] | Make | AsyncMake,
+                    slots: int | None = None) -> list[RequestHandle]:
+        """The front door: admission (`slots`: every completion of every request; a function
+        making the requests needs it said), preparation on the pool (a plain function too:
+        its prompt may load media; an async one is awaited first), submission. All or none:
+        each handle holds its requests' slots, released by its `close`."""
+        if slots is None:
+            assert not callable(requests), "start(make, slots): say how many slots it takes"
+            slots = sum(num_completions(r) for r in requests)
+        ticket = self.admit(slots)
+        handles: list[RequestHandle] = []
         try:
-            handle.out = self.engine.submit(prompt, None, handle.request_id, modalities,
-                                            handle.sink, prepared)
-        except ValueError as exc:
-            raise from_value_error(exc) from None
-        except RuntimeError as exc:  # the orchestrator refuses: a stage is dead
-            raise APIError(503, str(exc), code="engine_dead") from None
+            if inspect.iscoroutinefunction(requests):
+                requests = await requests()
+            ready = await self.run(self._prepare_all, requests)
+            sizes = [num_completions(r) for r, _ in ready]
+            if sum(sizes) != ticket.n:   # `n` set in sampling_params_list, beside the field
+                self._resize(ticket, sum(sizes))
+            for (request, prepared), share in zip(ready, ticket.split(sizes)):
+                handles.append(self._submit(request, prepared, share))
+        except BaseException:
+            for h in handles:
+                h.close()
+            ticket.release()
+            raise
+        return handles
+
+    async def generate(self, requests: Sequence[OmniRequest] | Make | AsyncMake,
+                       slots: int | None = None) -> AsyncIterator[OmniOutput]:
+        """One request's outputs through `start`; a failed request raises its APIError; the
+        request is closed however the iteration ends."""
+        [handle] = await self.start(requests, slots)
+        try:
+            async for out in handle.outputs():
+                if failed(out):
+                    raise self.failure(out, handle.param)
+                yield out
+        finally:
+            handle.close()
+
+    def _resize(self, ticket: Ticket, n: int) -> None:
+        """A ticket's slots made `n`: more only if the queue has room (else 429)."""
+        more = n - ticket.n
+        if more > 0:
+            self.admit(more).released = True       # counted, now held by `ticket`
+        else:
+            self.num_in_flight += more
+        ticket.n = n
+
+    def _prepare_all(self, requests: Sequence[OmniRequest] | Make) -> list[Ready]:
+        made = requests() if callable(requests) else requests
+        return [(r, self.prepare(r)) if isinstance(r, OmniRequest) else r for r in made]
+
+    def _submit(self, request: OmniRequest, prepared: Prepared, ticket: Ticket
+                ) -> RequestHandle:
+        handle = RequestHandle(self, f"{request.prefix}-{uuid.uuid4().hex[:16]}", ticket,
+                               request.param)
+        request = dataclasses.replace(request, request_id=handle.request_id)
+        try:
+            handle.out = self.engine.add_request(request, handle.sink, prepared)
+        except BaseException as exc:
+            ticket.release()
+            if isinstance(exc, ValueError):
+                raise from_value_error(exc) from None
+            if isinstance(exc, RuntimeError):  # the orchestrator refuses: a stage is dead
+                raise APIError(503, str(exc), code="engine_dead") from None
+            raise
         return handle
 
     def check(self, out: OmniOutput, param: str | None = None) -> None:
@@ -300,6 +389,13 @@ def prompt_text(prompt: PromptType) -> str | None:
             texts += [p["text"] for p in content if isinstance(p, dict) and
                       isinstance(p.get("text"), str)]
     return "\n".join(texts) if texts else None
+
+
+def num_completions(request: OmniRequest | Ready) -> int:
+    """The slots a request takes in the queue: its entry stages' `n` (each completion runs the
+    whole graph)."""
+    request = request if isinstance(request, OmniRequest) else request[0]
+    return max((p.n for p in request.params if isinstance(p, SamplingParams)), default=1)
 
 
 def failed(out: OmniOutput) -> bool:

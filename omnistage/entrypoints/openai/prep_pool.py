@@ -3,9 +3,9 @@
 processor's features extracted), off the event loop, so that /health and every other route
 answer while it runs.
 
-    route: cheap checks -> client.admit (429) -> pool.run(prepare) -> client.submit
-                                                  │ 429 while max_pending are queued or running
-                                                  └ on one of `workers` threads
+    route: cheap checks -> client.start: admit (429) -> pool.run(prepare) -> submit
+                                                         │ 429 while max_pending are queued
+                                                         └ or running; on one of `workers`
 
 Threads suffice because the heavy parts release the GIL: PIL and PyAV decoding, numpy, the
 Rust tokenizer while it tokenizes (transformers calls its `encode_batch`). What holds the GIL

@@ -25,7 +25,6 @@ audio.voice).
 from __future__ import annotations
 
 import base64
-import dataclasses
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable
@@ -37,11 +36,12 @@ from starlette.responses import Response
 from torch import Tensor
 
 from omnistage.entrypoints.openai.chat_prompt import ChatPrompts
-from omnistage.entrypoints.openai.client import (EngineClient, Prepared, RequestHandle,
-                                                 failed, unless_disconnected)
+from omnistage.engine.request import OmniRequest, RequestFields
+from omnistage.entrypoints.openai.client import (EngineClient, RequestHandle, failed,
+                                                 unless_disconnected)
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import MediaLoader
-from omnistage.entrypoints.openai.params import ignore, openai_sampling_fields, stage_params
+from omnistage.entrypoints.openai.params import ignore, openai_sampling_fields
 from omnistage.entrypoints.openai.protocol import (AudioData, ChatChoice, ChatChunkChoice,
                                                    ChatCompletionChunk, ChatCompletionRequest,
                                                    ChatCompletionResponse, ChoiceLogprobs,
@@ -50,7 +50,6 @@ from omnistage.entrypoints.openai.protocol import (AudioData, ChatChoice, ChatCh
 from omnistage.entrypoints.openai.streaming import (DONE, EventStream, SpeechDeltas, sse,
                                                     sse_comment, sse_error)
 from omnistage.outputs import CompletionOutput, OmniOutput
-from omnistage.sampling_params import SamplingParams
 from omnistage.utils.audio import encode_audio_b64, to_pcm16
 from omnistage.utils.images import encode_image_b64
 
@@ -109,15 +108,13 @@ class ChatServing:
         fmt = self._audio_format(req, wanted)
         entry = self._image_fields(req) if "image" in wanted else self._text_fields(req)
         self.prompts.check(req.messages, image_model="image" in wanted)
-        ticket = self.client.admit(req.n)       # n completions: n requests in the engine
-        try:
-            prompt, prepared = await self.client.run(self._prepare, req, wanted, entry)
-            handle = self.client.submit(prompt, prepared, wanted, "chatcmpl")
-        except BaseException:
-            ticket.release()
-            raise
+        try:     # n completions: n slots in the queue; the prompt is made on the pool
+            [handle] = await self.client.start(lambda: [self._request(req, wanted, entry)],
+                                               req.n)
+        except APIError as err:
+            raise _voice_param(err) from None
         if req.stream:
-            closers = [handle.close, ticket.release]
+            closers = [handle.close]
             try:
                 await self.client.open_stream(request, [handle], closers, "messages")
             except APIError as err:
@@ -127,12 +124,11 @@ class ChatServing:
             return await unless_disconnected(request, lambda: self._full(req, handle, fmt))
         finally:
             handle.close()
-            ticket.release()
 
-    def _prepare(self, req: ChatCompletionRequest, wanted: set[str], entry: dict[str, Any]
-                 ) -> tuple[dict[str, Any] | str, Prepared]:
-        """On the preparation pool: the prompt (media loaded, template rendered, tokens) and
-        the engine's checks of it and of the stages' params."""
+    def _request(self, req: ChatCompletionRequest, wanted: set[str], entry: dict[str, Any]
+                 ) -> OmniRequest:
+        """On the preparation pool: the prompt (media loaded, template rendered) and the
+        request record; the front door then runs the engine's checks of both."""
         images: list[bytes] = []
         if "image" in wanted:
             prompt, images = self.prompts.image_prompt(req.messages)
@@ -140,16 +136,12 @@ class ChatServing:
             prompt = self.prompts.text_prompt(req)
         # image models: the pictures in the last user message make it image-to-image (or an
         # edit); more than the model takes are refused by the engine's checks, naming `image`
-        first, *others = images or [None]
-        params = stage_params(self.client.graph, self.client.entry, entry,
-                              req.sampling_params_list, first, tuple(others))
-        if req.audio is not None and req.audio.voice is not None:
-            params = [dataclasses.replace(p, extra={**p.extra, "speaker": req.audio.voice})
-                      if isinstance(p, SamplingParams) else p for p in params]
-        try:
-            return prompt, self.client.prepare(prompt, params, "messages", _max_tokens(req))
-        except APIError as err:
-            raise _voice_param(err) from None
+        voice = req.audio.voice if req.audio is not None else None
+        fields = RequestFields(entry, req.sampling_params_list, tuple(images), voice=voice)
+        # an image's progress shows in a stream as comments
+        return self.client.request(prompt, fields, wanted, "chatcmpl", param="messages",
+                                   max_tokens=_max_tokens(req),
+                                   want_progress=req.stream and "image" in wanted)
 
     # -- checks ----------------------------------------------------------------------------------
     def _text_fields(self, req: ChatCompletionRequest) -> dict[str, Any]:

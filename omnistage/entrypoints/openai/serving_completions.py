@@ -9,22 +9,20 @@ choice i * n + j.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from omnistage.entrypoints.openai.client import (EngineClient, Prepared, RequestHandle,
-                                                 failed, unless_disconnected)
+from omnistage.engine.request import RequestFields
+from omnistage.entrypoints.openai.client import (EngineClient, RequestHandle, failed,
+                                                 unless_disconnected)
 from omnistage.entrypoints.openai.errors import bad_request
-from omnistage.entrypoints.openai.params import openai_sampling_fields, stage_params
+from omnistage.entrypoints.openai.params import openai_sampling_fields
 from omnistage.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                    CompletionRequest, CompletionResponse, Usage)
 from omnistage.entrypoints.openai.streaming import DONE, EventStream, sse, sse_error
 from omnistage.outputs import CompletionOutput, OmniOutput
-
-if TYPE_CHECKING:
-    from omnistage.engine.async_omni import StageParams
 
 _END = object()
 
@@ -50,22 +48,16 @@ class CompletionServing:
                               "computed)", "echo")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options: only allowed with stream: true", "stream_options")
-        entry = openai_sampling_fields(req, req.max_tokens, req.logprobs)
-        params = stage_params(self.client.graph, self.client.entry, entry,
-                              req.sampling_params_list)
         prompts = _prompts(req.prompt)
-        ticket = self.client.admit(len(prompts) * req.n)   # n completions: n requests each
-        handles: list[RequestHandle] = []
-        try:
-            prepared = await self.client.run(self._prepare, prompts, params, req.max_tokens)
-            for p, ready in zip(prompts, prepared):
-                handles.append(self.client.submit(p, ready, {"text"}, "cmpl"))
-        except BaseException:
-            for h in handles:
-                h.close()
-            ticket.release()
-            raise
-        closers = [h.close for h in handles] + [ticket.release]
+        fields = RequestFields(openai_sampling_fields(req, req.max_tokens, req.logprobs),
+                               req.sampling_params_list)
+        asked = ("max_tokens", req.max_tokens) if req.max_tokens is not None else None
+        # n completions: n slots each
+        handles = await self.client.start(
+            [self.client.request(p, fields, {"text"}, "cmpl", max_tokens=asked,
+                                 param="prompt" if len(prompts) == 1 else f"prompt[{i}]")
+             for i, p in enumerate(prompts)])
+        closers = [h.close for h in handles]
         if req.stream:
             await self.client.open_stream(request, handles, closers,
                                           "prompt" if len(handles) == 1 else None)
@@ -75,13 +67,6 @@ class CompletionServing:
         finally:
             for close in closers:
                 close()
-
-    def _prepare(self, prompts: list[str | dict[str, list[int]]], params: list[StageParams],
-                 max_tokens: int | None) -> list[Prepared]:
-        """On the preparation pool: each prompt tokenized and checked by the engine."""
-        asked = ("max_tokens", max_tokens) if max_tokens is not None else None
-        return [self.client.prepare(p, params, "prompt" if len(prompts) == 1
-                                    else f"prompt[{i}]", asked) for i, p in enumerate(prompts)]
 
     async def _full(self, req: CompletionRequest, handles: list[RequestHandle]
                     ) -> CompletionResponse:

@@ -29,12 +29,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
 
-from omnistage.diffusion.params import MAX_INPUT_IMAGES
-from omnistage.entrypoints.openai.client import EngineClient, failed, unless_disconnected
+from omnistage.diffusion_params import MAX_INPUT_IMAGES
+from omnistage.engine.request import RequestFields
+from omnistage.entrypoints.openai.client import EngineClient, unless_disconnected
 from omnistage.entrypoints.openai.errors import (APIError, bad_request, check_model,
                                                  invalid)
 from omnistage.entrypoints.openai.media import MediaLoader, open_image
-from omnistage.entrypoints.openai.params import ignore, parse_size, stage_params
+from omnistage.entrypoints.openai.params import ignore, parse_size
 from omnistage.entrypoints.openai.protocol import (ImageData, ImageEditRequest, ImageRequest,
                                                    ImagesResponse)
 from omnistage.outputs import OmniOutput
@@ -145,25 +146,18 @@ class ImageServing:
                 fields[name] = getattr(req, name)
         if strength is not None:
             fields["strength"] = strength
-        # an edit's image bytes travel as they are (the engine decodes them where used)
-        first, *others = images or [None]
-        params = stage_params(self.client.graph, self.client.entry, fields, None, first,
-                              tuple(others), image_fields=True)
-        ticket = self.client.admit()
+        # an edit's image bytes travel as they are (the engine decodes them where used);
+        # no progress asked: the answer comes whole
+        engine_req = self.client.request(
+            req.prompt, RequestFields(fields, images=tuple(images or ()), image_fields=True),
+            {"image"}, "img", param="prompt")
         try:
-            prepared = await self.client.run(self.client.prepare, req.prompt, params, "prompt")
-            handle = self.client.submit(req.prompt, prepared, {"image"}, "img")
-            try:
-                out = await unless_disconnected(request, lambda: _last(handle.outputs()))
-            finally:
-                handle.close()
-        finally:
-            ticket.release()
-        if failed(out):
-            err = self.client.failure(out, "prompt")
+            out = await unless_disconnected(
+                request, lambda: _last(self.client.generate([engine_req])))
+        except APIError as err:
             if err.param in ("height", "width"):
                 err.param = "size"
-            raise err
+            raise
         pixels = out.tensors.get("images")
         if pixels is None:
             raise APIError(500, "the model finished without an image", code="engine_error")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.concurrency import run_in_threadpool
@@ -29,20 +28,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 from torch import Tensor
 
-from omnistage.entrypoints.openai.client import (EngineClient, RequestHandle, Ticket, failed,
+from omnistage.engine.request import OmniRequest, RequestFields
+from omnistage.entrypoints.openai.client import (EngineClient, RequestHandle, failed,
                                                  unless_disconnected)
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import MediaLoader, decode_b64
-from omnistage.entrypoints.openai.params import stage_params
-from omnistage.entrypoints.openai.protocol import (SpeechBatchItem, SpeechBatchRequest,
-                                                   SpeechBatchResponse, SpeechBatchResult,
-                                                   SpeechRequest, SpeechVoice)
+from omnistage.entrypoints.openai.protocol_speech import (SpeechBatchItem, SpeechBatchRequest,
+                                                          SpeechBatchResponse,
+                                                          SpeechBatchResult, SpeechRequest,
+                                                          SpeechVoice)
 from omnistage.entrypoints.openai.serving_chat import DEFAULT_SAMPLE_RATE, audio_of
 from omnistage.entrypoints.openai.streaming import ClosingStream, EventStream, sse, sse_error
 from omnistage.entrypoints.openai.voices import MAX_UPLOAD_BYTES, VoiceStore, check_clip
 from omnistage.outputs import OmniOutput
 from omnistage.registry import SpeechSpec
-from omnistage.sampling_params import SamplingParams
 from omnistage.utils.audio import MIME, AudioEncoder, encode_audio
 
 ENCODING = {"mp3": "mp3", "opus": "opus", "aac": "aac", "flac": "flac", "wav": "wav",
@@ -151,22 +150,17 @@ class SpeechServing:
 
     # -- the engine ------------------------------------------------------------------------------
     async def start(self, text: str, voice: Callable[[], Awaitable[dict[str, Any]]],
-                    param: str = "input") -> tuple[RequestHandle, Ticket]:
-        """Submit one text: a slot in the queue first, then who speaks (`voice()`: a reference
-        clip is decoded only once admitted), its params (the graph's defaults, that extra on
-        the entry stages) and the engine's checks (on the preparation pool)."""
-        ticket = self.client.admit()
-        try:
-            extra = await voice()
-            params = stage_params(self.client.graph, self.client.entry, {}, None)
-            params = [dataclasses.replace(p, extra={**p.extra, **extra})
-                      if isinstance(p, SamplingParams) and s.name in self.client.entry else p
-                      for s, p in zip(self.client.graph.stages, params)]
-            prepared = await self.client.run(self.client.prepare, text, params, param)
-            return self.client.submit(text, prepared, {"audio"}, "speech"), ticket
-        except BaseException:
-            ticket.release()
-            raise
+                    param: str = "input") -> RequestHandle:
+        """Submit one text through the front door: a slot in the queue first, then who
+        speaks (`voice()`: a reference clip is decoded only once admitted), its params (the
+        graph's defaults, that extra on the entry stages) and the engine's checks (on the
+        preparation pool)."""
+        async def make() -> list[OmniRequest]:
+            fields = RequestFields(entry_extra=await voice())
+            return [self.client.request(text, fields, {"audio"}, "speech", param=param)]
+
+        [handle] = await self.client.start(make, 1)
+        return handle
 
     def rate_of(self, out: OmniOutput) -> int:
         return out.sample_rate or self.client.engine.audio_sample_rate or DEFAULT_SAMPLE_RATE
@@ -175,8 +169,8 @@ class SpeechServing:
     async def create(self, req: SpeechRequest, request: Request) -> Response:
         text = self.check_text(req.input)
         self.check_speed(req.speed)
-        handle, ticket = await self.start(text, lambda: self.extra(req))
-        closers = [handle.close, ticket.release]
+        handle = await self.start(text, lambda: self.extra(req))
+        closers = [handle.close]
         await self.client.open_stream(request, [handle], closers, "input")
         if req.stream_format == "sse":
             return EventStream(self._sse(handle, req.response_format), closers)
@@ -225,25 +219,24 @@ class SpeechServing:
         self.require_speech()
         self.check_speed(req.speed)
         results: list[SpeechBatchResult] = []
-        started: list[tuple[int, RequestHandle, Ticket]] = []
+        started: list[tuple[int, RequestHandle]] = []
         try:
             for i, item in enumerate(req.items):
                 try:
-                    started.append((i, *await self._start_item(req, item, i)))
+                    started.append((i, await self._start_item(req, item, i)))
                 except APIError as err:
                     if err.status == 429 or err.status >= 500:
                         raise
                     results.append(SpeechBatchResult(index=i, error=err.body()["error"]))
             done = await unless_disconnected(request, lambda: asyncio.gather(
-                *(self._whole(i, h, req.response_format) for i, h, _ in started)))
+                *(self._whole(i, h, req.response_format) for i, h in started)))
         finally:
-            for _, handle, ticket in started:
+            for _, handle in started:
                 handle.close()
-                ticket.release()
         return SpeechBatchResponse(data=sorted([*results, *done], key=lambda r: r.index))
 
     async def _start_item(self, req: SpeechBatchRequest, item: SpeechBatchItem, i: int
-                          ) -> tuple[RequestHandle, Ticket]:
+                          ) -> RequestHandle:
         text = self.check_text(item.input, f"items[{i}].input")
         if item.voice is None and item.ref_audio is None and req.voice is not None:
             item = item.model_copy(update={"voice": req.voice})

@@ -43,12 +43,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 
-from omnistage.entrypoints.openai.client import EngineClient, failed, unless_disconnected
+from omnistage.engine.request import RequestFields
+from omnistage.entrypoints.openai.client import EngineClient, unless_disconnected
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import MediaLoader
-from omnistage.entrypoints.openai.params import stage_params
-from omnistage.entrypoints.openai.protocol import (VideoDeleted, VideoError, VideoFileFormat,
-                                                   VideoList, VideoObject)
+from omnistage.entrypoints.openai.protocol_video import (VideoDeleted, VideoError,
+                                                         VideoFileFormat, VideoList,
+                                                         VideoObject)
 from omnistage.entrypoints.openai.video_params import VideoLimits, plan, read_request
 from omnistage.entrypoints.openai.video_store import (ACTIVE, StoreBusy, VideoJob, VideoStore,
                                                       now)
@@ -154,20 +155,24 @@ class VideoServing:
 
     async def _generate(self, prompt: str, fields: dict[str, Any], image: bytes | None,
                         progress: Callable[[float], Awaitable[None]] | None) -> np.ndarray:
-        """One engine request -> its frames, uint8 (F, H, W, 3); APIError if it failed."""
-        params = stage_params(self.client.graph, self.client.entry, fields, None, image,
-                              image_fields=True)
-        prepared = await self.client.run(self.client.prepare, prompt, params, "prompt")
-        handle = self.client.submit(prompt, prepared, {"video"}, "video")
-        try:
-            async for out in handle.outputs():
-                if out.progress is not None and progress is not None:
-                    await progress(out.progress)
-        finally:
-            handle.close()
-        if failed(out):
-            raise self.client.failure(out, "prompt")
-        if out.video is None:
+        """One engine request through the front door (admitted like any other) -> its
+        frames, uint8 (F, H, W, 3); APIError if it failed. A job (`progress` given) asks for
+        the engine's progress, and waits for a slot in a full queue; a sync request gets 429."""
+        request = self.client.request(
+            prompt, RequestFields(fields, images=(image,) if image else (), image_fields=True),
+            {"video"}, "video", param="prompt", want_progress=progress is not None)
+        while True:
+            try:
+                out = None
+                async for out in self.client.generate([request]):
+                    if out.progress is not None and progress is not None:
+                        await progress(out.progress)
+                break
+            except APIError as err:
+                if err.status != 429 or progress is None or out is not None:
+                    raise
+                await asyncio.sleep(RETRY_AFTER_S)    # the queue (or the pool) is full
+        if out is None or out.video is None:
             raise APIError(500, "the model finished without a video", code="engine_error")
         return out.video                                              # (F, H, W, 3)
 
@@ -194,12 +199,8 @@ class VideoServing:
         spec, _ = self.require_video()
         req, image = await read_request(request, self.media, self.model_name)
         fields, _, _ = plan(spec, self.limits, req, image)
-        ticket = self.client.admit()
-        try:
-            frames = await unless_disconnected(
-                request, lambda: self._generate(req.prompt, fields, image, None))
-        finally:
-            ticket.release()
+        frames = await unless_disconnected(
+            request, lambda: self._generate(req.prompt, fields, image, None))
         data = await run_in_threadpool(encode_video, frames, fields["fps"], fmt)
         return Response(data, media_type=MEDIA_TYPES[fmt])
 

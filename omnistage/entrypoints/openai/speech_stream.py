@@ -49,10 +49,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omnistage.entrypoints.openai.clauses import ClauseBuffer
-from omnistage.entrypoints.openai.client import RequestHandle, Ticket
+from omnistage.entrypoints.openai.client import RequestHandle
 from omnistage.entrypoints.openai.errors import APIError, bad_request, check_model, invalid
 from omnistage.entrypoints.openai.json_body import parse_json
-from omnistage.entrypoints.openai.protocol import SpeechSession
+from omnistage.entrypoints.openai.protocol_speech import SpeechSession
 from omnistage.entrypoints.openai.serving_speech import ENCODING, SpeechServing
 from omnistage.utils.audio import AudioEncoder
 
@@ -61,7 +61,7 @@ CLAUSE_MAX_CHARS = 200
 MAX_CLAUSES_IN_FLIGHT = 4          # one session's share of the server's queue (--max-queue)
 MAX_APPEND_CHARS = 16_384          # one input.append's text
 MAX_PENDING_CHARS = 65_536         # a session's text not yet spoken
-Clause = tuple[int, str, RequestHandle, Ticket]
+Clause = tuple[int, str, RequestHandle]
 
 
 class SpeechStream:
@@ -196,13 +196,13 @@ class SpeechStream:
                 text = self.waiting.popleft()
                 self.num_waiting_chars -= len(text)
                 try:
-                    handle, ticket = await self.serving.start(text, self._voice, "text")
+                    handle = await self.serving.start(text, self._voice, "text")
                 except APIError as err:
                     if err.status >= 500 or err.status == 429:
                         raise
                     await self._send({"type": "error", "error": err.body()["error"]})
                     continue
-                clause = (self.num_clauses, text, handle, ticket)
+                clause = (self.num_clauses, text, handle)
                 self.inflight[self.num_clauses] = clause
                 self.num_clauses += 1
                 self.queue.put_nowait(clause)
@@ -233,7 +233,7 @@ class SpeechStream:
         """Clause after clause, in order, each one's audio as it comes."""
         try:
             while (clause := await self.queue.get()) is not None:
-                idx, text, handle, _ = clause
+                idx, text, handle = clause
                 async for wave, rate in self.serving.waves(handle):
                     if self.encoder is None:
                         self.encoder = AudioEncoder(ENCODING[self.session.response_format], rate)
@@ -273,8 +273,7 @@ class SpeechStream:
     def _close(self, idx: int) -> None:
         clause = self.inflight.pop(idx, None)
         if clause is not None:
-            clause[2].close()
-            clause[3].release()
+            clause[2].close()      # aborted if unfinished; its slot freed
 
     def _abort_all(self) -> None:
         """Close every clause's handle: an unfinished one is aborted in every stage."""

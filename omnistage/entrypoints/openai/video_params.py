@@ -19,7 +19,7 @@ from omnistage.entrypoints.openai.errors import APIError, bad_request, check_mod
 from omnistage.entrypoints.openai.json_body import parse_json
 from omnistage.entrypoints.openai.media import MediaLoader, decode_b64, open_image
 from omnistage.entrypoints.openai.params import ignore, parse_size
-from omnistage.entrypoints.openai.protocol import VideoRequest
+from omnistage.entrypoints.openai.protocol_video import VideoRequest
 from omnistage.registry import VideoSpec
 
 _EXTRAS = ("negative_prompt", "num_inference_steps", "guidance_scale", "guidance_scale_2")

@@ -35,7 +35,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
 from omnistage.entrypoints.openai.errors import APIError, bad_request
-from omnistage.entrypoints.openai.protocol import VoiceCard
+from omnistage.entrypoints.openai.protocol_speech import VoiceCard
 from omnistage.utils.audio import (MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, AudioTooLong,
                                    decode_audio, probe_audio)
 

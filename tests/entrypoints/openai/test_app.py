@@ -56,13 +56,15 @@ class FakeOmni:
         self.params: list = []
         self.prompts: list = []
 
-    def prepare(self, prompt, params):
-        self.params.append(params)
-        self.prompts.append(prompt)
-        return parse_prompt(prompt, self.tokenizer), dict(zip(["thinker", "code2wav"], params))
+    def prepare(self, request):
+        self.params.append(list(request.params))
+        self.prompts.append(request.prompt)
+        return (parse_prompt(request.prompt, self.tokenizer),
+                dict(zip(["thinker", "code2wav"], request.params)))
 
-    def submit(self, prompt, params, request_id, modalities, sink, prepared) -> OmniOutput:
+    def add_request(self, request, sink, prepared) -> OmniOutput:
         parsed, _ = prepared
+        request_id, modalities = request.request_id, request.modalities
         out = OmniOutput(request_id, parsed.text, list(parsed.token_ids or []),
                          metrics=RequestMetrics(arrival_time=time.time()))
         ids = self.tokenizer("Hi there")["input_ids"]

@@ -34,28 +34,27 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from omnistage.entrypoints.openai.client import EngineClient
+from omnistage.engine.request import OmniRequest, RequestFields
+from omnistage.entrypoints.openai.client import EngineClient, Ready, RequestHandle
 from omnistage.entrypoints.openai.errors import (APIError, bad_request, check_model,
                                                   from_value_error)
-from omnistage.entrypoints.openai.json_body import check_values, parse_json
-from omnistage.entrypoints.openai.params import stage_params
 from omnistage.entrypoints.openai.realtime.audio_buffer import (AudioBuffer, decode_pcm16,
                                                                 ms_to_samples, samples_to_ms)
 from omnistage.entrypoints.openai.realtime.conversation import (Conversation, ConversationItem,
                                                                 Part, item_from_event)
 from omnistage.entrypoints.openai.realtime.protocol import (Item, ResponseOptions,
                                                             RetentionRatio, Session,
-                                                            error_event, event, max_tokens,
-                                                            merge, new_id, parse)
+                                                            client_event, error_event, event,
+                                                            event_id_of, max_tokens, merge,
+                                                            new_id, parse)
 from omnistage.entrypoints.openai.realtime.response import Response, ResponsePlan
 from omnistage.entrypoints.openai.realtime.truncation import measure, num_to_drop, output_room
 from omnistage.entrypoints.openai.realtime.vad import FRAME, TurnDetector, VadEvent
-from omnistage.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -325,18 +324,17 @@ class RealtimeConnection:
         instructions = (options.instructions if options.instructions is not None
                         else self.session.instructions)
         await self._cancel_response("client_cancelled")     # one response at a time
-        handle, ticket = await self._submit(instructions, plan)
+        handle = await self._submit(instructions, plan)
         item = ConversationItem("assistant", [Part(plan.modality)], status="in_progress")
         try:
             previous = self.conversation.add(item)
         except APIError:
             handle.close()
-            ticket.release()
             raise
         response = Response(self.client, plan, item, self._send, self.conversation_id)
         self.response = response
         await response.start_events(previous)
-        self.response_task = asyncio.create_task(response.run(handle, ticket))
+        self.response_task = asyncio.create_task(response.run(handle))
 
     def _plan(self, options: ResponseOptions) -> ResponsePlan:
         s = self.session
@@ -349,28 +347,29 @@ class RealtimeConnection:
         return ResponsePlan(modality, voice, max_tokens(limit), s.audio.output.format.rate,
                             options.metadata)
 
-    async def _submit(self, instructions: str, plan: ResponsePlan) -> tuple:
-        """The conversation as one engine request (checked, fit to the context, admitted,
-        submitted)."""
+    async def _submit(self, instructions: str, plan: ResponsePlan) -> RequestHandle:
+        """The conversation as one engine request, through the front door (admitted, then
+        checked and fit to the context, submitted)."""
         if not self.conversation.context():
             raise bad_request("the conversation is empty: add an item or commit audio first",
                               None, "conversation_empty")
-        fields = {} if plan.max_tokens is None else {"max_tokens": plan.max_tokens}
-        params = stage_params(self.client.graph, self.client.entry, fields, None)
-        if plan.voice is not None:
-            params = [dataclasses.replace(p, extra={**p.extra, "speaker": plan.voice})
-                      if isinstance(p, SamplingParams) else p for p in params]
-        prompt, prepared = await self._prepare(instructions, params, plan)
-        ticket = self.client.admit(1)
-        try:
-            wanted = {"text", "audio"} if plan.modality == "audio" else {"text"}
-            return self.client.submit(prompt, prepared, wanted, "rt"), ticket
-        except BaseException:
-            ticket.release()
-            raise
+        fields = RequestFields({} if plan.max_tokens is None else
+                               {"max_tokens": plan.max_tokens}, voice=plan.voice)
+        wanted = {"text", "audio"} if plan.modality == "audio" else {"text"}
 
-    async def _prepare(self, instructions: str, params: list, plan: ResponsePlan) -> tuple:
-        """The prompt of the conversation's context, prepared. One over the model's input
+        def request(prompt: dict[str, Any]) -> OmniRequest:
+            return self.client.request(prompt, fields, wanted, "rt", param="conversation")
+
+        async def make() -> list[Ready]:
+            return [await self._prepare(instructions, request, plan)]
+
+        [handle] = await self.client.start(make, 1)
+        return handle
+
+    async def _prepare(self, instructions: str,
+                       request: Callable[[dict[str, Any]], OmniRequest],
+                       plan: ResponsePlan) -> Ready:
+        """The request of the conversation's context, prepared. One over the model's input
         limit (room left for the response's output) is cut as the session's truncation says
         (truncation.py), then prepared again."""
         max_len = self.client.max_model_len
@@ -382,13 +381,12 @@ class RealtimeConnection:
                 and truncation.token_limits.post_instructions is not None:
             known = self._instruction_tokens.get(instructions, 0)   # 0: not measured yet
             fits = min(limit, truncation.token_limits.post_instructions + known)
-        prompt = {"messages": self.conversation.messages(instructions)}
+        made = request({"messages": self.conversation.messages(instructions)})
         prepared, refusal = None, None
         try:
-            prepared = await run_in_threadpool(self.client.prepare, prompt, params,
-                                               "conversation")
+            prepared = await run_in_threadpool(self.client.prepare, made)
             if fits is None or prepared[0].num_tokens <= fits:
-                return prompt, prepared
+                return made, prepared
         except APIError as err:      # perhaps over max_model_len: measured below
             if limit is None:
                 raise
@@ -397,7 +395,7 @@ class RealtimeConnection:
         while True:                  # each round drops one item or more, never the newest
             try:
                 size = await run_in_threadpool(measure, self.client.processor,
-                                               prompt["messages"], bool(instructions))
+                                               made.prompt["messages"], bool(instructions))
             except ValueError as exc:
                 raise from_value_error(exc, "conversation") from None
             self._instruction_tokens = {instructions: size.instructions}
@@ -406,13 +404,12 @@ class RealtimeConnection:
                 break
             self.conversation.drop_oldest(num)
             num_dropped += num
-            prompt = {"messages": self.conversation.messages(instructions)}
+            made = request({"messages": self.conversation.messages(instructions)})
         if num_dropped == 0:         # it fits: a refusal was for something else
             if refusal is not None:
                 raise refusal
-            return prompt, prepared
-        return prompt, await run_in_threadpool(self.client.prepare, prompt, params,
-                                               "conversation")
+            return made, prepared
+        return made, await run_in_threadpool(self.client.prepare, made)
 
     async def _response_cancel(self, msg: dict[str, Any]) -> None:
         if self.response is None or self.response.done.is_set():
@@ -441,34 +438,3 @@ class RealtimeConnection:
                 await self.ws.send_text(json.dumps(ev, separators=(",", ":")))
         except (WebSocketDisconnect, RuntimeError):   # the client went; the loop ends it all
             pass
-
-
-def client_event(raw: str | None) -> dict[str, Any]:
-    """A text frame as a client event, under the app's one JSON policy (json_body.py: no
-    NaN / Infinity, integers within 64 bits, no lone surrogates, bounded nesting), so the
-    socket takes what the HTTP routes take; a refusal is a 400 naming the field."""
-    if raw is None:                                         # a binary frame
-        raise bad_request("an event must be a JSON object with a type, sent as a text frame",
-                          None, "invalid_json")
-    msg = parse_json(raw)
-    if not isinstance(msg, dict):
-        raise bad_request("an event must be a JSON object with a type", None, "invalid_json")
-    return msg
-
-
-def event_id_of(msg: dict[str, Any] | None, raw: str | None) -> str | None:
-    """The client's `event_id`, for the error event answering it. For an event the policy
-    refused, read leniently from the frame, and echoed only if it is itself a clean string."""
-    if msg is None and raw is not None:
-        try:
-            msg = json.loads(raw)
-        except (ValueError, RecursionError):
-            return None
-    event_id = msg.get("event_id") if isinstance(msg, dict) else None
-    if not isinstance(event_id, str):
-        return None
-    try:
-        check_values(event_id)
-    except APIError:
-        return None
-    return event_id

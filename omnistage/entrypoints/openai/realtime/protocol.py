@@ -8,12 +8,14 @@ field); server events are plain dicts built by `event()`, each with its own `eve
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omnistage.entrypoints.openai.errors import APIError, bad_request, invalid
+from omnistage.entrypoints.openai.json_body import check_values, parse_json
 
 INPUT_RATE = 16000       # Qwen3-Omni's audio encoder listens at 16 kHz
 OUTPUT_RATE = 24000      # the protocol's output rate (and Qwen3-Omni's code2wav)
@@ -164,3 +166,34 @@ def max_tokens(value: int | str) -> int | None:
         raise bad_request(f"max_output_tokens={value}: must be 1..4096 or \"inf\"",
                           "max_output_tokens")
     return int(value)
+
+
+def client_event(raw: str | None) -> dict[str, Any]:
+    """A text frame as a client event, under the app's one JSON policy (json_body.py: no
+    NaN / Infinity, integers within 64 bits, no lone surrogates, bounded nesting), so the
+    socket takes what the HTTP routes take; a refusal is a 400 naming the field."""
+    if raw is None:                                         # a binary frame
+        raise bad_request("an event must be a JSON object with a type, sent as a text frame",
+                          None, "invalid_json")
+    msg = parse_json(raw)
+    if not isinstance(msg, dict):
+        raise bad_request("an event must be a JSON object with a type", None, "invalid_json")
+    return msg
+
+
+def event_id_of(msg: dict[str, Any] | None, raw: str | None) -> str | None:
+    """The client's `event_id`, for the error event answering it. For an event the policy
+    refused, read leniently from the frame, and echoed only if it is itself a clean string."""
+    if msg is None and raw is not None:
+        try:
+            msg = json.loads(raw)
+        except (ValueError, RecursionError):
+            return None
+    event_id = msg.get("event_id") if isinstance(msg, dict) else None
+    if not isinstance(event_id, str):
+        return None
+    try:
+        check_values(event_id)
+    except APIError:
+        return None
+    return event_id

@@ -30,7 +30,7 @@ from omnistage.outputs import OmniOutput
 from omnistage.utils.audio import resample, to_pcm16
 
 if TYPE_CHECKING:
-    from omnistage.entrypoints.openai.client import EngineClient, RequestHandle, Ticket
+    from omnistage.entrypoints.openai.client import EngineClient, RequestHandle
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -52,7 +52,6 @@ class Response:
         self.id = new_id("resp")
         self.conversation_id = conversation_id
         self.handle: RequestHandle | None = None
-        self.ticket: Ticket | None = None
         self.status, self.status_details = "in_progress", None
         self.last: OmniOutput | None = None
         self.started = time.monotonic()
@@ -81,9 +80,9 @@ class Response:
         return {"response_id": self.id, "item_id": self.item.id, "output_index": 0,
                 "content_index": 0}
 
-    async def run(self, handle: RequestHandle, ticket: Ticket) -> None:
+    async def run(self, handle: RequestHandle) -> None:
         """Stream the request's outputs as events until it ends (or is cancelled)."""
-        self.handle, self.ticket = handle, ticket
+        self.handle = handle
         try:
             async for out in handle.outputs():
                 self.last = out
@@ -133,9 +132,7 @@ class Response:
 
     def close(self) -> None:
         if self.handle is not None:
-            self.handle.close()
-        if self.ticket is not None:
-            self.ticket.release()
+            self.handle.close()       # aborted if unfinished; its slot freed
 
     async def start_events(self, previous_item_id: str | None) -> None:
         await self.send(event("response.created", response=self.resource()))
