@@ -1,12 +1,15 @@
 """Errors with their types kept from the stage that raised them to the API that answers.
 
     a stage refuses input       raise InputError(message, param="speaker")
+    an engine's step fails      StageError.internal(message) (stage "" until the worker's)
     the worker                  StageError(stage, "invalid_input", message, param)
     the orchestrator            adds its own: "stage_dead", "aborted"
     a stage whose input stalls  "timeout" (no chunk from upstream for input_timeout_s)
-    OmniOutput.error_info       the server maps kind and param to HTTP, reading no message text
+    OmniOutput.error            the server maps kind and param to HTTP, reading no message text
 
-`OmniOutput.error` stays the human-readable line ("stage 'talker': ValueError: ...").
+`StageError` is the one encoding of a failure on every record that can carry one (a stage's
+StageResult and StageOutput, StartupFailed, the orchestrator's RequestEvent, OmniOutput):
+`error: StageError | None`. `str(error)` is the human-readable line ("stage 'talker': ...").
 """
 
 from __future__ import annotations
@@ -34,6 +37,26 @@ class StageError(msgspec.Struct, frozen=True):
     kind: ErrorKind
     message: str
     param: str | None = None
+
+    def __str__(self) -> str:
+        """The line a person reads: the message, after its stage unless it names it."""
+        if not self.stage or self.message.startswith(f"stage {self.stage!r}"):
+            return self.message
+        return f"stage {self.stage!r}: {self.message}"
+
+    @classmethod
+    def internal(cls, message: str) -> StageError:
+        """An engine's failure of one request; the worker sets the stage (`at`)."""
+        return cls("", "internal", message)
+
+    def at(self, stage: str) -> StageError:
+        """This error, of `stage` (an engine's error reaching its worker)."""
+        return self if self.stage else msgspec.structs.replace(self, stage=stage)
+
+    @property
+    def is_invalid_input(self) -> bool:
+        """The request's fault (a stage refused its input), not the engine's."""
+        return self.kind == "invalid_input"
 
     @classmethod
     def from_exception(cls, stage: str, exc: BaseException) -> StageError:

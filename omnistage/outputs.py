@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from omnistage.errors import StageError
+from omnistage.payloads import AUDIO, SAMPLE_RATE, AudioChunk, Images, Video
 from omnistage.utils.audio import encode_audio
 
 if TYPE_CHECKING:
@@ -29,7 +30,8 @@ REPR_CHARS = 60   # how much of the text a repr shows
 @dataclass(slots=True)
 class RequestEvent:
     """What the orchestrator tells a request's sink: one stage's output, and whether the whole
-    request is now done (finished, failed or aborted)."""
+    request is now done (finished, failed or aborted). `tensors`: the packed payload the
+    stage sent the client (payloads.py's records read it)."""
 
     request_id: str
     stage: str
@@ -41,9 +43,7 @@ class RequestEvent:
     stage_finished: bool = False
     finish_reason: str | None = None
     done: bool = False
-    error: str | None = None
-    invalid_input: bool = False        # the error is the request's fault (a stage refused it)
-    error_info: StageError | None = None   # the error, typed (kind, message alone, param)
+    error: StageError | None = None    # why the request failed (kind, stage, message, param)
     stage_metrics: dict[str, StageMetrics] | None = None
     index: int = 0                     # which of the request's n completions it belongs to
 
@@ -149,16 +149,29 @@ class CompletionOutput:
 
     @property
     def images(self) -> list[Image.Image]:
-        """The final images as PIL images (from `tensors["images"]`, uint8 (n, H, W, C))."""
-        return _images(self.tensors.get("images"))
+        """The final images as PIL images (from `pixels`)."""
+        return _images(self.pixels)
+
+    @property
+    def pixels(self) -> Tensor | None:
+        """The final images, uint8 (n, H, W, C); None until finished, and when there are
+        none."""
+        images = Images.unpack(self.tensors)
+        return None if images is None else images.pixels
+
+    @property
+    def video_frames(self) -> Tensor | None:
+        """The final videos' frames, uint8 (n, F, H, W, 3), which a graph whose last stage
+        says `final: video` makes; None until finished, and when there are none."""
+        video = Video.unpack(self.tensors)
+        return None if video is None else video.frames
 
     @property
     def video(self) -> np.ndarray | None:
-        """The final video's frames, uint8 (F, H, W, 3) (the first of `tensors["video"]`,
-        (n, F, H, W, 3), which a graph whose last stage says `final: video` makes); None
+        """The final video's frames, uint8 (F, H, W, 3) (the first of `video_frames`); None
         until finished, and when there is none."""
-        video = self.tensors.get("video")
-        return None if video is None else video[0].numpy()
+        frames = self.video_frames
+        return None if frames is None else frames[0].numpy()
 
     def save_video(self, path: str | os.PathLike[str], fps: float) -> None:
         """Write the final video at `fps` (the request's DiffusionParams.fps, or the model's
@@ -177,13 +190,18 @@ class CompletionOutput:
     @property
     def audio(self) -> np.ndarray | None:
         """The final waveform at `sample_rate`, float32 (num_samples,), nominally in [-1, 1]
-        (a view of `tensors["audio"]`); None until finished, and when there is no audio."""
-        return _as_numpy(self.tensors.get("audio"))
+        (a view of the AudioChunk samples); None until finished, and when there is no audio."""
+        return _as_numpy(_samples(self.tensors))
 
     @property
     def delta_audio(self) -> np.ndarray | None:
         """The samples this streaming update added (float32), or None."""
-        return _as_numpy(self.delta_tensors.get("audio"))
+        return _as_numpy(_samples(self.delta_tensors))
+
+    @property
+    def delta_samples(self) -> Tensor | None:
+        """The samples this streaming update added, as the tensor it carried, or None."""
+        return _samples(self.delta_tensors)
 
     @property
     def has_delta(self) -> bool:
@@ -217,18 +235,21 @@ class OmniOutput:
     `SamplingParams.n` asked for more), whether all of them finished, the request's error and
     metrics. `text`, `token_ids`, `logprobs`, `finish_reason`, `tensors`, `audio`, `images`,
     `save_audio` and the streaming deltas (`delta_text`, `delta_tensors`, `delta_audio`) are
-    those of the first completion, `outputs[0]`: what a request with n=1 reads."""
+    those of the first completion, `outputs[0]`: what a request with n=1 reads.
+
+    `error` is the request's failure, typed (payloads and the error have one encoding each:
+    `str(error)` is the line a person reads). `tensors` stays as the raw view of the final
+    payload (public API; the typed accessors `audio`, `images`, `pixels`, `video` read it)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=lambda: [CompletionOutput()])
     finished: bool = False
-    error: str | None = None           # the first error of any completion
-    invalid_input: bool = False        # the error: a stage refused the request's input
-    # the error, typed: which stage, what kind (invalid_input / internal / stage_dead /
-    # aborted), its message alone and the field it names (what the server answers from)
-    error_info: StageError | None = None
+    # the first error of any completion: which stage, what kind (invalid_input / internal /
+    # stage_dead / aborted / timeout), its message and the field it names (what the server
+    # answers from)
+    error: StageError | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     stage_metrics: dict[str, StageMetrics] = field(default_factory=dict)
     progress: float | None = None      # share of the work done (diffusion steps), when known
@@ -252,9 +273,21 @@ class OmniOutput:
     delta_token_ids = _first("delta_token_ids")
     delta_tensors = _first("delta_tensors")
     images = _first("images")
+    pixels = _first("pixels")
     video = _first("video")
+    video_frames = _first("video_frames")
     audio = _first("audio")
     delta_audio = _first("delta_audio")
+
+    @property
+    def error_info(self) -> StageError | None:
+        """`error` (its old name, kept for callers of the public API)."""
+        return self.error
+
+    @property
+    def invalid_input(self) -> bool:
+        """Whether the error is the request's fault (a stage refused its input)."""
+        return self.error is not None and self.error.is_invalid_input
 
     def save_video(self, path: str | os.PathLike[str], fps: float) -> None:
         """Write the (first completion's) final video (see CompletionOutput.save_video)."""
@@ -288,9 +321,9 @@ class OmniOutput:
             c.logprobs = (c.logprobs or []) + ev.logprobs
         for k, v in (ev.tensors or {}).items():
             c.tensor_chunks.setdefault(k, []).append(v)
-        rate = (ev.tensors or {}).get("sample_rate")
-        if rate is not None:   # a stage may send its rate with the samples (the server reads it)
-            self.sample_rate = int(rate.flatten()[0])
+        audio = AudioChunk.unpack(ev.tensors or {})
+        if audio is not None and audio.sample_rate is not None:   # a stage may send its rate
+            self.sample_rate = audio.sample_rate                  # with the samples
             for each in self.outputs:
                 each.sample_rate = self.sample_rate
         if ev.stage_finished and ev.finish_reason and c.finish_reason is None:
@@ -306,8 +339,7 @@ class OmniOutput:
         if ev.error:
             c.finish_reason = "error"
             if self.error is None:      # the request's error: the first completion's to fail
-                self.error, self.invalid_input, self.error_info = (
-                    ev.error, ev.invalid_input, ev.error_info)
+                self.error = ev.error
         if ev.finish_reason == "abort":
             c.finish_reason = "abort"
         c.tensors = {k: torch.cat(v) for k, v in c.tensor_chunks.items()}
@@ -347,7 +379,7 @@ class OmniOutput:
 
     def __repr__(self) -> str:
         more = f", n={len(self.outputs)}" if len(self.outputs) > 1 else ""
-        err = f", error={_clip(self.error)}" if self.error else ""
+        err = f", error={_clip(str(self.error))}" if self.error else ""
         return (f"OmniOutput(request_id={self.request_id!r}, finished={self.finished}, "
                 f"{_describe(self.outputs[0])}{more}{err})")
 
@@ -359,9 +391,9 @@ def _describe(c: CompletionOutput) -> str:
     if c.delta_text:
         parts.append(f"delta_text={_clip(c.delta_text)}")
     for name, t in {**c.tensors, **{f"delta_{k}": v for k, v in c.delta_tensors.items()}}.items():
-        if name.endswith("sample_rate"):
+        if name.endswith(SAMPLE_RATE):
             continue
-        rate = f" @ {c.sample_rate} Hz" if name.endswith("audio") and c.sample_rate else ""
+        rate = f" @ {c.sample_rate} Hz" if name.endswith(AUDIO) and c.sample_rate else ""
         parts.append(f"{name}={tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}{rate}")
     return ", ".join(parts)
 
@@ -397,6 +429,11 @@ def _save_audio(c: CompletionOutput, path: str | os.PathLike[str], who: str) -> 
         raise ValueError(f"{who}: the sample rate of its audio is unknown (the audio stage "
                          "reported none); set sample_rate first")
     Path(path).write_bytes(encode_audio(wave, c.sample_rate, fmt))
+
+
+def _samples(tensors: dict[str, Tensor]) -> Tensor | None:
+    audio = AudioChunk.unpack(tensors)
+    return None if audio is None else audio.samples
 
 
 def _as_numpy(t: Tensor | None) -> np.ndarray | None:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from omnistage.errors import StageError
 from omnistage.outputs import CompletionOutput, OmniOutput, RequestEvent, StageMetrics
 from omnistage.utils.audio import decode_audio
 
@@ -156,9 +157,10 @@ def test_n_completions_fold_into_one_output() -> None:
 
 def test_a_failed_completion_fails_the_request() -> None:
     out = OmniOutput("req-1", "hi", [1], [CompletionOutput(index=i) for i in range(2)])
-    out.apply(RequestEvent("req-1", "llm", done=True, index=1, finish_reason="error",
-                                 error="stage 'llm': boom"))
-    assert out.error == "stage 'llm': boom" and out.outputs[1].finish_reason == "error"
+    err = StageError("llm", "internal", "boom")
+    out.apply(RequestEvent("req-1", "llm", done=True, index=1, finish_reason="error", error=err))
+    assert out.error == err and str(out.error) == "stage 'llm': boom"
+    assert out.outputs[1].finish_reason == "error" and not out.invalid_input
     assert not out.finished and out.finish_reason is None
     out.apply(RequestEvent("req-1", "", done=True, finish_reason="abort"))
     assert out.finished and out.finish_reason == "abort"

@@ -29,6 +29,7 @@ from omnistage.ar.model_runner import ModelRunner, PendingStep, RunnerOutput, ca
 from omnistage.ar.scheduler import ScheduledBatch, Scheduler
 from omnistage.ar.sequence import FinishReason, Sequence, SequenceStatus, StepOutput
 from omnistage.configs.schema import ARConfig
+from omnistage.errors import StageError
 from omnistage.layers.groups import stage_ranks
 from omnistage.models.loader import load_model, resolve_model_path
 from omnistage.outputs import RequestMetrics
@@ -333,7 +334,8 @@ class AREngine:
             if seq.is_finished:
                 continue
             self.scheduler.finish(seq, FinishReason.ERROR)
-            outs.append(self._finish_output(seq, [], error=f"{type(exc).__name__}: {exc}"))
+            outs.append(self._finish_output(
+                seq, [], error=StageError.internal(f"{type(exc).__name__}: {exc}")))
         return outs
 
     def _process(self, batch: ScheduledBatch, result: RunnerOutput) -> list[StepOutput]:
@@ -392,7 +394,7 @@ class AREngine:
         return detok
 
     def _finish_output(self, seq: Sequence, new_ids: list[int], text: str = "",
-                       error: str | None = None) -> StepOutput:
+                       error: StageError | None = None) -> StepOutput:
         self._detokenizers.pop(seq.request_id, None)
         self.hidden_rows.drop(seq.request_id)
         metrics = RequestMetrics(

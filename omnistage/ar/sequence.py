@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from omnistage.ar.inputs import MultimodalInput, PromptInput, StreamInput
+from omnistage.errors import StageError
 from omnistage.outputs import RequestMetrics
 from omnistage.sampling_params import SamplingParams
 
@@ -157,7 +158,7 @@ class StepOutput:
     hidden_start: int = 0                           # position of the first hidden-state row
     num_prompt_tokens: int = 0
     finish_reason: FinishReason | None = None
-    error: str | None = None
+    error: StageError | None = None                 # the request failed in this step
     metrics: RequestMetrics | None = None           # set when the request finished
     extra: dict[str, Tensor] | None = None          # the model's per-token extras (n, ...)
 

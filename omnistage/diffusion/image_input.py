@@ -26,6 +26,7 @@ from torch import Tensor
 
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.errors import InputError
+from omnistage.payloads import StageInputs, input_image_files
 from omnistage.utils.images import MAX_INPUT_PIXELS, peek_image   # (re-exported)
 from omnistage.diffusion.solvers.flow_match_euler import scale_noise, timesteps_for_strength
 
@@ -41,18 +42,14 @@ def file_bytes(tensor: Tensor) -> bytes:
 
 
 def image_inputs(files: list[bytes]) -> dict[str, Tensor]:
-    """A request's input image files as the stage inputs they travel as: "mm.image", then
-    "mm.image.1", "mm.image.2", ... for a multi-image edit's others."""
-    return {"mm.image" if i == 0 else f"mm.image.{i}": file_tensor(f)
-            for i, f in enumerate(files)}
+    """A request's input image files as the stage inputs they travel as (a packed
+    payloads.StageInputs)."""
+    return StageInputs(images=tuple(file_tensor(f) for f in files)).pack()
 
 
 def image_files(multimodal: dict[str, Tensor]) -> list[bytes]:
-    """The files `image_inputs` sent, in order, from a stage's inputs ("mm." cut)."""
-    files = []
-    while (key := "image" if not files else f"image.{len(files)}") in multimodal:
-        files.append(file_bytes(multimodal[key]))
-    return files
+    """The files `image_inputs` sent, in order, from a stage's multimodal inputs."""
+    return [file_bytes(t) for t in input_image_files(multimodal)]
 
 
 def decode_image(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> Image.Image:

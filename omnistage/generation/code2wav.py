@@ -14,6 +14,7 @@ from omnistage.models.qwen3_omni.code2wav import Code2Wav
 from omnistage.models.qwen3_omni.code2wav_stream import (Code2WavStream, VocoderGraphs,
                                                          VocoderShapes, decode_streams)
 from omnistage.models.qwen3_tts.speech_decoder import Qwen3TTSSpeechDecoder
+from omnistage.payloads import SAMPLE_RATE, AudioChunk, CodecFrames
 
 
 class Code2WavGenerator:
@@ -42,7 +43,7 @@ class Code2WavGenerator:
         self.first_chunk_frames = first_chunk_frames
         self.left_context = left_context
         self.max_batch_frames = max_batch_frames
-        self.info = {"sample_rate": model.cfg.sample_rate}
+        self.info = {SAMPLE_RATE: model.cfg.sample_rate}
         self.shapes: VocoderShapes | None = None
         self.graphs: VocoderGraphs | None = None
         if model.device.type == "cuda":   # a few padded shapes, each planned now, not mid-stream
@@ -90,10 +91,11 @@ class Code2WavGenerator:
                 stream = state["stream"] = Code2WavStream(self.model, self.chunk_frames,
                                                           self.left_context,
                                                           self.first_chunk_frames)
-            if "codes" in x and x["codes"].numel():
-                stream.append(x["codes"].T.to(torch.long))                  # (Q, n)
-            if "skip_frames" in x:
-                state["skip"] = state.get("skip", 0) + int(x["skip_frames"].sum()) * \
+            frames = CodecFrames.unpack(x)
+            if frames is not None and frames.codes.numel():
+                stream.append(frames.codes.T.to(torch.long))                # (Q, n)
+            if frames is not None and frames.skip_frames is not None:
+                state["skip"] = state.get("skip", 0) + frames.skip_frames * \
                     self.model.total_upsample
             if last and not stream.is_finished:
                 stream.finish()
@@ -107,4 +109,4 @@ class Code2WavGenerator:
         if not any(sizes):    # frames buffered, no chunk complete: the device stays untouched
             return [{} for _ in audio]
         host = torch.cat(audio).float().cpu().split(sizes)     # one copy to the host
-        return [{"audio": a} if a.numel() else {} for a in host]
+        return [AudioChunk(a).pack() if a.numel() else {} for a in host]

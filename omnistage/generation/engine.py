@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from omnistage.errors import StageError
 from omnistage.utils import trace
 
 logger = logging.getLogger(__name__)
@@ -66,9 +67,9 @@ class GenerationModel(Protocol):
 @dataclass(slots=True)
 class GenerationResult:
     request_id: str
-    tensors: dict[str, Tensor]
+    tensors: dict[str, Tensor]         # the model's output (packed payload records)
     finished: bool
-    error: str | None = None
+    error: StageError | None = None
     request: GenerationRequest | None = None
 
 
@@ -130,7 +131,8 @@ class GenerationEngine:
             r.model_seconds += done - now
             if isinstance(out, str):        # it failed alone: the others go on
                 del self.requests[r.request_id]
-                results.append(GenerationResult(r.request_id, {}, True, out, r))
+                results.append(GenerationResult(r.request_id, {}, True,
+                                                StageError.internal(out), r))
                 continue
             if out:
                 r.num_chunks_out += 1

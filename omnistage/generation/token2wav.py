@@ -34,10 +34,11 @@ from omnistage.layers.graph_capture import PaddedShapes
 from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen2_5_omni.bigvgan_stream import vocode_streams
 from omnistage.models.qwen2_5_omni.token2wav import Speaker, Token2Wav, load_speakers
+from omnistage.payloads import SAMPLE_RATE, AudioChunk, CodecFrames
 
 
 class Token2WavGenerator:
-    """Inputs per chunk: "codes" (n,) codec ids and "speaker" (n,) the speaker's index in
+    """Inputs per chunk: CodecFrames, codes (n,) codec ids and speaker (n,) the speaker's index in
     the checkpoint's speaker map. Options: num_steps, guidance_scale, sway_coefficient (the
     reference's defaults 10, 0.5, -1.0), seed (the noise: the first draw of a generator
     seeded with it, as the reference's after torch.manual_seed(seed); streamed, always a CPU
@@ -66,7 +67,7 @@ class Token2WavGenerator:
             Chunking(chunk_blocks, first_chunk_blocks, left_blocks, right_blocks)
         self.max_batch_frames = max_batch_frames
         self.speakers = [self._speaker_rows(s) for s in speakers]
-        self.info = {"sample_rate": model.cfg.sample_rate}
+        self.info = {SAMPLE_RATE: model.cfg.sample_rate}
         self.dit_shapes: PaddedShapes | None = None
         self.mel_shapes: PaddedShapes | None = None
         self.graphs: Token2WavGraphs | None = None
@@ -106,12 +107,13 @@ class Token2WavGenerator:
             return self._generate_streams(inputs, states, is_last)
         outs: list[dict[str, Tensor]] = []
         for x, state, last in zip(inputs, states, is_last):
-            if "codes" in x:
-                state["codes"] = torch.cat([state.get("codes", torch.zeros(0, dtype=torch.long)),
-                                            x["codes"].long()])
-                state["speaker"] = int(x["speaker"][0])
-            if last and "x" not in state and state.get("codes") is not None \
-                    and state["codes"].numel():
+            frames = CodecFrames.unpack(x)
+            if frames is not None:
+                before = state.get("pending", torch.zeros(0, dtype=torch.long))
+                state["pending"] = torch.cat([before, frames.codes.long()])
+                state["speaker_idx"] = int(frames.speaker[0])
+            if last and "x" not in state and state.get("pending") is not None \
+                    and state["pending"].numel():
                 self._start(state)
             outs.append(self._step(state) if "x" in state else {})
         return outs
@@ -123,14 +125,15 @@ class Token2WavGenerator:
         streams: list[Token2WavStream | None] = []
         for x, state, last in zip(inputs, states, is_last):
             stream = state.get("stream")
-            if stream is None and "codes" in x:
+            frames = CodecFrames.unpack(x)
+            if stream is None and frames is not None:
                 stream = state["stream"] = Token2WavStream(
-                    self.model, self.chunking, int(x["speaker"][0]), self.seed, self.device,
+                    self.model, self.chunking, int(frames.speaker[0]), self.seed, self.device,
                     self.mel_shapes)
             if stream is not None:
                 stream.mel = copy.copy(stream.mel)    # changed below; the snapshot keeps its own
-                if "codes" in x:
-                    stream.append(x["codes"])
+                if frames is not None:
+                    stream.append(frames.codes)
                 if last and not stream.is_finished:
                     stream.finish()
             streams.append(stream)
@@ -150,16 +153,16 @@ class Token2WavGenerator:
             return [{} for _ in outs]
         host = iter(torch.cat([a for a in outs if a.numel()]).cpu()       # one copy, one sync
                     .split([n for n in sizes if n]))
-        return [{"audio": next(host)} if n else {} for n in sizes]
+        return [AudioChunk(next(host)).pack() if n else {} for n in sizes]
 
     def _start(self, state: dict) -> None:
         """The request's noise and conditioning, on the device; step 0 next."""
-        codes = state.pop("codes").to(self.device)[None]                  # (1, N)
+        codes = state.pop("pending").to(self.device)[None]                # (1, N)
         cfg = self.model.cfg.dit
         gen = torch.Generator(self.device).manual_seed(self.seed)
         state["x"] = torch.randn(1, codes.shape[1] * cfg.repeats, cfg.mel_dim, generator=gen,
                                  device=self.device)
-        state["cond"] = (codes, self.speakers[state["speaker"]])
+        state["cond"] = (codes, self.speakers[state["speaker_idx"]])
         state["step_idx"] = 0
 
     def _step(self, state: dict) -> dict[str, Tensor]:
@@ -177,4 +180,4 @@ class Token2WavGenerator:
             state["x"] = x           # replaced, not changed in place (GenerationModel)
             return {}
         del state["x"]
-        return {"audio": self.model.vocode(x)[0].float().cpu()}
+        return AudioChunk(self.model.vocode(x)[0].float().cpu()).pack()

@@ -4,7 +4,7 @@ into the downstream stage's input. YAML names them by registry key (`adapter: hi
 An adapter runs in the downstream stage's worker, once per chunk, with a `state` dict that lives
 as long as the request on that edge:
 
-    EdgeData (token ids, text, tensors of one chunk)  --adapter(data, state)-->  StageFeed
+    EdgeData (token ids, text, the Payload of one chunk)  --adapter(data, state)-->  StageFeed
 
 A whole edge calls it once, with everything and `is_last=True`; a chunked edge calls it per
 chunk. After the last chunk the worker closes the downstream request's input in any case.
@@ -16,10 +16,10 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 from torch import Tensor
 
 from omnistage import registry
+from omnistage.payloads import Payload, TokenDelta
 
 
 @dataclass(slots=True)
@@ -30,20 +30,21 @@ class EdgeData:
     is_last: bool
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    tensors: dict[str, Tensor] = field(default_factory=dict)
+    payload: Payload = field(default_factory=Payload)
 
 
 @dataclass(slots=True)
 class StageFeed:
     """Input for the downstream stage. AR stages read the prompt/stream fields (see
-    `AREngine.extend_request`); generation stages read `tensors`."""
+    `AREngine.extend_request`); generation and diffusion stages, and the Qwen-Omni talkers,
+    read `payload`."""
 
     prompt_token_ids: list[int] | None = None
     prompt_embeds: Tensor | None = None
     close_prompt: bool = False
     stream_embeds: Tensor | None = None
     close_stream: bool = False
-    tensors: dict[str, Tensor] | None = None
+    payload: Payload | None = None
 
 
 Adapter = Callable[[EdgeData, dict], "StageFeed | None"]
@@ -90,15 +91,15 @@ def tokens_to_prompt(data: EdgeData, state: dict) -> StageFeed:
 
 @register_adapter("tensors")
 def tensors(data: EdgeData, state: dict) -> StageFeed:
-    """Upstream's tensors as they are (an AR stage's include `token_ids`), for stages that
-    build their own input from them (Qwen3-Omni's talker and code2wav)."""
-    return StageFeed(tensors=dict(data.tensors))
+    """Upstream's payload as it is (an AR stage's includes its tokens), for stages that
+    build their own input from it (the Qwen-Omni talkers, code2wav, a DiT)."""
+    return StageFeed(payload=data.payload)
 
 
 @register_adapter("tokens_to_tensor")
 def tokens_to_tensor(data: EdgeData, state: dict) -> StageFeed:
-    """Upstream's generated tokens, as an int64 tensor, for a generation stage."""
-    return StageFeed(tensors={"token_ids": torch.tensor(data.token_ids, dtype=torch.int64)})
+    """Upstream's generated tokens, for a generation stage."""
+    return StageFeed(payload=Payload(tokens=TokenDelta(list(data.token_ids))))
 
 
 @register_adapter("hidden_to_embeds")
@@ -107,13 +108,11 @@ def hidden_to_embeds(data: EdgeData, state: dict) -> StageFeed | None:
     upstream prompt positions become the prompt embeddings; rows of generated positions become
     stream embeddings, added one per downstream decode step. The prompt is complete as soon as
     a generated position arrives."""
-    layers = sorted(int(k.split(".", 1)[1]) for k in data.tensors if k.startswith("hidden."))
-    if not layers:
+    rows = data.payload.hidden
+    if rows is None:
         return None
-    hidden = data.tensors[f"hidden.{layers[-1]}"]                 # (n, hidden)
-    positions = data.tensors["hidden_positions"]                  # (n,) ascending
-    num_prompt = int(data.tensors["num_prompt_tokens"])
-    split = int((positions < num_prompt).sum())
+    hidden = rows.last                                            # (n, hidden)
+    split = int((rows.positions < rows.num_prompt_tokens).sum())  # positions (n,) ascending
     feed = StageFeed()
     if split > 0:
         feed.prompt_embeds = hidden[:split]

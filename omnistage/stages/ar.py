@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-from torch import Tensor
-
-from omnistage.ar.engine import AREngine, ModelLoader
+from omnistage.ar.engine import AREngine, ModelLoader, StepOutput
 from omnistage.ar.inputs import StreamInput
 from omnistage.configs.schema import StageConfig
+from omnistage.payloads import ConditionImages, HiddenRows, Payload, TokenDelta
 from omnistage.stages.adapters import StageFeed
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
 from omnistage.outputs import StageMetrics
@@ -31,7 +29,7 @@ class ARStage:
         self.stage = stage
         self.defaults = stage.default_sampling()
         self.engine = AREngine(stage.ar_config(model, device), loader=loader)
-        self.attached: dict[str, dict[str, Tensor]] = {}     # see attach_tensors
+        self.attached: dict[str, ConditionImages] = {}     # see attach
         self.prepare()
         # the decode graphs this stage's requests replay: captured now, not mid-serving
         self.engine.capture_decode_graphs(*self.decode_graph_variant())
@@ -50,11 +48,11 @@ class ARStage:
 
     def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
         """(hidden layers the stage's decodes emit, whether they are fed embeddings)."""
-        return self.stage.output_hidden_layers, False
+        return self.stage.ar.output_hidden_layers, False
 
     @classmethod
     def check_options(cls, stage: StageConfig) -> None:
-        unknown = set(stage.options) - cls.options
+        unknown = set(stage.ar.options) - cls.options
         if unknown:
             known = ", ".join(sorted(cls.options)) or "none"
             raise ValueError(f"stage {stage.name!r}: unknown options {sorted(unknown)} "
@@ -62,18 +60,18 @@ class ARStage:
 
     def add(self, request: StageRequest) -> None:
         params = request.params or self.defaults
-        if self.stage.output_hidden_layers and not params.output_hidden_layers:
+        if self.stage.ar.output_hidden_layers and not params.output_hidden_layers:
             # what the downstream edges need is the stage's business, not the caller's
-            params = replace(params, output_hidden_layers=self.stage.output_hidden_layers)
+            params = replace(params, output_hidden_layers=self.stage.ar.output_hidden_layers)
         self.engine.add_request(request.request_id, request.prompt_token_ids, params,
                                 request.prompt_embeds, prompt_open=request.streamed,
                                 stream=StreamInput() if request.streamed else None)
 
-    def attach_tensors(self, request_id: str, tensors: dict[str, Tensor]) -> None:
-        """Tensors a model-specific stage derived from a request's input (GLM-Image: its
-        condition images' visual tokens) that go downstream with the request's first output,
-        beside its tokens."""
-        self.attached[request_id] = tensors
+    def attach(self, request_id: str, condition: ConditionImages) -> None:
+        """What a model-specific stage derived from a request's input (GLM-Image: its
+        condition images' visual tokens) that goes downstream with the request's first
+        output, beside its tokens."""
+        self.attached[request_id] = condition
 
     def feed(self, request_id: str, feed: StageFeed) -> None:
         self.engine.extend_request(request_id, feed.prompt_token_ids, feed.prompt_embeds,
@@ -94,17 +92,18 @@ class ARStage:
         """The engine's limits and its KV cache, and what the model adds (`model_info`)."""
         e = self.engine
         cfg, layout, graphs = e.model_config, e.kv_layout, e.runner.graphs
-        return {"max_model_len": e.max_model_len, "vocab_size": cfg.vocab_size,
-                "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-                "num_kv_blocks": layout.num_blocks, "kv_block_size": layout.block_size,
-                "kv_cache_gib": round(layout.num_blocks * layout.bytes_per_block / 2**30, 3),
-                "device": str(e.device), "dtype": str(e.dtype).removeprefix("torch."),
-                "cuda_graphs": ",".join(map(str, graphs.sizes)) if graphs is not None
-                else "none", **self.model_info()}
+        return StageInfo(
+            max_model_len=e.max_model_len, vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
+            num_kv_blocks=layout.num_blocks, kv_block_size=layout.block_size,
+            kv_cache_gib=round(layout.num_blocks * layout.bytes_per_block / 2**30, 3),
+            device=str(e.device), dtype=str(e.dtype).removeprefix("torch."),
+            cuda_graphs=tuple(graphs.sizes) if graphs is not None else ()
+        ).merged(self.model_info())
 
     def model_info(self) -> StageInfo:
         """What a model-specific stage adds to `info` (a talker's speakers)."""
-        return {}
+        return StageInfo()
 
     def stats(self) -> EngineStats:
         e, bm = self.engine, self.engine.block_manager
@@ -115,27 +114,24 @@ class ARStage:
                            e.scheduler.num_preemptions)
 
     def step(self) -> list[StageResult]:
-        results = []
-        for out in self.engine.step():
-            tensors: dict[str, Tensor] = self.attached.pop(out.request_id, {})
-            if out.new_token_ids:
-                tensors["token_ids"] = torch.tensor(out.new_token_ids, dtype=torch.int64)
-            if out.hidden_states:
-                for layer, h in out.hidden_states.items():
-                    tensors[f"hidden.{layer}"] = h
-                num_rows = next(iter(out.hidden_states.values())).shape[0]
-                tensors["hidden_positions"] = torch.arange(out.hidden_start,
-                                                           out.hidden_start + num_rows)
-                tensors["num_prompt_tokens"] = torch.tensor(out.num_prompt_tokens)
-            engine_metrics = None
-            if out.metrics is not None:
-                engine_metrics = StageMetrics(
-                    queue_time=out.metrics.queue_time,
-                    num_prompt_tokens=out.metrics.num_prompt_tokens,
-                    num_cached_tokens=out.metrics.num_cached_tokens,
-                    num_preemptions=out.metrics.num_preemptions)
-            results.append(StageResult(
-                out.request_id, out.new_token_ids, out.text_delta, tensors, out.finished,
-                out.finish_reason.value if out.finish_reason else None, out.error,
-                out.logprobs, engine_metrics))
-        return results
+        return [self.result(out) for out in self.engine.step()]
+
+    def result(self, out: StepOutput) -> StageResult:
+        """One engine output as the stage's result: its tokens, hidden rows (and what was
+        attached to the request), why it finished, its metrics."""
+        payload = Payload(condition_images=self.attached.pop(out.request_id, None))
+        if out.new_token_ids:
+            payload.tokens = TokenDelta(list(out.new_token_ids))
+        if out.hidden_states:
+            payload.hidden = HiddenRows.from_start(out.hidden_states, out.hidden_start,
+                                                   out.num_prompt_tokens)
+        engine_metrics = None
+        if out.metrics is not None:
+            engine_metrics = StageMetrics(
+                queue_time=out.metrics.queue_time,
+                num_prompt_tokens=out.metrics.num_prompt_tokens,
+                num_cached_tokens=out.metrics.num_cached_tokens,
+                num_preemptions=out.metrics.num_preemptions)
+        return StageResult(out.request_id, out.new_token_ids, out.text_delta, payload,
+                           out.finished, out.finish_reason.value if out.finish_reason else None,
+                           out.error, out.logprobs, engine_metrics)

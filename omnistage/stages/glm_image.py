@@ -24,7 +24,7 @@ before the text, as the processor lays it out, and writes the target grid alone:
       32 px), at 2-D positions (`prompt_positions`); max_tokens = th*tw + 1
 
 Its condition images' tokens and grids go downstream with its first output (the DiT's prior
-for each condition image): "condition_token_ids" (sum h*w,), "condition_grids" (K, 2).
+for each condition image): a payloads.ConditionImages, token ids (sum h*w,), grids (K, 2).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from torch import Tensor
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, GenerationConfig
 
 from omnistage.ar.inputs import MultimodalInput
@@ -48,9 +47,10 @@ from omnistage.models.glm_image import (MAX_CONDITION_IMAGES, TOKEN_FACTOR,
                                         image_decode_positions, prompt_positions,
                                         target_grids)
 from omnistage.models.loader import resolve_model_path
+from omnistage.payloads import ConditionImages
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages.ar import ARStage
-from omnistage.stages.interface import TEXT_PROMPT, StageInfo, StageRequest
+from omnistage.stages.interface import StageInfo, StageRequest
 
 AR_FOLDER = "vision_language_encoder"
 PROCESSOR_FOLDER = "processor"
@@ -82,11 +82,11 @@ class GlmImageARStage(ARStage):
             if getattr(self.tokenizer, name, None) is None:
                 raise ValueError(f"{root / PROCESSOR_FOLDER}: the tokenizer has no {name}")
         self.image_processor = AutoImageProcessor.from_pretrained(root / PROCESSOR_FOLDER)
-        fields = {**generation_defaults(root / AR_FOLDER), **stage.sampling}
+        fields = {**generation_defaults(root / AR_FOLDER), **stage.ar.sampling}
         self.defaults = from_dict(SamplingParams, fields, "sampling")
 
     def model_info(self) -> StageInfo:
-        return {TEXT_PROMPT: 1, "max_input_images": MAX_CONDITION_IMAGES}
+        return StageInfo(text_prompt=True, max_input_images=MAX_CONDITION_IMAGES)
 
     def prompt_text(self, prompt: str, num_images: int, grids: list[tuple[int, int]]) -> str:
         """The chat-templated user turn (its condition images first, one image placeholder
@@ -104,7 +104,7 @@ class GlmImageARStage(ARStage):
                               add_special_tokens=False)["input_ids"]
 
     def edit_prompt(self, prompt: str, images: list[Image.Image], target: tuple[int, int]
-                    ) -> tuple[list[int], list[int], MultimodalInput, dict[str, Tensor]]:
+                    ) -> tuple[list[int], list[int], MultimodalInput, ConditionImages]:
         """An edit's prompt ids (each image placeholder replaced by that image's visual
         tokens), what the prefix cache hashes for them, its positions, and the tensors the
         DiT takes for its condition images. The cache ids are the ids with the token before
@@ -133,8 +133,8 @@ class GlmImageARStage(ARStage):
                                             cfg.image_end_token_id)
         mm = MultimodalInput(positions, start - len(ids), decode_positions=image_decode_positions(
             start, [target]))
-        return ids, cache_ids, mm, {"condition_token_ids": torch.cat(tokens),
-                         "condition_grids": torch.tensor(grids, dtype=torch.int64)}
+        return ids, cache_ids, mm, ConditionImages(torch.cat(tokens),
+                                                   torch.tensor(grids, dtype=torch.int64))
 
     def add(self, request: StageRequest) -> None:
         if request.streamed:
@@ -146,7 +146,7 @@ class GlmImageARStage(ARStage):
         images = [decode_image(f) for f in files]
         height, width = image_size(request.diffusion, images[0] if images else None)
         target, preview = target_grids(height, width)
-        cond: dict[str, Tensor] = {}
+        cond: ConditionImages | None = None
         cache_ids = None
         if images:
             ids, cache_ids, mm, cond = self.edit_prompt(request.prompt or "", images, target)
@@ -161,8 +161,8 @@ class GlmImageARStage(ARStage):
         if params.seed is None and image is not None and image.seed is not None:
             params = replace(params, seed=image.seed)   # one seed draws both halves
         self.engine.add_request(request.request_id, ids, params, mm=mm, cache_ids=cache_ids)
-        if cond:
-            self.attach_tensors(request.request_id, cond)
+        if cond is not None:
+            self.attach(request.request_id, cond)
 
 
 def image_size(params: DiffusionParams | None, image: Image.Image | None = None

@@ -21,18 +21,12 @@ from typing import Protocol
 from torch import Tensor
 
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.errors import StageError
+from omnistage.payloads import Payload
 from omnistage.stages.adapters import StageFeed
+from omnistage.stages.info import StageInfo   # (the Ready handshake's facts)
 from omnistage.sampling_params import SamplingParams
 from omnistage.outputs import StageMetrics
-
-# Facts the front door checks requests against (sent in the Ready handshake): for an AR stage
-# its max_model_len, vocabulary and KV cache; a model may add its own (a talker's speakers,
-# the sample rate of the audio a vocoder writes).
-StageInfo = dict[str, str | int | float]
-# an entry AR stage that builds its token ids from the prompt's text itself (GLM-Image's: its
-# chat template and the image's token grids) says so in its info: the front door then sends
-# the text, as to a diffusion stage
-TEXT_PROMPT = "text_prompt"
 
 
 @dataclass(slots=True)
@@ -47,22 +41,24 @@ class StageRequest:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     prompt_embeds: Tensor | None = None
-    multimodal: dict[str, Tensor] = field(default_factory=dict)   # "mm.*" inputs, prefix cut
+    multimodal: dict[str, Tensor] = field(default_factory=dict)   # StageInputs.multimodal
     streamed: bool = False            # the input comes along edges (feed, then close_input)
     downstream: tuple[str, ...] = ()  # the stages this request goes on to from here
 
 
 @dataclass(slots=True)
 class StageResult:
-    """What one step did for one request: new tokens / text, a tensor payload for the edges
-    and the client, and at the end why it finished and the engine's metrics."""
+    """What one step did for one request: new tokens / text, the typed payload for the edges
+    and the client (the worker packs it for the connector), and at the end why it finished
+    (`error`: the one encoding of a failure; its stage filled in by the worker) and the
+    engine's metrics."""
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    tensors: dict[str, Tensor] = field(default_factory=dict)  # payload for edges / the client
+    payload: Payload = field(default_factory=Payload)   # for the edges / the client
     finished: bool = False
     finish_reason: str | None = None
-    error: str | None = None
+    error: StageError | None = None
     logprobs: list[dict[int, float]] | None = None
     engine_metrics: StageMetrics | None = None   # its engine's part, once finished
     progress: float | None = None     # share of the work done (diffusion steps)

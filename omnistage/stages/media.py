@@ -3,7 +3,7 @@ audio / image / video features (what the input processor made at the front door)
 the family's encoders, their outputs replace the placeholder embeddings, and the multimodal
 rotary positions ride with the prompt.
 
-    ThinkerMedia(engine, path, tokens, {"audio": AudioEncoder, "vision": VisionEncoder})
+    ThinkerMedia(engine, path, tokens, AudioEncoder, VisionEncoder)
     prompt_embeds, mm_input, cache_ids = media.request_inputs(prompt_token_ids, mm, embeds)
 
 A vision encoder returns its merged tokens, or (tokens, deepstack features) where the thinker
@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from omnistage.ar.engine import AREngine
 from omnistage.ar.inputs import MultimodalInput
 from omnistage.models.qwen3_omni.multimodal import SpecialTokens, merge_multimodal_embeddings
+from omnistage.payloads import MM_POSITIONS, ROPE_DELTA
 
 FEATURES = ("input_features", "pixel_values", "pixel_values_videos")
 
@@ -30,9 +31,9 @@ class ThinkerMedia:
     first needs it, and the prompt inputs of a request that brings media."""
 
     def __init__(self, engine: AREngine, path: Path, tokens: SpecialTokens,
-                 encoder_classes: dict[str, type[nn.Module]]) -> None:
+                 audio: type[nn.Module], vision: type[nn.Module]) -> None:
         self.engine, self.path, self.tokens = engine, path, tokens
-        self.encoder_classes = encoder_classes          # "audio" / "vision" -> from_pretrained
+        self.encoder_classes = dict(audio=audio, vision=vision)   # name -> from_pretrained
         self._encoders: dict[str, nn.Module] = {}
 
     def encoder(self, name: str) -> nn.Module:
@@ -49,9 +50,9 @@ class ThinkerMedia:
         if prompt_token_ids is None or not mm:
             return prompt_embeds, None, None
         mm_input, cache_ids = MultimodalInput(), None
-        if "positions" in mm:
-            mm_input.positions = mm["positions"].long()
-            mm_input.rope_delta = int(mm["rope_delta"])
+        if MM_POSITIONS in mm:
+            mm_input.positions = mm[MM_POSITIONS].long()
+            mm_input.rope_delta = int(mm[ROPE_DELTA])
         if any(k in mm for k in FEATURES):
             ids = torch.tensor(prompt_token_ids, dtype=torch.long)
             prompt_embeds, mm_input.deepstack = self.embed(ids, mm)

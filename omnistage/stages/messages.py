@@ -18,6 +18,7 @@ from omnistage.connectors.base import TensorHandle
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.sampling_params import SamplingParams
 from omnistage.errors import StageError
+from omnistage.stages.info import StageInfo
 from omnistage.stages.interface import EngineStats
 from omnistage.outputs import StageMetrics
 
@@ -29,8 +30,8 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     diffusion: DiffusionParams | None = None
     prompt: str | None = None                      # the prompt's text, every stage
     prompt_token_ids: list[int] | None = None      # entry stages
-    # the client's tensors for this stage: "prompt_embeds", "mm.*" (the model's multimodal
-    # inputs; a diffusion stage's "mm.image" (and "mm.image.1", ...), the files its params'
+    # the client's tensors for this stage, a packed payloads.StageInputs: prompt embeddings,
+    # the model's multimodal inputs, a diffusion stage's input image files (what its params'
     # ImageRefs stand for)
     inputs: TensorHandle | None = None
     num_upstream: int = 0                          # edges that will feed it (parked until then)
@@ -118,14 +119,14 @@ class Ready(msgspec.Struct, tag="ready", omit_defaults=True):
     stage: str
     pid: int
     connector_address: str = ""     # tcp: where this stage receives chunks
-    info: dict[str, str | int | float] = {}
+    info: StageInfo = StageInfo()
     replica: int = 0
     node: str = ""                  # backend ray: the Ray node it runs on ("": this host)
 
 
 class StartupFailed(msgspec.Struct, tag="failed"):
     stage: str
-    error: str
+    error: StageError             # kind "internal"; its message: the exception, one line
     replica: int = 0
 
 
@@ -161,9 +162,7 @@ class StageOutput(msgspec.Struct, tag="out", omit_defaults=True):
     progress: float | None = None
     finished: bool = False
     finish_reason: str | None = None
-    error: str | None = None
-    invalid_input: bool = False       # the error is the request's fault (bad input), not ours
-    error_info: StageError | None = None    # the same, typed: kind, message alone, param
+    error: StageError | None = None   # the one encoding of a failure: kind, message, param
     metrics: StageMetrics | None = None     # once finished here
 
 

@@ -23,16 +23,13 @@ outputs into the prompt embeddings (stages/media.py). Speakers are the checkpoin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers import AutoConfig
 
 from omnistage.ar.inputs import MultimodalInput, StreamInput
 from omnistage.configs.schema import StageConfig
-from omnistage.errors import InputError
 from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen2_5_omni.audio_encoder import Qwen2_5OmniAudioEncoder
 from omnistage.models.qwen2_5_omni.processing import Qwen2_5OmniInputProcessor
@@ -43,69 +40,40 @@ from omnistage.models.qwen2_5_omni.thinker import (
 )
 from omnistage.models.qwen2_5_omni.token2wav import load_speakers
 from omnistage.models.qwen2_5_omni.vision_encoder import Qwen2_5OmniVisionEncoder
+from omnistage.models.qwen3_omni.multimodal import SpecialTokens
+from omnistage.payloads import (MM_POSITIONS, ROPE_DELTA, CodecFrames, HiddenRows, Payload,
+                                ThinkerPrompt)
 from omnistage.sampling_params import SamplingParams
-from omnistage.stages.adapters import StageFeed
 from omnistage.stages.ar import ARStage
-from omnistage.stages.interface import StageInfo, StageRequest, StageResult
-from omnistage.stages.media import ThinkerMedia
-from omnistage.stages.voice import requested_voice
+from omnistage.stages.interface import StageRequest, StageResult
+from omnistage.stages.talker import OmniTalkerStage, OmniThinkerStage, load_component
 
 DEFAULT_SPEAKER = "chelsie"         # the reference's `speaker="Chelsie"`
 
 
-def _load(cls: type, path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple:
-    model = cls.from_pretrained(path, device, dtype)
-    return model, model.model_config, AutoConfig.from_pretrained(path)
+class ThinkerStage(OmniThinkerStage):
+    """The thinker: its talker takes layer 0 and the last hidden state; the first chunk
+    carries the prompt ids and, with media, the prompt's M-RoPE positions."""
 
+    model_class = Qwen2_5OmniThinkerForCausalLM
 
-class ThinkerStage(ARStage):
-    def __init__(self, stage: StageConfig, model: str, device: str) -> None:
-        super().__init__(stage, model, device,
-                         loader=lambda p, d, t: _load(Qwen2_5OmniThinkerForCausalLM, p, d, t))
-        tokens = Qwen2_5OmniInputProcessor.special_tokens(self.engine.hf_config.thinker_config,
-                                                          self.engine.tokenizer)
-        self.media = ThinkerMedia(self.engine, resolve_model_path(stage.model or model), tokens,
-                                  {"audio": Qwen2_5OmniAudioEncoder,
-                                   "vision": Qwen2_5OmniVisionEncoder})
-        # requests owing the talker their prompt: ids, and M-RoPE positions with their delta
-        self._first: dict[str, dict[str, Tensor]] = {}
+    def special_tokens(self) -> SpecialTokens:
+        return Qwen2_5OmniInputProcessor.special_tokens(self.engine.hf_config.thinker_config,
+                                                        self.engine.tokenizer)
 
-    def prepare(self) -> None:
-        # the layers the talker takes: emitted by decodes of the requests bound for it
-        self.talker_layers = (0, self.engine.model_config.num_hidden_layers)
+    def encoders(self) -> tuple[type[torch.nn.Module], type[torch.nn.Module]]:
+        return Qwen2_5OmniAudioEncoder, Qwen2_5OmniVisionEncoder
 
-    def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
-        return self.talker_layers, False
+    def hidden_layers_for_talker(self) -> tuple[int, ...]:
+        return (0, self.engine.model_config.num_hidden_layers)
 
-    def add(self, request: StageRequest) -> None:
-        if request.streamed:
-            raise ValueError("the thinker is an entry stage")
-        params = request.params or self.defaults
-        if request.downstream and not params.output_hidden_layers:
-            params = replace(params, output_hidden_layers=self.talker_layers)
-        prompt_embeds, mm_input, cache_ids = self.media.request_inputs(
-            request.prompt_token_ids, request.multimodal, request.prompt_embeds)
-        self.engine.add_request(request.request_id, request.prompt_token_ids, params,
-                                prompt_embeds, mm=mm_input, cache_ids=cache_ids)
-        if request.downstream:
-            mm = request.multimodal or {}
-            first = {"prompt_token_ids": torch.tensor(request.prompt_token_ids or [])}
-            if "positions" in mm:
-                first.update(prompt_positions=mm["positions"], rope_delta=mm["rope_delta"])
-            self._first[request.request_id] = first
-
-    def abort(self, request_id: str) -> None:
-        self._first.pop(request_id, None)
-        super().abort(request_id)
-
-    def step(self) -> list[StageResult]:
-        results = super().step()
-        for r in results:
-            if r.request_id in self._first and "hidden_positions" in r.tensors:
-                r.tensors.update(self._first.pop(r.request_id))
-            if r.finished:
-                self._first.pop(r.request_id, None)
-        return results
+    def thinker_prompt(self, request: StageRequest) -> ThinkerPrompt:
+        mm = request.multimodal or {}
+        prompt = ThinkerPrompt(list(request.prompt_token_ids or []))
+        if MM_POSITIONS in mm:
+            prompt = ThinkerPrompt(prompt.prompt_token_ids, positions=mm[MM_POSITIONS],
+                                   rope_delta=int(mm[ROPE_DELTA]))
+        return prompt
 
 
 @dataclass(slots=True)
@@ -121,18 +89,21 @@ class _TalkerInput:
     closed: bool = False
 
 
-class TalkerStage(ARStage):
+class TalkerStage(OmniTalkerStage):
     """The talker's AR engine. A request enters the engine once the thinker's first reply row
     is in (its prompt needs it), with its real ids beside the embeddings (the reference's
     repetition penalty counts them); its codec tokens go on to token2wav with the speaker's
     index in the checkpoint's speaker map."""
 
+    sort_speakers = False   # the checkpoint's order (its spk_dict.pt)
+
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
         super().__init__(stage, model, device,
-                         loader=lambda p, d, t: _load(Qwen2_5OmniTalkerForCausalLM, p, d, t))
+                         loader=load_component(Qwen2_5OmniTalkerForCausalLM))
         path = resolve_model_path(stage.model or model)
         speakers = load_speakers(path)
         self.speakers = {name: i for i, name in enumerate(speakers)}
+        self.default_speaker = DEFAULT_SPEAKER
         cfg = self.model.config
         text = thinker_embedding_rows(path, [cfg.text_eos_id, cfg.text_pad_id,
                                              *(s.bos_token for s in speakers.values())])
@@ -152,20 +123,10 @@ class TalkerStage(ARStage):
     def has_unfinished_requests(self) -> bool:
         return bool(self._fed) or self.engine.has_unfinished_requests
 
-    def model_info(self) -> StageInfo:
-        """Reported at the handshake, so the front door refuses an unknown voice at once."""
-        return {"speakers": ",".join(self.speakers)}
-
     def add(self, request: StageRequest) -> None:
-        params = request.params or self.defaults
-        if not request.streamed:
-            raise ValueError("the talker takes its input from the thinker")
-        speaker = (requested_voice(params.extra) or DEFAULT_SPEAKER).lower()
-        if speaker not in self.speakers:
-            raise InputError(f"speaker {speaker!r} is unknown (this model has: "
-                             f"{', '.join(self.speakers)})", param="speaker")
-        self.inputs[request.request_id] = _TalkerInput(self.speakers[speaker], params)
-        self._speaker[request.request_id] = self.speakers[speaker]
+        params, speaker_idx = self.resolve_speaker(request)
+        self.inputs[request.request_id] = _TalkerInput(speaker_idx, params)
+        self._speaker[request.request_id] = speaker_idx
 
     def abort(self, request_id: str) -> None:
         self.inputs.pop(request_id, None)
@@ -173,23 +134,25 @@ class TalkerStage(ARStage):
         self._fed.discard(request_id)
         super().abort(request_id)
 
-    def feed(self, request_id: str, feed: StageFeed) -> None:
-        """Record the thinker's rows; they reach the engine at the next step. Rows for a
-        request the talker has finished (it said EOS first) are dropped."""
-        state, t = self.inputs.get(request_id), feed.tensors or {}
-        if state is None:
-            return
-        if "prompt_token_ids" in t:
-            state.prompt_ids = t["prompt_token_ids"].tolist()
-        if "prompt_positions" in t:
-            state.positions, state.rope_delta = t["prompt_positions"], int(t["rope_delta"])
-        if "hidden.0" in t:
-            assert int(t["hidden_positions"][0]) == len(state.rows), \
-                "thinker rows arrive in order, once each"
-            embeds = t["hidden.0"].float()
-            media = self._media_rows(state.prompt_ids or [], t["hidden_positions"])
-            rows = embeds.masked_fill(media[:, None], 0.0) + t[f"hidden.{self.last_layer}"].float()
-            state.rows.extend(rows.unbind(0))
+    def accepts(self, request_id: str) -> bool:
+        """Rows for a request the talker has finished (it said EOS first) are dropped."""
+        return request_id in self.inputs
+
+    def on_prompt(self, request_id: str, prompt: ThinkerPrompt) -> None:
+        state = self.inputs[request_id]
+        state.prompt_ids = prompt.prompt_token_ids
+        if prompt.positions is not None:
+            state.positions, state.rope_delta = prompt.positions, prompt.rope_delta
+
+    def on_rows(self, request_id: str, rows: HiddenRows) -> None:
+        state = self.inputs[request_id]
+        assert int(rows.positions[0]) == len(state.rows), "thinker rows arrive in order, once each"
+        embeds = rows.layers[0].float()
+        media = self._media_rows(state.prompt_ids or [], rows.positions)
+        state.rows.extend((embeds.masked_fill(media[:, None], 0.0)
+                           + rows.layers[self.last_layer].float()).unbind(0))
+
+    def mark_fed(self, request_id: str) -> None:
         self._fed.add(request_id)
 
     def _media_rows(self, prompt_ids: list[int], positions: Tensor) -> Tensor:
@@ -217,9 +180,7 @@ class TalkerStage(ARStage):
             try:
                 self._prepare(rid, state)
             except ValueError as exc:
-                self.abort(rid)
-                failed.append(StageResult(rid, finished=True, finish_reason="error",
-                                          error=f"{type(exc).__name__}: {exc}"))
+                failed.append(self.failed(rid, exc))
             if state.closed:
                 self.inputs.pop(rid, None)
         return failed
@@ -273,15 +234,16 @@ class TalkerStage(ARStage):
         eos = set(self.engine.eos_token_ids)
         for out in self.engine.step():
             codes = [c for c in out.new_token_ids if c not in eos]
-            tensors = {}
+            payload = Payload()
             if codes:
-                tensors = {"codes": torch.tensor(codes, dtype=torch.long),
-                           "speaker": torch.full((len(codes),), self._speaker[out.request_id])}
+                payload.codec = CodecFrames(
+                    torch.tensor(codes, dtype=torch.long),
+                    speaker=torch.full((len(codes),), self._speaker[out.request_id]))
             if out.finished:
                 self._speaker.pop(out.request_id, None)
                 self.inputs.pop(out.request_id, None)
             results.append(StageResult(
-                out.request_id, out.new_token_ids, "", tensors, out.finished,
+                out.request_id, out.new_token_ids, "", payload, out.finished,
                 out.finish_reason.value if out.finish_reason else None, out.error))
         return results
 

@@ -26,105 +26,65 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers import AutoConfig
 
 from omnistage.ar.inputs import MultimodalInput, StreamInput
 from omnistage.configs.schema import StageConfig
-from omnistage.errors import InputError
-from omnistage.stages.adapters import StageFeed
-from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen3_omni.mrope import mrope_positions
 from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
 from omnistage.models.qwen3_omni.multimodal import SpecialTokens
 from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder
 from omnistage.models.qwen3_omni.code_predictor import CodePredictorGraphs
-from omnistage.models.qwen3_omni.talker import Qwen3OmniTalkerForCausalLM
+from omnistage.models.qwen3_omni.talker import FRAME_CODES, Qwen3OmniTalkerForCausalLM
 from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM
+from omnistage.payloads import CodecFrames, HiddenRows, Payload, ThinkerPrompt, TokenDelta
 from omnistage.stages.ar import ARStage
-from omnistage.stages.interface import StageInfo, StageRequest, StageResult
-from omnistage.stages.media import ThinkerMedia
-from omnistage.stages.voice import requested_voice
+from omnistage.stages.interface import StageRequest, StageResult
+from omnistage.stages.talker import OmniTalkerStage, OmniThinkerStage, load_component
 from omnistage.utils import trace
 from omnistage.outputs import StageMetrics
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SPEAKER = "ethan"           # the reference's `speaker="Ethan"`
-
-
-def _load(cls: type, path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple:
-    model = cls.from_pretrained(path, device, dtype)
-    return model, model.model_config, AutoConfig.from_pretrained(path)
+GRIDS = ("image_grid_thw", "video_grid_thw", "video_second_per_grid")   # the talker's M-RoPE
 
 
 # ---- thinker --------------------------------------------------------------------------------
 
-class ThinkerStage(ARStage):
+class ThinkerStage(OmniThinkerStage):
     """The thinker's AR engine plus its audio and vision encoders, run when a request brings
     multimodal features: their outputs replace the placeholder embeddings, the multimodal
     rotary positions and deepstack features ride with the prompt. Requests that go on to the
-    talker emit layer 0 and `accept_hidden_layer`, and their first chunk carries the prompt ids
-    and the thinker embeddings of the tts special tokens."""
+    talker emit layer 0 and `accept_hidden_layer`, and their first chunk carries the prompt ids,
+    the thinker embeddings of the tts special tokens and the prompt's visual grids."""
+
+    model_class = Qwen3OmniThinkerForCausalLM
 
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
-        super().__init__(stage, model, device,
-                         loader=lambda p, d, t: _load(Qwen3OmniThinkerForCausalLM, p, d, t))
+        super().__init__(stage, model, device)
         hf = self.engine.hf_config
-        self.media = ThinkerMedia(self.engine, resolve_model_path(stage.model or model),
-                                  SpecialTokens.from_hf(hf.thinker_config, self.engine.tokenizer),
-                                  {"audio": AudioEncoder, "vision": VisionEncoder})
         ids = torch.tensor([hf.tts_bos_token_id, hf.tts_eos_token_id, hf.tts_pad_token_id],
                            device=self.engine.device)
         with torch.inference_mode():   # every rank of a tensor-parallel stage, at start-up
             self.tts_embeds = self.engine.model.embed_input_ids(ids).float().cpu()   # (3, H)
-        # requests owing their first chunk's extras: prompt ids, visual grids
-        self._first: dict[str, tuple[list[int], dict[str, Tensor]]] = {}
 
-    def prepare(self) -> None:
-        # the layers the talker takes: emitted by decodes of the requests bound for it
-        self.talker_layers = (0, self.engine.hf_config.talker_config.accept_hidden_layer)
+    def special_tokens(self) -> SpecialTokens:
+        return SpecialTokens.from_hf(self.engine.hf_config.thinker_config, self.engine.tokenizer)
 
-    def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
-        return self.talker_layers, False
+    def encoders(self) -> tuple[type[torch.nn.Module], type[torch.nn.Module]]:
+        return AudioEncoder, VisionEncoder
 
-    def add(self, request: StageRequest) -> None:
-        request_id, prompt_token_ids = request.request_id, request.prompt_token_ids
-        params = request.params or self.defaults
-        if request.downstream and not params.output_hidden_layers:
-            params = replace(params, output_hidden_layers=self.talker_layers)
-        if request.streamed:
-            raise ValueError("the thinker is an entry stage")
-        mm = request.multimodal
-        prompt_embeds, mm_input, cache_ids = self.media.request_inputs(
-            prompt_token_ids, mm, request.prompt_embeds)
-        self.engine.add_request(request_id, prompt_token_ids, params, prompt_embeds,
-                                mm=mm_input, cache_ids=cache_ids)
-        if request.downstream:
-            grids = {k: v for k, v in (mm or {}).items()
-                     if k in ("image_grid_thw", "video_grid_thw", "video_second_per_grid")}
-            self._first[request_id] = (list(prompt_token_ids or []), grids)
+    def hidden_layers_for_talker(self) -> tuple[int, ...]:
+        return (0, self.engine.hf_config.talker_config.accept_hidden_layer)
 
-    def abort(self, request_id: str) -> None:
-        self._first.pop(request_id, None)
-        super().abort(request_id)
-
-    def step(self) -> list[StageResult]:
-        results = super().step()
-        for r in results:
-            first = self._first.get(r.request_id)
-            if first is not None and "hidden_positions" in r.tensors:
-                del self._first[r.request_id]
-                r.tensors["prompt_token_ids"] = torch.tensor(first[0], dtype=torch.long)
-                r.tensors["tts_embeds"] = self.tts_embeds
-                r.tensors.update({f"grid.{k}": v for k, v in first[1].items()})
-            if r.finished:
-                self._first.pop(r.request_id, None)
-        return results
+    def thinker_prompt(self, request: StageRequest) -> ThinkerPrompt:
+        mm = request.multimodal or {}
+        return ThinkerPrompt(list(request.prompt_token_ids or []), self.tts_embeds,
+                             {k: v for k, v in mm.items() if k in GRIDS})
 
 
 # ---- talker ---------------------------------------------------------------------------------
@@ -179,7 +139,7 @@ def code_predictor_graphs(talker: torch.nn.Module, max_batch: int,
     return graphs
 
 
-class TalkerStage(ARStage):
+class TalkerStage(OmniTalkerStage):
     """The talker's AR engine, fed by the thinker's chunks (see the module docstring). Emits
     the codec frames (num_code_groups codes each) of every step but the last, as the reference
     (its final code 0 is EOS, or the length limit cut it before the code predictor ran)."""
@@ -190,12 +150,13 @@ class TalkerStage(ARStage):
 
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
         super().__init__(stage, model, device,
-                         loader=lambda p, d, t: _load(Qwen3OmniTalkerForCausalLM, p, d, t))
+                         loader=load_component(Qwen3OmniTalkerForCausalLM))
         hf = self.engine.hf_config
         self.hf = hf
         self.talker_cfg = hf.talker_config
         self.accept_layer = self.talker_cfg.accept_hidden_layer
         self.speakers = {k.lower(): v for k, v in (self.talker_cfg.speaker_id or {}).items()}
+        self.default_speaker = DEFAULT_SPEAKER
         self.mm_token_ids = {hf.thinker_config.audio_token_id, hf.thinker_config.image_token_id,
                              hf.thinker_config.video_token_id}
         self.inputs: dict[str, _TalkerInput] = {}
@@ -208,10 +169,10 @@ class TalkerStage(ARStage):
         stage = self.stage
         if not self.engine.ranks.is_leader:   # the code predictor and the projections run on
             return                            # rank 0 alone (they never communicate)
-        if (self.engine.device.type == "cuda" and not stage.enforce_eager
-                and stage.options.get("code_predictor_cuda_graphs", True)):
+        if (self.engine.device.type == "cuda" and not stage.ar.enforce_eager
+                and stage.ar.options.get("code_predictor_cuda_graphs", True)):
             self.model.code_predictor.graphs = code_predictor_graphs(
-                self.model, stage.max_num_seqs, self.engine.device, self.engine.dtype)
+                self.model, stage.ar.max_num_seqs, self.engine.device, self.engine.dtype)
         if self.engine.device.type == "cuda":
             self._warm_projections()
 
@@ -233,27 +194,17 @@ class TalkerStage(ARStage):
     def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
         """Every decode is fed embeddings (trailing text added, the frame's codes fed back) and
         emits the stage's hidden layers (none in the shipped graphs)."""
-        return self.stage.output_hidden_layers, True
+        return self.stage.ar.output_hidden_layers, True
 
     @property
     def model(self) -> Qwen3OmniTalkerForCausalLM:
         return self.engine.model
 
-    def model_info(self) -> StageInfo:
-        """Reported at the handshake, so the front door refuses an unknown voice at once."""
-        return {"speakers": ",".join(sorted(self.speakers))}
-
     def add(self, request: StageRequest) -> None:
-        request_id, params = request.request_id, request.params or self.defaults
-        if not request.streamed:
-            raise ValueError("the talker takes its input from the thinker")
-        speaker = (requested_voice(params.extra) or DEFAULT_SPEAKER).lower()
-        if speaker not in self.speakers:
-            raise InputError(f"speaker {speaker!r} is unknown (this model has: "
-                             f"{', '.join(sorted(self.speakers))})", param="speaker")
-        self.engine.add_request(request_id, None, params, prompt_open=True,
+        params, speaker_id = self.resolve_speaker(request)
+        self.engine.add_request(request.request_id, None, params, prompt_open=True,
                                 stream=StreamInput())
-        self.inputs[request_id] = _TalkerInput(self.speakers[speaker])
+        self.inputs[request.request_id] = _TalkerInput(speaker_id)
 
     def abort(self, request_id: str) -> None:
         self.inputs.pop(request_id, None)
@@ -261,26 +212,29 @@ class TalkerStage(ARStage):
         self._prompt_ready.pop(request_id, None)
         super().abort(request_id)
 
-    def feed(self, request_id: str, feed: StageFeed) -> None:
-        """Record the thinker's rows; they reach the engine at the next step (`_apply_input`),
-        batched with every other request's."""
+    def accepts(self, request_id: str) -> bool:
+        return request_id in self.inputs
+
+    def on_prompt(self, request_id: str, prompt: ThinkerPrompt) -> None:
         state = self.inputs[request_id]
-        t = feed.tensors or {}
-        if "prompt_token_ids" in t:
-            state.prompt_ids = t["prompt_token_ids"].tolist()
-            state.tts = t["tts_embeds"]
-            state.grids = {k[5:]: v for k, v in t.items() if k.startswith("grid.")}
-        if "hidden.0" in t:
-            positions = t["hidden_positions"].tolist()
-            assert positions[0] == state.num_rows, "thinker rows arrive in order, once each"
-            state.embeds.extend(t["hidden.0"].unbind(0))
-            state.hidden.extend(t[f"hidden.{self.accept_layer}"].unbind(0))
-            state.num_rows += len(positions)
-            if (state.rows_time is None and state.prompt_ids is not None
-                    and state.num_rows > len(state.prompt_ids)):
-                state.rows_time = time.monotonic()
-        if "token_ids" in t:
-            state.generated.extend(t["token_ids"].tolist())
+        state.prompt_ids, state.tts, state.grids = (prompt.prompt_token_ids, prompt.tts_embeds,
+                                                    prompt.grids)
+
+    def on_rows(self, request_id: str, rows: HiddenRows) -> None:
+        state = self.inputs[request_id]
+        positions = rows.positions.tolist()
+        assert positions[0] == state.num_rows, "thinker rows arrive in order, once each"
+        state.embeds.extend(rows.layers[0].unbind(0))
+        state.hidden.extend(rows.layers[self.accept_layer].unbind(0))
+        state.num_rows += len(positions)
+        if (state.rows_time is None and state.prompt_ids is not None
+                and state.num_rows > len(state.prompt_ids)):
+            state.rows_time = time.monotonic()
+
+    def on_tokens(self, request_id: str, tokens: TokenDelta) -> None:
+        self.inputs[request_id].generated.extend(tokens.token_ids)
+
+    def mark_fed(self, request_id: str) -> None:
         self._fed.setdefault(request_id, False)
 
     def close_input(self, request_id: str) -> None:
@@ -303,9 +257,7 @@ class TalkerStage(ARStage):
             try:
                 rows = self._prepare(rid, state, closed)
             except Exception as exc:   # as a failing feed was: this request fails, not the stage
-                self.abort(rid)
-                failed.append(StageResult(rid, finished=True, finish_reason="error",
-                                          error=f"{type(exc).__name__}: {exc}"))
+                failed.append(self.failed(rid, exc))
                 continue
             if rows is not None:
                 streamed.append((rid, rows))
@@ -435,10 +387,10 @@ class TalkerStage(ARStage):
         outs = self.engine.step()
         w0 = time.time()
         for out in outs:
-            tensors: dict[str, Tensor] = {}
-            codes = None if out.extra is None else out.extra["codes"]
+            payload = Payload()
+            codes = None if out.extra is None else out.extra[FRAME_CODES]
             if codes is not None and int(codes[0]) not in self.engine.eos_token_ids:
-                tensors["codes"] = codes.reshape(1, -1).cpu()               # (1, G)
+                payload.codec = CodecFrames(codes.reshape(1, -1).cpu())    # (1, G)
             metrics = None
             if out.metrics is not None:
                 ready, rows = self._prompt_ready.pop(out.request_id, (None, None))
@@ -447,7 +399,7 @@ class TalkerStage(ARStage):
                                        num_prompt_tokens=out.metrics.num_prompt_tokens,
                                        num_preemptions=out.metrics.num_preemptions)
             results.append(StageResult(
-                out.request_id, out.new_token_ids, "", tensors, out.finished,
+                out.request_id, out.new_token_ids, "", payload, out.finished,
                 out.finish_reason.value if out.finish_reason else None, out.error,
                 engine_metrics=metrics))
             if out.finished:

@@ -33,7 +33,9 @@ from omnistage.models.qwen3_tts.config import Qwen3TTSConfig
 from omnistage.models.qwen3_tts.prompt import PromptBuilder, SpeechRequest
 from omnistage.models.qwen3_tts.speaker_encoder import Qwen3TTSSpeakerEncoder
 from omnistage.models.qwen3_tts.speech_encoder import Qwen3TTSSpeechEncoder
+from omnistage.models.qwen3_omni.talker import FRAME_CODES
 from omnistage.models.qwen3_tts.talker import Qwen3TTSTalkerForCausalLM
+from omnistage.payloads import CodecFrames, Payload
 from omnistage.registry import SpeechSpec
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
@@ -110,20 +112,20 @@ class TalkerStage(ARStage):
         stage = self.stage
         if not self.engine.ranks.is_leader:   # the code predictor runs on rank 0 alone
             return
-        if (self.engine.device.type == "cuda" and not stage.enforce_eager
-                and stage.options.get("code_predictor_cuda_graphs", True)):
+        if (self.engine.device.type == "cuda" and not stage.ar.enforce_eager
+                and stage.ar.options.get("code_predictor_cuda_graphs", True)):
             self.model.code_predictor.graphs = code_predictor_graphs(
-                self.model, stage.max_num_seqs, self.engine.device, self.engine.dtype)
+                self.model, stage.ar.max_num_seqs, self.engine.device, self.engine.dtype)
 
     def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
         """Every decode is fed embeddings (the frame's codes and the text row)."""
-        return self.stage.output_hidden_layers, True
+        return self.stage.ar.output_hidden_layers, True
 
     def model_info(self) -> StageInfo:
         """Reported at the handshake: the preset voices and languages a request may name."""
-        return {"speakers": ",".join(sorted(self.config.speakers)),
-                "languages": ",".join(self.config.supported_languages),
-                "tts_model_type": self.config.model_type}
+        return StageInfo(speakers=tuple(sorted(self.config.speakers)),
+                         languages=tuple(self.config.supported_languages),
+                         tts_model_type=self.config.model_type)
 
     def add(self, request: StageRequest) -> None:
         params = request.params or self.defaults
@@ -183,7 +185,7 @@ class TalkerStage(ARStage):
     def step(self) -> list[StageResult]:
         results = []
         for out in self.engine.step():
-            codes = None if out.extra is None else out.extra["codes"]
+            codes = None if out.extra is None else out.extra[FRAME_CODES]
             frames = torch.empty(0, self.config.num_code_groups, dtype=torch.long)
             if codes is not None and int(codes[0]) not in self.engine.eos_token_ids:
                 frames = codes.reshape(1, -1).cpu()
@@ -191,10 +193,10 @@ class TalkerStage(ARStage):
             skip = 0 if prefix is None else prefix.shape[0]
             if prefix is not None:
                 frames = torch.cat([prefix, frames])
-            tensors = {"codes": frames, "skip_frames": torch.tensor([skip])} \
-                if frames.numel() else {}
+            payload = Payload(codec=CodecFrames(frames, skip_frames=skip)
+                              if frames.numel() else None)
             results.append(StageResult(
-                out.request_id, out.new_token_ids, "", tensors, out.finished,
+                out.request_id, out.new_token_ids, "", payload, out.finished,
                 out.finish_reason.value if out.finish_reason else None, out.error))
             if out.finished:
                 self._prefix.pop(out.request_id, None)

@@ -26,6 +26,7 @@ from omnistage.configs.graph import downstream
 from omnistage.configs.schema import GraphConfig, StageConfig
 from omnistage.errors import StageError
 from omnistage.connectors.base import ChunkKey, Connector
+from omnistage.payloads import Payload, StageInputs
 from omnistage.stages.adapters import EdgeData, get_adapter
 from omnistage.stages import messages as m
 from omnistage.stages.factory import build_stage_engine
@@ -41,6 +42,8 @@ DEADLINE_CHECK_S = 0.5  # how often waits for upstream input are checked against
                        # (and a Heartbeat sent: the loop still turns)
 GATHER_GAP_MS = 1      # `_gather`: the burst ends after this long without a message
 GATHER_MAX_MS = 4
+# the messages about one request: they carry its id
+PER_REQUEST = (m.AddRequest, m.EdgeChunk, m.AbortRequest, m.FreeRequest, m.Reroute)
 
 
 @dataclass(slots=True)
@@ -94,7 +97,7 @@ class StageWorker:
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: m.ToStage) -> list[m.StageOutput | m.StageStats]:
         """Apply one message; a request-level failure becomes an error output, never a raise."""
-        rid = getattr(msg, "request_id", None)
+        rid = msg.request_id if isinstance(msg, PER_REQUEST) else None
         try:
             if isinstance(msg, m.AddRequest):
                 self._add(msg)
@@ -116,15 +119,13 @@ class StageWorker:
             if rid is None or rid not in self.requests:
                 if isinstance(msg, m.AddRequest):   # refused at the door: bad input if ValueError
                     return [m.StageOutput(self.name, msg.request_id, finished=True,
-                                          finish_reason="error", error=_describe(exc),
-                                          invalid_input=isinstance(exc, ValueError),
-                                          error_info=StageError.from_exception(self.name, exc))]
+                                          finish_reason="error",
+                                          error=StageError.from_exception(self.name, exc))]
                 logger.exception("stage %s: message %s failed", self.name, type(msg).__name__)
                 return []
             self._drop(rid, abort=True)
             return [m.StageOutput(self.name, rid, finished=True, finish_reason="error",
-                                  error=_describe(exc),
-                                  error_info=StageError(self.name, "internal", str(exc)))]
+                                  error=StageError(self.name, "internal", _describe(exc)))]
 
     def _add(self, msg: m.AddRequest) -> None:
         if msg.request_id in self.requests:
@@ -139,10 +140,9 @@ class StageWorker:
         request = StageRequest(msg.request_id, state.arrival_time, msg.params, msg.diffusion,
                                msg.prompt, msg.prompt_token_ids, streamed=msg.num_upstream > 0,
                                downstream=tuple(msg.downstream))
-        if msg.inputs is not None:   # the client's tensors: embeddings, "mm.*" inputs
-            tensors = self._get(state, msg.inputs)
-            request.prompt_embeds = tensors.pop("prompt_embeds", None)
-            request.multimodal = {k.removeprefix("mm."): v for k, v in tensors.items()}
+        if msg.inputs is not None:   # the client's tensors: embeddings, multimodal inputs
+            inputs = StageInputs.unpack(self._get(state, msg.inputs))
+            request.prompt_embeds, request.multimodal = inputs.prompt_embeds, inputs.multimodal
         self.engine.add(request)
         self.requests[msg.request_id] = state
 
@@ -153,10 +153,11 @@ class StageWorker:
                 self.connector.release(msg.request_id)
             return
         state.last_input = time.monotonic()
-        tensors = self._get(state, msg.handle) if msg.handle is not None else {}
-        token_ids = tensors["token_ids"].tolist() if "token_ids" in tensors else []
+        payload = Payload.unpack(self._get(state, msg.handle)) if msg.handle is not None \
+            else Payload()
+        token_ids = payload.tokens.token_ids if payload.tokens is not None else []
         data = EdgeData(msg.request_id, msg.source, msg.chunk_idx, msg.is_last, token_ids,
-                        msg.text, tensors)
+                        msg.text, payload)
         feed = self.adapters[msg.source](data, state.adapter_state.setdefault(msg.source, {}))
         if feed is not None:
             self.engine.feed(msg.request_id, feed)
@@ -206,7 +207,7 @@ class StageWorker:
 
     def _output(self, res: StageResult, state: RequestState) -> m.StageOutput:
         now = time.time()
-        if res.token_ids or res.tensors:
+        if res.token_ids or res.payload:
             state.first_output_time = state.first_output_time or now
             state.num_outputs += 1
         state.num_tokens += len(res.token_ids)
@@ -214,11 +215,10 @@ class StageWorker:
         out = m.StageOutput(self.name, res.request_id, token_ids=res.token_ids, text=res.text,
                             logprobs=res.logprobs, progress=res.progress,
                             finished=res.finished,
-                            finish_reason=res.finish_reason, error=res.error,
-                            error_info=None if res.error is None
-                            else StageError(self.name, "internal", res.error))
+                            finish_reason=res.finish_reason,
+                            error=None if res.error is None else res.error.at(self.name))
         if res.error is None:
-            payload = res.tensors
+            payload = res.payload.pack()   # the connector's form, once
             for dest in state.downstream:
                 edge = m.edge_name(self.name, dest)
                 if self.out_edges[dest]:   # chunked: every step's payload travels now
@@ -300,7 +300,7 @@ class StageWorker:
         """Fail the requests still waiting for upstream input that has not come for the
         stage's input_timeout_s (an upstream that died or went silent): kind "timeout"."""
         now = time.monotonic() if now is None else now
-        limit = self.stage.input_timeout_s
+        limit = self.stage.timeouts.input_s
         outs = []
         for rid, state in list(self.requests.items()):
             if not state.open_sources or now - state.last_input <= limit:
@@ -310,8 +310,7 @@ class StageWorker:
             logger.warning("stage %s: request %s: %s; failing it", self.name, rid, message)
             self._drop(rid, abort=True)
             outs.append(m.StageOutput(self.name, rid, finished=True, finish_reason="error",
-                                      error=f"TimeoutError: {message}",
-                                      error_info=StageError(self.name, "timeout", message)))
+                                      error=StageError(self.name, "timeout", message)))
         return outs
 
     def _drain(self) -> bool:
@@ -371,9 +370,7 @@ class StageWorker:
         for rid in list(self.requests):
             self._drop(rid, abort=True)
             outs.append(m.StageOutput(self.name, rid, finished=True, finish_reason="error",
-                                      error=_describe(exc),
-                                      error_info=StageError(self.name, "internal",
-                                                            str(exc))))
+                                      error=StageError(self.name, "internal", _describe(exc))))
         return outs
 
     def _receive(self, msg: m.ToStage) -> bool:
@@ -385,8 +382,9 @@ class StageWorker:
             self._outbox.send(m.encode(out))
         self._count("message", time.perf_counter() - t0)
         if trace.enabled():
-            trace.span(type(msg).__name__, w0, request=getattr(msg, "request_id", None),
-                       chunk=getattr(msg, "chunk_idx", None))
+            trace.span(type(msg).__name__, w0,
+                       request=msg.request_id if isinstance(msg, PER_REQUEST) else None,
+                       chunk=msg.chunk_idx if isinstance(msg, m.EdgeChunk) else None)
         return True
 
     def _chunk_in_wait(self) -> bool:

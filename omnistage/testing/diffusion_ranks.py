@@ -253,6 +253,7 @@ def qwen_image_stage_run(ranks: StageRanks, folder: str, cases: list[dict]) -> d
     import time
 
     from omnistage.configs.schema import StageConfig, StageInput
+    from omnistage.payloads import Payload
     from omnistage.stages.adapters import StageFeed
     from omnistage.stages.diffusion import DiffusionStage
     from omnistage.stages.interface import StageRequest
@@ -260,8 +261,7 @@ def qwen_image_stage_run(ranks: StageRanks, folder: str, cases: list[dict]) -> d
     sizes = ranks.sizes
     stage = DiffusionStage(StageConfig(
         name="dit", kind="diffusion", component="qwen_image", model=folder, dtype="float32",
-        inputs=(StageInput("encoder", "text"),), tensor_parallel_size=sizes.tp,
-        ulysses_degree=sizes.ulysses, ring_degree=sizes.ring, cfg_parallel_size=sizes.cfg),
+        inputs=(StageInput("encoder", "text"),), parallel=sizes),
         None, "cpu")
     if not ranks.is_leader:
         stage.follow()
@@ -276,7 +276,7 @@ def qwen_image_stage_run(ranks: StageRanks, folder: str, cases: list[dict]) -> d
     for case in cases:
         stage.add(StageRequest(case["id"], time.time(), diffusion=case_params(case),
                                streamed=True))
-        stage.feed(case["id"], StageFeed(tensors=captions(case)))
+        stage.feed(case["id"], StageFeed(payload=Payload.unpack(captions(case))))
     while stage.has_unfinished_requests:
         assert all(r.error is None for r in stage.step())
     stage.stop_followers()

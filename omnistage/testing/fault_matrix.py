@@ -80,7 +80,7 @@ class Load:
         wait_for(lambda: all(evs and evs[-1].done for evs in self.events.values()), timeout_s,
                  "a request never ended")
         last = {rid: evs[-1] for rid, evs in self.events.items()}
-        return Outcome({rid: "ok" if e.error is None else e.error_info.kind
+        return Outcome({rid: "ok" if e.error is None else e.error.kind
                         for rid, e in last.items()},
                        {rid: e.error for rid, e in last.items() if e.error},
                        self.health_at_failure, time.monotonic() - started)

@@ -28,6 +28,7 @@ from torch import Tensor
 from omnistage.configs.schema import StageConfig
 from omnistage.errors import InputError
 from omnistage.registry import Component, ModelFamily, SpeechSpec, register_family
+from omnistage.payloads import SAMPLE_RATE, AudioChunk, Payload, TokenDelta
 from omnistage.stages.adapters import StageFeed
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
 
@@ -69,7 +70,7 @@ class ToySpeakerStage:
     (after `step_delay_s`, an option, so that tests can catch requests in flight)."""
 
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
-        self.step_delay_s = float(stage.options.get("step_delay_s", 0.0))
+        self.step_delay_s = float(stage.ar.options.get("step_delay_s", 0.0))
         self.requests: dict[str, list[int]] = {}
 
     def add(self, request: StageRequest) -> None:
@@ -93,7 +94,7 @@ class ToySpeakerStage:
         return bool(self.requests)
 
     def info(self) -> StageInfo:
-        return {"speakers": ",".join(VOICES)}
+        return StageInfo(speakers=tuple(VOICES))
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.requests))
@@ -106,7 +107,7 @@ class ToySpeakerStage:
             chunk, rest = codes[:CHARS_PER_STEP], codes[CHARS_PER_STEP:]
             self.requests[rid] = rest
             results.append(StageResult(
-                rid, token_ids=chunk, tensors={"token_ids": torch.tensor(chunk)},
+                rid, token_ids=chunk, payload=Payload(tokens=TokenDelta(chunk)),
                 finished=not rest, finish_reason=None if rest else "stop"))
             if not rest:
                 del self.requests[rid]
@@ -120,7 +121,7 @@ def build_speaker(stage: StageConfig, model: str, device: str) -> ToySpeakerStag
 class ToyVocoder:
     """The "code2wav": codes -> tones, one chunk of audio per chunk of codes."""
 
-    info: dict[str, str | int | float] = {"sample_rate": RATE}
+    info: dict[str, str | int | float] = {SAMPLE_RATE: RATE}
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, component: str,
@@ -129,8 +130,9 @@ class ToyVocoder:
 
     def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],
                  is_last: list[bool]) -> list[dict[str, Tensor]]:
-        return [{"audio": tones(x["token_ids"])} if len(x.get("token_ids", ())) else {}
-                for x in inputs]
+        deltas = [TokenDelta.unpack(x) for x in inputs]
+        return [AudioChunk(tones(torch.tensor(d.token_ids))).pack() if d and d.token_ids
+                else {} for d in deltas]
 
     def has_backlog(self, state: dict) -> bool:
         return False
@@ -162,7 +164,8 @@ stages:
   - name: speaker
     kind: ar
     component: toy_tts_speaker
-    options: {{step_delay_s: {step_delay_s}}}
+    ar:
+      options: {{step_delay_s: {step_delay_s}}}
   - name: vocoder
     kind: generation
     component: toy_tts_vocoder

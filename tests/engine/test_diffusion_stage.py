@@ -40,7 +40,7 @@ def test_images_out_equal_the_engine_alone(random_digits: Path, backend: str) ->
         assert [im.size for im in good.images] == [(16, 32), (16, 32)]
         assert good.stage_metrics["dit"].num_steps == 5
         assert bad.finish_reason == "error"
-        assert "stage 'dit'" in bad.error and "names no digit" in bad.error
+        assert "stage 'dit'" in str(bad.error) and "names no digit" in str(bad.error)
         with pytest.raises(ValueError, match="num_inference_steps"):
             omni.generate("seven", DiffusionParams(num_inference_steps=0))
         with pytest.raises(ValueError, match="no entry stage takes it"):
@@ -97,8 +97,8 @@ def test_image_to_image_and_bad_images(random_digits: Path) -> None:
                 omni.generate("one", DiffusionParams(image=bad))
         (refused,) = omni.generate("one", DiffusionParams(height=12, width=64))
         assert refused.finish_reason == "error" and refused.invalid_input
-        assert "multiple of 8" in refused.error
-        info = refused.error_info                   # typed: the stage, the kind, the message
+        assert "multiple of 8" in str(refused.error)
+        info = refused.error                   # typed: the stage, the kind, the message
         assert info.stage == "dit" and info.kind == "invalid_input"
         assert "multiple of 8" in info.message and not info.message.startswith("stage")
         (again,) = omni.generate("seven", DiffusionParams(num_inference_steps=2, seed=0))
@@ -131,6 +131,7 @@ def test_compile_and_graphs_defaults_on_cuda(monkeypatch: pytest.MonkeyPatch,
     from types import SimpleNamespace
 
     from omnistage.configs.schema import StageConfig
+    from omnistage.configs.strict import from_dict
     from omnistage.stages.diffusion import apply_options
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -140,10 +141,10 @@ def test_compile_and_graphs_defaults_on_cuda(monkeypatch: pytest.MonkeyPatch,
             **stage: object) -> SimpleNamespace:
         blocks = [torch.nn.ModuleList([torch.nn.Linear(2, 2)]) for _ in range(2)]
         pipe = SimpleNamespace(graphable=graphable, compile_default=compile_default, options=(),
-                               graphs=None, transformer=torch.nn.Sequential(blocks[0]),
-                               transformer_2=torch.nn.Sequential(blocks[1]))
+                               graphs=None, denoisers=lambda: [torch.nn.Sequential(b)
+                                                               for b in blocks])
         pipe.use_cuda_graphs = lambda n: setattr(pipe, "graphs", n)
-        apply_options(StageConfig(name="dit", kind="diffusion", **stage), pipe,
+        apply_options(from_dict(StageConfig, {"name": "dit", "kind": "diffusion", **stage}), pipe,
                       torch.device(device))
         pipe.compiled = [isinstance(b[0], torch._dynamo.eval_frame.OptimizedModule)
                          for b in blocks]
@@ -154,10 +155,10 @@ def test_compile_and_graphs_defaults_on_cuda(monkeypatch: pytest.MonkeyPatch,
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     graphed = run("cuda", compile_default=False, graphable=True)
     assert graphed.compiled == [False, False] and graphed.graphs
-    assert run("cuda", options={"compile": False}).compiled == [False, False]
-    assert run("cuda", ulysses_degree=2, devices=[0, 1]).compiled == [False, False]
+    assert run("cuda", diffusion={"compile": False}).compiled == [False, False]
+    assert run("cuda", parallel={"ulysses": 2}, placement={"devices": [0, 1]}).compiled == [False, False]
     assert run("cpu").compiled == [False, False] and run("cpu", graphable=True).graphs is None
-    assert run("cpu", compile_default=False, options={"compile": "eager"}).compiled == \
+    assert run("cpu", compile_default=False, diffusion={"compile": "eager"}).compiled == \
         [True, True]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     run("cuda")
@@ -189,7 +190,7 @@ def test_a_request_whose_routing_raises_ends_with_the_error(random_digits: Path,
         assert done, "the request never ended"
         (out,) = done
         assert broken == [out.request_id]
-        assert out.finish_reason == "error" and "a routing bug" in out.error
+        assert out.finish_reason == "error" and "a routing bug" in str(out.error)
         assert orchestrator.num_requests == 0
         (again,) = omni.generate("four", DiffusionParams(num_inference_steps=2))
         assert again.error is None and again.images

@@ -90,7 +90,7 @@ def test_the_image_file_travels_through_the_connector(random_digits: Path, image
         assert image_file not in m.encode(add)
 
         (refused,) = omni.generate("a picture of a cat", params)    # the stage refuses it
-        assert refused.error_info.kind == "invalid_input" and "digit" in refused.error
+        assert refused.error.kind == "invalid_input" and "digit" in str(refused.error)
         with pytest.raises(ValueError, match="strength"):
             omni.generate("one", DiffusionParams(strength=0.5))
         assert segments(namespace) == []
@@ -124,7 +124,7 @@ def test_aborted_and_orphaned_images_are_freed(random_digits: Path, image_file: 
         assert wait_for(lambda: segments(namespace) == [])
         ends = _drain(events)
         assert ends["gone"].finish_reason == "abort"
-        assert ends["orphan"].error_info.kind == "stage_dead"
+        assert ends["orphan"].error.kind == "stage_dead"
 
 
 def _drain(events: queue.Queue[RequestEvent]) -> dict[str, RequestEvent]:

@@ -175,13 +175,13 @@ def test_qwen3_omni_stages_capture_at_start_up(tmp_path: Path,
             break
         for r in thinker.step():
             assert r.error is None, r.error
-            if r.tensors:
-                talker.feed(r.request_id, StageFeed(tensors=dict(r.tensors)))
+            if r.payload:
+                talker.feed(r.request_id, StageFeed(payload=r.payload))
             if r.finished:
                 talker.close_input(r.request_id)
         for r in talker.step():
             assert r.error is None, r.error
-            frames[r.request_id] += int("codes" in r.tensors)
+            frames[r.request_id] += int(r.payload.codec is not None)
     assert not talker.has_unfinished_requests
     assert len(calls) == started, "a serving step captured a graph"
     assert talker.engine.runner.graphs.num_replays > 0 and predictor.num_replays > 0

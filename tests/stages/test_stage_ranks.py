@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from omnistage import Omni, SamplingParams
-from omnistage.configs.schema import StageConfig
+from omnistage.configs.schema import ParallelSizes, StageConfig
 from omnistage.stages.ranks import check_heads_divide
 from omnistage.testing.processes import alive
 
@@ -23,7 +23,7 @@ from omnistage.testing.processes import alive
     (8, r"stage 'llm': its 4 attention heads do not divide by tensor_parallel_size = 8"),
 ])
 def test_heads_that_do_not_divide_are_refused(tiny_qwen3: Path, tp: int, message: str) -> None:
-    stage = StageConfig(name="llm", kind="ar", final="text", tensor_parallel_size=tp)
+    stage = StageConfig(name="llm", kind="ar", final="text", parallel=ParallelSizes(tp=tp))
     with pytest.raises(ValueError, match=message):
         check_heads_divide(stage, str(tiny_qwen3))
     # before anything starts: Omni refuses it without a stage process
@@ -34,7 +34,7 @@ def test_heads_that_do_not_divide_are_refused(tiny_qwen3: Path, tp: int, message
 def test_heads_that_divide_or_replicate_pass(tiny_qwen3: Path) -> None:
     for tp in (2, 4):      # 4 query heads, 2 key/value heads: split at 2, replicated at 4
         check_heads_divide(StageConfig(name="llm", kind="ar", final="text",
-                                       tensor_parallel_size=tp), str(tiny_qwen3))
+                                       parallel=ParallelSizes(tp=tp)), str(tiny_qwen3))
 
 
 def test_a_tensor_parallel_stage_serves_as_one_rank_does(tiny_qwen3: Path) -> None:
@@ -66,9 +66,9 @@ def test_a_killed_rank_fails_its_stage_and_leaves_nothing(tiny_qwen3: Path) -> N
         _wait(lambda: events, "no output")
         os.kill(pids[1], signal.SIGKILL)
         _wait(lambda: events and events[-1].done, "the request did not end")
-        info = events[-1].error_info
+        info = events[-1].error
         assert info.kind == "stage_dead" and info.stage == "llm"
-        assert "rank 1 of 2" in events[-1].error and "killed by signal 9" in events[-1].error
+        assert "rank 1 of 2" in str(events[-1].error) and "killed by signal 9" in str(events[-1].error)
         assert not omni.is_healthy
         _wait(lambda: not alive(pids[0]), "rank 0 was not ended")
     finally:

@@ -98,6 +98,9 @@ class Qwen3OmniTalkerModel(Qwen3OmniMoeDecoder):
         self.codec_embedding.weight.requires_grad_(False)
 
 
+FRAME_CODES = "codes"     # a feedback row's extra: the frame's codes (G,)
+
+
 def codec_feedback(talker: nn.Module, last_hidden: Tensor, code0: Tensor, seqs: list,
                    **sampling: object) -> tuple[Tensor, list]:
     """A talker's feedback hook (Qwen3-Omni's and Qwen3-TTS's): each sampled code 0 and its
@@ -115,7 +118,7 @@ def codec_feedback(talker: nn.Module, last_hidden: Tensor, code0: Tensor, seqs: 
     # the frames leave the process at once: one copy to the host for all rows, once the
     # stage has used the wait (the thinker's chunks that came meanwhile; device_wait.py)
     device_wait.record_and_wait(codes.device)
-    return embeds, [{"codes": c} for c in codes.cpu().unbind(0)]
+    return embeds, [{FRAME_CODES: c} for c in codes.cpu().unbind(0)]
 
 
 def codec_suppression(vocab_size: int, eos_token_ids: tuple[int, ...]) -> Tensor:

@@ -29,6 +29,7 @@ from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
 from omnistage.outputs import OmniOutput, RequestEvent, RequestMetrics
 from omnistage.testing.tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
 from omnistage.utils.audio import decode_audio
+from omnistage.stages.info import StageInfo
 
 RATE = 16000
 CHUNKS = [0.5 * torch.sin(torch.arange(i * 800, (i + 1) * 800) * 2 * torch.pi * 440 / RATE)
@@ -50,7 +51,7 @@ class FakeOmni:
         self.audio_sample_rate = None     # the chunks carry their own rate
         self.speech = None                # no text-to-speech routes
         self.video = None                 # no video (/v1/videos answers 400)
-        self.orchestrator = SimpleNamespace(stage_info={"thinker": {"max_model_len": 64}},
+        self.orchestrator = SimpleNamespace(stage_info={"thinker": StageInfo(max_model_len=64)},
                                             dead_reason=None, stage_stats=lambda timeout: {},
                                             degraded_reason=None, replica_status=lambda: {})
         self.params: list = []
@@ -291,8 +292,7 @@ def test_a_timed_out_request_is_a_504(engine: FakeOmni) -> None:
 
     message = "no input from thinker for 300 s"
     out = OmniOutput("r", None, [], finished=True,
-                     error=f"stage 'talker': TimeoutError: {message}",
-                     error_info=StageError("talker", "timeout", message))
+                     error=StageError("talker", "timeout", message))
     out.outputs[0].finish_reason = "error"
     err = EngineClient(engine, 4).failure(out)
     assert (err.status, err.code) == (504, "engine_timeout") and "thinker" in err.message
@@ -331,8 +331,8 @@ def test_an_engine_failure_shows_the_client_no_internals(engine: FakeOmni) -> No
     from omnistage.errors import StageError
 
     message = "RuntimeError: cannot open /srv/models/x.safetensors (pid 4242)"
-    out = OmniOutput("r", None, [], finished=True, error=f"stage 'talker': {message}",
-                     error_info=StageError("talker", "internal", message))
+    out = OmniOutput("r", None, [], finished=True,
+                     error=StageError("talker", "internal", message))
     out.outputs[0].finish_reason = "error"
     err = EngineClient(engine, 4).failure(out)
     assert (err.status, err.code) == (500, "engine_error") and "talker" in err.message
@@ -347,8 +347,8 @@ def test_a_request_whose_stage_died_is_a_503_after_the_restart_too(engine: FakeO
     from omnistage.errors import StageError
 
     message = "stage 'talker' died (killed by signal 9)"
-    out = OmniOutput("r", None, [], finished=True, error=message,
-                     error_info=StageError("talker", "stage_dead", message))
+    out = OmniOutput("r", None, [], finished=True,
+                     error=StageError("talker", "stage_dead", message))
     out.outputs[0].finish_reason = "error"
     assert engine.is_healthy
     err = EngineClient(engine, 4).failure(out)

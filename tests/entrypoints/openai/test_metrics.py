@@ -210,11 +210,10 @@ def test_audio_seconds_rtf_and_engine_errors_per_stage() -> None:
                         sample_rate=24000)
     metrics.observe_finished(speech)
     ended = RequestMetrics(t0, finished_time=t0 + 0.05)
-    failed = OmniOutput("r2", "hi", [1], [_errored()], finished=True, error="boom",
-                        error_info=StageError("talker", "internal", "boom"), metrics=ended)
-    refused = OmniOutput("r3", "hi", [1], [_errored()], finished=True, error="bad",
-                         invalid_input=True, error_info=StageError("talker", "invalid_input",
-                                                                   "bad speaker", "speaker"),
+    failed = OmniOutput("r2", "hi", [1], [_errored()], finished=True,
+                        error=StageError("talker", "internal", "boom"), metrics=ended)
+    refused = OmniOutput("r3", "hi", [1], [_errored()], finished=True,
+                         error=StageError("talker", "invalid_input", "bad speaker", "speaker"),
                          metrics=ended)
     metrics.observe_finished(failed)
     metrics.observe_finished(refused)

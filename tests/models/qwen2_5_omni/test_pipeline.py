@@ -34,8 +34,8 @@ CHAT = [{"role": "user", "content": "Hello world, what is the weather today?"}]
 @pytest.fixture(scope="module")
 def omni(omni25_path: Path):
     with Omni(str(omni25_path), device="cpu", backend="inproc", connector="inproc",
-              stage_overrides=[f"token2wav.options.seed={SEED}", "token2wav.options.chunk_blocks=0",
-                               f"talker.sampling.max_tokens={TALKER_TOKENS}"]) as engine:
+              stage_overrides=[f"token2wav.generation.options.seed={SEED}", "token2wav.generation.options.chunk_blocks=0",
+                               f"talker.ar.sampling.max_tokens={TALKER_TOKENS}"]) as engine:
         yield engine
 
 
@@ -100,7 +100,7 @@ def test_streamed_audio_arrives_early_and_close_to_whole(omni25_path: Path, omni
                                ignore_eos=True, extra={"speaker": "Ethan"})
     (whole,) = omni.generate({"messages": CHAT}, params)
     engine = AsyncOmni(str(omni25_path), device="cpu", backend="inproc", connector="inproc",
-                       stage_overrides=[f"token2wav.options.seed={SEED}"])
+                       stage_overrides=[f"token2wav.generation.options.seed={SEED}"])
     try:
         async def run() -> list:
             return [o async for o in engine.generate({"messages": CHAT}, params)]

@@ -82,8 +82,8 @@ def reference(hf, processor: InputProcessor, prompt: dict, capture: dict | None 
 def omni(ckpt: Path):
     # one code2wav chunk of 300 frames with 25 of context: what the reference decodes with
     with Omni(str(ckpt), device="cpu", backend="inproc", connector="inproc",
-              stage_overrides=["code2wav.options.chunk_frames=300",
-                                "code2wav.options.first_chunk_frames=300"]) as engine:
+              stage_overrides=["code2wav.generation.options.chunk_frames=300",
+                                "code2wav.generation.options.first_chunk_frames=300"]) as engine:
         yield engine
 
 
@@ -162,10 +162,10 @@ def test_second_turn_from_the_prefix_cache_equals_transformers(
 def stream(ckpt: Path, params: list, chunk_frames: int, left_context: int,
            first_chunk_frames: int | None = None) -> list:
     engine = AsyncOmni(str(ckpt), device="cpu", backend="inproc", connector="inproc",
-                       stage_overrides=[f"code2wav.options.chunk_frames={chunk_frames}",
-                                        "code2wav.options.first_chunk_frames="
+                       stage_overrides=[f"code2wav.generation.options.chunk_frames={chunk_frames}",
+                                        "code2wav.generation.options.first_chunk_frames="
                                         f"{first_chunk_frames or chunk_frames}",
-                                        f"code2wav.options.left_context={left_context}"])
+                                        f"code2wav.generation.options.left_context={left_context}"])
     try:
         async def run() -> list:
             return [o async for o in engine.generate({"messages": CHAT}, params)]
@@ -230,7 +230,7 @@ def test_bad_requests_fail_alone(omni: Omni) -> None:
             talker, extra={"voice": "nobody"}), code2wav])
     (typo,) = omni.generate({"messages": CHAT}, [thinker, dataclasses.replace(
         talker, extra={"speakr": "chelsie"}), code2wav])
-    assert typo.error_info is not None and "unknown keys ['speakr']" in typo.error, typo.error
+    assert typo.error is not None and "unknown keys ['speakr']" in str(typo.error), typo.error
 
 
 def test_default_graph_with_stage_processes(ckpt: Path, hf, processor: InputProcessor) -> None:
@@ -244,7 +244,7 @@ def test_default_graph_with_stage_processes(ckpt: Path, hf, processor: InputProc
     with Omni(str(ckpt), device="cpu",
               # the talker's one option (CUDA only: no effect here); code2wav as shipped:
               # a 12-frame first chunk, then 25-frame ones with 25 frames of context
-              stage_overrides=["talker.options.code_predictor_cuda_graphs=false"]) as engine:
+              stage_overrides=["talker.ar.options.code_predictor_cuda_graphs=false"]) as engine:
         (out,) = engine.generate({"messages": chat}, greedy())
     assert out.error is None, out.error
     assert out.token_ids == expected_ids
