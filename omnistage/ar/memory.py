@@ -119,7 +119,8 @@ def size_kv_cache(model: nn.Module, cfg: ModelConfig, config: ARConfig, device: 
                          f"max_position_embeddings {limit}")
     max_model_len = sched.max_model_len or limit
     layout = determine_kv_layout(model, cfg, config.kv_cache, device, dtype,
-                                 sched.max_num_batched_tokens, max_model_len, sched.max_num_seqs)
+                                 sched.max_num_batched_tokens, max_model_len, sched.max_num_seqs,
+                                 config.memory_fraction)
     capacity = layout.num_blocks * layout.block_size
     if capacity < max_model_len:
         logger.warning("KV cache holds %d tokens: max_model_len lowered from %d",
@@ -130,7 +131,8 @@ def size_kv_cache(model: nn.Module, cfg: ModelConfig, config: ARConfig, device: 
 
 def determine_kv_layout(model: nn.Module, cfg: ModelConfig, kv: KVCacheConfig,
                         device: torch.device, dtype: torch.dtype, max_num_batched_tokens: int,
-                        max_model_len: int, max_num_seqs: int) -> KVCacheLayout:
+                        max_model_len: int, max_num_seqs: int, memory_fraction: float = 0.9
+                        ) -> KVCacheLayout:
     num_kv_heads = local_kv_heads(model, cfg)
     one = _layout(cfg, kv, dtype, 1, num_kv_heads)
     if kv.num_blocks is not None:
@@ -141,7 +143,7 @@ def determine_kv_layout(model: nn.Module, cfg: ModelConfig, kv: KVCacheConfig,
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(device).total_memory
         free_now = torch.cuda.mem_get_info(device)[0]
-        num_blocks = gpu_kv_blocks(kv.memory_fraction, total, weights, peak, free_now,
+        num_blocks = gpu_kv_blocks(memory_fraction, total, weights, peak, free_now,
                                    one.bytes_per_block)
     else:
         # Host memory is not reserved up front the way device memory is: take no more than

@@ -49,15 +49,17 @@ class Layout:
     gpus: int = 0                              # GPUs the layout takes (what its name says)
 
 
-_RAY_SHARES = ("thinker.ray_gpus=0.75", "talker.ray_gpus=0.13", "code2wav.ray_gpus=0.1")
+_RAY_SHARES = ("thinker.placement.ray_gpus=0.75", "talker.placement.ray_gpus=0.13",
+               "code2wav.placement.ray_gpus=0.1")
 LAYOUTS = {
     "tp2": Layout("process", 2, gpus=2),
     "tp4": Layout("process", 4, gpus=4),
-    "tp2-split": Layout("process", 2, ("talker.devices=[2]", "code2wav.devices=[3]",
-                                       "talker.memory_fraction=0.5"), gpus=4),
+    "tp2-split": Layout("process", 2, ("talker.placement.devices=[2]",
+                                       "code2wav.placement.devices=[3]",
+                                       "talker.placement.memory_fraction=0.5"), gpus=4),
     "ray-tp4": Layout("ray", 4, _RAY_SHARES, gpus=4),
-    "ray-2xtp2": Layout("ray", 2, (*_RAY_SHARES, "thinker.replicas=2", "talker.replicas=2",
-                                   "code2wav.replicas=2"), gpus=4),
+    "ray-2xtp2": Layout("ray", 2, (*_RAY_SHARES, "thinker.placement.replicas=2",
+                                   "talker.placement.replicas=2", "code2wav.placement.replicas=2"), gpus=4),
 }
 
 

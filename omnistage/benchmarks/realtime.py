@@ -84,9 +84,9 @@ class Server:
         cmd = [sys.executable, "-m", "omnistage.entrypoints.cli.main", "serve", str(path),
                "--served-model-name", MODEL, "--port", str(self.port), "--device", device,
                "--log-level", "warning",
-               "--stage-override", "thinker.sampling.temperature=0",
-               "--stage-override", "thinker.sampling.ignore_eos=true",
-               "--stage-override", f"talker.sampling.max_tokens={talker_tokens}"]
+               "--stage-override", "thinker.ar.sampling.temperature=0",
+               "--stage-override", "thinker.ar.sampling.ignore_eos=true",
+               "--stage-override", f"talker.ar.sampling.max_tokens={talker_tokens}"]
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})

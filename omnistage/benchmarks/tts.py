@@ -180,7 +180,7 @@ def bench_ours(path: Path, cfg: TTSBenchConfig, device: torch.device, dtype: tor
     kw: dict[str, object] = {"backend": "inproc", "connector": "inproc"} \
         if cfg.backend == "inproc" else {}
     overrides = [] if cfg.first_chunk_frames is None else \
-        [f"code2wav.options.first_chunk_frames={cfg.first_chunk_frames}"]
+        [f"code2wav.generation.options.first_chunk_frames={cfg.first_chunk_frames}"]
     t0 = time.perf_counter()
     with Omni(str(path), device=str(device), dtype=str(dtype).removeprefix("torch."),
               stage_overrides=overrides, **kw) as omni:

@@ -81,18 +81,10 @@ def _check_outputs(graph: GraphConfig) -> None:
 
 
 def _check_kind(i: int, s: StageConfig) -> None:
-    path = f"stages[{i}]"
-    if s.kind != "ar":
-        if s.output_hidden_layers:
-            raise ConfigError(f"{path}.output_hidden_layers: only ar stages emit hidden states "
-                              f"({s.name!r} is a {s.kind} stage)")
-        if s.sampling:
-            raise ConfigError(f"{path}.sampling: only ar stages take sampling defaults "
-                              f"({s.name!r} is a {s.kind} stage)")
     try:
         s.default_sampling()
     except ValueError as e:  # normally caught when the stage is built; kept as a guard
-        raise ConfigError(f"{path}.{e}") from None
+        raise ConfigError(f"stages[{i}].ar.{e}") from None
 
 
 def find_cycle(graph: GraphConfig) -> list[str] | None:
@@ -158,19 +150,22 @@ def main_stage(graph: GraphConfig) -> StageConfig:
 
 
 PARALLEL_KEYS = ("tensor_parallel_size", "ulysses_degree", "ring_degree", "cfg_parallel_size")
+# each parallel flag / keyword (vLLM's name) -> its field of `ParallelSizes`
+PARALLEL_AXES = dict(zip(PARALLEL_KEYS, ("tp", "ulysses", "ring", "cfg")))
 
 
 def parallel_devices_override(stage: StageConfig, sizes: dict[str, int]) -> str | None:
-    """`STAGE.devices=[...]` when parallel sizes set on `stage` (key -> value) need more
-    devices than it lists: consecutive ones from its first, as `-tp 2` means GPUs 0 and 1 to a
-    vLLM user. None when its devices suffice (an explicit override still wins after)."""
+    """`STAGE.placement.devices=[...]` when parallel sizes set on `stage` (vLLM's names, e.g.
+    tensor_parallel_size -> value) need more devices than it lists: consecutive ones from its
+    first, as `-tp 2` means GPUs 0 and 1 to a vLLM user. None when its devices suffice (an
+    explicit override still wins after)."""
     world = 1
-    for key in PARALLEL_KEYS:
-        world *= int(sizes.get(key, getattr(stage, key)))
-    if world <= len(stage.devices):
+    for key, axis in PARALLEL_AXES.items():
+        world *= int(sizes.get(key, getattr(stage.parallel, axis)))
+    devices = stage.placement.devices
+    if world <= len(devices):
         return None
-    first = stage.devices[0]
-    return f"{stage.name}.devices={list(range(first, first + world))}"
+    return f"{stage.name}.placement.devices={list(range(devices[0], devices[0] + world))}"
 
 
 def downstream(graph: GraphConfig, name: str) -> list[tuple[StageConfig, StageInput]]:

@@ -85,8 +85,8 @@ def _apply_one(graph: GraphConfig, item: str) -> GraphConfig:
         return from_dict(type(graph), data)
     except ConfigError as e:
         msg = str(e)
-        if prefix and (msg.startswith(prefix + ".") or msg.startswith(prefix + ":")):
-            msg = parts[0] + msg[len(prefix):]
+        if prefix:  # the stage's name for its index, also in a moved key's new path
+            msg = msg.replace(prefix + ".", parts[0] + ".").replace(prefix + ":", parts[0] + ":")
         raise ConfigError(f"{msg} [override {item!r}]") from None
 
 

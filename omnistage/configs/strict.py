@@ -2,7 +2,8 @@
 
 `from_dict` is driven by dataclass fields and their type hints. Every error is a `ConfigError`
 whose message starts with the path of the offending value, e.g.
-`stages[1].max_num_seq: unknown key (did you mean max_num_seqs?)`. A field may be spelled
+`stages[1].ar.max_num_seq: unknown key (did you mean max_num_seqs?)`; a key that moved into
+a sub-record names its new place (`stages[0].max_num_seqs: moved to stages[0].ar.max_num_seqs`). A field may be spelled
 differently in YAML through its metadata: `field(metadata={"alias": "from"})`.
 
 This module knows no config class: schema.py builds on it, and parse.py (the graph from YAML
@@ -184,12 +185,20 @@ def _sequence(tp: Any, value: Any, path: str) -> tuple | list:
     return items if tp is list or get_origin(tp) is list else tuple(items)
 
 
-def _unknown_key(spec: _Spec, key: str) -> str:
+def _unknown_key(cls: type, spec: _Spec, key: str, data: Mapping, path: str) -> str:
+    # a class whose keys moved into sub-records names the new path (`moved_key(data, key)`)
+    moved = getattr(cls, "moved_key", None)
+    new = moved(data, key) if moved is not None else None
+    if new is not None:
+        return f"moved to {_join(path, new)}"
     if key in spec.aliased:
         return f"unknown key (did you mean {spec.aliased[key]}?)"
     hint = difflib.get_close_matches(key, list(spec.fields), n=1)
     if hint:
         return f"unknown key (did you mean {hint[0]}?)"
+    new = moved(data, key, close=True) if moved is not None else None
+    if new is not None:
+        return f"unknown key (did you mean {new}?)"
     return f"unknown key (known keys: {', '.join(spec.fields)})"
 
 
@@ -204,7 +213,7 @@ def _build(cls: type[T], value: object, path: str) -> T:
         if not isinstance(key, str):
             raise _at(path, f"keys must be strings, got {_type_name(key)} {key!r}")
         if key not in spec.fields:
-            raise _at(_join(path, key), _unknown_key(spec, key))
+            raise _at(_join(path, key), _unknown_key(cls, spec, key, value, path))
         name, tp = spec.fields[key]
         kwargs[name] = _convert(tp, item, _join(path, key))
     for key in spec.required:

@@ -5,7 +5,10 @@ A vLLM engine is one model; ours is a graph of stages. Each keyword therefore na
 it changes: capacity keywords (memory, batch, length, KV cache) change the *main* stage, the
 one a vLLM user means (configs/graph.py `main_stage`: a text LLM's `llm`, Qwen3-Omni's
 `thinker`; for a diffusion graph, its final stage), and keywords that describe the whole
-model (`dtype`, `seed`, `enforce_eager`) change every stage. The parallel sizes
+model (`dtype`, `seed`, `enforce_eager`) change every stage that has them. Which keyword
+sets which field is read off the config tree (configs/engine_flags.py); a stage key by its
+flat name (`replicas=2`) sets the main stage's field where the tree keeps it
+(`placement.replicas`). The parallel sizes
 (`tensor_parallel_size=2`, ...) change the main stage and give it consecutive devices from its
 first when it lists fewer. They become `STAGE.KEY=VALUE` overrides applied
 before the caller's own `stage_overrides`, which therefore win. Keywords vLLM has and we do
@@ -16,22 +19,15 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import fields
 
+from omnistage.configs.engine_flags import EngineFlag, engine_flags, stage_items
 from omnistage.configs.graph import (PARALLEL_KEYS, main_stage, parallel_devices_override,
                                      validate_graph)
 from omnistage.configs.parse import apply_overrides
-from omnistage.configs.schema import GraphConfig, StageConfig
+from omnistage.configs.schema import MOVED, GraphConfig, StageConfig
 
-# vLLM name -> our stage key, on the main stage
-MAIN_STAGE = {"gpu_memory_utilization": "memory_fraction", "max_num_seqs": "max_num_seqs",
-              "max_model_len": "max_model_len", "max_num_batched_tokens": "max_num_batched_tokens",
-              "block_size": "block_size", "enable_prefix_caching": "enable_prefix_caching",
-              "enable_chunked_prefill": "enable_chunked_prefill",
-              "quantization": "quantization",     # fp8, diffusion stages (layers/fp8.py)
-              **{key: key for key in PARALLEL_KEYS}}
-# keys that describe the whole model: every stage
-EVERY_STAGE = ("dtype", "seed", "enforce_eager", "async_scheduling", "startup_timeout_s")
+# the keywords read off the config tree (a field whose metadata names a flag)
+KEYWORDS: dict[str, EngineFlag] = {f.name: f for f in engine_flags() if f.keyword}
 GRAPH_KEYS = ("connector", "backend", "ray_address")
 ALIASES = {"worker_backend": "backend"}      # vLLM-Omni's name
 # vLLM keywords without a counterpart here: (the value that asks for nothing, what to do)
@@ -46,13 +42,16 @@ REFUSED: dict[str, tuple[object, str]] = {
     "download_dir": (None, "nothing is downloaded: pass a local folder or a cached HF id"),
     "revision": (None, "pass the folder of the revision as model"),
 }
-_STAGE_FIELDS = {f.name for f in fields(StageConfig)} - {"name", "kind", "inputs", "final"}
+# a stage key by its flat name (`replicas=2`, `max_restarts=1`): the main stage's field at its
+# place in the tree (schema.MOVED), or a field of the stage itself (`devices` moved, `dtype`)
+_STAGE_KEYS = (set(MOVED) | {"component", "model"}) - set(KEYWORDS) - set(REFUSED)
 
 
 def keyword_overrides(graph: GraphConfig, engine_kw: dict[str, object]) -> list[str]:
     """`STAGE.KEY=VALUE` items for the engine keywords (None values are left out); TypeError
-    naming a keyword that has no place here."""
-    main = main_stage(graph).name
+    naming a keyword that has no place here, ValueError for one the main stage's kind does not
+    read (`quantization` on an LLM)."""
+    main = main_stage(graph)
     items: list[str] = []
     for key, value in engine_kw.items():
         key = ALIASES.get(key, key)
@@ -61,8 +60,8 @@ def keyword_overrides(graph: GraphConfig, engine_kw: dict[str, object]) -> list[
             if value is None or value == harmless:
                 continue
             raise TypeError(f"Omni() keyword {key}={value!r} is not supported: {hint}")
-        if key not in MAIN_STAGE and key not in _STAGE_FIELDS and key not in GRAPH_KEYS:
-            known = sorted({*MAIN_STAGE, *_STAGE_FIELDS, *GRAPH_KEYS})
+        if key not in KEYWORDS and key not in _STAGE_KEYS and key not in GRAPH_KEYS:
+            known = sorted({*KEYWORDS, *_STAGE_KEYS, *GRAPH_KEYS})
             hint = difflib.get_close_matches(key, known + list(REFUSED), n=1)
             raise TypeError(f"Omni() got an unexpected keyword argument {key!r}"
                             + (f" (did you mean {hint[0]!r}?)" if hint else "")
@@ -72,12 +71,19 @@ def keyword_overrides(graph: GraphConfig, engine_kw: dict[str, object]) -> list[
         text = json.dumps(value)
         if key in GRAPH_KEYS:
             items.append(f"{key}={value}")
-        elif key in EVERY_STAGE:
-            items += [f"{s.name}.{key}={text}" for s in graph.stages]
+        elif key in KEYWORDS:
+            flag = KEYWORDS[key]
+            if not flag.keyword_every_stage and main.kind not in flag.paths:
+                raise ValueError(f"Omni() keyword {key} does not apply: it sets "
+                                f"{' / '.join(flag.kinds)} stages, and the main stage "
+                                f"{main.name!r} is a {main.kind} stage")
+            items += [f"{k}={json.dumps(v)}" for k, v in stage_items(
+                graph, flag, value, main=main, every_stage=flag.keyword_every_stage)]
         else:
-            items.append(f"{main}.{MAIN_STAGE.get(key, key)}={text}")
+            path = StageConfig.moved_key({"kind": main.kind}, key) or key
+            items.append(f"{main.name}.{path}={text}")
     given = {k: v for k, v in engine_kw.items() if k in PARALLEL_KEYS and v is not None}
-    devices = parallel_devices_override(main_stage(graph), given) if given else None
+    devices = parallel_devices_override(main, given) if given else None
     return items + ([devices] if devices else [])
 
 

@@ -51,7 +51,7 @@ class ReplicaBook:
     def who(self, name: str, replica: int) -> str:
         """How errors and logs name a replica (a stage of one: by the stage alone)."""
         return f"stage {name!r}" + (f" replica {replica}"
-                                    if self.graph.stage(name).replicas > 1 else "")
+                                    if self.graph.stage(name).placement.replicas > 1 else "")
 
     def pick(self, needed: set[str], load: Load) -> dict[str, int]:
         """Each needed stage's replica for a new request: the live one with the least
@@ -68,7 +68,7 @@ class ReplicaBook:
     def died(self, name: str, replica: int, how: str) -> None:
         """Mark a replica down; start it again if its stage allows another restart."""
         num_restarts = self.restarts.get((name, replica), 0)
-        if num_restarts < self.graph.stage(name).max_restarts:
+        if num_restarts < self.graph.stage(name).placement.max_restarts:
             self.restarts[(name, replica)] = num_restarts + 1
             logger.warning("orchestrator: restarting %s (restart %d)", self.who(name, replica),
                            num_restarts + 1)
@@ -126,7 +126,7 @@ class ReplicaBook:
 
     # -- stats -----------------------------------------------------------------------------------
     def stats_key(self, stage: str, replica: int) -> str:
-        return replica_name(stage, replica) if self.graph.stage(stage).replicas > 1 else stage
+        return replica_name(stage, replica) if self.graph.stage(stage).placement.replicas > 1 else stage
 
     def ask_stats(self, send: Callable[[str, int, m.ToStage], None]) -> set[str]:
         """Send GetStats to every live replica; -> the keys the answers will come under."""

@@ -207,11 +207,12 @@ def _sampling(stage: StageConfig, openai: dict[str, Any], given: dict[str, Any],
     if blocked:
         raise InputError(f"{path}.{sorted(blocked)[0]}: set by the stage graph, not by "
                          "requests", f"{path}.{sorted(blocked)[0]}")
-    params = from_dict(SamplingParams, {**stage.sampling, **openai}, "")
+    defaults = stage.ar.sampling if stage.ar is not None else {}
+    params = from_dict(SamplingParams, {**defaults, **openai}, "")
     if given:
-        params = from_dict(SamplingParams, {**stage.sampling, **openai, **given}, path)
-    if stage.output_hidden_layers:
-        params = dataclasses.replace(params, output_hidden_layers=stage.output_hidden_layers)
+        params = from_dict(SamplingParams, {**defaults, **openai, **given}, path)
+    if stage.ar is not None and stage.ar.output_hidden_layers:
+        params = dataclasses.replace(params, output_hidden_layers=stage.ar.output_hidden_layers)
     return params
 
 

@@ -32,7 +32,7 @@ class WorkerSpec:
     run_dir: str             # the orchestrator's folder of ipc sockets
     tcp_host: str = "127.0.0.1"
     rank: int = 0            # of a stage over several devices (stages/ranks.py); 0 speaks
-    replica: int = 0         # which whole copy of the stage (StageConfig.replicas)
+    replica: int = 0         # which whole copy of the stage (StageConfig.placement.replicas)
     # backend ray (stages/ray_actor.py): the node this rank runs on, the serving process's
     # node and pid, and the tag of this stage's shm segments (so that a stage whose actor
     # died frees its own segments, not its neighbours')

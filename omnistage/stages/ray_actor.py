@@ -222,7 +222,7 @@ def start_ranks(specs: list[WorkerSpec], stage: StageConfig) -> list[RayRank]:
     gpu = specs[0].device.startswith("cuda")
     share = stage.gpu_share if len(specs) == 1 else multi_rank_share(stage)
     bundle = {"GPU": share} if gpu else {"CPU": 0.01}
-    bundle.update(stage.ray_resources)
+    bundle.update(stage.placement.ray_resources)
     group = placement_group([bundle] * len(specs), strategy="STRICT_PACK")
     actor_class = _actor_class()
     run_dir = os.path.join(tempfile.gettempdir(),
@@ -231,7 +231,7 @@ def start_ranks(specs: list[WorkerSpec], stage: StageConfig) -> list[RayRank]:
     for i, spec in enumerate(specs):
         spec = replace(spec, run_dir=run_dir)
         options = {"num_cpus": 0 if gpu else 0.01, "num_gpus": share if gpu else 0,
-                   "resources": dict(stage.ray_resources), "max_restarts": 0,
+                   "resources": dict(stage.placement.ray_resources), "max_restarts": 0,
                    "runtime_env": {"env_vars": _stage_env()},
                    "scheduling_strategy": PlacementGroupSchedulingStrategy(group, i)}
         ranks.append(RayRank(actor_class.options(**options).remote(spec), spec.stage, group))
@@ -243,8 +243,8 @@ def multi_rank_share(stage: StageConfig) -> float:
     never two ranks on one: whole GPUs, or a stated `ray_gpus` above one half (two such
     bundles cannot meet on one GPU), which leaves the rest of each GPU to smaller stages,
     e.g. a talker beside a tensor-parallel thinker's rank."""
-    if stage.ray_gpus is not None and stage.ray_gpus > 0.5:
-        return stage.ray_gpus
+    if stage.placement.ray_gpus is not None and stage.placement.ray_gpus > 0.5:
+        return stage.placement.ray_gpus
     return 1.0
 
 

@@ -14,12 +14,13 @@ from omnistage.stages.adapters import register_adapter
 QWEN3_OMNI = """\
 stages:
   - {name: thinker, kind: ar, component: thinker, final: text,
-     sampling: {temperature: 0.0, max_tokens: 2048}}
+     ar: {sampling: {temperature: 0.0, max_tokens: 2048}}}
   - name: talker
     kind: ar
     component: talker
     inputs: [{from: thinker, adapter: test.thinker_to_talker, chunked: true}]
-    output_hidden_layers: [0]
+    ar:
+      output_hidden_layers: [0]
   - name: code2wav
     kind: generation
     inputs: [{from: talker, adapter: test.talker_to_code2wav, chunked: true}]
@@ -78,8 +79,8 @@ def test_stages_needed_depends_on_the_requested_outputs() -> None:
 
 
 def test_load_graph_applies_overrides_then_validates() -> None:
-    g = load_graph(QWEN3_OMNI, ["talker.memory_fraction=0.2", "connector=inproc"])
-    assert g.stage("talker").memory_fraction == 0.2 and g.connector == "inproc"
+    g = load_graph(QWEN3_OMNI, ["talker.placement.memory_fraction=0.2", "connector=inproc"])
+    assert g.stage("talker").placement.memory_fraction == 0.2 and g.connector == "inproc"
     with pytest.raises(ConfigError, match=r"^stages\[2\]\.inputs\[0\]\.from: stage 'code2wav' "
                                           r"reads its own output"):
         load_graph(QWEN3_OMNI, ["code2wav.inputs.0.from=code2wav"])
@@ -190,12 +191,14 @@ def test_one_final_stage_per_output_kind() -> None:
 
 
 def test_hidden_layers_and_sampling_only_on_ar_stages() -> None:
+    """They live in the `ar` record, which a stage of another kind refuses."""
     base = {"name": "a", "final": "text"}
-    g = graph(base, {"name": "v", "kind": "generation", "inputs": [edge("a")], "final": "audio",
-                     "output_hidden_layers": [1]})
-    assert invalid(g).startswith("stages[1].output_hidden_layers: only ar stages emit hidden "
-                                 "states ('v' is a generation stage)")
-    g = graph(base, {"name": "v", "kind": "diffusion", "inputs": [edge("a")], "final": "image",
+    with pytest.raises(ConfigError, match=r"^stages\[1\]\.ar: settings of ar stages; stage "
+                                          "'v' is of kind generation"):
+        graph(base, {"name": "v", "kind": "generation", "inputs": [edge("a")], "final": "audio",
+                     "ar": {"output_hidden_layers": [1]}})
+    with pytest.raises(ConfigError, match=r"^stages\[1\]\.sampling: moved to "
+                                          r"stages\[1\]\.ar\.sampling"):
+        graph(base, {"name": "v", "kind": "diffusion", "inputs": [edge("a")], "final": "image",
                      "sampling": {"temperature": 0.5}})
-    assert invalid(g).startswith("stages[1].sampling: only ar stages take sampling defaults")
 

@@ -10,7 +10,8 @@ import yaml
 
 from omnistage.configs.parse import (ConfigError, apply_overrides, from_dict, load_graph_yaml,
                                      to_dict)
-from omnistage.configs.schema import ARConfig, GraphConfig, StageConfig, StageInput
+from omnistage.configs.schema import (ARConfig, ARSettings, GenerationSettings, GraphConfig,
+                                      KVCacheConfig, Placement, StageConfig, StageInput)
 from omnistage.sampling_params import SamplingParams
 
 DESIGN_YAML = """\
@@ -19,24 +20,29 @@ stages:
     kind: ar
     component: thinker            # which part of the checkpoint this stage loads
     final: text                   # this stage's text goes to the client
-    devices: [0]
-    memory_fraction: 0.5
-    max_num_seqs: 64
-    sampling: {temperature: 0.0, max_tokens: 2048}
+    placement:
+      devices: [0]
+      memory_fraction: 0.5
+    ar:
+      max_num_seqs: 64
+      sampling: {temperature: 0.0, max_tokens: 2048}
   - name: talker
     kind: ar
     component: talker
     inputs: [{from: thinker, adapter: qwen3_omni.thinker_to_talker, chunked: true}]
-    devices: [0]
-    memory_fraction: 0.2
-    sampling: {temperature: 0.9, top_k: 50, repetition_penalty: 1.05}
+    placement:
+      devices: [0]
+      memory_fraction: 0.2
+    ar:
+      sampling: {temperature: 0.9, top_k: 50, repetition_penalty: 1.05}
   - name: code2wav
     kind: generation
     component: code2wav
     inputs: [{from: talker, adapter: qwen3_omni.talker_to_code2wav, chunked: true}]
     final: audio
-    devices: [0]
-    memory_fraction: 0.1
+    placement:
+      devices: [0]
+      memory_fraction: 0.1
 connector: shm                    # inproc | shm | tcp
 """
 
@@ -63,19 +69,23 @@ def test_design_example_parses_into_the_expected_tree() -> None:
     graph = load_graph_yaml(DESIGN_YAML)
     assert graph == GraphConfig(stages=(
         StageConfig(name="thinker", kind="ar", component="thinker", final="text",
-                    devices=(0,), memory_fraction=0.5, max_num_seqs=64,
-                    sampling={"temperature": 0.0, "max_tokens": 2048}),
+                    placement=Placement(devices=(0,), memory_fraction=0.5),
+                    ar=ARSettings(max_num_seqs=64,
+                                  sampling={"temperature": 0.0, "max_tokens": 2048})),
         StageConfig(name="talker", kind="ar", component="talker",
                     inputs=(StageInput("thinker", "qwen3_omni.thinker_to_talker", True),),
-                    memory_fraction=0.2,
-                    sampling={"temperature": 0.9, "top_k": 50, "repetition_penalty": 1.05}),
+                    placement=Placement(memory_fraction=0.2),
+                    ar=ARSettings(sampling={"temperature": 0.9, "top_k": 50,
+                                            "repetition_penalty": 1.05})),
         StageConfig(name="code2wav", kind="generation", component="code2wav",
                     inputs=(StageInput("talker", "qwen3_omni.talker_to_code2wav", True),),
-                    final="audio", memory_fraction=0.1),
+                    final="audio", placement=Placement(memory_fraction=0.1)),
     ), connector="shm")
     talker = graph.stage("talker")
-    assert isinstance(talker.inputs, tuple) and isinstance(talker.devices, tuple)
-    assert talker.max_num_seqs == 64 and talker.block_size == 16  # defaults
+    assert isinstance(talker.inputs, tuple) and isinstance(talker.placement.devices, tuple)
+    assert talker.ar.max_num_seqs == 64 and talker.ar.kv_cache.block_size == 16  # defaults
+    assert graph.stage("code2wav").generation == GenerationSettings()  # its kind's record
+    assert graph.stage("code2wav").ar is None
     assert graph.backend == "process" and graph.model is None
     assert hash(graph) == hash(load_graph_yaml(DESIGN_YAML))
 
@@ -90,10 +100,11 @@ def test_stage_builds_its_default_sampling_and_ar_config() -> None:
     cfg = graph.stage("thinker").ar_config("Qwen/Qwen3-Omni", "cpu")
     assert isinstance(cfg, ARConfig)
     assert (cfg.model, cfg.component, cfg.device) == ("Qwen/Qwen3-Omni", "thinker", "cpu")
-    assert cfg.kv_cache.memory_fraction == 0.5 and cfg.scheduler.max_num_seqs == 64
+    assert cfg.memory_fraction == 0.5 and cfg.scheduler.max_num_seqs == 64
 
-    own = StageConfig(name="x", kind="ar", model="own/ckpt", num_kv_blocks=8, max_model_len=99,
-                      output_hidden_layers=[0, 24])
+    own = StageConfig(name="x", kind="ar", model="own/ckpt",
+                      ar=ARSettings(kv_cache=KVCacheConfig(num_blocks=8), max_model_len=99,
+                                    output_hidden_layers=[0, 24]))
     cfg = own.ar_config("graph/ckpt", "cuda:1")
     assert cfg.model == "own/ckpt" and cfg.kv_cache.num_blocks == 8
     assert cfg.scheduler.max_model_len == 99
@@ -103,25 +114,26 @@ def test_stage_builds_its_default_sampling_and_ar_config() -> None:
 
 
 def test_int_is_accepted_where_a_float_is_expected() -> None:
-    stage = from_dict(GraphConfig, with_stage(0, memory_fraction=1)).stages[0]
-    assert stage.memory_fraction == 1.0 and isinstance(stage.memory_fraction, float)
+    stage = from_dict(GraphConfig, with_stage(0, placement={"memory_fraction": 1})).stages[0]
+    fraction = stage.placement.memory_fraction
+    assert fraction == 1.0 and isinstance(fraction, float)
 
 
 def test_exponent_without_dot_is_a_float() -> None:  # PyYAML alone reads "1e-3" as a string
     graph = load_graph_yaml(DESIGN_YAML.replace("memory_fraction: 0.1", "memory_fraction: 1e-1"))
-    assert graph.stage("code2wav").memory_fraction == pytest.approx(0.1)
+    assert graph.stage("code2wav").placement.memory_fraction == pytest.approx(0.1)
 
 
 # ---- unknown keys ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mutate, expected", [
     (lambda d: d.update(conector="tcp"), "conector: unknown key (did you mean connector?)"),
-    (lambda d: d["stages"][1].update(max_num_seq=3),
-     "stages[1].max_num_seq: unknown key (did you mean max_num_seqs?)"),
+    (lambda d: d["stages"][1]["ar"].update(max_num_seq=3),
+     "stages[1].ar.max_num_seq: unknown key (did you mean max_num_seqs?)"),
     (lambda d: d["stages"][1]["inputs"][0].update(adaptor="x"),
      "stages[1].inputs[0].adaptor: unknown key (did you mean adapter?)"),
-    (lambda d: d["stages"][0]["sampling"].update(temprature=1.0),
-     "stages[0].sampling.temprature: unknown key (did you mean temperature?)"),
+    (lambda d: d["stages"][0]["ar"]["sampling"].update(temprature=1.0),
+     "stages[0].ar.sampling.temprature: unknown key (did you mean temperature?)"),
 ])
 def test_unknown_key_names_its_path_and_a_close_match(mutate, expected: str) -> None:
     data = design_dict()
@@ -147,20 +159,27 @@ def test_unknown_key_without_close_match_lists_the_known_keys() -> None:
     ({**design_dict(), "connector": 5}, "connector: expected a string, got int"),
     ({"stages": {"name": "x"}}, "stages: expected a list, got dict"),
     ({"stages": ["thinker"]}, "stages[0]: expected a mapping, got str"),
-    (with_stage(0, max_num_seqs="64"), "stages[0].max_num_seqs: expected an integer, got str"),
-    (with_stage(0, max_num_seqs=True), "stages[0].max_num_seqs: expected an integer, got bool"),
-    (with_stage(0, max_num_seqs=8.0), "stages[0].max_num_seqs: expected an integer, got float"),
-    (with_stage(0, memory_fraction=True), "stages[0].memory_fraction: expected a number, got bool"),
-    (with_stage(0, enable_prefix_caching=1),
-     "stages[0].enable_prefix_caching: expected a boolean, got int"),
-    (with_stage(0, devices=0), "stages[0].devices: expected a list, got int"),
-    (with_stage(0, devices=[0, "1"]), "stages[0].devices[1]: expected an integer, got str"),
-    (with_stage(0, max_model_len="long"),
-     "stages[0].max_model_len: expected an integer or null, got str"),
-    (with_stage(0, sampling=[1]), "stages[0].sampling: expected a mapping, got list"),
+    (with_stage(0, ar={"max_num_seqs": "64"}),
+     "stages[0].ar.max_num_seqs: expected an integer, got str"),
+    (with_stage(0, ar={"max_num_seqs": True}),
+     "stages[0].ar.max_num_seqs: expected an integer, got bool"),
+    (with_stage(0, ar={"max_num_seqs": 8.0}),
+     "stages[0].ar.max_num_seqs: expected an integer, got float"),
+    (with_stage(0, placement={"memory_fraction": True}),
+     "stages[0].placement.memory_fraction: expected a number, got bool"),
+    (with_stage(0, ar={"kv_cache": {"enable_prefix_caching": 1}}),
+     "stages[0].ar.kv_cache.enable_prefix_caching: expected a boolean, got int"),
+    (with_stage(0, placement={"devices": 0}),
+     "stages[0].placement.devices: expected a list, got int"),
+    (with_stage(0, placement={"devices": [0, "1"]}),
+     "stages[0].placement.devices[1]: expected an integer, got str"),
+    (with_stage(0, ar={"max_model_len": "long"}),
+     "stages[0].ar.max_model_len: expected an integer or null, got str"),
+    (with_stage(0, ar={"sampling": [1]}), "stages[0].ar.sampling: expected a mapping, got list"),
     (with_stage(0, inputs=[["thinker", "x"]]), "stages[0].inputs[0]: expected a mapping, got list"),
-    (with_stage(0, sampling={"top_k": "50"}),
-     "stages[0].sampling.top_k: expected an integer, got str"),
+    (with_stage(0, ar={"sampling": {"top_k": "50"}}),
+     "stages[0].ar.sampling.top_k: expected an integer, got str"),
+    (with_stage(0, parallel={"tp": 0}), "stages[0].parallel.tp: must be >= 1, got 0"),
 ])
 def test_wrong_type_names_its_path(data: dict, expected: str) -> None:
     assert error(data) == expected
@@ -186,15 +205,22 @@ def test_missing_required_key_names_the_key() -> None:
 
 
 @pytest.mark.parametrize("changes, expected", [
-    ({"memory_fraction": 1.5}, "stages[1].memory_fraction: must be in (0, 1], got 1.5"),
-    ({"block_size": 24}, "stages[1].block_size: must be a power of two, got 24"),
-    ({"devices": []}, "stages[1].devices: must be a non-empty list"),
-    ({"devices": [0, 0]}, "stages[1].devices: must not repeat a device"),
+    ({"placement": {"memory_fraction": 1.5}},
+     "stages[1].placement.memory_fraction: must be in (0, 1], got 1.5"),
+    ({"ar": {"kv_cache": {"block_size": 24}}},
+     "stages[1].ar.kv_cache.block_size: must be a power of two, got 24"),
+    ({"placement": {"devices": []}}, "stages[1].placement.devices: must be a non-empty list"),
+    ({"placement": {"devices": [0, 0]}}, "stages[1].placement.devices: must not repeat a device"),
+    ({"timeouts": {"step_s": 0}}, "stages[1].timeouts.step_s: must be > 0"),
     ({"name": "talk.er"}, "stages[1].name: must be letters, digits"),
-    ({"sampling": {"temperature": -1}}, "stages[1].sampling.temperature=-1.0: must be a finite number in [0, 2]"),
-    ({"sampling": {"max_tokens": 4, "min_tokens": 5}}, "stages[1].sampling.min_tokens=5: must"),
-    ({"sampling": {"output_hidden_layers": [3]}},
-     "stages[1].sampling.output_hidden_layers: set output_hidden_layers on the stage"),
+    ({"ar": {"sampling": {"temperature": -1}}},
+     "stages[1].ar.sampling.temperature=-1.0: must be a finite number in [0, 2]"),
+    ({"ar": {"sampling": {"max_tokens": 4, "min_tokens": 5}}},
+     "stages[1].ar.sampling.min_tokens=5: must"),
+    ({"ar": {"sampling": {"output_hidden_layers": [3]}}},
+     "stages[1].ar.sampling.output_hidden_layers: set ar.output_hidden_layers on the stage"),
+    ({"diffusion": {}}, "stages[1].diffusion: settings of diffusion stages; stage 'talker' is "
+                        "of kind ar"),
 ])
 def test_field_checks_are_reported_with_the_path(changes: dict, expected: str) -> None:
     assert error(with_stage(1, **changes)).startswith(expected)
@@ -202,7 +228,7 @@ def test_field_checks_are_reported_with_the_path(changes: dict, expected: str) -
 
 def test_direct_construction_checks_fields_too() -> None:
     with pytest.raises(ValueError, match=r"^memory_fraction: must be in \(0, 1\]"):
-        StageConfig(name="x", kind="ar", memory_fraction=0.0)
+        StageConfig(name="x", kind="ar", placement=Placement(memory_fraction=0.0))
 
 
 # ---- YAML --------------------------------------------------------------------------------------
@@ -220,10 +246,10 @@ def test_unclosed_flow_list_names_a_line() -> None:
 
 
 def test_duplicate_key_is_an_error_with_its_line() -> None:
-    text = DESIGN_YAML.replace("    memory_fraction: 0.2\n",
-                               "    memory_fraction: 0.2\n    memory_fraction: 0.3\n")
-    line = text.splitlines().index("    memory_fraction: 0.3") + 1
-    with pytest.raises(ConfigError, match=rf"^line {line}, column 5: duplicate key "
+    text = DESIGN_YAML.replace("      memory_fraction: 0.2\n",
+                               "      memory_fraction: 0.2\n      memory_fraction: 0.3\n")
+    line = text.splitlines().index("      memory_fraction: 0.3") + 1
+    with pytest.raises(ConfigError, match=rf"^line {line}, column 7: duplicate key "
                                           r"'memory_fraction'"):
         load_graph_yaml(text)
 
@@ -251,23 +277,24 @@ def test_loads_from_a_path_and_names_the_file_in_yaml_errors(tmp_path: Path) -> 
 def test_overrides_parse_values_as_yaml() -> None:
     graph = load_graph_yaml(DESIGN_YAML)
     out = apply_overrides(graph, [
-        "talker.memory_fraction=0.25",
-        "talker.max_num_seqs=8",
-        "talker.enable_prefix_caching=false",
-        "talker.devices=[0, 1]",
-        "talker.max_model_len=4096",
-        "talker.sampling.temperature=0.7",
-        "thinker.sampling.seed=3",
+        "talker.placement.memory_fraction=0.25",
+        "talker.ar.max_num_seqs=8",
+        "talker.ar.kv_cache.enable_prefix_caching=false",
+        "talker.placement.devices=[0, 1]",
+        "talker.ar.max_model_len=4096",
+        "talker.ar.sampling.temperature=0.7",
+        "thinker.ar.sampling.seed=3",
         "talker.inputs.0.chunked=no",
         "talker.model=Org/Other-Model",
         "connector=tcp",
         "model=Qwen/Qwen3-Omni",
     ])
     talker = out.stage("talker")
-    assert talker.memory_fraction == 0.25 and talker.max_num_seqs == 8
-    assert talker.enable_prefix_caching is False and talker.devices == (0, 1)
-    assert talker.max_model_len == 4096 and talker.inputs[0].chunked is False
-    assert talker.sampling == {"temperature": 0.7, "top_k": 50, "repetition_penalty": 1.05}
+    assert talker.placement.memory_fraction == 0.25 and talker.ar.max_num_seqs == 8
+    assert talker.ar.kv_cache.enable_prefix_caching is False
+    assert talker.placement.devices == (0, 1)
+    assert talker.ar.max_model_len == 4096 and talker.inputs[0].chunked is False
+    assert talker.ar.sampling == {"temperature": 0.7, "top_k": 50, "repetition_penalty": 1.05}
     assert talker.model == "Org/Other-Model"
     assert out.stage("thinker").default_sampling().seed == 3
     assert (out.connector, out.model) == ("tcp", "Qwen/Qwen3-Omni")
@@ -278,35 +305,40 @@ def test_overrides_parse_values_as_yaml() -> None:
 def test_async_scheduling_override_reaches_the_engine_config() -> None:
     graph = load_graph_yaml(DESIGN_YAML)
     assert graph.stage("thinker").ar_config("m", "cpu").async_scheduling     # the default
-    out = apply_overrides(graph, ["thinker.async_scheduling=false"])
+    out = apply_overrides(graph, ["thinker.ar.async_scheduling=false"])
     assert out.stage("thinker").ar_config("m", "cpu").async_scheduling is False
 
 
 def test_overrides_apply_in_order() -> None:
     graph = apply_overrides(load_graph_yaml(DESIGN_YAML),
-                            ["talker.max_model_len=10", "talker.max_model_len=null",
-                             "talker.name=speaker", "speaker.max_num_seqs=4"])
-    assert graph.stage("speaker").max_model_len is None
-    assert graph.stage("speaker").max_num_seqs == 4
+                            ["talker.ar.max_model_len=10", "talker.ar.max_model_len=null",
+                             "talker.name=speaker", "speaker.ar.max_num_seqs=4"])
+    assert graph.stage("speaker").ar.max_model_len is None
+    assert graph.stage("speaker").ar.max_num_seqs == 4
 
 
 @pytest.mark.parametrize("override, expected", [
     ("talkr.memory_fraction=0.2", "talkr.memory_fraction: 'talkr' is neither a stage nor a "
                                   "graph key (did you mean talker?)"),
-    ("talker.max_num_seq=8", "talker.max_num_seq: unknown key (did you mean max_num_seqs?) "
-                             "[override 'talker.max_num_seq=8']"),
-    ("talker.sampling.temprature=0.5", "talker.sampling.temprature: unknown key (did you mean "
-                                       "temperature?)"),
-    ("talker.memory_fraction=lots", "talker.memory_fraction: expected a number, got str"),
-    ("talker.memory_fraction=2", "talker.memory_fraction: must be in (0, 1], got 2.0"),
-    ("talker.enable_prefix_caching=1", "talker.enable_prefix_caching: expected a boolean"),
+    ("talker.ar.max_num_seq=8", "talker.ar.max_num_seq: unknown key (did you mean "
+                                "max_num_seqs?) [override 'talker.ar.max_num_seq=8']"),
+    ("talker.max_num_seqs=8", "talker.max_num_seqs: moved to talker.ar.max_num_seqs "
+                              "[override 'talker.max_num_seqs=8']"),
+    ("talker.ar.sampling.temprature=0.5", "talker.ar.sampling.temprature: unknown key (did you "
+                                          "mean temperature?)"),
+    ("talker.placement.memory_fraction=lots",
+     "talker.placement.memory_fraction: expected a number, got str"),
+    ("talker.placement.memory_fraction=2",
+     "talker.placement.memory_fraction: must be in (0, 1], got 2.0"),
+    ("talker.ar.kv_cache.enable_prefix_caching=1",
+     "talker.ar.kv_cache.enable_prefix_caching: expected a boolean"),
     ("conector=tcp", "conector: 'conector' is neither a stage nor a graph key (did you mean "
                      "connector?)"),
     ("connector=udp", "connector: 'udp' is not one of auto, inproc, shm, tcp"),
-    ("talker.memory_fraction.x=1", "talker.memory_fraction.x: talker.memory_fraction is a "
-                                   "float"),
+    ("talker.placement.memory_fraction.x=1", "talker.placement.memory_fraction.x: "
+                                             "talker.placement.memory_fraction is a float"),
     ("talker.inputs.3.chunked=true", "talker.inputs.3.chunked: talker.inputs is a list of 1"),
-    ("talker.devices=[0", "talker.devices: value '[0': line 1, column"),
+    ("talker.placement.devices=[0", "talker.placement.devices: value '[0': line 1, column"),
     ("talker.memory_fraction", "'talker.memory_fraction': expected NAME.KEY=VALUE"),
     ("talker=1", "talker: expected talker.KEY=VALUE"),
 ])
@@ -320,10 +352,10 @@ def test_bad_override_names_the_key_with_a_hint(override: str, expected: str) ->
 
 def test_to_dict_from_dict_round_trip() -> None:
     graph = apply_overrides(load_graph_yaml(DESIGN_YAML),
-                            ["talker.output_hidden_layers=[0, 12]", "backend=inproc"])
+                            ["talker.ar.output_hidden_layers=[0, 12]", "backend=inproc"])
     plain = to_dict(graph)
     assert plain["stages"][1]["inputs"][0]["from"] == "thinker"  # the YAML spelling
-    assert plain["stages"][1]["devices"] == [0]  # plain lists, as YAML writes them
+    assert plain["stages"][1]["placement"]["devices"] == [0]  # plain lists, as YAML writes
     assert from_dict(GraphConfig, plain) == graph
     assert load_graph_yaml(yaml.safe_dump(plain)) == graph
 
@@ -335,7 +367,7 @@ def test_to_dict_can_omit_defaults() -> None:
         "name": "code2wav", "kind": "generation", "component": "code2wav",
         "inputs": [{"from": "talker", "adapter": "qwen3_omni.talker_to_code2wav",
                     "chunked": True}],
-        "final": "audio", "memory_fraction": 0.1}
+        "final": "audio", "placement": {"memory_fraction": 0.1}, "generation": {}}
     assert short["connector"] == "shm" and "backend" not in short  # not auto; process
     assert from_dict(GraphConfig, short) == graph
 

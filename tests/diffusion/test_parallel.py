@@ -219,12 +219,12 @@ def test_stage_refuses_before_loading(folder: Path) -> None:
 
     with pytest.raises(ValueError, match="not divisible"):
         DiffusionStage(StageConfig(name="dit", kind="diffusion", component="qwen_image",
-                                   model=str(folder), ulysses_degree=2,
-                                   tensor_parallel_size=2), None, "cpu")
+                                   model=str(folder), parallel=ParallelSizes(ulysses=2, tp=2)),
+                       None, "cpu")
     with pytest.raises(ValueError, match="text-encoder stage runs on one rank"):
         DiffusionStage(StageConfig(name="enc", kind="diffusion",
                                    component="qwen_image.text_encoder", model=str(folder),
-                                   tensor_parallel_size=2), None, "cpu")
+                                   parallel=ParallelSizes(tp=2)), None, "cpu")
 
 
 def test_omni_refuses_before_any_stage_starts(folder: Path) -> None:
@@ -235,7 +235,7 @@ def test_omni_refuses_before_any_stage_starts(folder: Path) -> None:
     with pytest.raises(ValueError, match=r"^stage 'dit': .*not divisible by ulysses_degree"):
         Omni(str(folder), device="cpu", ulysses_degree=2, tensor_parallel_size=2)
     flux = StageConfig(name="dit", kind="diffusion", component="flux", final="image",
-                       cfg_parallel_size=2)
+                       parallel=ParallelSizes(cfg=2))
     with pytest.raises(ValueError, match=r"stage 'dit': cfg_parallel_size=2: the 'flux' "
                                          r"pipeline does not split along this axis"):
         check_heads_divide(flux, str(folder))

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from omnistage import Omni, SamplingParams
-from omnistage.configs.schema import GraphConfig, StageConfig
+from omnistage.configs.schema import GraphConfig, ParallelSizes, StageConfig, Timeouts
 from omnistage.engine.stage_set import StageSet
 from omnistage.stages import messages as m
 from omnistage.stages.faults import FAULT_DIR_ENV, arm
@@ -31,9 +31,9 @@ LONG = [SamplingParams(max_tokens=2000, ignore_eos=True)]
 def _engine(model: Path, tp: int = 1, max_restarts: int = 1) -> Omni:
     """The text graph on the CPU with a short liveness timeout and the default step timeout."""
     omni = Omni(str(model), device="cpu", tensor_parallel_size=tp,
-                stage_overrides=[f"llm.liveness_timeout_s={LIVENESS_S:g}",
-                                 f"llm.max_restarts={max_restarts}"])
-    assert omni.engine.graph.stage("llm").step_timeout_s == 600.0
+                stage_overrides=[f"llm.timeouts.liveness_s={LIVENESS_S:g}",
+                                 f"llm.placement.max_restarts={max_restarts}"])
+    assert omni.engine.graph.stage("llm").timeouts.step_s == 600.0
     (out,) = omni.generate(["hi"], [SamplingParams(max_tokens=2)], use_tqdm=False)
     assert out.error is None, out.error
     return omni
@@ -123,8 +123,8 @@ def test_a_stopped_replica_fails_only_its_requests_and_the_engine_serves_degrade
     one, only the requests it had started fail (the others complete), /health says
     "degraded" (another replica serves), and new requests go to the live one."""
     yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, max_tokens=120, second_replicas=2)
-    yaml_text = yaml_text.replace("    replicas: 2\n", "    replicas: 2\n"
-                                  f"    liveness_timeout_s: {LIVENESS_S:g}\n")
+    yaml_text = yaml_text.replace("      replicas: 2\n", "      replicas: 2\n"
+                                  f"    timeouts: {{liveness_s: {LIVENESS_S:g}}}\n")
     prompts = [{"prompt_token_ids": list(range(7 + i, 23 + i))} for i in range(4)]
     with Omni(stage_config=yaml_text, device="cpu") as omni:
         orch = omni.engine.orchestrator
@@ -189,8 +189,9 @@ class _Runner:
 def _judge(tp: int = 1) -> StageSet:
     """A StageSet's liveness book alone (no process): one stage, its Ready at t = 100."""
     stages = StageSet.__new__(StageSet)
-    stages.graph = GraphConfig((StageConfig(name="s", kind="ar", liveness_timeout_s=2.0,
-                                            step_timeout_s=30.0, tensor_parallel_size=tp),))
+    stages.graph = GraphConfig((StageConfig(name="s", kind="ar",
+                                            timeouts=Timeouts(liveness_s=2.0, step_s=30.0),
+                                            parallel=ParallelSizes(tp=tp)),))
     stages.runners, stages.down, stages.starting = {"s": [_Runner()]}, set(), {}
     stages.last_beat, stages.last_alive = {("s", 0): 100.0}, {("s", 0): [100.0] * tp}
     stages._judged_at = None
@@ -244,5 +245,5 @@ def test_a_silent_rank_or_loop_is_named() -> None:
 
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan")])
 def test_liveness_timeout_must_be_positive(value: float) -> None:
-    with pytest.raises(ValueError, match="liveness_timeout_s: must be > 0"):
-        StageConfig(name="s", kind="ar", liveness_timeout_s=value)
+    with pytest.raises(ValueError, match="liveness_s: must be > 0"):
+        StageConfig(name="s", kind="ar", timeouts=Timeouts(liveness_s=value))

@@ -34,15 +34,16 @@ def test_generate_with_stage_config_and_overrides(tiny_qwen3: Path, tmp_path: Pa
     cfg = tmp_path / "graph.yaml"
     cfg.write_text(f"model: {tiny_qwen3}\nbackend: inproc\nconnector: inproc\n"
                    "stages:\n  - {name: llm, kind: ar, final: text}\n")
-    rc = main(["generate", "--stage-config", str(cfg), "--stage-override", "llm.max_num_seqs=2",
-               "--prompt", "hi", "--max-tokens", "3", "--device", "cpu", "--json"])
+    rc = main(["generate", "--stage-config", str(cfg), "--stage-override",
+               "llm.ar.max_num_seqs=2", "--prompt", "hi", "--max-tokens", "3", "--device", "cpu",
+               "--json"])
     assert rc == 0
     (line,) = capsys.readouterr().out.splitlines()
     assert 1 <= len(json.loads(line)["token_ids"]) <= 3
     rc = main(["generate", "--stage-config", str(cfg), "--stage-override", "llm.max_num_seq=2",
                "--prompt", "hi"])
     assert rc == 2
-    assert "did you mean max_num_seqs" in capsys.readouterr().err
+    assert "did you mean ar.max_num_seqs" in capsys.readouterr().err
 
 
 def test_generate_demo_writes_pngs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

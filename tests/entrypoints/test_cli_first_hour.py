@@ -100,8 +100,9 @@ def test_generate_takes_the_engine_flags_of_serve(tiny_qwen3: Path) -> None:
                        "--no-enable-prefix-caching", "--seed", "3"])
     graph = generate._graph(args)
     llm = graph.stage("llm")
-    assert (llm.memory_fraction, llm.max_num_seqs, llm.max_model_len, llm.enforce_eager,
-            llm.dtype, llm.enable_prefix_caching, llm.seed, llm.tensor_parallel_size) == (
+    assert (llm.placement.memory_fraction, llm.ar.max_num_seqs, llm.ar.max_model_len,
+            llm.ar.enforce_eager, llm.dtype, llm.ar.kv_cache.enable_prefix_caching, llm.ar.seed,
+            llm.parallel.tp) == (
         0.4, 5, 96, True, "float16", False, 3, 1)
 
 

@@ -30,14 +30,14 @@ def test_each_engine_flag_sets_its_main_stage_key(tiny_qwen3: Path) -> None:
         "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "float32", "--seed", "7",
         "--tokenizer", str(tiny_qwen3), "--trust-remote-code", "-tp", "1"])
     thinker, talker, code2wav = graph.stages
-    assert (thinker.memory_fraction, thinker.max_num_seqs, thinker.max_num_batched_tokens,
-            thinker.max_model_len, thinker.enforce_eager, thinker.enable_prefix_caching,
-            thinker.seed, thinker.tokenizer) == (0.5, 8, 256, 512, True, False, 7,
-                                                 str(tiny_qwen3))
+    ar = thinker.ar
+    assert (thinker.placement.memory_fraction, ar.max_num_seqs, ar.max_num_batched_tokens,
+            ar.max_model_len, ar.enforce_eager, ar.kv_cache.enable_prefix_caching,
+            ar.seed, ar.tokenizer) == (0.5, 8, 256, 512, True, False, 7, str(tiny_qwen3))
     assert thinker.ar_config(str(tiny_qwen3), "cpu").tokenizer == str(tiny_qwen3)
     # only the main stage: the talker keeps its graph's values ...
-    assert (talker.memory_fraction, talker.max_num_seqs, talker.max_model_len,
-            talker.seed) == (0.12, 64, None, 0)
+    assert (talker.placement.memory_fraction, talker.ar.max_num_seqs, talker.ar.max_model_len,
+            talker.ar.seed) == (0.12, 64, None, 0)
     # ... but dtype is the whole model's
     assert {s.dtype for s in graph.stages} == {"float32"}
     assert args.trust_remote_code is True and code2wav.kind == "generation"
@@ -45,8 +45,8 @@ def test_each_engine_flag_sets_its_main_stage_key(tiny_qwen3: Path) -> None:
 
 def test_stage_override_wins_over_a_flag(tiny_qwen3: Path) -> None:
     _, graph = graph_of([str(tiny_qwen3), "--max-num-seqs", "8",
-                         "--stage-override", "llm.max_num_seqs=3"])
-    assert graph.stage("llm").max_num_seqs == 3
+                         "--stage-override", "llm.ar.max_num_seqs=3"])
+    assert graph.stage("llm").ar.max_num_seqs == 3
 
 
 def test_worker_backend_and_ray_address_set_the_graph(tiny_qwen3: Path) -> None:
@@ -137,7 +137,8 @@ def test_slow_client_and_metrics_flags_reach_the_server_config() -> None:
 def test_flags_that_do_not_apply_are_refused(tiny_qwen3: Path) -> None:
     # the demo model: one diffusion stage; the AR-only flags are refused, batch size is not
     _, graph = graph_of(["--max-num-seqs", "4", "--gpu-memory-utilization", "0.3"])
-    assert (graph.stage("dit").max_num_seqs, graph.stage("dit").memory_fraction) == (4, 0.3)
+    dit = graph.stage("dit")
+    assert (dit.diffusion.max_num_seqs, dit.placement.memory_fraction) == (4, 0.3)
     for flag in (["--max-model-len", "64"], ["--max-num-batched-tokens", "64"],
                  ["--enforce-eager"], ["--seed", "1"], ["--chat-template", "{{ x }}"],
                  ["--enable-prefix-caching"]):
@@ -150,7 +151,7 @@ def test_max_model_len_above_the_model_limit_is_refused(tiny_qwen3: Path) -> Non
     with pytest.raises(ValueError, match=r"max_model_len 513 .* above this model's limit of 512"):
         graph_of([str(tiny_qwen3), "--max-model-len", "513"])
     with pytest.raises(ValueError, match="limit of 512"):   # however it was set
-        graph_of([str(tiny_qwen3), "--stage-override", "llm.max_model_len=4096"])
+        graph_of([str(tiny_qwen3), "--stage-override", "llm.ar.max_model_len=4096"])
     nested = {"thinker_config": {"text_config": {"max_position_embeddings": 4096}},
               "talker_config": {"max_position_embeddings": 64}}
     assert max_positions(nested, "qwen3_omni_thinker") == 4096
@@ -161,13 +162,14 @@ def test_max_model_len_above_the_model_limit_is_refused(tiny_qwen3: Path) -> Non
 def test_parallel_flags_set_the_main_stage_and_its_devices(tiny_qwen3: Path) -> None:
     _, graph = graph_of([str(tiny_qwen3), "-tp", "2"])
     llm = graph.stage("llm")
-    assert (llm.tensor_parallel_size, llm.devices, llm.parallel.world_size) == (2, (0, 1), 2)
+    assert (llm.parallel.tp, llm.placement.devices, llm.parallel.world_size) == (2, (0, 1), 2)
     # an explicit device list wins (the override comes after the flags' items)
-    _, graph = graph_of([str(tiny_qwen3), "-tp", "2", "--stage-override", "llm.devices=[2,3]"])
-    assert graph.stage("llm").devices == (2, 3)
+    _, graph = graph_of([str(tiny_qwen3), "-tp", "2",
+                         "--stage-override", "llm.placement.devices=[2,3]"])
+    assert graph.stage("llm").placement.devices == (2, 3)
     _, graph = graph_of([str(tiny_qwen3), "--stage-config", "qwen3_omni", "-tp", "2"])
-    assert graph.stage("thinker").tensor_parallel_size == 2
-    assert graph.stage("talker").tensor_parallel_size == 1
+    assert graph.stage("thinker").parallel.tp == 2
+    assert graph.stage("talker").parallel.tp == 1
 
 
 def test_diffusion_axes_are_refused_on_an_llm(capsys: pytest.CaptureFixture,
@@ -184,7 +186,8 @@ def test_config_file_merges_under_the_command_line(tiny_qwen3: Path, tmp_path: P
                    "port: 9001\n")
     args, graph = graph_of(["--config", str(cfg), "--max-num-seqs", "8", "--port", "9002"])
     llm = graph.stage("llm")
-    assert (llm.max_num_seqs, llm.max_num_batched_tokens, llm.enable_prefix_caching) == \
+    assert (llm.ar.max_num_seqs, llm.ar.max_num_batched_tokens,
+            llm.ar.kv_cache.enable_prefix_caching) == \
         (8, 64, False)
     assert (args.port, args.allowed_media_dirs, args.model) == (9002, [str(tmp_path)],
                                                                 str(tiny_qwen3))

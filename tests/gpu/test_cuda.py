@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from omnistage import Omni, SamplingParams
 from omnistage.ar.engine import AREngine
-from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig
+from omnistage.configs.schema import ARConfig, SchedulerConfig
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -29,7 +29,7 @@ def reference(path: Path, prompt: list[int], n: int) -> list[int]:
 
 def test_engine_on_cuda_matches_transformers(tiny_qwen3: Path) -> None:
     engine = AREngine(ARConfig(model=str(tiny_qwen3), device="cuda", dtype="float32",
-                               kv_cache=KVCacheConfig(memory_fraction=0.2),
+                               memory_fraction=0.2,
                                scheduler=SchedulerConfig(max_num_batched_tokens=64)))
     assert engine.kv_layout.num_blocks > 0
     params = SamplingParams(temperature=0, max_tokens=10)

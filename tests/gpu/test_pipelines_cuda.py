@@ -54,8 +54,8 @@ def test_qwen3_omni_on_cuda_equals_transformers(tmp_path: Path) -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=12),
               SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=40), None]
     with Omni(str(ckpt), device="cuda", dtype="float32",
-              stage_overrides=["code2wav.options.chunk_frames=300",
-                                "code2wav.options.first_chunk_frames=300"]) as omni:
+              stage_overrides=["code2wav.generation.options.chunk_frames=300",
+                                "code2wav.generation.options.first_chunk_frames=300"]) as omni:
         (out,) = omni.generate({"messages": CHAT}, params)
     assert out.error is None, out.error
     assert out.token_ids == expected_ids

@@ -51,8 +51,8 @@ def test_qwen2_5_omni_on_cuda_equals_transformers(tmp_path: Path, media: bool) -
               SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=30,
                              extra={"speaker": "Ethan"}), None]
     with Omni(str(ckpt), device="cuda", dtype="float32",
-              stage_overrides=[f"token2wav.options.seed={SEED}",
-                               "token2wav.options.chunk_blocks=0"]) as omni:   # whole
+              stage_overrides=[f"token2wav.generation.options.seed={SEED}",
+                               "token2wav.generation.options.chunk_blocks=0"]) as omni:   # whole
         chat = media_chat() if media else CHAT
         (out,) = omni.generate({"messages": chat}, params)
         inputs = omni.engine.processor(chat).hf_kwargs()

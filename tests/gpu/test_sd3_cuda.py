@@ -39,7 +39,7 @@ def test_sd3_on_cuda_equals_diffusers(tmp_path: Path) -> None:
                               negative_prompt=mod.NEGATIVE) for s in mod.SEEDS]
     with Omni(str(tmp_path / "sd3"), device="cuda", dtype="float32",
               stage_overrides=["backend=inproc", "connector=inproc",
-                               "dit.options.cuda_graphs=true"]) as omni:
+                               "dit.diffusion.cuda_graphs=true"]) as omni:
         for _ in range(2):                  # the second round replays the captured graphs
             outs = [omni.generate(p, q)[0] for p, q in zip(mod.PROMPTS, params)]
             assert [o.error for o in outs] == [None, None]

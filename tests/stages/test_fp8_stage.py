@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from omnistage.configs.defaults import resolve_graph
-from omnistage.configs.schema import StageConfig
+from omnistage.configs.schema import DiffusionSettings, StageConfig
 from omnistage.engine.engine_args import apply_keywords
 from omnistage.entrypoints.cli import serve
 from omnistage.entrypoints.cli.main import parse_args
@@ -28,16 +28,17 @@ def graph_of(argv: list[str]):
 
 
 def test_flag_and_keyword_set_the_diffusion_stage(tiny_qwen3: Path) -> None:
-    assert graph_of(["--quantization", "fp8"]).stage("dit").quantization == "fp8"
+    assert graph_of(["--quantization", "fp8"]).stage("dit").diffusion.quantization == "fp8"
     split = apply_keywords(resolve_graph(None, None, "qwen_image_split"),
                            {"quantization": "fp8"})
-    assert (split.stage("dit").quantization, split.stage("text_encoder").quantization) == (
+    assert (split.stage("dit").diffusion.quantization,
+            split.stage("text_encoder").diffusion.quantization) == (
         "fp8", None)                                  # the denoiser, not the text encoder
     with pytest.raises(ValueError, match="--quantization does not apply to this model.*"
                                          "main stage 'llm' is a ar stage"):
         graph_of([str(tiny_qwen3), "--quantization", "fp8"])
-    with pytest.raises(ValueError, match=r"quantization: applies to diffusion stages only for "
-                                         r"now; stage 'llm' is of kind ar"):
+    with pytest.raises(ValueError, match=r"keyword quantization does not apply: it sets "
+                                         r"diffusion stages, and the main stage 'llm' is a ar"):
         apply_keywords(resolve_graph(None, None, "llm"), {"quantization": "fp8"})
 
 
@@ -45,7 +46,8 @@ def test_stage_refusals() -> None:
     from omnistage.diffusion.diffusers_pipeline import DiffusersPipeline
     from omnistage.diffusion.pipeline import DiffusionPipeline
 
-    stage = StageConfig(name="dit", kind="diffusion", component="qwen_image", quantization="fp8")
+    stage = StageConfig(name="dit", kind="diffusion", component="qwen_image",
+                        diffusion=DiffusionSettings(quantization="fp8"))
     with pytest.raises(ValueError, match="not to a text-encoder stage"):
         check_quantization(stage, DiffusionPipeline, "text_encoder")
     with pytest.raises(ValueError, match="not to the generic diffusers adapter"):
@@ -55,7 +57,7 @@ def test_stage_refusals() -> None:
     class Tiny(nn.Sequential):
         fp8_keep = ()
 
-    pipeline = SimpleNamespace(transformer=Tiny(nn.Linear(1024, 1024)))
+    pipeline = SimpleNamespace(denoisers=lambda: [Tiny(nn.Linear(1024, 1024))])
     with pytest.raises(ValueError, match="runs on CUDA GPUs of compute capability 8.9 or newer; "
                                          "this model is on cpu"):
         quantize_pipeline(stage, pipeline, torch.device("cpu"))

@@ -10,17 +10,19 @@ import pytest
 
 from omnistage.configs.defaults import stage_config_text
 from omnistage.configs.graph import load_graph
+from omnistage.configs.schema import ParallelSizes
 from omnistage.stages.process import check_gpu_placement, stage_device
 
 GRAPH = """
 model: /models/m
 stages:
-  - {{name: a, kind: ar, final: text, memory_fraction: {a}}}
+  - {{name: a, kind: ar, final: text, placement: {{memory_fraction: {a}}}}}
   - name: b
     kind: ar
-    memory_fraction: {b}
+    placement:
+      memory_fraction: {b}
+      devices: [{device_b}]
     final: tensor
-    devices: [{device_b}]
     inputs: [{{from: a, adapter: hidden_to_embeds, chunked: true}}]
 """
 
@@ -58,13 +60,13 @@ def test_shared_gpu_fractions_over_one_are_refused() -> None:
 def test_each_replica_counts_on_its_gpu() -> None:
     """Two replicas of b on b's GPU take its fraction twice; a list per replica spreads them."""
     two = graph(0.3, 0.4)
-    b = replace(two.stages[1], replicas=2)
+    b = replace(two.stages[1], placement=replace(two.stages[1].placement, replicas=2))
     with pytest.raises(ValueError, match=r"stages a 0\.3, b#0 0\.4, b#1 0\.4 share cuda:0"):
         check_gpu_placement(replace(two, stages=(two.stages[0], b)), "cuda")
-    spread = replace(b, replica_devices=[[0], [1]])
+    spread = replace(b, placement=replace(b.placement, replica_devices=[[0], [1]]))
     check_gpu_placement(replace(two, stages=(two.stages[0], spread)), "cuda")
     with pytest.raises(ValueError, match=r"stage 'b' is placed on cuda:2"):
-        spread = replace(b, replica_devices=[[0], [2]])
+        spread = replace(b, placement=replace(b.placement, replica_devices=[[0], [2]]))
         check_gpu_placement(replace(two, stages=(two.stages[0], spread)), "cuda")
 
 
@@ -84,18 +86,18 @@ def test_packaged_two_gpu_qwen3_omni_graph() -> None:
     one = load_graph(stage_config_text("qwen3_omni"))
     check_gpu_placement(two, "cuda")
     check_gpu_placement(one, "cuda")
-    assert {s.name: stage_device("cuda", s.devices) for s in two.stages} == {
+    assert {s.name: stage_device("cuda", s.placement.devices) for s in two.stages} == {
         "thinker": "cuda:0", "talker": "cuda:1", "code2wav": "cuda:1"}
     for a, b in zip(two.stages, one.stages):
-        keep = dict(devices=b.devices, memory_fraction=b.memory_fraction)
-        assert replace(a, **keep) == b, a.name
+        assert replace(a, placement=b.placement) == b, a.name
 
 
 PARALLEL = """
 model: /models/m
 backend: {backend}
 stages:
-  - {{name: a, kind: {kind}, final: {final}, devices: {devices}, {sizes}}}
+  - {{name: a, kind: {kind}, final: {final}, placement: {{devices: {devices}}},
+     parallel: {{{sizes}}}}}
 """
 
 
@@ -107,16 +109,16 @@ def parallel_graph(sizes: str, kind: str = "ar", devices: str = "[0, 1]",
 
 
 @pytest.mark.parametrize("sizes, kind, devices, backend, message", [
-    ("ulysses_degree: 2", "ar", "[0, 1]", "process",
+    ("ulysses: 2", "ar", "[0, 1]", "process",
      r"stage 'a': a ar stage cannot split by ulysses_degree \(it supports: tensor_parallel_size\)"),
-    ("tensor_parallel_size: 2", "generation", "[0, 1]", "process",
+    ("tp: 2", "generation", "[0, 1]", "process",
      r"a generation stage cannot split by tensor_parallel_size \(it supports: none\)"),
-    ("tensor_parallel_size: 2", "ar", "[0]", "process",
+    ("tp: 2", "ar", "[0]", "process",
      r"stage 'a' has 2 ranks \(tensor_parallel_size 2\) but lists 1 device\(s\) \[0\]"),
-    ("cfg_parallel_size: 2, ulysses_degree: 2", "diffusion", "[0, 1, 2]", "process",
+    ("cfg: 2, ulysses: 2", "diffusion", "[0, 1, 2]", "process",
      r"has 4 ranks \(ulysses_degree 2 x cfg_parallel_size 2\) but lists 3 device"),
-    ("tensor_parallel_size: 2", "ar", "[0, 1]", "inproc", r"needs processes"),
-    ("tensor_parallel_size: 2", "ar", "[1, 2]", "process",
+    ("tp: 2", "ar", "[0, 1]", "inproc", r"needs processes"),
+    ("tp: 2", "ar", "[1, 2]", "process",
      r"stage 'a' is placed on cuda:2, but this machine has 2 GPUs"),
 ])
 def test_impossible_parallel_layouts_are_refused_before_start(
@@ -129,9 +131,10 @@ def test_impossible_parallel_layouts_are_refused_before_start(
 def test_each_rank_counts_on_its_own_gpu() -> None:
     """Stage a's 2 ranks on GPUs 0 and 1, stage b on GPU 1: their fractions meet on GPU 1."""
     g = load_graph(GRAPH.format(a=0.5, b=0.6, device_b=1))
-    a = replace(g.stages[0], tensor_parallel_size=2, devices=(0, 1))
+    a = replace(g.stages[0], parallel=ParallelSizes(tp=2),
+                placement=replace(g.stages[0].placement, devices=(0, 1)))
     with pytest.raises(ValueError, match=r"stages a 0.5, b 0.6 share cuda:1"):
         check_gpu_placement(replace(g, stages=(a, g.stages[1])), "cuda")
     check_gpu_placement(g, "cuda")       # one rank each: a alone on GPU 0
     # on the CPU every rank is the CPU: no device count
-    check_gpu_placement(parallel_graph("tensor_parallel_size: 2", devices="[0]"), "cpu")
+    check_gpu_placement(parallel_graph("tp: 2", devices="[0]"), "cpu")

@@ -20,9 +20,9 @@ def test_backend_ray_without_ray_says_how_to_get_it(monkeypatch: pytest.MonkeyPa
 def test_ranks_of_one_stage_never_share_a_gpu(ray_gpus: float | None, share: float) -> None:
     """A tensor-parallel stage's ranks take whole GPUs unless its stated share is above one
     half: two of its bundles then cannot meet on one GPU, and the rest of each GPU is free."""
-    from omnistage.configs.schema import StageConfig
+    from omnistage.configs.schema import ParallelSizes, Placement, StageConfig
     from omnistage.stages.ray_actor import multi_rank_share
 
-    stage = StageConfig(name="thinker", kind="ar", tensor_parallel_size=2, devices=(0, 1),
-                        ray_gpus=ray_gpus)
+    stage = StageConfig(name="thinker", kind="ar", parallel=ParallelSizes(tp=2),
+                        placement=Placement(devices=(0, 1), ray_gpus=ray_gpus))
     assert multi_rank_share(stage) == share

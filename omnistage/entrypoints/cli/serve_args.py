@@ -1,11 +1,17 @@
-"""The flags of `omnistage serve`: the HTTP server's, and the engine's (vLLM's names, each
-setting the stage key its help names; `stage_flags.py` applies them)."""
+"""The flags of `omnistage serve`: the HTTP server's, and the engine's. The engine flags
+(vLLM's names, each setting the stage key its help names; `stage_flags.py` applies them) are
+read off the config tree (configs/engine_flags.py), not written here."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any, get_args
 
+from omnistage.configs.engine_flags import EngineFlag, engine_flags
 from omnistage.entrypoints.cli.flags import dtype_name
+
+# a flag's value parser by the name its field's metadata gives (`meta(..., type="dtype")`)
+VALUE_PARSERS = {"dtype": dtype_name}
 
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 API_KEY_ENV = "OMNISTAGE_API_KEY"     # the API key when no flag gives it (not seen in `ps`)
@@ -145,22 +151,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="stage-graph YAML (or a packaged graph's name) replacing the model "
                         "type's default graph")
     g.add_argument("--stage-override", action="append", default=[], metavar="STAGE.KEY=VALUE",
-                   help="change one field of the graph, e.g. llm.max_num_seqs=8 (repeatable; "
+                   help="change one field of the graph, e.g. llm.ar.max_num_seqs=8 (repeatable; "
                         "wins over the engine flags below)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     add_backend_args(g)
-    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, metavar="N",
-                   help="tensor_parallel_size: the main stage's weights split over N GPUs "
-                        "(ar, diffusion); other stages: --stage-override STAGE.tensor_parallel_size=N")
-    g.add_argument("--ulysses-degree", type=int, default=None, metavar="N",
-                   help="ulysses_degree: a diffusion stage's sequence split over N GPUs "
-                        "(all-to-all around attention)")
-    g.add_argument("--ring-degree", type=int, default=None, metavar="N",
-                   help="ring_degree: a diffusion stage's keys and values passed round N GPUs "
-                        "(ring attention)")
-    g.add_argument("--cfg-parallel-size", type=int, default=None, metavar="N",
-                   help="cfg_parallel_size: a true-CFG diffusion stage's positive and negative "
-                        "branches on 2 GPUs")
     g.add_argument("--omni", action="store_true",
                    help="accepted for vLLM-Omni compatibility (`vllm serve MODEL --omni`); "
                         "changes nothing: every model is served as the graph of stages it is")
@@ -168,31 +162,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM compatibility; changes nothing: omnistage runs its "
                         "own model code, never code from a checkpoint")
     e = p.add_argument_group("engine (main stage; each sets the stage key named)")
-    e.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
-                   help="memory_fraction: share of the device for the main stage's weights, "
-                        "KV cache and activations, in (0, 1]")
-    e.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
-                   help="max_num_seqs: requests batched together (ar and diffusion)")
-    e.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help="max_num_batched_tokens: tokens per engine step (ar)")
-    e.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="max_model_len: prompt + output tokens of a request (ar); above the "
-                        "model's max_position_embeddings is refused")
-    e.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="enforce_eager: no CUDA graphs for decode steps (ar)")
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=None, help="enable_prefix_caching: reuse the KV cache of shared "
-                                      "prompt prefixes (ar; on by default)")
-    e.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="quantization: fp8 runs the main stage's transformer linears in FP8 "
-                        "(diffusion; a GPU of compute capability 8.9+, e.g. H100)")
-    e.add_argument("--dtype", default=None, type=dtype_name,
-                   choices=["auto", "float32", "bfloat16", "float16"],
-                   help="dtype of every stage (the whole model; default: the checkpoint's); "
-                        "vLLM's half / fp16, bf16, float / fp32 are taken too")
-    e.add_argument("--seed", type=int, default=None,
-                   help="seed: the main stage's sampling seed (ar; images take `seed` per "
-                        "request)")
-    e.add_argument("--tokenizer", default=None, metavar="FOLDER",
-                   help="tokenizer: a tokenizer folder or cached Hub id used instead of the "
-                        "checkpoint's (ar; not for models with an input processor)")
+    for flag in engine_flags():
+        if flag.cli:
+            add_engine_flag(e, flag)
+
+
+def add_engine_flag(g: argparse._ActionsContainer, flag: EngineFlag) -> None:
+    """One flag read off the config tree: its type from the field's, its help the field's
+    (`configs/records.py` `meta`), prefixed by the keys it sets."""
+    extra = dict(flag.argparse)
+    names = [extra.pop("short"), flag.flag] if "short" in extra else [flag.flag]
+    action = extra.pop("action", None)
+    keys = " / ".join(dict.fromkeys(flag.paths.values()))
+    scope = ("every stage" if flag.every_stage else "main stage") + ": " + ", ".join(flag.kinds)
+    kw: dict[str, Any] = {"default": None, "dest": flag.name,
+                          "help": f"{keys}: {flag.help} ({scope})"}
+    if action == "store_true":
+        kw["action"] = "store_true"
+    elif action == "bool_optional":
+        kw["action"] = argparse.BooleanOptionalAction
+    else:
+        parser = extra.pop("type", None)
+        kw["type"] = VALUE_PARSERS[parser] if parser else _scalar(flag.hint)
+    g.add_argument(*names, **kw, **extra)
+
+
+def _scalar(hint: Any) -> type:
+    """The argparse type of a field's hint: int, float or str (`int | None` -> int)."""
+    for tp in (int, float):
+        if hint is tp or tp in get_args(hint):
+            return tp
+    return str

@@ -1,7 +1,9 @@
 """vLLM's engine flags on `omnistage serve`, and the stage keys they set.
 
-    --max-num-seqs 8     ->  thinker.max_num_seqs=8       (the main stage)
+    --max-num-seqs 8     ->  thinker.ar.max_num_seqs=8    (the main stage)
     --dtype bfloat16     ->  thinker.dtype=bfloat16, talker.dtype=..., code2wav.dtype=...
+
+Which flag sets which key is read off the config tree (configs/engine_flags.py).
 
 They become `--stage-override` items put before the user's own, so an explicit
 `--stage-override STAGE.KEY=VALUE` still wins. The main stage is the one the model is named
@@ -20,43 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 
+from omnistage.configs.engine_flags import engine_flags, stage_items
 from omnistage.configs.graph import PARALLEL_KEYS, main_stage, parallel_devices_override
-from omnistage.configs.schema import GraphConfig, StageKind
+from omnistage.configs.schema import GraphConfig
 
-ALL_KINDS: tuple[StageKind, ...] = ("ar", "diffusion", "generation")
-
-
-@dataclass(frozen=True, slots=True)
-class StageFlag:
-    dest: str                      # argparse dest: the flag, dashes as underscores
-    key: str | None                # the StageConfig key it sets; None: a front-door option
-    kinds: tuple[StageKind, ...]   # kinds of stage that read the key
-    every_stage: bool = False      # the whole model (dtype), not only the main stage
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.dest.replace("_", "-")
-
-
-STAGE_FLAGS: tuple[StageFlag, ...] = (
-    StageFlag("gpu_memory_utilization", "memory_fraction", ALL_KINDS),
-    StageFlag("max_num_seqs", "max_num_seqs", ("ar", "diffusion")),
-    StageFlag("max_num_batched_tokens", "max_num_batched_tokens", ("ar",)),
-    StageFlag("max_model_len", "max_model_len", ("ar",)),
-    StageFlag("enforce_eager", "enforce_eager", ("ar",)),
-    StageFlag("enable_prefix_caching", "enable_prefix_caching", ("ar",)),
-    StageFlag("seed", "seed", ("ar",)),
-    StageFlag("tokenizer", "tokenizer", ("ar",)),
-    StageFlag("quantization", "quantization", ("diffusion",)),
-    StageFlag("dtype", "dtype", ALL_KINDS, every_stage=True),
-    StageFlag("tensor_parallel_size", "tensor_parallel_size", ("ar", "diffusion")),
-    StageFlag("ulysses_degree", "ulysses_degree", ("diffusion",)),
-    StageFlag("ring_degree", "ring_degree", ("diffusion",)),
-    StageFlag("cfg_parallel_size", "cfg_parallel_size", ("diffusion",)),
-    StageFlag("chat_template", None, ("ar",)),
-)
+# flags for the front door that still belong to one kind of main stage
+FRONT_DOOR_FLAGS = {"chat_template": ("ar",)}
 
 
 def flag_overrides(graph: GraphConfig, args: argparse.Namespace) -> list[str]:
@@ -64,24 +36,26 @@ def flag_overrides(graph: GraphConfig, args: argparse.Namespace) -> list[str]:
     flag that does not apply to this graph's main stage."""
     main = main_stage(graph)
     items = graph_flag_overrides(args)
-    for flag in STAGE_FLAGS:
-        value = getattr(args, flag.dest, None)
+    for name, kinds in FRONT_DOOR_FLAGS.items():
+        if getattr(args, name, None) is not None and main.kind not in kinds:
+            _refuse("--" + name.replace("_", "-"), "is for", kinds, main.name, main.kind)
+    for flag in engine_flags():
+        value = getattr(args, flag.name, None) if flag.cli else None
         if value is None:
             continue
-        if main.kind not in flag.kinds:
-            what = f"sets {flag.key} of" if flag.key else "is for"
-            raise ValueError(
-                f"{flag.flag} does not apply to this model: it {what} "
-                f"{' / '.join(flag.kinds)} stages, and the main stage {main.name!r} is a "
-                f"{main.kind} stage")
-        if flag.key is None:
-            continue
-        targets = [s for s in graph.stages if s.kind in flag.kinds] if flag.every_stage \
-            else [main]
-        items += [f"{s.name}.{flag.key}={json.dumps(value)}" for s in targets]
+        if main.kind not in flag.paths:
+            _refuse(flag.flag, f"sets {' / '.join(dict.fromkeys(flag.paths.values()))} of",
+                    flag.kinds, main.name, main.kind)
+        items += [f"{key}={json.dumps(v)}" for key, v in
+                  stage_items(graph, flag, value, main=main, every_stage=flag.every_stage)]
     given = {key: getattr(args, key) for key in PARALLEL_KEYS if getattr(args, key, None)}
     devices = parallel_devices_override(main, given) if given else None
     return items + ([devices] if devices else [])
+
+
+def _refuse(flag: str, what: str, kinds: tuple[str, ...], main: str, kind: str) -> None:
+    raise ValueError(f"{flag} does not apply to this model: it {what} {' / '.join(kinds)} "
+                     f"stages, and the main stage {main!r} is a {kind} stage")
 
 
 def graph_flag_overrides(args: argparse.Namespace) -> list[str]:
@@ -98,7 +72,7 @@ def check_max_model_len(graph: GraphConfig) -> None:
     """Refuse an ar stage's max_model_len above its checkpoint's max_position_embeddings (the
     engine would lower it silently). Only config.json is read; nothing loads."""
     for stage in graph.stages:
-        if stage.kind != "ar" or stage.max_model_len is None:
+        if stage.ar is None or stage.ar.max_model_len is None:
             continue
         model = stage.model or graph.model
         if model is None:
@@ -109,9 +83,9 @@ def check_max_model_len(graph: GraphConfig) -> None:
         if not config.is_file():
             continue
         limit = max_positions(json.loads(config.read_text()), stage.component)
-        if limit is not None and stage.max_model_len > limit:
+        if limit is not None and stage.ar.max_model_len > limit:
             raise ValueError(
-                f"max_model_len {stage.max_model_len} (--max-model-len, stage "
+                f"max_model_len {stage.ar.max_model_len} (--max-model-len, stage "
                 f"{stage.name!r}) is above this model's limit of {limit} tokens "
                 f"(max_position_embeddings in {config}); use --max-model-len {limit} or less")
 

@@ -113,7 +113,7 @@ def servers(tiny_qwen3: Path, media_dir: Path, tmp_path_factory: pytest.TempPath
         "text": Server([str(tiny_qwen3), "--served-model-name", CHAT_MODEL, "--max-queue", "4",
                         "--max-model-len", "512", "--max-body-bytes", str(1 << 20),
                         "--allowed-media-dirs", str(media_dir),
-                        "--stage-override", f"llm.cpu_kv_cache_bytes={16 << 20}"],
+                        "--stage-override", f"llm.ar.kv_cache.cpu_kv_cache_bytes={16 << 20}"],
                        logs / "text.log", api_key=KEY),
         "image": Server(["--allowed-media-dirs", str(media_dir)], logs / "image.log"),
     }
@@ -134,8 +134,8 @@ def omni_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
     path = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny_omni"))
     server = Server([str(path), "--served-model-name", "tiny-omni",
-                     "--stage-override", "thinker.sampling.temperature=0",
-                     "--stage-override", "thinker.sampling.ignore_eos=true",
+                     "--stage-override", "thinker.ar.sampling.temperature=0",
+                     "--stage-override", "thinker.ar.sampling.ignore_eos=true",
                      "--realtime-idle-timeout", "3", "--realtime-max-turn", "3",
                      "--realtime-max-buffer-bytes", "200000"],
                     tmp_path_factory.mktemp("omni-log") / "omni.log")
