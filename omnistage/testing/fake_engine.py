@@ -18,6 +18,7 @@ from omnistage.engine.inputs import ParsedPrompt, parse_prompt
 from omnistage.engine.request import OmniRequest
 from omnistage.outputs import OmniOutput, RequestEvent, RequestMetrics
 from omnistage.registry import SpeechSpec
+from omnistage.stages.info import StageInfo
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 
 
@@ -34,7 +35,7 @@ class FakeTextEngine:
         self.processor = processor
         self.entry, self.text_entry, self.is_healthy = ["llm"], False, True
         self.audio_sample_rate, self.speech, self.video = None, speech, None
-        info = {} if max_model_len is None else {"max_model_len": max_model_len}
+        info = StageInfo(max_model_len=max_model_len)
         self.orchestrator = SimpleNamespace(stage_info={"llm": info}, dead_reason=None,
                                             degraded_reason=None,
                                             stage_stats=lambda timeout: {},

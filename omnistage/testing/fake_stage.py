@@ -126,7 +126,7 @@ class FakeStage:
         return bool(self.jobs)
 
     def info(self) -> StageInfo:
-        return {"max_model_len": 64}
+        return StageInfo(max_model_len=64)
 
     def stats(self) -> EngineStats:
         return EngineStats(num_running=len(self.jobs))

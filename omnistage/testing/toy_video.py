@@ -33,6 +33,7 @@ from torch import Tensor
 
 from omnistage.diffusion.image_input import input_image, peek_image
 from omnistage.diffusion.params import DiffusionParams, check_size
+from omnistage.diffusion.pipeline import DiffusionPipeline
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.registry import Component, ModelFamily, VideoSpec, register_family
 
@@ -66,7 +67,7 @@ def expected_frames(prompt: str, seed: int, num_frames: int, height: int, width:
     return frames
 
 
-class ToyVideoPipeline:
+class ToyVideoPipeline(DiffusionPipeline):
     def __init__(self, device: torch.device, step_delay_s: float = 0.0) -> None:
         self.device = device
         self.step_delay_s = step_delay_s

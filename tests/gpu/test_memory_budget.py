@@ -10,10 +10,12 @@ import subprocess
 import threading
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from omnistage import Omni, SamplingParams
+from omnistage.stages.info import StageInfo
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -72,7 +74,8 @@ def test_qwen3_omni_stages_keep_to_their_shares(tmp_path: Path, dtype: str) -> N
         report = {name: {"pid": pid, "used_gib": round(used.get(pid, 0.0), 2),
                          "share_gib": round(shares.get(name, 0) * total_gib, 2),
                          "start_peak_gib": round(sampler.peaks.get(pid, 0.0), 2),
-                         "info": omni.engine.orchestrator.stage_info.get(name, {})}
+                         "info": msgspec.to_builtins(
+                             omni.engine.orchestrator.stage_info.get(name, StageInfo()))}
                   for name, pid in pids.items()}
     print(json.dumps(report, indent=1, default=str))
     for name, share in shares.items():

@@ -28,7 +28,7 @@ def test_qwen3_omni_on_two_gpus_equals_one(tmp_path: Path) -> None:
     for graph in ("qwen3_omni", "qwen3_omni_2gpu"):
         with Omni(str(ckpt), stage_config=graph, device="cuda", dtype="float32") as omni:
             (out,) = omni.generate({"messages": CHAT}, params)
-            devices[graph] = {name: info.get("device") for name, info in
+            devices[graph] = {name: info.device for name, info in
                               omni.engine.orchestrator.stage_info.items()}
         assert out.error is None, out.error
         results[graph] = out

@@ -29,7 +29,7 @@ def test_qwen3_over_two_gpus_equals_one(tiny_qwen3: Path) -> None:
             info[tp] = omni.engine.orchestrator.stage_info["llm"]
         assert all(o.error is None for o in outs), [o.error for o in outs]
         tokens[tp] = [o.token_ids for o in outs]
-    assert info[2]["cuda_graphs"], info[2]        # the decodes replayed graphs
+    assert info[2].cuda_graphs, info[2]          # the decodes replayed graphs
     assert tokens[2] == tokens[1]
     assert len(set(map(tuple, tokens[1]))) == len(prompts)
 

@@ -39,6 +39,7 @@ from omnistage.entrypoints.openai.prep_pool import LONG_TEXT_CHARS, PrepPool
 from omnistage.testing.fake_engine import FakeTextEngine
 from omnistage.utils import audio as audio_module
 from omnistage.utils.video import encode_video
+from omnistage.stages.info import StageInfo
 
 HEALTH_DEADLINE_S = 0.1
 PING_S = 0.02
@@ -215,7 +216,7 @@ def test_health_answers_while_a_long_prompt_is_prepared(tmp_path: Path) -> None:
     for max_model_len 40000, though not so long that its length alone refuses it:
     test_prompt_size.py) is prepared while /health is asked PING_S after each answer."""
     engine = FakeTextEngine(tmp_path)
-    engine.orchestrator.stage_info["llm"]["max_model_len"] = 40_000
+    engine.orchestrator.stage_info["llm"] = StageInfo(max_model_len=40_000)
     app = build_app(engine, ServerConfig(served_model_name="m"))
     words = "The quick brown fox jumps over the lazy dog. "
     prompt = words * (3 * LONG_TEXT_CHARS // len(words))

@@ -18,6 +18,7 @@ from omnistage.entrypoints.openai import video_store
 from omnistage.entrypoints.openai.api_server import ServerConfig, build_app
 from omnistage.entrypoints.openai.video_store import StoreBusy, VideoJob, VideoStore
 from omnistage.testing.toy_video import SPEC
+from omnistage.stages.info import StageInfo
 
 HEALTH_DEADLINE_S = 2.0     # a stalled loop: the old store held it for the whole busy wait
 
@@ -144,7 +145,7 @@ class VideoEngine:
         self.tokenizer, self.processor = None, None
         self.entry, self.text_entry, self.is_healthy = ["dit"], False, True
         self.audio_sample_rate, self.speech, self.video = None, None, SPEC
-        self.orchestrator = SimpleNamespace(stage_info={"dit": {}}, dead_reason=None,
+        self.orchestrator = SimpleNamespace(stage_info={"dit": StageInfo()}, dead_reason=None,
                                             degraded_reason=None,
                                             stage_stats=lambda timeout: {},
                                             replica_status=lambda: {})

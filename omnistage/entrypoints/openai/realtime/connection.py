@@ -209,7 +209,7 @@ class RealtimeConnection:
     def _prepare_check(self, voice: str, param: str) -> None:
         """An unknown voice is refused now, not at the first response."""
         speakers = {s for info in self.client.engine.orchestrator.stage_info.values()
-                    for s in str(info.get("speakers", "")).split(",") if s}
+                    for s in info.speakers}
         if speakers and voice.lower() not in speakers:
             raise bad_request(f"{param}: {voice!r} is not a voice of this model (it has: "
                               f"{', '.join(sorted(speakers))})", param, "unknown_voice")
