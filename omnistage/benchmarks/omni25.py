@@ -177,7 +177,7 @@ def run(cfg: OmniBenchConfig) -> dict[str, object]:
         "notes": "reference: transformers' generate(return_audio=True). first_audio: "
                  "seconds from submission to the first audio chunk (the reference returns the "
                  "waveform whole; ours streams token2wav by the default graph's chunking, or "
-                 "decodes whole with token2wav.options.chunk_blocks=0). rtf: end-to-end "
+                 "decodes whole with token2wav.generation.options.chunk_blocks=0). rtf: end-to-end "
                  "seconds per second of audio. transformers at concurrency c: requests run "
                  "one by one, makespan and mean latency estimated from the measured time.",
     }

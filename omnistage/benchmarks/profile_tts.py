@@ -165,7 +165,7 @@ def main() -> None:
     ap.add_argument("--prof-steps", type=int, default=10)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--override", action="append", default=[],
-                    help="stage override, e.g. talker.enforce_eager=true")
+                    help="stage override, e.g. talker.ar.enforce_eager=true")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)

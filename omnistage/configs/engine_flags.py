@@ -51,7 +51,7 @@ class FieldDoc:
     hint: Any
     default: object                    # dataclasses.MISSING: required
     help: str
-    flag: str | None                   # "--max-num-seqs", where a flag sets it
+    flag: str | None                   # "--max-num-seqs" (or only "Omni(block_size=)") sets it
 
 
 def record_of(hint: Any) -> type | None:
@@ -103,7 +103,8 @@ def flag_named(name: str) -> EngineFlag | None:
 
 def fields_of(cls: type = StageConfig, prefix: str = "") -> list[FieldDoc]:
     """The reference rows of `cls` (default: a stage) and of every record under it."""
-    by_path = {p: f.flag for f in engine_flags() for p in f.paths.values()}
+    by_path = {p: f.flag if f.cli else f"Omni({f.name}=)" for f in engine_flags()
+               for p in f.paths.values()}
     rows = []
     for path, f, hint, _ in _walk(cls, "", ALL_KINDS):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING \

@@ -43,7 +43,7 @@ def load_graph_yaml(source: str | os.PathLike[str]) -> GraphConfig:
 
 def apply_overrides(graph: GraphConfig, overrides: Iterable[str]) -> GraphConfig:
     """Apply `--stage-override` items in order: `NAME.KEY=VALUE` for a stage (nested keys like
-    `talker.sampling.temperature=0.9`, list items like `talker.inputs.0.chunked=false`) or
+    `talker.ar.sampling.temperature=0.9`, list items like `talker.inputs.0.chunked=false`) or
     `KEY=VALUE` for the graph (`connector=tcp`). VALUE is YAML (`0.2`, `true`, `[0, 1]`).
     The result is rebuilt by the same strict parser as the YAML file."""
     for item in overrides:

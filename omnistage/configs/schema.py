@@ -204,17 +204,18 @@ class GraphConfig:
     """The whole stage graph as written. Graph-level rules (unique names, no cycles, registered
     adapters) are checked by `omnistage.configs.graph.validate_graph`."""
 
-    stages: tuple[StageConfig, ...]
-    # auto: the backend's own (shm for process and inproc; under ray, per edge: shm when both
-    # ends share a node, tcp when they do not); inproc needs backend inproc
-    connector: Literal["auto", "inproc", "shm", "tcp"] = "auto"
-    # process: one process per stage; inproc: every stage in the caller's process (tests, debug);
-    # ray: one Ray actor per stage rank, placed on any node of a Ray cluster (stages/ray_actor.py)
-    backend: Literal["process", "inproc", "ray"] = "process"
-    model: str | None = None  # checkpoint of stages that name none
-    # backend ray: the cluster to join ("auto", "ray://...", "HOST:PORT"); None: the one
-    # RAY_ADDRESS or a running `ray start` names, else a new local one
-    ray_address: str | None = None
+    stages: tuple[StageConfig, ...] = field(metadata=meta("the stages, each below"))
+    connector: Literal["auto", "inproc", "shm", "tcp"] = field(default="auto", metadata=meta(
+        "how tensors move between stages; auto: the backend's own (shm; under ray, per edge: "
+        "shm when both ends share a node, tcp when they do not); inproc needs backend inproc"))
+    backend: Literal["process", "inproc", "ray"] = field(default="process", metadata=meta(
+        "process: one process per stage; inproc: every stage in the caller's process (tests, "
+        "debugging); ray: one Ray actor per stage rank, on any node of a Ray cluster"))
+    model: str | None = field(default=None, metadata=meta(
+        "checkpoint of the stages that name none"))
+    ray_address: str | None = field(default=None, metadata=meta(
+        "backend ray: the cluster to join (auto, ray://..., HOST:PORT); null: the one "
+        "RAY_ADDRESS or a running `ray start` names, else a new local one"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
