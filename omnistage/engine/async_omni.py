@@ -75,7 +75,7 @@ class AsyncOmni:
                 f"[{extras}] extra, which is not installed: pip install 'omnistage[{extras}]' "
                 f"(in a checkout: .venv/bin/pip install -e '.[{extras}]')")
         self.graph = graph
-        tokenizer = next((s.tokenizer for s in graph.stages if s.tokenizer), None)
+        tokenizer = next((s.ar.tokenizer for s in graph.stages if s.ar and s.ar.tokenizer), None)
         self.tokenizer = load_tokenizer(Path(tokenizer) if tokenizer else model_path
                                         or (Path(graph.model) if graph.model else None))
         # multimodal models: chat templates, audio features, image patches at the front door

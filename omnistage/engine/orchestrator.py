@@ -178,7 +178,7 @@ class Orchestrator:
 
     def _replica_key(self, stage: str, replicas: dict[str, int]) -> int | None:
         """The replica a chunk's edge key names for `stage`: None when it has only one."""
-        return replicas[stage] if self.graph.stage(stage).replicas > 1 else None
+        return replicas[stage] if self.graph.stage(stage).placement.replicas > 1 else None
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -91,7 +91,7 @@ class StageSet:
         try:
             for s in graph.stages:
                 self.inboxes[s.name], self.runners[s.name] = [], []
-                for r in range(s.replicas):
+                for r in range(s.placement.replicas):
                     sock = self._inbox()
                     self.inboxes[s.name].append(sock)
                     spec = WorkerSpec(s.name, graph, self._bind(sock, f"{s.name}.{r}"), outbox,
@@ -160,10 +160,10 @@ class StageSet:
 
     def _wait_ready(self) -> None:
         pending = {(name, r) for name, rs in self.runners.items() for r in range(len(rs))}
-        deadline = time.monotonic() + max(s.startup_timeout_s for s in self.graph.stages)
+        deadline = time.monotonic() + max(s.timeouts.startup_s for s in self.graph.stages)
         while pending:
             if time.monotonic() > deadline:
-                names = sorted(n if self.graph.stage(n).replicas == 1 else replica_name(n, r)
+                names = sorted(n if self.graph.stage(n).placement.replicas == 1 else replica_name(n, r)
                                for n, r in pending)
                 raise RuntimeError(f"stage(s) {', '.join(names)} did not start within "
                                    "the start-up timeout")
@@ -234,12 +234,12 @@ class StageSet:
         beats on); a loop that sent no heartbeat for step_timeout_s is stuck in a step."""
         stage = self.graph.stage(replica[0])
         for rank, seen in enumerate(self.last_alive[replica]):
-            if now - seen > stage.liveness_timeout_s:
+            if now - seen > stage.timeouts.liveness_s:
                 of = f" from rank {rank}" if stage.parallel.world_size > 1 else ""
                 return (f"stopped answering (no liveness beat{of} for "
-                        f"{stage.liveness_timeout_s:g} s)")
-        if now - self.last_beat[replica] > stage.step_timeout_s:
-            return f"hung (no heartbeat for {stage.step_timeout_s:g} s)"
+                        f"{stage.timeouts.liveness_s:g} s)")
+        if now - self.last_beat[replica] > stage.timeouts.step_s:
+            return f"hung (no heartbeat for {stage.timeouts.step_s:g} s)"
         return None
 
     def _tell_peers(self) -> None:
@@ -263,7 +263,7 @@ class StageSet:
         tcp_only = self.graph.connector_kind == "tcp"
         consumers = ({s.name for s in self.graph.stages} if stage == m.CLIENT
                      else self._consumers[stage])
-        peers = {m.edge_key(stage, d, r if self.graph.stage(d).replicas > 1 else None): address
+        peers = {m.edge_key(stage, d, r if self.graph.stage(d).placement.replicas > 1 else None): address
                  for (d, r), address in self.addresses.items()
                  if d in consumers and (d, r) not in self.down
                  and (tcp_only or self.nodes[(d, r)] != node)}
@@ -310,7 +310,7 @@ class StageSet:
         self.runners[stage][replica] = StageRunner(self.specs[(stage, replica)],
                                                    self.graph.backend, self.ctx, self._shared)
         self.starting[(stage, replica)] = (time.monotonic()
-                                           + self.graph.stage(stage).startup_timeout_s)
+                                           + self.graph.stage(stage).timeouts.startup_s)
 
     def ready(self, msg: m.Ready) -> bool:
         """A restarted replica is up: it takes traffic again, and its producers learn its

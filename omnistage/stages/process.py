@@ -72,8 +72,8 @@ def check_gpu_placement(graph: GraphConfig, device: str) -> None:
                 num_gpus = torch.cuda.device_count()
             _check_gpu_exists(stage.name, where, num_gpus)
         if stage.kind == "ar" and where.startswith("cuda"):
-            name = stage.name if stage.replicas == 1 else replica_name(stage.name, replica)
-            shares.setdefault(where, []).append((name, stage.memory_fraction))
+            name = stage.name if stage.placement.replicas == 1 else replica_name(stage.name, replica)
+            shares.setdefault(where, []).append((name, stage.placement.memory_fraction))
     for where, stages in shares.items():
         total = sum(f for _, f in stages)
         if len(stages) > 1 and total > 1.0 + 1e-9:
@@ -85,7 +85,7 @@ def check_gpu_placement(graph: GraphConfig, device: str) -> None:
 
 def _every_rank(graph: GraphConfig) -> list[tuple[StageConfig, int, int]]:
     """(stage, replica, rank) of every process the graph starts."""
-    return [(s, replica, rank) for s in graph.stages for replica in range(s.replicas)
+    return [(s, replica, rank) for s in graph.stages for replica in range(s.placement.replicas)
             for rank in range(s.parallel.world_size)]
 
 
@@ -123,7 +123,7 @@ def stage_cpu_threads(graph: GraphConfig, device: str) -> int:
     compute is on the host, gets its share of the cores (each replica one share)."""
     if not device.startswith("cpu"):
         return 1
-    return max(1, len(os.sched_getaffinity(0)) // sum(s.replicas for s in graph.stages))
+    return max(1, len(os.sched_getaffinity(0)) // sum(s.placement.replicas for s in graph.stages))
 
 
 def make_stage_connector(spec: WorkerSpec) -> Connector:

@@ -68,7 +68,7 @@ def check_parallel_layouts(graph: GraphConfig, device_kind: str) -> None:
         if graph.backend == "inproc":
             raise ValueError(f"stage {stage.name!r} spans {sizes.world_size} ranks, which "
                              "needs processes (backend: process or ray)")
-        for devices in {stage.devices_of(r) for r in range(stage.replicas)}:
+        for devices in {stage.devices_of(r) for r in range(stage.placement.replicas)}:
             if device_kind.startswith("cuda") and len(devices) < sizes.world_size:
                 raise ValueError(f"stage {stage.name!r} has {sizes.world_size} ranks "
                                  f"({describe(sizes)}) but lists {len(devices)} device(s) "
@@ -132,7 +132,7 @@ def join_stage_group(spec: WorkerSpec, stage: StageConfig) -> None:
 
     backend = "nccl" if spec.device.startswith("cuda") else "gloo"
     init_stage_ranks(stage.parallel, spec.rank, f"file://{spec.run_dir}/dist-{spec.stage}-{spec.replica}",
-                     backend, timeout_s=stage.startup_timeout_s)
+                     backend, timeout_s=stage.timeouts.startup_s)
 
 
 def follow(spec: WorkerSpec, use_device: Callable[[str], None]) -> None:
