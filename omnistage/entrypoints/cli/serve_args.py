@@ -18,7 +18,15 @@ API_KEY_ENV = "OMNISTAGE_API_KEY"     # the API key when no flag gives it (not s
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The HTTP server's own flags (not read off the config tree: they are `ServerConfig`'s,
+    the front door's), in three parts: address and access, request limits, stores and logs."""
     g = p.add_argument_group("server")
+    _add_access_args(g)
+    _add_limit_args(g)
+    _add_store_args(g)
+
+
+def _add_access_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; in a "
                         "container, or to accept other machines, use --host 0.0.0.0)")
@@ -49,6 +57,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-keyfile", default=None, metavar="FILE",
                    help="private key of --ssl-certfile (not needed if the certificate file "
                         "holds it)")
+
+
+def _add_limit_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--max-queue", type=int, default=256,
                    help="requests in flight before new ones get 429 + Retry-After")
     g.add_argument("--allowed-media-dirs", action="append", default=[], metavar="DIR",
@@ -91,6 +102,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="what a chat answers with when a request names no `modalities`, e.g. "
                         "text,audio as vLLM-Omni does for omni models (default: text, as "
                         "OpenAI; image for an image model)")
+
+
+def _add_store_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--voices-dir", default=None, metavar="DIR",
                    help="where POST /v1/audio/voices keeps uploaded voices; they survive a "
                         "restart (default: ~/.cache/omnistage/voices, or under $XDG_CACHE_HOME)")
