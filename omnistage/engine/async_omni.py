@@ -40,7 +40,7 @@ from omnistage.errors import InputError
 from omnistage.models.loader import resolve_model_path
 from omnistage.outputs import CompletionOutput, OmniOutput, RequestEvent, RequestMetrics
 from omnistage.sampling_params import SamplingParams
-from omnistage.stages.interface import TEXT_PROMPT, StageInfo
+from omnistage.stages.info import StageInfo
 from omnistage.stages.voice import voice_of
 from omnistage.utils.images import peek_image
 from omnistage.utils.logging import quiet_known_noise
@@ -87,9 +87,9 @@ class AsyncOmni:
         self.orchestrator = Orchestrator(graph, device)
         self.entry = [s.name for s in graph.stages if not s.inputs]
         # entry stages that read the prompt as text (diffusion; an AR stage building its own
-        # prompt says so in its info: TEXT_PROMPT), not as token ids
+        # prompt says so in its info: text_prompt), not as token ids
         self.text_entry = any(graph.stage(n).kind == "diffusion"
-                              or self.orchestrator.stage_info.get(n, {}).get(TEXT_PROMPT)
+                              or self.orchestrator.stage_info.get(n, StageInfo()).text_prompt
                               for n in self.entry)
         self._ids = itertools.count()
         self._fan_outs: dict[str, list[str]] = {}   # request id -> its n sub-request ids
@@ -112,10 +112,10 @@ class AsyncOmni:
             request = self.request(request, sampling_params_list)
         parsed = self._parse(request.prompt)
         for name in self.entry:
-            check_prompt(parsed, self.orchestrator.stage_info.get(name, {}))
+            check_prompt(parsed, self.orchestrator.stage_info.get(name, StageInfo()))
         params = request.by_stage(self.graph)
         for name, p in params.items():
-            info = self.orchestrator.stage_info.get(name, {})
+            info = self.orchestrator.stage_info.get(name, StageInfo())
             if isinstance(p, SamplingParams):
                 check_params(p, info)
                 check_speaker(p, info)
@@ -253,11 +253,10 @@ class AsyncOmni:
 
     def _sample_rate(self, stages: set[str]) -> int | None:
         """The rate the first audio final stage among `stages` reported at its ready
-        handshake (Ready.info["sample_rate"]); None if none of them writes audio."""
+        handshake (Ready.info.sample_rate); None if none of them writes audio."""
         for stage in self.graph.stages:
             if stage.name in stages and stage.final == "audio":
-                rate = self.orchestrator.stage_info.get(stage.name, {}).get("sample_rate")
-                return None if rate is None else int(rate)
+                return self.orchestrator.stage_info.get(stage.name, StageInfo()).sample_rate
         return None
 
     def abort(self, request_id: str) -> None:
@@ -305,10 +304,10 @@ def check_input_images(params: DiffusionParams, info: StageInfo) -> None:
     (`max_input_images`, where the stage says), each an image file by its header (the
     diffusion engine decodes them, once)."""
     files = [] if params.image is None else [params.image, *params.extra_images]
-    limit = info.get("max_input_images")
-    if limit is not None and len(files) > int(limit):
-        raise InputError(f"image: this model takes at most {int(limit)} input image"
-                         f"{'s' if int(limit) > 1 else ''}, got {len(files)}", "image")
+    limit = info.max_input_images
+    if limit is not None and len(files) > limit:
+        raise InputError(f"image: this model takes at most {limit} input image"
+                         f"{'s' if limit > 1 else ''}, got {len(files)}", "image")
     for data in files:
         peek_image(data)
 
@@ -318,8 +317,7 @@ def check_speaker(params: SamplingParams, info: StageInfo) -> None:
     it came under: `voice` or `speaker` (one key: stages/voice.py)."""
     speaker = voice_of(params.extra)
     key = "voice" if params.extra.get("voice") is not None else "speaker"
-    known = info.get("speakers")
-    if speaker is not None and known is not None \
-            and str(speaker).lower() not in str(known).split(","):
+    known = info.speakers
+    if speaker is not None and known and str(speaker).lower() not in known:
         raise InputError(f"speaker {speaker!r} is unknown (this model has: "
-                         f"{str(known).replace(',', ', ')})", param=key)
+                         f"{', '.join(known)})", param=key)

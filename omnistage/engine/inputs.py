@@ -10,6 +10,7 @@ import torch
 
 from omnistage import registry
 from omnistage.sampling_params import SamplingParams
+from omnistage.stages.info import StageInfo
 
 PromptType = Union[str, dict[str, Any]]
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "multi_modal_data",
@@ -105,7 +106,7 @@ def _encode(text: str, tokenizer: Any) -> list[int]:
     return tokenizer(text, add_special_tokens=True)["input_ids"] if text else []
 
 
-def check_prompt(parsed: ParsedPrompt, info: dict) -> None:
+def check_prompt(parsed: ParsedPrompt, info: StageInfo) -> None:
     """Checks against the entry stage's facts (from its Ready handshake)."""
     if parsed.token_ids is None and parsed.embeds is None:  # text for a text-reading stage
         if not (parsed.text or "").strip():
@@ -114,25 +115,25 @@ def check_prompt(parsed: ParsedPrompt, info: dict) -> None:
     n = parsed.num_tokens
     if n == 0:
         raise ValueError("prompt is empty")
-    max_len = info.get("max_model_len")
+    max_len = info.max_model_len
     if max_len is not None and n >= max_len:
         raise ValueError(f"prompt has {n} tokens, but the model's maximum length is {max_len} "
                          "(room for at least one new token needed)")
-    vocab = info.get("vocab_size")
+    vocab = info.vocab_size
     if vocab is not None and parsed.token_ids is not None:
         bad = [t for t in parsed.token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contains ids outside the vocabulary "
                              f"[0, {vocab}): {bad[:5]}")
-    hidden = info.get("hidden_size")
+    hidden = info.hidden_size
     if parsed.embeds is not None and hidden is not None and parsed.embeds.shape[1] != hidden:
         raise ValueError(f"prompt_embeds has shape {tuple(parsed.embeds.shape)}, expected "
                          f"(num_tokens, {hidden})")
 
 
-def check_params(params: SamplingParams, info: dict) -> None:
+def check_params(params: SamplingParams, info: StageInfo) -> None:
     params.validate()
-    num_layers = info.get("num_hidden_layers")
+    num_layers = info.num_hidden_layers
     top = max(params.output_hidden_layers, default=0)
     if num_layers is not None and top > num_layers:
         raise ValueError(f"output_hidden_layers asks for layer {top}, the model has {num_layers} "

@@ -32,11 +32,13 @@ from omnistage.configs.graph import downstream, stages_needed, topological_order
 from omnistage.configs.schema import GraphConfig, OutputKind
 from omnistage.connectors.base import ChunkKey, Connector
 from omnistage.diffusion.image_input import image_inputs
+from omnistage.payloads import StageInputs
 from omnistage.diffusion_params import DiffusionParams
 from omnistage.outputs import RequestEvent, StageMetrics
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages import adapters
 from omnistage.stages import messages as m
+from omnistage.stages.info import StageInfo
 from omnistage.engine.replicas import Load, ReplicaBook, request_work
 from omnistage.engine.route import EntryInputs, Route, Sink, request_image  # noqa: F401
 from omnistage.engine.stage_set import POLL_MS, StageSet
@@ -72,7 +74,8 @@ class Orchestrator:
         self._closed = False
         self._router: threading.Thread | None = None
         self._inputs: Connector | None = None
-        self.stages = StageSet(graph, device)        # every stage started, or an error
+        self._stages: StageSet | None = None         # None: start-up failed (it cleaned up)
+        self.stages = self._stages = StageSet(graph, device)   # every stage started, or an error
         self.replicas = ReplicaBook(graph, self.stages)
         self.stage_info = self.stages.info
         self._connector = self.stages.connector
@@ -113,7 +116,9 @@ class Orchestrator:
                     multimodal: dict[str, Tensor] | None = None, *,
                     want_progress: bool = False) -> set[str]:
         """Submit a request; returns the stages it will pass through. `multimodal`: tensors
-        the entry stage's model takes besides the prompt (audio features, pixels, ...)."""
+        the entry stage's model takes besides the prompt (audio features, pixels, ...).
+        `want_progress`: the sink gets the per-step progress events too (a diffusion stage
+        sends one per denoising step; a caller that shows no progress is spared them)."""
         if not self.healthy:
             raise RuntimeError(f"engine is unhealthy: {self.dead_reason}")
         finals = {s.final for s in self.graph.stages if s.final}
@@ -122,10 +127,9 @@ class Orchestrator:
         finals_needed = {s.name for s in self.graph.stages
                          if s.name in needed and s.final in wanted}
         entry = EntryInputs(None if prompt_embeds is not None else list(prompt_token_ids or []),
-                            prompt_text, {f"mm.{k}": v for k, v in (multimodal or {}).items()},
+                            prompt_text,
+                            StageInputs(prompt_embeds, dict(multimodal or {})).pack(),
                             *request_image(params))
-        if prompt_embeds is not None:
-            entry.tensors["prompt_embeds"] = prompt_embeds
         now = time.time()
         with self._lock:
             if request_id in self._routes:
@@ -166,7 +170,7 @@ class Orchestrator:
         if isinstance(p, DiffusionParams):
             diffusion, files = diffusion.detach_image()
             tensors.update(image_inputs(files))
-        elif self.stage_info.get(name, {}).get("max_input_images"):
+        elif self.stage_info.get(name, StageInfo()).max_input_images:
             tensors.update(image_inputs(entry.image_files))
         edge = m.edge_key(m.CLIENT, name, self._replica_key(name, replicas))
         inputs = self._inputs.put(ChunkKey(request_id, edge, 0), tensors) if tensors else None
@@ -249,7 +253,8 @@ class Orchestrator:
                             self._replica_back(msg)
                         elif isinstance(msg, m.StartupFailed):
                             logger.error("orchestrator: %s failed to restart: %s",
-                                         self.replicas.who(msg.stage, msg.replica), msg.error)
+                                         self.replicas.who(msg.stage, msg.replica),
+                                         msg.error.message)
                         elif isinstance(msg, m.StageStats):
                             self.replicas.got_stats(msg)
                 # every waiting message read: the beats are current as of now (a wait for
@@ -270,8 +275,8 @@ class Orchestrator:
         with self._lock:
             route = self._routes.get(out.request_id)
             if route is not None:
-                error = f"internal error routing stage {out.stage!r}'s output: {exc!r}"
-                self._fail(route, error, out.stage)
+                self._fail(route, StageError(out.stage, "internal", "internal error routing "
+                                             f"stage {out.stage!r}'s output: {exc!r}"))
 
     def _route(self, out: m.StageOutput) -> None:
         with self._lock:
@@ -282,8 +287,7 @@ class Orchestrator:
                         self._connector.release(out.request_id)
                 return
             if out.error is not None:
-                self._fail(route, f"stage {out.stage!r}: {out.error}", out.stage,
-                           out.invalid_input, out.error_info)
+                self._fail(route, out.error)
                 return
             route.adds.pop(out.stage, None)          # started there
             tensors = None
@@ -292,7 +296,7 @@ class Orchestrator:
                 try:
                     tensors = self._connector.get(client)
                 except KeyError as exc:   # its segment removed (/dev/shm cleared under us)
-                    self._fail(route, f"stage {out.stage!r}: output lost: {exc}", out.stage)
+                    self._fail(route, StageError(out.stage, "internal", f"output lost: {exc}"))
                     return
             if not self._forward(route, out):
                 return
@@ -319,6 +323,9 @@ class Orchestrator:
                 stage_metrics=route.metrics if done else None))
 
     def _forward(self, route: Route, out: m.StageOutput) -> bool:
+        """A stage's output along its edges, as chunks to the downstream stages the request
+        needs (an unchunked edge's text gathered until the stage finishes). False: the
+        request failed (a chunk lost to a dead replica)."""
         for dest, inp in self._downstream[out.stage]:
             if dest.name not in route.needed:
                 continue
@@ -342,15 +349,13 @@ class Orchestrator:
                 out.request_id, out.stage, idx, out.finished, text=text, handle=handle))
         return True
 
-    def _fail(self, route: Route, error: str, stage: str, invalid_input: bool = False,
-              info: StageError | None = None) -> None:
+    def _fail(self, route: Route, error: StageError) -> None:
+        """The request ends with `error` (its stage: the one it names)."""
         if self._routes.pop(route.request_id, None) is None:
             return
         self._free(route.request_id, route.replicas)
-        route.sink(RequestEvent(route.request_id, stage, done=True, finish_reason="error",
-                                error=error, invalid_input=invalid_input,
-                                error_info=info or StageError(stage, "internal", error),
-                                stage_metrics=route.metrics))
+        route.sink(RequestEvent(route.request_id, error.stage, done=True, finish_reason="error",
+                                error=error, stage_metrics=route.metrics))
 
     def _check_liveness(self, read_at: float | None = None) -> None:
         """Fail the requests of replicas found dead. The router also (`read_at`: when it had
@@ -376,7 +381,7 @@ class Orchestrator:
         error = f"{who} died ({how})"
         for route in list(self._routes.values()):     # (the caller holds the lock)
             if route.replicas.get(name) == replica and not self._reroute(route, name):
-                self._fail(route, error, name, info=StageError(name, "stage_dead", error))
+                self._fail(route, StageError(name, "stage_dead", error))
 
     def _reroute(self, route: Route, name: str) -> bool:
         """Send a request the dead replica of `name` had not started to another live one (the
@@ -388,7 +393,7 @@ class Orchestrator:
         """A chunk that went to a replica the request has left: the request fails (True)."""
         error = self.replicas.lost_chunk(route.replicas, dest, handle)
         if error is not None:
-            self._fail(route, error, dest, info=StageError(dest, "stage_dead", error))
+            self._fail(route, StageError(dest, "stage_dead", error))
         return error is not None
 
     def _replica_back(self, msg: m.Ready) -> None:
@@ -419,9 +424,8 @@ class Orchestrator:
             routes, self._routes = list(self._routes.values()), {}
         for route in routes:
             route.sink(RequestEvent(route.request_id, "", done=True, finish_reason="abort",
-                                    error="engine shut down",
-                                    error_info=StageError("", "aborted", "engine shut down")))
-        stages = getattr(self, "stages", None)     # None: start-up failed (it cleaned up)
+                                    error=StageError("", "aborted", "engine shut down")))
+        stages = self._stages
         if stages is not None:
             stages.stop()
         if self._router is not None:

@@ -41,6 +41,7 @@ from omnistage.configs.schema import GraphConfig
 from omnistage.connectors.base import Connector, make_connector
 from omnistage.connectors.shm import new_namespace, sweep
 from omnistage.stages import messages as m
+from omnistage.stages.info import StageInfo
 from omnistage.stages.process import (StageRunner, WorkerSpec, describe_stage, replica_name,
                                       stage_device)
 
@@ -66,7 +67,7 @@ class Host:
 class StageSet:
     def __init__(self, graph: GraphConfig, device: str) -> None:
         self.graph = graph
-        self.info: dict[str, dict] = {}               # each stage's Ready.info (replica 0's)
+        self.info: dict[str, StageInfo] = {}          # each stage's Ready.info (replica 0's)
         self.host = self._join_cluster()              # first: nothing to free if it fails
         self.run_dir = tempfile.mkdtemp(prefix="omnistage-")
         self.shm_namespace = new_namespace()
@@ -170,12 +171,13 @@ class StageSet:
             if self.outputs.poll(POLL_MS):
                 msg = m.decode_from_stage(self.outputs.recv())
                 if isinstance(msg, m.StartupFailed):
-                    raise RuntimeError(f"stage {msg.stage!r} failed to start: {msg.error}")
+                    raise RuntimeError(f"stage {msg.stage!r} failed to start: "
+                                       f"{msg.error.message}")
                 if isinstance(msg, m.Ready):
                     pending.discard((msg.stage, msg.replica))
                     self._place(msg)
                     if msg.replica == 0:
-                        self.info[msg.stage] = dict(msg.info)
+                        self.info[msg.stage] = msg.info
                 continue
             dead = [p for p in pending if not self.runners[p[0]][p[1]].is_alive()]
             if dead and not self.outputs.poll(POLL_MS):   # its last words may be in flight
@@ -184,7 +186,7 @@ class StageSet:
                                    f"{self.runners[name][r].exit_description()} before "
                                    "reporting anything (its traceback, if any, is on stderr)")
         for s in self.graph.stages:
-            logger.info(describe_stage(s.name, s.kind, self.info.get(s.name, {})))
+            logger.info(describe_stage(s.name, s.kind, self.info.get(s.name, StageInfo())))
         self._tell_peers()
 
     def _place(self, msg: m.Ready) -> None:

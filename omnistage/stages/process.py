@@ -35,8 +35,10 @@ import zmq
 
 from omnistage.configs.schema import GraphConfig, StageConfig
 from omnistage.connectors.base import Connector, make_connector
+from omnistage.errors import StageError
 from omnistage.stages import messages as m
 from omnistage.stages import ranks
+from omnistage.stages.info import StageInfo
 # WorkerSpec is re-exported: the engine's stage set imports it here with StageRunner
 from omnistage.stages.launch import WorkerSpec, start_stage_process
 from omnistage.stages.liveness import LivenessThread
@@ -174,7 +176,8 @@ def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector,
         except BaseException as exc:
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             logger.error("stage %s failed to start:\n%s", spec.stage, traceback.format_exc())
-            outbox.send(m.encode(m.StartupFailed(spec.stage, detail, spec.replica)))
+            outbox.send(m.encode(m.StartupFailed(
+                spec.stage, StageError(spec.stage, "internal", detail), spec.replica)))
             return
         if own_process:
             # the model, its graphs and caches live as long as the stage: out of the
@@ -195,15 +198,16 @@ def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector,
         outbox.close()
 
 
-def describe_stage(name: str, kind: str, info: dict) -> str:
+def describe_stage(name: str, kind: str, info: StageInfo) -> str:
     """One line on what a started stage got (logged at start-up)."""
-    if "num_kv_blocks" not in info:
+    if info.num_kv_blocks is None or info.kv_block_size is None:
         return f"stage {name} ({kind}) ready"
-    tokens = info["num_kv_blocks"] * info["kv_block_size"]
-    return (f"stage {name} ({kind}) on {info['device']}, {info['dtype']}: KV cache "
-            f"{info['num_kv_blocks']} blocks of {info['kv_block_size']} = {tokens} tokens "
-            f"({info['kv_cache_gib']:g} GiB), max_model_len {info['max_model_len']}, CUDA "
-            f"graphs for decode batch sizes: {info['cuda_graphs']}")
+    tokens = info.num_kv_blocks * info.kv_block_size
+    graphs = ",".join(map(str, info.cuda_graphs)) or "none"
+    return (f"stage {name} ({kind}) on {info.device}, {info.dtype}: KV cache "
+            f"{info.num_kv_blocks} blocks of {info.kv_block_size} = {tokens} tokens "
+            f"({info.kv_cache_gib:g} GiB), max_model_len {info.max_model_len}, CUDA "
+            f"graphs for decode batch sizes: {graphs}")
 
 
 def _clean_after_parent(spec: WorkerSpec) -> None:

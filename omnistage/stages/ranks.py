@@ -79,8 +79,8 @@ def check_parallel_layouts(graph: GraphConfig, device_kind: str) -> None:
 def check_heads_divide(stage: StageConfig, model: str | None) -> None:
     """The checkpoint's heads split evenly over the stage's ranks: an AR model's query heads
     over tensor_parallel_size (its key/value heads split or replicate); a diffusion stage's
-    whole layout is its pipeline's to check (stages/diffusion.py). Only config files are read;
-    a model not found here is left to the engine's start-up."""
+    whole layout is its pipeline's to check (stages/diffusion_component.py). Only config
+    files are read; a model not found here is left to the engine's start-up."""
     from omnistage.models.loader import resolve_model_path
 
     try:
@@ -90,7 +90,7 @@ def check_heads_divide(stage: StageConfig, model: str | None) -> None:
     if path is None:
         return
     if stage.kind == "diffusion":
-        from omnistage.stages.diffusion import check_parallel_layout
+        from omnistage.stages.diffusion_component import check_parallel_layout
 
         check_parallel_layout(stage, str(path))
         return

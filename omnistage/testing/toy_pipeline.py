@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from omnistage.payloads import TokenDelta
 from omnistage.registry import Component, ModelFamily, register_family
 from omnistage.stages.adapters import EdgeData, StageFeed, hidden_to_embeds, register_adapter
 
@@ -35,7 +36,8 @@ class TokenEmbedder(nn.Module):
     def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],
                  is_last: list[bool]) -> list[dict[str, Tensor]]:
         # one lookup over the whole batch, split back per request
-        ids = [x.get("token_ids", torch.empty(0, dtype=torch.int64)) for x in inputs]
+        deltas = [TokenDelta.unpack(x) for x in inputs]
+        ids = [torch.tensor(d.token_ids if d else [], dtype=torch.int64) for d in deltas]
         flat = torch.cat(ids).to(self.table.device)
         vecs = self.table[flat].split([len(i) for i in ids])
         return [{"vectors": v.cpu()} if len(v) else {} for v in vecs]
@@ -59,14 +61,17 @@ stages:
   - name: first
     kind: ar
     final: text
-    output_hidden_layers: [2]
-    max_num_batched_tokens: 32
-    sampling: {{temperature: 0.0, max_tokens: {max_tokens}, ignore_eos: true}}
+    ar:
+      output_hidden_layers: [2]
+      max_num_batched_tokens: 32
+      sampling: {{temperature: 0.0, max_tokens: {max_tokens}, ignore_eos: true}}
   - name: second
     kind: ar
-    replicas: {second_replicas}
+    placement:
+      replicas: {second_replicas}
     inputs: [{{from: first, adapter: {adapter}, chunked: {c}}}]
-    sampling: {{temperature: 0.0, max_tokens: {max_tokens}, ignore_eos: true}}
+    ar:
+      sampling: {{temperature: 0.0, max_tokens: {max_tokens}, ignore_eos: true}}
   - name: vectors
     kind: generation
     component: token_embedder

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from omnistage import Omni
-from omnistage.configs.schema import StageConfig
+from omnistage.configs.schema import ARSettings, Placement, StageConfig
 from omnistage.outputs import RequestEvent
 from omnistage.testing.processes import alive
 from omnistage.testing.toy_pipeline import toy_graph_yaml
@@ -71,9 +71,9 @@ def test_a_killed_replica_fails_only_its_requests(tiny_qwen3: Path) -> None:
             last = evs[-1]
             if placed[rid] == 1:
                 assert last.finish_reason == "error", (rid, last)
-                assert "stage 'second' replica 1 died" in last.error, last.error
-                assert last.error_info.kind == "stage_dead"
-                assert last.error_info.stage == "second"
+                assert "stage 'second' replica 1 died" in str(last.error), last.error
+                assert last.error.kind == "stage_dead"
+                assert last.error.stage == "second"
             else:
                 assert last.error is None and last.finish_reason is not None, (rid, last)
                 assert sum(len(e.tensors["vectors"]) for e in evs if e.tensors) == 200
@@ -106,7 +106,7 @@ def test_a_stage_with_no_live_replica_makes_the_engine_unhealthy(tiny_qwen3: Pat
 
 def test_a_dead_replica_is_restarted_and_serves_again(tiny_qwen3: Path) -> None:
     yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, max_tokens=12, second_replicas=2)
-    yaml_text = yaml_text.replace("    replicas: 2\n", "    replicas: 2\n    max_restarts: 1\n")
+    yaml_text = yaml_text.replace("      replicas: 2\n", "      replicas: 2\n      max_restarts: 1\n")
     with Omni(stage_config=yaml_text, device="cpu") as omni:
         orch = omni.engine.orchestrator
         old = orch.stages.replica_pids["second"][1]
@@ -127,14 +127,15 @@ def test_a_dead_replica_is_restarted_and_serves_again(tiny_qwen3: Path) -> None:
 
 def test_replica_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="replicas"):
-        StageConfig(name="s", kind="ar", replicas=0)
+        Placement(replicas=0)
     with pytest.raises(ValueError, match="replica_devices"):
-        StageConfig(name="s", kind="ar", replicas=2, replica_devices=[[0]])
-    stage = StageConfig(name="s", kind="ar", replicas=2, replica_devices=[[0], [1]])
+        Placement(replicas=2, replica_devices=[[0]])
+    stage = StageConfig(name="s", kind="ar",
+                        placement=Placement(replicas=2, replica_devices=[[0], [1]]))
     assert stage.devices_of(1) == (1,)
-    assert StageConfig(name="s", kind="ar", devices=[2], replicas=2).devices_of(1) == (2,)
+    assert Placement(devices=[2], replicas=2).devices_of(1) == (2,)
     with pytest.raises(ValueError, match="max_restarts"):
-        StageConfig(name="s", kind="ar", max_restarts=-1)
+        Placement(max_restarts=-1)
 
 
 def test_requests_a_dead_replica_had_not_started_go_to_another(tiny_qwen3: Path) -> None:
@@ -172,7 +173,8 @@ def test_the_router_weighs_the_steps_requests_ask_for() -> None:
     from omnistage.engine.replicas import ReplicaBook, request_work
     from omnistage.sampling_params import SamplingParams
 
-    ar = StageConfig(name="talker", kind="ar", replicas=2, sampling={"max_tokens": 300})
+    ar = StageConfig(name="talker", kind="ar", placement=Placement(replicas=2),
+                     ar=ARSettings(sampling={"max_tokens": 300}))
     assert request_work(ar, SamplingParams(max_tokens=1024)) == 1024
     assert request_work(ar, None) == 300                       # the stage's default
     assert request_work(StageConfig(name="v", kind="generation"), None) == 1

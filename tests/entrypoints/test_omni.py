@@ -74,7 +74,7 @@ def test_bad_prompts_raise_before_scheduling_and_engine_keeps_serving(omni: Omni
                        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                        "bystander", None, events.append)
     info = omni.engine.orchestrator.stage_info["llm"]
-    too_long = list(range(5)) * (info["max_model_len"] // 5 + 1)
+    too_long = list(range(5)) * (info.max_model_len // 5 + 1)
     cases = [
         ("", "empty"),
         ({"prompt_token_ids": []}, "empty"),
@@ -142,7 +142,7 @@ def test_process_backend_matches_inproc(omni: Omni, tiny_qwen3: Path) -> None:
     ref = omni.generate(prompts, params)
     # the default: a stage process, shm; a vLLM keyword reaches the stage
     with Omni(str(tiny_qwen3), device="cpu", max_model_len=96) as proc:
-        assert proc.engine.orchestrator.stage_info["llm"]["max_model_len"] == 96
+        assert proc.engine.orchestrator.stage_info["llm"].max_model_len == 96
         got = proc.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert [o.text for o in got] == [o.text for o in ref]
@@ -155,8 +155,8 @@ def speech(tmp_path_factory: pytest.TempPathFactory) -> Omni:
     ckpt = build_tiny_qwen3_omni(tmp_path_factory.mktemp("omni"))
     # small code2wav chunks: a streamed answer arrives in several audio updates
     with Omni(str(ckpt), device="cpu", backend="inproc", connector="inproc",
-              stage_overrides=["code2wav.options.chunk_frames=4",
-                               "code2wav.options.first_chunk_frames=4"]) as omni:
+              stage_overrides=["code2wav.generation.options.chunk_frames=4",
+                               "code2wav.generation.options.first_chunk_frames=4"]) as omni:
         yield omni
 
 
@@ -362,12 +362,13 @@ def test_vllm_engine_keywords(tiny_qwen3: Path) -> None:
     keywords = {"gpu_memory_utilization": 0.6, "max_model_len": 4096, "max_num_seqs": 8,
                 "dtype": "float32", "enforce_eager": True, "seed": 3,
                 "trust_remote_code": False}
-    got = apply_keywords(graph, keywords, ["thinker.max_num_seqs=4"])
+    got = apply_keywords(graph, keywords, ["thinker.ar.max_num_seqs=4"])
     thinker, talker = got.stage("thinker"), got.stage("talker")
-    assert (thinker.memory_fraction, thinker.max_model_len, thinker.max_num_seqs) == (
-        0.6, 4096, 4)
-    assert (talker.memory_fraction, talker.max_model_len) == (0.12, None)
-    assert all(s.dtype == "float32" and s.enforce_eager and s.seed == 3 for s in got.stages)
+    assert (thinker.placement.memory_fraction, thinker.ar.max_model_len,
+            thinker.ar.max_num_seqs) == (0.6, 4096, 4)
+    assert (talker.placement.memory_fraction, talker.ar.max_model_len) == (0.12, None)
+    assert all(s.dtype == "float32" for s in got.stages)
+    assert all(s.ar.enforce_eager and s.ar.seed == 3 for s in got.stages if s.kind == "ar")
     assert apply_keywords(graph, {"max_model_len": None}) is graph
     with pytest.raises(TypeError, match=r"'max_num_seq'.*did you mean 'max_num_seqs'"):
         Omni(str(tiny_qwen3), device="cpu", max_num_seq=4)

@@ -174,7 +174,7 @@ def _graph(args: argparse.Namespace) -> GraphConfig:
 def _save_images(out: OmniOutput, folder: Path) -> list[str]:
     from omnistage.utils.images import encode_image
 
-    pixels = out.tensors.get("images")
+    pixels = out.pixels
     if pixels is None:
         return []
     folder.mkdir(parents=True, exist_ok=True)

@@ -103,7 +103,7 @@ class RequestHandle:
         snap = self.out.apply(await self.queue.get())
         metrics = self.client.metrics
         if metrics is not None:
-            if not self.seen_audio and "audio" in snap.delta_tensors:
+            if not self.seen_audio and snap.delta_audio is not None:
                 self.seen_audio = True
                 metrics.observe_first_audio(self.out)
             if snap.finished:
@@ -178,16 +178,16 @@ class EngineClient:
     @property
     def max_model_len(self) -> int | None:
         info = self.engine.orchestrator.stage_info
-        lens = [info[n]["max_model_len"] for n in self.entry if "max_model_len" in info.get(n, {})]
-        return int(min(lens)) if lens else None
+        lens = [info[n].max_model_len for n in self.entry if n in info]
+        return min((n for n in lens if n is not None), default=None)
 
     @property
     def foreign_backend(self) -> dict[str, str]:
         """{"backend", "pipeline"} of the first stage that runs its model outside omnistage's
         own code (the generic diffusers adapter says so in its stage info); {} if none."""
         for info in self.engine.orchestrator.stage_info.values():
-            if "backend" in info:
-                return {"backend": str(info["backend"]), "pipeline": str(info.get("pipeline"))}
+            if info.backend is not None:
+                return {"backend": info.backend, "pipeline": str(info.pipeline)}
         return {}
 
     def stage_stats(self, timeout_s: float = 2.0) -> dict[str, StageStats]:
@@ -349,7 +349,7 @@ class EngineClient:
         if out.finish_reason == "abort":
             return APIError(503, f"the request was aborted: {out.error or 'engine shut down'}",
                             code="engine_shutdown")
-        info = out.error_info
+        info = out.error
         if info is not None and info.kind == "invalid_input":   # a stage refused the input
             err = from_value_error(InputError(info.message, info.param), None)
             err.param, err.code = err.param or param, "invalid_input"

@@ -39,10 +39,10 @@ def log_request(out: OmniOutput, model_name: str, status: str | None = None) -> 
     if m.num_prompt_tokens or m.num_output_tokens:    # an image request has no tokens
         fields += [f"prompt_tokens={m.num_prompt_tokens}",
                    f"output_tokens={m.num_output_tokens}"]
-    if "images" in out.tensors:
-        fields.append(f"images={out.tensors['images'].shape[0]}")
-    if "audio" in out.tensors and out.sample_rate:
-        fields.append(f"audio={out.tensors['audio'].numel() / out.sample_rate:.2f}s")
+    if out.pixels is not None:
+        fields.append(f"images={out.pixels.shape[0]}")
+    if out.audio is not None and out.sample_rate:
+        fields.append(f"audio={out.audio.size / out.sample_rate:.2f}s")
     fields += [f"ttft={_seconds(m.time_to_first_token)}",
                f"e2e={_seconds(m.e2e_latency or time.time() - m.arrival_time)}",
                f"status={status}"]

@@ -51,10 +51,8 @@ _RTF = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
 def request_status(out: OmniOutput) -> str:
     """How a finished request ended: stop / length / abort, "error" for a failure in the
     engine, "invalid_input" for input a stage refused (the client's fault: a 4xx)."""
-    info = out.error_info
     if out.finish_reason == "error" or out.error is not None:
-        return "invalid_input" if out.invalid_input or (
-            info is not None and info.kind == "invalid_input") else "error"
+        return "invalid_input" if out.invalid_input else "error"
     return out.finish_reason or "unknown"
 
 
@@ -154,7 +152,7 @@ class ServerMetrics:
         status = request_status(out)
         self.finished.labels(status).inc()
         if status == "error":
-            self.engine_errors.labels(name, out.error_info.stage if out.error_info else "").inc()
+            self.engine_errors.labels(name, out.error.stage if out.error else "").inc()
         elif status != "invalid_input":
             self.v_success.labels(name, status).inc()
         for counter in (self.prompt_tokens, self.v_prompt.labels(name)):
@@ -187,14 +185,14 @@ class ServerMetrics:
         for stage, kind in self.finals.items():
             if stage not in out.stage_metrics:
                 continue
-            if kind == "audio" and out.sample_rate and "audio" in out.tensors:
-                seconds = out.tensors["audio"].numel() / out.sample_rate
+            if kind == "audio" and out.sample_rate and out.audio is not None:
+                seconds = out.audio.size / out.sample_rate
                 self.audio_seconds.labels(self.model_name, stage).inc(seconds)
                 if seconds > 0 and out.metrics.e2e_latency is not None:
                     self.audio_rtf.labels(self.model_name, stage).observe(
                         out.metrics.e2e_latency / seconds)
-            elif kind == "image" and "images" in out.tensors:
-                self.images.labels(self.model_name, stage).inc(out.tensors["images"].shape[0])
+            elif kind == "image" and out.pixels is not None:
+                self.images.labels(self.model_name, stage).inc(out.pixels.shape[0])
 
     # -- at scrape -------------------------------------------------------------------------------
     def render(self, stage_stats: dict[str, StageStats] | None, healthy: bool,

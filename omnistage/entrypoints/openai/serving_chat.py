@@ -50,6 +50,7 @@ from omnistage.entrypoints.openai.protocol import (AudioData, ChatChoice, ChatCh
 from omnistage.entrypoints.openai.streaming import (DONE, EventStream, SpeechDeltas, sse,
                                                     sse_comment, sse_error)
 from omnistage.outputs import CompletionOutput, OmniOutput
+from omnistage.payloads import AudioChunk
 from omnistage.utils.audio import encode_audio_b64, to_pcm16
 from omnistage.utils.images import encode_image_b64
 
@@ -77,15 +78,12 @@ _UNSUPPORTED = {"tools": ("tool calling", []), "tool_choice": ("tool calling", "
 
 def audio_of(tensors: dict[str, Tensor], default_rate: int | None = None
              ) -> tuple[Tensor, int] | None:
-    """The waveform and rate in a final output's tensors, if any (the rate: a "sample_rate"
-    tensor, else what the model reported at start-up, else DEFAULT_SAMPLE_RATE)."""
-    wave = tensors.get("audio")
-    if wave is None:
+    """The waveform and rate in an output's tensors, if any (the rate: the AudioChunk's,
+    else what the model reported at start-up, else DEFAULT_SAMPLE_RATE)."""
+    audio = AudioChunk.unpack(tensors)
+    if audio is None or audio.samples is None:
         return None
-    rate = tensors.get("sample_rate")
-    if rate is not None:
-        return wave, int(rate.flatten()[0])
-    return wave, default_rate or DEFAULT_SAMPLE_RATE
+    return audio.samples, audio.sample_rate or default_rate or DEFAULT_SAMPLE_RATE
 
 
 class ChatServing:
@@ -229,7 +227,7 @@ class ChatServing:
                       ) -> ChatChoice:
         """Choice `c.index`: one of the request's n completions."""
         message = ResponseMessage(content=c.text)
-        images = c.tensors.get("images")
+        images = c.pixels
         if images is not None:
             message.content = await run_in_threadpool(_image_parts, images)
         if fmt is not None:      # OpenAI's shape: the text is the transcript, content null
@@ -309,7 +307,7 @@ class ChatServing:
     async def _end_choice(self, c: CompletionOutput, speech: SpeechDeltas | None,
                           chunk: Callable[..., str]) -> AsyncIterator[str]:
         """A finished choice's last chunks: its images, its audio's end, its finish."""
-        images = c.tensors.get("images")
+        images = c.pixels
         if images is not None:
             parts = await run_in_threadpool(_image_parts, images)
             yield chunk(DeltaMessage(content=parts), index=c.index)

@@ -158,7 +158,7 @@ class ImageServing:
             if err.param in ("height", "width"):
                 err.param = "size"
             raise
-        pixels = out.tensors.get("images")
+        pixels = out.pixels
         if pixels is None:
             raise APIError(500, "the model finished without an image", code="engine_error")
         quality = max(1, req.output_compression) if req.output_compression is not None else 90
