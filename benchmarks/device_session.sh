@@ -46,7 +46,7 @@ if [[ $STAGES == *layer* ]]; then
     # the one-kernel-a-layer path: its tests, then single stream with it (tile configs from
     # LAYER_CONFIGS, "MAX_TILE,WARPS" each) and without it (the per-op kernels), same machine
     timeout 300 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
-        -q -x tests/layers/test_triton_decoder_layer.py tests/gpu/test_ar_cuda.py -k layer_kernel \
+        -q -x tests/golden/layers/test_triton_decoder_layer.py tests/gpu/test_ar_cuda.py -k layer_kernel \
         2>&1 | tee "$OUT/layer_tests.txt" | tail -15
     for cfg in "--no-layer-kernel" "--layer-kernel" ${LAYER_CONFIGS:-}; do
         flags=$cfg

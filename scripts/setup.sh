@@ -32,7 +32,7 @@ if [ "$WITH_TESTS" = 0 ]; then
 fi
 $PY -m pip install -q -e ".[test,ray]"
 
-# The playground's browser test (tests/entrypoints/openai/test_playground_browser.py): headless
+# The playground's browser test (tests/system/entrypoints/openai/test_playground_browser.py): headless
 # Chromium and its driver from Debian's packages (selenium comes with the test extras), as root
 # or through passwordless sudo. Where neither can install them the test skips naming what is
 # missing, so a failed install warns and goes on.

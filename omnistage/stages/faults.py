@@ -1,5 +1,5 @@
 """Faults a test injects into a running stage worker: an out-of-memory error raised in its
-next step, or its next step hung for some seconds (tests/engine/test_fault_matrix.py).
+next step, or its next step hung for some seconds (tests/system/engine/test_fault_matrix.py).
 
 Inert unless the stage process starts with OMNISTAGE_FAULT_DIR set (read once, when the worker
 is built): then, before each step, the worker looks for a file named after one of its faults,

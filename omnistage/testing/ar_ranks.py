@@ -1,4 +1,4 @@
-"""Targets of tests/ar/test_tensor_parallel.py, run on each rank by omnistage.testing.ranks
+"""Targets of tests/golden/ar/test_tensor_parallel.py, run on each rank by omnistage.testing.ranks
 (or in the test process itself, with one rank, for the reference): every rank builds the same
 AR engine over its shard of a tiny checkpoint; rank 0 serves requests arriving over several
 steps and returns what they produced, the others follow its plans.

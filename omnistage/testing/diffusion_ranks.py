@@ -1,4 +1,4 @@
-"""Rank bodies for the parallel diffusion tests (tests/diffusion/test_parallel.py,
+"""Rank bodies for the parallel diffusion tests (tests/system/diffusion/test_parallel.py,
 test_sd3_pipeline.py), run on CPU gloo ranks by `omnistage.testing.ranks.run_ranks` (or in the
 test's process for one rank), and the tiny Qwen-Image, Z-Image, FLUX and Wan folders they load.
 

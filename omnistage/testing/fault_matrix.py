@@ -1,4 +1,4 @@
-"""The fault-injection matrix's machinery (tests/engine/test_fault_matrix.py): a running engine
+"""The fault-injection matrix's machinery (tests/system/engine/test_fault_matrix.py): a running engine
 under load, one fault injected into one stage, and what followed, measured.
 
     load = Load(omni, prompts, params)         a few long requests submitted at once

@@ -4,7 +4,7 @@ caller's to patch: a capture runs the forward pass twice, warm-up and "recording
 CUDA; a replay reruns it on the static buffers), `emulate_decode_graphs(engine)` gives an AR
 engine `DecodeGraphs` and an attention backend whose decode batches read only device tensors,
 as a replayed graph must (lengths, slots and tables from the buffers, no host lists).
-tests/ar/test_cuda_graphs.py uses the same capture with Triton's kernels in its interpreter.
+tests/golden/ar/test_cuda_graphs.py uses the same capture with Triton's kernels in its interpreter.
 """
 
 from __future__ import annotations

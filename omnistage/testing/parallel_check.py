@@ -1,5 +1,5 @@
 """Runs the tensor-parallel layers (layers/parallel.py, and their FP8 forms) on R CPU ranks over gloo against the
-same layers' single-rank results, for tests/layers/test_parallel.py (through
+same layers' single-rank results, for tests/unit/layers/test_parallel.py (through
 omnistage.testing.ranks.run_ranks): every rank loads the whole checkpoint tensors through the
 layers' loaders and returns the largest difference of each check."""
 

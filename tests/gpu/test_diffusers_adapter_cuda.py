@@ -2,7 +2,7 @@
 off: two requests batched into one diffusers call on the call's own thread equal diffusers'
 own call on CUDA for each alone (CPU generators, as the adapter gives each request). What this
 catches is placement (the call's thread on the wrong device, generators on the wrong one);
-numerics are tests/diffusion/test_diffusers_adapter.py's."""
+numerics are tests/golden/diffusion/test_diffusers_adapter.py's."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ MIB = 2**20
 @pytest.fixture(scope="module")
 def flux(tmp_path_factory: pytest.TempPathFactory):
     pytest.importorskip("diffusers")
-    path = Path(__file__).parents[1] / "diffusion" / "test_flux_pipeline.py"
+    path = Path(__file__).parents[1] / "golden" / "diffusion" / "test_flux_pipeline.py"
     spec = importlib.util.spec_from_file_location("_gpu_flux_memory", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

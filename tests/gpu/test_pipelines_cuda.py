@@ -26,7 +26,7 @@ CHAT = [{"role": "user", "content": "Hello world, what is the weather today?"}]
 
 
 def _load_test_module(name: str):
-    path = Path(__file__).parents[1] / "diffusion" / f"{name}.py"
+    path = Path(__file__).parents[1] / "golden" / "diffusion" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"_gpu_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,6 +1,6 @@
 """GPU-only (skipped without CUDA): the SD3 pipeline on CUDA against diffusers'
 StableDiffusion3Pipeline on CUDA, float32 with TF32 off, on the tiny folder of
-tests/diffusion/test_sd3_pipeline.py: served through `Omni` (its transformer forwards replayed
+tests/golden/diffusion/test_sd3_pipeline.py: served through `Omni` (its transformer forwards replayed
 from CUDA graphs, on by default on CUDA), and in-process with skip-layer guidance. What these
 catch is placement and graph capture, not numerics, which the CPU golden test pins down."""
 
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.usefixtures("no_tf32"), pytest.mark.gpu,
 
 
 def _golden_module():
-    path = Path(__file__).parents[1] / "diffusion" / "test_sd3_pipeline.py"
+    path = Path(__file__).parents[1] / "golden" / "diffusion" / "test_sd3_pipeline.py"
     spec = importlib.util.spec_from_file_location("_gpu_test_sd3_pipeline", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -2,7 +2,7 @@
 float32 with TF32 off, through the engine: A14B with two requests on different experts in
 one batch, TI2V with a first-image request and a text one in one batch. What this catches is
 placement (a mask, a row index or the image latents left on the CPU), not numerics, which
-tests/diffusion/test_wan22_pipeline.py pins down."""
+tests/golden/diffusion/test_wan22_pipeline.py pins down."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.usefixtures("no_tf32"), pytest.mark.gpu,
 
 
 def _cpu_test_module():
-    path = Path(__file__).parents[1] / "diffusion" / "test_wan22_pipeline.py"
+    path = Path(__file__).parents[1] / "golden" / "diffusion" / "test_wan22_pipeline.py"
     spec = importlib.util.spec_from_file_location("_gpu_test_wan22_pipeline", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
