@@ -313,6 +313,21 @@ class StageInputs:
         mm = {k[len(MM):]: v for k, v in tensors.items() if k.startswith(MM)}
         return cls(tensors.get(PROMPT_EMBEDS), mm, input_image_files(mm))
 
+    @classmethod
+    def of_files(cls, files: list[bytes]) -> StageInputs:
+        """A request's input image files, still encoded, as they ride in a connector."""
+        return cls(images=tuple(file_tensor(f) for f in files))
+
+
+def file_tensor(data: bytes) -> Tensor:
+    """An image file's bytes as a uint8 tensor (nbytes,): how the file rides in a connector."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def file_bytes(tensor: Tensor) -> bytes:
+    """The image file back from its `file_tensor`."""
+    return tensor.numpy().tobytes()
+
 
 def image_key(i: int) -> str:
     """Input image `i`'s name among a stage's multimodal inputs: image, image.1, image.2..."""

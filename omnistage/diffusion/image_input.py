@@ -10,7 +10,7 @@ diffusion engine when the request is added; the pipeline's `validate` / `prepare
 image (`image=`), and a pipeline's size rule reads the decoded image or the file's header.
 
     front door          orchestrator                         diffusion stage
-    peek_image(file) -> connector.put(image_inputs(files)) -> attach_image(image_files(...))
+    peek_image(file) -> connector.put(StageInputs.of_files(files)) -> attach_image(image_files(...))
                         AddRequest(params + ImageRef,        -> engine: decode_image, once
                                    inputs=handle)
 """
@@ -26,25 +26,16 @@ from torch import Tensor
 
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.errors import InputError
-from omnistage.payloads import StageInputs, input_image_files
+from omnistage.payloads import (StageInputs, file_bytes,
+                                input_image_files)
 from omnistage.utils.images import MAX_INPUT_PIXELS, peek_image   # (re-exported)
 from omnistage.diffusion.solvers.flow_match_euler import scale_noise, timesteps_for_strength
-
-
-def file_tensor(data: bytes) -> Tensor:
-    """An image file's bytes as a uint8 tensor (nbytes,): how the file rides in a connector."""
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def file_bytes(tensor: Tensor) -> bytes:
-    """The image file back from its `file_tensor`."""
-    return tensor.numpy().tobytes()
 
 
 def image_inputs(files: list[bytes]) -> dict[str, Tensor]:
     """A request's input image files as the stage inputs they travel as (a packed
     payloads.StageInputs)."""
-    return StageInputs(images=tuple(file_tensor(f) for f in files)).pack()
+    return StageInputs.of_files(files).pack()
 
 
 def image_files(multimodal: dict[str, Tensor]) -> list[bytes]:

@@ -31,7 +31,6 @@ from torch import Tensor
 from omnistage.configs.graph import downstream, stages_needed, topological_order, validate_graph
 from omnistage.configs.schema import GraphConfig, OutputKind
 from omnistage.connectors.base import ChunkKey, Connector
-from omnistage.diffusion.image_input import image_inputs
 from omnistage.payloads import StageInputs
 from omnistage.diffusion_params import DiffusionParams
 from omnistage.outputs import RequestEvent, StageMetrics
@@ -169,9 +168,9 @@ class Orchestrator:
         diffusion = p if isinstance(p, DiffusionParams) else entry.image
         if isinstance(p, DiffusionParams):
             diffusion, files = diffusion.detach_image()
-            tensors.update(image_inputs(files))
+            tensors.update(StageInputs.of_files(files).pack())
         elif self.stage_info.get(name, StageInfo()).max_input_images:
-            tensors.update(image_inputs(entry.image_files))
+            tensors.update(StageInputs.of_files(entry.image_files).pack())
         edge = m.edge_key(m.CLIENT, name, self._replica_key(name, replicas))
         inputs = self._inputs.put(ChunkKey(request_id, edge, 0), tensors) if tensors else None
         return m.AddRequest(request_id, p if isinstance(p, SamplingParams) else None, diffusion,

@@ -13,10 +13,8 @@ import omnistage
 PACKAGE = Path(omnistage.__file__).parent
 FRONT_DOOR = PACKAGE / "engine" / "request.py"
 STAGE_KINDS = {"diffusion", "ar", "generation"}
-# imports on their way out, by another change under way: (file, subpackage). The input image
-# files' packing (diffusion/image_input.py `image_inputs`) moves into payloads.py (item 1);
-# then this set is empty and must stay so.
-PENDING = {("engine/orchestrator.py", "diffusion")}
+# exceptions (file, subpackage): none, and none should come back
+PENDING: set[tuple[str, str]] = set()
 
 
 def stage_params_calls(path: Path) -> list[int]:
