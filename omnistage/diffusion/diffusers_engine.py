@@ -32,6 +32,7 @@ from omnistage.diffusion.diffusers_pipeline import DiffusersPipeline
 from omnistage.diffusion.engine import DiffusionResult
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.outputs import StageMetrics
+from omnistage.errors import StageError
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,8 @@ class DiffusersEngine:
         if call.error is not None or call.images is None:
             error = (f"{type(call.error).__name__}: {call.error}" if call.error is not None
                      else "the diffusers call returned no images")
-            return [DiffusionResult(r.request_id, None, True, 1.0, error) for _, r in live]
+            return [DiffusionResult(r.request_id, None, True, 1.0, StageError.internal(error))
+                    for _, r in live]
         done = time.time()
         return [DiffusionResult(
             r.request_id, call.images[i], True, 1.0, metrics=StageMetrics(

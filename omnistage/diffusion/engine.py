@@ -41,6 +41,7 @@ from omnistage.diffusion.pipeline import DiffusionPipeline
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.layers.groups import StageRanks, stage_ranks
 from omnistage.outputs import StageMetrics
+from omnistage.errors import StageError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class DiffusionResult:
     images: Tensor | None             # uint8 (num_images, H, W, C) once finished
     finished: bool
     progress: float
-    error: str | None = None
+    error: StageError | None = None   # internal: its message says what failed
     metrics: StageMetrics | None = None
 
 
@@ -181,7 +182,8 @@ class DiffusionEngine:
         for r in batch:
             r.first_step_time = r.first_step_time or now
         failed = self._step_isolating(batch)
-        results = [DiffusionResult(r.request_id, None, True, r.progress, failed[r.request_id])
+        results = [DiffusionResult(r.request_id, None, True, r.progress,
+                                   StageError.internal(failed[r.request_id]))
                    for r in batch if r.request_id in failed]
         for rid in failed:
             del self.requests[rid]
@@ -194,7 +196,8 @@ class DiffusionEngine:
             self.followed.discard(r.request_id)        # the others drop it as they finish it
             images = self._decode(r)
             if isinstance(images, str):
-                results.append(DiffusionResult(r.request_id, None, True, 1.0, images))
+                results.append(DiffusionResult(r.request_id, None, True, 1.0,
+                                               StageError.internal(images)))
                 continue
             done = time.time()
             metrics = StageMetrics(

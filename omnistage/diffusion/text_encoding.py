@@ -23,6 +23,7 @@ from torch import Tensor
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import PromptEncoder
 from omnistage.outputs import StageMetrics
+from omnistage.errors import StageError
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class TextEncodingRequest:
 class TextEncodingResult:
     request_id: str
     tensors: dict[str, Tensor]         # the conditioning; empty on error
-    error: str | None = None
+    error: StageError | None = None
     metrics: StageMetrics | None = None
 
 
@@ -87,7 +88,8 @@ class TextEncodingEngine:
         self.num_batches_run += 1
         done = time.time()
         assert len(conds) == len(batch), (len(conds), len(batch))
-        return [TextEncodingResult(r.request_id, {}, cond) if isinstance(cond, str)
+        return [TextEncodingResult(r.request_id, {}, StageError.internal(cond))
+                if isinstance(cond, str)
                 else TextEncodingResult(r.request_id, cond, metrics=StageMetrics(
                     queue_time=start - r.arrival_time, encode_time=done - start,
                     num_batched_requests=len(batch)))

@@ -9,7 +9,6 @@ from __future__ import annotations
 from omnistage.configs.schema import StageConfig
 from omnistage.diffusion.diffusers_engine import DiffusersEngine
 from omnistage.diffusion.diffusers_pipeline import BACKEND, DiffusersPipeline
-from omnistage.errors import StageError
 from omnistage.payloads import final_pixels
 from omnistage.stages.adapters import StageFeed
 from omnistage.stages.diffusion_component import (check_options, check_parallel_layout,
@@ -69,6 +68,6 @@ class DiffusersStage:
                             payload=final_pixels(r.images, self.is_video),
                             finished=r.finished,
                             finish_reason=("error" if r.error else "stop") if r.finished else None,
-                            error=StageError.internal(r.error) if r.error else None,
+                            error=r.error,
                             engine_metrics=r.metrics, progress=r.progress)
                 for r in self.engine.step()]

@@ -13,7 +13,6 @@ from omnistage.diffusion.memory import CudaProbe, MemoryBudget
 from omnistage.diffusion.pipeline import DiffusionPipeline, compile_blocks
 from omnistage.layers.fp8 import quantize_fp8
 from omnistage.layers.groups import stage_ranks
-from omnistage.errors import StageError
 from omnistage.payloads import final_pixels
 from omnistage.stages.adapters import StageFeed
 from omnistage.stages.diffusion_component import (check_options, check_parallel_layout,
@@ -130,7 +129,7 @@ class DiffusionStage:
                             payload=final_pixels(r.images, self.is_video),
                             finished=r.finished,
                             finish_reason=("error" if r.error else "stop") if r.finished else None,
-                            error=StageError.internal(r.error) if r.error else None,
+                            error=r.error,
                             engine_metrics=r.metrics, progress=r.progress)
                 for r in self.engine.step()]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from omnistage.configs.schema import StageConfig
 from omnistage.diffusion.text_encoding import TextEncodingEngine
-from omnistage.errors import StageError
 from omnistage.payloads import ModelTensors, Payload
 from omnistage.stages.adapters import StageFeed
 from omnistage.stages.diffusion_component import (check_parallel_layout, check_quantization,
@@ -62,6 +61,6 @@ class TextEncoderStage:
     def step(self) -> list[StageResult]:
         return [StageResult(r.request_id, payload=Payload(named=ModelTensors.unpack(r.tensors)),
                             finished=True, finish_reason="error" if r.error else "stop",
-                            error=StageError.internal(r.error) if r.error else None,
+                            error=r.error,
                             engine_metrics=r.metrics)
                 for r in self.engine.step()]

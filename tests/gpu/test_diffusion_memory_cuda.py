@@ -128,7 +128,7 @@ def test_a_real_out_of_memory_fails_its_request_alone(flux) -> None:
         done |= run(engine)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    assert done["big"].error.startswith("out of memory: this request alone (4 image(s)"), \
+    assert done["big"].error.message.startswith("out of memory: this request alone (4 image(s)"), \
         done["big"].error
     assert done["after"].error is None
     assert torch.cuda.memory_allocated() <= before + MIB    # the failed step left nothing

@@ -20,6 +20,7 @@ PAYLOAD_MODULES = [*sorted((PACKAGE / "stages").glob("*.py")),
                    *sorted((PACKAGE / "generation").glob("*.py")),
                    PACKAGE / "outputs.py", PACKAGE / "engine" / "orchestrator.py",
                    PACKAGE / "diffusion" / "image_input.py",
+                   PACKAGE / "diffusion" / "pipelines" / "glm_image.py",
                    *sorted((PACKAGE / "testing").glob("toy_*.py"))]
 # everywhere else (models/ and the diffusion pipelines name their own tensors): no key read
 # from an output's `tensors` / `delta_tensors`
@@ -32,10 +33,9 @@ NOT_TENSOR_KEYS = {
     ("stages/qwen3_tts.py", "'speaker'"): "a SpeechRequest field",
     ("outputs.py", "'num_prompt_tokens'"): "RequestMetrics.as_dict's field",
 }
-ERROR_SCOPE = [*sorted((PACKAGE / "stages").glob("*.py")),
-               *sorted((PACKAGE / "engine").glob("*.py")),
-               *sorted((PACKAGE / "generation").glob("*.py")),
-               PACKAGE / "outputs.py", PACKAGE / "ar" / "sequence.py", PACKAGE / "errors.py"]
+ERROR_SCOPE = [*(p for floor in ("ar", "diffusion", "generation", "stages", "engine")
+                 for p in sorted((PACKAGE / floor).rglob("*.py"))),
+               PACKAGE / "outputs.py", PACKAGE / "errors.py"]
 
 
 def _is_key(node: ast.AST) -> bool:

@@ -51,6 +51,7 @@ from omnistage.diffusion.pipelines.qwen_image import pad_captions
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import flow_match_euler as solver
 from omnistage.models.autoencoder_kl import AutoencoderKL
+from omnistage.payloads import CONDITION_GRIDS, CONDITION_TOKEN_IDS, TOKEN_IDS
 from omnistage.models.glm_image import MAX_CONDITION_IMAGES, TOKEN_FACTOR, target_grids
 from omnistage.models.glm_image_transformer import GlmImageTransformer2DModel
 from omnistage.models.text_encoders import T5Encoder
@@ -196,8 +197,7 @@ class GlmImagePipeline(LatentPipelineBase):
         {"prior_token_ids": (1, N)}: the target grid's tokens upsampled 2x to the patches,
         and for an edit "image_kv" (`condition_kv`)."""
         images = input_images(params)
-        expected = {"token_ids"} | ({"condition_token_ids", "condition_grids"} if images
-                                    else set())
+        expected = {TOKEN_IDS} | ({CONDITION_TOKEN_IDS, CONDITION_GRIDS} if images else set())
         if set(tensors) != expected:
             raise ValueError(f"conditioning: expected tensors {sorted(expected)} (the AR "
                              f"stage's visual tokens), got {sorted(tensors)}")
@@ -205,11 +205,11 @@ class GlmImagePipeline(LatentPipelineBase):
         start = 0 if images else ph * pw            # t2i writes its preview grid first
         what = (f"the {th}x{tw} image" if images
                 else f"a {ph}x{pw} preview, then the {th}x{tw} image")
-        grid = self._codes(tensors["token_ids"], start, th * tw, "token_ids", what)
+        grid = self._codes(tensors[TOKEN_IDS], start, th * tw, TOKEN_IDS, what)
         out = {"prior_token_ids": upsample_tokens(grid, th, tw).to(self.device)}
         if images:
-            out["image_kv"] = self.condition_kv(images, tensors["condition_token_ids"],
-                                                tensors["condition_grids"])
+            out["image_kv"] = self.condition_kv(images, tensors[CONDITION_TOKEN_IDS],
+                                                tensors[CONDITION_GRIDS])
         return out
 
     def _codes(self, ids: Tensor, start: int, count: int, key: str, what: str) -> Tensor:
@@ -234,7 +234,7 @@ class GlmImagePipeline(LatentPipelineBase):
             raise ValueError(f"conditioning['condition_grids']: expected ({len(images)}, 2) "
                              f"for {len(images)} condition images, got {tuple(grids.shape)}")
         sizes = [int(h) * int(w) for h, w in grids.tolist()]
-        codes = self._codes(token_ids, 0, sum(sizes), "condition_token_ids",
+        codes = self._codes(token_ids, 0, sum(sizes), CONDITION_TOKEN_IDS,
                             f"{len(images)} condition images' grids").split(sizes)
         multiple = self.vae_scale_factor * self.transformer.cfg.patch_size
         kvs = []

@@ -149,7 +149,7 @@ def test_a_failing_call_fails_its_requests_and_the_engine_goes_on() -> None:
     for rid in ("fail", "with it"):
         engine.add_request(rid, rid, params(1, height=8, width=8, guidance_scale=None))
     results = run_whole_calls(engine)
-    assert {rid: rs[-1].error for rid, rs in results.items()} == {
+    assert {rid: rs[-1].error.message for rid, rs in results.items()} == {
         "fail": "RuntimeError: the pipeline broke", "with it": "RuntimeError: the pipeline broke"}
     engine.add_request("next", "next", params(1, height=8, width=8, guidance_scale=None))
     assert run_whole_calls(engine)["next"][-1].images is not None

@@ -175,7 +175,7 @@ def test_served_through_omni_by_its_default_graph(
         assert out.error is None and out.images[0].size == (64, 72)
         assert (out.tensors["images"].int() - expected.int()).abs().max() <= 1
         (bad,) = omni.generate("a red cube", DiffusionParams(height=33, width=32))
-        assert bad.finish_reason == "error" and "multiple of" in bad.error
+        assert bad.finish_reason == "error" and "multiple of" in str(bad.error)
 
 
 def test_large_reference_is_prepared_as_diffusers_does() -> None:

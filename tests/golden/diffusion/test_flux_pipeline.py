@@ -129,7 +129,7 @@ def test_served_through_omni_by_its_default_graph(
                                                              num_inference_steps=2, seed=1))
         assert out.error is None and out.images[0].size == (32, 32)
         (bad,) = omni.generate("a red cube", DiffusionParams(height=33, width=32))
-        assert bad.finish_reason == "error" and "multiple of" in bad.error
+        assert bad.finish_reason == "error" and "multiple of" in str(bad.error)
 
 
 def test_image_to_image_matches_diffusers(pair: tuple[diffusers.FluxPipeline, FluxPipeline],

@@ -243,7 +243,7 @@ def test_served_through_omni_by_its_default_graph(
             negative_prompt=" ", seed=1))
         assert out.error is None and out.images[0].size == (SIZE, SIZE)
         (bad,) = omni.generate("a red cube", DiffusionParams(height=65, width=64))
-        assert bad.finish_reason == "error" and "multiple of" in bad.error
+        assert bad.finish_reason == "error" and "multiple of" in str(bad.error)
 
 
 @pytest.mark.parametrize("negative, cfg", [(None, 1.0), (NEGATIVE, 4.0)],

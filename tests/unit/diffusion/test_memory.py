@@ -152,8 +152,8 @@ def test_out_of_memory_fails_the_request_that_alone_does_not_fit(
     for rid in ("a", "hog", "b"):
         engine.add_request(rid, "a 5", DiffusionParams(num_inference_steps=2, seed=1))
     done = run(engine)
-    assert done["hog"].error.startswith("out of memory: this request alone (1 image(s)")
-    assert "memory_fraction" in done["hog"].error and device.num_frees >= 1
+    assert done["hog"].error.message.startswith("out of memory: this request alone (1 image(s)")
+    assert "memory_fraction" in done["hog"].error.message and device.num_frees >= 1
     engine.add_request("c", "a 5", DiffusionParams(num_inference_steps=2, seed=1))
     done |= run(engine)
     assert [done[rid].error for rid in "abc"] == [None] * 3
@@ -169,7 +169,7 @@ def test_an_out_of_memory_step_fails_its_requests_only(digits: DigitsPipeline) -
     device.fail_next = 4                                # the step, then each request alone
     done = run(engine)
     for rid in ("r0", "r1", "r2"):
-        assert done[rid].error.startswith("out of memory: this request alone"), done[rid].error
+        assert done[rid].error.message.startswith("out of memory: this request alone"), done[rid].error
     assert done["r3"].error is None and device.num_frees == 4
     assert not engine.has_unfinished_requests
 
@@ -188,7 +188,7 @@ def test_an_out_of_memory_decode_fails_its_request_only(digits: DigitsPipeline,
     for i, seed in enumerate((13, 14)):
         engine.add_request(f"r{i}", "a 5", DiffusionParams(num_inference_steps=2, seed=seed))
     done = run(engine)
-    assert done["r0"].error == "OutOfMemoryError: Tried to allocate 9 GiB"
+    assert done["r0"].error.message == "OutOfMemoryError: Tried to allocate 9 GiB"
     assert done["r1"].error is None and device.num_frees == 1
 
 

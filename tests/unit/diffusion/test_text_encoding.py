@@ -29,7 +29,7 @@ def test_a_poisoned_prompt_fails_alone() -> None:
     for rid, prompt in (("a", "one"), ("bad", "poison"), ("b", "three")):
         engine.add_request(rid, prompt, DiffusionParams())
     results = {r.request_id: r for r in engine.step()}
-    assert "poisoned prompt" in results["bad"].error and not results["bad"].tensors
+    assert "poisoned prompt" in str(results["bad"].error) and not results["bad"].tensors
     assert results["a"].error is None and results["a"].tensors["prompt_embeds"][0, 0] == 3
     assert results["b"].error is None and results["b"].tensors["prompt_embeds"][0, 0] == 5
     assert not engine.has_unfinished_requests
