@@ -82,7 +82,7 @@ class Load:
         last = {rid: evs[-1] for rid, evs in self.events.items()}
         return Outcome({rid: "ok" if e.error is None else e.error.kind
                         for rid, e in last.items()},
-                       {rid: e.error for rid, e in last.items() if e.error},
+                       {rid: str(e.error) for rid, e in last.items() if e.error},
                        self.health_at_failure, time.monotonic() - started)
 
 

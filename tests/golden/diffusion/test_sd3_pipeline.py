@@ -273,14 +273,14 @@ def test_served_through_omni_by_its_default_and_split_graphs(pair: Pair) -> None
 
 
 def test_skip_layer_guidance_as_a_stage_option(pair: Pair, tmp_path: Path) -> None:
-    """The default graph with `options: {skip_layer_guidance: ...}`: diffusers' images with
-    the same skip-layer guidance (and T5's default 256 tokens); a bad option fails the start,
+    """The default graph with `diffusion: {options: {skip_layer_guidance: ...}}`: diffusers'
+    images with the same skip-layer guidance (and T5's default 256 tokens); a bad option fails the start,
     naming it."""
     from omnistage import Omni
 
     ref, _, folder = pair
     graph = (Path(__file__).parents[3] / "omnistage" / "configs" / "sd3.yaml").read_text()
-    option = "    options: {skip_layer_guidance: {layers: %s, start: 0.1, stop: 0.7}}\n"
+    option = "      options: {skip_layer_guidance: {layers: %s, start: 0.1, stop: 0.7}}\n"
     (tmp_path / "slg.yaml").write_text(graph + option % "[1]")
     expected = reference(ref, "pt", skip_guidance_layers=[1], skip_layer_guidance_start=0.1,
                          skip_layer_guidance_stop=0.7, max_sequence_length=256)  # the default

@@ -108,8 +108,8 @@ class Engine:
 
     def __init__(self, graph: str, model: str | None, fault_dir: Path) -> None:
         overrides = [f"{s}.{k}" for s in STAGES[graph]
-                     for k in ("max_restarts=100", f"step_timeout_s={STEP_TIMEOUT_S:g}",
-                               f"liveness_timeout_s={LIVENESS_TIMEOUT_S:g}")]
+                     for k in ("placement.max_restarts=100", f"timeouts.step_s={STEP_TIMEOUT_S:g}",
+                               f"timeouts.liveness_s={LIVENESS_TIMEOUT_S:g}")]
         self.graph, self.fault_dir = graph, fault_dir
         self.omni = Omni(model, device="cpu", stage_overrides=overrides,
                          tensor_parallel_size=2 if graph == "text_tp2" else 1)
