@@ -19,7 +19,9 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from omnistage.entrypoints.openai.vllm_fields import merge_extra_body
 
 AudioFormat = Literal["wav", "pcm16", "flac", "mp3", "opus"]
 ImageFormat = Literal["png", "jpeg", "webp"]
@@ -136,7 +138,7 @@ class AudioOutput(Request):
 
 
 class ChatCompletionRequest(SamplingExtras):
-    model: str
+    model: str | None = None         # None: the served model (vLLM-Omni's clients omit it)
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     modalities: Annotated[list[Modality], Field(min_length=1)] | None = None
     audio: AudioOutput | None = None
@@ -168,6 +170,26 @@ class ChatCompletionRequest(SamplingExtras):
     # vLLM(-Omni)'s processor switches: use_audio_in_video false is what runs here (accepted);
     # anything else is refused naming the key
     mm_processor_kwargs: dict[str, Any] | None = None
+    # vLLM-Omni's diffusion fields (vllm_fields.py maps them to DiffusionParams); a body-level
+    # `extra_body` object is merged in before validation
+    extra_body: dict[str, Any] | None = None
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    guidance_scale_2: float | None = None
+    true_cfg_scale: float | None = None
+    negative_prompt: str | None = None
+    num_outputs_per_prompt: int | None = None
+    num_frames: int | None = None
+    fps: float | None = None
+    boundary_ratio: float | None = None
+    flow_shift: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_extra_body(cls, data: Any) -> Any:
+        return merge_extra_body(data)
 
 
 class AudioData(BaseModel):

@@ -47,6 +47,7 @@ from omnistage.entrypoints.openai.protocol import (AudioData, ChatChoice, ChatCh
                                                    ChatCompletionResponse, ChoiceLogprobs,
                                                    DeltaMessage, ResponseMessage, TokenLogprob,
                                                    TopLogprob, Usage)
+from omnistage.entrypoints.openai.vllm_fields import diffusion_fields, refuse_on_text_model
 from omnistage.entrypoints.openai.streaming import (DONE, EventStream, SpeechDeltas, sse,
                                                     sse_comment, sse_error)
 from omnistage.outputs import CompletionOutput, OmniOutput
@@ -143,6 +144,7 @@ class ChatServing:
 
     # -- checks ----------------------------------------------------------------------------------
     def _text_fields(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        refuse_on_text_model(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return openai_sampling_fields(req, max_tokens, logprobs)
@@ -208,7 +210,8 @@ class ChatServing:
         if req.n != 1:
             raise bad_request(f"n={req.n}: one choice per request; ask for more images with "
                               "sampling_params_list [{\"num_images\": N}]", "n")
-        return {"seed": req.seed} if req.seed is not None else {}
+        fields = diffusion_fields(req)     # vLLM-Omni's names (vllm_fields.py)
+        return {**fields, "seed": req.seed} if req.seed is not None else fields
 
     # -- answers ---------------------------------------------------------------------------------
     async def _full(self, req: ChatCompletionRequest, handle: RequestHandle, fmt: str | None
