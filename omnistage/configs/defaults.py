@@ -38,7 +38,7 @@ def stage_config_text(stage_config: str | Path) -> str:
     """`--stage-config` / `stage_config=` as YAML text: a file; else a packaged graph by name
     ("z_image_split" or "z_image_split.yaml", an existing file of that name wins); else YAML
     text itself. A one-line value without ':' is a name, never YAML: unknown, it is refused."""
-    if Path(str(stage_config)).is_file():
+    if _is_file(stage_config):
         return Path(stage_config).read_text()
     text = str(stage_config)
     if "\n" in text or ":" in text:
@@ -50,6 +50,12 @@ def stage_config_text(stage_config: str | Path) -> str:
                      f"(packaged: {', '.join(packaged_graphs())})")
 
 
+def _is_file(value: str | Path) -> bool:
+    """Whether `value` names a file; YAML text (several lines, maybe longer than a file name
+    may be) never does."""
+    return "\n" not in str(value) and Path(str(value)).is_file()
+
+
 def resolve_graph(model: str | None, model_path: Path | None, stage_config: str | Path | None,
                   overrides: list[str] | tuple[str, ...] = (),
                   **engine_kw: object) -> GraphConfig:
@@ -58,8 +64,7 @@ def resolve_graph(model: str | None, model_path: Path | None, stage_config: str 
     stage, then `overrides`."""
     if stage_config is not None:
         text = stage_config_text(stage_config)
-        where = str(stage_config) if Path(str(stage_config)).is_file() or "\n" not in str(
-            stage_config) else "stage_config"
+        where = str(stage_config) if "\n" not in str(stage_config) else "stage_config"
     else:
         text, where = default_graph_text(model_path), "default graph"
     doc = load_yaml(text, where) or {}       # a syntax error names where, line and column

@@ -28,6 +28,7 @@ from typing import AsyncIterator, Callable
 from omnistage import registry
 from omnistage.configs.defaults import resolve_graph
 from omnistage.configs.schema import GraphConfig, OutputKind
+from omnistage.configs.vllm_stage_config import stage_configs_yaml
 from omnistage.diffusion_params import DiffusionParams
 from omnistage.engine.chat import is_chat, render_chat
 from omnistage.engine.engine_args import apply_keywords
@@ -55,11 +56,17 @@ Prepared = tuple[ParsedPrompt, dict[str, StageParams]]
 class AsyncOmni:
     def __init__(self, model: str | None = None, *, stage_config: str | Path | None = None,
                  stage_overrides: list[str] | tuple[str, ...] = (), device: str = "auto",
-                 graph: GraphConfig | None = None, **engine_kw: object) -> None:
+                 graph: GraphConfig | None = None, stage_configs_path: str | Path | None = None,
+                 **engine_kw: object) -> None:
         """`engine_kw`: vLLM's engine keywords (gpu_memory_utilization, max_model_len, dtype,
         ...) and stage keys, applied as stage overrides (engine_args.py); TypeError on any
-        other."""
+        other. `stage_configs_path`: a vLLM-Omni stage config, translated (in place of
+        `stage_config`)."""
         quiet_known_noise()   # transformers' warnings about our models' valid configs
+        if stage_configs_path is not None:
+            if stage_config is not None:
+                raise ValueError("stage_config and stage_configs_path both given: pass one")
+            stage_config = stage_configs_yaml(stage_configs_path)
         model_path = resolve_model_path(model) if model is not None else None
         if graph is None:
             graph = resolve_graph(str(model_path) if model_path else None, model_path,

@@ -34,7 +34,6 @@ FOREIGN_FLAGS: dict[str, str] = {
     "--reasoning-parser": "not supported: a model's reasoning stays in the answer's content",
     "--tool-call-parser": "not supported: tool calling",
     "--enable-auto-tool-choice": "not supported: tool calling",
-    "--stage-configs-path": "vLLM-Omni's name: use --stage-config FILE",
     "--swap-space": "not needed: preempted requests are recomputed, never swapped",
     "--cpu-offload-gb": "not supported: weights are not offloaded; lower memory use with "
                         "--gpu-memory-utilization or --dtype",
@@ -42,11 +41,14 @@ FOREIGN_FLAGS: dict[str, str] = {
                       "as MODEL",
     "--revision": "not supported: pass the folder of the revision as MODEL",
     "--load-format": "not needed: weights are read from the checkpoint's safetensors files",
-    "--limit-mm-per-prompt": "use --max-media-parts (media parts of one chat request)",
+    "--limit-mm-per-prompt": "not supported per modality: use --max-media-parts N (media parts "
+                             "of one chat request, all modalities together)",
     "--speculative-config": "not supported: speculative decoding",
     "--enable-lora": "not supported: LoRA adapters",
     "--lora-modules": "not supported: LoRA adapters",
 }
+# flags of vLLM with a counterpart of the same meaning here under another name
+VLLM_ALIASES: dict[str, str] = {"--allowed-local-media-path": "--allowed-media-dirs"}
 HINT_CUTOFF = 0.75   # difflib ratio of the names without dashes; below it a hint misleads
 
 
@@ -74,6 +76,18 @@ def closest_flag(name: str, parser: argparse.ArgumentParser) -> str | None:
     flags = {f.lstrip("-"): f for f in parser._option_string_actions if f.startswith("--")}
     hint = difflib.get_close_matches(name.lstrip("-"), list(flags), n=1, cutoff=HINT_CUTOFF)
     return flags[hint[0]] if hint else None
+
+
+def rename_aliases(argv: list[str]) -> list[str]:
+    """argv with vLLM's names of our flags (VLLM_ALIASES) as ours, `--x=v` too; not after
+    `--`."""
+    out: list[str] = []
+    for i, token in enumerate(argv):
+        if token == "--":
+            return out + argv[i:]
+        name, eq, value = token.partition("=")
+        out.append(VLLM_ALIASES[name] + eq + value if name in VLLM_ALIASES else token)
+    return out
 
 
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32",
@@ -121,7 +135,7 @@ def _tokens(path: str, key: str, value: object, parser: argparse.ArgumentParser)
     name = key.replace("_", "-")
     if name == "model":
         return [f"{FILE_MODEL_FLAG}={value}"]
-    flag = "--" + name
+    flag = VLLM_ALIASES.get("--" + name, "--" + name)
     action = parser._option_string_actions.get(flag)
     if name in ("config", "help", "version") or flag == FILE_MODEL_FLAG:
         raise ConfigError(f"{path}: {key}: not a flag a --config file can set")

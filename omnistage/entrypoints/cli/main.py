@@ -18,7 +18,7 @@ import sys
 import yaml
 
 from omnistage.entrypoints.cli import bench, generate, serve
-from omnistage.entrypoints.cli.flags import Parser, expand_config, suggest
+from omnistage.entrypoints.cli.flags import Parser, expand_config, rename_aliases, suggest
 
 
 def version() -> str:
@@ -43,6 +43,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """argv (without the program name) as a namespace: `--config FILE` expanded, an unknown
     flag refused with the closest real one (SystemExit 2, as argparse does)."""
     parser, commands = build_parser()
+    argv = rename_aliases(argv)   # vLLM's names of our flags
     if argv and argv[0] in commands:
         argv = expand_config(argv, commands[argv[0]])
     args, unknown = parser.parse_known_args(argv)

@@ -69,7 +69,13 @@ def build_graph(args: argparse.Namespace, model_path: Path | None) -> GraphConfi
     from omnistage.configs.parse import load_yaml
     from omnistage.entrypoints.cli import stage_flags
 
-    if args.stage_config is not None and Path(args.stage_config).is_file():
+    if args.stage_configs_path is not None:   # vLLM-Omni's stage_args file, translated
+        from omnistage.configs.vllm_stage_config import stage_configs_yaml
+
+        if args.stage_config is not None:
+            raise ValueError("--stage-config and --stage-configs-path both given: pass one")
+        args.stage_config = stage_configs_yaml(args.stage_configs_path)
+    elif args.stage_config is not None and Path(args.stage_config).is_file():
         load_yaml(Path(args.stage_config).read_text(), args.stage_config)  # names file + line
     model = str(model_path) if model_path else None
     base = resolve_graph(model, model_path, args.stage_config, args.stage_override)

@@ -164,6 +164,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stage-config", default=None,
                    help="stage-graph YAML (or a packaged graph's name) replacing the model "
                         "type's default graph")
+    g.add_argument("--stage-configs-path", default=None, metavar="FILE",
+                   help="a vLLM-Omni stage config (stage_args YAML), translated to the stage "
+                        "graph (docs/migration-vllm-omni.md)")
     g.add_argument("--stage-override", action="append", default=[], metavar="STAGE.KEY=VALUE",
                    help="change one field of the graph, e.g. llm.ar.max_num_seqs=8 (repeatable; "
                         "wins over the engine flags below)")

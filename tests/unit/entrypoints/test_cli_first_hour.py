@@ -32,7 +32,7 @@ def test_an_argument_error_is_one_line(capsys: pytest.CaptureFixture) -> None:
     ("--reasoning-parser", "reasoning stays in the answer's content"),
     ("--kv-cache-dtype", "the KV cache takes the stage's dtype"),
     ("--pipeline-parallel-size", "a model runs as a graph of stages"),
-    ("--stage-configs-path", "use --stage-config"),
+    ("--limit-mm-per-prompt", "use --max-media-parts N"),
 ])
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_vllm_flags_we_lack_get_their_own_sentence(command: str, flag: str, words: str,
