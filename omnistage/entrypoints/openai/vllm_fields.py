@@ -24,12 +24,11 @@ DIFFUSION_FIELDS = {"height": "height", "width": "width",
 # accepted, with no effect here (logged): the pipeline's own schedule decides them
 UNUSED_FIELDS = {"boundary_ratio": "Wan2.2's expert switch follows the model's config",
                  "flow_shift": "the scheduler's shift follows the model's config"}
-VLLM_ONLY = frozenset(DIFFUSION_FIELDS) | frozenset(UNUSED_FIELDS) | {"extra_body"}
 
 
 def merge_extra_body(data: Any) -> Any:
     """A body's `extra_body` object merged into the body: its keys as if top-level. The
-    merged body keeps `extra_body: {}` so that the request still reads as vLLM-Omni's."""
+    merged body keeps `extra_body: {}`: that the request came in vLLM-Omni's form."""
     if not isinstance(data, dict) or "extra_body" not in data:
         return data
     extra = data["extra_body"]
@@ -45,12 +44,6 @@ def merge_extra_body(data: Any) -> Any:
             raise bad_request("extra_body.extra_body: not nested", "extra_body.extra_body")
     return {**{k: v for k, v in data.items() if k != "extra_body"}, **extra,
             "extra_body": {}}
-
-
-def is_vllm_form(req: Any) -> bool:
-    """Whether a chat request was sent in vLLM-Omni's form (extra_body or one of its own
-    fields)."""
-    return any(name in req.model_fields_set for name in VLLM_ONLY)
 
 
 def diffusion_fields(req: Any) -> dict[str, Any]:
