@@ -54,6 +54,7 @@ from omnistage.entrypoints.openai.errors import APIError, bad_request, check_mod
 from omnistage.entrypoints.openai.json_body import parse_json
 from omnistage.entrypoints.openai.protocol_speech import SpeechSession
 from omnistage.entrypoints.openai.serving_speech import ENCODING, SpeechServing
+from omnistage.entrypoints.openai.speech_stream_vllm import VllmSpeechStream, is_vllm_first
 from omnistage.utils.audio import AudioEncoder
 
 logger = logging.getLogger(__name__)
@@ -93,15 +94,48 @@ class SpeechStream:
             await self.ws.close(1008)
             return
         self.buffer.max_chars = min(CLAUSE_MAX_CHARS, spec.max_input_chars)
+        first = await self._first()
+        if first is None:
+            return
+        if is_vllm_first(first[1]):        # vLLM-Omni's dialect (speech_stream_vllm.py)
+            await VllmSpeechStream(self.ws, self.serving, self.model_name,
+                                   self.buffer.max_chars).run(first[1])
+            return
         self.speaker = asyncio.create_task(self._speak())
         try:
-            await self._receive()
+            if await self._dispatch(first[0]):
+                await self._receive()
         finally:
             self._abort_all()
             self.speaker.cancel()
             await asyncio.gather(self.speaker, return_exceptions=True)
 
     # -- client messages -------------------------------------------------------------------------
+    async def _first(self) -> tuple[str | None, object] | None:
+        """The first message (its text and its JSON, which picks the dialect); None: gone."""
+        try:
+            message = await self.ws.receive()
+        except (WebSocketDisconnect, RuntimeError):
+            return None
+        if message["type"] == "websocket.disconnect":
+            return None
+        raw = message.get("text")
+        try:
+            return raw, json.loads(raw) if raw is not None else None
+        except ValueError:
+            return raw, None
+
+    async def _dispatch(self, raw: str | None) -> bool:
+        """One message handled; False once the session failed."""
+        try:
+            await self._handle(raw)
+        except APIError as err:
+            if err.status >= 500 or err.status == 429:
+                await self._fail(err)
+                return False
+            await self._send({"type": "error", "error": err.body()["error"]})
+        return True
+
     async def _receive(self) -> None:
         while True:
             try:
@@ -110,13 +144,8 @@ class SpeechStream:
                 return
             if message["type"] == "websocket.disconnect":
                 return
-            try:
-                await self._handle(message.get("text"))
-            except APIError as err:
-                if err.status >= 500 or err.status == 429:
-                    await self._fail(err)
-                    return
-                await self._send({"type": "error", "error": err.body()["error"]})
+            if not await self._dispatch(message.get("text")):
+                return
 
     async def _handle(self, raw: str | None) -> None:
         msg = parse_json(raw) if raw is not None else None    # None: a binary frame
