@@ -5,7 +5,8 @@
 
 Every row comes from a field of `GraphConfig` / `StageConfig` and their sub-records
 (omnistage/configs/records.py): its path, type, default, the `help` of its metadata, and the
-`omnistage serve` flag that sets it on the main stage. tests/configs/test_config_doc.py fails
+`omnistage serve` flag that sets it on the main stage; then the server's settings
+(omnistage/configs/server.py), each with its flag. tests/configs/test_config_doc.py fails
 when the page and the tree disagree, so the reference cannot drift.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from omnistage.configs.engine_flags import FieldDoc, fields_of, record_of
 from omnistage.configs.schema import GraphConfig, StageConfig
+from omnistage.configs.server import ServerSettings, server_flags
 from omnistage.configs.strict import _describe, to_dict
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
@@ -30,7 +32,8 @@ or `generation`) is filled with its defaults when not written, and a record of a
 refused. A key of the old flat form (`max_num_seqs` on the stage) fails with its new place
 (`stages[0].max_num_seqs: moved to stages[0].ar.max_num_seqs`). The flag column names the
 `omnistage serve` flag (and `Omni(...)` keyword, its name with underscores) that sets the key
-on the main stage, or the keyword alone where `serve` has no flag."""
+on the main stage, or the keyword alone where `serve` has no flag. The server's settings
+(`omnistage/configs/server.py`) are the flags of `omnistage serve` that set no stage key."""
 
 
 def _default(row: FieldDoc) -> str:
@@ -52,6 +55,17 @@ def _row(row: FieldDoc, prefix: str) -> str:
     return f"| `{prefix}{row.path}` | {kind} | {_default(row)} | {flag} | {row.help} |"
 
 
+def server_rows() -> list[str]:
+    """One row per server flag: its settings field, type, default, flag and help."""
+    by_field = {f.name: f for f in dataclasses.fields(ServerSettings)}
+    rows = []
+    for flag in server_flags():
+        f = by_field[flag.field]
+        row = FieldDoc(flag.field, flag.hint, f.default, flag.help, flag.flag)
+        rows.append(_row(row, ""))
+    return rows
+
+
 def render() -> str:
     """The generated section, markers included."""
     head = "| key | type | default | flag | meaning |\n|---|---|---|---|---|"
@@ -59,7 +73,8 @@ def render() -> str:
              and r.path != "stages"]
     stage = [_row(r, "stages[].") for r in fields_of(StageConfig)]
     return "\n".join([START, INTRO, "", "### The graph", "", head, *graph, "",
-                      "### A stage (`stages[]`)", "", head, *stage, END])
+                      "### A stage (`stages[]`)", "", head, *stage, "",
+                      "### The server (`omnistage serve`)", "", head, *server_rows(), END])
 
 
 def updated(text: str) -> str:

@@ -1,15 +1,19 @@
-"""Issue 39.4's rules for the stage configuration: StageConfig holds sub-records, not the flat
-knobs they own, and an old flat key is refused with its new path."""
+"""Issue 39.4's rules for the configuration: StageConfig holds sub-records, not the flat knobs
+they own, and an old flat key is refused with its new path; every flag of `serve` is read off
+the config tree (the server's off ServerSettings), none written by hand for a config field."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from omnistage.configs.engine_flags import engine_flags, fields_of
 from omnistage.configs.parse import ConfigError, load_graph_yaml
 from omnistage.configs.schema import MOVED, StageConfig
+from omnistage.configs.server import ServerSettings, server_flags
 
 # what a stage itself says: what it runs, what it reads and where its output goes, its dtype,
 # and one field per sub-record
@@ -54,3 +58,64 @@ def test_every_flag_sets_a_field_of_the_tree() -> None:
     paths = {row.path for row in fields_of()}
     for flag in engine_flags():
         assert set(flag.paths.values()) <= paths, flag.name
+
+
+# ---- the server flags: read off ServerSettings' fields, none written by hand in cli/ -------
+
+CLI = Path(__file__).resolve().parents[2] / "omnistage" / "entrypoints" / "cli"
+# flags of the server process that set no settings field (serve.py reads them)
+PROCESS_FLAGS = {"--api-key-file", "--ssl-certfile", "--ssl-keyfile", "--uvicorn-log-level"}
+# the flags of `omnistage bench` are a client's (the server it calls, that server's key)
+CLIENT_MODULES = {"bench_args.py", "bench.py"}
+
+
+def server_group_flags() -> dict[str, str]:
+    """flag -> dest of every flag in the "server" group of `omnistage serve`."""
+    import argparse
+
+    from omnistage.entrypoints.cli.serve_args import add_server_args
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    group = next(g for g in parser._action_groups if g.title == "server")
+    return {a.option_strings[0]: a.dest for a in group._group_actions}
+
+
+def test_every_server_flag_comes_from_a_server_settings_field() -> None:
+    fields = {f.name for f in dataclasses.fields(ServerSettings)}
+    derived = {f.flag: f.field for f in server_flags()}
+    flags = server_group_flags()
+    assert set(flags) == set(derived) | PROCESS_FLAGS
+    for flag, dest in flags.items():
+        if flag not in PROCESS_FLAGS:
+            assert dest in fields and derived[flag] == dest, flag
+    assert not {d for f, d in flags.items() if f in PROCESS_FLAGS} & fields
+
+
+def hand_written_config_flags(source: str) -> list[str]:
+    """The `add_argument` calls of `source` whose flag or dest names a ServerSettings field
+    with a flag (`model` is the positional MODEL, not a flag)."""
+    fields = {f.field for f in server_flags()}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "add_argument"):
+            continue
+        names = [a.value.lstrip("-").replace("-", "_") for a in node.args
+                 if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        names += [k.value.value for k in node.keywords if k.arg == "dest"
+                  and isinstance(k.value, ast.Constant)]
+        found += [n for n in names if n in fields]
+    return found
+
+
+def test_no_cli_module_writes_a_server_flag_by_hand() -> None:
+    for path in sorted(CLI.glob("*.py")):
+        if path.name in CLIENT_MODULES:
+            continue
+        assert not hand_written_config_flags(path.read_text()), path.name
+
+
+def test_the_hand_written_check_is_not_vacuous() -> None:
+    src = 'g.add_argument("--max-queue", type=int)\ng.add_argument("--x", dest="port")\n'
+    assert hand_written_config_flags(src) == ["max_queue", "port"]

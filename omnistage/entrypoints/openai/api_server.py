@@ -24,7 +24,7 @@ import contextlib
 import functools
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
@@ -32,8 +32,8 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from omnistage.entrypoints.openai.client import (DEFAULT_MAX_PENDING_PREP, DEFAULT_PREP_WORKERS,
-                                                 EngineClient)
+from omnistage.configs.server import ServerSettings
+from omnistage.entrypoints.openai.client import EngineClient
 from omnistage.entrypoints.openai.errors import (bad_request, check_model,
                                                  install_error_handlers)
 from omnistage.entrypoints.openai.json_body import StrictJSONRoute
@@ -75,85 +75,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "omnistage-demo"
-_VIDEO_LIMITS = VideoLimits()
-_REALTIME_LIMITS = RealtimeLimits()
-_MEDIA = MediaPolicy()
-_CONNECTIONS = ConnectionLimits()
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
 
 
 @dataclass(frozen=True, slots=True)
-class ServerConfig:
-    model: str | None = None
-    served_model_name: str | None = None      # None: the model as given, or "omnistage-demo"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    open_metrics: bool = False                # /metrics without the API key (for scrapers)
-    max_queue: int = 256                      # requests in flight before 429
-    allowed_media_dirs: tuple[str, ...] = ()
-    allow_remote_media: bool = False
-    max_body_bytes: int = 64 << 20
-    max_media_bytes: int = 20 << 20
-    # what a request's media may take before anything is decoded (media.py; docs/deployment.md)
-    max_image_pixels: int = _MEDIA.max_image_pixels
-    max_request_pixels: int = _MEDIA.max_request_pixels
-    max_audio_seconds: float = _MEDIA.max_audio_seconds
-    max_input_video_frames: int = _MEDIA.max_video_frames
-    max_media_parts: int = _MEDIA.max_media_parts
-    max_message_parts: int = _MEDIA.max_message_parts
-    # the preparation pool (prep_pool.py): threads, and requests queued or running there
-    prep_workers: int = DEFAULT_PREP_WORKERS
-    max_pending_prep: int = DEFAULT_MAX_PENDING_PREP
-    # slow clients (slow_clients.py): header and body deadlines, connections per address
-    header_timeout_s: float = _CONNECTIONS.header_timeout_s
-    body_timeout_s: float = _CONNECTIONS.body_timeout_s
-    max_connections_per_client: int = _CONNECTIONS.max_connections_per_client
-    allowed_origins: tuple[str, ...] = ()     # CORS; empty: no CORS headers
-    chat_template: str | None = None          # template text (the CLI reads the file)
-    # what a chat answers with when a request names no `modalities`; empty: OpenAI's default
-    # (text; image for an image model). ("text", "audio") is vLLM-Omni's default for omni models
-    default_modalities: tuple[str, ...] = ()
-    log_level: str = "info"
-    stats_timeout_s: float = 2.0
-    stats_log_interval_s: float = 10.0        # a stage's stats line at most this often; 0: none
-    voices_dir: str | None = None             # uploaded voices; None: voices.default_voices_dir()
-    # /v1/videos (models that make video): jobs and files, None: default_videos_dir(); limits
-    videos_dir: str | None = None
-    videos_scope: str | None = None           # whose jobs there; None: video_store.server_scope
-    max_video_jobs: int = _VIDEO_LIMITS.max_jobs
-    max_video_frames: int = _VIDEO_LIMITS.max_frames
-    max_video_size: int = _VIDEO_LIMITS.max_size
-    max_videos_disk_bytes: int = _VIDEO_LIMITS.max_disk_bytes
-    max_running_videos: int = _VIDEO_LIMITS.max_running
-    enable_playground: bool = True            # the page at / (playground.py)
-    # /v1/realtime sessions (models that hear and speak)
-    realtime_max_buffer_bytes: int = _REALTIME_LIMITS.max_buffer_bytes
-    realtime_max_turn_s: float = _REALTIME_LIMITS.max_turn_s
-    realtime_idle_timeout_s: float = _REALTIME_LIMITS.idle_timeout_s
+class ServerConfig(ServerSettings):
+    """The server's settings (configs/server.py: the fields, each with its `serve` flag) and
+    the limit records the running server builds from them."""
 
     def __post_init__(self) -> None:
-        if self.max_queue < 1:
-            raise ValueError(f"max_queue={self.max_queue}: must be >= 1")
-        if self.max_body_bytes < 1 or self.max_media_bytes < 1:
-            raise ValueError("max_body_bytes / max_media_bytes: must be >= 1")
-        for name in ("max_video_jobs", "max_video_frames", "max_video_size",
-                     "max_videos_disk_bytes", "max_running_videos", "max_image_pixels",
-                     "max_request_pixels", "max_audio_seconds", "max_input_video_frames",
-                     "max_media_parts", "max_message_parts", "prep_workers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        ServerSettings.__post_init__(self)
         self.realtime_limits            # checks its values
         self.connection_limits
-        if self.max_pending_prep < self.prep_workers:
-            raise ValueError(f"max_pending_prep={self.max_pending_prep}: must be >= "
-                             f"prep_workers ({self.prep_workers})")
-        for d in self.allowed_media_dirs:
-            if not Path(d).is_dir():
-                raise ValueError(f"allowed_media_dirs: {d} is not a folder")
-        for m in self.default_modalities:
-            if m not in ("text", "audio", "image"):
-                raise ValueError(f"default_modalities: {m!r} is not one of text, audio, image")
 
     @property
     def video_limits(self) -> VideoLimits:
@@ -184,18 +117,6 @@ class ServerConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model or DEMO_MODEL_NAME
-
-    @classmethod
-    def from_namespace(cls, args: argparse.Namespace) -> ServerConfig:
-        names = {f.name for f in fields(cls)}
-        kw = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-        if isinstance(kw.get("default_modalities"), str):     # "text,audio" from a flag
-            kw["default_modalities"] = [m.strip() for m in kw["default_modalities"].split(",")
-                                        if m.strip()]
-        for n in ("allowed_media_dirs", "allowed_origins", "default_modalities"):
-            if n in kw:
-                kw[n] = tuple(kw[n])
-        return cls(**kw)
 
 
 # ---- the app ---------------------------------------------------------------------------------
