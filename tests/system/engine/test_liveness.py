@@ -14,7 +14,7 @@ from typing import Iterator
 import pytest
 
 from omnistage import Omni, SamplingParams
-from omnistage.stages.faults import FAULT_DIR_ENV
+from omnistage.stages.faults import FAULT_DIR_ENV, arm
 from omnistage.testing.fault_matrix import Load, health, wait_for
 from omnistage.testing.processes import alive
 from omnistage.testing.toy_pipeline import toy_graph_yaml
@@ -44,6 +44,20 @@ def text_engine(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory
         omni = _engine(tiny_qwen3)
     with omni:
         yield omni, fault_dir
+
+
+def test_a_slow_step_is_not_taken_for_a_stopped_process(text_engine: tuple[Omni, Path]
+                                                        ) -> None:
+    omni, fault_dir = text_engine
+    pid = omni.engine.orchestrator.stages.pids["llm"]
+    armed = arm(fault_dir, "llm", "hang", seconds=2 * LIVENESS_S)   # sleeps, then returns
+    load = Load(omni, ["a slow one"] * 2, [SamplingParams(max_tokens=8, ignore_eos=True)])
+    outcome = load.settle(time.monotonic(), timeout_s=2 * LIVENESS_S + MARGIN_S)
+    assert not armed.exists()                          # the slow step ran
+    assert set(outcome.ended.values()) == {"ok"}, outcome
+    assert health(omni) == "ok" and omni.engine.orchestrator.stages.pids["llm"] == pid
+    loop = omni.engine.orchestrator.stage_stats()["llm"].loop
+    assert loop["max_step_seconds"] > LIVENESS_S, loop     # longer than the liveness timeout
 
 
 def _stop_and_settle(omni: Omni, rank: int) -> tuple[int, object]:
@@ -130,17 +144,3 @@ def test_a_stopped_replica_fails_only_its_requests_and_the_engine_serves_degrade
         _ended(victim)
         outs = omni.generate(prompts[:2], use_tqdm=False)     # on the live replica
         assert all(o.error is None and o.finished for o in outs)
-
-
-class _Runner:
-    """What end_hung sees of a running stage process."""
-
-    def __init__(self) -> None:
-        self.processes, self.hung = [object()], None
-
-    def is_alive(self) -> bool:
-        return self.hung is None
-
-    def kill_hung(self, why: str) -> None:
-        self.hung = why
-
