@@ -19,7 +19,8 @@ from typing import Any, get_type_hints
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 API_KEY_ENV = "OMNISTAGE_API_KEY"     # the API key when no flag gives it (not seen in `ps`)
-GROUPS = ("access", "limits", "stores")  # the order of the flags in `serve --help`
+GROUPS = ("access", "limits", "stores")
+API_DIALECTS = ("auto", "openai", "vllm-omni")  # the order of the flags in `serve --help`
 
 
 def flag(help: str, *, group: str, name: str | None = None, cli_default: bool = False,
@@ -47,7 +48,8 @@ class ServerFlag:
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
-    """The server's settings; every field but `model` and `stats_timeout_s` has a flag."""
+    """The server's settings; every field but `model`, `vllm_omni_launch` and `stats_timeout_s`
+    has a flag."""
 
     model: str | None = None
     # ---- address and access
@@ -126,6 +128,16 @@ class ServerSettings:
         "what a chat answers with when a request names no `modalities`, e.g. text,audio as "
         "vLLM-Omni does for omni models (default: text, as OpenAI; image for an image model)",
         group="limits", value="comma", metavar="LIST"))
+    # where OpenAI's answer and vLLM-Omni's differ and the request cannot tell which its client
+    # reads (docs/migration-vllm-omni.md, "Dialects"); a request that tells always decides
+    api_dialect: str = field(default="auto", metadata=flag(
+        "answers for requests that do not say whose client sent them: openai (OpenAI's "
+        "shapes), vllm-omni (vLLM-Omni's: omni chat answers text and audio as two choices, "
+        "speech defaults to wav, remote media fetched), auto (default: vllm-omni when started "
+        "with --omni or --stage-configs-path, else openai)", group="limits", cli_default=True,
+        choices=list(API_DIALECTS)))
+    # set by `serve` from --omni / --stage-configs-path: started as a vLLM-Omni user would
+    vllm_omni_launch: bool = False
     # ---- stores and logs
     voices_dir: str | None = field(default=None, metadata=flag(
         "where POST /v1/audio/voices keeps uploaded voices; they survive a restart (default: "
@@ -174,6 +186,13 @@ class ServerSettings:
     def __post_init__(self) -> None:
         _check(self)
 
+    @property
+    def vllm_omni_answers(self) -> bool:
+        """Whether a request that does not tell gets vLLM-Omni's answer (`api_dialect`)."""
+        if self.api_dialect == "auto":
+            return self.vllm_omni_launch
+        return self.api_dialect == "vllm-omni"
+
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> Any:
         """The settings the parsed flags give (an unset flag: the field's default), each
@@ -210,6 +229,9 @@ def _check(s: ServerSettings) -> None:
     for d in s.allowed_media_dirs:
         if not Path(d).is_dir():
             raise ValueError(f"allowed_media_dirs: {d} is not a folder")
+    if s.api_dialect not in API_DIALECTS:
+        raise ValueError(f"api_dialect: {s.api_dialect!r} is not one of "
+                         f"{', '.join(API_DIALECTS)}")
     for m in s.default_modalities:
         if m not in ("text", "audio", "image"):
             raise ValueError(f"default_modalities: {m!r} is not one of text, audio, image")

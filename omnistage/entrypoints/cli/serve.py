@@ -11,6 +11,7 @@ Start-up, in the order that makes a mistake cheap:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import socket
@@ -123,7 +124,8 @@ def _serve(args: argparse.Namespace, graph: GraphConfig, sock: socket.socket) ->
     from omnistage.entrypoints.openai.slow_clients import guarded_protocol
     from omnistage.utils.logging import configure_logging, uvicorn_log_config
 
-    config = ServerConfig.from_namespace(args)
+    config = dataclasses.replace(ServerConfig.from_namespace(args), vllm_omni_launch=bool(
+        args.omni or args.stage_configs_path))
     configure_logging(config.log_level)
     engine = AsyncOmni(args.model, graph=graph, device=args.device)
     try:

@@ -81,8 +81,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     add_backend_args(g)
     g.add_argument("--omni", action="store_true",
-                   help="accepted for vLLM-Omni compatibility (`vllm serve MODEL --omni`); "
-                        "changes nothing: every model is served as the graph of stages it is")
+                   help="vLLM-Omni's `vllm serve MODEL --omni`: every model is served as the "
+                        "graph of stages it is; with --api-dialect auto, answers that a request "
+                        "cannot tell come in vLLM-Omni's shapes")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM compatibility; changes nothing: omnistage runs its "
                         "own model code, never code from a checkpoint")
