@@ -216,7 +216,7 @@ def bench_transformers(cfg: DiffusionBenchConfig, device: torch.device, dtype: t
 def _compiled(model: torch.nn.Module, timed, forward, eager_final: Tensor, eager_s: float
               ) -> dict[str, object]:
     """The same denoising with the blocks compiled (`compile_blocks`, as a stage's
-    `options: {compile: true}`), then the eager blocks put back: seconds, the first call's
+    `diffusion: {compile: true}`), then the eager blocks put back: seconds, the first call's
     compile time, speed-up and PSNR against the eager run."""
     from omnistage.diffusion.pipeline import compile_blocks, uncompile_blocks
 

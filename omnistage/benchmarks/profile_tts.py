@@ -103,13 +103,13 @@ def vocoder(path: Path, device: torch.device, dtype: torch.dtype, repeats: int
             ) -> dict[str, object]:
     """code2wav alone: a stream's first chunk of n frames, and a steady 25-frame chunk after
     its left context, at 1 and 8 streams."""
-    from omnistage.generation.code2wav import Code2WavGenerator
+    from omnistage.generation.code2wav import Code2WavGenerator, Code2WavOptions
     from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStream
 
     out: dict[str, object] = {}
     for first in (1, 2, 4, 6):
         gen = Code2WavGenerator.from_pretrained(path, "qwen3_tts_code2wav", device, dtype,
-                                                chunk_frames=25, first_chunk_frames=first)
+                                                Code2WavOptions(25, first_chunk_frames=first))
         q, size = gen.model.cfg.num_quantizers, gen.model.cfg.codebook_size
         for streams in (1, 8):
             times = []

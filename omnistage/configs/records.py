@@ -237,8 +237,8 @@ class ARSettings:
     sampling: dict[str, object] = field(default_factory=dict, hash=False, metadata=meta(
         "this stage's default SamplingParams fields (temperature, top_k, max_tokens, ...)"))
     options: dict[str, object] = field(default_factory=dict, hash=False, metadata=meta(
-        "model-specific options its stage class declares (a talker's "
-        "code_predictor_cuda_graphs)"))
+        "model-specific options: the fields of its stage class's `Options` record, checked "
+        "when the stage is built (a talker's code_predictor_cuda_graphs)"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output_hidden_layers", tuple(self.output_hidden_layers))
@@ -277,7 +277,8 @@ class DiffusionSettings:
         "replay denoising steps from CUDA graphs: true, false or the most graphs; null: on "
         "for a CUDA device and a pipeline whose transformer captures"))
     options: dict[str, object] = field(default_factory=dict, hash=False, metadata=meta(
-        "the options a pipeline class names in its `options` (SD3's skip_layer_guidance)"))
+        "the fields of the pipeline class's `Options` record, checked when the stage is "
+        "built (SD3's skip_layer_guidance)"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", dict(self.options))
@@ -301,7 +302,8 @@ class GenerationSettings:
     # model-specific: each component's constructor takes its own (code2wav's chunk_frames,
     # token2wav's num_steps); it refuses a name it does not know
     options: dict[str, object] = field(default_factory=dict, hash=False, metadata=meta(
-        "keyword arguments of the component's constructor (code2wav's chunk_frames)"))
+        "the fields of the component's `Options` record, checked when the stage is built "
+        "(code2wav's chunk_frames)"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", dict(self.options))

@@ -199,6 +199,8 @@ def _unknown_key(cls: type, spec: _Spec, key: str, data: Mapping, path: str) -> 
     new = moved(data, key, close=True) if moved is not None else None
     if new is not None:
         return f"unknown key (did you mean {new}?)"
+    if not spec.fields:
+        return "unknown key (it takes none)"
     return f"unknown key (known keys: {', '.join(spec.fields)})"
 
 

@@ -23,7 +23,7 @@ from omnistage.layers.groups import stage_ranks
 
 class GraphedTransformer(DiffusionPipeline):
     """A pipeline's `transformer` forward, replayed from CUDA graphs once `use_cuda_graphs` is
-    called (a stage's `options: {cuda_graphs: ...}`): what the image pipelines share. The
+    called (a stage's `diffusion: {cuda_graphs: ...}`): what the image pipelines share. The
     pipeline sets `transformer`, and `graphable` True when the forward reads nothing but its
     arguments' device memory (layers/graph_capture.py)."""
 
@@ -36,7 +36,7 @@ class GraphedTransformer(DiffusionPipeline):
     def use_cuda_graphs(self, max_graphs: int = 8) -> None:
         """Replay the transformer's forward from CUDA graphs, one per (batch, latent, caption)
         shape seen twice (layers/graph_capture.py ShapeGraphs); step-cached forwards, whose
-        blocks run or not per request, stay eager. A stage's `options: {cuda_graphs: ...}`."""
+        blocks run or not per request, stay eager. A stage's `diffusion: {cuda_graphs: ...}`."""
         if not self.graphable:
             super().use_cuda_graphs(max_graphs)             # refused
         self.graphs = ShapeGraphs(self.transformer, max_graphs)

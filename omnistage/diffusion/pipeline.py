@@ -33,6 +33,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from omnistage.configs.options import NoOptions
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import Solver
@@ -68,8 +69,9 @@ class DiffusionPipeline:
     # key of the head count in its transformer's config.json (heads divide by ulysses x tp)
     parallel_axes: ClassVar[tuple[str, ...]] = ()
     heads_key: ClassVar[str] = "num_attention_heads"
-    # a stage's `options` of its own, handed to `set_option` (SD3's skip_layer_guidance)
-    options: ClassVar[tuple[str, ...]] = ()
+    # the record of its stage's `diffusion.options` (configs/options.py), handed to
+    # `configure` before the first request (SD3's skip_layer_guidance)
+    Options: ClassVar[type] = NoOptions
     graphable: ClassVar[bool] = False   # its denoisers' forward can replay as a CUDA graph
     # a stage compiles the denoisers' blocks by default on CUDA, one rank (measured faster:
     # benchmarks/diffusion_variants.py)
@@ -129,9 +131,8 @@ class DiffusionPipeline:
         transformer(s) that `velocity` runs every step."""
         return []
 
-    def set_option(self, name: str, value: object) -> None:
-        """One of the stage options this pipeline names in `options`."""
-        raise ValueError(f"{self.label}: takes no option {name!r}")
+    def configure(self, options: object) -> None:
+        """Its stage's `diffusion.options`, an `Options` record (none by default)."""
 
     def use_cuda_graphs(self, max_graphs: int = 8) -> None:
         """Replay the denoisers' forward from CUDA graphs (a stage's `cuda_graphs` option)."""
@@ -220,7 +221,7 @@ def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
     """torch.compile each block of a diffusion transformer (every member of its ModuleLists),
     in place; the model's own glue (embeddings, rope, padding) stays eager. dynamic=True: the
     batch (requests and CFG rows) and caption lengths change from step to step. Returns the
-    number of blocks compiled. A stage turns it on with `options: {compile: true}` (or a
+    number of blocks compiled. A stage turns it on with `diffusion: {compile: true}` (or a
     backend name)."""
     count = 0
     for module in model.modules():

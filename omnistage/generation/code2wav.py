@@ -4,6 +4,7 @@ frames in (any number per chunk), streamed audio out, exactly the whole decode
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,6 +16,23 @@ from omnistage.models.qwen3_omni.code2wav_stream import (Code2WavStream, Vocoder
                                                          VocoderShapes, decode_streams)
 from omnistage.models.qwen3_tts.speech_decoder import Qwen3TTSSpeechDecoder
 from omnistage.payloads import SAMPLE_RATE, AudioChunk, CodecFrames
+
+
+@dataclass(frozen=True, slots=True)
+class Code2WavOptions:
+    """A code2wav stage's `generation.options` (see Code2WavGenerator)."""
+
+    chunk_frames: int = 25
+    left_context: int | None = None          # default: the vocoder's receptive field
+    first_chunk_frames: int | None = None    # default: chunk_frames
+    max_batch_frames: int = 400
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_frames", "left_context", "first_chunk_frames", "max_batch_frames"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value}: must be >= 1")
 
 
 class Code2WavGenerator:
@@ -29,30 +47,26 @@ class Code2WavGenerator:
     A chunk may carry `skip_frames` (a count per chunk): that many of its first frames are
     left context only, decoded but their audio dropped (a voice clone's reference frames)."""
 
-    def __init__(self, model: Code2Wav, chunk_frames: int = 25, left_context: int | None = None,
-                 first_chunk_frames: int | None = None, max_batch_frames: int = 400,
-                 cuda_graphs: bool = True) -> None:
-        optional = [v for v in (left_context, first_chunk_frames) if v is not None]
-        if min([chunk_frames, max_batch_frames, *optional]) < 1:
-            raise ValueError(f"code2wav options: chunk_frames={chunk_frames}, "
-                             f"first_chunk_frames={first_chunk_frames}, left_context="
-                             f"{left_context} and max_batch_frames={max_batch_frames} must be "
-                             ">= 1")
+    Options = Code2WavOptions
+
+    def __init__(self, model: Code2Wav, options: Code2WavOptions = Code2WavOptions()) -> None:
         self.model = model
-        self.chunk_frames = chunk_frames
-        self.first_chunk_frames = first_chunk_frames
-        self.left_context = left_context
-        self.max_batch_frames = max_batch_frames
+        self.options = options
+        self.chunk_frames = options.chunk_frames
+        self.first_chunk_frames = options.first_chunk_frames
+        self.left_context = left_context = options.left_context
+        self.max_batch_frames = options.max_batch_frames
         self.info = {SAMPLE_RATE: model.cfg.sample_rate}
         self.shapes: VocoderShapes | None = None
         self.graphs: VocoderGraphs | None = None
         if model.device.type == "cuda":   # a few padded shapes, each planned now, not mid-stream
             context = (model.cfg.receptive_field_frames if left_context is None
                        else left_context)
-            self.shapes = VocoderShapes.for_stream(first_chunk_frames or chunk_frames,
-                                                   chunk_frames, context, max_batch_frames)
+            self.shapes = VocoderShapes.for_stream(self.first_chunk_frames or self.chunk_frames,
+                                                   self.chunk_frames, context,
+                                                   self.max_batch_frames)
             self.plan_shapes()
-            if cuda_graphs:     # the small batches replayed (their launches: most of the time)
+            if options.cuda_graphs:     # the small batches replayed (launches: most of the time)
                 self.graphs = VocoderGraphs(model, self.shapes)
 
     @torch.inference_mode()
@@ -67,7 +81,8 @@ class Code2WavGenerator:
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, component: str, device: torch.device,
-                        dtype: torch.dtype | None, **options: int) -> Code2WavGenerator:
+                        dtype: torch.dtype | None,
+                        options: Code2WavOptions = Code2WavOptions()) -> Code2WavGenerator:
         """component: qwen3_omni_code2wav (the checkpoint's code2wav.*) or qwen3_tts_code2wav
         (its speech_tokenizer/ folder's decoder)."""
         folder = resolve_model_path(str(path))
@@ -76,7 +91,7 @@ class Code2WavGenerator:
                                                           dtype)
         else:
             model = Code2Wav.from_pretrained(folder, device, dtype)
-        return cls(model.eval(), **options)
+        return cls(model.eval(), options)
 
     def has_backlog(self, state: dict) -> bool:
         stream = state.get("stream")

@@ -14,7 +14,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -62,6 +62,9 @@ class GenerationModel(Protocol):
 
     # facts for the front door, sent at the stage's handshake (a vocoder's sample rate)
     info: dict[str, str | int | float]
+    # the record of its stage's `generation.options` (configs/options.py), handed to its
+    # `from_pretrained(path, component, device, dtype, options)`
+    Options: ClassVar[type]
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ at start-up (generation/token2wav_graphs.py; option cuda_graphs: false runs them
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,6 +38,33 @@ from omnistage.models.qwen2_5_omni.token2wav import Speaker, Token2Wav, load_spe
 from omnistage.payloads import SAMPLE_RATE, AudioChunk, CodecFrames
 
 
+@dataclass(frozen=True, slots=True)
+class Token2WavOptions:
+    """A token2wav stage's `generation.options` (see Token2WavGenerator)."""
+
+    num_steps: int = 10
+    guidance_scale: float = 0.5
+    sway_coefficient: float = -1.0
+    seed: int = 0
+    chunk_blocks: int = 4           # 0: whole decodes
+    first_chunk_blocks: int = 2
+    left_blocks: int = 2
+    right_blocks: int = 2
+    max_batch_frames: int = 4096
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 2:
+            raise ValueError(f"num_steps={self.num_steps}: must be >= 2")
+        if self.chunk_blocks < 0:
+            raise ValueError(f"chunk_blocks={self.chunk_blocks}: must be >= 0")
+        if self.max_batch_frames < 1:
+            raise ValueError(f"max_batch_frames={self.max_batch_frames}: must be >= 1")
+        if self.chunk_blocks:       # the window sizes checked now, not at the first request
+            Chunking(self.chunk_blocks, self.first_chunk_blocks, self.left_blocks,
+                     self.right_blocks)
+
+
 class Token2WavGenerator:
     """Inputs per chunk: CodecFrames, codes (n,) codec ids and speaker (n,) the speaker's index in
     the checkpoint's speaker map. Options: num_steps, guidance_scale, sway_coefficient (the
@@ -48,30 +76,25 @@ class Token2WavGenerator:
     default on: each engine step's forwards padded to planned shapes and replayed from CUDA
     graphs captured now, `use_graphs`)."""
 
-    def __init__(self, model: Token2Wav, speakers: list[Speaker], num_steps: int = 10,
-                 guidance_scale: float = 0.5, sway_coefficient: float = -1.0, seed: int = 0,
-                 chunk_blocks: int = 4, first_chunk_blocks: int = 2, left_blocks: int = 2,
-                 right_blocks: int = 2, max_batch_frames: int = 4096,
-                 cuda_graphs: bool = True) -> None:
-        if num_steps < 2:
-            raise ValueError(f"token2wav option num_steps={num_steps}: must be >= 2")
-        if chunk_blocks < 0 or max_batch_frames < 1:
-            raise ValueError(f"token2wav options chunk_blocks={chunk_blocks} (>= 0) and "
-                             f"max_batch_frames={max_batch_frames} (>= 1)")
+    Options = Token2WavOptions
+
+    def __init__(self, model: Token2Wav, speakers: list[Speaker],
+                 options: Token2WavOptions = Token2WavOptions()) -> None:
+        o = self.options = options
         self.model = model
-        self.guidance_scale = guidance_scale
-        self.seed = seed
+        self.guidance_scale = o.guidance_scale
+        self.seed = o.seed
         self.device = next(model.parameters()).device
-        self.times = sway_times(num_steps, sway_coefficient, self.device)
-        self.chunking = None if chunk_blocks == 0 else \
-            Chunking(chunk_blocks, first_chunk_blocks, left_blocks, right_blocks)
-        self.max_batch_frames = max_batch_frames
+        self.times = sway_times(o.num_steps, o.sway_coefficient, self.device)
+        self.chunking = None if o.chunk_blocks == 0 else \
+            Chunking(o.chunk_blocks, o.first_chunk_blocks, o.left_blocks, o.right_blocks)
+        self.max_batch_frames = o.max_batch_frames
         self.speakers = [self._speaker_rows(s) for s in speakers]
         self.info = {SAMPLE_RATE: model.cfg.sample_rate}
         self.dit_shapes: PaddedShapes | None = None
         self.mel_shapes: PaddedShapes | None = None
         self.graphs: Token2WavGraphs | None = None
-        if self.chunking is not None and self.device.type == "cuda" and cuda_graphs:
+        if self.chunking is not None and self.device.type == "cuda" and o.cuda_graphs:
             self.use_graphs()
 
     def use_graphs(self, max_vocoder_rows: int = 8) -> None:
@@ -92,10 +115,11 @@ class Token2WavGenerator:
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, component: str, device: torch.device,
-                        dtype: torch.dtype | None, **options: float) -> Token2WavGenerator:
+                        dtype: torch.dtype | None,
+                        options: Token2WavOptions = Token2WavOptions()) -> Token2WavGenerator:
         folder = resolve_model_path(str(path))
         model = Token2Wav.from_pretrained(folder, device, torch.float32)   # float32 only
-        return cls(model, list(load_speakers(folder).values()), **options)
+        return cls(model, list(load_speakers(folder).values()), options)
 
     def has_backlog(self, state: dict) -> bool:
         stream = state.get("stream")

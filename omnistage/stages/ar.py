@@ -8,9 +8,11 @@ rank 0 then serves requests and the others `follow` (ar/engine.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import ClassVar
 
 from omnistage.ar.engine import AREngine, ModelLoader, StepOutput
 from omnistage.ar.inputs import StreamInput
+from omnistage.configs.options import NoOptions, read_options
 from omnistage.configs.schema import StageConfig
 from omnistage.payloads import ConditionImages, HiddenRows, Payload, TokenDelta
 from omnistage.stages.adapters import StageFeed
@@ -19,13 +21,15 @@ from omnistage.outputs import StageMetrics
 
 
 class ARStage:
-    options: frozenset[str] = frozenset()   # the stage options a subclass understands
+    # the record of the stage's `ar.options` a subclass understands (configs/options.py)
+    Options: ClassVar[type] = NoOptions
 
     def __init__(self, stage: StageConfig, model: str, device: str,
                  loader: ModelLoader | None = None) -> None:
         """`loader`: how to build the model (default: the registry's class for the
         checkpoint); a model-specific stage passes its component's."""
-        self.check_options(stage)
+        self.options = read_options(self.Options, stage.ar.options,
+                                    f"stage {stage.name!r}: ar.options")
         self.stage = stage
         self.defaults = stage.default_sampling()
         self.engine = AREngine(stage.ar_config(model, device), loader=loader)
@@ -49,14 +53,6 @@ class ARStage:
     def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
         """(hidden layers the stage's decodes emit, whether they are fed embeddings)."""
         return self.stage.ar.output_hidden_layers, False
-
-    @classmethod
-    def check_options(cls, stage: StageConfig) -> None:
-        unknown = set(stage.ar.options) - cls.options
-        if unknown:
-            known = ", ".join(sorted(cls.options)) or "none"
-            raise ValueError(f"stage {stage.name!r}: unknown options {sorted(unknown)} "
-                             f"(this stage takes: {known})")
 
     def add(self, request: StageRequest) -> None:
         params = request.params or self.defaults

@@ -50,7 +50,7 @@ class DiffusionStage:
         dev = resolve_device(device)
         dtype = None if stage.dtype == "auto" else resolve_dtype(stage.dtype, None, dev)
         check_quantization(stage, cls, "")
-        check_options(stage, cls)
+        options = check_options(stage, cls)
         self.conditioned = bool(stage.inputs)          # conditioning comes along an edge
         # the prompt is still encoded here, beside what the edge brings (GLM-Image's glyphs)
         self.text_here = cls.text_with_upstream
@@ -65,7 +65,7 @@ class DiffusionStage:
         # the front door refuses an edit with more images than the pipeline takes
         self.stage_info = StageInfo(max_input_images=pipeline.max_input_images)
         quantize_pipeline(stage, pipeline, dev)
-        apply_options(stage, pipeline, dev)
+        apply_options(stage, pipeline, dev, options)
         # on CUDA, memory_fraction bounds weights plus each step's activations
         memory = (MemoryBudget.of_fraction(CudaProbe(dev), stage.placement.memory_fraction,
                                            cfg_split=stage.parallel.cfg > 1)
@@ -146,16 +146,17 @@ def quantize_pipeline(stage: StageConfig, pipeline: DiffusionPipeline, dev: torc
         torch.cuda.empty_cache()          # the bf16 weights' blocks back to the device
 
 
-def apply_options(stage: StageConfig, pipeline: DiffusionPipeline, dev: torch.device) -> None:
-    """A native pipeline's `options`: its transformer blocks compiled (by default on a CUDA
+def apply_options(stage: StageConfig, pipeline: DiffusionPipeline, dev: torch.device,
+                  options: object = None) -> None:
+    """A native pipeline's options: its own (`options`, its `Options` record from
+    check_options), its transformer blocks compiled (by default on a CUDA
     device, one rank, for a pipeline whose `compile_default` says it measured faster so:
     Z-Image; Qwen-Image's and FLUX's fused kernels replayed from graphs beat their compiled
     form), CUDA graphs (on by default on a CUDA device for a pipeline whose transformer
-    captures), its own options. Compiled code is cached on disk (utils/compile_cache.py), so a
+    captures). Compiled code is cached on disk (utils/compile_cache.py), so a
     restart compiles nothing new."""
-    for name in pipeline.options:
-        if name in stage.diffusion.options:
-            pipeline.set_option(name, stage.diffusion.options[name])
+    if options is not None:
+        pipeline.configure(options)
     cuda = dev.type == "cuda"
     backend = _or(stage.diffusion.compile, cuda and pipeline.compile_default
                   and stage.parallel.world_size == 1)

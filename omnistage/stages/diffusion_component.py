@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omnistage import registry
+from omnistage.configs.options import read_options
 from omnistage.configs.schema import StageConfig
+from omnistage.configs.strict import ConfigError
 from omnistage.diffusion.image_input import image_files
 from omnistage.diffusion.parallel import check_layout
 from omnistage.diffusion.params import DiffusionParams
@@ -22,12 +24,8 @@ from omnistage.diffusion.pipeline import NATIVE, DiffusionPipeline
 from omnistage.diffusion.text_encoding import TEXT_ENCODER_PART
 from omnistage.stages.interface import StageRequest
 
-# a diffusion stage's `options`: compile: true | false | a torch.compile backend (its blocks
-# compiled; default: the pipeline's compile_default on CUDA, one rank); cuda_graphs: true |
-# false | the most graphs (default: on for a CUDA device and a `graphable` pipeline, at most
-# MAX_GRAPHS shapes); and those a pipeline class names in its `options`, handed to its
-# `set_option(name, value)` (SD3's skip_layer_guidance)
-OPTIONS = ("compile", "cuda_graphs")
+# keys of a diffusion stage's `options` that are typed fields of `diffusion:` (ConfigError)
+TYPED = ("compile", "cuda_graphs", "quantization", "max_num_seqs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,18 +63,19 @@ def pipeline_component(stage: StageConfig) -> PipelineComponent:
     return PipelineComponent(name, cls, part)
 
 
-def check_options(stage: StageConfig, cls: type[DiffusionPipeline]) -> None:
-    """Before anything loads: every option known, none for the generic diffusers adapter
-    (diffusers runs its pipeline as it is)."""
-    known = (*OPTIONS, *cls.options)
-    unknown = set(stage.diffusion.options) - set(known)
-    if unknown:
-        raise ValueError(f"stage {stage.name!r}: unknown diffusion options {sorted(unknown)} "
-                         f"(known: {', '.join(known)})")
+def check_options(stage: StageConfig, cls: type[DiffusionPipeline]) -> object:
+    """Before anything loads: the stage's `diffusion.options` as the pipeline's `Options`
+    record (a key it lacks: did-you-mean; compile, cuda_graphs: moved to `diffusion.`), none
+    for the generic diffusers adapter (diffusers runs its pipeline as it is)."""
+    where = f"stage {stage.name!r}: diffusion.options"
+    for key in TYPED:
+        if key in stage.diffusion.options:
+            raise ConfigError(f"{where}.{key}: moved to diffusion.{key}")
     if stage.diffusion.option_items and cls.backend != NATIVE:
         raise ValueError(f"stage {stage.name!r}: options "
                          f"{sorted(stage.diffusion.option_items)} do not apply to the generic "
                          "diffusers adapter (diffusers runs the pipeline)")
+    return read_options(cls.Options, stage.diffusion.options, where)
 
 
 def check_quantization(stage: StageConfig, cls: type[DiffusionPipeline], part: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from omnistage import registry
+from omnistage.configs.options import read_options
 from omnistage.configs.schema import StageConfig
 from omnistage.payloads import Payload, TokenDelta
 from omnistage.stages.adapters import StageFeed
@@ -23,8 +24,10 @@ class GenerationStage:
         cls = registry.load_component("generation", stage.component)
         path = stage.model or model
         dtype = None if stage.dtype == "auto" else resolve_dtype(stage.dtype, None, dev)
+        options = read_options(cls.Options, stage.generation.options,
+                               f"stage {stage.name!r}: generation.options")
         self.engine = GenerationEngine(cls.from_pretrained(path, stage.component, dev, dtype,
-                                                           **stage.generation.options),
+                                                           options),
                                        stage.generation.max_num_seqs)
 
     def add(self, request: StageRequest) -> None:

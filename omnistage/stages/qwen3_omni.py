@@ -109,6 +109,15 @@ class _TalkerInput:
 WARM_PROJECTION_ROWS = 512   # TalkerStage._warm_projections: prompts and batches up to this
 
 
+@dataclass(frozen=True, slots=True)
+class CodePredictorOptions:
+    """A talker stage's `ar.options` (Qwen3-Omni's, Qwen3-TTS's)."""
+
+    # on CUDA, replay the code predictor's rounds of a frame as one CUDA graph per batch-size
+    # bucket (checked against eager at start-up)
+    code_predictor_cuda_graphs: bool = True
+
+
 def code_predictor_graphs(talker: torch.nn.Module, max_batch: int,
                           device: torch.device, dtype: torch.dtype) -> CodePredictorGraphs | None:
     """CUDA graphs for the talker's code predictor, if one frame replayed through them equals
@@ -144,9 +153,7 @@ class TalkerStage(OmniTalkerStage):
     the codec frames (num_code_groups codes each) of every step but the last, as the reference
     (its final code 0 is EOS, or the length limit cut it before the code predictor ran)."""
 
-    # code_predictor_cuda_graphs (default true): on CUDA, replay the code predictor's rounds
-    # of a frame as one CUDA graph per batch-size bucket (checked against eager at start-up)
-    options = frozenset({"code_predictor_cuda_graphs"})
+    Options = CodePredictorOptions
 
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
         super().__init__(stage, model, device,
@@ -170,7 +177,7 @@ class TalkerStage(OmniTalkerStage):
         if not self.engine.ranks.is_leader:   # the code predictor and the projections run on
             return                            # rank 0 alone (they never communicate)
         if (self.engine.device.type == "cuda" and not stage.ar.enforce_eager
-                and stage.ar.options.get("code_predictor_cuda_graphs", True)):
+                and self.options.code_predictor_cuda_graphs):
             self.model.code_predictor.graphs = code_predictor_graphs(
                 self.model, stage.ar.max_num_seqs, self.engine.device, self.engine.dtype)
         if self.engine.device.type == "cuda":

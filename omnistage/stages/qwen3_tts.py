@@ -39,7 +39,7 @@ from omnistage.payloads import CodecFrames, Payload
 from omnistage.registry import SpeechSpec
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
-from omnistage.stages.qwen3_omni import code_predictor_graphs
+from omnistage.stages.qwen3_omni import CodePredictorOptions, code_predictor_graphs
 from omnistage.stages.voice import requested_voice
 from omnistage.utils.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, resample
 
@@ -90,9 +90,7 @@ class TalkerStage(ARStage):
     limit cut before the code predictor ran), as the reference; an in-context clone's first
     output also carries its reference frames, marked `skip_frames`."""
 
-    # code_predictor_cuda_graphs (default true): on CUDA, replay the code predictor's rounds
-    # of a frame as one CUDA graph per batch-size bucket (checked against eager at start-up)
-    options = frozenset({"code_predictor_cuda_graphs"})
+    Options = CodePredictorOptions
 
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
         super().__init__(stage, model, device, loader=_load)
@@ -113,7 +111,7 @@ class TalkerStage(ARStage):
         if not self.engine.ranks.is_leader:   # the code predictor runs on rank 0 alone
             return
         if (self.engine.device.type == "cuda" and not stage.ar.enforce_eager
-                and stage.ar.options.get("code_predictor_cuda_graphs", True)):
+                and self.options.code_predictor_cuda_graphs):
             self.model.code_predictor.graphs = code_predictor_graphs(
                 self.model, stage.ar.max_num_seqs, self.engine.device, self.engine.dtype)
 

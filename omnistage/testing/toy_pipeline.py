@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from omnistage.configs.options import NoOptions
 from omnistage.payloads import TokenDelta
 from omnistage.registry import Component, ModelFamily, register_family
 from omnistage.stages.adapters import EdgeData, StageFeed, hidden_to_embeds, register_adapter
@@ -22,6 +23,8 @@ class TokenEmbedder(nn.Module):
     """Token ids -> fixed random vectors (seeded): a stand-in for a codec decoder. Its output
     for a token never depends on chunking, so chunked and whole edges must agree exactly."""
 
+    Options = NoOptions
+
     def __init__(self, vocab_size: int = 512, dim: int = 8, seed: int = 0) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
@@ -30,7 +33,8 @@ class TokenEmbedder(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, component: str,
-                        device: torch.device, dtype: torch.dtype | None) -> TokenEmbedder:
+                        device: torch.device, dtype: torch.dtype | None,
+                        options: NoOptions = NoOptions()) -> TokenEmbedder:
         return cls().to(device)
 
     def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],

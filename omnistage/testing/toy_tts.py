@@ -19,12 +19,14 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from omnistage.configs.options import NoOptions, read_options
 from omnistage.configs.schema import StageConfig
 from omnistage.errors import InputError
 from omnistage.registry import Component, ModelFamily, SpeechSpec, register_family
@@ -65,12 +67,23 @@ def tones(codes: Tensor) -> Tensor:
     return wave.flatten().float()
 
 
+@dataclass(frozen=True, slots=True)
+class ToySpeakerOptions:
+    """The toy talker's `ar.options`."""
+
+    step_delay_s: float = 0.0      # a pause before each step (tests catch requests in flight)
+
+
 class ToySpeakerStage:
     """The "talker": each step hands out the next CHARS_PER_STEP codes of every request
     (after `step_delay_s`, an option, so that tests can catch requests in flight)."""
 
+    Options = ToySpeakerOptions
+
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
-        self.step_delay_s = float(stage.ar.options.get("step_delay_s", 0.0))
+        options = read_options(self.Options, stage.ar.options,
+                               f"stage {stage.name!r}: ar.options")
+        self.step_delay_s = options.step_delay_s
         self.requests: dict[str, list[int]] = {}
 
     def add(self, request: StageRequest) -> None:
@@ -122,10 +135,12 @@ class ToyVocoder:
     """The "code2wav": codes -> tones, one chunk of audio per chunk of codes."""
 
     info: dict[str, str | int | float] = {SAMPLE_RATE: RATE}
+    Options = NoOptions
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, component: str,
-                        device: torch.device, dtype: torch.dtype | None) -> ToyVocoder:
+                        device: torch.device, dtype: torch.dtype | None,
+                        options: NoOptions = NoOptions()) -> ToyVocoder:
         return cls()
 
     def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],

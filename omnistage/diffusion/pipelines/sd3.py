@@ -84,6 +84,13 @@ class SkipLayerGuidance:
         return num_steps * self.start < step_idx < num_steps * self.stop
 
 
+@dataclass(frozen=True, slots=True)
+class SD3Options:
+    """An SD3 stage's `diffusion.options`."""
+
+    skip_layer_guidance: SkipLayerGuidance | None = None
+
+
 class Rows(NamedTuple):
     """Rows for one transformer call: latents (n, C, h, w), embeds (n, T, joint), pooled
     (n, P), timestep (n,), and the blocks they skip (skip-layer guidance)."""
@@ -198,7 +205,7 @@ class StableDiffusion3Pipeline(LatentPipelineBase):
     packed = False                      # the transformer patches the latents itself
     graphable = True
     parallel_axes = ("cfg",)            # the prompt and the negative prompt's branches
-    options = ("skip_layer_guidance",)  # a stage's options this pipeline takes (set_option)
+    Options = SD3Options                # a stage's diffusion.options (configure)
 
     def __init__(self, transformer: SD3Transformer2DModel, vae: AutoencoderKL,
                  prompt_encoder: PromptEncoder | None, scheduler: solver.FlowMatchEulerConfig,
@@ -224,19 +231,11 @@ class StableDiffusion3Pipeline(LatentPipelineBase):
                              f"{num_layers} blocks")
         self.skip_layer_guidance = slg
 
-    def set_option(self, name: str, value: object) -> None:
-        """A stage option: `skip_layer_guidance: {layers: [7, 8, 9], scale: 2.8, start: 0.01,
-        stop: 0.2}` (scale, start, stop optional) turns it on for the stage's requests."""
-        assert name == "skip_layer_guidance", name
-        fields = ("layers", "scale", "start", "stop")
-        if not isinstance(value, dict) or "layers" not in value or set(value) - set(fields):
-            raise ValueError(f"options.skip_layer_guidance: expected a mapping with layers "
-                             f"[and scale, start, stop], got {value!r}")
-        layers = value["layers"]
-        if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
-            raise ValueError(f"options.skip_layer_guidance.layers: expected a list of block "
-                             f"indices, got {layers!r}")
-        self.use_skip_layer_guidance(SkipLayerGuidance(**{**value, "layers": tuple(layers)}))
+    def configure(self, options: SD3Options) -> None:
+        """The stage's `diffusion.options`: `skip_layer_guidance: {layers: [7, 8, 9], scale:
+        2.8, start: 0.01, stop: 0.2}` (scale, start, stop optional) turns it on for the
+        stage's requests."""
+        self.use_skip_layer_guidance(options.skip_layer_guidance)
 
     # ---- 1. prepare (encode: the base class) ---------------------------------------------
 

@@ -372,7 +372,7 @@ class WanPipeline(DiffusionPipeline):
 
     def use_cuda_graphs(self, max_graphs: int = 8) -> None:
         """Replay each expert's forward from its own CUDA graphs (layers/graph_capture.py
-        ShapeGraphs), one per shape seen twice: a stage's `options: {cuda_graphs: ...}`."""
+        ShapeGraphs), one per shape seen twice: a stage's `diffusion: {cuda_graphs: ...}`."""
         self.graphs = [ShapeGraphs(m, max_graphs) for m in self.experts]
 
     def run_expert(self, expert: int, x: Tensor, t: Tensor, text: Tensor,

@@ -76,19 +76,22 @@ def test_image_to_image_and_bad_images(random_digits: Path) -> None:
 
 
 def test_compiled_blocks_draw_the_same_images(random_digits: Path) -> None:
-    """`options: {compile: ...}` compiles the transformer's blocks (the eager backend here, so
-    the test needs no C++ toolchain): the same image as without; unknown options refused."""
-    def images(options: str) -> torch.Tensor:
+    """`diffusion: {compile: ...}` compiles the transformer's blocks (the eager backend here,
+    so the test needs no C++ toolchain): the same image as without. `options` the pipeline's
+    record lacks are refused with their path, `compile` there with where it moved."""
+    def images(diffusion: str) -> torch.Tensor:
         text = (f"model: {random_digits}\nbackend: inproc\nconnector: inproc\nstages:\n"
                 "  - {name: dit, kind: diffusion, component: digits_dit, final: image, "
-                f"diffusion: {{options: {options}}}}}\n")
+                f"diffusion: {diffusion}}}\n")
         with Omni(stage_config=text, device="cpu") as omni:
             (out,) = omni.generate("three", DiffusionParams(num_inference_steps=3, seed=4))
         return out.tensors["images"]
 
     assert torch.equal(images("{compile: eager}"), images("{}"))
-    with pytest.raises(RuntimeError, match="unknown diffusion options"):
-        images("{fast: true}")
+    with pytest.raises(RuntimeError, match=r"diffusion.options.fast: unknown key"):
+        images("{options: {fast: true}}")
+    with pytest.raises(RuntimeError, match=r"options.compile: moved to diffusion.compile"):
+        images("{options: {compile: eager}}")
 
 
 def test_compile_and_graphs_defaults_on_cuda(monkeypatch: pytest.MonkeyPatch,
@@ -110,7 +113,7 @@ def test_compile_and_graphs_defaults_on_cuda(monkeypatch: pytest.MonkeyPatch,
     def run(device: str, compile_default: bool = True, graphable: bool = False,
             **stage: object) -> SimpleNamespace:
         blocks = [torch.nn.ModuleList([torch.nn.Linear(2, 2)]) for _ in range(2)]
-        pipe = SimpleNamespace(graphable=graphable, compile_default=compile_default, options=(),
+        pipe = SimpleNamespace(graphable=graphable, compile_default=compile_default,
                                graphs=None, denoisers=lambda: [torch.nn.Sequential(b)
                                                                for b in blocks])
         pipe.use_cuda_graphs = lambda n: setattr(pipe, "graphs", n)

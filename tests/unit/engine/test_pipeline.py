@@ -55,7 +55,7 @@ def test_unknown_ar_stage_options_are_refused(tiny_qwen3: Path) -> None:
     yaml_text = toy_graph_yaml(tiny_qwen3, chunked=True, backend="inproc").replace(
         "      max_num_batched_tokens: 32\n", "      max_num_batched_tokens: 32\n"
         "      options: {chunk_frames: 4}\n")
-    with pytest.raises(RuntimeError, match=r"'first'.*unknown options \['chunk_frames'\] "
-                                           r"\(this stage takes: none\)"):
+    with pytest.raises(RuntimeError, match=r"stage 'first': ar.options.chunk_frames: unknown "
+                                           r"key \(it takes none\)"):
         Omni(stage_config=yaml_text, device="cpu")
 

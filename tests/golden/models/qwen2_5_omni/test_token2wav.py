@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from omnistage.diffusion.solvers.rk4 import sway_times
-from omnistage.generation.token2wav import Token2WavGenerator
+from omnistage.generation.token2wav import Token2WavGenerator, Token2WavOptions
 
 SEED = 7
 
@@ -35,8 +35,9 @@ def decode(generator: Token2WavGenerator, chunks: list[torch.Tensor], speaker: i
 
 def test_waveform_equals_transformers(omni25_path: Path, omni25_hf) -> None:
     generator = Token2WavGenerator.from_pretrained(omni25_path, "qwen2_5_omni_token2wav",
-                                                   torch.device("cpu"), None, seed=SEED,
-                                                   chunk_blocks=0)      # whole, as the reference
+                                                   torch.device("cpu"), None,
+                                                   Token2WavOptions(seed=SEED, chunk_blocks=0))
+    # (chunk_blocks 0: whole, as the reference)
     codes = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(1))
     speaker = omni25_hf.speaker_map["Ethan"]
     torch.manual_seed(SEED)

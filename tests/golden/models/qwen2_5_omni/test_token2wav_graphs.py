@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnistage.generation.token2wav import Token2WavGenerator
+from omnistage.generation.token2wav import Token2WavGenerator, Token2WavOptions
 from omnistage.generation.token2wav_stream import dit_step
 from omnistage.layers import graph_capture
 from omnistage.layers.graph_capture import PaddedShapes
@@ -38,8 +38,8 @@ def one_thread():
 def eager(omni25_path: Path) -> Token2WavGenerator:
     """Streamed, first chunks of 6 blocks (the tiny vocoder's context is 5.5), a DiT batch of
     at most 192 frames (6 windows of 32)."""
-    return Token2WavGenerator.from_pretrained(omni25_path, "", CPU, None, first_chunk_blocks=6,
-                                              max_batch_frames=192)
+    return Token2WavGenerator.from_pretrained(
+        omni25_path, "", CPU, None, Token2WavOptions(first_chunk_blocks=6, max_batch_frames=192))
 
 
 def test_padded_shapes_of_the_shipped_stream() -> None:
@@ -128,7 +128,8 @@ def test_graphs_equal_eager_through_the_generator(eager: Token2WavGenerator,
     forward of 3 runs as 2 + 1) and without: the same audio; every DiT step and every
     vocoder forward replays a graph captured at start-up."""
     monkeypatch.setattr(graph_capture, "capture_graph", rerun_capture)
-    graphed = Token2WavGenerator(eager.model, [], first_chunk_blocks=6, max_batch_frames=192)
+    graphed = Token2WavGenerator(eager.model, [],
+                                 Token2WavOptions(first_chunk_blocks=6, max_batch_frames=192))
     graphed.speakers = eager.speakers
     graphed.use_graphs(max_vocoder_rows=2)
     graphs = graphed.graphs

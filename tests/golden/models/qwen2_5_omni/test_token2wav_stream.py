@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from omnistage.generation import token2wav as token2wav_module
-from omnistage.generation.token2wav import Token2WavGenerator
+from omnistage.generation.token2wav import Token2WavGenerator, Token2WavOptions
 from omnistage.generation.token2wav_stream import (
     Chunking,
     Token2WavStream,
@@ -28,14 +28,16 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def whole(omni25_path: Path) -> Token2WavGenerator:
-    return Token2WavGenerator.from_pretrained(omni25_path, "", CPU, None, chunk_blocks=0)
+    return Token2WavGenerator.from_pretrained(omni25_path, "", CPU, None,
+                                              Token2WavOptions(chunk_blocks=0))
 
 
 @pytest.fixture(scope="module")
 def streamed(omni25_path: Path) -> Token2WavGenerator:
     """The shipped chunking, but a first chunk of 6 blocks: the tiny vocoder holds back 22
     frames (5.5 of these 4-frame blocks), where the released one holds back 34 of 24."""
-    return Token2WavGenerator.from_pretrained(omni25_path, "", CPU, None, first_chunk_blocks=6)
+    return Token2WavGenerator.from_pretrained(omni25_path, "", CPU, None,
+                                              Token2WavOptions(first_chunk_blocks=6))
 
 
 @pytest.fixture(scope="module")
@@ -205,4 +207,4 @@ def test_new_requests_first_chunks_go_first(streamed: Token2WavGenerator) -> Non
 def test_bad_chunking_is_refused(whole: Token2WavGenerator, options: dict) -> None:
     name = next(iter(options))
     with pytest.raises(ValueError, match=name):
-        Token2WavGenerator(whole.model, [], **options)
+        Token2WavGenerator(whole.model, [], Token2WavOptions(**options))
