@@ -12,7 +12,11 @@ import yaml
 from omnistage.configs.graph import load_graph
 from omnistage.configs.parse import ConfigError, from_dict
 from omnistage.configs.schema import GraphConfig
-from omnistage.configs.vllm_stage_config import load_stage_configs, stage_configs_yaml, translate
+from omnistage.configs.vllm_stage_config import (
+    load_stage_configs,
+    stage_configs_yaml,
+    translate,
+)
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "vllm_omni"
 CASES = [("qwen3_omni_moe.yaml", "qwen3_omni.yaml"), ("qwen3_tts.yaml", "qwen3_tts.yaml"),
