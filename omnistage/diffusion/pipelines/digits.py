@@ -20,6 +20,7 @@ from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.pipeline import DiffusionPipeline
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers.flow_match_euler import scale_noise, timesteps_for_strength
+from omnistage.errors import InputError
 from omnistage.models.digits_dit import DigitsDiT, parse_digit
 
 DEFAULT_SIZE = 64   # pixels: the 8x8 image upscaled 8x
@@ -50,8 +51,9 @@ class DigitsPipeline(DiffusionPipeline):
                  image: Image.Image | None = None) -> None:
         parse_digit(prompt)
         if params.negative_prompt is not None or params.true_cfg_scale != 1.0:
-            raise ValueError("negative_prompt / true_cfg_scale: the demo model guides against "
-                             "its null class only")
+            name = "negative_prompt" if params.negative_prompt is not None else "true_cfg_scale"
+            raise InputError(f"{name}: the demo model guides against its null class only (no "
+                             "negative prompt, true_cfg_scale 1)", name)
         check_size(*self._size(params), self.image_size, MAX_SIZE,
                    "the demo draws 8x8 digits, shown upscaled")
         if image is None and params.image is not None:

@@ -25,7 +25,7 @@ from omnistage.entrypoints.openai.vllm_fields import merge_extra_body
 
 AudioFormat = Literal["wav", "pcm16", "flac", "mp3", "opus"]
 ImageFormat = Literal["png", "jpeg", "webp"]
-Modality = Literal["text", "audio", "image"]
+Modality = Literal["text", "audio", "image", "video"]
 
 
 class Request(BaseModel):
@@ -142,6 +142,8 @@ class ChatCompletionRequest(SamplingExtras):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     modalities: Annotated[list[Modality], Field(min_length=1)] | None = None
     audio: AudioOutput | None = None
+    # vLLM-Omni's name for the voice (audio.voice); sending it says the client is vLLM-Omni's
+    speaker: Annotated[str, Field(min_length=1)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
@@ -266,6 +268,9 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    # vLLM-Omni's two-choice stream only: which output the chunk carries, "text" or "audio"
+    # (an audio chunk's delta.content is a base64 audio file); absent in OpenAI's shape
+    modality: Literal["text", "audio"] | None = None
 
 
 # ---- completions -----------------------------------------------------------------------------

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from omnistage.entrypoints.openai.errors import APIError
-from omnistage.entrypoints.openai.protocol import DeltaAudio
 
 logger = logging.getLogger(__name__)
 DONE = "data: [DONE]\n\n"
@@ -69,33 +67,3 @@ class EventStream(ClosingStream):
     def __init__(self, body: AsyncIterator[str], on_close: list[Callable[[], None]]) -> None:
         super().__init__(body, on_close, "text/event-stream",
                          {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-class SpeechDeltas:
-    """The `delta.audio` pieces of one streamed spoken answer, in OpenAI's order:
-
-        {"id": ID, "transcript": "Hi"}   {"transcript": " there"}   ...   (the text)
-        {"id": ID, "data": B64}          {"data": B64}              ...   (pcm16 chunks)
-        {"expires_at": T}                                                 (last)
-
-    Transcript and audio pieces interleave as the stages make them."""
-
-    def __init__(self, audio_id: str, ttl_s: int) -> None:
-        self.audio_id = audio_id
-        self.ttl_s = ttl_s
-        self._named: set[str] = set()        # the kinds of piece that carried the id already
-
-    def _id(self, kind: str) -> str | None:
-        if kind in self._named:
-            return None
-        self._named.add(kind)
-        return self.audio_id
-
-    def transcript(self, text: str) -> DeltaAudio:
-        return DeltaAudio(id=self._id("transcript"), transcript=text)
-
-    def data(self, b64: str) -> DeltaAudio:
-        return DeltaAudio(id=self._id("data"), data=b64)
-
-    def end(self) -> DeltaAudio:
-        return DeltaAudio(expires_at=int(time.time()) + self.ttl_s)
