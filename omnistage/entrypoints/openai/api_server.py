@@ -235,7 +235,8 @@ def _add_generation_routes(app: FastAPI, client: EngineClient, config: ServerCon
     """/v1/chat/completions, /v1/completions, /v1/images/generations and /v1/images/edits."""
     name = config.model_name
     chat = ChatServing(client, media, name, config.chat_template,
-                       config.default_modalities)
+                       config.default_modalities, vllm_omni_answers=config.vllm_omni_answers,
+                       video_limits=config.video_limits)
     completions = CompletionServing(client, name)
     images = ImageServing(client, media, name)
 
