@@ -19,6 +19,7 @@ amount of work, so the timing stands.
 
 from __future__ import annotations
 
+import math
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -151,6 +152,67 @@ def bench_transformers(model, path: Path, cfg: OmniBenchConfig, device: torch.de
                             cfg.concurrency), "text_tokens": [r[1] for r in runs]}
 
 
+def decode_codes(generator, codes: torch.Tensor, per_call: int = 25) -> torch.Tensor:
+    """One request's codes (speaker 0) fed `per_call` a call, as the talker streams them,
+    stepped until the generator holds nothing back: the waveform."""
+    from omnistage.payloads import AudioChunk, CodecFrames
+
+    state: dict = {}
+    fed, pieces = 0, []
+    with torch.inference_mode():
+        for _ in range(10 * codes.numel()):
+            x = codes[fed:fed + per_call]
+            fed += x.numel()
+            inputs = CodecFrames(x, speaker=torch.zeros_like(x)).pack() if x.numel() else {}
+            (out,) = generator.generate([inputs], [state], [fed >= codes.numel()])
+            chunk = AudioChunk.unpack(out)
+            if chunk is not None and chunk.samples is not None:
+                pieces.append(chunk.samples.float().cpu())
+            if fed >= codes.numel() and not generator.has_backlog(state):
+                return torch.cat(pieces)
+    raise RuntimeError("token2wav did not finish")
+
+
+def waveform_error(path: Path, device: torch.device, num_codes: int = 300) -> dict[str, object]:
+    """token2wav's streamed waveform with its DiT in bfloat16 against float32 (the reference's
+    precision), the same codes and noise: SNR in dB (`omni25_waveform_snr_db`), and the
+    reference's RMS so that a silent output cannot pass."""
+    from omnistage.generation.token2wav import Token2WavGenerator, Token2WavOptions
+
+    audio, codes = {}, None
+    for dtype in ("float32", "bfloat16"):
+        generator = Token2WavGenerator.from_pretrained(path, "", device, None,
+                                                       Token2WavOptions(dit_dtype=dtype))
+        if codes is None:
+            codes = torch.randint(0, generator.model.cfg.dit.num_embeds, (num_codes,),
+                                  generator=torch.Generator().manual_seed(7)).to(device)
+        audio[dtype] = decode_codes(generator, codes)
+        del generator
+        free_device_memory(device)
+    ref, err = audio["float32"], audio["bfloat16"] - audio["float32"]
+    return {"omni25_waveform_snr_db": round(10 * math.log10(ref.pow(2).sum().item()
+                                                            / max(err.pow(2).sum().item(), 1e-30)), 2),
+            "reference_rms": ref.pow(2).mean().sqrt().item(),
+            "max_abs_error": err.abs().max().item(), "samples": ref.numel(),
+            "codes": num_codes}
+
+
+def headline(ours: dict[str, object], snr: dict[str, object] | None) -> dict[str, object]:
+    """The issue's figures (issue 41): real-time factor at 1 / 8 / 32 and first audio at 1 / 8
+    (means), the bfloat16 DiT's waveform SNR where measured."""
+    by_c = ours["by_concurrency"]
+    out: dict[str, object] = {}
+    for c in (1, 8, 32):
+        if c in by_c or str(c) in by_c:
+            row = by_c.get(c, by_c.get(str(c)))
+            out[f"omni25_rtf_c{c}"] = row["rtf"]["mean"]
+            if c in (1, 8):
+                out[f"omni25_first_audio_s_c{c}"] = row["first_audio_s"]["mean"]
+    if snr is not None:
+        out["omni25_waveform_snr_db"] = snr["omni25_waveform_snr_db"]
+    return out
+
+
 def run(cfg: OmniBenchConfig) -> dict[str, object]:
     device = resolve_device(cfg.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -165,6 +227,7 @@ def run(cfg: OmniBenchConfig) -> dict[str, object]:
         free_device_memory(device)
         ours = bench_ours(path, cfg, device, dtype, overrides=list(cfg.stage_overrides))
         free_device_memory(device)
+        snr = waveform_error(path, device) if cfg.sizes != "tiny" else None
     ratios = audio_ratios(ours["by_concurrency"], hf, cfg.concurrency, "transformers")
     return {
         "benchmark": "omni", "model": "qwen2.5-omni", **environment(device),
@@ -173,6 +236,7 @@ def run(cfg: OmniBenchConfig) -> dict[str, object]:
                    if cfg.sizes == "tiny" else BENCH_SIZES,
                    "real_sizes": REAL_SIZES if cfg.sizes == "real" else None,
                    "parameters": params},
+        "headline": headline(ours, snr), "waveform_error": snr,
         "reference": hf, "omnistage": ours, "ratios": ratios,
         "notes": "reference: transformers' generate(return_audio=True). first_audio: "
                  "seconds from submission to the first audio chunk (the reference returns the "

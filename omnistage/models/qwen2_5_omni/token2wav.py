@@ -70,7 +70,7 @@ class DiTTimestepEmbedding(nn.Module):
         self.time_mlp = nn.ModuleList([nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim)])
 
     def forward(self, t: Tensor) -> Tensor:                       # (B,) -> (B, dim)
-        h = time_embedding(t, self.freq_dim)
+        h = time_embedding(t, self.freq_dim).to(self.time_mlp[0].weight.dtype)
         for layer in self.time_mlp:
             h = layer(h)
         return h
@@ -97,9 +97,10 @@ class DiTInputEmbedding(nn.Module):
     def forward(self, x: Tensor, cond: Tensor, speaker: Tensor, code_embed: Tensor) -> Tensor:
         """x (B, T, mel), cond (B, enc_emb_dim), speaker (B, enc_dim) = spk_encoder(ref_mel),
         code_embed (B, T, emb)."""
-        speaker = speaker.unsqueeze(1).expand(-1, x.shape[1], -1)
-        cond = cond.unsqueeze(1).expand(-1, x.shape[1], -1)
-        return self.proj(torch.cat((x, speaker, code_embed, cond), dim=-1))
+        dtype = self.proj.weight.dtype      # the DiT's (the speaker encoder's may differ)
+        speaker = speaker.to(dtype).unsqueeze(1).expand(-1, x.shape[1], -1)
+        cond = cond.to(dtype).unsqueeze(1).expand(-1, x.shape[1], -1)
+        return self.proj(torch.cat((x.to(dtype), speaker, code_embed, cond), dim=-1))
 
 
 class DiTAttention(nn.Module):
@@ -205,7 +206,20 @@ class Token2WavDiT(nn.Module):
             masks = {k: (m & real) | eye for k, m in masks.items()}
         for block in self.transformer_blocks:
             h = block(h, temb, cos_sin, masks[block.look_back, block.look_ahead])
-        return self.proj_out(self.norm_out(h, temb))
+        return self.proj_out(self.norm_out(h, temb)).to(x.dtype)
+
+    def compute_in(self, dtype: torch.dtype) -> None:
+        """Run the transformer in `dtype` (bfloat16: its matmuls and attention, measured
+        against float32 by benchmarks/omni25's waveform SNR), its inputs and velocity staying
+        in theirs (the ODE state float32); the speaker encoder, run once a request, keeps its
+        dtype."""
+        spk = self.input_embed.spk_encoder
+        for module in self.children():
+            if module is not self.input_embed:
+                module.to(dtype)
+        for module in self.input_embed.children():
+            if module is not spk:
+                module.to(dtype)
 
     def guided_velocity(self, x: Tensor, t: Tensor, cond: Tensor, speaker: Tensor,
                         null_speaker: Tensor, codes: Tensor, guidance_scale: float,
