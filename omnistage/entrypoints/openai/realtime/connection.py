@@ -24,7 +24,7 @@ goes on; a frame is parsed under the HTTP routes' JSON policy (json_body.py), so
 surrogate, NaN or an integer beyond 64 bits is refused here, not somewhere downstream.
 Closing the socket at any moment cancels the running response (aborted in every stage) and
 ends the session; nothing it started outlives it. A session idle (no client event) for
-`idle_timeout_s` is told so and closed.
+`idle_timeout_s` is told so and closed. A first event in vLLM-Omni's dialect: vllm_dialect.py.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from omnistage.entrypoints.openai.realtime.protocol import (Item, ResponseOption
 from omnistage.entrypoints.openai.realtime.response import Response, ResponsePlan
 from omnistage.entrypoints.openai.realtime.truncation import measure, num_to_drop, output_room
 from omnistage.entrypoints.openai.realtime.vad import FRAME, TurnDetector, VadEvent
+from omnistage.entrypoints.openai.realtime.vllm_dialect import VllmDialect, is_vllm_first
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class RealtimeConnection:
         self.response_task: asyncio.Task[None] | None = None
         self._send_lock = asyncio.Lock()
         self._instruction_tokens: dict[str, int] = {}   # the last instructions measured
+        self.dialect: Callable[[dict[str, Any]], Any] | None = None   # the first event's
 
     async def run(self) -> None:
         await self.ws.accept()
@@ -140,7 +142,9 @@ class RealtimeConnection:
             raw, msg = message.get("text"), None
             try:
                 msg = client_event(raw)
-                await self._handle(msg)
+                if self.dialect is None:
+                    self.dialect = VllmDialect(self).handle if is_vllm_first(msg) else self._handle
+                await self.dialect(msg)
             except APIError as err:
                 if err.status == 503:          # the engine is gone: nothing more to serve
                     await self._send(error_event(err))
