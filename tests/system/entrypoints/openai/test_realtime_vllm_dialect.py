@@ -14,6 +14,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import threading
+import time
 import wave
 from typing import TYPE_CHECKING, Any
 
@@ -148,6 +150,42 @@ def test_a_second_turn_hears_the_first(server: Server) -> None:
         second = read_answer(ws)["usage"]
     assert second["prompt_tokens"] > first["prompt_tokens"] + first["completion_tokens"]
     assert second["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_concurrent_clients_and_a_dropped_socket(server: Server) -> None:
+    """The client's --num-requests 3 --concurrency 3: three sessions answered at once; then a
+    socket closed mid-answer leaves no request in any stage, and the server still answers."""
+    answers: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+
+    def one(seed: int) -> None:
+        try:
+            with open_socket(server) as ws:
+                send_turn(ws, pcm16(speech_like(0.5, seed=seed)))
+                answers.append(read_answer(ws))
+        except Exception as exc:      # noqa: BLE001 (reported by the test, not lost in the thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S * 2)
+    assert not errors and len(answers) == 3, errors
+    assert all(a["pcm"] and a["text"] for a in answers)
+    with open_socket(server) as ws:
+        send_turn(ws, pcm16(speech_like(0.5)))
+        while recv(ws)["type"] != "response.output_audio.delta":
+            pass
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        held = {k: v for k, v in server.metrics().items() if v and k[0] in (
+            "omnistage_stage_queue_length", "omnistage_requests_in_flight")}
+        if not held:
+            break
+        time.sleep(0.1)
+    assert not held, f"requests left in the engine: {held}"
+    assert server.get("/health").status_code == 200
 
 
 def test_errors_are_read_as_the_client_reads_them(server: Server) -> None:
