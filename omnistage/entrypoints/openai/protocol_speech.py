@@ -5,38 +5,62 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, computed_field, field_validator
 
 from omnistage.entrypoints.openai.protocol import Request
 
 # ---- text to speech (/v1/audio/speech, voices, the WebSocket session) --------------------
 
 SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+TaskType = Literal["CustomVoice", "VoiceDesign", "Base"]     # Qwen3-TTS's (vLLM-Omni's field)
 MAX_BATCH_ITEMS = 32
+MAX_NEW_TOKENS = 4096                  # vLLM-Omni's bound on max_new_tokens
+VLLM_OMNI_FIELDS = frozenset({"task_type", "max_new_tokens", "x_vector_only_mode"})
 
 
 class SpeechVoice(Request):
     """Who speaks, and how: shared by the speech request, a batch item and a WebSocket
-    session. `voice` is a preset or an uploaded voice; `ref_audio` (base64, or a data: URL) with
-    its transcript `ref_text` clones a voice for this request only (extensions, as `language`)."""
+    session. `voice` is a preset or an uploaded voice (a name, or the OpenAI SDK's custom voice
+    object `{"id": name}`); `ref_audio` (base64, or a data: URL) with its transcript `ref_text`
+    clones a voice for this request only (extensions, as `language`). vLLM-Omni's extensions:
+    `task_type` names the mode (CustomVoice: a preset, VoiceDesign: a voice described in
+    `instructions`, Base: a clone) and `x_vector_only_mode` clones from the speaker embedding
+    alone, without the transcript (speech_task.py)."""
 
     voice: str | None = Field(None, max_length=64)
     instructions: str | None = Field(None, max_length=4096)
     language: str | None = Field(None, max_length=32)
     ref_audio: str | None = None
     ref_text: str | None = Field(None, max_length=4096)
+    task_type: TaskType | None = None
+    x_vector_only_mode: bool | None = None
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_object(cls, value: object) -> object:
+        """OpenAI's custom voice object {"id": "voice_1234"} names the voice by its id."""
+        if isinstance(value, dict):
+            if set(value) != {"id"}:
+                raise ValueError('a voice object is {"id": NAME}, with no other key')
+            return value["id"]
+        return value
 
 
 class SpeechRequest(SpeechVoice):
+    """`response_format` None: the server's default (mp3 as OpenAI's; wav for a request with a
+    field only vLLM-Omni sends, or on a server answering in vLLM-Omni's dialect)."""
+
     model: str | None = None
     input: str
-    response_format: SpeechFormat = "mp3"
+    response_format: SpeechFormat | None = None
     speed: float = Field(1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
+    max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
 
 
 class SpeechBatchItem(SpeechVoice):
     input: str
+    max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
 
 
 class SpeechBatchRequest(Request):
@@ -82,5 +106,20 @@ class VoiceCard(BaseModel):
 
 
 class VoiceList(BaseModel):
+    """Ours (`object`, `data`: one card a voice) and vLLM-Omni's beside it (`voices`: every
+    name, `uploaded_voices`: the uploads with `ref_text`, their transcript)."""
+
     object: Literal["list"] = "list"
     data: list[VoiceCard]
+
+    @computed_field        # type: ignore[prop-decorator]
+    @property
+    def voices(self) -> list[str]:
+        return [card.name for card in self.data]
+
+    @computed_field        # type: ignore[prop-decorator]
+    @property
+    def uploaded_voices(self) -> list[dict[str, Any]]:
+        return [{"name": c.name, "created_at": c.created_at,
+                 **({"ref_text": c.transcript} if c.transcript else {})}
+                for c in self.data if c.type == "uploaded"]

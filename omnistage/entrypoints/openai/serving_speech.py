@@ -8,9 +8,14 @@ stage's `SamplingParams.extra` (the contract with the model, registry.SpeechSpec
     voice: uploaded name     -> extra["ref_audio"], extra["ref_text"] (the stored clip)
     ref_audio (+ ref_text)   -> extra["ref_audio"] = {"samples": float32 LE mono bytes,
                                                       "sample_rate": int}, extra["ref_text"]
+                                (a voice sent along is ignored: the clip wins)
     instructions, language   -> extra["instructions"], extra["language"]
+    max_new_tokens           -> the entry stage's max_tokens (the talker's codec frames)
 
-Every check runs before the engine sees the request (a 4xx with OpenAI's error JSON).
+vLLM-Omni's `task_type` and `x_vector_only_mode` are read first (speech_task.py). Every check
+runs before the engine sees the request (a 4xx with OpenAI's error JSON). `response_format`
+defaults to mp3 (OpenAI's), or wav (vLLM-Omni's) for a request with a field only vLLM-Omni
+sends or on a server answering in its dialect (`ServerConfig.vllm_omni_answers`).
 `stream_format: audio` streams the file as the model speaks (chunked; the pieces are one file,
 a wav's header says "length unknown"); `sse` sends `speech.audio.delta` events with base64
 pieces of that file, then `speech.audio.done` with the usage. `speed` other than 1.0 is
@@ -33,11 +38,13 @@ from omnistage.entrypoints.openai.client import (EngineClient, RequestHandle, fa
                                                  unless_disconnected)
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import MediaLoader, decode_b64
-from omnistage.entrypoints.openai.protocol_speech import (SpeechBatchItem, SpeechBatchRequest,
+from omnistage.entrypoints.openai.protocol_speech import (VLLM_OMNI_FIELDS, SpeechBatchItem,
+                                                          SpeechBatchRequest,
                                                           SpeechBatchResponse,
                                                           SpeechBatchResult, SpeechRequest,
                                                           SpeechVoice)
 from omnistage.entrypoints.openai.serving_chat import DEFAULT_SAMPLE_RATE, audio_of
+from omnistage.entrypoints.openai.speech_task import check_clone_mode, resolve_task
 from omnistage.entrypoints.openai.streaming import ClosingStream, EventStream, sse, sse_error
 from omnistage.entrypoints.openai.voices import MAX_UPLOAD_BYTES, VoiceStore, check_clip
 from omnistage.outputs import OmniOutput
@@ -84,15 +91,13 @@ class SpeechServing:
         """Who speaks and how, as `SamplingParams.extra` (the module docstring's table);
         `where` prefixes the params named in errors (a batch item's "items[2].")."""
         spec = self.require_speech()
+        v = resolve_task(v, spec, where)          # after it, voice and ref_audio are not both set
         extra: dict[str, Any] = {}
         if v.ref_audio is not None:
-            if v.voice is not None:
-                raise bad_request(f"{where}ref_audio: give a voice or ref_audio, not both",
-                                  f"{where}ref_audio", "voice_conflict")
             extra.update(await self._clip(v.ref_audio, v.ref_text, f"{where}ref_audio"))
         elif v.voice is not None:
             extra.update(await self._named_voice(v.voice, f"{where}voice"))
-        elif spec.voices:
+        elif spec.voices and v.task_type != "VoiceDesign":
             extra["voice"] = spec.voices[0]
         elif not (spec.voice_design and v.instructions):
             raise bad_request(f"{where}voice: this model has no preset voices; "
@@ -112,7 +117,7 @@ class SpeechServing:
                                   f"{', '.join(spec.languages)}", f"{where}language",
                                   "unsupported_language")
             extra["language"] = v.language.lower()
-        return extra
+        return check_clone_mode(v, extra, where)
 
     async def _named_voice(self, voice: str, param: str) -> dict[str, Any]:
         spec = self.require_speech()
@@ -150,14 +155,19 @@ class SpeechServing:
 
     # -- the engine ------------------------------------------------------------------------------
     async def start(self, text: str, voice: Callable[[], Awaitable[dict[str, Any]]],
-                    param: str = "input") -> RequestHandle:
+                    param: str = "input", max_new_tokens: tuple[str, int | None] | None = None
+                    ) -> RequestHandle:
         """Submit one text through the front door: a slot in the queue first, then who
         speaks (`voice()`: a reference clip is decoded only once admitted), its params (the
-        graph's defaults, that extra on the entry stages) and the engine's checks (on the
-        preparation pool)."""
+        graph's defaults, that extra on the entry stages, `max_new_tokens`: (its field, the
+        cap) as their max_tokens) and the engine's checks (on the preparation pool)."""
+        cap = max_new_tokens if max_new_tokens and max_new_tokens[1] is not None else None
+
         async def make() -> list[OmniRequest]:
-            fields = RequestFields(entry_extra=await voice())
-            return [self.client.request(text, fields, {"audio"}, "speech", param=param)]
+            fields = RequestFields(entry={"max_tokens": cap[1]} if cap else {},
+                                   entry_extra=await voice())
+            return [self.client.request(text, fields, {"audio"}, "speech", param=param,
+                                        max_tokens=cap)]
 
         [handle] = await self.client.start(make, 1)
         return handle
@@ -166,17 +176,29 @@ class SpeechServing:
         return out.sample_rate or self.client.engine.audio_sample_rate or DEFAULT_SAMPLE_RATE
 
     # -- routes ----------------------------------------------------------------------------------
+    @staticmethod
+    def response_format(req: SpeechRequest, request: Request) -> str:
+        """The format asked for; else wav for a request that says it is vLLM-Omni's (a field
+        only it sends) or on a server answering in its dialect, mp3 (OpenAI's) otherwise."""
+        if req.response_format is not None:
+            return req.response_format
+        config = getattr(request.app.state, "config", None)
+        vllm = bool(req.model_fields_set & VLLM_OMNI_FIELDS) or getattr(
+            config, "vllm_omni_answers", False)
+        return "wav" if vllm else "mp3"
+
     async def create(self, req: SpeechRequest, request: Request) -> Response:
         text = self.check_text(req.input)
         self.check_speed(req.speed)
-        handle = await self.start(text, lambda: self.extra(req))
+        fmt = self.response_format(req, request)
+        handle = await self.start(text, lambda: self.extra(req), "input",
+                                  ("max_new_tokens", req.max_new_tokens))
         closers = [handle.close]
         await self.client.open_stream(request, [handle], closers, "input")
         if req.stream_format == "sse":
-            return EventStream(self._sse(handle, req.response_format), closers)
+            return EventStream(self._sse(handle, fmt), closers)
         # a failure after the 200 went out drops the connection: the client sees a cut body
-        return ClosingStream(self.encoded(handle, req.response_format), closers,
-                             MIME[ENCODING[req.response_format]])
+        return ClosingStream(self.encoded(handle, fmt), closers, MIME[ENCODING[fmt]])
 
     async def waves(self, handle: RequestHandle) -> AsyncIterator[tuple[Tensor, int]]:
         """The request's audio chunks (waveform, rate) as the model makes them; the APIError
@@ -241,7 +263,8 @@ class SpeechServing:
         if item.voice is None and item.ref_audio is None and req.voice is not None:
             item = item.model_copy(update={"voice": req.voice})
         return await self.start(text, lambda: self.extra(item, f"items[{i}]."),
-                                f"items[{i}].input")
+                                f"items[{i}].input",
+                                (f"items[{i}].max_new_tokens", item.max_new_tokens))
 
     async def _whole(self, i: int, handle: RequestHandle, fmt: str) -> SpeechBatchResult:
         last: OmniOutput | None = None
