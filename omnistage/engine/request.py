@@ -21,14 +21,19 @@ The per-stage params come in one of two forms:
   a dict for a stage that samples nothing (code2wav) is checked and ignored.
 
 Every refusal is an InputError naming the field it came from (the server answers 400 with it).
+A field accepted with no effect goes through `ignore`: logged once per field, and named to the
+caller collecting them (`collect_ignored`: the server's `X-Omnistage-Ignored` header).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from omnistage.configs.schema import GraphConfig, StageConfig
 from omnistage.configs.strict import from_dict
@@ -38,7 +43,7 @@ from omnistage.sampling_params import SamplingParams
 
 StageParams = SamplingParams | DiffusionParams | None
 ParamsList = SamplingParams | DiffusionParams | list[StageParams] | None
-PromptType = Union[str, dict[str, Any]]
+PromptType = str | dict[str, Any]
 # SamplingParams fields that belong to the graph, not to a request
 _GRAPH_ONLY = {"output_hidden_layers", "extra"}
 # vLLM SamplingParams fields omnistage has no counterpart for
@@ -49,6 +54,8 @@ _VLLM_ONLY = {"best_of", "use_beam_search", "length_penalty", "early_stopping",
               "flat_logprobs", "extra_args"}
 logger = logging.getLogger(__name__)
 _warned: set[str] = set()
+# the names `ignore` was called with while a caller collects them (None: nobody does)
+_ignored: ContextVar[list[str] | None] = ContextVar("ignored_fields", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +115,26 @@ def build_request(graph: GraphConfig, entry: list[str], prompt: PromptType,
 
 def ignore(param: str, why: str) -> None:
     """An accepted field that changes nothing here: say so in the log, once per field (a
-    client that sends it with every request would otherwise fill the log)."""
+    client that sends it with every request would otherwise fill the log), and name it to
+    the request's collector if one is open (`collect_ignored`), once per request."""
+    names = _ignored.get()
+    if names is not None and param not in names:
+        names.append(param)
     if param not in _warned:
         _warned.add(param)
         logger.warning("%s: accepted and ignored (%s)", param, why)
+
+
+@contextlib.contextmanager
+def collect_ignored() -> Iterator[list[str]]:
+    """The fields `ignore` names while this is open (in this context and the tasks and
+    threads that copy it), in order, once each: what the answer tells the client it ignored."""
+    names: list[str] = []
+    token = _ignored.set(names)
+    try:
+        yield names
+    finally:
+        _ignored.reset(token)
 
 
 # -- the Python API's form -----------------------------------------------------------------------
@@ -205,8 +228,8 @@ def _sampling(stage: StageConfig, openai: dict[str, Any], given: dict[str, Any],
     given = _vllm_keys(given, path)
     blocked = _GRAPH_ONLY & set(given)
     if blocked:
-        raise InputError(f"{path}.{sorted(blocked)[0]}: set by the stage graph, not by "
-                         "requests", f"{path}.{sorted(blocked)[0]}")
+        raise InputError(f"{path}.{min(blocked)}: set by the stage graph, not by "
+                         "requests", f"{path}.{min(blocked)}")
     defaults = stage.ar.sampling if stage.ar is not None else {}
     params = from_dict(SamplingParams, {**defaults, **openai}, "")
     if given:

@@ -36,6 +36,7 @@ from omnistage.configs.server import ServerSettings
 from omnistage.entrypoints.openai.client import EngineClient
 from omnistage.entrypoints.openai.errors import (bad_request, check_model,
                                                  install_error_handlers)
+from omnistage.entrypoints.openai.ignored_header import IgnoredHeader
 from omnistage.entrypoints.openai.json_body import StrictJSONRoute
 from omnistage.entrypoints.openai.log_lines import log_stage_stats
 from omnistage.entrypoints.openai.media import MediaLoader, MediaPolicy
@@ -155,6 +156,7 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
     if config.enable_playground:
         add_playground(app)
     add_realtime_routes(app, client, config.model_name, config.realtime_limits)
+    app.add_middleware(IgnoredHeader)      # X-Omnistage-Ignored: what the request had ignored
     add_middleware(app, config.api_key, config.open_metrics, config.max_body_bytes,
                    config.body_timeout_s, config.allowed_origins, metrics)
     return app

@@ -14,10 +14,21 @@ from omnistage.entrypoints.openai.protocol import Request
 VideoFileFormat = Literal["mp4", "webm", "webp", "gif"]
 
 
+class VideoParamsBlock(Request):
+    """vLLM-Omni's `video_params` object: the same four fields, used where the top level
+    leaves them out."""
+
+    width: Annotated[int, Field(ge=1)] | None = None
+    height: Annotated[int, Field(ge=1)] | None = None
+    num_frames: Annotated[int, Field(ge=1)] | None = None
+    fps: Annotated[float, Field(gt=0.0, le=120.0)] | None = None
+
+
 class VideoRequest(Request):
     """POST /v1/videos (and /sync), as JSON or as a multipart form (what the OpenAI SDK
-    sends; `input_reference` then a file). `seconds` or `num_frames` (an extension) sets the
-    length; `fps` (an extension) the file's rate, the model's by default."""
+    and vLLM-Omni's curl examples send; `input_reference` then a file). `seconds` or
+    `num_frames` (an extension) sets the length; `fps` (an extension) the file's rate, the
+    model's by default. `size` or vLLM-Omni's `width` / `height` set the size."""
 
     prompt: Annotated[str, Field(min_length=1, max_length=32000)]
     model: str | None = None
@@ -25,8 +36,13 @@ class VideoRequest(Request):
     num_frames: Annotated[int, Field(ge=1)] | None = None
     fps: Annotated[float, Field(gt=0.0, le=120.0)] | None = None
     size: str | None = None                     # "WxH"
+    width: Annotated[int, Field(ge=1)] | None = None      # vLLM-Omni's form of the size
+    height: Annotated[int, Field(ge=1)] | None = None
+    video_params: VideoParamsBlock | None = None          # vLLM-Omni's, in JSON
     # an image file: a data: / file: / http(s) URL or bare base64 (JSON); {"image_url": URL}
     input_reference: str | dict[str, str] | None = None
+    # vLLM-Omni's JSON-safe reference: {"image_url": URL} ({"file_id": ...}: no files here)
+    image_reference: dict[str, str] | None = None
     user: str | None = None
     # diffusion extras
     negative_prompt: Annotated[str, Field(max_length=32000)] | None = None
@@ -34,6 +50,10 @@ class VideoRequest(Request):
     guidance_scale: Annotated[float, Field(ge=0.0)] | None = None
     guidance_scale_2: Annotated[float, Field(ge=0.0)] | None = None   # Wan2.2 A14B low-noise
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    # vLLM-Omni's Wan knobs, accepted; the model's config decides them here (video_params.py)
+    boundary_ratio: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    flow_shift: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    true_cfg_scale: Annotated[float, Field(ge=0.0)] | None = None     # no true CFG in video
 
 
 class VideoError(BaseModel):

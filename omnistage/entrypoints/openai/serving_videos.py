@@ -33,9 +33,11 @@ import asyncio
 import contextlib
 import io
 import logging
+import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Literal
+from typing import Any, Literal
 
 import numpy as np
 from PIL import Image
@@ -47,12 +49,21 @@ from omnistage.engine.request import RequestFields
 from omnistage.entrypoints.openai.client import EngineClient, unless_disconnected
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import MediaLoader
-from omnistage.entrypoints.openai.protocol_video import (VideoDeleted, VideoError,
-                                                         VideoFileFormat, VideoList,
-                                                         VideoObject)
+from omnistage.entrypoints.openai.protocol_video import (
+    VideoDeleted,
+    VideoError,
+    VideoFileFormat,
+    VideoList,
+    VideoObject,
+)
 from omnistage.entrypoints.openai.video_params import VideoLimits, plan, read_request
-from omnistage.entrypoints.openai.video_store import (ACTIVE, StoreBusy, VideoJob, VideoStore,
-                                                      now)
+from omnistage.entrypoints.openai.video_store import (
+    ACTIVE,
+    StoreBusy,
+    VideoJob,
+    VideoStore,
+    now,
+)
 from omnistage.registry import VideoSpec
 from omnistage.utils.video import MEDIA_TYPES, decode_video, encode_video
 
@@ -196,13 +207,18 @@ class VideoServing:
         return as_object(job)
 
     async def sync(self, request: Request, fmt: VideoFileFormat) -> Response:
+        """The file itself; its headers say what vLLM-Omni's say (X-Request-Id, X-Model,
+        X-Inference-Time-S: the seconds from the request read to the file made)."""
         spec, _ = self.require_video()
+        started = time.monotonic()
         req, image = await read_request(request, self.media, self.model_name)
         fields, _, _ = plan(spec, self.limits, req, image)
         frames = await unless_disconnected(
             request, lambda: self._generate(req.prompt, fields, image, None))
         data = await run_in_threadpool(encode_video, frames, fields["fps"], fmt)
-        return Response(data, media_type=MEDIA_TYPES[fmt])
+        return Response(data, media_type=MEDIA_TYPES[fmt], headers={
+            "X-Request-Id": f"video_{uuid.uuid4().hex}", "X-Model": self.model_name,
+            "X-Inference-Time-S": f"{time.monotonic() - started:.3f}"})
 
     async def job(self, job_id: str) -> VideoJob:
         """This server's job `job_id` (another server's, in a shared folder, is a 404)."""

@@ -1,7 +1,17 @@
 """What a /v1/videos request becomes: its body read (JSON, or the multipart form the OpenAI
-SDK sends), then `plan` checks every value against the model's VideoSpec and the server's
-limits and returns the engine fields (DiffusionParams' names: num_frames, fps, height,
-width, seed, and the diffusion extras given), all before anything is queued."""
+SDK and vLLM-Omni's curl examples send), then `plan` checks every value against the model's
+VideoSpec and the server's limits and returns the engine fields (DiffusionParams' names:
+num_frames, fps, height, width, seed, and the diffusion extras given), all before anything is
+queued.
+
+vLLM-Omni's forms are read too: `width` / `height` make the size (a side left out: the
+model's default; with `size` as well, they must agree, else 400), a `video_params` object
+fills in width, height, num_frames and fps the top level leaves out, `image_reference:
+{"image_url": URL}` is the first frame as `input_reference` would be (a form sends these two
+objects as JSON text). `boundary_ratio`, `flow_shift` and `true_cfg_scale` are accepted and
+ignored (`ignore`: logged, and named in the answer's X-Omnistage-Ignored header): the Wan
+pipeline takes its expert boundary and its scheduler's shift from the checkpoint's config.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +25,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
-from omnistage.entrypoints.openai.errors import APIError, bad_request, check_model, invalid
+from omnistage.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    check_model,
+    invalid,
+)
 from omnistage.entrypoints.openai.json_body import parse_json
 from omnistage.entrypoints.openai.media import MediaLoader, decode_b64, open_image
 from omnistage.entrypoints.openai.params import ignore, parse_size
@@ -23,6 +38,15 @@ from omnistage.entrypoints.openai.protocol_video import VideoRequest
 from omnistage.registry import VideoSpec
 
 _EXTRAS = ("negative_prompt", "num_inference_steps", "guidance_scale", "guidance_scale_2")
+# accepted with no effect here, and why (logged, and named in the answer's header)
+_IGNORED = {"boundary_ratio": "Wan2.2's expert boundary follows the checkpoint's "
+                              "model_index.json",
+            "flow_shift": "the scheduler's shift follows the checkpoint's scheduler config",
+            "true_cfg_scale": "video models here guide with guidance_scale (and "
+                              "guidance_scale_2)",
+            "user": "no abuse monitoring here"}
+_OBJECTS = ("image_reference", "video_params")     # objects: JSON text in a form
+_BLOCK = ("width", "height", "num_frames", "fps")  # what video_params may fill in
 MAX_SEED = 2**31       # a seed drawn for a request without one (kept with its job)
 # "4", "2.5", ".5": ASCII digits only (float() also takes "４", "٤", "1_0", "1e3", "nan")
 _SECONDS = re.compile(r"[0-9]{1,6}(?:\.[0-9]{0,6})?|\.[0-9]{1,6}", re.ASCII)
@@ -51,7 +75,7 @@ async def read_request(request: Request, media: MediaLoader, model_name: str
                                           "input_reference)", key)
                     image = await _upload(value, media.policy.max_bytes)
                 else:
-                    fields[key] = value
+                    fields[key] = _form_object(key, value) if key in _OBJECTS else value
         body: Any = fields
     else:
         body = await request.body()
@@ -62,8 +86,9 @@ async def read_request(request: Request, media: MediaLoader, model_name: str
     except ValidationError as exc:
         raise invalid(exc.errors()) from None
     check_model(req.model, model_name)
-    if req.input_reference is not None:
-        image = await run_in_threadpool(_reference, media, req.input_reference)
+    ref = _reference_given(req, image)
+    if ref is not None:
+        image = await run_in_threadpool(_reference, media, ref)
     if image is not None:   # its header only: the engine decodes it
         open_image(image, "input_reference", media.policy.max_image_pixels)
     return req, image
@@ -75,6 +100,32 @@ async def _upload(upload: UploadFile, limit: int) -> bytes:
         raise APIError(413, f"input_reference: the file is larger than {limit} bytes",
                        param="input_reference", code="media_too_large")
     return data
+
+
+def _form_object(key: str, value: str) -> Any:
+    """A form field that holds an object (vLLM-Omni's `image_reference`, `video_params`)."""
+    try:
+        return parse_json(value.encode())
+    except APIError:
+        raise bad_request(f"{key}: expected a JSON object", key) from None
+
+
+def _reference_given(req: VideoRequest, upload: bytes | None) -> str | dict[str, str] | None:
+    """The first frame's reference (an uploaded file is read already): `input_reference`,
+    or vLLM-Omni's `image_reference` {"image_url": URL}; both: 400."""
+    ref = req.image_reference
+    if ref is None:
+        return req.input_reference
+    if upload is not None or req.input_reference is not None:
+        raise bad_request("image_reference, input_reference: give the first frame once",
+                          "image_reference")
+    if "file_id" in ref:
+        raise bad_request("image_reference.file_id: this server has no files API; send "
+                          "{\"image_url\": URL} or upload input_reference",
+                          "image_reference.file_id")
+    if set(ref) != {"image_url"}:
+        raise bad_request("image_reference: expected {\"image_url\": URL}", "image_reference")
+    return ref
 
 
 def _reference(media: MediaLoader, ref: str | dict[str, str]) -> bytes:
@@ -90,32 +141,62 @@ def _reference(media: MediaLoader, ref: str | dict[str, str]) -> bytes:
 def plan(spec: VideoSpec, limits: VideoLimits, req: VideoRequest, image: bytes | None
          ) -> tuple[dict[str, Any], str, str]:
     """(the engine fields, "WxH", seconds) of a request, every value checked (400)."""
+    req = _with_block(req)
     fps = req.fps or spec.fps
     num_frames = _num_frames(spec, limits, req, fps)
-    height, width = parse_size(req.size)
-    if height is None or width is None:
-        width, height = spec.default_size
-    for side in (width, height):
-        if side % spec.size_multiple:
-            raise bad_request(f"size={width}x{height}: width and height must be multiples "
-                              f"of {spec.size_multiple} for this model", "size")
-    if max(width, height) > limits.max_size:
-        raise bad_request(f"size={width}x{height}: the longest side is at most "
-                          f"{limits.max_size} pixels here", "size", "size_too_large")
+    width, height = _size(spec, limits, req)
     if image is not None and not spec.image_to_video:
         raise bad_request("input_reference: this model makes video from text only",
                           "input_reference", "image_to_video_not_supported")
     if image is None and not spec.text_to_video:
         raise bad_request("input_reference: this model needs a first-frame image",
                           "input_reference")
-    if req.user is not None:
-        ignore("user", "no abuse monitoring here")
+    for name, why in _IGNORED.items():
+        if getattr(req, name) is not None:
+            ignore(name, why)
     fields: dict[str, Any] = {"num_frames": num_frames, "fps": fps, "height": height,
                               "width": width,
                               "seed": secrets.randbelow(MAX_SEED) if req.seed is None
                               else req.seed}
     fields.update({k: getattr(req, k) for k in _EXTRAS if getattr(req, k) is not None})
     return fields, f"{width}x{height}", f"{num_frames / fps:g}"
+
+
+def _with_block(req: VideoRequest) -> VideoRequest:
+    """The request with `video_params`' values where the top level has none."""
+    block = req.video_params
+    if block is None:
+        return req
+    return req.model_copy(update={k: getattr(block, k) for k in _BLOCK
+                                  if getattr(req, k) is None
+                                  and getattr(block, k) is not None})
+
+
+def _size(spec: VideoSpec, limits: VideoLimits, req: VideoRequest) -> tuple[int, int]:
+    """(width, height): `size`, or `width` / `height` (a side left out: the model's default),
+    or the model's default; checked against the model's multiple and the server's limit,
+    the 400 naming the field it came from."""
+    height, width = parse_size(req.size)
+    if req.width is not None or req.height is not None:
+        if width is not None and height is not None:     # size given too: they must agree
+            for name, given, side in (("width", req.width, width),
+                                      ("height", req.height, height)):
+                if given is not None and given != side:
+                    raise bad_request(f"size={req.size!r} and {name}={given} disagree: give "
+                                      "the size once", name)
+        default_w, default_h = spec.default_size
+        width, height = width or req.width or default_w, height or req.height or default_h
+    elif width is None or height is None:
+        width, height = spec.default_size
+    for name, side in (("width", width), ("height", height)):
+        param = "size" if req.size is not None or getattr(req, name) is None else name
+        if side % spec.size_multiple:
+            raise bad_request(f"size={width}x{height}: width and height must be multiples "
+                              f"of {spec.size_multiple} for this model", param)
+        if side > limits.max_size:
+            raise bad_request(f"size={width}x{height}: the longest side is at most "
+                              f"{limits.max_size} pixels here", param, "size_too_large")
+    return width, height
 
 
 def _num_frames(spec: VideoSpec, limits: VideoLimits, req: VideoRequest, fps: float) -> int:

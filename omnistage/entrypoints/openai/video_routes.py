@@ -9,9 +9,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from omnistage.entrypoints.openai.protocol import ErrorResponse
-from omnistage.entrypoints.openai.protocol_video import (VideoDeleted, VideoFileFormat,
-                                                         VideoList, VideoObject, VideoRequest)
-from omnistage.entrypoints.openai.serving_videos import VideoServing, as_object, store_busy
+from omnistage.entrypoints.openai.protocol_video import (
+    VideoDeleted,
+    VideoFileFormat,
+    VideoList,
+    VideoObject,
+    VideoRequest,
+)
+from omnistage.entrypoints.openai.serving_videos import (
+    VideoServing,
+    as_object,
+    store_busy,
+)
 from omnistage.entrypoints.openai.video_store import StoreBusy
 
 ERRORS: dict[int | str, dict[str, Any]] = {
