@@ -11,8 +11,9 @@ processor, frames -> video patches, placeholder expansion, M-RoPE positions) wit
     special tokens   from the thinker config (the released tokenizer names them
                      <|audio_bos|> / <|AUDIO|> / <|vision_eos|>, not Qwen3-Omni's names)
 
-A video's audio track (`use_audio_in_video`, audio and video tokens interleaved by 2 s chunks)
-is not supported: the front door refuses it.
+    audio in video   a video's track (`use_audio_in_video`) interleaved with it by chunks of
+                     seconds_per_chunk (2 s), not token by token; <|vision_start|> and
+                     <|audio_start|> share a position, and so do the two end tokens
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from omnistage.models.qwen2_5_omni.audio_encoder import output_lengths
+from omnistage.models.qwen3_omni.audio_in_video import by_chunks, tokens_per_chunk
 from omnistage.models.qwen3_omni.multimodal import SpecialTokens
 from omnistage.models.qwen3_omni.processing import InputProcessor
 
@@ -30,6 +32,8 @@ class Qwen2_5OmniInputProcessor(InputProcessor):
 
     audio_padding = "max_length"
     truncate_time = True
+    shared_brackets = True
+    seconds_per_chunk = 2.0     # the reference processor's and the released config's
 
     @staticmethod
     def special_tokens(thinker_config, tokenizer) -> SpecialTokens:
@@ -46,3 +50,7 @@ class Qwen2_5OmniInputProcessor(InputProcessor):
 
     def audio_tokens(self, feature_lens: Tensor) -> Tensor:
         return output_lengths(feature_lens)
+
+    def interleave(self, video_times: list[float], num_audio: int) -> list[tuple[bool, int]]:
+        return by_chunks(video_times, num_audio,
+                         tokens_per_chunk(self.position_id_per_seconds, self.seconds_per_chunk))

@@ -1,6 +1,12 @@
 """Qwen3-Omni's multimodal rotary positions (3, L): text and audio count up on all three axes;
 an image / video block gets (t, row, col) offsets from where it starts, and the text after it
-resumes at the block's largest position + 1."""
+resumes at the block's largest position + 1.
+
+A video that holds its audio track (`use_audio_in_video`; `video_has_audio`) is one block of
+its video and `audio_token_id` tokens, interleaved between <|audio_start|> and <|audio_end|>:
+both count from the block's start, the video tokens as above and the audio tokens one position
+each (audio_block_positions). `shared_brackets` (Qwen2.5-Omni): <|vision_start|> and
+<|audio_start|> share a position, and so do <|audio_end|> and <|vision_end|>."""
 
 from __future__ import annotations
 
@@ -14,17 +20,20 @@ def mrope_positions(input_ids: Sequence[int] | Tensor, *, image_token_id: int,
                     video_token_id: int, spatial_merge_size: int, position_id_per_seconds: float,
                     image_grid_thw: Tensor | None = None, video_grid_thw: Tensor | None = None,
                     video_second_per_grid: Sequence[float] | Tensor | None = None,
-                    truncate_time: bool = False) -> tuple[Tensor, int]:
+                    truncate_time: bool = False, audio_token_id: int | None = None,
+                    video_has_audio: Sequence[bool] = (), shared_brackets: bool = False
+                    ) -> tuple[Tensor, int]:
     """The thinker's 3-axis rotary positions (3, L) int64 and the rope delta (decode step n of
     a prompt of L tokens sits at position L + n + delta on every axis), equal to HF's
-    `get_rope_index` for text, audio, image and video prompts (audio-in-video excepted).
+    `get_rope_index` for text, audio, image and video prompts.
 
     Every run of image (video) placeholder tokens is one image (video), in grid order. Its
     positions are start + (t * seconds_per_grid * position_id_per_seconds, row, col) over the
     merged grid (images: one second per grid), where start is the position its first token
     would have had as text; the next token continues at the block's largest position + 1.
     `truncate_time`: t * step rounded down (Qwen2.5-Omni's `get_rope_index`) where a
-    fractional step is otherwise refused."""
+    fractional step is otherwise refused. `video_has_audio`, `shared_brackets`: audio in
+    video (the module's docstring)."""
     ids = input_ids.tolist() if isinstance(input_ids, Tensor) else list(input_ids)
     grids, seconds = _grids_by_token(image_token_id, video_token_id, image_grid_thw,
                                      video_grid_thw, video_second_per_grid)
@@ -32,19 +41,30 @@ def mrope_positions(input_ids: Sequence[int] | Tensor, *, image_token_id: int,
     pieces: list[Tensor] = []
     next_pos = text_start = 0
     for i, j, token in _placeholder_runs(ids, grids.keys()):
-        if i > text_start:                                       # text / audio: count up
-            pieces.append(torch.arange(next_pos, next_pos + i - text_start).expand(3, -1))
-            next_pos += i - text_start
-        kind = "image" if token == image_token_id else "video"
-        k = used[token]
+        if i < text_start:                         # inside an audio-in-video block already done
+            continue
+        kind, k = ("image" if token == image_token_id else "video"), used[token]
         if k >= len(grids[token]):
             raise ValueError(f"input_ids: more {kind} placeholder runs than {kind} grids "
                              f"({len(grids[token])})")
-        block = _visual_positions(f"{kind} {k}", grids[token][k], j - i, spatial_merge_size,
-                                  seconds[token][k], position_id_per_seconds,
-                                  truncate_time) + next_pos
+        with_audio = kind == "video" and k < len(video_has_audio) and video_has_audio[k]
+        shared = with_audio and shared_brackets
+        if i - shared > text_start:                              # text / audio: count up
+            pieces.append(torch.arange(next_pos, next_pos + i - shared - text_start).expand(3, -1))
+            next_pos += i - shared - text_start
+        if shared:                                 # <|audio_start|> where <|vision_start|> is
+            pieces.append(torch.full((3, 1), next_pos - 1))
+        if with_audio:
+            j = _block_end(ids, i, {token, audio_token_id})
+        is_visual = torch.tensor(ids[i:j]) == token
+        block = audio_block_positions(is_visual, _visual_positions(
+            f"{kind} {k}", grids[token][k], int(is_visual.sum()), spatial_merge_size,
+            seconds[token][k], position_id_per_seconds, truncate_time)) + next_pos
         pieces.append(block)
         next_pos = int(block.max()) + 1
+        if shared:                                 # <|audio_end|> and <|vision_end|>: one place
+            pieces.append(torch.full((3, 2), next_pos))
+            next_pos, j = next_pos + 1, j + 2
         used[token] += 1
         text_start = j
     if len(ids) > text_start:
@@ -112,3 +132,23 @@ def _visual_positions(what: str, grid: Sequence[int], num_tokens: int, merge: in
     h_idx = torch.arange(h).view(1, h, 1).expand(t, h, w)
     w_idx = torch.arange(w).view(1, 1, w).expand(t, h, w)
     return torch.stack([t_idx, h_idx, w_idx]).reshape(3, -1)
+
+
+def audio_block_positions(is_video: Tensor, video_positions: Tensor) -> Tensor:
+    """(3, n) positions of an audio-in-video block from its start: the video tokens (where
+    `is_video`) take `video_positions` in order, the audio tokens 0, 1, 2, ... on all axes."""
+    num_audio = int((~is_video).sum())
+    if not num_audio:
+        return video_positions
+    out = torch.empty(3, is_video.numel(), dtype=torch.long)
+    out[:, is_video] = video_positions
+    out[:, ~is_video] = torch.arange(num_audio).expand(3, -1)
+    return out
+
+
+def _block_end(ids: list[int], start: int, inside: set[int | None]) -> int:
+    """The index of the first token from `start` that is not one of `inside`."""
+    j = start
+    while j < len(ids) and ids[j] in inside:
+        j += 1
+    return j

@@ -18,8 +18,13 @@ one call (padded to the longest). n_window comes from the model config (the refe
 processor has its own default, 50, the released value). Videos are frames the caller already
 sampled, given with their fps; each frame goes through the image processor and
 `temporal_patch_size` consecutive frames form one temporal patch (the layout of transformers'
-Qwen2-VL video processor; its torchvision resize is not reproduced bit for bit). Audio tracks
-of videos (`use_audio_in_video`) are not supported.
+Qwen2-VL video processor; its torchvision resize is not reproduced bit for bit).
+
+A video part may bring its audio track (`"audio"` in the part: Qwen-Omni's
+`use_audio_in_video`). The track is one more audio of the request, in the order of the parts,
+and the video's placeholder becomes one block of both, ordered by time (audio_in_video.py):
+
+    <|vision_start|><|audio_start|> video and audio tokens <|audio_end|><|vision_end|>
 
 Audio at another sample rate is resampled to the feature extractor's (16 kHz) by `resample`
 (audio_input.py). The positions are mrope.py's; the inputs' records and the merge of encoder
@@ -38,6 +43,7 @@ from PIL import Image
 from torch import Tensor
 
 from omnistage.models.qwen3_omni.audio_encoder import output_lengths, read_thinker_config
+from omnistage.models.qwen3_omni.audio_in_video import merge_by_time, video_token_times
 from omnistage.models.qwen3_omni.audio_input import load_audio, resample
 from omnistage.models.qwen3_omni.mrope import mrope_positions
 from omnistage.models.qwen3_omni.multimodal import SpecialTokens, ThinkerInputs
@@ -57,7 +63,8 @@ class InputProcessor:
         {"type": "audio", "audio": (waveform, sample_rate) | bytes of an audio file}
             (or "audio": waveform with "sample_rate": int; waveform 1-D float, any rate)
         {"type": "image", "image": PIL.Image.Image | bytes of an image file}
-        {"type": "video", "video": [PIL.Image.Image, ...], "fps": float (default 2)}
+        {"type": "video", "video": [PIL.Image.Image, ...], "fps": float (default 2),
+         "audio": its audio track as an audio part's "audio" (optional)}
     """
 
     input_modalities = ("text", "audio", "image", "video")   # the part types above
@@ -65,10 +72,16 @@ class InputProcessor:
     # subclass, qwen2_5_omni/processing.py, sets its own)
     audio_padding: bool | str = True        # the feature extractor's: to the longest audio
     truncate_time = False                   # video time positions: whole steps only
+    shared_brackets = False                 # audio in video: every bracket token its position
 
     def audio_tokens(self, feature_lens: Tensor) -> Tensor:
         """Encoder tokens of audios of `feature_lens` mel frames."""
         return output_lengths(feature_lens, self.n_window)
+
+    def interleave(self, video_times: list[float], num_audio: int) -> list[tuple[bool, int]]:
+        """An audio-in-video block's runs (is_video, count): the reference processor's
+        order of a video's tokens (their times in positions) and its audio's."""
+        return merge_by_time(video_times, num_audio)
 
     @staticmethod
     def special_tokens(thinker_config, tokenizer) -> SpecialTokens:
@@ -130,6 +143,7 @@ class InputProcessor:
         audios: list[np.ndarray] = []
         images: list[Image.Image] = []
         videos: list[tuple[list[Image.Image], float]] = []
+        video_audio: list[int | None] = []           # each video's track in `audios`
         for i, message in enumerate(messages):
             where = f"messages[{i}]"
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -142,14 +156,17 @@ class InputProcessor:
                 raise ValueError(f"{where}.content: expected a string or a list of parts")
             text = []
             for j, part in enumerate(content):
-                text.append(self._part(part, f"{where}.content[{j}]", audios, images, videos))
+                text.append(self._part(part, f"{where}.content[{j}]", audios, images, videos,
+                                       video_audio))
             conversation.append({"role": message["role"], "content": "".join(text)})
         prompt = self.tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
             **chat_template_kwargs)
-        return self.process(prompt, audios=audios, images=images, videos=videos)
+        return self.process(prompt, audios=audios, images=images, videos=videos,
+                            video_audio=video_audio)
 
-    def _part(self, part: Any, where: str, audios: list, images: list, videos: list) -> str:
+    def _part(self, part: Any, where: str, audios: list, images: list, videos: list,
+              video_audio: list) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
             if not isinstance(part.get("text"), str):
@@ -160,9 +177,14 @@ class InputProcessor:
         elif kind == "image":
             images.append(self._image(part.get("image"), f"{where}.image"))
         elif kind == "video":
-            if part.get("use_audio_in_video"):
-                raise ValueError(f"{where}.use_audio_in_video: a video's audio track is not "
-                                 "used here; send it as its own audio part")
+            if part.get("audio") is not None:
+                video_audio.append(len(audios))
+                audios.append(self._audio(part, where))
+            elif part.get("use_audio_in_video"):
+                raise ValueError(f"{where}.use_audio_in_video: give the video's audio track "
+                                 "as the part's audio ((waveform, sample_rate) or file bytes)")
+            else:
+                video_audio.append(None)
             frames = part.get("video")
             if not isinstance(frames, (list, tuple)) or not frames:
                 raise ValueError(f"{where}.video: expected a non-empty list of PIL images")
@@ -284,16 +306,20 @@ class InputProcessor:
 
     def process(self, prompt: str, audios: Sequence[np.ndarray] = (),
                 images: Sequence[Image.Image] = (),
-                videos: Sequence[tuple[Sequence[Image.Image], float]] = ()) -> ThinkerInputs:
+                videos: Sequence[tuple[Sequence[Image.Image], float]] = (),
+                video_audio: Sequence[int | None] = ()) -> ThinkerInputs:
         """A templated prompt holding one placeholder triple per item, in order
         ("<|audio_start|><|audio_pad|><|audio_end|>", "<|vision_start|><|image_pad|>
-        <|vision_end|>", "...<|video_pad|>..."); audios at the feature extractor's rate."""
+        <|vision_end|>", "...<|video_pad|>..."); audios at the feature extractor's rate.
+        `video_audio[k]`: the index in `audios` of video k's track (None: none); a track has
+        no placeholder of its own and sits in `audios` where its video is among the parts."""
         tokens = self.tokens
+        video_audio = list(video_audio) + [None] * (len(videos) - len(video_audio))
+        tracks = {a for a in video_audio if a is not None}
         ids = self.tokenizer(prompt)["input_ids"]
-        self._check_placeholders(ids, len(audios), len(images), len(videos))
+        self._check_placeholders(ids, len(audios) - len(tracks), len(images), len(videos))
         inputs: dict[str, Tensor] = {}
-        counts: dict[int, list[int]] = {tokens.audio_pad: [], tokens.image_pad: [],
-                                        tokens.video_pad: []}   # tokens of every item, in order
+        audio_counts: list[int] = []
         if audios:
             features = self.feature_extractor(
                 list(audios), sampling_rate=self.feature_extractor.sampling_rate,
@@ -303,30 +329,22 @@ class InputProcessor:
             inputs["input_features"] = torch.cat(
                 [f[:, :n] for f, n in zip(features["input_features"], lens.tolist())], dim=1)
             inputs["audio_feature_lens"] = lens
-            counts[tokens.audio_pad] = self.audio_tokens(lens).tolist()
+            audio_counts = self.audio_tokens(lens).tolist()
         merge2 = self.spatial_merge_size ** 2
+        image_counts: list[int] = []
         if images:
             processed = self.image_processor(list(images), return_tensors="pt")
             inputs["pixel_values"] = processed["pixel_values"]
             inputs["image_grid_thw"] = processed["image_grid_thw"]
-            counts[tokens.image_pad] = (processed["image_grid_thw"].prod(-1) // merge2).tolist()
+            image_counts = (processed["image_grid_thw"].prod(-1) // merge2).tolist()
         if videos:
             pixels, grids = zip(*(self._video_patches(frames) for frames, _ in videos))
             tp = self.image_processor.temporal_patch_size
             inputs["pixel_values_videos"] = torch.cat(pixels)
             inputs["video_grid_thw"] = torch.tensor(grids, dtype=torch.long)
             inputs["video_second_per_grid"] = torch.tensor([tp / fps for _, fps in videos])
-            counts[tokens.video_pad] = (inputs["video_grid_thw"].prod(-1) // merge2).tolist()
-
-        expanded: list[int] = []
-        seen = dict.fromkeys(counts, 0)
-        for token_id in ids:
-            if token_id in counts:
-                expanded += [token_id] * counts[token_id][seen[token_id]]
-                seen[token_id] += 1
-            else:
-                expanded.append(token_id)
-        input_ids = torch.tensor(expanded, dtype=torch.long)
+        input_ids = torch.tensor(self._expand(ids, audio_counts, image_counts, inputs,
+                                              video_audio), dtype=torch.long)
         positions, rope_delta = mrope_positions(
             input_ids, image_token_id=tokens.image_pad, video_token_id=tokens.video_pad,
             spatial_merge_size=self.spatial_merge_size,
@@ -334,8 +352,48 @@ class InputProcessor:
             image_grid_thw=inputs.get("image_grid_thw"),
             video_grid_thw=inputs.get("video_grid_thw"),
             video_second_per_grid=inputs.get("video_second_per_grid"),
-            truncate_time=self.truncate_time)
+            truncate_time=self.truncate_time, audio_token_id=tokens.audio_pad,
+            video_has_audio=[a is not None for a in video_audio],
+            shared_brackets=self.shared_brackets)
         return ThinkerInputs(input_ids, positions, rope_delta, prompt, **inputs)
+
+    def _expand(self, ids: list[int], audio_counts: list[int], image_counts: list[int],
+                inputs: dict[str, Tensor], video_audio: list[int | None]) -> list[int]:
+        """Every placeholder repeated to its item's token count; a video with its track
+        becomes <|audio_start|> + both, interleaved + <|audio_end|>. The audios' tokens come
+        out in the order of `audios` (the order their features are merged in)."""
+        t = self.tokens
+        tracks = {a for a in video_audio if a is not None}
+        standalone = iter(i for i in range(len(audio_counts)) if i not in tracks)
+        images, videos = iter(image_counts), iter(range(len(video_audio)))
+        order: list[int] = []                    # audio indices in the order they come out
+        out: list[int] = []
+        for token_id in ids:
+            if token_id == t.audio_pad:
+                order.append(next(standalone))
+                out += [token_id] * audio_counts[order[-1]]
+            elif token_id == t.image_pad:
+                out += [token_id] * next(images)
+            elif token_id == t.video_pad:
+                k = next(videos)
+                grid = inputs["video_grid_thw"][k]
+                if video_audio[k] is None:
+                    out += [token_id] * (int(grid.prod()) // self.spatial_merge_size ** 2)
+                    continue
+                order.append(video_audio[k])
+                times = video_token_times(grid.tolist(), self.spatial_merge_size,
+                                          float(inputs["video_second_per_grid"][k]),
+                                          self.position_id_per_seconds)
+                out.append(t.audio_start)
+                for is_video, n in self.interleave(times, audio_counts[video_audio[k]]):
+                    out += [t.video_pad if is_video else t.audio_pad] * n
+                out.append(t.audio_end)
+            else:
+                out.append(token_id)
+        if order != sorted(order):
+            raise ValueError(f"audios: a video's track must sit in `audios` where its video is "
+                             f"among the media (audio order {order})")
+        return out
 
     def _check_placeholders(self, ids: list[int], num_audios: int, num_images: int,
                             num_videos: int) -> None:

@@ -107,7 +107,7 @@ def test_processor_refuses_bad_media(processor: Qwen2_5OmniInputProcessor) -> No
     with pytest.raises(ValueError, match="same size"):
         processor(user({"type": "video", "video": [Image.new("RGB", (32, 32)),
                                                    Image.new("RGB", (16, 32))]}))
-    with pytest.raises(ValueError, match=r"content\[0\].use_audio_in_video: a video's audio"):
+    with pytest.raises(ValueError, match=r"content\[0\].use_audio_in_video: give the video's"):
         processor(user({"type": "video", "video": [Image.new("RGB", (32, 32))],
                         "use_audio_in_video": True}))
     with pytest.raises(ValueError, match="placeholders"):

@@ -1,0 +1,85 @@
+"""Qwen3-Omni's `use_audio_in_video` against transformers on the tiny random checkpoint: a
+video part that brings its audio track gives the token ids `Qwen3OmniMoeProcessor` makes of
+the same prompt (video and audio tokens merged token by token by time), and the positions of
+the thinker's `get_rope_index(use_audio_in_video=True)`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnistage.models.qwen3_omni.audio_in_video import by_chunks, merge_by_time
+from omnistage.models.qwen3_omni.processing import InputProcessor
+from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
+from tests.helpers.audio_in_video import frames, hf_processor, tone
+
+
+@pytest.fixture(scope="module")
+def omni_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The released audio chunking (n_window=50: the reference processor's token count
+    assumes it)."""
+    path = build_tiny_qwen3_omni(tmp_path_factory.mktemp("omni_aiv"))
+    config = json.loads((path / "config.json").read_text())
+    config["thinker_config"]["audio_config"].update(n_window=50, n_window_infer=200)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+@pytest.fixture(scope="module")
+def processor(omni_path: Path) -> InputProcessor:
+    return InputProcessor.from_pretrained(omni_path)
+
+
+@pytest.fixture(scope="module")
+def hf_thinker(omni_path: Path):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(omni_path, dtype=torch.float32)
+    return model.thinker.eval()
+
+
+@pytest.mark.parametrize("fps, num_frames, seconds, standalone", [
+    (2.0, 6, 3.0, True),       # 3 temporal patches, 25 positions apart (tiny config)
+    (1.0, 4, 1.2, False),      # 2 s a patch: the audio ends before the second patch
+    (2.0, 2, 4.5, True),       # one patch, then audio only
+])
+def test_matches_hf_processor_and_rope_index(processor: InputProcessor, hf_thinker, fps: float,
+                                             num_frames: int, seconds: float,
+                                             standalone: bool) -> None:
+    from transformers import Qwen3OmniMoeProcessor
+
+    track = tone(seconds, seed=2)
+    parts = [{"type": "video", "video": frames(num_frames, 24, 16), "fps": fps,
+              "audio": (track, 16000)}, {"type": "text", "text": "What happens?"}]
+    audios, slots = [track], [0]
+    if standalone:
+        before = tone(0.7, seed=1)
+        parts.insert(0, {"type": "audio", "audio": (before, 16000)})
+        audios, slots = [before, track], [None, 0]
+    ours = processor([{"role": "user", "content": parts}])
+    hf = hf_processor(Qwen3OmniMoeProcessor, processor, ours)
+    ref = hf(text=[ours.prompt], audio=audios, videos=[parts[-2]["video"]],
+             audio_from_video_indices=slots, use_audio_in_video=True,
+             videos_kwargs={"fps": fps}, n_window=processor.n_window,
+             position_id_per_seconds=processor.position_id_per_seconds, return_tensors="pt")
+    assert torch.equal(ours.input_ids, ref["input_ids"][0])
+    assert torch.equal(ours.audio_feature_lens, ref["feature_attention_mask"].sum(-1))
+
+    positions, delta = hf_thinker.model.get_rope_index(
+        ours.input_ids[None], video_grid_thw=ours.video_grid_thw,
+        attention_mask=torch.ones_like(ours.input_ids)[None], use_audio_in_video=True,
+        audio_seqlens=ours.audio_feature_lens, second_per_grids=ours.video_second_per_grid)
+    assert torch.equal(ours.positions, positions[:, 0].long())
+    assert ours.rope_delta == int(delta)
+
+
+def test_interleavings() -> None:
+    times = [0, 0, 25, 25]                           # two patches of two tokens, 25 apart
+    assert merge_by_time(times, 30) == [(True, 2), (False, 25), (True, 2), (False, 5)]
+    assert merge_by_time(times, 0) == [(True, 4)]
+    # chunks of 20 positions: video 0,0 | 25,25; audio 0..19 | 20..29
+    assert by_chunks(times, 30, 20) == [(True, 2), (False, 20), (True, 2), (False, 10)]
+    assert by_chunks([0, 0], 45, 20) == [(True, 2), (False, 20), (False, 20), (False, 5)]
