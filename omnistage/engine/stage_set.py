@@ -235,8 +235,11 @@ class StageSet:
         for its stage's liveness_timeout_s is stopped (SIGSTOP, a frozen host; a long step
         beats on); a loop that sent no heartbeat for step_timeout_s is stuck in a step."""
         stage = self.graph.stage(replica[0])
+        runner = self.runners[replica[0]][replica[1]]
         for rank, seen in enumerate(self.last_alive[replica]):
-            if now - seen > stage.timeouts.liveness_s:
+            # a local process /proc shows running is busy, not stopped: its step is held
+            # to step_timeout_s below
+            if now - seen > stage.timeouts.liveness_s and runner.rank_stopped(rank) is not False:
                 of = f" from rank {rank}" if stage.parallel.world_size > 1 else ""
                 return (f"stopped answering (no liveness beat{of} for "
                         f"{stage.timeouts.liveness_s:g} s)")

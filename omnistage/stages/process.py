@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import zmq
@@ -346,6 +347,19 @@ class StageRunner:
         if self.processes:
             return all(p.poll() is None for p in self.processes)
         return self.thread is not None and self.thread.is_alive()
+
+    def rank_stopped(self, rank: int) -> bool | None:
+        """Whether a rank's local process is stopped (SIGSTOP, traced) or gone, read from
+        /proc; False: it runs (a C call holding the GIL can silence its beat thread for
+        long: cuDNN, a blocking copy); None: not known here (a Ray actor's, no /proc)."""
+        process = self.processes[rank] if rank < len(self.processes) else None
+        if not isinstance(process, subprocess.Popen):
+            return None
+        try:
+            stat = Path(f"/proc/{process.pid}/stat").read_text()
+        except OSError:
+            return None if not Path("/proc/self/stat").exists() else True
+        return stat[stat.rindex(")") + 2] in "TtZX"
 
     def exit_description(self) -> str:
         """How the stage's process ended; of several ranks, each one that ended."""

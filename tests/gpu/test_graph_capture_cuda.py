@@ -141,7 +141,7 @@ def test_qwen3_omni_stages_capture_at_start_up(tmp_path: Path,
                     "with the host: no decode graphs")
     ckpt = build_tiny_qwen3_omni(tmp_path / "omni")
     overrides = [f"{name}.{item}" for name in ("thinker", "talker")
-                 for item in ("max_num_seqs=4", "num_kv_blocks=256")]
+                 for item in ("ar.max_num_seqs=4", "ar.kv_cache.num_blocks=256")]
     graph = resolve_graph(str(ckpt), ckpt, None, overrides, dtype="bfloat16")
     calls = count_captures(monkeypatch)
     thinker = ThinkerStage(graph.stage("thinker"), str(ckpt), "cuda")

@@ -7,6 +7,8 @@ numerics, which the CPU golden tests (tests/models/qwen2_5_omni/) pin down."""
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +54,8 @@ def test_qwen2_5_omni_on_cuda_equals_transformers(tmp_path: Path, media: bool) -
                              extra={"speaker": "Ethan"}), None]
     with Omni(str(ckpt), device="cuda", dtype="float32",
               stage_overrides=[f"token2wav.generation.options.seed={SEED}",
-                               "token2wav.generation.options.chunk_blocks=0"]) as omni:   # whole
+                               "token2wav.generation.options.chunk_blocks=0",    # whole
+                               "token2wav.generation.options.dit_dtype=float32"]) as omni:
         chat = media_chat() if media else CHAT
         (out,) = omni.generate({"messages": chat}, params)
         inputs = omni.engine.processor(chat).hf_kwargs()
@@ -82,16 +85,19 @@ def test_qwen2_5_omni_on_cuda_equals_transformers(tmp_path: Path, media: bool) -
 def test_streamed_token2wav_on_cuda_equals_cpu(tmp_path: Path) -> None:
     """The streamed token2wav (windows of three requests batched, the vocoder stream) on CUDA
     against the same on the CPU: its noise is drawn on the CPU either way, so the two agree
-    up to float32 rounding; what this catches is a tensor on the wrong device."""
-    from omnistage.generation.token2wav import Token2WavGenerator
+    up to float32 rounding; what this catches is a tensor on the wrong device. CUDA's default
+    (`dit_dtype: auto`, the DiT in bfloat16) comes within its measured error of float32."""
+    from omnistage.generation.token2wav import Token2WavGenerator, Token2WavOptions
     from omnistage.testing.tiny_qwen2_5_omni import build_tiny_qwen2_5_omni
 
     ckpt = build_tiny_qwen2_5_omni(tmp_path / "omni25")
     gen = torch.Generator().manual_seed(0)
     requests = [torch.randint(0, 64, (n,), generator=gen) for n in (40, 17, 29)]
     audio = {}
-    for device in ("cpu", "cuda"):
-        t2w = Token2WavGenerator.from_pretrained(ckpt, "", torch.device(device), None)
+    for key, device, dtype in (("cpu", "cpu", "float32"), ("cuda", "cuda", "float32"),
+                               ("cuda-auto", "cuda", "auto")):
+        t2w = Token2WavGenerator.from_pretrained(ckpt, "", torch.device(device), None,
+                                                 Token2WavOptions(dit_dtype=dtype))
         states: list[dict] = [{} for _ in requests]
         pieces: list[list[torch.Tensor]] = [[] for _ in requests]
         with torch.inference_mode():
@@ -105,7 +111,9 @@ def test_streamed_token2wav_on_cuda_equals_cpu(tmp_path: Path) -> None:
                         p.append(out["audio"])
                 if all(lst and not t2w.has_backlog(s) for lst, s in zip(last, states)):
                     break
-        audio[device] = [torch.cat(p) for p in pieces]
-    for cpu, cuda in zip(audio["cpu"], audio["cuda"]):
-        assert cpu.shape == cuda.shape and cpu.abs().max() > 0.1
+        audio[key] = [torch.cat(p) for p in pieces]
+    for cpu, cuda, auto in zip(audio["cpu"], audio["cuda"], audio["cuda-auto"]):
+        assert cpu.shape == cuda.shape == auto.shape and cpu.abs().max() > 0.1
         assert (cpu - cuda).abs().max() <= 1e-3
+        snr = 10 * math.log10(cpu.pow(2).sum() / (auto - cpu).pow(2).sum())
+        assert 35 < snr < 200, snr                     # bfloat16: close, and not float32

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnistage.generation.token2wav import Token2WavGenerator
+from omnistage.generation.token2wav import Token2WavGenerator, Token2WavOptions
 from omnistage.models.qwen2_5_omni.token2wav import Speaker, Token2Wav, Token2WavConfig
 
 pytestmark = [pytest.mark.gpu,
@@ -56,8 +56,11 @@ def test_graphs_equal_eager_on_cuda(tmp_path: Path) -> None:
     from omnistage.testing.tiny_qwen2_5_omni import build_tiny_qwen2_5_omni
 
     ckpt = build_tiny_qwen2_5_omni(tmp_path / "omni25")
-    eager = Token2WavGenerator.from_pretrained(ckpt, "", CUDA, None, cuda_graphs=False)
-    graphed = Token2WavGenerator.from_pretrained(ckpt, "", CUDA, None)
+    # float32: the graphs against eager at float32 rounding (the bf16 default: bench omni25)
+    eager = Token2WavGenerator.from_pretrained(ckpt, "", CUDA, None, Token2WavOptions(
+        cuda_graphs=False, dit_dtype="float32"))
+    graphed = Token2WavGenerator.from_pretrained(ckpt, "", CUDA, None,
+                                                 Token2WavOptions(dit_dtype="float32"))
     assert eager.graphs is None and graphed.graphs is not None
     graphs = graphed.graphs
     captured, replays = graphs.num_graphs, graphs.dit.num_replays
@@ -119,12 +122,13 @@ def test_throughput_at_bench_size() -> None:
     num_codes = 200                                   # 4 s of audio a request
     seconds = num_codes * model.cfg.samples_per_code / model.cfg.sample_rate
     start = time.perf_counter()
-    graphed = Token2WavGenerator(model, speakers)
+    graphed = Token2WavGenerator(model, speakers, Token2WavOptions(dit_dtype="float32"))
     torch.cuda.synchronize()
     print(f"\ntoken2wav graphs: {graphed.graphs.num_graphs} captured in "
           f"{time.perf_counter() - start:.1f} s; DiT {graphed.dit_shapes.all()}, "
           f"vocoder {graphed.mel_shapes.all()}")
-    eager = Token2WavGenerator(model, speakers, cuda_graphs=False)
+    eager = Token2WavGenerator(model, speakers, Token2WavOptions(cuda_graphs=False,
+                                                                 dit_dtype="float32"))
     for n in (1, 8, 32):
         requests = [(torch.randint(0, 4000, (num_codes,), generator=g), 0) for _ in range(n)]
         audio = {}

@@ -144,3 +144,27 @@ def test_a_stopped_replica_fails_only_its_requests_and_the_engine_serves_degrade
         _ended(victim)
         outs = omni.generate(prompts[:2], use_tqdm=False)     # on the live replica
         assert all(o.error is None and o.finished for o in outs)
+
+
+def test_proc_tells_a_stopped_process_from_a_busy_one() -> None:
+    """StageRunner.rank_stopped reads the process state: running (or sleeping) -> False,
+    SIGSTOP -> True, ended -> True."""
+    import subprocess
+    import sys
+
+    from omnistage.stages.process import StageRunner
+
+    runner = StageRunner.__new__(StageRunner)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    runner.processes = [proc]
+    try:
+        assert runner.rank_stopped(0) is False
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not runner.rank_stopped(0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert runner.rank_stopped(0) is True
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert runner.rank_stopped(0) is True

@@ -40,8 +40,11 @@ def test_the_liveness_beat_comes_from_a_thread_of_its_own() -> None:
 class _Runner:
     """What end_hung sees of a running stage process."""
 
-    def __init__(self) -> None:
-        self.processes, self.hung = [object()], None
+    def __init__(self, stopped: bool | None = None) -> None:
+        self.processes, self.hung, self.stopped = [object()], None, stopped
+
+    def rank_stopped(self, rank: int) -> bool | None:
+        return self.stopped
 
     def is_alive(self) -> bool:
         return self.hung is None
@@ -111,3 +114,20 @@ def test_a_silent_rank_or_loop_is_named() -> None:
 def test_liveness_timeout_must_be_positive(value: float) -> None:
     with pytest.raises(ValueError, match="liveness_s: must be > 0"):
         StageConfig(name="s", kind="ar", timeouts=Timeouts(liveness_s=value))
+
+
+def test_a_silent_local_process_that_runs_is_busy_not_stopped() -> None:
+    """No beat, but /proc shows the process running (a C call holding the GIL, say): no kill
+    for silence; its loop is still held to step_timeout_s. Stopped, or not known (a remote
+    rank): killed after liveness_timeout_s."""
+    stages = _judge()
+    stages.runners["s"][0].stopped = False
+    _run_router(stages, 100.0, 120.0)
+    assert stages.runners["s"][0].hung is None
+    _run_router(stages, 120.0, 131.0)
+    assert stages.runners["s"][0].hung == "hung (no heartbeat for 30 s)"
+    for stopped in (True, None):
+        stages = _judge()
+        stages.runners["s"][0].stopped = stopped
+        _run_router(stages, 100.0, 103.0)
+        assert stages.runners["s"][0].hung == "stopped answering (no liveness beat for 2 s)"
