@@ -2,8 +2,9 @@
 an image / video block gets (t, row, col) offsets from where it starts, and the text after it
 resumes at the block's largest position + 1.
 
-A video that holds its audio track (`use_audio_in_video`; `video_has_audio`) is one block of
-its video and `audio_token_id` tokens, interleaved between <|audio_start|> and <|audio_end|>:
+A video that holds its audio track (`use_audio_in_video`: its first token follows
+`audio_start_token_id`) is one block of its video and `audio_token_id` tokens, interleaved
+between <|audio_start|> and <|audio_end|> (what the reference's `get_rope_index` looks for):
 both count from the block's start, the video tokens as above and the audio tokens one position
 each (audio_block_positions). `shared_brackets` (Qwen2.5-Omni): <|vision_start|> and
 <|audio_start|> share a position, and so do <|audio_end|> and <|vision_end|>."""
@@ -21,7 +22,7 @@ def mrope_positions(input_ids: Sequence[int] | Tensor, *, image_token_id: int,
                     image_grid_thw: Tensor | None = None, video_grid_thw: Tensor | None = None,
                     video_second_per_grid: Sequence[float] | Tensor | None = None,
                     truncate_time: bool = False, audio_token_id: int | None = None,
-                    video_has_audio: Sequence[bool] = (), shared_brackets: bool = False
+                    audio_start_token_id: int | None = None, shared_brackets: bool = False
                     ) -> tuple[Tensor, int]:
     """The thinker's 3-axis rotary positions (3, L) int64 and the rope delta (decode step n of
     a prompt of L tokens sits at position L + n + delta on every axis), equal to HF's
@@ -32,8 +33,7 @@ def mrope_positions(input_ids: Sequence[int] | Tensor, *, image_token_id: int,
     merged grid (images: one second per grid), where start is the position its first token
     would have had as text; the next token continues at the block's largest position + 1.
     `truncate_time`: t * step rounded down (Qwen2.5-Omni's `get_rope_index`) where a
-    fractional step is otherwise refused. `video_has_audio`, `shared_brackets`: audio in
-    video (the module's docstring)."""
+    fractional step is otherwise refused. The audio_* / shared_*: audio in video (above)."""
     ids = input_ids.tolist() if isinstance(input_ids, Tensor) else list(input_ids)
     grids, seconds = _grids_by_token(image_token_id, video_token_id, image_grid_thw,
                                      video_grid_thw, video_second_per_grid)
@@ -47,7 +47,8 @@ def mrope_positions(input_ids: Sequence[int] | Tensor, *, image_token_id: int,
         if k >= len(grids[token]):
             raise ValueError(f"input_ids: more {kind} placeholder runs than {kind} grids "
                              f"({len(grids[token])})")
-        with_audio = kind == "video" and k < len(video_has_audio) and video_has_audio[k]
+        with_audio = (kind == "video" and audio_start_token_id is not None and i > 0
+                      and ids[i - 1] == audio_start_token_id)
         shared = with_audio and shared_brackets
         if i - shared > text_start:                              # text / audio: count up
             pieces.append(torch.arange(next_pos, next_pos + i - shared - text_start).expand(3, -1))

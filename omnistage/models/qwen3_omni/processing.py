@@ -353,8 +353,7 @@ class InputProcessor:
             video_grid_thw=inputs.get("video_grid_thw"),
             video_second_per_grid=inputs.get("video_second_per_grid"),
             truncate_time=self.truncate_time, audio_token_id=tokens.audio_pad,
-            video_has_audio=[a is not None for a in video_audio],
-            shared_brackets=self.shared_brackets)
+            audio_start_token_id=tokens.audio_start, shared_brackets=self.shared_brackets)
         return ThinkerInputs(input_ids, positions, rope_delta, prompt, **inputs)
 
     def _expand(self, ids: list[int], audio_counts: list[int], image_counts: list[int],
