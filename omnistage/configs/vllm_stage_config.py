@@ -59,6 +59,13 @@ def stage_configs_yaml(path: str | Path) -> str:
 
 def translate(doc: object, where: str = "stage config") -> dict[str, Any]:
     """vLLM-Omni's `{stage_args: [...], async_chunk, runtime}` as our graph's mapping."""
+    stages = doc.get("stages") if isinstance(doc, Mapping) else None
+    if isinstance(stages, list) and any(isinstance(s, Mapping) and "stage_id" in s
+                                        for s in stages):
+        raise ConfigError(f"{where}: a vLLM-Omni deploy config (--deploy-config: `stages` "
+                          "with stage_id, no model_arch) is not translated here; use a "
+                          "stage_args file (vllm_omni/model_executor/stage_configs/) or "
+                          "omnistage's --stage-config")
     if not isinstance(doc, Mapping) or "stage_args" not in doc:
         raise ConfigError(f"{where}: expected a vLLM-Omni stage config (a mapping with "
                           "'stage_args')")

@@ -1,5 +1,7 @@
-"""A vLLM-Omni stage config (tests/fixtures/vllm_omni/) serves the tiny Qwen3-Omni as our
-shipped graph does: the same text and the same speech for the same prompt."""
+"""A vLLM-Omni stage config serves the tiny Qwen3-Omni as our shipped graph does: the same text
+and the same speech for the same prompt, under the hand-written fixture
+(tests/fixtures/vllm_omni/) and under vLLM-Omni's own qwen3_omni_moe_async_chunk.yaml (its
+thinker's tensor_parallel_size 2 overridden to 1 on the CPU, as `--stage-override` would)."""
 
 from __future__ import annotations
 
@@ -22,18 +24,34 @@ def tiny_omni(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny_omni"))
 
 
-def answer(model: Path, **kw: object) -> tuple[str, np.ndarray]:
-    # a greedy talker: the same codes on both graphs (its graph's sampling draws at random)
-    with Omni(str(model), device="cpu", stage_overrides=["talker.ar.sampling.temperature=0"],
-              **kw) as omni:
+def answer(model: Path, overrides: tuple[str, ...] = (), **kw: object) -> tuple[str, np.ndarray]:
+    # a greedy talker: the same codes on both graphs (its graph's sampling draws at random);
+    # stages in one process, stepped in turn: the same chunks reach each stage on every run
+    with Omni(str(model), device="cpu", backend="inproc", connector="inproc",
+              stage_overrides=["talker.ar.sampling.temperature=0", *overrides], **kw) as omni:
         [out] = omni.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8),
                               use_tqdm=False, output_modalities={"text", "audio"})
     assert out.error is None, out.error
     return out.text, np.asarray(out.audio)
 
 
-def test_qwen3_omni_stage_config_answers_as_the_shipped_graph(tiny_omni: Path) -> None:
-    text, audio = answer(tiny_omni)
-    text2, audio2 = answer(tiny_omni, stage_configs_path=FIXTURES / "qwen3_omni_moe.yaml")
+@pytest.fixture(scope="module")
+def shipped(tiny_omni: Path) -> tuple[str, np.ndarray]:
+    return answer(tiny_omni)
+
+
+@pytest.mark.parametrize("path,overrides", [
+    (FIXTURES / "qwen3_omni_moe.yaml", ()),
+    (FIXTURES / "upstream" / "qwen3_omni_moe_async_chunk.yaml", ("thinker.parallel.tp=1",)),
+], ids=["fixture", "upstream-async-chunk"])
+def test_qwen3_omni_stage_config_answers_as_the_shipped_graph(
+        tiny_omni: Path, shipped: tuple[str, np.ndarray], path: Path,
+        overrides: tuple[str, ...]) -> None:
+    """The same text, and speech of the same length within 1e-4: the tiny Qwen3-Omni's speech
+    is not bit-reproducible from run to run on the CPU, even under one graph (a process's
+    first answer differs from its later ones by ~1e-5; seen 2026-11-28)."""
+    text, audio = shipped
+    text2, audio2 = answer(tiny_omni, overrides, stage_configs_path=path)
     assert text2 == text and text
-    assert audio.size and np.array_equal(audio2, audio)
+    assert audio.size and audio2.shape == audio.shape
+    assert float(np.abs(audio2 - audio).max()) < 1e-4

@@ -150,3 +150,10 @@ def test_diffusion_sampling_defaults_are_checked() -> None:
     with pytest.raises(ConfigError, match=r"stage_args\[1\]\.default_sampling_params\."
                                           r"temperature: not a diffusion parameter"):
         translate(doc, "f")
+
+
+def test_a_deploy_config_is_refused_by_name() -> None:
+    """vLLM-Omni's newer deploy grammar (vllm_omni/deploy/*.yaml): stages by stage_id only."""
+    doc = {"async_chunk": True, "stages": [{"stage_id": 0, "max_num_seqs": 64}]}
+    with pytest.raises(ConfigError, match="a vLLM-Omni deploy config .* is not translated"):
+        translate(doc, "f")
