@@ -59,26 +59,8 @@ def stage_configs_yaml(path: str | Path) -> str:
 
 def translate(doc: object, where: str = "stage config") -> dict[str, Any]:
     """vLLM-Omni's `{stage_args: [...], async_chunk, runtime}` as our graph's mapping."""
-    stages = doc.get("stages") if isinstance(doc, Mapping) else None
-    if isinstance(stages, list) and any(isinstance(s, Mapping) and "stage_id" in s
-                                        for s in stages):
-        raise ConfigError(f"{where}: a vLLM-Omni deploy config (--deploy-config: `stages` "
-                          "with stage_id, no model_arch) is not translated here; use a "
-                          "stage_args file (vllm_omni/model_executor/stage_configs/) or "
-                          "omnistage's --stage-config")
-    if not isinstance(doc, Mapping) or "stage_args" not in doc:
-        raise ConfigError(f"{where}: expected a vLLM-Omni stage config (a mapping with "
-                          "'stage_args')")
-    for key in doc:
-        if key not in ("stage_args", "runtime", "async_chunk"):
-            _refuse(where, key, "not a key of vLLM-Omni's stage config this translation knows")
+    args = _stage_args(doc, where)
     options = _runtime_top(doc.get("runtime", {}), f"{where}: runtime")
-    args = doc["stage_args"]
-    if not isinstance(args, list) or not args:
-        raise ConfigError(f"{where}: stage_args: expected a non-empty list of stages")
-    for i, stage in enumerate(args):
-        if not isinstance(stage, Mapping):
-            raise ConfigError(f"{where}: stage_args[{i}]: expected a mapping")
     _, table, ours = _variant(args, where)
     by_name = {s["name"]: s for s in ours["stages"]}
     built: dict[str, dict] = {}
@@ -97,6 +79,32 @@ def translate(doc: object, where: str = "stage config") -> dict[str, Any]:
     stages = [built[n] for n in by_name if n in built]
     _connector_options(options, stages[-1], f"{where}: runtime.connectors")
     return {k: v for k, v in ours.items() if k != "stages"} | {"stages": stages}
+
+
+def _stage_args(doc: object, where: str) -> list[Mapping]:
+    """The file's `stage_args`, once its top-level keys are checked."""
+    stages = doc.get("stages") if isinstance(doc, Mapping) else None
+    if isinstance(stages, list) and any(isinstance(s, Mapping) and "stage_id" in s
+                                        for s in stages):
+        raise ConfigError(f"{where}: a vLLM-Omni deploy config (--deploy-config: `stages` "
+                          "with stage_id, no model_arch) is not translated here; use a "
+                          "stage_args file (vllm_omni/model_executor/stage_configs/) or "
+                          "omnistage's --stage-config")
+    if not isinstance(doc, Mapping) or "stage_args" not in doc:
+        raise ConfigError(f"{where}: expected a vLLM-Omni stage config (a mapping with "
+                          "'stage_args')")
+    for key in doc:
+        if key not in ("stage_args", "runtime", "async_chunk"):
+            _refuse(where, key, "not a key of vLLM-Omni's stage config this translation knows")
+    args = doc["stage_args"]
+    if not isinstance(args, list) or not args:
+        raise ConfigError(f"{where}: stage_args: expected a non-empty list of stages")
+    for i, stage in enumerate(args):
+        if not isinstance(stage, Mapping) or not isinstance(stage.get("engine_args", {}),
+                                                            Mapping):
+            raise ConfigError(f"{where}: stage_args[{i}]: expected a mapping with an "
+                              "engine_args mapping")
+    return args
 
 
 def _refuse(path: str, key: str, why: str) -> None:
