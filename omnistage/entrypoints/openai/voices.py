@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import tempfile
@@ -39,6 +40,7 @@ from omnistage.entrypoints.openai.protocol_speech import VoiceCard
 from omnistage.utils.audio import (MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, AudioTooLong,
                                    decode_audio, probe_audio)
 
+logger = logging.getLogger(__name__)
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_UPLOAD_BYTES = 10 << 20
 MIN_CLIP_S, MAX_CLIP_S = 0.5, 60.0
@@ -245,6 +247,10 @@ class VoiceStore:
 
 _FORM_FIELDS = ("name", "transcript", "consent")
 _YES = ("true", "1", "yes")
+# vLLM-Omni's form: the file as `audio_sample`, the transcript as `ref_text`, `consent` the id
+# of a consent recording (any non-empty id), `speaker_description` (accepted, not kept)
+_FILES = ("audio", "audio_sample")
+_VLLM_NAMES = {"ref_text": "transcript", "speaker_description": "speaker_description"}
 
 
 def voice_form_schema() -> dict[str, Any]:
@@ -261,24 +267,35 @@ def voice_form_schema() -> dict[str, Any]:
 
 
 async def upload(store: VoiceStore, request: Request) -> VoiceCard:
-    """The multipart form: name, audio (a file), transcript, consent (must be true)."""
+    """The multipart form: name, audio (a file), transcript, consent (must be true); or
+    vLLM-Omni's: name, audio_sample, ref_text, consent (a consent recording's id),
+    speaker_description (logged as ignored)."""
     async with request.form(max_files=1, max_fields=8) as form:
         fields: dict[str, str] = {}
         audio: UploadFile | None = None
+        vllm = False                      # the file came as vLLM-Omni's audio_sample
         for key, value in form.multi_items():
-            if isinstance(value, UploadFile) != (key == "audio") or (
-                    key != "audio" and key not in _FORM_FIELDS):
+            is_file = isinstance(value, UploadFile)
+            field = _VLLM_NAMES.get(key, key)
+            if is_file != (key in _FILES) or (not is_file and key not in _FORM_FIELDS
+                                               and key not in _VLLM_NAMES):
                 raise bad_request(f"{key}: not a field of this form (name, audio as a file, "
                                   "transcript, consent)", key)
-            if isinstance(value, UploadFile):
-                audio = value
+            if is_file:
+                audio, vllm = value, key == "audio_sample"
+            elif field in fields:
+                raise bad_request(f"{key}: given twice (transcript and ref_text are one "
+                                  "field)", key)
             else:
-                fields[key] = value
+                fields[field] = value
         name = store.check_name(fields.get("name", ""))
-        if fields.get("consent", "").strip().lower() not in _YES:
+        consent = fields.get("consent", "").strip()
+        if not (consent.lower() in _YES or (vllm and consent)):
             raise bad_request("consent: cloning a voice needs the speaker's consent; send "
                               "consent=true", "consent", "consent_required")
         if audio is None:
             raise bad_request("audio: the reference clip is missing (a file field)", "audio")
+        if "speaker_description" in fields:
+            logger.info("speaker_description: accepted and not kept (voice %r)", name)
         data = await audio.read(MAX_UPLOAD_BYTES + 1)
     return await run_in_threadpool(store.add, name, data, fields.get("transcript") or None)

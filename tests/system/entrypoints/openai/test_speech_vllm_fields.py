@@ -149,6 +149,30 @@ def test_voices_list_vllm_omni_s_names_beside_ours(server: Server) -> None:
         assert speak(server, voice="narrator", **extra).size > 0
 
 
+def test_the_upload_form_of_vllm_omni_s_readme(server: Server) -> None:
+    """`curl -F audio_sample=@... -F consent=ID -F name=... -F ref_text=... -F
+    speaker_description=...`, then the voice in a Base request."""
+    clip = tone_wav(amp=0.45)
+    r = server.post("/v1/audio/voices", data={
+        "consent": "user_consent_id", "name": "custom_voice_1", "ref_text": "a tone",
+        "speaker_description": "warm narrator"},
+        files={"audio_sample": ("voice_sample.wav", clip, "audio/wav")})
+    assert r.status_code == 200, r.text
+    listed = server.get("/v1/audio/voices").json()
+    assert "custom_voice_1" in listed["voices"]
+    assert {"name": "custom_voice_1", "ref_text": "a tone"}.items() <= next(
+        v for v in listed["uploaded_voices"] if v["name"] == "custom_voice_1").items()
+    np.testing.assert_allclose(speak(server, voice="custom_voice_1", task_type="Base"),
+                               expected_wave(TEXT, clone_pitch(clip)), atol=LSB)
+    r = server.post("/v1/audio/voices", data={"consent": "", "name": "custom_voice_2"},
+                    files={"audio_sample": ("voice_sample.wav", clip, "audio/wav")})
+    assert error_of(r, 400)["code"] == "consent_required"
+    r = server.post("/v1/audio/voices", data={"consent": "true", "name": "custom_voice_3",
+                                              "ref_text": "a", "transcript": "b"},
+                    files={"audio": ("voice_sample.wav", clip, "audio/wav")})
+    assert error_of(r, 400)["param"] == "transcript"
+
+
 @pytest.mark.parametrize("body, param, code", [
     ({"task_type": "VoiceDesign", "instructions": "deep"}, "task_type", "unsupported_task_type"),
     ({"task_type": "Dubbing"}, "task_type", None),
