@@ -46,10 +46,9 @@ def check_unsupported(req: ChatCompletionRequest) -> None:
         if key != "use_audio_in_video":
             raise bad_request(f"mm_processor_kwargs.{key}: not a processor option here "
                               "(known: use_audio_in_video)", f"mm_processor_kwargs.{key}")
-        if value is not False:
-            raise bad_request("mm_processor_kwargs.use_audio_in_video: a video's audio "
-                              "track is not used here; send it as its own audio part, or "
-                              "pass false", "mm_processor_kwargs.use_audio_in_video")
+        if not isinstance(value, bool):
+            raise bad_request("mm_processor_kwargs.use_audio_in_video: true or false",
+                              "mm_processor_kwargs.use_audio_in_video")
 
 
 def check_diffusion(req: ChatCompletionRequest, what: str) -> None:

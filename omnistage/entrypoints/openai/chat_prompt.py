@@ -9,6 +9,9 @@
 
 Media parts (`image_url`, `input_audio`, vLLM's `audio_url`, `video_url`) are fetched and
 decoded by media.py; a failure names the part (`messages[0].content[1].image_url.url`).
+A video is sampled at 2 frames a second, or into `video_url.num_frames` frames spread over it
+(vLLM's); with `mm_processor_kwargs.use_audio_in_video` (Qwen-Omni's mode) its audio track
+comes with it (`"audio"` in the video part: the input processor interleaves the two).
 `check` runs first, on the event loop, before anything is fetched: the parts per message, the
 media parts per request, and the kinds of media the model takes (a text model refuses an
 image without reading it). The rest is blocking work for the preparation pool.
@@ -60,23 +63,30 @@ class ChatPrompts:
                     what = "text only" if not takes else "text and images only"
                     raise bad_request(f"{param}[{j}]: this model takes {what}, not "
                                       f"{part.type}", f"{param}[{j}]", "unsupported_input")
+                if part.type == "video_url" and (part.video_url.num_frames or 0) > \
+                        policy.max_video_frames:
+                    where = f"{param}[{j}].video_url.num_frames"
+                    raise bad_request(f"{where}: {part.video_url.num_frames} frames, at most "
+                                      f"{policy.max_video_frames} (the server's "
+                                      "--max-input-video-frames)", where, "invalid_video")
                 num_media += 1
         if num_media > policy.max_media_parts:
             raise bad_request(f"messages: {num_media} media parts, at most "
                               f"{policy.max_media_parts} (the server's --max-media-parts)",
                               "messages", "too_many_parts")
 
-    def load(self, messages: list[ChatMessage], budget: MediaBudget | None = None
-             ) -> list[dict[str, Any]]:
+    def load(self, messages: list[ChatMessage], budget: MediaBudget | None = None,
+             audio_in_video: bool = False) -> list[dict[str, Any]]:
         """Messages as chat-template dicts: content a string when it is all text, else parts
         with their media loaded and checked against the request's `budget`:
         {"type": "image", "image": PIL, "data": bytes}, {"type": "audio", "audio":
-        (waveform, rate)}, {"type": "video", "video": [PIL], "fps": ...}, {"type": "text",
-        "text": ...}."""
+        (waveform, rate)}, {"type": "video", "video": [PIL], "fps": ..., "audio": (waveform,
+        rate), with `audio_in_video` and a track}, {"type": "text", "text": ...}."""
         budget = budget or MediaBudget(self.media.policy)
-        return [self._message(i, msg, budget) for i, msg in enumerate(messages)]
+        return [self._message(i, msg, budget, audio_in_video) for i, msg in enumerate(messages)]
 
-    def _message(self, i: int, msg: ChatMessage, budget: MediaBudget) -> dict[str, Any]:
+    def _message(self, i: int, msg: ChatMessage, budget: MediaBudget,
+                 audio_in_video: bool = False) -> dict[str, Any]:
         role = "system" if msg.role == "developer" else msg.role
         if msg.content is None:
             if msg.role != "assistant":
@@ -85,13 +95,14 @@ class ChatPrompts:
             return {"role": role, "content": ""}
         if isinstance(msg.content, str):
             return {"role": role, "content": msg.content}
-        parts = [self._part(part, f"messages[{i}].content[{j}]", budget)
+        parts = [self._part(part, f"messages[{i}].content[{j}]", budget, audio_in_video)
                  for j, part in enumerate(msg.content)]
         if all(p["type"] == "text" for p in parts):   # plain templates take a string
             return {"role": role, "content": "\n".join(p["text"] for p in parts)}
         return {"role": role, "content": parts}
 
-    def _part(self, part: Any, param: str, budget: MediaBudget) -> dict[str, Any]:
+    def _part(self, part: Any, param: str, budget: MediaBudget, audio_in_video: bool = False
+              ) -> dict[str, Any]:
         if part.type == "text":
             return {"type": "text", "text": part.text}
         if part.type == "image_url":
@@ -104,13 +115,17 @@ class ChatPrompts:
         if part.type == "audio_url":
             return {"type": "audio", "audio": self.media.audio_url(
                 part.audio_url.url, f"{param}.audio_url.url", budget)}
-        frames, fps = self.media.video(part.video_url.url, f"{param}.video_url.url", budget)
-        return {"type": "video", "video": frames, "fps": fps}
+        clip = self.media.video_clip(part.video_url.url, f"{param}.video_url.url", budget,
+                                     num_frames=part.video_url.num_frames,
+                                     with_audio=audio_in_video)
+        video = {"type": "video", "video": clip.frames, "fps": clip.fps}
+        return video if clip.audio is None else {**video, "audio": clip.audio}
 
     def text_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
         """A multimodal model's processor takes the messages as they are; a text model's
         prompt is its chat template rendered here and tokenized (blocking)."""
-        messages = self.load(req.messages)
+        audio_in_video = (req.mm_processor_kwargs or {}).get("use_audio_in_video") is True
+        messages = self.load(req.messages, audio_in_video=audio_in_video)
         if self.client.processor is not None:
             if req.chat_template_kwargs:
                 raise bad_request("chat_template_kwargs: not supported for this model",

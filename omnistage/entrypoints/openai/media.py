@@ -4,14 +4,17 @@ files under the allowed folders, or from http(s) URLs when the server allows rem
 
     data:image/png;base64,....    always (the request body's size limit applies first)
     file:///srv/media/cat.png     only under --allowed-media-dirs (symlinks resolved first)
-    https://example.com/cat.png   only with --allow-remote-media, public hosts only
-                                  (remote_media.py)
+    https://example.com/cat.png   only with --allow-remote-media (on by default where the
+                                  server answers as vLLM-Omni: api_server.py), public hosts
+                                  only (remote_media.py)
 
 Every failure is an `APIError` naming the request field (`param`) and saying what to change:
 a 400 for a URL that is malformed, not allowed or not decodable, a 413 for one too large.
 Decoding runs in the caller's thread; routes call these from the preparation pool
 (prep_pool.py). Videos are sampled at VIDEO_FPS frames per second (what Qwen-Omni's processor
-expects by default).
+expects by default), or, with vLLM's `video_url.num_frames`, that many frames spread evenly
+over the video; a video's audio track comes with its frames when asked (Qwen-Omni's
+`use_audio_in_video`).
 
 Nothing is decoded before its header is checked against the policy's limits, and a request's
 `MediaBudget` is charged from the header first, then again as decoding goes (a header may
@@ -63,6 +66,13 @@ class MediaPolicy:
     max_video_frames: int = 256           # sampled from one video
     max_media_parts: int = 16             # media parts of a request
     max_message_parts: int = 64           # content parts of one message
+
+
+@dataclass(frozen=True, slots=True)
+class VideoClip:
+    frames: list[Image.Image]
+    fps: float                              # the rate the sampled frames span
+    audio: tuple[np.ndarray, int] | None    # the audio track (mono float32, rate), if asked
 
 
 class MediaBudget:
@@ -156,9 +166,10 @@ class MediaLoader:
 
     def _remote(self, url: str, param: str) -> bytes:
         if not self.policy.allow_remote:
-            raise bad_request(f"{param}: remote URLs are not allowed on this server (send the "
-                              "media as a data: URL, or start the server with --allow-remote-media)",
-                              param, "media_not_allowed")
+            raise bad_request(f"{param}: this server fetches no http(s) URL; start it with "
+                              "--allow-remote-media (public addresses only; on by default with "
+                              "--api-dialect vllm-omni or --omni), or send the media as a "
+                              "data: URL", param, "media_not_allowed")
         try:
             data = remote_media.fetch(url, self.policy.max_bytes, self.policy.timeout_s)
         except remote_media.FetchError as exc:
@@ -199,9 +210,22 @@ class MediaLoader:
         """Frames sampled at `fps` (the first frame at or after each tick), at most
         `max_video_frames` of them, and that rate; refused from the stream's header when its
         frames are too large or the frames it would yield overrun the budget."""
+        clip = self.video_clip(url, param, budget, fps=fps)
+        return clip.frames, clip.fps
+
+    def video_clip(self, url: str, param: str, budget: MediaBudget | None = None, *,
+                   fps: float = VIDEO_FPS, num_frames: int | None = None,
+                   with_audio: bool = False) -> VideoClip:
+        """A video part's frames: sampled at `fps`, or `num_frames` of them spread evenly over
+        the whole video (vLLM's `video_url.num_frames`; the rate is then the one they span);
+        with its audio track (mono, its own rate) when `with_audio` and the file has one."""
         import av
 
         budget = budget or MediaBudget(self.policy)
+        most = self.policy.max_video_frames
+        if num_frames is not None and not 1 <= num_frames <= most:
+            raise bad_request(f"{param}: num_frames={num_frames}; from 1 to {most} (the "
+                              "server's --max-input-video-frames)", param, "invalid_video")
         data = self.fetch(url, param)
         try:
             with av.open(io.BytesIO(data), "r") as container:
@@ -209,13 +233,53 @@ class MediaLoader:
                     raise bad_request(f"{param}: the file holds no video stream", param,
                                       "invalid_video")
                 stream = container.streams.video[0]
-                self._check_video_header(stream, param, budget, fps)
-                frames = self._sample(container.decode(stream), param, budget, fps)
+                has_audio = bool(container.streams.audio)
+                if num_frames is None:
+                    self._check_video_header(stream, param, budget, fps)
+                    frames = self._sample(container.decode(stream), param, budget, fps)
+                else:
+                    frames, fps = self._sample_evenly(data, container, stream, param, budget,
+                                                      num_frames)
         except av.FFmpegError as exc:
             raise bad_request(f"{param}: not a readable video ({exc})", param,
                               "invalid_video") from exc
         if not frames:
             raise bad_request(f"{param}: the video has no frames", param, "invalid_video")
+        audio = _decode_audio(data, None, param, budget) if with_audio and has_audio else None
+        return VideoClip(frames, fps, audio)
+
+    def _sample_evenly(self, data: bytes, container: Any, stream: Any, param: str,
+                       budget: MediaBudget, num_frames: int) -> tuple[list[Image.Image], float]:
+        """`num_frames` frames at indices floor(k * total / num_frames) (transformers' video
+        processors' `sample_frames`; every frame when the video has fewer), counted from the
+        packets before a frame is decoded, and the rate they span."""
+        import av
+
+        width, height = stream.codec_context.width, stream.codec_context.height
+        _check_pixels(width, height, param, self.policy.max_image_pixels, "a video frame")
+        cap = MAX_DECODED_PER_SAMPLE * self.policy.max_video_frames
+        with av.open(io.BytesIO(data), "r") as counting:
+            total = 0
+            for packet in counting.demux(counting.streams.video[0]):
+                total += packet.size > 0
+                if total > cap:
+                    raise bad_request(f"{param}: more than {cap} frames in the video", param,
+                                      "video_too_large")
+        num = min(num_frames, total)
+        if num * width * height > budget.pixels:
+            raise budget.too_many_pixels(param)
+        wanted = {k * total // num for k in range(num)} if num else set()
+        frames: list[Image.Image] = []
+        for idx, frame in enumerate(container.decode(stream)):
+            if idx in wanted:
+                _check_pixels(frame.width, frame.height, param, self.policy.max_image_pixels,
+                              "a video frame")
+                budget.charge_pixels(frame.width * frame.height, param)
+                frames.append(frame.to_image())
+                if len(frames) == num:
+                    break
+        rate = stream.average_rate or stream.guessed_rate
+        fps = len(frames) * float(rate) / total if rate and total else VIDEO_FPS
         return frames, fps
 
     def _check_video_header(self, stream: Any, param: str, budget: MediaBudget,

@@ -115,6 +115,8 @@ class AudioURLPart(Request):
 
 class VideoURL(Request):
     url: Annotated[str, Field(min_length=1)]
+    # vLLM's: this many frames spread evenly over the video (else 2 a second); media.py
+    num_frames: Annotated[int, Field(ge=1)] | None = None
 
 
 class VideoPart(Request):
@@ -169,8 +171,8 @@ class ChatCompletionRequest(SamplingExtras):
     response_format: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
-    # vLLM(-Omni)'s processor switches: use_audio_in_video false is what runs here (accepted);
-    # anything else is refused naming the key
+    # vLLM(-Omni)'s processor switches: use_audio_in_video (a video's audio track interleaved
+    # with it, chat_prompt.py); anything else is refused naming the key
     mm_processor_kwargs: dict[str, Any] | None = None
     # vLLM-Omni's diffusion fields (vllm_fields.py maps them to DiffusionParams); a body-level
     # `extra_body` object is merged in before validation
