@@ -29,6 +29,9 @@
 #            silero_vad among the wheels
 #   models   the GPU tests of the model families of issue 24 (SD3, Qwen-Image-Edit, FLUX.2,
 #            Qwen2.5-Omni) and their benchmarks against the reference
+#   regress  bench regress: the headline figures (REGRESS_PROBES, default ar,omni,omni25)
+#            against benchmarks/results/baselines/<gpu>.json; the verdicts and the result
+#            under $OUT (REGRESS_FLAGS=--update-baseline to refresh the baseline on purpose)
 #   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -199,6 +202,11 @@ if [[ $STAGES == *models* ]]; then
         --out-dir "$OUT" 2>&1 | tail -12
     timeout 200 python3 -m omnistage.entrypoints.cli.main bench omni --model qwen2.5-omni \
         --out-dir "$OUT" 2>&1 | tail -12
+fi
+if [[ $STAGES == *regress* ]]; then
+    timeout 500 python3 -m omnistage.entrypoints.cli.main bench regress \
+        --probes "${REGRESS_PROBES:-ar,omni,omni25}" --out-dir "$OUT" ${REGRESS_FLAGS:-} \
+        2>&1 | grep -v Warn | tail -25
 fi
 if [[ $STAGES == *tp30b* ]]; then
     # two GPUs (kind nvidia-h100-x2): Qwen3-Omni-30B-A3B at its real size, the thinker on

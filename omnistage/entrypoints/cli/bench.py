@@ -11,6 +11,7 @@ random-weight model of a real architecture built in the run; one JSON file per b
     omnistage bench diffusion --model flux2-klein   # FLUX.2 klein 4B shape, 1024x1024, 4 steps
     omnistage bench video                   # Wan2.2-TI2V-5B and Wan2.1-14B shapes, per step
     omnistage bench realtime                # /v1/realtime on the omni model, 1 / 8 sessions
+    omnistage bench regress                 # headline figures against this GPU's baseline
     omnistage bench ar --tiny --device cpu  # toy sizes: seconds on a CPU (CI), no measurement
     omnistage bench serve --base-url http://127.0.0.1:8000 --endpoint-type chat
                                             # any OpenAI-compatible server, from the client
@@ -51,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
         result, name, headline = bench_runs.run_video(args)
     elif args.benchmark == "realtime":
         result, name, headline = bench_runs.run_realtime(args)
+    elif args.benchmark == "regress":
+        result, name, headline = bench_runs.run_regress(args)
     elif args.model == "flux2-klein":
         result, name, headline = bench_runs.run_diffusion_flux2(args)
     elif args.model in ("flux1-dev", "z-image-turbo") or args.kernel_profile:
@@ -62,4 +65,7 @@ def run(args: argparse.Namespace) -> int:
     path = write_result(result, Path(args.out_dir), args.name or name)
     print(json.dumps({"benchmark": args.benchmark, "device_name": result["device_name"],
                       "ratios": headline, "result": str(path)}, indent=2))
+    if args.benchmark == "regress" and headline:
+        print(f"regressed: {', '.join(headline)}")
+        return 1
     return 0

@@ -12,7 +12,8 @@ Runner = Callable[[argparse.Namespace], int]
 def add_kinds(p: argparse.ArgumentParser, func: Runner) -> None:
     """One sub-command a benchmark kind under `p`, each answered by `func`."""
     kinds = p.add_subparsers(dest="benchmark", required=True)
-    for add in (_add_ar, _add_omni, _add_tts, _add_diffusion, _add_video, _add_realtime):
+    for add in (_add_ar, _add_omni, _add_tts, _add_diffusion, _add_video, _add_realtime,
+                _add_regress):
         _common(add(kinds), func)
     _add_serve(kinds, func)
 
@@ -277,3 +278,24 @@ def _add_serve(kinds: argparse._SubParsersAction, func: Runner) -> None:
     sv.add_argument("--save-result", action="store_true",
                     help="accepted as vLLM's; the JSON is always written")
     sv.set_defaults(func=func)
+
+
+def _add_regress(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    reg = kinds.add_parser("regress", help="rerun the headline figures and hold them to this "
+                                           "GPU's committed baseline (exit 1 on a drop)")
+    reg.add_argument("--probes", default="ar,omni,omni25,tts",
+                     help="comma-separated: ar, omni, omni25, tts (default: all; tts needs "
+                          "qwen-tts, as bench tts)")
+    reg.add_argument("--repeats", type=int, default=1,
+                     help="runs of each probe: the best counts, the spread is reported as "
+                          "noise (2 to measure it)")
+    reg.add_argument("--tolerance", type=float, default=None,
+                     help="how much worse a figure may be, e.g. 0.05 (default: the "
+                          "baseline's, 5%%)")
+    reg.add_argument("--baseline-dir", default="benchmarks/results/baselines",
+                     help="where <gpu>.json baselines live")
+    reg.add_argument("--update-baseline", action="store_true",
+                     help="write today's figures as this GPU's baseline (on purpose: after a "
+                          "change that is meant to move them)")
+    return reg
+

@@ -233,3 +233,22 @@ def run_video_parallel(args: argparse.Namespace) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-video-parallel-") as tmp:
         result = vp.run(cfg, Path(tmp), lambda r: write_result(r, Path(args.out_dir), name))
     return result, name, result["ratios"]
+
+
+def run_regress(args: argparse.Namespace) -> Outcome:
+    import torch
+
+    from omnistage.benchmarks import regress
+    from omnistage.utils.device import resolve_device
+
+    device = resolve_device(args.device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    result = regress.run(tuple(p for p in args.probes.split(",") if p), args.device, gpu,
+                         repeats=args.repeats, folder=Path(args.baseline_dir),
+                         update=args.update_baseline, tolerance=args.tolerance,
+                         tiny=args.tiny)
+    result["device_name"] = gpu
+    for line in result["verdicts"]:
+        print(line)
+    return result, "regress_" + Path(result["baseline"]).stem, result["regressed"]
+

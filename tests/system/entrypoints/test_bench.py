@@ -327,3 +327,24 @@ def test_four_gpu_benchmarks_refuse_bad_layouts(tmp_path: Path,
     assert "tp3" in capsys.readouterr().err
     assert VideoBenchConfig.preset("real", compile_backend="").compile_backend == ""
     assert not list(tmp_path.iterdir())
+
+
+def test_bench_regress_names_the_figure_that_dropped(tmp_path: Path) -> None:
+    """`bench regress --tiny` runs the real Qwen2.5-Omni probe (toy sizes, CPU) and judges it
+    against a baseline no machine can meet: exit 1, the figures named; the result's figures
+    are the probe's measurements (positive, finite)."""
+    folder = tmp_path / "baselines"
+    folder.mkdir()
+    (folder / "cpu-tiny.json").write_text(json.dumps({
+        "gpu": "cpu tiny", "tolerance": 0.05,
+        "figures": {"omni25_rtf_c1": {"value": 1e-9, "better": "lower"},
+                    "omni25_first_audio_s_c8": {"value": 1e9, "better": "lower"}}}))
+    rc = main(["bench", "regress", "--tiny", "--device", "cpu", "--probes", "omni25",
+               "--baseline-dir", str(folder), "--out-dir", str(tmp_path), "--name", "r"])
+    assert rc == 1
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["regressed"] == ["omni25_rtf_c1"]            # the other one is far better
+    assert all(positive(v) for v in doc["figures"].values())
+    assert {"omni25_rtf_c8", "omni25_first_audio_c8_over_c1"} <= set(doc["figures"])
+    assert json.loads((folder / "cpu-tiny.json").read_text())["figures"][
+        "omni25_rtf_c1"]["value"] == 1e-9                   # not rewritten unasked
