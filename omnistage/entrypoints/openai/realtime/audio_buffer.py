@@ -1,6 +1,7 @@
-"""The session's input audio buffer: 16 kHz float32 samples on the session's timeline (sample 0
-is the first ever appended), kept as the appended chunks so that a long turn costs no
-quadratic copying; only the tail from `start` on is held."""
+"""The session's input audio buffer: float32 samples at the model's rate (LISTEN_RATE, 16 kHz,
+whatever rate the client sends) on the session's timeline (sample 0 is the first ever
+appended), kept as the appended chunks so that a long turn costs no quadratic copying; only the
+tail from `start` on is held."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import binascii
 import numpy as np
 
 from omnistage.entrypoints.openai.errors import bad_request
-from omnistage.entrypoints.openai.realtime.protocol import INPUT_RATE
+from omnistage.entrypoints.openai.realtime.protocol import LISTEN_RATE
 from omnistage.utils.audio import check_sample_rate, resample
 
 
@@ -50,15 +51,16 @@ class AudioBuffer:
 
 
 def ms_to_samples(ms: int) -> int:
-    return ms * INPUT_RATE // 1000
+    return ms * LISTEN_RATE // 1000
 
 
 def samples_to_ms(n: int) -> int:
-    return n * 1000 // INPUT_RATE
+    return n * 1000 // LISTEN_RATE
 
 
 def decode_pcm16(b64: object, rate: int, param: str) -> np.ndarray:
-    """Base64 PCM16 mono little-endian at `rate` -> float32 samples at 16 kHz."""
+    """Base64 PCM16 mono little-endian at `rate` (the session's input rate: 24 kHz unless it
+    declares another) -> float32 samples at the model's LISTEN_RATE (16 kHz)."""
     if not isinstance(b64, str):
         raise bad_request(f"{param}: base64 PCM16 audio (a string) is required", param)
     try:
@@ -73,4 +75,4 @@ def decode_pcm16(b64: object, rate: int, param: str) -> np.ndarray:
         raise bad_request(f"{param}: PCM16 audio has an even number of bytes, got {len(data)}",
                           param, "invalid_audio")
     samples = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
-    return resample(samples, rate, INPUT_RATE) if rate != INPUT_RATE else samples
+    return resample(samples, rate, LISTEN_RATE) if rate != LISTEN_RATE else samples

@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RealtimeLimits:
-    max_buffer_bytes: int = 15 << 20     # input audio held (PCM16 at 16 kHz); more: error
+    max_buffer_bytes: int = 15 << 20     # input audio held (as PCM16 at 16 kHz); more: error
     max_turn_s: float = 60.0             # a longer user turn is cut (VAD) or refused (commit)
     idle_timeout_s: float = 600.0        # no client event this long: the session ends
     max_items: int = 1000                # conversation items a session may hold
@@ -204,9 +204,8 @@ class RealtimeConnection:
         old = self.session.audio.input.turn_detection
         if vad is None:
             self.vad = None
-        elif self.vad is None or vad != old:
-            self.vad = await run_in_threadpool(TurnDetector, vad.threshold,
-                                               vad.silence_duration_ms, vad.prefix_padding_ms)
+        elif self.vad is None or vad != old:     # Silero loads at its first audio (vad.py)
+            self.vad = TurnDetector(vad.threshold, vad.silence_duration_ms, vad.prefix_padding_ms)
             self.vad.num_frames = self.buffer.end // FRAME
         self.session = session
 

@@ -21,14 +21,14 @@ from typing import Any
 import numpy as np
 
 from omnistage.entrypoints.openai.errors import bad_request
-from omnistage.entrypoints.openai.realtime.protocol import INPUT_RATE, Item, new_id
+from omnistage.entrypoints.openai.realtime.protocol import LISTEN_RATE, Item, new_id
 
 
 @dataclass(slots=True)
 class Part:
     kind: str                         # "text" | "audio"
     text: str = ""                    # the text, or an audio part's transcript
-    audio: np.ndarray | None = None   # user audio: float32 (num_samples,) at INPUT_RATE
+    audio: np.ndarray | None = None   # user audio: float32 (num_samples,) at LISTEN_RATE
     num_samples: int = 0              # assistant audio: samples sent (at the output rate)
 
 
@@ -58,7 +58,7 @@ class ConversationItem:
         if all(p.kind == "text" or self.role == "assistant" for p in self.parts):
             return {"role": self.role, "content": "".join(p.text for p in self.parts)}
         return {"role": self.role, "content": [
-            {"type": "audio", "audio": (p.audio, INPUT_RATE)} if p.kind == "audio"
+            {"type": "audio", "audio": (p.audio, LISTEN_RATE)} if p.kind == "audio"
             else {"type": "text", "text": p.text} for p in self.parts]}
 
 

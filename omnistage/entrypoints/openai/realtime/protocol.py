@@ -17,7 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from omnistage.entrypoints.openai.errors import APIError, bad_request, invalid
 from omnistage.entrypoints.openai.json_body import check_values, parse_json
 
-INPUT_RATE = 16000       # Qwen3-Omni's audio encoder listens at 16 kHz
+# A session that declares no input rate sends OpenAI's: `pcm16` / `audio/pcm` is PCM16 mono at
+# 24 kHz (the GA API takes only 24000). Another declared rate (8 to 48 kHz) is an extension.
+# Either way the buffer holds the audio resampled to the model's own rate, LISTEN_RATE.
+DEFAULT_INPUT_RATE = 24000
+LISTEN_RATE = 16000      # what the model hears: Qwen3-Omni's audio encoder listens at 16 kHz
 OUTPUT_RATE = 24000      # the protocol's output rate (and Qwen3-Omni's code2wav)
 
 
@@ -28,7 +32,7 @@ class _Strict(BaseModel):
 class PCMFormat(_Strict):
     """PCM16 mono little-endian; the rate is the client's (we resample to and from it)."""
     type: Literal["audio/pcm"] = "audio/pcm"
-    rate: int = Field(INPUT_RATE, ge=8000, le=48000)
+    rate: int = Field(DEFAULT_INPUT_RATE, ge=8000, le=48000)
 
 
 class ServerVad(_Strict):
@@ -107,7 +111,7 @@ class ResponseOptions(_Strict):
 class ContentPart(_Strict):
     type: Literal["input_text", "input_audio", "text", "output_text", "output_audio"]
     text: str | None = None
-    audio: str | None = None                     # base64 PCM16 at the input rate
+    audio: str | None = None                     # base64 PCM16 at the session's input rate
     transcript: str | None = None
 
 

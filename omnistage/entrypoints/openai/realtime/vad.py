@@ -7,6 +7,9 @@ torch's thread count for the whole server) and the turn logic around it.
         speaking p <  threshold - 0.15 for silence_ms     ─> speech stopped where it fell
                  (Silero's own hysteresis: a dip inside a word does not end the turn)
 
+The network is loaded at the first audio a detector is fed, not when a session starts: a
+session with turn detection off (manual commits, vLLM-Omni's dialect) never loads it.
+
 Times are milliseconds since the session's first appended sample, as the protocol's
 `audio_start_ms` / `audio_end_ms`; the start includes `prefix_padding_ms` of audio before the
 detected speech, as OpenAI's server_vad does.
@@ -23,9 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from omnistage.entrypoints.openai.errors import APIError
+
 FRAME = 512              # samples per frame at 16 kHz (Silero's window)
 CONTEXT = 64             # samples of the previous frame Silero sees with each frame
-RATE = 16000
+RATE = 16000             # Silero's rate: the buffer's too (protocol.LISTEN_RATE)
 HYSTERESIS = 0.15
 
 
@@ -37,7 +42,10 @@ def silero() -> torch.jit.ScriptModule:
     pay again each time."""
     spec = importlib.util.find_spec("silero_vad")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("server_vad needs the silero-vad package (pip install silero-vad)")
+        raise APIError(500, "turn_detection server_vad needs the silero-vad package, which "
+                            "this server lacks (pip install silero-vad); turn_detection null "
+                            "(manual commits) works without it",
+                       param="session.audio.input.turn_detection", code="server_vad_unavailable")
     path = Path(spec.submodule_search_locations[0]) / "data" / "silero_vad.jit"
     return torch.jit.load(io.BytesIO(path.read_bytes()), map_location="cpu").eval()._model
 
@@ -53,7 +61,7 @@ class TurnDetector:
 
     def __init__(self, threshold: float, silence_ms: int, prefix_padding_ms: int) -> None:
         self.threshold, self.silence_ms, self.padding_ms = threshold, silence_ms, prefix_padding_ms
-        self.model = silero()
+        self.model: torch.jit.ScriptModule | None = None     # silero(), at the first feed
         self.state = torch.zeros(0)                          # (2, 1, 128) after the first frame
         self.context = torch.zeros(1, CONTEXT)               # the samples before the frame
         self.pending = np.zeros(0, np.float32)   # samples short of a whole frame
@@ -67,7 +75,10 @@ class TurnDetector:
 
     @torch.inference_mode()
     def feed(self, samples: np.ndarray) -> list[VadEvent]:
-        """The events the new samples bring (blocking: a few ms per second of audio)."""
+        """The events the new samples bring (blocking: a few ms per second of audio; the
+        first call also loads the network, once per process)."""
+        if self.model is None:
+            self.model = silero()
         audio = np.concatenate([self.pending, samples.astype(np.float32, copy=False)])
         whole = len(audio) // FRAME * FRAME
         self.pending = audio[whole:]

@@ -50,6 +50,7 @@ from omnistage.entrypoints.openai.realtime.response import Response, Send
 EVENTS = {"session.update": ("model",), "input_audio_buffer.append": ("audio",),
           "input_audio_buffer.commit": ("final",)}
 MIN_TURN_MS = 100
+INPUT_RATE = 16000   # vLLM-Omni's client sends PCM16 at 16 kHz without saying so (OpenAI's: 24)
 
 
 def is_vllm_first(msg: dict[str, Any]) -> bool:
@@ -146,12 +147,13 @@ class VllmDialect:
             self.is_turn_open = True
 
     async def _setup(self) -> None:
-        """Voice detection off (the client's commits bound a turn), speech at the model's
-        own rate (as vLLM-Omni sends it)."""
+        """Voice detection off (the client's commits bound a turn), audio in at 16 kHz and
+        speech out at the model's own rate (as vLLM-Omni's client sends and reads them)."""
         conn = self.conn
         rate = conn.client.engine.audio_sample_rate or OUTPUT_RATE
         body = merge(conn.session.model_dump(), {"audio": {
-            "input": {"turn_detection": None}, "output": {"format": {"rate": rate}}}})
+            "input": {"turn_detection": None, "format": {"rate": INPUT_RATE}},
+            "output": {"format": {"rate": rate}}}})
         await conn._apply_session(parse(Session, body, "session"))
         self.is_ready = True
 
