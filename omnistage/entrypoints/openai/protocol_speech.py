@@ -15,7 +15,7 @@ SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 TaskType = Literal["CustomVoice", "VoiceDesign", "Base"]     # Qwen3-TTS's (vLLM-Omni's field)
 MAX_BATCH_ITEMS = 32
 MAX_NEW_TOKENS = 4096                  # vLLM-Omni's bound on max_new_tokens
-VLLM_OMNI_FIELDS = frozenset({"task_type", "max_new_tokens", "x_vector_only_mode"})
+VLLM_OMNI_FIELDS = frozenset({"task_type", "max_new_tokens", "x_vector_only_mode", "stream"})
 
 
 class SpeechVoice(Request):
@@ -48,13 +48,15 @@ class SpeechVoice(Request):
 
 class SpeechRequest(SpeechVoice):
     """`response_format` None: the server's default (mp3 as OpenAI's; wav for a request with a
-    field only vLLM-Omni sends, or on a server answering in vLLM-Omni's dialect)."""
+    field only vLLM-Omni sends, or on a server answering in vLLM-Omni's dialect).
+    `stream_format` None: `audio`, or `sse` when vLLM-Omni's `stream` is true (its rule)."""
 
     model: str | None = None
     input: str
     response_format: SpeechFormat | None = None
     speed: float = Field(1.0, ge=0.25, le=4.0)
-    stream_format: Literal["audio", "sse"] = "audio"
+    stream_format: Literal["audio", "sse"] | None = None
+    stream: bool = False
     max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
 
 

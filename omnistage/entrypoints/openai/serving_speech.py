@@ -16,9 +16,10 @@ vLLM-Omni's `task_type` and `x_vector_only_mode` are read first (speech_task.py)
 runs before the engine sees the request (a 4xx with OpenAI's error JSON). `response_format`
 defaults to mp3 (OpenAI's), or wav (vLLM-Omni's) for a request with a field only vLLM-Omni
 sends or on a server answering in its dialect (`ServerConfig.vllm_omni_answers`).
-`stream_format: audio` streams the file as the model speaks (chunked; the pieces are one file,
-a wav's header says "length unknown"); `sse` sends `speech.audio.delta` events with base64
-pieces of that file, then `speech.audio.done` with the usage. `speed` other than 1.0 is
+`stream_format: audio` (the default) streams the file as the model speaks (chunked; the pieces
+are one file, a wav's header says "length unknown"); `sse` (or vLLM-Omni's `stream: true`
+without a `stream_format`) sends `speech.audio.delta` events with base64 pieces of that file,
+then `speech.audio.done` with the usage. `speed` other than 1.0 is
 refused: the models speak at their own pace.
 """
 
@@ -195,7 +196,7 @@ class SpeechServing:
                                   ("max_new_tokens", req.max_new_tokens))
         closers = [handle.close]
         await self.client.open_stream(request, [handle], closers, "input")
-        if req.stream_format == "sse":
+        if (req.stream_format or ("sse" if req.stream else "audio")) == "sse":
             return EventStream(self._sse(handle, fmt), closers)
         # a failure after the 200 went out drops the connection: the client sees a cut body
         return ClosingStream(self.encoded(handle, fmt), closers, MIME[ENCODING[fmt]])

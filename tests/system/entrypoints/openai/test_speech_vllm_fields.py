@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +25,7 @@ import openai
 import pytest
 import soundfile
 
-from omnistage.testing.toy_tts import expected_wave, voice_pitch
+from omnistage.testing.toy_tts import RATE, expected_wave, voice_pitch
 from omnistage.utils.audio import decode_audio, encode_audio
 
 if TYPE_CHECKING:
@@ -96,6 +97,26 @@ def test_the_default_format_is_openai_s_unless_the_request_is_vllm_omni_s(server
     asked = server.post("/v1/audio/speech", json={"input": TEXT, "task_type": "CustomVoice",
                                                   "response_format": "flac"})
     assert asked.headers["content-type"] == "audio/flac"
+
+
+def test_vllm_omni_s_stream_switch(server: Server) -> None:
+    """Its e2e tests send `stream: true` with `stream_format: audio` (raw bytes); `stream: true`
+    alone asks for its SSE events."""
+    body = {"input": TEXT, "voice": "bass", "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/audio/speech", timeout=60,
+                      json={**body, "stream_format": "audio", "response_format": "wav"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+        wav = b"".join(r.iter_bytes())
+    assert is_wav(wav)
+    np.testing.assert_allclose(decode_audio(wav)[0][0], expected_wave(TEXT, 1), atol=LSB)
+    with httpx.stream("POST", f"{server.url}/v1/audio/speech", timeout=60,
+                      json={**body, "response_format": "pcm"}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done"
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    np.testing.assert_allclose(decode_audio(pcm, "pcm16", RATE)[0][0], expected_wave(TEXT, 1),
+                               atol=LSB)
 
 
 def test_a_vllm_omni_server_answers_wav_by_default(start_server: Callable[..., Server],

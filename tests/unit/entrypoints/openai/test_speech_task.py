@@ -111,6 +111,7 @@ def test_voices_list_carries_both_shapes() -> None:
     ({"task_type": "CustomVoice"}, False, "wav"),
     ({"max_new_tokens": 10}, False, "wav"),
     ({"x_vector_only_mode": False}, False, "wav"),
+    ({"stream": True, "stream_format": "audio"}, False, "wav"),
     ({"response_format": "pcm"}, True, "pcm"),
     ({"response_format": "mp3", "task_type": "Base"}, False, "mp3"),
 ])
