@@ -83,3 +83,28 @@ def test_interleavings() -> None:
     # chunks of 20 positions: video 0,0 | 25,25; audio 0..19 | 20..29
     assert by_chunks(times, 30, 20) == [(True, 2), (False, 20), (True, 2), (False, 10)]
     assert by_chunks([0, 0], 45, 20) == [(True, 2), (False, 20), (False, 20), (False, 5)]
+
+
+def test_talker_prompt_positions(processor: InputProcessor, hf_thinker) -> None:
+    """The talker's prompt (the user turn's ids, then tts pads) holds the same block: its
+    positions need the audio ids too (what stages/qwen3_omni.py's talker prefill must pass)."""
+    from omnistage.models.qwen3_omni.mrope import mrope_positions
+
+    inputs = processor([{"role": "user", "content": [
+        {"type": "video", "video": frames(6, 24, 16), "audio": (tone(2.5), 16000)},
+        {"type": "text", "text": "Hm?"}]}])
+    t = processor.tokens
+    ids = inputs.input_ids[:-3].tolist() + [t.audio_end] * 4        # any text after the turn
+    kw = dict(image_token_id=t.image_pad, video_token_id=t.video_pad, spatial_merge_size=2,
+              position_id_per_seconds=processor.position_id_per_seconds,
+              video_grid_thw=inputs.video_grid_thw,
+              video_second_per_grid=inputs.video_second_per_grid)
+    with pytest.raises(ValueError, match="video 0 has 6 placeholder tokens"):
+        mrope_positions(ids, **kw)
+    ours, delta = mrope_positions(ids, audio_token_id=t.audio_pad,
+                                  audio_start_token_id=t.audio_start, **kw)
+    ref, ref_delta = hf_thinker.model.get_rope_index(
+        torch.tensor(ids)[None], video_grid_thw=inputs.video_grid_thw,
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long), use_audio_in_video=True,
+        audio_seqlens=inputs.audio_feature_lens, second_per_grids=inputs.video_second_per_grid)
+    assert torch.equal(ours, ref[:, 0].long()) and delta == int(ref_delta)
