@@ -95,10 +95,10 @@ def test_talker_prompt_positions(processor: InputProcessor, hf_thinker) -> None:
         {"type": "text", "text": "Hm?"}]}])
     t = processor.tokens
     ids = inputs.input_ids[:-3].tolist() + [t.audio_end] * 4        # any text after the turn
-    kw = dict(image_token_id=t.image_pad, video_token_id=t.video_pad, spatial_merge_size=2,
-              position_id_per_seconds=processor.position_id_per_seconds,
-              video_grid_thw=inputs.video_grid_thw,
-              video_second_per_grid=inputs.video_second_per_grid)
+    kw = {"image_token_id": t.image_pad, "video_token_id": t.video_pad,
+          "spatial_merge_size": 2, "position_id_per_seconds": processor.position_id_per_seconds,
+          "video_grid_thw": inputs.video_grid_thw,
+          "video_second_per_grid": inputs.video_second_per_grid}
     with pytest.raises(ValueError, match="video 0 has 6 placeholder tokens"):
         mrope_positions(ids, **kw)
     ours, delta = mrope_positions(ids, audio_token_id=t.audio_pad,
