@@ -83,3 +83,15 @@ def test_remote_media_refusal_names_the_flags() -> None:
     assert err.value.status == 400 and err.value.code == "media_not_allowed"
     assert "--allow-remote-media" in err.value.message
     assert "--api-dialect vllm-omni" in err.value.message
+
+
+def test_remote_media_follows_the_dialect() -> None:
+    """vLLM fetches media URLs by default: a server answering as vLLM-Omni does too (public
+    addresses only); --allow-remote-media turns it on anywhere."""
+    from omnistage.entrypoints.openai.api_server import ServerConfig
+
+    assert not ServerConfig().media_policy.allow_remote
+    assert ServerConfig(api_dialect="vllm-omni").media_policy.allow_remote
+    assert ServerConfig(vllm_omni_launch=True).media_policy.allow_remote        # --omni
+    assert not ServerConfig(vllm_omni_launch=True, api_dialect="openai").media_policy.allow_remote
+    assert ServerConfig(allow_remote_media=True, api_dialect="openai").media_policy.allow_remote
