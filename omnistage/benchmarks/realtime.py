@@ -4,7 +4,8 @@ clients that speak as the protocol's apps do.
 
     per session     session.update (manual turn detection, speech out, thinker_tokens a
                     turn), then `turns` spoken turns: a 2 s utterance (speech-like audio,
-                    testing/speech_like.py) appended, committed, response.create; the answer
+                    testing/speech_like.py, PCM16 at 24 kHz undeclared, as OpenAI's apps send
+                    it) appended, committed, response.create; the answer
                     read to its response.done
     first audio     seconds from sending input_audio_buffer.commit to the first
                     response.output_audio.delta: what a person waits for after speaking
@@ -49,6 +50,7 @@ from omnistage.utils.device import resolve_device
 MODEL = "qwen3-omni-bench"
 START_TIMEOUT_S = 900
 TURN_TIMEOUT_S = 300
+RATE = 24000             # the input rate of a session that declares none (OpenAI's PCM16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +138,7 @@ class Session:
 
     async def speak(self, audio: np.ndarray, chunk_s: float = 0.1,
                     real_time: bool = False) -> None:
-        step = int(16000 * chunk_s)
+        step = int(RATE * chunk_s)
         for i in range(0, len(audio), step):
             data = base64.b64encode(pcm16(audio[i:i + step])).decode("ascii")
             await self.send("input_audio_buffer.append", audio=data)
@@ -164,7 +166,8 @@ async def _turns(url: str, model: str, cfg: RealtimeBenchConfig, idx: int,
     rows = []
     try:
         for turn in range(cfg.turns):
-            await s.speak(speech_like(cfg.utterance_s, seed=cfg.seed + 100 * idx + turn))
+            await s.speak(speech_like(cfg.utterance_s, rate=RATE,
+                                      seed=cfg.seed + 100 * idx + turn))
             await start.wait()
             committed = time.perf_counter()
             await s.send("input_audio_buffer.commit")
@@ -190,9 +193,9 @@ async def _barge_in(url: str, model: str, cfg: RealtimeBenchConfig) -> dict[str,
                      "content": [{"type": "input_text", "text": "Tell me a long story."}]})
         await s.send("response.create")
         await s.until("response.output_audio.delta")
-        await s.speak(np.zeros(16000, np.float32), real_time=False)     # VAD warm, silent
+        await s.speak(np.zeros(RATE, np.float32), real_time=False)      # VAD warm, silent
         sent = time.perf_counter()
-        speaking = asyncio.create_task(s.speak(speech_like(1.0, seed=cfg.seed + 7),
+        speaking = asyncio.create_task(s.speak(speech_like(1.0, rate=RATE, seed=cfg.seed + 7),
                                                real_time=True))
         _, detected = await s.until("input_audio_buffer.speech_started")
         done, cancelled = await s.until("response.done")

@@ -5,7 +5,8 @@
 const $ = (id) => document.getElementById(id);
 const KEY_STORE = "omnistage.apiKey";
 const OUT_RATE = 24000;      // PCM16 the server streams (chat audio, realtime deltas)
-const IN_RATE = 16000;       // PCM16 the realtime endpoint takes
+const IN_RATE = 16000;       // PCM16 the realtime tab sends, declared in every session.update
+                             // (a session that declares none is taken as OpenAI's 24 kHz)
 const state = { model: null, outputs: [], caps: null };   // from /v1/models
 
 // ---- the API -----------------------------------------------------------------------------

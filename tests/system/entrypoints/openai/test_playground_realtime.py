@@ -2,7 +2,8 @@
 a scripted /v1/realtime: the real page and the real API-key middleware, with a stand-in for the
 endpoint that answers each turn with a fixed transcript and 0.1 s of audio. It pins down the
 page's side of the OpenAI Realtime protocol: the key as a subprotocol (the handshake answered
-`realtime`), session.update with 16 kHz input and the turn detection chosen, push to talk as
+`realtime`), session.update with its 16 kHz input declared (a session that declares no rate
+is taken as OpenAI's 24 kHz) and the turn detection chosen, push to talk as
 append... / commit / response.create with the microphone resampled to 16 kHz, the answer shown
 and timed, server VAD streaming without a button and barge-in cancelling the answer."""
 
@@ -165,6 +166,7 @@ def test_push_to_talk_then_voice_detection(browser: WebDriver,
     assert not talk.is_enabled()
     vad = script.events[-1]["session"]["audio"]["input"]["turn_detection"]
     assert vad["type"] == "server_vad" and vad["silence_duration_ms"] == 500
+    assert script.events[-1]["session"]["audio"]["input"]["format"]["rate"] == IN_RATE
     wait_for(browser, "the answer cancelled by speech over it",
              lambda d: "response.cancel" in script.types())
     assert script.num_vad_samples >= 2 * IN_RATE // 5

@@ -28,6 +28,7 @@ WAIT_S = 30
 TEXT_ITEM = {"type": "message", "role": "user",
              "content": [{"type": "input_text", "text": "Tell me about the sea."}]}
 MANUAL = {"audio": {"input": {"turn_detection": None}}}
+RATE = 24000      # PCM16 as OpenAI's clients send it: a session that declares no rate takes 24 kHz
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +71,9 @@ def b64(samples: np.ndarray) -> str:
     return base64.b64encode(pcm16(samples)).decode("ascii")
 
 
-def append(ws: ClientConnection, samples: np.ndarray, chunk_s: float = 0.1) -> None:
-    step = int(16000 * chunk_s)
+def append(ws: ClientConnection, samples: np.ndarray, chunk_s: float = 0.1,
+           rate: int = RATE) -> None:
+    step = int(rate * chunk_s)
     for i in range(0, len(samples), step):
         send(ws, "input_audio_buffer.append", audio=b64(samples[i:i + step]))
 
@@ -97,7 +99,7 @@ def test_spoken_turn_with_the_official_client(server: Server) -> None:
             conn.session.update(session={"type": "realtime", "max_output_tokens": 6,
                                          "audio": {"input": {"turn_detection": None},
                                                    "output": {"voice": "ethan"}}})
-            conn.input_audio_buffer.append(audio=b64(speech_like(0.6)))
+            conn.input_audio_buffer.append(audio=b64(speech_like(0.6, rate=RATE)))
             conn.input_audio_buffer.commit()
             conn.response.create()
             for ev in conn:
@@ -131,7 +133,7 @@ def test_second_turn_reuses_the_first_from_the_prefix_cache(server: Server) -> N
     ws = session(server, max_output_tokens=4, instructions="You are a kind assistant.",
                  **MANUAL)
     with ws:
-        append(ws, speech_like(0.8, seed=1))
+        append(ws, speech_like(0.8, rate=RATE, seed=1))
         send(ws, "input_audio_buffer.commit")
         send(ws, "response.create")
         first, events = until(ws, "response.done")
@@ -152,11 +154,11 @@ def test_second_turn_reuses_the_first_from_the_prefix_cache(server: Server) -> N
 def test_voice_detection_and_barge_in(server: Server) -> None:
     """Speech then silence: the server detects the turn and answers; speech during the
     answer cancels it at once (every stage lets go of it) and the item keeps what was sent."""
-    silence = np.zeros(int(0.3 * 16000), np.float32)
+    silence = np.zeros(int(0.3 * RATE), np.float32)
     ws = session(server, max_output_tokens=400, audio={"input": {"turn_detection": {
         "type": "server_vad", "silence_duration_ms": 300, "prefix_padding_ms": 100}}})
     with ws:
-        append(ws, np.concatenate([silence, speech_like(1.0), silence, silence]))
+        append(ws, np.concatenate([silence, speech_like(1.0, rate=RATE), silence, silence]))
         _, events = until(ws, "response.output_audio.delta")
         kinds = [e["type"] for e in events]
         assert kinds[:3] == ["input_audio_buffer.speech_started",
@@ -164,7 +166,7 @@ def test_voice_detection_and_barge_in(server: Server) -> None:
                              "input_audio_buffer.committed"], kinds
         assert abs(events[0]["audio_start_ms"] - 200) <= 100          # 300 ms less the padding
         assert 1300 <= events[1]["audio_end_ms"] <= 1800
-        append(ws, speech_like(0.5, seed=3))                            # the user talks over it
+        append(ws, speech_like(0.5, rate=RATE, seed=3))                 # the user talks over it
         done, more = until(ws, "response.done")
         kinds = [e["type"] for e in more]
         assert "input_audio_buffer.speech_started" in kinds
@@ -178,6 +180,30 @@ def test_voice_detection_and_barge_in(server: Server) -> None:
         assert item["status"] == "incomplete" and item["content"][0]["transcript"] == sent
         assert response["usage"]["output_token_details"]["text_tokens"] < 400
         assert_nothing_in_flight(server)
+
+
+def heard_tokens(server: Server, audio: np.ndarray, rate: int, declare: bool) -> int:
+    """The prompt tokens of one spoken turn: its audio placeholders grow with what the model
+    hears, so equal durations give equal counts whatever the rate it was sent at."""
+    update: dict[str, Any] = {"audio": {"input": {"turn_detection": None}}}
+    if declare:
+        update["audio"]["input"]["format"] = {"type": "audio/pcm", "rate": rate}
+    ws = session(server, max_output_tokens=1, output_modalities=["text"], **update)
+    with ws:
+        append(ws, audio, rate=rate)
+        send(ws, "input_audio_buffer.commit")
+        send(ws, "response.create")
+        done, _ = until(ws, "response.done")
+    return done["response"]["usage"]["input_tokens"]
+
+
+def test_undeclared_24k_and_declared_16k_are_heard_at_the_right_speed(server: Server) -> None:
+    """OpenAI's clients send 24 kHz without declaring it (pcm16 is 24 kHz); a declared 16000
+    is taken as such. 2 s either way is 2 s to the model; 3 s is more."""
+    two_s = heard_tokens(server, speech_like(2.0, rate=24000), 24000, declare=False)
+    assert heard_tokens(server, speech_like(2.0, rate=16000), 16000, declare=True) == two_s
+    assert heard_tokens(server, speech_like(2.0, rate=24000), 24000, declare=True) == two_s
+    assert heard_tokens(server, speech_like(2.9, rate=24000), 24000, declare=False) > two_s
 
 
 def test_cancel_and_bad_events_leave_the_session_usable(server: Server) -> None:
@@ -215,13 +241,14 @@ def test_cancel_and_bad_events_leave_the_session_usable(server: Server) -> None:
 
 
 def test_session_limits(server: Server) -> None:
-    """Buffer bytes, turn length and idleness, as the server was started with."""
+    """Buffer bytes (the audio held, as PCM16 at the model's 16 kHz), turn length and
+    idleness, as the server was started with."""
     ws = session(server, **MANUAL)
     with ws:
-        append(ws, speech_like(3.5), chunk_s=0.5)           # 112000 bytes: under the buffer
+        append(ws, speech_like(3.5, rate=RATE), chunk_s=0.5)    # 112000 bytes held: under
         send(ws, "input_audio_buffer.commit")
         assert until(ws, "error")[0]["error"]["code"] == "turn_too_long"
-        append(ws, np.zeros(16000 * 7, np.float32), chunk_s=3.5)    # 224000 bytes: over
+        append(ws, np.zeros(RATE * 7, np.float32), chunk_s=3.5)     # 224000 bytes: over
         assert until(ws, "error")[0]["error"]["code"] == "input_audio_buffer_full"
         send(ws, "input_audio_buffer.clear")
         assert until(ws, "input_audio_buffer.cleared")
