@@ -108,3 +108,25 @@ def test_talker_prompt_positions(processor: InputProcessor, hf_thinker) -> None:
         attention_mask=torch.ones(1, len(ids), dtype=torch.long), use_audio_in_video=True,
         audio_seqlens=inputs.audio_feature_lens, second_per_grids=inputs.video_second_per_grid)
     assert torch.equal(ours, ref[:, 0].long()) and delta == int(ref_delta)
+
+
+def test_thinker_text_equals_transformers(omni_path: Path, processor: InputProcessor,
+                                          hf_thinker) -> None:
+    """Through the stage runtime (text out): the interleaved prompt's embeddings, deepstack
+    rows and positions give the text of the thinker's `generate(use_audio_in_video=True)`."""
+    from omnistage import Omni, SamplingParams
+
+    messages = [{"role": "user", "content": [
+        {"type": "video", "video": frames(6, 24, 16), "audio": (tone(3.0, seed=5), 16000)},
+        {"type": "text", "text": "What do you see and hear?"}]}]
+    with Omni(str(omni_path), device="cpu", backend="inproc", connector="inproc") as omni:
+        (out,) = omni.generate({"messages": messages},
+                               [SamplingParams(temperature=0.0, max_tokens=8), None, None],
+                               output_modalities={"text"})
+    assert out.error is None, out.error
+    inputs = processor(messages)
+    assert out.prompt_token_ids == inputs.input_ids.tolist()
+    with torch.no_grad():
+        seq = hf_thinker.generate(**inputs.hf_kwargs(), use_audio_in_video=True,
+                                  do_sample=False, max_new_tokens=8)
+    assert out.token_ids == seq[0, inputs.input_ids.shape[0]:].tolist()
