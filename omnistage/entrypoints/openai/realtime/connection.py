@@ -47,7 +47,8 @@ from omnistage.entrypoints.openai.realtime.audio_buffer import (AudioBuffer, dec
                                                                 ms_to_samples, samples_to_ms)
 from omnistage.entrypoints.openai.realtime.conversation import (Conversation, ConversationItem,
                                                                 Part, item_from_event)
-from omnistage.entrypoints.openai.realtime.protocol import (Item, ResponseOptions,
+from omnistage.entrypoints.openai.realtime.protocol import (AudioConfig, AudioInput, Item,
+                                                            ResponseOptions,
                                                             RetentionRatio, Session,
                                                             client_event, error_event, event,
                                                             event_id_of, max_tokens, merge,
@@ -66,10 +67,11 @@ class RealtimeLimits:
     max_turn_s: float = 60.0             # a longer user turn is cut (VAD) or refused (commit)
     idle_timeout_s: float = 600.0        # no client event this long: the session ends
     max_items: int = 1000                # conversation items a session may hold
+    server_vad: bool = True              # a new session's turn detection (off: vLLM-Omni's)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) <= 0:
+            if f.name != "server_vad" and getattr(self, f.name) <= 0:
                 raise ValueError(f"realtime {f.name}={getattr(self, f.name)}: must be > 0")
 
 
@@ -89,7 +91,8 @@ class RealtimeConnection:
     def __init__(self, ws: WebSocket, client: EngineClient, model_name: str,
                  limits: RealtimeLimits) -> None:
         self.ws, self.client, self.model_name, self.limits = ws, client, model_name, limits
-        self.session = Session(model=model_name)
+        self.session = Session(model=model_name) if limits.server_vad else Session(
+            model=model_name, audio=AudioConfig(input=AudioInput(turn_detection=None)))
         self.conversation = Conversation(limits.max_items)
         self.conversation_id = new_id("conv")
         self.buffer = AudioBuffer()

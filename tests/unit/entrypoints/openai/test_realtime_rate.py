@@ -181,3 +181,29 @@ def test_decode_resamples_to_the_models_rate() -> None:
     assert len(decode_pcm16(b64, 24000, "audio")) == 4000
     assert len(decode_pcm16(base64.b64encode(pcm16(speech_like(0.25))).decode(), 16000,
                             "audio")) == 4000
+
+
+def test_a_vllm_omni_server_starts_sessions_without_turn_detection() -> None:
+    """A server answering in vLLM-Omni's shapes (`--omni`) starts each session with turn
+    detection off, as vLLM-Omni's handler does: its e2e round trip (session.update {type,
+    model}, appends, commit, response.create) sees no speech_started it did not expect. The
+    OpenAI default stays server VAD; ServerConfig sets it by the dialect."""
+    import dataclasses
+
+    from omnistage.entrypoints.openai.api_server import ServerConfig
+
+    assert ServerConfig().realtime_limits.server_vad is True
+    vllm = dataclasses.replace(ServerConfig(), vllm_omni_launch=True)
+    assert vllm.realtime_limits.server_vad is False
+    speech = speech_like(1.2, 24000)
+    events = [{"type": "session.update", "session": {"type": "realtime", "model": MODEL}},
+              *append(speech, 24000)]
+    ws = FakeSocket(events)
+    conn = RealtimeConnection(ws, fake_client(), MODEL,   # type: ignore[arg-type]
+                              vllm.realtime_limits)
+    asyncio.run(conn.run())
+    kinds = [e["type"] for e in ws.sent]
+    assert kinds[0] == "session.created"
+    assert ws.sent[0]["session"]["audio"]["input"]["turn_detection"] is None
+    assert "input_audio_buffer.speech_started" not in kinds and "error" not in kinds
+    assert conn.vad is None
