@@ -97,7 +97,8 @@ class ServerConfig(ServerSettings):
     @property
     def realtime_limits(self) -> RealtimeLimits:
         return RealtimeLimits(self.realtime_max_buffer_bytes, self.realtime_max_turn_s,
-                              self.realtime_idle_timeout_s)
+                              self.realtime_idle_timeout_s,
+                              server_vad=not self.vllm_omni_answers)   # vLLM-Omni's: off
 
     @property
     def connection_limits(self) -> ConnectionLimits:
@@ -106,8 +107,11 @@ class ServerConfig(ServerSettings):
 
     @property
     def media_policy(self) -> MediaPolicy:
+        # vLLM fetches media URLs by default: so do we where we answer as vLLM-Omni (still
+        # public addresses only, remote_media.py)
         return MediaPolicy(tuple(Path(d) for d in self.allowed_media_dirs),
-                           self.allow_remote_media, self.max_media_bytes,
+                           self.allow_remote_media or self.vllm_omni_answers,
+                           self.max_media_bytes,
                            max_image_pixels=self.max_image_pixels,
                            max_request_pixels=self.max_request_pixels,
                            max_audio_seconds=self.max_audio_seconds,

@@ -118,7 +118,7 @@ CASES: list[tuple[str, str, str, str, dict, int, str | None, str | None]] = [
      {"json": chat(sampling_params_list=[{"output_hidden_layers": [1]}])}, 400,
      "sampling_params_list[0].output_hidden_layers", None),
     ("mm-audio-in-video", "text", "POST", "/v1/chat/completions",
-     {"json": chat(mm_processor_kwargs={"use_audio_in_video": True})}, 400,
+     {"json": chat(mm_processor_kwargs={"use_audio_in_video": "yes"})}, 400,
      "mm_processor_kwargs.use_audio_in_video", None),
     ("mm-unknown-key", "text", "POST", "/v1/chat/completions",
      {"json": chat(mm_processor_kwargs={"fps": 2})}, 400, "mm_processor_kwargs.fps", None),
