@@ -368,7 +368,9 @@ class TalkerStage(OmniTalkerStage):
             position_id_per_seconds=cfg.position_id_per_seconds,
             image_grid_thw=state.grids.get("image_grid_thw"),
             video_grid_thw=state.grids.get("video_grid_thw"),
-            video_second_per_grid=state.grids.get("video_second_per_grid"))
+            video_second_per_grid=state.grids.get("video_second_per_grid"),
+            audio_token_id=cfg.audio_token_id,        # a video's audio track in the prompt
+            audio_start_token_id=cfg.audio_start_token_id)
         return embeds, positions, int(delta)
 
     def _p(self) -> Tensor:

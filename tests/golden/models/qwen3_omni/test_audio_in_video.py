@@ -130,3 +130,23 @@ def test_thinker_text_equals_transformers(omni_path: Path, processor: InputProce
         seq = hf_thinker.generate(**inputs.hf_kwargs(), use_audio_in_video=True,
                                   do_sample=False, max_new_tokens=8)
     assert out.token_ids == seq[0, inputs.input_ids.shape[0]:].tolist()
+
+
+def test_the_talker_speaks_a_prompt_with_a_videos_audio(omni_path: Path) -> None:
+    """Speech out for the same prompt: the talker's prefill positions the interleaved block
+    with the audio ids (a 500 from the talker before). transformers' own
+    generate(return_audio=True, use_audio_in_video=True) fails, so the check is that the
+    talker's positions equal the thinker processor's for the user turn (above) and that the
+    whole graph answers with audio of the talker's length."""
+    from omnistage import Omni, SamplingParams
+
+    messages = [{"role": "user", "content": [
+        {"type": "video", "video": frames(6, 24, 16), "audio": (tone(3.0, seed=5), 16000)},
+        {"type": "text", "text": "What do you see and hear?"}]}]
+    with Omni(str(omni_path), device="cpu", backend="inproc", connector="inproc") as omni:
+        (out,) = omni.generate({"messages": messages},
+                               [SamplingParams(temperature=0.0, max_tokens=6),
+                                SamplingParams(temperature=0.0, max_tokens=16), None])
+    assert out.error is None, out.error
+    audio = out.tensors["audio"]
+    assert audio.numel() > 0 and audio.abs().max() > 0
