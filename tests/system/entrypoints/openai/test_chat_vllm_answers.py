@@ -243,6 +243,30 @@ def test_omni_e2e_stream_read_by_modality(omni: Server) -> None:
     assert sum(w.shape[1] for w in waves) > 0
 
 
+def test_omni_curl_example_body(omni: Server) -> None:
+    """qwen3_omni/run_curl_multimodal_generation.sh text: raw HTTP with the model's name (the
+    user's to change), `"modalities": null`, `"mm_processor_kwargs": {}`, three stage dicts
+    (the talker's `stop_token_ids`, code2wav's `top_k: -1`), a system prompt of parts; the
+    script prints `.choices[0].message.content`: the text."""
+    import httpx
+
+    spl = [{"temperature": 0.4, "top_p": 0.9, "top_k": 1, "max_tokens": 6, "seed": 42,
+            "repetition_penalty": 1.05, "stop_token_ids": [151645]},
+           {"temperature": 0.9, "top_k": 50, "max_tokens": 64, "seed": 42,
+            "detokenize": False, "repetition_penalty": 1.05},
+           {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 65536, "seed": 42,
+            "detokenize": True, "repetition_penalty": 1.1}]
+    body = {"model": "tiny-omni", "sampling_params_list": spl, "mm_processor_kwargs": {},
+            "modalities": None, "messages": [SYSTEM, {"role": "user", "content": [
+                {"type": "text", "text": "Explain the system architecture. Answer in 15 "
+                                         "words."}]}]}
+    r = httpx.post(f"{omni.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 2 and isinstance(choices[0]["message"]["content"], str)
+    assert choices[0]["message"]["content"] and choices[1]["message"]["audio"]["data"]
+
+
 def test_openai_modalities_and_audio_keep_openais_shape(omni: Server) -> None:
     """A request with OpenAI's `audio` object says its client reads OpenAI's shape."""
     out = omni.openai().chat.completions.create(
