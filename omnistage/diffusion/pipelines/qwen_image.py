@@ -23,7 +23,10 @@
 Every network is ours: the Qwen2.5-VL text model run as an encoder (its vision tower is not
 loaded), the transformer and the VAE; the tokenizer comes from transformers. The encoder may
 run in a stage of its own (configs/qwen_image_split.yaml; see diffusion/pipeline.py).
-Qwen-Image is not guidance-distilled: `guidance_scale` is refused, true CFG is the guidance.
+Qwen-Image is not guidance-distilled: true CFG is the guidance. As in diffusers (and
+vLLM-Omni), what it cannot use is accepted with a logged warning (`unused_params`):
+`guidance_scale`, `true_cfg_scale` without a negative prompt, a negative prompt without
+`true_cfg_scale` > 1.
 Step caching per request and CFG branch (identity rescaling: see qwen_image_transformer.py).
 Splits along every parallel axis: CFG-parallel here, tensor and sequence parallelism in the
 transformer.
@@ -31,6 +34,7 @@ transformer.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -38,17 +42,17 @@ from PIL import Image
 from torch import Tensor
 from transformers import AutoTokenizer
 
-from omnistage.layers.step_cache import cache_groups
-from omnistage.diffusion.image_input import image_to_image, noised_image
-from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.cfg import GuidedRows, run_branches
+from omnistage.diffusion.image_input import image_to_image, noised_image
 from omnistage.diffusion.latent_pipeline import LatentPipelineBase
+from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import check_conditioning, encode_with_negatives
 from omnistage.diffusion.pipelines.flux import pack_latents, unpack_latents
 from omnistage.diffusion.request import DiffusionRequest
-from omnistage.models.text_encoders import QwenTextEncoder
+from omnistage.layers.step_cache import cache_groups
 from omnistage.models.autoencoder_kl_qwen_image import AutoencoderKLQwenImage
 from omnistage.models.qwen_image_transformer import QwenImageTransformer2DModel
+from omnistage.models.text_encoders import QwenTextEncoder
 
 MAX_SIZE = 2048
 MAX_SEQUENCE_LENGTH = 1024          # caption tokens after the template; diffusers' maximum
@@ -60,24 +64,40 @@ PROMPT_TEMPLATE = (
 PROMPT_TEMPLATE_DROP = 34           # leading template tokens whose states are dropped
 
 
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
 def has_true_cfg(params: DiffusionParams) -> bool:
-    """diffusers' `do_true_cfg` (validation refuses the cases where it differs)."""
+    """diffusers' `do_true_cfg`: a scale above 1 and a negative prompt, else no true CFG."""
     return params.true_cfg_scale > 1.0 and params.negative_prompt is not None
 
 
+def unused_params(params: DiffusionParams) -> dict[str, str]:
+    """The fields of `params` Qwen-Image accepts and does not use, and why: the cases where
+    diffusers' QwenImagePipeline warns and goes on."""
+    unused: dict[str, str] = {}
+    if params.negative_prompt is not None and params.true_cfg_scale <= 1.0:
+        unused["negative_prompt"] = (f"true CFG is off (true_cfg_scale="
+                                     f"{params.true_cfg_scale}; set it > 1, e.g. 4.0)")
+    if params.negative_prompt is None and params.true_cfg_scale != 1.0:
+        unused["true_cfg_scale"] = ("true CFG needs a negative_prompt (even \" \" turns it "
+                                    "on, as in diffusers)")
+    if params.guidance_scale is not None:
+        unused["guidance_scale"] = ("Qwen-Image is not guidance-distilled; its guidance is "
+                                    "true_cfg_scale > 1 with a negative_prompt")
+    return unused
+
+
 def check_text_params(prompt: str | None, params: DiffusionParams) -> None:
-    """The request's text and guidance fields (prompt None: encoded upstream, not checked)."""
+    """The request's text and guidance fields (prompt None: encoded upstream, not checked);
+    what goes unused is logged (once per field), as diffusers warns."""
     if prompt is not None and not prompt.strip():
         raise ValueError("prompt: must be non-empty")
-    if params.negative_prompt is not None and params.true_cfg_scale <= 1.0:
-        raise ValueError(f"negative_prompt: has no effect without true CFG (true_cfg_scale="
-                         f"{params.true_cfg_scale}; set it > 1, e.g. 4.0)")
-    if params.negative_prompt is None and params.true_cfg_scale != 1.0:
-        raise ValueError(f"true_cfg_scale={params.true_cfg_scale}: true CFG needs a "
-                         "negative_prompt (even \" \" turns it on, as in diffusers)")
-    if params.guidance_scale is not None:
-        raise ValueError("guidance_scale: Qwen-Image is not guidance-distilled; use "
-                         "true_cfg_scale > 1 with a negative_prompt")
+    for name, why in unused_params(params).items():
+        if name not in _warned:
+            _warned.add(name)
+            logger.warning("%s: accepted and ignored (%s)", name, why)
 
 
 class QwenImagePromptEncoder:
@@ -214,7 +234,8 @@ class QwenImagePipeline(LatentPipelineBase):
 
         def run(chosen: list[int]) -> Tensor:
             xs, ts, cs = (list(parts) for parts in zip(*(branches[b] for b in chosen)))
-            return self._transformer(torch.cat(xs), torch.cat(ts), sum(cs, []),
+            texts = [c for part in cs for c in part]
+            return self._transformer(torch.cat(xs), torch.cat(ts), texts,
                                      [names[b] for b in chosen], requests, counts)
 
         out = run_branches(self.cfg_ranks, [num_rows, len(idx)], run, latents)  # (R+U, N, 4C)

@@ -37,6 +37,7 @@ from omnistage.entrypoints.openai.client import EngineClient
 from omnistage.entrypoints.openai.errors import (bad_request, check_model,
                                                  install_error_handlers)
 from omnistage.entrypoints.openai.ignored_header import IgnoredHeader
+from omnistage.entrypoints.openai.image_files import add_image_file_routes
 from omnistage.entrypoints.openai.json_body import StrictJSONRoute
 from omnistage.entrypoints.openai.log_lines import log_stage_stats
 from omnistage.entrypoints.openai.media import MediaLoader, MediaPolicy
@@ -245,6 +246,7 @@ def _add_generation_routes(app: FastAPI, client: EngineClient, config: ServerCon
                        video_limits=config.video_limits)
     completions = CompletionServing(client, name)
     images = ImageServing(client, media, name)
+    add_image_file_routes(app, images.files)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
                  responses=ERRORS)

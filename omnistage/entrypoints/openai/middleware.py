@@ -17,7 +17,8 @@ from omnistage.entrypoints.openai.slow_clients import BodyTimeout
 
 KEY_PROTOCOL = "openai-insecure-api-key."     # a WebSocket subprotocol carrying the API key
 OPEN_PATHS = {"/health", "/"}                  # served without the API key: liveness, the page
-OPEN_PREFIX = "/playground/"                   # the page's script and styles
+# the page's script and styles; images answered as URLs (unguessable, short-lived: image_files.py)
+OPEN_PREFIX = ("/playground/", "/v1/images/files/")
 
 
 # ---- middleware ------------------------------------------------------------------------------

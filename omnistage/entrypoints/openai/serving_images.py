@@ -3,12 +3,13 @@ image stage.
 
 The OpenAI fields map onto the entry stage's DiffusionParams: n -> num_images, size "WxH" ->
 width and height, plus the diffusion extras (negative_prompt, num_inference_steps,
-guidance_scale, true_cfg_scale, seed). Images come back base64-encoded (`b64_json`) as PNG,
-JPEG or WebP; this server hosts no files, so `response_format: url` is refused. The other
-fields OpenAI documents are accepted: `background` "auto" / "opaque" is what every model here
-draws and "transparent" a 400 (no alpha channel); `quality`, `style`, `moderation`,
-`input_fidelity` and `safety_identifier` change nothing here and are logged as ignored (the
-quality knob is `num_inference_steps`); streamed partial images are a 400.
+guidance_scale, true_cfg_scale, seed). Images come back as PNG, JPEG or WebP, base64-encoded
+(`b64_json`) or, with `response_format: url`, as URLs this server serves for an hour
+(image_files.py). The other fields OpenAI documents are accepted: `background` "auto" /
+"opaque" is what every model here draws and "transparent" a 400 (no alpha channel);
+`quality`, `style`, `moderation`, `input_fidelity` and `safety_identifier` change nothing here
+and are logged as ignored (and named in the X-Omnistage-Ignored header; the quality knob is
+`num_inference_steps`); streamed partial images are a 400.
 
 An edit is an image-to-image request: the uploaded image becomes DiffusionParams.image and
 `strength` (an extension) how much of it is redrawn; an edit pipeline (Qwen-Image-Edit,
@@ -22,24 +23,36 @@ The form is parsed here, strictly: an unknown field is a 400 naming it, as for J
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+import base64
+from collections.abc import AsyncIterator
+from typing import Any
 
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from omnistage.diffusion_params import MAX_INPUT_IMAGES
 from omnistage.engine.request import RequestFields
 from omnistage.entrypoints.openai.client import EngineClient, unless_disconnected
-from omnistage.entrypoints.openai.errors import (APIError, bad_request, check_model,
-                                                 invalid)
+from omnistage.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    check_model,
+    invalid,
+)
+from omnistage.entrypoints.openai.image_files import ROUTE_NAME, ImageFiles
 from omnistage.entrypoints.openai.media import MediaLoader, open_image
 from omnistage.entrypoints.openai.params import ignore, parse_size
-from omnistage.entrypoints.openai.protocol import (ImageData, ImageEditRequest, ImageRequest,
-                                                   ImagesResponse)
+from omnistage.entrypoints.openai.protocol import (
+    ImageData,
+    ImageEditRequest,
+    ImageRequest,
+    ImagesResponse,
+)
 from omnistage.outputs import OmniOutput
-from omnistage.utils.images import encode_image_b64
+from omnistage.utils.images import encode_image, mime_type
 
 _DIFFUSION_FIELDS = ("negative_prompt", "num_inference_steps", "guidance_scale",
                      "true_cfg_scale", "seed")
@@ -90,10 +103,12 @@ def parse_edit_form(form: FormData) -> tuple[ImageEditRequest, list[UploadFile],
 
 
 class ImageServing:
-    def __init__(self, client: EngineClient, media: MediaLoader, model_name: str) -> None:
+    def __init__(self, client: EngineClient, media: MediaLoader, model_name: str,
+                 files: ImageFiles | None = None) -> None:
         self.client = client
         self.media = media
         self.model_name = model_name
+        self.files = files or ImageFiles()      # the images answered as URLs
 
     def _check_endpoint(self) -> None:
         if "image" not in self.client.outputs:
@@ -101,11 +116,12 @@ class ImageServing:
                               f"{', '.join(sorted(self.client.outputs))}); use "
                               "/v1/chat/completions", "model", "unsupported_endpoint")
 
-    async def generate(self, req: ImageRequest, request: Request) -> ImagesResponse:
+    async def generate(self, req: ImageRequest, request: Request
+                       ) -> ImagesResponse | JSONResponse:
         self._check_endpoint()
         return await self._run(req, request)
 
-    async def edit(self, request: Request) -> ImagesResponse:
+    async def edit(self, request: Request) -> ImagesResponse | JSONResponse:
         """The multipart form of /v1/images/edits, read here (see parse_edit_form)."""
         self._check_endpoint()
         async with request.form() as form:
@@ -135,7 +151,7 @@ class ImageServing:
         return data
 
     async def _run(self, req: ImageRequest, request: Request, images: list[bytes] | None = None,
-                   strength: float | None = None) -> ImagesResponse:
+                   strength: float | None = None) -> ImagesResponse | JSONResponse:
         _check_openai_fields(req)
         height, width = parse_size(req.size)
         fields: dict[str, Any] = {"num_images": req.n}
@@ -162,19 +178,29 @@ class ImageServing:
         if pixels is None:
             raise APIError(500, "the model finished without an image", code="engine_error")
         quality = max(1, req.output_compression) if req.output_compression is not None else 90
-        data = await run_in_threadpool(
-            lambda: [ImageData(b64_json=encode_image_b64(img, req.output_format, quality))
+        files = await run_in_threadpool(
+            lambda: [encode_image(img, req.output_format, quality)
                      for img in pixels])                               # pixels: (n, H, W, C)
-        return ImagesResponse(data=data, output_format=req.output_format,
-                              size=f"{pixels.shape[2]}x{pixels.shape[1]}")
+        size = f"{pixels.shape[2]}x{pixels.shape[1]}"
+        if req.response_format == "url":
+            return self._as_urls(files, req, request, size)
+        data = [ImageData(b64_json=base64.b64encode(f).decode("ascii")) for f in files]
+        return ImagesResponse(data=data, output_format=req.output_format, size=size)
+
+    def _as_urls(self, files: list[bytes], req: ImageRequest, request: Request, size: str
+                 ) -> JSONResponse:
+        """OpenAI's answer with `url` in place of `b64_json` (the image files kept here)."""
+        media = mime_type(req.output_format)
+        urls = [str(request.url_for(ROUTE_NAME, file_id=self.files.put(f, media)))
+                for f in files]
+        answer = ImagesResponse(data=[], output_format=req.output_format, size=size)
+        return JSONResponse({**answer.model_dump(exclude={"data"}),
+                             "data": [{"url": url} for url in urls]})
 
 
 def _check_openai_fields(req: ImageRequest) -> None:
     """OpenAI's image fields: refused where the answer could not be what they ask for,
     logged as ignored where it is the same either way."""
-    if req.response_format != "b64_json":
-        raise bad_request("response_format: this server returns images inline only; use "
-                          "b64_json", "response_format")
     if req.background == "transparent":
         raise bad_request("background=transparent: this model draws no alpha channel; use "
                           "opaque or auto", "background")

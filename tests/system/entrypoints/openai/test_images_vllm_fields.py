@@ -1,0 +1,132 @@
+"""The image routes' corners a client of OpenAI or vLLM-Omni meets: `response_format="url"`
+through the official `openai` client (each URL downloaded as a client would: a plain GET,
+without the API key), what the server accepted and ignored named in X-Omnistage-Ignored, and
+Qwen-Image taking what diffusers (and vLLM-Omni) warn about and ignore, `guidance_scale` and
+`true_cfg_scale` without a negative prompt, instead of refusing it."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+if TYPE_CHECKING:
+    from tests.system.entrypoints.openai.conftest import Server
+
+HEADER = "x-omnistage-ignored"
+KEY = "sk-images"
+
+
+def download(url: str) -> httpx.Response:
+    """What a client does with an image URL: GET it, no headers of the API's."""
+    return httpx.get(url, timeout=30)
+
+
+def png_bytes(value: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (value, value, value)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_url_answers_download_as_the_b64_images(image_server: Server) -> None:
+    client = image_server.openai()
+    extra = {"seed": 11, "num_inference_steps": 4}
+    urls = client.images.generate(prompt="a 3", n=2, response_format="url", extra_body=extra)
+    inline = client.images.generate(prompt="a 3", n=2, response_format="b64_json",
+                                    extra_body=extra)
+    assert [d.b64_json for d in urls.data] == [None, None] and urls.size == inline.size
+    for got, want in zip(urls.data, inline.data):
+        assert got.url.startswith(f"{image_server.url}/v1/images/files/img_")
+        r = download(got.url)
+        assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+        assert r.content == base64.b64decode(want.b64_json)       # the same file
+    assert urls.data[0].url != urls.data[1].url
+
+
+def test_url_answers_for_edits_and_other_formats(image_server: Server) -> None:
+    out = image_server.openai().images.edit(
+        image=("in.png", png_bytes(200), "image/png"), prompt="a 5", response_format="url",
+        extra_body={"seed": 1, "num_inference_steps": 3, "output_format": "jpeg"})
+    (data,) = out.data
+    r = download(data.url)
+    assert r.status_code == 200 and r.headers["content-type"] == "image/jpeg"
+    assert Image.open(io.BytesIO(r.content)).format == "JPEG"
+
+
+def test_an_unknown_image_url_is_404_in_openai_shape(image_server: Server) -> None:
+    r = download(f"{image_server.url}/v1/images/files/img_{'0' * 32}")
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "image_not_found"
+
+
+def test_image_urls_need_no_api_key(start_server: Callable[..., Server]) -> None:
+    server = start_server([], api_key=KEY)
+    assert httpx.post(f"{server.url}/v1/images/generations", json={"prompt": "7"},
+                      timeout=30).status_code == 401        # the API itself still needs it
+    out = server.openai().images.generate(prompt="a 7", response_format="url",
+                                          extra_body={"num_inference_steps": 2})
+    r = download(out.data[0].url)
+    assert r.status_code == 200 and r.content[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ignored_fields_are_named_in_the_header(image_server: Server) -> None:
+    r = image_server.post("/v1/images/generations", json={
+        "prompt": "a 4", "quality": "hd", "user": "u-1", "num_inference_steps": 2})
+    assert r.status_code == 200, r.text
+    assert r.headers[HEADER] == "quality, user"
+    plain = image_server.post("/v1/images/generations",
+                              json={"prompt": "a 4", "num_inference_steps": 2})
+    assert plain.status_code == 200 and HEADER not in plain.headers
+
+
+def test_vllm_chat_fields_ignored_are_named_in_the_header(image_server: Server) -> None:
+    """vLLM-Omni's image chat client may send Wan's knobs; the demo model takes the rest."""
+    r = image_server.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "a handwritten 2"}],
+        "extra_body": {"num_inference_steps": 2, "seed": 3, "flow_shift": 3.0}})
+    assert r.status_code == 200, r.text
+    assert r.headers[HEADER] == "flow_shift"
+
+
+# ---- Qwen-Image: warnings where diffusers warns -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen_image(start_server: Callable[..., Server],
+               tmp_path_factory: pytest.TempPathFactory) -> Server:
+    from tests.helpers.qwen_image import build_tiny_qwen_image_pipeline
+
+    path: Path = build_tiny_qwen_image_pipeline(tmp_path_factory.mktemp("qwen_image"))
+    return start_server([str(path), "--served-model-name", "tiny-qwen-image"])
+
+
+def generate(server: Server, **fields: object) -> np.ndarray:
+    out = server.openai().images.generate(
+        prompt="a photo of the sea shore", size="64x64",
+        extra_body={"seed": 5, "num_inference_steps": 2, **fields})
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(out.data[0].b64_json))))
+
+
+def test_qwen_image_ignores_what_diffusers_ignores(qwen_image: Server) -> None:
+    plain = generate(qwen_image)
+    # diffusers warns and draws without true CFG, without guidance embedding: so do we
+    assert np.array_equal(generate(qwen_image, guidance_scale=3.5), plain)
+    assert np.array_equal(generate(qwen_image, true_cfg_scale=4.0), plain)
+    assert np.array_equal(generate(qwen_image, negative_prompt="blurry"), plain)
+    guided = generate(qwen_image, true_cfg_scale=4.0, negative_prompt="blurry")
+    assert not np.array_equal(guided, plain)                  # true CFG itself still works
+    # (the chat route takes them too: vLLM-Omni's image client sends guidance_scale)
+    r = qwen_image.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "a photo of the sea shore"}],
+        "extra_body": {"height": 64, "width": 64, "num_inference_steps": 2,
+                       "guidance_scale": 4.0, "true_cfg_scale": 4.0, "seed": 5}})
+    assert r.status_code == 200, r.text
+    (part,) = r.json()["choices"][0]["message"]["content"]
+    assert part["type"] == "image_url"
