@@ -18,6 +18,7 @@ model (fewer than max_model_len tokens), and a 10 MB prompt is refused without s
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import os
@@ -62,7 +63,10 @@ class PrepPool:
                                code="prep_queue_full",
                                headers={"Retry-After": str(RETRY_AFTER_S)})
             self.num_pending += 1
-        future = self.executor.submit(functools.partial(fn, *args))
+        # in a copy of the caller's context: what `fn` records per request (the fields it
+        # ignored, engine/request.py `ignore`) reaches the caller's answer
+        future = self.executor.submit(contextvars.copy_context().run,
+                                      functools.partial(fn, *args))
         future.add_done_callback(self._done)
         return await asyncio.wrap_future(future)
 

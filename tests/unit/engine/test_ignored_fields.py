@@ -91,3 +91,22 @@ def test_qwen_image_accepts_what_diffusers_warns_about(fields: dict, unused: lis
     check_text_params("a prompt", params)                               # no refusal
     with pytest.raises(ValueError, match="non-empty"):
         check_text_params("  ", params)
+
+
+def test_the_preparation_pool_reports_to_the_requests_collector() -> None:
+    """Preparation runs on the pool's threads (prep_pool.py) in a copy of the request's
+    context: a field it ignores (chat's reasoning_effort without a template switch, say)
+    reaches the answer's header."""
+    from omnistage.entrypoints.openai.prep_pool import PrepPool
+
+    pool = PrepPool(workers=1, max_pending=2)
+
+    async def request() -> list[str]:
+        with collect_ignored() as names:
+            await pool.run(ignore, "reasoning_effort", "no template switch")
+        return names
+
+    try:
+        assert asyncio.run(request()) == ["reasoning_effort"]
+    finally:
+        pool.shutdown()
