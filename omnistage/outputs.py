@@ -126,6 +126,9 @@ class StageMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_batched_requests: int | None = None   # text-encoder stage: its batch
     num_chunks: int | None = None             # generation: chunks it produced
     model_seconds: float | None = None        # generation: forwards it took part in
+    # fields of the request this stage accepted and did not use (a Qwen-Image guidance_scale):
+    # the server names them in X-Omnistage-Ignored
+    ignored: tuple[str, ...] = ()
 
 
 @dataclass(slots=True, repr=False)

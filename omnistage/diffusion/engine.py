@@ -205,7 +205,8 @@ class DiffusionEngine:
                 num_steps_skipped=r.num_steps_skipped, denoise_time=done - r.first_step_time,
                 # part of queue_time: upstream encoding
                 conditioning_wait_time=None if r.conditioning_time is None
-                else r.conditioning_time - r.arrival_time)
+                else r.conditioning_time - r.arrival_time,
+                ignored=tuple(self.pipeline.unused_params(r.params)))
             results.append(DiffusionResult(r.request_id, images, True, 1.0, metrics=metrics))
         return results
 

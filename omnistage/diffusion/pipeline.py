@@ -131,6 +131,11 @@ class DiffusionPipeline:
         transformer(s) that `velocity` runs every step."""
         return []
 
+    def unused_params(self, params: DiffusionParams) -> dict[str, str]:
+        """The fields of `params` this pipeline accepts and does not use, and why (where
+        diffusers only warns); they reach the client as ignored. None by default."""
+        return {}
+
     def configure(self, options: object) -> None:
         """Its stage's `diffusion.options`, an `Options` record (none by default)."""
 

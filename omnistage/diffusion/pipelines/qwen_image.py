@@ -153,6 +153,7 @@ class QwenImagePipeline(LatentPipelineBase):
     prompt_encoder_cls = QwenImagePromptEncoder
     max_size = MAX_SIZE
     check_text_params = staticmethod(check_text_params)
+    unused_params = staticmethod(unused_params)     # type: ignore[assignment]
     parallel_axes = ("cfg", "ulysses", "ring", "tp")
     graphable = True
 

@@ -28,7 +28,7 @@ import uuid
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from omnistage.engine.inputs import ParsedPrompt, PromptType
-from omnistage.engine.request import OmniRequest, RequestFields, build_request
+from omnistage.engine.request import OmniRequest, RequestFields, build_request, ignore
 from omnistage.entrypoints.openai.errors import APIError, bad_request, from_value_error
 from omnistage.entrypoints.openai.log_lines import log_request
 from omnistage.entrypoints.openai.prep_pool import PrepPool, TokenCounter
@@ -109,6 +109,10 @@ class RequestHandle:
             if snap.finished:
                 metrics.observe_finished(snap)
                 log_request(snap, metrics.model_name)
+        if snap.finished:           # what a stage accepted and did not use: the answer says so
+            for stage, m in snap.stage_metrics.items():
+                for name in m.ignored:
+                    ignore(name, f"stage {stage!r} does not use it for this request")
         return snap
 
     async def first(self) -> OmniOutput:

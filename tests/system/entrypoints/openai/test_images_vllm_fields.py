@@ -130,3 +130,19 @@ def test_qwen_image_ignores_what_diffusers_ignores(qwen_image: Server) -> None:
     assert r.status_code == 200, r.text
     (part,) = r.json()["choices"][0]["message"]["content"]
     assert part["type"] == "image_url"
+
+
+def test_what_qwen_image_ignores_is_named_in_the_header(qwen_image: Server) -> None:
+    """The stage decides what Qwen-Image does not use (diffusers' warnings): its metrics carry
+    the names back, and the answer's X-Omnistage-Ignored names them; a request using every
+    field it sends names none."""
+    body = {"prompt": "a photo of the sea shore", "size": "64x64", "seed": 5,
+            "num_inference_steps": 2}
+    r = qwen_image.post("/v1/images/generations", json={**body, "guidance_scale": 3.5,
+                                                        "true_cfg_scale": 4.0})
+    assert r.status_code == 200, r.text
+    named = [n.strip() for n in r.headers["x-omnistage-ignored"].split(",")]
+    assert sorted(named) == ["guidance_scale", "true_cfg_scale"]
+    r = qwen_image.post("/v1/images/generations", json={**body, "true_cfg_scale": 4.0,
+                                                        "negative_prompt": "blurry"})
+    assert r.status_code == 200 and "x-omnistage-ignored" not in r.headers
