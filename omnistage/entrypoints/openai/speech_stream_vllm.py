@@ -14,9 +14,10 @@ message being `session.config` (speech_stream.py keeps OpenAI-style events other
     a bad message: {"type": "error", "message": "..."} (the session goes on).
 
 Session fields: model, voice, language, instructions, ref_audio, ref_text, response_format,
-speed (1.0 only), stream_audio, task_type (CustomVoice / VoiceDesign / Base: the voice or the
-reference clip decides, as on /v1/audio/speech) and x_vector_only_mode false are accepted;
-max_new_tokens and x_vector_only_mode true are refused by name. Sentences are cut as text
+speed (1.0 only), stream_audio, and vLLM-Omni's task_type, x_vector_only_mode (true: a clone
+from the speaker embedding alone, its transcript dropped) and max_new_tokens (caps each
+sentence's talker frames), read as on /v1/audio/speech (speech_task.py); a bad value is an
+error event naming the field. Sentences are cut as text
 arrives by clauses.py (so at commas too), each its own request; the next sentence is submitted
 while the previous one's audio streams (at most SENTENCES_AHEAD queued).
 """
@@ -36,32 +37,25 @@ from omnistage.entrypoints.openai.client import RequestHandle
 from omnistage.entrypoints.openai.errors import APIError, bad_request, check_model
 from omnistage.entrypoints.openai.protocol_speech import SpeechSession
 from omnistage.entrypoints.openai.serving_speech import ENCODING, SpeechServing
+from omnistage.entrypoints.openai.speech_task import check_max_new_tokens
 from omnistage.utils.audio import AudioEncoder
 
 SENTENCES_AHEAD = 2
 MAX_TEXT_CHARS = 16_384            # one input.text
-TASK_TYPES = ("CustomVoice", "VoiceDesign", "Base")
-OURS = ("model", "voice", "language", "instructions", "ref_audio", "ref_text", "speed")
+OURS = ("model", "voice", "language", "instructions", "ref_audio", "ref_text", "speed",
+        "task_type", "x_vector_only_mode")
 
 
 def is_vllm_first(msg: object) -> bool:
     return isinstance(msg, dict) and msg.get("type") == "session.config"
 
 
-def session_of(msg: dict[str, Any]) -> tuple[SpeechSession, str]:
-    """The session and its audio format from a session.config; APIError naming a field we
-    cannot honour."""
+def session_of(msg: dict[str, Any]) -> tuple[SpeechSession, str, int | None]:
+    """The session, its audio format and its `max_new_tokens` from a session.config; APIError
+    naming a field we cannot honour (task_type and x_vector_only_mode are read as on
+    /v1/audio/speech, by speech_task.py, when the voice is resolved)."""
     body = {k: v for k, v in msg.items() if k != "type"}
-    if body.pop("max_new_tokens", None) is not None:
-        raise bad_request("max_new_tokens: not supported here (the model stops at the end "
-                          "of the sentence); leave it out", "max_new_tokens")
-    if body.pop("x_vector_only_mode", False):
-        raise bad_request("x_vector_only_mode: not supported; send ref_audio with its "
-                          "ref_text to clone a voice", "x_vector_only_mode")
-    task = body.pop("task_type", None)
-    if task is not None and task not in TASK_TYPES:
-        raise bad_request(f"task_type: {task!r} is not one of {', '.join(TASK_TYPES)}",
-                          "task_type")
+    max_new_tokens = check_max_new_tokens(body.pop("max_new_tokens", None))
     stream_audio = body.pop("stream_audio", False)
     if not isinstance(stream_audio, bool):
         raise bad_request("stream_audio: must be true or false", "stream_audio")
@@ -75,7 +69,7 @@ def session_of(msg: dict[str, Any]) -> tuple[SpeechSession, str]:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "session"
         raise bad_request(f"{field}: {first['msg']}", field) from None
-    return session, "pcm" if stream_audio else session.response_format
+    return session, "pcm" if stream_audio else session.response_format, max_new_tokens
 
 
 class VllmSpeechStream:
@@ -86,6 +80,7 @@ class VllmSpeechStream:
         self.ws, self.serving, self.model_name = ws, serving, model_name
         self.buffer = ClauseBuffer(max_chars)
         self.session, self.fmt = SpeechSession(), "wav"
+        self.max_new_tokens: int | None = None
         self.extra: dict[str, Any] | None = None
         self.queue: asyncio.Queue[tuple[int, str, RequestHandle] | None] = \
             asyncio.Queue(SENTENCES_AHEAD)
@@ -115,7 +110,7 @@ class VllmSpeechStream:
                 handle.close()
 
     async def _configure(self, msg: dict[str, Any]) -> None:
-        self.session, self.fmt = session_of(msg)
+        self.session, self.fmt, self.max_new_tokens = session_of(msg)
         check_model(self.session.model, self.model_name)
         self.serving.check_speed(self.session.speed)
         self.extra = await self.serving.extra(self.session)
@@ -167,7 +162,8 @@ class VllmSpeechStream:
         for text in sentences:
             if not text.strip():
                 continue
-            handle = await self.serving.start(text, self._voice, "text")
+            handle = await self.serving.start(text, self._voice, "text",
+                                              ("max_new_tokens", self.max_new_tokens))
             self.handles.append(handle)
             await self.queue.put((self.num_sentences, text, handle))   # waits past the share
             self.num_sentences += 1

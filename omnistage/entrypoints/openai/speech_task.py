@@ -23,7 +23,7 @@ import logging
 from typing import Any
 
 from omnistage.entrypoints.openai.errors import bad_request
-from omnistage.entrypoints.openai.protocol_speech import SpeechVoice
+from omnistage.entrypoints.openai.protocol_speech import MAX_NEW_TOKENS, SpeechVoice
 from omnistage.registry import SpeechSpec
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,18 @@ def resolve_task(v: SpeechVoice, spec: SpeechSpec, where: str = "") -> SpeechVoi
     if v.x_vector_only_mode and v.ref_text is not None:
         v = v.model_copy(update={"ref_text": None})     # the embedding alone: no transcript
     return v
+
+
+def check_max_new_tokens(value: object, param: str = "max_new_tokens") -> int | None:
+    """`max_new_tokens` where no request model checks it (the speech WebSocket's session):
+    None, or an integer 1..MAX_NEW_TOKENS, as SpeechRequest's field."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not \
+            1 <= value <= MAX_NEW_TOKENS:
+        raise bad_request(f"{param}: must be an integer from 1 to {MAX_NEW_TOKENS} (the talker's "
+                          f"codec frames), not {value!r}"[:200], param)
+    return value
 
 
 def check_clone_mode(v: SpeechVoice, extra: dict[str, Any], where: str = "") -> dict[str, Any]:

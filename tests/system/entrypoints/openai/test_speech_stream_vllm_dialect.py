@@ -2,7 +2,9 @@
 client (examples/online_serving/qwen3_tts/streaming_speech_client.py) drives it: session.config
 first, input.text word by word, input.done; per sentence audio.start, binary frames, audio.done
 {total_bytes}; session.done {total_sentences}; errors as {type: error, message}. The toy TTS
-model speaks each character as a 10 ms tone of the voice's pitch."""
+model speaks each character as a 10 ms tone of the voice's pitch; vLLM-Omni's `max_new_tokens`
+and `x_vector_only_mode` are checked on the tiny Qwen3-TTS Base checkpoint, against the HTTP
+route's answer to the same request."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import pytest
+import soundfile
 
 from omnistage.testing.toy_tts import RATE, expected_wave
 from omnistage.utils.audio import decode_audio
@@ -96,7 +99,10 @@ def test_stream_audio_sends_pcm(server: Server) -> None:
     np.testing.assert_allclose(got, expected_wave("Hello there.", pitch=1), atol=LSB)
 
 
-@pytest.mark.parametrize("field,value", [("max_new_tokens", 100), ("x_vector_only_mode", True),
+@pytest.mark.parametrize("field,value", [("max_new_tokens", 0), ("max_new_tokens", 5000),
+                                         ("max_new_tokens", "100"), ("max_new_tokens", True),
+                                         ("x_vector_only_mode", "yes"),
+                                         ("x_vector_only_mode", True),    # not a clone
                                          ("task_type", "Karaoke"), ("speed", 2.0),
                                          ("response_format", "ogg"), ("colour", "blue"),
                                          ("model", "other-model")])
@@ -121,3 +127,71 @@ def test_bad_messages_get_an_error_and_the_session_goes_on(server: Server) -> No
     assert "input.append" in errors[1]["message"]
     assert events[-1] == {"type": "session.done", "total_sentences": 1}
     assert [e["total_bytes"] for e in events if e["type"] == "audio.done"] == [len(audio[0])]
+
+
+# ---- vLLM-Omni's max_new_tokens and x_vector_only_mode on the tiny Qwen3-TTS Base checkpoint -----
+
+QWEN = "Qwen/Qwen3-TTS-12Hz-0.6B-base"
+
+
+@pytest.fixture(scope="module")
+def base(start_server: Callable[..., Server], qwen3_tts_ref: dict) -> Server:
+    from tests.system.entrypoints.openai.test_speech_vllm_fields import qwen3_tts
+
+    return qwen3_tts(start_server, qwen3_tts_ref, "base")
+
+
+def clone_fields(**more: object) -> dict:
+    """The fields of openai_speech_client.py's clone (its default voice sent along)."""
+    from omnistage.testing.tiny_tts import CLIPS
+    from tests.system.entrypoints.openai.test_speech_vllm_fields import data_url
+
+    clip = io.BytesIO()
+    soundfile.write(clip, CLIPS["xvector"], 24000, format="WAV", subtype="FLOAT")
+    return {"model": QWEN, "voice": "Vivian", "task_type": "Base", "language": "English",
+            "ref_audio": data_url(clip.getvalue()), "ref_text": "Hello world.",
+            "response_format": "wav", **more}
+
+
+def sentence_waves(server: Server, fields: dict, text: str) -> tuple[list[str], list[np.ndarray]]:
+    events, audio = speak(server, fields, text.split())
+    starts = [e for e in events if e["type"] == "audio.start"]
+    assert events[-1] == {"type": "session.done", "total_sentences": len(starts)}, events
+    assert not [e for e in events if "error" in e or e["type"] == "error"], events
+    return ([e["sentence_text"] for e in starts],
+            [decode_audio(audio[e["sentence_index"]])[0][0] for e in starts])
+
+
+def http_wave(server: Server, fields: dict, text: str) -> np.ndarray:
+    r = server.post("/v1/audio/speech", json={**fields, "input": text})
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/wav", r.text
+    return decode_audio(r.content)[0][0]
+
+
+def test_x_vector_only_mode_clones_as_the_http_route_does(base: Server) -> None:
+    """x_vector_only_mode true drops the transcript sent along: the sentence is the HTTP
+    route's x-vector-only clone (test_speech_vllm_fields.py: the reference's), not the
+    in-context one."""
+    from omnistage.testing.tiny_tts import MAX_TOKENS
+
+    waves = {}
+    for x_vector in (True, False):
+        fields = clone_fields(x_vector_only_mode=x_vector, max_new_tokens=MAX_TOKENS)
+        texts, got = sentence_waves(base, fields, "The quick brown fox.")
+        assert texts == ["The quick brown fox."]
+        np.testing.assert_allclose(got[0], http_wave(base, fields, texts[0]), atol=LSB)
+        waves[x_vector] = got[0]
+    assert waves[True].shape != waves[False].shape or not np.allclose(waves[True], waves[False])
+
+
+def test_max_new_tokens_caps_each_sentence(base: Server) -> None:
+    """Without it the server's cap (64 frames) holds; with 2, each sentence is two frames of
+    the same clone: shorter, and the HTTP route's answer with max_new_tokens 2."""
+    text = "The quick brown fox. It jumps over the lazy dog."
+    texts, full = sentence_waves(base, clone_fields(x_vector_only_mode=True), text)
+    capped_fields = clone_fields(x_vector_only_mode=True, max_new_tokens=2)
+    capped_texts, capped = sentence_waves(base, capped_fields, text)
+    assert capped_texts == texts and len(texts) == 2
+    for sentence, long, short in zip(texts, full, capped):
+        assert 0 < short.shape[0] < long.shape[0]
+        np.testing.assert_allclose(short, http_wave(base, capped_fields, sentence), atol=LSB)
