@@ -296,9 +296,10 @@ def _add_speech_routes(app: FastAPI, speech: SpeechServing, name: str) -> None:
         speech.require_speech()
         return VoiceList(data=await run_in_threadpool(speech.voices.cards))
 
-    @app.post("/v1/audio/voices", responses=ERRORS, openapi_extra={"requestBody": {
-        "required": True, "content": {"multipart/form-data": {"schema": voice_form_schema()}}}})
-    async def upload_voice(request: Request) -> VoiceCard:
+    @app.post("/v1/audio/voices", responses=ERRORS, response_model=VoiceCard, openapi_extra={
+        "requestBody": {"required": True, "content": {"multipart/form-data": {
+            "schema": voice_form_schema()}}}})
+    async def upload_voice(request: Request) -> VoiceCard | Response:  # Response: vLLM-Omni's
         if not speech.require_speech().cloning:
             raise bad_request("this model does not clone voices: uploads are for cloning "
                               "models", "audio", "cloning_not_supported")

@@ -34,6 +34,7 @@ import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.protocol_speech import VoiceCard
@@ -266,10 +267,12 @@ def voice_form_schema() -> dict[str, Any]:
                                                       "be true"}}}
 
 
-async def upload(store: VoiceStore, request: Request) -> VoiceCard:
-    """The multipart form: name, audio (a file), transcript, consent (must be true); or
-    vLLM-Omni's: name, audio_sample, ref_text, consent (a consent recording's id),
-    speaker_description (logged as ignored)."""
+async def upload(store: VoiceStore, request: Request) -> VoiceCard | JSONResponse:
+    """The multipart form: name, audio (a file), transcript, consent (must be true), answered
+    with our voice card; or vLLM-Omni's (the file as `audio_sample`): name, audio_sample,
+    ref_text, consent (a consent recording's id), speaker_description (logged as ignored),
+    answered as vLLM-Omni answers it: {"success": true, "voice": {name, consent, created_at,
+    mime_type, file_size, ref_text and speaker_description (when given)}}."""
     async with request.form(max_files=1, max_fields=8) as form:
         fields: dict[str, str] = {}
         audio: UploadFile | None = None
@@ -298,4 +301,15 @@ async def upload(store: VoiceStore, request: Request) -> VoiceCard:
         if "speaker_description" in fields:
             logger.info("speaker_description: accepted and not kept (voice %r)", name)
         data = await audio.read(MAX_UPLOAD_BYTES + 1)
-    return await run_in_threadpool(store.add, name, data, fields.get("transcript") or None)
+        mime = audio.content_type or "application/octet-stream"
+    card = await run_in_threadpool(store.add, name, data, fields.get("transcript") or None)
+    if not vllm:
+        return card
+    # vLLM-Omni's client reads {"success": true, "voice": {name, consent, created_at, ...}}
+    voice = {"name": card.name, "consent": consent, "created_at": card.created_at,
+             "mime_type": mime, "file_size": len(data)}
+    if card.transcript:
+        voice["ref_text"] = card.transcript
+    if fields.get("speaker_description"):
+        voice["speaker_description"] = fields["speaker_description"]    # echoed, not kept
+    return JSONResponse({"success": True, "voice": voice})
