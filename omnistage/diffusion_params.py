@@ -55,6 +55,11 @@ class DiffusionParams:
     num_frames: int | None = None
     fps: float | None = None
     extra_images: tuple[bytes | ImageRef, ...] = field(default=(), repr=False)
+    # Wan2.2 A14B's expert switch (share of the training timesteps) and a flow-matching
+    # scheduler's shift for this request; None: the checkpoint's (a pipeline that has no use
+    # for one names it ignored: DiffusionPipeline.unused_params)
+    boundary_ratio: float | None = None
+    flow_shift: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "image", _image_file(self.image))
@@ -127,6 +132,8 @@ _RANGES = {
     "strength": Range(0.0, 1.0, lo_open=True),
     "num_frames": Range(1, MAX_FRAMES, integer=True),
     "fps": Range(0.0, 120.0, lo_open=True),
+    "boundary_ratio": Range(0.0, 1.0, lo_open=True, hi_open=True),
+    "flow_shift": Range(0.0, 100.0, lo_open=True),
 }
 
 

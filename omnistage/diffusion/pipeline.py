@@ -133,8 +133,11 @@ class DiffusionPipeline:
 
     def unused_params(self, params: DiffusionParams) -> dict[str, str]:
         """The fields of `params` this pipeline accepts and does not use, and why (where
-        diffusers only warns); they reach the client as ignored. None by default."""
-        return {}
+        diffusers only warns); they reach the client as ignored. By default the schedule
+        fields only a pipeline that declares them uses (Wan's boundary_ratio, flow_shift)."""
+        return {name: "this pipeline's schedule follows its checkpoint"
+                for name in ("boundary_ratio", "flow_shift")
+                if getattr(params, name) is not None}
 
     def configure(self, options: object) -> None:
         """Its stage's `diffusion.options`, an `Options` record (none by default)."""

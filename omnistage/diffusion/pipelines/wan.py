@@ -240,7 +240,8 @@ class WanPipeline(DiffusionPipeline):
                  1 + (frames - 1) // cfg.temporal_downscale, height // cfg.downscale,
                  width // cfg.downscale)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
-        sigmas, timesteps = self.solver.make_sigmas(params.num_inference_steps)
+        sigmas, timesteps = self.solver.make_sigmas(params.num_inference_steps,
+                                                    params.flow_shift)
         expected = {k: (2, self.transformer.cfg.text_dim) for k in cond}
         cond = {**check_conditioning(cond, expected, self.device, self.dtype),
                 "timesteps": timesteps}
@@ -260,7 +261,16 @@ class WanPipeline(DiffusionPipeline):
         or A14B's high-noise expert at timesteps >= the boundary), 1 (`transformer_2`, below)."""
         if self.boundary is None:
             return 0
-        return 0 if bool(request.cond["timesteps"][request.step_idx] >= self.boundary) else 1
+        ratio = request.params.boundary_ratio
+        boundary = self.boundary if ratio is None else \
+            ratio * self.solver.cfg.num_train_timesteps
+        return 0 if bool(request.cond["timesteps"][request.step_idx] >= boundary) else 1
+
+    def unused_params(self, params: DiffusionParams) -> dict[str, str]:
+        """flow_shift is used; boundary_ratio only by Wan2.2 A14B's two experts."""
+        if params.boundary_ratio is not None and self.boundary is None:
+            return {"boundary_ratio": "this Wan model has one transformer (no expert switch)"}
+        return {}
 
     def guidance_scale(self, params: DiffusionParams, expert: int) -> float:
         """guidance_scale, or on the low-noise expert guidance_scale_2 if given."""

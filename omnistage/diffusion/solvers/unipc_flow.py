@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
 
@@ -229,8 +229,11 @@ class FlowUniPC:
 
     cfg: UniPCConfig
 
-    def make_sigmas(self, num_inference_steps: int) -> tuple[Tensor, Tensor]:
-        return make_sigmas(self.cfg, num_inference_steps)
+    def make_sigmas(self, num_inference_steps: int, flow_shift: float | None = None
+                    ) -> tuple[Tensor, Tensor]:
+        """The schedule; `flow_shift`: a request's own shift instead of the config's."""
+        cfg = self.cfg if flow_shift is None else replace(self.cfg, flow_shift=flow_shift)
+        return make_sigmas(cfg, num_inference_steps)
 
     def new_state(self) -> UniPCState:
         return UniPCState()

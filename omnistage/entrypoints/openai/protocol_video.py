@@ -51,7 +51,7 @@ class VideoRequest(Request):
     guidance_scale_2: Annotated[float, Field(ge=0.0)] | None = None   # Wan2.2 A14B low-noise
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     # vLLM-Omni's Wan knobs, accepted; the model's config decides them here (video_params.py)
-    boundary_ratio: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    boundary_ratio: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
     flow_shift: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
     true_cfg_scale: Annotated[float, Field(ge=0.0)] | None = None     # no true CFG in video
 

@@ -8,9 +8,10 @@ vLLM-Omni's forms are read too: `width` / `height` make the size (a side left ou
 model's default; with `size` as well, they must agree, else 400), a `video_params` object
 fills in width, height, num_frames and fps the top level leaves out, `image_reference:
 {"image_url": URL}` is the first frame as `input_reference` would be (a form sends these two
-objects as JSON text). `boundary_ratio`, `flow_shift` and `true_cfg_scale` are accepted and
-ignored (`ignore`: logged, and named in the answer's X-Omnistage-Ignored header): the Wan
-pipeline takes its expert boundary and its scheduler's shift from the checkpoint's config.
+objects as JSON text). `boundary_ratio` and `flow_shift` set this request's schedule (a model
+without an expert switch names `boundary_ratio` ignored); `true_cfg_scale` is accepted and
+ignored (`ignore`: logged, and named in the answer's X-Omnistage-Ignored header): Wan guides
+with guidance_scale (and guidance_scale_2).
 """
 
 from __future__ import annotations
@@ -37,12 +38,10 @@ from omnistage.entrypoints.openai.params import ignore, parse_size
 from omnistage.entrypoints.openai.protocol_video import VideoRequest
 from omnistage.registry import VideoSpec
 
-_EXTRAS = ("negative_prompt", "num_inference_steps", "guidance_scale", "guidance_scale_2")
+_EXTRAS = ("negative_prompt", "num_inference_steps", "guidance_scale", "guidance_scale_2",
+           "boundary_ratio", "flow_shift")   # the last two: this request's schedule (Wan)
 # accepted with no effect here, and why (logged, and named in the answer's header)
-_IGNORED = {"boundary_ratio": "Wan2.2's expert boundary follows the checkpoint's "
-                              "model_index.json",
-            "flow_shift": "the scheduler's shift follows the checkpoint's scheduler config",
-            "true_cfg_scale": "video models here guide with guidance_scale (and "
+_IGNORED = {"true_cfg_scale": "video models here guide with guidance_scale (and "
                               "guidance_scale_2)",
             "user": "no abuse monitoring here"}
 _OBJECTS = ("image_reference", "video_params")     # objects: JSON text in a form

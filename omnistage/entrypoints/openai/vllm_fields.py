@@ -20,10 +20,10 @@ DIFFUSION_FIELDS = {"height": "height", "width": "width",
                     "guidance_scale": "guidance_scale", "guidance_scale_2": "guidance_scale_2",
                     "true_cfg_scale": "true_cfg_scale", "negative_prompt": "negative_prompt",
                     "num_outputs_per_prompt": "num_images", "num_frames": "num_frames",
-                    "fps": "fps"}
+                    "fps": "fps", "boundary_ratio": "boundary_ratio",
+                    "flow_shift": "flow_shift"}
 # accepted, with no effect here (logged): the pipeline's own schedule decides them
-UNUSED_FIELDS = {"boundary_ratio": "Wan2.2's expert switch follows the model's config",
-                 "flow_shift": "the scheduler's shift follows the model's config"}
+UNUSED_FIELDS: dict[str, str] = {}
 
 
 def merge_extra_body(data: Any) -> Any:

@@ -113,9 +113,38 @@ def test_a14b_matches_diffusers(a14b, guidance: float, guidance_2: float | None)
 def test_a14b_boundary_timestep_is_the_high_noise_experts(a14b) -> None:
     """diffusers: `t >= boundary_ratio * num_train_timesteps` (875 here) runs `transformer`."""
     _, _, ours = a14b
-    at = [SimpleNamespace(cond={"timesteps": torch.tensor([t])}, step_idx=0)
-          for t in (999, 875, 874)]
+    at = [SimpleNamespace(cond={"timesteps": torch.tensor([t])}, step_idx=0,
+                          params=DiffusionParams()) for t in (999, 875, 874)]
     assert [ours.expert(r) for r in at] == [0, 0, 1]
+    for r in at:                        # a request's own boundary_ratio: 0.9 -> 900
+        r.params = DiffusionParams(boundary_ratio=0.9)
+    assert [ours.expert(r) for r in at] == [0, 1, 1]
+
+
+def test_a14b_schedule_per_request_matches_diffusers_configured_so(a14b) -> None:
+    """vLLM-Omni's `boundary_ratio` and `flow_shift` per request: the latents of diffusers'
+    WanPipeline built with that boundary and a scheduler with that shift; a batch mixing them
+    with the checkpoint's schedule gives each its own; a one-expert model names the boundary
+    unused."""
+    _, ref, ours = a14b
+    custom = dataclasses.replace(params(A14B_SIZE, 6.0, 2.0, steps=5), boundary_ratio=0.6,
+                                 flow_shift=5.0)
+    assert ours.solver.make_sigmas(5, 5.0)[1].tolist() != ours.solver.make_sigmas(5)[1].tolist()
+    configured = diffusers.WanPipeline(
+        tokenizer=ref.tokenizer, text_encoder=ref.text_encoder, vae=ref.vae,
+        transformer=ref.transformer, transformer_2=ref.transformer_2, boundary_ratio=0.6,
+        scheduler=diffusers.UniPCMultistepScheduler.from_config(ref.scheduler.config,
+                                                                flow_shift=5.0))
+    expected = reference(configured, custom)
+    latents, _ = run_alone(ours, PROMPT, custom)
+    golden.assert_latents_match(latents, expected, min_abs_mean=0.1)
+    default = reference(ref, dataclasses.replace(custom, boundary_ratio=None, flow_shift=None))
+    assert (default - expected).abs().max() > 1e-3          # the fields change the video
+    jobs = {"own": (PROMPT, custom), "ckpt": (PROMPT, dataclasses.replace(
+        custom, boundary_ratio=None, flow_shift=None, seed=1))}
+    batched, _ = run_staggered(ours, jobs, lag=1)
+    golden.assert_latents_match(batched["own"][0], expected, min_abs_mean=0.1)
+    assert ours.unused_params(custom) == {}
 
 
 def test_a14b_requests_on_different_experts_equal_each_alone(a14b) -> None:
@@ -225,3 +254,9 @@ def test_video_api_fields_reach_the_pipeline(a14b, ti2v, image: Image.Image) -> 
                            VideoRequest(prompt=PROMPT), png(image))
     assert size == "1280x704" and fields["num_frames"] == 121 and fields["fps"] == 24
     ours.validate(PROMPT, DiffusionParams(**fields, image=png(image)))
+
+
+def test_a_one_expert_model_names_the_boundary_unused(ti2v) -> None:
+    _, _, ours = ti2v
+    p = DiffusionParams(boundary_ratio=0.5, flow_shift=4.0)
+    assert list(ours.unused_params(p)) == ["boundary_ratio"]     # flow_shift: used

@@ -62,7 +62,9 @@ WAN_FORM = {"prompt": "A cinematic view of a futuristic city at sunset", "width"
 def test_the_curl_job_runs_as_their_client_reads_it(server: Server) -> None:
     r = server.post("/v1/videos", files=form(**WAN_FORM), headers={"Accept": "application/json"})
     assert r.status_code == 200, r.text
-    assert r.headers[HEADER] == "boundary_ratio, flow_shift"
+    # boundary_ratio / flow_shift reach the model (Wan's schedule); the toy has none, which
+    # its stage decides at run time: a job's create answer cannot say, the sync answer does
+    assert HEADER not in r.headers
     job = r.json()
     assert job["status"] == "queued" and job["object"] == "video" and job["size"] == "64x32"
     assert finished(server, job["id"])["status"] == "completed"     # their loop: GET .status
