@@ -129,13 +129,16 @@ def servers(tiny_qwen3: Path, media_dir: Path, tmp_path_factory: pytest.TempPath
 @pytest.fixture(scope="package")
 def omni_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The tiny random Qwen3-Omni as `tiny-omni`: a greedy thinker that never stops early (an
-    answer lasts its max tokens), and realtime session limits small enough to test."""
+    answer lasts its max tokens), a talker that samples at least 8 frames (its random codec
+    head can otherwise draw its end at the first step: a spoken answer without a sample), and
+    realtime session limits small enough to test."""
     from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
 
     path = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny_omni"))
     server = Server([str(path), "--served-model-name", "tiny-omni",
                      "--stage-override", "thinker.ar.sampling.temperature=0",
                      "--stage-override", "thinker.ar.sampling.ignore_eos=true",
+                     "--stage-override", "talker.ar.sampling.min_tokens=8",
                      "--realtime-idle-timeout", "3", "--realtime-max-turn", "3",
                      "--realtime-max-buffer-bytes", "200000"],
                     tmp_path_factory.mktemp("omni-log") / "omni.log")
