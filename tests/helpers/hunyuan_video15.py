@@ -56,3 +56,62 @@ def conditioning(batch: int, lengths: list[int], glyph_lengths: list[int], text_
     glyph = glyph * (torch.tensor(glyph_lengths) > 0).float()[:, None, None]
     return {"encoder_hidden_states": text, "encoder_attention_mask": mask,
             "encoder_hidden_states_2": glyph, "encoder_attention_mask_2": glyph_mask}
+
+
+def build_tiny_t2v(path: Path, guidance_scale: float = 4.0, **guider):
+    """diffusers' HunyuanVideo15Pipeline of the tiny transformer and VAE (8x in space, 4x in
+    time), flow-match Euler at shift 5, CFG at `guidance_scale` (`guider`: its other config),
+    no text encoders (conditioning comes as embeddings), saved to `path`; -> the pipeline."""
+    import diffusers
+
+    from tests.helpers.diffusion_golden import save_reference
+    from tests.helpers.hunyuan_video15_parts import build_tiny_vae
+
+    pipe = diffusers.HunyuanVideo15Pipeline(
+        text_encoder=None, tokenizer=None, transformer=tiny_transformer(), vae=build_tiny_vae(),
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=None,
+        tokenizer_2=None,
+        guider=diffusers.ClassifierFreeGuidance(guidance_scale=guidance_scale, **guider))
+    return save_reference(pipe, path)
+
+
+class FakePromptEncoder:
+    """Stands in for the Qwen2.5-VL + byT5 encoders: each text gets fixed random states (its
+    valid tokens only, as our encoder keeps them; a text without a quote no glyph tokens);
+    `padded` gives diffusers the same states padded, with masks."""
+
+    device = torch.device("cpu")
+
+    def states(self, text: str) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(sum(map(ord, text)) + len(text))
+        n = 2 + len(text) % 7
+        glyph = 3 if '"' in text else 0
+        return torch.randn(n, TEXT_DIM, generator=g), torch.randn(glyph, GLYPH_DIM, generator=g)
+
+    def validate(self, prompt: str, params) -> None:
+        pass
+
+    def encode(self, prompts: list[str], params: list) -> list[dict[str, Tensor]]:
+        out = []
+        for prompt, p in zip(prompts, params):
+            text, glyph = self.states(prompt)
+            cond = {"prompt_embeds": text, "prompt_embeds_2": glyph}
+            if p.guidance_scale is None or p.guidance_scale != 1.0:
+                neg, neg_glyph = self.states(p.negative_prompt or "")
+                cond |= {"negative_prompt_embeds": neg, "negative_prompt_embeds_2": neg_glyph}
+            out.append(cond)
+        return out
+
+    def padded(self, text: str, prefix: str = "") -> dict[str, Tensor]:
+        """diffusers' keyword arguments for `text` (prefix "negative_" for the negative one):
+        Qwen states padded to 9 tokens, byT5 to 7, with their masks."""
+        states, glyph = self.states(text)
+        out = {}
+        for key, s, length in (("prompt_embeds", states, 9), ("prompt_embeds_2", glyph, 7)):
+            full = torch.zeros(1, length, s.shape[-1])
+            full[0, :s.shape[0]] = s
+            mask = (torch.arange(length) < s.shape[0]).long()[None]
+            suffix = "_2" if key.endswith("_2") else ""
+            out[prefix + key] = full
+            out[f"{prefix}prompt_embeds_mask{suffix}"] = mask
+        return out
