@@ -1,0 +1,55 @@
+"""HunyuanImage-3.0 text-to-image on our layers against the upstream code
+(Tencent-Hunyuan/HunyuanImage-3.0 at the commit tests/fixtures/hunyuan_image3/manifest.json
+names; scripts/hunyuan_image3_fixtures.py made the fixtures): the same tiny random checkpoint,
+the upstream template's token ids and initial noise -> the final latents and the decoded image
+in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnistage.models.hunyuan_image3 import GenerationRequest, HunyuanImage3, generate_image
+from tests.helpers.hunyuan_image3 import build_checkpoint, expected, manifest
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return HunyuanImage3.from_pretrained(build_checkpoint(tmp_path_factory.mktemp("hi3")))
+
+
+def request(case: dict, noise: torch.Tensor, cfg, **over) -> GenerationRequest:
+    (start, _), = case["image_slices"][0]
+    f = cfg.vae_downsample_factor
+    fields = dict(tokens=torch.tensor(case["tokens"]), timestep_index=case["timestep_index"][0][0],
+                  image_start=start, token_h=case["image_size"][0] // f[0],
+                  token_w=case["image_size"][1] // f[1], noise=noise, steps=case["steps"],
+                  guidance_scale=case["guidance_scale"], flow_shift=case["flow_shift"])
+    return GenerationRequest(**(fields | over))
+
+
+def final_latents(exp: dict, name: str, vae) -> torch.Tensor:
+    return (exp[f"{name}.vae_input"][:, :, 0] - vae.shift_factor) * vae.scaling_factor
+
+
+@pytest.mark.parametrize("name", ["wide", "square"])
+def test_latents_and_image_match_upstream(model, name: str) -> None:
+    case, exp = manifest()["cases"][name], expected()
+    latents, image = generate_image(model, request(case, exp[f"{name}.noise"], model.cfg))
+    want = final_latents(exp, name, model.cfg.vae)
+    assert want.abs().mean() > 0.5 and (want - exp[f"{name}.noise"]).abs().mean() > 0.3
+    torch.testing.assert_close(latents, want, atol=2e-4, rtol=1e-4)
+    want_image = exp[f"{name}.image"][:, :, 0]
+    assert want_image.abs().mean() > 0.1
+    torch.testing.assert_close(image, want_image, atol=2e-4, rtol=1e-4)
+
+
+def test_guidance_and_prompt_matter(model) -> None:
+    """A plausible bug must fail: another guidance or the unconditional prompt everywhere
+    moves the latents far outside the tolerance above."""
+    case, exp = manifest()["cases"]["wide"], expected()
+    want = final_latents(exp, "wide", model.cfg.vae)
+    for over in (dict(guidance_scale=1.0),
+                 dict(tokens=torch.tensor([case["tokens"][1]] * 2))):
+        latents, _ = generate_image(model, request(case, exp["wide.noise"], model.cfg, **over))
+        assert (latents - want).abs().max() > 1e-2, over
