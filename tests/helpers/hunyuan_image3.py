@@ -42,3 +42,27 @@ def build_checkpoint(folder: Path) -> Path:
     for f in m["tokenizer_files"]:
         shutil.copy(FIXTURES / f, folder / f)
     return folder
+
+
+def case_request(case: dict, noise: torch.Tensor, cfg, **over):
+    """The GenerationRequest of a fixture case (the upstream template's tokens and layout)."""
+    from omnistage.models.hunyuan_image3 import GenerationRequest
+    (start, _), = case["image_slices"][0]
+    f = cfg.vae_downsample_factor
+    fields = dict(tokens=torch.tensor(case["tokens"]), timestep_index=case["timestep_index"][0][0],
+                  image_start=start, token_h=case["image_size"][0] // f[0],
+                  token_w=case["image_size"][1] // f[1], noise=noise, steps=case["steps"],
+                  guidance_scale=case["guidance_scale"], flow_shift=case["flow_shift"])
+    return GenerationRequest(**(fields | over))
+
+
+def rank_generate(ranks, folder: str, case: str) -> dict:
+    """One rank's body for omnistage.testing.ranks.run_ranks (its TP group is current): load the
+    tiny checkpoint split over the ranks and generate a fixture case."""
+    from omnistage.models.hunyuan_image3 import HunyuanImage3, generate_image
+    model = HunyuanImage3.from_pretrained(folder)
+    req = case_request(manifest()["cases"][case], expected()[f"{case}.noise"], model.cfg)
+    latents, image = generate_image(model, req)
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight.shape[0]
+    return {"latents": latents.flatten().tolist(), "image": image.flatten().tolist(),
+            "qkv_rows": qkv, "expert_rows": model.model.layers[0].mlp.experts.local_size}

@@ -9,23 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnistage.models.hunyuan_image3 import GenerationRequest, HunyuanImage3, generate_image
+from omnistage.models.hunyuan_image3 import HunyuanImage3, generate_image
 from tests.helpers.hunyuan_image3 import build_checkpoint, expected, manifest
+from tests.helpers.hunyuan_image3 import case_request as request
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return HunyuanImage3.from_pretrained(build_checkpoint(tmp_path_factory.mktemp("hi3")))
-
-
-def request(case: dict, noise: torch.Tensor, cfg, **over) -> GenerationRequest:
-    (start, _), = case["image_slices"][0]
-    f = cfg.vae_downsample_factor
-    fields = dict(tokens=torch.tensor(case["tokens"]), timestep_index=case["timestep_index"][0][0],
-                  image_start=start, token_h=case["image_size"][0] // f[0],
-                  token_w=case["image_size"][1] // f[1], noise=noise, steps=case["steps"],
-                  guidance_scale=case["guidance_scale"], flow_shift=case["flow_shift"])
-    return GenerationRequest(**(fields | over))
 
 
 def final_latents(exp: dict, name: str, vae) -> torch.Tensor:
