@@ -35,3 +35,41 @@ def build_tiny_vae(path: Path | None = None, **overrides: object):  # -> Autoenc
     if path is not None:
         vae.save_pretrained(path)
     return vae
+
+
+def build_tiny_text_parts(path: Path) -> dict[str, object]:
+    """The prompt side of a tiny HunyuanVideo-1.5 folder, saved under `path` as the pipeline
+    saves it: text_encoder/ (a Qwen2_5_VLTextModel, 3 layers, so that hidden_states[-3] is a
+    layer's output), tokenizer/ (the tiny byte-level BPE with a chat template, right padding),
+    text_encoder_2/ (a byT5-like T5EncoderModel, gated-gelu, 2 layers), tokenizer_2/ (ByT5).
+    -> the reference objects by those names (eval, float32)."""
+    import transformers
+
+    from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_tiny_tokenizer(path / "tokenizer")
+    text_encoder = transformers.Qwen2_5_VLTextModel(transformers.Qwen2_5_VLTextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "mrope_section": [1, 1, 2]},
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)).eval()
+    tokenizer_2 = transformers.ByT5Tokenizer()
+    text_encoder_2 = transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=len(tokenizer_2), d_model=24, d_kv=8, d_ff=48, num_layers=2, num_heads=3,
+        feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
+        relative_attention_max_distance=32, decoder_start_token_id=0)).eval()
+    with torch.no_grad():   # HF's 0.02 init leaves the layers near the identity; norms at one
+        for name, p in text_encoder.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 1.0 if "embed" in name else 0.2)
+        for name, p in [*text_encoder.named_parameters(), *text_encoder_2.named_parameters()]:
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    parts = {"text_encoder": text_encoder, "tokenizer": tokenizer,
+             "text_encoder_2": text_encoder_2, "tokenizer_2": tokenizer_2}
+    for name, part in parts.items():
+        part.save_pretrained(path / name)
+    return parts

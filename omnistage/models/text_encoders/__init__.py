@@ -13,10 +13,12 @@ folders (transformers layout) into our own modules:
 
 from omnistage.models.text_encoders.clip import CLIPTextEncoder
 from omnistage.models.text_encoders.gemma3 import Gemma3TextEncoder
+from omnistage.models.text_encoders.hunyuan_video15 import encode_hunyuan_video15_prompts
 from omnistage.models.text_encoders.ltx2 import LTX2PromptEmbeds, encode_ltx2_prompts
 from omnistage.models.text_encoders.qwen import QwenTextEncoder
 from omnistage.models.text_encoders.t5 import T5Encoder
 from omnistage.models.text_encoders.umt5 import UMT5Encoder, encode_wan_prompts
 
 __all__ = ["CLIPTextEncoder", "Gemma3TextEncoder", "LTX2PromptEmbeds", "QwenTextEncoder",
-           "T5Encoder", "UMT5Encoder", "encode_ltx2_prompts", "encode_wan_prompts"]
+           "T5Encoder", "UMT5Encoder", "encode_hunyuan_video15_prompts", "encode_ltx2_prompts",
+           "encode_wan_prompts"]
