@@ -73,3 +73,24 @@ def build_tiny_text_parts(path: Path) -> dict[str, object]:
     for name, part in parts.items():
         part.save_pretrained(path / name)
     return parts
+
+
+# The image encoder of the image-to-video pipeline (siglip-so400m-patch14-384 in the real one)
+TINY_SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, image_size=28, patch_size=7)
+
+
+def build_tiny_siglip(path: Path | None = None):  # -> transformers.SiglipVisionModel
+    """transformers' SiglipVisionModel with `TINY_SIGLIP`, seed 0, layer norms moved off
+    their init, saved to `path` when given (the pipeline's image_encoder/)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**TINY_SIGLIP)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    if path is not None:
+        model.save_pretrained(path)
+    return model
