@@ -20,8 +20,8 @@ What makes it Gemma and not Qwen (qwen.py):
 
 Attention is causal plus the key-padding mask in SDPA; positions are 0..S-1 for every row
 whatever the padding (LTX-2 pads on the left), as HF numbers them when given only input_ids
-and a mask. A padded query row that can see no key at all is computed as HF's SDPA path computes
-it (the same boolean mask through the same SDPA); no caller reads those rows.
+and a mask. A padding query that would see no key at all sees itself (see attention_masks):
+padding rows differ from HF's, which no caller reads; every real token's row is HF's.
 
 Checkpoints: a Gemma3ForConditionalGeneration folder (`model.language_model.*`, older saves
 `language_model.model.*`, plus the vision tower, the projector, maybe `lm_head`), or a
@@ -188,16 +188,22 @@ def attention_masks(attention_mask: Tensor | None, seq_len: int, sliding_window:
     """Per layer kind, the boolean SDPA mask (B or 1, 1, S, S), True where a query may see a
     key: causal, the key not padding, and for sliding layers the key less than
     `sliding_window` positions back. None where plain causal attention is the whole rule
-    (no padding, and no row as long as the window), as HF then runs SDPA's is_causal."""
+    (no padding, and no row as long as the window), as HF then runs SDPA's is_causal.
+
+    A left-padded row's padding queries see no key at all under that rule; each is let see
+    itself instead, so no SDPA kernel meets a row without keys (some answer NaN there, and a
+    NaN value row would reach the real queries through 0 * NaN in the next layer). Rows of
+    real tokens are untouched; padding rows are read by no one."""
     pos = torch.arange(seq_len, device=device)
     causal = pos[None, :] <= pos[:, None]                                   # (S, S) [q, k]
     window = causal & (pos[None, :] > pos[:, None] - sliding_window)
-    padded = attention_mask is not None and not bool(attention_mask.all())
-    keys = (attention_mask.bool()[:, None, None, :] if padded               # (B, 1, 1, S)
-            else torch.ones(1, 1, 1, seq_len, dtype=torch.bool, device=device))
-    return {"full_attention": keys & causal if padded else None,
-            "sliding_attention": keys & window if padded or seq_len > sliding_window
-            else None}
+    if attention_mask is None or bool(attention_mask.all()):
+        return {"full_attention": None,
+                "sliding_attention": window[None, None] if seq_len > sliding_window else None}
+    keys = attention_mask.bool()[:, None, None, :]                          # (B, 1, 1, S)
+    itself = pos[None, :] == pos[:, None]                                   # (S, S)
+    return {"full_attention": keys & causal | itself,
+            "sliding_attention": keys & window | itself}
 
 
 class Gemma3TextEncoder(nn.Module):
