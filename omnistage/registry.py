@@ -237,6 +237,10 @@ _BUILT_IN = (
                     "omnistage.diffusion.pipelines.qwen_image_edit:QwenImageEditPlusPipeline"),)),
     ModelFamily("digits", graph="digits.yaml", components=(Component(
         "diffusion", "digits_dit", "omnistage.diffusion.pipelines.digits:DigitsPipeline"),)),
+    ModelFamily("hunyuan_image3", architectures=("HunyuanImage3ForCausalMM",),
+                graph="hunyuan_image3.yaml", components=(Component(
+                    "diffusion", "hunyuan_image3",
+                    "omnistage.diffusion.pipelines.hunyuan_image3:HunyuanImage3Pipeline"),)),
     # the generic adapter: any other diffusers pipeline, run whole by diffusers (not native)
     ModelFamily("diffusers", any_diffusers=True, graph="diffusers.yaml", extras=("diffusers",),
                 components=(Component(

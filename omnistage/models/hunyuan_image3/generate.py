@@ -49,8 +49,8 @@ def image_positions(start: int, h: int, w: int) -> Tensor:
     return torch.stack(torch.meshgrid(ys, xs, indexing="ij"), -1).reshape(-1, 2)
 
 
-def _prefix(model: HunyuanImage3, req: GenerationRequest):
-    toks = req.tokens[:, :req.timestep_index]
+def prefix_kv(model: HunyuanImage3, toks: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """The tokens before <timestep> (B, P), causal -> each layer's keys and values."""
     b, p = toks.shape
     pos = torch.arange(p, device=toks.device)[None, :, None].expand(b, p, 2)
     cos, sin = rope_cos_sin(pos, model.cfg.head_dim, model.cfg.rope_theta)
@@ -59,10 +59,11 @@ def _prefix(model: HunyuanImage3, req: GenerationRequest):
     return kv
 
 
-def _step_geometry(model: HunyuanImage3, req: GenerationRequest, device) -> tuple:
-    n, p = req.token_h * req.token_w, req.timestep_index
-    pos = torch.cat([torch.tensor([[p, p]]),
-                     image_positions(req.image_start, req.token_h, req.token_w)])
+def step_geometry(model: HunyuanImage3, timestep_index: int, image_start: int, h: int, w: int,
+                  device) -> tuple[Tensor, Tensor, Tensor]:
+    """Rope and mask of a step's tokens [<timestep>, image (h*w)] after the P-token prefix."""
+    n, p = h * w, timestep_index
+    pos = torch.cat([torch.tensor([[p, p]]), image_positions(image_start, h, w)])
     cos, sin = rope_cos_sin(pos[None].to(device), model.cfg.head_dim, model.cfg.rope_theta)
     mask = torch.ones(1 + n, p + 1 + n, dtype=torch.bool, device=device)
     mask[0, p + 1:] = False                                    # <timestep> is causal
@@ -85,8 +86,9 @@ def generate_image(model: HunyuanImage3, req: GenerationRequest) -> tuple[Tensor
     if req.image_start != req.timestep_index + 1:
         raise ValueError("the image tokens must follow the <timestep> token")
     device = req.tokens.device
-    kv = _prefix(model, req)
-    geometry = _step_geometry(model, req, device)
+    kv = prefix_kv(model, req.tokens[:, :req.timestep_index])
+    geometry = step_geometry(model, req.timestep_index, req.image_start, req.token_h,
+                             req.token_w, device)
     sig = sigmas(req.steps, req.flow_shift)
     x = req.noise.float()
     for i in range(req.steps):

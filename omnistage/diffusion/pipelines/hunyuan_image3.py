@@ -1,0 +1,133 @@
+"""HunyuanImage-3.0 (Tencent) text-to-image as a diffusion pipeline: the upstream
+`HunyuanImage3ForCausalMM.generate_image(image_size=...)` (bot_task "image", no system prompt)
+split into the engine's phases on our model (omnistage/models/hunyuan_image3/):
+
+    prepare:  the prompt in the upstream template (models/hunyuan_image3/template.py), conditional
+              and unconditional (<cfg>) rows, run once through the MoE transformer up to the
+              <timestep> token; its keys and values are the request's conditioning; the noise
+              (num_images, C, h, w), drawn as the upstream draws it (bfloat16 from the seed);
+              the shifted schedule
+    velocity: per request, the timestep and image tokens of both rows after that prefix, mixed
+              by CFG (v_u + g (v_c - v_u)); the engine's Euler step is the upstream's
+    decode:   the Conv3D VAE -> uint8 images
+
+Request fields: guidance_scale (default: the checkpoint's generation_config diff_guidance_scale),
+num_inference_steps, flow_shift (default: generation_config flow_shift), height / width (one of
+the checkpoint's resolution group, default image_base_size square), seed, num_images.
+Not here: the model's own choice of ratio (image_size "auto"), its think / recaption text
+before the image, negative prompts (the unconditional row is the <cfg> prompt) and edits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import AutoTokenizer
+
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipeline import DiffusionPipeline
+from omnistage.diffusion.request import DiffusionRequest
+from omnistage.errors import InputError
+from omnistage.models.hunyuan_image3 import HunyuanImage3
+from omnistage.models.hunyuan_image3.generate import (prefix_kv, sigmas, step_geometry,
+                                                      velocity)
+from omnistage.models.hunyuan_image3.template import build_prompt, ratio_index, resolution_group
+
+PREFIX_K, PREFIX_V, LAYOUT = "hunyuan_image3.prefix_k", "hunyuan_image3.prefix_v", \
+    "hunyuan_image3.layout"
+
+
+class HunyuanImage3Pipeline(DiffusionPipeline):
+    label = "HunyuanImage-3.0"
+    max_input_images = 0
+
+    def __init__(self, model: HunyuanImage3, tokenizer, generation: dict,
+                 device: torch.device) -> None:
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.default_guidance = float(generation.get("diff_guidance_scale", 5.0))
+        self.default_shift = float(generation.get("flow_shift", 3.0))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None, component: str, device: torch.device,
+                        dtype: torch.dtype | None, text_encoders: bool = True
+                        ) -> HunyuanImage3Pipeline:
+        path = Path(path)
+        model = HunyuanImage3.from_pretrained(path, device, dtype or torch.float32)
+        gen_file = path / "generation_config.json"
+        generation = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        return cls(model, AutoTokenizer.from_pretrained(str(path)), generation, device)
+
+    def denoisers(self) -> list[torch.nn.Module]:
+        return [self.model]
+
+    # ---- checks -------------------------------------------------------------------------
+
+    def _size(self, params: DiffusionParams) -> tuple[int, int]:
+        base = self.model.cfg.image_base_size
+        return params.height or base, params.width or base
+
+    def validate(self, prompt: str | None, params: DiffusionParams, image=None) -> None:
+        if not prompt or not prompt.strip():
+            raise InputError("prompt: HunyuanImage-3.0 needs a non-empty text prompt", "prompt")
+        if params.image is not None or image is not None:
+            raise InputError("image: HunyuanImage-3.0 here generates from text only", "image")
+        for name, bad in (("negative_prompt", params.negative_prompt is not None),
+                          ("true_cfg_scale", params.true_cfg_scale != 1.0)):
+            if bad:
+                raise InputError(f"{name}: HunyuanImage-3.0 guides against its <cfg> prompt "
+                                 "(guidance_scale); it takes no negative prompt", name)
+        if params.num_inference_steps < 1:
+            raise InputError("num_inference_steps: at least 1", "num_inference_steps")
+        base, (h, w) = self.model.cfg.image_base_size, self._size(params)
+        fh, fw = self.model.cfg.vae_downsample_factor
+        if ratio_index(base, h, w) is None or h % fh or w % fw:
+            sizes = [f"{a}x{b}" for a, b in resolution_group(base) if a % fh == 0 and b % fw == 0]
+            raise InputError(f"size: {h}x{w} (height x width) is not one of this checkpoint's "
+                             f"sizes: {', '.join(sizes)}", "size")
+
+    def unused_params(self, params: DiffusionParams) -> dict[str, str]:
+        return {"boundary_ratio": "a single transformer"} if params.boundary_ratio else {}
+
+    # ---- phases ---------------------------------------------------------------------------
+
+    def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator,
+                image=None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        cfg, tok = self.model.cfg, self.tokenizer
+        h, w = self._size(params)
+        layout = build_prompt(lambda s: tok.encode(s, add_special_tokens=False),
+                              tok.convert_tokens_to_ids, prompt, cfg.image_base_size,
+                              ratio_index(cfg.image_base_size, h, w))
+        kv = prefix_kv(self.model, layout.tokens[:, :-1].to(self.device))
+        th, tw = h // cfg.vae_downsample_factor[0], w // cfg.vae_downsample_factor[1]
+        noise = torch.cat([torch.randn((1, cfg.vae.latent_channels, th, tw), generator=generator,
+                                       dtype=torch.bfloat16) for _ in range(params.num_images)])
+        shift = params.flow_shift if params.flow_shift is not None else self.default_shift
+        cond = {PREFIX_K: torch.stack([k for k, _ in kv]), PREFIX_V: torch.stack([v for _, v in kv]),
+                LAYOUT: torch.tensor([layout.timestep_index, th, tw])}
+        return noise.float().to(self.device), sigmas(params.num_inference_steps, shift), cond
+
+    def velocity(self, latents: Tensor, sigmas_now: Tensor, requests: list[DiffusionRequest]
+                 ) -> Tensor:
+        out, row = torch.empty_like(latents), 0
+        for r in requests:
+            n = r.latents.shape[0]
+            ts_index, th, tw = (int(v) for v in r.cond[LAYOUT])
+            kv = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0))
+                  for k, v in zip(r.cond[PREFIX_K], r.cond[PREFIX_V])]
+            geometry = step_geometry(self.model, ts_index, ts_index + 1, th, tw, self.device)
+            x = latents[row:row + n].to(self.model.cfg_dtype())
+            t = (sigmas_now[row:row + n].float() * 1000).repeat(2)
+            v_c, v_u = velocity(self.model, torch.cat([x, x]), t, kv, geometry).float().chunk(2)
+            g = r.params.guidance(self.default_guidance)
+            out[row:row + n] = (v_u + g * (v_c - v_u)).to(out.dtype)
+            row += n
+        return out
+
+    def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
+        """(n, C, h, w) -> uint8 (n, H, W, 3), as the upstream's VaeImageProcessor rounds."""
+        image = self.model.vae.decode(latents.to(self.model.cfg_dtype())).float()
+        image = ((image / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+        return image.permute(0, 2, 3, 1).cpu()
