@@ -5,8 +5,6 @@ the crop-resize of `__call__`, `encode_image` (SigLIP tokens), `prepare_cond_lat
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
