@@ -65,7 +65,8 @@ LLM_CONFIG = dict(vocab_size=272, hidden_size=64, intermediate_size=96, num_hidd
 VIT_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,   # 1 used (-= 1)
                   num_attention_heads=2, num_channels=3, image_size=32, patch_size=4,
                   hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, model_type="siglip_vision_model")
-BAGEL_CONFIG = dict(model_type="bagel", visual_gen=True, visual_und=True, latent_patch_size=2,
+BAGEL_CONFIG = dict(model_type="bagel", architectures=["BagelForConditionalGeneration"],
+                    visual_gen=True, visual_und=True, latent_patch_size=2,
                     max_latent_size=8, vit_max_num_patch_per_side=8,
                     connector_act="gelu_pytorch_tanh", interpolate_pos=False, timestep_shift=1.0)
 VAE_PARAMS = dict(resolution=32, in_channels=3, downsample=2, ch=32, out_ch=3, ch_mult=[1, 2],
@@ -178,7 +179,7 @@ def build(up: types.SimpleNamespace):
     vae = up.AutoEncoder(up.AutoEncoderParams(**VAE_PARAMS))
     config = up.BagelConfig(llm_config=llm_config, vit_config=vit_config,
                             vae_config=up.AutoEncoderParams(**VAE_PARAMS),
-                            **{k: v for k, v in BAGEL_CONFIG.items() if k != "model_type"})
+                            **{k: v for k, v in BAGEL_CONFIG.items() if k not in ("model_type", "architectures")})
     model = up.Bagel(up.Qwen2ForCausalLM(llm_config), up.SiglipVisionModel(vit_config), config)
     model.vit_model.vision_model.embeddings.convert_conv2d_to_linear(vit_config)
     ema = seeded_state([(n, tuple(t.shape)) for n, t in model.state_dict().items()], SEED)

@@ -59,7 +59,9 @@ class Contexts:
     cfg_img: KVContext
 
 
-Segment = list[int] | Tensor     # token ids (without bos/eos) or pixels (3, H, W) in [-1, 1]
+# token ids (without bos/eos), or an image: pixels (3, H, W) in [-1, 1], or a pair (as the VAE
+# sees it, as the ViT sees it) when the two are resized apart
+Segment = list[int] | Tensor | tuple[Tensor, Tensor]
 
 
 def to_pixels(image_uint8: Tensor) -> Tensor:
@@ -76,13 +78,13 @@ def build_contexts(model: Bagel, vae: torch.nn.Module, segments: Sequence[Segmen
     main = model.new_context()
     cfg_text, cfg_img = main.copy(), main.copy()
     for seg in segments:
-        if isinstance(seg, Tensor):
+        if isinstance(seg, (Tensor, tuple)):
+            vae_px, vit_px = seg if isinstance(seg, tuple) else (seg, seg)
+            dtype = model.vae2llm.weight.dtype
             if with_vae:
-                dtype = model.vae2llm.weight.dtype
-                raw = vae.sample_latents(seg[None].to(dtype), generator)
+                raw = vae.sample_latents(vae_px[None].to(dtype), generator)
                 model.add_vae_latents(main, vae.normalize(raw)[0], tokens.soi, tokens.eoi)
-            model.add_vit_image(main, seg.to(model.vae2llm.weight.dtype), tokens.soi,
-                                tokens.eoi)
+            model.add_vit_image(main, vit_px.to(dtype), tokens.soi, tokens.eoi)
             cfg_text = main.copy()
         else:
             cfg_text = main.copy()

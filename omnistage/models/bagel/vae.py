@@ -73,3 +73,21 @@ def load_vae(file: str | Path, cfg: BagelVAEConfig, device: torch.device | str =
         raise ValueError(f"{file}: mis-shaped {[(k, tuple(state[k].shape)) for k in bad[:8]]}")
     vae.load_state_dict(state, strict=True)
     return vae.to(device=device, dtype=dtype).eval()
+
+
+def diffusers_to_bfl(name: str, num_levels: int) -> str:
+    """The inverse of `bfl_to_diffusers` (writing an ae.safetensors from our VAE)."""
+    name = re.sub(r"^encoder\.down_blocks\.(\d+)\.resnets\.", r"encoder.down.\1.block.", name)
+    name = re.sub(r"^encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample.",
+                  name)
+
+    def up(m: re.Match) -> str:
+        kind = "block." if m.group(2) == "resnets." else "upsample."
+        return f"decoder.up.{num_levels - 1 - int(m.group(1))}.{kind}"
+    name = re.sub(r"^decoder\.up_blocks\.(\d+)\.(resnets\.|upsamplers\.0\.)", up, name)
+    name = name.replace("mid_block.resnets.0.", "mid.block_1.")
+    name = name.replace("mid_block.resnets.1.", "mid.block_2.")
+    for bfl, ours in _ATTN.items():
+        name = name.replace(f"mid_block.attentions.0.{ours}.", f"mid.attn_1.{bfl}.")
+    name = name.replace(".conv_shortcut.", ".nin_shortcut.")
+    return name.replace(".conv_norm_out.", ".norm_out.")
