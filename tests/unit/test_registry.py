@@ -26,7 +26,8 @@ def test_unknown_architecture_lists_the_known_ones(tmp_path: Path) -> None:
     path = folder(tmp_path, "config.json", {"architectures": ["LlamaForCausalLM"]})
     # (test families registered in this process, e.g. the toy TTS, sort after these)
     with pytest.raises(ValueError, match=r"architecture LlamaForCausalLM is not supported "
-                       r"\(supported: HunyuanImage3ForCausalMM, "
+                       r"\(supported: BagelForConditionalGeneration, "
+                       r"HunyuanImage3ForCausalMM, "
                        r"Qwen2ForCausalLM, Qwen2_5OmniForConditionalGeneration, "
                        r"Qwen3ForCausalLM, "
                        r"Qwen3OmniMoeForConditionalGeneration, "
