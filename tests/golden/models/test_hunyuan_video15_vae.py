@@ -173,3 +173,20 @@ def test_config_is_checked(tmp_path: Path) -> None:
         AutoencoderKLHunyuanVideo15.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="temporal_compression_ratio=3: must be a power of two"):
         AutoencoderKLHunyuanVideo15Config(**{**TINY_VAE, "temporal_compression_ratio": 3})
+
+
+@torch.no_grad()
+def test_bfloat16_follows_diffusers(tmp_path: Path) -> None:
+    """Loaded in bfloat16 (the real checkpoint's dtype): decode and encode stay within bf16
+    rounding of diffusers' model cast to bfloat16 (the norms normalise in float32 on both)."""
+    ref = build_tiny_vae(tmp_path).to(torch.bfloat16)
+    ours = AutoencoderKLHunyuanVideo15.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert next(ours.parameters()).dtype == torch.bfloat16
+    latents = torch.randn(1, LATENT_CHANNELS, 2, 3, 2, generator=torch.Generator().manual_seed(6))
+    expected = ref.decode(latents.to(torch.bfloat16)).sample.float()
+    out = ours.decode(latents.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - expected).abs().max() < 0.05 * expected.abs().max()
+    x = videos(5, 3, 2, seed=7, batch=1).to(torch.bfloat16)
+    mean = ref.encode(x).latent_dist.mean.float()
+    assert (ours.encode(x).float() - mean).abs().max() < 0.05 * mean.abs().max()
