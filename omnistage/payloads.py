@@ -342,8 +342,12 @@ def input_image_files(multimodal: dict[str, Tensor]) -> tuple[Tensor, ...]:
     return tuple(files)
 
 
-def final_pixels(pixels: Tensor | None, is_video: bool) -> Payload:
-    """A diffusion stage's output as its record: a video stage's frames, else images."""
+def final_pixels(pixels: Tensor | Payload | None, is_video: bool) -> Payload:
+    """A diffusion stage's output as its record: a video stage's frames, else images; a
+    pipeline whose decode makes more than pixels (LTX-2: video and its sound track) returns
+    its Payload, which passes as it is."""
     if pixels is None:
         return Payload()
+    if isinstance(pixels, Payload):
+        return pixels
     return Payload(video=Video(pixels)) if is_video else Payload(images=Images(pixels))

@@ -1,0 +1,355 @@
+"""LTX-2 text-to-video with sound: diffusers' `LTX2Pipeline.__call__` split into the engine's
+phases (omnistage/diffusion/pipeline.py), numerics kept step for step. One transformer denoises
+the video and the audio latents together; the answer is frames and a waveform.
+
+    encode:   Gemma3 over each prompt (left-padded), its hidden layers stacked, then the text
+              connectors (LTX2PromptEncoder): per request prompt_embeds and
+              audio_prompt_embeds (L, caption_channels) with prompt_attention_mask (L,); the
+              negative prompt's too when guided (an unset one encodes as "")
+    prepare:  randn video (n, C, 1 + (F-1)/8, H/32, W/32) then audio (n, Ca, T, mel/4) float32
+              on the request's CPU generator, each packed to tokens (n, N, C) / (n, T, Ca*mel/4)
+              and held side by side in one row (n, N*C + T*Ca*mel/4): the engine's Euler step
+              is elementwise with one schedule, and both of diffusers' schedulers are copies.
+              T = round(F / fps * sample_rate / hop / 4). Schedule: sigmas linspace(1, 1/N, N)
+              shifted by mu(N video tokens) (solvers/flow_match_euler.py)
+    velocity: per group of requests with the same grid and fps (rope positions), one
+              transformer call over every row with its prompt and the guided rows with their
+              negative prompt, and, with modality guidance, one more over the prompt rows with
+              the audio-video attention off. Guidance in x0 space (x0 = x - sigma v), for video
+              and audio each with its own scales:
+                  x0 = x0_c + (g - 1)(x0_c - x0_u) + (m - 1)(x0_c - x0_iso)
+              then rescaled toward x0_c's std by `rescale` (diffusers' rescale_noise_cfg) and
+              turned back into a velocity
+    decode:   video: unpack, denormalize, the video VAE -> (x/2 + 0.5).clamp(0, 1) -> uint8
+              (n, F, H, W, 3); audio: denormalize, unpack, the audio VAE -> mel -> the vocoder
+              -> float32 (n, channels, samples) at its rate: one Payload (payloads.py: Video and
+              AudioChunk)
+
+Per request: guidance_scale (the video's, 3.0 by default as diffusers), num_frames (1 + 8k),
+fps (24), height and width (multiples of 32). The audio guidance, modality guidance and rescale
+scales are the stage's `diffusion.options` (`LTX2Options`, diffusers' defaults).
+Spatio-temporal guidance (STG) is not run: with LTX-2.0's transformer (no perturbed attention)
+it adds nothing in diffusers either (its "perturbed" pass is the conditional one again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+from omnistage.diffusion.cfg import GuidedRows, run_branches
+from omnistage.diffusion.params import DiffusionParams, check_size
+from omnistage.diffusion.pipeline import DiffusionPipeline, check_conditioning, forward_by_key
+from omnistage.diffusion.pipelines.ltx2_text import TEXT_KEYS, LTX2PromptEncoder
+from omnistage.diffusion.request import DiffusionRequest
+from omnistage.diffusion.solvers.flow_match_euler import (FlowMatchEuler, FlowMatchEulerConfig,
+                                                          calculate_shift, make_sigmas)
+from omnistage.layers.groups import stage_ranks
+from omnistage.models.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
+from omnistage.models.autoencoder_kl_ltx2_audio import DOWNSAMPLE, AutoencoderKLLTX2Audio
+from omnistage.models.diffusers_loader import read_config
+from omnistage.models.ltx2_transformer import (LTX2TransformerConfig,
+                                               LTX2VideoTransformer3DModel, Positions)
+from omnistage.models.ltx2_vocoder import LTX2Vocoder
+from omnistage.payloads import AudioChunk, Payload, Video
+from omnistage.registry import VideoSpec
+
+DEFAULT_GUIDANCE = 3.0          # diffusers' LTX2Pipeline default (video)
+MAX_SIZE = 2048
+# 768x512 by default (diffusers' default), 121 frames at 24 fps (~5 s); up to ~10.7 s
+SPEC = VideoSpec(default_size=(768, 512), size_multiple=32, default_num_frames=121,
+                 max_num_frames=257, frame_multiple=8, frame_offset=1, fps=24)
+
+
+@dataclass(frozen=True, slots=True)
+class LTX2Options:
+    """An LTX-2 stage's `diffusion.options`: the scales diffusers' `__call__` takes besides
+    guidance_scale, with its defaults. audio_guidance_scale: CFG on the audio; modality_scale /
+    audio_modality_scale > 1: modality guidance (one more forward without audio-video
+    attention); guidance_rescale / audio_guidance_rescale: how far the guided x0 is pulled
+    back to the conditional one's std (0: not at all)."""
+
+    audio_guidance_scale: float = 7.0
+    modality_scale: float = 3.0
+    audio_modality_scale: float = 3.0
+    guidance_rescale: float = 0.7
+    audio_guidance_rescale: float = 0.7
+
+    def __post_init__(self) -> None:
+        for name in ("audio_guidance_scale", "modality_scale", "audio_modality_scale",
+                     "guidance_rescale", "audio_guidance_rescale"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 100.0:
+                raise ValueError(f"{name}={value}: must be in [0, 100]")
+
+    @property
+    def modality(self) -> bool:
+        return self.modality_scale > 1.0 or self.audio_modality_scale > 1.0
+
+
+def video_spec(path: str | Path) -> VideoSpec:
+    """What /v1/videos may ask of an LTX-2 folder: LTX-2's rule (1 + 8k frames, sides of 32)."""
+    LTX2TransformerConfig.from_dict(read_config(Path(path) / "transformer"))   # refuse early
+    return SPEC
+
+
+def rescale(guided: Tensor, cond: Tensor, factor: float) -> Tensor:
+    """diffusers' rescale_noise_cfg over rows (n, ...): guided pulled to cond's std by factor."""
+    if factor <= 0:
+        return guided
+    dims = list(range(1, guided.dim()))
+    scaled = guided * (cond.std(dim=dims, keepdim=True) / guided.std(dim=dims, keepdim=True))
+    return factor * scaled + (1 - factor) * guided
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """One request's latent row: N video tokens of C features on a (F', H', W') grid, then
+    T audio tokens of Ca features; `positions` what the transformer's rope needs."""
+    grid: tuple[int, int, int]
+    channels: int
+    audio_frames: int
+    audio_channels: int
+    fps: float
+
+    @property
+    def video_size(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2] * self.channels
+
+    @property
+    def positions(self) -> Positions:
+        return Positions(self.grid, self.fps, self.audio_frames)
+
+    def split(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """rows (R, S) -> video (R, N, C), audio (R, T, Ca)."""
+        r = rows.shape[0]
+        return (rows[:, :self.video_size].reshape(r, -1, self.channels),
+                rows[:, self.video_size:].reshape(r, self.audio_frames, self.audio_channels))
+
+    @staticmethod
+    def join(video: Tensor, audio: Tensor) -> Tensor:
+        return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
+
+
+class LTX2Pipeline(DiffusionPipeline):
+    label = "LTX-2"
+    Options = LTX2Options
+    # CFG-parallel: the prompt rows on CFG rank 0, the negative prompt's on rank 1
+    parallel_axes = ("cfg",)
+    splits_text = True
+
+    def __init__(self, transformer: LTX2VideoTransformer3DModel, vae: AutoencoderKLLTX2Video,
+                 audio_vae: AutoencoderKLLTX2Audio, vocoder: LTX2Vocoder,
+                 scheduler: FlowMatchEulerConfig, device: torch.device,
+                 prompt_encoder: LTX2PromptEncoder | None = None) -> None:
+        self.transformer = transformer.to(device).eval()
+        self.vae = vae.to(device).eval()
+        self.audio_vae = audio_vae.to(device).eval()
+        self.vocoder = vocoder.to(device).eval()
+        self.scheduler = scheduler
+        self.solver = FlowMatchEuler()
+        self.device = device
+        self.dtype = transformer.proj_in.weight.dtype
+        self.prompt_encoder = prompt_encoder
+        if prompt_encoder is not None:
+            prompt_encoder.guided = self.guided
+        self.options = LTX2Options()
+        self.cfg_ranks = stage_ranks().cfg
+        self.video = SPEC
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None, component: str, device: torch.device,
+                        dtype: torch.dtype | None, text_encoders: bool = True) -> LTX2Pipeline:
+        """A diffusers LTX-2 folder: transformer/, vae/, audio_vae/, vocoder/ (float32, as the
+        tests run diffusers; the decoders stay float32 in any dtype), scheduler/ (flow-match
+        Euler), and text_encoder/ + tokenizer/ + connectors/ unless text_encoders is False."""
+        path = Path(path)
+        transformer = LTX2VideoTransformer3DModel.from_pretrained(path / "transformer", device,
+                                                                  dtype)
+        vae = AutoencoderKLLTX2Video.from_pretrained(path / "vae", device, torch.float32)
+        audio_vae = AutoencoderKLLTX2Audio.from_pretrained(path / "audio_vae", device,
+                                                           torch.float32)
+        vocoder = LTX2Vocoder.from_pretrained(path / "vocoder", device, torch.float32)
+        scheduler = FlowMatchEulerConfig.from_json(path / "scheduler" / "scheduler_config.json")
+        encoder = cls.load_prompt_encoder(path, device, dtype) if text_encoders else None
+        return cls(transformer, vae, audio_vae, vocoder, scheduler, device, encoder)
+
+    @classmethod
+    def load_prompt_encoder(cls, path: str | Path, device: torch.device,
+                            dtype: torch.dtype | None) -> LTX2PromptEncoder:
+        return LTX2PromptEncoder.from_pretrained(path, device, dtype)
+
+    def configure(self, options: LTX2Options) -> None:
+        self.options = options
+
+    # ---- checks and latents ----------------------------------------------------------------
+
+    def _shape(self, params: DiffusionParams) -> tuple[int, int, int, float]:
+        """(frames, height, width, fps) asked, or the defaults."""
+        width, height = self.video.default_size
+        return (params.num_frames or self.video.default_num_frames, params.height or height,
+                params.width or width, params.fps or float(self.video.fps))
+
+    def validate(self, prompt: str | None, params: DiffusionParams,
+                 image: Image.Image | None = None) -> None:
+        if prompt is not None and not prompt.strip():
+            raise ValueError("prompt: must be non-empty")
+        if image is not None or params.image is not None:
+            raise ValueError("image: LTX-2 text-to-video takes no input image")
+        frames, height, width, _ = self._shape(params)
+        t = self.vae.cfg.temporal_ratio
+        if (frames - 1) % t or frames > self.video.max_num_frames:
+            raise ValueError(f"num_frames={frames}: must be 1 + a multiple of {t} (the VAE's "
+                             f"temporal factor), at most {self.video.max_num_frames}")
+        check_size(height, width, self.video.size_multiple, MAX_SIZE,
+                   f"the VAE's factor {self.vae.cfg.spatial_ratio}, and diffusers' rule of 32")
+
+    def layout(self, params: DiffusionParams) -> Layout:
+        frames, height, width, fps = self._shape(params)
+        s, t = self.vae.cfg.spatial_ratio, self.vae.cfg.temporal_ratio
+        cfg = self.audio_vae.cfg
+        per_second = cfg.sample_rate / cfg.mel_hop_length / float(DOWNSAMPLE)
+        return Layout(((frames - 1) // t + 1, height // s, width // s),
+                      self.transformer.cfg.in_channels, round(frames / fps * per_second),
+                      cfg.latent_channels * self.audio_vae.latent_mel_bins, fps)
+
+    def prepare_latents(self, params: DiffusionParams, generator: torch.Generator,
+                        image: Image.Image | None = None
+                        ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """Video noise, then audio noise, from the request's generator (diffusers' order),
+        side by side in one row per video; the shifted schedule."""
+        lay, n = self.layout(params), params.num_images
+        video = torch.randn((n, lay.channels, *lay.grid), generator=generator)
+        audio = torch.randn((n, self.audio_vae.cfg.latent_channels, lay.audio_frames,
+                             self.audio_vae.latent_mel_bins), generator=generator)
+        video = video.flatten(2).transpose(1, 2)                                  # (n, N, C)
+        audio = audio.transpose(1, 2).flatten(2)                                  # (n, T, Ca)
+        steps, cfg = params.num_inference_steps, self.scheduler
+        mu = calculate_shift(video.shape[1], cfg.base_image_seq_len, cfg.max_image_seq_len,
+                             cfg.base_shift, cfg.max_shift)
+        sigmas, _ = make_sigmas(cfg, steps, mu, np.linspace(1.0, 1 / steps, steps))
+        return Layout.join(video, audio).to(self.device), sigmas, {}
+
+    def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator,
+                image: Image.Image | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        (cond,) = self.prompt_encoder.encode([prompt], [params])
+        latents, sigmas, _ = self.prepare_latents(params, generator)
+        return latents, sigmas, self.check_conditioning(cond, params)
+
+    def guided(self, params: DiffusionParams) -> bool:
+        """diffusers' do_classifier_free_guidance: either modality's scale above 1."""
+        return params.guidance(DEFAULT_GUIDANCE) > 1 or self.options.audio_guidance_scale > 1
+
+    def check_conditioning(self, tensors: dict[str, Tensor], params: DiffusionParams
+                           ) -> dict[str, Tensor]:
+        """The text stage's tensors: TEXT_KEYS, and their negatives when guided (those of
+        a text stage that guides by other options dropped otherwise)."""
+        if not self.guided(params):
+            tensors = {k: v for k, v in tensors.items() if not k.startswith("negative_")}
+        width = self.transformer.cfg.caption_channels
+        keys = TEXT_KEYS + (tuple(f"negative_{k}" for k in TEXT_KEYS)
+                            if self.guided(params) else ())
+        expected = {k: (1, tensors[k].shape[-1]) if k.endswith("mask") and k in tensors
+                    else (2, width) for k in keys}
+        return check_conditioning(tensors, expected, self.device, self.dtype)
+
+    # ---- the denoising step ----------------------------------------------------------------
+
+    def velocity(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
+                 ) -> Tensor:
+        """Requests grouped by what the rope needs (grid, fps), see `_velocity`."""
+        return forward_by_key(latents, sigmas, requests, lambda r: self.layout(r.params),
+                              self._velocity)
+
+    def _velocity(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
+                  ) -> Tensor:
+        lay = self.layout(requests[0].params)
+        guided = GuidedRows.of(requests, lambda r: "negative_prompt_embeds" in r.cond,
+                               lambda r: 1.0)
+        counts = [r.latents.shape[0] for r in requests]
+        rows = [r for r, n in zip(requests, counts) for _ in range(n)]
+        neg_rows = [r for r, n, g in zip(requests, counts, guided.guided) if g
+                    for _ in range(n)]
+        x = torch.cat([latents, latents[guided.idx.to(latents.device)]])
+        text = self._text(rows, "")
+        if neg_rows:
+            text = [torch.cat(pair) for pair in zip(text, self._text(neg_rows, "negative_"))]
+        t = torch.cat([sigmas, sigmas[guided.idx.to(sigmas.device)]]) * \
+            self.scheduler.num_train_timesteps
+        parts = [slice(0, len(rows)), slice(len(rows), x.shape[0])]
+
+        def run(chosen: list[int]) -> Tensor:
+            part = slice(parts[chosen[0]].start, parts[chosen[-1]].stop)
+            return self._forward(lay, x[part], t[part], [c[part] for c in text])
+
+        out = run_branches(self.cfg_ranks, [len(rows), x.shape[0] - len(rows)], run, latents)
+        isolated = (self._forward(lay, latents, t[:len(rows)], [c[:len(rows)] for c in text],
+                                  isolate=True) if self.options.modality else None)
+        return self._guide(lay, latents, sigmas, out, isolated, guided, rows)
+
+    def _text(self, rows: list[DiffusionRequest], prefix: str) -> list[Tensor]:
+        """The rows' video text, audio text and mask, stacked (R, L, ...)."""
+        return [torch.stack([r.cond[prefix + k] for r in rows]) for k in TEXT_KEYS]
+
+    def _forward(self, lay: Layout, x: Tensor, t: Tensor, text: list[Tensor],
+                 isolate: bool = False) -> Tensor:
+        """One transformer call over rows x (R, S) at timesteps t (R,) -> velocities (R, S)."""
+        video, audio = lay.split(x.to(self.dtype))
+        v, a = self.transformer(video, audio, text[0], text[1], t.to(self.device),
+                                lay.positions, encoder_attention_mask=text[2],
+                                use_cross_timestep=True, isolate_modalities=isolate)
+        return Layout.join(v.float(), a.float())
+
+    def _guide(self, lay: Layout, latents: Tensor, sigmas: Tensor, out: Tensor,
+               isolated: Tensor | None, guided: GuidedRows, rows: list[DiffusionRequest]
+               ) -> Tensor:
+        """diffusers' guidance in x0 space, video and audio each with their own scales."""
+        opt = self.options
+        num = latents.shape[0]
+        sigma = sigmas.reshape(-1, 1).to(latents.device)
+        x0 = latents - out[:num] * sigma                                          # (R, S)
+        x0_g = x0.clone()
+        for rs, x0_u, _ in guided.pairs(x0, latents[guided.idx] - out[num:] *
+                                        sigma[guided.idx]):
+            g = rows[rs.start].params.guidance(DEFAULT_GUIDANCE)
+            scales = self._scales(lay, g - 1, opt.audio_guidance_scale - 1)
+            x0_g[rs] += scales * (x0[rs] - x0_u)
+        if isolated is not None:
+            scales = self._scales(lay, opt.modality_scale - 1, opt.audio_modality_scale - 1)
+            x0_g += scales * (x0 - (latents - isolated * sigma))
+        v_g, a_g = lay.split(x0_g)
+        v_c, a_c = lay.split(x0)
+        x0_g = Layout.join(rescale(v_g, v_c, opt.guidance_rescale),
+                           rescale(a_g, a_c, opt.audio_guidance_rescale))
+        return (latents - x0_g) / sigma
+
+    @staticmethod
+    def _scales(lay: Layout, video: float, audio: float) -> Tensor:
+        """(S,) the video's factor on its features, the audio's on its."""
+        return torch.cat([torch.full((lay.video_size,), video),
+                          torch.full((lay.audio_frames * lay.audio_channels,), audio)])
+
+    def denoisers(self) -> list[torch.nn.Module]:
+        return [self.transformer]
+
+    # ---- decode ----------------------------------------------------------------------------
+
+    def decode(self, latents: Tensor, params: DiffusionParams) -> Payload:   # type: ignore[override]
+        """-> Payload(video uint8 (n, F, H, W, 3) at fps, audio float32 (n, ch, samples))."""
+        lay = self.layout(params)
+        video, audio = lay.split(latents.to(self.device, torch.float32))
+        n = video.shape[0]
+        z = self.vae.denormalize(video.transpose(1, 2).reshape(n, lay.channels, *lay.grid))
+        timestep = (torch.zeros(n, device=self.device)
+                    if self.vae.cfg.timestep_conditioning else None)
+        frames = (self.vae.decode(z, timestep) / 2 + 0.5).clamp(0, 1)           # (n, 3, F, H, W)
+        frames = (frames * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1).cpu()
+        mel = self.audio_vae.decode(self.audio_vae.unpack(self.audio_vae.denormalize(audio)))
+        wave = self.vocoder(mel).float().cpu()
+        return Payload(video=Video(frames, lay.fps),
+                       audio=AudioChunk(wave, self.vocoder.cfg.output_sampling_rate))

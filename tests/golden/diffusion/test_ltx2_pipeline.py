@@ -1,0 +1,180 @@
+"""LTX-2 text-to-video with sound through our engine against diffusers' `LTX2Pipeline` on a
+tiny random folder (float32, tests/helpers/ltx2.py): the same final video and audio latents
+(denormalized, as `output_type="latent"` returns them), frames within 2/255 and the waveform
+within 1e-4, with and without guidance, with modality guidance and rescale; requests at other
+steps and sizes batched together equal each alone; bad frame counts and sizes refused.
+
+The prompt side is diffusers' own: the test gives both pipelines the same Gemma-like hidden
+states (diffusers' `prompt_embeds`), and ours gets what diffusers' connectors make of them, as
+the text stage hands it over (`set_conditioning`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.pipelines.ltx2 import LTX2Options
+from omnistage.diffusion.engine import DiffusionEngine
+from omnistage.payloads import Payload
+from omnistage.registry import load_component
+from omnistage.testing.diffusion import run_alone, run_recording_latents
+from tests.helpers.ltx2 import build_tiny_ltx2, text_states
+from tests.helpers.ltx2_text import add_tiny_text_encoder
+
+pytest.importorskip("diffusers")
+
+H, W, FRAMES = 32, 64, 5            # 8x VAE, 2x in time: 4 x 8 latents, 3 latent frames
+NO_EXTRAS = LTX2Options(audio_guidance_scale=1.0, modality_scale=1.0, audio_modality_scale=1.0,
+                        guidance_rescale=0.0, audio_guidance_rescale=0.0)
+
+
+PROMPT, NEGATIVE = "a dog barks at the sea", "silence"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny LTX-2 folder with a Gemma 3 and tokenizer (tests/helpers/ltx2_text.py) ->
+    (path, diffusers' pipeline without them: the tests give it prompt embeddings)."""
+    path = tmp_path_factory.mktemp("ltx2")
+    ref = build_tiny_ltx2(path)
+    add_tiny_text_encoder(path)
+    return path, ref
+
+
+@pytest.fixture(scope="module")
+def pair(folder):
+    path, ref = folder
+    return ref, load_component("diffusion", "ltx2").from_pretrained(
+        path, "ltx2", torch.device("cpu"), torch.float32)
+
+
+def params(guidance: float, seed: int = 0, steps: int = 3, **kw) -> DiffusionParams:
+    return DiffusionParams(**{**dict(height=H, width=W, num_frames=FRAMES, fps=24.0), **kw},
+                           num_inference_steps=steps, guidance_scale=guidance, seed=seed)
+
+
+def conditioning(ref, seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """diffusers' prompt arguments (hidden states, masks) and what its connectors make of
+    them for our pipeline (per request, batch dim dropped)."""
+    states, mask = text_states(2, [5, 3], seed=seed)
+    kwargs = dict(prompt_embeds=states[:1], prompt_attention_mask=mask[:1],
+                  negative_prompt_embeds=states[1:], negative_prompt_attention_mask=mask[1:])
+    with torch.no_grad():
+        video, audio, out_mask = ref.connectors(states, mask, padding_side="left")
+    cond = {}
+    for i, prefix in enumerate(("", "negative_")):
+        cond.update({f"{prefix}prompt_embeds": video[i], f"{prefix}audio_prompt_embeds": audio[i],
+                     f"{prefix}prompt_attention_mask": out_mask[i].float()})
+    return kwargs, cond
+
+
+def reference(ref, p: DiffusionParams, opt: LTX2Options, text: dict, output_type: str):
+    """diffusers' call for our params; n videos of one prompt as n rows of its embeddings
+    (given embeddings are not repeated by num_videos_per_prompt), one generator."""
+    text = {k: v.repeat(p.num_images, 1, *([1] * (v.dim() - 2))) for k, v in text.items()}
+    return ref(**text, height=p.height, width=p.width, num_frames=p.num_frames,
+               frame_rate=p.fps, num_inference_steps=p.num_inference_steps,
+               guidance_scale=p.guidance_scale, audio_guidance_scale=opt.audio_guidance_scale,
+               modality_scale=opt.modality_scale, audio_modality_scale=opt.audio_modality_scale,
+               guidance_rescale=opt.guidance_rescale,
+               audio_guidance_rescale=opt.audio_guidance_rescale, stg_scale=0.0,
+               audio_stg_scale=0.0,
+               generator=torch.Generator().manual_seed(p.seed), output_type=output_type,
+               return_dict=False)
+
+
+def run_ours(ours, jobs: dict[str, tuple[DiffusionParams, dict]], lag: int = 0):
+    def drive(engine):
+        for k, (rid, (p, cond)) in enumerate(jobs.items()):
+            engine.add_request(rid, None, p)
+            keep = {k: v for k, v in cond.items()
+                    if ours.guided(p) or not k.startswith("negative_")}
+            engine.set_conditioning(rid, keep)
+            for _ in range(lag if k < len(jobs) - 1 else 0):
+                engine.step()
+        return {rid: p for rid, (p, _) in jobs.items()}
+    return run_recording_latents(ours, drive)[0]
+
+
+def final_latents(ours, p: DiffusionParams, latents: torch.Tensor):
+    """Our final row as diffusers' latent output: denormalized video (n, C, F', h, w) and
+    audio (n, z, T, m)."""
+    lay = ours.layout(p)
+    video, audio = lay.split(latents)
+    n = video.shape[0]
+    video = ours.vae.denormalize(video.transpose(1, 2).reshape(n, lay.channels, *lay.grid))
+    return video, ours.audio_vae.unpack(ours.audio_vae.denormalize(audio))
+
+
+CASES = {"no-cfg": (1.0, NO_EXTRAS), "cfg": (4.0, dataclasses.replace(
+    NO_EXTRAS, audio_guidance_scale=6.0)), "defaults": (3.0, LTX2Options())}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_latents_match_diffusers(pair, case: str) -> None:
+    ref, ours = pair
+    guidance, opt = CASES[case]
+    ours.configure(opt)
+    p = params(guidance, num_images=2 if case == "cfg" else 1)
+    text, cond = conditioning(ref, seed=1)
+    video, audio = reference(ref, p, opt, text, "latent")
+    got = run_ours(ours, {"a": (p, cond)})["a"]
+    got_video, got_audio = final_latents(ours, p, got[0])
+    for g, e in ((got_video, video), (got_audio, audio)):
+        assert g.shape == e.shape
+        assert e.abs().mean() > 0.3, float(e.abs().mean())
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+
+
+def test_frames_and_waveform_match_diffusers_from_text(folder, pair) -> None:
+    """End to end from the prompt: Gemma 3 and connectors (LTX-C's), the loop, the video VAE,
+    the audio VAE and the vocoder (LTX-B's) against diffusers' whole call."""
+    from diffusers import LTX2Pipeline as Reference
+
+    path, _ = folder
+    _, ours = pair
+    ours.configure(LTX2Options())
+    ref = Reference.from_pretrained(path).to(torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    p = params(3.0, seed=5, negative_prompt=NEGATIVE)
+    video, audio = ref(prompt=PROMPT, negative_prompt=NEGATIVE, height=H, width=W,
+                       num_frames=FRAMES, frame_rate=p.fps, num_inference_steps=3,
+                       guidance_scale=3.0, stg_scale=0.0, audio_stg_scale=0.0,
+                       generator=torch.Generator().manual_seed(5), output_type="np",
+                       return_dict=False)
+    _, out = run_alone(ours, PROMPT, p)
+    assert isinstance(out, Payload)
+    frames = out.video.frames
+    assert frames.shape == (1, FRAMES, H, W, 3) and frames.dtype == torch.uint8
+    assert 0.1 < video.mean() < 0.9 and video.std() > 0.05, (video.mean(), video.std())
+    assert np.abs(frames.numpy() / 255.0 - video).max() <= 2 / 255
+    wave = out.audio.samples
+    assert out.audio.sample_rate == ref.vocoder.config.output_sampling_rate
+    assert wave.shape == audio.shape and audio.abs().mean() > 0.05, float(audio.abs().mean())
+    torch.testing.assert_close(wave, audio.float(), atol=1e-4, rtol=0)
+
+
+def test_requests_at_different_steps_and_sizes_equal_each_alone(pair) -> None:
+    ref, ours = pair
+    ours.configure(LTX2Options())
+    jobs = {"a": (params(3.0, seed=1, steps=4), conditioning(ref, 1)[1]),
+            "b": (params(1.0, seed=2, steps=3, height=64, width=32, fps=25.0),
+                  conditioning(ref, 2)[1]),
+            "c": (params(5.0, seed=3, steps=3, num_frames=9), conditioning(ref, 3)[1])}
+    batched = run_ours(ours, jobs, lag=1)
+    for rid, job in jobs.items():
+        alone = run_ours(ours, {rid: job})[rid]
+        assert (batched[rid][0] - alone[0]).abs().max() < 1e-5, rid
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("num_frames", 6, "1 \\+ a multiple of"), ("height", 48, "height"), ("width", 40, "width")])
+def test_refuses_bad_shapes(pair, field: str, value: int, match: str) -> None:
+    _, ours = pair
+    p = dataclasses.replace(params(1.0), **{field: value})
+    with pytest.raises(ValueError, match=match):
+        DiffusionEngine(ours).add_request("x", PROMPT, p)
