@@ -265,6 +265,13 @@ class LTX2TextConnectors(nn.Module):
         self.video_connector = ConnectorTransformer1d(config.stream("video"))
         self.audio_connector = ConnectorTransformer1d(config.stream("audio"))
 
+    @property
+    def sequence_multiple(self) -> int:
+        """What max_sequence_length must be a multiple of: both streams' register counts (1
+        without registers), for a pipeline to check a request before it is encoded."""
+        counts = [self.config.stream(s).num_registers or 1 for s in ("video", "audio")]
+        return math.lcm(*counts)
+
     def project(self, hidden: Tensor, mask: Tensor, left_padded: bool) -> tuple[Tensor, Tensor]:
         """Stacked hidden states (B, L, D, N) -> each stream's connector input."""
         cfg = self.config

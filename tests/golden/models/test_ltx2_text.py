@@ -106,6 +106,7 @@ def test_bad_input_is_named(tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
     encoder = Gemma3TextEncoder.from_pretrained(tmp_path / "text_encoder")
     connectors = LTX2TextConnectors.from_pretrained(tmp_path / "connectors")
+    assert connectors.sequence_multiple == 4
     with pytest.raises(ValueError, match="max_sequence_length: 10 tokens.*multiple of 4"):
         encode_ltx2_prompts(tokenizer, encoder, connectors, ["a"], max_sequence_length=10)
     with pytest.raises(ValueError, match="negative_prompts: 1 for 2 prompts"):
