@@ -178,3 +178,17 @@ def test_refuses_bad_shapes(pair, field: str, value: int, match: str) -> None:
     p = dataclasses.replace(params(1.0), **{field: value})
     with pytest.raises(ValueError, match=match):
         DiffusionEngine(ours).add_request("x", PROMPT, p)
+
+
+def test_served_by_omni_with_its_default_graph(folder) -> None:
+    """The folder picked up by its model_index.json (the ltx2 row, ltx2.yaml): the stage's
+    final output carries the frames and the sound track."""
+    from omnistage import Omni
+
+    path, _ = folder
+    with Omni(str(path), device="cpu", backend="inproc", connector="inproc") as omni:
+        (out,) = omni.generate([PROMPT], [params(3.0, steps=2)])
+    assert out.error is None, out.error
+    video, audio = out.tensors["video"], out.tensors["audio"]
+    assert video.shape == (1, FRAMES, H, W, 3) and video.dtype == torch.uint8
+    assert audio.dim() == 3 and audio.shape[:2] == (1, 2) and audio.abs().mean() > 0.01
