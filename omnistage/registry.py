@@ -218,6 +218,17 @@ _BUILT_IN = (
                 components=(Component("diffusion", "ltx2",
                                       "omnistage.diffusion.pipelines.ltx2:LTX2Pipeline"),),
                 video="omnistage.diffusion.pipelines.ltx2:video_spec"),
+    ModelFamily("hunyuan_video15", diffusers_classes=("HunyuanVideo15Pipeline",),
+                graph="hunyuan_video15.yaml", components=(Component(
+                    "diffusion", "hunyuan_video15",
+                    "omnistage.diffusion.pipelines.hunyuan_video15:HunyuanVideo15Pipeline"),),
+                video="omnistage.diffusion.pipelines.hunyuan_video15:video_spec"),
+    ModelFamily("hunyuan_video15_i2v", diffusers_classes=("HunyuanVideo15ImageToVideoPipeline",),
+                graph="hunyuan_video15_i2v.yaml", components=(Component(
+                    "diffusion", "hunyuan_video15_i2v",
+                    "omnistage.diffusion.pipelines.hunyuan_video15_i2v:"
+                    "HunyuanVideo15ImageToVideoPipeline"),),
+                video="omnistage.diffusion.pipelines.hunyuan_video15_i2v:video_spec"),
     ModelFamily("glm_image", diffusers_classes=("GlmImagePipeline",), graph="glm_image.yaml",
                 components=(Component("ar", "glm_image_ar",
                                       "omnistage.stages.glm_image:GlmImageARStage"),

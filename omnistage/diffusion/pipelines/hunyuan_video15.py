@@ -37,6 +37,7 @@ from torch import Tensor
 
 from omnistage.diffusion.cfg import GuidedRows, run_branches
 from omnistage.diffusion.pipeline import DiffusionPipeline
+from omnistage.diffusion.pipelines.hunyuan_video15_text import PromptEncoder
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers.flow_match_euler import FlowMatchEulerConfig, make_sigmas
 from omnistage.diffusion_params import DiffusionParams, check_size
@@ -154,7 +155,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
     parallel_axes = ("cfg", "ulysses", "ring", "tp")
 
     def __init__(self, transformer: HunyuanVideo15Transformer3DModel,
-                 vae: AutoencoderKLHunyuanVideo15, prompt_encoder: object | None,
+                 vae: AutoencoderKLHunyuanVideo15, prompt_encoder: PromptEncoder | None,
                  scheduler: FlowMatchEulerConfig, guider: GuiderConfig,
                  device: torch.device) -> None:
         self.transformer = transformer.to(device).eval()
@@ -176,12 +177,11 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         transformer = HunyuanVideo15Transformer3DModel.from_pretrained(path / "transformer",
                                                                        device, dtype)
         vae = AutoencoderKLHunyuanVideo15.from_pretrained(path / "vae", device, torch.float32)
-        encoder = None
-        if text_encoders:
-            from omnistage.diffusion.pipelines.hunyuan_video15_text import PromptEncoder
-            encoder = PromptEncoder.from_pretrained(path, device, dtype)
+        guider = GuiderConfig.read(path)
+        encoder = (PromptEncoder.from_pretrained(path, device, dtype, guider.guides)
+                   if text_encoders else None)
         scheduler = FlowMatchEulerConfig.from_json(path / "scheduler" / "scheduler_config.json")
-        return cls(transformer, vae, encoder, scheduler, GuiderConfig.read(path), device)
+        return cls(transformer, vae, encoder, scheduler, guider, device)
 
     def _shape(self, params: DiffusionParams) -> tuple[int, int, int]:
         width, height = self.video.default_size

@@ -96,3 +96,27 @@ def test_bad_input_names_the_field(folder: tuple[Path, object], field: str,
     with pytest.raises(InputError) as err:
         _ours(folder[0]).validate(PROMPT, params)
     assert err.value.param == field and field in str(err.value)
+
+
+def test_frames_end_to_end_match_diffusers(tmp_path: Path) -> None:
+    """Prompt to frames: our Qwen2.5-VL + byT5 encoding, denoising and VAE decode against
+    diffusers' whole pipeline on the same tiny folder: uint8 frames within 2/255."""
+    from tests.helpers.diffusion_golden import assert_output_matches
+
+    ref = build_tiny_t2v(tmp_path, text=True)
+    ours = load_ours_without_text(tmp_path)
+    from omnistage.diffusion.pipelines.hunyuan_video15_text import PromptEncoder
+
+    ours.prompt_encoder = PromptEncoder.from_pretrained(tmp_path, torch.device("cpu"),
+                                                        torch.float32, ours.guider.guides)
+    params = DiffusionParams(height=24, width=40, num_frames=5, num_inference_steps=2, seed=5,
+                             negative_prompt="dark")
+    latents, frames = run_alone(ours, PROMPT, params)
+    with torch.no_grad():
+        kw = dict(prompt=PROMPT, negative_prompt="dark", height=24, width=40, num_frames=5,
+                  num_inference_steps=2, return_dict=False)
+        expected_latents = ref(generator=torch.Generator().manual_seed(5), output_type="latent",
+                               **kw)[0]
+        expected = ref(generator=torch.Generator().manual_seed(5), output_type="np", **kw)[0]
+    assert_latents_match(latents, expected_latents, rtol=1e-4)   # real encoders: larger states
+    assert_output_matches(frames, torch.from_numpy(expected), max_diff=2)
