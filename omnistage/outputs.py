@@ -345,7 +345,9 @@ class OmniOutput:
                 self.error = ev.error
         if ev.finish_reason == "abort":
             c.finish_reason = "abort"
-        c.tensors = {k: torch.cat(v) for k, v in c.tensor_chunks.items()}
+        # chunks join along dim 0; a scalar (a sample rate, an fps) is the last one sent
+        c.tensors = {k: v[-1] if v[-1].dim() == 0 else torch.cat(v)
+                     for k, v in c.tensor_chunks.items()}
         c.tensor_chunks = {}
         m = self.metrics
         stage_metrics = ev.stage_metrics or {}

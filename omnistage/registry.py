@@ -103,6 +103,8 @@ class VideoSpec:
     fps: int = 16                      # what the model was trained at: the file's default rate
     text_to_video: bool = True         # False: image-to-video only (input_reference required)
     image_to_video: bool = False       # takes a first frame (input_reference)
+    audio: bool = False                # its output carries a sound track (LTX-2): muxed into
+                                       # the MP4, and served alone (variant=audio)
 
     def __post_init__(self) -> None:
         if self.size_multiple < 2 or self.size_multiple % 2:

@@ -12,6 +12,7 @@ from omnistage.entrypoints.openai.protocol import Request
 # ---- video (/v1/videos) ----------------------------------------------------------------------
 
 VideoFileFormat = Literal["mp4", "webm", "webp", "gif"]
+VideoVariant = Literal["video", "thumbnail", "audio"]   # audio: the sound track alone, WAV
 
 
 class VideoParamsBlock(Request):
@@ -54,6 +55,9 @@ class VideoRequest(Request):
     boundary_ratio: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
     flow_shift: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
     true_cfg_scale: Annotated[float, Field(ge=0.0)] | None = None     # no true CFG in video
+    # vLLM-Omni's: the sound track of a model that makes one (LTX-2); false leaves it out of
+    # the file, true asks it of a model without one (400)
+    generate_sound: bool | None = None
 
 
 class VideoError(BaseModel):

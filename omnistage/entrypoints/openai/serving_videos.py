@@ -3,7 +3,8 @@ declares video (`registry.VideoSpec`); any other model answers 400 `model_not_vi
 
     POST /v1/videos            check, store (video_store.py), queue -> the job (queued)
     GET  /v1/videos[/{id}]     the jobs, newest first (limit, after, order) / one job
-    GET  /v1/videos/{id}/content   the MP4; ?format=webm|webp|gif, ?variant=thumbnail (WebP)
+    GET  /v1/videos/{id}/content   the MP4; ?format=webm|webp|gif, ?variant=thumbnail (WebP),
+                               ?variant=audio (the sound track alone, WAV)
     POST /v1/videos/{id}/cancel    stop a queued or running job: status cancelled
     DELETE /v1/videos/{id}     cancel it if active, then drop it and its files
     POST /v1/videos/sync       the same request run at once; the answer is the file
@@ -15,7 +16,11 @@ video_params.py), the diffusion extras when given, a seed (drawn when none is gi
 that a job run again after a restart makes the same video) and for image-to-video the
 `input_reference` image as DiffusionParams.image. The final output carries
 tensors["video"], uint8 (1, F, H, W, 3), written as MP4 (utils/video.py) at the request's
-fps.
+fps. A model whose VideoSpec says `audio` (LTX-2) also returns a sound track (the output's
+AudioChunk): the MP4 carries it as AAC (WebM as Opus; WebP and GIF have no sound), and
+`variant=audio` serves it alone as WAV, from the job's files or from /sync. `generate_sound`
+(vLLM-Omni's) false leaves it out; `variant=audio` or `generate_sound` true of a model without
+sound is a 400 naming the field.
 
 `max_running` workers take the oldest queued job each; the engine reports progress per
 denoising step, kept as the job's `progress` (percent). A job ends completed, or failed with
@@ -55,8 +60,9 @@ from omnistage.entrypoints.openai.protocol_video import (
     VideoFileFormat,
     VideoList,
     VideoObject,
+    VideoVariant,
 )
-from omnistage.entrypoints.openai.video_params import VideoLimits, plan, read_request
+from omnistage.entrypoints.openai.video_params import NO_SOUND, VideoLimits, plan, read_request
 from omnistage.entrypoints.openai.video_store import (
     ACTIVE,
     StoreBusy,
@@ -64,11 +70,15 @@ from omnistage.entrypoints.openai.video_store import (
     VideoStore,
     now,
 )
+from omnistage.payloads import AudioChunk
 from omnistage.registry import VideoSpec
-from omnistage.utils.video import MEDIA_TYPES, decode_video, encode_video
+from omnistage.utils.audio import encode_audio
+from omnistage.utils.video import (MEDIA_TYPES, SoundTrack, decode_sound_track, decode_video,
+                                   encode_video)
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1          # a busy store: when a client may try again, when a worker does
+SOUND_FILE = "audio.wav"   # a job's sound track alone (16-bit PCM), beside video.mp4
 
 
 def store_busy(exc: StoreBusy) -> APIError:
@@ -146,8 +156,11 @@ class VideoServing:
 
         try:
             image = await run_in_threadpool(store.input_image, job.id)
-            frames = await self._generate(job.prompt, job.request, image, progress)
-            data = await run_in_threadpool(encode_video, frames, job.request["fps"], "mp4")
+            frames, sound = await self._generate(job.prompt, job.request, image, progress)
+            data = await run_in_threadpool(encode_video, frames, job.request["fps"], "mp4",
+                                           sound)
+            if sound is not None:
+                await run_in_threadpool(store.write, job.id, SOUND_FILE, _wav(sound))
             await run_in_threadpool(store.write, job.id, "video.mp4", data)
         except APIError as exc:
             return await self._fail(job, exc.code or "engine_error", exc.message)
@@ -165,12 +178,16 @@ class VideoServing:
                         error={"code": code, "message": message})
 
     async def _generate(self, prompt: str, fields: dict[str, Any], image: bytes | None,
-                        progress: Callable[[float], Awaitable[None]] | None) -> np.ndarray:
+                        progress: Callable[[float], Awaitable[None]] | None
+                        ) -> tuple[np.ndarray, SoundTrack | None]:
         """One engine request through the front door (admitted like any other) -> its
-        frames, uint8 (F, H, W, 3); APIError if it failed. A job (`progress` given) asks for
-        the engine's progress, and waits for a slot in a full queue; a sync request gets 429."""
+        frames, uint8 (F, H, W, 3), and its sound track if it made one (and the client did not
+        leave it out); APIError if it failed. A job (`progress` given) asks for the engine's
+        progress, and waits for a slot in a full queue; a sync request gets 429."""
+        engine_fields = {k: v for k, v in fields.items() if k != NO_SOUND}
         request = self.client.request(
-            prompt, RequestFields(fields, images=(image,) if image else (), image_fields=True),
+            prompt, RequestFields(engine_fields, images=(image,) if image else (),
+                                  image_fields=True),
             {"video"}, "video", param="prompt", want_progress=progress is not None)
         while True:
             try:
@@ -185,7 +202,14 @@ class VideoServing:
                 await asyncio.sleep(RETRY_AFTER_S)    # the queue (or the pool) is full
         if out is None or out.video is None:
             raise APIError(500, "the model finished without a video", code="engine_error")
-        return out.video                                              # (F, H, W, 3)
+        audio = AudioChunk.unpack(out.tensors)
+        if audio is None or audio.samples is None or fields.get(NO_SOUND):
+            return out.video, None                                    # (F, H, W, 3)
+        samples = audio.samples[0] if audio.samples.dim() == 3 else audio.samples  # video 0's
+        if audio.sample_rate is None:
+            raise APIError(500, "the model's sound track came without its sample rate",
+                           code="engine_error")
+        return out.video, SoundTrack(samples.float().cpu().numpy(), int(audio.sample_rate))
 
     # -- routes ------------------------------------------------------------------------------
     async def create(self, request: Request) -> VideoObject:
@@ -206,17 +230,30 @@ class VideoServing:
         self.wake.set()
         return as_object(job)
 
-    async def sync(self, request: Request, fmt: VideoFileFormat) -> Response:
-        """The file itself; its headers say what vLLM-Omni's say (X-Request-Id, X-Model,
-        X-Inference-Time-S: the seconds from the request read to the file made)."""
+    async def sync(self, request: Request, fmt: VideoFileFormat, variant: VideoVariant = "video"
+                   ) -> Response:
+        """The file itself (`variant=audio`: the sound track alone, WAV); its headers say what
+        vLLM-Omni's say (X-Request-Id, X-Model, X-Inference-Time-S: the seconds from the
+        request read to the file made)."""
         spec, _ = self.require_video()
+        if variant not in ("video", "audio"):
+            raise bad_request(f"variant={variant!r}: video or audio", "variant")
+        if variant == "audio":
+            _check_sound(spec)
         started = time.monotonic()
         req, image = await read_request(request, self.media, self.model_name)
         fields, _, _ = plan(spec, self.limits, req, image)
-        frames = await unless_disconnected(
+        frames, sound = await unless_disconnected(
             request, lambda: self._generate(req.prompt, fields, image, None))
-        data = await run_in_threadpool(encode_video, frames, fields["fps"], fmt)
-        return Response(data, media_type=MEDIA_TYPES[fmt], headers={
+        if variant == "audio":
+            if sound is None:
+                raise bad_request("variant=audio: the model made no sound track for this "
+                                  "request (generate_sound false?)", "variant", "no_audio")
+            data, media = await run_in_threadpool(_wav, sound), "audio/wav"
+        else:
+            data = await run_in_threadpool(encode_video, frames, fields["fps"], fmt, sound)
+            media = MEDIA_TYPES[fmt]
+        return Response(data, media_type=media, headers={
             "X-Request-Id": f"video_{uuid.uuid4().hex}", "X-Model": self.model_name,
             "X-Inference-Time-S": f"{time.monotonic() - started:.3f}"})
 
@@ -270,11 +307,19 @@ class VideoServing:
         if job.status != "completed":
             raise bad_request(f"video {job_id!r} is {job.status}: its content exists once it "
                               "is completed", "video_id", "video_not_ready")
-        if variant not in ("video", "thumbnail"):
-            raise bad_request(f"variant={variant!r}: video or thumbnail", "variant")
+        if variant not in ("video", "thumbnail", "audio"):
+            raise bad_request(f"variant={variant!r}: video, thumbnail or audio", "variant")
+        assert self.spec is not None and self.store is not None
+        if variant == "audio":
+            _check_sound(self.spec)
+            path = self.store.folder(job_id) / SOUND_FILE
+            if not path.is_file():
+                raise bad_request(f"variant=audio: video {job_id!r} has no sound track "
+                                  "(made with generate_sound false)", "variant", "no_audio")
+            return FileResponse(path, media_type="audio/wav", filename=f"{job_id}.wav")
         name = "thumbnail.webp" if variant == "thumbnail" else f"video.{fmt}"
-        path = self.store.folder(job_id) / name if self.store else None
-        if path is None or not path.is_file():
+        path = self.store.folder(job_id) / name
+        if not path.is_file():
             path = await run_in_threadpool(self._derive, job, name)
         media = "image/webp" if variant == "thumbnail" else MEDIA_TYPES[fmt]
         return FileResponse(path, media_type=media, filename=f"{job_id}.{path.suffix[1:]}")
@@ -283,13 +328,15 @@ class VideoServing:
         """Another format of a completed video (or its first frame), made from the MP4 once
         and kept beside it."""
         assert self.store is not None
-        frames, _ = decode_video((self.store.folder(job.id) / "video.mp4").read_bytes())
+        mp4 = (self.store.folder(job.id) / "video.mp4").read_bytes()
+        frames, _ = decode_video(mp4)
         if name == "thumbnail.webp":
             buf = io.BytesIO()
             Image.fromarray(frames[0]).save(buf, "WEBP", quality=90)
             data = buf.getvalue()
         else:
-            data = encode_video(frames, job.request["fps"], _format(name))
+            data = encode_video(frames, job.request["fps"], _format(name),
+                                decode_sound_track(mp4))       # WebM keeps the sound
         return self.store.write(job.id, name, data)
 
 
@@ -302,6 +349,16 @@ async def _retrying(call: Callable[..., Awaitable[Any]], *args: Any, **kw: Any) 
         except StoreBusy as exc:
             logger.warning("videos: %s; the worker retries in %d s", exc, RETRY_AFTER_S)
             await asyncio.sleep(RETRY_AFTER_S)
+
+
+def _check_sound(spec: VideoSpec) -> None:
+    if not spec.audio:
+        raise bad_request("variant=audio: this model makes video without sound", "variant",
+                          "audio_not_supported")
+
+
+def _wav(sound: SoundTrack) -> bytes:
+    return encode_audio(sound.samples, sound.sample_rate, "wav")
 
 
 def _format(name: str) -> VideoFileFormat:

@@ -46,6 +46,7 @@ _IGNORED = {"true_cfg_scale": "video models here guide with guidance_scale (and 
             "user": "no abuse monitoring here"}
 _OBJECTS = ("image_reference", "video_params")     # objects: JSON text in a form
 _BLOCK = ("width", "height", "num_frames", "fps")  # what video_params may fill in
+NO_SOUND = "no_sound"  # a job's own field: the client left the sound track out
 MAX_SEED = 2**31       # a seed drawn for a request without one (kept with its job)
 # "4", "2.5", ".5": ASCII digits only (float() also takes "４", "٤", "1_0", "1e3", "nan")
 _SECONDS = re.compile(r"[0-9]{1,6}(?:\.[0-9]{0,6})?|\.[0-9]{1,6}", re.ASCII)
@@ -158,6 +159,11 @@ def plan(spec: VideoSpec, limits: VideoLimits, req: VideoRequest, image: bytes |
                               "seed": secrets.randbelow(MAX_SEED) if req.seed is None
                               else req.seed}
     fields.update({k: getattr(req, k) for k in _EXTRAS if getattr(req, k) is not None})
+    if req.generate_sound and not spec.audio:
+        raise bad_request("generate_sound: this model makes video without sound",
+                          "generate_sound", "audio_not_supported")
+    if req.generate_sound is False and spec.audio:
+        fields[NO_SOUND] = True         # the server's, not the engine's (serving_videos.py)
     return fields, f"{width}x{height}", f"{num_frames / fps:g}"
 
 

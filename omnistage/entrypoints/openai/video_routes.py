@@ -50,10 +50,11 @@ def add_video_routes(app: FastAPI, videos: VideoServing) -> None:
 
     @app.post("/v1/videos/sync", responses=ERRORS, response_class=Response,
               openapi_extra=body)
-    async def create_video_sync(request: Request, format: VideoFileFormat = "mp4"
-                                ) -> Response:
-        """Generate at once; the answer is the file (no job is kept)."""
-        return await videos.sync(request, format)
+    async def create_video_sync(request: Request, format: VideoFileFormat = "mp4",
+                                variant: str = "video") -> Response:
+        """Generate at once; the answer is the file (no job is kept); variant=audio: the
+        sound track alone (WAV), for a model that makes one."""
+        return await videos.sync(request, format, variant)  # type: ignore[arg-type]
 
     @app.get("/v1/videos", responses=ERRORS)
     async def list_videos(limit: int = 20, after: str | None = None,
