@@ -98,7 +98,8 @@ class HunyuanImage3Pipeline(DiffusionPipeline):
         cfg, tok = self.model.cfg, self.tokenizer
         h, w = self._size(params)
         layout = build_prompt(lambda s: tok.encode(s, add_special_tokens=False),
-                              tok.convert_tokens_to_ids, prompt, cfg.image_base_size,
+                              tok.convert_tokens_to_ids, tok.bos_token_id, prompt,
+                              cfg.image_base_size,
                               ratio_index(cfg.image_base_size, h, w))
         kv = prefix_kv(self.model, layout.tokens[:, :-1].to(self.device))
         th, tw = h // cfg.vae_downsample_factor[0], w // cfg.vae_downsample_factor[1]

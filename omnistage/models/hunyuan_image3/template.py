@@ -44,10 +44,12 @@ def ratio_index(base: int, height: int, width: int) -> int | None:
     return group.index((height, width)) if (height, width) in group else None
 
 
-def build_prompt(encode: Callable[[str], list[int]], special: Callable[[str], int], prompt: str,
-                 base: int, ratio: int) -> PromptLayout:
+def build_prompt(encode: Callable[[str], list[int]], special: Callable[[str], int], bos: int,
+                 prompt: str, base: int, ratio: int) -> PromptLayout:
+    """encode: text -> ids without special tokens; special: an added token -> its id; bos: the
+    tokenizer's bos_token_id."""
     text = encode(prompt)
-    head = [special("<|startoftext|>")] + encode("User: ")
+    head = [bos] + encode("User: ")
     tail = (encode("\n\n") + encode("Assistant: ") + encode("<answer>")
             + [special("<boi>"), special(f"<img_size_{base}>"), special(f"<img_ratio_{ratio}>"),
                special("<timestep>")])
