@@ -26,13 +26,14 @@ from PIL import Image
 from torch import Tensor
 from transformers import SiglipImageProcessor
 
-from omnistage.diffusion.image_input import input_image, preprocess
+from omnistage.diffusion.image_input import input_image
 from omnistage.diffusion.pipelines.hunyuan_video15 import (HunyuanVideo15Pipeline,
                                                             bucket_size, make_spec)
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion_params import DiffusionParams
 from omnistage.errors import InputError
 from omnistage.models.diffusers_loader import read_config
+from omnistage.models.hunyuan_video15_image import encode_hunyuan_video15_image, image_condition
 from omnistage.models.hunyuan_video15_transformer import HunyuanVideo15TransformerConfig
 from omnistage.models.siglip_vision import SiglipVisionEncoder
 from omnistage.registry import VideoSpec
@@ -46,20 +47,6 @@ def video_spec(path: str | Path) -> VideoSpec:
     return make_spec(vae["spatial_compression_ratio"] * cfg.patch_size,
                      vae["temporal_compression_ratio"], cfg.target_size, fps=24,
                      image_to_video=True)
-
-
-def crop_to(image: Image.Image, height: int, width: int) -> Image.Image:
-    """Resized (Lanczos, aspect kept) to cover height x width, then centre-cropped to it:
-    diffusers' `resize(..., resize_mode="crop")`."""
-    image = image.convert("RGB")
-    if width / height > image.width / image.height:
-        size = (width, image.height * width // image.width)
-    else:
-        size = (image.width * height // image.height, height)
-    resized = image.resize(size, resample=Image.Resampling.LANCZOS)
-    out = Image.new("RGB", (width, height))
-    out.paste(resized, box=(width // 2 - size[0] // 2, height // 2 - size[1] // 2))
-    return out
 
 
 class HunyuanVideo15ImageToVideoPipeline(HunyuanVideo15Pipeline):
@@ -102,30 +89,21 @@ class HunyuanVideo15ImageToVideoPipeline(HunyuanVideo15Pipeline):
     def prepare_latents(self, params: DiffusionParams, generator: torch.Generator,
                         image: Image.Image | None = None, text: dict[str, Tensor] | None = None
                         ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """Text-to-video's noise and schedule at the image's size, plus its SigLIP tokens and
+        the first-frame condition (models/hunyuan_video15_image.py)."""
         image = input_image(params, image)
         assert image is not None, "validate refuses a request without an image"
         frames, height, width = self._shape_for(params, image)
         sized = DiffusionParams(height=height, width=width, num_frames=frames,
                                 num_inference_steps=params.num_inference_steps,
                                 num_images=params.num_images, flow_shift=params.flow_shift)
-        image = crop_to(image, height, width)
-        latents, sigmas, cond = super().prepare_latents(sized, generator, image, text)
-        pixels = self.image_processor.preprocess(images=image, do_resize=True,
-                                                 return_tensors="pt", do_convert_rgb=True)
-        tokens = self.image_encoder(pixels["pixel_values"].to(self.device))[0]
-        cond["image_embeds"] = tokens.to(self.dtype)
+        inputs = encode_hunyuan_video15_image(self.vae, self.image_encoder,
+                                              self.image_processor, image, height, width)
+        latents, sigmas, cond = super().prepare_latents(sized, generator, None, text)
+        condition, mask = image_condition(inputs.image_latents, 1, latents.shape[2], self.dtype)
+        cond["condition"] = torch.cat([condition, mask], dim=1)           # (1, z + 1, F', h, w)
+        cond["image_embeds"] = inputs.image_embeds[0].to(self.dtype)      # (I, image_dim)
         return latents, sigmas, cond
-
-    def condition(self, params: DiffusionParams, latents: Tensor, image: Image.Image | None
-                  ) -> Tensor:
-        """[the image's latents on frame 0, zeros after | mask: 1 on frame 0] (1, z + 1,
-        F', h, w)."""
-        pixels = preprocess(image, image.height, image.width)             # (1, 3, H, W)
-        first = self.vae.normalize(self.vae.encode(pixels.to(self.device).unsqueeze(2)))
-        out = latents.new_zeros(1, latents.shape[1] + 1, *latents.shape[2:])
-        out[:, :-1, :1] = first
-        out[:, -1, 0] = 1.0
-        return out.to(self.dtype)
 
     def extra_inputs(self, rows: list[DiffusionRequest]) -> dict[str, Tensor]:
         out = {"image_embeds": torch.stack([r.cond["image_embeds"] for r in rows])}
