@@ -63,16 +63,14 @@ def encode_ltx2_prompts(tokenizer: PreTrainedTokenizerBase, encoder: Gemma3TextE
                         negative_prompts: list[str] | None = None,
                         max_sequence_length: int = LTX2_MAX_SEQUENCE_LENGTH
                         ) -> tuple[LTX2PromptEmbeds, LTX2PromptEmbeds | None]:
-    """prompts (and, for classifier-free guidance, one negative prompt each: diffusers'
-    default is "") -> (positive, negative or None), each (N, L = max_sequence_length, ...).
-    One Gemma forward and one connectors forward for all of them; Gemma's hidden states are
-    cast to the connectors' dtype (diffusers casts them to the text encoder's; the two agree
-    when both load in one dtype)."""
+    """prompts, and negative prompts for classifier-free guidance (diffusers' default is "";
+    any number of them: a batch where only some requests are guided passes those requests'
+    negatives, in order) -> (positive, negative or None), each (rows, L, ...) with L =
+    max_sequence_length. One Gemma forward and one connectors forward for all of them;
+    Gemma's hidden states are cast to the connectors' dtype (diffusers casts them to the
+    text encoder's; the two agree when both load in one dtype)."""
     if not prompts:
         raise ValueError("prompts: empty")
-    if negative_prompts is not None and len(negative_prompts) != len(prompts):
-        raise ValueError(f"negative_prompts: {len(negative_prompts)} for {len(prompts)} "
-                         "prompts (one each)")
     cfg = connectors.config
     if encoder.config.hidden_size != cfg.caption_channels or \
             encoder.num_layers + 1 != cfg.text_proj_in_factor:
