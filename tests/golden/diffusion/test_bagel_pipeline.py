@@ -98,3 +98,27 @@ def test_bad_requests_name_their_field(pipeline):
     with pytest.raises(InputError) as e:
         pipeline.validate("", DiffusionParams(height=20, width=28))
     assert e.value.param == "prompt"
+
+
+def test_two_requests_stepped_together_equal_upstream(pipeline):
+    """A text-to-image and an edit (other sizes, guidance and contexts) stepped side by side
+    in one engine: the edit equals the upstream's image. The shared options are the edit's; the text-to-image
+    case's differ in shift and renorm, so it runs with the edit's and is checked against
+    itself run alone."""
+    m, exp = manifest(), expected()
+    edit, t2i = m["cases"]["edit"], m["cases"]["t2i"]
+    pipeline.configure(_options(edit))
+    h, w = t2i["image_hw"]
+    alone = DiffusionEngine(pipeline)
+    t2i_params = DiffusionParams(seed=t2i["seed"], guidance_scale=t2i["cfg_text_scale"],
+                                 num_inference_steps=t2i["num_timesteps"] - 1, height=h, width=w)
+    alone.add_request("t", t2i["prompt"], t2i_params)
+    t2i_alone = run_to_end(alone)["t"].images[0]
+    engine = DiffusionEngine(pipeline)
+    engine.add_request("e", edit["prompt"], DiffusionParams(
+        seed=edit["seed"], guidance_scale=edit["cfg_text_scale"],
+        num_inference_steps=edit["num_timesteps"] - 1, image=_png(exp["edit.input_image"])))
+    engine.add_request("t", t2i["prompt"], t2i_params)
+    out = run_to_end(engine)
+    assert (out["e"].images[0].int() - exp["edit.image"].int()).abs().max() <= 1
+    assert torch.equal(out["t"].images[0], t2i_alone)
