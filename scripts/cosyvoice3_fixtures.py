@@ -1,0 +1,211 @@
+"""Regenerate tests/fixtures/cosyvoice3/ from the upstream CosyVoice code (FunAudioLLM/CosyVoice).
+
+    python scripts/cosyvoice3_fixtures.py /path/to/CosyVoice-checkout [--out tests/fixtures/cosyvoice3]
+
+Runs in the reference's own environment (not .venv): python3 -m venv; pip install torch==2.13.0
+numpy einops x-transformers==2.11.24 (the version upstream's requirements.txt pins). Pinned
+upstream commit: UPSTREAM_COMMIT below (pass the checkout's commit with --commit if it is not a
+git work tree; the script refuses another one unless --any-commit).
+
+What it does:
+1. builds a TINY random CosyVoice3 token->mel flow (CausalMaskedDiffWithDiT: the token
+   embedding, PreLookaheadLayer, speaker affine, CausalConditionalCFM over the DiT estimator)
+   and vocoder (CausalHiFTGenerator with CausalConvRNNF0Predictor) with the upstream classes,
+   every tensor drawn from one seed in sorted-name order (`seeded_value`), and saves their
+   state dicts as flow.pt / hift.pt, the released checkpoint's layout (weight-normed convs as
+   `parametrizations.weight.original0/1`), small enough to commit (a few hundred kB);
+2. runs the upstream `CausalMaskedDiffWithDiT.inference` (10 Euler steps on the cosine
+   schedule, CFG 0.7, its fixed noise: seed 0, randn(1, 80, 15000)) for two cases (different
+   prompt/token lengths; the second with streaming=True, i.e. the DiT's chunk mask), then
+   `CausalHiFTGenerator.inference` on each mel (finalize=True);
+3. writes manifest.json (configs, commit, seed, cases) and expected.pt: the inputs (tokens,
+   prompt tokens, prompt mel, speaker embedding), the flow's mel, the vocoder's waveform and
+   source, and the slices of the vocoder's fixed random buffers (SineGen2.rand_ini,
+   SineGen2.sine_waves, SourceModuleHnNSF.uv) the run used: upstream draws them from the global
+   RNG when the module is built and never saves them, so the test feeds them to our vocoder.
+
+Stubs made at import time (modules the classes import but these runs never use): matcha's
+BASECFM (its __init__ only stores n_feats, n_spks, spk_emb_dim, solver, sigma_min), omegaconf's
+DictConfig (attribute access over a dict), cosyvoice.utils.onnx (online_feature=False), the
+class registry cosyvoice.utils.class_utils (it imports the LLM and transformers), torchaudio
+(only MelSpec uses it) and scipy.signal.get_window('hann', n, fftbins=True) (= the periodic
+torch.hann_window). The f0 predictor's classifier bias is set to 150 after seeding, so f0 lies
+above the voiced threshold (10 Hz) and the sine source is exercised, not only the noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+
+UPSTREAM_COMMIT = "ace7c47f41bbd303aa6bf1ea80e6f9fbd595cd40"
+SEED = 1234
+MEL = 80                     # CausalConditionalCFM.solve_euler hard-codes 80 mel channels
+FLOW_CONFIG = dict(input_size=MEL, output_size=MEL, spk_embed_dim=24, vocab_size=61,
+                   token_mel_ratio=2, pre_lookahead_len=3, lookahead_channels=48)
+CFM_CONFIG = dict(sigma_min=1e-6, solver="euler", t_scheduler="cosine", training_cfg_rate=0.2,
+                  inference_cfg_rate=0.7, reg_loss_type="l1")
+DIT_CONFIG = dict(dim=32, depth=2, heads=2, dim_head=16, ff_mult=2, mel_dim=MEL, mu_dim=MEL,
+                  spk_dim=MEL, out_channels=MEL, static_chunk_size=8, num_decoding_left_chunks=-1)
+HIFT_CONFIG = dict(in_channels=MEL, base_channels=16, nb_harmonics=8, sampling_rate=24000,
+                   nsf_alpha=0.1, nsf_sigma=0.003, nsf_voiced_threshold=10,
+                   upsample_rates=[8, 5, 3], upsample_kernel_sizes=[16, 11, 7],
+                   istft_params={"n_fft": 16, "hop_len": 4}, resblock_kernel_sizes=[3, 7, 11],
+                   resblock_dilation_sizes=[[1, 3, 5], [1, 3, 5], [1, 3, 5]],
+                   source_resblock_kernel_sizes=[7, 7, 11],
+                   source_resblock_dilation_sizes=[[1, 3, 5], [1, 3, 5], [1, 3, 5]],
+                   lrelu_slope=0.1, audio_limit=0.99, conv_pre_look_right=4)
+F0_CONFIG = dict(num_class=1, in_channels=MEL, cond_channels=16)
+F0_BIAS = 150.0
+CASES = {
+    "a": dict(num_prompt_tokens=5, num_tokens=7, streaming=False, input_seed=1),
+    "b": dict(num_prompt_tokens=4, num_tokens=9, streaming=True, input_seed=2),
+}
+
+
+def seeded_value(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """One tensor of the tiny checkpoint: 1-D weights near 1 (Snake alphas, weight-norm
+    gains are 3-D and drawn as matrices), biases small, matrices scaled by 1/sqrt(fan_in)."""
+    x = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if len(shape) == 1:
+        return 1.0 + 0.1 * x if name.endswith(("weight", "alpha")) else 0.05 * x
+    fan_in = int(np.prod(shape[1:]))
+    return x / fan_in ** 0.5
+
+
+def seed_module(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    state = module.state_dict()
+    module.load_state_dict({n: seeded_value(n, tuple(state[n].shape), gen) for n in sorted(state)})
+
+
+def install_stubs() -> None:
+    class BASECFM(torch.nn.Module):
+        def __init__(self, n_feats, cfm_params, n_spks=1, spk_emb_dim=128):
+            super().__init__()
+            self.n_feats, self.n_spks, self.spk_emb_dim = n_feats, n_spks, spk_emb_dim
+            self.solver = cfm_params.solver
+            self.sigma_min = getattr(cfm_params, "sigma_min", 1e-4)
+            self.estimator = None
+
+    class DictConfig(dict):
+        __getattr__ = dict.__getitem__
+
+    def get_window(name, n, fftbins=True):
+        assert name == "hann" and fftbins
+        return torch.hann_window(n, periodic=True, dtype=torch.float64).numpy()
+
+    mods = {"matcha": {}, "matcha.models": {}, "matcha.models.components": {},
+            "matcha.models.components.flow_matching": {"BASECFM": BASECFM},
+            "omegaconf": {"DictConfig": DictConfig},
+            "cosyvoice.utils.onnx": {"online_feature": False, "SpeechTokenExtractor": None,
+                                     "onnx_path": ""},
+            "cosyvoice.utils.class_utils": {k: {} for k in (
+                "COSYVOICE_EMB_CLASSES", "COSYVOICE_SUBSAMPLE_CLASSES",
+                "COSYVOICE_ATTENTION_CLASSES", "COSYVOICE_ACTIVATION_CLASSES")},
+            "torchaudio": {}, "scipy": {}, "scipy.signal": {"get_window": get_window}}
+    for name, attrs in mods.items():
+        mod = types.ModuleType(name)
+        mod.__dict__.update(attrs)
+        sys.modules[name] = mod
+
+
+def build(checkout: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
+    sys.path.insert(0, str(checkout))
+    install_stubs()
+    from cosyvoice.flow.DiT.dit import DiT
+    from cosyvoice.flow.flow import CausalMaskedDiffWithDiT
+    from cosyvoice.flow.flow_matching import CausalConditionalCFM
+    from cosyvoice.hifigan.f0_predictor import CausalConvRNNF0Predictor
+    from cosyvoice.hifigan.generator import CausalHiFTGenerator
+    from cosyvoice.transformer.upsample_encoder import PreLookaheadLayer
+    from omegaconf import DictConfig
+
+    f = FLOW_CONFIG
+    decoder = CausalConditionalCFM(in_channels=3 * MEL, cfm_params=DictConfig(CFM_CONFIG),
+                                   n_spks=1, spk_emb_dim=MEL, estimator=DiT(**DIT_CONFIG))
+    flow = CausalMaskedDiffWithDiT(
+        input_size=f["input_size"], output_size=f["output_size"],
+        spk_embed_dim=f["spk_embed_dim"], vocab_size=f["vocab_size"],
+        token_mel_ratio=f["token_mel_ratio"], pre_lookahead_len=f["pre_lookahead_len"],
+        pre_lookahead_layer=PreLookaheadLayer(MEL, f["lookahead_channels"], f["pre_lookahead_len"]),
+        decoder=decoder)
+    torch.manual_seed(SEED)          # the vocoder's fixed random buffers are drawn here
+    hift = CausalHiFTGenerator(**HIFT_CONFIG, f0_predictor=CausalConvRNNF0Predictor(**F0_CONFIG))
+    seed_module(flow, SEED)
+    seed_module(hift, SEED + 1)
+    with torch.no_grad():
+        hift.f0_predictor.classifier.bias.fill_(F0_BIAS)
+    return flow.eval(), hift.eval()
+
+
+def case_inputs(c: dict) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(c["input_seed"])
+    v, n_p, n = FLOW_CONFIG["vocab_size"], c["num_prompt_tokens"], c["num_tokens"]
+    return {"token": torch.randint(0, v, (1, n), generator=gen),
+            "prompt_token": torch.randint(0, v, (1, n_p), generator=gen),
+            "prompt_feat": torch.randn(1, n_p * FLOW_CONFIG["token_mel_ratio"], MEL,
+                                       generator=gen) * 2 - 4,
+            "embedding": torch.randn(1, FLOW_CONFIG["spk_embed_dim"], generator=gen)}
+
+
+def run_case(flow, hift, c: dict) -> dict[str, torch.Tensor]:
+    x = case_inputs(c)
+    mel, _ = flow.inference(x["token"], torch.tensor([x["token"].shape[1]]), x["prompt_token"],
+                            torch.tensor([x["prompt_token"].shape[1]]), x["prompt_feat"],
+                            torch.tensor([x["prompt_feat"].shape[1]]), x["embedding"],
+                            streaming=c["streaming"], finalize=True)        # (1, mel, T)
+    wave, source = hift.inference(mel, finalize=True)                       # (1, T * 480)
+    return {**x, "mel": mel.clone(), "wave": wave.clone(), "source": source.clone()}
+
+
+def commit_of(checkout: Path) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return ""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("checkout", type=Path)
+    p.add_argument("--out", type=Path, default=Path("tests/fixtures/cosyvoice3"))
+    p.add_argument("--commit", default="")
+    p.add_argument("--any-commit", action="store_true")
+    a = p.parse_args()
+    commit = a.commit or commit_of(a.checkout)
+    if commit != UPSTREAM_COMMIT and not a.any_commit:
+        sys.exit(f"checkout is at {commit or '?'}, the fixtures pin {UPSTREAM_COMMIT}")
+    torch.set_grad_enabled(False)
+    flow, hift = build(a.checkout)
+    expected = {}
+    for name, c in CASES.items():
+        expected.update({f"{name}.{k}": v for k, v in run_case(flow, hift, c).items()})
+    n = max(v.shape[-1] for k, v in expected.items() if k.endswith(".source"))
+    sine = hift.m_source.l_sin_gen
+    expected["noise.rand_ini"] = sine.rand_ini.clone()                     # (1, 9)
+    expected["noise.sine_waves"] = sine.sine_waves[:, :n].clone()         # (1, n, 9)
+    expected["noise.uv"] = hift.m_source.uv[:, :n].clone()                # (1, n, 1)
+    a.out.mkdir(parents=True, exist_ok=True)
+    torch.save(flow.state_dict(), a.out / "flow.pt")
+    torch.save(hift.state_dict(), a.out / "hift.pt")
+    torch.save(expected, a.out / "expected.pt")
+    manifest = {"upstream": "FunAudioLLM/CosyVoice", "commit": commit, "seed": SEED,
+                "flow": FLOW_CONFIG, "cfm": CFM_CONFIG, "dit": DIT_CONFIG, "hift": HIFT_CONFIG,
+                "f0_predictor": F0_CONFIG, "f0_bias": F0_BIAS, "n_timesteps": 10, "cases": CASES,
+                "magnitudes": {k: float(v.float().abs().max()) for k, v in expected.items()}}
+    (a.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    for k, v in expected.items():
+        print(f"{k:22s} {tuple(v.shape)} max|x|={v.float().abs().max():.4f}")
+
+
+if __name__ == "__main__":
+    main()
