@@ -81,9 +81,11 @@ def seeded_value(name: str, shape: tuple[int, ...], gen: torch.Generator) -> tor
 
 
 def seed_module(module: torch.nn.Module, seed: int) -> None:
+    """Parameters only: buffers (the DiT's rotary inv_freq) keep their computed values."""
     gen = torch.Generator().manual_seed(seed)
-    state = module.state_dict()
-    module.load_state_dict({n: seeded_value(n, tuple(state[n].shape), gen) for n in sorted(state)})
+    params = dict(module.named_parameters())
+    module.load_state_dict({n: seeded_value(n, tuple(params[n].shape), gen) for n in sorted(params)},
+                           strict=False)
 
 
 def install_stubs() -> None:
