@@ -246,8 +246,10 @@ def masked_range_norm(x: Tensor, lengths: Tensor, left_padded: bool,
             / ((lengths * D).view(B, 1, 1, 1) + EPS))                       # (B, 1, 1, N)
     lo = x.masked_fill(~keep, float("inf")).amin(dim=(1, 2), keepdim=True)
     hi = x.masked_fill(~keep, float("-inf")).amax(dim=(1, 2), keepdim=True)
-    normed = ((x - mean) / (hi - lo + EPS) * scale).flatten(2)              # (B, L, D*N)
-    return normed.masked_fill(~valid[..., None], 0.0).to(x.dtype)
+    normed = x - mean                      # float32 (B, L, D, N); then in place, the same
+    normed.div_(hi - lo + EPS).mul_(scale)  # arithmetic with one float32 copy alive, not three
+    normed = normed.flatten(2).masked_fill_(~valid[..., None], 0.0)         # (B, L, D*N)
+    return normed.to(x.dtype)
 
 
 class LTX2TextConnectors(nn.Module):
