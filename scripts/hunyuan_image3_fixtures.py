@@ -22,7 +22,8 @@ What it does:
    image tokens inside the transformer, then the VAE decode) for two cases: one prompt at 28x36
    (7x9 image tokens) with 3 steps, and another prompt at 32x32 with 2 steps, another guidance
    and shift (one prompt per call: the upstream's batched prompts under CFG build their rope for
-   half the rows and stop at an assertion);
+   half the rows and stop at an assertion); and the greedy text the model writes before an image
+   (bot_task "think", 8 tokens, transformers' generate as the upstream drives it);
 3. writes manifest.json (config, seed, tensor names and shapes, case settings, the token ids and
    masks the upstream template produced) and expected.safetensors (initial noise, final latents,
    decoded image) to --out.
@@ -90,6 +91,8 @@ CASES = {
     "square": dict(prompts=["a painting of a green tree over the river"], image_size=[32, 32],
                    seeds=[5], steps=2, guidance_scale=2.5, flow_shift=1.0),
 }
+# the model's text answer before an image (bot_task "think": "Assistant: <think>" then greedy)
+TEXT_CASE = dict(prompt="a red cat on a small house", bot_task="think", max_new_tokens=8)
 
 
 def seeded_value(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -195,6 +198,18 @@ def run_case(model, case: dict) -> tuple[dict, dict]:
     return info, {k: v.float().contiguous() for k, v in record.items()}
 
 
+def run_text_case(model) -> dict:
+    """Greedy tokens of the upstream gen_text path (HF generate with the upstream's cache)."""
+    c = TEXT_CASE
+    inputs = model.prepare_model_inputs(prompt=c["prompt"], mode="gen_text", bot_task=c["bot_task"],
+                                        system_prompt=None, max_new_tokens=c["max_new_tokens"])
+    prompt = inputs["tokenizer_output"].tokens
+    with torch.no_grad():
+        out = model._generate(**inputs, do_sample=False)
+    return dict(c, tokens=prompt.tolist(), stop_ids=list(inputs["eos_token_id"]),
+                generated=out[:, prompt.shape[1]:].tolist())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("upstream", type=Path)
@@ -217,6 +232,8 @@ def main() -> None:
         cases[name] = dict(case, **info)
         expected.update({f"{name}.{k}": v for k, v in tensors.items()})
         print(name, {k: (tuple(v.shape), round(float(v.abs().mean()), 4)) for k, v in tensors.items()})
+    cases["text"] = run_text_case(model)
+    print("text", cases["text"]["generated"])
     args.out.mkdir(parents=True, exist_ok=True)
     save_file(expected, str(args.out / "expected.safetensors"))
     manifest = dict(upstream="Tencent-Hunyuan/HunyuanImage-3.0", commit=commit, seed=SEED,

@@ -1,7 +1,7 @@
 """HunyuanImage3: the checkpoint's text-to-image parts on our layers, loaded from the Hugging Face
 folder as-is (config.json, model.safetensors[.index.json]). The understanding ViT
-(`vision_model.*`, `vision_aligner.*`), the VAE encoder and the LM head are not built: the
-text-to-image path does not read them."""
+(`vision_model.*`, `vision_aligner.*`) and the VAE encoder are not built: the text-to-image
+path does not read them. The LM head is (text.py: the greedy text the model writes)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from omnistage.models.hunyuan_image3.transformer import Backbone
 from omnistage.models.hunyuan_image3.vae import HunyuanImage3Vae
 from omnistage.models.loader import _default_dtype, iter_safetensors
 
-SKIPPED = ("vision_model.", "vision_aligner.", "vae.encoder.", "lm_head.")
+SKIPPED = ("vision_model.", "vision_aligner.", "vae.encoder.")
 _EXPERT = re.compile(r"(?P<base>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_and_up_proj|down_proj)"
                      r"\.weight")
 _SHARED = re.compile(r".+\.mlp\.shared_mlp\.gate_and_up_proj\.weight")
@@ -38,6 +38,7 @@ class HunyuanImage3(nn.Module):
         self.time_embed_2 = TimestepEmbedder(size)      # conditions final_layer
         self.final_layer = FinalLayer(size, hid, lat)
         self.vae = HunyuanImage3Vae(cfg.vae)
+        self.lm_head = nn.Linear(size, cfg.vocab_size, bias=False)
 
     def cfg_dtype(self) -> torch.dtype:
         return self.model.wte.weight.dtype

@@ -38,7 +38,8 @@ def case_params(case: dict, **over) -> DiffusionParams:
 
 def test_both_cases_in_one_engine_match_upstream(pipe, monkeypatch) -> None:
     seen = golden.record_latents(pipe, monkeypatch, key=lambda p: p.seed)
-    cases, exp = manifest()["cases"], expected()
+    cases = {k: c for k, c in manifest()["cases"].items() if "image_size" in c}
+    exp = expected()
     engine = DiffusionEngine(pipe)
     for name, case in cases.items():
         engine.add_request(name, case["prompts"][0], case_params(case))

@@ -44,3 +44,14 @@ def test_guidance_and_prompt_matter(model) -> None:
                  dict(tokens=torch.tensor([case["tokens"][1]] * 2))):
         latents, _ = generate_image(model, request(case, exp["wide.noise"], model.cfg, **over))
         assert (latents - want).abs().max() > 1e-2, over
+
+
+def test_greedy_text_matches_upstream(model) -> None:
+    """The text the model writes before an image (bot_task think): the upstream's greedy tokens
+    through transformers' generate, token for token."""
+    from omnistage.models.hunyuan_image3.text import greedy_text
+
+    case = manifest()["cases"]["text"]
+    got = greedy_text(model, torch.tensor(case["tokens"]), case["max_new_tokens"],
+                      tuple(case["stop_ids"]))
+    assert got == case["generated"][0] and len(set(got)) > 2
