@@ -173,23 +173,27 @@ def ranks_run(ranks, folder: str, cases: list[dict]) -> dict:
     return _serve(ranks, pipe, submit)
 
 
-def build_tiny_i2v(path: Path, use_meanflow: bool = False):
+def build_tiny_i2v(path: Path, use_meanflow: bool = False, text: bool = False):
     """diffusers' HunyuanVideo15ImageToVideoPipeline: the tiny i2v transformer (MeanFlow if
     asked), VAE and a tiny SigLIP (width 12, 32x32 pixels in 8x8 patches: 16 image tokens),
-    no text encoders, saved to `path`; -> the pipeline."""
+    saved to `path`; -> the pipeline. text: as build_tiny_t2v's."""
     import diffusers
     import transformers
 
     from tests.helpers.diffusion_golden import save_reference
-    from tests.helpers.hunyuan_video15_parts import build_tiny_vae
+    from tests.helpers.hunyuan_video15_parts import build_tiny_text_parts, build_tiny_vae
 
+    parts = dict.fromkeys(("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"))
+    widths = {}
+    if text:
+        parts = build_tiny_text_parts(path)
+        widths = {"text_dim": 32, "glyph_dim": 24}
     torch.manual_seed(0)
     siglip = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
         hidden_size=IMAGE_DIM, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
         image_size=32, patch_size=8)).eval()
     pipe = diffusers.HunyuanVideo15ImageToVideoPipeline(
-        text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
-        transformer=tiny_transformer("i2v", use_meanflow), vae=build_tiny_vae(),
+        **parts, transformer=tiny_transformer("i2v", use_meanflow, **widths), vae=build_tiny_vae(),
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0),
         guider=diffusers.ClassifierFreeGuidance(guidance_scale=4.0), image_encoder=siglip,
         feature_extractor=transformers.SiglipImageProcessor(size={"height": 32, "width": 32}))
