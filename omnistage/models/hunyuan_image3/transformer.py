@@ -68,7 +68,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.use_qk_norm:
             q, k = self.query_layernorm(q), self.key_layernorm(k)
-        return q, k, v
+        return q.to(v.dtype), k.to(v.dtype), v          # rope ran in float32, as upstream
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
                 past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:

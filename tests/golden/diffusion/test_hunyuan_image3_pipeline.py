@@ -91,3 +91,16 @@ def test_served_through_omni_by_its_default_graph(folder: Path) -> None:
         assert out.error is None and out.images[0].size == (36, 28)
         (bad,) = omni.generate("a red cat", DiffusionParams(height=30, width=30))
         assert bad.finish_reason == "error" and "size" in str(bad.error)
+
+
+def test_bfloat16_runs_near_float32(folder: Path) -> None:
+    """The serving dtype on GPUs: rope in float32 and q/k back in bfloat16 as upstream; the image
+    stays near the float32 one (the upstream's)."""
+    pipe16 = HunyuanImage3Pipeline.from_pretrained(folder, "hunyuan_image3", torch.device("cpu"),
+                                                   torch.bfloat16)
+    case = manifest()["cases"]["wide"]
+    engine = DiffusionEngine(pipe16)
+    engine.add_request("a", case["prompts"][0], case_params(case))
+    got = run_to_end(engine)["a"].images[0].float()
+    want = ((expected()["wide.image"][0, :, 0].permute(1, 2, 0) / 2 + 0.5).clamp(0, 1) * 255)
+    assert (got - want.round()).abs().mean() < 6
