@@ -1,8 +1,9 @@
 """Tiny random LTX-2 decoders built with diffusers' own classes and saved with
 `save_pretrained` (the Hub layout): the video VAE, the audio VAE and the vocoder. Parameters a
 fresh model holds at zero or one (noise scales, modulation tables, latent statistics, snake
-alphas) are perturbed so that their layout matters. The vocoders' default initialisation already
-gives audible-size waveforms on log-mel-like input (mean |x| 0.2-0.6, the tests assert it)."""
+alphas) are perturbed so that their layout matters, and the vocoders' weights scaled
+(VOCODER_GAIN) so that their waveform is audible-size on log-mel-like input (mean |x| 0.2-0.6,
+the tests assert > 0.1), not 1e-2."""
 
 from __future__ import annotations
 
@@ -47,9 +48,10 @@ AUDIO_CONFIGS = {
 }
 
 VOCODER_CONFIGS = {
-    # LTX-2's vocoder shape: leaky ReLU, tanh out
+    # LTX-2's vocoder shape: leaky ReLU, tanh out; 80 samples at 8 kHz a mel frame: the 10 ms
+    # of the audio VAE's 160-sample hop at 16 kHz, as LTX-2's 240 at 24 kHz
     "ltx2": dict(in_channels=2 * 16, hidden_channels=32, out_channels=2,
-                 upsample_kernel_sizes=(8, 4), upsample_factors=(4, 2),
+                 upsample_kernel_sizes=(11, 8, 8), upsample_factors=(5, 4, 4),
                  resnet_kernel_sizes=(3, 7), resnet_dilations=((1, 3), (1, 3, 5)),
                  output_sampling_rate=8000),
     # BigVGAN-style: anti-aliased snake-beta activations, no final activation, no bias
@@ -59,6 +61,8 @@ VOCODER_CONFIGS = {
                   antialias=True, final_act_fn=None, final_bias=False,
                   output_sampling_rate=16000),
 }
+
+VOCODER_GAIN = {"ltx2": 1.7, "snake": 1.0}      # weight scale: mean |wave| 0.2-0.6
 
 
 def _perturb(model: torch.nn.Module, names: tuple[str, ...], scale: float = 0.3) -> None:
@@ -95,6 +99,10 @@ def save_vocoder(name: str, path: Path) -> torch.nn.Module:
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
     torch.manual_seed(0)
     ref = LTX2Vocoder(**VOCODER_CONFIGS[name]).eval()
+    with torch.no_grad():       # each fresh conv shrinks the signal: scale them to audible
+        for key, p in ref.named_parameters():
+            if key.endswith("weight"):
+                p.mul_(VOCODER_GAIN[name])
     _perturb(ref, ("alpha", "beta"), 0.3)
     ref.save_pretrained(path)
     return ref

@@ -109,7 +109,7 @@ def test_mel_latents_to_waveform_as_the_pipeline(tmp_path: Path) -> None:
     expected = ref_voc(ref_vae.decode(latents).sample)
     wave = voc(vae.decode(latents))
     assert wave.shape == (2, 2, 21 * voc.hop_length)
-    assert wave.abs().mean() > 0.05
+    assert wave.abs().mean() > 0.02          # the tiny VAE's mel is quieter than log-mel
     assert max_diff(wave, expected) < 1e-4
 
 
