@@ -39,8 +39,8 @@ def resolve_model(model: str) -> Path:
 
 
 def check_weights(model: str, path: Path) -> None:
-    """A transformers folder needs model.safetensors or an index whose shards all exist; a
-    diffusers folder (model_index.json) needs safetensors files in its component folders."""
+    """A transformers folder needs safetensors files at its top (model.safetensors; BAGEL's
+    ema.safetensors and ae.safetensors) or an index whose shards all exist; a diffusers folder (model_index.json) needs safetensors files in its component folders."""
     if (path / "model_index.json").is_file():
         if not any(path.glob("*/*.safetensors")):
             raise FileNotFoundError(f"model {model!r}: folder {path} has model_index.json but "
@@ -55,9 +55,9 @@ def check_weights(model: str, path: Path) -> None:
                                     f"{missing[0] if missing else 'no shards'}, which "
                                     f"{'is missing' if missing else 'leaves no weights'}")
         return
-    if not (path / "model.safetensors").is_file():
+    if not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"model {model!r}: folder {path} has config.json but no weights "
-                                "(model.safetensors or model.safetensors.index.json)")
+                                "(no *.safetensors, no model.safetensors.index.json)")
 
 
 def resolve_tokenizer(name: str) -> str:
