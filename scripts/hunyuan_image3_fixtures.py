@@ -93,6 +93,8 @@ CASES = {
 }
 # the model's text answer before an image (bot_task "think": "Assistant: <think>" then greedy)
 TEXT_CASE = dict(prompt="a red cat on a small house", bot_task="think", max_new_tokens=8)
+# image_size "auto": the model picks the ratio (one greedy token after "<boi><img_size_B>")
+RATIO_PROMPTS = ["a red cat on a small house", "blue sky", "a large photo of the mountain"]
 
 
 def seeded_value(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -210,6 +212,24 @@ def run_text_case(model) -> dict:
                 generated=out[:, prompt.shape[1]:].tolist())
 
 
+def run_ratio_case(model) -> dict:
+    """The upstream generate_image's image_size="auto" step, per prompt: its prompt tokens, the
+    greedy token and the ratio index it maps to (16, 1:1, when the token is no ratio)."""
+    rows = []
+    for prompt in RATIO_PROMPTS:
+        inputs = model.prepare_model_inputs(prompt=prompt, cot_text=None, bot_task="img_ratio",
+                                            system_prompt=None, seed=0)
+        with torch.no_grad():
+            out = model._generate(**inputs, do_sample=False)
+        token = int(out[0, -1])
+        index = token - model._tkwrapper.ratio_token_offset
+        index = index if 0 <= index < len(model.image_processor.reso_group) else 16
+        rows.append(dict(prompt=prompt, tokens=inputs["tokenizer_output"].tokens[0].tolist(),
+                         token=token, ratio_index=index,
+                         size=list(model.image_processor.reso_group[index])))
+    return dict(rows=rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("upstream", type=Path)
@@ -233,6 +253,8 @@ def main() -> None:
         expected.update({f"{name}.{k}": v for k, v in tensors.items()})
         print(name, {k: (tuple(v.shape), round(float(v.abs().mean()), 4)) for k, v in tensors.items()})
     cases["text"] = run_text_case(model)
+    cases["ratio"] = run_ratio_case(model)
+    print("ratio", [(r["token"], r["ratio_index"]) for r in cases["ratio"]["rows"]])
     print("text", cases["text"]["generated"])
     args.out.mkdir(parents=True, exist_ok=True)
     save_file(expected, str(args.out / "expected.safetensors"))

@@ -13,9 +13,10 @@ split into the engine's phases on our model (omnistage/models/hunyuan_image3/):
 
 Request fields: guidance_scale (default: the checkpoint's generation_config diff_guidance_scale),
 num_inference_steps, flow_shift (default: generation_config flow_shift), height / width (one of
-the checkpoint's resolution group, default image_base_size square), seed, num_images.
-Not here: the model's own choice of ratio (image_size "auto"), its think / recaption text
-before the image, negative prompts (the unconditional row is the <cfg> prompt) and edits.
+the checkpoint's resolution group; neither: the model picks the ratio with one greedy token, as
+the upstream's image_size "auto", and the latent grid is the size floored to the VAE factor, as
+upstream), seed, num_images. Not here: its think / recaption text before the image, negative
+prompts (the unconditional row is the <cfg> prompt) and edits.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ from omnistage.errors import InputError
 from omnistage.models.hunyuan_image3 import HunyuanImage3
 from omnistage.models.hunyuan_image3.generate import (prefix_kv, sigmas, step_geometry,
                                                       velocity)
-from omnistage.models.hunyuan_image3.template import build_prompt, ratio_index, resolution_group
+from omnistage.models.hunyuan_image3.template import (build_prompt, build_ratio_prompt,
+                                                      ratio_index, ratio_of_token,
+                                                      resolution_group)
+from omnistage.models.hunyuan_image3.text import greedy_text
 
 PREFIX_K, PREFIX_V, LAYOUT = "hunyuan_image3.prefix_k", "hunyuan_image3.prefix_v", \
     "hunyuan_image3.layout"
@@ -69,6 +73,14 @@ class HunyuanImage3Pipeline(DiffusionPipeline):
         base = self.model.cfg.image_base_size
         return params.height or base, params.width or base
 
+    def auto_ratio(self, prompt: str) -> int:
+        """No size asked: the model picks the ratio index (upstream image_size "auto")."""
+        tok, base = self.tokenizer, self.model.cfg.image_base_size
+        ids = build_ratio_prompt(lambda s: tok.encode(s, add_special_tokens=False),
+                                 tok.convert_tokens_to_ids, tok.bos_token_id, prompt, base)
+        (token,) = greedy_text(self.model, ids.to(self.device), 1)
+        return ratio_of_token(token, tok.convert_tokens_to_ids("<img_ratio_0>"), base)
+
     def validate(self, prompt: str | None, params: DiffusionParams, image=None) -> None:
         if not prompt or not prompt.strip():
             raise InputError("prompt: HunyuanImage-3.0 needs a non-empty text prompt", "prompt")
@@ -81,6 +93,8 @@ class HunyuanImage3Pipeline(DiffusionPipeline):
                                  "(guidance_scale); it takes no negative prompt", name)
         if params.num_inference_steps < 1:
             raise InputError("num_inference_steps: at least 1", "num_inference_steps")
+        if params.height is None and params.width is None:
+            return                                          # the model picks (prepare)
         base, (h, w) = self.model.cfg.image_base_size, self._size(params)
         fh, fw = self.model.cfg.vae_downsample_factor
         if ratio_index(base, h, w) is None or h % fh or w % fw:
@@ -96,11 +110,15 @@ class HunyuanImage3Pipeline(DiffusionPipeline):
     def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator,
                 image=None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         cfg, tok = self.model.cfg, self.tokenizer
-        h, w = self._size(params)
+        if params.height is None and params.width is None:
+            ratio = self.auto_ratio(prompt)
+            h, w = resolution_group(cfg.image_base_size)[ratio]
+        else:
+            h, w = self._size(params)
+            ratio = ratio_index(cfg.image_base_size, h, w)
         layout = build_prompt(lambda s: tok.encode(s, add_special_tokens=False),
                               tok.convert_tokens_to_ids, tok.bos_token_id, prompt,
-                              cfg.image_base_size,
-                              ratio_index(cfg.image_base_size, h, w))
+                              cfg.image_base_size, ratio)
         kv = prefix_kv(self.model, layout.tokens[:, :-1].to(self.device))
         th, tw = h // cfg.vae_downsample_factor[0], w // cfg.vae_downsample_factor[1]
         noise = torch.cat([torch.randn((1, cfg.vae.latent_channels, th, tw), generator=generator,

@@ -4,6 +4,9 @@
 
     <bos> "User: " prompt "\\n\\n" "Assistant: " "<answer>" <boi> <img_size_B> <img_ratio_i> <timestep>
     unconditional row: the prompt's tokens replaced by as many <cfg>
+    image_size "auto": the conditional row up to <img_size_B>; the model's greedy next token is
+    its <img_ratio_i> (the upstream encodes "Assistant: <answer><boi><img_size_B>" as one text;
+    a tokenizer that splits at its added tokens gives the same ids)
 
 Each text piece is encoded alone (no special tokens added). The image size picks its ratio from
 the resolution group of the checkpoint's image_base_size (sides base/2 .. 2 base in steps of
@@ -44,15 +47,37 @@ def ratio_index(base: int, height: int, width: int) -> int | None:
     return group.index((height, width)) if (height, width) in group else None
 
 
+def _answer_prefix(encode: Callable[[str], list[int]], special: Callable[[str], int], bos: int,
+                   text: list[int], base: int) -> tuple[list[int], list[int]]:
+    """(head, tail) around the prompt's tokens, up to <img_size_B>."""
+    head = [bos] + encode("User: ")
+    tail = (encode("\n\n") + encode("Assistant: ") + encode("<answer>")
+            + [special("<boi>"), special(f"<img_size_{base}>")])
+    return head, tail
+
+
 def build_prompt(encode: Callable[[str], list[int]], special: Callable[[str], int], bos: int,
                  prompt: str, base: int, ratio: int) -> PromptLayout:
     """encode: text -> ids without special tokens; special: an added token -> its id; bos: the
     tokenizer's bos_token_id."""
     text = encode(prompt)
-    head = [bos] + encode("User: ")
-    tail = (encode("\n\n") + encode("Assistant: ") + encode("<answer>")
-            + [special("<boi>"), special(f"<img_size_{base}>"), special(f"<img_ratio_{ratio}>"),
-               special("<timestep>")])
+    head, tail = _answer_prefix(encode, special, bos, text, base)
+    tail = tail + [special(f"<img_ratio_{ratio}>"), special("<timestep>")]
     cond = head + text + tail
     uncond = head + [special("<cfg>")] * len(text) + tail
     return PromptLayout(torch.tensor([cond, uncond]), len(cond) - 1)
+
+
+def build_ratio_prompt(encode: Callable[[str], list[int]], special: Callable[[str], int],
+                       bos: int, prompt: str, base: int) -> Tensor:
+    """The upstream's image_size "auto" question (bot_task img_ratio): the prompt up to
+    <img_size_B>, whose greedy next token is the model's <img_ratio_i>. (1, S) long."""
+    text = encode(prompt)
+    head, tail = _answer_prefix(encode, special, bos, text, base)
+    return torch.tensor([head + text + tail])
+
+
+def ratio_of_token(token: int, ratio_0: int, base: int) -> int:
+    """The ratio index a generated token names; 16 (1:1) when it is no ratio token, as upstream."""
+    index = token - ratio_0
+    return index if 0 <= index < len(resolution_group(base)) else 16

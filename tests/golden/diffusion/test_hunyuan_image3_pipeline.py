@@ -52,19 +52,31 @@ def test_both_cases_in_one_engine_match_upstream(pipe, monkeypatch) -> None:
         golden.assert_output_matches(done[name].images, (image / 2 + 0.5).clamp(0, 1))
 
 
-def test_num_images_and_defaults(pipe) -> None:
+def test_num_images(pipe) -> None:
     """Two images of one request: the first is the seed's single image, the second another
-    draw; no size and no guidance: the checkpoint's base size and generation_config."""
+    draw; no guidance given: the checkpoint's generation_config."""
     case = manifest()["cases"]["square"]
     engine = DiffusionEngine(pipe)
-    engine.add_request("one", case["prompts"][0], DiffusionParams(num_inference_steps=2, seed=5))
-    engine.add_request("two", case["prompts"][0], DiffusionParams(num_inference_steps=2, seed=5,
-                                                                  num_images=2))
+    size = dict(height=32, width=32, num_inference_steps=2, seed=5)
+    engine.add_request("one", case["prompts"][0], DiffusionParams(**size))
+    engine.add_request("two", case["prompts"][0], DiffusionParams(**size, num_images=2))
     done = run_to_end(engine)
     one, two = done["one"].images, done["two"].images
     assert one.shape == (1, 32, 32, 3) and two.shape == (2, 32, 32, 3)
     assert (one.int() - two[:1].int()).abs().max() <= 1
     assert (two[0].int() - two[1].int()).abs().max() > 2
+
+
+def test_no_size_lets_the_model_pick_the_ratio(pipe) -> None:
+    """Without a size the model answers its ratio token (upstream image_size "auto"), falling
+    back to 1:1 when the token is no ratio; the latent grid is the size floored to the VAE's
+    factor (42x22 -> 40x20), as upstream."""
+    rows = manifest()["cases"]["ratio"]["rows"]
+    assert [pipe.auto_ratio(r["prompt"]) for r in rows] == [r["ratio_index"] for r in rows]
+    engine = DiffusionEngine(pipe)
+    engine.add_request("auto", rows[2]["prompt"], DiffusionParams(num_inference_steps=1, seed=2))
+    h, w = rows[2]["size"]
+    assert run_to_end(engine)["auto"].images.shape == (1, h // 4 * 4, w // 4 * 4, 3)
 
 
 @pytest.mark.parametrize("params, prompt, field", [

@@ -55,3 +55,20 @@ def test_greedy_text_matches_upstream(model) -> None:
     got = greedy_text(model, torch.tensor(case["tokens"]), case["max_new_tokens"],
                       tuple(case["stop_ids"]))
     assert got == case["generated"][0] and len(set(got)) > 2
+
+
+def test_ratio_answer_matches_upstream(model) -> None:
+    """image_size "auto": our ratio prompt is the upstream's, and its greedy token too."""
+    from transformers import AutoTokenizer
+
+    from omnistage.models.hunyuan_image3.template import build_ratio_prompt
+    from omnistage.models.hunyuan_image3.text import greedy_text
+    from tests.helpers.hunyuan_image3 import FIXTURES
+
+    tok = AutoTokenizer.from_pretrained(str(FIXTURES))
+    for row in manifest()["cases"]["ratio"]["rows"]:
+        ids = build_ratio_prompt(lambda s: tok.encode(s, add_special_tokens=False),
+                                 tok.convert_tokens_to_ids, tok.bos_token_id, row["prompt"],
+                                 model.cfg.image_base_size)
+        assert ids[0].tolist() == row["tokens"]
+        assert greedy_text(model, ids, 1) == [row["token"]]
