@@ -220,6 +220,11 @@ _BUILT_IN = (
                 components=(Component("diffusion", "ltx2",
                                       "omnistage.diffusion.pipelines.ltx2:LTX2Pipeline"),),
                 video="omnistage.diffusion.pipelines.ltx2:video_spec"),
+    ModelFamily("ltx2_i2v", diffusers_classes=("LTX2ImageToVideoPipeline",),
+                graph="ltx2_i2v.yaml", components=(Component(
+                    "diffusion", "ltx2_i2v",
+                    "omnistage.diffusion.pipelines.ltx2_i2v:LTX2ImageToVideoPipeline"),),
+                video="omnistage.diffusion.pipelines.ltx2_i2v:video_spec"),
     ModelFamily("hunyuan_video15", diffusers_classes=("HunyuanVideo15Pipeline",),
                 graph="hunyuan_video15.yaml", components=(Component(
                     "diffusion", "hunyuan_video15",

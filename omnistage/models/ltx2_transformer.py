@@ -173,13 +173,15 @@ class LTX2VideoTransformer3DModel(nn.Module):
                 encoder_hidden_states: Tensor, audio_encoder_hidden_states: Tensor,
                 timestep: Tensor, positions: Positions, audio_timestep: Tensor | None = None,
                 encoder_attention_mask: Tensor | None = None, use_cross_timestep: bool = False,
-                isolate_modalities: bool = False) -> tuple[Tensor, Tensor]:
+                isolate_modalities: bool = False, sigma: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
         """hidden_states (B, N, C) packed video latents, audio_hidden_states (B, M, Ca);
         text (B, L, caption_channels) each; timestep (B,) or (B, N) already scaled by
         timestep_scale_multiplier, audio_timestep (B,) (None: timestep); mask (B, L) 1 keep,
-        0 drop. use_cross_timestep: the cross-modal modulation of each stream at the other's
-        timestep (LTX-2.3's; LTX-2.0's pipeline passes the same values for both). isolate:
-        no audio-video attention (modality guidance). -> video (B, N, C'), audio (B, M, Ca')."""
+        0 drop. use_cross_timestep: the cross-modal modulation of both streams at the row's
+        sigma (B,) (None: timestep), as diffusers' pipelines pass it (image-to-video: the
+        video's timestep per token, its sigma per row). isolate: no audio-video attention
+        (modality guidance). -> video (B, N, C'), audio (B, M, Ca')."""
         cfg, b = self.cfg, hidden_states.shape[0]
         dtype = hidden_states.dtype
         audio_timestep = timestep if audio_timestep is None else audio_timestep
@@ -187,8 +189,9 @@ class LTX2VideoTransformer3DModel(nn.Module):
         at = audio_timestep.reshape(b, -1)
         temb, emb = self.time_embed(t, dtype)
         atemb, aemb = self.audio_time_embed(at, dtype)
-        video_ca_t = at if use_cross_timestep else t
-        audio_ca_t = t if use_cross_timestep else at
+        sigma = timestep if sigma is None else sigma
+        video_ca_t = sigma.reshape(b, -1) if use_cross_timestep else t
+        audio_ca_t = sigma.reshape(b, -1) if use_cross_timestep else at
         gate_factor = cfg.cross_attn_timestep_scale_multiplier / cfg.timestep_scale_multiplier
         mask = None if encoder_attention_mask is None else \
             (1 - encoder_attention_mask.to(dtype)) * -10000.0

@@ -224,7 +224,7 @@ class LTX2Pipeline(DiffusionPipeline):
         """Video noise, then audio noise, from the request's generator (diffusers' order),
         side by side in one row per video; the shifted schedule."""
         lay, n = self.layout(params), params.num_images
-        video = torch.randn((n, lay.channels, *lay.grid), generator=generator)
+        video = self.initial_video(lay, n, generator, params, image)         # (n, C, F', h, w)
         audio = torch.randn((n, self.audio_vae.cfg.latent_channels, lay.audio_frames,
                              self.audio_vae.latent_mel_bins), generator=generator)
         video = video.flatten(2).transpose(1, 2)                                  # (n, N, C)
@@ -235,10 +235,16 @@ class LTX2Pipeline(DiffusionPipeline):
         sigmas, _ = make_sigmas(cfg, steps, mu, np.linspace(1.0, 1 / steps, steps))
         return Layout.join(video, audio).to(self.device), sigmas, {}
 
+    def initial_video(self, lay: Layout, n: int, generator: torch.Generator,
+                      params: DiffusionParams, image: Image.Image | None) -> Tensor:
+        """The video latents a request starts from: noise (image-to-video: its first frame
+        the image's latents)."""
+        return torch.randn((n, lay.channels, *lay.grid), generator=generator)
+
     def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator,
                 image: Image.Image | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         (cond,) = self.prompt_encoder.encode([prompt], [params])
-        latents, sigmas, _ = self.prepare_latents(params, generator)
+        latents, sigmas, _ = self.prepare_latents(params, generator, image)
         return latents, sigmas, self.check_conditioning(cond, params)
 
     def guided(self, params: DiffusionParams) -> bool:
@@ -300,10 +306,16 @@ class LTX2Pipeline(DiffusionPipeline):
                  isolate: bool = False) -> Tensor:
         """One transformer call over rows x (R, S) at timesteps t (R,) -> velocities (R, S)."""
         video, audio = lay.split(x.to(self.dtype))
-        v, a = self.transformer(video, audio, text[0], text[1], t.to(self.device),
-                                lay.positions, encoder_attention_mask=text[2],
-                                use_cross_timestep=True, isolate_modalities=isolate)
+        t = t.to(self.device)
+        v, a = self.transformer(video, audio, text[0], text[1], self.video_timesteps(lay, t),
+                                lay.positions, audio_timestep=t, encoder_attention_mask=text[2],
+                                use_cross_timestep=True, isolate_modalities=isolate, sigma=t)
         return Layout.join(v.float(), a.float())
+
+    def video_timesteps(self, lay: Layout, t: Tensor) -> Tensor:
+        """The video tokens' timesteps for rows at t (R,): the row's (image-to-video: one
+        per token, the first frame's 0)."""
+        return t
 
     def _guide(self, lay: Layout, latents: Tensor, sigmas: Tensor, out: Tensor,
                isolated: Tensor | None, guided: GuidedRows, rows: list[DiffusionRequest]
@@ -326,7 +338,12 @@ class LTX2Pipeline(DiffusionPipeline):
         v_c, a_c = lay.split(x0)
         x0_g = Layout.join(rescale(v_g, v_c, opt.guidance_rescale),
                            rescale(a_g, a_c, opt.audio_guidance_rescale))
-        return (latents - x0_g) / sigma
+        return self.fixed(lay, (latents - x0_g) / sigma)
+
+    def fixed(self, lay: Layout, velocity: Tensor) -> Tensor:
+        """The velocity the solver steps with (image-to-video: 0 on the first frame, which
+        diffusers leaves out of its step)."""
+        return velocity
 
     @staticmethod
     def _scales(lay: Layout, video: float, audio: float) -> Tensor:

@@ -1,4 +1,4 @@
-"""LTX-2 text-to-video with sound through our engine against diffusers' `LTX2Pipeline` on a
+"""LTX-2 text-to-video (and image-to-video) with sound through our engine against diffusers' `LTX2Pipeline` on a
 tiny random folder (float32, tests/helpers/ltx2.py): the same final video and audio latents
 (denormalized, as `output_type="latent"` returns them), frames within 2/255 and the waveform
 within 1e-4, with and without guidance, with modality guidance and rescale; requests at other
@@ -11,10 +11,12 @@ the text stage hands it over (`set_conditioning`)."""
 from __future__ import annotations
 
 import dataclasses
+import io
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.ltx2 import LTX2Options
@@ -75,7 +77,8 @@ def conditioning(ref, seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
 def reference(ref, p: DiffusionParams, opt: LTX2Options, text: dict, output_type: str):
     """diffusers' call for our params; n videos of one prompt as n rows of its embeddings
     (given embeddings are not repeated by num_videos_per_prompt), one generator."""
-    text = {k: v.repeat(p.num_images, 1, *([1] * (v.dim() - 2))) for k, v in text.items()}
+    text = {k: v.repeat(p.num_images, 1, *([1] * (v.dim() - 2))) if torch.is_tensor(v) else v
+            for k, v in text.items()}
     return ref(**text, height=p.height, width=p.width, num_frames=p.num_frames,
                frame_rate=p.fps, num_inference_steps=p.num_inference_steps,
                guidance_scale=p.guidance_scale, audio_guidance_scale=opt.audio_guidance_scale,
@@ -192,3 +195,40 @@ def test_served_by_omni_with_its_default_graph(folder) -> None:
     video, audio = out.tensors["video"], out.tensors["audio"]
     assert video.shape == (1, FRAMES, H, W, 3) and video.dtype == torch.uint8
     assert audio.dim() == 3 and audio.shape[:2] == (1, 2) and audio.abs().mean() > 0.01
+
+
+@pytest.mark.parametrize("crf", [33, 0])
+def test_image_to_video_latents_match_diffusers(folder, crf: int) -> None:
+    """LTX2ImageToVideoPipeline: the first latent frame the image's (re-compressed at crf as
+    diffusers does, its default 33, or not), its tokens at timestep 0, left out of the step."""
+    from diffusers import LTX2ImageToVideoPipeline as Reference
+
+    from omnistage.diffusion.pipelines.ltx2_i2v import LTX2I2VOptions
+    from omnistage.testing.diffusion import png
+
+    path, t2v = folder
+    ref = Reference(**t2v.components)
+    ref.set_progress_bar_config(disable=True)
+    ours = load_component("diffusion", "ltx2_i2v").from_pretrained(
+        path, "ltx2_i2v", torch.device("cpu"), torch.float32)
+    opt = LTX2I2VOptions(image_crf=crf)
+    ours.configure(opt)
+    image = png(W + 6, H + 3, seed=4)                  # resized to the video's size
+    p = params(3.0, seed=2, image=image)
+    text, cond = conditioning(t2v, seed=3)
+    video, audio = reference(ref, p, opt, dict(text, image=Image.open(io.BytesIO(image)),
+                                               image_crf=crf), "latent")
+    got = run_ours(ours, {"a": (p, cond)})["a"]
+    got_video, got_audio = final_latents(ours, p, got[0])
+    for g, e in ((got_video, video), (got_audio, audio)):
+        assert g.shape == e.shape
+        assert e.abs().mean() > 0.3, float(e.abs().mean())
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+
+
+def test_image_to_video_needs_an_image(pair, folder) -> None:
+    path, _ = folder
+    ours = load_component("diffusion", "ltx2_i2v").from_pretrained(
+        path, "ltx2_i2v", torch.device("cpu"), torch.float32, text_encoders=False)
+    with pytest.raises(ValueError, match="image"):
+        DiffusionEngine(ours).add_request("x", None, params(1.0))
