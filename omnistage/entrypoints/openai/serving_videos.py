@@ -72,7 +72,7 @@ from omnistage.entrypoints.openai.video_store import (
 )
 from omnistage.payloads import AudioChunk
 from omnistage.registry import VideoSpec
-from omnistage.utils.audio import encode_audio
+from omnistage.utils.audio import decode_audio, encode_audio
 from omnistage.utils.video import (MEDIA_TYPES, SoundTrack, decode_sound_track, decode_video,
                                    encode_video)
 
@@ -336,8 +336,17 @@ class VideoServing:
             data = buf.getvalue()
         else:
             data = encode_video(frames, job.request["fps"], _format(name),
-                                decode_sound_track(mp4))       # WebM keeps the sound
+                                self._sound(job.id, mp4))      # WebM keeps the sound
         return self.store.write(job.id, name, data)
+
+
+    def _sound(self, job_id: str, mp4: bytes) -> SoundTrack | None:
+        """A completed job's sound track: its WAV (the waveform to 16 bits), else the MP4's."""
+        assert self.store is not None
+        wav = self.store.folder(job_id) / SOUND_FILE
+        if wav.is_file():
+            return SoundTrack(*decode_audio(wav.read_bytes()))
+        return decode_sound_track(mp4)
 
 
 async def _retrying(call: Callable[..., Awaitable[Any]], *args: Any, **kw: Any) -> Any:
