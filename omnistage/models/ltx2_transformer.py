@@ -38,10 +38,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omnistage.layers.dit import TimestepEmbedding
+from omnistage.layers.step_cache import CacheGroup, run_cached
 from omnistage.models.diffusers_loader import build_from_folder, config_from_dict, read_config
 from omnistage.models.ltx2_transformer_layers import (BlockInputs, LTX2AdaLayerNormSingle,
                                                       LTX2VideoTransformerBlock, Rope,
                                                       audio_coords, rope_table, video_coords)
+
+IDENTITY = (1.0, 0.0)       # the step cache's polynomial: none is published for LTX-2
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,15 +176,18 @@ class LTX2VideoTransformer3DModel(nn.Module):
                 encoder_hidden_states: Tensor, audio_encoder_hidden_states: Tensor,
                 timestep: Tensor, positions: Positions, audio_timestep: Tensor | None = None,
                 encoder_attention_mask: Tensor | None = None, use_cross_timestep: bool = False,
-                isolate_modalities: bool = False, sigma: Tensor | None = None
-                ) -> tuple[Tensor, Tensor]:
+                isolate_modalities: bool = False, sigma: Tensor | None = None,
+                step_cache: list[CacheGroup] | None = None) -> tuple[Tensor, Tensor]:
         """hidden_states (B, N, C) packed video latents, audio_hidden_states (B, M, Ca);
         text (B, L, caption_channels) each; timestep (B,) or (B, N) already scaled by
         timestep_scale_multiplier, audio_timestep (B,) (None: timestep); mask (B, L) 1 keep,
         0 drop. use_cross_timestep: the cross-modal modulation of both streams at the row's
         sigma (B,) (None: timestep), as diffusers' pipelines pass it (image-to-video: the
         video's timestep per token, its sigma per row). isolate: no audio-video attention
-        (modality guidance). -> video (B, N, C'), audio (B, M, Ca')."""
+        (modality guidance). step_cache: per request and branch, skip the blocks on steps
+        whose first modulated input (video and audio together) barely moved
+        (layers/step_cache.py, no published polynomial: its change as is); None runs every
+        block. -> video (B, N, C'), audio (B, M, Ca')."""
         cfg, b = self.cfg, hidden_states.shape[0]
         dtype = hidden_states.dtype
         audio_timestep = timestep if audio_timestep is None else audio_timestep
@@ -208,11 +214,32 @@ class LTX2VideoTransformer3DModel(nn.Module):
             audio_ca_gate=self.av_cross_attn_audio_v2a_gate(audio_ca_t * gate_factor, dtype)[0],
             rope=ropes[0], audio_rope=ropes[1], ca_rope=ropes[2], audio_ca_rope=ropes[3],
             isolate=isolate_modalities)
-        for block in self.transformer_blocks:
-            x, a = block(x, a, inputs)
+        x, a = self._blocks(x, a, inputs, step_cache)
         return (self._out(x, emb, self.scale_shift_table, self.norm_out, self.proj_out),
                 self._out(a, aemb, self.audio_scale_shift_table, self.audio_norm_out,
                           self.audio_proj_out))
+
+    def _blocks(self, x: Tensor, a: Tensor, inputs: BlockInputs,
+                step_cache: list[CacheGroup] | None) -> tuple[Tensor, Tensor]:
+        """Every block over both streams; with a step cache, both streams of a row flattened
+        into one (B, 1, N D + M Da) so the cache treats them as one state."""
+        def run(idx: Tensor | None) -> tuple[Tensor, Tensor]:
+            h, g, c = (x, a, inputs) if idx is None else (x[idx], a[idx], inputs.rows(idx))
+            for block in self.transformer_blocks:
+                h, g = block(h, g, c)
+            return h, g
+
+        if step_cache is None:
+            return run(None)
+        size = x[0].numel()
+
+        def join(v: Tensor, w: Tensor) -> Tensor:
+            return torch.cat([v.flatten(1), w.flatten(1)], dim=1)[:, None]
+
+        modulated = join(*self.transformer_blocks[0].modulated_inputs(x, a, inputs))
+        out = run_cached(join(x, a), modulated, step_cache, IDENTITY,
+                         lambda idx: join(*run(idx)))[:, 0]
+        return out[:, :size].view_as(x), out[:, size:].view_as(a)
 
     @staticmethod
     def _out(x: Tensor, emb: Tensor, table: Tensor, norm: nn.LayerNorm, proj: nn.Linear

@@ -6,7 +6,7 @@ follow diffusers' `transformer_ltx2.py` so checkpoint keys map one-to-one."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -178,6 +178,14 @@ class BlockInputs:
     audio_ca_rope: Rope
     isolate: bool = False
 
+    def rows(self, idx: Tensor) -> BlockInputs:
+        """The inputs of some rows of the batch (the ropes are every row's)."""
+        def pick(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[idx]
+        return replace(self, **{k: pick(getattr(self, k)) for k in (
+            "text", "audio_text", "mask", "temb", "audio_temb", "ca", "audio_ca", "ca_gate",
+            "audio_ca_gate")})
+
 
 class LTX2VideoTransformerBlock(nn.Module):
     def __init__(self, dim: int, heads: int, head_dim: int, cross_dim: int, audio_dim: int,
@@ -202,6 +210,13 @@ class LTX2VideoTransformerBlock(nn.Module):
         self.audio_scale_shift_table = nn.Parameter(torch.empty(6, audio_dim))
         self.video_a2v_cross_attn_scale_shift_table = nn.Parameter(torch.empty(5, dim))
         self.audio_a2v_cross_attn_scale_shift_table = nn.Parameter(torch.empty(5, audio_dim))
+
+    def modulated_inputs(self, x: Tensor, a: Tensor, c: BlockInputs) -> tuple[Tensor, Tensor]:
+        """What the self-attentions see, video and audio: what step caching watches."""
+        shift, scale = mod_params(self.scale_shift_table, c.temb)[:2]
+        a_shift, a_scale = mod_params(self.audio_scale_shift_table, c.audio_temb)[:2]
+        return (rms(x, self.eps) * (1 + scale) + shift,
+                rms(a, self.eps) * (1 + a_scale) + a_shift)
 
     def forward(self, x: Tensor, a: Tensor, c: BlockInputs) -> tuple[Tensor, Tensor]:
         """x (B, N, D) video tokens, a (B, M, Da) audio tokens."""

@@ -25,6 +25,10 @@ the video and the audio latents together; the answer is frames and a waveform.
               -> float32 (n, channels, samples) at its rate: one Payload (payloads.py: Video and
               AudioChunk)
 
+Step caching (the request's cache_threshold) keeps a state per request and branch (cond,
+uncond, and "iso", the modality pass), over the video and audio streams as one
+(models/ltx2_transformer.py).
+
 Per request: guidance_scale (the video's, 3.0 by default as diffusers), num_frames (1 + 8k),
 fps (24), height and width (multiples of 32). The audio guidance, modality guidance and rescale
 scales are the stage's `diffusion.options` (`LTX2Options`, diffusers' defaults).
@@ -50,6 +54,7 @@ from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers.flow_match_euler import (FlowMatchEuler, FlowMatchEulerConfig,
                                                           calculate_shift, make_sigmas)
 from omnistage.layers.groups import stage_ranks
+from omnistage.layers.step_cache import CacheGroup, cache_groups
 from omnistage.models.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
 from omnistage.models.autoencoder_kl_ltx2_audio import DOWNSAMPLE, AutoencoderKLLTX2Audio
 from omnistage.models.diffusers_loader import read_config
@@ -288,14 +293,22 @@ class LTX2Pipeline(DiffusionPipeline):
         t = torch.cat([sigmas, sigmas[guided.idx.to(sigmas.device)]]) * \
             self.scheduler.num_train_timesteps
         parts = [slice(0, len(rows)), slice(len(rows), x.shape[0])]
+        cached = any(r.params.cache_threshold is not None for r in requests)
+        branches = guided.branches() + [("iso", [True] * len(requests))]
+
+        def cache(chosen: list[int]) -> list[CacheGroup] | None:
+            return cache_groups(requests, counts, [branches[b] for b in chosen]) \
+                if cached else None
 
         def run(chosen: list[int]) -> Tensor:
             part = slice(parts[chosen[0]].start, parts[chosen[-1]].stop)
-            return self._forward(lay, x[part], t[part], [c[part] for c in text])
+            return self._forward(lay, x[part], t[part], [c[part] for c in text],
+                                 step_cache=cache(chosen))
 
         out = run_branches(self.cfg_ranks, [len(rows), x.shape[0] - len(rows)], run, latents)
         isolated = (self._forward(lay, latents, t[:len(rows)], [c[:len(rows)] for c in text],
-                                  isolate=True) if self.options.modality else None)
+                                  isolate=True, step_cache=cache([2]))
+                    if self.options.modality else None)
         return self._guide(lay, latents, sigmas, out, isolated, guided, rows)
 
     def _text(self, rows: list[DiffusionRequest], prefix: str) -> list[Tensor]:
@@ -303,13 +316,14 @@ class LTX2Pipeline(DiffusionPipeline):
         return [torch.stack([r.cond[prefix + k] for r in rows]) for k in TEXT_KEYS]
 
     def _forward(self, lay: Layout, x: Tensor, t: Tensor, text: list[Tensor],
-                 isolate: bool = False) -> Tensor:
+                 isolate: bool = False, step_cache: list[CacheGroup] | None = None) -> Tensor:
         """One transformer call over rows x (R, S) at timesteps t (R,) -> velocities (R, S)."""
         video, audio = lay.split(x.to(self.dtype))
         t = t.to(self.device)
         v, a = self.transformer(video, audio, text[0], text[1], self.video_timesteps(lay, t),
                                 lay.positions, audio_timestep=t, encoder_attention_mask=text[2],
-                                use_cross_timestep=True, isolate_modalities=isolate, sigma=t)
+                                use_cross_timestep=True, isolate_modalities=isolate, sigma=t,
+                                step_cache=step_cache)
         return Layout.join(v.float(), a.float())
 
     def video_timesteps(self, lay: Layout, t: Tensor) -> Tensor:

@@ -232,3 +232,29 @@ def test_image_to_video_needs_an_image(pair, folder) -> None:
         path, "ltx2_i2v", torch.device("cpu"), torch.float32, text_encoders=False)
     with pytest.raises(ValueError, match="image"):
         DiffusionEngine(ours).add_request("x", None, params(1.0))
+
+
+def test_step_cache_skips_steps_and_threshold_zero_changes_nothing(pair) -> None:
+    """Step caching (the request's cache_threshold) over both streams at once, a state per
+    branch (cond, uncond, the modality pass): threshold 0 never skips and equals no caching;
+    a large one skips steps between the first and the last and stays near it."""
+    from omnistage.testing.diffusion import run_to_end
+
+    ref, ours = pair
+    ours.configure(LTX2Options())
+    cond = conditioning(ref, 4)[1]
+
+    def run(threshold: float | None) -> tuple[torch.Tensor, int]:
+        p = params(3.0, seed=6, steps=6, cache_threshold=threshold)
+        latents = run_ours(ours, {"a": (p, cond)})["a"][0]
+        engine = DiffusionEngine(ours)
+        engine.add_request("a", None, p)
+        engine.set_conditioning("a", cond)
+        return latents, run_to_end(engine)["a"].metrics.num_steps_skipped
+
+    plain, _ = run(None)
+    zero, skipped_zero = run(0.0)
+    loose, skipped = run(50.0)
+    assert skipped_zero == 0 and (zero - plain).abs().max() < 1e-5
+    assert 0 < skipped <= 4, skipped
+    assert torch.isfinite(loose).all() and not torch.equal(loose, plain)
