@@ -128,8 +128,8 @@ class FakePromptEncoder:
 
 RANK_CASES = [
     {"id": "a", "prompt": 'a sign that says "open"', "steps": 3, "seed": 1},
-    {"id": "b", "prompt": "a red car", "steps": 2, "seed": 2, "negative_prompt": "blur",
-     "cache_threshold": 0.5},
+    {"id": "b", "prompt": "a red car", "steps": 5, "seed": 2, "negative_prompt": "blur",
+     "cache_threshold": 0.5},                      # skips a step per branch
     {"id": "c", "prompt": "waves", "steps": 3, "seed": 3, "cfg": 1.0},
 ]
 

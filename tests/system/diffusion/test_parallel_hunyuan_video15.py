@@ -46,6 +46,7 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
 def test_latents_match_one_rank(pipeline: tuple[str, dict], layout: str, tmp_path: Path
                                 ) -> None:
     folder, reference = pipeline
+    assert sum(reference["skipped"]["b"].values()) > 0          # the cache is exercised
     results = run_ranks(f"{TARGET}:ranks_run", LAYOUTS[layout],
                         {"folder": folder, "cases": RANK_CASES}, tmp_path)
     for rank, result in enumerate(results):
