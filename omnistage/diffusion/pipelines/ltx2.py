@@ -68,7 +68,7 @@ DEFAULT_GUIDANCE = 3.0          # diffusers' LTX2Pipeline default (video)
 MAX_SIZE = 2048
 # 768x512 by default (diffusers' default), 121 frames at 24 fps (~5 s); up to ~10.7 s
 SPEC = VideoSpec(default_size=(768, 512), size_multiple=32, default_num_frames=121,
-                 max_num_frames=257, frame_multiple=8, frame_offset=1, fps=24)
+                 max_num_frames=257, frame_multiple=8, frame_offset=1, fps=24, audio=True)
 
 
 @dataclass(frozen=True, slots=True)
