@@ -206,7 +206,146 @@ class LTX2Vocoder(nn.Module):
         path = Path(path)
         raw = read_config(path)
         if "bwe_hidden_channels" in raw:
-            raise ValueError(f"{path}: an LTX2VocoderWithBWE (LTX-2.3's bandwidth-extended "
-                             "vocoder) is not supported yet")
+            raise ValueError(f"{path}: an LTX2VocoderWithBWE folder (LTX-2.3's vocoder): "
+                             "load it with LTX2VocoderWithBWE (or `load_vocoder`)")
         cfg = config_from_dict(LTX2VocoderConfig, raw, "LTX2Vocoder")
         return build_from_folder(cls, cfg, path, device, dtype)
+
+
+# ---- LTX-2.3's vocoder: the same generator, then a bandwidth extension to a higher rate ----
+
+@dataclass(frozen=True, slots=True)
+class LTX2VocoderWithBWEConfig:
+    """config.json of a diffusers `LTX2VocoderWithBWE` folder (its keys, its defaults)."""
+    in_channels: int = 128
+    hidden_channels: int = 1536
+    out_channels: int = 2
+    upsample_kernel_sizes: tuple[int, ...] = (11, 4, 4, 4, 4, 4)
+    upsample_factors: tuple[int, ...] = (5, 2, 2, 2, 2, 2)
+    resnet_kernel_sizes: tuple[int, ...] = (3, 7, 11)
+    resnet_dilations: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
+    act_fn: str = "snakebeta"
+    leaky_relu_negative_slope: float = 0.1
+    antialias: bool = True
+    antialias_ratio: int = 2
+    antialias_kernel_size: int = 12
+    final_act_fn: str | None = None
+    final_bias: bool = False
+    bwe_in_channels: int = 128
+    bwe_hidden_channels: int = 512
+    bwe_out_channels: int = 2
+    bwe_upsample_kernel_sizes: tuple[int, ...] = (12, 11, 4, 4, 4)
+    bwe_upsample_factors: tuple[int, ...] = (6, 5, 2, 2, 2)
+    bwe_resnet_kernel_sizes: tuple[int, ...] = (3, 7, 11)
+    bwe_resnet_dilations: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
+    bwe_act_fn: str = "snakebeta"
+    bwe_leaky_relu_negative_slope: float = 0.1
+    bwe_antialias: bool = True
+    bwe_antialias_ratio: int = 2
+    bwe_antialias_kernel_size: int = 12
+    bwe_final_act_fn: str | None = None
+    bwe_final_bias: bool = False
+    filter_length: int = 512
+    hop_length: int = 80
+    window_length: int = 512
+    num_mel_channels: int = 64
+    input_sampling_rate: int = 16000
+    output_sampling_rate: int = 48000
+
+    def __post_init__(self) -> None:
+        if self.output_sampling_rate % self.input_sampling_rate:
+            raise ValueError(f"output_sampling_rate={self.output_sampling_rate}: not a multiple "
+                             f"of input_sampling_rate={self.input_sampling_rate}")
+
+    def generator(self, prefix: str, rate: int) -> LTX2VocoderConfig:
+        """The config of the generator whose keys start with `prefix` ('' or 'bwe_')."""
+        names = ("in_channels", "hidden_channels", "out_channels", "upsample_kernel_sizes",
+                 "upsample_factors", "resnet_kernel_sizes", "resnet_dilations", "act_fn",
+                 "leaky_relu_negative_slope", "antialias", "antialias_ratio",
+                 "antialias_kernel_size", "final_act_fn", "final_bias")
+        return LTX2VocoderConfig(**{n: getattr(self, prefix + n) for n in names},
+                                 output_sampling_rate=rate)
+
+
+class MelSTFT(nn.Module):
+    """Causal log-mel spectrogram with the checkpoint's DFT basis (Hann-windowed) and mel
+    filterbank: waveform (N, S) -> log mel (N, mels, S / hop)."""
+
+    def __init__(self, cfg: LTX2VocoderWithBWEConfig) -> None:
+        super().__init__()
+        self.hop, self.left_pad = cfg.hop_length, max(0, cfg.window_length - cfg.hop_length)
+        num_freqs = cfg.filter_length // 2 + 1
+        self.stft_fn = nn.Module()
+        for name in ("forward_basis", "inverse_basis"):     # stored buffers: read as stored
+            self.stft_fn.register_parameter(name, nn.Parameter(
+                torch.zeros(num_freqs * 2, 1, cfg.filter_length), requires_grad=False))
+        self.mel_basis = nn.Parameter(torch.zeros(cfg.num_mel_channels, num_freqs),
+                                      requires_grad=False)
+
+    def forward(self, wave: Tensor) -> Tensor:
+        spec = F.conv1d(F.pad(wave[:, None], (self.left_pad, 0)), self.stft_fn.forward_basis,
+                        stride=self.hop)
+        real, imag = spec.chunk(2, dim=1)
+        magnitude = torch.sqrt(real ** 2 + imag ** 2)
+        return torch.log(torch.clamp(self.mel_basis.to(magnitude.dtype) @ magnitude, min=1e-5))
+
+
+def hann_upsample(x: Tensor, ratio: int) -> Tensor:
+    """x ratio with a Hann-windowed sinc (rolloff 0.99, 6 zero crossings), replicate padded:
+    diffusers' UpSample1d(window_type="hann"), whose filter is computed, not stored."""
+    rolloff, zeros = 0.99, 6
+    width = math.ceil(zeros / rolloff)
+    kernel = 2 * width * ratio + 1
+    t = (torch.arange(kernel, device=x.device) / ratio - width) * rolloff
+    window = torch.cos(t.clamp(-zeros, zeros) * math.pi / zeros / 2) ** 2
+    filt = (torch.sinc(t) * window * rolloff / ratio).to(x.dtype)
+    x = F.pad(x, (width, width), mode="replicate")
+    x = ratio * F.conv_transpose1d(x, filt.view(1, 1, -1).expand(x.shape[1], -1, -1),
+                                   stride=ratio, groups=x.shape[1])
+    return x[..., 2 * width * ratio:-(kernel - ratio)]
+
+
+class LTX2VocoderWithBWE(nn.Module):
+    """mel -> the generator's waveform at input_sampling_rate -> its log mel -> a second
+    generator's residual at output_sampling_rate, added to the waveform upsampled (Hann sinc),
+    clamped to [-1, 1]."""
+
+    def __init__(self, cfg: LTX2VocoderWithBWEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.vocoder = LTX2Vocoder(cfg.generator("", cfg.input_sampling_rate))
+        self.bwe_generator = LTX2Vocoder(cfg.generator("bwe_", cfg.output_sampling_rate))
+        self.mel_stft = MelSTFT(cfg)
+
+    @property
+    def sample_rate(self) -> int:
+        return self.cfg.output_sampling_rate
+
+    def forward(self, mel: Tensor) -> Tensor:
+        """mel (B, C, T, M) -> waveform (B, out_channels, T hop_in ratio)."""
+        x = self.vocoder(mel)                                        # (B, C, S)
+        b, c, num_samples = x.shape
+        x = F.pad(x, (0, -num_samples % self.cfg.hop_length))
+        low = self.mel_stft(x.flatten(0, 1)).unflatten(0, (b, c))    # (B, C, mels, frames)
+        ratio = self.cfg.output_sampling_rate // self.cfg.input_sampling_rate
+        wave = torch.clamp(self.bwe_generator(low.transpose(2, 3)) + hann_upsample(x, ratio),
+                           -1, 1)
+        return wave[..., :num_samples * ratio]
+
+    decode = forward
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | None = None) -> LTX2VocoderWithBWE:
+        path = Path(path)
+        cfg = config_from_dict(LTX2VocoderWithBWEConfig, read_config(path),
+                               "LTX2VocoderWithBWE")
+        return build_from_folder(cls, cfg, path, device, dtype)
+
+
+def load_vocoder(path: str | Path, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None) -> LTX2Vocoder | LTX2VocoderWithBWE:
+    """A pipeline's `vocoder/`, whichever of the two its config.json describes."""
+    cls = LTX2VocoderWithBWE if "bwe_hidden_channels" in read_config(Path(path)) \
+        else LTX2Vocoder
+    return cls.from_pretrained(path, device, dtype)

@@ -64,6 +64,17 @@ VOCODER_CONFIGS = {
 
 VOCODER_GAIN = {"ltx2": 1.7, "snake": 1.0}      # weight scale: mean |wave| 0.2-0.6
 
+# LTX-2.3's vocoder with bandwidth extension: 20 samples a mel frame at 8 kHz, then the
+# extension to 16 kHz (its generator: 40 samples a frame of the 20-sample-hop STFT's mel)
+BWE_CONFIG = dict(in_channels=2 * 16, hidden_channels=32, out_channels=2,
+                  upsample_kernel_sizes=(11, 8), upsample_factors=(5, 4),
+                  resnet_kernel_sizes=(3,), resnet_dilations=((1, 3),),
+                  bwe_in_channels=2 * 16, bwe_hidden_channels=32, bwe_out_channels=2,
+                  bwe_upsample_kernel_sizes=(11, 8, 4), bwe_upsample_factors=(5, 4, 2),
+                  bwe_resnet_kernel_sizes=(3,), bwe_resnet_dilations=((1, 3),),
+                  filter_length=64, hop_length=20, window_length=64, num_mel_channels=16,
+                  input_sampling_rate=8000, output_sampling_rate=16000)
+
 
 def _perturb(model: torch.nn.Module, names: tuple[str, ...], scale: float = 0.3) -> None:
     with torch.no_grad():
@@ -103,6 +114,27 @@ def save_vocoder(name: str, path: Path) -> torch.nn.Module:
         for key, p in ref.named_parameters():
             if key.endswith("weight"):
                 p.mul_(VOCODER_GAIN[name])
+    _perturb(ref, ("alpha", "beta"), 0.3)
+    ref.save_pretrained(path)
+    return ref
+
+
+def save_vocoder_bwe(path: Path) -> torch.nn.Module:
+    """The tiny LTX2VocoderWithBWE; its STFT basis a Hann-windowed DFT and its mel filterbank
+    random (zeros in a fresh model: the checkpoint's in a real one)."""
+    import math
+
+    from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
+    torch.manual_seed(0)
+    ref = LTX2VocoderWithBWE(**BWE_CONFIG).eval()
+    n = BWE_CONFIG["filter_length"]
+    freqs = torch.arange(n // 2 + 1)[:, None] * torch.arange(n)[None] * 2 * math.pi / n
+    window = torch.hann_window(n)
+    basis = torch.cat([torch.cos(freqs), -torch.sin(freqs)]) * window
+    with torch.no_grad():
+        ref.mel_stft.stft_fn.forward_basis.copy_(basis[:, None])
+        ref.mel_stft.stft_fn.inverse_basis.copy_(basis[:, None] / n)
+        ref.mel_stft.mel_basis.copy_(torch.rand_like(ref.mel_stft.mel_basis) * 0.2)
     _perturb(ref, ("alpha", "beta"), 0.3)
     ref.save_pretrained(path)
     return ref

@@ -1,8 +1,9 @@
 """LTX-2's sound path against diffusers on tiny random checkpoints in float32: the audio VAE
 (`AutoencoderKLLTX2Audio`: LTX-2's causal pixel-norm shape, and a group-norm one with attention)
 decoding mel latents to mel spectrograms and encoding them back, and the vocoder (`LTX2Vocoder`:
-LTX-2's leaky-ReLU shape, and anti-aliased snake-beta) from mel to waveform, each alone and
-chained as LTX2Pipeline chains them; the waveform within 1e-4 at an audible magnitude."""
+LTX-2's leaky-ReLU shape, and anti-aliased snake-beta; LTX-2.3's `LTX2VocoderWithBWE`, its
+bandwidth extension to twice the rate) from mel to waveform, each alone and chained as
+LTX2Pipeline chains them; the waveform within 1e-4 at an audible magnitude."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from omnistage.models.autoencoder_kl_ltx2_audio import AutoencoderKLLTX2Audio
-from omnistage.models.ltx2_vocoder import LTX2Vocoder
-from tests.helpers.ltx2_vae import (AUDIO_CONFIGS, VOCODER_CONFIGS, save_audio_vae,
-                                    save_vocoder)
+from omnistage.models.ltx2_vocoder import LTX2Vocoder, LTX2VocoderWithBWE, load_vocoder
+from tests.helpers.ltx2_vae import (AUDIO_CONFIGS, BWE_CONFIG, VOCODER_CONFIGS, save_audio_vae,
+                                    save_vocoder, save_vocoder_bwe)
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -130,4 +131,21 @@ def test_bad_input_and_strict_loading(vocoder_pair: tuple, tmp_path: Path) -> No
     missing = {k: v for k, v in tensors.items() if k != "conv_in.weight"}
     save_file(missing, tmp_path / WEIGHTS)
     with pytest.raises(ValueError, match="conv_in.weight"):
+        LTX2Vocoder.from_pretrained(tmp_path)
+
+
+@torch.no_grad()
+def test_bandwidth_extended_vocoder_matches_diffusers(tmp_path: Path) -> None:
+    ref = save_vocoder_bwe(tmp_path)
+    ours = load_vocoder(tmp_path)
+    assert isinstance(ours, LTX2VocoderWithBWE)
+    assert ours.sample_rate == BWE_CONFIG["output_sampling_rate"]
+    mel = torch.randn(2, 2, 13, 16, generator=torch.Generator().manual_seed(6)) * 2 - 4
+    wave = ours(mel)
+    assert wave.shape == (2, 2, 13 * 20 * 2)             # 20 samples a frame at 8 kHz, x 2
+    assert wave.abs().mean() > 0.1 and (wave.abs() > 0.999).float().mean() < 0.01
+    expected = ref(mel)
+    assert max_diff(wave, expected) < 1e-4
+    assert max_diff(ours.vocoder(mel), ref.vocoder(mel)) < 1e-4
+    with pytest.raises(ValueError, match="LTX2VocoderWithBWE"):
         LTX2Vocoder.from_pretrained(tmp_path)
