@@ -159,3 +159,24 @@ def test_two_requests_joining_at_different_steps(
     done = loop.run()
     _assert_equal_to_reference(done["a"], ref_a, "a")
     _assert_equal_to_reference(done["b"], ref_b, "b")
+
+
+def test_loading_is_strict_and_unsupported_schedules_are_named(roots: dict[int, Path],
+                                                               tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from omnistage.models.vibevoice.solver import NoiseSchedule
+
+    folder = tmp_path / "partial"
+    folder.mkdir()
+    for f in ("config.json", "generation_config.json"):
+        (folder / f).write_text((roots[0] / f).read_text())
+    tensors = load_file(roots[0] / "model.safetensors")
+    del tensors["model.diffusion_head.final_layer.linear_2.weight"]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match="final_layer.linear_2.weight"):
+        VibeVoiceForConditionalGeneration.from_pretrained(folder)
+    with pytest.raises(NotImplementedError, match="use_karras_sigmas"):
+        NoiseSchedule.from_config({"use_karras_sigmas": True})
+    with pytest.raises(NotImplementedError, match="solver_order"):
+        NoiseSchedule.from_config({"solver_order": 3})
