@@ -3,7 +3,8 @@
     python scripts/cosyvoice3_fixtures.py /path/to/CosyVoice-checkout [--out tests/fixtures/cosyvoice3]
 
 Runs in the reference's own environment (not .venv): python3 -m venv; pip install torch==2.13.0
-numpy einops x-transformers==2.11.24 (the version upstream's requirements.txt pins). Pinned
+numpy einops x-transformers==2.11.24 transformers==4.51.3 (the versions upstream's
+requirements.txt pins). Pinned
 upstream commit: UPSTREAM_COMMIT below (pass the checkout's commit with --commit if it is not a
 git work tree; the script refuses another one unless --any-commit).
 
@@ -18,6 +19,13 @@ What it does:
    schedule, CFG 0.7, its fixed noise: seed 0, randn(1, 80, 15000)) for two cases (different
    prompt/token lengths; the second with streaming=True, i.e. the DiT's chunk mask), then
    `CausalHiFTGenerator.inference` on each mel (finalize=True);
+2b. builds CosyVoice3LM over a tiny Qwen2 (transformers' Qwen2ForCausalLM, its text vocabulary
+   reaching <|endofprompt|> = 151646, which inference asserts), seeds it the same way (the
+   speech decoder's 200 stop rows zeroed so that greedy decoding speaks) and runs its inference
+   greedily (argmax in place of ras_sampling) on random text, prompt text ending in
+   <|endofprompt|> and prompt speech tokens: the tokens and every step's log-probabilities.
+   Its weights (5 M numbers, mostly the text embedding) are not saved: the manifest lists the
+   tensors' names and shapes and tests/helpers/cosyvoice3.py redraws them from the seed;
 3. writes manifest.json (configs, commit, seed, cases) and expected.pt: the inputs (tokens,
    prompt tokens, prompt mel, speaker embedding), the flow's mel, the vocoder's waveform and
    source, and the slices of the vocoder's fixed random buffers (SineGen2.rand_ini,
@@ -36,9 +44,11 @@ above the voiced threshold (10 Hz) and the sine source is exercised, not only th
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import json
 import subprocess
 import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -64,6 +74,15 @@ HIFT_CONFIG = dict(in_channels=MEL, base_channels=16, nb_harmonics=8, sampling_r
                    lrelu_slope=0.1, audio_limit=0.99, conv_pre_look_right=4)
 F0_CONFIG = dict(num_class=1, in_channels=MEL, cond_channels=16)
 F0_BIAS = 150.0
+ENDOFPROMPT = 151646         # CosyVoice3LM.inference asserts this text token is in the prompt
+QWEN2_CONFIG = dict(vocab_size=ENDOFPROMPT + 1, hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                    tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"],
+                    model_type="qwen2")
+LLM_CONFIG = dict(llm_input_size=32, llm_output_size=32, speech_token_size=FLOW_CONFIG["vocab_size"])
+LLM_CASE = dict(num_text=6, num_prompt_text=4, num_prompt_speech=5, max_token_text_ratio=4,
+                min_token_text_ratio=0, input_seed=3)
 CASES = {
     "a": dict(num_prompt_tokens=5, num_tokens=7, streaming=False, input_seed=1),
     "b": dict(num_prompt_tokens=4, num_tokens=9, streaming=True, input_seed=2),
@@ -107,6 +126,7 @@ def install_stubs() -> None:
     mods = {"matcha": {}, "matcha.models": {}, "matcha.models.components": {},
             "matcha.models.components.flow_matching": {"BASECFM": BASECFM},
             "omegaconf": {"DictConfig": DictConfig},
+            "cosyvoice.utils.file_utils": {"logging": __import__("logging")},
             "cosyvoice.utils.onnx": {"online_feature": False, "SpeechTokenExtractor": None,
                                      "onnx_path": ""},
             "cosyvoice.utils.class_utils": {k: {} for k in (
@@ -115,6 +135,7 @@ def install_stubs() -> None:
             "torchaudio": {}, "scipy": {}, "scipy.signal": {"get_window": get_window}}
     for name, attrs in mods.items():
         mod = types.ModuleType(name)
+        mod.__spec__ = importlib.machinery.ModuleSpec(name, None)    # transformers probes it
         mod.__dict__.update(attrs)
         sys.modules[name] = mod
 
@@ -146,6 +167,44 @@ def build(checkout: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
     with torch.no_grad():
         hift.f0_predictor.classifier.bias.fill_(F0_BIAS)
     return flow.eval(), hift.eval()
+
+
+def build_llm(checkout: Path, folder: Path) -> torch.nn.Module:
+    """CosyVoice3LM over a tiny Qwen2 saved to `folder` (save_pretrained; its weights are
+    rebuilt by the test from the seed, so only the state dict's names and shapes matter)."""
+    from cosyvoice.llm.llm import CosyVoice3LM, Qwen2Encoder
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    Qwen2ForCausalLM(Qwen2Config(**QWEN2_CONFIG)).save_pretrained(folder)
+    llm = CosyVoice3LM(**LLM_CONFIG, llm=Qwen2Encoder(str(folder)), sampling=greedy)
+    seed_module(llm, SEED + 2)
+    with torch.no_grad():            # stop rows at zero: the random speech rows win greedily
+        llm.llm_decoder.weight[LLM_CONFIG["speech_token_size"]:] = 0
+    return llm.eval()
+
+
+def greedy(weighted_scores: torch.Tensor, decoded_tokens: list, sampling: int) -> int:
+    return int(weighted_scores.argmax())
+
+
+def run_llm(llm: torch.nn.Module) -> dict[str, torch.Tensor]:
+    c, gen = LLM_CASE, torch.Generator().manual_seed(LLM_CASE["input_seed"])
+    text = torch.randint(0, 1000, (1, c["num_text"]), generator=gen)
+    prompt_text = torch.randint(0, 1000, (1, c["num_prompt_text"]), generator=gen)
+    prompt_text[0, -1] = ENDOFPROMPT
+    prompt_speech = torch.randint(0, LLM_CONFIG["speech_token_size"],
+                                  (1, c["num_prompt_speech"]), generator=gen)
+    logps = []
+    decoder = llm.llm_decoder
+    hook = decoder.register_forward_hook(lambda m, i, o: logps.append(o.log_softmax(-1).clone()))
+    tokens = list(llm.inference(text, torch.tensor([text.shape[1]]), prompt_text,
+                                torch.tensor([prompt_text.shape[1]]), prompt_speech,
+                                torch.tensor([prompt_speech.shape[1]]), torch.zeros(1, 0),
+                                max_token_text_ratio=c["max_token_text_ratio"],
+                                min_token_text_ratio=c["min_token_text_ratio"]))
+    hook.remove()
+    return {"llm.text": text, "llm.prompt_text": prompt_text, "llm.prompt_speech": prompt_speech,
+            "llm.tokens": torch.tensor(tokens), "llm.logp": torch.cat(logps)}
 
 
 def case_inputs(c: dict) -> dict[str, torch.Tensor]:
@@ -191,6 +250,10 @@ def main() -> None:
     expected = {}
     for name, c in CASES.items():
         expected.update({f"{name}.{k}": v for k, v in run_case(flow, hift, c).items()})
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = build_llm(a.checkout, Path(tmp))
+        expected.update(run_llm(llm))
+    llm_tensors = [[n, list(t.shape)] for n, t in sorted(llm.state_dict().items())]
     n = max(v.shape[-1] for k, v in expected.items() if k.endswith(".source"))
     sine = hift.m_source.l_sin_gen
     expected["noise.rand_ini"] = sine.rand_ini.clone()                     # (1, 9)
@@ -202,7 +265,9 @@ def main() -> None:
     torch.save(expected, a.out / "expected.pt")
     manifest = {"upstream": "FunAudioLLM/CosyVoice", "commit": commit, "seed": SEED,
                 "flow": FLOW_CONFIG, "cfm": CFM_CONFIG, "dit": DIT_CONFIG, "hift": HIFT_CONFIG,
-                "f0_predictor": F0_CONFIG, "f0_bias": F0_BIAS, "n_timesteps": 10, "cases": CASES,
+                "f0_predictor": F0_CONFIG, "qwen2": QWEN2_CONFIG, "llm": LLM_CONFIG,
+                "llm_case": LLM_CASE, "llm_seed": SEED + 2,
+                "llm_tensors": llm_tensors, "endofprompt": ENDOFPROMPT, "f0_bias": F0_BIAS, "n_timesteps": 10, "cases": CASES,
                 "magnitudes": {k: float(v.float().abs().max()) for k, v in expected.items()}}
     (a.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     for k, v in expected.items():
