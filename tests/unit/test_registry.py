@@ -56,7 +56,9 @@ def test_a_diffusers_folder_naming_no_class_lists_the_native_ones(tmp_path: Path
     path = folder(tmp_path, "model_index.json", {"_diffusers_version": "0.42.1"})
     with pytest.raises(ValueError, match=r"diffusers pipeline \(none\) is not supported "
                        r"\(natively: Flux2KleinPipeline, Flux2Pipeline, FluxPipeline, "
-                       r"GlmImagePipeline, QwenImageEditPipeline, QwenImageEditPlusPipeline, "
+                       r"GlmImagePipeline, HunyuanVideo15ImageToVideoPipeline, "
+                       r"HunyuanVideo15Pipeline, LTX2ImageToVideoPipeline, LTX2Pipeline, "
+                       r"QwenImageEditPipeline, QwenImageEditPlusPipeline, "
                        r"QwenImagePipeline, StableDiffusion3Pipeline, WanImageToVideoPipeline, "
                        r"WanPipeline, ZImagePipeline\)"):
         resolve_graph(str(path), path, None)
