@@ -60,7 +60,7 @@ from omnistage.models.autoencoder_kl_ltx2_audio import DOWNSAMPLE, AutoencoderKL
 from omnistage.models.diffusers_loader import read_config
 from omnistage.models.ltx2_transformer import (LTX2TransformerConfig,
                                                LTX2VideoTransformer3DModel, Positions)
-from omnistage.models.ltx2_vocoder import LTX2Vocoder
+from omnistage.models.ltx2_vocoder import LTX2Vocoder, LTX2VocoderWithBWE, load_vocoder
 from omnistage.payloads import AudioChunk, Payload, Video
 from omnistage.registry import VideoSpec
 
@@ -149,7 +149,7 @@ class LTX2Pipeline(DiffusionPipeline):
     splits_text = True
 
     def __init__(self, transformer: LTX2VideoTransformer3DModel, vae: AutoencoderKLLTX2Video,
-                 audio_vae: AutoencoderKLLTX2Audio, vocoder: LTX2Vocoder,
+                 audio_vae: AutoencoderKLLTX2Audio, vocoder: LTX2Vocoder | LTX2VocoderWithBWE,
                  scheduler: FlowMatchEulerConfig, device: torch.device,
                  prompt_encoder: LTX2PromptEncoder | None = None) -> None:
         self.transformer = transformer.to(device).eval()
@@ -179,7 +179,7 @@ class LTX2Pipeline(DiffusionPipeline):
         vae = AutoencoderKLLTX2Video.from_pretrained(path / "vae", device, torch.float32)
         audio_vae = AutoencoderKLLTX2Audio.from_pretrained(path / "audio_vae", device,
                                                            torch.float32)
-        vocoder = LTX2Vocoder.from_pretrained(path / "vocoder", device, torch.float32)
+        vocoder = load_vocoder(path / "vocoder", device, torch.float32)
         scheduler = FlowMatchEulerConfig.from_json(path / "scheduler" / "scheduler_config.json")
         encoder = cls.load_prompt_encoder(path, device, dtype) if text_encoders else None
         return cls(transformer, vae, audio_vae, vocoder, scheduler, device, encoder)
@@ -383,4 +383,4 @@ class LTX2Pipeline(DiffusionPipeline):
         mel = self.audio_vae.decode(self.audio_vae.unpack(self.audio_vae.denormalize(audio)))
         wave = self.vocoder(mel).float().cpu()
         return Payload(video=Video(frames, lay.fps),
-                       audio=AudioChunk(wave, self.vocoder.cfg.output_sampling_rate))
+                       audio=AudioChunk(wave, self.vocoder.sample_rate))
