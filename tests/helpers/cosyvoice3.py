@@ -96,3 +96,28 @@ def write_checkpoint(folder: Path) -> Path:
     for name in ("flow.pt", "hift.pt"):
         shutil.copy(FIXTURES / name, folder / name)
     return folder
+
+
+def seeded_value(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """scripts/cosyvoice3_fixtures.py's rule, drawn in sorted-name order."""
+    x = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if len(shape) == 1:
+        return 1.0 + 0.1 * x if name.endswith(("weight", "alpha")) else 0.05 * x
+    fan_in = 1
+    for d in shape[1:]:
+        fan_in *= d
+    return x / fan_in ** 0.5
+
+
+def write_llm(folder: Path) -> Path:
+    """llm.pt redrawn from the manifest's seed and tensor list (the fixtures zeroed the speech
+    decoder's stop rows; so does this), and CosyVoice-BlankEN/config.json."""
+    m = manifest()
+    gen = torch.Generator().manual_seed(m["llm_seed"])
+    state = {n: seeded_value(n, tuple(s), gen) for n, s in sorted(m["llm_tensors"])}
+    state["llm_decoder.weight"][m["llm"]["speech_token_size"]:] = 0
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(state, folder / "llm.pt")
+    (folder / "CosyVoice-BlankEN").mkdir(exist_ok=True)
+    (folder / "CosyVoice-BlankEN" / "config.json").write_text(json.dumps(m["qwen2"]))
+    return folder
