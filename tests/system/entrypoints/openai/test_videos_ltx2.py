@@ -1,15 +1,18 @@
 """LTX-2 through /v1/videos: a server on a tiny random LTX-2 folder (tests/helpers/ltx2.py,
 with a tiny Gemma 3 text encoder) answers the sync route with an MP4 whose audio stream is
-the vocoder's waveform: stereo, at the vocoder's rate, about as long as the clip, audible."""
+the vocoder's waveform: stereo, at the vocoder's rate, about as long as the clip, audible;
+`variant=audio` answers the same track as WAV."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import pytest
+import soundfile
 
 from omnistage.utils.video import decode_sound_track, decode_video
 
@@ -52,3 +55,16 @@ def test_the_mp4_carries_ltx2s_sound_track(server: Server, ltx2: Path) -> None:
     seconds = BODY["num_frames"] / BODY["fps"]
     assert track.seconds == pytest.approx(seconds, rel=0.25)
     assert np.abs(track.samples).mean() > 0.01                # not silence
+
+
+def test_variant_audio_is_the_same_track_as_wav(server: Server) -> None:
+    mp4 = server.post("/v1/videos/sync", json=BODY)
+    wav = server.post("/v1/videos/sync?variant=audio", json=BODY)
+    assert wav.status_code == 200 and wav.headers["content-type"] == "audio/wav", wav.text
+    samples, rate = soundfile.read(io.BytesIO(wav.content), dtype="float32")
+    track = decode_sound_track(mp4.content)
+    assert track is not None and rate == track.sample_rate
+    assert samples.T.shape == track.samples.shape
+    n = samples.shape[0]
+    corr = [float(np.corrcoef(samples[:, c], track.samples[c, :n])[0, 1]) for c in range(2)]
+    assert min(corr) > 0.9                   # AAC of the same waveform (~0.98)
