@@ -252,6 +252,18 @@ class LTX2Pipeline(DiffusionPipeline):
         latents, sigmas, _ = self.prepare_latents(params, generator, image)
         return latents, sigmas, self.check_conditioning(cond, params)
 
+    def unused_params(self, params: DiffusionParams) -> dict[str, str]:
+        """The schedule fields (the base class's), Wan's and Qwen-Image's guidance fields, and
+        a negative prompt without guidance (diffusers then ignores it)."""
+        out = super().unused_params(params)
+        if params.guidance_scale_2 is not None:
+            out["guidance_scale_2"] = "LTX-2 has one transformer; use guidance_scale"
+        if params.true_cfg_scale != 1.0:
+            out["true_cfg_scale"] = "LTX-2's CFG is guidance_scale (audio: the stage's option)"
+        if params.negative_prompt is not None and not self.guided(params):
+            out["negative_prompt"] = "no guidance: guidance_scale and audio_guidance_scale <= 1"
+        return out
+
     def guided(self, params: DiffusionParams) -> bool:
         """diffusers' do_classifier_free_guidance: either modality's scale above 1."""
         return params.guidance(DEFAULT_GUIDANCE) > 1 or self.options.audio_guidance_scale > 1

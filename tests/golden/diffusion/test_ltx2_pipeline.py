@@ -258,3 +258,12 @@ def test_step_cache_skips_steps_and_threshold_zero_changes_nothing(pair) -> None
     assert skipped_zero == 0 and (zero - plain).abs().max() < 1e-5
     assert 0 < skipped <= 4, skipped
     assert torch.isfinite(loose).all() and not torch.equal(loose, plain)
+
+
+def test_names_the_fields_it_ignores(pair) -> None:
+    _, ours = pair
+    ours.configure(NO_EXTRAS)
+    p = params(1.0, negative_prompt="x", guidance_scale_2=2.0, true_cfg_scale=4.0)
+    assert set(ours.unused_params(p)) == {"negative_prompt", "guidance_scale_2",
+                                          "true_cfg_scale"}
+    assert ours.unused_params(params(3.0, negative_prompt="x")) == {}
