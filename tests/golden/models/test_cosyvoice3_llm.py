@@ -70,3 +70,10 @@ def test_greedy_tokens_on_the_engine_equal_upstream(folder):
             tokens += out.new_token_ids
     assert len(set(want)) >= 3, "the tiny LM should say several tokens"
     assert [t for t in tokens if t < s] == want
+
+
+def test_a_prompt_without_endofprompt_is_refused(folder):
+    m, exp = manifest(), expected()
+    model = CosyVoice3LM.from_pretrained(folder, m["llm"]["speech_token_size"])
+    with pytest.raises(ValueError, match="endofprompt"):
+        model.prompt_embeds(exp["llm.text"][0], exp["llm.prompt_speech"][0])
