@@ -32,6 +32,9 @@
 #   regress  bench regress: the headline figures (REGRESS_PROBES, default ar,omni,omni25)
 #            against benchmarks/results/baselines/<gpu>.json; the verdicts and the result
 #            under $OUT (REGRESS_FLAGS=--update-baseline to refresh the baseline on purpose)
+#   families the new families' step benchmarks at their real shapes against diffusers eager
+#            and compiled: LTX-2 (omnistage.benchmarks.ltx2) and HunyuanVideo-1.5
+#            (omnistage.benchmarks.hunyuan_video15), one model on the GPU at a time
 #   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -185,6 +188,12 @@ if [[ $STAGES == *tts* ]]; then
         --target /tmp/ref-site .whl/ref/*.whl >/dev/null 2>&1 || exit 1
     OMNISTAGE_TTS_REF_PYTHONPATH=/tmp/ref-site python3 -m omnistage.entrypoints.cli.main \
         bench tts --out-dir "$OUT" --name tts ${TTS_FLAGS:-} 2>&1 | tail -20
+fi
+if [[ $STAGES == *families* ]]; then
+    for bench in ltx2 hunyuan_video15; do
+        timeout 290 python3 -m omnistage.benchmarks.$bench --out "$OUT/$bench.json" 2>&1 \
+            | grep -E "speedup|peak|Error" | head -8
+    done
 fi
 if [[ $STAGES == *video* ]]; then
     timeout 580 python3 -m omnistage.entrypoints.cli.main bench video --out-dir "$OUT" \

@@ -42,6 +42,7 @@ from omnistage.diffusion.request import DiffusionRequest
 from omnistage.layers.groups import StageRanks, stage_ranks
 from omnistage.outputs import StageMetrics
 from omnistage.errors import StageError
+from omnistage.payloads import Payload
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ PROFILE_PROMPT = "a 1"      # any pipeline's text takes it; the digits demo need
 @dataclass(slots=True)
 class DiffusionResult:
     request_id: str
-    images: Tensor | None             # uint8 (num_images, H, W, C) once finished
+    images: Tensor | Payload | None   # uint8 (num_images, H, W, C) once finished, or the
+                                      # pipeline's Payload (DiffusionPipeline.decode)
     finished: bool
     progress: float
     error: StageError | None = None   # internal: its message says what failed
@@ -210,7 +212,7 @@ class DiffusionEngine:
             results.append(DiffusionResult(r.request_id, images, True, 1.0, metrics=metrics))
         return results
 
-    def _decode(self, r: DiffusionRequest) -> Tensor | str:
+    def _decode(self, r: DiffusionRequest) -> Tensor | Payload | str:
         """A finished request's images, or why its decode failed (out of memory: the cached
         blocks go back once the exception is dropped)."""
         try:

@@ -37,6 +37,7 @@ from omnistage.configs.options import NoOptions
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers import Solver
+from omnistage.payloads import Payload
 
 # `DiffusionPipeline.backend` of a pipeline that the engine steps (every native port); the
 # generic diffusers adapter says "diffusers" (diffusion/diffusers_pipeline.py) and gets a
@@ -122,8 +123,10 @@ class DiffusionPipeline:
         pipeline puts something back (Wan2.2 TI2V's fixed first frame)."""
         return request.latents
 
-    def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
-        """-> uint8 images (n, H, W, C), or a video pipeline's frames (n, F, H, W, 3)."""
+    def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor | Payload:
+        """-> uint8 images (n, H, W, C), or a video pipeline's frames (n, F, H, W, 3), or a
+        Payload of what else it makes beside them (LTX-2: the video with its frame rate and
+        its sound track, `Payload(video=Video(...), audio=AudioChunk(...))`)."""
         raise NotImplementedError
 
     def denoisers(self) -> list[torch.nn.Module]:
