@@ -1,0 +1,166 @@
+"""MiMo-Audio (Xiaomi): a Qwen2 LLM over patches of audio frames, speech in and speech out.
+
+One LLM position holds a patch of `group_size` frames: its text id (the same for every frame;
+`empty_idx` marks a speech patch) and `audio_channels` RVQ ids per frame.
+    patch encoder: sum of the channels' speech embeddings (empty ids -> 0) per frame
+                   -> input_local_transformer over the patch's frames (causal)
+                   -> concat frames -> speech_group_downcast -> + text embedding (0 if empty)
+    LLM:           Qwen2 over the patches -> lm_head (text id) and hidden_states_downcast
+    patch decoder: local_transformer fed the downcast hidden state, then each step the sum of
+                   the ids it just drew (embedded, projected); channel c draws frame f at step
+                   delays[c] + f, its empty id never drawn.
+A text id other than `empty_idx` gives a patch of empty audio ids (the decoder is not run).
+
+Parameter names are upstream MiMoAudioForCausalLM's (its save_pretrained layout): model.*,
+lm_head, local_transformer.*, input_local_transformer.*, local_transformer_lm_heads.{c},
+speech_embeddings.{c}, speech_embeddings_to_local (only when the two local widths differ),
+speech_group_downcast, hidden_states_downcast.
+
+This first cut runs each decoder as a fresh causal prefill (no KV cache): it is the golden
+reference of the layout and the maths, not yet the serving path on the AR engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from omnistage.layers.attention import AttentionMetadata, forward_context
+from omnistage.layers.linear import Linear
+from omnistage.layers.parallel import VocabParallelEmbedding
+from omnistage.models.loader import load_packed_weights
+from omnistage.models.mimo_audio.config import MiMoAudioConfig
+from omnistage.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
+
+
+def dense_forward(model: Qwen2Model, embeds: Tensor) -> Tensor:
+    """embeds (N, L, hidden): N independent sequences of L rows, causal, no cache -> the
+    decoder's output after its final norm, (N, L, hidden)."""
+    n, length, hidden = embeds.shape
+    dev = embeds.device
+    qsl = list(range(0, n * length + 1, length))
+    md = AttentionMetadata(
+        slot_mapping=torch.zeros(n * length, dtype=torch.int64, device=dev),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+        seq_lens=torch.full((n,), length, dtype=torch.int32, device=dev),
+        block_tables=torch.zeros(n, 1, dtype=torch.int32, device=dev),
+        query_start_loc_cpu=qsl, seq_lens_cpu=[length] * n, max_query_len=length,
+        max_seq_len=length)
+    model.layers[0].self_attn.attn.backend.prepare(md, False)
+    positions = torch.arange(length, device=dev).repeat(n)
+    with forward_context(md):
+        h, _ = model(positions, positions, embeds.reshape(n * length, hidden))
+    return h.view(n, length, -1)
+
+
+class MiMoAudioForCausalLM(nn.Module):
+    packed_modules = Qwen2ForCausalLM.packed_modules
+
+    def __init__(self, cfg: MiMoAudioConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d_llm, d_loc, d_in = (cfg.llm.hidden_size, cfg.local.hidden_size,
+                              cfg.input_local.hidden_size)
+        self.model = Qwen2Model(cfg.llm)
+        self.lm_head = Linear(d_llm, cfg.llm.vocab_size, bias=False)
+        self.local_transformer = Qwen2Model(cfg.local)
+        self.local_transformer.embed_tokens = None
+        self.input_local_transformer = Qwen2Model(cfg.input_local)
+        self.input_local_transformer.embed_tokens = None
+        self.local_transformer_lm_heads = nn.ModuleList(
+            Linear(d_loc, v, bias=False) for v in cfg.vocab_sizes)
+        self.speech_embeddings = nn.ModuleList(
+            VocabParallelEmbedding(v, d_in) for v in cfg.vocab_sizes)
+        self.speech_embeddings_to_local = (Linear(d_in, d_loc, bias=False)
+                                           if d_in != d_loc else None)
+        self.speech_group_downcast = Linear(d_in * cfg.group_size, d_llm, bias=False)
+        self.hidden_states_downcast = Linear(d_llm, d_loc, bias=False)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, empty_idx: int,
+                        device: torch.device | str = "cpu",
+                        dtype: torch.dtype = torch.float32) -> MiMoAudioForCausalLM:
+        """A save_pretrained folder (config.json + *.safetensors). empty_idx: the tokenizer's
+        <|empty|> id (upstream passes it beside the checkpoint, in MiMoAudioArguments)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        cfg = MiMoAudioConfig.from_folder(path, empty_idx)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = cls(cfg)
+        finally:
+            torch.set_default_dtype(default)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors")
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for f in files:
+                state = load_file(f, device=str(device))
+                loaded |= load_packed_weights(model, ((n, t.to(dtype)) for n, t in
+                                                      state.items()), cls.packed_modules)
+        missing = {n for n, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"{path}: missing {sorted(missing)[:8]}")
+        return model.eval()
+
+    def patch_embeds(self, patches: Tensor) -> Tensor:
+        """patches (T, group_size, 1 + channels) ids -> the LLM's input rows (T, hidden)."""
+        cfg = self.cfg
+        text, speech = patches[:, 0, 0], patches[:, :, 1:]
+        is_speech = (text == cfg.empty_idx)[:, None, None]
+        emb = torch.zeros(*speech.shape[:2], cfg.input_local.hidden_size,
+                          dtype=self.speech_group_downcast.weight.dtype, device=patches.device)
+        for c, table in enumerate(self.speech_embeddings):
+            ids = speech[:, :, c]
+            emb = emb + table(ids).masked_fill((ids == cfg.empty_ids[c])[..., None], 0.0)
+        emb = dense_forward(self.input_local_transformer, emb * is_speech) * is_speech
+        down = self.speech_group_downcast(emb.flatten(1))
+        text_emb = self.model.embed_tokens(text).masked_fill(is_speech[:, 0], 0.0)
+        return text_emb + down
+
+    def decode_patch(self, x: Tensor) -> Tensor:
+        """x (hidden_local,) the downcast LLM state -> one patch's audio ids, greedy, with
+        upstream's delay pattern: (group_size, channels)."""
+        cfg, g = self.cfg, self.cfg.group_size
+        tokens = torch.zeros(g, cfg.audio_channels, dtype=torch.long, device=x.device)
+        rows = [x]
+        for t in range(g + max(cfg.delays)):
+            h = dense_forward(self.local_transformer, torch.stack(rows)[None])[0, -1]
+            nxt = torch.zeros_like(x)
+            for c, delay in enumerate(cfg.delays):
+                if not delay <= t < delay + g:
+                    continue
+                logits = self.local_transformer_lm_heads[c](h).float()
+                logits[cfg.empty_ids[c]] = float("-inf")
+                tok = logits.argmax()
+                tokens[t - delay, c] = tok
+                e = self.speech_embeddings[c](tok[None])[0]
+                nxt = nxt + (e if self.speech_embeddings_to_local is None
+                             else self.speech_embeddings_to_local(e))
+            rows.append(nxt)
+        return tokens
+
+    @torch.no_grad()
+    def generate(self, prompt: Tensor, steps: int, force_speech: bool = False) -> Tensor:
+        """prompt (T * group_size * (1 + channels),) upstream's flat layout -> the `steps`
+        new patches in the same layout. Greedy text; force_speech: the text id is <empty>
+        every step (each step speaks a patch)."""
+        cfg = self.cfg
+        g, width = cfg.group_size, cfg.audio_channels + 1
+        patches = prompt.view(-1, g, width)
+        empties = torch.tensor(cfg.empty_ids, device=prompt.device)
+        for _ in range(steps):
+            h = dense_forward(self.model, self.patch_embeds(patches)[None])[0, -1]
+            text = (torch.tensor(cfg.empty_idx, device=prompt.device) if force_speech
+                    else self.lm_head(h).float().argmax())
+            speech = (self.decode_patch(self.hidden_states_downcast(h))
+                      if int(text) == cfg.empty_idx else empties.expand(g, -1))
+            new = torch.cat([text.view(1, 1).expand(g, 1), speech], dim=1)
+            patches = torch.cat([patches, new[None]])
+        return patches[-steps:].reshape(-1)
