@@ -35,6 +35,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnistage.configs.graph import stages_needed
 from omnistage.configs.schema import GraphConfig, StageConfig
 from omnistage.configs.strict import from_dict
 from omnistage.diffusion_params import DiffusionParams
@@ -105,7 +106,11 @@ def build_request(graph: GraphConfig, entry: list[str], prompt: PromptType,
                   max_tokens: tuple[str, int] | None = None) -> OmniRequest:
     """The one way a request record is made; InputError naming the field for bad params."""
     if isinstance(params, RequestFields):
-        per_stage = stage_params(graph, entry, params)
+        # the stages the modalities asked for take the fields (BAGEL: a text answer's
+        # sampling fields are not its image stage's); the others their defaults
+        finals = {s.final for s in graph.stages if s.final} & set(modalities or ())
+        per_stage = stage_params(graph, entry, params,
+                                 stages_needed(graph, finals) if finals else None)
     else:
         per_stage = _given_params(graph, entry, params)
     return OmniRequest(prompt, tuple(per_stage),
@@ -167,9 +172,10 @@ def _given_params(graph: GraphConfig, entry: list[str], given: ParamsList) -> li
 
 
 # -- the server's form ---------------------------------------------------------------------------
-def stage_params(graph: GraphConfig, entry: list[str], fields: RequestFields
-                 ) -> list[StageParams]:
-    """One params object per stage of `graph`, in graph order, from the server's fields."""
+def stage_params(graph: GraphConfig, entry: list[str], fields: RequestFields,
+                 needed: set[str] | None = None) -> list[StageParams]:
+    """One params object per stage of `graph`, in graph order, from the server's fields
+    (`needed`: the stages the request runs; None for the others)."""
     extension = fields.extension
     if extension is not None and len(extension) != len(graph.stages):
         names = ", ".join(graph.stage_names)
@@ -182,6 +188,9 @@ def stage_params(graph: GraphConfig, entry: list[str], fields: RequestFields
         path = f"sampling_params_list[{i}]"
         if given is not None and not isinstance(given, dict):
             raise InputError(f"{path}: expected an object or null", path)
+        if needed is not None and stage.name not in needed:
+            out.append(None)
+            continue
         is_entry = stage.name in entry
         own = dict(fields.entry) if is_entry and not fields.image_fields else {}
         if stage.kind == "ar":

@@ -76,7 +76,8 @@ def test_edit_as_the_pipeline_makes_it(server: Server, folder: Path) -> None:
 
 def test_chat_answers_with_the_image(server: Server) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "draw a cube"}],
-            "seed": 5, "sampling_params_list": [{"num_inference_steps": 2}]}
+            "seed": 5, "modalities": ["image"],       # text answers: test_bagel_chat.py
+            "sampling_params_list": [None, {"num_inference_steps": 2}]}   # und, dit
     r = server.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     (part,) = r.json()["choices"][0]["message"]["content"]

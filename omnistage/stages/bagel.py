@@ -1,0 +1,32 @@
+"""BAGEL's AR stage: text answers from the understanding expert (models/bagel/understanding.py,
+our Qwen2ForCausalLM on the AR engine). Its prompt ids come from the front door in the upstream
+layout (models/bagel/processing.py); an answer ends at `<|im_end|>`, as the upstream's greedy
+loop does, whatever stop ids the request names besides."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from transformers import AutoTokenizer
+
+from omnistage.configs.schema import StageConfig
+from omnistage.models.bagel.processing import EOS
+from omnistage.models.bagel.understanding import load_understanding
+from omnistage.models.loader import resolve_model_path
+from omnistage.stages.ar import ARStage
+from omnistage.stages.interface import StageRequest
+
+
+class BagelARStage(ARStage):
+    def __init__(self, stage: StageConfig, model: str, device: str) -> None:
+        super().__init__(stage, model, device, loader=load_understanding)
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(stage.model or model)))
+        self.eos = tokenizer.convert_tokens_to_ids(EOS)
+
+    def add(self, request: StageRequest) -> None:
+        if request.streamed or not request.prompt_token_ids:
+            raise ValueError("BAGEL's AR stage is an entry stage: it reads the prompt's ids")
+        params = request.params or self.defaults
+        if self.eos not in params.stop_token_ids:
+            params = replace(params, stop_token_ids=(*params.stop_token_ids, self.eos))
+        self.engine.add_request(request.request_id, request.prompt_token_ids, params)
