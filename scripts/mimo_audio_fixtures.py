@@ -99,6 +99,14 @@ def main() -> None:
         o = model(ids.reshape(1, n, -1).reshape(1, -1, 9).transpose(1, 2),
                   torch.ones(1, n, dtype=torch.bool), torch.arange(n)[None])
         out["first_text_logits_std"] = float(o.text_logits.std())
+    # the released configs set input_full_attention: true (a bidirectional patch encoder):
+    # the same weights with that flag, forced speech (the only mode that reads audio patches)
+    model.config.input_full_attention = True
+    res = model.generate(ids, max_length=n + STEPS, global_sampler=Speak(),
+                         local_sampler=up.MiMoSampler(do_sample=False))
+    out["speak_full_attention"] = res[0, ids.shape[1]:].tolist()
+    assert out["speak_full_attention"] != out["speak"], "input_full_attention had no effect"
+    model.config.input_full_attention = None
     OUT.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(OUT / "tiny", safe_serialization=True)
     (OUT / "tokens.json").write_text(json.dumps(out, indent=1) + "\n")

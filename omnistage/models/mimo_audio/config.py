@@ -40,12 +40,10 @@ class MiMoAudioConfig:
     empty_ids: tuple[int, ...]   # per channel: "no audio here"
     delays: tuple[int, ...]      # the patch decoder's per-channel delay pattern
     empty_idx: int               # the text id of a speech position (upstream args.empty_idx)
+    input_full_attention: bool   # the patch encoder attends both ways within a patch
 
     @classmethod
     def from_dict(cls, d: dict, empty_idx: int) -> MiMoAudioConfig:
-        if d.get("input_full_attention"):
-            raise NotImplementedError(f"{ARCH}: input_full_attention=true (a non-causal patch "
-                                      "encoder) is not supported yet")
         c = int(d.get("audio_channels", 8))
         base = {k: v for k, v in d.items() if k not in _AUDIO_KEYS}
         base.update(use_sliding_window=False, sliding_window=None)
@@ -69,7 +67,7 @@ class MiMoAudioConfig:
             vocab_sizes=_per_channel(d.get("speech_vocab_size", "1025-1025-129-129-129-129-129-129"), c),
             empty_ids=_per_channel(d.get("speech_zeroemb_idx", "1024-1024-128-128-128-128-128-128"), c),
             delays=_per_channel(d.get("delay_pattern", "0-1-2-3-4-5-6-7"), c),
-            empty_idx=empty_idx)
+            empty_idx=empty_idx, input_full_attention=bool(d.get("input_full_attention")))
 
     @classmethod
     def from_folder(cls, path: str | Path, empty_idx: int) -> MiMoAudioConfig:

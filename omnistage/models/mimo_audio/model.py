@@ -3,7 +3,8 @@
 One LLM position holds a patch of `group_size` frames: its text id (the same for every frame;
 `empty_idx` marks a speech patch) and `audio_channels` RVQ ids per frame.
     patch encoder: sum of the channels' speech embeddings (empty ids -> 0) per frame
-                   -> input_local_transformer over the patch's frames (causal)
+                   -> input_local_transformer over the patch's frames (causal, or both ways
+                      with input_full_attention, as the released configs set)
                    -> concat frames -> speech_group_downcast -> + text embedding (0 if empty)
     LLM:           Qwen2 over the patches -> lm_head (text id) and hidden_states_downcast
     patch decoder: local_transformer fed the downcast hidden state, then each step the sum of
@@ -25,6 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omnistage.layers.attention import AttentionMetadata, forward_context
@@ -55,6 +57,24 @@ def dense_forward(model: Qwen2Model, embeds: Tensor) -> Tensor:
     return h.view(n, length, -1)
 
 
+class _BidirectionalAttention:
+    """An attention backend for N cache-less sequences of one length, each attending to all
+    of its rows (the patch encoder with input_full_attention)."""
+
+    def prepare(self, md: AttentionMetadata, has_cache: bool) -> None:
+        pass
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor | None,
+                v_cache: Tensor | None, md: AttentionMetadata, scale: float) -> Tensor:
+        n, length = md.num_seqs, md.max_query_len
+
+        def heads(x: Tensor) -> Tensor:                        # (N L, H, D) -> (N, H, L, D)
+            return x.view(n, length, *x.shape[1:]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), scale=scale,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        return o.transpose(1, 2).reshape(q.shape)
+
+
 class MiMoAudioForCausalLM(nn.Module):
     packed_modules = Qwen2ForCausalLM.packed_modules
 
@@ -69,6 +89,9 @@ class MiMoAudioForCausalLM(nn.Module):
         self.local_transformer.embed_tokens = None
         self.input_local_transformer = Qwen2Model(cfg.input_local)
         self.input_local_transformer.embed_tokens = None
+        if cfg.input_full_attention:
+            for layer in self.input_local_transformer.layers:
+                layer.self_attn.attn.backend = _BidirectionalAttention()
         self.local_transformer_lm_heads = nn.ModuleList(
             Linear(d_loc, v, bias=False) for v in cfg.vocab_sizes)
         self.speech_embeddings = nn.ModuleList(

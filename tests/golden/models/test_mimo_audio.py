@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,12 @@ def test_a_wrong_delay_pattern_fails(fx: dict, model: MiMoAudioForCausalLM) -> N
     assert out.tolist() != fx["speak"][:len(out)]
 
 
-def test_full_attention_patch_encoder_is_refused() -> None:
+def test_full_attention_patch_encoder_matches_upstream(fx: dict, tmp_path: Path) -> None:
+    """The released configs' input_full_attention: true, same weights (config.json edited)."""
     d = json.loads((FIXTURES / "tiny" / "config.json").read_text())
-    with pytest.raises(NotImplementedError, match="input_full_attention"):
-        MiMoAudioConfig.from_dict({**d, "input_full_attention": True}, 299)
+    (tmp_path / "config.json").write_text(json.dumps({**d, "input_full_attention": True}))
+    shutil.copy(FIXTURES / "tiny" / "model.safetensors", tmp_path)
+    model = MiMoAudioForCausalLM.from_pretrained(tmp_path, fx["args"]["empty_idx"])
+    assert MiMoAudioConfig.from_folder(tmp_path, 299).input_full_attention
+    out = model.generate(torch.tensor(fx["prompt"]), fx["steps"], force_speech=True)
+    assert out.tolist() == fx["speak_full_attention"] != fx["speak"]
