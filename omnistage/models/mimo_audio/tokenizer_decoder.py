@@ -135,6 +135,11 @@ class _Vocoder(nn.Module):
 class MiMoAudioTokenizerDecoder(nn.Module):
     def __init__(self, c: dict) -> None:
         super().__init__()
+        for key, ok in (("ln_type", "LayerNorm"), ("rope_type", "default"),
+                        ("vocoder_padding", "same"), ("activation_function", "gelu")):
+            if c.get(key, ok) != ok:
+                raise NotImplementedError(f"MiMo-Audio tokenizer: {key}={c[key]!r} (only "
+                                          f"{ok!r} is ported)")
         d, pool = c["d_model"], c.get("avg_pooler", 1)
         self.codebooks = nn.ParameterList(nn.Parameter(torch.empty(n, d), requires_grad=False)
                                           for n in c["codebook_size"][: c["num_quantizers"]])
