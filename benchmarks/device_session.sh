@@ -34,7 +34,8 @@
 #            under $OUT (REGRESS_FLAGS=--update-baseline to refresh the baseline on purpose)
 #   families the new families' step benchmarks at their real shapes against diffusers eager
 #            and compiled: LTX-2 (omnistage.benchmarks.ltx2) and HunyuanVideo-1.5
-#            (omnistage.benchmarks.hunyuan_video15), one model on the GPU at a time
+#            (omnistage.benchmarks.hunyuan_video15), one model on the GPU at a time, and
+#            VibeVoice (omnistage.benchmarks.vibevoice, against transformers' generate)
 #   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -194,6 +195,7 @@ if [[ $STAGES == *families* ]]; then
         timeout 290 python3 -m omnistage.benchmarks.$bench --out "$OUT/$bench.json" 2>&1 \
             | grep -E "speedup|peak|Error" | head -8
     done
+    timeout 200 python3 -m omnistage.benchmarks.vibevoice --out-dir "$OUT" 2>&1 | tail -8
 fi
 if [[ $STAGES == *video* ]]; then
     timeout 580 python3 -m omnistage.entrypoints.cli.main bench video --out-dir "$OUT" \
