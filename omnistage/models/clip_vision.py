@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +37,9 @@ IGNORED = ("post_layernorm.", "embeddings.position_ids")
 
 @dataclass(frozen=True, slots=True)
 class CLIPVisionConfig:
+    """The vision tower's sizes, read from config.json (SigLIP's: siglip_vision.py)."""
+
+    MODEL_TYPE: ClassVar[tuple[str, str]] = ("clip_vision_model", "CLIP")
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -56,9 +60,10 @@ class CLIPVisionConfig:
 
     @classmethod
     def from_hf(cls, hf: PretrainedConfig) -> CLIPVisionConfig:
-        hf = getattr(hf, "vision_config", hf)     # a full CLIPConfig holds it in vision_config
-        if hf.model_type != "clip_vision_model":
-            raise ValueError(f"config.json model_type {hf.model_type!r}: not a CLIP vision "
+        hf = getattr(hf, "vision_config", hf)     # a full config holds it in vision_config
+        model_type, name = cls.MODEL_TYPE
+        if hf.model_type != model_type:
+            raise ValueError(f"config.json model_type {hf.model_type!r}: not a {name} vision "
                              "model")
         if hf.hidden_size % hf.num_attention_heads:
             raise ValueError(f"config.json hidden_size={hf.hidden_size} is not a multiple of "

@@ -15,14 +15,15 @@ which loading drops.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from transformers import PretrainedConfig
 
+from omnistage.models.clip_vision import CLIPVisionConfig
 from omnistage.models.text_encoders.clip import CLIPEncoder
-from omnistage.models.text_encoders.common import (build_on, checkpoint_dtype, get_activation,
+from omnistage.models.text_encoders.common import (build_on, checkpoint_dtype,
                                                    load_weights_strict, read_hf_config,
                                                    strip_prefix)
 
@@ -31,40 +32,14 @@ IGNORED = ("head.", "embeddings.position_ids")
 
 
 @dataclass(frozen=True, slots=True)
-class SiglipVisionConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_channels: int
-    image_size: int
-    patch_size: int
-    hidden_act: str
-    layer_norm_eps: float
+class SiglipVisionConfig(CLIPVisionConfig):
+    """CLIP's vision sizes under SigLIP's model_type; no class token."""
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    MODEL_TYPE: ClassVar[tuple[str, str]] = ("siglip_vision_model", "SigLIP")
 
     @property
     def num_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
-
-    @classmethod
-    def from_hf(cls, hf: PretrainedConfig) -> SiglipVisionConfig:
-        hf = getattr(hf, "vision_config", hf)     # a full SiglipConfig holds it in vision_config
-        if hf.model_type != "siglip_vision_model":
-            raise ValueError(f"config.json model_type {hf.model_type!r}: not a SigLIP vision "
-                             "model")
-        if hf.hidden_size % hf.num_attention_heads:
-            raise ValueError(f"config.json hidden_size={hf.hidden_size} is not a multiple of "
-                             f"num_attention_heads={hf.num_attention_heads}")
-        get_activation(hf.hidden_act, "hidden_act")
-        return cls(hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
-                   num_hidden_layers=hf.num_hidden_layers,
-                   num_attention_heads=hf.num_attention_heads, num_channels=hf.num_channels,
-                   image_size=hf.image_size, patch_size=hf.patch_size, hidden_act=hf.hidden_act,
-                   layer_norm_eps=hf.layer_norm_eps)
 
 
 class SiglipVisionEmbeddings(nn.Module):
