@@ -50,6 +50,9 @@ from omnistage.diffusion.cfg import GuidedRows, run_branches
 from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.pipeline import DiffusionPipeline, check_conditioning, forward_by_key
 from omnistage.diffusion.pipelines.ltx2_text import TEXT_KEYS, LTX2PromptEncoder
+from omnistage.diffusion.pipelines.ltx2_two_stage import (DISTILLED_SIGMAS, SCHEDULES, base_side,
+                                                          check_upsample, distilled_sigmas,
+                                                          load_upsampler, refine)
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers.flow_match_euler import (FlowMatchEuler, FlowMatchEulerConfig,
                                                           calculate_shift, make_sigmas)
@@ -58,6 +61,7 @@ from omnistage.layers.step_cache import CacheGroup, cache_groups
 from omnistage.models.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
 from omnistage.models.autoencoder_kl_ltx2_audio import DOWNSAMPLE, AutoencoderKLLTX2Audio
 from omnistage.models.diffusers_loader import read_config
+from omnistage.models.ltx2_latent_upsampler import LTX2LatentUpsampler
 from omnistage.models.ltx2_transformer import (LTX2TransformerConfig,
                                                LTX2VideoTransformer3DModel, Positions)
 from omnistage.models.ltx2_vocoder import LTX2Vocoder, LTX2VocoderWithBWE, load_vocoder
@@ -77,13 +81,17 @@ class LTX2Options:
     guidance_scale, with its defaults. audio_guidance_scale: CFG on the audio; modality_scale /
     audio_modality_scale > 1: modality guidance (one more forward without audio-video
     attention); guidance_rescale / audio_guidance_rescale: how far the guided x0 is pulled
-    back to the conditional one's std (0: not at all)."""
+    back to the conditional one's std (0: not at all). schedule "distilled": the distilled
+    checkpoints' 8 sigmas, video guidance 1 by default; upsample: the two-stage recipe
+    (base, the folder's latent_upsampler/, refine: ltx2_two_stage.py)."""
 
     audio_guidance_scale: float = 7.0
     modality_scale: float = 3.0
     audio_modality_scale: float = 3.0
     guidance_rescale: float = 0.7
     audio_guidance_rescale: float = 0.7
+    schedule: str = "default"
+    upsample: bool = False
 
     def __post_init__(self) -> None:
         for name in ("audio_guidance_scale", "modality_scale", "audio_modality_scale",
@@ -91,6 +99,8 @@ class LTX2Options:
             value = getattr(self, name)
             if not 0.0 <= value <= 100.0:
                 raise ValueError(f"{name}={value}: must be in [0, 100]")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: one of {SCHEDULES}")
 
     @property
     def modality(self) -> bool:
@@ -151,7 +161,8 @@ class LTX2Pipeline(DiffusionPipeline):
     def __init__(self, transformer: LTX2VideoTransformer3DModel, vae: AutoencoderKLLTX2Video,
                  audio_vae: AutoencoderKLLTX2Audio, vocoder: LTX2Vocoder | LTX2VocoderWithBWE,
                  scheduler: FlowMatchEulerConfig, device: torch.device,
-                 prompt_encoder: LTX2PromptEncoder | None = None) -> None:
+                 prompt_encoder: LTX2PromptEncoder | None = None,
+                 upsampler: LTX2LatentUpsampler | None = None) -> None:
         self.transformer = transformer.to(device).eval()
         self.vae = vae.to(device).eval()
         self.audio_vae = audio_vae.to(device).eval()
@@ -161,6 +172,7 @@ class LTX2Pipeline(DiffusionPipeline):
         self.device = device
         self.dtype = transformer.proj_in.weight.dtype
         self.prompt_encoder = prompt_encoder
+        self.upsampler = upsampler
         if prompt_encoder is not None:
             prompt_encoder.guided = self.guided
         self.options = LTX2Options()
@@ -182,7 +194,8 @@ class LTX2Pipeline(DiffusionPipeline):
         vocoder = load_vocoder(path / "vocoder", device, torch.float32)
         scheduler = FlowMatchEulerConfig.from_json(path / "scheduler" / "scheduler_config.json")
         encoder = cls.load_prompt_encoder(path, device, dtype) if text_encoders else None
-        return cls(transformer, vae, audio_vae, vocoder, scheduler, device, encoder)
+        return cls(transformer, vae, audio_vae, vocoder, scheduler, device, encoder,
+                   load_upsampler(path, device))
 
     @classmethod
     def load_prompt_encoder(cls, path: str | Path, device: torch.device,
@@ -190,7 +203,14 @@ class LTX2Pipeline(DiffusionPipeline):
         return LTX2PromptEncoder.from_pretrained(path, device, dtype)
 
     def configure(self, options: LTX2Options) -> None:
+        if options.upsample:
+            check_upsample(self.upsampler, self.cfg_ranks.world_size)
         self.options = options
+
+    @property
+    def default_guidance(self) -> float:
+        """The video's CFG when a request sets none: diffusers' 3, the distilled schedule's 1."""
+        return 1.0 if self.options.schedule == "distilled" else DEFAULT_GUIDANCE
 
     # ---- checks and latents ----------------------------------------------------------------
 
@@ -213,9 +233,21 @@ class LTX2Pipeline(DiffusionPipeline):
                              f"temporal factor), at most {self.video.max_num_frames}")
         check_size(height, width, self.video.size_multiple, MAX_SIZE,
                    f"the VAE's factor {self.vae.cfg.spatial_ratio}, and diffusers' rule of 32")
+        if self.options.upsample:
+            for name, side in (("height", height), ("width", width)):
+                try:
+                    base_side(side, self.upsampler.cfg.spatial_factor, self.video.size_multiple)
+                except ValueError as exc:
+                    raise ValueError(f"{name}={exc}") from None
 
-    def layout(self, params: DiffusionParams) -> Layout:
+    def layout(self, params: DiffusionParams, final: bool = False) -> Layout:
+        """The latent row of a request: of the base loop, or (final) of what is decoded; they
+        differ with the two-stage recipe (options.upsample), whose base runs smaller."""
         frames, height, width, fps = self._shape(params)
+        if self.options.upsample and not final:
+            factor = self.upsampler.cfg.spatial_factor
+            height, width = (base_side(height, factor, self.video.size_multiple),
+                             base_side(width, factor, self.video.size_multiple))
         s, t = self.vae.cfg.spatial_ratio, self.vae.cfg.temporal_ratio
         cfg = self.audio_vae.cfg
         per_second = cfg.sample_rate / cfg.mel_hop_length / float(DOWNSAMPLE)
@@ -237,7 +269,8 @@ class LTX2Pipeline(DiffusionPipeline):
         steps, cfg = params.num_inference_steps, self.scheduler
         mu = calculate_shift(video.shape[1], cfg.base_image_seq_len, cfg.max_image_seq_len,
                              cfg.base_shift, cfg.max_shift)
-        sigmas, _ = make_sigmas(cfg, steps, mu, np.linspace(1.0, 1 / steps, steps))
+        sigmas = distilled_sigmas(cfg) if self.options.schedule == "distilled" else \
+            make_sigmas(cfg, steps, mu, np.linspace(1.0, 1 / steps, steps))[0]
         return Layout.join(video, audio).to(self.device), sigmas, {}
 
     def initial_video(self, lay: Layout, n: int, generator: torch.Generator,
@@ -262,11 +295,15 @@ class LTX2Pipeline(DiffusionPipeline):
             out["true_cfg_scale"] = "LTX-2's CFG is guidance_scale (audio: the stage's option)"
         if params.negative_prompt is not None and not self.guided(params):
             out["negative_prompt"] = "no guidance: guidance_scale and audio_guidance_scale <= 1"
+        if self.options.schedule == "distilled" and \
+                params.num_inference_steps != len(DISTILLED_SIGMAS):
+            out["num_inference_steps"] = f"the distilled schedule has {len(DISTILLED_SIGMAS)}"
         return out
 
     def guided(self, params: DiffusionParams) -> bool:
         """diffusers' do_classifier_free_guidance: either modality's scale above 1."""
-        return params.guidance(DEFAULT_GUIDANCE) > 1 or self.options.audio_guidance_scale > 1
+        return params.guidance(self.default_guidance) > 1 or \
+            self.options.audio_guidance_scale > 1
 
     def check_conditioning(self, tensors: dict[str, Tensor], params: DiffusionParams
                            ) -> dict[str, Tensor]:
@@ -291,7 +328,10 @@ class LTX2Pipeline(DiffusionPipeline):
 
     def _velocity(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
                   ) -> Tensor:
-        lay = self.layout(requests[0].params)
+        return self.velocity_at(self.layout(requests[0].params), latents, sigmas, requests)
+
+    def velocity_at(self, lay: Layout, latents: Tensor, sigmas: Tensor,
+                    requests: list[DiffusionRequest]) -> Tensor:
         guided = GuidedRows.of(requests, lambda r: "negative_prompt_embeds" in r.cond,
                                lambda r: 1.0)
         counts = [r.latents.shape[0] for r in requests]
@@ -354,7 +394,7 @@ class LTX2Pipeline(DiffusionPipeline):
         x0_g = x0.clone()
         for rs, x0_u, _ in guided.pairs(x0, latents[guided.idx] - out[num:] *
                                         sigma[guided.idx]):
-            g = rows[rs.start].params.guidance(DEFAULT_GUIDANCE)
+            g = rows[rs.start].params.guidance(self.default_guidance)
             scales = self._scales(lay, g - 1, opt.audio_guidance_scale - 1)
             x0_g[rs] += scales * (x0[rs] - x0_u)
         if isolated is not None:
@@ -365,6 +405,11 @@ class LTX2Pipeline(DiffusionPipeline):
         x0_g = Layout.join(rescale(v_g, v_c, opt.guidance_rescale),
                            rescale(a_g, a_c, opt.audio_guidance_rescale))
         return self.fixed(lay, (latents - x0_g) / sigma)
+
+    def final_latents(self, request: DiffusionRequest) -> Tensor:
+        """The two-stage recipe's upsample and refine steps (options.upsample), or the base
+        loop's latents."""
+        return refine(self, request) if self.options.upsample else request.latents
 
     def fixed(self, lay: Layout, velocity: Tensor) -> Tensor:
         """The velocity the solver steps with (image-to-video: 0 on the first frame, which
@@ -384,7 +429,7 @@ class LTX2Pipeline(DiffusionPipeline):
 
     def decode(self, latents: Tensor, params: DiffusionParams) -> Payload:   # type: ignore[override]
         """-> Payload(video uint8 (n, F, H, W, 3) at fps, audio float32 (n, ch, samples))."""
-        lay = self.layout(params)
+        lay = self.layout(params, final=True)
         video, audio = lay.split(latents.to(self.device, torch.float32))
         n = video.shape[0]
         z = self.vae.denormalize(video.transpose(1, 2).reshape(n, lay.channels, *lay.grid))

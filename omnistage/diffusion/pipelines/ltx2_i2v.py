@@ -91,6 +91,12 @@ class LTX2ImageToVideoPipeline(LTX2Pipeline):
         self.options = LTX2I2VOptions()
         self.video = I2V_SPEC
 
+    def configure(self, options: LTX2I2VOptions) -> None:
+        if options.upsample:
+            raise ValueError("diffusion.options.upsample: the two-stage recipe is run for "
+                             "text-to-video only (ltx2.yaml's graph)")
+        super().configure(options)
+
     def validate(self, prompt: str | None, params: DiffusionParams,
                  image: Image.Image | None = None) -> None:
         if image is None and params.image is None:

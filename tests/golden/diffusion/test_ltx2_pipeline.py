@@ -23,8 +23,9 @@ from omnistage.diffusion.pipelines.ltx2 import LTX2Options
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.payloads import Payload
 from omnistage.registry import load_component
-from omnistage.testing.diffusion import run_alone, run_recording_latents
-from tests.helpers.ltx2 import build_tiny_ltx2, text_states
+from omnistage.testing.diffusion import run_alone
+from tests.helpers.ltx2 import build_tiny_ltx2
+from tests.helpers.ltx2_run import conditioning, final_latents, run_ours
 from tests.helpers.ltx2_text import add_tiny_text_encoder
 
 pytest.importorskip("diffusers")
@@ -59,21 +60,6 @@ def params(guidance: float, seed: int = 0, steps: int = 3, **kw) -> DiffusionPar
                            num_inference_steps=steps, guidance_scale=guidance, seed=seed)
 
 
-def conditioning(ref, seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """diffusers' prompt arguments (hidden states, masks) and what its connectors make of
-    them for our pipeline (per request, batch dim dropped)."""
-    states, mask = text_states(2, [5, 3], seed=seed)
-    kwargs = dict(prompt_embeds=states[:1], prompt_attention_mask=mask[:1],
-                  negative_prompt_embeds=states[1:], negative_prompt_attention_mask=mask[1:])
-    with torch.no_grad():
-        video, audio, out_mask = ref.connectors(states, mask, padding_side="left")
-    cond = {}
-    for i, prefix in enumerate(("", "negative_")):
-        cond.update({f"{prefix}prompt_embeds": video[i], f"{prefix}audio_prompt_embeds": audio[i],
-                     f"{prefix}prompt_attention_mask": out_mask[i].float()})
-    return kwargs, cond
-
-
 def reference(ref, p: DiffusionParams, opt: LTX2Options, text: dict, output_type: str):
     """diffusers' call for our params; n videos of one prompt as n rows of its embeddings
     (given embeddings are not repeated by num_videos_per_prompt), one generator."""
@@ -88,29 +74,6 @@ def reference(ref, p: DiffusionParams, opt: LTX2Options, text: dict, output_type
                audio_stg_scale=0.0,
                generator=torch.Generator().manual_seed(p.seed), output_type=output_type,
                return_dict=False)
-
-
-def run_ours(ours, jobs: dict[str, tuple[DiffusionParams, dict]], lag: int = 0):
-    def drive(engine):
-        for k, (rid, (p, cond)) in enumerate(jobs.items()):
-            engine.add_request(rid, None, p)
-            keep = {k: v for k, v in cond.items()
-                    if ours.guided(p) or not k.startswith("negative_")}
-            engine.set_conditioning(rid, keep)
-            for _ in range(lag if k < len(jobs) - 1 else 0):
-                engine.step()
-        return {rid: p for rid, (p, _) in jobs.items()}
-    return run_recording_latents(ours, drive)[0]
-
-
-def final_latents(ours, p: DiffusionParams, latents: torch.Tensor):
-    """Our final row as diffusers' latent output: denormalized video (n, C, F', h, w) and
-    audio (n, z, T, m)."""
-    lay = ours.layout(p)
-    video, audio = lay.split(latents)
-    n = video.shape[0]
-    video = ours.vae.denormalize(video.transpose(1, 2).reshape(n, lay.channels, *lay.grid))
-    return video, ours.audio_vae.unpack(ours.audio_vae.denormalize(audio))
 
 
 CASES = {"no-cfg": (1.0, NO_EXTRAS), "cfg": (4.0, dataclasses.replace(
