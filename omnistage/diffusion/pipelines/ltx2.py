@@ -31,7 +31,8 @@ uncond, and "iso", the modality pass), over the video and audio streams as one
 
 Per request: guidance_scale (the video's, 3.0 by default as diffusers), num_frames (1 + 8k),
 fps (24), height and width (multiples of 32). The audio guidance, modality guidance and rescale
-scales are the stage's `diffusion.options` (`LTX2Options`, diffusers' defaults).
+scales are the stage's `diffusion.options` (`LTX2Options`, diffusers' defaults), and the
+distilled schedule and two-stage recipe (`schedule`, `upsample`: ltx2_two_stage.py).
 Spatio-temporal guidance (STG) is not run: with LTX-2.0's transformer (no perturbed attention)
 it adds nothing in diffusers either (its "perturbed" pass is the conditional one again).
 """
