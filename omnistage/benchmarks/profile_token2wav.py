@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from omnistage.benchmarks.common import environment
 from omnistage.benchmarks.profile_tts import kernel_table
+from omnistage.diffusion.pipeline import compile_blocks, uncompile_blocks
 from omnistage.diffusion.solvers.rk4 import sway_times
 from omnistage.generation.token2wav import Token2WavOptions
 from omnistage.generation.token2wav_graphs import plan_shapes
@@ -91,15 +93,17 @@ def dit_variants(model: Token2Wav, chunking: Chunking, rows_list: list[int],
     steady = (chunking.left_blocks + chunking.chunk_blocks + chunking.right_blocks) * block
     first = (chunking.first_chunk_blocks + chunking.right_blocks) * block
     step = partial(dit_step, model.dit, o.guidance_scale)
-    variants = {"eager": step}
-    if device.type == "cuda":
-        variants["graph"] = ShapeGraphs(step, max_graphs=64, capture_after=1)
+    variants = ["eager"] + (["graph"] if device.type == "cuda" else [])
     if compile_too and device.type == "cuda":
-        compiled = torch.compile(step, dynamic=False)
-        variants["compiled_graph"] = ShapeGraphs(compiled, max_graphs=64, capture_after=2)
+        variants.append("compiled_graph")     # Token2WavOptions.compile: the blocks compiled
     out: dict[str, object] = {"steady_frames": steady, "first_frames": first}
     with torch.inference_mode():
-        for name, fn in variants.items():
+        for name in variants:
+            fn = step
+            if name == "compiled_graph":
+                compile_blocks(model.dit)
+            if name != "eager":
+                fn = ShapeGraphs(step, max_graphs=64, capture_after=1)
             res = {}
             for rows in rows_list:
                 for frames in ((first, steady) if rows == 1 else (steady,)):
@@ -109,7 +113,10 @@ def dit_variants(model: Token2Wav, chunking: Chunking, rows_list: list[int],
                     res[f"rows{rows}_frames{frames}"] = {
                         "ms_per_step": ms,
                         "audio_s_per_gpu_s": chunk_s / (o.num_steps * ms / 1e3)}
+                    print(f"dit {name} rows {rows} frames {frames}: {ms:.2f} ms a step",
+                          file=sys.stderr, flush=True)
             out[name] = res
+        uncompile_blocks(model.dit)
     return out
 
 
@@ -133,8 +140,9 @@ def dit_kernels(model: Token2Wav, chunking: Chunking, rows: int, device: torch.d
 
 def vocoder_variants(model: Token2Wav, chunking: Chunking, device: torch.device, iters: int,
                      rows: tuple[int, ...] = (1, 8)) -> dict[str, object]:
-    """ms a vocoder forward of 1 and 8 windows (first and steady), float32 (graph) against
-    bfloat16 (graph), and the bfloat16 waveform's SNR against float32's."""
+    """ms a vocoder forward of `rows` windows (first and steady), float32 (graph) against
+    bfloat16 (graph) and float32 with its blocks compiled (graph, CUDA only), and each
+    waveform's SNR against float32's eager one."""
     _, mel_shapes = plan_shapes(model, chunking, 4096, 8)
     mel_dim = model.cfg.dit.mel_dim
     voc = model.code2wav_bigvgan_model
@@ -144,8 +152,13 @@ def vocoder_variants(model: Token2Wav, chunking: Chunking, device: torch.device,
         inputs = {(b, n): torch.randn(b, n, mel_dim, generator=gen).to(device) * 2 - 4
                   for b in rows for n in mel_shapes.lengths}
         ref = {k: model.vocode(x).float() for k, x in inputs.items()}
-        for dtype in (torch.float32, torch.bfloat16):
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                            ("float32_compiled", torch.float32)):
+            if name.endswith("compiled") and device.type != "cuda":
+                continue
             voc.to(dtype)
+            if name.endswith("compiled"):
+                compile_blocks(voc)
             def fn(mel: torch.Tensor, dtype: torch.dtype = dtype) -> torch.Tensor:
                 return model.vocode(mel.to(dtype)).float()
             if device.type == "cuda":
@@ -159,8 +172,11 @@ def vocoder_variants(model: Token2Wav, chunking: Chunking, device: torch.device,
                 res[f"rows{b}_frames{n}"] = {"ms": ms, "snr_db_vs_float32": round(snr, 2),
                                              "audio_s_per_gpu_s": b * n * AUDIO_S_PER_FRAME
                                              / (ms / 1e3)}
-            out[str(dtype).removeprefix("torch.")] = res
+                print(f"vocoder {name} rows {b} frames {n}: {ms:.2f} ms, {snr:.1f} dB",
+                      file=sys.stderr, flush=True)
+            out[name] = res
         voc.to(torch.float32)
+        uncompile_blocks(voc)
     return out
 
 
@@ -169,8 +185,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="the test checkpoint's sizes")
     p.add_argument("--rows", default="1,2,4,8,16,21")
+    p.add_argument("--vocoder-rows", default="1,8,16")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--vocoder-only", action="store_true")
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
     device = torch.device(a.device)
@@ -185,10 +203,10 @@ def main(argv: list[str] | None = None) -> None:
               "chunking": {"chunk_blocks": o.chunk_blocks, "first": o.first_chunk_blocks,
                            "left": o.left_blocks, "right": o.right_blocks,
                            "block_frames": model.cfg.dit.block_size},
-              "dit": dit_variants(model, chunking, rows, device, a.iters, not a.no_compile),
-              "dit_kernels_rows8": dit_kernels(model, chunking, min(8, max(rows)), device),
+              "dit": None if a.vocoder_only else dit_variants(model, chunking, rows, device, a.iters, not a.no_compile),
+              "dit_kernels_rows8": None if a.vocoder_only else dit_kernels(model, chunking, min(8, max(rows)), device),
               "vocoder": vocoder_variants(model, chunking, device, a.iters,
-                                          tuple(sorted({1, min(8, max(rows))})))}
+                                          tuple(int(r) for r in a.vocoder_rows.split(",")))}
     text = json.dumps(result, indent=1)
     if a.out:
         a.out.write_text(text)
