@@ -92,7 +92,7 @@ class LTX2TransformerConfig:
     cross_attn_timestep_scale_multiplier: int = 1000
     rope_type: str = "interleaved"
     use_prompt_embeddings: bool = True
-    perturbed_attn: bool = False          # STG's processor: same weights, not used here
+    perturbed_attn: bool = False          # STG may skip self-attentions (forward's stg_blocks)
     ff_bias: bool = True
     audio_ff_bias: bool = True
     use_prompt_adaln_single: bool = True
@@ -177,7 +177,8 @@ class LTX2VideoTransformer3DModel(nn.Module):
                 timestep: Tensor, positions: Positions, audio_timestep: Tensor | None = None,
                 encoder_attention_mask: Tensor | None = None, use_cross_timestep: bool = False,
                 isolate_modalities: bool = False, sigma: Tensor | None = None,
-                step_cache: list[CacheGroup] | None = None) -> tuple[Tensor, Tensor]:
+                step_cache: list[CacheGroup] | None = None, stg_blocks: tuple[int, ...] = ()
+                ) -> tuple[Tensor, Tensor]:
         """hidden_states (B, N, C) packed video latents, audio_hidden_states (B, M, Ca);
         text (B, L, caption_channels) each; timestep (B,) or (B, N) already scaled by
         timestep_scale_multiplier, audio_timestep (B,) (None: timestep); mask (B, L) 1 keep,
@@ -187,7 +188,9 @@ class LTX2VideoTransformer3DModel(nn.Module):
         (modality guidance). step_cache: per request and branch, skip the blocks on steps
         whose first modulated input (video and audio together) barely moved
         (layers/step_cache.py, no published polynomial: its change as is); None runs every
-        block. -> video (B, N, C'), audio (B, M, Ca')."""
+        block. stg_blocks: STG's perturbed pass, the self-attentions of these blocks skipped
+        (a config with perturbed_attn only, as diffusers). -> video (B, N, C'), audio
+        (B, M, Ca')."""
         cfg, b = self.cfg, hidden_states.shape[0]
         dtype = hidden_states.dtype
         audio_timestep = timestep if audio_timestep is None else audio_timestep
@@ -214,19 +217,21 @@ class LTX2VideoTransformer3DModel(nn.Module):
             audio_ca_gate=self.av_cross_attn_audio_v2a_gate(audio_ca_t * gate_factor, dtype)[0],
             rope=ropes[0], audio_rope=ropes[1], ca_rope=ropes[2], audio_ca_rope=ropes[3],
             isolate=isolate_modalities)
-        x, a = self._blocks(x, a, inputs, step_cache)
+        perturbed = frozenset(stg_blocks) if cfg.perturbed_attn else frozenset()
+        x, a = self._blocks(x, a, inputs, step_cache, perturbed)
         return (self._out(x, emb, self.scale_shift_table, self.norm_out, self.proj_out),
                 self._out(a, aemb, self.audio_scale_shift_table, self.audio_norm_out,
                           self.audio_proj_out))
 
     def _blocks(self, x: Tensor, a: Tensor, inputs: BlockInputs,
-                step_cache: list[CacheGroup] | None) -> tuple[Tensor, Tensor]:
+                step_cache: list[CacheGroup] | None, perturbed: frozenset[int] = frozenset()
+                ) -> tuple[Tensor, Tensor]:
         """Every block over both streams; with a step cache, both streams of a row flattened
         into one (B, 1, N D + M Da) so the cache treats them as one state."""
         def run(idx: Tensor | None) -> tuple[Tensor, Tensor]:
             h, g, c = (x, a, inputs) if idx is None else (x[idx], a[idx], inputs.rows(idx))
-            for block in self.transformer_blocks:
-                h, g = block(h, g, c)
+            for i, block in enumerate(self.transformer_blocks):
+                h, g = block(h, g, c, i in perturbed)
             return h, g
 
         if step_cache is None:

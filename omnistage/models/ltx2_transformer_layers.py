@@ -139,9 +139,16 @@ class LTX2Attention(nn.Module):
         self.to_gate_logits = nn.Linear(query_dim, heads) if gated else None
 
     def forward(self, x: Tensor, context: Tensor | None = None, mask: Tensor | None = None,
-                q_rope: Rope | None = None, k_rope: Rope | None = None) -> Tensor:
-        """x (B, N, Dq); context (B, L, Dkv) (None: self-attention); mask (B, L) additive."""
+                q_rope: Rope | None = None, k_rope: Rope | None = None,
+                skip: bool = False) -> Tensor:
+        """x (B, N, Dq); context (B, L, Dkv) (None: self-attention); mask (B, L) additive.
+        skip: the values stand for the attention's output (STG's perturbed pass)."""
         context = x if context is None else context
+        if skip:
+            out = self.to_v(context).unflatten(-1, (self.heads, -1))
+            if self.to_gate_logits is not None:
+                out = out * (2.0 * torch.sigmoid(self.to_gate_logits(x)))[..., None]
+            return self.to_out[0](out.flatten(2))
         q, k = self.norm_q(self.to_q(x)), self.norm_k(self.to_k(context))
         if q_rope is not None:
             q, k = q_rope(q), (k_rope or q_rope)(k)
@@ -218,15 +225,18 @@ class LTX2VideoTransformerBlock(nn.Module):
         return (rms(x, self.eps) * (1 + scale) + shift,
                 rms(a, self.eps) * (1 + a_scale) + a_shift)
 
-    def forward(self, x: Tensor, a: Tensor, c: BlockInputs) -> tuple[Tensor, Tensor]:
-        """x (B, N, D) video tokens, a (B, M, Da) audio tokens."""
+    def forward(self, x: Tensor, a: Tensor, c: BlockInputs, perturb: bool = False
+                ) -> tuple[Tensor, Tensor]:
+        """x (B, N, D) video tokens, a (B, M, Da) audio tokens. perturb: both self-attentions
+        skipped (their values as output): STG's perturbed pass in this block."""
         shift, scale, gate, shift_ff, scale_ff, gate_ff = mod_params(self.scale_shift_table,
                                                                      c.temb)
         a_shift, a_scale, a_gate, a_shift_ff, a_scale_ff, a_gate_ff = mod_params(
             self.audio_scale_shift_table, c.audio_temb)
-        x = x + self.attn1(rms(x, self.eps) * (1 + scale) + shift, q_rope=c.rope) * gate
+        x = x + self.attn1(rms(x, self.eps) * (1 + scale) + shift, q_rope=c.rope,
+                           skip=perturb) * gate
         a = a + self.audio_attn1(rms(a, self.eps) * (1 + a_scale) + a_shift,
-                                 q_rope=c.audio_rope) * a_gate
+                                 q_rope=c.audio_rope, skip=perturb) * a_gate
         x = x + self.attn2(rms(x, self.eps), c.text, c.mask)
         a = a + self.audio_attn2(rms(a, self.eps), c.audio_text, c.mask)
         if not c.isolate:

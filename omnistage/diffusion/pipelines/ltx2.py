@@ -33,13 +33,14 @@ Per request: guidance_scale (the video's, 3.0 by default as diffusers), num_fram
 fps (24), height and width (multiples of 32). The audio guidance, modality guidance and rescale
 scales are the stage's `diffusion.options` (`LTX2Options`, diffusers' defaults), and the
 distilled schedule and two-stage recipe (`schedule`, `upsample`: ltx2_two_stage.py).
-Spatio-temporal guidance (STG) is not run: with LTX-2.0's transformer (no perturbed attention)
-it adds nothing in diffusers either (its "perturbed" pass is the conditional one again).
+Spatio-temporal guidance (STG: options stg_scale, audio_stg_scale, stg_blocks) runs one more
+forward over the prompt rows with the self-attentions of stg_blocks skipped, x0 += s (x0_c -
+x0_stg), for a transformer whose config has perturbed_attn; LTX-2.0's has not, and diffusers'
+"perturbed" pass is then the conditional one again (no term), so none is run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -50,8 +51,9 @@ from torch import Tensor
 from omnistage.diffusion.cfg import GuidedRows, run_branches
 from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.pipeline import DiffusionPipeline, check_conditioning, forward_by_key
+from omnistage.diffusion.pipelines.ltx2_options import Layout, LTX2Options, rescale
 from omnistage.diffusion.pipelines.ltx2_text import TEXT_KEYS, LTX2PromptEncoder
-from omnistage.diffusion.pipelines.ltx2_two_stage import (DISTILLED_SIGMAS, SCHEDULES, base_side,
+from omnistage.diffusion.pipelines.ltx2_two_stage import (DISTILLED_SIGMAS, base_side,
                                                           check_upsample, distilled_sigmas,
                                                           load_upsampler, refine)
 from omnistage.diffusion.request import DiffusionRequest
@@ -63,11 +65,12 @@ from omnistage.models.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
 from omnistage.models.autoencoder_kl_ltx2_audio import DOWNSAMPLE, AutoencoderKLLTX2Audio
 from omnistage.models.diffusers_loader import read_config
 from omnistage.models.ltx2_latent_upsampler import LTX2LatentUpsampler
-from omnistage.models.ltx2_transformer import (LTX2TransformerConfig,
-                                               LTX2VideoTransformer3DModel, Positions)
+from omnistage.models.ltx2_transformer import LTX2TransformerConfig, LTX2VideoTransformer3DModel
 from omnistage.models.ltx2_vocoder import LTX2Vocoder, LTX2VocoderWithBWE, load_vocoder
 from omnistage.payloads import AudioChunk, Payload, Video
 from omnistage.registry import VideoSpec
+
+__all__ = ["LTX2Options", "Layout", "LTX2Pipeline", "SPEC", "video_spec"]
 
 DEFAULT_GUIDANCE = 3.0          # diffusers' LTX2Pipeline default (video)
 MAX_SIZE = 2048
@@ -76,80 +79,10 @@ SPEC = VideoSpec(default_size=(768, 512), size_multiple=32, default_num_frames=1
                  max_num_frames=257, frame_multiple=8, frame_offset=1, fps=24, audio=True)
 
 
-@dataclass(frozen=True, slots=True)
-class LTX2Options:
-    """An LTX-2 stage's `diffusion.options`: the scales diffusers' `__call__` takes besides
-    guidance_scale, with its defaults. audio_guidance_scale: CFG on the audio; modality_scale /
-    audio_modality_scale > 1: modality guidance (one more forward without audio-video
-    attention); guidance_rescale / audio_guidance_rescale: how far the guided x0 is pulled
-    back to the conditional one's std (0: not at all). schedule "distilled": the distilled
-    checkpoints' 8 sigmas, video guidance 1 by default; upsample: the two-stage recipe
-    (base, the folder's latent_upsampler/, refine: ltx2_two_stage.py)."""
-
-    audio_guidance_scale: float = 7.0
-    modality_scale: float = 3.0
-    audio_modality_scale: float = 3.0
-    guidance_rescale: float = 0.7
-    audio_guidance_rescale: float = 0.7
-    schedule: str = "default"
-    upsample: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("audio_guidance_scale", "modality_scale", "audio_modality_scale",
-                     "guidance_rescale", "audio_guidance_rescale"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 100.0:
-                raise ValueError(f"{name}={value}: must be in [0, 100]")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}: one of {SCHEDULES}")
-
-    @property
-    def modality(self) -> bool:
-        return self.modality_scale > 1.0 or self.audio_modality_scale > 1.0
-
-
 def video_spec(path: str | Path) -> VideoSpec:
     """What /v1/videos may ask of an LTX-2 folder: LTX-2's rule (1 + 8k frames, sides of 32)."""
     LTX2TransformerConfig.from_dict(read_config(Path(path) / "transformer"))   # refuse early
     return SPEC
-
-
-def rescale(guided: Tensor, cond: Tensor, factor: float) -> Tensor:
-    """diffusers' rescale_noise_cfg over rows (n, ...): guided pulled to cond's std by factor."""
-    if factor <= 0:
-        return guided
-    dims = list(range(1, guided.dim()))
-    scaled = guided * (cond.std(dim=dims, keepdim=True) / guided.std(dim=dims, keepdim=True))
-    return factor * scaled + (1 - factor) * guided
-
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """One request's latent row: N video tokens of C features on a (F', H', W') grid, then
-    T audio tokens of Ca features; `positions` what the transformer's rope needs."""
-    grid: tuple[int, int, int]
-    channels: int
-    audio_frames: int
-    audio_channels: int
-    fps: float
-
-    @property
-    def video_size(self) -> int:
-        return self.grid[0] * self.grid[1] * self.grid[2] * self.channels
-
-    @property
-    def positions(self) -> Positions:
-        return Positions(self.grid, self.fps, self.audio_frames)
-
-    def split(self, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """rows (R, S) -> video (R, N, C), audio (R, T, Ca)."""
-        r = rows.shape[0]
-        return (rows[:, :self.video_size].reshape(r, -1, self.channels),
-                rows[:, self.video_size:].reshape(r, self.audio_frames, self.audio_channels))
-
-    @staticmethod
-    def join(video: Tensor, audio: Tensor) -> Tensor:
-        return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
 
 
 class LTX2Pipeline(DiffusionPipeline):
@@ -359,24 +292,34 @@ class LTX2Pipeline(DiffusionPipeline):
                                  step_cache=cache(chosen))
 
         out = run_branches(self.cfg_ranks, [len(rows), x.shape[0] - len(rows)], run, latents)
-        isolated = (self._forward(lay, latents, t[:len(rows)], [c[:len(rows)] for c in text],
-                                  isolate=True, step_cache=cache([2]))
+        cond = (t[:len(rows)], [c[:len(rows)] for c in text])
+        isolated = (self._forward(lay, latents, *cond, isolate=True, step_cache=cache([2]))
                     if self.options.modality else None)
-        return self._guide(lay, latents, sigmas, out, isolated, guided, rows)
+        perturbed = self._forward(lay, latents, *cond, stg=True) if self.stg else None
+        return self._guide(lay, latents, sigmas, out, (isolated, perturbed), guided, rows)
+
+    @property
+    def stg(self) -> bool:
+        """STG's extra forward runs: a scale above 0 and a block it can perturb."""
+        opt, n = self.options, len(self.transformer.transformer_blocks)
+        return (opt.stg_scale > 0 or opt.audio_stg_scale > 0) and \
+            self.transformer.cfg.perturbed_attn and any(0 <= b < n for b in opt.stg_blocks)
 
     def _text(self, rows: list[DiffusionRequest], prefix: str) -> list[Tensor]:
         """The rows' video text, audio text and mask, stacked (R, L, ...)."""
         return [torch.stack([r.cond[prefix + k] for r in rows]) for k in TEXT_KEYS]
 
     def _forward(self, lay: Layout, x: Tensor, t: Tensor, text: list[Tensor],
-                 isolate: bool = False, step_cache: list[CacheGroup] | None = None) -> Tensor:
+                 isolate: bool = False, step_cache: list[CacheGroup] | None = None,
+                 stg: bool = False) -> Tensor:
         """One transformer call over rows x (R, S) at timesteps t (R,) -> velocities (R, S)."""
         video, audio = lay.split(x.to(self.dtype))
         t = t.to(self.device)
         v, a = self.transformer(video, audio, text[0], text[1], self.video_timesteps(lay, t),
                                 lay.positions, audio_timestep=t, encoder_attention_mask=text[2],
                                 use_cross_timestep=True, isolate_modalities=isolate, sigma=t,
-                                step_cache=step_cache)
+                                step_cache=step_cache,
+                                stg_blocks=self.options.stg_blocks if stg else ())
         return Layout.join(v.float(), a.float())
 
     def video_timesteps(self, lay: Layout, t: Tensor) -> Tensor:
@@ -385,9 +328,11 @@ class LTX2Pipeline(DiffusionPipeline):
         return t
 
     def _guide(self, lay: Layout, latents: Tensor, sigmas: Tensor, out: Tensor,
-               isolated: Tensor | None, guided: GuidedRows, rows: list[DiffusionRequest]
-               ) -> Tensor:
-        """diffusers' guidance in x0 space, video and audio each with their own scales."""
+               extra: tuple[Tensor | None, Tensor | None], guided: GuidedRows,
+               rows: list[DiffusionRequest]) -> Tensor:
+        """diffusers' guidance in x0 space, video and audio each with their own scales;
+        extra: the modality pass's and STG's velocities (None: not run)."""
+        isolated, perturbed = extra
         opt = self.options
         num = latents.shape[0]
         sigma = sigmas.reshape(-1, 1).to(latents.device)
@@ -398,6 +343,9 @@ class LTX2Pipeline(DiffusionPipeline):
             g = rows[rs.start].params.guidance(self.default_guidance)
             scales = self._scales(lay, g - 1, opt.audio_guidance_scale - 1)
             x0_g[rs] += scales * (x0[rs] - x0_u)
+        if perturbed is not None:
+            scales = self._scales(lay, opt.stg_scale, opt.audio_stg_scale)
+            x0_g += scales * (x0 - (latents - perturbed * sigma))
         if isolated is not None:
             scales = self._scales(lay, opt.modality_scale - 1, opt.audio_modality_scale - 1)
             x0_g += scales * (x0 - (latents - isolated * sigma))
