@@ -10,15 +10,14 @@ from omnistage.configs.schema import StageConfig
 from omnistage.diffusion.diffusers_engine import DiffusersEngine
 from omnistage.diffusion.diffusers_pipeline import BACKEND, DiffusersPipeline
 from omnistage.payloads import final_pixels
-from omnistage.stages.adapters import StageFeed
 from omnistage.stages.diffusion_component import (check_options, check_parallel_layout,
-                                                  check_quantization, pipeline_component,
-                                                  request_params)
-from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
+                                                  check_quantization, pipeline_component)
+from omnistage.stages.interface import EngineStats, StageInfo, StageResult
+from omnistage.stages.prompt_stage import PromptEntryStage
 from omnistage.utils.device import resolve_device, resolve_dtype
 
 
-class DiffusersStage:
+class DiffusersStage(PromptEntryStage):
     def __init__(self, stage: StageConfig, model: str | None, device: str) -> None:
         component = pipeline_component(stage)
         if component.is_native or component.is_text_encoder:
@@ -34,25 +33,6 @@ class DiffusersStage:
         self.stage_info = StageInfo(backend=BACKEND, pipeline=pipeline.class_name)
         self.engine = DiffusersEngine(pipeline, stage.diffusion.max_num_seqs)
         self.is_video = stage.final == "video"     # its output: Video frames, else Images
-
-    def add(self, request: StageRequest) -> None:
-        if request.streamed or request.prompt is None:
-            raise ValueError("a diffusion stage takes a text prompt from the request")
-        self.engine.add_request(request.request_id, request.prompt, request_params(request),
-                                request.arrival_time)
-
-    def feed(self, request_id: str, feed: StageFeed) -> None:
-        raise ValueError("this diffusion stage takes no streamed input (no input edge)")
-
-    def close_input(self, request_id: str) -> None:
-        pass
-
-    def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-
-    @property
-    def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests
 
     def info(self) -> StageInfo:
         """backend "diffusers" and the pipeline class: /v1/models shows it as not native."""

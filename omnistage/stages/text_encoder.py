@@ -11,14 +11,14 @@ from __future__ import annotations
 from omnistage.configs.schema import StageConfig
 from omnistage.diffusion.text_encoding import TextEncodingEngine
 from omnistage.payloads import ModelTensors, Payload
-from omnistage.stages.adapters import StageFeed
 from omnistage.stages.diffusion_component import (check_parallel_layout, check_quantization,
-                                                  pipeline_component, request_params)
-from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
+                                                  pipeline_component)
+from omnistage.stages.interface import EngineStats, StageInfo, StageResult
+from omnistage.stages.prompt_stage import PromptEntryStage
 from omnistage.utils.device import resolve_device, resolve_dtype
 
 
-class TextEncoderStage:
+class TextEncoderStage(PromptEntryStage):
     def __init__(self, stage: StageConfig, model: str | None, device: str) -> None:
         component = pipeline_component(stage)
         if not component.is_text_encoder:
@@ -31,25 +31,6 @@ class TextEncoderStage:
         dtype = None if stage.dtype == "auto" else resolve_dtype(stage.dtype, None, dev)
         self.engine = TextEncodingEngine(component.cls.load_prompt_encoder(path, dev, dtype),
                                          stage.diffusion.max_num_seqs)
-
-    def add(self, request: StageRequest) -> None:
-        if request.streamed or request.prompt is None:
-            raise ValueError("a diffusion stage takes a text prompt from the request")
-        self.engine.add_request(request.request_id, request.prompt, request_params(request),
-                                request.arrival_time)
-
-    def feed(self, request_id: str, feed: StageFeed) -> None:
-        raise ValueError("this diffusion stage takes no streamed input (no input edge)")
-
-    def close_input(self, request_id: str) -> None:
-        pass
-
-    def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-
-    @property
-    def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests
 
     def info(self) -> StageInfo:
         return StageInfo()
