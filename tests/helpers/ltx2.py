@@ -94,3 +94,15 @@ def text_states(batch: int, lengths: list[int], seq: int = 8, seed: int = 0
     for i, n in enumerate(lengths):
         mask[i, seq - n:] = 1
     return states * mask[..., None], mask
+
+
+def add_tiny_upsampler(path: Path, seed: int = 4) -> Any:
+    """A tiny random `LTX2LatentUpsamplerModel` (x2, the released config's rational
+    resampler) saved as the folder's latent_upsampler/; -> the reference model."""
+    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
+    torch.manual_seed(seed)
+    model = randomize(LTX2LatentUpsamplerModel(in_channels=TRANSFORMER["in_channels"],
+                                               mid_channels=32,
+                                               num_blocks_per_stage=1).eval(), 0.1)
+    model.save_pretrained(Path(path) / "latent_upsampler")
+    return model

@@ -17,7 +17,7 @@ from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipelines.ltx2 import LTX2Options
 from omnistage.registry import load_component
-from tests.helpers.ltx2 import build_tiny_ltx2
+from tests.helpers.ltx2 import add_tiny_upsampler, build_tiny_ltx2
 from tests.helpers.ltx2_run import conditioning, final_latents, run_ours
 from tests.helpers.ltx2_text import add_tiny_text_encoder
 
@@ -33,17 +33,12 @@ DISTILLED = dataclasses.replace(NO_EXTRAS, schedule="distilled")
 def folder(tmp_path_factory: pytest.TempPathFactory):
     """(path with a latent_upsampler/, path without one, diffusers' pipeline, its upsampler)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
 
-    from tests.helpers.ltx2 import randomize
     bare = tmp_path_factory.mktemp("ltx2")
     ref = build_tiny_ltx2(bare)
     path = tmp_path_factory.mktemp("ltx2_up")
     ref.save_pretrained(path)
-    torch.manual_seed(4)
-    upsampler = randomize(LTX2LatentUpsamplerModel(in_channels=8, mid_channels=32,
-                                                   num_blocks_per_stage=1).eval(), 0.1)
-    upsampler.save_pretrained(path / "latent_upsampler")
+    upsampler = add_tiny_upsampler(path)
     add_tiny_text_encoder(path)
     # diffusers' documented swap: the given sigmas run as they are
     ref.scheduler = FlowMatchEulerDiscreteScheduler.from_config(

@@ -1,0 +1,52 @@
+"""LTX-2's two-stage recipe through /v1/videos: a server on a tiny random distilled-style
+LTX-2 folder with a latent_upsampler/ (tests/helpers/ltx2.py) and `--stage-config
+ltx2_two_stage` answers the asked size (the base loop at half of it) with its sound track;
+a size that does not halve to multiples of 32 is a 400 naming the side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import pytest
+
+from omnistage.utils.video import decode_sound_track, decode_video
+
+if TYPE_CHECKING:
+    from tests.system.entrypoints.openai.conftest import Server
+
+pytest.importorskip("diffusers")
+
+BODY = {"prompt": "a dog barks in the rain", "seed": 3, "size": "128x64", "num_frames": 9,
+        "fps": 12}
+
+
+@pytest.fixture(scope="module")
+def server(start_server: Callable[..., Server],
+           tmp_path_factory: pytest.TempPathFactory) -> Server:
+    from tests.helpers.ltx2 import add_tiny_upsampler, build_tiny_ltx2
+    from tests.helpers.ltx2_text import add_tiny_text_encoder
+
+    path: Path = tmp_path_factory.mktemp("tiny_ltx2_two_stage")
+    build_tiny_ltx2(path)
+    add_tiny_upsampler(path)
+    add_tiny_text_encoder(path)
+    return start_server([str(path), "--served-model-name", "tiny-ltx2", "--stage-config",
+                         "ltx2_two_stage", "--videos-dir",
+                         str(tmp_path_factory.mktemp("videos")), "--max-video-size", "128"])
+
+
+def test_two_stage_answers_the_asked_size_with_sound(server: Server) -> None:
+    r = server.post("/v1/videos/sync", json=BODY)
+    assert r.status_code == 200, r.text
+    frames, fps = decode_video(r.content)
+    assert frames.shape == (BODY["num_frames"], 64, 128, 3) and fps == pytest.approx(12)
+    track = decode_sound_track(r.content)
+    assert track is not None and track.samples.shape[0] == 2
+
+
+def test_a_size_that_does_not_halve_is_a_400_naming_it(server: Server) -> None:
+    r = server.post("/v1/videos/sync", json={**BODY, "size": "96x64"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "width" and "latent upsampler" in error["message"], error
