@@ -157,3 +157,32 @@ def test_served_with_the_two_stage_graph(folder) -> None:
     video, audio = out.tensors["video"], out.tensors["audio"]
     assert video.shape == (1, FRAMES, H, W, 3) and video.dtype == torch.uint8
     assert audio.dim() == 3 and audio.shape[:2] == (1, 2) and audio.abs().mean() > 0.01
+
+
+def test_image_to_video_distilled_matches_diffusers(folder) -> None:
+    """`schedule: distilled` on `ltx2_i2v`: LTX2ImageToVideoPipeline with the distilled
+    sigmas, the first frame the image's."""
+    import io
+
+    from diffusers import LTX2ImageToVideoPipeline
+    from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES
+    from PIL import Image
+
+    from omnistage.diffusion.pipelines.ltx2_i2v import LTX2I2VOptions
+    from omnistage.testing.diffusion import png
+
+    path, _, ref, _ = folder
+    i2v = LTX2ImageToVideoPipeline(**ref.components)
+    i2v.set_progress_bar_config(disable=True)
+    ours = load_component("diffusion", "ltx2_i2v").from_pretrained(
+        path, "ltx2_i2v", torch.device("cpu"), torch.float32, text_encoders=False)
+    opt = LTX2I2VOptions(**{f.name: getattr(DISTILLED, f.name)
+                            for f in dataclasses.fields(DISTILLED)}, image_crf=0)
+    ours.configure(opt)
+    image = png(W // 2 + 5, H // 2 + 3, seed=6)
+    p = params(None, seed=7, height=H // 2, width=W // 2, image=image)
+    text, cond = conditioning(ref, seed=7)
+    video, audio = call(i2v, dict(text, image=Image.open(io.BytesIO(image)), image_crf=0),
+                        opt, torch.Generator().manual_seed(7), g=1.0, height=H // 2,
+                        width=W // 2, num_inference_steps=8, sigmas=DISTILLED_SIGMA_VALUES)
+    check(run_ours(ours, {"a": (p, cond)})["a"][0], ours, p, video, audio)
