@@ -110,19 +110,20 @@ def test_distilled_schedule_matches_diffusers(folder, guidance) -> None:
 @pytest.mark.parametrize("case", ["distilled", "guided-base"])
 def test_two_stage_matches_diffusers(folder, case: str) -> None:
     """Base (distilled sigmas) at half size -> latent upsampler -> 3 refine steps; the second
-    case with the stage's audio CFG, modality guidance and rescale on, in both loops, and
-    video CFG in the base one."""
+    case two videos, with the stage's audio CFG, modality guidance and rescale on, in both
+    loops, and video CFG in the base one."""
     path, _, ref, upsampler = folder
     opt = dataclasses.replace(DISTILLED if case == "distilled" else
                               LTX2Options(schedule="distilled"), upsample=True)
-    guidance = 1.0 if case == "distilled" else 3.0
+    guidance, n = (1.0, 1) if case == "distilled" else (3.0, 2)
     ours = load(path)
     ours.configure(opt)
-    p = params(guidance, seed=2)
+    p = params(guidance, seed=2, num_images=n)
     text, cond = conditioning(ref, seed=2)
+    text = {k: v.repeat(n, 1, *([1] * (v.dim() - 2))) for k, v in text.items()}
     video, audio = two_stage_reference(ref, upsampler, text, opt, p, guidance)
     got = run_ours(ours, {"a": (p, cond)})["a"][0]
-    assert got.shape[1] == ours.layout(p, final=True).video_size + audio[0].numel()
+    assert got.shape == (n, ours.layout(p, final=True).video_size + audio[0].numel())
     check(got, ours, p, video, audio)
 
 
@@ -186,3 +187,18 @@ def test_image_to_video_distilled_matches_diffusers(folder) -> None:
                         opt, torch.Generator().manual_seed(7), g=1.0, height=H // 2,
                         width=W // 2, num_inference_steps=8, sigmas=DISTILLED_SIGMA_VALUES)
     check(run_ours(ours, {"a": (p, cond)})["a"][0], ours, p, video, audio)
+
+
+def test_two_stage_requests_batched_equal_each_alone(folder) -> None:
+    """Two-stage requests of other seeds, frame counts and steps through one engine (their
+    base steps batched, their refines in their decodes) equal each run alone."""
+    path, _, ref, _ = folder
+    ours = load(path)
+    ours.configure(dataclasses.replace(DISTILLED, upsample=True))
+    jobs = {"a": (params(1.0, seed=5), conditioning(ref, 5)[1]),
+            "b": (params(1.0, seed=6, num_frames=9), conditioning(ref, 6)[1]),
+            "c": (params(1.0, seed=7), conditioning(ref, 7)[1])}
+    batched = run_ours(ours, jobs, lag=2)
+    for rid, job in jobs.items():
+        alone = run_ours(ours, {rid: job})[rid]
+        assert (batched[rid][0] - alone[0]).abs().max() < 1e-5, rid
