@@ -202,3 +202,16 @@ def test_two_stage_requests_batched_equal_each_alone(folder) -> None:
     for rid, job in jobs.items():
         alone = run_ours(ours, {rid: job})[rid]
         assert (batched[rid][0] - alone[0]).abs().max() < 1e-5, rid
+
+
+@pytest.mark.parametrize("name, upsample", [("ltx2_distilled", False), ("ltx2_two_stage", True)])
+def test_shipped_graphs_read_as_the_distilled_recipe(name: str, upsample: bool) -> None:
+    from omnistage.configs.defaults import stage_config_text
+    from omnistage.configs.graph import load_graph
+    from omnistage.diffusion.pipelines.ltx2 import LTX2Pipeline
+    from omnistage.stages.diffusion_component import check_options
+
+    (stage,) = load_graph(stage_config_text(name)).stages
+    opt = check_options(stage, LTX2Pipeline)
+    assert opt == dataclasses.replace(DISTILLED, stg_blocks=LTX2Options().stg_blocks,
+                                      stg_scale=0.0, audio_stg_scale=0.0, upsample=upsample)
