@@ -3,8 +3,10 @@ diffusers documents them for `LTX2Pipeline` with `LTX2LatentUpsamplePipeline` (i
 "Distilled checkpoint generation"), used by ltx2.py when the stage's options ask:
 
     schedule: distilled   the distilled checkpoints' 8 sigmas, as they are (no dynamic or
-                          terminal shift: diffusers' documented scheduler swap, use_dynamic_
-                          shifting=False, shift_terminal=None), instead of linspace(1, 1/N, N)
+                          terminal shift: the scheduler swap diffusers' page makes for its
+                          stage 2, use_dynamic_shifting=False, shift_terminal=None; its
+                          distilled example keeps the folder's scheduler, the same where that
+                          has no dynamic shift), instead of linspace(1, 1/N, N)
                           shifted by mu, whatever num_inference_steps asks (named ignored);
                           the video's guidance 1 unless the request sets one
     upsample: true        the base loop runs at the asked size / the upsampler's factor; then,
