@@ -17,8 +17,9 @@ What it does:
    ae.safetensors) to --ckpt-dir (a temp folder by default; never committed);
 2. runs the upstream `InterleaveInferencer` on (a) a text question and (a2) an image plus a
    question (greedy tokens), (b) text-to-image with a few flow steps (initial noise, final
-   latents, the decoded image) and (c) an edit of an input image (VAE posterior draw, noise,
-   final latents, image);
+   latents, the decoded image), (c) an edit of an input image (VAE posterior draw, noise,
+   final latents, image) and (d) text-to-image in think mode (`think=True`: the greedy
+   planning tokens, then noise, final latents, image);
 3. writes manifest.json (configs, seed, tensor names and shapes, checksums, case settings) and
    expected.safetensors (the tensors above) to --out.
 
@@ -81,6 +82,12 @@ CASES = {
     "edit": dict(prompt="make it blue", image_hw=[24, 32], num_timesteps=4, timestep_shift=1.0,
                  cfg_text_scale=3.0, cfg_img_scale=1.5, cfg_interval=[0.0, 1.0],
                  cfg_renorm_min=0.0, cfg_renorm_type="text_channel", seed=11),
+    # think mode (interleave_inference(think=True)): GEN_THINK_SYSTEM_PROMPT, the prompt, the
+    # greedy planning text (max_think_token_n counts the start token), then the image
+    "think": dict(prompt="a blue ball", image_hw=[16, 24], think=True, max_think_token_n=9,
+                  num_timesteps=4, timestep_shift=2.0, cfg_text_scale=3.5, cfg_img_scale=1.0,
+                  cfg_interval=[0.3, 1.0], cfg_renorm_min=0.0, cfg_renorm_type="global",
+                  seed=5),
 }
 
 
@@ -229,7 +236,7 @@ def run_cases(up, model, vae) -> dict[str, torch.Tensor]:
     inf.interleave_inference([img, c["prompt"]], understanding_output=True, do_sample=False,
                              max_think_token_n=c["max_think_token_n"])
     out["vlm.tokens"] = seen["text"].pop()[:, 0].clone()
-    for name in ("t2i", "edit"):
+    for name in ("t2i", "edit", "think"):
         c = CASES[name]
         kw = {k: c[k] for k in ("num_timesteps", "timestep_shift", "cfg_text_scale",
                                 "cfg_img_scale", "cfg_interval", "cfg_renorm_min",
@@ -239,8 +246,12 @@ def run_cases(up, model, vae) -> dict[str, torch.Tensor]:
             img = test_image(*c["image_hw"])
             out["edit.input_image"] = torch.from_numpy(np.asarray(img).copy())
             inputs = [img, c["prompt"]]
+        if name == "think":
+            kw.update(think=True, max_think_token_n=c["max_think_token_n"], do_sample=False)
         torch.manual_seed(c["seed"])
         res = inf.interleave_inference(inputs, image_shapes=tuple(c["image_hw"]), **kw)
+        if name == "think":
+            out["think.tokens"] = seen["text"].pop()[:, 0].clone()   # the start token first
         out[f"{name}.noise"] = seen["noise"].pop()
         out[f"{name}.latents"] = seen["latent"].pop()[0].clone()
         out[f"{name}.image"] = torch.from_numpy(np.asarray(res[-1]).copy())

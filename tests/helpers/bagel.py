@@ -51,3 +51,25 @@ def write_checkpoint(folder: Path) -> Path:
     save_file(ema, str(folder / "ema.safetensors"))
     save_file(ae, str(folder / "ae.safetensors"))
     return folder
+
+
+class ByteTokenizer:
+    """The fixtures' tokenizer (scripts/bagel_fixtures.py's stand-in): ids 0-255 bytes, then the
+    four special tokens; decode writes an id below 256 as chr(id), as the upstream run did."""
+    unk_token_id = None
+    NAMES = {"<|im_start|>": "bos_token_id", "<|im_end|>": "eos_token_id",
+             "<|vision_start|>": "start_of_image", "<|vision_end|>": "end_of_image"}
+
+    def __init__(self, special: dict[str, int] | None = None) -> None:
+        special = special or manifest()["special_tokens"]
+        self.ids = {name: special[key] for name, key in self.NAMES.items()}
+        self.text = {i: name for name, i in self.ids.items()}
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return self.ids[token]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return "".join(self.text.get(int(i), chr(int(i))) for i in ids)

@@ -11,6 +11,12 @@ Each flow step runs the noisy latent tokens after each context (not stored) and 
 velocities: v_text = v_cfg_text + s_text (v - v_cfg_text), then v_cfg_img + s_img (v_text -
 v_cfg_img), renormalised to |v| (global, per channel, or the text branch alone: text_channel).
 The guidance applies while cfg_interval[0] < t <= cfg_interval[1]; outside it one branch runs.
+
+Think mode (the upstream's `think=True` for an image answer): GEN_THINK_SYSTEM_PROMPT is the
+first text segment (main and cfg_img; cfg_text is then main with it alone), the model answers
+greedily after the prompt, and that answer, as text (`thought_text`: decoded, cut at the end
+token, as the upstream's gen_text returns it) and encoded again, is one more text segment of
+main only (`add_thought`) before the image is drawn.
 """
 
 from __future__ import annotations
@@ -25,6 +31,12 @@ from omnistage.models.bagel.llm import KVContext
 from omnistage.models.bagel.model import Bagel
 
 RENORM_TYPES = ("global", "channel", "text_channel")
+BOS_TEXT, EOS_TEXT = "<|im_start|>", "<|im_end|>"
+# the upstream inferencer's GEN_THINK_SYSTEM_PROMPT (056b5fd), character for character
+GEN_THINK_SYSTEM_PROMPT = (
+    "You should first think about the planning process in the mind and then generate the "
+    "image. \nThe planning process is enclosed within <think> </think> tags, i.e. <think> "
+    "planning process here </think> image here")
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,3 +196,18 @@ def latent_grid(model: Bagel, height: int, width: int) -> tuple[int, int]:
     if max(height, width) // d > model.cfg.max_latent_size:
         raise ValueError(f"size {width}x{height}: at most {model.cfg.max_latent_size * d} a side")
     return height // d, width // d
+
+
+def thought_text(tokenizer, answer_ids: Sequence[int], tokens: SpecialTokens) -> str:
+    """The upstream gen_text's string from a greedy answer's ids (the start token not among
+    them): the start token and the answer decoded, then the text between the first start
+    token and the first end token after it."""
+    text = tokenizer.decode([tokens.bos, *answer_ids])
+    return text.split(EOS_TEXT)[0].split(BOS_TEXT)[1]
+
+
+@torch.no_grad()
+def add_thought(model: Bagel, main: KVContext, thought_ids: list[int],
+                tokens: SpecialTokens) -> None:
+    """Think mode: the answer's text, encoded again, enters the main context alone."""
+    model.add_tokens(main, [tokens.bos, *thought_ids, tokens.eos])
