@@ -37,11 +37,13 @@ from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import DiffusionPipeline
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.errors import InputError
-from omnistage.models.bagel.generate import (FlowOptions, SpecialTokens, build_contexts,
-                                             decode_image, guide, initial_noise, timesteps,
-                                             to_pixels)
+from omnistage.models.bagel.generate import (GEN_THINK_SYSTEM_PROMPT, FlowOptions,
+                                             SpecialTokens, add_thought, build_contexts,
+                                             decode_image, guide, initial_noise, thought_text,
+                                             timesteps, to_pixels)
 from omnistage.models.bagel.llm import KVContext
 from omnistage.models.bagel.model import Bagel
+from omnistage.payloads import TOKEN_IDS
 
 DEFAULT_SIZE = 1024
 DEFAULT_GUIDANCE = 4.0
@@ -180,10 +182,7 @@ class BagelPipeline(DiffusionPipeline):
     def prepare(self, prompt: str, params: DiffusionParams, generator: torch.Generator,
                 image: Image.Image | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         image = input_image(params, image)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        segments: list = [ids]
-        if image is not None:
-            segments.insert(0, self._pixels(image))
+        segments = self._segments(prompt, image)
         hw = self._grid(params, image)
         ctxs = build_contexts(self.model, self.vae, segments, self.tokens, with_vae=True,
                               generator=generator)
@@ -196,11 +195,20 @@ class BagelPipeline(DiffusionPipeline):
             cond.update(pack_context(name, getattr(ctxs, name)))
         return noise, sigmas, cond
 
+    def _segments(self, prompt: str, image: Image.Image | None) -> list:
+        """The request's inputs in order: an edit's image, then the prompt's ids."""
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [ids] if image is None else [self._pixels(image), ids]
+
+    def _ready(self, r: DiffusionRequest) -> None:
+        """Called before a request's steps (think mode adds its thought here)."""
+
     def velocity(self, latents: Tensor, sigmas: Tensor, requests: list[DiffusionRequest]
                  ) -> Tensor:
         """Each request's images after its own contexts (contexts differ in length)."""
         out, row = torch.empty_like(latents), 0
         for r in requests:
+            self._ready(r)
             hw = tuple(int(v) for v in r.cond["grid"])
             ctxs = {n: unpack_context(n, r.cond, self.model.cfg.llm.num_hidden_layers)
                     for n in CONTEXTS}
@@ -245,6 +253,39 @@ class BagelPipeline(DiffusionPipeline):
             unused.update({name: "an edit keeps its input image's (resized) size"
                            for name in ("height", "width") if getattr(params, name)})
         return unused
+
+
+class BagelThinkPipeline(BagelPipeline):
+    """Think mode (graph bagel_think.yaml): the upstream's GEN_THINK_SYSTEM_PROMPT before the
+    prompt in the contexts, and the understanding stage's greedy planning answer (its token
+    ids along the edge und -> dit, payloads.TOKEN_IDS) added to the main context as the
+    upstream does: decoded, cut at the end token, encoded again (generate.thought_text). The
+    request is prepared (contexts, noise) when it arrives and waits for the answer."""
+
+    text_with_upstream = True
+
+    def _segments(self, prompt: str, image: Image.Image | None) -> list:
+        system = self.tokenizer.encode(GEN_THINK_SYSTEM_PROMPT, add_special_tokens=False)
+        return [system, *super()._segments(prompt, image)]
+
+    def check_conditioning(self, tensors: dict[str, Tensor], params: DiffusionParams
+                           ) -> dict[str, Tensor]:
+        """{TOKEN_IDS: the answer's ids (T,)} -> {"thought_ids": the thought re-encoded}."""
+        ids = tensors.get(TOKEN_IDS)
+        if set(tensors) != {TOKEN_IDS} or ids.dim() != 1 or ids.is_floating_point():
+            raise ValueError(f"conditioning: expected {TOKEN_IDS!r} (T,) integer ids (the "
+                             f"understanding stage's answer), got {sorted(tensors)}")
+        text = thought_text(self.tokenizer, ids.tolist(), self.tokens)
+        thought = self.tokenizer.encode(text, add_special_tokens=False)
+        return {"thought_ids": torch.tensor(thought, dtype=torch.int64)}
+
+    def _ready(self, r: DiffusionRequest) -> None:
+        thought = r.cond.pop("thought_ids", None)
+        if thought is None:
+            return
+        main = unpack_context("main", r.cond, self.model.cfg.llm.num_hidden_layers)
+        add_thought(self.model, main, thought.tolist(), self.tokens)
+        r.cond.update(pack_context("main", main))
 
 
 def pack_context(name: str, ctx: KVContext) -> dict[str, Tensor]:

@@ -14,11 +14,13 @@ from PIL import Image
 
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.pipelines.bagel import BagelOptions, BagelPipeline, resize_size
+from omnistage.diffusion.pipelines.bagel import (BagelOptions, BagelPipeline,
+                                                 BagelThinkPipeline, resize_size)
 from omnistage.errors import InputError
 from omnistage.models.bagel.model import Bagel
+from omnistage.payloads import TOKEN_IDS
 from omnistage.testing.diffusion import run_to_end
-from tests.helpers.bagel import expected, manifest, write_checkpoint
+from tests.helpers.bagel import ByteTokenizer, expected, manifest, write_checkpoint
 
 
 class ByteTokens:
@@ -122,3 +124,29 @@ def test_two_requests_stepped_together_equal_upstream(pipeline):
     out = run_to_end(engine)
     assert (out["e"].images[0].int() - exp["edit.image"].int()).abs().max() <= 1
     assert torch.equal(out["t"].images[0], t2i_alone)
+
+
+def test_think_mode_equals_upstream(tmp_path_factory):
+    """Think mode (BagelThinkPipeline): the request prepared with the upstream's system prompt,
+    parked, then given the understanding stage's answer (the upstream's planning tokens) as
+    the edge und -> dit brings it: the upstream think-mode image."""
+    m, exp = manifest(), expected()
+    case = m["cases"]["think"]
+    folder = write_checkpoint(tmp_path_factory.mktemp("bagel") / "BAGEL-tiny")
+    model, vae = Bagel.from_pretrained(folder)
+    pipe = BagelThinkPipeline(model, vae, ByteTokenizer(), torch.device("cpu"))
+    pipe.configure(_options(case))
+    h, w = case["image_hw"]
+    engine = DiffusionEngine(pipe)
+    engine.add_request("r", case["prompt"], DiffusionParams(
+        seed=case["seed"], guidance_scale=case["cfg_text_scale"],
+        num_inference_steps=case["num_timesteps"] - 1, height=h, width=w), parked=True)
+    assert engine.is_parked("r")
+    answer = exp["think.tokens"][1:]          # without the start token the upstream returns
+    with pytest.raises(ValueError, match="token_ids"):
+        engine.set_conditioning("r", {"x": answer})
+    engine.set_conditioning("r", {TOKEN_IDS: answer})
+    image = run_to_end(engine)["r"].images[0]
+    want = exp["think.image"]
+    assert image.shape == want.shape and want.float().std() > 5
+    assert (image.int() - want.int()).abs().max() <= 1
