@@ -262,7 +262,8 @@ class BagelThinkPipeline(BagelPipeline):
     upstream does: decoded, cut at the end token, encoded again (generate.thought_text). The
     request is prepared (contexts, noise) when it arrives and waits for the answer."""
 
-    text_with_upstream = True
+    text_with_upstream = True      # the prompt is read here, the plan comes along the edge
+    splits_text = True             # (what lets a stage of it take an input edge)
 
     def _segments(self, prompt: str, image: Image.Image | None) -> list:
         system = self.tokenizer.encode(GEN_THINK_SYSTEM_PROMPT, add_special_tokens=False)

@@ -8,6 +8,8 @@ What the answer holds follows from `modalities` and what the served graph's fina
                                            expires_at, transcript}; streamed: delta.audio
                                            pieces (transcript, pcm16 data, expires_at)
     image             [image] (default)    message.content = image_url parts (data: PNG URLs)
+    text + image      [text, image]        a text part, then the image_url parts (BAGEL);
+                                           streamed: text deltas, then the image parts
     video             [video] (default)    message.content = a video_url part (data: MP4 URL)
 
 That is OpenAI's shape: with speech the text is the transcript, and `content` stays null.
@@ -192,7 +194,8 @@ class ChatServing:
         # edit); more than the model takes are refused by the engine's checks, naming `image`
         voice = req.audio.voice if req.audio is not None else req.speaker
         fields = RequestFields(entry, req.sampling_params_list, tuple(images), voice=voice,
-                               image_fields="video" in plan.wanted)
+                               image_fields="video" in plan.wanted or len(plan.wanted) > 1
+                               and "image" in plan.wanted)   # text + image: AR's own defaults
         # a picture's progress shows in a stream as comments
         return self.client.request(prompt, fields, set(plan.wanted), "chatcmpl",
                                    param="messages", max_tokens=_max_tokens(req),
@@ -218,7 +221,8 @@ class ChatServing:
                 raise bad_request(f"modalities: this model cannot produce {kind} (it produces "
                                   f"{', '.join(sorted(can)) or 'nothing a chat can return'})",
                                   "modalities", "unsupported_modality")
-        if asked & PICTURES and len(asked) > 1:
+        # text then an image in one message (BAGEL's think mode: its plan, then the image)
+        if asked & PICTURES and len(asked) > 1 and asked != {"text", "image"}:
             raise bad_request(f"modalities: {'/'.join(sorted(asked & PICTURES))} output cannot "
                               "be combined with others", "modalities")
         wanted = set(asked)
@@ -265,8 +269,8 @@ class ChatServing:
         """Choice `c.index`: one of the request's n completions."""
         message = ResponseMessage(content=c.text)
         parts = await self._pictures(c, plan)
-        if parts is not None:
-            message.content = parts
+        if parts is not None:   # after the text, when the answer has both
+            message.content = [{"type": "text", "text": c.text}, *parts] if c.text else parts
         if plan.fmt is not None:  # OpenAI's shape: the text is the transcript, content null
             rate = self.client.engine.audio_sample_rate
             wave, rate = (audio_of(c.tensors, rate)

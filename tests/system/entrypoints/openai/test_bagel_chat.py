@@ -2,8 +2,9 @@
 golden fixtures' tiny checkpoint (tests/helpers/bagel.py; a byte tokenizer whose ids are the
 fixture's: byte b -> b, <|im_start|> 256, <|im_end|> 257) runs the graph's AR stage (the
 understanding expert, the upstream prompt layout), and its greedy answer is the upstream
-inferencer's text (tests/fixtures/bagel/, text case). Images in a text answer's messages and
-image with text in one answer are 400s naming the field."""
+inferencer's text (tests/fixtures/bagel/, text case); text with an image in one answer is the
+text part then the image part. Images in a text answer's messages are a 400 naming the
+field."""
 
 from __future__ import annotations
 
@@ -93,8 +94,22 @@ def test_image_in_a_text_answer_is_refused(server: Server) -> None:
     assert body["param"] == "messages[0].content", body
 
 
-def test_text_and_image_in_one_answer_is_refused(server: Server) -> None:
-    body = _bad(lambda: server.openai().chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "a cube"}],
-        extra_body={"modalities": ["text", "image"]}))
-    assert body["param"] == "modalities", body
+def test_text_and_image_in_one_answer(server: Server) -> None:
+    """Without think mode (bagel.yaml) the two stages answer side by side: the text answer
+    (the upstream's greedy text), then an image of the same prompt (think mode, where the image
+    follows the text: tests/system/entrypoints/openai/test_bagel_think.py)."""
+    case = manifest()["cases"]["text"]
+    want_ids = expected()["text.tokens"].tolist()[1:4]          # '"', ')', then a lead byte
+    out = server.openai().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": case["prompt"]}],
+        extra_body={"modalities": ["text", "image"], "height": 16, "width": 16,
+                    "num_inference_steps": 2,
+                    "sampling_params_list": [{"max_tokens": 3, "temperature": 0.0}, None]})
+    content = out.choices[0].message.content
+    assert [p["type"] for p in content] == ["text", "image_url"], content
+    assert content[0]["text"] == bytes(want_ids[:2]).decode() and want_ids[2] >= 0xC0
+    with pytest.raises(openai.BadRequestError) as info:     # video with text: still refused
+        server.openai().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "a cube"}],
+            extra_body={"modalities": ["text", "video"]})
+    assert info.value.body["param"] == "modalities"
