@@ -15,6 +15,8 @@ from dataclasses import replace
 from transformers import AutoTokenizer
 
 from omnistage.configs.schema import StageConfig
+from omnistage.diffusion.image_input import image_files
+from omnistage.errors import InputError
 from omnistage.models.bagel.generate import GEN_THINK_SYSTEM_PROMPT
 from omnistage.models.bagel.processing import BOS, EOS
 from omnistage.models.bagel.understanding import load_understanding
@@ -49,4 +51,8 @@ class BagelThinkARStage(BagelARStage):
         self.system = [self.bos, *system, self.eos]
 
     def prompt_ids(self, request: StageRequest) -> list[int]:
+        image = request.diffusion.image if request.diffusion is not None else None
+        if image is not None or image_files(request.multimodal):
+            raise InputError("image: BAGEL's think mode plans from text only here (the "
+                             "upstream's sees the input image); edit with bagel.yaml", "image")
         return [*self.system, *request.prompt_token_ids]

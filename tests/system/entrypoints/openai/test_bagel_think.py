@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+import openai
 import pytest
 import torch
 from PIL import Image
@@ -122,3 +123,15 @@ def test_streamed_text_deltas_then_the_image(server: Server) -> None:
                 kinds.append(json.dumps([p["type"] for p in c]))
     assert kinds and kinds[0] == "text" and kinds[-1] == '["image_url"]', kinds
     assert kinds.count('["image_url"]') == 1
+
+
+def test_an_edit_in_think_mode_is_refused(server: Server) -> None:
+    """The plan would not see the input image (the upstream's does): a 400 naming `image`."""
+    from omnistage.testing.diffusion import png
+    url = "data:image/png;base64," + base64.b64encode(png(16, 24, seed=0)).decode()
+    content = [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": url}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        server.openai().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], extra_body=_body())
+    body = info.value.body
+    assert body["param"] == "image" and "think mode" in body["message"], body
