@@ -60,6 +60,9 @@ class DiffusionParams:
     # for one names it ignored: DiffusionPipeline.unused_params)
     boundary_ratio: float | None = None
     flow_shift: float | None = None
+    # LTX-2's two-stage recipe (base at a smaller size -> latent upsampler -> refine) for this
+    # request; None: the stage's `diffusion.options.upsample`
+    upsample: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "image", _image_file(self.image))

@@ -105,6 +105,8 @@ class VideoSpec:
     image_to_video: bool = False       # takes a first frame (input_reference)
     audio: bool = False                # its output carries a sound track (LTX-2): muxed into
                                        # the MP4, and served alone (variant=audio)
+    upsample: bool = False             # the folder has a latent upsampler a request may ask
+                                       # for (LTX-2's two-stage recipe: `upsample`)
 
     def __post_init__(self) -> None:
         if self.size_multiple < 2 or self.size_multiple % 2:

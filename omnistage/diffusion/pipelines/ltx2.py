@@ -32,7 +32,8 @@ uncond, and "iso", the modality pass), over the video and audio streams as one
 Per request: guidance_scale (the video's, 3.0 by default as diffusers), num_frames (1 + 8k),
 fps (24), height and width (multiples of 32). The audio guidance, modality guidance and rescale
 scales are the stage's `diffusion.options` (`LTX2Options`, diffusers' defaults), and the
-distilled schedule and two-stage recipe (`schedule`, `upsample`: ltx2_two_stage.py).
+distilled schedule and two-stage recipe (`schedule`, `upsample`: ltx2_two_stage.py; a
+request's `upsample` picks the recipe for itself on a folder with a latent upsampler).
 Spatio-temporal guidance (STG: options stg_scale, audio_stg_scale, stg_blocks) runs one more
 forward over the prompt rows with the self-attentions of stg_blocks skipped, x0 += s (x0_c -
 x0_stg), for a transformer whose config has perturbed_attn; LTX-2.0's has not, and diffusers'
@@ -41,6 +42,7 @@ x0_stg), for a transformer whose config has perturbed_attn; LTX-2.0's has not, a
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -53,9 +55,10 @@ from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.pipeline import DiffusionPipeline, check_conditioning, forward_by_key
 from omnistage.diffusion.pipelines.ltx2_options import Layout, LTX2Options, rescale
 from omnistage.diffusion.pipelines.ltx2_text import TEXT_KEYS, LTX2PromptEncoder
-from omnistage.diffusion.pipelines.ltx2_two_stage import (DISTILLED_SIGMAS, base_side,
-                                                          check_upsample, distilled_sigmas,
-                                                          load_upsampler, refine)
+from omnistage.diffusion.pipelines.ltx2_two_stage import (DISTILLED_SIGMAS, UPSAMPLER,
+                                                          base_side, check_upsample,
+                                                          distilled_sigmas, load_upsampler,
+                                                          refine)
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers.flow_match_euler import (FlowMatchEuler, FlowMatchEulerConfig,
                                                           calculate_shift, make_sigmas)
@@ -80,9 +83,11 @@ SPEC = VideoSpec(default_size=(768, 512), size_multiple=32, default_num_frames=1
 
 
 def video_spec(path: str | Path) -> VideoSpec:
-    """What /v1/videos may ask of an LTX-2 folder: LTX-2's rule (1 + 8k frames, sides of 32)."""
+    """What /v1/videos may ask of an LTX-2 folder: LTX-2's rule (1 + 8k frames, sides of 32),
+    and the two-stage recipe where the folder has a latent upsampler."""
     LTX2TransformerConfig.from_dict(read_config(Path(path) / "transformer"))   # refuse early
-    return SPEC
+    has_upsampler = (Path(path) / UPSAMPLER / "config.json").is_file()
+    return dataclasses.replace(SPEC, upsample=True) if has_upsampler else SPEC
 
 
 class LTX2Pipeline(DiffusionPipeline):
@@ -167,7 +172,12 @@ class LTX2Pipeline(DiffusionPipeline):
                              f"temporal factor), at most {self.video.max_num_frames}")
         check_size(height, width, self.video.size_multiple, MAX_SIZE,
                    f"the VAE's factor {self.vae.cfg.spatial_ratio}, and diffusers' rule of 32")
-        if self.options.upsample:
+        if params.upsample and not self.options.upsample:
+            try:
+                check_upsample(self.upsampler, self.cfg_ranks.world_size)
+            except ValueError as exc:
+                raise ValueError(f"upsample: {exc}") from None
+        if self.two_stage(params):
             for name, side in (("height", height), ("width", width)):
                 try:
                     base_side(side, self.upsampler.cfg.spatial_factor, self.video.size_multiple)
@@ -176,9 +186,9 @@ class LTX2Pipeline(DiffusionPipeline):
 
     def layout(self, params: DiffusionParams, final: bool = False) -> Layout:
         """The latent row of a request: of the base loop, or (final) of what is decoded; they
-        differ with the two-stage recipe (options.upsample), whose base runs smaller."""
+        differ with the two-stage recipe (`two_stage`), whose base runs smaller."""
         frames, height, width, fps = self._shape(params)
-        if self.options.upsample and not final:
+        if self.two_stage(params) and not final:
             factor = self.upsampler.cfg.spatial_factor
             height, width = (base_side(height, factor, self.video.size_multiple),
                              base_side(width, factor, self.video.size_multiple))
@@ -356,9 +366,13 @@ class LTX2Pipeline(DiffusionPipeline):
         return self.fixed(lay, (latents - x0_g) / sigma)
 
     def final_latents(self, request: DiffusionRequest) -> Tensor:
-        """The two-stage recipe's upsample and refine steps (options.upsample), or the base
+        """The two-stage recipe's upsample and refine steps (`two_stage`), or the base
         loop's latents."""
-        return refine(self, request) if self.options.upsample else request.latents
+        return refine(self, request) if self.two_stage(request.params) else request.latents
+
+    def two_stage(self, params: DiffusionParams) -> bool:
+        """This request's recipe: its `upsample`, else the stage's option."""
+        return self.options.upsample if params.upsample is None else params.upsample
 
     def fixed(self, lay: Layout, velocity: Tensor) -> Tensor:
         """The velocity the solver steps with (image-to-video: 0 on the first frame, which

@@ -58,6 +58,9 @@ class VideoRequest(Request):
     # vLLM-Omni's: the sound track of a model that makes one (LTX-2); false leaves it out of
     # the file, true asks it of a model without one (400)
     generate_sound: bool | None = None
+    # LTX-2's two-stage recipe (base -> latent upsampler -> refine) for this request, on a
+    # folder with a latent_upsampler/; false: one stage; absent: the server's graph decides
+    upsample: bool | None = None
 
 
 class VideoError(BaseModel):

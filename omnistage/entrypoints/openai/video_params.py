@@ -159,6 +159,12 @@ def plan(spec: VideoSpec, limits: VideoLimits, req: VideoRequest, image: bytes |
                               "seed": secrets.randbelow(MAX_SEED) if req.seed is None
                               else req.seed}
     fields.update({k: getattr(req, k) for k in _EXTRAS if getattr(req, k) is not None})
+    if req.upsample is not None:
+        if req.upsample and not spec.upsample:
+            raise bad_request("upsample: this model has no latent upsampler (LTX-2's "
+                              "two-stage recipe needs the folder's latent_upsampler/)",
+                              "upsample", "upsample_not_supported")
+        fields["upsample"] = req.upsample
     if req.generate_sound and not spec.audio:
         raise bad_request("generate_sound: this model makes video without sound",
                           "generate_sound", "audio_not_supported")

@@ -50,3 +50,44 @@ def test_a_size_that_does_not_halve_is_a_400_naming_it(server: Server) -> None:
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "width" and "latent upsampler" in error["message"], error
+
+
+def test_upsample_per_request_on_the_one_stage_graph(start_server: Callable[..., Server],
+                                                     tmp_path_factory: pytest.TempPathFactory,
+                                                     server: Server) -> None:
+    """On the one-stage distilled graph, `upsample: true` runs the two-stage recipe for that request
+    alone: the same frames as the two-stage graph's answer; `upsample: false` on the
+    two-stage graph, one stage at the asked size (other frames); a folder without an
+    upsampler refuses `upsample: true` naming it."""
+    from tests.helpers.ltx2 import add_tiny_upsampler, build_tiny_ltx2
+    from tests.helpers.ltx2_text import add_tiny_text_encoder
+
+    path: Path = tmp_path_factory.mktemp("tiny_ltx2_upsample_field")
+    build_tiny_ltx2(path)
+    add_tiny_text_encoder(path)
+    plain = start_server([str(path), "--served-model-name", "tiny-ltx2", "--stage-config",
+                          "ltx2_distilled", "--videos-dir",
+                          str(tmp_path_factory.mktemp("videos_plain")), "--max-video-size",
+                          "128"])
+    r = plain.post("/v1/videos/sync", json={**BODY, "upsample": True})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "upsample", r.json()
+    plain.stop()
+
+    add_tiny_upsampler(path)
+    one_stage = start_server([str(path), "--served-model-name", "tiny-ltx2", "--stage-config",
+                              "ltx2_distilled", "--videos-dir",
+                              str(tmp_path_factory.mktemp("videos_one")), "--max-video-size",
+                              "128"])
+    asked = one_stage.post("/v1/videos/sync", json={**BODY, "upsample": True})
+    plain_answer = one_stage.post("/v1/videos/sync", json=BODY)
+    two = server.post("/v1/videos/sync", json=BODY)
+    two_off = server.post("/v1/videos/sync", json={**BODY, "upsample": False})
+    for r in (asked, plain_answer, two, two_off):
+        assert r.status_code == 200, r.text
+    frames = {name: decode_video(r.content)[0] for name, r in
+              (("asked", asked), ("plain", plain_answer), ("two", two), ("two_off", two_off))}
+    assert frames["asked"].shape == frames["plain"].shape == (BODY["num_frames"], 64, 128, 3)
+    assert (frames["asked"].astype(int) - frames["two"].astype(int)).__abs__().max() <= 1
+    assert (frames["asked"] != frames["plain"]).any()
+    assert (frames["two_off"] != frames["two"]).any()
