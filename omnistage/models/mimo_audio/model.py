@@ -17,13 +17,19 @@ lm_head, local_transformer.*, input_local_transformer.*, local_transformer_lm_he
 speech_embeddings.{c}, speech_embeddings_to_local (only when the two local widths differ),
 speech_group_downcast, hidden_states_downcast.
 
-This first cut runs each decoder as a fresh causal prefill (no KV cache): it is the golden
-reference of the layout and the maths, not yet the serving path on the AR engine.
+On the AR engine (a CausalLM): the LLM runs on the engine's paged KV cache, fed each prompt
+patch's `patch_embeds`; the engine's sampler draws the text id; the `feedback` hook then runs the
+patch decoder (greedy, or the request's temperature / top-k / top-p from its own generator) and
+feeds the new patch's `patch_embeds` to the next position. The two local decoders keep no cache
+(`private_cache`: the engine leaves them out) and run a fresh prefill over at most
+group_size + max(delays) rows. `generate` is the same maths without the engine (the golden
+reference of the layout).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +38,12 @@ from torch import Tensor, nn
 from omnistage.layers.attention import AttentionMetadata, forward_context
 from omnistage.layers.linear import Linear
 from omnistage.layers.parallel import VocabParallelEmbedding
+from omnistage.layers.sampling import GREEDY_EPS, apply_top_k_top_p
+from omnistage.models.causal_lm import CausalLM
+from omnistage.models.config import ModelConfig
 from omnistage.models.loader import load_packed_weights
 from omnistage.models.mimo_audio.config import MiMoAudioConfig
+from omnistage.models.qwen3_omni.talker import FRAME_CODES
 from omnistage.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
 
 
@@ -75,7 +85,28 @@ class _BidirectionalAttention:
         return o.transpose(1, 2).reshape(q.shape)
 
 
-class MiMoAudioForCausalLM(nn.Module):
+def _drawer(seq: object) -> Callable[[Tensor], Tensor] | None:
+    """A sequence's patch-decoder draw: None (greedy) at temperature 0, else the engine
+    sampler's maths on one channel's logits (V,): temperature, top-k, top-p, then the
+    exponential race from the request's own generator (seeded) or the global one."""
+    p = seq.sampling_params                                        # type: ignore[attr-defined]
+    if p.temperature < GREEDY_EPS:
+        return None
+    gen = getattr(seq, "generator", None)
+
+    def draw(logits: Tensor) -> Tensor:
+        vocab, dev = logits.shape[0], logits.device
+        x = (logits / p.temperature)[None]
+        x = apply_top_k_top_p(x, torch.tensor([p.top_k if p.top_k > 0 else vocab], device=dev),
+                              torch.tensor([p.top_p], device=dev))
+        probs = torch.softmax(x, dim=-1)[0]
+        q = torch.empty_like(probs).exponential_(generator=gen)
+        return torch.where(probs > 0, probs / q.clamp_min(torch.finfo(q.dtype).tiny),
+                           -1.0).argmax()
+    return draw
+
+
+class MiMoAudioForCausalLM(CausalLM):
     packed_modules = Qwen2ForCausalLM.packed_modules
 
     def __init__(self, cfg: MiMoAudioConfig) -> None:
@@ -89,6 +120,9 @@ class MiMoAudioForCausalLM(nn.Module):
         self.local_transformer.embed_tokens = None
         self.input_local_transformer = Qwen2Model(cfg.input_local)
         self.input_local_transformer.embed_tokens = None
+        for local in (self.local_transformer, self.input_local_transformer):
+            for layer in local.layers:         # cache-less: the engine's paged cache skips them
+                layer.self_attn.attn.private_cache = True
         if cfg.input_full_attention:
             for layer in self.input_local_transformer.layers:
                 layer.self_attn.attn.backend = _BidirectionalAttention()
@@ -147,9 +181,41 @@ class MiMoAudioForCausalLM(nn.Module):
         text_emb = self.model.embed_tokens(text).masked_fill(is_speech[:, 0], 0.0)
         return text_emb + down
 
-    def decode_patch(self, x: Tensor) -> Tensor:
-        """x (hidden_local,) the downcast LLM state -> one patch's audio ids, greedy, with
-        upstream's delay pattern: (group_size, channels)."""
+    # -- the AR engine's model interface ---------------------------------------------------
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.cfg.llm
+
+    def embed_input_ids(self, input_ids: Tensor) -> Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, inputs_embeds: Tensor | None = None,
+                capture_layers: tuple[int, ...] = ()) -> tuple[Tensor, dict[int, Tensor]]:
+        return self.model(input_ids, positions, inputs_embeds, capture_layers)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def feedback(self, last: Tensor, text_ids: Tensor, seqs: list) -> tuple[Tensor, list]:
+        """After the engine sampled each row's text id: a speech id (<|empty|>) runs the patch
+        decoder on the row's hidden state; the new patch (text id + audio ids) through the
+        patch encoder is what the next position is fed. -> (B, hidden) embeddings and per row
+        {FRAME_CODES: (group_size, channels) audio ids} (None for a text patch)."""
+        cfg, g = self.cfg, self.cfg.group_size
+        empties = torch.tensor(cfg.empty_ids, device=last.device).expand(g, -1)
+        patches, extras = [], []
+        for h, text, seq in zip(last, text_ids.tolist(), seqs):
+            speech = (self.decode_patch(self.hidden_states_downcast(h), _drawer(seq))
+                      if text == cfg.empty_idx else empties)
+            patches.append(torch.cat([torch.full((g, 1), text, device=last.device), speech], 1))
+            extras.append({FRAME_CODES: speech.cpu()} if text == cfg.empty_idx else None)
+        return self.patch_embeds(torch.stack(patches)).to(last.dtype), extras
+
+    def decode_patch(self, x: Tensor, draw: Callable[[Tensor], Tensor] | None = None
+                     ) -> Tensor:
+        """x (hidden_local,) the downcast LLM state -> one patch's audio ids with upstream's
+        delay pattern: (group_size, channels). draw: logits (V,) -> id; None: greedy."""
         cfg, g = self.cfg, self.cfg.group_size
         tokens = torch.zeros(g, cfg.audio_channels, dtype=torch.long, device=x.device)
         rows = [x]
@@ -161,7 +227,7 @@ class MiMoAudioForCausalLM(nn.Module):
                     continue
                 logits = self.local_transformer_lm_heads[c](h).float()
                 logits[cfg.empty_ids[c]] = float("-inf")
-                tok = logits.argmax()
+                tok = logits.argmax() if draw is None else draw(logits)
                 tokens[t - delay, c] = tok
                 e = self.speech_embeddings[c](tok[None])[0]
                 nxt = nxt + (e if self.speech_embeddings_to_local is None
