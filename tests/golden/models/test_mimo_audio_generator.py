@@ -1,0 +1,52 @@
+"""MiMo-Audio's tokenizer decoder as a generation stage model (generation/mimo_audio.py): the
+LLM's spoken patches arriving chunk by chunk decode, when the input closes, to the waveform of
+models/mimo_audio/speech.py on the whole (golden against upstream decode in
+test_mimo_audio_tokenizer.py; the patches golden against upstream generate)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnistage.generation.mimo_audio import MiMoAudioDecoderOptions, MiMoAudioGenerator
+from omnistage.models.mimo_audio.config import MiMoAudioConfig
+from omnistage.models.mimo_audio.speech import codes_to_wave, patches_to_codes
+from omnistage.payloads import AudioChunk, CodecFrames
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "mimo_audio"
+
+
+@pytest.fixture(scope="module")
+def fx() -> dict:
+    return json.loads((FIXTURES / "tokens.json").read_text())
+
+
+def test_chunked_patches_decode_to_the_whole_waveform(fx: dict) -> None:
+    cfg = MiMoAudioConfig.from_folder(FIXTURES / "tiny", fx["args"]["empty_idx"])
+    gen = MiMoAudioGenerator.from_pretrained(
+        None, "mimo_audio_decoder", torch.device("cpu"), None,
+        MiMoAudioDecoderOptions(tokenizer=str(FIXTURES / "tokenizer"), empty_id=cfg.empty_ids[0]))
+    patches = torch.tensor(fx["speak"]).view(-1, 4, 9)[:, :, 1:]          # (steps, 4, 8)
+    silent = torch.tensor(cfg.empty_ids).expand(4, -1)
+    chunks = [patches[0], silent, *patches[1:]]                           # a silent patch too
+    state: dict = {}
+    for i, c in enumerate(chunks):
+        out = gen.generate([CodecFrames(c).pack()], [state], [i == len(chunks) - 1])[0]
+        if i < len(chunks) - 1:
+            assert out == {}
+    wav = AudioChunk.unpack(out).samples
+    a = fx["args"]
+    want = codes_to_wave(gen.model, patches_to_codes(torch.tensor(fx["speak"]), cfg,
+                                                     a["sostm_idx"], a["eostm_idx"]))
+    assert want.std() > 0.01 and wav.shape == want.shape
+    torch.testing.assert_close(wav, want, rtol=0, atol=1e-6)
+
+
+def test_a_folder_without_the_audio_tokenizer_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text((FIXTURES / "tiny" / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="audio_tokenizer"):
+        MiMoAudioGenerator.from_pretrained(tmp_path, "mimo_audio_decoder", torch.device("cpu"),
+                                           None)
