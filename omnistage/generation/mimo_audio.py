@@ -68,11 +68,11 @@ class MiMoAudioGenerator:
         for x, state, last in zip(inputs, states, is_last):
             frames = CodecFrames.unpack(x)
             if frames is not None and frames.codes.numel():
-                state.setdefault("codes", []).append(frames.codes.to(torch.long).cpu())
+                state.setdefault("spoken", []).append(frames.codes.to(torch.long).cpu())
             if not last:
                 out.append({})
                 continue
-            codes = self.codes(state.pop("codes", []))
+            codes = self.codes(state.pop("spoken", []))
             dev = self.model.codebooks[0].device
             out.append(AudioChunk(codes_to_wave(self.model, codes.to(dev)).float().cpu()).pack())
         return out
