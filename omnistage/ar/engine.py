@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 from torch import Tensor
 
+from omnistage.ar import shadows
 from omnistage.ar.detokenizer import IncrementalDetokenizer
 from omnistage.ar.hidden_rows import HiddenRowCache
 from omnistage.ar.inputs import MultimodalInput, PromptInput, StreamInput, check_request
@@ -222,6 +223,15 @@ class AREngine:
         elif request_id in self._parked and not seq.prompt.open:
             raise ValueError(f"request {request_id!r}: prompt closed while empty")
 
+    def add_shadow(self, request_id: str, key: Hashable, rows: Tensor) -> None:
+        """Give a queued request a shadow context (ar/shadows.py: run with it, read and fed
+        by the model's feedback hook, freed with it) that first computes `rows` (n, hidden)."""
+        seq = self._parked.get(request_id) or self.scheduler.requests.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not running")
+        shadows.add_shadow(seq, key, rows.to(self.device, self.dtype),
+                           self.model_config.hidden_size)
+
     def abort_request(self, request_id: str) -> StepOutput | None:
         seq = self._parked.pop(request_id, None)
         if seq is not None:
@@ -297,7 +307,7 @@ class AREngine:
             return False
         for seq in seqs:
             if (seq.num_computed_tokens < seq.num_prompt_tokens or seq.prompt.open
-                    or seq.stream is not None or seq.output_embeds
+                    or seq.stream is not None or seq.output_embeds or seq.shadows
                     or seq.sampling_params.output_hidden_layers):
                 return False
         batch = ScheduledBatch(seqs, [1] * len(seqs))
@@ -331,7 +341,7 @@ class AREngine:
         logger.error("model step failed for %d requests", len(batch.seqs), exc_info=exc)
         outs = []
         for seq in batch.seqs:
-            if seq.is_finished:
+            if seq.is_finished or seq.owner is not None:    # a shadow ends with its owner
                 continue
             self.scheduler.finish(seq, FinishReason.ERROR)
             outs.append(self._finish_output(

@@ -23,6 +23,11 @@ model. Rank 0's turns each batch into host inputs (step_plan.py), shares them as
 runs them; the others' `follow` runs each plan they receive: the same forward pass, graph
 replay or capture, and logits, so that every collective inside finds its peers. Only rank 0
 samples, runs the feedback hook and reads hidden states out.
+
+Shadow sequences (shadows.py: a request's extra contexts) run in the same forward pass as
+their owner; their last hidden states are kept before sampling, for the model's
+`guide_logits(logits, seqs)` (optional: e.g. classifier-free guidance of the token choice)
+and its feedback hook.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
+from omnistage.ar import shadows
 from omnistage.ar.cuda_graphs import DecodeGraphs
 from omnistage.ar.kv_cache import KVCacheLayout
 from omnistage.ar.sampler import DeviceSample, Sampler, TokenLogprobs
@@ -142,12 +148,16 @@ class ModelRunner:
             if rows:
                 last = hidden[torch.tensor(plan.logit_rows, device=self.device)]
 
+        if any(s.owner is not None for s in batch.seqs):     # before the hook reads them
+            shadows.record_hidden(batch.seqs, batch.num_new_tokens, hidden, qsl)
         sampled: list[int | None] = [None] * len(batch.seqs)
         logprobs: list[TokenLogprobs | None] = [None] * len(batch.seqs)
         extras = None
         if rows:
             seqs = [batch.seqs[i] for i in rows]
             logits = self.model.compute_logits(last)
+            if (guide := getattr(self.model, "guide_logits", None)) is not None:
+                logits = guide(logits, seqs)   # (B, V), the rows' seqs: may read shadows
             on_device = self.sampler.sample(logits, seqs, self.eos_token_ids, inplace=True)
             feedback = self.model.feedback
             if feedback is not None:

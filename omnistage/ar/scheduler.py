@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from omnistage.ar import shadows
 from omnistage.ar.kv_cache import BlockManager
 from omnistage.ar.sequence import FinishReason, Sequence, SequenceStatus
 from omnistage.configs.schema import SchedulerConfig
@@ -44,7 +45,7 @@ class ScheduledBatch:
     def samples(self, i: int) -> bool:
         """Whether seqs[i] reaches its last token this step, so its logits give a new token."""
         seq = self.seqs[i]
-        return (not seq.prompt.open
+        return (not seq.prompt.open and seq.owner is None
                 and seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens)
 
 
@@ -75,6 +76,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        shadows.free(self.block_manager, seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.requests[seq.request_id]
@@ -98,11 +100,11 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
-            num_new = min(seq.num_schedulable_tokens, budget)
-            if num_new == 0:  # waiting for upstream input; keeps its blocks
+            num_new = min(seq.num_schedulable_tokens, budget - _shadow_tokens(seq))
+            if num_new <= 0:  # waiting for upstream input; keeps its blocks
                 idx += 1
                 continue
-            needed = bm.num_blocks_needed(seq, num_new)   # mostly 0: a decode in its block
+            needed = bm.num_blocks_needed(seq, num_new) + shadows.blocks_needed(bm, seq)
             while needed > bm.num_free_blocks:
                 victim = self.running.pop()  # the newest running sequence
                 self._preempt(victim)
@@ -112,9 +114,7 @@ class Scheduler:
             else:
                 if needed:
                     bm.allocate(seq, num_new)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(num_new)
-                budget -= num_new
+                budget -= self._add(batch, seq, num_new)
                 idx += 1
 
         while (self.waiting and budget > 0 and not batch.preempted
@@ -123,17 +123,19 @@ class Scheduler:
             if seq.num_computed_tokens == 0:
                 bm.get_computed_blocks(seq)
             num_new = seq.num_schedulable_tokens
+            budget -= _shadow_tokens(seq)
             if num_new == 0:  # nothing computable yet (a preempted, input-starved sequence)
                 bm.free(seq)
                 seq.num_computed_tokens = 0
                 break
             if num_new > budget:
-                if not self.config.enable_chunked_prefill and self.running:
+                if budget <= 0 or (not self.config.enable_chunked_prefill and self.running):
                     bm.free(seq)
                     seq.num_computed_tokens = 0
                     break
                 num_new = budget
-            if not bm.can_allocate(seq, num_new):
+            if (bm.num_blocks_needed(seq, num_new) + shadows.blocks_needed(bm, seq)
+                    > bm.num_free_blocks):
                 bm.free(seq)  # undo a prefix-cache hit; try again next step
                 seq.num_computed_tokens = 0
                 break
@@ -143,14 +145,23 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
-            budget -= num_new
+            budget -= self._add(batch, seq, num_new) - _shadow_tokens(seq, batch)
         return batch
+
+    def _add(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> int:
+        """Put seq (its blocks allocated) and its owed shadow rows in the batch -> tokens."""
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_new)
+        for shadow, n in shadows.allocate(self.block_manager, seq):
+            batch.seqs.append(shadow)
+            batch.num_new_tokens.append(n)
+            num_new += n
+        return num_new
 
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop the KV blocks, keep the tokens, requeue at the front."""
         self.block_manager.free(seq)
+        shadows.free(self.block_manager, seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
@@ -168,7 +179,7 @@ class Scheduler:
             return None
         keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
         seqs = [batch.seqs[i] for i in keep]
-        if not seqs or len(seqs) != len(self.running):
+        if not seqs or len(seqs) != len(self.running) or any(s.shadows for s in seqs):
             return None
         for seq in seqs:
             max_tokens = seq.sampling_params.max_tokens
@@ -195,8 +206,8 @@ class Scheduler:
         bm = self.block_manager
         page = bm.block_size
         for seq, num_new, token_id in zip(batch.seqs, batch.num_new_tokens, sampled):
-            if seq.is_finished:  # aborted while the step ran
-                continue
+            if seq.is_finished or seq.owner is not None:
+                continue        # aborted while the step ran; a shadow (shadows.advance)
             before = seq.num_computed_tokens
             seq.num_computed_tokens = done = before + num_new
             if done // page != before // page:   # a block filled up: hash it for reuse
@@ -225,3 +236,10 @@ class Scheduler:
         if seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def _shadow_tokens(seq: Sequence, batch: ScheduledBatch | None = None) -> int:
+    """Rows seq's shadows owe (None) / took in `batch` (already counted at admission)."""
+    if batch is None:
+        return sum(n for _, n in shadows.owed(seq))
+    return sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if s.owner is seq)

@@ -78,6 +78,11 @@ class Sequence:
     output_embeds: list[torch.Tensor] = field(default_factory=list)  # (hidden,) per output
     # payloads (hidden rows) of the prefix-cache hit's blocks, until the engine sends them
     cached_payloads: list[object] = field(default_factory=list)
+    # shadow sequences (ar/shadows.py): extra contexts run with this one, by the model's key;
+    # a shadow names its owner and keeps its last row's final hidden state
+    shadows: dict = field(default_factory=dict)
+    owner: Sequence | None = None
+    last_hidden: Tensor | None = None
 
     @property
     def penalty_prompt_ids(self) -> list[int]:
