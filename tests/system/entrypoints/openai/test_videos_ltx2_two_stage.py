@@ -21,6 +21,12 @@ BODY = {"prompt": "a dog barks in the rain", "seed": 3, "size": "128x64", "num_f
         "fps": 12}
 
 
+def ltx2_args(path: Path, graph: str, videos: Path) -> list[str]:
+    """A tiny LTX-2 server's command line on `graph`, its videos under `videos`."""
+    return [str(path), "--served-model-name", "tiny-ltx2", "--stage-config", graph,
+            "--videos-dir", str(videos), "--max-video-size", "128"]
+
+
 @pytest.fixture(scope="module")
 def server(start_server: Callable[..., Server],
            tmp_path_factory: pytest.TempPathFactory) -> Server:
@@ -31,9 +37,7 @@ def server(start_server: Callable[..., Server],
     build_tiny_ltx2(path)
     add_tiny_upsampler(path)
     add_tiny_text_encoder(path)
-    return start_server([str(path), "--served-model-name", "tiny-ltx2", "--stage-config",
-                         "ltx2_two_stage", "--videos-dir",
-                         str(tmp_path_factory.mktemp("videos")), "--max-video-size", "128"])
+    return start_server(ltx2_args(path, "ltx2_two_stage", tmp_path_factory.mktemp("videos")))
 
 
 def test_two_stage_answers_the_asked_size_with_sound(server: Server) -> None:
@@ -65,20 +69,16 @@ def test_upsample_per_request_on_the_one_stage_graph(start_server: Callable[...,
     path: Path = tmp_path_factory.mktemp("tiny_ltx2_upsample_field")
     build_tiny_ltx2(path)
     add_tiny_text_encoder(path)
-    plain = start_server([str(path), "--served-model-name", "tiny-ltx2", "--stage-config",
-                          "ltx2_distilled", "--videos-dir",
-                          str(tmp_path_factory.mktemp("videos_plain")), "--max-video-size",
-                          "128"])
+    plain = start_server(ltx2_args(path, "ltx2_distilled",
+                                   tmp_path_factory.mktemp("videos_plain")))
     r = plain.post("/v1/videos/sync", json={**BODY, "upsample": True})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "upsample", r.json()
     plain.stop()
 
     add_tiny_upsampler(path)
-    one_stage = start_server([str(path), "--served-model-name", "tiny-ltx2", "--stage-config",
-                              "ltx2_distilled", "--videos-dir",
-                              str(tmp_path_factory.mktemp("videos_one")), "--max-video-size",
-                              "128"])
+    one_stage = start_server(ltx2_args(path, "ltx2_distilled",
+                                       tmp_path_factory.mktemp("videos_one")))
     asked = one_stage.post("/v1/videos/sync", json={**BODY, "upsample": True})
     plain_answer = one_stage.post("/v1/videos/sync", json=BODY)
     two = server.post("/v1/videos/sync", json=BODY)
