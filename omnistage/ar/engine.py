@@ -384,7 +384,8 @@ class AREngine:
                     text += detok.finish()
                 out = self._finish_output(seq, new_ids, text=text)
                 out.logprobs, out.hidden_states = logprobs, hidden
-                extra = None    # the last token is never fed back: its extras are not kept
+                if not self.model.keeps_last_extras:
+                    extra = None    # never fed back: kept only where the model says they are real
             else:
                 out = StepOutput(seq.request_id, new_ids, text, logprobs, hidden)
             out.extra = extra
