@@ -92,7 +92,7 @@ def receptive_field(generator, codes: torch.Tensor, block_codes: int) -> dict[st
 
 
 def main() -> None:
-    from omnistage.generation.token2wav import Token2WavGenerator
+    from omnistage.generation.token2wav import Token2WavGenerator, Token2WavOptions
     from omnistage.testing.tiny_qwen2_5_omni import (
         RELEASED_DIT_BLOCKS,
         build_tiny_qwen2_5_omni,
@@ -113,7 +113,8 @@ def main() -> None:
         build_tiny_qwen2_5_omni(path, dit_overrides=RELEASED_DIT_BLOCKS
                                 if args.model == "released" else None)
     device = torch.device(args.device)
-    whole = Token2WavGenerator.from_pretrained(path, "", device, None, chunk_blocks=0)
+    whole = Token2WavGenerator.from_pretrained(path, "", device, None,
+                                               Token2WavOptions(chunk_blocks=0))
     cfg = whole.model.cfg.dit
     codes = torch.randint(0, 64, (args.codes,), generator=torch.Generator().manual_seed(1))
     evals = 4 * (whole.times.shape[0] - 1)
@@ -131,9 +132,9 @@ def main() -> None:
     rows["reference_peak"], rows["reference_rms"] = reference.abs().max().item(), rms
     rows["chunkings"] = []
     for chunk, first, left, right in (map(int, c.split(",")) for c in args.chunkings.split(";")):
-        gen = Token2WavGenerator.from_pretrained(path, "", device, None, chunk_blocks=chunk,
-                                                 first_chunk_blocks=first, left_blocks=left,
-                                                 right_blocks=right)
+        opts = Token2WavOptions(chunk_blocks=chunk, first_chunk_blocks=first, left_blocks=left,
+                                right_blocks=right)
+        gen = Token2WavGenerator.from_pretrained(path, "", device, None, opts)
         audio, first_codes = decode(gen, codes, 0, args.per_call)
         assert audio.shape == reference.shape, (audio.shape, reference.shape)
         err = (audio - reference)
