@@ -62,7 +62,8 @@ def check_layout(pipeline_cls: type[DiffusionPipeline], name: str, sizes: Parall
     split = sizes.ulysses * sizes.tp
     if split > 1 and path is not None:
         key = pipeline_cls.heads_key
-        heads = read_config(Path(path) / "transformer")[key]
+        folder = Path(path) / "transformer"     # or a one-model folder (HunyuanImage-3.0)
+        heads = read_config(folder if folder.is_dir() else Path(path))[key]
         if heads % split:
             raise ValueError(f"the {name!r} transformer's {key} ({heads}) is not divisible by "
                              f"ulysses_degree x tensor_parallel_size ({sizes.ulysses} x "

@@ -66,3 +66,40 @@ def rank_generate(ranks, folder: str, case: str) -> dict:
     qkv = model.model.layers[0].self_attn.qkv_proj.weight.shape[0]
     return {"latents": latents.flatten().tolist(), "image": image.flatten().tolist(),
             "qkv_rows": qkv, "expert_rows": model.model.layers[0].mlp.experts.local_size}
+
+
+def stage_run(ranks, folder: str, cases: list[dict]) -> dict:
+    """The cases ({"id", "prompt", "params": DiffusionParams fields}) through a DiffusionStage
+    over these ranks' sizes, batched in one engine: rank 0 adds and steps them, then stops the
+    others, which `follow()`. -> rank 0: per case its final latents and uint8 image (flat) and
+    the image's shape; the others {}. Seeds must differ (they key the decoded images)."""
+    import time
+
+    from omnistage.configs.schema import StageConfig
+    from omnistage.diffusion.params import DiffusionParams
+    from omnistage.stages.diffusion import DiffusionStage
+    from omnistage.stages.interface import StageRequest
+
+    stage = DiffusionStage(StageConfig(
+        name="dit", kind="diffusion", component="hunyuan_image3", model=folder, dtype="float32",
+        final="image", parallel=ranks.sizes), None, "cpu")
+    if not ranks.is_leader:
+        stage.follow()
+        return {}
+    pipe, seen = stage.engine.pipeline, {}
+    decode = pipe.decode
+
+    def keep(x: torch.Tensor, params) -> torch.Tensor:
+        image = decode(x, params)
+        seen[params.seed] = {"latents": x.flatten().tolist(), "image": image.flatten().tolist(),
+                             "shape": list(image.shape)}
+        return image
+
+    pipe.decode = keep
+    for case in cases:
+        stage.add(StageRequest(case["id"], time.time(), prompt=case["prompt"],
+                               diffusion=DiffusionParams(**case["params"])))
+    while stage.has_unfinished_requests:
+        assert all(r.error is None for r in stage.step())
+    stage.stop_followers()
+    return {c["id"]: seen[c["params"]["seed"]] for c in cases}

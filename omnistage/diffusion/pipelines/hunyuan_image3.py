@@ -3,12 +3,13 @@
 split into the engine's phases on our model (omnistage/models/hunyuan_image3/):
 
     prepare:  the prompt in the upstream template (models/hunyuan_image3/template.py), conditional
-              and unconditional (<cfg>) rows, run once through the MoE transformer up to the
-              <timestep> token; its keys and values are the request's conditioning; the noise
-              (num_images, C, h, w), drawn as the upstream draws it (bfloat16 from the seed);
-              the shifted schedule
-    velocity: per request, the timestep and image tokens of both rows after that prefix, mixed
-              by CFG (v_u + g (v_c - v_u)); the engine's Euler step is the upstream's
+              and unconditional (<cfg>) rows up to the <timestep> token (their ids are the
+              request's conditioning); the noise (num_images, C, h, w), drawn as the upstream
+              draws it (bfloat16 from the seed); the shifted schedule
+    velocity: a request's first step runs its prefix once through the MoE transformer and keeps
+              its keys and values; per request, the timestep and image tokens of both rows after
+              that prefix, mixed by CFG (v_u + g (v_c - v_u)); the engine's Euler step is the
+              upstream's
     decode:   the Conv3D VAE -> uint8 images
 
 Request fields: guidance_scale (default: the checkpoint's generation_config diff_guidance_scale),
@@ -17,6 +18,13 @@ the checkpoint's resolution group; neither: the model picks the ratio with one g
 the upstream's image_size "auto", and the latent grid is the size floored to the VAE factor, as
 upstream), seed, num_images. Not here: its think / recaption text before the image, negative
 prompts (the unconditional row is the <cfg> prompt) and edits.
+
+Over several ranks (tensor_parallel_size: each rank holds whole kv heads and a slice of every
+expert, models/hunyuan_image3/transformer.py) rank 0 alone prepares, and the others get what it
+prepared in the engine's step plan; so prepare runs no transformer: the prefix runs in the
+request's first step, where every rank runs the same forward (its own heads' keys and values).
+With no size asked the model's ratio token would need the transformer in prepare: over several
+ranks such a request takes the base size (1:1, upstream's own fallback), see the docs' Limits.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.pipeline import DiffusionPipeline
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.errors import InputError
+from omnistage.layers.parallel import tp_group
 from omnistage.models.hunyuan_image3 import HunyuanImage3
 from omnistage.models.hunyuan_image3.generate import (prefix_kv, sigmas, step_geometry,
                                                       velocity)
@@ -42,11 +51,16 @@ from omnistage.models.hunyuan_image3.text import greedy_text
 
 PREFIX_K, PREFIX_V, LAYOUT = "hunyuan_image3.prefix_k", "hunyuan_image3.prefix_v", \
     "hunyuan_image3.layout"
+PREFIX_IDS = "hunyuan_image3.prefix_ids"      # (2, P) the rows' ids before <timestep>
 
 
 class HunyuanImage3Pipeline(DiffusionPipeline):
     label = "HunyuanImage-3.0"
     max_input_images = 0
+    # the MoE transformer splits by TP (models/hunyuan_image3/transformer.py): whole kv heads
+    # per rank, so they must divide (read from the folder's config.json)
+    parallel_axes = ("tp",)
+    heads_key = "num_key_value_heads"
 
     def __init__(self, model: HunyuanImage3, tokenizer, generation: dict,
                  device: torch.device) -> None:
@@ -111,20 +125,21 @@ class HunyuanImage3Pipeline(DiffusionPipeline):
                 image=None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         cfg, tok = self.model.cfg, self.tokenizer
         if params.height is None and params.width is None:
-            ratio = self.auto_ratio(prompt)
-            h, w = resolution_group(cfg.image_base_size)[ratio]
+            base = cfg.image_base_size          # over several ranks: 1:1 (module docstring)
+            ratio = (self.auto_ratio(prompt) if tp_group().world_size == 1
+                     else ratio_index(base, base, base))
+            h, w = resolution_group(base)[ratio]
         else:
             h, w = self._size(params)
             ratio = ratio_index(cfg.image_base_size, h, w)
         layout = build_prompt(lambda s: tok.encode(s, add_special_tokens=False),
                               tok.convert_tokens_to_ids, tok.bos_token_id, prompt,
                               cfg.image_base_size, ratio)
-        kv = prefix_kv(self.model, layout.tokens[:, :-1].to(self.device))
         th, tw = h // cfg.vae_downsample_factor[0], w // cfg.vae_downsample_factor[1]
         noise = torch.cat([torch.randn((1, cfg.vae.latent_channels, th, tw), generator=generator,
                                        dtype=torch.bfloat16) for _ in range(params.num_images)])
         shift = params.flow_shift if params.flow_shift is not None else self.default_shift
-        cond = {PREFIX_K: torch.stack([k for k, _ in kv]), PREFIX_V: torch.stack([v for _, v in kv]),
+        cond = {PREFIX_IDS: layout.tokens[:, :-1],
                 LAYOUT: torch.tensor([layout.timestep_index, th, tw])}
         return noise.float().to(self.device), sigmas(params.num_inference_steps, shift), cond
 
@@ -132,6 +147,8 @@ class HunyuanImage3Pipeline(DiffusionPipeline):
                  ) -> Tensor:
         out, row = torch.empty_like(latents), 0
         for r in requests:
+            if PREFIX_K not in r.cond:
+                self.run_prefix(r)
             n = r.latents.shape[0]
             ts_index, th, tw = (int(v) for v in r.cond[LAYOUT])
             kv = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0))
@@ -144,6 +161,14 @@ class HunyuanImage3Pipeline(DiffusionPipeline):
             out[row:row + n] = (v_u + g * (v_c - v_u)).to(out.dtype)
             row += n
         return out
+
+    def run_prefix(self, r: DiffusionRequest) -> None:
+        """The request's first step: its prefix through the transformer, on every rank alike
+        (the same batches in the same order keep the TP all-reduces paired); the keys and
+        values replace the ids in its conditioning."""
+        kv = prefix_kv(self.model, r.cond.pop(PREFIX_IDS).to(self.device))
+        r.cond[PREFIX_K] = torch.stack([k for k, _ in kv])          # (layers, 2, h_kv, P, D)
+        r.cond[PREFIX_V] = torch.stack([v for _, v in kv])
 
     def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
         """(n, C, h, w) -> uint8 (n, H, W, 3), as the upstream's VaeImageProcessor rounds."""
