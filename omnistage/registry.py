@@ -209,6 +209,13 @@ _BUILT_IN = (
         components=(Component("ar", "qwen3_tts_talker", "omnistage.stages.qwen3_tts:build_stage"),
                     Component("generation", "qwen3_tts_code2wav",
                               "omnistage.generation.code2wav:Code2WavGenerator"))),
+    ModelFamily(
+        "mimo_audio", architectures=("MiMoAudioForCausalLM",), graph="mimo_audio.yaml",
+        speech="omnistage.stages.mimo_audio:speech_spec",
+        components=(Component("ar", "mimo_audio_llm", "omnistage.stages.mimo_audio:build_stage"),
+                    Component("generation", "mimo_audio_decoder",
+                              "omnistage.generation.mimo_audio:MiMoAudioGenerator")),
+        processor="omnistage.models.mimo_audio.prompt:MiMoAudioInputProcessor"),
     ModelFamily("wan", diffusers_classes=("WanPipeline",), graph="wan.yaml",
                 components=(Component("diffusion", "wan",
                                       "omnistage.diffusion.pipelines.wan:WanPipeline"),),

@@ -28,6 +28,7 @@ def test_unknown_architecture_lists_the_known_ones(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"architecture LlamaForCausalLM is not supported "
                        r"\(supported: BagelForConditionalGeneration, "
                        r"HunyuanImage3ForCausalMM, "
+                       r"MiMoAudioForCausalLM, "
                        r"Qwen2ForCausalLM, Qwen2_5OmniForConditionalGeneration, "
                        r"Qwen3ForCausalLM, "
                        r"Qwen3OmniMoeForConditionalGeneration, "

@@ -108,6 +108,7 @@ def _drawer(seq: object) -> Callable[[Tensor], Tensor] | None:
 
 class MiMoAudioForCausalLM(CausalLM):
     packed_modules = Qwen2ForCausalLM.packed_modules
+    keeps_last_extras = True     # the last step's patch of audio ids was drawn: it is output
 
     def __init__(self, cfg: MiMoAudioConfig) -> None:
         super().__init__()

@@ -49,9 +49,8 @@ def _run(engine: AREngine, fx: dict, params: dict[str, SamplingParams]) -> dict[
             for t in out.new_token_ids:
                 got[out.request_id].append((t, None if out.extra is None
                                              else out.extra[FRAME_CODES]))
-    # the engine keeps no extras of a request's last token (it is never fed back): each
-    # request runs one token past the steps compared
-    return {rid: steps[:-1] for rid, steps in got.items()}
+    # the model keeps its last token's extras (keeps_last_extras): the last patch is output
+    return got
 
 
 def _patches(steps: list, cfg) -> list[int]:
@@ -66,7 +65,7 @@ def test_greedy_text_and_speech_match_upstream(fx: dict, engine: AREngine, monke
     """free: upstream's greedy text; speak (a second engine run): the text id forced to
     <|empty|> as upstream's forced sampler, every step drawing a patch; two requests at once."""
     model, cfg = engine.model, engine.model.cfg
-    greedy = SamplingParams(temperature=0.0, max_tokens=fx["steps"] + 1, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=fx["steps"], ignore_eos=True)
     got = _run(engine, fx, {"a": greedy, "b": greedy})
     assert _patches(got["a"], cfg) == _patches(got["b"], cfg) == fx["free"]
 
@@ -89,7 +88,7 @@ def test_sampling_is_seeded_and_differs_from_greedy(fx: dict, engine: AREngine,
     monkeypatch.setattr(model, "compute_logits", lambda h: plain(h).index_fill_(
         1, torch.tensor([i for i in range(cfg.llm.vocab_size) if i != cfg.empty_idx]),
         float("-inf")))
-    hot = dict(temperature=1.5, max_tokens=4, ignore_eos=True)
+    hot = dict(temperature=1.5, max_tokens=3, ignore_eos=True)
     got = _run(engine, fx, {"x": SamplingParams(seed=7, **hot), "y": SamplingParams(seed=7, **hot),
                             "z": SamplingParams(seed=8, **hot)})
     x, y, z = (_patches(got[k], cfg) for k in "xyz")
