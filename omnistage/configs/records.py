@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from omnistage.configs.quantization import Quantization, read_quantization
 from omnistage.configs.strict import from_dict
 from omnistage.sampling_params import SamplingParams
 
@@ -267,9 +268,10 @@ class DiffusionSettings:
 
     max_num_seqs: int = field(default=64, metadata=meta(
         "requests denoised together", flag="max_num_seqs", metavar="N"))
-    quantization: Literal["fp8"] | None = field(default=None, metadata=meta(
-        "fp8: the transformer's large linears in FP8 (a GPU of compute capability 8.9+)",
-        flag="quantization", choices=["fp8"]))
+    quantization: Quantization | str | None = field(default=None, metadata=meta(
+        "per component (configs/quantization.py): fp8 / int8 / gguf:FILE for the "
+        "transformer, or COMPONENT=METHOD,... (transformer, text_encoder); fp8 needs a GPU "
+        "of compute capability 8.9+", flag="quantization", metavar="SPEC"))
     compile: bool | str | None = field(default=None, metadata=meta(
         "compile the transformer blocks: true, false or a torch.compile backend; null: the "
         "pipeline's compile_default on CUDA, one rank"))
@@ -282,6 +284,10 @@ class DiffusionSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", dict(self.options))
+        try:
+            object.__setattr__(self, "quantization", read_quantization(self.quantization))
+        except ValueError as e:
+            raise ValueError(f"quantization: {e}") from None
         _check_count(self, "max_num_seqs")
         if isinstance(self.cuda_graphs, int) and not isinstance(self.cuda_graphs, bool):
             _check_count(self, "cuda_graphs")

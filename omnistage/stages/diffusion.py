@@ -11,7 +11,6 @@ from omnistage.configs.schema import StageConfig
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.memory import CudaProbe, MemoryBudget
 from omnistage.diffusion.pipeline import DiffusionPipeline, compile_blocks
-from omnistage.layers.fp8 import quantize_fp8
 from omnistage.layers.groups import stage_ranks
 from omnistage.payloads import final_pixels
 from omnistage.stages.adapters import StageFeed
@@ -19,6 +18,7 @@ from omnistage.stages.diffusion_component import (check_options, check_parallel_
                                                   check_quantization, pipeline_component,
                                                   request_params)
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
+from omnistage.stages.quantize import check_components, quantize_pipeline
 from omnistage.utils.compile_cache import persistent_compile_cache
 from omnistage.utils.device import resolve_device, resolve_dtype
 
@@ -50,6 +50,7 @@ class DiffusionStage:
         dev = resolve_device(device)
         dtype = None if stage.dtype == "auto" else resolve_dtype(stage.dtype, None, dev)
         check_quantization(stage, cls, "")
+        check_components(stage)
         options = check_options(stage, cls)
         self.conditioned = bool(stage.inputs)          # conditioning comes along an edge
         # the prompt is still encoded here, beside what the edge brings (GLM-Image's glyphs)
@@ -132,18 +133,6 @@ class DiffusionStage:
                             error=r.error,
                             engine_metrics=r.metrics, progress=r.progress)
                 for r in self.engine.step()]
-
-
-def quantize_pipeline(stage: StageConfig, pipeline: DiffusionPipeline, dev: torch.device
-                      ) -> None:
-    """`quantization: fp8`: the pipeline's transformers (both of Wan 2.2's experts) get FP8
-    linears (layers/fp8.py; ValueError on a device without FP8), their bf16 weights freed."""
-    if stage.diffusion.quantization is None:
-        return
-    for model in pipeline.denoisers():
-        quantize_fp8(model)
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()          # the bf16 weights' blocks back to the device
 
 
 def apply_options(stage: StageConfig, pipeline: DiffusionPipeline, dev: torch.device,

@@ -28,12 +28,13 @@ def graph_of(argv: list[str]):
 
 
 def test_flag_and_keyword_set_the_diffusion_stage(tiny_qwen3: Path) -> None:
-    assert graph_of(["--quantization", "fp8"]).stage("dit").diffusion.quantization == "fp8"
+    assert str(graph_of(["--quantization", "fp8"]).stage("dit").diffusion.quantization) == (
+        "transformer=fp8")
     split = apply_keywords(resolve_graph(None, None, "qwen_image_split"),
                            {"quantization": "fp8"})
-    assert (split.stage("dit").diffusion.quantization,
+    assert (str(split.stage("dit").diffusion.quantization),
             split.stage("text_encoder").diffusion.quantization) == (
-        "fp8", None)                                  # the denoiser, not the text encoder
+        "transformer=fp8", None)                                  # the denoiser, not the text encoder
     with pytest.raises(ValueError, match="--quantization does not apply to this model.*"
                                          "main stage 'llm' is a ar stage"):
         graph_of([str(tiny_qwen3), "--quantization", "fp8"])

@@ -1,0 +1,113 @@
+"""A stage's quantization, per component (issue 44): which of its networks run quantized, and
+how. One record, read the same way from the graph YAML, the `--quantization` flag and Python:
+
+    diffusion:
+      quantization: fp8                                  # the transformer, FP8
+      quantization: {transformer: int8, text_encoder: int8}
+      quantization: {transformer: "gguf:/models/flux1-dev-Q4_K_S.gguf"}
+      quantization: {transformer: {method: gguf, file: /models/flux1-dev-Q4_K_S.gguf}}
+
+    omnistage serve black-forest-labs/FLUX.1-dev --quantization fp8
+    omnistage serve ... --quantization transformer=gguf:/models/flux1-dev-Q4_K_S.gguf,text_encoder=int8
+    Omni(model=..., quantization={"transformer": "int8"})
+
+A bare method names the transformer. Methods: `fp8` (layers/fp8.py: e4m3 W8A8, CUDA 8.9+),
+`int8` (layers/int8.py: W8A8 through torch._int_mm, CPU and CUDA), `gguf:FILE` (the weights of
+a GGUF file, models/gguf_loader.py; the transformer only), `none`. Components: transformer,
+text_encoder, vae, thinker, talker; which a stage can apply is the stage's to say (a diffusion
+stage: transformer and text_encoder; the others are refused there by name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+Method = Literal["none", "fp8", "int8", "gguf"]
+METHODS: tuple[str, ...] = ("none", "fp8", "int8", "gguf")
+COMPONENTS: tuple[str, ...] = ("transformer", "text_encoder", "vae", "thinker", "talker")
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentQuantization:
+    """One network's method, and the file a `gguf` one reads."""
+
+    method: Method = field(default="none", metadata={"help": "none, fp8, int8 or gguf"})
+    file: str | None = field(default=None, metadata={"help": "the .gguf file of method gguf"})
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method: {self.method!r} is not one of {', '.join(METHODS)}")
+        if self.method == "gguf" and not self.file:
+            raise ValueError("file: the gguf method needs the .gguf file (gguf:PATH)")
+        if self.method != "gguf" and self.file is not None:
+            raise ValueError(f"file: only the gguf method reads a file, not {self.method}")
+
+    @classmethod
+    def parse(cls, text: str) -> ComponentQuantization:
+        """`fp8`, `int8`, `none` or `gguf:PATH`."""
+        method, sep, file = text.strip().partition(":")
+        if method not in METHODS:
+            raise ValueError(f"{text!r} is not one of fp8, int8, none, gguf:FILE")
+        return cls(method, file if sep else None)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        return f"gguf:{self.file}" if self.method == "gguf" else self.method
+
+
+@dataclass(frozen=True, slots=True)
+class Quantization:
+    """Each component's method; a string stands for `ComponentQuantization.parse` of it."""
+
+    transformer: ComponentQuantization | str | None = field(default=None, metadata={
+        "help": "the denoiser(s): fp8, int8 or gguf:FILE (a bare method names it)"})
+    text_encoder: ComponentQuantization | str | None = field(default=None, metadata={
+        "help": "the prompt encoder's networks: int8"})
+    vae: ComponentQuantization | str | None = field(default=None, metadata={
+        "help": "the VAE: none only (its convolutions are no linears)"})
+    thinker: ComponentQuantization | str | None = field(default=None, metadata={
+        "help": "an omni model's thinker: not applied yet (AR stages)"})
+    talker: ComponentQuantization | str | None = field(default=None, metadata={
+        "help": "an omni model's talker: not applied yet (AR stages)"})
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, str):
+                try:
+                    value = ComponentQuantization.parse(value)
+                except ValueError as e:
+                    raise ValueError(f"{f.name}: {e}") from None
+            if value is not None and value.method == "none":
+                value = None
+            object.__setattr__(self, f.name, value)
+
+    @classmethod
+    def parse(cls, text: str) -> Quantization:
+        """The flag's form: `fp8` (the transformer) or `COMPONENT=METHOD[,COMPONENT=METHOD]`."""
+        if "=" not in text:
+            return cls(transformer=text)
+        items = {}
+        for item in text.split(","):
+            name, sep, method = item.partition("=")
+            name = name.strip()
+            if not sep or name not in COMPONENTS:
+                raise ValueError(f"{item!r}: expected COMPONENT=METHOD with COMPONENT one of "
+                                 f"{', '.join(COMPONENTS)}")
+            items[name] = method
+        return cls(**items)
+
+    def items(self) -> dict[str, ComponentQuantization]:
+        """The components that run quantized, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.items().items()) or "none"
+
+
+def read_quantization(value: Quantization | str | None) -> Quantization | None:
+    """A field's value as the record (a string parsed), None when nothing is quantized."""
+    if isinstance(value, str):
+        value = Quantization.parse(value)
+    return value if value is not None and value.items() else None

@@ -1,0 +1,98 @@
+"""INT8 W8A8 linears (issue 44): int8 weights with one scale per output channel, quantized
+once from the bf16 / fp32 checkpoint after it has loaded, and int8 activations with one scale
+per token, computed on every call. One `torch._int_mm` per layer (int32 accumulation, on the
+CPU and on CUDA GPUs of any recent generation, unlike FP8), then the two scales:
+
+    x (M, K)  -> per-token amax / 127 -> xq (M, K) int8, sx (M, 1) fp32
+    W (N, K)  -> per-row amax / 127   -> Wq (N, K) int8, sw (1, N) fp32   (once, at load)
+    y = _int_mm(xq, Wq^T) (M, N) int32 * sx * sw  (+ b), in x's dtype
+
+Symmetric, round to nearest, no zero point: an activation row with one outlier spends its
+levels on it (the SmoothQuant problem); the error this costs on a tiny FLUX / Qwen-Image is
+measured in tests/golden/layers/test_int8.py and docs/quantization.md.
+
+Which layers: those `quantize_fp8` would take (layers/fp8.py: the model's `fp8_keep` patterns,
+K or N below `min_features`, sides not a multiple of 16 stay as they are); a model without an
+`fp8_keep` policy (a text encoder) keeps none by name. CUDA's `_int_mm` needs M > 16: fewer
+rows are padded with zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from omnistage.layers.fp8 import LINEARS, MIN_FEATURES, is_kept
+from omnistage.layers.parallel import (ColumnParallelLinear, QKVParallelLinear,
+                                       RowParallelLinear, TPGroup, all_gather_last, all_reduce)
+
+INT8_MAX = 127.0
+CUDA_MIN_ROWS = 17          # torch._int_mm on CUDA: M > 16
+
+
+def quantize_rows_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x (M, K) -> (q (M, K) int8, scale (M, 1) float32), x ~= q * scale row by row."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / INT8_MAX
+    return (x.float() / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def int8_matmul(xq: Tensor, sx: Tensor, wq_t: Tensor, sw: Tensor) -> Tensor:
+    """(xq * sx) @ (wq_t * sw) in float32: xq (M, K), sx (M, 1), wq_t (K, N), sw (1, N)."""
+    m = xq.shape[0]
+    if xq.is_cuda and m < CUDA_MIN_ROWS:
+        xq = F.pad(xq, (0, 0, 0, CUDA_MIN_ROWS - m))
+    return torch._int_mm(xq, wq_t)[:m].float() * sx * sw
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T (+ b), W int8 (per output channel scales), x quantized per token. Keeps the
+    tensor-parallel duties of the layer it replaces, as Fp8Linear does."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, tp: TPGroup,
+                 gather_output: bool = False, reduce_results: bool = False) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape                 # this rank's shard
+        self.tp, self.gather_output, self.reduce_results = tp, gather_output, reduce_results
+        wq, scale = quantize_rows_int8(weight.detach())
+        self.register_buffer("weight_t", wq.t().contiguous())              # (K, N) int8
+        self.register_buffer("weight_scale", scale.t().contiguous())      # (1, N) float32
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module) -> Int8Linear:
+        """The INT8 form of one of `LINEARS` (its local shard, with its bias as it adds it)."""
+        if isinstance(linear, RowParallelLinear):
+            return cls(linear.weight, linear.local_bias, linear.tp,
+                       reduce_results=linear.reduce_results)
+        if isinstance(linear, ColumnParallelLinear):
+            return cls(linear.weight, linear.bias, linear.tp, gather_output=linear.gather_output)
+        tp = linear.tp if isinstance(linear, QKVParallelLinear) else TPGroup(0, 1, None)
+        return cls(linear.weight, linear.bias, tp)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xq, sx = quantize_rows_int8(x.reshape(-1, self.in_features))        # (M, K), (M, 1)
+        y = int8_matmul(xq, sx, self.weight_t, self.weight_scale)          # (M, N) float32
+        if self.bias is not None:
+            y = y + self.bias
+        y = y.to(x.dtype).unflatten(0, x.shape[:-1])
+        if self.reduce_results:
+            y = all_reduce(y, self.tp)
+        return all_gather_last(y, self.tp) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_int8(model: nn.Module, min_features: int = MIN_FEATURES) -> list[str]:
+    """Swap the model's eligible linears for Int8Linear in place (the module docstring says
+    which); returns the names swapped. The bf16 / fp32 weights are dropped with the layers."""
+    keep = getattr(model, "fp8_keep", ())
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, LINEARS) or is_kept(name, module, keep, min_features):
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, Int8Linear.from_linear(module))
+        swapped.append(name)
+    return swapped
