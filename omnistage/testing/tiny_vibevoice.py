@@ -20,16 +20,23 @@ RATIOS = (2, 3)            # hop 6 samples per latent frame
 LATENT = 8
 
 
-def tokenizer_config(hidden_size: int, seed_depths: tuple[int, ...] = (1, 1, 2)) -> dict:
+def tokenizer_config(hidden_size: int, seed_depths: tuple[int, ...] = (1, 1, 2),
+                     ratios: tuple[int, ...] = RATIOS) -> dict:
     return dict(channels=1, hidden_size=hidden_size, kernel_size=3, num_filters=4,
-                downsampling_ratios=list(RATIOS), depths=list(seed_depths), ffn_expansion=2,
+                downsampling_ratios=list(ratios), depths=list(seed_depths), ffn_expansion=2,
                 layer_scale_init_value=0.5, rms_norm_eps=1e-5)
 
 
-def build_tiny_vibevoice(root: Path, seed: int = 0) -> Path:
+def build_tiny_vibevoice(root: Path, seed: int = 0, audio_gain: float = 1.0,
+                         ratios: tuple[int, ...] = RATIOS, speak: float = 1.0) -> Path:
     """A VibeVoiceForConditionalGeneration with a 2-layer Qwen2 (hidden 32), a 2-layer
     diffusion head, 2-stage acoustic/semantic tokenizers (hop 6), saved to `root`. The
-    LM head is scaled so greedy decoding speaks a few frames before it stops."""
+    LM head is scaled so greedy decoding speaks a few frames before it stops. `audio_gain`
+    scales the acoustic decoder's last conv (its audio): a served test's 16-bit formats clip
+    at 1.0, the ungained audio's mean |x| is 4-12. `ratios`: the tokenizers' downsampling (hop
+    their product; a served test's clips are 0.5 s at least). `speak`: how strongly the LM head
+    prefers the audio id to EOS (a long prompt needs more)."""
+    depths = (1,) * len(ratios) + (2,)
     from transformers import VibeVoiceConfig
     from transformers import VibeVoiceForConditionalGeneration as Reference
 
@@ -38,9 +45,10 @@ def build_tiny_vibevoice(root: Path, seed: int = 0) -> Path:
                 max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
     config = VibeVoiceConfig(
         text_config=text,
-        audio_config=dict(model_type="vibevoice_acoustic_tokenizer", **tokenizer_config(LATENT)),
+        audio_config=dict(model_type="vibevoice_acoustic_tokenizer",
+                          **tokenizer_config(LATENT, depths, ratios)),
         semantic_model_config=dict(model_type="vibevoice_acoustic_tokenizer_encoder",
-                                   **tokenizer_config(6)),
+                                   **tokenizer_config(6, depths, ratios)),
         diffusion_head_config=dict(num_hidden_layers=2, intermediate_size=48,
                                    frequency_embedding_size=16),
         pad_token_id=EOS, eos_token_id=EOS, audio_bos_token_id=AUDIO_BOS,
@@ -62,7 +70,10 @@ def build_tiny_vibevoice(root: Path, seed: int = 0) -> Path:
         model.model.semantic_connector.linear_2.bias[0] += 10
         head = model.lm_head.weight
         head[:, 0] = 0
-        head[AUDIO_TOKEN, 0], head[EOS, 0] = 1.0, -1.0
+        head[AUDIO_TOKEN, 0], head[EOS, 0] = speak, -speak
+        out = model.model.audio_tower.decoder.head.conv
+        out.weight.mul_(audio_gain)
+        out.bias.mul_(audio_gain)
     model.generation_config.noise_scheduler_class = "DPMSolverMultistepScheduler"
     model.generation_config.noise_scheduler_config = {
         "beta_schedule": "squaredcos_cap_v2", "prediction_type": "v_prediction"}
@@ -98,3 +109,18 @@ class PagedLM:
         if seq is not None:
             self.cache.free_blocks.extend(self.cache.block_tables.pop(seq, []))
             self.cache.num_tokens.pop(seq, None)
+
+
+def write_tiny_tokenizer(root: Path) -> None:
+    """A character-level tokenizer whose ids fit the tiny LM's vocabulary (printable ASCII at
+    1..95, newline 96, unknown 0, EOS's text token at EOS), saved beside the checkpoint as
+    `omnistage serve` reads it (tokenizer.json)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{chr(c): c - 31 for c in range(32, 127)}, "\n": 96,
+             "<|endoftext|>": EOS}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>",
+                            pad_token="<|endoftext|>").save_pretrained(root)
