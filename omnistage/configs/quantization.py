@@ -20,8 +20,11 @@ stage: transformer and text_encoder; the others are refused there by name).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Literal
+
+from omnistage.configs.strict import from_dict
 
 Method = Literal["none", "fp8", "int8", "gguf"]
 METHODS: tuple[str, ...] = ("none", "fp8", "int8", "gguf")
@@ -110,4 +113,6 @@ def read_quantization(value: Quantization | str | None) -> Quantization | None:
     """A field's value as the record (a string parsed), None when nothing is quantized."""
     if isinstance(value, str):
         value = Quantization.parse(value)
+    elif isinstance(value, Mapping):          # Python's dict form (YAML's is built by strict.py)
+        value = from_dict(Quantization, dict(value))
     return value if value is not None and value.items() else None

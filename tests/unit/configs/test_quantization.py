@@ -47,6 +47,10 @@ def test_python_forms() -> None:
     assert str(Quantization(transformer=GGUF)) == (
         "transformer=gguf:/models/flux1-dev-Q4_K_S.gguf")
     assert Quantization(talker="int8").items() == {"talker": ComponentQuantization("int8")}
+    assert DiffusionSettings(quantization={"transformer": {"method": "gguf", "file": "a.gguf"}}
+                             ).quantization == Quantization(transformer="gguf:a.gguf")
+    with pytest.raises(ValueError, match=r"quantization: transformr: unknown key \(did you"):
+        DiffusionSettings(quantization={"transformr": "int8"})
 
 
 @pytest.mark.parametrize("text, message", [
