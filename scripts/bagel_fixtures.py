@@ -16,7 +16,8 @@ What it does:
    folder's layout (llm_config.json, vit_config.json, config.json, ema.safetensors,
    ae.safetensors) to --ckpt-dir (a temp folder by default; never committed);
 2. runs the upstream `InterleaveInferencer` on (a) a text question and (a2) an image plus a
-   question (greedy tokens), (b) text-to-image with a few flow steps (initial noise, final
+   question (greedy tokens), (a3) a text question in think mode
+   (VLM_THINK_SYSTEM_PROMPT; greedy tokens), (b) text-to-image with a few flow steps (initial noise, final
    latents, the decoded image), (c) an edit of an input image (VAE posterior draw, noise,
    final latents, image) and (d) text-to-image in think mode (`think=True`: the greedy
    planning tokens, then noise, final latents, image);
@@ -76,6 +77,8 @@ VAE_PARAMS = dict(resolution=32, in_channels=3, downsample=2, ch=32, out_ch=3, c
 CASES = {
     "text": dict(prompt="What is BAGEL?", max_think_token_n=10),
     "vlm": dict(prompt="Describe it.", max_think_token_n=8, image_hw=[24, 32]),
+    # a text answer in think mode: VLM_THINK_SYSTEM_PROMPT, the prompt, the greedy answer
+    "vlm_think": dict(prompt="Why blue?", think=True, max_think_token_n=12),
     "t2i": dict(prompt="a red cube", image_hw=[20, 28], num_timesteps=5, timestep_shift=1.5,
                 cfg_text_scale=4.0, cfg_img_scale=1.0, cfg_interval=[0.4, 1.0],
                 cfg_renorm_min=0.0, cfg_renorm_type="global", seed=7),
@@ -236,6 +239,10 @@ def run_cases(up, model, vae) -> dict[str, torch.Tensor]:
     inf.interleave_inference([img, c["prompt"]], understanding_output=True, do_sample=False,
                              max_think_token_n=c["max_think_token_n"])
     out["vlm.tokens"] = seen["text"].pop()[:, 0].clone()
+    c = CASES["vlm_think"]
+    inf.interleave_inference([c["prompt"]], understanding_output=True, think=True,
+                             do_sample=False, max_think_token_n=c["max_think_token_n"])
+    out["vlm_think.tokens"] = seen["text"].pop()[:, 0].clone()
     for name in ("t2i", "edit", "think"):
         c = CASES[name]
         kw = {k: c[k] for k in ("num_timesteps", "timestep_shift", "cfg_text_scale",

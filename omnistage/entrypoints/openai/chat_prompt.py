@@ -137,8 +137,18 @@ class ChatPrompts:
                 if isinstance(m["content"], list):
                     for part in m["content"]:
                         part.pop("data", None)
+            if req.think:           # checked by check_think
+                messages = [*self.client.processor.think_prefix(["text"]), *messages]
             return {"messages": messages}
         return {"prompt_token_ids": self._render(req, messages)}
+
+    def check_think(self, req: ChatCompletionRequest) -> None:
+        """`think: true` (vLLM-Omni's BAGEL switch) where the model's input processor has
+        messages to put first for the modalities asked (`think_prefix`); else a 400 naming it."""
+        prefix = getattr(self.client.processor, "think_prefix", None)
+        if req.think and (prefix is None or prefix(req.modalities or ["text"]) is None):
+            raise bad_request("think: this model does not reason first per request for "
+                              f"modalities {req.modalities or ['text']}", "think")
 
     def _render(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> list[int]:
         tokenizer = self.client.tokenizer

@@ -156,6 +156,9 @@ class ChatCompletionRequest(SamplingExtras):
     # honoured through the chat template where it has a switch for it, else ignored (logged)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None \
         = None
+    # vLLM-Omni's BAGEL switch (its extra_args `think`): reason before answering, where the
+    # model's input processor has a `think_prefix` for the answer's modalities
+    think: bool | None = None
     # accepted and ignored, with a logged warning
     verbosity: Literal["low", "medium", "high"] | None = None
     service_tier: str | None = None

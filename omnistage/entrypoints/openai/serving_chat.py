@@ -186,6 +186,7 @@ class ChatServing:
         """On the preparation pool: the prompt (media loaded, template rendered) and the
         request record; the front door then runs the engine's checks of both."""
         images: list[bytes] = []
+        self.prompts.check_think(req)
         if plan.wanted & PICTURES:
             prompt, images = self.prompts.image_prompt(req.messages)
         else:

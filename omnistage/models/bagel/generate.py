@@ -37,6 +37,11 @@ GEN_THINK_SYSTEM_PROMPT = (
     "You should first think about the planning process in the mind and then generate the "
     "image. \nThe planning process is enclosed within <think> </think> tags, i.e. <think> "
     "planning process here </think> image here")
+# ... and its VLM_THINK_SYSTEM_PROMPT: a text answer with its reasoning first
+VLM_THINK_SYSTEM_PROMPT = (
+    "You should first think about the reasoning process in the mind and then provide the "
+    "user with the answer. \nThe reasoning process is enclosed within <think> </think> "
+    "tags, i.e. <think> reasoning process here </think> answer here")
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,11 @@ upstream has none) is one segment `<|im_start|> text <|im_end|>`, and the answer
 expert) reads. The prompt's text goes on too: the diffusion stage draws from it (a chat: the
 last user message's text).
 
+A chat's `think: true` on a text answer puts the upstream's VLM_THINK_SYSTEM_PROMPT segment
+first (`think_prefix`: the front door adds it as a first message), as its
+`interleave_inference(think=True, understanding_output=True)` does: the answer reasons in
+<think> </think>, then answers.
+
 Images in a text answer's messages are refused (ViT tokens in the AR engine are not served).
 """
 
@@ -18,6 +23,7 @@ import torch
 from transformers import AutoTokenizer
 
 from omnistage.errors import InputError
+from omnistage.models.bagel.generate import VLM_THINK_SYSTEM_PROMPT
 from omnistage.models.bagel.understanding import answer_prompt
 
 BOS, EOS = "<|im_start|>", "<|im_end|>"
@@ -50,6 +56,14 @@ class BagelInputProcessor:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> BagelInputProcessor:
         return cls(AutoTokenizer.from_pretrained(str(path)))
+
+    @staticmethod
+    def think_prefix(modalities: list[str]) -> list[dict[str, str]] | None:
+        """The messages a chat's `think: true` goes after (None: not for these modalities:
+        an image planned first is the graph bagel_think's, per server)."""
+        if set(modalities) != {"text"}:
+            return None
+        return [{"role": "system", "content": VLM_THINK_SYSTEM_PROMPT}]
 
     def segments(self, prompt: str | dict[str, Any]) -> tuple[str, list[str]]:
         """(the text the diffusion stage draws from, the text segments in order)."""

@@ -113,3 +113,28 @@ def test_text_and_image_in_one_answer(server: Server) -> None:
             model=MODEL, messages=[{"role": "user", "content": "a cube"}],
             extra_body={"modalities": ["text", "video"]})
     assert info.value.body["param"] == "modalities"
+
+
+def test_think_text_answer_is_the_upstream_reasoning(server: Server) -> None:
+    """`think: true` on a text answer (vLLM-Omni's BAGEL field, extra_body): the upstream's
+    VLM_THINK_SYSTEM_PROMPT segment first, then the question (fixture case vlm_think: the
+    upstream's interleave_inference(think=True, understanding_output=True)). Its tokens are
+    mostly outside the byte tokenizer, so each distinct one is found by stopping at it: the
+    answer stops exactly where the upstream's first shows it. Without think the text case's
+    tokens come instead (checked by the first stop)."""
+    case = manifest()["cases"]["vlm_think"]
+    want = expected()["vlm_think.tokens"].tolist()[1:]         # after the fed <|im_start|>
+    assert len(set(want)) > 5 and want[:4] != expected()["text.tokens"].tolist()[1:5]
+    for tok in dict.fromkeys(want):
+        out = server.openai().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": case["prompt"]}],
+            max_tokens=len(want), temperature=0.0,
+            extra_body={"think": True, "stop_token_ids": [tok]})
+        assert out.usage.completion_tokens == want.index(tok) + 1, (tok, want, out.usage)
+        assert out.choices[0].finish_reason == "stop"
+    # VLM_THINK_SYSTEM_PROMPT and the question, each <|im_start|> .. <|im_end|>, then <|im_start|>
+    assert out.usage.prompt_tokens == 227 + len(case["prompt"]) + 5
+    body = _bad(lambda: server.openai().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "a cube"}],
+        extra_body={"think": True, "modalities": ["image"]}))
+    assert body["param"] == "think", body
