@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import PreTrainedTokenizerFast
 
 from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
 
@@ -21,14 +22,21 @@ SPECIAL = ["<|sosp|>", "<|eosp|>", "<|sostm|>", "<|eostm|>", "<|eot|>", "<|empty
 ADDED = ["<think>", "</think>"]
 
 
-def build_tiny_mimo_audio(folder: Path, speech_bias: float = 0.5) -> Path:
-    """-> `folder`, a MiMo-Audio checkpoint folder as released (config.json, safetensors, the
-    tokenizer, audio_tokenizer/)."""
-    folder.mkdir(parents=True, exist_ok=True)
+def build_tiny_text_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
+    """The tiny byte-level BPE (omnistage/testing/tiny_tokenizer.py) with MiMo-Audio's special
+    tokens, saved to `folder`."""
     tok = build_tiny_tokenizer(folder)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *SPECIAL]})
     tok.add_tokens(ADDED)
     tok.save_pretrained(str(folder))
+    return tok
+
+
+def build_tiny_mimo_audio(folder: Path, speech_bias: float = 0.5) -> Path:
+    """-> `folder`, a MiMo-Audio checkpoint folder as released (config.json, safetensors, the
+    tokenizer, audio_tokenizer/)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = build_tiny_text_tokenizer(folder)
     vocab = (len(tok) + 63) // 64 * 64
     cfg = json.loads((FIXTURES / "tiny" / "config.json").read_text())
     state = load_file(FIXTURES / "tiny" / "model.safetensors")

@@ -47,21 +47,21 @@ def tts_user_text(text: str) -> str:
 def chat_segments(messages: list[dict[str, Any]]) -> list[str]:
     """Chat messages (content a string, or text parts) -> upstream's text segments up to the
     assistant's turn (its start is the stage's: speech or text)."""
-    system = [m for m in messages if m.get("role") == "system"]
-    turns = [m for m in messages if m.get("role") != "system"]
+    system = "\n".join(_text(m, i) for i, m in enumerate(messages) if m.get("role") == "system")
+    turns = [(i, m) for i, m in enumerate(messages) if m.get("role") != "system"]
     segs: list[str] = []
     first_user = True
-    for i, m in enumerate(turns):
+    for i, m in turns:
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise ValueError(f"messages[{i}].role: {role!r}; MiMo-Audio takes system, user "
                              "and assistant")
         segs.append(f"<|im_start|>{role}\n")
         if role == "user" and first_user and system:
-            segs += ["\n".join(_text(s, j) for j, s in enumerate(system)), "\n\n"]
+            segs += [system, "\n\n"]
         first_user = first_user and role != "user"
         segs += [_text(m, i), "<|im_end|>\n"]
-    if not turns or turns[-1].get("role") != "user":
+    if not turns or turns[-1][1].get("role") != "user":
         raise ValueError("messages: the last message is the user's (MiMo-Audio answers it)")
     return segs
 
@@ -74,8 +74,9 @@ def _text(message: dict[str, Any], i: int) -> str:
     for j, part in enumerate(content or []):
         kind = part.get("type")
         if kind != "text":
-            raise ValueError(f"messages[{i}].content[{j}]: MiMo-Audio takes text only here; "
-                             f"{kind} input needs the audio tokenizer's encoder, not ported")
+            raise ValueError(f"messages[{i}].content[{j}]: MiMo-Audio takes text parts only "
+                             f"here, not {kind} (speech input needs the audio tokenizer's "
+                             "encoder: not ported yet)")
         out.append(part["text"])
     return "".join(out)
 
