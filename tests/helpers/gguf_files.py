@@ -34,3 +34,36 @@ def write_gguf(model: nn.Module, file: Path, qtype: int, seed: int = 0,
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_bfl_flux_gguf(model: nn.Module, file: Path) -> None:
+    """A diffusers FLUX.1 transformer's weights under BFL's names (city96's files' layout:
+    stacked qkv, linear1 = q | k | v | mlp, the final modulation's halves swapped), linears
+    whose width fits Q8_0 quantized by gguf, the rest F32."""
+    import gguf
+    import torch
+
+    from omnistage.models.gguf_layouts import SWAP, flux_table
+    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(file), arch="omnistage-test")
+    for original, target in flux_table({n.replace("transformer_blocks.", "double_blocks.")
+                                        .replace("single_double_blocks.", "single_blocks.")
+                                        for n in state}):
+        if isinstance(target, tuple) and target[0] == SWAP:
+            scale, shift = state.pop(target[1]).chunk(2)
+            w = torch.cat([shift, scale])
+        elif all(t in state for t in target):
+            w = torch.cat([state.pop(t) for t in target])
+        else:
+            continue
+        w = w.numpy()
+        if w.ndim == 2 and w.shape[1] % 32 == 0:
+            writer.add_tensor(original, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(original, np.ascontiguousarray(w))
+    assert not state, sorted(state)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
