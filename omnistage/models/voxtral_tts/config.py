@@ -123,12 +123,12 @@ def read_params(folder: str | Path) -> tuple[dict, HeadConfig, CodecConfig]:
     return params, head, codec
 
 
-def load_consolidated(folder: str | Path, prefix: str, device: str = "cpu") -> dict[str, Tensor]:
+def load_consolidated(folder: str | Path, prefix: str, device: object = "cpu") -> dict[str, Tensor]:
     """The tensors of consolidated.safetensors under `prefix` (stripped)."""
     from safetensors import safe_open
 
     out: dict[str, Tensor] = {}
-    with safe_open(str(Path(folder) / "consolidated.safetensors"), "pt", device=device) as f:
+    with safe_open(str(Path(folder) / "consolidated.safetensors"), "pt", device=str(device)) as f:
         for k in f.keys():
             if k.startswith(prefix):
                 out[k[len(prefix):]] = f.get_tensor(k)
