@@ -20,6 +20,7 @@ from torch import Tensor
 
 from omnistage import registry
 from omnistage.payloads import Payload, TokenDelta
+from omnistage.stages.speakable import SpeakableText
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class StageFeed:
     stream_embeds: Tensor | None = None
     close_stream: bool = False
     payload: Payload | None = None
+    text: str | None = None      # text for a stage that tokenizes its own input (a TTS talker)
 
 
 Adapter = Callable[[EdgeData, dict], "StageFeed | None"]
@@ -120,3 +122,14 @@ def hidden_to_embeds(data: EdgeData, state: dict) -> StageFeed | None:
         feed.close_prompt = True
         feed.stream_embeds = hidden[split:]
     return feed
+
+
+@register_adapter("speakable_text")
+def speakable_text(data: EdgeData, state: dict) -> StageFeed | None:
+    """Upstream's text, released to a TTS talker piece by piece once safe to speak (whole
+    words, markup removed: stages/speakable.py); the rest when upstream ends."""
+    buffer = state.setdefault("speakable", SpeakableText())
+    piece = buffer.append(data.text)
+    if data.is_last:
+        piece += buffer.finish()
+    return StageFeed(text=piece) if piece else None

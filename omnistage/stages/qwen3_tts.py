@@ -37,14 +37,16 @@ from omnistage.models.qwen3_omni.talker import FRAME_CODES
 from omnistage.models.qwen3_tts.talker import Qwen3TTSTalkerForCausalLM
 from omnistage.payloads import CodecFrames, Payload
 from omnistage.registry import SpeechSpec
+from omnistage.stages.adapters import StageFeed
 from omnistage.stages.ar import ARStage
+from omnistage.stages.qwen3_tts_text import WrittenText
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
 from omnistage.stages.qwen3_omni import CodePredictorOptions, code_predictor_graphs
 from omnistage.stages.voice import requested_voice
 from omnistage.utils.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, resample
 
 # what the talker reads from `extra` besides the voice (stages/voice.py)
-VOICE_OPTIONS = ("instructions", "language", "ref_audio", "ref_text")
+VOICE_OPTIONS = ("instructions", "language", "ref_audio", "ref_text", "non_streaming_mode")
 MIN_REF_SAMPLES = 2400     # 0.1 s: the speaker encoder's mel frames need a few STFT windows
 REF_RATE = 24000           # what the speaker and speech encoders take
 
@@ -101,6 +103,8 @@ class TalkerStage(ARStage):
         self.builder = PromptBuilder(self.config, self.model, self.engine.tokenizer)
         self._clone: tuple[Qwen3TTSSpeakerEncoder, Qwen3TTSSpeechEncoder] | None = None
         self._prefix: dict[str, Tensor] = {}    # request -> reference frames not yet emitted
+        # requests whose text an upstream LLM writes (a voice agent)
+        self.written = WrittenText(self.engine, self.builder, self.speech_request)
 
     @property
     def model(self) -> Qwen3TTSTalkerForCausalLM:
@@ -127,8 +131,9 @@ class TalkerStage(ARStage):
 
     def add(self, request: StageRequest) -> None:
         params = request.params or self.defaults
-        if request.streamed:
-            raise ValueError("the Qwen3-TTS talker is an entry stage")
+        if request.streamed:      # a voice agent: the text comes from an LLM stage
+            self.written.add(request.request_id, params)
+            return
         speech = self.speech_request(request.prompt or "", params.extra)
         try:
             prompt = self.builder.build(speech)
@@ -145,7 +150,8 @@ class TalkerStage(ARStage):
         """The request's text and the voice in its params' `extra`."""
         voice = requested_voice(extra, takes=VOICE_OPTIONS)   # `speaker` is `voice` too
         fields = dict(text=text, language=str(extra.get("language") or "auto"),
-                      instruct=extra.get("instructions") or None)
+                      instruct=extra.get("instructions") or None,
+                      non_streaming_mode=_optional_bool(extra, "non_streaming_mode"))
         if self.config.model_type == "custom_voice":
             fields["speaker"] = voice or None
         if self.config.model_type != "base":
@@ -176,12 +182,24 @@ class TalkerStage(ARStage):
                                                                  dev, torch.float32))
         return self._clone
 
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests or self.written.has_done
+
+    def feed(self, request_id: str, feed: StageFeed) -> None:
+        if feed.text:
+            self.written.feed(request_id, feed.text)
+
+    def close_input(self, request_id: str) -> None:
+        self.written.close(request_id)
+
     def abort(self, request_id: str) -> None:
         self._prefix.pop(request_id, None)
-        super().abort(request_id)
+        if self.written.abort(request_id):
+            super().abort(request_id)
 
     def step(self) -> list[StageResult]:
-        results = []
+        results = self.written.unspoken()
         for out in self.engine.step():
             codes = None if out.extra is None else out.extra[FRAME_CODES]
             frames = torch.empty(0, self.config.num_code_groups, dtype=torch.long)
@@ -199,6 +217,13 @@ class TalkerStage(ARStage):
             if out.finished:
                 self._prefix.pop(out.request_id, None)
         return results
+
+
+def _optional_bool(extra: dict, key: str) -> bool | None:
+    value = extra.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise InputError(f"{key}: a boolean, got {value!r}", param=key)
+    return value
 
 
 def build_stage(stage: StageConfig, model: str, device: str) -> ARStage:

@@ -76,8 +76,15 @@ class PromptBuilder:
         return self.talker.embed_input_ids(torch.tensor(ids, dtype=torch.long, device=dev))
 
     @torch.inference_mode()
-    def build(self, req: SpeechRequest) -> TalkerPrompt:
+    def build(self, req: SpeechRequest, text_open: bool = False) -> TalkerPrompt:
+        """text_open: `req.text` is the first part of a text still being written (a voice
+        agent's LLM): the text is fed along (streaming mode), and `trailing` stops after the
+        part's own tokens, without tts_eos (`text_rows` gives the next parts', `eos_row` the
+        end)."""
         self.check(req)
+        if text_open and (self.non_streaming(req) or req.ref_code is not None):
+            raise ValueError("text: text still being written is fed along the speech "
+                             "(streaming mode), without in-context cloning")
         cfg = self.config
         text_ids = self.tokens(f"<|im_start|>assistant\n{req.text}<|im_end|>\n"
                                "<|im_start|>assistant\n")
@@ -102,8 +109,21 @@ class PromptBuilder:
             trailing = pad[None]
         else:
             rows.append(self.talker.embed_text(body[:1]) + codec[-1:])
-            trailing = torch.cat([self.talker.embed_text(body[1:]), eos[None]])
+            trailing = self.talker.embed_text(body[1:])
+            if not text_open:
+                trailing = torch.cat([trailing, eos[None]])
         return TalkerPrompt(torch.cat(rows), trailing, pad)
+
+    @torch.inference_mode()
+    def text_rows(self, text: str) -> Tensor:
+        """(n, H) the text rows of a later part of a text still being written (its tokens as
+        they are within the whole text: parts start before whitespace, stages/speakable.py)."""
+        return self.talker.embed_text(self.tokens(text))
+
+    @torch.inference_mode()
+    def eos_row(self) -> Tensor:
+        """(1, H) tts_eos's text row: the written text's end."""
+        return self.talker.embed_text(self.tokens_of(self.config.tts_eos_token_id))
 
     def tokens_of(self, *ids: int) -> Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.talker.codec_head.weight.device)
