@@ -63,15 +63,19 @@ class VoxtralTTSForCausalLM(CausalLM):
         return self.model.embed_tokens(input_ids)
 
     def prompt_embeds(self, ids: Tensor, voice: Tensor | None = None) -> Tensor:
-        """ids (T,) with a run of [AUDIO]; voice (n, 37) frames in the LLM's space (n = the
-        run's length), summed through the packed table there. -> (T, hidden)."""
+        """ids (T,) with a run of [AUDIO] of length n; voice: (n, 37) frames in the LLM's space
+        (summed through the packed table), or (n, hidden) ready embeddings (the release's
+        `voice_embedding/<name>.pt`, placed as they are, as vLLM-Omni does). -> (T, hidden)."""
         h = self.embed_input_ids(ids)
         slots = (ids == self.audio_token_id).nonzero().flatten()
         if voice is not None:
             if len(slots) != len(voice):
                 raise ValueError(f"voice: {len(voice)} frames for {len(slots)} [AUDIO] slots")
             h = h.clone()
-            h[slots] = self.audio_embedding(voice.to(ids.device)).to(h.dtype)
+            rows = voice.to(ids.device)
+            if not rows.is_floating_point():
+                rows = self.audio_embedding(rows)
+            h[slots] = rows.to(h.dtype)
         return h
 
     def forward(self, input_ids: Tensor, positions: Tensor, inputs_embeds: Tensor | None = None,
