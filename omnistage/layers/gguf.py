@@ -123,6 +123,14 @@ class GGUFLinear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("bias", bias)
 
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight in the bias's dtype (float32 without one): for model code
+        that reads a linear's weight (Wan's time embedder takes its dtype); the forward
+        never calls it."""
+        return dequantize(self.qweight, self.qtype,
+                          torch.float32 if self.bias is None else self.bias.dtype)
+
     def weight_like(self, x: Tensor) -> Tensor:
         return dequantize(self.qweight, self.qtype, x.dtype)
 

@@ -9,7 +9,10 @@ block-quantized tensor can split as well as a plain one (its blocks run along a 
     final_layer.adaLN_modulation.1 (2D, D)       ->  norm_out.linear, halves swapped
                                                      (BFL: shift, scale; diffusers: scale, shift)
 
-FLUX.1 (BFL's names, city96's GGUF files) is mapped; Qwen-Image and Wan files are not yet.
+FLUX.1 (BFL's names, city96's GGUF files) and Wan 2.1 / 2.2 (the Wan repository's names:
+`blocks.0.self_attn.q`, renames only, applied in order as diffusers'
+`convert_wan_transformer_to_diffusers` does) are mapped; a ComfyUI `model.diffusion_model.`
+prefix is dropped. Qwen-Image files carry diffusers' names already.
 """
 
 from __future__ import annotations
@@ -110,3 +113,50 @@ def from_bfl_flux(tensors: Tensors, sizes: dict[str, int]) -> Tensors:
         raise ValueError(f"GGUF file (BFL FLUX.1 layout): tensors {sorted(left)[:5]} have no "
                          "diffusers name")
     return out
+
+
+# Wan's original names -> diffusers', substring renames applied in this order (norm2 / norm3
+# trade places through a placeholder: the original's norm3 is diffusers' norm2)
+WAN_RENAMES = (
+    ("time_embedding.0", "condition_embedder.time_embedder.linear_1"),
+    ("time_embedding.2", "condition_embedder.time_embedder.linear_2"),
+    ("text_embedding.0", "condition_embedder.text_embedder.linear_1"),
+    ("text_embedding.2", "condition_embedder.text_embedder.linear_2"),
+    ("time_projection.1", "condition_embedder.time_proj"),
+    ("cross_attn", "attn2"), ("self_attn", "attn1"),
+    (".o.", ".to_out.0."), (".q.", ".to_q."), (".k.", ".to_k."), (".v.", ".to_v."),
+    (".k_img.", ".add_k_proj."), (".v_img.", ".add_v_proj."),
+    (".norm_k_img.", ".norm_added_k."),
+    ("head.modulation", "scale_shift_table"), ("head.head", "proj_out"),
+    ("modulation", "scale_shift_table"),
+    ("ffn.0", "ffn.net.0.proj"), ("ffn.2", "ffn.net.2"),
+    ("norm2", "norm__placeholder"), ("norm3", "norm2"), ("norm__placeholder", "norm3"),
+    ("img_emb.proj.0", "condition_embedder.image_embedder.norm1"),
+    ("img_emb.proj.1", "condition_embedder.image_embedder.ff.net.0.proj"),
+    ("img_emb.proj.3", "condition_embedder.image_embedder.ff.net.2"),
+    ("img_emb.proj.4", "condition_embedder.image_embedder.norm2"))
+PREFIX = "model.diffusion_model."
+
+
+def is_wan(names: set[str]) -> bool:
+    return "blocks.0.self_attn.q.weight" in names
+
+
+def from_wan(tensors: Tensors) -> Tensors:
+    """A Wan file's tensors under diffusers' names."""
+    out = {}
+    for name, value in tensors.items():
+        for old, new in WAN_RENAMES:
+            name = name.replace(old, new)
+        out[name] = value
+    return out
+
+
+def to_diffusers_names(tensors: Tensors, sizes: dict[str, int]) -> Tensors:
+    """The file's tensors under diffusers' names, whichever known layout it has (`sizes`:
+    the model's rows per tensor, for the layouts that stack)."""
+    if any(n.startswith(PREFIX) for n in tensors):
+        tensors = {n.removeprefix(PREFIX): v for n, v in tensors.items()}
+    if is_bfl_flux(set(tensors)):
+        return from_bfl_flux(tensors, sizes)
+    return from_wan(tensors) if is_wan(set(tensors)) else tensors

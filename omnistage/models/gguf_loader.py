@@ -1,8 +1,8 @@
 """A DiT transformer from a GGUF file (issue 44): the architecture from the diffusers folder's
 config.json, the weights from one `.gguf` file whose tensor names are diffusers' (as
 `diffusers.loaders.single_file` leaves a file it need not convert) or BFL's FLUX.1 names
-(city96's files; models/gguf_layouts.py maps them, as diffusers converts them). Wan and
-Qwen-Image files' original names are not mapped yet.
+or Wan's original names (city96's files; models/gguf_layouts.py maps them, as diffusers
+converts them).
 
 Every linear whose weight the file holds in a block format (layers/gguf.py: Q8_0, Q4_0, Q4_K,
 Q5_K, Q6_K) becomes a GGUFLinear that keeps the blocks; every other tensor (F32 / F16 / BF16,
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from omnistage.layers.gguf import FORMATS, GGUFLinear, dequantize
 from omnistage.layers.fp8 import LINEARS
-from omnistage.models.gguf_layouts import from_bfl_flux, is_bfl_flux
+from omnistage.models.gguf_layouts import to_diffusers_names
 from omnistage.models.diffusers_loader import keep_in_fp32
 from omnistage.models.loader import _default_dtype, check_tensor_names
 
@@ -97,9 +97,9 @@ def build_from_gguf(model_cls: type[nn.Module], config: object, file: Path,
     with _default_dtype(dtype), torch.device("meta"):
         model = model_cls(config)
     keep_in_fp32(model)
-    if is_bfl_flux(set(tensors)):                      # city96's FLUX.1 files: BFL's names
-        tensors = from_bfl_flux(tensors, {n: t.shape[0] for n, t in model.state_dict().items()
-                                          if t.dim()})
+    # city96's FLUX.1 / Wan files: the original repositories' names (models/gguf_layouts.py)
+    tensors = to_diffusers_names(tensors, {n: t.shape[0] for n, t in model.state_dict().items()
+                                           if t.dim()})
     taken = swap_quantized_linears(model, tensors)
     expected = {n for n, _ in model.named_parameters()} | taken
     check_tensor_names(Path(file), model_cls.__name__, expected, set(tensors))

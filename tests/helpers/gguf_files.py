@@ -67,3 +67,39 @@ def write_bfl_flux_gguf(model: nn.Module, file: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def wan_original_name(name: str) -> str:
+    """A diffusers Wan tensor's name in the Wan repository (the inverse of gguf_layouts'
+    WAN_RENAMES, checked against it)."""
+    from omnistage.models.gguf_layouts import WAN_RENAMES
+    top = {"scale_shift_table": "head.modulation", "proj_out.weight": "head.head.weight",
+           "proj_out.bias": "head.head.bias"}
+    out = top.get(name, name)
+    if name not in top:
+        for old, new in reversed(WAN_RENAMES):
+            out = out.replace(new, old)
+    back = out
+    for old, new in WAN_RENAMES:
+        back = back.replace(old, new)
+    assert back == name, (name, out, back)
+    return out
+
+
+def write_wan_gguf(model: nn.Module, file: Path) -> None:
+    """A diffusers Wan transformer's weights under the Wan repository's names, linears whose
+    width fits Q8_0 quantized by gguf, the rest F32."""
+    import gguf
+    writer = gguf.GGUFWriter(str(file), arch="omnistage-test")
+    for name, p in model.state_dict().items():
+        w = p.detach().float().numpy()
+        if w.ndim == 2 and w.shape[1] % 32 == 0:
+            writer.add_tensor(wan_original_name(name),
+                              gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(wan_original_name(name), np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
