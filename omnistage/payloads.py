@@ -49,6 +49,9 @@ VIDEO = "video"
 FPS = "fps"
 CONDITION_TOKEN_IDS = "condition_token_ids"
 CONDITION_GRIDS = "condition_grids"
+PROMPT_SPEECH_TOKENS = "prompt_speech_tokens"   # CosyVoice3's voice prompt (VoicePrompt)
+PROMPT_MEL = "prompt_mel"
+XVECTOR = "xvector"
 PROMPT_EMBEDS = "prompt_embeds"
 MM = "mm."
 INPUT_IMAGE = "image"           # in a stage's multimodal inputs ("mm." cut): image, image.1, ...
@@ -240,6 +243,23 @@ class ConditionImages:
 
 
 @dataclass(frozen=True, slots=True)
+class VoicePrompt:
+    """A cloned voice for CosyVoice3's flow: the reference clip's speech tokens (P,), its mel
+    (2P, mel) and its speaker x-vector (spk,)."""
+    tokens: Tensor
+    mel: Tensor
+    xvector: Tensor
+
+    def pack(self) -> dict[str, Tensor]:
+        return {PROMPT_SPEECH_TOKENS: self.tokens, PROMPT_MEL: self.mel, XVECTOR: self.xvector}
+
+    @classmethod
+    def unpack(cls, tensors: dict[str, Tensor]) -> VoicePrompt | None:
+        t = tensors.get(PROMPT_SPEECH_TOKENS)
+        return None if t is None else cls(t, tensors[PROMPT_MEL], tensors[XVECTOR])
+
+
+@dataclass(frozen=True, slots=True)
 class ModelTensors:
     """Tensors under a model's own names: a text encoder's conditioning for its DiT (the
     pipeline writes and reads them), a test model's output. One class owns both ends."""
@@ -254,7 +274,7 @@ class ModelTensors:
 
 
 RECORDS = (TokenDelta, HiddenRows, ThinkerPrompt, CodecFrames, AudioChunk, Images, Video,
-           ConditionImages)
+           ConditionImages, VoicePrompt)
 
 
 @dataclass(slots=True)
@@ -269,6 +289,7 @@ class Payload:
     images: Images | None = None
     video: Video | None = None
     condition_images: ConditionImages | None = None
+    voice_prompt: VoicePrompt | None = None
     named: ModelTensors | None = None          # keys no record claims
 
     def __bool__(self) -> bool:

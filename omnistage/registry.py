@@ -156,10 +156,11 @@ class ModelFamily:
     # pip extras of omnistage it needs beyond the serving install (checked before any stage
     # starts, so a missing one is one line naming the extra, not a stage's traceback)
     extras: tuple[str, ...] = ()
+    tokenizer: str | None = None               # the folder's subfolder holding its text tokenizer
 
 
 # an extra of pyproject.toml -> the module that tells it is installed
-EXTRA_MODULES = {"diffusers": "diffusers", "ray": "ray"}
+EXTRA_MODULES = {"diffusers": "diffusers", "ray": "ray", "cosyvoice3": "onnxruntime"}
 
 
 def missing_extras(model_path: Path | None, backend: str) -> list[str]:
@@ -209,6 +210,13 @@ _BUILT_IN = (
         components=(Component("ar", "qwen3_tts_talker", "omnistage.stages.qwen3_tts:build_stage"),
                     Component("generation", "qwen3_tts_code2wav",
                               "omnistage.generation.code2wav:Code2WavGenerator"))),
+    ModelFamily(
+        "cosyvoice3", architectures=("CosyVoice3",), graph="cosyvoice3.yaml",
+        speech="omnistage.stages.cosyvoice3:speech_spec", extras=("cosyvoice3",),
+        tokenizer="CosyVoice-BlankEN",
+        components=(Component("ar", "cosyvoice3_llm", "omnistage.stages.cosyvoice3:build_stage"),
+                    Component("generation", "cosyvoice3_flow_hift",
+                              "omnistage.generation.cosyvoice3:CosyVoice3Generator"))),
     ModelFamily(
         "mimo_audio", architectures=("MiMoAudioForCausalLM",), graph="mimo_audio.yaml",
         speech="omnistage.stages.mimo_audio:speech_spec",
@@ -443,6 +451,8 @@ def _folder_names(model_path: Path) -> tuple[str | None, list[str]]:
     index = Path(model_path) / "model_index.json"
     if index.is_file():
         return json.loads(index.read_text()).get("_class_name") or "", []
+    if (Path(model_path) / "cosyvoice3.yaml").is_file():   # CosyVoice3's folder as released
+        return None, ["CosyVoice3"]
     config = Path(model_path) / "config.json"
     if not config.is_file():
         return None, []

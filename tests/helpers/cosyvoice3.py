@@ -61,6 +61,16 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithDiT
             static_chunk_size: !ref <chunk_size> * <token_mel_ratio>
             num_decoding_left_chunks: !ref <num_decoding_left_chunks>
 
+feat_extractor: !name:matcha.utils.audio.mel_spectrogram
+    n_fft: 1920
+    num_mels: {mel}
+    sampling_rate: !ref <sample_rate>
+    hop_size: 480
+    win_size: 1920
+    fmin: 0
+    fmax: 8000
+    center: False
+
 hift: !new:cosyvoice.hifigan.generator.CausalHiFTGenerator
 {hift}
     f0_predictor: !new:cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor
@@ -120,4 +130,75 @@ def write_llm(folder: Path) -> Path:
     torch.save(state, folder / "llm.pt")
     (folder / "CosyVoice-BlankEN").mkdir(exist_ok=True)
     (folder / "CosyVoice-BlankEN" / "config.json").write_text(json.dumps(m["qwen2"]))
+    return folder
+
+
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")   # 151643.. as Qwen2's
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A byte-level BPE (omnistage.testing.tiny_tokenizer's merges) padded with unreachable
+    fillers to Qwen2's 151643 ids, its three specials after them, so CosyVoice3's added
+    `<|endofprompt|>` is 151646 as on the released vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from omnistage.testing.tiny_tokenizer import _train
+
+    trained = json.loads(_train().to_str())["model"]
+    vocab = {t: i for t, i in trained["vocab"].items() if t not in QWEN_SPECIALS}
+    vocab = {t: k for k, t in enumerate(sorted(vocab, key=vocab.__getitem__))}
+    vocab.update({f"<filler{k}>": k for k in range(len(vocab), 151643)})
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(QWEN_SPECIALS))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   clean_up_tokenization_spaces=False)
+    fast.save_pretrained(str(folder / "CosyVoice-BlankEN"))
+
+
+class _SpeechTokenizer(torch.nn.Module):
+    """speech_tokenizer_v3.onnx's signature: feats (1, 128, T), feats_length (1,) -> tokens
+    at a quarter of the frame rate (ids below the tiny flow's 61)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(128, 40, 4, stride=4)
+
+    def forward(self, feats, feats_length):
+        return self.conv(feats).argmax(dim=1).to(torch.int32) + feats_length[:, None] * 0
+
+
+class _Speaker(torch.nn.Module):
+    """campplus.onnx's signature: (1, T, 80) -> (1, spk_embed_dim)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(80, dim)
+
+    def forward(self, x):
+        return self.proj(torch.tanh(x)).mean(dim=1)
+
+
+def write_onnx(folder: Path) -> None:
+    torch.manual_seed(5)
+    tok, spk = _SpeechTokenizer().eval(), _Speaker(manifest()["flow"]["spk_embed_dim"]).eval()
+    torch.onnx.export(tok, (torch.randn(1, 128, 40), torch.tensor([40], dtype=torch.int32)),
+                      folder / "speech_tokenizer_v3.onnx", input_names=["feats", "feats_length"],
+                      output_names=["tokens"], dynamic_axes={"feats": {2: "T"}, "tokens": {1: "N"}},
+                      dynamo=False)
+    torch.onnx.export(spk, (torch.randn(1, 40, 80),), folder / "campplus.onnx",
+                      input_names=["input"], output_names=["embedding"],
+                      dynamic_axes={"input": {1: "T"}}, dynamo=False)
+
+
+def write_served(folder: Path) -> Path:
+    """The whole tiny folder `omnistage serve` takes: flow, HiFT, LM, tokenizer, the two ONNX
+    stand-ins (no config.json: cosyvoice3.yaml marks the folder, as released)."""
+    write_checkpoint(folder)
+    write_llm(folder)
+    write_tokenizer(folder)
+    write_onnx(folder)
     return folder

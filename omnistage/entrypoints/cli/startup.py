@@ -41,6 +41,8 @@ def resolve_model(model: str) -> Path:
 def check_weights(model: str, path: Path) -> None:
     """A transformers folder needs safetensors files at its top (model.safetensors; BAGEL's
     ema.safetensors and ae.safetensors) or an index whose shards all exist; a diffusers folder (model_index.json) needs safetensors files in its component folders."""
+    if (path / "cosyvoice3.yaml").is_file():   # CosyVoice3: *.pt, checked when its stages load
+        return
     if (path / "model_index.json").is_file():
         if not any(path.glob("*/*.safetensors")):
             raise FileNotFoundError(f"model {model!r}: folder {path} has model_index.json but "

@@ -56,7 +56,8 @@ def _resolve(value: Any, top: dict[str, Any]) -> Any:
 def read_hyperparameters(path: str | Path) -> dict[str, Any]:
     """The yaml's `flow` and `hift` maps (tags dropped, references resolved)."""
     raw = yaml.load(Path(path).read_text(), Loader=_Loader)
-    return {k: _resolve(raw[k], raw) for k in ("flow", "hift", "sample_rate") if k in raw}
+    return {k: _resolve(raw[k], raw) for k in ("flow", "hift", "sample_rate", "feat_extractor",
+                                               "llm") if k in raw}
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,9 +154,27 @@ class HiFTConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MelConfig:
+    """`feat_extractor` (matcha's mel_spectrogram): the flow's prompt mel of a clip."""
+    rate: int = 24000
+    n_fft: int = 1920
+    hop: int = 480
+    n_mels: int = 80
+    fmin: float = 0.0
+    fmax: float | None = 8000.0
+
+    @classmethod
+    def from_yaml(cls, f: dict[str, Any], rate: int) -> MelConfig:
+        return cls(rate=int(f.get("sampling_rate", rate)), n_fft=int(f.get("n_fft", 1920)),
+                   hop=int(f.get("hop_size", 480)), n_mels=int(f.get("num_mels", 80)),
+                   fmin=float(f.get("fmin", 0)), fmax=f.get("fmax", 8000.0))
+
+
+@dataclass(frozen=True, slots=True)
 class CosyVoice3Config:
     flow: FlowConfig
     hift: HiFTConfig
+    mel: MelConfig = MelConfig()
 
     @classmethod
     def from_folder(cls, path: str | Path) -> CosyVoice3Config:
@@ -163,4 +182,11 @@ class CosyVoice3Config:
         if not file.is_file():
             raise FileNotFoundError(f"{path}: no cosyvoice3.yaml (CosyVoice3's hyperparameters)")
         hp = read_hyperparameters(file)
-        return cls(flow=FlowConfig.from_yaml(hp["flow"]), hift=HiFTConfig.from_yaml(hp["hift"]))
+        hift = HiFTConfig.from_yaml(hp["hift"])
+        return cls(flow=FlowConfig.from_yaml(hp["flow"]), hift=hift,
+                   mel=MelConfig.from_yaml(hp.get("feat_extractor") or {}, hift.sampling_rate))
+
+    @property
+    def speech_token_size(self) -> int:
+        """The LM's speech vocabulary (the flow's token vocabulary: 6561 released)."""
+        return self.flow.vocab_size

@@ -94,3 +94,35 @@ def speaker_features(wav: torch.Tensor) -> torch.Tensor:
     """campplus.onnx's input: kaldi_fbank minus its mean over time, (T, 80)."""
     f = kaldi_fbank(wav)
     return f - f.mean(dim=0, keepdim=True)
+
+
+@lru_cache(maxsize=4)
+def slaney_filters(rate: int, n_fft: int, n_mels: int, fmin: float, fmax: float
+                   ) -> torch.Tensor:
+    """librosa's mel(sr=rate, n_fft, n_mels, fmin, fmax) (Slaney scale and norm), which
+    matcha's mel_spectrogram uses: (n_mels, n_fft // 2 + 1) float32."""
+    fft_f = torch.linspace(0, rate / 2, n_fft // 2 + 1, dtype=torch.float64)
+    lo, hi = (float(_slaney_mel(torch.tensor(float(f), dtype=torch.float64)))
+              for f in (fmin, fmax))
+    mel_f = _slaney_hz(torch.linspace(lo, hi, n_mels + 2, dtype=torch.float64))
+    ramps = mel_f[:, None] - fft_f[None, :]
+    fdiff = mel_f.diff()
+    w = torch.clamp(torch.minimum(-ramps[:-2] / fdiff[:-1, None], ramps[2:] / fdiff[1:, None]),
+                    min=0.0)
+    return (w * (2.0 / (mel_f[2:] - mel_f[:-2]))[:, None]).float()
+
+
+def prompt_mel(wav: torch.Tensor, rate: int = 24000, n_fft: int = 1920, hop: int = 480,
+               n_mels: int = 80, fmin: float = 0.0, fmax: float | None = None) -> torch.Tensor:
+    """The flow's prompt mel of a clip at `rate` (matcha's mel_spectrogram with center=False,
+    as upstream's `feat_extractor`): reflect-padded by (n_fft - hop) / 2 each side, periodic
+    Hann STFT, magnitude sqrt(re^2 + im^2 + 1e-9), Slaney mel, log floored at 1e-5:
+    (frames, n_mels)."""
+    wav = wav.float().reshape(1, 1, -1)
+    pad = (n_fft - hop) // 2
+    wav = torch.nn.functional.pad(wav, (pad, pad), mode="reflect").reshape(-1)
+    spec = torch.stft(wav, n_fft, hop, window=torch.hann_window(n_fft), center=False,
+                      return_complex=True)
+    mag = torch.sqrt(spec.real ** 2 + spec.imag ** 2 + 1e-9)
+    mel = slaney_filters(rate, n_fft, n_mels, fmin, rate / 2 if fmax is None else fmax) @ mag
+    return mel.clamp(min=1e-5).log().T.contiguous()
