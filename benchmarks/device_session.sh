@@ -47,7 +47,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 STAGES=${STAGES:-"tests single latency"}
 if [[ $STAGES == *tests* ]]; then
     python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" -q \
-        tests/gpu tests/layers 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
+        tests/gpu 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
 fi
 if [[ $STAGES == *layer* ]]; then
     # the one-kernel-a-layer path: its tests, then single stream with it (tile configs from
