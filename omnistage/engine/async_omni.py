@@ -83,9 +83,10 @@ class AsyncOmni:
                 f"(in a checkout: .venv/bin/pip install -e '.[{extras}]')")
         self.graph = graph
         tokenizer = next((s.ar.tokenizer for s in graph.stages if s.ar and s.ar.tokenizer), None)
+        family = registry.match_folder(model_path) if model_path is not None else None
+        sub = family.tokenizer if family is not None and family.tokenizer else "."
         self.tokenizer = load_tokenizer(
-            Path(tokenizer) if tokenizer else model_path and model_path / (getattr(
-                registry.match_folder(model_path), "tokenizer", None) or ".")
+            Path(tokenizer) if tokenizer else model_path and model_path / sub
             or (Path(graph.model) if graph.model else None))
         # multimodal models: chat templates, audio features, image patches at the front door
         self.processor = load_input_processor(model_path)

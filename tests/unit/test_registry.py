@@ -26,7 +26,7 @@ def test_unknown_architecture_lists_the_known_ones(tmp_path: Path) -> None:
     path = folder(tmp_path, "config.json", {"architectures": ["LlamaForCausalLM"]})
     # (test families registered in this process, e.g. the toy TTS, sort after these)
     with pytest.raises(ValueError, match=r"architecture LlamaForCausalLM is not supported "
-                       r"\(supported: BagelForConditionalGeneration, "
+                       r"\(supported: BagelForConditionalGeneration, CosyVoice3, "
                        r"HunyuanImage3ForCausalMM, "
                        r"MiMoAudioForCausalLM, "
                        r"Qwen2ForCausalLM, Qwen2_5OmniForConditionalGeneration, "
