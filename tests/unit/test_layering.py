@@ -46,7 +46,7 @@ def test_the_bottom_imports_nothing_above_it() -> None:
     paths = [*sorted((PACKAGE / "configs").rglob("*.py")), *sorted((PACKAGE / "utils").rglob(
         "*.py")), PACKAGE / "outputs.py", PACKAGE / "sampling_params.py", PACKAGE / "errors.py",
         PACKAGE / "ranges.py", PACKAGE / "payloads.py",
-        PACKAGE / "registry.py"]
+        PACKAGE / "registry.py", PACKAGE / "family_records.py"]
     above = RUNTIME | {"models", "layers"}
     bad = [f"{path.relative_to(PACKAGE)}:{line} imports omnistage.{sub}"
            for path in paths for sub, line in sorted(imported_floors(path)) if sub in above]
