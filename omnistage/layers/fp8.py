@@ -107,13 +107,8 @@ class Fp8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Module) -> Fp8Linear:
         """The FP8 form of one of `LINEARS` (its local shard, with its bias as it adds it)."""
-        if isinstance(linear, RowParallelLinear):
-            return cls(linear.weight, linear.local_bias, linear.tp,
-                       reduce_results=linear.reduce_results)
-        if isinstance(linear, ColumnParallelLinear):
-            return cls(linear.weight, linear.bias, linear.tp, gather_output=linear.gather_output)
-        tp = linear.tp if isinstance(linear, QKVParallelLinear) else TPGroup(0, 1, None)
-        return cls(linear.weight, linear.bias, tp)
+        weight, bias, tp, kw = shard_of(linear)
+        return cls(weight, bias, tp, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
         xq, sx = quantize_activations(x.reshape(-1, self.in_features))     # (M, K), (M, 1)
@@ -125,6 +120,18 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+def shard_of(linear: nn.Module) -> tuple[Tensor, Tensor | None, TPGroup, dict]:
+    """One of `LINEARS` as a quantized linear takes it: its local weight, the bias as it adds
+    it, its TP group and how its output is combined (reduce_results / gather_output)."""
+    if isinstance(linear, RowParallelLinear):
+        return linear.weight, linear.local_bias, linear.tp, \
+            {"reduce_results": linear.reduce_results}
+    if isinstance(linear, ColumnParallelLinear):
+        return linear.weight, linear.bias, linear.tp, {"gather_output": linear.gather_output}
+    tp = linear.tp if isinstance(linear, QKVParallelLinear) else TPGroup(0, 1, None)
+    return linear.weight, linear.bias, tp, {}
 
 
 def check_fp8_device(device: torch.device, allow_cpu: bool = False) -> None:

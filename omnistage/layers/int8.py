@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.layers.fp8 import LINEARS, MIN_FEATURES, is_kept
-from omnistage.layers.parallel import (ColumnParallelLinear, QKVParallelLinear,
-                                       RowParallelLinear, TPGroup, all_gather_last, all_reduce)
+from omnistage.layers.fp8 import LINEARS, MIN_FEATURES, is_kept, shard_of
+from omnistage.layers.parallel import (TPGroup, all_gather_last, all_reduce)
 
 INT8_MAX = 127.0
 CUDA_MIN_ROWS = 17          # torch._int_mm on CUDA: M > 16
@@ -62,13 +61,8 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Module) -> Int8Linear:
         """The INT8 form of one of `LINEARS` (its local shard, with its bias as it adds it)."""
-        if isinstance(linear, RowParallelLinear):
-            return cls(linear.weight, linear.local_bias, linear.tp,
-                       reduce_results=linear.reduce_results)
-        if isinstance(linear, ColumnParallelLinear):
-            return cls(linear.weight, linear.bias, linear.tp, gather_output=linear.gather_output)
-        tp = linear.tp if isinstance(linear, QKVParallelLinear) else TPGroup(0, 1, None)
-        return cls(linear.weight, linear.bias, tp)
+        weight, bias, tp, kw = shard_of(linear)
+        return cls(weight, bias, tp, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
         xq, sx = quantize_rows_int8(x.reshape(-1, self.in_features))        # (M, K), (M, 1)
