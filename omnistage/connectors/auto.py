@@ -56,6 +56,9 @@ class AutoConnector(Connector):
     def release(self, request_id: str) -> int:
         return self.shm.release(request_id) + self.tcp.release(request_id)
 
+    def discard(self, handle: TensorHandle) -> None:
+        (self.tcp if handle.kind == "tcp" else self.shm).discard(handle)
+
     def close(self) -> None:
         self.shm.close()
         self.tcp.close()

@@ -86,6 +86,9 @@ class Connector(ABC):
     - `get` consumes: after it returns, the connector holds nothing for that chunk. It returns CPU
       tensors, or tensors on `device` when given.
     - `release(request_id)` frees whatever is still held for a finished or aborted request.
+    - `discard(handle)` frees one chunk its consumer will never take (a chunk that reached a
+      stage after it had finished the request: the request's other chunks, for stages still
+      working on it or for the client, stay).
     - `close()` frees everything; the connector is unusable afterwards.
     """
 
@@ -104,6 +107,10 @@ class Connector(ABC):
     @abstractmethod
     def release(self, request_id: str) -> int:
         """Free every chunk still held for `request_id`; returns how many were freed."""
+
+    @abstractmethod
+    def discard(self, handle: TensorHandle) -> None:
+        """Free the one chunk `handle` names, if still held (never waits for it)."""
 
     @abstractmethod
     def close(self) -> None: ...

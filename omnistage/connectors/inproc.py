@@ -59,6 +59,10 @@ class InprocConnector(Connector):
                 del self.chunks[key]
         return len(keys)
 
+    def discard(self, handle: TensorHandle) -> None:
+        with self._lock:
+            self.chunks.pop(handle.key, None)
+
     def close(self) -> None:
         with self._lock:
             self.chunks.clear()

@@ -168,6 +168,14 @@ class ShmConnector(Connector):
         """Unlink this producer's segments of `request_id` that no consumer has taken yet."""
         return sum(unlink_segment(name) for name in self.owned.pop(request_id, ()))
 
+    def discard(self, handle: TensorHandle) -> None:
+        """Unlink the chunk's segment (an inline chunk holds none)."""
+        if handle.location:
+            unlink_segment(handle.location)
+            owned = self.owned.get(handle.key.request_id)
+            if owned is not None:
+                owned.discard(handle.location)
+
     def close(self) -> None:
         for request_id in list(self.owned):
             self.release(request_id)

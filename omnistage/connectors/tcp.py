@@ -35,7 +35,8 @@ from omnistage.connectors.base import ChunkKey, Connector, TensorHandle
 from omnistage.connectors.packing import pack, read
 
 _LISTEN_RE = re.compile(r"tcp://(?P<host>.+):(?P<port>\d+)")
-MAX_RELEASED = 4096  # request ids remembered so that chunks arriving after release are dropped
+MAX_RELEASED = 4096  # request ids (and discarded chunks) remembered so that chunks arriving
+                    # after release are dropped
 
 
 class TcpConnector(Connector):
@@ -58,6 +59,7 @@ class TcpConnector(Connector):
         self._address: str | None = None
         self.arrived: dict[ChunkKey, tuple[TensorHandle, zmq.Frame]] = {}
         self.released: OrderedDict[str, None] = OrderedDict()
+        self.discarded: OrderedDict[ChunkKey, None] = OrderedDict()
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(TensorHandle)
         if match is not None:
@@ -157,7 +159,9 @@ class TcpConnector(Connector):
             except zmq.Again:
                 return
             handle = self.decoder.decode(header.buffer)
-            if handle.key.request_id not in self.released:
+            if handle.key in self.discarded:
+                del self.discarded[handle.key]
+            elif handle.key.request_id not in self.released:
                 self.arrived[handle.key] = (handle, frame)
 
     def release(self, request_id: str) -> int:
@@ -172,6 +176,16 @@ class TcpConnector(Connector):
         for key in keys:
             del self.arrived[key]
         return len(keys)
+
+    def discard(self, handle: TensorHandle) -> None:
+        """Drop the chunk if it arrived, else when it arrives."""
+        if self.pull is None:
+            return
+        self._drain()
+        if self.arrived.pop(handle.key, None) is None:
+            self.discarded[handle.key] = None
+            if len(self.discarded) > MAX_RELEASED:
+                self.discarded.popitem(last=False)
 
     def close(self) -> None:
         self.arrived.clear()

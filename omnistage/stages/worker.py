@@ -148,9 +148,9 @@ class StageWorker:
 
     def _chunk(self, msg: m.EdgeChunk) -> None:
         state = self.requests.get(msg.request_id)
-        if state is None:
-            if msg.handle is not None:  # aborted meanwhile: drop the data
-                self.connector.release(msg.request_id)
+        if state is None:   # finished here or aborted meanwhile: drop this chunk's data (only
+            if msg.handle is not None:  # it: the request's other chunks may still be in use)
+                self.connector.discard(msg.handle)
             return
         state.last_input = time.monotonic()
         payload = Payload.unpack(self._get(state, msg.handle)) if msg.handle is not None \

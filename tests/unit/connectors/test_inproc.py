@@ -110,3 +110,15 @@ def test_release_from_several_threads_at_once() -> None:
             assert not errors and conn.chunks == {}
     finally:
         sys.setswitchinterval(old)
+
+
+def test_discard_drops_that_chunk_only() -> None:
+    """A chunk that reached a stage done with its request goes; the request's chunk for the
+    client (same request, other edge) stays for the orchestrator."""
+    conn = InprocConnector()
+    late = conn.put(ChunkKey("r1", "llm->talker", 9), {"x": torch.ones(1)})
+    client = conn.put(ChunkKey("r1", "code2wav->client", 13), {"x": torch.full((1,), 2.0)})
+    conn.discard(late)
+    conn.discard(late)                     # twice: nothing left to drop, no error
+    assert list(conn.chunks) == [client.key]
+    assert conn.get(client)["x"].item() == 2.0

@@ -158,3 +158,19 @@ def test_cuda_tensors(namespace: str, payload: dict[str, Tensor], assert_same: C
     out = conn.get(conn.put(ChunkKey("r1", "a->b", 1), on_gpu), device=torch.device("cuda"))
     assert all(t.is_cuda for t in out.values())
     assert_same({name: t.cpu() for name, t in out.items()}, payload)
+
+
+def test_discard_unlinks_that_segment_only(namespace: str) -> None:
+    producer = ShmConnector(namespace, inline_bytes=0)
+    consumer = ShmConnector(namespace, inline_bytes=0)
+    late = producer.put(ChunkKey("r1", "talker->code2wav", 0), {"x": torch.ones(4)})
+    kept = producer.put(ChunkKey("r1", "talker->code2wav", 1), {"x": torch.ones(4)})
+    consumer.discard(late)                 # any instance may drop it: the name is the handle's
+    consumer.discard(late)
+    assert segments(namespace) == [kept.location]
+    producer.discard(late)                 # the producer forgets it too: release counts 1
+    assert producer.release("r1") == 1 and segments(namespace) == []
+    inline = ShmConnector(namespace).put(ChunkKey("r1", "a->b", 0), {"x": torch.ones(1)})
+    consumer.discard(inline)               # inline: nothing to unlink
+    producer.close()
+    consumer.close()

@@ -139,3 +139,18 @@ def test_cuda_tensors(pair: tuple[TcpConnector, TcpConnector], payload: dict[str
     out = consumer.get(producer.put(key("r1", 1), on_gpu), device="cuda")
     assert all(t.is_cuda for t in out.values())
     assert_same({name: t.cpu() for name, t in out.items()}, payload)
+
+
+def test_discard_drops_one_chunk_buffered_or_late(pair: tuple[TcpConnector, TcpConnector]
+                                                  ) -> None:
+    producer, consumer = pair
+    buffered = producer.put(key("r1", 0), {"x": torch.ones(8)})
+    consumer.get(producer.put(key("r2", 0), {"x": torch.ones(1)}))   # r1's 0 is here now
+    consumer.discard(buffered)
+    assert consumer.num_buffered == 0
+    late = TensorHandle(key=key("r1", 1), kind="tcp", tensors=[], nbytes=0)
+    consumer.discard(late)                 # before it arrives: dropped on arrival
+    producer.put(key("r1", 1), {"x": torch.ones(8)})
+    kept = producer.put(key("r1", 2), {"x": torch.full((8,), 3.0)})
+    assert consumer.get(kept)["x"].eq(3.0).all()   # the request's other chunks still come
+    assert consumer.num_buffered == 0 and not consumer.discarded

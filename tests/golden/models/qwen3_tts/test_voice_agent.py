@@ -68,6 +68,7 @@ def test_agent_speaks_its_text_while_writing_it(llm: Path, qwen3_tts_ref: dict) 
         outs = asyncio.run(asyncio.wait_for(run(), timeout=240))
     finally:
         engine.shutdown()
+    assert outs[-1].error is None, outs[-1].error
     text = outs[-1].text
     pieces = [o.delta_tensors["audio"] for o in outs if "audio" in o.delta_tensors]
     assert pieces and len(speakable(text).split()) >= 3, text
