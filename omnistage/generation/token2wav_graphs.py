@@ -8,10 +8,11 @@ small kernels whose launches, from Python, take longer than the GPU takes to run
 a real-time factor of 0.73 for one request alone on an H100, and the first audio after 1.2 s).
 
 The shapes a stream plans (`plan_shapes`): a DiT window holds the first chunk with its right
-context, or a chunk with context on both sides (shorter ones, a stream's last, are padded up
-to one of these), rows 1, 2, 4, ... up to what `max_batch_frames` lets in flight; a vocoder
-window holds the first chunk's mel, or a chunk's with the vocoder's context on both sides
-(bigvgan_stream.py says how a last window fits them), rows 1, 2, 4, ... `max_vocoder_rows`.
+context, or a chunk of each later size (chunks grow up to `chunk_blocks`) with context on both
+sides (shorter ones, a stream's last, are padded up to one of these), rows 1, 2, 4, ... up to
+what `max_batch_frames` lets in flight; a vocoder window holds the first chunk's mel, or a
+later chunk's with the vocoder's context on both sides (bigvgan_stream.py says how a last
+window fits them), rows 1, 2, 4, ... `max_vocoder_rows`.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ def plan_shapes(model: Token2Wav, chunking: Chunking, max_batch_frames: int,
                 max_vocoder_rows: int = 8) -> tuple[PaddedShapes, PaddedShapes]:
     """-> (the DiT windows' shapes, the vocoder windows')."""
     c, block = chunking, model.cfg.dit.block_size
-    dit = PaddedShapes(tuple(sorted({(c.first_chunk_blocks + c.right_blocks) * block,
-                                     (c.left_blocks + c.chunk_blocks + c.right_blocks) * block})),
-                       max_batch_frames)
+    first, later = c.first_chunk_blocks, {c.blocks_after(k) for k in c.sizes()}
+    dit = PaddedShapes(tuple(sorted({(first + c.right_blocks) * block,
+                                     *((c.left_blocks + k + c.right_blocks) * block
+                                       for k in later)})), max_batch_frames)
     context = model.code2wav_bigvgan_model.context_frames
-    lengths = tuple(sorted({c.first_chunk_blocks * block,
-                            2 * context + c.chunk_blocks * block}))
+    lengths = tuple(sorted({first * block, *(2 * context + k * block for k in later)}))
     return dit, PaddedShapes(lengths, max_vocoder_rows * lengths[-1], max_vocoder_rows)
 
 

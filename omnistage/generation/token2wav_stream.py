@@ -47,11 +47,26 @@ from omnistage.models.qwen2_5_omni.token2wav import Token2Wav, Token2WavDiT
 @dataclass(frozen=True, slots=True)
 class Chunking:
     """Chunk and context sizes, in the DiT's attention blocks (24 mel frames, 12 codes,
-    0.24 s in the released model)."""
+    0.24 s in the released model). Chunks grow: the first is `first_chunk_blocks`, each next
+    one twice the one before, up to `chunk_blocks` (2, 4, 4, ... by default; 2, 4, 8, 8, ...
+    with chunk_blocks 8): a small first chunk for the first audio, then longer windows, fewer
+    of them, without the playback waiting on one long second chunk."""
     chunk_blocks: int = 4
     first_chunk_blocks: int = 2
     left_blocks: int = 2
     right_blocks: int = 2
+
+    def blocks_after(self, previous: int) -> int:
+        """The next chunk's blocks after one of `previous` blocks (0: the first chunk)."""
+        return min(self.chunk_blocks, 2 * previous) if previous else self.first_chunk_blocks
+
+    def sizes(self) -> tuple[int, ...]:
+        """Every chunk size a stream plans, in order (its last chunk may be shorter)."""
+        out: list[int] = []
+        k = 0
+        while (k := self.blocks_after(k)) not in out:
+            out.append(k)
+        return tuple(out)
 
     def __post_init__(self) -> None:
         if min(self.chunk_blocks, self.first_chunk_blocks) < 1 or \
@@ -105,6 +120,7 @@ class Token2WavStream:
         self._gen = torch.Generator().manual_seed(seed)
         self._noise = torch.zeros(0, cfg.mel_dim)
         self.num_planned = 0        # mel frames whose windows have started
+        self.last_blocks = 0        # the last started chunk's blocks (0: none yet)
         self.windows: tuple[Window, ...] = ()
         self.mel = MelStream(model.code2wav_bigvgan_model, cfg.mel_dim, device, mel_shapes)
         self.is_finished = False
@@ -124,7 +140,7 @@ class Token2WavStream:
     def next_chunk(self) -> tuple[int, int] | None:
         """The next chunk's frames [s, e) if its window's frames are all in, else None."""
         c, s = self.chunking, self.num_planned
-        e = s + self.block * (c.first_chunk_blocks if s == 0 else c.chunk_blocks)
+        e = s + self.block * c.blocks_after(self.last_blocks)
         if self.num_frames >= e + c.right_blocks * self.block:
             return s, e
         if self.is_finished and self.num_frames > s:
@@ -142,6 +158,7 @@ class Token2WavStream:
                         self._codes[a // self.repeats:b // self.repeats].to(self.device), w0, s,
                         e)
         self.num_planned = e
+        self.last_blocks = self.chunking.blocks_after(self.last_blocks)
         self.windows = (*self.windows, window)
         drop = max(0, e - self.chunking.left_blocks * self.block - self._first)  # behind all
         self._codes, self._noise = self._codes[drop // self.repeats:], self._noise[drop:]

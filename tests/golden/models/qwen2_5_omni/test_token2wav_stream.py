@@ -146,6 +146,37 @@ def test_chunked_dit_within_the_measured_seam_error(whole: Token2WavGenerator,
     assert (torch.cat(short) - torch.cat(short_ref)).abs().max() <= 1e-5
 
 
+class Recorded(Token2WavStream):
+    """Records every started window's kept frames [s, e)."""
+    kept: list[tuple[int, int]] = []
+
+    def start_window(self) -> Window:
+        w = super().start_window()
+        Recorded.kept.append((w.keep_from, w.keep_to))
+        return w
+
+
+def test_chunks_grow_to_chunk_blocks(omni25_path: Path, codes: torch.Tensor,
+                                     reference: torch.Tensor,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """chunk_blocks 16 after a first chunk of 6: chunks of 6, 12, then the rest (16 at
+    most), each window with its context; the audio within the seam bound of the whole
+    decode, as the default's."""
+    assert Chunking(8, 2).sizes() == (2, 4, 8) and Chunking().sizes() == (2, 4)
+    assert Chunking(4, 6).sizes() == (6, 4) and Chunking(3, 1).sizes() == (1, 2, 3)
+    growing = Token2WavGenerator.from_pretrained(omni25_path, "", CPU, None, Token2WavOptions(
+        first_chunk_blocks=6, chunk_blocks=16))
+    monkeypatch.setattr(token2wav_module, "Token2WavStream", Recorded)
+    Recorded.kept = []
+    (pieces,) = run(growing, [(codes, 1)], per_call=2)
+    block = growing.model.cfg.dit.block_size
+    assert [(e - s) // block for s, e in Recorded.kept] == [6, 12, 14], Recorded.kept
+    audio = torch.cat(pieces)
+    assert audio.shape == reference.shape
+    max_err, snr = seam_error(audio, reference)
+    assert max_err <= SEAM_TOLERANCE and snr >= SEAM_MIN_SNR_DB, (max_err, snr)
+
+
 class ShiftedNoise(Token2WavStream):
     """A bug: the window's noise taken one frame late."""
 
