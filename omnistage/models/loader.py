@@ -66,7 +66,8 @@ def resolve_model_path(model: str, cache_dir: str | Path | None = None) -> Path:
 
 def _is_model_folder(path: Path) -> bool:
     return (path / "config.json").is_file() or (path / "model_index.json").is_file() \
-        or (path / "cosyvoice3.yaml").is_file()       # CosyVoice3's folder as released
+        or (path / "cosyvoice3.yaml").is_file() \
+        or (path / "params.json").is_file()           # Mistral's format (Voxtral-TTS)
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
