@@ -11,7 +11,7 @@
              -> inverse STFT with "same" padding (hann window, envelope-normalised)
 
 Parameter names are upstream MiMoAudioTokenizer's (`decoder.*`, and the codebooks
-`encoder.quantizer.vq.layers.{c}._codebook.embed`); the encoder is not ported.
+`encoder.quantizer.vq.layers.{c}._codebook.embed`); the encoder: tokenizer_encoder.py.
 """
 
 from __future__ import annotations
@@ -72,12 +72,13 @@ class _Stack(nn.Module):
     """Layers + window mask + rotary, over one sequence (n, dim)."""
 
     def __init__(self, dim: int, heads: int, ffn: int, n: int, window: list[int],
-                 causal: bool, theta: float) -> None:
+                 causal: bool, theta: float, skip: int | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(_Layer(dim, heads, ffn) for _ in range(n))
         self.layer_norm = nn.LayerNorm(dim)
         self.left, self.right = window[0], 0 if causal else window[1]
         self.head_dim, self.theta = dim // heads, theta
+        self.skip = skip            # layer k's output joins the last one's (the encoder's)
 
     def run(self, x: Tensor) -> Tensor:
         n = x.shape[0]
@@ -89,9 +90,12 @@ class _Stack(nn.Module):
         if self.right >= 0:
             mask &= j <= i + self.right
         rope = _rope(n, self.head_dim, self.theta, x.device)
-        for layer in self.layers:
+        skipped: Tensor | float = 0.0
+        for k, layer in enumerate(self.layers, 1):
             x = layer(x, rope, mask)
-        return self.layer_norm(x)
+            if k == self.skip:
+                skipped = x
+        return self.layer_norm(x + skipped)
 
 
 class _UpConv(nn.Module):
