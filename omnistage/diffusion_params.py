@@ -17,6 +17,7 @@ MAX_INPUT_IMAGES = 10           # input images of one edit (a pipeline may take 
 MAX_SIDE = 16384                # pixels, as the API's `size`
 MAX_GUIDANCE = 100.0
 MAX_FRAMES = 4096
+MAX_LORA_SCALE = 100.0
 DEFAULT_STRENGTH = 0.6          # diffusers' img2img pipelines' default
 
 
@@ -26,6 +27,26 @@ class ImageRef(msgspec.Struct, frozen=True):
     `attach_image`). The params stay an image-to-image request's, so `strength` stays valid."""
 
     nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoraRequest:
+    """A request's LoRA adapter (diffusion/lora.py), vLLM-Omni's `lora` object: `name`, the
+    adapter's name; `path`, its file or folder on the server (loaded on first use; None: one
+    already loaded under `name`); `scale`, how much of it (diffusers' set_adapters weight)."""
+
+    name: str
+    path: str | None = None
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise InputError("lora.name: must be a non-empty string", "lora.name")
+        if self.path is not None and (not isinstance(self.path, str) or not self.path):
+            raise InputError("lora.path: must be a non-empty string", "lora.path")
+        scale = Range(-MAX_LORA_SCALE, MAX_LORA_SCALE)
+        if not scale.holds(self.scale):
+            raise InputError(f"lora.scale={self.scale!r}: {scale.describe()}", "lora.scale")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +84,8 @@ class DiffusionParams:
     # LTX-2's two-stage recipe (base at a smaller size -> latent upsampler -> refine) for this
     # request; None: the stage's `diffusion.options.upsample`
     upsample: bool | None = None
+    # a LoRA adapter for this request's transformer forwards (diffusion/lora.py); None: none
+    lora: LoraRequest | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "image", _image_file(self.image))

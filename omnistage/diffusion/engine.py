@@ -34,6 +34,7 @@ from PIL import Image
 from torch import Tensor
 
 from omnistage.diffusion.image_input import input_image
+from omnistage.diffusion.lora import LoraAdapters, adapter_key, group_by_adapter
 from omnistage.diffusion.memory import MemoryBudget, row_size
 from omnistage.diffusion.parallel import FollowedRequest, StepPlan
 from omnistage.diffusion.params import DiffusionParams, ImageRef
@@ -41,7 +42,7 @@ from omnistage.diffusion.pipeline import DiffusionPipeline
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.layers.groups import StageRanks, stage_ranks
 from omnistage.outputs import StageMetrics
-from omnistage.errors import StageError
+from omnistage.errors import InputError, StageError
 from omnistage.payloads import Payload
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class DiffusionEngine:
         self.num_steps_run = 0          # transformer forwards, all requests
         self.ranks = ranks or stage_ranks()
         self.followed: set[str] = set()     # rank 0: the requests the other ranks hold
+        denoisers = pipeline.denoisers()      # LoRA on the first (diffusion/lora.py)
+        self.lora = LoraAdapters(denoisers[0]) if denoisers else None
 
     def validate(self, prompt: str | None, params: DiffusionParams,
                  image: Image.Image | None = None) -> None:
@@ -107,6 +110,7 @@ class DiffusionEngine:
         assert not isinstance(params.image, ImageRef), "the stage attaches the image file"
         image = input_image(params, None)    # decoded once, here: validate and prepare take it
         self.validate(prompt, params, image)
+        self._ensure_lora(params)
         seed = params.seed if params.seed is not None else int(torch.seed() % 2**63)
         generator = torch.Generator(device="cpu").manual_seed(seed)
         if prompt is None:
@@ -115,6 +119,18 @@ class DiffusionEngine:
             latents, sigmas, cond = self.pipeline.prepare(prompt, params, generator, image)
         req = DiffusionRequest(request_id, prompt, params, latents, sigmas, cond, generator)
         return self._give_solver(req)
+
+    def _ensure_lora(self, params: DiffusionParams) -> None:
+        """The request's LoRA adapter held (loaded from its path on first use); InputError
+        naming lora.name / lora.path."""
+        if params.lora is None:
+            return
+        if self.lora is None:
+            raise InputError(f"lora: {self.pipeline.label} has no transformer to adapt", "lora")
+        in_use = frozenset(r.params.lora.name for r in (*self.requests.values(),
+                                                        *self.parked.values())
+                           if r.params.lora is not None)
+        self.lora.ensure(params.lora, in_use)
 
     def profile_memory(self) -> None:
         """Start-up: the second step of a request at the pipeline's default size, measured,
@@ -313,6 +329,7 @@ class DiffusionEngine:
         for rid in plan.dropped:
             self.requests.pop(rid, None)
         for f in plan.new:
+            self._ensure_lora(f.params)
             self.requests[f.request_id] = self._give_solver(f.request(self.pipeline.device))
         batch = [self.requests[rid] for rid in plan.batch]
         with torch.inference_mode():    # a failure ends this rank, and so its stage
@@ -336,11 +353,29 @@ class DiffusionEngine:
         counts = [r.latents.shape[0] for r in batch]
         latents = torch.cat([r.latents for r in batch]).to(dev)            # (R, ...)
         sigma = torch.cat([r.sigmas[r.step_idx].expand(n) for r, n in zip(batch, counts)])
-        velocity = self.pipeline.velocity(latents, sigma.to(dev), batch)
+        velocity = self._velocity(latents, sigma.to(dev), batch)
         self.num_steps_run += 1
         for r, v, x in zip(batch, velocity.split(counts), latents.split(counts)):
             r.latents = r.solver.step(v, x, r.sigmas, r.step_idx, r.solver_state).to(x.dtype)
             r.step_idx += 1
+
+
+    def _velocity(self, latents: Tensor, sigma: Tensor, batch: list[DiffusionRequest]
+                  ) -> Tensor:
+        """The pipeline's velocity for the batch: one call per LoRA adapter (and scale) among
+        its requests, those without one sharing the base call; the rows put back in place."""
+        keys = [adapter_key(r.params.lora) for r in batch]
+        groups = group_by_adapter(keys)
+        if len(groups) == 1 and keys[0] is None:
+            return self.pipeline.velocity(latents, sigma, batch)
+        rows = torch.arange(latents.shape[0]).split([r.latents.shape[0] for r in batch])
+        out = torch.empty_like(latents)
+        for members in groups:
+            idx = torch.cat([rows[i] for i in members]).to(latents.device)
+            with self.lora.applied(*(keys[members[0]] or (None,))):
+                out[idx] = self.pipeline.velocity(latents[idx], sigma[idx],
+                                                  [batch[i] for i in members])
+        return out
 
 
 def _oom_message(batch: list[DiffusionRequest], exc: torch.OutOfMemoryError) -> str:

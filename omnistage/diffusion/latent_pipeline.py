@@ -17,6 +17,7 @@ from omnistage.diffusion.image_input import output_size
 from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.pipeline import DiffusionPipeline, PromptEncoder
 from omnistage.diffusion.solvers import flow_match_euler as solver
+from omnistage.diffusion import lora
 from omnistage.layers.graph_capture import ShapeGraphs
 from omnistage.layers.groups import stage_ranks
 
@@ -45,7 +46,7 @@ class GraphedTransformer(DiffusionPipeline):
                         ) -> Tensor:
         """The transformer's forward: from a CUDA graph when they are on and no step cache
         is asked for."""
-        if self.graphs is not None and step_cache is None:
+        if self.graphs is not None and step_cache is None and not lora.applying():
             return self.graphs(*args, **kwargs)
         return self.transformer(*args, step_cache=step_cache, **kwargs)
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
+from omnistage.diffusion_params import MAX_LORA_SCALE, LoraRequest
 from omnistage.entrypoints.openai.vllm_fields import merge_extra_body
 
 AudioFormat = Literal["wav", "pcm16", "flac", "mp3", "opus"]
@@ -321,6 +322,24 @@ class CompletionResponse(BaseModel):
 
 # ---- images ----------------------------------------------------------------------------------
 
+class LoraBody(Request):
+    """vLLM-Omni's per-request `lora` object, with its aliases: the adapter's name, its file
+    or folder on the server (loaded on first use; omitted: an adapter already loaded under
+    that name), its scale. `int_id` is vLLM's cache id: accepted, the name is ours."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256)] = Field(
+        validation_alias=AliasChoices("name", "lora_name", "adapter"))
+    path: Annotated[str, Field(min_length=1, max_length=4096)] | None = Field(
+        None, validation_alias=AliasChoices("local_path", "path", "lora_path",
+                                            "lora_local_path"))
+    scale: Annotated[float, Field(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)] = Field(
+        1.0, validation_alias=AliasChoices("scale", "lora_scale"))
+    int_id: int | None = Field(None, validation_alias=AliasChoices("int_id", "lora_int_id"))
+
+    def to_params(self) -> LoraRequest:
+        return LoraRequest(self.name, self.path, self.scale)
+
+
 class ImageRequest(Request):
     """The fields /v1/images/generations and /v1/images/edits share."""
 
@@ -347,6 +366,7 @@ class ImageRequest(Request):
     guidance_scale: Annotated[float, Field(ge=0.0)] | None = None
     true_cfg_scale: Annotated[float, Field(ge=0.0)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    lora: LoraBody | None = None        # vLLM-Omni's per-request LoRA adapter
 
 
 class ImageGenerationRequest(ImageRequest):

@@ -162,6 +162,8 @@ class ImageServing:
                 fields[name] = getattr(req, name)
         if strength is not None:
             fields["strength"] = strength
+        if req.lora is not None:
+            fields["lora"] = req.lora.to_params()
         # an edit's image bytes travel as they are (the engine decodes them where used);
         # no progress asked: the answer comes whole
         engine_req = self.client.request(
