@@ -26,9 +26,9 @@ and the video's placeholder becomes one block of both, ordered by time (audio_in
 
     <|vision_start|><|audio_start|> video and audio tokens <|audio_end|><|vision_end|>
 
-Audio at another sample rate is resampled to the feature extractor's (16 kHz) by `resample`
-(audio_input.py). The positions are mrope.py's; the inputs' records and the merge of encoder
-outputs into the embeddings, multimodal.py's.
+Audio at another sample rate is resampled to the feature extractor's (16 kHz) by
+models/audio_parts.py. The positions are mrope.py's; the inputs' records and the merge of
+encoder outputs into the embeddings, multimodal.py's.
 """
 
 from __future__ import annotations
@@ -44,10 +44,9 @@ from torch import Tensor
 
 from omnistage.models.qwen3_omni.audio_encoder import output_lengths, read_thinker_config
 from omnistage.models.qwen3_omni.audio_in_video import merge_by_time, video_token_times
-from omnistage.models.qwen3_omni.audio_input import load_audio, resample
+from omnistage.models.audio_parts import part_waveform
 from omnistage.models.qwen3_omni.mrope import mrope_positions
 from omnistage.models.qwen3_omni.multimodal import SpecialTokens, ThinkerInputs
-from omnistage.utils.audio import check_sample_rate
 
 DEFAULT_MAX_IMAGE_PIXELS = 1 << 25      # 33.5 M: an 8K UHD frame (7680 x 4320) still fits
 DEFAULT_VIDEO_FPS = 2.0
@@ -200,41 +199,8 @@ class InputProcessor:
 
     def _audio(self, part: dict[str, Any], where: str) -> np.ndarray:
         """A part's audio as a mono float32 waveform at the feature extractor's rate."""
-        audio = part.get("audio")
-        sample_rate = part.get("sample_rate", part.get("sampling_rate"))
-        if isinstance(audio, (bytes, bytearray)):
-            try:
-                audio, sample_rate = load_audio(bytes(audio))
-            except ValueError as e:
-                raise ValueError(f"{where}.{e}") from None
-        elif isinstance(audio, tuple) and len(audio) == 2:
-            audio, sample_rate = audio
-        if sample_rate is None:
-            raise ValueError(f"{where}.sample_rate: needed with a raw waveform")
-        if not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
-            raise ValueError(f"{where}.sample_rate: expected a positive int, got {sample_rate!r}")
-        check_sample_rate(int(sample_rate), f"{where}.sample_rate")
-        if isinstance(audio, Tensor):
-            audio = audio.detach().cpu().numpy()
-        try:
-            waveform = np.asarray(audio, dtype=np.float32)
-        except (TypeError, ValueError):
-            raise ValueError(f"{where}.audio: expected a float waveform, (waveform, sample_rate) "
-                             f"or audio file bytes, got {type(audio).__name__}") from None
-        if waveform.ndim != 1:
-            raise ValueError(f"{where}.audio: expected a 1-D (mono) waveform, got shape "
-                             f"{waveform.shape}")
-        if waveform.size == 0:
-            raise ValueError(f"{where}.audio: empty waveform")
-        if not np.isfinite(waveform).all():
-            raise ValueError(f"{where}.audio: waveform has NaN or infinite samples")
-        target = self.feature_extractor.sampling_rate
-        waveform = resample(waveform, int(sample_rate), target)
-        min_samples = self.feature_extractor.n_fft
-        if waveform.shape[0] < min_samples:
-            raise ValueError(f"{where}.audio: too short ({waveform.shape[0]} samples at {target} "
-                             f"Hz, need at least {min_samples})")
-        return waveform
+        return part_waveform(part, where, self.feature_extractor.sampling_rate,
+                             self.feature_extractor.n_fft)
 
     def _image(self, image: Any, where: str) -> Image.Image:
         encoded = isinstance(image, (bytes, bytearray))

@@ -17,7 +17,7 @@ from PIL import Image
 from safetensors import safe_open
 
 from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
-from omnistage.models.qwen3_omni.audio_input import load_audio, resample
+from omnistage.models.audio_parts import load_audio, resample
 from omnistage.models.qwen3_omni.mrope import mrope_positions
 from omnistage.models.qwen3_omni.multimodal import merge_multimodal_embeddings
 from omnistage.models.qwen3_omni.processing import InputProcessor
