@@ -8,9 +8,10 @@
              ─ transformer ─ SEANet decoder (transposed convs by the ratios)
              ─> (B, 1, T * frame_size)
 
-`decode_step(codes, state)` decodes a few frames more of one stream: the same numbers as one
-whole `decode` of every frame so far (every layer is causal, and each keeps what its next call
-needs in `state`, see mimi_layers.py). `new_decode_state()` starts a stream.
+`decode_step(codes, state)` decodes a few frames more of one stream, `encode_step(wav, k,
+state)` encodes a few whole frames more: the same numbers as one whole `decode` / `encode` of
+everything so far (every layer is causal, and each keeps what its next call needs in `state`,
+see mimi_layers.py). `new_decode_state()` / `new_encode_state()` start a stream.
 """
 
 from __future__ import annotations
@@ -107,15 +108,27 @@ class MimiModel(nn.Module):
         self.decoder = SEANetDecoder(cfg)
 
     @torch.inference_mode()
-    def encode(self, wav: Tensor, num_quantizers: int | None = None) -> Tensor:
-        """(B, 1, N) -> codes (B, K, ceil(N / frame_size)); K: num_quantizers or all."""
+    def encode_step(self, wav: Tensor, num_quantizers: int | None, state: State | None
+                    ) -> Tensor:
+        """(B, 1, N) -> codes (B, K, ceil(N / frame_size)); K: num_quantizers or all. With a
+        state, N is whole frames and they continue the stream."""
         num = num_quantizers or self.cfg.num_quantizers
         if not self.cfg.num_semantic_quantizers <= num <= self.cfg.num_quantizers:
             raise ValueError(f"num_quantizers {num}: between {self.cfg.num_semantic_quantizers} "
                              f"and {self.cfg.num_quantizers}")
-        h = self.encoder(wav)                                              # (B, H, L)
-        h = self.encoder_transformer(h.transpose(1, 2)).transpose(1, 2)
-        return self.quantizer.encode(self.downsample(h), num)
+        if state is not None and wav.shape[-1] % self.cfg.frame_size:
+            raise ValueError(f"audio of {wav.shape[-1]} samples: a stream takes whole frames "
+                             f"of {self.cfg.frame_size}")
+        h = self.encoder(wav, state)                                       # (B, H, L)
+        h = self.encoder_transformer(h.transpose(1, 2), state).transpose(1, 2)
+        return self.quantizer.encode(self.downsample(h, state), num)
+
+    def encode(self, wav: Tensor, num_quantizers: int | None = None) -> Tensor:
+        """Whole clip: (B, 1, N) -> codes (B, K, ceil(N / frame_size))."""
+        return self.encode_step(wav, num_quantizers, None)
+
+    def new_encode_state(self) -> State:
+        return {}
 
     def new_decode_state(self) -> State:
         return {}

@@ -1,7 +1,8 @@
 """Mimi's building blocks, each usable whole or streamed with its own causal state:
 
-    StreamConv            causal Conv1d; streamed, it keeps the last `(k - 1) * dilation + 1 -
-                          stride` inputs (the zeros of the whole run's left padding at start)
+    StreamConv            causal Conv1d; streamed (whole strides a call), it keeps the last
+                          `(k - 1) * dilation + 1 - stride` inputs (at start: the whole run's
+                          left padding, zeros or the first sample repeated)
     StreamConvTranspose   ConvTranspose1d trimmed on the right; streamed, it keeps the
                           `k - stride` overlapping outputs (bias not yet added) for the next call
     MimiTransformer       LayerNorm / GELU layers with layer scale, rope and a sliding-window
@@ -45,10 +46,11 @@ class StreamConv(nn.Module):
             frames = math.ceil((length - self.kernel + self.pad) / self.stride + 1) - 1
             extra = frames * self.stride + self.kernel - self.pad - length
             return self.conv(F.pad(x, (self.pad, extra), mode=self.mode))
-        assert self.stride == 1 and self.mode == "constant", (self.stride, self.mode)
+        assert x.shape[-1] % self.stride == 0, (x.shape, self.stride)   # whole strides only
         past = state.get(self)
-        if past is None:
-            past = x.new_zeros(x.shape[0], x.shape[1], self.pad)
+        if past is None:         # the whole run's left padding: zeros, or the first sample
+            past = (x.new_zeros(x.shape[0], x.shape[1], self.pad) if self.mode == "constant"
+                    else x[..., :1].expand(-1, -1, self.pad))
         x = torch.cat([past, x], dim=-1)
         state[self] = x[..., x.shape[-1] - self.pad:]
         return self.conv(x)
@@ -109,8 +111,8 @@ class SEANetEncoder(nn.Module):
         layers += [nn.ELU(), StreamConv(dim, cfg.hidden_size, cfg.last_kernel_size)]
         self.layers = nn.ModuleList(layers)
 
-    def forward(self, x: Tensor) -> Tensor:                       # (B, 1, N) -> (B, H, N/hop)
-        return run_layers(self.layers, x, None)
+    def forward(self, x: Tensor, state: State | None = None) -> Tensor:   # (B, 1, N) -> latents
+        return run_layers(self.layers, x, state)
 
 
 class SEANetDecoder(nn.Module):

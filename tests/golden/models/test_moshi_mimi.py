@@ -1,7 +1,8 @@
 """Golden: our Mimi codec (omnistage/models/moshi/mimi.py) against transformers' `MimiModel` on
 the same tiny random checkpoint (built and saved by transformers, loaded by our loader): codes
 identical for a batch of two odd-length clips, the decoded waveform within 1e-4 at audible
-magnitude, and decoding streamed frame by frame (or a few frames at a time) equal to whole."""
+magnitude, and encoding and decoding streamed frame by frame (or a few frames at a time) equal
+to whole."""
 
 from __future__ import annotations
 
@@ -57,3 +58,17 @@ def test_streamed_decode_equals_whole(models, wav, chunk):
              for i in range(0, codes.shape[-1], chunk)]
     assert [p.shape[-1] for p in parts][0] == chunk * 96        # each call's own samples
     torch.testing.assert_close(torch.cat(parts, -1), whole, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_streamed_encode_equals_whole(models, wav, chunk):
+    ours, ref = models
+    aligned = wav[..., :96 * 8]                                  # a stream takes whole frames
+    with torch.no_grad():
+        want = ref.encode(aligned).audio_codes
+    state = ours.new_encode_state()
+    parts = [ours.encode_step(aligned[..., i * 96:(i + chunk) * 96], None, state)
+             for i in range(0, 8, chunk)]
+    assert torch.equal(torch.cat(parts, -1), want)
+    with pytest.raises(ValueError, match="whole frames"):
+        ours.encode_step(wav[..., :100], None, ours.new_encode_state())
