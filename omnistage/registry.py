@@ -114,6 +114,12 @@ _BUILT_IN = (
                     Component("generation", "mimo_audio_decoder",
                               "omnistage.generation.mimo_audio:MiMoAudioGenerator")),
         processor="omnistage.models.mimo_audio.prompt:MiMoAudioInputProcessor"),
+    ModelFamily(
+        "voxtral_tts", architectures=("VoxtralTTS",), graph="voxtral_tts.yaml",
+        speech="omnistage.stages.voxtral_tts:speech_spec",
+        components=(Component("ar", "voxtral_tts", "omnistage.stages.voxtral_tts:build_stage"),
+                    Component("generation", "voxtral_tts_decoder",
+                              "omnistage.generation.voxtral_tts:VoxtralTTSGenerator"))),
     ModelFamily("vibevoice", architectures=("VibeVoiceForConditionalGeneration",),
                 graph="vibevoice.yaml", speech="omnistage.stages.vibevoice:speech_spec",
                 components=(Component("ar", "vibevoice",
@@ -343,6 +349,9 @@ def _folder_names(model_path: Path) -> tuple[str | None, list[str]]:
         return json.loads(index.read_text()).get("_class_name") or "", []
     if (Path(model_path) / "cosyvoice3.yaml").is_file():   # CosyVoice3's folder as released
         return None, ["CosyVoice3"]
+    params = Path(model_path) / "params.json"              # Mistral's format
+    if params.is_file() and json.loads(params.read_text()).get("model_type") == "voxtral_tts":
+        return None, ["VoxtralTTS"]
     config = Path(model_path) / "config.json"
     if not config.is_file():
         return None, []

@@ -1,0 +1,74 @@
+"""Voxtral-TTS's codec decoder as a generation-stage model: the AR stage's frames in
+(CodecFrames, (1, 37) a step, in the LLM's code space: the codec's codes + 2), the 24 kHz
+waveform out once the request's input closes: the whole utterance, as vLLM-Omni decodes it
+(the frames up to the first [END_AUDIO], which the AR stage never sends), so no seam.
+
+Not streamed yet: the decoder is causal with bounded windows (2, 4, 8, 16 frames after the
+upsampling stages), so chunks decoded with a left context would equal the whole decode; not
+written here (docs/models/voxtral-tts.md, "What is left")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from omnistage.models.loader import resolve_model_path
+from omnistage.models.voxtral_tts.codec import VoxtralCodecDecoder
+from omnistage.models.voxtral_tts.config import N_SPECIALS
+from omnistage.payloads import SAMPLE_RATE, AudioChunk, CodecFrames
+
+_FRAMES = "voxtral.frames"        # per-request state, not a payload
+
+
+@dataclass(frozen=True, slots=True)
+class VoxtralDecoderOptions:
+    """The stage's `generation.options` (none yet)."""
+
+
+class VoxtralTTSGenerator:
+    Options = VoxtralDecoderOptions
+
+    def __init__(self, model: VoxtralCodecDecoder,
+                 options: VoxtralDecoderOptions = VoxtralDecoderOptions()) -> None:
+        self.model, self.options = model, options
+        self.info = {SAMPLE_RATE: model.cfg.sampling_rate}
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None, component: str, device: torch.device,
+                        dtype: torch.dtype | None,
+                        options: VoxtralDecoderOptions = VoxtralDecoderOptions()
+                        ) -> VoxtralTTSGenerator:
+        """The decoder runs in float32 whatever the stage's dtype."""
+        if path is None:
+            raise ValueError("the Voxtral-TTS decoder stage needs the checkpoint folder")
+        folder = resolve_model_path(str(path))
+        return cls(VoxtralCodecDecoder.from_pretrained(folder, str(device)).float().eval(),
+                   options)
+
+    def has_backlog(self, state: dict) -> bool:
+        return False
+
+    @torch.inference_mode()
+    def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],
+                 is_last: list[bool]) -> list[dict[str, Tensor]]:
+        out: list[dict[str, Tensor]] = []
+        for x, state, last in zip(inputs, states, is_last):
+            frames = CodecFrames.unpack(x)
+            if frames is not None and frames.codes.numel():
+                state.setdefault(_FRAMES, []).append(frames.codes.to(torch.long).cpu())
+            if not last:
+                out.append({})
+                continue
+            out.append(AudioChunk(self.decode(state.pop(_FRAMES, []))).pack())
+        return out
+
+    def decode(self, chunks: list[Tensor]) -> Tensor:
+        """(frames, 37) chunks in the LLM's code space -> (frames * samples,) float32, CPU."""
+        if not chunks:
+            return torch.zeros(0)
+        codes = (torch.cat(chunks) - N_SPECIALS).clamp(min=0).T[None]     # (1, 37, T)
+        dev = self.model.semantic_table.device
+        return self.model(codes.to(dev)).reshape(-1).float().cpu()
