@@ -27,6 +27,7 @@ from omnistage.ar.inputs import MultimodalInput, PromptInput, StreamInput, check
 from omnistage.ar.kv_cache import BlockManager, KVCacheLayout
 from omnistage.ar.memory import size_kv_cache
 from omnistage.ar.model_runner import ModelRunner, PendingStep, RunnerOutput, capture_key
+from omnistage.ar.quantize import quantize_model
 from omnistage.ar.scheduler import ScheduledBatch, Scheduler
 from omnistage.ar.sequence import FinishReason, Sequence, SequenceStatus, StepOutput
 from omnistage.configs.schema import ARConfig
@@ -58,6 +59,7 @@ class AREngine:
         path = resolve_model_path(config.model)
         self.model, self.model_config, self.hf_config = (loader or load_model)(
             path, self.device, resolve_dtype(config.dtype, path, self.device))
+        quantize_model(self.model, config.quantization, self.device)
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path)
 

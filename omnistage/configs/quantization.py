@@ -11,11 +11,16 @@ how. One record, read the same way from the graph YAML, the `--quantization` fla
     omnistage serve ... --quantization transformer=gguf:/models/flux1-dev-Q4_K_S.gguf,text_encoder=int8
     Omni(model=..., quantization={"transformer": "int8"})
 
+    ar:                                                  # an AR stage: its one model
+      quantization: int8                                 # a text LLM (the bare method)
+      quantization: {thinker: fp8}                       # Qwen3-Omni's thinker stage
+
 A bare method names the transformer. Methods: `fp8` (layers/fp8.py: e4m3 W8A8, CUDA 8.9+),
 `int8` (layers/int8.py: W8A8 through torch._int_mm, CPU and CUDA), `gguf:FILE` (the weights of
 a GGUF file, models/gguf_loader.py; the transformer only), `none`. Components: transformer,
 text_encoder, vae, thinker, talker; which a stage can apply is the stage's to say (a diffusion
-stage: transformer and text_encoder; the others are refused there by name).
+stage: transformer and text_encoder; an AR stage: its one model, `ar_method`; the others are
+refused there by name).
 """
 
 from __future__ import annotations
@@ -69,9 +74,9 @@ class Quantization:
     vae: ComponentQuantization | str | None = field(default=None, metadata={
         "help": "the VAE: none only (its convolutions are no linears)"})
     thinker: ComponentQuantization | str | None = field(default=None, metadata={
-        "help": "an omni model's thinker: not applied yet (AR stages)"})
+        "help": "an omni model's thinker (its AR stage): fp8 or int8"})
     talker: ComponentQuantization | str | None = field(default=None, metadata={
-        "help": "an omni model's talker: not applied yet (AR stages)"})
+        "help": "an omni model's talker (its AR stage): fp8 or int8"})
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -116,3 +121,38 @@ def read_quantization(value: Quantization | str | None) -> Quantization | None:
     elif isinstance(value, Mapping):          # Python's dict form (YAML's is built by strict.py)
         value = from_dict(Quantization, dict(value))
     return value if value is not None and value.items() else None
+
+
+AR_METHODS: tuple[str, ...] = ("fp8", "int8")
+
+
+def ar_role(component: str | None) -> str:
+    """The record's name for the one model an AR stage loads: `thinker` / `talker` for a
+    component that is one (qwen3_omni_thinker, qwen3_tts_talker), else `transformer` (a text
+    LLM, and what a bare method names)."""
+    for role in ("thinker", "talker"):
+        if component is not None and (component == role or component.endswith("_" + role)):
+            return role
+    return "transformer"
+
+
+def ar_method(q: Quantization | None, component: str | None) -> ComponentQuantization | None:
+    """The method an AR stage applies to its model: the record's entry for its role
+    (`ar_role`), or the bare method (`transformer`) on a thinker / talker stage. ValueError
+    naming the entry for what an AR stage cannot apply (another component, gguf, both a bare
+    method and the role's own)."""
+    if q is None:
+        return None
+    role = ar_role(component)
+    items = q.items()
+    for name, c in items.items():
+        if name not in (role, "transformer"):
+            raise ValueError(f"{name}: this AR stage loads the {role} "
+                             f"({component or 'the checkpoint'}); quantize its {name} on the "
+                             f"stage that loads it")
+        if c.method not in AR_METHODS:
+            raise ValueError(f"{name}: {c} is not applied to an AR model "
+                             f"(supported: {', '.join(AR_METHODS)})")
+    if role != "transformer" and len(items) > 1:
+        raise ValueError(f"transformer and {role} both name this stage's model: give one")
+    return next(iter(items.values()), None)

@@ -223,6 +223,11 @@ class ARSettings:
         metavar="FOLDER"))
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig, metadata=meta(
         "the paged KV cache"))
+    quantization: Quantization | str | None = field(default=None, metadata=meta(
+        "per component (configs/quantization.py): an ar stage's model fp8 / int8 (a bare "
+        "method, or thinker= / talker=), a diffusion stage's transformer fp8 / int8 / "
+        "gguf:FILE and text_encoder int8 (COMPONENT=METHOD,...); fp8 needs a GPU of compute "
+        "capability 8.9+", flag="quantization", metavar="SPEC"))
     enforce_eager: bool = field(default=False, metadata=meta(
         "no CUDA graphs for decode steps", flag="enforce_eager", keyword_every_stage=True,
         action="store_true"))
@@ -245,6 +250,10 @@ class ARSettings:
         object.__setattr__(self, "output_hidden_layers", tuple(self.output_hidden_layers))
         object.__setattr__(self, "sampling", dict(self.sampling))
         object.__setattr__(self, "options", dict(self.options))
+        try:
+            object.__setattr__(self, "quantization", read_quantization(self.quantization))
+        except ValueError as e:
+            raise ValueError(f"quantization: {e}") from None
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             _check_count(self, name)
         if any(i < 0 for i in self.output_hidden_layers):

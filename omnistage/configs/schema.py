@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from omnistage.configs.quantization import ComponentQuantization, ar_method
 from omnistage.configs.records import (ALL_KINDS, AXES, ARSettings,  # noqa: F401 (re-exported)
                                        DiffusionSettings, DType, GenerationSettings,
                                        KVCacheConfig, OutputKind, ParallelSizes, Placement,
@@ -53,6 +54,9 @@ class ARConfig:
     # Launch a graph-replayed decode step before the previous one's tokens are read back, so
     # host and device work overlap (the same tokens; engine.py `step`).
     async_scheduling: bool = True
+    # The method for the model's linears after it loads (configs/quantization.py `ar_method`;
+    # ar/quantize.py applies it); None: as loaded.
+    quantization: ComponentQuantization | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -96,7 +100,7 @@ MOVED: dict[str, str] = {
     **{k: f"ar.kv_cache.{k}" for k in ("block_size", "enable_prefix_caching",
                                        "cpu_kv_cache_bytes")},
     "num_kv_blocks": "ar.kv_cache.num_blocks",
-    "quantization": "diffusion.quantization",
+    "quantization": "{kind}.quantization",
     "max_num_seqs": "{kind}.max_num_seqs", "options": "{kind}.options",
 }
 
@@ -147,6 +151,11 @@ class StageConfig:
             elif kind != self.kind and getattr(self, kind) is not None:
                 raise ValueError(f"{kind}: settings of {kind} stages; stage {self.name!r} is "
                                  f"of kind {self.kind}")
+        if self.ar is not None:
+            try:
+                ar_method(self.ar.quantization, self.component)
+            except ValueError as e:
+                raise ValueError(f"ar.quantization.{e}") from None
     @staticmethod
     def moved_key(data: object, key: str, close: bool = False) -> str | None:
         """The new path of an old flat key (strict.py's did-you-mean), else None; `close`: of
@@ -192,7 +201,7 @@ class StageConfig:
             component=self.component, tokenizer=ar.tokenizer, device=device,
             dtype=self.dtype, seed=ar.seed, memory_fraction=self.placement.memory_fraction,
             enforce_eager=ar.enforce_eager, async_scheduling=ar.async_scheduling,
-            kv_cache=ar.kv_cache,
+            kv_cache=ar.kv_cache, quantization=ar_method(ar.quantization, self.component),
             scheduler=SchedulerConfig(max_num_seqs=ar.max_num_seqs,
                                       max_num_batched_tokens=ar.max_num_batched_tokens,
                                       enable_chunked_prefill=ar.enable_chunked_prefill,

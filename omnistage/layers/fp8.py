@@ -112,7 +112,8 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         xq, sx = quantize_activations(x.reshape(-1, self.in_features))     # (M, K), (M, 1)
-        y = fp8_matmul(xq, sx, self.weight, self.weight_scale, self.bias)  # (M, N) bf16
+        sw = self.weight_scale.view(1, -1)                                 # (1, N); a
+        y = fp8_matmul(xq, sx, self.weight, sw, self.bias)  # checkpoint's is (N, 1). (M, N) bf16
         y = y.to(x.dtype).unflatten(0, x.shape[:-1])
         if self.reduce_results:
             y = all_reduce(y, self.tp)
@@ -159,11 +160,12 @@ def is_kept(name: str, linear: nn.Module, keep: tuple[str, ...], min_features: i
 
 
 def quantize_fp8(model: nn.Module, min_features: int = MIN_FEATURES,
-                 allow_cpu: bool = False) -> list[str]:
+                 allow_cpu: bool = False, keep: tuple[str, ...] | None = None) -> list[str]:
     """Swap the model's eligible linears for Fp8Linear in place (the module docstring says
-    which); returns the names swapped. The model says what it keeps in `fp8_keep`; a model
-    without that attribute has no FP8 policy and is refused."""
-    keep = getattr(model, "fp8_keep", None)
+    which); returns the names swapped. The model says what it keeps in `fp8_keep` (or the
+    caller in `keep`: an AR stage's policy); a model with neither has no FP8 policy and is
+    refused."""
+    keep = getattr(model, "fp8_keep", None) if keep is None else keep
     if keep is None:
         raise ValueError(f"{type(model).__name__} has no FP8 policy (fp8_keep): it runs "
                          "without quantization")

@@ -74,14 +74,22 @@ class Int8Linear(nn.Module):
             y = all_reduce(y, self.tp)
         return all_gather_last(y, self.tp) if self.gather_output else y
 
+    @property
+    def weight(self) -> Tensor:
+        """The int8 weight (N, K), for model code that reads a linear's dtype (a fused
+        decoder path checks it and steps aside)."""
+        return self.weight_t.t()
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_int8(model: nn.Module, min_features: int = MIN_FEATURES) -> list[str]:
+def quantize_int8(model: nn.Module, min_features: int = MIN_FEATURES,
+                  keep: tuple[str, ...] | None = None) -> list[str]:
     """Swap the model's eligible linears for Int8Linear in place (the module docstring says
-    which); returns the names swapped. The bf16 / fp32 weights are dropped with the layers."""
-    keep = getattr(model, "fp8_keep", ())
+    which; `keep`, when given, instead of the model's `fp8_keep`); returns the names swapped.
+    The bf16 / fp32 weights are dropped with the layers."""
+    keep = getattr(model, "fp8_keep", ()) if keep is None else keep
     swapped = []
     for name, module in list(model.named_modules()):
         if not isinstance(module, LINEARS) or is_kept(name, module, keep, min_features):

@@ -26,6 +26,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from omnistage import registry
 from omnistage.layers.linear import default_weight_loader
+from omnistage.models.compressed_tensors import fp8_linears
 from omnistage.models.config import ModelConfig
 from omnistage.utils.logging import Progress
 
@@ -70,17 +71,20 @@ def _is_model_folder(path: Path) -> bool:
         or (path / "params.json").is_file()           # Mistral's format (Voxtral-TTS)
 
 
+def safetensors_files(path: Path) -> list[str]:
+    """`model.safetensors`, or the shards `model.safetensors.index.json` lists."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if (path / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
 def iter_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
     """(name, CPU tensor) for every tensor of `model.safetensors` or of the shards listed in
     `model.safetensors.index.json`."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    sizes = {path / file: tensor_nbytes(path / file) for file in files}
+    sizes = {path / file: tensor_nbytes(path / file) for file in safetensors_files(path)}
     yield from read_tensors({file: sorted(nbytes) for file, nbytes in sizes.items()}, sizes,
                              f"Loading {path.name}")
 
@@ -211,6 +215,9 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype | None = Non
 
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(cfg)
+    if getattr(hf_config, "quantization_config", None) is not None:   # FP8 in the file
+        fp8_linears(model, hf_config, {n for f in safetensors_files(path)
+                                       for n in tensor_nbytes(path / f)}, model.packed_modules)
 
     seen: list[str] = []
 

@@ -1,7 +1,7 @@
 """`quantization: fp8` from the outside in: the stage key, the `--quantization` flag and the
-`quantization=` keyword reach a diffusion graph's main stage and are refused for AR stages (for
-now) and for stages without a native transformer; a stage on a device without FP8 refuses to
-start. Nothing loads a checkpoint (layers/test_fp8.py runs the FP8 path itself)."""
+`quantization=` keyword reach a diffusion graph's main stage and an LLM's (an AR stage: its
+model), and are refused for stages without a native transformer; a stage on a device without
+FP8 refuses to start. Nothing loads a checkpoint (layers/test_fp8.py runs the FP8 path itself)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from omnistage.configs.defaults import resolve_graph
+from omnistage.configs.quantization import ComponentQuantization
 from omnistage.configs.schema import DiffusionSettings, StageConfig
 from omnistage.engine.engine_args import apply_keywords
 from omnistage.entrypoints.cli import serve
@@ -27,7 +28,7 @@ def graph_of(argv: list[str]):
     return serve.build_graph(args, path)
 
 
-def test_flag_and_keyword_set_the_diffusion_stage(tiny_qwen3: Path) -> None:
+def test_flag_and_keyword_set_the_main_stage(tiny_qwen3: Path) -> None:
     assert str(graph_of(["--quantization", "fp8"]).stage("dit").diffusion.quantization) == (
         "transformer=fp8")
     split = apply_keywords(resolve_graph(None, None, "qwen_image_split"),
@@ -35,12 +36,14 @@ def test_flag_and_keyword_set_the_diffusion_stage(tiny_qwen3: Path) -> None:
     assert (str(split.stage("dit").diffusion.quantization),
             split.stage("text_encoder").diffusion.quantization) == (
         "transformer=fp8", None)                                  # the denoiser, not the text encoder
-    with pytest.raises(ValueError, match="--quantization does not apply to this model.*"
-                                         "main stage 'llm' is a ar stage"):
-        graph_of([str(tiny_qwen3), "--quantization", "fp8"])
-    with pytest.raises(ValueError, match=r"keyword quantization does not apply: it sets "
-                                         r"diffusion stages, and the main stage 'llm' is a ar"):
-        apply_keywords(resolve_graph(None, None, "llm"), {"quantization": "fp8"})
+    # an AR main stage reads it too (ar/quantize.py): the LLM's model, a bare method
+    assert str(graph_of([str(tiny_qwen3), "--quantization", "fp8"]).stage("llm")
+               .ar.quantization) == "transformer=fp8"
+    llm = apply_keywords(resolve_graph(None, None, "llm"), {"quantization": "int8"})
+    assert llm.stage("llm").ar_config("m", "cpu").quantization == ComponentQuantization("int8")
+    with pytest.raises(ValueError, match=r"ar.quantization.text_encoder: this AR stage loads "
+                                         r"the transformer"):
+        graph_of([str(tiny_qwen3), "--quantization", "text_encoder=int8"])
 
 
 def test_stage_refusals() -> None:
