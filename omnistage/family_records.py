@@ -35,6 +35,7 @@ class SpeechSpec:
     instructions: bool = False         # a style instruction along with a preset voice
     languages: tuple[str, ...] = ()    # accepted `language` values, lowercase (empty: any)
     max_input_chars: int = 4096
+    speakers: int = 1                  # > 1: a script's speakers, each its own voice (`voices`)
 
     def __post_init__(self) -> None:
         if not (self.voices or self.cloning or self.voice_design):

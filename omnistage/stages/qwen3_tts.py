@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -42,30 +41,12 @@ from omnistage.stages.ar import ARStage
 from omnistage.stages.qwen3_tts_text import WrittenText
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
 from omnistage.stages.qwen3_omni import CodePredictorOptions, code_predictor_graphs
-from omnistage.stages.voice import requested_voice
-from omnistage.utils.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, resample
+from omnistage.stages.voice import reference_waveform, requested_voice
 
 # what the talker reads from `extra` besides the voice (stages/voice.py)
 VOICE_OPTIONS = ("instructions", "language", "ref_audio", "ref_text", "non_streaming_mode")
 MIN_REF_SAMPLES = 2400     # 0.1 s: the speaker encoder's mel frames need a few STFT windows
 REF_RATE = 24000           # what the speaker and speech encoders take
-
-
-def reference_waveform(value: object) -> Tensor:
-    """A request's `ref_audio` -> float32 (num_samples,) at 24 kHz: samples at 24 kHz as they
-    are, or {"samples": little-endian float32 bytes, "sample_rate": rate} resampled."""
-    if not isinstance(value, dict):
-        return torch.as_tensor(value, dtype=torch.float32).reshape(-1)
-    try:
-        samples = np.frombuffer(value["samples"], dtype="<f4")
-        rate = int(value["sample_rate"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InputError(f"ref_audio: expected samples at 24 kHz or {{samples: float32 bytes, "
-                         f"sample_rate}} ({exc})", param="ref_audio") from None
-    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
-        raise InputError(f"ref_audio: sample_rate {rate} Hz is outside {MIN_SAMPLE_RATE} to "
-                         f"{MAX_SAMPLE_RATE} Hz", param="ref_audio")
-    return torch.from_numpy(resample(samples, rate, REF_RATE).copy())
 
 
 def speech_spec(path: str | Path) -> SpeechSpec:

@@ -7,7 +7,9 @@ so the stage writes the 24 kHz audio itself, frame by frame (3200 samples, 0.133
     voice            `SamplingParams.extra["ref_audio"]`: a clip (24 kHz samples, a list of
                      floats; or, as the speech API sends it, {"samples": float32 little-endian
                      mono bytes, "sample_rate": int}, resampled to 24 kHz), the voice of every
-                     speaker of the script; "ref_text" (a transcript) is accepted and not read
+                     speaker of the script; or "voices": one such clip per speaker, in the
+                     order the speakers first speak (the count must match: InputError naming
+                     `voices`); "ref_text" (a transcript) is accepted and not read
     options          `ar.options`: guidance_scale, num_diffusion_steps (None: the checkpoint's
                      generation_config.json); the request's `seed` seeds its noise as
                      transformers' generate after `torch.manual_seed(seed)`
@@ -36,10 +38,10 @@ from omnistage.payloads import AudioChunk
 from omnistage.registry import SpeechSpec
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
-from omnistage.stages.qwen3_tts import reference_waveform   # (24 kHz, as ours)
-from omnistage.stages.voice import requested_voice
+from omnistage.stages.voice import reference_waveform, requested_voice
 
-VOICE_OPTIONS = ("ref_audio", "ref_text")
+VOICE_OPTIONS = ("ref_audio", "ref_text", "voices")
+MAX_SPEAKERS = 4            # Microsoft's: a script of up to four speakers
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,23 +52,41 @@ class VibeVoiceOptions:
 
 
 def speech_spec(path: str | Path) -> SpeechSpec:
-    """No preset voices: each request brings its voice (a clip or an uploaded voice)."""
-    return SpeechSpec(voices=(), cloning=True)
+    """No preset voices: each request brings its voice (a clip or an uploaded voice), one for
+    every speaker or one per speaker (`voices`)."""
+    return SpeechSpec(voices=(), cloning=True, speakers=MAX_SPEAKERS)
 
 
-def clip_waveform(value: object) -> Tensor:
-    """A request's `ref_audio` -> float32 (n,) at 24 kHz (InputError naming the field); read
-    as Qwen3-TTS reads its reference clip."""
+def clip_waveform(value: object, param: str = "ref_audio") -> Tensor:
+    """A request's clip -> float32 (n,) at 24 kHz (InputError naming `param`); read as
+    Qwen3-TTS reads its reference clip (stages/voice.py)."""
     try:
-        wave = reference_waveform(value)
+        wave = reference_waveform(value, SAMPLE_RATE, param)
     except InputError:
         raise
     except (TypeError, ValueError, RuntimeError) as exc:
-        raise InputError(f"ref_audio: not audio samples ({exc})", param="ref_audio") from None
+        raise InputError(f"{param}: not audio samples ({exc})", param=param) from None
     if wave.numel() == 0 or not bool(torch.isfinite(wave).all()):
-        raise InputError(f"ref_audio: {wave.numel()} samples; a voice clip needs finite "
-                         "samples", param="ref_audio")
+        raise InputError(f"{param}: {wave.numel()} samples; a voice clip needs finite "
+                         "samples", param=param)
     return wave
+
+
+def speaker_clips(extra: dict, num_speakers: int) -> list[Tensor]:
+    """Each speaker's clip: `voices` one per speaker, or `ref_audio` for all; [] for none."""
+    voices = extra.get("voices")
+    if voices is None:
+        if extra.get("ref_audio") is None:
+            return []
+        return [clip_waveform(extra["ref_audio"])] * num_speakers
+    if extra.get("ref_audio") is not None:
+        raise InputError("voices: give voices (one per speaker) or ref_audio, not both",
+                         param="voices")
+    if not isinstance(voices, (list, tuple)) or len(voices) != num_speakers:
+        n = len(voices) if isinstance(voices, (list, tuple)) else "not a list of"
+        raise InputError(f"voices: {n} voices for a script of {num_speakers} speaker(s): give "
+                         "one per speaker, in the order they first speak", param="voices")
+    return [clip_waveform(v, f"voices[{i}]") for i, v in enumerate(voices)]
 
 
 def _load(path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple:
@@ -113,12 +133,8 @@ class VibeVoiceStage(ARStage):
             script = parse_script(request.prompt or "")
         except ValueError as exc:
             raise InputError(f"input: {exc}", param="input") from None
-        clips: list[Tensor] = []
-        frames = None
-        if params.extra.get("ref_audio") is not None:
-            clip = clip_waveform(params.extra["ref_audio"])
-            clips = [clip] * script.num_speakers
-            frames = [num_clip_frames(self.model, clip.numel())] * script.num_speakers
+        clips = speaker_clips(params.extra, script.num_speakers)
+        frames = [num_clip_frames(self.model, c.numel()) for c in clips] if clips else None
         tokenizer = self.engine.tokenizer
         ids = script_ids(lambda s: tokenizer.encode(s, add_special_tokens=False),
                          self.model.config.tokens, script, frames)

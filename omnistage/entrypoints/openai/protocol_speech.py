@@ -15,6 +15,7 @@ SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 TaskType = Literal["CustomVoice", "VoiceDesign", "Base"]     # Qwen3-TTS's (vLLM-Omni's field)
 MAX_BATCH_ITEMS = 32
 MAX_NEW_TOKENS = 4096                  # vLLM-Omni's bound on max_new_tokens
+MAX_SPEAKERS = 8                       # `voices`: one a speaker (the model's SpeechSpec caps it)
 VLLM_OMNI_FIELDS = frozenset({"task_type", "max_new_tokens", "x_vector_only_mode", "stream"})
 
 
@@ -25,7 +26,9 @@ class SpeechVoice(Request):
     clones a voice for this request only (extensions, as `language`). vLLM-Omni's extensions:
     `task_type` names the mode (CustomVoice: a preset, VoiceDesign: a voice described in
     `instructions`, Base: a clone) and `x_vector_only_mode` clones from the speaker embedding
-    alone, without the transcript (speech_task.py)."""
+    alone, without the transcript (speech_task.py). `voices` (a multi-speaker model's, as
+    VibeVoice's) gives each speaker of the script its own voice, in the order the speakers
+    first speak: each an uploaded voice's name or a clip (base64, or a data: URL)."""
 
     voice: str | None = Field(None, max_length=64)
     instructions: str | None = Field(None, max_length=4096)
@@ -34,6 +37,7 @@ class SpeechVoice(Request):
     ref_text: str | None = Field(None, max_length=4096)
     task_type: TaskType | None = None
     x_vector_only_mode: bool | None = None
+    voices: list[str] | None = Field(None, min_length=1, max_length=MAX_SPEAKERS)
 
     @field_validator("voice", mode="before")
     @classmethod
@@ -92,11 +96,13 @@ class SpeechBatchResponse(BaseModel):
 
 
 class SpeechSession(SpeechVoice):
-    """The WebSocket's `session.update`: the voice and the audio format for the session."""
+    """The WebSocket's `session.update`: the voice and the audio format for the session;
+    `max_new_tokens` caps each clause's steps (as on /v1/audio/speech)."""
 
     model: str | None = None
     response_format: SpeechFormat = "pcm"
     speed: float = Field(1.0, ge=0.25, le=4.0)
+    max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
 
 
 class VoiceCard(BaseModel):

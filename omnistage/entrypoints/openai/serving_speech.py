@@ -9,6 +9,8 @@ stage's `SamplingParams.extra` (the contract with the model, registry.SpeechSpec
     ref_audio (+ ref_text)   -> extra["ref_audio"] = {"samples": float32 LE mono bytes,
                                                       "sample_rate": int}, extra["ref_text"]
                                 (a voice sent along is ignored: the clip wins)
+    voices: [name|clip, ...] -> extra["voices"] = [ref_audio's dict, ...]: one per speaker of
+                                a multi-speaker model's script (SpeechSpec.speakers > 1)
     instructions, language   -> extra["instructions"], extra["language"]
     max_new_tokens           -> the entry stage's max_tokens (the talker's codec frames)
 
@@ -94,7 +96,9 @@ class SpeechServing:
         spec = self.require_speech()
         v = resolve_task(v, spec, where)          # after it, voice and ref_audio are not both set
         extra: dict[str, Any] = {}
-        if v.ref_audio is not None:
+        if v.voices is not None:
+            extra["voices"] = await self._voices(v, where)
+        elif v.ref_audio is not None:
             extra.update(await self._clip(v.ref_audio, v.ref_text, f"{where}ref_audio"))
         elif v.voice is not None:
             extra.update(await self._named_voice(v.voice, f"{where}voice"))
@@ -119,6 +123,35 @@ class SpeechServing:
                                   "unsupported_language")
             extra["language"] = v.language.lower()
         return check_clone_mode(v, extra, where)
+
+    async def _voices(self, v: SpeechVoice, where: str) -> list[dict[str, Any]]:
+        """`voices`: one clip per speaker of a multi-speaker model's script (registry.SpeechSpec
+        .speakers), each an uploaded voice's name or a clip (base64 or a URL), as
+        SamplingParams.extra["voices"]: {"samples", "sample_rate"} each."""
+        spec, param = self.require_speech(), f"{where}voices"
+        assert v.voices is not None
+        if spec.speakers < 2:
+            raise bad_request(f"{param}: this model speaks one voice per request: name it in "
+                              "voice" + (" (or send ref_audio)" if spec.cloning else ""), param,
+                              "unsupported_voices")
+        if len(v.voices) > spec.speakers:
+            raise bad_request(f"{param}: {len(v.voices)} voices; this model's scripts have at "
+                              f"most {spec.speakers} speakers", param)
+        for other in ("voice", "ref_audio", "ref_text"):
+            if getattr(v, other) is not None:
+                raise bad_request(f"{where}{other}: give voices (one per speaker) or {other}, "
+                                  "not both", f"{where}{other}")
+        clips = []
+        for i, entry in enumerate(v.voices):
+            if ":" in entry or len(entry) > 64:          # a clip: a URL or base64
+                clips.append((await self._clip(entry, None, f"{param}[{i}]"))["ref_audio"])
+                continue
+            named = await self._named_voice(entry, f"{param}[{i}]")
+            if "ref_audio" not in named:
+                raise bad_request(f"{param}[{i}]: {entry!r} is a preset; voices takes uploaded "
+                                  "voices or clips", f"{param}[{i}]")
+            clips.append(named["ref_audio"])
+        return clips
 
     async def _named_voice(self, voice: str, param: str) -> dict[str, Any]:
         spec = self.require_speech()
@@ -261,7 +294,8 @@ class SpeechServing:
     async def _start_item(self, req: SpeechBatchRequest, item: SpeechBatchItem, i: int
                           ) -> RequestHandle:
         text = self.check_text(item.input, f"items[{i}].input")
-        if item.voice is None and item.ref_audio is None and req.voice is not None:
+        if item.voice is None and item.ref_audio is None and item.voices is None \
+                and req.voice is not None:
             item = item.model_copy(update={"voice": req.voice})
         return await self.start(text, lambda: self.extra(item, f"items[{i}]."),
                                 f"items[{i}].input",
@@ -273,8 +307,10 @@ class SpeechServing:
             last = out
         assert last is not None and last.finished
         if failed(last):
-            return SpeechBatchResult(index=i, error=self.client.failure(
-                last, f"items[{i}].input").body()["error"])
+            err = self.client.failure(last, f"items[{i}].input")
+            if err.param and not err.param.startswith("items["):   # a stage's: the item's field
+                err.param = f"items[{i}].{err.param}"
+            return SpeechBatchResult(index=i, error=err.body()["error"])
         audio = audio_of(last.outputs[0].tensors, self.rate_of(last))
         wave, rate = audio if audio is not None else (None, self.rate_of(last))
         if wave is None:

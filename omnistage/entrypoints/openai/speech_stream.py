@@ -3,7 +3,8 @@ answer piped in token by token). Every frame is a JSON text frame:
 
     client -> server
       {"type": "session.update", "session": {"voice": "alto", "response_format": "pcm", ...}}
-                                     optional, before the first text (SpeechSession's fields)
+                                     optional, before the first text (SpeechSession's fields;
+                                     a multi-speaker model's `voices`: speech_stream_script.py)
       {"type": "input.append", "text": "Hello wor"}
       {"type": "input.flush"}        speak what is buffered now, boundary or not
       {"type": "input.done"}         no more text: speak the rest, then audio.done and close
@@ -42,7 +43,7 @@ import base64
 import json
 import logging
 from collections import deque
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -54,6 +55,7 @@ from omnistage.entrypoints.openai.errors import APIError, bad_request, check_mod
 from omnistage.entrypoints.openai.json_body import parse_json
 from omnistage.entrypoints.openai.protocol_speech import SpeechSession
 from omnistage.entrypoints.openai.serving_speech import ENCODING, SpeechServing
+from omnistage.entrypoints.openai.speech_stream_script import ScriptClauses
 from omnistage.entrypoints.openai.speech_stream_vllm import VllmSpeechStream, is_vllm_first
 from omnistage.utils.audio import AudioEncoder
 
@@ -72,6 +74,7 @@ class SpeechStream:
         self.ws, self.serving, self.model_name = ws, serving, model_name
         self.session = SpeechSession()
         self.extra: dict[str, Any] | None = None      # resolved at the first clause
+        self.script: ScriptClauses | None = None      # a multi-speaker model's speakers
         self.buffer = ClauseBuffer(CLAUSE_MAX_CHARS)
         self.encoder: AudioEncoder | None = None
         self.num_clauses = 0
@@ -94,6 +97,7 @@ class SpeechStream:
             await self.ws.close(1008)
             return
         self.buffer.max_chars = min(CLAUSE_MAX_CHARS, spec.max_input_chars)
+        self.script = ScriptClauses() if spec.speakers > 1 else None
         first = await self._first()
         if first is None:
             return
@@ -188,7 +192,7 @@ class SpeechStream:
         self.extra = await self.serving.extra(session, "session.")
         self.session = session
         await self._send({"type": "session.updated",
-                          "session": session.model_dump(exclude={"ref_audio"}),
+                          "session": session.model_dump(exclude={"ref_audio", "voices"}),
                           "sample_rate": self.serving.client.engine.audio_sample_rate})
 
     async def _voice(self) -> dict[str, Any]:
@@ -196,6 +200,14 @@ class SpeechStream:
         if self.extra is None:
             self.extra = await self.serving.extra(self.session, "session.")
         return self.extra
+
+    def _clause_voice(self, text: str) -> Callable[[], Awaitable[dict[str, Any]]]:
+        """Who speaks one clause: the session's voice (a script's clause: its speakers')."""
+        async def voice() -> dict[str, Any]:
+            extra = await self._voice()
+            return extra if self.script is None else \
+                self.script.extra(extra, text, "session.voices")
+        return voice
 
     def _check_room(self, text: str) -> None:
         """The limits on one append and on the text not yet spoken (the module docstring)."""
@@ -212,6 +224,8 @@ class SpeechStream:
                               "input_text_buffer_full")
 
     def _wait(self, clauses: list[str]) -> None:
+        if self.script is not None:      # each clause says who speaks it
+            clauses = self.script.clauses(clauses)
         self.waiting.extend(clauses)
         self.num_waiting_chars += sum(map(len, clauses))
 
@@ -225,7 +239,9 @@ class SpeechStream:
                 text = self.waiting.popleft()
                 self.num_waiting_chars -= len(text)
                 try:
-                    handle = await self.serving.start(text, self._voice, "text")
+                    handle = await self.serving.start(
+                        text, self._clause_voice(text), "text",
+                        ("session.max_new_tokens", self.session.max_new_tokens))
                 except APIError as err:
                     if err.status >= 500 or err.status == 429:
                         raise

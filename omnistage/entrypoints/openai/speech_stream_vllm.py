@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -37,13 +37,14 @@ from omnistage.entrypoints.openai.client import RequestHandle
 from omnistage.entrypoints.openai.errors import APIError, bad_request, check_model
 from omnistage.entrypoints.openai.protocol_speech import SpeechSession
 from omnistage.entrypoints.openai.serving_speech import ENCODING, SpeechServing
+from omnistage.entrypoints.openai.speech_stream_script import ScriptClauses
 from omnistage.entrypoints.openai.speech_task import check_max_new_tokens
 from omnistage.utils.audio import AudioEncoder
 
 SENTENCES_AHEAD = 2
 MAX_TEXT_CHARS = 16_384            # one input.text
 OURS = ("model", "voice", "language", "instructions", "ref_audio", "ref_text", "speed",
-        "task_type", "x_vector_only_mode")
+        "task_type", "x_vector_only_mode", "voices")
 
 
 def is_vllm_first(msg: object) -> bool:
@@ -82,6 +83,8 @@ class VllmSpeechStream:
         self.session, self.fmt = SpeechSession(), "wav"
         self.max_new_tokens: int | None = None
         self.extra: dict[str, Any] | None = None
+        spec = serving.spec
+        self.script = ScriptClauses() if spec is not None and spec.speakers > 1 else None
         self.queue: asyncio.Queue[tuple[int, str, RequestHandle] | None] = \
             asyncio.Queue(SENTENCES_AHEAD)
         self.num_sentences = 0
@@ -115,9 +118,13 @@ class VllmSpeechStream:
         self.serving.check_speed(self.session.speed)
         self.extra = await self.serving.extra(self.session)
 
-    async def _voice(self) -> dict[str, Any]:
-        assert self.extra is not None
-        return self.extra
+    def _voice(self, text: str) -> Callable[[], Awaitable[dict[str, Any]]]:
+        """Who speaks one sentence: the session's voice (a script's: its speakers')."""
+        async def voice() -> dict[str, Any]:
+            assert self.extra is not None
+            return self.extra if self.script is None else \
+                self.script.extra(self.extra, text)
+        return voice
 
     async def _receive(self) -> None:
         while not self.done:
@@ -159,10 +166,12 @@ class VllmSpeechStream:
                               "input.text, input.done)")
 
     async def _submit(self, sentences: list[str]) -> None:
+        if self.script is not None:      # each sentence says who speaks it
+            sentences = self.script.clauses(sentences)
         for text in sentences:
             if not text.strip():
                 continue
-            handle = await self.serving.start(text, self._voice, "text",
+            handle = await self.serving.start(text, self._voice(text), "text",
                                               ("max_new_tokens", self.max_new_tokens))
             self.handles.append(handle)
             await self.queue.put((self.num_sentences, text, handle))   # waits past the share
