@@ -103,7 +103,7 @@ _BUILT_IN = (
     ModelFamily(
         "cosyvoice3", architectures=("CosyVoice3",), graph="cosyvoice3.yaml",
         speech="omnistage.stages.cosyvoice3:speech_spec", extras=("cosyvoice3",),
-        tokenizer="CosyVoice-BlankEN",
+        tokenizer="CosyVoice-BlankEN", adapters="omnistage.stages.cosyvoice3_edge",
         components=(Component("ar", "cosyvoice3_llm", "omnistage.stages.cosyvoice3:build_stage"),
                     Component("generation", "cosyvoice3_flow_hift",
                               "omnistage.generation.cosyvoice3:CosyVoice3Generator"))),

@@ -26,6 +26,14 @@ What it does:
    <|endofprompt|> and prompt speech tokens: the tokens and every step's log-probabilities.
    Its weights (5 M numbers, mostly the text embedding) are not saved: the manifest lists the
    tensors' names and shapes and tests/helpers/cosyvoice3.py redraws them from the seed;
+2c. stream mode: upstream's own `CosyVoice3Model.tts(stream=True)` (its token-hop loop and
+   `token2wav`) over these flow and vocoder, its LLM a stand-in that yields a fixed token list
+   (STREAM_CASES: one request of several hops, one shorter than a hop), the hop set to the
+   tiny DiT's chunk (STREAM_HOP: hop * token_mel_ratio = static_chunk_size, as upstream's
+   25 x 2 = 50), growing x2 up to STREAM_MAX_HOP as upstream's; every chunk's waveform, and
+   the same tokens' whole decode (stream=False), to stream.pt. The vocoder's sine noise is
+   first refilled from a seed (STREAM_NOISE_SEED, drawn as omnistage's `SourceNoise.seeded`
+   draws it), so the test rebuilds it instead of reading megabytes of it;
 3. writes manifest.json (configs, commit, seed, cases) and expected.pt: the inputs (tokens,
    prompt tokens, prompt mel, speaker embedding), the flow's mel, the vocoder's waveform and
    source, and the slices of the vocoder's fixed random buffers (SineGen2.rand_ini,
@@ -83,6 +91,11 @@ QWEN2_CONFIG = dict(vocab_size=ENDOFPROMPT + 1, hidden_size=32, intermediate_siz
 LLM_CONFIG = dict(llm_input_size=32, llm_output_size=32, speech_token_size=FLOW_CONFIG["vocab_size"])
 LLM_CASE = dict(num_text=6, num_prompt_text=4, num_prompt_speech=5, max_token_text_ratio=4,
                 min_token_text_ratio=0, input_seed=3)
+STREAM_HOP, STREAM_MAX_HOP, STREAM_NOISE_SEED = 4, 16, 7
+STREAM_CASES = {     # prompt 5 tokens: the first hop is padded to 4 + 3 (5 + 7 = 3 hops)
+    "long": dict(num_prompt_tokens=5, num_tokens=37, streaming=True, input_seed=4),
+    "short": dict(num_prompt_tokens=5, num_tokens=3, streaming=True, input_seed=5),
+}
 CASES = {
     "a": dict(num_prompt_tokens=5, num_tokens=7, streaming=False, input_seed=1),
     "b": dict(num_prompt_tokens=4, num_tokens=9, streaming=True, input_seed=2),
@@ -126,7 +139,9 @@ def install_stubs() -> None:
     mods = {"matcha": {}, "matcha.models": {}, "matcha.models.components": {},
             "matcha.models.components.flow_matching": {"BASECFM": BASECFM},
             "omegaconf": {"DictConfig": DictConfig},
-            "cosyvoice.utils.file_utils": {"logging": __import__("logging")},
+            "cosyvoice.utils.file_utils": {"logging": __import__("logging"),
+                                           "convert_onnx_to_trt": None,
+                                           "export_cosyvoice2_vllm": None},
             "cosyvoice.utils.onnx": {"online_feature": False, "SpeechTokenExtractor": None,
                                      "onnx_path": ""},
             "cosyvoice.utils.class_utils": {k: {} for k in (
@@ -227,6 +242,41 @@ def run_case(flow, hift, c: dict) -> dict[str, torch.Tensor]:
     return {**x, "mel": mel.clone(), "wave": wave.clone(), "source": source.clone()}
 
 
+def run_stream(flow, hift, checkout_model, c: dict) -> dict[str, torch.Tensor]:
+    """Upstream's `tts` in both modes on one request whose LM yields `token` (a stand-in)."""
+    x = case_inputs(c)
+    tokens = x["token"][0].tolist()
+
+    class FixedLM:
+        def inference(self, **kwargs):
+            yield from tokens
+
+    out = {}
+    for stream in (True, False):
+        model = checkout_model(FixedLM(), flow, hift)
+        model.token_hop_len, model.token_max_hop_len = STREAM_HOP, STREAM_MAX_HOP
+        chunks = [o["tts_speech"][0].clone() for o in model.tts(
+            flow_embedding=x["embedding"], flow_prompt_speech_token=x["prompt_token"],
+            prompt_speech_feat=x["prompt_feat"], stream=stream)]
+        if stream:
+            out.update({f"chunk{i}": w for i, w in enumerate(chunks)})
+        else:
+            out["whole"] = chunks[0]
+    return {**x, **out}
+
+
+def refill_sine_noise(hift: torch.nn.Module, num_samples: int) -> None:
+    """SineGen2's rand_ini and sine_waves (and the source's uv) as omnistage's
+    SourceNoise.seeded(STREAM_NOISE_SEED, num_samples, 9) draws them."""
+    gen = torch.Generator().manual_seed(STREAM_NOISE_SEED)
+    sine = hift.m_source.l_sin_gen
+    dim = sine.rand_ini.shape[1]
+    sine.rand_ini = torch.rand(1, dim, generator=gen)
+    sine.rand_ini[:, 0] = 0
+    sine.sine_waves = torch.rand(1, num_samples, dim, generator=gen)
+    hift.m_source.uv = torch.rand(1, num_samples, 1, generator=gen)
+
+
 def commit_of(checkout: Path) -> str:
     try:
         return subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], check=True,
@@ -259,7 +309,15 @@ def main() -> None:
     expected["noise.rand_ini"] = sine.rand_ini.clone()                     # (1, 9)
     expected["noise.sine_waves"] = sine.sine_waves[:, :n].clone()         # (1, n, 9)
     expected["noise.uv"] = hift.m_source.uv[:, :n].clone()                # (1, n, 1)
+    from cosyvoice.cli.model import CosyVoice3Model
+    longest = max(c["num_tokens"] for c in STREAM_CASES.values())
+    refill_sine_noise(hift, longest * FLOW_CONFIG["token_mel_ratio"] * 480)
+    stream = {}
+    for name, c in STREAM_CASES.items():
+        stream.update({f"{name}.{k}": v for k, v in run_stream(flow, hift, CosyVoice3Model,
+                                                                c).items()})
     a.out.mkdir(parents=True, exist_ok=True)
+    torch.save(stream, a.out / "stream.pt")
     torch.save(flow.state_dict(), a.out / "flow.pt")
     torch.save(hift.state_dict(), a.out / "hift.pt")
     torch.save(expected, a.out / "expected.pt")
@@ -268,9 +326,14 @@ def main() -> None:
                 "f0_predictor": F0_CONFIG, "qwen2": QWEN2_CONFIG, "llm": LLM_CONFIG,
                 "llm_case": LLM_CASE, "llm_seed": SEED + 2,
                 "llm_tensors": llm_tensors, "endofprompt": ENDOFPROMPT, "f0_bias": F0_BIAS, "n_timesteps": 10, "cases": CASES,
-                "magnitudes": {k: float(v.float().abs().max()) for k, v in expected.items()}}
+                "magnitudes": {k: float(v.float().abs().max()) for k, v in expected.items()},
+                "stream": {"cases": STREAM_CASES, "token_hop_len": STREAM_HOP,
+                           "token_max_hop_len": STREAM_MAX_HOP,
+                           "noise_seed": STREAM_NOISE_SEED,
+                           "magnitudes": {k: float(v.float().abs().max())
+                                          for k, v in stream.items()}}}
     (a.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    for k, v in expected.items():
+    for k, v in {**expected, **stream}.items():
         print(f"{k:22s} {tuple(v.shape)} max|x|={v.float().abs().max():.4f}")
 
 

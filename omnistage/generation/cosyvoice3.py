@@ -1,22 +1,36 @@
 """CosyVoice3's flow and vocoder as a generation-stage model: the LM stage's speech tokens in
-(TokenDelta, a few a step) with the clone's voice prompt on the first chunk (VoicePrompt), the
-waveform out once the request's input closes: the whole utterance, as upstream's
-`CosyVoice3Model.tts` runs without `stream` (token2mel over prompt + all tokens, the DiT
-unmasked, then HiFT with `finalize=True`), so there is no seam to measure.
+(TokenDelta, a few a step, on a chunked edge) with the clone's voice prompt on the first chunk
+(VoicePrompt), the waveform out in chunks while the LM still writes, as upstream's
+`CosyVoice3Model.tts(stream=True)`:
 
-Requests whose input closed in the same step share one flow call (the flow batches: a padded
-row equals its run alone); the vocoder takes one utterance a call (models/cosyvoice3/hift.py:
-its look-ahead would read a padded row's padding). The vocoder's source noise is
+    a chunk is due once hop + pre_lookahead_len tokens past the offset are in (the first hop
+    padded by the prompt's tokens up to a whole number of hops; the hop then grows
+    x stream_scale_factor up to token_max_hop_len: 25, 50, 100, 100, ... as upstream's);
+    flow: token2mel over prompt + tokens so far with the DiT's chunk mask, finalize=False (the
+    last pre_lookahead_len tokens are look-ahead only) -> the mel of the hop's tokens joins
+    the request's mel cache; HiFT over the whole cache with finalize=False (it holds back
+    its last `lag` frames) -> the samples past those already sent go out.
+    the input closed: the hops still due go out one a step (`has_backlog`), then the last
+    chunk: the flow over every token, full attention, finalize=True (upstream's last
+    token2wav call passes no stream flag), HiFT over the cache with finalize=True.
+
+Upstream's stream is not its whole decode: earlier mel was made with the chunk mask and less
+look-ahead (docs/models/cosyvoice3.md gives the measured difference). `stream: false` keeps
+the whole decode (one chunk when the input closes); a request shorter than one hop gets its
+whole decode either way. One difference with upstream: its hop lives on the model and keeps
+growing over requests (the second stream starts at token_max_hop_len); here every request
+starts at token_hop_len, as upstream's first.
+
+Requests due in the same step share one flow call (the flow batches: a padded row equals its
+run alone), whatever chunk each is at; the vocoder takes one utterance a call (its look-ahead
+would read a padded row's padding). The vocoder's source noise is
 `SourceNoise.seeded(options.noise_seed, ...)` (upstream draws it from the global RNG when it
 builds HiFT), the flow's noise upstream's fixed buffer (seed 0).
-
-Not streamed yet: upstream's stream mode re-runs the flow on the tokens so far with the DiT's
-chunk mask and the pre-lookahead layer's right context, and HiFT with overlap caches; this
-port decodes the whole utterance (SSE sends it as one chunk).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,22 +40,44 @@ from torch import Tensor
 from omnistage.diffusion.pipelines.cosyvoice3 import CloneInput, fixed_noise, token2mel
 from omnistage.models.cosyvoice3.hift import SourceNoise
 from omnistage.models.cosyvoice3.model import CosyVoice3
-from omnistage.payloads import SAMPLE_RATE, AudioChunk, TokenDelta, VoicePrompt
+from omnistage.payloads import SAMPLE_RATE, AudioChunk, Payload, TokenDelta, VoicePrompt
 
-_TOKENS, _VOICE = "cosyvoice3.tokens", "cosyvoice3.voice"    # per-request state, not payloads
+# per-request state, not payloads
+_TOKENS, _VOICE, _OFFSET, _HOP, _MEL, _SENT, _CLOSED, _DONE = (
+    "cosyvoice3.tokens", "cosyvoice3.voice", "cosyvoice3.offset", "cosyvoice3.hop",
+    "cosyvoice3.mel", "cosyvoice3.sent", "cosyvoice3.closed", "cosyvoice3.done")
 
 
 @dataclass(frozen=True, slots=True)
 class CosyVoice3FlowOptions:
     """The stage's `generation.options`: num_steps, the flow's Euler steps (upstream: 10);
-    noise_seed, the seed of the vocoder's source noise."""
+    noise_seed, the seed of the vocoder's source noise; stream (False: the whole utterance
+    once the LM stops); token_hop_len, token_max_hop_len, stream_scale_factor: upstream's
+    CosyVoice3Model hop schedule (25 tokens = the released DiT's 50-frame chunk)."""
 
     num_steps: int = 10
     noise_seed: int = 0
+    stream: bool = True
+    token_hop_len: int = 25
+    token_max_hop_len: int = 100
+    stream_scale_factor: int = 2
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
             raise ValueError(f"num_steps={self.num_steps}: must be >= 1")
+        if not 1 <= self.token_hop_len <= self.token_max_hop_len:
+            raise ValueError(f"token_hop_len={self.token_hop_len}, token_max_hop_len="
+                             f"{self.token_max_hop_len}: need 1 <= hop <= max hop")
+        if self.stream_scale_factor < 1:
+            raise ValueError(f"stream_scale_factor={self.stream_scale_factor}: must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    index: int                   # the request's row in the call
+    clone: CloneInput
+    offset: int                  # tokens whose mel is already in the cache
+    hop: int                     # tokens this chunk adds (0: the last chunk)
 
 
 class CosyVoice3Generator:
@@ -52,6 +88,7 @@ class CosyVoice3Generator:
         self.model, self.options = model, options
         self.noise = fixed_noise(model.cfg.flow.input_size, device)
         self.hop = model.cfg.hift.samples_per_frame
+        self.lookahead = model.cfg.flow.pre_lookahead_len
         self.info = {SAMPLE_RATE: model.sample_rate}
 
     @classmethod
@@ -65,37 +102,114 @@ class CosyVoice3Generator:
         return cls(CosyVoice3.from_pretrained(path, device), device, options)
 
     def has_backlog(self, state: dict) -> bool:
-        return False
+        """A chunk is due without new input (tokens came in a burst), or the input closed
+        and the last chunk is not out yet."""
+        if state.get(_DONE):
+            return False
+        return bool(state.get(_CLOSED)) or self._due_hop(state) is not None
+
+    def _due_hop(self, state: dict) -> int | None:
+        """Tokens the next streamed chunk adds, if it is due now."""
+        if not self.options.stream or state.get(_DONE) or _VOICE not in state:
+            return None
+        offset = state.get(_OFFSET, 0)
+        hop = state.get(_HOP, self.options.token_hop_len)
+        if offset == 0:                      # the prompt plus the first hop: whole hops
+            p = int(state[_VOICE].tokens.shape[0])
+            hop += math.ceil(p / hop) * hop - p
+        have = len(state.get(_TOKENS, ()))
+        return hop if have - offset >= hop + self.lookahead else None
 
     @torch.inference_mode()
     def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],
                  is_last: list[bool]) -> list[dict[str, Tensor]]:
-        ready: list[tuple[int, CloneInput]] = []
-        for b, (x, state, last) in enumerate(zip(inputs, states, is_last)):
-            delta, voice = TokenDelta.unpack(x), VoicePrompt.unpack(x)
-            if delta is not None and delta.token_ids:
-                state[_TOKENS] = state.get(_TOKENS, []) + list(delta.token_ids)
-            if voice is not None:
-                state[_VOICE] = voice
-            if last and state.get(_TOKENS) and _VOICE in state:
-                v = state[_VOICE]
-                ready.append((b, CloneInput(torch.tensor(state[_TOKENS]), v.tokens.long(),
-                                            v.mel.float(), v.xvector.float())))
+        jobs: list[_Job] = []
         out: list[dict[str, Tensor]] = [{} for _ in inputs]
-        for b, last in enumerate(is_last):
+        for b, (x, state, last) in enumerate(zip(inputs, states, is_last)):
+            _take(x, state)
             if last:
+                state[_CLOSED] = True
+            job = self._job(b, state, last)
+            if job is not None:
+                jobs.append(job)
+            elif last and not state.get(_DONE):
+                state[_DONE] = True
                 out[b] = AudioChunk(torch.zeros(0)).pack()       # nothing spoken: no audio
-        if ready:
-            mels = token2mel(self.model.flow, [c for _, c in ready], self.noise,
+        if jobs:
+            mels = token2mel(self.model.flow, [j.clone for j in jobs], self.noise,
                              self.options.num_steps)
-            for (b, _), mel in zip(ready, mels):
-                out[b] = AudioChunk(self.vocode(mel)).pack()
+            ratio = self.model.cfg.flow.token_mel_ratio
+            for j, mel in zip(jobs, mels):
+                out[j.index] = AudioChunk(self._emit(states[j.index], j,
+                                                     mel[j.offset * ratio:])).pack()
         return out
 
-    def vocode(self, mel: Tensor) -> Tensor:
-        """(T, mel) -> (T * hop,) float32 on the CPU."""
+    def _job(self, b: int, state: dict, last: bool) -> _Job | None:
+        """This step's chunk of one request: a due hop, else the last chunk once the input
+        closed (None: nothing to do, or nothing spoken)."""
+        if state.get(_DONE) or _VOICE not in state or not state.get(_TOKENS):
+            return None
+        v, tokens, offset = state[_VOICE], state[_TOKENS], state.get(_OFFSET, 0)
+        hop = self._due_hop(state)
+        if hop is not None:
+            n, streaming, finalize = offset + hop + self.lookahead, True, False
+        elif last:
+            n, streaming, finalize, hop = len(tokens), False, True, 0
+        else:
+            return None
+        clone = CloneInput(torch.tensor(tokens[:n]), v.tokens.long(), v.mel.float(),
+                           v.xvector.float(), streaming=streaming, finalize=finalize)
+        return _Job(b, clone, offset, hop)
+
+    def _emit(self, state: dict, job: _Job, mel: Tensor) -> Tensor:
+        """The request's new mel (T, mel) joins its cache; the vocoder runs over the whole
+        cache; the samples not sent before come back."""
+        cache = mel if _MEL not in state else torch.cat([state[_MEL], mel])
+        state[_MEL] = cache
+        finalize = job.hop == 0
+        if finalize:
+            state[_DONE] = True
+        else:
+            state[_OFFSET] = job.offset + job.hop
+            hop = state.get(_HOP, self.options.token_hop_len)
+            state[_HOP] = min(self.options.token_max_hop_len,
+                              hop * self.options.stream_scale_factor)
+        if not finalize and cache.shape[0] <= self.model.hift.lag:
+            return torch.zeros(0)
+        wave = self.vocode(cache, finalize)
+        sent = state.get(_SENT, 0)
+        state[_SENT] = max(sent, wave.shape[0])
+        return wave[sent:]
+
+    def speak(self, tokens: list[int], voice: VoicePrompt) -> list[Tensor]:
+        """Every chunk the stage sends for these tokens, all in at once (the chunks do not
+        depend on how the tokens arrive): the golden path of the served tests."""
+        state: dict = {}
+        x = Payload(tokens=TokenDelta(list(tokens)), voice_prompt=voice).pack()
+        chunks = []
+        while True:
+            out = self.generate([x], [state], [True])[0]
+            x = {}
+            if out:
+                chunks.append(AudioChunk.unpack(out).samples)
+            if not self.has_backlog(state):
+                return chunks
+
+    def vocode(self, mel: Tensor, finalize: bool = True) -> Tensor:
+        """(T, mel) -> (T * hop,) float32 on the CPU ((T - hift.lag) * hop, finalize=False)."""
         h = self.model.cfg.hift
         noise = SourceNoise.seeded(self.options.noise_seed, mel.shape[0] * self.hop,
                                    h.nb_harmonics + 1)
-        wave, _ = self.model.hift(mel.T[None], noise)
+        wave, _ = self.model.hift(mel.T[None], noise, finalize)
         return wave.reshape(-1).float().cpu()
+
+
+def _take(x: dict[str, Tensor], state: dict) -> None:
+    """One step's input into the request's state (values replaced, never changed in place:
+    the engine's snapshot contract). A voice with no x-vector rows is the edge's filler
+    (stages/cosyvoice3_edge.py): only the first chunk carries the voice."""
+    delta, voice = TokenDelta.unpack(x), VoicePrompt.unpack(x)
+    if delta is not None and delta.token_ids:
+        state[_TOKENS] = state.get(_TOKENS, []) + list(delta.token_ids)
+    if voice is not None and voice.xvector.numel() and _VOICE not in state:
+        state[_VOICE] = voice

@@ -40,19 +40,27 @@ class CloneInput:
     prompt_mel: Tensor           # (R, mel)
     xvector: Tensor              # (spk_embed_dim,)
     streaming: bool = False      # the DiT's chunk mask, as upstream's streaming inference
+    finalize: bool = True        # False: a stream's chunk; the last pre_lookahead_len tokens
+                                 # are only the look-ahead of those before (no mel of theirs)
 
 
 @torch.no_grad()
 def token2mel(flow: CausalMaskedDiffWithDiT, inputs: list[CloneInput], noise: Tensor,
               num_steps: int = 10) -> list[Tensor]:
     """Each request's mel (T_b, mel) past its prompt, the requests batched together (rows
-    padded on the right; a row equals its run alone)."""
+    padded on the right; a row equals its run alone). A row with finalize=False gets no mel
+    for its last pre_lookahead_len tokens: they are the look-ahead of those before, which see
+    them as upstream's PreLookaheadLayer `context` (the same as the zero-padded whole run's
+    first rows: conv1 reads ahead, conv2 is causal)."""
     ratio, dev = flow.cfg.token_mel_ratio, noise.device
     seqs = [torch.cat([i.prompt_tokens, i.tokens]).to(dev) for i in inputs]
     lengths = torch.tensor([len(s) for s in seqs], device=dev)
     tokens = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
     mu = flow.encode_tokens(tokens, lengths)                          # (B, T, mel)
-    frames = lengths * ratio
+    held = torch.tensor([0 if i.finalize else flow.cfg.pre_lookahead_len for i in inputs],
+                        device=dev)
+    frames = (lengths - held) * ratio
+    mu = mu * (torch.arange(mu.shape[1], device=dev)[None] < frames[:, None])[..., None]
     cond = torch.zeros_like(mu)
     for b, i in enumerate(inputs):
         assert i.prompt_mel.shape[0] <= int(frames[b]), (i.prompt_mel.shape, int(frames[b]))

@@ -9,7 +9,11 @@
     -> conv_post -> magnitude exp(.), phase sin(.) -> iSTFT -> clamp to audio_limit
 
 Every conv is causal (padded on the left) except conv_pre and the f0 predictor's first,
-padded on the right (finalize=True: the whole utterance is here). Upstream's causal source
+padded on the right (finalize=True: the whole utterance is here). finalize=False (a stream's
+chunk, more mel to come): the frames whose right context is not here yet are dropped, as
+upstream's does with its look-right caches: the f0 predictor's 3, conv_pre's
+conv_pre_look_right, and one frame of iSTFT overlap; what is left equals the finalized
+waveform's start. Upstream's causal source
 draws its "random" phases and noise from buffers filled by the global RNG when the module is
 built (`SineGen2.rand_ini`, `.sine_waves`, `SourceModuleHnNSF.uv`); they are never saved, so
 `SourceNoise` carries them here: drawn from a seed, or given (the golden tests give upstream's).
@@ -160,13 +164,18 @@ class CausalHiFTGenerator(nn.Module):
         sines = sines * uv + amp * noise.sine_waves[:, :sines.shape[1]].to(sines)
         return torch.tanh(self.m_source.l_linear(sines)).transpose(1, 2)
 
-    def decode(self, mel: Tensor, s: Tensor) -> Tensor:
-        """mel (B, mel, T), source (B, 1, T * hop) -> waveform (B, T * hop)."""
+    def decode(self, mel: Tensor, s: Tensor, finalize: bool = True) -> Tensor:
+        """mel (B, mel, T), source (B, 1, T * hop) -> waveform (B, T * hop); finalize=False:
+        (B, (T - conv_pre_look_right - 1) * hop), the samples whose mel is all here."""
         c = self.cfg
         spec = torch.stft(s.squeeze(1), c.n_fft, c.hop_len, c.n_fft, window=self.stft_window,
                           return_complex=True)
         s_stft = torch.cat([spec.real, spec.imag], dim=1)                   # (B, n_fft + 2, F)
         x = self.conv_pre(mel)
+        scale = math.prod(c.upsample_rates)
+        if not finalize:
+            x = x[..., :x.shape[-1] - c.conv_pre_look_right]
+            s_stft = s_stft[..., :s_stft.shape[-1] - scale * c.conv_pre_look_right]
         n = len(c.resblock_kernel_sizes)
         for i, up in enumerate(self.ups):
             x = up(F.leaky_relu(x, c.lrelu_slope))
@@ -180,11 +189,24 @@ class CausalHiFTGenerator(nn.Module):
         phase = torch.sin(x[:, half:])
         spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
         wave = torch.istft(spec, c.n_fft, c.hop_len, c.n_fft, window=self.stft_window)
+        if not finalize:
+            wave = wave[..., :wave.shape[-1] - scale * c.hop_len]
         return wave.clamp(-c.audio_limit, c.audio_limit)
 
     @torch.no_grad()
-    def forward(self, mel: Tensor, noise: SourceNoise) -> tuple[Tensor, Tensor]:
-        """mel (B, mel, T) -> (waveform (B, T * hop), source (B, 1, T * hop))."""
+    def forward(self, mel: Tensor, noise: SourceNoise, finalize: bool = True
+                ) -> tuple[Tensor, Tensor]:
+        """mel (B, mel, T) -> (waveform (B, T * hop), source (B, 1, T * hop)); finalize=False:
+        the waveform of the first T - lag frames (`lag`), the source of T - 3."""
         f0 = self.f0_predictor.double()(mel.double()).to(mel.dtype)
+        if not finalize:
+            right = self.f0_predictor.condnet[0].pad[1]
+            f0, mel = f0[:, :f0.shape[1] - right], mel[..., :mel.shape[-1] - right]
         s = self.source(f0, noise)
-        return self.decode(mel, s), s
+        return self.decode(mel, s, finalize), s
+
+    @property
+    def lag(self) -> int:
+        """Mel frames a finalize=False call holds back: the f0 predictor's look-right,
+        conv_pre's, and one of iSTFT overlap."""
+        return self.f0_predictor.condnet[0].pad[1] + self.cfg.conv_pre_look_right + 1
