@@ -1,4 +1,5 @@
-"""Greedy tokens of a quantized AR stage against float32 on the tiny Qwen3 (CPU): `int8`
+"""Greedy tokens of a quantized AR stage against float32 on the tiny Qwen3 and the tiny
+Qwen3-Omni thinker (CPU): `int8`
 through the engine's own hook (ARConfig.quantization), `fp8` (load-time, torch's CPU
 `_scaled_mm`) and the same weights shipped as a compressed-tensors FP8 checkpoint. Two rates,
 docs/quantization.md reports both: top-1 agreement, the share of float32's greedy tokens that
@@ -94,6 +95,31 @@ def test_tokens_agree_with_float32(tiny_qwen3: Path, prompts: list[list[int]],
     assert ranked["fp8 checkpoint"] == ranked["fp8"]
     assert ranked["int8"] >= 0.95 and ranked["fp8"] >= 0.85, ranked
     assert prefix["int8"] >= 0.8, prefix
+
+
+def test_qwen3_omni_thinker_tokens(tmp_path_factory: pytest.TempPathFactory,
+                                   prompts: list[list[int]]) -> None:
+    """The tiny Qwen3-Omni thinker (M-RoPE, MoE in every layer: only attention's linears are
+    linears) through the engine with int8, and load-time fp8, against float32."""
+    from omnistage.models.qwen3_omni.thinker import Qwen3OmniThinkerForCausalLM
+    from omnistage.stages.talker import load_component
+    from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
+
+    path = build_tiny_qwen3_omni(tmp_path_factory.mktemp("omni") / "omni", with_processor=False)
+    load = load_component(Qwen3OmniThinkerForCausalLM)
+
+    def fp8(path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple:
+        model, cfg, hf = load(path, device, dtype)
+        quantize_model(model, ComponentQuantization("fp8"), device, allow_cpu=True)
+        return model, cfg, hf
+
+    want = greedy(engine(path, loader=load), prompts)
+    engines = {"int8": engine(path, "int8", loader=load), "fp8": engine(path, loader=fp8)}
+    assert sum(isinstance(m, Int8Linear) for m in engines["int8"].model.modules()) == 3 * 2
+    prefix = {name: agreement(greedy(e, prompts), want) for name, e in engines.items()}
+    ranked = {name: top1(e.model, prompts, want) for name, e in engines.items()}
+    print("thinker: greedy prefix share:", prefix, "top-1 agreement:", ranked)
+    assert ranked["int8"] >= 0.9 and ranked["fp8"] >= 0.85, ranked
 
 
 def test_fp8_needs_fp8_matmuls(tiny_qwen3: Path) -> None:
