@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 _VIDEO_FIELDS = ("fps", "seed", "negative_prompt", "num_inference_steps", "guidance_scale",
                  "guidance_scale_2")
 # vLLM-Omni's fields that mean nothing to a video model here, and why
-_NOT_FOR_VIDEO = {"true_cfg_scale": "video models here guide with guidance_scale"}
+_NOT_FOR_VIDEO = {"true_cfg_scale": "video models here guide with guidance_scale",
+                  "lora": "LoRA adapters reach image models only (docs/lora.md)"}
 # vLLM-Omni's Wan knobs: passed on where /v1/videos takes them, else logged as ignored
 _SCHEDULE_FIELDS = ("boundary_ratio", "flow_shift")
 

@@ -39,6 +39,24 @@ class Request(BaseModel):
 
 # ---- shared pieces ---------------------------------------------------------------------------
 
+class LoraBody(Request):
+    """vLLM-Omni's per-request `lora` object, with its aliases: the adapter's name, its file
+    or folder on the server (loaded on first use; omitted: an adapter already loaded under
+    that name), its scale. `int_id` is vLLM's cache id: accepted, the name is ours."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256)] = Field(
+        validation_alias=AliasChoices("name", "lora_name", "adapter"))
+    path: Annotated[str, Field(min_length=1, max_length=4096)] | None = Field(
+        None, validation_alias=AliasChoices("local_path", "path", "lora_path",
+                                            "lora_local_path"))
+    scale: Annotated[float, Field(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)] = Field(
+        1.0, validation_alias=AliasChoices("scale", "lora_scale"))
+    int_id: int | None = Field(None, validation_alias=AliasChoices("int_id", "lora_int_id"))
+
+    def to_params(self) -> LoraRequest:
+        return LoraRequest(self.name, self.path, self.scale)
+
+
 class StreamOptions(Request):
     include_usage: bool = False
 
@@ -193,6 +211,7 @@ class ChatCompletionRequest(SamplingExtras):
     fps: float | None = None
     boundary_ratio: float | None = None
     flow_shift: float | None = None
+    lora: LoraBody | None = None        # vLLM-Omni's per-request LoRA adapter (image models)
 
     @model_validator(mode="before")
     @classmethod
@@ -321,24 +340,6 @@ class CompletionResponse(BaseModel):
 
 
 # ---- images ----------------------------------------------------------------------------------
-
-class LoraBody(Request):
-    """vLLM-Omni's per-request `lora` object, with its aliases: the adapter's name, its file
-    or folder on the server (loaded on first use; omitted: an adapter already loaded under
-    that name), its scale. `int_id` is vLLM's cache id: accepted, the name is ours."""
-
-    name: Annotated[str, Field(min_length=1, max_length=256)] = Field(
-        validation_alias=AliasChoices("name", "lora_name", "adapter"))
-    path: Annotated[str, Field(min_length=1, max_length=4096)] | None = Field(
-        None, validation_alias=AliasChoices("local_path", "path", "lora_path",
-                                            "lora_local_path"))
-    scale: Annotated[float, Field(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)] = Field(
-        1.0, validation_alias=AliasChoices("scale", "lora_scale"))
-    int_id: int | None = Field(None, validation_alias=AliasChoices("int_id", "lora_int_id"))
-
-    def to_params(self) -> LoraRequest:
-        return LoraRequest(self.name, self.path, self.scale)
-
 
 class ImageRequest(Request):
     """The fields /v1/images/generations and /v1/images/edits share."""

@@ -21,7 +21,7 @@ DIFFUSION_FIELDS = {"height": "height", "width": "width",
                     "true_cfg_scale": "true_cfg_scale", "negative_prompt": "negative_prompt",
                     "num_outputs_per_prompt": "num_images", "num_frames": "num_frames",
                     "fps": "fps", "boundary_ratio": "boundary_ratio",
-                    "flow_shift": "flow_shift"}
+                    "flow_shift": "flow_shift", "lora": "lora"}
 # accepted, with no effect here (logged): the pipeline's own schedule decides them
 UNUSED_FIELDS: dict[str, str] = {}
 
@@ -51,8 +51,8 @@ def diffusion_fields(req: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, target in DIFFUSION_FIELDS.items():
         value = getattr(req, name)
-        if value is not None:
-            out[target] = value
+        if value is not None:       # lora: protocol.LoraBody -> DiffusionParams' LoraRequest
+            out[target] = value.to_params() if target == "lora" else value
     for name, why in UNUSED_FIELDS.items():
         if getattr(req, name) is not None:
             ignore(name, why)

@@ -180,3 +180,12 @@ def test_lora_per_request_and_bad_adapters_named(qwen_image: Server, tmp_path: P
         r = qwen_image.post("/v1/images/generations", json={**body, "lora": lora})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param, r.text
+    # the chat route takes the same object in extra_body (vLLM-Omni's online LoRA example)
+    chat = {"messages": [{"role": "user", "content": "a photo of the sea shore"}],
+            "extra_body": {"height": 64, "width": 64, "num_inference_steps": 2, "seed": 5,
+                           "lora": {"lora_name": "style", "lora_path": str(file)}}}
+    r = qwen_image.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    chat["extra_body"]["lora"] = {"name": "nope"}
+    r = qwen_image.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora.name", r.text
