@@ -1,5 +1,5 @@
 """WebSocket /v1/realtime: one session of OpenAI's Realtime protocol (GA event names) over a
-model that hears and speaks (Qwen3-Omni).
+model that hears and speaks (Qwen3-Omni), or one that speaks (the voice agent graph).
 
     client                                        server
     session.update                           ->   session.updated
@@ -22,27 +22,26 @@ with room for the answer; what goes when the conversation outgrows it is the ses
 A bad event gets an `error` event naming the field (and echoing its `event_id`) and the session
 goes on; a frame is parsed under the HTTP routes' JSON policy (json_body.py), so a lone
 surrogate, NaN or an integer beyond 64 bits is refused here, not somewhere downstream.
-Closing the socket at any moment cancels the running response (aborted in every stage) and
-ends the session; nothing it started outlives it. A session idle (no client event) for
+Closing the socket (code 1000) at any moment cancels the running response (aborted in every
+stage) and ends the session; a socket that drops otherwise leaves the session waiting for a
+resume for its grace period (resume.py), then the same. A session idle (no client event) for
 `idle_timeout_s` is told so and closed. A first event in vLLM-Omni's dialect: vllm_dialect.py.
+A model that speaks but does not hear (the voice agent graph) takes text items only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
-from dataclasses import dataclass
+import time
 from typing import Any, Callable
 
 from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from omnistage.engine.request import OmniRequest, RequestFields
-from omnistage.entrypoints.openai.client import EngineClient, Ready, RequestHandle
-from omnistage.entrypoints.openai.errors import (APIError, bad_request, check_model,
-                                                  from_value_error)
+from omnistage.entrypoints.openai.client import EngineClient, RequestHandle
+from omnistage.entrypoints.openai.errors import APIError, bad_request, check_model
 from omnistage.entrypoints.openai.realtime.audio_buffer import (AudioBuffer, decode_pcm16,
                                                                 ms_to_samples, samples_to_ms)
 from omnistage.entrypoints.openai.realtime.conversation import (Conversation, ConversationItem,
@@ -53,45 +52,24 @@ from omnistage.entrypoints.openai.realtime.protocol import (AudioConfig, AudioIn
                                                             client_event, error_event, event,
                                                             event_id_of, max_tokens, merge,
                                                             new_id, parse)
+from omnistage.entrypoints.openai.realtime.limits import RealtimeLimits as RealtimeLimits
+from omnistage.entrypoints.openai.realtime.limits import hears, realtime_support
 from omnistage.entrypoints.openai.realtime.response import Response, ResponsePlan
-from omnistage.entrypoints.openai.realtime.truncation import measure, num_to_drop, output_room
+from omnistage.entrypoints.openai.realtime.resume import (KEEP_SESSION, Journal, Sessions,
+                                                          grace_of, new_token)
+from omnistage.entrypoints.openai.realtime.truncation import submit
 from omnistage.entrypoints.openai.realtime.vad import FRAME, TurnDetector, VadEvent
 from omnistage.entrypoints.openai.realtime.vllm_dialect import VllmDialect, is_vllm_first
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class RealtimeLimits:
-    max_buffer_bytes: int = 15 << 20     # input audio held (as PCM16 at 16 kHz); more: error
-    max_turn_s: float = 60.0             # a longer user turn is cut (VAD) or refused (commit)
-    idle_timeout_s: float = 600.0        # no client event this long: the session ends
-    max_items: int = 1000                # conversation items a session may hold
-    server_vad: bool = True              # a new session's turn detection (off: vLLM-Omni's)
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if f.name != "server_vad" and getattr(self, f.name) <= 0:
-                raise ValueError(f"realtime {f.name}={getattr(self, f.name)}: must be > 0")
-
-
-def realtime_support(client: EngineClient) -> str | None:
-    """Why this model cannot hold a realtime session (None: it can)."""
-    processor = client.processor
-    if processor is None or getattr(processor, "feature_extractor", None) is None:
-        return "this model does not take audio input; /v1/realtime needs a model that hears " \
-               "and speaks (Qwen3-Omni)"
-    if "audio" not in client.outputs:
-        return "this model does not produce audio; /v1/realtime needs a model that hears " \
-               "and speaks (Qwen3-Omni)"
-    return None
-
-
 class RealtimeConnection:
     def __init__(self, ws: WebSocket, client: EngineClient, model_name: str,
-                 limits: RealtimeLimits) -> None:
+                 limits: RealtimeLimits, sessions: Sessions | None = None) -> None:
         self.ws, self.client, self.model_name, self.limits = ws, client, model_name, limits
-        self.session = Session(model=model_name) if limits.server_vad else Session(
+        self.hears = hears(client)                  # False: text items in, speech out
+        self.session = Session(model=model_name) if limits.server_vad and self.hears else Session(
             model=model_name, audio=AudioConfig(input=AudioInput(turn_detection=None)))
         self.conversation = Conversation(limits.max_items)
         self.conversation_id = new_id("conv")
@@ -103,6 +81,13 @@ class RealtimeConnection:
         self._send_lock = asyncio.Lock()
         self._instruction_tokens: dict[str, int] = {}   # the last instructions measured
         self.dialect: Callable[[dict[str, Any]], Any] | None = None   # the first event's
+        self.sessions = sessions if sessions is not None else Sessions()   # resume.py
+        self.session_id = self.session.id
+        self.attached = False                       # a socket serves the session now
+        self.resume_token: str | None = None
+        self.journal: Journal | None = None         # None: not resumable
+        self._grace: asyncio.Task[None] | None = None
+        self._grace_s = 0.0
 
     async def run(self) -> None:
         await self.ws.accept()
@@ -115,18 +100,69 @@ class RealtimeConnection:
         try:
             check_model(model, self.model_name)
             await self._apply_session(self.session)
+            grace_s = grace_of(self.ws.query_params, self.limits.resume_grace_s)
         except APIError as err:
             await self._send(error_event(err))
             await self.ws.close(1008)
             return
-        await self._send(event("session.created", session=self._session_json()))
+        resumable = {}
+        if grace_s > 0:
+            self.resume_token = new_token()
+            resumable = {"resume_token": self.resume_token}
+        self.attached = True
+        self.sessions.add(self.session_id, self)
+        await self._send(event("session.created", session=self._session_json(), **resumable))
+        if grace_s > 0:
+            self.journal = Journal(self.limits.resume_journal_bytes)
+        self._grace_s = grace_s
+        await self._serve()
+
+    # -- the session's sockets (resume.py) ---------------------------------------------------
+    async def _serve(self) -> None:
+        """One socket's life: its events until it goes; then the session ends, or waits its
+        grace period for a resume (a socket that dropped without closing cleanly)."""
+        self.attached, resumable = True, False
         try:
-            await self._receive()
+            resumable = await self._receive()
         finally:
-            await self._cancel_response("client_disconnected")
+            self.attached = False
+            if resumable and self.journal is not None and self.sessions.live.get(
+                    self.session_id) is self:
+                self._grace = asyncio.create_task(self._expire(self._grace_s))
+            else:
+                await self.end("client_disconnected")
+
+    async def _expire(self, grace_s: float) -> None:
+        await asyncio.sleep(grace_s)
+        await self.end("session_expired")
+
+    async def reattach(self, ws: WebSocket, missed: list[str]) -> None:
+        """A new socket for this waiting session: session.resumed, the events it missed,
+        then on as before."""
+        if self._grace is not None:
+            self._grace.cancel()
+        self.attached = True
+        async with self._send_lock:         # no live event slips in before the missed ones
+            self.ws, self.resume_token = ws, new_token()
+            try:
+                await ws.send_text(json.dumps(event(
+                    "session.resumed", session=self._session_json(),
+                    resume_token=self.resume_token), separators=(",", ":")))
+                for text in missed:
+                    await ws.send_text(text)
+            except (WebSocketDisconnect, RuntimeError):
+                pass                        # gone again: the loop below sees it
+        await self._serve()
+
+    async def end(self, reason: str) -> None:
+        """The session is over: its response aborted in every stage, the session freed."""
+        self.sessions.remove(self.session_id, self)
+        self.journal, self.resume_token = None, None
+        await self._cancel_response(reason)
 
     # -- the loop ----------------------------------------------------------------------------
-    async def _receive(self) -> None:
+    async def _receive(self) -> bool:
+        """The socket's events until it goes; whether it dropped (a resume may follow)."""
         while True:
             try:
                 message = await asyncio.wait_for(self.ws.receive(), self.limits.idle_timeout_s)
@@ -137,11 +173,13 @@ class RealtimeConnection:
                     400, f"the session was idle for {self.limits.idle_timeout_s:g} s and is "
                          "closed", code="session_idle_timeout")))
                 await self.ws.close(1000)
-                return
-            except (WebSocketDisconnect, RuntimeError):
-                return
+                return False
+            except WebSocketDisconnect as exc:
+                return exc.code not in KEEP_SESSION
+            except RuntimeError:
+                return False
             if message["type"] == "websocket.disconnect":
-                return
+                return message.get("code", 1000) not in KEEP_SESSION
             raw, msg = message.get("text"), None
             try:
                 msg = client_event(raw)
@@ -152,7 +190,7 @@ class RealtimeConnection:
                 if err.status == 503:          # the engine is gone: nothing more to serve
                     await self._send(error_event(err))
                     await self.ws.close(1011)
-                    return
+                    return False
                 await self._send(error_event(err, event_id_of(msg, raw)))
             except Exception:                  # our fault: said so, and the session goes on
                 logger.exception("realtime event %s failed", event_id_of(msg, raw))
@@ -172,6 +210,7 @@ class RealtimeConnection:
             "conversation.item.truncate": self._item_truncate,
             "response.create": self._response_create,
             "response.cancel": self._response_cancel,
+            "session.event_ack": self._event_ack,
         }.get(kind if isinstance(kind, str) else "")
         if handler is None:
             raise bad_request(f"type: {kind!r} is not a client event this server handles",
@@ -188,6 +227,11 @@ class RealtimeConnection:
         check_model(session.model, self.model_name)
         await self._apply_session(session)
         await self._send(event("session.updated", session=self._session_json()))
+
+    async def _event_ack(self, msg: dict[str, Any]) -> None:
+        """vLLM-Omni's: the client has the events up to `server_event_seq`; no answer."""
+        if self.journal is not None:
+            self.journal.acknowledge(msg.get("server_event_seq"))
 
     async def _apply_session(self, session: Session) -> None:
         """Check the voice with the engine, and (re)start voice detection as configured."""
@@ -225,6 +269,7 @@ class RealtimeConnection:
 
     # -- input audio -------------------------------------------------------------------------
     async def _append(self, msg: dict[str, Any]) -> None:
+        self._check_hears("audio")
         rate = self.session.audio.input.format.rate
         samples = await run_in_threadpool(decode_pcm16, msg.get("audio"), rate, "audio")
         if (self.buffer.num_samples + len(samples)) * 2 > self.limits.max_buffer_bytes:
@@ -265,6 +310,12 @@ class RealtimeConnection:
         if vad.create_response:
             await self._response_create({})
 
+    def _check_hears(self, param: str) -> None:
+        if not self.hears:
+            raise bad_request(f"{param}: this model does not hear (a text LLM speaking through "
+                              "a TTS); send text: conversation.item.create with input_text",
+                              param, "audio_input_unsupported")
+
     async def _commit_event(self, msg: dict[str, Any]) -> None:
         held_ms = samples_to_ms(self.buffer.num_samples)
         if held_ms < 100:
@@ -293,6 +344,9 @@ class RealtimeConnection:
     # -- conversation ------------------------------------------------------------------------
     async def _item_create(self, msg: dict[str, Any]) -> None:
         item = parse(Item, msg.get("item"), "item")
+        for j, part in enumerate(item.content):
+            if part.type == "input_audio":
+                self._check_hears(f"item.content[{j}].audio")
         rate = self.session.audio.input.format.rate
         converted = await run_in_threadpool(
             item_from_event, item, lambda b64, param: decode_pcm16(b64, rate, param))
@@ -325,6 +379,7 @@ class RealtimeConnection:
 
     # -- responses ---------------------------------------------------------------------------
     async def _response_create(self, msg: dict[str, Any]) -> None:
+        requested = time.monotonic()         # first audio is counted from here
         options = parse(ResponseOptions, msg.get("response"), "response")
         plan = self._plan(options)
         instructions = (options.instructions if options.instructions is not None
@@ -338,6 +393,7 @@ class RealtimeConnection:
             handle.close()
             raise
         response = Response(self.client, plan, item, self._send, self.conversation_id)
+        response.started = requested
         self.response = response
         await response.start_events(previous)
         self.response_task = asyncio.create_task(response.run(handle))
@@ -354,68 +410,8 @@ class RealtimeConnection:
                             options.metadata)
 
     async def _submit(self, instructions: str, plan: ResponsePlan) -> RequestHandle:
-        """The conversation as one engine request, through the front door (admitted, then
-        checked and fit to the context, submitted)."""
-        if not self.conversation.context():
-            raise bad_request("the conversation is empty: add an item or commit audio first",
-                              None, "conversation_empty")
-        fields = RequestFields({} if plan.max_tokens is None else
-                               {"max_tokens": plan.max_tokens}, voice=plan.voice)
-        wanted = {"text", "audio"} if plan.modality == "audio" else {"text"}
-
-        def request(prompt: dict[str, Any]) -> OmniRequest:
-            return self.client.request(prompt, fields, wanted, "rt", param="conversation")
-
-        async def make() -> list[Ready]:
-            return [await self._prepare(instructions, request, plan)]
-
-        [handle] = await self.client.start(make, 1)
-        return handle
-
-    async def _prepare(self, instructions: str,
-                       request: Callable[[dict[str, Any]], OmniRequest],
-                       plan: ResponsePlan) -> Ready:
-        """The request of the conversation's context, prepared. One over the model's input
-        limit (room left for the response's output) is cut as the session's truncation says
-        (truncation.py), then prepared again."""
-        max_len = self.client.max_model_len
-        limit = None if max_len is None else max_len - output_room(plan.max_tokens, max_len)
-        fits = limit
-        truncation = self.session.truncation
-        if limit is not None and isinstance(truncation, RetentionRatio) \
-                and truncation.token_limits is not None \
-                and truncation.token_limits.post_instructions is not None:
-            known = self._instruction_tokens.get(instructions, 0)   # 0: not measured yet
-            fits = min(limit, truncation.token_limits.post_instructions + known)
-        made = request({"messages": self.conversation.messages(instructions)})
-        prepared, refusal = None, None
-        try:
-            prepared = await run_in_threadpool(self.client.prepare, made)
-            if fits is None or prepared[0].num_tokens <= fits:
-                return made, prepared
-        except APIError as err:      # perhaps over max_model_len: measured below
-            if limit is None:
-                raise
-            refusal = err
-        num_dropped = 0
-        while True:                  # each round drops one item or more, never the newest
-            try:
-                size = await run_in_threadpool(measure, self.client.processor,
-                                               made.prompt["messages"], bool(instructions))
-            except ValueError as exc:
-                raise from_value_error(exc, "conversation") from None
-            self._instruction_tokens = {instructions: size.instructions}
-            num = num_to_drop(size, limit, truncation)
-            if num == 0:
-                break
-            self.conversation.drop_oldest(num)
-            num_dropped += num
-            made = request({"messages": self.conversation.messages(instructions)})
-        if num_dropped == 0:         # it fits: a refusal was for something else
-            if refusal is not None:
-                raise refusal
-            return made, prepared
-        return made, await run_in_threadpool(self.client.prepare, made)
+        return await submit(self.client, self.conversation, instructions,
+                            self.session.truncation, plan, self._instruction_tokens)
 
     async def _response_cancel(self, msg: dict[str, Any]) -> None:
         if self.response is None or self.response.done.is_set():
@@ -437,10 +433,13 @@ class RealtimeConnection:
             logger.exception("realtime response %s failed", response.id)
 
     async def _send(self, ev: dict[str, Any]) -> None:
-        if self.ws.application_state != WebSocketState.CONNECTED:
-            return
-        try:
-            async with self._send_lock:
-                await self.ws.send_text(json.dumps(ev, separators=(",", ":")))
-        except (WebSocketDisconnect, RuntimeError):   # the client went; the loop ends it all
-            pass
+        """Send (and journal, for a resume to replay: resume.py) one server event."""
+        async with self._send_lock:
+            text = self.journal.record(ev) if self.journal is not None else \
+                json.dumps(ev, separators=(",", ":"))
+            if self.ws.application_state != WebSocketState.CONNECTED:
+                return
+            try:
+                await self.ws.send_text(text)
+            except (WebSocketDisconnect, RuntimeError):   # the client went: the loop sees it
+                pass

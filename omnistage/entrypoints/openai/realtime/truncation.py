@@ -25,11 +25,20 @@ of the context stay in the conversation: the protocol deletes nothing on truncat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
+
+from starlette.concurrency import run_in_threadpool
 
 from omnistage.engine.inputs import parse_with_processor
-from omnistage.entrypoints.openai.errors import APIError, bad_request
+from omnistage.engine.request import OmniRequest, RequestFields
+from omnistage.entrypoints.openai.errors import APIError, bad_request, from_value_error
+from omnistage.entrypoints.openai.realtime.conversation import Conversation
 from omnistage.entrypoints.openai.realtime.protocol import RetentionRatio, Truncation
+
+from omnistage.entrypoints.openai.realtime.response import ResponsePlan
+
+if TYPE_CHECKING:
+    from omnistage.entrypoints.openai.client import EngineClient, Ready, RequestHandle
 
 MAX_INF_OUTPUT_ROOM = 4096
 _PROBE = [{"role": "user", "content": "."}]
@@ -72,6 +81,75 @@ def num_to_drop(size: PromptSize, max_input: int, truncation: Truncation) -> int
         raise _too_long(f"the newest item alone takes {used} tokens, over the {budget} the "
                         "model's input leaves the conversation after the instructions")
     return num
+
+
+async def submit(client: EngineClient, conversation: Conversation, instructions: str,
+                 truncation: Truncation, plan: ResponsePlan, known: dict[str, int]
+                 ) -> RequestHandle:
+    """The conversation as one engine request, through the front door (admitted, then
+    checked and fit to the context, submitted)."""
+    if not conversation.context():
+        raise bad_request("the conversation is empty: add an item or commit audio first",
+                          None, "conversation_empty")
+    fields = RequestFields({} if plan.max_tokens is None else
+                           {"max_tokens": plan.max_tokens}, voice=plan.voice)
+    wanted = {"text", "audio"} if plan.modality == "audio" else {"text"}
+
+    def request(prompt: dict[str, Any]) -> OmniRequest:
+        return client.request(prompt, fields, wanted, "rt", param="conversation")
+
+    async def make() -> list[Ready]:
+        return [await fit(client, conversation, instructions, truncation, plan.max_tokens,
+                          known, request)]
+
+    [handle] = await client.start(make, 1)
+    return handle
+
+
+async def fit(client: EngineClient, conversation: Conversation, instructions: str,
+              truncation: Truncation, max_tokens: int | None, known: dict[str, int],
+              request: Callable[[dict[str, Any]], OmniRequest]) -> Ready:
+    """The request of the conversation's context, prepared. One over the model's input limit
+    (room left for the response's `max_tokens`) is cut as `truncation` says, then prepared
+    again. `known`: the instructions' tokens last measured (updated here)."""
+    max_len = client.max_model_len
+    limit = None if max_len is None else max_len - output_room(max_tokens, max_len)
+    fits = limit
+    if limit is not None and isinstance(truncation, RetentionRatio) \
+            and truncation.token_limits is not None \
+            and truncation.token_limits.post_instructions is not None:
+        measured = known.get(instructions, 0)   # 0: not measured yet
+        fits = min(limit, truncation.token_limits.post_instructions + measured)
+    made = request({"messages": conversation.messages(instructions)})
+    prepared, refusal = None, None
+    try:
+        prepared = await run_in_threadpool(client.prepare, made)
+        if fits is None or prepared[0].num_tokens <= fits:
+            return made, prepared
+    except APIError as err:      # perhaps over max_model_len: measured below
+        if limit is None:
+            raise
+        refusal = err
+    num_dropped = 0
+    while True:                  # each round drops one item or more, never the newest
+        try:
+            size = await run_in_threadpool(measure, client.processor,
+                                           made.prompt["messages"], bool(instructions))
+        except ValueError as exc:
+            raise from_value_error(exc, "conversation") from None
+        known.clear()
+        known[instructions] = size.instructions
+        num = num_to_drop(size, limit, truncation)
+        if num == 0:
+            break
+        conversation.drop_oldest(num)
+        num_dropped += num
+        made = request({"messages": conversation.messages(instructions)})
+    if num_dropped == 0:         # it fits: a refusal was for something else
+        if refusal is not None:
+            raise refusal
+        return made, prepared
+    return made, await run_in_threadpool(client.prepare, made)
 
 
 def measure(processor: Any, messages: list[dict[str, Any]], has_system: bool) -> PromptSize:
