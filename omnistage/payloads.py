@@ -56,6 +56,13 @@ PROMPT_EMBEDS = "prompt_embeds"
 MM = "mm."
 INPUT_IMAGE = "image"           # in a stage's multimodal inputs ("mm." cut): image, image.1, ...
 MM_POSITIONS = "positions"      # ... and the front door's M-RoPE positions (3, L), with ROPE_DELTA
+# ... and the audio parts a MiMo-Audio prompt hears: waveforms one after another, their
+# lengths, the prompt position of each one's first speech patch (models/mimo_audio/prompt.py)
+AUDIO_WAVEFORMS, AUDIO_LENS, AUDIO_STARTS = "audio_waveforms", "audio_lens", "audio_starts"
+# an input processor's fields that go to the entry stage as its multimodal inputs
+MEDIA_INPUTS = ("input_features", "audio_feature_lens", "pixel_values", "image_grid_thw",
+                "pixel_values_videos", "video_grid_thw", "video_second_per_grid",
+                AUDIO_WAVEFORMS, AUDIO_LENS, AUDIO_STARTS)
 
 
 def _scalar(t: Tensor) -> int:

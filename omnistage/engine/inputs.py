@@ -9,6 +9,7 @@ from typing import Any, Union
 import torch
 
 from omnistage import registry
+from omnistage.payloads import MEDIA_INPUTS, MM_POSITIONS, ROPE_DELTA
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages.info import StageInfo
 
@@ -90,13 +91,11 @@ def parse_with_processor(prompt: PromptType, processor: Any) -> ParsedPrompt:
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         return parse_prompt(prompt, None)
     inputs = processor.parse_request(prompt)
-    mm = {name: value for name in ("input_features", "audio_feature_lens", "pixel_values",
-                                   "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                                   "video_second_per_grid")
-          if (value := getattr(inputs, name)) is not None}
-    if mm:   # rotary positions matter only when placeholders break the 1-D count
-        mm["positions"] = inputs.positions
-        mm["rope_delta"] = torch.tensor(inputs.rope_delta)
+    mm = {name: value for name in MEDIA_INPUTS
+          if (value := getattr(inputs, name, None)) is not None}
+    if mm and inputs.positions is not None:   # M-RoPE models' positions (others: None)
+        mm[MM_POSITIONS] = inputs.positions
+        mm[ROPE_DELTA] = torch.tensor(inputs.rope_delta)
     return ParsedPrompt(inputs.prompt, inputs.input_ids.tolist(), None, mm or None)
 
 

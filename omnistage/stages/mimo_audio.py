@@ -13,8 +13,9 @@ audio tokenizer's decoder as a generation stage.
                       done (generation/mimo_audio.py)
 
 The patch decoder draws with the request's temperature / top-k / top-p (upstream has its own
-sampler settings for it). One voice, "default": cloning from a prompt clip needs the audio
-tokenizer's encoder, not ported; so is speech input.
+sampler settings for it). Speech in: a user turn's audio part, laid out by the front door
+(models/mimo_audio/prompt.py), is encoded here by the audio tokenizer's encoder into its
+speech patches. One voice, "default" (cloning from a prompt clip: not built).
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ import torch
 
 from omnistage.configs.schema import StageConfig
 from omnistage.errors import InputError
+from omnistage.generation.mimo_audio import TOKENIZER_FOLDER
+from omnistage.models.loader import resolve_model_path
 from omnistage.models.mimo_audio.model import MiMoAudioForCausalLM
 from omnistage.models.mimo_audio.prompt import (SPEECH_START, TEXT_START, SpecialIds,
-                                                segment_ids, text_patches)
+                                                segment_ids, speech_patches, text_patches)
+from omnistage.models.mimo_audio.tokenizer_encoder import MiMoAudioTokenizerEncoder
 from omnistage.models.qwen3_omni.talker import FRAME_CODES
-from omnistage.payloads import CodecFrames, Payload
+from omnistage.payloads import AUDIO_LENS, AUDIO_STARTS, AUDIO_WAVEFORMS, CodecFrames, Payload
 from omnistage.registry import SpeechSpec
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageInfo, StageRequest, StageResult
@@ -40,7 +44,7 @@ VOICE = "default"
 
 
 def speech_spec(path: str | Path) -> SpeechSpec:
-    """One preset voice, the model's own (no cloning: the encoder is not ported)."""
+    """One preset voice, the model's own (cloning from a prompt clip: not built)."""
     return SpeechSpec(voices=(VOICE,))
 
 
@@ -61,6 +65,7 @@ class MiMoAudioStage(ARStage):
         self.special = SpecialIds.of(self.engine.tokenizer)
         self.starts = {speech: segment_ids(self.engine.tokenizer, list(segs))
                        for speech, segs in ((True, SPEECH_START), (False, TEXT_START))}
+        self._encoder: MiMoAudioTokenizerEncoder | None = None      # speech in
 
     @property
     def model(self) -> MiMoAudioForCausalLM:
@@ -84,9 +89,32 @@ class MiMoAudioStage(ARStage):
             stops = {*params.stop_token_ids, self.special.eostm, self.special.im_end}
             params = replace(params, stop_token_ids=tuple(sorted(stops)))
         dev = self.engine.device
+        patches = text_patches(ids, self.model.cfg)
+        if request.multimodal and AUDIO_WAVEFORMS in request.multimodal:
+            patches = self._with_speech(patches, request.multimodal)
         with torch.no_grad():
-            embeds = self.model.patch_embeds(text_patches(ids, self.model.cfg).to(dev))
+            embeds = self.model.patch_embeds(patches.to(dev))
         self.engine.add_request(request.request_id, None, params, embeds.to(self.engine.dtype))
+
+    def _with_speech(self, patches: torch.Tensor, mm: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The prompt's audio parts encoded (the audio tokenizer's encoder, loaded on first
+        use) into the speech patches the front door laid out for them."""
+        if self._encoder is None:
+            self._encoder = MiMoAudioTokenizerEncoder.from_pretrained(
+                resolve_model_path(self.engine.config.model) / TOKENIZER_FOLDER,
+                self.engine.device)
+        cfg = self.model.cfg
+        waves = mm[AUDIO_WAVEFORMS].float().split(mm[AUDIO_LENS].tolist())
+        for i, (wave, start) in enumerate(zip(waves, mm[AUDIO_STARTS].tolist())):
+            ids = self._encoder.speech_ids(wave.to(self.engine.device), cfg.audio_channels,
+                                           cfg.group_size)
+            rows = speech_patches(ids.cpu(), cfg)
+            laid = patches[start:start + rows.shape[0], 0, 0]
+            if laid.shape[0] != rows.shape[0] or bool((laid != cfg.empty_idx).any()):
+                raise InputError(f"audio part {i}: {rows.shape[0]} speech patches do not fit "
+                                 "the prompt's layout", param="messages")
+            patches[start:start + rows.shape[0]] = rows
+        return patches
 
     def step(self) -> list[StageResult]:
         results = []

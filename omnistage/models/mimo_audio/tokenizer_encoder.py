@@ -45,6 +45,27 @@ def mel_filters(c: dict) -> Tensor:
         sampling_rate=sr, norm=None, mel_scale="htk")).float()
 
 
+def segment_lengths(frames: int) -> list[int]:
+    """Upstream's segments of a waveform's mel frames: 6000 each, the rest last."""
+    out = [SEGMENT_FRAMES] * (frames // SEGMENT_FRAMES)
+    return out + [frames % SEGMENT_FRAMES] if frames % SEGMENT_FRAMES else out
+
+
+def conv_rows(frames: int, c: dict) -> int:
+    """Rows conv2 gives a segment of `frames` mel frames (upstream's get_output_length)."""
+    k = c["kernel_size"]
+    return (frames + 3 - k + 2 - k) // c["stride_size"] + 1
+
+
+def num_speech_frames(samples: int, c: dict) -> int:
+    """The audio ids (frames of `num_quantizers` ids) a waveform of `samples` gives, before
+    the padding to whole patches: known from the length alone, so the front door can lay out
+    a prompt before any encoder runs."""
+    pool = c.get("avg_pooler", 1)
+    return sum(-(-conv_rows(n, c) // pool)
+               for n in segment_lengths(samples // c["hop_length"] + 1))   # centred STFT
+
+
 class MiMoAudioTokenizerEncoder(nn.Module):
     def __init__(self, c: dict) -> None:
         super().__init__()
@@ -107,22 +128,15 @@ class MiMoAudioTokenizerEncoder(nn.Module):
                           return_complex=True).abs()                        # (freq, frames)
         return (spec.T @ self.filters).clamp(min=1e-7).log()
 
-    def output_length(self, frames: int) -> int:
-        """Rows conv2 gives a segment of `frames` mel frames (upstream's get_output_length)."""
-        k = self.cfg["kernel_size"]
-        return (frames + 3 - k + 2 - k) // self.cfg["stride_size"] + 1
-
     @torch.no_grad()
     def encode(self, mel: Tensor) -> Tensor:
         """mel (frames, n_mels) -> ids (num_quantizers, T): its segments in one batch."""
-        lengths = [SEGMENT_FRAMES] * (mel.shape[0] // SEGMENT_FRAMES)
-        if mel.shape[0] % SEGMENT_FRAMES:
-            lengths.append(mel.shape[0] % SEGMENT_FRAMES)
+        lengths = segment_lengths(mel.shape[0])
         x = torch.zeros(len(lengths), max(lengths), mel.shape[1], device=mel.device)
         for b, seg in enumerate(mel.split(lengths)):
             x[b, :seg.shape[0]] = seg
         h = F.gelu(self.conv2(F.gelu(self.conv1(x.transpose(1, 2))))).transpose(1, 2)
-        rows = self.transform([h[b, :self.output_length(n)] for b, n in enumerate(lengths)])
+        rows = self.transform([h[b, :conv_rows(n, self.cfg)] for b, n in enumerate(lengths)])
         if self.down is not None:
             rows = self._pool(rows, h.shape[1])
         return torch.cat([self.quantize(r) for r in rows], dim=1)

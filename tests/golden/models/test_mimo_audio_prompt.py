@@ -46,7 +46,7 @@ def test_patches_and_refusals(proc: MiMoAudioInputProcessor) -> None:
     assert p.shape == (2, 4, 9) and p[1, 0, 0] == 7
     assert p[0, :, 1:].tolist() == [list(cfg.empty_ids)] * 4
     audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
-    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\]: .*not ported"):
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\]: .*not input_audio"):
         proc.parse_request({"messages": [{"role": "user", "content": [
             {"type": "text", "text": "Hi"}, audio]}]})
     with pytest.raises(ValueError, match="last message is the user's"):
