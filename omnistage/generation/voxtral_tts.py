@@ -20,12 +20,24 @@ from omnistage.models.voxtral_tts.codec import VoxtralCodecDecoder
 from omnistage.models.voxtral_tts.config import N_SPECIALS
 from omnistage.payloads import SAMPLE_RATE, AudioChunk, CodecFrames
 
-_FRAMES = "voxtral.frames"        # per-request state, not a payload
+_FRAMES, _DONE = "voxtral.frames", "voxtral.done"    # per-request state, not payloads
 
 
 @dataclass(frozen=True, slots=True)
 class VoxtralDecoderOptions:
-    """The stage's `generation.options` (none yet)."""
+    """The stage's `generation.options`: chunk_frames (0: the whole utterance at the end),
+    first_chunk_frames (default chunk_frames), left_context (frames decoded before a chunk)."""
+
+    chunk_frames: int = 0
+    first_chunk_frames: int | None = None
+    left_context: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_frames", "left_context"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.first_chunk_frames is not None and self.first_chunk_frames < 1:
+            raise ValueError(f"first_chunk_frames={self.first_chunk_frames}: must be >= 1")
 
 
 class VoxtralTTSGenerator:
@@ -59,11 +71,33 @@ class VoxtralTTSGenerator:
             frames = CodecFrames.unpack(x)
             if frames is not None and frames.codes.numel():
                 state.setdefault(_FRAMES, []).append(frames.codes.to(torch.long).cpu())
-            if not last:
-                out.append({})
-                continue
-            out.append(AudioChunk(self.decode(state.pop(_FRAMES, []))).pack())
+            out.append(self.ready(state, last))
         return out
+
+    def ready(self, state: dict, last: bool) -> dict[str, Tensor]:
+        """The audio of the frames ready to decode (all at the end), packed; {} if none."""
+        frames = state.get(_FRAMES, [])
+        total, done = sum(len(f) for f in frames), state.get(_DONE, 0)
+        o = self.options
+        if last:
+            end = total
+        elif o.chunk_frames == 0:
+            return {}
+        else:
+            first = o.first_chunk_frames or o.chunk_frames
+            end = first if done == 0 else done + o.chunk_frames
+            if total < end:
+                return {}
+            if done > 0:
+                end = done + (total - done) // o.chunk_frames * o.chunk_frames
+        if end <= done:
+            return AudioChunk(torch.zeros(0)).pack() if last else {}
+        start = max(0, done - o.left_context)
+        wave = self.decode([torch.cat(frames)[start:end]]) if frames else torch.zeros(0)
+        state[_DONE] = end
+        if start < done:
+            wave = wave[(done - start) * self.model.cfg.samples_per_frame:]
+        return AudioChunk(wave).pack()
 
     def decode(self, chunks: list[Tensor]) -> Tensor:
         """(frames, 37) chunks in the LLM's code space -> (frames * samples,) float32, CPU."""
