@@ -4,7 +4,8 @@ byte-level tokenizer padded to Qwen2's ids and ONNX stand-ins of the clip's two 
 (tests/helpers/cosyvoice3.py), served by a real server with a greedy LM. Each answer is the
 golden path run here on the same clip: our prompt builder, the LM on the AR engine, token2mel
 and HiFT called directly. Zero-shot, instruct and cross-lingual; an uploaded voice; every
-format; SSE equal to the whole file; two requests at once; bad input refused naming the field."""
+format; SSE equal to the whole file; two requests at once; bad input refused naming the field;
+the WebSocket fed word by word and /v1/audio/speech/batch speak what the plain route speaks."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from omnistage.models.cosyvoice3.prompt import PromptBuilder  # noqa: E402
 from omnistage.sampling_params import SamplingParams  # noqa: E402
 from omnistage.utils.audio import decode_audio  # noqa: E402
 from tests.helpers.cosyvoice3 import write_served  # noqa: E402
+from tests.helpers.speech_routes import batch, ws_speak  # noqa: E402
 
 if TYPE_CHECKING:
     from tests.system.entrypoints.openai.conftest import Server
@@ -205,3 +207,16 @@ def test_bad_input_is_refused_naming_the_field(server: Server, body: dict, param
     r = server.post("/v1/audio/speech", json={"input": TEXT, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_websocket_and_batch_equal_the_plain_route(server: Server) -> None:
+    """A zero-shot session fed word by word: each clause's audio is the plain route's for it;
+    a batch item likewise, and one without a voice refused in its place."""
+    voice = {"ref_audio": data_url(clip_wav(f0=160.0)), "ref_text": "A tone."}
+    pcm, clauses = ws_speak(server.port, voice, "Hi. Yes.")
+    assert clauses == ["Hi.", "Yes."]
+    want = [speak(server, "pcm", input=text, **voice) for text in clauses]
+    close(decode_audio(pcm, "pcm16", 24000)[0][0], np.concatenate(want))
+    got = batch(server.url, [{"input": "Yes.", **voice}, {"input": "Hi."}], "wav")
+    assert got[1]["error"]["param"] == "items[1].voice", got[1]
+    close(decode_audio(got[0]["audio"])[0][0], want[1])
