@@ -173,6 +173,10 @@ class ServerSettings:
     realtime_idle_timeout_s: float = field(default=600.0, metadata=flag(
         "a realtime session with no client event this long is closed (default 600)",
         group="stores", name="realtime_idle_timeout", metavar="SECONDS"))
+    realtime_resume_grace_s: float = field(default=30.0, metadata=flag(
+        "a realtime session whose socket dropped waits this long for the client to resume "
+        "it (session.resume), its answer running on; 0: none outlives its socket "
+        "(default 30)", group="stores", name="realtime_resume_grace", metavar="SECONDS"))
     stats_log_interval_s: float = field(default=10.0, metadata=flag(
         "log each stage's stats line at most this often, when it changed (default 10; 0: "
         "never)", group="stores", name="stats_log_interval", metavar="SECONDS"))

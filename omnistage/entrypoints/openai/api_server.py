@@ -99,7 +99,8 @@ class ServerConfig(ServerSettings):
     def realtime_limits(self) -> RealtimeLimits:
         return RealtimeLimits(self.realtime_max_buffer_bytes, self.realtime_max_turn_s,
                               self.realtime_idle_timeout_s,
-                              server_vad=not self.vllm_omni_answers)   # vLLM-Omni's: off
+                              server_vad=not self.vllm_omni_answers,   # vLLM-Omni's: off
+                              resume_grace_s=self.realtime_resume_grace_s)
 
     @property
     def connection_limits(self) -> ConnectionLimits:

@@ -20,9 +20,10 @@ def test_defaults_equal_the_limit_records_the_server_builds() -> None:
     assert config.video_limits == VideoLimits()
     assert config.connection_limits == ConnectionLimits()
     assert (config.realtime_limits.max_buffer_bytes, config.realtime_limits.max_turn_s,
-            config.realtime_limits.idle_timeout_s) == (
+            config.realtime_limits.idle_timeout_s, config.realtime_limits.resume_grace_s) == (
         RealtimeLimits().max_buffer_bytes, RealtimeLimits().max_turn_s,
-        RealtimeLimits().idle_timeout_s)
+        RealtimeLimits().idle_timeout_s, RealtimeLimits().resume_grace_s)
+    assert ServerConfig(realtime_resume_grace_s=0).realtime_limits.resume_grace_s == 0
     assert config.media_policy == MediaPolicy()
 
 
