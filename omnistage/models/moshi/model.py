@@ -43,6 +43,23 @@ class MoshiGeneration:
     audio_codes: Tensor     # (B, K, N - 1): Moshi's speech, aligned (the delay undone)
 
 
+def delay_prompt(cfg: MoshiConfig, prompt: MoshiPrompt) -> tuple[Tensor, Tensor, Tensor]:
+    """The unconditional frame and the prompt, as fed: text (P,), moshi / user (K, P),
+    P = T + 1; acoustic codebooks one frame late."""
+    t = prompt.text_ids.shape[0]
+    for name in ("user_codes", "moshi_codes"):
+        shape = tuple(getattr(prompt, name).shape)
+        if shape != (cfg.num_codebooks, t):
+            raise ValueError(f"{name}: shape {shape}, want ({cfg.num_codebooks}, {t})")
+    text = torch.cat([prompt.text_ids.new_tensor([cfg.vocab_size]), prompt.text_ids])
+    pad = prompt.user_codes.new_full((cfg.num_codebooks, 1), cfg.audio_vocab_size)
+    out = []
+    for codes in (prompt.moshi_codes, prompt.user_codes):
+        aligned = torch.cat([pad, codes], 1)                         # (K, P)
+        out.append(torch.cat([aligned[:1], torch.cat([pad[1:], aligned[1:, :-1]], 1)]))
+    return text, out[0], out[1]
+
+
 class MoshiForConditionalGeneration(nn.Module):
     def __init__(self, cfg: MoshiConfig) -> None:
         super().__init__()
@@ -62,21 +79,7 @@ class MoshiForConditionalGeneration(nn.Module):
         return h
 
     def delayed(self, prompt: MoshiPrompt) -> tuple[Tensor, Tensor, Tensor]:
-        """The unconditional frame and the prompt, as fed: text (P,), moshi / user (K, P),
-        P = T + 1; acoustic codebooks one frame late."""
-        cfg = self.cfg
-        t = prompt.text_ids.shape[0]
-        for name in ("user_codes", "moshi_codes"):
-            shape = tuple(getattr(prompt, name).shape)
-            if shape != (cfg.num_codebooks, t):
-                raise ValueError(f"{name}: shape {shape}, want ({cfg.num_codebooks}, {t})")
-        text = torch.cat([prompt.text_ids.new_tensor([cfg.vocab_size]), prompt.text_ids])
-        pad = prompt.user_codes.new_full((cfg.num_codebooks, 1), cfg.audio_vocab_size)
-        out = []
-        for codes in (prompt.moshi_codes, prompt.user_codes):
-            aligned = torch.cat([pad, codes], 1)                         # (K, P)
-            out.append(torch.cat([aligned[:1], torch.cat([pad[1:], aligned[1:, :-1]], 1)]))
-        return text, out[0], out[1]
+        return delay_prompt(self.cfg, prompt)
 
     def last_frames(self, prompt: MoshiPrompt) -> tuple[Tensor, Tensor]:
         """The prompt's last aligned Moshi and user frames (K,), whose acoustic codes are fed
