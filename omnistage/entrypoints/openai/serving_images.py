@@ -24,6 +24,7 @@ The form is parsed here, strictly: an unknown field is a 400 naming it, as for J
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -95,11 +96,23 @@ def parse_edit_form(form: FormData) -> tuple[ImageEditRequest, list[UploadFile],
             fields[key] = value
     if len(masks) > 1:
         raise bad_request(f"mask: one mask at most, got {len(masks)}", "mask")
+    if "lora" in fields:            # vLLM-Omni's edit form: the lora object as JSON text
+        fields["lora"] = _json_object(fields["lora"], "lora")
     try:
         req = ImageEditRequest.model_validate(fields, strict=False)   # a form's fields are text
     except ValidationError as exc:
         raise invalid(exc.errors()) from None
     return req, images, (masks[0] if masks else None)
+
+
+def _json_object(text: str, name: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise bad_request(f"{name}: expected a JSON object", name)
+    return value
 
 
 class ImageServing:

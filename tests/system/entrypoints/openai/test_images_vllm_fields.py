@@ -189,3 +189,12 @@ def test_lora_per_request_and_bad_adapters_named(qwen_image: Server, tmp_path: P
     chat["extra_body"]["lora"] = {"name": "nope"}
     r = qwen_image.post("/v1/chat/completions", json=chat)
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora.name", r.text
+    # the edit form takes it as JSON text (vLLM-Omni's form)
+    form = {"prompt": "a photo of the sea shore", "size": "64x64", "num_inference_steps": "2"}
+    files = {"image": ("in.png", png_bytes(90), "image/png")}
+    for lora, status, param in [('{"name": "style"}', 200, None),
+                                ('{"name": "nope"}', 400, "lora.name"),
+                                ("[1]", 400, "lora")]:
+        r = qwen_image.post("/v1/images/edits", data={**form, "lora": lora}, files=files)
+        assert r.status_code == status, r.text
+        assert param is None or r.json()["error"]["param"] == param, r.text
