@@ -3,7 +3,8 @@ audio tokenizer, made to speak) behind chat completions with audio out and /v1/a
 What the server answers equals the golden path in this process: our MiMoAudioForCausalLM.
 generate (the same maths as upstream generate, tests/golden/models/test_mimo_audio*.py) on
 upstream's prompt layout, and speech.codes_to_wave on its spoken patches; streamed equals
-whole; bad input is a 400 naming the field."""
+whole; bad input is a 400 naming the field. The speech route's formats and SSE, the WebSocket
+fed word by word and /v1/audio/speech/batch speak what the plain route speaks."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from omnistage.models.mimo_audio.speech import codes_to_wave, patches_to_codes
 from omnistage.models.mimo_audio.tokenizer_decoder import MiMoAudioTokenizerDecoder
 from omnistage.utils.audio import decode_audio
 from tests.helpers.mimo_audio import build_tiny_mimo_audio
+from tests.helpers.speech_routes import batch, ws_speak
 
 if TYPE_CHECKING:
     from tests.system.entrypoints.openai.conftest import Server
@@ -142,3 +144,46 @@ def test_bad_input_is_a_400_naming_the_field(server: Server) -> None:
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
         assert err["param"] and err["param"].startswith(param), err
+
+
+def plain(server: Server, text: str, fmt: str = "pcm") -> bytes:
+    r = server.post("/v1/audio/speech", json={"model": MODEL, "input": text,
+                                              "response_format": fmt})
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+def test_speech_formats_and_sse_equal_the_plain_route(server: Server) -> None:
+    text = "Hello world."
+    wave, rate = decode_audio(plain(server, text, "wav"))
+    pcm = plain(server, text)
+    _close(decode_audio(pcm, "pcm16", rate)[0][0], wave[0])
+    _close(decode_audio(plain(server, text, "flac"))[0][0], wave[0])
+    # lossy: the length, give or take the padding of codec frames, which is long for the tiny
+    # decoder's 400 Hz audio coded at 7.35 / 8 kHz (aac's 1024-sample frames + priming: 0.25 s)
+    for fmt in ("mp3", "opus", "aac"):
+        got, got_rate = decode_audio(plain(server, text, fmt))
+        assert -0.05 < got.shape[1] / got_rate - wave.shape[1] / rate < 0.4, fmt
+    r = server.post("/v1/audio/speech", json={"model": MODEL, "input": text,
+                                              "response_format": "pcm", "stream_format": "sse"})
+    assert r.status_code == 200, r.text
+    events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+    assert events[-1]["type"] == "speech.audio.done", events[-1]
+    assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == pcm
+
+
+def test_websocket_and_batch_equal_the_plain_route(server: Server) -> None:
+    """Two clauses word by word: the session's pcm is each clause's plain audio in turn; a
+    batch of the same two texts (and an unknown voice, refused in its place) likewise."""
+    pcm, clauses = ws_speak(server.port, {"voice": "default"}, "Hello world. Good day.")
+    assert clauses == ["Hello world.", "Good day."]
+    want = [plain(server, text) for text in clauses]
+    rate = 24000
+    _close(decode_audio(pcm, "pcm16", rate)[0][0],
+           decode_audio(b"".join(want), "pcm16", rate)[0][0])
+    got = batch(server.url, [{"input": clauses[0]}, {"input": "Hi", "voice": "nobody"},
+                             {"input": clauses[1]}], "pcm")
+    assert got[1]["error"]["param"] == "items[1].voice", got[1]
+    for result, data in zip((got[0], got[2]), want):
+        _close(decode_audio(result["audio"], "pcm16", rate)[0][0],
+               decode_audio(data, "pcm16", rate)[0][0])
