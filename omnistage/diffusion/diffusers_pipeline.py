@@ -41,7 +41,8 @@ BACKEND = "diffusers"
 CALL_ARGS = {"height": "height", "width": "width", "guidance_scale": "guidance_scale",
              "negative_prompt": "negative_prompt", "num_images": "num_images_per_prompt"}
 # DiffusionParams only native pipelines take (their defaults: unset)
-NATIVE_ONLY = ("guidance_scale_2", "cache_threshold", "image", "strength", "num_frames", "fps")
+NATIVE_ONLY = ("guidance_scale_2", "cache_threshold", "image", "strength", "num_frames", "fps",
+               "lora")
 # output fields (of the pipeline's output dataclass) by what they hold
 OUTPUT_KINDS = {"images": "images", "image": "images", "frames": "video", "video": "video",
                 "audios": "audio", "audio": "audio", "sound": "audio"}

@@ -15,6 +15,7 @@ import torch
 from omnistage.diffusion.diffusers_engine import DiffusersEngine
 from omnistage.diffusion.diffusers_pipeline import DiffusersPipeline, check_supported
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion_params import LoraRequest
 from omnistage.errors import InputError
 from omnistage.testing.diffusion import run_whole_calls
 from omnistage.testing.tiny_sdxl import reference
@@ -92,7 +93,8 @@ def test_abort_drops_a_request_and_stops_a_call_left_empty(
 
 @pytest.mark.parametrize("kw, field", [
     ({"cache_threshold": 0.1}, "cache_threshold"), ({"num_frames": 5}, "num_frames"),
-    ({"true_cfg_scale": 4.0}, "true_cfg_scale"), ({"height": 15}, "height")])
+    ({"true_cfg_scale": 4.0}, "true_cfg_scale"), ({"height": 15}, "height"),
+    ({"lora": LoraRequest("a", "/x.safetensors")}, "lora")])
 def test_params_the_call_cannot_take_are_refused(pipeline: DiffusersPipeline, kw: dict,
                                                  field: str) -> None:
     engine = DiffusersEngine(pipeline)
