@@ -149,6 +149,29 @@ def omni_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     assert code == 0, code
 
 
+@pytest.fixture(scope="package")
+def agent_server(qwen3_tts_ref: dict, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[Server]:
+    """The voice agent graph (configs/voice_agent.yaml) as `agent`: the tiny Qwen3 LLM, greedy
+    and never stopping early (an answer lasts its max tokens), spoken by the tiny Qwen3-TTS
+    CustomVoice checkpoint; shared by the chat and the realtime modules."""
+    from omnistage.testing.tiny_models import build_tiny_checkpoint
+
+    llm = build_tiny_checkpoint(tmp_path_factory.mktemp("agent_llm"), "Qwen3ForCausalLM")
+    tts: Path = qwen3_tts_ref["root"] / "custom_voice"
+    server = Server([str(llm), "--served-model-name", "agent", "--stage-config", "voice_agent",
+                     "--stage-override", f"talker.model={tts}",
+                     "--stage-override", f"code2wav.model={tts}",
+                     "--stage-override", "llm.ar.sampling.temperature=0",
+                     "--stage-override", "llm.ar.sampling.ignore_eos=true"],
+                    tmp_path_factory.mktemp("agent-log") / "agent.log")
+    try:
+        yield server.wait_ready()
+    finally:
+        code = server.stop()
+    assert code == 0, code
+
+
 @pytest.fixture(scope="module")
 def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
     """Start servers of the module's own (stopped at the end of the module)."""

@@ -12,13 +12,11 @@ import base64
 import json
 import socket
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from websockets.sync.client import ClientConnection, connect
 
-from omnistage.testing.tiny_models import build_tiny_checkpoint
 
 if TYPE_CHECKING:
     from tests.system.entrypoints.openai.conftest import Server
@@ -31,16 +29,9 @@ SESSION = {"audio": {"output": {"voice": "vivian"}}, "max_output_tokens": 24}
 
 
 @pytest.fixture(scope="module")
-def server(start_server: Callable[..., Server], qwen3_tts_ref: dict,
-           tmp_path_factory: pytest.TempPathFactory) -> Server:
+def server(agent_server: Server) -> Server:
     """Greedy, and an LLM that never stops early: an answer lasts max_output_tokens."""
-    llm = build_tiny_checkpoint(tmp_path_factory.mktemp("agent_llm"), "Qwen3ForCausalLM")
-    tts: Path = qwen3_tts_ref["root"] / "custom_voice"
-    return start_server([str(llm), "--served-model-name", MODEL, "--stage-config",
-                         "voice_agent", "--stage-override", f"talker.model={tts}",
-                         "--stage-override", f"code2wav.model={tts}",
-                         "--stage-override", "llm.ar.sampling.temperature=0",
-                         "--stage-override", "llm.ar.sampling.ignore_eos=true"])
+    return agent_server
 
 
 def open_session(server: Server, query: str = "") -> tuple[ClientConnection, dict[str, Any]]:

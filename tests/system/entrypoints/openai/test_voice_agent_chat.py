@@ -6,15 +6,13 @@ streamed; a voice the talker lacks is a 400 naming it."""
 from __future__ import annotations
 
 import base64
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import openai
 import pytest
 
 from omnistage.stages.speakable import speakable
-from omnistage.testing.tiny_models import build_tiny_checkpoint
 from omnistage.utils.audio import decode_audio
 
 if TYPE_CHECKING:
@@ -26,13 +24,8 @@ GREEDY_TALKER = {"sampling_params_list": [None, {"temperature": 0.0}, None]}
 
 
 @pytest.fixture(scope="module")
-def server(start_server: Callable[..., Server], qwen3_tts_ref: dict,
-           tmp_path_factory: pytest.TempPathFactory) -> Server:
-    llm = build_tiny_checkpoint(tmp_path_factory.mktemp("agent_llm"), "Qwen3ForCausalLM")
-    tts: Path = qwen3_tts_ref["root"] / "custom_voice"
-    return start_server([str(llm), "--served-model-name", MODEL, "--stage-config",
-                         "voice_agent", "--stage-override", f"talker.model={tts}",
-                         "--stage-override", f"code2wav.model={tts}"])
+def server(agent_server: Server) -> Server:
+    return agent_server
 
 
 def test_chat_answers_text_and_its_speech(server: Server) -> None:
