@@ -99,6 +99,7 @@ def hf_decode_speed(path: Path, prompt: list[int], output_len: int) -> dict:
 
 
 ASYNC_SCHEDULING = True     # --no-async-scheduling
+QUANTIZATION: str | None = None     # --quantization: the stage's ar.quantization (fp8, int8)
 
 
 def make_engine(path: Path, max_num_seqs: int, max_num_batched_tokens: int,
@@ -115,6 +116,8 @@ def make_engine(path: Path, max_num_seqs: int, max_num_batched_tokens: int,
         extra["enforce_eager"] = True
     if attention_backend != "auto":
         extra["attention_backend"] = attention_backend
+    if QUANTIZATION:
+        extra["quantization"] = QUANTIZATION
     return AREngine(ARConfig(
         model=str(path), device="cuda", dtype="bfloat16",
         memory_fraction=0.5,
@@ -235,6 +238,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="read each decode step's tokens before launching the next")
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--quantization", default=None, choices=("fp8", "int8"),
+                    help="every linear but the head in 8 bits (ar.quantization); the "
+                         "weight-streaming limit stays the bf16 weights'")
     ap.add_argument("--checkpoint-dir", default="/tmp/omnistage-bench")
     ap.add_argument("--out", default=None)
     return ap
@@ -242,6 +248,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _apply_switches(args: argparse.Namespace) -> None:
     """The kernel and scheduling switches, set on their modules before the engine is built."""
+    global QUANTIZATION
+    QUANTIZATION = args.quantization
     if args.no_fused or args.no_gemv:
         from omnistage.layers import fused
         fused.set_enabled(not args.no_fused)
@@ -295,7 +303,7 @@ def _options(args: argparse.Namespace) -> dict[str, object]:
             "decode_attention_config": args.decode_attention_config,
             "async_scheduling": not args.no_async_scheduling,
             "max_kv_splits": args.max_kv_splits,
-            "attention_backend": args.attention_backend}
+            "attention_backend": args.attention_backend, "quantization": args.quantization}
 
 
 def main() -> None:

@@ -60,7 +60,7 @@ class DiffusionBenchConfig:
     concurrency: int = 4
     vae_base_dim: int = 16
     compile: bool = False                 # also time our transformer with compile_blocks
-    # fp8: also our transformer with FP8 linears (benchmarks/diffusion_fp8.py)
+    # fp8 / int8: also our transformer with 8-bit linears (benchmarks/diffusion_fp8.py)
     quantization: str | None = None
     device: str = "auto"
     seed: int = 0
@@ -74,8 +74,8 @@ class DiffusionBenchConfig:
             raise ValueError(f"steps={self.steps}: must be >= 2")
         if self.num_layers < 1 or self.text_len < 1 or self.concurrency < 1:
             raise ValueError("num_layers, text_len and concurrency must be >= 1")
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization={self.quantization!r}: only fp8")
+        if self.quantization not in (None, "fp8", "int8"):
+            raise ValueError(f"quantization={self.quantization!r}: fp8 or int8")
 
     @property
     def reference_compiled(self) -> bool:
@@ -393,7 +393,7 @@ def run(cfg: DiffusionBenchConfig, fp8: Fp8Bench | None = None) -> dict[str, obj
         "dtype": str(dtype).removeprefix("torch."),
         "config": {**asdict(cfg), "transformer": cfg.transformer, "scheduler": SCHEDULER},
         "transformer": transformer_result, "engine": engine_result,
-        **({"fp8": fp8_result} if fp8_result else {}), "ratios": ratios,
+        **({cfg.quantization: fp8_result} if fp8_result else {}), "ratios": ratios,
         "notes": "speedups: reference seconds over ours (above 1: ours is faster). PSNR of the "
                  "step-cached run against the uncached one: latents with the reference's range "
                  "as peak, images (small random VAE) with 255. Random weights: how many steps a "

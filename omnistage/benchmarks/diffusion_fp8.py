@@ -1,4 +1,5 @@
-"""The FP8 variant of `omnistage bench diffusion` (`--quantization fp8`, issue 23): our Qwen-Image
+"""The FP8 (and INT8) variant of `omnistage bench diffusion` (`--quantization fp8|int8`, issues
+23 and 44; the keys below say fp8, int8's have its prefix): our Qwen-Image
 transformer after `quantize_fp8` (layers/fp8.py), against diffusers eager and compiled (timed in
 the same call by diffusion.py) and against our own bf16 image.
 
@@ -30,6 +31,7 @@ from omnistage.benchmarks.common import free_device_memory, ratio
 from omnistage.benchmarks.diffusion import (DiffusionBenchConfig, _pipeline, _serve,
                                             best_cached, denoiser_inputs, psnr, request_params)
 from omnistage.layers.fp8 import MIN_FEATURES, quantize_fp8
+from omnistage.layers.int8 import quantize_int8
 
 GIB = 1 << 30
 FP8_CACHE_MIN_DB = 28.0
@@ -46,12 +48,14 @@ def bench_fp8(transformer: nn.Module, image: Tensor, reference: dict[str, object
     image, `reference` the transformer timings (diffusers eager and compiled)."""
     from omnistage.diffusion.pipeline import compile_blocks
 
-    tiny = cfg.sizes == "tiny"
+    tiny, q = cfg.sizes == "tiny", cfg.quantization        # q: fp8 or int8, the keys' prefix
     out: dict[str, object] = {"weights_gib_bf16": weight_bytes(transformer) / GIB}
-    swapped = quantize_fp8(transformer, min_features=16 if tiny else MIN_FEATURES,
-                           allow_cpu=tiny)
+    floor = 16 if tiny else MIN_FEATURES
+    swapped = (quantize_fp8(transformer, min_features=floor, allow_cpu=tiny) if q == "fp8"
+               else quantize_int8(transformer, min_features=floor))
     free_device_memory(device)
-    out.update(num_fp8_linears=len(swapped), weights_gib_fp8=weight_bytes(transformer) / GIB)
+    out.update({f"num_{q}_linears": len(swapped),
+                f"weights_gib_{q}": weight_bytes(transformer) / GIB})
     _, text, timed = denoiser_inputs(cfg, device, dtype)
     grid = cfg.size // 16
 
@@ -60,26 +64,26 @@ def bench_fp8(transformer: nn.Module, image: Tensor, reference: dict[str, object
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    _, out["fp8_s"] = timed(forward)
+    _, out[f"{q}_s"] = timed(forward)
     if device.type == "cuda":
-        out["fp8_peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        out[f"{q}_peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
     if cfg.compile:                                 # stays compiled for the engine below
         t0 = time.perf_counter()
         compile_blocks(transformer)
-        _, out["fp8_compiled_s"] = timed(forward)
-        out["fp8_compile_and_warmup_s"] = time.perf_counter() - t0 - out["fp8_compiled_s"]
+        _, out[f"{q}_compiled_s"] = timed(forward)
+        out[f"{q}_compile_and_warmup_s"] = time.perf_counter() - t0 - out[f"{q}_compiled_s"]
     out["engine"] = _engine(transformer, text[0], image, cfg, device, dtype)
-    best_s = out.get("fp8_compiled_s", out["fp8_s"])
+    best_s = out.get(f"{q}_compiled_s", out[f"{q}_s"])
     cached = out["engine"]["step_cache_best_at_28db"]
     compiled_s = reference["diffusers_compiled_s"]
     out["ratios"] = {
-        "fp8_speedup_vs_diffusers": ratio(reference["diffusers_s"], best_s),
-        "fp8_speedup_vs_diffusers_compiled": ratio(compiled_s, best_s),
-        "fp8_image_psnr_db": out["engine"]["image_psnr_db"],
-        "fp8_cache_speedup_vs_diffusers_compiled": ratio(compiled_s, cached["seconds"])
+        f"{q}_speedup_vs_diffusers": ratio(reference["diffusers_s"], best_s),
+        f"{q}_speedup_vs_diffusers_compiled": ratio(compiled_s, best_s),
+        f"{q}_image_psnr_db": out["engine"]["image_psnr_db"],
+        f"{q}_cache_speedup_vs_diffusers_compiled": ratio(compiled_s, cached["seconds"])
         if cached else None,
-        "fp8_cache_image_psnr_db": cached["image_psnr_db"] if cached else None,
-        "fp8_weights_vs_bf16": ratio(out["weights_gib_fp8"], out["weights_gib_bf16"])}
+        f"{q}_cache_image_psnr_db": cached["image_psnr_db"] if cached else None,
+        f"{q}_weights_vs_bf16": ratio(out[f"weights_gib_{q}"], out["weights_gib_bf16"])}
     return out
 
 

@@ -175,6 +175,16 @@ def test_bench_diffusion(tmp_path: Path) -> None:
     check_fp8(doc)
 
 
+def test_bench_diffusion_int8(tmp_path: Path) -> None:
+    """--quantization int8: the same part with INT8 W8A8 linears, its keys int8_*."""
+    doc = bench(tmp_path, "diffusion", "--cache-thresholds", "0.5", "--steps", "2",
+                "--quantization", "int8")
+    int8, ratios = doc["int8"], doc["ratios"]
+    assert int8["num_int8_linears"] > 10 and positive(int8["int8_s"])
+    assert 0.3 < ratios["int8_weights_vs_bf16"] < 0.8 and ratios["int8_image_psnr_db"] > 30
+    assert positive(ratios["int8_speedup_vs_diffusers_compiled"]) and "fp8" not in doc
+
+
 def test_bench_diffusion_flux2_klein(tmp_path: Path) -> None:
     """--model flux2-klein: FLUX.2's transformer against diffusers' (float32: the same latents)
     and the klein pipeline in the engine."""
