@@ -26,11 +26,11 @@ pytest.importorskip("onnxruntime")
 
 from omnistage.ar.engine import AREngine  # noqa: E402
 from omnistage.configs.schema import ARConfig, KVCacheConfig  # noqa: E402
-from omnistage.diffusion.pipelines.cosyvoice3 import CloneInput, fixed_noise, token2mel  # noqa: E402
-from omnistage.models.cosyvoice3.hift import SourceNoise  # noqa: E402
+from omnistage.generation.cosyvoice3 import CosyVoice3Generator  # noqa: E402
 from omnistage.models.cosyvoice3.llm import CosyVoice3LM  # noqa: E402
 from omnistage.models.cosyvoice3.model import CosyVoice3  # noqa: E402
 from omnistage.models.cosyvoice3.prompt import PromptBuilder  # noqa: E402
+from omnistage.payloads import VoicePrompt  # noqa: E402
 from omnistage.sampling_params import SamplingParams  # noqa: E402
 from omnistage.utils.audio import decode_audio  # noqa: E402
 from tests.helpers.cosyvoice3 import write_served  # noqa: E402
@@ -115,13 +115,9 @@ class Golden:
         prompt = self.builder.build(text, clip, kw.get("ref_text"), kw.get("instructions"))
         tokens = self.tokens(prompt)
         assert len(tokens) >= 4 and len(set(tokens)) >= 2, tokens
-        (mel,) = token2mel(self.model.flow, [CloneInput(torch.tensor(tokens), clip.tokens,
-                                                        clip.mel, clip.xvector)],
-                           fixed_noise(self.model.cfg.flow.input_size))
-        noise = SourceNoise.seeded(0, mel.shape[0] * self.model.cfg.hift.samples_per_frame,
-                                   self.model.cfg.hift.nb_harmonics + 1)
-        wave_, _ = self.model.hift(mel.T[None], noise)
-        return wave_.reshape(-1).numpy()
+        chunks = CosyVoice3Generator(self.model, torch.device("cpu")).speak(
+            tokens, VoicePrompt(clip.tokens, clip.mel, clip.xvector))    # streamed, as served
+        return torch.cat(chunks).numpy()
 
 
 @pytest.fixture(scope="module")
