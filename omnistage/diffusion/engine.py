@@ -359,7 +359,6 @@ class DiffusionEngine:
             r.latents = r.solver.step(v, x, r.sigmas, r.step_idx, r.solver_state).to(x.dtype)
             r.step_idx += 1
 
-
     def _velocity(self, latents: Tensor, sigma: Tensor, batch: list[DiffusionRequest]
                   ) -> Tensor:
         """The pipeline's velocity for the batch: one call per LoRA adapter (and scale) among
