@@ -36,6 +36,10 @@
 #            and compiled: LTX-2 (omnistage.benchmarks.ltx2) and HunyuanVideo-1.5
 #            (omnistage.benchmarks.hunyuan_video15), one model on the GPU at a time, and
 #            VibeVoice (omnistage.benchmarks.vibevoice, against transformers' generate)
+#   growth   bench omni qwen2.5-omni with token2wav chunk_blocks 4 (default) and 8 (growing
+#            2, 4, 8), concurrency 1 / 8 / 32
+#   quant    AR single stream bf16 / fp8 / int8 (ar_offline --quantization) and bench
+#            diffusion --quantization int8
 #   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -218,6 +222,26 @@ if [[ $STAGES == *regress* ]]; then
     timeout 500 python3 -m omnistage.entrypoints.cli.main bench regress \
         --probes "${REGRESS_PROBES:-ar,omni,omni25}" --out-dir "$OUT" ${REGRESS_FLAGS:-} \
         2>&1 | grep -v Warn | tail -25
+fi
+if [[ $STAGES == *growth* ]]; then
+    # Qwen2.5-Omni's token2wav: the default chunks (2, 4, 4, ...) against growing ones (2, 4,
+    # 8, 8, ...), concurrency 1 / 8 / 32, in one call (issue 41)
+    for cb in 4 8; do
+        timeout 200 python3 -m omnistage.entrypoints.cli.main bench omni --model qwen2.5-omni \
+            --concurrency 1,8,32 --stage-override token2wav.generation.options.chunk_blocks=$cb \
+            --out-dir "$OUT" --name omni25_cb$cb 2>&1 | grep -E "rtf|first_audio" | head -6
+    done
+fi
+if [[ $STAGES == *quant* ]]; then
+    # issue 44's 8-bit paths: AR single stream bf16 / fp8 / int8, the diffusion transformer's
+    # int8 against diffusers eager and compiled (Qwen-Image shape)
+    for q in "" fp8 int8; do
+        timeout 150 python3 -m omnistage.benchmarks.ar_offline --single-stream --output-len 256 \
+            --skip-hf ${q:+--quantization $q} --out "$OUT/ar_single_${q:-bf16}.json" 2>&1 \
+            | grep -E "decode_tokens_per_s|Error" | head -3
+    done
+    timeout 400 python3 -m omnistage.entrypoints.cli.main bench diffusion --quantization int8 \
+        --out-dir "$OUT" --name diffusion_int8 2>&1 | grep -E "int8_|Error" | head -8
 fi
 if [[ $STAGES == *tp30b* ]]; then
     # two GPUs (kind nvidia-h100-x2): Qwen3-Omni-30B-A3B at its real size, the thinker on
