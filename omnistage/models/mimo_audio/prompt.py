@@ -34,6 +34,7 @@ from torch import Tensor
 
 from omnistage.models.audio_parts import part_waveform
 from omnistage.models.mimo_audio.config import MiMoAudioConfig
+from omnistage.models.mimo_audio.tokenizer_decoder import tokenizer_config
 from omnistage.models.mimo_audio.tokenizer_encoder import num_speech_frames
 
 TTS_TEMPLATE = {"en": "Please convert this text to speech", "zh": "请将这段文字转换为语音"}
@@ -183,8 +184,7 @@ class MiMoAudioInputProcessor:
         speech = path / "audio_tokenizer" / "config.json"
         group = json.loads((path / "config.json").read_text()).get("group_size", 4)
         return cls(AutoTokenizer.from_pretrained(str(path)),
-                   {"avg_pooler": 1, **json.loads(speech.read_text())}
-                   if speech.is_file() else None, int(group))
+                   tokenizer_config(speech.parent) if speech.is_file() else None, int(group))
 
     def hear(self, part: dict[str, Any], where: str) -> np.ndarray:
         assert self.speech is not None

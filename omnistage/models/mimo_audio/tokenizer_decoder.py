@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omnistage.layers.linear import Linear
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -136,6 +139,31 @@ class _Vocoder(nn.Module):
         return (y / env)[pad:-pad]
 
 
+def tokenizer_config(path: str | Path) -> dict:
+    """The tokenizer folder's config.json with upstream's defaults for the keys it may omit."""
+    return {"avg_pooler": 1, "rope_theta": 10000, "decoder_causal": True,
+            **json.loads((Path(path) / "config.json").read_text())}
+
+
+def load_tokenizer_part(model: M, path: str | Path, device: torch.device | str,
+                        source_name: Callable[[str], str]) -> M:
+    """Each parameter of `model` (the encoder or the decoder) from the folder's safetensors,
+    by its upstream name; ValueError naming the first one missing."""
+    from safetensors.torch import load_file
+
+    model = model.to(device)
+    state: dict[str, Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(f, device=str(device)))
+    for name, param in model.named_parameters():
+        src = source_name(name)
+        if src not in state:
+            raise ValueError(f"{path}: missing {src}")
+        with torch.no_grad():
+            param.copy_(state[src])
+    return model.eval()
+
+
 class MiMoAudioTokenizerDecoder(nn.Module):
     def __init__(self, c: dict) -> None:
         super().__init__()
@@ -158,23 +186,7 @@ class MiMoAudioTokenizerDecoder(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu"
                         ) -> MiMoAudioTokenizerDecoder:
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        cfg = {"avg_pooler": 1, "rope_theta": 10000, "decoder_causal": True,
-               **json.loads((path / "config.json").read_text())}
-        model = cls(cfg).to(device)
-        state: dict[str, Tensor] = {}
-        for f in sorted(path.glob("*.safetensors")):
-            state.update(load_file(f, device=str(device)))
-        ours = dict(model.named_parameters())
-        for name in ours:
-            src = cls._source_name(name)
-            if src not in state:
-                raise ValueError(f"{path}: missing {src}")
-            with torch.no_grad():
-                ours[name].copy_(state[src])
-        return model.eval()
+        return load_tokenizer_part(cls(tokenizer_config(path)), path, device, cls._source_name)
 
     @staticmethod
     def _source_name(name: str) -> str:

@@ -21,14 +21,14 @@ tests/golden/models/test_mimo_audio_encoder.py against scripts/mimo_audio_encode
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.models.mimo_audio.tokenizer_decoder import _Stack
+from omnistage.models.mimo_audio.tokenizer_decoder import (_Stack, load_tokenizer_part,
+                                                           tokenizer_config)
 
 SEGMENT_FRAMES = 6000       # upstream's segment_size
 
@@ -89,27 +89,13 @@ class MiMoAudioTokenizerEncoder(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu"
                         ) -> MiMoAudioTokenizerEncoder:
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        cfg = {"avg_pooler": 1, "rope_theta": 10000, **json.loads(
-            (path / "config.json").read_text())}
+        cfg = tokenizer_config(path)
         for key, ok in (("ln_type", "LayerNorm"), ("rope_type", "default"),
                         ("activation_function", "gelu")):
             if cfg.get(key, ok) != ok:
                 raise NotImplementedError(f"MiMo-Audio tokenizer: {key}={cfg[key]!r} (only "
                                           f"{ok!r} is ported)")
-        model = cls(cfg).to(device)
-        state: dict[str, Tensor] = {}
-        for f in sorted(path.glob("*.safetensors")):
-            state.update(load_file(f, device=str(device)))
-        for name, param in model.named_parameters():
-            src = cls._source_name(name)
-            if src not in state:
-                raise ValueError(f"{path}: missing {src}")
-            with torch.no_grad():
-                param.copy_(state[src])
-        return model.eval()
+        return load_tokenizer_part(cls(cfg), path, device, cls._source_name)
 
     @staticmethod
     def _source_name(name: str) -> str:
