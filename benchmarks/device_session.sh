@@ -38,8 +38,8 @@
 #            VibeVoice (omnistage.benchmarks.vibevoice, against transformers' generate)
 #   growth   bench omni qwen2.5-omni with token2wav chunk_blocks 4 (default) and 8 (growing
 #            2, 4, 8), concurrency 1 / 8 / 32
-#   quant    AR single stream bf16 / fp8 / int8 (ar_offline --quantization) and bench
-#            diffusion --quantization int8
+#   quant    AR single stream bf16 / fp8 / int8 (ar_offline --quantization); with "quantdit"
+#            also bench diffusion --quantization int8 (Qwen-Image shape, minutes)
 #   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -227,9 +227,9 @@ if [[ $STAGES == *growth* ]]; then
     # Qwen2.5-Omni's token2wav: the default chunks (2, 4, 4, ...) against growing ones (2, 4,
     # 8, 8, ...), concurrency 1 / 8 / 32, in one call (issue 41)
     for cb in 4 8; do
-        timeout 200 python3 -m omnistage.entrypoints.cli.main bench omni --model qwen2.5-omni \
-            --concurrency 1,8,32 --stage-override token2wav.generation.options.chunk_blocks=$cb \
-            --out-dir "$OUT" --name omni25_cb$cb 2>&1 | grep -E "rtf|first_audio" | head -6
+        timeout 240 python3 -m omnistage.entrypoints.cli.main bench omni --model qwen2.5-omni \
+            --concurrency 1,8,32 --reference-requests 0 \
+            --stage-override token2wav.generation.options.chunk_blocks=$cb --out-dir "$OUT" --name omni25_cb$cb 2>&1 | grep -E "rtf|first_audio" | head -6
     done
 fi
 if [[ $STAGES == *quant* ]]; then
@@ -240,7 +240,8 @@ if [[ $STAGES == *quant* ]]; then
             --skip-hf ${q:+--quantization $q} --out "$OUT/ar_single_${q:-bf16}.json" 2>&1 \
             | grep -E "decode_tokens_per_s|Error" | head -3
     done
-    timeout 400 python3 -m omnistage.entrypoints.cli.main bench diffusion --quantization int8 \
+    [[ $STAGES == *quantdit* ]] && timeout 400 python3 -m omnistage.entrypoints.cli.main \
+        bench diffusion --quantization int8 \
         --out-dir "$OUT" --name diffusion_int8 2>&1 | grep -E "int8_|Error" | head -8
 fi
 if [[ $STAGES == *tp30b* ]]; then
