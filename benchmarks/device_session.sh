@@ -38,6 +38,8 @@
 #            VibeVoice (omnistage.benchmarks.vibevoice, against transformers' generate)
 #   growth   bench omni qwen2.5-omni with token2wav chunk_blocks 4 (default) and 8 (growing
 #            2, 4, 8), concurrency 1 / 8 / 32
+#   prefill  prompt steps from CUDA graphs against eager (ar.max_graph_tokens 512 / 0): the AR
+#            GPU tests, Qwen3-Omni and Qwen3-TTS first audio at c1 / c8 (needs .whl/ref)
 #   quant    AR single stream bf16 / fp8 / int8 (ar_offline --quantization); with "quantdit"
 #            also bench diffusion --quantization int8 (Qwen-Image shape, minutes)
 #   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
@@ -222,6 +224,26 @@ if [[ $STAGES == *regress* ]]; then
     timeout 500 python3 -m omnistage.entrypoints.cli.main bench regress \
         --probes "${REGRESS_PROBES:-ar,omni,omni25}" --out-dir "$OUT" ${REGRESS_FLAGS:-} \
         2>&1 | grep -v Warn | tail -25
+fi
+if [[ $STAGES == *prefill* ]]; then
+    # steps with prompt rows from CUDA graphs (ar.max_graph_tokens, default 512) against eager
+    # prompts (0), issue 41: the AR GPU tests, then Qwen3-Omni's (bench shape) and Qwen3-TTS
+    # 1.7B's first audio at concurrency 1 and 8, eager first, in one call
+    timeout 200 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
+        -q tests/gpu/test_ar_cuda.py tests/gpu/test_moe_cuda.py 2>&1 \
+        | tee "$OUT/prefill_tests.txt" | tail -4
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/ref-site .whl/ref/*.whl >/dev/null 2>&1 || exit 1
+    for g in 0 512; do
+        timeout 150 python3 -m omnistage.entrypoints.cli.main bench omni --concurrency 1,8 \
+            --reference-requests 0 --stage-override thinker.ar.max_graph_tokens=$g \
+            --stage-override talker.ar.max_graph_tokens=$g --out-dir "$OUT" \
+            --name omni_graph_tokens$g 2>&1 | grep -E '"first_audio|Error' | head -4
+        OMNISTAGE_TTS_REF_PYTHONPATH=/tmp/ref-site timeout 120 python3 -m \
+            omnistage.entrypoints.cli.main bench tts --concurrency 1,8 --reference-requests 0 \
+            --stage-override talker.ar.max_graph_tokens=$g --out-dir "$OUT" \
+            --name tts_graph_tokens$g 2>&1 | grep -E '"first_audio|Error' | head -4
+    done
 fi
 if [[ $STAGES == *growth* ]]; then
     # Qwen2.5-Omni's token2wav: the default chunks (2, 4, 4, ...) against growing ones (2, 4,

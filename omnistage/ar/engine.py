@@ -75,7 +75,9 @@ class AREngine:
                                   config.attention_backend, config.seed,
                                   max_num_seqs=sched.max_num_seqs,
                                   max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager)
+                                  enforce_eager=config.enforce_eager,
+                                  max_graph_tokens=min(config.max_graph_tokens,
+                                                       sched.max_num_batched_tokens))
         eos = set(self.model_config.eos_token_ids)
         if (self.tokenizer is not None and self.tokenizer.eos_token_id is not None
                 and self.model.stops_at_tokenizer_eos):
@@ -95,8 +97,9 @@ class AREngine:
         this stage's steps will replay: requests emitting `capture_layers` (their
         output_hidden_layers), decodes fed embeddings (stream rows, a feedback hook) or token
         ids. Otherwise the first step to use a bucket of it captures it, up to a second
-        inside serving. Nothing to do without graphs (CPU, enforce_eager, a model that can't
-        be captured)."""
+        inside serving. The prefill graphs take the same layers, for prompts of token ids and
+        (embeds) of embeddings. Nothing to do without graphs (CPU, enforce_eager, a model that
+        can't be captured)."""
         graphs = self.runner.graphs
         if graphs is None:
             return
@@ -107,8 +110,11 @@ class AREngine:
                              f"{self.model_config.num_hidden_layers}")
         # a step's embedding rows are the model's embeddings in the engine's dtype (validate
         # checks the hidden size of what requests bring)
-        graphs.capture_variant(layers, (self.model_config.hidden_size, self.dtype)
-                               if embeds else None)
+        fed = (self.model_config.hidden_size, self.dtype) if embeds else None
+        graphs.capture_variant(layers, fed)
+        if self.runner.prefill_graphs is not None:   # prompts of token ids, of embeddings
+            for variant in [None] + ([fed] if fed else []):
+                self.runner.prefill_graphs.capture_variant(layers, variant)
 
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
         """The model's token embeddings (T,) -> (T, hidden) outside a step (a stage building a

@@ -10,7 +10,10 @@ On CUDA, steps where every sequence decodes one output token replay a CUDA graph
 static input buffers, the batch padded up to the bucket. Decodes fed embeddings (stream rows
 added, the model's feedback embeddings) build their input rows eagerly and replay a variant
 that reads them from a static buffer. Sampling and the feedback hook stay outside the graph.
-Steps with prompt rows (prefill chunks) run eagerly. `launch_decode` / `resolve` split a
+Steps with prompt rows (prefill chunks, with or without decodes) of up to `max_graph_tokens`
+rows replay graphs too (`PrefillGraphs`, prefill_graphs.py: one per token-count bucket, from
+the same plan the other ranks receive); longer ones, and those with deepstack features, run
+eagerly. `launch_decode` / `resolve` split a
 graph-replayed decode step in two for the engine's async scheduling: launch and sample on the
 device (the tokens' copies to the host started behind them), then read.
 
@@ -42,6 +45,7 @@ from torch import Tensor
 from omnistage.ar import shadows
 from omnistage.ar.cuda_graphs import DecodeGraphs
 from omnistage.ar.kv_cache import KVCacheLayout
+from omnistage.ar.prefill_graphs import PrefillGraphs, supports_prefill_graphs
 from omnistage.ar.sampler import DeviceSample, Sampler, TokenLogprobs
 from omnistage.ar.scheduler import ScheduledBatch
 from omnistage.ar.sequence import Sequence
@@ -84,10 +88,11 @@ class ModelRunner:
     def __init__(self, model: CausalLM, layout: KVCacheLayout, device: torch.device,
                  dtype: torch.dtype, attention_backend: str = "auto", seed: int = 0, *,
                  max_num_seqs: int = 64, max_model_len: int | None = None,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, max_graph_tokens: int = 0) -> None:
         """enforce_eager: never use CUDA graphs. max_num_seqs / max_model_len size the graphs'
-        static buffers (the largest batch, the longest block table). Every rank of a
-        tensor-parallel stage builds its runner in the same order (the graphs' capture
+        static buffers (the largest batch, the longest block table); max_graph_tokens: the
+        largest step with prompt rows replayed from a graph (0: those run eagerly). Every rank
+        of a tensor-parallel stage builds its runner in the same order (the graphs' capture
         communicates)."""
         self.model = model
         self.layout = layout
@@ -112,6 +117,7 @@ class ModelRunner:
             layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
             layer.backend = backend
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         if (device.type == "cuda" and not enforce_eager
                 and getattr(backend, "supports_cuda_graphs", False)):
             max_blocks = layout.num_blocks if max_model_len is None else min(
@@ -119,6 +125,11 @@ class ModelRunner:
             graphs = DecodeGraphs(model, backend, layout.block_size, max_num_seqs, max_blocks,
                                   device, model.uses_mrope)
             self.graphs = graphs if graphs.capture_all() else None
+            if self.graphs is not None and max_graph_tokens and supports_prefill_graphs(backend):
+                prefill = PrefillGraphs(model, backend, layout.block_size, max_num_seqs,
+                                        max_blocks, max_graph_tokens, device,
+                                        model.uses_mrope, self.graphs.pool)
+                self.prefill_graphs = prefill if prefill.capture_all() else None
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
@@ -126,6 +137,7 @@ class ModelRunner:
                               for i in s.sampling_params.output_hidden_layers)
         rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         graphed = None
+        graphed_rows = False       # hidden states in a graph's output buffer
         if self.graphs is not None and self.graphs.can_run(batch):
             # decodes fed embeddings (a talker's stream rows, feedback embeddings) replay the
             # graph variant that reads a static embedding buffer, built here eagerly
@@ -135,6 +147,7 @@ class ModelRunner:
             self._share(plan)
             graphed = self._replay(plan, pieces)
         if graphed is not None:
+            graphed_rows = True
             hidden, captured = graphed                          # (B, hidden): one row a seq
             qsl = list(range(len(batch.seqs) + 1))
             last = hidden if len(rows) == len(batch.seqs) else hidden[rows]
@@ -143,7 +156,7 @@ class ModelRunner:
                                               self.model.uses_mrope, capture, rows)
             self._share(plan)
             feats = torch.cat(deep, dim=1).to(self.device, self.dtype) if deep else None
-            hidden, captured = self._forward(plan, pieces, feats)
+            hidden, captured, graphed_rows = self._forward(plan, pieces, feats)
             qsl = plan.query_start_loc
             if rows:
                 last = hidden[torch.tensor(plan.logit_rows, device=self.device)]
@@ -174,7 +187,7 @@ class ModelRunner:
             for j, i in enumerate(rows):
                 sampled[i] = out.token_ids[j]
                 logprobs[i] = out.logprobs[j]
-        hidden_out = self._slice_hidden(batch, qsl, captured, copy=graphed is not None)
+        hidden_out = self._slice_hidden(batch, qsl, captured, copy=graphed_rows)
         return RunnerOutput(sampled, logprobs, hidden_out, extras)
 
     @torch.inference_mode()
@@ -225,7 +238,7 @@ class ModelRunner:
             feats = None
             if plan.deepstack is not None:
                 feats = torch.empty(plan.deepstack[1], dtype=self.dtype, device=self.device)
-            hidden, _ = self._forward(plan, None, feats)
+            hidden = self._forward(plan, None, feats)[0]
         if plan.logit_rows:
             self.model.compute_logits(hidden[to_device(plan.logit_rows, self.device)])
 
@@ -235,9 +248,24 @@ class ModelRunner:
             self.ranks.share_plan(plan)
 
     def _forward(self, plan: ForwardPlan, pieces: list[Tensor] | None, feats: Tensor | None
-                 ) -> tuple[Tensor, dict[int, Tensor]]:
-        """An eager forward pass. pieces: the embeddings of plan.embed_rows; feats: the
-        deepstack features (L, K, hidden) (the other ranks: None, and a buffer)."""
+                 ) -> tuple[Tensor, dict[int, Tensor], bool]:
+        """A forward pass, replayed from a prefill graph where one takes the plan, else
+        eager -> hidden, captured layers, whether they are a graph's output buffers. pieces:
+        the embeddings of plan.embed_rows; feats: the deepstack features (L, K, hidden) (the
+        other ranks: None, and a buffer)."""
+        dev = self.device
+        input_ids = array_tensor(plan.input_ids).to(dev)
+        embeds = None
+        if plan.embed_rows is not None:
+            embeds = self._embed(input_ids, plan.embed_rows, pieces)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(plan):
+            graphed = self.prefill_graphs.run(plan, embeds)
+            if graphed is not None:       # None: the fed variant could not be captured
+                return graphed[0], graphed[1], True
+        return (*self._eager(plan, input_ids, embeds, feats), False)
+
+    def _eager(self, plan: ForwardPlan, input_ids: Tensor, embeds: Tensor | None,
+               feats: Tensor | None) -> tuple[Tensor, dict[int, Tensor]]:
         dev, qsl = self.device, plan.query_start_loc
         md = AttentionMetadata(
             slot_mapping=array_tensor(plan.slot_mapping).to(dev),
@@ -247,7 +275,6 @@ class ModelRunner:
             query_start_loc_cpu=qsl, seq_lens_cpu=plan.seq_lens,
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
             max_seq_len=max(plan.seq_lens))
-        input_ids = array_tensor(plan.input_ids).to(dev)
         positions = plan.positions
         positions = (positions if isinstance(positions, Tensor)
                      else array_tensor(positions)).to(dev)                 # (T,) or (3, T)
@@ -255,9 +282,6 @@ class ModelRunner:
         if plan.deepstack is not None:
             rows = array_tensor(plan.deepstack[0]).to(dev)
             extra["deepstack"] = (rows, broadcast(feats, self.ranks.tp))  # type: ignore[arg-type]
-        embeds = None
-        if plan.embed_rows is not None:
-            embeds = self._embed(input_ids, plan.embed_rows, pieces)
         self.backend.prepare(md, has_cache=True)
         with forward_context(md):
             return self.model(input_ids, positions, embeds, plan.capture, **extra)

@@ -102,6 +102,14 @@ ASYNC_SCHEDULING = True     # --no-async-scheduling
 QUANTIZATION: str | None = None     # --quantization: the stage's ar.quantization (fp8, int8)
 
 
+def stage_quantization(method: str):  # -> ComponentQuantization
+    """--quantization's method as ARConfig takes it (what a stage's `ar.quantization: fp8`
+    becomes)."""
+    from omnistage.configs.quantization import ar_method, read_quantization
+
+    return ar_method(read_quantization(method), None)
+
+
 def make_engine(path: Path, max_num_seqs: int, max_num_batched_tokens: int,
                 enforce_eager: bool = False, attention_backend: str = "auto"):  # -> AREngine
     from omnistage.ar.engine import AREngine
@@ -117,7 +125,7 @@ def make_engine(path: Path, max_num_seqs: int, max_num_batched_tokens: int,
     if attention_backend != "auto":
         extra["attention_backend"] = attention_backend
     if QUANTIZATION:
-        extra["quantization"] = QUANTIZATION
+        extra["quantization"] = stage_quantization(QUANTIZATION)
     return AREngine(ARConfig(
         model=str(path), device="cuda", dtype="bfloat16",
         memory_fraction=0.5,

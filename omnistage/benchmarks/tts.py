@@ -101,6 +101,7 @@ class TTSBenchConfig:
     backend: str = "process"              # stage backend of our runtime
     first_chunk_frames: int | None = None  # code2wav's first chunk (None: the graph's 2)
     seed: int = 0
+    stage_overrides: tuple[str, ...] = ()  # STAGE.KEY=VALUE on our graph
 
     def __post_init__(self) -> None:
         if self.sizes not in VOICE:
@@ -181,6 +182,7 @@ def bench_ours(path: Path, cfg: TTSBenchConfig, device: torch.device, dtype: tor
         if cfg.backend == "inproc" else {}
     overrides = [] if cfg.first_chunk_frames is None else \
         [f"code2wav.generation.options.first_chunk_frames={cfg.first_chunk_frames}"]
+    overrides += cfg.stage_overrides
     t0 = time.perf_counter()
     with Omni(str(path), device=str(device), dtype=str(dtype).removeprefix("torch."),
               stage_overrides=overrides, **kw) as omni:

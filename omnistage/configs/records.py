@@ -231,6 +231,9 @@ class ARSettings:
     enforce_eager: bool = field(default=False, metadata=meta(
         "no CUDA graphs for decode steps", flag="enforce_eager", keyword_every_stage=True,
         action="store_true"))
+    max_graph_tokens: int = field(default=512, metadata=meta(
+        "steps with prompt rows (prefills, mixed steps) of up to N tokens replay CUDA graphs "
+        "as decodes do (0: they run eagerly)", flag="max_graph_tokens", metavar="N"))
     async_scheduling: bool = field(default=True, metadata=meta(
         "launch a graph-replayed decode step before the previous one's tokens are read back "
         "(host and device work overlap; the same tokens)", flag="async_scheduling",
@@ -256,6 +259,7 @@ class ARSettings:
             raise ValueError(f"quantization: {e}") from None
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             _check_count(self, name)
+        _check_count(self, "max_graph_tokens", 0)
         if any(i < 0 for i in self.output_hidden_layers):
             raise _bad(self, "output_hidden_layers", "layer indices must be >= 0")
         if "output_hidden_layers" in self.sampling:

@@ -51,6 +51,8 @@ class ARConfig:
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     # Never replay decode steps from CUDA graphs (debugging, or models that change per step).
     enforce_eager: bool = False
+    # Steps with prompt rows of up to this many tokens replay CUDA graphs too (0: eager).
+    max_graph_tokens: int = 512
     # Launch a graph-replayed decode step before the previous one's tokens are read back, so
     # host and device work overlap (the same tokens; engine.py `step`).
     async_scheduling: bool = True
@@ -201,7 +203,7 @@ class StageConfig:
             component=self.component, tokenizer=ar.tokenizer, device=device,
             dtype=self.dtype, seed=ar.seed, memory_fraction=self.placement.memory_fraction,
             enforce_eager=ar.enforce_eager, async_scheduling=ar.async_scheduling,
-            kv_cache=ar.kv_cache, quantization=ar_method(ar.quantization, self.component),
+            max_graph_tokens=ar.max_graph_tokens, kv_cache=ar.kv_cache, quantization=ar_method(ar.quantization, self.component),
             scheduler=SchedulerConfig(max_num_seqs=ar.max_num_seqs,
                                       max_num_batched_tokens=ar.max_num_batched_tokens,
                                       enable_chunked_prefill=ar.enable_chunked_prefill,

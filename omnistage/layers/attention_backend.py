@@ -59,7 +59,10 @@ def get_forward_context() -> AttentionMetadata | None:
 class AttentionBackend(Protocol):
     """What a kernel provides. `k_cache`/`v_cache`: (num_blocks, block_size, Hkv, D).
     `prepare` runs once per step, before the forward pass, so that per-layer calls do no host
-    work or host-to-device copies."""
+    work or host-to-device copies. `supports_prefill_graphs`: steps with prompt rows can be
+    captured in CUDA graphs too (ar/prefill_graphs.py plans them over a static work table)."""
+
+    supports_prefill_graphs: bool
 
     def prepare(self, md: AttentionMetadata, has_cache: bool) -> None: ...
 
@@ -82,6 +85,8 @@ class TorchPagedAttention:
     device. Decodes (one query each) share one batched SDPA over their gathered, padded
     context; a fresh prefill is one causal SDPA on its own keys; a chunk on top of a cached
     context gathers that context. GPU kernels replace this for speed."""
+
+    supports_prefill_graphs = False
 
     def __init__(self, block_size: int = 16) -> None:
         self.block_size = block_size

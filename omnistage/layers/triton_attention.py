@@ -237,6 +237,7 @@ class TritonPagedAttention:
     CPU tensors). Graph-safe: `forward` only launches kernels on tensors fixed by `prepare`."""
 
     supports_cuda_graphs = True
+    supports_prefill_graphs = True   # static_prefill_state, prefill_work (ar/prefill_graphs.py)
     accepts_stored_kv = True     # forward(..., kv_stored=True): the new K/V are in the cache
 
     def __init__(self, block_size: int = 16, num_queries_per_kv: int = 1,
@@ -289,6 +290,40 @@ class TritonPagedAttention:
         if pre_seqs:
             launches.append(_Launch(work[dec_len:], len(pre_seqs), pre_m))
         return _TritonState(group, launches)
+
+    # -- steps replayed from CUDA graphs with prompt rows (ar/prefill_graphs.py) -------------
+    def _prefill_tokens(self) -> int:
+        group = self.num_queries_per_kv
+        return _block_m(PREFILL_BLOCK_M, group) // group
+
+    def max_prefill_programs(self, num_tokens: int, num_seqs: int) -> int:
+        """Prefill programs enough for any batch of up to num_tokens rows in num_seqs
+        sequences: a program a full tile of queries, plus one partial tile a sequence."""
+        return -(-num_tokens // self._prefill_tokens()) + num_seqs
+
+    def static_prefill_state(self, work: Tensor) -> _TritonState:
+        """The plan of a step captured in a CUDA graph: one launch of prefill programs (any
+        mix of prompt chunks and decodes) over the static work table `work` ((2 * P,) int32:
+        each program's sequence, then its first query), which `prefill_work` rewrites before
+        every replay; P programs whatever the batch."""
+        group = self.num_queries_per_kv
+        return _TritonState(group, [_Launch(work, work.numel() // 2,
+                                            _block_m(PREFILL_BLOCK_M, group))])
+
+    def prefill_work(self, qsl: list[int], num_programs: int, pad_seq: int) -> list[int]:
+        """The work table of `static_prefill_state` for a batch (query_start_loc qsl): the
+        batch's programs, then programs of sequence pad_seq (no query, no context: they write
+        nothing) up to num_programs."""
+        step = self._prefill_tokens()
+        seqs: list[int] = []
+        firsts: list[int] = []
+        for i in range(len(qsl) - 1):
+            for q0 in range(0, qsl[i + 1] - qsl[i], step):
+                seqs.append(i)
+                firsts.append(q0)
+        pad = num_programs - len(seqs)
+        assert pad >= 0, f"{len(seqs)} programs for a table of {num_programs}"
+        return seqs + [pad_seq] * pad + firsts + [0] * pad
 
     def rotate_and_attend(self, q: Tensor, k: Tensor, v: Tensor, rope_args: tuple,
                           k_cache: Tensor, v_cache: Tensor, md: AttentionMetadata,

@@ -134,14 +134,17 @@ def test_triton_attention_fp32_is_exact_enough() -> None:
 def test_cuda_graph_decode_equals_eager(tiny_qwen3: Path, dtype: str) -> None:
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=5, ignore_eos=True)
     eager = make_engine(tiny_qwen3, dtype, enforce_eager=True)
-    assert eager.runner.graphs is None
+    assert eager.runner.graphs is None and eager.runner.prefill_graphs is None
     want = run(eager, PROMPTS, params)
     del eager
     graphed = make_engine(tiny_qwen3, dtype, enforce_eager=False)
     graphs = graphed.runner.graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
+    prefills = graphed.runner.prefill_graphs     # steps of up to 96 tokens (the step budget)
+    assert prefills is not None and prefills.sizes == [16, 32, 64, 96]
     got = run(graphed, PROMPTS, params)
     assert graphs.num_replays > 0   # five sequences decode in the bucket of 8 (3 padding rows)
+    assert prefills.num_replays > 0  # the prompts' steps (chunks of 96, the rest mixed)
     for rid in want:
         ids, ref_ids = got[rid]["ids"], want[rid]["ids"]
         if dtype == "float32":   # same arithmetic up to float32 rounding: the same tokens

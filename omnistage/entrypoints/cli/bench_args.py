@@ -134,6 +134,9 @@ def _add_tts(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
                      help="codec frames of code2wav's first chunk (default: the graph's 6)")
     tts.add_argument("--backend", choices=["process", "inproc"], default=None,
                      help="stage backend (default: process; inproc with --tiny)")
+    tts.add_argument("--stage-override", action="append", default=[],
+                     metavar="STAGE.KEY=VALUE",
+                     help="a key of our graph's stages, as serve takes it (repeatable)")
     return tts
 
 

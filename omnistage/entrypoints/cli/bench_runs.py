@@ -123,7 +123,8 @@ def run_tts(args: argparse.Namespace) -> Outcome:
     cfg = tts.TTSBenchConfig.preset(
         "tiny" if args.tiny else "1.7b", frames=args.frames, backend=args.backend,
         concurrency=args.concurrency, reference_requests=args.reference_requests,
-        first_chunk_frames=args.first_chunk_frames, device=args.device, seed=args.seed)
+        first_chunk_frames=args.first_chunk_frames, device=args.device, seed=args.seed,
+        stage_overrides=tuple(args.stage_override))
     result = tts.run(cfg)
     return result, f"tts_qwen3-tts-{cfg.sizes}", result["ratios"]
 

@@ -65,3 +65,12 @@ def test_python_and_overrides() -> None:
     assert graph.stage("talker").ar_config("m", "cpu").quantization == INT8
     assert [ar_role(c) for c in (None, "qwen3_omni_thinker", "qwen3_tts_talker", "bagel_und")] \
         == ["transformer", "thinker", "talker", "transformer"]
+
+
+def test_the_benchmarks_flag_gives_what_ar_config_takes() -> None:
+    """`ar_offline --quantization fp8` (the GPU session's quant stage) hands ARConfig the
+    record a stage's `ar.quantization: fp8` becomes, not the string (its first GPU run
+    failed on that)."""
+    from omnistage.benchmarks.ar_offline import stage_quantization
+
+    assert stage_quantization("fp8") == FP8 and stage_quantization("int8") == INT8
