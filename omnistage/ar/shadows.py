@@ -97,7 +97,8 @@ def record_hidden(seqs: list[Sequence], num_new_tokens: list[int], hidden: Tenso
     its rows, and keeps its last row's final hidden state."""
     for i, seq in enumerate(seqs):
         if seq.owner is not None:
-            seq.last_hidden = hidden[query_start_loc[i + 1] - 1]
+            # a copy: a graph-replayed step's rows are overwritten by the next replay
+            seq.last_hidden = hidden[query_start_loc[i + 1] - 1].clone()
     advance(seqs, num_new_tokens)
 
 
