@@ -40,6 +40,7 @@
 #            2, 4, 8), concurrency 1 / 8 / 32
 #   prefill  prompt steps from CUDA graphs against eager (ar.max_graph_tokens 512 / 0): the AR
 #            GPU tests, Qwen3-Omni and Qwen3-TTS first audio at c1 / c8 (needs .whl/ref)
+#   fp8gemv  the one-row kernels' tests with FP8 weights, AR single stream bf16 against fp8
 #   quant    AR single stream bf16 / fp8 / int8 (ar_offline --quantization); with "quantdit"
 #            also bench diffusion --quantization int8 (Qwen-Image shape, minutes)
 #   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
@@ -220,10 +221,29 @@ if [[ $STAGES == *models* ]]; then
     timeout 200 python3 -m omnistage.entrypoints.cli.main bench omni --model qwen2.5-omni \
         --out-dir "$OUT" 2>&1 | tail -12
 fi
+if [[ $STAGES == *fp8gemv* ]]; then
+    # FP8 weights read by the one-row matrix-vector kernels (W8A16, issue 44): the kernel
+    # tests on the GPU, then single stream bf16 against fp8 (ar.quantization), in one call
+    timeout 200 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
+        -q tests/golden/layers/test_triton_ops.py tests/gpu/test_fp8_cuda.py 2>&1 \
+        | tee "$OUT/fp8gemv_tests.txt" | tail -3
+    for q in "" fp8; do
+        timeout 150 python3 -m omnistage.benchmarks.ar_offline --single-stream --output-len 256 \
+            --skip-hf ${q:+--quantization $q} --out "$OUT/ar_single_${q:-bf16}.json" 2>&1 \
+            | grep -E "decode_tokens_per_s|Error" | head -3
+    done
+fi
 if [[ $STAGES == *regress* ]]; then
+    if [[ ${REGRESS_PROBES:-} == *tts* ]]; then   # qwen-tts builds the TTS checkpoint
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/ref-site .whl/ref/*.whl >/dev/null 2>&1 || exit 1
+        export OMNISTAGE_TTS_REF_PYTHONPATH=/tmp/ref-site
+    fi
     timeout 500 python3 -m omnistage.entrypoints.cli.main bench regress \
         --probes "${REGRESS_PROBES:-ar,omni,omni25}" --out-dir "$OUT" ${REGRESS_FLAGS:-} \
         2>&1 | grep -v Warn | tail -25
+    # a refreshed baseline (REGRESS_FLAGS=--update-baseline) comes back to be committed
+    [[ ${REGRESS_FLAGS:-} == *update* ]] && cp benchmarks/results/baselines/*.json "$OUT/"
 fi
 if [[ $STAGES == *prefill* ]]; then
     # steps with prompt rows from CUDA graphs (ar.max_graph_tokens, default 512) against eager

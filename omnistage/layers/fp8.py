@@ -114,7 +114,12 @@ class Fp8Linear(nn.Module):
         xq, sx = quantize_activations(x.reshape(-1, self.in_features))     # (M, K), (M, 1)
         sw = self.weight_scale.view(1, -1)                                 # (1, N); a
         y = fp8_matmul(xq, sx, self.weight, sw, self.bias)  # checkpoint's is (N, 1). (M, N) bf16
-        y = y.to(x.dtype).unflatten(0, x.shape[:-1])
+        return self.finish(y.to(x.dtype).unflatten(0, x.shape[:-1]))
+
+    def finish(self, y: Tensor) -> Tensor:
+        """This rank's product (bias included) combined as the replaced layer did: summed
+        over the ranks of a row-parallel layer, gathered for a column-parallel one that
+        gathers (fused.py calls it after its matrix-vector kernel)."""
         if self.reduce_results:
             y = all_reduce(y, self.tp)
         return all_gather_last(y, self.tp) if self.gather_output else y

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import torch
 from torch import Tensor, nn
 
 from omnistage.layers.parallel import ParallelLMHead, RowParallelLinear
@@ -127,7 +128,10 @@ def norm_linear(norm: nn.Module, linear: nn.Module, x: Tensor, residual: Tensor 
     a pre-norm layer runs in front of its attention and its MLP. x, residual: (T, K)."""
     gemv = _gemv_for(x, linear.weight)
     if gemv is not None and norm.weight.dtype == x.dtype:
-        return gemv.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
+        scale = _fp8_scale(linear)
+        out, total = gemv.norm_linear(x, residual, norm.weight, norm.eps, linear.weight,
+                                      linear.bias, scale)
+        return (out if scale is None else linear.finish(out)), total
     if residual is None:
         return linear(norm(x)), x
     normed, total = norm.add_forward(x, residual)
@@ -161,10 +165,20 @@ def silu_linear(act: nn.Module, linear: nn.Module, x: Tensor) -> Tensor:
     return linear(act(x))
 
 
+def _fp8_scale(linear: nn.Module) -> Tensor | None:
+    """An FP8 linear's weight scale (layers/fp8.py Fp8Linear: the matrix-vector kernel reads
+    its e4m3 weight and scales the sums; then `finish` does its tensor-parallel part), else
+    None."""
+    return linear.weight_scale if linear.weight.dtype == torch.float8_e4m3fn else None
+
+
 def _gemv_linear(gemv: ModuleType, linear: nn.Module, x: Tensor, silu: bool) -> Tensor:
     """The kernel's x W^T (+ b), with SiLU-and-mul in front if `silu`; a row-parallel layer's
     partial result all-reduced, its bias in rank 0's part only (RowParallelLinear.forward)."""
     run = gemv.silu_linear if silu else gemv.linear
+    scale = _fp8_scale(linear)
+    if scale is not None:       # an Fp8Linear: its 8-bit weight read with its scale
+        return linear.finish(run(x, linear.weight, linear.bias, scale))
     if isinstance(linear, RowParallelLinear):
         return linear.reduce(run(x, linear.weight, linear.local_bias))
     return run(x, linear.weight, linear.bias)

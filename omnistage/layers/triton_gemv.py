@@ -11,6 +11,12 @@ docs/benchmarks.md). These kernels fold the op in front of a matmul into its pro
     linear         x W^T (cuBLAS' choice for one row of some shapes streams at a third of
                    the memory bandwidth: too few programs)
 
+Each takes an FP8 (e4m3) weight too, with its per-output-channel (or per-tensor) scale: the
+tile is widened to float32 as it is read and the sums scaled before the bias (W8A16: the
+activations stay in their dtype). A decode step reads every weight once, so 8-bit weights
+halve its bytes, where FP8 W8A8 through torch._scaled_mm (layers/fp8.py) spent more on
+quantizing one row's activations and on a kernel made for large matrices than it saved.
+
 One program per block of BLOCK_N outputs walks K in BLOCK_K tiles for every row at once: W
 rows are read along K (contiguous) once, the activation tile is recomputed from the input in
 every program (K values: kilobytes, from L2), products are summed in float32. A norm's inverse
@@ -63,11 +69,11 @@ def config(n: int, k: int, rows: int) -> dict[str, int]:
 
 
 @triton.jit
-def _gemv_kernel(X, R, NW, W, B, Out, Sum, M, N, K, eps,
-                 stride_xm, stride_rm, stride_wn, stride_om, stride_sm,
+def _gemv_kernel(X, R, NW, W, B, S, Out, Sum, M, N, K, eps,
+                 stride_xm, stride_rm, stride_wn, stride_om, stride_sm, stride_s,
                  ROWS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ONE_TILE: tl.constexpr, PDL: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr):
     if PDL == 2:
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -131,6 +137,8 @@ def _gemv_kernel(X, R, NW, W, B, Out, Sum, M, N, K, eps,
             part = tl.sum(wf * xi[None, :], 1)                            # (BLOCK_N,)
             acc += tl.where(r[:, None] == i, part[None, :], 0.0)
         w = w_next
+    if SCALED:     # an 8-bit weight's scale per output channel (stride_s 0: per tensor)
+        acc *= tl.load(S + n * stride_s, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(Out + r[:, None].to(tl.int64) * stride_om + n[None, :],
@@ -144,17 +152,28 @@ def lm_head_faster_here(x: Tensor) -> bool:
     return "H100" in gpu_name(x)
 
 
+SCALED_WEIGHTS = (torch.float8_e4m3fn,)   # weights read with a scale (W8A16)
+
+
 def applies(x: Tensor, weight: Tensor) -> bool:
-    """Whether these kernels take a matmul of x (rows, K): few rows, one dtype, dense rows."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
+    """Whether these kernels take a matmul of x (rows, K): few rows, the weight in x's dtype
+    or in FP8 (with its scale), dense rows."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+            and (x.dtype == weight.dtype or weight.dtype in SCALED_WEIGHTS)
             and x.stride(-1) == 1 and weight.is_contiguous())
 
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float,
             weight: Tensor, bias: Tensor | None, silu: bool, in_features: int,
-            cfg: dict[str, int] | None = None) -> tuple[Tensor, Tensor | None]:
+            cfg: dict[str, int] | None = None, scale: Tensor | None = None
+            ) -> tuple[Tensor, Tensor | None]:
     rows, n = x.shape[0], weight.shape[0]
     assert weight.shape[1] == in_features, (weight.shape, in_features)
+    assert (scale is not None) == (weight.dtype in SCALED_WEIGHTS), \
+        f"a {weight.dtype} weight {'needs' if scale is None else 'takes no'} scale"
+    if scale is not None:         # (N,), (N, 1), (1, N): one a channel; one element: a tensor's
+        scale = scale.reshape(-1)
+        assert scale.numel() in (1, n), f"{scale.numel()} scales for {n} outputs"
     cfg = cfg or config(n, in_features, rows)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     total = torch.empty(rows, in_features, dtype=x.dtype, device=x.device) \
@@ -162,31 +181,36 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     r = residual if residual is not None else x
     s = total if total is not None else out
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, r, norm_weight if norm_weight is not None else weight, weight,
-        bias if bias is not None else weight, out, s, rows, n, in_features, eps,
-        x.stride(0), r.stride(0), weight.stride(0), out.stride(0), s.stride(0),
+        x, r, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else x, scale if scale is not None else x, out, s, rows, n,
+        in_features, eps, x.stride(0), r.stride(0), weight.stride(0), out.stride(0),
+        s.stride(0), 0 if scale is None or scale.numel() == 1 else 1,
         ROWS=triton.next_power_of_2(rows), NORM=norm_weight is not None,
         ADD=residual is not None, SILU=silu, HAS_BIAS=bias is not None,
-        ONE_TILE=in_features <= cfg["BLOCK_K"], **cfg,
+        SCALED=scale is not None, ONE_TILE=in_features <= cfg["BLOCK_K"], **cfg,
         **pdl.launch_options(x, "gemv"))
     return out, total
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x W^T + b for x (rows, K), weight (N, K)."""
-    out, _ = _launch(x, None, None, 0.0, weight, bias, False, x.shape[1])
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+           scale: Tensor | None = None) -> Tensor:
+    """x W^T + b for x (rows, K), weight (N, K) (an FP8 one with its `scale`)."""
+    out, _ = _launch(x, None, None, 0.0, weight, bias, False, x.shape[1], scale=scale)
     return out
 
 
 def norm_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
-                weight: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
     """s = x + residual (x alone without one); returns (rms_norm(s) W^T + b, s).
     x, residual: (rows, K); weight (N, K)."""
-    out, total = _launch(x, residual, norm_weight, eps, weight, bias, False, x.shape[1])
+    out, total = _launch(x, residual, norm_weight, eps, weight, bias, False, x.shape[1],
+                         scale=scale)
     return out, (total if total is not None else x)
 
 
-def silu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def silu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+                scale: Tensor | None = None) -> Tensor:
     """x (rows, 2I) laid out | gate | up | -> (silu(gate) * up) W^T + b, (rows, N)."""
-    out, _ = _launch(x, None, None, 0.0, weight, bias, True, x.shape[1] // 2)
+    out, _ = _launch(x, None, None, 0.0, weight, bias, True, x.shape[1] // 2, scale=scale)
     return out

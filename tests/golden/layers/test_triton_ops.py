@@ -242,6 +242,45 @@ def test_linear(gemv_on, dtype: torch.dtype, rows: int) -> None:
 
 
 @kernel_test
+@pytest.mark.parametrize("kind", ["linear", "norm_linear", "silu_linear", "per_tensor"])
+def test_fp8_weights_through_the_matrix_vector_kernel(gemv_on, kind: str) -> None:
+    """An Fp8Linear's one-row product through fused.* reads its e4m3 weight with its scales
+    (W8A16): equal, up to float32 summation order, to the activations times the dequantized
+    weight, plus the bias; the per-tensor scale of an FP8 checkpoint too. Not the W8A8 path
+    (torch._scaled_mm): that one is not taken."""
+    from omnistage.layers.fp8 import Fp8Linear
+    from omnistage.layers.linear import Linear
+
+    torch.manual_seed(8)
+    dtype = DTYPES[-1]
+    k = 600 if kind == "silu_linear" else 300
+    dense = Linear(k // 2 if kind == "silu_linear" else k, 40, bias=True).to(DEVICE, dtype)
+    dense.weight.data.normal_(0, 0.05)
+    dense.bias.data.normal_(0, 1.0)
+    layer = Fp8Linear.from_linear(dense)
+    if kind == "per_tensor":     # one scale (as a checkpoint may give), the weight re-scaled
+        layer.weight_scale = layer.weight_scale.amax().reshape(())
+    weight = layer.weight.float() * layer.weight_scale.reshape(-1, 1).float()    # (N, K)
+    bias = layer.bias.float()
+    x = torch.randn(1, k).to(DEVICE, dtype)
+    norm = RMSNorm(k, eps=1e-5).to(DEVICE, dtype)
+    norm.weight.data.uniform_(0.5, 1.5)
+    if kind == "norm_linear":
+        got, _ = fused.norm_linear(norm, layer, x, None)
+        inputs = norm(x).float()
+    elif kind == "silu_linear":
+        got = fused.silu_linear(SiluAndMul(), layer, x)
+        inputs = SiluAndMul()(x).float()
+    else:
+        got = fused.linear(layer, x)
+    if kind in ("linear", "per_tensor"):
+        inputs = x.float()
+    want = inputs @ weight.T + bias
+    assert want.abs().mean() > 0.5                  # a product of meaningful size
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+@kernel_test
 def test_decoder_with_gemv_equals_without(gemv_on, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Qwen3 forward pass of 1 row (a single-stream decode: the fused kernels) and of 9 rows
     (the usual path) with set_gemv on equals it with set_gemv off."""
@@ -254,9 +293,9 @@ def test_decoder_with_gemv_equals_without(gemv_on, monkeypatch: pytest.MonkeyPat
     calls: list[int] = []
     real = triton_gemv._launch
 
-    def counted(x, *args):  # type: ignore[no-untyped-def]
+    def counted(x, *args, **kw):  # type: ignore[no-untyped-def]
         calls.append(x.shape[0])
-        return real(x, *args)
+        return real(x, *args, **kw)
 
     monkeypatch.setattr(triton_gemv, "_launch", counted)
     for num_tokens in (1, 9):
