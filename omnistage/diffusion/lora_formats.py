@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from torch import Tensor, nn
 
 from omnistage.layers.fp8 import LINEARS, Fp8Linear
@@ -85,44 +85,16 @@ def read_adapter(path: str | Path, model: nn.Module) -> dict[str, LoraLayer]:
     """The adapter at `path` for `model` (a diffusers-named transformer): module path ->
     LoraLayer, every shape checked against the module it updates. ValueError says what."""
     file = adapter_file(path)
-    tensors, metadata = _read(file)
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = f.metadata() or {}
+    if not tensors:
+        raise ValueError(f"{file}: no tensors")
     if any(k.startswith("lora_unet_") for k in tensors):
         layers = _from_kohya(tensors, model)
     else:
         layers = _from_peft(tensors, _peft_scaling(metadata))
     return _checked(layers, model, file)
-
-
-def check_adapter(path: str | Path) -> int:
-    """What can be known of the adapter at `path` without the model: a safetensors file of
-    LoRA weights in a layout read here (the shapes are checked against the model when a stage
-    loads it). The number of tensors; ValueError says what is wrong."""
-    file = adapter_file(path)
-    tensors, metadata = _read(file)
-    if any(k.startswith("lora_unet_") for k in tensors):
-        bad = [k for k in tensors if _KOHYA_KEY.fullmatch(k) is None]
-        if bad:
-            raise ValueError(f"{bad[0]}: not a kohya FLUX.1 LoRA key this loader knows")
-    else:
-        _from_peft(tensors, _peft_scaling(metadata))
-    return len(tensors)
-
-
-def _read(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """The tensors and metadata of a safetensors file; ValueError if it is none or empty."""
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-            metadata = f.metadata() or {}
-    except SafetensorError as exc:
-        raise ValueError(f"{file.name}: not a safetensors file ({exc})") from None
-    if not tensors:
-        raise ValueError(f"{file.name}: no tensors")
-    try:
-        _peft_scaling(metadata)
-    except json.JSONDecodeError:
-        raise ValueError(f"{file.name}: its {METADATA_KEY} is not JSON") from None
-    return tensors, metadata
 
 
 def _peft_scaling(metadata: dict[str, str]) -> float:

@@ -37,8 +37,6 @@ def add_server_flag(g: argparse._ActionsContainer, flag: ServerFlag) -> None:
         kw["help"] = flag.help
     if flag.value in ("store_true", "store_false", "append"):
         kw["action"] = flag.value
-    elif flag.value == "extend":                  # vLLM's nargs="+": several values a flag
-        kw.update(action="extend", nargs="+")
     else:
         kw["type"] = _scalar(flag.hint)
     g.add_argument(flag.flag, **kw)
