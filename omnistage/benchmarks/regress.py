@@ -214,7 +214,11 @@ def run(probes: tuple[str, ...], device: str, gpu: str, *, repeats: int = 1,
     spread = noise(runs) if repeats > 1 else {}
     if update:
         kept = baseline.figures if baseline is not None else {}
-        new = Baseline(gpu, {**kept, **{n: {"value": v, "better": b}
+        # a figure keeps its tolerance (and the noise it came from) unless this run measured
+        # its noise again
+        new = Baseline(gpu, {**kept, **{n: {**kept.get(n, {}), "value": v, "better": b,
+                                            **({"noise": round(spread[n], 4)}
+                                               if n in spread else {})}
                                         for n, (v, b) in figures.items()}},
                        baseline.tolerance if baseline is not None else DEFAULT_TOLERANCE)
         new.save(path, {"probes": list(probes), "repeats": repeats, "noise": spread})

@@ -62,10 +62,17 @@ def test_run_updates_on_purpose_and_fails_a_drop(tmp_path: Path) -> None:
     second = regress.run(("speech",), "cpu", "NVIDIA H200", folder=tmp_path, registry=fake)
     assert second["regressed"] == ["rtf_c8"]
     assert any("rtf_c8" in line and "REGRESSED" in line for line in second["verdicts"])
-    # a refresh keeps the figures of probes not rerun
+    # a refresh keeps the figures of probes not rerun, and a figure's own tolerance
+    saved["figures"]["rtf_c8"]["tolerance"] = 0.3
+    (tmp_path / "nvidia-h200.json").write_text(json.dumps(saved))
     regress.run(("speech",), "cpu", "NVIDIA H200", folder=tmp_path, registry=fake, update=True)
     saved = json.loads((tmp_path / "nvidia-h200.json").read_text())
-    assert saved["figures"]["rtf_c8"]["value"] == 1.2 and "tok_s" in saved["figures"]
+    assert saved["figures"]["rtf_c8"] == {"value": 1.2, "better": LOWER, "tolerance": 0.3}
+    assert "tok_s" in saved["figures"]
+    regress.run(("speech",), "cpu", "NVIDIA H200", folder=tmp_path, registry=fake, update=True,
+                repeats=2)                                   # measured again: the new noise
+    assert json.loads((tmp_path / "nvidia-h200.json").read_text())["figures"]["rtf_c8"][
+        "noise"] == 0.0
     with pytest.raises(ValueError, match="unknown probe 'nope'"):
         regress.run(("nope",), "cpu", "g", folder=tmp_path, registry=fake)
 
