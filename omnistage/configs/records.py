@@ -291,6 +291,10 @@ class DiffusionSettings:
     cuda_graphs: bool | int | None = field(default=None, metadata=meta(
         "replay denoising steps from CUDA graphs: true, false or the most graphs; null: on "
         "for a CUDA device and a pipeline whose transformer captures"))
+    offload: bool | int | None = field(default=None, metadata=meta(
+        "keep the transformer's blocks in host memory, each copied to the GPU as it comes: "
+        "true (one block ahead) or the blocks fetched ahead; for a transformer larger than "
+        "its GPU (neither compiled nor graphed then)"))
     options: dict[str, object] = field(default_factory=dict, hash=False, metadata=meta(
         "the fields of the pipeline class's `Options` record, checked when the stage is "
         "built (SD3's skip_layer_guidance)"))
@@ -304,6 +308,13 @@ class DiffusionSettings:
         _check_count(self, "max_num_seqs")
         if isinstance(self.cuda_graphs, int) and not isinstance(self.cuda_graphs, bool):
             _check_count(self, "cuda_graphs")
+        if isinstance(self.offload, int) and not isinstance(self.offload, bool):
+            _check_count(self, "offload")
+
+    @property
+    def offload_blocks(self) -> int:
+        """Blocks fetched ahead by an offloaded transformer; 0: not offloaded."""
+        return int(self.offload) if self.offload is not None else 0
 
     @property
     def option_items(self) -> dict[str, object]:

@@ -17,7 +17,8 @@ from omnistage.diffusion.image_input import output_size
 from omnistage.diffusion.params import DiffusionParams, check_size
 from omnistage.diffusion.pipeline import DiffusionPipeline, PromptEncoder
 from omnistage.diffusion.solvers import flow_match_euler as solver
-from omnistage.diffusion import lora
+from omnistage.diffusion import lora, offload
+from omnistage.diffusion.offload import offload_blocks
 from omnistage.layers.graph_capture import ShapeGraphs
 from omnistage.layers.groups import stage_ranks
 
@@ -62,6 +63,7 @@ class LatentPipelineBase(GraphedTransformer):
     latent pixels, 1024 px with an 8x VAE), `check_text_params(prompt, params)` and the
     `parallel_axes` its transformer and velocity split along (diffusion/parallel.py)."""
 
+    supports_offload = True
     transformer_cls: type
     vae_cls: type
     prompt_encoder_cls: type
@@ -74,7 +76,7 @@ class LatentPipelineBase(GraphedTransformer):
                  prompt_encoder: PromptEncoder | None, scheduler: solver.FlowMatchEulerConfig,
                  device: torch.device) -> None:
         """prompt_encoder None: the conditioning comes from an upstream text-encoder stage."""
-        self.transformer = transformer.to(device).eval()
+        self.transformer = offload.place(transformer, device).eval()
         self.vae = vae.to(device).eval()
         self.prompt_encoder = prompt_encoder
         self.scheduler = scheduler
@@ -96,12 +98,17 @@ class LatentPipelineBase(GraphedTransformer):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, component: str, device: torch.device,
-                        dtype: torch.dtype | None, text_encoders: bool = True):
+                        dtype: torch.dtype | None, text_encoders: bool = True,
+                        offload: int = 0):
         """A diffusers folder: transformer/, vae/, the text encoders, scheduler/, in `dtype`
         (None: the transformer's). text_encoders False: none is loaded (a split graph's
-        diffusion stage)."""
+        diffusion stage). offload N: the transformer loads into host memory and its blocks
+        stay there, streamed to the device N blocks ahead (diffusion/offload.py)."""
         path = _pipeline_folder(path)
-        transformer = cls.transformer_cls.from_pretrained(path / "transformer", device, dtype)
+        transformer = cls.transformer_cls.from_pretrained(
+            path / "transformer", torch.device("cpu") if offload else device, dtype)
+        if offload:
+            offload_blocks(transformer, device, offload)
         dtype = dtype or next(transformer.parameters()).dtype
         vae = cls.vae_cls.from_pretrained(path / "vae", device, dtype)
         prompt_encoder = (cls.prompt_encoder_cls.from_pretrained(path, device, dtype)

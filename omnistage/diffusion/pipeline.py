@@ -77,6 +77,8 @@ class DiffusionPipeline:
     # a stage compiles the denoisers' blocks by default on CUDA, one rank (measured faster:
     # benchmarks/diffusion_variants.py)
     compile_default: ClassVar[bool] = False
+    # from_pretrained takes `offload` (its transformer's blocks in host memory: offload.py)
+    supports_offload: ClassVar[bool] = False
     max_input_images: ClassVar[int] = 1   # input images an edit may bring (the front door's)
     # its text encoding may run in a stage of its own (load_prompt_encoder, prepare_latents,
     # check_conditioning are implemented)

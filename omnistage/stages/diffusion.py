@@ -62,6 +62,9 @@ class DiffusionStage:
         leader = stage_ranks().is_leader
         extra = ({"text_encoders": False}
                  if (self.conditioned and not self.text_here) or not leader else {})
+        if stage.diffusion.offload_blocks:
+            check_offload(stage, cls)
+            extra["offload"] = stage.diffusion.offload_blocks
         pipeline = cls.from_pretrained(path, component.name, dev, dtype, **extra)
         # the front door refuses an edit with more images than the pipeline takes
         self.stage_info = StageInfo(max_input_images=pipeline.max_input_images)
@@ -146,7 +149,7 @@ def apply_options(stage: StageConfig, pipeline: DiffusionPipeline, dev: torch.de
     restart compiles nothing new."""
     if options is not None:
         pipeline.configure(options)
-    cuda = dev.type == "cuda"
+    cuda = dev.type == "cuda" and not stage.diffusion.offload_blocks   # offloaded: eager
     backend = _or(stage.diffusion.compile, cuda and pipeline.compile_default
                   and stage.parallel.world_size == 1)
     if backend:
@@ -159,6 +162,25 @@ def apply_options(stage: StageConfig, pipeline: DiffusionPipeline, dev: torch.de
             raise ValueError(f"stage {stage.name!r}: cuda_graphs needs a CUDA device "
                              f"(this stage runs on {dev})")
         pipeline.use_cuda_graphs(MAX_GRAPHS if graphs is True else int(graphs))
+
+
+def check_offload(stage: StageConfig, cls: type[DiffusionPipeline]) -> None:
+    """ValueError unless the stage can offload its transformer's blocks: a pipeline that
+    loads that way, one rank, not quantized (the quantized linears would leave the host
+    buffers), neither compiled nor graphed (the blocks' weights move between forwards)."""
+    name, d = stage.name, stage.diffusion
+    if not cls.supports_offload:
+        raise ValueError(f"stage {name!r}: diffusion.offload: {cls.label} {cls.__name__} does "
+                         "not offload its transformer (FLUX.1, Qwen-Image, Z-Image, SD3 do)")
+    if stage.parallel.world_size > 1:
+        raise ValueError(f"stage {name!r}: diffusion.offload runs on one GPU (no parallel "
+                         "layout): split the transformer over GPUs instead")
+    if d.quantization is not None:
+        raise ValueError(f"stage {name!r}: diffusion.offload with quantization is not "
+                         "supported: choose one")
+    if d.compile or d.cuda_graphs:
+        raise ValueError(f"stage {name!r}: diffusion.offload runs eagerly: drop compile / "
+                         "cuda_graphs")
 
 
 def _or(value: object, default: object) -> object:

@@ -144,11 +144,11 @@ class Flux2Pipeline(LatentPipelineBase):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, component: str, device: torch.device,
-                        dtype: torch.dtype | None, text_encoders: bool = True
-                        ) -> Flux2Pipeline:
+                        dtype: torch.dtype | None, text_encoders: bool = True,
+                        offload: int = 0) -> Flux2Pipeline:
         """A diffusers folder as `LatentPipelineBase.from_pretrained`; klein's
         model_index.json may say `is_distilled`."""
-        pipe = super().from_pretrained(path, component, device, dtype, text_encoders)
+        pipe = super().from_pretrained(path, component, device, dtype, text_encoders, offload)
         pipe.is_distilled = cls.is_distilled or is_distilled(Path(path))
         return pipe
 

@@ -24,7 +24,8 @@ SIZE = 32                       # pixels; the tiny VAE downsamples 2x, so 8x8 pa
 PROMPT = "a photo of the sea shore"
 
 
-def build_reference(path: Path, guidance_embeds: bool) -> diffusers.FluxPipeline:
+def build_reference(path: Path, guidance_embeds: bool, num_layers: int = 1,
+                    num_single_layers: int = 1) -> diffusers.FluxPipeline:
     """diffusers' FluxPipeline from tiny random components, saved to `path`."""
     torch.manual_seed(0)
     tokenizer = build_tiny_tokenizer(path / "tok")
@@ -39,7 +40,8 @@ def build_reference(path: Path, guidance_embeds: bool) -> diffusers.FluxPipeline
         relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=2,
         decoder_start_token_id=0)).eval()
     transformer = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        patch_size=1, in_channels=16, num_layers=num_layers, num_single_layers=num_single_layers,
+        attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
         axes_dims_rope=[4, 4, 8], guidance_embeds=guidance_embeds).eval()
     vae = diffusers.AutoencoderKL(
