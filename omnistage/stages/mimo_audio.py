@@ -9,8 +9,8 @@ audio tokenizer's decoder as a generation stage.
                       go out as text, speech patches as CodecFrames to the decoder stage.
                       Speech stops at <|eostm|> or <|im_end|> (upstream's MiMoStopper), text
                       at the tokenizer's EOS / <|im_end|>.
-    decoder (gen)     the spoken frames -> 24 kHz audio, the whole utterance when the LLM is
-                      done (generation/mimo_audio.py)
+    decoder (gen)     the spoken frames -> 24 kHz audio, decoded in chunks while the LLM
+                      still speaks (generation/mimo_audio.py)
 
 The patch decoder draws with the request's temperature / top-k / top-p (upstream has its own
 sampler settings for it). Speech in: a user turn's audio part, laid out by the front door

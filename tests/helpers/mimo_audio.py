@@ -32,9 +32,12 @@ def build_tiny_text_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
     return tok
 
 
-def build_tiny_mimo_audio(folder: Path, speech_bias: float = 0.5) -> Path:
+def build_tiny_mimo_audio(folder: Path, speech_bias: float = 0.5,
+                          audio_rate: int | None = None) -> Path:
     """-> `folder`, a MiMo-Audio checkpoint folder as released (config.json, safetensors, the
-    tokenizer, audio_tokenizer/)."""
+    tokenizer, audio_tokenizer/). `audio_rate`: the audio tokenizer's sampling_rate instead of
+    the tiny 400 Hz, which is below any rate a request's audio may be resampled to (a server
+    that hears requests needs one it takes; the weights are the same)."""
     folder.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_text_tokenizer(folder)
     vocab = (len(tok) + 63) // 64 * 64
@@ -59,4 +62,8 @@ def build_tiny_mimo_audio(folder: Path, speech_bias: float = 0.5) -> Path:
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(state, str(folder / "model.safetensors"))
     shutil.copytree(FIXTURES / "tokenizer", folder / "audio_tokenizer", dirs_exist_ok=True)
+    if audio_rate is not None:
+        speech = folder / "audio_tokenizer" / "config.json"
+        speech.write_text(json.dumps({**json.loads(speech.read_text()),
+                                      "sampling_rate": audio_rate}, indent=2))
     return folder

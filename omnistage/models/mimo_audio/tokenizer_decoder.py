@@ -139,6 +139,20 @@ class _Vocoder(nn.Module):
         return (y / env)[pad:-pad]
 
 
+def _right_reach(c: dict, mels_per_frame: int) -> int:
+    """How many code frames after a frame its samples depend on, leaving aside the GroupNorms
+    (statistics of the whole sequence): the vocoder's attention window to the right in every
+    layer, and the inverse STFT's half window (the decoder is causal, dconv2 looks back only).
+    41 for the released tokenizer (16 layers x 10 mel frames + 2, over 4 mels a code);
+    upstream's StreamingConfig.right_overlap is 40. An unbounded vocoder window or a
+    non-causal decoder: upstream's 40."""
+    right = (c["vocoder_attn_window_size"] or [-1, -1])[1]
+    if right < 0 or not c.get("decoder_causal", True):
+        return 40
+    reach = c["vocoder_num_layers"] * right + -(-c["nfft"] // 2 // c["hop_length"])
+    return -(-reach // mels_per_frame)
+
+
 def tokenizer_config(path: str | Path) -> dict:
     """The tokenizer folder's config.json with upstream's defaults for the keys it may omit."""
     return {"avg_pooler": 1, "rope_theta": 10000, "decoder_causal": True,
@@ -182,6 +196,9 @@ class MiMoAudioTokenizerDecoder(nn.Module):
         self.dconv2 = _UpConv(d, c["n_mels"], c["decoder_kernel_size"], c["decoder_stride_size"])
         self.vocoder = _Vocoder(c)
         self.sample_rate = c["sampling_rate"]
+        mels_per_frame = pool * c["decoder_stride_size"]
+        self.frame_samples = mels_per_frame * c["hop_length"]     # waveform samples per code
+        self.right_reach_frames = _right_reach(c, mels_per_frame)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu"

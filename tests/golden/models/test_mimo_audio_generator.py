@@ -1,7 +1,9 @@
 """MiMo-Audio's tokenizer decoder as a generation stage model (generation/mimo_audio.py): the
-LLM's spoken patches arriving chunk by chunk decode, when the input closes, to the waveform of
+LLM's spoken patches arriving chunk by chunk decode (`chunk_frames: 0`), when the input
+closes, to the waveform of
 models/mimo_audio/speech.py on the whole (golden against upstream decode in
-test_mimo_audio_tokenizer.py; the patches golden against upstream generate)."""
+test_mimo_audio_tokenizer.py; the patches golden against upstream generate). Streamed:
+test_mimo_audio_stream.py."""
 
 from __future__ import annotations
 
@@ -24,11 +26,12 @@ def fx() -> dict:
     return json.loads((FIXTURES / "tokens.json").read_text())
 
 
-def test_chunked_patches_decode_to_the_whole_waveform(fx: dict) -> None:
+def test_whole_decodes_the_chunked_patches_to_the_whole_waveform(fx: dict) -> None:
     cfg = MiMoAudioConfig.from_folder(FIXTURES / "tiny", fx["args"]["empty_idx"])
     gen = MiMoAudioGenerator.from_pretrained(
         None, "mimo_audio_decoder", torch.device("cpu"), None,
-        MiMoAudioDecoderOptions(tokenizer=str(FIXTURES / "tokenizer"), empty_id=cfg.empty_ids[0]))
+        MiMoAudioDecoderOptions(tokenizer=str(FIXTURES / "tokenizer"), empty_id=cfg.empty_ids[0],
+                                chunk_frames=0))
     patches = torch.tensor(fx["speak"]).view(-1, 4, 9)[:, :, 1:]          # (steps, 4, 8)
     silent = torch.tensor(cfg.empty_ids).expand(4, -1)
     chunks = [patches[0], silent, *patches[1:]]                           # a silent patch too

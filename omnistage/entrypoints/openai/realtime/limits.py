@@ -32,11 +32,14 @@ def realtime_support(client: EngineClient) -> str | None:
     but does not hear (the voice agent graph: a text LLM into a TTS) takes text items."""
     if "audio" not in client.outputs:
         return "this model does not produce audio; /v1/realtime needs a model that speaks " \
-               "(Qwen3-Omni, or the voice agent graph)"
+               "(Qwen3-Omni, MiMo-Audio, or the voice agent graph)"
     return None
 
 
 def hears(client: EngineClient) -> bool:
-    """Whether the model takes audio input (its input processor extracts audio features)."""
+    """Whether the model takes audio input: its input processor declares audio parts among
+    its `input_modalities` (Qwen3-Omni's, Qwen2.5-Omni's; MiMo-Audio's with its audio
+    tokenizer), as the playground's capabilities read them; a processor that declares none
+    takes text."""
     processor = client.processor
-    return processor is not None and getattr(processor, "feature_extractor", None) is not None
+    return processor is not None and "audio" in getattr(processor, "input_modalities", ())

@@ -2,9 +2,12 @@
 audio tokenizer, made to speak) behind chat completions with audio out and /v1/audio/speech.
 What the server answers equals the golden path in this process: our MiMoAudioForCausalLM.
 generate (the same maths as upstream generate, tests/golden/models/test_mimo_audio*.py) on
-upstream's prompt layout, and speech.codes_to_wave on its spoken patches; streamed equals
-whole; bad input is a 400 naming the field. The speech route's formats and SSE, the WebSocket
-fed word by word and /v1/audio/speech/batch speak what the plain route speaks."""
+upstream's prompt layout, and the decoder's stream (mimo_audio_stream.stream_decode at the
+shipped options; its seam error against the whole decode: test_mimo_audio_stream.py) on its
+spoken patches; the streamed response equals the whole one; bad input is a 400 naming the
+field. The speech route's formats and SSE, the WebSocket fed word by word and
+/v1/audio/speech/batch speak what the plain route speaks. (/v1/realtime:
+test_mimo_audio_realtime.py.)"""
 
 from __future__ import annotations
 
@@ -19,10 +22,12 @@ import torch
 import yaml
 
 from omnistage.configs import __file__ as configs_init
+from omnistage.generation.mimo_audio import MiMoAudioGenerator
+from omnistage.generation.mimo_audio_stream import stream_decode
 from omnistage.models.mimo_audio.model import MiMoAudioForCausalLM
 from omnistage.models.mimo_audio.prompt import (SPEECH_START, TEXT_START, MiMoAudioInputProcessor,
                                                 SpecialIds, segment_ids, text_patches)
-from omnistage.models.mimo_audio.speech import codes_to_wave, patches_to_codes
+from omnistage.models.mimo_audio.speech import patches_to_codes
 from omnistage.models.mimo_audio.tokenizer_decoder import MiMoAudioTokenizerDecoder
 from omnistage.utils.audio import decode_audio
 from tests.helpers.mimo_audio import build_tiny_mimo_audio
@@ -60,6 +65,8 @@ def golden(folder: Path) -> Callable[..., tuple[str, np.ndarray | None, int]]:
     sp = SpecialIds.of(tok)
     model = MiMoAudioForCausalLM.from_pretrained(folder, sp.empty)
     decoder = MiMoAudioTokenizerDecoder.from_pretrained(folder / "audio_tokenizer", "cpu")
+    chunking = MiMoAudioGenerator(decoder).chunking          # the shipped graph's options
+    assert chunking is not None
 
     def run(prompt: object, speech: bool) -> tuple[str, np.ndarray | None, int]:
         ids = proc.parse_request(prompt).input_ids.tolist()
@@ -72,7 +79,7 @@ def golden(folder: Path) -> Callable[..., tuple[str, np.ndarray | None, int]]:
         assert sp.empty in text_ids and len(set(text_ids)) > 1, "speech and text interleaved"
         codes = patches_to_codes(out, model.cfg, sp.sostm, sp.eostm)
         with torch.no_grad():
-            wave = codes_to_wave(decoder, codes).clamp(-1, 1).numpy()
+            wave = torch.cat(stream_decode(decoder, codes, chunking)).clamp(-1, 1).numpy()
         assert float(np.abs(wave).max()) > 0.01
         return text, wave, decoder.sample_rate
     return run
