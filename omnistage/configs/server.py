@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from omnistage.configs.lora_modules import parse_lora_modules
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 API_KEY_ENV = "OMNISTAGE_API_KEY"     # the API key when no flag gives it (not seen in `ps`)
 GROUPS = ("access", "limits", "stores")
@@ -28,7 +30,8 @@ def flag(help: str, *, group: str, name: str | None = None, cli_default: bool = 
     """A server field's documentation and flag. `name`: the flag when it is not the field's
     name with dashes; `cli_default`: the flag's default is the field's (else None: unset, the
     field's default applies); `value`: how the CLI value maps, "scalar" (its type), "append"
-    (a repeatable flag -> a tuple), "comma" (a comma list -> a tuple), "store_true",
+    (a repeatable flag -> a tuple), "extend" (vLLM's nargs="+", repeatable too -> a tuple),
+    "comma" (a comma list -> a tuple), "store_true",
     "store_false"; `argparse_kw`: metavar, choices."""
     return {"help": help, "server_flag": dict(group=group, name=name, cli_default=cli_default,
                                               value=value, argparse=argparse_kw)}
@@ -61,6 +64,11 @@ class ServerSettings:
     served_model_name: str | None = field(default=None, metadata=flag(
         "the name clients send as `model` (default: MODEL as given, or omnistage-demo)",
         group="access"))
+    lora_modules: tuple[str, ...] = field(default=(), metadata=flag(
+        "LoRA adapters of the diffusion stage loaded at start, vLLM's NAME=PATH or JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...} (several after one flag, or the '
+        "flag repeated; requests choose one by `model` or `lora.name`: docs/lora.md)",
+        group="access", value="extend", metavar="NAME=PATH"))
     api_key: str | None = field(default=None, metadata=flag(
         "require `Authorization: Bearer KEY` on every route but /health and the playground "
         f"page (visible in `ps`: prefer --api-key-file or ${API_KEY_ENV})", group="access"))
@@ -210,7 +218,7 @@ class ServerSettings:
             sf = by_field.get(f.name)
             if sf is not None and sf.value == "comma" and isinstance(value, str):
                 value = [m.strip() for m in value.split(",") if m.strip()]
-            if sf is not None and sf.value in ("append", "comma"):
+            if sf is not None and sf.value in ("append", "comma", "extend"):
                 value = tuple(value)
             kw[f.name] = value
         return cls(**kw)
@@ -236,6 +244,7 @@ def _check(s: ServerSettings) -> None:
     if s.api_dialect not in API_DIALECTS:
         raise ValueError(f"api_dialect: {s.api_dialect!r} is not one of "
                          f"{', '.join(API_DIALECTS)}")
+    parse_lora_modules(s.lora_modules)
     for m in s.default_modalities:
         if m not in ("text", "audio", "image"):
             raise ValueError(f"default_modalities: {m!r} is not one of text, audio, image")
@@ -252,7 +261,7 @@ def server_flags() -> tuple[ServerFlag, ...]:
             continue
         name = "--" + (spec["name"] or f.name).replace("_", "-")
         default = f.default if spec["cli_default"] else None
-        if spec["value"] == "append":
+        if spec["value"] in ("append", "extend"):
             default = []
         out.append(ServerFlag(f.name, name, spec["group"], f.metadata["help"], default,
                               spec["value"], hints[f.name], dict(spec["argparse"])))

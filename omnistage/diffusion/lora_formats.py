@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from omnistage.layers.fp8 import LINEARS, Fp8Linear
@@ -85,16 +85,52 @@ def read_adapter(path: str | Path, model: nn.Module) -> dict[str, LoraLayer]:
     """The adapter at `path` for `model` (a diffusers-named transformer): module path ->
     LoraLayer, every shape checked against the module it updates. ValueError says what."""
     file = adapter_file(path)
-    with safe_open(str(file), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-        metadata = f.metadata() or {}
-    if not tensors:
-        raise ValueError(f"{file}: no tensors")
+    tensors, metadata = _read(file)
     if any(k.startswith("lora_unet_") for k in tensors):
         layers = _from_kohya(tensors, model)
     else:
         layers = _from_peft(tensors, _peft_scaling(metadata))
     return _checked(layers, model, file)
+
+
+def check_adapter(path: str | Path) -> int:
+    """What can be known of the adapter at `path` without the model, from the file's header
+    alone (no tensor read): a safetensors file of LoRA weights in a layout read here (the
+    shapes are checked against the model when a stage loads it). The number of tensors;
+    ValueError says what is wrong."""
+    file = adapter_file(path)
+    keys, metadata = _header(file)
+    if any(k.startswith("lora_unet_") for k in keys):
+        bad = [k for k in keys if _KOHYA_KEY.fullmatch(k) is None]
+        if bad:
+            raise ValueError(f"{bad[0]}: not a kohya FLUX.1 LoRA key this loader knows")
+    else:
+        _peft_pairs(keys)
+    return len(keys)
+
+
+def _read(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The tensors and metadata of a safetensors file; ValueError if it is none or empty."""
+    _header(file)
+    with safe_open(str(file), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+
+
+def _header(file: Path) -> tuple[list[str], dict[str, str]]:
+    """The tensor names and metadata of a safetensors file; ValueError if it is none, has
+    no tensors or its adapter metadata is no JSON."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            keys, metadata = list(f.keys()), f.metadata() or {}
+    except SafetensorError as exc:
+        raise ValueError(f"{file.name}: not a safetensors file ({exc})") from None
+    if not keys:
+        raise ValueError(f"{file.name}: no tensors")
+    try:
+        _peft_scaling(metadata)
+    except json.JSONDecodeError:
+        raise ValueError(f"{file.name}: its {METADATA_KEY} is not JSON") from None
+    return keys, metadata
 
 
 def _peft_scaling(metadata: dict[str, str]) -> float:
@@ -114,8 +150,14 @@ def _peft_scaling(metadata: dict[str, str]) -> float:
 
 
 def _from_peft(tensors: dict[str, Tensor], scaling: float) -> dict[str, LoraLayer]:
-    pairs: dict[str, dict[str, Tensor]] = {}
-    for key, t in tensors.items():
+    return {module: LoraLayer(tensors[ab["lora_A"]], tensors[ab["lora_B"]], scaling)
+            for module, ab in _peft_pairs(list(tensors)).items()}
+
+
+def _peft_pairs(keys: list[str]) -> dict[str, dict[str, str]]:
+    """module path -> {"lora_A": key, "lora_B": key} of a diffusers / PEFT file's keys."""
+    pairs: dict[str, dict[str, str]] = {}
+    for key in keys:
         name = key.removeprefix("base_model.model.")
         if name.startswith(("text_encoder", "unet.")):
             raise ValueError(f"{key}: only the transformer's LoRA weights are supported "
@@ -125,13 +167,11 @@ def _from_peft(tensors: dict[str, Tensor], scaling: float) -> dict[str, LoraLaye
         if m is None:
             raise ValueError(f"{key}: not a LoRA weight (lora_A / lora_B; LoKr, DoRA and "
                              "biases are not supported)")
-        pairs.setdefault(m.group(1), {})[m.group(2)] = t
-    layers = {}
+        pairs.setdefault(m.group(1), {})[m.group(2)] = key
     for module, ab in pairs.items():
         if ab.keys() != {"lora_A", "lora_B"}:
             raise ValueError(f"{module}: has {sorted(ab)}, needs lora_A and lora_B")
-        layers[module] = LoraLayer(ab["lora_A"], ab["lora_B"], scaling)
-    return layers
+    return pairs
 
 
 def _from_kohya(tensors: dict[str, Tensor], model: nn.Module) -> dict[str, LoraLayer]:

@@ -44,8 +44,6 @@ FOREIGN_FLAGS: dict[str, str] = {
     "--limit-mm-per-prompt": "not supported per modality: use --max-media-parts N (media parts "
                              "of one chat request, all modalities together)",
     "--speculative-config": "not supported: speculative decoding",
-    "--enable-lora": "not supported: LoRA adapters",
-    "--lora-modules": "not supported: LoRA adapters",
 }
 # flags of vLLM with a counterpart of the same meaning here under another name
 VLLM_ALIASES: dict[str, str] = {"--allowed-local-media-path": "--allowed-media-dirs"}

@@ -37,6 +37,8 @@ def add_server_flag(g: argparse._ActionsContainer, flag: ServerFlag) -> None:
         kw["help"] = flag.help
     if flag.value in ("store_true", "store_false", "append"):
         kw["action"] = flag.value
+    elif flag.value == "extend":                  # vLLM's nargs="+": several values a flag
+        kw.update(action="extend", nargs="+")
     else:
         kw["type"] = _scalar(flag.hint)
     g.add_argument(flag.flag, **kw)
@@ -87,6 +89,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM compatibility; changes nothing: omnistage runs its "
                         "own model code, never code from a checkpoint")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="accepted for vLLM compatibility; changes nothing: an image model's "
+                        "diffusion stage takes LoRA adapters without it (--lora-modules)")
     e = p.add_argument_group("engine (main stage; each sets the stage key named)")
     for flag in engine_flags():
         if flag.cli:

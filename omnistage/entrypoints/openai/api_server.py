@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from omnistage.configs.lora_modules import parse_lora_modules
 from omnistage.configs.server import ServerSettings
 from omnistage.entrypoints.openai.client import EngineClient
 from omnistage.entrypoints.openai.errors import (bad_request, check_model,
@@ -40,6 +41,7 @@ from omnistage.entrypoints.openai.ignored_header import IgnoredHeader
 from omnistage.entrypoints.openai.image_files import add_image_file_routes
 from omnistage.entrypoints.openai.json_body import StrictJSONRoute
 from omnistage.entrypoints.openai.log_lines import log_stage_stats
+from omnistage.entrypoints.openai.lora_adapters import LoraAdapters, add_lora_routes
 from omnistage.entrypoints.openai.media import MediaLoader, MediaPolicy
 from omnistage.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from omnistage.entrypoints.openai.middleware import (KEY_PROTOCOL, OPEN_PATHS,  # noqa: F401
@@ -152,9 +154,12 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
     app.state.client = client
     app.state.config = config
     install_error_handlers(app)
+    loras = LoraAdapters(config.model_name, "image" in client.outputs)   # lora_adapters.py
+    loras.load_modules(parse_lora_modules(config.lora_modules))
     _add_server_routes(app, client, config, metrics, functools.partial(
-        capabilities, client, engine.speech is not None, engine.video is not None, app))
-    _add_generation_routes(app, client, config, media)
+        capabilities, client, engine.speech is not None, engine.video is not None, app), loras)
+    _add_generation_routes(app, client, config, media, loras)
+    add_lora_routes(app, loras, ERRORS)
     _add_speech_routes(app, SpeechServing(client, media, engine.speech, VoiceStore(
         Path(config.voices_dir) if config.voices_dir else default_voices_dir(),
         engine.speech.voices if engine.speech else ())), config.model_name)
@@ -195,8 +200,10 @@ def _lifespan(client: EngineClient, config: ServerConfig, videos: VideoServing
 
 
 def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
-                       metrics: ServerMetrics, caps: Callable[[], ModelCapabilities]) -> None:
-    """/health, /metrics, /v1/models (with what the model can do: playground.capabilities)."""
+                       metrics: ServerMetrics, caps: Callable[[], ModelCapabilities],
+                       loras: LoraAdapters) -> None:
+    """/health, /metrics, /v1/models (with what the model can do: playground.capabilities;
+    then the LoRA adapters loaded, as vLLM lists them)."""
     name, started = config.model_name, int(time.time())
 
     @app.get("/health", responses=ERRORS)
@@ -230,30 +237,33 @@ def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
 
     @app.get("/v1/models", responses=ERRORS)
     async def list_models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[card(), *loras.cards()])
 
     @app.get("/v1/models/{model_id:path}", responses=ERRORS)
     async def get_model(model_id: str) -> ModelCard:
+        adapter = loras.card(model_id)
+        if adapter is not None:
+            return adapter
         check_model(model_id, name)
         return card()
 
 
 def _add_generation_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
-                           media: MediaLoader) -> None:
-    """/v1/chat/completions, /v1/completions, /v1/images/generations and /v1/images/edits."""
+                           media: MediaLoader, loras: LoraAdapters) -> None:
+    """/v1/chat/completions, /v1/completions, /v1/images/generations and /v1/images/edits
+    (`model` naming a loaded LoRA adapter chooses it on the chat and image routes)."""
     name = config.model_name
     chat = ChatServing(client, media, name, config.chat_template,
                        config.default_modalities, vllm_omni_answers=config.vllm_omni_answers,
                        video_limits=config.video_limits)
     completions = CompletionServing(client, name)
-    images = ImageServing(client, media, name)
+    images = ImageServing(client, media, name, loras=loras)
     add_image_file_routes(app, images.files)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
                  responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model, name)
-        return await chat.create(body, request)
+        return await chat.create(loras.with_adapter(body), request)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -263,8 +273,7 @@ def _add_generation_routes(app: FastAPI, client: EngineClient, config: ServerCon
     @app.post("/v1/images/generations", responses=ERRORS)
     async def images_generations(body: ImageGenerationRequest, request: Request
                                  ) -> ImagesResponse:
-        check_model(body.model, name)
-        return await images.generate(body, request)
+        return await images.generate(loras.with_adapter(body), request)
 
     @app.post("/v1/images/edits", responses=ERRORS, openapi_extra={"requestBody": {
         "required": True, "content": {"multipart/form-data": {"schema": edit_form_schema()}}}})

@@ -411,6 +411,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "omnistage"
     root: str | None = None
+    parent: str | None = None           # a LoRA adapter's: the model it adapts (vLLM's)
     max_model_len: int | None = None
     modalities: list[str] = Field(default_factory=list)   # what the model can output
     capabilities: ModelCapabilities | None = None

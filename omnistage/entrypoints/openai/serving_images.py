@@ -40,10 +40,10 @@ from omnistage.entrypoints.openai.client import EngineClient, unless_disconnecte
 from omnistage.entrypoints.openai.errors import (
     APIError,
     bad_request,
-    check_model,
     invalid,
 )
 from omnistage.entrypoints.openai.image_files import ROUTE_NAME, ImageFiles
+from omnistage.entrypoints.openai.lora_adapters import LoraAdapters
 from omnistage.entrypoints.openai.media import MediaLoader, open_image
 from omnistage.entrypoints.openai.params import ignore, parse_size
 from omnistage.entrypoints.openai.protocol import (
@@ -117,8 +117,9 @@ def _json_object(text: str, name: str) -> dict[str, Any]:
 
 class ImageServing:
     def __init__(self, client: EngineClient, media: MediaLoader, model_name: str,
-                 files: ImageFiles | None = None) -> None:
+                 files: ImageFiles | None = None, loras: LoraAdapters | None = None) -> None:
         self.client = client
+        self.loras = loras or LoraAdapters(model_name, True)   # lora_adapters.py
         self.media = media
         self.model_name = model_name
         self.files = files or ImageFiles()      # the images answered as URLs
@@ -139,7 +140,7 @@ class ImageServing:
         self._check_endpoint()
         async with request.form() as form:
             req, images, mask = parse_edit_form(form)
-            check_model(req.model, self.model_name)
+            req = self.loras.with_adapter(req)     # `model`: the served one or an adapter
             if not images:
                 raise bad_request("image: one image file is required", "image")
             if len(images) > MAX_INPUT_IMAGES:

@@ -94,7 +94,9 @@ BASES = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "a 7"
          "/v1/images/generations": {"prompt": "a 7", "num_inference_steps": 2},
          "/v1/audio/speech": {"input": "hi"},
          "/v1/audio/speech/batch": {"items": [{"input": "hi"}]},
-         "/v1/videos": {"prompt": "a 7"}, "/v1/videos/sync": {"prompt": "a 7"}}
+         "/v1/videos": {"prompt": "a 7"}, "/v1/videos/sync": {"prompt": "a 7"},
+         "/v1/load_lora_adapter": {"lora_name": "a", "lora_path": "/no/such/lora"},
+         "/v1/unload_lora_adapter": {"lora_name": "a"}}
 SAMPLING_FIELDS = {"text": SamplingParams, "image": DiffusionParams}
 
 
