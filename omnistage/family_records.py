@@ -119,3 +119,7 @@ class ModelFamily:
     # starts, so a missing one is one line naming the extra, not a stage's traceback)
     extras: tuple[str, ...] = ()
     tokenizer: str | None = None               # the folder's subfolder holding its text tokenizer
+    # full duplex (/v1/duplex): the "module:Class" of its batched session step, built with
+    # (folder, device=, dtype=, max_sessions=); such a model is served by entrypoints/openai/
+    # duplex/ with no stage graph
+    duplex: str | None = None

@@ -124,6 +124,8 @@ _BUILT_IN = (
                 graph="vibevoice.yaml", speech="omnistage.stages.vibevoice:speech_spec",
                 components=(Component("ar", "vibevoice",
                                       "omnistage.stages.vibevoice:build_stage"),)),
+    ModelFamily("moshi", architectures=("MoshiForConditionalGeneration",),
+                duplex="omnistage.stages.moshi_duplex:MoshiDuplex"),
     ModelFamily("wan", diffusers_classes=("WanPipeline",), graph="wan.yaml",
                 components=(Component("diffusion", "wan",
                                       "omnistage.diffusion.pipelines.wan:WanPipeline"),),

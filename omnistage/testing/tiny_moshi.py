@@ -61,10 +61,14 @@ def build_tiny_mimi(path: Path, seed: int = 0) -> tuple[Path, nn.Module]:
     return Path(path), model
 
 
-def build_tiny_moshi(path: Path, seed: int = 0) -> tuple[Path, nn.Module]:
+def build_tiny_moshi(path: Path, seed: int = 0, mimi: dict[str, Any] | None = None,
+                     **moshi: Any) -> tuple[Path, nn.Module]:
+    """`mimi` / `moshi`: overrides of TINY_MIMI / TINY_MOSHI (the duplex tests: the released
+    codec's 1920-sample frames, a longer context)."""
     from transformers import MoshiConfig, MoshiForConditionalGeneration
     torch.manual_seed(seed)
-    cfg = MoshiConfig(audio_encoder_config=dict(TINY_MIMI, model_type="mimi"), **TINY_MOSHI)
+    cfg = MoshiConfig(audio_encoder_config=dict(TINY_MIMI, **(mimi or {}), model_type="mimi"),
+                      **{**TINY_MOSHI, **moshi})
     model = MoshiForConditionalGeneration(cfg).eval()
     _randomise_codec(model.audio_encoder, seed + 1)
     model.save_pretrained(path)

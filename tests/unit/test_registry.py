@@ -29,6 +29,7 @@ def test_unknown_architecture_lists_the_known_ones(tmp_path: Path) -> None:
                        r"\(supported: BagelForConditionalGeneration, CosyVoice3, "
                        r"HunyuanImage3ForCausalMM, "
                        r"MiMoAudioForCausalLM, "
+                       r"MoshiForConditionalGeneration, "
                        r"Qwen2ForCausalLM, Qwen2_5OmniForConditionalGeneration, "
                        r"Qwen3ForCausalLM, "
                        r"Qwen3OmniMoeForConditionalGeneration, "

@@ -109,6 +109,11 @@ def prepare(args: argparse.Namespace) -> tuple[GraphConfig, socket.socket]:
 
 def run(args: argparse.Namespace) -> int:
     """Check, load the engine, serve until SIGINT/SIGTERM, shut the engine down."""
+    from omnistage.entrypoints.cli.serve_duplex import duplex_target, serve_duplex
+
+    duplex = duplex_target(model_name(args))   # a full-duplex model: no stage graph
+    if duplex is not None:
+        return serve_duplex(args, *duplex)
     graph, sock = prepare(args)
     try:
         return _serve(args, graph, sock)
