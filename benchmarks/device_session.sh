@@ -27,6 +27,12 @@
 #            needs fastapi, starlette, pydantic, pydantic_core, annotated_types,
 #            typing_inspection, uvicorn, websockets, python_multipart, opentelemetry_api and
 #            silero_vad among the wheels
+#   duplex   bench duplex: random-weight Moshi-7B shape on the full-duplex runtime, 1 / 4 / 8 /
+#            16 / 24 / 32 sessions for 200 ticks each (issue 45: duplex_sessions_per_gpu,
+#            duplex_tick_p99_ms); a 15.5 GB checkpoint is built and saved first (estimated 5
+#            minutes in all: alone, STAGES=duplex; DUPLEX_FLAGS: more options; the JSON is
+#            rewritten after each N, so a run cut short keeps the Ns it finished); the tiny
+#            Moshi on CUDA runs first (duplex_moshi-tiny_cuda.json)
 #   models   the GPU tests of the model families of issue 24 (SD3, Qwen-Image-Edit, FLUX.2,
 #            Qwen2.5-Omni) and their benchmarks against the reference
 #   regress  bench regress: the headline figures (REGRESS_PROBES, default ar,omni,omni25)
@@ -211,6 +217,13 @@ fi
 if [[ $STAGES == *realtime* ]]; then
     timeout 200 python3 -m omnistage.entrypoints.cli.main bench realtime --device cuda \
         --out-dir "$OUT" 2>&1 | grep -v Warn | tail -15
+fi
+if [[ $STAGES == *duplex* ]]; then
+    # the tiny Moshi first (seconds): Moshi's first run on CUDA fails fast if it fails
+    timeout 90 python3 -m omnistage.entrypoints.cli.main bench duplex --tiny --device cuda \
+        --out-dir "$OUT" --name duplex_moshi-tiny_cuda 2>&1 | grep -v Warn | tail -12
+    timeout 480 python3 -m omnistage.entrypoints.cli.main bench duplex --device cuda \
+        --out-dir "$OUT" ${DUPLEX_FLAGS:-} 2>&1 | grep -v Warn | tail -25
 fi
 if [[ $STAGES == *models* ]]; then
     timeout 240 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \

@@ -1,4 +1,4 @@
-"""`omnistage bench {ar,omni,tts,diffusion,video,realtime}`: our engine and the reference
+"""`omnistage bench {ar,omni,tts,diffusion,video,realtime,duplex}`: our engine and the reference
 (transformers / diffusers; qwen-tts in its own interpreter) in one call, on the same
 random-weight model of a real architecture built in the run; one JSON file per benchmark
 (omnistage/benchmarks/ has the method of each).
@@ -11,6 +11,7 @@ random-weight model of a real architecture built in the run; one JSON file per b
     omnistage bench diffusion --model flux2-klein   # FLUX.2 klein 4B shape, 1024x1024, 4 steps
     omnistage bench video                   # Wan2.2-TI2V-5B and Wan2.1-14B shapes, per step
     omnistage bench realtime                # /v1/realtime on the omni model, 1 / 8 sessions
+    omnistage bench duplex                  # Moshi-7B shape, full duplex, 1 .. 32 sessions
     omnistage bench regress                 # headline figures against this GPU's baseline
     omnistage bench ar --tiny --device cpu  # toy sizes: seconds on a CPU (CI), no measurement
     omnistage bench serve --base-url http://127.0.0.1:8000 --endpoint-type chat
@@ -52,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         result, name, headline = bench_runs.run_video(args)
     elif args.benchmark == "realtime":
         result, name, headline = bench_runs.run_realtime(args)
+    elif args.benchmark == "duplex":
+        result, name, headline = bench_runs.run_duplex(args)
     elif args.benchmark == "regress":
         result, name, headline = bench_runs.run_regress(args)
     elif args.model == "flux2-klein":

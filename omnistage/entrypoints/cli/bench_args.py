@@ -13,7 +13,7 @@ def add_kinds(p: argparse.ArgumentParser, func: Runner) -> None:
     """One sub-command a benchmark kind under `p`, each answered by `func`."""
     kinds = p.add_subparsers(dest="benchmark", required=True)
     for add in (_add_ar, _add_omni, _add_tts, _add_diffusion, _add_video, _add_realtime,
-                _add_regress):
+                _add_duplex, _add_regress):
         _common(add(kinds), func)
     _add_serve(kinds, func)
 
@@ -228,6 +228,19 @@ def _add_realtime(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     rt.add_argument("--talker-tokens", type=int, default=200,
                     help="codec frames of an answer at most (12.5 a second of speech)")
     return rt
+
+
+
+def _add_duplex(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    dx = kinds.add_parser("duplex", help="full-duplex Moshi (7B shape) on the duplex runtime: "
+                                         "sessions a GPU ticks within 80 ms, missed ticks")
+    dx.add_argument("--sessions", type=_ints, default=None,
+                    help="sessions at once, comma-separated (default 1,4,8,16,24,32; tiny 1,2)")
+    dx.add_argument("--ticks", type=int, default=None,
+                    help="measured ticks per session, 12.5 a second (default 200; tiny 8)")
+    dx.add_argument("--warmup-ticks", type=int, default=None,
+                    help="ticks of each N left out of the figures (default 10; tiny 2)")
+    return dx
 
 
 def _add_serve(kinds: argparse._SubParsersAction, func: Runner) -> None:

@@ -141,6 +141,24 @@ def run_realtime(args: argparse.Namespace) -> Outcome:
     return result, f"realtime_qwen3-omni-{cfg.sizes}", result["ratios"]
 
 
+
+def run_duplex(args: argparse.Namespace) -> Outcome:
+    from omnistage.benchmarks import duplex
+    from omnistage.benchmarks.common import write_result
+
+    def given(value: object, tiny: object, full: object) -> object:
+        return value if value is not None else tiny if args.tiny else full
+
+    cfg = duplex.DuplexBenchConfig(
+        sizes="tiny" if args.tiny else "7b",
+        sessions=given(args.sessions, (1, 2), (1, 4, 8, 16, 24, 32)),
+        ticks=given(args.ticks, 8, 200), warmup_ticks=given(args.warmup_ticks, 2, 10),
+        device=args.device, seed=args.seed)
+    name = args.name or f"duplex_moshi-{cfg.sizes}"
+    result = duplex.run(cfg, lambda r: write_result(r, Path(args.out_dir), name))
+    return result, name, result["ratios"]
+
+
 def run_diffusion_parallel(args: argparse.Namespace) -> Outcome:
     import tempfile
 
