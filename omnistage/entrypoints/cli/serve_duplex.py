@@ -5,7 +5,8 @@ the server's own process and entrypoints/openai/duplex/ serves /v1/duplex over i
     --max-num-seqs N     the most sessions at once (default 8); one more is refused
     --dtype, --device    the model's (auto: the checkpoint's dtype, CUDA when present)
     --realtime-resume-grace     how long a dropped session waits for its resume
-    --api-key, --open-metrics, --ssl-certfile / --ssl-keyfile   as on the other servers
+    --api-key, --open-metrics, --ssl-certfile / --ssl-keyfile, --no-playground
+                         as on the other servers
 
 Flags of the stage-graph servers that would change nothing here are refused, not ignored.
 """
@@ -66,7 +67,7 @@ def serve_duplex(args: argparse.Namespace, path: Path, target: str) -> int:
         runtime.start()
         try:
             app = build_duplex_app(runtime, config.model_name, limits, config.api_key,
-                                   config.open_metrics)
+                                   config.open_metrics, config.enable_playground)
             level = args.uvicorn_log_level or config.log_level
             server = uvicorn.Server(uvicorn.Config(
                 app, log_level=level.lower(), log_config=uvicorn_log_config(level),

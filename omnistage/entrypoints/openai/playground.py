@@ -1,6 +1,8 @@
 """The playground: one static page at `/` where a person uses the served model from a browser,
-with no build step (static/: index.html, playground.js, playground.css and the microphone's
-AudioWorklet, pcm_worklet.js). `omnistage serve --no-playground` leaves it out.
+with no build step (static/: index.html, playground.js, playground.css, the Duplex tab's
+duplex.js and the microphone's AudioWorklet, pcm_worklet.js). `omnistage serve
+--no-playground` leaves it out. The stage-graph servers (api_server.py) and the full-duplex
+one (duplex/app.py) serve the same page; each card's capabilities choose its tabs.
 
     GET /                   the page           no API key: it holds no data
     GET /playground/NAME    its script, style  no API key
@@ -25,8 +27,9 @@ from omnistage.entrypoints.openai.protocol import ModelCapabilities
 
 STATIC = Path(__file__).parent / "static"
 ASSETS = {"playground.js": "text/javascript", "playground.css": "text/css",
-          "pcm_worklet.js": "text/javascript"}
+          "pcm_worklet.js": "text/javascript", "duplex.js": "text/javascript"}
 REALTIME_ROUTE = "/v1/realtime"
+DUPLEX_ROUTE = "/v1/duplex"
 
 
 def add_playground(app: FastAPI) -> None:
@@ -62,3 +65,11 @@ def capabilities(client: EngineClient, has_speech: bool, has_video: bool,
     }
     return ModelCapabilities(endpoints=[path for path, ok in served.items() if ok],
                              input_modalities=list(inputs))
+
+
+def duplex_capabilities() -> dict[str, object]:
+    """A full-duplex model's card: it hears audio and is served on /v1/duplex alone (its
+    /v1/realtime alias speaks the duplex protocol, not the turns the Realtime tab sends, so it
+    is not listed). `duplex: true` says so to clients that read no route list."""
+    caps = ModelCapabilities(endpoints=[DUPLEX_ROUTE], input_modalities=["audio"])
+    return {**caps.model_dump(), "duplex": True}

@@ -8,6 +8,8 @@ over a `DuplexRuntime` in the server's process (entrypoints/cli/serve.py `serve_
                                 theirs: every path but /health, /metrics with --open-metrics)
     GET /metrics                Prometheus text: live sessions, ticks, missed ticks and inputs
                                 (in all, and per live session), the tick latency histogram
+    GET /, /playground/NAME     the playground (playground.py) with its Duplex tab, which the
+                                card's `capabilities` turn on (`--no-playground`: none)
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from fastapi.responses import JSONResponse, Response
 
 from omnistage.engine.duplex import LATENCY_BUCKETS_S, DuplexRuntime
 from omnistage.entrypoints.openai.duplex.connection import DuplexConnection
+from omnistage.entrypoints.openai.errors import install_error_handlers
 from omnistage.entrypoints.openai.middleware import APIKeyCheck
+from omnistage.entrypoints.openai.playground import add_playground, duplex_capabilities
 from omnistage.entrypoints.openai.realtime.resume import Sessions, is_resume, resume
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -38,8 +42,11 @@ class DuplexLimits:
 
 def build_duplex_app(runtime: DuplexRuntime, model_name: str,
                      limits: DuplexLimits = DuplexLimits(), api_key: str | None = None,
-                     open_metrics: bool = False) -> FastAPI:
+                     open_metrics: bool = False, enable_playground: bool = True) -> FastAPI:
     app = FastAPI(title="omnistage duplex")
+    install_error_handlers(app)          # a wrong path or file: OpenAI's error JSON
+    if enable_playground:
+        add_playground(app)
     # the other servers' key check: Bearer header, or OpenAI's browser subprotocol
     app.add_middleware(APIKeyCheck, api_key=api_key, open_metrics=open_metrics)
     sessions = Sessions()
@@ -62,9 +69,11 @@ def build_duplex_app(runtime: DuplexRuntime, model_name: str,
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
+        # the shape of the other servers' cards, so the playground reads it as theirs: audio
+        # in, speech and the inner monologue's text out, served on /v1/duplex only
         return JSONResponse({"object": "list", "data": [{
             "id": model_name, "object": "model", "created": created, "owned_by": "omnistage",
-            "capabilities": {"duplex": True}}]})
+            "modalities": ["audio", "text"], "capabilities": duplex_capabilities()}]})
 
     @app.get("/metrics")
     async def metrics() -> Response:

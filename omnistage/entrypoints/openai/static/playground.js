@@ -87,9 +87,12 @@ function bytesToB64(bytes) {
   return btoa(bin);
 }
 
-// PCM16 chunks played back to back as they arrive (a gap only if the network is late)
+// PCM16 chunks played back to back as they arrive (a gap only if the network is late);
+// `lead`: how far ahead of now a chunk after a gap starts (a jitter buffer)
 class PcmPlayer {
-  constructor(rate) { this.rate = rate; this.ctx = null; this.next = 0; this.playing = new Set(); }
+  constructor(rate, lead = 0.05) {
+    this.rate = rate; this.lead = lead; this.ctx = null; this.next = 0; this.playing = new Set();
+  }
 
   unlock() {   // from a click: browsers start audio only after a gesture
     if (!this.ctx) this.ctx = new AudioContext();
@@ -107,7 +110,7 @@ class PcmPlayer {
     const src = this.ctx.createBufferSource();
     src.buffer = buf;
     src.connect(this.ctx.destination);
-    const at = Math.max(this.next, this.ctx.currentTime + 0.05);
+    const at = Math.max(this.next, this.ctx.currentTime + this.lead);
     src.start(at);
     this.next = at + buf.duration;
     this.playing.add(src);
@@ -121,24 +124,38 @@ class PcmPlayer {
   }
 }
 
-// Float32 at `from` Hz -> PCM16 at `to` Hz (averaging each output sample's span: a cheap
-// low-pass, enough for speech)
-function toPcm16(samples, from, to) {
-  const ratio = from / to;
-  const out = new Int16Array(Math.floor(samples.length / ratio));
-  for (let i = 0; i < out.length; i++) {
-    const start = Math.floor(i * ratio), end = Math.max(start + 1, Math.floor((i + 1) * ratio));
-    let sum = 0;
-    for (let j = start; j < end; j++) sum += samples[j];
-    const v = Math.max(-1, Math.min(1, sum / (end - start)));
-    out[i] = v < 0 ? v * 32768 : v * 32767;
+// Float32 blocks at `from` Hz -> PCM16 at `to` Hz (averaging each output sample's span: a
+// cheap low-pass, enough for speech). The position carries from block to block, so a stream
+// of blocks gives `to` samples a second, none lost at the blocks' edges.
+class Pcm16Resampler {
+  constructor(from, to) { this.ratio = from / to; this.pos = 0; this.tail = new Float32Array(0); }
+
+  push(block) {
+    const x = new Float32Array(this.tail.length + block.length);
+    x.set(this.tail);
+    x.set(block, this.tail.length);
+    const out = new Int16Array(Math.max(0, Math.floor((x.length - this.pos) / this.ratio)));
+    for (let i = 0; i < out.length; i++) {
+      const at = this.pos + i * this.ratio;
+      const start = Math.floor(at), end = Math.max(start + 1, Math.floor(at + this.ratio));
+      let sum = 0;
+      for (let j = start; j < end; j++) sum += x[j];
+      const v = Math.max(-1, Math.min(1, sum / (end - start)));
+      out[i] = v < 0 ? v * 32768 : v * 32767;
+    }
+    const next = this.pos + out.length * this.ratio;
+    this.tail = x.slice(Math.floor(next));
+    this.pos = next - Math.floor(next);
+    return out;
   }
-  return out;
 }
 
-// The microphone as 16 kHz PCM16 pieces: AudioWorklet, or ScriptProcessor where there is none
+// The microphone as PCM16 pieces at `rate` (16 kHz: the realtime tab's; 24 kHz: the duplex
+// tab's): AudioWorklet, or ScriptProcessor where there is none
 class Microphone {
-  constructor(onPcm) { this.onPcm = onPcm; this.stream = null; this.ctx = null; }
+  constructor(onPcm, rate = IN_RATE) {
+    this.onPcm = onPcm; this.rate = rate; this.stream = null; this.ctx = null;
+  }
 
   async start() {
     if (!navigator.mediaDevices) throw new Error("no microphone API here: open the page " +
@@ -147,8 +164,8 @@ class Microphone {
       { audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true } });
     this.ctx = new AudioContext();
     const source = this.ctx.createMediaStreamSource(this.stream);
-    const rate = this.ctx.sampleRate;
-    const emit = (f32) => this.onPcm(toPcm16(f32, rate, IN_RATE));
+    const resampler = new Pcm16Resampler(this.ctx.sampleRate, this.rate);
+    const emit = (f32) => this.onPcm(resampler.push(f32));
     if (this.ctx.audioWorklet) {
       await this.ctx.audioWorklet.addModule("/playground/pcm_worklet.js");
       const node = new AudioWorkletNode(this.ctx, "pcm-capture");
@@ -630,6 +647,7 @@ async function refreshVideos() {
 const TABS = {   // tab -> the route that must serve the model (and a condition of its own)
   chat: (c) => c.endpoints.includes("/v1/chat/completions") && state.outputs.includes("text"),
   realtime: (c) => c.endpoints.includes("/v1/realtime"),
+  duplex: (c) => c.endpoints.includes("/v1/duplex"),      // duplex.js
   images: (c) => c.endpoints.includes("/v1/images/generations"),
   speech: (c) => c.endpoints.includes("/v1/audio/speech"),
   video: (c) => c.endpoints.includes("/v1/videos"),
@@ -683,6 +701,7 @@ async function loadModel() {
 function start() {
   setupChat();
   setupRealtime();
+  setupDuplex();
   $("images-form").addEventListener("submit", (e) => { e.preventDefault(); generateImages(); });
   $("speech-form").addEventListener("submit", (e) => { e.preventDefault(); speak(); });
   $("video-form").addEventListener("submit", (e) => { e.preventDefault(); createVideo(); });
