@@ -106,3 +106,17 @@ def test_a_session_ends_when_the_context_is_used_up(tmp_path):
     assert len(outs) == duplex.max_frames == 11                 # a context of 12 frames
     assert not duplex.sessions and not duplex.engine.has_unfinished_requests
     duplex.open("b")                                             # its slot is free again
+
+
+def test_the_inner_monologue_is_text_where_the_checkpoint_has_a_tokenizer(tmp_path):
+    """A checkpoint folder with a tokenizer (the released ones ship theirs): each tick's text
+    is its token's text, as the engine's detokenizer writes it; without one it is empty."""
+    from omnistage.testing.tiny_tokenizer import build_tiny_tokenizer
+
+    path, _ = build_duplex_moshi(tmp_path / "moshi")
+    tokenizer = build_tiny_tokenizer(path)
+    duplex = MoshiDuplex(path, max_sessions=1)
+    duplex.open("a")
+    outs = [duplex.tick({"a": frame})["a"] for frame in _script(6, seed=3)]
+    assert "".join(o.text for o in outs) == tokenizer.decode([o.text_id for o in outs])
+    assert any(o.text for o in outs)
