@@ -31,6 +31,7 @@ HERE = INTERPRETING and not torch.cuda.is_available()
 in_child = pytest.mark.skipif(not HERE, reason="runs in the interpreter child")
 BLOCK_SIZE = 4
 MAX_GRAPH_TOKENS = 40       # buckets 16, 32, 40; the scheduler's steps hold up to 48 tokens
+CPU_DEVICE = torch.device("cpu")
 
 if HERE:
     patch_interpreter()
@@ -220,3 +221,36 @@ def test_work_table_covers_every_batch() -> None:
     assert len(seqs) == top and seqs.count(4) == top - len(real)
     with pytest.raises(AssertionError):
         backend.prefill_work([0, 100, 200], 3, pad_seq=2)
+
+
+def test_mrope_positions_and_tables_land_in_the_buffers() -> None:
+    """An M-RoPE model's (3, T) positions go to rows t, h, w of the static buffer (padding
+    rows 0), with the ids, slots (padding -1), query starts (the end repeated), lengths (0
+    past the batch), the work table and the block tables, as the captured graph reads them."""
+    from omnistage.ar.step_plan import ForwardPlan
+    from omnistage.layers.triton_attention import TritonPagedAttention
+    from omnistage.utils.host import int_array, int_matrix_array
+
+    backend = TritonPagedAttention(4, num_queries_per_kv=2)
+    pg = prefill_graphs.PrefillGraphs(torch.nn.Identity(), backend, 4, max_num_seqs=3,
+                                      max_blocks=8, max_tokens=32, device=CPU_DEVICE,
+                                      mrope=True)
+    positions = torch.tensor([[0, 1, 2, 7, 7], [0, 1, 2, 5, 6], [0, 1, 2, 4, 3]])
+    plan = ForwardPlan(int_array([5, 6, 7, 8, 9]), positions, int_array([0, 1, 2, 17, 18]),
+                       [0, 3, 5], [3, 9], int_matrix_array([[0], [3, 4, 5]], 3), 3, None,
+                       None, (), [2, 4])
+    assert pg.can_run(plan)
+    pg._write_inputs(plan, 16)
+    torch.testing.assert_close(pg.positions[:, :5], positions)
+    assert not pg.positions[:, 5:].any()
+    assert pg.input_ids[:6].tolist() == [5, 6, 7, 8, 9, 0]
+    assert pg.slot_mapping[:6].tolist() == [0, 1, 2, 17, 18, -1]
+    assert pg.query_start_loc.tolist() == [0, 3, 5, 5, 5]
+    assert pg.seq_lens.tolist() == [3, 9, 0, 0]
+    programs = pg.num_programs[16]
+    work = pg._work(16).tolist()
+    assert work[:programs][:2] == [0, 1] and set(work[2:programs]) == {2}    # padding: seq 2
+    assert pg.block_tables[:2, :3].tolist() == [[0, 0, 0], [3, 4, 5]]
+    too_wide = ForwardPlan(plan.input_ids, positions, plan.slot_mapping, [0, 3, 5], [3, 9],
+                           int_matrix_array([[0], [1] * 9], 9), 9, None, None, (), [2, 4])
+    assert not pg.can_run(too_wide)                      # tables wider than the buffers
