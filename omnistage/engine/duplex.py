@@ -241,6 +241,8 @@ class DuplexRuntime:
               latency_s: float, missed: bool) -> None:
         input_missed = out.heard and frames.get(s.id) is None
         st = s.stats
+        tick = st.ticks
+        st.ticks += 1        # first: a reader on another thread never sees more misses
         st.missed_ticks += missed
         st.missed_inputs += input_missed
         self.totals.missed_inputs += input_missed
@@ -248,10 +250,9 @@ class DuplexRuntime:
         audio = None
         if out.audio is not None:
             audio = (out.audio.clamp(-1, 1) * 32767).round().to(torch.int16).numpy().tobytes()
-        ev = TickEvent(st.ticks, out.text_id, out.text,
+        ev = TickEvent(tick, out.text_id, out.text,
                        None if out.codes is None else out.codes.tolist(), audio, out.heard,
                        input_missed, round(latency_s * 1000, 3), missed)
-        st.ticks += 1
         s.joined = True
         _deliver(s, ev, None)
         if out.finished:

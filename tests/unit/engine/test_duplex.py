@@ -75,12 +75,13 @@ def test_late_steps_are_missed_ticks(model: MoshiDuplex) -> None:
         events = got.wait(4)
         assert all(e.missed for e in events)
         time.sleep(0.05)
-        stats = session.stats.summary()
-        assert stats["missed_ticks"] == stats["ticks"] >= 4
-        assert runtime.totals.missed_ticks >= 4 and stats["tick_latency_ms_p50"] > 0
     finally:
         runtime.shutdown()
     assert got.ended == "shutdown"
+    # read once the ticker has stopped: mid-tick, one count may lead the other
+    stats = session.stats.summary()
+    assert stats["missed_ticks"] == stats["ticks"] >= 4
+    assert runtime.totals.missed_ticks >= 4 and stats["tick_latency_ms_p50"] > 0
 
 
 def test_limits(model: MoshiDuplex) -> None:
