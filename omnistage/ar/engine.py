@@ -98,8 +98,9 @@ class AREngine:
         output_hidden_layers), decodes fed embeddings (stream rows, a feedback hook) or token
         ids. Otherwise the first step to use a bucket of it captures it, up to a second
         inside serving. The prefill graphs take the same layers, for prompts of token ids and
-        (embeds) of embeddings. Nothing to do without graphs (CPU, enforce_eager, a model that
-        can't be captured)."""
+        of embeddings both (a multimodal prompt's audio rows, a talker's prompt: its first
+        such request must not pay for the captures). Nothing to do without graphs (CPU,
+        enforce_eager, a model that can't be captured)."""
         graphs = self.runner.graphs
         if graphs is None:
             return
@@ -113,7 +114,8 @@ class AREngine:
         fed = (self.model_config.hidden_size, self.dtype) if embeds else None
         graphs.capture_variant(layers, fed)
         if self.runner.prefill_graphs is not None:   # prompts of token ids, of embeddings
-            for variant in [None] + ([fed] if fed else []):
+            prompt_fed = (self.model_config.hidden_size, self.dtype)
+            for variant in (None, prompt_fed):
                 self.runner.prefill_graphs.capture_variant(layers, variant)
 
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:

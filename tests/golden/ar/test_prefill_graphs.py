@@ -153,9 +153,9 @@ def test_hidden_states_of_prompts_from_graphs(emulated, tiny_qwen3: Path) -> Non
 @in_child
 def test_prompts_of_embeddings_and_start_up_capture(emulated, tiny_qwen3: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """`AREngine.capture_decode_graphs(embeds=True)` captures the prefill buckets of both
-    prompt kinds (token ids, embeddings) up front; prompts of embeddings then replay the
-    embedding-fed variant and capture nothing more."""
+    """`AREngine.capture_decode_graphs()` captures the prefill buckets of both prompt kinds
+    (token ids, embeddings) up front, whatever its decodes are fed; prompts of embeddings then
+    replay the embedding-fed variant and capture nothing more."""
     gen = torch.Generator().manual_seed(1)
     hidden = 64
     waves = [[("e0", torch.randn(9, hidden, generator=gen), params(5)),
@@ -163,7 +163,7 @@ def test_prompts_of_embeddings_and_start_up_capture(emulated, tiny_qwen3: Path,
              [("e1", torch.randn(23, hidden, generator=gen), params(4))]]
     want = drive(make_engine(tiny_qwen3, graphs=False), waves)
     engine = make_engine(tiny_qwen3, graphs=True)
-    engine.capture_decode_graphs(embeds=True)
+    engine.capture_decode_graphs()
     pg = engine.runner.prefill_graphs
     keys = set(pg.graphs)
     assert keys == {(t, (), fed) for t in (16, 32, 40) for fed in (False, True)}
