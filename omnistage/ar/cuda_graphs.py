@@ -66,7 +66,37 @@ class DecodeInputs:
         return array_tensor(self.ints)[:self.num_seqs]
 
 
-class DecodeGraphs:
+class BucketGraphs:
+    """What the decode graphs and the prefill graphs (prefill_graphs.py) share: graphs keyed
+    (bucket, captured layers, embedding-fed), each variant's buckets captured largest first
+    (`_capture` per class), and the embedding-fed variant's static buffer."""
+
+    sizes: list[int]
+    graphs: dict
+    embeds: Tensor | None
+    input_ids: Tensor
+
+    def _capture(self, size: int, capture: tuple[int, ...], embeds: bool) -> None:
+        raise NotImplementedError
+
+    def _capture_buckets(self, capture: tuple[int, ...], embeds: bool) -> None:
+        for size in reversed(self.sizes):
+            if (size, capture, embeds) not in self.graphs:
+                self._capture(size, capture, embeds)
+
+    def _embeds_buffer(self, hidden_size: int, dtype: torch.dtype) -> Tensor:
+        """The static (N, hidden) input embeddings of the embedding-fed variant."""
+        if self.embeds is None:
+            self.embeds = torch.zeros(self.sizes[-1], hidden_size, dtype=dtype,
+                                      device=self.input_ids.device)
+        # captured graphs read this buffer: a step's rows must fit it without a cast
+        assert self.embeds.shape[1] == hidden_size and self.embeds.dtype == dtype, \
+            f"embeddings ({hidden_size}, {dtype}) for a buffer of {tuple(self.embeds.shape)}, " \
+            f"{self.embeds.dtype}"
+        return self.embeds
+
+
+class DecodeGraphs(BucketGraphs):
     """CUDA graphs of the decode-only forward pass, one per batch-size bucket.
 
     Static device buffers hold what the forward pass reads; a step writes its rows into them,
@@ -200,22 +230,6 @@ class DecodeGraphs:
                     "embeddings: %s) in %.2f s", self.sizes, list(capture), fed,
                     time.perf_counter() - start)
         return True
-
-    def _embeds_buffer(self, hidden_size: int, dtype: torch.dtype) -> Tensor:
-        """The static (N, hidden) input embeddings of the embedding-fed variant."""
-        if self.embeds is None:
-            self.embeds = torch.zeros(self.sizes[-1], hidden_size, dtype=dtype,
-                                      device=self.input_ids.device)
-        # captured graphs read this buffer: a step's rows must fit it without a cast
-        assert self.embeds.shape[1] == hidden_size and self.embeds.dtype == dtype, \
-            f"embeddings ({hidden_size}, {dtype}) for a buffer of {tuple(self.embeds.shape)}, " \
-            f"{self.embeds.dtype}"
-        return self.embeds
-
-    def _capture_buckets(self, capture: tuple[int, ...], embeds: bool) -> None:
-        for bs in reversed(self.sizes):
-            if (bs, capture, embeds) not in self.graphs:
-                self._capture(bs, capture, embeds)
 
     def _capture(self, bs: int, capture: tuple[int, ...], embeds: bool = False) -> None:
         md = self._metadata(bs)

@@ -45,7 +45,7 @@ from torch import Tensor
 from omnistage.ar import shadows
 from omnistage.ar.cuda_graphs import DecodeGraphs
 from omnistage.ar.kv_cache import KVCacheLayout
-from omnistage.ar.prefill_graphs import PrefillGraphs, supports_prefill_graphs
+from omnistage.ar.prefill_graphs import PrefillGraphs
 from omnistage.ar.sampler import DeviceSample, Sampler, TokenLogprobs
 from omnistage.ar.scheduler import ScheduledBatch
 from omnistage.ar.sequence import Sequence
@@ -125,7 +125,7 @@ class ModelRunner:
             graphs = DecodeGraphs(model, backend, layout.block_size, max_num_seqs, max_blocks,
                                   device, model.uses_mrope)
             self.graphs = graphs if graphs.capture_all() else None
-            if self.graphs is not None and max_graph_tokens and supports_prefill_graphs(backend):
+            if self.graphs is not None and max_graph_tokens and backend.supports_prefill_graphs:
                 prefill = PrefillGraphs(model, backend, layout.block_size, max_num_seqs,
                                         max_blocks, max_graph_tokens, device,
                                         model.uses_mrope, self.graphs.pool)
@@ -254,14 +254,16 @@ class ModelRunner:
         the embeddings of plan.embed_rows; feats: the deepstack features (L, K, hidden) (the
         other ranks: None, and a buffer)."""
         dev = self.device
-        input_ids = array_tensor(plan.input_ids).to(dev)
-        embeds = None
+        input_ids = embeds = None        # the graph copies the ids itself from the plan
         if plan.embed_rows is not None:
+            input_ids = array_tensor(plan.input_ids).to(dev)
             embeds = self._embed(input_ids, plan.embed_rows, pieces)
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(plan):
             graphed = self.prefill_graphs.run(plan, embeds)
             if graphed is not None:       # None: the fed variant could not be captured
                 return graphed[0], graphed[1], True
+        if input_ids is None:
+            input_ids = array_tensor(plan.input_ids).to(dev)
         return (*self._eager(plan, input_ids, embeds, feats), False)
 
     def _eager(self, plan: ForwardPlan, input_ids: Tensor, embeds: Tensor | None,

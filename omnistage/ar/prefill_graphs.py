@@ -39,6 +39,7 @@ import time
 import torch
 from torch import Tensor, nn
 
+from omnistage.ar.cuda_graphs import BucketGraphs
 from omnistage.ar.step_plan import ForwardPlan
 from omnistage.layers import graph_capture
 from omnistage.layers.attention import AttentionBackend, AttentionMetadata, forward_context
@@ -61,13 +62,7 @@ def prefill_token_sizes(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
-def supports_prefill_graphs(backend: AttentionBackend) -> bool:
-    """Whether the backend's attention can be planned once for every step of a bucket
-    (`static_prefill_state`, `prefill_work`, `max_prefill_programs`: the Triton kernels)."""
-    return backend.supports_prefill_graphs
-
-
-class PrefillGraphs:
+class PrefillGraphs(BucketGraphs):
     """CUDA graphs of the forward pass of steps with prompt rows, one per token bucket (see
     the module docstring). `capture_all` captures the plain variant (token ids in, no hidden
     states out) and says whether the model can be captured at all; `capture_variant` the
@@ -188,19 +183,6 @@ class PrefillGraphs:
         self.failed.add((capture, fed))
         for key in [k for k in self.graphs if k[1:] == (capture, fed)]:
             del self.graphs[key]
-
-    def _embeds_buffer(self, hidden_size: int, dtype: torch.dtype) -> Tensor:
-        if self.embeds is None:
-            self.embeds = torch.zeros(self.sizes[-1], hidden_size, dtype=dtype,
-                                      device=self.input_ids.device)
-        assert self.embeds.shape[1] == hidden_size and self.embeds.dtype == dtype, \
-            f"embeddings ({hidden_size}, {dtype}) for a buffer of {tuple(self.embeds.shape)}"
-        return self.embeds
-
-    def _capture_buckets(self, capture: tuple[int, ...], embeds: bool) -> None:
-        for tokens in reversed(self.sizes):
-            if (tokens, capture, embeds) not in self.graphs:
-                self._capture(tokens, capture, embeds)
 
     def _capture(self, tokens: int, capture: tuple[int, ...], embeds: bool) -> None:
         # the warm-up really runs: blank inputs write no cache slot and attend nowhere

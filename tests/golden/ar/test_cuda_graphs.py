@@ -25,6 +25,7 @@ from omnistage.ar.engine import AREngine  # noqa: E402
 from omnistage.ar.inputs import StreamInput  # noqa: E402
 from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig  # noqa: E402
 from omnistage.sampling_params import SamplingParams  # noqa: E402
+from tests.helpers.ar_steps import assert_same, drive  # noqa: E402
 
 HERE = INTERPRETING and not torch.cuda.is_available()
 in_child = pytest.mark.skipif(not HERE, reason="runs in the interpreter child")
@@ -62,38 +63,6 @@ def make_engine(path: Path, graphs: bool, max_num_seqs: int = 8,
             engine.model, runner.backend, BLOCK_SIZE, max_num_seqs, 32, torch.device("cpu"),
             False)
     return engine
-
-
-def drive(engine: AREngine, waves: list[list[tuple[str, list[int], SamplingParams]]],
-          steps_between: int = 3) -> dict[str, list]:
-    """Add each wave of requests, step a few times, the next wave... then to the end.
-    -> request id -> [(token ids, logprobs, hidden states)] per step output."""
-    got: dict[str, list] = {}
-
-    def step() -> None:
-        for o in engine.step():
-            got.setdefault(o.request_id, []).append((o.new_token_ids, o.logprobs,
-                                                     o.hidden_states))
-
-    for wave in waves:
-        for rid, prompt, params in wave:
-            engine.add_request(rid, prompt, params)
-        for _ in range(steps_between):
-            step()
-    while engine.has_unfinished_requests:
-        step()
-    return got
-
-
-def assert_same(got: dict[str, list], want: dict[str, list]) -> None:
-    assert set(got) == set(want)
-    for rid in want:
-        assert [g[0] for g in got[rid]] == [w[0] for w in want[rid]], rid
-        for (_, lp, hidden), (_, ref_lp, ref_hidden) in zip(got[rid], want[rid]):
-            for tok, value in (lp[0] if lp else {}).items():
-                assert abs(value - ref_lp[0][tok]) < 1e-5, (rid, tok)
-            for layer, h in (hidden or {}).items():
-                torch.testing.assert_close(h, ref_hidden[layer], atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig  #
 from omnistage.layers import graph_capture  # noqa: E402
 from omnistage.sampling_params import SamplingParams  # noqa: E402
 from omnistage.testing.graph_emulation import rerun_capture  # noqa: E402
+from tests.helpers import ar_steps  # noqa: E402
 
 HERE = INTERPRETING and not torch.cuda.is_available()
 in_child = pytest.mark.skipif(not HERE, reason="runs in the interpreter child")
@@ -78,40 +79,12 @@ def make_engine(path: Path, graphs: bool, max_num_seqs: int = 6) -> AREngine:
     return engine
 
 
-def drive(engine: AREngine, waves: list[list[tuple]], steps_between: int = 2
-          ) -> dict[str, list]:
-    """Add each wave of requests (id, prompt ids or embeddings, params), step a few times,
-    the next wave... then to the end. -> request id -> [(tokens, logprobs, hidden)]."""
-    got: dict[str, list] = {}
-
-    def step() -> None:
-        for o in engine.step():
-            got.setdefault(o.request_id, []).append((o.new_token_ids, o.logprobs,
-                                                     o.hidden_states))
-
-    for wave in waves:
-        for rid, prompt, params in wave:
-            if isinstance(prompt, torch.Tensor):
-                engine.add_request(rid, None, params, prompt_embeds=prompt)
-            else:
-                engine.add_request(rid, prompt, params)
-        for _ in range(steps_between):
-            step()
-    while engine.has_unfinished_requests:
-        step()
-    return got
+def drive(engine: AREngine, waves: list[list[tuple]]) -> dict[str, list]:
+    return ar_steps.drive(engine, waves, steps_between=2)
 
 
 def assert_same(got: dict[str, list], want: dict[str, list]) -> None:
-    assert set(got) == set(want)
-    for rid in want:
-        assert [g[0] for g in got[rid]] == [w[0] for w in want[rid]], rid
-        for (_, lp, hidden), (_, ref_lp, ref_hidden) in zip(got[rid], want[rid]):
-            for tok, value in (lp[0] if lp else {}).items():
-                assert abs(value - ref_lp[0][tok]) < 1e-5, (rid, tok)
-            assert (hidden is None) == (ref_hidden is None), rid
-            for layer, h in (hidden or {}).items():
-                torch.testing.assert_close(h, ref_hidden[layer], atol=1e-5, rtol=1e-5)
+    ar_steps.assert_same(got, want, same_hidden_steps=True)
 
 
 def params(n: int, **kw) -> SamplingParams:

@@ -31,14 +31,15 @@ from omnistage.entrypoints.openai.duplex.protocol import (MAX_EVENT_BYTES, check
 from omnistage.entrypoints.openai.errors import APIError, check_model
 from omnistage.entrypoints.openai.realtime.protocol import (client_event, error_event, event,
                                                             event_id_of, new_id)
-from omnistage.entrypoints.openai.realtime.resume import (KEEP_SESSION, Journal, Sessions,
+from omnistage.entrypoints.openai.realtime.resume import (KEEP_SESSION, Journal,
+                                                          ResumableSocket, Sessions,
                                                           grace_of, new_token)
 
 logger = logging.getLogger(__name__)
 JOURNAL_BYTES = 8 << 20              # 30 s of events at 24 kHz is about 2.6 MB
 
 
-class DuplexConnection:
+class DuplexConnection(ResumableSocket):
     def __init__(self, ws: WebSocket, runtime: DuplexRuntime, model_name: str,
                  sessions: Sessions, resume_grace_s: float, max_chunk_bytes: int) -> None:
         self.ws, self.runtime, self.model_name = ws, runtime, model_name
@@ -107,26 +108,6 @@ class DuplexConnection:
                 self._grace = asyncio.create_task(self._expire(self._grace_s))
             elif not self._ended:
                 await self.end("client_disconnected")
-
-    async def _expire(self, grace_s: float) -> None:
-        await asyncio.sleep(grace_s)
-        await self.end("session_expired")
-
-    async def reattach(self, ws: WebSocket, missed: list[str]) -> None:
-        if self._grace is not None:
-            self._grace.cancel()
-        self.attached = True
-        async with self._send_lock:          # no live event slips in before the missed ones
-            self.ws, self.resume_token = ws, new_token()
-            try:
-                await ws.send_text(json.dumps(event(
-                    "session.resumed", session=self._session_json(),
-                    resume_token=self.resume_token), separators=(",", ":")))
-                for text in missed:
-                    await ws.send_text(text)
-            except (WebSocketDisconnect, RuntimeError):
-                pass                         # gone again: the loop sees it
-        await self._serve()
 
     async def end(self, reason: str, notify: bool = False) -> None:
         """The session is over: its slot freed; with `notify`, the final event sent and the

@@ -55,7 +55,8 @@ from omnistage.entrypoints.openai.realtime.protocol import (AudioConfig, AudioIn
 from omnistage.entrypoints.openai.realtime.limits import RealtimeLimits as RealtimeLimits
 from omnistage.entrypoints.openai.realtime.limits import hears, realtime_support
 from omnistage.entrypoints.openai.realtime.response import Response, ResponsePlan
-from omnistage.entrypoints.openai.realtime.resume import (KEEP_SESSION, Journal, Sessions,
+from omnistage.entrypoints.openai.realtime.resume import (KEEP_SESSION, Journal,
+                                                          ResumableSocket, Sessions,
                                                           grace_of, new_token)
 from omnistage.entrypoints.openai.realtime.truncation import submit
 from omnistage.entrypoints.openai.realtime.vad import FRAME, TurnDetector, VadEvent
@@ -64,7 +65,7 @@ from omnistage.entrypoints.openai.realtime.vllm_dialect import VllmDialect, is_v
 logger = logging.getLogger(__name__)
 
 
-class RealtimeConnection:
+class RealtimeConnection(ResumableSocket):
     def __init__(self, ws: WebSocket, client: EngineClient, model_name: str,
                  limits: RealtimeLimits, sessions: Sessions | None = None) -> None:
         self.ws, self.client, self.model_name, self.limits = ws, client, model_name, limits
@@ -131,28 +132,6 @@ class RealtimeConnection:
                 self._grace = asyncio.create_task(self._expire(self._grace_s))
             else:
                 await self.end("client_disconnected")
-
-    async def _expire(self, grace_s: float) -> None:
-        await asyncio.sleep(grace_s)
-        await self.end("session_expired")
-
-    async def reattach(self, ws: WebSocket, missed: list[str]) -> None:
-        """A new socket for this waiting session: session.resumed, the events it missed,
-        then on as before."""
-        if self._grace is not None:
-            self._grace.cancel()
-        self.attached = True
-        async with self._send_lock:         # no live event slips in before the missed ones
-            self.ws, self.resume_token = ws, new_token()
-            try:
-                await ws.send_text(json.dumps(event(
-                    "session.resumed", session=self._session_json(),
-                    resume_token=self.resume_token), separators=(",", ":")))
-                for text in missed:
-                    await ws.send_text(text)
-            except (WebSocketDisconnect, RuntimeError):
-                pass                        # gone again: the loop below sees it
-        await self._serve()
 
     async def end(self, reason: str) -> None:
         """The session is over: its response aborted in every stage, the session freed."""

@@ -36,7 +36,7 @@ from collections import deque
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.websockets import WebSocket
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.realtime.protocol import client_event, error_event, event, parse
@@ -106,6 +106,35 @@ class Resumable(Protocol):
     async def reattach(self, ws: WebSocket, missed: list[str]) -> None: ...
 
     async def end(self, reason: str) -> None: ...
+
+
+class ResumableSocket:
+    """The resume half of a session's connection (the realtime and the duplex ones): the
+    grace period's timer and the new socket's take-over. The class sets `attached`,
+    `resume_token`, `ws`, `_grace` (the timer task or None) and `_send_lock`, and has
+    `_session_json()`, `_serve()` and `end(reason)`."""
+
+    async def _expire(self, grace_s: float) -> None:
+        await asyncio.sleep(grace_s)
+        await self.end("session_expired")
+
+    async def reattach(self, ws: WebSocket, missed: list[str]) -> None:
+        """A new socket for this waiting session: session.resumed, the events it missed,
+        then on as before."""
+        if self._grace is not None:
+            self._grace.cancel()
+        self.attached = True
+        async with self._send_lock:         # no live event slips in before the missed ones
+            self.ws, self.resume_token = ws, new_token()
+            try:
+                await ws.send_text(json.dumps(event(
+                    "session.resumed", session=self._session_json(),
+                    resume_token=self.resume_token), separators=(",", ":")))
+                for text in missed:
+                    await ws.send_text(text)
+            except (WebSocketDisconnect, RuntimeError):
+                pass                        # gone again: the connection's loop sees it
+        await self._serve()
 
 
 class Sessions:
