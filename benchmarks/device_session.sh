@@ -47,6 +47,10 @@
 #   prefill  prompt steps from CUDA graphs against eager (ar.max_graph_tokens 512 / 0): the AR
 #            GPU tests, Qwen3-Omni and Qwen3-TTS first audio at c1 / c8 (needs .whl/ref)
 #   fp8gemv  the one-row kernels' tests with FP8 weights, AR single stream bf16 against fp8
+#   rows     several rows through the fused matmul kernels (their tensor-core variant, issue
+#            41): the kernel tests, the tile sweep at 2..16 rows against cuBLAS (Qwen3-0.6B's
+#            and 1.7B's matmuls), AR decode at 8 sequences with one-row kernels only against
+#            up to 16 rows
 #   quant    AR single stream bf16 / fp8 / int8 (ar_offline --quantization); with "quantdit"
 #            also bench diffusion --quantization int8 (Qwen-Image shape, minutes)
 #   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
@@ -285,6 +289,20 @@ if [[ $STAGES == *growth* ]]; then
         timeout 240 python3 -m omnistage.entrypoints.cli.main bench omni --model qwen2.5-omni \
             --concurrency 1,8,32 --reference-requests 0 \
             --stage-override token2wav.generation.options.chunk_blocks=$cb --out-dir "$OUT" --name omni25_cb$cb 2>&1 | grep -E "rtf|first_audio" | head -6
+    done
+fi
+if [[ $STAGES == *rows* ]]; then
+    timeout 150 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
+        -q tests/golden/layers/test_triton_ops.py 2>&1 | tee "$OUT/rows_tests.txt" | tail -3
+    for preset in qwen3-0.6b qwen3-1.7b; do
+        timeout 150 python3 -m omnistage.benchmarks.kernels.sweep_gemv --preset $preset \
+            --rows 2 8 16 --block-n 16 32 --block-k 128 256 --num-warps 4 \
+            --num-stages 1 3 --out "$OUT/sweep_rows_$preset.json" 2>&1 | grep "rows"
+    done
+    for r in 1 16; do
+        timeout 120 python3 -m omnistage.benchmarks.ar_offline --num-prompts 8 --output-len 256 \
+            --skip-hf --gemv-rows $r --out "$OUT/ar_c8_rows$r.json" 2>&1 \
+            | grep -E "output_tokens_per_s|Error" | head -3
     done
 fi
 if [[ $STAGES == *quant* ]]; then

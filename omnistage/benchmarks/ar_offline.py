@@ -217,6 +217,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-fused", action="store_true", help="no fused Triton norm/rope/act")
     ap.add_argument("--no-gemv", action="store_true",
                     help="no one-row matrix-vector kernels (norm / SiLU fused in): cuBLAS")
+    ap.add_argument("--gemv-rows", type=int, default=None,
+                    help="the most rows a matmul takes the fused kernels with (1: one-row "
+                         "steps only; 16: small batches on the tensor-core variant); default: "
+                         "as measured on this GPU (triton_gemv.max_rows)")
     ap.add_argument("--gemv-config", default=None, metavar="BN,BK,WARPS,STAGES",
                     help="tile sizes for every matrix-vector kernel but the lm_head's instead of "
                          "triton_gemv.config")
@@ -246,8 +250,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="read each decode step's tokens before launching the next")
     ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--quantization", default=None, choices=("fp8", "int8"),
-                    help="every linear but the head in 8 bits (ar.quantization); the "
+    ap.add_argument("--quantization", default=None, choices=("fp8", "int8", "int4"),
+                    help="every linear but the head in 8 bits (ar.quantization); int4: the "
+                         "checkpoint written again in compressed-tensors' W4A16 layout "
+                         "(models/int4_export.py, groups of 128) and loaded from it; the "
                          "weight-streaming limit stays the bf16 weights'")
     ap.add_argument("--checkpoint-dir", default="/tmp/omnistage-bench")
     ap.add_argument("--out", default=None)
@@ -257,11 +263,14 @@ def _parser() -> argparse.ArgumentParser:
 def _apply_switches(args: argparse.Namespace) -> None:
     """The kernel and scheduling switches, set on their modules before the engine is built."""
     global QUANTIZATION
-    QUANTIZATION = args.quantization
+    QUANTIZATION = None if args.quantization == "int4" else args.quantization  # int4: a file
     if args.no_fused or args.no_gemv:
         from omnistage.layers import fused
         fused.set_enabled(not args.no_fused)
         fused.set_gemv(not args.no_gemv)
+    if args.gemv_rows is not None:
+        from omnistage.layers import fused
+        fused.set_gemv_rows(args.gemv_rows)
     if args.no_layer_kernel or args.layer_kernel:
         from omnistage.layers import fused
         fused.set_layer_kernel(bool(args.layer_kernel))
@@ -318,6 +327,13 @@ def main() -> None:
     args = _parser().parse_args()
     _apply_switches(args)
     path = build_checkpoint(args.preset, Path(args.checkpoint_dir) / args.preset)
+    ours_path = path
+    if args.quantization == "int4":     # the W4A16 checkpoint of the same weights
+        from omnistage.models.int4_export import export_w4a16
+
+        ours_path = path.with_name(path.name + "-w4a16")
+        if not (ours_path / "config.json").is_file():
+            export_w4a16(path, ours_path)
     rng = random.Random(0)
     vocab = PRESETS[args.preset]["vocab_size"]
     num_prompts = 1 if args.single_stream else args.num_prompts
@@ -335,7 +351,7 @@ def main() -> None:
         "options": _options(args),
     }
     if args.single_stream:
-        ours = ours_decode_speed(path, prompts[0], args.output_len, args.enforce_eager,
+        ours = ours_decode_speed(ours_path, prompts[0], args.output_len, args.enforce_eager,
                                  args.attention_backend)
         limit = weight_streaming_limit(path)
         ours["share_of_weight_streaming_limit"] = (ours["decode_tokens_per_s"]
@@ -346,7 +362,7 @@ def main() -> None:
             result.update(transformers=hf, decode_speed_ratio=(
                 ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"]))
     else:
-        ours = bench_ours(path, prompts, args.output_len, args.max_num_batched_tokens,
+        ours = bench_ours(ours_path, prompts, args.output_len, args.max_num_batched_tokens,
                           args.concurrency, args.enforce_eager, args.attention_backend)
         result["omnistage"] = ours
         if not args.skip_hf:

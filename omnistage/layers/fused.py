@@ -35,6 +35,7 @@ from omnistage.layers.parallel import ParallelLMHead, RowParallelLinear
 
 _enabled = True
 _gemv = True
+_gemv_rows: int | None = None      # None: triton_gemv.max_rows (as measured on the GPU)
 # Small decode batches: one attention kernel (triton_decode_attention.py). None: for one row
 # where attention kernels launch early (pdl.py: an H100 or H200). An H100's layers took 628 us
 # with it against 733 with the three kernels it replaces (benchmarks/results/runs/
@@ -60,6 +61,13 @@ def set_gemv(enabled: bool) -> None:
     _gemv = enabled
 
 
+def set_gemv_rows(rows: int | None) -> None:
+    """The most rows a matmul takes the fused kernels with (1: one-row steps only); None (the
+    default): as measured fastest on the GPU (triton_gemv.max_rows)."""
+    global _gemv_rows
+    _gemv_rows = rows
+
+
 def set_decode_attention(enabled: bool | None) -> None:
     """Small decode batches (split-K) take one kernel for q/k norm, rotary, the K/V store,
     attention and the merge of its slices: True always, False never, None (the default) for
@@ -69,7 +77,10 @@ def set_decode_attention(enabled: bool | None) -> None:
 
 
 def decode_attention_for(q: Tensor) -> bool:
-    """Whether the decode batch of q (T, H, D) may take the one-kernel attention."""
+    """Whether the decode batch of q (T, H, D) may take the one-kernel attention: its tensor-core
+    products need D >= 16 (a tiny test model's heads of 8 take the per-op kernels)."""
+    if q.shape[-1] < 16:
+        return False
     if _decode_attention is not None:
         return _decode_attention
     from omnistage.layers import pdl
@@ -119,7 +130,7 @@ def _gemv_for(x: Tensor, weight: Tensor) -> ModuleType | None:
         return None
     from omnistage.layers import triton_gemv
 
-    return triton_gemv if triton_gemv.applies(x, weight) else None
+    return triton_gemv if triton_gemv.applies(x, weight, _gemv_rows) else None
 
 
 def norm_linear(norm: nn.Module, linear: nn.Module, x: Tensor, residual: Tensor | None

@@ -41,15 +41,41 @@ from torch import Tensor
 from omnistage.layers import pdl
 from omnistage.utils.device import gpu_name
 
-# Used for one row only. On an H200 (benchmarks/results/sweep_gemv_qwen3-0.6b*.json), one row
+# One row everywhere. On an H200 (benchmarks/results/sweep_gemv_qwen3-0.6b*.json), one row
 # through Qwen3-0.6B's four decode matmuls took 19.9 us with these kernels against 35.2 us for
 # cuBLAS after the separate norm / SiLU kernels (o_proj alone: 3.9 against cuBLAS' 12.0, whose
-# kernel for that shape runs too few programs); four rows took 2-4x cuBLAS' time: the kernel
-# handles several rows (the tests check it) without being fast at it.
+# kernel for that shape runs too few programs).
 MAX_ROWS = 1
+# Several rows (a small decode batch, a code predictor's frame at batch 8) can take a
+# tensor-core variant (rows padded to 16 and masked, tl.dot), the norm or SiLU still folded in
+# front, up to FEW_ROWS rows on the GPUs listed in FEW_ROWS_FASTER: none. On an H200 it lost
+# to cuBLAS after the separate norm / SiLU kernels at 2, 8 and 16 rows on every matmul of
+# Qwen3-0.6B and 1.7B (qkv 9.9 against 6.9 us, down 35-84 against 9-13; AR decode of 8
+# sequences 3.6 against 1.4 ms a step; benchmarks/results/runs/issue41_h200_s25/): cuBLAS'
+# split-K kernels for a few rows stream well, unlike its one-row ones. The CUDA-core loop it
+# replaced took 2-4x cuBLAS' time at four rows.
+FEW_ROWS = 16
+FEW_ROWS_FASTER: tuple[str, ...] = ()
+
+
+def max_rows(x: Tensor) -> int:
+    """The most rows of x these kernels take here by default."""
+    name = gpu_name(x)
+    return FEW_ROWS if name and any(g in name for g in FEW_ROWS_FASTER) else MAX_ROWS
 
 
 def config(n: int, k: int, rows: int) -> dict[str, int]:
+    """Tile sizes: one row's (below), or several rows' (`few_rows_config`)."""
+    return one_row_config(n, k) if rows == 1 else few_rows_config(n, k)
+
+
+def few_rows_config(n: int, k: int) -> dict[str, int]:
+    """Several rows (tensor cores): 16 outputs a program over 256-wide K tiles, or 32 for wide
+    layers (more programs than SMs either way); swept by kernels/sweep_gemv.py."""
+    return dict(BLOCK_N=16 if n <= 8192 else 32, BLOCK_K=256, num_warps=4, num_stages=1)
+
+
+def one_row_config(n: int, k: int) -> dict[str, int]:
     """Tile sizes, swept inside a whole one-row step with PDL's early launch (pdl.py) on an
     H100 over Qwen3-0.6B's four decode matmuls (BLOCK_N 4-32, BLOCK_K 1024 or K's next power
     of two, 4 or 8 warps): a program takes its whole weight slab (K up to 4096) in one tile,
@@ -73,7 +99,8 @@ def _gemv_kernel(X, R, NW, W, B, S, Out, Sum, M, N, K, eps,
                  stride_xm, stride_rm, stride_wn, stride_om, stride_sm, stride_s,
                  ROWS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, DOT: tl.constexpr,
+                 IEEE: tl.constexpr, PDL: tl.constexpr):
     if PDL == 2:
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -130,12 +157,14 @@ def _gemv_kernel(X, R, NW, W, B, S, Out, Sum, M, N, K, eps,
         if NORM:
             nw = tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32)
             x = ((x.to(tl.float32) * inv[:, None]).to(dt).to(tl.float32) * nw[None, :]).to(dt)
-        wf = w.to(tl.float32)
-        xf = x.to(tl.float32)                                             # (ROWS, BLOCK_K)
-        for i in tl.static_range(ROWS):   # the weight tile is read once for every row
-            xi = tl.sum(tl.where(r[:, None] == i, xf, 0.0), 0)            # (BLOCK_K,)
-            part = tl.sum(wf * xi[None, :], 1)                            # (BLOCK_N,)
-            acc += tl.where(r[:, None] == i, part[None, :], 0.0)
+        if DOT:        # several rows: the tensor cores (rows padded to 16, masked to 0)
+            wd = tl.trans(w.to(dt))                                       # (BLOCK_K, BLOCK_N)
+            if IEEE:
+                acc = tl.dot(x, wd, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, wd, acc)
+        else:          # one row: products summed on the CUDA cores
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), 1)[None, :]
         w = w_next
     if SCALED:     # an 8-bit weight's scale per output channel (stride_s 0: per tensor)
         acc *= tl.load(S + n * stride_s, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -155,10 +184,10 @@ def lm_head_faster_here(x: Tensor) -> bool:
 SCALED_WEIGHTS = (torch.float8_e4m3fn,)   # weights read with a scale (W8A16)
 
 
-def applies(x: Tensor, weight: Tensor) -> bool:
-    """Whether these kernels take a matmul of x (rows, K): few rows, the weight in x's dtype
-    or in FP8 (with its scale), dense rows."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+def applies(x: Tensor, weight: Tensor, rows: int | None = None) -> bool:
+    """Whether these kernels take a matmul of x (rows, K): few rows (up to `rows`, default
+    `max_rows(x)`), the weight in x's dtype or in FP8 (with its scale), dense rows."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= (max_rows(x) if rows is None else rows)
             and (x.dtype == weight.dtype or weight.dtype in SCALED_WEIGHTS)
             and x.stride(-1) == 1 and weight.is_contiguous())
 
@@ -185,9 +214,11 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         bias if bias is not None else x, scale if scale is not None else x, out, s, rows, n,
         in_features, eps, x.stride(0), r.stride(0), weight.stride(0), out.stride(0),
         s.stride(0), 0 if scale is None or scale.numel() == 1 else 1,
-        ROWS=triton.next_power_of_2(rows), NORM=norm_weight is not None,
-        ADD=residual is not None, SILU=silu, HAS_BIAS=bias is not None,
-        SCALED=scale is not None, ONE_TILE=in_features <= cfg["BLOCK_K"], **cfg,
+        ROWS=1 if rows == 1 else max(16, triton.next_power_of_2(rows)),
+        NORM=norm_weight is not None, ADD=residual is not None, SILU=silu,
+        HAS_BIAS=bias is not None, SCALED=scale is not None,
+        ONE_TILE=in_features <= cfg["BLOCK_K"], DOT=rows > 1, IEEE=x.dtype == torch.float32,
+        **cfg,
         **pdl.launch_options(x, "gemv"))
     return out, total
 

@@ -138,17 +138,19 @@ def gemv_on():
     fused._interpret = DEVICE.type == "cpu"
     yield
     fused.set_gemv(True)              # the default
+    fused.set_gemv_rows(None)
     fused._interpret = False
 
 
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 def test_norm_linear(gemv_on, dtype: torch.dtype, rows: int, with_residual: bool,
                      bias: bool) -> None:
-    """K = 300 (a partial K tile), N = 37 (a partial N block)."""
+    """K = 300 (a partial K tile), N = 37 (a partial N block); one row (CUDA cores) or several
+    (tensor cores, rows padded to 16)."""
     from omnistage.layers.linear import Linear
 
     torch.manual_seed(4)
@@ -203,14 +205,15 @@ def test_lm_head_takes_the_kernel_only_where_faster(gemv_on, monkeypatch: pytest
 
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_linear(gemv_on, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 7])
+def test_silu_linear(gemv_on, dtype: torch.dtype, rows: int) -> None:
     from omnistage.layers.linear import Linear
 
     torch.manual_seed(5)
     act = SiluAndMul()
     linear = Linear(300, 21).to(DEVICE, dtype)
     linear.weight.copy_(torch.randn(21, 300) * 0.05)
-    x = torch.randn(2, 600).to(DEVICE, dtype)
+    x = torch.randn(rows, 600).to(DEVICE, dtype)
     fused.set_gemv(False)
     want = _torch_path(lambda: linear(act(x)))
     fused.set_gemv(True)
@@ -222,9 +225,9 @@ def test_silu_linear(gemv_on, dtype: torch.dtype) -> None:
 
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
 def test_linear(gemv_on, dtype: torch.dtype, rows: int) -> None:
-    """Plain x W^T + b: rows padded to a power of two inside (3 -> 4), K = 300, N = 37."""
+    """Plain x W^T + b: several rows padded to 16 inside, K = 300, N = 37."""
     from omnistage.layers.linear import Linear
 
     torch.manual_seed(6)
@@ -243,7 +246,8 @@ def test_linear(gemv_on, dtype: torch.dtype, rows: int) -> None:
 
 @kernel_test
 @pytest.mark.parametrize("kind", ["linear", "norm_linear", "silu_linear", "per_tensor"])
-def test_fp8_weights_through_the_matrix_vector_kernel(gemv_on, kind: str) -> None:
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fp8_weights_through_the_matrix_vector_kernel(gemv_on, kind: str, rows: int) -> None:
     """An Fp8Linear's one-row product through fused.* reads its e4m3 weight with its scales
     (W8A16): equal, up to float32 summation order, to the activations times the dequantized
     weight, plus the bias; the per-tensor scale of an FP8 checkpoint too. Not the W8A8 path
@@ -262,7 +266,8 @@ def test_fp8_weights_through_the_matrix_vector_kernel(gemv_on, kind: str) -> Non
         layer.weight_scale = layer.weight_scale.amax().reshape(())
     weight = layer.weight.float() * layer.weight_scale.reshape(-1, 1).float()    # (N, K)
     bias = layer.bias.float()
-    x = torch.randn(1, k).to(DEVICE, dtype)
+    fused.set_gemv_rows(rows)                        # several rows: the tensor-core variant
+    x = torch.randn(rows, k).to(DEVICE, dtype)
     norm = RMSNorm(k, eps=1e-5).to(DEVICE, dtype)
     norm.weight.data.uniform_(0.5, 1.5)
     if kind == "norm_linear":
@@ -278,6 +283,32 @@ def test_fp8_weights_through_the_matrix_vector_kernel(gemv_on, kind: str) -> Non
     want = inputs @ weight.T + bias
     assert want.abs().mean() > 0.5                  # a product of meaningful size
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+@kernel_test
+@pytest.mark.parametrize("limit", [None, 1, 8])
+def test_rows_taking_the_kernel(gemv_on, monkeypatch: pytest.MonkeyPatch,
+                                limit: int | None) -> None:
+    """fused.linear takes the kernel for up to set_gemv_rows rows (None: triton_gemv.max_rows,
+    one row on a GPU not measured faster, and on CPU); more rows take the module; the same
+    products either way."""
+    from omnistage.layers import triton_gemv
+    from omnistage.layers.linear import Linear
+
+    fused.set_gemv_rows(limit)
+    torch.manual_seed(9)
+    lin = Linear(64, 48).to(DEVICE)
+    lin.weight.data.normal_(0, 0.1)
+    calls: list[int] = []
+    real = triton_gemv._launch
+    monkeypatch.setattr(triton_gemv, "_launch",
+                        lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    most = limit or triton_gemv.max_rows(torch.empty(1, device=DEVICE))
+    for rows in (1, 2, 8, 9):
+        x = torch.randn(rows, 64, device=DEVICE)
+        torch.testing.assert_close(fused.linear(lin, x), x @ lin.weight.T, atol=1e-5,
+                                   rtol=1e-5)
+    assert calls == [r for r in (1, 2, 8, 9) if r <= most]
 
 
 @kernel_test
