@@ -51,6 +51,9 @@
 #            41): the kernel tests, the tile sweep at 2..16 rows against cuBLAS (Qwen3-0.6B's
 #            and 1.7B's matmuls), AR decode at 8 sequences with one-row kernels only against
 #            up to 16 rows
+#   agent    the voice agent (LLM -> Qwen3-TTS, issue 45): first audio from the request at 1 and
+#            8 requests, omnistage.benchmarks.agent (AGENT_FLAGS: e.g. --llm qwen3-1.7b; needs
+#            .whl/ref: qwen-tts builds the talker)
 #   quant    AR single stream bf16 / fp8 / int8 (ar_offline --quantization); with "quantdit"
 #            also bench diffusion --quantization int8 (Qwen-Image shape, minutes)
 #   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
@@ -304,6 +307,12 @@ if [[ $STAGES == *rows* ]]; then
             --skip-hf --gemv-rows $r --out "$OUT/ar_c8_rows$r.json" 2>&1 \
             | grep -E "output_tokens_per_s|Error" | head -3
     done
+fi
+if [[ $STAGES == *agent* ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/ref-site .whl/ref/*.whl >/dev/null 2>&1 || exit 1
+    OMNISTAGE_TTS_REF_PYTHONPATH=/tmp/ref-site timeout 300 python3 -m omnistage.benchmarks.agent \
+        --out-dir "$OUT" ${AGENT_FLAGS:-} 2>&1 | grep -v Warn | tail -14
 fi
 if [[ $STAGES == *quant* ]]; then
     # issue 44's 8-bit paths: AR single stream bf16 / fp8 / int8, the diffusion transformer's
