@@ -54,6 +54,8 @@
 #   agent    the voice agent (LLM -> Qwen3-TTS, issue 45): first audio from the request at 1 and
 #            8 requests, omnistage.benchmarks.agent (AGENT_FLAGS: e.g. --llm qwen3-1.7b; needs
 #            .whl/ref: qwen-tts builds the talker)
+#   int4gemv the W4A16 decode kernel's tests on the GPU, then AR single stream bf16 against int4
+#            (the preset written again as W4A16 by models/int4_export.py, groups of 128)
 #   quant    AR single stream bf16 / fp8 / int8 (ar_offline --quantization); with "quantdit"
 #            also bench diffusion --quantization int8 (Qwen-Image shape, minutes)
 #   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
@@ -313,6 +315,19 @@ if [[ $STAGES == *agent* ]]; then
         --target /tmp/ref-site .whl/ref/*.whl >/dev/null 2>&1 || exit 1
     OMNISTAGE_TTS_REF_PYTHONPATH=/tmp/ref-site timeout 300 python3 -m omnistage.benchmarks.agent \
         --out-dir "$OUT" ${AGENT_FLAGS:-} 2>&1 | grep -v Warn | tail -14
+fi
+if [[ $STAGES == *int4gemv* ]]; then
+    timeout 300 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
+        -q tests/golden/layers/test_triton_int4.py tests/golden/models/test_int4_checkpoint.py \
+        2>&1 | tee "$OUT/int4gemv_tests.txt" | tail -3
+    for preset in ${INT4_PRESETS:-qwen3-0.6b qwen3-1.7b}; do
+        for q in "" int4; do
+            timeout 300 python3 -m omnistage.benchmarks.ar_offline --preset $preset \
+                --single-stream --output-len 256 --skip-hf ${q:+--quantization $q} \
+                --out "$OUT/ar_single_${preset}_${q:-bf16}.json" 2>&1 \
+                | grep -E "decode_tokens_per_s|Error" | head -3
+        done
+    done
 fi
 if [[ $STAGES == *quant* ]]; then
     # issue 44's 8-bit paths: AR single stream bf16 / fp8 / int8, the diffusion transformer's

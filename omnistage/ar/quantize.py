@@ -26,6 +26,7 @@ from torch import nn
 
 from omnistage.configs.quantization import ComponentQuantization
 from omnistage.layers.fp8 import Fp8Linear, quantize_fp8
+from omnistage.layers.int4 import Int4Linear
 from omnistage.layers.int8 import Int8Linear, quantize_int8
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def quantize_model(model: nn.Module, method: ComponentQuantization | None,
     `allow_cpu`: FP8 on the CPU too (tests; torch's CPU `_scaled_mm` has the same meaning)."""
     if method is None:
         return []
-    if any(isinstance(m, (Fp8Linear, Int8Linear)) for m in model.modules()):
+    if any(isinstance(m, (Fp8Linear, Int8Linear, Int4Linear)) for m in model.modules()):
         raise ValueError(f"quantization {method}: the checkpoint's linears are quantized "
                          "already (its quantization_config): run it without quantization")
     keep = tuple(getattr(model, "fp8_keep", ())) + AR_KEEP

@@ -17,8 +17,23 @@ Fp8CheckpointLinear (layers/fp8_checkpoint.py) that the loader fills with the fi
 weight and scales; the rest (the `ignore` list: lm_head, towers) stay as they are. Which
 linears are quantized is read off the file's tensor names, so a regex `ignore` needs no
 interpreting. Refused with a message naming what: static activation scales (`input_scale`),
-weight-only FP8 (W8A16), int8 / 4-bit groups, and the block-wise FP8 of Qwen's own `-FP8`
+weight-only FP8 (W8A16), int8 groups, and the block-wise FP8 of Qwen's own `-FP8`
 releases (`quant_method: fp8`, `weight_block_size`), which is not read yet.
+
+The W4A16 `pack-quantized` format (llm-compressor's GPTQ / AWQ releases saved packed, and
+AWQ / GPTQ models converted to compressed-tensors: what vLLM reads for them) takes the same
+road through `int4_linears`: every linear whose tensors carry a `weight_packed` becomes an
+Int4CheckpointLinear (layers/int4_checkpoint.py) filled with the file's words and group
+scales:
+
+    "format": "pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": null,
+        "weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128,
+                    "symmetric": true, "dynamic": false, "actorder": null}}}
+
+Refused by name: asymmetric groups (`weight_zero_point`), activation-ordered groups
+(`actorder: group`, `weight_g_idx`), quantized activations, other bit widths, groups of
+different sizes in one checkpoint. `quantized_linears` picks the road from the format.
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ from torch import nn
 
 from omnistage.layers.fp8 import LINEARS, check_fp8_device
 from omnistage.layers.fp8_checkpoint import Fp8CheckpointLinear
+from omnistage.layers.int4_checkpoint import Int4CheckpointLinear
 
 
 def quantization_config(hf_config: object) -> dict | None:
@@ -63,6 +79,87 @@ def check_fp8_scheme(qc: dict) -> None:
                              f"token) are supported, not {a}")
 
 
+def is_pack_quantized(qc: dict) -> bool:
+    """Whether the config says compressed-tensors' packed integer format (at its top or in a
+    config group, where newer releases put it)."""
+    groups = qc.get("config_groups") or {}
+    return qc.get("quant_method") == "compressed-tensors" and (
+        qc.get("format") == "pack-quantized"
+        or any(g.get("format") == "pack-quantized" for g in groups.values()))
+
+
+def int4_group_size(qc: dict) -> int:
+    """The group size of a W4A16 pack-quantized config; ValueError naming what else it is."""
+    sizes = set()
+    for name, group in (qc.get("config_groups") or {}).items():
+        w, where = group.get("weights") or {}, f"quantization_config.config_groups.{name}"
+        if (w.get("type"), w.get("num_bits"), w.get("strategy")) != ("int", 4, "group"):
+            raise ValueError(f"{where}.weights: 4-bit integer groups (W4A16) are read in the "
+                             f"pack-quantized format, not {w.get('type')} "
+                             f"{w.get('num_bits')}-bit by {w.get('strategy')}")
+        if not w.get("symmetric", True):
+            raise ValueError(f"{where}.weights: asymmetric groups (a zero point) are not "
+                             "read; symmetric ones are")
+        if w.get("actorder") in ("group", True):
+            raise ValueError(f"{where}.weights: activation-ordered groups (actorder "
+                             f"{w.get('actorder')!r}, weight_g_idx) are not read")
+        if group.get("input_activations") is not None:
+            raise ValueError(f"{where}.input_activations: weight-only 4-bit (W4A16) is read, "
+                             f"not quantized activations {group['input_activations']}")
+        sizes.add(int(w["group_size"]))
+    if len(sizes) != 1:
+        raise ValueError(f"quantization_config: one group size for every linear is read, got "
+                         f"{sorted(sizes) or 'none'}")
+    return sizes.pop()
+
+
+def _swap_linears(model: nn.Module, names: set[str],
+                  packed_modules: Mapping[str, tuple[str, int | str]], marker: str,
+                  make) -> list[str]:   # make: linear -> its quantized form
+    """Swap every linear whose checkpoint tensors (each part of a fused one) carry `marker`."""
+    sources: dict[str, list[str]] = {}
+    for src, (dst, _) in packed_modules.items():
+        sources.setdefault(dst, []).append(src)
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, LINEARS):
+            continue
+        parent, _, child = name.rpartition(".")
+        parts = [f"{parent}.{s}" if parent else s for s in sources.get(child, [child])]
+        marked = [f"{p}.{marker}" in names for p in parts]
+        if not any(marked):
+            continue
+        if not all(marked):
+            raise ValueError(f"{name}: the checkpoint quantizes only some of "
+                             f"{', '.join(parts)}; one fused linear needs all or none")
+        setattr(model.get_submodule(parent), child, make(module))
+        swapped.append(name)
+    return swapped
+
+
+def int4_linears(model: nn.Module, qc: dict, names: set[str],
+                 packed_modules: Mapping[str, tuple[str, int | str]]) -> list[str]:
+    """Swap the linears that `names` (the checkpoint's tensor names) pack in 4 bits for empty
+    Int4CheckpointLinear; returns their module names."""
+    group_size = int4_group_size(qc)
+    for suffix, what in ((".weight_zero_point", "asymmetric groups (weight_zero_point)"),
+                         (".weight_g_idx", "activation-ordered groups (weight_g_idx)")):
+        if any(n.endswith(suffix) for n in names):
+            raise ValueError(f"quantization_config: {what} are not read")
+    return _swap_linears(model, names, packed_modules, "weight_packed",
+                         lambda linear: Int4CheckpointLinear.from_linear(linear, group_size))
+
+
+def quantized_linears(model: nn.Module, hf_config: object, names: set[str],
+                      packed_modules: Mapping[str, tuple[str, int | str]]) -> list[str]:
+    """The checkpoint's quantized linears swapped in (FP8 or 4-bit, by its format) before its
+    weights stream in; [] for a float checkpoint."""
+    qc = quantization_config(hf_config)
+    if qc is not None and is_pack_quantized(qc):
+        return int4_linears(model, qc, names, packed_modules)
+    return fp8_linears(model, hf_config, names, packed_modules)
+
+
 def fp8_linears(model: nn.Module, hf_config: object, names: set[str],
                 packed_modules: Mapping[str, tuple[str, int | str]]) -> list[str]:
     """Swap the linears that `names` (the checkpoint's tensor names) quantize for empty
@@ -75,21 +172,5 @@ def fp8_linears(model: nn.Module, hf_config: object, names: set[str],
     if any(n.endswith(".input_scale") for n in names):
         raise ValueError("quantization_config: static activation scales (input_scale) are "
                          "not read; dynamic per-token activations are")
-    sources: dict[str, list[str]] = {}
-    for src, (dst, _) in packed_modules.items():
-        sources.setdefault(dst, []).append(src)
-    swapped = []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, LINEARS):
-            continue
-        parent, _, child = name.rpartition(".")
-        parts = [f"{parent}.{s}" if parent else s for s in sources.get(child, [child])]
-        scaled = [f"{p}.weight_scale" in names for p in parts]
-        if not any(scaled):
-            continue
-        if not all(scaled):
-            raise ValueError(f"{name}: the checkpoint quantizes only some of "
-                             f"{', '.join(parts)}; one fused linear needs all or none")
-        setattr(model.get_submodule(parent), child, Fp8CheckpointLinear.from_linear(module))
-        swapped.append(name)
-    return swapped
+    return _swap_linears(model, names, packed_modules, "weight_scale",
+                         Fp8CheckpointLinear.from_linear)

@@ -26,7 +26,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from omnistage import registry
 from omnistage.layers.linear import default_weight_loader
-from omnistage.models.compressed_tensors import fp8_linears
+from omnistage.models.compressed_tensors import quantized_linears
 from omnistage.models.config import ModelConfig
 from omnistage.utils.logging import Progress
 
@@ -215,9 +215,9 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype | None = Non
 
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(cfg)
-    if getattr(hf_config, "quantization_config", None) is not None:   # FP8 in the file
-        fp8_linears(model, hf_config, {n for f in safetensors_files(path)
-                                       for n in tensor_nbytes(path / f)}, model.packed_modules)
+    if getattr(hf_config, "quantization_config", None) is not None:   # FP8 or int4 in the file
+        names = {n for f in safetensors_files(path) for n in tensor_nbytes(path / f)}
+        quantized_linears(model, hf_config, names, model.packed_modules)
 
     seen: list[str] = []
 

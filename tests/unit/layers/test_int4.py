@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from omnistage.layers.int4 import Int4Linear, dequantize_int4, unpack_int4
+from omnistage.layers.int4 import (Int4Linear, dequantize_int4, pack_int4, quantize_int4,
+                                  unpack_int4)
 
 FIXTURE = Path(__file__).parents[2] / "fixtures" / "int4_pack" / "pack_quantized.safetensors"
 
@@ -46,3 +47,16 @@ def test_linear_is_the_dequantized_matmul(ref: dict) -> None:
     assert layer.weight_packed.nbytes * 4 == n * k * 2       # a quarter of bf16's bytes
     with pytest.raises(ValueError, match=r"weight_scale: \(N, K / 16\) expected"):
         Int4Linear(ref["weight_packed"], ref["weight_scale"], k, 16)
+
+
+def test_pack_and_quantize_as_the_reference(ref: dict) -> None:
+    """pack_int4 writes compressed-tensors' words (its pack_to_int32), quantize_int4 its
+    symmetric groups (its minmax scale and quantize) from the float weight."""
+    n, k = ref["weight_shape"].tolist()
+    assert torch.equal(pack_int4(ref["q"]), ref["weight_packed"])
+    packed, scale = quantize_int4(ref["weight"], ref["group"], torch.bfloat16)
+    assert torch.equal(scale, ref["weight_scale"])
+    assert torch.equal(packed, ref["weight_packed"])
+    odd = torch.randint(-8, 8, (3, 13), dtype=torch.int8)          # K not whole words
+    assert pack_int4(odd).shape == (3, 2)
+    assert torch.equal(unpack_int4(pack_int4(odd), 13), odd)
