@@ -56,6 +56,9 @@
 #            .whl/ref: qwen-tts builds the talker)
 #   int4gemv the W4A16 decode kernel's tests on the GPU, then AR single stream bf16 against int4
 #            (the preset written again as W4A16 by models/int4_export.py, groups of 128)
+#   contend  Qwen3-Omni first audio at 1 and 8 requests with the thinker writing 64 tokens (the
+#            bench's) against 8 (done before the first chunk): how much of the talker's frame
+#            time at 8 is the thinker's steps sharing the GPU (issue 41)
 #   quant    AR single stream bf16 / fp8 / int8 (ar_offline --quantization); with "quantdit"
 #            also bench diffusion --quantization int8 (Qwen-Image shape, minutes)
 #   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
@@ -327,6 +330,13 @@ if [[ $STAGES == *int4gemv* ]]; then
                 --out "$OUT/ar_single_${preset}_${q:-bf16}.json" 2>&1 \
                 | grep -E "decode_tokens_per_s|Error" | head -3
         done
+    done
+fi
+if [[ $STAGES == *contend* ]]; then
+    for t in 64 8; do
+        timeout 160 python3 -m omnistage.entrypoints.cli.main bench omni --concurrency 1,8 \
+            --reference-requests 0 --thinker-tokens $t --out-dir "$OUT" --name omni_thinker$t \
+            2>&1 | grep -E '"first_audio|Error' | head -4
     done
 fi
 if [[ $STAGES == *quant* ]]; then
