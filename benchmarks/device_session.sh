@@ -234,6 +234,11 @@ if [[ $STAGES == *duplex* ]]; then
     # the tiny Moshi first (seconds): Moshi's first run on CUDA fails fast if it fails
     timeout 90 python3 -m omnistage.entrypoints.cli.main bench duplex --tiny --device cuda \
         --out-dir "$OUT" --name duplex_moshi-tiny_cuda 2>&1 | grep -v Warn | tail -12
+    timeout 120 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
+        -q tests/gpu/test_moshi_duplex_cuda.py 2>&1 | tee "$OUT/duplex_tests.txt" | tail -3
+    timeout 120 python3 -m omnistage.benchmarks.profile_duplex --shape mid --device cuda \
+        --sessions 1,8,16,32 --ticks 10 --out "$OUT/profile_duplex_mid_cuda.json" 2>&1 \
+        | grep -v Warn | tail -5
     timeout 480 python3 -m omnistage.entrypoints.cli.main bench duplex --device cuda \
         --out-dir "$OUT" ${DUPLEX_FLAGS:-} 2>&1 | grep -v Warn | tail -25
 fi

@@ -91,14 +91,15 @@ class MoshiStepLM(CausalLM):
 
     @torch.no_grad()
     def feedback(self, last: Tensor, ids: Tensor, seqs: list) -> tuple[Tensor, list]:
-        """-> the next inputs (B, H) and per row {FRAME_CODES: (K,)} (greedy codes)."""
+        """-> the next inputs (B, H) and per row {FRAME_CODES: (K,)} (greedy codes, left on
+        the model's device: the duplex stage reads every session's back in one copy a tick)."""
         codes = self.depth_decoder.generate(last, ids)              # (B, K)
         # the hook runs before the step's embedding is recorded: none yet = the first frame
         later = torch.tensor([len(s.output_embeds) > 0 for s in seqs], device=last.device)
         acoustic = sum(self.embed_tokens[k](codes[:, k]) for k in range(1, codes.shape[1]))
         embeds = (self.model.embed_tokens(ids) + self.embed_tokens[0](codes[:, 0])
                   + acoustic * later[:, None].to(last.dtype))
-        return embeds.to(last.dtype), [{FRAME_CODES: c} for c in codes.cpu().unbind(0)]
+        return embeds.to(last.dtype), [{FRAME_CODES: c} for c in codes.unbind(0)]
 
     @torch.no_grad()
     def prompt_embeds(self, prompt: MoshiPrompt) -> Tensor:

@@ -4,7 +4,8 @@ rows, Moshi's frames Mimi-decoded frame by frame) against the step-by-step refer
 golden-checked model.py (omnistage/testing/moshi_duplex.py), with transformers' Mimi encoding
 the user's audio and decoding the reference's frames: two sessions joining at different ticks,
 one with a missed input (silence), each equal to its own reference; and each equal to the
-same session run alone (batching changes nothing)."""
+same session run alone (batching changes nothing: the same codes, the audio within 1e-5 of
+its peak, the batched codec's float reordering)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,15 @@ def _check(ref, ours: MoshiForConditionalGeneration, script: list[torch.Tensor |
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+def _assert_same_audio(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Equal up to float reordering: the batched codec's rows (one Mimi call for every
+    session) against each session's stream alone, within 1e-5 of the audio's peak."""
+    got_all, want_all = torch.cat(got), torch.cat(want)
+    peak = want_all.abs().max()
+    assert peak > 0.1
+    assert (got_all - want_all).abs().max() <= 1e-5 * peak
+
+
 def test_two_sessions_batched_equal_reference_and_alone(checkpoint):
     path, ref = checkpoint
     ours = MoshiForConditionalGeneration.from_pretrained(path)
@@ -79,7 +89,8 @@ def test_two_sessions_batched_equal_reference_and_alone(checkpoint):
         _check(ref, ours, script, together[sid])
         alone = _run(duplex, {sid: script}, {sid: 0})[sid]
         assert [o.text_id for o in alone] == [o.text_id for o in together[sid]]
-        assert all(torch.equal(x.audio, y.audio) for x, y in zip(alone[1:], together[sid][1:]))
+        assert all(torch.equal(x.codes, y.codes) for x, y in zip(alone[1:], together[sid][1:]))
+        _assert_same_audio([o.audio for o in alone[1:]], [o.audio for o in together[sid][1:]])
     silent = _run(duplex, {"a": [None] * 7}, {"a": 0})["a"]      # what it hears matters
     assert [o.text_id for o in silent] != [o.text_id for o in together["a"]]
     assert not duplex.sessions and not duplex.engine.has_unfinished_requests
@@ -120,3 +131,72 @@ def test_the_inner_monologue_is_text_where_the_checkpoint_has_a_tokenizer(tmp_pa
     outs = [duplex.tick({"a": frame})["a"] for frame in _script(6, seed=3)]
     assert "".join(o.text for o in outs) == tokenizer.decode([o.text_id for o in outs])
     assert any(o.text for o in outs)
+
+
+# session -> (the tick it opens before, the tick it closes before or None); "c" gets the
+# codec slot "b" left; the tiny codec's sliding window (5 latents, 2 a frame) fills by tick 3
+PLAN = {"a": (0, None), "b": (2, 4), "c": (5, None)}
+TICKS = 9
+
+
+def _run_plan(duplex: MoshiDuplex, scripts: dict[str, list[torch.Tensor | None]],
+              plan: dict[str, tuple[int, int | None]], ticks: int
+              ) -> dict[str, list[TickOutput]]:
+    outs: dict[str, list[TickOutput]] = {sid: [] for sid in plan}
+    for tick in range(ticks):
+        for sid, (join, leave) in plan.items():
+            if leave == tick:
+                duplex.close(sid)
+            if join == tick:
+                duplex.open(sid)
+        frames = {sid: scripts[sid][len(outs[sid]) - 1] for sid in duplex.sessions
+                  if outs[sid]}
+        for sid, out in duplex.tick(frames).items():
+            outs[sid].append(out)
+    for sid in plan:
+        duplex.close(sid)
+    return outs
+
+
+def _assert_alone_equal(duplex: MoshiDuplex, scripts, together, alone_duplex=None) -> None:
+    """Each session of `together` against the same session run alone from tick 0."""
+    alone_duplex = alone_duplex or duplex
+    assert [len(together[s]) for s in PLAN] == [9, 2, 4]
+    for sid, outs in together.items():
+        alone = _run_plan(alone_duplex, scripts, {sid: (0, None)}, len(outs))[sid]
+        assert [o.text_id for o in alone] == [o.text_id for o in outs], sid
+        assert [o.heard for o in outs] == [False] + [True] * (len(outs) - 1)
+        assert all(torch.equal(x.codes, y.codes) for x, y in zip(alone[1:], outs[1:])), sid
+        _assert_same_audio([o.audio for o in outs[1:]], [o.audio for o in alone[1:]])
+
+
+def test_sessions_joining_and_leaving_at_different_ticks_equal_each_alone(checkpoint):
+    path, _ = checkpoint
+    duplex = MoshiDuplex(path, max_sessions=3, block_size=4)
+    assert not duplex.use_graphs                                  # CPU: eager by default
+    scripts = {"a": _script(TICKS, 4), "b": _script(TICKS, 5), "c": _script(TICKS, 6, (1,))}
+    together = _run_plan(duplex, scripts, PLAN, TICKS)
+    _assert_alone_equal(duplex, scripts, together)
+    assert len({o.codes[0].item() for o in together["a"][1:]}) > 1
+    assert not duplex.sessions and not duplex.engine.has_unfinished_requests
+
+
+def test_graphed_codec_and_depth_equal_eager_alone(checkpoint, monkeypatch):
+    """use_graphs on CPU (captures emulated: `rerun_capture`): the codec's steps and the depth
+    transformer replay their graphs every tick, and each session equals itself run alone
+    eagerly."""
+    from omnistage.layers import graph_capture
+    from omnistage.testing.graph_emulation import rerun_capture
+
+    monkeypatch.setattr(graph_capture, "capture_graph", rerun_capture)
+    path, _ = checkpoint
+    graphed = MoshiDuplex(path, max_sessions=3, block_size=4, use_graphs=True)
+    depth = graphed.model.depth_decoder.graphs
+    assert depth is not None and sorted(depth.graphs) == [1, 2, 3]
+    scripts = {"a": _script(TICKS, 7), "b": _script(TICKS, 8), "c": _script(TICKS, 9)}
+    together = _run_plan(graphed, scripts, PLAN, TICKS)
+    assert depth.num_replays >= TICKS
+    assert graphed.encode_graphs is not None and graphed.decode_graphs is not None
+    assert graphed.encode_graphs.num_replays == graphed.decode_graphs.num_replays == TICKS - 1
+    _assert_alone_equal(graphed, scripts, together,
+                        MoshiDuplex(path, max_sessions=3, block_size=4, use_graphs=False))
