@@ -59,6 +59,10 @@
 #   contend  Qwen3-Omni first audio at 1 and 8 requests with the thinker writing 64 tokens (the
 #            bench's) against 8 (done before the first chunk): how much of the talker's frame
 #            time at 8 is the thinker's steps sharing the GPU (issue 41)
+#   speech   bench speech: CosyVoice3, Voxtral-TTS and MiMo-Audio at their released shapes
+#            (random weights), the served graphs at 1 / 8 / 32, no reference run (issue 43);
+#            cosyvoice3 needs onnx, onnxruntime, flatbuffers, protobuf, ml_dtypes in .whl/
+#            (SPEECH_FAMILIES picks some: e.g. "voxtral-tts:130 mimo-audio:160")
 #   quant    AR single stream bf16 / fp8 / int8 (ar_offline --quantization); with "quantdit"
 #            also bench diffusion --quantization int8 (Qwen-Image shape, minutes)
 #   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
@@ -342,6 +346,13 @@ if [[ $STAGES == *contend* ]]; then
         timeout 160 python3 -m omnistage.entrypoints.cli.main bench omni --concurrency 1,8 \
             --reference-requests 0 --thinker-tokens $t --out-dir "$OUT" --name omni_thinker$t \
             2>&1 | grep -E '"first_audio|Error' | head -4
+    done
+fi
+if [[ $STAGES == *speech* ]]; then
+    for spec in ${SPEECH_FAMILIES:-cosyvoice3:110 voxtral-tts:130 mimo-audio:160}; do
+        timeout ${spec#*:} python3 -m omnistage.entrypoints.cli.main bench speech \
+            --family ${spec%%:*} --device cuda --out-dir "$OUT" ${SPEECH_FLAGS:-} 2>&1 \
+            | grep -v Warn | tail -14
     done
 fi
 if [[ $STAGES == *quant* ]]; then

@@ -106,14 +106,18 @@ class MiMoAudioGenerator:
     def _stream_step(self, x: dict[str, Tensor], state: dict, last: bool) -> dict[str, Tensor]:
         """The request's new frames into its stream; its next ready chunk's audio, if any
         (one a step: more ready ones are backlog)."""
+        frames = CodecFrames.unpack(x)
+        kept = self.kept(frames.codes) if frames is not None and frames.codes.numel() else None
         stream = state.get("stream")
         if stream is None:
+            if kept is None and not last:
+                return {}
             assert self.chunking is not None
-            stream = state["stream"] = MiMoAudioStream.empty(self.chunking,
-                                                             len(self.model.codebooks))
-        frames = CodecFrames.unpack(x)
-        if frames is not None and frames.codes.numel():
-            stream.append(self.kept(frames.codes))
+            # the LLM's channels (8 in the release), not the tokenizer's quantizers (20)
+            channels = len(self.model.codebooks) if kept is None else kept.shape[0]
+            stream = state["stream"] = MiMoAudioStream.empty(self.chunking, channels)
+        if kept is not None:
+            stream.append(kept)
         if last and not stream.is_finished:
             stream.finish()
         wave = stream.decode_next(self.model)

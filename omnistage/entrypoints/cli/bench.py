@@ -7,6 +7,8 @@ random-weight model of a real architecture built in the run; one JSON file per b
     omnistage bench omni                    # Qwen3-Omni shape (scaled), concurrency 1 / 8 / 32
     omnistage bench omni --model qwen2.5-omni   # Qwen2.5-Omni-7B shape (scaled thinker)
     omnistage bench tts                     # Qwen3-TTS 1.7B CustomVoice vs qwen-tts, 1 / 8 / 32
+    omnistage bench speech --family cosyvoice3  # or voxtral-tts, mimo-audio: released shape,
+                                            # served graph, 1 / 8 / 32 (no reference run)
     omnistage bench diffusion               # Qwen-Image transformer, 1024x1024, 20 steps
     omnistage bench diffusion --model flux2-klein   # FLUX.2 klein 4B shape, 1024x1024, 4 steps
     omnistage bench video                   # Wan2.2-TI2V-5B and Wan2.1-14B shapes, per step
@@ -49,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         result, name, headline = bench_runs.run_omni(args)
     elif args.benchmark == "tts":
         result, name, headline = bench_runs.run_tts(args)
+    elif args.benchmark == "speech":
+        result, name, headline = bench_runs.run_speech(args)
     elif args.benchmark == "video":
         result, name, headline = bench_runs.run_video(args)
     elif args.benchmark == "realtime":

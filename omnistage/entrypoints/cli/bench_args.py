@@ -12,8 +12,8 @@ Runner = Callable[[argparse.Namespace], int]
 def add_kinds(p: argparse.ArgumentParser, func: Runner) -> None:
     """One sub-command a benchmark kind under `p`, each answered by `func`."""
     kinds = p.add_subparsers(dest="benchmark", required=True)
-    for add in (_add_ar, _add_omni, _add_tts, _add_diffusion, _add_video, _add_realtime,
-                _add_duplex, _add_regress):
+    for add in (_add_ar, _add_omni, _add_tts, _add_speech, _add_diffusion, _add_video,
+                _add_realtime, _add_duplex, _add_regress):
         _common(add(kinds), func)
     _add_serve(kinds, func)
 
@@ -138,6 +138,26 @@ def _add_tts(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
                      metavar="STAGE.KEY=VALUE",
                      help="a key of our graph's stages, as serve takes it (repeatable)")
     return tts
+
+
+def _add_speech(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    sp = kinds.add_parser("speech", help="CosyVoice3, Voxtral-TTS or MiMo-Audio: the served "
+                                         "graph at the released shape (no reference run)")
+    sp.add_argument("--family", required=True,
+                    choices=["cosyvoice3", "voxtral-tts", "mimo-audio"])
+    sp.add_argument("--length", type=int, default=None,
+                    help="speaking-stage steps per request: speech tokens (cosyvoice3, "
+                         "default 100 = 4 s), frames (voxtral-tts, 50 = 4 s), LLM patches "
+                         "(mimo-audio, 25 = 4 s); tiny 12 / 8 / 6")
+    sp.add_argument("--concurrency", type=_ints, default=(1, 8, 32))
+    sp.add_argument("--c1-requests", type=int, default=3,
+                    help="requests at concurrency 1, one after another")
+    sp.add_argument("--backend", choices=["process", "inproc"], default=None,
+                    help="stage backend (default: process; inproc with --tiny)")
+    sp.add_argument("--stage-override", action="append", default=[],
+                    metavar="STAGE.KEY=VALUE",
+                    help="a key of the family's graph, as serve takes it (repeatable)")
+    return sp
 
 
 def _add_diffusion(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:

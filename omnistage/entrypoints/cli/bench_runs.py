@@ -129,6 +129,17 @@ def run_tts(args: argparse.Namespace) -> Outcome:
     return result, f"tts_qwen3-tts-{cfg.sizes}", result["ratios"]
 
 
+def run_speech(args: argparse.Namespace) -> Outcome:
+    from omnistage.benchmarks import speech
+
+    cfg = speech.SpeechBenchConfig(
+        family=args.family, tiny=args.tiny, length=args.length, concurrency=args.concurrency,
+        c1_requests=args.c1_requests, device=args.device, backend=args.backend,
+        seed=args.seed, stage_overrides=tuple(args.stage_override))
+    result = speech.run(cfg)
+    return result, f"speech_{cfg.family}-{'tiny' if cfg.tiny else 'real'}", result["ratios"]
+
+
 def run_realtime(args: argparse.Namespace) -> Outcome:
     from omnistage.benchmarks import realtime
 
