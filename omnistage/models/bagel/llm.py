@@ -98,9 +98,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
     mask = None
     if causal and t > 1:
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-    return out.transpose(0, 1)
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)     # (H, T, D)
+    if q.is_cuda:   # the fused kernels take 4-D inputs only: 3-D runs the math kernel there
+        q, k, v = q[None], k[None], v[None]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                         enable_gqa=q.shape[-3] != k.shape[-3])
+    return (out[0] if out.dim() == 4 else out).transpose(0, 1)
 
 
 class Qwen2MLP(nn.Module):
