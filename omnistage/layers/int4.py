@@ -12,8 +12,18 @@ what vLLM reads for the W4A16 releases of llm-compressor (GPTQ / AWQ-made, saved
 (1 to 4: decode steps) on CUDA take the matrix-vector kernel of triton_int4.py, which reads the
 words and scales and dequantizes them in registers; more rows (prefill) and the CPU dequantize
 the weight on every call before one matmul in the activations' dtype (the dequantized weight a
-temporary of the call). Both compute the same weight. Asymmetric groups (a zero point) and
-activation-ordered GPTQ (`g_idx`) are not read.
+temporary of the call). Both compute the same weight.
+
+Asymmetric groups and activation-ordered groups (AutoAWQ / GPTQ checkpoints, layers/awq_gptq.py)
+keep the same words, read as unsigned nibbles u in [0, 15] (u = q + 8), beside
+
+    weight_zero    (N, K / G) int8    the zero point z of each group (0 .. 16)
+    g_idx          (K,) int32         the group of each input column (GPTQ desc_act), else k // G
+
+    W[n, k] = (u[n, k] - z[n, g(k)]) * weight_scale[n, g(k)]
+
+which `dequantize_int4_groups` computes on every call (no kernel: the Triton one is for the
+symmetric, ordered case only).
 
 `quantize_int4(weight, group_size)` makes the layout from a float weight (symmetric, round to
 nearest, scale = amax / 7.5 as compressed-tensors' minmax observer), `pack_int4` packs as its
@@ -73,6 +83,18 @@ def dequantize_int4(packed: Tensor, scale: Tensor, num_columns: int, group_size:
     return q * scale.repeat_interleave(group_size, dim=1)[:, :num_columns]
 
 
+def dequantize_int4_groups(packed: Tensor, scale: Tensor, zero: Tensor | None,
+                           g_idx: Tensor | None, num_columns: int, group_size: int) -> Tensor:
+    """The weight (N, K) of unsigned nibbles u with per-group zero points (None: 8, the
+    symmetric layout) and an optional column-to-group map: (u - z[n, g(k)]) * s[n, g(k)] in
+    the scales' dtype (the difference is a small integer, exact in any float dtype)."""
+    u = unpack_int4(packed, num_columns).to(torch.int16) + 8                 # (N, K) 0..15
+    groups = (g_idx.long() if g_idx is not None else
+              torch.arange(num_columns, device=packed.device) // group_size)
+    q = u - (8 if zero is None else zero[:, groups].to(torch.int16))         # (N, K)
+    return q.to(scale.dtype) * scale[:, groups]
+
+
 class Int4Linear(nn.Module):
     """y = x W^T (+ b) with W packed 4-bit by groups (module docstring). Keeps the
     tensor-parallel duties of a layer it replaces (as layers/fp8.py's Fp8Linear): a
@@ -81,13 +103,21 @@ class Int4Linear(nn.Module):
 
     def __init__(self, weight_packed: Tensor, weight_scale: Tensor, in_features: int,
                  group_size: int, bias: Tensor | None = None, tp: TPGroup | None = None,
-                 gather_output: bool = False, reduce_results: bool = False) -> None:
+                 gather_output: bool = False, reduce_results: bool = False,
+                 weight_zero: Tensor | None = None, g_idx: Tensor | None = None) -> None:
         super().__init__()
         self._init(weight_packed.shape[0], in_features, group_size, tp, gather_output,
                    reduce_results)
         check_layout(weight_packed, weight_scale, in_features, group_size)
+        if weight_zero is not None and weight_zero.shape != weight_scale.shape:
+            raise ValueError(f"weight_zero: the scales' shape {tuple(weight_scale.shape)} "
+                             f"expected, got {tuple(weight_zero.shape)}")
+        if g_idx is not None and g_idx.shape != (in_features,):
+            raise ValueError(f"g_idx: ({in_features},) expected, got {tuple(g_idx.shape)}")
         self.register_buffer("weight_packed", weight_packed)
         self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("weight_zero", weight_zero)
+        self.register_buffer("g_idx", g_idx)
         self.register_buffer("bias", bias)
 
     def _init(self, out_features: int, in_features: int, group_size: int, tp: TPGroup | None,
@@ -103,11 +133,20 @@ class Int4Linear(nn.Module):
         """The packed int32 words under the name the one-row kernels of fused.py dispatch
         on: no bf16 / FP8 kernel takes an int32 weight, so they call this layer (which takes
         its own kernel) and the one-kernel-a-layer path (triton_decoder_layer.py) declines."""
-        return self.weight_packed
+        return self.parts()[0]
+
+    def parts(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """(packed words, scales, zero points or None, g_idx or None) of this rank's shard;
+        subclasses that hold them under a checkpoint's names say so here."""
+        return (self.weight_packed, self.weight_scale, self._buffers.get("weight_zero"),
+                self._buffers.get("g_idx"))
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
-        return dequantize_int4(self.weight_packed, self.weight_scale, self.in_features,
-                               self.group_size).to(dtype)
+        packed, scale, zero, g_idx = self.parts()
+        if zero is None and g_idx is None:
+            return dequantize_int4(packed, scale, self.in_features, self.group_size).to(dtype)
+        return dequantize_int4_groups(packed, scale, zero, g_idx, self.in_features,
+                                      self.group_size).to(dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)                              # (M, K)
@@ -115,13 +154,12 @@ class Int4Linear(nn.Module):
         if bias is not None and self.row_parallel and self.tp.rank != 0:
             bias = None                                  # the sum over ranks holds it once
         bias = None if bias is None else bias.to(x.dtype)
-        if fused.ops_for(x2) is not None:
+        packed, scale, zero, g_idx = self.parts()
+        if zero is None and g_idx is None and fused.ops_for(x2) is not None:
             from omnistage.layers import triton_int4
 
-            if triton_int4.applies(x2, self.weight_packed, self.weight_scale,
-                                   self.group_size):
-                y = triton_int4.linear(x2, self.weight_packed, self.weight_scale,
-                                       self.group_size, bias)
+            if triton_int4.applies(x2, packed, scale, self.group_size):
+                y = triton_int4.linear(x2, packed, scale, self.group_size, bias)
                 return self.finish(y.unflatten(0, x.shape[:-1]))
         y = F.linear(x2, self.dequantized(x.dtype), bias)
         return self.finish(y.unflatten(0, x.shape[:-1]))

@@ -42,9 +42,11 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from omnistage.layers.awq_gptq import PackedInt4Linear
 from omnistage.layers.fp8 import LINEARS, check_fp8_device
 from omnistage.layers.fp8_checkpoint import Fp8CheckpointLinear
 from omnistage.layers.int4_checkpoint import Int4CheckpointLinear
+from omnistage.models.awq_gptq import packed_layout
 
 
 def quantization_config(hf_config: object) -> dict | None:
@@ -152,11 +154,16 @@ def int4_linears(model: nn.Module, qc: dict, names: set[str],
 
 def quantized_linears(model: nn.Module, hf_config: object, names: set[str],
                       packed_modules: Mapping[str, tuple[str, int | str]]) -> list[str]:
-    """The checkpoint's quantized linears swapped in (FP8 or 4-bit, by its format) before its
-    weights stream in; [] for a float checkpoint."""
+    """The checkpoint's quantized linears swapped in (FP8 or 4-bit, by its format; AutoAWQ and
+    GPTQ through models/awq_gptq.py) before its weights stream in; [] for a float
+    checkpoint."""
     qc = quantization_config(hf_config)
     if qc is not None and is_pack_quantized(qc):
         return int4_linears(model, qc, names, packed_modules)
+    if qc is not None and qc.get("quant_method") in ("awq", "gptq"):   # models/awq_gptq.py
+        layout = packed_layout(qc)       # every linear shipping a `qweight` (each fused part)
+        return _swap_linears(model, names, packed_modules, "qweight",
+                             lambda linear: PackedInt4Linear(linear, layout))
     return fp8_linears(model, hf_config, names, packed_modules)
 
 
