@@ -14,7 +14,9 @@ where the value is one stage's) next to our own (`omnistage_*`).
                   and the older omnistage_* ones: omnistage_http_requests{route,status},
                   omnistage_requests_in_flight, time to first token / first audio chunk,
                   e2e latency, tokens/s, prompt and generated tokens,
-                  omnistage_stage_step_seconds{stage}, omnistage_stage_time_seconds{stage}
+                  omnistage_stage_step_seconds{stage}, omnistage_stage_time_seconds{stage};
+                  realtime: omnistage_realtime_turn_taking_seconds{decided_by} (speech_stopped
+                  to commit: silence / score / max_wait), omnistage_realtime_end_of_turn_score
     at scrape     (each stage's StageStats, asked for when /metrics is read)
                   vllm:num_requests_running{stage}, vllm:num_requests_waiting{stage},
                   AR stages: vllm:kv_cache_usage_perc{stage} (0..1, as vLLM's),
@@ -45,6 +47,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _SPEED = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
+_SCORE = (0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
 _RTF = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
 
 
@@ -111,6 +114,13 @@ class ServerMetrics:
                                    registry=r)
         self.replica_up = Gauge("omnistage_replica_up", "1 while a replica takes traffic",
                                 ["stage", "replica"], registry=r)
+        # realtime turn-taking (realtime/turn.py): speech_stopped to commit, by who decided
+        self.turn_taking = Histogram("omnistage_realtime_turn_taking_seconds",
+                                     "realtime: the user's speech stopped (VAD) to the turn "
+                                     "committed", ["decided_by"], buckets=_LATENCY, registry=r)
+        self.end_of_turn_score = Histogram("omnistage_realtime_end_of_turn_score",
+                                           "realtime semantic_vad: the model's probability "
+                                           "that the user is done", buckets=_SCORE, registry=r)
 
     def _init_vllm(self, r: CollectorRegistry) -> None:
         """vLLM's names for the same facts (dashboards built for vLLM read them), and ours for

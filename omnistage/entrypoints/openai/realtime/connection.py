@@ -3,7 +3,8 @@ model that hears and speaks (Qwen3-Omni), or one that speaks (the voice agent gr
 
     client                                        server
     session.update                           ->   session.updated
-    input_audio_buffer.append (PCM16 b64)    ->   [server_vad] input_audio_buffer.speech_started
+    input_audio_buffer.append (PCM16 b64)    ->   [server_vad / semantic_vad: turn.py]
+                                                  input_audio_buffer.speech_started
                                                   (a response playing is cancelled: barge-in)
                                                   input_audio_buffer.speech_stopped,
                                                   input_audio_buffer.committed,
@@ -59,7 +60,8 @@ from omnistage.entrypoints.openai.realtime.resume import (KEEP_SESSION, Journal,
                                                           ResumableSocket, Sessions,
                                                           grace_of, new_token)
 from omnistage.entrypoints.openai.realtime.truncation import submit
-from omnistage.entrypoints.openai.realtime.vad import FRAME, TurnDetector, VadEvent
+from omnistage.entrypoints.openai.realtime.turn import TurnTaking, silero_settings
+from omnistage.entrypoints.openai.realtime.vad import FRAME, TurnDetector
 from omnistage.entrypoints.openai.realtime.vllm_dialect import VllmDialect, is_vllm_first
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class RealtimeConnection(ResumableSocket):
         self.conversation_id = new_id("conv")
         self.buffer = AudioBuffer()
         self.vad: TurnDetector | None = None
+        self.turns = TurnTaking(self)               # what the detector's events do (turn.py)
         self.speech_item_id: str | None = None      # the user item a detected turn becomes
         self.response: Response | None = None
         self.response_task: asyncio.Task[None] | None = None
@@ -137,6 +140,7 @@ class RealtimeConnection(ResumableSocket):
         """The session is over: its response aborted in every stage, the session freed."""
         self.sessions.remove(self.session_id, self)
         self.journal, self.resume_token = None, None
+        await self.turns.close()
         await self._cancel_response(reason)
 
     # -- the loop ----------------------------------------------------------------------------
@@ -228,11 +232,11 @@ class RealtimeConnection(ResumableSocket):
                               "post_instructions")
         vad = session.audio.input.turn_detection
         old = self.session.audio.input.turn_detection
-        if vad is None:
-            self.vad = None
-        elif self.vad is None or vad != old:     # Silero loads at its first audio (vad.py)
-            self.vad = TurnDetector(vad.threshold, vad.silence_duration_ms, vad.prefix_padding_ms)
-            self.vad.num_frames = self.buffer.end // FRAME
+        if vad is None or self.vad is None or vad != old:   # Silero loads at its first audio
+            self.vad = None if vad is None else TurnDetector(*silero_settings(vad))
+            if self.vad is not None:
+                self.vad.num_frames = self.buffer.end // FRAME
+            self.turns.configure(vad)
         self.session = session
 
     def _prepare_check(self, voice: str, param: str) -> None:
@@ -256,38 +260,8 @@ class RealtimeConnection(ResumableSocket):
                               f"{self.limits.max_buffer_bytes} bytes (PCM16 at 16 kHz); commit "
                               "or clear it", "audio", "input_audio_buffer_full")
         self.buffer.append(samples)
-        if self.vad is None:
-            return
-        for ev in await run_in_threadpool(self.vad.feed, samples):
-            await self._vad_event(ev)
-        turn = self.limits.max_turn_s
-        if self.vad.speaking and self.buffer.num_samples > ms_to_samples(int(turn * 1000)):
-            stop = self.vad.force_stop()
-            if stop is not None:
-                await self._vad_event(stop)
-        elif not self.vad.speaking:      # hold only the padding a coming turn starts with
-            vad = self.session.audio.input.turn_detection
-            assert vad is not None
-            self.buffer.drop_before(self.buffer.end - ms_to_samples(vad.prefix_padding_ms))
-
-    async def _vad_event(self, ev: VadEvent) -> None:
-        vad = self.session.audio.input.turn_detection
-        assert vad is not None
-        if ev.kind == "speech_started":
-            self.speech_item_id = new_id("item")
-            self.buffer.drop_before(ms_to_samples(ev.ms))
-            await self._send(event("input_audio_buffer.speech_started", audio_start_ms=ev.ms,
-                                   item_id=self.speech_item_id))
-            if vad.interrupt_response:
-                await self._cancel_response("turn_detected")
-            return
-        item_id = self.speech_item_id or new_id("item")
-        self.speech_item_id = None
-        await self._send(event("input_audio_buffer.speech_stopped", audio_end_ms=ev.ms,
-                               item_id=item_id))
-        await self._commit(ms_to_samples(ev.ms), item_id)
-        if vad.create_response:
-            await self._response_create({})
+        if self.vad is not None:         # speech start / stop, and the turns they end
+            await self.turns.hear(samples)
 
     def _check_hears(self, param: str) -> None:
         if not self.hears:
@@ -305,6 +279,7 @@ class RealtimeConnection(ResumableSocket):
             raise bad_request(f"the input audio is longer than the turn limit of "
                               f"{self.limits.max_turn_s:g} s; the buffer was cleared", None,
                               "turn_too_long")
+        self.turns.cancel()              # a turn semantic_vad was judging is this one
         await self._commit(None, new_id("item"))
 
     async def _commit(self, until: int | None, item_id: str) -> None:
@@ -318,6 +293,7 @@ class RealtimeConnection(ResumableSocket):
 
     async def _clear(self, msg: dict[str, Any]) -> None:
         self.buffer.clear()
+        self.turns.cancel()
         await self._send(event("input_audio_buffer.cleared"))
 
     # -- conversation ------------------------------------------------------------------------

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag,
+                      ValidationError)
 
 from omnistage.entrypoints.openai.errors import APIError, bad_request, invalid
 from omnistage.entrypoints.openai.json_body import check_values, parse_json
@@ -45,9 +46,34 @@ class ServerVad(_Strict):
     idle_timeout_ms: None = None                 # not supported: null only
 
 
+class SemanticVad(_Strict):
+    """The end of a turn judged from what was said (turn.py): `eagerness` sets how long the
+    server waits at most once the user is silent (low 8 s, medium / auto 4 s, high 2 s)."""
+    type: Literal["semantic_vad"] = "semantic_vad"
+    eagerness: Literal["low", "medium", "high", "auto"] = "auto"
+    create_response: bool = True
+    interrupt_response: bool = True
+
+
+def _vad_tag(value: Any) -> str:
+    """A turn_detection's member by its `type` (none given: server_vad, as before); the tags
+    are class names, so that an error's param names the field, not the tag."""
+    if isinstance(value, (ServerVad, SemanticVad)):
+        kind: object = value.type
+    else:
+        kind = value.get("type", "server_vad") if isinstance(value, dict) else None
+    return {"server_vad": "ServerVad", "semantic_vad": "SemanticVad"}.get(str(kind), "-")
+
+
+TurnDetection = Annotated[Annotated[ServerVad, Tag("ServerVad")]
+                          | Annotated[SemanticVad, Tag("SemanticVad")], Discriminator(
+                              _vad_tag, custom_error_type="turn_detection_type",
+                              custom_error_message="type: 'server_vad', 'semantic_vad' or null")]
+
+
 class AudioInput(_Strict):
     format: PCMFormat = PCMFormat()
-    turn_detection: ServerVad | None = ServerVad()
+    turn_detection: TurnDetection | None = ServerVad()
     transcription: None = None                   # the model hears the audio itself
     noise_reduction: None = None
 
@@ -139,10 +165,12 @@ def parse(model: type[BaseModel], body: object, param: str) -> Any:
 
 
 def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """`update` over `base`, objects merged key by key (a null replaces)."""
+    """`update` over `base`, objects merged key by key (a null replaces, and so does an
+    object of another `type`: server_vad's fields are not semantic_vad's)."""
     out = dict(base)
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if isinstance(value, dict) and isinstance(out.get(key), dict) \
+                and value.get("type", out[key].get("type")) == out[key].get("type"):
             out[key] = merge(out[key], value)
         else:
             out[key] = value

@@ -60,7 +60,7 @@ class FakeSocket:
 def fake_client() -> Any:
     """What a session asks of the engine before any response: a model that hears and speaks."""
     return SimpleNamespace(processor=SimpleNamespace(input_modalities=("text", "audio")),
-                           outputs={"text", "audio"}, max_model_len=None,
+                           outputs={"text", "audio"}, max_model_len=None, metrics=None,
                            engine=SimpleNamespace(audio_sample_rate=24000))
 
 

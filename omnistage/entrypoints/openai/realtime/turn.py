@@ -1,0 +1,369 @@
+"""Turn-taking on a realtime session: what Silero's speech start / stop (vad.py) do under the
+session's `turn_detection`.
+
+    server_vad     speech_stopped after silence_duration_ms   -> the turn ends (committed)
+    semantic_vad   speech_stopped after 200 ms of silence     -> the turn is judged:
+                     end-of-turn score >= the eagerness's     -> it ends now
+                     lower, or no score                       -> listening goes on, and
+                     the silence reaches the eagerness's max  -> it ends then
+                     speech again before that                 -> the same turn goes on
+
+    eagerness      low    medium / auto    high
+    threshold      0.8    0.5              0.3      (the score that ends a turn at once)
+    max wait       8 s    4 s              2 s      (of silence; OpenAI's documented waits)
+
+The score is a `TurnScorer`'s: `ModelScorer` asks the served model itself, one prefill
+through the engine of the conversation with the user's audio in an open turn (rendered up to
+the audio, the turn not closed), for the probability of its end-of-turn token (`<|im_end|>`)
+next. That prompt is a prefix of the response's own, so the prefix cache serves it the
+earlier turns. (Not yet the other way: a text-only request's thinker emits no hidden rows for
+the talker, so the response, which needs them, cannot hit the blocks the score computed.)
+The engine returns the top-20 logprobs of a position: an end-of-turn token outside them has a
+probability under the 20th's (at most 1/20), read as 0, which decides as the true value would
+against every threshold above. A model without that (no audio placeholder, no ChatML end
+token) gets `SilenceOnly`: no score, so each turn ends at its eagerness's max wait.
+
+The max wait counts the session's audio (the silence appended after the speech) or, for a
+client that stops sending, the wall clock, whichever is first. `/metrics` gets
+omnistage_realtime_turn_taking_seconds{decided_by}: speech_stopped to the commit (silence:
+server_vad; score; max_wait; max_turn: a turn cut at the session's length limit), and
+omnistage_realtime_end_of_turn_score.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+from starlette.concurrency import run_in_threadpool
+
+from omnistage.engine.request import RequestFields
+from omnistage.entrypoints.openai.errors import APIError
+from omnistage.entrypoints.openai.realtime.audio_buffer import ms_to_samples, samples_to_ms
+from omnistage.entrypoints.openai.realtime.protocol import (LISTEN_RATE, SemanticVad,
+                                                            ServerVad, error_event, event,
+                                                            new_id)
+from omnistage.entrypoints.openai.realtime.vad import VadEvent
+
+if TYPE_CHECKING:
+    from omnistage.entrypoints.openai.client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+SILENCE_MS = 200         # semantic_vad: the pause Silero waits for before the turn is judged
+PADDING_MS = 300         # semantic_vad: audio kept before the detected speech (server_vad's)
+SILERO_THRESHOLD = 0.5
+TOP_LOGPROBS = 20        # the most the engine returns (OpenAI's top_logprobs limit)
+END_OF_TURN = "<|im_end|>"
+
+
+@dataclass(frozen=True, slots=True)
+class Eagerness:
+    threshold: float     # an end-of-turn score this high ends the turn at once
+    max_wait_ms: int     # silence this long ends it whatever the score
+
+
+EAGERNESS = {"low": Eagerness(0.8, 8000), "medium": Eagerness(0.5, 4000),
+             "auto": Eagerness(0.5, 4000), "high": Eagerness(0.3, 2000)}
+
+
+def silero_settings(vad: ServerVad | SemanticVad) -> tuple[float, int, int]:
+    """(threshold, silence ms, prefix padding ms) of the Silero detector a session runs."""
+    if isinstance(vad, ServerVad):
+        return vad.threshold, vad.silence_duration_ms, vad.prefix_padding_ms
+    return SILERO_THRESHOLD, SILENCE_MS, PADDING_MS
+
+
+# -- the score ------------------------------------------------------------------------------
+
+class TurnScorer(Protocol):
+    async def score(self, messages: list[dict[str, Any]], audio: np.ndarray) -> float | None:
+        """The probability that the user is done, after the conversation's `messages` and
+        the user's `audio` (float32 at LISTEN_RATE) in an open turn; None: no score."""
+        ...
+
+
+class SilenceOnly:
+    """No score: silence alone ends a turn, at the eagerness's max wait."""
+
+    async def score(self, messages: list[dict[str, Any]], audio: np.ndarray) -> float | None:
+        return None
+
+
+def open_turn_prompt(tokenizer: Any, audio_placeholder: str, messages: list[dict[str, Any]],
+                     audio: np.ndarray) -> dict[str, Any]:
+    """The chat prompt of `messages` plus a user turn holding `audio`, rendered up to the
+    audio with the turn left open (the closed prompt less its end-of-turn token), as the
+    front door's {"prompt", "multi_modal_data"} form; ValueError for a template whose
+    turns do not close with END_OF_TURN."""
+    turn = {"role": "user", "content": [{"type": "audio", "audio": (audio, LISTEN_RATE)}]}
+    conversation, audios = [], []
+    for message in [*messages, turn]:
+        content = message["content"]
+        if not isinstance(content, str):
+            texts = []
+            for part in content:
+                if part["type"] == "audio":
+                    audios.append(part["audio"])
+                    texts.append(audio_placeholder)
+                else:
+                    texts.append(part["text"])
+            content = "".join(texts)
+        conversation.append({"role": message["role"], "content": content})
+    closed = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                           add_generation_prompt=False).rstrip()
+    if not closed.endswith(END_OF_TURN):
+        raise ValueError(f"the chat template does not close a turn with {END_OF_TURN}")
+    return {"prompt": closed[:-len(END_OF_TURN)], "multi_modal_data": {"audio": audios}}
+
+
+def end_of_turn_probability(logprobs: list[dict[int, float]] | None, token_id: int
+                            ) -> float | None:
+    """The first generated position's probability of `token_id` (0 outside the top logprobs
+    returned); None when no logprobs came back."""
+    if not logprobs:
+        return None
+    lp = logprobs[0].get(token_id)
+    return 0.0 if lp is None else math.exp(lp)
+
+
+class ModelScorer:
+    """The served model's own end-of-turn prediction (module docstring)."""
+
+    FIELDS = RequestFields({"max_tokens": 1, "temperature": 0.0, "logprobs": TOP_LOGPROBS})
+
+    def __init__(self, client: EngineClient, tokenizer: Any, audio_placeholder: str,
+                 token_id: int) -> None:
+        self.client, self.tokenizer = client, tokenizer
+        self.placeholder, self.token_id = audio_placeholder, token_id
+
+    @classmethod
+    def of(cls, client: EngineClient) -> ModelScorer | None:
+        """The scorer of a model whose input processor declares an audio placeholder and
+        whose tokenizer has END_OF_TURN (Qwen3-Omni's); None for any other."""
+        processor = client.processor
+        placeholders = getattr(processor, "placeholders", None)   # Qwen3-Omni's processor
+        if not isinstance(placeholders, dict) or "audio" not in placeholders:
+            return None
+        tokenizer = processor.tokenizer
+        token_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+        if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+            return None
+        return cls(client, tokenizer, placeholders["audio"], token_id)
+
+    async def score(self, messages: list[dict[str, Any]], audio: np.ndarray) -> float | None:
+        try:
+            prompt = await run_in_threadpool(open_turn_prompt, self.tokenizer, self.placeholder,
+                                             messages, audio)
+            request = self.client.request(prompt, self.FIELDS, {"text"}, "eot",
+                                          param="conversation")
+            last = None
+            async for out in self.client.generate([request]):
+                last = out
+        except (APIError, ValueError) as exc:     # e.g. a full queue: this turn goes unscored
+            logger.warning("realtime end-of-turn score failed: %s", exc)
+            return None
+        return end_of_turn_probability(last.logprobs if last is not None else None,
+                                       self.token_id)
+
+
+# -- the decision ---------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class PendingTurn:
+    """A user turn whose speech stopped and whose end is being decided."""
+    item_id: str
+    end_ms: int              # speech_stopped's audio_end_ms: the turn's audio ends here
+    stopped_at: float        # monotonic time speech_stopped was sent
+    score: float | None = None
+
+
+class EndOfTurn:
+    """semantic_vad's decision for one session, with no model and no clock of its own: the
+    caller gives the score and the times."""
+
+    def __init__(self, eagerness: Eagerness) -> None:
+        self.eagerness = eagerness
+        self.pending: PendingTurn | None = None
+
+    def stopped(self, item_id: str, end_ms: int, now: float) -> PendingTurn:
+        self.pending = PendingTurn(item_id, end_ms, now)
+        return self.pending
+
+    def judge(self, score: float | None) -> bool:
+        """Whether the pending turn ends now, on its score (it stays pending otherwise)."""
+        assert self.pending is not None, "judge without a pending turn"
+        self.pending.score = score
+        if score is not None and score >= self.eagerness.threshold:
+            self.pending = None
+            return True
+        return False
+
+    def resumed(self) -> PendingTurn | None:
+        """Speech again: the pending turn (if any) goes on, undecided."""
+        pending, self.pending = self.pending, None
+        return pending
+
+    def deadline(self) -> float:
+        """The monotonic time the pending turn's silence reaches the max wait."""
+        assert self.pending is not None
+        return self.pending.stopped_at + (self.eagerness.max_wait_ms - SILENCE_MS) / 1000
+
+    def due(self, audio_ms: int, now: float) -> bool:
+        """Whether the pending turn's silence (the audio since its speech ended, or the wall
+        clock since speech_stopped) has reached the max wait; if so it ends here."""
+        if self.pending is None:
+            return False
+        silence_ms = audio_ms - (self.pending.end_ms - SILENCE_MS)
+        if silence_ms < self.eagerness.max_wait_ms and now < self.deadline():
+            return False
+        self.pending = None
+        return True
+
+
+# -- the session's side -----------------------------------------------------------------------
+
+class TurnTaking:
+    """A session's turn detection after Silero: its events become the protocol's, and a turn
+    that ends is committed (and answered, with create_response) on the connection. One lock
+    orders the audio's events and the max-wait timer. `conn`: connection.py's
+    RealtimeConnection (which imports this module), as vllm_dialect.py takes it."""
+
+    def __init__(self, conn: Any, scorer: TurnScorer | None = None) -> None:
+        self.conn = conn
+        self.scorer: TurnScorer | None = scorer      # None: ModelScorer.of(client), at first use
+        self.decision: EndOfTurn | None = None       # semantic_vad's
+        self.timer: asyncio.Task[None] | None = None
+        self.finishing: asyncio.Task[None] | None = None
+        self.lock = asyncio.Lock()
+
+    def configure(self, vad: ServerVad | SemanticVad | None) -> None:
+        """The session's turn_detection (re)set: a pending turn is dropped."""
+        self.cancel()
+        self.decision = EndOfTurn(EAGERNESS[vad.eagerness]) \
+            if isinstance(vad, SemanticVad) else None
+
+    def cancel(self) -> None:
+        """Forget a pending turn (the buffer cleared or committed by hand, settings changed)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.decision is not None:
+            self.decision.pending = None
+
+    async def close(self) -> None:
+        """The session ends: no timer left, and a turn being committed by one is done."""
+        self.cancel()
+        if self.finishing is not None:
+            await asyncio.gather(self.finishing, return_exceptions=True)
+
+    async def hear(self, samples: np.ndarray) -> None:
+        """New audio (already in the buffer) through Silero, and what it brings."""
+        conn, vad = self.conn, self.conn.vad
+        assert vad is not None
+        async with self.lock:
+            for ev in await run_in_threadpool(vad.feed, samples):
+                await self.on_event(ev)
+            turn_ms = int(conn.limits.max_turn_s * 1000)
+            if vad.speaking and conn.buffer.num_samples > ms_to_samples(turn_ms):
+                stop = vad.force_stop()
+                if stop is not None:
+                    self.cancel()
+                    await self.on_event(stop, "max_turn")
+            elif self.decision is not None and self.decision.pending is not None:
+                pending = self.decision.pending
+                if self.decision.due(samples_to_ms(conn.buffer.end), time.monotonic()):
+                    self.cancel()
+                    await self.end_turn(pending, "max_wait")
+            elif not vad.speaking:       # hold only the padding a coming turn starts with
+                settings = conn.session.audio.input.turn_detection
+                assert settings is not None
+                padding = ms_to_samples(silero_settings(settings)[2])
+                conn.buffer.drop_before(conn.buffer.end - padding)
+
+    async def on_event(self, ev: VadEvent, forced: str | None = None) -> None:
+        conn = self.conn
+        settings = conn.session.audio.input.turn_detection
+        assert settings is not None
+        if ev.kind == "speech_started":
+            resumed = self.decision.resumed() if self.decision is not None else None
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            if resumed is None:          # a new turn: its audio starts here
+                conn.speech_item_id = new_id("item")
+                conn.buffer.drop_before(ms_to_samples(ev.ms))
+            else:                        # the pending turn goes on, its audio kept
+                conn.speech_item_id = resumed.item_id
+            await conn._send(event("input_audio_buffer.speech_started", audio_start_ms=ev.ms,
+                                   item_id=conn.speech_item_id))
+            if settings.interrupt_response:
+                await conn._cancel_response("turn_detected")
+            return
+        item_id = conn.speech_item_id or new_id("item")
+        conn.speech_item_id = None
+        await conn._send(event("input_audio_buffer.speech_stopped", audio_end_ms=ev.ms,
+                               item_id=item_id))
+        if self.decision is None or forced is not None:
+            await self.end_turn(PendingTurn(item_id, ev.ms, time.monotonic()),
+                                forced or "silence")
+            return
+        await self.judge(self.decision.stopped(item_id, ev.ms, time.monotonic()))
+
+    async def judge(self, pending: PendingTurn) -> None:
+        """Score the pending turn: it ends now, or the timer waits for its max wait."""
+        conn, decision = self.conn, self.decision
+        assert decision is not None
+        if self.scorer is None:
+            self.scorer = ModelScorer.of(conn.client) or SilenceOnly()
+        buffer = conn.buffer
+        whole = np.concatenate(buffer.chunks) if buffer.chunks else np.zeros(0, np.float32)
+        audio = whole[:max(0, ms_to_samples(pending.end_ms) - buffer.start)]
+        score = await self.scorer.score(conn.conversation.messages(conn.session.instructions),
+                                        audio)
+        metrics = conn.client.metrics
+        if score is not None and metrics is not None:
+            metrics.end_of_turn_score.observe(score)
+        if decision.pending is not pending:
+            return
+        if decision.judge(score):
+            await self.end_turn(pending, "score")
+        else:
+            self.timer = asyncio.create_task(self._wait(pending))
+
+    async def _wait(self, pending: PendingTurn) -> None:
+        """The max wait by the wall clock (a client that stopped sending audio)."""
+        decision = self.decision
+        assert decision is not None
+        await asyncio.sleep(max(0.0, decision.deadline() - time.monotonic()))
+        async with self.lock:
+            if decision.pending is not pending or self.decision is not decision:
+                return
+            decision.pending, self.timer = None, None
+            self.finishing = asyncio.current_task()
+            try:
+                await self.end_turn(pending, "max_wait")
+            except APIError as err:          # e.g. the queue is full: said, the session goes on
+                await self.conn._send(error_event(err))
+            except Exception:                # our fault: said so, and the session goes on
+                logger.exception("realtime turn %s failed to end", pending.item_id)
+                await self.conn._send(error_event(APIError(
+                    500, "the server failed to end the turn", code="internal_error")))
+            finally:
+                self.finishing = None
+
+    async def end_turn(self, pending: PendingTurn, decided_by: str) -> None:
+        """The turn's audio (up to its speech_stopped) committed, timed, and answered."""
+        conn = self.conn
+        await conn._commit(ms_to_samples(pending.end_ms), pending.item_id)
+        if conn.client.metrics is not None:
+            conn.client.metrics.turn_taking.labels(decided_by).observe(
+                time.monotonic() - pending.stopped_at)
+        settings = conn.session.audio.input.turn_detection
+        if settings is not None and settings.create_response:
+            await conn._response_create({})

@@ -1,0 +1,227 @@
+"""semantic_vad's end-of-turn decision (realtime/turn.py) without a model: the score is a stand-in
+scorer's, Silero hears speech-like audio (omnistage/testing/speech_like.py), and a
+RealtimeConnection runs in-process over a stand-in socket. A high score ends the turn at the
+short silence; a low one waits for the eagerness's max wait (by the audio, or by the clock when
+the client stops sending); speech again keeps the same turn going. And the open-turn prompt
+the served model scores is the response's own prompt up to its end-of-turn token."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from starlette.websockets import WebSocketState
+
+from omnistage.entrypoints.openai.metrics import ServerMetrics
+from omnistage.entrypoints.openai.realtime.connection import RealtimeConnection, RealtimeLimits
+from omnistage.entrypoints.openai.realtime.protocol import LISTEN_RATE
+from omnistage.entrypoints.openai.realtime.turn import (EAGERNESS, END_OF_TURN, SILENCE_MS,
+                                                        EndOfTurn, end_of_turn_probability,
+                                                        open_turn_prompt)
+from omnistage.testing.speech_like import pcm16, speech_like
+
+MODEL = "tiny-omni"
+RATE = 24000
+
+
+class Socket:
+    """The server side of a WebSocket: the client's frames in order, then (after `linger_s`
+    of a client that sends nothing more) a disconnect."""
+
+    def __init__(self, events: list[dict[str, Any]], linger_s: float = 0.0) -> None:
+        self.incoming = [{"type": "websocket.receive", "text": json.dumps(e)} for e in events]
+        self.linger_s = linger_s
+        self.sent: list[dict[str, Any]] = []
+        self.application_state = WebSocketState.CONNECTED
+        self.query_params = {"model": MODEL}
+
+    async def accept(self) -> None:
+        pass
+
+    async def receive(self) -> dict[str, Any]:
+        if self.incoming:
+            return self.incoming.pop(0)
+        await asyncio.sleep(self.linger_s)
+        return {"type": "websocket.disconnect"}
+
+    async def send_text(self, text: str) -> None:
+        self.sent.append(json.loads(text))
+
+    async def close(self, code: int = 1000) -> None:
+        self.application_state = WebSocketState.DISCONNECTED
+
+
+class FixedScore:
+    """A scorer that says the same each time, and what it was asked about."""
+
+    def __init__(self, value: float | None) -> None:
+        self.value = value
+        self.audio_ms: list[int] = []
+
+    async def score(self, messages: list[dict[str, Any]], audio: np.ndarray) -> float | None:
+        self.audio_ms.append(len(audio) * 1000 // LISTEN_RATE)
+        return self.value
+
+
+def talk(*pieces: tuple[str, float]) -> list[dict[str, Any]]:
+    """Appends (100 ms each, 24 kHz) of ("speech" | "silence", seconds) pieces in order."""
+    audio = np.concatenate([speech_like(s, rate=RATE, seed=i) if kind == "speech"
+                            else np.zeros(int(s * RATE), np.float32)
+                            for i, (kind, s) in enumerate(pieces)])
+    step = RATE // 10
+    return [{"type": "input_audio_buffer.append",
+             "audio": base64.b64encode(pcm16(audio[i:i + step])).decode("ascii")}
+            for i in range(0, len(audio), step)]
+
+
+def run(score: float | None, eagerness: str, events: list[dict[str, Any]],
+        linger_s: float = 0.0) -> tuple[RealtimeConnection, list[dict[str, Any]], FixedScore]:
+    detection = {"type": "semantic_vad", "eagerness": eagerness, "create_response": False}
+    ws = Socket([{"type": "session.update", "session": {"audio": {"input": {
+        "turn_detection": detection}}}}, *events], linger_s)
+    client = SimpleNamespace(processor=SimpleNamespace(input_modalities=("text", "audio")),
+                             outputs={"text", "audio"}, max_model_len=None,
+                             metrics=ServerMetrics(MODEL),
+                             engine=SimpleNamespace(audio_sample_rate=24000))
+    conn = RealtimeConnection(ws, client, MODEL, RealtimeLimits())   # type: ignore[arg-type]
+    scorer = FixedScore(score)
+    conn.turns.scorer = scorer
+    asyncio.run(conn.run())
+    assert not [e for e in ws.sent if e["type"] == "error"], ws.sent
+    assert ws.sent[1]["session"]["audio"]["input"]["turn_detection"] == detection | {
+        "interrupt_response": True}
+    return conn, ws.sent[2:], scorer
+
+
+def kinds(sent: list[dict[str, Any]]) -> list[str]:
+    return [e["type"].removeprefix("input_audio_buffer.") for e in sent
+            if e["type"].startswith("input_audio_buffer.")]
+
+
+def decided(conn: RealtimeConnection, by: str) -> float:
+    value = conn.client.metrics.registry.get_sample_value(
+        "omnistage_realtime_turn_taking_seconds_count", {"decided_by": by})
+    return value or 0.0
+
+
+def test_a_high_score_ends_the_turn_at_the_short_silence() -> None:
+    conn, sent, scorer = run(0.9, "low", talk(("silence", 0.3), ("speech", 1.0),
+                                              ("silence", 0.6)))
+    assert kinds(sent) == ["speech_started", "speech_stopped", "committed"]
+    started, stopped, committed = sent[0], sent[1], sent[2]
+    assert stopped["item_id"] == started["item_id"] == committed["item_id"]
+    assert 1300 + SILENCE_MS - 100 <= stopped["audio_end_ms"] <= 1300 + SILENCE_MS + 200
+    # the model was asked about the turn's audio: its speech (with the padding) and the pause
+    assert abs(scorer.audio_ms[0] - (stopped["audio_end_ms"] - started["audio_start_ms"])) <= 1
+    [item] = conn.conversation.items
+    span = (stopped["audio_end_ms"] - started["audio_start_ms"]) * LISTEN_RATE // 1000
+    assert abs(len(item.parts[0].audio) - span) <= LISTEN_RATE // 1000   # the turn, cut there
+    assert decided(conn, "score") == 1 and decided(conn, "max_wait") == 0
+
+
+@pytest.mark.parametrize("score", [0.1, None])
+def test_a_low_score_waits_for_the_eagerness_max_wait(score: float | None) -> None:
+    """high: 2 s of silence at most; 1.5 s is not enough, 2.5 s is (a missing score too)."""
+    assert EAGERNESS["high"].max_wait_ms == 2000
+    _, sent, scorer = run(score, "high", talk(("speech", 1.0), ("silence", 1.5)))
+    assert kinds(sent) == ["speech_started", "speech_stopped"] and len(scorer.audio_ms) == 1
+    conn, sent, _ = run(score, "high", talk(("speech", 1.0), ("silence", 2.5)))
+    assert kinds(sent) == ["speech_started", "speech_stopped", "committed"]
+    assert decided(conn, "max_wait") == 1 and decided(conn, "score") == 0
+
+
+def test_the_max_wait_runs_on_the_clock_when_the_client_stops_sending() -> None:
+    """Speech then 0.4 s of silence, then nothing: the turn ends 2 s after the silence began."""
+    conn, sent, _ = run(0.0, "high", talk(("speech", 1.0), ("silence", 0.4)), linger_s=2.5)
+    assert kinds(sent) == ["speech_started", "speech_stopped", "committed"]
+    assert decided(conn, "max_wait") == 1
+    seconds = conn.client.metrics.registry.get_sample_value(
+        "omnistage_realtime_turn_taking_seconds_sum", {"decided_by": "max_wait"})
+    assert (EAGERNESS["high"].max_wait_ms - SILENCE_MS) / 1000 - 0.05 <= seconds <= 2.4
+
+
+def test_speech_resuming_keeps_the_turn_going() -> None:
+    """A pause judged not the end (low score), then more speech: the same item goes on, its
+    audio holding both, and it ends at the max wait after the second pause."""
+    conn, sent, scorer = run(0.1, "high", talk(("speech", 1.0), ("silence", 0.6),
+                                               ("speech", 0.8), ("silence", 2.5)))
+    assert kinds(sent) == ["speech_started", "speech_stopped", "speech_started",
+                           "speech_stopped", "committed"]
+    assert len({e["item_id"] for e in sent if e["type"].startswith("input_audio_buffer.")}) == 1
+    assert len(scorer.audio_ms) == 2 and scorer.audio_ms[1] > scorer.audio_ms[0] + 1000
+    [item] = conn.conversation.items
+    assert len(item.parts[0].audio) >= int(2.4 * LISTEN_RATE)
+
+
+def test_the_decision_alone() -> None:
+    """EndOfTurn with the times given: the threshold, the max wait by audio and by clock."""
+    decision = EndOfTurn(EAGERNESS["medium"])
+    decision.stopped("a", end_ms=1200, now=10.0)
+    assert decision.judge(0.5) and decision.pending is None        # medium: 0.5 ends it
+    pending = decision.stopped("b", end_ms=1200, now=10.0)
+    assert not decision.judge(0.49) and decision.pending is pending
+    assert not decision.due(audio_ms=1000 + 3999, now=10.1)
+    assert decision.due(audio_ms=1000 + 4000, now=10.1) and decision.pending is None
+    decision.stopped("c", end_ms=1200, now=10.0)
+    assert not decision.judge(None)
+    assert not decision.due(audio_ms=1300, now=10.0 + 3.79)
+    assert decision.due(audio_ms=1300, now=10.0 + 3.8)             # 4 s less the 200 ms
+    decision.stopped("d", end_ms=1200, now=10.0)
+    assert decision.resumed().item_id == "d" and decision.resumed() is None
+
+
+def test_end_of_turn_probability() -> None:
+    assert end_of_turn_probability([{2: np.log(0.25), 7: np.log(0.5)}], 2) == pytest.approx(0.25)
+    assert end_of_turn_probability([{7: -0.1}], 2) == 0.0          # outside the top 20
+    assert end_of_turn_probability(None, 2) is None
+
+
+def test_a_bad_eagerness_is_refused_and_the_session_goes_on() -> None:
+    ws = Socket([{"type": "session.update", "event_id": "e1", "session": {"audio": {"input": {
+        "turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}}}},
+        {"type": "session.update", "session": {"audio": {"input": {
+            "turn_detection": {"type": "semantic_vad", "eagerness": "high"}}}}}])
+    client = SimpleNamespace(processor=SimpleNamespace(input_modalities=("text", "audio")),
+                             outputs={"text", "audio"}, max_model_len=None, metrics=None,
+                             engine=SimpleNamespace(audio_sample_rate=24000))
+    asyncio.run(RealtimeConnection(ws, client, MODEL, RealtimeLimits()).run())  # type: ignore
+    error = ws.sent[1]["error"]
+    assert error["param"] == "session.audio.input.turn_detection.eagerness"
+    assert error["event_id"] == "e1"
+    assert ws.sent[2]["type"] == "session.updated"
+    assert ws.sent[2]["session"]["audio"]["input"]["turn_detection"]["eagerness"] == "high"
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from omnistage.engine.inputs import load_input_processor
+    from omnistage.testing.tiny_omni import build_tiny_qwen3_omni
+
+    path: Path = build_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny_omni"))
+    return load_input_processor(path)
+
+
+def test_the_open_turn_is_the_responses_prompt_up_to_its_end(processor: Any) -> None:
+    """The prompt scored is the one the response then sends, cut before <|im_end|>: same
+    ids, same audio features, so the prefix cache carries one into the other."""
+    earlier = [{"role": "system", "content": "Be brief."},
+               {"role": "user", "content": [{"type": "audio",
+                                             "audio": (speech_like(0.7, seed=1), LISTEN_RATE)}]},
+               {"role": "assistant", "content": "Sure."}]
+    audio = speech_like(1.1, seed=2)
+    prompt = open_turn_prompt(processor.tokenizer, processor.placeholders["audio"], earlier,
+                              audio)
+    opened = processor.parse_request(prompt)
+    closed = processor.parse_request({"messages": [*earlier, {"role": "user", "content": [
+        {"type": "audio", "audio": (audio, LISTEN_RATE)}]}]})
+    ids, full = opened.input_ids.tolist(), closed.input_ids.tolist()
+    end = processor.tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    assert full[:len(ids)] == ids and full[len(ids)] == end
+    assert ids[-1] == processor.tokenizer.convert_tokens_to_ids("<|audio_end|>")
+    assert np.array_equal(opened.input_features.numpy(), closed.input_features.numpy())
