@@ -60,6 +60,9 @@ PADDING_MS = 300         # semantic_vad: audio kept before the detected speech (
 SILERO_THRESHOLD = 0.5
 TOP_LOGPROBS = 20        # the most the engine returns (OpenAI's top_logprobs limit)
 END_OF_TURN = "<|im_end|>"
+# A score later than this is no use to a turn that waits at most seconds: the turn goes
+# unscored (decided by its silence), and the score request is abandoned.
+SCORE_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +85,12 @@ def silero_settings(vad: ServerVad | SemanticVad) -> tuple[float, int, int]:
 # -- the score ------------------------------------------------------------------------------
 
 class TurnScorer(Protocol):
+    async def _last(self, request: Any) -> Any:
+        last = None
+        async for out in self.client.generate([request]):
+            last = out
+        return last
+
     async def score(self, messages: list[dict[str, Any]], audio: np.ndarray) -> float | None:
         """The probability that the user is done, after the conversation's `messages` and
         the user's `audio` (float32 at LISTEN_RATE) in an open turn; None: no score."""
@@ -90,6 +99,12 @@ class TurnScorer(Protocol):
 
 class SilenceOnly:
     """No score: silence alone ends a turn, at the eagerness's max wait."""
+
+    async def _last(self, request: Any) -> Any:
+        last = None
+        async for out in self.client.generate([request]):
+            last = out
+        return last
 
     async def score(self, messages: list[dict[str, Any]], audio: np.ndarray) -> float | None:
         return None
@@ -156,17 +171,22 @@ class ModelScorer:
             return None
         return cls(client, tokenizer, placeholders["audio"], token_id)
 
+    async def _last(self, request: Any) -> Any:
+        last = None
+        async for out in self.client.generate([request]):
+            last = out
+        return last
+
     async def score(self, messages: list[dict[str, Any]], audio: np.ndarray) -> float | None:
         try:
             prompt = await run_in_threadpool(open_turn_prompt, self.tokenizer, self.placeholder,
                                              messages, audio)
             request = self.client.request(prompt, self.FIELDS, {"text"}, "eot",
                                           param="conversation")
-            last = None
-            async for out in self.client.generate([request]):
-                last = out
-        except (APIError, ValueError) as exc:     # e.g. a full queue: this turn goes unscored
-            logger.warning("realtime end-of-turn score failed: %s", exc)
+            last = await asyncio.wait_for(self._last(request), SCORE_TIMEOUT_S)
+        except (APIError, ValueError, asyncio.TimeoutError) as exc:
+            # e.g. a full queue or a busy engine: this turn goes unscored
+            logger.warning("realtime end-of-turn score failed: %r", exc)
             return None
         return end_of_turn_probability(last.logprobs if last is not None else None,
                                        self.token_id)

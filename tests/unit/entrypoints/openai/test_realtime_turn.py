@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -225,3 +226,30 @@ def test_the_open_turn_is_the_responses_prompt_up_to_its_end(processor: Any) -> 
     assert full[:len(ids)] == ids and full[len(ids)] == end
     assert ids[-1] == processor.tokenizer.convert_tokens_to_ids("<|audio_end|>")
     assert np.array_equal(opened.input_features.numpy(), closed.input_features.numpy())
+
+
+def test_a_score_that_comes_too_late_is_abandoned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy engine's score past SCORE_TIMEOUT_S: the turn goes unscored (None, decided by
+    its silence) and the score request is closed, not left running."""
+    from omnistage.entrypoints.openai.realtime import turn
+
+    closed: list[bool] = []
+
+    class Stuck:
+        def request(self, *args: Any, **kw: Any) -> object:
+            return object()
+
+        async def generate(self, requests: list) -> Any:
+            try:
+                await asyncio.sleep(60)
+                yield None
+            finally:
+                closed.append(True)
+
+    monkeypatch.setattr(turn, "SCORE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(turn, "open_turn_prompt", lambda *a: "prompt")
+    scorer = turn.ModelScorer(Stuck(), None, "<|audio_pad|>", 7)     # type: ignore[arg-type]
+    t0 = time.monotonic()
+    got = asyncio.run(scorer.score([], np.zeros(160, np.float32)))
+    assert got is None and time.monotonic() - t0 < 5
+    assert closed == [True]
