@@ -52,7 +52,7 @@
 #            and 1.7B's matmuls), AR decode at 8 sequences with one-row kernels only against
 #            up to 16 rows
 #   agent    the voice agent (LLM -> Qwen3-TTS, issue 45): first audio from the request at 1 and
-#            8 requests, omnistage.benchmarks.agent (AGENT_FLAGS: e.g. --llm qwen3-1.7b; needs
+#            8 requests, omnistage bench agent (AGENT_FLAGS: e.g. --llm qwen3-1.7b; needs
 #            .whl/ref: qwen-tts builds the talker)
 #   int4gemv the W4A16 decode kernel's tests on the GPU, then AR single stream bf16 against int4
 #            (the preset written again as W4A16 by models/int4_export.py, groups of 128)
@@ -325,8 +325,9 @@ fi
 if [[ $STAGES == *agent* ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/ref-site .whl/ref/*.whl >/dev/null 2>&1 || exit 1
-    OMNISTAGE_TTS_REF_PYTHONPATH=/tmp/ref-site timeout 300 python3 -m omnistage.benchmarks.agent \
-        --out-dir "$OUT" ${AGENT_FLAGS:-} 2>&1 | grep -v Warn | tail -14
+    OMNISTAGE_TTS_REF_PYTHONPATH=/tmp/ref-site timeout 300 python3 -m \
+        omnistage.entrypoints.cli.main bench agent --out-dir "$OUT" ${AGENT_FLAGS:-} 2>&1 \
+        | grep -v Warn | tail -14
 fi
 if [[ $STAGES == *int4gemv* ]]; then
     timeout 300 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \

@@ -14,8 +14,9 @@ LLM writes it) on our stage runtime: first audio counted from the request, at co
                first audio from submission, end-to-end seconds, real-time factor; and whether
                the first audio came before the LLM's last text
 
-    OMNISTAGE_TTS_REF_PYTHONPATH=/tmp/ref-site python -m omnistage.benchmarks.agent --out-dir DIR
-    python -m omnistage.benchmarks.agent --tiny --concurrency 1,2 --out-dir DIR   # CPU, CI
+    OMNISTAGE_TTS_REF_PYTHONPATH=/tmp/ref-site omnistage bench agent --out-dir DIR
+    omnistage bench agent --tiny --concurrency 1,2 --out-dir DIR      # CPU, CI
+    (or python -m omnistage.benchmarks.agent with the same flags)
 
 `--tiny`: the golden tests' tiny Qwen3 LLM and tiny CustomVoice checkpoint, float32 on CPU.
 """
@@ -212,6 +213,15 @@ def run(cfg: AgentBenchConfig) -> dict:
                      "whole words, the talker speaks until the text's end or talker_frames."}
 
 
+def config_from(llm: str, tiny: bool, llm_tokens: int | None, talker_frames: int | None,
+                concurrency: tuple[int, ...], device: str) -> AgentBenchConfig:
+    """The command line's choices, with the tiny or the real defaults filled in."""
+    return AgentBenchConfig(
+        llm=llm, tiny=tiny, llm_tokens=llm_tokens or (12 if tiny else 64),
+        talker_frames=talker_frames or (24 if tiny else 200), concurrency=concurrency,
+        sequential=1 if tiny else 3, device=device)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llm", default="qwen3-8b", choices=sorted(LLM_SHAPES))
@@ -223,11 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out-dir", type=Path, default=Path("."))
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
-    cfg = AgentBenchConfig(
-        llm=args.llm, tiny=args.tiny, llm_tokens=args.llm_tokens or (12 if args.tiny else 64),
-        talker_frames=args.talker_frames or (24 if args.tiny else 200),
-        concurrency=tuple(int(c) for c in args.concurrency.split(",")),
-        sequential=1 if args.tiny else 3, device=args.device)
+    cfg = config_from(args.llm, args.tiny, args.llm_tokens, args.talker_frames,
+                      tuple(int(c) for c in args.concurrency.split(",")), args.device)
     result = run(cfg)
     name = args.name or f"agent_{'tiny' if cfg.tiny else cfg.llm}"
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ random-weight model of a real architecture built in the run; one JSON file per b
     omnistage bench video                   # Wan2.2-TI2V-5B and Wan2.1-14B shapes, per step
     omnistage bench realtime                # /v1/realtime on the omni model, 1 / 8 sessions
     omnistage bench duplex                  # Moshi-7B shape, full duplex, 1 .. 32 sessions
+    omnistage bench agent                   # a text LLM -> Qwen3-TTS: first audio, 1 / 8
     omnistage bench regress                 # headline figures against this GPU's baseline
     omnistage bench ar --tiny --device cpu  # toy sizes: seconds on a CPU (CI), no measurement
     omnistage bench serve --base-url http://127.0.0.1:8000 --endpoint-type chat
@@ -59,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
         result, name, headline = bench_runs.run_realtime(args)
     elif args.benchmark == "duplex":
         result, name, headline = bench_runs.run_duplex(args)
+    elif args.benchmark == "agent":
+        result, name, headline = bench_runs.run_agent(args)
     elif args.benchmark == "regress":
         result, name, headline = bench_runs.run_regress(args)
     elif args.model == "flux2-klein":

@@ -13,7 +13,7 @@ def add_kinds(p: argparse.ArgumentParser, func: Runner) -> None:
     """One sub-command a benchmark kind under `p`, each answered by `func`."""
     kinds = p.add_subparsers(dest="benchmark", required=True)
     for add in (_add_ar, _add_omni, _add_tts, _add_speech, _add_diffusion, _add_video,
-                _add_realtime, _add_duplex, _add_regress):
+                _add_realtime, _add_duplex, _add_agent, _add_regress):
         _common(add(kinds), func)
     _add_serve(kinds, func)
 
@@ -261,6 +261,19 @@ def _add_duplex(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     dx.add_argument("--warmup-ticks", type=int, default=None,
                     help="ticks of each N left out of the figures (default 10; tiny 2)")
     return dx
+
+
+def _add_agent(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    ag = kinds.add_parser("agent", help="the voice agent (a text LLM -> Qwen3-TTS 1.7B): first "
+                                        "audio from the request at 1 and 8 requests")
+    ag.add_argument("--llm", default="qwen3-8b", choices=["qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"],
+                    help="the LLM's published shape (random weights)")
+    ag.add_argument("--llm-tokens", type=int, default=None,
+                    help="tokens an answer (default 64; tiny 12)")
+    ag.add_argument("--talker-frames", type=int, default=None,
+                    help="the most talker frames an answer (default 200; tiny 24)")
+    ag.add_argument("--concurrency", type=_ints, default=(1, 8))
+    return ag
 
 
 def _add_serve(kinds: argparse._SubParsersAction, func: Runner) -> None:

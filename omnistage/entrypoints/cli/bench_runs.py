@@ -170,6 +170,15 @@ def run_duplex(args: argparse.Namespace) -> Outcome:
     return result, name, result["ratios"]
 
 
+def run_agent(args: argparse.Namespace) -> Outcome:
+    from omnistage.benchmarks import agent
+
+    cfg = agent.config_from(args.llm, args.tiny, args.llm_tokens, args.talker_frames,
+                            args.concurrency, args.device)
+    result = agent.run(cfg)
+    return result, f"agent_{'tiny' if cfg.tiny else cfg.llm}", result["ratios"]
+
+
 def run_diffusion_parallel(args: argparse.Namespace) -> Outcome:
     import tempfile
 

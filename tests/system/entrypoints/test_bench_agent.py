@@ -1,4 +1,4 @@
-"""`python -m omnistage.benchmarks.agent --tiny` on the CPU: the voice agent graph (tiny Qwen3
+"""`omnistage bench agent --tiny` on the CPU: the voice agent graph (tiny Qwen3
 LLM -> tiny Qwen3-TTS CustomVoice, built by qwen-tts in the reference environment) timed at
 concurrency 1 and 2: a well-formed JSON whose figures are consistent, never a timing."""
 
@@ -13,6 +13,7 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from omnistage.benchmarks import agent
+from omnistage.entrypoints.cli.main import main
 from omnistage.testing.tiny_tts import reference_missing
 
 
@@ -20,8 +21,9 @@ def test_bench_agent_tiny(tmp_path: Path) -> None:
     missing = reference_missing()
     if missing:
         pytest.skip(missing)
-    agent.main(["--tiny", "--device", "cpu", "--concurrency", "1,2", "--out-dir", str(tmp_path),
-                "--name", "agent"])
+    rc = main(["bench", "agent", "--tiny", "--device", "cpu", "--concurrency", "1,2",
+               "--out-dir", str(tmp_path), "--name", "agent"])
+    assert rc == 0
     doc = json.loads((tmp_path / "agent.json").read_text())       # strict JSON
     assert doc["benchmark"] == "agent" and doc["device"] == "cpu"
     ratios, by_c = doc["ratios"], doc["omnistage"]["by_concurrency"]
