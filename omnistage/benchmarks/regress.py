@@ -170,6 +170,31 @@ def probe_tts(device: str, tiny: bool = False) -> Figures:
     return out
 
 
+def probe_duplex(device: str, tiny: bool = False) -> Figures:
+    """Moshi-7B's shape on the duplex runtime at 1 and 16 sessions, 100 ticks each: the
+    tick's p99 at each (issue 45's figure is the sessions a GPU ticks within 80 ms)."""
+    from omnistage.benchmarks import duplex
+
+    cfg = duplex.DuplexBenchConfig(sizes="tiny" if tiny else "7b",
+                                   sessions=(1, 2) if tiny else (1, 16),
+                                   ticks=8 if tiny else 100, warmup_ticks=2 if tiny else 10,
+                                   device=device)
+    rows = duplex.run(cfg)["by_sessions"]
+    return {f"duplex_tick_p99_ms_c{n}": (float(rows[str(n)]["tick_ms"]["p99"]), LOWER)
+            for n in cfg.sessions}
+
+
+def probe_agent(device: str, tiny: bool = False) -> Figures:
+    """The voice agent (a Qwen3-1.7B-shaped LLM -> Qwen3-TTS 1.7B) at 1 and 8 requests:
+    first audio from the request."""
+    from omnistage.benchmarks import agent
+
+    cfg = agent.config_from("qwen3-1.7b", tiny, None, None, (1, 8), device)
+    ratios = agent.run(cfg)["ratios"]
+    return {f"agent_first_audio_s_c{c}": (float(ratios[f"agent_first_audio_s_c{c}"]), LOWER)
+            for c in (1, 8)}
+
+
 def _sizes(tiny: bool) -> str:
     return "tiny" if tiny else "bench"
 
@@ -189,7 +214,8 @@ def _speech_figures(by_c: dict, prefix: str) -> Figures:
 
 
 PROBES: dict[str, Callable[[str, bool], Figures]] = {
-    "ar": probe_ar, "omni": probe_omni, "omni25": probe_omni25, "tts": probe_tts}
+    "ar": probe_ar, "omni": probe_omni, "omni25": probe_omni25, "tts": probe_tts,
+    "duplex": probe_duplex, "agent": probe_agent}
 
 
 def run(probes: tuple[str, ...], device: str, gpu: str, *, repeats: int = 1,

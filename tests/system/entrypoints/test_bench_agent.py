@@ -53,3 +53,19 @@ def test_the_bench_llm_writes_whole_words(tmp_path: Path) -> None:
     words = text.split()
     assert len(words) == 12 and text.startswith(" "), text
     assert all(w.isascii() and w.isalpha() for w in words), text
+
+
+def test_the_regress_probes_of_duplex_and_agent_run_tiny() -> None:
+    """`bench regress`'s duplex and agent probes (the H200 baseline holds their figures) run at
+    the tiny size on the CPU and name their figures, lower being better."""
+    missing = reference_missing()
+    if missing:
+        pytest.skip(missing)
+    from omnistage.benchmarks import regress
+
+    duplex = regress.probe_duplex("cpu", tiny=True)
+    assert set(duplex) == {"duplex_tick_p99_ms_c1", "duplex_tick_p99_ms_c2"}
+    talk = regress.probe_agent("cpu", tiny=True)
+    assert set(talk) == {"agent_first_audio_s_c1", "agent_first_audio_s_c8"}
+    for value, better in [*duplex.values(), *talk.values()]:
+        assert better == regress.LOWER and math.isfinite(value) and value > 0
