@@ -268,7 +268,8 @@ if [[ $STAGES == *fp8gemv* ]]; then
     done
 fi
 if [[ $STAGES == *regress* ]]; then
-    if [[ ${REGRESS_PROBES:-} == *tts* ]]; then   # qwen-tts builds the TTS checkpoint
+    if [[ ${REGRESS_PROBES:-} == *tts* || ${REGRESS_PROBES:-} == *agent* ]]; then
+        # qwen-tts builds the TTS checkpoint (the tts and agent probes)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/ref-site .whl/ref/*.whl >/dev/null 2>&1 || exit 1
         export OMNISTAGE_TTS_REF_PYTHONPATH=/tmp/ref-site
