@@ -334,8 +334,9 @@ def _add_regress(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     reg = kinds.add_parser("regress", help="rerun the headline figures and hold them to this "
                                            "GPU's committed baseline (exit 1 on a drop)")
     reg.add_argument("--probes", default="ar,omni,omni25,tts",
-                     help="comma-separated: ar, omni, omni25, tts (default: all; tts needs "
-                          "qwen-tts, as bench tts)")
+                     help="comma-separated: ar, omni, omni25, tts, duplex, agent (default: "
+                          "the first four; tts and agent need qwen-tts, as bench tts; duplex "
+                          "builds a 15.5 GB Moshi)")
     reg.add_argument("--repeats", type=int, default=1,
                      help="runs of each probe: the best counts, the spread is reported as "
                           "noise (2 to measure it)")
