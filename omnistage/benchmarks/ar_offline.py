@@ -99,7 +99,7 @@ def hf_decode_speed(path: Path, prompt: list[int], output_len: int) -> dict:
 
 
 ASYNC_SCHEDULING = True     # --no-async-scheduling
-QUANTIZATION: str | None = None     # --quantization: the stage's ar.quantization (fp8, int8)
+QUANTIZATION: str | None = None     # --quantization: ar.quantization (fp8, int8, int4)
 
 
 def stage_quantization(method: str):  # -> ComponentQuantization
@@ -251,9 +251,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="read each decode step's tokens before launching the next")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--quantization", default=None, choices=("fp8", "int8", "int4"),
-                    help="every linear but the head in 8 bits (ar.quantization); int4: the "
-                         "checkpoint written again in compressed-tensors' W4A16 layout "
-                         "(models/int4_export.py, groups of 128) and loaded from it; the "
+                    help="every linear but the head quantized at load (ar.quantization): "
+                         "8 bits (fp8, int8) or 4-bit W4A16 in groups of 128 (int4); the "
                          "weight-streaming limit stays the bf16 weights'")
     ap.add_argument("--checkpoint-dir", default="/tmp/omnistage-bench")
     ap.add_argument("--out", default=None)
@@ -263,7 +262,7 @@ def _parser() -> argparse.ArgumentParser:
 def _apply_switches(args: argparse.Namespace) -> None:
     """The kernel and scheduling switches, set on their modules before the engine is built."""
     global QUANTIZATION
-    QUANTIZATION = None if args.quantization == "int4" else args.quantization  # int4: a file
+    QUANTIZATION = args.quantization
     if args.no_fused or args.no_gemv:
         from omnistage.layers import fused
         fused.set_enabled(not args.no_fused)
@@ -327,13 +326,6 @@ def main() -> None:
     args = _parser().parse_args()
     _apply_switches(args)
     path = build_checkpoint(args.preset, Path(args.checkpoint_dir) / args.preset)
-    ours_path = path
-    if args.quantization == "int4":     # the W4A16 checkpoint of the same weights
-        from omnistage.models.int4_export import export_w4a16
-
-        ours_path = path.with_name(path.name + "-w4a16")
-        if not (ours_path / "config.json").is_file():
-            export_w4a16(path, ours_path)
     rng = random.Random(0)
     vocab = PRESETS[args.preset]["vocab_size"]
     num_prompts = 1 if args.single_stream else args.num_prompts
@@ -351,7 +343,7 @@ def main() -> None:
         "options": _options(args),
     }
     if args.single_stream:
-        ours = ours_decode_speed(ours_path, prompts[0], args.output_len, args.enforce_eager,
+        ours = ours_decode_speed(path, prompts[0], args.output_len, args.enforce_eager,
                                  args.attention_backend)
         limit = weight_streaming_limit(path)
         ours["share_of_weight_streaming_limit"] = (ours["decode_tokens_per_s"]
@@ -362,7 +354,7 @@ def main() -> None:
             result.update(transformers=hf, decode_speed_ratio=(
                 ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"]))
     else:
-        ours = bench_ours(ours_path, prompts, args.output_len, args.max_num_batched_tokens,
+        ours = bench_ours(path, prompts, args.output_len, args.max_num_batched_tokens,
                           args.concurrency, args.enforce_eager, args.attention_backend)
         result["omnistage"] = ours
         if not args.skip_hf:

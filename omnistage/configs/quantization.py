@@ -13,14 +13,16 @@ how. One record, read the same way from the graph YAML, the `--quantization` fla
 
     ar:                                                  # an AR stage: its one model
       quantization: int8                                 # a text LLM (the bare method)
+      quantization: int4                                 # W4A16, groups of 128
       quantization: {thinker: fp8}                       # Qwen3-Omni's thinker stage
 
 A bare method names the transformer. Methods: `fp8` (layers/fp8.py: e4m3 W8A8, CUDA 8.9+),
 `int8` (layers/int8.py: W8A8 through torch._int_mm, CPU and CUDA), `gguf:FILE` (the weights of
-a GGUF file, models/gguf_loader.py; the transformer only), `none`. Components: transformer,
+a GGUF file, models/gguf_loader.py; the transformer only), `int4` (layers/int4.py: W4A16,
+symmetric groups of 128 inputs; an AR model only), `none`. Components: transformer,
 text_encoder, vae, thinker, talker; which a stage can apply is the stage's to say (a diffusion
-stage: transformer and text_encoder; an AR stage: its one model, `ar_method`; the others are
-refused there by name).
+stage: transformer and text_encoder, `check_diffusion`; an AR stage: its one model,
+`ar_method`; the others are refused there by name).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from typing import Literal
 
 from omnistage.configs.strict import from_dict
 
-Method = Literal["none", "fp8", "int8", "gguf"]
-METHODS: tuple[str, ...] = ("none", "fp8", "int8", "gguf")
+Method = Literal["none", "fp8", "int8", "int4", "gguf"]
+METHODS: tuple[str, ...] = ("none", "fp8", "int8", "int4", "gguf")
 COMPONENTS: tuple[str, ...] = ("transformer", "text_encoder", "vae", "thinker", "talker")
 
 
@@ -40,7 +42,7 @@ COMPONENTS: tuple[str, ...] = ("transformer", "text_encoder", "vae", "thinker", 
 class ComponentQuantization:
     """One network's method, and the file a `gguf` one reads."""
 
-    method: Method = field(default="none", metadata={"help": "none, fp8, int8 or gguf"})
+    method: Method = field(default="none", metadata={"help": "none, fp8, int8, int4 or gguf"})
     file: str | None = field(default=None, metadata={"help": "the .gguf file of method gguf"})
 
     def __post_init__(self) -> None:
@@ -53,10 +55,10 @@ class ComponentQuantization:
 
     @classmethod
     def parse(cls, text: str) -> ComponentQuantization:
-        """`fp8`, `int8`, `none` or `gguf:PATH`."""
+        """`fp8`, `int8`, `int4`, `none` or `gguf:PATH`."""
         method, sep, file = text.strip().partition(":")
         if method not in METHODS:
-            raise ValueError(f"{text!r} is not one of fp8, int8, none, gguf:FILE")
+            raise ValueError(f"{text!r} is not one of fp8, int8, int4, none, gguf:FILE")
         return cls(method, file if sep else None)  # type: ignore[arg-type]
 
     def __str__(self) -> str:
@@ -68,15 +70,16 @@ class Quantization:
     """Each component's method; a string stands for `ComponentQuantization.parse` of it."""
 
     transformer: ComponentQuantization | str | None = field(default=None, metadata={
-        "help": "the denoiser(s): fp8, int8 or gguf:FILE (a bare method names it)"})
+        "help": "the denoiser(s): fp8, int8 or gguf:FILE (a bare method names it; an AR "
+                "stage's text LLM: fp8, int8 or int4)"})
     text_encoder: ComponentQuantization | str | None = field(default=None, metadata={
         "help": "the prompt encoder's networks: int8"})
     vae: ComponentQuantization | str | None = field(default=None, metadata={
         "help": "the VAE: none only (its convolutions are no linears)"})
     thinker: ComponentQuantization | str | None = field(default=None, metadata={
-        "help": "an omni model's thinker (its AR stage): fp8 or int8"})
+        "help": "an omni model's thinker (its AR stage): fp8, int8 or int4"})
     talker: ComponentQuantization | str | None = field(default=None, metadata={
-        "help": "an omni model's talker (its AR stage): fp8 or int8"})
+        "help": "an omni model's talker (its AR stage): fp8, int8 or int4"})
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -88,6 +91,8 @@ class Quantization:
                     raise ValueError(f"{f.name}: {e}") from None
             if value is not None and value.method == "none":
                 value = None
+            if value is not None and f.name in DIFFUSION_METHODS and f.name != "transformer":
+                check_diffusion_component(f.name, value)   # never an AR model's
             object.__setattr__(self, f.name, value)
 
     @classmethod
@@ -123,7 +128,29 @@ def read_quantization(value: Quantization | str | None) -> Quantization | None:
     return value if value is not None and value.items() else None
 
 
-AR_METHODS: tuple[str, ...] = ("fp8", "int8")
+AR_METHODS: tuple[str, ...] = ("fp8", "int8", "int4")
+# component -> the methods a diffusion stage applies to it (stages/quantize.py applies them)
+DIFFUSION_METHODS: dict[str, tuple[str, ...]] = {
+    "transformer": ("fp8", "int8", "gguf"), "text_encoder": ("int8",), "vae": ("none",)}
+AR_ONLY: tuple[str, ...] = ("int4",)
+
+
+def check_diffusion_component(name: str, c: ComponentQuantization) -> None:
+    """ValueError naming the component for a method only an AR model takes (int4)."""
+    if c.method in AR_ONLY:
+        raise ValueError(f"{name}: {c.method} quantizes an AR model (thinker, talker, a text "
+                         f"LLM's bare method), not a diffusion stage's {name} (it takes "
+                         f"{', '.join(DIFFUSION_METHODS[name])})")
+
+
+def check_diffusion(q: Quantization | None) -> Quantization | None:
+    """`q` as a diffusion stage's record: ValueError naming the component for an AR-only
+    method (int4 on the transformer, the text encoder or the VAE); the other methods a
+    component cannot take are refused when the stage starts (stages/quantize.py)."""
+    for name, c in (q.items() if q is not None else {}).items():
+        if name in DIFFUSION_METHODS:
+            check_diffusion_component(name, c)
+    return q
 
 
 def ar_role(component: str | None) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from omnistage.configs.quantization import Quantization, read_quantization
+from omnistage.configs.quantization import Quantization, check_diffusion, read_quantization
 from omnistage.configs.strict import from_dict
 from omnistage.sampling_params import SamplingParams
 
@@ -224,8 +224,8 @@ class ARSettings:
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig, metadata=meta(
         "the paged KV cache"))
     quantization: Quantization | str | None = field(default=None, metadata=meta(
-        "per component (configs/quantization.py): an ar stage's model fp8 / int8 (a bare "
-        "method, or thinker= / talker=), a diffusion stage's transformer fp8 / int8 / "
+        "per component (configs/quantization.py): an ar stage's model fp8 / int8 / int4 (a "
+        "bare method, or thinker= / talker=), a diffusion stage's transformer fp8 / int8 / "
         "gguf:FILE and text_encoder int8 (COMPONENT=METHOD,...); fp8 needs a GPU of compute "
         "capability 8.9+", flag="quantization", metavar="SPEC"))
     enforce_eager: bool = field(default=False, metadata=meta(
@@ -302,7 +302,8 @@ class DiffusionSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", dict(self.options))
         try:
-            object.__setattr__(self, "quantization", read_quantization(self.quantization))
+            object.__setattr__(self, "quantization",
+                               check_diffusion(read_quantization(self.quantization)))
         except ValueError as e:
             raise ValueError(f"quantization: {e}") from None
         _check_count(self, "max_num_seqs")

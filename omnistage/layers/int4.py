@@ -37,9 +37,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omnistage.layers import fused
+from omnistage.layers.fp8 import shard_of
 from omnistage.layers.parallel import TPGroup, all_gather_last, all_reduce
 
 SHIFTS = tuple(range(0, 32, 4))
+GROUP_SIZE = 128            # quantize-at-load groups (ar/quantize.py), as llm-compressor
 
 
 def unpack_int4(packed: Tensor, num_columns: int) -> Tensor:
@@ -119,6 +121,22 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight_zero", weight_zero)
         self.register_buffer("g_idx", g_idx)
         self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, group_size: int = GROUP_SIZE) -> Int4Linear:
+        """The W4A16 form of one of layers/fp8.py's LINEARS, quantized at load by
+        `quantize_int4` (scales in the weight's dtype): its local shard, with its bias as it
+        adds it and its tensor-parallel duties. A row-parallel shard's K must be whole groups
+        (the ranks' groups then are the whole weight's); ValueError otherwise."""
+        weight, bias, tp, kw = shard_of(linear)
+        n, k = weight.shape
+        if "reduce_results" in kw and tp.world_size > 1 and k % group_size:
+            raise ValueError(f"int4 with tensor parallelism {tp.world_size}: a row-parallel "
+                             f"linear's {k} inputs a rank are not whole groups of "
+                             f"{group_size}")
+        packed, scale = quantize_int4(weight.detach(), group_size, weight.dtype)
+        bias = None if bias is None else bias.detach().clone()
+        return cls(packed, scale, k, group_size, bias, tp, **kw)
 
     def _init(self, out_features: int, in_features: int, group_size: int, tp: TPGroup | None,
               gather_output: bool, reduce_results: bool) -> None:

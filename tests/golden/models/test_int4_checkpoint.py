@@ -198,7 +198,7 @@ def test_refusals(int4_dirs: dict[str, Path], tmp_path: Path) -> None:
 
 
 def test_export_writes_the_layout(int4_dirs: dict[str, Path], tmp_path: Path) -> None:
-    """models/int4_export.py (what ar_offline --quantization int4 measures) writes the tensors
+    """models/int4_export.py (a float checkpoint written again as W4A16) writes the tensors
     and config this test's writer does, and the folder loads."""
     from omnistage.models.int4_export import export_w4a16
 

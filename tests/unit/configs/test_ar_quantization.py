@@ -44,11 +44,11 @@ def test_forms_name_the_stage_model(text: str, component: str | None,
      "ar.quantization.text_encoder: this AR stage loads the transformer"),
     ('quantization: "gguf:/m.gguf"', None,
      r"ar.quantization.transformer: gguf:/m.gguf is not applied to an AR model \(supported: "
-     r"fp8, int8\)"),
+     r"fp8, int8, int4\)"),
     ("quantization: {transformer: fp8, thinker: int8}", "qwen3_omni_thinker",
      "transformer and thinker both name this stage's model"),
-    ("quantization: {thinker: int4}", "qwen3_omni_thinker",
-     r"stages\[0\].ar.quantization.thinker: 'int4' is not one of"),
+    ("quantization: {thinker: int2}", "qwen3_omni_thinker",
+     r"stages\[0\].ar.quantization.thinker: 'int2' is not one of"),
 ])
 def test_refused_with_the_path(text: str, component: str | None, message: str) -> None:
     with pytest.raises((ConfigError, ValueError), match=message):

@@ -61,7 +61,7 @@ def test_python_forms() -> None:
      "quantization.transformer.file: the gguf method needs the .gguf file"),
     ("quantization: {transformer: {method: int8, file: a.gguf}}",
      "file: only the gguf method reads a file, not int8"),
-    ("quantization: {transformer: {method: int4}}", "method: 'int4' is not one of"),
+    ("quantization: {transformer: {method: int2}}", "method: 'int2' is not one of"),
     ("quantization: unet=int8", "'unet=int8': expected COMPONENT=METHOD with COMPONENT one of"),
     ("quantization: 3", "quantization: expected"),
 ])
