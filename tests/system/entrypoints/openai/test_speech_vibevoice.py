@@ -147,8 +147,9 @@ def test_an_uploaded_voice_and_sse_equal_the_whole(server: Server, clip_wav: byt
 def test_two_requests_at_different_steps_batched(server: Server, root: Path,
                                                  clip_wav: bytes) -> None:
     """A streams; B is sent once A's first audio has arrived; each equals its own reference
-    run (within 1e-3 relative besides: the float32 drift of 40 frames batched with another
-    request, seen at 1.3e-4 on one sample)."""
+    run within 4 LSB and 1e-3 relative: the float32 drift of 40 frames batched with another
+    request, which batches depend on timing (seen at 1.3e-4 on one sample, 1.6e-4 on three of
+    48000 on a loaded machine); a request fed another's state is off by far more."""
     other = "Speaker 3: Good morning to you all."
     ref_a = reference(root, SCRIPT, clip_wav, 40)["audio"].numpy()
     ref_b = reference(root, other, clip_wav, 9)["audio"].numpy()
@@ -174,7 +175,8 @@ def test_two_requests_at_different_steps_batched(server: Server, root: Path,
     for key, ref in (("a", ref_a), ("b", ref_b)):
         wave = decode_audio(got[key], "pcm16", SAMPLE_RATE)[0][0]
         # rtol: float32 drift over A's 40 frames in batches of other shapes
-        np.testing.assert_allclose(wave, ref, atol=LSB, rtol=1e-3, err_msg=key)
+        np.testing.assert_allclose(wave, ref, atol=4 * LSB, rtol=1e-3, err_msg=key)
+        assert np.abs(ref).max() > 0.05                     # an audible reference
 
 
 @pytest.mark.parametrize("body, param", [
