@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from omnistage.configs.quantization import ComponentQuantization
-from omnistage.layers.fp8 import LINEARS, Fp8Linear, is_kept, quantize_fp8
+from omnistage.layers.fp8 import Fp8Linear, quantize_fp8, swap_linears
 from omnistage.layers.int4 import Int4Linear
 from omnistage.layers.int8 import Int8Linear, quantize_int8
 
@@ -73,11 +73,4 @@ def quantize_int4_linears(model: nn.Module, min_features: int, keep: tuple[str, 
     """Swap the linears `quantize_int8` would take for Int4Linear (each rank's shard
     quantized, as fp8 / int8 do); returns the names swapped. The float weights are dropped
     with the layers."""
-    swapped = []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, LINEARS) or is_kept(name, module, keep, min_features):
-            continue
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, Int4Linear.from_linear(module))
-        swapped.append(name)
-    return swapped
+    return swap_linears(model, Int4Linear.from_linear, keep, min_features)

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from omnistage.benchmarks.common import environment, free_device_memory, summary
+from omnistage.benchmarks.speech import collect_audio
 from omnistage.benchmarks.tts import TTSBenchConfig, VOICE, build_and_reference
 from omnistage.utils.device import resolve_device
 
@@ -104,43 +105,21 @@ def build_llm(path: Path, cfg: AgentBenchConfig, device: torch.device) -> Path:
 
 def _requests(engine, prompts: list[str], params: list, tag: str, timeout_s: float = 600.0
               ) -> list[dict]:
-    """Submit all at once; per request: first audio, last text, end-to-end (seconds from its
-    submission) and audio seconds."""
-    from omnistage.payloads import AudioChunk
-
+    """Submit all at once; per request: first audio, the LLM's last text, end to end (seconds
+    from its submission) and audio seconds."""
     events: queue.Queue = queue.Queue()
-    start = {}
+    start, rate = {}, {}
     for i, p in enumerate(prompts):
         rid = f"{tag}-{i}"
         start[rid] = time.perf_counter()
-        engine.submit(p, params, request_id=rid,
-                      sink=lambda ev: events.put((time.perf_counter(), ev)))
-    stats = {rid: {"first_audio_s": None, "last_text_s": None, "e2e_s": None, "samples": 0,
-                   "rate": 24000} for rid in start}
-    deadline = time.monotonic() + timeout_s
-    pending = set(start)
-    while pending:
-        t, ev = events.get(timeout=max(1.0, deadline - time.monotonic()))
-        s = stats[ev.request_id]
-        if ev.error:
-            raise RuntimeError(f"request {ev.request_id} failed: {ev.error}")
-        if ev.stage == "llm" and ev.token_ids:
-            s["last_text_s"] = t - start[ev.request_id]
-        chunk = AudioChunk.unpack(ev.tensors or {})
-        if chunk is not None and chunk.sample_rate:
-            s["rate"] = chunk.sample_rate
-        if chunk is not None and chunk.samples is not None and chunk.samples.numel():
-            s["samples"] += chunk.samples.numel()
-            if s["first_audio_s"] is None:
-                s["first_audio_s"] = t - start[ev.request_id]
-        if ev.done:
-            s["e2e_s"] = t - start[ev.request_id]
-            pending.discard(ev.request_id)
-    return list(stats.values())
+        out = engine.submit(p, params, request_id=rid,
+                            sink=lambda ev: events.put((time.perf_counter(), ev)))
+        rate[rid] = out.sample_rate
+    return collect_audio(events, start, rate, timeout_s, text_stage="llm")
 
 
 def _row(stats: list[dict], makespan: float) -> dict:
-    audio = [s["samples"] / s["rate"] for s in stats]
+    audio = [s["audio_s"] for s in stats]
     firsts = [s["first_audio_s"] for s in stats if s["first_audio_s"] is not None]
     return {"requests": len(stats), "makespan_s": makespan, "first_audio_s": summary(firsts),
             "last_text_s": summary([s["last_text_s"] for s in stats if s["last_text_s"]]),

@@ -169,13 +169,24 @@ def run_requests(omni, n: int, params: list, tag: str, timeout_s: float = 600.0
                                  output_modalities={"audio"},
                                  sink=lambda ev: events.put((time.perf_counter(), ev)))
         rate[rid] = out.sample_rate
-    stats = {rid: {"first_audio_s": None, "e2e_s": None, "samples": 0} for rid in start}
+    return collect_audio(events, start, rate, timeout_s)
+
+
+def collect_audio(events: queue.Queue, start: dict[str, float], rate: dict[str, int | None],
+                  timeout_s: float, text_stage: str | None = None) -> list[dict[str, float]]:
+    """Read the submitted requests' (time, event) pairs from `events` until each is done; per
+    request: first audio and end to end (from `start`), seconds of audio (at `rate`, or the
+    rate its chunks report), and with `text_stage` the time of that stage's last tokens."""
+    stats = {rid: {"first_audio_s": None, "e2e_s": None, "samples": 0,
+                   **({"last_text_s": None} if text_stage else {})} for rid in start}
     pending, deadline = set(start), time.monotonic() + timeout_s
     while pending:
         t, ev = events.get(timeout=max(1.0, deadline - time.monotonic()))
         s = stats[ev.request_id]
         if ev.error:
             raise RuntimeError(f"request {ev.request_id} failed: {ev.error}")
+        if text_stage is not None and ev.stage == text_stage and ev.token_ids:
+            s["last_text_s"] = t - start[ev.request_id]
         chunk = AudioChunk.unpack(ev.tensors or {})
         if chunk is not None and chunk.sample_rate:
             rate[ev.request_id] = chunk.sample_rate

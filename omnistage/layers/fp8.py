@@ -33,6 +33,7 @@ has a `_scaled_mm` for e4m3 with the same semantics).
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -175,11 +176,18 @@ def quantize_fp8(model: nn.Module, min_features: int = MIN_FEATURES,
         raise ValueError(f"{type(model).__name__} has no FP8 policy (fp8_keep): it runs "
                          "without quantization")
     check_fp8_device(next(model.parameters()).device, allow_cpu)
+    return swap_linears(model, Fp8Linear.from_linear, keep, min_features)
+
+
+def swap_linears(model: nn.Module, make: Callable[[nn.Module], nn.Module],
+                 keep: tuple[str, ...], min_features: int) -> list[str]:
+    """Replace every one of `LINEARS` in `model` that `is_kept` does not keep by `make(it)`,
+    in place; returns the names replaced (the old layers, and their weights, dropped)."""
     swapped = []
     for name, module in list(model.named_modules()):
         if not isinstance(module, LINEARS) or is_kept(name, module, keep, min_features):
             continue
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, Fp8Linear.from_linear(module))
+        setattr(model.get_submodule(parent), child, make(module))
         swapped.append(name)
     return swapped

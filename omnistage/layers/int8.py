@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.layers.fp8 import LINEARS, MIN_FEATURES, is_kept, shard_of
+from omnistage.layers.fp8 import MIN_FEATURES, shard_of, swap_linears
 from omnistage.layers.parallel import (TPGroup, all_gather_last, all_reduce)
 
 INT8_MAX = 127.0
@@ -90,11 +90,4 @@ def quantize_int8(model: nn.Module, min_features: int = MIN_FEATURES,
     which; `keep`, when given, instead of the model's `fp8_keep`); returns the names swapped.
     The bf16 / fp32 weights are dropped with the layers."""
     keep = getattr(model, "fp8_keep", ()) if keep is None else keep
-    swapped = []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, LINEARS) or is_kept(name, module, keep, min_features):
-            continue
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, Int8Linear.from_linear(module))
-        swapped.append(name)
-    return swapped
+    return swap_linears(model, Int8Linear.from_linear, keep, min_features)

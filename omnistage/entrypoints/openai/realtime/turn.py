@@ -85,12 +85,6 @@ def silero_settings(vad: ServerVad | SemanticVad) -> tuple[float, int, int]:
 # -- the score ------------------------------------------------------------------------------
 
 class TurnScorer(Protocol):
-    async def _last(self, request: Any) -> Any:
-        last = None
-        async for out in self.client.generate([request]):
-            last = out
-        return last
-
     async def score(self, messages: list[dict[str, Any]], audio: np.ndarray) -> float | None:
         """The probability that the user is done, after the conversation's `messages` and
         the user's `audio` (float32 at LISTEN_RATE) in an open turn; None: no score."""
@@ -99,12 +93,6 @@ class TurnScorer(Protocol):
 
 class SilenceOnly:
     """No score: silence alone ends a turn, at the eagerness's max wait."""
-
-    async def _last(self, request: Any) -> Any:
-        last = None
-        async for out in self.client.generate([request]):
-            last = out
-        return last
 
     async def score(self, messages: list[dict[str, Any]], audio: np.ndarray) -> float | None:
         return None
