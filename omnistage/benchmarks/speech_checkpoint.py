@@ -203,15 +203,7 @@ def _cosyvoice3_onnx(folder: Path, spk_dim: int) -> None:
     """tests/helpers/cosyvoice3.py's ONNX stand-ins, the speaker's width the release's."""
     from tests.helpers import cosyvoice3 as tiny
 
-    torch.manual_seed(5)
-    tok, spk = tiny._SpeechTokenizer().eval(), tiny._Speaker(spk_dim).eval()
-    torch.onnx.export(tok, (torch.randn(1, 128, 40), torch.tensor([40], dtype=torch.int32)),
-                      folder / "speech_tokenizer_v3.onnx", input_names=["feats", "feats_length"],
-                      output_names=["tokens"], dynamic_axes={"feats": {2: "T"}, "tokens": {1: "N"}},
-                      dynamo=False)
-    torch.onnx.export(spk, (torch.randn(1, 40, 80),), folder / "campplus.onnx",
-                      input_names=["input"], output_names=["embedding"],
-                      dynamic_axes={"input": {1: "T"}}, dynamo=False)
+    tiny.write_onnx(folder, spk_dim)
 
 
 # ---- Voxtral-TTS ---------------------------------------------------------------------------

@@ -182,9 +182,12 @@ class _Speaker(torch.nn.Module):
         return self.proj(torch.tanh(x)).mean(dim=1)
 
 
-def write_onnx(folder: Path) -> None:
+def write_onnx(folder: Path, spk_dim: int | None = None) -> None:
+    """The two ONNX stand-ins (speech tokenizer, speaker embedding of `spk_dim`, default the
+    tiny flow's)."""
     torch.manual_seed(5)
-    tok, spk = _SpeechTokenizer().eval(), _Speaker(manifest()["flow"]["spk_embed_dim"]).eval()
+    tok = _SpeechTokenizer().eval()
+    spk = _Speaker(spk_dim or manifest()["flow"]["spk_embed_dim"]).eval()
     torch.onnx.export(tok, (torch.randn(1, 128, 40), torch.tensor([40], dtype=torch.int32)),
                       folder / "speech_tokenizer_v3.onnx", input_names=["feats", "feats_length"],
                       output_names=["tokens"], dynamic_axes={"feats": {2: "T"}, "tokens": {1: "N"}},
