@@ -152,3 +152,45 @@ def stack_padded(tensors: list[torch.Tensor], rows: int, length: int) -> torch.T
     for i, t in enumerate(tensors):
         out[i, :t.shape[0]] = t
     return out
+
+
+class RowGraphs:
+    """`fn(*rows)` replayed from CUDA graphs, one per batch-size bucket (`graph_batch_sizes`):
+    every argument a tensor whose first dimension is the batch, the output one such tensor.
+    A call of B rows copies them into the first B rows of static buffers, replays the smallest
+    bucket of at least B and returns a copy of the first B rows of the output; padding rows
+    keep whatever they held (their output is dropped), so fn must compute each row from that
+    row alone (no reduction over the batch) and read nothing else but parameters. For a
+    model's per-frame head (Moshi's depth transformer, Voxtral-TTS's flow head): tens of small
+    kernels a row-batch, which eagerly cost more host time than the GPU spends on them."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], examples: tuple[torch.Tensor, ...],
+                 max_batch: int) -> None:
+        self.fn = fn
+        self.sizes = graph_batch_sizes(max_batch)
+        n = self.sizes[-1]
+        self.inputs = [torch.zeros(n, *x.shape[1:], dtype=x.dtype, device=x.device)
+                       for x in examples]
+        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
+        self.pool: tuple[int, int] | None = None
+        self.num_replays = 0
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Every bucket, largest first (its pool then holds the smaller ones)."""
+        for bs in reversed(self.sizes):
+            graph, out = capture_graph(lambda bs=bs: self.fn(*(x[:bs] for x in self.inputs)),
+                                       self.pool)
+            if self.pool is None:
+                self.pool = graph.pool()                              # type: ignore[attr-defined]
+            self.graphs[bs] = (graph, out)
+
+    def __call__(self, *rows: torch.Tensor) -> torch.Tensor:
+        b = rows[0].shape[0]
+        bs = next(s for s in self.sizes if s >= b)
+        for buf, x in zip(self.inputs, rows, strict=True):
+            buf[:b].copy_(x)
+        graph, out = self.graphs[bs]
+        graph.replay()                                                # type: ignore[attr-defined]
+        self.num_replays += 1
+        return out[:b].clone()

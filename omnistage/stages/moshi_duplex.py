@@ -37,8 +37,7 @@ from torch import Tensor
 from omnistage.ar.engine import AREngine
 from omnistage.ar.inputs import StreamInput
 from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig
-from omnistage.layers.graph_capture import graph_batch_sizes
-from omnistage.models.moshi.depth import DepthGraphs
+from omnistage.layers.graph_capture import RowGraphs, graph_batch_sizes
 from omnistage.models.moshi.engine_model import MoshiStepLM
 from omnistage.models.moshi.mimi import MimiModel
 from omnistage.models.moshi.mimi_batch import MimiStreams, StreamGraphs
@@ -113,7 +112,11 @@ class MoshiDuplex:
         codes = torch.zeros(1, k, 1, dtype=torch.long, device=self.device)
         encode = StreamGraphs(self.streams.encode, sizes, self.streams.scratch, wav)
         decode = StreamGraphs(self.streams.decode, sizes, self.streams.scratch, codes)
-        depth = DepthGraphs(self.model.depth_decoder, self.max_sessions, self.device, dt)
+        hidden = torch.zeros(1, self.model.depth_decoder.cfg.input_size, dtype=dt,
+                             device=self.device)
+        text = torch.zeros(1, dtype=torch.long, device=self.device)
+        depth = RowGraphs(self.model.depth_decoder.run_codebooks, (hidden, text),
+                          self.max_sessions)
         for graphs in (encode, decode, depth):
             graphs.capture_all()
         self.encode_graphs, self.decode_graphs = self._encode, self._decode = encode, decode

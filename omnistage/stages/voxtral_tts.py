@@ -19,6 +19,7 @@ has no encoder weights.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,9 +27,12 @@ import torch
 
 from omnistage.configs.schema import StageConfig
 from omnistage.errors import InputError
+from omnistage.layers.graph_capture import RowGraphs
 from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen3_omni.talker import FRAME_CODES
-from omnistage.models.voxtral_tts.model import CFG_ALPHA, VoxtralTTSForCausalLM
+from omnistage.models.voxtral_tts.head import VoxtralFlowHead
+from omnistage.models.voxtral_tts.model import CFG_ALPHA, DEFAULT_CFG_ALPHA, \
+    VoxtralTTSForCausalLM
 from omnistage.models.voxtral_tts.tekken import Tekken
 from omnistage.payloads import CodecFrames, Payload
 from omnistage.registry import SpeechSpec
@@ -40,6 +44,8 @@ TOKENIZER = "tekken.json"
 VOICES = "voice_embedding"
 DEFAULT_VOICE = "cheerful_female"       # vLLM-Omni's when none is named
 SAMPLE_RATE = 24000
+
+logger = logging.getLogger(__name__)
 
 
 def preset_voices(path: str | Path) -> tuple[str, ...]:
@@ -56,8 +62,11 @@ def speech_spec(path: str | Path) -> SpeechSpec:
 
 @dataclass(frozen=True, slots=True)
 class VoxtralTTSOptions:
-    """The stage's `ar.options`: cfg_alpha, the head's classifier-free guidance."""
+    """The stage's `ar.options`: cfg_alpha, the head's classifier-free guidance;
+    head_cuda_graphs: on CUDA, replay the head's frame (7 guided Euler steps through its
+    transformer) as one CUDA graph per batch-size bucket (checked against eager at start-up)."""
     cfg_alpha: float = 1.2
+    head_cuda_graphs: bool = True
 
 
 def _load(path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple:
@@ -80,6 +89,12 @@ class VoxtralTTSStage(ARStage):
     @property
     def model(self) -> VoxtralTTSForCausalLM:
         return self.engine.model
+
+    def prepare(self) -> None:
+        if (self.engine.device.type == "cuda" and not self.stage.ar.enforce_eager
+                and self.options.head_cuda_graphs):
+            self.model.head_graphs = head_graphs(self.model.head, self.stage.ar.max_num_seqs,
+                                                 self.engine.device, self.engine.dtype)
 
     def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
         """Every decode is fed embeddings (the frame's packed embedding)."""
@@ -123,6 +138,27 @@ class VoxtralTTSStage(ARStage):
                                      else CodecFrames(codes.reshape(1, -1).cpu()))
             results.append(result)
         return results
+
+
+@torch.inference_mode()
+def head_graphs(head: VoxtralFlowHead, max_batch: int, device: torch.device,
+                dtype: torch.dtype) -> RowGraphs | None:
+    """The head's CUDA graphs, if a frame of 2 rows replayed through them equals the eager
+    run, every bucket then captured; otherwise None, and the head runs eagerly."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(2, head.cfg.input_dim, device=device, generator=gen).to(dtype)
+    alpha = torch.full((2,), DEFAULT_CFG_ALPHA, device=device, dtype=dtype)
+    noise = torch.randn(2, head.cfg.n_acoustic_codebook, device=device, generator=gen).to(dtype)
+    graphs = RowGraphs(head, (h, alpha, noise), max_batch)
+    try:
+        graphs.capture_all()
+        eager, replayed = head(h, alpha, noise), graphs(h, alpha, noise)
+        if not torch.equal(eager, replayed):
+            raise RuntimeError(f"frames differ: {eager.tolist()} vs {replayed.tolist()}")
+    except Exception as exc:   # capture not possible here: keep the eager path
+        logger.warning("the Voxtral-TTS head runs without CUDA graphs: %s", exc)
+        return None
+    return graphs
 
 
 def build_stage(stage: StageConfig, model: str, device: str) -> ARStage:

@@ -6,9 +6,9 @@ matrix per codebook, checkpoint shape (K, out, in)) and no rope:
     pos 0:  text_embed_tokens[text]      + input_projections[0] @ h  -> lm_heads[0] -> code 0
     pos k:  embed_tokens[k - 1][code k-1] + input_projections[k] @ h -> lm_heads[k] -> code k
 
-Greedy (argmax), as transformers' `generate` runs it inside Moshi's. On CUDA, `DepthGraphs`
-replays `generate` (K codebooks x layers of small launches) as one graph per batch-size bucket
-(`graphs`, set by the duplex stage when asked).
+Greedy (argmax), as transformers' `generate` runs it inside Moshi's. On CUDA, `graphs` (a
+`RowGraphs` of `run_codebooks`, set by the duplex stage when asked) replays `generate` (K
+codebooks x layers of small launches) as one graph per batch-size bucket.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class MoshiDepthDecoder(nn.Module):
         self.input_projections = FlexibleLinear(cfg.input_size, cfg.hidden_size, n)
         self.layers = nn.ModuleList(DepthLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.lm_heads = FlexibleLinear(cfg.hidden_size, cfg.audio_vocab_size, n)
-        self.graphs: DepthGraphs | None = None
+        self.graphs: graph_capture.RowGraphs | None = None
 
     def step(self, hidden: Tensor, k: int, token: Tensor, caches: list[list[Tensor]]) -> Tensor:
         """Logits (B, audio_vocab) of code k, given the token before it (the text token for
@@ -121,7 +121,7 @@ class MoshiDepthDecoder(nn.Module):
     def generate(self, hidden: Tensor, text: Tensor) -> Tensor:
         """Greedy codes (B, K) of one frame: hidden (B, input_size), text token (B,)."""
         if self.graphs is not None and hidden.shape[0] <= self.graphs.sizes[-1]:
-            return self.graphs.run(hidden, text)
+            return self.graphs(hidden, text)
         return self.run_codebooks(hidden, text)
 
     def run_codebooks(self, hidden: Tensor, text: Tensor) -> Tensor:
@@ -132,42 +132,3 @@ class MoshiDepthDecoder(nn.Module):
             token = self.step(hidden, k, token, caches).argmax(-1)
             codes.append(token)
         return torch.stack(codes, dim=1)
-
-
-class DepthGraphs:
-    """CUDA graphs of `MoshiDepthDecoder.run_codebooks`, one per batch-size bucket, over static
-    input buffers, all captured by `capture_all`. A frame of B rows is copied into the first B
-    rows of the buffers, the bucket's graph replays, and a copy of the first B rows of its
-    codes comes back; padding rows keep whatever they held (their codes are dropped). The
-    graph is pure (no state), so a capture's warm-up changes nothing."""
-
-    def __init__(self, depth: MoshiDepthDecoder, max_batch: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        self.depth = depth
-        self.sizes = graph_capture.graph_batch_sizes(max_batch)
-        n = self.sizes[-1]
-        self.hidden = torch.zeros(n, depth.cfg.input_size, dtype=dtype, device=device)
-        self.text = torch.zeros(n, dtype=torch.long, device=device)
-        self.graphs: dict[int, tuple[object, Tensor]] = {}
-        self.pool: tuple[int, int] | None = None
-        self.num_replays = 0
-
-    @torch.inference_mode()
-    def capture_all(self) -> None:
-        for bs in reversed(self.sizes):
-            graph, codes = graph_capture.capture_graph(
-                lambda bs=bs: self.depth.run_codebooks(self.hidden[:bs], self.text[:bs]),
-                self.pool)
-            if self.pool is None:
-                self.pool = graph.pool()                              # type: ignore[attr-defined]
-            self.graphs[bs] = (graph, codes)
-
-    def run(self, hidden: Tensor, text: Tensor) -> Tensor:
-        b = hidden.shape[0]
-        bs = next(s for s in self.sizes if s >= b)
-        self.hidden[:b].copy_(hidden)
-        self.text[:b].copy_(text)
-        graph, codes = self.graphs[bs]
-        graph.replay()                                                # type: ignore[attr-defined]
-        self.num_replays += 1
-        return codes[:b].clone()

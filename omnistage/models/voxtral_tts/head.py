@@ -129,7 +129,8 @@ class VoxtralFlowHead(nn.Module):
         before the +2 shift, so they read 2, as vLLM-Omni's do."""
         sem = self.semantic(h)
         ac = self.acoustic(h, cfg_alpha, noise)
-        ac[sem == END_AUDIO] = EMPTY_AUDIO          # then shifted like the rest, as upstream
+        ac = torch.where((sem == END_AUDIO)[:, None], EMPTY_AUDIO, ac)   # then shifted like
+        # the rest, as upstream (a where, not a masked store: no host sync, so it graphs)
         return torch.cat([sem[:, None], ac + N_SPECIALS], dim=1)
 
 

@@ -8,7 +8,9 @@ generation head in the per-step feedback hook.
     feedback the head on each row's last hidden state (noise from the request's seeded
              generator, or the global one; cfg_alpha from SamplingParams.extra, default 1.2)
              -> the frame (37 codes, +2 specials) as the step's extra; the next position is
-             fed the frame's packed embedding
+             fed the frame's packed embedding. On CUDA the stage sets `head_graphs`: the
+             head's 7 guided Euler steps (hundreds of small kernels a frame) replayed as one
+             graph per batch-size bucket
 The [END_AUDIO] frame is not audio: its extras are dropped with the last token
 (`keeps_last_extras` False)."""
 
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from omnistage.layers.graph_capture import RowGraphs
 from omnistage.models.causal_lm import CausalLM
 from omnistage.models.config import ModelConfig
 from omnistage.models.qwen2 import Qwen2Model
@@ -40,6 +43,7 @@ class VoxtralTTSForCausalLM(CausalLM):
         super().__init__()
         self.model, self.head, self.audio_embedding, self.cfg = model, head, audio, cfg
         self.audio_token_id = head.cfg.audio_token_id
+        self.head_graphs: RowGraphs | None = None    # the head's CUDA graphs (the stage's)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, device: str = "cpu",
@@ -99,8 +103,10 @@ class VoxtralTTSForCausalLM(CausalLM):
                                          device=last.device) for s in seqs])
         alpha = torch.tensor([float(s.sampling_params.extra.get(CFG_ALPHA, DEFAULT_CFG_ALPHA))
                               for s in seqs], device=last.device)
-        frames = self.head(last, alpha, noise.to(last.dtype))
-        extras = [{FRAME_CODES: f.cpu()} for f in frames]
+        run = self.head if self.head_graphs is None or len(seqs) > self.head_graphs.sizes[-1] \
+            else self.head_graphs
+        frames = run(last, alpha.to(last.dtype), noise.to(last.dtype))
+        extras = [{FRAME_CODES: f} for f in frames.cpu()]          # one copy to the host
         return self.audio_embedding(frames).to(last.dtype), extras
 
 

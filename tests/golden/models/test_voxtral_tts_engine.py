@@ -15,10 +15,13 @@ from safetensors.torch import load_file, save_file
 
 from omnistage.ar.engine import AREngine
 from omnistage.configs.schema import ARConfig, KVCacheConfig
+from omnistage.layers import graph_capture
 from omnistage.models.mimo_audio.model import dense_forward
 from omnistage.models.qwen3_omni.talker import FRAME_CODES
 from omnistage.models.voxtral_tts.model import CFG_ALPHA, VoxtralTTSForCausalLM
 from omnistage.sampling_params import SamplingParams
+from omnistage.stages.voxtral_tts import head_graphs
+from omnistage.testing.graph_emulation import rerun_capture
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "voxtral_tts" / "tiny"
 STEPS = 5
@@ -70,13 +73,21 @@ def _loop(model: VoxtralTTSForCausalLM, prompt: torch.Tensor, seed: int, alpha: 
     return frames
 
 
-def test_engine_frames_equal_the_plain_loop(folder: Path) -> None:
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_frames_equal_the_plain_loop(folder: Path, graphs: bool, monkeypatch) -> None:
+    """graphs: the head replayed through the stage's RowGraphs (captures emulated on the CPU:
+    `rerun_capture` reruns the captured function on the static buffers, so the rows' copy in,
+    the bucket's padding and the copy out are what is tested)."""
     def load(path, device, dtype):
         model = VoxtralTTSForCausalLM.from_pretrained(path, device)
         return model, model.model_config, None
     engine = AREngine(ARConfig(model=str(folder), device="cpu", dtype="float32",
                                kv_cache=KVCacheConfig(block_size=4)), loader=load)
     model = engine.model
+    if graphs:
+        monkeypatch.setattr(graph_capture, "capture_graph", rerun_capture)
+        model.head_graphs = head_graphs(model.head, 3, torch.device("cpu"), torch.float32)
+        assert model.head_graphs is not None and sorted(model.head_graphs.graphs) == [1, 2, 3]
     prompt = _prompt(model)
     runs = {"a": (7, 1.2), "b": (8, 2.0)}
     for rid, (seed, alpha) in runs.items():
@@ -94,3 +105,5 @@ def test_engine_frames_equal_the_plain_loop(folder: Path) -> None:
         assert len(want) >= STEPS - 1 and len({tuple(f) for f in want}) > 1
         assert got[rid] == want[: len(got[rid])] and len(got[rid]) >= STEPS - 1
     assert got["a"] != got["b"]
+    if graphs:
+        assert model.head_graphs.num_replays >= STEPS - 1
