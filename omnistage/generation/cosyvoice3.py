@@ -31,6 +31,7 @@ builds HiFT), the flow's noise upstream's fixed buffer (seed 0).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from omnistage.diffusion.pipelines.cosyvoice3 import CloneInput, fixed_noise, to
 from omnistage.models.cosyvoice3.hift import SourceNoise
 from omnistage.models.cosyvoice3.model import CosyVoice3
 from omnistage.payloads import SAMPLE_RATE, AudioChunk, Payload, TokenDelta, VoicePrompt
+from omnistage.utils import trace
 
 # per-request state, not payloads
 _TOKENS, _VOICE, _OFFSET, _HOP, _MEL, _SENT, _CLOSED, _DONE = (
@@ -136,8 +138,11 @@ class CosyVoice3Generator:
                 state[_DONE] = True
                 out[b] = AudioChunk(torch.zeros(0)).pack()       # nothing spoken: no audio
         if jobs:
+            start = time.time()
             mels = token2mel(self.model.flow, [j.clone for j in jobs], self.noise,
                              self.options.num_steps)
+            trace.span("cosyvoice3.flow", start, rows=len(jobs),
+                       tokens=[int(j.clone.tokens.shape[0]) for j in jobs])
             ratio = self.model.cfg.flow.token_mel_ratio
             for j, mel in zip(jobs, mels):
                 out[j.index] = AudioChunk(self._emit(states[j.index], j,
@@ -200,8 +205,11 @@ class CosyVoice3Generator:
         h = self.model.cfg.hift
         noise = SourceNoise.seeded(self.options.noise_seed, mel.shape[0] * self.hop,
                                    h.nb_harmonics + 1)
+        start = time.time()
         wave, _ = self.model.hift(mel.T[None], noise, finalize)
-        return wave.reshape(-1).float().cpu()
+        wave = wave.reshape(-1).float().cpu()
+        trace.span("cosyvoice3.hift", start, frames=int(mel.shape[0]))
+        return wave
 
 
 def _take(x: dict[str, Tensor], state: dict) -> None:

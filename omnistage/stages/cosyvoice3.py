@@ -21,6 +21,7 @@ be drawn within min_len (upstream's torch path then ends the utterance there).
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from omnistage.registry import SpeechSpec
 from omnistage.stages.ar import ARStage
 from omnistage.stages.interface import StageRequest, StageResult
 from omnistage.stages.voice import requested_voice
+from omnistage.utils import trace
 from omnistage.utils.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 
 VOICE_OPTIONS = ("instructions", "language", "ref_audio", "ref_text")
@@ -102,12 +104,14 @@ class CosyVoice3LMStage(ARStage):
         if extra.get("ref_audio") is None:
             raise InputError("ref_audio: CosyVoice3 clones a voice from a reference clip "
                              "(ref_audio, or an uploaded voice)", param="ref_audio")
+        start = time.time()
         try:
             clip = self.builder.clip(*reference_clip(extra["ref_audio"]))
             prompt = self.builder.build(request.prompt or "", clip, extra.get("ref_text"),
                                         extra.get("instructions"))
         except ValueError as exc:
             raise _input_error(exc) from None
+        trace.span("cosyvoice3.prompt", start, request=request.request_id)
         lm: CosyVoice3LM = self.engine.model
         cap = prompt.max_tokens if params.max_tokens is None else min(params.max_tokens,
                                                                      prompt.max_tokens)
