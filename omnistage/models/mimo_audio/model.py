@@ -200,37 +200,53 @@ class MiMoAudioForCausalLM(CausalLM):
     @torch.no_grad()
     def feedback(self, last: Tensor, text_ids: Tensor, seqs: list) -> tuple[Tensor, list]:
         """After the engine sampled each row's text id: a speech id (<|empty|>) runs the patch
-        decoder on the row's hidden state; the new patch (text id + audio ids) through the
-        patch encoder is what the next position is fed. -> (B, hidden) embeddings and per row
-        {FRAME_CODES: (group_size, channels) audio ids} (None for a text patch)."""
-        cfg, g = self.cfg, self.cfg.group_size
-        empties = torch.tensor(cfg.empty_ids, device=last.device).expand(g, -1)
-        patches, extras = [], []
-        for h, text, seq in zip(last, text_ids.tolist(), seqs):
-            speech = (self.decode_patch(self.hidden_states_downcast(h), _drawer(seq))
-                      if text == cfg.empty_idx else empties)
-            patches.append(torch.cat([torch.full((g, 1), text, device=last.device), speech], 1))
-            extras.append({FRAME_CODES: speech.cpu()} if text == cfg.empty_idx else None)
-        return self.patch_embeds(torch.stack(patches)).to(last.dtype), extras
+        decoder on the row's hidden state (every such row of the step in one batch); the new
+        patch (text id + audio ids) through the patch encoder is what the next position is
+        fed. -> (B, hidden) embeddings and per row {FRAME_CODES: (group_size, channels) audio
+        ids} (None for a text patch)."""
+        cfg, g, dev = self.cfg, self.cfg.group_size, last.device
+        texts = text_ids.tolist()
+        rows = [i for i, text in enumerate(texts) if text == cfg.empty_idx]
+        speech = torch.tensor(cfg.empty_ids, device=dev).expand(len(texts), g, -1).clone()
+        extras: list = [None] * len(texts)
+        if rows:
+            picked = torch.tensor(rows, device=dev)
+            decoded = self.decode_patches(self.hidden_states_downcast(last[picked]),
+                                          [_drawer(seqs[i]) for i in rows])
+            speech[picked] = decoded
+            for i, codes in zip(rows, decoded.cpu()):               # one copy to the host
+                extras[i] = {FRAME_CODES: codes}
+        patches = torch.cat([text_ids.to(dev).view(-1, 1, 1).expand(-1, g, 1), speech], 2)
+        return self.patch_embeds(patches).to(last.dtype), extras
 
     def decode_patch(self, x: Tensor, draw: Callable[[Tensor], Tensor] | None = None
                      ) -> Tensor:
         """x (hidden_local,) the downcast LLM state -> one patch's audio ids with upstream's
         delay pattern: (group_size, channels). draw: logits (V,) -> id; None: greedy."""
+        return self.decode_patches(x[None], [draw])[0]
+
+    def decode_patches(self, x: Tensor, draws: list[Callable[[Tensor], Tensor] | None]
+                       ) -> Tensor:
+        """`decode_patch` of B rows at once: x (B, hidden_local), draws[b] row b's draw ->
+        (B, group_size, channels). Rows never mix (independent sequences through the local
+        transformer, each row's logits drawn by its own draw, in the same order as alone)."""
         cfg, g = self.cfg, self.cfg.group_size
-        tokens = torch.zeros(g, cfg.audio_channels, dtype=torch.long, device=x.device)
+        b = x.shape[0]
+        tokens = torch.zeros(b, g, cfg.audio_channels, dtype=torch.long, device=x.device)
         rows = [x]
+        greedy = all(d is None for d in draws)
         for t in range(g + max(cfg.delays)):
-            h = dense_forward(self.local_transformer, torch.stack(rows)[None])[0, -1]
+            h = dense_forward(self.local_transformer, torch.stack(rows, 1))[:, -1]   # (B, D)
             nxt = torch.zeros_like(x)
             for c, delay in enumerate(cfg.delays):
                 if not delay <= t < delay + g:
                     continue
-                logits = self.local_transformer_lm_heads[c](h).float()
-                logits[cfg.empty_ids[c]] = float("-inf")
-                tok = logits.argmax() if draw is None else draw(logits)
-                tokens[t - delay, c] = tok
-                e = self.speech_embeddings[c](tok[None])[0]
+                logits = self.local_transformer_lm_heads[c](h).float()          # (B, V)
+                logits[:, cfg.empty_ids[c]] = float("-inf")
+                tok = logits.argmax(-1) if greedy else torch.stack(
+                    [row.argmax() if d is None else d(row) for row, d in zip(logits, draws)])
+                tokens[:, t - delay, c] = tok
+                e = self.speech_embeddings[c](tok)
                 nxt = nxt + (e if self.speech_embeddings_to_local is None
                              else self.speech_embeddings_to_local(e))
             rows.append(nxt)

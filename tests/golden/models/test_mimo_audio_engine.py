@@ -94,3 +94,28 @@ def test_sampling_is_seeded_and_differs_from_greedy(fx: dict, engine: AREngine,
     x, y, z = (_patches(got[k], cfg) for k in "xyz")
     assert x == y != z
     assert x != fx["speak"][:len(x)]
+
+
+def test_patches_decoded_together_equal_each_alone(engine: AREngine) -> None:
+    """The feedback hook decodes every speech row of a step in one batch: each row's audio
+    ids equal its own decode, greedy and with seeded draws (and a mix of both in one batch)."""
+    from omnistage.models.mimo_audio.model import _drawer
+    model = engine.model
+    cfg = model.cfg
+    x = torch.randn(3, model.hidden_states_downcast.weight.shape[0],
+                    generator=torch.Generator().manual_seed(1))
+
+    def seq(temperature: float, seed: int) -> object:
+        class Seq:
+            sampling_params = SamplingParams(temperature=temperature, top_k=5, seed=seed)
+            generator = torch.Generator().manual_seed(seed)
+        return Seq()
+    with torch.no_grad():
+        for temps in ((0.0, 0.0, 0.0), (0.9, 0.0, 1.2)):
+            together = model.decode_patches(x, [_drawer(seq(t, 7 + i))
+                                                for i, t in enumerate(temps)])
+            alone = [model.decode_patch(x[i], _drawer(seq(t, 7 + i)))
+                     for i, t in enumerate(temps)]
+            assert together.shape == (3, cfg.group_size, cfg.audio_channels)
+            assert all(torch.equal(together[i], a) for i, a in enumerate(alone)), temps
+            assert len({tuple(a.flatten().tolist()) for a in alone}) == 3
