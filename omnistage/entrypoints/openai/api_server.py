@@ -158,11 +158,13 @@ def build_app(engine: AsyncOmni, args: ServerConfig | argparse.Namespace) -> Fas
     loras.load_modules(parse_lora_modules(config.lora_modules))
     _add_server_routes(app, client, config, metrics, functools.partial(
         capabilities, client, engine.speech is not None, engine.video is not None, app), loras)
-    _add_generation_routes(app, client, config, media, loras)
+    voices = VoiceStore(Path(config.voices_dir) if config.voices_dir else default_voices_dir(),
+                        engine.speech.voices if engine.speech else ())
+    _add_generation_routes(app, client, config, media, loras,
+                           voices if engine.speech and engine.speech.cloning else None)
     add_lora_routes(app, loras, ERRORS)
-    _add_speech_routes(app, SpeechServing(client, media, engine.speech, VoiceStore(
-        Path(config.voices_dir) if config.voices_dir else default_voices_dir(),
-        engine.speech.voices if engine.speech else ())), config.model_name)
+    _add_speech_routes(app, SpeechServing(client, media, engine.speech, voices),
+                       config.model_name)
     add_video_routes(app, videos)
     if config.enable_playground:
         add_playground(app)
@@ -249,13 +251,14 @@ def _add_server_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
 
 
 def _add_generation_routes(app: FastAPI, client: EngineClient, config: ServerConfig,
-                           media: MediaLoader, loras: LoraAdapters) -> None:
+                           media: MediaLoader, loras: LoraAdapters,
+                           voices: VoiceStore | None = None) -> None:
     """/v1/chat/completions, /v1/completions, /v1/images/generations and /v1/images/edits
     (`model` naming a loaded LoRA adapter chooses it on the chat and image routes)."""
     name = config.model_name
     chat = ChatServing(client, media, name, config.chat_template,
                        config.default_modalities, vllm_omni_answers=config.vllm_omni_answers,
-                       video_limits=config.video_limits)
+                       video_limits=config.video_limits, voices=voices)
     completions = CompletionServing(client, name)
     images = ImageServing(client, media, name, loras=loras)
     add_image_file_routes(app, images.files)

@@ -25,7 +25,9 @@ Prompts are built by chat_prompt.py. Audio from the engine: the audio final stag
 "audio", float in [-1, 1], (num_samples,) or (channels, num_samples), chunk by chunk; its rate
 in tensor "sample_rate" (a scalar) or `DEFAULT_SAMPLE_RATE`. The voice (`audio.voice`, or
 vLLM-Omni's `speaker`) goes to every AR stage as `SamplingParams.extra["speaker"]` (Qwen3-Omni's
-talker reads it; an unknown one is a 400 naming the field it came in).
+talker reads it; an unknown one is a 400 naming the field it came in); on a model that clones
+(registry.SpeechSpec.cloning: MiMo-Audio), an uploaded voice's name goes instead as its clip,
+`ref_audio` and `ref_text` in the entry stage's extra, as /v1/audio/speech sends it.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ from omnistage.entrypoints.openai.streaming import (
     sse_error,
 )
 from omnistage.entrypoints.openai.video_params import VideoLimits
+from omnistage.entrypoints.openai.voices import VoiceStore
 from omnistage.entrypoints.openai.vllm_fields import (
     diffusion_fields,
     refuse_on_text_model,
@@ -128,8 +131,10 @@ class ChatServing:
                  chat_template: str | None = None,
                  default_modalities: tuple[str, ...] = (), *,
                  vllm_omni_answers: bool = False,
-                 video_limits: VideoLimits | None = None) -> None:
+                 video_limits: VideoLimits | None = None,
+                 voices: VoiceStore | None = None) -> None:
         self.client = client
+        self.voices = voices          # a cloning model's uploads: audio.voice may name one
         self.model_name = model_name
         self.prompts = ChatPrompts(client, media, chat_template)
         missing = sorted(set(default_modalities) - client.outputs)
@@ -194,7 +199,9 @@ class ChatServing:
         # image models: the pictures in the last user message make it image-to-image (or an
         # edit); more than the model takes are refused by the engine's checks, naming `image`
         voice = req.audio.voice if req.audio is not None else req.speaker
-        fields = RequestFields(entry, req.sampling_params_list, tuple(images), voice=voice,
+        clone = self.voices.clone_extra(voice) if self.voices and voice else None
+        fields = RequestFields(entry, req.sampling_params_list, tuple(images),
+                               voice=None if clone else voice, entry_extra=clone or {},
                                image_fields="video" in plan.wanted or len(plan.wanted) > 1
                                and "image" in plan.wanted)   # text + image: AR's own defaults
         # a picture's progress shows in a stream as comments

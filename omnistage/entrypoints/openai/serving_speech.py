@@ -166,9 +166,7 @@ class SpeechServing:
         if not spec.cloning:
             raise bad_request(f"{param}: {voice!r} is an uploaded voice, and this model does not "
                               "clone voices", param, "cloning_not_supported")
-        return {"ref_audio": {"samples": stored.samples.astype("<f4").tobytes(),
-                              "sample_rate": stored.sample_rate},
-                "ref_text": stored.transcript}
+        return stored.clip_extra()
 
     async def _clip(self, ref_audio: str, ref_text: str | None, param: str) -> dict[str, Any]:
         """A reference clip sent with the request: base64, or a URL the media policy allows

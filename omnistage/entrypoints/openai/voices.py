@@ -64,6 +64,13 @@ class Voice:
     sample_rate: int
     transcript: str | None
 
+    def clip_extra(self) -> dict[str, Any]:
+        """As a cloning model's SamplingParams.extra: "ref_audio" {samples (float32 bytes),
+        sample_rate} and "ref_text"."""
+        return {"ref_audio": {"samples": self.samples.astype("<f4").tobytes(),
+                              "sample_rate": self.sample_rate},
+                "ref_text": self.transcript}
+
 
 def check_clip(data: bytes, param: str) -> tuple[np.ndarray, int]:
     """Reference audio as a client sent it -> mono float32 and rate; 400 naming `param` when
@@ -142,6 +149,12 @@ class VoiceStore:
         except (OSError, soundfile.LibsndfileError):      # deleted since its json was read
             return None
         return Voice(samples, int(rate), info.get("transcript"))
+
+    def clone_extra(self, name: str) -> dict[str, Any] | None:
+        """An uploaded voice as a cloning model's SamplingParams.extra (registry.SpeechSpec:
+        "ref_audio" {samples, sample_rate}, "ref_text"), or None (a preset, no such upload)."""
+        stored = None if self.is_preset(name) else self.get(name)
+        return None if stored is None else stored.clip_extra()
 
     def add(self, name: str, data: bytes, transcript: str | None) -> VoiceCard:
         """Check and keep an upload (consent is the route's to check)."""
