@@ -37,6 +37,8 @@ from torch import Tensor
 
 from omnistage.diffusion.cfg import GuidedRows, run_branches
 from omnistage.diffusion.pipeline import DiffusionPipeline
+from omnistage.diffusion.pipelines.hunyuan_video15_sr import (HunyuanVideo15Options,
+                                                               SuperResolution)
 from omnistage.diffusion.pipelines.hunyuan_video15_text import PromptEncoder
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion.solvers.flow_match_euler import FlowMatchEulerConfig, make_sigmas
@@ -153,6 +155,8 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
     # CFG-parallel: the prompt rows on CFG rank 0, the negative prompt's on rank 1; Ulysses,
     # ring and TP inside the transformer (models/hunyuan_video15_transformer.py)
     parallel_axes = ("cfg", "ulysses", "ring", "tp")
+    Options = HunyuanVideo15Options
+    sr: SuperResolution | None = None       # options.sr: the super-resolution pass
 
     def __init__(self, transformer: HunyuanVideo15Transformer3DModel,
                  vae: AutoencoderKLHunyuanVideo15, prompt_encoder: PromptEncoder | None,
@@ -164,6 +168,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         self.scheduler, self.guider, self.device = scheduler, guider, device
         self.dtype = transformer.x_embedder.proj.weight.dtype
         self.cfg_ranks = stage_ranks().cfg      # CFG-parallel: branch c runs on rank c
+        self.options = HunyuanVideo15Options()
         self.video = make_spec(vae.cfg.downscale * transformer.cfg.patch_size,
                                vae.cfg.temporal_downscale, transformer.cfg.target_size)
 
@@ -294,6 +299,38 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
 
     def denoisers(self) -> list[torch.nn.Module]:
         return [self.transformer]
+
+    def configure(self, options: HunyuanVideo15Options) -> None:
+        """`sr`: load the super-resolution checkpoints (hunyuan_video15_sr.py) now."""
+        if options.sr:
+            if stage_ranks().world_size > 1:
+                raise ValueError("diffusion.options.sr: the super-resolution pass runs on one "
+                                 "rank (no CFG, sequence or tensor parallel stage)")
+            self.sr = SuperResolution.from_pretrained(
+                options.sr_checkpoint, self.transformer.cfg.target_size, self.device, self.dtype)
+        self.options = options
+
+    def final_latents(self, request: DiffusionRequest) -> Tensor:
+        """The base loop's latents, or with `sr` the super-resolution pass's from them."""
+        if self.sr is None:
+            return request.latents
+        shape = self.sr.target_shape(tuple(request.latents.shape), self.vae.cfg.downscale,
+                                     self.video.size_multiple)
+        extra, image_cond = self.sr_inputs(request, shape)
+        rows = request.latents.shape[0]
+        text, mask = pad_rows([request.cond["prompt_embeds"]] * rows)
+        glyph, glyph_mask = pad_rows([request.cond["prompt_embeds_2"]] * rows)
+        inputs = {"encoder_hidden_states": text, "encoder_attention_mask": mask,
+                  "encoder_hidden_states_2": glyph, "encoder_attention_mask_2": glyph_mask}
+        inputs = {k: v.to(self.device, self.sr.dtype) for k, v in (inputs | extra).items()}
+        return self.sr.refine(request.latents, inputs, request.generator, shape,
+                              self.options.sr_num_inference_steps, image_cond)
+
+    def sr_inputs(self, request: DiffusionRequest, shape: tuple[int, ...]
+                  ) -> tuple[dict[str, Tensor], Tensor | None]:
+        """The SR transformer's further inputs and condition channels at the high-resolution
+        latent `shape`: none for text-to-video (image-to-video: its first frame)."""
+        return {}, None
 
     def decode(self, latents: Tensor, params: DiffusionParams) -> Tensor:
         """-> uint8 (n, F, H, W, 3)."""

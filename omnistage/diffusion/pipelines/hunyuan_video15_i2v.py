@@ -105,6 +105,22 @@ class HunyuanVideo15ImageToVideoPipeline(HunyuanVideo15Pipeline):
         cond["image_embeds"] = inputs.image_embeds[0].to(self.dtype)      # (I, image_dim)
         return latents, sigmas, cond
 
+    @torch.no_grad()
+    def sr_inputs(self, request: DiffusionRequest, shape: tuple[int, ...]
+                  ) -> tuple[dict[str, Tensor], Tensor]:
+        """The super-resolution pass's first frame, as the upstream SR pipeline encodes it
+        again at the high-resolution size: SigLIP tokens, and the VAE latents on frame 0 with
+        the mask."""
+        image = input_image(request.params, None)
+        assert image is not None, "validate refuses a request without an image"
+        n, _, frames, h, w = shape
+        r = self.vae.cfg.downscale
+        inputs = encode_hunyuan_video15_image(self.vae, self.image_encoder,
+                                              self.image_processor, image, h * r, w * r)
+        condition, mask = image_condition(inputs.image_latents, n, frames, torch.float32)
+        embeds = inputs.image_embeds[0][None].expand(n, -1, -1)
+        return {"image_embeds": embeds}, torch.cat([condition, mask], dim=1)
+
     def extra_inputs(self, rows: list[DiffusionRequest]) -> dict[str, Tensor]:
         out = {"image_embeds": torch.stack([r.cond["image_embeds"] for r in rows])}
         if self.transformer.cfg.use_meanflow:
