@@ -377,3 +377,32 @@ if [[ $STAGES == *tp30b* ]]; then
         --reference-requests 1 --thinker-tokens 32 --talker-tokens 50 --concurrency 1,8 \
         --out-dir "$OUT" --name omni_qwen3-omni-real_tp2 2>&1 | tail -20
 fi
+if [[ $STAGES == *t2wq* ]]; then
+    # Qwen2.5-Omni's token2wav with its DiT's block linears quantized (issue 41, option
+    # token2wav.generation.options.dit_quantization): the quantized DiT's GPU tests (tiny
+    # checkpoint: graphed + compiled against eager, SNR against float32), then bench omni
+    # qwen2.5-omni at concurrency 1 / 8 / 32 per mode (T2WQ_MODES, default none fp8 int8),
+    # each with its waveform SNR against the float32 unquantized DiT; the headline of every
+    # mode in $OUT/t2wq_headline.jsonl (at most 9 minutes: alone, STAGES=t2wq)
+    timeout 90 python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" \
+        -q -s tests/gpu/test_token2wav_quant_cuda.py 2>&1 | tee "$OUT/t2wq_tests.txt" \
+        | grep -E " dB|passed|failed|Error" | tail -6
+    for q in ${T2WQ_MODES-none fp8 int8}; do
+        timeout 150 python3 -m omnistage.entrypoints.cli.main bench omni --model qwen2.5-omni \
+            --concurrency 1,8,32 --reference-requests 0 \
+            --stage-override token2wav.generation.options.dit_quantization=$q \
+            --out-dir "$OUT" --name omni25_ditq_$q > "$OUT/t2wq_$q.log" 2>&1
+        python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(json.dumps(
+            {'dit_quantization': sys.argv[2], **d['headline']}))" "$OUT/omni25_ditq_$q.json" \
+            $q 2>/dev/null | tee -a "$OUT/t2wq_headline.jsonl" \
+            || { echo "t2wq $q: no result"; tail -5 "$OUT/t2wq_$q.log"; }
+    done
+    # T2WQ_PROFILE=1 (a call of its own, about 6 minutes: STAGES=t2wq T2WQ_MODES= T2WQ_PROFILE=1):
+    # the DiT's RK4 step alone per mode at 8 and 21 windows, eager, graph and compiled graph
+    # (profile_token2wav), q / k / v fused as the stage runs them
+    for q in ${T2WQ_PROFILE:+none fp8 int8}; do
+        timeout 150 python3 -m omnistage.benchmarks.profile_token2wav --rows 8,21 --iters 10 \
+            --no-vocoder --dit-quantization $q --out "$OUT/profile_t2w_$q.json" 2>&1 \
+            | grep -E "^dit .*graph|Error" | head -6
+    done
+fi

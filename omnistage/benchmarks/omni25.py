@@ -173,25 +173,49 @@ def decode_codes(generator, codes: torch.Tensor, per_call: int = 25) -> torch.Te
     raise RuntimeError("token2wav did not finish")
 
 
-def waveform_error(path: Path, device: torch.device, num_codes: int = 300) -> dict[str, object]:
-    """token2wav's streamed waveform with its DiT in bfloat16 against float32 (the reference's
-    precision), the same codes and noise: SNR in dB (`omni25_waveform_snr_db`), and the
-    reference's RMS so that a silent output cannot pass."""
-    from omnistage.generation.token2wav import Token2WavGenerator, Token2WavOptions
+def token2wav_options(overrides: list[str] | tuple[str, ...]):
+    """The token2wav options the bench's `--stage-override`s give its stage
+    (`token2wav.generation.options.KEY=VALUE`, VALUE YAML), read as the stage reads them."""
+    from omnistage.configs.options import read_options
+    from omnistage.configs.parse import load_yaml
+    from omnistage.generation.token2wav import Token2WavOptions
 
+    prefix, data = "token2wav.generation.options.", {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip().startswith(prefix):
+            data[key.strip().removeprefix(prefix)] = load_yaml(value, key)
+    return read_options(Token2WavOptions, data, "stage 'token2wav': generation.options")
+
+
+def waveform_error(path: Path, device: torch.device, num_codes: int = 300,
+                   overrides: tuple[str, ...] = ()) -> dict[str, object]:
+    """token2wav's streamed waveform as the bench's stage ran it (`overrides`: its DiT in
+    bfloat16 unless they name a dit_dtype, quantized as they say) against float32 and
+    unquantized (the reference's precision), the same codes and noise: SNR in dB
+    (`omni25_waveform_snr_db`), and the reference's RMS so that a silent output cannot pass."""
+    from dataclasses import replace
+
+    from omnistage.generation.token2wav import Token2WavGenerator
+
+    ran = token2wav_options(overrides)
+    ran = replace(ran, dit_dtype="bfloat16") if ran.dit_dtype == "auto" else ran
+    # the reference uncompiled: float32 rounding apart the same, one compile less a run
+    variants = {"reference": replace(ran, dit_dtype="float32", dit_quantization="none",
+                                     compile=False), "ran": ran}
     audio, codes = {}, None
-    for dtype in ("float32", "bfloat16"):
-        generator = Token2WavGenerator.from_pretrained(path, "", device, None,
-                                                       Token2WavOptions(dit_dtype=dtype))
+    for name, options in variants.items():
+        generator = Token2WavGenerator.from_pretrained(path, "", device, None, options)
         if codes is None:
             codes = torch.randint(0, generator.model.cfg.dit.num_embeds, (num_codes,),
                                   generator=torch.Generator().manual_seed(7)).to(device)
-        audio[dtype] = decode_codes(generator, codes)
+        audio[name] = decode_codes(generator, codes)
         del generator
         free_device_memory(device)
-    ref, err = audio["float32"], audio["bfloat16"] - audio["float32"]
+    ref, err = audio["reference"], audio["ran"] - audio["reference"]
     return {"omni25_waveform_snr_db": round(10 * math.log10(ref.pow(2).sum().item()
                                                             / max(err.pow(2).sum().item(), 1e-30)), 2),
+            "dit_dtype": ran.dit_dtype, "dit_quantization": ran.dit_quantization,
             "reference_rms": ref.pow(2).mean().sqrt().item(),
             "max_abs_error": err.abs().max().item(), "samples": ref.numel(),
             "codes": num_codes}
@@ -227,7 +251,8 @@ def run(cfg: OmniBenchConfig) -> dict[str, object]:
         free_device_memory(device)
         ours = bench_ours(path, cfg, device, dtype, overrides=list(cfg.stage_overrides))
         free_device_memory(device)
-        snr = waveform_error(path, device) if cfg.sizes != "tiny" else None
+        snr = waveform_error(path, device, overrides=cfg.stage_overrides) \
+            if cfg.sizes != "tiny" else None
     ratios = audio_ratios(ours["by_concurrency"], hf, cfg.concurrency, "transformers")
     return {
         "benchmark": "omni", "model": "qwen2.5-omni", **environment(device),

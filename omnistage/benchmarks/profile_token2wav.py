@@ -27,9 +27,10 @@ from omnistage.benchmarks.common import environment
 from omnistage.benchmarks.profile_tts import kernel_table
 from omnistage.diffusion.pipeline import compile_blocks, uncompile_blocks
 from omnistage.diffusion.solvers.rk4 import sway_times
-from omnistage.generation.token2wav import Token2WavOptions
+from omnistage.generation.token2wav import Token2WavOptions, quantize_dit
 from omnistage.generation.token2wav_graphs import plan_shapes
 from omnistage.generation.token2wav_stream import Chunking, dit_step
+from omnistage.layers.fp8 import MIN_FEATURES
 from omnistage.layers.graph_capture import ShapeGraphs
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav, Token2WavConfig
 
@@ -189,24 +190,32 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--vocoder-only", action="store_true")
+    p.add_argument("--no-vocoder", action="store_true", help="the DiT's figures only")
+    p.add_argument("--dit-quantization", choices=("none", "fp8", "int8"), default="none",
+                   help="the DiT's block linears quantized (Token2WavOptions.dit_quantization)")
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
     device = torch.device(a.device)
     model = build(device, a.tiny)
     o = Token2WavOptions()
     chunking = Chunking(o.chunk_blocks, o.first_chunk_blocks, o.left_blocks, o.right_blocks)
+    model.dit.fuse_qkv()                            # as the stage: q, k, v in one matmul
     if device.type == "cuda":
         model.dit.compute_in(torch.bfloat16)        # the stage's default on CUDA
+    if a.dit_quantization != "none":
+        quantize_dit(model.dit, a.dit_quantization, 16 if a.tiny else MIN_FEATURES, a.tiny)
     rows = [int(r) for r in a.rows.split(",")]
     result = {"benchmark": "profile_token2wav", **environment(device),
               "dit_dtype": "bfloat16" if device.type == "cuda" else "float32",
+              "dit_quantization": a.dit_quantization,
               "chunking": {"chunk_blocks": o.chunk_blocks, "first": o.first_chunk_blocks,
                            "left": o.left_blocks, "right": o.right_blocks,
                            "block_frames": model.cfg.dit.block_size},
               "dit": None if a.vocoder_only else dit_variants(model, chunking, rows, device, a.iters, not a.no_compile),
               "dit_kernels_rows8": None if a.vocoder_only else dit_kernels(model, chunking, min(8, max(rows)), device),
-              "vocoder": vocoder_variants(model, chunking, device, a.iters,
-                                          tuple(int(r) for r in a.vocoder_rows.split(",")))}
+              "vocoder": None if a.no_vocoder else vocoder_variants(
+                  model, chunking, device, a.iters,
+                  tuple(int(r) for r in a.vocoder_rows.split(",")))}
     text = json.dumps(result, indent=1)
     if a.out:
         a.out.write_text(text)

@@ -33,10 +33,13 @@ from omnistage.generation.token2wav_stream import (
     admit_windows,
     step_windows,
 )
+from omnistage.layers.fp8 import MIN_FEATURES, quantize_fp8
 from omnistage.layers.graph_capture import PaddedShapes
+from omnistage.layers.int8 import quantize_int8
 from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen2_5_omni.bigvgan_stream import vocode_streams
-from omnistage.models.qwen2_5_omni.token2wav import Speaker, Token2Wav, load_speakers
+from omnistage.models.qwen2_5_omni.token2wav import (Speaker, Token2Wav, Token2WavDiT,
+                                                     load_speakers)
 from omnistage.payloads import SAMPLE_RATE, AudioChunk, CodecFrames
 
 
@@ -66,6 +69,15 @@ class Token2WavOptions:
     # changes nothing). The vocoder compiled likewise gained nothing end to end (profile_token2wav)
     compile: bool = True
     vocoder_rows: int = 8           # the most vocoder windows of one graphed forward
+    # the DiT's block linears (q / k / v / out, MLP: `Token2WavDiT.fp8_keep` says what stays)
+    # quantized at load, on top of dit_dtype: fp8 (e4m3 weights per channel, activations per
+    # token, layers/fp8.py; CUDA compute capability 8.9 or newer, refused elsewhere) or int8
+    # (W8A8 through torch._int_mm, layers/int8.py; the CPU too). Their waveform SNR against
+    # float32: bench omni25's `omni25_waveform_snr_db` (benchmarks/device_session.sh, t2wq)
+    dit_quantization: Literal["none", "fp8", "int8"] = "none"
+    # linears with a side below this stay as they are (layers/fp8.py's MIN_FEATURES: the
+    # released DiT's projections are 1024 and 2048 wide); the tiny test checkpoint lowers it
+    dit_quantization_min_features: int = MIN_FEATURES
 
     def __post_init__(self) -> None:
         if self.num_steps < 2:
@@ -74,6 +86,9 @@ class Token2WavOptions:
             raise ValueError(f"chunk_blocks={self.chunk_blocks}: must be >= 0")
         if self.max_batch_frames < 1:
             raise ValueError(f"max_batch_frames={self.max_batch_frames}: must be >= 1")
+        if self.dit_quantization_min_features < 1:
+            raise ValueError(f"dit_quantization_min_features="
+                             f"{self.dit_quantization_min_features}: must be >= 1")
         if self.vocoder_rows < 1:
             raise ValueError(f"vocoder_rows={self.vocoder_rows}: must be >= 1")
         if self.chunk_blocks:       # the window sizes checked now, not at the first request
@@ -90,7 +105,9 @@ class Token2WavGenerator:
     decodes, first_chunk_blocks, left_blocks, right_blocks; max_batch_frames, the frames
     of one batched DiT call that new windows may fill), cuda_graphs (streamed on CUDA,
     default on: each engine step's forwards padded to planned shapes and replayed from CUDA
-    graphs captured now, `use_graphs`)."""
+    graphs captured now, `use_graphs`), dit_dtype, compile and dit_quantization (the DiT's
+    block linears in fp8 or int8, swapped now: `quantize_dit`). At load, every block's q / k
+    / v projections become one matmul (`Token2WavDiT.fuse_qkv`: the same products)."""
 
     Options = Token2WavOptions
 
@@ -98,9 +115,13 @@ class Token2WavGenerator:
                  options: Token2WavOptions = Token2WavOptions()) -> None:
         o = self.options = options
         self.model = model
+        model.dit.fuse_qkv()        # one matmul for q, k and v: the same products
         if o.dit_dtype == "bfloat16" or (o.dit_dtype == "auto" and
                                          next(model.parameters()).device.type == "cuda"):
             model.dit.compute_in(torch.bfloat16)
+        if o.dit_quantization != "none":            # after the cast: the swapped layers
+            quantize_dit(model.dit, o.dit_quantization,          # keep their own dtypes
+                         o.dit_quantization_min_features)
         self.guidance_scale = o.guidance_scale
         self.seed = o.seed
         self.device = next(model.parameters()).device
@@ -226,3 +247,18 @@ class Token2WavGenerator:
             return {}
         del state["x"]
         return AudioChunk(self.model.vocode(x)[0].float().cpu()).pack()
+
+
+def quantize_dit(dit: Token2WavDiT, method: str, min_features: int = MIN_FEATURES,
+                 allow_cpu: bool = False) -> list[str]:
+    """The DiT's linears but those it keeps (`Token2WavDiT.fp8_keep`) swapped in place for
+    FP8 or INT8 ones (option `dit_quantization`); returns the names swapped. fp8 off a GPU
+    of compute capability 8.9 or newer: ValueError naming the option (allow_cpu: tests, on
+    torch's CPU `_scaled_mm`)."""
+    if method == "fp8":
+        try:
+            return quantize_fp8(dit, min_features, allow_cpu)
+        except ValueError as e:
+            raise ValueError(f"token2wav option dit_quantization=fp8: {e}") from None
+    assert method == "int8", f"dit_quantization={method!r}"
+    return quantize_int8(dit, min_features)

@@ -112,13 +112,33 @@ class DiTAttention(nn.Module):
         self.to_k = nn.Linear(cfg.hidden_size, inner)
         self.to_v = nn.Linear(cfg.hidden_size, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, cfg.hidden_size), nn.Identity()])
+        self.to_qkv: nn.Linear | None = None        # fuse_qkv's, in place of the three
+
+    def fuse_qkv(self) -> None:
+        """q, k and v from one matmul of their stacked weights (after loading: the
+        checkpoint's to_q / to_k / to_v become to_qkv): the same dot products, one launch
+        instead of three, and one activation quantization where the linears are quantized."""
+        if self.to_qkv is not None:                 # a second generator on the model
+            return
+        q, k, v = self.to_q, self.to_k, self.to_v
+        fused = nn.Linear(q.in_features, 3 * q.out_features, device=q.weight.device,
+                          dtype=q.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
+            fused.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
+        del self.to_q, self.to_k, self.to_v
+        self.to_qkv = fused
 
     def forward(self, x: Tensor, cos_sin: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
         """x (B, T, hidden); cos/sin (T, D); mask (T, T) or (B, 1, T, T) bool, True where a
         frame may look."""
         b, t, _ = x.shape
-        q, k, v = (proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-                   for proj in (self.to_q, self.to_k, self.to_v))          # (B, H, T, D)
+        if self.to_qkv is not None:
+            q, k, v = self.to_qkv(x).view(b, t, 3, self.heads, self.head_dim) \
+                .permute(2, 0, 3, 1, 4)                                      # 3 x (B, H, T, D)
+        else:
+            q, k, v = (proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+                       for proj in (self.to_q, self.to_k, self.to_v))      # (B, H, T, D)
         q = torch.cat([_rotate_first_head(q[:, :1], *cos_sin), q[:, 1:]], dim=1)
         k = torch.cat([_rotate_first_head(k[:, :1], *cos_sin), k[:, 1:]], dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -164,6 +184,15 @@ class DiTDecoderLayer(nn.Module):
 
 
 class Token2WavDiT(nn.Module):
+    # the linears that stay as they are when the DiT's linears are quantized (layers/fp8.py's
+    # policy for native DiTs; generation/token2wav.py's `dit_quantization`): the input
+    # embeddings (the input projection reads its own weight's dtype; the speaker encoder runs
+    # once a request), the timestep MLP, the AdaLN modulations (one row per window) and the
+    # output norm and projection (their error lands on the velocity unfiltered). What is
+    # quantized: each block's q / k / v / out and MLP projections, nearly all the FLOPs
+    fp8_keep = ("time_embed.*", "input_embed.*", "text_embed.*", "*.attn_norm.*",
+                "norm_out.*", "proj_out")
+
     def __init__(self, cfg: PretrainedConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -207,6 +236,11 @@ class Token2WavDiT(nn.Module):
         for block in self.transformer_blocks:
             h = block(h, temb, cos_sin, masks[block.look_back, block.look_ahead])
         return self.proj_out(self.norm_out(h, temb)).to(x.dtype)
+
+    def fuse_qkv(self) -> None:
+        """Every block's q / k / v projections as one (DiTAttention.fuse_qkv)."""
+        for block in self.transformer_blocks:
+            block.attn.fuse_qkv()
 
     def compute_in(self, dtype: torch.dtype) -> None:
         """Run the transformer in `dtype` (bfloat16: its matmuls and attention, measured

@@ -249,7 +249,7 @@ def test_bfloat16_dit_comes_within_its_measured_error(omni25_path: Path, codes: 
     float32 model loaded beside it is untouched."""
     bf16 = Token2WavGenerator.from_pretrained(omni25_path, "", CPU, None, Token2WavOptions(
         chunk_blocks=0, dit_dtype="bfloat16"))
-    assert bf16.model.dit.transformer_blocks[0].attn.to_q.weight.dtype == torch.bfloat16
+    assert bf16.model.dit.transformer_blocks[0].attn.to_qkv.weight.dtype == torch.bfloat16
     assert bf16.model.dit.input_embed.spk_encoder.fc.weight.dtype == torch.float32
     (pieces,) = run(bf16, [(codes, 1)], per_call=codes.numel())
     audio = torch.cat(pieces)
