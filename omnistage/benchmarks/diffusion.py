@@ -60,7 +60,8 @@ class DiffusionBenchConfig:
     concurrency: int = 4
     vae_base_dim: int = 16
     compile: bool = False                 # also time our transformer with compile_blocks
-    # fp8 / int8: also our transformer with 8-bit linears (benchmarks/diffusion_fp8.py)
+    # fp8 / int8: also our transformer with 8-bit linears (benchmarks/diffusion_fp8.py);
+    # COMPONENT=METHOD,...: transformer fp8 / int8 and attention fp8 (`split_quantization`)
     quantization: str | None = None
     device: str = "auto"
     seed: int = 0
@@ -74,8 +75,8 @@ class DiffusionBenchConfig:
             raise ValueError(f"steps={self.steps}: must be >= 2")
         if self.num_layers < 1 or self.text_len < 1 or self.concurrency < 1:
             raise ValueError("num_layers, text_len and concurrency must be >= 1")
-        if self.quantization not in (None, "fp8", "int8"):
-            raise ValueError(f"quantization={self.quantization!r}: fp8 or int8")
+        if self.quantization is not None:
+            split_quantization(self.quantization)
 
     @property
     def reference_compiled(self) -> bool:
@@ -97,6 +98,24 @@ class DiffusionBenchConfig:
     @property
     def transformer(self) -> dict[str, object]:
         return {**(TINY if self.sizes == "tiny" else QWEN_IMAGE), "num_layers": self.num_layers}
+
+
+def split_quantization(spec: str) -> tuple[str | None, str | None]:
+    """`--quantization` -> (the linears' method: fp8, int8 or None; the attention's: fp8 or
+    None) from `fp8`, `int8` or `transformer=fp8|int8`, `attention=fp8` joined by commas."""
+    from omnistage.configs.quantization import Quantization
+
+    message = (f"quantization={spec!r}: fp8, int8, or transformer=fp8|int8 and/or "
+               "attention=fp8 (comma-separated)")
+    try:
+        items = Quantization.parse(spec).items()
+    except ValueError:
+        raise ValueError(message) from None
+    linears, attention = items.pop("transformer", None), items.pop("attention", None)
+    if items or not (linears or attention) or (linears and linears.method not in ("fp8",
+                                                                                   "int8")):
+        raise ValueError(message)
+    return (linears.method if linears else None), ("fp8" if attention else None)
 
 
 def psnr(x: Tensor, ref: Tensor, peak: float | None = None) -> float:
@@ -393,7 +412,8 @@ def run(cfg: DiffusionBenchConfig, fp8: Fp8Bench | None = None) -> dict[str, obj
         "dtype": str(dtype).removeprefix("torch."),
         "config": {**asdict(cfg), "transformer": cfg.transformer, "scheduler": SCHEDULER},
         "transformer": transformer_result, "engine": engine_result,
-        **({cfg.quantization: fp8_result} if fp8_result else {}), "ratios": ratios,
+        **({split_quantization(cfg.quantization)[0] or "fp8": fp8_result} if fp8_result
+           else {}), "ratios": ratios,
         "notes": "speedups: reference seconds over ours (above 1: ours is faster). PSNR of the "
                  "step-cached run against the uncached one: latents with the reference's range "
                  "as peak, images (small random VAE) with 255. Random weights: how many steps a "

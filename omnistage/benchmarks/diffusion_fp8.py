@@ -16,6 +16,12 @@ loop over our fastest FP8 loop), fp8_image_psnr_db, fp8_cache_speedup_vs_diffuse
 time includes the VAE decode, so this ratio errs against us). Targets on an H100: 1.6x at
 30 dB or more, 3x with caching at 28 dB or more.
 
+FP8 attention (`--quantization transformer=fp8,attention=fp8`, or `attention=fp8` alone; issue
+44): the transformer's attention through layers/fp8_attention.py (Q and K in e4m3; the kernel
+on a GPU of capability 8.9+, its float32 emulation on the CPU), with or without the FP8
+linears; the keys keep the fp8_ prefix (int8_ with int8 linears), `attention` says which
+attention ran, and fp8_latents_psnr_db compares the loop's final latents with our bf16 loop's.
+
 The tiny preset (CPU, CI) quantizes every linear from 16 features up (the real threshold leaves
 none of the tiny ones) and runs `_scaled_mm` on the CPU: its figures check the plumbing only.
 """
@@ -23,13 +29,15 @@ none of the tiny ones) and runs `_scaled_mm` on the CPU: its figures check the p
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
 from omnistage.benchmarks.common import free_device_memory, ratio
 from omnistage.benchmarks.diffusion import (DiffusionBenchConfig, _pipeline, _serve,
-                                            best_cached, denoiser_inputs, psnr, request_params)
+                                            best_cached, denoiser_inputs, psnr, request_params,
+                                            split_quantization)
 from omnistage.layers.fp8 import MIN_FEATURES, quantize_fp8
 from omnistage.layers.int8 import quantize_int8
 
@@ -48,23 +56,21 @@ def bench_fp8(transformer: nn.Module, image: Tensor, reference: dict[str, object
     image, `reference` the transformer timings (diffusers eager and compiled)."""
     from omnistage.diffusion.pipeline import compile_blocks
 
-    tiny, q = cfg.sizes == "tiny", cfg.quantization        # q: fp8 or int8, the keys' prefix
-    out: dict[str, object] = {"weights_gib_bf16": weight_bytes(transformer) / GIB}
-    floor = 16 if tiny else MIN_FEATURES
-    swapped = (quantize_fp8(transformer, min_features=floor, allow_cpu=tiny) if q == "fp8"
-               else quantize_int8(transformer, min_features=floor))
-    free_device_memory(device)
-    out.update({f"num_{q}_linears": len(swapped),
-                f"weights_gib_{q}": weight_bytes(transformer) / GIB})
+    linears, attention = split_quantization(cfg.quantization)
+    q = linears or "fp8"                                   # the keys' prefix
     _, text, timed = denoiser_inputs(cfg, device, dtype)
     grid = cfg.size // 16
 
     def forward(x: Tensor, t: Tensor) -> Tensor:
         return transformer(x, text, None, t, img_shapes=[[(1, grid, grid)]])
 
+    bf16_latents, _ = timed(forward)                       # unquantized (bf16 on a GPU)
+    out = _quantize(transformer, linears, attention, cfg.sizes == "tiny")
+    free_device_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    _, out[f"{q}_s"] = timed(forward)
+    latents, out[f"{q}_s"] = timed(forward)
+    out[f"{q}_latents_psnr_db"] = psnr(latents.float(), bf16_latents.float())
     if device.type == "cuda":
         out[f"{q}_peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
     if cfg.compile:                                 # stays compiled for the engine below
@@ -80,10 +86,31 @@ def bench_fp8(transformer: nn.Module, image: Tensor, reference: dict[str, object
         f"{q}_speedup_vs_diffusers": ratio(reference["diffusers_s"], best_s),
         f"{q}_speedup_vs_diffusers_compiled": ratio(compiled_s, best_s),
         f"{q}_image_psnr_db": out["engine"]["image_psnr_db"],
+        f"{q}_latents_psnr_db": out[f"{q}_latents_psnr_db"],
         f"{q}_cache_speedup_vs_diffusers_compiled": ratio(compiled_s, cached["seconds"])
         if cached else None,
         f"{q}_cache_image_psnr_db": cached["image_psnr_db"] if cached else None,
         f"{q}_weights_vs_bf16": ratio(out[f"weights_gib_{q}"], out["weights_gib_bf16"])}
+    return out
+
+
+def _quantize(transformer: nn.Module, linears: str | None, attention: str | None,
+              tiny: bool) -> dict[str, object]:
+    """The linears in `linears` (fp8, int8; every one from 16 features in the tiny model) and
+    the attention in fp8 where `attention` says so, in place: -> weight figures."""
+    q = linears or "fp8"
+    out: dict[str, object] = {"weights_gib_bf16": weight_bytes(transformer) / GIB,
+                              "attention": attention or "sdpa"}
+    floor = 16 if tiny else MIN_FEATURES
+    swapped = []
+    if linears == "fp8":
+        swapped = quantize_fp8(transformer, min_features=floor, allow_cpu=tiny)
+    elif linears == "int8":
+        swapped = quantize_int8(transformer, min_features=floor)
+    if attention:        # what a stage's `attention_while_loading` fixes at build time
+        transformer.seq_ranks = replace(transformer.seq_ranks, attention=attention)
+    out.update({f"num_{q}_linears": len(swapped),
+                f"weights_gib_{q}": weight_bytes(transformer) / GIB})
     return out
 
 

@@ -6,9 +6,11 @@ how. One record, read the same way from the graph YAML, the `--quantization` fla
       quantization: {transformer: int8, text_encoder: int8}
       quantization: {transformer: "gguf:/models/flux1-dev-Q4_K_S.gguf"}
       quantization: {transformer: {method: gguf, file: /models/flux1-dev-Q4_K_S.gguf}}
+      quantization: {transformer: fp8, attention: fp8}   # and the DiT's attention in FP8
 
     omnistage serve black-forest-labs/FLUX.1-dev --quantization fp8
     omnistage serve ... --quantization transformer=gguf:/models/flux1-dev-Q4_K_S.gguf,text_encoder=int8
+    omnistage serve Qwen/Qwen-Image --quantization transformer=fp8,attention=fp8
     Omni(model=..., quantization={"transformer": "int8"})
 
     ar:                                                  # an AR stage: its one model
@@ -20,9 +22,11 @@ A bare method names the transformer. Methods: `fp8` (layers/fp8.py: e4m3 W8A8, C
 `int8` (layers/int8.py: W8A8 through torch._int_mm, CPU and CUDA), `gguf:FILE` (the weights of
 a GGUF file, models/gguf_loader.py; the transformer only), `int4` (layers/int4.py: W4A16,
 symmetric groups of 128 inputs; an AR model only), `none`. Components: transformer,
-text_encoder, vae, thinker, talker; which a stage can apply is the stage's to say (a diffusion
-stage: transformer and text_encoder, `check_diffusion`; an AR stage: its one model,
-`ar_method`; the others are refused there by name).
+text_encoder, vae, attention, thinker, talker; which a stage can apply is the stage's to say (a
+diffusion stage: transformer, text_encoder and attention, `check_diffusion`; an AR stage: its
+one model, `ar_method`; the others are refused there by name). `attention: fp8` is the
+denoiser's attention with Q and K in e4m3 (layers/fp8_attention.py, CUDA 8.9+; on CPU its
+float32 emulation); it takes fp8 only.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from omnistage.configs.strict import from_dict
 
 Method = Literal["none", "fp8", "int8", "int4", "gguf"]
 METHODS: tuple[str, ...] = ("none", "fp8", "int8", "int4", "gguf")
-COMPONENTS: tuple[str, ...] = ("transformer", "text_encoder", "vae", "thinker", "talker")
+COMPONENTS: tuple[str, ...] = ("transformer", "text_encoder", "vae", "attention", "thinker",
+                               "talker")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,9 @@ class Quantization:
         "help": "the prompt encoder's networks: int8"})
     vae: ComponentQuantization | str | None = field(default=None, metadata={
         "help": "the VAE: none only (its convolutions are no linears)"})
+    attention: ComponentQuantization | str | None = field(default=None, metadata={
+        "help": "the denoiser's attention: fp8 (Q and K in e4m3, CUDA 8.9+; a diffusion "
+                "stage only)"})
     thinker: ComponentQuantization | str | None = field(default=None, metadata={
         "help": "an omni model's thinker (its AR stage): fp8, int8 or int4"})
     talker: ComponentQuantization | str | None = field(default=None, metadata={
@@ -91,6 +99,9 @@ class Quantization:
                     raise ValueError(f"{f.name}: {e}") from None
             if value is not None and value.method == "none":
                 value = None
+            if value is not None and f.name == "attention" and value.method != "fp8":
+                raise ValueError(f"attention: {value} is not an attention method (supported: "
+                                 "fp8, none)")
             if value is not None and f.name in DIFFUSION_METHODS and f.name != "transformer":
                 check_diffusion_component(f.name, value)   # never an AR model's
             object.__setattr__(self, f.name, value)
@@ -131,7 +142,8 @@ def read_quantization(value: Quantization | str | None) -> Quantization | None:
 AR_METHODS: tuple[str, ...] = ("fp8", "int8", "int4")
 # component -> the methods a diffusion stage applies to it (stages/quantize.py applies them)
 DIFFUSION_METHODS: dict[str, tuple[str, ...]] = {
-    "transformer": ("fp8", "int8", "gguf"), "text_encoder": ("int8",), "vae": ("none",)}
+    "transformer": ("fp8", "int8", "gguf"), "text_encoder": ("int8",), "vae": ("none",),
+    "attention": ("fp8",)}
 AR_ONLY: tuple[str, ...] = ("int4",)
 
 
@@ -173,6 +185,9 @@ def ar_method(q: Quantization | None, component: str | None) -> ComponentQuantiz
     role = ar_role(component)
     items = q.items()
     for name, c in items.items():
+        if name == "attention":
+            raise ValueError(f"attention: {c} attention serves a diffusion stage's denoiser; "
+                             "an AR stage's paged attention is not quantized")
         if name not in (role, "transformer"):
             raise ValueError(f"{name}: this AR stage loads the {role} "
                              f"({component or 'the checkpoint'}); quantize its {name} on the "

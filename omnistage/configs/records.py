@@ -226,8 +226,8 @@ class ARSettings:
     quantization: Quantization | str | None = field(default=None, metadata=meta(
         "per component (configs/quantization.py): an ar stage's model fp8 / int8 / int4 (a "
         "bare method, or thinker= / talker=), a diffusion stage's transformer fp8 / int8 / "
-        "gguf:FILE and text_encoder int8 (COMPONENT=METHOD,...); fp8 needs a GPU of compute "
-        "capability 8.9+", flag="quantization", metavar="SPEC"))
+        "gguf:FILE, text_encoder int8 and attention fp8 (COMPONENT=METHOD,...); fp8 needs a "
+        "GPU of compute capability 8.9+", flag="quantization", metavar="SPEC"))
     enforce_eager: bool = field(default=False, metadata=meta(
         "no CUDA graphs for decode steps", flag="enforce_eager", keyword_every_stage=True,
         action="store_true"))

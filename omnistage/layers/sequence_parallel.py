@@ -24,12 +24,18 @@ The keys arrive rank-major ([t0 t1 t2 i0 i1 t3 t4 i2 i3] above), not in sequence
 attention does not depend on key order as long as the key mask follows it, and every query
 comes back to the rank that owns it. With one rank every step is the identity and `attend` is
 plain scaled-dot-product attention.
+
+What the local attention runs (`SequenceRanks.attention`) is fixed when a model is built:
+"sdpa", or "fp8" (layers/fp8_attention.py) for a model built inside `dit_attention("fp8")`,
+which a stage with `quantization: {attention: fp8}` wraps around its loading. Ring attention
+(which needs each part's log-sum-exp) has no fp8 form: such a stage is refused at load.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,15 +60,44 @@ def check_heads(num_heads: int, what: str = "num_attention_heads") -> None:
                          f"tensor_parallel_size ({u} x {tp})")
 
 
+ATTENTION_METHODS = ("sdpa", "fp8")
+
+
+@dataclass(slots=True)
+class DitAttention:
+    """The attention the models built inside `dit_attention` take, and how many took it."""
+
+    method: str = "sdpa"
+    num_models: int = 0
+
+
+_building = DitAttention()
+
+
+@contextlib.contextmanager
+def dit_attention(method: str) -> Iterator[DitAttention]:
+    """Models built inside attend with `method` (one of ATTENTION_METHODS); the record
+    counts the models that did (`num_models`: 0 when none attends through SequenceSplit)."""
+    global _building
+    assert method in ATTENTION_METHODS, method
+    prev, _building = _building, DitAttention(method)
+    try:
+        yield _building
+    finally:
+        _building = prev
+
+
 @dataclass(frozen=True, slots=True)
 class SequenceRanks:
     ulysses: TPGroup
     ring: TPGroup
+    attention: str = "sdpa"             # the local attention (module docstring)
 
     @staticmethod
     def current() -> SequenceRanks:
         ranks = stage_ranks()
-        return SequenceRanks(ranks.ulysses, ranks.ring)
+        _building.num_models += 1
+        return SequenceRanks(ranks.ulysses, ranks.ring, _building.method)
 
     @property
     def degree(self) -> int:
@@ -124,7 +159,7 @@ class SequenceSplit:
         if ring.world_size > 1:
             out = ring_attention(q, k, v, self.chunk_masks, self.chunk_sizes, ring)
         else:
-            out = sdpa(q, k, v, self.chunk_masks[0])
+            out = sdpa(q, k, v, self.chunk_masks[0], self.ranks.attention)
         if ulysses.world_size > 1:
             out = heads_to_seq(out, group, ulysses)
         return out
@@ -197,10 +232,15 @@ def heads_to_seq(x: Tensor, sizes: list[int], group: TPGroup) -> Tensor:
 
 # ---- attention -----------------------------------------------------------------------------
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None) -> Tensor:
-    """(B, Lq, H, hd) queries over (B, Lk, H, hd) keys; key_mask (B, Lk) -> (B, Lq, H, hd)."""
-    mask = None if key_mask is None else key_mask[:, None, None, :]
+def sdpa(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, method: str = "sdpa"
+         ) -> Tensor:
+    """(B, Lq, H, hd) queries over (B, Lk, H, hd) keys; key_mask (B, Lk) -> (B, Lq, H, hd).
+    method "fp8": layers/fp8_attention.py (imported here only: it needs Triton)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                          # (B, H, L, hd)
+    if method == "fp8":
+        from omnistage.layers import fp8_attention
+        return fp8_attention.attend(q, k, v, key_mask).transpose(1, 2)
+    mask = None if key_mask is None else key_mask[:, None, None, :]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
 
 

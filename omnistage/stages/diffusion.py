@@ -18,7 +18,8 @@ from omnistage.stages.diffusion_component import (check_options, check_parallel_
                                                   check_quantization, pipeline_component,
                                                   request_params)
 from omnistage.stages.interface import EngineStats, StageInfo, StageRequest, StageResult
-from omnistage.stages.quantize import check_components, quantize_pipeline
+from omnistage.stages.quantize import (attention_while_loading, check_components,
+                                       quantize_pipeline)
 from omnistage.utils.compile_cache import persistent_compile_cache
 from omnistage.utils.device import resolve_device, resolve_dtype
 
@@ -65,10 +66,11 @@ class DiffusionStage:
         if stage.diffusion.offload_blocks:
             check_offload(stage, cls)
             extra["offload"] = stage.diffusion.offload_blocks
-        pipeline = cls.from_pretrained(path, component.name, dev, dtype, **extra)
+        with attention_while_loading(stage, dev):     # quantization.attention
+            pipeline = cls.from_pretrained(path, component.name, dev, dtype, **extra)
+            quantize_pipeline(stage, pipeline, dev)
         # the front door refuses an edit with more images than the pipeline takes
         self.stage_info = StageInfo(max_input_images=pipeline.max_input_images)
-        quantize_pipeline(stage, pipeline, dev)
         apply_options(stage, pipeline, dev, options)
         # on CUDA, memory_fraction bounds weights plus each step's activations
         memory = (MemoryBudget.of_fraction(CudaProbe(dev), stage.placement.memory_fraction,

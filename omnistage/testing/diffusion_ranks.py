@@ -36,16 +36,17 @@ QWEN_IMAGE_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_se
                             time_shift_type="exponential")
 
 
-def build_tiny_qwen_image(path: Path) -> Path:
-    """transformer/ (2 heads of 16, 2 layers), vae/, scheduler/ and model_index.json of a tiny
-    random Qwen-Image, saved by diffusers. Every weight drawn (diffusers zero-inits some),
-    RMS norm weights near 1 so that attention, and with it the captions, matter."""
+def build_tiny_qwen_image(path: Path, head_dim: int = 16) -> Path:
+    """transformer/ (2 heads of `head_dim`, 2 layers), vae/, scheduler/ and model_index.json
+    of a tiny random Qwen-Image, saved by diffusers. Every weight drawn (diffusers zero-inits
+    some), RMS norm weights near 1 so that attention, and with it the captions, matter."""
     import diffusers
 
     torch.manual_seed(0)
     transformer = diffusers.QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=JOINT_DIM, axes_dims_rope=(8, 4, 4))
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=head_dim,
+        num_attention_heads=2, joint_attention_dim=JOINT_DIM,
+        axes_dims_rope=(head_dim // 2, head_dim // 4, head_dim // 4))
     with torch.no_grad():
         for p in transformer.parameters():
             p.normal_(0.0, 0.1)

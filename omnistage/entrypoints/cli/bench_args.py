@@ -195,11 +195,12 @@ def _add_diffusion(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser
     diff.add_argument("--compile", action="store_true",
                       help="also time our transformer with its blocks torch.compile'd (with "
                            "--parallel: every layout's)")
-    diff.add_argument("--quantization", default=None, choices=["fp8", "int8"],
+    diff.add_argument("--quantization", default=None, metavar="SPEC",
                       help="also our transformer with FP8 (a GPU of compute capability 8.9+) "
-                           "or INT8 W8A8 linears (--tiny: on the CPU): speed against diffusers "
-                           "eager and compiled, image PSNR against our bf16, with and without "
-                           "step caching")
+                           "or INT8 W8A8 linears (--tiny: on the CPU): fp8, int8, or "
+                           "transformer=fp8|int8 and/or attention=fp8 (FP8 attention); speed "
+                           "against diffusers eager and compiled, image and latent PSNR "
+                           "against our bf16, with and without step caching")
     diff.add_argument("--no-cuda-graphs", action="store_true",
                       help="with --parallel: every layout's transformer eager (by default "
                            "its forwards replay from CUDA graphs on a GPU, as a stage's)")

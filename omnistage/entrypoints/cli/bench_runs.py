@@ -208,7 +208,9 @@ def run_diffusion(args: argparse.Namespace) -> Outcome:
     from omnistage.benchmarks.diffusion_fp8 import bench_fp8
 
     result = diffusion.run(cfg, fp8=bench_fp8)
-    suffix = f"_{cfg.quantization}" if cfg.quantization else ""
+    # fp8, or transformer=fp8,attention=fp8 -> _transformer-fp8_attention-fp8
+    suffix = ("_" + cfg.quantization.replace("=", "-").replace(",", "_")
+              if cfg.quantization else "")
     return result, f"diffusion_{cfg.sizes}_{cfg.size}px{suffix}", result["ratios"]
 
 

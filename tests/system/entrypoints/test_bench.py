@@ -185,6 +185,19 @@ def test_bench_diffusion_int8(tmp_path: Path) -> None:
     assert positive(ratios["int8_speedup_vs_diffusers_compiled"]) and "fp8" not in doc
 
 
+def test_bench_diffusion_fp8_attention(tmp_path: Path) -> None:
+    """--quantization attention=fp8: the same part with the attention's Q and K in e4m3 (on
+    the CPU its float32 emulation) and the linears as they were; its keys fp8_*."""
+    doc = bench(tmp_path, "diffusion", "--cache-thresholds", "0.5", "--steps", "2",
+                "--concurrency", "1", "--quantization", "attention=fp8")
+    fp8, ratios = doc["fp8"], doc["ratios"]
+    assert fp8["attention"] == "fp8" and fp8["num_fp8_linears"] == 0 and positive(fp8["fp8_s"])
+    assert ratios["fp8_weights_vs_bf16"] == 1.0
+    # e4m3 Q and K cost some 50 dB here; the unquantized loop would be inf (not strict JSON)
+    assert 30 < ratios["fp8_latents_psnr_db"] < 200 and ratios["fp8_image_psnr_db"] > 30
+    assert positive(ratios["fp8_speedup_vs_diffusers_compiled"])
+
+
 def test_bench_diffusion_flux2_klein(tmp_path: Path) -> None:
     """--model flux2-klein: FLUX.2's transformer against diffusers' (float32: the same latents)
     and the klein pipeline in the engine."""

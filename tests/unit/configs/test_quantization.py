@@ -71,10 +71,10 @@ def test_bad_values_name_the_field(text: str, message: str) -> None:
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("vae=int8", "quantization.vae: a diffusion stage quantizes its transformer and "
-                 "text_encoder, not its vae"),
-    ("thinker=int8", "quantization.thinker: a diffusion stage quantizes its transformer and "
-                     "text_encoder, not its thinker"),
+    ("vae=int8", "quantization.vae: a diffusion stage quantizes its transformer, "
+                 "text_encoder and attention, not its vae"),
+    ("thinker=int8", "quantization.thinker: a diffusion stage quantizes its transformer, "
+                     "text_encoder and attention, not its thinker"),
     ("text_encoder=fp8", r"quantization.text_encoder: fp8 is not applied to a text_encoder "
                          r"\(supported: int8\)"),
     ("transformer=gguf:/nowhere/x.gguf", "quantization.transformer: GGUF file "
