@@ -256,7 +256,16 @@ def _parser() -> argparse.ArgumentParser:
                          "weight-streaming limit stays the bf16 weights'")
     ap.add_argument("--checkpoint-dir", default="/tmp/omnistage-bench")
     ap.add_argument("--out", default=None)
+    _int4_arguments(ap)
     return ap
+
+
+def _int4_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--int4-kernel", choices=("rows", "split"), default=None,
+                    help="--quantization int4's few-row kernel (triton_int4.set_kernel): the "
+                         "first (rows) or split-K (split); default: as triton_int4.SPLIT_FASTER")
+    ap.add_argument("--int4-tiles", type=Path, default=None, metavar="SWEEP_JSON",
+                    help="the split kernel's tiles per shape from int4_sweep.py's --out")
 
 
 def _apply_switches(args: argparse.Namespace) -> None:
@@ -297,6 +306,12 @@ def _apply_switches(args: argparse.Namespace) -> None:
     if args.pdl_early:
         from omnistage.layers import pdl
         pdl.set_early_launch(args.pdl_early == "on")
+    if args.int4_kernel:
+        from omnistage.layers import triton_int4
+        triton_int4.set_kernel(args.int4_kernel)
+    if args.int4_tiles:
+        from omnistage.layers import triton_int4_split
+        triton_int4_split.load_tiles(json.loads(args.int4_tiles.read_text()))
     if args.gemv_config:
         from omnistage.layers import triton_gemv
         bn, bk, nw, ns = map(int, args.gemv_config.split(","))
@@ -319,7 +334,9 @@ def _options(args: argparse.Namespace) -> dict[str, object]:
             "decode_attention_config": args.decode_attention_config,
             "async_scheduling": not args.no_async_scheduling,
             "max_kv_splits": args.max_kv_splits,
-            "attention_backend": args.attention_backend, "quantization": args.quantization}
+            "attention_backend": args.attention_backend, "quantization": args.quantization,
+            "int4_kernel": args.int4_kernel,
+            "int4_tiles": None if args.int4_tiles is None else str(args.int4_tiles)}
 
 
 def main() -> None:

@@ -17,6 +17,12 @@ outputs and walks K in tiles of BLOCK_K = 8 * BLOCK_W inputs:
 so its numerics are the per-call path's weight and a float32 sum in another order. Each
 program fetches its first tile before waiting on the previous kernel (pdl.py, kind "gemv").
 Tile sizes are a first choice, not swept on a GPU yet.
+
+A second kernel, triton_int4_split.py (K split across programs, the group scale applied once a
+group, tiles per shape from a table), is "split" in KERNELS; this one is "rows". `linear`
+takes "split" on the GPUs named in SPLIT_FASTER (the H200: a Qwen3-1.7B single stream 844
+against 385 tok/s, benchmarks/results/runs/issue44_h200_s26/), "rows" elsewhere (no other GPU
+measured yet); `set_kernel` and ar_offline --int4-kernel override that.
 """
 
 from __future__ import annotations
@@ -27,9 +33,29 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from omnistage.layers import pdl
+from omnistage.layers import pdl, triton_int4_split
+from omnistage.utils.device import gpu_name
 
 MAX_ROWS = 4          # more rows: the per-call dequantize and one matmul (prefill)
+KERNELS = ("rows", "split")
+SPLIT_FASTER: tuple[str, ...] = ("H200",)   # GPU names where "split" is the default
+_kernel: str | None = None             # set_kernel's choice; None: by SPLIT_FASTER
+
+
+def set_kernel(name: str | None) -> None:
+    """Which kernel `linear` takes (KERNELS), or None: the default (SPLIT_FASTER)."""
+    global _kernel
+    if name is not None and name not in KERNELS:
+        raise ValueError(f"int4 kernel {name!r}: one of {KERNELS}")
+    _kernel = name
+
+
+def kernel_for(x: Tensor) -> str:
+    """The kernel `linear` takes for x here."""
+    if _kernel is not None:
+        return _kernel
+    name = gpu_name(x)
+    return "split" if name and any(g in name for g in SPLIT_FASTER) else "rows"
 
 
 def config(n: int, k: int) -> dict[str, int]:
@@ -116,6 +142,8 @@ def linear(x: Tensor, packed: Tensor, scale: Tensor, group_size: int,
            bias: Tensor | None = None) -> Tensor:
     """x W^T (+ b) for x (rows, K) and W the (N, K) weight of `packed` (N, ceil(K / 8)) int32
     words and `scale` (N, ceil(K / G)); out (rows, N) in x's dtype."""
+    if kernel_for(x) == "split" and triton_int4_split.applies(group_size):
+        return triton_int4_split.linear(x, packed, scale, group_size, bias)
     rows, k = x.shape
     n, kw = packed.shape
     num_groups = -(-k // group_size)
