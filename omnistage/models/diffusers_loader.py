@@ -114,6 +114,17 @@ def build_from_folder(model_cls: type[nn.Module], config: object, path: Path,
     """`model_cls(config)` in `dtype` (None: the checkpoint's; `keep_in_fp32` parameters
     float32) on `device`, with every tensor from the folder and no random initialisation on
     the way (built on the meta device)."""
+    model = build_empty(model_cls, config, path, device, dtype)
+    load_weights_strict(model, path)
+    return model.eval().requires_grad_(False)
+
+
+def build_empty(model_cls: type[nn.Module], config: object, path: Path,
+                device: torch.device | str = "cpu",
+                dtype: torch.dtype | None = None) -> nn.Module:
+    """`model_cls(config)` built on the meta device in `dtype` (None: the checkpoint's in
+    `path`; `keep_in_fp32` parameters float32), then given uninitialised storage on `device`:
+    every tensor still to be loaded."""
     with _default_dtype(dtype or checkpoint_dtype(path)), torch.device("meta"):
         model = model_cls(config)
     keep_in_fp32(model)
@@ -124,5 +135,4 @@ def build_from_folder(model_cls: type[nn.Module], config: object, path: Path,
     for name, p in model.named_parameters():
         if name in loaders:
             p.weight_loader = loaders[name]
-    load_weights_strict(model, path)
-    return model.eval().requires_grad_(False)
+    return model

@@ -44,11 +44,10 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from omnistage.models.diffusers_loader import checkpoint_dtype, iter_safetensors, keep_in_fp32
+from omnistage.models.diffusers_loader import build_empty, iter_safetensors
 from omnistage.models.hunyuan_video15_transformer import (HunyuanVideo15Transformer3DModel,
                                                           HunyuanVideo15TransformerConfig)
-from omnistage.models.loader import (_default_dtype, check_tensor_names, checkpoint_names,
-                                     load_packed_weights)
+from omnistage.models.loader import check_tensor_names, checkpoint_names, load_packed_weights
 
 # the upstream's resolution tiers (`SizeMap`, hunyuan_video_sr_pipeline.py): bucket side in px
 RESOLUTIONS = {"360p": 480, "480p": 640, "720p": 960, "1080p": 1440}
@@ -165,15 +164,7 @@ def load_original_transformer(path: str | Path, device: torch.device | str = "cp
     path = Path(path)
     cfg = config_from_original(json.loads((path / "config.json").read_text()),
                                path / "config.json")
-    with _default_dtype(dtype or checkpoint_dtype(path)), torch.device("meta"):
-        model = HunyuanVideo15Transformer3DModel(cfg)
-    keep_in_fp32(model)
-    loaders = {name: p.weight_loader for name, p in model.named_parameters()
-               if hasattr(p, "weight_loader")}
-    model = model.to_empty(device=device)
-    for name, p in model.named_parameters():
-        if name in loaders:
-            p.weight_loader = loaders[name]
+    model = build_empty(HunyuanVideo15Transformer3DModel, cfg, path, device, dtype)
     seen: list[str] = []
 
     def renamed() -> Iterator[tuple[str, Tensor]]:
