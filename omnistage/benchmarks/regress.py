@@ -195,6 +195,20 @@ def probe_agent(device: str, tiny: bool = False) -> Figures:
             for c in (1, 8)}
 
 
+def probe_speech(device: str, tiny: bool = False) -> Figures:
+    """Voxtral-TTS's and MiMo-Audio's released shapes (issue 43) at 1 and 8 requests: first
+    audio, its cliff and the real-time factor of each (`<family>_...`)."""
+    from omnistage.benchmarks import speech
+
+    out: Figures = {}
+    for family in ("voxtral-tts", "mimo-audio"):
+        cfg = speech.SpeechBenchConfig(family=family, tiny=tiny, concurrency=(1, 8),
+                                       device=device)
+        by_c = speech.run(cfg)["omnistage"]["by_concurrency"]
+        out.update(_speech_figures(by_c, f"{cfg.key}_"))
+    return out
+
+
 def _sizes(tiny: bool) -> str:
     return "tiny" if tiny else "bench"
 
@@ -215,7 +229,7 @@ def _speech_figures(by_c: dict, prefix: str) -> Figures:
 
 PROBES: dict[str, Callable[[str, bool], Figures]] = {
     "ar": probe_ar, "omni": probe_omni, "omni25": probe_omni25, "tts": probe_tts,
-    "duplex": probe_duplex, "agent": probe_agent}
+    "duplex": probe_duplex, "agent": probe_agent, "speech": probe_speech}
 
 
 def run(probes: tuple[str, ...], device: str, gpu: str, *, repeats: int = 1,

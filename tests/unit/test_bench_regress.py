@@ -85,7 +85,7 @@ def test_the_shipped_probes_name_the_issue_figures() -> None:
     names = regress._speech_figures(rows, "omni25_")
     assert names["omni25_first_audio_c8_over_c1"] == (pytest.approx(1.5), LOWER)
     assert {"omni25_rtf_c1", "omni25_rtf_c8", "omni25_first_audio_s_c8"} <= set(names)
-    assert set(regress.PROBES) == {"ar", "omni", "omni25", "tts", "duplex", "agent"}
+    assert set(regress.PROBES) == {"ar", "omni", "omni25", "tts", "duplex", "agent", "speech"}
 
 
 def test_the_committed_baselines_are_well_formed() -> None:

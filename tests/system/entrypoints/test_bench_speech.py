@@ -197,3 +197,19 @@ def test_released_shape_builders_serve(family: str, monkeypatch: pytest.MonkeyPa
         assert row["audio_s"] == pytest.approx([RELEASED_AUDIO_S[family](steps)]
                                                * row["requests"])
         assert row["first_audio_s"]["median"] <= row["e2e_s"]["median"]
+
+
+def test_the_regress_probe_of_speech_runs_tiny() -> None:
+    """`bench regress --probes speech` (the H200 baseline holds its figures) runs Voxtral-TTS
+    and MiMo-Audio at the tiny size on the CPU and names each family's figures."""
+    import math
+
+    from omnistage.benchmarks import regress
+
+    figures = regress.probe_speech("cpu", tiny=True)
+    for family in ("voxtral_tts", "mimo_audio"):
+        assert {f"{family}_{name}" for name in ("first_audio_s_c1", "first_audio_s_c8",
+                                                "first_audio_c8_over_c1", "rtf_c1", "rtf_c8")
+                } <= set(figures)
+    for value, better in figures.values():
+        assert better == regress.LOWER and math.isfinite(value) and value > 0
