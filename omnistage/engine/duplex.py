@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from omnistage.stages.moshi_duplex import MoshiDuplex, TickOutput
+from omnistage.stages.moshi_duplex import DuplexSampling, MoshiDuplex, TickOutput
 
 logger = logging.getLogger(__name__)
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.16, 0.25, 0.5, 1.0)
@@ -82,6 +82,7 @@ class DuplexSession:
         self.max_buffer_bytes = max_buffer_bytes
         self.stats = SessionStats()
         self.joined = False
+        self.sampling: DuplexSampling | None = None     # None: greedy
         self._inbox = bytearray()
         self._lock = threading.Lock()
 
@@ -157,13 +158,14 @@ class DuplexRuntime:
             _deliver(session, None, "shutdown")
         self.live.clear()
 
-    def open(self, deliver: Deliver) -> DuplexSession:
+    def open(self, deliver: Deliver, sampling: DuplexSampling | None = None) -> DuplexSession:
         """A new session, ticking from the next tick; SessionsFull at the maximum."""
         with self._lock:
             if len(self.live) >= self.max_sessions:
                 raise SessionsFull(f"the server already serves {self.max_sessions} duplex "
                                    "sessions, its maximum (--max-num-seqs)")
             session = DuplexSession(deliver, self.max_buffer_bytes)
+            session.sampling = sampling
             self.live[session.id] = session
             self._to_open.append(session)
         return session
@@ -212,7 +214,7 @@ class DuplexRuntime:
             for s in opening:
                 if s.id in self.live:
                     try:
-                        self.model.open(s.id)
+                        self.model.open(s.id, s.sampling)
                     except Exception:
                         logger.exception("duplex session %s failed to open", s.id)
                         failed.append(s)

@@ -22,7 +22,8 @@ session's decode waits for another's. The codec is batched too: each session own
 dimension), so a tick is one Mimi encode of every heard session, the engine's step, and one
 Mimi decode of every speaking session; their codes and audio come back to the host in one
 copy. On CUDA (`use_graphs`) the encode, the decode and the depth transformer replay CUDA
-graphs per batch-size bucket. Greedy throughout, as the reference.
+graphs per batch-size bucket. Greedy by default, as the reference; a session may sample its
+text and its audio codes (`DuplexSampling`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from omnistage.ar.engine import AREngine
 from omnistage.ar.inputs import StreamInput
 from omnistage.configs.schema import ARConfig, KVCacheConfig, SchedulerConfig
 from omnistage.layers.graph_capture import RowGraphs, graph_batch_sizes
-from omnistage.models.moshi.engine_model import MoshiStepLM
+from omnistage.models.moshi.engine_model import AUDIO_TEMPERATURE, AUDIO_TOP_K, MoshiStepLM
 from omnistage.models.moshi.mimi import MimiModel
 from omnistage.models.moshi.mimi_batch import MimiStreams, StreamGraphs
 from omnistage.models.qwen3_omni.talker import FRAME_CODES
@@ -54,6 +55,34 @@ class TickOutput:
     audio: Tensor | None         # (frame_size,) float32 waveform of that frame
     heard: bool                  # whether this tick consumed a frame (False: it joined)
     finished: bool = False       # the session used up the model's context
+
+
+@dataclass(frozen=True, slots=True)
+class DuplexSampling:
+    """A session's sampling: the inner monologue's text tokens and Moshi's audio codes, each a
+    temperature (0: greedy, the default, as the golden reference) and a top-k (0: all); seed:
+    the session's own RNG (None: the engine's). The released generation config samples:
+    text 0.7 / top-k 25, audio 0.8 / top-k 250."""
+    temperature: float = 0.0
+    top_k: int = 0
+    audio_temperature: float = 0.0
+    audio_top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("temperature", self.temperature),
+                            ("audio_temperature", self.audio_temperature)):
+            if not 0.0 <= value <= 2.0:
+                raise ValueError(f"{name}={value}: from 0 (greedy) to 2")
+        for name, k in (("top_k", self.top_k), ("audio_top_k", self.audio_top_k)):
+            if k < 0:
+                raise ValueError(f"{name}={k}: 0 (all tokens) or more")
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, seed=self.seed,
+                              max_tokens=max_tokens,
+                              extra={AUDIO_TEMPERATURE: self.audio_temperature,
+                                     AUDIO_TOP_K: self.audio_top_k})
 
 
 @dataclass(slots=True)
@@ -115,12 +144,18 @@ class MoshiDuplex:
         hidden = torch.zeros(1, self.model.depth_decoder.cfg.input_size, dtype=dt,
                              device=self.device)
         text = torch.zeros(1, dtype=torch.long, device=self.device)
-        depth = RowGraphs(self.model.depth_decoder.run_codebooks, (hidden, text),
-                          self.max_sessions)
-        for graphs in (encode, decode, depth):
+        run = self.model.depth_decoder.run_codebooks
+        depth = RowGraphs(run, (hidden, text), self.max_sessions)
+        vocab = self.model.depth_decoder.cfg.audio_vocab_size
+        sampled = RowGraphs(run, (hidden, text, torch.ones(1, device=self.device),
+                                  torch.zeros(1, dtype=torch.long, device=self.device),
+                                  torch.ones(1, k, vocab, device=self.device)),
+                            self.max_sessions)
+        for graphs in (encode, decode, depth, sampled):
             graphs.capture_all()
         self.encode_graphs, self.decode_graphs = self._encode, self._decode = encode, decode
         self.model.depth_decoder.graphs = depth
+        self.model.depth_decoder.sampled_graphs = sampled
 
     @property
     def frame_size(self) -> int:
@@ -135,7 +170,7 @@ class MoshiDuplex:
         """Ticks a session can last: the model's context less the unconditional frame."""
         return self.engine.max_model_len - 1
 
-    def open(self, sid: str) -> None:
+    def open(self, sid: str, sampling: DuplexSampling | None = None) -> None:
         if sid in self.sessions:
             raise ValueError(f"session {sid!r} is already open")
         if len(self.sessions) >= self.max_sessions:
@@ -143,7 +178,7 @@ class MoshiDuplex:
                              "serves at once")
         taken = {s.slot for s in self.sessions.values()}
         slot = next(i for i in range(self.max_sessions) if i not in taken)
-        params = SamplingParams(temperature=0.0, max_tokens=self.max_frames)
+        params = (sampling or DuplexSampling()).params(self.max_frames)
         self.engine.add_request(sid, None, params, prompt_embeds=self._unconditional,
                                 stream=StreamInput(embeds=None, open=True))
         self.streams.reset(slot)

@@ -6,9 +6,11 @@ matrix per codebook, checkpoint shape (K, out, in)) and no rope:
     pos 0:  text_embed_tokens[text]      + input_projections[0] @ h  -> lm_heads[0] -> code 0
     pos k:  embed_tokens[k - 1][code k-1] + input_projections[k] @ h -> lm_heads[k] -> code k
 
-Greedy (argmax), as transformers' `generate` runs it inside Moshi's. On CUDA, `graphs` (a
-`RowGraphs` of `run_codebooks`, set by the duplex stage when asked) replays `generate` (K
-codebooks x layers of small launches) as one graph per batch-size bucket.
+Greedy (argmax), as transformers' `generate` runs it inside Moshi's with do_sample off, or
+sampled per row (temperature, top-k: the released generation config samples, 0.8 / 250) by
+the exponential race with noise drawn outside (`draw`). On CUDA, `graphs` and
+`sampled_graphs` (`RowGraphs` of `run_codebooks`, set by the duplex stage when asked) replay
+`generate` (K codebooks x layers of small launches) as one graph per batch-size bucket.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import Tensor, nn
 from omnistage.layers import graph_capture
 from omnistage.layers.activation import SiluAndMul
 from omnistage.layers.norm import RMSNorm
+from omnistage.layers.sampling import apply_top_k_top_p
 from omnistage.models.moshi.config import DepthConfig
 
 
@@ -106,7 +109,8 @@ class MoshiDepthDecoder(nn.Module):
         self.input_projections = FlexibleLinear(cfg.input_size, cfg.hidden_size, n)
         self.layers = nn.ModuleList(DepthLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.lm_heads = FlexibleLinear(cfg.hidden_size, cfg.audio_vocab_size, n)
-        self.graphs: graph_capture.RowGraphs | None = None
+        self.graphs: graph_capture.RowGraphs | None = None            # greedy frames
+        self.sampled_graphs: graph_capture.RowGraphs | None = None    # sampled frames
 
     def step(self, hidden: Tensor, k: int, token: Tensor, caches: list[list[Tensor]]) -> Tensor:
         """Logits (B, audio_vocab) of code k, given the token before it (the text token for
@@ -118,17 +122,36 @@ class MoshiDepthDecoder(nn.Module):
         return self.lm_heads(h, k)
 
     @torch.inference_mode()
-    def generate(self, hidden: Tensor, text: Tensor) -> Tensor:
-        """Greedy codes (B, K) of one frame: hidden (B, input_size), text token (B,)."""
-        if self.graphs is not None and hidden.shape[0] <= self.graphs.sizes[-1]:
-            return self.graphs(hidden, text)
-        return self.run_codebooks(hidden, text)
+    def generate(self, hidden: Tensor, text: Tensor,
+                 sampling: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+        """Codes (B, K) of one frame: hidden (B, input_size), text token (B,); greedy, or
+        sampled per row (`sampling`: temperature (B,), top_k (B,), Exponential(1) noise
+        (B, K, audio_vocab); a row at temperature 0 stays greedy)."""
+        graphs = self.graphs if sampling is None else self.sampled_graphs
+        if graphs is not None and hidden.shape[0] <= graphs.sizes[-1]:
+            return graphs(hidden, text, *(sampling or ()))
+        return self.run_codebooks(hidden, text, *(sampling or ()))
 
-    def run_codebooks(self, hidden: Tensor, text: Tensor) -> Tensor:
+    def run_codebooks(self, hidden: Tensor, text: Tensor, temperature: Tensor | None = None,
+                      top_k: Tensor | None = None, noise: Tensor | None = None) -> Tensor:
         """`generate` eagerly: tensor work only, no host synchronisation."""
         caches: list[list[Tensor]] = [[] for _ in self.layers]
         token, codes = text, []
         for k in range(self.cfg.num_codebooks):
-            token = self.step(hidden, k, token, caches).argmax(-1)
+            logits = self.step(hidden, k, token, caches)
+            token = logits.argmax(-1) if temperature is None else \
+                draw(logits, temperature, top_k, noise[:, k])
             codes.append(token)
         return torch.stack(codes, dim=1)
+
+
+def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, noise: Tensor) -> Tensor:
+    """Each row's token from logits (B, V): temperature-scaled softmax over its top_k (0: all)
+    through the exponential race with its noise (B, V) (argmax of p / q, q ~ Exponential(1):
+    a draw from p), or the argmax where the temperature is 0 (the engine sampler's maths)."""
+    greedy = temperature <= 0
+    x = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
+    vocab = torch.full_like(top_k, x.shape[-1])
+    x = apply_top_k_top_p(x, torch.where(top_k > 0, top_k, vocab), torch.ones_like(temperature))
+    sampled = (torch.softmax(x, dim=-1) / noise).argmax(-1)
+    return torch.where(greedy, logits.argmax(-1), sampled)

@@ -34,6 +34,38 @@ from omnistage.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
 from omnistage.models.qwen3_omni.talker import FRAME_CODES
 
 
+AUDIO_TEMPERATURE, AUDIO_TOP_K = "audio_temperature", "audio_top_k"   # SamplingParams.extra
+
+
+def audio_sampling(seqs: list, num_codebooks: int, vocab: int, device: torch.device
+                   ) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The depth transformer's per-row sampling (temperature (B,), top_k (B,), noise
+    (B, K, vocab)) from each request's SamplingParams.extra (AUDIO_TEMPERATURE, AUDIO_TOP_K),
+    or None when every row is greedy. A seeded request's noise comes from its own generator
+    (the one its text tokens are drawn from, after them), so its frames depend only on its
+    seed; the others' from the global one."""
+    temps = [float(s.sampling_params.extra.get(AUDIO_TEMPERATURE, 0.0)) for s in seqs]
+    if not any(t > 0 for t in temps):
+        return None
+    noise = torch.ones(len(seqs), num_codebooks, vocab, device=device)
+    for i, (seq, t) in enumerate(zip(seqs, temps)):
+        if t > 0:
+            noise[i].exponential_(generator=_generator(seq, device))
+    top_k = [int(s.sampling_params.extra.get(AUDIO_TOP_K, 0)) for s in seqs]
+    return (torch.tensor(temps, device=device), torch.tensor(top_k, device=device), noise)
+
+
+def _generator(seq: object, device: torch.device) -> torch.Generator | None:
+    """The request's own generator where it has a seed (made as the engine's sampler makes
+    it, if its text was greedy), else None (the global one)."""
+    seed = seq.sampling_params.seed                                  # type: ignore[attr-defined]
+    if seed is None:
+        return None
+    if seq.generator is None:                                        # type: ignore[attr-defined]
+        seq.generator = torch.Generator(device=device).manual_seed(seed)  # type: ignore
+    return seq.generator                                             # type: ignore[attr-defined]
+
+
 def temporal_config(cfg: MoshiConfig) -> ModelConfig:
     return ModelConfig(
         architecture="MoshiForConditionalGeneration", model_type="moshi",
@@ -91,9 +123,12 @@ class MoshiStepLM(CausalLM):
 
     @torch.no_grad()
     def feedback(self, last: Tensor, ids: Tensor, seqs: list) -> tuple[Tensor, list]:
-        """-> the next inputs (B, H) and per row {FRAME_CODES: (K,)} (greedy codes, left on
-        the model's device: the duplex stage reads every session's back in one copy a tick)."""
-        codes = self.depth_decoder.generate(last, ids)              # (B, K)
+        """-> the next inputs (B, H) and per row {FRAME_CODES: (K,)} (codes greedy, or sampled
+        where a request asks (`audio_sampling`), left on the model's device: the duplex stage
+        reads every session's back in one copy a tick)."""
+        codes = self.depth_decoder.generate(last, ids, audio_sampling(
+            seqs, self.cfg.num_codebooks, self.depth_decoder.cfg.audio_vocab_size,
+            last.device))                                            # (B, K)
         # the hook runs before the step's embedding is recorded: none yet = the first frame
         later = torch.tensor([len(s.output_embeds) > 0 for s in seqs], device=last.device)
         acoustic = sum(self.embed_tokens[k](codes[:, k]) for k in range(1, codes.shape[1]))

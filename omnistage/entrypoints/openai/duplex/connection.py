@@ -25,7 +25,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omnistage.engine.duplex import DuplexRuntime, DuplexSession, SessionsFull, TickEvent
-from omnistage.entrypoints.openai.duplex.protocol import (MAX_EVENT_BYTES, check_type,
+from omnistage.entrypoints.openai.duplex.protocol import (MAX_EVENT_BYTES, check_type, sampling_of,
                                                           check_update, decode_audio,
                                                           session_json)
 from omnistage.entrypoints.openai.errors import APIError, check_model
@@ -64,9 +64,10 @@ class DuplexConnection(ResumableSocket):
         try:
             check_model(self.ws.query_params.get("model"), self.model_name)
             self._grace_s = grace_of(self.ws.query_params, self.grace_limit_s)
+            sampling = sampling_of(self.ws.query_params)
             self.session = self.runtime.open(
                 lambda ev, reason: loop.call_soon_threadsafe(self.outbox.put_nowait,
-                                                             (ev, reason)))
+                                                             (ev, reason)), sampling)
         except SessionsFull as exc:
             await self._refuse(APIError(429, str(exc), code="session_limit_reached"), 1013)
             return

@@ -23,6 +23,12 @@ says, OpenAI Realtime's conventions:
                 missed inputs, tick latency p50 / p99 / max
       error {error: {type, code, message, param, event_id}}   a bad event; the session goes on
 
+Sampling is chosen when the socket opens, by query parameters (ours, `sampling_of`):
+`temperature` and `top_k` of the inner monologue's text, `audio_temperature` and `audio_top_k`
+of Moshi's codes (0: greedy, the default; the released generation config samples 0.7 / 25 and
+0.8 / 250), `seed` (the session's own RNG); a bad value refuses the socket (close 1008) with
+an error naming the parameter.
+
 `tick`, `token_id`, `codes`, `heard`, `input_missed`, `latency_ms`, `missed_tick` and
 `session.ended` / `session.close` are our extensions (neither vLLM-Omni nor OpenAI defines
 them); clients that do not know them ignore them.
@@ -36,6 +42,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnistage.engine.duplex import DuplexSampling
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.realtime.protocol import parse
 
@@ -137,3 +144,28 @@ def session_json(session_id: str, model: str, rate: int, frame_samples: int, tic
                       "output": {"format": fmt}},
             "duplex": {"tick_ms": tick_ms, "frame_samples": frame_samples,
                        "max_ticks": max_ticks}}
+
+
+SAMPLING_PARAMS = {"temperature": float, "top_k": int, "audio_temperature": float,
+                   "audio_top_k": int, "seed": int}
+
+
+def sampling_of(query: Any) -> DuplexSampling:
+    """The session's sampling from the socket's query parameters (SAMPLING_PARAMS; those not
+    given: greedy); a 400 naming the parameter for a value that is not a number of its kind or
+    is out of range."""
+    values: dict[str, Any] = {}
+    for name, kind in SAMPLING_PARAMS.items():
+        raw = query.get(name)
+        if raw is None:
+            continue
+        try:
+            values[name] = kind(raw)
+        except ValueError:
+            raise bad_request(f"{name}={raw!r}: not {'an integer' if kind is int else 'a number'}",
+                              name) from None
+    try:
+        return DuplexSampling(**values)
+    except ValueError as exc:
+        param = str(exc).partition("=")[0]
+        raise bad_request(str(exc), param) from None

@@ -282,3 +282,22 @@ def test_the_api_key_guards_the_socket(setup, start_server):
     with connect(url, open_timeout=WAIT_S,     # a browser's way: OpenAI's subprotocol
                  subprotocols=["realtime", "openai-insecure-api-key.duplex-key"]) as ws:
         assert recv(ws)["type"] == "session.created"
+
+
+def test_sampling_from_the_query_and_bad_values_refused_by_name(setup):
+    """`temperature`, `top_k`, `audio_temperature`, `audio_top_k`, `seed` in the socket's
+    query choose the session's sampling (protocol.sampling_of); a bad one is an error event
+    naming it and the socket closes (1008); the server keeps serving."""
+    server, _, _ = setup
+    for query, param in (("&audio_temperature=hot", "audio_temperature"),
+                         ("&top_k=-3", "top_k"), ("&temperature=9", "temperature")):
+        ws = connect(f"ws://127.0.0.1:{server.port}/v1/duplex?model={MODEL}{query}",
+                     open_timeout=WAIT_S)
+        ev = recv(ws)
+        assert ev["type"] == "error" and ev["error"]["param"] == param, ev
+        ws.close()
+    ws, _ = open_session(server, "&temperature=0.9&top_k=20&audio_temperature=0.8"
+                                 "&audio_top_k=50&seed=4")
+    append(ws, script(3, 5))
+    assert ticks(ws, 3)[-1]["tick"] == 3
+    close(ws)
