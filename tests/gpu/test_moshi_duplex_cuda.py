@@ -2,7 +2,7 @@
 TF32. The batched Mimi streams replayed from real captures (`StreamGraphs` over `MimiStreams`:
 streams starting at different steps, one leaving and its slot reused, past the tiny codec's
 sliding window) give what each stream gives alone through mimi.py's per-stream
-`encode_step` / `decode_step`; the depth transformer's graphs (`DepthGraphs`) give eager
+`encode_step` / `decode_step`; the depth transformer's graphs (`RowGraphs` of `run_codebooks`) give eager
 `generate`'s codes; and `MoshiDuplex` on CUDA (graphs on by default) gives every session of a
 batch what it gives alone, replaying its graphs every tick."""
 
@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnistage.layers.graph_capture import graph_batch_sizes
-from omnistage.models.moshi.depth import DepthGraphs
+from omnistage.layers.graph_capture import RowGraphs, graph_batch_sizes
 from omnistage.models.moshi.mimi import MimiModel
 from omnistage.models.moshi.mimi_batch import MimiStreams, StreamGraphs
 from omnistage.models.moshi.model import MoshiForConditionalGeneration
@@ -83,7 +82,7 @@ def test_depth_graphs_equal_eager(tmp_path):
     hidden = torch.randn(5, depth.cfg.input_size, generator=g).to(CUDA)
     text = torch.randint(0, depth.cfg.vocab_size, (5,), generator=g).to(CUDA)
     want = depth.generate(hidden, text)
-    depth.graphs = DepthGraphs(depth, 8, CUDA, torch.float32)
+    depth.graphs = RowGraphs(depth.run_codebooks, (hidden[:1], text[:1]), 8)
     depth.graphs.capture_all()
     for b in (1, 3, 5):
         assert torch.equal(depth.generate(hidden[:b], text[:b]), want[:b])
@@ -120,3 +119,35 @@ def test_duplex_on_cuda_batched_equals_alone(tmp_path):
     depth = duplex.model.depth_decoder.graphs
     assert duplex.encode_graphs.num_replays == 6 * 4 and depth is not None
     assert depth.num_replays >= 7 * 4
+
+
+def test_sampled_sessions_on_cuda_equal_eager(tmp_path):
+    """Sampled sessions (DuplexSampling, seeded) replaying the sampled depth graphs give what
+    the same sessions give eagerly (the code logits flattened so that the draws show)."""
+    from omnistage.stages.moshi_duplex import DuplexSampling
+
+    path, _ = build_duplex_moshi(tmp_path / "moshi")
+    graphed = MoshiDuplex(path, device="cuda", max_sessions=3, block_size=4)
+    eager = MoshiDuplex(path, device="cuda", max_sessions=3, block_size=4, use_graphs=False)
+    sampling = DuplexSampling(temperature=1.0, top_k=20, audio_temperature=1.0,
+                              audio_top_k=50, seed=3)
+    g = torch.Generator().manual_seed(2)
+    script = [0.3 * torch.randn(1920, generator=g) for _ in range(6)]
+
+    def run(duplex: MoshiDuplex) -> list:
+        with torch.no_grad():
+            duplex.model.depth_decoder.lm_heads.weight.mul_(0.02)
+        duplex.open("g")
+        duplex.open("s", sampling)
+        got = []
+        for tick in range(7):
+            frames = {sid: script[tick - 1] for sid in "gs"} if tick else {}
+            outs = duplex.tick(frames)
+            got.append([(outs[sid].text_id, None if outs[sid].codes is None
+                         else outs[sid].codes.tolist()) for sid in "gs"])
+        return got
+
+    want = run(eager)
+    assert run(graphed) == want
+    assert [r[1] for r in want] != [r[0] for r in want]
+    assert graphed.model.depth_decoder.sampled_graphs.num_replays >= 6

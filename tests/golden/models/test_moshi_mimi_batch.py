@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from omnistage.layers import graph_capture
-from omnistage.models.moshi.depth import DepthGraphs
 from omnistage.models.moshi.mimi import MimiModel
 from omnistage.models.moshi.mimi_batch import MimiStreams, StreamGraphs
 from omnistage.models.moshi.model import MoshiForConditionalGeneration
@@ -106,7 +105,7 @@ def test_depth_graphs_equal_eager(tmp_path, monkeypatch):
     text = torch.randint(0, depth.cfg.vocab_size, (3,), generator=g)
     want = depth.generate(hidden, text)
     assert len(want.unique()) > 2
-    depth.graphs = DepthGraphs(depth, 4, torch.device("cpu"), torch.float32)
+    depth.graphs = graph_capture.RowGraphs(depth.run_codebooks, (hidden[:1], text[:1]), 4)
     depth.graphs.capture_all()
     for b in (1, 3):                                        # buckets 1 and 4 (padded)
         assert torch.equal(depth.generate(hidden[:b], text[:b]), want[:b])
