@@ -13,7 +13,8 @@ audio tokenizer's decoder as a generation stage.
                       still speaks (generation/mimo_audio.py)
 
 The patch decoder draws with the request's temperature / top-k / top-p (upstream has its own
-sampler settings for it). Speech in: a user turn's audio part, laid out by the front door
+sampler settings for it); on CUDA it replays from CUDA graphs (`ar.options.patch_cuda_graphs`,
+default on; off with `ar.enforce_eager`). Speech in: a user turn's audio part, laid out by the front door
 (models/mimo_audio/prompt.py), is encoded here by the audio tokenizer's encoder into its
 speech patches. One preset voice, "default" (the model's own); another voice is cloned from a
 reference clip (SamplingParams.extra "ref_audio": an uploaded voice, or the speech route's
@@ -25,7 +26,8 @@ tells the language from the text).
 
 from __future__ import annotations
 
-from dataclasses import replace
+import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -35,6 +37,7 @@ from omnistage.errors import InputError
 from omnistage.generation.mimo_audio import TOKENIZER_FOLDER
 from omnistage.models.loader import resolve_model_path
 from omnistage.models.mimo_audio.model import MiMoAudioForCausalLM
+from omnistage.models.mimo_audio.patch_graphs import PatchGraphs, RowSampling, decode_rows
 from omnistage.models.mimo_audio.prompt import (SPEECH_START, TEXT_START, SpecialIds,
                                                 segment_ids, speech_patches, text_patches)
 from omnistage.models.mimo_audio.tokenizer_encoder import MiMoAudioTokenizerEncoder
@@ -51,12 +54,22 @@ VOICE = "default"
 VOICE_OPTIONS = ("ref_audio", "ref_text", "instructions", "language")
 MIN_CLIP_S, MAX_CLIP_S = 0.5, 60.0      # a reference clip's length (the voice routes' limits)
 
+logger = logging.getLogger(__name__)
+
 
 def speech_spec(path: str | Path) -> SpeechSpec:
     """One preset voice, the model's own; style instructions; cloning when the folder has the
     audio tokenizer's encoder (audio_tokenizer/: it encodes the reference clip)."""
     has_encoder = (Path(path) / TOKENIZER_FOLDER / "config.json").is_file()
     return SpeechSpec(voices=(VOICE,), cloning=has_encoder, instructions=True)
+
+
+@dataclass(frozen=True, slots=True)
+class MiMoAudioOptions:
+    """The stage's `ar.options`: patch_cuda_graphs, on CUDA replay the patch decoder (its
+    group_size + max(delays) local-transformer passes and draws) as one CUDA graph per
+    batch-size bucket, greedy and sampled (checked against eager at start-up)."""
+    patch_cuda_graphs: bool = True
 
 
 def _load(path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple:
@@ -69,6 +82,8 @@ def _load(path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple:
 
 
 class MiMoAudioStage(ARStage):
+    Options = MiMoAudioOptions
+
     def __init__(self, stage: StageConfig, model: str, device: str) -> None:
         super().__init__(stage, model, device, loader=_load)
         if self.engine.tokenizer is None:
@@ -82,6 +97,12 @@ class MiMoAudioStage(ARStage):
     @property
     def model(self) -> MiMoAudioForCausalLM:
         return self.engine.model
+
+    def prepare(self) -> None:
+        if (self.engine.device.type == "cuda" and not self.stage.ar.enforce_eager
+                and self.options.patch_cuda_graphs):
+            self.model.patch_graphs = patch_graphs(self.model, self.stage.ar.max_num_seqs,
+                                                   self.engine.device, self.engine.dtype)
 
     def decode_graph_variant(self) -> tuple[tuple[int, ...], bool]:
         """Every decode is fed embeddings (the feedback hook's patch)."""
@@ -217,6 +238,34 @@ class MiMoAudioStage(ARStage):
                 out.finish_reason.value if out.finish_reason else None, out.error,
                 out.logprobs))
         return results
+
+
+@torch.inference_mode()
+def patch_graphs(model: MiMoAudioForCausalLM, max_batch: int, device: torch.device,
+                 dtype: torch.dtype) -> PatchGraphs | None:
+    """The patch decoder's CUDA graphs, every bucket captured, if 2 rows replayed through them
+    equal the eager `decode_rows`, greedy and sampled (one greedy row among them);
+    otherwise None, and the decoder runs eagerly."""
+    cfg = model.cfg
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(2, model.hidden_states_downcast.weight.shape[0], device=device,
+                    generator=gen).to(dtype)
+    noise = torch.empty(2, cfg.group_size, cfg.audio_channels, max(cfg.vocab_sizes),
+                        device=device).exponential_(generator=gen)
+    sampling = RowSampling(torch.tensor([0.9, 0.0], dtype=torch.float32, device=device),
+                           torch.tensor([20, 0], dtype=torch.int64, device=device),
+                           torch.tensor([0.95, 1.0], dtype=torch.float32, device=device), noise)
+    graphs = PatchGraphs.build(model, max_batch, device, dtype)
+    try:
+        graphs.capture_all()
+        for s in (None, sampling):
+            eager, replayed = decode_rows(model, x, s), graphs(x, s)
+            if not torch.equal(eager, replayed):
+                raise RuntimeError(f"patches differ: {eager.tolist()} vs {replayed.tolist()}")
+    except Exception as exc:   # capture not possible here: keep the eager path
+        logger.warning("the MiMo-Audio patch decoder runs without CUDA graphs: %s", exc)
+        return None
+    return graphs
 
 
 def build_stage(stage: StageConfig, model: str, device: str) -> ARStage:

@@ -22,8 +22,9 @@ patch's `patch_embeds`; the engine's sampler draws the text id; the `feedback` h
 patch decoder (greedy, or the request's temperature / top-k / top-p from its own generator) and
 feeds the new patch's `patch_embeds` to the next position. The two local decoders keep no cache
 (`private_cache`: the engine leaves them out) and run a fresh prefill over at most
-group_size + max(delays) rows. `generate` is the same maths without the engine (the golden
-reference of the layout).
+group_size + max(delays) rows, the patch decoder's draws pre-drawn and its passes on tensors
+alone (patch_graphs.py; on CUDA the stage replays them from CUDA graphs, `patch_graphs`).
+`generate` is the same maths without the engine (the golden reference of the layout).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omnistage.layers.attention import AttentionMetadata, forward_context
+from omnistage.layers.attention import AttentionMetadata
 from omnistage.layers.linear import Linear
 from omnistage.layers.parallel import VocabParallelEmbedding
 from omnistage.layers.sampling import GREEDY_EPS, apply_top_k_top_p
@@ -43,6 +44,9 @@ from omnistage.models.causal_lm import CausalLM
 from omnistage.models.config import ModelConfig
 from omnistage.models.loader import load_packed_weights
 from omnistage.models.mimo_audio.config import MiMoAudioConfig
+from omnistage.models.mimo_audio.patch_graphs import (DenseMetas, PatchGraphs, decode_rows,
+                                                      dense_metadata, forward_dense,
+                                                      row_sampling)
 from omnistage.models.qwen3_omni.talker import FRAME_CODES
 from omnistage.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
 
@@ -50,26 +54,18 @@ from omnistage.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
 def dense_forward(model: Qwen2Model, embeds: Tensor) -> Tensor:
     """embeds (N, L, hidden): N independent sequences of L rows, causal, no cache -> the
     decoder's output after its final norm, (N, L, hidden)."""
-    n, length, hidden = embeds.shape
-    dev = embeds.device
-    qsl = list(range(0, n * length + 1, length))
-    md = AttentionMetadata(
-        slot_mapping=torch.zeros(n * length, dtype=torch.int64, device=dev),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-        seq_lens=torch.full((n,), length, dtype=torch.int32, device=dev),
-        block_tables=torch.zeros(n, 1, dtype=torch.int32, device=dev),
-        query_start_loc_cpu=qsl, seq_lens_cpu=[length] * n, max_query_len=length,
-        max_seq_len=length)
-    model.layers[0].self_attn.attn.backend.prepare(md, False)
-    positions = torch.arange(length, device=dev).repeat(n)
-    with forward_context(md):
-        h, _ = model(positions, positions, embeds.reshape(n * length, hidden))
-    return h.view(n, length, -1)
+    n, length, _ = embeds.shape
+    positions = torch.arange(length, device=embeds.device).repeat(n)
+    return forward_dense(model, embeds, dense_metadata(n, length, embeds.device), positions)
 
 
-class _BidirectionalAttention:
-    """An attention backend for N cache-less sequences of one length, each attending to all
-    of its rows (the patch encoder with input_full_attention)."""
+class _DenseAttention:
+    """An attention backend for N cache-less sequences of one length in one batched SDPA:
+    causal (the patch decoder), or each row attending to all of its sequence (the patch
+    encoder with input_full_attention). Reads only the metadata's host sizes."""
+
+    def __init__(self, causal: bool) -> None:
+        self.causal = causal
 
     def prepare(self, md: AttentionMetadata, has_cache: bool) -> None:
         pass
@@ -81,6 +77,7 @@ class _BidirectionalAttention:
         def heads(x: Tensor) -> Tensor:                        # (N L, H, D) -> (N, H, L, D)
             return x.view(n, length, *x.shape[1:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), scale=scale,
+                                           is_causal=self.causal and length > 1,
                                            enable_gqa=q.shape[1] != k.shape[1])
         return o.transpose(1, 2).reshape(q.shape)
 
@@ -126,7 +123,9 @@ class MiMoAudioForCausalLM(CausalLM):
                 layer.self_attn.attn.private_cache = True
         if cfg.input_full_attention:
             for layer in self.input_local_transformer.layers:
-                layer.self_attn.attn.backend = _BidirectionalAttention()
+                layer.self_attn.attn.backend = _DenseAttention(causal=False)
+        for layer in self.local_transformer.layers:
+            layer.self_attn.attn.backend = _DenseAttention(causal=True)
         self.local_transformer_lm_heads = nn.ModuleList(
             Linear(d_loc, v, bias=False) for v in cfg.vocab_sizes)
         self.speech_embeddings = nn.ModuleList(
@@ -135,6 +134,9 @@ class MiMoAudioForCausalLM(CausalLM):
                                            if d_in != d_loc else None)
         self.speech_group_downcast = Linear(d_in * cfg.group_size, d_llm, bias=False)
         self.hidden_states_downcast = Linear(d_llm, d_loc, bias=False)
+        # the patch decoder's metadata per batch size, and its CUDA graphs (the stage's)
+        self.patch_metas = DenseMetas(cfg.group_size + max(cfg.delays))
+        self.patch_graphs: PatchGraphs | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, empty_idx: int,
@@ -211,8 +213,11 @@ class MiMoAudioForCausalLM(CausalLM):
         extras: list = [None] * len(texts)
         if rows:
             picked = torch.tensor(rows, device=dev)
-            decoded = self.decode_patches(self.hidden_states_downcast(last[picked]),
-                                          [_drawer(seqs[i]) for i in rows])
+            x = self.hidden_states_downcast(last[picked])
+            sampling = row_sampling(self, [seqs[i] for i in rows], dev)
+            graphs = self.patch_graphs
+            decoded = (graphs(x, sampling) if graphs is not None and len(rows) <=
+                       graphs.max_batch else decode_rows(self, x, sampling))
             speech[picked] = decoded
             for i, codes in zip(rows, decoded.cpu()):               # one copy to the host
                 extras[i] = {FRAME_CODES: codes}
@@ -229,7 +234,9 @@ class MiMoAudioForCausalLM(CausalLM):
                        ) -> Tensor:
         """`decode_patch` of B rows at once: x (B, hidden_local), draws[b] row b's draw ->
         (B, group_size, channels). Rows never mix (independent sequences through the local
-        transformer, each row's logits drawn by its own draw, in the same order as alone)."""
+        transformer, each row's logits drawn by its own draw, in the same order as alone).
+        The reference of per-row draws: the feedback hook runs `patch_graphs.decode_rows`,
+        the same ids from tensors alone (its noise pre-drawn in this order)."""
         cfg, g = self.cfg, self.cfg.group_size
         b = x.shape[0]
         tokens = torch.zeros(b, g, cfg.audio_channels, dtype=torch.long, device=x.device)
