@@ -30,15 +30,19 @@ builds HiFT), the flow's noise upstream's fixed buffer (seed 0).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-from omnistage.diffusion.pipelines.cosyvoice3 import CloneInput, fixed_noise, token2mel
+from omnistage.diffusion.pipelines.cosyvoice3 import CloneInput, fixed_noise, solve, token2mel
+from omnistage.layers.graph_capture import PaddedShapes, ShapeGraphs
+from omnistage.models.cosyvoice3.flow import CausalMaskedDiffWithDiT
 from omnistage.models.cosyvoice3.hift import SourceNoise
 from omnistage.models.cosyvoice3.model import CosyVoice3
 from omnistage.payloads import SAMPLE_RATE, AudioChunk, Payload, TokenDelta, VoicePrompt
@@ -48,6 +52,7 @@ from omnistage.utils import trace
 _TOKENS, _VOICE, _OFFSET, _HOP, _MEL, _SENT, _CLOSED, _DONE = (
     "cosyvoice3.tokens", "cosyvoice3.voice", "cosyvoice3.offset", "cosyvoice3.hop",
     "cosyvoice3.mel", "cosyvoice3.sent", "cosyvoice3.closed", "cosyvoice3.done")
+GRAPH_ROWS = 16              # the most rows of a graphed flow call (cuda_graphs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,19 @@ class CosyVoice3FlowOptions:
     token_hop_len: int = 25
     token_max_hop_len: int = 100
     stream_scale_factor: int = 2
+    # the flow's DiT in bfloat16 (`CausalMaskedDiffWithDiT.compute_in`: its matmuls and
+    # attention; the Euler state, the token encoder and HiFT stay float32). Off (upstream's
+    # float32) until a GPU run measures its speed and its mel / waveform SNR against float32
+    # (tests/gpu/test_cosyvoice3_flow_cuda.py; issue 43)
+    flow_dtype: Literal["float32", "bfloat16"] = "float32"
+    # each flow call's Euler steps (all num_steps guided velocities) replayed from one CUDA
+    # graph, CUDA only (elsewhere eager): the batch padded to 1, 2, 4, 8 or 16 rows of a
+    # multiple of graph_frames frames up to graph_max_frames (a row padded equals its run
+    # alone; a longer or larger batch runs eagerly), each shape captured the first time it
+    # runs. Off until a GPU run measures it (the same test, bench speech)
+    cuda_graphs: bool = False
+    graph_frames: int = 64
+    graph_max_frames: int = 4096
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -72,6 +90,9 @@ class CosyVoice3FlowOptions:
                              f"{self.token_max_hop_len}: need 1 <= hop <= max hop")
         if self.stream_scale_factor < 1:
             raise ValueError(f"stream_scale_factor={self.stream_scale_factor}: must be >= 1")
+        if not 1 <= self.graph_frames <= self.graph_max_frames:
+            raise ValueError(f"graph_frames={self.graph_frames}, graph_max_frames="
+                             f"{self.graph_max_frames}: need 1 <= graph_frames <= max")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +113,17 @@ class CosyVoice3Generator:
         self.hop = model.cfg.hift.samples_per_frame
         self.lookahead = model.cfg.flow.pre_lookahead_len
         self.info = {SAMPLE_RATE: model.sample_rate}
+        if options.flow_dtype == "bfloat16":
+            model.flow.compute_in(torch.bfloat16)
+        self.graphs: FlowGraphs | None = None
+        if options.cuda_graphs and device.type == "cuda":
+            self.use_graphs()
+
+    def use_graphs(self, capture_after: int = 1) -> None:
+        """Pad every flow call to a planned shape and replay its Euler steps from CUDA graphs
+        (`FlowGraphs`; CPU tests: under an emulated capture)."""
+        self.graphs = FlowGraphs(self.model.flow, self.options.graph_frames,
+                                 self.options.graph_max_frames, capture_after)
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, component: str, device: torch.device,
@@ -140,8 +172,9 @@ class CosyVoice3Generator:
         if jobs:
             start = time.time()
             mels = token2mel(self.model.flow, [j.clone for j in jobs], self.noise,
-                             self.options.num_steps)
-            trace.span("cosyvoice3.flow", start, rows=len(jobs),
+                             self.options.num_steps,
+                             None if self.graphs is None else self.graphs.shapes, self.graphs)
+            trace.span("cosyvoice3.flow", start, rows=len(jobs), graphs=self.graphs is not None,
                        tokens=[int(j.clone.tokens.shape[0]) for j in jobs])
             ratio = self.model.cfg.flow.token_mel_ratio
             for j, mel in zip(jobs, mels):
@@ -210,6 +243,32 @@ class CosyVoice3Generator:
         wave = wave.reshape(-1).float().cpu()
         trace.span("cosyvoice3.hift", start, frames=int(mel.shape[0]))
         return wave
+
+
+class FlowGraphs:
+    """`solve` (a flow call's Euler steps) replayed from CUDA graphs, one per planned shape:
+    rows 1, 2, 4, 8, 16 (GRAPH_ROWS) of a multiple of `frames` frames up to `max_frames`
+    (token2mel pads a batch to `shapes`), each captured the `capture_after`-th time it runs;
+    any other shape runs eagerly."""
+
+    def __init__(self, flow: CausalMaskedDiffWithDiT, frames: int, max_frames: int,
+                 capture_after: int = 1) -> None:
+        self.flow = flow
+        lengths = tuple(range(frames, max_frames + 1, frames))
+        self.shapes = PaddedShapes(lengths, GRAPH_ROWS * lengths[-1], GRAPH_ROWS)
+        self.graphs = ShapeGraphs(functools.partial(solve, flow),
+                                  max_graphs=len(self.shapes.all()),
+                                  capture_after=capture_after)
+
+    @property
+    def num_replays(self) -> int:
+        return self.graphs.num_replays
+
+    def __call__(self, x: Tensor, *rest: Tensor) -> Tensor:
+        rows, length = x.shape[:2]
+        if length in self.shapes.lengths and rows in self.shapes.row_sizes(length):
+            return self.graphs(x, *rest)
+        return solve(self.flow, x, *rest)
 
 
 def _take(x: dict[str, Tensor], state: dict) -> None:

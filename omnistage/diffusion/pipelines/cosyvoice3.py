@@ -14,11 +14,14 @@ so the same tokens give the same mel (the reference's CausalConditionalCFM.rand_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from omnistage.diffusion.solvers.cosine_euler import cosine_times, euler_update
+from omnistage.layers.graph_capture import PaddedShapes
 from omnistage.models.cosyvoice3.flow import CausalMaskedDiffWithDiT
 
 NOISE_FRAMES = 50 * 300      # upstream's buffer: 300 s of 50 Hz mel
@@ -44,14 +47,21 @@ class CloneInput:
                                  # are only the look-ahead of those before (no mel of theirs)
 
 
+Solver = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
 @torch.no_grad()
 def token2mel(flow: CausalMaskedDiffWithDiT, inputs: list[CloneInput], noise: Tensor,
-              num_steps: int = 10) -> list[Tensor]:
+              num_steps: int = 10, shapes: PaddedShapes | None = None,
+              solver: Solver | None = None) -> list[Tensor]:
     """Each request's mel (T_b, mel) past its prompt, the requests batched together (rows
     padded on the right; a row equals its run alone). A row with finalize=False gets no mel
     for its last pre_lookahead_len tokens: they are the look-ahead of those before, which see
     them as upstream's PreLookaheadLayer `context` (the same as the zero-padded whole run's
-    first rows: conv1 reads ahead, conv2 is causal)."""
+    first rows: conv1 reads ahead, conv2 is causal).
+    shapes: the batch padded further, to shapes.rows(B, T) rows of shapes.length(T) frames
+    (padding rows: one frame, no speaker, no prompt), what CUDA graphs replay; solver: what
+    runs the Euler steps, `solve`'s arguments but the flow (default: `solve` itself)."""
     ratio, dev = flow.cfg.token_mel_ratio, noise.device
     seqs = [torch.cat([i.prompt_tokens, i.tokens]).to(dev) for i in inputs]
     lengths = torch.tensor([len(s) for s in seqs], device=dev)
@@ -61,16 +71,36 @@ def token2mel(flow: CausalMaskedDiffWithDiT, inputs: list[CloneInput], noise: Te
                         device=dev)
     frames = (lengths - held) * ratio
     mu = mu * (torch.arange(mu.shape[1], device=dev)[None] < frames[:, None])[..., None]
-    cond = torch.zeros_like(mu)
-    for b, i in enumerate(inputs):
-        assert i.prompt_mel.shape[0] <= int(frames[b]), (i.prompt_mel.shape, int(frames[b]))
-        cond[b, :i.prompt_mel.shape[0]] = i.prompt_mel.to(cond)
     spks = flow.speaker(torch.stack([i.xvector for i in inputs]).to(mu))
-    x = noise[:mu.shape[1]].to(mu).unsqueeze(0).repeat(len(inputs), 1, 1)
-    streaming = torch.tensor([i.streaming for i in inputs], device=dev)
+    num, length = len(inputs), mu.shape[1]
+    if shapes is not None:
+        num, length = shapes.rows(len(inputs), length), shapes.length(length)
+    frames_cpu = [int(f) for f in frames.cpu()]                       # one copy, one sync
+    cond = mu.new_zeros(num, length, mu.shape[2])
+    for b, i in enumerate(inputs):
+        assert i.prompt_mel.shape[0] <= frames_cpu[b], (i.prompt_mel.shape, frames_cpu[b])
+        cond[b, :i.prompt_mel.shape[0]] = i.prompt_mel.to(cond)
+    mu = F.pad(mu, (0, 0, 0, length - mu.shape[1], 0, num - mu.shape[0]))
+    spks = F.pad(spks, (0, 0, 0, num - spks.shape[0]))
+    frames = F.pad(frames, (0, num - frames.shape[0]), value=1)
+    streaming = torch.tensor([i.streaming for i in inputs] + [False] * (num - len(inputs)),
+                             device=dev)
+    x = noise[:length].to(mu).unsqueeze(0).repeat(num, 1, 1)
     times = cosine_times(num_steps, dev, mu.dtype)
-    for k in range(num_steps):
-        t = times[k].expand(len(inputs))
+    if solver is None:
+        x = solve(flow, x, mu, spks, cond, frames, streaming, times)
+    else:
+        x = solver(x, mu, spks, cond, frames, streaming, times)
+    return [x[b, i.prompt_mel.shape[0]:frames_cpu[b]] for b, i in enumerate(inputs)]
+
+
+def solve(flow: CausalMaskedDiffWithDiT, x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor,
+          frames: Tensor, streaming: Tensor, times: Tensor) -> Tensor:
+    """The Euler steps over `times` (num_steps + 1,) from the noise x (B, T, mel), float32
+    whatever the DiT computes in: tensor work only (no host sync, no host data), so that a
+    CUDA graph can replay it (generation/cosyvoice3.py's `cuda_graphs`)."""
+    for k in range(times.shape[0] - 1):
+        t = times[k].expand(x.shape[0])
         v = flow.guided_velocity(x, t, mu, spks, cond, frames, streaming)
         x = euler_update(x, v, times[k], times[k + 1])
-    return [x[b, i.prompt_mel.shape[0]:int(frames[b])] for b, i in enumerate(inputs)]
+    return x

@@ -155,16 +155,27 @@ class DiT(nn.Module):
                 lengths: Tensor, streaming: Tensor) -> Tensor:
         """x, mu, cond (B, T, mel), t (B,), spks (B, mel), lengths (B,), streaming (B,) bool
         (upstream's chunk mask) -> velocity (B, T, mel).
-        Rows are padded on the right; a row's first lengths[b] frames see none past them."""
+        Rows are padded on the right; a row's first lengths[b] frames see none past them.
+        The inputs are cast to the DiT's dtype (`compute_in`), the velocity back to x's."""
+        dtype = self.proj_out.weight.dtype
         temb = self.time_embed(t)
-        h = self.input_embed(x, cond, mu, spks)
+        h = self.input_embed(x.to(dtype), cond.to(dtype), mu.to(dtype), spks.to(dtype))
         cos_sin = self.rotary_embed(h.shape[1], h.dtype)
         mask = self.attention_mask(lengths, h.shape[1], streaming)
         valid = (torch.arange(h.shape[1], device=h.device)[None, :] < lengths[:, None])
         valid = valid.unsqueeze(-1).to(h.dtype)                            # (B, T, 1)
         for block in self.transformer_blocks:
             h = block(h, temb, cos_sin, mask, valid)
-        return self.proj_out(self.norm_out(h, temb))
+        return self.proj_out(self.norm_out(h, temb)).to(x.dtype)
+
+    def compute_in(self, dtype: torch.dtype) -> None:
+        """Run the transformer in `dtype` (bfloat16: its matmuls, convolutions and attention),
+        its inputs and velocity staying in theirs (the Euler state float32), as Qwen2.5-Omni's
+        `Token2WavDiT.compute_in`; the rotary frequencies stay float32 (their angles reach
+        the thousands)."""
+        for module in self.children():
+            if module is not self.rotary_embed:
+                module.to(dtype)
 
 
 class PreLookaheadLayer(nn.Module):
@@ -211,6 +222,11 @@ class CausalMaskedDiffWithDiT(nn.Module):
         h = self.input_embedding(tokens.clamp(min=0)) * keep.unsqueeze(-1).to(
             self.input_embedding.weight.dtype)
         return self.pre_lookahead_layer(h).repeat_interleave(self.cfg.token_mel_ratio, dim=1)
+
+    def compute_in(self, dtype: torch.dtype) -> None:
+        """The DiT in `dtype` (`DiT.compute_in`); the token encoder and the speaker
+        projection, run once a chunk, keep theirs."""
+        self.estimator.compute_in(dtype)
 
     def speaker(self, xvector: Tensor) -> Tensor:
         """(B, spk_embed_dim) x-vector -> (B, mel)."""
