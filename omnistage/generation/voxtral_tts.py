@@ -66,16 +66,29 @@ class VoxtralTTSGenerator:
     @torch.inference_mode()
     def generate(self, inputs: list[dict[str, Tensor]], states: list[dict],
                  is_last: list[bool]) -> list[dict[str, Tensor]]:
-        out: list[dict[str, Tensor]] = []
+        """Each request's ready chunk; the chunks of one length (the first chunks of requests
+        that started together, most of all) decoded in one batched call."""
+        jobs: list[tuple[Tensor, int] | dict[str, Tensor]] = []
         for x, state, last in zip(inputs, states, is_last):
             frames = CodecFrames.unpack(x)
             if frames is not None and frames.codes.numel():
                 state.setdefault(_FRAMES, []).append(frames.codes.to(torch.long).cpu())
-            out.append(self.ready(state, last))
-        return out
+            jobs.append(self.ready(state, last))
+        by_length: dict[int, list[int]] = {}
+        for i, job in enumerate(jobs):
+            if isinstance(job, tuple):
+                by_length.setdefault(job[0].shape[0], []).append(i)
+        waves: dict[int, Tensor] = {}
+        for rows in by_length.values():
+            batch = self.decode_batch([jobs[i][0] for i in rows])         # type: ignore[index]
+            waves.update(zip(rows, batch))
+        return [AudioChunk(waves[i][job[1]:]).pack() if isinstance(job, tuple) else job
+                for i, job in enumerate(jobs)]
 
-    def ready(self, state: dict, last: bool) -> dict[str, Tensor]:
-        """The audio of the frames ready to decode (all at the end), packed; {} if none."""
+    def ready(self, state: dict, last: bool) -> tuple[Tensor, int] | dict[str, Tensor]:
+        """The frames ready to decode (all at the end) as (frames (T, 37), samples of left
+        context to drop), or a packed answer without decoding ({}: none; an empty chunk at an
+        end with nothing left)."""
         frames = state.get(_FRAMES, [])
         total, done = sum(len(f) for f in frames), state.get(_DONE, 0)
         o = self.options
@@ -90,19 +103,16 @@ class VoxtralTTSGenerator:
                 return {}
             if done > 0:
                 end = done + (total - done) // o.chunk_frames * o.chunk_frames
-        if end <= done:
+        if end <= done or not frames:
             return AudioChunk(torch.zeros(0)).pack() if last else {}
         start = max(0, done - o.left_context)
-        wave = self.decode([torch.cat(frames)[start:end]]) if frames else torch.zeros(0)
         state[_DONE] = end
-        if start < done:
-            wave = wave[(done - start) * self.model.cfg.samples_per_frame:]
-        return AudioChunk(wave).pack()
+        return torch.cat(frames)[start:end], (done - start) * self.model.cfg.samples_per_frame
 
-    def decode(self, chunks: list[Tensor]) -> Tensor:
-        """(frames, 37) chunks in the LLM's code space -> (frames * samples,) float32, CPU."""
-        if not chunks:
-            return torch.zeros(0)
-        codes = (torch.cat(chunks) - N_SPECIALS).clamp(min=0).T[None]     # (1, 37, T)
+    def decode_batch(self, chunks: list[Tensor]) -> list[Tensor]:
+        """Chunks of one length (T, 37) in the LLM's code space -> each (T * samples,)
+        float32 on the CPU, in one forward (the decoder is per row: a row equals its
+        decode alone) and one copy."""
+        codes = (torch.stack(chunks) - N_SPECIALS).clamp(min=0).transpose(1, 2)   # (B, 37, T)
         dev = self.model.semantic_table.device
-        return self.model(codes.to(dev)).reshape(-1).float().cpu()
+        return list(self.model(codes.to(dev)).float().cpu())

@@ -47,3 +47,36 @@ def test_streamed_chunks_equal_the_whole_decode() -> None:
         assert got.shape == whole.shape and seam < 1e-5, (per_step, chunk, float(seam))
     short = _stream(codec, frames, 1, chunk_frames=5, first_chunk_frames=2, left_context=1)
     assert (short - whole).abs().max() / whole.abs().max() > 1e-3     # the context matters
+
+
+def test_requests_in_one_call_equal_each_alone() -> None:
+    """The stage hands the decoder every request of a step: chunks of one length decode in
+    one batched forward (two requests that started together), others alone (a third, three
+    steps behind); each request's audio equals its stream alone."""
+    codec = VoxtralCodecDecoder.from_pretrained(TINY).float().eval()
+    g = torch.Generator().manual_seed(5)
+    frames = {r: torch.cat([torch.randint(2, 42, (n, 1), generator=g),
+                            torch.randint(2, 23, (n, 6), generator=g)], 1)
+              for r, n in (("a", 23), ("b", 23), ("c", 17))}
+    start = {"a": 0, "b": 0, "c": 3}
+    options = dict(chunk_frames=5, first_chunk_frames=2)
+    gen = VoxtralTTSGenerator(codec, VoxtralDecoderOptions(**options))
+    states: dict[str, dict] = {r: {} for r in frames}
+    parts: dict[str, list] = {r: [] for r in frames}
+    calls = []
+    gen_decode = gen.decode_batch
+    gen.decode_batch = lambda chunks: calls.append(len(chunks)) or gen_decode(chunks)
+    for step in range(max(start[r] + len(f) for r, f in frames.items())):
+        live = [r for r in frames if 0 <= step - start[r] < len(frames[r])]
+        outs = gen.generate([CodecFrames(frames[r][step - start[r]:][:1]).pack() for r in live],
+                            [states[r] for r in live],
+                            [step - start[r] == len(frames[r]) - 1 for r in live])
+        for r, out in zip(live, outs):
+            if out:
+                parts[r].append(AudioChunk.unpack(out).samples)
+    assert max(calls) >= 2                                          # a and b decoded together
+    for r, f in frames.items():
+        alone = _stream(codec, f, 1, **options)
+        got = torch.cat(parts[r])
+        assert got.shape == alone.shape and alone.abs().max() > 0.1
+        assert (got - alone).abs().max() <= 1e-5 * alone.abs().max(), r
