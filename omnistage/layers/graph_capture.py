@@ -6,12 +6,15 @@ function."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 import torch
 
 T = TypeVar("T")
+G = TypeVar("G")
+logger = logging.getLogger(__name__)
 
 
 def capture_graph(fn: Callable[[], T], pool: tuple[int, int] | None
@@ -194,3 +197,21 @@ class RowGraphs:
         graph.replay()                                                # type: ignore[attr-defined]
         self.num_replays += 1
         return out[:b].clone()
+
+
+def checked(graphs: G, capture: Callable[[], None],
+            runs: Iterable[tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]],
+            what: str) -> G | None:
+    """`graphs` once `capture` has run and every (eager, replayed) pair of `runs` gave equal
+    tensors; otherwise (a capture that fails here, or a replay that differs) None, with a
+    warning that `what` runs eagerly: the start-up check of a model's own graphs."""
+    try:
+        capture()
+        for eager, replayed in runs:
+            want, got = eager(), replayed()
+            if not torch.equal(want, got):
+                raise RuntimeError(f"replay differs: {want.tolist()} vs {got.tolist()}")
+    except Exception as exc:   # capture not possible here: keep the eager path
+        logger.warning("%s runs without CUDA graphs: %s", what, exc)
+        return None
+    return graphs

@@ -26,7 +26,6 @@ tells the language from the text).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import torch
 from omnistage.configs.schema import StageConfig
 from omnistage.errors import InputError
 from omnistage.generation.mimo_audio import TOKENIZER_FOLDER
+from omnistage.layers.graph_capture import checked
 from omnistage.models.loader import resolve_model_path
 from omnistage.models.mimo_audio.model import MiMoAudioForCausalLM
 from omnistage.models.mimo_audio.patch_graphs import PatchGraphs, RowSampling, decode_rows
@@ -53,8 +53,6 @@ from omnistage.stages.voice import reference_waveform, requested_voice
 VOICE = "default"
 VOICE_OPTIONS = ("ref_audio", "ref_text", "instructions", "language")
 MIN_CLIP_S, MAX_CLIP_S = 0.5, 60.0      # a reference clip's length (the voice routes' limits)
-
-logger = logging.getLogger(__name__)
 
 
 def speech_spec(path: str | Path) -> SpeechSpec:
@@ -256,16 +254,9 @@ def patch_graphs(model: MiMoAudioForCausalLM, max_batch: int, device: torch.devi
                            torch.tensor([20, 0], dtype=torch.int64, device=device),
                            torch.tensor([0.95, 1.0], dtype=torch.float32, device=device), noise)
     graphs = PatchGraphs.build(model, max_batch, device, dtype)
-    try:
-        graphs.capture_all()
-        for s in (None, sampling):
-            eager, replayed = decode_rows(model, x, s), graphs(x, s)
-            if not torch.equal(eager, replayed):
-                raise RuntimeError(f"patches differ: {eager.tolist()} vs {replayed.tolist()}")
-    except Exception as exc:   # capture not possible here: keep the eager path
-        logger.warning("the MiMo-Audio patch decoder runs without CUDA graphs: %s", exc)
-        return None
-    return graphs
+    return checked(graphs, graphs.capture_all,
+                   [(lambda s=s: decode_rows(model, x, s), lambda s=s: graphs(x, s))
+                    for s in (None, sampling)], "the MiMo-Audio patch decoder")
 
 
 def build_stage(stage: StageConfig, model: str, device: str) -> ARStage:

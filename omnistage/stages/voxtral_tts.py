@@ -19,7 +19,6 @@ has no encoder weights.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 
 from omnistage.configs.schema import StageConfig
 from omnistage.errors import InputError
-from omnistage.layers.graph_capture import RowGraphs
+from omnistage.layers.graph_capture import RowGraphs, checked
 from omnistage.models.loader import resolve_model_path
 from omnistage.models.qwen3_omni.talker import FRAME_CODES
 from omnistage.models.voxtral_tts.head import VoxtralFlowHead
@@ -44,8 +43,6 @@ TOKENIZER = "tekken.json"
 VOICES = "voice_embedding"
 DEFAULT_VOICE = "cheerful_female"       # vLLM-Omni's when none is named
 SAMPLE_RATE = 24000
-
-logger = logging.getLogger(__name__)
 
 
 def preset_voices(path: str | Path) -> tuple[str, ...]:
@@ -150,15 +147,9 @@ def head_graphs(head: VoxtralFlowHead, max_batch: int, device: torch.device,
     alpha = torch.full((2,), DEFAULT_CFG_ALPHA, device=device, dtype=dtype)
     noise = torch.randn(2, head.cfg.n_acoustic_codebook, device=device, generator=gen).to(dtype)
     graphs = RowGraphs(head, (h, alpha, noise), max_batch)
-    try:
-        graphs.capture_all()
-        eager, replayed = head(h, alpha, noise), graphs(h, alpha, noise)
-        if not torch.equal(eager, replayed):
-            raise RuntimeError(f"frames differ: {eager.tolist()} vs {replayed.tolist()}")
-    except Exception as exc:   # capture not possible here: keep the eager path
-        logger.warning("the Voxtral-TTS head runs without CUDA graphs: %s", exc)
-        return None
-    return graphs
+    return checked(graphs, graphs.capture_all,
+                   [(lambda: head(h, alpha, noise), lambda: graphs(h, alpha, noise))],
+                   "the Voxtral-TTS head")
 
 
 def build_stage(stage: StageConfig, model: str, device: str) -> ARStage:
