@@ -57,6 +57,9 @@ class AREngine:
                              f"and cfg-parallel sizes must be 1, got {self.ranks.sizes}")
         self.device = resolve_device(config.device)
         path = resolve_model_path(config.model)
+        # what other stages of this process (backend inproc, built one at a time) hold
+        before = (torch.cuda.memory_allocated(self.device) if self.device.type == "cuda"
+                  else 0)
         self.model, self.model_config, self.hf_config = (loader or load_model)(
             path, self.device, resolve_dtype(config.dtype, path, self.device))
         quantize_model(self.model, config.quantization, self.device)
@@ -66,7 +69,7 @@ class AREngine:
         sched = config.scheduler
         self.kv_layout: KVCacheLayout
         self.kv_layout, self.max_model_len = size_kv_cache(
-            self.model, self.model_config, config, self.device, self.dtype)
+            self.model, self.model_config, config, self.device, self.dtype, before)
         self.block_manager = BlockManager(self.kv_layout.num_blocks, self.kv_layout.block_size,
                                           config.kv_cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager, self.max_model_len)

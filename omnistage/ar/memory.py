@@ -108,10 +108,12 @@ def gpu_kv_blocks(memory_fraction: float, total: int, weights: int, peak: int, f
 
 
 def size_kv_cache(model: nn.Module, cfg: ModelConfig, config: ARConfig, device: torch.device,
-                  dtype: torch.dtype) -> tuple[KVCacheLayout, int]:
+                  dtype: torch.dtype, allocated_before: int = 0) -> tuple[KVCacheLayout, int]:
     """(the KV cache's layout, the engine's max_model_len): the configured length (at most the
     model's max_position_embeddings: above it is refused), lowered to what the cache holds,
-    since a request alone must always fit or preemption could never make room for it."""
+    since a request alone must always fit or preemption could never make room for it.
+    `allocated_before`: the device's bytes allocated before this stage loaded its model (under
+    backend inproc, the stages built before it), not counted as its weights."""
     sched = config.scheduler
     limit = cfg.max_position_embeddings
     if sched.max_model_len is not None and sched.max_model_len > limit:
@@ -120,7 +122,7 @@ def size_kv_cache(model: nn.Module, cfg: ModelConfig, config: ARConfig, device: 
     max_model_len = sched.max_model_len or limit
     layout = determine_kv_layout(model, cfg, config.kv_cache, device, dtype,
                                  sched.max_num_batched_tokens, max_model_len, sched.max_num_seqs,
-                                 config.memory_fraction)
+                                 config.memory_fraction, allocated_before)
     capacity = layout.num_blocks * layout.block_size
     if capacity < max_model_len:
         logger.warning("KV cache holds %d tokens: max_model_len lowered from %d",
@@ -131,14 +133,14 @@ def size_kv_cache(model: nn.Module, cfg: ModelConfig, config: ARConfig, device: 
 
 def determine_kv_layout(model: nn.Module, cfg: ModelConfig, kv: KVCacheConfig,
                         device: torch.device, dtype: torch.dtype, max_num_batched_tokens: int,
-                        max_model_len: int, max_num_seqs: int, memory_fraction: float = 0.9
-                        ) -> KVCacheLayout:
+                        max_model_len: int, max_num_seqs: int, memory_fraction: float = 0.9,
+                        allocated_before: int = 0) -> KVCacheLayout:
     num_kv_heads = local_kv_heads(model, cfg)
     one = _layout(cfg, kv, dtype, 1, num_kv_heads)
     if kv.num_blocks is not None:
         return _layout(cfg, kv, dtype, kv.num_blocks, num_kv_heads)
     if device.type == "cuda":
-        weights = torch.cuda.memory_allocated(device)
+        weights = torch.cuda.memory_allocated(device) - allocated_before
         peak = profile_peak_activation(model, max_num_batched_tokens, max_model_len, device)
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(device).total_memory

@@ -68,6 +68,11 @@ class Placement:
     ray_gpus: float | None = field(default=None, metadata=meta(
         "backend ray: the share of one GPU each rank's actor asks for; null: memory_fraction "
         "(a tenth for a generation stage); a stage of several ranks takes whole GPUs"))
+    stream_priority: int = field(default=0, metadata=meta(
+        "CUDA priority of the stream the stage's work runs on: 0 normal, negative higher "
+        "(Hopper's range is -5..0; torch clamps to the device's); stages that share a GPU in "
+        "one process (backend inproc) get the higher one's kernels run first, while processes "
+        "on one GPU time-slice and their priorities do not meet"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
@@ -91,6 +96,8 @@ class Placement:
                        "each must be a non-empty list of distinct indices >= 0")
         if self.ray_gpus is not None and not 0.0 < self.ray_gpus <= 1.0:
             raise _bad(self, "ray_gpus", "must be in (0, 1]")
+        if self.stream_priority > 0:
+            raise _bad(self, "stream_priority", "must be <= 0 (0: normal; negative: higher)")
         if any(not v > 0 for v in self.ray_resources.values()):
             raise _bad(self, "ray_resources", "each amount must be > 0")
 
@@ -295,6 +302,11 @@ class DiffusionSettings:
         "keep the transformer's blocks in host memory, each copied to the GPU as it comes: "
         "true (one block ahead) or the blocks fetched ahead; for a transformer larger than "
         "its GPU (neither compiled nor graphed then)"))
+    cudnn_attention: bool = field(default=True, metadata=meta(
+        "attention through cuDNN's kernel (1.7x flash's at Qwen-Image's 1024 px on an H200); "
+        "it builds a graph once per new sequence length (each prompt length is one): false "
+        "serves the first request of each length sooner. The switch is the process's: "
+        "backend inproc keeps it off"))
     options: dict[str, object] = field(default_factory=dict, hash=False, metadata=meta(
         "the fields of the pipeline class's `Options` record, checked when the stage is "
         "built (SD3's skip_layer_guidance)"))

@@ -3,6 +3,11 @@
 Used when stages run in-process (tests, debugging). `put` clones each tensor (contiguous, on the
 device it came from), so the producer may reuse its buffers at once; `get` pops the clones and
 moves them to the requested device (CPU by default), so a same-device hand-off costs one copy.
+
+Stages on one GPU may each run on a stream of their own (`placement.stream_priority`): `put`
+records an event on the producer's stream after the clones, and `get` makes the consumer's
+stream wait for it and marks the clones as used there (`record_stream`), so the producer's
+allocator does not hand their memory out again while the consumer still reads it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ class InprocConnector(Connector):
 
     def __init__(self) -> None:
         super().__init__()
-        self.chunks: dict[ChunkKey, dict[str, Tensor]] = {}
+        # each chunk's clones, and the event after them on each CUDA device's current stream
+        self.chunks: dict[ChunkKey, tuple[dict[str, Tensor], list[torch.cuda.Event]]] = {}
         # stage threads and the orchestrator's release a request's chunks at the same time
         self._lock = threading.Lock()
 
@@ -34,7 +40,7 @@ class InprocConnector(Connector):
                   for name, t in tensors.items()}
         with self._lock:
             assert key not in self.chunks, f"chunk {key} was put twice"
-            self.chunks[key] = clones
+            self.chunks[key] = clones, _record_events(clones)
         self.stats.add_put(nbytes, time.perf_counter() - start)
         return TensorHandle(key=key, kind=self.kind, tensors=metas, nbytes=nbytes)
 
@@ -43,10 +49,12 @@ class InprocConnector(Connector):
         start = time.perf_counter()
         self.check_handle(handle)
         with self._lock:
-            tensors = self.chunks.pop(handle.key, None)
-        if tensors is None:
+            chunk = self.chunks.pop(handle.key, None)
+        if chunk is None:
             raise KeyError(f"inproc connector holds no chunk {handle.key} "
                            "(already consumed or released)")
+        tensors, events = chunk
+        _wait_events(tensors, events)
         target = torch.device("cpu" if device is None else device)
         out = {name: t.to(target) for name, t in tensors.items()}
         self.stats.add_get(handle.nbytes, time.perf_counter() - start)
@@ -66,3 +74,28 @@ class InprocConnector(Connector):
     def close(self) -> None:
         with self._lock:
             self.chunks.clear()
+
+
+def _record_events(tensors: Mapping[str, Tensor]) -> list[torch.cuda.Event]:
+    """An event on the current stream of each CUDA device the tensors are on."""
+    events = []
+    for device in {t.device for t in tensors.values() if t.is_cuda}:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return events
+
+
+def _wait_events(tensors: Mapping[str, Tensor], events: list[torch.cuda.Event]) -> None:
+    """The consumer's current streams wait for the producer's events; the tensors are marked
+    as used on them."""
+    if not events:
+        return
+    streams = {t.device: torch.cuda.current_stream(t.device)
+               for t in tensors.values() if t.is_cuda}
+    for stream in streams.values():
+        for event in events:
+            stream.wait_event(event)
+    for t in tensors.values():
+        if t.is_cuda:
+            t.record_stream(streams[t.device])

@@ -18,6 +18,7 @@ Process lifecycle:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import logging
@@ -51,6 +52,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WATCHDOG_PERIOD_S = 0.2
+# Stages of one process (backend inproc) build their engines one at a time: a stage loading
+# its first kernels (a module load syncs the device) while another captures its CUDA graphs
+# invalidates the capture (seen on an H200: "operation failed due to a previous error during
+# capture"). Requests come only when every stage is ready, so serving never waits on it.
+_INPROC_BUILDS = threading.Lock()
 
 
 def check_gpu_placement(graph: GraphConfig, device: str) -> None:
@@ -141,18 +147,28 @@ def make_stage_connector(spec: WorkerSpec) -> Connector:
     raise ValueError(f"connector {kind!r} cannot cross processes (use shm or tcp)")
 
 
-def use_device(device: str) -> None:
-    """Make the stage's GPU this thread's current device: Triton launches (and torch.cuda calls
-    without a device) go to the current device, not the tensors'."""
-    if not device.startswith("cuda:"):
+def use_device(spec: WorkerSpec) -> None:
+    """Make the stage's GPU this thread's current device (Triton launches, and torch.cuda calls
+    without a device, go to the current device, not the tensors'), and its work this thread's
+    stream at the stage's `placement.stream_priority` (the current stream is per thread)."""
+    if not spec.device.startswith("cuda:"):
         return
     import torch
 
-    torch.cuda.set_device(torch.device(device))
+    stage = spec.graph.stage(spec.stage)
+    torch.cuda.set_device(torch.device(spec.device))
     # cuDNN's attention builds a graph per new input shape: 60 to 960 ms each on an H100
     # (measured on code2wav's stream windows), where the flash and memory-efficient kernels
-    # need none; and prompts and streams bring new shapes all the time
-    torch.backends.cuda.enable_cudnn_sdp(False)
+    # need none, and prompts and streams bring new shapes all the time. A diffusion stage
+    # sees few shapes (a resolution and a prompt length), and there cuDNN's kernel is 1.7x
+    # flash's (346 against 586 us a call, Qwen-Image at 1024 px, H200): it keeps cuDNN unless
+    # told not to, in a process of its own (the switch is the process's)
+    diffusion = stage.diffusion if stage.kind == "diffusion" else None
+    torch.backends.cuda.enable_cudnn_sdp(diffusion is not None and diffusion.cudnn_attention
+                                         and spec.graph.backend != "inproc")
+    if stage.placement.stream_priority:
+        torch.cuda.set_stream(torch.cuda.Stream(torch.device(spec.device),
+                                                priority=stage.placement.stream_priority))
 
 
 def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector,
@@ -169,11 +185,12 @@ def run_worker(spec: WorkerSpec, ctx: zmq.Context, connector: Connector,
     inbox.connect(spec.inbox)
     try:
         try:
-            use_device(spec.device)
+            use_device(spec)
             stage = spec.graph.stage(spec.stage)
             if stage.parallel.world_size > 1:
                 ranks.join_stage_group(spec, stage)
-            worker = StageWorker(stage, spec.graph, connector, spec.device, spec.replica)
+            with contextlib.nullcontext() if own_process else _INPROC_BUILDS:
+                worker = StageWorker(stage, spec.graph, connector, spec.device, spec.replica)
         except BaseException as exc:
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             logger.error("stage %s failed to start:\n%s", spec.stage, traceback.format_exc())

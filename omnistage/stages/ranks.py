@@ -135,13 +135,13 @@ def join_stage_group(spec: WorkerSpec, stage: StageConfig) -> None:
                      backend, timeout_s=stage.timeouts.startup_s)
 
 
-def follow(spec: WorkerSpec, use_device: Callable[[str], None]) -> None:
+def follow(spec: WorkerSpec, use_device: Callable[[WorkerSpec], None]) -> None:
     """A follower rank's life: join the group, build the stage's engine like rank 0 does, then
     run the forwards rank 0's plans name until it says stop."""
     from omnistage.stages.factory import build_stage_engine
 
     stage = spec.graph.stage(spec.stage)
-    use_device(spec.device)
+    use_device(spec)
     join_stage_group(spec, stage)
     engine = build_stage_engine(stage, spec.graph.model, spec.device)
     gc.collect()      # as rank 0 does: the model lives as long as the stage, out of the

@@ -211,6 +211,7 @@ def test_missing_required_key_names_the_key() -> None:
      "stages[1].ar.kv_cache.block_size: must be a power of two, got 24"),
     ({"placement": {"devices": []}}, "stages[1].placement.devices: must be a non-empty list"),
     ({"placement": {"devices": [0, 0]}}, "stages[1].placement.devices: must not repeat a device"),
+    ({"placement": {"stream_priority": 1}}, "stages[1].placement.stream_priority: must be <= 0"),
     ({"timeouts": {"step_s": 0}}, "stages[1].timeouts.step_s: must be > 0"),
     ({"name": "talk.er"}, "stages[1].name: must be letters, digits"),
     ({"ar": {"sampling": {"temperature": -1}}},
