@@ -23,8 +23,9 @@ not a measurement. `omnistage bench serve` loads any running OpenAI-compatible s
 (serve.py).
 
 Run as modules (`python -m omnistage.benchmarks.NAME`): ar_offline (offline throughput and
-single-stream decode against transformers), profile_ar and profile_tts (where a step's time
-goes), soak (the server for minutes under mixed and hostile load), cli_startup (how fast the
-command line answers), control_latency (a control message's round trip), and kernels/ (our
-GPU kernels alone).
+single-stream decode against transformers), ar_quant (a stage quantized at load, fp8 / int8 /
+int4, against bf16: single-stream decode speed-up and token agreement), profile_ar and
+profile_tts (where a step's time goes), soak (the server for minutes under mixed and hostile
+load), cli_startup (how fast the command line answers), control_latency (a control message's
+round trip), and kernels/ (our GPU kernels alone).
 """

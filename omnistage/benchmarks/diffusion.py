@@ -61,7 +61,8 @@ class DiffusionBenchConfig:
     vae_base_dim: int = 16
     compile: bool = False                 # also time our transformer with compile_blocks
     # fp8 / int8: also our transformer with 8-bit linears (benchmarks/diffusion_fp8.py);
-    # COMPONENT=METHOD,...: transformer fp8 / int8 and attention fp8 (`split_quantization`)
+    # COMPONENT=METHOD,...: transformer fp8 / int8 and attention fp8 (`split_quantization`);
+    # gguf: its linears as GGUF Q8_0 and Q4_0 blocks (benchmarks/diffusion_gguf.py)
     quantization: str | None = None
     device: str = "auto"
     seed: int = 0
@@ -101,11 +102,14 @@ class DiffusionBenchConfig:
 
 
 def split_quantization(spec: str) -> tuple[str | None, str | None]:
-    """`--quantization` -> (the linears' method: fp8, int8 or None; the attention's: fp8 or
-    None) from `fp8`, `int8` or `transformer=fp8|int8`, `attention=fp8` joined by commas."""
+    """`--quantization` -> (the linears' method: fp8, int8, gguf or None; the attention's: fp8
+    or None) from `fp8`, `int8` or `transformer=fp8|int8`, `attention=fp8` joined by commas,
+    or `gguf` / `transformer=gguf` alone (no file: the bench quantizes its own weights)."""
     from omnistage.configs.quantization import Quantization
 
-    message = (f"quantization={spec!r}: fp8, int8, or transformer=fp8|int8 and/or "
+    if spec.replace(" ", "") in ("gguf", "transformer=gguf"):
+        return "gguf", None
+    message = (f"quantization={spec!r}: fp8, int8, gguf, or transformer=fp8|int8 and/or "
                "attention=fp8 (comma-separated)")
     try:
         items = Quantization.parse(spec).items()

@@ -18,6 +18,9 @@ clients that speak as the protocol's apps do.
                     (detection), and from speech_started to response.done with status
                     cancelled, and the two together; and from speech_started until no stage
                     holds the answer any more (polled on /metrics)
+    turn-taking     realtime_turns.py: per turn_detection mode, from the end of speech
+                    (sent in real time, silence after it) to the commit and to the first
+                    audio (turn_taking_s: the best mode's median to the commit)
 
 The server's thinker is greedy and ignores eos, so every answer is exactly thinker_tokens long;
 the talker stops at its codec eos or talker_tokens frames.
@@ -26,8 +29,6 @@ the talker stops at its codec eos or talker_tokens frames.
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import os
 import signal
 import subprocess
@@ -42,15 +43,16 @@ import httpx
 import numpy as np
 import torch
 
+from omnistage.benchmarks import realtime_turns
 from omnistage.benchmarks.common import environment, free_device_memory, summary
+from omnistage.benchmarks.realtime_client import RATE, TURN_TIMEOUT_S, open_session
+from omnistage.benchmarks.realtime_turns import TurnTakingConfig
 from omnistage.testing.processes import free_port
-from omnistage.testing.speech_like import pcm16, speech_like
+from omnistage.testing.speech_like import speech_like
 from omnistage.utils.device import resolve_device
 
 MODEL = "qwen3-omni-bench"
 START_TIMEOUT_S = 900
-TURN_TIMEOUT_S = 300
-RATE = 24000             # the input rate of a session that declares none (OpenAI's PCM16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,7 @@ class RealtimeBenchConfig:
     talker_tokens: int = 200                  # codec frames at most (12.5 a second): random
                                               # weights rarely say their codec eos
     barge_ins: int = 3
+    turn_taking: TurnTakingConfig = TurnTakingConfig()
     device: str = "auto"
     seed: int = 0
 
@@ -118,51 +121,11 @@ class Server:
         self.log.close()
 
 
-class Session:
-    """One client: a WebSocket and the events it reads."""
-
-    def __init__(self, ws: Any) -> None:
-        self.ws = ws
-
-    async def send(self, kind: str, **fields: Any) -> None:
-        await self.ws.send(json.dumps({"type": kind, **fields}))
-
-    async def until(self, kind: str) -> tuple[dict[str, Any], float]:
-        """The first event of `kind` and when it arrived (errors raise)."""
-        while True:
-            ev = json.loads(await asyncio.wait_for(self.ws.recv(), TURN_TIMEOUT_S))
-            if ev["type"] == "error":
-                raise RuntimeError(f"realtime error: {ev['error']}")
-            if ev["type"] == kind:
-                return ev, time.perf_counter()
-
-    async def speak(self, audio: np.ndarray, chunk_s: float = 0.1,
-                    real_time: bool = False) -> None:
-        step = int(RATE * chunk_s)
-        for i in range(0, len(audio), step):
-            data = base64.b64encode(pcm16(audio[i:i + step])).decode("ascii")
-            await self.send("input_audio_buffer.append", audio=data)
-            if real_time:
-                await asyncio.sleep(chunk_s)
-
-
-async def _open(url: str, model: str, session: dict[str, Any]) -> Session:
-    from websockets.asyncio.client import connect
-
-    ws = await connect(f"{url}/v1/realtime?model={model}".replace("http", "ws", 1),
-                       max_size=None, open_timeout=60)
-    s = Session(ws)
-    await s.until("session.created")
-    await s.send("session.update", session=session)
-    await s.until("session.updated")
-    return s
-
-
 async def _turns(url: str, model: str, cfg: RealtimeBenchConfig, idx: int,
                  start: asyncio.Barrier) -> list[dict[str, float | int]]:
     """One session's spoken turns (all sessions commit each turn together)."""
-    s = await _open(url, model, {"max_output_tokens": cfg.thinker_tokens,
-                          "audio": {"input": {"turn_detection": None}}})
+    s = await open_session(url, model, {"max_output_tokens": cfg.thinker_tokens,
+                                        "audio": {"input": {"turn_detection": None}}})
     rows = []
     try:
         for turn in range(cfg.turns):
@@ -186,8 +149,9 @@ async def _turns(url: str, model: str, cfg: RealtimeBenchConfig, idx: int,
 
 async def _barge_in(url: str, model: str, cfg: RealtimeBenchConfig) -> dict[str, float]:
     """Speech over a streaming answer: detection, then cancellation through every stage."""
-    s = await _open(url, model, {"max_output_tokens": 4096, "audio": {"input": {"turn_detection": {
-        "type": "server_vad", "silence_duration_ms": 500, "create_response": False}}}})
+    s = await open_session(url, model, {"max_output_tokens": 4096, "audio": {"input": {
+        "turn_detection": {"type": "server_vad", "silence_duration_ms": 500,
+                           "create_response": False}}}})
     try:
         await s.send("conversation.item.create", item={"type": "message", "role": "user",
                      "content": [{"type": "input_text", "text": "Tell me a long story."}]})
@@ -227,7 +191,7 @@ async def _stages_released(url: str) -> float:
 
 async def measure(url: str, model: str, cfg: RealtimeBenchConfig) -> dict[str, Any]:
     """The clients' side against a server at `url` serving `model`: every concurrency's turns,
-    then the barge-ins."""
+    the barge-ins, then turn-taking (realtime_turns.py)."""
     by_c: dict[str, Any] = {}
     for c in cfg.concurrency:
         barrier = asyncio.Barrier(c)
@@ -245,7 +209,10 @@ async def measure(url: str, model: str, cfg: RealtimeBenchConfig) -> dict[str, A
             "rows": sessions}
     barge = [await _barge_in(url, model, cfg) for _ in range(cfg.barge_ins)]
     return {"by_concurrency": by_c,
-            "barge_in": {k: summary([b[k] for b in barge]) for k in barge[0]}}
+            "barge_in": {k: summary([b[k] for b in barge]) for k in barge[0]},
+            "turn_taking": await realtime_turns.measure(url, model, cfg.turn_taking,
+                                                        cfg.utterance_s, cfg.thinker_tokens,
+                                                        cfg.seed)}
 
 
 def headline(ours: dict[str, Any], cfg: RealtimeBenchConfig) -> dict[str, float | None]:
@@ -258,6 +225,7 @@ def headline(ours: dict[str, Any], cfg: RealtimeBenchConfig) -> dict[str, float 
                 "realtime_barge_in_stages_released_s": barge["stages_released_s"]["median"]})
     out.update({f"realtime_cached_fraction_c{c}": by_c[str(c)]["cached_fraction_later_turns"]
                 for c in cfg.concurrency})
+    out.update(realtime_turns.headline(ours["turn_taking"]))
     return out
 
 
@@ -276,7 +244,7 @@ def run(cfg: RealtimeBenchConfig) -> dict[str, object]:
             server.wait_ready()
             startup = time.perf_counter() - t0
             warm = replace(cfg, concurrency=(1,), turns=1, utterance_s=0.5, thinker_tokens=4,
-                           barge_ins=1)
+                           barge_ins=1, turn_taking=replace(cfg.turn_taking, repeats=1))
             asyncio.run(measure(server.url, MODEL, warm))       # first steps, first VAD
             ours = asyncio.run(measure(server.url, MODEL, cfg))
         except BaseException:
@@ -296,4 +264,11 @@ def run(cfg: RealtimeBenchConfig) -> dict[str, object]:
                      "speech sent over a streaming answer to its response.done (cancelled); "
                      "detect_s to speech_started, cancel_s from there to response.done, "
                      "stages_released_s from there until /metrics shows no stage holding a "
-                     "request (an upper bound: one /metrics round trip asks every stage)."}
+                     "request (an upper bound: one /metrics round trip asks every stage). "
+                     "turn_taking: per turn_detection mode, from the last 20 ms piece of "
+                     "speech sent in real time (silence follows, also in real time) to "
+                     "input_audio_buffer.committed (commit_s) and to the first "
+                     "response.output_audio.delta (first_audio_s); turn_taking_s is the "
+                     "median commit_s of best_mode, the mode with the lowest; server: the "
+                     "server's own omnistage_realtime_turn_taking_seconds over the phase "
+                     "(from speech_stopped, so without the silence waited for)."}

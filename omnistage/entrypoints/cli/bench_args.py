@@ -44,6 +44,10 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers")
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name for name in text.split(",") if name)
+
+
 def _common(q: argparse.ArgumentParser, func: Runner) -> None:
     """The options every benchmark takes."""
     q.add_argument("--tiny", action="store_true",
@@ -200,7 +204,8 @@ def _add_diffusion(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser
                            "or INT8 W8A8 linears (--tiny: on the CPU): fp8, int8, or "
                            "transformer=fp8|int8 and/or attention=fp8 (FP8 attention); speed "
                            "against diffusers eager and compiled, image and latent PSNR "
-                           "against our bf16, with and without step caching")
+                           "against our bf16, with and without step caching; gguf: its "
+                           "linears as GGUF Q8_0 and Q4_0 blocks (PSNR, memory, speed)")
     diff.add_argument("--no-cuda-graphs", action="store_true",
                       help="with --parallel: every layout's transformer eager (by default "
                            "its forwards replay from CUDA graphs on a GPU, as a stage's)")
@@ -248,6 +253,14 @@ def _add_realtime(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     help="text tokens of each answer (default 32; tiny 4)")
     rt.add_argument("--talker-tokens", type=int, default=200,
                     help="codec frames of an answer at most (12.5 a second of speech)")
+    rt.add_argument("--turn-modes", type=_names, default=("server_vad", "semantic_vad"),
+                    help="turn_detection modes whose turn-taking is timed, comma-separated "
+                         "(none: the empty string)")
+    rt.add_argument("--turn-repeats", type=int, default=3, help="spoken turns per mode")
+    rt.add_argument("--silence-duration-ms", type=int, default=500,
+                    help="server_vad's silence_duration_ms (the server's default)")
+    rt.add_argument("--eagerness", default="auto", choices=("low", "medium", "high", "auto"),
+                    help="semantic_vad's eagerness (the server's default)")
     return rt
 
 

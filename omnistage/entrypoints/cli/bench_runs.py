@@ -147,7 +147,9 @@ def run_realtime(args: argparse.Namespace) -> Outcome:
         sizes="tiny" if args.tiny else "bench", concurrency=args.concurrency, turns=args.turns,
         utterance_s=args.utterance_s, device=args.device, seed=args.seed,
         thinker_tokens=args.thinker_tokens or (4 if args.tiny else 32),
-        talker_tokens=args.talker_tokens)
+        talker_tokens=args.talker_tokens, turn_taking=realtime.TurnTakingConfig(
+            modes=args.turn_modes, repeats=args.turn_repeats,
+            silence_duration_ms=args.silence_duration_ms, eagerness=args.eagerness))
     result = realtime.run(cfg)
     return result, f"realtime_qwen3-omni-{cfg.sizes}", result["ratios"]
 
@@ -206,8 +208,10 @@ def run_diffusion(args: argparse.Namespace) -> Outcome:
         text_len=args.text_len or 64, cache_thresholds=args.cache_thresholds,
         concurrency=args.concurrency, compile=args.compile, quantization=args.quantization)
     from omnistage.benchmarks.diffusion_fp8 import bench_fp8
+    from omnistage.benchmarks.diffusion_gguf import bench_gguf
 
-    result = diffusion.run(cfg, fp8=bench_fp8)
+    gguf = cfg.quantization and diffusion.split_quantization(cfg.quantization)[0] == "gguf"
+    result = diffusion.run(cfg, fp8=bench_gguf if gguf else bench_fp8)
     # fp8, or transformer=fp8,attention=fp8 -> _transformer-fp8_attention-fp8
     suffix = ("_" + cfg.quantization.replace("=", "-").replace(",", "_")
               if cfg.quantization else "")

@@ -292,7 +292,9 @@ def test_the_benchmark_clients(server: Server) -> None:
     from omnistage.benchmarks import realtime
 
     cfg = realtime.RealtimeBenchConfig(sizes="tiny", concurrency=(1, 2), turns=2,
-                                       utterance_s=0.5, thinker_tokens=3, barge_ins=1)
+                                       utterance_s=0.5, thinker_tokens=3, barge_ins=1,
+                                       turn_taking=realtime.TurnTakingConfig(modes=()))
+    # (turn-taking has its own test: test_realtime_bench_turns.py)
     ours = asyncio.run(realtime.measure(server.url, MODEL, cfg))
     head = realtime.headline(ours, cfg)
     assert all(0 < head[f"realtime_first_audio_s_c{c}"] < WAIT_S for c in (1, 2))
