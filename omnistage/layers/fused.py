@@ -176,11 +176,14 @@ def silu_linear(act: nn.Module, linear: nn.Module, x: Tensor) -> Tensor:
     return linear(act(x))
 
 
+EIGHT_BIT = (torch.float8_e4m3fn, torch.int8)
+
+
 def _fp8_scale(linear: nn.Module) -> Tensor | None:
-    """An FP8 linear's weight scale (layers/fp8.py Fp8Linear: the matrix-vector kernel reads
-    its e4m3 weight and scales the sums; then `finish` does its tensor-parallel part), else
-    None."""
-    return linear.weight_scale if linear.weight.dtype == torch.float8_e4m3fn else None
+    """An 8-bit linear's weight scale (layers/fp8.py Fp8Linear, layers/int8.py Int8Linear:
+    the matrix-vector kernel reads its e4m3 / int8 weight and scales the sums; then `finish`
+    does its tensor-parallel part), else None."""
+    return linear.weight_scale if linear.weight.dtype in EIGHT_BIT else None
 
 
 def _gemv_linear(gemv: ModuleType, linear: nn.Module, x: Tensor, silu: bool) -> Tensor:
@@ -188,7 +191,7 @@ def _gemv_linear(gemv: ModuleType, linear: nn.Module, x: Tensor, silu: bool) -> 
     partial result all-reduced, its bias in rank 0's part only (RowParallelLinear.forward)."""
     run = gemv.silu_linear if silu else gemv.linear
     scale = _fp8_scale(linear)
-    if scale is not None:       # an Fp8Linear: its 8-bit weight read with its scale
+    if scale is not None:       # an 8-bit linear: its weight read with its scale
         return linear.finish(run(x, linear.weight, linear.bias, scale))
     if isinstance(linear, RowParallelLinear):
         return linear.reduce(run(x, linear.weight, linear.local_bias))

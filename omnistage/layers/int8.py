@@ -14,7 +14,9 @@ measured in tests/golden/layers/test_int8.py and docs/quantization.md.
 Which layers: those `quantize_fp8` would take (layers/fp8.py: the model's `fp8_keep` patterns,
 K or N below `min_features`, sides not a multiple of 16 stay as they are); a model without an
 `fp8_keep` policy (a text encoder) keeps none by name. CUDA's `_int_mm` needs M > 16: fewer
-rows are padded with zeros.
+rows are padded with zeros. One row (a single stream's decode step) goes instead through the
+matrix-vector kernel of layers/fused.py with the int8 weight and its scales (W8A16: the row is
+not quantized), where the W8A8 path above ran at 0.073x bf16's decode (H200).
 """
 
 from __future__ import annotations
@@ -69,15 +71,20 @@ class Int8Linear(nn.Module):
         y = int8_matmul(xq, sx, self.weight_t, self.weight_scale)          # (M, N) float32
         if self.bias is not None:
             y = y + self.bias
-        y = y.to(x.dtype).unflatten(0, x.shape[:-1])
+        return self.finish(y.to(x.dtype).unflatten(0, x.shape[:-1]))
+
+    def finish(self, y: Tensor) -> Tensor:
+        """This rank's product (bias included) combined as the replaced layer did (fused.py
+        calls it after its matrix-vector kernel)."""
         if self.reduce_results:
             y = all_reduce(y, self.tp)
         return all_gather_last(y, self.tp) if self.gather_output else y
 
     @property
     def weight(self) -> Tensor:
-        """The int8 weight (N, K), for model code that reads a linear's dtype (a fused
-        decoder path checks it and steps aside)."""
+        """The int8 weight (N, K), a transposed view: what the one-row kernel of fused.py
+        reads (with `weight_scale`: W8A16, a decode step's weights at half bf16's bytes), and
+        what model code reads a linear's dtype from (the whole-layer kernel steps aside)."""
         return self.weight_t.t()
 
     def extra_repr(self) -> str:

@@ -11,11 +11,12 @@ docs/benchmarks.md). These kernels fold the op in front of a matmul into its pro
     linear         x W^T (cuBLAS' choice for one row of some shapes streams at a third of
                    the memory bandwidth: too few programs)
 
-Each takes an FP8 (e4m3) weight too, with its per-output-channel (or per-tensor) scale: the
-tile is widened to float32 as it is read and the sums scaled before the bias (W8A16: the
-activations stay in their dtype). A decode step reads every weight once, so 8-bit weights
-halve its bytes, where FP8 W8A8 through torch._scaled_mm (layers/fp8.py) spent more on
-quantizing one row's activations and on a kernel made for large matrices than it saved.
+Each takes an 8-bit weight too, FP8 (e4m3) or INT8, with its per-output-channel (or
+per-tensor) scale: the tile is widened to float32 as it is read and the sums scaled before the
+bias (W8A16: the activations stay in their dtype). A decode step reads every weight once, so
+8-bit weights halve its bytes, where W8A8 through torch._scaled_mm (layers/fp8.py) or
+torch._int_mm (layers/int8.py: 0.073x bf16's decode on an H200, padded to 17 rows) spent more
+on quantizing one row's activations and on a kernel made for large matrices than it saved.
 
 One program per block of BLOCK_N outputs walks K in BLOCK_K tiles for every row at once: W
 rows are read along K (contiguous) once, the activation tile is recomputed from the input in
@@ -96,7 +97,7 @@ def one_row_config(n: int, k: int) -> dict[str, int]:
 
 @triton.jit
 def _gemv_kernel(X, R, NW, W, B, S, Out, Sum, M, N, K, eps,
-                 stride_xm, stride_rm, stride_wn, stride_om, stride_sm, stride_s,
+                 stride_xm, stride_rm, stride_wn, stride_wk, stride_om, stride_sm, stride_s,
                  ROWS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, DOT: tl.constexpr,
@@ -111,7 +112,8 @@ def _gemv_kernel(X, R, NW, W, B, S, Out, Sum, M, N, K, eps,
     r_rows = R + r[:, None].to(tl.int64) * stride_rm
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    w_ptrs = W + n[:, None].to(tl.int64) * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+    w_ptrs = (W + n[:, None].to(tl.int64) * stride_wn
+              + tl.arange(0, BLOCK_K)[None, :].to(tl.int64) * stride_wk)
     # the first weight tile (weights: never written by a kernel) is fetched before waiting on
     # the previous kernel (pdl.py); each iteration below fetches the next one
     w = tl.load(w_ptrs, mask=n_ok[:, None] & (tl.arange(0, BLOCK_K) < K)[None, :], other=0.0)
@@ -141,8 +143,9 @@ def _gemv_kernel(X, R, NW, W, B, S, Out, Sum, M, N, K, eps,
         if ONE_TILE:   # K <= BLOCK_K: the whole slab came before the wait
             w_next = w
         else:
-            w_next = tl.load(w_ptrs + k0 + BLOCK_K,
-                             mask=n_ok[:, None] & (k + BLOCK_K < K)[None, :], other=0.0)
+            w_ptrs += BLOCK_K * stride_wk                                   # the next tile
+            w_next = tl.load(w_ptrs, mask=n_ok[:, None] & (k + BLOCK_K < K)[None, :],
+                             other=0.0)
         mask = r_ok[:, None] & k_ok[None, :]
         if SILU:
             gate = tl.load(x_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -181,15 +184,18 @@ def lm_head_faster_here(x: Tensor) -> bool:
     return "H100" in gpu_name(x)
 
 
-SCALED_WEIGHTS = (torch.float8_e4m3fn,)   # weights read with a scale (W8A16)
+# weights read with a scale per output channel (W8A16): FP8 (layers/fp8.py) and INT8
+# (layers/int8.py, whose (K, N) matrix is read as a transposed view: stride_wk)
+SCALED_WEIGHTS = (torch.float8_e4m3fn, torch.int8)
 
 
 def applies(x: Tensor, weight: Tensor, rows: int | None = None) -> bool:
     """Whether these kernels take a matmul of x (rows, K): few rows (up to `rows`, default
-    `max_rows(x)`), the weight in x's dtype or in FP8 (with its scale), dense rows."""
+    `max_rows(x)`), the weight in x's dtype or 8-bit (with its scale), dense along K or N."""
     return (x.dim() == 2 and 0 < x.shape[0] <= (max_rows(x) if rows is None else rows)
             and (x.dtype == weight.dtype or weight.dtype in SCALED_WEIGHTS)
-            and x.stride(-1) == 1 and weight.is_contiguous())
+            and x.stride(-1) == 1 and weight.dim() == 2
+            and (weight.is_contiguous() or weight.t().is_contiguous()))
 
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float,
@@ -212,7 +218,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, r, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else x, scale if scale is not None else x, out, s, rows, n,
-        in_features, eps, x.stride(0), r.stride(0), weight.stride(0), out.stride(0),
+        in_features, eps, x.stride(0), r.stride(0), weight.stride(0), weight.stride(1),
+        out.stride(0),
         s.stride(0), 0 if scale is None or scale.numel() == 1 else 1,
         ROWS=1 if rows == 1 else max(16, triton.next_power_of_2(rows)),
         NORM=norm_weight is not None, ADD=residual is not None, SILU=silu,

@@ -247,13 +247,23 @@ def test_linear(gemv_on, dtype: torch.dtype, rows: int) -> None:
 @kernel_test
 @pytest.mark.parametrize("kind", ["linear", "norm_linear", "silu_linear", "per_tensor"])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_fp8_weights_through_the_matrix_vector_kernel(gemv_on, kind: str, rows: int) -> None:
-    """An Fp8Linear's one-row product through fused.* reads its e4m3 weight with its scales
-    (W8A16): equal, up to float32 summation order, to the activations times the dequantized
-    weight, plus the bias; the per-tensor scale of an FP8 checkpoint too. Not the W8A8 path
-    (torch._scaled_mm): that one is not taken."""
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_8bit_weights_through_the_matrix_vector_kernel(gemv_on, monkeypatch: pytest.MonkeyPatch,
+                                                       kind: str, rows: int,
+                                                       method: str) -> None:
+    """An Fp8Linear's or Int8Linear's one-row product through fused.* reads its 8-bit weight
+    with its scales (W8A16; INT8's (K, N) matrix as a transposed view): equal, up to float32
+    summation order, to the activations times the dequantized weight, plus the bias; the
+    per-tensor scale of an FP8 checkpoint too. Not the W8A8 paths (torch._scaled_mm,
+    torch._int_mm): they are not taken."""
+    from omnistage.layers import int8
     from omnistage.layers.fp8 import Fp8Linear
     from omnistage.layers.linear import Linear
+
+    if method == "int8" and kind == "per_tensor":
+        pytest.skip("INT8 weights come quantized at load, one scale per channel")
+    eight_bit = int8.Int8Linear if method == "int8" else Fp8Linear
+    monkeypatch.setattr(int8, "int8_matmul", lambda *a: pytest.fail("W8A8 path taken"))
 
     torch.manual_seed(8)
     dtype = DTYPES[-1]
@@ -261,7 +271,7 @@ def test_fp8_weights_through_the_matrix_vector_kernel(gemv_on, kind: str, rows: 
     dense = Linear(k // 2 if kind == "silu_linear" else k, 40, bias=True).to(DEVICE, dtype)
     dense.weight.data.normal_(0, 0.05)
     dense.bias.data.normal_(0, 1.0)
-    layer = Fp8Linear.from_linear(dense)
+    layer = eight_bit.from_linear(dense)
     if kind == "per_tensor":     # one scale (as a checkpoint may give), the weight re-scaled
         layer.weight_scale = layer.weight_scale.amax().reshape(())
     weight = layer.weight.float() * layer.weight_scale.reshape(-1, 1).float()    # (N, K)
