@@ -69,16 +69,19 @@ class CosyVoice3FlowOptions:
     token_max_hop_len: int = 100
     stream_scale_factor: int = 2
     # the flow's DiT in bfloat16 (`CausalMaskedDiffWithDiT.compute_in`: its matmuls and
-    # attention; the Euler state, the token encoder and HiFT stay float32). Off (upstream's
-    # float32) until a GPU run measures its speed and its mel / waveform SNR against float32
-    # (tests/gpu/test_cosyvoice3_flow_cuda.py; issue 43)
-    flow_dtype: Literal["float32", "bfloat16"] = "float32"
+    # attention; the Euler state, the token encoder and HiFT stay float32); auto: bfloat16 on
+    # CUDA, float32 (upstream's, the golden tests') elsewhere. With cuda_graphs, against
+    # float32 eager on one H200 (bench speech, released shape; benchmarks/results/runs/
+    # issue43_h200_s27/): RTF 0.072 / 0.66 / 0.93 against 0.43 / 0.79 / 1.65 at 1 / 8 / 32,
+    # first audio 0.14 against 1.26 s alone; the waveform's SNR against float32 eager is
+    # checked in tests/gpu/test_cosyvoice3_flow_cuda.py (random weights)
+    flow_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # each flow call's Euler steps (all num_steps guided velocities) replayed from one CUDA
     # graph, CUDA only (elsewhere eager): the batch padded to 1, 2, 4, 8 or 16 rows of a
     # multiple of graph_frames frames up to graph_max_frames (a row padded equals its run
     # alone; a longer or larger batch runs eagerly), each shape captured the first time it
-    # runs. Off until a GPU run measures it (the same test, bench speech)
-    cuda_graphs: bool = False
+    # runs
+    cuda_graphs: bool = True
     graph_frames: int = 64
     graph_max_frames: int = 4096
 
@@ -113,7 +116,8 @@ class CosyVoice3Generator:
         self.hop = model.cfg.hift.samples_per_frame
         self.lookahead = model.cfg.flow.pre_lookahead_len
         self.info = {SAMPLE_RATE: model.sample_rate}
-        if options.flow_dtype == "bfloat16":
+        if options.flow_dtype == "bfloat16" or (options.flow_dtype == "auto"
+                                                and device.type == "cuda"):
             model.flow.compute_in(torch.bfloat16)
         self.graphs: FlowGraphs | None = None
         if options.cuda_graphs and device.type == "cuda":
