@@ -8,6 +8,11 @@ a decode step walks its layers, so the weights come from memory, not L2), replay
 with CUDA events; the result is microseconds per call and the bandwidth that means. Baselines:
 cuBLAS alone (F.linear) and the unfused pair a decode step runs without the kernels
 (RMSNorm with its residual add, or SiLU-and-mul, then F.linear).
+
+`--weight-dtype fp8 | int8 | int8n`: the kernels' W8A16 path instead (bytes and bandwidth at
+one byte a weight; cuBLAS still in bf16, the baseline): FP8 (N, K) as Fp8Linear keeps it, INT8
+as Int8Linear keeps it ((K, N) read through a transposed view), or INT8 (N, K) (which layout
+streams better, for layers/int8.py to choose).
 """
 
 from __future__ import annotations
@@ -61,19 +66,34 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
     ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--num-stages", type=int, nargs="+", default=[3, 4])
+    ap.add_argument("--weight-dtype", default="bf16", choices=("bf16", "fp8", "int8", "int8n"))
     ap.add_argument("--out", type=Path)
     return ap
 
 
+def eight_bit(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A bf16 weight (N, K) as the kernels read it in `kind` (module docstring), and its
+    per-output-channel scale (None for bf16)."""
+    if kind == "bf16":
+        return w, None
+    if kind == "fp8":
+        scale = w.abs().amax(dim=1).float().clamp(min=1e-12) / 448.0
+        return (w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
+    scale = w.abs().amax(dim=1).float().clamp(min=1e-12) / 127.0
+    q = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return (q.t().contiguous().t() if kind == "int8" else q), scale
+
+
 def _time_configs(grid: list[dict], x: torch.Tensor, res: torch.Tensor, norm_w: torch.Tensor,
-                  weights: list[torch.Tensor], front: str, k: int, gbytes: float
+                  weights: list[tuple[torch.Tensor, torch.Tensor | None]], front: str, k: int,
+                  gbytes: float
                   ) -> list[dict]:
     """Each tile config of the grid on one shape: microseconds a call and TB/s, or the error
     of a config that does not build or fit (its output checked against the first's)."""
-    def launch(w: torch.Tensor, cfg: dict) -> torch.Tensor:
+    def launch(w: tuple[torch.Tensor, torch.Tensor | None], cfg: dict) -> torch.Tensor:
         return triton_gemv._launch(x, res if front == "norm" else None,
-                                   norm_w if front == "norm" else None, 1e-6, w, None,
-                                   front == "silu", k, dict(cfg))[0]
+                                   norm_w if front == "norm" else None, 1e-6, w[0], None,
+                                   front == "silu", k, dict(cfg), scale=w[1])[0]
 
     def ours(cfg: dict):  # type: ignore[no-untyped-def]
         def run() -> None:
@@ -105,7 +125,8 @@ def main() -> None:
     for name, n, k, front in SHAPES[args.preset]:
         weights = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(args.layers)]
         norm_w = torch.ones(k, device=dev, dtype=dt)
-        gbytes = n * k * 2 / 1e9
+        ours = [eight_bit(w, args.weight_dtype) for w in weights]
+        gbytes = n * k * ours[0][0].element_size() / 1e9
         for rows in args.rows:
             x = torch.randn(rows, 2 * k if front == "silu" else k, device=dev, dtype=dt)
             res = torch.randn(rows, k, device=dev, dtype=dt)
@@ -128,11 +149,12 @@ def main() -> None:
                    "cublas_us": time_graph(cublas) / args.layers * 1e6,
                    "unfused_us": time_graph(unfused) / args.layers * 1e6,
                    "default": triton_gemv.config(n, k, rows),
-                   "configs": _time_configs(grid, x, res, norm_w, weights, front, k, gbytes)}
+                   "configs": _time_configs(grid, x, res, norm_w, ours, front, k, gbytes)}
             results.append(_summarize(row, grid))
     if args.out:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
                                         "torch": torch.__version__, "preset": args.preset,
+                                        "weight_dtype": args.weight_dtype,
                                         "results": results}, indent=1))
 
 
