@@ -4,9 +4,13 @@
 # image has torch, triton and transformers; the rest travels as wheels in .whl/ (git-ignored:
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 # manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl msgspec pyzmq diffusers
-# soundfile cffi pycparser importlib_metadata zipp`), named in the call's `carry`:
+# soundfile cffi pycparser importlib_metadata zipp gguf silero-vad`), named in the call's `carry`
+# (gguf: GGUF files and `dgguf`; silero-vad: realtime's server_vad turns):
 #
 #     run(command="bash benchmarks/device_session.sh", carry=[".whl"], timeout_s=600)
+#
+# .whl/ and the tree together must stay under carry's 64 MiB: set aside what a call does not
+# need (cosyvoice3's onnx, onnxruntime, flatbuffers, protobuf, ml_dtypes; diffusers; silero_vad).
 #
 # Stages (STAGES="tests single" picks some; the default: "tests single latency"):
 #   tests    the GPU tests (about 4 min)
@@ -23,10 +27,11 @@
 #   video    bench video: Wan2.2-TI2V-5B and Wan2.1-14B shapes against diffusers eager and
 #            compiled, per step with CFG, and step caching (VIDEO_FLAGS: more options; about
 #            6 minutes on an H100, alone: STAGES=video)
-#   realtime bench realtime (spoken turns over /v1/realtime at 1 and 8 sessions); the server
-#            needs fastapi, starlette, pydantic, pydantic_core, annotated_types,
-#            typing_inspection, uvicorn, websockets, python_multipart, opentelemetry_api and
-#            silero_vad among the wheels
+#   realtime bench realtime (spoken turns over /v1/realtime at 1 and 8 sessions, then
+#            turn-taking per turn_detection mode: about 40 s more); the server needs fastapi,
+#            starlette, pydantic, pydantic_core, annotated_types, typing_inspection, uvicorn,
+#            websockets, python_multipart and opentelemetry_api among the wheels, server_vad
+#            the silero_vad wheel in .whl/
 #   duplex   bench duplex: random-weight Moshi-7B shape on the full-duplex runtime, 1 / 4 / 8 /
 #            16 / 24 / 32 sessions for 200 ticks each (issue 45: duplex_sessions_per_gpu,
 #            duplex_tick_p99_ms); a 15.5 GB checkpoint is built and saved first (estimated 5
@@ -65,6 +70,14 @@
 #            (SPEECH_FAMILIES picks some: e.g. "voxtral-tts:130 mimo-audio:160")
 #   quant    AR single stream bf16 / fp8 / int8 (ar_offline --quantization); with "quantdit"
 #            also bench diffusion --quantization int8 (Qwen-Image shape, minutes)
+#   arq8     AR stages quantized at load against bf16 in one process (omnistage.benchmarks.
+#            ar_quant: decode speed-up, teacher-forced and greedy token agreement, weight
+#            bytes), fp8 and int8, for each of QUANT_PRESETS (default "qwen3-0.6b qwen3-1.7b");
+#            ar_quant_<preset>.json (not "*quant*": that pattern is the quant stage's)
+#   dgguf    bench diffusion --quantization gguf: Qwen-Image's transformer as GGUF Q8_0 and
+#            Q4_0 blocks against our bf16 (image PSNR, memory, speed; about 2 minutes)
+#   sdpafirst cuDNN's attention on a new sequence length against its later calls and flash's
+#            (omnistage.benchmarks.kernels.sdpa_first_call, Qwen-Image's 1024 px shape)
 #   tp30b    two GPUs: Qwen3-Omni-30B-A3B's real size, thinker TP 2, against transformers
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -231,8 +244,8 @@ if [[ $STAGES == *video* ]]; then
         --name video ${VIDEO_FLAGS:-} 2>&1 | tee "$OUT/video.log" | grep -v " step " | tail -40
 fi
 if [[ $STAGES == *realtime* ]]; then
-    timeout 200 python3 -m omnistage.entrypoints.cli.main bench realtime --device cuda \
-        --out-dir "$OUT" 2>&1 | grep -v Warn | tail -15
+    timeout 300 python3 -m omnistage.entrypoints.cli.main bench realtime --device cuda \
+        --out-dir "$OUT" 2>&1 | grep -v Warn | tail -30
 fi
 if [[ $STAGES == *duplex* ]]; then
     # the tiny Moshi first (seconds): Moshi's first run on CUDA fails fast if it fails
@@ -368,6 +381,24 @@ if [[ $STAGES == *quant* ]]; then
     [[ $STAGES == *quantdit* ]] && timeout 400 python3 -m omnistage.entrypoints.cli.main \
         bench diffusion --quantization int8 \
         --out-dir "$OUT" --name diffusion_int8 2>&1 | grep -E "int8_|Error" | head -8
+fi
+if [[ $STAGES == *arq8* ]]; then
+    # issue 44: each method's engine against bf16's in one process (ar_quant.py), per preset
+    for preset in ${QUANT_PRESETS:-qwen3-0.6b qwen3-1.7b}; do
+        timeout 200 python3 -m omnistage.benchmarks.ar_quant --preset $preset \
+            --methods fp8,int8 --output-len 256 --out "$OUT/ar_quant_$preset.json" 2>&1 \
+            | grep -E '"ar_|Error' | sed "s/^/[$preset] /"
+    done
+fi
+if [[ $STAGES == *dgguf* ]]; then
+    # issue 44: GGUF Q8_0 / Q4_0 linears against our bf16 (diffusion_gguf.py), about 120 s
+    timeout 300 python3 -m omnistage.entrypoints.cli.main bench diffusion --quantization gguf \
+        --cache-thresholds 0.2 --concurrency 2 --out-dir "$OUT" 2>&1 \
+        | grep -E "gguf_|Error" | head -20
+fi
+if [[ $STAGES == *sdpafirst* ]]; then
+    timeout 120 python3 -m omnistage.benchmarks.kernels.sdpa_first_call \
+        --out "$OUT/sdpa_first_call.json" 2>&1 | grep -v Warn | tail -60   # ~50 lines of JSON
 fi
 if [[ $STAGES == *tp30b* ]]; then
     # two GPUs (kind nvidia-h100-x2): Qwen3-Omni-30B-A3B at its real size, the thinker on
