@@ -161,7 +161,10 @@ class StageSet:
 
     def _wait_ready(self) -> None:
         pending = {(name, r) for name, rs in self.runners.items() for r in range(len(rs))}
-        deadline = time.monotonic() + max(s.timeouts.startup_s for s in self.graph.stages)
+        limits = [s.timeouts.startup_s for s in self.graph.stages]
+        # backend inproc builds its stages one at a time (stages/process.py): their times add
+        deadline = time.monotonic() + (sum(limits) if self.graph.backend == "inproc"
+                                       else max(limits))
         while pending:
             if time.monotonic() > deadline:
                 names = sorted(n if self.graph.stage(n).placement.replicas == 1 else replica_name(n, r)

@@ -191,11 +191,13 @@ SCALED_WEIGHTS = (torch.float8_e4m3fn, torch.int8)
 
 def applies(x: Tensor, weight: Tensor, rows: int | None = None) -> bool:
     """Whether these kernels take a matmul of x (rows, K): few rows (up to `rows`, default
-    `max_rows(x)`), the weight in x's dtype or 8-bit (with its scale), dense along K or N."""
+    `max_rows(x)`), the weight in x's dtype or 8-bit (with its scale), dense rows (INT8's:
+    dense columns too, Int8Linear's layout)."""
     return (x.dim() == 2 and 0 < x.shape[0] <= (max_rows(x) if rows is None else rows)
             and (x.dtype == weight.dtype or weight.dtype in SCALED_WEIGHTS)
             and x.stride(-1) == 1 and weight.dim() == 2
-            and (weight.is_contiguous() or weight.t().is_contiguous()))
+            and (weight.is_contiguous()
+                 or (weight.dtype == torch.int8 and weight.t().is_contiguous())))
 
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float,
