@@ -19,11 +19,16 @@ What it does:
    sorted-name order by `seeded_value` (tests/helpers/hunyuan_video15_sr.py draws the same);
    the manifest keeps configs, names and shapes, so the tests rebuild the checkpoints;
 2. the upsamplers on one random latent clip;
-3. the upstream SR pipeline (`HunyuanVideo_1_5_SR_Pipeline.__call__`, output_type "latent",
-   text-to-video) for two cases: 480p -> 720p with the 720p upsampler (4 steps, shift 2, 2
+3. the upstream SR pipeline (`HunyuanVideo_1_5_SR_Pipeline.__call__`, output_type "latent")
+   for three cases: text-to-video 480p -> 720p with the 720p upsampler (4 steps, shift 2, 2
    latent frames) and 720p -> 1080p with the 1080p upsampler (3 steps, shift 3, 1 frame);
+   image-to-video 480p -> 720p (sr720_i2v: `reference_image` a random 30 x 23 RGB image, so
+   task "i2v": its latents on frame 0 + mask as the condition, its vision tokens beside the
+   text, mask_type "i2v");
 4. writes manifest.json and expected.safetensors (inputs, noises, upsampled LQ latents, final
-   latents) to --out.
+   latents; for i2v also the image, the pixels upstream feeds its VAE (uint8), the image
+   latents and vision tokens, and in the manifest the vision encoder's input size and sha256)
+   to --out.
 
 Patches (none changes the math of what is compared):
 - the resolution tiers (`SizeMap`: 480p 640, 720p 960, 1080p 1440 px) are shrunk to 64 / 96 /
@@ -36,13 +41,25 @@ Patches (none changes the math of what is compared):
 - the pipeline's target dtype is float32 (the upstream draws bfloat16 latents for a CUDA
   autocast) and attention is its "torch" mode; the VAE and text encoder are stand-ins that only
   carry the config values the latent path reads (no decode: output_type "latent");
-- torchvision (its transforms serve image-to-video only) is a stand-in module, and the
-  parallel state is one process without sequence parallelism (the default builds a CUDA mesh).
+- torchvision (its transforms serve image-to-video only) is a stand-in module
+  (`standin_transforms`: Resize, CenterCrop, ToTensor, Normalize as torchvision's PIL path
+  computes them; the PyPI torchvision wheel for torch 2.13.0 fails to load against the CPU
+  torch build: "operator torchvision::nms does not exist"), and the parallel state is one
+  process without sequence parallelism (the default builds a CUDA mesh);
+- image-to-video's VAE encode and vision encoder are seeded stand-ins at a seam: they record
+  their inputs (the transformed first frame at the high-resolution size; the image cropped
+  to the real 720p bucket of its aspect, as upstream's `target_size_config` is not shrunk)
+  and return seeded latents (1, 32, 1, h, w) and vision tokens (1, 5, 40), which the tests
+  feed to our pass.
+
+Regenerate (reference venv as above, upstream checked out at UPSTREAM_COMMIT):
+    /tmp/hv15env/bin/python scripts/hunyuan_video15_sr_fixtures.py /tmp/hv15
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -75,6 +92,10 @@ CASES = {
                   video_length=5, steps=4, flow_shift=2.0, seed=7),
     "sr1080": dict(version="1080p_sr_distilled", base_resolution="720p", lr_bucket=9,
                    video_length=1, steps=3, flow_shift=3.0, seed=3),
+    # image-to-video: the reference image's latents on frame 0 (+ mask), its vision tokens
+    "sr720_i2v": dict(version="720p_sr_distilled", base_resolution="480p", lr_bucket=5,
+                      video_length=5, steps=4, flow_shift=2.0, seed=11, image_size=[30, 23],
+                      vision_tokens=5),
 }
 TEXT_MASK, BYT5_MASK = [1, 1, 1, 1, 1, 0], [1, 1, 1, 0]
 
@@ -100,15 +121,46 @@ def patch_for_cpu() -> None:
     import transformers.image_processing_utils_fast  # noqa: F401
     import diffusers.models.modeling_utils  # noqa: F401
     tv = types.ModuleType("torchvision")
-    tv.transforms = types.ModuleType("torchvision.transforms")
-    for name in ("Compose", "ToTensor", "Normalize", "Resize", "CenterCrop"):
-        setattr(tv.transforms, name, lambda *a, **k: None)
+    tv.transforms = standin_transforms()
     sys.modules.setdefault("torchvision", tv)
     sys.modules.setdefault("torchvision.transforms", tv.transforms)
     # one process, no sequence parallelism: the upstream's default state builds a CUDA mesh
     from hyvideo.commons import parallel_states
     parallel_states.__dict__["__parallel_dims"] = types.SimpleNamespace(
         sp=1, sp_enabled=False, sp_rank=0, sp_group=None)
+
+
+def standin_transforms() -> types.ModuleType:
+    """What `get_image_condition_latents` (image-to-video) calls of torchvision.transforms, on
+    a PIL image, as torchvision's PIL path computes it: Resize((h, w), LANCZOS) is PIL's
+    resize, CenterCrop((h, w)) cuts at int(round((H - h) / 2)), int(round((W - w) / 2)),
+    ToTensor is (C, H, W) / 255, Normalize([0.5], [0.5]) is (x - 0.5) / 0.5."""
+    from PIL import Image
+    t = types.ModuleType("torchvision.transforms")
+    t.InterpolationMode = types.SimpleNamespace(LANCZOS=Image.Resampling.LANCZOS)
+
+    def resize(size, interpolation):
+        return lambda img: img.resize((size[1], size[0]), resample=interpolation)
+
+    def center_crop(size):
+        def crop(img):
+            top, left = (int(round((n - c) / 2.0)) for n, c in zip(img.size[::-1], size))
+            assert top >= 0 and left >= 0, "the image covers the crop after Resize"
+            return img.crop((left, top, left + size[1], top + size[0]))
+        return crop
+
+    def compose(steps):
+        def run(x):
+            for step in steps:
+                x = step(x)
+            return x
+        return run
+
+    t.Compose, t.Resize, t.CenterCrop = compose, resize, center_crop
+    t.ToTensor = lambda: lambda img: torch.from_numpy(
+        np.array(img.convert("RGB"), dtype=np.float32) / 255.0).permute(2, 0, 1)
+    t.Normalize = lambda mean, std: lambda x: (x - mean[0]) / std[0]
+    return t
 
 
 def seeded(model, seed: int) -> list:
@@ -172,6 +224,44 @@ def make_pipeline(dit, upsampler, case: dict, text: dict):
     return pipe
 
 
+def reference_image(case: dict):
+    """A random RGB image (width, height = case["image_size"]) from the case's seed."""
+    from PIL import Image
+    gen = torch.Generator().manual_seed(case["seed"] + 100)
+    w, h = case["image_size"]
+    return Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=gen,
+                                         dtype=torch.uint8).numpy())
+
+
+def install_i2v(pipe, case: dict, record: dict, info: dict):
+    """The image-to-video seams: the VAE's encode and the vision encoder (stand-ins) record
+    what upstream feeds them (the transformed pixels; the cropped image's size and sha256 in
+    info) and return seeded latents / vision tokens, which are recorded. -> the image."""
+    image = reference_image(case)
+    record["image"] = torch.from_numpy(np.array(image))                    # uint8 (h, w, 3)
+    gen = torch.Generator().manual_seed(case["seed"] + 200)
+
+    def encode(pixels):                         # (1, 3, 1, H, W) in [-1, 1]
+        u8 = ((pixels + 1) * 127.5).round()
+        assert torch.equal(u8 / 127.5 - 1, pixels), "pixels are uint8 values in [-1, 1]"
+        record["image_pixels"] = u8.to(torch.uint8)
+        b, _, f, h, w = pixels.shape
+        lat = torch.randn(b, 32, f, h // 16, w // 16, generator=gen)
+        record["image_latents"] = lat.clone()   # the stand-in's scaling_factor is 1
+        return types.SimpleNamespace(latent_dist=types.SimpleNamespace(mode=lambda: lat))
+
+    def encode_images(array):                   # (H, W, 3) uint8, cropped to a 720p bucket
+        info["vision_input_size"] = list(array.shape)
+        info["vision_input_sha256"] = hashlib.sha256(np.ascontiguousarray(array)).hexdigest()
+        states = torch.randn(1, case["vision_tokens"], VISION_DIM, generator=gen)
+        record["vision_states"] = states.clone()
+        return types.SimpleNamespace(last_hidden_state=states)
+
+    pipe.vae.encode = encode
+    pipe.vision_encoder = types.SimpleNamespace(encode_images=encode_images)
+    return image
+
+
 def run_case(nets: dict, case: dict, text: dict) -> tuple[dict, dict]:
     from hyvideo.pipelines import hunyuan_video_sr_pipeline as sr
     from hyvideo.utils.data_utils import generate_crop_size_list
@@ -184,6 +274,8 @@ def run_case(nets: dict, case: dict, text: dict) -> tuple[dict, dict]:
     gen = torch.Generator().manual_seed(case["seed"])
     lq = torch.randn(1, 32, frames, lr_h // 16, lr_w // 16, generator=gen)
     record = {"lq_latents": lq.clone()}
+    info = dict(case)
+    image = install_i2v(pipe, case, record, info) if "image_size" in case else None
     orig_prepare, orig_up = type(pipe).prepare_latents, upsampler.forward
 
     def prepare_latents(self, *a, **k):
@@ -205,13 +297,14 @@ def run_case(nets: dict, case: dict, text: dict) -> tuple[dict, dict]:
     try:
         with torch.no_grad():
             out = pipe(prompt="a cat", video_length=case["video_length"], seed=case["seed"],
-                       lq_latents=lq, output_type="latent").videos
+                       lq_latents=lq, reference_image=image, output_type="latent").videos
     finally:
         torch.randn_like, upsampler.forward = real_randn_like, orig_up
     record["final_latents"] = out.clone()
-    info = dict(case, lr_size=[lr_h, lr_w], hr_size=[out.shape[-2] * 16, out.shape[-1] * 16],
+    info.update(lr_size=[lr_h, lr_w], hr_size=[out.shape[-2] * 16, out.shape[-1] * 16],
                 sizes={k: SIZES[k] for k in SIZES})
-    return info, {k: v.float().contiguous() for k, v in record.items()}
+    return info, {k: v.contiguous() if v.dtype == torch.uint8 else v.float().contiguous()
+                  for k, v in record.items()}
 
 
 def run_upsamplers(nets: dict) -> dict:
@@ -248,7 +341,7 @@ def main() -> None:
         info, tensors = run_case(nets, case, text)
         cases[name] = info
         expected.update({f"{name}.{k}": v for k, v in tensors.items()})
-        print(name, {k: (tuple(v.shape), round(float(v.abs().mean()), 4))
+        print(name, {k: (tuple(v.shape), round(float(v.float().abs().mean()), 4))
                      for k, v in tensors.items()})
     args.out.mkdir(parents=True, exist_ok=True)
     save_file(expected, str(args.out / "expected.safetensors"))

@@ -10,6 +10,10 @@ the resize in `__call__`, `encode_image`, `_get_image_latents`, `prepare_cond_la
 
 The transformer takes [noisy latents | condition | mask] on its channels, and the image tokens
 beside the text (text-to-video passes zeros for both and zero image tokens).
+
+The super-resolution pass (upstream repository, not diffusers) crops with `cover_crop`, whose
+sides and offsets round where diffusers' `crop_resize` floors, and crops the SigLIP input to
+its own bucket (`siglip_tokens` and `vae_image_latents` take an image already cropped).
 """
 
 from __future__ import annotations
@@ -44,6 +48,17 @@ def crop_resize(image: Image.Image, height: int, width: int) -> Image.Image:
     return canvas
 
 
+def cover_crop(image: Image.Image, height: int, width: int) -> Image.Image:
+    """The upstream repository's crop (its SR pass's torchvision Resize + CenterCrop and its
+    `resize_and_center_crop`): scaled (Lanczos) by s = max(width / W, height / H) to
+    round(W s) x round(H s), then cut at round((W' - width) / 2), round((H' - height) / 2)."""
+    scale = max(width / image.width, height / image.height)
+    size = int(round(image.width * scale)), int(round(image.height * scale))
+    resized = image.resize(size, resample=Image.Resampling.LANCZOS)
+    left, top = (int(round((n - c) / 2.0)) for n, c in zip(size, (width, height)))
+    return resized.crop((left, top, left + width, top + height))
+
+
 def vae_pixels(image: Image.Image) -> Tensor:
     """An RGB image, already at its size -> (1, 3, H, W) float32 in [-1, 1] (the i2v
     processor's `preprocess`, which does not resize)."""
@@ -59,14 +74,26 @@ def encode_hunyuan_video15_image(vae: AutoencoderKLHunyuanVideo15,
     """The request's image, cropped and resized to (height, width) here, -> its SigLIP tokens
     and its first-frame latents (each in its model's dtype, on its device)."""
     image = crop_resize(image, height, width)
+    return HunyuanVideo15ImageInputs(siglip_tokens(image_encoder, image_processor, image),
+                                     vae_image_latents(vae, image))
+
+
+@torch.inference_mode()
+def siglip_tokens(image_encoder: SiglipVisionEncoder, image_processor: BaseImageProcessor,
+                  image: Image.Image) -> Tensor:
+    """An image, already cropped, -> its SigLIP tokens (1, N, D) (the processor resizes)."""
     weight = image_encoder.embeddings.patch_embedding.weight
     pixel_values = image_processor.preprocess(images=image, do_resize=True, return_tensors="pt",
                                               do_convert_rgb=True)["pixel_values"]
-    embeds = image_encoder(pixel_values.to(weight.device, weight.dtype))       # (1, N, D)
+    return image_encoder(pixel_values.to(weight.device, weight.dtype))
+
+
+@torch.inference_mode()
+def vae_image_latents(vae: AutoencoderKLHunyuanVideo15, image: Image.Image) -> Tensor:
+    """An image, already at its size, -> its first-frame latents (1, z, 1, h, w)."""
     vae_weight = next(vae.parameters())
     pixels = vae_pixels(image).to(vae_weight.device, vae_weight.dtype)
-    latents = vae.normalize(vae.encode(pixels.unsqueeze(2)))                    # (1, z, 1, h, w)
-    return HunyuanVideo15ImageInputs(embeds, latents)
+    return vae.normalize(vae.encode(pixels.unsqueeze(2)))
 
 
 def image_condition(image_latents: Tensor, batch: int, num_latent_frames: int,

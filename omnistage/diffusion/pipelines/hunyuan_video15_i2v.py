@@ -29,11 +29,14 @@ from transformers import SiglipImageProcessor
 from omnistage.diffusion.image_input import input_image
 from omnistage.diffusion.pipelines.hunyuan_video15 import (HunyuanVideo15Pipeline,
                                                             bucket_size, make_spec)
+from omnistage.diffusion.pipelines.hunyuan_video15_sr import image_bucket
 from omnistage.diffusion.request import DiffusionRequest
 from omnistage.diffusion_params import DiffusionParams
 from omnistage.errors import InputError
 from omnistage.models.diffusers_loader import read_config
-from omnistage.models.hunyuan_video15_image import encode_hunyuan_video15_image, image_condition
+from omnistage.models.hunyuan_video15_image import (cover_crop, encode_hunyuan_video15_image,
+                                                    image_condition, siglip_tokens,
+                                                    vae_image_latents)
 from omnistage.models.hunyuan_video15_transformer import HunyuanVideo15TransformerConfig
 from omnistage.models.siglip_vision import SiglipVisionEncoder
 from omnistage.registry import VideoSpec
@@ -109,17 +112,22 @@ class HunyuanVideo15ImageToVideoPipeline(HunyuanVideo15Pipeline):
     def sr_inputs(self, request: DiffusionRequest, shape: tuple[int, ...]
                   ) -> tuple[dict[str, Tensor], Tensor]:
         """The super-resolution pass's first frame, as the upstream SR pipeline encodes it
-        again at the high-resolution size: SigLIP tokens, and the VAE latents on frame 0 with
-        the mask."""
+        again (`cover_crop`, its rounding): the VAE latents of the image at the
+        high-resolution size on frame 0 with the mask, and SigLIP tokens of the image cropped
+        to the bucket of its own aspect at the SR's resolution (upstream
+        `_prepare_vision_states`)."""
         image = input_image(request.params, None)
         assert image is not None, "validate refuses a request without an image"
+        assert self.sr is not None, "only the SR pass asks"
         n, _, frames, h, w = shape
         r = self.vae.cfg.downscale
-        inputs = encode_hunyuan_video15_image(self.vae, self.image_encoder,
-                                              self.image_processor, image, h * r, w * r)
-        condition, mask = image_condition(inputs.image_latents, n, frames, torch.float32)
-        embeds = inputs.image_embeds[0][None].expand(n, -1, -1)
-        return {"image_embeds": embeds}, torch.cat([condition, mask], dim=1)
+        latents = vae_image_latents(self.vae, cover_crop(image, h * r, w * r))
+        condition, mask = image_condition(latents, n, frames, torch.float32)
+        vision = cover_crop(image, *image_bucket(image.height, image.width,
+                                                 self.sr.recipe.hr_base))
+        embeds = siglip_tokens(self.image_encoder, self.image_processor, vision)
+        return {"image_embeds": embeds[0][None].expand(n, -1, -1)}, torch.cat([condition, mask],
+                                                                              dim=1)
 
     def extra_inputs(self, rows: list[DiffusionRequest]) -> dict[str, Tensor]:
         out = {"image_embeds": torch.stack([r.cond["image_embeds"] for r in rows])}

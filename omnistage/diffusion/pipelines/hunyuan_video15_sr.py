@@ -17,9 +17,10 @@ diffusers does not ship, on our layers. A finished base video's latents (480p or
                 [noisy z | image condition z + mask (zeros for text-to-video) | LQ z + mask 1]
                 and once the timestep is below 1000 x 0.7 the LQ part and its mask are zeroed
     text:       the base request's own prompt states (Qwen2.5-VL + byT5); no guidance
-    image:      image-to-video encodes its first frame again at the high-resolution size
-                (VAE latents on frame 0 + mask as the condition, SigLIP tokens): the i2v
-                pipeline's `sr_inputs`
+    image:      image-to-video encodes its first frame again, cropped the upstream way
+                (`cover_crop`): at the high-resolution size, VAE latents on frame 0 + mask as
+                the condition; at the bucket of the image's own aspect (`image_bucket`),
+                SigLIP tokens: the i2v pipeline's `sr_inputs`
 
 In the stage: `diffusion.options` `sr: true` + `sr_checkpoint` (`HunyuanVideo15Options`); the
 pass runs in the request's decode (`final_latents`), after its base loop, on one rank.
@@ -103,6 +104,15 @@ def hr_size(height: int, width: int, hr_base: int, multiple: int = 16) -> tuple[
     ratios = np.array([float(w) / float(h) for w, h in buckets])
     w, h = buckets[int(np.abs(ratios - float(width) / float(height)).argmin())]
     return h, w
+
+
+def image_bucket(height: int, width: int, base: int, multiple: int = 16) -> tuple[int, int]:
+    """(height, width): the bucket of about base^2 pixels whose aspect (rounded to 5 digits)
+    is nearest height / width, the first on ties (upstream
+    `get_closest_resolution_given_original_size`, which crops the SR pass's SigLIP input)."""
+    buckets = crop_sizes(base, multiple)
+    ratios = np.array([round(float(a) / float(b), 5) for a, b in buckets])
+    return buckets[int(np.abs(ratios - float(height) / float(width)).argmin())]
 
 
 def sr_sigmas(num_steps: int, shift: float) -> tuple[Tensor, Tensor]:

@@ -106,8 +106,10 @@ def test_released_layout_loads_by_base_size(tmp_path: Path, pipe) -> None:
 
 
 def test_image_to_video_conditions_the_sr_pass_on_its_first_frame(tmp_path: Path) -> None:
-    """Image-to-video: the pass gets the first frame again at the high-resolution size (VAE
-    latents on frame 0 with the mask, SigLIP tokens); without them it ends elsewhere."""
+    """Image-to-video: the pass gets the first frame again, cropped as upstream's SR pass
+    crops it (`cover_crop`): VAE latents at the high-resolution size on frame 0 with the mask,
+    SigLIP tokens of the image's own bucket at the SR's resolution; without them it ends
+    elsewhere."""
     import numpy as np
     from PIL import Image
 
@@ -115,6 +117,9 @@ def test_image_to_video_conditions_the_sr_pass_on_its_first_frame(tmp_path: Path
                                                                bucket_size)
     from omnistage.diffusion.pipelines.hunyuan_video15_i2v import (
         HunyuanVideo15ImageToVideoPipeline)
+    from omnistage.diffusion.pipelines.hunyuan_video15_sr import image_bucket
+    from omnistage.models.hunyuan_video15_image import (cover_crop, siglip_tokens,
+                                                        vae_image_latents)
     from tests.helpers.hunyuan_video15 import build_tiny_i2v
 
     build_tiny_i2v(tmp_path)
@@ -127,7 +132,23 @@ def test_image_to_video_conditions_the_sr_pass_on_its_first_frame(tmp_path: Path
                                                               dtype=np.uint8))
     params = DiffusionParams(num_frames=5, num_inference_steps=2, seed=4, image=image,
                              guidance_scale=1.0)
+    seen: dict = {}
+    real = pipe.sr_inputs
+
+    def recording(request, shape):
+        seen["shape"], seen["out"] = shape, real(request, shape)
+        return seen["out"]
+
+    pipe.sr_inputs = recording
     got, video = run_alone(pipe, "the cat turns its head", params)
+    (extra, cond), (n, _, _, hh, ww) = seen["out"], seen["shape"]
+    first = vae_image_latents(pipe.vae, cover_crop(image, hh * 8, ww * 8))[:, :, 0]
+    torch.testing.assert_close(cond[:, :LATENT, 0], first.expand(n, -1, -1, -1))
+    assert cond[:, :LATENT, 1:].abs().max() == 0                  # frame 0 only, its mask 1
+    assert (cond[:, LATENT, 0] == 1).all() and (cond[:, LATENT, 1:] == 0).all()
+    tokens = siglip_tokens(pipe.image_encoder, pipe.image_processor,
+                           cover_crop(image, *image_bucket(44, 70, HR_BASE)))
+    torch.testing.assert_close(extra["image_embeds"], tokens.expand(n, -1, -1))
     h, w = bucket_size(44, 70, 64, 8)                     # the base video: the image's bucket
     size = pipe.sr.target_shape((1, LATENT, 2, h // 8, w // 8), 8, 8)[3:]
     assert size != (h // 8, w // 8) and tuple(got.shape[3:]) == size
