@@ -26,9 +26,10 @@ decides that the turn ended, and how soon the answer's first audio follows.
                     scores semantic_vad's turns were judged by.
 
 server_vad cannot commit before silence_duration_ms of silence has reached it, so its commit_s
-is at least that. semantic_vad commits 200 ms into the silence when the model's end-of-turn
-score clears the eagerness's threshold, or else at the eagerness's max wait (a random-weight
-model's score is about 0: the max wait, 4 s for auto).
+is at least that. semantic_vad commits a short pause (high 64 ms, auto 96 ms, heard ~60 ms late)
+plus one prefill into the silence when the model's end-of-turn score clears the eagerness's
+threshold, or else at the eagerness's max wait (a random-weight model's score is about 0: the
+max wait, 4 s for auto).
 """
 
 from __future__ import annotations

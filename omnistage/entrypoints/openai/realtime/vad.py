@@ -4,15 +4,19 @@ torch's thread count for the whole server) and the turn logic around it.
 
     16 kHz audio ─> 512-sample frames (32 ms) ─> speech probability per frame
         silent   p >= threshold                           ─> speech started at that frame
-        speaking p <  threshold - 0.15 for silence_ms     ─> speech stopped where it fell
-                 (Silero's own hysteresis: a dip inside a word does not end the turn)
+        speaking p <  threshold - 0.15 for silence_ms     ─> speech stopped, said at the end
+                 (Silero's own hysteresis: a dip          of that silence (the frame that
+                 inside a word does not end the turn)     completed it)
 
 The network is loaded at the first audio a detector is fed, not when a session starts: a
 session with turn detection off (manual commits, vLLM-Omni's dialect) never loads it.
 
 Times are milliseconds since the session's first appended sample, as the protocol's
 `audio_start_ms` / `audio_end_ms`; the start includes `prefix_padding_ms` of audio before the
-detected speech, as OpenAI's server_vad does.
+detected speech, and the end the `silence_ms` heard after it, as OpenAI's server_vad does (its
+audio_end_ms "includes the min_silence_duration_ms": the end of the audio the turn commits).
+A stop also says how much silence that was (`VadEvent.silence_ms`): the speech itself ended at
+`ms - silence_ms`.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ def silero() -> torch.jit.ScriptModule:
 @dataclass(frozen=True, slots=True)
 class VadEvent:
     kind: str            # "speech_started" | "speech_stopped"
-    ms: int              # audio_start_ms (padding included) | audio_end_ms
+    ms: int              # audio_start_ms (padding included) | audio_end_ms (silence included)
+    silence_ms: int = 0  # speech_stopped: the silence heard before it, inside `ms`
 
 
 class TurnDetector:
@@ -102,9 +107,11 @@ class TurnDetector:
             return None
         if prob < self.threshold - HYSTERESIS:
             self.silent_frames += 1
-            if self.silent_frames * FRAME * 1000 // RATE >= self.silence_ms:
+            silence_ms = self.silent_frames * FRAME * 1000 // RATE
+            if silence_ms >= self.silence_ms:     # this frame's end; the silence inside it
                 self.speaking = False
-                return VadEvent("speech_stopped", self.now_ms + FRAME * 1000 // RATE)
+                return VadEvent("speech_stopped", self.now_ms + FRAME * 1000 // RATE,
+                                silence_ms)
         else:
             self.silent_frames = 0
         return None

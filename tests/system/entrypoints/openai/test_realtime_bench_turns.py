@@ -45,7 +45,9 @@ def test_turn_taking_is_timed_from_the_end_of_speech(server: Server) -> None:
     assert all(SILENCE_S <= s < SILENCE_S + SLACK_S for s in vad), vad
     # semantic_vad: each turn decided by the score (before the max wait) or the max wait
     server_side = turns["server"]["turn_taking_seconds"]
-    assert turns["server"]["end_of_turn_score"].get("all", {}).get("count", 0) <= 2
+    # each turn scored as its pause doubles (high: from 64 ms, 5 in its 2 s; more where
+    # Silero heard a pause inside the speech)
+    assert 2 <= turns["server"]["end_of_turn_score"].get("all", {}).get("count", 0) <= 2 * 10
     semantic = [r["commit_s"] for r in modes["semantic_vad"]["repeats"]]
     waited = server_side.get("max_wait", {}).get("count", 0)
     assert server_side["silence"]["count"] == 2
