@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from types import ModuleType
 
-import torch
 from torch import Tensor, nn
 
 from omnistage.layers.parallel import ParallelLMHead, RowParallelLinear
@@ -139,7 +138,7 @@ def norm_linear(norm: nn.Module, linear: nn.Module, x: Tensor, residual: Tensor 
     a pre-norm layer runs in front of its attention and its MLP. x, residual: (T, K)."""
     gemv = _gemv_for(x, linear.weight)
     if gemv is not None and norm.weight.dtype == x.dtype:
-        scale = _fp8_scale(linear)
+        scale = _eight_bit_scale(gemv, linear)
         out, total = gemv.norm_linear(x, residual, norm.weight, norm.eps, linear.weight,
                                       linear.bias, scale)
         return (out if scale is None else linear.finish(out)), total
@@ -176,21 +175,18 @@ def silu_linear(act: nn.Module, linear: nn.Module, x: Tensor) -> Tensor:
     return linear(act(x))
 
 
-EIGHT_BIT = (torch.float8_e4m3fn, torch.int8)
-
-
-def _fp8_scale(linear: nn.Module) -> Tensor | None:
+def _eight_bit_scale(gemv: ModuleType, linear: nn.Module) -> Tensor | None:
     """An 8-bit linear's weight scale (layers/fp8.py Fp8Linear, layers/int8.py Int8Linear:
     the matrix-vector kernel reads its e4m3 / int8 weight and scales the sums; then `finish`
     does its tensor-parallel part), else None."""
-    return linear.weight_scale if linear.weight.dtype in EIGHT_BIT else None
+    return linear.weight_scale if linear.weight.dtype in gemv.SCALED_WEIGHTS else None
 
 
 def _gemv_linear(gemv: ModuleType, linear: nn.Module, x: Tensor, silu: bool) -> Tensor:
     """The kernel's x W^T (+ b), with SiLU-and-mul in front if `silu`; a row-parallel layer's
     partial result all-reduced, its bias in rank 0's part only (RowParallelLinear.forward)."""
     run = gemv.silu_linear if silu else gemv.linear
-    scale = _fp8_scale(linear)
+    scale = _eight_bit_scale(gemv, linear)
     if scale is not None:       # an 8-bit linear: its weight read with its scale
         return linear.finish(run(x, linear.weight, linear.bias, scale))
     if isinstance(linear, RowParallelLinear):

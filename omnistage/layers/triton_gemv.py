@@ -185,7 +185,8 @@ def lm_head_faster_here(x: Tensor) -> bool:
 
 
 # weights read with a scale per output channel (W8A16): FP8 (layers/fp8.py) and INT8
-# (layers/int8.py, whose (K, N) matrix is read as a transposed view: stride_wk)
+# (layers/int8.py, whose (K, N) matrix is read as a transposed view: stride_wk); fused.py
+# hands these their linear's scale
 SCALED_WEIGHTS = (torch.float8_e4m3fn, torch.int8)
 
 

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from omnistage.benchmarks.common import environment
+
 
 def _call_ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
     torch.cuda.synchronize()
@@ -53,8 +55,7 @@ def main() -> None:
     ap.add_argument("--text-lens", default="64,37,101,230,64")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "cudnn": torch.backends.cudnn.version(),
+    result = {**environment(torch.device("cuda")), "cudnn": torch.backends.cudnn.version(),
               "by_backend": measure([int(t) for t in args.text_lens.split(",")])}
     text = json.dumps(result, indent=1)
     print(text)
