@@ -7,9 +7,21 @@ CPU and on CUDA GPUs of any recent generation, unlike FP8), then the two scales:
     W (N, K)  -> per-row amax / 127   -> Wq (N, K) int8, sw (1, N) fp32   (once, at load)
     y = _int_mm(xq, Wq^T) (M, N) int32 * sx * sw  (+ b), in x's dtype
 
+Wq is kept (N, K) row-major and handed to `_int_mm` as its column-major (K, N) view, the layout
+cuBLAS' int8 kernels take: with a row-major (K, N) copy `_int_mm` ran 5.6-7.8x slower on an
+H200 at Qwen-Image's shapes (0.64 against 0.11 ms at 4096 x 3072 x 3072; session 28's
+runs/issue44_h200_s28/int8_mm.json), and the one-row kernel reads (N, K) as it reads FP8.
+
 Symmetric, round to nearest, no zero point: an activation row with one outlier spends its
 levels on it (the SmoothQuant problem); the error this costs on a tiny FLUX / Qwen-Image is
 measured in tests/golden/layers/test_int8.py and docs/quantization.md.
+
+On CUDA both steps are Triton kernels instead (layers/triton_int8.py: the quantization in one
+pass, the int8 tensor-core matmul with the scales and the bias in its epilogue): on an H200 at
+Qwen-Image's shapes 0.93-1.18x bf16's F.linear, where `_int_mm` between the PyTorch chains ran
+at 0.30x (runs/issue44_h200_s28/int8_gemm.json). The tests find the kernels' quantization
+bit for bit the PyTorch form's; at those shapes the benchmark found some values differing
+(not located), the outputs within 0.5% of the largest and the image's PSNR unchanged.
 
 Which layers: those `quantize_fp8` would take (layers/fp8.py: the model's `fp8_keep` patterns,
 K or N below `min_features`, sides not a multiple of 16 stay as they are); a model without an
@@ -25,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omnistage.layers import fused
 from omnistage.layers.fp8 import MIN_FEATURES, shard_of, swap_linears
 from omnistage.layers.parallel import (TPGroup, all_gather_last, all_reduce)
 
@@ -39,11 +52,27 @@ def quantize_rows_int8(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def int8_matmul(xq: Tensor, sx: Tensor, wq_t: Tensor, sw: Tensor) -> Tensor:
-    """(xq * sx) @ (wq_t * sw) in float32: xq (M, K), sx (M, 1), wq_t (K, N), sw (1, N)."""
+    """(xq * sx) @ (wq_t * sw) in float32: xq (M, K), sx (M, 1), wq_t (K, N) (best the
+    column-major view of an (N, K) matrix), sw (1, N)."""
     m = xq.shape[0]
     if xq.is_cuda and m < CUDA_MIN_ROWS:
         xq = F.pad(xq, (0, 0, 0, CUDA_MIN_ROWS - m))
     return torch._int_mm(xq, wq_t)[:m].float() * sx * sw
+
+
+@torch.library.custom_op("omnistage::int8_linear", mutates_args=())
+def _int8_linear_kernels(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None
+                         ) -> Tensor:
+    """x (M, K) -> (M, N) in x's dtype: the rows quantized, the int8 matmul with the scales and
+    the bias in its epilogue (layers/triton_int8.py); an opaque op to torch.compile."""
+    from omnistage.layers import triton_int8
+    xq, sx = triton_int8.quantize_rows_int8(x)
+    return triton_int8.int8_matmul(xq, sx, weight, scale, bias, out_dtype=x.dtype)
+
+
+@_int8_linear_kernels.register_fake
+def _(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 class Int8Linear(nn.Module):
@@ -56,7 +85,7 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape                 # this rank's shard
         self.tp, self.gather_output, self.reduce_results = tp, gather_output, reduce_results
         wq, scale = quantize_rows_int8(weight.detach())
-        self.register_buffer("weight_t", wq.t().contiguous())              # (K, N) int8
+        self.register_buffer("weight", wq.contiguous())                    # (N, K) int8
         self.register_buffer("weight_scale", scale.t().contiguous())      # (1, N) float32
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
@@ -67,8 +96,12 @@ class Int8Linear(nn.Module):
         return cls(weight, bias, tp, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
-        xq, sx = quantize_rows_int8(x.reshape(-1, self.in_features))        # (M, K), (M, 1)
-        y = int8_matmul(xq, sx, self.weight_t, self.weight_scale)          # (M, N) float32
+        rows = x.reshape(-1, self.in_features)
+        if fused.ops_for(x) is not None:            # CUDA: two Triton kernels (triton_int8.py)
+            y = _int8_linear_kernels(rows, self.weight, self.weight_scale, self.bias)
+            return self.finish(y.unflatten(0, x.shape[:-1]))
+        xq, sx = quantize_rows_int8(rows)                                   # (M, K), (M, 1)
+        y = int8_matmul(xq, sx, self.weight.t(), self.weight_scale)          # (M, N) float32
         if self.bias is not None:
             y = y + self.bias
         return self.finish(y.to(x.dtype).unflatten(0, x.shape[:-1]))
@@ -79,13 +112,6 @@ class Int8Linear(nn.Module):
         if self.reduce_results:
             y = all_reduce(y, self.tp)
         return all_gather_last(y, self.tp) if self.gather_output else y
-
-    @property
-    def weight(self) -> Tensor:
-        """The int8 weight (N, K), a transposed view: what the one-row kernel of fused.py
-        reads (with `weight_scale`: W8A16, a decode step's weights at half bf16's bytes), and
-        what model code reads a linear's dtype from (the whole-layer kernel steps aside)."""
-        return self.weight_t.t()
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

@@ -96,12 +96,42 @@ def one_row_config(n: int, k: int) -> dict[str, int]:
 
 
 @triton.jit
+def _prologue(x_rows, r_rows, NW, k, mask, inv, K, dt: tl.constexpr, NORM: tl.constexpr,
+              ADD: tl.constexpr, SILU: tl.constexpr):
+    """The activations at columns k (ROWS, len(k)) in x's dtype, the op in front applied:
+    silu(gate) * up, or x [+ residual] [-> RMSNorm with the rows' inverse RMS `inv`]."""
+    if SILU:
+        gate = tl.load(x_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        x = (act * up).to(dt)
+    else:
+        x = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
+        if ADD:
+            x = (x.to(tl.float32) + tl.load(r_rows + k[None, :], mask=mask, other=0.0
+                                            ).to(tl.float32)).to(dt)
+    if NORM:
+        nw = tl.load(NW + k, mask=k < K, other=0.0).to(tl.float32)
+        x = ((x.to(tl.float32) * inv[:, None]).to(dt).to(tl.float32) * nw[None, :]).to(dt)
+    return x
+
+
+@triton.jit
+def _byte_plane(w, j: tl.constexpr):
+    """Byte j of each int32 word of w (four int8 weights, little-endian) as float32, exactly:
+    sign-extended by two shifts, then 2^23 + 2^22 + v's bits read as a float, less that float
+    (the int-to-float instruction runs at a quarter of the ALUs' rate)."""
+    v = (w << (24 - 8 * j)) >> 24                          # arithmetic: sign-extended
+    return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
 def _gemv_kernel(X, R, NW, W, B, S, Out, Sum, M, N, K, eps,
                  stride_xm, stride_rm, stride_wn, stride_wk, stride_om, stride_sm, stride_s,
                  ROWS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, DOT: tl.constexpr,
-                 IEEE: tl.constexpr, PDL: tl.constexpr):
+                 IEEE: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
     if PDL == 2:
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -112,11 +142,13 @@ def _gemv_kernel(X, R, NW, W, B, S, Out, Sum, M, N, K, eps,
     r_rows = R + r[:, None].to(tl.int64) * stride_rm
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    WK: tl.constexpr = BLOCK_K // 4 if PACKED else BLOCK_K      # weight columns a tile
     w_ptrs = (W + n[:, None].to(tl.int64) * stride_wn
-              + tl.arange(0, BLOCK_K)[None, :].to(tl.int64) * stride_wk)
+              + tl.arange(0, WK)[None, :].to(tl.int64) * stride_wk)
     # the first weight tile (weights: never written by a kernel) is fetched before waiting on
     # the previous kernel (pdl.py); each iteration below fetches the next one
-    w = tl.load(w_ptrs, mask=n_ok[:, None] & (tl.arange(0, BLOCK_K) < K)[None, :], other=0.0)
+    w = tl.load(w_ptrs, mask=n_ok[:, None] & ((BLOCK_K // WK) * tl.arange(0, WK) < K)[None, :],
+                other=0.0)
     if PDL:
         gdc_wait()
     if PDL == 1:
@@ -136,38 +168,36 @@ def _gemv_kernel(X, R, NW, W, B, S, Out, Sum, M, N, K, eps,
             xf = x.to(tl.float32)
             ss += xf * xf
         inv = tl.rsqrt(tl.sum(ss, 1) / K + eps)                           # (ROWS,)
+    else:
+        inv = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
         if ONE_TILE:   # K <= BLOCK_K: the whole slab came before the wait
             w_next = w
         else:
-            w_ptrs += BLOCK_K * stride_wk                                   # the next tile
-            w_next = tl.load(w_ptrs, mask=n_ok[:, None] & (k + BLOCK_K < K)[None, :],
-                             other=0.0)
-        mask = r_ok[:, None] & k_ok[None, :]
-        if SILU:
-            gate = tl.load(x_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-            x = (act * up).to(dt)
+            w_ptrs += WK * stride_wk                                        # the next tile
+            w_next = tl.load(w_ptrs, mask=n_ok[:, None] & (k0 + BLOCK_K + (BLOCK_K // WK)
+                             * tl.arange(0, WK) < K)[None, :], other=0.0)
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = _prologue(x_rows, r_rows, NW, k, r_ok[:, None] & (k < K)[None, :], inv, K, dt,
+                      NORM, ADD, SILU)
+        if PACKED:     # one row, four 8-bit weights a word: x split into the words' byte planes
+            xe, xo = tl.split(tl.reshape(x.to(tl.float32), (WK, 2, 2)))   # x[4i + 2b (+ 1)]
+            x0, x2 = tl.split(xe)
+            x1, x3 = tl.split(xo)
+            prods = (_byte_plane(w, 0) * x0[None, :] + _byte_plane(w, 1)
+                     * x1[None, :] + _byte_plane(w, 2) * x2[None, :]
+                     + _byte_plane(w, 3) * x3[None, :])
+            acc += tl.sum(prods, 1)[None, :]
         else:
-            x = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
-            if ADD:
-                x = (x.to(tl.float32) + tl.load(r_rows + k[None, :], mask=mask, other=0.0
-                                                ).to(tl.float32)).to(dt)
-        if NORM:
-            nw = tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32)
-            x = ((x.to(tl.float32) * inv[:, None]).to(dt).to(tl.float32) * nw[None, :]).to(dt)
-        if DOT:        # several rows: the tensor cores (rows padded to 16, masked to 0)
-            wd = tl.trans(w.to(dt))                                       # (BLOCK_K, BLOCK_N)
-            if IEEE:
-                acc = tl.dot(x, wd, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, wd, acc)
-        else:          # one row: products summed on the CUDA cores
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), 1)[None, :]
+            if DOT:    # several rows: the tensor cores (rows padded to 16, masked to 0)
+                wd = tl.trans(w.to(dt))                                   # (BLOCK_K, BLOCK_N)
+                if IEEE:
+                    acc = tl.dot(x, wd, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, wd, acc)
+            else:      # one row: products summed on the CUDA cores
+                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), 1)[None, :]
         w = w_next
     if SCALED:     # an 8-bit weight's scale per output channel (stride_s 0: per tensor)
         acc *= tl.load(S + n * stride_s, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -185,20 +215,27 @@ def lm_head_faster_here(x: Tensor) -> bool:
 
 
 # weights read with a scale per output channel (W8A16): FP8 (layers/fp8.py) and INT8
-# (layers/int8.py, whose (K, N) matrix is read as a transposed view: stride_wk); fused.py
-# hands these their linear's scale
+# (layers/int8.py), both (N, K) row-major; fused.py hands these their linear's scale
 SCALED_WEIGHTS = (torch.float8_e4m3fn, torch.int8)
 
 
 def applies(x: Tensor, weight: Tensor, rows: int | None = None) -> bool:
     """Whether these kernels take a matmul of x (rows, K): few rows (up to `rows`, default
-    `max_rows(x)`), the weight in x's dtype or 8-bit (with its scale), dense rows (INT8's:
-    dense columns too, Int8Linear's layout)."""
+    `max_rows(x)`), the weight in x's dtype or 8-bit (with its scale), dense rows."""
     return (x.dim() == 2 and 0 < x.shape[0] <= (max_rows(x) if rows is None else rows)
             and (x.dtype == weight.dtype or weight.dtype in SCALED_WEIGHTS)
-            and x.stride(-1) == 1 and weight.dim() == 2
-            and (weight.is_contiguous()
-                 or (weight.dtype == torch.int8 and weight.t().is_contiguous())))
+            and x.stride(-1) == 1 and weight.dim() == 2 and weight.is_contiguous())
+
+
+def packing(weight: Tensor, rows: int) -> bool:
+    """Whether the kernel reads an INT8 weight at one row as int32 words, four weights each,
+    widened by shifts (`_byte_plane`), rather than a weight a lane through the int-to-float
+    instruction. On an H200 (Qwen3-1.7B's four matmuls, best tiles each; session 28,
+    benchmarks/results/runs/issue44_h200_s28/) the words took 5.8 / 3.0 / 12.6 / 7.7 us
+    against 7.1 / 3.4 / 17.5 / 8.4 a lane. FP8 stays a lane: the same trick for e4m3 (its
+    bits moved into a float32's, times 2^120) ran slower than the conversion instructions."""
+    return (rows == 1 and weight.dtype == torch.int8 and weight.shape[1] % 4 == 0
+            and weight.is_contiguous() and weight.data_ptr() % 4 == 0)
 
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float,
@@ -212,7 +249,10 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     if scale is not None:         # (N,), (N, 1), (1, N): one a channel; one element: a tensor's
         scale = scale.reshape(-1)
         assert scale.numel() in (1, n), f"{scale.numel()} scales for {n} outputs"
-    cfg = cfg or config(n, in_features, rows)
+    cfg = dict(cfg or config(n, in_features, rows))
+    cfg.setdefault("PACKED", packing(weight, rows))
+    if cfg["PACKED"]:
+        weight = weight.view(torch.int32)                 # (N, K / 4): four weights a word
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     total = torch.empty(rows, in_features, dtype=x.dtype, device=x.device) \
         if residual is not None else None

@@ -9,10 +9,9 @@ with CUDA events; the result is microseconds per call and the bandwidth that mea
 cuBLAS alone (F.linear) and the unfused pair a decode step runs without the kernels
 (RMSNorm with its residual add, or SiLU-and-mul, then F.linear).
 
-`--weight-dtype fp8 | int8 | int8n`: the kernels' W8A16 path instead (bytes and bandwidth at
-one byte a weight; cuBLAS still in bf16, the baseline): FP8 (N, K) as Fp8Linear keeps it, INT8
-as Int8Linear keeps it ((K, N) read through a transposed view), or INT8 (N, K) (which layout
-streams better, for layers/int8.py to choose).
+`--weight-dtype fp8 | int8`: the kernels' W8A16 path instead (bytes and bandwidth at
+one byte a weight; cuBLAS still in bf16, the baseline): FP8 or INT8 (N, K), as Fp8Linear and
+Int8Linear keep them.
 """
 
 from __future__ import annotations
@@ -66,7 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
     ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--num-stages", type=int, nargs="+", default=[3, 4])
-    ap.add_argument("--weight-dtype", default="bf16", choices=("bf16", "fp8", "int8", "int8n"))
+    ap.add_argument("--weight-dtype", default="bf16", choices=("bf16", "fp8", "int8"))
+    ap.add_argument("--packed", type=int, nargs="+", choices=(0, 1),
+                    help="INT8 weights at one row: read four a word (1) or one a lane (0), "
+                         "each tried (default: triton_gemv.packing's choice)")
     ap.add_argument("--out", type=Path)
     return ap
 
@@ -81,7 +83,7 @@ def eight_bit(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor | 
         return (w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
     scale = w.abs().amax(dim=1).float().clamp(min=1e-12) / 127.0
     q = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return (q.t().contiguous().t() if kind == "int8" else q), scale
+    return q, scale
 
 
 def _time_configs(grid: list[dict], x: torch.Tensor, res: torch.Tensor, norm_w: torch.Tensor,
@@ -121,6 +123,8 @@ def main() -> None:
     grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
             for bn, bk, nw, ns in itertools.product(args.block_n, args.block_k, args.num_warps,
                                                     args.num_stages)]
+    if args.packed is not None:        # INT8 weights: four a word or one a lane, both
+        grid = [{**cfg, "PACKED": p} for cfg in grid for p in args.packed]
     results = []
     for name, n, k, front in SHAPES[args.preset]:
         weights = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(args.layers)]

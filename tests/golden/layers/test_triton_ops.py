@@ -252,7 +252,7 @@ def test_8bit_weights_through_the_matrix_vector_kernel(gemv_on, monkeypatch: pyt
                                                        kind: str, rows: int,
                                                        method: str) -> None:
     """An Fp8Linear's or Int8Linear's one-row product through fused.* reads its 8-bit weight
-    with its scales (W8A16; INT8's (K, N) matrix as a transposed view): equal, up to float32
+    with its scales (W8A16): equal, up to float32
     summation order, to the activations times the dequantized weight, plus the bias; the
     per-tensor scale of an FP8 checkpoint too. Not the W8A8 paths (torch._scaled_mm,
     torch._int_mm): they are not taken."""
@@ -293,6 +293,37 @@ def test_8bit_weights_through_the_matrix_vector_kernel(gemv_on, monkeypatch: pyt
     want = inputs @ weight.T + bias
     assert want.abs().mean() > 0.5                  # a product of meaningful size
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+@kernel_test
+def test_packed_int8_weights_decode_every_code_exactly(gemv_on) -> None:
+    """One row reads an INT8 weight four to a word and widens the bytes by shifts
+    (triton_gemv.packing / _byte_plane): every code, at each of a word's four byte positions,
+    comes out exactly; and whole products equal the unpacked path's up to float32 summation
+    order."""
+    from omnistage.layers import triton_gemv
+
+    codes = torch.arange(-127, 128, dtype=torch.int16).to(torch.int8)
+    n = codes.numel()
+    weight = torch.zeros(n, 8, dtype=torch.int8)
+    weight[torch.arange(n), torch.arange(n) % 8] = codes        # every byte position of a word
+    weight = weight.to(DEVICE)
+    assert triton_gemv.packing(weight, 1) and not triton_gemv.packing(weight, 2)
+    ones, scale = torch.ones(1, 8, device=DEVICE), torch.ones(n, device=DEVICE)
+    got = triton_gemv.linear(ones, weight, scale=scale)
+    torch.testing.assert_close(got, codes.to(DEVICE).float()[None, :], rtol=0, atol=0)
+
+    torch.manual_seed(3)
+    wq = (torch.randn(96, 520, device=DEVICE) * 3).round().clamp(-127, 127).to(torch.int8)
+    scale = torch.rand(96, device=DEVICE) + 0.5
+    x = torch.randn(1, 520, device=DEVICE)
+    want = x @ (wq.float() * scale[:, None]).T
+    assert want.abs().mean() > 10.0
+    cfg = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=1)
+    for packed in (True, False):
+        got = triton_gemv._launch(x, None, None, 0.0, wq, None, False, 520,
+                                  {**cfg, "PACKED": packed}, scale)[0]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)      # float32 sums
 
 
 @kernel_test
