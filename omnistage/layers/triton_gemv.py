@@ -127,7 +127,7 @@ def _byte_plane(w, j: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(X, R, NW, W, B, S, Out, Sum, M, N, K, eps,
-                 stride_xm, stride_rm, stride_wn, stride_wk, stride_om, stride_sm, stride_s,
+                 stride_xm, stride_rm, stride_wn, stride_om, stride_sm, stride_s,
                  ROWS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, DOT: tl.constexpr,
@@ -142,13 +142,12 @@ def _gemv_kernel(X, R, NW, W, B, S, Out, Sum, M, N, K, eps,
     r_rows = R + r[:, None].to(tl.int64) * stride_rm
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    WK: tl.constexpr = BLOCK_K // 4 if PACKED else BLOCK_K      # weight columns a tile
-    w_ptrs = (W + n[:, None].to(tl.int64) * stride_wn
-              + tl.arange(0, WK)[None, :].to(tl.int64) * stride_wk)
+    WORD: tl.constexpr = 4 if PACKED else 1                      # weights a loaded element
+    WK: tl.constexpr = BLOCK_K // WORD                            # elements a tile's row
+    w_ptrs = W + n[:, None].to(tl.int64) * stride_wn + tl.arange(0, WK)[None, :]
     # the first weight tile (weights: never written by a kernel) is fetched before waiting on
     # the previous kernel (pdl.py); each iteration below fetches the next one
-    w = tl.load(w_ptrs, mask=n_ok[:, None] & ((BLOCK_K // WK) * tl.arange(0, WK) < K)[None, :],
-                other=0.0)
+    w = tl.load(w_ptrs, mask=n_ok[:, None] & (WORD * tl.arange(0, WK) < K)[None, :], other=0.0)
     if PDL:
         gdc_wait()
     if PDL == 1:
@@ -175,9 +174,9 @@ def _gemv_kernel(X, R, NW, W, B, S, Out, Sum, M, N, K, eps,
         if ONE_TILE:   # K <= BLOCK_K: the whole slab came before the wait
             w_next = w
         else:
-            w_ptrs += WK * stride_wk                                        # the next tile
-            w_next = tl.load(w_ptrs, mask=n_ok[:, None] & (k0 + BLOCK_K + (BLOCK_K // WK)
-                             * tl.arange(0, WK) < K)[None, :], other=0.0)
+            w_ptrs += WK                                                    # the next tile
+            w_next = tl.load(w_ptrs, mask=n_ok[:, None]
+                             & (k0 + BLOCK_K + WORD * tl.arange(0, WK) < K)[None, :], other=0.0)
         k = k0 + tl.arange(0, BLOCK_K)
         x = _prologue(x_rows, r_rows, NW, k, r_ok[:, None] & (k < K)[None, :], inv, K, dt,
                       NORM, ADD, SILU)
@@ -261,8 +260,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, r, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else x, scale if scale is not None else x, out, s, rows, n,
-        in_features, eps, x.stride(0), r.stride(0), weight.stride(0), weight.stride(1),
-        out.stride(0),
+        in_features, eps, x.stride(0), r.stride(0), weight.stride(0), out.stride(0),
         s.stride(0), 0 if scale is None or scale.numel() == 1 else 1,
         ROWS=1 if rows == 1 else max(16, triton.next_power_of_2(rows)),
         NORM=norm_weight is not None, ADD=residual is not None, SILU=silu,
